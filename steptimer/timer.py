@@ -1,0 +1,713 @@
+"""The engine: steps, phases, CUDA events with a lagged wait, host clocks, windows and the summary.
+
+It imports neither Lightning nor TensorBoard. Front doors (the ``with`` blocks here, the Lightning
+callback) drive it; sinks (TensorBoard, a Lightning logger) receive :class:`Window` objects every
+``log_every_n_steps`` steps and the :class:`Summary` at :meth:`StepTimer.close`.
+
+Hot path, per timed step with P back-to-back phases: P + 1 event records (a phase that starts right
+where the previous one ended reuses its event), 4 ``perf_counter()`` calls per phase, one event wait
+at the end of the step on an event that, with ``lag >= 1``, has normally completed already.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import random
+import re
+import tempfile
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from time import perf_counter
+from types import TracebackType
+from typing import Any, Protocol
+
+from steptimer._clock import _CudaBackend, cuda_usable, torch_backend
+from steptimer._stats import ResolvedStep, Summary, SummaryAccumulator, Window, window_of
+
+log = logging.getLogger("steptimer")
+
+RESERVED_NAMES = frozenset({"step", "other", "wait"})
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
+
+# A phase entered less than this long (host time) after steptimer's last event record reuses that
+# event instead of recording a new one: no kernel can be launched in between, since launching one
+# from Python costs several µs of host time. This is what makes P back-to-back phases cost P + 1
+# records instead of 2P + 2.
+_SHARE_GAP_S = 1.5e-6
+
+
+class Sink(Protocol):
+    """Where windows and the summary go (TensorBoard, a Lightning logger, ...)."""
+
+    def write_window(self, window: Window) -> None: ...
+
+    def close(self, summary: Summary) -> None: ...
+
+
+class _Null:
+    """The context manager of a disabled timer or of a step skipped by ``sample_every``."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+_NULL = _Null()
+
+
+class _Pending:
+    """A finished step whose GPU events may not have completed yet."""
+
+    __slots__ = (
+        "number", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
+        "pauses", "device", "samples", "tokens", "timed", "warmup",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.wait_s = 0.0
+        self.step_s = 0.0
+
+
+def _rank() -> int:
+    """This process's rank: torch.distributed when initialized, else the launcher's environment."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # pragma: no cover - broken distributed builds
+        pass
+    for var in ("RANK", "LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def check_phase_name(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a usable phase name."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' "
+            "(nest phases to get 'outer/inner')"
+        )
+    if name in RESERVED_NAMES:
+        raise ValueError(
+            f"phase name {name!r} is reserved ({', '.join(sorted(RESERVED_NAMES))} are computed by "
+            "steptimer); pick another name"
+        )
+
+
+class _Phase:
+    __slots__ = ("_t", "_name")
+
+    def __init__(self, timer: StepTimer, name: str) -> None:
+        self._t = timer
+        self._name = name
+
+    def __enter__(self) -> None:
+        tm = self._t
+        if not tm._in_step:
+            raise RuntimeError(
+                f"phase({self._name!r}) entered outside a step: put it inside `with timer.step():`"
+            )
+        if not tm._timed:
+            return
+        name = self._name
+        if name in tm._open:
+            raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
+        stack = tm._stack
+        t0 = perf_counter()
+        i = -1
+        if tm._gpu:
+            if t0 - tm._last_t < _SHARE_GAP_S:
+                i = tm._last_i
+            else:
+                free = tm._free
+                ev = free.pop() if free else tm._new_event()
+                tm._record(ev, tm._stream)
+                evs = tm._evs
+                i = tm._last_i = len(evs)
+                evs.append(ev)
+                t0 = tm._last_t = perf_counter()
+        tm._open.add(name)
+        stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        tm = self._t
+        if not tm._in_step or not tm._timed:
+            return False
+        t1 = perf_counter()
+        stack = tm._stack
+        if not stack or stack[-1][1] != self._name:
+            if et is None:
+                open_ = stack[-1][0] if stack else None
+                raise RuntimeError(
+                    f"phase {self._name!r} exited while {open_!r} is open: phases must nest "
+                    "(exit the inner phase first)"
+                )
+            return False
+        full, name, t_in, i_in = stack.pop()
+        tm._open.discard(name)
+        i_out = -1
+        if tm._gpu:
+            if t1 - tm._last_t < _SHARE_GAP_S:  # nested exits back to back share one event
+                i_out = tm._last_i
+            else:
+                free = tm._free
+                e = free.pop() if free else tm._new_event()
+                tm._record(e, tm._stream)
+                evs = tm._evs
+                i_out = tm._last_i = len(evs)
+                evs.append(e)
+                tm._last_t = perf_counter()
+        tm._recs.append((full, t_in, t1, i_in, i_out))
+        return False
+
+
+class _Step:
+    __slots__ = ("_t",)
+
+    def __init__(self, timer: StepTimer) -> None:
+        self._t = timer
+
+    def __enter__(self) -> None:
+        self._t._begin_step()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        self._t._end_step(et is not None)
+        return False
+
+
+class StepTimer:
+    """Times each training step's phases on the GPU (CUDA events) and the host (``perf_counter``).
+
+    Args:
+        log_dir: Directory for TensorBoard event files (created if missing; must be writable).
+        writer: An existing ``SummaryWriter`` to write to instead; steptimer never closes it.
+        log_every_n_steps: Write window statistics every this many steps.
+        warmup_steps: Steps left out of the summary (still logged). The default, 5, keeps out
+            ``torch.compile``'s first compilations and recompilations, cuDNN/cuBLAS autotuning and
+            CUDA-graph warm-up, which all happen in the first few steps.
+        lag: 0 waits at the end of each step for that step's GPU work (strict: the host never runs
+            ahead across steps). k >= 1 waits at the end of step N on step N-k, which has normally
+            finished already, so the host keeps running ahead of the GPU.
+        cuda: None decides at the first ``step()`` (CUDA timing if CUDA is available and
+            initialized by then); True requires CUDA; False times the host only.
+        start_step: Number of steps already done (resumed runs); the first step is ``start_step + 1``.
+        enabled: False makes every call a near-free no-op with the same API.
+        sample_every: Time the phases of one step in every ``sample_every`` (chosen at random in
+            each block of that many steps, so it cannot alias with periodic work); every step still
+            counts for throughput, step time and data wait.
+        print_summary: Print the summary table at :meth:`close` (rank 0 only).
+
+    Example:
+        >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
+        >>> for _ in range(3):
+        ...     with timer.step(samples=32):
+        ...         with timer.phase("forward"):
+        ...             pass
+        >>> timer.close().steps
+        3
+    """
+
+    def __init__(
+        self,
+        *,
+        log_dir: str | os.PathLike[str] | None = None,
+        writer: Any = None,
+        log_every_n_steps: int = 50,
+        warmup_steps: int = 5,
+        lag: int = 1,
+        cuda: bool | None = None,
+        start_step: int = 0,
+        enabled: bool = True,
+        sample_every: int = 1,
+        print_summary: bool = True,
+        _backend: _CudaBackend | None = None,
+        _sinks: Sequence[Sink] = (),
+    ) -> None:
+        _check_int("log_every_n_steps", log_every_n_steps, 1)
+        _check_int("warmup_steps", warmup_steps, 0)
+        _check_int("lag", lag, 0)
+        _check_int("start_step", start_step, 0)
+        _check_int("sample_every", sample_every, 1)
+        if cuda not in (None, True, False):
+            raise ValueError(f"cuda must be None, True or False, got {cuda!r}")
+        if log_dir is not None and writer is not None:
+            raise ValueError("pass log_dir or writer, not both")
+        self.log_every_n_steps = log_every_n_steps
+        self.warmup_steps = warmup_steps
+        self.lag = lag
+        self.sample_every = sample_every
+        self.enabled = enabled
+        self._print_summary = print_summary
+        self._rank = _rank()
+        self._closed = False
+        self._summary: Summary | None = None
+        self._sinks: list[Sink] = list(_sinks)
+        self._phase_cms: dict[str, _Phase] = {}
+        self._step_cm = _Step(self)
+        self._number = start_step
+        self._first_number = start_step + 1
+        self._in_step = False
+        self._timed = False
+        self._gpu = False
+        self._stack: list[tuple[str, str, float, int]] = []
+        self._open: set[str] = set()
+        self._recs: list[tuple[str, float, float, int, int]] = []  # name, t_in, t_out, ev in, ev out
+        self._evs: list[Any] = []
+        self._last_t = -math.inf
+        self._last_i = -1
+        self._samples: float | None = None
+        self._tokens: float | None = None
+        self._gap_start: float | None = None
+        self._paused_s = 0.0
+        self._pause_evs: list[tuple[Any, Any]] = []
+        self._pending: deque[_Pending] = deque()
+        self._window: list[ResolvedStep] = []
+        self._acc = SummaryAccumulator()
+        self._notes: list[str] = []
+        self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
+        self._next_timed = self._pick_timed(0)
+        # CUDA state, settled at the first step.
+        self._cuda_opt = cuda
+        self._cuda: bool | None = None
+        self._b: _CudaBackend | None = _backend
+        self._record: Callable[[Any, Any], None] = lambda e, s: None
+        self._stream: Any = None
+        self._stream_key: Any = None
+        self._device = -1
+        self._pools: dict[int, list[Any]] = {}
+        self._free: list[Any] = []
+        self._held_end: tuple[int, int, Any] | None = None  # (number, device, event) of last resolved
+        self.events_created = 0  # pool size, for tests and curious users
+        if not enabled:
+            return
+        if cuda is True and _backend is None:
+            ok, why = cuda_usable()
+            if not ok:
+                raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
+        if self._rank == 0 and (log_dir is not None or writer is not None):
+            from steptimer._tensorboard import TensorBoardSink
+
+            self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
+        elif log_dir is not None:
+            _check_writable(os.fspath(log_dir))
+        self._atexit = _register_atexit(self)
+
+    # ------------------------------------------------------------------ public API
+
+    def step(self, *, samples: float | None = None, tokens: float | None = None) -> _Step | _Null:
+        """Context manager around one optimizer step; ``samples``/``tokens`` give throughput."""
+        if not self.enabled:
+            return _NULL
+        self._samples = samples
+        self._tokens = tokens
+        return self._step_cm
+
+    def phase(self, name: str) -> _Phase | _Null:
+        """Context manager around a phase of the current step (``forward``, ``loss``, ...)."""
+        cm = self._phase_cms.get(name)
+        if cm is None:
+            if not self.enabled:
+                return _NULL
+            check_phase_name(name)
+            cm = self._phase_cms[name] = _Phase(self, name)
+        return cm
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Context manager for work between steps (evaluation, checkpointing) that is not data wait.
+
+        Its host time is left out of ``data``; its GPU time is left out of GPU ``idle``.
+        """
+        if not self.enabled or self._closed:
+            yield
+            return
+        if self._in_step:
+            raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
+        t0 = perf_counter()
+        ev0 = self._pause_event()
+        try:
+            yield
+        finally:
+            ev1 = self._pause_event()
+            if ev0 is not None and ev1 is not None:
+                self._pause_evs.append((ev0, ev1))
+            self._paused_s += perf_counter() - t0
+
+    @property
+    def steps(self) -> int:
+        """Number of the last completed step (``start_step`` + steps completed)."""
+        return self._number
+
+    def close(self) -> Summary:
+        """Resolve pending steps, write the last window, print and return the summary (idempotent)."""
+        if self._summary is not None:
+            return self._summary
+        if self._in_step:
+            self._drop_step()
+        if self.enabled and self._pending:
+            self._resolve_through(len(self._pending))
+        if self._window:
+            self._emit(self._window)
+            self._window = []
+        self._release(self._held_end[2] if self._held_end else None)
+        self._held_end = None
+        self._closed = True
+        notes = tuple(self._notes)
+        if self._acc.steps == 0 and self._number >= self._first_number:
+            notes += (
+                f"all {self._number - self._first_number + 1} steps were warm-up "
+                f"(warmup_steps={self.warmup_steps}); nothing to summarize",
+            )
+        summary = self._acc.summary(warmup_steps=self.warmup_steps, cuda=bool(self._cuda), notes=notes)
+        self._summary = summary
+        if self.enabled:
+            atexit.unregister(self._atexit)
+        if self._print_summary and self._rank == 0 and self.enabled:
+            from steptimer._table import print_summary
+
+            print_summary(summary)
+        for sink in self._sinks:
+            sink.close(summary)
+        return summary
+
+    def __enter__(self) -> StepTimer:
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        self.close()
+        return False
+
+    # ------------------------------------------------------------------ steps
+
+    def _begin_step(self) -> None:
+        if self._in_step:
+            raise RuntimeError("step() entered inside a step: steps cannot nest (one step = one optimizer step)")
+        if self._closed:
+            raise RuntimeError("step() after close(): create a new StepTimer")
+        t0 = perf_counter()
+        if self._cuda is None:
+            self._settle_cuda()
+        number = self._number + 1
+        self._timed = timed = number == self._next_timed
+        self._in_step = True
+        self._recs = []
+        self._evs = []
+        self._last_t = -math.inf
+        self._gpu = gpu = bool(self._cuda) and timed
+        if gpu:
+            b = self._backend()
+            if b.is_capturing():
+                self._in_step = False
+                raise RuntimeError(
+                    "step() inside CUDA graph capture: steptimer cannot record timing events into a "
+                    "graph. Put `with timer.step():` around the graph replay, not inside the capture"
+                )
+            key = b.stream_key()
+            if key != self._stream_key:
+                self._switch_stream(key)
+            free = self._free
+            ev = free.pop() if free else self._new_event()
+            self._record(ev, self._stream)
+            self._evs.append(ev)
+            self._last_i = 0
+            self._last_t = perf_counter()
+        self._t0 = t0
+
+    def _end_step(self, failed: bool) -> None:
+        if not self._in_step:
+            return
+        t1 = perf_counter()
+        if failed or self._stack:
+            open_ = self._stack[-1][0] if self._stack else None
+            self._drop_step()
+            if not failed:
+                raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
+            return
+        rec = _Pending()
+        self._number = number = self._number + 1
+        rec.number = number
+        rec.timed = self._timed
+        rec.warmup = number - self._first_number < self.warmup_steps
+        rec.samples = self._samples
+        rec.tokens = self._tokens
+        rec.phases = self._recs
+        rec.pauses = self._pause_evs
+        self._pause_evs = []
+        gs = self._gap_start
+        rec.gap_s = None if gs is None else max(self._t0 - gs - self._paused_s, 0.0)
+        self._paused_s = 0.0
+        rec.device = self._device
+        evs = self._evs
+        if self._gpu:
+            rec.i_start = 0
+            if t1 - self._last_t < _SHARE_GAP_S:
+                rec.i_end = self._last_i
+            else:
+                ev = self._free.pop() if self._free else self._new_event()
+                self._record(ev, self._stream)
+                rec.i_end = len(evs)
+                evs.append(ev)
+        elif self._cuda and number + 1 == self._next_timed:
+            # An untimed step right before a timed one: one event marks its end, so the timed
+            # step gets its GPU idle.
+            if self._stream_key is not None:
+                ev = self._free.pop() if self._free else self._new_event()
+                self._record(ev, self._stream)
+                evs.append(ev)
+                rec.i_start = rec.i_end = 0
+        rec.events = evs
+        self._in_step = False
+        self._open.clear()
+        pending = self._pending
+        pending.append(rec)
+        if self._cuda:
+            if len(pending) > self.lag:
+                tw = perf_counter()
+                n = len(pending) - self.lag
+                self._wait_for(n)
+                rec.wait_s = perf_counter() - tw
+                own = self.lag == 0
+                if not own:
+                    self._resolve_popped(n)
+                t_end = perf_counter()
+                rec.step_s = t_end - self._t0
+                if own:
+                    self._resolve_popped(n)
+            else:
+                t_end = perf_counter()
+                rec.step_s = t_end - self._t0
+        else:
+            t_end = perf_counter()
+            rec.step_s = t_end - self._t0
+            self._resolve_popped(1)
+        self._gap_start = t_end
+        if number == self._next_timed:
+            self._next_timed = self._pick_timed((number - self._first_number) // self.sample_every + 1)
+
+    def _drop_step(self) -> None:
+        """Forget the current step (it raised, or was left inconsistent); keep everything before it."""
+        for ev in self._evs:
+            self._release(ev)
+        for a, b in self._pause_evs:
+            self._release(a)
+            self._release(b)
+        self._pause_evs = []
+        self._evs = []
+        self._recs = []
+        self._stack.clear()
+        self._open.clear()
+        self._in_step = False
+        self._gap_start = perf_counter()  # the failed step's time is not data wait
+        self._paused_s = 0.0
+
+    # ------------------------------------------------------------------ sampling
+
+    def _pick_timed(self, block: int) -> int:
+        """The one step timed in block ``block`` (``sample_every`` steps), chosen at random."""
+        n = self.sample_every
+        start = self._first_number + block * n
+        return start if n == 1 else start + self._rng.randrange(n)
+
+    # ------------------------------------------------------------------ CUDA
+
+    def _settle_cuda(self) -> None:
+        opt = self._cuda_opt
+        if opt is False:
+            self._cuda = False
+            return
+        if self._b is not None:  # injected backend (tests)
+            self._cuda = True
+        else:
+            ok, why = cuda_usable()
+            if ok:
+                self._b = torch_backend()
+                self._cuda = True
+            elif opt is True:
+                raise RuntimeError(f"StepTimer(cuda=True) but {why}")
+            else:
+                self._cuda = False
+                msg = f"steptimer: {why}; timing the host only (no GPU tags)"
+                self._notes.append(f"host timing only: {why}")
+                log.info(msg)
+                return
+        self._record = self._backend().record
+
+    def _switch_stream(self, key: tuple[int, int, int]) -> None:
+        b = self._backend()
+        self._stream_key = key
+        self._stream = b.stream_of_key(key)
+        device = key[1]
+        if device != self._device:
+            self._pools[self._device] = self._free
+            self._free = self._pools.get(device, [])
+            self._device = device
+
+    def _backend(self) -> _CudaBackend:
+        if self._b is None:  # pragma: no cover - only reachable through a bug in this file
+            raise RuntimeError("steptimer internal error: CUDA backend used before it was settled")
+        return self._b
+
+    def _new_event(self) -> Any:
+        self.events_created += 1
+        return self._backend().new_event()
+
+    def _release(self, ev: Any) -> None:
+        if ev is not None:
+            self._free.append(ev)
+
+    def _pause_event(self) -> Any:
+        if not self._cuda or self._stream_key is None or self._b is None:
+            return None
+        ev = self._free.pop() if self._free else self._new_event()
+        self._record(ev, self._stream)
+        return ev
+
+    def _wait_for(self, n: int) -> None:
+        """Block until the newest of the ``n`` oldest pending steps (step N - lag) has finished.
+
+        One wait per step; an older pending step on another stream (the user switched streams
+        between steps) is waited for too, since finishing one stream says nothing of another.
+        """
+        b = self._backend()
+        pending = self._pending
+        newest = None
+        for k in range(n - 1, -1, -1):
+            rec = pending[k]
+            if rec.events:
+                newest = rec
+                break
+        if newest is None:
+            return
+        b.wait(newest.events[newest.i_end])
+        for k in range(n):
+            rec = pending[k]
+            if rec is not newest and rec.events and rec.device != newest.device:
+                b.wait(rec.events[rec.i_end])
+
+    def _resolve_through(self, n: int) -> None:
+        if self._cuda:
+            self._wait_for(n)
+        self._resolve_popped(n)
+
+    def _resolve_popped(self, n: int) -> None:
+        pending = self._pending
+        for _ in range(n):
+            self._resolve(pending.popleft())
+
+    def _resolve(self, rec: _Pending) -> None:
+        host: dict[str, float] = {"step": rec.step_s * 1e3}
+        calls: dict[str, int] = {}
+        top_s = 0.0
+        for name, t_in, t_out, _, _ in rec.phases:
+            dt = t_out - t_in
+            if name in host:
+                host[name] += dt * 1e3
+                calls[name] += 1
+            else:
+                host[name] = dt * 1e3
+                calls[name] = 1
+            if "/" not in name:
+                top_s += dt
+        gap_ms = 0.0 if rec.gap_s is None else rec.gap_s * 1e3
+        if rec.gap_s is not None or "data" in host:
+            host["data"] = host.get("data", 0.0) + gap_ms
+        host["_gap"] = gap_ms
+        if self._cuda:
+            host["wait"] = rec.wait_s * 1e3
+        if rec.timed:
+            host["other"] = max((rec.step_s - top_s - rec.wait_s) * 1e3, 0.0)
+        gpu = self._resolve_gpu(rec) if rec.events else None
+        step = ResolvedStep(rec.number, host, gpu, calls, rec.samples, rec.tokens, rec.timed)
+        self._window.append(step)
+        if not rec.warmup:
+            self._acc.add(step)
+        if rec.number % self.log_every_n_steps == 0:
+            self._emit(self._window)
+            self._window = []
+
+    def _resolve_gpu(self, rec: _Pending) -> dict[str, float] | None:
+        el = self._backend().elapsed_ms
+        evs = rec.events
+        ref = evs[0]
+        offs = [0.0]
+        offs += [el(ref, e) for e in evs[1:]]
+        gpu: dict[str, float] | None = None
+        if rec.timed:
+            gpu = {"step": offs[rec.i_end] - offs[rec.i_start]}
+            top = 0.0
+            for name, _, _, i, j in rec.phases:
+                v = offs[j] - offs[i]
+                gpu[name] = gpu.get(name, 0.0) + v
+                if "/" not in name:
+                    top += v
+            gpu["other"] = max(gpu["step"] - top, 0.0)
+        held = self._held_end
+        if held is not None and held[0] == rec.number - 1 and held[1] == rec.device:
+            idle = el(held[2], evs[rec.i_start])
+            for a, c in rec.pauses:
+                idle -= el(a, c)
+            if gpu is not None:
+                gpu["idle"] = max(idle, 0.0)
+        for a, c in rec.pauses:
+            self._release(a)
+            self._release(c)
+        if held is not None:
+            self._release(held[2])
+        end = evs[rec.i_end]
+        for e in evs:
+            if e is not end:
+                self._release(e)
+        self._held_end = (rec.number, rec.device, end)
+        return gpu
+
+    def _emit(self, steps: list[ResolvedStep]) -> None:
+        window = window_of(steps)
+        for sink in self._sinks:
+            sink.write_window(window)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_writable(path: str) -> None:
+    """Fail at construction, not at step 50, when the log directory can't be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".steptimer-probe-"):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"log_dir {path!r} can't be written ({err.strerror or err}); pass a writable directory, "
+            "or log_dir=None to only print the summary"
+        ) from err
+
+
+def _register_atexit(timer: StepTimer) -> Callable[[], None]:
+    """Close the timer at interpreter exit (e.g. after an unhandled Ctrl-C) so nothing is lost."""
+    ref = weakref.ref(timer)
+
+    def _close() -> None:
+        t = ref()
+        if t is not None:
+            t.close()
+
+    atexit.register(_close)
+    return _close
