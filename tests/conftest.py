@@ -1,0 +1,38 @@
+"""Shared test set-up: the `cuda` marker.
+
+Tests marked ``@pytest.mark.cuda`` are skipped where CUDA is absent. On the GPU machine,
+``STEPTIMER_REQUIRE_CUDA=1`` turns any such skip into a failure, so a green run proves they ran.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+REQUIRE_CUDA = os.environ.get("STEPTIMER_REQUIRE_CUDA") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "cuda" in item.keywords:
+            if not REQUIRE_CUDA:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if "cuda" in item.keywords and REQUIRE_CUDA and not torch.cuda.is_available():
+        pytest.fail("STEPTIMER_REQUIRE_CUDA=1 but CUDA is absent")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    # Any skip of a cuda test (pytest.skip inside the test too) fails when CUDA is required.
+    if REQUIRE_CUDA and report.skipped and "cuda" in item.keywords:
+        report.outcome = "failed"
+        report.longrepr = f"STEPTIMER_REQUIRE_CUDA=1: cuda test {item.nodeid} was skipped"
