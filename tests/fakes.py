@@ -1,0 +1,103 @@
+"""A simulated GPU and host clock for testing the engine's CUDA logic on machines without a GPU.
+
+The fake GPU runs launched work in order on one queue. An event recorded at host time ``h`` completes
+when the work queued before it is done. Reading the time of an event that has not completed yet
+raises, as CUDA does (``cudaErrorNotReady``), so a test that passes proves the engine never reads an
+event before waiting for it. ``wait`` moves the host clock to the event's completion and is counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from steptimer._clock import _CudaBackend
+
+
+class FakeClock:
+    """Host clock in seconds; time moves only when a test (or a wait) moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_ms(self, ms: float) -> None:
+        self.now += ms / 1e3
+
+
+class FakeEvent:
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu = gpu
+        self.done_at_ms: float | None = None  # GPU (= host) time at which it completes
+        self.records = 0
+
+
+class FakeGPU:
+    """One stream's worth of GPU: ``launch(ms)`` queues a kernel of that length."""
+
+    def __init__(self, clock: FakeClock, launch_ms: float = 0.0) -> None:
+        self.clock = clock
+        self.launch_ms = launch_ms  # host time a launch costs (a few µs on real hardware)
+        self.busy_until_ms = 0.0
+        self.events_created = 0
+        self.waits = 0
+        self.records = 0
+        self.capturing = False
+        self.stream = (7, 0, 1)
+
+    @property
+    def host_ms(self) -> float:
+        return self.clock.now * 1e3
+
+    def launch(self, ms: float) -> None:
+        self.clock.advance_ms(self.launch_ms)
+        start = max(self.host_ms, self.busy_until_ms)
+        self.busy_until_ms = start + ms
+
+    def record(self, ev: FakeEvent, stream: Any) -> None:
+        self.records += 1
+        ev.records += 1
+        ev.done_at_ms = max(self.host_ms, self.busy_until_ms)
+
+    def elapsed_ms(self, a: FakeEvent, b: FakeEvent) -> float:
+        for e in (a, b):
+            if e.done_at_ms is None or e.done_at_ms > self.host_ms + 1e-9:
+                raise RuntimeError("CUDA error: device not ready (event read before it completed)")
+        assert a.done_at_ms is not None and b.done_at_ms is not None
+        return b.done_at_ms - a.done_at_ms
+
+    def wait(self, ev: FakeEvent) -> None:
+        self.waits += 1
+        assert ev.done_at_ms is not None, "waited on an event that was never recorded"
+        if ev.done_at_ms > self.host_ms:
+            self.clock.now = ev.done_at_ms / 1e3
+
+    def new_event(self) -> FakeEvent:
+        self.events_created += 1
+        return FakeEvent(self)
+
+    def backend(self) -> _CudaBackend:
+        return _CudaBackend(
+            new_event=self.new_event,
+            record=self.record,
+            elapsed_ms=self.elapsed_ms,
+            wait=self.wait,
+            stream_key=lambda: self.stream,
+            stream_of_key=lambda key: key,
+            is_capturing=lambda: self.capturing,
+        )
+
+
+class ListSink:
+    """Keeps every window and the summary (a sink as the engine sees one)."""
+
+    def __init__(self) -> None:
+        self.windows: list[Any] = []
+        self.summary: Any = None
+
+    def write_window(self, window: Any) -> None:
+        self.windows.append(window)
+
+    def close(self, summary: Any) -> None:
+        self.summary = summary

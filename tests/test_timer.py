@@ -1,0 +1,518 @@
+"""Engine tests: exact host numbers from a patched clock, GPU logic on a simulated GPU."""
+
+from __future__ import annotations
+
+import logging
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+
+import steptimer.timer as timer_mod
+from steptimer import StepTimer
+from tests.fakes import FakeClock, FakeGPU, ListSink
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    c = FakeClock()
+    monkeypatch.setattr(timer_mod, "perf_counter", c)
+    return c
+
+
+@pytest.fixture
+def gpu(clock: FakeClock) -> FakeGPU:
+    return FakeGPU(clock)
+
+
+def make(gpu: FakeGPU | None = None, **kw: object) -> tuple[StepTimer, ListSink]:
+    sink = ListSink()
+    kw.setdefault("warmup_steps", 0)
+    kw.setdefault("print_summary", False)
+    if gpu is not None:
+        kw["_backend"] = gpu.backend()
+    else:
+        kw.setdefault("cuda", False)
+    return StepTimer(_sinks=[sink], **kw), sink  # type: ignore[arg-type]
+
+
+def train_step(t: StepTimer, clock: FakeClock, gpu: FakeGPU | None, *, data_ms: float = 0.0,
+               host: dict[str, float], kernels: dict[str, float] | None = None, samples: int | None = None) -> None:
+    """One step: ``data_ms`` of host time before it, then each phase spends host ms and launches GPU ms."""
+    clock.advance_ms(data_ms)
+    with t.step(samples=samples):
+        for name, ms in host.items():
+            with t.phase(name):
+                if gpu is not None and kernels:
+                    gpu.launch(kernels.get(name, 0.0))
+                clock.advance_ms(ms)
+
+
+PHASES = {"forward": 2.0, "loss": 0.5, "backward": 3.0, "optimizer": 1.0}
+
+
+# ---------------------------------------------------------------- host numbers
+
+
+def test_host_numbers_are_exact_with_a_patched_clock(clock: FakeClock) -> None:
+    t, sink = make(log_every_n_steps=2)
+    for _ in range(4):
+        train_step(t, clock, None, data_ms=4.0, host=PHASES, samples=8)
+    s = t.close()
+    w = sink.windows[0]
+    assert w.step == 2 and w.steps == 2
+    for name, ms in PHASES.items():
+        assert w.host[name].mean_ms == pytest.approx(ms)
+    assert w.host["step"].mean_ms == pytest.approx(6.5)
+    assert w.host["other"].mean_ms == pytest.approx(0.0, abs=1e-9)
+    # the first step has no data wait before it (nothing to measure from); the second has 4 ms
+    assert w.host["data"].steps == 1 and w.host["data"].mean_ms == pytest.approx(4.0)
+    assert not w.gpu and "wait" not in w.host
+    # throughput: 2 steps over (6.5) + (4 + 6.5) ms
+    assert w.steps_per_s == pytest.approx(2 / 0.017)
+    assert w.samples_per_s == pytest.approx(16 / 0.017)
+    assert s.steps == 4 and not s.cuda
+    assert s["forward"].host.median_ms == pytest.approx(2.0, rel=0.005)
+    tops = ["data", "forward", "loss", "backward", "optimizer", "other"]
+    assert sum(s[n].share for n in tops) == pytest.approx(1.0)
+    assert s["backward"].share == pytest.approx(3.0 * 4 / (6.5 * 4 + 12.0))
+
+
+def test_other_is_step_minus_top_level_phases_and_nesting_names(clock: FakeClock) -> None:
+    t, sink = make(log_every_n_steps=1)
+    with t.step():
+        clock.advance_ms(1.0)  # outside any phase -> other
+        with t.phase("forward"):
+            clock.advance_ms(2.0)
+            with t.phase("attn"):
+                clock.advance_ms(5.0)
+    t.close()
+    w = sink.windows[0]
+    assert w.host["forward"].mean_ms == pytest.approx(7.0)
+    assert w.host["forward/attn"].mean_ms == pytest.approx(5.0)
+    assert w.host["other"].mean_ms == pytest.approx(1.0)
+    assert w.host["step"].mean_ms == pytest.approx(8.0)
+
+
+def test_repeated_phase_adds_up_and_counts_entries(clock: FakeClock) -> None:
+    t, sink = make(log_every_n_steps=1)
+    with t.step():
+        for _ in range(3):  # gradient accumulation: 3 micro-batches
+            with t.phase("forward"):
+                clock.advance_ms(1.0)
+            with t.phase("backward"):
+                clock.advance_ms(2.0)
+        with t.phase("optimizer"):
+            clock.advance_ms(1.0)
+    s = t.close()
+    assert sink.windows[0].host["forward"].mean_ms == pytest.approx(3.0)
+    assert sink.windows[0].host["backward"].mean_ms == pytest.approx(6.0)
+    assert s["forward"].calls_per_step == 3 and s["optimizer"].calls_per_step == 1
+
+
+def test_phase_not_run_is_absent_not_zero(clock: FakeClock) -> None:
+    t, sink = make(log_every_n_steps=4)
+    for i in range(4):
+        with t.step():
+            with t.phase("forward"):
+                clock.advance_ms(1.0)
+            if i % 2 == 0:
+                with t.phase("eval_extra"):
+                    clock.advance_ms(10.0)
+    t.close()
+    w = sink.windows[0]
+    assert w.host["eval_extra"].steps == 2
+    assert w.host["eval_extra"].mean_ms == pytest.approx(10.0)  # not 5.0: absent steps are not zeros
+
+
+def test_data_phase_inside_step_adds_to_data(clock: FakeClock) -> None:
+    t, sink = make(log_every_n_steps=2)
+    for _ in range(2):
+        clock.advance_ms(3.0)
+        with t.step():
+            with t.phase("data"):
+                clock.advance_ms(2.0)
+            with t.phase("forward"):
+                clock.advance_ms(1.0)
+    s = t.close()
+    w = sink.windows[0]
+    assert w.host["data"].max_ms == pytest.approx(5.0)  # 3 ms between steps + 2 ms inside
+    assert sum(r.share for r in s.rows if r.share is not None) == pytest.approx(1.0)
+
+
+def test_pause_is_not_data_wait(clock: FakeClock) -> None:
+    t, sink = make(log_every_n_steps=2)
+    train_step(t, clock, None, host={"forward": 1.0})
+    clock.advance_ms(2.0)
+    with t.pause():
+        clock.advance_ms(50.0)  # evaluation
+    clock.advance_ms(1.0)
+    train_step(t, clock, None, host={"forward": 1.0})
+    t.close()
+    assert sink.windows[0].host["data"].mean_ms == pytest.approx(3.0)
+
+
+def test_window_numbering_with_start_step(clock: FakeClock) -> None:
+    t, sink = make(log_every_n_steps=5, start_step=100)
+    for _ in range(12):
+        train_step(t, clock, None, host={"forward": 1.0})
+    t.close()
+    assert [w.step for w in sink.windows] == [105, 110, 112]
+    assert [w.steps for w in sink.windows] == [5, 5, 2]
+    assert t.steps == 112
+
+
+def test_warmup_steps_left_out_of_summary_but_logged(clock: FakeClock) -> None:
+    t, sink = make(log_every_n_steps=10, warmup_steps=3)
+    for i in range(10):
+        train_step(t, clock, None, host={"forward": 100.0 if i < 3 else 1.0})
+    s = t.close()
+    assert sink.windows[0].host["forward"].max_ms == pytest.approx(100.0)
+    assert s.steps == 7 and s["forward"].host.max_ms == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- GPU logic on the fake GPU
+
+
+def test_gpu_phase_times_and_idle_on_simulated_gpu(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, sink = make(gpu, log_every_n_steps=3, lag=1)
+    kernels = {"forward": 10.0, "loss": 1.0, "backward": 20.0, "optimizer": 4.0}
+    for _ in range(3):
+        train_step(t, clock, gpu, host={"forward": 0.1, "loss": 0.1, "backward": 0.1, "optimizer": 0.1},
+                   kernels=kernels)
+    t.close()
+    w = sink.windows[0]
+    for name, ms in kernels.items():
+        assert w.gpu[name].mean_ms == pytest.approx(ms), name
+        assert w.host[name].mean_ms == pytest.approx(0.1)  # host ran ahead: host timers lie
+    assert w.gpu["step"].mean_ms == pytest.approx(35.0)
+    assert w.gpu["idle"].max_ms == pytest.approx(0.0)  # host is ahead: the GPU never idles
+
+
+def test_gpu_idle_grows_with_a_host_stall_between_steps(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, sink = make(gpu, log_every_n_steps=4, lag=1)
+    for i in range(4):
+        # 5 ms of GPU work per step, 1 ms of host; then a 30 ms host stall (data) before steps 3, 4
+        train_step(t, clock, gpu, data_ms=30.0 if i >= 2 else 0.0, host={"forward": 1.0}, kernels={"forward": 5.0})
+    t.close()
+    w = sink.windows[0]
+    assert w.gpu["idle"].steps == 3
+    # step 2 starts while step 1's work is queued: no idle. Steps 3 and 4 start after a 30 ms stall;
+    # what remained queued was drained first, so idle = stall - backlog.
+    assert w.gpu["idle"].max_ms > 20.0
+    assert w.host["data"].max_ms == pytest.approx(30.0)
+
+
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_one_wait_per_step_never_reads_unfinished_events(clock: FakeClock, gpu: FakeGPU, lag: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    device_syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: device_syncs.append(1))
+    t, _ = make(gpu, log_every_n_steps=5, lag=lag)
+    n = 40
+    for _ in range(n):
+        train_step(t, clock, gpu, host=dict.fromkeys(PHASES, 0.1), kernels=dict.fromkeys(PHASES, 3.0))
+        assert gpu.waits <= t.steps  # at most one wait per step, at every point
+    waits_before_close = gpu.waits
+    assert waits_before_close == n - lag
+    t.close()  # resolves the lag pending steps with one more wait
+    assert gpu.waits == waits_before_close + (1 if lag else 0)
+    assert device_syncs == []
+
+
+def test_lag_0_waits_for_own_step_and_counts_it_as_wait(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, sink = make(gpu, log_every_n_steps=2, lag=0)
+    for _ in range(2):
+        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 10.0})
+    t.close()
+    w = sink.windows[0]
+    assert w.host["wait"].mean_ms == pytest.approx(9.0)  # GPU finishes 9 ms after the host is done
+    assert w.host["step"].mean_ms == pytest.approx(10.0)
+    assert w.host["other"].mean_ms == pytest.approx(0.0, abs=1e-9)
+
+
+def test_lag_1_does_not_stall_the_host_in_steady_state(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, sink = make(gpu, log_every_n_steps=10, lag=1)
+    for _ in range(10):  # GPU-bound: 10 ms GPU, 1 ms host; the host would run far ahead
+        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 10.0})
+    t.close()
+    # With lag=1 the host only waits for step N-1, so it stays at most ~2 steps ahead: each wait
+    # blocks ~9 ms in steady state. What matters: the GPU never went idle because of steptimer.
+    assert sink.windows[0].gpu["idle"].max_ms == pytest.approx(0.0)
+
+
+def test_boundary_events_are_shared_between_back_to_back_phases(clock: FakeClock) -> None:
+    gpu = FakeGPU(clock, launch_ms=0.005)  # a launch costs 5 µs of host time
+    t, _ = make(gpu, lag=1)
+    train_step(t, clock, gpu, host=dict.fromkeys(PHASES, 0.0), kernels=dict.fromkeys(PHASES, 1.0))
+    assert gpu.records == len(PHASES) + 1  # the physical floor: P + 1 records
+    clock.advance_ms(0.01)
+    with t.step():  # work launched between phases gets its own boundary events
+        for name in PHASES:
+            with t.phase(name):
+                gpu.launch(1.0)
+            gpu.launch(1.0)
+    assert gpu.records == len(PHASES) + 1 + 1 + 2 * len(PHASES)
+    t.close()
+
+
+def test_pool_grows_to_need_and_is_reused(clock: FakeClock, gpu: FakeGPU) -> None:
+    lag = 3
+    t, _ = make(gpu, lag=lag, log_every_n_steps=7)
+    clock_gap = 0.01  # ms between phases: each boundary records its own event
+
+    def step(n_phases: int) -> None:
+        with t.step():
+            for k in range(n_phases):
+                clock.advance_ms(clock_gap)
+                with t.phase(f"p{k}"):
+                    gpu.launch(0.5)
+                    clock.advance_ms(0.1)
+            clock.advance_ms(clock_gap)
+
+    for _ in range(20):
+        step(2)  # 1 start + 2x(in, out) + end = 6 events
+    small = t.events_created
+    assert small <= 6 * (lag + 1) + 1  # + the last resolved step's end event, kept for GPU idle
+    for _ in range(20):
+        step(5)  # 12 events: the pool grows once ...
+    big = t.events_created
+    assert small < big <= 12 * (lag + 1) + 1
+    for _ in range(50):
+        step(3)  # ... and nothing is allocated once it is big enough
+        step(5)
+    assert t.events_created == big
+    t.close()
+
+
+def test_varying_events_per_step_keeps_numbers_right(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, sink = make(gpu, lag=2, log_every_n_steps=30)
+    for i in range(30):
+        n = 1 + i % 4
+        with t.step():
+            for k in range(n):
+                clock.advance_ms(0.01)
+                with t.phase(f"p{k}"):
+                    gpu.launch(1.0 + k)
+                    clock.advance_ms(0.1)
+    t.close()
+    w = sink.windows[0]
+    for k in range(4):
+        assert w.gpu[f"p{k}"].mean_ms == pytest.approx(1.0 + k)
+
+
+def test_step_inside_cuda_graph_capture_is_a_clear_error(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, _ = make(gpu)
+    gpu.capturing = True
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        with t.step():
+            pass
+    assert gpu.records == 0  # nothing was recorded into the capture
+    gpu.capturing = False
+    train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})  # still usable
+    assert t.close().steps == 1
+
+
+def test_sampled_timing_times_one_step_per_block_at_jittered_offsets(clock: FakeClock, gpu: FakeGPU) -> None:
+    n = 10
+    t, sink = make(gpu, sample_every=n, log_every_n_steps=1000)
+    timed = []
+    for i in range(1, 301):
+        records_before = gpu.records
+        train_step(t, clock, gpu, data_ms=1.0, host={"forward": 1.0}, kernels={"forward": 2.0})
+        if gpu.records - records_before >= 2:
+            timed.append(i)
+    s = t.close()
+    blocks = [(i - 1) // n for i in timed]
+    assert blocks == list(range(30))  # exactly one timed step per block
+    offsets = {(i - 1) % n for i in timed}
+    assert len(offsets) >= 5  # jittered, so it cannot alias with work every n steps
+    assert s.steps == 300 and s.timed_steps == 30
+    assert s["forward"].host.steps == 30
+    assert s["step"].host.steps == 300  # every step still counts for step time and throughput
+    assert s["forward"].gpu is not None and s["forward"].gpu.median_ms == pytest.approx(2.0, rel=0.01)
+
+
+# ---------------------------------------------------------------- faults
+
+
+def test_exception_in_phase_propagates_unchanged_and_timer_recovers(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, sink = make(gpu, log_every_n_steps=100)
+    train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
+    err = ValueError("boom")
+    with pytest.raises(ValueError) as info:
+        with t.step():
+            with t.phase("forward"):
+                raise err
+    assert info.value is err
+    train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
+    s = t.close()
+    assert s.steps == 2  # the failed step is dropped; the others are kept
+    assert sink.windows[0].steps == 2
+
+
+def test_keyboard_interrupt_inside_with_flushes(tmp_path: Path, clock: FakeClock) -> None:
+    from tests.tb import scalars
+
+    with pytest.raises(KeyboardInterrupt):
+        with StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=100, print_summary=False) as t:
+            for i in range(7):
+                train_step(t, clock, None, host={"forward": 1.0})
+                if i == 6:
+                    with t.step():
+                        raise KeyboardInterrupt
+    vals = scalars(tmp_path)
+    assert vals["steptimer/host/forward_ms"] == [(7, pytest.approx(1.0))]
+
+
+def test_memory_is_bounded(clock: FakeClock, gpu: FakeGPU) -> None:
+    def peak(steps: int) -> int:
+        t = StepTimer(_backend=gpu.backend(), lag=3, log_every_n_steps=50, print_summary=False)
+        tracemalloc.start()
+        for _ in range(steps):
+            with t.step():
+                with t.phase("forward"):
+                    gpu.launch(1.0)
+                    clock.advance_ms(0.5)
+                with t.phase("backward"):
+                    gpu.launch(2.0)
+                    clock.advance_ms(0.5)
+        _, p = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        t.close()
+        return p
+
+    p10k = peak(10_000)
+    p100k = peak(100_000)
+    assert p100k <= p10k * 1.02 + 4096, (p10k, p100k)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"log_every_n_steps": 0}, "log_every_n_steps must be an int >= 1, got 0"),
+        ({"lag": -1}, "lag must be an int >= 0, got -1"),
+        ({"warmup_steps": -2}, "warmup_steps"),
+        ({"sample_every": 0}, "sample_every"),
+        ({"start_step": 1.5}, "start_step"),
+        ({"cuda": "yes"}, "cuda must be None, True or False"),
+    ],
+)
+def test_bad_options(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StepTimer(**kwargs)  # type: ignore[arg-type]
+
+
+def test_unwritable_log_dir_fails_at_construction(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="can't be written"):
+        StepTimer(log_dir=blocker / "runs")
+
+
+@pytest.mark.parametrize("name", ["step", "other", "wait", "a b", "fwd/x", "", "naïve"])
+def test_bad_phase_names(name: str) -> None:
+    t = StepTimer(cuda=False, print_summary=False)
+    with pytest.raises(ValueError, match="reserved|invalid phase name"):
+        t.phase(name)
+
+
+def test_misuse_errors_say_what_to_do(clock: FakeClock) -> None:
+    t, _ = make()
+    with pytest.raises(RuntimeError, match="outside a step"):
+        with t.phase("forward"):
+            pass
+    with t.step():
+        with pytest.raises(RuntimeError, match="steps cannot nest"):
+            with t.step():
+                pass
+        with pytest.raises(RuntimeError, match="already open"):
+            with t.phase("forward"):
+                with t.phase("forward"):
+                    pass
+    a, b = t.phase("a"), t.phase("b")
+    with pytest.raises(RuntimeError, match="must nest"):
+        with t.step():
+            a.__enter__()
+            b.__enter__()
+            a.__exit__(None, None, None)  # overlapping, not nested
+    with pytest.raises(RuntimeError, match="pause\\(\\) inside a step"):
+        with t.step():
+            with t.pause():
+                pass
+    train_step(t, clock, None, host={"forward": 1.0})  # still usable after every error
+    assert t.close().steps >= 1
+
+
+def test_step_ending_with_open_phase_is_an_error_and_dropped(clock: FakeClock) -> None:
+    t, _ = make()
+    with pytest.raises(RuntimeError, match="still open"):
+        with t.step():
+            t.phase("forward").__enter__()
+    assert t.close().steps == 0
+
+
+def test_close_is_idempotent_and_step_after_close_errors(clock: FakeClock) -> None:
+    t, _ = make()
+    train_step(t, clock, None, host={"forward": 1.0})
+    s1 = t.close()
+    assert t.close() is s1
+    with pytest.raises(RuntimeError, match="after close"):
+        with t.step():
+            pass
+
+
+def test_disabled_is_a_no_op_with_the_same_api(tmp_path: Path) -> None:
+    t = StepTimer(log_dir=tmp_path / "runs", enabled=False)
+    with t.step(samples=3):
+        with t.phase("forward"):
+            with t.phase("inner"):
+                pass
+    with t.pause():
+        pass
+    s = t.close()
+    assert s.steps == 0 and s.rows == ()
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- CUDA detection
+
+
+def test_cuda_none_without_cuda_falls_back_with_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    caplog.set_level(logging.INFO, logger="steptimer")
+    t = StepTimer(print_summary=False, warmup_steps=0)
+    for _ in range(3):
+        with t.step():
+            with t.phase("forward"):
+                pass
+    s = t.close()
+    assert not s.cuda and s["forward"].gpu is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "steptimer"]
+    assert len(lines) == 1 and "timing the host only" in lines[0]
+
+
+def test_cuda_true_without_cuda_is_a_clear_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="cuda=True"):
+        StepTimer(cuda=True)
+
+
+def test_summary_quantiles_are_of_steps(clock: FakeClock) -> None:
+    t, _ = make(log_every_n_steps=10)
+    # every window of 10 steps holds nine 1 ms steps and one 10 ms step: each window mean is 1.9 ms,
+    # so quantiles of window means would all read 1.9; quantiles of steps read 1.0 (median, p90) and 10.
+    values = ([1.0] * 9 + [10.0]) * 10
+    for v in values:
+        train_step(t, clock, None, host={"forward": v})
+    s = t.close()
+    assert s["forward"].host.median_ms == pytest.approx(1.0, rel=0.005)
+    assert s["forward"].host.p90_ms == pytest.approx(1.0, rel=0.005)  # nearest rank: the 90th of 100 is 1
+    assert s["forward"].host.max_ms == pytest.approx(10.0)
+    assert s["forward"].host.mean_ms == pytest.approx(1.9)
