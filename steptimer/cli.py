@@ -1,0 +1,232 @@
+"""The ``steptimer`` console command: ``report``, ``compare`` and ``trace`` over steptimer's logs.
+
+Bad input (a missing path, no steptimer tags, a corrupt or truncated event file, a trace-less log
+directory) prints one line on stderr and exits with status 1; usage errors exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from steptimer._reader import LogError, find_runs
+from steptimer._report import RunReport, analyze, compare
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (also used as the console script's)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except LogError as err:
+        print(f"steptimer: error: {err}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `steptimer report ... | head`
+        return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="steptimer", description="Where each training step's time goes.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="per-phase GPU/host times of steps, shares and a bottleneck verdict")
+    r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
+    r.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    r.add_argument("--skip-steps", type=_nonneg, default=0, metavar="N",
+                   help="leave out the windows that end at or before step N (e.g. warm-up)")
+    r.set_defaults(func=_cmd_report)
+    c = sub.add_parser("compare", help="per-phase change from RUN_A to RUN_B, with a noise note")
+    c.add_argument("run_a")
+    c.add_argument("run_b")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--skip-steps", type=_nonneg, default=0, metavar="N")
+    c.set_defaults(func=_cmd_compare)
+    t = sub.add_parser("trace", help="export a captured window of steps (StepTimer(trace_steps=...)) "
+                                     "as Chrome/Perfetto trace JSON")
+    t.add_argument("logdir", help="the run directory holding steptimer-trace.json (or the file itself)")
+    t.add_argument("-o", "--output", default="steptimer-trace.chrome.json",
+                   help="where to write the trace (default: %(default)s); '-' for stdout")
+    t.set_defaults(func=_cmd_trace)
+    return p
+
+
+def _nonneg(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return v
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    reports = [analyze(run, skip_steps=args.skip_steps) for run in find_runs(args.logdir)]
+    reports = [r for r in reports if r.steps]
+    if not reports:
+        raise LogError(f"{args.logdir}: no logged windows after step {args.skip_steps}")
+    if args.json:
+        print(json.dumps({"runs": [_report_json(r) for r in reports]}, indent=2, allow_nan=False))
+        return 0
+    console = _console()
+    for r in reports:
+        _print_report(console, r)
+    return 0
+
+
+def _report_json(r: RunReport) -> dict[str, Any]:
+    d = asdict(r)
+    d.pop("cycle_window_ms")
+    for row in d["rows"]:
+        row.pop("host_window_means_ms")
+        row.pop("gpu_window_means_ms")
+    d["quantiles_of"] = "steps" if r.of_steps else "window means"
+    d["verdict"] = {"kind": r.verdict.kind, "evidence": list(r.verdict.evidence)}
+    return _finite(d)  # type: ignore[no-any-return]
+
+
+def _finite(x: Any) -> Any:
+    """JSON has no NaN/inf: they become null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _console():  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    # Not a terminal (CI logs, pipes): a wide fixed width rather than rich's 80 columns, so rows
+    # don't wrap.
+    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+
+
+def _ms(v: float | None) -> str:
+    if v is None or not math.isfinite(v):
+        return "-"
+    return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+
+
+def _print_report(console: Any, r: RunReport) -> None:
+    from rich.table import Table
+
+    of = "of steps" if r.of_steps else "of window means"
+    clocks = "CUDA events + host clock" if r.cuda else "host clock only"
+    table = Table(
+        title=f"{r.name}: {r.steps} steps in {r.windows} windows, {clocks}; median/p90 {of}",
+        title_justify="left",
+    )
+    table.add_column("phase")
+    for clock in (("GPU",) if r.cuda else ()) + ("host",):
+        for stat in ("median", "p90", "max"):
+            table.add_column(f"{clock} {stat} ms", justify="right")
+    table.add_column("share", justify="right")
+    for row in r.rows:
+        cells = ["  " * row.name.count("/") + row.name.rsplit("/", 1)[-1]]
+        stats = ((row.gpu,) if r.cuda else ()) + (row.host,)
+        for st in stats:
+            cells += [_ms(st.median_ms), _ms(st.p90_ms), _ms(st.max_ms)] if st else ["-", "-", "-"]
+        cells.append("-" if row.share is None else f"{100 * row.share:.1f}%")
+        table.add_row(*cells)
+    console.print(table)
+    rates = [f"{r.steps_per_s:.2f} steps/s" if r.steps_per_s else "-"]
+    if r.samples_per_s is not None:
+        rates.append(f"{r.samples_per_s:,.1f} samples/s")
+    if r.tokens_per_s is not None:
+        rates.append(f"{r.tokens_per_s:,.0f} tokens/s")
+    console.print("throughput: " + ", ".join(rates))
+    if r.data_share is not None:
+        console.print(f"data wait: {100 * r.data_share:.1f}% of wall time")
+    console.print(f"verdict: [bold]{r.verdict.kind}[/bold]")
+    for line in r.verdict.evidence:
+        console.print(f"  - {line}")
+    for note in r.notes:
+        console.print(f"note: {note}")
+    console.print()
+
+
+# ---------------------------------------------------------------------- compare
+
+
+def _one_run(path: str, skip: int) -> RunReport:
+    runs = find_runs(path)
+    if len(runs) > 1:
+        names = ", ".join(r.name for r in runs[:5])
+        raise LogError(f"{path}: holds {len(runs)} runs ({names}...); compare takes one run directory each")
+    rep = analyze(runs[0], skip_steps=skip)
+    if not rep.steps:
+        raise LogError(f"{path}: no logged windows after step {skip}")
+    return rep
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    a = _one_run(args.run_a, args.skip_steps)
+    b = _one_run(args.run_b, args.skip_steps)
+    deltas = compare(a, b)
+    if args.json:
+        out = {
+            "a": a.path,
+            "b": b.path,
+            "deltas": [
+                {**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas
+            ],
+            "verdicts": {"a": a.verdict.kind, "b": b.verdict.kind},
+        }
+        print(json.dumps(_finite(out), indent=2, allow_nan=False))
+        return 0
+    from rich.table import Table
+
+    console = _console()
+    table = Table(title=f"A = {a.path}\nB = {b.path}  (median ms per step)", title_justify="left")
+    for col in ("phase", "clock", "A ms", "B ms", "change", "spread ms", "note"):
+        table.add_column(col, justify="left" if col in ("phase", "clock", "note") else "right")
+    for d in deltas:
+        frac = d.delta_frac
+        change = f"{d.delta_ms:+.3g} ms" + ("" if frac is None else f" ({100 * frac:+.1f}%)")
+        note = "within noise" if d.noise else ("slower" if d.delta_ms > 0 else "faster")
+        table.add_row(d.name, d.clock, _ms(d.a_ms), _ms(d.b_ms), change, _ms(d.spread_ms), note)
+    console.print(table)
+    console.print(f"verdict A: {a.verdict.kind}; verdict B: {b.verdict.kind}")
+    console.print(
+        "note: a change is 'within noise' when it is no larger than the runs' own spread "
+        "(std of window means; p90 - median of steps with a single window)"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------- trace
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from steptimer._trace import load_capture, to_chrome
+
+    capture = load_capture(args.logdir)
+    trace = to_chrome(capture)
+    text = json.dumps(trace)
+    if args.output == "-":
+        print(text)
+    else:
+        try:
+            with open(args.output, "w") as f:
+                f.write(text)
+        except OSError as err:
+            raise LogError(f"{args.output}: can't write ({err.strerror or err})") from None
+        meta = trace["metadata"]
+        print(
+            f"wrote {args.output}: {meta['steps']} steps, host track"
+            + (", GPU track" if meta["gpu"] else " only (no GPU times in the capture)")
+            + (f"; {meta['clamped']} GPU slice starts clamped to their host launch" if meta["clamped"] else "")
+            + "; open it at https://ui.perfetto.dev"
+        )
+    return 0
