@@ -9,6 +9,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from steptimer._dist import RankSummary
 
 # Fixed, global bucket grid shared by every histogram (and every rank), so histograms merge by adding
 # counts. Bucket i holds values in [_BASE_MS * _RATIO**i, _BASE_MS * _RATIO**(i+1)). With a 1 % ratio a
@@ -152,6 +156,8 @@ class Window:
     steps_per_s: float
     samples_per_s: float | None
     tokens_per_s: float | None
+    # More scalars by tag, written as they are (cross-rank statistics: steptimer/_dist.py).
+    extra: Mapping[str, float] = field(default_factory=dict)
 
 
 def window_of(steps: list[ResolvedStep]) -> Window:
@@ -222,6 +228,7 @@ class Summary:
     samples_per_s: float | None
     tokens_per_s: float | None
     notes: tuple[str, ...] = field(default=())
+    ranks: RankSummary | None = None  # per-rank section under torch.distributed (steptimer/_dist.py)
 
     def __getitem__(self, name: str) -> PhaseSummary:
         for row in self.rows:

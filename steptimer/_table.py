@@ -46,6 +46,8 @@ def footer(summary: Summary) -> list[str]:
             "for the host to launch work and the GPU number includes that idle time."
         )
     lines.extend(summary.notes)
+    if summary.ranks is not None:
+        lines.extend(summary.ranks.lines())
     return lines
 
 

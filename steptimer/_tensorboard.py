@@ -46,6 +46,7 @@ def window_scalars(window: Window) -> dict[str, float]:
             out[f"steptimer/{clock}_p90/{name}_ms"] = st.p90_ms
             out[f"steptimer/{clock}_max/{name}_ms"] = st.max_ms
     out["steptimer/steps_per_s"] = window.steps_per_s
+    out.update(window.extra)
     if window.samples_per_s is not None:
         out["steptimer/samples_per_s"] = window.samples_per_s
     if window.tokens_per_s is not None:
@@ -96,7 +97,10 @@ class TensorBoardSink:
                 global_step=step,
             )
         if not self._layout_written:
-            self._write_layout(layout(window))
+            from steptimer._dist import CHARTS as RANK_CHARTS
+
+            ranks = any(tag.startswith("steptimer/ranks") for tag in window.extra)
+            self._write_layout(layout(window, RANK_CHARTS if ranks else None))
 
     def _write_layout(self, lay: dict[str, dict[str, list[Any]]]) -> None:
         from torch.utils.tensorboard import SummaryWriter

@@ -12,6 +12,7 @@ at the end of the step on an event that, with ``lag >= 1``, has normally complet
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import math
 import os
@@ -27,6 +28,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from steptimer._clock import _CudaBackend, cuda_usable, torch_backend
+from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._stats import ResolvedStep, Summary, SummaryAccumulator, Window, window_of
 
 log = logging.getLogger("steptimer")
@@ -212,6 +214,11 @@ class StepTimer:
             each block of that many steps, so it cannot alias with periodic work); every step still
             counts for throughput, step time and data wait.
         print_summary: Print the summary table at :meth:`close` (rank 0 only).
+        cross_rank: Under torch.distributed with more than one rank, combine the ranks' windows at
+            each log interval (min / mean / max per phase, the rank holding the max, the straggler)
+            on a gloo side group, and add a per-rank section to the summary. False turns it off.
+        cross_rank_timeout_s: Longest wait for the other ranks in one cross-rank collective; after
+            a timeout cross-rank statistics stay off for the rest of the run, with a warning.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -236,6 +243,8 @@ class StepTimer:
         enabled: bool = True,
         sample_every: int = 1,
         print_summary: bool = True,
+        cross_rank: bool = True,
+        cross_rank_timeout_s: float = DEFAULT_TIMEOUT_S,
         _backend: _CudaBackend | None = None,
         _sinks: Sequence[Sink] = (),
     ) -> None:
@@ -248,6 +257,9 @@ class StepTimer:
             raise ValueError(f"cuda must be None, True or False, got {cuda!r}")
         if log_dir is not None and writer is not None:
             raise ValueError("pass log_dir or writer, not both")
+        if cross_rank not in (True, False):
+            raise ValueError(f"cross_rank must be True or False, got {cross_rank!r}")
+        xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
         self.log_every_n_steps = log_every_n_steps
         self.warmup_steps = warmup_steps
         self.lag = lag
@@ -294,6 +306,7 @@ class StepTimer:
         self._free: list[Any] = []
         self._held_end: tuple[int, int, Any] | None = None  # (number, device, event) of last resolved
         self.events_created = 0  # pool size, for tests and curious users
+        self._xrank = xrank
         if not enabled:
             return
         if cuda is True and _backend is None:
@@ -307,6 +320,8 @@ class StepTimer:
         elif log_dir is not None:
             _check_writable(os.fspath(log_dir))
         self._atexit = _register_atexit(self)
+        if xrank is not None:
+            xrank.start_now()  # the gloo side group, while every rank is known to be here
 
     # ------------------------------------------------------------------ public API
 
@@ -354,14 +369,27 @@ class StepTimer:
         """Number of the last completed step (``start_step`` + steps completed)."""
         return self._number
 
-    def close(self) -> Summary:
-        """Resolve pending steps, write the last window, print and return the summary (idempotent)."""
+    def close(self, *, failed: bool = False) -> Summary:
+        """Resolve pending steps, write the last window, print and return the summary (idempotent).
+
+        Args:
+            failed: Closing because of an exception: no cross-rank collective is started (other
+                ranks may be gone). ``with StepTimer(...)`` passes it for you.
+        """
         if self._summary is not None:
             return self._summary
+        if failed and self._xrank is not None:
+            self._xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
         if self._in_step:
             self._drop_step()
         if self.enabled and self._pending:
             self._resolve_through(len(self._pending))
+        if self._xrank is not None and not self._xrank.off:
+            # The closing rounds, with or without a last window (Join-style, see _dist.py).
+            last = self._xrank.close(window_of(self._window) if self._window else None, self._acc)
+            self._window = []
+            for sink in self._sinks if last is not None else ():
+                sink.write_window(last)
         if self._window:
             self._emit(self._window)
             self._window = []
@@ -374,7 +402,11 @@ class StepTimer:
                 f"all {self._number - self._first_number + 1} steps were warm-up "
                 f"(warmup_steps={self.warmup_steps}); nothing to summarize",
             )
+        if self._xrank is not None:
+            notes += tuple(self._xrank.notes)
         summary = self._acc.summary(warmup_steps=self.warmup_steps, cuda=bool(self._cuda), notes=notes)
+        if self._xrank is not None and self._xrank.summary is not None:
+            summary = dataclasses.replace(summary, ranks=self._xrank.summary)
         self._summary = summary
         if self.enabled:
             atexit.unregister(self._atexit)
@@ -390,7 +422,7 @@ class StepTimer:
         return self
 
     def __exit__(self, *exc: object) -> bool:
-        self.close()
+        self.close(failed=bool(exc) and exc[0] is not None)
         return False
 
     # ------------------------------------------------------------------ steps
@@ -678,6 +710,8 @@ class StepTimer:
 
     def _emit(self, steps: list[ResolvedStep]) -> None:
         window = window_of(steps)
+        if self._xrank is not None:
+            window = self._xrank.interval(window)
         for sink in self._sinks:
             sink.write_window(window)
 
@@ -707,7 +741,7 @@ def _register_atexit(timer: StepTimer) -> Callable[[], None]:
     def _close() -> None:
         t = ref()
         if t is not None:
-            t.close()
+            t.close(failed=True)  # no cross-rank round at exit: other ranks may be gone
 
     atexit.register(_close)
     return _close

@@ -1,0 +1,432 @@
+"""Cross-rank statistics: every rank's window combined at each log interval, in O(phases).
+
+Every rank measures its own steps. At each log interval (never per step) the ranks run one *round*
+on a gloo side group (CPU, so it never waits on the GPU queue):
+
+1. a header ``all_reduce(MAX)`` of 10 float64 values: a hash of the window's series names, their
+   number, whether the rank is closing, the window's last step, and the same for the run summary;
+2. only if every reporting rank sent the same series hash (a decision made from the reduced header,
+   which all ranks share): one ``all_reduce(MAX)`` of 4 values per series (argmax and argmin keys,
+   max, -min) and one ``all_reduce(SUM)`` of 1 value per series plus a count.
+
+So the message is O(series), whatever the world size; rank 0 keeps O(series) numbers, never one per
+rank. The rank holding the max rides in the MAX itself: the key ``q(value) * 2**b + (2**b - 1 - rank)``
+(``q`` in whole µs, ``b`` bits for the rank) is exact in a float64 while ``q < 2**(52 - b)``.
+
+Never a hang: whether a rank enters a round depends only on the resolved step number (shared) and on
+reduced headers (shared); a timeout on the side group ends cross-rank statistics for good; nothing
+runs on an exception path. Uneven ends follow ``torch.distributed.algorithms.Join``: a rank that
+closes keeps answering ("shadowing") the rounds of ranks still running, abstaining from their
+windows, until every rank has closed; the last round also reduces the run summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from steptimer._stats import SummaryAccumulator, Window
+
+log = logging.getLogger("steptimer")
+
+DEFAULT_TIMEOUT_S = 300.0
+# A phase that, under DDP, includes waiting for the other ranks' gradients (the all-reduce hooks
+# run inside it): a compute straggler has the *shortest* one. The straggler signal leaves it out.
+WAIT_PHASE = "backward"
+STRAGGLER = "straggler"
+_NEG = -math.inf
+_HEADER = 10
+
+# Custom Scalars charts for the cross-rank tags (the TensorBoard sink adds them when present).
+CHARTS = {
+    "Straggler rank (data + step - backward)": r"^steptimer/ranks_argmax/straggler$",
+    "Straggler ms across ranks (min, mean, max)": r"^steptimer/ranks_(min|mean|max)/straggler_ms$",
+    "Step ms across ranks (min, mean, max)": r"^steptimer/ranks_(min|mean|max)/(gpu|host)/step_ms$",
+    "Rank holding the max, per phase": r"^steptimer/ranks_argmax/(gpu|host)/.*$",
+    "Slowest rank's ms per phase": r"^steptimer/ranks_max/(gpu|host)/.*_ms$",
+}
+
+
+@dataclass(frozen=True)
+class RankSpread:
+    """One series across ranks: min, mean and max of the ranks' means, and which rank holds each end."""
+
+    min_ms: float
+    mean_ms: float
+    max_ms: float
+    argmin: int
+    argmax: int
+    ranks: int
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """The per-rank section of the summary: each series' spread of the ranks' run means.
+
+    ``series`` maps ``(clock, name)`` (clock ``host`` or ``gpu``) to its spread; ``straggler`` is the
+    spread of ``data + step - backward`` per rank, whose ``argmax`` is the rank that holds the
+    others back. ``reduce_ms`` is this rank's mean host time per round (the statistics' cost).
+    """
+
+    world_size: int
+    ranks: int
+    straggler: RankSpread | None
+    series: Mapping[tuple[str, str], RankSpread]
+    rounds: int
+    reduce_ms: float
+
+    def lines(self) -> list[str]:
+        """The section as text lines, for the summary table's footer."""
+        out = [f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms):"]
+        out.append(f"  {'series':<28} {'min (rank)':>16} {'mean':>10} {'max (rank)':>16}")
+        rows: list[tuple[str, RankSpread]] = []
+        if self.straggler is not None:
+            rows.append(("straggler: data+step-bwd", self.straggler))
+        rows += [(f"{c} {n}", s) for (c, n), s in self.series.items()]
+        for label, s in rows:
+            out.append(
+                f"  {label:<28} {s.min_ms:>10.3f} ({s.argmin:>3}) {s.mean_ms:>10.3f} "
+                f"{s.max_ms:>10.3f} ({s.argmax:>3})"
+            )
+        if self.straggler is not None and self.ranks > 1:
+            s = self.straggler
+            out.append(
+                f"  slowest rank: {s.argmax} (+{s.max_ms - s.min_ms:.3f} ms per step over rank {s.argmin}); "
+                "backward includes waiting for the others' gradients, so read it with care"
+            )
+        out.append(f"  cross-rank statistics cost {self.reduce_ms:.3f} ms per log interval ({self.rounds} rounds)")
+        return out
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def straggler_ms(window_host: Mapping[str, Any], window_gpu: Mapping[str, Any], mean: Any) -> float | None:
+    """``data + step - backward`` of one rank, from per-series means (``mean(stats) -> ms``).
+
+    GPU ``step`` and ``backward`` when the window has them (the host spans of asynchronous work
+    say little), host ``data`` (data wait is host time). Every top-level ``backward`` (a phase whose
+    last name part is ``backward`` with no ``backward`` above it) is left out.
+    """
+    clock = window_gpu if "step" in window_gpu else window_host
+    if "step" not in clock:
+        return None
+    value = mean(clock["step"])
+    for name, st in clock.items():
+        parts = name.split("/")
+        if parts[-1] == WAIT_PHASE and WAIT_PHASE not in parts[:-1]:
+            value -= mean(st)
+    if "data" in window_host:
+        value += mean(window_host["data"])
+    return float(value)
+
+
+def series_hash(keys: Sequence[str]) -> float:
+    """A 48-bit hash of the sorted series names, exact in a float64 (so it survives MIN/MAX)."""
+    digest = hashlib.blake2b("\n".join(keys).encode(), digest_size=6).digest()
+    return float(int.from_bytes(digest, "big"))
+
+
+def rank_bits(world_size: int) -> int:
+    return max(1, (world_size - 1).bit_length())
+
+
+def encode(value_ms: float, rank: int, bits: int, *, lowest: bool = False) -> float:
+    """A key whose MAX over ranks names the rank with the largest (``lowest``: smallest) value.
+
+    Ties go to the lowest rank. Resolution 1 µs; values are clamped to [0, 2**(52 - bits)) µs.
+    """
+    q = min(max(round(value_ms * 1e3), 0), 2 ** (52 - bits) - 1)
+    tag = 2**bits - 1 - rank
+    return float(-q * 2**bits + tag) if lowest else float(q * 2**bits + tag)
+
+
+def decode_rank(key: float, bits: int) -> int:
+    return 2**bits - 1 - int(key) % 2**bits
+
+
+def spreads(keys: Sequence[str], mx: Sequence[float], sm: Sequence[float], bits: int) -> dict[str, RankSpread]:
+    """Decode the reduced MAX (4 per series) and SUM (1 per series, then the count) vectors."""
+    n = len(keys)
+    count = int(sm[n])
+    out = {}
+    for i, key in enumerate(keys):
+        out[key] = RankSpread(
+            min_ms=-mx[4 * i + 3],
+            mean_ms=sm[i] / count,
+            max_ms=mx[4 * i + 2],
+            argmin=decode_rank(mx[4 * i + 1], bits),
+            argmax=decode_rank(mx[4 * i], bits),
+            ranks=count,
+        )
+    return out
+
+
+def _vectors(values: Mapping[str, float] | None, n: int, rank: int, bits: int) -> tuple[list[float], list[float]]:
+    """This rank's MAX and SUM contributions (neutral ones when it abstains)."""
+    if values is None:
+        return [_NEG] * (4 * n), [0.0] * (n + 1)
+    mx: list[float] = []
+    sm: list[float] = []
+    for key in sorted(values):
+        v = values[key]
+        mx += [encode(v, rank, bits), encode(v, rank, bits, lowest=True), v, -v]
+        sm.append(v)
+    sm.append(1.0)
+    return mx, sm
+
+
+def window_values(window: Window | None) -> dict[str, float] | None:
+    """A window's per-series means by key ``<clock>/<phase>`` plus the straggler signal."""
+    if window is None or window.steps == 0:
+        return None
+    out = {f"{c}/{n}": st.mean_ms for c, ser in (("host", window.host), ("gpu", window.gpu)) for n, st in ser.items()}
+    s = straggler_ms(window.host, window.gpu, lambda st: st.mean_ms)
+    if s is not None:
+        out[STRAGGLER] = s
+    return out
+
+
+def summary_values(acc: SummaryAccumulator | None) -> dict[str, float] | None:
+    if acc is None or acc.steps == 0:
+        return None
+    out = {f"{c}/{n}": h.mean_ms for c, hs in (("host", acc.host), ("gpu", acc.gpu)) for n, h in hs.items()}
+    s = straggler_ms(acc.host, acc.gpu, lambda h: h.mean_ms)
+    if s is not None:
+        out[STRAGGLER] = s
+    return out
+
+
+def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: float) -> dict[str, float]:
+    """The cross-rank tags (documented in docs/distributed.md)::
+
+        steptimer/ranks_<min|mean|max>/<clock>/<phase>_ms   spread of the ranks' window means
+        steptimer/ranks_argmax/<clock>/<phase>              rank holding the max
+        steptimer/ranks_<min|mean|max>/straggler_ms         data + step - backward per rank
+        steptimer/ranks_argmax/straggler                    the straggler: the rank holding the others back
+        steptimer/ranks/reporting                           ranks in this window (0: interval skipped)
+        steptimer/ranks/reduce_ms                           host time of this interval's round
+    """
+    out = {"steptimer/ranks/reporting": float(reporting), "steptimer/ranks/reduce_ms": reduce_ms}
+    for key, s in spread.items():
+        out[f"steptimer/ranks_min/{key}_ms"] = s.min_ms
+        out[f"steptimer/ranks_mean/{key}_ms"] = s.mean_ms
+        out[f"steptimer/ranks_max/{key}_ms"] = s.max_ms
+        out[f"steptimer/ranks_argmax/{key}"] = float(s.argmax)
+    return out
+
+
+# ---------------------------------------------------------------- the reducer
+
+
+class CrossRank:
+    """Runs the rounds for one :class:`~steptimer.StepTimer`; inert unless torch.distributed runs with
+    more than one rank at its first round.
+
+    Args:
+        timeout_s: Longest wait for the other ranks in one collective; after a timeout, cross-rank
+            statistics stay off for the rest of the run (a late rank would otherwise pair with the
+            wrong round).
+    """
+
+    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0):
+            raise ValueError(f"cross_rank_timeout_s must be a number > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.off = False
+        self._group: Any = None
+        self._dist: Any = None
+        self._started = False
+        self.rank = 0
+        self.world_size = 1
+        self._bits = 1
+        self.notes: list[str] = []
+        self.rounds = 0
+        self.reduce_s = 0.0
+        self._others_closed = False
+        self.summary: RankSummary | None = None
+
+    # -- life cycle
+
+    def _start(self) -> bool:
+        """Create the gloo side group at the first round (every rank's first round is at a shared step)."""
+        if self._started:
+            return not self.off
+        self._started = True
+        try:
+            import torch.distributed as dist
+        except ImportError:  # pragma: no cover - builds without distributed
+            self.off = True
+            return False
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            self.off = True
+            return False
+        self._dist = dist
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._bits = rank_bits(self.world_size)
+        try:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+        except Exception as err:  # noqa: BLE001 - any failure here only turns the feature off
+            self._switch_off(f"could not create the gloo side group ({err})")
+            return False
+        return True
+
+    def start_now(self) -> None:
+        """Create the side group at construction when torch.distributed is already initialized."""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self._start()
+        except ImportError:  # pragma: no cover
+            pass
+
+    def abandon(self, why: str) -> None:
+        """Off for good without any collective (exception path: other ranks may be gone)."""
+        if not self.off and self._started and self._group is not None:
+            self.notes.append(f"cross-rank statistics stopped: {why}; no final round was run")
+        self.off = True
+
+    def _switch_off(self, why: str) -> None:
+        self.off = True
+        msg = (
+            f"steptimer rank {self.rank}: cross-rank statistics switched off for the rest of the run: {why}"
+        )
+        self.notes.append(msg)
+        log.warning(msg)
+
+    # -- rounds
+
+    def interval(self, window: Window) -> Window:
+        """The round at a log interval; returns ``window`` with the cross-rank scalars attached."""
+        if self.off or not self._start():
+            return window
+        res = self._round(window_values(window), None, closing=False, step=window.step)
+        return self._attach(window, res)
+
+    def close(self, window: Window | None, acc: SummaryAccumulator) -> Window | None:
+        """The closing rounds: this rank's last (partial) window and run summary; shadows the rounds of
+        ranks still running (abstaining from their windows) until every rank has closed."""
+        if self.off or not self._start():
+            return window
+        summ = summary_values(acc)
+        res = self._round(window_values(window), summ, closing=True, step=window.step if window else 0)
+        out = self._attach(window, res) if window is not None else None
+        while res is not None and not res["all_closing"]:
+            res = self._round(None, summ, closing=True, step=0)
+        return out
+
+    def _attach(self, window: Window | None, res: dict[str, Any] | None) -> Window | None:
+        if window is None or res is None:
+            return window
+        extra = scalars_of(res["window"], res["reporting"], res["round_ms"])
+        return replace(window, extra={**window.extra, **extra})
+
+    def _allreduce(self, values: list[float], op: Any) -> list[float] | None:
+        import torch
+
+        t = torch.tensor(values, dtype=torch.float64)
+        try:
+            work = self._dist.all_reduce(t, op=op, group=self._group, async_op=True)
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as err:  # noqa: BLE001 - timeout, a rank gone, a destroyed group
+            self._switch_off(
+                f"a collective did not complete within {self.timeout_s:g} s or failed "
+                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+            )
+            return None
+        return t.tolist()
+
+    def _round(
+        self, win: Mapping[str, float] | None, summ: Mapping[str, float] | None, *, closing: bool, step: int
+    ) -> dict[str, Any] | None:
+        t0 = perf_counter()
+        dist = self._dist
+        wkeys = sorted(win) if win is not None else []
+        skeys = sorted(summ) if summ is not None else []
+        wh = series_hash(wkeys) if win is not None else _NEG
+        sh = series_hash(skeys) if summ is not None else _NEG
+        last = float(step) if win is not None else _NEG
+        c = 1.0 if closing else 0.0
+        header = [
+            wh, -wh if win is not None else _NEG, float(len(wkeys)) if win is not None else _NEG,
+            c, -c,
+            sh, -sh if summ is not None else _NEG, float(len(skeys)) if summ is not None else _NEG,
+            last, -last if win is not None else _NEG,
+        ]  # fmt: skip
+        h = self._allreduce(header, dist.ReduceOp.MAX)
+        if h is None:
+            return None
+        all_closing = -h[4] == 1.0
+        if h[3] == 1.0 and not all_closing and not closing and not self._others_closed:
+            self._others_closed = True
+            self._note0(
+                "some ranks closed before this one (uneven ends): they answer this rank's rounds without "
+                "a window until every rank closes, so cross-rank windows from here on cover fewer ranks"
+            )
+        w_ok = h[0] != _NEG and h[0] == -h[1]
+        if h[0] != _NEG and not w_ok:
+            self._note0(
+                f"ranks timed different phase sets in the window ending at step {self._step_of(h)}; "
+                "this interval's cross-rank statistics were skipped on every rank"
+            )
+        s_ok = all_closing and h[5] != _NEG and h[5] == -h[6]
+        if all_closing and h[5] != _NEG and not s_ok:
+            self._note0("ranks timed different phase sets over the run; no per-rank summary")
+        nw = int(h[2]) if w_ok else 0
+        ns = int(h[7]) if s_ok else 0
+        wres: dict[str, RankSpread] = {}
+        reporting = 0
+        if nw or ns:
+            wmx, wsm = _vectors(win if w_ok else None, nw, self.rank, self._bits)
+            smx, ssm = _vectors(summ if s_ok else None, ns, self.rank, self._bits)
+            mx = self._allreduce(wmx + smx, dist.ReduceOp.MAX)
+            sm = self._allreduce(wsm + ssm, dist.ReduceOp.SUM) if mx is not None else None
+            if mx is None or sm is None:
+                return None
+            if nw:
+                # Every reporting rank has the same keys (equal hashes), so an abstaining rank decodes
+                # with the keys it cannot know only if it reports; abstainers keep the count alone.
+                reporting = int(sm[nw])
+                if win is not None:
+                    wres = spreads(wkeys, mx[: 4 * nw], sm[: nw + 1], self._bits)
+            if ns and summ is not None:
+                sres = spreads(skeys, mx[4 * nw :], sm[nw + 1 :], self._bits)
+                strag = sres.pop(STRAGGLER, None)
+                self.summary = RankSummary(
+                    world_size=self.world_size,
+                    ranks=int(sm[nw + 1 + ns]),
+                    straggler=strag,
+                    series={tuple(k.split("/", 1)): v for k, v in sres.items()},  # type: ignore[misc]
+                    rounds=self.rounds + 1,
+                    reduce_ms=(self.reduce_s + perf_counter() - t0) * 1e3 / (self.rounds + 1),
+                )
+            if nw and closing and h[8] != -h[9]:
+                self._note0(
+                    f"uneven end: ranks ended at steps {int(-h[9])} to {int(h[8])}; the final cross-rank "
+                    "window combines windows of different lengths"
+                )
+        dt = perf_counter() - t0
+        self.rounds += 1
+        self.reduce_s += dt
+        return {"window": wres, "reporting": reporting, "all_closing": all_closing, "round_ms": dt * 1e3}
+
+    @staticmethod
+    def _step_of(h: Sequence[float]) -> int:
+        return int(h[8]) if h[8] != _NEG else 0
+
+    def _note0(self, msg: str) -> None:
+        """A warning every rank could give (its facts are shared): note it everywhere, log on rank 0."""
+        if msg in self.notes:
+            return
+        self.notes.append(msg)
+        if self.rank == 0:
+            log.warning("steptimer: %s", msg)

@@ -1,0 +1,89 @@
+"""A plain torch.distributed DDP loop timed by steptimer; run by tests/test_dist.py under torchrun.
+
+Options make one rank slow (sleep inside forward), stop early (uneven end), time an extra phase
+(different phase sets), or raise (exception path). On CUDA it uses NCCL and one GPU per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from steptimer import StepTimer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--log-dir", required=True)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-ms", type=float, default=40.0)
+    p.add_argument("--short-rank", type=int, default=-1, help="this rank stops after --short-steps")
+    p.add_argument("--short-steps", type=int, default=0)
+    p.add_argument("--extra-phase-rank", type=int, default=-1)
+    p.add_argument("--raise-rank", type=int, default=-1, help="this rank raises at --raise-step")
+    p.add_argument("--raise-step", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--cuda", action="store_true")
+    a = p.parse_args()
+
+    dist.init_process_group("nccl" if a.cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if a.cuda else torch.device("cpu")
+    if a.cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(a.width, a.width), nn.ReLU()) for _ in range(4)]).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if a.cuda else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    steps = a.short_steps if rank == a.short_rank else a.steps
+    x = torch.randn(64, a.width, device=device)
+    timer = StepTimer(
+        log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=2, cuda=a.cuda or False,
+        cross_rank_timeout_s=a.timeout,
+    )
+    t0 = time.perf_counter()
+    with timer:
+        for i in range(1, steps + 1):
+            if rank == a.raise_rank and i == a.raise_step:
+                with timer.step():
+                    raise RuntimeError("planned failure")
+            with timer.step(samples=64):
+                with timer.phase("forward"):
+                    loss = ddp(x).square().mean()
+                    if rank == a.slow_rank:
+                        time.sleep(a.slow_ms / 1e3)
+                if rank == a.extra_phase_rank:
+                    with timer.phase("extra"):
+                        pass
+                with timer.phase("backward"):
+                    if a.short_rank < 0:  # uneven ends: no gradient all-reduce (it would hang DDP itself)
+                        loss.backward()
+                    else:
+                        with ddp.no_sync():
+                            loss.backward()
+                with timer.phase("optimizer"):
+                    opt.step()
+                    opt.zero_grad()
+    summary = timer.close()
+    out = {"rank": rank, "wall_s": time.perf_counter() - t0, "steps": summary.steps}
+    if summary.ranks is not None:
+        s = summary.ranks.straggler
+        out["summary_ranks"] = summary.ranks.ranks
+        out["summary_straggler_argmax"] = None if s is None else s.argmax
+        out["reduce_ms"] = summary.ranks.reduce_ms
+        out["rounds"] = summary.ranks.rounds
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
