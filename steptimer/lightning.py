@@ -1,0 +1,668 @@
+"""Lightning front door: :class:`StepTimerCallback` drives a :class:`~steptimer.StepTimer` from hooks.
+
+Add it to a Trainer and each optimizer step is split into ``data``, ``forward``, ``loss``,
+``zero_grad``, ``backward``, ``clip`` and ``optimizer`` with no change to the LightningModule::
+
+    trainer = pl.Trainer(callbacks=[StepTimerCallback()], logger=pl.loggers.TensorBoardLogger("runs"))
+
+Where each phase starts and ends (``docs/lightning.md`` has the full table):
+
+- ``data``: ``on_train_batch_end`` to the next ``on_train_batch_start`` (fetch, batch transfer, other
+  callbacks' batch-end work). Validation inside it is paused and reported as ``steptimer/val_ms``.
+- ``forward``: forward pre/post hooks on the LightningModule (or on ``forward_module``).
+- ``loss``: the rest of ``training_step`` after forward, up to zero_grad, backward or the update.
+- ``zero_grad``: ``on_before_zero_grad`` (automatic) or the start of ``opt.zero_grad()`` (manual) to
+  the end of the optimizer's ``zero_grad``.
+- ``backward``: ``on_before_backward`` to ``on_after_backward``.
+- ``clip``: ``on_after_backward`` to the end of ``configure_gradient_clipping`` (automatic: AMP
+  ``unscale_``, ``on_before_optimizer_step`` hooks, gradient clipping); in manual optimization, from
+  ``on_after_backward`` to the next timed event (user clipping before ``opt.step()``).
+- ``optimizer``: the update. Automatic: end of clipping to the optimizer's step post-hook; manual:
+  the whole ``opt.step()`` call. Lightning runs the closure (forward + backward) *inside*
+  ``optimizer.step``; the closure is never billed here.
+
+Costs: per timed step, the engine's event records (one per phase boundary) and its one lagged wait.
+The callback itself adds a few Python calls per hook and never synchronizes the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from time import perf_counter
+from types import TracebackType
+from typing import Any
+
+from typing_extensions import override
+
+from steptimer._stats import Summary, Window
+from steptimer._tensorboard import TensorBoardSink, window_scalars
+from steptimer.timer import StepTimer, _check_int, check_phase_name
+
+log = logging.getLogger("steptimer")
+
+_MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
+
+
+def _flavours() -> list[Any]:
+    """The installed Lightning packages (``pytorch_lightning``, ``lightning.pytorch``), imported."""
+    found = []
+    for name in ("pytorch_lightning", "lightning.pytorch"):
+        try:
+            found.append(importlib.import_module(name))
+        except ModuleNotFoundError as err:
+            # Only "this package is not installed" means absent; a broken install must surface.
+            if err.name not in (name, name.split(".")[0]):
+                raise
+    return found
+
+
+_FLAVOURS = _flavours()
+if not _FLAVOURS:
+    raise ModuleNotFoundError(_MISSING, name="pytorch_lightning")
+
+# One class that is a Callback for every installed flavour, so the same `StepTimerCallback` works in a
+# `pytorch_lightning.Trainer` and in a `lightning.pytorch.Trainer`: both only call hooks by name.
+_BASES: tuple[type, ...] = tuple(m.Callback for m in _FLAVOURS)
+_TB_LOGGERS: tuple[type, ...] = tuple(m.loggers.TensorBoardLogger for m in _FLAVOURS)
+
+__all__ = ["StepTimerCallback"]
+
+
+class _TensorBoardExtras:
+    """A logger's ``SummaryWriter`` minus scalars: those already went through ``log_metrics``.
+
+    Lets :class:`~steptimer._tensorboard.TensorBoardSink` add what only TensorBoard shows (histograms on
+    steptimer's grid, the Custom Scalars layout in a sibling run) without writing a scalar twice.
+    """
+
+    def __init__(self, writer: Any, histograms: bool) -> None:
+        self._writer = writer
+        self._histograms = histograms
+
+    def add_scalar(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def add_histogram_raw(self, *args: Any, **kwargs: Any) -> None:
+        if self._histograms:
+            self._writer.add_histogram_raw(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
+
+
+class _LoggerSink:
+    """Sends each window to every ``trainer.loggers`` logger, on rank 0 (the callback only builds it there)."""
+
+    def __init__(self, loggers: Sequence[Any], *, histograms: bool, skipped: Callable[[], int]) -> None:
+        self._loggers = list(loggers)
+        self._skipped = skipped
+        self._tb = [
+            TensorBoardSink(writer=_TensorBoardExtras(lg.experiment, histograms))
+            for lg in self._loggers
+            if isinstance(lg, _TB_LOGGERS)
+        ]
+
+    def write_window(self, window: Window) -> None:
+        metrics = window_scalars(window)
+        skipped = self._skipped()
+        if skipped:
+            metrics["steptimer/skipped_steps"] = float(skipped)
+        for lg in self._loggers:
+            lg.log_metrics(metrics, step=window.step)
+        for sink in self._tb:
+            sink.write_window(window)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for lg in self._loggers:
+            lg.log_metrics(metrics, step=step)
+
+    def close(self, summary: Summary) -> None:
+        for sink in self._tb:
+            sink.close(summary)
+        for lg in self._loggers:
+            lg.save()
+
+
+class _UserPhase:
+    """``callback.phase(name)``: a phase timed inside the callback's current phase (``loss/name``)."""
+
+    __slots__ = ("_cb", "_name", "_active")
+
+    def __init__(self, cb: StepTimerCallback, name: str) -> None:
+        self._cb = cb
+        self._name = name
+        self._active = False
+
+    def __enter__(self) -> None:
+        cb = self._cb
+        timer = cb._timer
+        if timer is None or not cb._in_batch:
+            return  # outside a training batch (validation, predict): a no-op
+        timer.phase(self._name).__enter__()
+        cb._frames.append([None])
+        self._active = True
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if not self._active:
+            return False
+        self._active = False
+        cb = self._cb
+        if cb._timer is None or len(cb._frames) < 2:
+            return False  # the step was dropped under us (exception path)
+        cb._switch(None)
+        cb._frames.pop()
+        cb._timer.phase(self._name).__exit__(et, ev, tb)
+        return False
+
+
+class StepTimerCallback(*_BASES):  # type: ignore[misc]
+    """Times each optimizer step's phases in a Lightning Trainer; no change to the LightningModule.
+
+    One step is one optimizer step, as in a plain loop: with ``accumulate_grad_batches=k`` the k
+    micro-batches add up into it; in manual optimization a step is a training batch that called at
+    least one ``opt.step()`` (two optimizers, one step). The step counter is the callback's own (saved
+    in checkpoints), not ``global_step``.
+
+    Windows go to every ``trainer.loggers`` logger through ``log_metrics`` on rank 0, under the
+    ``steptimer/...`` tags of the plain loop; a TensorBoard logger also gets histograms and the Custom
+    Scalars layout. The summary table is printed at the end of training (``callback.summary``).
+
+    Args:
+        log_every_n_steps: Log window statistics every this many steps; None uses the Trainer's.
+        warmup_steps: Steps left out of the summary (see :class:`~steptimer.StepTimer`).
+        lag: Steps the engine's one event wait lags behind (see :class:`~steptimer.StepTimer`).
+        cuda: None uses CUDA events when the LightningModule is on a CUDA device; True requires
+            CUDA; False times the host only.
+        sample_every: Time the phases of one step in every ``sample_every``.
+        forward_module: Name of the submodule (``"net"``, ``"model.encoder"``) whose forward is
+            ``forward``, for a ``training_step`` that calls ``self.net(x)`` instead of ``self(x)``.
+        batch_size_fn: ``batch -> samples`` for ``steptimer/samples_per_s``.
+        tokens_fn: ``batch -> tokens`` for ``steptimer/tokens_per_s``.
+        histograms: Write per-window histograms to TensorBoard loggers.
+        print_summary: Print the summary table at the end of training (rank 0).
+        enabled: False turns the callback into a no-op.
+
+    Example:
+        >>> cb = StepTimerCallback(log_every_n_steps=10)
+        >>> cb.steps
+        0
+    """
+
+    def __init__(
+        self,
+        *,
+        log_every_n_steps: int | None = None,
+        warmup_steps: int = 5,
+        lag: int = 1,
+        cuda: bool | None = None,
+        sample_every: int = 1,
+        forward_module: str | None = None,
+        batch_size_fn: Callable[[Any], float] | None = None,
+        tokens_fn: Callable[[Any], float] | None = None,
+        histograms: bool = True,
+        print_summary: bool = True,
+        enabled: bool = True,
+        _backend: Any = None,
+    ) -> None:
+        super().__init__()
+        if log_every_n_steps is not None:
+            _check_int("log_every_n_steps", log_every_n_steps, 1)
+        _check_int("warmup_steps", warmup_steps, 0)
+        _check_int("lag", lag, 0)
+        _check_int("sample_every", sample_every, 1)
+        if cuda not in (None, True, False):
+            raise ValueError(f"cuda must be None, True or False, got {cuda!r}")
+        if forward_module is not None and (not isinstance(forward_module, str) or not forward_module):
+            raise ValueError(
+                f"forward_module must be the name of a submodule (e.g. 'net'), got {forward_module!r}"
+            )
+        for name, fn in (("batch_size_fn", batch_size_fn), ("tokens_fn", tokens_fn)):
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name} must be a function batch -> number, got {fn!r}")
+        self.log_every_n_steps = log_every_n_steps
+        self.warmup_steps = warmup_steps
+        self.lag = lag
+        self.cuda = cuda
+        self.sample_every = sample_every
+        self.forward_module = forward_module
+        self.batch_size_fn = batch_size_fn
+        self.tokens_fn = tokens_fn
+        self.histograms = histograms
+        self.print_summary = print_summary
+        self.enabled = enabled
+        self._backend = _backend
+        self.summary: Summary | None = None
+        self._steps_done = 0
+        self._skipped = 0
+        self._timer: StepTimer | None = None
+        self._sink: _LoggerSink | None = None
+        self._user_phases: dict[str, _UserPhase] = {}
+        self._handles: list[Any] = []
+        self._patched: list[tuple[Any, str]] = []
+        self._reset_batch_state()
+
+    def _reset_batch_state(self) -> None:
+        self._frames: list[list[str | None]] = [[None]]  # per open user phase: the callback phase in it
+        self._in_batch = False
+        self._in_step = False
+        self._stepped = False  # an optimizer update was attempted in this batch
+        self._update_open = False  # the update began and its step post-hook has not fired yet
+        self._will_step = True
+        self._manual = False
+        self._fwd_depth = 0
+        self._zg_depth = 0
+        self._saw_forward = False
+        self._saw_backward = False
+        self._samples = 0.0
+        self._tokens = 0.0
+        self._pause: AbstractContextManager[None] | None = None
+        self._val_t0: float | None = None
+        self._val_in_step = False
+        self._val_ms: list[float] = []
+        self._no_forward_warned = False
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def steps(self) -> int:
+        """Number of the last completed step (continues across checkpoint resume)."""
+        return self._timer.steps if self._timer is not None else self._steps_done
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose optimizer update was skipped (GradScaler found inf/NaN gradients)."""
+        return self._skipped
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        """A custom phase inside ``training_step``, nested in the callback's current phase.
+
+        ``with cb.phase("augment"):`` before ``self(x)`` gives ``augment``; after it (inside ``loss``)
+        gives ``loss/augment``; callback phases inside it nest too (``augment/forward``). Outside a
+        training batch it is a no-op.
+
+        Raises:
+            ValueError: ``name`` is not a valid phase name.
+        """
+        cm = self._user_phases.get(name)
+        if cm is None:
+            check_phase_name(name)
+            cm = self._user_phases[name] = _UserPhase(self, name)
+        return cm
+
+    # ------------------------------------------------------------------ state (resume)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "skipped_steps": self._skipped}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._steps_done = int(state_dict.get("steps", 0))
+        self._skipped = int(state_dict.get("skipped_steps", 0))
+
+    # ------------------------------------------------------------------ fit start / end
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # Built here, not in setup: checkpoint state (our step counter) and the optimizers are only
+        # all in place by now, whatever the strategy. Built on every rank: every rank measures.
+        if not self.enabled:
+            return
+        self._reset_batch_state()
+        self.summary = None
+        self._manual = not pl_module.automatic_optimization
+        cuda = self.cuda
+        if cuda is None and self._backend is None:
+            cuda = pl_module.device.type == "cuda"
+        sink = None
+        if trainer.is_global_zero and trainer.loggers:
+            sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
+        self._sink = sink
+        self._timer = StepTimer(
+            log_every_n_steps=self.log_every_n_steps or max(int(trainer.log_every_n_steps), 1),
+            warmup_steps=self.warmup_steps,
+            lag=self.lag,
+            cuda=cuda,
+            start_step=self._steps_done,
+            sample_every=self.sample_every,
+            print_summary=False,
+            _backend=self._backend,
+            _sinks=[sink] if sink is not None else [],
+        )
+        self._install(trainer, pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        # A step left open (manual optimization that never stepped in the last batches) ends here.
+        if self._timer is not None and self._in_step and not self._in_batch:
+            self._end_step()
+
+    @override
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._timer is None:
+            return
+        if self._in_step and not self._in_batch:
+            self._end_step()
+        self._close(trainer, failed=False)
+
+    @override
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._timer is not None:
+            self._close(trainer, failed=False)
+        self._uninstall()
+
+    @override
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Lightning skips on_train_end and teardown after an exception or Ctrl-C: flush here. Other
+        # ranks may be gone, so close(failed=True) starts no collective.
+        if self._timer is not None:
+            if self._pause is not None:
+                self._pause.__exit__(None, None, None)
+                self._pause = None
+            if self._in_step:
+                self._timer.step().__exit__(type(exception), exception, exception.__traceback__)
+            self._in_step = self._in_batch = False
+            self._frames = [[None]]
+            try:
+                self._close(trainer, failed=True)
+            except Exception as err:  # a broken device must not hide the user's exception
+                log.warning("steptimer: could not flush timings after %r: %s", exception, err)
+                self._timer = None
+        self._uninstall()
+
+    # ------------------------------------------------------------------ batches
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        timer = self._timer
+        if timer is None:
+            return
+        if not self._in_step:
+            timer.step().__enter__()
+            self._in_step = True
+            self._samples = self._tokens = 0.0
+            self._saw_forward = self._saw_backward = False
+        else:
+            self._switch(None)  # the `data` phase between micro-batches of one step
+        self._in_batch = True
+        self._stepped = False
+        if not self._manual:
+            self._will_step = self._steps_after(trainer, batch_idx)
+        if self.batch_size_fn is not None:
+            self._samples += float(self.batch_size_fn(batch))
+        if self.tokens_fn is not None:
+            self._tokens += float(self.tokens_fn(batch))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._timer is None or not self._in_batch:
+            return
+        while len(self._frames) > 1:  # a user phase left open by a non-`with` use: close it here
+            self._switch(None)
+            self._frames.pop()
+        self._switch(None)
+        if self._update_open:  # the update began but the optimizer never stepped: GradScaler skip
+            self._update_open = False
+            self._skipped += 1
+        self._in_batch = False
+        if self._stepped:
+            self._end_step()
+        else:
+            self._switch("data")  # accumulating: the next micro-batch's fetch is inside this step
+
+    @staticmethod
+    def _steps_after(trainer: Any, batch_idx: int) -> bool:
+        """Whether this micro-batch ends with an optimizer step (Lightning's accumulation rule)."""
+        k = int(trainer.accumulate_grad_batches)
+        if k <= 1:
+            return True
+        n = trainer.num_training_batches
+        return (batch_idx + 1) % k == 0 or (isinstance(n, int) and batch_idx + 1 >= n)
+
+    def _end_step(self) -> None:
+        timer = self._timer
+        if timer is None:
+            return
+        self._switch(None)
+        self._check_forward_seen()
+        samples = self._samples if self.batch_size_fn is not None else None
+        tokens = self._tokens if self.tokens_fn is not None else None
+        # step() sets the step's counts and returns its context manager, entered at batch start.
+        timer.step(samples=samples, tokens=tokens).__exit__(None, None, None)
+        self._in_step = False
+
+    def _check_forward_seen(self) -> None:
+        if self._saw_forward or not self._saw_backward or self._no_forward_warned:
+            return
+        self._no_forward_warned = True
+        target = f"forward_module={self.forward_module!r}" if self.forward_module else "the LightningModule"
+        warnings.warn(
+            f"StepTimerCallback: training_step never called the forward of {target}, so no `forward` or "
+            "`loss` phase was timed (that time is in `other`). If training_step calls a submodule "
+            "(e.g. self.net(x)), pass StepTimerCallback(forward_module='net').",
+            stacklevel=2,
+        )
+
+    # ------------------------------------------------------------------ validation
+
+    @override
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        timer = self._timer
+        if timer is None or trainer.sanity_checking:
+            return
+        self._val_t0 = perf_counter()
+        if self._in_step:
+            # Validation between two micro-batches of one step: it can't be paused out of the step,
+            # so it is a phase of that step.
+            self._val_in_step = True
+            self._switch("val")
+        else:
+            self._pause = timer.pause()
+            self._pause.__enter__()
+
+    @override
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._val_t0 is None:
+            return
+        val_ms = (perf_counter() - self._val_t0) * 1e3
+        self._val_t0 = None
+        if self._val_in_step:
+            self._val_in_step = False
+            self._switch("data")
+        if self._pause is not None:
+            self._pause.__exit__(None, None, None)
+            self._pause = None
+        self._val_ms.append(val_ms)
+        if self._sink is not None:
+            self._sink.log({"steptimer/val_ms": val_ms}, step=self.steps)
+
+    # ------------------------------------------------------------------ phases from hooks
+
+    @override
+    def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._in_batch:
+            self._switch("zero_grad")
+
+    @override
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self._in_batch:
+            self._saw_backward = True
+            self._switch("backward")
+
+    @override
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        if self._in_batch:
+            self._switch("clip" if self._manual or self._will_step else None)
+
+    @override
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._in_batch:
+            self._stepped = True
+
+    def _switch(self, name: str | None) -> None:
+        """End the callback phase open in the innermost frame and start ``name`` (None: none)."""
+        frame = self._frames[-1]
+        cur = frame[0]
+        if cur == name:
+            return
+        timer = self._timer
+        if timer is None:
+            return
+        if cur is not None:
+            frame[0] = None
+            timer.phase(cur).__exit__(None, None, None)
+        if name is not None:
+            timer.phase(name).__enter__()
+            frame[0] = name
+
+    # ------------------------------------------------------------------ hooks on module and optimizers
+
+    def _install(self, trainer: Any, pl_module: Any) -> None:
+        self._uninstall()
+        target = pl_module
+        if self.forward_module is not None:
+            try:
+                target = pl_module.get_submodule(self.forward_module)
+            except AttributeError:
+                names = [n for n, _ in pl_module.named_modules() if n][:20]
+                raise ValueError(
+                    f"forward_module={self.forward_module!r} is not a submodule of "
+                    f"{type(pl_module).__name__}; its submodules: {names}"
+                ) from None
+        self._handles.append(target.register_forward_pre_hook(self._forward_pre))
+        self._handles.append(target.register_forward_hook(self._forward_post, always_call=True))
+        raw = list(trainer.optimizers)
+        for opt in raw:
+            self._handles.append(opt.register_step_post_hook(self._optimizer_post))
+        wrapped = pl_module.optimizers(use_pl_optimizer=True)
+        wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
+        for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
+            self._patch(opt, "zero_grad", self._zero_grad_wrapper)
+        if self._manual:
+            for opt in wrapped:
+                self._patch(opt, "step", self._manual_step_wrapper)
+        else:
+            self._patch(pl_module, "configure_gradient_clipping", self._clipping_wrapper)
+
+    def _patch(self, obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Wrap ``obj.attr`` with an instance attribute (removed at teardown; the class is untouched)."""
+        if not hasattr(obj, attr) or "__dict__" not in dir(obj):
+            return
+        orig = getattr(obj, attr)
+        wrapper = functools.wraps(orig)(make(orig))  # `__wrapped__` keeps is_overridden() truthful
+        wrapper._steptimer = True  # type: ignore[attr-defined]
+        setattr(obj, attr, wrapper)
+        self._patched.append((obj, attr))
+
+    def _uninstall(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for obj, attr in self._patched:
+            if getattr(obj.__dict__.get(attr), "_steptimer", False):
+                delattr(obj, attr)
+        self._patched = []
+
+    def _forward_pre(self, module: Any, args: Any) -> None:
+        if not self._in_batch:
+            return
+        self._fwd_depth += 1
+        if self._fwd_depth == 1:
+            self._saw_forward = True
+            self._switch("forward")
+
+    def _forward_post(self, module: Any, args: Any, output: Any) -> None:
+        if not self._in_batch or self._fwd_depth == 0:
+            return
+        self._fwd_depth -= 1
+        if self._fwd_depth == 0:
+            self._switch("loss")
+
+    def _zero_grad_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            if not self._in_batch:
+                return orig(*args, **kwargs)
+            self._zg_depth += 1
+            if self._zg_depth == 1:
+                self._switch("zero_grad")
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self._zg_depth -= 1
+                if self._zg_depth == 0 and self._in_batch and self._frames[-1][0] == "zero_grad":
+                    self._switch(None)
+
+        return zero_grad
+
+    def _clipping_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        # Lightning clips right after on_before_optimizer_step; the update starts when this returns.
+        def configure_gradient_clipping(*args: Any, **kwargs: Any) -> Any:
+            out = orig(*args, **kwargs)
+            if self._in_batch:
+                self._stepped = True
+                self._update_open = True
+                self._switch("optimizer")
+            return out
+
+        return configure_gradient_clipping
+
+    def _manual_step_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if not self._in_batch:
+                return orig(*args, **kwargs)
+            self._stepped = True
+            self._update_open = True
+            self._switch("optimizer")
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                if self._update_open:  # no step post-hook: the GradScaler skipped this update
+                    self._update_open = False
+                    self._skipped += 1
+                if self._in_batch:
+                    self._switch(None)
+
+        return step
+
+    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._in_batch:
+            return
+        self._update_open = False
+        if not self._manual and self._frames[-1][0] == "optimizer":
+            self._switch(None)
+
+    # ------------------------------------------------------------------ closing
+
+    def _close(self, trainer: Any, *, failed: bool) -> None:
+        timer = self._timer
+        if timer is None:
+            return
+        self._timer = None
+        summary = timer.close(failed=failed)
+        self._steps_done = timer.steps
+        notes = list(summary.notes)
+        if self._skipped:
+            notes.append(f"{self._skipped} optimizer step(s) skipped by the GradScaler (inf/NaN gradients)")
+        if self._val_ms:
+            mean = sum(self._val_ms) / len(self._val_ms)
+            notes.append(
+                f"validation: {len(self._val_ms)} run(s), {mean:.1f} ms mean, paused (not counted as data)"
+            )
+        if self._no_forward_warned:
+            notes.append("no forward phase: training_step never called the hooked module's forward")
+        self.summary = dataclasses.replace(summary, notes=tuple(notes))
+        if self.print_summary and trainer.is_global_zero:
+            from steptimer._table import print_summary
+
+            print_summary(self.summary)
+
