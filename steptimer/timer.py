@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from steptimer._clock import _CudaBackend, cuda_usable, torch_backend
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._stats import ResolvedStep, Summary, SummaryAccumulator, Window, window_of
+from steptimer._trace import make_capture
 
 log = logging.getLogger("steptimer")
 
@@ -219,6 +220,10 @@ class StepTimer:
             on a gloo side group, and add a per-rank section to the summary. False turns it off.
         cross_rank_timeout_s: Longest wait for the other ranks in one cross-rank collective; after
             a timeout cross-rank statistics stay off for the rest of the run, with a warning.
+        trace_steps: Capture these steps for ``steptimer trace`` (host and GPU times of the step and
+            its phases): an int N is the N steps right after warm-up, a pair is ``(first, last)``
+            step numbers. Written to ``steptimer-trace.json`` in the log directory at close; costs
+            one extra event wait, once, when the capture ends.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -245,6 +250,7 @@ class StepTimer:
         print_summary: bool = True,
         cross_rank: bool = True,
         cross_rank_timeout_s: float = DEFAULT_TIMEOUT_S,
+        trace_steps: int | tuple[int, int] | None = None,
         _backend: _CudaBackend | None = None,
         _sinks: Sequence[Sink] = (),
     ) -> None:
@@ -307,6 +313,10 @@ class StepTimer:
         self._held_end: tuple[int, int, Any] | None = None  # (number, device, event) of last resolved
         self.events_created = 0  # pool size, for tests and curious users
         self._xrank = xrank
+        self._trace = make_capture(
+            trace_steps, log_dir=log_dir, writer=writer, start_step=start_step,
+            warmup_steps=warmup_steps, sample_every=sample_every, enabled=enabled, rank=self._rank,
+        )
         if not enabled:
             return
         if cuda is True and _backend is None:
@@ -393,6 +403,8 @@ class StepTimer:
         if self._window:
             self._emit(self._window)
             self._window = []
+        if self._trace is not None:
+            self._trace.finish(self)
         self._release(self._held_end[2] if self._held_end else None)
         self._held_end = None
         self._closed = True
@@ -664,6 +676,8 @@ class StepTimer:
             host["wait"] = rec.wait_s * 1e3
         if rec.timed:
             host["other"] = max((rec.step_s - top_s - rec.wait_s) * 1e3, 0.0)
+        if self._trace is not None:  # before the step's events go back to the pool
+            self._trace.add(self, rec)
         gpu = self._resolve_gpu(rec) if rec.events else None
         step = ResolvedStep(rec.number, host, gpu, calls, rec.samples, rec.tokens, rec.timed)
         self._window.append(step)

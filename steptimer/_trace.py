@@ -1,0 +1,318 @@
+"""Trace capture: a window of steps on the host clock and the GPU clock, and its Chrome trace export.
+
+``StepTimer(trace_steps=...)`` makes a :class:`Capture` that the engine calls once per resolved step
+(one ``is not None`` check per step when tracing is off). It keeps, for each captured step, the host
+``perf_counter`` times of the step and its phases and the GPU times of the same CUDA events.
+
+Placing GPU times on the host clock: CUDA events only give GPU intervals. Each captured step's
+events are read relative to its first event, and consecutive steps are chained by the engine's own
+end-of-previous-step event (the one it holds for GPU idle). When the capture is over, one reference
+event is recorded and waited for (once per capture: this is the only extra wait tracing adds); the
+host time at which the wait returns anchors the chain. That anchor is late by the wake-up latency of
+the wait (microseconds), so GPU slices are drawn at most that much late, never early; the chain adds
+CUDA's event resolution (about 0.5 µs) per captured step. The extra wait lands in the step during
+which the capture's step after ``last`` is resolved (or in ``close()``), and can cost that step up
+to the GPU work queued at that moment.
+
+The capture is written as ``steptimer-trace.json`` in the log directory at ``close()``;
+``steptimer trace LOGDIR -o out.json`` turns it into Chrome trace JSON (Perfetto opens it as is).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from steptimer.timer import StepTimer, _Pending
+
+TRACE_FILE = "steptimer-trace.json"
+FORMAT = "steptimer-trace"
+VERSION = 1
+
+
+def trace_range(trace_steps: int | tuple[int, int], *, start_step: int, warmup_steps: int) -> tuple[int, int]:
+    """``(first, last)`` step numbers to capture, from ``StepTimer``'s ``trace_steps`` option.
+
+    An int N means the N steps right after warm-up; a pair is inclusive step numbers.
+    """
+    if isinstance(trace_steps, int) and not isinstance(trace_steps, bool):
+        if trace_steps < 1:
+            raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace_steps!r}")
+        first = start_step + warmup_steps + 1
+        return first, first + trace_steps - 1
+    ok = (
+        isinstance(trace_steps, tuple) and len(trace_steps) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in trace_steps)
+        and start_step < trace_steps[0] <= trace_steps[1]
+    )  # fmt: skip
+    if not ok:
+        raise ValueError(
+            f"trace_steps must be an int >= 1 or a (first, last) pair of step numbers with "
+            f"{start_step + 1} <= first <= last, got {trace_steps!r}"
+        )
+    return trace_steps[0], trace_steps[1]  # type: ignore[index]
+
+
+class Capture:
+    """Collects steps ``first..last`` (inclusive) as the engine resolves them; writes at close."""
+
+    def __init__(self, first: int, last: int, path: str) -> None:
+        self.first = first
+        self.last = last
+        self.path = path
+        self._t0s: dict[int, float] = {}
+        self._steps: list[dict[str, Any]] = []
+        self._gpu_ok = True  # False once the GPU chain breaks
+        self._rel = 0.0  # seconds since the first captured step's GPU start, of the last end event
+        self._anchored = False
+        self._notes: list[str] = []
+        self.written = False
+
+    def add(self, timer: StepTimer, rec: _Pending) -> None:
+        """Called by the engine for every resolved step, before its events go back to the pool."""
+        # The step whose end triggered this resolve is the current one: its start is timer._t0
+        # (steps are resolved `lag` steps after they end, so rec's own start is gone by now).
+        current = timer._number
+        if self.first <= current <= self.last and timer._in_step is False:
+            self._t0s.setdefault(current, timer._t0)
+        n = rec.number
+        if n < self.first:
+            return
+        if n > self.last:
+            if not self._anchored:
+                self._anchor(timer)
+            return
+        step: dict[str, Any] = {
+            "number": n,
+            "t0": self._t0s.pop(n, None),
+            "step_s": rec.step_s,
+            "gap_s": rec.gap_s,
+            "wait_s": rec.wait_s,
+            "paused": bool(rec.pauses),
+            "phases": [[name, t_in, t_out] for name, t_in, t_out, _, _ in rec.phases],
+            "gpu_rel": None,
+        }
+        if timer._cuda and self._gpu_ok:
+            step["gpu_rel"] = self._gpu_rel(timer, rec)
+        self._steps.append(step)
+
+    def _gpu_rel(self, timer: StepTimer, rec: _Pending) -> dict[str, Any] | None:
+        evs = rec.events
+        if not evs or not rec.timed:
+            self._break(f"step {rec.number} has no GPU events")
+            return None
+        el = timer._backend().elapsed_ms
+        if self._steps:
+            held = timer._held_end
+            if held is None or held[0] != rec.number - 1 or held[1] != rec.device:
+                self._break(f"the GPU chain broke before step {rec.number} (device or stream switch)")
+                return None
+            start = self._rel + el(held[2], evs[rec.i_start]) / 1e3
+        else:
+            start = 0.0
+        ref = evs[0]
+        offs = [0.0] + [el(ref, e) / 1e3 for e in evs[1:]]
+        base = start - offs[rec.i_start]
+        self._rel = base + offs[rec.i_end]
+        return {
+            "start": start,
+            "end": self._rel,
+            "phases": [[name, base + offs[i], base + offs[j]] for name, _, _, i, j in rec.phases],
+        }
+
+    def _break(self, why: str) -> None:
+        self._gpu_ok = False
+        self._notes.append(f"GPU track ends early: {why}")
+
+    def _anchor(self, timer: StepTimer) -> None:
+        """Put the GPU chain on the host clock: one reference event, waited for once."""
+        self._anchored = True
+        captured = [s for s in self._steps if s["gpu_rel"] is not None]
+        held = timer._held_end
+        if not captured or held is None or held[0] != captured[-1]["number"]:
+            if captured:
+                self._notes.append("GPU times dropped: the capture's last event was not held at the anchor")
+            for s in self._steps:
+                s["gpu_rel"] = None
+            return
+        b = timer._backend()
+        ref = b.new_event()
+        b.record(ref, timer._stream)
+        b.wait(ref)
+        anchor = perf_counter()
+        end_host = anchor - b.elapsed_ms(held[2], ref) / 1e3
+        shift = end_host - self._rel  # host time of the chain's zero
+        for s in self._steps:
+            rel = s.pop("gpu_rel")
+            s["gpu"] = None if rel is None else {
+                "start": rel["start"] + shift,
+                "end": rel["end"] + shift,
+                "phases": [[name, a + shift, z + shift] for name, a, z in rel["phases"]],
+            }
+
+    def finish(self, timer: StepTimer) -> None:
+        """At ``close()``: anchor if the run ended inside the capture, then write the file."""
+        if self.written:
+            return
+        self.written = True
+        if not self._steps:
+            log_note = f"no step in {self.first}..{self.last} was completed"
+            self._notes.append(log_note)
+        if not self._anchored:
+            self._anchor(timer)
+        for s in self._steps:
+            s.pop("gpu_rel", None)
+            s.setdefault("gpu", None)
+            if s["t0"] is None:
+                self._notes.append(f"step {s['number']}: start time unknown, drawn from its first phase")
+        doc = {
+            "format": FORMAT,
+            "version": VERSION,
+            "clock": "host perf_counter seconds; GPU times placed on it through a reference event",
+            "first": self.first,
+            "last": self.last,
+            "cuda": bool(timer._cuda),
+            "steps": self._steps,
+            "notes": self._notes,
+        }
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self.path)
+
+
+# ---------------------------------------------------------------------- export (CLI side)
+
+
+def load_capture(path: str) -> dict[str, Any]:
+    """Read a capture written by :class:`Capture` (``path`` is its file or the run's directory)."""
+    from steptimer._reader import LogError
+
+    file = os.path.join(path, TRACE_FILE) if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        if not os.path.exists(path):
+            raise LogError(f"{path}: no such file or directory")
+        raise LogError(
+            f"{path}: no {TRACE_FILE} here; capture steps with StepTimer(log_dir=..., trace_steps=N)"
+        )
+    try:
+        with open(file) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as err:
+        raise LogError(f"{file}: not a readable steptimer trace ({err})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
+        raise LogError(f"{file}: not a steptimer trace capture (format {FORMAT!r} expected)")
+    if doc.get("version") != VERSION:
+        raise LogError(f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}")
+    return doc
+
+
+HOST_TID = 1
+GPU_TID = 2
+
+
+def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
+    """Chrome trace JSON (``traceEvents``, ``ph: "X"`` slices in µs) with a host and a GPU track.
+
+    Host track: the data wait before each step, the step, its phases (nested) and the lagged wait
+    (drawn at the end of the step). GPU track: each step's span between its first and last event and
+    its phases' spans. A GPU slice never starts before the host launched it: a start placed earlier
+    (the anchor or clock drift) is clamped to the host entry time, and the count is in ``metadata``.
+    """
+    steps = capture["steps"]
+    host_times = [s["t0"] for s in steps if s["t0"] is not None]
+    host_times += [p[1] for s in steps for p in s["phases"]]
+    host_times += [s["t0"] - s["gap_s"] for s in steps if s["t0"] is not None and s["gap_s"]]
+    origin = min(host_times, default=0.0)
+
+    def us(t: float) -> float:
+        return round((t - origin) * 1e6, 3)
+
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "steptimer"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": HOST_TID, "args": {"name": "host"}},
+        {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": HOST_TID, "args": {"sort_index": 0}},
+    ]
+
+    def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
+        events.append({
+            "ph": "X", "pid": 1, "tid": tid, "name": name, "cat": cat,
+            "ts": us(a), "dur": round(max(z - a, 0.0) * 1e6, 3), "args": args,
+        })  # fmt: skip
+
+    clamped = 0
+    has_gpu = False
+    for s in steps:
+        n = s["number"]
+        t0 = s["t0"] if s["t0"] is not None else min((p[1] for p in s["phases"]), default=None)
+        if t0 is None:
+            continue
+        t_end = t0 + s["step_s"]
+        if s["gap_s"]:
+            slice_(HOST_TID, "data", "data", t0 - s["gap_s"], t0, step=n)
+        slice_(HOST_TID, f"step {n}", "step", t0, t_end, step=n)
+        for name, t_in, t_out in s["phases"]:
+            slice_(HOST_TID, name, "phase", t_in, t_out, step=n)
+        if s["wait_s"] > 0:
+            slice_(HOST_TID, "wait", "wait", t_end - s["wait_s"], t_end, step=n, position="approximate")
+        g = s.get("gpu")
+        if g is None:
+            continue
+        has_gpu = True
+        launches = [(f"step {n}", "step", g["start"], g["end"], t0)]
+        launches += [(name, "phase", a, z, p[1]) for (name, a, z), p in zip(g["phases"], s["phases"])]
+        for name, cat, a, z, launched in launches:
+            if a < launched:
+                clamped += 1
+                a = launched
+            slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
+    # Parents before children (Chrome's importer nests by order when starts are equal).
+    def order(e: dict[str, Any]) -> tuple[Any, ...]:
+        depth = {"data": 0, "step": 1, "wait": 99}.get(e.get("cat", ""), 2 + e["name"].count("/"))
+        return (e["ph"] != "M", e["tid"], e.get("ts", 0.0), -e.get("dur", 0.0), depth)
+
+    events.sort(key=order)
+    if has_gpu:
+        events += [
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": GPU_TID, "args": {"name": "GPU"}},
+            {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": GPU_TID, "args": {"sort_index": 1}},
+        ]
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "metadata": {
+            "steps": len(steps),
+            "gpu": has_gpu,
+            "clamped": clamped,
+            "notes": list(capture.get("notes", [])),
+        },
+    }
+
+
+def make_capture(
+    trace_steps: int | tuple[int, int] | None,
+    *,
+    log_dir: str | os.PathLike[str] | None,
+    writer: Any,
+    start_step: int,
+    warmup_steps: int,
+    sample_every: int,
+    enabled: bool,
+    rank: int,
+) -> Capture | None:
+    """Validate ``StepTimer``'s ``trace_steps``; the capture (rank 0 of an enabled timer) or None."""
+    if trace_steps is None:
+        return None
+    first, last = trace_range(trace_steps, start_step=start_step, warmup_steps=warmup_steps)
+    if sample_every != 1:
+        raise ValueError(f"trace_steps needs every step timed (sample_every=1), got sample_every={sample_every}")
+    if log_dir is None and writer is None:
+        raise ValueError(f"trace_steps needs log_dir or writer: {TRACE_FILE} is written next to the event files")
+    if not enabled or rank != 0:
+        return None
+    folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
+    return Capture(first, last, os.path.join(folder, TRACE_FILE))

@@ -1,0 +1,387 @@
+"""The ``steptimer`` CLI, run as a subprocess on logs written by the real StepTimer in ``tmp_path``.
+
+GPU timelines on CPU come from ``tests/fakes.py`` (a simulated GPU on a simulated host clock), so
+the logs, and every number checked here, are deterministic; the ``cuda`` tests do the same on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import steptimer
+import steptimer._trace as trace_mod
+import steptimer.timer as timer_mod
+from steptimer import StepTimer
+from tests.fakes import FakeClock, FakeGPU
+
+ROOT = str(Path(steptimer.__file__).resolve().parent.parent)
+
+
+def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    """``python -m steptimer ARGS`` (the package need not be installed: the device runs it this way)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
+    p = subprocess.run([sys.executable, "-m", "steptimer", *args], capture_output=True, text=True, env=env,
+                       timeout=120)
+    if ok:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def report_json(path: Path, *extra: str) -> dict[str, Any]:
+    return json.loads(cli("report", str(path), "--json", *extra).stdout)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    c = FakeClock()
+    monkeypatch.setattr(timer_mod, "perf_counter", c)
+    monkeypatch.setattr(trace_mod, "perf_counter", c)
+    return c
+
+
+def fake_run(
+    log_dir: Path, clock: FakeClock, *, data_ms: float, phases: dict[str, tuple[float, float]],
+    steps: int = 20, lag: int = 1, **kw: Any,
+) -> Any:
+    """A run on the simulated GPU: each phase costs (host ms, GPU ms); ``data_ms`` between steps."""
+    gpu = FakeGPU(clock)
+    t = StepTimer(log_dir=str(log_dir), log_every_n_steps=5, warmup_steps=0, lag=lag, print_summary=False,
+                  _backend=gpu.backend(), **kw)
+    for _ in range(steps):
+        clock.advance_ms(data_ms)
+        with t.step(samples=4):
+            for name, (host_ms, gpu_ms) in phases.items():
+                with t.phase(name):
+                    gpu.launch(gpu_ms)
+                    clock.advance_ms(host_ms)
+    return t.close()
+
+
+# ---------------------------------------------------------------------- report
+
+
+def test_report_numbers_are_the_logged_ones(tmp_path: Path) -> None:
+    """Real clock, real sleeps (host only): the report re-derives the engine's own summary from the files."""
+    run = tmp_path / "run"
+    t = StepTimer(log_dir=str(run), cuda=False, log_every_n_steps=4, warmup_steps=0, print_summary=False)
+    for i in range(12):
+        time.sleep(0.03)  # a sleeping data loader: 30 ms dominates everything else
+        with t.step(samples=8):
+            with t.phase("forward"):
+                with t.phase("inner"):
+                    time.sleep(0.002 * (1 + i % 3))
+            with t.phase("backward"):
+                pass
+    summary = t.close()
+    (r,) = report_json(tmp_path)["runs"]
+    assert r["name"] == "run" and r["steps"] == 12 and r["windows"] == 3
+    assert r["quantiles_of"] == "steps" and r["cuda"] is False
+    rows = {row["name"]: row for row in r["rows"]}
+    assert list(rows) == ["data", "forward", "forward/inner", "backward", "other", "step"]
+    for name, row in rows.items():
+        want = summary[name]
+        # Same per-step histograms, merged from the files: medians and p90 on the same grid point,
+        # count and max exact.
+        assert row["host"]["steps"] == want.host.steps
+        for stat in ("median_ms", "p90_ms", "max_ms", "mean_ms"):
+            assert row["host"][stat] == pytest.approx(getattr(want.host, stat), rel=1e-6), (name, stat)
+        if want.share is not None:
+            assert row["share"] == pytest.approx(want.share, rel=1e-6)
+    assert r["steps_per_s"] == pytest.approx(summary.steps_per_s, rel=1e-6)
+    assert r["samples_per_s"] == pytest.approx(summary.samples_per_s, rel=1e-6)
+    assert r["data_share"] == pytest.approx(summary["data"].share, rel=1e-6)
+    assert r["data_share"] > 0.5  # 30 ms of data per 2-6 ms step
+    assert r["verdict"]["kind"] == "input-bound"
+
+    text = cli("report", str(tmp_path)).stdout
+    assert "host median ms" in text and "GPU median ms" not in text
+    assert f"{rows['forward/inner']['host']['median_ms']:.3f}" in text
+    assert "verdict: input-bound" in text and "of steps" in text
+
+
+def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
+    """Logs without histograms (a logger that only takes scalars) still report, and say so."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from steptimer._stats import ResolvedStep, window_of
+    from steptimer._tensorboard import window_scalars
+
+    w = SummaryWriter(str(tmp_path / "lightning_logs" / "version_0"))
+    means = []
+    for k in range(4):
+        steps = [ResolvedStep(5 * k + i + 1, {"step": 10.0 + k + i, "forward": 4.0 + k, "other": 1.0,
+                                               "data": 2.0, "_gap": 2.0}, None, {"forward": 1})
+                 for i in range(5)]
+        win = window_of(steps)
+        means.append(win.host["forward"].mean_ms)
+        for tag, v in window_scalars(win).items():
+            w.add_scalar(tag, v, win.step)
+    w.close()
+    (r,) = report_json(tmp_path)["runs"]
+    assert r["name"] == os.path.join("lightning_logs", "version_0")
+    assert r["quantiles_of"] == "window means" and r["steps"] == 20
+    fwd = next(row for row in r["rows"] if row["name"] == "forward")
+    assert fwd["host"]["median_ms"] == pytest.approx(5.5)  # median of the window means 4, 5, 6, 7
+    assert fwd["host"]["max_ms"] == pytest.approx(7.0)
+    assert any("window means" in n for n in r["notes"])
+    assert "median/p90 of window means" in cli("report", str(tmp_path)).stdout
+
+
+def test_report_walks_a_tree_and_skips_steps(tmp_path: Path, clock: FakeClock) -> None:
+    fake_run(tmp_path / "a", clock, data_ms=1.0, phases={"forward": (5.0, 5.0)}, steps=10)
+    fake_run(tmp_path / "b" / "nested", clock, data_ms=1.0, phases={"forward": (5.0, 5.0)}, steps=10)
+    runs = report_json(tmp_path)["runs"]
+    assert [r["name"] for r in runs] == ["a", os.path.join("b", "nested")]
+    assert [r["steps"] for r in report_json(tmp_path / "a", "--skip-steps", "5")["runs"]] == [5]
+
+
+def test_verdict_input_bound_gpu(tmp_path: Path, clock: FakeClock) -> None:
+    fake_run(tmp_path, clock, data_ms=30.0, phases={"forward": (2.0, 3.0), "backward": (2.0, 3.0)})
+    (r,) = report_json(tmp_path)["runs"]
+    assert r["cuda"] is True
+    assert r["verdict"]["kind"] == "input-bound", r["verdict"]
+    assert r["gpu_idle_share"] > 0.5 and r["data_share"] > 0.5
+    assert any("GPU sat idle" in e for e in r["verdict"]["evidence"])
+
+
+def test_verdict_launch_bound(tmp_path: Path, clock: FakeClock) -> None:
+    # The host takes 10 ms to launch 1 ms of GPU work per phase: the GPU follows the host.
+    fake_run(tmp_path, clock, data_ms=0.1, phases={"forward": (10.0, 1.0), "backward": (10.0, 1.0)})
+    (r,) = report_json(tmp_path)["runs"]
+    assert r["verdict"]["kind"] == "launch-bound", r["verdict"]
+    rows = {row["name"]: row for row in r["rows"]}
+    assert rows["forward"]["gpu"]["median_ms"] == pytest.approx(10.0, rel=0.01)
+    assert "GPU ms per phase ≈ host ms" in cli("report", str(tmp_path)).stdout
+
+
+def test_verdict_gpu_bound(tmp_path: Path, clock: FakeClock) -> None:
+    # 1 ms of host launches queue 20 ms of GPU work per phase: the host waits for the GPU.
+    fake_run(tmp_path, clock, data_ms=0.1, phases={"forward": (1.0, 20.0), "backward": (1.0, 20.0)})
+    (r,) = report_json(tmp_path)["runs"]
+    assert r["verdict"]["kind"] == "gpu-bound", r["verdict"]
+    assert r["wait_share"] > 0.5
+    rows = {row["name"]: row for row in r["rows"]}
+    assert rows["forward"]["gpu"]["median_ms"] == pytest.approx(20.0, rel=0.01)
+    assert rows["forward"]["host"]["median_ms"] == pytest.approx(1.0, rel=0.01)
+
+
+def test_verdict_compute_bound_without_gpu_tags(tmp_path: Path, clock: FakeClock) -> None:
+    t = StepTimer(log_dir=str(tmp_path), cuda=False, log_every_n_steps=5, warmup_steps=0, print_summary=False)
+    for _ in range(10):
+        clock.advance_ms(0.5)
+        with t.step(), t.phase("forward"):
+            clock.advance_ms(20.0)
+    t.close()
+    (r,) = report_json(tmp_path)["runs"]
+    assert r["verdict"]["kind"] == "compute-bound"
+    assert any("cannot tell" in e for e in r["verdict"]["evidence"])
+
+
+# ---------------------------------------------------------------------- compare
+
+
+def test_compare_change_and_noise(tmp_path: Path, clock: FakeClock) -> None:
+    fake_run(tmp_path / "a", clock, data_ms=1.0, phases={"forward": (1.0, 20.0), "loss": (1.0, 2.0)})
+    fake_run(tmp_path / "b", clock, data_ms=1.0, phases={"forward": (1.0, 10.0), "loss": (1.0, 2.0)})
+    out = json.loads(cli("compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json").stdout)
+    d = {x["name"]: x for x in out["deltas"]}
+    assert d["forward"]["clock"] == "gpu"
+    assert d["forward"]["delta_ms"] == pytest.approx(-10.0, rel=0.02)
+    assert d["forward"]["noise"] is False
+    assert d["loss"]["delta_ms"] == pytest.approx(0.0, abs=0.05) and d["loss"]["noise"] is True
+    assert d["wall per step"]["delta_ms"] < -5 and d["wall per step"]["noise"] is False
+    text = cli("compare", str(tmp_path / "a"), str(tmp_path / "b")).stdout
+    assert "within noise" in text and "faster" in text
+
+
+def test_compare_needs_one_run_each(tmp_path: Path, clock: FakeClock) -> None:
+    fake_run(tmp_path / "x" / "1", clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=5)
+    fake_run(tmp_path / "x" / "2", clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=5)
+    p = cli("compare", str(tmp_path / "x"), str(tmp_path / "x" / "1"), ok=False)
+    assert p.returncode == 1 and "holds 2 runs" in p.stderr and "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------- trace
+
+
+def test_trace_capture_and_chrome_export(tmp_path: Path, clock: FakeClock) -> None:
+    """GPU-bound on the simulated GPU: GPU slices sit where the simulated GPU ran them, after launch."""
+    gpu = FakeGPU(clock)
+    t = StepTimer(log_dir=str(tmp_path), log_every_n_steps=5, warmup_steps=2, lag=1, print_summary=False,
+                  trace_steps=3, _backend=gpu.backend())
+    truth: dict[int, list[tuple[str, float, float]]] = {}  # step -> (phase, GPU start, GPU end) in s
+    t_origin = 0.0
+    for n in range(1, 11):
+        if n == 3:
+            t_origin = clock.now  # the trace's first slice: the data wait before step 3
+        clock.advance_ms(2.0)
+        with t.step():
+            for name, (host_ms, gpu_ms) in {"forward": (1.0, 8.0), "backward": (1.0, 12.0)}.items():
+                with t.phase(name):
+                    start = max(clock.now, gpu.busy_until_ms / 1e3)
+                    gpu.launch(gpu_ms)
+                    clock.advance_ms(host_ms)
+                truth.setdefault(n, []).append((name, start, start + gpu_ms / 1e3))
+    t.close()
+    assert (tmp_path / "steptimer-trace.json").exists()
+    out = tmp_path / "out.json"
+    p = cli("trace", str(tmp_path), "-o", str(out))
+    assert "3 steps" in p.stdout and "GPU track" in p.stdout
+    doc = json.loads(out.read_text())
+    threads = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert set(threads.values()) == {"host", "GPU"}
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    by_track = {name: [e for e in slices if e["tid"] == tid] for tid, name in threads.items()}
+    for track in ("host", "GPU"):
+        phases = [e for e in by_track[track] if e["cat"] == "phase"]
+        assert sorted({e["args"]["step"] for e in phases}) == [3, 4, 5]  # the 3 steps after warm-up
+        assert len(phases) == 6 and len([e for e in by_track[track] if e["cat"] == "step"]) == 3
+    host_start = {(e["args"]["step"], e["name"]): e["ts"] for e in by_track["host"]}
+    gpu_phases = [e for e in by_track["GPU"] if e["cat"] == "phase"]
+    for e in gpu_phases:
+        assert e["ts"] >= host_start[(e["args"]["step"], e["name"])]  # never before its host launch
+    # On the simulated clocks the placement is exact: each GPU phase ends where the simulated GPU
+    # finished it (phases are measured between events, so a phase's GPU start is the previous end).
+    origin = min(e["ts"] for e in slices)
+    for e in gpu_phases:
+        (end,) = [z for name, _, z in truth[e["args"]["step"]] if name == e["name"]]
+        assert (e["ts"] + e["dur"] - origin) / 1e6 == pytest.approx(end - t_origin, abs=1e-6)
+    assert doc["metadata"]["clamped"] == 0
+
+
+def test_trace_host_only(tmp_path: Path, clock: FakeClock) -> None:
+    t = StepTimer(log_dir=str(tmp_path), cuda=False, warmup_steps=0, print_summary=False, trace_steps=(2, 4))
+    for _ in range(6):
+        clock.advance_ms(1.0)
+        with t.step(), t.phase("forward"), t.phase("inner"):
+            clock.advance_ms(3.0)
+    t.close()
+    doc = json.loads(cli("trace", str(tmp_path), "-o", "-").stdout)
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in slices} == {trace_mod.HOST_TID} and doc["metadata"]["gpu"] is False
+    assert [e["name"] for e in slices if e["cat"] == "phase"] == ["forward", "forward/inner"] * 3
+    steps = [e for e in slices if e["cat"] == "step"]
+    assert [e["dur"] for e in steps] == pytest.approx([3000.0] * 3)
+    assert [b["ts"] - a["ts"] for a, b in zip(steps, steps[1:])] == pytest.approx([4000.0] * 2)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"trace_steps": 0}, "trace_steps must be an int >= 1"),
+        ({"trace_steps": (5, 2)}, "first <= last"),
+        ({"trace_steps": 3, "sample_every": 2}, "sample_every=1"),
+    ],
+)
+def test_trace_option_is_validated(tmp_path: Path, kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StepTimer(log_dir=str(tmp_path), cuda=False, print_summary=False, **kw)
+    with pytest.raises(ValueError, match="needs log_dir or writer"):
+        StepTimer(cuda=False, print_summary=False, trace_steps=2)
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def _bad(*args: str) -> str:
+    p = cli(*args, ok=False)
+    assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("steptimer: error: "), p.stderr
+    return lines[0]
+
+
+def test_bad_input(tmp_path: Path, clock: FakeClock) -> None:
+    assert "no such file or directory" in _bad("report", str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    assert "no TensorBoard event files" in _bad("report", str(tmp_path / "empty"))
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    w = SummaryWriter(str(tmp_path / "other"))
+    w.add_scalar("loss", 1.0, 1)
+    w.close()
+    assert "none holds steptimer tags" in _bad("report", str(tmp_path / "other"))
+
+    good = tmp_path / "good"
+    fake_run(good, clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=10)
+    (event_file,) = good.glob("events.out.tfevents.*")
+    data = event_file.read_bytes()
+    trunc = tmp_path / "trunc"
+    trunc.mkdir()
+    (trunc / event_file.name).write_bytes(data[:-7])
+    assert "truncated event file" in _bad("report", str(trunc))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    (corrupt / event_file.name).write_bytes(bytes(flipped))
+    assert "corrupt event file" in _bad("report", str(corrupt))
+    assert "corrupt" in _bad("compare", str(good), str(corrupt))
+
+    assert "no steptimer-trace.json" in _bad("trace", str(good))
+    (tmp_path / "junk.json").write_text("{not json")
+    assert "not a readable steptimer trace" in _bad("trace", str(tmp_path / "junk.json"))
+    p = cli("report", str(good), "--skip-steps", "x", ok=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------- on a GPU
+
+
+def _gpu_run(log_dir: Path, kind: str) -> None:
+    import torch
+
+    x = torch.randn(4096, 4096, device="cuda")
+    small = torch.randn(64, device="cuda")
+    t = StepTimer(log_dir=str(log_dir), log_every_n_steps=10, warmup_steps=5, print_summary=False,
+                  trace_steps=3, cuda=True)
+    for _ in range(30):
+        if kind == "input":
+            time.sleep(0.03)  # a sleeping data loader
+        with t.step():
+            with t.phase("forward"):
+                if kind == "launch":
+                    for _ in range(300):  # tiny kernels: the host launches slower than the GPU runs
+                        small.add_(1.0)
+                else:
+                    for _ in range(1 if kind == "input" else 8):
+                        x = torch.tanh(x @ x)  # noqa: PLW2901 - ms-scale kernels
+            with t.phase("loss"):
+                small.mul_(0.5)
+    t.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("kind", "verdict"), [("input", "input-bound"), ("launch", "launch-bound"),
+                                               ("gpu", "gpu-bound")])
+def test_verdicts_on_gpu(tmp_path: Path, kind: str, verdict: str) -> None:
+    _gpu_run(tmp_path, kind)
+    (r,) = report_json(tmp_path, "--skip-steps", "10")["runs"]
+    assert r["cuda"] is True
+    assert r["verdict"]["kind"] == verdict, r["verdict"]
+
+
+@pytest.mark.cuda
+def test_trace_on_gpu(tmp_path: Path) -> None:
+    _gpu_run(tmp_path, "gpu")
+    doc = json.loads(cli("trace", str(tmp_path), "-o", "-").stdout)
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    gpu = [e for e in slices if e["tid"] == trace_mod.GPU_TID]
+    host = [e for e in slices if e["tid"] == trace_mod.HOST_TID]
+    assert len([e for e in gpu if e["cat"] == "phase"]) == 6
+    assert len([e for e in host if e["cat"] == "phase"]) == 6
+    for e in gpu:
+        assert e["ts"] >= e["args"]["host_launch_us"]
+    # GPU-bound: the GPU's forward runs well after the host launched it, and lasts longer.
+    fwd_gpu = [e for e in gpu if e["name"] == "forward"]
+    fwd_host = [e for e in host if e["name"] == "forward"]
+    assert sum(e["dur"] for e in fwd_gpu) > 2 * sum(e["dur"] for e in fwd_host)
