@@ -223,6 +223,12 @@ def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: floa
     return out
 
 
+def _first_line(err: BaseException) -> str:
+    # Square brackets would read as markup where the summary's notes are printed with rich.
+    text = str(err).splitlines()[0] if str(err) else ""
+    return text.replace("[", "(").replace("]", ")")
+
+
 # ---------------------------------------------------------------- the reducer
 
 
@@ -251,6 +257,7 @@ class CrossRank:
         self.rounds = 0
         self.reduce_s = 0.0
         self._others_closed = False
+        self.skipped = 0  # intervals skipped because the ranks' phase sets differed
         self.summary: RankSummary | None = None
 
     # -- life cycle
@@ -340,7 +347,7 @@ class CrossRank:
         except Exception as err:  # noqa: BLE001 - timeout, a rank gone, a destroyed group
             self._switch_off(
                 f"a collective did not complete within {self.timeout_s:g} s or failed "
-                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                f"({type(err).__name__}: {_first_line(err)})"
             )
             return None
         return t.tolist()
@@ -374,9 +381,10 @@ class CrossRank:
             )
         w_ok = h[0] != _NEG and h[0] == -h[1]
         if h[0] != _NEG and not w_ok:
+            self.skipped += 1
             self._note0(
-                f"ranks timed different phase sets in the window ending at step {self._step_of(h)}; "
-                "this interval's cross-rank statistics were skipped on every rank"
+                "ranks timed different phase sets (first in the window ending at step "
+                f"{self._step_of(h)}); such intervals' cross-rank statistics are skipped on every rank"
             )
         s_ok = all_closing and h[5] != _NEG and h[5] == -h[6]
         if all_closing and h[5] != _NEG and not s_ok:

@@ -1,7 +1,8 @@
-"""A plain torch.distributed DDP loop timed by steptimer; run by tests/test_dist.py under torchrun.
+"""A plain torch.distributed loop timed by steptimer; tests/test_dist.py runs it under torchrun.
 
-Options make one rank slow (sleep inside forward), stop early (uneven end), time an extra phase
-(different phase sets), or raise (exception path). On CUDA it uses NCCL and one GPU per rank.
+Options make one rank slow (a sleep inside forward), stop early (uneven end), time an extra phase
+(different phase sets), or raise (the exception path). With ``--cuda``: NCCL, one GPU per rank.
+Each rank prints ``RESULT {json}`` at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from steptimer import StepTimer
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--log-dir", required=True)
     p.add_argument("--steps", type=int, default=30)
@@ -30,11 +31,39 @@ def main() -> None:
     p.add_argument("--extra-phase-rank", type=int, default=-1)
     p.add_argument("--raise-rank", type=int, default=-1, help="this rank raises at --raise-step")
     p.add_argument("--raise-step", type=int, default=0)
+    p.add_argument("--linger-s", type=float, default=0.0, help="the raising rank stays this long before exiting")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--cuda", action="store_true")
-    a = p.parse_args()
+    return p.parse_args()
 
+
+def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: nn.Module,
+          opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    with timer:  # an exception leaves through __exit__: close(failed=True), no collective
+        for i in range(1, steps + 1):
+            if rank == a.raise_rank and i == a.raise_step:
+                with timer.step():
+                    raise RuntimeError("planned failure")
+            with timer.step(samples=x.shape[0]):
+                with timer.phase("forward"):
+                    loss = net(x).square().mean()
+                    if rank == a.slow_rank:
+                        time.sleep(a.slow_ms / 1e3)
+                if rank == a.extra_phase_rank:
+                    with timer.phase("extra"):
+                        pass
+                with timer.phase("backward"):
+                    loss.backward()
+                with timer.phase("optimizer"):
+                    opt.step()
+                    opt.zero_grad()
+
+
+def main() -> None:
+    a = parse()
     dist.init_process_group("nccl" if a.cuda else "gloo")
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if a.cuda else torch.device("cpu")
@@ -44,35 +73,20 @@ def main() -> None:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(a.width, a.width), nn.ReLU()) for _ in range(4)]).to(device)
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if a.cuda else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    # Uneven ends and failures run without DDP, whose gradient all-reduce would hang by itself.
+    net = model if a.short_rank >= 0 or a.no_ddp else ddp
     steps = a.short_steps if rank == a.short_rank else a.steps
-    x = torch.randn(64, a.width, device=device)
+    x = torch.randn(a.batch, a.width, device=device)
     timer = StepTimer(
         log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=2, cuda=a.cuda or False,
         cross_rank_timeout_s=a.timeout,
     )
     t0 = time.perf_counter()
-    with timer:
-        for i in range(1, steps + 1):
-            if rank == a.raise_rank and i == a.raise_step:
-                with timer.step():
-                    raise RuntimeError("planned failure")
-            with timer.step(samples=64):
-                with timer.phase("forward"):
-                    loss = ddp(x).square().mean()
-                    if rank == a.slow_rank:
-                        time.sleep(a.slow_ms / 1e3)
-                if rank == a.extra_phase_rank:
-                    with timer.phase("extra"):
-                        pass
-                with timer.phase("backward"):
-                    if a.short_rank < 0:  # uneven ends: no gradient all-reduce (it would hang DDP itself)
-                        loss.backward()
-                    else:
-                        with ddp.no_sync():
-                            loss.backward()
-                with timer.phase("optimizer"):
-                    opt.step()
-                    opt.zero_grad()
+    try:
+        train(a, rank, steps, timer, net, opt, x)
+    except RuntimeError as err:
+        print(f"rank {rank} caught: {err}", flush=True)
+        time.sleep(a.linger_s)  # alive but out of steptimer's rounds: the others must time out
     summary = timer.close()
     out = {"rank": rank, "wall_s": time.perf_counter() - t0, "steps": summary.steps}
     if summary.ranks is not None:

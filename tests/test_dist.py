@@ -1,0 +1,187 @@
+"""Cross-rank statistics (steptimer/_dist.py): real 2-process gloo runs under torchrun, read back
+from TensorBoard on rank 0, plus the exact arithmetic of the reductions in-process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from steptimer import StepTimer
+from steptimer._dist import (
+    CrossRank,
+    decode_rank,
+    encode,
+    rank_bits,
+    spreads,
+    straggler_ms,
+)
+from tests.tb import scalars
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
+SLOW_MS = 40.0
+
+
+def torchrun(script: str, *args: str, timeout_s: float = 120.0) -> tuple[dict[int, dict], str]:
+    """Run ``script`` on 2 gloo ranks with torchrun; return each rank's RESULT and all output."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPTS / script), *args]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            results[r["rank"]] = r
+    assert sorted(results) == [0, 1], out[-4000:]
+    return results, out
+
+
+# ---------------------------------------------------------------- real runs (torchrun, gloo)
+
+
+@pytest.mark.parametrize("slow", [0, 1, None], ids=["rank0-slow", "rank1-slow", "none-slow"])
+def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) -> None:
+    args = ["--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS)]
+    if slow is not None:
+        args += ["--slow-rank", str(slow)]
+    results, out = torchrun("plain_loop.py", *args)
+    tb = scalars(tmp_path)
+    # The cross-rank tags, one point per log interval, every rank reporting.
+    for tag in ("ranks_min/host/forward_ms", "ranks_mean/host/forward_ms", "ranks_max/host/forward_ms",
+                "ranks_argmax/host/forward", "ranks_max/host/backward_ms", "ranks_min/straggler_ms",
+                "ranks_max/straggler_ms", "ranks_argmax/straggler", "ranks/reduce_ms"):  # fmt: skip
+        assert [s for s, _ in tb[f"steptimer/{tag}"]] == [10, 20, 30], tag
+    assert [v for _, v in tb["steptimer/ranks/reporting"]] == [2.0, 2.0, 2.0]
+    assert "steptimer/host/forward_ms" in tb  # the single-rank tags are still there
+    spread = [mx - mn for (_, mx), (_, mn) in
+              zip(tb["steptimer/ranks_max/straggler_ms"], tb["steptimer/ranks_min/straggler_ms"])]  # fmt: skip
+    for (_, lo), (_, mean), (_, hi) in zip(tb["steptimer/ranks_min/host/step_ms"],
+                                           tb["steptimer/ranks_mean/host/step_ms"],
+                                           tb["steptimer/ranks_max/host/step_ms"]):  # fmt: skip
+        assert lo <= mean <= hi
+    if slow is None:
+        # Control: no rank sleeps, so no rank stands out by anything near the sleep.
+        assert all(d < SLOW_MS / 2 for d in spread), spread
+        return
+    assert [v for _, v in tb["steptimer/ranks_argmax/straggler"]] == [slow] * 3
+    assert [v for _, v in tb["steptimer/ranks_argmax/host/forward"]] == [slow] * 3
+    assert all(d > SLOW_MS / 2 for d in spread), spread
+    # Under DDP the slowed rank has the *shortest* backward: the others wait for it inside theirs.
+    assert [v for _, v in tb["steptimer/ranks_argmax/host/backward"]] == [1 - slow] * 3
+    for r in (0, 1):  # every rank gets the per-rank summary, and it names the same rank
+        assert results[r]["summary_ranks"] == 2
+        assert results[r]["summary_straggler_argmax"] == slow
+    assert f"slowest rank: {slow} " in out  # the per-rank section of rank 0's printed summary
+
+
+def test_uneven_end_logs_the_final_window_with_a_warning(tmp_path: Path) -> None:
+    # Rank 1 stops after 25 steps, rank 0 runs 32: rank 1's close answers rank 0's round at step 30
+    # (its partial window counted), then shadows until rank 0 closes; no timeout is needed.
+    results, out = torchrun(
+        "plain_loop.py", "--log-dir", str(tmp_path), "--steps", "32", "--every", "10",
+        "--short-rank", "1", "--short-steps", "25", "--timeout", "60", timeout_s=100,
+    )  # fmt: skip
+    tb = scalars(tmp_path)
+    assert tb["steptimer/ranks/reporting"] == [(10, 2.0), (20, 2.0), (30, 2.0), (32, 1.0)]
+    assert [s for s, _ in tb["steptimer/host/step_ms"]][-1] == 32  # the final window is logged
+    assert "some ranks closed before this one (uneven ends)" in out
+    assert "switched off" not in out  # paired by the Join-style close, not rescued by the timeout
+    assert results[0]["steps"] == 30 and results[1]["steps"] == 23
+    assert results[0]["summary_ranks"] == results[1]["summary_ranks"] == 2
+
+
+def test_different_phase_sets_skip_the_interval_on_every_rank(tmp_path: Path) -> None:
+    results, out = torchrun(
+        "plain_loop.py", "--log-dir", str(tmp_path), "--steps", "20", "--every", "10",
+        "--extra-phase-rank", "1", "--timeout", "60", timeout_s=100,
+    )  # fmt: skip
+    tb = scalars(tmp_path)
+    assert tb["steptimer/ranks/reporting"] == [(10, 0.0), (20, 0.0)]
+    assert not [t for t in tb if t.startswith("steptimer/ranks_")]
+    assert [s for s, _ in tb["steptimer/host/step_ms"]] == [10, 20]
+    assert "ranks timed different phase sets" in out
+    assert "switched off" not in out
+    assert "summary_ranks" not in results[0]  # run-long phase sets differ too: no per-rank summary
+
+
+def test_a_rank_that_fails_starts_no_collective_and_the_others_time_out(tmp_path: Path) -> None:
+    # Rank 1 raises at step 15 inside `with timer:` and stays alive outside steptimer: its close
+    # must not run a round (it would pair with rank 0's round at step 20). Rank 0 times out there,
+    # switches cross-rank statistics off for good, and finishes its run.
+    results, out = torchrun(
+        "plain_loop.py", "--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--no-ddp",
+        "--raise-rank", "1", "--raise-step", "15", "--timeout", "3", "--linger-s", "6", timeout_s=100,
+    )  # fmt: skip
+    tb = scalars(tmp_path)
+    assert tb["steptimer/ranks/reporting"] == [(10, 2.0)]
+    assert [s for s, _ in tb["steptimer/host/step_ms"]] == [10, 20, 30]
+    assert "steptimer rank 0: cross-rank statistics switched off" in out
+    assert "within 3 s" in out
+    assert "rank 1 caught: planned failure" in out
+    assert results[0]["steps"] == 28 and "summary_ranks" not in results[0]
+
+
+# ---------------------------------------------------------------- arithmetic, in-process
+
+
+@pytest.mark.parametrize("world", [2, 3, 1000, 2**20])
+def test_argmax_and_argmin_keys_name_the_rank_exactly(world: int) -> None:
+    bits = rank_bits(world)
+    values = {0: 5.0, world - 1: 12.3456, world // 2: 12.3456, 1 % world: 0.0}
+    keys_max = [encode(v, r, bits) for r, v in values.items()]
+    keys_min = [encode(v, r, bits, lowest=True) for r, v in values.items()]
+    top = max(values.values())
+    assert decode_rank(max(keys_max), bits) == min(r for r, v in values.items() if v == top)
+    assert decode_rank(max(keys_min), bits) == min(r for r, v in values.items() if v == 0.0)
+    for k in keys_max + keys_min:  # exact in a float64
+        assert float(int(k)) == k and abs(k) < 2**53
+
+
+def test_spreads_decode_min_mean_max() -> None:
+    bits = rank_bits(4)
+    per_rank = {0: {"a": 1.0, "b": 4.0}, 1: {"a": 3.0, "b": 2.0}, 2: {"a": 2.0, "b": 2.0}}
+    keys = ["a", "b"]
+    mx = [-math.inf] * 8
+    sm = [0.0] * 3
+    for r, vals in per_rank.items():
+        for i, k in enumerate(keys):
+            v = vals[k]
+            mine = [encode(v, r, bits), encode(v, r, bits, lowest=True), v, -v]
+            mx[4 * i: 4 * i + 4] = [max(x, y) for x, y in zip(mx[4 * i: 4 * i + 4], mine)]
+            sm[i] += v
+        sm[2] += 1
+    out = spreads(keys, mx, sm, bits)
+    assert (out["a"].min_ms, out["a"].mean_ms, out["a"].max_ms) == (1.0, 2.0, 3.0)
+    assert (out["a"].argmin, out["a"].argmax, out["a"].ranks) == (0, 1, 3)
+    assert (out["b"].argmin, out["b"].argmax) == (1, 0)  # tie at 2.0 goes to the lowest rank
+
+
+def test_straggler_leaves_out_backward_and_adds_data_wait() -> None:
+    host = {"data": 3.0, "step": 50.0, "forward": 10.0, "backward": 35.0, "backward/inner": 20.0}
+    assert straggler_ms(host, {}, lambda v: v) == 3.0 + 50.0 - 35.0
+    gpu = {"step": 40.0, "backward": 30.0}
+    assert straggler_ms(host, gpu, lambda v: v) == 3.0 + 40.0 - 30.0  # GPU step and backward
+    assert straggler_ms({"data": 1.0}, {}, lambda v: v) is None
+
+
+def test_single_process_is_inert_and_options_are_checked(tmp_path: Path) -> None:
+    t = StepTimer(log_dir=tmp_path, cuda=False, print_summary=False, warmup_steps=0, log_every_n_steps=2)
+    for _ in range(4):
+        with t.step(), t.phase("forward"):
+            pass
+    assert t.close().ranks is None
+    assert not [tag for tag in scalars(tmp_path) if "ranks" in tag]
+    with pytest.raises(ValueError, match="cross_rank must be True or False, got 'yes'"):
+        StepTimer(cross_rank="yes", cuda=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cross_rank_timeout_s must be a number > 0, got 0"):
+        StepTimer(cross_rank_timeout_s=0, cuda=False)
+    assert CrossRank().timeout_s == 300.0
