@@ -130,6 +130,19 @@ def test_a_rank_that_fails_starts_no_collective_and_the_others_time_out(tmp_path
     assert results[0]["steps"] == 28 and "summary_ranks" not in results[0]
 
 
+def test_lightning_ddp_names_the_slowed_rank(tmp_path: Path) -> None:
+    # Lightning strategy="ddp" on 2 CPU processes (torchrun launches, Lightning's DDP runs).
+    results, out = torchrun("lightning_ddp.py", "--log-dir", str(tmp_path), "--steps", "30", "--slow-rank", "0")
+    tb = scalars(tmp_path)
+    # The callback's logger sink may write a point twice (log_metrics and histogram sink): compare sets.
+    assert {s for s, _ in tb["steptimer/ranks/reporting"]} == {10, 20, 30}
+    assert {v for _, v in tb["steptimer/ranks/reporting"]} == {2.0}
+    assert {v for _, v in tb["steptimer/ranks_argmax/straggler"]} == {0.0}
+    assert {v for _, v in tb["steptimer/ranks_argmax/host/backward"]} == {1.0}
+    assert "steptimer/ranks_max/host/forward_ms" in tb
+    assert results[0]["summary_straggler_argmax"] == results[1]["summary_straggler_argmax"] == 0
+
+
 # ---------------------------------------------------------------- arithmetic, in-process
 
 
