@@ -96,7 +96,7 @@ def read_run(files: list[str], *, name: str, path: str) -> RunLog:
                 tag = value.tag
                 if not tag.startswith(PREFIX):
                     continue
-                key = tag[len(PREFIX):]
+                key = tag[len(PREFIX) :]
                 kind = value.WhichOneof("value")
                 if kind == "histo":
                     clock_phase = _hist_key(key)
@@ -126,7 +126,7 @@ def _records(path: str) -> list[bytes]:
         reader = PyRecordReader_New(path)
     except Exception as err:
         raise LogError(f"{path}: can't open event file ({err})") from None
-    out = []
+    out: list[bytes] = []
     try:
         while True:
             try:
@@ -158,7 +158,7 @@ def _hist_key(key: str) -> tuple[str, str] | None:
     head, _, rest = key.partition("/")
     if not head.startswith("hist_") or not rest.endswith("_ms"):
         return None
-    return head[len("hist_"):], rest[: -len("_ms")]
+    return head[len("hist_") :], rest[: -len("_ms")]
 
 
 def _histogram(histo: object) -> LogHistogram:

@@ -183,7 +183,9 @@ def analyze(run: RunLog, *, skip_steps: int = 0) -> RunReport:
             return None
         return sums[(clock, name)] / (wall_ms * (timed_frac if timed_only else 1.0))
 
-    data_share = share_of("host", "data", timed_only=False) if "data" in first_seen else (0.0 if wall_ms else None)
+    data_share = (
+        share_of("host", "data", timed_only=False) if "data" in first_seen else (0.0 if wall_ms else None)
+    )
     wait_share = share_of("host", "wait", timed_only=False) if ("host", "wait") in names else None
     idle_share = share_of("gpu", "idle", timed_only=True) if ("gpu", "idle") in names else None
 
@@ -237,11 +239,15 @@ def _verdict(
     data = data_share or 0.0
     by = {r.name: r for r in rows}
     data_row = by.get("data")
-    data_ms = f" (median {data_row.host.median_ms:.3g} ms before each step)" if data_row and data_row.host else ""
+    data_ms = (
+        f" (median {data_row.host.median_ms:.3g} ms before each step)" if data_row and data_row.host else ""
+    )
     said_data = f"the host waited for data {_pct(data)} of wall time{data_ms}"
     if not cuda:
         if data >= DATA_SHARE:
-            return Verdict("input-bound", (said_data, "no GPU tags (host clock only): GPU idle was not measured"))
+            return Verdict(
+                "input-bound", (said_data, "no GPU tags (host clock only): GPU idle was not measured")
+            )
         return Verdict(
             "compute-bound",
             (
@@ -329,7 +335,11 @@ def compare(a: RunReport, b: RunReport) -> list[Delta]:
         mb = row_b.gpu_window_means_ms if use_gpu else row_b.host_window_means_ms
         spread = max(_spread(ma, sa), _spread(mb, sb))
         d = sb.median_ms - sa.median_ms
-        out.append(Delta(row_a.name, "gpu" if use_gpu else "host", sa.median_ms, sb.median_ms, spread, abs(d) <= spread))
+        out.append(
+            Delta(
+                row_a.name, "gpu" if use_gpu else "host", sa.median_ms, sb.median_ms, spread, abs(d) <= spread
+            )
+        )
     if a.steps_per_s and b.steps_per_s:
         ca, cb = 1e3 / a.steps_per_s, 1e3 / b.steps_per_s
         spread = max(_spread(a.cycle_window_ms, None), _spread(b.cycle_window_ms, None))

@@ -26,7 +26,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from steptimer.timer import StepTimer, _Pending
+    from steptimer.timer import StepTimer
 
 TRACE_FILE = "steptimer-trace.json"
 FORMAT = "steptimer-trace"
@@ -71,7 +71,7 @@ class Capture:
         self._notes: list[str] = []
         self.written = False
 
-    def add(self, timer: StepTimer, rec: _Pending) -> None:
+    def add(self, timer: StepTimer, rec: Any) -> None:
         """Called by the engine for every resolved step, before its events go back to the pool."""
         # The step whose end triggered this resolve is the current one: its start is timer._t0
         # (steps are resolved `lag` steps after they end, so rec's own start is gone by now).
@@ -99,7 +99,7 @@ class Capture:
             step["gpu_rel"] = self._gpu_rel(timer, rec)
         self._steps.append(step)
 
-    def _gpu_rel(self, timer: StepTimer, rec: _Pending) -> dict[str, Any] | None:
+    def _gpu_rel(self, timer: StepTimer, rec: Any) -> dict[str, Any] | None:
         evs = rec.events
         if not evs or not rec.timed:
             self._break(f"step {rec.number} has no GPU events")
@@ -147,11 +147,15 @@ class Capture:
         shift = end_host - self._rel  # host time of the chain's zero
         for s in self._steps:
             rel = s.pop("gpu_rel")
-            s["gpu"] = None if rel is None else {
-                "start": rel["start"] + shift,
-                "end": rel["end"] + shift,
-                "phases": [[name, a + shift, z + shift] for name, a, z in rel["phases"]],
-            }
+            s["gpu"] = (
+                None
+                if rel is None
+                else {
+                    "start": rel["start"] + shift,
+                    "end": rel["end"] + shift,
+                    "phases": [[name, a + shift, z + shift] for name, a, z in rel["phases"]],
+                }
+            )
 
     def finish(self, timer: StepTimer) -> None:
         """At ``close()``: anchor if the run ended inside the capture, then write the file."""
@@ -207,7 +211,9 @@ def load_capture(path: str) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
         raise LogError(f"{file}: not a steptimer trace capture (format {FORMAT!r} expected)")
     if doc.get("version") != VERSION:
-        raise LogError(f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}")
+        raise LogError(
+            f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}"
+        )
     return doc
 
 
@@ -270,6 +276,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
                 clamped += 1
                 a = launched
             slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
+
     # Parents before children (Chrome's importer nests by order when starts are equal).
     def order(e: dict[str, Any]) -> tuple[Any, ...]:
         depth = {"data": 0, "step": 1, "wait": 99}.get(e.get("cat", ""), 2 + e["name"].count("/"))
@@ -309,9 +316,13 @@ def make_capture(
         return None
     first, last = trace_range(trace_steps, start_step=start_step, warmup_steps=warmup_steps)
     if sample_every != 1:
-        raise ValueError(f"trace_steps needs every step timed (sample_every=1), got sample_every={sample_every}")
+        raise ValueError(
+            f"trace_steps needs every step timed (sample_every=1), got sample_every={sample_every}"
+        )
     if log_dir is None and writer is None:
-        raise ValueError(f"trace_steps needs log_dir or writer: {TRACE_FILE} is written next to the event files")
+        raise ValueError(
+            f"trace_steps needs log_dir or writer: {TRACE_FILE} is written next to the event files"
+        )
     if not enabled or rank != 0:
         return None
     folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())

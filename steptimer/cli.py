@@ -37,8 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="per-phase GPU/host times of steps, shares and a bottleneck verdict")
     r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
     r.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    r.add_argument("--skip-steps", type=_nonneg, default=0, metavar="N",
-                   help="leave out the windows that end at or before step N (e.g. warm-up)")
+    r.add_argument(
+        "--skip-steps",
+        type=_nonneg,
+        default=0,
+        metavar="N",
+        help="leave out the windows that end at or before step N (e.g. warm-up)",
+    )
     r.set_defaults(func=_cmd_report)
     c = sub.add_parser("compare", help="per-phase change from RUN_A to RUN_B, with a noise note")
     c.add_argument("run_a")
@@ -46,11 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.add_argument("--skip-steps", type=_nonneg, default=0, metavar="N")
     c.set_defaults(func=_cmd_compare)
-    t = sub.add_parser("trace", help="export a captured window of steps (StepTimer(trace_steps=...)) "
-                                     "as Chrome/Perfetto trace JSON")
+    t = sub.add_parser(
+        "trace",
+        help="export a captured window of steps (StepTimer(trace_steps=...)) as Chrome/Perfetto trace JSON",
+    )
     t.add_argument("logdir", help="the run directory holding steptimer-trace.json (or the file itself)")
-    t.add_argument("-o", "--output", default="steptimer-trace.chrome.json",
-                   help="where to write the trace (default: %(default)s); '-' for stdout")
+    t.add_argument(
+        "-o",
+        "--output",
+        default="steptimer-trace.chrome.json",
+        help="where to write the trace (default: %(default)s); '-' for stdout",
+    )
     t.set_defaults(func=_cmd_trace)
     return p
 
@@ -104,7 +115,7 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def _console():  # type: ignore[no-untyped-def]
+def _console() -> Any:
     from rich.console import Console
 
     # Not a terminal (CI logs, pipes): a wide fixed width rather than rich's 80 columns, so rows
@@ -178,9 +189,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         out = {
             "a": a.path,
             "b": b.path,
-            "deltas": [
-                {**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas
-            ],
+            "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
             "verdicts": {"a": a.verdict.kind, "b": b.verdict.kind},
         }
         print(json.dumps(_finite(out), indent=2, allow_nan=False))
@@ -226,7 +235,11 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         print(
             f"wrote {args.output}: {meta['steps']} steps, host track"
             + (", GPU track" if meta["gpu"] else " only (no GPU times in the capture)")
-            + (f"; {meta['clamped']} GPU slice starts clamped to their host launch" if meta["clamped"] else "")
+            + (
+                f"; {meta['clamped']} GPU slice starts clamped to their host launch"
+                if meta["clamped"]
+                else ""
+            )
             + "; open it at https://ui.perfetto.dev"
         )
     return 0

@@ -28,8 +28,9 @@ ROOT = str(Path(steptimer.__file__).resolve().parent.parent)
 def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
     """``python -m steptimer ARGS`` (the package need not be installed: the device runs it this way)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
-    p = subprocess.run([sys.executable, "-m", "steptimer", *args], capture_output=True, text=True, env=env,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "steptimer", *args], capture_output=True, text=True, env=env, timeout=120
+    )
     if ok:
         assert p.returncode == 0, p.stderr
     return p
@@ -48,13 +49,26 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 
 
 def fake_run(
-    log_dir: Path, clock: FakeClock, *, data_ms: float, phases: dict[str, tuple[float, float]],
-    steps: int = 20, lag: int = 1, **kw: Any,
+    log_dir: Path,
+    clock: FakeClock,
+    *,
+    data_ms: float,
+    phases: dict[str, tuple[float, float]],
+    steps: int = 20,
+    lag: int = 1,
+    **kw: Any,
 ) -> Any:
     """A run on the simulated GPU: each phase costs (host ms, GPU ms); ``data_ms`` between steps."""
     gpu = FakeGPU(clock)
-    t = StepTimer(log_dir=str(log_dir), log_every_n_steps=5, warmup_steps=0, lag=lag, print_summary=False,
-                  _backend=gpu.backend(), **kw)
+    t = StepTimer(
+        log_dir=str(log_dir),
+        log_every_n_steps=5,
+        warmup_steps=0,
+        lag=lag,
+        print_summary=False,
+        _backend=gpu.backend(),
+        **kw,
+    )
     for _ in range(steps):
         clock.advance_ms(data_ms)
         with t.step(samples=4):
@@ -75,9 +89,8 @@ def test_report_numbers_are_the_logged_ones(tmp_path: Path) -> None:
     for i in range(12):
         time.sleep(0.03)  # a sleeping data loader: 30 ms dominates everything else
         with t.step(samples=8):
-            with t.phase("forward"):
-                with t.phase("inner"):
-                    time.sleep(0.002 * (1 + i % 3))
+            with t.phase("forward"), t.phase("inner"):
+                time.sleep(0.002 * (1 + i % 3))
             with t.phase("backward"):
                 pass
     summary = t.close()
@@ -117,9 +130,15 @@ def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
     w = SummaryWriter(str(tmp_path / "lightning_logs" / "version_0"))
     means = []
     for k in range(4):
-        steps = [ResolvedStep(5 * k + i + 1, {"step": 10.0 + k + i, "forward": 4.0 + k, "other": 1.0,
-                                               "data": 2.0, "_gap": 2.0}, None, {"forward": 1})
-                 for i in range(5)]
+        steps = [
+            ResolvedStep(
+                5 * k + i + 1,
+                {"step": 10.0 + k + i, "forward": 4.0 + k, "other": 1.0, "data": 2.0, "_gap": 2.0},
+                None,
+                {"forward": 1},
+            )
+            for i in range(5)
+        ]
         win = window_of(steps)
         means.append(win.host["forward"].mean_ms)
         for tag, v in window_scalars(win).items():
@@ -215,11 +234,17 @@ def test_report_on_a_lightning_run(tmp_path: Path) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    cb = StepTimerCallback(log_every_n_steps=4, warmup_steps=0, cuda=False,
-                           print_summary=False)
-    trainer = pl.Trainer(max_steps=12, callbacks=[cb], logger=pl.loggers.TensorBoardLogger(str(tmp_path)),
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         accelerator="cpu", num_sanity_val_steps=0)
+    cb = StepTimerCallback(log_every_n_steps=4, warmup_steps=0, cuda=False, print_summary=False)
+    trainer = pl.Trainer(
+        max_steps=12,
+        callbacks=[cb],
+        logger=pl.loggers.TensorBoardLogger(str(tmp_path)),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        num_sanity_val_steps=0,
+    )
     trainer.fit(Tiny(), DataLoader(Sleepy(), batch_size=1))
     (r,) = report_json(tmp_path)["runs"]
     assert r["name"] == os.path.join("lightning_logs", "version_0")
@@ -259,8 +284,15 @@ def test_compare_needs_one_run_each(tmp_path: Path, clock: FakeClock) -> None:
 def test_trace_capture_and_chrome_export(tmp_path: Path, clock: FakeClock) -> None:
     """GPU-bound on the simulated GPU: GPU slices sit where the simulated GPU ran them, after launch."""
     gpu = FakeGPU(clock)
-    t = StepTimer(log_dir=str(tmp_path), log_every_n_steps=5, warmup_steps=2, lag=1, print_summary=False,
-                  trace_steps=3, _backend=gpu.backend())
+    t = StepTimer(
+        log_dir=str(tmp_path),
+        log_every_n_steps=5,
+        warmup_steps=2,
+        lag=1,
+        print_summary=False,
+        trace_steps=3,
+        _backend=gpu.backend(),
+    )
     truth: dict[int, list[tuple[str, float, float]]] = {}  # step -> (phase, GPU start, GPU end) in s
     t_origin = 0.0
     for n in range(1, 11):
@@ -386,8 +418,14 @@ def _gpu_run(log_dir: Path, kind: str) -> None:
 
     x = torch.randn(4096, 4096, device="cuda")
     small = torch.randn(64, device="cuda")
-    t = StepTimer(log_dir=str(log_dir), log_every_n_steps=10, warmup_steps=5, print_summary=False,
-                  trace_steps=3, cuda=True)
+    t = StepTimer(
+        log_dir=str(log_dir),
+        log_every_n_steps=10,
+        warmup_steps=5,
+        print_summary=False,
+        trace_steps=3,
+        cuda=True,
+    )
     for _ in range(30):
         if kind == "input":
             time.sleep(0.03)  # a sleeping data loader
@@ -405,8 +443,9 @@ def _gpu_run(log_dir: Path, kind: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("kind", "verdict"), [("input", "input-bound"), ("launch", "launch-bound"),
-                                               ("gpu", "gpu-bound")])
+@pytest.mark.parametrize(
+    ("kind", "verdict"), [("input", "input-bound"), ("launch", "launch-bound"), ("gpu", "gpu-bound")]
+)
 def test_verdicts_on_gpu(tmp_path: Path, kind: str, verdict: str) -> None:
     _gpu_run(tmp_path, kind)
     (r,) = report_json(tmp_path, "--skip-steps", "10")["runs"]
