@@ -1,0 +1,1 @@
+"""steptimer's GPU benchmark suite: overhead against a bare loop, and truth against CUPTI."""

@@ -1,0 +1,189 @@
+"""CPU pieces of the benchmark suite: argument parsing, ratio math, tables, trace attribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import run
+from bench._stats import (
+    RatioStats,
+    added_us,
+    fmt_pct,
+    fmt_spread,
+    format_table,
+    median,
+    paired_ratios,
+    quantile,
+    ratio_stats,
+    step_times,
+)
+from bench.truth import attribute, compare, summarize_phase
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def test_parse_args_defaults() -> None:
+    a = run.parse_args(["--out", "/tmp/x"])
+    assert a.out == "/tmp/x"
+    assert a.quick is False
+    assert a.only == list(run.SECTIONS)
+    assert a.rounds is None
+
+
+def test_parse_args_only_and_rounds() -> None:
+    a = run.parse_args(["--out", "o", "--only", "micro, truth", "--rounds", "4", "--quick"])
+    assert a.only == ["micro", "truth"]
+    assert a.rounds == 4
+    assert a.quick
+
+
+@pytest.mark.parametrize("argv", [["--out", "o", "--only", "micro,bogus"], ["--out", "o", "--rounds", "0"], []])
+def test_parse_args_rejects(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(argv)
+    assert e.value.code == 2
+
+
+# ----------------------------------------------------------------------------- ratio math
+
+
+def test_quantile_interpolates_like_numpy() -> None:
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert quantile(xs, 0.0) == 1.0
+    assert quantile(xs, 1.0) == 4.0
+    assert quantile(xs, 0.5) == 2.5
+    assert quantile(xs, 0.25) == pytest.approx(1.75)
+    assert median([5.0]) == 5.0
+    assert math.isnan(median([]))
+    with pytest.raises(ValueError, match="q must be in"):
+        quantile(xs, 1.5)
+
+
+def test_ratio_stats_pairs_rounds() -> None:
+    # Round-to-round drift (x2 in round 2) cancels in the pairwise ratio.
+    bare = [1.0, 2.0, 1.0, 1.0]
+    variant = [1.01, 2.02, 1.03, 0.99]
+    s = ratio_stats(variant, bare)
+    assert s.n == 4
+    assert s.median == pytest.approx(1.01)
+    assert s.min == pytest.approx(0.99)
+    assert s.max == pytest.approx(1.03)
+    assert s.q25 == pytest.approx(1.005)
+    assert s.overhead_pct == pytest.approx(1.0)
+
+
+def test_ratio_stats_mismatch_and_empty() -> None:
+    with pytest.raises(ValueError, match="one reference per round"):
+        paired_ratios([1.0], [1.0, 2.0])
+    assert paired_ratios([1.0, 2.0], [0.0, 1.0]) == [2.0]  # a zero reference is skipped
+    assert ratio_stats([], []).n == 0
+
+
+def test_step_times_and_added_us() -> None:
+    assert step_times([0.0, 1.0, 3.0, 6.0]) == [1.0, 2.0, 3.0]
+    assert step_times([0.0, 1.0, 3.0, 6.0], skip=1) == [2.0, 3.0]
+    med, lo, hi = added_us([1.010, 1.020, 1.030], [1.0, 1.0, 1.0], steps=1000)
+    assert (med, lo, hi) == pytest.approx((20.0, 10.0, 30.0))
+    with pytest.raises(ValueError):
+        added_us([1.0], [], steps=1)
+
+
+def test_formatting() -> None:
+    assert fmt_pct(1.0123) == "+1.23 %"
+    assert fmt_pct(0.99, 1) == "-1.0 %"
+    assert fmt_pct(float("nan")) == "n/a"
+    s = RatioStats(3, 1.01, 1.0, 1.02, 0.99, 1.05)
+    assert fmt_spread(s) == "[+0.00, +2.00] (-1.00..+5.00)"
+    assert fmt_spread(RatioStats(0, *[math.nan] * 5)) == "n/a"
+
+
+def test_format_table_aligns_and_validates() -> None:
+    t = format_table(["name", "ms"], [["forward", "1.5"], ["backward", "12.25"]])
+    lines = t.splitlines()
+    assert lines[0] == "| name     |    ms |"
+    assert lines[1] == "|----------|------:|"
+    assert lines[2] == "| forward  |   1.5 |"
+    assert lines[3] == "| backward | 12.25 |"
+    assert len({len(line) for line in lines}) == 1
+    with pytest.raises(ValueError, match="has 1 cells"):
+        format_table(["a", "b"], [["x"]])
+
+
+# ----------------------------------------------------------------------------- truth attribution
+
+
+def _ann(name: str, ts: float, dur: float, tid: int = 1) -> dict[str, object]:
+    return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def _launch(cat: str, corr: int, ts: float, tid: int = 1) -> dict[str, object]:
+    name = "cudaLaunchKernel" if cat == "cuda_runtime" else "cuLaunchKernel"
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": 3.0, "tid": tid, "args": {"correlation": corr}}
+
+
+def _kernel(corr: int, ts: float, dur: float, cat: str = "kernel") -> dict[str, object]:
+    return {"ph": "X", "cat": cat, "name": f"k{corr}", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def test_attribute_spans_by_launch_window() -> None:
+    events = [
+        _ann("truthstep:1", 0.0, 100.0),
+        _ann("truth:1:forward", 1.0, 20.0),
+        _ann("truth:1:backward", 30.0, 40.0),
+        # forward: a runtime launch and a driver launch (cuBLASLt); the GPU runs them much later
+        _launch("cuda_runtime", 10, 2.0),
+        _launch("cuda_driver", 11, 5.0),
+        _kernel(10, 1000.0, 50.0),
+        _kernel(11, 1052.0, 30.0),
+        # backward, launched from autograd's thread (another tid), with a memset
+        _launch("cuda_runtime", 12, 35.0, tid=2),
+        _launch("cuda_runtime", 13, 36.0, tid=2),
+        _kernel(12, 1090.0, 10.0, cat="gpu_memset"),
+        _kernel(13, 1101.0, 99.0),
+        # launched inside the step but outside any phase ("other")
+        _launch("cuda_runtime", 14, 80.0),
+        _kernel(14, 1300.0, 5.0),
+        # launched outside every window, and a kernel whose launch record is missing
+        _launch("cuda_runtime", 15, 500.0),
+        _kernel(15, 2000.0, 5.0),
+        _kernel(99, 3000.0, 5.0),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 3.0, "dur": 1.0},
+    ]
+    a = attribute(events)
+    fwd = a.phases[(1, "forward")]
+    assert (fwd.start_us, fwd.end_us, fwd.n) == (1000.0, 1082.0, 2)
+    assert fwd.ms == pytest.approx(0.082)  # span, not the 0.080 sum of durations
+    bwd = a.phases[(1, "backward")]
+    assert (bwd.start_us, bwd.end_us, bwd.n) == (1090.0, 1200.0, 2)
+    step = a.steps[1]
+    assert (step.start_us, step.end_us, step.n) == (1000.0, 1305.0, 5)
+    assert a.gpu_activities == 7
+    assert a.no_launch == 1
+    assert a.unattributed == 2
+
+
+def test_compare_and_summarize_targets() -> None:
+    assert compare(10.0, 10.09)[1]  # 0.9 % of 10 ms
+    assert not compare(10.0, 10.11)[1]
+    assert compare(0.1, 0.104)[1]  # 4 µs on a short phase: within 5 µs
+    assert not compare(0.1, 0.106)[1]
+    r = summarize_phase([(1.0, 1.001), (1.0, 1.02), (2.0, 2.0)])
+    assert r["steps"] == 3
+    assert r["within"] == 2
+    assert r["diff_max_abs_us"] == pytest.approx(20.0)
+    assert r["rel_max_pct"] == pytest.approx(2.0)
+
+
+def test_tables_render_from_results() -> None:
+    rs = {"n": 3, "median": 1.02, "q25": 1.01, "q75": 1.03, "min": 1.0, "max": 1.04}
+    regs = [{"label": "r (1.0 / 2.0)", "step_median_ms": {"bare": 1.0, "sync": 1.02},
+             "ratios_median": {"sync": rs}, "ratios_total": {"sync": rs},
+             "versus": {"sync/default": {"total": rs, "median": rs}}}]
+    t = run.regimes_table(regs)
+    assert "+2.00 %" in t and "r (1.0 / 2.0)" in t
+    assert "sync/default" in run.versus_table(regs)
+    truth = {"known_kernels": {"phases": {"sleep": summarize_phase([(1.0, 1.001)])}, "unattributed": 0,
+                               "gpu_activities": 1}}
+    assert "| yes" in run.truth_table(truth)
