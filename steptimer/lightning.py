@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -40,8 +41,8 @@ from typing import Any
 
 from typing_extensions import override
 
-from steptimer._stats import Summary, Window
-from steptimer._tensorboard import TensorBoardSink, window_scalars
+from steptimer._stats import Summary, Window, bucket_upper_ms
+from steptimer._tensorboard import LAYOUT_RUN, layout, window_scalars
 from steptimer.timer import StepTimer, _check_int, check_phase_name
 
 log = logging.getLogger("steptimer")
@@ -75,25 +76,41 @@ __all__ = ["StepTimerCallback"]
 
 
 class _TensorBoardExtras:
-    """A logger's ``SummaryWriter`` minus scalars: those already went through ``log_metrics``.
+    """What only TensorBoard shows, for a TensorBoard logger: histograms and the Custom Scalars layout.
 
-    Lets :class:`~steptimer._tensorboard.TensorBoardSink` add what only TensorBoard shows (histograms on
-    steptimer's grid, the Custom Scalars layout in a sibling run) without writing a scalar twice.
+    Scalars already went through ``log_metrics``. Histograms go to the logger's own writer; the
+    layout goes to a sibling run (``<log_dir>/steptimer-layout``), as for a user's writer in the
+    plain loop: TensorBoard merges the layouts of all runs, so the user's own layout stays as it is.
     """
 
     def __init__(self, writer: Any, histograms: bool) -> None:
         self._writer = writer
         self._histograms = histograms
+        self._layout_written = False
 
-    def add_scalar(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def add_histogram_raw(self, *args: Any, **kwargs: Any) -> None:
+    def write_window(self, window: Window) -> None:
+        w = self._writer
         if self._histograms:
-            self._writer.add_histogram_raw(*args, **kwargs)
+            for (clock, name), h in window.hists.items():
+                idx = sorted(h.counts)
+                w.add_histogram_raw(
+                    f"steptimer/hist_{clock}/{name}_ms", min=h.min_ms, max=h.max_ms, num=h.count,
+                    sum=h.sum_ms, sum_squares=h.sumsq_ms, bucket_limits=[bucket_upper_ms(i) for i in idx],
+                    bucket_counts=[h.counts[i] for i in idx], global_step=window.step,
+                )
+        if not self._layout_written:
+            self._layout_written = True
+            extra = None
+            if any(tag.startswith("steptimer/ranks") for tag in getattr(window, "extra", {})):
+                from steptimer._dist import CHARTS as extra
+            from torch.utils.tensorboard import SummaryWriter
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._writer, name)
+            side = SummaryWriter(log_dir=os.path.join(w.get_logdir(), LAYOUT_RUN))
+            side.add_custom_scalars(layout(window, extra))
+            side.close()
+
+    def close(self) -> None:
+        self._writer.flush()
 
 
 class _LoggerSink:
@@ -103,9 +120,7 @@ class _LoggerSink:
         self._loggers = list(loggers)
         self._skipped = skipped
         self._tb = [
-            TensorBoardSink(writer=_TensorBoardExtras(lg.experiment, histograms))
-            for lg in self._loggers
-            if isinstance(lg, _TB_LOGGERS)
+            _TensorBoardExtras(lg.experiment, histograms) for lg in self._loggers if isinstance(lg, _TB_LOGGERS)
         ]
 
     def write_window(self, window: Window) -> None:
@@ -115,16 +130,16 @@ class _LoggerSink:
             metrics["steptimer/skipped_steps"] = float(skipped)
         for lg in self._loggers:
             lg.log_metrics(metrics, step=window.step)
-        for sink in self._tb:
-            sink.write_window(window)
+        for extras in self._tb:
+            extras.write_window(window)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for lg in self._loggers:
             lg.log_metrics(metrics, step=step)
 
     def close(self, summary: Summary) -> None:
-        for sink in self._tb:
-            sink.close(summary)
+        for extras in self._tb:
+            extras.close()
         for lg in self._loggers:
             lg.save()
 

@@ -1,0 +1,691 @@
+"""StepTimerCallback in real Lightning Trainers on CPU (and one GPU comparison with a plain loop).
+
+Timing is made deterministic by sleeps that dominate on a loaded 2-core box: a 50 ms sleep placed in
+exactly one region of a step must grow that phase alone (every other phase stays under 25 ms).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+pytest.importorskip("pytorch_lightning")
+
+from steptimer._clock import _CudaBackend  # noqa: E402
+from steptimer.lightning import StepTimerCallback  # noqa: E402
+
+SLEEP_S = 0.05
+HIGH_MS = 0.95 * SLEEP_S * 1e3  # a slept region reads at least this
+LOW_MS = 25.0  # every other region reads under this
+REGIONS = (None, "data", "forward", "loss", "zero_grad", "backward", "clip", "optimizer")
+PHASES = ("forward", "loss", "zero_grad", "backward", "clip", "optimizer")
+
+FLAVOURS = [
+    "pytorch_lightning",
+    pytest.param("lightning.pytorch", id="lightning.pytorch"),
+]
+
+
+def flavour(name: str) -> Any:
+    """The Lightning package (``pytorch_lightning`` or ``lightning.pytorch``), or skip if absent."""
+    return pytest.importorskip(name)
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Any:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"(pytorch_)?lightning.*")
+        warnings.filterwarnings("ignore", message=r".*(num_workers|LeafSpec|does not have many workers).*")
+        yield
+
+
+# --------------------------------------------------------------------------- test parts
+
+
+class WallGPU:
+    """A fake CUDA backend on the host's wall clock: an event's time is when it was recorded.
+
+    It lets the engine's GPU path (events, lagged wait) run under a CPU Trainer; ``waits`` counts
+    the engine's event waits.
+    """
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def _wait(self, ev: list[float]) -> None:
+        self.waits += 1
+
+    def backend(self) -> _CudaBackend:
+        def record(ev: list[float], stream: Any) -> None:
+            ev[0] = perf_counter()
+
+        return _CudaBackend(
+            new_event=lambda: [0.0],
+            record=record,
+            elapsed_ms=lambda a, b: (b[0] - a[0]) * 1e3,
+            wait=self._wait,
+            stream_key=lambda: (1, 0, 1),
+            stream_of_key=lambda key: key,
+            is_capturing=lambda: False,
+        )
+
+
+class Sleeper:
+    """Sleeps SLEEP_S when asked in the region chosen for the current step (REGIONS rotate by step)."""
+
+    def __init__(self, k: int = 1, regions: tuple[str | None, ...] = REGIONS) -> None:
+        self.k = k
+        self.batches = 0
+        self.regions = regions
+        self.region: str | None = None
+
+    def next_batch(self) -> None:
+        self.batches += 1
+        step = (self.batches - 1) // self.k + 1
+        self.region = self.regions[(step - 1) % len(self.regions)]
+
+    def __call__(self, region: str) -> None:
+        if self.region == region:
+            time.sleep(SLEEP_S)
+
+
+class SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sleeper: Sleeper) -> torch.Tensor:
+        ctx.sleeper = sleeper
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.sleeper("backward")
+        return grad, None
+
+
+class SleepySGD(torch.optim.SGD):
+    """SGD whose ``zero_grad`` and update (after the closure) sleep on request."""
+
+    def __init__(self, params: Any, sleeper: Sleeper) -> None:
+        super().__init__(params, lr=0.01)
+        self.sleeper = sleeper
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.sleeper("zero_grad")
+        super().zero_grad(set_to_none)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.sleeper("optimizer")
+        super().step()
+        return loss
+
+
+def make_module(L: Any, mode: str, sleeper: Sleeper, cb: StepTimerCallback | None = None) -> Any:
+    """A tiny LightningModule; ``mode`` is auto, manual1 or manual2 (two optimizers)."""
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 1)
+            self.automatic_optimization = mode == "auto"
+            self.sleeper = sleeper
+
+        def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            if self.trainer.training:
+                self.sleeper.next_batch()
+                self.sleeper("data")
+            return batch
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.sleeper("forward")
+            return SleepInBackward.apply(self.b(torch.relu(self.a(x))), self.sleeper)
+
+        def _loss(self, x: torch.Tensor) -> torch.Tensor:
+            out = self(x)
+            self.sleeper("loss")
+            return out.pow(2).mean()
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            (x,) = batch
+            if self.automatic_optimization:
+                return self._loss(x)
+            opts = self.optimizers()
+            for opt in opts if isinstance(opts, list) else [opts]:
+                opt.zero_grad()
+                loss = self._loss(x)
+                self.manual_backward(loss)
+                self.sleeper("clip")  # where a manual loop clips, between backward and opt.step()
+                opt.step()
+            return None
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            time.sleep(2 * SLEEP_S)
+
+        def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                        gradient_clip_algorithm: Any = None) -> None:
+            self.sleeper("clip")
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+        def configure_optimizers(self) -> Any:
+            if mode == "manual2":
+                return [SleepySGD(self.a.parameters(), self.sleeper), SleepySGD(self.b.parameters(), self.sleeper)]
+            return SleepySGD(self.parameters(), self.sleeper)
+
+    return Tiny()
+
+
+def make_capture(L: Any) -> Any:
+    """A real Lightning ``Logger`` that keeps every ``log_metrics`` call."""
+
+    class Capture(L.loggers.Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+        @property
+        def name(self) -> str:
+            return "capture"
+
+        @property
+        def version(self) -> int:
+            return 0
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.rows.append((step, dict(metrics)))
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def by_step(self) -> dict[int, dict[str, float]]:
+            out: dict[int, dict[str, float]] = {}
+            for step, metrics in self.rows:
+                st = {k: v for k, v in metrics.items() if k.startswith("steptimer/")}
+                if st and step is not None:
+                    out.setdefault(step, {}).update(st)
+            return out
+
+    return Capture()
+
+
+def loader(n_batches: int, batch_size: int = 4) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n_batches * batch_size, 4, generator=g)), batch_size=batch_size)
+
+
+def trainer(L: Any, cb: Any, *, logger: Any = False, **kw: Any) -> Any:
+    kw.setdefault("max_epochs", 1)
+    return L.Trainer(
+        accelerator="cpu", devices=1, callbacks=[cb], logger=logger, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, **kw,
+    )
+
+
+class SyncCounter:
+    """Counts device-wide and event/stream synchronizations (patched in; each still calls through)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: dict[str, int] = {}
+        for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"),
+                            (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "wait")):
+            key = f"{getattr(owner, '__name__', owner)}.{name}"
+            monkeypatch.setattr(owner, name, self._counter(key, getattr(owner, name)))
+
+    def _counter(self, key: str, orig: Any) -> Any:
+        def count(*args: Any, **kwargs: Any) -> Any:
+            self.calls[key] = self.calls.get(key, 0) + 1
+            return orig(*args, **kwargs)
+
+        return count
+
+
+# --------------------------------------------------------------------------- the four combinations
+
+EXPECTED_CALLS = {  # calls per step of each phase
+    "auto": dict.fromkeys(PHASES, 1),
+    "auto_k2": {"forward": 2, "loss": 2, "zero_grad": 1, "backward": 2, "clip": 1, "optimizer": 1},
+    "manual1": dict.fromkeys(PHASES, 1),
+    "manual2": dict.fromkeys(PHASES, 2),
+}
+COMBOS = [
+    ("pytorch_lightning", "auto"),
+    ("pytorch_lightning", "auto_k2"),
+    ("pytorch_lightning", "manual1"),
+    ("pytorch_lightning", "manual2"),
+    pytest.param("lightning.pytorch", "auto", id="lightning.pytorch-auto"),
+    pytest.param("lightning.pytorch", "manual2", id="lightning.pytorch-manual2"),
+]
+
+
+@pytest.mark.parametrize(("flavour_name", "combo"), COMBOS)
+def test_sleep_matrix_counts_and_no_sync(flavour_name: str, combo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each region's sleep grows its phase alone; calls per step are right; one event wait per step."""
+    L = flavour(flavour_name)
+    k = 2 if combo == "auto_k2" else 1
+    mode = "auto" if combo.startswith("auto") else combo
+    sleeper = Sleeper(k)
+    gpu = WallGPU()
+    syncs = SyncCounter(monkeypatch)
+    cb = StepTimerCallback(log_every_n_steps=1, warmup_steps=0, print_summary=False, _backend=gpu.backend())
+    cap = make_capture(L)
+    steps = len(REGIONS)
+    tr = trainer(L, cb, logger=cap, accumulate_grad_batches=k, limit_val_batches=0)
+    tr.fit(make_module(L, mode, sleeper), loader(steps * k))
+
+    assert isinstance(cb, L.Callback)
+    assert cb.steps == steps
+    assert tr.global_step == steps * (2 if mode == "manual2" else 1)  # global_step is not our step
+    summary = cb.summary
+    assert summary is not None and summary.steps == steps
+    for name, calls in EXPECTED_CALLS[combo].items():
+        assert summary[name].calls_per_step == calls, (name, summary[name])
+
+    per_step = cap.by_step()
+    assert sorted(per_step) == list(range(1, steps + 1))
+    for step, region in enumerate(REGIONS, start=1):
+        metrics = per_step[step]
+        for clock in ("host", "gpu"):
+            # The GPU has no data wait (its gap between steps is `idle`); step 1 has no gap before it.
+            for name in (*PHASES, "other", *(("data",) if clock == "host" else ())):
+                key = f"steptimer/{clock}/{name}_ms"
+                if name == "data" and step == 1 and key not in metrics:
+                    continue
+                value = metrics[key]
+                if name == region:
+                    assert value >= HIGH_MS, f"step {step}: sleep in {region} but {key}={value:.1f}"
+                else:
+                    assert value < LOW_MS, f"step {step}: sleep in {region} but {key}={value:.1f}"
+
+    # Cost: at most one (lagged) event wait per step, no device-wide or stream sync at all.
+    assert steps - 1 <= gpu.waits <= steps
+    assert syncs.calls == {}
+
+
+# --------------------------------------------------------------------------- output
+
+
+def test_csv_and_tensorboard_loggers_get_the_same_keys(tmp_path: Path) -> None:
+    import pytorch_lightning as pl
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.util import tensor_util
+
+    gpu = WallGPU()
+    cb = StepTimerCallback(log_every_n_steps=2, warmup_steps=0, print_summary=False, _backend=gpu.backend())
+    tb = pl.loggers.TensorBoardLogger(str(tmp_path), name="tb")
+    csv_logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
+    cap = make_capture(pl)
+    tr = trainer(pl, cb, logger=[tb, csv_logger, cap], limit_val_batches=0)
+    tr.fit(make_module(pl, "auto", Sleeper(regions=(None,))), loader(4))
+
+    sent = cap.by_step()
+    assert sorted(sent) == [2, 4]
+    keys = set(sent[4])
+    for name in ("data", *PHASES, "other", "wait", "step"):
+        assert f"steptimer/host/{name}_ms" in keys
+        assert f"steptimer/host_p90/{name}_ms" in keys
+    assert {"steptimer/gpu/forward_ms", "steptimer/gpu/idle_ms", "steptimer/steps_per_s"} <= keys
+
+    with open(Path(csv_logger.log_dir) / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    csv_keys = {k for row in rows for k, v in row.items() if k.startswith("steptimer/") and v != ""}
+    assert csv_keys == keys
+    row4 = next(r for r in rows if r["step"] == "4" and r["steptimer/host/forward_ms"])
+    assert float(row4["steptimer/host/forward_ms"]) == pytest.approx(sent[4]["steptimer/host/forward_ms"])
+
+    acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    tb_keys = {t for t in acc.Tags()["scalars"] if t.startswith("steptimer/")}
+    assert tb_keys == keys
+    fwd = acc.Scalars("steptimer/host/forward_ms")
+    assert [e.step for e in fwd] == [2, 4]
+    assert fwd[-1].value == pytest.approx(sent[4]["steptimer/host/forward_ms"], rel=1e-6)
+    hists = acc.Tags()["histograms"]
+    assert "steptimer/hist_host/forward_ms" in hists and "steptimer/hist_gpu/backward_ms" in hists
+    assert sum(acc.Histograms("steptimer/hist_host/forward_ms")[-1].histogram_value.bucket) == 2
+
+    side = EventAccumulator(os.path.join(tb.log_dir, "steptimer-layout"), size_guidance={"tensors": 0})
+    side.Reload()
+    (event,) = side.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
+    regexes = [tag for cat in layout.category for chart in cat.chart for tag in chart.multiline.tag]
+    assert len(regexes) == 3
+    import re
+
+    for regex in regexes:
+        assert any(re.match(regex, k) for k in keys), regex
+
+
+def test_resume_continues_the_step_counter(tmp_path: Path) -> None:
+    """Two optimizers: global_step runs twice as fast as steps; the callback's counter resumes."""
+    import pytorch_lightning as pl
+
+    quiet = Sleeper(regions=(None,))
+    cb1 = StepTimerCallback(log_every_n_steps=1, print_summary=False)
+    tr1 = trainer(pl, cb1, max_steps=8, max_epochs=-1, limit_val_batches=0)
+    tr1.fit(make_module(pl, "manual2", quiet), loader(4))
+    assert (cb1.steps, tr1.global_step) == (4, 8)
+    ckpt = tmp_path / "a.ckpt"
+    tr1.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    assert [v["steps"] for k, v in saved.items() if "StepTimerCallback" in k] == [4]
+
+    cb2 = StepTimerCallback(log_every_n_steps=1, print_summary=False)
+    cap = make_capture(pl)
+    tr2 = trainer(pl, cb2, logger=cap, max_steps=14, max_epochs=-1, limit_val_batches=0)
+    tr2.fit(make_module(pl, "manual2", quiet), loader(4), ckpt_path=str(ckpt))
+    assert tr2.global_step == 14
+    assert cb2.steps == 7
+    assert sorted(cap.by_step()) == [5, 6, 7]
+    assert cb2.state_dict()["steps"] == 7
+
+
+# --------------------------------------------------------------------------- forward hooks
+
+
+def make_bypass(L: Any, cb: StepTimerCallback) -> Any:
+    class Sleep(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(SLEEP_S)
+            return x
+
+    class Bypass(L.LightningModule):
+        """training_step calls self.net(x), never self(x); it also times custom sub-phases."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 1), Sleep())
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            with cb.phase("prep"):
+                (x,) = batch
+            out = self.net(x)
+            with cb.phase("metric"):
+                loss = out.pow(2).mean()
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Bypass()
+
+
+def test_training_step_that_bypasses_self_call() -> None:
+    import pytorch_lightning as pl
+
+    # Default: no forward is seen. No silently wrong `forward`/`loss`: a warning, and the time in other.
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False)
+    with pytest.warns(UserWarning, match="forward_module='net'"):
+        trainer(pl, cb, limit_val_batches=0).fit(make_bypass(pl, cb), loader(4))
+    assert cb.summary is not None
+    assert "forward" not in cb.summary and "loss" not in cb.summary
+    assert cb.summary["other"].host.median_ms >= HIGH_MS
+    assert any("no forward phase" in n for n in cb.summary.notes)
+
+    # forward_module names the submodule: the sleep is forward, the custom phases nest where they ran.
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False, forward_module="net")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer(pl, cb, limit_val_batches=0).fit(make_bypass(pl, cb), loader(4))
+    s = cb.summary
+    assert s is not None
+    assert s["forward"].host.median_ms >= HIGH_MS and s["forward"].calls_per_step == 1
+    assert s["other"].host.median_ms < LOW_MS
+    assert "prep" in s and "loss/metric" in s and s["loss/metric"].calls_per_step == 1
+
+    with pytest.raises(ValueError, match="forward_module='nope'"):
+        trainer(pl, StepTimerCallback(forward_module="nope"), limit_val_batches=0).fit(
+            make_bypass(pl, cb), loader(2)
+        )
+
+
+def test_validation_is_paused_not_data() -> None:
+    import pytorch_lightning as pl
+
+    cb = StepTimerCallback(log_every_n_steps=1, warmup_steps=0, print_summary=False)
+    cap = make_capture(pl)
+    tr = trainer(pl, cb, logger=cap, val_check_interval=2, limit_val_batches=1)
+    tr.fit(make_module(pl, "auto", Sleeper(regions=(None,))), loader(4), loader(1))
+    per_step = cap.by_step()
+    assert sorted(per_step) == [1, 2, 3, 4]
+    # Validation (2 x SLEEP_S) ran after steps 2 and 4; step 3's data wait does not hold it.
+    for step in (2, 3, 4):
+        assert per_step[step]["steptimer/host/data_ms"] < LOW_MS, per_step[step]
+    assert [round(per_step[s].get("steptimer/val_ms", 0.0) >= 2 * SLEEP_S * 1e3) for s in (2, 4)] == [1, 1]
+    assert cb.summary is not None and any("validation: 2 run(s)" in n for n in cb.summary.notes)
+
+
+# --------------------------------------------------------------------------- faults and odd cases
+
+
+def test_gradscaler_skipped_step_is_counted() -> None:
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins import MixedPrecision
+
+    class InfOnce(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self(batch[0]).float().pow(2).mean()
+            return loss * float("inf") if batch_idx == 2 else loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    updates = []
+    module = InfOnce()
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    tr = trainer(pl, cb, limit_val_batches=0, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    module.on_train_start = lambda: tr.optimizers[0].register_step_post_hook(lambda *a: updates.append(1))
+    tr.fit(module, loader(5))
+    assert cb.steps == 5 and len(updates) == 4
+    assert cb.skipped_steps == 1
+    assert cb.summary is not None and cb.summary["optimizer"].calls_per_step == 1
+    assert any("1 optimizer step(s) skipped" in n for n in cb.summary.notes)
+
+
+def test_exception_flushes_and_removes_hooks() -> None:
+    import pytorch_lightning as pl
+
+    class Boom(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 3:
+                raise RuntimeError("boom")
+            return self(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    cb = StepTimerCallback(log_every_n_steps=100, warmup_steps=0, print_summary=False)
+    cap = make_capture(pl)
+    module = Boom()
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(pl, cb, logger=cap, limit_val_batches=0).fit(module, loader(6))
+    # The three finished steps reached the logger although on_train_end never ran.
+    assert sorted(cap.by_step()) == [3]
+    assert cb.summary is not None and cb.summary.steps == 3
+    assert not module._forward_hooks and not module._forward_pre_hooks
+    assert "configure_gradient_clipping" not in vars(module)
+
+
+def test_bad_options_are_rejected() -> None:
+    with pytest.raises(ValueError, match="log_every_n_steps must be an int >= 1, got 0"):
+        StepTimerCallback(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="cuda must be None, True or False, got 'yes'"):
+        StepTimerCallback(cuda="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="forward_module must be the name of a submodule"):
+        StepTimerCallback(forward_module="")
+    with pytest.raises(ValueError, match="invalid phase name 'a b'"):
+        StepTimerCallback().phase("a b")
+    with pytest.raises(ValueError, match="reserved"):
+        StepTimerCallback().phase("other")
+
+
+def test_import_without_lightning_fails_with_the_fix() -> None:
+    code = (
+        "import sys\n"
+        "for m in ('pytorch_lightning', 'lightning'): sys.modules[m] = None\n"
+        "import steptimer\n"
+        "assert steptimer.StepTimer\n"
+        "try:\n"
+        "    from steptimer.lightning import StepTimerCallback\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('MNF:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "MNF: StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
+    # And `import steptimer` alone never imports Lightning.
+    code = "import sys, steptimer; print(sorted(m for m in ('pytorch_lightning', 'lightning') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_one_class_for_both_flavours() -> None:
+    cb = StepTimerCallback()
+    for name in ("pytorch_lightning", "lightning.pytorch"):
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        assert isinstance(cb, mod.Callback), name
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_gpu_callback_matches_plain_loop(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU-bound MLP, the callback and a plain-loop StepTimer give the same phase GPU ms (5 %)."""
+    import pytorch_lightning as pl
+
+    from steptimer import StepTimer
+
+    width, depth, batch, steps, warmup = 4096, 4, 8192, 25, 5
+    if precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
+        pytest.fail("this GPU has no bf16; run the cuda tests on the H100/H200 device")
+
+    def mlp() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        layers: list[torch.nn.Module] = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers)
+
+    torch.manual_seed(1)
+    x = torch.randn(batch, width, device="cuda")
+
+    # The plain loop, phase for phase what Lightning does (unscale_ is `clip`, scaler.update after).
+    model = mlp().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cuda") if precision == "16-mixed" else None
+    timer = StepTimer(cuda=True, warmup_steps=warmup, print_summary=False, log_every_n_steps=1000)
+    for _ in range(steps):
+        with timer.step():
+            with timer.phase("forward"), torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+                out = model(x)
+            with timer.phase("loss"):
+                loss = out.float().pow(2).mean()
+            with timer.phase("zero_grad"):
+                opt.zero_grad()
+            with timer.phase("backward"):
+                (scaler.scale(loss) if scaler else loss).backward()
+            with timer.phase("clip"):
+                if scaler:
+                    scaler.unscale_(opt)
+            with timer.phase("optimizer"):
+                if scaler:
+                    scaler.step(opt)
+                else:
+                    opt.step()
+            if scaler:
+                scaler.update()
+    plain = timer.close()
+
+    class Mlp(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+            self.register_buffer("x", x.cpu(), persistent=False)
+
+        def forward(self, inp: torch.Tensor) -> torch.Tensor:
+            return self.net(inp)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self(self.x).float().pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+
+    class Window(pl.Callback):  # sync calls counted only while training runs
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.syncs = SyncCounter(monkeypatch)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.calls = dict(self.syncs.calls)
+            monkeypatch.undo()
+
+    cb = StepTimerCallback(warmup_steps=warmup, print_summary=False)
+    window = Window()
+    tr = pl.Trainer(
+        accelerator="cuda", devices=1, precision=precision, max_steps=steps, callbacks=[cb, window],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        profiler="simple",
+    )
+    # The batch is a plain int (nothing to copy to the GPU): the input lives on the module.
+    tr.fit(Mlp(), DataLoader(range(steps * 4), batch_size=4, collate_fn=len))
+    ours = cb.summary
+    assert ours is not None and ours.cuda and ours.steps == plain.steps == steps - warmup
+    # The engine's one lagged event wait per step; never a device-wide sync.
+    assert window.calls.get("Event.synchronize", 0) <= steps
+    assert window.calls.get("torch.cuda.synchronize", 0) == 0, window.calls
+    assert window.calls.get("Stream.synchronize", 0) == 0, window.calls
+
+    compared = ["forward", "backward"]
+    if precision != "16-mixed":
+        # With fp16, scaler.step reads found_inf (.item(), a sync) before the update in both loops,
+        # so the update is launch-bound and its GPU span holds launch gaps; it is compared elsewhere.
+        compared.append("optimizer")
+    prof = tr.profiler.recorded_durations  # type: ignore[attr-defined]
+    lines = [f"precision {precision}: phase GPU median ms, plain loop vs StepTimerCallback"]
+    for name in ("forward", "loss", "zero_grad", "backward", "clip", "optimizer", "step"):
+        a, b = plain[name].gpu, ours[name].gpu
+        lines.append(f"  {name:10s} {a.median_ms if a else float('nan'):9.3f} {b.median_ms if b else float('nan'):9.3f}")
+    lines.append("  SimpleProfiler (host ms, mean over the run):")
+    for key, durations in sorted(prof.items()):
+        if any(s in key for s in ("training_step", "optimizer_step", "backward", "zero_grad", "run_training_batch")):
+            lines.append(f"    {key:70s} {1e3 * sum(durations) / max(len(durations), 1):9.3f}")
+    print("\n".join(lines))
+    for name in compared:
+        a, b = plain[name].gpu, ours[name].gpu
+        assert a is not None and b is not None
+        assert abs(a.median_ms - b.median_ms) <= 0.05 * a.median_ms, "\n".join(lines)
