@@ -28,7 +28,7 @@ SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
 SLOW_MS = 40.0
 
 
-def torchrun(script: str, *args: str, timeout_s: float = 120.0) -> tuple[dict[int, dict], str]:
+def torchrun(script: str, *args: str, timeout_s: float = 180.0) -> tuple[dict[int, dict], str]:
     """Run ``script`` on 2 gloo ranks with torchrun; return each rank's RESULT and all output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -141,6 +141,24 @@ def test_lightning_ddp_names_the_slowed_rank(tmp_path: Path) -> None:
     assert {v for _, v in tb["steptimer/ranks_argmax/host/backward"]} == {1.0}
     assert "steptimer/ranks_max/host/forward_ms" in tb
     assert results[0]["summary_straggler_argmax"] == results[1]["summary_straggler_argmax"] == 0
+
+
+@pytest.mark.cuda
+def test_nccl_two_gpus_names_the_slowed_rank(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    results, _ = torchrun(
+        "plain_loop.py", "--cuda", "--log-dir", str(tmp_path), "--steps", "60", "--every", "20",
+        "--width", "2048", "--batch", "512", "--slow-rank", "1", "--slow-ms", "20",
+    )  # fmt: skip
+    tb = scalars(tmp_path)
+    assert [v for _, v in tb["steptimer/ranks/reporting"]] == [2.0, 2.0, 2.0]
+    assert [v for _, v in tb["steptimer/ranks_argmax/straggler"]] == [1.0] * 3
+    assert [v for _, v in tb["steptimer/ranks_argmax/gpu/forward"]] == [1.0] * 3
+    assert "steptimer/ranks_max/gpu/backward_ms" in tb
+    assert results[0]["summary_straggler_argmax"] == 1
 
 
 # ---------------------------------------------------------------- arithmetic, in-process

@@ -9,9 +9,14 @@ import argparse
 import json
 import time
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+except ImportError:  # only the pytorch-lightning package installed
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+    from pytorch_lightning.loggers import TensorBoardLogger  # type: ignore[no-redef]
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
