@@ -100,10 +100,13 @@ class _TensorBoardExtras:
                 )
         if not self._layout_written:
             self._layout_written = True
-            extra = None
-            if any(tag.startswith("steptimer/ranks") for tag in getattr(window, "extra", {})):
-                from steptimer._dist import CHARTS as extra
             from torch.utils.tensorboard import SummaryWriter
+
+            extra: dict[str, str] | None = None
+            if any(tag.startswith("steptimer/ranks") for tag in getattr(window, "extra", {})):
+                from steptimer._dist import CHARTS
+
+                extra = CHARTS
 
             side = SummaryWriter(log_dir=os.path.join(w.get_logdir(), LAYOUT_RUN))
             side.add_custom_scalars(layout(window, extra))
@@ -114,14 +117,13 @@ class _TensorBoardExtras:
 
 
 class _LoggerSink:
-    """Sends each window to every ``trainer.loggers`` logger, on rank 0 (the callback only builds it there)."""
+    """Sends each window to every ``trainer.loggers`` logger (rank 0 only: only built there)."""
 
     def __init__(self, loggers: Sequence[Any], *, histograms: bool, skipped: Callable[[], int]) -> None:
         self._loggers = list(loggers)
         self._skipped = skipped
-        self._tb = [
-            _TensorBoardExtras(lg.experiment, histograms) for lg in self._loggers if isinstance(lg, _TB_LOGGERS)
-        ]
+        tb_loggers: list[Any] = [lg for lg in self._loggers if isinstance(lg, _TB_LOGGERS)]
+        self._tb = [_TensorBoardExtras(lg.experiment, histograms) for lg in tb_loggers]
 
     def write_window(self, window: Window) -> None:
         metrics = window_scalars(window)
@@ -165,17 +167,16 @@ class _UserPhase:
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> None:
         if not self._active:
-            return False
+            return
         self._active = False
         cb = self._cb
         if cb._timer is None or len(cb._frames) < 2:
-            return False  # the step was dropped under us (exception path)
+            return  # the step was dropped under us (exception path)
         cb._switch(None)
         cb._frames.pop()
         cb._timer.phase(self._name).__exit__(et, ev, tb)
-        return False
 
 
 class StepTimerCallback(*_BASES):  # type: ignore[misc]

@@ -183,7 +183,7 @@ def make_module(L: Any, mode: str, sleeper: Sleeper, cb: StepTimerCallback | Non
 
         def configure_optimizers(self) -> Any:
             if mode == "manual2":
-                return [SleepySGD(self.a.parameters(), self.sleeper), SleepySGD(self.b.parameters(), self.sleeper)]
+                return [SleepySGD(m.parameters(), self.sleeper) for m in (self.a, self.b)]
             return SleepySGD(self.parameters(), self.sleeper)
 
     return Tiny()
@@ -224,7 +224,8 @@ def make_capture(L: Any) -> Any:
 
 def loader(n_batches: int, batch_size: int = 4) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n_batches * batch_size, 4, generator=g)), batch_size=batch_size)
+    data = TensorDataset(torch.randn(n_batches * batch_size, 4, generator=g))
+    return DataLoader(data, batch_size=batch_size)
 
 
 def trainer(L: Any, cb: Any, *, logger: Any = False, **kw: Any) -> Any:
@@ -272,7 +273,9 @@ COMBOS = [
 
 
 @pytest.mark.parametrize(("flavour_name", "combo"), COMBOS)
-def test_sleep_matrix_counts_and_no_sync(flavour_name: str, combo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sleep_matrix_counts_and_no_sync(
+    flavour_name: str, combo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each region's sleep grows its phase alone; calls per step are right; one event wait per step."""
     L = flavour(flavour_name)
     k = 2 if combo == "auto_k2" else 1
@@ -563,7 +566,10 @@ def test_import_without_lightning_fails_with_the_fix() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "MNF: StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
     # And `import steptimer` alone never imports Lightning.
-    code = "import sys, steptimer; print(sorted(m for m in ('pytorch_lightning', 'lightning') if m in sys.modules))"
+    code = (
+        "import sys, steptimer\n"
+        "print(sorted(m for m in ('pytorch_lightning', 'lightning') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
@@ -611,7 +617,8 @@ def test_gpu_callback_matches_plain_loop(precision: str, monkeypatch: pytest.Mon
     timer = StepTimer(cuda=True, warmup_steps=warmup, print_summary=False, log_every_n_steps=1000)
     for _ in range(steps):
         with timer.step():
-            with timer.phase("forward"), torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            amp = torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None)
+            with timer.phase("forward"), amp:
                 out = model(x)
             with timer.phase("loss"):
                 loss = out.float().pow(2).mean()
@@ -679,10 +686,11 @@ def test_gpu_callback_matches_plain_loop(precision: str, monkeypatch: pytest.Mon
     lines = [f"precision {precision}: phase GPU median ms, plain loop vs StepTimerCallback"]
     for name in ("forward", "loss", "zero_grad", "backward", "clip", "optimizer", "step"):
         a, b = plain[name].gpu, ours[name].gpu
-        lines.append(f"  {name:10s} {a.median_ms if a else float('nan'):9.3f} {b.median_ms if b else float('nan'):9.3f}")
+        ms = [s.median_ms if s is not None else float("nan") for s in (a, b)]
+        lines.append(f"  {name:10s} {ms[0]:9.3f} {ms[1]:9.3f}")
     lines.append("  SimpleProfiler (host ms, mean over the run):")
     for key, durations in sorted(prof.items()):
-        if any(s in key for s in ("training_step", "optimizer_step", "backward", "zero_grad", "run_training_batch")):
+        if any(s in key for s in ("training_step", "optimizer_step", "backward", "zero_grad", "run_training")):
             lines.append(f"    {key:70s} {1e3 * sum(durations) / max(len(durations), 1):9.3f}")
     print("\n".join(lines))
     for name in compared:
