@@ -319,7 +319,6 @@ def run_regime(
             }
     if acc:
         out["sync_phase_ms"] = {p: median([a[i] for a in acc]) * 1e3 for i, p in enumerate(PHASES)}
-    del w
     torch.cuda.empty_cache()
     return out
 
@@ -428,7 +427,6 @@ def run_lightning(
         "step_median_ms": {v: median(med[v]) * 1e3 for v in variants},
         "ratios_median": {v: ratio_stats(med[v], med["pl_bare"]).__dict__ for v in variants if v != "pl_bare"},
     }
-    del w
     torch.cuda.empty_cache()
     return out
 
@@ -749,16 +747,6 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         for name in names[k % len(names):] + names[: k % len(names)]:
             _sync()
             res[name].append(fns[name](steps))
-    for t in timers.values():
-        t.close()
-    _sync()
-    out: dict[str, Any] = {"per_step_us": {k: median(v) / steps * 1e6 for k, v in res.items()}}
-    added = {}
-    for name in timers:
-        bare = res["bare_tiny" if name.endswith("tiny") else "bare_empty"]
-        d = sorted((v - b) / steps * 1e6 for v, b in zip(res[name], bare))
-        added[name] = {"median_us": median(d), "min_us": d[0], "max_us": d[-1]}
-    out["added_us"] = added
     # Where the default timer's host time goes (cProfile; its own overhead inflates every call).
     import cProfile
     import io
@@ -771,6 +759,16 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
     _sync()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    for t in timers.values():
+        t.close()
+    _sync()
+    out: dict[str, Any] = {"per_step_us": {k: median(v) / steps * 1e6 for k, v in res.items()}}
+    added = {}
+    for name in timers:
+        bare = res["bare_tiny" if name.endswith("tiny") else "bare_empty"]
+        d = sorted((v - b) / steps * 1e6 for v, b in zip(res[name], bare))
+        added[name] = {"median_us": median(d), "min_us": d[0], "max_us": d[-1]}
+    out["added_us"] = added
     out["cprofile_default_empty"] = buf.getvalue()
     return out
 

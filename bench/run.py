@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -23,7 +22,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench` and `steptimer` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._stats import fmt_num, fmt_pct, fmt_spread, format_table, RatioStats  # noqa: E402
+from bench._stats import RatioStats, fmt_num, fmt_pct, fmt_spread, format_table  # noqa: E402
 
 SECTIONS = ("micro", "host", "regimes", "lightning", "truth")
 
@@ -164,7 +163,7 @@ def truth_table(t: dict[str, Any]) -> str:
         rows.append(["", f"(unattributed GPU activities: {t[scen]['unattributed']} of {t[scen]['gpu_activities']})",
                      "", "", "", "", "", ""])
     return format_table(
-        ["scenario", "phase", "CUPTI span ms", "steptimer ms", "diff µs (median)", "max |diff| µs", "max rel %",
+        ["scenario", "phase", "CUPTI span ms", "steptimer ms", "diff µs (median)", "max abs diff µs", "max rel %",
          "within max(1 %, 5 µs)"],
         rows,
     )
@@ -186,20 +185,22 @@ def host_vs_gpu_table(t: dict[str, Any]) -> str:
 
 
 def stall_table(s: dict[str, Any]) -> str:
+    if "data" not in s:
+        return f"n/a: {s.get('error')}"
     d = s["data"]
     rows = [
         ["injected sleep, measured (median ms)", fmt_num(d["sleep_measured_median_ms"], 3)],
         ["steptimer data ms (median)", fmt_num(d["data_ms_median"], 3)],
-        ["max |data - measured sleep| / sleep", f"{d['rel_max_pct_vs_measured_sleep']:.2f} %"],
+        ["max abs(data - measured sleep) / sleep", f"{d['rel_max_pct_vs_measured_sleep']:.2f} %"],
         ["steps within 5 % of measured sleep", f"{d['within_5pct']}/{d['steps']}"],
-        ["median |data - 5 ms| / 5 ms", f"{d['rel_median_pct_vs_nominal']:.2f} %"],
+        ["median abs(data - 5 ms) / 5 ms", f"{d['rel_median_pct_vs_nominal']:.2f} %"],
     ]
     for key, label in (("idle", "GPU idle"), ("gpu_step", "GPU step")):
         r = s.get(key)
         if r:
             rows.append([f"{label}: CUPTI gap/span ms vs steptimer ms (median)",
                          f"{r['truth_median_ms']:.3f} vs {r['steptimer_median_ms']:.3f}"])
-            rows.append([f"{label}: max |diff| µs; steps within max(1 %, 5 µs)",
+            rows.append([f"{label}: max abs diff µs; steps within max(1 %, 5 µs)",
                          f"{r['diff_max_abs_us']:.2f}; {r['within']}/{r['steps']}"])
     return format_table(["injected 5 ms data stall", "value"], rows)
 
@@ -215,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench/run.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    from bench import overhead, truth
+    from bench import overhead
 
     t_start = time.perf_counter()
 
@@ -234,6 +235,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     def save() -> None:
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)
+
+    import traceback
+
+    def section(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - one broken section must not lose the others' numbers
+            tb = traceback.format_exc()
+            log(f"section {name} FAILED:\n{tb}")
+            res.setdefault("errors", {})[name] = tb
+            tables.append((f"{name}: FAILED", "see bench.json errors"))
+        save()
+
+    section("overhead", lambda: _overhead(args, res, tables, save, log))
+    section("truth", lambda: _truth(args, res, tables, save, log))
+    res["elapsed_s"] = time.perf_counter() - t_start
+    save()
+    head = f"{res['device']}, torch {res['torch']} (CUDA {res['cuda']}), {res['date']}, {res['elapsed_s']:.0f} s"
+    text = "\n\n".join([head] + [f"### {title}\n\n{t}" for title, t in tables])
+    with open(os.path.join(args.out, "tables.md"), "w") as f:
+        f.write(text + "\n")
+    log("done")
+    print("\n" + text)
+    return 1 if res.get("errors") else 0
+
+
+def _overhead(args: argparse.Namespace, res: dict[str, Any], tables: list[tuple[str, str]], save: Any, log: Any) -> None:
+    import torch
+
+    from bench import overhead
 
     q = args.quick
     if "micro" in args.only:
@@ -285,19 +316,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             tables.append(("Throughput cost against the bare loop (TF32 on)", regimes_table(regs)))
             tables.append(("Head to head", versus_table(regs)))
         if "lightning" in args.only:
-            ls = []
-            for r in (regimes[0], regimes[2]):
-                m = measured[r.name]
-                label = f"{r.name} ({m['host_ms']:.2f} / {m['gpu_ms']:.2f})"
-                log(f"lightning {label}")
-                lsteps = 100 if r.kind == "mlp" and r.width <= 256 else 20
-                out = overhead.run_lightning(r, dev, rounds=2 if q else 4, steps=lsteps, log=log)
-                out["label"] = label
-                ls.append(out)
-                res["lightning"] = ls
-                save()
-            tables.append(("Lightning Trainer: cost against no callback", lightning_table(ls)))
+            try:
+                _lightning_section(regimes, measured, dev, q, res, tables, save, log)
+            except Exception:  # noqa: BLE001
+                import traceback
+
+                res.setdefault("errors", {})["lightning"] = traceback.format_exc()
+                log("lightning FAILED:\n" + res["errors"]["lightning"])
         torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def _lightning_section(
+    regimes: list[Any], measured: dict[str, Any], dev: Any, q: bool, res: dict[str, Any],
+    tables: list[tuple[str, str]], save: Any, log: Any,
+) -> None:
+    from bench import overhead
+
+    ls = []
+    for r in (regimes[0], regimes[2]):
+        m = measured[r.name]
+        label = f"{r.name} ({m['host_ms']:.2f} / {m['gpu_ms']:.2f})"
+        log(f"lightning {label}")
+        lsteps = 100 if r.kind == "mlp" and r.width <= 256 else 20
+        out = overhead.run_lightning(r, dev, rounds=2 if q else 4, steps=lsteps, log=log)
+        out["label"] = label
+        ls.append(out)
+        res["lightning"] = ls
+        save()
+    tables.append(("Lightning Trainer: cost against no callback", lightning_table(ls)))
+
+
+def _truth(args: argparse.Namespace, res: dict[str, Any], tables: list[tuple[str, str]], save: Any, log: Any) -> None:
+    from bench import truth
+
     if "truth" in args.only:
         log("truth")
         res["truth"] = truth.run_all(log)
@@ -306,15 +357,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         tables.append(("Host timers lie: host vs GPU ms per phase (same run, no profiler)",
                        host_vs_gpu_table(res["truth"])))
         tables.append(("Injected data stall", stall_table(res["truth"]["data_stall"])))
-    res["elapsed_s"] = time.perf_counter() - t_start
-    save()
-    head = f"{res['device']}, torch {res['torch']} (CUDA {res['cuda']}), {res['date']}, {res['elapsed_s']:.0f} s"
-    text = "\n\n".join([head] + [f"### {title}\n\n{t}" for title, t in tables])
-    with open(os.path.join(args.out, "tables.md"), "w") as f:
-        f.write(text + "\n")
-    log("done")
-    print("\n" + text)
-    return 0
 
 
 if __name__ == "__main__":

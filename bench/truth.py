@@ -357,7 +357,6 @@ def transformer(
                 }
     summary = timer.close()
     result["launch_bound"] = [r.name for r in summary.rows if r.launch_bound]
-    del model, opt, x
     torch.cuda.empty_cache()
     return result
 
