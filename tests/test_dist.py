@@ -72,11 +72,12 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
         # Control: no rank sleeps, so no rank stands out by anything near the sleep.
         assert all(d < SLOW_MS / 2 for d in spread), spread
         return
-    assert [v for _, v in tb["steptimer/ranks_argmax/straggler"]] == [slow] * 3
-    assert [v for _, v in tb["steptimer/ranks_argmax/host/forward"]] == [slow] * 3
-    assert all(d > SLOW_MS / 2 for d in spread), spread
+    seen = {t: v for t, v in tb.items() if "ranks" in t}  # shown if an assertion fails
+    assert [v for _, v in tb["steptimer/ranks_argmax/straggler"]] == [slow] * 3, seen
+    assert [v for _, v in tb["steptimer/ranks_argmax/host/forward"]] == [slow] * 3, seen
+    assert all(d > SLOW_MS / 2 for d in spread), (spread, seen)
     # Under DDP the slowed rank has the *shortest* backward: the others wait for it inside theirs.
-    assert [v for _, v in tb["steptimer/ranks_argmax/host/backward"]] == [1 - slow] * 3
+    assert [v for _, v in tb["steptimer/ranks_argmax/host/backward"]] == [1 - slow] * 3, seen
     for r in (0, 1):  # every rank gets the per-rank summary, and it names the same rank
         assert results[r]["summary_ranks"] == 2
         assert results[r]["summary_straggler_argmax"] == slow
