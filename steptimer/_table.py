@@ -25,7 +25,7 @@ def render(summary: Summary) -> str:
     console = Console(width=120, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
     console.print(build_table(summary))
     for line in footer(summary):
-        console.print(line)
+        console.print(line, markup=False, highlight=False)
     text = console.export_text()
     console.file.close()
     return text
@@ -85,4 +85,4 @@ def print_summary(summary: Summary) -> None:
     console = Console()
     console.print(build_table(summary))
     for line in footer(summary):
-        console.print(line, highlight=False)
+        console.print(line, markup=False, highlight=False)
