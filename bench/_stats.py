@@ -49,7 +49,9 @@ class RatioStats:
 def paired_ratios(variant: Sequence[float], reference: Sequence[float]) -> list[float]:
     """Per-round ratios ``variant[i] / reference[i]`` (both are per-round times, same length)."""
     if len(variant) != len(reference):
-        raise ValueError(f"need one reference per round: {len(variant)} variant vs {len(reference)} reference")
+        raise ValueError(
+            f"need one reference per round: {len(variant)} variant vs {len(reference)} reference"
+        )
     return [v / r for v, r in zip(variant, reference) if r > 0]
 
 
@@ -106,15 +108,17 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
         if len(r) != len(headers):
             raise ValueError(f"row {r!r} has {len(r)} cells, headers have {len(headers)}")
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    numeric = [
-        all(_looks_numeric(r[i]) for r in cells[1:]) and len(cells) > 1 for i in range(len(headers))
-    ]
+    numeric = [all(_looks_numeric(r[i]) for r in cells[1:]) and len(cells) > 1 for i in range(len(headers))]
 
     def line(r: list[str]) -> str:
         parts = [c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)]
         return "| " + " | ".join(parts) + " |"
 
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2)) for w, num in zip(widths, numeric)) + "|"
+    sep = (
+        "|"
+        + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2)) for w, num in zip(widths, numeric))
+        + "|"
+    )
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 

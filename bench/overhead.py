@@ -63,8 +63,11 @@ class Work:
             self.x = torch.randn(r.batch, r.width, device=device)
         else:
             self.model = nn.TransformerEncoderLayer(
-                d_model=r.width, nhead=max(r.width // 64, 1), dim_feedforward=4 * r.width,
-                batch_first=True, dropout=0.0,
+                d_model=r.width,
+                nhead=max(r.width // 64, 1),
+                dim_feedforward=4 * r.width,
+                batch_first=True,
+                dropout=0.0,
             ).to(device)
             self.x = torch.randn(r.batch, r.seq, r.width, device=device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
@@ -275,7 +278,7 @@ def run_regime(
     stamps = [0.0] * (r.steps + 1)
     skip = r.steps // 3  # per-step medians leave out the start, while the queue fills
     for k in range(r.rounds):
-        order = variants[k % len(variants):] + variants[: k % len(variants)]
+        order = variants[k % len(variants) :] + variants[: k % len(variants)]
         for v in order:
             # Every block runs from an idle GPU to an idle GPU: its total is the time to finish
             # r.steps steps, whatever the variant does with the queue.
@@ -315,7 +318,8 @@ def run_regime(
     for a, b in [("sync", "default"), ("sync1", "lag0"), ("default", "lag2")]:
         if a in tot and b in tot:
             out["versus"][f"{a}/{b}"] = {
-                "total": ratio_stats(tot[a], tot[b]).__dict__, "median": ratio_stats(med[a], med[b]).__dict__,
+                "total": ratio_stats(tot[a], tot[b]).__dict__,
+                "median": ratio_stats(med[a], med[b]).__dict__,
             }
     if acc:
         out["sync_phase_ms"] = {p: median([a[i] for a in acc]) * 1e3 for i, p in enumerate(PHASES)}
@@ -398,9 +402,17 @@ def run_lightning(
         elif v == "pl_simpleprofiler":
             profiler = pl.profilers.SimpleProfiler()
         trainer = pl.Trainer(
-            accelerator="gpu", devices=1, max_steps=warm + steps, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=cbs, profiler=profiler, num_sanity_val_steps=0, limit_val_batches=0,
+            accelerator="gpu",
+            devices=1,
+            max_steps=warm + steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=cbs,
+            profiler=profiler,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
         )
         trainer.fit(module, DataLoader(Repeat(), batch_size=None))
         return stamps.t[warm:]
@@ -415,7 +427,7 @@ def run_lightning(
         fit(v)
     med: dict[str, list[float]] = {v: [] for v in variants}
     for k in range(rounds):
-        order = variants[k % len(variants):] + variants[: k % len(variants)]
+        order = variants[k % len(variants) :] + variants[: k % len(variants)]
         for v in order:
             _sync()
             t = fit(v)
@@ -425,7 +437,9 @@ def run_lightning(
         "regime": r.name,
         "steptimer_callback": "n/a: " + why if cb_cls is None else f"{cb_cls.__module__}.{cb_cls.__name__}",
         "step_median_ms": {v: median(med[v]) * 1e3 for v in variants},
-        "ratios_median": {v: ratio_stats(med[v], med["pl_bare"]).__dict__ for v in variants if v != "pl_bare"},
+        "ratios_median": {
+            v: ratio_stats(med[v], med["pl_bare"]).__dict__ for v in variants if v != "pl_bare"
+        },
     }
     torch.cuda.empty_cache()
     return out
@@ -540,14 +554,19 @@ def micro(reps: int = 21, n: int = 500) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name, fn in [
-        ("empty loop iteration", t_empty_loop), ("perf_counter()", t_perf_counter),
+        ("empty loop iteration", t_empty_loop),
+        ("perf_counter()", t_perf_counter),
         ("torch.cuda.current_stream()", t_current_stream),
         ("_cuda_getCurrentStream(_cuda_getDevice()) (engine's stream key)", t_stream_key),
-        ("Event.record() (no stream)", t_record), ("Event.record(stream)", t_record_stream),
+        ("Event.record() (no stream)", t_record),
+        ("Event.record(stream)", t_record_stream),
         ("_CudaEventBase.record(ev, stream) (engine's bound call)", t_record_bound),
-        ("Event.query() (completed)", t_query), ("Event.synchronize() (completed)", t_wait_done),
-        ("Event.elapsed_time()", t_elapsed), ("torch.cuda.synchronize() (idle GPU)", t_sync),
-        ("launch torch.cuda._sleep(1)", t_sleep1), ("launch x.add_(1), 1 element", t_add),
+        ("Event.query() (completed)", t_query),
+        ("Event.synchronize() (completed)", t_wait_done),
+        ("Event.elapsed_time()", t_elapsed),
+        ("torch.cuda.synchronize() (idle GPU)", t_sync),
+        ("launch torch.cuda._sleep(1)", t_sleep1),
+        ("launch x.add_(1), 1 element", t_add),
     ]:
         fn(50)  # warm
         out[name] = _per_call_us(fn, n, reps)
@@ -569,7 +588,8 @@ def micro(reps: int = 21, n: int = 500) -> dict[str, Any]:
                 singles.append(t1 - t0 - pc_pair)
         singles.sort()
         out[f"single launch {name}: min/p1/median"] = {
-            "min_us": singles[0] * 1e6, "p1_us": singles[len(singles) // 100] * 1e6,
+            "min_us": singles[0] * 1e6,
+            "p1_us": singles[len(singles) // 100] * 1e6,
             "median_us": median(singles) * 1e6,
         }
     _sync()
@@ -727,7 +747,11 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         # machinery, without window statistics (one window for the whole run).
         ("default-nosink", {}, ("empty",)),
         ("default-nosink-nocrossrank", {"cross_rank": False}, ("empty",)),
-        ("default-nosink-nocrossrank-nowindows", {"cross_rank": False, "log_every_n_steps": 10**9}, ("empty",)),
+        (
+            "default-nosink-nocrossrank-nowindows",
+            {"cross_rank": False, "log_every_n_steps": 10**9},
+            ("empty",),
+        ),
     ]:
         for kind in kinds:
             name = f"{v}_{kind}"
@@ -744,7 +768,7 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
     res: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for k in range(rounds):
-        for name in names[k % len(names):] + names[: k % len(names)]:
+        for name in names[k % len(names) :] + names[: k % len(names)]:
             _sync()
             res[name].append(fns[name](steps))
     # Where the default timer's host time goes (cProfile; its own overhead inflates every call).

@@ -32,7 +32,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="directory for bench.json and tables.md")
     p.add_argument("--quick", action="store_true", help="few rounds: a smoke run, not for publishing")
     p.add_argument(
-        "--only", default=",".join(SECTIONS),
+        "--only",
+        default=",".join(SECTIONS),
         help=f"comma-separated sections to run, from {','.join(SECTIONS)} (default: all)",
     )
     p.add_argument("--rounds", type=int, default=None, help="rounds per regime (default 12, quick 3)")
@@ -68,8 +69,10 @@ def gap_table(g: dict[str, Any], m: dict[str, Any] | None) -> str:
     gu = g["gap_us"]
     rows = [
         ["records per step, 4 back-to-back phases (expected 5)", json.dumps(g["records_per_step_hist"])],
-        ["gap exit-record → next phase entry, µs (min/p50/p99/p99.9/max)",
-         f"{gu['min']:.2f} / {gu['p50']:.2f} / {gu['p99']:.2f} / {gu['p999']:.2f} / {gu['max']:.2f}"],
+        [
+            "gap exit-record → next phase entry, µs (min/p50/p99/p99.9/max)",
+            f"{gu['min']:.2f} / {gu['p50']:.2f} / {gu['p99']:.2f} / {gu['p999']:.2f} / {gu['max']:.2f}",
+        ],
         ["sharing threshold _SHARE_GAP_S, µs", f"{g['share_threshold_us']:.2f}"],
     ]
     if m:
@@ -90,16 +93,24 @@ def host_table(h: dict[str, Any], m: dict[str, Any] | None) -> str:
         ok = "n/a"
         if floor is not None and name.startswith("default"):
             ok = "yes" if v["median_us"] <= floor + 5 else "NO"
-        rows.append([
-            name, fmt_num(v["median_us"], 2), f"{v['min_us']:.2f}..{v['max_us']:.2f}",
-            fmt_num(h["per_step_us"][name], 2), ok,
-        ])
-    t = format_table(["variant (4 phases)", "µs added/step (median)", "range", "µs/step total", "≤ floor+5"], rows)
+        rows.append(
+            [
+                name,
+                fmt_num(v["median_us"], 2),
+                f"{v['min_us']:.2f}..{v['max_us']:.2f}",
+                fmt_num(h["per_step_us"][name], 2),
+                ok,
+            ]
+        )
+    t = format_table(
+        ["variant (4 phases)", "µs added/step (median)", "range", "µs/step total", "≤ floor+5"], rows
+    )
     if floor is not None:
         t += (
             f"\n\nphysical floor = (4 + 1) x Event.record(stream) = {floor:.2f} µs "
             f"(with the engine's bound C call: {floor_bound:.2f} µs); bare loops: "
-            f"empty {h['per_step_us']['bare_empty']:.2f} µs/step, 4 x add_ {h['per_step_us']['bare_tiny']:.2f} µs/step"
+            f"empty {h['per_step_us']['bare_empty']:.2f} µs/step, "
+            f"4 x add_ {h['per_step_us']['bare_tiny']:.2f} µs/step"
         )
     return t
 
@@ -110,14 +121,28 @@ def regimes_table(regs: list[dict[str, Any]]) -> str:
         name = r["label"]
         for v, d in r["ratios_total"].items():
             med = _rs(r["ratios_median"][v])
-            rows.append([
-                name, v, fmt_num(r["step_median_ms"][v], 3), fmt_pct(d["median"]), fmt_spread(_rs(d)),
-                fmt_pct(med.median), fmt_spread(med),
-            ])
+            rows.append(
+                [
+                    name,
+                    v,
+                    fmt_num(r["step_median_ms"][v], 3),
+                    fmt_pct(d["median"]),
+                    fmt_spread(_rs(d)),
+                    fmt_pct(med.median),
+                    fmt_spread(med),
+                ]
+            )
             name = ""
     return format_table(
-        ["regime (host dispatch / GPU ms per step)", "variant", "step ms (median)",
-         "time vs bare (blocks, median)", "IQR (range) %", "per-step median vs bare", "IQR (range) %"],
+        [
+            "regime (host dispatch / GPU ms per step)",
+            "variant",
+            "step ms (median)",
+            "time vs bare (blocks, median)",
+            "IQR (range) %",
+            "per-step median vs bare",
+            "IQR (range) %",
+        ],
         rows,
     )
 
@@ -127,10 +152,19 @@ def versus_table(regs: list[dict[str, Any]]) -> str:
     for r in regs:
         name = r["label"]
         for pair, d in r.get("versus", {}).items():
-            rows.append([name, pair, fmt_pct(d["total"]["median"]), fmt_spread(_rs(d["total"])),
-                         fmt_pct(d["median"]["median"])])
+            rows.append(
+                [
+                    name,
+                    pair,
+                    fmt_pct(d["total"]["median"]),
+                    fmt_spread(_rs(d["total"])),
+                    fmt_pct(d["median"]["median"]),
+                ]
+            )
             name = ""
-    return format_table(["regime", "a / b", "a's time vs b's (blocks)", "IQR (range) %", "per-step medians"], rows)
+    return format_table(
+        ["regime", "a / b", "a's time vs b's (blocks)", "IQR (range) %", "per-step medians"], rows
+    )
 
 
 def lightning_table(ls: list[dict[str, Any]]) -> str:
@@ -138,47 +172,91 @@ def lightning_table(ls: list[dict[str, Any]]) -> str:
     for r in ls:
         name = r["label"]
         for v, d in r["ratios_median"].items():
-            rows.append([name, v, fmt_num(r["step_median_ms"][v], 3), fmt_pct(d["median"]), fmt_spread(_rs(d))])
+            rows.append(
+                [name, v, fmt_num(r["step_median_ms"][v], 3), fmt_pct(d["median"]), fmt_spread(_rs(d))]
+            )
             name = ""
         if r["steptimer_callback"].startswith("n/a"):
             rows.append(["", "pl_steptimer", "n/a", "n/a", r["steptimer_callback"][:60]])
-    return format_table(["Lightning regime", "variant", "step ms (median)", "vs no callback", "IQR (range) %"], rows)
+    return format_table(
+        ["Lightning regime", "variant", "step ms (median)", "vs no callback", "IQR (range) %"], rows
+    )
 
 
 def truth_table(t: dict[str, Any]) -> str:
     rows = []
-    for scen in ("known_kernels", "transformer_fp32_ahead", "transformer_bf16_ahead",
-                 "transformer_fp32_behind", "transformer_bf16_behind"):
+    for scen in (
+        "known_kernels",
+        "transformer_fp32_ahead",
+        "transformer_bf16_ahead",
+        "transformer_fp32_behind",
+        "transformer_bf16_behind",
+    ):
         if scen not in t:
             continue
         first = True
         for phase, r in t[scen]["phases"].items():
             target = "yes" if r["within"] == r["steps"] else f"NO ({r['within']}/{r['steps']})"
-            rows.append([
-                scen if first else "", phase, fmt_num(r["truth_median_ms"], 4), fmt_num(r["steptimer_median_ms"], 4),
-                fmt_num(r["diff_median_us"], 2), fmt_num(r["diff_max_abs_us"], 2), fmt_num(r["rel_max_pct"], 2),
-                target,
-            ])
+            rows.append(
+                [
+                    scen if first else "",
+                    phase,
+                    fmt_num(r["truth_median_ms"], 4),
+                    fmt_num(r["steptimer_median_ms"], 4),
+                    fmt_num(r["diff_median_us"], 2),
+                    fmt_num(r["diff_max_abs_us"], 2),
+                    fmt_num(r["rel_max_pct"], 2),
+                    target,
+                ]
+            )
             first = False
-        rows.append(["", f"(unattributed GPU activities: {t[scen]['unattributed']} of {t[scen]['gpu_activities']})",
-                     "", "", "", "", "", ""])
+        rows.append(
+            [
+                "",
+                f"(unattributed GPU activities: {t[scen]['unattributed']} of {t[scen]['gpu_activities']})",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+            ]
+        )
     return format_table(
-        ["scenario", "phase", "CUPTI span ms", "steptimer ms", "diff µs (median)", "max abs diff µs", "max rel %",
-         "within max(1 %, 5 µs)"],
+        [
+            "scenario",
+            "phase",
+            "CUPTI span ms",
+            "steptimer ms",
+            "diff µs (median)",
+            "max abs diff µs",
+            "max rel %",
+            "within max(1 %, 5 µs)",
+        ],
         rows,
     )
 
 
 def host_vs_gpu_table(t: dict[str, Any]) -> str:
     rows = []
-    for scen in ("transformer_fp32_ahead_unprofiled", "transformer_bf16_ahead_unprofiled",
-                 "transformer_fp32_behind_unprofiled", "transformer_bf16_behind_unprofiled"):
+    for scen in (
+        "transformer_fp32_ahead_unprofiled",
+        "transformer_bf16_ahead_unprofiled",
+        "transformer_fp32_behind_unprofiled",
+        "transformer_bf16_behind_unprofiled",
+    ):
         if scen not in t:
             continue
         first = True
         for phase, r in t[scen]["phases"].items():
-            rows.append([scen.replace("_unprofiled", "") if first else "", phase,
-                         fmt_num(r["host_median_ms"], 3), fmt_num(r["gpu_median_ms"], 3)])
+            rows.append(
+                [
+                    scen.replace("_unprofiled", "") if first else "",
+                    phase,
+                    fmt_num(r["host_median_ms"], 3),
+                    fmt_num(r["gpu_median_ms"], 3),
+                ]
+            )
             first = False
         rows.append(["", "launch_bound flag: " + (", ".join(t[scen]["launch_bound"]) or "none"), "", ""])
     return format_table(["scenario (no profiler)", "phase", "host ms (median)", "GPU ms (median)"], rows)
@@ -198,10 +276,18 @@ def stall_table(s: dict[str, Any]) -> str:
     for key, label in (("idle", "GPU idle"), ("gpu_step", "GPU step")):
         r = s.get(key)
         if r:
-            rows.append([f"{label}: CUPTI gap/span ms vs steptimer ms (median)",
-                         f"{r['truth_median_ms']:.3f} vs {r['steptimer_median_ms']:.3f}"])
-            rows.append([f"{label}: max abs diff µs; steps within max(1 %, 5 µs)",
-                         f"{r['diff_max_abs_us']:.2f}; {r['within']}/{r['steps']}"])
+            rows.append(
+                [
+                    f"{label}: CUPTI gap/span ms vs steptimer ms (median)",
+                    f"{r['truth_median_ms']:.3f} vs {r['steptimer_median_ms']:.3f}",
+                ]
+            )
+            rows.append(
+                [
+                    f"{label}: max abs diff µs; steps within max(1 %, 5 µs)",
+                    f"{r['diff_max_abs_us']:.2f}; {r['within']}/{r['steps']}",
+                ]
+            )
     return format_table(["injected 5 ms data stall", "value"], rows)
 
 
@@ -225,8 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.zeros(1, device="cuda")
     res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "date": overhead.now(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": overhead.now(),
         "command": "PYTHONPATH=. python3 bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "quick": args.quick,
     }
@@ -252,7 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     section("truth", lambda: _truth(args, res, tables, save, log))
     res["elapsed_s"] = time.perf_counter() - t_start
     save()
-    head = f"{res['device']}, torch {res['torch']} (CUDA {res['cuda']}), {res['date']}, {res['elapsed_s']:.0f} s"
+    head = (
+        f"{res['device']}, torch {res['torch']} (CUDA {res['cuda']}), {res['date']}, {res['elapsed_s']:.0f} s"
+    )
     text = "\n\n".join([head] + [f"### {title}\n\n{t}" for title, t in tables])
     with open(os.path.join(args.out, "tables.md"), "w") as f:
         f.write(text + "\n")
@@ -261,7 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if res.get("errors") else 0
 
 
-def _overhead(args: argparse.Namespace, res: dict[str, Any], tables: list[tuple[str, str]], save: Any, log: Any) -> None:
+def _overhead(
+    args: argparse.Namespace, res: dict[str, Any], tables: list[tuple[str, str]], save: Any, log: Any
+) -> None:
     import torch
 
     from bench import overhead
@@ -272,15 +365,24 @@ def _overhead(args: argparse.Namespace, res: dict[str, Any], tables: list[tuple[
         res["micro"] = overhead.micro(reps=7 if q else 21)
         res["phase_gap"] = overhead.phase_gap(steps=500 if q else 3000)
         tables.append(("Host cost of single calls", micro_table(res["micro"])))
-        tables.append(("Event sharing: gap between back-to-back phases vs. fastest launch",
-                       gap_table(res["phase_gap"], res["micro"])))
+        tables.append(
+            (
+                "Event sharing: gap between back-to-back phases vs. fastest launch",
+                gap_table(res["phase_gap"], res["micro"]),
+            )
+        )
         save()
     if "host" in args.only:
         log("host cost per step")
         res["host_cost"] = overhead.host_cost(rounds=5 if q else 10, steps=500 if q else 2000)
         with open(os.path.join(args.out, "cprofile_default_empty.txt"), "w") as f:
             f.write(res["host_cost"].pop("cprofile_default_empty", ""))
-        tables.append(("Host µs added per step, GPU work removed or tiny", host_table(res["host_cost"], res.get("micro"))))
+        tables.append(
+            (
+                "Host µs added per step, GPU work removed or tiny",
+                host_table(res["host_cost"], res.get("micro")),
+            )
+        )
         save()
     regs: list[dict[str, Any]] = []
     if "regimes" in args.only or "lightning" in args.only:
@@ -294,9 +396,26 @@ def _overhead(args: argparse.Namespace, res: dict[str, Any], tables: list[tuple[
         R = overhead.Regime
         regimes = [
             R("launch-bound MLP 256x16, batch 64", "mlp", 256, 16, 64, steps=150, rounds=rounds),
-            R(f"balanced MLP 1024x16, batch {bal_batch}", "mlp", 1024, 16, bal_batch, steps=100, rounds=rounds),
+            R(
+                f"balanced MLP 1024x16, batch {bal_batch}",
+                "mlp",
+                1024,
+                16,
+                bal_batch,
+                steps=100,
+                rounds=rounds,
+            ),
             R("GPU-bound MLP 4096x8, batch 4096", "mlp", 4096, 8, 4096, steps=30, rounds=rounds),
-            R("transformer block d=1024, 8x512 tokens", "transformer", 1024, 1, 8, seq=512, steps=40, rounds=rounds),
+            R(
+                "transformer block d=1024, 8x512 tokens",
+                "transformer",
+                1024,
+                1,
+                8,
+                seq=512,
+                steps=40,
+                rounds=rounds,
+            ),
         ]
         measured = {}
         for r in regimes:
@@ -327,8 +446,14 @@ def _overhead(args: argparse.Namespace, res: dict[str, Any], tables: list[tuple[
 
 
 def _lightning_section(
-    regimes: list[Any], measured: dict[str, Any], dev: Any, q: bool, res: dict[str, Any],
-    tables: list[tuple[str, str]], save: Any, log: Any,
+    regimes: list[Any],
+    measured: dict[str, Any],
+    dev: Any,
+    q: bool,
+    res: dict[str, Any],
+    tables: list[tuple[str, str]],
+    save: Any,
+    log: Any,
 ) -> None:
     from bench import overhead
 
@@ -346,16 +471,24 @@ def _lightning_section(
     tables.append(("Lightning Trainer: cost against no callback", lightning_table(ls)))
 
 
-def _truth(args: argparse.Namespace, res: dict[str, Any], tables: list[tuple[str, str]], save: Any, log: Any) -> None:
+def _truth(
+    args: argparse.Namespace, res: dict[str, Any], tables: list[tuple[str, str]], save: Any, log: Any
+) -> None:
     from bench import truth
 
     if "truth" in args.only:
         log("truth")
         res["truth"] = truth.run_all(log)
         save()
-        tables.append(("GPU truth: steptimer per-step GPU ms vs CUPTI kernel spans", truth_table(res["truth"])))
-        tables.append(("Host timers lie: host vs GPU ms per phase (same run, no profiler)",
-                       host_vs_gpu_table(res["truth"])))
+        tables.append(
+            ("GPU truth: steptimer per-step GPU ms vs CUPTI kernel spans", truth_table(res["truth"]))
+        )
+        tables.append(
+            (
+                "Host timers lie: host vs GPU ms per phase (same run, no profiler)",
+                host_vs_gpu_table(res["truth"]),
+            )
+        )
         tables.append(("Injected data stall", stall_table(res["truth"]["data_stall"])))
 
 

@@ -69,7 +69,7 @@ def _windows(events: Iterable[dict[str, Any]], prefix: str) -> list[tuple[float,
     for e in events:
         if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(prefix):
             ts = float(e["ts"])
-            out.append((ts, ts + float(e.get("dur", 0.0)), e["name"][len(prefix):]))
+            out.append((ts, ts + float(e.get("dur", 0.0)), e["name"][len(prefix) :]))
     out.sort()
     return out
 
@@ -131,7 +131,9 @@ def compare(
     return d, abs(d) <= max(rel * truth_ms, abs_ms)
 
 
-def summarize_phase(pairs: Sequence[tuple[float, float]], rel: float = 0.01, abs_ms: float = 0.005) -> dict[str, Any]:
+def summarize_phase(
+    pairs: Sequence[tuple[float, float]], rel: float = 0.01, abs_ms: float = 0.005
+) -> dict[str, Any]:
     """Per-phase comparison over steps: ``pairs`` are (truth_ms, steptimer_ms)."""
     diffs = [compare(t, m, rel, abs_ms) for t, m in pairs]
     ok = sum(1 for _, good in diffs if good)
@@ -283,7 +285,11 @@ def known_kernels(cyc: float, steps: int = 25, skip: int = 5) -> dict[str, Any]:
         timer.close()
 
     att = profile_run(body)
-    return {"phases": _compare_run(timer, att, skip), "unattributed": att.unattributed, "gpu_activities": att.gpu_activities}
+    return {
+        "phases": _compare_run(timer, att, skip),
+        "unattributed": att.unattributed,
+        "gpu_activities": att.gpu_activities,
+    }
 
 
 def _block(d: int, device: Any) -> Any:
@@ -295,8 +301,16 @@ def _block(d: int, device: Any) -> Any:
 
 
 def transformer(
-    cyc: float, *, bf16: bool, ahead: bool, profiled: bool, steps: int = 20, skip: int = 5,
-    d: int = 1024, batch: int = 8, seq: int = 512,
+    cyc: float,
+    *,
+    bf16: bool,
+    ahead: bool,
+    profiled: bool,
+    steps: int = 20,
+    skip: int = 5,
+    d: int = 1024,
+    batch: int = 8,
+    seq: int = 512,
 ) -> dict[str, Any]:
     """A transformer block (forward, loss, backward, AdamW), fp32 or bf16 autocast.
 
@@ -424,7 +438,8 @@ def data_stall(stall_s: float = 0.005, steps: int = 30, skip: int = 5) -> dict[s
             "sleep_measured_median_ms": median([t for t, _ in data]),
             "data_ms_median": median([m for _, m in data]),
             "rel_max_pct_vs_measured_sleep": max(d_rel) * 100,
-            "rel_median_pct_vs_nominal": median([abs(m - stall_s * 1e3) / (stall_s * 1e3) for _, m in data]) * 100,
+            "rel_median_pct_vs_nominal": median([abs(m - stall_s * 1e3) / (stall_s * 1e3) for _, m in data])
+            * 100,
             "within_5pct": sum(1 for r in d_rel if r <= 0.05),
             "steps": len(data),
         },

@@ -39,7 +39,9 @@ def test_parse_args_only_and_rounds() -> None:
     assert a.quick
 
 
-@pytest.mark.parametrize("argv", [["--out", "o", "--only", "micro,bogus"], ["--out", "o", "--rounds", "0"], []])
+@pytest.mark.parametrize(
+    "argv", [["--out", "o", "--only", "micro,bogus"], ["--out", "o", "--rounds", "0"], []]
+)
 def test_parse_args_rejects(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         run.parse_args(argv)
@@ -120,7 +122,15 @@ def _ann(name: str, ts: float, dur: float, tid: int = 1) -> dict[str, object]:
 
 def _launch(cat: str, corr: int, ts: float, tid: int = 1) -> dict[str, object]:
     name = "cudaLaunchKernel" if cat == "cuda_runtime" else "cuLaunchKernel"
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": 3.0, "tid": tid, "args": {"correlation": corr}}
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "ts": ts,
+        "dur": 3.0,
+        "tid": tid,
+        "args": {"correlation": corr},
+    }
 
 
 def _kernel(corr: int, ts: float, dur: float, cat: str = "kernel") -> dict[str, object]:
@@ -178,12 +188,23 @@ def test_compare_and_summarize_targets() -> None:
 
 def test_tables_render_from_results() -> None:
     rs = {"n": 3, "median": 1.02, "q25": 1.01, "q75": 1.03, "min": 1.0, "max": 1.04}
-    regs = [{"label": "r (1.0 / 2.0)", "step_median_ms": {"bare": 1.0, "sync": 1.02},
-             "ratios_median": {"sync": rs}, "ratios_total": {"sync": rs},
-             "versus": {"sync/default": {"total": rs, "median": rs}}}]
+    regs = [
+        {
+            "label": "r (1.0 / 2.0)",
+            "step_median_ms": {"bare": 1.0, "sync": 1.02},
+            "ratios_median": {"sync": rs},
+            "ratios_total": {"sync": rs},
+            "versus": {"sync/default": {"total": rs, "median": rs}},
+        }
+    ]
     t = run.regimes_table(regs)
     assert "+2.00 %" in t and "r (1.0 / 2.0)" in t
     assert "sync/default" in run.versus_table(regs)
-    truth = {"known_kernels": {"phases": {"sleep": summarize_phase([(1.0, 1.001)])}, "unattributed": 0,
-                               "gpu_activities": 1}}
+    truth = {
+        "known_kernels": {
+            "phases": {"sleep": summarize_phase([(1.0, 1.001)])},
+            "unattributed": 0,
+            "gpu_activities": 1,
+        }
+    }
     assert "| yes" in run.truth_table(truth)
