@@ -122,6 +122,9 @@ def _records(path: str) -> list[bytes]:
     from tensorboard.compat.tensorflow_stub import errors
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
 
+    from steptimer._fastcrc import install
+
+    install()  # the reader checks every record's CRC: in C when google-crc32c is there
     try:
         reader = PyRecordReader_New(path)
     except Exception as err:

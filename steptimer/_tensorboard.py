@@ -82,6 +82,9 @@ class TensorBoardSink:
     def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        from steptimer._fastcrc import install
+
+        install()
         if writer is None:
             from steptimer.timer import _check_writable
 

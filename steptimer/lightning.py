@@ -120,6 +120,9 @@ class _LoggerSink:
     """Sends each window to every ``trainer.loggers`` logger (rank 0 only: only built there)."""
 
     def __init__(self, loggers: Sequence[Any], *, histograms: bool, skipped: Callable[[], int]) -> None:
+        from steptimer._fastcrc import install
+
+        install()  # TensorBoard loggers checksum every record: in C when google-crc32c is there
         self._loggers = list(loggers)
         self._skipped = skipped
         tb_loggers: list[Any] = [lg for lg in self._loggers if isinstance(lg, _TB_LOGGERS)]
