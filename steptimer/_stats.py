@@ -186,6 +186,7 @@ class ResolvedStep:
     samples: float | None = None
     tokens: float | None = None
     timed: bool = True
+    warmup: bool = False
 
     @property
     def cycle_ms(self) -> float:
@@ -330,6 +331,22 @@ class SummaryAccumulator:
         self._fold()
         return self._gpu
 
+    def add_window(self, window: Window, steps: list[ResolvedStep]) -> None:
+        """Add a window's steps, reusing the histograms the window already has (no warm-up in it)."""
+        if any(st.warmup for st in steps):
+            for st in steps:
+                if not st.warmup:
+                    self.add(st)
+            return
+        self._fold()
+        for (kind, name), h in window.hists.items():
+            hists = self._host if kind == "host" else self._gpu
+            mine = hists.get(name)
+            if mine is None:
+                mine = hists[name] = LogHistogram()
+            mine.merge(h)
+        self._add_sums(steps)
+
     def _fold(self) -> None:
         buf = self._buf
         if not buf:
@@ -341,7 +358,10 @@ class SummaryAccumulator:
                 hists[name].merge(h)
             else:
                 hists[name] = h
-        for s in buf:
+        self._add_sums(buf)
+
+    def _add_sums(self, steps: list[ResolvedStep]) -> None:
+        for s in steps:
             self._steps += 1
             cycle = s.cycle_ms
             self.cycle_ms += cycle

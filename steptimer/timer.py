@@ -396,13 +396,11 @@ class StepTimer:
             self._resolve_through(len(self._pending))
         if self._xrank is not None and not self._xrank.off:
             # The closing rounds, with or without a last window (Join-style, see _dist.py).
-            last = self._xrank.close(window_of(self._window) if self._window else None, self._acc)
+            last = self._xrank.close(self._take_window(), self._acc)
             self._window = []
             for sink in self._sinks if last is not None else ():
                 sink.write_window(last)
-        if self._window:
-            self._emit(self._window)
-            self._window = []
+        self._emit()
         if self._trace is not None:
             self._trace.finish(self)
         self._release(self._held_end[2] if self._held_end else None)
@@ -679,13 +677,11 @@ class StepTimer:
         if self._trace is not None:  # before the step's events go back to the pool
             self._trace.add(self, rec)
         gpu = self._resolve_gpu(rec) if rec.events else None
-        step = ResolvedStep(rec.number, host, gpu, calls, rec.samples, rec.tokens, rec.timed)
-        self._window.append(step)
-        if not rec.warmup:
-            self._acc.add(step)
+        self._window.append(
+            ResolvedStep(rec.number, host, gpu, calls, rec.samples, rec.tokens, rec.timed, rec.warmup)
+        )
         if rec.number % self.log_every_n_steps == 0:
-            self._emit(self._window)
-            self._window = []
+            self._emit()
 
     def _resolve_gpu(self, rec: _Pending) -> dict[str, float] | None:
         el = self._backend().elapsed_ms
@@ -722,8 +718,20 @@ class StepTimer:
         self._held_end = (rec.number, rec.device, end)
         return gpu
 
-    def _emit(self, steps: list[ResolvedStep]) -> None:
+    def _take_window(self) -> Window | None:
+        """The window of the steps resolved since the last one; they also go into the summary."""
+        steps = self._window
+        if not steps:
+            return None
+        self._window = []
         window = window_of(steps)
+        self._acc.add_window(window, steps)
+        return window
+
+    def _emit(self) -> None:
+        window = self._take_window()
+        if window is None:
+            return
         if self._xrank is not None:
             window = self._xrank.interval(window)
         for sink in self._sinks:
