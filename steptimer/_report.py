@@ -267,6 +267,13 @@ def _verdict(
         if "/" not in r.name and r.name not in _DERIVED_FIRST + _DERIVED_LAST
         and r.host is not None and r.gpu is not None and r.host.median_ms > 0
     ]  # fmt: skip
+    # Phases under 5 % of the step don't decide the verdict: for a phase of a few µs, the event
+    # record's own launch latency is a large part of the GPU span, so its GPU/host ratio says little.
+    step_row = by.get("step")
+    if step_row is not None and step_row.host is not None and step_row.host.median_ms > 0:
+        floor_ms = 0.05 * step_row.host.median_ms
+        big = [r for r in top if max(r.gpu.median_ms, r.host.median_ms) >= floor_ms]  # type: ignore[union-attr]
+        top = big or top
 
     def ratio(r: PhaseRow) -> float:
         return r.gpu.median_ms / r.host.median_ms  # type: ignore[union-attr]

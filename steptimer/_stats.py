@@ -241,8 +241,9 @@ class PhaseSummary:
     without CUDA or for host-only rows). ``calls_per_step`` is the mean number of entries in those
     steps (gradient accumulation: forward entered k times). ``share`` is the fraction of wall time
     (data wait + step) the row takes over the timed steps; the top-level rows add up to 1.
-    ``launch_bound`` is True when the phase's GPU span is no longer than 1.1 × its host span: the GPU
-    was waiting for the host, and the GPU number includes that idle time.
+    ``launch_bound`` is True when the phase's GPU span is no longer than 1.1 × its host span while the
+    host was not running ahead (its median wait in steptimer's event wait under a tenth of the step):
+    the GPU was waiting for the host, and the GPU number includes that idle time.
     """
 
     name: str
@@ -396,6 +397,12 @@ class SummaryAccumulator:
             (n for n in self.order if n not in _DERIVED_FIRST and n not in _DERIVED_LAST), key=tree_key
         )
         names += [n for n in _DERIVED_LAST if n in self.host or n in self.gpu]
+        # The host ran ahead of the GPU when it spent a tenth of the step blocked in steptimer's wait:
+        # then a phase's GPU span is the GPU's own work even where it is short against the host's.
+        wait_h, step_h = self._host.get("wait"), self._host.get("step")
+        host_ahead = (
+            wait_h is not None and step_h is not None and wait_h.quantile_ms(0.5) > 0.1 * step_h.quantile_ms(0.5)
+        )
         rows = []
         for name in names:
             host = self.host.get(name)
@@ -414,6 +421,7 @@ class SummaryAccumulator:
                 and host is not None
                 and name not in _DERIVED_FIRST + _DERIVED_LAST
                 and gpu_stats.median_ms <= 1.1 * host_stats.median_ms
+                and not host_ahead
             )
             steps_ran = host.count if host is not None else (gpu.count if gpu is not None else 0)
             calls = self.calls.get(name)

@@ -220,7 +220,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         *,
         log_every_n_steps: int | None = None,
         warmup_steps: int = 5,
-        lag: int = 1,
+        lag: int = 2,
         cuda: bool | None = None,
         sample_every: int = 1,
         forward_module: str | None = None,

@@ -206,7 +206,8 @@ class StepTimer:
             CUDA-graph warm-up, which all happen in the first few steps.
         lag: 0 waits at the end of each step for that step's GPU work (strict: the host never runs
             ahead across steps). k >= 1 waits at the end of step N on step N-k, which has normally
-            finished already, so the host keeps running ahead of the GPU.
+            finished already, so the host keeps running ahead of the GPU. The default, 2, was chosen
+            in docs/benchmarks.md: it leaves the GPU a step of queued work through host hiccups.
         cuda: None decides at the first ``step()`` (CUDA timing if CUDA is available and
             initialized by then); True requires CUDA; False times the host only.
         start_step: Number of steps already done (resumed runs); the first step is ``start_step + 1``.
@@ -242,7 +243,7 @@ class StepTimer:
         writer: Any = None,
         log_every_n_steps: int = 50,
         warmup_steps: int = 5,
-        lag: int = 1,
+        lag: int = 2,
         cuda: bool | None = None,
         start_step: int = 0,
         enabled: bool = True,

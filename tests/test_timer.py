@@ -516,3 +516,21 @@ def test_summary_quantiles_are_of_steps(clock: FakeClock) -> None:
     assert s["forward"].host.p90_ms == pytest.approx(1.0, rel=0.005)  # nearest rank: the 90th of 100 is 1
     assert s["forward"].host.max_ms == pytest.approx(10.0)
     assert s["forward"].host.mean_ms == pytest.approx(1.9)
+
+
+def test_launch_bound_flag_only_when_the_gpu_waited_for_the_host(clock: FakeClock, gpu: FakeGPU) -> None:
+    # Host behind: each phase spends 1 ms launching 0.2 ms of kernels; the GPU follows the host.
+    t, _ = make(gpu, lag=1)
+    for _ in range(10):
+        train_step(t, clock, gpu, host={"forward": 1.0, "loss": 1.0}, kernels={"forward": 0.2, "loss": 0.2})
+    s = t.close()
+    assert s["forward"].launch_bound and s["loss"].launch_bound
+    assert s["forward"].gpu is not None and s["forward"].gpu.median_ms == pytest.approx(1.0, rel=0.01)
+    # Host ahead: forward queues 20 ms of GPU work, loss is short on the GPU but the host is not
+    # what the GPU waited for: steptimer's wait shows the host ahead, so nothing is flagged.
+    t, _ = make(gpu, lag=1)
+    for _ in range(10):
+        train_step(t, clock, gpu, host={"forward": 1.0, "loss": 1.0}, kernels={"forward": 20.0, "loss": 0.2})
+    s = t.close()
+    assert not s["forward"].launch_bound and not s["loss"].launch_bound
+    assert s["wait"].host.median_ms > 10.0
