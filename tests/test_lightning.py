@@ -677,11 +677,12 @@ def test_gpu_callback_matches_plain_loop(precision: str, monkeypatch: pytest.Mon
     assert window.calls.get("torch.cuda.synchronize", 0) == 0, window.calls
     assert window.calls.get("Stream.synchronize", 0) == 0, window.calls
 
-    compared = ["forward", "backward"]
-    if precision != "16-mixed":
-        # With fp16, scaler.step reads found_inf (.item(), a sync) before the update in both loops,
-        # so the update is launch-bound and its GPU span holds launch gaps; it is compared elsewhere.
-        compared.append("optimizer")
+    # With fp16, scaler.step reads found_inf (.item(), a sync) before the update in both loops. The
+    # update is then launch-bound, and so is the next step's forward: the host starts it with an empty
+    # GPU queue, and its GPU span holds launch gaps that depend on each loop's host overhead (seen on
+    # the H100: forward 1.81 ms plain vs 1.97 ms Lightning, backward 3.46 vs 3.43). Only phases the
+    # host runs ahead of are comparable there.
+    compared = ["backward"] if precision == "16-mixed" else ["forward", "backward", "optimizer"]
     prof = tr.profiler.recorded_durations  # type: ignore[attr-defined]
     lines = [f"precision {precision}: phase GPU median ms, plain loop vs StepTimerCallback"]
     for name in ("forward", "loss", "zero_grad", "backward", "clip", "optimizer", "step"):
