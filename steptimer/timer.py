@@ -130,6 +130,8 @@ class _Phase:
         stack = tm._stack
         t0 = perf_counter()
         i = -1
+        # The boundary-event logic below is repeated in __exit__, _begin_step and _end_step on
+        # purpose: a shared helper would cost a Python call per boundary on every training step.
         if tm._gpu:
             if t0 - tm._last_t < _SHARE_GAP_S:
                 i = tm._last_i
