@@ -110,11 +110,12 @@ def check_phase_name(name: str) -> None:
 
 
 class _Phase:
-    __slots__ = ("_t", "_name")
+    __slots__ = ("_t", "_name", "_active")
 
     def __init__(self, timer: StepTimer, name: str) -> None:
         self._t = timer
         self._name = name
+        self._active = False  # one object per name: entering it while active reopens the phase
 
     def __enter__(self) -> None:
         tm = self._t
@@ -125,7 +126,7 @@ class _Phase:
         if not tm._timed:
             return
         name = self._name
-        if name in tm._open:
+        if self._active:
             raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
         stack = tm._stack
         t0 = perf_counter()
@@ -143,7 +144,7 @@ class _Phase:
                 i = tm._last_i = len(evs)
                 evs.append(ev)
                 t0 = tm._last_t = perf_counter()
-        tm._open.add(name)
+        self._active = True
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
 
     def __exit__(
@@ -163,7 +164,7 @@ class _Phase:
                 )
             return False
         full, name, t_in, i_in = stack.pop()
-        tm._open.discard(name)
+        self._active = False
         i_out = -1
         if tm._gpu:
             if t1 - tm._last_t < _SHARE_GAP_S:  # nested exits back to back share one event
@@ -287,7 +288,6 @@ class StepTimer:
         self._timed = False
         self._gpu = False
         self._stack: list[tuple[str, str, float, int]] = []
-        self._open: set[str] = set()
         self._recs: list[tuple[str, float, float, int, int]] = []  # name, t_in, t_out, ev in, ev out
         self._evs: list[Any] = []
         self._last_t = -math.inf
@@ -518,7 +518,6 @@ class StepTimer:
                 rec.i_start = rec.i_end = 0
         rec.events = evs
         self._in_step = False
-        self._open.clear()
         pending = self._pending
         pending.append(rec)
         if self._cuda:
@@ -555,8 +554,9 @@ class StepTimer:
         self._pause_evs = []
         self._evs = []
         self._recs = []
+        for _, name, _, _ in self._stack:
+            self._phase_cms[name]._active = False
         self._stack.clear()
-        self._open.clear()
         self._in_step = False
         self._gap_start = perf_counter()  # the failed step's time is not data wait
         self._paused_s = 0.0
@@ -712,12 +712,13 @@ class StepTimer:
         for a, c in rec.pauses:
             self._release(a)
             self._release(c)
+        free = self._free
         if held is not None:
-            self._release(held[2])
-        end = evs[rec.i_end]
-        for e in evs:
-            if e is not end:
-                self._release(e)
+            free.append(held[2])
+        i_end = rec.i_end
+        end = evs[i_end]
+        free.extend(evs[:i_end])
+        free.extend(evs[i_end + 1 :])
         self._held_end = (rec.number, rec.device, end)
         return gpu
 
