@@ -149,7 +149,7 @@ def encode(value_ms: float, rank: int, bits: int, *, lowest: bool = False) -> fl
 
 
 def decode_rank(key: float, bits: int) -> int:
-    return 2**bits - 1 - int(key) % 2**bits
+    return int(2**bits - 1 - int(key) % 2**bits)
 
 
 def spreads(keys: Sequence[str], mx: Sequence[float], sm: Sequence[float], bits: int) -> dict[str, RankSpread]:
@@ -336,7 +336,8 @@ class CrossRank:
         if self.off or not self._start():
             return window
         res = self._round(window_values(window), None, closing=False, step=window.step)
-        return self._attach(window, res)
+        out = self._attach(window, res)
+        return window if out is None else out
 
     def close(self, window: Window | None, acc: SummaryAccumulator) -> Window | None:
         """The closing rounds: this rank's last (partial) window and run summary; shadows the rounds of

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from steptimer._dist import RankSummary
@@ -220,7 +220,10 @@ def window_of(steps: list[ResolvedStep]) -> Window:
     wall_s = sum(s.cycle_ms for s in steps) / 1e3
     samples = [s.samples for s in steps if s.samples is not None]
     tokens = [s.tokens for s in steps if s.tokens is not None]
-    per_s = (lambda xs: sum(xs) / wall_s if xs and wall_s > 0 else None)
+
+    def per_s(xs: list[float]) -> float | None:
+        return sum(xs) / wall_s if xs and wall_s > 0 else None
+
     return Window(
         step=steps[-1].number,
         steps=len(steps),

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from time import perf_counter
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from steptimer._clock import _CudaBackend, cuda_usable, torch_backend
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
@@ -60,7 +60,7 @@ class _Null:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         return False
 
 
@@ -74,6 +74,20 @@ class _Pending:
         "number", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
         "pauses", "device", "samples", "tokens", "timed", "warmup",
     )  # fmt: skip
+    number: int
+    step_s: float
+    gap_s: float | None
+    wait_s: float
+    phases: list[tuple[str, float, float, int, int]]
+    events: list[Any]
+    i_start: int
+    i_end: int
+    pauses: list[tuple[Any, Any]]
+    device: int
+    samples: float | None
+    tokens: float | None
+    timed: bool
+    warmup: bool
 
     def __init__(self) -> None:
         self.wait_s = 0.0
@@ -149,7 +163,7 @@ class _Phase:
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> Literal[False]:
         tm = self._t
         if not tm._in_step or not tm._timed:
             return False
@@ -192,7 +206,7 @@ class _Step:
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> Literal[False]:
         self._t._end_step(et is not None)
         return False
 
@@ -401,8 +415,9 @@ class StepTimer:
             # The closing rounds, with or without a last window (Join-style, see _dist.py).
             last = self._xrank.close(self._take_window(), self._acc)
             self._window = []
-            for sink in self._sinks if last is not None else ():
-                sink.write_window(last)
+            if last is not None:
+                for sink in self._sinks:
+                    sink.write_window(last)
         self._emit()
         if self._trace is not None:
             self._trace.finish(self)
@@ -434,7 +449,7 @@ class StepTimer:
     def __enter__(self) -> StepTimer:
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close(failed=bool(exc) and exc[0] is not None)
         return False
 
@@ -508,14 +523,13 @@ class StepTimer:
                 self._record(ev, self._stream)
                 rec.i_end = len(evs)
                 evs.append(ev)
-        elif self._cuda and number + 1 == self._next_timed:
+        elif self._cuda and number + 1 == self._next_timed and self._stream_key is not None:
             # An untimed step right before a timed one: one event marks its end, so the timed
             # step gets its GPU idle.
-            if self._stream_key is not None:
-                ev = self._free.pop() if self._free else self._new_event()
-                self._record(ev, self._stream)
-                evs.append(ev)
-                rec.i_start = rec.i_end = 0
+            ev = self._free.pop() if self._free else self._new_event()
+            self._record(ev, self._stream)
+            evs.append(ev)
+            rec.i_start = rec.i_end = 0
         rec.events = evs
         self._in_step = False
         pending = self._pending

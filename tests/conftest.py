@@ -18,9 +18,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if torch.cuda.is_available():
         return
     for item in items:
-        if "cuda" in item.keywords:
-            if not REQUIRE_CUDA:
-                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        if "cuda" in item.keywords and not REQUIRE_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -305,9 +305,8 @@ def test_varying_events_per_step_keeps_numbers_right(clock: FakeClock, gpu: Fake
 def test_step_inside_cuda_graph_capture_is_a_clear_error(clock: FakeClock, gpu: FakeGPU) -> None:
     t, _ = make(gpu)
     gpu.capturing = True
-    with pytest.raises(RuntimeError, match="CUDA graph capture"):
-        with t.step():
-            pass
+    with pytest.raises(RuntimeError, match="CUDA graph capture"), t.step():
+        pass
     assert gpu.records == 0  # nothing was recorded into the capture
     gpu.capturing = False
     train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})  # still usable
@@ -341,10 +340,8 @@ def test_exception_in_phase_propagates_unchanged_and_timer_recovers(clock: FakeC
     t, sink = make(gpu, log_every_n_steps=100)
     train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
     err = ValueError("boom")
-    with pytest.raises(ValueError) as info:
-        with t.step():
-            with t.phase("forward"):
-                raise err
+    with pytest.raises(ValueError) as info, t.step(), t.phase("forward"):
+        raise err
     assert info.value is err
     train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
     s = t.close()
@@ -423,36 +420,29 @@ def test_bad_phase_names(name: str) -> None:
 
 def test_misuse_errors_say_what_to_do(clock: FakeClock) -> None:
     t, _ = make()
-    with pytest.raises(RuntimeError, match="outside a step"):
-        with t.phase("forward"):
-            pass
+    with pytest.raises(RuntimeError, match="outside a step"), t.phase("forward"):
+        pass
     with t.step():
-        with pytest.raises(RuntimeError, match="steps cannot nest"):
-            with t.step():
-                pass
-        with pytest.raises(RuntimeError, match="already open"):
+        with pytest.raises(RuntimeError, match="steps cannot nest"), t.step():
+            pass
+        with pytest.raises(RuntimeError, match="already open"), t.phase("forward"):
             with t.phase("forward"):
-                with t.phase("forward"):
-                    pass
-    a, b = t.phase("a"), t.phase("b")
-    with pytest.raises(RuntimeError, match="must nest"):
-        with t.step():
-            a.__enter__()
-            b.__enter__()
-            a.__exit__(None, None, None)  # overlapping, not nested
-    with pytest.raises(RuntimeError, match="pause\\(\\) inside a step"):
-        with t.step():
-            with t.pause():
                 pass
+    a, b = t.phase("a"), t.phase("b")
+    with pytest.raises(RuntimeError, match="must nest"), t.step():
+        a.__enter__()
+        b.__enter__()
+        a.__exit__(None, None, None)  # overlapping, not nested
+    with pytest.raises(RuntimeError, match="pause\\(\\) inside a step"), t.step(), t.pause():
+        pass
     train_step(t, clock, None, host={"forward": 1.0})  # still usable after every error
     assert t.close().steps >= 1
 
 
 def test_step_ending_with_open_phase_is_an_error_and_dropped(clock: FakeClock) -> None:
     t, _ = make()
-    with pytest.raises(RuntimeError, match="still open"):
-        with t.step():
-            t.phase("forward").__enter__()
+    with pytest.raises(RuntimeError, match="still open"), t.step():
+        t.phase("forward").__enter__()
     assert t.close().steps == 0
 
 
@@ -461,17 +451,14 @@ def test_close_is_idempotent_and_step_after_close_errors(clock: FakeClock) -> No
     train_step(t, clock, None, host={"forward": 1.0})
     s1 = t.close()
     assert t.close() is s1
-    with pytest.raises(RuntimeError, match="after close"):
-        with t.step():
-            pass
+    with pytest.raises(RuntimeError, match="after close"), t.step():
+        pass
 
 
 def test_disabled_is_a_no_op_with_the_same_api(tmp_path: Path) -> None:
     t = StepTimer(log_dir=tmp_path / "runs", enabled=False)
-    with t.step(samples=3):
-        with t.phase("forward"):
-            with t.phase("inner"):
-                pass
+    with t.step(samples=3), t.phase("forward"), t.phase("inner"):
+        pass
     with t.pause():
         pass
     s = t.close()
@@ -488,9 +475,8 @@ def test_cuda_none_without_cuda_falls_back_with_one_info_line(caplog: pytest.Log
     caplog.set_level(logging.INFO, logger="steptimer")
     t = StepTimer(print_summary=False, warmup_steps=0)
     for _ in range(3):
-        with t.step():
-            with t.phase("forward"):
-                pass
+        with t.step(), t.phase("forward"):
+            pass
     s = t.close()
     assert not s.cuda and s["forward"].gpu is None
     lines = [r.getMessage() for r in caplog.records if r.name == "steptimer"]
