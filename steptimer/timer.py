@@ -693,7 +693,12 @@ class StepTimer:
             host["other"] = max((rec.step_s - top_s - rec.wait_s) * 1e3, 0.0)
         if self._trace is not None:  # before the step's events go back to the pool
             self._trace.add(self, rec)
-        gpu = self._resolve_gpu(rec) if rec.events else None
+        if rec.events:
+            gpu = self._resolve_gpu(rec)
+        else:
+            gpu = None
+            for a, c in rec.pauses:  # a pause before an untimed step: its events were never needed
+                self._free += (a, c)
         self._window.append(
             ResolvedStep(rec.number, host, gpu, calls, rec.samples, rec.tokens, rec.timed, rec.warmup)
         )

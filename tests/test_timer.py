@@ -520,3 +520,16 @@ def test_launch_bound_flag_only_when_the_gpu_waited_for_the_host(clock: FakeCloc
     s = t.close()
     assert not s["forward"].launch_bound and not s["loss"].launch_bound
     assert s["wait"].host.median_ms > 10.0
+
+
+def test_pauses_before_untimed_steps_do_not_grow_the_pool(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, _ = make(gpu, sample_every=5, lag=1)
+    for _ in range(20):
+        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
+    size = t.events_created
+    for _ in range(200):
+        with t.pause():
+            gpu.launch(2.0)
+        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
+    assert t.events_created <= size + 8  # leaking 2 per pause would make it ~320 more
+    t.close()
