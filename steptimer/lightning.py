@@ -43,7 +43,7 @@ from typing_extensions import override
 
 from steptimer._stats import Summary, Window, bucket_upper_ms
 from steptimer._tensorboard import LAYOUT_RUN, layout, window_scalars
-from steptimer.timer import StepTimer, _check_int, check_phase_name
+from steptimer.timer import StepTimer, check_options, check_phase_name
 
 log = logging.getLogger("steptimer")
 
@@ -232,13 +232,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         _backend: Any = None,
     ) -> None:
         super().__init__()
-        if log_every_n_steps is not None:
-            _check_int("log_every_n_steps", log_every_n_steps, 1)
-        _check_int("warmup_steps", warmup_steps, 0)
-        _check_int("lag", lag, 0)
-        _check_int("sample_every", sample_every, 1)
-        if cuda not in (None, True, False):
-            raise ValueError(f"cuda must be None, True or False, got {cuda!r}")
+        check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
         if forward_module is not None and (not isinstance(forward_module, str) or not forward_module):
             raise ValueError(
                 f"forward_module must be the name of a submodule (e.g. 'net'), got {forward_module!r}"

@@ -272,13 +272,8 @@ class StepTimer:
         _backend: _CudaBackend | None = None,
         _sinks: Sequence[Sink] = (),
     ) -> None:
-        _check_int("log_every_n_steps", log_every_n_steps, 1)
-        _check_int("warmup_steps", warmup_steps, 0)
-        _check_int("lag", lag, 0)
+        check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
         _check_int("start_step", start_step, 0)
-        _check_int("sample_every", sample_every, 1)
-        if cuda not in (None, True, False):
-            raise ValueError(f"cuda must be None, True or False, got {cuda!r}")
         if log_dir is not None and writer is not None:
             raise ValueError("pass log_dir or writer, not both")
         if cross_rank not in (True, False):
@@ -759,6 +754,19 @@ class StepTimer:
             window = self._xrank.interval(window)
         for sink in self._sinks:
             sink.write_window(window)
+
+
+def check_options(
+    log_every_n_steps: int | None, warmup_steps: int, lag: int, sample_every: int, cuda: bool | None
+) -> None:
+    """Validate the options every front door shares (``log_every_n_steps=None``: not checked)."""
+    if log_every_n_steps is not None:
+        _check_int("log_every_n_steps", log_every_n_steps, 1)
+    _check_int("warmup_steps", warmup_steps, 0)
+    _check_int("lag", lag, 0)
+    _check_int("sample_every", sample_every, 1)
+    if cuda not in (None, True, False):
+        raise ValueError(f"cuda must be None, True or False, got {cuda!r}")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
