@@ -187,18 +187,20 @@ def window_values(window: Window | None) -> dict[str, float] | None:
     """A window's per-series means by key ``<clock>/<phase>`` plus the straggler signal."""
     if window is None or window.steps == 0:
         return None
-    out = {f"{c}/{n}": st.mean_ms for c, ser in (("host", window.host), ("gpu", window.gpu)) for n, st in ser.items()}
-    s = straggler_ms(window.host, window.gpu, lambda st: st.mean_ms)
-    if s is not None:
-        out[STRAGGLER] = s
-    return out
+    return _means(window.host, window.gpu)
 
 
 def summary_values(acc: SummaryAccumulator | None) -> dict[str, float] | None:
+    """The same for the run summary (each rank's run mean)."""
     if acc is None or acc.steps == 0:
         return None
-    out = {f"{c}/{n}": h.mean_ms for c, hs in (("host", acc.host), ("gpu", acc.gpu)) for n, h in hs.items()}
-    s = straggler_ms(acc.host, acc.gpu, lambda h: h.mean_ms)
+    return _means(acc.host, acc.gpu)
+
+
+def _means(host: Mapping[str, Any], gpu: Mapping[str, Any]) -> dict[str, float]:
+    """Means of series that carry ``mean_ms`` (SeriesStats or LogHistogram), plus the straggler."""
+    out = {f"{c}/{n}": x.mean_ms for c, ser in (("host", host), ("gpu", gpu)) for n, x in ser.items()}
+    s = straggler_ms(host, gpu, lambda x: x.mean_ms)
     if s is not None:
         out[STRAGGLER] = s
     return out
