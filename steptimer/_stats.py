@@ -112,6 +112,8 @@ def histograms_of(series: Mapping[tuple[str, str], list[float]]) -> dict[tuple[s
     keys = list(series)
     if not keys:
         return {}
+    if sum(len(v) for v in series.values()) <= _PY_MAX_VALUES:
+        return {k: _histogram_py(series[k]) for k in keys}
     lengths = np.fromiter((len(series[k]) for k in keys), dtype=np.int64, count=len(keys))
     values = np.fromiter((v for k in keys for v in series[k]), dtype=np.float64, count=int(lengths.sum()))
     sid = np.repeat(np.arange(len(keys)), lengths)
@@ -136,6 +138,27 @@ def histograms_of(series: Mapping[tuple[str, str], list[float]]) -> dict[tuple[s
     for c, cnt in zip((combo // NUM_BUCKETS).tolist(), zip((combo % NUM_BUCKETS).tolist(), counts.tolist())):
         out[keys[c]].counts[cnt[0]] = cnt[1]
     return out
+
+
+# Below this many values in a window, a Python loop beats numpy's fixed cost per call.
+_PY_MAX_VALUES = 400
+_INV_LOG_RATIO = 1.0 / _LOG_RATIO
+
+
+def _histogram_py(values: list[float]) -> LogHistogram:
+    h = LogHistogram()
+    counts = h.counts
+    log = math.log
+    last = NUM_BUCKETS - 1
+    for v in values:
+        i = 0 if v <= _BASE_MS else min(int(log(v / _BASE_MS) * _INV_LOG_RATIO), last)
+        counts[i] = counts.get(i, 0) + 1
+    h.count = len(values)
+    h.sum_ms = math.fsum(values)
+    h.sumsq_ms = math.fsum(v * v for v in values)
+    h.min_ms = min(values)
+    h.max_ms = max(values)
+    return h
 
 
 def _series_of(steps: Iterable[ResolvedStep]) -> dict[tuple[str, str], list[float]]:
