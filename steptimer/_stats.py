@@ -70,10 +70,6 @@ class LogHistogram:
         if value_ms > self.max_ms:
             self.max_ms = value_ms
 
-    def extend(self, values_ms: Iterable[float]) -> None:
-        for v in values_ms:
-            self.add(v)
-
     def merge(self, other: LogHistogram) -> None:
         for i, c in other.counts.items():
             self.counts[i] = self.counts.get(i, 0) + c
