@@ -761,6 +761,8 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
             except TypeError:  # an option this engine version lacks
                 continue
     fns: dict[str, Callable[[int], float]] = {"bare_empty": bare_empty, "bare_tiny": bare_tiny}
+    refs = reference_loops()
+    fns.update(refs)
     fns.update({k: make_timed(t, k.endswith("tiny")) for k, t in timers.items()})
     profile_fn = make_timed(timers["default_empty"], False)
     for f in fns.values():
@@ -792,9 +794,139 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         bare = res["bare_tiny" if name.endswith("tiny") else "bare_empty"]
         d = sorted((v - b) / steps * 1e6 for v, b in zip(res[name], bare))
         added[name] = {"median_us": median(d), "min_us": d[0], "max_us": d[-1]}
+    for name in refs:
+        d = sorted((v - b) / steps * 1e6 for v, b in zip(res[name], res["bare_empty"]))
+        added[name] = {"median_us": median(d), "min_us": d[0], "max_us": d[-1]}
     out["added_us"] = added
     out["cprofile_default_empty"] = buf.getvalue()
     return out
+
+
+def reference_loops() -> dict[str, Callable[[int], float]]:
+    """What any event timer with this API must pay on this host, each piece alone (no steptimer).
+
+    * ``ref_with_api``: the ``with timer.step():`` + 4 ``with timer.phase(...)`` shape with no-op
+      context managers: CPython's own cost of the API.
+    * ``ref_cuda_calls``: the CUDA calls the engine makes per step (stream key, capture check,
+      5 records, 5 ``elapsed_time`` reads, one wait on the step N-2 end event), in a bare loop.
+    * ``ref_minimal``: both together, with context managers that do nothing but take the time,
+      record an event and keep it: the least an event timer with a ``with`` API can cost in Python.
+    """
+    pc = perf_counter
+    base = getattr(torch._C, "_CudaEventBase", torch.cuda.Event)
+    rec, el = base.record, base.elapsed_time
+    sync = torch.cuda.Event.synchronize
+    key = torch._C._cuda_getCurrentStream
+    dev = torch._C._cuda_getDevice
+    capturing = torch.cuda.is_current_stream_capturing
+    stream = torch.cuda.current_stream()
+    ring = [[torch.cuda.Event(enable_timing=True) for _ in range(5)] for _ in range(4)]
+
+    class _Noop:
+        __slots__ = ()
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    noop = _Noop()
+
+    class _Api:
+        def step(self, samples: float | None = None) -> _Noop:
+            return noop
+
+        def phase(self, name: str) -> _Noop:
+            return noop
+
+    def with_api(n: int) -> float:
+        api = _Api()
+        st, ph = api.step, api.phase
+        t0 = pc()
+        for _ in range(n):
+            with st(samples=1):
+                with ph("forward"):
+                    pass
+                with ph("loss"):
+                    pass
+                with ph("backward"):
+                    pass
+                with ph("optimizer"):
+                    pass
+        return pc() - t0
+
+    def cuda_calls(n: int) -> float:
+        t0 = pc()
+        for k in range(n):
+            evs = ring[k % 4]
+            key(dev())
+            capturing()
+            for e in evs:
+                rec(e, stream)
+            old = ring[(k - 2) % 4]
+            sync(old[4])
+            for e in old[1:]:
+                el(old[0], e)
+            el(ring[(k - 3) % 4][4], old[0])
+        return pc() - t0
+
+    class _MinStep:
+        __slots__ = ("k", "cur", "times")
+
+        def __init__(self) -> None:
+            self.k = 0
+            self.cur = ring[0]
+            self.times: list[float] = []
+
+        def __enter__(self) -> None:
+            key(dev())
+            capturing()
+            self.cur = ring[self.k % 4]
+            self.times = [pc()]
+            rec(self.cur[0], stream)
+
+        def __exit__(self, *exc: object) -> None:
+            k = self.k
+            old = ring[(k - 2) % 4]
+            sync(old[4])
+            for e in old[1:]:
+                el(old[0], e)
+            el(ring[(k - 3) % 4][4], old[0])
+            self.k = k + 1
+
+    class _MinPhase:
+        __slots__ = ("s", "i")
+
+        def __init__(self, s: _MinStep, i: int) -> None:
+            self.s, self.i = s, i
+
+        def __enter__(self) -> None:
+            self.s.times.append(pc())
+
+        def __exit__(self, *exc: object) -> None:
+            s = self.s
+            s.times.append(pc())
+            rec(s.cur[self.i], stream)
+
+    def minimal(n: int) -> float:
+        step = _MinStep()
+        phases = {name: _MinPhase(step, i + 1) for i, name in enumerate(PHASES)}
+        ph = phases.__getitem__
+        t0 = pc()
+        for _ in range(n):
+            with step:
+                with ph("forward"):
+                    pass
+                with ph("loss"):
+                    pass
+                with ph("backward"):
+                    pass
+                with ph("optimizer"):
+                    pass
+        return pc() - t0
+
+    return {"ref_with_api": with_api, "ref_cuda_calls": cuda_calls, "ref_minimal": minimal}
 
 
 def gpu_name() -> str:

@@ -112,6 +112,13 @@ def host_table(h: dict[str, Any], m: dict[str, Any] | None) -> str:
             f"empty {h['per_step_us']['bare_empty']:.2f} µs/step, "
             f"4 x add_ {h['per_step_us']['bare_tiny']:.2f} µs/step"
         )
+    if "ref_minimal" in h["added_us"]:
+        t += (
+            "\n\nReference loops, no steptimer (bench/overhead.py `reference_loops`): `ref_with_api` is the "
+            "`with` step + 4 phases shape with no-op context managers (CPython's own cost of the API); "
+            "`ref_cuda_calls` the engine's CUDA calls per step alone (5 records, 5 elapsed_time reads, 1 wait, "
+            "stream key, capture check); `ref_minimal` a timer that does only that work behind the same API."
+        )
     return t
 
 

@@ -166,16 +166,15 @@ class RecordingTimer:  # built lazily so this module imports without torch for t
         from steptimer import StepTimer
 
         class _Recording(StepTimer):
-            # Per-step values, not the bucketed window histograms: `_resolve` appends each step's
-            # ResolvedStep to the current window list before any sink sees it.
+            # Per-step values, not the window statistics: the rows of each window, read just
+            # before they become a window.
             def __init__(self, **kw2: Any) -> None:
                 self.resolved: list[Any] = []
                 super().__init__(**kw2)
 
-            def _resolve(self, rec: Any) -> None:
-                window = self._window  # the step is appended here, even if the window is then emitted
-                super()._resolve(rec)
-                self.resolved.append(window[-1])
+            def _take_window(self) -> Any:
+                self.resolved.extend(self._rows.steps())
+                return super()._take_window()
 
         kw.setdefault("print_summary", False)
         kw.setdefault("warmup_steps", 0)

@@ -7,7 +7,7 @@ into window statistics (what sinks write every ``log_every_n_steps``) and the en
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,9 @@ _BASE_MS = 1e-4  # 0.1 µs; anything below lands in bucket 0
 NUM_BUCKETS = 2600  # 1e-4 ms * 1.01**2600 ≈ 1.8e7 ms (5 hours): covers any step
 
 
+_INV_LOG_RATIO = 1.0 / _LOG_RATIO
+
+
 def bucket_index(value_ms: float) -> int:
     """Index of the fixed log bucket that holds ``value_ms``."""
     if value_ms <= _BASE_MS:
@@ -40,6 +43,9 @@ def bucket_lower_ms(index: int) -> float:
 def bucket_upper_ms(index: int) -> float:
     """Upper edge of bucket ``index`` in milliseconds."""
     return _BASE_MS * _RATIO ** (index + 1)
+
+
+_UPPER_MS = [_BASE_MS * _RATIO ** (i + 1) for i in range(NUM_BUCKETS)]
 
 
 class LogHistogram:
@@ -83,6 +89,12 @@ class LogHistogram:
     def mean_ms(self) -> float:
         return self.sum_ms / self.count if self.count else math.nan
 
+    def buckets(self) -> tuple[list[float], list[int]]:
+        """The non-empty buckets in order: their upper edges (ms) and counts, as writers take them."""
+        idx = sorted(self.counts)
+        counts = self.counts
+        return [_UPPER_MS[i] for i in idx], [counts[i] for i in idx]
+
     def quantile_ms(self, q: float) -> float:
         """The ``q`` quantile of the values added (nearest rank), to within half a bucket (0.5 %)."""
         if not self.count:
@@ -99,78 +111,229 @@ class LogHistogram:
         return self.max_ms  # pragma: no cover - counts always sum to count
 
 
-def histograms_of(series: Mapping[tuple[str, str], list[float]]) -> dict[tuple[str, str], LogHistogram]:
-    """One histogram per series, computed for all series at once with numpy.
+# Per-step rows. Resolving a step appends one flat row of floats to the window's StepRows (no dict
+# per step, no per-value histogram work): the statistics of a whole window are computed from the rows
+# at once with numpy, every log_every_n_steps steps. Host values are in seconds, GPU values in ms.
+_NUMBER, _SAMPLES, _TOKENS, _STEP_S, _GAP_S, _WAIT_S = range(6)
+LEAD = 6  # leading columns of a row; then one host duration (s) per phase entry, in entry order;
+# with GPU times, the GPU step (ms) and one GPU span (ms) per phase entry; with idle, the GPU idle (ms)
 
-    This runs once per log window, never per step: per value it costs well under a microsecond,
-    where ``LogHistogram.add`` in a Python loop costs about one.
+# A row's layout: (phase entries' names, or None for an untimed step; has GPU times; has GPU idle).
+RowKey = tuple[tuple[str, ...] | None, bool, bool]
+
+
+class _Group:
+    __slots__ = ("rows", "warm")
+
+    def __init__(self) -> None:
+        self.rows: list[list[float]] = []
+        self.warm = 0  # warm-up rows; warm-up is a prefix of the run, so of every group
+
+
+class StepRows:
+    """The resolved steps of one log window, as rows grouped by layout (see ``LEAD``)."""
+
+    __slots__ = ("groups", "count", "warm", "_matrix")
+
+    def __init__(self) -> None:
+        self.groups: dict[RowKey, _Group] = {}
+        self.count = 0
+        self.warm = 0
+        self._matrix: _Matrix | None = None
+
+    def add(self, key: RowKey, row: list[float], warmup: bool) -> None:
+        g = self.groups.get(key)
+        if g is None:
+            g = self.groups[key] = _Group()
+        g.rows.append(row)
+        self.count += 1
+        if warmup:
+            g.warm += 1
+            self.warm += 1
+
+    def matrix(self) -> _Matrix:
+        """Every derived per-step series of the window as the columns of one matrix (cached)."""
+        if self._matrix is None:
+            self._matrix = _Matrix(self)
+        return self._matrix
+
+    def steps(self) -> list[ResolvedStep]:
+        """Per-step values, in step order (for tests and benchmarks; never on the hot path)."""
+        m = self.matrix()
+        out = []
+        for r in np.argsort(m.a[:, _NUMBER], kind="stable").tolist():
+            host: dict[str, float] = {}
+            gpu: dict[str, float] = {}
+            for (kind, name), v in zip(m.series, m.values[r].tolist()):
+                if not math.isnan(v):
+                    (host if kind == "host" else gpu)[name] = v
+            host["_gap"] = float(m.gap_ms[r])
+            names = m.names_of_row[r]
+            samples, tokens = (float(m.a[r, c]) for c in (_SAMPLES, _TOKENS))
+            out.append(
+                ResolvedStep(
+                    int(m.a[r, _NUMBER]), host, gpu or None, {n: (names or ()).count(n) for n in names or ()},
+                    None if math.isnan(samples) else samples, None if math.isnan(tokens) else tokens,
+                    names is not None, bool(m.warm[r]),
+                )
+            )  # fmt: skip
+        return out
+
+
+class _Layout:
+    """How one row layout turns into series: ``derived = nan_to_num(row) @ transform``, then clamps.
+
+    Built once per layout and cached: a window then costs a handful of numpy calls per layout.
     """
-    keys = list(series)
-    if not keys:
-        return {}
-    if sum(len(v) for v in series.values()) <= _PY_MAX_VALUES:
-        return {k: _histogram_py(series[k]) for k in keys}
-    lengths = np.fromiter((len(series[k]) for k in keys), dtype=np.int64, count=len(keys))
-    values = np.fromiter((v for k in keys for v in series[k]), dtype=np.float64, count=int(lengths.sum()))
-    sid = np.repeat(np.arange(len(keys)), lengths)
-    idx = np.floor(np.log(np.maximum(values, _BASE_MS) / _BASE_MS) / _LOG_RATIO).astype(np.int64)
-    np.clip(idx, 0, NUM_BUCKETS - 1, out=idx)
-    combo, counts = np.unique(sid * NUM_BUCKETS + idx, return_counts=True)
-    n = len(keys)
-    sums = np.bincount(sid, weights=values, minlength=n)
-    sumsq = np.bincount(sid, weights=values * values, minlength=n)
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    mins = np.minimum.reduceat(values, starts)
-    maxs = np.maximum.reduceat(values, starts)
-    out: dict[tuple[str, str], LogHistogram] = {}
-    for k, key in enumerate(keys):
+
+    def __init__(self, key: RowKey) -> None:
+        names, has_gpu, has_idle = key
+        r = len(names) if names is not None else 0
+        m = LEAD + r + ((1 + r) if has_gpu else 0) + (1 if has_idle else 0)
+        cols: list[dict[int, float]] = []
+        series: list[tuple[str, str]] = []
+
+        def add(kind: str, name: str, coefs: dict[int, float]) -> int:
+            series.append((kind, name))
+            cols.append(coefs)
+            return len(series) - 1
+
+        add("host", "step", {_STEP_S: 1e3})
+        uniq = list(dict.fromkeys(names or ()))
+        top = [i for i, n in enumerate(names or ()) if "/" not in n]
+        for u in uniq:
+            if u != "data":
+                add("host", u, {LEAD + i: 1e3 for i, n in enumerate(names or ()) if n == u})
+        data = {_GAP_S: 1e3}
+        data.update({LEAD + i: 1e3 for i, n in enumerate(names or ()) if n == "data"})
+        self.data_col = add("host", "data", data)
+        self.data_needs_gap = "data" not in uniq  # no gap (the run's first step) and no data phase: no value
+        self.wait_col = add("host", "wait", {_WAIT_S: 1e3})
+        clamp = []
+        if names is not None:
+            other = {_STEP_S: 1e3, _WAIT_S: -1e3}
+            other.update({LEAD + i: -1e3 for i in top})
+            clamp.append(add("host", "other", other))
+        if has_gpu:
+            g0 = LEAD + r
+            add("gpu", "step", {g0: 1.0})
+            for u in uniq:
+                add("gpu", u, {g0 + 1 + i: 1.0 for i, n in enumerate(names or ()) if n == u})
+            gother = {g0: 1.0}
+            gother.update({g0 + 1 + i: -1.0 for i in top})
+            clamp.append(add("gpu", "other", gother))
+            if has_idle:
+                clamp.append(add("gpu", "idle", {m - 1: 1.0}))
+        t = np.zeros((m, len(series)))
+        for j, coefs in enumerate(cols):
+            for i, c in coefs.items():
+                t[i, j] += c
+        self.transform = t
+        self.series = series
+        self.clamp = np.array(clamp, dtype=np.int64)
+        self.names = names
+
+
+_LAYOUTS: dict[RowKey, _Layout] = {}
+
+
+def _layout(key: RowKey) -> _Layout:
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        if len(_LAYOUTS) > 1024:  # phase names made up per step: keep the cache bounded
+            _LAYOUTS.clear()
+        lay = _LAYOUTS[key] = _Layout(key)
+    return lay
+
+
+class _Matrix:
+    """A window's steps: raw rows ``a`` (padded) and derived series ``values`` (steps x series, ms).
+
+    A value is NaN where the series has none in that step (a phase that did not run, the data wait
+    of the run's first step, the wait without CUDA).
+    """
+
+    def __init__(self, rows: StepRows) -> None:
+        series: dict[tuple[str, str], int] = {}
+        blocks = []
+        for key, g in rows.groups.items():
+            lay = _layout(key)
+            a = np.array(g.rows, dtype=np.float64)
+            nan = np.isnan(a)
+            d = np.where(nan, 0.0, a) @ lay.transform
+            if len(lay.clamp):
+                d[:, lay.clamp] = np.maximum(d[:, lay.clamp], 0.0)
+            d[:, lay.wait_col] = np.where(nan[:, _WAIT_S], np.nan, d[:, lay.wait_col])
+            if lay.data_needs_gap:
+                d[:, lay.data_col] = np.where(nan[:, _GAP_S], np.nan, d[:, lay.data_col])
+            cols = [series.setdefault(s, len(series)) for s in lay.series]
+            warm = np.zeros(len(g.rows), dtype=bool)
+            warm[: g.warm] = True
+            blocks.append((a[:, :LEAD], d, cols, warm, lay.names))
+        self.series = list(series)
+        if len(blocks) == 1 and blocks[0][2] == list(range(len(series))):
+            self.a, self.values, _, self.warm, names = blocks[0]
+            self.names_of_row = [names] * len(self.a)
+        else:
+            n = sum(len(b[0]) for b in blocks)
+            self.values = np.full((n, len(series)), np.nan)
+            self.a = np.concatenate([b[0] for b in blocks])
+            self.warm = np.concatenate([b[3] for b in blocks])
+            self.names_of_row = []
+            r = 0
+            for _, d, cols, _, names in blocks:
+                self.values[r : r + len(d), cols] = d
+                self.names_of_row += [names] * len(d)
+                r += len(d)
+        self.gap_ms = np.nan_to_num(self.a[:, _GAP_S]) * 1e3
+        self.cycle_ms = self.a[:, _STEP_S] * 1e3 + self.gap_ms  # the step and the data wait before it
+
+
+def series_stats(
+    series: list[tuple[str, str]], values: np.ndarray
+) -> tuple[dict[tuple[str, str], SeriesStats], dict[tuple[str, str], LogHistogram]]:
+    """Exact statistics (nearest-rank quantiles) and log histograms of every column of ``values``.
+
+    A fixed number of numpy calls per window, whatever the numbers of steps and series: sorting the
+    columns gives the quantiles, and bins that come out sorted with them give the histograms.
+    """
+    n, s = values.shape
+    if n == 0 or s == 0:
+        return {}, {}
+    srt = np.sort(values, axis=0)  # NaN sort last
+    counts = n - np.isnan(values).sum(axis=0)
+    safe = np.maximum(counts, 1)
+    cols = np.arange(s)
+    clean = np.where(np.isnan(srt), 0.0, srt)
+    sums = clean.sum(axis=0)
+    sumsq = (clean * clean).sum(axis=0)
+    maxs = srt[safe - 1, cols]
+    med = srt[np.ceil(0.5 * safe).astype(np.int64) - 1, cols]
+    p90 = srt[np.ceil(0.9 * safe).astype(np.int64) - 1, cols]
+    b = np.floor(np.log(np.maximum(clean.T, _BASE_MS) / _BASE_MS) * _INV_LOG_RATIO).astype(np.int64)
+    np.clip(b, 0, NUM_BUCKETS - 1, out=b)
+    valid = np.arange(n)[None, :] < counts[:, None]  # column-major: each series' values, sorted
+    combo = (b + (cols * NUM_BUCKETS)[:, None])[valid]
+    firsts = np.flatnonzero(np.diff(combo, prepend=-1))
+    run_counts = np.diff(np.append(firsts, len(combo))).tolist()
+    run_combo = combo[firsts]
+    bounds = np.searchsorted(run_combo, cols * NUM_BUCKETS).tolist() + [len(run_combo)]
+    run_bucket = (run_combo % NUM_BUCKETS).tolist()
+    cl, sl, ql, ml, pl, xl, nl = (
+        counts.tolist(), sums.tolist(), sumsq.tolist(), med.tolist(), p90.tolist(), maxs.tolist(), srt[0].tolist()
+    )  # fmt: skip
+    stats: dict[tuple[str, str], SeriesStats] = {}
+    hists: dict[tuple[str, str], LogHistogram] = {}
+    for k, key in enumerate(series):
+        c = cl[k]
+        if c == 0:
+            continue
         h = LogHistogram()
-        h.count = int(lengths[k])
-        h.sum_ms = float(sums[k])
-        h.sumsq_ms = float(sumsq[k])
-        h.min_ms = float(mins[k])
-        h.max_ms = float(maxs[k])
-        out[key] = h
-    for c, cnt in zip((combo // NUM_BUCKETS).tolist(), zip((combo % NUM_BUCKETS).tolist(), counts.tolist())):
-        out[keys[c]].counts[cnt[0]] = cnt[1]
-    return out
-
-
-# Below this many values in a window, a Python loop beats numpy's fixed cost per call.
-_PY_MAX_VALUES = 400
-_INV_LOG_RATIO = 1.0 / _LOG_RATIO
-
-
-def _histogram_py(values: list[float]) -> LogHistogram:
-    h = LogHistogram()
-    counts = h.counts
-    log = math.log
-    last = NUM_BUCKETS - 1
-    for v in values:
-        i = 0 if v <= _BASE_MS else min(int(log(v / _BASE_MS) * _INV_LOG_RATIO), last)
-        counts[i] = counts.get(i, 0) + 1
-    h.count = len(values)
-    h.sum_ms = math.fsum(values)
-    h.sumsq_ms = math.fsum(v * v for v in values)
-    h.min_ms = min(values)
-    h.max_ms = max(values)
-    return h
-
-
-def _series_of(steps: Iterable[ResolvedStep]) -> dict[tuple[str, str], list[float]]:
-    series: dict[tuple[str, str], list[float]] = {}
-    for s in steps:
-        for kind, values in (("host", s.host_ms), ("gpu", s.gpu_ms)):
-            if values is None:
-                continue
-            for name, v in values.items():
-                if name[0] == "_":
-                    continue
-                lst = series.get((kind, name))
-                if lst is None:
-                    lst = series[(kind, name)] = []
-                lst.append(v)
-    return series
+        h.count, h.sum_ms, h.sumsq_ms, h.min_ms, h.max_ms = c, sl[k], ql[k], nl[k], xl[k]
+        h.counts = dict(zip(run_bucket[bounds[k] : bounds[k + 1]], run_counts[bounds[k] : bounds[k + 1]]))
+        hists[key] = h
+        stats[key] = SeriesStats(c, sl[k] / c, ml[k], pl[k], xl[k])
+    return stats, hists
 
 
 @dataclass(frozen=True)
@@ -233,26 +396,38 @@ class Window:
     extra: Mapping[str, float] = field(default_factory=dict)
 
 
-def window_of(steps: list[ResolvedStep]) -> Window:
-    """Statistics of a list of resolved steps (the steps of one log window)."""
-    hists = histograms_of(_series_of(steps))
-    wall_s = sum(s.cycle_ms for s in steps) / 1e3
-    samples = [s.samples for s in steps if s.samples is not None]
-    tokens = [s.tokens for s in steps if s.tokens is not None]
+def window_of(rows: StepRows, last_step: int) -> Window:
+    """Statistics of the steps of one log window, ``last_step`` being the number of its last step."""
+    m = rows.matrix()
+    stats, hists = series_stats(m.series, m.values)
+    wall_s = float(m.cycle_ms.sum()) / 1e3
 
-    def per_s(xs: list[float]) -> float | None:
-        return sum(xs) / wall_s if xs and wall_s > 0 else None
+    def per_s(col: int) -> float | None:
+        xs = m.a[:, col]
+        xs = xs[~np.isnan(xs)]
+        return float(xs.sum()) / wall_s if len(xs) and wall_s > 0 else None
 
     return Window(
-        step=steps[-1].number,
-        steps=len(steps),
-        host={n: SeriesStats.of(h) for (k, n), h in hists.items() if k == "host"},
-        gpu={n: SeriesStats.of(h) for (k, n), h in hists.items() if k == "gpu"},
+        step=last_step,
+        steps=rows.count,
+        host={n: st for (k, n), st in stats.items() if k == "host"},
+        gpu={n: st for (k, n), st in stats.items() if k == "gpu"},
         hists=hists,
-        steps_per_s=len(steps) / wall_s if wall_s > 0 else math.nan,
-        samples_per_s=per_s(samples),
-        tokens_per_s=per_s(tokens),
+        steps_per_s=rows.count / wall_s if wall_s > 0 else math.nan,
+        samples_per_s=per_s(_SAMPLES),
+        tokens_per_s=per_s(_TOKENS),
     )
+
+
+def _run_lengths(items: list[tuple[str, ...] | None]) -> list[tuple[tuple[str, ...] | None, int]]:
+    """Consecutive equal items and their counts (rows of one layout come in runs)."""
+    out: list[tuple[tuple[str, ...] | None, int]] = []
+    for it in items:
+        if out and out[-1][0] is it:
+            out[-1] = (it, out[-1][1] + 1)
+        else:
+            out.append((it, 1))
+    return out
 
 
 @dataclass(frozen=True)
@@ -311,21 +486,17 @@ _DERIVED_LAST = ("other", "wait", "step", "idle")
 
 
 class SummaryAccumulator:
-    """Run-long, bounded accumulation of resolved steps for the summary.
+    """Run-long, bounded accumulation of the windows' steps (after warm-up) for the summary.
 
-    ``add`` only buffers the step (the per-step cost is one list append); the buffer is folded into
-    the histograms in batches of at most ``_FOLD_EVERY`` steps, or when the statistics are read.
+    Histograms merge by adding bucket counts, so memory stays bounded whatever the run's length.
     """
 
-    _FOLD_EVERY = 512
-
     def __init__(self) -> None:
-        self._host: dict[str, LogHistogram] = {}
-        self._gpu: dict[str, LogHistogram] = {}
-        self._buf: list[ResolvedStep] = []
+        self.host: dict[str, LogHistogram] = {}
+        self.gpu: dict[str, LogHistogram] = {}
         self.calls: dict[str, int] = {}
         self.order: dict[str, None] = {}
-        self._steps = 0
+        self.steps = 0
         self.timed_steps = 0
         self.cycle_ms = 0.0
         self.timed_cycle_ms = 0.0
@@ -335,78 +506,48 @@ class SummaryAccumulator:
         self.has_samples = False
         self.has_tokens = False
 
-    def add(self, s: ResolvedStep) -> None:
-        self._buf.append(s)
-        if len(self._buf) >= self._FOLD_EVERY:
-            self._fold()
-
-    @property
-    def steps(self) -> int:
-        return self._steps + len(self._buf)
-
-    @property
-    def host(self) -> dict[str, LogHistogram]:
-        self._fold()
-        return self._host
-
-    @property
-    def gpu(self) -> dict[str, LogHistogram]:
-        self._fold()
-        return self._gpu
-
-    def add_window(self, window: Window, steps: list[ResolvedStep]) -> None:
-        """Add a window's steps, reusing the histograms the window already has (no warm-up in it)."""
-        if any(st.warmup for st in steps):
-            for st in steps:
-                if not st.warmup:
-                    self.add(st)
-            return
-        self._fold()
-        for (kind, name), h in window.hists.items():
-            hists = self._host if kind == "host" else self._gpu
-            mine = hists.get(name)
+    def add_window(self, window: Window, rows: StepRows) -> None:
+        """Add a window's steps, reusing the window's histograms when it holds no warm-up step."""
+        m = rows.matrix()
+        if rows.warm:
+            keep = ~m.warm
+            values, a, cycle = m.values[keep], m.a[keep], m.cycle_ms[keep]
+            names_of_row = [n for n, w in zip(m.names_of_row, m.warm.tolist()) if not w]
+            hists = series_stats(m.series, values)[1]
+        else:
+            values, a, cycle, names_of_row = m.values, m.a, m.cycle_ms, m.names_of_row
+            hists = dict(window.hists)
+        for (kind, name), h in hists.items():
+            mine = (self.host if kind == "host" else self.gpu).get(name)
             if mine is None:
-                mine = hists[name] = LogHistogram()
+                mine = (self.host if kind == "host" else self.gpu)[name] = LogHistogram()
             mine.merge(h)
-        self._add_sums(steps)
-
-    def _fold(self) -> None:
-        buf = self._buf
-        if not buf:
+        n = len(a)
+        if n == 0:
             return
-        self._buf = []
-        for (kind, name), h in histograms_of(_series_of(buf)).items():
-            hists = self._host if kind == "host" else self._gpu
-            if name in hists:
-                hists[name].merge(h)
-            else:
-                hists[name] = h
-        self._add_sums(buf)
-
-    def _add_sums(self, steps: list[ResolvedStep]) -> None:
-        for s in steps:
-            self._steps += 1
-            cycle = s.cycle_ms
-            self.cycle_ms += cycle
-            if s.samples is not None:
-                self.samples += s.samples
-                self.has_samples = True
-            if s.tokens is not None:
-                self.tokens += s.tokens
-                self.has_tokens = True
-            for name in s.host_ms:
-                if name not in self.order and name[0] != "_":
-                    self.order[name] = None
-            for name, c in s.calls.items():
-                self.calls[name] = self.calls.get(name, 0) + c
-            if s.timed:
-                self.timed_steps += 1
-                self.timed_cycle_ms += cycle
-                for name, v in s.host_ms.items():
-                    self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + v
+        self.steps += n
+        self.cycle_ms += float(cycle.sum())
+        for col, attr in ((_SAMPLES, "samples"), (_TOKENS, "tokens")):
+            xs = a[:, col]
+            xs = xs[~np.isnan(xs)]
+            if len(xs):
+                setattr(self, attr, getattr(self, attr) + float(xs.sum()))
+                setattr(self, "has_" + attr, True)
+        timed = np.array([names is not None for names in names_of_row])
+        if not timed.any():
+            return
+        for names, k in _run_lengths(names_of_row):
+            for name in names or ():
+                self.order.setdefault(name, None)
+                self.calls[name] = self.calls.get(name, 0) + k
+        self.timed_steps += int(timed.sum())
+        self.timed_cycle_ms += float(cycle[timed].sum())
+        sums = np.nansum(values[timed], axis=0).tolist()
+        for (kind, name), v in zip(m.series, sums):
+            if kind == "host":
+                self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + v
 
     def summary(self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = ()) -> Summary:
-        self._fold()
         first_seen = {n: i for i, n in enumerate(self.order)}
 
         def tree_key(name: str) -> tuple[int, ...]:  # parents before children, then first seen
@@ -415,13 +556,11 @@ class SummaryAccumulator:
             return tuple(first_seen.get(p, len(first_seen)) for p in prefixes)
 
         names = [n for n in _DERIVED_FIRST if n in self.host]
-        names += sorted(
-            (n for n in self.order if n not in _DERIVED_FIRST and n not in _DERIVED_LAST), key=tree_key
-        )
+        names += sorted((n for n in self.order if n not in _DERIVED_FIRST and n not in _DERIVED_LAST), key=tree_key)
         names += [n for n in _DERIVED_LAST if n in self.host or n in self.gpu]
         # The host ran ahead of the GPU when it spent a tenth of the step blocked in steptimer's wait:
         # then a phase's GPU span is the GPU's own work even where it is short against the host's.
-        wait_h, step_h = self._host.get("wait"), self._host.get("step")
+        wait_h, step_h = self.host.get("wait"), self.host.get("step")
         host_ahead = (
             wait_h is not None and step_h is not None and wait_h.quantile_ms(0.5) > 0.1 * step_h.quantile_ms(0.5)
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from steptimer._stats import Summary, Window, bucket_index, bucket_upper_ms
+from steptimer._stats import Summary, Window, bucket_index
 
 LAYOUT_RUN = "steptimer-layout"
 
@@ -61,10 +61,10 @@ def window_summary(window: Window) -> Any:
 
     values = [SummaryProto.Value(tag=tag, simple_value=v) for tag, v in window_scalars(window).items()]
     for (clock, name), h in window.hists.items():
-        idx = sorted(h.counts)
+        limits, counts = h.buckets()
         hp = HistogramProto(
             min=h.min_ms, max=h.max_ms, num=h.count, sum=h.sum_ms, sum_squares=h.sumsq_ms,
-            bucket_limit=[bucket_upper_ms(i) for i in idx], bucket=[h.counts[i] for i in idx],
+            bucket_limit=limits, bucket=counts,
         )
         values.append(SummaryProto.Value(tag=f"steptimer/hist_{clock}/{name}_ms", histo=hp))
     return SummaryProto(value=values)
@@ -114,7 +114,7 @@ class TensorBoardSink:
         for tag, value in window_scalars(window).items():
             w.add_scalar(tag, value, step)
         for (clock, name), h in window.hists.items():
-            idx = sorted(h.counts)
+            limits, counts = h.buckets()
             w.add_histogram_raw(
                 f"steptimer/hist_{clock}/{name}_ms",
                 min=h.min_ms,
@@ -122,8 +122,8 @@ class TensorBoardSink:
                 num=h.count,
                 sum=h.sum_ms,
                 sum_squares=h.sumsq_ms,
-                bucket_limits=[bucket_upper_ms(i) for i in idx],
-                bucket_counts=[h.counts[i] for i in idx],
+                bucket_limits=limits,
+                bucket_counts=counts,
                 global_step=step,
             )
         if not self._layout_written:

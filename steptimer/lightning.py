@@ -41,7 +41,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from steptimer._stats import Summary, Window, bucket_upper_ms
+from steptimer._stats import Summary, Window
 from steptimer._tensorboard import LAYOUT_RUN, layout, window_scalars
 from steptimer.timer import StepTimer, check_options, check_phase_name
 
@@ -92,11 +92,11 @@ class _TensorBoardExtras:
         w = self._writer
         if self._histograms:
             for (clock, name), h in window.hists.items():
-                idx = sorted(h.counts)
+                limits, counts = h.buckets()
                 w.add_histogram_raw(
                     f"steptimer/hist_{clock}/{name}_ms", min=h.min_ms, max=h.max_ms, num=h.count,
-                    sum=h.sum_ms, sum_squares=h.sumsq_ms, bucket_limits=[bucket_upper_ms(i) for i in idx],
-                    bucket_counts=[h.counts[i] for i in idx], global_step=window.step,
+                    sum=h.sum_ms, sum_squares=h.sumsq_ms, bucket_limits=limits,
+                    bucket_counts=counts, global_step=window.step,
                 )
         if not self._layout_written:
             self._layout_written = True

@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol
 
 from steptimer._clock import _CudaBackend, cuda_usable, torch_backend
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
-from steptimer._stats import ResolvedStep, Summary, SummaryAccumulator, Window, window_of
+from steptimer._stats import StepRows, Summary, SummaryAccumulator, Window, window_of
 from steptimer._trace import make_capture
 
 log = logging.getLogger("steptimer")
@@ -42,6 +42,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 # from Python costs several µs of host time. This is what makes P back-to-back phases cost P + 1
 # records instead of 2P + 2.
 _SHARE_GAP_S = 1.5e-6
+_NAN = math.nan
 
 
 class Sink(Protocol):
@@ -307,7 +308,8 @@ class StepTimer:
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[_Pending] = deque()
-        self._window: list[ResolvedStep] = []
+        self._rows = StepRows()  # the steps resolved since the last window
+        self._last_resolved = start_step
         self._acc = SummaryAccumulator()
         self._notes: list[str] = []
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
@@ -317,6 +319,10 @@ class StepTimer:
         self._cuda: bool | None = None
         self._b: _CudaBackend | None = _backend
         self._record: Callable[[Any, Any], None] = lambda e, s: None
+        self._elapsed: Callable[[Any, Any], float] = lambda a, b: _NAN
+        self._wait: Callable[[Any], None] = lambda e: None
+        self._is_capturing: Callable[[], bool] = lambda: False
+        self._get_stream_key: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
         self._stream: Any = None
         self._stream_key: Any = None
         self._device = -1
@@ -409,7 +415,6 @@ class StepTimer:
         if self._xrank is not None and not self._xrank.off:
             # The closing rounds, with or without a last window (Join-style, see _dist.py).
             last = self._xrank.close(self._take_window(), self._acc)
-            self._window = []
             if last is not None:
                 for sink in self._sinks:
                     sink.write_window(last)
@@ -458,30 +463,29 @@ class StepTimer:
         t0 = perf_counter()
         if self._cuda is None:
             self._settle_cuda()
-        number = self._number + 1
-        self._timed = timed = number == self._next_timed
+        self._timed = timed = self._number + 1 == self._next_timed
         self._in_step = True
         self._recs = []
-        self._evs = []
         self._last_t = -math.inf
-        self._gpu = gpu = bool(self._cuda) and timed
+        self._gpu = gpu = timed and self._cuda is True
         if gpu:
-            b = self._backend()
-            if b.is_capturing():
+            if self._is_capturing():
                 self._in_step = False
                 raise RuntimeError(
                     "step() inside CUDA graph capture: steptimer cannot record timing events into a "
                     "graph. Put `with timer.step():` around the graph replay, not inside the capture"
                 )
-            key = b.stream_key()
+            key = self._get_stream_key()
             if key != self._stream_key:
                 self._switch_stream(key)
             free = self._free
             ev = free.pop() if free else self._new_event()
             self._record(ev, self._stream)
-            self._evs.append(ev)
+            self._evs = [ev]
             self._last_i = 0
             self._last_t = perf_counter()
+        else:
+            self._evs = []
         self._t0 = t0
 
     def _end_step(self, failed: bool) -> None:
@@ -529,29 +533,40 @@ class StepTimer:
         self._in_step = False
         pending = self._pending
         pending.append(rec)
-        if self._cuda:
-            if len(pending) > self.lag:
-                tw = perf_counter()
-                n = len(pending) - self.lag
-                self._wait_for(n)
-                rec.wait_s = perf_counter() - tw
-                own = self.lag == 0
-                if not own:
-                    self._resolve_popped(n)
-                t_end = perf_counter()
-                rec.step_s = t_end - self._t0
-                if own:
-                    self._resolve_popped(n)
+        lag = self.lag
+        if not self._cuda:
+            t_end = perf_counter()
+            rec.step_s = t_end - self._t0
+            self._resolve(pending.popleft())
+        elif len(pending) > lag:
+            tw = perf_counter()
+            n = len(pending) - lag
+            if n == 1 and lag:  # the common case, inline: wait on step N - lag's end event
+                old = pending[0]
+                if old.events:
+                    self._wait(old.events[old.i_end])
             else:
+                self._wait_for(n)
+            rec.wait_s = perf_counter() - tw
+            if lag:
+                for _ in range(n):
+                    self._resolve(pending.popleft())
                 t_end = perf_counter()
                 rec.step_s = t_end - self._t0
+            else:  # lag 0 resolves the step itself: its step time must be known first
+                t_end = perf_counter()
+                rec.step_s = t_end - self._t0
+                for _ in range(n):
+                    self._resolve(pending.popleft())
         else:
             t_end = perf_counter()
             rec.step_s = t_end - self._t0
-            self._resolve_popped(1)
         self._gap_start = t_end
         if number == self._next_timed:
-            self._next_timed = self._pick_timed((number - self._first_number) // self.sample_every + 1)
+            if self.sample_every == 1:
+                self._next_timed = number + 1
+            else:
+                self._next_timed = self._pick_timed((number - self._first_number) // self.sample_every + 1)
 
     def _drop_step(self) -> None:
         """Forget the current step (it raised, or was left inconsistent); keep everything before it."""
@@ -600,7 +615,12 @@ class StepTimer:
                 self._notes.append(f"host timing only: {why}")
                 log.info(msg)
                 return
-        self._record = self._backend().record
+        b = self._backend()
+        self._record = b.record
+        self._elapsed = b.elapsed_ms
+        self._wait = b.wait
+        self._is_capturing = b.is_capturing
+        self._get_stream_key = b.stream_key
 
     def _switch_stream(self, key: tuple[int, int, int]) -> None:
         b = self._backend()
@@ -665,85 +685,62 @@ class StepTimer:
             self._resolve(pending.popleft())
 
     def _resolve(self, rec: _Pending) -> None:
-        host: dict[str, float] = {"step": rec.step_s * 1e3}
-        calls: dict[str, int] = {}
-        top_s = 0.0
-        for name, t_in, t_out, _, _ in rec.phases:
-            dt = t_out - t_in
-            if name in host:
-                host[name] += dt * 1e3
-                calls[name] += 1
-            else:
-                host[name] = dt * 1e3
-                calls[name] = 1
-            if "/" not in name:
-                top_s += dt
-        gap_ms = 0.0 if rec.gap_s is None else rec.gap_s * 1e3
-        if rec.gap_s is not None or "data" in host:
-            host["data"] = host.get("data", 0.0) + gap_ms
-        host["_gap"] = gap_ms
-        if self._cuda:
-            host["wait"] = rec.wait_s * 1e3
-        if rec.timed:
-            host["other"] = max((rec.step_s - top_s - rec.wait_s) * 1e3, 0.0)
+        """Turn a finished step into one row of its window (``StepRows``); read its GPU events."""
         if self._trace is not None:  # before the step's events go back to the pool
             self._trace.add(self, rec)
-        if rec.events:
-            gpu = self._resolve_gpu(rec)
+        recs = rec.phases
+        gap, samples, tokens = rec.gap_s, rec.samples, rec.tokens
+        row = [
+            rec.number, _NAN if samples is None else samples, _NAN if tokens is None else tokens,
+            rec.step_s, _NAN if gap is None else gap, rec.wait_s if self._cuda else _NAN,
+        ]  # fmt: skip
+        names = None
+        if rec.timed:
+            names = tuple([r[0] for r in recs])
+            row += [r[2] - r[1] for r in recs]
+        has_gpu = has_idle = False
+        evs = rec.events
+        if evs:
+            el = self._elapsed
+            held = self._held_end
+            if names is not None:
+                ref = evs[0]
+                offs = [0.0]
+                offs += [el(ref, e) for e in evs[1:]]
+                row.append(offs[rec.i_end] - offs[rec.i_start])
+                row += [offs[r[4]] - offs[r[3]] for r in recs]
+                has_gpu = True
+                if held is not None and held[0] == rec.number - 1 and held[1] == rec.device:
+                    idle = el(held[2], evs[rec.i_start])
+                    for a, c in rec.pauses:
+                        idle -= el(a, c)
+                    row.append(idle)
+                    has_idle = True
+            free = self._free
+            for a, c in rec.pauses:
+                free += (a, c)
+            if held is not None:
+                free.append(held[2])
+            i_end = rec.i_end
+            free += evs[:i_end]
+            free += evs[i_end + 1 :]
+            self._held_end = (rec.number, rec.device, evs[i_end])
         else:
-            gpu = None
             for a, c in rec.pauses:  # a pause before an untimed step: its events were never needed
                 self._free += (a, c)
-        self._window.append(
-            ResolvedStep(rec.number, host, gpu, calls, rec.samples, rec.tokens, rec.timed, rec.warmup)
-        )
-        if rec.number % self.log_every_n_steps == 0:
+        self._rows.add((names, has_gpu, has_idle), row, rec.warmup)
+        self._last_resolved = number = rec.number
+        if number % self.log_every_n_steps == 0:
             self._emit()
-
-    def _resolve_gpu(self, rec: _Pending) -> dict[str, float] | None:
-        el = self._backend().elapsed_ms
-        evs = rec.events
-        ref = evs[0]
-        offs = [0.0]
-        offs += [el(ref, e) for e in evs[1:]]
-        gpu: dict[str, float] | None = None
-        if rec.timed:
-            gpu = {"step": offs[rec.i_end] - offs[rec.i_start]}
-            top = 0.0
-            for name, _, _, i, j in rec.phases:
-                v = offs[j] - offs[i]
-                gpu[name] = gpu.get(name, 0.0) + v
-                if "/" not in name:
-                    top += v
-            gpu["other"] = max(gpu["step"] - top, 0.0)
-        held = self._held_end
-        if held is not None and held[0] == rec.number - 1 and held[1] == rec.device:
-            idle = el(held[2], evs[rec.i_start])
-            for a, c in rec.pauses:
-                idle -= el(a, c)
-            if gpu is not None:
-                gpu["idle"] = max(idle, 0.0)
-        for a, c in rec.pauses:
-            self._release(a)
-            self._release(c)
-        free = self._free
-        if held is not None:
-            free.append(held[2])
-        i_end = rec.i_end
-        end = evs[i_end]
-        free.extend(evs[:i_end])
-        free.extend(evs[i_end + 1 :])
-        self._held_end = (rec.number, rec.device, end)
-        return gpu
 
     def _take_window(self) -> Window | None:
         """The window of the steps resolved since the last one; they also go into the summary."""
-        steps = self._window
-        if not steps:
+        rows = self._rows
+        if not rows.count:
             return None
-        self._window = []
-        window = window_of(steps)
-        self._acc.add_window(window, steps)
+        self._rows = StepRows()
+        window = window_of(rows, self._last_resolved)
+        self._acc.add_window(window, rows)
         return window
 
     def _emit(self) -> None:

@@ -28,9 +28,7 @@ ROOT = str(Path(steptimer.__file__).resolve().parent.parent)
 def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
     """``python -m steptimer ARGS`` (the package need not be installed: the device runs it this way)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
-    p = subprocess.run(
-        [sys.executable, "-m", "steptimer", *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    p = subprocess.run([sys.executable, "-m", "steptimer", *args], capture_output=True, text=True, env=env, timeout=120)
     if ok:
         assert p.returncode == 0, p.stderr
     return p
@@ -124,22 +122,21 @@ def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
     """Logs without histograms (a logger that only takes scalars) still report, and say so."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from steptimer._stats import ResolvedStep, window_of
+    from steptimer._stats import StepRows, window_of
     from steptimer._tensorboard import window_scalars
 
+    nan = float("nan")
     w = SummaryWriter(str(tmp_path / "lightning_logs" / "version_0"))
     means = []
     for k in range(4):
-        steps = [
-            ResolvedStep(
-                5 * k + i + 1,
-                {"step": 10.0 + k + i, "forward": 4.0 + k, "other": 1.0, "data": 2.0, "_gap": 2.0},
-                None,
-                {"forward": 1},
+        rows = StepRows()
+        for i in range(5):  # number, samples, tokens, step_s, gap_s, wait_s, forward_s
+            rows.add(
+                (("forward",), False, False),
+                [5 * k + i + 1, nan, nan, (10 + k + i) / 1e3, 2e-3, nan, (4 + k) / 1e3],
+                False,
             )
-            for i in range(5)
-        ]
-        win = window_of(steps)
+        win = window_of(rows, 5 * k + 5)
         means.append(win.host["forward"].mean_ms)
         for tag, v in window_scalars(win).items():
             w.add_scalar(tag, v, win.step)

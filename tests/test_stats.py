@@ -1,32 +1,105 @@
-"""The log-bucket histograms: both ways of building them agree, and quantiles are within half a bucket."""
+"""Window statistics from per-step rows, against per-value references; histogram quantiles and merges."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from steptimer._stats import LogHistogram, _histogram_py, bucket_index, histograms_of
+from steptimer._stats import LogHistogram, StepRows, bucket_index, series_stats, window_of
+
+NAN = math.nan
 
 
-@pytest.mark.parametrize("n", [1, 7, 300, 1000])
-def test_numpy_and_python_binning_agree(n: int) -> None:
+def _hist(values: list[float]) -> LogHistogram:
+    h = LogHistogram()
+    for v in values:
+        h.add(v)
+    return h
+
+
+def _nearest_rank(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(q * len(values))) - 1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 300])
+def test_series_stats_match_per_value_references(n: int) -> None:
+    """Every statistic and histogram of a window equals the one computed value by value."""
     rng = random.Random(n)
-    values = [rng.choice([0.0, 1e-5, 0.5, 3.3, 100.0, 1e9, rng.random() * 10]) for _ in range(n)]
-    # n >= 300 with two series goes through numpy; the reference is the per-value Python loop
-    hists = histograms_of({("host", "x"): values, ("gpu", "y"): values[::-1]})
-    ref = _histogram_py(values)
-    for h in hists.values():
-        assert h.counts == ref.counts
-        assert h.count == n and h.min_ms == min(values) and h.max_ms == max(values)
+    pick = [0.0, 1e-8, 5e-4, 3.3e-3, 0.1, 1e5, None]
+    rows = StepRows()
+    fwd, gfwd = [], []
+    for k in range(n):
+        h = pick[k % len(pick)] if k % 3 else rng.random() * 1e-2
+        h = rng.random() if h is None else h
+        g = rng.lognormvariate(0.0, 2.0)
+        fwd.append(h * 1e3)
+        gfwd.append(g)
+        # number, samples, tokens, step_s, gap_s, wait_s | host forward (s) | GPU step, forward (ms)
+        rows.add((("forward",), True, False), [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, h, g + 1.0, g], warmup=False)
+    m = rows.matrix()
+    stats, hists = series_stats(m.series, m.values)
+    for key, values in ((("host", "forward"), fwd), (("gpu", "forward"), gfwd)):
+        st, h, ref = stats[key], hists[key], _hist(values)
+        assert h.counts == ref.counts and set(h.counts) == {bucket_index(v) for v in values}
+        assert (h.count, h.min_ms, h.max_ms) == (n, min(values), max(values))
         assert h.sum_ms == pytest.approx(sum(values), rel=1e-12)
-    assert set(ref.counts) == {bucket_index(v) for v in values}
+        assert h.sumsq_ms == pytest.approx(sum(v * v for v in values), rel=1e-12)
+        assert st.steps == n and st.max_ms == max(values)
+        assert st.mean_ms == pytest.approx(sum(values) / n, rel=1e-12)
+        assert st.median_ms == _nearest_rank(values, 0.5)
+        assert st.p90_ms == _nearest_rank(values, 0.9)
+
+
+def test_rows_derive_data_other_idle_and_repeated_phases() -> None:
+    """Derived series: data = gap (+ a data phase), other = step - top-level phases - wait, repeats add up."""
+    rows = StepRows()
+    names = ("forward", "forward/inner", "forward", "data")
+    # step 1: no gap yet (first step), no idle; step 2: gap 2 ms, GPU idle 0.25 ms
+    host_s = [0.001, 0.0005, 0.002, 0.0003]
+    gpu_ms = [1.5, 0.5, 2.5, 0.1]
+    rows.add((names, True, False), [1, NAN, 64.0, 0.010, NAN, 0.001, *host_s, 5.0, *gpu_ms], warmup=True)
+    rows.add((names, True, True), [2, NAN, 64.0, 0.010, 0.002, 0.001, *host_s, 5.0, *gpu_ms, 0.25], warmup=False)
+    rows.add((None, False, False), [3, NAN, 64.0, 0.008, 0.001, 0.0005], warmup=False)  # untimed step
+    w = window_of(rows, 3)
+    assert w.step == 3 and w.steps == 3
+    assert w.host["forward"].steps == 2 and w.host["forward"].mean_ms == pytest.approx(3.0)
+    assert w.host["forward/inner"].mean_ms == pytest.approx(0.5)
+    # data: step 1 only its phase (0.3); step 2 gap + phase (2.3); step 3 its gap (1.0)
+    assert sorted(w.hists[("host", "data")].counts) == sorted(bucket_index(v) for v in (0.3, 2.3, 1.0))
+    assert w.host["data"].steps == 3 and w.host["data"].mean_ms == pytest.approx((0.3 + 2.3 + 1.0) / 3)
+    # other = 10 - (1 + 2 + 0.3) - 1 = 5.7 (nested entries are inside their parent)
+    assert w.host["other"].steps == 2 and w.host["other"].max_ms == pytest.approx(5.7)
+    assert w.host["wait"].steps == 3 and w.host["step"].steps == 3
+    assert w.gpu["forward"].mean_ms == pytest.approx(4.0)
+    assert w.gpu["other"].mean_ms == pytest.approx(5.0 - 4.1)
+    assert w.gpu["idle"].steps == 1 and w.gpu["idle"].mean_ms == pytest.approx(0.25)
+    cycle_s = 0.010 + 0.010 + 0.002 + 0.008 + 0.001
+    assert w.steps_per_s == pytest.approx(3 / cycle_s)
+    assert w.tokens_per_s == pytest.approx(3 * 64.0 / cycle_s) and w.samples_per_s is None
+    per_step = rows.steps()
+    assert [s.number for s in per_step] == [1, 2, 3]
+    assert per_step[0].calls == {"forward": 2, "forward/inner": 1, "data": 1}
+    assert "data" in per_step[0].host_ms and per_step[2].gpu_ms is None and not per_step[2].timed
+    assert per_step[1].gpu_ms is not None and per_step[1].gpu_ms["idle"] == pytest.approx(0.25)
+    assert rows.warm == 1 and [s.warmup for s in per_step] == [True, False, False]
+
+
+def test_series_without_values_are_left_out() -> None:
+    """Host-only rows carry NaN for the wait: no 'wait' series, no GPU series."""
+    rows = StepRows()
+    rows.add((("forward",), False, False), [1, NAN, NAN, 0.004, NAN, NAN, 0.001], warmup=False)
+    w = window_of(rows, 1)
+    assert set(w.host) == {"step", "forward", "other"} and not w.gpu
+    assert w.host["other"].mean_ms == pytest.approx(3.0)
 
 
 def test_quantiles_within_half_a_bucket_and_merge_adds_up() -> None:
     rng = random.Random(0)
     values = [rng.lognormvariate(0.0, 1.0) for _ in range(5000)]
-    a, b = _histogram_py(values[:2000]), _histogram_py(values[2000:])
+    a, b = _hist(values[:2000]), _hist(values[2000:])
     merged = LogHistogram()
     merged.merge(a)
     merged.merge(b)
