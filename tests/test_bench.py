@@ -208,3 +208,34 @@ def test_tables_render_from_results() -> None:
         }
     }
     assert "| yes" in run.truth_table(truth)
+
+
+# ----------------------------------------------------------------------------- recording timer
+
+
+def test_recording_timer_keeps_every_step_with_its_gpu_and_host_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The truth checks read per-step values from RecordingTimer: one per step, in order, exact."""
+    import steptimer.timer as timer_mod
+    from bench.truth import RecordingTimer
+    from tests.fakes import FakeClock, FakeGPU
+
+    clock = FakeClock()
+    monkeypatch.setattr(timer_mod, "perf_counter", clock)
+    gpu = FakeGPU(clock)
+    timer = RecordingTimer.make(_backend=gpu.backend(), log_every_n_steps=4, lag=1)
+    for i in range(1, 11):
+        clock.advance_ms(1.0)  # data wait
+        with timer.step(samples=8):
+            with timer.phase("work"):
+                gpu.launch(2.0 + i)
+                clock.advance_ms(0.5)
+        clock.advance_ms(20.0)  # the GPU finishes within the data wait of the next step
+    timer.close()
+    assert [s.number for s in timer.resolved] == list(range(1, 11))
+    for s in timer.resolved:
+        assert s.gpu_ms["work"] == pytest.approx(2.0 + s.number)
+        assert s.host_ms["work"] == pytest.approx(0.5)
+        assert s.samples == 8 and s.timed
+        if s.number > 1:
+            assert s.host_ms["data"] == pytest.approx(21.0)
+            assert "idle" in s.gpu_ms
