@@ -89,11 +89,12 @@ class LogHistogram:
     def mean_ms(self) -> float:
         return self.sum_ms / self.count if self.count else math.nan
 
-    def buckets(self) -> tuple[list[float], list[int]]:
-        """The non-empty buckets in order: their upper edges (ms) and counts, as writers take them."""
+    def buckets(self) -> tuple[list[float], list[float]]:
+        """The non-empty buckets in order: their upper edges (ms) and counts (as floats, the type
+        TensorBoard's histogram fields hold)."""
         idx = sorted(self.counts)
         counts = self.counts
-        return [_UPPER_MS[i] for i in idx], [counts[i] for i in idx]
+        return [_UPPER_MS[i] for i in idx], [float(counts[i]) for i in idx]
 
     def quantile_ms(self, q: float) -> float:
         """The ``q`` quantile of the values added (nearest rank), to within half a bucket (0.5 %)."""
@@ -123,10 +124,11 @@ RowKey = tuple[tuple[str, ...] | None, bool, bool]
 
 
 class _Group:
-    __slots__ = ("rows", "warm")
+    __slots__ = ("flat", "n", "warm")
 
     def __init__(self) -> None:
-        self.rows: list[list[float]] = []
+        self.flat: list[float] = []  # the rows end to end: numpy reads a flat list 3x faster
+        self.n = 0
         self.warm = 0  # warm-up rows; warm-up is a prefix of the run, so of every group
 
 
@@ -145,7 +147,8 @@ class StepRows:
         g = self.groups.get(key)
         if g is None:
             g = self.groups[key] = _Group()
-        g.rows.append(row)
+        g.flat += row
+        g.n += 1
         self.count += 1
         if warmup:
             g.warm += 1
@@ -159,6 +162,8 @@ class StepRows:
 
     def steps(self) -> list[ResolvedStep]:
         """Per-step values, in step order (for tests and benchmarks; never on the hot path)."""
+        if not self.count:
+            return []
         m = self.matrix()
         out = []
         for r in np.argsort(m.a[:, _NUMBER], kind="stable").tolist():
@@ -258,7 +263,7 @@ class _Matrix:
         blocks = []
         for key, g in rows.groups.items():
             lay = _layout(key)
-            a = np.array(g.rows, dtype=np.float64)
+            a = np.array(g.flat, dtype=np.float64).reshape(g.n, -1)
             nan = np.isnan(a)
             d = np.where(nan, 0.0, a) @ lay.transform
             if len(lay.clamp):
@@ -267,7 +272,7 @@ class _Matrix:
             if lay.data_needs_gap:
                 d[:, lay.data_col] = np.where(nan[:, _GAP_S], np.nan, d[:, lay.data_col])
             cols = [series.setdefault(s, len(series)) for s in lay.series]
-            warm = np.zeros(len(g.rows), dtype=bool)
+            warm = np.zeros(g.n, dtype=bool)
             warm[: g.warm] = True
             blocks.append((a[:, :LEAD], d, cols, warm, lay.names))
         self.series = list(series)
@@ -285,7 +290,8 @@ class _Matrix:
                 self.values[r : r + len(d), cols] = d
                 self.names_of_row += [names] * len(d)
                 r += len(d)
-        self.gap_ms = np.nan_to_num(self.a[:, _GAP_S]) * 1e3
+        gap = self.a[:, _GAP_S]
+        self.gap_ms = np.where(np.isnan(gap), 0.0, gap) * 1e3
         self.cycle_ms = self.a[:, _STEP_S] * 1e3 + self.gap_ms  # the step and the data wait before it
 
 
@@ -301,15 +307,16 @@ def series_stats(
     if n == 0 or s == 0:
         return {}, {}
     srt = np.sort(values, axis=0)  # NaN sort last
-    counts = n - np.isnan(values).sum(axis=0)
+    missing = np.isnan(srt)
+    counts = n - missing.sum(axis=0)
     safe = np.maximum(counts, 1)
     cols = np.arange(s)
-    clean = np.where(np.isnan(srt), 0.0, srt)
+    clean = np.where(missing, 0.0, srt)
     sums = clean.sum(axis=0)
     sumsq = (clean * clean).sum(axis=0)
-    maxs = srt[safe - 1, cols]
-    med = srt[np.ceil(0.5 * safe).astype(np.int64) - 1, cols]
-    p90 = srt[np.ceil(0.9 * safe).astype(np.int64) - 1, cols]
+    # nearest-rank max, median and p90 of each column, in one gather
+    ranks = np.ceil(np.array([[1.0], [0.5], [0.9]]) * safe).astype(np.int64) - 1
+    maxs, med, p90 = srt[ranks, cols]
     b = np.floor(np.log(np.maximum(clean.T, _BASE_MS) / _BASE_MS) * _INV_LOG_RATIO).astype(np.int64)
     np.clip(b, 0, NUM_BUCKETS - 1, out=b)
     valid = np.arange(n)[None, :] < counts[:, None]  # column-major: each series' values, sorted

@@ -63,7 +63,6 @@ class Capture:
         self.first = first
         self.last = last
         self.path = path
-        self._t0s: dict[int, float] = {}
         self._steps: list[dict[str, Any]] = []
         self._gpu_ok = True  # False once the GPU chain breaks
         self._rel = 0.0  # seconds since the first captured step's GPU start, of the last end event
@@ -73,11 +72,6 @@ class Capture:
 
     def add(self, timer: StepTimer, rec: Any) -> None:
         """Called by the engine for every resolved step, before its events go back to the pool."""
-        # The step whose end triggered this resolve is the current one: its start is timer._t0
-        # (steps are resolved `lag` steps after they end, so rec's own start is gone by now).
-        current = timer._number
-        if self.first <= current <= self.last and timer._in_step is False:
-            self._t0s.setdefault(current, timer._t0)
         n = rec.number
         if n < self.first:
             return
@@ -87,7 +81,7 @@ class Capture:
             return
         step: dict[str, Any] = {
             "number": n,
-            "t0": self._t0s.pop(n, None),
+            "t0": rec.t0,
             "step_s": rec.step_s,
             "gap_s": rec.gap_s,
             "wait_s": rec.wait_s,

@@ -72,10 +72,11 @@ class _Pending:
     """A finished step whose GPU events may not have completed yet."""
 
     __slots__ = (
-        "number", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
+        "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
         "pauses", "device", "samples", "tokens", "timed", "warmup",
     )  # fmt: skip
     number: int
+    t0: float
     step_s: float
     gap_s: float | None
     wait_s: float
@@ -411,7 +412,10 @@ class StepTimer:
         if self._in_step:
             self._drop_step()
         if self.enabled and self._pending:
-            self._resolve_through(len(self._pending))
+            if self.lag == 0:  # already waited for at its own end
+                self._resolve_popped(len(self._pending))
+            else:
+                self._resolve_through(len(self._pending))
         if self._xrank is not None and not self._xrank.off:
             # The closing rounds, with or without a last window (Join-style, see _dist.py).
             last = self._xrank.close(self._take_window(), self._acc)
@@ -501,6 +505,7 @@ class StepTimer:
         rec = _Pending()
         self._number = number = self._number + 1
         rec.number = number
+        rec.t0 = self._t0
         rec.timed = self._timed
         rec.warmup = number - self._first_number < self.warmup_steps
         rec.samples = self._samples
@@ -538,26 +543,31 @@ class StepTimer:
             t_end = perf_counter()
             rec.step_s = t_end - self._t0
             self._resolve(pending.popleft())
+        elif lag == 0:
+            # Strict: wait for this step's own end. The steps before it completed at their own
+            # waits; they are read first, while the GPU still runs this step's work, so reading
+            # adds nothing to the time the GPU sits idle between steps.
+            while len(pending) > 1:
+                self._resolve(pending.popleft())
+            tw = perf_counter()
+            self._wait_for(1)
+            t_end = perf_counter()
+            rec.wait_s = t_end - tw
+            rec.step_s = t_end - self._t0
         elif len(pending) > lag:
             tw = perf_counter()
             n = len(pending) - lag
-            if n == 1 and lag:  # the common case, inline: wait on step N - lag's end event
+            if n == 1:  # the common case, inline: wait on step N - lag's end event
                 old = pending[0]
                 if old.events:
                     self._wait(old.events[old.i_end])
             else:
                 self._wait_for(n)
             rec.wait_s = perf_counter() - tw
-            if lag:
-                for _ in range(n):
-                    self._resolve(pending.popleft())
-                t_end = perf_counter()
-                rec.step_s = t_end - self._t0
-            else:  # lag 0 resolves the step itself: its step time must be known first
-                t_end = perf_counter()
-                rec.step_s = t_end - self._t0
-                for _ in range(n):
-                    self._resolve(pending.popleft())
+            for _ in range(n):
+                self._resolve(pending.popleft())
+            t_end = perf_counter()
+            rec.step_s = t_end - self._t0
         else:
             t_end = perf_counter()
             rec.step_s = t_end - self._t0

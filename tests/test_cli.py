@@ -278,14 +278,15 @@ def test_compare_needs_one_run_each(tmp_path: Path, clock: FakeClock) -> None:
 # ---------------------------------------------------------------------- trace
 
 
-def test_trace_capture_and_chrome_export(tmp_path: Path, clock: FakeClock) -> None:
+@pytest.mark.parametrize("lag", [0, 1])
+def test_trace_capture_and_chrome_export(tmp_path: Path, clock: FakeClock, lag: int) -> None:
     """GPU-bound on the simulated GPU: GPU slices sit where the simulated GPU ran them, after launch."""
     gpu = FakeGPU(clock)
     t = StepTimer(
         log_dir=str(tmp_path),
         log_every_n_steps=5,
         warmup_steps=2,
-        lag=1,
+        lag=lag,
         print_summary=False,
         trace_steps=3,
         _backend=gpu.backend(),
@@ -328,6 +329,7 @@ def test_trace_capture_and_chrome_export(tmp_path: Path, clock: FakeClock) -> No
         (end,) = [z for name, _, z in truth[e["args"]["step"]] if name == e["name"]]
         assert (e["ts"] + e["dur"] - origin) / 1e6 == pytest.approx(end - t_origin, abs=1e-6)
     assert doc["metadata"]["clamped"] == 0
+    assert not any("start time unknown" in n for n in doc["metadata"].get("notes", [])), doc["metadata"]
 
 
 def test_trace_host_only(tmp_path: Path, clock: FakeClock) -> None:
