@@ -247,7 +247,7 @@ TIMER_VARIANTS: dict[str, dict[str, Any]] = {
     "lag2": {"lag": 2},
     "sampled100": {"sample_every": 100},
 }
-VARIANTS = ("bare", "bare2", "lag0", "default", "lag2", "sampled100", "sync1", "sync")
+VARIANTS = ("bare", "bare2", "lag0", "default", "lag1", "sampled100", "sync1", "sync")
 
 
 def run_regime(
@@ -315,7 +315,7 @@ def run_regime(
         out["ratios_total"][v] = ratio_stats(tot[v], tot["bare"]).__dict__
     # Head-to-head: the same pairing, against another variant than bare.
     out["versus"] = {}
-    for a, b in [("sync", "default"), ("sync1", "lag0"), ("default", "lag2")]:
+    for a, b in [("sync", "default"), ("sync1", "lag0"), ("default", "lag1")]:
         if a in tot and b in tot:
             out["versus"][f"{a}/{b}"] = {
                 "total": ratio_stats(tot[a], tot[b]).__dict__,
