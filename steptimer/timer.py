@@ -219,7 +219,10 @@ class StepTimer:
     Args:
         log_dir: Directory for TensorBoard event files (created if missing; must be writable).
         writer: An existing ``SummaryWriter`` to write to instead; steptimer never closes it.
-        log_every_n_steps: Write window statistics every this many steps.
+        log_every_n_steps: Write window statistics every this many steps. None (the default) is 50,
+            or with ``sample_every`` > 1, ``10 * sample_every``: a window then holds about ten timed
+            steps, and its cost (statistics and TensorBoard write, see docs/benchmarks.md) is spread
+            over as many steps as the sampling saves.
         warmup_steps: Steps left out of the summary (still logged). The default, 5, keeps out
             ``torch.compile``'s first compilations and recompilations, cuDNN/cuBLAS autotuning and
             CUDA-graph warm-up, which all happen in the first few steps.
@@ -260,7 +263,7 @@ class StepTimer:
         *,
         log_dir: str | os.PathLike[str] | None = None,
         writer: Any = None,
-        log_every_n_steps: int = 50,
+        log_every_n_steps: int | None = None,
         warmup_steps: int = 5,
         lag: int = 2,
         cuda: bool | None = None,
@@ -281,7 +284,9 @@ class StepTimer:
         if cross_rank not in (True, False):
             raise ValueError(f"cross_rank must be True or False, got {cross_rank!r}")
         xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
-        self.log_every_n_steps = log_every_n_steps
+        if log_every_n_steps is None:
+            log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
+        self.log_every_n_steps: int = log_every_n_steps
         self.warmup_steps = warmup_steps
         self.lag = lag
         self.sample_every = sample_every
@@ -502,8 +507,27 @@ class StepTimer:
             if not failed:
                 raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
             return
+        number = self._number + 1
+        if not self._timed and not self._pending and not self._pause_evs and number + 1 != self._next_timed:
+            # An untimed step (sample_every) with no step pending before it and no event of its
+            # own: its row goes straight into the window, without the pending queue.
+            self._number = number
+            self._in_step = False
+            gs, t0, samples, tokens = self._gap_start, self._t0, self._samples, self._tokens
+            t_end = perf_counter()
+            row = [
+                number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, t_end - t0,
+                _NAN if gs is None else max(t0 - gs - self._paused_s, 0.0), 0.0 if self._cuda else _NAN,
+            ]  # fmt: skip
+            self._rows.add((None, False, False), row, number - self._first_number < self.warmup_steps)
+            self._paused_s = 0.0
+            self._gap_start = t_end
+            self._last_resolved = number
+            if number % self.log_every_n_steps == 0:
+                self._emit()
+            return
         rec = _Pending()
-        self._number = number = self._number + 1
+        self._number = number
         rec.number = number
         rec.t0 = self._t0
         rec.timed = self._timed

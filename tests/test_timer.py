@@ -533,3 +533,17 @@ def test_pauses_before_untimed_steps_do_not_grow_the_pool(clock: FakeClock, gpu:
         train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
     assert t.events_created <= size + 8  # leaking 2 per pause would make it ~320 more
     t.close()
+
+
+def test_sampling_lengthens_the_default_window(clock: FakeClock, gpu: FakeGPU) -> None:
+    """With sample_every=N a default window is 10 N steps (about ten timed steps); explicit wins."""
+    t, sink = make(gpu, sample_every=8)
+    assert t.log_every_n_steps == 80
+    for _ in range(160):
+        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
+    t.close()
+    assert [w.step for w in sink.windows] == [80, 160]
+    assert [w.host["forward"].steps for w in sink.windows] == [10, 10]
+    assert make(gpu)[0].log_every_n_steps == 50
+    assert make(gpu, sample_every=2, log_every_n_steps=7)[0].log_every_n_steps == 7
+    assert make(gpu, sample_every=3)[0].log_every_n_steps == 50  # never shorter than the usual 50
