@@ -34,7 +34,7 @@ from steptimer._trace import make_capture
 
 log = logging.getLogger("steptimer")
 
-RESERVED_NAMES = frozenset({"step", "other", "wait"})
+RESERVED_NAMES = frozenset({"step", "other", "wait", "idle"})
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 
 # A phase entered less than this long (host time) after steptimer's last event record reuses that
