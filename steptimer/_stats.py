@@ -360,7 +360,8 @@ class SeriesStats:
 
 @dataclass
 class ResolvedStep:
-    """One step's numbers, in milliseconds, once its GPU events have been read.
+    """One step's numbers, in milliseconds (``StepRows.steps()`` builds them from a window's rows, for
+    tests and benchmarks; the engine itself keeps rows).
 
     ``host_ms``/``gpu_ms`` map a phase name (``outer/inner`` when nested) or one of the derived names
     (``step``, ``data``, ``other``, ``wait``, and on the GPU ``idle``) to a value. A phase that did
@@ -376,11 +377,6 @@ class ResolvedStep:
     tokens: float | None = None
     timed: bool = True
     warmup: bool = False
-
-    @property
-    def cycle_ms(self) -> float:
-        """Wall time of the step plus the data wait before it: 1 / throughput."""
-        return self.host_ms["step"] + self.host_ms.get("_gap", 0.0)
 
 
 @dataclass(frozen=True)
