@@ -170,6 +170,7 @@ def test_warmup_steps_left_out_of_summary_but_logged(clock: FakeClock) -> None:
     s = t.close()
     assert sink.windows[0].host["forward"].max_ms == pytest.approx(100.0)
     assert s.steps == 7 and s["forward"].host.max_ms == pytest.approx(1.0)
+    assert s.timed_steps == 7 and s["forward"].host.steps == 7 and s["forward"].calls_per_step == 1
 
 
 # ---------------------------------------------------------------- GPU logic on the fake GPU
