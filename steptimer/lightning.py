@@ -195,7 +195,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     Scalars layout. The summary table is printed at the end of training (``callback.summary``).
 
     Args:
-        log_every_n_steps: Log window statistics every this many steps; None uses the Trainer's.
+        log_every_n_steps: Log window statistics every this many steps; None uses the Trainer's, or
+            with ``sample_every`` > 1 at least ``10 * sample_every`` (about ten timed steps per window).
         warmup_steps: Steps left out of the summary (see :class:`~steptimer.StepTimer`).
         lag: Steps the engine's one event wait lags behind (see :class:`~steptimer.StepTimer`).
         cuda: None uses CUDA events when the LightningModule is on a CUDA device; True requires
@@ -340,7 +341,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
         self._sink = sink
         self._timer = StepTimer(
-            log_every_n_steps=self.log_every_n_steps or max(int(trainer.log_every_n_steps), 1),
+            log_every_n_steps=self.log_every_n_steps or self._default_log_every(int(trainer.log_every_n_steps)),
             warmup_steps=self.warmup_steps,
             lag=self.lag,
             cuda=cuda,
@@ -521,6 +522,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._in_batch:
             self._stepped = True
+
+    def _default_log_every(self, trainer_every: int) -> int:
+        """The Trainer's interval; with sampling, long enough for about ten timed steps per window."""
+        if self.sample_every == 1:
+            return max(trainer_every, 1)
+        return max(trainer_every, 10 * self.sample_every)
 
     def _switch(self, name: str | None) -> None:
         """End the callback phase open in the innermost frame and start ``name`` (None: none)."""

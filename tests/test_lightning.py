@@ -712,3 +712,17 @@ def test_gpu_callback_matches_plain_loop(precision: str, monkeypatch: pytest.Mon
         a, b = plain[name].gpu, ours[name].gpu
         assert a is not None and b is not None
         assert abs(a.median_ms - b.median_ms) <= 0.05 * a.median_ms, "\n".join(lines)
+
+
+@pytest.mark.parametrize("flavour_name", ["pytorch_lightning", "lightning.pytorch"])
+def test_sampling_lengthens_the_trainers_log_interval(flavour_name: str) -> None:
+    """With sample_every=3 and the Trainer's interval 5, windows are 30 steps: ~10 timed steps each."""
+    L = flavour(flavour_name)
+    cb = StepTimerCallback(warmup_steps=0, sample_every=3, print_summary=False, cuda=False)
+    cap = make_capture(L)
+    tr = trainer(L, cb, logger=cap, log_every_n_steps=5, limit_val_batches=0)
+    tr.fit(make_module(L, "auto", Sleeper(1, regions=(None,))), loader(60))
+    windows = cap.by_step()
+    assert sorted(windows) == [30, 60]
+    assert all("steptimer/host/forward_ms" in w for w in windows.values())
+    assert cb.summary is not None and cb.summary.timed_steps == 20
