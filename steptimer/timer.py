@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol
 
 from steptimer._clock import _CudaBackend, cuda_usable, torch_backend
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
-from steptimer._stats import StepRows, Summary, SummaryAccumulator, Window, window_of
+from steptimer._stats import RowKey, StepRows, Summary, SummaryAccumulator, Window, window_of
 from steptimer._trace import make_capture
 
 log = logging.getLogger("steptimer")
@@ -43,6 +43,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 # records instead of 2P + 2.
 _SHARE_GAP_S = 1.5e-6
 _NAN = math.nan
+_UNTIMED: RowKey = (None, False, False)  # the row layout of an untimed step
 
 
 class Sink(Protocol):
@@ -203,13 +204,50 @@ class _Step:
     def __init__(self, timer: StepTimer) -> None:
         self._t = timer
 
+    # An untimed step (sample_every) with nothing in flight takes a short path inline here: its
+    # phases are no-ops and its row goes straight into the window. Those are most steps when
+    # sampling, so every Python call saved here is saved on almost every step.
     def __enter__(self) -> None:
-        self._t._begin_step()
+        t = self._t
+        n = t._number + 1
+        nt = t._next_timed
+        if n != nt and n + 1 != nt and not t._pending_events and not t._pause_evs and t._cuda is not None and not (
+            t._in_step or t._closed
+        ):
+            pending = t._pending
+            while pending:  # untimed steps with no events: complete, nothing to wait for
+                t._resolve(pending.popleft())
+            t._evs = []
+            t._in_step = t._untimed = True
+            t._t0 = perf_counter()
+            return
+        t._begin_step()
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
-        self._t._end_step(et is not None)
+        t = self._t
+        if t._untimed:
+            t_end = perf_counter()
+            t._in_step = t._untimed = False
+            if et is not None:  # dropped, like any failed step; its time is not data wait
+                t._gap_start = perf_counter()
+                t._paused_s = 0.0
+                return False
+            t._number = number = t._number + 1
+            gs, t0, samples, tokens = t._gap_start, t._t0, t._samples, t._tokens
+            row = [
+                number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, t_end - t0,
+                _NAN if gs is None else max(t0 - gs - t._paused_s, 0.0), 0.0 if t._cuda else _NAN,
+            ]  # fmt: skip
+            t._rows.add(_UNTIMED, row, number - t._first_number < t.warmup_steps)
+            t._paused_s = 0.0
+            t._gap_start = t_end
+            t._last_resolved = number
+            if number % t.log_every_n_steps == 0:
+                t._emit()
+            return False
+        t._end_step(et is not None)
         return False
 
 
@@ -302,6 +340,7 @@ class StepTimer:
         self._first_number = start_step + 1
         self._in_step = False
         self._timed = False
+        self._untimed = False  # in an untimed step on _Step's short path: phases are no-ops
         self._gpu = False
         self._stack: list[tuple[str, str, float, int]] = []
         self._recs: list[tuple[str, float, float, int, int]] = []  # name, t_in, t_out, ev in, ev out
@@ -314,6 +353,7 @@ class StepTimer:
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[_Pending] = deque()
+        self._pending_events = 0  # pending steps that hold events (the others need no wait)
         self._rows = StepRows()  # the steps resolved since the last window
         self._last_resolved = start_step
         self._acc = SummaryAccumulator()
@@ -375,6 +415,8 @@ class StepTimer:
                 return _NULL
             check_phase_name(name)
             cm = self._phase_cms[name] = _Phase(self, name)
+        if self._untimed:
+            return _NULL
         return cm
 
     @contextmanager
@@ -508,24 +550,6 @@ class StepTimer:
                 raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
             return
         number = self._number + 1
-        if not self._timed and not self._pending and not self._pause_evs and number + 1 != self._next_timed:
-            # An untimed step (sample_every) with no step pending before it and no event of its
-            # own: its row goes straight into the window, without the pending queue.
-            self._number = number
-            self._in_step = False
-            gs, t0, samples, tokens = self._gap_start, self._t0, self._samples, self._tokens
-            t_end = perf_counter()
-            row = [
-                number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, t_end - t0,
-                _NAN if gs is None else max(t0 - gs - self._paused_s, 0.0), 0.0 if self._cuda else _NAN,
-            ]  # fmt: skip
-            self._rows.add((None, False, False), row, number - self._first_number < self.warmup_steps)
-            self._paused_s = 0.0
-            self._gap_start = t_end
-            self._last_resolved = number
-            if number % self.log_every_n_steps == 0:
-                self._emit()
-            return
         rec = _Pending()
         self._number = number
         rec.number = number
@@ -562,6 +586,8 @@ class StepTimer:
         self._in_step = False
         pending = self._pending
         pending.append(rec)
+        if evs:
+            self._pending_events += 1
         lag = self.lag
         if not self._cuda:
             t_end = perf_counter()
@@ -615,7 +641,7 @@ class StepTimer:
         for _, name, _, _ in self._stack:
             self._phase_cms[name]._active = False
         self._stack.clear()
-        self._in_step = False
+        self._in_step = self._untimed = False
         self._gap_start = perf_counter()  # the failed step's time is not data wait
         self._paused_s = 0.0
 
@@ -735,6 +761,7 @@ class StepTimer:
         has_gpu = has_idle = False
         evs = rec.events
         if evs:
+            self._pending_events -= 1
             el = self._elapsed
             held = self._held_end
             if names is not None:

@@ -332,6 +332,24 @@ def test_sampled_timing_times_one_step_per_block_at_jittered_offsets(clock: Fake
     assert s["forward"].host.steps == 30
     assert s["step"].host.steps == 300  # every step still counts for step time and throughput
     assert s["forward"].gpu is not None and s["forward"].gpu.median_ms == pytest.approx(2.0, rel=0.01)
+    # Untimed steps (the short path) still give exact step time and data wait on the patched clock
+    assert s["data"].host.steps == 299 and s["data"].host.max_ms == pytest.approx(1.0)
+    assert s["step"].host.median_ms == pytest.approx(1.0) and s["step"].host.max_ms < 2.5
+    idle = s["idle"].gpu
+    assert idle is not None and idle.steps >= 29  # the step before each timed one marks its end
+
+
+def test_exception_in_an_untimed_step_drops_only_that_step(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, sink = make(gpu, sample_every=1000, log_every_n_steps=10)  # one timed step in the whole run
+    for _ in range(5):
+        train_step(t, clock, gpu, host={"forward": 1.0})
+    with pytest.raises(KeyError), t.step(), t.phase("forward"):
+        raise KeyError("boom")
+    for _ in range(5):
+        train_step(t, clock, gpu, data_ms=2.0, host={"forward": 1.0})
+    s = t.close()
+    assert s.steps == 10 and [w.step for w in sink.windows] == [10]
+    assert s["data"].host.max_ms == pytest.approx(2.0)  # the failed step's time is not data wait
 
 
 # ---------------------------------------------------------------- faults
