@@ -127,7 +127,7 @@ class _Group:
     __slots__ = ("flat", "n", "warm")
 
     def __init__(self) -> None:
-        self.flat: list[float] = []  # the rows end to end: numpy reads a flat list 3x faster
+        self.flat: list[float] = []  # the rows end to end: numpy reads a flat list fastest
         self.n = 0
         self.warm = 0  # warm-up rows; warm-up is a prefix of the run, so of every group
 
@@ -166,23 +166,26 @@ class StepRows:
             return []
         m = self.matrix()
         out = []
-        for r in np.argsort(m.a[:, _NUMBER], kind="stable").tolist():
-            host: dict[str, float] = {}
-            gpu: dict[str, float] = {}
-            for (kind, name), v in zip(m.series, m.values[r].tolist()):
-                if not math.isnan(v):
-                    (host if kind == "host" else gpu)[name] = v
-            host["_gap"] = float(m.gap_ms[r])
-            names = m.names_of_row[r]
-            samples, tokens = (float(m.a[r, c]) for c in (_SAMPLES, _TOKENS))
-            out.append(
-                ResolvedStep(
-                    int(m.a[r, _NUMBER]), host, gpu or None, {n: (names or ()).count(n) for n in names or ()},
-                    None if math.isnan(samples) else samples, None if math.isnan(tokens) else tokens,
-                    names is not None, bool(m.warm[r]),
-                )
-            )  # fmt: skip
-        return out
+        for blk in m.blocks:
+            keys = [m.series[c] for c in blk.cols.tolist()]
+            names = blk.names
+            calls = {n: names.count(n) for n in names} if names is not None else {}
+            for r, (lead, vals) in enumerate(zip(blk.a.tolist(), blk.d.tolist())):
+                host: dict[str, float] = {}
+                gpu: dict[str, float] = {}
+                for (kind, name), v in zip(keys, vals):
+                    if not math.isnan(v):
+                        (host if kind == "host" else gpu)[name] = v
+                host["_gap"] = float(blk.gap_ms[r])
+                samples, tokens = lead[_SAMPLES], lead[_TOKENS]
+                out.append(
+                    ResolvedStep(
+                        int(lead[_NUMBER]), host, gpu or None, dict(calls),
+                        None if math.isnan(samples) else samples, None if math.isnan(tokens) else tokens,
+                        names is not None, r < blk.warm,
+                    )
+                )  # fmt: skip
+        return sorted(out, key=lambda st: st.number)
 
 
 class _Layout:
@@ -251,19 +254,30 @@ def _layout(key: RowKey) -> _Layout:
     return lay
 
 
-class _Matrix:
-    """A window's steps: raw rows ``a`` (padded) and derived series ``values`` (steps x series, ms).
+class _Block:
+    """One layout's rows of a window: leading columns ``a`` (steps x LEAD), derived series ``d``
+    (steps x series, ms, NaN where a series has no value in a step), the window-wide index of each of
+    ``d``'s columns, and the number of warm-up rows (a prefix)."""
 
-    A value is NaN where the series has none in that step (a phase that did not run, the data wait
-    of the run's first step, the wait without CUDA).
-    """
+    __slots__ = ("names", "a", "d", "cols", "warm", "gap_ms", "cycle_ms")
+
+    def __init__(self, names: tuple[str, ...] | None, a: np.ndarray, d: np.ndarray, cols: np.ndarray, warm: int):
+        self.names, self.a, self.d, self.cols, self.warm = names, a, d, cols, warm
+        gap = a[:, _GAP_S]
+        self.gap_ms = np.where(np.isnan(gap), 0.0, gap) * 1e3
+        self.cycle_ms = a[:, _STEP_S] * 1e3 + self.gap_ms  # the step and the data wait before it
+
+
+class _Matrix:
+    """A window's steps, one block per row layout, and the window's series (``series[i]`` is the
+    ``(clock, name)`` of index ``i``)."""
 
     def __init__(self, rows: StepRows) -> None:
         series: dict[tuple[str, str], int] = {}
-        blocks = []
+        self.blocks: list[_Block] = []
         for key, g in rows.groups.items():
             lay = _layout(key)
-            a = np.array(g.flat, dtype=np.float64).reshape(g.n, -1)
+            a = np.fromiter(g.flat, dtype=np.float64, count=len(g.flat)).reshape(g.n, -1)
             nan = np.isnan(a)
             d = np.where(nan, 0.0, a) @ lay.transform
             if len(lay.clamp):
@@ -271,63 +285,58 @@ class _Matrix:
             d[:, lay.wait_col] = np.where(nan[:, _WAIT_S], np.nan, d[:, lay.wait_col])
             if lay.data_needs_gap:
                 d[:, lay.data_col] = np.where(nan[:, _GAP_S], np.nan, d[:, lay.data_col])
-            cols = [series.setdefault(s, len(series)) for s in lay.series]
-            warm = np.zeros(g.n, dtype=bool)
-            warm[: g.warm] = True
-            blocks.append((a[:, :LEAD], d, cols, warm, lay.names))
+            cols = np.array([series.setdefault(s, len(series)) for s in lay.series], dtype=np.int64)
+            self.blocks.append(_Block(lay.names, a[:, :LEAD], d, cols, g.warm))
         self.series = list(series)
-        if len(blocks) == 1 and blocks[0][2] == list(range(len(series))):
-            self.a, self.values, _, self.warm, names = blocks[0]
-            self.names_of_row = [names] * len(self.a)
-        else:
-            n = sum(len(b[0]) for b in blocks)
-            self.values = np.full((n, len(series)), np.nan)
-            self.a = np.concatenate([b[0] for b in blocks])
-            self.warm = np.concatenate([b[3] for b in blocks])
-            self.names_of_row = []
-            r = 0
-            for _, d, cols, _, names in blocks:
-                self.values[r : r + len(d), cols] = d
-                self.names_of_row += [names] * len(d)
-                r += len(d)
-        gap = self.a[:, _GAP_S]
-        self.gap_ms = np.where(np.isnan(gap), 0.0, gap) * 1e3
-        self.cycle_ms = self.a[:, _STEP_S] * 1e3 + self.gap_ms  # the step and the data wait before it
+
+    def ragged(self, *, skip_warmup: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Every value of the window that exists, and the index of its series (NaN left out)."""
+        vals, sids = [], []
+        for b in self.blocks:
+            d = b.d[b.warm :] if skip_warmup else b.d
+            vals.append(d.T.ravel())
+            sids.append(np.repeat(b.cols, len(d)))
+        values = np.concatenate(vals) if len(vals) > 1 else vals[0]
+        sid = np.concatenate(sids) if len(sids) > 1 else sids[0]
+        keep = ~np.isnan(values)
+        return values[keep], sid[keep]
 
 
 def series_stats(
-    series: list[tuple[str, str]], values: np.ndarray
+    series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray
 ) -> tuple[dict[tuple[str, str], SeriesStats], dict[tuple[str, str], LogHistogram]]:
-    """Exact statistics (nearest-rank quantiles) and log histograms of every column of ``values``.
+    """Exact statistics (nearest-rank quantiles) and log histograms of every series.
 
-    A fixed number of numpy calls per window, whatever the numbers of steps and series: sorting the
-    columns gives the quantiles, and bins that come out sorted with them give the histograms.
+    ``values[i]`` belongs to series ``series[sid[i]]``. A fixed number of numpy calls per window,
+    whatever the numbers of steps and series: one sort by (series, value) gives the quantiles, and
+    bins that come out sorted with it give the histograms.
     """
-    n, s = values.shape
-    if n == 0 or s == 0:
+    nser = len(series)
+    if not len(values):
         return {}, {}
-    srt = np.sort(values, axis=0)  # NaN sort last
-    missing = np.isnan(srt)
-    counts = n - missing.sum(axis=0)
+    order = np.lexsort((values, sid))
+    v = values[order]
+    s = sid[order]
+    counts = np.bincount(s, minlength=nser)
+    starts = np.cumsum(counts) - counts
     safe = np.maximum(counts, 1)
-    cols = np.arange(s)
-    clean = np.where(missing, 0.0, srt)
-    sums = clean.sum(axis=0)
-    sumsq = (clean * clean).sum(axis=0)
-    # nearest-rank max, median and p90 of each column, in one gather
-    ranks = np.ceil(np.array([[1.0], [0.5], [0.9]]) * safe).astype(np.int64) - 1
-    maxs, med, p90 = srt[ranks, cols]
-    b = np.floor(np.log(np.maximum(clean.T, _BASE_MS) / _BASE_MS) * _INV_LOG_RATIO).astype(np.int64)
-    np.clip(b, 0, NUM_BUCKETS - 1, out=b)
-    valid = np.arange(n)[None, :] < counts[:, None]  # column-major: each series' values, sorted
-    combo = (b + (cols * NUM_BUCKETS)[:, None])[valid]
-    firsts = np.flatnonzero(np.diff(combo, prepend=-1))
+    sums = np.bincount(s, weights=v, minlength=nser)
+    sumsq = np.bincount(s, weights=v * v, minlength=nser)
+    last = len(v) - 1
+    # nearest-rank max, median and p90 of each series, and its min, in one gather
+    ranks = starts + np.ceil(np.array([[1.0], [0.5], [0.9], [0.0]]) * safe).astype(np.int64) - 1
+    ranks[3] = starts
+    maxs, med, p90, mins = v[np.minimum(ranks, last)]
+    b = np.floor(np.log(np.maximum(v, _BASE_MS) / _BASE_MS) * _INV_LOG_RATIO).astype(np.int64)
+    np.minimum(b, NUM_BUCKETS - 1, out=b)
+    combo = s * NUM_BUCKETS + b  # sorted: values are sorted within each series
+    firsts = np.flatnonzero(np.concatenate(([True], combo[1:] != combo[:-1])))
     run_counts = np.diff(np.append(firsts, len(combo))).tolist()
     run_combo = combo[firsts]
-    bounds = np.searchsorted(run_combo, cols * NUM_BUCKETS).tolist() + [len(run_combo)]
+    bounds = np.searchsorted(run_combo, np.arange(nser) * NUM_BUCKETS).tolist() + [len(run_combo)]
     run_bucket = (run_combo % NUM_BUCKETS).tolist()
     cl, sl, ql, ml, pl, xl, nl = (
-        counts.tolist(), sums.tolist(), sumsq.tolist(), med.tolist(), p90.tolist(), maxs.tolist(), srt[0].tolist()
+        counts.tolist(), sums.tolist(), sumsq.tolist(), med.tolist(), p90.tolist(), maxs.tolist(), mins.tolist()
     )  # fmt: skip
     stats: dict[tuple[str, str], SeriesStats] = {}
     hists: dict[tuple[str, str], LogHistogram] = {}
@@ -402,11 +411,11 @@ class Window:
 def window_of(rows: StepRows, last_step: int) -> Window:
     """Statistics of the steps of one log window, ``last_step`` being the number of its last step."""
     m = rows.matrix()
-    stats, hists = series_stats(m.series, m.values)
-    wall_s = float(m.cycle_ms.sum()) / 1e3
+    stats, hists = series_stats(m.series, *m.ragged())
+    wall_s = sum(float(b.cycle_ms.sum()) for b in m.blocks) / 1e3
 
     def per_s(col: int) -> float | None:
-        xs = m.a[:, col]
+        xs = np.concatenate([b.a[:, col] for b in m.blocks])
         xs = xs[~np.isnan(xs)]
         return float(xs.sum()) / wall_s if len(xs) and wall_s > 0 else None
 
@@ -420,17 +429,6 @@ def window_of(rows: StepRows, last_step: int) -> Window:
         samples_per_s=per_s(_SAMPLES),
         tokens_per_s=per_s(_TOKENS),
     )
-
-
-def _run_lengths(items: list[tuple[str, ...] | None]) -> list[tuple[tuple[str, ...] | None, int]]:
-    """Consecutive equal items and their counts (rows of one layout come in runs)."""
-    out: list[tuple[tuple[str, ...] | None, int]] = []
-    for it in items:
-        if out and out[-1][0] is it:
-            out[-1] = (it, out[-1][1] + 1)
-        else:
-            out.append((it, 1))
-    return out
 
 
 @dataclass(frozen=True)
@@ -513,42 +511,42 @@ class SummaryAccumulator:
         """Add a window's steps, reusing the window's histograms when it holds no warm-up step."""
         m = rows.matrix()
         if rows.warm:
-            keep = ~m.warm
-            values, a, cycle = m.values[keep], m.a[keep], m.cycle_ms[keep]
-            names_of_row = [n for n, w in zip(m.names_of_row, m.warm.tolist()) if not w]
-            hists = series_stats(m.series, values)[1]
+            if rows.warm == rows.count:
+                return
+            hists = series_stats(m.series, *m.ragged(skip_warmup=True))[1]
         else:
-            values, a, cycle, names_of_row = m.values, m.a, m.cycle_ms, m.names_of_row
             hists = dict(window.hists)
         for (kind, name), h in hists.items():
             mine = (self.host if kind == "host" else self.gpu).get(name)
             if mine is None:
                 mine = (self.host if kind == "host" else self.gpu)[name] = LogHistogram()
             mine.merge(h)
-        n = len(a)
-        if n == 0:
-            return
-        self.steps += n
-        self.cycle_ms += float(cycle.sum())
-        for col, attr in ((_SAMPLES, "samples"), (_TOKENS, "tokens")):
-            xs = a[:, col]
-            xs = xs[~np.isnan(xs)]
-            if len(xs):
-                setattr(self, attr, getattr(self, attr) + float(xs.sum()))
-                setattr(self, "has_" + attr, True)
-        timed = np.array([names is not None for names in names_of_row])
-        if not timed.any():
-            return
-        for names, k in _run_lengths(names_of_row):
-            for name in names or ():
+        for blk in m.blocks:
+            w = blk.warm
+            n = len(blk.d) - w
+            if n <= 0:
+                continue
+            self.steps += n
+            cycle = float(blk.cycle_ms[w:].sum())
+            self.cycle_ms += cycle
+            for col, attr in ((_SAMPLES, "samples"), (_TOKENS, "tokens")):
+                xs = blk.a[w:, col]
+                xs = xs[~np.isnan(xs)]
+                if len(xs):
+                    setattr(self, attr, getattr(self, attr) + float(xs.sum()))
+                    setattr(self, "has_" + attr, True)
+            if blk.names is None:
+                continue
+            for name in blk.names:
                 self.order.setdefault(name, None)
-                self.calls[name] = self.calls.get(name, 0) + k
-        self.timed_steps += int(timed.sum())
-        self.timed_cycle_ms += float(cycle[timed].sum())
-        sums = np.nansum(values[timed], axis=0).tolist()
-        for (kind, name), v in zip(m.series, sums):
-            if kind == "host":
-                self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + v
+                self.calls[name] = self.calls.get(name, 0) + n
+            self.timed_steps += n
+            self.timed_cycle_ms += cycle
+            sums = np.nansum(blk.d[w:], axis=0).tolist()
+            for c, v in zip(blk.cols.tolist(), sums):
+                kind, name = m.series[c]
+                if kind == "host":
+                    self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + v
 
     def summary(self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = ()) -> Summary:
         first_seen = {n: i for i, n in enumerate(self.order)}

@@ -40,7 +40,7 @@ def test_series_stats_match_per_value_references(n: int) -> None:
         # number, samples, tokens, step_s, gap_s, wait_s | host forward (s) | GPU step, forward (ms)
         rows.add((("forward",), True, False), [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, h, g + 1.0, g], warmup=False)
     m = rows.matrix()
-    stats, hists = series_stats(m.series, m.values)
+    stats, hists = series_stats(m.series, *m.ragged())
     for key, values in ((("host", "forward"), fwd), (("gpu", "forward"), gfwd)):
         st, h, ref = stats[key], hists[key], _hist(values)
         assert h.counts == ref.counts and set(h.counts) == {bucket_index(v) for v in values}
