@@ -9,13 +9,21 @@ Costs that shaped this file (H100, torch 2.11): ``torch.cuda.Event.record()`` co
 ``record(stream)`` with the stream in hand costs ~3 µs. So the stream is looked up once per step,
 through the raw ``(stream_id, device, type)`` tuple, and a ``Stream`` object is built only when that
 tuple changes.
+
+``native_backend`` makes the same calls through ``_cudart.c`` (see ``_native.py``), straight into
+the CUDA runtime torch loaded: there events and streams are raw handles (ints), a record costs about
+as much as the runtime call itself, and a whole step's events are read in one call. It is the default
+where it can be built; ``torch_backend`` is the fallback.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("steptimer")
 
 
 @dataclass(frozen=True)
@@ -28,7 +36,10 @@ class _CudaBackend:
     wait: Callable[[Any], None]  # block the host until the event completes
     stream_key: Callable[[], tuple[int, int, int]]  # a cheap key of the current stream
     stream_of_key: Callable[[tuple[int, int, int]], Any]  # the stream object for a key
-    is_capturing: Callable[[], bool]  # is the current stream capturing a CUDA graph?
+    is_capturing: Callable[[Any], bool]  # is_capturing(stream): is it capturing a CUDA graph?
+    # offsets_ms(events): ms from events[0] to each event (one call per step); None: elapsed_ms each
+    offsets_ms: Callable[[list[Any]], list[float]] | None = None
+    name: str = "custom"  # which calls these are, for logs and the benchmark
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -71,6 +82,7 @@ def torch_backend() -> _CudaBackend:
         def stream_of_key(key: tuple[int, int, int]) -> Any:
             return torch.cuda.current_stream()
 
+    is_capturing = torch.cuda.is_current_stream_capturing
     return _CudaBackend(
         new_event=lambda: event_cls(enable_timing=True),
         record=base.record,
@@ -78,5 +90,51 @@ def torch_backend() -> _CudaBackend:
         wait=lambda ev: event_cls.synchronize(ev),
         stream_key=stream_key,
         stream_of_key=stream_of_key,
-        is_capturing=torch.cuda.is_current_stream_capturing,
+        is_capturing=lambda stream: is_capturing(),  # the stream is the current one
+        name="torch",
     )
+
+
+def native_backend() -> _CudaBackend:
+    """The backend over ``_cudart.c``; raises ``_native.NativeUnavailable`` where it can't be built."""
+    import torch
+
+    from steptimer._native import cudart
+
+    mod = cudart()
+    t = torch_backend()
+    owners: list[Any] = []  # the torch Events whose CUDA events the engine uses by handle
+
+    def new_event() -> int:
+        # torch creates the CUDA event lazily, at its first record: record it once here, on the
+        # current stream (the one the engine is timing), so the handle exists.
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        owners.append(ev)
+        return int(ev.cuda_event)
+
+    def stream_of_key(key: tuple[int, int, int]) -> int:
+        return int(t.stream_of_key(key).cuda_stream)
+
+    return _CudaBackend(
+        new_event=new_event,
+        record=mod.record,
+        elapsed_ms=mod.elapsed_ms,
+        wait=mod.wait,
+        stream_key=t.stream_key,
+        stream_of_key=stream_of_key,
+        is_capturing=mod.is_capturing,
+        offsets_ms=mod.offsets_ms,
+        name="native",
+    )
+
+
+def default_backend() -> _CudaBackend:
+    """``native_backend`` where it can be built, else ``torch_backend`` (the reason is logged)."""
+    from steptimer._native import NativeUnavailable
+
+    try:
+        return native_backend()
+    except NativeUnavailable as e:
+        log.info("steptimer: CUDA calls go through torch's Python API (higher host cost): %s", e)
+        return torch_backend()

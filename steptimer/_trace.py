@@ -107,8 +107,7 @@ class Capture:
             start = self._rel + el(held[2], evs[rec.i_start]) / 1e3
         else:
             start = 0.0
-        ref = evs[0]
-        offs = [0.0] + [el(ref, e) / 1e3 for e in evs[1:]]
+        offs = [ms / 1e3 for ms in timer._offsets(evs)]
         base = start - offs[rec.i_start]
         self._rel = base + offs[rec.i_end]
         return {

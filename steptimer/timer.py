@@ -27,7 +27,7 @@ from time import perf_counter
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
-from steptimer._clock import _CudaBackend, cuda_usable, torch_backend
+from steptimer._clock import _CudaBackend, cuda_usable, default_backend
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._stats import RowKey, StepRows, Summary, SummaryAccumulator, Window, window_of
 from steptimer._trace import make_capture
@@ -367,7 +367,8 @@ class StepTimer:
         self._record: Callable[[Any, Any], None] = lambda e, s: None
         self._elapsed: Callable[[Any, Any], float] = lambda a, b: _NAN
         self._wait: Callable[[Any], None] = lambda e: None
-        self._is_capturing: Callable[[], bool] = lambda: False
+        self._is_capturing: Callable[[Any], bool] = lambda s: False
+        self._offsets: Callable[[list[Any]], list[float]] = lambda evs: []
         self._get_stream_key: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
         self._stream: Any = None
         self._stream_key: Any = None
@@ -520,15 +521,15 @@ class StepTimer:
         self._last_t = -math.inf
         self._gpu = gpu = timed and self._cuda is True
         if gpu:
-            if self._is_capturing():
+            key = self._get_stream_key()
+            if key != self._stream_key:
+                self._switch_stream(key)
+            if self._is_capturing(self._stream):
                 self._in_step = False
                 raise RuntimeError(
                     "step() inside CUDA graph capture: steptimer cannot record timing events into a "
                     "graph. Put `with timer.step():` around the graph replay, not inside the capture"
                 )
-            key = self._get_stream_key()
-            if key != self._stream_key:
-                self._switch_stream(key)
             free = self._free
             ev = free.pop() if free else self._new_event()
             self._record(ev, self._stream)
@@ -665,7 +666,7 @@ class StepTimer:
         else:
             ok, why = cuda_usable()
             if ok:
-                self._b = torch_backend()
+                self._b = default_backend()
                 self._cuda = True
             elif opt is True:
                 raise RuntimeError(f"StepTimer(cuda=True) but {why}")
@@ -680,6 +681,18 @@ class StepTimer:
         self._elapsed = b.elapsed_ms
         self._wait = b.wait
         self._is_capturing = b.is_capturing
+        if b.offsets_ms is not None:
+            self._offsets = b.offsets_ms
+        else:
+            el = b.elapsed_ms
+
+            def offsets(evs: list[Any]) -> list[float]:
+                ref = evs[0]
+                offs = [0.0]
+                offs += [el(ref, e) for e in evs[1:]]
+                return offs
+
+            self._offsets = offsets
         self._get_stream_key = b.stream_key
 
     def _switch_stream(self, key: tuple[int, int, int]) -> None:
@@ -765,9 +778,7 @@ class StepTimer:
             el = self._elapsed
             held = self._held_end
             if names is not None:
-                ref = evs[0]
-                offs = [0.0]
-                offs += [el(ref, e) for e in evs[1:]]
+                offs = self._offsets(evs)
                 row.append(offs[rec.i_end] - offs[rec.i_start])
                 row += [offs[r[4]] - offs[r[3]] for r in recs]
                 has_gpu = True

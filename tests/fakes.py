@@ -8,6 +8,9 @@ event before waiting for it. ``wait`` moves the host clock to the event's comple
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from steptimer._clock import _CudaBackend
@@ -85,7 +88,7 @@ class FakeGPU:
             wait=self.wait,
             stream_key=lambda: self.stream,
             stream_of_key=lambda key: key,
-            is_capturing=lambda: self.capturing,
+            is_capturing=lambda stream: self.capturing,
         )
 
 
@@ -101,3 +104,38 @@ class ListSink:
 
     def close(self, summary: Any) -> None:
         self.summary = summary
+
+
+def counting_native_waits(make: Callable[[], _CudaBackend], on_wait: Callable[[], None]) -> Callable[[], _CudaBackend]:
+    """A ``default_backend`` stand-in: ``make()``'s backend, calling ``on_wait`` at each native wait.
+
+    The native backend waits without ``torch.cuda.Event.synchronize`` (which the GPU tests patch to
+    count), so its waits are counted here, on the backend the engine really uses.
+    """
+
+    def counting() -> _CudaBackend:
+        b = make()
+        if b.name != "native":  # torch's waits go through Event.synchronize, counted there
+            return b
+        w = b.wait
+
+        def wait(ev: Any) -> None:
+            on_wait()
+            w(ev)
+
+        return dataclasses.replace(b, wait=wait)
+
+    return counting
+
+
+@contextmanager
+def engine_waits_counted(on_wait: Callable[[], None]) -> Iterator[None]:
+    """Timers that settle their CUDA backend inside this block call ``on_wait`` at each native wait."""
+    import steptimer.timer as timer_mod
+
+    orig = timer_mod.default_backend
+    timer_mod.default_backend = counting_native_waits(orig, on_wait)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        timer_mod.default_backend = orig  # type: ignore[assignment]

@@ -1,7 +1,8 @@
 """GPU truth tests (issue 2's GPU list), run on the device machine.
 
 Every timed loop runs under ``torch.cuda.set_sync_debug_mode("error")`` with ``torch.cuda.synchronize``,
-``torch.cuda.Event.synchronize`` and ``torch.cuda.Stream.synchronize`` patched to count: steptimer must
+``torch.cuda.Event.synchronize`` and ``torch.cuda.Stream.synchronize`` patched to count (and the engine's
+event waits through its native CUDA calls, which bypass torch, counted with them): steptimer must
 make no device-wide or stream sync and at most one event wait per step. Lengths of known kernels come
 from the profiler (CUPTI), never from the events under test.
 """
@@ -19,6 +20,7 @@ import torch
 
 from bench._stats import median
 from bench.truth import RecordingTimer, profile_run, sleep_cycles_per_ms
+from tests.fakes import engine_waits_counted
 
 pytestmark = pytest.mark.cuda
 
@@ -37,6 +39,9 @@ def strict_syncs() -> Iterator[dict[str, int]]:
         counts["event"] += 1
         orig[1](self)
 
+    def native_wait() -> None:  # the engine's waits through steptimer's native CUDA calls
+        counts["event"] += 1
+
     def stream_sync(self: Any) -> None:
         counts["stream"] += 1
         orig[2](self)
@@ -46,7 +51,8 @@ def strict_syncs() -> Iterator[dict[str, int]]:
     torch.cuda.Stream.synchronize = stream_sync  # type: ignore[method-assign]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        yield counts
+        with engine_waits_counted(native_wait):
+            yield counts
     finally:
         torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize, torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize = orig  # type: ignore[method-assign]

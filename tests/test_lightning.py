@@ -26,6 +26,7 @@ pytest.importorskip("pytorch_lightning")
 
 from steptimer._clock import _CudaBackend  # noqa: E402
 from steptimer.lightning import StepTimerCallback  # noqa: E402
+from tests.fakes import counting_native_waits  # noqa: E402
 
 SLEEP_S = 0.05
 HIGH_MS = 0.95 * SLEEP_S * 1e3  # a slept region reads at least this
@@ -92,7 +93,7 @@ class WallGPU:
             wait=self._wait,
             stream_key=lambda: (1, 0, 1),
             stream_of_key=lambda key: key,
-            is_capturing=lambda: False,
+            is_capturing=lambda stream: False,
         )
 
 
@@ -259,6 +260,11 @@ class SyncCounter:
                             (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "wait")):
             key = f"{getattr(owner, '__name__', owner)}.{name}"
             monkeypatch.setattr(owner, name, self._counter(key, getattr(owner, name)))
+        # The engine's waits through its native CUDA calls bypass torch: counted as Event.synchronize.
+        import steptimer.timer as timer_mod
+
+        native_wait = self._counter("Event.synchronize", lambda: None)
+        monkeypatch.setattr(timer_mod, "default_backend", counting_native_waits(timer_mod.default_backend, native_wait))
 
     def _counter(self, key: str, orig: Any) -> Any:
         def count(*args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,125 @@
+"""Build and load ``_cudart.c``: the engine's CUDA calls without torch's Python layer.
+
+The extension is compiled at first use with the system C compiler and cached per source and Python
+version, as Triton does with its launcher stubs; no build backend, CUDA headers or network is needed,
+only ``cc`` and Python's headers. Whatever goes wrong (no compiler, no headers, a CUDA runtime
+linked statically into torch, ``STEPTIMER_NATIVE=0``) leaves steptimer on torch's Python API, which
+measures the same thing at a higher host cost; the reason is logged.
+
+Set ``STEPTIMER_CACHE_DIR`` to choose where the build is kept (default
+``$XDG_CACHE_HOME/steptimer`` or ``~/.cache/steptimer``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+SOURCE = Path(__file__).with_name("_cudart.c")
+MODULE = "_steptimer_cudart"
+
+
+class NativeUnavailable(Exception):
+    """Why the native CUDA calls can't be used here (steptimer then uses torch's API)."""
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("STEPTIMER_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptimer"
+
+
+def compiler() -> list[str]:
+    """The C compiler command: ``$CC``, Python's own ``CC``, then ``cc`` / ``gcc`` / ``clang``."""
+    for cand in (os.environ.get("CC"), sysconfig.get_config_var("CC")):
+        if cand:
+            argv = shlex.split(cand)
+            if argv and shutil.which(argv[0]):
+                return argv
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return [name]
+    raise NativeUnavailable("no C compiler found (set CC, or install gcc)")
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the extension unless a build of this source for this Python exists; return its path."""
+    src = SOURCE.read_bytes()
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    key = hashlib.sha256(src + sys.version.encode() + suffix.encode()).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    target = out_dir / f"{MODULE}-{key}{suffix}"
+    if target.exists():
+        return target
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").exists():
+        raise NativeUnavailable(f"Python's C headers are missing ({include}/Python.h; install python3-dev)")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NativeUnavailable(f"cannot create the build cache {out_dir}: {e}") from e
+    # Build next to the target and rename: ranks of one job may build at the same time.
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{MODULE}-", suffix=suffix)
+    os.close(fd)
+    cmd = [*compiler(), "-O2", "-shared", "-fPIC", "-I", include, str(SOURCE), "-o", tmp, "-ldl"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise NativeUnavailable(f"compiling {SOURCE.name} failed: {' '.join(cmd)}\n{res.stderr.strip()}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"compiling {SOURCE.name} failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(path: Path) -> ModuleType:
+    """Import a built extension."""
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    if spec is None or spec.loader is None:  # pragma: no cover - only for a path that isn't an extension
+        raise NativeUnavailable(f"cannot import {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def loaded_cudart() -> str:
+    """The path of the CUDA runtime library loaded in this process (torch's), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if "libcudart" in line}
+    except OSError as e:
+        raise NativeUnavailable(f"cannot read /proc/self/maps to find torch's CUDA runtime: {e}") from e
+    paths = {p for p in paths if os.path.basename(p).startswith("libcudart.so")}
+    if len(paths) != 1:
+        found = ", ".join(sorted(paths)) or "none"
+        raise NativeUnavailable(f"expected one CUDA runtime library loaded in this process, found {found}")
+    return paths.pop()
+
+
+def cudart() -> ModuleType:
+    """The extension, built, loaded and bound to torch's CUDA runtime; raises ``NativeUnavailable``."""
+    if os.environ.get("STEPTIMER_NATIVE", "1") == "0":
+        raise NativeUnavailable("disabled by STEPTIMER_NATIVE=0")
+    if not sys.platform.startswith("linux"):
+        raise NativeUnavailable(f"only built on Linux (this is {sys.platform})")
+    lib = loaded_cudart()
+    mod = load(build())
+    try:
+        mod.init(lib)
+    except OSError as e:
+        raise NativeUnavailable(str(e)) from e
+    return mod

@@ -1,0 +1,246 @@
+"""The native CUDA calls (steptimer/_cudart.c, built by steptimer/_native.py).
+
+On CPU, the extension is really compiled and run against a stand-in CUDA runtime
+(tests/native/fake_cudart.c), which lets the tests reach the error paths and the not-ready wait that
+a healthy GPU never shows. On the GPU, it is checked against torch's own event API on the same
+events, and the engine is checked to use it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from steptimer import _native
+from steptimer._clock import torch_backend
+from steptimer._native import NativeUnavailable
+
+FAKE_SRC = Path(__file__).parent / "native" / "fake_cudart.c"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _native.build(tmp_path_factory.mktemp("native-cache"))
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory: pytest.TempPathFactory, built: Path) -> tuple[ModuleType, Any]:
+    """The extension bound to a loaded stand-in runtime."""
+    # Not named libcudart.so*: loaded_cudart() must never take it for the real runtime.
+    lib_path = tmp_path_factory.mktemp("fake-cudart") / "libfake_cudart.so"
+    cc = _native.compiler()
+    subprocess.run([*cc, "-O2", "-shared", "-fPIC", str(FAKE_SRC), "-o", str(lib_path)], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.fake_set.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_int]
+    mod = _native.load(built)
+    mod.init(str(lib_path))
+    return mod, lib
+
+
+def test_build_is_cached_per_source_and_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _native.build(tmp_path)
+    assert first.exists() and first.parent == tmp_path
+    assert first.name.startswith("_steptimer_cudart-") and first.name.endswith(sysconfig.get_config_var("EXT_SUFFIX"))
+
+    def no_compiler(*a: Any, **k: Any) -> Any:
+        raise AssertionError("rebuilt although a build of this source exists")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert _native.build(tmp_path) == first
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEPTIMER_CACHE_DIR", str(tmp_path / "a"))
+    assert _native.cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("STEPTIMER_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert _native.cache_dir() == tmp_path / "x" / "steptimer"
+
+
+def test_no_compiler_is_a_clear_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_native.shutil, "which", lambda name: None)
+    with pytest.raises(NativeUnavailable, match="no C compiler found"):
+        _native.build(tmp_path)
+
+
+def test_a_failing_compile_names_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "false")  # a "compiler" that exists and fails
+    with pytest.raises(NativeUnavailable, match=r"compiling _cudart\.c failed: false "):
+        _native.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEPTIMER_NATIVE", "0")
+    with pytest.raises(NativeUnavailable, match="STEPTIMER_NATIVE=0"):
+        _native.cudart()
+
+
+def test_calls_before_init_raise(built: Path) -> None:
+    # In a fresh process: the binding is process-wide, and other tests here bind it.
+    code = (
+        "import sys; from steptimer import _native; m = _native.load(_native.Path(sys.argv[1]))\n"
+        "try:\n    m.record(1, 2)\nexcept RuntimeError as e:\n    print(e)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(built)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "steptimer._cudart used before init()"
+
+
+def test_init_refuses_a_runtime_that_is_not_loaded(built: Path) -> None:
+    mod = _native.load(built)
+    with pytest.raises(OSError, match="is not loaded in this process"):
+        mod.init("/nonexistent/libcudart.so.12")
+
+
+def test_calls_through_the_runtime(fake: tuple[ModuleType, Any]) -> None:
+    mod, lib = fake
+    for h, t in [(1, 10.0), (2, 10.5), (3, 12.25)]:
+        lib.fake_set(h, t, 1)
+    records = ctypes.c_int.in_dll(lib, "fake_records").value
+    mod.record(1, 0)
+    mod.record(2, 0xDEAD)
+    assert ctypes.c_int.in_dll(lib, "fake_records").value == records + 2
+    assert mod.elapsed_ms(1, 3) == pytest.approx(2.25)
+    assert mod.offsets_ms([1, 2, 3]) == pytest.approx([0.0, 0.5, 2.25])
+    assert mod.offsets_ms([]) == []
+    assert mod.offsets_ms([2]) == [0.0]
+    assert mod.is_capturing(0) is False
+    ctypes.c_int.in_dll(lib, "fake_capturing").value = 1
+    assert mod.is_capturing(0) is True
+    ctypes.c_int.in_dll(lib, "fake_capturing").value = 0
+
+
+def test_wait_on_a_completed_event_does_not_synchronize(fake: tuple[ModuleType, Any]) -> None:
+    mod, lib = fake
+    lib.fake_set(4, 1.0, 1)
+    syncs = ctypes.c_int.in_dll(lib, "fake_syncs").value
+    mod.wait(4)
+    assert ctypes.c_int.in_dll(lib, "fake_syncs").value == syncs
+
+
+def test_wait_on_a_running_event_synchronizes_and_clears_not_ready(fake: tuple[ModuleType, Any]) -> None:
+    mod, lib = fake
+    lib.fake_set(5, 1.0, 0)
+    syncs = ctypes.c_int.in_dll(lib, "fake_syncs").value
+    mod.wait(5)
+    assert ctypes.c_int.in_dll(lib, "fake_syncs").value == syncs + 1
+    assert lib.fake_last_error() == 0  # cudaErrorNotReady is not left for torch's next check
+    assert mod.elapsed_ms(5, 5) == 0.0
+
+
+def test_errors_raise_and_clear_the_runtime_error(fake: tuple[ModuleType, Any]) -> None:
+    mod, lib = fake
+    lib.fake_set(6, 1.0, 1)
+    lib.fake_set(7, 2.0, 0)
+    with pytest.raises(RuntimeError, match=r"cudaEventElapsedTime failed: CUDA error 600 \(not ready\)"):
+        mod.elapsed_ms(6, 7)
+    assert lib.fake_last_error() == 0
+    with pytest.raises(RuntimeError, match=r"cudaEventElapsedTime failed: CUDA error 600"):
+        mod.offsets_ms([6, 7])
+    with pytest.raises(RuntimeError, match=r"cudaEventRecord failed: CUDA error 400 \(invalid handle\)"):
+        mod.record(999, 0)
+    ctypes.c_int.in_dll(lib, "fake_fail_record").value = 700
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        mod.record(1, 0)
+    ctypes.c_int.in_dll(lib, "fake_fail_record").value = 0
+    assert lib.fake_last_error() == 0
+
+
+def test_bad_arguments_are_type_errors(fake: tuple[ModuleType, Any]) -> None:
+    mod, _ = fake
+    with pytest.raises(TypeError, match=r"record\(event, stream\)"):
+        mod.record(1)
+    with pytest.raises(TypeError):
+        mod.record("a", 0)
+    with pytest.raises(TypeError, match="offsets_ms"):
+        mod.offsets_ms((1, 2))
+    with pytest.raises(TypeError):
+        mod.wait(None)
+
+
+def test_without_a_cuda_runtime_the_reason_names_it() -> None:
+    import torch
+
+    from steptimer._clock import native_backend
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the native backend is tested by the cuda tests below")
+    with pytest.raises(NativeUnavailable, match="expected one CUDA runtime library loaded in this process, found none"):
+        native_backend()
+
+
+# --------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.cuda
+def test_native_agrees_with_torch_on_the_same_events() -> None:
+    import torch
+
+    torch.zeros(1, device="cuda")
+    nat, ref = _native_or_fail(), torch_backend()
+    stream = torch.cuda.current_stream()
+    evs = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    for e in evs:
+        e.record(stream)  # creates the CUDA events
+    handles = [int(e.cuda_event) for e in evs]
+    sp = int(stream.cuda_stream)
+    nat.record(handles[0], sp)
+    torch.cuda._sleep(2_000_000)
+    nat.record(handles[1], sp)
+    torch.cuda._sleep(1_000_000)
+    nat.record(handles[2], sp)
+    nat.record(handles[3], sp)
+    assert not evs[3].query()  # the GPU is still sleeping: wait must block until it is done
+    t0 = time.perf_counter()
+    nat.wait(handles[3])
+    assert evs[3].query() and time.perf_counter() > t0
+    offs = nat.offsets_ms(handles)
+    want = [0.0] + [ref.elapsed_ms(evs[0], e) for e in evs[1:]]
+    assert offs == pytest.approx(want, abs=1e-6)
+    assert offs[1] > 0.1 and offs[2] > offs[1] and offs[3] >= offs[2]
+    assert nat.elapsed_ms(handles[1], handles[2]) == pytest.approx(ref.elapsed_ms(evs[1], evs[2]), abs=1e-6)
+    assert nat.is_capturing(sp) is False
+    g, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    x = torch.zeros(1, device="cuda")
+    with torch.cuda.stream(side):
+        x.add_(1)  # warm up on the side stream before capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g, stream=side):
+        assert nat.is_capturing(int(side.cuda_stream)) is True
+        x.add_(1)
+
+
+@pytest.mark.cuda
+def test_the_engine_uses_the_native_calls_on_cuda(tmp_path: Path) -> None:
+    import torch
+
+    from steptimer import StepTimer
+
+    _native_or_fail()
+    torch.zeros(1, device="cuda")
+    t = StepTimer(print_summary=False, warmup_steps=0, log_every_n_steps=2)
+    with t.step(), t.phase("work"):
+        torch.cuda._sleep(1_000_000)
+    assert t._b is not None and t._b.name == "native"
+    assert isinstance(t._stream, int)
+    summary = t.close()
+    assert summary.cuda and summary.steps == 1
+
+
+def _native_or_fail() -> Any:
+    """The native backend; on a CUDA machine it must build (no silent fallback in a green run)."""
+    from steptimer._clock import native_backend
+
+    try:
+        return native_backend()
+    except NativeUnavailable as e:
+        pytest.fail(f"native CUDA calls unavailable on this CUDA machine: {e}")
