@@ -29,6 +29,7 @@ from torch import nn
 
 from bench._stats import median, ratio_stats
 from steptimer import StepTimer
+from steptimer._clock import torch_backend
 
 PHASES = ("forward", "loss", "backward", "optimizer")
 
@@ -457,6 +458,13 @@ def _per_call_us(fn: Callable[[int], float], n: int, reps: int) -> dict[str, flo
     return {"median_us": median(vals), "min_us": min(vals), "max_us": max(vals)}
 
 
+def _native_calls() -> Any:
+    """steptimer's native CUDA calls (``_cudart.c``); the benchmark fails loudly where they can't build."""
+    from steptimer._native import cudart
+
+    return cudart()
+
+
 def micro(reps: int = 21, n: int = 500) -> dict[str, Any]:
     ev = torch.cuda.Event(enable_timing=True)
     stream = torch.cuda.current_stream()
@@ -534,6 +542,45 @@ def micro(reps: int = 21, n: int = 500) -> dict[str, Any]:
             ev.elapsed_time(e2)
         return pc() - t0
 
+    nat = _native_calls()
+
+    def t_native_record(k: int) -> float:
+        rec, h, sp = nat.record, int(ev.cuda_event), int(stream.cuda_stream)
+        t0 = pc()
+        for _ in range(k):
+            rec(h, sp)
+        return pc() - t0
+
+    def t_native_elapsed(k: int) -> float:
+        ev.record(stream)
+        e2.record(stream)
+        _sync()
+        el, a, b = nat.elapsed_ms, int(ev.cuda_event), int(e2.cuda_event)
+        t0 = pc()
+        for _ in range(k):
+            el(a, b)
+        return pc() - t0
+
+    def t_native_wait(k: int) -> float:
+        ev.record(stream)
+        _sync()
+        w, h = nat.wait, int(ev.cuda_event)
+        t0 = pc()
+        for _ in range(k):
+            w(h)
+        return pc() - t0
+
+    def t_native_offsets5(k: int) -> float:
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+        for e in evs:
+            e.record(stream)
+        _sync()
+        off, hs = nat.offsets_ms, [int(e.cuda_event) for e in evs]
+        t0 = pc()
+        for _ in range(k):
+            off(hs)
+        return pc() - t0
+
     def t_sleep1(k: int) -> float:
         t0 = pc()
         for _ in range(k):
@@ -564,6 +611,10 @@ def micro(reps: int = 21, n: int = 500) -> dict[str, Any]:
         ("Event.query() (completed)", t_query),
         ("Event.synchronize() (completed)", t_wait_done),
         ("Event.elapsed_time()", t_elapsed),
+        ("native record(ev, stream) (steptimer/_cudart.c)", t_native_record),
+        ("native wait(ev) (completed)", t_native_wait),
+        ("native elapsed_ms(a, b)", t_native_elapsed),
+        ("native offsets_ms(5 events) (one step's reads)", t_native_offsets5),
         ("torch.cuda.synchronize() (idle GPU)", t_sync),
         ("launch torch.cuda._sleep(1)", t_sleep1),
         ("launch x.add_(1), 1 element", t_add),
@@ -741,6 +792,8 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
     timers: dict[str, StepTimer] = {}
     for v, kw, kinds in [
         ("default", {"log_dir": ...}, ("empty", "tiny")),
+        # The same engine on torch's Python event API (the fallback where _cudart.c can't be built).
+        ("default-torchapi", {"log_dir": ..., "_backend": torch_backend()}, ("empty",)),
         ("lag0", {"lag": 0, "log_dir": ...}, ("empty", "tiny")),
         ("sampled100", {"sample_every": 100, "log_dir": ...}, ("empty", "tiny")),
         # Where the host time goes: without the TensorBoard sink, without the cross-rank
@@ -813,6 +866,8 @@ def reference_loops() -> tuple[Any, dict[str, Callable[[int], float]]]:
       context managers: CPython's own cost of the API.
     * ``ref_cuda_calls``: the CUDA calls the engine makes per step (stream key, capture check,
       5 records, 5 ``elapsed_time`` reads, one wait on the step N-2 end event), in a bare loop.
+    * ``ref_cuda_calls_native``: the same calls through steptimer's native ``_cudart.c`` (one
+      ``offsets_ms`` call reads the step's 5 events).
     * ``ref_minimal``: both together, with context managers that do nothing but take the time,
       record an event and keep it: the least an event timer with a ``with`` API can cost in Python.
     """
@@ -920,7 +975,27 @@ def reference_loops() -> tuple[Any, dict[str, Callable[[int], float]]]:
                     pass
         return pc() - t0
 
-    return _Api(), {"ref_cuda_calls": cuda_calls, "ref_minimal": minimal}
+    nat = _native_calls()
+    nrec, nwait, noffs = nat.record, nat.wait, nat.offsets_ms
+    ncap = nat.is_capturing
+    hring = [[int(e.cuda_event) for e in evs] for evs in ring]
+    sp = int(stream.cuda_stream)
+
+    def native_cuda_calls(n: int) -> float:
+        t0 = pc()
+        for k in range(n):
+            evs = hring[k % 4]
+            key(dev())
+            ncap(sp)
+            for e in evs:
+                nrec(e, sp)
+            old = hring[(k - 2) % 4]
+            nwait(old[4])
+            noffs(old)
+            nat.elapsed_ms(hring[(k - 3) % 4][4], old[0])
+        return pc() - t0
+
+    return _Api(), {"ref_cuda_calls": cuda_calls, "ref_cuda_calls_native": native_cuda_calls, "ref_minimal": minimal}
 
 
 def gpu_name() -> str:

@@ -88,6 +88,8 @@ def host_table(h: dict[str, Any], m: dict[str, Any] | None) -> str:
     if m:
         floor = 5 * m["Event.record(stream)"]["median_us"]
         floor_bound = 5 * m["_CudaEventBase.record(ev, stream) (engine's bound call)"]["median_us"]
+        native = m.get("native record(ev, stream) (steptimer/_cudart.c)")
+        floor_native = None if native is None else 5 * native["median_us"]
     rows = []
     for name, v in h["added_us"].items():
         ok = "n/a"
@@ -108,7 +110,8 @@ def host_table(h: dict[str, Any], m: dict[str, Any] | None) -> str:
     if floor is not None:
         t += (
             f"\n\nphysical floor = (4 + 1) x Event.record(stream) = {floor:.2f} µs "
-            f"(with the engine's bound C call: {floor_bound:.2f} µs); bare loops: "
+            f"(torch's bound C call: {floor_bound:.2f} µs; steptimer's native record: "
+            f"{fmt_num(floor_native, 2)} µs); bare loops: "
             f"empty {h['per_step_us']['bare_empty']:.2f} µs/step, "
             f"4 x add_ {h['per_step_us']['bare_tiny']:.2f} µs/step"
         )
@@ -117,7 +120,9 @@ def host_table(h: dict[str, Any], m: dict[str, Any] | None) -> str:
             "\n\nReference loops, no steptimer (bench/overhead.py `reference_loops`): `ref_with_api` is the "
             "`with` step + 4 phases shape with no-op context managers (CPython's own cost of the API); "
             "`ref_cuda_calls` the engine's CUDA calls per step alone (5 records, 5 elapsed_time reads, 1 wait, "
-            "stream key, capture check); `ref_minimal` a timer that does only that work behind the same API."
+            "stream key, capture check), through torch's API, and `ref_cuda_calls_native` through steptimer's "
+            "native calls; `ref_minimal` a timer that does only that work (torch's API) behind the same API. "
+            "`default-torchapi` is the engine on torch's event API, the fallback where `_cudart.c` can't be built."
         )
     return t
 
