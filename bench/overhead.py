@@ -387,9 +387,10 @@ def run_lightning(
             self.t.append(perf_counter())
 
     module = Module()
-    variants = ["pl_bare", "pl_bare2", "pl_steptimer", "pl_simpleprofiler", "pl_throughput"]
+    variants = ["pl_bare", "pl_bare2", "pl_steptimer", "pl_steptimer_torchapi", "pl_simpleprofiler", "pl_throughput"]
     if cb_cls is None:
         variants.remove("pl_steptimer")
+        variants.remove("pl_steptimer_torchapi")
     warm = max(5, steps // 5)
 
     def fit(v: str) -> list[float]:
@@ -398,6 +399,8 @@ def run_lightning(
         profiler = None
         if v == "pl_steptimer":
             cbs.append(cb_cls(print_summary=False))
+        elif v == "pl_steptimer_torchapi":  # the fallback where steptimer/_cudart.c can't be built
+            cbs.append(cb_cls(print_summary=False, _backend=torch_backend()))
         elif v == "pl_throughput":
             cbs.append(pl.callbacks.ThroughputMonitor(batch_size_fn=lambda b: b.shape[0]))
         elif v == "pl_simpleprofiler":

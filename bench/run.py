@@ -474,8 +474,8 @@ def _lightning_section(
         m = measured[r.name]
         label = f"{r.name} ({m['host_ms']:.2f} / {m['gpu_ms']:.2f})"
         log(f"lightning {label}")
-        lsteps = 100 if r.kind == "mlp" and r.width <= 256 else 20
-        out = overhead.run_lightning(r, dev, rounds=2 if q else 4, steps=lsteps, log=log)
+        lsteps = 100 if r.kind == "mlp" and r.width <= 256 else 40
+        out = overhead.run_lightning(r, dev, rounds=2 if q else 6, steps=lsteps, log=log)
         out["label"] = label
         ls.append(out)
         res["lightning"] = ls
