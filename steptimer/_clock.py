@@ -18,6 +18,7 @@ where it can be built; ``torch_backend`` is the fallback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,6 +128,22 @@ def native_backend() -> _CudaBackend:
         offsets_ms=mod.offsets_ms,
         name="native",
     )
+
+
+def prepare_native() -> None:
+    """Build the native CUDA calls ahead of the first step where CUDA exists (a no-op otherwise).
+
+    The first build on a machine takes a fraction of a second; doing it when the timer is created keeps
+    it out of the training loop. Failures are left for ``default_backend`` to report.
+    """
+    import torch
+
+    from steptimer._native import NativeUnavailable, build, disabled
+
+    if disabled() or not torch.cuda.is_available():
+        return
+    with contextlib.suppress(NativeUnavailable):  # default_backend reports why, at the first step
+        build()
 
 
 def default_backend() -> _CudaBackend:

@@ -33,6 +33,11 @@ class NativeUnavailable(Exception):
     """Why the native CUDA calls can't be used here (steptimer then uses torch's API)."""
 
 
+def disabled() -> bool:
+    """``STEPTIMER_NATIVE=0`` keeps steptimer on torch's event API."""
+    return os.environ.get("STEPTIMER_NATIVE", "1") == "0"
+
+
 def cache_dir() -> Path:
     env = os.environ.get("STEPTIMER_CACHE_DIR")
     if env:
@@ -112,7 +117,7 @@ def loaded_cudart() -> str:
 
 def cudart() -> ModuleType:
     """The extension, built, loaded and bound to torch's CUDA runtime; raises ``NativeUnavailable``."""
-    if os.environ.get("STEPTIMER_NATIVE", "1") == "0":
+    if disabled():
         raise NativeUnavailable("disabled by STEPTIMER_NATIVE=0")
     if not sys.platform.startswith("linux"):
         raise NativeUnavailable(f"only built on Linux (this is {sys.platform})")

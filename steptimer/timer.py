@@ -27,7 +27,7 @@ from time import perf_counter
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
-from steptimer._clock import _CudaBackend, cuda_usable, default_backend
+from steptimer._clock import _CudaBackend, cuda_usable, default_backend, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._stats import RowKey, StepRows, Summary, SummaryAccumulator, Window, window_of
 from steptimer._trace import make_capture
@@ -388,6 +388,8 @@ class StepTimer:
             ok, why = cuda_usable()
             if not ok:
                 raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
+        if cuda is not False and _backend is None:
+            prepare_native()  # compile the native CUDA calls now (once per machine), not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
             from steptimer._tensorboard import TensorBoardSink
 
@@ -512,9 +514,9 @@ class StepTimer:
             raise RuntimeError("step() entered inside a step: steps cannot nest (one step = one optimizer step)")
         if self._closed:
             raise RuntimeError("step() after close(): create a new StepTimer")
-        t0 = perf_counter()
         if self._cuda is None:
             self._settle_cuda()
+        t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
         self._timed = timed = self._number + 1 == self._next_timed
         self._in_step = True
         self._recs = []

@@ -58,6 +58,19 @@ def test_build_is_cached_per_source_and_python(tmp_path: Path, monkeypatch: pyte
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
+def test_ranks_building_at_once_all_get_a_working_build(tmp_path: Path) -> None:
+    # Ranks of one job start together on a fresh machine: each builds to a temporary file and renames.
+    code = "import sys; from steptimer import _native; print(_native.load(_native.build(_native.Path(sys.argv[1]))))"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], [e.decode() for _, e in outs]
+    assert all(b"_steptimer_cudart" in o for o, _ in outs)
+    assert [p.name for p in tmp_path.iterdir()] == [_native.build(tmp_path).name]  # one build, no temporaries
+
+
 def test_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STEPTIMER_CACHE_DIR", str(tmp_path / "a"))
     assert _native.cache_dir() == tmp_path / "a"

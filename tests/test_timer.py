@@ -191,6 +191,25 @@ def test_gpu_phase_times_and_idle_on_simulated_gpu(clock: FakeClock, gpu: FakeGP
     assert w.gpu["idle"].max_ms == pytest.approx(0.0)  # host is ahead: the GPU never idles
 
 
+def test_loading_the_cuda_calls_is_not_the_first_steps_time(
+    clock: FakeClock, gpu: FakeGPU, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The backend is settled at the first step (CUDA must be initialized by then); building and
+    # loading the native calls takes host time that belongs to no step.
+    def slow_backend() -> object:
+        clock.advance_ms(300.0)
+        return gpu.backend()
+
+    monkeypatch.setattr(timer_mod, "cuda_usable", lambda: (True, ""))
+    monkeypatch.setattr(timer_mod, "default_backend", slow_backend)
+    sink = ListSink()
+    t = StepTimer(_sinks=[sink], warmup_steps=0, print_summary=False, log_every_n_steps=1)
+    train_step(t, clock, gpu, host={"forward": 2.0}, kernels={"forward": 1.0})
+    t.close()
+    assert t._b is not None and gpu.records > 0  # the settled backend was used
+    assert sink.windows[0].host["step"].max_ms == pytest.approx(2.0)
+
+
 def test_gpu_idle_grows_with_a_host_stall_between_steps(clock: FakeClock, gpu: FakeGPU) -> None:
     t, sink = make(gpu, log_every_n_steps=4, lag=1)
     for i in range(4):
