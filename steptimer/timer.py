@@ -6,7 +6,8 @@ callback) drive it; sinks (TensorBoard, a Lightning logger) receive :class:`Wind
 
 Hot path, per timed step with P back-to-back phases: P + 1 event records (a phase that starts right
 where the previous one ended reuses its event), 4 ``perf_counter()`` calls per phase, one event wait
-at the end of the step on an event that, with ``lag >= 1``, has normally completed already.
+at the end of the step on an event that, with ``lag >= 1``, has normally completed already. The CUDA
+calls go through ``_cudart.c`` where it can be built (``_clock.default_backend``), else torch's API.
 """
 
 from __future__ import annotations
