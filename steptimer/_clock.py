@@ -138,9 +138,9 @@ def prepare_native() -> None:
     """
     import torch
 
-    from steptimer._native import NativeUnavailable, build, disabled
+    from steptimer._native import NativeUnavailable, build, usable_here
 
-    if disabled() or not torch.cuda.is_available():
+    if not usable_here() or not torch.cuda.is_available():
         return
     with contextlib.suppress(NativeUnavailable):  # default_backend reports why, at the first step
         build()

@@ -33,9 +33,9 @@ class NativeUnavailable(Exception):
     """Why the native CUDA calls can't be used here (steptimer then uses torch's API)."""
 
 
-def disabled() -> bool:
-    """``STEPTIMER_NATIVE=0`` keeps steptimer on torch's event API."""
-    return os.environ.get("STEPTIMER_NATIVE", "1") == "0"
+def usable_here() -> bool:
+    """False where the native calls are never tried: ``STEPTIMER_NATIVE=0``, or not Linux."""
+    return os.environ.get("STEPTIMER_NATIVE", "1") != "0" and sys.platform.startswith("linux")
 
 
 def cache_dir() -> Path:
@@ -58,22 +58,40 @@ def compiler() -> list[str]:
     raise NativeUnavailable("no C compiler found (set CC, or install gcc)")
 
 
+def _writable_dir(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
+
+
 def build(out_dir: Path | None = None) -> Path:
-    """Compile the extension unless a build of this source for this Python exists; return its path."""
+    """Compile the extension unless a build of this source for this Python exists; return its path.
+
+    Without ``out_dir``: in ``cache_dir()``, or in a per-user folder of the system's temporary
+    directory when the cache can't be written (a read-only home, say).
+    """
     src = SOURCE.read_bytes()
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     key = hashlib.sha256(src + sys.version.encode() + suffix.encode()).hexdigest()[:16]
-    out_dir = out_dir or cache_dir()
-    target = out_dir / f"{MODULE}-{key}{suffix}"
+    name = f"{MODULE}-{key}{suffix}"
+    if out_dir is None:
+        candidates = [cache_dir(), Path(tempfile.gettempdir()) / f"steptimer-{os.getuid()}"]
+        for d in candidates:
+            if (d / name).exists():
+                return d / name
+        out_dir = next((d for d in candidates if _writable_dir(d)), None)
+        if out_dir is None:
+            raise NativeUnavailable(f"no writable folder for the build: tried {', '.join(map(str, candidates))}")
+    target = out_dir / name
     if target.exists():
         return target
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
         raise NativeUnavailable(f"Python's C headers are missing ({include}/Python.h; install python3-dev)")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise NativeUnavailable(f"cannot create the build cache {out_dir}: {e}") from e
+    if not _writable_dir(out_dir):
+        raise NativeUnavailable(f"cannot write the build to {out_dir}")
     # Build next to the target and rename: ranks of one job may build at the same time.
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{MODULE}-", suffix=suffix)
     os.close(fd)
@@ -117,10 +135,9 @@ def loaded_cudart() -> str:
 
 def cudart() -> ModuleType:
     """The extension, built, loaded and bound to torch's CUDA runtime; raises ``NativeUnavailable``."""
-    if disabled():
-        raise NativeUnavailable("disabled by STEPTIMER_NATIVE=0")
-    if not sys.platform.startswith("linux"):
-        raise NativeUnavailable(f"only built on Linux (this is {sys.platform})")
+    if not usable_here():
+        linux = sys.platform.startswith("linux")
+        raise NativeUnavailable("disabled by STEPTIMER_NATIVE=0" if linux else f"Linux only (this is {sys.platform})")
     lib = loaded_cudart()
     mod = load(build())
     try:

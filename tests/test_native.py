@@ -9,9 +9,11 @@ events, and the engine is checked to use it.
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -77,6 +79,19 @@ def test_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.delenv("STEPTIMER_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert _native.cache_dir() == tmp_path / "x" / "steptimer"
+
+
+def test_an_unwritable_cache_falls_back_to_the_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("STEPTIMER_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    path = _native.build()
+    assert path.parent == tmp_path / "tmp" / f"steptimer-{os.getuid()}"
+    assert _native.load(path).__name__ == "_steptimer_cudart"
 
 
 def test_no_compiler_is_a_clear_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
