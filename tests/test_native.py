@@ -264,6 +264,35 @@ def test_the_engine_uses_the_native_calls_on_cuda(tmp_path: Path) -> None:
     assert summary.cuda and summary.steps == 1
 
 
+@pytest.mark.cuda
+def test_the_torch_api_fallback_gives_the_same_numbers_on_cuda() -> None:
+    """Two timers on the same steps, one per backend: per-step GPU ms agree (each nests the other's events)."""
+    import torch
+
+    from bench.truth import RecordingTimer
+
+    torch.zeros(1, device="cuda")
+    nat = RecordingTimer.make(cuda=True, log_every_n_steps=5)
+    ref = RecordingTimer.make(_backend=torch_backend(), log_every_n_steps=5)
+    for _ in range(10):
+        with nat.step(), ref.step():
+            with nat.phase("a"), ref.phase("a"):
+                torch.cuda._sleep(1_000_000)
+            with nat.phase("b"), ref.phase("b"):
+                torch.cuda._sleep(200_000)
+    nat.close()
+    ref.close()
+    assert nat._b is not None and nat._b.name == "native" and ref._b is not None and ref._b.name == "torch"
+    assert len(nat.resolved) == len(ref.resolved) == 10
+    for a, b in zip(nat.resolved, ref.resolved):
+        assert a.gpu_ms is not None and b.gpu_ms is not None
+        for name in ("a", "b"):
+            # The outer timer's span holds the inner timer's events: a few µs each, never more.
+            assert a.gpu_ms[name] == pytest.approx(b.gpu_ms[name], abs=0.03), (a.number, name)
+            assert a.gpu_ms[name] > 0.05
+        assert a.gpu_ms["a"] > 3 * a.gpu_ms["b"]
+
+
 def _native_or_fail() -> Any:
     """The native backend; on a CUDA machine it must build (no silent fallback in a green run)."""
     from steptimer._clock import native_backend
