@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 log = logging.getLogger("steptimer")
@@ -41,6 +41,7 @@ class _CudaBackend:
     # offsets_ms(events): ms from events[0] to each event (one call per step); None: elapsed_ms each
     offsets_ms: Callable[[list[Any]], list[float]] | None = None
     name: str = "custom"  # which calls these are, for logs and the benchmark
+    note: str = ""  # for the summary: why these calls and not the native ones
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -153,5 +154,6 @@ def default_backend() -> _CudaBackend:
     try:
         return native_backend()
     except NativeUnavailable as e:
-        log.info("steptimer: CUDA calls go through torch's Python API (higher host cost): %s", e)
-        return torch_backend()
+        note = f"CUDA calls through torch's Python API (higher host cost): {e}"
+        log.info("steptimer: %s", note)
+        return replace(torch_backend(), note=note)

@@ -680,6 +680,8 @@ class StepTimer:
                 log.info(msg)
                 return
         b = self._backend()
+        if b.note:
+            self._notes.append(b.note)
         self._record = b.record
         self._elapsed = b.elapsed_ms
         self._wait = b.wait

@@ -206,6 +206,28 @@ def test_without_a_cuda_runtime_the_reason_names_it() -> None:
         native_backend()
 
 
+def test_the_fallback_says_why_in_the_summary(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from steptimer import StepTimer, _clock
+    from steptimer import timer as timer_mod
+    from tests.fakes import FakeClock, FakeGPU
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the native calls load here")
+    gpu = FakeGPU(FakeClock())
+    # torch's real backend needs a CUDA build of torch; the fake one stands in for it here.
+    monkeypatch.setattr(_clock, "torch_backend", gpu.backend)
+    monkeypatch.setattr(timer_mod, "cuda_usable", lambda: (True, ""))
+    t = StepTimer(warmup_steps=0, print_summary=False)
+    with t.step(), t.phase("work"):
+        gpu.launch(1.0)
+    summary = t.close()
+    assert t._b is not None and t._b.record == gpu.record  # the fallback is what the engine used
+    want = "CUDA calls through torch's Python API (higher host cost): expected one CUDA runtime library"
+    assert sum(n.startswith(want) for n in summary.notes) == 1, summary.notes
+
+
 # --------------------------------------------------------------------------- on the GPU
 
 
