@@ -101,11 +101,24 @@ def native_backend() -> _CudaBackend:
     """The backend over ``_cudart.c``; raises ``_native.NativeUnavailable`` where it can't be built."""
     import torch
 
-    from steptimer._native import cudart
+    from steptimer._native import NativeUnavailable, cudart
 
     mod = cudart()
     t = torch_backend()
     owners: list[Any] = []  # the torch Events whose CUDA events the engine uses by handle
+    # A first record through the runtime now, on a throwaway event (nothing that needs the GPU to
+    # finish), so that a torch without raw handles or a runtime that disagrees shows here, and
+    # steptimer falls back, rather than inside a step.
+    if not torch.cuda.is_current_stream_capturing():  # else the engine refuses the step at once
+        try:
+            probe = torch.cuda.Event(enable_timing=True)
+            probe.record()
+            stream = int(torch.cuda.current_stream().cuda_stream)
+            mod.record(int(probe.cuda_event), stream)
+            mod.is_capturing(stream)
+        except (AttributeError, RuntimeError, TypeError) as e:
+            raise NativeUnavailable(f"the native calls failed their first use: {e!r}") from e
+        owners.append(probe)
 
     def new_event() -> int:
         # torch creates the CUDA event lazily, at its first record: record it once here, on the
