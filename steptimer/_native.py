@@ -1,13 +1,15 @@
 """Build and load ``_cudart.c``: the engine's CUDA calls without torch's Python layer.
 
-The extension is compiled at first use with the system C compiler and cached per source and Python
-version, as Triton does with its launcher stubs; no build backend, CUDA headers or network is needed,
-only ``cc`` and Python's headers. Whatever goes wrong (no compiler, no headers, a CUDA runtime
-linked statically into torch, ``STEPTIMER_NATIVE=0``) leaves steptimer on torch's Python API, which
-measures the same thing at a higher host cost; the reason is logged.
+The extension is compiled with the system C compiler when a ``StepTimer`` is created on a CUDA
+machine, and cached per source and Python build, as Triton does with its launcher stubs; no build
+backend, CUDA headers or network is needed, only ``cc`` and Python's headers. Whatever goes wrong (no
+compiler, no headers, a CUDA runtime linked statically into torch, ``STEPTIMER_NATIVE=0``) leaves
+steptimer on torch's Python API, which measures the same thing at a higher host cost; the reason is
+logged and noted in the summary.
 
 Set ``STEPTIMER_CACHE_DIR`` to choose where the build is kept (default
-``$XDG_CACHE_HOME/steptimer`` or ``~/.cache/steptimer``).
+``$XDG_CACHE_HOME/steptimer`` or ``~/.cache/steptimer``; a private folder of the temporary directory
+when that can't be written).
 """
 
 from __future__ import annotations
@@ -58,10 +60,15 @@ def compiler() -> list[str]:
     raise NativeUnavailable("no C compiler found (set CC, or install gcc)")
 
 
-def _writable_dir(path: Path) -> bool:
+def _usable_dir(path: Path, *, private: bool = False) -> bool:
+    """Whether builds can be written to ``path`` (created if missing). ``private``: also owned by this
+    user and writable by nobody else, as a shared temporary directory must be before we load from it."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
+        st = path.stat()
     except OSError:
+        return False
+    if private and (st.st_uid != os.getuid() or st.st_mode & 0o022):
         return False
     return os.access(path, os.W_OK | os.X_OK)
 
@@ -69,28 +76,29 @@ def _writable_dir(path: Path) -> bool:
 def build(out_dir: Path | None = None) -> Path:
     """Compile the extension unless a build of this source for this Python exists; return its path.
 
-    Without ``out_dir``: in ``cache_dir()``, or in a per-user folder of the system's temporary
-    directory when the cache can't be written (a read-only home, say).
+    Without ``out_dir``: in ``cache_dir()``, or, when that can't be written (a read-only home, say),
+    in a per-user folder of the system's temporary directory that only this user can write.
     """
     src = SOURCE.read_bytes()
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     key = hashlib.sha256(src + sys.version.encode() + suffix.encode()).hexdigest()[:16]
     name = f"{MODULE}-{key}{suffix}"
     if out_dir is None:
-        candidates = [cache_dir(), Path(tempfile.gettempdir()) / f"steptimer-{os.getuid()}"]
-        for d in candidates:
-            if (d / name).exists():
-                return d / name
-        out_dir = next((d for d in candidates if _writable_dir(d)), None)
-        if out_dir is None:
-            raise NativeUnavailable(f"no writable folder for the build: tried {', '.join(map(str, candidates))}")
+        cache = cache_dir()
+        if (cache / name).exists():
+            return cache / name
+        out_dir = cache
+        if not _usable_dir(cache):
+            out_dir = Path(tempfile.gettempdir()) / f"steptimer-{os.getuid()}"
+            if not _usable_dir(out_dir, private=True):
+                raise NativeUnavailable(f"no folder to build in: {cache} can't be written, {out_dir} isn't private")
     target = out_dir / name
     if target.exists():
         return target
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
         raise NativeUnavailable(f"Python's C headers are missing ({include}/Python.h; install python3-dev)")
-    if not _writable_dir(out_dir):
+    if not _usable_dir(out_dir):
         raise NativeUnavailable(f"cannot write the build to {out_dir}")
     # Build next to the target and rename: ranks of one job may build at the same time.
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{MODULE}-", suffix=suffix)
@@ -100,6 +108,7 @@ def build(out_dir: Path | None = None) -> Path:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise NativeUnavailable(f"compiling {SOURCE.name} failed: {' '.join(cmd)}\n{res.stderr.strip()}")
+        os.chmod(tmp, 0o755)  # mkstemp makes it 0o600: readable by others, like any shared library
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"compiling {SOURCE.name} failed: {e}") from e
@@ -139,9 +148,10 @@ def cudart() -> ModuleType:
         linux = sys.platform.startswith("linux")
         raise NativeUnavailable("disabled by STEPTIMER_NATIVE=0" if linux else f"Linux only (this is {sys.platform})")
     lib = loaded_cudart()
-    mod = load(build())
+    path = build()
     try:
+        mod = load(path)
         mod.init(lib)
-    except OSError as e:
-        raise NativeUnavailable(str(e)) from e
+    except (ImportError, OSError) as e:
+        raise NativeUnavailable(f"cannot load {path}: {e}") from e
     return mod

@@ -50,6 +50,7 @@ def fake(tmp_path_factory: pytest.TempPathFactory, built: Path) -> tuple[ModuleT
 def test_build_is_cached_per_source_and_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = _native.build(tmp_path)
     assert first.exists() and first.parent == tmp_path
+    assert first.stat().st_mode & 0o777 == 0o755
     assert first.name.startswith("_steptimer_cudart-") and first.name.endswith(sysconfig.get_config_var("EXT_SUFFIX"))
 
     def no_compiler(*a: Any, **k: Any) -> Any:
@@ -92,6 +93,20 @@ def test_an_unwritable_cache_falls_back_to_the_temporary_directory(
     path = _native.build()
     assert path.parent == tmp_path / "tmp" / f"steptimer-{os.getuid()}"
     assert _native.load(path).__name__ == "_steptimer_cudart"
+
+
+def test_a_temporary_folder_others_can_write_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Anyone could have put a library there under the expected name: never load from it.
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("STEPTIMER_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = tmp_path / f"steptimer-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(NativeUnavailable, match="isn't private"):
+        _native.build()
+    assert list(shared.iterdir()) == []
 
 
 def test_no_compiler_is_a_clear_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
