@@ -161,7 +161,8 @@ def prepare_native() -> None:
 
 
 def default_backend() -> _CudaBackend:
-    """``native_backend`` where it can be built, else ``torch_backend`` (the reason is logged)."""
+    """``native_backend`` where it can be built, else ``torch_backend``, whose ``note`` (logged, and
+    added to the summary by the engine) says why."""
     from steptimer._native import NativeUnavailable
 
     try:
