@@ -7,7 +7,7 @@ into window statistics (what sinks write every ``log_every_n_steps``) and the en
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -302,54 +302,92 @@ class _Matrix:
         return values[keep], sid[keep]
 
 
+_QS = np.array([[1.0], [0.5], [0.9], [0.0]])  # max, median, p90 (nearest rank); the row of min
+
+
+class Packed:
+    """A window's statistics as arrays, entry ``k`` for series ``series[k]``, and its histograms as
+    runs of one bucket, sorted by (series, bucket): what sinks encode and the summary adds up,
+    without a Python object per value or per bucket. ``bounds[k]:bounds[k + 1]`` are series ``k``'s
+    runs. A series can be empty (``count[k] == 0``): its other entries are then meaningless.
+
+    ``values[i]`` belongs to series ``series[sid[i]]``; NaN values must be left out. A fixed number of
+    numpy calls, whatever the numbers of steps and series: one sort by (series, value) gives the
+    quantiles, and bins that come out sorted with it give the histograms.
+    """
+
+    __slots__ = ("series", "count", "sum_ms", "sumsq_ms", "min_ms", "max_ms", "median_ms", "p90_ms",
+                 "run_series", "run_bucket", "run_count", "bounds")  # fmt: skip
+
+    def __init__(self, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> None:
+        nser = len(series)
+        self.series = series
+        order = np.lexsort((values, sid))
+        v = values[order]
+        s = sid[order]
+        counts = np.bincount(s, minlength=nser)
+        starts = np.cumsum(counts) - counts
+        self.count = counts
+        self.sum_ms = np.bincount(s, weights=v, minlength=nser)
+        self.sumsq_ms = np.bincount(s, weights=v * v, minlength=nser)
+        ranks = starts + np.ceil(_QS * np.maximum(counts, 1)).astype(np.int64) - 1
+        ranks[3] = starts
+        self.max_ms, self.median_ms, self.p90_ms, self.min_ms = np.append(v, np.nan)[np.minimum(ranks, len(v))]
+        b = np.floor(np.log(np.maximum(v, _BASE_MS) / _BASE_MS) * _INV_LOG_RATIO).astype(np.int64)
+        np.minimum(b, NUM_BUCKETS - 1, out=b)
+        combo = s * NUM_BUCKETS + b  # sorted: values are sorted within each series
+        firsts = np.flatnonzero(np.concatenate(([len(v) > 0], combo[1:] != combo[:-1])))
+        self.run_count = np.diff(np.append(firsts, len(combo)))
+        run_combo = combo[firsts]
+        self.run_series = run_combo // NUM_BUCKETS
+        self.run_bucket = run_combo - self.run_series * NUM_BUCKETS
+        self.bounds: list[int] = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
+
+    def histogram(self, k: int) -> LogHistogram:
+        """Series ``k`` as a :class:`LogHistogram`."""
+        h = LogHistogram()
+        a, b = self.bounds[k], self.bounds[k + 1]
+        h.counts = dict(zip(self.run_bucket[a:b].tolist(), self.run_count[a:b].tolist()))
+        h.count = int(self.count[k])
+        h.sum_ms, h.sumsq_ms = float(self.sum_ms[k]), float(self.sumsq_ms[k])
+        h.min_ms, h.max_ms = float(self.min_ms[k]), float(self.max_ms[k])
+        return h
+
+    def stats(self) -> dict[tuple[str, str], SeriesStats]:
+        """Every non-empty series' statistics."""
+        out = {}
+        for key, c, s, m, p, x in zip(
+            self.series, self.count.tolist(), self.sum_ms.tolist(), self.median_ms.tolist(),
+            self.p90_ms.tolist(), self.max_ms.tolist(),
+        ):  # fmt: skip
+            if c:
+                out[key] = SeriesStats(c, s / c, m, p, x)
+        return out
+
+
+class Histograms(Mapping[tuple[str, str], LogHistogram]):
+    """A window's histograms by ``(clock, name)``, built from its :class:`Packed` runs when read."""
+
+    def __init__(self, packed: Packed) -> None:
+        self.packed = packed
+        self._index = {key: k for k, key in enumerate(packed.series) if packed.count[k]}
+
+    def __getitem__(self, key: tuple[str, str]) -> LogHistogram:
+        return self.packed.histogram(self._index[key])
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
 def series_stats(
     series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray
-) -> tuple[dict[tuple[str, str], SeriesStats], dict[tuple[str, str], LogHistogram]]:
-    """Exact statistics (nearest-rank quantiles) and log histograms of every series.
-
-    ``values[i]`` belongs to series ``series[sid[i]]``. A fixed number of numpy calls per window,
-    whatever the numbers of steps and series: one sort by (series, value) gives the quantiles, and
-    bins that come out sorted with it give the histograms.
-    """
-    nser = len(series)
-    if not len(values):
-        return {}, {}
-    order = np.lexsort((values, sid))
-    v = values[order]
-    s = sid[order]
-    counts = np.bincount(s, minlength=nser)
-    starts = np.cumsum(counts) - counts
-    safe = np.maximum(counts, 1)
-    sums = np.bincount(s, weights=v, minlength=nser)
-    sumsq = np.bincount(s, weights=v * v, minlength=nser)
-    last = len(v) - 1
-    # nearest-rank max, median and p90 of each series, and its min, in one gather
-    ranks = starts + np.ceil(np.array([[1.0], [0.5], [0.9], [0.0]]) * safe).astype(np.int64) - 1
-    ranks[3] = starts
-    maxs, med, p90, mins = v[np.minimum(ranks, last)]
-    b = np.floor(np.log(np.maximum(v, _BASE_MS) / _BASE_MS) * _INV_LOG_RATIO).astype(np.int64)
-    np.minimum(b, NUM_BUCKETS - 1, out=b)
-    combo = s * NUM_BUCKETS + b  # sorted: values are sorted within each series
-    firsts = np.flatnonzero(np.concatenate(([True], combo[1:] != combo[:-1])))
-    run_counts = np.diff(np.append(firsts, len(combo))).tolist()
-    run_combo = combo[firsts]
-    bounds = np.searchsorted(run_combo, np.arange(nser) * NUM_BUCKETS).tolist() + [len(run_combo)]
-    run_bucket = (run_combo % NUM_BUCKETS).tolist()
-    cl, sl, ql, ml, pl, xl, nl = (
-        counts.tolist(), sums.tolist(), sumsq.tolist(), med.tolist(), p90.tolist(), maxs.tolist(), mins.tolist()
-    )  # fmt: skip
-    stats: dict[tuple[str, str], SeriesStats] = {}
-    hists: dict[tuple[str, str], LogHistogram] = {}
-    for k, key in enumerate(series):
-        c = cl[k]
-        if c == 0:
-            continue
-        h = LogHistogram()
-        h.count, h.sum_ms, h.sumsq_ms, h.min_ms, h.max_ms = c, sl[k], ql[k], nl[k], xl[k]
-        h.counts = dict(zip(run_bucket[bounds[k] : bounds[k + 1]], run_counts[bounds[k] : bounds[k + 1]]))
-        hists[key] = h
-        stats[key] = SeriesStats(c, sl[k] / c, ml[k], pl[k], xl[k])
-    return stats, hists
+) -> tuple[dict[tuple[str, str], SeriesStats], Histograms]:
+    """Exact statistics (nearest-rank quantiles) and log histograms of every non-empty series."""
+    packed = Packed(series, values, sid)
+    return packed.stats(), Histograms(packed)
 
 
 @dataclass(frozen=True)
@@ -493,8 +531,12 @@ class SummaryAccumulator:
     """
 
     def __init__(self) -> None:
-        self.host: dict[str, LogHistogram] = {}
-        self.gpu: dict[str, LogHistogram] = {}
+        # One row of bucket counts per series, on the fixed grid: adding a window is one np.add.at
+        # of its runs, whatever the number of series or buckets.
+        self._rows: dict[tuple[str, str], int] = {}
+        self._counts = np.zeros((0, NUM_BUCKETS), dtype=np.int64)
+        self._exact = np.zeros((0, 5))  # count, sum, sum of squares, min, max
+        self._hists: tuple[dict[str, LogHistogram], dict[str, LogHistogram]] | None = None
         self.calls: dict[str, int] = {}
         self.order: dict[str, None] = {}
         self.steps = 0
@@ -507,20 +549,43 @@ class SummaryAccumulator:
         self.has_samples = False
         self.has_tokens = False
 
+    @property
+    def host(self) -> dict[str, LogHistogram]:
+        """The run's host histograms by series name (built when read)."""
+        return self._histograms()[0]
+
+    @property
+    def gpu(self) -> dict[str, LogHistogram]:
+        """The run's GPU histograms by series name (built when read)."""
+        return self._histograms()[1]
+
+    def _histograms(self) -> tuple[dict[str, LogHistogram], dict[str, LogHistogram]]:
+        if self._hists is None:
+            host: dict[str, LogHistogram] = {}
+            gpu: dict[str, LogHistogram] = {}
+            for (kind, name), r in self._rows.items():
+                h = LogHistogram()
+                nz = np.flatnonzero(self._counts[r])
+                h.counts = dict(zip(nz.tolist(), self._counts[r, nz].tolist()))
+                n, h.sum_ms, h.sumsq_ms, h.min_ms, h.max_ms = self._exact[r].tolist()
+                h.count = int(n)
+                (host if kind == "host" else gpu)[name] = h
+            self._hists = (host, gpu)
+        return self._hists
+
     def add_window(self, window: Window, rows: StepRows) -> None:
-        """Add a window's steps, reusing the window's histograms when it holds no warm-up step."""
+        """Add a window's steps, reusing the window's statistics when it holds no warm-up step."""
         m = rows.matrix()
+        hists = window.hists
         if rows.warm:
             if rows.warm == rows.count:
                 return
-            hists = series_stats(m.series, *m.ragged(skip_warmup=True))[1]
-        else:
-            hists = dict(window.hists)
-        for (kind, name), h in hists.items():
-            mine = (self.host if kind == "host" else self.gpu).get(name)
-            if mine is None:
-                mine = (self.host if kind == "host" else self.gpu)[name] = LogHistogram()
-            mine.merge(h)
+            packed = Packed(m.series, *m.ragged(skip_warmup=True))
+        elif isinstance(hists, Histograms):
+            packed = hists.packed
+        else:  # a window built elsewhere (tests): its series from its histograms
+            packed = Packed(m.series, *m.ragged())
+        self._add_packed(packed)
         for blk in m.blocks:
             w = blk.warm
             n = len(blk.d) - w
@@ -547,6 +612,30 @@ class SummaryAccumulator:
                 kind, name = m.series[c]
                 if kind == "host":
                     self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + v
+
+    def _add_packed(self, p: Packed) -> None:
+        self._hists = None
+        rows = self._rows
+        present = np.flatnonzero(p.count)
+        for k in present.tolist():
+            rows.setdefault(p.series[k], len(rows))
+        if len(rows) > len(self._counts):  # grow by doubling: new series appear a few times per run
+            n = max(len(rows), 2 * len(self._counts))
+            counts = np.zeros((n, NUM_BUCKETS), dtype=np.int64)
+            counts[: len(self._counts)] = self._counts
+            exact = np.zeros((n, 5))
+            exact[:, 3], exact[:, 4] = math.inf, -math.inf
+            exact[: len(self._exact)] = self._exact
+            self._counts, self._exact = counts, exact
+        g = np.array([rows.get(key, 0) for key in p.series], dtype=np.int64)
+        np.add.at(self._counts, (g[p.run_series], p.run_bucket), p.run_count)
+        gp = g[present]
+        ex = self._exact
+        ex[gp, 0] += p.count[present]
+        ex[gp, 1] += p.sum_ms[present]
+        ex[gp, 2] += p.sumsq_ms[present]
+        ex[gp, 3] = np.minimum(ex[gp, 3], p.min_ms[present])
+        ex[gp, 4] = np.maximum(ex[gp, 4], p.max_ms[present])
 
     def summary(self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = ()) -> Summary:
         first_seen = {n: i for i, n in enumerate(self.order)}

@@ -14,10 +14,16 @@ Tag grammar (one rule, documented in the README's tag table)::
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
+import struct
+import time
 from typing import Any
 
-from steptimer._stats import Summary, Window, bucket_index
+import numpy as np
+
+from steptimer._stats import NUM_BUCKETS, Histograms, Summary, Window, bucket_index, bucket_upper_ms
 
 LAYOUT_RUN = "steptimer-layout"
 
@@ -73,43 +79,179 @@ def window_summary(window: Window) -> Any:
     return summary
 
 
-class TensorBoardSink:
-    """Writes windows to TensorBoard through ``torch.utils.tensorboard.SummaryWriter``.
+# ---------------------------------------------------------------------------------- wire encoding
+# A window's Summary proto, written as bytes straight from the window's arrays. Building it through
+# the proto API costs a Python call per value and per bucket (about 0.4 ms a window on the H100 host
+# of docs/benchmarks.md, paid by the training loop every log interval); the encoding below makes the
+# same message (tests/test_tensorboard.py parses it and compares it with the one the API builds).
+# Field numbers are those of tensorboard/compat/proto/summary.proto and event.proto.
+_UPPER_NP = np.array([bucket_upper_ms(i) for i in range(NUM_BUCKETS)])
+_HISTO_HEAD = struct.Struct("<BdBdBdBdBd")  # HistogramProto min, max, num, sum, sum_squares (doubles)
+_TAGS: dict[str, bytes] = {}  # tag -> its encoded `tag` field
 
-    With ``log_dir`` it owns its writer and puts the Custom Scalars layout in the same run. With a
-    user's ``writer`` it never closes it, and writes the layout to a sibling run
-    (``<writer dir>/steptimer-layout``): TensorBoard merges the layouts of all runs, so a layout the
-    user wrote to their writer stays as it is.
+
+def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _tag(tag: str) -> bytes:
+    enc = _TAGS.get(tag)
+    if enc is None:
+        if len(_TAGS) > 4096:  # phase names made up per step: keep the cache bounded
+            _TAGS.clear()
+        raw = tag.encode()
+        enc = _TAGS[tag] = b"\x0a" + _varint(len(raw)) + raw  # Value.tag = 1
+    return enc
+
+
+def _scalars(values: dict[str, float]) -> list[bytes]:
+    with np.errstate(over="ignore"):  # beyond float32's range: inf, as the proto API stores it
+        f32 = np.array(list(values.values()), dtype=np.float64).astype("<f4").tobytes()
+    out: list[bytes] = []
+    for i, tag in enumerate(values):
+        body = _tag(tag) + b"\x15" + f32[4 * i : 4 * i + 4]  # Value.simple_value = 2 (float)
+        out += (b"\x0a", _varint(len(body)), body)  # Summary.value = 1
+    return out
+
+
+def encode_window(window: Window, *, scalars: bool = True) -> bytes:
+    """The serialized ``Summary`` proto of :func:`window_summary`, built from the window's arrays."""
+    hists = window.hists
+    if not isinstance(hists, Histograms):  # a window built elsewhere: through the proto API
+        summary = window_summary(window) if scalars else _histogram_summary(window)
+        return bytes(summary.SerializeToString())
+    p = hists.packed
+    parts: list[bytes] = []
+    if scalars:
+        parts += _scalars(window_scalars(window))
+    limits = _UPPER_NP[p.run_bucket].astype("<f8").tobytes()
+    counts = p.run_count.astype("<f8").tobytes()
+    bounds = p.bounds
+    head = _HISTO_HEAD.pack
+    for k, ((clock, name), n, lo, hi, sm, sq) in enumerate(
+        zip(p.series, p.count.tolist(), p.min_ms.tolist(), p.max_ms.tolist(), p.sum_ms.tolist(), p.sumsq_ms.tolist())
+    ):
+        if not n:
+            continue
+        a, b = 8 * bounds[k], 8 * bounds[k + 1]
+        packed_len = _varint(b - a)
+        histo = b"".join((
+            head(0x09, lo, 0x11, hi, 0x19, float(n), 0x21, sm, 0x29, sq),
+            b"\x32", packed_len, limits[a:b], b"\x3a", packed_len, counts[a:b],  # bucket_limit = 6, bucket = 7
+        ))  # fmt: skip
+        body = b"".join((_tag(f"steptimer/hist_{clock}/{name}_ms"), b"\x2a", _varint(len(histo)), histo))
+        parts += (b"\x0a", _varint(len(body)), body)  # Value.histo = 5
+    return b"".join(parts)
+
+
+def _histogram_summary(window: Window) -> Any:
+    summary = window_summary(window)
+    keep = [v for v in summary.value if v.HasField("histo")]
+    del summary.value[:]
+    summary.value.extend(keep)
+    return summary
+
+
+def write_encoded(writer: Any, window: Window, *, scalars: bool = True) -> bool:
+    """Write a window as one event through a torch ``SummaryWriter``'s file writer.
+
+    Returns False, writing nothing, for other writers (tensorboardX's has its own protos).
+    """
+    from tensorboard.compat.proto.event_pb2 import Event
+    from torch.utils.tensorboard import SummaryWriter
+
+    if not isinstance(writer, SummaryWriter):
+        return False
+    body = encode_window(window, scalars=scalars)
+    event = Event.FromString(b"\x2a" + _varint(len(body)) + body)  # Event.summary = 5
+    writer._get_file_writer().add_event(event, window.step)
+    return True
+
+
+def window_layout(window: Window) -> dict[str, dict[str, list[Any]]]:
+    """The Custom Scalars layout for a run's first window, with the cross-rank charts under DDP."""
+    extra = None
+    if any(tag.startswith("steptimer/ranks") for tag in window.extra):
+        from steptimer._dist import CHARTS as RANK_CHARTS
+
+        extra = RANK_CHARTS
+    return layout(window, extra)
+
+
+class EventFile:
+    """A TensorBoard event file that steptimer owns, written in the caller's thread.
+
+    TensorBoard's ``SummaryWriter`` hands each event to a writer thread, which takes the GIL several
+    times per event (queue, checksum, an open/append/close of the file) while the training loop runs:
+    on a 16-core host that cost about 2 µs per step at ``log_every_n_steps=50`` in
+    docs/benchmarks.md, more than writing the record here. Records are framed and checksummed by
+    TensorBoard's own ``RecordWriter`` and reach the file (one unbuffered write each) at once.
+    """
+
+    def __init__(self, log_dir: str) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._event = Event
+        # The name TensorBoard's writers use (time, host, pid, a counter), so readers sort it the same.
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
+        self.path = os.path.join(log_dir, name)
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        self._records = RecordWriter(self._file)
+        self._records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+
+    def write(self, summary: bytes, step: int) -> None:
+        """Append one event holding the serialized ``Summary`` ``summary``."""
+        # Serialized messages concatenate as a merge: the header fields, then Event.summary = 5.
+        head = self._event(wall_time=time.time(), step=step).SerializeToString()
+        self._records.write(head + b"\x2a" + _varint(len(summary)) + summary)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_FILE_IDS = itertools.count()
+
+
+class TensorBoardSink:
+    """Writes windows to TensorBoard: to its own event file in ``log_dir``, or to a user's writer.
+
+    With ``log_dir`` it writes an :class:`EventFile`, with the Custom Scalars layout in the same run.
+    With a user's ``writer`` (a ``SummaryWriter``) it never closes it, and writes the layout to a
+    sibling run (``<writer dir>/steptimer-layout``): TensorBoard merges the layouts of all runs, so a
+    layout the user wrote to their writer stays as it is.
     """
 
     def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         from steptimer._fastcrc import install
 
         install()
+        self.writer = writer
+        self._file: EventFile | None = None
         if writer is None:
             from steptimer.timer import _check_writable
 
             path = os.fspath(log_dir) if log_dir is not None else "runs"
             _check_writable(path)
-            writer = SummaryWriter(log_dir=path)
-            self._owned = True
-        else:
-            self._owned = False
-        self.writer = writer
+            self._file = EventFile(path)
         self._layout_written = False
 
     def write_window(self, window: Window) -> None:
-        file_writer = getattr(self.writer, "_get_file_writer", None)
-        if file_writer is not None:
-            # One event with every value of the window: building one proto per add_scalar call
-            # cost ~20 µs a tag, paid by the training loop at every log interval.
-            file_writer().add_summary(window_summary(window), window.step)
-        else:  # pragma: no cover - writers without torch's file-writer accessor
+        # One event with every value of the window, encoded from its arrays: one proto per
+        # add_scalar call cost ~20 µs a tag, paid by the training loop at every log interval.
+        if self._file is not None:
+            self._file.write(encode_window(window), window.step)
+        elif not write_encoded(self.writer, window):  # pragma: no cover - a writer that isn't torch's
             self._write_per_tag(window)
         if not self._layout_written:
-            self._write_layout(layout(window))
+            self._write_layout(window_layout(window))
 
     def _write_per_tag(self, window: Window) -> None:
         w = self.writer
@@ -129,26 +271,23 @@ class TensorBoardSink:
                 bucket_counts=counts,
                 global_step=step,
             )
-        if not self._layout_written:
-            from steptimer._dist import CHARTS as RANK_CHARTS
-
-            ranks = any(tag.startswith("steptimer/ranks") for tag in window.extra)
-            self._write_layout(layout(window, RANK_CHARTS if ranks else None))
 
     def _write_layout(self, lay: dict[str, dict[str, list[Any]]]) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import custom_scalars
 
         self._layout_written = True
-        if self._owned:
-            self.writer.add_custom_scalars(lay)
+        if self._file is not None:
+            self._file.write(custom_scalars(lay).SerializeToString(), 0)
             return
+        from torch.utils.tensorboard import SummaryWriter
+
         side = SummaryWriter(log_dir=os.path.join(self.writer.get_logdir(), LAYOUT_RUN))
         side.add_custom_scalars(lay)
         side.close()
 
     def close(self, summary: Summary) -> None:
-        if self._owned:
-            self.writer.close()
+        if self._file is not None:
+            self._file.close()
         else:
             self.writer.flush()
 

@@ -42,7 +42,7 @@ from typing import Any
 from typing_extensions import override
 
 from steptimer._stats import Summary, Window
-from steptimer._tensorboard import LAYOUT_RUN, layout, window_scalars
+from steptimer._tensorboard import LAYOUT_RUN, window_layout, window_scalars, write_encoded
 from steptimer.timer import StepTimer, check_options, check_phase_name
 
 log = logging.getLogger("steptimer")
@@ -90,8 +90,8 @@ class _TensorBoardExtras:
 
     def write_window(self, window: Window) -> None:
         w = self._writer
-        if self._histograms:
-            for (clock, name), h in window.hists.items():
+        if self._histograms and not write_encoded(w, window, scalars=False):
+            for (clock, name), h in window.hists.items():  # writers without torch's file writer
                 limits, counts = h.buckets()
                 w.add_histogram_raw(
                     f"steptimer/hist_{clock}/{name}_ms", min=h.min_ms, max=h.max_ms, num=h.count,
@@ -102,14 +102,8 @@ class _TensorBoardExtras:
             self._layout_written = True
             from torch.utils.tensorboard import SummaryWriter
 
-            extra: dict[str, str] | None = None
-            if any(tag.startswith("steptimer/ranks") for tag in getattr(window, "extra", {})):
-                from steptimer._dist import CHARTS
-
-                extra = CHARTS
-
             side = SummaryWriter(log_dir=os.path.join(w.get_logdir(), LAYOUT_RUN))
-            side.add_custom_scalars(layout(window, extra))
+            side.add_custom_scalars(window_layout(window))
             side.close()
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
@@ -16,9 +17,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 import steptimer.timer as timer_mod
 from steptimer import StepTimer
-from steptimer._stats import bucket_index
-from steptimer._tensorboard import LAYOUT_RUN, grid_index
-from tests.fakes import FakeClock, FakeGPU
+from steptimer._stats import Window, bucket_index
+from steptimer._tensorboard import LAYOUT_RUN, EventFile, TensorBoardSink, encode_window, grid_index, window_summary
+from tests.fakes import FakeClock, FakeGPU, ListSink
 from tests.tb import accumulator, scalars
 
 
@@ -189,3 +190,72 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def _windows(clock: FakeClock) -> list[Window]:
+    """Windows of every shape the engine writes: GPU and host series, untimed (sampled) steps,
+    warm-up, nested and repeated phases, throughput, and values past float32's range."""
+    gpu = FakeGPU(clock)
+    sink = ListSink()
+    t = StepTimer(_backend=gpu.backend(), log_every_n_steps=5, warmup_steps=2, sample_every=3,
+                  print_summary=False, _sinks=[sink])  # fmt: skip
+    for i in range(30):
+        clock.advance_ms(0.5 + i)
+        with t.step(samples=8, tokens=None if i % 2 else 4096):
+            with t.phase("forward"):
+                gpu.launch(2.0 + i / 7)
+                with t.phase("attn"):
+                    clock.advance_ms(0.3)
+            for _ in range(1 + i % 3):
+                with t.phase("loss"):
+                    clock.advance_ms(0.01)
+    t.close()
+    huge = dataclasses.replace(sink.windows[-1], extra={"steptimer/ranks/reporting": 2.0, "x/big": 1e300})
+    return [*sink.windows, huge]
+
+
+def test_encoded_window_is_the_message_the_proto_api_builds(clock: FakeClock) -> None:
+    """The bytes steptimer writes parse to exactly the Summary built field by field through the API."""
+    from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+
+    windows = _windows(clock)
+    assert len(windows) == 7 and all(w.hists for w in windows)
+    for w in windows:
+        got = SummaryProto.FromString(encode_window(w))
+        assert got == window_summary(w), w.step
+        hist_only = SummaryProto.FromString(encode_window(w, scalars=False))
+        assert [v.tag for v in hist_only.value] == [v.tag for v in got.value if v.HasField("histo")]
+    big = next(v for v in SummaryProto.FromString(encode_window(windows[-1])).value if v.tag == "x/big")
+    assert big.simple_value == float("inf")
+
+
+def test_event_file_is_read_back_by_tensorboard(tmp_path: Path, clock: FakeClock) -> None:
+    """steptimer's own event file: TensorBoard's reader sees every event, step and wall time."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    f = EventFile(str(tmp_path))
+    before = time.time()
+    windows = _windows(clock)
+    for w in windows:
+        f.write(encode_window(w), w.step)
+    f.close()
+    events = list(EventFileLoader(f.path).Load())  # checks every record's CRCs
+    assert events[0].file_version == "brain.Event:2"
+    assert [e.step for e in events[1:]] == [w.step for w in windows]
+    assert all(before <= e.wall_time <= time.time() for e in events[1:])
+    assert [len(e.summary.value) for e in events[1:]] == [len(window_summary(w).value) for w in windows]
+    assert Path(f.path).name.startswith("events.out.tfevents.")
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_layout_has_the_rank_charts_under_ddp(tmp_path: Path, clock: FakeClock, own: bool) -> None:
+    """With cross-rank tags in the first window, the layout charts them, for both kinds of writer."""
+    from steptimer._dist import CHARTS as RANK_CHARTS
+
+    window = _windows(clock)[-1]  # carries a steptimer/ranks tag
+    writer = None if own else SummaryWriter(log_dir=str(tmp_path / "exp"))
+    sink = TensorBoardSink(log_dir=tmp_path / "exp" if own else None, writer=writer)
+    sink.write_window(window)
+    sink.close(None)  # type: ignore[arg-type]
+    regexes = _layout_regexes(tmp_path / "exp" if own else tmp_path / "exp" / LAYOUT_RUN)
+    assert set(RANK_CHARTS.values()) <= set(regexes)
