@@ -87,12 +87,13 @@ def window_summary(window: Window) -> Any:
 # Field numbers are those of tensorboard/compat/proto/summary.proto and event.proto.
 _UPPER_NP = np.array([bucket_upper_ms(i) for i in range(NUM_BUCKETS)])
 _HISTO_HEAD = struct.Struct("<BdBdBdBdBd")  # HistogramProto min, max, num, sum, sum_squares (doubles)
-_TAGS: dict[str, bytes] = {}  # tag -> its encoded `tag` field
+_SCALARS: dict[str, bytes] = {}  # tag -> the encoded Summary.value of a scalar, less its 4 value bytes
+_HISTS: dict[tuple[str, str], bytes] = {}  # (clock, name) -> the encoded tag of its histogram
 
 
 def _varint(n: int) -> bytes:
     if n < 0x80:
-        return bytes((n,))
+        return _BYTE[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -101,13 +102,18 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+_BYTE = [bytes((i,)) for i in range(256)]
+
+
 def _tag(tag: str) -> bytes:
-    enc = _TAGS.get(tag)
-    if enc is None:
-        if len(_TAGS) > 4096:  # phase names made up per step: keep the cache bounded
-            _TAGS.clear()
-        raw = tag.encode()
-        enc = _TAGS[tag] = b"\x0a" + _varint(len(raw)) + raw  # Value.tag = 1
+    raw = tag.encode()
+    return b"\x0a" + _varint(len(raw)) + raw  # Value.tag = 1
+
+
+def _cached(cache: dict[Any, bytes], key: Any, enc: bytes) -> bytes:
+    if len(cache) > 4096:  # phase names made up per step: keep the caches bounded
+        cache.clear()
+    cache[key] = enc
     return enc
 
 
@@ -115,9 +121,13 @@ def _scalars(values: dict[str, float]) -> list[bytes]:
     with np.errstate(over="ignore"):  # beyond float32's range: inf, as the proto API stores it
         f32 = np.array(list(values.values()), dtype=np.float64).astype("<f4").tobytes()
     out: list[bytes] = []
+    cache = _SCALARS
     for i, tag in enumerate(values):
-        body = _tag(tag) + b"\x15" + f32[4 * i : 4 * i + 4]  # Value.simple_value = 2 (float)
-        out += (b"\x0a", _varint(len(body)), body)  # Summary.value = 1
+        head = cache.get(tag)
+        if head is None:  # Summary.value = 1 holding Value.tag and Value.simple_value = 2 (a float)
+            t = _tag(tag)
+            head = _cached(cache, tag, b"\x0a" + _varint(len(t) + 5) + t + b"\x15")
+        out += (head, f32[4 * i : 4 * i + 4])
     return out
 
 
@@ -146,7 +156,10 @@ def encode_window(window: Window, *, scalars: bool = True) -> bytes:
             head(0x09, lo, 0x11, hi, 0x19, float(n), 0x21, sm, 0x29, sq),
             b"\x32", packed_len, limits[a:b], b"\x3a", packed_len, counts[a:b],  # bucket_limit = 6, bucket = 7
         ))  # fmt: skip
-        body = b"".join((_tag(f"steptimer/hist_{clock}/{name}_ms"), b"\x2a", _varint(len(histo)), histo))
+        tag = _HISTS.get((clock, name))
+        if tag is None:
+            tag = _cached(_HISTS, (clock, name), _tag(f"steptimer/hist_{clock}/{name}_ms"))
+        body = b"".join((tag, b"\x2a", _varint(len(histo)), histo))
         parts += (b"\x0a", _varint(len(body)), body)  # Value.histo = 5
     return b"".join(parts)
 
