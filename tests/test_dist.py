@@ -14,6 +14,7 @@ import pytest
 
 from steptimer import StepTimer
 from steptimer._dist import (
+    CHARTS,
     CrossRank,
     decode_rank,
     encode,
@@ -21,7 +22,7 @@ from steptimer._dist import (
     spreads,
     straggler_ms,
 )
-from tests.tb import scalars
+from tests.tb import layout_regexes, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
@@ -62,6 +63,7 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
         assert [s for s, _ in tb[f"steptimer/{tag}"]] == [10, 20, 30], tag
     assert [v for _, v in tb["steptimer/ranks/reporting"]] == [2.0, 2.0, 2.0]
     assert "steptimer/host/forward_ms" in tb  # the single-rank tags are still there
+    assert set(CHARTS.values()) <= set(layout_regexes(tmp_path))  # the dashboard charts the ranks
     spread = [mx - mn for (_, mx), (_, mn) in
               zip(tb["steptimer/ranks_max/straggler_ms"], tb["steptimer/ranks_min/straggler_ms"])]  # fmt: skip
     for (_, lo), (_, mean), (_, hi) in zip(tb["steptimer/ranks_min/host/step_ms"],

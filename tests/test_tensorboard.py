@@ -20,7 +20,7 @@ from steptimer import StepTimer
 from steptimer._stats import Window, bucket_index
 from steptimer._tensorboard import LAYOUT_RUN, EventFile, TensorBoardSink, encode_window, grid_index, window_summary
 from tests.fakes import FakeClock, FakeGPU, ListSink
-from tests.tb import accumulator, scalars
+from tests.tb import accumulator, layout_regexes, scalars
 
 
 @pytest.fixture
@@ -97,23 +97,13 @@ def test_layout_regexes_each_match_a_written_tag(tmp_path: Path, clock: FakeCloc
     run(t, clock, gpu, 4)
     t.close()
     tags = set(scalars(tmp_path))
-    regexes = _layout_regexes(tmp_path)
+    regexes = layout_regexes(tmp_path)
     assert len(regexes) == 3
     for rx in regexes:
         assert any(re.search(rx, tag) for tag in tags), rx
     gpu_rx = next(r for r in regexes if "gpu" in r)
     matched = {tag for tag in tags if re.search(gpu_rx, tag)}
     assert {"steptimer/gpu/forward_ms", "steptimer/gpu/backward_ms", "steptimer/gpu/step_ms"} <= matched
-
-
-def _layout_regexes(path: Path) -> list[str]:
-    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
-
-    acc = accumulator(path)
-    (event,) = acc.Tensors(metadata.CONFIG_SUMMARY_TAG)
-    layout = layout_pb2.Layout()
-    layout.ParseFromString(event.tensor_proto.string_val[0])
-    return [rx for cat in layout.category for chart in cat.chart for rx in chart.multiline.tag]
 
 
 def test_given_writer_is_not_closed_and_user_layout_kept(tmp_path: Path, clock: FakeClock) -> None:
@@ -132,7 +122,7 @@ def test_given_writer_is_not_closed_and_user_layout_kept(tmp_path: Path, clock: 
     layout.ParseFromString(event.tensor_proto.string_val[0])
     assert [c.title for c in layout.category] == ["mine"]  # the user's layout, untouched
     assert "loss" in scalars(tmp_path / "exp")
-    assert _layout_regexes(tmp_path / "exp" / LAYOUT_RUN)  # ours sits in a sibling run
+    assert layout_regexes(tmp_path / "exp" / LAYOUT_RUN)  # ours sits in a sibling run
 
 
 def _free_port() -> int:
@@ -257,5 +247,5 @@ def test_layout_has_the_rank_charts_under_ddp(tmp_path: Path, clock: FakeClock, 
     sink = TensorBoardSink(log_dir=tmp_path / "exp" if own else None, writer=writer)
     sink.write_window(window)
     sink.close(None)  # type: ignore[arg-type]
-    regexes = _layout_regexes(tmp_path / "exp" if own else tmp_path / "exp" / LAYOUT_RUN)
+    regexes = layout_regexes(tmp_path / "exp" if own else tmp_path / "exp" / LAYOUT_RUN)
     assert set(RANK_CHARTS.values()) <= set(regexes)
