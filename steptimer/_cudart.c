@@ -16,6 +16,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 typedef int err_t; /* cudaError_t; 0 is cudaSuccess, 600 is cudaErrorNotReady */
 typedef void *handle_t;
@@ -156,6 +159,269 @@ static PyObject *is_capturing(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(status != 0); /* cudaStreamCaptureStatusNone is 0 */
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * window_stats: a log window's statistics from its rows, in one call (no CUDA involved).
+ *
+ * Why: numpy computes them in about 70 calls, each a few us on a training host whose caches the
+ * loop keeps busy (0.5 ms a window, 10 us a step at the default interval, docs/benchmarks.md). This
+ * is steptimer/_stats.py's numpy path (Packed, _Matrix), value for value; tests/test_native.py checks
+ * the two against each other.
+ *
+ * groups: list of (flat, n, warm, spec, sids): `flat` is a list of n rows of m floats (steptimer's
+ * row layout, _stats.LEAD), the first `warm` of them warm-up rows; `spec` (doubles) is
+ * [S, m, then per series: clamp, nan_col, nterms, (col, coef) x nterms]: series = sum of coef x col
+ * (NaN read as 0), clamped at 0 if clamp, NaN where column nan_col (>= 0) is NaN; `sids` (int32 x S)
+ * are the series' indices in the window. Returns (stats, runs, bounds, totals): stats are 7 x nser
+ * doubles (count, sum, sum of squares, min, max, median, p90; nearest rank), runs 3 x R int64
+ * (series, bucket, count) sorted by (series, bucket), bounds the nser + 1 offsets of each series'
+ * runs, totals per group [rows, cycle ms, samples, rows with samples, tokens, rows with tokens,
+ * [sum of each series]] over the rows used (warm-up rows left out with skip_warm).
+ */
+enum { C_SAMPLES = 1, C_TOKENS = 2, C_STEP_S = 3, C_GAP_S = 4 };
+
+static void sort_doubles(double *a, Py_ssize_t n) {
+    /* Quicksort, median of three, insertion sort below 16; no NaN here. */
+    while (n > 16) {
+        double x = a[0], y = a[n / 2], z = a[n - 1];
+        double pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        Py_ssize_t i = 0, j = n - 1;
+        for (;;) {
+            while (a[i] < pivot) i++;
+            while (a[j] > pivot) j--;
+            if (i >= j) break;
+            double t = a[i]; a[i] = a[j]; a[j] = t;
+            i++; j--;
+        }
+        /* [0, j] <= pivot <= [j + 1, n): recurse into the smaller part, loop on the larger */
+        if (j + 1 < n - j - 1) {
+            sort_doubles(a, j + 1);
+            a += j + 1; n -= j + 1;
+        } else {
+            sort_doubles(a + j + 1, n - j - 1);
+            n = j + 1;
+        }
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        double v = a[i];
+        Py_ssize_t k = i;
+        while (k > 0 && a[k - 1] > v) { a[k] = a[k - 1]; k--; }
+        a[k] = v;
+    }
+}
+
+typedef struct { Py_ssize_t nser, m; const double *spec; const int32_t *sids; PyObject *flat;
+                 Py_ssize_t n, first; } group_t;
+
+static int parse_group(PyObject *g, group_t *out, Py_ssize_t nser, int skip_warm) {
+    PyObject *flat, *spec, *sids;
+    Py_ssize_t n, warm;
+    if (!PyTuple_Check(g) || !PyArg_ParseTuple(g, "O!nnSS", &PyList_Type, &flat, &n, &warm, &spec, &sids)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "window_stats: bad group");
+        return 0;
+    }
+    const double *sp = (const double *)PyBytes_AS_STRING(spec);
+    Py_ssize_t nsp = PyBytes_GET_SIZE(spec) / (Py_ssize_t)sizeof(double);
+    if (nsp < 2) goto bad;
+    out->nser = (Py_ssize_t)sp[0];
+    out->m = (Py_ssize_t)sp[1];
+    if (out->m < 6 || PyList_GET_SIZE(flat) != n * out->m || warm < 0 || warm > n ||
+        PyBytes_GET_SIZE(sids) != out->nser * (Py_ssize_t)sizeof(int32_t)) goto bad;
+    out->spec = sp;
+    out->sids = (const int32_t *)PyBytes_AS_STRING(sids);
+    for (Py_ssize_t j = 0; j < out->nser; j++)
+        if (out->sids[j] < 0 || out->sids[j] >= nser) goto bad;
+    /* check the spec's terms once, so the loops below can trust it */
+    Py_ssize_t k = 2;
+    for (Py_ssize_t j = 0; j < out->nser; j++) {
+        if (k + 3 > nsp) goto bad;
+        Py_ssize_t nan_col = (Py_ssize_t)sp[k + 1], nt = (Py_ssize_t)sp[k + 2];
+        if (nan_col >= out->m || nt < 0 || k + 3 + 2 * nt > nsp) goto bad;
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            Py_ssize_t col = (Py_ssize_t)sp[k + 3 + 2 * t];
+            if (col < 0 || col >= out->m) goto bad;
+        }
+        k += 3 + 2 * nt;
+    }
+    out->flat = flat;
+    out->n = n;
+    out->first = skip_warm ? warm : 0;
+    return 1;
+bad:
+    PyErr_SetString(PyExc_ValueError, "window_stats: a group's rows, spec or series ids are inconsistent");
+    return 0;
+}
+
+/* Row r of a group as doubles (ints in the rows are exact as doubles). */
+static int read_row(const group_t *g, Py_ssize_t r, double *row) {
+    PyObject **items = PySequence_Fast_ITEMS(g->flat) + r * g->m;
+    for (Py_ssize_t c = 0; c < g->m; c++) {
+        PyObject *o = items[c];
+        row[c] = PyFloat_CheckExact(o) ? PyFloat_AS_DOUBLE(o) : PyFloat_AsDouble(o);
+        if (row[c] == -1.0 && PyErr_Occurred()) return 0;
+    }
+    return 1;
+}
+
+/* Series j of the group from a row; returns the next series' offset into the spec. */
+static Py_ssize_t derive(const double *sp, Py_ssize_t k, const double *row, double *out) {
+    int clamp = sp[k] != 0.0;
+    Py_ssize_t nan_col = (Py_ssize_t)sp[k + 1], nt = (Py_ssize_t)sp[k + 2];
+    double v = 0.0;
+    for (Py_ssize_t t = 0; t < nt; t++) {
+        double x = row[(Py_ssize_t)sp[k + 3 + 2 * t]];
+        if (x == x) v += sp[k + 4 + 2 * t] * x;
+    }
+    if (clamp && v < 0.0) v = 0.0;
+    if (nan_col >= 0 && row[nan_col] != row[nan_col]) v = NAN;
+    *out = v;
+    return k + 3 + 2 * nt;
+}
+
+static PyObject *window_stats(PyObject *self, PyObject *args) {
+    PyObject *groups;
+    Py_ssize_t nser;
+    int skip_warm;
+    double base, inv_log_ratio;
+    Py_ssize_t nbuckets;
+    if (!PyArg_ParseTuple(args, "O!npddn", &PyList_Type, &groups, &nser, &skip_warm, &base, &inv_log_ratio,
+                          &nbuckets))
+        return NULL;
+    if (nser < 0 || nbuckets < 1) {
+        PyErr_SetString(PyExc_ValueError, "window_stats: nser >= 0 and nbuckets >= 1");
+        return NULL;
+    }
+    Py_ssize_t ng = PyList_GET_SIZE(groups), m_max = 6;
+    group_t *gs = PyMem_Calloc(ng ? ng : 1, sizeof(group_t));
+    Py_ssize_t *count = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
+    Py_ssize_t *fill = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
+    double *vals = NULL, *row = NULL;
+    int64_t *runs = NULL;
+    PyObject *stats = NULL, *runs_b = NULL, *bounds = NULL, *totals = NULL, *out = NULL;
+    if (!gs || !count || !fill) { PyErr_NoMemory(); goto done; }
+    Py_ssize_t nvals = 0;
+    for (Py_ssize_t i = 0; i < ng; i++) {
+        if (!parse_group(PyList_GET_ITEM(groups, i), &gs[i], nser, skip_warm)) goto done;
+        if (gs[i].m > m_max) m_max = gs[i].m;
+        nvals += (gs[i].n - gs[i].first) * gs[i].nser;
+    }
+    row = PyMem_Malloc(m_max * sizeof(double));
+    vals = PyMem_Malloc((nvals + 1) * sizeof(double));
+    totals = PyList_New(ng);
+    if (!row || !vals || !totals) { if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
+    /* Pass 1: count each series' values. Pass 2: derive again and place them series by series. */
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) {
+            Py_ssize_t off = 0;
+            for (Py_ssize_t s = 0; s < nser; s++) { fill[s] = off; off += count[s]; }
+        }
+        for (Py_ssize_t i = 0; i < ng; i++) {
+            const group_t *g = &gs[i];
+            double cycle = 0.0, samples = 0.0, tokens = 0.0;
+            Py_ssize_t n_samples = 0, n_tokens = 0;
+            PyObject *sums = NULL;
+            if (pass == 1) {
+                sums = PyList_New(g->nser);
+                if (!sums) goto done;
+            }
+            double *acc = pass == 1 ? PyMem_Calloc(g->nser + 1, sizeof(double)) : NULL;
+            if (pass == 1 && !acc) { Py_DECREF(sums); PyErr_NoMemory(); goto done; }
+            for (Py_ssize_t r = g->first; r < g->n; r++) {
+                if (!read_row(g, r, row)) { Py_XDECREF(sums); PyMem_Free(acc); goto done; }
+                Py_ssize_t k = 2;
+                for (Py_ssize_t j = 0; j < g->nser; j++) {
+                    double v;
+                    k = derive(g->spec, k, row, &v);
+                    if (v != v) continue;
+                    Py_ssize_t s = g->sids[j];
+                    if (pass == 0) {
+                        count[s]++;
+                    } else {
+                        vals[fill[s]++] = v;
+                        acc[j] += v;
+                    }
+                }
+                if (pass == 1) {
+                    double gap = row[C_GAP_S];
+                    cycle += row[C_STEP_S] * 1e3 + (gap == gap ? gap * 1e3 : 0.0);
+                    if (row[C_SAMPLES] == row[C_SAMPLES]) { samples += row[C_SAMPLES]; n_samples++; }
+                    if (row[C_TOKENS] == row[C_TOKENS]) { tokens += row[C_TOKENS]; n_tokens++; }
+                }
+            }
+            if (pass == 1) {
+                for (Py_ssize_t j = 0; j < g->nser; j++) {
+                    PyObject *f = PyFloat_FromDouble(acc[j]);
+                    if (!f) { Py_DECREF(sums); PyMem_Free(acc); goto done; }
+                    PyList_SET_ITEM(sums, j, f);
+                }
+                PyMem_Free(acc);
+                PyObject *t = Py_BuildValue("(nddndnN)", g->n - g->first, cycle, samples, n_samples, tokens,
+                                            n_tokens, sums);
+                if (!t) goto done;
+                PyList_SET_ITEM(totals, i, t);
+            }
+        }
+    }
+    /* Per series: sort, then the statistics and the runs of equal buckets. */
+    stats = PyBytes_FromStringAndSize(NULL, 7 * nser * (Py_ssize_t)sizeof(double));
+    runs = PyMem_Malloc((3 * nvals + 1) * sizeof(int64_t));
+    bounds = PyList_New(nser + 1);
+    if (!stats || !runs || !bounds) { if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
+    double *st = (double *)PyBytes_AS_STRING(stats);
+    Py_ssize_t nruns = 0, off = 0;
+    for (Py_ssize_t s = 0; s < nser; s++) {
+        Py_ssize_t c = count[s];
+        double *v = vals + off;
+        PyList_SET_ITEM(bounds, s, PyLong_FromSsize_t(nruns));
+        sort_doubles(v, c);
+        double sum = 0.0, sumsq = 0.0;
+        for (Py_ssize_t i = 0; i < c; i++) { sum += v[i]; sumsq += v[i] * v[i]; }
+        Py_ssize_t cc = c > 0 ? c : 1;
+        Py_ssize_t med = (Py_ssize_t)ceil(0.5 * (double)cc) - 1, p90 = (Py_ssize_t)ceil(0.9 * (double)cc) - 1;
+        st[s] = (double)c;
+        st[nser + s] = sum;
+        st[2 * nser + s] = sumsq;
+        st[3 * nser + s] = c ? v[0] : NAN;
+        st[4 * nser + s] = c ? v[c - 1] : NAN;
+        st[5 * nser + s] = c ? v[med] : NAN;
+        st[6 * nser + s] = c ? v[p90] : NAN;
+        int64_t last = -1;
+        for (Py_ssize_t i = 0; i < c; i++) {
+            double x = v[i] > base ? v[i] : base;
+            int64_t b = (int64_t)floor(log(x / base) * inv_log_ratio);
+            if (b > nbuckets - 1) b = nbuckets - 1;
+            if (b != last) {
+                runs[nruns] = s;
+                runs[nvals + nruns] = b;
+                runs[2 * nvals + nruns] = 0;
+                nruns++;
+                last = b;
+            }
+            runs[2 * nvals + nruns - 1]++;
+        }
+        off += c;
+    }
+    PyList_SET_ITEM(bounds, nser, PyLong_FromSsize_t(nruns));
+    runs_b = PyBytes_FromStringAndSize(NULL, 3 * nruns * (Py_ssize_t)sizeof(int64_t));
+    if (!runs_b) goto done;
+    int64_t *rb = (int64_t *)PyBytes_AS_STRING(runs_b);
+    memcpy(rb, runs, nruns * sizeof(int64_t));
+    memcpy(rb + nruns, runs + nvals, nruns * sizeof(int64_t));
+    memcpy(rb + 2 * nruns, runs + 2 * nvals, nruns * sizeof(int64_t));
+    out = PyTuple_Pack(4, stats, runs_b, bounds, totals);
+done:
+    Py_XDECREF(stats);
+    Py_XDECREF(runs_b);
+    Py_XDECREF(bounds);
+    Py_XDECREF(totals);
+    PyMem_Free(gs);
+    PyMem_Free(count);
+    PyMem_Free(fill);
+    PyMem_Free(vals);
+    PyMem_Free(row);
+    PyMem_Free(runs);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"init", init, METH_O, "init(libcudart_path): bind the calls to the runtime torch loaded."},
     {"record", (PyCFunction)(void (*)(void))record, METH_FASTCALL, "record(event, stream)"},
@@ -163,6 +429,8 @@ static PyMethodDef methods[] = {
     {"offsets_ms", offsets_ms, METH_O, "offsets_ms(events) -> list of ms from events[0]"},
     {"wait", wait, METH_O, "wait(event): block until it completed"},
     {"is_capturing", is_capturing, METH_O, "is_capturing(stream) -> bool"},
+    {"window_stats", window_stats, METH_VARARGS,
+     "window_stats(groups, nser, skip_warm, base, inv_log_ratio, nbuckets) -> (stats, runs, bounds, totals)"},
     {NULL, NULL, 0, NULL},
 };
 

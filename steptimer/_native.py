@@ -103,7 +103,7 @@ def build(out_dir: Path | None = None) -> Path:
     # Build next to the target and rename: ranks of one job may build at the same time.
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{MODULE}-", suffix=suffix)
     os.close(fd)
-    cmd = [*compiler(), "-O2", "-shared", "-fPIC", "-I", include, str(SOURCE), "-o", tmp, "-ldl"]
+    cmd = [*compiler(), "-O2", "-shared", "-fPIC", "-I", include, str(SOURCE), "-o", tmp, "-ldl", "-lm"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:

@@ -7,9 +7,10 @@ into window statistics (what sinks write every ``log_every_n_steps``) and the en
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -240,6 +241,15 @@ class _Layout:
         self.series = series
         self.clamp = np.array(clamp, dtype=np.int64)
         self.names = names
+        # The same derivation for the native kernel (_cudart.c window_stats): per series, clamp flag,
+        # the column whose NaN makes the value NaN, and its (column, coefficient) terms.
+        spec: list[float] = [len(series), m]
+        for j, coefs in enumerate(cols):
+            nan_col = _WAIT_S if j == self.wait_col else _GAP_S if j == self.data_col and self.data_needs_gap else -1
+            spec += [1.0 if j in clamp else 0.0, nan_col, len(coefs)]
+            for i, c in sorted(coefs.items()):
+                spec += [i, c]
+        self.spec = array("d", spec).tobytes()
 
 
 _LAYOUTS: dict[RowKey, _Layout] = {}
@@ -305,23 +315,59 @@ class _Matrix:
 _QS = np.array([[1.0], [0.5], [0.9], [0.0]])  # max, median, p90 (nearest rank); the row of min
 
 
+class GroupTotals(NamedTuple):
+    """Sums over the rows of one layout in a window (warm-up rows left out where asked)."""
+
+    names: tuple[str, ...] | None  # the layout's phase entries; None for untimed steps
+    cols: list[int]  # the window-wide series index of each of the layout's series
+    rows: int
+    cycle_ms: float  # step + data wait before it
+    samples: float
+    samples_rows: int  # rows that gave samples
+    tokens: float
+    tokens_rows: int
+    sums_ms: list[float]  # per layout series, NaN left out
+
+
 class Packed:
     """A window's statistics as arrays, entry ``k`` for series ``series[k]``, and its histograms as
     runs of one bucket, sorted by (series, bucket): what sinks encode and the summary adds up,
     without a Python object per value or per bucket. ``bounds[k]:bounds[k + 1]`` are series ``k``'s
     runs. A series can be empty (``count[k] == 0``): its other entries are then meaningless.
+    ``groups`` holds the sums per row layout.
 
-    ``values[i]`` belongs to series ``series[sid[i]]``; NaN values must be left out. A fixed number of
-    numpy calls, whatever the numbers of steps and series: one sort by (series, value) gives the
-    quantiles, and bins that come out sorted with it give the histograms.
+    Built by :func:`pack_rows`, from the rows through numpy (:meth:`of_values`) or through the native
+    kernel (:meth:`of_kernel`), which give the same numbers.
     """
 
     __slots__ = ("series", "count", "sum_ms", "sumsq_ms", "min_ms", "max_ms", "median_ms", "p90_ms",
-                 "run_series", "run_bucket", "run_count", "bounds")  # fmt: skip
+                 "run_series", "run_bucket", "run_count", "bounds", "groups")  # fmt: skip
 
-    def __init__(self, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> None:
+    series: list[tuple[str, str]]
+    count: np.ndarray
+    sum_ms: np.ndarray
+    sumsq_ms: np.ndarray
+    min_ms: np.ndarray
+    max_ms: np.ndarray
+    median_ms: np.ndarray
+    p90_ms: np.ndarray
+    run_series: np.ndarray
+    run_bucket: np.ndarray
+    run_count: np.ndarray
+    bounds: list[int]
+    groups: list[GroupTotals]
+
+    @classmethod
+    def of_values(cls, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> Packed:
+        """``values[i]`` belongs to series ``series[sid[i]]``; NaN values must be left out.
+
+        A fixed number of numpy calls, whatever the numbers of steps and series: one sort by
+        (series, value) gives the quantiles, and bins that come out sorted with it give the histograms.
+        """
+        self = cls()
         nser = len(series)
         self.series = series
+        self.groups = []
         order = np.lexsort((values, sid))
         v = values[order]
         s = sid[order]
@@ -341,7 +387,21 @@ class Packed:
         run_combo = combo[firsts]
         self.run_series = run_combo // NUM_BUCKETS
         self.run_bucket = run_combo - self.run_series * NUM_BUCKETS
-        self.bounds: list[int] = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
+        self.bounds = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
+        return self
+
+    @classmethod
+    def of_kernel(cls, series: list[tuple[str, str]], stats: bytes, runs: bytes, bounds: list[int]) -> Packed:
+        """From ``window_stats``' buffers (see ``_cudart.c``)."""
+        self = cls()
+        self.series = series
+        self.groups = []
+        st = np.frombuffer(stats).reshape(7, len(series))
+        self.count = st[0].astype(np.int64)
+        self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, self.median_ms, self.p90_ms = st[1:]
+        self.run_series, self.run_bucket, self.run_count = np.frombuffer(runs, dtype=np.int64).reshape(3, -1)
+        self.bounds = bounds
+        return self
 
     def histogram(self, k: int) -> LogHistogram:
         """Series ``k`` as a :class:`LogHistogram`."""
@@ -386,8 +446,43 @@ def series_stats(
     series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray
 ) -> tuple[dict[tuple[str, str], SeriesStats], Histograms]:
     """Exact statistics (nearest-rank quantiles) and log histograms of every non-empty series."""
-    packed = Packed(series, values, sid)
+    packed = Packed.of_values(series, values, sid)
     return packed.stats(), Histograms(packed)
+
+
+Kernel = Callable[..., tuple[bytes, bytes, list[int], list[tuple[Any, ...]]]]
+
+
+def pack_rows(rows: StepRows, *, skip_warmup: bool = False, kernel: Kernel | None = None) -> Packed:
+    """A window's statistics and group totals, through the native ``kernel`` when given, else numpy."""
+    if kernel is None:
+        m = rows.matrix()
+        p = Packed.of_values(m.series, *m.ragged(skip_warmup=skip_warmup))
+        for blk in m.blocks:
+            w = blk.warm if skip_warmup else 0
+            a = blk.a[w:]
+            smp, tok = a[:, _SAMPLES], a[:, _TOKENS]
+            smp, tok = smp[~np.isnan(smp)], tok[~np.isnan(tok)]
+            p.groups.append(
+                GroupTotals(
+                    blk.names, blk.cols.tolist(), len(a), float(blk.cycle_ms[w:].sum()), float(smp.sum()),
+                    len(smp), float(tok.sum()), len(tok), np.nansum(blk.d[w:], axis=0).tolist(),
+                )
+            )  # fmt: skip
+        return p
+    index: dict[tuple[str, str], int] = {}
+    groups = []
+    layouts = []
+    for key, g in rows.groups.items():
+        lay = _layout(key)
+        cols = [index.setdefault(ser, len(index)) for ser in lay.series]
+        groups.append((g.flat, g.n, g.warm, lay.spec, array("i", cols).tobytes()))
+        layouts.append((lay.names, cols))
+    series = list(index)
+    stats, runs, bounds, totals = kernel(groups, len(series), skip_warmup, _BASE_MS, _INV_LOG_RATIO, NUM_BUCKETS)
+    p = Packed.of_kernel(series, stats, runs, bounds)
+    p.groups = [GroupTotals(names, cols, *t) for (names, cols), t in zip(layouts, totals)]
+    return p
 
 
 @dataclass(frozen=True)
@@ -446,26 +541,22 @@ class Window:
     extra: Mapping[str, float] = field(default_factory=dict)
 
 
-def window_of(rows: StepRows, last_step: int) -> Window:
+def window_of(rows: StepRows, last_step: int, kernel: Kernel | None = None) -> Window:
     """Statistics of the steps of one log window, ``last_step`` being the number of its last step."""
-    m = rows.matrix()
-    stats, hists = series_stats(m.series, *m.ragged())
-    wall_s = sum(float(b.cycle_ms.sum()) for b in m.blocks) / 1e3
-
-    def per_s(col: int) -> float | None:
-        xs = np.concatenate([b.a[:, col] for b in m.blocks])
-        xs = xs[~np.isnan(xs)]
-        return float(xs.sum()) / wall_s if len(xs) and wall_s > 0 else None
-
+    p = pack_rows(rows, kernel=kernel)
+    stats = p.stats()
+    wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
+    samples = [g.samples for g in p.groups if g.samples_rows]
+    tokens = [g.tokens for g in p.groups if g.tokens_rows]
     return Window(
         step=last_step,
         steps=rows.count,
         host={n: st for (k, n), st in stats.items() if k == "host"},
         gpu={n: st for (k, n), st in stats.items() if k == "gpu"},
-        hists=hists,
+        hists=Histograms(p),
         steps_per_s=rows.count / wall_s if wall_s > 0 else math.nan,
-        samples_per_s=per_s(_SAMPLES),
-        tokens_per_s=per_s(_TOKENS),
+        samples_per_s=sum(samples) / wall_s if samples and wall_s > 0 else None,
+        tokens_per_s=sum(tokens) / wall_s if tokens and wall_s > 0 else None,
     )
 
 
@@ -573,43 +664,38 @@ class SummaryAccumulator:
             self._hists = (host, gpu)
         return self._hists
 
-    def add_window(self, window: Window, rows: StepRows) -> None:
+    def add_window(self, window: Window, rows: StepRows, kernel: Kernel | None = None) -> None:
         """Add a window's steps, reusing the window's statistics when it holds no warm-up step."""
-        m = rows.matrix()
         hists = window.hists
         if rows.warm:
             if rows.warm == rows.count:
                 return
-            packed = Packed(m.series, *m.ragged(skip_warmup=True))
+            p = pack_rows(rows, skip_warmup=True, kernel=kernel)
         elif isinstance(hists, Histograms):
-            packed = hists.packed
-        else:  # a window built elsewhere (tests): its series from its histograms
-            packed = Packed(m.series, *m.ragged())
-        self._add_packed(packed)
-        for blk in m.blocks:
-            w = blk.warm
-            n = len(blk.d) - w
-            if n <= 0:
+            p = hists.packed
+        else:  # a window built elsewhere (tests)
+            p = pack_rows(rows, kernel=kernel)
+        self._add_packed(p)
+        for g in p.groups:
+            if g.rows <= 0:
                 continue
-            self.steps += n
-            cycle = float(blk.cycle_ms[w:].sum())
-            self.cycle_ms += cycle
-            for col, attr in ((_SAMPLES, "samples"), (_TOKENS, "tokens")):
-                xs = blk.a[w:, col]
-                xs = xs[~np.isnan(xs)]
-                if len(xs):
-                    setattr(self, attr, getattr(self, attr) + float(xs.sum()))
-                    setattr(self, "has_" + attr, True)
-            if blk.names is None:
+            self.steps += g.rows
+            self.cycle_ms += g.cycle_ms
+            if g.samples_rows:
+                self.samples += g.samples
+                self.has_samples = True
+            if g.tokens_rows:
+                self.tokens += g.tokens
+                self.has_tokens = True
+            if g.names is None:
                 continue
-            for name in blk.names:
+            for name in g.names:
                 self.order.setdefault(name, None)
-                self.calls[name] = self.calls.get(name, 0) + n
-            self.timed_steps += n
-            self.timed_cycle_ms += cycle
-            sums = np.nansum(blk.d[w:], axis=0).tolist()
-            for c, v in zip(blk.cols.tolist(), sums):
-                kind, name = m.series[c]
+                self.calls[name] = self.calls.get(name, 0) + g.rows
+            self.timed_steps += g.rows
+            self.timed_cycle_ms += g.cycle_ms
+            for c, v in zip(g.cols, g.sums_ms):
+                kind, name = p.series[c]
                 if kind == "host":
                     self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + v
 

@@ -338,3 +338,171 @@ def _native_or_fail() -> Any:
         return native_backend()
     except NativeUnavailable as e:
         pytest.fail(f"native CUDA calls unavailable on this CUDA machine: {e}")
+
+
+# ------------------------------------------------------------------ window statistics (no CUDA)
+
+
+def _random_rows(seed: int, steps: int, warm: int) -> Any:
+    """A window of every row shape the engine makes: timed GPU steps with and without idle, repeated
+    and nested phases, a data phase, untimed steps, NaN samples/tokens/gap/wait, ties, zeros,
+    negative GPU spans (clamped), and values spread over many buckets."""
+    import random
+
+    from steptimer._stats import StepRows
+
+    rng = random.Random(seed)
+    nan = float("nan")
+    layouts = [
+        (("forward", "loss", "backward", "optimizer"), True, True),
+        (("forward", "loss", "backward", "optimizer"), True, False),
+        (("data", "forward", "forward/inner", "forward"), True, True),
+        (("forward", "loss", "backward", "optimizer"), False, False),
+        (None, False, False),
+    ]
+    rows = StepRows()
+    for k in range(steps):
+        key = layouts[rng.randrange(len(layouts))] if seed % 3 else layouts[0]
+        names, gpu, idle = key
+        pick = rng.choice([0.0, 1e-3, 2e-3, rng.random() * 1e-2, rng.lognormvariate(-6, 2)])
+        samples = nan if rng.random() < 0.3 else 8.0
+        tokens = nan if rng.random() < 0.5 else 512.0
+        wait = nan if rng.random() < 0.1 else pick / 3
+        row = [k + 1, samples, tokens, pick + 1e-3, nan if k == 0 else rng.random() * 1e-3, wait]
+        if names is not None:
+            row += [rng.choice([pick / 8, 1e-4, rng.random() * 1e-3]) for _ in names]
+        if gpu:
+            row.append(rng.lognormvariate(0, 1))
+            row += [rng.choice([rng.lognormvariate(-1, 2), 0.25, -0.001]) for _ in names or ()]
+        if idle:
+            row.append(rng.choice([0.0, rng.random(), -0.01]))
+        rows.add(key, row, k < warm)
+    return rows
+
+
+@pytest.mark.parametrize("seed,steps,warm", [(1, 1, 0), (2, 7, 3), (3, 50, 0), (4, 300, 5), (5, 1000, 0), (6, 64, 64)])
+def test_window_stats_kernel_gives_numpys_numbers(built: Path, seed: int, steps: int, warm: int) -> None:
+    """The native window kernel and the numpy path give the same statistics, histograms and totals."""
+    import numpy as np
+
+    from steptimer._stats import pack_rows
+
+    kernel = _native.load(built).window_stats
+    rows = _random_rows(seed, steps, warm)
+    for skip in (False, True):
+        a = pack_rows(rows, skip_warmup=skip)
+        b = pack_rows(rows, skip_warmup=skip, kernel=kernel)
+        assert a.series == b.series
+        present = a.count > 0
+        assert (a.count == b.count).all()
+        # Derived series (other = step - phases - wait) are summed in another order than numpy's
+        # matmul: equal to the last bits, not bit for bit.
+        for f in ("min_ms", "max_ms", "median_ms", "p90_ms", "sum_ms", "sumsq_ms"):
+            np.testing.assert_allclose(getattr(a, f)[present], getattr(b, f)[present], rtol=1e-12, atol=1e-15)
+        for f in ("run_series", "run_bucket", "run_count"):
+            assert getattr(a, f).tolist() == getattr(b, f).tolist(), f
+        assert a.bounds == b.bounds
+        assert len(a.groups) == len(b.groups)
+        for ga, gb in zip(a.groups, b.groups):
+            assert (ga.names, ga.cols, ga.rows, ga.samples_rows, ga.tokens_rows) == (
+                gb.names, gb.cols, gb.rows, gb.samples_rows, gb.tokens_rows)  # fmt: skip
+            assert gb.cycle_ms == pytest.approx(ga.cycle_ms, rel=1e-12)
+            assert (gb.samples, gb.tokens) == pytest.approx((ga.samples, ga.tokens), rel=1e-12)
+            assert gb.sums_ms == pytest.approx(ga.sums_ms, rel=1e-12, abs=1e-300)
+
+
+def test_window_stats_kernel_sorts_any_order(built: Path) -> None:
+    """Sorted, reversed, constant and few-valued series (the quicksort's hard cases) keep exact ranks."""
+    import numpy as np
+
+    from steptimer._stats import StepRows, pack_rows
+
+    kernel = _native.load(built).window_stats
+    n = 997
+    shapes = [list(range(n)), list(range(n, 0, -1)), [5.0] * n, [float(i % 3) for i in range(n)],
+              [float((i * 7919) % 101) for i in range(n)]]  # fmt: skip
+    for values in shapes:
+        rows = StepRows()
+        for k, v in enumerate(values):
+            rows.add((None, False, False), [k + 1, float("nan"), float("nan"), v * 1e-3, 0.0, 0.0], False)
+        a, b = pack_rows(rows), pack_rows(rows, kernel=kernel)
+        assert a.count.tolist() == b.count.tolist()
+        for f in ("min_ms", "max_ms", "median_ms", "p90_ms"):
+            assert np.array_equal(getattr(a, f), getattr(b, f)), f
+        assert a.run_count.tolist() == b.run_count.tolist()
+
+
+def test_window_stats_kernel_rejects_inconsistent_groups(built: Path) -> None:
+    from array import array
+
+    from steptimer._stats import NUM_BUCKETS, _layout
+
+    ws = _native.load(built).window_stats
+    lay = _layout((None, False, False))
+    sids = array("i", range(len(lay.series))).tobytes()
+    row = [1, 1.0, 1.0, 0.001, 0.0, 0.0]
+    ok = [(row, 1, 0, lay.spec, sids)]
+    assert ws(ok, len(lay.series), False, 1e-4, 100.0, NUM_BUCKETS)[0]
+    for bad in ([(row[:5], 1, 0, lay.spec, sids)], [(row, 1, 2, lay.spec, sids)], [(row, 1, 0, lay.spec, sids[:4])],
+                [(row, 1, 0, lay.spec[:16], sids)]):  # fmt: skip
+        with pytest.raises(ValueError, match="inconsistent"):
+            ws(bad, len(lay.series), False, 1e-4, 100.0, NUM_BUCKETS)
+    with pytest.raises(ValueError, match="inconsistent"):  # a series index out of range
+        ws(ok, 1, False, 1e-4, 100.0, NUM_BUCKETS)
+    with pytest.raises(TypeError):
+        ws([(row, 1, 0, lay.spec, sids)][0], len(lay.series), False, 1e-4, 100.0, NUM_BUCKETS)
+    with pytest.raises(TypeError):
+        ws([(row[:5] + ["x"], 1, 0, lay.spec, sids)], len(lay.series), False, 1e-4, 100.0, NUM_BUCKETS)
+
+
+def test_engine_windows_and_summary_are_the_same_with_the_kernel(built: Path) -> None:
+    """A simulated-GPU run through the engine: windows, TensorBoard bytes and summary with the kernel
+    equal those through numpy."""
+    import dataclasses
+
+    from steptimer import StepTimer
+    from tests.fakes import FakeClock, FakeGPU, ListSink
+
+    kernel = _native.load(built).window_stats
+    outs = []
+    for k in (None, kernel):
+        clock = FakeClock()
+        gpu = FakeGPU(clock)
+        sink = ListSink()
+        backend = dataclasses.replace(gpu.backend(), window_stats=k)
+        t = StepTimer(_backend=backend, log_every_n_steps=7, warmup_steps=3, print_summary=False, _sinks=[sink])
+        import steptimer.timer as timer_mod
+
+        orig = timer_mod.perf_counter
+        timer_mod.perf_counter = clock  # type: ignore[assignment]
+        try:
+            for i in range(40):
+                clock.advance_ms(1.0 + i % 4)
+                with t.step(samples=4):
+                    with t.phase("forward"):
+                        gpu.launch(2.0 + i % 5)
+                        clock.advance_ms(0.5)
+                    with t.phase("backward"):
+                        gpu.launch(3.0)
+                        clock.advance_ms(0.25 * (i % 3))
+            summary = t.close()
+        finally:
+            timer_mod.perf_counter = orig  # type: ignore[assignment]
+        outs.append((sink.windows, summary))
+    (wa, sa), (wb, sb) = outs
+    assert len(wa) == len(wb) == 6
+    for a, b in zip(wa, wb):
+        assert (a.step, a.steps, list(a.host), list(a.gpu)) == (b.step, b.steps, list(b.host), list(b.gpu))
+        for name in a.host:
+            assert dataclasses.astuple(b.host[name]) == pytest.approx(dataclasses.astuple(a.host[name]), rel=1e-12)
+        for name in a.gpu:
+            assert dataclasses.astuple(b.gpu[name]) == pytest.approx(dataclasses.astuple(a.gpu[name]), rel=1e-12)
+        assert (b.steps_per_s, b.samples_per_s) == pytest.approx((a.steps_per_s, a.samples_per_s), rel=1e-12)
+        assert {k: h.counts for k, h in a.hists.items()} == {k: h.counts for k, h in b.hists.items()}
+    assert [r.name for r in sa.rows] == [r.name for r in sb.rows]
+    assert (sa.steps, sa.timed_steps) == (sb.steps, sb.timed_steps) == (37, 37)
+    for ra, rb in zip(sa.rows, sb.rows):
+        assert dataclasses.astuple(rb.host) == pytest.approx(dataclasses.astuple(ra.host), rel=1e-12, nan_ok=True)
+        assert (rb.share is None) == (ra.share is None) and rb.calls_per_step == ra.calls_per_step
+        assert rb.share == (None if ra.share is None else pytest.approx(ra.share, rel=1e-12))
+    assert sb.samples_per_s == pytest.approx(sa.samples_per_s, rel=1e-12)
