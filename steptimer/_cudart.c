@@ -277,6 +277,107 @@ static Py_ssize_t derive(const double *sp, Py_ssize_t k, const double *row, doub
     return k + 3 + 2 * nt;
 }
 
+/* The window's histograms as serialized Summary.value entries (tensorboard/compat/proto/summary.proto):
+ * for each series with values, Value{tag (given, encoded), histo = HistogramProto{min, max, num, sum,
+ * sum_squares, bucket_limit (packed), bucket (packed)}}. steptimer/_tensorboard.py writes the same
+ * message through Python when the kernel isn't there; tests compare the two. */
+static PyObject *encode(PyObject *tags, const double *limits, Py_ssize_t nser, const double *st,
+                        const int64_t *rb, Py_ssize_t nruns);
+static size_t varint_len(uint64_t n) { size_t k = 1; while (n >= 0x80) { n >>= 7; k++; } return k; }
+static char *put_varint(char *p, uint64_t n) {
+    while (n >= 0x80) { *p++ = (char)((n & 0x7F) | 0x80); n >>= 7; }
+    *p++ = (char)n;
+    return p;
+}
+static char *put_double(char *p, unsigned char key, double x) {
+    *p++ = (char)key;
+    memcpy(p, &x, 8); /* little-endian hosts only: checked by the caller */
+    return p + 8;
+}
+
+/* encode_histograms(tags, limits, stats, runs) -> bytes, or None on a big-endian host: `tags` the
+ * encoded Value.tag of each series (bytes), `limits` the bucket grid's upper edges (doubles), `stats`
+ * and `runs` the buffers window_stats returned. */
+static PyObject *encode_histograms(PyObject *self, PyObject *args) {
+    PyObject *tags;
+    Py_buffer lim, stb, rbb;
+    if (!PyArg_ParseTuple(args, "O!y*y*y*", &PyList_Type, &tags, &lim, &stb, &rbb)) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t nser = PyList_GET_SIZE(tags), nlim = lim.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t nruns = rbb.len / (Py_ssize_t)(3 * sizeof(int64_t));
+    const double *limits = lim.buf, *st = stb.buf;
+    const int64_t *rb = rbb.buf;
+    const uint16_t one = 1;
+    if (*(const unsigned char *)&one != 1) { out = Py_None; Py_INCREF(out); goto release; } /* big-endian */
+    if (stb.len != 7 * nser * (Py_ssize_t)sizeof(double) || rbb.len != 3 * nruns * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "encode_histograms: stats or runs don't match the tags");
+        goto release;
+    }
+    for (Py_ssize_t r = 0; r < nruns; r++)
+        if (rb[r] < 0 || rb[r] >= nser || rb[nruns + r] < 0 || rb[nruns + r] >= nlim || (r && rb[r] < rb[r - 1])) {
+            PyErr_SetString(PyExc_ValueError, "encode_histograms: runs out of range or out of order");
+            goto release;
+        }
+    out = encode(tags, limits, nser, st, rb, nruns);
+release:
+    PyBuffer_Release(&lim);
+    PyBuffer_Release(&stb);
+    PyBuffer_Release(&rbb);
+    return out;
+}
+
+static PyObject *encode(PyObject *tags, const double *limits, Py_ssize_t nser, const double *st,
+                        const int64_t *rb, Py_ssize_t nruns) {    const int64_t *run_series = rb, *run_bucket = rb + nruns, *run_count = rb + 2 * nruns;
+    size_t total = 0;
+    Py_ssize_t r0 = 0;
+    for (Py_ssize_t s = 0; s < nser; s++) {
+        Py_ssize_t r1 = r0;
+        while (r1 < nruns && run_series[r1] == s) r1++;
+        PyObject *tag = PyList_GET_ITEM(tags, s);
+        if (!PyBytes_Check(tag)) { PyErr_SetString(PyExc_TypeError, "window_stats: tags must be bytes"); return NULL; }
+        if (st[s] > 0) {
+            size_t packed = 8 * (size_t)(r1 - r0);
+            size_t histo = 5 * 9 + 2 * (1 + varint_len(packed) + packed);
+            size_t body = (size_t)PyBytes_GET_SIZE(tag) + 1 + varint_len(histo) + histo;
+            total += 1 + varint_len(body) + body;
+        }
+        r0 = r1;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+    if (!out) return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    r0 = 0;
+    for (Py_ssize_t s = 0; s < nser; s++) {
+        Py_ssize_t r1 = r0;
+        while (r1 < nruns && run_series[r1] == s) r1++;
+        if (st[s] > 0) {
+            PyObject *tag = PyList_GET_ITEM(tags, s);
+            size_t packed = 8 * (size_t)(r1 - r0);
+            size_t histo = 5 * 9 + 2 * (1 + varint_len(packed) + packed);
+            size_t body = (size_t)PyBytes_GET_SIZE(tag) + 1 + varint_len(histo) + histo;
+            *p++ = 0x0a; /* Summary.value = 1 */
+            p = put_varint(p, body);
+            memcpy(p, PyBytes_AS_STRING(tag), (size_t)PyBytes_GET_SIZE(tag));
+            p += PyBytes_GET_SIZE(tag);
+            *p++ = 0x2a; /* Value.histo = 5 */
+            p = put_varint(p, histo);
+            p = put_double(p, 0x09, st[3 * nser + s]); /* min = 1 */
+            p = put_double(p, 0x11, st[4 * nser + s]); /* max = 2 */
+            p = put_double(p, 0x19, st[s]);            /* num = 3 */
+            p = put_double(p, 0x21, st[nser + s]);     /* sum = 4 */
+            p = put_double(p, 0x29, st[2 * nser + s]); /* sum_squares = 5 */
+            *p++ = 0x32;                               /* bucket_limit = 6, packed */
+            p = put_varint(p, packed);
+            for (Py_ssize_t r = r0; r < r1; r++) { double x = limits[run_bucket[r]]; memcpy(p, &x, 8); p += 8; }
+            *p++ = 0x3a;                               /* bucket = 7, packed */
+            p = put_varint(p, packed);
+            for (Py_ssize_t r = r0; r < r1; r++) { double x = (double)run_count[r]; memcpy(p, &x, 8); p += 8; }
+        }
+        r0 = r1;
+    }
+    return out;
+}
+
 static PyObject *window_stats(PyObject *self, PyObject *args) {
     PyObject *groups;
     Py_ssize_t nser;
@@ -290,14 +391,16 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "window_stats: nser >= 0 and nbuckets >= 1");
         return NULL;
     }
+
     Py_ssize_t ng = PyList_GET_SIZE(groups), m_max = 6;
     group_t *gs = PyMem_Calloc(ng ? ng : 1, sizeof(group_t));
     Py_ssize_t *count = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
     Py_ssize_t *fill = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
+    Py_ssize_t *start = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
     double *vals = NULL, *row = NULL;
     int64_t *runs = NULL;
     PyObject *stats = NULL, *runs_b = NULL, *bounds = NULL, *totals = NULL, *out = NULL;
-    if (!gs || !count || !fill) { PyErr_NoMemory(); goto done; }
+    if (!gs || !count || !fill || !start) { PyErr_NoMemory(); goto done; }
     Py_ssize_t nvals = 0;
     for (Py_ssize_t i = 0; i < ng; i++) {
         if (!parse_group(PyList_GET_ITEM(groups, i), &gs[i], nser, skip_warm)) goto done;
@@ -308,69 +411,53 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
     vals = PyMem_Malloc((nvals + 1) * sizeof(double));
     totals = PyList_New(ng);
     if (!row || !vals || !totals) { if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
-    /* Pass 1: count each series' values. Pass 2: derive again and place them series by series. */
-    for (int pass = 0; pass < 2; pass++) {
-        if (pass == 1) {
-            Py_ssize_t off = 0;
-            for (Py_ssize_t s = 0; s < nser; s++) { fill[s] = off; off += count[s]; }
+    /* Each series' values go to their own region, sized by the rows that can give one. */
+    for (Py_ssize_t i = 0; i < ng; i++)
+        for (Py_ssize_t j = 0; j < gs[i].nser; j++) count[gs[i].sids[j]] += gs[i].n - gs[i].first;
+    for (Py_ssize_t s = 0, off = 0; s < nser; s++) { start[s] = fill[s] = off; off += count[s]; }
+    for (Py_ssize_t i = 0; i < ng; i++) {
+        const group_t *g = &gs[i];
+        double cycle = 0.0, samples = 0.0, tokens = 0.0;
+        Py_ssize_t n_samples = 0, n_tokens = 0;
+        PyObject *sums = PyList_New(g->nser);
+        double *acc = PyMem_Calloc(g->nser + 1, sizeof(double));
+        if (!sums || !acc) { Py_XDECREF(sums); PyMem_Free(acc); if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
+        for (Py_ssize_t r = g->first; r < g->n; r++) {
+            if (!read_row(g, r, row)) { Py_DECREF(sums); PyMem_Free(acc); goto done; }
+            Py_ssize_t k = 2;
+            for (Py_ssize_t j = 0; j < g->nser; j++) {
+                double v;
+                k = derive(g->spec, k, row, &v);
+                if (v != v) continue;
+                vals[fill[g->sids[j]]++] = v;
+                acc[j] += v;
+            }
+            double gap = row[C_GAP_S];
+            cycle += row[C_STEP_S] * 1e3 + (gap == gap ? gap * 1e3 : 0.0);
+            if (row[C_SAMPLES] == row[C_SAMPLES]) { samples += row[C_SAMPLES]; n_samples++; }
+            if (row[C_TOKENS] == row[C_TOKENS]) { tokens += row[C_TOKENS]; n_tokens++; }
         }
-        for (Py_ssize_t i = 0; i < ng; i++) {
-            const group_t *g = &gs[i];
-            double cycle = 0.0, samples = 0.0, tokens = 0.0;
-            Py_ssize_t n_samples = 0, n_tokens = 0;
-            PyObject *sums = NULL;
-            if (pass == 1) {
-                sums = PyList_New(g->nser);
-                if (!sums) goto done;
-            }
-            double *acc = pass == 1 ? PyMem_Calloc(g->nser + 1, sizeof(double)) : NULL;
-            if (pass == 1 && !acc) { Py_DECREF(sums); PyErr_NoMemory(); goto done; }
-            for (Py_ssize_t r = g->first; r < g->n; r++) {
-                if (!read_row(g, r, row)) { Py_XDECREF(sums); PyMem_Free(acc); goto done; }
-                Py_ssize_t k = 2;
-                for (Py_ssize_t j = 0; j < g->nser; j++) {
-                    double v;
-                    k = derive(g->spec, k, row, &v);
-                    if (v != v) continue;
-                    Py_ssize_t s = g->sids[j];
-                    if (pass == 0) {
-                        count[s]++;
-                    } else {
-                        vals[fill[s]++] = v;
-                        acc[j] += v;
-                    }
-                }
-                if (pass == 1) {
-                    double gap = row[C_GAP_S];
-                    cycle += row[C_STEP_S] * 1e3 + (gap == gap ? gap * 1e3 : 0.0);
-                    if (row[C_SAMPLES] == row[C_SAMPLES]) { samples += row[C_SAMPLES]; n_samples++; }
-                    if (row[C_TOKENS] == row[C_TOKENS]) { tokens += row[C_TOKENS]; n_tokens++; }
-                }
-            }
-            if (pass == 1) {
-                for (Py_ssize_t j = 0; j < g->nser; j++) {
-                    PyObject *f = PyFloat_FromDouble(acc[j]);
-                    if (!f) { Py_DECREF(sums); PyMem_Free(acc); goto done; }
-                    PyList_SET_ITEM(sums, j, f);
-                }
-                PyMem_Free(acc);
-                PyObject *t = Py_BuildValue("(nddndnN)", g->n - g->first, cycle, samples, n_samples, tokens,
-                                            n_tokens, sums);
-                if (!t) goto done;
-                PyList_SET_ITEM(totals, i, t);
-            }
+        for (Py_ssize_t j = 0; j < g->nser; j++) {
+            PyObject *f = PyFloat_FromDouble(acc[j]);
+            if (!f) { Py_DECREF(sums); PyMem_Free(acc); goto done; }
+            PyList_SET_ITEM(sums, j, f);
         }
+        PyMem_Free(acc);
+        PyObject *t = Py_BuildValue("(nddndnN)", g->n - g->first, cycle, samples, n_samples, tokens, n_tokens, sums);
+        if (!t) goto done;
+        PyList_SET_ITEM(totals, i, t);
     }
+    for (Py_ssize_t s = 0; s < nser; s++) count[s] = fill[s] - start[s];
     /* Per series: sort, then the statistics and the runs of equal buckets. */
     stats = PyBytes_FromStringAndSize(NULL, 7 * nser * (Py_ssize_t)sizeof(double));
     runs = PyMem_Malloc((3 * nvals + 1) * sizeof(int64_t));
     bounds = PyList_New(nser + 1);
     if (!stats || !runs || !bounds) { if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
     double *st = (double *)PyBytes_AS_STRING(stats);
-    Py_ssize_t nruns = 0, off = 0;
+    Py_ssize_t nruns = 0;
     for (Py_ssize_t s = 0; s < nser; s++) {
         Py_ssize_t c = count[s];
-        double *v = vals + off;
+        double *v = vals + start[s];
         PyList_SET_ITEM(bounds, s, PyLong_FromSsize_t(nruns));
         sort_doubles(v, c);
         double sum = 0.0, sumsq = 0.0;
@@ -398,7 +485,6 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
             }
             runs[2 * nvals + nruns - 1]++;
         }
-        off += c;
     }
     PyList_SET_ITEM(bounds, nser, PyLong_FromSsize_t(nruns));
     runs_b = PyBytes_FromStringAndSize(NULL, 3 * nruns * (Py_ssize_t)sizeof(int64_t));
@@ -416,6 +502,7 @@ done:
     PyMem_Free(gs);
     PyMem_Free(count);
     PyMem_Free(fill);
+    PyMem_Free(start);
     PyMem_Free(vals);
     PyMem_Free(row);
     PyMem_Free(runs);
@@ -431,6 +518,8 @@ static PyMethodDef methods[] = {
     {"is_capturing", is_capturing, METH_O, "is_capturing(stream) -> bool"},
     {"window_stats", window_stats, METH_VARARGS,
      "window_stats(groups, nser, skip_warm, base, inv_log_ratio, nbuckets) -> (stats, runs, bounds, totals)"},
+    {"encode_histograms", encode_histograms, METH_VARARGS,
+     "encode_histograms(tags, limits, stats, runs) -> the histograms' serialized Summary.value entries"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -341,7 +341,7 @@ class Packed:
     """
 
     __slots__ = ("series", "count", "sum_ms", "sumsq_ms", "min_ms", "max_ms", "median_ms", "p90_ms",
-                 "run_series", "run_bucket", "run_count", "bounds", "groups")  # fmt: skip
+                 "run_series", "run_bucket", "run_count", "bounds", "groups", "raw")  # fmt: skip
 
     series: list[tuple[str, str]]
     count: np.ndarray
@@ -356,6 +356,7 @@ class Packed:
     run_count: np.ndarray
     bounds: list[int]
     groups: list[GroupTotals]
+    raw: tuple[bytes, bytes] | None  # the kernel's stats and runs buffers, for native encoders
 
     @classmethod
     def of_values(cls, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> Packed:
@@ -368,6 +369,7 @@ class Packed:
         nser = len(series)
         self.series = series
         self.groups = []
+        self.raw = None
         order = np.lexsort((values, sid))
         v = values[order]
         s = sid[order]
@@ -401,6 +403,7 @@ class Packed:
         self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, self.median_ms, self.p90_ms = st[1:]
         self.run_series, self.run_bucket, self.run_count = np.frombuffer(runs, dtype=np.int64).reshape(3, -1)
         self.bounds = bounds
+        self.raw = (stats, runs)
         return self
 
     def histogram(self, k: int) -> LogHistogram:

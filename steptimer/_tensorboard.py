@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from steptimer import _native
 from steptimer._stats import NUM_BUCKETS, Histograms, Summary, Window, bucket_index, bucket_upper_ms
 
 LAYOUT_RUN = "steptimer-layout"
@@ -86,6 +87,7 @@ def window_summary(window: Window) -> Any:
 # same message (tests/test_tensorboard.py parses it and compares it with the one the API builds).
 # Field numbers are those of tensorboard/compat/proto/summary.proto and event.proto.
 _UPPER_NP = np.array([bucket_upper_ms(i) for i in range(NUM_BUCKETS)])
+_UPPER_BYTES = _UPPER_NP.astype("<f8").tobytes()
 _HISTO_HEAD = struct.Struct("<BdBdBdBdBd")  # HistogramProto min, max, num, sum, sum_squares (doubles)
 _SCALARS: dict[str, bytes] = {}  # tag -> the encoded Summary.value of a scalar, less its 4 value bytes
 _HISTS: dict[tuple[str, str], bytes] = {}  # (clock, name) -> the encoded tag of its histogram
@@ -117,6 +119,13 @@ def _cached(cache: dict[Any, bytes], key: Any, enc: bytes) -> bytes:
     return enc
 
 
+def _hist_tag(key: tuple[str, str]) -> bytes:
+    tag = _HISTS.get(key)
+    if tag is None:
+        tag = _cached(_HISTS, key, _tag(f"steptimer/hist_{key[0]}/{key[1]}_ms"))
+    return tag
+
+
 def _scalars(values: dict[str, float]) -> list[bytes]:
     with np.errstate(over="ignore"):  # beyond float32's range: inf, as the proto API stores it
         f32 = np.array(list(values.values()), dtype=np.float64).astype("<f4").tobytes()
@@ -141,6 +150,12 @@ def encode_window(window: Window, *, scalars: bool = True) -> bytes:
     parts: list[bytes] = []
     if scalars:
         parts += _scalars(window_scalars(window))
+    native = _native.bound()
+    if native is not None and p.raw is not None:  # the native kernel's buffers: encoded in one call
+        enc = native.encode_histograms([_hist_tag(key) for key in p.series], _UPPER_BYTES, *p.raw)
+        if enc is not None:
+            parts.append(enc)
+            return b"".join(parts)
     limits = _UPPER_NP[p.run_bucket].astype("<f8").tobytes()
     counts = p.run_count.astype("<f8").tobytes()
     bounds = p.bounds
@@ -156,10 +171,7 @@ def encode_window(window: Window, *, scalars: bool = True) -> bytes:
             head(0x09, lo, 0x11, hi, 0x19, float(n), 0x21, sm, 0x29, sq),
             b"\x32", packed_len, limits[a:b], b"\x3a", packed_len, counts[a:b],  # bucket_limit = 6, bucket = 7
         ))  # fmt: skip
-        tag = _HISTS.get((clock, name))
-        if tag is None:
-            tag = _cached(_HISTS, (clock, name), _tag(f"steptimer/hist_{clock}/{name}_ms"))
-        body = b"".join((tag, b"\x2a", _varint(len(histo)), histo))
+        body = b"".join((_hist_tag((clock, name)), b"\x2a", _varint(len(histo)), histo))
         parts += (b"\x0a", _varint(len(body)), body)  # Value.histo = 5
     return b"".join(parts)
 

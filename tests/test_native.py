@@ -506,3 +506,41 @@ def test_engine_windows_and_summary_are_the_same_with_the_kernel(built: Path) ->
         assert (rb.share is None) == (ra.share is None) and rb.calls_per_step == ra.calls_per_step
         assert rb.share == (None if ra.share is None else pytest.approx(ra.share, rel=1e-12))
     assert sb.samples_per_s == pytest.approx(sa.samples_per_s, rel=1e-12)
+
+
+def test_native_histogram_encoding_is_the_proto_apis_message(built: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernel's buffers, the histograms are encoded in C: the same Summary as the proto API's."""
+    from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+
+    from steptimer._stats import window_of
+    from steptimer._tensorboard import encode_window, window_summary
+
+    mod = _native.load(built)
+    monkeypatch.setattr(_native, "_bound", mod)
+    calls = []
+    real = mod.encode_histograms
+    monkeypatch.setattr(mod, "encode_histograms", lambda *a: calls.append(1) or real(*a), raising=False)
+    for seed, steps, warm in ((3, 50, 0), (4, 300, 5), (7, 1, 0)):
+        w = window_of(_random_rows(seed, steps, warm), steps, mod.window_stats)
+        assert w.hists.packed.raw is not None  # type: ignore[attr-defined]
+        got = SummaryProto.FromString(encode_window(w))
+        assert got == window_summary(w)
+        hist_only = SummaryProto.FromString(encode_window(w, scalars=False))
+        assert [v.tag for v in hist_only.value] == [v.tag for v in got.value if v.HasField("histo")]
+    assert len(calls) == 6  # every encoding above went through C
+
+
+def test_native_histogram_encoding_checks_its_buffers(built: Path) -> None:
+    import struct
+
+    mod = _native.load(built)
+    stats = struct.pack("<7d", 2.0, 3.0, 5.0, 1.0, 2.0, 1.0, 2.0)
+    runs = struct.pack("<3q", 0, 1, 2)
+    limits = struct.pack("<2d", 1.0, 2.0)
+    assert mod.encode_histograms([b"\x0a\x01a"], limits, stats, runs)
+    with pytest.raises(ValueError, match="don't match"):
+        mod.encode_histograms([b"\x0a\x01a", b"\x0a\x01b"], limits, stats, runs)
+    with pytest.raises(ValueError, match="out of range"):
+        mod.encode_histograms([b"\x0a\x01a"], limits, stats, struct.pack("<3q", 0, 2, 2))  # bucket past the grid
+    with pytest.raises(TypeError, match="bytes"):
+        mod.encode_histograms(["a"], limits, stats, runs)
