@@ -735,6 +735,15 @@ def phase_gap(steps: int = 3000) -> dict[str, Any]:
 # --------------------------------------------------------------------------- host cost per step
 
 
+def _numpy_windows() -> Any:
+    """The default backend with the native window kernel taken out (windows through numpy)."""
+    import dataclasses
+
+    from steptimer._clock import default_backend
+
+    return dataclasses.replace(default_backend(), window_stats=None)
+
+
 def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
     """Host µs added per step with no GPU work ("empty") and with one tiny kernel per phase."""
     small = torch.zeros(1, device="cuda")
@@ -797,6 +806,8 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         ("default", {"log_dir": ...}, ("empty", "tiny")),
         # The same engine on torch's Python event API (the fallback where _cudart.c can't be built).
         ("default-torchapi", {"log_dir": ..., "_backend": torch_backend()}, ("empty",)),
+        # The same engine with its window statistics through numpy (where _cudart.c can't be built).
+        ("default-numpywindows", {"log_dir": ..., "_backend": _numpy_windows()}, ("empty",)),
         ("lag0", {"lag": 0, "log_dir": ...}, ("empty", "tiny")),
         ("sampled100", {"sample_every": 100, "log_dir": ...}, ("empty", "tiny")),
         # Where the host time goes: without the TensorBoard sink, without the cross-rank
