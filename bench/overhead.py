@@ -741,7 +741,7 @@ def _numpy_windows() -> Any:
 
     from steptimer._clock import default_backend
 
-    return dataclasses.replace(default_backend(), window_stats=None)
+    return dataclasses.replace(default_backend(), kernels=None)
 
 
 def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:

@@ -42,9 +42,9 @@ class _CudaBackend:
     offsets_ms: Callable[[list[Any]], list[float]] | None = None
     name: str = "custom"  # which calls these are, for logs and the benchmark
     note: str = ""  # for the summary: why these calls and not the native ones
-    # The native window statistics (_cudart.c window_stats; no CUDA in it), where they were built:
-    # what numpy does for a window in one call. None: numpy.
-    window_stats: Callable[..., Any] | None = None
+    # The native window kernels (_cudart.c window_stats, accumulate, encode_*; no CUDA in them),
+    # where the extension was built: what numpy and Python do for a window, in a few calls. None: numpy.
+    kernels: Any = None
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -144,7 +144,7 @@ def native_backend() -> _CudaBackend:
         is_capturing=mod.is_capturing,
         offsets_ms=mod.offsets_ms,
         name="native",
-        window_stats=mod.window_stats,
+        kernels=mod,
     )
 
 

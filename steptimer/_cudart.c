@@ -378,6 +378,102 @@ static PyObject *encode(PyObject *tags, const double *limits, Py_ssize_t nser, c
     return out;
 }
 
+/* accumulate(counts, exact, rows, stats, runs): add a window's histograms and exact statistics to the
+ * run's (steptimer/_stats.py SummaryAccumulator): `counts` int64 [R x nbuckets] and `exact` double
+ * [R x 5] (count, sum, sum of squares, min, max) are writable buffers, `rows` int64 [nser] the row
+ * of each series (-1: a series without values), `stats` and `runs` window_stats' buffers. */
+static PyObject *accumulate(PyObject *self, PyObject *args) {
+    Py_buffer cb, eb, rwb, stb, rbb;
+    Py_ssize_t nbuckets;
+    if (!PyArg_ParseTuple(args, "w*w*y*y*y*n", &cb, &eb, &rwb, &stb, &rbb, &nbuckets)) return NULL;
+    PyObject *out = NULL;
+    int64_t *counts = cb.buf;
+    double *exact = eb.buf;
+    const int64_t *rows = rwb.buf, *rb = rbb.buf;
+    const double *st = stb.buf;
+    Py_ssize_t nser = rwb.len / (Py_ssize_t)sizeof(int64_t), nrows = eb.len / (Py_ssize_t)(5 * sizeof(double));
+    Py_ssize_t nruns = rbb.len / (Py_ssize_t)(3 * sizeof(int64_t));
+    if (nbuckets < 1 || cb.len != nrows * nbuckets * (Py_ssize_t)sizeof(int64_t) ||
+        stb.len != 7 * nser * (Py_ssize_t)sizeof(double) || rbb.len != 3 * nruns * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "accumulate: buffer sizes don't match");
+        goto release;
+    }
+    for (Py_ssize_t s = 0; s < nser; s++)
+        if (rows[s] >= nrows || (st[s] > 0 && rows[s] < 0)) {
+            PyErr_SetString(PyExc_ValueError, "accumulate: a series with values has no row");
+            goto release;
+        }
+    for (Py_ssize_t r = 0; r < nruns; r++)
+        if (rb[r] < 0 || rb[r] >= nser || rows[rb[r]] < 0 || rb[nruns + r] < 0 || rb[nruns + r] >= nbuckets) {
+            PyErr_SetString(PyExc_ValueError, "accumulate: runs out of range");
+            goto release;
+        }
+    for (Py_ssize_t r = 0; r < nruns; r++) counts[rows[rb[r]] * nbuckets + rb[nruns + r]] += rb[2 * nruns + r];
+    for (Py_ssize_t s = 0; s < nser; s++) {
+        if (!(st[s] > 0)) continue;
+        double *e = exact + 5 * rows[s];
+        e[0] += st[s];
+        e[1] += st[nser + s];
+        e[2] += st[2 * nser + s];
+        if (st[3 * nser + s] < e[3]) e[3] = st[3 * nser + s];
+        if (st[4 * nser + s] > e[4]) e[4] = st[4 * nser + s];
+    }
+    out = Py_None;
+    Py_INCREF(out);
+release:
+    PyBuffer_Release(&cb);
+    PyBuffer_Release(&eb);
+    PyBuffer_Release(&rwb);
+    PyBuffer_Release(&stb);
+    PyBuffer_Release(&rbb);
+    return out;
+}
+
+/* encode_scalars(tags, values) -> the serialized Summary.value entries Value{tag, simple_value}:
+ * `tags` a list of str, `values` a list of floats, stored as float32 the way the proto API stores them. */
+static PyObject *encode_scalars(PyObject *self, PyObject *args) {
+    PyObject *tags, *values;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &tags, &PyList_Type, &values)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(tags);
+    if (PyList_GET_SIZE(values) != n) {
+        PyErr_SetString(PyExc_ValueError, "encode_scalars: as many values as tags");
+        return NULL;
+    }
+    const uint16_t one = 1;
+    if (*(const unsigned char *)&one != 1) Py_RETURN_NONE; /* big-endian: Python encodes instead */
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len;
+        if (!PyUnicode_Check(PyList_GET_ITEM(tags, i)) || !PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(tags, i), &len)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "encode_scalars: tags must be str");
+            return NULL;
+        }
+        size_t body = 1 + varint_len((uint64_t)len) + (size_t)len + 5;
+        total += 1 + varint_len(body) + body;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+    if (!out) return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double x = PyFloat_AsDouble(PyList_GET_ITEM(values, i));
+        if (x == -1.0 && PyErr_Occurred()) { Py_DECREF(out); return NULL; }
+        float f = (float)x; /* as the proto API's C layer converts (IEEE: past the range, infinity) */
+        Py_ssize_t len;
+        const char *tag = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(tags, i), &len);
+        size_t body = 1 + varint_len((uint64_t)len) + (size_t)len + 5;
+        *p++ = 0x0a; /* Summary.value = 1 */
+        p = put_varint(p, body);
+        *p++ = 0x0a; /* Value.tag = 1 */
+        p = put_varint(p, (uint64_t)len);
+        memcpy(p, tag, (size_t)len);
+        p += len;
+        *p++ = 0x15; /* Value.simple_value = 2, a float */
+        memcpy(p, &f, 4);
+        p += 4;
+    }
+    return out;
+}
+
 static PyObject *window_stats(PyObject *self, PyObject *args) {
     PyObject *groups;
     Py_ssize_t nser;
@@ -518,6 +614,10 @@ static PyMethodDef methods[] = {
     {"is_capturing", is_capturing, METH_O, "is_capturing(stream) -> bool"},
     {"window_stats", window_stats, METH_VARARGS,
      "window_stats(groups, nser, skip_warm, base, inv_log_ratio, nbuckets) -> (stats, runs, bounds, totals)"},
+    {"accumulate", accumulate, METH_VARARGS,
+     "accumulate(counts, exact, rows, stats, runs, nbuckets): add a window to the run's histograms"},
+    {"encode_scalars", encode_scalars, METH_VARARGS,
+     "encode_scalars(tags, values) -> the scalars' serialized Summary.value entries"},
     {"encode_histograms", encode_histograms, METH_VARARGS,
      "encode_histograms(tags, limits, stats, runs) -> the histograms' serialized Summary.value entries"},
     {NULL, NULL, 0, NULL},

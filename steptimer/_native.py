@@ -142,17 +142,8 @@ def loaded_cudart() -> str:
     return paths.pop()
 
 
-_bound: ModuleType | None = None  # the extension once cudart() bound it (what encoders may reuse)
-
-
-def bound() -> ModuleType | None:
-    """The extension, if this process has built, loaded and bound it (``cudart()``); else None."""
-    return _bound
-
-
 def cudart() -> ModuleType:
     """The extension, built, loaded and bound to torch's CUDA runtime; raises ``NativeUnavailable``."""
-    global _bound
     if not usable_here():
         linux = sys.platform.startswith("linux")
         raise NativeUnavailable("disabled by STEPTIMER_NATIVE=0" if linux else f"Linux only (this is {sys.platform})")
@@ -163,5 +154,4 @@ def cudart() -> ModuleType:
         mod.init(lib)
     except (ImportError, OSError) as e:
         raise NativeUnavailable(f"cannot load {path}: {e}") from e
-    _bound = mod
     return mod

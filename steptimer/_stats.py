@@ -10,7 +10,7 @@ import math
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -341,7 +341,7 @@ class Packed:
     """
 
     __slots__ = ("series", "count", "sum_ms", "sumsq_ms", "min_ms", "max_ms", "median_ms", "p90_ms",
-                 "run_series", "run_bucket", "run_count", "bounds", "groups", "raw")  # fmt: skip
+                 "run_series", "run_bucket", "run_count", "bounds", "groups", "raw", "kernels")  # fmt: skip
 
     series: list[tuple[str, str]]
     count: np.ndarray
@@ -357,6 +357,7 @@ class Packed:
     bounds: list[int]
     groups: list[GroupTotals]
     raw: tuple[bytes, bytes] | None  # the kernel's stats and runs buffers, for native encoders
+    kernels: Any  # the native module that made them (None: numpy)
 
     @classmethod
     def of_values(cls, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> Packed:
@@ -369,7 +370,7 @@ class Packed:
         nser = len(series)
         self.series = series
         self.groups = []
-        self.raw = None
+        self.raw = self.kernels = None
         order = np.lexsort((values, sid))
         v = values[order]
         s = sid[order]
@@ -393,7 +394,9 @@ class Packed:
         return self
 
     @classmethod
-    def of_kernel(cls, series: list[tuple[str, str]], stats: bytes, runs: bytes, bounds: list[int]) -> Packed:
+    def of_kernel(
+        cls, series: list[tuple[str, str]], stats: bytes, runs: bytes, bounds: list[int], kernels: Any
+    ) -> Packed:
         """From ``window_stats``' buffers (see ``_cudart.c``)."""
         self = cls()
         self.series = series
@@ -404,6 +407,7 @@ class Packed:
         self.run_series, self.run_bucket, self.run_count = np.frombuffer(runs, dtype=np.int64).reshape(3, -1)
         self.bounds = bounds
         self.raw = (stats, runs)
+        self.kernels = kernels
         return self
 
     def histogram(self, k: int) -> LogHistogram:
@@ -453,12 +457,10 @@ def series_stats(
     return packed.stats(), Histograms(packed)
 
 
-Kernel = Callable[..., tuple[bytes, bytes, list[int], list[tuple[Any, ...]]]]
-
-
-def pack_rows(rows: StepRows, *, skip_warmup: bool = False, kernel: Kernel | None = None) -> Packed:
-    """A window's statistics and group totals, through the native ``kernel`` when given, else numpy."""
-    if kernel is None:
+def pack_rows(rows: StepRows, *, skip_warmup: bool = False, kernels: Any = None) -> Packed:
+    """A window's statistics and group totals, through the native ``kernels`` (the ``_cudart.c``
+    module) when given, else numpy."""
+    if kernels is None:
         m = rows.matrix()
         p = Packed.of_values(m.series, *m.ragged(skip_warmup=skip_warmup))
         for blk in m.blocks:
@@ -482,8 +484,10 @@ def pack_rows(rows: StepRows, *, skip_warmup: bool = False, kernel: Kernel | Non
         groups.append((g.flat, g.n, g.warm, lay.spec, array("i", cols).tobytes()))
         layouts.append((lay.names, cols))
     series = list(index)
-    stats, runs, bounds, totals = kernel(groups, len(series), skip_warmup, _BASE_MS, _INV_LOG_RATIO, NUM_BUCKETS)
-    p = Packed.of_kernel(series, stats, runs, bounds)
+    stats, runs, bounds, totals = kernels.window_stats(
+        groups, len(series), skip_warmup, _BASE_MS, _INV_LOG_RATIO, NUM_BUCKETS
+    )
+    p = Packed.of_kernel(series, stats, runs, bounds, kernels)
     p.groups = [GroupTotals(names, cols, *t) for (names, cols), t in zip(layouts, totals)]
     return p
 
@@ -544,9 +548,9 @@ class Window:
     extra: Mapping[str, float] = field(default_factory=dict)
 
 
-def window_of(rows: StepRows, last_step: int, kernel: Kernel | None = None) -> Window:
+def window_of(rows: StepRows, last_step: int, kernels: Any = None) -> Window:
     """Statistics of the steps of one log window, ``last_step`` being the number of its last step."""
-    p = pack_rows(rows, kernel=kernel)
+    p = pack_rows(rows, kernels=kernels)
     stats = p.stats()
     wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
     samples = [g.samples for g in p.groups if g.samples_rows]
@@ -667,17 +671,17 @@ class SummaryAccumulator:
             self._hists = (host, gpu)
         return self._hists
 
-    def add_window(self, window: Window, rows: StepRows, kernel: Kernel | None = None) -> None:
+    def add_window(self, window: Window, rows: StepRows, kernels: Any = None) -> None:
         """Add a window's steps, reusing the window's statistics when it holds no warm-up step."""
         hists = window.hists
         if rows.warm:
             if rows.warm == rows.count:
                 return
-            p = pack_rows(rows, skip_warmup=True, kernel=kernel)
+            p = pack_rows(rows, skip_warmup=True, kernels=kernels)
         elif isinstance(hists, Histograms):
             p = hists.packed
         else:  # a window built elsewhere (tests)
-            p = pack_rows(rows, kernel=kernel)
+            p = pack_rows(rows, kernels=kernels)
         self._add_packed(p)
         for g in p.groups:
             if g.rows <= 0:
@@ -705,20 +709,26 @@ class SummaryAccumulator:
     def _add_packed(self, p: Packed) -> None:
         self._hists = None
         rows = self._rows
-        present = np.flatnonzero(p.count)
-        for k in present.tolist():
-            rows.setdefault(p.series[k], len(rows))
+        counts = p.count.tolist()
+        for key, c in zip(p.series, counts):
+            if c:
+                rows.setdefault(key, len(rows))
         if len(rows) > len(self._counts):  # grow by doubling: new series appear a few times per run
             n = max(len(rows), 2 * len(self._counts))
-            counts = np.zeros((n, NUM_BUCKETS), dtype=np.int64)
-            counts[: len(self._counts)] = self._counts
+            grown = np.zeros((n, NUM_BUCKETS), dtype=np.int64)
+            grown[: len(self._counts)] = self._counts
             exact = np.zeros((n, 5))
             exact[:, 3], exact[:, 4] = math.inf, -math.inf
             exact[: len(self._exact)] = self._exact
-            self._counts, self._exact = counts, exact
-        g = np.array([rows.get(key, 0) for key in p.series], dtype=np.int64)
-        np.add.at(self._counts, (g[p.run_series], p.run_bucket), p.run_count)
-        gp = g[present]
+            self._counts, self._exact = grown, exact
+        g = [rows[key] if c else -1 for key, c in zip(p.series, counts)]
+        if p.kernels is not None and p.raw is not None:  # in one native call
+            p.kernels.accumulate(self._counts, self._exact, array("q", g).tobytes(), *p.raw, NUM_BUCKETS)
+            return
+        gs = np.array(g, dtype=np.int64)
+        np.add.at(self._counts, (gs[p.run_series], p.run_bucket), p.run_count)
+        present = np.flatnonzero(p.count)
+        gp = gs[present]
         ex = self._exact
         ex[gp, 0] += p.count[present]
         ex[gp, 1] += p.sum_ms[present]

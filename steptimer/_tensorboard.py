@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from steptimer import _native
 from steptimer._stats import NUM_BUCKETS, Histograms, Summary, Window, bucket_index, bucket_upper_ms
 
 LAYOUT_RUN = "steptimer-layout"
@@ -44,14 +43,27 @@ def layout(window: Window, extra: dict[str, str] | None = None) -> dict[str, dic
     return {"steptimer": {title: ["Multiline", [regex]] for title, regex in charts.items()}}
 
 
+_SERIES_TAGS: dict[tuple[str, str], tuple[str, str, str]] = {}
+
+
+def _series_tags(clock: str, name: str) -> tuple[str, str, str]:
+    if len(_SERIES_TAGS) > 4096:  # phase names made up per step: keep the cache bounded
+        _SERIES_TAGS.clear()
+    tags = _SERIES_TAGS[(clock, name)] = (
+        f"steptimer/{clock}/{name}_ms", f"steptimer/{clock}_p90/{name}_ms", f"steptimer/{clock}_max/{name}_ms"
+    )
+    return tags
+
+
 def window_scalars(window: Window) -> dict[str, float]:
     """Every scalar a window writes, by tag."""
     out: dict[str, float] = {}
     for clock, series in (("host", window.host), ("gpu", window.gpu)):
         for name, st in series.items():
-            out[f"steptimer/{clock}/{name}_ms"] = st.mean_ms
-            out[f"steptimer/{clock}_p90/{name}_ms"] = st.p90_ms
-            out[f"steptimer/{clock}_max/{name}_ms"] = st.max_ms
+            mean, p90, mx = _SERIES_TAGS.get((clock, name)) or _series_tags(clock, name)
+            out[mean] = st.mean_ms
+            out[p90] = st.p90_ms
+            out[mx] = st.max_ms
     out["steptimer/steps_per_s"] = window.steps_per_s
     out.update(window.extra)
     if window.samples_per_s is not None:
@@ -149,10 +161,11 @@ def encode_window(window: Window, *, scalars: bool = True) -> bytes:
     p = hists.packed
     parts: list[bytes] = []
     if scalars:
-        parts += _scalars(window_scalars(window))
-    native = _native.bound()
-    if native is not None and p.raw is not None:  # the native kernel's buffers: encoded in one call
-        enc = native.encode_histograms([_hist_tag(key) for key in p.series], _UPPER_BYTES, *p.raw)
+        values = window_scalars(window)
+        enc = p.kernels.encode_scalars(list(values), list(values.values())) if p.kernels is not None else None
+        parts += _scalars(values) if enc is None else (enc,)
+    if p.kernels is not None and p.raw is not None:  # the native kernel's buffers: encoded in one call
+        enc = p.kernels.encode_histograms([_hist_tag(key) for key in p.series], _UPPER_BYTES, *p.raw)
         if enc is not None:
             parts.append(enc)
             return b"".join(parts)
@@ -217,7 +230,9 @@ class EventFile:
     times per event (queue, checksum, an open/append/close of the file) while the training loop runs:
     on a 16-core host that cost about 2 µs per step at ``log_every_n_steps=50`` in
     docs/benchmarks.md, more than writing the record here. Records are framed and checksummed by
-    TensorBoard's own ``RecordWriter`` and reach the file (one unbuffered write each) at once.
+    TensorBoard's own ``RecordWriter`` and reach the file within ``FLUSH_S`` of being written (a
+    ``write`` system call per window cost ~80 µs on a virtual disk), and at ``close``, which
+    ``StepTimer.close`` and its exit handler call.
     """
 
     def __init__(self, log_dir: str) -> None:
@@ -228,21 +243,31 @@ class EventFile:
         # The name TensorBoard's writers use (time, host, pid, a counter), so readers sort it the same.
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
         self.path = os.path.join(log_dir, name)
-        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        self._file = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115 - closed in close()
         self._records = RecordWriter(self._file)
         self._records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+        self.flush()
 
     def write(self, summary: bytes, step: int) -> None:
         """Append one event holding the serialized ``Summary`` ``summary``."""
         # Serialized messages concatenate as a merge: the header fields, then Event.summary = 5.
         head = self._event(wall_time=time.time(), step=step).SerializeToString()
         self._records.write(head + b"\x2a" + _varint(len(summary)) + summary)
+        if time.monotonic() - self._flushed >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._flushed = time.monotonic()
 
     def close(self) -> None:
         self._file.close()
 
 
 _FILE_IDS = itertools.count()
+# A write() system call cost ~80 µs per window on the device's virtual disk (docs/benchmarks.md):
+# events are buffered and reach the file at most this long after they were written, and at close.
+FLUSH_S = 1.0
 
 
 class TensorBoardSink:

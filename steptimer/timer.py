@@ -816,9 +816,9 @@ class StepTimer:
         if not rows.count:
             return None
         self._rows = StepRows()
-        kernel = self._b.window_stats if self._b is not None else None
-        window = window_of(rows, self._last_resolved, kernel)
-        self._acc.add_window(window, rows, kernel)
+        kernels = self._b.kernels if self._b is not None else None
+        window = window_of(rows, self._last_resolved, kernels)
+        self._acc.add_window(window, rows, kernels)
         return window
 
     def _emit(self) -> None:

@@ -387,11 +387,11 @@ def test_window_stats_kernel_gives_numpys_numbers(built: Path, seed: int, steps:
 
     from steptimer._stats import pack_rows
 
-    kernel = _native.load(built).window_stats
+    kernels = _native.load(built)
     rows = _random_rows(seed, steps, warm)
     for skip in (False, True):
         a = pack_rows(rows, skip_warmup=skip)
-        b = pack_rows(rows, skip_warmup=skip, kernel=kernel)
+        b = pack_rows(rows, skip_warmup=skip, kernels=kernels)
         assert a.series == b.series
         present = a.count > 0
         assert (a.count == b.count).all()
@@ -417,7 +417,7 @@ def test_window_stats_kernel_sorts_any_order(built: Path) -> None:
 
     from steptimer._stats import StepRows, pack_rows
 
-    kernel = _native.load(built).window_stats
+    kernels = _native.load(built)
     n = 997
     shapes = [list(range(n)), list(range(n, 0, -1)), [5.0] * n, [float(i % 3) for i in range(n)],
               [float((i * 7919) % 101) for i in range(n)]]  # fmt: skip
@@ -425,7 +425,7 @@ def test_window_stats_kernel_sorts_any_order(built: Path) -> None:
         rows = StepRows()
         for k, v in enumerate(values):
             rows.add((None, False, False), [k + 1, float("nan"), float("nan"), v * 1e-3, 0.0, 0.0], False)
-        a, b = pack_rows(rows), pack_rows(rows, kernel=kernel)
+        a, b = pack_rows(rows), pack_rows(rows, kernels=kernels)
         assert a.count.tolist() == b.count.tolist()
         for f in ("min_ms", "max_ms", "median_ms", "p90_ms"):
             assert np.array_equal(getattr(a, f), getattr(b, f)), f
@@ -463,13 +463,13 @@ def test_engine_windows_and_summary_are_the_same_with_the_kernel(built: Path) ->
     from steptimer import StepTimer
     from tests.fakes import FakeClock, FakeGPU, ListSink
 
-    kernel = _native.load(built).window_stats
+    kernels = _native.load(built)
     outs = []
-    for k in (None, kernel):
+    for k in (None, kernels):
         clock = FakeClock()
         gpu = FakeGPU(clock)
         sink = ListSink()
-        backend = dataclasses.replace(gpu.backend(), window_stats=k)
+        backend = dataclasses.replace(gpu.backend(), kernels=k)
         t = StepTimer(_backend=backend, log_every_n_steps=7, warmup_steps=3, print_summary=False, _sinks=[sink])
         import steptimer.timer as timer_mod
 
@@ -508,7 +508,7 @@ def test_engine_windows_and_summary_are_the_same_with_the_kernel(built: Path) ->
     assert sb.samples_per_s == pytest.approx(sa.samples_per_s, rel=1e-12)
 
 
-def test_native_histogram_encoding_is_the_proto_apis_message(built: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_histogram_encoding_is_the_proto_apis_message(built: Path) -> None:
     """With the kernel's buffers, the histograms are encoded in C: the same Summary as the proto API's."""
     from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
 
@@ -516,18 +516,30 @@ def test_native_histogram_encoding_is_the_proto_apis_message(built: Path, monkey
     from steptimer._tensorboard import encode_window, window_summary
 
     mod = _native.load(built)
-    monkeypatch.setattr(_native, "_bound", mod)
     calls = []
-    real = mod.encode_histograms
-    monkeypatch.setattr(mod, "encode_histograms", lambda *a: calls.append(1) or real(*a), raising=False)
+
+    class Counting:  # the module, counting its encoder's calls
+        def __getattr__(self, name: str) -> Any:
+            f = getattr(mod, name)
+            return (lambda *a: calls.append(name) or f(*a)) if name.startswith("encode") else f
+
     for seed, steps, warm in ((3, 50, 0), (4, 300, 5), (7, 1, 0)):
-        w = window_of(_random_rows(seed, steps, warm), steps, mod.window_stats)
+        w = window_of(_random_rows(seed, steps, warm), steps, Counting())
         assert w.hists.packed.raw is not None  # type: ignore[attr-defined]
         got = SummaryProto.FromString(encode_window(w))
         assert got == window_summary(w)
         hist_only = SummaryProto.FromString(encode_window(w, scalars=False))
         assert [v.tag for v in hist_only.value] == [v.tag for v in got.value if v.HasField("histo")]
-    assert len(calls) == 6  # every encoding above went through C
+    assert calls.count("encode_histograms") == 6  # every encoding above went through C
+    assert calls.count("encode_scalars") == 3
+    big = mod.encode_scalars(["a", "b", "c"], [1e300, float("nan"), -2.5])
+    values = SummaryProto.FromString(big).value
+    assert [v.tag for v in values] == ["a", "b", "c"] and values[0].simple_value == float("inf")
+    assert values[1].simple_value != values[1].simple_value and values[2].simple_value == -2.5
+    with pytest.raises(TypeError, match="str"):
+        mod.encode_scalars([b"a"], [1.0])
+    with pytest.raises(ValueError, match="as many"):
+        mod.encode_scalars(["a"], [])
 
 
 def test_native_histogram_encoding_checks_its_buffers(built: Path) -> None:
@@ -544,3 +556,27 @@ def test_native_histogram_encoding_checks_its_buffers(built: Path) -> None:
         mod.encode_histograms([b"\x0a\x01a"], limits, stats, struct.pack("<3q", 0, 2, 2))  # bucket past the grid
     with pytest.raises(TypeError, match="bytes"):
         mod.encode_histograms(["a"], limits, stats, runs)
+
+
+def test_native_accumulation_equals_numpys(built: Path) -> None:
+    """The run's histograms and exact statistics, added window by window in C and through numpy."""
+    import numpy as np
+
+    from steptimer._stats import SummaryAccumulator, window_of
+
+    mod = _native.load(built)
+    accs = []
+    for kernels in (None, mod):
+        acc = SummaryAccumulator()
+        for seed, steps, warm in ((11, 50, 5), (12, 50, 0), (13, 300, 0), (14, 7, 0)):
+            rows = _random_rows(seed, steps, warm)
+            acc.add_window(window_of(rows, steps, kernels), rows, kernels)
+        accs.append(acc)
+    a, b = accs
+    assert a._rows == b._rows
+    n = len(a._rows)
+    assert (a._counts[:n] == b._counts[:n]).all() and a._counts[:n].sum() > 1000
+    np.testing.assert_allclose(a._exact[:n], b._exact[:n], rtol=1e-12)
+    assert {k: h.counts for k, h in a.host.items()} == {k: h.counts for k, h in b.host.items()}
+    with pytest.raises(ValueError, match="sizes"):
+        mod.accumulate(b._counts, b._exact[:1], b"", b"", b"", 2600)

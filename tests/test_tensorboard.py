@@ -249,3 +249,28 @@ def test_layout_has_the_rank_charts_under_ddp(tmp_path: Path, clock: FakeClock, 
     sink.close(None)  # type: ignore[arg-type]
     regexes = layout_regexes(tmp_path / "exp" if own else tmp_path / "exp" / LAYOUT_RUN)
     assert set(RANK_CHARTS.values()) <= set(regexes)
+
+
+def test_event_file_reaches_disk_within_the_flush_interval(tmp_path: Path, clock: FakeClock,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Events are buffered, and on disk within FLUSH_S of being written and at close."""
+    import steptimer._tensorboard as tb_mod
+
+    windows = _windows(clock)
+    now = [100.0]
+    monkeypatch.setattr(tb_mod.time, "monotonic", lambda: now[0])
+    f = EventFile(str(tmp_path))
+    size0 = Path(f.path).stat().st_size  # the file-version header, flushed at once
+    assert size0 > 0
+    f.write(encode_window(windows[0]), 1)
+    assert Path(f.path).stat().st_size == size0  # buffered
+    now[0] += tb_mod.FLUSH_S
+    f.write(encode_window(windows[1]), 2)
+    size2 = Path(f.path).stat().st_size
+    assert size2 > size0  # both events, flushed
+    f.write(encode_window(windows[2]), 3)
+    assert Path(f.path).stat().st_size == size2
+    f.close()
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    assert [e.step for e in EventFileLoader(f.path).Load()][1:] == [1, 2, 3]

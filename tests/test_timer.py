@@ -585,3 +585,27 @@ def test_sampling_lengthens_the_default_window(clock: FakeClock, gpu: FakeGPU) -
     assert make(gpu)[0].log_every_n_steps == 50
     assert make(gpu, sample_every=2, log_every_n_steps=7)[0].log_every_n_steps == 7
     assert make(gpu, sample_every=3)[0].log_every_n_steps == 50  # never shorter than the usual 50
+
+
+def test_unhandled_ctrl_c_without_close_still_writes_every_step(tmp_path: Path) -> None:
+    """No `with`, no close(): the exit handler resolves the pending steps and flushes the event file."""
+    import subprocess
+    import sys
+
+    from tests.tb import scalars
+
+    script = (
+        "from steptimer import StepTimer\n"
+        f"t = StepTimer(log_dir={str(tmp_path)!r}, cuda=False, log_every_n_steps=100, warmup_steps=0)\n"
+        "for i in range(7):\n"
+        "    with t.step():\n"
+        "        with t.phase('forward'):\n"
+        "            pass\n"
+        "raise KeyboardInterrupt\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+    vals = scalars(tmp_path)
+    assert [s for s, _ in vals["steptimer/host/forward_ms"]] == [7]
+    assert "forward" in proc.stdout  # the summary table was printed at exit
