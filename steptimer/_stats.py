@@ -10,7 +10,7 @@ import math
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -344,13 +344,14 @@ class Packed:
                  "run_series", "run_bucket", "run_count", "bounds", "groups", "raw", "kernels")  # fmt: skip
 
     series: list[tuple[str, str]]
-    count: np.ndarray
-    sum_ms: np.ndarray
-    sumsq_ms: np.ndarray
-    min_ms: np.ndarray
-    max_ms: np.ndarray
-    median_ms: np.ndarray
-    p90_ms: np.ndarray
+    # Per series, as Python lists: what every reader of a window takes them as.
+    count: list[int]
+    sum_ms: list[float]
+    sumsq_ms: list[float]
+    min_ms: list[float]
+    max_ms: list[float]
+    median_ms: list[float]
+    p90_ms: list[float]
     run_series: np.ndarray
     run_bucket: np.ndarray
     run_count: np.ndarray
@@ -376,12 +377,12 @@ class Packed:
         s = sid[order]
         counts = np.bincount(s, minlength=nser)
         starts = np.cumsum(counts) - counts
-        self.count = counts
-        self.sum_ms = np.bincount(s, weights=v, minlength=nser)
-        self.sumsq_ms = np.bincount(s, weights=v * v, minlength=nser)
+        self.count = counts.tolist()
+        self.sum_ms = np.bincount(s, weights=v, minlength=nser).tolist()
+        self.sumsq_ms = np.bincount(s, weights=v * v, minlength=nser).tolist()
         ranks = starts + np.ceil(_QS * np.maximum(counts, 1)).astype(np.int64) - 1
         ranks[3] = starts
-        self.max_ms, self.median_ms, self.p90_ms, self.min_ms = np.append(v, np.nan)[np.minimum(ranks, len(v))]
+        self.max_ms, self.median_ms, self.p90_ms, self.min_ms = np.append(v, np.nan)[np.minimum(ranks, len(v))].tolist()
         b = np.floor(np.log(np.maximum(v, _BASE_MS) / _BASE_MS) * _INV_LOG_RATIO).astype(np.int64)
         np.minimum(b, NUM_BUCKETS - 1, out=b)
         combo = s * NUM_BUCKETS + b  # sorted: values are sorted within each series
@@ -401,9 +402,12 @@ class Packed:
         self = cls()
         self.series = series
         self.groups = []
-        st = np.frombuffer(stats).reshape(7, len(series))
-        self.count = st[0].astype(np.int64)
-        self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, self.median_ms, self.p90_ms = st[1:]
+        n = len(series)
+        st = cast("list[float]", memoryview(stats).cast("d").tolist())
+        self.count = [int(c) for c in st[:n]]
+        self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, self.median_ms, self.p90_ms = (
+            st[k * n : (k + 1) * n] for k in range(1, 7)
+        )
         self.run_series, self.run_bucket, self.run_count = np.frombuffer(runs, dtype=np.int64).reshape(3, -1)
         self.bounds = bounds
         self.raw = (stats, runs)
@@ -415,18 +419,15 @@ class Packed:
         h = LogHistogram()
         a, b = self.bounds[k], self.bounds[k + 1]
         h.counts = dict(zip(self.run_bucket[a:b].tolist(), self.run_count[a:b].tolist()))
-        h.count = int(self.count[k])
-        h.sum_ms, h.sumsq_ms = float(self.sum_ms[k]), float(self.sumsq_ms[k])
-        h.min_ms, h.max_ms = float(self.min_ms[k]), float(self.max_ms[k])
+        h.count = self.count[k]
+        h.sum_ms, h.sumsq_ms = self.sum_ms[k], self.sumsq_ms[k]
+        h.min_ms, h.max_ms = self.min_ms[k], self.max_ms[k]
         return h
 
     def stats(self) -> dict[tuple[str, str], SeriesStats]:
         """Every non-empty series' statistics."""
         out = {}
-        for key, c, s, m, p, x in zip(
-            self.series, self.count.tolist(), self.sum_ms.tolist(), self.median_ms.tolist(),
-            self.p90_ms.tolist(), self.max_ms.tolist(),
-        ):  # fmt: skip
+        for key, c, s, m, p, x in zip(self.series, self.count, self.sum_ms, self.median_ms, self.p90_ms, self.max_ms):
             if c:
                 out[key] = SeriesStats(c, s / c, m, p, x)
         return out
@@ -457,6 +458,26 @@ def series_stats(
     return packed.stats(), Histograms(packed)
 
 
+# What the kernel needs of a window's row layouts, by the tuple of layouts (in first-seen order): the
+# window's series, each layout's (spec, series indices), and (phase names, series indices).
+_Plan = tuple[list[tuple[str, str]], list[tuple[bytes, bytes]], list[tuple[Any, list[int]]]]
+_PLANS: dict[tuple[RowKey, ...], _Plan] = {}
+
+
+def _plan(keys: tuple[RowKey, ...]) -> _Plan:
+    if len(_PLANS) > 1024:  # phase names made up per step: keep the cache bounded
+        _PLANS.clear()
+    index: dict[tuple[str, str], int] = {}
+    heads, layouts = [], []
+    for key in keys:
+        lay = _layout(key)
+        cols = [index.setdefault(ser, len(index)) for ser in lay.series]
+        heads.append((lay.spec, array("i", cols).tobytes()))
+        layouts.append((lay.names, cols))
+    plan = _PLANS[keys] = (list(index), heads, layouts)
+    return plan
+
+
 def pack_rows(rows: StepRows, *, skip_warmup: bool = False, kernels: Any = None) -> Packed:
     """A window's statistics and group totals, through the native ``kernels`` (the ``_cudart.c``
     module) when given, else numpy."""
@@ -475,15 +496,12 @@ def pack_rows(rows: StepRows, *, skip_warmup: bool = False, kernels: Any = None)
                 )
             )  # fmt: skip
         return p
-    index: dict[tuple[str, str], int] = {}
-    groups = []
-    layouts = []
-    for key, g in rows.groups.items():
-        lay = _layout(key)
-        cols = [index.setdefault(ser, len(index)) for ser in lay.series]
-        groups.append((g.flat, g.n, g.warm, lay.spec, array("i", cols).tobytes()))
-        layouts.append((lay.names, cols))
-    series = list(index)
+    keys = tuple(rows.groups)
+    plan = _PLANS.get(keys)
+    if plan is None:
+        plan = _plan(keys)
+    series, heads, layouts = plan
+    groups = [(g.flat, g.n, g.warm, *head) for g, head in zip(rows.groups.values(), heads)]
     stats, runs, bounds, totals = kernels.window_stats(
         groups, len(series), skip_warmup, _BASE_MS, _INV_LOG_RATIO, NUM_BUCKETS
     )
@@ -709,7 +727,7 @@ class SummaryAccumulator:
     def _add_packed(self, p: Packed) -> None:
         self._hists = None
         rows = self._rows
-        counts = p.count.tolist()
+        counts = p.count
         for key, c in zip(p.series, counts):
             if c:
                 rows.setdefault(key, len(rows))
@@ -727,14 +745,13 @@ class SummaryAccumulator:
             return
         gs = np.array(g, dtype=np.int64)
         np.add.at(self._counts, (gs[p.run_series], p.run_bucket), p.run_count)
-        present = np.flatnonzero(p.count)
+        present = np.flatnonzero(counts)
         gp = gs[present]
         ex = self._exact
-        ex[gp, 0] += p.count[present]
-        ex[gp, 1] += p.sum_ms[present]
-        ex[gp, 2] += p.sumsq_ms[present]
-        ex[gp, 3] = np.minimum(ex[gp, 3], p.min_ms[present])
-        ex[gp, 4] = np.maximum(ex[gp, 4], p.max_ms[present])
+        new = np.array([p.count, p.sum_ms, p.sumsq_ms, p.min_ms, p.max_ms])[:, present]
+        ex[gp, :3] += new[:3].T
+        ex[gp, 3] = np.minimum(ex[gp, 3], new[3])
+        ex[gp, 4] = np.maximum(ex[gp, 4], new[4])
 
     def summary(self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = ()) -> Summary:
         first_seen = {n: i for i, n in enumerate(self.order)}

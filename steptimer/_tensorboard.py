@@ -174,7 +174,7 @@ def encode_window(window: Window, *, scalars: bool = True) -> bytes:
     bounds = p.bounds
     head = _HISTO_HEAD.pack
     for k, ((clock, name), n, lo, hi, sm, sq) in enumerate(
-        zip(p.series, p.count.tolist(), p.min_ms.tolist(), p.max_ms.tolist(), p.sum_ms.tolist(), p.sumsq_ms.tolist())
+        zip(p.series, p.count, p.min_ms, p.max_ms, p.sum_ms, p.sumsq_ms)
     ):
         if not n:
             continue

@@ -393,12 +393,13 @@ def test_window_stats_kernel_gives_numpys_numbers(built: Path, seed: int, steps:
         a = pack_rows(rows, skip_warmup=skip)
         b = pack_rows(rows, skip_warmup=skip, kernels=kernels)
         assert a.series == b.series
-        present = a.count > 0
-        assert (a.count == b.count).all()
+        present = np.array(a.count) > 0
+        assert a.count == b.count and (present.any() or (skip and warm == steps))
         # Derived series (other = step - phases - wait) are summed in another order than numpy's
         # matmul: equal to the last bits, not bit for bit.
         for f in ("min_ms", "max_ms", "median_ms", "p90_ms", "sum_ms", "sumsq_ms"):
-            np.testing.assert_allclose(getattr(a, f)[present], getattr(b, f)[present], rtol=1e-12, atol=1e-15)
+            got, want = np.array(getattr(b, f))[present], np.array(getattr(a, f))[present]
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
         for f in ("run_series", "run_bucket", "run_count"):
             assert getattr(a, f).tolist() == getattr(b, f).tolist(), f
         assert a.bounds == b.bounds
@@ -426,9 +427,9 @@ def test_window_stats_kernel_sorts_any_order(built: Path) -> None:
         for k, v in enumerate(values):
             rows.add((None, False, False), [k + 1, float("nan"), float("nan"), v * 1e-3, 0.0, 0.0], False)
         a, b = pack_rows(rows), pack_rows(rows, kernels=kernels)
-        assert a.count.tolist() == b.count.tolist()
+        assert a.count == b.count
         for f in ("min_ms", "max_ms", "median_ms", "p90_ms"):
-            assert np.array_equal(getattr(a, f), getattr(b, f)), f
+            assert np.array_equal(getattr(a, f), getattr(b, f), equal_nan=True), f
         assert a.run_count.tolist() == b.run_count.tolist()
 
 
