@@ -172,7 +172,7 @@ static PyObject *is_capturing(PyObject *self, PyObject *arg) {
  * [S, m, then per series: clamp, nan_col, nterms, (col, coef) x nterms]: series = sum of coef x col
  * (NaN read as 0), clamped at 0 if clamp, NaN where column nan_col (>= 0) is NaN; `sids` (int32 x S)
  * are the series' indices in the window. Returns (stats, runs, bounds, totals): stats are 7 x nser
- * doubles (count, sum, sum of squares, min, max, median, p90; nearest rank), runs 3 x R int64
+ * doubles (count, sum, sum of squares, min, max, median, p90; nearest rank, exact), runs 3 x R int64
  * (series, bucket, count) sorted by (series, bucket), bounds the nser + 1 offsets of each series'
  * runs, totals per group [rows, cycle ms, samples, rows with samples, tokens, rows with tokens,
  * [sum of each series]] over the rows used (warm-up rows left out with skip_warm).
@@ -493,8 +493,9 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
     Py_ssize_t *count = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
     Py_ssize_t *fill = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
     Py_ssize_t *start = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
-    double *vals = NULL, *row = NULL;
-    int64_t *runs = NULL;
+    double *vals = NULL, *row = NULL, *pick = NULL;
+    int64_t *runs = NULL, *bucket = NULL;
+    Py_ssize_t *tally = NULL;
     PyObject *stats = NULL, *runs_b = NULL, *bounds = NULL, *totals = NULL, *out = NULL;
     if (!gs || !count || !fill || !start) { PyErr_NoMemory(); goto done; }
     Py_ssize_t nvals = 0;
@@ -544,42 +545,90 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
         PyList_SET_ITEM(totals, i, t);
     }
     for (Py_ssize_t s = 0; s < nser; s++) count[s] = fill[s] - start[s];
-    /* Per series: sort, then the statistics and the runs of equal buckets. */
+    /* Per series: the bucket of each value, then the runs of equal buckets from a count per bucket
+     * (no sort: buckets are monotone in the value), and each nearest-rank quantile as the right
+     * rank among the few values of its bucket. A series spread over more buckets than SPAN is
+     * sorted instead. */
+    enum { SPAN = 4096 };
     stats = PyBytes_FromStringAndSize(NULL, 7 * nser * (Py_ssize_t)sizeof(double));
     runs = PyMem_Malloc((3 * nvals + 1) * sizeof(int64_t));
     bounds = PyList_New(nser + 1);
-    if (!stats || !runs || !bounds) { if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
+    bucket = PyMem_Malloc((nvals + 1) * sizeof(int64_t));
+    tally = PyMem_Calloc(SPAN, sizeof(Py_ssize_t));
+    pick = PyMem_Malloc((nvals + 1) * sizeof(double));
+    if (!stats || !runs || !bounds || !bucket || !tally || !pick) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
     double *st = (double *)PyBytes_AS_STRING(stats);
     Py_ssize_t nruns = 0;
     for (Py_ssize_t s = 0; s < nser; s++) {
         Py_ssize_t c = count[s];
         double *v = vals + start[s];
+        int64_t *bk = bucket + start[s];
         PyList_SET_ITEM(bounds, s, PyLong_FromSsize_t(nruns));
-        sort_doubles(v, c);
-        double sum = 0.0, sumsq = 0.0;
-        for (Py_ssize_t i = 0; i < c; i++) { sum += v[i]; sumsq += v[i] * v[i]; }
-        Py_ssize_t cc = c > 0 ? c : 1;
-        Py_ssize_t med = (Py_ssize_t)ceil(0.5 * (double)cc) - 1, p90 = (Py_ssize_t)ceil(0.9 * (double)cc) - 1;
         st[s] = (double)c;
+        if (c == 0) {
+            st[nser + s] = st[2 * nser + s] = 0.0;
+            st[3 * nser + s] = st[4 * nser + s] = st[5 * nser + s] = st[6 * nser + s] = NAN;
+            continue;
+        }
+        double sum = 0.0, sumsq = 0.0, lo = v[0], hi = v[0];
+        int64_t bmin = nbuckets, bmax = -1;
+        for (Py_ssize_t i = 0; i < c; i++) {
+            double x = v[i];
+            sum += x;
+            sumsq += x * x;
+            if (x < lo) lo = x;
+            if (x > hi) hi = x;
+            int64_t b = (int64_t)floor(log((x > base ? x : base) / base) * inv_log_ratio);
+            if (b > nbuckets - 1) b = nbuckets - 1;
+            bk[i] = b;
+            if (b < bmin) bmin = b;
+            if (b > bmax) bmax = b;
+        }
         st[nser + s] = sum;
         st[2 * nser + s] = sumsq;
-        st[3 * nser + s] = c ? v[0] : NAN;
-        st[4 * nser + s] = c ? v[c - 1] : NAN;
-        st[5 * nser + s] = c ? v[med] : NAN;
-        st[6 * nser + s] = c ? v[p90] : NAN;
-        int64_t last = -1;
-        for (Py_ssize_t i = 0; i < c; i++) {
-            double x = v[i] > base ? v[i] : base;
-            int64_t b = (int64_t)floor(log(x / base) * inv_log_ratio);
-            if (b > nbuckets - 1) b = nbuckets - 1;
-            if (b != last) {
-                runs[nruns] = s;
-                runs[nvals + nruns] = b;
-                runs[2 * nvals + nruns] = 0;
-                nruns++;
-                last = b;
+        st[3 * nser + s] = lo;
+        st[4 * nser + s] = hi;
+        Py_ssize_t ranks[2] = {(Py_ssize_t)ceil(0.5 * (double)c) - 1, (Py_ssize_t)ceil(0.9 * (double)c) - 1};
+        if (bmax - bmin < SPAN) {
+            Py_ssize_t span = (Py_ssize_t)(bmax - bmin + 1);
+            for (Py_ssize_t i = 0; i < c; i++) tally[bk[i] - bmin]++;
+            for (int q = 0; q < 2; q++) {
+                Py_ssize_t below = 0, j = 0;
+                while (below + tally[j] <= ranks[q]) below += tally[j++];
+                Py_ssize_t m = 0;
+                for (Py_ssize_t i = 0; i < c; i++)
+                    if (bk[i] == bmin + j) pick[m++] = v[i];
+                sort_doubles(pick, m);
+                st[(5 + q) * nser + s] = pick[ranks[q] - below];
             }
-            runs[2 * nvals + nruns - 1]++;
+            for (Py_ssize_t j = 0; j < span; j++) {
+                if (!tally[j]) continue;
+                runs[nruns] = s;
+                runs[nvals + nruns] = bmin + j;
+                runs[2 * nvals + nruns] = tally[j];
+                nruns++;
+                tally[j] = 0;
+            }
+        } else {
+            sort_doubles(v, c);
+            st[5 * nser + s] = v[ranks[0]];
+            st[6 * nser + s] = v[ranks[1]];
+            int64_t last = -1;
+            for (Py_ssize_t i = 0; i < c; i++) {
+                int64_t b = (int64_t)floor(log((v[i] > base ? v[i] : base) / base) * inv_log_ratio);
+                if (b > nbuckets - 1) b = nbuckets - 1;
+                if (b != last) {
+                    runs[nruns] = s;
+                    runs[nvals + nruns] = b;
+                    runs[2 * nvals + nruns] = 0;
+                    nruns++;
+                    last = b;
+                }
+                runs[2 * nvals + nruns - 1]++;
+            }
         }
     }
     PyList_SET_ITEM(bounds, nser, PyLong_FromSsize_t(nruns));
@@ -602,6 +651,9 @@ done:
     PyMem_Free(vals);
     PyMem_Free(row);
     PyMem_Free(runs);
+    PyMem_Free(bucket);
+    PyMem_Free(tally);
+    PyMem_Free(pick);
     return out;
 }
 
