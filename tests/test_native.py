@@ -290,15 +290,23 @@ def test_the_engine_uses_the_native_calls_on_cuda(tmp_path: Path) -> None:
 
     from steptimer import StepTimer
 
+    from tests.fakes import ListSink
+
     _native_or_fail()
     torch.zeros(1, device="cuda")
-    t = StepTimer(print_summary=False, warmup_steps=0, log_every_n_steps=2)
-    with t.step(), t.phase("work"):
-        torch.cuda._sleep(1_000_000)
-    assert t._b is not None and t._b.name == "native"
+    sink = ListSink()
+    t = StepTimer(print_summary=False, warmup_steps=0, log_every_n_steps=2, _sinks=[sink])
+    for _ in range(4):
+        with t.step(), t.phase("work"):
+            torch.cuda._sleep(1_000_000)
+    assert t._b is not None and t._b.name == "native" and t._b.kernels is not None
     assert isinstance(t._stream, int)
     summary = t.close()
-    assert summary.cuda and summary.steps == 1
+    assert summary.cuda and summary.steps == 4
+    # The windows were computed by the native kernels, and their GPU numbers are there.
+    assert [w.step for w in sink.windows] == [2, 4]
+    assert all(w.hists.packed.kernels is t._b.kernels for w in sink.windows)
+    assert all(w.gpu["work"].steps == 2 and w.gpu["work"].mean_ms > 0.1 for w in sink.windows)
 
 
 @pytest.mark.cuda
