@@ -289,7 +289,6 @@ def test_the_engine_uses_the_native_calls_on_cuda(tmp_path: Path) -> None:
     import torch
 
     from steptimer import StepTimer
-
     from tests.fakes import ListSink
 
     _native_or_fail()
