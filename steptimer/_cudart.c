@@ -566,7 +566,9 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
         Py_ssize_t c = count[s];
         double *v = vals + start[s];
         int64_t *bk = bucket + start[s];
-        PyList_SET_ITEM(bounds, s, PyLong_FromSsize_t(nruns));
+        PyObject *b0 = PyLong_FromSsize_t(nruns);
+        if (!b0) goto done;
+        PyList_SET_ITEM(bounds, s, b0);
         st[s] = (double)c;
         if (c == 0) {
             st[nser + s] = st[2 * nser + s] = 0.0;
@@ -631,7 +633,9 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
             }
         }
     }
-    PyList_SET_ITEM(bounds, nser, PyLong_FromSsize_t(nruns));
+    PyObject *b1 = PyLong_FromSsize_t(nruns);
+    if (!b1) goto done;
+    PyList_SET_ITEM(bounds, nser, b1);
     runs_b = PyBytes_FromStringAndSize(NULL, 3 * nruns * (Py_ssize_t)sizeof(int64_t));
     if (!runs_b) goto done;
     int64_t *rb = (int64_t *)PyBytes_AS_STRING(runs_b);
