@@ -241,6 +241,8 @@ class EventFile:
 
         self._event = Event
         # The name TensorBoard's writers use (time, host, pid, a counter), so readers sort it the same.
+        # time.time() here and below is the events' wall-clock stamp (epoch seconds, as TensorBoard
+        # shows it), never a duration: every duration steptimer reports comes from perf_counter.
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
         self.path = os.path.join(log_dir, name)
         self._file = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115 - closed in close()
