@@ -16,9 +16,15 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <time.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#if PY_VERSION_HEX < 0x030A0000
+static inline PyObject *Py_NewRef(PyObject *o) { Py_INCREF(o); return o; }
+#endif
+static inline PyObject *Py_NewRefNone(void) { Py_INCREF(Py_None); return Py_None; }
 
 typedef int err_t; /* cudaError_t; 0 is cudaSuccess, 600 is cudaErrorNotReady */
 typedef void *handle_t;
@@ -661,6 +667,289 @@ done:
     return out;
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * Phase: `with timer.phase(name):` in C, the same logic as steptimer/timer.py's _Phase (which stays
+ * as the fallback; tests run the engine's suite through both). It reads and writes the StepTimer's
+ * per-step state in its __dict__ (_in_step, _timed, _gpu, _stack, _recs, _evs, _free, _last_t,
+ * _last_i, _record, _stream) with interned keys: each access is a dict lookup instead of a Python
+ * attribute access inside a Python frame, which is most of a phase boundary's host cost.
+ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *timer, *dict, *name, *clock;
+    double share_s;
+    int active, monotonic; /* monotonic: clock is time.perf_counter, read here directly */
+} Phase;
+
+static PyObject *K_in_step, *K_timed, *K_gpu, *K_stack, *K_recs, *K_evs, *K_free, *K_last_t, *K_last_i,
+    *K_record, *K_stream, *K_new_event, *K_slash;
+
+static int intern_keys(void) {
+    struct { PyObject **k; const char *s; } keys[] = {
+        {&K_in_step, "_in_step"}, {&K_timed, "_timed"}, {&K_gpu, "_gpu"}, {&K_stack, "_stack"},
+        {&K_recs, "_recs"}, {&K_evs, "_evs"}, {&K_free, "_free"}, {&K_last_t, "_last_t"},
+        {&K_last_i, "_last_i"}, {&K_record, "_record"}, {&K_stream, "_stream"},
+        {&K_new_event, "_new_event"}, {&K_slash, "/"},
+    };
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (!(*keys[i].k = PyUnicode_InternFromString(keys[i].s))) return 0;
+    return 1;
+}
+
+/* A borrowed value from the timer's __dict__; NULL with an exception if missing. */
+static PyObject *get(Phase *ph, PyObject *key) {
+    PyObject *v = PyDict_GetItemWithError(ph->dict, key);
+    if (!v && !PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, key);
+    return v;
+}
+
+static int truthy(Phase *ph, PyObject *key) {
+    PyObject *v = get(ph, key);
+    return v ? PyObject_IsTrue(v) : -1;
+}
+
+static double now(Phase *ph) {
+    if (ph->monotonic) {
+        /* time.perf_counter() on Linux: CLOCK_MONOTONIC in integer ns, then seconds as a double,
+         * computed the way CPython does, so the values are the same as Python's. */
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        int64_t ns = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+        return ns % 1000000000 == 0 ? (double)(ns / 1000000000) : (double)ns / 1e9;
+    }
+    PyObject *t = PyObject_CallNoArgs(ph->clock);
+    if (!t) return -1.0;
+    double x = PyFloat_AsDouble(t);
+    Py_DECREF(t);
+    return x;
+}
+
+/* The boundary event at host time t (shared with the last record when it is within share_s):
+ * its index in _evs, or -2 with an exception. Updates _last_t/_last_i; returns the new t in *t_out. */
+static Py_ssize_t boundary(Phase *ph, double t, double *t_out) {
+    *t_out = t;
+    PyObject *last_t = get(ph, K_last_t);
+    if (!last_t) return -2;
+    double lt = PyFloat_AsDouble(last_t);
+    if (lt == -1.0 && PyErr_Occurred()) return -2;
+    if (t - lt < ph->share_s) {
+        PyObject *li = get(ph, K_last_i);
+        return li ? PyLong_AsSsize_t(li) : -2;
+    }
+    PyObject *free = get(ph, K_free), *evs = get(ph, K_evs), *record = get(ph, K_record), *stream = get(ph, K_stream);
+    if (!free || !evs || !record || !stream) return -2;
+    PyObject *ev;
+    Py_ssize_t nfree = PyList_GET_SIZE(free);
+    if (nfree > 0) {
+        ev = PyList_GET_ITEM(free, nfree - 1);
+        Py_INCREF(ev);
+        if (PyList_SetSlice(free, nfree - 1, nfree, NULL) < 0) { Py_DECREF(ev); return -2; }
+    } else {
+        ev = PyObject_CallMethodNoArgs(ph->timer, K_new_event);
+        if (!ev) return -2;
+    }
+    PyObject *args[2] = {ev, stream};
+    PyObject *r = PyObject_Vectorcall(record, args, 2, NULL);
+    if (!r) { Py_DECREF(ev); return -2; }
+    Py_DECREF(r);
+    Py_ssize_t i = PyList_GET_SIZE(evs);
+    int err = PyList_Append(evs, ev);
+    Py_DECREF(ev);
+    if (err < 0) return -2;
+    PyObject *pi = PyLong_FromSsize_t(i);
+    if (!pi || PyDict_SetItem(ph->dict, K_last_i, pi) < 0) { Py_XDECREF(pi); return -2; }
+    Py_DECREF(pi);
+    double t2 = now(ph);
+    if (t2 == -1.0 && PyErr_Occurred()) return -2;
+    PyObject *pt = PyFloat_FromDouble(t2);
+    if (!pt || PyDict_SetItem(ph->dict, K_last_t, pt) < 0) { Py_XDECREF(pt); return -2; }
+    Py_DECREF(pt);
+    *t_out = t2;
+    return i;
+}
+
+static PyObject *phase_enter(Phase *ph, PyObject *unused) {
+    int in_step = truthy(ph, K_in_step);
+    if (in_step < 0) return NULL;
+    if (!in_step) {
+        PyErr_Format(PyExc_RuntimeError, "phase(%R) entered outside a step: put it inside `with timer.step():`",
+                     ph->name);
+        return NULL;
+    }
+    int timed = truthy(ph, K_timed);
+    if (timed <= 0) return timed < 0 ? NULL : Py_NewRefNone();
+    if (ph->active) {
+        PyErr_Format(PyExc_RuntimeError, "phase %R is already open: a phase cannot be reopened inside itself",
+                     ph->name);
+        return NULL;
+    }
+    PyObject *stack = get(ph, K_stack);
+    if (!stack) return NULL;
+    double t0 = now(ph);
+    if (t0 == -1.0 && PyErr_Occurred()) return NULL;
+    Py_ssize_t i = -1;
+    int gpu = truthy(ph, K_gpu);
+    if (gpu < 0) return NULL;
+    if (gpu && (i = boundary(ph, t0, &t0)) == -2) return NULL;
+    PyObject *full;
+    Py_ssize_t depth = PyList_GET_SIZE(stack);
+    if (depth) {
+        PyObject *outer = PyTuple_GET_ITEM(PyList_GET_ITEM(stack, depth - 1), 0);
+        PyObject *a = PyUnicode_Concat(outer, K_slash);
+        full = a ? PyUnicode_Concat(a, ph->name) : NULL;
+        Py_XDECREF(a);
+    } else {
+        full = Py_NewRef(ph->name);
+    }
+    if (!full) return NULL;
+    PyObject *entry = PyTuple_New(4), *pt0 = PyFloat_FromDouble(t0), *pi = PyLong_FromSsize_t(i);
+    if (!entry || !pt0 || !pi) { Py_XDECREF(entry); Py_XDECREF(pt0); Py_XDECREF(pi); Py_DECREF(full); return NULL; }
+    PyTuple_SET_ITEM(entry, 0, full);
+    PyTuple_SET_ITEM(entry, 1, Py_NewRef(ph->name));
+    PyTuple_SET_ITEM(entry, 2, pt0);
+    PyTuple_SET_ITEM(entry, 3, pi);
+    int err = PyList_Append(stack, entry);
+    Py_DECREF(entry);
+    if (err < 0) return NULL;
+    ph->active = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *phase_exit(Phase *ph, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "__exit__(exc_type, exc, tb)");
+        return NULL;
+    }
+    int in_step = truthy(ph, K_in_step);
+    if (in_step < 0) return NULL;
+    int timed = in_step ? truthy(ph, K_timed) : 0;
+    if (timed < 0) return NULL;
+    if (!timed) Py_RETURN_FALSE;
+    double t1 = now(ph);
+    if (t1 == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *stack = get(ph, K_stack);
+    if (!stack) return NULL;
+    Py_ssize_t depth = PyList_GET_SIZE(stack);
+    PyObject *top = depth ? PyList_GET_ITEM(stack, depth - 1) : NULL;
+    int same = 0;
+    if (top) {
+        same = PyUnicode_Compare(PyTuple_GET_ITEM(top, 1), ph->name) == 0;
+        if (!same && PyErr_Occurred()) return NULL;
+    }
+    if (!same) {
+        if (args[0] == Py_None) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "phase %R exited while %R is open: phases must nest (exit the inner phase first)", ph->name,
+                         top ? PyTuple_GET_ITEM(top, 0) : Py_None);
+            return NULL;
+        }
+        Py_RETURN_FALSE;
+    }
+    Py_INCREF(top);
+    if (PyList_SetSlice(stack, depth - 1, depth, NULL) < 0) { Py_DECREF(top); return NULL; }
+    ph->active = 0;
+    Py_ssize_t i_out = -1;
+    int gpu = truthy(ph, K_gpu);
+    double t_after;
+    if (gpu < 0 || (gpu && (i_out = boundary(ph, t1, &t_after)) == -2)) { Py_DECREF(top); return NULL; }
+    PyObject *recs = get(ph, K_recs);
+    if (!recs) { Py_DECREF(top); return NULL; }
+    PyObject *rec = PyTuple_New(5), *pt1 = PyFloat_FromDouble(t1), *po = PyLong_FromSsize_t(i_out);
+    if (!rec || !pt1 || !po) { Py_XDECREF(rec); Py_XDECREF(pt1); Py_XDECREF(po); Py_DECREF(top); return NULL; }
+    PyTuple_SET_ITEM(rec, 0, Py_NewRef(PyTuple_GET_ITEM(top, 0)));
+    PyTuple_SET_ITEM(rec, 1, Py_NewRef(PyTuple_GET_ITEM(top, 2)));
+    PyTuple_SET_ITEM(rec, 2, pt1);
+    PyTuple_SET_ITEM(rec, 3, Py_NewRef(PyTuple_GET_ITEM(top, 3)));
+    PyTuple_SET_ITEM(rec, 4, po);
+    Py_DECREF(top);
+    int err = PyList_Append(recs, rec);
+    Py_DECREF(rec);
+    if (err < 0) return NULL;
+    Py_RETURN_FALSE;
+}
+
+static int phase_init(Phase *ph, PyObject *args, PyObject *kw) {
+    PyObject *timer, *name, *clock;
+    double share_s;
+    if (!PyArg_ParseTuple(args, "OUOd", &timer, &name, &clock, &share_s)) return -1;
+    PyObject *dict = PyObject_GenericGetDict(timer, NULL);
+    if (!dict) return -1;
+    Py_XSETREF(ph->dict, dict);
+    Py_XSETREF(ph->timer, Py_NewRef(timer));
+    Py_XSETREF(ph->name, Py_NewRef(name));
+    Py_XSETREF(ph->clock, Py_NewRef(clock));
+    ph->share_s = share_s;
+    ph->active = 0;
+    ph->monotonic = 0;
+#ifdef __linux__
+    PyObject *time_mod = PyImport_ImportModule("time");
+    if (!time_mod) return -1;
+    PyObject *pc = PyObject_GetAttrString(time_mod, "perf_counter");
+    Py_DECREF(time_mod);
+    if (!pc) return -1;
+    ph->monotonic = pc == clock;
+    Py_DECREF(pc);
+#endif
+    return 0;
+}
+
+static int phase_traverse(Phase *ph, visitproc visit, void *arg) {
+    Py_VISIT(ph->timer);
+    Py_VISIT(ph->dict);
+    Py_VISIT(ph->clock);
+    return 0;
+}
+
+static int phase_clear(Phase *ph) {
+    Py_CLEAR(ph->timer);
+    Py_CLEAR(ph->dict);
+    Py_CLEAR(ph->name);
+    Py_CLEAR(ph->clock);
+    return 0;
+}
+
+static void phase_dealloc(Phase *ph) {
+    PyObject_GC_UnTrack(ph);
+    phase_clear(ph);
+    Py_TYPE(ph)->tp_free((PyObject *)ph);
+}
+
+static PyObject *phase_get_active(Phase *ph, void *unused) { return PyBool_FromLong(ph->active); }
+static int phase_set_active(Phase *ph, PyObject *v, void *unused) {
+    int b = v ? PyObject_IsTrue(v) : 0;
+    if (b < 0) return -1;
+    ph->active = b;
+    return 0;
+}
+static PyObject *phase_get_name(Phase *ph, void *unused) { return Py_NewRef(ph->name); }
+
+static PyMethodDef phase_methods[] = {
+    {"__enter__", (PyCFunction)phase_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))phase_exit, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef phase_getset[] = {
+    {"_active", (getter)phase_get_active, (setter)phase_set_active, NULL, NULL},
+    {"_name", (getter)phase_get_name, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PhaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_steptimer_cudart.Phase",
+    .tp_basicsize = sizeof(Phase),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Phase(timer, name, clock, share_s): `with timer.phase(name):` in C",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)phase_init,
+    .tp_dealloc = (destructor)phase_dealloc,
+    .tp_traverse = (traverseproc)phase_traverse,
+    .tp_clear = (inquiry)phase_clear,
+    .tp_methods = phase_methods,
+    .tp_getset = phase_getset,
+};
+
 static PyMethodDef methods[] = {
     {"init", init, METH_O, "init(libcudart_path): bind the calls to the runtime torch loaded."},
     {"record", (PyCFunction)(void (*)(void))record, METH_FASTCALL, "record(event, stream)"},
@@ -681,4 +970,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_steptimer_cudart", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__steptimer_cudart(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__steptimer_cudart(void) {
+    if (!intern_keys() || PyType_Ready(&PhaseType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&PhaseType);
+    if (PyModule_AddObject(m, "Phase", (PyObject *)&PhaseType) < 0) {
+        Py_DECREF(&PhaseType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

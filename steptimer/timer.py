@@ -23,7 +23,7 @@ import tempfile
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from time import perf_counter
 from types import TracebackType
 from typing import Any, Literal, Protocol
@@ -335,7 +335,7 @@ class StepTimer:
         self._closed = False
         self._summary: Summary | None = None
         self._sinks: list[Sink] = list(_sinks)
-        self._phase_cms: dict[str, _Phase] = {}
+        self._phase_cms: dict[str, Any] = {}  # _Phase, or its C twin (_cudart.c Phase)
         self._step_cm = _Step(self)
         self._number = start_step
         self._first_number = start_step + 1
@@ -411,17 +411,26 @@ class StepTimer:
         self._tokens = tokens
         return self._step_cm
 
-    def phase(self, name: str) -> _Phase | _Null:
+    def phase(self, name: str) -> AbstractContextManager[None]:
         """Context manager around a phase of the current step (``forward``, ``loss``, ...)."""
         cm = self._phase_cms.get(name)
         if cm is None:
             if not self.enabled:
                 return _NULL
             check_phase_name(name)
-            cm = self._phase_cms[name] = _Phase(self, name)
+            cm = self._phase_cms[name] = self._new_phase(name)
         if self._untimed:
             return _NULL
-        return cm
+        return cm  # type: ignore[no-any-return]  # a _Phase or its C twin
+
+    def _new_phase(self, name: str) -> Any:
+        # On CUDA with the native extension, the phase's enter/exit run in C (_cudart.c Phase, the same
+        # logic as _Phase): a phase boundary's Python frames and attribute lookups are most of its
+        # host cost. The clock is this module's perf_counter, as for _Phase.
+        native = getattr(self._b.kernels, "Phase", None) if self._b is not None and self._cuda else None
+        if native is not None:
+            return native(self, name, perf_counter, _SHARE_GAP_S)
+        return _Phase(self, name)
 
     @contextmanager
     def pause(self) -> Iterator[None]:

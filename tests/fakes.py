@@ -15,6 +15,11 @@ from typing import Any
 
 from steptimer._clock import _CudaBackend
 
+# The native extension (_cudart.c) for simulated-GPU backends: tests/test_timer.py runs the engine's
+# suite once with None (phases and windows in Python/numpy) and once with the extension built on this
+# machine (phases and windows in C; no CUDA involved).
+NATIVE_KERNELS: Any = None
+
 
 class FakeClock:
     """Host clock in seconds; time moves only when a test (or a wait) moves it."""
@@ -89,6 +94,7 @@ class FakeGPU:
             stream_key=lambda: self.stream,
             stream_of_key=lambda key: key,
             is_capturing=lambda stream: self.capturing,
+            kernels=NATIVE_KERNELS,
         )
 
 

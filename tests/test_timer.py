@@ -14,6 +14,24 @@ from steptimer import StepTimer
 from tests.fakes import FakeClock, FakeGPU, ListSink
 
 
+@pytest.fixture(scope="module")
+def native_kernels(tmp_path_factory: pytest.TempPathFactory) -> object:
+    from steptimer import _native
+
+    return _native.load(_native.build(tmp_path_factory.mktemp("native")))
+
+
+@pytest.fixture(autouse=True, params=["python", "native"])
+def engine_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every engine test runs twice on the simulated GPU: phases and windows in Python and numpy, and
+    in the native extension (_cudart.c Phase and window kernels), which must behave the same."""
+    import tests.fakes
+
+    if request.param == "native":
+        monkeypatch.setattr(tests.fakes, "NATIVE_KERNELS", request.getfixturevalue("native_kernels"))
+    return str(request.param)
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     c = FakeClock()
@@ -609,3 +627,33 @@ def test_unhandled_ctrl_c_without_close_still_writes_every_step(tmp_path: Path) 
     vals = scalars(tmp_path)
     assert [s for s, _ in vals["steptimer/host/forward_ms"]] == [7]
     assert "forward" in proc.stdout  # the summary table was printed at exit
+
+
+def test_phases_run_in_c_where_the_extension_is(clock: FakeClock, gpu: FakeGPU, engine_impl: str) -> None:
+    """The parametrized suite really runs both implementations: C phases with the extension on a GPU
+    backend, Python ones without it (and always for host-only timing)."""
+    t, _ = make(gpu)
+    train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
+    assert type(t._phase_cms["forward"]).__name__ == ("Phase" if engine_impl == "native" else "_Phase")
+    h, _ = make()
+    train_step(h, clock, None, host={"forward": 1.0})
+    assert type(h._phase_cms["forward"]).__name__ == "_Phase"
+
+
+def test_native_phases_read_the_same_clock_as_perf_counter(engine_impl: str) -> None:
+    """With the real clock, the C phase reads CLOCK_MONOTONIC itself: its times must be
+    time.perf_counter()'s, bracketed by calls made around it."""
+    from time import perf_counter
+
+    gpu = FakeGPU(FakeClock())
+    t, _ = make(gpu)
+    for _ in range(3):
+        before = perf_counter()
+        with t.step():
+            with t.phase("forward"):
+                pass
+            inside = list(t._recs)
+        after = perf_counter()
+        ((name, t_in, t_out, _, _),) = inside
+        assert name == "forward" and before <= t_in <= t_out <= after
+    assert type(t._phase_cms["forward"]).__name__ == ("Phase" if engine_impl == "native" else "_Phase")
