@@ -744,6 +744,28 @@ def _numpy_windows() -> Any:
     return dataclasses.replace(default_backend(), kernels=None)
 
 
+class _WithoutPhase:
+    """The native module without its C ``Phase``: the engine then runs its phases in Python."""
+
+    def __init__(self, mod: Any) -> None:
+        self._mod = mod
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "Phase":
+            raise AttributeError(name)
+        return getattr(self._mod, name)
+
+
+def _python_phases() -> Any:
+    """The default backend with Python phases (``_Phase``) and native windows."""
+    import dataclasses
+
+    from steptimer._clock import default_backend
+
+    b = default_backend()
+    return dataclasses.replace(b, kernels=_WithoutPhase(b.kernels) if b.kernels is not None else None)
+
+
 def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
     """Host µs added per step with no GPU work ("empty") and with one tiny kernel per phase."""
     small = torch.zeros(1, device="cuda")
@@ -808,6 +830,8 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         ("default-torchapi", {"log_dir": ..., "_backend": torch_backend()}, ("empty",)),
         # The same engine with its window statistics through numpy (where _cudart.c can't be built).
         ("default-numpywindows", {"log_dir": ..., "_backend": _numpy_windows()}, ("empty",)),
+        # The same engine with its phases' enter/exit in Python (_Phase) instead of _cudart.c's Phase.
+        ("default-pyphases", {"log_dir": ..., "_backend": _python_phases()}, ("empty",)),
         ("lag0", {"lag": 0, "log_dir": ...}, ("empty", "tiny")),
         ("sampled100", {"sample_every": 100, "log_dir": ...}, ("empty", "tiny")),
         # Where the host time goes: without the TensorBoard sink, without the cross-rank
