@@ -734,7 +734,8 @@ static Py_ssize_t boundary(Phase *ph, double t, double *t_out) {
     if (lt == -1.0 && PyErr_Occurred()) return -2;
     if (t - lt < ph->share_s) {
         PyObject *li = get(ph, K_last_i);
-        return li ? PyLong_AsSsize_t(li) : -2;
+        Py_ssize_t i = li ? PyLong_AsSsize_t(li) : -2;
+        return i == -1 && PyErr_Occurred() ? -2 : i;
     }
     PyObject *free = get(ph, K_free), *evs = get(ph, K_evs), *record = get(ph, K_record), *stream = get(ph, K_stream);
     if (!free || !evs || !record || !stream) return -2;

@@ -128,6 +128,10 @@ def check_phase_name(name: str) -> None:
 
 
 class _Phase:
+    """``with timer.phase(name):``. ``_cudart.c``'s ``Phase`` is its C twin, used on CUDA where the
+    extension is built: any change here goes there too (tests/test_timer.py runs the engine's suite on
+    both)."""
+
     __slots__ = ("_t", "_name", "_active")
 
     def __init__(self, timer: StepTimer, name: str) -> None:
