@@ -735,8 +735,9 @@ def phase_gap(steps: int = 3000) -> dict[str, Any]:
 # --------------------------------------------------------------------------- host cost per step
 
 
-def _numpy_windows() -> Any:
-    """The default backend with the native window kernel taken out (windows through numpy)."""
+def _without_kernels() -> Any:
+    """The default backend without the native kernels: steps, phases and windows in Python and numpy
+    (the CUDA calls stay native). Runs N-P called this variant ``default-numpywindows``."""
     import dataclasses
 
     from steptimer._clock import default_backend
@@ -744,26 +745,27 @@ def _numpy_windows() -> Any:
     return dataclasses.replace(default_backend(), kernels=None)
 
 
-class _WithoutPhase:
-    """The native module without its C ``Phase``: the engine then runs its phases in Python."""
+class _Without:
+    """The native module without some of its C types: the engine then runs those parts in Python."""
 
-    def __init__(self, mod: Any) -> None:
+    def __init__(self, mod: Any, *names: str) -> None:
         self._mod = mod
+        self._names = names
 
     def __getattr__(self, name: str) -> Any:
-        if name == "Phase":
+        if name in self._names:
             raise AttributeError(name)
         return getattr(self._mod, name)
 
 
-def _python_phases() -> Any:
-    """The default backend with Python phases (``_Phase``) and native windows."""
+def _python(*names: str) -> Any:
+    """The default backend with the C types ``names`` ("Step", "Phase") left to their Python twins."""
     import dataclasses
 
     from steptimer._clock import default_backend
 
     b = default_backend()
-    return dataclasses.replace(b, kernels=_WithoutPhase(b.kernels) if b.kernels is not None else None)
+    return dataclasses.replace(b, kernels=_Without(b.kernels, *names) if b.kernels is not None else None)
 
 
 def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
@@ -829,9 +831,11 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         # The same engine on torch's Python event API (the fallback where _cudart.c can't be built).
         ("default-torchapi", {"log_dir": ..., "_backend": torch_backend()}, ("empty",)),
         # The same engine with its window statistics through numpy (where _cudart.c can't be built).
-        ("default-numpywindows", {"log_dir": ..., "_backend": _numpy_windows()}, ("empty",)),
-        # The same engine with its phases' enter/exit in Python (_Phase) instead of _cudart.c's Phase.
-        ("default-pyphases", {"log_dir": ..., "_backend": _python_phases()}, ("empty",)),
+        ("default-nokernels", {"log_dir": ..., "_backend": _without_kernels()}, ("empty",)),
+        # The same engine with its steps' enter/exit in Python (_Step) instead of _cudart.c's Step, then
+        # with its phases' too (_Phase instead of Phase); windows native in both.
+        ("default-pysteps", {"log_dir": ..., "_backend": _python("Step")}, ("empty",)),
+        ("default-pyphases", {"log_dir": ..., "_backend": _python("Step", "Phase")}, ("empty",)),
         ("lag0", {"lag": 0, "log_dir": ...}, ("empty", "tiny")),
         ("sampled100", {"sample_every": 100, "log_dir": ...}, ("empty", "tiny")),
         # Where the host time goes: without the TensorBoard sink, without the cross-rank

@@ -123,8 +123,9 @@ def host_table(h: dict[str, Any], m: dict[str, Any] | None) -> str:
             "stream key, capture check), through torch's API, and `ref_cuda_calls_native` through steptimer's "
             "native calls; `ref_minimal` a timer that does only that work (torch's API) behind the same API. "
             "`default-torchapi` is the engine on torch's event API, the fallback where `_cudart.c` can't be built; "
-            "`default-numpywindows` the engine with its window statistics through numpy instead of `_cudart.c`; "
-            "`default-pyphases` the engine with its phases' enter/exit in Python instead of `_cudart.c`."
+            "`default-nokernels` the engine without `_cudart.c`'s kernels (steps, phases and windows in Python "
+            "and numpy; its CUDA calls still native); `default-pysteps` the engine with its steps' enter/exit in "
+            "Python instead of `_cudart.c`, `default-pyphases` with its steps' and phases' (windows native)."
         )
     return t
 

@@ -15,6 +15,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <dlfcn.h>
 #include <time.h>
 #include <math.h>
@@ -668,28 +669,53 @@ done:
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Phase: `with timer.phase(name):` in C, the same logic as steptimer/timer.py's _Phase (which stays
- * as the fallback; tests run the engine's suite through both). It reads and writes the StepTimer's
- * per-step state in its __dict__ (_in_step, _timed, _gpu, _stack, _recs, _evs, _free, _last_t,
- * _last_i, _record, _stream) with interned keys: each access is a dict lookup instead of a Python
- * attribute access inside a Python frame, which is most of a phase boundary's host cost.
+ * Phase and Step: `with timer.phase(name):` and `with timer.step():` in C, the same logic as
+ * steptimer/timer.py's _Phase and _Step (which stay as the fallback; tests run the engine's suite
+ * through both). They read and write the StepTimer's per-step state in its __dict__ with interned
+ * keys: each access is a dict lookup instead of a Python attribute access inside a Python frame,
+ * which is most of a step's and a phase boundary's host cost. Step takes the timed CUDA step's
+ * path (the common one) and hands every other case (untimed steps, errors, lag 0, a stream switch's
+ * bookkeeping, a step with a trace capture) to the Python code, unchanged.
  */
 typedef struct {
     PyObject_HEAD
-    PyObject *timer, *dict, *name, *clock;
+    PyObject *timer, *dict, *clock;
     double share_s;
-    int active, monotonic; /* monotonic: clock is time.perf_counter, read here directly */
+    int monotonic; /* clock is time.perf_counter, read here directly */
+} Base;
+
+typedef struct {
+    Base b;
+    PyObject *name;
+    int active;
 } Phase;
 
 static PyObject *K_in_step, *K_timed, *K_gpu, *K_stack, *K_recs, *K_evs, *K_free, *K_last_t, *K_last_i,
-    *K_record, *K_stream, *K_new_event, *K_slash;
+    *K_record, *K_stream, *K_new_event, *K_slash, *K_cuda, *K_closed, *K_number, *K_next_timed,
+    *K_get_stream_key, *K_stream_key, *K_switch_stream, *K_is_capturing, *K_t0, *K_first_number,
+    *K_warmup_steps, *K_samples, *K_tokens, *K_pause_evs, *K_gap_start, *K_paused_s, *K_device, *K_pending,
+    *K_pending_events, *K_lag, *K_wait, *K_wait_for, *K_resolve, *K_sample_every, *K_pick_timed, *K_trace,
+    *K_offsets, *K_elapsed, *K_held_end, *K_rows, *K_add, *K_last_resolved, *K_log_every, *K_emit,
+    *K_append, *K_popleft, *K_events, *K_i_end, *K_enter, *K_exit;
 
 static int intern_keys(void) {
     struct { PyObject **k; const char *s; } keys[] = {
         {&K_in_step, "_in_step"}, {&K_timed, "_timed"}, {&K_gpu, "_gpu"}, {&K_stack, "_stack"},
         {&K_recs, "_recs"}, {&K_evs, "_evs"}, {&K_free, "_free"}, {&K_last_t, "_last_t"},
         {&K_last_i, "_last_i"}, {&K_record, "_record"}, {&K_stream, "_stream"},
-        {&K_new_event, "_new_event"}, {&K_slash, "/"},
+        {&K_new_event, "_new_event"}, {&K_slash, "/"}, {&K_cuda, "_cuda"}, {&K_closed, "_closed"},
+        {&K_number, "_number"}, {&K_next_timed, "_next_timed"}, {&K_get_stream_key, "_get_stream_key"},
+        {&K_stream_key, "_stream_key"}, {&K_switch_stream, "_switch_stream"},
+        {&K_is_capturing, "_is_capturing"}, {&K_t0, "_t0"}, {&K_first_number, "_first_number"},
+        {&K_warmup_steps, "warmup_steps"}, {&K_samples, "_samples"}, {&K_tokens, "_tokens"},
+        {&K_pause_evs, "_pause_evs"}, {&K_gap_start, "_gap_start"}, {&K_paused_s, "_paused_s"},
+        {&K_device, "_device"}, {&K_pending, "_pending"}, {&K_pending_events, "_pending_events"},
+        {&K_lag, "lag"}, {&K_wait, "_wait"}, {&K_wait_for, "_wait_for"}, {&K_resolve, "_resolve"},
+        {&K_sample_every, "sample_every"}, {&K_pick_timed, "_pick_timed"}, {&K_trace, "_trace"},
+        {&K_offsets, "_offsets"}, {&K_elapsed, "_elapsed"}, {&K_held_end, "_held_end"}, {&K_rows, "_rows"},
+        {&K_add, "add"}, {&K_last_resolved, "_last_resolved"}, {&K_log_every, "log_every_n_steps"},
+        {&K_emit, "_emit"}, {&K_append, "append"}, {&K_popleft, "popleft"}, {&K_events, "events"},
+        {&K_i_end, "i_end"}, {&K_enter, "__enter__"}, {&K_exit, "__exit__"},
     };
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!(*keys[i].k = PyUnicode_InternFromString(keys[i].s))) return 0;
@@ -697,19 +723,41 @@ static int intern_keys(void) {
 }
 
 /* A borrowed value from the timer's __dict__; NULL with an exception if missing. */
-static PyObject *get(Phase *ph, PyObject *key) {
-    PyObject *v = PyDict_GetItemWithError(ph->dict, key);
+static PyObject *get(Base *b, PyObject *key) {
+    PyObject *v = PyDict_GetItemWithError(b->dict, key);
     if (!v && !PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, key);
     return v;
 }
 
-static int truthy(Phase *ph, PyObject *key) {
-    PyObject *v = get(ph, key);
+static int truthy(Base *b, PyObject *key) {
+    PyObject *v = get(b, key);
     return v ? PyObject_IsTrue(v) : -1;
 }
 
-static double now(Phase *ph) {
-    if (ph->monotonic) {
+/* Set the timer's attribute to a new reference (stolen); -1 with an exception. */
+static int put(Base *b, PyObject *key, PyObject *v) {
+    if (!v) return -1;
+    int err = PyDict_SetItem(b->dict, key, v);
+    Py_DECREF(v);
+    return err;
+}
+
+static int get_ll(Base *b, PyObject *key, long long *out) {
+    PyObject *v = get(b, key);
+    if (!v) return -1;
+    *out = PyLong_AsLongLong(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int get_double(Base *b, PyObject *key, double *out) {
+    PyObject *v = get(b, key);
+    if (!v) return -1;
+    *out = PyFloat_AsDouble(v);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+static double now(Base *b) {
+    if (b->monotonic) {
         /* time.perf_counter() on Linux: CLOCK_MONOTONIC in integer ns, then seconds as a double,
          * computed the way CPython does, so the values are the same as Python's. */
         struct timespec ts;
@@ -717,81 +765,118 @@ static double now(Phase *ph) {
         int64_t ns = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
         return ns % 1000000000 == 0 ? (double)(ns / 1000000000) : (double)ns / 1e9;
     }
-    PyObject *t = PyObject_CallNoArgs(ph->clock);
+    PyObject *t = PyObject_CallNoArgs(b->clock);
     if (!t) return -1.0;
     double x = PyFloat_AsDouble(t);
     Py_DECREF(t);
     return x;
 }
+#define NOW_FAILED(x) ((x) == -1.0 && PyErr_Occurred())
+
+static int base_init(Base *b, PyObject *timer, PyObject *clock, double share_s) {
+    PyObject *dict = PyObject_GenericGetDict(timer, NULL);
+    if (!dict) return -1;
+    Py_XSETREF(b->dict, dict);
+    Py_XSETREF(b->timer, Py_NewRef(timer));
+    Py_XSETREF(b->clock, Py_NewRef(clock));
+    b->share_s = share_s;
+    b->monotonic = 0;
+#ifdef __linux__
+    PyObject *time_mod = PyImport_ImportModule("time");
+    if (!time_mod) return -1;
+    PyObject *pc = PyObject_GetAttrString(time_mod, "perf_counter");
+    Py_DECREF(time_mod);
+    if (!pc) return -1;
+    b->monotonic = pc == clock;
+    Py_DECREF(pc);
+#endif
+    return 0;
+}
+
+static int base_traverse(Base *b, visitproc visit, void *arg) {
+    Py_VISIT(b->timer);
+    Py_VISIT(b->dict);
+    Py_VISIT(b->clock);
+    return 0;
+}
+
+static void base_clear(Base *b) {
+    Py_CLEAR(b->timer);
+    Py_CLEAR(b->dict);
+    Py_CLEAR(b->clock);
+}
+
+/* An event from the pool (the timer's _free list) or a new one; a new reference. */
+static PyObject *take_event(Base *b) {
+    PyObject *free = get(b, K_free);
+    if (!free) return NULL;
+    Py_ssize_t nfree = PyList_GET_SIZE(free);
+    if (nfree == 0) return PyObject_CallMethodNoArgs(b->timer, K_new_event);
+    PyObject *ev = Py_NewRef(PyList_GET_ITEM(free, nfree - 1));
+    if (PyList_SetSlice(free, nfree - 1, nfree, NULL) < 0) { Py_DECREF(ev); return NULL; }
+    return ev;
+}
+
+static int record_event(Base *b, PyObject *ev) {
+    PyObject *record = get(b, K_record), *stream = get(b, K_stream);
+    if (!record || !stream) return -1;
+    PyObject *args[2] = {ev, stream};
+    PyObject *r = PyObject_Vectorcall(record, args, 2, NULL);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
 
 /* The boundary event at host time t (shared with the last record when it is within share_s):
  * its index in _evs, or -2 with an exception. Updates _last_t/_last_i; returns the new t in *t_out. */
-static Py_ssize_t boundary(Phase *ph, double t, double *t_out) {
+static Py_ssize_t boundary(Base *b, double t, double *t_out) {
     *t_out = t;
-    PyObject *last_t = get(ph, K_last_t);
-    if (!last_t) return -2;
-    double lt = PyFloat_AsDouble(last_t);
-    if (lt == -1.0 && PyErr_Occurred()) return -2;
-    if (t - lt < ph->share_s) {
-        PyObject *li = get(ph, K_last_i);
+    double lt;
+    if (get_double(b, K_last_t, &lt) < 0) return -2;
+    if (t - lt < b->share_s) {
+        PyObject *li = get(b, K_last_i);
         Py_ssize_t i = li ? PyLong_AsSsize_t(li) : -2;
         return i == -1 && PyErr_Occurred() ? -2 : i;
     }
-    PyObject *free = get(ph, K_free), *evs = get(ph, K_evs), *record = get(ph, K_record), *stream = get(ph, K_stream);
-    if (!free || !evs || !record || !stream) return -2;
-    PyObject *ev;
-    Py_ssize_t nfree = PyList_GET_SIZE(free);
-    if (nfree > 0) {
-        ev = PyList_GET_ITEM(free, nfree - 1);
-        Py_INCREF(ev);
-        if (PyList_SetSlice(free, nfree - 1, nfree, NULL) < 0) { Py_DECREF(ev); return -2; }
-    } else {
-        ev = PyObject_CallMethodNoArgs(ph->timer, K_new_event);
-        if (!ev) return -2;
-    }
-    PyObject *args[2] = {ev, stream};
-    PyObject *r = PyObject_Vectorcall(record, args, 2, NULL);
-    if (!r) { Py_DECREF(ev); return -2; }
-    Py_DECREF(r);
+    PyObject *evs = get(b, K_evs);
+    if (!evs) return -2;
+    PyObject *ev = take_event(b);
+    if (!ev) return -2;
+    if (record_event(b, ev) < 0) { Py_DECREF(ev); return -2; }
     Py_ssize_t i = PyList_GET_SIZE(evs);
     int err = PyList_Append(evs, ev);
     Py_DECREF(ev);
-    if (err < 0) return -2;
-    PyObject *pi = PyLong_FromSsize_t(i);
-    if (!pi || PyDict_SetItem(ph->dict, K_last_i, pi) < 0) { Py_XDECREF(pi); return -2; }
-    Py_DECREF(pi);
-    double t2 = now(ph);
-    if (t2 == -1.0 && PyErr_Occurred()) return -2;
-    PyObject *pt = PyFloat_FromDouble(t2);
-    if (!pt || PyDict_SetItem(ph->dict, K_last_t, pt) < 0) { Py_XDECREF(pt); return -2; }
-    Py_DECREF(pt);
+    if (err < 0 || put(b, K_last_i, PyLong_FromSsize_t(i)) < 0) return -2;
+    double t2 = now(b);
+    if (NOW_FAILED(t2) || put(b, K_last_t, PyFloat_FromDouble(t2)) < 0) return -2;
     *t_out = t2;
     return i;
 }
 
 static PyObject *phase_enter(Phase *ph, PyObject *unused) {
-    int in_step = truthy(ph, K_in_step);
+    Base *b = &ph->b;
+    int in_step = truthy(b, K_in_step);
     if (in_step < 0) return NULL;
     if (!in_step) {
         PyErr_Format(PyExc_RuntimeError, "phase(%R) entered outside a step: put it inside `with timer.step():`",
                      ph->name);
         return NULL;
     }
-    int timed = truthy(ph, K_timed);
+    int timed = truthy(b, K_timed);
     if (timed <= 0) return timed < 0 ? NULL : Py_NewRefNone();
     if (ph->active) {
         PyErr_Format(PyExc_RuntimeError, "phase %R is already open: a phase cannot be reopened inside itself",
                      ph->name);
         return NULL;
     }
-    PyObject *stack = get(ph, K_stack);
+    PyObject *stack = get(b, K_stack);
     if (!stack) return NULL;
-    double t0 = now(ph);
-    if (t0 == -1.0 && PyErr_Occurred()) return NULL;
+    double t0 = now(b);
+    if (NOW_FAILED(t0)) return NULL;
     Py_ssize_t i = -1;
-    int gpu = truthy(ph, K_gpu);
+    int gpu = truthy(b, K_gpu);
     if (gpu < 0) return NULL;
-    if (gpu && (i = boundary(ph, t0, &t0)) == -2) return NULL;
+    if (gpu && (i = boundary(b, t0, &t0)) == -2) return NULL;
     PyObject *full;
     Py_ssize_t depth = PyList_GET_SIZE(stack);
     if (depth) {
@@ -817,18 +902,19 @@ static PyObject *phase_enter(Phase *ph, PyObject *unused) {
 }
 
 static PyObject *phase_exit(Phase *ph, PyObject *const *args, Py_ssize_t nargs) {
+    Base *b = &ph->b;
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "__exit__(exc_type, exc, tb)");
         return NULL;
     }
-    int in_step = truthy(ph, K_in_step);
+    int in_step = truthy(b, K_in_step);
     if (in_step < 0) return NULL;
-    int timed = in_step ? truthy(ph, K_timed) : 0;
+    int timed = in_step ? truthy(b, K_timed) : 0;
     if (timed < 0) return NULL;
     if (!timed) Py_RETURN_FALSE;
-    double t1 = now(ph);
-    if (t1 == -1.0 && PyErr_Occurred()) return NULL;
-    PyObject *stack = get(ph, K_stack);
+    double t1 = now(b);
+    if (NOW_FAILED(t1)) return NULL;
+    PyObject *stack = get(b, K_stack);
     if (!stack) return NULL;
     Py_ssize_t depth = PyList_GET_SIZE(stack);
     PyObject *top = depth ? PyList_GET_ITEM(stack, depth - 1) : NULL;
@@ -850,10 +936,10 @@ static PyObject *phase_exit(Phase *ph, PyObject *const *args, Py_ssize_t nargs) 
     if (PyList_SetSlice(stack, depth - 1, depth, NULL) < 0) { Py_DECREF(top); return NULL; }
     ph->active = 0;
     Py_ssize_t i_out = -1;
-    int gpu = truthy(ph, K_gpu);
+    int gpu = truthy(b, K_gpu);
     double t_after;
-    if (gpu < 0 || (gpu && (i_out = boundary(ph, t1, &t_after)) == -2)) { Py_DECREF(top); return NULL; }
-    PyObject *recs = get(ph, K_recs);
+    if (gpu < 0 || (gpu && (i_out = boundary(b, t1, &t_after)) == -2)) { Py_DECREF(top); return NULL; }
+    PyObject *recs = get(b, K_recs);
     if (!recs) { Py_DECREF(top); return NULL; }
     PyObject *rec = PyTuple_New(5), *pt1 = PyFloat_FromDouble(t1), *po = PyLong_FromSsize_t(i_out);
     if (!rec || !pt1 || !po) { Py_XDECREF(rec); Py_XDECREF(pt1); Py_XDECREF(po); Py_DECREF(top); return NULL; }
@@ -873,39 +959,17 @@ static int phase_init(Phase *ph, PyObject *args, PyObject *kw) {
     PyObject *timer, *name, *clock;
     double share_s;
     if (!PyArg_ParseTuple(args, "OUOd", &timer, &name, &clock, &share_s)) return -1;
-    PyObject *dict = PyObject_GenericGetDict(timer, NULL);
-    if (!dict) return -1;
-    Py_XSETREF(ph->dict, dict);
-    Py_XSETREF(ph->timer, Py_NewRef(timer));
+    if (base_init(&ph->b, timer, clock, share_s) < 0) return -1;
     Py_XSETREF(ph->name, Py_NewRef(name));
-    Py_XSETREF(ph->clock, Py_NewRef(clock));
-    ph->share_s = share_s;
     ph->active = 0;
-    ph->monotonic = 0;
-#ifdef __linux__
-    PyObject *time_mod = PyImport_ImportModule("time");
-    if (!time_mod) return -1;
-    PyObject *pc = PyObject_GetAttrString(time_mod, "perf_counter");
-    Py_DECREF(time_mod);
-    if (!pc) return -1;
-    ph->monotonic = pc == clock;
-    Py_DECREF(pc);
-#endif
     return 0;
 }
 
-static int phase_traverse(Phase *ph, visitproc visit, void *arg) {
-    Py_VISIT(ph->timer);
-    Py_VISIT(ph->dict);
-    Py_VISIT(ph->clock);
-    return 0;
-}
+static int phase_traverse(Phase *ph, visitproc visit, void *arg) { return base_traverse(&ph->b, visit, arg); }
 
 static int phase_clear(Phase *ph) {
-    Py_CLEAR(ph->timer);
-    Py_CLEAR(ph->dict);
+    base_clear(&ph->b);
     Py_CLEAR(ph->name);
-    Py_CLEAR(ph->clock);
     return 0;
 }
 
@@ -917,9 +981,9 @@ static void phase_dealloc(Phase *ph) {
 
 static PyObject *phase_get_active(Phase *ph, void *unused) { return PyBool_FromLong(ph->active); }
 static int phase_set_active(Phase *ph, PyObject *v, void *unused) {
-    int b = v ? PyObject_IsTrue(v) : 0;
-    if (b < 0) return -1;
-    ph->active = b;
+    int t = v ? PyObject_IsTrue(v) : 0;
+    if (t < 0) return -1;
+    ph->active = t;
     return 0;
 }
 static PyObject *phase_get_name(Phase *ph, void *unused) { return Py_NewRef(ph->name); }
@@ -951,6 +1015,523 @@ static PyTypeObject PhaseType = {
     .tp_getset = phase_getset,
 };
 
+/* Pending: a finished step whose GPU events may not have completed yet; the twin of timer.py's
+ * _Pending, with the same attributes, so the Python code reads either kind. */
+typedef struct {
+    PyObject_HEAD
+    long long number;
+    double t0, step_s, wait_s;
+    PyObject *gap_s, *phases, *events, *pauses, *samples, *tokens;
+    Py_ssize_t i_start, i_end;
+    int device;
+    char timed, warmup;
+} Pending;
+
+static PyMemberDef pending_members[] = {
+    {"number", T_LONGLONG, offsetof(Pending, number), 0, NULL},
+    {"t0", T_DOUBLE, offsetof(Pending, t0), 0, NULL},
+    {"step_s", T_DOUBLE, offsetof(Pending, step_s), 0, NULL},
+    {"wait_s", T_DOUBLE, offsetof(Pending, wait_s), 0, NULL},
+    {"gap_s", T_OBJECT, offsetof(Pending, gap_s), 0, NULL},
+    {"phases", T_OBJECT_EX, offsetof(Pending, phases), 0, NULL},
+    {"events", T_OBJECT_EX, offsetof(Pending, events), 0, NULL},
+    {"pauses", T_OBJECT_EX, offsetof(Pending, pauses), 0, NULL},
+    {"samples", T_OBJECT, offsetof(Pending, samples), 0, NULL},
+    {"tokens", T_OBJECT, offsetof(Pending, tokens), 0, NULL},
+    {"i_start", T_PYSSIZET, offsetof(Pending, i_start), 0, NULL},
+    {"i_end", T_PYSSIZET, offsetof(Pending, i_end), 0, NULL},
+    {"device", T_INT, offsetof(Pending, device), 0, NULL},
+    {"timed", T_BOOL, offsetof(Pending, timed), 0, NULL},
+    {"warmup", T_BOOL, offsetof(Pending, warmup), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int pending_traverse(Pending *p, visitproc visit, void *arg) {
+    Py_VISIT(p->gap_s);
+    Py_VISIT(p->phases);
+    Py_VISIT(p->events);
+    Py_VISIT(p->pauses);
+    Py_VISIT(p->samples);
+    Py_VISIT(p->tokens);
+    return 0;
+}
+
+static int pending_clear(Pending *p) {
+    Py_CLEAR(p->gap_s);
+    Py_CLEAR(p->phases);
+    Py_CLEAR(p->events);
+    Py_CLEAR(p->pauses);
+    Py_CLEAR(p->samples);
+    Py_CLEAR(p->tokens);
+    return 0;
+}
+
+static void pending_dealloc(Pending *p) {
+    PyObject_GC_UnTrack(p);
+    pending_clear(p);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyTypeObject PendingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_steptimer_cudart.Pending",
+    .tp_basicsize = sizeof(Pending),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A finished step whose GPU events may not have completed yet (timer.py's _Pending)",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)pending_dealloc,
+    .tp_traverse = (traverseproc)pending_traverse,
+    .tp_clear = (inquiry)pending_clear,
+    .tp_members = pending_members,
+};
+
+typedef struct {
+    Base b;
+    PyObject *fallback; /* timer.py's _Step for this timer: every case the C path does not take */
+    PyObject *names;    /* the last step's phase names (a tuple), reused while they repeat */
+} Step;
+
+static PyObject *call1(PyObject *f, PyObject *a) { return PyObject_Vectorcall(f, &a, 1, NULL); }
+
+static PyObject *as_nan(PyObject *v) { return v == Py_None ? PyFloat_FromDouble(NAN) : Py_NewRef(v); }
+
+static int put_append(PyObject *list, double x) {
+    PyObject *f = PyFloat_FromDouble(x);
+    if (!f) return -1;
+    int err = PyList_Append(list, f);
+    Py_DECREF(f);
+    return err;
+}
+
+static int step_enter_fast(Step *st) {
+    /* The timed CUDA step (_begin_step's path when the stream key is unchanged); 1 if taken, 0 if not,
+     * -1 with an exception. */
+    Base *b = &st->b;
+    PyObject *cuda = get(b, K_cuda), *in_step = get(b, K_in_step), *closed = get(b, K_closed);
+    if (!cuda || !in_step || !closed) return -1;
+    if (cuda != Py_True || in_step != Py_False || closed != Py_False) return 0;
+    long long number, next_timed;
+    if (get_ll(b, K_number, &number) < 0 || get_ll(b, K_next_timed, &next_timed) < 0) return -1;
+    if (number + 1 != next_timed) return 0;
+    double t0 = now(b);
+    if (NOW_FAILED(t0)) return -1;
+    if (PyDict_SetItem(b->dict, K_timed, Py_True) < 0 || PyDict_SetItem(b->dict, K_in_step, Py_True) < 0 ||
+        put(b, K_recs, PyList_New(0)) < 0 || put(b, K_last_t, PyFloat_FromDouble(-INFINITY)) < 0 ||
+        PyDict_SetItem(b->dict, K_gpu, Py_True) < 0)
+        return -1;
+    PyObject *get_key = get(b, K_get_stream_key), *old_key = get(b, K_stream_key);
+    if (!get_key || !old_key) return -1;
+    PyObject *key = PyObject_CallNoArgs(get_key);
+    if (!key) return -1;
+    int same = PyObject_RichCompareBool(key, old_key, Py_EQ);
+    if (same <= 0) {
+        PyObject *r = same < 0 ? NULL : PyObject_CallMethodOneArg(b->timer, K_switch_stream, key);
+        if (!r) { Py_DECREF(key); return -1; }
+        Py_DECREF(r);
+    }
+    Py_DECREF(key);
+    PyObject *is_cap = get(b, K_is_capturing), *stream = get(b, K_stream);
+    if (!is_cap || !stream) return -1;
+    PyObject *cap = call1(is_cap, stream);
+    int capturing = cap ? PyObject_IsTrue(cap) : -1;
+    Py_XDECREF(cap);
+    if (capturing < 0) return -1;
+    if (capturing) {
+        if (PyDict_SetItem(b->dict, K_in_step, Py_False) < 0) return -1;
+        PyErr_SetString(PyExc_RuntimeError,
+                        "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. Put "
+                        "`with timer.step():` around the graph replay, not inside the capture");
+        return -1;
+    }
+    PyObject *ev = take_event(b);
+    if (!ev) return -1;
+    if (record_event(b, ev) < 0) { Py_DECREF(ev); return -1; }
+    PyObject *evs = PyList_New(1);
+    if (!evs) { Py_DECREF(ev); return -1; }
+    PyList_SET_ITEM(evs, 0, ev);
+    if (put(b, K_evs, evs) < 0 || put(b, K_last_i, PyLong_FromLong(0)) < 0) return -1;
+    double t = now(b);
+    if (NOW_FAILED(t) || put(b, K_last_t, PyFloat_FromDouble(t)) < 0 || put(b, K_t0, PyFloat_FromDouble(t0)) < 0)
+        return -1;
+    return 1;
+}
+
+static PyObject *step_enter(Step *st, PyObject *unused) {
+    int taken = step_enter_fast(st);
+    if (taken < 0) return NULL;
+    if (taken) Py_RETURN_NONE;
+    return PyObject_CallMethodNoArgs(st->fallback, K_enter);
+}
+
+/* The phase names of a step's records as a tuple; the last step's tuple when they are the same. */
+static PyObject *names_of(Step *st, PyObject *recs) {
+    Py_ssize_t r = PyList_GET_SIZE(recs);
+    PyObject *last = st->names;
+    if (last && PyTuple_GET_SIZE(last) == r) {
+        Py_ssize_t k = 0;
+        for (; k < r; k++) {
+            PyObject *a = PyTuple_GET_ITEM(PyList_GET_ITEM(recs, k), 0), *c = PyTuple_GET_ITEM(last, k);
+            if (a != c) {
+                int eq = PyUnicode_Compare(a, c);
+                if (eq == -1 && PyErr_Occurred()) return NULL;
+                if (eq) break;
+            }
+        }
+        if (k == r) return Py_NewRef(last);
+    }
+    PyObject *names = PyTuple_New(r);
+    if (!names) return NULL;
+    for (Py_ssize_t k = 0; k < r; k++)
+        PyTuple_SET_ITEM(names, k, Py_NewRef(PyTuple_GET_ITEM(PyList_GET_ITEM(recs, k), 0)));
+    Py_XSETREF(st->names, Py_NewRef(names));
+    return names;
+}
+
+static double fdiff(PyObject *list, PyObject *i_hi, PyObject *i_lo) {
+    /* list[i_hi] - list[i_lo] for a list of floats and int indices; NAN with an exception on error. */
+    Py_ssize_t hi = PyLong_AsSsize_t(i_hi), lo = PyLong_AsSsize_t(i_lo), n = PyList_GET_SIZE(list);
+    if (PyErr_Occurred()) return NAN;
+    if (hi < 0) hi += n;
+    if (lo < 0) lo += n;
+    if (hi < 0 || hi >= n || lo < 0 || lo >= n) {
+        PyErr_SetString(PyExc_IndexError, "steptimer: event index out of range");
+        return NAN;
+    }
+    return PyFloat_AsDouble(PyList_GET_ITEM(list, hi)) - PyFloat_AsDouble(PyList_GET_ITEM(list, lo));
+}
+
+static double elapsed(PyObject *el, PyObject *a, PyObject *c) {
+    PyObject *args[2] = {a, c};
+    PyObject *r = PyObject_Vectorcall(el, args, 2, NULL);
+    if (!r) return NAN;
+    double x = PyFloat_AsDouble(r);
+    Py_DECREF(r);
+    return x;
+}
+
+/* timer._resolve(rec) for a timed CUDA step recorded by step_exit (no trace capture); any other
+ * record goes to the Python method. 0, or -1 with an exception. */
+static int resolve(Step *st, PyObject *obj) {
+    Base *b = &st->b;
+    PyObject *trace = get(b, K_trace);
+    if (!trace) return -1;
+    Pending *rec = (Pending *)obj;
+    if (Py_TYPE(obj) != &PendingType || trace != Py_None || !rec->timed || !PyList_Check(rec->events) ||
+        PyList_GET_SIZE(rec->events) == 0 || !PyList_Check(rec->pauses)) {
+        PyObject *r = PyObject_CallMethodOneArg(b->timer, K_resolve, obj);
+        Py_XDECREF(r);
+        return r ? 0 : -1;
+    }
+    PyObject *recs = rec->phases, *evs = rec->events, *row = NULL, *names = NULL, *offs = NULL, *key = NULL;
+    int ok = -1;
+    if (!PyList_Check(recs)) {
+        PyErr_SetString(PyExc_TypeError, "steptimer: a step's phases must be a list");
+        return -1;
+    }
+    Py_ssize_t r = PyList_GET_SIZE(recs), nev = PyList_GET_SIZE(evs);
+    if (rec->i_start < 0 || rec->i_start >= nev || rec->i_end < 0 || rec->i_end >= nev) {
+        PyErr_SetString(PyExc_IndexError, "steptimer: a step's event index is out of range");
+        return -1;
+    }
+    row = PyList_New(0);
+    names = names_of(st, recs);
+    if (!row || !names) goto done;
+    PyObject *lead[6] = {
+        PyLong_FromLongLong(rec->number), as_nan(rec->samples), as_nan(rec->tokens), PyFloat_FromDouble(rec->step_s),
+        as_nan(rec->gap_s), PyFloat_FromDouble(rec->wait_s),
+    };
+    int bad = 0;
+    for (int k = 0; k < 6; k++) {
+        if (!lead[k] || PyList_Append(row, lead[k]) < 0) bad = 1;
+        Py_XDECREF(lead[k]);
+    }
+    if (bad) goto done;
+    for (Py_ssize_t k = 0; k < r; k++) {
+        PyObject *p = PyList_GET_ITEM(recs, k);
+        double d = PyFloat_AsDouble(PyTuple_GET_ITEM(p, 2)) - PyFloat_AsDouble(PyTuple_GET_ITEM(p, 1));
+        if (PyErr_Occurred() || put_append(row, d) < 0) goto done;
+    }
+    long long pe;
+    if (get_ll(b, K_pending_events, &pe) < 0 || put(b, K_pending_events, PyLong_FromLongLong(pe - 1)) < 0) goto done;
+    PyObject *offsets = get(b, K_offsets), *el = get(b, K_elapsed), *held = get(b, K_held_end);
+    if (!offsets || !el || !held) goto done;
+    Py_INCREF(held); /* _held_end is replaced below */
+    offs = call1(offsets, evs);
+    if (!offs || !PyList_Check(offs) || PyList_GET_SIZE(offs) != nev) {
+        if (offs) PyErr_SetString(PyExc_TypeError, "steptimer: offsets_ms must return one float per event");
+        Py_DECREF(held);
+        goto done;
+    }
+    double step_gpu = PyFloat_AsDouble(PyList_GET_ITEM(offs, rec->i_end)) -
+                      PyFloat_AsDouble(PyList_GET_ITEM(offs, rec->i_start));
+    if (PyErr_Occurred() || put_append(row, step_gpu) < 0) { Py_DECREF(held); goto done; }
+    for (Py_ssize_t k = 0; k < r; k++) {
+        PyObject *p = PyList_GET_ITEM(recs, k);
+        double d = fdiff(offs, PyTuple_GET_ITEM(p, 4), PyTuple_GET_ITEM(p, 3));
+        if (PyErr_Occurred() || put_append(row, d) < 0) { Py_DECREF(held); goto done; }
+    }
+    int has_idle = 0;
+    PyObject *held_ev = NULL;
+    if (held != Py_None) {
+        if (!PyTuple_Check(held) || PyTuple_GET_SIZE(held) != 3) {
+            PyErr_SetString(PyExc_TypeError, "steptimer: _held_end must be (number, device, event)");
+            Py_DECREF(held);
+            goto done;
+        }
+        held_ev = PyTuple_GET_ITEM(held, 2);
+        long long hn = PyLong_AsLongLong(PyTuple_GET_ITEM(held, 0));
+        long hd = PyLong_AsLong(PyTuple_GET_ITEM(held, 1));
+        if (PyErr_Occurred()) { Py_DECREF(held); goto done; }
+        if (hn == rec->number - 1 && hd == rec->device) {
+            double idle = elapsed(el, held_ev, PyList_GET_ITEM(evs, rec->i_start));
+            for (Py_ssize_t k = 0; k < PyList_GET_SIZE(rec->pauses) && !PyErr_Occurred(); k++) {
+                PyObject *pr = PyList_GET_ITEM(rec->pauses, k);
+                idle -= elapsed(el, PyTuple_GET_ITEM(pr, 0), PyTuple_GET_ITEM(pr, 1));
+            }
+            if (PyErr_Occurred() || put_append(row, idle) < 0) { Py_DECREF(held); goto done; }
+            has_idle = 1;
+        }
+    }
+    PyObject *free = get(b, K_free);
+    if (!free) { Py_DECREF(held); goto done; }
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(rec->pauses); k++) {
+        PyObject *pr = PyList_GET_ITEM(rec->pauses, k);
+        if (PyList_Append(free, PyTuple_GET_ITEM(pr, 0)) < 0 || PyList_Append(free, PyTuple_GET_ITEM(pr, 1)) < 0) {
+            Py_DECREF(held);
+            goto done;
+        }
+    }
+    if (held_ev && PyList_Append(free, held_ev) < 0) { Py_DECREF(held); goto done; }
+    Py_DECREF(held);
+    for (Py_ssize_t k = 0; k < nev; k++)
+        if (k != rec->i_end && PyList_Append(free, PyList_GET_ITEM(evs, k)) < 0) goto done;
+    PyObject *dev = PyLong_FromLong(rec->device), *num = PyLong_FromLongLong(rec->number);
+    PyObject *new_held = dev && num ? PyTuple_Pack(3, num, dev, PyList_GET_ITEM(evs, rec->i_end)) : NULL;
+    Py_XDECREF(dev);
+    if (put(b, K_held_end, new_held) < 0) { Py_XDECREF(num); goto done; }
+    key = PyTuple_Pack(3, names, Py_True, has_idle ? Py_True : Py_False);
+    PyObject *rows = get(b, K_rows);
+    if (!key || !rows) { Py_XDECREF(num); goto done; }
+    PyObject *args[4] = {rows, key, row, rec->warmup ? Py_True : Py_False};
+    PyObject *res = PyObject_VectorcallMethod(K_add, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (!res) { Py_XDECREF(num); goto done; }
+    Py_DECREF(res);
+    if (put(b, K_last_resolved, num) < 0) goto done;
+    long long every;
+    if (get_ll(b, K_log_every, &every) < 0) goto done;
+    if (every > 0 && rec->number % every == 0) {
+        res = PyObject_CallMethodNoArgs(b->timer, K_emit);
+        if (!res) goto done;
+        Py_DECREF(res);
+    }
+    ok = 0;
+done:
+    Py_XDECREF(row);
+    Py_XDECREF(names);
+    Py_XDECREF(offs);
+    Py_XDECREF(key);
+    return ok;
+}
+
+/* The timed CUDA step's end with lag >= 1 (_end_step's common path); 1 if taken, 0 if not, -1 with an
+ * exception. */
+static int step_exit_fast(Step *st, PyObject *et) {
+    Base *b = &st->b;
+    if (et != Py_None) return 0;
+    PyObject *gpu = get(b, K_gpu), *in_step = get(b, K_in_step), *stack = get(b, K_stack), *lagv = get(b, K_lag);
+    if (!gpu || !in_step || !stack || !lagv) return -1;
+    if (gpu != Py_True || in_step != Py_True || !PyList_Check(stack) || PyList_GET_SIZE(stack)) return 0;
+    long long lag = PyLong_AsLongLong(lagv);
+    if (lag == -1 && PyErr_Occurred()) return -1;
+    if (lag < 1) return 0;
+    double t1 = now(b);
+    if (NOW_FAILED(t1)) return -1;
+    long long number, first, warm;
+    double t0, last_t;
+    if (get_ll(b, K_number, &number) < 0 || get_ll(b, K_first_number, &first) < 0 ||
+        get_ll(b, K_warmup_steps, &warm) < 0 || get_double(b, K_t0, &t0) < 0 || get_double(b, K_last_t, &last_t) < 0)
+        return -1;
+    number += 1;
+    PyObject *samples = get(b, K_samples), *tokens = get(b, K_tokens), *recs = get(b, K_recs),
+             *pauses = get(b, K_pause_evs), *gs = get(b, K_gap_start), *dev = get(b, K_device), *evs = get(b, K_evs),
+             *timed = get(b, K_timed);
+    if (!samples || !tokens || !recs || !pauses || !gs || !dev || !evs || !timed) return -1;
+    double paused;
+    if (get_double(b, K_paused_s, &paused) < 0) return -1;
+    int device = (int)PyLong_AsLong(dev);
+    if (device == -1 && PyErr_Occurred()) return -1;
+    double gap = 0.0;
+    if (gs != Py_None) {
+        gap = t0 - PyFloat_AsDouble(gs) - paused;
+        if (PyErr_Occurred()) return -1;
+        if (!(gap > 0.0)) gap = 0.0; /* max(gap, 0.0) */
+    }
+    Pending *rec = PyObject_GC_New(Pending, &PendingType);
+    if (!rec) return -1;
+    rec->number = number;
+    rec->t0 = t0;
+    rec->step_s = rec->wait_s = 0.0;
+    rec->timed = (char)PyObject_IsTrue(timed);
+    rec->warmup = number - first < warm;
+    rec->samples = Py_NewRef(samples);
+    rec->tokens = Py_NewRef(tokens);
+    rec->phases = Py_NewRef(recs);
+    rec->pauses = Py_NewRef(pauses);
+    rec->gap_s = gs == Py_None ? Py_NewRefNone() : PyFloat_FromDouble(gap);
+    rec->device = device;
+    rec->events = Py_NewRef(evs);
+    rec->i_start = 0;
+    rec->i_end = 0;
+    PyObject_GC_Track((PyObject *)rec);
+    PyObject *obj = (PyObject *)rec;
+    int ok = -1;
+    if (!rec->gap_s || put(b, K_number, PyLong_FromLongLong(number)) < 0 || put(b, K_pause_evs, PyList_New(0)) < 0 ||
+        put(b, K_paused_s, PyFloat_FromDouble(0.0)) < 0)
+        goto done;
+    if (t1 - last_t < b->share_s) {
+        PyObject *li = get(b, K_last_i);
+        if (!li) goto done;
+        rec->i_end = PyLong_AsSsize_t(li);
+        if (rec->i_end == -1 && PyErr_Occurred()) goto done;
+    } else {
+        PyObject *ev = take_event(b);
+        if (!ev) goto done;
+        if (record_event(b, ev) < 0) { Py_DECREF(ev); goto done; }
+        rec->i_end = PyList_GET_SIZE(evs);
+        int err = PyList_Append(evs, ev);
+        Py_DECREF(ev);
+        if (err < 0) goto done;
+    }
+    if (PyDict_SetItem(b->dict, K_in_step, Py_False) < 0) goto done;
+    PyObject *pending = get(b, K_pending);
+    if (!pending) goto done;
+    PyObject *r = PyObject_CallMethodOneArg(pending, K_append, obj);
+    if (!r) goto done;
+    Py_DECREF(r);
+    long long pe;
+    if (get_ll(b, K_pending_events, &pe) < 0 || put(b, K_pending_events, PyLong_FromLongLong(pe + 1)) < 0) goto done;
+    Py_ssize_t npending = PyObject_Size(pending);
+    if (npending < 0) goto done;
+    double t_end;
+    if (npending > lag) {
+        double tw = now(b);
+        if (NOW_FAILED(tw)) goto done;
+        Py_ssize_t n = npending - (Py_ssize_t)lag;
+        if (n == 1) { /* the common case: wait on step N - lag's end event */
+            PyObject *old = PySequence_GetItem(pending, 0);
+            PyObject *oevs = old ? PyObject_GetAttr(old, K_events) : NULL;
+            int has = oevs ? PyObject_IsTrue(oevs) : -1;
+            PyObject *oi = has > 0 ? PyObject_GetAttr(old, K_i_end) : NULL;
+            PyObject *oev = oi ? PyObject_GetItem(oevs, oi) : NULL;
+            PyObject *w = has > 0 && oev ? get(b, K_wait) : NULL;
+            PyObject *res = w ? call1(w, oev) : NULL;
+            Py_XDECREF(old);
+            Py_XDECREF(oevs);
+            Py_XDECREF(oi);
+            Py_XDECREF(oev);
+            Py_XDECREF(res);
+            if (has < 0 || (has && !res)) goto done;
+        } else {
+            PyObject *nn = PyLong_FromSsize_t(n);
+            PyObject *res = nn ? PyObject_CallMethodOneArg(b->timer, K_wait_for, nn) : NULL;
+            Py_XDECREF(nn);
+            if (!res) goto done;
+            Py_DECREF(res);
+        }
+        double tw2 = now(b);
+        if (NOW_FAILED(tw2)) goto done;
+        rec->wait_s = tw2 - tw;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            PyObject *old = PyObject_CallMethodNoArgs(pending, K_popleft);
+            if (!old) goto done;
+            int err = resolve(st, old);
+            Py_DECREF(old);
+            if (err < 0) goto done;
+        }
+    }
+    t_end = now(b);
+    if (NOW_FAILED(t_end) || get_double(b, K_t0, &t0) < 0) goto done;
+    rec->step_s = t_end - t0;
+    if (put(b, K_gap_start, PyFloat_FromDouble(t_end)) < 0) goto done;
+    long long next_timed, every;
+    if (get_ll(b, K_next_timed, &next_timed) < 0) goto done;
+    if (number == next_timed) {
+        if (get_ll(b, K_sample_every, &every) < 0) goto done;
+        if (every == 1) {
+            if (put(b, K_next_timed, PyLong_FromLongLong(number + 1)) < 0) goto done;
+        } else {
+            PyObject *blk = PyLong_FromLongLong((number - first) / every + 1);
+            PyObject *nt = blk ? PyObject_CallMethodOneArg(b->timer, K_pick_timed, blk) : NULL;
+            Py_XDECREF(blk);
+            if (put(b, K_next_timed, nt) < 0) goto done;
+        }
+    }
+    ok = 1;
+done:
+    Py_DECREF(obj);
+    return ok;
+}
+
+static PyObject *step_exit(Step *st, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "__exit__(exc_type, exc, tb)");
+        return NULL;
+    }
+    int taken = step_exit_fast(st, args[0]);
+    if (taken < 0) return NULL;
+    if (taken) Py_RETURN_FALSE;
+    PyObject *all[4] = {st->fallback, args[0], args[1], args[2]};
+    return PyObject_VectorcallMethod(K_exit, all, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+static int step_init(Step *st, PyObject *args, PyObject *kw) {
+    PyObject *timer, *clock, *fallback;
+    double share_s;
+    if (!PyArg_ParseTuple(args, "OOdO", &timer, &clock, &share_s, &fallback)) return -1;
+    if (base_init(&st->b, timer, clock, share_s) < 0) return -1;
+    Py_XSETREF(st->fallback, Py_NewRef(fallback));
+    Py_CLEAR(st->names);
+    return 0;
+}
+
+static int step_traverse(Step *st, visitproc visit, void *arg) {
+    Py_VISIT(st->fallback);
+    return base_traverse(&st->b, visit, arg);
+}
+
+static int step_clear(Step *st) {
+    base_clear(&st->b);
+    Py_CLEAR(st->fallback);
+    Py_CLEAR(st->names);
+    return 0;
+}
+
+static void step_dealloc(Step *st) {
+    PyObject_GC_UnTrack(st);
+    step_clear(st);
+    Py_TYPE(st)->tp_free((PyObject *)st);
+}
+
+static PyMethodDef step_methods[] = {
+    {"__enter__", (PyCFunction)step_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))step_exit, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject StepType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_steptimer_cudart.Step",
+    .tp_basicsize = sizeof(Step),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Step(timer, clock, share_s, fallback): `with timer.step():` in C",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)step_init,
+    .tp_dealloc = (destructor)step_dealloc,
+    .tp_traverse = (traverseproc)step_traverse,
+    .tp_clear = (inquiry)step_clear,
+    .tp_methods = step_methods,
+};
+
 static PyMethodDef methods[] = {
     {"init", init, METH_O, "init(libcudart_path): bind the calls to the runtime torch loaded."},
     {"record", (PyCFunction)(void (*)(void))record, METH_FASTCALL, "record(event, stream)"},
@@ -972,14 +1553,20 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_steptimer_cudart", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__steptimer_cudart(void) {
-    if (!intern_keys() || PyType_Ready(&PhaseType) < 0) return NULL;
+    if (!intern_keys() || PyType_Ready(&PhaseType) < 0 || PyType_Ready(&PendingType) < 0 ||
+        PyType_Ready(&StepType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    Py_INCREF(&PhaseType);
-    if (PyModule_AddObject(m, "Phase", (PyObject *)&PhaseType) < 0) {
-        Py_DECREF(&PhaseType);
-        Py_DECREF(m);
-        return NULL;
+    PyTypeObject *types[] = {&PhaseType, &PendingType, &StepType};
+    const char *names[] = {"Phase", "Pending", "Step"};
+    for (int i = 0; i < 3; i++) {
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }

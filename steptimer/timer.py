@@ -71,7 +71,8 @@ _NULL = _Null()
 
 
 class _Pending:
-    """A finished step whose GPU events may not have completed yet."""
+    """A finished step whose GPU events may not have completed yet. ``_cudart.c``'s ``Pending`` is its C
+    twin (same attributes), made by the C ``Step``; the code here reads either."""
 
     __slots__ = (
         "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
@@ -204,6 +205,10 @@ class _Phase:
 
 
 class _Step:
+    """``with timer.step():``. ``_cudart.c``'s ``Step`` is its C twin for the timed CUDA step (it calls
+    this class for every other case): any change to ``_begin_step``, ``_end_step`` or ``_resolve`` goes
+    there too (tests/test_timer.py runs the engine's suite on both)."""
+
     __slots__ = ("_t",)
 
     def __init__(self, timer: StepTimer) -> None:
@@ -712,6 +717,11 @@ class StepTimer:
 
             self._offsets = offsets
         self._get_stream_key = b.stream_key
+        # With the native extension, the timed CUDA step's enter/exit run in C (_cudart.c Step, the same
+        # logic as _Step/_begin_step/_end_step/_resolve, which it calls for every other case).
+        native = getattr(b.kernels, "Step", None)
+        if native is not None:
+            self._step_cm = native(self, perf_counter, _SHARE_GAP_S, _Step(self))
 
     def _switch_stream(self, key: tuple[int, int, int]) -> None:
         b = self._backend()

@@ -181,14 +181,20 @@ def test_window_numbering_with_start_step(clock: FakeClock) -> None:
     assert t.steps == 112
 
 
-def test_warmup_steps_left_out_of_summary_but_logged(clock: FakeClock) -> None:
-    t, sink = make(log_every_n_steps=10, warmup_steps=3)
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_warmup_steps_left_out_of_summary_but_logged(clock: FakeClock, on_gpu: bool) -> None:
+    gpu = FakeGPU(clock) if on_gpu else None
+    t, sink = make(gpu, log_every_n_steps=10, warmup_steps=3)
     for i in range(10):
-        train_step(t, clock, None, host={"forward": 100.0 if i < 3 else 1.0})
+        slow = 100.0 if i < 3 else 1.0
+        train_step(t, clock, gpu, host={"forward": slow}, kernels={"forward": slow})
     s = t.close()
     assert sink.windows[0].host["forward"].max_ms == pytest.approx(100.0)
     assert s.steps == 7 and s["forward"].host.max_ms == pytest.approx(1.0)
     assert s.timed_steps == 7 and s["forward"].host.steps == 7 and s["forward"].calls_per_step == 1
+    if gpu is not None:
+        assert sink.windows[0].gpu["forward"].max_ms == pytest.approx(100.0)
+        assert s["forward"].gpu is not None and s["forward"].gpu.max_ms == pytest.approx(1.0)
 
 
 # ---------------------------------------------------------------- GPU logic on the fake GPU
@@ -349,6 +355,68 @@ def test_step_inside_cuda_graph_capture_is_a_clear_error(clock: FakeClock, gpu: 
     gpu.capturing = False
     train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})  # still usable
     assert t.close().steps == 1
+
+
+def test_errors_after_the_first_step_drop_only_their_step(clock: FakeClock, gpu: FakeGPU) -> None:
+    """Each error in a later step (the C step's path from the second step on): a graph capture, a
+    phase left open, an exception. Only that step is dropped; its events go back to the pool."""
+    t, sink = make(gpu, log_every_n_steps=100, lag=2)
+    step = {"host": {"forward": 1.0}, "kernels": {"forward": 2.0}}
+    for _ in range(3):
+        train_step(t, clock, gpu, **step)
+    gpu.capturing = True
+    with pytest.raises(RuntimeError, match="CUDA graph capture"), t.step():
+        pass
+    gpu.capturing = False
+    train_step(t, clock, gpu, **step)
+    with pytest.raises(RuntimeError, match="still open"), t.step():
+        t.phase("forward").__enter__()
+    train_step(t, clock, gpu, **step)
+    err = KeyError("boom")
+    with pytest.raises(KeyError) as info, t.step(), t.phase("forward"):
+        gpu.launch(1.0)
+        raise err
+    assert info.value is err
+    for _ in range(3):
+        train_step(t, clock, gpu, **step)
+    created = t.events_created
+    for _ in range(20):
+        train_step(t, clock, gpu, **step)
+    assert t.events_created == created  # nothing leaked: the pool covers the steady state
+    s = t.close()
+    assert s.steps == 28 and sink.windows[0].steps == 28
+    fwd = sink.windows[0].gpu["forward"]
+    assert fwd.steps == 28 and fwd.mean_ms == pytest.approx(2.0) and fwd.max_ms == pytest.approx(2.0)
+
+
+def test_gpu_pauses_between_timed_steps_leave_idle(clock: FakeClock, gpu: FakeGPU) -> None:
+    """GPU work inside pause() (evaluation) is not GPU idle; the stall around it is."""
+    t, sink = make(gpu, log_every_n_steps=6, lag=1)
+    for i in range(6):
+        if i >= 3:
+            with t.pause():
+                gpu.launch(5.0)  # evaluation on the GPU, waited for by the host
+                clock.advance_ms(5.0)
+            clock.advance_ms(2.0)  # then a 2 ms host stall: the GPU idles
+        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
+    t.close()
+    w = sink.windows[0]
+    assert w.gpu["idle"].steps == 5
+    assert w.gpu["idle"].max_ms == pytest.approx(2.0)
+    assert w.gpu["idle"].mean_ms == pytest.approx(3 * 2.0 / 5)  # steps 2, 3: none; 4, 5, 6: the stall
+    assert w.host["data"].max_ms == pytest.approx(2.0)
+
+
+def test_a_stream_switch_between_steps_times_the_new_stream(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, sink = make(gpu, log_every_n_steps=8, lag=2)
+    for i in range(8):
+        if i == 4:
+            gpu.stream = (9, 0, 1)  # the user moved the loop to another stream
+        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 3.0})
+    t.close()
+    assert t._stream_key == (9, 0, 1) and t._stream == (9, 0, 1)
+    assert sink.windows[0].gpu["forward"].mean_ms == pytest.approx(3.0)
+    assert sink.windows[0].gpu["forward"].steps == 8
 
 
 def test_sampled_timing_times_one_step_per_block_at_jittered_offsets(clock: FakeClock, gpu: FakeGPU) -> None:
@@ -629,20 +697,26 @@ def test_unhandled_ctrl_c_without_close_still_writes_every_step(tmp_path: Path) 
     assert "forward" in proc.stdout  # the summary table was printed at exit
 
 
-def test_phases_run_in_c_where_the_extension_is(clock: FakeClock, gpu: FakeGPU, engine_impl: str) -> None:
+def test_steps_and_phases_run_in_c_where_the_extension_is(clock: FakeClock, gpu: FakeGPU, engine_impl: str) -> None:
     """The parametrized suite really runs both implementations: C phases with the extension on a GPU
     backend, Python ones without it (and always for host-only timing)."""
     t, _ = make(gpu)
-    train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
-    assert type(t._phase_cms["forward"]).__name__ == ("Phase" if engine_impl == "native" else "_Phase")
+    for _ in range(3):
+        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
+    native = engine_impl == "native"
+    assert type(t._phase_cms["forward"]).__name__ == ("Phase" if native else "_Phase")
+    # The step too: the first step settles CUDA in Python; the next ones are C steps with C records.
+    assert type(t._step_cm).__name__ == ("Step" if native else "_Step")
+    assert [type(p).__name__ for p in t._pending] == (["Pending", "Pending"] if native else ["_Pending"] * 2)
     h, _ = make()
     train_step(h, clock, None, host={"forward": 1.0})
     assert type(h._phase_cms["forward"]).__name__ == "_Phase"
+    assert type(h._step_cm).__name__ == "_Step"
 
 
-def test_native_phases_read_the_same_clock_as_perf_counter(engine_impl: str) -> None:
-    """With the real clock, the C phase reads CLOCK_MONOTONIC itself: its times must be
-    time.perf_counter()'s, bracketed by calls made around it."""
+def test_native_steps_and_phases_read_the_same_clock_as_perf_counter(engine_impl: str) -> None:
+    """With the real clock, the C step and phase read CLOCK_MONOTONIC themselves: their times must be
+    time.perf_counter()'s, bracketed by calls made around them."""
     from time import perf_counter
 
     gpu = FakeGPU(FakeClock())
@@ -655,5 +729,5 @@ def test_native_phases_read_the_same_clock_as_perf_counter(engine_impl: str) -> 
             inside = list(t._recs)
         after = perf_counter()
         ((name, t_in, t_out, _, _),) = inside
-        assert name == "forward" and before <= t_in <= t_out <= after
+        assert name == "forward" and before <= t._t0 <= t_in <= t_out <= t._gap_start <= after
     assert type(t._phase_cms["forward"]).__name__ == ("Phase" if engine_impl == "native" else "_Phase")
