@@ -696,7 +696,7 @@ static PyObject *K_in_step, *K_timed, *K_gpu, *K_stack, *K_recs, *K_evs, *K_free
     *K_warmup_steps, *K_samples, *K_tokens, *K_pause_evs, *K_gap_start, *K_paused_s, *K_device, *K_pending,
     *K_pending_events, *K_lag, *K_wait, *K_wait_for, *K_resolve, *K_sample_every, *K_pick_timed, *K_trace,
     *K_offsets, *K_elapsed, *K_held_end, *K_rows, *K_add, *K_last_resolved, *K_log_every, *K_emit,
-    *K_append, *K_popleft, *K_events, *K_i_end, *K_enter, *K_exit;
+    *K_append, *K_popleft, *K_events, *K_i_end, *K_enter, *K_exit, *K_untimed, *K_phase_cms;
 
 static int intern_keys(void) {
     struct { PyObject **k; const char *s; } keys[] = {
@@ -715,7 +715,8 @@ static int intern_keys(void) {
         {&K_offsets, "_offsets"}, {&K_elapsed, "_elapsed"}, {&K_held_end, "_held_end"}, {&K_rows, "_rows"},
         {&K_add, "add"}, {&K_last_resolved, "_last_resolved"}, {&K_log_every, "log_every_n_steps"},
         {&K_emit, "_emit"}, {&K_append, "append"}, {&K_popleft, "popleft"}, {&K_events, "events"},
-        {&K_i_end, "i_end"}, {&K_enter, "__enter__"}, {&K_exit, "__exit__"},
+        {&K_i_end, "i_end"}, {&K_enter, "__enter__"}, {&K_exit, "__exit__"}, {&K_untimed, "_untimed"},
+        {&K_phase_cms, "_phase_cms"},
     };
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!(*keys[i].k = PyUnicode_InternFromString(keys[i].s))) return 0;
@@ -1089,6 +1090,7 @@ typedef struct {
     Base b;
     PyObject *fallback; /* timer.py's _Step for this timer: every case the C path does not take */
     PyObject *names;    /* the last step's phase names (a tuple), reused while they repeat */
+    PyObject *untimed;  /* timer.py's _UNTIMED, the row layout of an untimed step */
 } Step;
 
 static PyObject *call1(PyObject *f, PyObject *a) { return PyObject_Vectorcall(f, &a, 1, NULL); }
@@ -1156,8 +1158,36 @@ static int step_enter_fast(Step *st) {
     return 1;
 }
 
+/* An untimed step (sample_every) with nothing in flight (_Step.__enter__'s short path): 1 if taken, 0 if
+ * not, -1 with an exception. */
+static int step_enter_untimed(Step *st) {
+    Base *b = &st->b;
+    PyObject *cuda = get(b, K_cuda), *in_step = get(b, K_in_step), *closed = get(b, K_closed),
+             *pause_evs = get(b, K_pause_evs), *pending = get(b, K_pending);
+    if (!cuda || !in_step || !closed || !pause_evs || !pending) return -1;
+    if (cuda == Py_None || in_step != Py_False || closed != Py_False || !PyList_Check(pause_evs) ||
+        PyList_GET_SIZE(pause_evs))
+        return 0;
+    long long number, next_timed, pe;
+    if (get_ll(b, K_number, &number) < 0 || get_ll(b, K_next_timed, &next_timed) < 0 ||
+        get_ll(b, K_pending_events, &pe) < 0)
+        return -1;
+    Py_ssize_t np = PyObject_Size(pending);
+    if (np < 0) return -1;
+    if (number + 1 == next_timed || number + 2 == next_timed || pe || np) return 0;
+    if (put(b, K_evs, PyList_New(0)) < 0 || PyDict_SetItem(b->dict, K_in_step, Py_True) < 0 ||
+        PyDict_SetItem(b->dict, K_untimed, Py_True) < 0)
+        return -1;
+    double t0 = now(b);
+    if (NOW_FAILED(t0) || put(b, K_t0, PyFloat_FromDouble(t0)) < 0) return -1;
+    return 1;
+}
+
 static PyObject *step_enter(Step *st, PyObject *unused) {
-    int taken = step_enter_fast(st);
+    int taken = step_enter_untimed(st);
+    if (taken < 0) return NULL;
+    if (taken) Py_RETURN_NONE;
+    taken = step_enter_fast(st);
     if (taken < 0) return NULL;
     if (taken) Py_RETURN_NONE;
     return PyObject_CallMethodNoArgs(st->fallback, K_enter);
@@ -1472,12 +1502,72 @@ done:
     return ok;
 }
 
+/* The end of an untimed step entered on the short path, without an exception (_Step.__exit__): 1 if
+ * taken, 0 if not, -1 with an exception. */
+static int step_exit_untimed(Step *st, PyObject *et) {
+    Base *b = &st->b;
+    PyObject *untimed = get(b, K_untimed);
+    if (!untimed) return -1;
+    if (untimed != Py_True || et != Py_None) return 0;
+    double t_end = now(b);
+    if (NOW_FAILED(t_end)) return -1;
+    if (PyDict_SetItem(b->dict, K_in_step, Py_False) < 0 || PyDict_SetItem(b->dict, K_untimed, Py_False) < 0) return -1;
+    long long number, first, warm, every;
+    double t0, paused;
+    PyObject *gs = get(b, K_gap_start), *samples = get(b, K_samples), *tokens = get(b, K_tokens),
+             *cuda = get(b, K_cuda), *rows = get(b, K_rows);
+    if (!gs || !samples || !tokens || !cuda || !rows || get_ll(b, K_number, &number) < 0 ||
+        get_ll(b, K_first_number, &first) < 0 || get_ll(b, K_warmup_steps, &warm) < 0 ||
+        get_ll(b, K_log_every, &every) < 0 || get_double(b, K_t0, &t0) < 0 || get_double(b, K_paused_s, &paused) < 0)
+        return -1;
+    number += 1;
+    int is_cuda = PyObject_IsTrue(cuda);
+    if (is_cuda < 0) return -1;
+    double gap = NAN;
+    if (gs != Py_None) {
+        gap = t0 - PyFloat_AsDouble(gs) - paused;
+        if (PyErr_Occurred()) return -1;
+        if (!(gap > 0.0)) gap = 0.0;
+    }
+    PyObject *num = PyLong_FromLongLong(number);
+    Py_XINCREF(num); /* one reference for _number, one for the row */
+    if (put(b, K_number, num) < 0) { Py_XDECREF(num); return -1; }
+    PyObject *row = PyList_New(6);
+    if (!row) { Py_DECREF(num); return -1; }
+    PyList_SET_ITEM(row, 0, num); /* the row holds the reference taken above */
+    PyObject *cells[5] = {as_nan(samples), as_nan(tokens), PyFloat_FromDouble(t_end - t0), PyFloat_FromDouble(gap),
+                          PyFloat_FromDouble(is_cuda ? 0.0 : NAN)};
+    int bad = 0;
+    for (int k = 0; k < 5; k++) {
+        if (!cells[k]) bad = 1;
+        else PyList_SET_ITEM(row, k + 1, cells[k]);
+    }
+    if (bad) { Py_DECREF(row); return -1; }
+    PyObject *args[4] = {rows, st->untimed, row, number - first < warm ? Py_True : Py_False};
+    PyObject *res = PyObject_VectorcallMethod(K_add, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(row);
+    if (!res) return -1;
+    Py_DECREF(res);
+    if (put(b, K_paused_s, PyFloat_FromDouble(0.0)) < 0 || put(b, K_gap_start, PyFloat_FromDouble(t_end)) < 0 ||
+        put(b, K_last_resolved, PyLong_FromLongLong(number)) < 0)
+        return -1;
+    if (every > 0 && number % every == 0) {
+        res = PyObject_CallMethodNoArgs(b->timer, K_emit);
+        if (!res) return -1;
+        Py_DECREF(res);
+    }
+    return 1;
+}
+
 static PyObject *step_exit(Step *st, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "__exit__(exc_type, exc, tb)");
         return NULL;
     }
-    int taken = step_exit_fast(st, args[0]);
+    int taken = step_exit_untimed(st, args[0]);
+    if (taken < 0) return NULL;
+    if (taken) Py_RETURN_FALSE;
+    taken = step_exit_fast(st, args[0]);
     if (taken < 0) return NULL;
     if (taken) Py_RETURN_FALSE;
     PyObject *all[4] = {st->fallback, args[0], args[1], args[2]};
@@ -1485,11 +1575,12 @@ static PyObject *step_exit(Step *st, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 static int step_init(Step *st, PyObject *args, PyObject *kw) {
-    PyObject *timer, *clock, *fallback;
+    PyObject *timer, *clock, *fallback, *untimed;
     double share_s;
-    if (!PyArg_ParseTuple(args, "OOdO", &timer, &clock, &share_s, &fallback)) return -1;
+    if (!PyArg_ParseTuple(args, "OOdOO", &timer, &clock, &share_s, &fallback, &untimed)) return -1;
     if (base_init(&st->b, timer, clock, share_s) < 0) return -1;
     Py_XSETREF(st->fallback, Py_NewRef(fallback));
+    Py_XSETREF(st->untimed, Py_NewRef(untimed));
     Py_CLEAR(st->names);
     return 0;
 }
@@ -1502,6 +1593,7 @@ static int step_traverse(Step *st, visitproc visit, void *arg) {
 static int step_clear(Step *st) {
     base_clear(&st->b);
     Py_CLEAR(st->fallback);
+    Py_CLEAR(st->untimed);
     Py_CLEAR(st->names);
     return 0;
 }
@@ -1523,13 +1615,113 @@ static PyTypeObject StepType = {
     .tp_name = "_steptimer_cudart.Step",
     .tp_basicsize = sizeof(Step),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Step(timer, clock, share_s, fallback): `with timer.step():` in C",
+    .tp_doc = "Step(timer, clock, share_s, fallback, untimed_key): `with timer.step():` in C",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)step_init,
     .tp_dealloc = (destructor)step_dealloc,
     .tp_traverse = (traverseproc)step_traverse,
     .tp_clear = (inquiry)step_clear,
     .tp_methods = step_methods,
+};
+
+
+/* Null: a no-op context manager (timer.py's _Null), for the phases of an untimed step. */
+typedef struct { PyObject_HEAD } Null;
+
+static PyObject *null_enter(PyObject *self, PyObject *unused) { Py_RETURN_NONE; }
+static PyObject *null_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { Py_RETURN_FALSE; }
+
+static PyMethodDef null_methods[] = {
+    {"__enter__", (PyCFunction)null_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))null_exit, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject NullType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_steptimer_cudart.Null",
+    .tp_basicsize = sizeof(Null),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A no-op context manager",
+    .tp_new = PyType_GenericNew,
+    .tp_methods = null_methods,
+};
+
+/* PhaseOf: timer.phase(name) in C (StepTimer.phase, which it calls for a name it has not seen). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *dict, *fallback, *null;
+    vectorcallfunc vc;
+} PhaseOf;
+
+static PyObject *phase_of_call(PhaseOf *po, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 1 || (kwnames && PyTuple_GET_SIZE(kwnames)))
+        return PyObject_Vectorcall(po->fallback, args, nargsf, kwnames); /* its error for bad arguments */
+    PyObject *cms = PyDict_GetItemWithError(po->dict, K_phase_cms);
+    PyObject *cm = cms && PyDict_Check(cms) ? PyDict_GetItemWithError(cms, args[0]) : NULL;
+    if (!cm) return PyErr_Occurred() ? NULL : PyObject_Vectorcall(po->fallback, args, nargsf, NULL);
+    PyObject *untimed = PyDict_GetItemWithError(po->dict, K_untimed);
+    if (!untimed) return PyErr_Occurred() ? NULL : PyObject_Vectorcall(po->fallback, args, nargsf, NULL);
+    return Py_NewRef(untimed == Py_True ? po->null : cm);
+}
+
+static PyObject *phase_of_vcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    return phase_of_call((PhaseOf *)self, args, nargsf, kwnames);
+}
+
+static PyObject *phase_of_tp_call(PyObject *self, PyObject *args, PyObject *kw) {
+    return PyVectorcall_Call(self, args, kw);
+}
+
+static int phase_of_init(PyObject *self, PyObject *args, PyObject *kw) {
+    PyObject *timer, *fallback, *null;
+    if (!PyArg_ParseTuple(args, "OOO", &timer, &fallback, &null)) return -1;
+    PyObject *dict = PyObject_GenericGetDict(timer, NULL);
+    if (!dict) return -1;
+    PhaseOf *po = (PhaseOf *)self;
+    Py_XSETREF(po->dict, dict);
+    Py_XSETREF(po->fallback, Py_NewRef(fallback));
+    Py_XSETREF(po->null, Py_NewRef(null));
+    po->vc = phase_of_vcall;
+    return 0;
+}
+
+static int phase_of_traverse(PyObject *self, visitproc visit, void *arg) {
+    PhaseOf *po = (PhaseOf *)self;
+    Py_VISIT(po->dict);
+    Py_VISIT(po->fallback);
+    Py_VISIT(po->null);
+    return 0;
+}
+
+static int phase_of_clear(PyObject *self) {
+    PhaseOf *po = (PhaseOf *)self;
+    Py_CLEAR(po->dict);
+    Py_CLEAR(po->fallback);
+    Py_CLEAR(po->null);
+    return 0;
+}
+
+static void phase_of_dealloc(PyObject *self) {
+    PyObject_GC_UnTrack(self);
+    phase_of_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyTypeObject PhaseOfType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_steptimer_cudart.PhaseOf",
+    .tp_basicsize = sizeof(PhaseOf),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "PhaseOf(timer, fallback, null): timer.phase(name) in C",
+    .tp_new = PyType_GenericNew,
+    .tp_init = phase_of_init,
+    .tp_call = phase_of_tp_call,
+    .tp_vectorcall_offset = offsetof(PhaseOf, vc),
+    .tp_dealloc = phase_of_dealloc,
+    .tp_traverse = phase_of_traverse,
+    .tp_clear = phase_of_clear,
 };
 
 static PyMethodDef methods[] = {
@@ -1554,13 +1746,13 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_steptimer_cudart", 
 
 PyMODINIT_FUNC PyInit__steptimer_cudart(void) {
     if (!intern_keys() || PyType_Ready(&PhaseType) < 0 || PyType_Ready(&PendingType) < 0 ||
-        PyType_Ready(&StepType) < 0)
+        PyType_Ready(&StepType) < 0 || PyType_Ready(&NullType) < 0 || PyType_Ready(&PhaseOfType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    PyTypeObject *types[] = {&PhaseType, &PendingType, &StepType};
-    const char *names[] = {"Phase", "Pending", "Step"};
-    for (int i = 0; i < 3; i++) {
+    PyTypeObject *types[] = {&PhaseType, &PendingType, &StepType, &NullType, &PhaseOfType};
+    const char *names[] = {"Phase", "Pending", "Step", "Null", "PhaseOf"};
+    for (int i = 0; i < 5; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

@@ -719,9 +719,13 @@ class StepTimer:
         self._get_stream_key = b.stream_key
         # With the native extension, the timed CUDA step's enter/exit run in C (_cudart.c Step, the same
         # logic as _Step/_begin_step/_end_step/_resolve, which it calls for every other case).
-        native = getattr(b.kernels, "Step", None)
-        if native is not None:
-            self._step_cm = native(self, perf_counter, _SHARE_GAP_S, _Step(self))
+        # `timer.phase(name)` too (PhaseOf: the lookup of a known name, and a C no-op context manager for
+        # an untimed step's phases), as an instance attribute in front of StepTimer.phase.
+        k = b.kernels
+        if k is not None and hasattr(k, "Step"):
+            self._step_cm = k.Step(self, perf_counter, _SHARE_GAP_S, _Step(self), _UNTIMED)
+        if k is not None and hasattr(k, "PhaseOf"):
+            self.__dict__["phase"] = k.PhaseOf(self, StepTimer.phase.__get__(self), k.Null())
 
     def _switch_stream(self, key: tuple[int, int, int]) -> None:
         b = self._backend()

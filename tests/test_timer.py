@@ -357,6 +357,17 @@ def test_step_inside_cuda_graph_capture_is_a_clear_error(clock: FakeClock, gpu: 
     assert t.close().steps == 1
 
 
+def test_sampled_warmup_steps_are_left_out_of_the_summary(clock: FakeClock, gpu: FakeGPU) -> None:
+    """Untimed steps (most of them, with sample_every) are warm-up steps too."""
+    t, sink = make(gpu, sample_every=10, warmup_steps=30, log_every_n_steps=100)
+    for i in range(100):
+        train_step(t, clock, gpu, host={"forward": 50.0 if i < 30 else 1.0}, kernels={"forward": 1.0})
+    s = t.close()
+    assert sink.windows[0].steps == 100 and sink.windows[0].host["step"].max_ms == pytest.approx(50.0)
+    assert s.steps == 70 and s["step"].host.steps == 70 and s["step"].host.max_ms == pytest.approx(1.0)
+    assert s.timed_steps == 7
+
+
 def test_errors_after_the_first_step_drop_only_their_step(clock: FakeClock, gpu: FakeGPU) -> None:
     """Each error in a later step (the C step's path from the second step on): a graph capture, a
     phase left open, an exception. Only that step is dropped; its events go back to the pool."""
@@ -708,6 +719,26 @@ def test_steps_and_phases_run_in_c_where_the_extension_is(clock: FakeClock, gpu:
     # The step too: the first step settles CUDA in Python; the next ones are C steps with C records.
     assert type(t._step_cm).__name__ == ("Step" if native else "_Step")
     assert [type(p).__name__ for p in t._pending] == (["Pending", "Pending"] if native else ["_Pending"] * 2)
+    # timer.phase(name) itself: a C lookup in front of StepTimer.phase, which still checks new names.
+    assert type(t.phase).__name__ == ("PhaseOf" if native else "method")
+    with pytest.raises(ValueError, match="reserved"):
+        t.phase("step")
+    with pytest.raises(ValueError, match="invalid phase name"):
+        t.phase(name="a b")
+    assert t.phase(name="forward") is t.phase("forward") is t._phase_cms["forward"]
+    s, _ = make(gpu, sample_every=1000)
+    with s.step(), s.phase("forward"):  # the first step settles CUDA, off the short path
+        pass
+    kinds = set()
+    for _ in range(3):  # the timed step is one of the first 1000 (fixed seed): not one of these 3
+        with s.step():
+            assert s._untimed  # on the untimed short path (C or Python)
+            cm = s.phase("forward")
+            with cm:
+                pass
+        kinds.add(type(cm).__name__)
+    assert kinds == ({"Null"} if native else {"_Null"})
+    assert s.close().steps == 4
     h, _ = make()
     train_step(h, clock, None, host={"forward": 1.0})
     assert type(h._phase_cms["forward"]).__name__ == "_Phase"
