@@ -759,7 +759,7 @@ class _Without:
 
 
 def _python(*names: str) -> Any:
-    """The default backend with the C types ``names`` ("Step", "Phase") left to their Python twins."""
+    """The default backend with the C types ``names`` ("Step", "Phase", ...) left to their Python twins."""
     import dataclasses
 
     from steptimer._clock import default_backend
@@ -835,7 +835,7 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         # The same engine with its steps' enter/exit in Python (_Step) instead of _cudart.c's Step, then
         # with its phases' too (_Phase instead of Phase); windows native in both.
         ("default-pysteps", {"log_dir": ..., "_backend": _python("Step")}, ("empty",)),
-        ("default-pyphases", {"log_dir": ..., "_backend": _python("Step", "Phase")}, ("empty",)),
+        ("default-pyphases", {"log_dir": ..., "_backend": _python("Step", "Phase", "PhaseOf", "Null")}, ("empty",)),
         ("lag0", {"lag": 0, "log_dir": ...}, ("empty", "tiny")),
         ("sampled100", {"sample_every": 100, "log_dir": ...}, ("empty", "tiny")),
         # Where the host time goes: without the TensorBoard sink, without the cross-rank

@@ -125,7 +125,8 @@ def host_table(h: dict[str, Any], m: dict[str, Any] | None) -> str:
             "`default-torchapi` is the engine on torch's event API, the fallback where `_cudart.c` can't be built; "
             "`default-nokernels` the engine without `_cudart.c`'s kernels (steps, phases and windows in Python "
             "and numpy; its CUDA calls still native); `default-pysteps` the engine with its steps' enter/exit in "
-            "Python instead of `_cudart.c`, `default-pyphases` with its steps' and phases' (windows native)."
+            "Python instead of `_cudart.c`, `default-pyphases` with its steps', its phases' and `timer.phase()` in "
+            "Python (windows native)."
         )
     return t
 
