@@ -205,9 +205,10 @@ class _Phase:
 
 
 class _Step:
-    """``with timer.step():``. ``_cudart.c``'s ``Step`` is its C twin for the timed CUDA step (it calls
-    this class for every other case): any change to ``_begin_step``, ``_end_step`` or ``_resolve`` goes
-    there too (tests/test_timer.py runs the engine's suite on both)."""
+    """``with timer.step():``. ``_cudart.c``'s ``Step`` is its C twin for the timed CUDA step and an
+    untimed step's short path (it calls this class for every other case): any change to those paths,
+    ``_begin_step``, ``_end_step`` or ``_resolve`` goes there too (tests/test_timer.py runs the engine's
+    suite on both)."""
 
     __slots__ = ("_t",)
 
