@@ -594,3 +594,89 @@ def test_native_accumulation_equals_numpys(built: Path) -> None:
     assert {k: h.counts for k, h in a.host.items()} == {k: h.counts for k, h in b.host.items()}
     with pytest.raises(ValueError, match="sizes"):
         mod.accumulate(b._counts, b._exact[:1], b"", b"", b"", 2600)
+
+
+class _Without:
+    """The extension without some of its C types: the engine then uses their Python twins."""
+
+    def __init__(self, mod: Any, *names: str) -> None:
+        self._mod, self._names = mod, names
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._names:
+            raise AttributeError(name)
+        return getattr(self._mod, name)
+
+
+def _random_run(kernels: Any, seed: int, *, lag: int, sample_every: int, warmup: int) -> str:
+    """A random training script on the simulated GPU (phases nested or not, errors, pauses, stream
+    switches, data stalls) through the engine; everything it wrote and summarized, as text."""
+    import dataclasses
+    import random
+
+    import steptimer.timer as timer_mod
+    from steptimer import StepTimer
+    from tests.fakes import FakeClock, FakeGPU, ListSink
+
+    rng = random.Random(seed)
+    clock = FakeClock()
+    gpu = FakeGPU(clock)
+    sink = ListSink()
+    orig = timer_mod.perf_counter
+    timer_mod.perf_counter = clock  # type: ignore[assignment]
+    try:
+        t = StepTimer(
+            _backend=dataclasses.replace(gpu.backend(), kernels=kernels), _sinks=[sink], print_summary=False,
+            log_every_n_steps=rng.choice([3, 7, 20]), lag=lag, sample_every=sample_every, warmup_steps=warmup,
+        )  # fmt: skip
+        errors = 0
+        for _ in range(150):
+            clock.advance_ms(rng.choice([0.0, 0.0, 0.5, 3.0]))
+            if rng.random() < 0.1:
+                with t.pause():
+                    gpu.launch(rng.uniform(0.0, 2.0))
+                    clock.advance_ms(rng.uniform(0.0, 2.0))
+            if rng.random() < 0.03:
+                gpu.stream = (rng.choice([7, 9]), 0, 1)
+            fail = rng.choice([None] * 17 + ["raise", "open", "capture"])
+            gpu.capturing = fail == "capture"
+            try:
+                with t.step(samples=rng.choice([None, 8]), tokens=rng.choice([None, 512])):
+                    for name in rng.sample(["forward", "loss", "backward", "optimizer"], rng.randint(0, 4)):
+                        with t.phase(name):
+                            gpu.launch(rng.uniform(0.0, 3.0))
+                            clock.advance_ms(rng.uniform(0.0, 1.0))
+                            if name == "backward" and rng.random() < 0.5:
+                                with t.phase("inner"):
+                                    gpu.launch(1.0)
+                            if fail == "raise" and rng.random() < 0.5:
+                                raise KeyError("boom")
+                    if fail == "open":
+                        t.phase("dangling").__enter__()
+            except (KeyError, RuntimeError):
+                errors += 1
+            gpu.capturing = False
+        summary = t.close()
+    finally:
+        timer_mod.perf_counter = orig  # type: ignore[assignment]
+    assert errors > 0  # the script did hit the error paths
+    windows = [
+        (w.step, w.steps, w.host, w.gpu, w.steps_per_s, w.samples_per_s, w.tokens_per_s,
+         sorted((k, h.count, sorted(h.counts.items())) for k, h in w.hists.items()))
+        for w in sink.windows
+    ]  # fmt: skip
+    return repr((windows, summary, t.events_created, gpu.waits, gpu.records))
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+@pytest.mark.parametrize("sample_every,warmup", [(1, 0), (1, 5), (3, 4)])
+def test_c_steps_and_phases_equal_the_python_ones_on_random_runs(
+    built: Path, lag: int, sample_every: int, warmup: int
+) -> None:
+    """The C Step, Phase and PhaseOf against their Python twins on the same random runs: every
+    window, the summary, the events created, the waits and the records must be the same, exactly."""
+    kernels = _native.load(built)
+    python = _Without(kernels, "Step", "Phase", "PhaseOf", "Null", "Pending")
+    for seed in range(4):
+        kw = {"lag": lag, "sample_every": sample_every, "warmup": warmup}
+        assert _random_run(kernels, seed, **kw) == _random_run(python, seed, **kw)
