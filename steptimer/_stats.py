@@ -566,18 +566,45 @@ class Window:
     extra: Mapping[str, float] = field(default_factory=dict)
 
 
+class ClockStats(Mapping[str, SeriesStats]):
+    """A window's :class:`SeriesStats` of one clock by series name, built from its :class:`Packed`
+    arrays when first read (the TensorBoard sink reads the arrays directly and never builds them)."""
+
+    def __init__(self, packed: Packed, clock: str) -> None:
+        self.packed = packed
+        self.clock = clock
+        self._stats: dict[str, SeriesStats] | None = None
+
+    def _built(self) -> dict[str, SeriesStats]:
+        if self._stats is None:
+            clock = self.clock
+            self._stats = {n: st for (k, n), st in self.packed.stats().items() if k == clock}
+        return self._stats
+
+    def __getitem__(self, name: str) -> SeriesStats:
+        return self._built()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def __repr__(self) -> str:
+        return repr(self._built())
+
+
 def window_of(rows: StepRows, last_step: int, kernels: Any = None) -> Window:
     """Statistics of the steps of one log window, ``last_step`` being the number of its last step."""
     p = pack_rows(rows, kernels=kernels)
-    stats = p.stats()
     wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
     samples = [g.samples for g in p.groups if g.samples_rows]
     tokens = [g.tokens for g in p.groups if g.tokens_rows]
     return Window(
         step=last_step,
         steps=rows.count,
-        host={n: st for (k, n), st in stats.items() if k == "host"},
-        gpu={n: st for (k, n), st in stats.items() if k == "gpu"},
+        host=ClockStats(p, "host"),
+        gpu=ClockStats(p, "gpu"),
         hists=Histograms(p),
         steps_per_s=rows.count / wall_s if wall_s > 0 else math.nan,
         samples_per_s=sum(samples) / wall_s if samples and wall_s > 0 else None,

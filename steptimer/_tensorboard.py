@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from steptimer._stats import NUM_BUCKETS, Histograms, Summary, Window, bucket_index, bucket_upper_ms
+from steptimer._stats import NUM_BUCKETS, ClockStats, Histograms, Summary, Window, bucket_index, bucket_upper_ms
 
 LAYOUT_RUN = "steptimer-layout"
 
@@ -58,12 +58,24 @@ def _series_tags(clock: str, name: str) -> tuple[str, str, str]:
 def window_scalars(window: Window) -> dict[str, float]:
     """Every scalar a window writes, by tag."""
     out: dict[str, float] = {}
-    for clock, series in (("host", window.host), ("gpu", window.gpu)):
-        for name, st in series.items():
-            mean, p90, mx = _SERIES_TAGS.get((clock, name)) or _series_tags(clock, name)
-            out[mean] = st.mean_ms
-            out[p90] = st.p90_ms
-            out[mx] = st.max_ms
+    host, gpu = window.host, window.gpu
+    if isinstance(host, ClockStats) and isinstance(gpu, ClockStats) and host.packed is gpu.packed:
+        # Straight from the window's arrays (the values SeriesStats would hold), host series first.
+        p = host.packed
+        for clock in ("host", "gpu"):
+            for k, key in enumerate(p.series):
+                if key[0] == clock and p.count[k]:
+                    mean, p90, mx = _SERIES_TAGS.get(key) or _series_tags(clock, key[1])
+                    out[mean] = p.sum_ms[k] / p.count[k]
+                    out[p90] = p.p90_ms[k]
+                    out[mx] = p.max_ms[k]
+    else:
+        for clock, series in (("host", host), ("gpu", gpu)):
+            for name, st in series.items():
+                mean, p90, mx = _SERIES_TAGS.get((clock, name)) or _series_tags(clock, name)
+                out[mean] = st.mean_ms
+                out[p90] = st.p90_ms
+                out[mx] = st.max_ms
     out["steptimer/steps_per_s"] = window.steps_per_s
     out.update(window.extra)
     if window.samples_per_s is not None:
