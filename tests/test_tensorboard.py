@@ -219,6 +219,21 @@ def test_encoded_window_is_the_message_the_proto_api_builds(clock: FakeClock) ->
     assert big.simple_value == float("inf")
 
 
+def test_scalars_from_the_arrays_are_the_series_stats(clock: FakeClock) -> None:
+    """A window's scalars are read straight from its arrays; they must be its SeriesStats', tag for tag
+    and in the same order, as a window holding plain dicts of SeriesStats writes them."""
+    from steptimer._stats import ClockStats
+    from steptimer._tensorboard import window_scalars
+
+    for w in _windows(clock):
+        assert isinstance(w.host, ClockStats) and isinstance(w.gpu, ClockStats)
+        plain = dataclasses.replace(w, host=dict(w.host.items()), gpu=dict(w.gpu.items()))
+        fast, slow = window_scalars(w), window_scalars(plain)
+        assert list(fast.items()) == list(slow.items()), w.step
+        assert any(tag.startswith("steptimer/gpu/") for tag in fast) and "steptimer/host_p90/step_ms" in fast
+        assert fast["steptimer/host_max/step_ms"] == w.host["step"].max_ms
+
+
 def test_event_file_is_read_back_by_tensorboard(tmp_path: Path, clock: FakeClock) -> None:
     """steptimer's own event file: TensorBoard's reader sees every event, step and wall time."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
