@@ -294,9 +294,14 @@ class TensorBoardSink:
     """
 
     def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None) -> None:
+        from torch.utils.tensorboard.summary import custom_scalars
+
         from steptimer._fastcrc import install
 
         install()
+        # Imported here, not at the first window: an import there (ms, more from a cold disk) would land
+        # in a training step's time.
+        self._custom_scalars = custom_scalars
         self.writer = writer
         self._file: EventFile | None = None
         if writer is None:
@@ -337,11 +342,9 @@ class TensorBoardSink:
             )
 
     def _write_layout(self, lay: dict[str, dict[str, list[Any]]]) -> None:
-        from torch.utils.tensorboard.summary import custom_scalars
-
         self._layout_written = True
         if self._file is not None:
-            self._file.write(custom_scalars(lay).SerializeToString(), 0)
+            self._file.write(self._custom_scalars(lay).SerializeToString(), 0)
             return
         from torch.utils.tensorboard import SummaryWriter
 
