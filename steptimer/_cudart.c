@@ -1106,15 +1106,12 @@ static int put_append(PyObject *list, double x) {
 }
 
 static int step_enter_fast(Step *st) {
-    /* The timed CUDA step (_begin_step's path when the stream key is unchanged); 1 if taken, 0 if not,
-     * -1 with an exception. */
+    /* The timed CUDA step (_begin_step's path when the stream key is unchanged; the caller checked
+     * that this step is the one to time); 1 if taken, 0 if not, -1 with an exception. */
     Base *b = &st->b;
     PyObject *cuda = get(b, K_cuda), *in_step = get(b, K_in_step), *closed = get(b, K_closed);
     if (!cuda || !in_step || !closed) return -1;
     if (cuda != Py_True || in_step != Py_False || closed != Py_False) return 0;
-    long long number, next_timed;
-    if (get_ll(b, K_number, &number) < 0 || get_ll(b, K_next_timed, &next_timed) < 0) return -1;
-    if (number + 1 != next_timed) return 0;
     double t0 = now(b);
     if (NOW_FAILED(t0)) return -1;
     if (PyDict_SetItem(b->dict, K_timed, Py_True) < 0 || PyDict_SetItem(b->dict, K_in_step, Py_True) < 0 ||
@@ -1160,7 +1157,7 @@ static int step_enter_fast(Step *st) {
 
 /* An untimed step (sample_every) with nothing in flight (_Step.__enter__'s short path): 1 if taken, 0 if
  * not, -1 with an exception. */
-static int step_enter_untimed(Step *st) {
+static int step_enter_untimed(Step *st, long long number, long long next_timed) {
     Base *b = &st->b;
     PyObject *cuda = get(b, K_cuda), *in_step = get(b, K_in_step), *closed = get(b, K_closed),
              *pause_evs = get(b, K_pause_evs), *pending = get(b, K_pending);
@@ -1168,13 +1165,12 @@ static int step_enter_untimed(Step *st) {
     if (cuda == Py_None || in_step != Py_False || closed != Py_False || !PyList_Check(pause_evs) ||
         PyList_GET_SIZE(pause_evs))
         return 0;
-    long long number, next_timed, pe;
-    if (get_ll(b, K_number, &number) < 0 || get_ll(b, K_next_timed, &next_timed) < 0 ||
-        get_ll(b, K_pending_events, &pe) < 0)
-        return -1;
+    if (number + 2 == next_timed) return 0; /* the step before a timed one marks its end: _begin_step */
+    long long pe;
+    if (get_ll(b, K_pending_events, &pe) < 0) return -1;
     Py_ssize_t np = PyObject_Size(pending);
     if (np < 0) return -1;
-    if (number + 1 == next_timed || number + 2 == next_timed || pe || np) return 0;
+    if (pe || np) return 0;
     if (put(b, K_evs, PyList_New(0)) < 0 || PyDict_SetItem(b->dict, K_in_step, Py_True) < 0 ||
         PyDict_SetItem(b->dict, K_untimed, Py_True) < 0)
         return -1;
@@ -1184,10 +1180,10 @@ static int step_enter_untimed(Step *st) {
 }
 
 static PyObject *step_enter(Step *st, PyObject *unused) {
-    int taken = step_enter_untimed(st);
-    if (taken < 0) return NULL;
-    if (taken) Py_RETURN_NONE;
-    taken = step_enter_fast(st);
+    /* Which step this is decides the path: the timed one, or an untimed one (sample_every). */
+    long long number, next_timed;
+    if (get_ll(&st->b, K_number, &number) < 0 || get_ll(&st->b, K_next_timed, &next_timed) < 0) return NULL;
+    int taken = number + 1 == next_timed ? step_enter_fast(st) : step_enter_untimed(st, number, next_timed);
     if (taken < 0) return NULL;
     if (taken) Py_RETURN_NONE;
     return PyObject_CallMethodNoArgs(st->fallback, K_enter);
