@@ -178,7 +178,8 @@ static PyObject *is_capturing(PyObject *self, PyObject *arg) {
  * row layout, _stats.LEAD), the first `warm` of them warm-up rows; `spec` (doubles) is
  * [S, m, then per series: clamp, nan_col, nterms, (col, coef) x nterms]: series = sum of coef x col
  * (NaN read as 0), clamped at 0 if clamp, NaN where column nan_col (>= 0) is NaN; `sids` (int32 x S)
- * are the series' indices in the window. Returns (stats, runs, bounds, totals): stats are 7 x nser
+ * are the series' indices in the window. Returns (count, sum, sumsq, min, max, median, p90, stats, runs,
+ * bounds, totals): the first seven are lists of nser (count as ints), the same numbers as stats: 7 x nser
  * doubles (count, sum, sum of squares, min, max, median, p90; nearest rank, exact), runs 3 x R int64
  * (series, bucket, count) sorted by (series, bucket), bounds the nser + 1 offsets of each series'
  * runs, totals per group [rows, cycle ms, samples, rows with samples, tokens, rows with tokens,
@@ -214,6 +215,57 @@ static void sort_doubles(double *a, Py_ssize_t n) {
         while (k > 0 && a[k - 1] > v) { a[k] = a[k - 1]; k--; }
         a[k] = v;
     }
+}
+
+/* A value's log bucket, floor(log(max(x, base) / base) * inv_log_ratio) capped at nbuckets - 1, the
+ * numpy path's formula: computed once per bucket edge (the least double in each bucket, found next to
+ * base * e^(i / inv_log_ratio) by stepping one double at a time), then found for each value by an
+ * estimate from the value's bits and a compare or two against the edges: no log() per value. */
+static double *g_edges, g_base, g_inv, g_log2base;
+static Py_ssize_t g_nb;
+
+static int64_t bucket_exact(double x, double base, double inv, Py_ssize_t nb) {
+    double b = floor(log((x > base ? x : base) / base) * inv);
+    return b >= (double)(nb - 1) ? nb - 1 : (int64_t)b;
+}
+
+static int edges_for(double base, double inv, Py_ssize_t nb) {
+    if (g_edges && g_base == base && g_inv == inv && g_nb == nb) return 1;
+    double *e = PyMem_Realloc(g_edges, (size_t)(nb + 1) * sizeof(double));
+    if (!e) { PyErr_NoMemory(); return 0; }
+    g_edges = e;
+    g_nb = 0; /* invalid until filled */
+    e[0] = -INFINITY;
+    e[nb] = INFINITY;
+    for (Py_ssize_t i = 1; i < nb; i++) {
+        double x = base * exp((double)i / inv);
+        while (bucket_exact(x, base, inv, nb) >= i) x = nextafter(x, 0.0);
+        while (bucket_exact(x, base, inv, nb) < i) x = nextafter(x, INFINITY);
+        e[i] = x;
+    }
+    g_base = base;
+    g_log2base = log2(base);
+    g_inv = inv;
+    g_nb = nb;
+    return 1;
+}
+
+/* bucket_exact(x) for x > 0 (not NaN) through the edges of edges_for(). */
+static inline int64_t bucket_fast(double x) {
+    if (!(x > g_base)) return 0;
+    uint64_t bits;
+    memcpy(&bits, &x, 8);
+    double m, l2;
+    uint64_t mb = (bits & 0x000FFFFFFFFFFFFFull) | 0x3FF0000000000000ull;
+    memcpy(&m, &mb, 8);
+    /* log2(m) on [1, 2) within 0.0014 (a tenth of a bucket): one compare or two finds the bucket */
+    double t = m - 1.5;
+    l2 = (double)((int64_t)((bits >> 52) & 0x7FF) - 1023) + (((0.15391353 * t - 0.33688185) * t + 0.96116839) * t + 0.58537839);
+    double est = (l2 - g_log2base) * 0.6931471805599453 * g_inv;
+    Py_ssize_t i = est < 0.0 ? 0 : est >= (double)(g_nb - 1) ? g_nb - 1 : (Py_ssize_t)est;
+    while (i < g_nb - 1 && x >= g_edges[i + 1]) i++;
+    while (x < g_edges[i]) i--;
+    return i;
 }
 
 typedef struct { Py_ssize_t nser, m; const double *spec; const int32_t *sids; PyObject *flat;
@@ -481,6 +533,58 @@ static PyObject *encode_scalars(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* encode_stats_scalars(order, heads, stats) -> the Summary.value entries of the window's per-series
+ * scalars, straight from window_stats' `stats` buffer: for each series index k in `order` (int32) that
+ * has values, three entries, mean (sum / count), p90 and max, each the encoded head heads[3i + j] (a
+ * Value's tag and the simple_value key, _tensorboard._scalars' cache) and the value as a float32. */
+static PyObject *encode_stats_scalars(PyObject *self, PyObject *args) {
+    PyObject *heads;
+    Py_buffer ob, stb;
+    if (!PyArg_ParseTuple(args, "y*O!y*", &ob, &PyList_Type, &heads, &stb)) return NULL;
+    PyObject *out = NULL;
+    const int32_t *order = ob.buf;
+    const double *st = stb.buf;
+    Py_ssize_t n = ob.len / (Py_ssize_t)sizeof(int32_t), nser = stb.len / (Py_ssize_t)(7 * sizeof(double));
+    const uint16_t one = 1;
+    if (*(const unsigned char *)&one != 1) { out = Py_NewRefNone(); goto release; } /* big-endian */
+    if (PyList_GET_SIZE(heads) != 3 * n || stb.len != 7 * nser * (Py_ssize_t)sizeof(double)) {
+        PyErr_SetString(PyExc_ValueError, "encode_stats_scalars: three heads per series, 7 x nser stats");
+        goto release;
+    }
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (order[i] < 0 || order[i] >= nser) {
+            PyErr_SetString(PyExc_ValueError, "encode_stats_scalars: a series index out of range");
+            goto release;
+        }
+        for (int j = 0; j < 3; j++) {
+            PyObject *h = PyList_GET_ITEM(heads, 3 * i + j);
+            if (!PyBytes_Check(h)) { PyErr_SetString(PyExc_TypeError, "encode_stats_scalars: heads are bytes"); goto release; }
+            if (st[order[i]] > 0) total += (size_t)PyBytes_GET_SIZE(h) + 4;
+        }
+    }
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+    if (!out) goto release;
+    char *p = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t k = order[i];
+        if (!(st[k] > 0)) continue;
+        double v[3] = {st[nser + k] / st[k], st[6 * nser + k], st[4 * nser + k]}; /* mean, p90, max */
+        for (int j = 0; j < 3; j++) {
+            PyObject *h = PyList_GET_ITEM(heads, 3 * i + j);
+            memcpy(p, PyBytes_AS_STRING(h), (size_t)PyBytes_GET_SIZE(h));
+            p += PyBytes_GET_SIZE(h);
+            float f = (float)v[j]; /* as encode_scalars stores it */
+            memcpy(p, &f, 4);
+            p += 4;
+        }
+    }
+release:
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&stb);
+    return out;
+}
+
 static PyObject *window_stats(PyObject *self, PyObject *args) {
     PyObject *groups;
     Py_ssize_t nser;
@@ -505,6 +609,7 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
     Py_ssize_t *tally = NULL;
     PyObject *stats = NULL, *runs_b = NULL, *bounds = NULL, *totals = NULL, *out = NULL;
     if (!gs || !count || !fill || !start) { PyErr_NoMemory(); goto done; }
+    if (!edges_for(base, inv_log_ratio, nbuckets)) goto done;
     Py_ssize_t nvals = 0;
     for (Py_ssize_t i = 0; i < ng; i++) {
         if (!parse_group(PyList_GET_ITEM(groups, i), &gs[i], nser, skip_warm)) goto done;
@@ -590,8 +695,7 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
             sumsq += x * x;
             if (x < lo) lo = x;
             if (x > hi) hi = x;
-            int64_t b = (int64_t)floor(log((x > base ? x : base) / base) * inv_log_ratio);
-            if (b > nbuckets - 1) b = nbuckets - 1;
+            int64_t b = bucket_fast(x);
             bk[i] = b;
             if (b < bmin) bmin = b;
             if (b > bmax) bmax = b;
@@ -623,12 +727,12 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
             }
         } else {
             sort_doubles(v, c);
+            for (Py_ssize_t i = 0; i < c; i++) bk[i] = bucket_fast(v[i]);
             st[5 * nser + s] = v[ranks[0]];
             st[6 * nser + s] = v[ranks[1]];
             int64_t last = -1;
             for (Py_ssize_t i = 0; i < c; i++) {
-                int64_t b = (int64_t)floor(log((v[i] > base ? v[i] : base) / base) * inv_log_ratio);
-                if (b > nbuckets - 1) b = nbuckets - 1;
+                int64_t b = bk[i];
                 if (b != last) {
                     runs[nruns] = s;
                     runs[nvals + nruns] = b;
@@ -649,7 +753,24 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
     memcpy(rb, runs, nruns * sizeof(int64_t));
     memcpy(rb + nruns, runs + nvals, nruns * sizeof(int64_t));
     memcpy(rb + 2 * nruns, runs + 2 * nvals, nruns * sizeof(int64_t));
-    out = PyTuple_Pack(4, stats, runs_b, bounds, totals);
+    /* The per-series lists every reader takes (count as ints), then the buffers, bounds and totals. */
+    out = PyTuple_New(11);
+    if (!out) goto done;
+    for (int k = 0; k < 7; k++) {
+        PyObject *l = PyList_New(nser);
+        if (!l) { Py_CLEAR(out); goto done; }
+        PyTuple_SET_ITEM(out, k, l);
+        for (Py_ssize_t s = 0; s < nser; s++) {
+            double x = st[k * nser + s];
+            PyObject *o = k ? PyFloat_FromDouble(x) : PyLong_FromSsize_t((Py_ssize_t)x);
+            if (!o) { Py_CLEAR(out); goto done; }
+            PyList_SET_ITEM(l, s, o);
+        }
+    }
+    PyTuple_SET_ITEM(out, 7, Py_NewRef(stats));
+    PyTuple_SET_ITEM(out, 8, Py_NewRef(runs_b));
+    PyTuple_SET_ITEM(out, 9, Py_NewRef(bounds));
+    PyTuple_SET_ITEM(out, 10, Py_NewRef(totals));
 done:
     Py_XDECREF(stats);
     Py_XDECREF(runs_b);
@@ -1727,8 +1848,10 @@ static PyMethodDef methods[] = {
     {"offsets_ms", offsets_ms, METH_O, "offsets_ms(events) -> list of ms from events[0]"},
     {"wait", wait, METH_O, "wait(event): block until it completed"},
     {"is_capturing", is_capturing, METH_O, "is_capturing(stream) -> bool"},
+    {"encode_stats_scalars", encode_stats_scalars, METH_VARARGS,
+     "encode_stats_scalars(order, heads, stats) -> bytes: the per-series mean/p90/max scalars, encoded"},
     {"window_stats", window_stats, METH_VARARGS,
-     "window_stats(groups, nser, skip_warm, base, inv_log_ratio, nbuckets) -> (stats, runs, bounds, totals)"},
+     "window_stats(groups, nser, skip_warm, base, inv_log_ratio, nbuckets) -> (count, sum, sumsq, min, max, median, p90, stats, runs, bounds, totals)"},
     {"accumulate", accumulate, METH_VARARGS,
      "accumulate(counts, exact, rows, stats, runs, nbuckets): add a window to the run's histograms"},
     {"encode_scalars", encode_scalars, METH_VARARGS,

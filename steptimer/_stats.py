@@ -10,7 +10,7 @@ import math
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -341,7 +341,7 @@ class Packed:
     """
 
     __slots__ = ("series", "count", "sum_ms", "sumsq_ms", "min_ms", "max_ms", "median_ms", "p90_ms",
-                 "run_series", "run_bucket", "run_count", "bounds", "groups", "raw", "kernels")  # fmt: skip
+                 "_runs", "bounds", "groups", "raw", "kernels")  # fmt: skip
 
     series: list[tuple[str, str]]
     # Per series, as Python lists: what every reader of a window takes them as.
@@ -352,9 +352,7 @@ class Packed:
     max_ms: list[float]
     median_ms: list[float]
     p90_ms: list[float]
-    run_series: np.ndarray
-    run_bucket: np.ndarray
-    run_count: np.ndarray
+    _runs: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (series, bucket, count); from raw when None
     bounds: list[int]
     groups: list[GroupTotals]
     raw: tuple[bytes, bytes] | None  # the kernel's stats and runs buffers, for native encoders
@@ -387,32 +385,47 @@ class Packed:
         np.minimum(b, NUM_BUCKETS - 1, out=b)
         combo = s * NUM_BUCKETS + b  # sorted: values are sorted within each series
         firsts = np.flatnonzero(np.concatenate(([len(v) > 0], combo[1:] != combo[:-1])))
-        self.run_count = np.diff(np.append(firsts, len(combo)))
         run_combo = combo[firsts]
-        self.run_series = run_combo // NUM_BUCKETS
-        self.run_bucket = run_combo - self.run_series * NUM_BUCKETS
+        run_series = run_combo // NUM_BUCKETS
+        self._runs = (run_series, run_combo - run_series * NUM_BUCKETS, np.diff(np.append(firsts, len(combo))))
         self.bounds = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
         return self
 
     @classmethod
-    def of_kernel(
-        cls, series: list[tuple[str, str]], stats: bytes, runs: bytes, bounds: list[int], kernels: Any
-    ) -> Packed:
-        """From ``window_stats``' buffers (see ``_cudart.c``)."""
+    def of_kernel(cls, series: list[tuple[str, str]], out: tuple[Any, ...], kernels: Any) -> Packed:
+        """From what ``window_stats`` returned (see ``_cudart.c``): its per-series lists, its buffers, the
+        runs' bounds; the run arrays are read from the buffers only if asked for."""
         self = cls()
         self.series = series
         self.groups = []
-        n = len(series)
-        st = cast("list[float]", memoryview(stats).cast("d").tolist())
-        self.count = [int(c) for c in st[:n]]
-        self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, self.median_ms, self.p90_ms = (
-            st[k * n : (k + 1) * n] for k in range(1, 7)
-        )
-        self.run_series, self.run_bucket, self.run_count = np.frombuffer(runs, dtype=np.int64).reshape(3, -1)
-        self.bounds = bounds
+        (self.count, self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, self.median_ms, self.p90_ms,
+         stats, runs, self.bounds) = out  # fmt: skip
+        self._runs = None
         self.raw = (stats, runs)
         self.kernels = kernels
         return self
+
+    def _run_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._runs is None:
+            assert self.raw is not None
+            a, b, c = np.frombuffer(self.raw[1], dtype=np.int64).reshape(3, -1)
+            self._runs = (a, b, c)
+        return self._runs
+
+    @property
+    def run_series(self) -> np.ndarray:
+        """The series of each histogram run."""
+        return self._run_arrays()[0]
+
+    @property
+    def run_bucket(self) -> np.ndarray:
+        """The bucket of each run."""
+        return self._run_arrays()[1]
+
+    @property
+    def run_count(self) -> np.ndarray:
+        """The number of values of each run."""
+        return self._run_arrays()[2]
 
     def histogram(self, k: int) -> LogHistogram:
         """Series ``k`` as a :class:`LogHistogram`."""
@@ -438,7 +451,14 @@ class Histograms(Mapping[tuple[str, str], LogHistogram]):
 
     def __init__(self, packed: Packed) -> None:
         self.packed = packed
-        self._index = {key: k for k, key in enumerate(packed.series) if packed.count[k]}
+        self._by_key: dict[tuple[str, str], int] | None = None  # built when first read
+
+    @property
+    def _index(self) -> dict[tuple[str, str], int]:
+        if self._by_key is None:
+            p = self.packed
+            self._by_key = {key: k for k, key in enumerate(p.series) if p.count[k]}
+        return self._by_key
 
     def __getitem__(self, key: tuple[str, str]) -> LogHistogram:
         return self.packed.histogram(self._index[key])
@@ -502,11 +522,10 @@ def pack_rows(rows: StepRows, *, skip_warmup: bool = False, kernels: Any = None)
         plan = _plan(keys)
     series, heads, layouts = plan
     groups = [(g.flat, g.n, g.warm, *head) for g, head in zip(rows.groups.values(), heads)]
-    stats, runs, bounds, totals = kernels.window_stats(
-        groups, len(series), skip_warmup, _BASE_MS, _INV_LOG_RATIO, NUM_BUCKETS
-    )
-    p = Packed.of_kernel(series, stats, runs, bounds, kernels)
-    p.groups = [GroupTotals(names, cols, *t) for (names, cols), t in zip(layouts, totals)]
+    out = kernels.window_stats(groups, len(series), skip_warmup, _BASE_MS, _INV_LOG_RATIO, NUM_BUCKETS)
+    p = Packed.of_kernel(series, out[:10], kernels)
+    new = tuple.__new__  # GroupTotals(...) without its Python-level __new__
+    p.groups = [new(GroupTotals, (names, cols, *t)) for (names, cols), t in zip(layouts, out[10])]
     return p
 
 
@@ -597,9 +616,16 @@ class ClockStats(Mapping[str, SeriesStats]):
 def window_of(rows: StepRows, last_step: int, kernels: Any = None) -> Window:
     """Statistics of the steps of one log window, ``last_step`` being the number of its last step."""
     p = pack_rows(rows, kernels=kernels)
-    wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
-    samples = [g.samples for g in p.groups if g.samples_rows]
-    tokens = [g.tokens for g in p.groups if g.tokens_rows]
+    groups = p.groups
+    if len(groups) == 1:  # the usual window: one row layout
+        g = groups[0]
+        wall_s = g.cycle_ms / 1e3
+        samples = [g.samples] if g.samples_rows else []
+        tokens = [g.tokens] if g.tokens_rows else []
+    else:
+        wall_s = sum(g.cycle_ms for g in groups) / 1e3
+        samples = [g.samples for g in groups if g.samples_rows]
+        tokens = [g.tokens for g in groups if g.tokens_rows]
     return Window(
         step=last_step,
         steps=rows.count,
@@ -691,6 +717,9 @@ class SummaryAccumulator:
         self.tokens = 0.0
         self.has_samples = False
         self.has_tokens = False
+        # Caches keyed by the id of a plan's list, holding the list (so the id isn't reused while cached).
+        self._plans: dict[int, tuple[list[int], Any, Any]] = {}
+        self._row_ids: dict[int, tuple[list[tuple[str, str]], bytes]] = {}
 
     @property
     def host(self) -> dict[str, LogHistogram]:
@@ -741,20 +770,43 @@ class SummaryAccumulator:
                 self.has_tokens = True
             if g.names is None:
                 continue
-            for name in g.names:
-                self.order.setdefault(name, None)
-                self.calls[name] = self.calls.get(name, 0) + g.rows
+            entries, host_cols = self._group_plan(g, p.series, cache=p.kernels is not None)
+            for name, n in entries:
+                self.calls[name] = self.calls.get(name, 0) + n * g.rows
             self.timed_steps += g.rows
             self.timed_cycle_ms += g.cycle_ms
-            for c, v in zip(g.cols, g.sums_ms):
-                kind, name = p.series[c]
-                if kind == "host":
-                    self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + v
+            sums, timed = g.sums_ms, self.timed_sum_ms
+            for j, name in host_cols:
+                timed[name] = timed.get(name, 0.0) + sums[j]
+
+    def _group_plan(self, g: GroupTotals, series: list[tuple[str, str]], *, cache: bool) -> tuple[Any, Any]:
+        """A row layout's phase entries (name, entries per step) and its host series (index into the
+        group's sums, name). With ``cache``, the group's column list is its plan's (the kernel path:
+        one list per layout plan, _plan) and the answer is kept by that list."""
+        hit = self._plans.get(id(g.cols)) if cache else None
+        if hit is not None and hit[0] is g.cols:
+            return hit[1], hit[2]
+        names = g.names or ()
+        for name in names:
+            self.order.setdefault(name, None)
+        entries = [(name, names.count(name)) for name in dict.fromkeys(names)]
+        host_cols = [(j, series[c][1]) for j, c in enumerate(g.cols) if series[c][0] == "host"]
+        if cache:
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            self._plans[id(g.cols)] = (g.cols, entries, host_cols)
+        return entries, host_cols
 
     def _add_packed(self, p: Packed) -> None:
         self._hists = None
         rows = self._rows
         counts = p.count
+        if p.kernels is not None and p.raw is not None:
+            # Once every series of the window's plan has a row, the row of each is the same every window.
+            hit = self._row_ids.get(id(p.series))
+            if hit is not None and hit[0] is p.series:
+                p.kernels.accumulate(self._counts, self._exact, hit[1], *p.raw, NUM_BUCKETS)
+                return
         for key, c in zip(p.series, counts):
             if c:
                 rows.setdefault(key, len(rows))
@@ -768,7 +820,12 @@ class SummaryAccumulator:
             self._counts, self._exact = grown, exact
         g = [rows[key] if c else -1 for key, c in zip(p.series, counts)]
         if p.kernels is not None and p.raw is not None:  # in one native call
-            p.kernels.accumulate(self._counts, self._exact, array("q", g).tobytes(), *p.raw, NUM_BUCKETS)
+            ids = array("q", g).tobytes()
+            p.kernels.accumulate(self._counts, self._exact, ids, *p.raw, NUM_BUCKETS)
+            if -1 not in g:
+                if len(self._row_ids) > 1024:
+                    self._row_ids.clear()
+                self._row_ids[id(p.series)] = (p.series, ids)
             return
         gs = np.array(g, dtype=np.int64)
         np.add.at(self._counts, (gs[p.run_series], p.run_bucket), p.run_count)

@@ -19,6 +19,7 @@ import os
 import socket
 import struct
 import time
+from array import array
 from typing import Any
 
 import numpy as np
@@ -150,18 +151,61 @@ def _hist_tag(key: tuple[str, str]) -> bytes:
     return tag
 
 
+def _scalar_head(tag: str) -> bytes:
+    head = _SCALARS.get(tag)
+    if head is None:  # Summary.value = 1 holding Value.tag and Value.simple_value = 2 (a float)
+        t = _tag(tag)
+        head = _cached(_SCALARS, tag, b"\x0a" + _varint(len(t) + 5) + t + b"\x15")
+    return head
+
+
 def _scalars(values: dict[str, float]) -> list[bytes]:
     with np.errstate(over="ignore"):  # beyond float32's range: inf, as the proto API stores it
         f32 = np.array(list(values.values()), dtype=np.float64).astype("<f4").tobytes()
     out: list[bytes] = []
-    cache = _SCALARS
     for i, tag in enumerate(values):
-        head = cache.get(tag)
-        if head is None:  # Summary.value = 1 holding Value.tag and Value.simple_value = 2 (a float)
-            t = _tag(tag)
-            head = _cached(cache, tag, b"\x0a" + _varint(len(t) + 5) + t + b"\x15")
-        out += (head, f32[4 * i : 4 * i + 4])
+        out += (_scalar_head(tag), f32[4 * i : 4 * i + 4])
     return out
+
+
+# Per window series list (shared by the windows of one row layout plan, _stats._plan): the order of
+# its per-series scalars (host series first, as window_scalars), their encoded heads, and its
+# histograms' encoded tags. Keyed by id, holding the list, so an id is never reused while cached.
+_SERIES_ENC: dict[int, tuple[list[tuple[str, str]], bytes, list[bytes], list[bytes]]] = {}
+
+
+def _series_encoding(series: list[tuple[str, str]]) -> tuple[bytes, list[bytes], list[bytes]]:
+    hit = _SERIES_ENC.get(id(series))
+    if hit is not None and hit[0] is series:
+        return hit[1], hit[2], hit[3]
+    if len(_SERIES_ENC) > 1024:
+        _SERIES_ENC.clear()
+    order = [k for clock in ("host", "gpu") for k, key in enumerate(series) if key[0] == clock]
+    heads = [_scalar_head(tag) for k in order for tag in (_SERIES_TAGS.get(series[k]) or _series_tags(*series[k]))]
+    enc = (array("i", order).tobytes(), heads, [_hist_tag(key) for key in series])
+    _SERIES_ENC[id(series)] = (series, *enc)
+    return enc
+
+
+def _native_scalars(window: Window) -> bytes | None:
+    """window_scalars(window), encoded by the native kernels from the window's stats buffer; None
+    where that path doesn't apply (no kernels, a window built elsewhere, a big-endian host)."""
+    host, gpu = window.host, window.gpu
+    if not (isinstance(host, ClockStats) and isinstance(gpu, ClockStats) and host.packed is gpu.packed):
+        return None
+    p = host.packed
+    if p.kernels is None or p.raw is None:
+        return None
+    order, heads, _ = _series_encoding(p.series)
+    series = p.kernels.encode_stats_scalars(order, heads, p.raw[0])
+    rest = {"steptimer/steps_per_s": window.steps_per_s}
+    rest.update(window.extra)
+    if window.samples_per_s is not None:
+        rest["steptimer/samples_per_s"] = window.samples_per_s
+    if window.tokens_per_s is not None:
+        rest["steptimer/tokens_per_s"] = window.tokens_per_s
+    others = p.kernels.encode_scalars(list(rest), list(rest.values()))
+    return None if series is None or others is None else series + others
 
 
 def encode_window(window: Window, *, scalars: bool = True) -> bytes:
@@ -173,11 +217,16 @@ def encode_window(window: Window, *, scalars: bool = True) -> bytes:
     p = hists.packed
     parts: list[bytes] = []
     if scalars:
-        values = window_scalars(window)
-        enc = p.kernels.encode_scalars(list(values), list(values.values())) if p.kernels is not None else None
-        parts += _scalars(values) if enc is None else (enc,)
+        enc = _native_scalars(window)
+        if enc is None:
+            values = window_scalars(window)
+            enc = p.kernels.encode_scalars(list(values), list(values.values())) if p.kernels is not None else None
+            if enc is None:
+                parts += _scalars(values)
+        if enc is not None:
+            parts.append(enc)
     if p.kernels is not None and p.raw is not None:  # the native kernel's buffers: encoded in one call
-        enc = p.kernels.encode_histograms([_hist_tag(key) for key in p.series], _UPPER_BYTES, *p.raw)
+        enc = p.kernels.encode_histograms(_series_encoding(p.series)[2], _UPPER_BYTES, *p.raw)
         if enc is not None:
             parts.append(enc)
             return b"".join(parts)
@@ -265,8 +314,7 @@ class EventFile:
     def write(self, summary: bytes, step: int) -> None:
         """Append one event holding the serialized ``Summary`` ``summary``."""
         # Serialized messages concatenate as a merge: the header fields, then Event.summary = 5.
-        head = self._event(wall_time=time.time(), step=step).SerializeToString()
-        self._records.write(head + b"\x2a" + _varint(len(summary)) + summary)
+        self._records.write(event_head(time.time(), step) + b"\x2a" + _varint(len(summary)) + summary)
         if time.monotonic() - self._flushed >= FLUSH_S:
             self.flush()
 
@@ -279,6 +327,14 @@ class EventFile:
 
 
 _FILE_IDS = itertools.count()
+_WALL = struct.Struct("<Bd").pack
+
+
+def event_head(wall_time: float, step: int) -> bytes:
+    """``Event(wall_time=wall_time, step=step).SerializeToString()`` for a step >= 0, without building
+    the proto: Event.wall_time = 1 (a double), Event.step = 2 (a varint; proto3 leaves out a 0)."""
+    return _WALL(0x09, wall_time) + (b"\x10" + _varint(step) if step else b"")
+
 # A write() system call cost ~80 µs per window on the device's virtual disk (docs/benchmarks.md):
 # events are buffered and reach the file at most this long after they were written, and at close.
 FLUSH_S = 1.0

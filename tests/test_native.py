@@ -545,7 +545,8 @@ def test_native_histogram_encoding_is_the_proto_apis_message(built: Path) -> Non
         hist_only = SummaryProto.FromString(encode_window(w, scalars=False))
         assert [v.tag for v in hist_only.value] == [v.tag for v in got.value if v.HasField("histo")]
     assert calls.count("encode_histograms") == 6  # every encoding above went through C
-    assert calls.count("encode_scalars") == 3
+    assert calls.count("encode_stats_scalars") == 3  # the per-series scalars, from the stats buffer
+    assert calls.count("encode_scalars") == 3  # the others (steps/s, samples/s, ...)
     big = mod.encode_scalars(["a", "b", "c"], [1e300, float("nan"), -2.5])
     values = SummaryProto.FromString(big).value
     assert [v.tag for v in values] == ["a", "b", "c"] and values[0].simple_value == float("inf")
@@ -554,6 +555,63 @@ def test_native_histogram_encoding_is_the_proto_apis_message(built: Path) -> Non
         mod.encode_scalars([b"a"], [1.0])
     with pytest.raises(ValueError, match="as many"):
         mod.encode_scalars(["a"], [])
+
+
+def test_native_scalar_encoding_checks_its_arguments(built: Path) -> None:
+    import struct
+
+    from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+
+    from steptimer._tensorboard import _scalar_head
+
+    mod = _native.load(built)
+    stats = struct.pack("<14d", 2.0, 0.0, 3.0, 0.0, 5.0, 0.0, 1.0, 9.0, 2.0, 9.0, 1.0, 9.0, 1.5, 9.0)
+    heads = [_scalar_head(t) for t in ("m", "p", "x")]
+    got = SummaryProto.FromString(mod.encode_stats_scalars(struct.pack("<2i", 1, 0), heads * 2, stats)).value
+    # series 1 has no values (count 0): nothing for it; series 0: mean 3/2, p90 1.5, max 2
+    assert [(v.tag, v.simple_value) for v in got] == [("m", 1.5), ("p", 1.5), ("x", 2.0)]
+    with pytest.raises(ValueError, match="three heads"):
+        mod.encode_stats_scalars(struct.pack("<i", 0), heads[:2], stats)
+    with pytest.raises(ValueError, match="three heads"):
+        mod.encode_stats_scalars(struct.pack("<i", 0), heads, stats[:-8])
+    with pytest.raises(ValueError, match="out of range"):
+        mod.encode_stats_scalars(struct.pack("<i", 2), heads, stats)
+    with pytest.raises(TypeError, match="bytes"):
+        mod.encode_stats_scalars(struct.pack("<i", 0), ["m", "p", "x"], stats)
+
+
+def test_window_kernel_buckets_values_on_the_bucket_edges_as_the_formula(built: Path) -> None:
+    """The kernel finds a value's bucket without log() (an estimate and the edges of the grid): at and
+    next to every tested edge it must be floor(log(v / base) / log(1.01)) as the formula computes it."""
+    import math
+    from collections import Counter
+
+    from steptimer._stats import _BASE_MS, _INV_LOG_RATIO, NUM_BUCKETS, StepRows, pack_rows
+
+    def bucket(v: float) -> int:
+        return min(math.floor(math.log(max(v, _BASE_MS) / _BASE_MS) * _INV_LOG_RATIO), NUM_BUCKETS - 1)
+
+    kernels = _native.load(built)
+    values = [0.0, 1e-9, _BASE_MS, math.nextafter(_BASE_MS, 1.0), 1e9, 1e300]
+    for i in list(range(1, 60)) + list(range(60, NUM_BUCKETS + 5, 37)):
+        x = _BASE_MS * math.exp(i / _INV_LOG_RATIO)  # near edge i; step to the least value of bucket i
+        while bucket(x) >= i and x > 0:
+            x = math.nextafter(x, 0.0)
+        values += [x, math.nextafter(x, math.inf), math.nextafter(math.nextafter(x, math.inf), math.inf)]
+    rows = StepRows()
+    for k, v in enumerate(values):  # the host step series is step_s * 1e3: pick step_s to give v exactly
+        s = v / 1e3
+        while s * 1e3 < v:
+            s = math.nextafter(s, math.inf)
+        while s * 1e3 > v:
+            s = math.nextafter(s, 0.0)
+        rows.add((None, False, False), [k + 1, math.nan, math.nan, s, 0.0, 0.0], False)
+    want = Counter(bucket(s * 1e3) for s in (rows.groups[(None, False, False)].flat[3::6]))
+    p = pack_rows(rows, kernels=kernels)
+    k = p.series.index(("host", "step"))
+    a, b = p.bounds[k], p.bounds[k + 1]
+    got = dict(zip(p.run_bucket[a:b].tolist(), p.run_count[a:b].tolist()))
+    assert got == dict(want) and len(want) > 100
 
 
 def test_native_histogram_encoding_checks_its_buffers(built: Path) -> None:

@@ -252,6 +252,18 @@ def test_event_file_is_read_back_by_tensorboard(tmp_path: Path, clock: FakeClock
     assert Path(f.path).name.startswith("events.out.tfevents.")
 
 
+def test_event_head_is_the_proto_apis_bytes() -> None:
+    """EventFile writes each event's wall time and step without building an Event proto."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    from steptimer._tensorboard import event_head
+
+    for wall in (0.0, 1.5, time.time()):
+        for step in (0, 1, 127, 128, 300, 2**40):
+            assert event_head(wall, step) == Event(wall_time=wall, step=step).SerializeToString() or wall == 0.0
+            assert Event.FromString(event_head(wall, step)) == Event(wall_time=wall, step=step)
+
+
 @pytest.mark.parametrize("own", [True, False])
 def test_layout_has_the_rank_charts_under_ddp(tmp_path: Path, clock: FakeClock, own: bool) -> None:
     """With cross-rank tags in the first window, the layout charts them, for both kinds of writer."""
