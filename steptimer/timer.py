@@ -352,6 +352,7 @@ class StepTimer:
         self._in_step = False
         self._timed = False
         self._untimed = False  # in an untimed step on _Step's short path: phases are no-ops
+        self._untimed_cm: AbstractContextManager[None] = _NULL  # their context manager (C's Null if built)
         self._gpu = False
         self._stack: list[tuple[str, str, float, int]] = []
         self._recs: list[tuple[str, float, float, int, int]] = []  # name, t_in, t_out, ev in, ev out
@@ -430,7 +431,7 @@ class StepTimer:
             check_phase_name(name)
             cm = self._phase_cms[name] = self._new_phase(name)
         if self._untimed:
-            return _NULL
+            return self._untimed_cm
         return cm  # type: ignore[no-any-return]  # a _Phase or its C twin
 
     def _new_phase(self, name: str) -> Any:
@@ -726,7 +727,9 @@ class StepTimer:
         if k is not None and hasattr(k, "Step"):
             self._step_cm = k.Step(self, perf_counter, _SHARE_GAP_S, _Step(self), _UNTIMED)
         if k is not None and hasattr(k, "PhaseOf"):
-            self.__dict__["phase"] = k.PhaseOf(self, StepTimer.phase.__get__(self), k.Null())
+            # StepTimer.phase (bound before the first step, say) returns the same C no-op.
+            self._untimed_cm = k.Null()
+            self.__dict__["phase"] = k.PhaseOf(self, StepTimer.phase.__get__(self), self._untimed_cm)
 
     def _switch_stream(self, key: tuple[int, int, int]) -> None:
         b = self._backend()

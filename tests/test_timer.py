@@ -727,6 +727,7 @@ def test_steps_and_phases_run_in_c_where_the_extension_is(clock: FakeClock, gpu:
         t.phase(name="a b")
     assert t.phase(name="forward") is t.phase("forward") is t._phase_cms["forward"]
     s, _ = make(gpu, sample_every=1000)
+    bound = s.phase  # StepTimer.phase, bound before the first step: it must give the same no-op
     with s.step(), s.phase("forward"):  # the first step settles CUDA, off the short path
         pass
     kinds = set()
@@ -736,6 +737,7 @@ def test_steps_and_phases_run_in_c_where_the_extension_is(clock: FakeClock, gpu:
             cm = s.phase("forward")
             with cm:
                 pass
+            assert bound("forward") is cm
         kinds.add(type(cm).__name__)
     assert kinds == ({"Null"} if native else {"_Null"})
     assert s.close().steps == 4
