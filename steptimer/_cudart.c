@@ -594,8 +594,8 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!npddn", &PyList_Type, &groups, &nser, &skip_warm, &base, &inv_log_ratio,
                           &nbuckets))
         return NULL;
-    if (nser < 0 || nbuckets < 1) {
-        PyErr_SetString(PyExc_ValueError, "window_stats: nser >= 0 and nbuckets >= 1");
+    if (nser < 0 || nbuckets < 1 || nbuckets > (1 << 30)) {
+        PyErr_SetString(PyExc_ValueError, "window_stats: nser >= 0 and 1 <= nbuckets <= 2**30");
         return NULL;
     }
 
@@ -605,8 +605,12 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
     Py_ssize_t *fill = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
     Py_ssize_t *start = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
     double *vals = NULL, *row = NULL, *pick = NULL;
-    int64_t *runs = NULL, *bucket = NULL;
-    Py_ssize_t *tally = NULL;
+    int64_t *runs = NULL;
+    int32_t *bucket = NULL;
+    /* The tally of values per bucket, zero between calls (each use clears what it set): a static
+     * buffer, so a window neither allocates nor clears it (it would pull its 16 KB into the cache).
+     * The GIL, held throughout, keeps two timers' windows from sharing it at once. */
+    static int32_t tally[4096];
     PyObject *stats = NULL, *runs_b = NULL, *bounds = NULL, *totals = NULL, *out = NULL;
     if (!gs || !count || !fill || !start) { PyErr_NoMemory(); goto done; }
     if (!edges_for(base, inv_log_ratio, nbuckets)) goto done;
@@ -665,10 +669,11 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
     stats = PyBytes_FromStringAndSize(NULL, 7 * nser * (Py_ssize_t)sizeof(double));
     runs = PyMem_Malloc((3 * nvals + 1) * sizeof(int64_t));
     bounds = PyList_New(nser + 1);
-    bucket = PyMem_Malloc((nvals + 1) * sizeof(int64_t));
-    tally = PyMem_Calloc(SPAN, sizeof(Py_ssize_t));
-    pick = PyMem_Malloc((nvals + 1) * sizeof(double));
-    if (!stats || !runs || !bounds || !bucket || !tally || !pick) {
+    bucket = PyMem_Malloc((nvals + 1) * sizeof(int32_t));
+    Py_ssize_t maxc = 0; /* pick holds one series' values at most */
+    for (Py_ssize_t s = 0; s < nser; s++) if (count[s] > maxc) maxc = count[s];
+    pick = PyMem_Malloc((maxc + 1) * sizeof(double));
+    if (!stats || !runs || !bounds || !bucket || !pick) {
         if (!PyErr_Occurred()) PyErr_NoMemory();
         goto done;
     }
@@ -677,7 +682,7 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
     for (Py_ssize_t s = 0; s < nser; s++) {
         Py_ssize_t c = count[s];
         double *v = vals + start[s];
-        int64_t *bk = bucket + start[s];
+        int32_t *bk = bucket + start[s];
         PyObject *b0 = PyLong_FromSsize_t(nruns);
         if (!b0) goto done;
         PyList_SET_ITEM(bounds, s, b0);
@@ -784,7 +789,6 @@ done:
     PyMem_Free(row);
     PyMem_Free(runs);
     PyMem_Free(bucket);
-    PyMem_Free(tally);
     PyMem_Free(pick);
     return out;
 }
