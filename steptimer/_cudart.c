@@ -268,22 +268,23 @@ static inline int64_t bucket_fast(double x) {
     return i;
 }
 
-typedef struct { Py_ssize_t nser, m; const double *spec; const int32_t *sids; PyObject *flat;
-                 Py_ssize_t n, first; } group_t;
+typedef struct { Py_ssize_t nser, m; const double *spec; const int32_t *sids; const double *rows;
+                 Py_ssize_t n, first; Py_buffer view; int has_view; } group_t;
 
 static int parse_group(PyObject *g, group_t *out, Py_ssize_t nser, int skip_warm) {
-    PyObject *flat, *spec, *sids;
+    PyObject *spec, *sids;
     Py_ssize_t n, warm;
-    if (!PyTuple_Check(g) || !PyArg_ParseTuple(g, "O!nnSS", &PyList_Type, &flat, &n, &warm, &spec, &sids)) {
+    if (!PyTuple_Check(g) || !PyArg_ParseTuple(g, "y*nnSS", &out->view, &n, &warm, &spec, &sids)) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "window_stats: bad group");
         return 0;
     }
+    out->has_view = 1; /* released by the caller */
     const double *sp = (const double *)PyBytes_AS_STRING(spec);
     Py_ssize_t nsp = PyBytes_GET_SIZE(spec) / (Py_ssize_t)sizeof(double);
     if (nsp < 2) goto bad;
     out->nser = (Py_ssize_t)sp[0];
     out->m = (Py_ssize_t)sp[1];
-    if (out->m < 6 || PyList_GET_SIZE(flat) != n * out->m || warm < 0 || warm > n ||
+    if (out->m < 6 || n < 0 || out->view.len != n * out->m * (Py_ssize_t)sizeof(double) || warm < 0 || warm > n ||
         PyBytes_GET_SIZE(sids) != out->nser * (Py_ssize_t)sizeof(int32_t)) goto bad;
     out->spec = sp;
     out->sids = (const int32_t *)PyBytes_AS_STRING(sids);
@@ -301,24 +302,13 @@ static int parse_group(PyObject *g, group_t *out, Py_ssize_t nser, int skip_warm
         }
         k += 3 + 2 * nt;
     }
-    out->flat = flat;
+    out->rows = (const double *)out->view.buf;
     out->n = n;
     out->first = skip_warm ? warm : 0;
     return 1;
 bad:
     PyErr_SetString(PyExc_ValueError, "window_stats: a group's rows, spec or series ids are inconsistent");
     return 0;
-}
-
-/* Row r of a group as doubles (ints in the rows are exact as doubles). */
-static int read_row(const group_t *g, Py_ssize_t r, double *row) {
-    PyObject **items = PySequence_Fast_ITEMS(g->flat) + r * g->m;
-    for (Py_ssize_t c = 0; c < g->m; c++) {
-        PyObject *o = items[c];
-        row[c] = PyFloat_CheckExact(o) ? PyFloat_AS_DOUBLE(o) : PyFloat_AsDouble(o);
-        if (row[c] == -1.0 && PyErr_Occurred()) return 0;
-    }
-    return 1;
 }
 
 /* Series j of the group from a row; returns the next series' offset into the spec. */
@@ -599,12 +589,12 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
         return NULL;
     }
 
-    Py_ssize_t ng = PyList_GET_SIZE(groups), m_max = 6;
+    Py_ssize_t ng = PyList_GET_SIZE(groups);
     group_t *gs = PyMem_Calloc(ng ? ng : 1, sizeof(group_t));
     Py_ssize_t *count = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
     Py_ssize_t *fill = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
     Py_ssize_t *start = PyMem_Calloc(nser + 1, sizeof(Py_ssize_t));
-    double *vals = NULL, *row = NULL, *pick = NULL;
+    double *vals = NULL, *pick = NULL;
     int64_t *runs = NULL;
     int32_t *bucket = NULL;
     /* The tally of values per bucket, zero between calls (each use clears what it set): a static
@@ -617,13 +607,11 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
     Py_ssize_t nvals = 0;
     for (Py_ssize_t i = 0; i < ng; i++) {
         if (!parse_group(PyList_GET_ITEM(groups, i), &gs[i], nser, skip_warm)) goto done;
-        if (gs[i].m > m_max) m_max = gs[i].m;
         nvals += (gs[i].n - gs[i].first) * gs[i].nser;
     }
-    row = PyMem_Malloc(m_max * sizeof(double));
     vals = PyMem_Malloc((nvals + 1) * sizeof(double));
     totals = PyList_New(ng);
-    if (!row || !vals || !totals) { if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
+    if (!vals || !totals) { if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
     /* Each series' values go to their own region, sized by the rows that can give one. */
     for (Py_ssize_t i = 0; i < ng; i++)
         for (Py_ssize_t j = 0; j < gs[i].nser; j++) count[gs[i].sids[j]] += gs[i].n - gs[i].first;
@@ -636,7 +624,7 @@ static PyObject *window_stats(PyObject *self, PyObject *args) {
         double *acc = PyMem_Calloc(g->nser + 1, sizeof(double));
         if (!sums || !acc) { Py_XDECREF(sums); PyMem_Free(acc); if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
         for (Py_ssize_t r = g->first; r < g->n; r++) {
-            if (!read_row(g, r, row)) { Py_DECREF(sums); PyMem_Free(acc); goto done; }
+            const double *row = g->rows + r * g->m;
             Py_ssize_t k = 2;
             for (Py_ssize_t j = 0; j < g->nser; j++) {
                 double v;
@@ -781,12 +769,14 @@ done:
     Py_XDECREF(runs_b);
     Py_XDECREF(bounds);
     Py_XDECREF(totals);
+    if (gs)
+        for (Py_ssize_t i = 0; i < ng; i++)
+            if (gs[i].has_view) PyBuffer_Release(&gs[i].view);
     PyMem_Free(gs);
     PyMem_Free(count);
     PyMem_Free(fill);
     PyMem_Free(start);
     PyMem_Free(vals);
-    PyMem_Free(row);
     PyMem_Free(runs);
     PyMem_Free(bucket);
     PyMem_Free(pick);
@@ -821,7 +811,7 @@ static PyObject *K_in_step, *K_timed, *K_gpu, *K_stack, *K_recs, *K_evs, *K_free
     *K_warmup_steps, *K_samples, *K_tokens, *K_pause_evs, *K_gap_start, *K_paused_s, *K_device, *K_pending,
     *K_pending_events, *K_lag, *K_wait, *K_wait_for, *K_resolve, *K_sample_every, *K_pick_timed, *K_trace,
     *K_offsets, *K_elapsed, *K_held_end, *K_rows, *K_add, *K_last_resolved, *K_log_every, *K_emit,
-    *K_append, *K_popleft, *K_events, *K_i_end, *K_enter, *K_exit, *K_untimed, *K_phase_cms;
+    *K_append, *K_popleft, *K_events, *K_i_end, *K_enter, *K_exit, *K_untimed, *K_phase_cms, *K_group, *K_flat;
 
 static int intern_keys(void) {
     struct { PyObject **k; const char *s; } keys[] = {
@@ -840,7 +830,7 @@ static int intern_keys(void) {
         {&K_offsets, "_offsets"}, {&K_elapsed, "_elapsed"}, {&K_held_end, "_held_end"}, {&K_rows, "_rows"},
         {&K_add, "add"}, {&K_last_resolved, "_last_resolved"}, {&K_log_every, "log_every_n_steps"},
         {&K_emit, "_emit"}, {&K_append, "append"}, {&K_popleft, "popleft"}, {&K_events, "events"},
-        {&K_i_end, "i_end"}, {&K_enter, "__enter__"}, {&K_exit, "__exit__"}, {&K_untimed, "_untimed"},
+        {&K_i_end, "i_end"}, {&K_enter, "__enter__"}, {&K_exit, "__exit__"}, {&K_untimed, "_untimed"}, {&K_group, "group"}, {&K_flat, "flat"},
         {&K_phase_cms, "_phase_cms"},
     };
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
@@ -1211,23 +1201,80 @@ static PyTypeObject PendingType = {
     .tp_members = pending_members,
 };
 
+typedef struct { PyObject *rows, *names, *flat; int gpu, idle; Py_ssize_t m; } rowcache_t;
+
 typedef struct {
     Base b;
     PyObject *fallback; /* timer.py's _Step for this timer: every case the C path does not take */
     PyObject *names;    /* the last step's phase names (a tuple), reused while they repeat */
     PyObject *untimed;  /* timer.py's _UNTIMED, the row layout of an untimed step */
+    /* Where the last row went, per path (0 timed, 1 untimed): the window's StepRows, the layout, and
+     * that group's `flat` bytearray, so the next row of the same layout in the same window is appended
+     * to it directly (no row list, no key tuple, no Python call). */
+    rowcache_t rc[2];
 } Step;
 
 static PyObject *call1(PyObject *f, PyObject *a) { return PyObject_Vectorcall(f, &a, 1, NULL); }
 
-static PyObject *as_nan(PyObject *v) { return v == Py_None ? PyFloat_FromDouble(NAN) : Py_NewRef(v); }
+/* None as NaN, else the number as a double (-1.0 with an exception set if it is not one). */
+static double nan_of(PyObject *v) { return v == Py_None ? NAN : PyFloat_AsDouble(v); }
 
-static int put_append(PyObject *list, double x) {
-    PyObject *f = PyFloat_FromDouble(x);
-    if (!f) return -1;
-    int err = PyList_Append(list, f);
-    Py_DECREF(f);
-    return err;
+/* Append a row of m doubles to the window's rows (`rows`, the timer's StepRows) in the group of layout
+ * (names, gpu, idle): StepRows.add's work, with the group's bytearray found through st->rc[slot]. A
+ * warm-up row goes through StepRows.add in Python (it counts warm-up rows); so does a group's first
+ * row in a window (StepRows.group makes the group). */
+static int append_row(Step *st, int slot, PyObject *rows, PyObject *names, int gpu, int idle, const double *v,
+                      Py_ssize_t m, int warmup) {
+    PyObject *key = NULL, *res = NULL;
+    if (warmup) {
+        PyObject *row = PyList_New(m);
+        if (!row) return -1;
+        for (Py_ssize_t k = 0; k < m; k++) {
+            PyObject *f = PyFloat_FromDouble(v[k]);
+            if (!f) { Py_DECREF(row); return -1; }
+            PyList_SET_ITEM(row, k, f);
+        }
+        key = PyTuple_Pack(3, names, gpu ? Py_True : Py_False, idle ? Py_True : Py_False);
+        if (key) {
+            PyObject *args[4] = {rows, key, row, Py_True};
+            res = PyObject_VectorcallMethod(K_add, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        }
+        Py_DECREF(row);
+        Py_XDECREF(key);
+        if (!res) return -1;
+        Py_DECREF(res);
+        return 0;
+    }
+    rowcache_t *c = &st->rc[slot];
+    if (c->rows != rows || c->names != names || c->gpu != gpu || c->idle != idle || c->m != m || !c->flat) {
+        key = PyTuple_Pack(3, names, gpu ? Py_True : Py_False, idle ? Py_True : Py_False);
+        PyObject *mm = PyLong_FromSsize_t(m);
+        if (key && mm) {
+            PyObject *args[3] = {rows, key, mm};
+            res = PyObject_VectorcallMethod(K_group, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        }
+        Py_XDECREF(key);
+        Py_XDECREF(mm);
+        if (!res) return -1;
+        PyObject *flat = PyObject_GetAttr(res, K_flat);
+        Py_DECREF(res);
+        if (!flat) return -1;
+        if (!PyByteArray_CheckExact(flat)) {
+            Py_DECREF(flat);
+            PyErr_SetString(PyExc_TypeError, "steptimer: a row group's flat must be a bytearray");
+            return -1;
+        }
+        Py_XSETREF(c->flat, flat);
+        Py_XSETREF(c->rows, Py_NewRef(rows));
+        Py_XSETREF(c->names, Py_NewRef(names));
+        c->gpu = gpu;
+        c->idle = idle;
+        c->m = m;
+    }
+    Py_ssize_t n0 = PyByteArray_GET_SIZE(c->flat);
+    if (PyByteArray_Resize(c->flat, n0 + m * (Py_ssize_t)sizeof(double)) < 0) return -1;
+    memcpy(PyByteArray_AS_STRING(c->flat) + n0, v, (size_t)m * sizeof(double));
+    return 0;
 }
 
 static int step_enter_fast(Step *st) {
@@ -1373,7 +1420,9 @@ static int resolve(Step *st, PyObject *obj) {
         Py_XDECREF(r);
         return r ? 0 : -1;
     }
-    PyObject *recs = rec->phases, *evs = rec->events, *row = NULL, *names = NULL, *offs = NULL, *key = NULL;
+    PyObject *recs = rec->phases, *evs = rec->events, *names = NULL, *offs = NULL;
+    double stack[64], *row = stack; /* the row: LEAD values, host spans, GPU step and spans, idle */
+    Py_ssize_t m = 0;
     int ok = -1;
     if (!PyList_Check(recs)) {
         PyErr_SetString(PyExc_TypeError, "steptimer: a step's phases must be a list");
@@ -1384,23 +1433,25 @@ static int resolve(Step *st, PyObject *obj) {
         PyErr_SetString(PyExc_IndexError, "steptimer: a step's event index is out of range");
         return -1;
     }
-    row = PyList_New(0);
-    names = names_of(st, recs);
-    if (!row || !names) goto done;
-    PyObject *lead[6] = {
-        PyLong_FromLongLong(rec->number), as_nan(rec->samples), as_nan(rec->tokens), PyFloat_FromDouble(rec->step_s),
-        as_nan(rec->gap_s), PyFloat_FromDouble(rec->wait_s),
-    };
-    int bad = 0;
-    for (int k = 0; k < 6; k++) {
-        if (!lead[k] || PyList_Append(row, lead[k]) < 0) bad = 1;
-        Py_XDECREF(lead[k]);
+    if (8 + 2 * r > 64 && !(row = PyMem_Malloc((size_t)(8 + 2 * r) * sizeof(double)))) {
+        row = stack;
+        PyErr_NoMemory();
+        return -1;
     }
-    if (bad) goto done;
+    names = names_of(st, recs);
+    if (!names) goto done;
+    row[0] = (double)rec->number;
+    row[1] = nan_of(rec->samples);
+    row[2] = nan_of(rec->tokens);
+    row[3] = rec->step_s;
+    row[4] = nan_of(rec->gap_s);
+    row[5] = rec->wait_s;
+    m = 6;
+    if (PyErr_Occurred()) goto done;
     for (Py_ssize_t k = 0; k < r; k++) {
         PyObject *p = PyList_GET_ITEM(recs, k);
-        double d = PyFloat_AsDouble(PyTuple_GET_ITEM(p, 2)) - PyFloat_AsDouble(PyTuple_GET_ITEM(p, 1));
-        if (PyErr_Occurred() || put_append(row, d) < 0) goto done;
+        row[m++] = PyFloat_AsDouble(PyTuple_GET_ITEM(p, 2)) - PyFloat_AsDouble(PyTuple_GET_ITEM(p, 1));
+        if (PyErr_Occurred()) goto done;
     }
     long long pe;
     if (get_ll(b, K_pending_events, &pe) < 0 || put(b, K_pending_events, PyLong_FromLongLong(pe - 1)) < 0) goto done;
@@ -1415,11 +1466,12 @@ static int resolve(Step *st, PyObject *obj) {
     }
     double step_gpu = PyFloat_AsDouble(PyList_GET_ITEM(offs, rec->i_end)) -
                       PyFloat_AsDouble(PyList_GET_ITEM(offs, rec->i_start));
-    if (PyErr_Occurred() || put_append(row, step_gpu) < 0) { Py_DECREF(held); goto done; }
+    row[m++] = step_gpu;
+    if (PyErr_Occurred()) { Py_DECREF(held); goto done; }
     for (Py_ssize_t k = 0; k < r; k++) {
         PyObject *p = PyList_GET_ITEM(recs, k);
-        double d = fdiff(offs, PyTuple_GET_ITEM(p, 4), PyTuple_GET_ITEM(p, 3));
-        if (PyErr_Occurred() || put_append(row, d) < 0) { Py_DECREF(held); goto done; }
+        row[m++] = fdiff(offs, PyTuple_GET_ITEM(p, 4), PyTuple_GET_ITEM(p, 3));
+        if (PyErr_Occurred()) { Py_DECREF(held); goto done; }
     }
     int has_idle = 0;
     PyObject *held_ev = NULL;
@@ -1439,7 +1491,8 @@ static int resolve(Step *st, PyObject *obj) {
                 PyObject *pr = PyList_GET_ITEM(rec->pauses, k);
                 idle -= elapsed(el, PyTuple_GET_ITEM(pr, 0), PyTuple_GET_ITEM(pr, 1));
             }
-            if (PyErr_Occurred() || put_append(row, idle) < 0) { Py_DECREF(held); goto done; }
+            if (PyErr_Occurred()) { Py_DECREF(held); goto done; }
+            row[m++] = idle;
             has_idle = 1;
         }
     }
@@ -1460,27 +1513,21 @@ static int resolve(Step *st, PyObject *obj) {
     PyObject *new_held = dev && num ? PyTuple_Pack(3, num, dev, PyList_GET_ITEM(evs, rec->i_end)) : NULL;
     Py_XDECREF(dev);
     if (put(b, K_held_end, new_held) < 0) { Py_XDECREF(num); goto done; }
-    key = PyTuple_Pack(3, names, Py_True, has_idle ? Py_True : Py_False);
     PyObject *rows = get(b, K_rows);
-    if (!key || !rows) { Py_XDECREF(num); goto done; }
-    PyObject *args[4] = {rows, key, row, rec->warmup ? Py_True : Py_False};
-    PyObject *res = PyObject_VectorcallMethod(K_add, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    if (!res) { Py_XDECREF(num); goto done; }
-    Py_DECREF(res);
+    if (!rows || append_row(st, 0, rows, names, 1, has_idle, row, m, rec->warmup) < 0) { Py_XDECREF(num); goto done; }
     if (put(b, K_last_resolved, num) < 0) goto done;
     long long every;
     if (get_ll(b, K_log_every, &every) < 0) goto done;
     if (every > 0 && rec->number % every == 0) {
-        res = PyObject_CallMethodNoArgs(b->timer, K_emit);
+        PyObject *res = PyObject_CallMethodNoArgs(b->timer, K_emit);
         if (!res) goto done;
         Py_DECREF(res);
     }
     ok = 0;
 done:
-    Py_XDECREF(row);
+    if (row != stack) PyMem_Free(row);
     Py_XDECREF(names);
     Py_XDECREF(offs);
-    Py_XDECREF(key);
     return ok;
 }
 
@@ -1650,30 +1697,22 @@ static int step_exit_untimed(Step *st, PyObject *et) {
         if (PyErr_Occurred()) return -1;
         if (!(gap > 0.0)) gap = 0.0;
     }
-    PyObject *num = PyLong_FromLongLong(number);
-    Py_XINCREF(num); /* one reference for _number, one for the row */
-    if (put(b, K_number, num) < 0) { Py_XDECREF(num); return -1; }
-    PyObject *row = PyList_New(6);
-    if (!row) { Py_DECREF(num); return -1; }
-    PyList_SET_ITEM(row, 0, num); /* the row holds the reference taken above */
-    PyObject *cells[5] = {as_nan(samples), as_nan(tokens), PyFloat_FromDouble(t_end - t0), PyFloat_FromDouble(gap),
-                          PyFloat_FromDouble(is_cuda ? 0.0 : NAN)};
-    int bad = 0;
-    for (int k = 0; k < 5; k++) {
-        if (!cells[k]) bad = 1;
-        else PyList_SET_ITEM(row, k + 1, cells[k]);
+    if (put(b, K_number, PyLong_FromLongLong(number)) < 0) return -1;
+    double row[6] = {(double)number, nan_of(samples), nan_of(tokens), t_end - t0, gap, is_cuda ? 0.0 : NAN};
+    if (PyErr_Occurred()) return -1;
+    PyObject *key = st->untimed;
+    if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 3) {
+        PyErr_SetString(PyExc_TypeError, "steptimer: the untimed row layout must be a 3-tuple");
+        return -1;
     }
-    if (bad) { Py_DECREF(row); return -1; }
-    PyObject *args[4] = {rows, st->untimed, row, number - first < warm ? Py_True : Py_False};
-    PyObject *res = PyObject_VectorcallMethod(K_add, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    Py_DECREF(row);
-    if (!res) return -1;
-    Py_DECREF(res);
+    if (append_row(st, 1, rows, PyTuple_GET_ITEM(key, 0), PyTuple_GET_ITEM(key, 1) == Py_True,
+                   PyTuple_GET_ITEM(key, 2) == Py_True, row, 6, number - first < warm) < 0)
+        return -1;
     if (put(b, K_paused_s, PyFloat_FromDouble(0.0)) < 0 || put(b, K_gap_start, PyFloat_FromDouble(t_end)) < 0 ||
         put(b, K_last_resolved, PyLong_FromLongLong(number)) < 0)
         return -1;
     if (every > 0 && number % every == 0) {
-        res = PyObject_CallMethodNoArgs(b->timer, K_emit);
+        PyObject *res = PyObject_CallMethodNoArgs(b->timer, K_emit);
         if (!res) return -1;
         Py_DECREF(res);
     }
@@ -1708,6 +1747,10 @@ static int step_init(Step *st, PyObject *args, PyObject *kw) {
 
 static int step_traverse(Step *st, visitproc visit, void *arg) {
     Py_VISIT(st->fallback);
+    for (int k = 0; k < 2; k++) {
+        Py_VISIT(st->rc[k].rows);
+        Py_VISIT(st->rc[k].flat);
+    }
     return base_traverse(&st->b, visit, arg);
 }
 
@@ -1716,6 +1759,11 @@ static int step_clear(Step *st) {
     Py_CLEAR(st->fallback);
     Py_CLEAR(st->untimed);
     Py_CLEAR(st->names);
+    for (int k = 0; k < 2; k++) {
+        Py_CLEAR(st->rc[k].rows);
+        Py_CLEAR(st->rc[k].names);
+        Py_CLEAR(st->rc[k].flat);
+    }
     return 0;
 }
 

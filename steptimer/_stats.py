@@ -125,32 +125,50 @@ RowKey = tuple[tuple[str, ...] | None, bool, bool]
 
 
 class _Group:
-    __slots__ = ("flat", "n", "warm")
+    """One row layout's rows of a window, end to end as native doubles (8 bytes each): what the kernel
+    and numpy read without a Python object per value, and what the C step appends to directly."""
 
-    def __init__(self) -> None:
-        self.flat: list[float] = []  # the rows end to end: numpy reads a flat list fastest
-        self.n = 0
+    __slots__ = ("flat", "m", "warm")
+
+    def __init__(self, m: int) -> None:
+        self.flat = bytearray()
+        self.m = m  # values per row
         self.warm = 0  # warm-up rows; warm-up is a prefix of the run, so of every group
+
+    @property
+    def n(self) -> int:
+        """The number of rows."""
+        return len(self.flat) // (8 * self.m)
 
 
 class StepRows:
     """The resolved steps of one log window, as rows grouped by layout (see ``LEAD``)."""
 
-    __slots__ = ("groups", "count", "warm", "_matrix")
+    __slots__ = ("groups", "warm", "_matrix")
 
     def __init__(self) -> None:
         self.groups: dict[RowKey, _Group] = {}
-        self.count = 0
         self.warm = 0
         self._matrix: _Matrix | None = None
 
-    def add(self, key: RowKey, row: list[float], warmup: bool) -> None:
+    @property
+    def count(self) -> int:
+        """The number of rows (steps)."""
+        return sum(len(g.flat) // (8 * g.m) for g in self.groups.values())
+
+    def group(self, key: RowKey, m: int) -> _Group:
+        """The group of layout ``key``, made if new; its rows have ``m`` values."""
         g = self.groups.get(key)
         if g is None:
-            g = self.groups[key] = _Group()
-        g.flat += row
-        g.n += 1
-        self.count += 1
+            g = self.groups[key] = _Group(m)
+        elif g.m != m:
+            raise ValueError(f"steptimer: a row of {m} values for layout {key!r}, whose rows have {g.m}")
+        return g
+
+    def add(self, key: RowKey, row: list[float], warmup: bool) -> None:
+        """Append a row (the C step appends its rows' doubles to ``group(key, m).flat`` itself)."""
+        g = self.group(key, len(row))
+        g.flat += array("d", row).tobytes()
         if warmup:
             g.warm += 1
             self.warm += 1
@@ -287,7 +305,7 @@ class _Matrix:
         self.blocks: list[_Block] = []
         for key, g in rows.groups.items():
             lay = _layout(key)
-            a = np.fromiter(g.flat, dtype=np.float64, count=len(g.flat)).reshape(g.n, -1)
+            a = np.frombuffer(g.flat, dtype=np.float64).reshape(g.n, g.m).copy()  # no view left on flat
             nan = np.isnan(a)
             d = np.where(nan, 0.0, a) @ lay.transform
             if len(lay.clamp):

@@ -454,19 +454,19 @@ def test_window_stats_kernel_rejects_inconsistent_groups(built: Path) -> None:
     ws = _native.load(built).window_stats
     lay = _layout((None, False, False))
     sids = array("i", range(len(lay.series))).tobytes()
-    row = [1, 1.0, 1.0, 0.001, 0.0, 0.0]
+    row = array("d", [1, 1.0, 1.0, 0.001, 0.0, 0.0]).tobytes()  # rows are native doubles end to end
     ok = [(row, 1, 0, lay.spec, sids)]
     assert ws(ok, len(lay.series), False, 1e-4, 100.0, NUM_BUCKETS)[0]
-    for bad in ([(row[:5], 1, 0, lay.spec, sids)], [(row, 1, 2, lay.spec, sids)], [(row, 1, 0, lay.spec, sids[:4])],
-                [(row, 1, 0, lay.spec[:16], sids)]):  # fmt: skip
+    for bad in ([(row[:40], 1, 0, lay.spec, sids)], [(row, 1, 2, lay.spec, sids)], [(row, 1, 0, lay.spec, sids[:4])],
+                [(row, 1, 0, lay.spec[:16], sids)], [(row, 2, 0, lay.spec, sids)]):  # fmt: skip
         with pytest.raises(ValueError, match="inconsistent"):
             ws(bad, len(lay.series), False, 1e-4, 100.0, NUM_BUCKETS)
     with pytest.raises(ValueError, match="inconsistent"):  # a series index out of range
         ws(ok, 1, False, 1e-4, 100.0, NUM_BUCKETS)
     with pytest.raises(TypeError):
         ws([(row, 1, 0, lay.spec, sids)][0], len(lay.series), False, 1e-4, 100.0, NUM_BUCKETS)
-    with pytest.raises(TypeError):
-        ws([(row[:5] + ["x"], 1, 0, lay.spec, sids)], len(lay.series), False, 1e-4, 100.0, NUM_BUCKETS)
+    with pytest.raises(TypeError):  # rows as a list of floats: not a buffer
+        ws([([1, 1.0, 1.0, 0.001, 0.0, 0.0], 1, 0, lay.spec, sids)], len(lay.series), False, 1e-4, 100.0, NUM_BUCKETS)
 
 
 def test_engine_windows_and_summary_are_the_same_with_the_kernel(built: Path) -> None:
@@ -606,7 +606,8 @@ def test_window_kernel_buckets_values_on_the_bucket_edges_as_the_formula(built: 
         while s * 1e3 > v:
             s = math.nextafter(s, 0.0)
         rows.add((None, False, False), [k + 1, math.nan, math.nan, s, 0.0, 0.0], False)
-    want = Counter(bucket(s * 1e3) for s in (rows.groups[(None, False, False)].flat[3::6]))
+    flat = memoryview(rows.groups[(None, False, False)].flat).cast("d").tolist()
+    want = Counter(bucket(s * 1e3) for s in flat[3::6])
     p = pack_rows(rows, kernels=kernels)
     k = p.series.index(("host", "step"))
     a, b = p.bounds[k], p.bounds[k + 1]
