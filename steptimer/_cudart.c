@@ -789,8 +789,8 @@ done:
  * through both). They read and write the StepTimer's per-step state in its __dict__ with interned
  * keys: each access is a dict lookup instead of a Python attribute access inside a Python frame,
  * which is most of a step's and a phase boundary's host cost. Step takes the timed CUDA step's
- * path (the common one) and hands every other case (untimed steps, errors, lag 0, a stream switch's
- * bookkeeping, a step with a trace capture) to the Python code, unchanged.
+ * path (the common one, lag 0 included) and an untimed step's short path, and hands every other case
+ * (errors, a stream switch's bookkeeping, a step with a trace capture) to the Python code, unchanged.
  */
 typedef struct {
     PyObject_HEAD
@@ -1541,7 +1541,7 @@ static int step_exit_fast(Step *st, PyObject *et) {
     if (gpu != Py_True || in_step != Py_True || !PyList_Check(stack) || PyList_GET_SIZE(stack)) return 0;
     long long lag = PyLong_AsLongLong(lagv);
     if (lag == -1 && PyErr_Occurred()) return -1;
-    if (lag < 1) return 0;
+    if (lag < 0) return 0;
     double t1 = now(b);
     if (NOW_FAILED(t1)) return -1;
     long long number, first, warm;
@@ -1611,7 +1611,26 @@ static int step_exit_fast(Step *st, PyObject *et) {
     Py_ssize_t npending = PyObject_Size(pending);
     if (npending < 0) goto done;
     double t_end;
-    if (npending > lag) {
+    if (lag == 0) {
+        /* Strict: the steps before this one finished at their own waits; they are read first, while
+         * the GPU still runs this step's work, then this step's end is waited for (_end_step). */
+        for (; npending > 1; npending--) {
+            PyObject *old = PyObject_CallMethodNoArgs(pending, K_popleft);
+            if (!old) goto done;
+            int err = resolve(st, old);
+            Py_DECREF(old);
+            if (err < 0) goto done;
+        }
+        double tw = now(b);
+        if (NOW_FAILED(tw)) goto done;
+        PyObject *w = get(b, K_wait);
+        PyObject *res = w ? call1(w, PyList_GET_ITEM(evs, rec->i_end)) : NULL;
+        if (!res) goto done;
+        Py_DECREF(res);
+        t_end = now(b);
+        if (NOW_FAILED(t_end) || get_double(b, K_t0, &t0) < 0) goto done;
+        rec->wait_s = t_end - tw;
+    } else if (npending > lag) {
         double tw = now(b);
         if (NOW_FAILED(tw)) goto done;
         Py_ssize_t n = npending - (Py_ssize_t)lag;
@@ -1647,8 +1666,10 @@ static int step_exit_fast(Step *st, PyObject *et) {
             if (err < 0) goto done;
         }
     }
-    t_end = now(b);
-    if (NOW_FAILED(t_end) || get_double(b, K_t0, &t0) < 0) goto done;
+    if (lag != 0) {
+        t_end = now(b);
+        if (NOW_FAILED(t_end) || get_double(b, K_t0, &t0) < 0) goto done;
+    }
     rec->step_s = t_end - t0;
     if (put(b, K_gap_start, PyFloat_FromDouble(t_end)) < 0) goto done;
     long long next_timed, every;
