@@ -425,7 +425,8 @@ class Packed:
 
     def _run_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._runs is None:
-            assert self.raw is not None
+            if self.raw is None:  # pragma: no cover - of_values sets the runs, of_kernel the buffers
+                raise RuntimeError("steptimer: a window's statistics without histogram runs")
             a, b, c = np.frombuffer(self.raw[1], dtype=np.int64).reshape(3, -1)
             self._runs = (a, b, c)
         return self._runs
@@ -634,16 +635,9 @@ class ClockStats(Mapping[str, SeriesStats]):
 def window_of(rows: StepRows, last_step: int, kernels: Any = None) -> Window:
     """Statistics of the steps of one log window, ``last_step`` being the number of its last step."""
     p = pack_rows(rows, kernels=kernels)
-    groups = p.groups
-    if len(groups) == 1:  # the usual window: one row layout
-        g = groups[0]
-        wall_s = g.cycle_ms / 1e3
-        samples = [g.samples] if g.samples_rows else []
-        tokens = [g.tokens] if g.tokens_rows else []
-    else:
-        wall_s = sum(g.cycle_ms for g in groups) / 1e3
-        samples = [g.samples for g in groups if g.samples_rows]
-        tokens = [g.tokens for g in groups if g.tokens_rows]
+    wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
+    samples = [g.samples for g in p.groups if g.samples_rows]
+    tokens = [g.tokens for g in p.groups if g.tokens_rows]
     return Window(
         step=last_step,
         steps=rows.count,
