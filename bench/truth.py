@@ -344,7 +344,8 @@ def transformer(
         one(i, warm)
     warm.close()
     torch.cuda.synchronize()
-    timer = RecordingTimer.make()
+    # The summary (its launch_bound flags) over the same steps as the per-step figures: after `skip`.
+    timer = RecordingTimer.make(warmup_steps=skip)
 
     def body() -> None:
         for i in range(1, steps + 1):

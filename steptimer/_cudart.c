@@ -811,7 +811,8 @@ static PyObject *K_in_step, *K_timed, *K_gpu, *K_stack, *K_recs, *K_evs, *K_free
     *K_warmup_steps, *K_samples, *K_tokens, *K_pause_evs, *K_gap_start, *K_paused_s, *K_device, *K_pending,
     *K_pending_events, *K_lag, *K_wait, *K_wait_for, *K_resolve, *K_sample_every, *K_pick_timed, *K_trace,
     *K_offsets, *K_elapsed, *K_held_end, *K_rows, *K_add, *K_last_resolved, *K_log_every, *K_emit,
-    *K_append, *K_popleft, *K_events, *K_i_end, *K_enter, *K_exit, *K_untimed, *K_phase_cms, *K_group, *K_flat;
+    *K_append, *K_popleft, *K_events, *K_i_end, *K_enter, *K_exit, *K_untimed, *K_phase_cms, *K_group, *K_flat,
+    *K_unchecked, *K_streams_vary, *K_kw_samples, *K_kw_tokens;
 
 static int intern_keys(void) {
     struct { PyObject **k; const char *s; } keys[] = {
@@ -831,7 +832,8 @@ static int intern_keys(void) {
         {&K_add, "add"}, {&K_last_resolved, "_last_resolved"}, {&K_log_every, "log_every_n_steps"},
         {&K_emit, "_emit"}, {&K_append, "append"}, {&K_popleft, "popleft"}, {&K_events, "events"},
         {&K_i_end, "i_end"}, {&K_enter, "__enter__"}, {&K_exit, "__exit__"}, {&K_untimed, "_untimed"}, {&K_group, "group"}, {&K_flat, "flat"},
-        {&K_phase_cms, "_phase_cms"},
+        {&K_phase_cms, "_phase_cms"}, {&K_unchecked, "_unchecked"}, {&K_streams_vary, "_streams_vary"},
+        {&K_kw_samples, "samples"}, {&K_kw_tokens, "tokens"},
     };
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         if (!(*keys[i].k = PyUnicode_InternFromString(keys[i].s))) return 0;
@@ -1212,6 +1214,7 @@ typedef struct {
      * that group's `flat` bytearray, so the next row of the same layout in the same window is appended
      * to it directly (no row list, no key tuple, no Python call). */
     rowcache_t rc[2];
+    vectorcallfunc vc; /* timer.step(samples=, tokens=) */
 } Step;
 
 static PyObject *call1(PyObject *f, PyObject *a) { return PyObject_Vectorcall(f, &a, 1, NULL); }
@@ -1277,6 +1280,16 @@ static int append_row(Step *st, int slot, PyObject *rows, PyObject *names, int g
     return 0;
 }
 
+/* Whether the timer's stream is capturing a CUDA graph: 1, 0, or -1 with an exception. */
+static int stream_capturing(Base *b) {
+    PyObject *is_cap = get(b, K_is_capturing), *stream = get(b, K_stream);
+    if (!is_cap || !stream) return -1;
+    PyObject *cap = call1(is_cap, stream);
+    int capturing = cap ? PyObject_IsTrue(cap) : -1;
+    Py_XDECREF(cap);
+    return capturing;
+}
+
 static int step_enter_fast(Step *st) {
     /* The timed CUDA step (_begin_step's path when the stream key is unchanged; the caller checked
      * that this step is the one to time); 1 if taken, 0 if not, -1 with an exception. */
@@ -1290,29 +1303,33 @@ static int step_enter_fast(Step *st) {
         put(b, K_recs, PyList_New(0)) < 0 || put(b, K_last_t, PyFloat_FromDouble(-INFINITY)) < 0 ||
         PyDict_SetItem(b->dict, K_gpu, Py_True) < 0)
         return -1;
-    PyObject *get_key = get(b, K_get_stream_key), *old_key = get(b, K_stream_key);
-    if (!get_key || !old_key) return -1;
-    PyObject *key = PyObject_CallNoArgs(get_key);
-    if (!key) return -1;
-    int same = PyObject_RichCompareBool(key, old_key, Py_EQ);
-    if (same <= 0) {
-        PyObject *r = same < 0 ? NULL : PyObject_CallMethodOneArg(b->timer, K_switch_stream, key);
-        if (!r) { Py_DECREF(key); return -1; }
-        Py_DECREF(r);
-    }
-    Py_DECREF(key);
-    PyObject *is_cap = get(b, K_is_capturing), *stream = get(b, K_stream);
-    if (!is_cap || !stream) return -1;
-    PyObject *cap = call1(is_cap, stream);
-    int capturing = cap ? PyObject_IsTrue(cap) : -1;
-    Py_XDECREF(cap);
-    if (capturing < 0) return -1;
-    if (capturing) {
-        if (PyDict_SetItem(b->dict, K_in_step, Py_False) < 0) return -1;
-        PyErr_SetString(PyExc_RuntimeError,
-                        "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. Put "
-                        "`with timer.step():` around the graph replay, not inside the capture");
-        return -1;
+    PyObject *get_key = get(b, K_get_stream_key), *old_key = get(b, K_stream_key), *lagv = get(b, K_lag),
+             *vary = get(b, K_streams_vary);
+    if (!get_key || !old_key || !lagv || !vary) return -1;
+    long long lag = PyLong_AsLongLong(lagv);
+    if (lag == -1 && PyErr_Occurred()) return -1;
+    if (lag == 0 && old_key != Py_None && vary == Py_False) {
+        /* Strict mode: the checks move to the step's end (_begin_step, _check_stream_at_end). */
+        if (PyDict_SetItem(b->dict, K_unchecked, Py_True) < 0) return -1;
+    } else {
+        PyObject *key = PyObject_CallNoArgs(get_key);
+        if (!key) return -1;
+        int same = PyObject_RichCompareBool(key, old_key, Py_EQ);
+        if (same <= 0) {
+            PyObject *r = same < 0 ? NULL : PyObject_CallMethodOneArg(b->timer, K_switch_stream, key);
+            if (!r) { Py_DECREF(key); return -1; }
+            Py_DECREF(r);
+        }
+        Py_DECREF(key);
+        int capturing = stream_capturing(b);
+        if (capturing < 0) return -1;
+        if (capturing) {
+            if (PyDict_SetItem(b->dict, K_in_step, Py_False) < 0) return -1;
+            PyErr_SetString(PyExc_RuntimeError,
+                            "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. "
+                            "Put `with timer.step():` around the graph replay, not inside the capture");
+            return -1;
+        }
     }
     PyObject *ev = take_event(b);
     if (!ev) return -1;
@@ -1544,6 +1561,22 @@ static int step_exit_fast(Step *st, PyObject *et) {
     if (lag < 0) return 0;
     double t1 = now(b);
     if (NOW_FAILED(t1)) return -1;
+    PyObject *unchecked = get(b, K_unchecked);
+    if (!unchecked) return -1;
+    if (unchecked == Py_True) {
+        /* lag 0's checks of the step's start (_check_stream_at_end): the same stream, not capturing,
+         * or the Python path handles it. */
+        PyObject *get_key = get(b, K_get_stream_key), *old_key = get(b, K_stream_key);
+        if (!get_key || !old_key) return -1;
+        PyObject *key = PyObject_CallNoArgs(get_key);
+        if (!key) return -1;
+        int same = PyObject_RichCompareBool(key, old_key, Py_EQ);
+        Py_DECREF(key);
+        if (same <= 0) return same;
+        int capturing = stream_capturing(b);
+        if (capturing) return capturing < 0 ? -1 : 0;
+        if (PyDict_SetItem(b->dict, K_unchecked, Py_False) < 0) return -1;
+    }
     long long number, first, warm;
     double t0, last_t;
     if (get_ll(b, K_number, &number) < 0 || get_ll(b, K_first_number, &first) < 0 ||
@@ -1755,6 +1788,31 @@ static PyObject *step_exit(Step *st, PyObject *const *args, Py_ssize_t nargs) {
     return PyObject_VectorcallMethod(K_exit, all, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
+/* timer.step(*, samples=None, tokens=None) -> this Step (StepTimer.step without its Python frame). */
+static PyObject *step_vcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Step *st = (Step *)self;
+    if (PyVectorcall_NARGS(nargsf)) {
+        PyErr_SetString(PyExc_TypeError, "step() takes no positional arguments (samples= and tokens= are keyword-only)");
+        return NULL;
+    }
+    PyObject *samples = Py_None, *tokens = Py_None;
+    Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nk; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        if (name == K_kw_samples || PyUnicode_Compare(name, K_kw_samples) == 0) {
+            samples = args[k];
+        } else if (name == K_kw_tokens || PyUnicode_Compare(name, K_kw_tokens) == 0) {
+            tokens = args[k];
+        } else {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "step() got an unexpected keyword argument %R", name);
+            return NULL;
+        }
+    }
+    if (PyDict_SetItem(st->b.dict, K_samples, samples) < 0 || PyDict_SetItem(st->b.dict, K_tokens, tokens) < 0)
+        return NULL;
+    return Py_NewRef(self);
+}
+
 static int step_init(Step *st, PyObject *args, PyObject *kw) {
     PyObject *timer, *clock, *fallback, *untimed;
     double share_s;
@@ -1763,6 +1821,7 @@ static int step_init(Step *st, PyObject *args, PyObject *kw) {
     Py_XSETREF(st->fallback, Py_NewRef(fallback));
     Py_XSETREF(st->untimed, Py_NewRef(untimed));
     Py_CLEAR(st->names);
+    st->vc = step_vcall;
     return 0;
 }
 
@@ -1804,8 +1863,10 @@ static PyTypeObject StepType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "_steptimer_cudart.Step",
     .tp_basicsize = sizeof(Step),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Step(timer, clock, share_s, fallback, untimed_key): `with timer.step():` in C",
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "Step(timer, clock, share_s, fallback, untimed_key): `timer.step(...)` and `with timer.step():` in C",
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Step, vc),
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)step_init,
     .tp_dealloc = (destructor)step_dealloc,

@@ -43,6 +43,10 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 # from Python costs several µs of host time. This is what makes P back-to-back phases cost P + 1
 # records instead of 2P + 2.
 _SHARE_GAP_S = 1.5e-6
+_CAPTURE_MSG = (
+    "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. Put "
+    "`with timer.step():` around the graph replay, not inside the capture"
+)
 _NAN = math.nan
 _UNTIMED: RowKey = (None, False, False)  # the row layout of an untimed step
 
@@ -384,6 +388,10 @@ class StepTimer:
         self._get_stream_key: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
         self._stream: Any = None
         self._stream_key: Any = None
+        # lag 0 checks the stream (switch, graph capture) at the step's end instead of its start: the
+        # start follows the wait, when the GPU sits idle until the step's first launch (_begin_step).
+        self._unchecked = False  # this step's start skipped those checks
+        self._streams_vary = False  # a switch was seen: from then on, check at the start
         self._device = -1
         self._pools: dict[int, list[Any]] = {}
         self._free: list[Any] = []
@@ -544,15 +552,19 @@ class StepTimer:
         self._last_t = -math.inf
         self._gpu = gpu = timed and self._cuda is True
         if gpu:
-            key = self._get_stream_key()
-            if key != self._stream_key:
-                self._switch_stream(key)
-            if self._is_capturing(self._stream):
-                self._in_step = False
-                raise RuntimeError(
-                    "step() inside CUDA graph capture: steptimer cannot record timing events into a "
-                    "graph. Put `with timer.step():` around the graph replay, not inside the capture"
-                )
+            if self.lag == 0 and self._stream_key is not None and not self._streams_vary:
+                # Strict mode: this start follows the wait for the last step, with the GPU idle
+                # until the step's first launch, and each call here delays it (the first CUDA calls
+                # after a wait cost 5-30 µs on the H100 hosts, docs/benchmarks.md). The stream and
+                # capture checks move to the step's end (_check_stream_at_end).
+                self._unchecked = True
+            else:
+                key = self._get_stream_key()
+                if key != self._stream_key:
+                    self._switch_stream(key)
+                if self._is_capturing(self._stream):
+                    self._in_step = False
+                    raise RuntimeError(_CAPTURE_MSG)
             free = self._free
             ev = free.pop() if free else self._new_event()
             self._record(ev, self._stream)
@@ -573,6 +585,9 @@ class StepTimer:
             if not failed:
                 raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
             return
+        end_marker = False
+        if self._unchecked:
+            end_marker = self._check_stream_at_end()
         number = self._number + 1
         rec = _Pending()
         self._number = number
@@ -599,7 +614,7 @@ class StepTimer:
                 self._record(ev, self._stream)
                 rec.i_end = len(evs)
                 evs.append(ev)
-        elif self._cuda and number + 1 == self._next_timed and self._stream_key is not None:
+        elif self._cuda and (end_marker or number + 1 == self._next_timed) and self._stream_key is not None:
             # An untimed step right before a timed one: one event marks its end, so the timed
             # step gets its GPU idle.
             ev = self._free.pop() if self._free else self._new_event()
@@ -652,6 +667,27 @@ class StepTimer:
             else:
                 self._next_timed = self._pick_timed((number - self._first_number) // self.sample_every + 1)
 
+    def _check_stream_at_end(self) -> bool:
+        """lag 0's checks of a step's start, made at its end (``_begin_step``). Inside a graph capture
+        the step is dropped with the same error as at a start. After a stream switch its events were
+        recorded on the old stream: the step keeps its host times as an untimed step, with an end
+        event on the new stream (returns True: record it), and later steps check at their start."""
+        self._unchecked = False
+        key = self._get_stream_key()
+        stream = self._stream if key == self._stream_key else self._backend().stream_of_key(key)
+        if self._is_capturing(stream):
+            self._drop_step()
+            raise RuntimeError(_CAPTURE_MSG)
+        if key == self._stream_key:
+            return False
+        for ev in self._evs:
+            self._release(ev)
+        self._evs = []
+        self._gpu = self._timed = False
+        self._switch_stream(key)
+        self._streams_vary = True
+        return True
+
     def _drop_step(self) -> None:
         """Forget the current step (it raised, or was left inconsistent); keep everything before it."""
         for ev in self._evs:
@@ -665,7 +701,7 @@ class StepTimer:
         for _, name, _, _ in self._stack:
             self._phase_cms[name]._active = False
         self._stack.clear()
-        self._in_step = self._untimed = False
+        self._in_step = self._untimed = self._unchecked = False
         self._gap_start = perf_counter()  # the failed step's time is not data wait
         self._paused_s = 0.0
 
@@ -726,6 +762,9 @@ class StepTimer:
         k = b.kernels
         if k is not None and hasattr(k, "Step"):
             self._step_cm = k.Step(self, perf_counter, _SHARE_GAP_S, _Step(self), _UNTIMED)
+            # `timer.step(samples=, tokens=)` too: the Step sets them and returns itself (StepTimer.step,
+            # bound before the first step, stays the Python method).
+            self.__dict__["step"] = self._step_cm
         if k is not None and hasattr(k, "PhaseOf"):
             # StepTimer.phase (bound before the first step, say) returns the same C no-op.
             self._untimed_cm = k.Null()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tracemalloc
 from pathlib import Path
@@ -428,6 +429,75 @@ def test_a_stream_switch_between_steps_times_the_new_stream(clock: FakeClock, gp
     assert t._stream_key == (9, 0, 1) and t._stream == (9, 0, 1)
     assert sink.windows[0].gpu["forward"].mean_ms == pytest.approx(3.0)
     assert sink.windows[0].gpu["forward"].steps == 8
+
+
+def test_step_arguments_after_the_first_step(clock: FakeClock, gpu: FakeGPU) -> None:
+    """From the second step on, `timer.step` is the C step where the extension is built: the same
+    keyword-only arguments, the same errors, and samples/tokens reach the throughput numbers."""
+    t, sink = make(gpu, log_every_n_steps=3)
+    train_step(t, clock, gpu, host={"forward": 1.0}, samples=4)
+    with pytest.raises(TypeError):
+        t.step(8)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sample'"):
+        t.step(sample=8)  # type: ignore[call-arg]
+    for _ in range(2):
+        clock.advance_ms(1.0)
+        with t.step(samples=8, tokens=64), t.phase("forward"):
+            clock.advance_ms(1.0)
+    t.close()
+    w = sink.windows[0]
+    assert w.steps == 3  # the calls that raised started no step
+    assert w.samples_per_s == pytest.approx((4 + 8 + 8) / 0.005)
+    assert w.tokens_per_s == pytest.approx(128 / 0.005)
+
+
+def test_lag0_checks_the_stream_at_each_steps_end(clock: FakeClock, gpu: FakeGPU) -> None:
+    """Strict mode moves the stream and capture checks from a step's start (right after the wait,
+    with the GPU idle until the step's first launch) to its end. A stream switch between steps is
+    then seen at that step's end: the step keeps its host times as an untimed step, later steps time
+    the new stream and check it at their start again."""
+    seen: list[int] = []  # phases recorded in the step when the stream was looked up
+
+    def stream_key() -> tuple[int, int, int]:
+        seen.append(len(t._recs))
+        return gpu.stream
+
+    b = dataclasses.replace(gpu.backend(), stream_key=stream_key)
+    sink = ListSink()
+    t = StepTimer(_backend=b, _sinks=[sink], lag=0, log_every_n_steps=8, warmup_steps=0, print_summary=False)
+    for i in range(8):
+        if i == 4:
+            gpu.stream = (9, 0, 1)  # the user moved the loop to another stream
+        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 3.0})
+    s = t.close()
+    # step 1 settles at its start; steps 2-5 check at their end (5 finds the switch; the C step hands
+    # it to the Python path, which looks once more); steps 6-8 check at their start
+    assert seen in ([0, 1, 1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 1, 0, 0, 0])
+    assert t._stream_key == (9, 0, 1)
+    w = sink.windows[0]
+    assert w.steps == 8 and w.host["forward"].steps == 7 and w.host["step"].steps == 8
+    assert w.gpu["forward"].steps == 7 and w.gpu["forward"].mean_ms == pytest.approx(3.0)
+    assert s.steps == 8 and s.timed_steps == 7
+    assert gpu.waits == 8  # strict: every step waited for, the switched one too
+
+
+def test_lag0_graph_capture_between_steps_is_the_same_clear_error(clock: FakeClock, gpu: FakeGPU) -> None:
+    t, sink = make(gpu, lag=0, log_every_n_steps=100)
+    step = {"host": {"forward": 1.0}, "kernels": {"forward": 2.0}}
+    for _ in range(3):
+        train_step(t, clock, gpu, **step)
+    gpu.capturing = True
+    with pytest.raises(RuntimeError, match="CUDA graph capture"), t.step():
+        gpu.launch(1.0)
+    gpu.capturing = False
+    created = t.events_created
+    for _ in range(3):
+        train_step(t, clock, gpu, **step)
+    assert t.events_created == created  # the dropped step's events went back to the pool
+    s = t.close()
+    assert s.steps == 6 and s.timed_steps == 6
+    fwd = sink.windows[0].gpu["forward"]
+    assert fwd.steps == 6 and fwd.mean_ms == pytest.approx(2.0) and fwd.max_ms == pytest.approx(2.0)
 
 
 def test_sampled_timing_times_one_step_per_block_at_jittered_offsets(clock: FakeClock, gpu: FakeGPU) -> None:

@@ -1,0 +1,207 @@
+"""Where ``lag=0``'s GPU-bound cost goes: a diagnostic beside ``run.py`` (docs/benchmarks.md, "lag 0").
+
+With ``lag=0`` every step ends in a wait for its own GPU work, so the GPU sits idle from the end of
+one step until the first launch of the next: every host µs between the wait's return and that
+launch is a µs of GPU time lost. Three parts, on one GPU:
+
+* ``cold``: the host cost of single calls made right after a 15 ms wait, against the same call
+  repeated at once (the first CUDA calls after a wait are several times slower on these hosts);
+* ``throughput``: a GPU-bound MLP (4096 x 8, batch 4096, AdamW), variants alternated in blocks of
+  30 steps: ``bare``; ``sync1`` (bare + ``torch.cuda.synchronize()`` per step); ``esync1`` (bare + one
+  event recorded at the step's end and waited on); ``ev5esync`` (5 events at the phase boundaries and
+  a wait on the last: lag 0's CUDA calls without the engine); ``lag0`` (with a TensorBoard sink, as
+  ``run.py`` measures it); ``lag0_nolog`` (no sink); ``default``;
+* ``host_path``: µs from the wait's return to the next step's first launch, lag 0 against the
+  loop of ``ev5esync``.
+
+    PYTHONPATH=. python3 bench/lag0_probe.py OUTDIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from bench._stats import median, ratio_stats
+from bench.overhead import Regime, Work, loop_bare, loop_sync1, loop_timer
+from steptimer import StepTimer
+from steptimer._clock import native_backend
+
+
+def cold_calls(b: Any, stream: Any, log: list[str]) -> dict[str, Any]:
+    """Each call's cost right after a 15 ms wait (cold) and repeated at once (warm), in µs."""
+    ev, ev2 = b.new_event(), b.new_event()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(10_000_000)
+    e1.record()
+    torch.cuda.synchronize()
+    step = int(15 * 10_000_000 / e0.elapsed_time(e1))  # sleep cycles of 15 ms
+
+    def noop() -> None:
+        pass
+
+    calls: dict[str, Callable[[], Any]] = {
+        "perf_counter()": perf_counter,
+        "a Python no-op call": noop,
+        "native record(ev, stream)": lambda: b.record(ev2, stream),
+        "stream key (torch's current stream)": b.stream_key,
+        "native is_capturing(stream)": lambda: b.is_capturing(stream),
+    }
+    waits: dict[str, Callable[[], None]] = {
+        "event wait": lambda: b.wait(ev),
+        "torch.cuda.synchronize()": torch.cuda.synchronize,
+    }
+    out: dict[str, Any] = {}
+    log += ["", "µs per call: first call after a 15 ms wait (cold) / the same call again at once (warm)"]
+    for wn, wait in waits.items():
+        for cn, call in calls.items():
+            cold, warm = [], []
+            for _ in range(30):
+                torch.cuda._sleep(step)
+                b.record(ev, stream)
+                wait()
+                t0 = perf_counter()
+                call()
+                t1 = perf_counter()
+                call()
+                t2 = perf_counter()
+                cold.append(t1 - t0)
+                warm.append(t2 - t1)
+            out[f"{wn} / {cn}"] = {"cold_us": median(cold) * 1e6, "warm_us": median(warm) * 1e6}
+            log.append(f"  after {wn:25} {cn:36} cold {median(cold) * 1e6:6.2f}  warm {median(warm) * 1e6:6.2f}")
+    return out
+
+
+def _pct(r: dict[str, float]) -> str:
+    return f"{(r['median'] - 1) * 100:+6.3f} % [{(r['q25'] - 1) * 100:+.3f}, {(r['q75'] - 1) * 100:+.3f}]"
+
+
+def main(outdir: Path) -> None:
+    outdir.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    r = Regime("GPU-bound", "mlp", 4096, 8, 4096, steps=30, rounds=16)
+    w = Work(r, torch.device("cuda"))
+    b = native_backend()
+    stream = b.stream_of_key(b.stream_key())
+    log = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}"]
+    res: dict[str, Any] = {"cold": cold_calls(b, stream, log)}
+
+    evs = [b.new_event() for _ in range(5)]
+    rec, wait = b.record, b.wait
+    m, x, opt, pc = w.model, w.x, w.opt, perf_counter
+    t_after = [0.0]  # when the last wait returned (host path)
+
+    def loop_events(n: int, stamps: list[float], k: int, path: list[float] | None = None) -> None:
+        e0, e1, e2, e3, e4 = evs
+        for i in range(n):
+            stamps[i] = pc()
+            if k == 5:
+                rec(e0, stream)
+            if path is not None and i:
+                path.append(pc() - t_after[0])
+            out = m(x)
+            if k == 5:
+                rec(e1, stream)
+            loss = (out * out).mean()
+            if k == 5:
+                rec(e2, stream)
+            loss.backward()
+            if k == 5:
+                rec(e3, stream)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec(e4, stream)
+            wait(e4)
+            t_after[0] = pc()
+        stamps[n] = pc()
+
+    tmp = tempfile.mkdtemp(prefix="steptimer-lag0-")
+    timers = {
+        "lag0": StepTimer(log_dir=f"{tmp}/lag0", lag=0, print_summary=False, warmup_steps=0),
+        "lag0_nolog": StepTimer(lag=0, print_summary=False, warmup_steps=0),
+        "default": StepTimer(log_dir=f"{tmp}/default", print_summary=False, warmup_steps=0),
+    }
+
+    def run(v: str, n: int, stamps: list[float]) -> None:
+        if v == "bare":
+            loop_bare(w, n, stamps)
+        elif v == "sync1":
+            loop_sync1(w, n, stamps)
+        elif v == "esync1":
+            loop_events(n, stamps, 1)
+        elif v == "ev5esync":
+            loop_events(n, stamps, 5)
+        else:
+            loop_timer(w, n, stamps, timers[v])
+
+    variants = ("bare", "sync1", "esync1", "ev5esync", "lag0", "lag0_nolog", "default")
+    for v in variants:  # warm-up
+        run(v, 10, [0.0] * 11)
+    tot: dict[str, list[float]] = {v: [] for v in variants}
+    stamps = [0.0] * (r.steps + 1)
+    for k in range(r.rounds):
+        for v in variants[k % len(variants) :] + variants[: k % len(variants)]:
+            torch.cuda.synchronize()
+            run(v, r.steps, stamps)
+            torch.cuda.synchronize()
+            tot[v].append(perf_counter() - stamps[0])
+    step_ms = {v: median(t) * 1e3 / r.steps for v, t in tot.items()}
+    res["throughput"] = {
+        v: {"step_ms": step_ms[v], "vs_bare": ratio_stats(tot[v], tot["bare"]).__dict__,
+            "vs_sync1": ratio_stats(tot[v], tot["sync1"]).__dict__}
+        for v in variants
+    }  # fmt: skip
+    log += ["", f"throughput, {r.rounds} rounds of {r.steps}-step blocks: block time vs bare, vs sync1 (median [IQR])"]
+    for v in variants:
+        a, s = res["throughput"][v]["vs_bare"], res["throughput"][v]["vs_sync1"]
+        us = (s["median"] - 1) * step_ms["sync1"] * 1e3
+        log.append(
+            f"  {v:11} {step_ms[v]:7.3f} ms/step  vs bare {_pct(a)}  vs sync1 {_pct(s)} = {us:+6.1f} µs/step"
+        )
+
+    # Host path: the engine's wait, wrapped to note when it returns; the first phase notes the time.
+    tm = timers["lag0_nolog"]
+    inner = tm._wait
+
+    def noted_wait(ev: Any) -> None:
+        inner(ev)
+        t_after[0] = pc()
+
+    tm._wait = noted_wait  # type: ignore[method-assign]
+    path_timer: list[float] = []
+    for i in range(60):
+        with tm.step(samples=1):
+            with tm.phase("forward"):
+                if i:
+                    path_timer.append(pc() - t_after[0])
+                out = m(x)
+            with tm.phase("loss"):
+                loss = (out * out).mean()
+            with tm.phase("backward"):
+                loss.backward()
+            with tm.phase("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    path_events: list[float] = []
+    loop_events(60, [0.0] * 61, 5, path_events)
+    res["host_path_us"] = {"lag0": median(path_timer) * 1e6, "ev5esync": median(path_events) * 1e6}
+    log += ["", "host µs from the wait's return to the next step's first launch (median of 59 steps): "
+            f"lag0 {res['host_path_us']['lag0']:.1f}, ev5esync {res['host_path_us']['ev5esync']:.1f}"]
+    for t in timers.values():
+        t.close()
+    text = "\n".join(log)
+    print(text)
+    (outdir / "lag0_probe.txt").write_text(text + "\n")
+    (outdir / "lag0_probe.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "lag0_probe_out"))
