@@ -729,3 +729,42 @@ def test_c_steps_and_phases_equal_the_python_ones_on_random_runs(
     for seed in range(4):
         kw = {"lag": lag, "sample_every": sample_every, "warmup": warmup}
         assert _random_run(kernels, seed, **kw) == _random_run(python, seed, **kw)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("lag", [0, 2])
+def test_a_step_inside_a_real_graph_capture_is_a_clear_error_and_the_timer_goes_on(lag: int) -> None:
+    """torch.cuda.graph on its own side stream (its default) and on the stream the loop trains on:
+    the step raises steptimer's error (lag 0 checks at the step's end, other lags at its start), the
+    capture ends, and later steps are timed as before."""
+    import torch
+
+    from steptimer import StepTimer
+    from tests.fakes import ListSink
+
+    train = torch.cuda.Stream()  # graphs can't be captured on the default stream
+    with torch.cuda.stream(train):
+        x = torch.zeros(1024, device="cuda")
+        sink = ListSink()
+        t = StepTimer(lag=lag, print_summary=False, warmup_steps=0, log_every_n_steps=8, _sinks=[sink])
+
+        def step() -> None:
+            with t.step(), t.phase("work"):
+                torch.cuda._sleep(500_000)
+                x.add_(1)
+
+        for _ in range(3):
+            step()
+        for capture_stream in (None, train):
+            g = torch.cuda.CUDAGraph()
+            with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
+                with torch.cuda.graph(g, stream=capture_stream):
+                    step()
+            assert not torch.cuda.is_current_stream_capturing()
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        s = t.close()
+    assert s.steps == 6 and s.timed_steps == 6
+    work = sink.windows[0].gpu["work"]
+    assert work.steps == 6 and work.min_ms > 0.1
