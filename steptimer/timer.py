@@ -555,7 +555,7 @@ class StepTimer:
             if self.lag == 0 and self._stream_key is not None and not self._streams_vary:
                 # Strict mode: this start follows the wait for the last step, with the GPU idle
                 # until the step's first launch, and each call here delays it (the first CUDA calls
-                # after a wait cost 5-30 µs on the H100 hosts, docs/benchmarks.md). The stream and
+                # after a wait cost 4-24 µs on the H100 hosts, docs/benchmarks.md). The stream and
                 # capture checks move to the step's end (_check_stream_at_end).
                 self._unchecked = True
             else:
