@@ -131,3 +131,19 @@ def _looks_numeric(s: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def round_order(variants: Sequence[str], k: int) -> list[str]:
+    """The order of round ``k``: rounds come in pairs, the variants rotated by the pair's number and
+    in reverse in the pair's second round.
+
+    Rotation alone keeps the cyclic order, so each variant would always follow the same one (the
+    GPU's and host's state left by the block before could then favour one variant every round);
+    the reversed round gives each variant its other neighbour as predecessor.
+    """
+    n = len(variants)
+    if not n:
+        return []
+    r = (k // 2) % n
+    order = list(variants[r:]) + list(variants[:r])
+    return order[::-1] if k % 2 else order

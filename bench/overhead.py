@@ -11,7 +11,8 @@ Three measurements, each in one process on one GPU:
   ``(phases + 1) x Event.record(stream)`` measured in the same run.
 * ``regimes``: throughput of MLP/AdamW loops (launch-bound, balanced, GPU-bound) and a transformer
   block, bare against steptimer variants and a synchronize-per-phase loop, alternated in short blocks
-  (A B C ... then rotated) and compared by the median of per-round ratios of per-step medians.
+  (A B C ...; rounds in pairs, rotated, then reversed) and compared by the median of per-round ratios
+  of per-step medians.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench._stats import median, ratio_stats
+from bench._stats import median, ratio_stats, round_order
 from steptimer import StepTimer
 from steptimer._clock import torch_backend
 
@@ -279,8 +280,7 @@ def run_regime(
     stamps = [0.0] * (r.steps + 1)
     skip = r.steps // 3  # per-step medians leave out the start, while the queue fills
     for k in range(r.rounds):
-        order = variants[k % len(variants) :] + variants[: k % len(variants)]
-        for v in order:
+        for v in round_order(variants, k):
             # Every block runs from an idle GPU to an idle GPU: its total is the time to finish
             # r.steps steps, whatever the variant does with the queue.
             _sync()
@@ -431,8 +431,7 @@ def run_lightning(
         fit(v)
     med: dict[str, list[float]] = {v: [] for v in variants}
     for k in range(rounds):
-        order = variants[k % len(variants) :] + variants[: k % len(variants)]
-        for v in order:
+        for v in round_order(variants, k):
             _sync()
             t = fit(v)
             d = [b - a for a, b in zip(t, t[1:])]
@@ -866,7 +865,7 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
     res: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for k in range(rounds):
-        for name in names[k % len(names) :] + names[: k % len(names)]:
+        for name in round_order(names, k):
             _sync()
             res[name].append(fns[name](steps))
     # Where the default timer's host time goes (cProfile; its own overhead inflates every call).

@@ -17,6 +17,7 @@ from bench._stats import (
     paired_ratios,
     quantile,
     ratio_stats,
+    round_order,
     step_times,
 )
 from bench.truth import attribute, compare, summarize_phase
@@ -74,6 +75,25 @@ def test_ratio_stats_pairs_rounds() -> None:
     assert s.max == pytest.approx(1.03)
     assert s.q25 == pytest.approx(1.005)
     assert s.overhead_pct == pytest.approx(1.0)
+
+
+def test_round_order_rotates_and_varies_each_variants_predecessor() -> None:
+    v = ["a", "b", "c", "d"]
+    assert round_order(v, 0) == ["a", "b", "c", "d"]
+    assert round_order(v, 1) == ["d", "c", "b", "a"]
+    assert round_order(v, 2) == ["b", "c", "d", "a"]
+    assert round_order(v, 3) == ["a", "d", "c", "b"]
+    before: dict[str, set[str]] = {x: set() for x in v}
+    firsts = set()
+    for k in range(8):
+        order = round_order(v, k)
+        assert sorted(order) == v  # each variant once a round
+        firsts.add(order[0])
+        for p, x in zip(order, order[1:]):
+            before[x].add(p)
+    assert firsts == set(v)
+    assert all(len(p) == 2 for p in before.values())  # both neighbours, not one fixed predecessor
+    assert round_order([], 3) == []
 
 
 def test_ratio_stats_mismatch_and_empty() -> None:
