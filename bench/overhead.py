@@ -30,7 +30,7 @@ from torch import nn
 
 from bench._stats import median, ratio_stats, round_order
 from steptimer import StepTimer
-from steptimer._clock import torch_backend
+from steptimer._clock import native_backend, torch_backend
 
 PHASES = ("forward", "loss", "backward", "optimizer")
 
@@ -237,6 +237,27 @@ def loop_sync1(w: Work, n: int, stamps: list[float]) -> None:
     stamps[n] = pc()
 
 
+def loop_events_wait(w: Work, n: int, stamps: list[float], b: Any, stream: Any, evs: list[Any]) -> None:
+    """lag 0's CUDA calls without steptimer: 5 events at the phase boundaries through the native calls
+    and a wait on the last one per step (``sync1``'s loop with an event wait instead)."""
+    m, x, opt, pc, rec, wait = w.model, w.x, w.opt, perf_counter, b.record, b.wait
+    e0, e1, e2, e3, e4 = evs
+    for i in range(n):
+        stamps[i] = pc()
+        rec(e0, stream)
+        out = m(x)
+        rec(e1, stream)
+        loss = (out * out).mean()
+        rec(e2, stream)
+        loss.backward()
+        rec(e3, stream)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec(e4, stream)
+        wait(e4)
+    stamps[n] = pc()
+
+
 def _new_timer(tmp: str, name: str, **kw: Any) -> StepTimer:
     # A real TensorBoard sink, as users run it (written every 50 steps).
     return StepTimer(log_dir=f"{tmp}/{name}", print_summary=False, warmup_steps=0, **kw)
@@ -249,7 +270,7 @@ TIMER_VARIANTS: dict[str, dict[str, Any]] = {
     "lag2": {"lag": 2},
     "sampled100": {"sample_every": 100},
 }
-VARIANTS = ("bare", "bare2", "lag0", "default", "lag1", "sampled100", "sync1", "sync")
+VARIANTS = ("bare", "bare2", "lag0", "default", "lag1", "sampled100", "sync1", "ev5wait", "sync")
 
 
 def run_regime(
@@ -259,6 +280,9 @@ def run_regime(
     w = Work(r, device)
     tmp = tempfile.mkdtemp(prefix="steptimer-bench-")
     timers = {v: _new_timer(tmp, v, **TIMER_VARIANTS[v]) for v in variants if v in TIMER_VARIANTS}
+    nb = native_backend() if "ev5wait" in variants else None
+    nb_stream = nb.stream_of_key(nb.stream_key()) if nb is not None else None
+    nb_evs = [nb.new_event() for _ in range(5)] if nb is not None else []
     acc: list[tuple[float, ...]] = []
     warm = max(5, r.steps // 5)
 
@@ -269,6 +293,8 @@ def run_regime(
             loop_sync(w, n, stamps, acc)
         elif v == "sync1":
             loop_sync1(w, n, stamps)
+        elif v == "ev5wait":
+            loop_events_wait(w, n, stamps, nb, nb_stream, nb_evs)
         else:
             loop_timer(w, n, stamps, timers[v])
 
@@ -316,7 +342,7 @@ def run_regime(
         out["ratios_total"][v] = ratio_stats(tot[v], tot["bare"]).__dict__
     # Head-to-head: the same pairing, against another variant than bare.
     out["versus"] = {}
-    for a, b in [("sync", "default"), ("sync1", "lag0"), ("default", "lag1")]:
+    for a, b in [("sync", "default"), ("sync1", "lag0"), ("ev5wait", "lag0"), ("default", "lag1")]:
         if a in tot and b in tot:
             out["versus"][f"{a}/{b}"] = {
                 "total": ratio_stats(tot[a], tot[b]).__dict__,
