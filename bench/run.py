@@ -25,6 +25,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `steptimer` i
 from bench._stats import RatioStats, fmt_num, fmt_pct, fmt_spread, format_table  # noqa: E402
 
 SECTIONS = ("micro", "host", "regimes", "lightning", "truth")
+REGIMES = ("launch", "balanced", "gpu", "transformer")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -37,6 +38,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated sections to run, from {','.join(SECTIONS)} (default: all)",
     )
     p.add_argument("--rounds", type=int, default=None, help="rounds per regime (default 12, quick 3)")
+    p.add_argument(
+        "--regimes",
+        default=",".join(REGIMES),
+        help=f"comma-separated regimes for the regimes and lightning sections, from {','.join(REGIMES)}",
+    )
     a = p.parse_args(argv)
     only = [s.strip() for s in a.only.split(",") if s.strip()]
     bad = [s for s in only if s not in SECTIONS]
@@ -45,6 +51,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if a.rounds is not None and a.rounds < 1:
         p.error(f"--rounds must be >= 1, got {a.rounds}")
     a.only = only
+    regimes = [s.strip() for s in a.regimes.split(",") if s.strip()]
+    bad = [s for s in regimes if s not in REGIMES]
+    if bad or not regimes:
+        p.error(f"unknown or no regime(s) {bad}; choose from {list(REGIMES)}")
+    a.regimes = regimes
     return a
 
 
@@ -406,33 +417,22 @@ def _overhead(
         cyc = overhead.sleep_cycles_per_ms()
         dev = torch.device("cuda")
         rounds = args.rounds or (3 if q else 12)
-        log("calibrating the balanced regime")
-        bal_batch, bal_m, tried = overhead.calibrate_balanced(1024, 16, dev, cyc, log)
-        res["balanced_calibration"] = tried
         R = overhead.Regime
-        regimes = [
-            R("launch-bound MLP 256x16, batch 64", "mlp", 256, 16, 64, steps=150, rounds=rounds),
-            R(
-                f"balanced MLP 1024x16, batch {bal_batch}",
-                "mlp",
-                1024,
-                16,
-                bal_batch,
-                steps=100,
-                rounds=rounds,
-            ),
-            R("GPU-bound MLP 4096x8, batch 4096", "mlp", 4096, 8, 4096, steps=30, rounds=rounds),
-            R(
-                "transformer block d=1024, 8x512 tokens",
-                "transformer",
-                1024,
-                1,
-                8,
-                seq=512,
-                steps=40,
-                rounds=rounds,
-            ),
-        ]
+        regimes = []
+        for key in args.regimes:
+            if key == "launch":
+                regimes.append(R("launch-bound MLP 256x16, batch 64", "mlp", 256, 16, 64, steps=150, rounds=rounds))
+            elif key == "balanced":
+                log("calibrating the balanced regime")
+                bal_batch, bal_m, tried = overhead.calibrate_balanced(1024, 16, dev, cyc, log)
+                res["balanced_calibration"] = tried
+                name = f"balanced MLP 1024x16, batch {bal_batch}"
+                regimes.append(R(name, "mlp", 1024, 16, bal_batch, steps=100, rounds=rounds))
+            elif key == "gpu":
+                regimes.append(R("GPU-bound MLP 4096x8, batch 4096", "mlp", 4096, 8, 4096, steps=30, rounds=rounds))
+            else:
+                name = "transformer block d=1024, 8x512 tokens"
+                regimes.append(R(name, "transformer", 1024, 1, 8, seq=512, steps=40, rounds=rounds))
         measured = {}
         for r in regimes:
             measured[r.name] = overhead.dispatch_and_gpu_ms(overhead.Work(r, dev), cyc)
@@ -474,7 +474,7 @@ def _lightning_section(
     from bench import overhead
 
     ls = []
-    for r in (regimes[0], regimes[2]):
+    for r in [r for r in regimes if r.name.startswith(("launch-bound", "GPU-bound"))]:
         m = measured[r.name]
         label = f"{r.name} ({m['host_ms']:.2f} / {m['gpu_ms']:.2f})"
         log(f"lightning {label}")

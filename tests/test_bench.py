@@ -31,17 +31,26 @@ def test_parse_args_defaults() -> None:
     assert a.quick is False
     assert a.only == list(run.SECTIONS)
     assert a.rounds is None
+    assert a.regimes == list(run.REGIMES)
 
 
 def test_parse_args_only_and_rounds() -> None:
-    a = run.parse_args(["--out", "o", "--only", "micro, truth", "--rounds", "4", "--quick"])
+    a = run.parse_args(["--out", "o", "--only", "micro, truth", "--rounds", "4", "--quick", "--regimes", "gpu, launch"])
     assert a.only == ["micro", "truth"]
+    assert a.regimes == ["gpu", "launch"]
     assert a.rounds == 4
     assert a.quick
 
 
 @pytest.mark.parametrize(
-    "argv", [["--out", "o", "--only", "micro,bogus"], ["--out", "o", "--rounds", "0"], []]
+    "argv",
+    [
+        ["--out", "o", "--only", "micro,bogus"],
+        ["--out", "o", "--rounds", "0"],
+        ["--out", "o", "--regimes", "gpu,huge"],
+        ["--out", "o", "--regimes", ","],
+        [],
+    ],
 )
 def test_parse_args_rejects(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
