@@ -7,12 +7,13 @@ launch is a µs of GPU time lost. Three parts, on one GPU:
 * ``cold``: the host cost of single calls made right after a 15 ms wait, against the same call
   repeated at once (the first CUDA calls after a wait are several times slower on these hosts);
 * ``throughput``: a GPU-bound MLP (4096 x 8, batch 4096, AdamW), variants alternated in blocks of
-  30 steps: ``bare``; ``sync1`` (bare + ``torch.cuda.synchronize()`` per step); ``esync1`` (bare + one
-  event recorded at the step's end and waited on); ``ev5esync`` (5 events at the phase boundaries and
-  a wait on the last: lag 0's CUDA calls without the engine); ``lag0`` (with a TensorBoard sink, as
-  ``run.py`` measures it); ``lag0_nolog`` (no sink); ``default``;
-* ``host_path``: µs from the wait's return to the next step's first launch, lag 0 against the
-  loop of ``ev5esync``.
+  30 steps (rounds rotated, then reversed): ``bare``; ``sync1`` (bare + ``torch.cuda.synchronize()``
+  per step); ``ev5esync`` (5 events at the phase boundaries and a wait on the last: lag 0's CUDA calls
+  without the engine); ``ev5esync_api`` (the same inside ``with`` statements that do nothing: the
+  API's own cost); ``lag0`` (with a TensorBoard sink, as ``run.py`` measures it); ``lag0_nolog`` (no
+  sink); ``lag0_share20`` (no sink, events shared across gaps up to 20 µs instead of 1.5);
+* ``host_path``: from a strict step's own records, µs from its wait's return to the next step's
+  start, and from that start to the first phase's; the events each step recorded.
 
     PYTHONPATH=. python3 bench/lag0_probe.py OUTDIR
 """
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench._stats import median, ratio_stats
+from bench._stats import median, ratio_stats, round_order
 from bench.overhead import Regime, Work, loop_bare, loop_sync1, loop_timer
 from steptimer import StepTimer
 from steptimer._clock import native_backend
@@ -97,37 +98,69 @@ def main(outdir: Path) -> None:
     evs = [b.new_event() for _ in range(5)]
     rec, wait = b.record, b.wait
     m, x, opt, pc = w.model, w.x, w.opt, perf_counter
-    t_after = [0.0]  # when the last wait returned (host path)
-
-    def loop_events(n: int, stamps: list[float], k: int, path: list[float] | None = None) -> None:
+    def loop_events(n: int, stamps: list[float]) -> None:
+        """lag 0's CUDA calls without the engine: 5 events at the phase boundaries, a wait on the last."""
         e0, e1, e2, e3, e4 = evs
         for i in range(n):
             stamps[i] = pc()
-            if k == 5:
-                rec(e0, stream)
-            if path is not None and i:
-                path.append(pc() - t_after[0])
+            rec(e0, stream)
             out = m(x)
-            if k == 5:
-                rec(e1, stream)
+            rec(e1, stream)
             loss = (out * out).mean()
-            if k == 5:
-                rec(e2, stream)
+            rec(e2, stream)
             loss.backward()
-            if k == 5:
-                rec(e3, stream)
+            rec(e3, stream)
             opt.step()
             opt.zero_grad(set_to_none=True)
             rec(e4, stream)
             wait(e4)
-            t_after[0] = pc()
         stamps[n] = pc()
+
+    class _Noop:
+        __slots__ = ()
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    noop = _Noop()
+
+    def api(*args: object, **kwargs: object) -> _Noop:
+        return noop
+
+    def loop_events_api(n: int, stamps: list[float]) -> None:
+        """``ev5esync`` inside the same ``with`` statements as ``loop_timer``, doing nothing."""
+        e0, e1, e2, e3, e4 = evs
+        st = ph = api
+        for i in range(n):
+            stamps[i] = pc()
+            with st(samples=1):
+                rec(e0, stream)
+                with ph("forward"):
+                    out = m(x)
+                rec(e1, stream)
+                with ph("loss"):
+                    loss = (out * out).mean()
+                rec(e2, stream)
+                with ph("backward"):
+                    loss.backward()
+                rec(e3, stream)
+                with ph("optimizer"):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                rec(e4, stream)
+                wait(e4)
+        stamps[n] = pc()
+
+    import steptimer.timer as timer_mod
 
     tmp = tempfile.mkdtemp(prefix="steptimer-lag0-")
     timers = {
         "lag0": StepTimer(log_dir=f"{tmp}/lag0", lag=0, print_summary=False, warmup_steps=0),
         "lag0_nolog": StepTimer(lag=0, print_summary=False, warmup_steps=0),
-        "default": StepTimer(log_dir=f"{tmp}/default", print_summary=False, warmup_steps=0),
+        "lag0_share20": StepTimer(lag=0, print_summary=False, warmup_steps=0),
     }
 
     def run(v: str, n: int, stamps: list[float]) -> None:
@@ -135,20 +168,28 @@ def main(outdir: Path) -> None:
             loop_bare(w, n, stamps)
         elif v == "sync1":
             loop_sync1(w, n, stamps)
-        elif v == "esync1":
-            loop_events(n, stamps, 1)
         elif v == "ev5esync":
-            loop_events(n, stamps, 5)
+            loop_events(n, stamps)
+        elif v == "ev5esync_api":
+            loop_events_api(n, stamps)
+        elif v == "lag0_share20":
+            # The share threshold is read when the timer's C step and phases are made (its first
+            # step): 20 µs instead of 1.5, so a slow (cold) return to the first phase still shares.
+            saved, timer_mod._SHARE_GAP_S = timer_mod._SHARE_GAP_S, 20e-6
+            try:
+                loop_timer(w, n, stamps, timers[v])
+            finally:
+                timer_mod._SHARE_GAP_S = saved
         else:
             loop_timer(w, n, stamps, timers[v])
 
-    variants = ("bare", "sync1", "esync1", "ev5esync", "lag0", "lag0_nolog", "default")
+    variants = ("bare", "sync1", "ev5esync", "ev5esync_api", "lag0", "lag0_nolog", "lag0_share20")
     for v in variants:  # warm-up
         run(v, 10, [0.0] * 11)
     tot: dict[str, list[float]] = {v: [] for v in variants}
     stamps = [0.0] * (r.steps + 1)
     for k in range(r.rounds):
-        for v in variants[k % len(variants) :] + variants[: k % len(variants)]:
+        for v in round_order(variants, k):
             torch.cuda.synchronize()
             run(v, r.steps, stamps)
             torch.cuda.synchronize()
@@ -167,34 +208,41 @@ def main(outdir: Path) -> None:
             f"  {v:11} {step_ms[v]:7.3f} ms/step  vs bare {_pct(a)}  vs sync1 {_pct(s)} = {us:+6.1f} µs/step"
         )
 
-    # Host path: the engine's wait, wrapped to note when it returns; the first phase notes the time.
-    tm = timers["lag0_nolog"]
-    inner = tm._wait
+    # Host path of a strict step, from the engine's own records (no wrapper): the wait's return
+    # (the step's end), the next step's start, its first phase's start, and its events.
+    def host_path(v: str) -> dict[str, Any]:
+        tm = timers[v]
+        ph, st, keep = tm.phase, tm.step, []
+        for _ in range(60):  # loop_timer's loop, keeping each step's record
+            with st(samples=1):
+                with ph("forward"):
+                    out = m(x)
+                with ph("loss"):
+                    loss = (out * out).mean()
+                with ph("backward"):
+                    loss.backward()
+                with ph("optimizer"):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            keep.append(tm._pending[-1])
+        recs = keep
+        ends, firsts, n_evs = [], [], []
+        for a, c in zip(recs, recs[1:]):
+            ends.append(c.t0 - (a.t0 + a.step_s))
+            firsts.append(c.phases[0][1] - c.t0)
+            n_evs.append(len(c.events))
+        return {
+            "wait_return_to_next_step_us": median(ends) * 1e6,
+            "step_start_to_first_phase_us": median(firsts) * 1e6,
+            "events_per_step": {str(k): n_evs.count(k) for k in sorted(set(n_evs))},
+        }
 
-    def noted_wait(ev: Any) -> None:
-        inner(ev)
-        t_after[0] = pc()
-
-    tm._wait = noted_wait  # type: ignore[method-assign]
-    path_timer: list[float] = []
-    for i in range(60):
-        with tm.step(samples=1):
-            with tm.phase("forward"):
-                if i:
-                    path_timer.append(pc() - t_after[0])
-                out = m(x)
-            with tm.phase("loss"):
-                loss = (out * out).mean()
-            with tm.phase("backward"):
-                loss.backward()
-            with tm.phase("optimizer"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-    path_events: list[float] = []
-    loop_events(60, [0.0] * 61, 5, path_events)
-    res["host_path_us"] = {"lag0": median(path_timer) * 1e6, "ev5esync": median(path_events) * 1e6}
-    log += ["", "host µs from the wait's return to the next step's first launch (median of 59 steps): "
-            f"lag0 {res['host_path_us']['lag0']:.1f}, ev5esync {res['host_path_us']['ev5esync']:.1f}"]
+    res["host_path"] = {v: host_path(v) for v in ("lag0", "lag0_nolog", "lag0_share20")}
+    log += ["", "host path of a strict step (median of 59 steps): µs from the wait's return to the next "
+            "step's start / from the step's start to its first phase's start; events per step (count)"]
+    for v, h in res["host_path"].items():
+        log.append(f"  {v:13} {h['wait_return_to_next_step_us']:6.2f} / {h['step_start_to_first_phase_us']:6.2f}"
+                   f"   {h['events_per_step']}")
     for t in timers.values():
         t.close()
     text = "\n".join(log)
