@@ -156,6 +156,26 @@ static PyObject *wait(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* spin_wait(event): wait until the event has completed by polling it, the GIL released, instead of
+ * blocking in cudaEventSynchronize (bench/lag0_probe.py measures both). */
+static PyObject *spin_wait(PyObject *self, PyObject *arg) {
+    handle_t ev;
+    if (!ready() || !as_handle(arg, &ev)) return NULL;
+    err_t err = p_query(ev);
+    if (err == 0) Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS
+    while (err == 600) {
+#if defined(__x86_64__) || defined(__i386__)
+        __asm__ __volatile__("pause");
+#endif
+        err = p_query(ev);
+    }
+    Py_END_ALLOW_THREADS
+    p_last_error(); /* the cudaErrorNotReady answers are not errors; don't leave one behind */
+    if (err) return fail("cudaEventQuery", err);
+    Py_RETURN_NONE;
+}
+
 /* is_capturing(stream) -> bool */
 static PyObject *is_capturing(PyObject *self, PyObject *arg) {
     handle_t stream;
@@ -946,7 +966,9 @@ static int record_event(Base *b, PyObject *ev) {
 }
 
 /* The boundary event at host time t (shared with the last record when it is within share_s):
- * its index in _evs, or -2 with an exception. Updates _last_t/_last_i; returns the new t in *t_out. */
+ * its index in _evs, or -2 with an exception. Updates _last_i; returns the new t in *t_out. The
+ * caller sets _last_t when it returns (mark_last), so the gap compared with share_s is the time spent
+ * outside steptimer's calls, where user code could have launched work. */
 static Py_ssize_t boundary(Base *b, double t, double *t_out) {
     *t_out = t;
     double lt;
@@ -966,13 +988,22 @@ static Py_ssize_t boundary(Base *b, double t, double *t_out) {
     Py_DECREF(ev);
     if (err < 0 || put(b, K_last_i, PyLong_FromSsize_t(i)) < 0) return -2;
     double t2 = now(b);
-    if (NOW_FAILED(t2) || put(b, K_last_t, PyFloat_FromDouble(t2)) < 0) return -2;
+    if (NOW_FAILED(t2)) return -2;
     *t_out = t2;
     return i;
 }
 
+/* _last_t = now, as the last thing a boundary-making call does before it returns to user code. */
+static int mark_last(Base *b) {
+    double t = now(b);
+    if (NOW_FAILED(t)) return -1;
+    return put(b, K_last_t, PyFloat_FromDouble(t));
+}
+
 static PyObject *phase_enter(Phase *ph, PyObject *unused) {
     Base *b = &ph->b;
+    double t0 = now(b); /* first: the gap since the last boundary leaves out this call's own work */
+    if (NOW_FAILED(t0)) return NULL;
     int in_step = truthy(b, K_in_step);
     if (in_step < 0) return NULL;
     if (!in_step) {
@@ -989,8 +1020,6 @@ static PyObject *phase_enter(Phase *ph, PyObject *unused) {
     }
     PyObject *stack = get(b, K_stack);
     if (!stack) return NULL;
-    double t0 = now(b);
-    if (NOW_FAILED(t0)) return NULL;
     Py_ssize_t i = -1;
     int gpu = truthy(b, K_gpu);
     if (gpu < 0) return NULL;
@@ -1014,13 +1043,15 @@ static PyObject *phase_enter(Phase *ph, PyObject *unused) {
     PyTuple_SET_ITEM(entry, 3, pi);
     int err = PyList_Append(stack, entry);
     Py_DECREF(entry);
-    if (err < 0) return NULL;
+    if (err < 0 || (gpu && mark_last(b) < 0)) return NULL;
     ph->active = 1;
     Py_RETURN_NONE;
 }
 
 static PyObject *phase_exit(Phase *ph, PyObject *const *args, Py_ssize_t nargs) {
     Base *b = &ph->b;
+    double t1 = now(b); /* first, as in phase_enter */
+    if (NOW_FAILED(t1)) return NULL;
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "__exit__(exc_type, exc, tb)");
         return NULL;
@@ -1030,8 +1061,6 @@ static PyObject *phase_exit(Phase *ph, PyObject *const *args, Py_ssize_t nargs) 
     int timed = in_step ? truthy(b, K_timed) : 0;
     if (timed < 0) return NULL;
     if (!timed) Py_RETURN_FALSE;
-    double t1 = now(b);
-    if (NOW_FAILED(t1)) return NULL;
     PyObject *stack = get(b, K_stack);
     if (!stack) return NULL;
     Py_ssize_t depth = PyList_GET_SIZE(stack);
@@ -1069,7 +1098,7 @@ static PyObject *phase_exit(Phase *ph, PyObject *const *args, Py_ssize_t nargs) 
     Py_DECREF(top);
     int err = PyList_Append(recs, rec);
     Py_DECREF(rec);
-    if (err < 0) return NULL;
+    if (err < 0 || (gpu && mark_last(b) < 0)) return NULL;
     Py_RETURN_FALSE;
 }
 
@@ -1337,9 +1366,8 @@ static int step_enter_fast(Step *st) {
     PyObject *evs = PyList_New(1);
     if (!evs) { Py_DECREF(ev); return -1; }
     PyList_SET_ITEM(evs, 0, ev);
-    if (put(b, K_evs, evs) < 0 || put(b, K_last_i, PyLong_FromLong(0)) < 0) return -1;
-    double t = now(b);
-    if (NOW_FAILED(t) || put(b, K_last_t, PyFloat_FromDouble(t)) < 0 || put(b, K_t0, PyFloat_FromDouble(t0)) < 0)
+    if (put(b, K_evs, evs) < 0 || put(b, K_last_i, PyLong_FromLong(0)) < 0 || put(b, K_t0, PyFloat_FromDouble(t0)) < 0 ||
+        mark_last(b) < 0)
         return -1;
     return 1;
 }
@@ -1553,14 +1581,14 @@ done:
 static int step_exit_fast(Step *st, PyObject *et) {
     Base *b = &st->b;
     if (et != Py_None) return 0;
+    double t1 = now(b); /* first: the step's end, and the gap since the last boundary */
+    if (NOW_FAILED(t1)) return -1;
     PyObject *gpu = get(b, K_gpu), *in_step = get(b, K_in_step), *stack = get(b, K_stack), *lagv = get(b, K_lag);
     if (!gpu || !in_step || !stack || !lagv) return -1;
     if (gpu != Py_True || in_step != Py_True || !PyList_Check(stack) || PyList_GET_SIZE(stack)) return 0;
     long long lag = PyLong_AsLongLong(lagv);
     if (lag == -1 && PyErr_Occurred()) return -1;
     if (lag < 0) return 0;
-    double t1 = now(b);
-    if (NOW_FAILED(t1)) return -1;
     PyObject *unchecked = get(b, K_unchecked);
     if (!unchecked) return -1;
     if (unchecked == Py_True) {
@@ -1981,6 +2009,7 @@ static PyMethodDef methods[] = {
     {"elapsed_ms", (PyCFunction)(void (*)(void))elapsed_ms, METH_FASTCALL, "elapsed_ms(start, end) -> float"},
     {"offsets_ms", offsets_ms, METH_O, "offsets_ms(events) -> list of ms from events[0]"},
     {"wait", wait, METH_O, "wait(event): block until it completed"},
+    {"spin_wait", spin_wait, METH_O, "spin_wait(event): poll until it completed (GIL released)"},
     {"is_capturing", is_capturing, METH_O, "is_capturing(stream) -> bool"},
     {"encode_stats_scalars", encode_stats_scalars, METH_VARARGS,
      "encode_stats_scalars(order, heads, stats) -> bytes: the per-series mean/p90/max scalars, encoded"},

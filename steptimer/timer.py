@@ -145,6 +145,7 @@ class _Phase:
         self._active = False  # one object per name: entering it while active reopens the phase
 
     def __enter__(self) -> None:
+        t0 = perf_counter()  # first: the gap since the last boundary leaves out steptimer's own work
         tm = self._t
         if not tm._in_step:
             raise RuntimeError(
@@ -156,10 +157,10 @@ class _Phase:
         if self._active:
             raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
         stack = tm._stack
-        t0 = perf_counter()
         i = -1
         # The boundary-event logic below is repeated in __exit__, _begin_step and _end_step on
         # purpose: a shared helper would cost a Python call per boundary on every training step.
+        # _last_t is set as the call's last act: the gap is the time spent outside steptimer.
         if tm._gpu:
             if t0 - tm._last_t < _SHARE_GAP_S:
                 i = tm._last_i
@@ -170,17 +171,19 @@ class _Phase:
                 evs = tm._evs
                 i = tm._last_i = len(evs)
                 evs.append(ev)
-                t0 = tm._last_t = perf_counter()
+                t0 = perf_counter()
         self._active = True
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
+        if tm._gpu:
+            tm._last_t = perf_counter()
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
+        t1 = perf_counter()
         tm = self._t
         if not tm._in_step or not tm._timed:
             return False
-        t1 = perf_counter()
         stack = tm._stack
         if not stack or stack[-1][1] != self._name:
             if et is None:
@@ -203,8 +206,9 @@ class _Phase:
                 evs = tm._evs
                 i_out = tm._last_i = len(evs)
                 evs.append(e)
-                tm._last_t = perf_counter()
         tm._recs.append((full, t_in, t1, i_in, i_out))
+        if tm._gpu:
+            tm._last_t = perf_counter()
         return False
 
 
@@ -570,10 +574,11 @@ class StepTimer:
             self._record(ev, self._stream)
             self._evs = [ev]
             self._last_i = 0
+            self._t0 = t0
             self._last_t = perf_counter()
         else:
             self._evs = []
-        self._t0 = t0
+            self._t0 = t0
 
     def _end_step(self, failed: bool) -> None:
         if not self._in_step:

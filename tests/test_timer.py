@@ -302,6 +302,34 @@ def test_boundary_events_are_shared_between_back_to_back_phases(clock: FakeClock
     t.close()
 
 
+def test_the_share_gap_is_the_time_spent_outside_steptimers_calls(clock: FakeClock) -> None:
+    """Each stretch of user code between two boundaries is compared with the threshold on its own:
+    steptimer's calls in between (an outer phase's exit here) are not user time, so boundaries that
+    only such calls separate share one event (on the H100 hosts a cold call takes several µs)."""
+    gpu = FakeGPU(clock, launch_ms=0.005)  # a launch costs 5 µs of host time
+    t, _ = make(gpu, lag=1)
+    with t.step():  # records the start event
+        with t.phase("outer"):  # shares it
+            with t.phase("inner"):  # shares it
+                gpu.launch(1.0)
+            # inner's exit records an event after the launch
+            clock.advance_ms(0.001)  # 1 µs of user code: too short for a launch
+        clock.advance_ms(0.001)  # 1 µs more after outer's exit (2 µs since inner's exit)
+        with t.phase("next"):  # shares inner's exit event: no launch fits in either µs
+            gpu.launch(1.0)
+        # next's exit records; the step's end shares it
+    assert gpu.records == 3
+    with t.step():  # the same with 2 µs of user code in one stretch: its own event
+        with t.phase("outer"):
+            with t.phase("inner"):
+                gpu.launch(1.0)
+        clock.advance_ms(0.002)
+        with t.phase("next"):
+            gpu.launch(1.0)
+    assert gpu.records == 3 + 4
+    t.close()
+
+
 def test_pool_grows_to_need_and_is_reused(clock: FakeClock, gpu: FakeGPU) -> None:
     lag = 3
     t, _ = make(gpu, lag=lag, log_every_n_steps=7)
