@@ -12,8 +12,8 @@ launch is a µs of GPU time lost. Three parts, on one GPU:
   without the engine); ``ev5esync_api`` (the same inside ``with`` statements that do nothing: the
   API's own cost); ``lag0`` (with a TensorBoard sink, as ``run.py`` measures it); ``lag0_nolog`` (no
   sink); ``lag0_share20`` (no sink, events shared across gaps up to 20 µs instead of 1.5);
-  ``lag0_spin`` and ``ev5esync_spin`` (waiting by polling the event, the GIL released, instead of
-  ``cudaEventSynchronize``); ``default`` (lag 2, with a sink);
+  ``default`` (lag 2, with a sink). (A wait polling ``cudaEventQuery`` with the GIL released instead of
+  ``cudaEventSynchronize`` was measured here too, in two runs, and was no better: docs/benchmarks.md.)
 * ``host_path``: from a strict step's own records, µs from its wait's return to the next step's
   start, and from that start to the first phase's; the events each step recorded.
 
@@ -22,7 +22,6 @@ launch is a µs of GPU time lost. Three parts, on one GPU:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import tempfile
@@ -61,7 +60,6 @@ def cold_calls(b: Any, stream: Any, log: list[str]) -> dict[str, Any]:
     }
     waits: dict[str, Callable[[], None]] = {
         "event wait": lambda: b.wait(ev),
-        "event spin wait": lambda: b.kernels.spin_wait(ev),
         "torch.cuda.synchronize()": torch.cuda.synchronize,
     }
     out: dict[str, Any] = {}
@@ -102,9 +100,7 @@ def main(outdir: Path) -> None:
     evs = [b.new_event() for _ in range(5)]
     rec, wait = b.record, b.wait
     m, x, opt, pc = w.model, w.x, w.opt, perf_counter
-    spin_wait = b.kernels.spin_wait
-
-    def loop_events(n: int, stamps: list[float], wait: Callable[[Any], None] = wait) -> None:
+    def loop_events(n: int, stamps: list[float]) -> None:
         """lag 0's CUDA calls without the engine: 5 events at the phase boundaries, a wait on the last."""
         e0, e1, e2, e3, e4 = evs
         for i in range(n):
@@ -167,9 +163,6 @@ def main(outdir: Path) -> None:
         "lag0": StepTimer(log_dir=f"{tmp}/lag0", lag=0, print_summary=False, warmup_steps=0),
         "lag0_nolog": StepTimer(lag=0, print_summary=False, warmup_steps=0),
         "lag0_share20": StepTimer(lag=0, print_summary=False, warmup_steps=0),
-        "lag0_spin": StepTimer(
-            lag=0, print_summary=False, warmup_steps=0, _backend=dataclasses.replace(b, wait=spin_wait)
-        ),
         "default": StepTimer(log_dir=f"{tmp}/default", print_summary=False, warmup_steps=0),
     }
 
@@ -180,8 +173,6 @@ def main(outdir: Path) -> None:
             loop_sync1(w, n, stamps)
         elif v == "ev5esync":
             loop_events(n, stamps)
-        elif v == "ev5esync_spin":
-            loop_events(n, stamps, spin_wait)
         elif v == "ev5esync_api":
             loop_events_api(n, stamps)
         elif v == "lag0_share20":
@@ -196,8 +187,7 @@ def main(outdir: Path) -> None:
             loop_timer(w, n, stamps, timers[v])
 
     variants = (
-        "bare", "sync1", "ev5esync", "ev5esync_spin", "ev5esync_api", "lag0", "lag0_nolog", "lag0_share20",
-        "lag0_spin", "default",
+        "bare", "sync1", "ev5esync", "ev5esync_api", "lag0", "lag0_nolog", "lag0_share20", "default",
     )  # fmt: skip
     for v in variants:  # warm-up
         run(v, 10, [0.0] * 11)
@@ -252,7 +242,7 @@ def main(outdir: Path) -> None:
             "events_per_step": {str(k): n_evs.count(k) for k in sorted(set(n_evs))},
         }
 
-    res["host_path"] = {v: host_path(v) for v in ("lag0", "lag0_nolog", "lag0_share20", "lag0_spin", "default")}
+    res["host_path"] = {v: host_path(v) for v in ("lag0", "lag0_nolog", "lag0_share20", "default")}
     log += ["", "host path of a strict step (median of 59 steps): µs from the wait's return to the next "
             "step's start / from the step's start to its first phase's start; events per step (count)"]
     for v, h in res["host_path"].items():

@@ -156,26 +156,6 @@ static PyObject *wait(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* spin_wait(event): wait until the event has completed by polling it, the GIL released, instead of
- * blocking in cudaEventSynchronize (bench/lag0_probe.py measures both). */
-static PyObject *spin_wait(PyObject *self, PyObject *arg) {
-    handle_t ev;
-    if (!ready() || !as_handle(arg, &ev)) return NULL;
-    err_t err = p_query(ev);
-    if (err == 0) Py_RETURN_NONE;
-    Py_BEGIN_ALLOW_THREADS
-    while (err == 600) {
-#if defined(__x86_64__) || defined(__i386__)
-        __asm__ __volatile__("pause");
-#endif
-        err = p_query(ev);
-    }
-    Py_END_ALLOW_THREADS
-    p_last_error(); /* the cudaErrorNotReady answers are not errors; don't leave one behind */
-    if (err) return fail("cudaEventQuery", err);
-    Py_RETURN_NONE;
-}
-
 /* is_capturing(stream) -> bool */
 static PyObject *is_capturing(PyObject *self, PyObject *arg) {
     handle_t stream;
@@ -2009,7 +1989,6 @@ static PyMethodDef methods[] = {
     {"elapsed_ms", (PyCFunction)(void (*)(void))elapsed_ms, METH_FASTCALL, "elapsed_ms(start, end) -> float"},
     {"offsets_ms", offsets_ms, METH_O, "offsets_ms(events) -> list of ms from events[0]"},
     {"wait", wait, METH_O, "wait(event): block until it completed"},
-    {"spin_wait", spin_wait, METH_O, "spin_wait(event): poll until it completed (GIL released)"},
     {"is_capturing", is_capturing, METH_O, "is_capturing(stream) -> bool"},
     {"encode_stats_scalars", encode_stats_scalars, METH_VARARGS,
      "encode_stats_scalars(order, heads, stats) -> bytes: the per-series mean/p90/max scalars, encoded"},
