@@ -418,12 +418,33 @@ def data_stall(stall_s: float = 0.005, steps: int = 30, skip: int = 5) -> dict[s
         timer.close()
 
     att = profile_run(body)
-    data, idle, gpu_step = [], [], []
+    # Data wait from the same loop without the profiler and its record_function wrappers, whose host
+    # cost (tens of µs a step, more in a hiccup) would otherwise count as data wait on top of the sleep.
+    plain = RecordingTimer.make()
+    plain_slept: dict[int, float] = {}
+    for i in range(1, steps + 1):
+        t0 = perf_counter()
+        time.sleep(stall_s)
+        plain_slept[i] = perf_counter() - t0
+        with plain.step(samples=x.shape[0]):
+            with plain.phase("forward"):
+                out = model(x)
+            with plain.phase("loss"):
+                loss = (out * out).mean()
+            with plain.phase("backward"):
+                loss.backward()
+            with plain.phase("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    plain.close()
+    data = [
+        (plain_slept[s.number] * 1e3, s.host_ms["data"]) for s in plain.resolved if s.number > max(skip, 4)
+    ]
+    idle, gpu_step = [], []
     for s in timer.resolved:
         n = s.number
         if n <= max(skip, 4) or s.gpu_ms is None:
             continue
-        data.append((slept[n] * 1e3, s.host_ms["data"]))
         prev, cur = att.steps.get(n - 1), att.steps.get(n)
         if prev is not None and cur is not None and "idle" in s.gpu_ms:
             idle.append(((cur.start_us - prev.end_us) / 1e3, s.gpu_ms["idle"]))
