@@ -100,6 +100,7 @@ def main(outdir: Path) -> None:
     evs = [b.new_event() for _ in range(5)]
     rec, wait = b.record, b.wait
     m, x, opt, pc = w.model, w.x, w.opt, perf_counter
+
     def loop_events(n: int, stamps: list[float]) -> None:
         """lag 0's CUDA calls without the engine: 5 events at the phase boundaries, a wait on the last."""
         e0, e1, e2, e3, e4 = evs
