@@ -815,7 +815,7 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         return pc() - t0
 
     def make_timed(timer: Any, tiny: bool) -> Callable[[int], float]:
-        ph, st = timer.phase, timer.step
+        ph, st = timer.phase, timer.step  # bound before the first step: StepTimer's Python methods
         if tiny:
 
             def f(n: int) -> float:
@@ -850,9 +850,31 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
 
         return f
 
+    def make_lookup(timer: Any) -> Callable[[int], float]:
+        """The README's loop: ``timer.step()`` and ``timer.phase(...)`` looked up at each call, which
+        after the first step finds the C step and phase lookup (``_cudart.c``) on the instance."""
+
+        def f(n: int) -> float:
+            t0 = pc()
+            for _ in range(n):
+                with timer.step(samples=1):
+                    with timer.phase("forward"):
+                        pass
+                    with timer.phase("loss"):
+                        pass
+                    with timer.phase("backward"):
+                        pass
+                    with timer.phase("optimizer"):
+                        pass
+            return pc() - t0
+
+        return f
+
     timers: dict[str, StepTimer] = {}
     for v, kw, kinds in [
         ("default", {"log_dir": ...}, ("empty", "tiny")),
+        # The same, its step() and phase() looked up at each call (make_lookup).
+        ("default-lookup", {"log_dir": ...}, ("empty",)),
         # The same engine on torch's Python event API (the fallback where _cudart.c can't be built).
         ("default-torchapi", {"log_dir": ..., "_backend": torch_backend()}, ("empty",)),
         # The same engine with its window statistics through numpy (where _cudart.c can't be built).
@@ -884,7 +906,8 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
     api, refs = reference_loops()
     refs["ref_with_api"] = make_timed(api, False)
     fns.update(refs)
-    fns.update({k: make_timed(t, k.endswith("tiny")) for k, t in timers.items()})
+    for k, t in timers.items():
+        fns[k] = make_lookup(t) if k.startswith("default-lookup") else make_timed(t, k.endswith("tiny"))
     profile_fn = make_timed(timers["default_empty"], False)
     for f in fns.values():
         f(200)
