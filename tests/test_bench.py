@@ -58,6 +58,24 @@ def test_parse_args_rejects(argv: list[str], capsys: pytest.CaptureFixture[str])
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize(
+    ("name", "host", "gpu", "flagged"),
+    [
+        ("balanced MLP 1024x16, batch 8192", 5.0, 5.9, False),
+        ("balanced MLP 1024x16, batch 8192", 5.0, 4.0, False),
+        ("balanced MLP 1024x16, batch 16384", 5.92, 9.46, True),
+        ("balanced MLP 1024x16, batch 64", 5.0, 1.1, True),
+        ("GPU-bound MLP 4096x8, batch 4096", 3.8, 14.8, False),
+    ],
+)
+def test_regime_label_says_when_the_balanced_regime_is_not_balanced(
+    name: str, host: float, gpu: float, flagged: bool
+) -> None:
+    label = run.regime_label(name, host, gpu)
+    assert label.startswith(f"{name} ({host:.2f} / {gpu:.2f})")
+    assert ("not within ±20 %" in label) is flagged
+
+
 # ----------------------------------------------------------------------------- ratio math
 
 
