@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bench._stats import median, ratio_stats, round_order
-from bench.overhead import Regime, Work, loop_bare, loop_sync1, loop_timer
+from bench.overhead import NoopApi, Regime, Work, loop_bare, loop_events_wait, loop_sync1, loop_timer
 from steptimer import StepTimer
 from steptimer._clock import native_backend
 
@@ -101,42 +101,11 @@ def main(outdir: Path) -> None:
     rec, wait = b.record, b.wait
     m, x, opt, pc = w.model, w.x, w.opt, perf_counter
 
-    def loop_events(n: int, stamps: list[float]) -> None:
-        """lag 0's CUDA calls without the engine: 5 events at the phase boundaries, a wait on the last."""
-        e0, e1, e2, e3, e4 = evs
-        for i in range(n):
-            stamps[i] = pc()
-            rec(e0, stream)
-            out = m(x)
-            rec(e1, stream)
-            loss = (out * out).mean()
-            rec(e2, stream)
-            loss.backward()
-            rec(e3, stream)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            rec(e4, stream)
-            wait(e4)
-        stamps[n] = pc()
-
-    class _Noop:
-        __slots__ = ()
-
-        def __enter__(self) -> None:
-            return None
-
-        def __exit__(self, *exc: object) -> None:
-            return None
-
-    noop = _Noop()
-
-    def api(*args: object, **kwargs: object) -> _Noop:
-        return noop
-
     def loop_events_api(n: int, stamps: list[float]) -> None:
         """``ev5esync`` inside the same ``with`` statements as ``loop_timer``, doing nothing."""
         e0, e1, e2, e3, e4 = evs
-        st = ph = api
+        api = NoopApi()
+        st, ph = api.step, api.phase
         for i in range(n):
             stamps[i] = pc()
             with st(samples=1):
@@ -173,7 +142,7 @@ def main(outdir: Path) -> None:
         elif v == "sync1":
             loop_sync1(w, n, stamps)
         elif v == "ev5esync":
-            loop_events(n, stamps)
+            loop_events_wait(w, n, stamps, b, stream, evs)
         elif v == "ev5esync_api":
             loop_events_api(n, stamps)
         elif v == "lag0_share20":

@@ -946,6 +946,30 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
     return out
 
 
+class _Noop:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NOOP = _Noop()
+
+
+class NoopApi:
+    """StepTimer's ``step``/``phase`` API with context managers that do nothing: CPython's own cost of
+    the ``with`` statements (``ref_with_api``, and ``bench/lag0_probe.py``'s ``ev5esync_api``)."""
+
+    def step(self, samples: float | None = None) -> _Noop:
+        return _NOOP
+
+    def phase(self, name: str) -> _Noop:
+        return _NOOP
+
+
 def reference_loops() -> tuple[Any, dict[str, Callable[[int], float]]]:
     """What any event timer with this API must pay on this host, each piece alone (no steptimer).
 
@@ -974,24 +998,6 @@ def reference_loops() -> tuple[Any, dict[str, Callable[[int], float]]]:
         for e in evs:
             e.record(stream)
     torch.cuda.synchronize()
-
-    class _Noop:
-        __slots__ = ()
-
-        def __enter__(self) -> None:
-            return None
-
-        def __exit__(self, *exc: object) -> None:
-            return None
-
-    noop = _Noop()
-
-    class _Api:
-        def step(self, samples: float | None = None) -> _Noop:
-            return noop
-
-        def phase(self, name: str) -> _Noop:
-            return noop
 
     def cuda_calls(n: int) -> float:
         t0 = pc()
@@ -1085,7 +1091,7 @@ def reference_loops() -> tuple[Any, dict[str, Callable[[int], float]]]:
             nat.elapsed_ms(hring[(k - 3) % 4][4], old[0])
         return pc() - t0
 
-    return _Api(), {"ref_cuda_calls": cuda_calls, "ref_cuda_calls_native": native_cuda_calls, "ref_minimal": minimal}
+    return NoopApi(), {"ref_cuda_calls": cuda_calls, "ref_cuda_calls_native": native_cuda_calls, "ref_minimal": minimal}
 
 
 def gpu_name() -> str:

@@ -554,6 +554,7 @@ class StepTimer:
         self._in_step = True
         self._recs = []
         self._last_t = -math.inf
+        self._t0 = t0
         self._gpu = gpu = timed and self._cuda is True
         if gpu:
             if self.lag == 0 and self._stream_key is not None and not self._streams_vary:
@@ -574,11 +575,9 @@ class StepTimer:
             self._record(ev, self._stream)
             self._evs = [ev]
             self._last_i = 0
-            self._t0 = t0
             self._last_t = perf_counter()
         else:
             self._evs = []
-            self._t0 = t0
 
     def _end_step(self, failed: bool) -> None:
         if not self._in_step:
