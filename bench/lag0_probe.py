@@ -16,6 +16,12 @@ launch is a µs of GPU time lost. Three parts, on one GPU:
   ``cudaEventSynchronize`` was measured here too, in two runs, and was no better: docs/benchmarks.md.)
 * ``host_path``: from a strict step's own records, µs from its wait's return to the next step's
   start, and from that start to the first phase's; the events each step recorded.
+* ``idle``: the GPU time each wait costs, read on the GPU's clock instead of from throughput: per
+  step, an event ``A`` after the step's last work and an event ``B`` after the next step's first
+  (one-element) kernel; ``A -> B`` is the time the GPU went without work from the end of one step to
+  the start of the next, for ``sync1``, ``ev5esync``, ``ev5esync_api``, ``lag0`` and ``lag0_nolog``
+  (the same tiny kernel and two events in each). Medians of hundreds of steps resolve a few µs where
+  block times, at ±0.1-1 % of a 15 ms step, do not.
 
     PYTHONPATH=. python3 bench/lag0_probe.py OUTDIR
 """
@@ -80,6 +86,123 @@ def cold_calls(b: Any, stream: Any, log: list[str]) -> dict[str, Any]:
                 warm.append(t2 - t1)
             out[f"{wn} / {cn}"] = {"cold_us": median(cold) * 1e6, "warm_us": median(warm) * 1e6}
             log.append(f"  after {wn:25} {cn:36} cold {median(cold) * 1e6:6.2f}  warm {median(warm) * 1e6:6.2f}")
+    return out
+
+
+def idle_part(
+    w: Work, b: Any, stream: Any, evs: list[Any], timers: dict[str, StepTimer], rounds: int, log: list[str]
+) -> dict[str, Any]:
+    """GPU idle between steps, on the GPU's clock: event A after a step's last work, B after the next
+    step's first kernel (a one-element add); A -> B per step, per variant, alternated in blocks."""
+    n = 30
+    a_evs = [b.new_event() for _ in range(n)]
+    b_evs = [b.new_event() for _ in range(n)]
+    tiny = torch.zeros(1, device="cuda")
+    m, x, opt, rec, wait = w.model, w.x, w.opt, b.record, b.wait
+    e0, e1, e2, e3, e4 = evs
+
+    def with_api(api: Any) -> Callable[[], None]:
+        st, ph = api.step, api.phase
+
+        def loop() -> None:
+            for i in range(n):
+                with st(samples=1):
+                    rec(e0, stream)
+                    with ph("forward"):
+                        tiny.add_(1)
+                        rec(b_evs[i], stream)
+                        out = m(x)
+                    rec(e1, stream)
+                    with ph("loss"):
+                        loss = (out * out).mean()
+                    rec(e2, stream)
+                    with ph("backward"):
+                        loss.backward()
+                    rec(e3, stream)
+                    with ph("optimizer"):
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        rec(a_evs[i], stream)
+                    rec(e4, stream)
+                    wait(e4)
+
+        return loop
+
+    def sync1() -> None:
+        for i in range(n):
+            tiny.add_(1)
+            rec(b_evs[i], stream)
+            out = m(x)
+            loss = (out * out).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec(a_evs[i], stream)
+            torch.cuda.synchronize()
+
+    def timed(tm: StepTimer) -> Callable[[], None]:
+        st, ph = tm.step, tm.phase
+
+        def loop() -> None:
+            for i in range(n):
+                with st(samples=1):
+                    with ph("forward"):
+                        tiny.add_(1)
+                        rec(b_evs[i], stream)
+                        out = m(x)
+                    with ph("loss"):
+                        loss = (out * out).mean()
+                    with ph("backward"):
+                        loss.backward()
+                    with ph("optimizer"):
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        rec(a_evs[i], stream)
+
+        return loop
+
+    def plain() -> None:  # ev5esync: the same CUDA calls without the with statements
+        for i in range(n):
+            rec(e0, stream)
+            tiny.add_(1)
+            rec(b_evs[i], stream)
+            out = m(x)
+            rec(e1, stream)
+            loss = (out * out).mean()
+            rec(e2, stream)
+            loss.backward()
+            rec(e3, stream)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec(a_evs[i], stream)
+            rec(e4, stream)
+            wait(e4)
+
+    loops: dict[str, Callable[[], None]] = {
+        "sync1": sync1,
+        "ev5esync": plain,
+        "ev5esync_api": with_api(NoopApi()),
+        "lag0": timed(timers["lag0"]),
+        "lag0_nolog": timed(timers["lag0_nolog"]),
+    }
+    for loop in loops.values():  # warm-up
+        loop()
+    gaps: dict[str, list[float]] = {v: [] for v in loops}
+    for k in range(rounds):
+        for v in round_order(tuple(loops), k):
+            torch.cuda.synchronize()
+            loops[v]()
+            torch.cuda.synchronize()
+            gaps[v] += [b.elapsed_ms(a_evs[i], b_evs[i + 1]) * 1e3 for i in range(n - 1)]
+    out: dict[str, Any] = {}
+    base = median(gaps["sync1"])
+    log += ["", f"GPU idle between steps on the GPU's clock, µs (A: a step's last work; B: the next step's first "
+            f"kernel; median [IQR] of {rounds * (n - 1)} steps), and against sync1"]
+    for v, g in gaps.items():
+        s = sorted(g)
+        q25, med, q75 = s[len(s) // 4], median(g), s[(3 * len(s)) // 4]
+        out[v] = {"median_us": med, "q25_us": q25, "q75_us": q75, "vs_sync1_us": med - base}
+        log.append(f"  {v:13} {med:7.2f} [{q25:7.2f}, {q75:7.2f}]  vs sync1 {med - base:+6.2f}")
     return out
 
 
@@ -213,6 +336,7 @@ def main(outdir: Path) -> None:
         }
 
     res["host_path"] = {v: host_path(v) for v in ("lag0", "lag0_nolog", "lag0_share20", "default")}
+    res["idle"] = idle_part(w, b, stream, evs, timers, r.rounds, log)
     log += ["", "host path of a strict step (median of 59 steps): µs from the wait's return to the next "
             "step's start / from the step's start to its first phase's start; events per step (count)"]
     for v, h in res["host_path"].items():
