@@ -19,8 +19,9 @@ launch is a µs of GPU time lost. Three parts, on one GPU:
 * ``idle``: the GPU time each wait costs, read on the GPU's clock instead of from throughput: per
   step, an event ``A`` after the step's last work and an event ``B`` after the next step's first
   (one-element) kernel; ``A -> B`` is the time the GPU went without work from the end of one step to
-  the start of the next, for ``sync1``, ``ev5esync``, ``ev5esync_api``, ``lag0`` and ``lag0_nolog``
-  (the same tiny kernel and two events in each). Medians of hundreds of steps resolve a few µs where
+  the start of the next, for ``sync1``, ``ev5esync``, ``ev5esync_api``, ``ev5esync_capi`` (the
+  no-op ``with`` statements in C), ``lag0`` and ``lag0_nolog`` (the same tiny kernel and two events
+  in each). Medians of hundreds of steps resolve a few µs where
   block times, at ±0.1-1 % of a 15 ms step, do not.
 
     PYTHONPATH=. python3 bench/lag0_probe.py OUTDIR
@@ -87,6 +88,14 @@ def cold_calls(b: Any, stream: Any, log: list[str]) -> dict[str, Any]:
             out[f"{wn} / {cn}"] = {"cold_us": median(cold) * 1e6, "warm_us": median(warm) * 1e6}
             log.append(f"  after {wn:25} {cn:36} cold {median(cold) * 1e6:6.2f}  warm {median(warm) * 1e6:6.2f}")
     return out
+
+
+class _CNoopApi:
+    """``NoopApi`` in C: ``step(...)`` and ``phase(...)`` are calls of the extension's no-op context
+    manager type (``_cudart.c`` ``Null``), so the ``with`` statements call no Python function at all."""
+
+    def __init__(self, null: Any) -> None:
+        self.step = self.phase = null
 
 
 def idle_part(
@@ -182,6 +191,7 @@ def idle_part(
         "sync1": sync1,
         "ev5esync": plain,
         "ev5esync_api": with_api(NoopApi()),
+        "ev5esync_capi": with_api(_CNoopApi(b.kernels.Null)),
         "lag0": timed(timers["lag0"]),
         "lag0_nolog": timed(timers["lag0_nolog"]),
     }
