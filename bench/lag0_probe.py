@@ -21,8 +21,10 @@ launch is a µs of GPU time lost. Three parts, on one GPU:
   (one-element) kernel; ``A -> B`` is the time the GPU went without work from the end of one step to
   the start of the next, for ``sync1``, ``ev5esync``, ``ev5esync_api``, ``ev5esync_capi`` (the
   no-op ``with`` statements in C), ``lag0`` and ``lag0_nolog`` (the same tiny kernel and two events
-  in each). Medians of hundreds of steps resolve a few µs where
-  block times, at ±0.1-1 % of a 15 ms step, do not.
+  in each). Then the same without the tiny kernel, to an event ``C`` recorded by a pre-hook after the
+  model's first layer (``A -> C``: that idle with the first launches as cold as in the real loop,
+  plus the first layer's GPU time, which is the same in every variant). Medians of hundreds of steps
+  resolve a few µs where block times, at ±0.1-1 % of a 15 ms step, do not.
 
     PYTHONPATH=. python3 bench/lag0_probe.py OUTDIR
 """
@@ -101,118 +103,142 @@ class _CNoopApi:
 def idle_part(
     w: Work, b: Any, stream: Any, evs: list[Any], timers: dict[str, StepTimer], rounds: int, log: list[str]
 ) -> dict[str, Any]:
-    """GPU idle between steps, on the GPU's clock: event A after a step's last work, B after the next
-    step's first kernel (a one-element add); A -> B per step, per variant, alternated in blocks."""
+    """GPU idle between steps, on the GPU's clock, per variant, alternated in blocks. Event A after a
+    step's last work; then, at the next step's start, either B after a one-element add launched first
+    (``A -> B``: the idle up to that kernel), or C from a pre-hook on the model's second module, after
+    its first layer's kernels were launched, with no add (``A -> C``: the idle up to the first layer,
+    cold as in the real loop, plus that layer's GPU time, the same in every variant)."""
     n = 30
     a_evs = [b.new_event() for _ in range(n)]
-    b_evs = [b.new_event() for _ in range(n)]
+    m_evs = [b.new_event() for _ in range(n)]
     tiny = torch.zeros(1, device="cuda")
     m, x, opt, rec, wait = w.model, w.x, w.opt, b.record, b.wait
     e0, e1, e2, e3, e4 = evs
+    cur = [-1]  # the step whose C the hook records; -1: none
 
-    def with_api(api: Any) -> Callable[[], None]:
-        st, ph = api.step, api.phase
+    def hook(*_: Any) -> None:
+        if cur[0] >= 0:
+            rec(m_evs[cur[0]], stream)
+            cur[0] = -1
 
-        def loop() -> None:
+    def first_b(i: int) -> None:
+        tiny.add_(1)
+        rec(m_evs[i], stream)
+
+    def first_c(i: int) -> None:
+        cur[0] = i
+
+    def loops_for(first: Callable[[int], None]) -> dict[str, Callable[[], None]]:
+        def with_api(api: Any) -> Callable[[], None]:
+            st, ph = api.step, api.phase
+
+            def loop() -> None:
+                for i in range(n):
+                    with st(samples=1):
+                        rec(e0, stream)
+                        with ph("forward"):
+                            first(i)
+                            out = m(x)
+                        rec(e1, stream)
+                        with ph("loss"):
+                            loss = (out * out).mean()
+                        rec(e2, stream)
+                        with ph("backward"):
+                            loss.backward()
+                        rec(e3, stream)
+                        with ph("optimizer"):
+                            opt.step()
+                            opt.zero_grad(set_to_none=True)
+                            rec(a_evs[i], stream)
+                        rec(e4, stream)
+                        wait(e4)
+
+            return loop
+
+        def sync1() -> None:
             for i in range(n):
-                with st(samples=1):
-                    rec(e0, stream)
-                    with ph("forward"):
-                        tiny.add_(1)
-                        rec(b_evs[i], stream)
-                        out = m(x)
-                    rec(e1, stream)
-                    with ph("loss"):
-                        loss = (out * out).mean()
-                    rec(e2, stream)
-                    with ph("backward"):
-                        loss.backward()
-                    rec(e3, stream)
-                    with ph("optimizer"):
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-                        rec(a_evs[i], stream)
-                    rec(e4, stream)
-                    wait(e4)
+                first(i)
+                out = m(x)
+                loss = (out * out).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                rec(a_evs[i], stream)
+                torch.cuda.synchronize()
 
-        return loop
+        def timed(tm: StepTimer) -> Callable[[], None]:
+            st, ph = tm.step, tm.phase
 
-    def sync1() -> None:
-        for i in range(n):
-            tiny.add_(1)
-            rec(b_evs[i], stream)
-            out = m(x)
-            loss = (out * out).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            rec(a_evs[i], stream)
-            torch.cuda.synchronize()
+            def loop() -> None:
+                for i in range(n):
+                    with st(samples=1):
+                        with ph("forward"):
+                            first(i)
+                            out = m(x)
+                        with ph("loss"):
+                            loss = (out * out).mean()
+                        with ph("backward"):
+                            loss.backward()
+                        with ph("optimizer"):
+                            opt.step()
+                            opt.zero_grad(set_to_none=True)
+                            rec(a_evs[i], stream)
 
-    def timed(tm: StepTimer) -> Callable[[], None]:
-        st, ph = tm.step, tm.phase
+            return loop
 
-        def loop() -> None:
+        def plain() -> None:  # ev5esync: the same CUDA calls without the with statements
             for i in range(n):
-                with st(samples=1):
-                    with ph("forward"):
-                        tiny.add_(1)
-                        rec(b_evs[i], stream)
-                        out = m(x)
-                    with ph("loss"):
-                        loss = (out * out).mean()
-                    with ph("backward"):
-                        loss.backward()
-                    with ph("optimizer"):
-                        opt.step()
-                        opt.zero_grad(set_to_none=True)
-                        rec(a_evs[i], stream)
+                rec(e0, stream)
+                first(i)
+                out = m(x)
+                rec(e1, stream)
+                loss = (out * out).mean()
+                rec(e2, stream)
+                loss.backward()
+                rec(e3, stream)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                rec(a_evs[i], stream)
+                rec(e4, stream)
+                wait(e4)
 
-        return loop
+        return {
+            "sync1": sync1,
+            "ev5esync": plain,
+            "ev5esync_api": with_api(NoopApi()),
+            "ev5esync_capi": with_api(_CNoopApi(b.kernels.Null)),
+            "lag0": timed(timers["lag0"]),
+            "lag0_nolog": timed(timers["lag0_nolog"]),
+        }
 
-    def plain() -> None:  # ev5esync: the same CUDA calls without the with statements
-        for i in range(n):
-            rec(e0, stream)
-            tiny.add_(1)
-            rec(b_evs[i], stream)
-            out = m(x)
-            rec(e1, stream)
-            loss = (out * out).mean()
-            rec(e2, stream)
-            loss.backward()
-            rec(e3, stream)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            rec(a_evs[i], stream)
-            rec(e4, stream)
-            wait(e4)
-
-    loops: dict[str, Callable[[], None]] = {
-        "sync1": sync1,
-        "ev5esync": plain,
-        "ev5esync_api": with_api(NoopApi()),
-        "ev5esync_capi": with_api(_CNoopApi(b.kernels.Null)),
-        "lag0": timed(timers["lag0"]),
-        "lag0_nolog": timed(timers["lag0_nolog"]),
-    }
-    for loop in loops.values():  # warm-up
-        loop()
-    gaps: dict[str, list[float]] = {v: [] for v in loops}
-    for k in range(rounds):
-        for v in round_order(tuple(loops), k):
-            torch.cuda.synchronize()
-            loops[v]()
-            torch.cuda.synchronize()
-            gaps[v] += [b.elapsed_ms(a_evs[i], b_evs[i + 1]) * 1e3 for i in range(n - 1)]
     out: dict[str, Any] = {}
-    base = median(gaps["sync1"])
-    log += ["", f"GPU idle between steps on the GPU's clock, µs (A: a step's last work; B: the next step's first "
-            f"kernel; median [IQR] of {rounds * (n - 1)} steps), and against sync1"]
-    for v, g in gaps.items():
-        s = sorted(g)
-        q25, med, q75 = s[len(s) // 4], median(g), s[(3 * len(s)) // 4]
-        out[v] = {"median_us": med, "q25_us": q25, "q75_us": q75, "vs_sync1_us": med - base}
-        log.append(f"  {v:13} {med:7.2f} [{q25:7.2f}, {q75:7.2f}]  vs sync1 {med - base:+6.2f}")
+    handle = list(m.children())[1].register_forward_pre_hook(hook)
+    try:
+        for mark, first in (("B", first_b), ("C", first_c)):
+            loops = loops_for(first)
+            for loop in loops.values():  # warm-up
+                loop()
+            gaps: dict[str, list[float]] = {v: [] for v in loops}
+            for k in range(rounds):
+                for v in round_order(tuple(loops), k):
+                    torch.cuda.synchronize()
+                    loops[v]()
+                    torch.cuda.synchronize()
+                    gaps[v] += [b.elapsed_ms(a_evs[i], m_evs[i + 1]) * 1e3 for i in range(n - 1)]
+            base = median(gaps["sync1"])
+            what = ("B: after the next step's first kernel, a one-element add" if mark == "B" else
+                    "C: after the next step's first layer (idle + that layer's GPU time), no add")
+            log += ["", f"GPU idle between steps on the GPU's clock, µs, A (a step's last work) -> {what}; "
+                    f"median [IQR] of {rounds * (n - 1)} steps, and against sync1"]
+            res: dict[str, Any] = {}
+            for v, g in gaps.items():
+                s = sorted(g)
+                q25, med, q75 = s[len(s) // 4], median(g), s[(3 * len(s)) // 4]
+                res[v] = {"median_us": med, "q25_us": q25, "q75_us": q75, "vs_sync1_us": med - base}
+                log.append(f"  {v:13} {med:7.2f} [{q25:7.2f}, {q75:7.2f}]  vs sync1 {med - base:+6.2f}")
+            out[mark] = res
+    finally:
+        handle.remove()
     return out
 
 
