@@ -11,9 +11,11 @@ launch is a µs of GPU time lost. Three parts, on one GPU:
   per step); ``ev5esync`` (5 events at the phase boundaries and a wait on the last: lag 0's CUDA calls
   without the engine); ``ev5esync_api`` (the same inside ``with`` statements that do nothing: the
   API's own cost); ``lag0`` (with a TensorBoard sink, as ``run.py`` measures it); ``lag0_nolog`` (no
-  sink); ``lag0_share20`` (no sink, events shared across gaps up to 20 µs instead of 1.5);
-  ``default`` (lag 2, with a sink). (A wait polling ``cudaEventQuery`` with the GIL released instead of
-  ``cudaEventSynchronize`` was measured here too, in two runs, and was no better: docs/benchmarks.md.)
+  sink); ``lag0_plainwait`` (no sink, the wait blocking in ``cudaEventSynchronize``, as before the
+  polled wait that keeps the engine warm, ``_cudart.c`` ``warm_wait``); ``lag0_share20`` (no sink,
+  events shared across gaps up to 20 µs instead of 1.5); ``default`` (lag 2, with a sink). (A wait
+  polling ``cudaEventQuery`` with the GIL released, without the warming, was measured here too, in
+  two runs, and was no better: docs/benchmarks.md.)
 * ``host_path``: from a strict step's own records, µs from its wait's return to the next step's
   start, and from that start to the first phase's; the events each step recorded.
 * ``idle``: the GPU time each wait costs, read on the GPU's clock instead of from throughput: per
@@ -31,6 +33,7 @@ launch is a µs of GPU time lost. Three parts, on one GPU:
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import tempfile
@@ -209,6 +212,7 @@ def idle_part(
             "ev5esync_capi": with_api(_CNoopApi(b.kernels.Null)),
             "lag0": timed(timers["lag0"]),
             "lag0_nolog": timed(timers["lag0_nolog"]),
+            "lag0_plainwait": timed(timers["lag0_plainwait"]),
         }
 
     out: dict[str, Any] = {}
@@ -292,8 +296,15 @@ def main(outdir: Path) -> None:
         "lag0": StepTimer(log_dir=f"{tmp}/lag0", lag=0, print_summary=False, warmup_steps=0),
         "lag0_nolog": StepTimer(lag=0, print_summary=False, warmup_steps=0),
         "lag0_share20": StepTimer(lag=0, print_summary=False, warmup_steps=0),
+        "lag0_plainwait": StepTimer(lag=0, print_summary=False, warmup_steps=0),
         "default": StepTimer(log_dir=f"{tmp}/default", print_summary=False, warmup_steps=0),
     }
+    # lag0_plainwait: lag 0 with the engine's earlier wait, blocking in cudaEventSynchronize, instead of
+    # polling and keeping the engine warm (_cudart.c warm_wait): the C step polls only for the module's
+    # own wait(), so the same call behind a partial.
+    plain = timers["lag0_plainwait"]
+    loop_timer(w, 1, [0.0, 0.0], plain)  # the first step settles the backend and makes the C step
+    plain._wait = functools.partial(plain._wait)
 
     def run(v: str, n: int, stamps: list[float]) -> None:
         if v == "bare":
@@ -316,7 +327,7 @@ def main(outdir: Path) -> None:
             loop_timer(w, n, stamps, timers[v])
 
     variants = (
-        "bare", "sync1", "ev5esync", "ev5esync_api", "lag0", "lag0_nolog", "lag0_share20", "default",
+        "bare", "sync1", "ev5esync", "ev5esync_api", "lag0", "lag0_nolog", "lag0_plainwait", "lag0_share20", "default",
     )  # fmt: skip
     for v in variants:  # warm-up
         run(v, 10, [0.0] * 11)
@@ -371,7 +382,7 @@ def main(outdir: Path) -> None:
             "events_per_step": {str(k): n_evs.count(k) for k in sorted(set(n_evs))},
         }
 
-    res["host_path"] = {v: host_path(v) for v in ("lag0", "lag0_nolog", "lag0_share20", "default")}
+    res["host_path"] = {v: host_path(v) for v in ("lag0", "lag0_nolog", "lag0_plainwait", "lag0_share20", "default")}
     res["idle"] = idle_part(w, b, stream, evs, timers, r.rounds, log)
     log += ["", "host path of a strict step (median of 59 steps): µs from the wait's return to the next "
             "step's start / from the step's start to its first phase's start; events per step (count)"]

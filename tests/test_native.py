@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -21,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from steptimer import _native
-from steptimer._clock import torch_backend
+from steptimer import StepTimer, _native
+from steptimer._clock import _CudaBackend, torch_backend
 from steptimer._native import NativeUnavailable
 
 FAKE_SRC = Path(__file__).parent / "native" / "fake_cudart.c"
@@ -198,6 +199,69 @@ def test_errors_raise_and_clear_the_runtime_error(fake: tuple[ModuleType, Any]) 
     assert lib.fake_last_error() == 0
 
 
+def test_a_strict_step_polls_its_end_event_and_lets_other_threads_run(fake: tuple[ModuleType, Any]) -> None:
+    """lag=0's wait on the native runtime (the C step): it polls the step's end event instead of
+    blocking in cudaEventSynchronize, reading the engine's state between polls, lets go of the GIL
+    while it waits, and the step's numbers are the runtime's. The stand-in GPU completes each event
+    after 40 queries of 0.2 ms."""
+    mod, lib = fake
+    handles = iter(range(20, 64))  # the stand-in runtime's event handles (the other tests use 1-7)
+    backend = _CudaBackend(
+        new_event=lambda: next(handles),
+        record=mod.record,
+        elapsed_ms=mod.elapsed_ms,
+        wait=mod.wait,
+        stream_key=lambda: (0, 0, 0),
+        stream_of_key=lambda key: 0,
+        is_capturing=mod.is_capturing,
+        offsets_ms=mod.offsets_ms,
+        name="native",
+        kernels=mod,
+    )
+    other: list[float] = []  # perf_counter() at each turn of another Python thread
+    stop = threading.Event()
+
+    def other_thread() -> None:
+        while not stop.is_set():
+            other.append(time.perf_counter())
+
+    setting = [ctypes.c_int.in_dll(lib, n) for n in ("fake_record_queries", "fake_query_us")]
+    setting[0].value, setting[1].value = 40, 200
+    thread = threading.Thread(target=other_thread)
+    waits = []
+    try:
+        timer = StepTimer(_backend=backend, lag=0, warmup_steps=0, print_summary=False)
+        with timer.step():  # the first step settles the backend (in Python) and makes the C step
+            pass
+        syncs = ctypes.c_int.in_dll(lib, "fake_syncs").value
+        thread.start()
+        for _ in range(4):
+            with timer.step():
+                with timer.phase("forward"):
+                    time.sleep(1e-4)  # user code: the phase's boundaries get events of their own
+                with timer.phase("backward"):
+                    time.sleep(1e-4)
+            rec = timer._pending[-1]
+            assert mod.wait(rec.events[rec.i_end]) is None  # complete: no synchronize below
+            end = rec.t0 + rec.step_s
+            waits.append((end - rec.wait_s, end))
+        summary = timer.close()
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+        setting[0].value, setting[1].value = -1, 0
+    assert type(timer.__dict__["step"]).__name__ == "Step"  # the C step, whose wait this is
+    assert ctypes.c_int.in_dll(lib, "fake_syncs").value == syncs  # polled, never blocked
+    for start, end in waits:
+        assert end - start >= 40 * 200e-6 * 0.9  # it waited for the 40 queries
+        assert any(start < t < end for t in other), "no other thread ran during the wait"
+    # The stand-in clock moves 1 ms per record: consecutive boundaries are 1 ms apart on the "GPU".
+    assert summary["forward"].gpu is not None and summary["forward"].gpu.median_ms == pytest.approx(1.0)
+    assert summary["backward"].gpu is not None and summary["backward"].gpu.median_ms == pytest.approx(1.0)
+    assert summary.steps == 5
+
+
 def test_bad_arguments_are_type_errors(fake: tuple[ModuleType, Any]) -> None:
     mod, _ = fake
     with pytest.raises(TypeError, match=r"record\(event, stream\)"):
@@ -306,6 +370,57 @@ def test_the_engine_uses_the_native_calls_on_cuda(tmp_path: Path) -> None:
     assert [w.step for w in sink.windows] == [2, 4]
     assert all(w.hists.packed.kernels is t._b.kernels for w in sink.windows)
     assert all(w.gpu["work"].steps == 2 and w.gpu["work"].mean_ms > 0.1 for w in sink.windows)
+
+
+@pytest.mark.cuda
+def test_a_strict_step_on_cuda_returns_after_its_gpu_work_with_other_threads_running() -> None:
+    """lag=0 on a real GPU, through the polled wait (_cudart.c warm_wait): each step returns once its
+    own GPU work is done, its wait is that work's length, another Python thread runs meanwhile, and
+    the phase reads the kernel's length as torch's own events on the same step do."""
+    import torch
+
+    _native_or_fail()
+    torch.zeros(1, device="cuda")
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(10_000_000)
+    e1.record()
+    torch.cuda.synchronize()
+    cycles_50ms = int(50 * 10_000_000 / e0.elapsed_time(e1))
+    other: list[float] = []
+    stop = threading.Event()
+
+    def other_thread() -> None:
+        while not stop.is_set():
+            other.append(time.perf_counter())
+
+    t = StepTimer(lag=0, print_summary=False, warmup_steps=0)
+    with t.step(), t.phase("work"):  # the first step settles the backend and makes the C step
+        torch.cuda._sleep(1000)
+    assert t._b is not None and t._wait is t._b.kernels.wait  # the wait the C step polls
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    torch_ms = []
+    try:
+        for _ in range(3):
+            with t.step():
+                with t.phase("work"):
+                    e0.record()
+                    torch.cuda._sleep(cycles_50ms)
+                    e1.record()
+            assert torch.cuda.current_stream().query()  # nothing left on the GPU
+            rec = t._pending[-1]
+            end = rec.t0 + rec.step_s
+            assert rec.wait_s > 0.04  # the host was ahead: it waited most of the 50 ms kernel
+            assert any(end - rec.wait_s < x < end for x in other), "no other thread ran during the wait"
+            torch_ms.append(e0.elapsed_time(e1))
+    finally:
+        stop.set()
+        thread.join()
+    summary = t.close()
+    work = summary["work"].gpu
+    assert work is not None and work.steps == 4
+    assert work.max_ms == pytest.approx(max(torch_ms), rel=0.01)
 
 
 @pytest.mark.cuda
