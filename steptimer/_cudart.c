@@ -1589,7 +1589,9 @@ static void warm_engine(Base *b) {
     Py_ssize_t pos = 0;
     char s = 0;
     while (PyDict_Next(b->dict, &pos, &key, &value)) {
-        s += *(volatile const char *)PyDict_GetItemWithError(b->dict, key); /* the lookup path, as used */
+        PyObject *v = PyDict_GetItemWithError(b->dict, key); /* the lookup path, as the step uses it */
+        if (v) s += *(volatile const char *)v;
+        else PyErr_Clear(); /* a key that cannot be hashed again: nothing to warm, nothing to report */
         if (PyDict_CheckExact(value)) { /* _phase_cms: the Phase objects */
             Py_ssize_t p2 = 0;
             while (PyDict_Next(value, &p2, &k2, &v2)) s += *(volatile const char *)v2;
