@@ -1560,12 +1560,13 @@ done:
  * exception. */
 /* lag 0's wait: the step's own end event, then the next step's start, with the GPU idle from the one
  * to the first launch after the other. Blocked in cudaEventSynchronize for a whole step, the host comes
- * back with the engine's state and code out of its caches (on some hosts: 12-36 us more GPU idle per step
- * than the same CUDA calls without the engine, docs/benchmarks.md "lag 0"). So this polls the event
- * instead, and between polls reads what the next step's start will use: the timer's attributes (every
- * entry of its __dict__, through the dict's own lookup), the phase objects, the engine's C code. It reads
- * with the GIL held (nothing it reads can change under it) and polls without it, so other Python threads
- * run as they do during a blocking wait. 0, or -1 with an exception. */
+ * back with the engine's state and code out of its caches (on some hosts 20-40 us more GPU idle per step
+ * than the same CUDA calls inside no-op with statements, docs/benchmarks.md "lag 0"). So this polls the
+ * event instead (a core stays busy, as with CUDA's default spin-wait), and between polls reads what the
+ * next step's start will use: the timer's attributes (every entry of its __dict__, through the dict's
+ * own lookup), the phase objects, the engine's C code. It reads with the GIL held (nothing it reads can
+ * change under it) and polls without it, so other Python threads run as during a blocking wait. 0, or
+ * -1 with an exception. */
 enum { WARM_POLLS = 16 }; /* polls (about 0.5 us each on an H100 host) between two warmings */
 static PyObject *native_wait; /* this module's wait(): the backend whose waits can be made this way */
 static volatile char warm_sink;
