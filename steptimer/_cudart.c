@@ -1556,8 +1556,6 @@ done:
     return ok;
 }
 
-/* The timed CUDA step's end with lag >= 1 (_end_step's common path); 1 if taken, 0 if not, -1 with an
- * exception. */
 /* lag 0's wait: the step's own end event, then the next step's start, with the GPU idle from the one
  * to the first launch after the other. Blocked in cudaEventSynchronize for a whole step, the host comes
  * back with the engine's state and code out of its caches (on some hosts 20-40 us more GPU idle per step
@@ -1570,6 +1568,9 @@ done:
 enum { WARM_POLLS = 16 }; /* polls (about 0.5 us each on an H100 host) between two warmings */
 static PyObject *native_wait; /* this module's wait(): the backend whose waits can be made this way */
 static volatile char warm_sink;
+enum { WARM_NF = 13 }; /* the functions warm_code_init lists */
+static const char *warm_code[WARM_NF];
+static size_t warm_len[WARM_NF];
 
 static void touch_lines(const char *p, size_t len) {
     char s = 0;
@@ -1599,23 +1600,28 @@ static void warm_engine(Base *b) {
         }
     }
     warm_sink += s;
-    /* The engine's code that runs from the wait's return to the next phase's entry: each function from
-     * its start to the next one's (both inside this object's text), at most 8 KB; the last one to the
-     * end of its page (mapped: it holds the function). */
-    const char *fns[] = {(const char *)step_enter_fast, (const char *)step_enter, (const char *)step_exit_fast,
-                         (const char *)step_exit, (const char *)step_vcall, (const char *)phase_of_vcall,
-                         (const char *)phase_enter, (const char *)boundary, (const char *)mark_last,
-                         (const char *)take_event, (const char *)record_event, (const char *)record,
-                         (const char *)now};
-    enum { NF = sizeof fns / sizeof fns[0] };
-    for (size_t i = 1; i < NF; i++) /* sort by address (insertion sort, 13 entries) */
+    for (size_t i = 0; i < WARM_NF; i++) touch_lines(warm_code[i], warm_len[i]);
+}
+
+/* The engine's code that runs from the wait's return to the next phase's entry, set once at import:
+ * each function from its start to the next one's in address order (both inside this object's text),
+ * at most 8 KB; the last one to the end of its page (mapped: it holds the function). */
+static void warm_code_init(void) {
+    const char *fns[] = {(const char *)step_enter_fast, (const char *)step_enter,
+                                (const char *)step_exit_fast, (const char *)step_exit, (const char *)step_vcall,
+                                (const char *)phase_of_vcall, (const char *)phase_enter, (const char *)boundary,
+                                (const char *)mark_last, (const char *)take_event, (const char *)record_event,
+                                (const char *)record, (const char *)now};
+    _Static_assert(sizeof fns / sizeof fns[0] == WARM_NF, "WARM_NF is the number of functions listed");
+    for (size_t i = 1; i < WARM_NF; i++) /* sort by address */
         for (size_t j = i; j > 0 && fns[j] < fns[j - 1]; j--) {
             const char *t = fns[j]; fns[j] = fns[j - 1]; fns[j - 1] = t;
         }
-    for (size_t i = 0; i < NF; i++) {
-        size_t n = i + 1 < NF ? (size_t)(fns[i + 1] - fns[i])
-                              : (size_t)((((uintptr_t)fns[i]) | 4095) + 1 - (uintptr_t)fns[i]);
-        touch_lines(fns[i], n < 8192 ? n : 8192);
+    for (size_t i = 0; i < WARM_NF; i++) {
+        size_t n = i + 1 < WARM_NF ? (size_t)(fns[i + 1] - fns[i])
+                                   : (size_t)((((uintptr_t)fns[i]) | 4095) + 1 - (uintptr_t)fns[i]);
+        warm_code[i] = fns[i];
+        warm_len[i] = n < 8192 ? n : 8192;
     }
 }
 
@@ -1635,6 +1641,8 @@ static int warm_wait(Step *st, PyObject *evobj) {
     return 0;
 }
 
+/* The timed CUDA step's end (_end_step's common path, any lag); 1 if taken, 0 if not, -1 with an
+ * exception. */
 static int step_exit_fast(Step *st, PyObject *et) {
     Base *b = &st->b;
     if (et != Py_None) return 0;
@@ -2065,7 +2073,6 @@ static PyTypeObject PhaseOfType = {
     .tp_clear = phase_of_clear,
 };
 
-
 static PyMethodDef methods[] = {
     {"init", init, METH_O, "init(libcudart_path): bind the calls to the runtime torch loaded."},
     {"record", (PyCFunction)(void (*)(void))record, METH_FASTCALL, "record(event, stream)"},
@@ -2096,6 +2103,7 @@ PyMODINIT_FUNC PyInit__steptimer_cudart(void) {
     if (!m) return NULL;
     PyTypeObject *types[] = {&PhaseType, &PendingType, &StepType, &NullType, &PhaseOfType};
     const char *names[] = {"Phase", "Pending", "Step", "Null", "PhaseOf"};
+    warm_code_init();
     native_wait = PyObject_GetAttrString(m, "wait");
     if (!native_wait) {
         Py_DECREF(m);
