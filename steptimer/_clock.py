@@ -12,8 +12,9 @@ tuple changes.
 
 ``native_backend`` makes the same calls through ``_cudart.c`` (see ``_native.py``), straight into
 the CUDA runtime torch loaded: there events and streams are raw handles (ints), a record costs about
-as much as the runtime call itself, and a whole step's events are read in one call. It is the default
-where it can be built; ``torch_backend`` is the fallback.
+as much as the runtime call itself (a third of torch's ``Event.record(stream)``, measured in
+docs/benchmarks.md), and a whole step's events are read in one call. It is the default where it can
+be built; ``torch_backend`` is the fallback, with the same numbers.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class _CudaBackend:
     record: Callable[[Any, Any], None]  # record(event, stream)
     elapsed_ms: Callable[[Any, Any], float]  # elapsed_ms(start_event, end_event)
     wait: Callable[[Any], None]  # block the host until the event completes
+    query: Callable[[Any], bool]  # has the event completed? (never blocks)
     stream_key: Callable[[], tuple[int, int, int]]  # a cheap key of the current stream
     stream_of_key: Callable[[tuple[int, int, int]], Any]  # the stream object for a key
     is_capturing: Callable[[Any], bool]  # is_capturing(stream): is it capturing a CUDA graph?
@@ -42,9 +44,6 @@ class _CudaBackend:
     offsets_ms: Callable[[list[Any]], list[float]] | None = None
     name: str = "custom"  # which calls these are, for logs and the benchmark
     note: str = ""  # for the summary: why these calls and not the native ones
-    # The native window kernels (_cudart.c window_stats, accumulate, encode_*; no CUDA in them),
-    # where the extension was built: what numpy and Python do for a window, in a few calls. None: numpy.
-    kernels: Any = None
 
 
 def cuda_usable() -> tuple[bool, str]:
@@ -93,6 +92,7 @@ def torch_backend() -> _CudaBackend:
         record=base.record,
         elapsed_ms=base.elapsed_time,
         wait=lambda ev: event_cls.synchronize(ev),
+        query=base.query,
         stream_key=stream_key,
         stream_of_key=stream_of_key,
         is_capturing=lambda stream: is_capturing(),  # the stream is the current one
@@ -139,12 +139,12 @@ def native_backend() -> _CudaBackend:
         record=mod.record,
         elapsed_ms=mod.elapsed_ms,
         wait=mod.wait,
+        query=mod.query,
         stream_key=t.stream_key,
         stream_of_key=stream_of_key,
         is_capturing=mod.is_capturing,
         offsets_ms=mod.offsets_ms,
         name="native",
-        kernels=mod,
     )
 
 

@@ -26,13 +26,13 @@ import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from time import perf_counter, sleep
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from steptimer._stats import SummaryAccumulator, Window
+from steptimer._summary import RankSpread, RankSummary, SummaryAccumulator
+from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
 
@@ -52,57 +52,6 @@ CHARTS = {
     "Rank holding the max, per phase": r"^steptimer/ranks_argmax/(gpu|host)/.*$",
     "Slowest rank's ms per phase": r"^steptimer/ranks_max/(gpu|host)/.*_ms$",
 }
-
-
-@dataclass(frozen=True)
-class RankSpread:
-    """One series across ranks: min, mean and max of the ranks' means, and which rank holds each end."""
-
-    min_ms: float
-    mean_ms: float
-    max_ms: float
-    argmin: int
-    argmax: int
-    ranks: int
-
-
-@dataclass(frozen=True)
-class RankSummary:
-    """The per-rank section of the summary: each series' spread of the ranks' run means.
-
-    ``series`` maps ``(clock, name)`` (clock ``host`` or ``gpu``) to its spread; ``straggler`` is the
-    spread of ``data + step - backward`` per rank, whose ``argmax`` is the rank that holds the
-    others back. ``reduce_ms`` is this rank's mean host time per round (the statistics' cost).
-    """
-
-    world_size: int
-    ranks: int
-    straggler: RankSpread | None
-    series: Mapping[tuple[str, str], RankSpread]
-    rounds: int
-    reduce_ms: float
-
-    def lines(self) -> list[str]:
-        """The section as text lines, for the summary table's footer."""
-        out = [f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms):"]
-        out.append(f"  {'series':<28} {'min (rank)':>16} {'mean':>10} {'max (rank)':>16}")
-        rows: list[tuple[str, RankSpread]] = []
-        if self.straggler is not None:
-            rows.append(("straggler: data+step-bwd", self.straggler))
-        rows += [(f"{c} {n}", s) for (c, n), s in self.series.items()]
-        for label, s in rows:
-            out.append(
-                f"  {label:<28} {s.min_ms:>10.3f} ({s.argmin:>3}) {s.mean_ms:>10.3f} "
-                f"{s.max_ms:>10.3f} ({s.argmax:>3})"
-            )
-        if self.straggler is not None and self.ranks > 1:
-            s = self.straggler
-            out.append(
-                f"  slowest rank: {s.argmax} (+{s.max_ms - s.min_ms:.3f} ms per step over rank {s.argmin}); "
-                "backward includes waiting for the others' gradients, so read it with care"
-            )
-        out.append(f"  cross-rank statistics cost {self.reduce_ms:.3f} ms per log interval ({self.rounds} rounds)")
-        return out
 
 
 # ---------------------------------------------------------------- pure helpers

@@ -4,10 +4,9 @@ A *run* is a directory whose own event files (``events.out.tfevents.*``) hold st
 (``steptimer/...``); :func:`find_runs` walks a tree for them (plain loops, Lightning's
 ``version_N`` directories, several runs side by side).
 
-Records are read with TensorBoard's own record reader, but strictly: TensorBoard's loaders treat a
-bad record as "the file is still being written" and silently stop there, which would make a report
-quietly leave out the rest of a run. Here a truncated or corrupt record is a :class:`LogError` naming
-the file.
+Records are read strictly (``_records.read_records``): TensorBoard's loaders treat a bad record as
+"the file is still being written" and silently stop there, which would make a report quietly leave
+out the rest of a run. Here a truncated or corrupt record is a :class:`LogError` naming the file.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from steptimer._stats import LogHistogram
-from steptimer._tensorboard import grid_index
+from steptimer._histogram import LogHistogram, grid_index
+from steptimer._records import RecordError, read_records
 
 PREFIX = "steptimer/"
 _EVENT_FILE_MARK = "tfevents"
@@ -119,35 +118,15 @@ def read_run(files: list[str], *, name: str, path: str) -> RunLog:
 
 def _records(path: str) -> list[bytes]:
     """The raw records of one event file; :class:`LogError` on a truncated or corrupt record."""
-    from tensorboard.compat.tensorflow_stub import errors
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
-
-    from steptimer._fastcrc import install
-
-    install()  # the reader checks every record's CRC: in C when google-crc32c is there
     try:
-        reader = PyRecordReader_New(path)
-    except Exception as err:
-        raise LogError(f"{path}: can't open event file ({err})") from None
-    out: list[bytes] = []
-    try:
-        while True:
-            try:
-                reader.GetNext()
-            except errors.OutOfRangeError:
-                break
-            except errors.DataLossError as err:
-                what = "truncated" if "truncated" in str(err) else "corrupt"
-                raise LogError(
-                    f"{path}: {what} event file after {len(out)} records ({err.message}); "
-                    "if the run is still writing, wait for it to finish or close the writer"
-                ) from None
-            out.append(reader.record())
+        with open(path, "rb") as f:
+            return list(read_records(f))
+    except RecordError as err:
+        raise LogError(
+            f"{path}: {err}; if the run is still writing, wait for it to finish or close the writer"
+        ) from None
     except OSError as err:
         raise LogError(f"{path}: can't read event file ({err.strerror or err})") from None
-    finally:
-        reader.file_handle.close()
-    return out
 
 
 def _keep_latest(series: dict, step: int, wall_time: float, value: object) -> None:  # type: ignore[type-arg]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from steptimer._reader import RunLog
-from steptimer._stats import LogHistogram, SeriesStats
+from steptimer._histogram import LogHistogram, SeriesStats
 
 _DERIVED_FIRST = ("data",)
 _DERIVED_LAST = ("other", "wait", "step", "idle")

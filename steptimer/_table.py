@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from steptimer._stats import PhaseSummary, Summary
+from steptimer._summary import PhaseSummary, Summary
 
 
 def _ms(v: float | None) -> str:

@@ -15,7 +15,7 @@ which the capture's step after ``last`` is resolved (or in ``close()``), and can
 to the GPU work queued at that moment.
 
 The capture is written as ``steptimer-trace.json`` in the log directory at ``close()``;
-``steptimer trace LOGDIR -o out.json`` turns it into Chrome trace JSON (Perfetto opens it as is).
+``steptimer trace LOGDIR -o out.json`` turns it into Chrome trace JSON (``_tracefile.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from steptimer.timer import StepTimer
+    from steptimer._engine import Engine
 
 TRACE_FILE = "steptimer-trace.json"
 FORMAT = "steptimer-trace"
@@ -70,14 +70,14 @@ class Capture:
         self._notes: list[str] = []
         self.written = False
 
-    def add(self, timer: StepTimer, rec: Any) -> None:
+    def add(self, engine: Engine, rec: Any) -> None:
         """Called by the engine for every resolved step, before its events go back to the pool."""
         n = rec.number
         if n < self.first:
             return
         if n > self.last:
             if not self._anchored:
-                self._anchor(timer)
+                self._anchor(engine)
             return
         step: dict[str, Any] = {
             "number": n,
@@ -89,25 +89,25 @@ class Capture:
             "phases": [[name, t_in, t_out] for name, t_in, t_out, _, _ in rec.phases],
             "gpu_rel": None,
         }
-        if timer._cuda and self._gpu_ok:
-            step["gpu_rel"] = self._gpu_rel(timer, rec)
+        if engine.cuda and self._gpu_ok:
+            step["gpu_rel"] = self._gpu_rel(engine, rec)
         self._steps.append(step)
 
-    def _gpu_rel(self, timer: StepTimer, rec: Any) -> dict[str, Any] | None:
+    def _gpu_rel(self, engine: Engine, rec: Any) -> dict[str, Any] | None:
         evs = rec.events
         if not evs or not rec.timed:
             self._break(f"step {rec.number} has no GPU events")
             return None
-        el = timer._backend().elapsed_ms
+        el = engine._backend().elapsed_ms
         if self._steps:
-            held = timer._held_end
+            held = engine.held_end
             if held is None or held[0] != rec.number - 1 or held[1] != rec.device:
                 self._break(f"the GPU chain broke before step {rec.number} (device or stream switch)")
                 return None
             start = self._rel + el(held[2], evs[rec.i_start]) / 1e3
         else:
             start = 0.0
-        offs = [ms / 1e3 for ms in timer._offsets(evs)]
+        offs = [ms / 1e3 for ms in engine.offsets_ms(evs)]
         base = start - offs[rec.i_start]
         self._rel = base + offs[rec.i_end]
         return {
@@ -120,20 +120,20 @@ class Capture:
         self._gpu_ok = False
         self._notes.append(f"GPU track ends early: {why}")
 
-    def _anchor(self, timer: StepTimer) -> None:
+    def _anchor(self, engine: Engine) -> None:
         """Put the GPU chain on the host clock: one reference event, waited for once."""
         self._anchored = True
         captured = [s for s in self._steps if s["gpu_rel"] is not None]
-        held = timer._held_end
+        held = engine.held_end
         if not captured or held is None or held[0] != captured[-1]["number"]:
             if captured:
                 self._notes.append("GPU times dropped: the capture's last event was not held at the anchor")
             for s in self._steps:
                 s["gpu_rel"] = None
             return
-        b = timer._backend()
+        b = engine._backend()
         ref = b.new_event()
-        b.record(ref, timer._stream)
+        b.record(ref, engine.stream)
         b.wait(ref)
         anchor = perf_counter()
         end_host = anchor - b.elapsed_ms(held[2], ref) / 1e3
@@ -150,7 +150,7 @@ class Capture:
                 }
             )
 
-    def finish(self, timer: StepTimer) -> None:
+    def finish(self, engine: Engine) -> None:
         """At ``close()``: anchor if the run ended inside the capture, then write the file."""
         if self.written:
             return
@@ -159,7 +159,7 @@ class Capture:
             log_note = f"no step in {self.first}..{self.last} was completed"
             self._notes.append(log_note)
         if not self._anchored:
-            self._anchor(timer)
+            self._anchor(engine)
         for s in self._steps:
             s.pop("gpu_rel", None)
             s.setdefault("gpu", None)
@@ -171,7 +171,7 @@ class Capture:
             "clock": "host perf_counter seconds; GPU times placed on it through a reference event",
             "first": self.first,
             "last": self.last,
-            "cuda": bool(timer._cuda),
+            "cuda": bool(engine.cuda),
             "steps": self._steps,
             "notes": self._notes,
         }
@@ -180,117 +180,6 @@ class Capture:
         with open(tmp, "w") as f:
             json.dump(doc, f)
         os.replace(tmp, self.path)
-
-
-# ---------------------------------------------------------------------- export (CLI side)
-
-
-def load_capture(path: str) -> dict[str, Any]:
-    """Read a capture written by :class:`Capture` (``path`` is its file or the run's directory)."""
-    from steptimer._reader import LogError
-
-    file = os.path.join(path, TRACE_FILE) if os.path.isdir(path) else path
-    if not os.path.exists(file):
-        if not os.path.exists(path):
-            raise LogError(f"{path}: no such file or directory")
-        raise LogError(
-            f"{path}: no {TRACE_FILE} here; capture steps with StepTimer(log_dir=..., trace_steps=N)"
-        )
-    try:
-        with open(file) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as err:
-        raise LogError(f"{file}: not a readable steptimer trace ({err})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
-        raise LogError(f"{file}: not a steptimer trace capture (format {FORMAT!r} expected)")
-    if doc.get("version") != VERSION:
-        raise LogError(
-            f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}"
-        )
-    return doc
-
-
-HOST_TID = 1
-GPU_TID = 2
-
-
-def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
-    """Chrome trace JSON (``traceEvents``, ``ph: "X"`` slices in µs) with a host and a GPU track.
-
-    Host track: the data wait before each step, the step, its phases (nested) and the lagged wait
-    (drawn at the end of the step). GPU track: each step's span between its first and last event and
-    its phases' spans. A GPU slice never starts before the host launched it: a start placed earlier
-    (the anchor or clock drift) is clamped to the host entry time, and the count is in ``metadata``.
-    """
-    steps = capture["steps"]
-    host_times = [s["t0"] for s in steps if s["t0"] is not None]
-    host_times += [p[1] for s in steps for p in s["phases"]]
-    host_times += [s["t0"] - s["gap_s"] for s in steps if s["t0"] is not None and s["gap_s"]]
-    origin = min(host_times, default=0.0)
-
-    def us(t: float) -> float:
-        return round((t - origin) * 1e6, 3)
-
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "steptimer"}},
-        {"ph": "M", "name": "thread_name", "pid": 1, "tid": HOST_TID, "args": {"name": "host"}},
-        {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": HOST_TID, "args": {"sort_index": 0}},
-    ]
-
-    def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
-        events.append({
-            "ph": "X", "pid": 1, "tid": tid, "name": name, "cat": cat,
-            "ts": us(a), "dur": round(max(z - a, 0.0) * 1e6, 3), "args": args,
-        })  # fmt: skip
-
-    clamped = 0
-    has_gpu = False
-    for s in steps:
-        n = s["number"]
-        t0 = s["t0"] if s["t0"] is not None else min((p[1] for p in s["phases"]), default=None)
-        if t0 is None:
-            continue
-        t_end = t0 + s["step_s"]
-        if s["gap_s"]:
-            slice_(HOST_TID, "data", "data", t0 - s["gap_s"], t0, step=n)
-        slice_(HOST_TID, f"step {n}", "step", t0, t_end, step=n)
-        for name, t_in, t_out in s["phases"]:
-            slice_(HOST_TID, name, "phase", t_in, t_out, step=n)
-        if s["wait_s"] > 0:
-            slice_(HOST_TID, "wait", "wait", t_end - s["wait_s"], t_end, step=n, position="approximate")
-        g = s.get("gpu")
-        if g is None:
-            continue
-        has_gpu = True
-        launches = [(f"step {n}", "step", g["start"], g["end"], t0)]
-        launches += [(name, "phase", a, z, p[1]) for (name, a, z), p in zip(g["phases"], s["phases"])]
-        for name, cat, a, z, launched in launches:
-            if a < launched:
-                clamped += 1
-                a = launched
-            slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
-
-    # Parents before children (Chrome's importer nests by order when starts are equal).
-    def order(e: dict[str, Any]) -> tuple[Any, ...]:
-        depth = {"data": 0, "step": 1, "wait": 99}.get(e.get("cat", ""), 2 + e["name"].count("/"))
-        return (e["ph"] != "M", e["tid"], e.get("ts", 0.0), -e.get("dur", 0.0), depth)
-
-    events.sort(key=order)
-    if has_gpu:
-        events += [
-            {"ph": "M", "name": "thread_name", "pid": 1, "tid": GPU_TID, "args": {"name": "GPU"}},
-            {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": GPU_TID, "args": {"sort_index": 1}},
-        ]
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "metadata": {
-            "steps": len(steps),
-            "gpu": has_gpu,
-            "clamped": clamped,
-            "notes": list(capture.get("notes", [])),
-        },
-    }
 
 
 def make_capture(

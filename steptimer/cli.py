@@ -218,7 +218,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from steptimer._trace import load_capture, to_chrome
+    from steptimer._tracefile import load_capture, to_chrome
 
     capture = load_capture(args.logdir)
     trace = to_chrome(capture)

@@ -41,8 +41,9 @@ from typing import Any
 
 from typing_extensions import override
 
-from steptimer._stats import Summary, Window
-from steptimer._tensorboard import LAYOUT_RUN, window_layout, window_scalars, write_encoded
+from steptimer._summary import Summary
+from steptimer._tensorboard import window_scalars, write_layout_beside, write_to_writer
+from steptimer._window import Window
 from steptimer.timer import StepTimer, check_options, check_phase_name
 
 log = logging.getLogger("steptimer")
@@ -89,22 +90,11 @@ class _TensorBoardExtras:
         self._layout_written = False
 
     def write_window(self, window: Window) -> None:
-        w = self._writer
-        if self._histograms and not write_encoded(w, window, scalars=False):
-            for (clock, name), h in window.hists.items():  # writers without torch's file writer
-                limits, counts = h.buckets()
-                w.add_histogram_raw(
-                    f"steptimer/hist_{clock}/{name}_ms", min=h.min_ms, max=h.max_ms, num=h.count,
-                    sum=h.sum_ms, sum_squares=h.sumsq_ms, bucket_limits=limits,
-                    bucket_counts=counts, global_step=window.step,
-                )
+        if self._histograms:
+            write_to_writer(self._writer, window, scalars=False)
         if not self._layout_written:
             self._layout_written = True
-            from torch.utils.tensorboard import SummaryWriter
-
-            side = SummaryWriter(log_dir=os.path.join(w.get_logdir(), LAYOUT_RUN))
-            side.add_custom_scalars(window_layout(window))
-            side.close()
+            write_layout_beside(self._writer, window)
 
     def close(self) -> None:
         self._writer.flush()
@@ -114,9 +104,6 @@ class _LoggerSink:
     """Sends each window to every ``trainer.loggers`` logger (rank 0 only: only built there)."""
 
     def __init__(self, loggers: Sequence[Any], *, histograms: bool, skipped: Callable[[], int]) -> None:
-        from steptimer._fastcrc import install
-
-        install()  # TensorBoard loggers checksum every record: in C when google-crc32c is there
         self._loggers = list(loggers)
         self._skipped = skipped
         tb_loggers: list[Any] = [lg for lg in self._loggers if isinstance(lg, _TB_LOGGERS)]

@@ -1,54 +1,30 @@
-"""The engine: steps, phases, CUDA events with a lagged wait, host clocks, windows and the summary.
+"""``StepTimer``: the plain-loop front door. Options, the ``with`` blocks, windows and the summary.
 
-It imports neither Lightning nor TensorBoard. Front doors (the ``with`` blocks here, the Lightning
-callback) drive it; sinks (TensorBoard, a Lightning logger) receive :class:`Window` objects every
-``log_every_n_steps`` steps and the :class:`Summary` at :meth:`StepTimer.close`.
-
-Hot path, per timed step with P back-to-back phases: P + 1 event records (a phase that starts right
-where the previous one ended reuses its event), 4 ``perf_counter()`` calls per phase, one event wait
-at the end of the step on an event that, with ``lag >= 1``, has normally completed already. The CUDA
-calls go through ``_cudart.c`` where it can be built (``_clock.default_backend``), else torch's API.
+The measuring itself is the engine's (``_engine.Engine``); this module validates options, turns the
+engine's rows into a window every ``log_every_n_steps`` steps, hands windows to the sinks
+(TensorBoard, a Lightning logger), and builds, prints and returns the summary at :meth:`close`.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import logging
-import math
 import os
-import random
-import re
-import tempfile
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from time import perf_counter
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
-from steptimer._clock import _CudaBackend, cuda_usable, default_backend, prepare_native
+from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
-from steptimer._stats import RowKey, StepRows, Summary, SummaryAccumulator, Window, window_of
+from steptimer._engine import Engine, check_phase_name
+from steptimer._summary import Summary, SummaryAccumulator
+from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
+from steptimer._window import StepRows, Window, window_of
 
-log = logging.getLogger("steptimer")
-
-RESERVED_NAMES = frozenset({"step", "other", "wait", "idle"})
-_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
-
-# A phase entered less than this long (host time) after steptimer's last event record reuses that
-# event instead of recording a new one: no kernel can be launched in between, since launching one
-# from Python costs several µs of host time. This is what makes P back-to-back phases cost P + 1
-# records instead of 2P + 2.
-_SHARE_GAP_S = 1.5e-6
-_CAPTURE_MSG = (
-    "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. Put "
-    "`with timer.step():` around the graph replay, not inside the capture"
-)
-_NAN = math.nan
-_UNTIMED: RowKey = (None, False, False)  # the row layout of an untimed step
+__all__ = ["StepTimer", "check_options", "check_phase_name"]
 
 
 class Sink(Protocol):
@@ -60,7 +36,7 @@ class Sink(Protocol):
 
 
 class _Null:
-    """The context manager of a disabled timer or of a step skipped by ``sample_every``."""
+    """The context manager of a disabled timer."""
 
     __slots__ = ()
 
@@ -74,33 +50,36 @@ class _Null:
 _NULL = _Null()
 
 
-class _Pending:
-    """A finished step whose GPU events may not have completed yet. ``_cudart.c``'s ``Pending`` is its C
-    twin (same attributes), made by the C ``Step``; the code here reads either."""
+class _Step:
+    """``with timer.step(samples=..., tokens=...):``"""
 
-    __slots__ = (
-        "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
-        "pauses", "device", "samples", "tokens", "timed", "warmup",
-    )  # fmt: skip
-    number: int
-    t0: float
-    step_s: float
-    gap_s: float | None
-    wait_s: float
-    phases: list[tuple[str, float, float, int, int]]
-    events: list[Any]
-    i_start: int
-    i_end: int
-    pauses: list[tuple[Any, Any]]
-    device: int
-    samples: float | None
-    tokens: float | None
-    timed: bool
-    warmup: bool
+    __slots__ = ("_e", "_samples", "_tokens")
 
-    def __init__(self) -> None:
-        self.wait_s = 0.0
-        self.step_s = 0.0
+    def __init__(self, engine: Engine, samples: float | None, tokens: float | None) -> None:
+        self._e, self._samples, self._tokens = engine, samples, tokens
+
+    def __enter__(self) -> None:
+        self._e.begin_step(self._samples, self._tokens)
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+        self._e.end_step(et is not None, self._samples, self._tokens)
+        return False
+
+
+class _Phase:
+    """``with timer.phase(name):`` (one object per name, reused)."""
+
+    __slots__ = ("_e", "_name")
+
+    def __init__(self, engine: Engine, name: str) -> None:
+        self._e, self._name = engine, name
+
+    def __enter__(self) -> None:
+        self._e.enter_phase(self._name)
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+        self._e.exit_phase(self._name, et is not None)
+        return False
 
 
 def _rank() -> int:
@@ -116,158 +95,6 @@ def _rank() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 0
-
-
-def check_phase_name(name: str) -> None:
-    """Raise ``ValueError`` unless ``name`` is a usable phase name."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(
-            f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' "
-            "(nest phases to get 'outer/inner')"
-        )
-    if name in RESERVED_NAMES:
-        raise ValueError(
-            f"phase name {name!r} is reserved ({', '.join(sorted(RESERVED_NAMES))} are computed by "
-            "steptimer); pick another name"
-        )
-
-
-class _Phase:
-    """``with timer.phase(name):``. ``_cudart.c``'s ``Phase`` is its C twin, used on CUDA where the
-    extension is built: any change here goes there too (tests/test_timer.py runs the engine's suite on
-    both)."""
-
-    __slots__ = ("_t", "_name", "_active")
-
-    def __init__(self, timer: StepTimer, name: str) -> None:
-        self._t = timer
-        self._name = name
-        self._active = False  # one object per name: entering it while active reopens the phase
-
-    def __enter__(self) -> None:
-        t0 = perf_counter()  # first: the gap since the last boundary leaves out steptimer's own work
-        tm = self._t
-        if not tm._in_step:
-            raise RuntimeError(
-                f"phase({self._name!r}) entered outside a step: put it inside `with timer.step():`"
-            )
-        if not tm._timed:
-            return
-        name = self._name
-        if self._active:
-            raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
-        stack = tm._stack
-        i = -1
-        # The boundary-event logic below is repeated in __exit__, _begin_step and _end_step on
-        # purpose: a shared helper would cost a Python call per boundary on every training step.
-        # _last_t is set as the call's last act: the gap is the time spent outside steptimer.
-        if tm._gpu:
-            if t0 - tm._last_t < _SHARE_GAP_S:
-                i = tm._last_i
-            else:
-                free = tm._free
-                ev = free.pop() if free else tm._new_event()
-                tm._record(ev, tm._stream)
-                evs = tm._evs
-                i = tm._last_i = len(evs)
-                evs.append(ev)
-                t0 = perf_counter()
-        self._active = True
-        stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
-        if tm._gpu:
-            tm._last_t = perf_counter()
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> Literal[False]:
-        t1 = perf_counter()
-        tm = self._t
-        if not tm._in_step or not tm._timed:
-            return False
-        stack = tm._stack
-        if not stack or stack[-1][1] != self._name:
-            if et is None:
-                open_ = stack[-1][0] if stack else None
-                raise RuntimeError(
-                    f"phase {self._name!r} exited while {open_!r} is open: phases must nest "
-                    "(exit the inner phase first)"
-                )
-            return False
-        full, name, t_in, i_in = stack.pop()
-        self._active = False
-        i_out = -1
-        if tm._gpu:
-            if t1 - tm._last_t < _SHARE_GAP_S:  # nested exits back to back share one event
-                i_out = tm._last_i
-            else:
-                free = tm._free
-                e = free.pop() if free else tm._new_event()
-                tm._record(e, tm._stream)
-                evs = tm._evs
-                i_out = tm._last_i = len(evs)
-                evs.append(e)
-        tm._recs.append((full, t_in, t1, i_in, i_out))
-        if tm._gpu:
-            tm._last_t = perf_counter()
-        return False
-
-
-class _Step:
-    """``with timer.step():``. ``_cudart.c``'s ``Step`` is its C twin for the timed CUDA step and an
-    untimed step's short path (it calls this class for every other case): any change to those paths,
-    ``_begin_step``, ``_end_step`` or ``_resolve`` goes there too (tests/test_timer.py runs the engine's
-    suite on both)."""
-
-    __slots__ = ("_t",)
-
-    def __init__(self, timer: StepTimer) -> None:
-        self._t = timer
-
-    # An untimed step (sample_every) with nothing in flight takes a short path inline here: its
-    # phases are no-ops and its row goes straight into the window. Those are most steps when
-    # sampling, so every Python call saved here is saved on almost every step.
-    def __enter__(self) -> None:
-        t = self._t
-        n = t._number + 1
-        nt = t._next_timed
-        if n != nt and n + 1 != nt and not t._pending_events and not t._pause_evs and t._cuda is not None and not (
-            t._in_step or t._closed
-        ):
-            pending = t._pending
-            while pending:  # untimed steps with no events: complete, nothing to wait for
-                t._resolve(pending.popleft())
-            t._evs = []
-            t._in_step = t._untimed = True
-            t._t0 = perf_counter()
-            return
-        t._begin_step()
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> Literal[False]:
-        t = self._t
-        if t._untimed:
-            t_end = perf_counter()
-            t._in_step = t._untimed = False
-            if et is not None:  # dropped, like any failed step; its time is not data wait
-                t._gap_start = perf_counter()
-                t._paused_s = 0.0
-                return False
-            t._number = number = t._number + 1
-            gs, t0, samples, tokens = t._gap_start, t._t0, t._samples, t._tokens
-            row = [
-                number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, t_end - t0,
-                _NAN if gs is None else max(t0 - gs - t._paused_s, 0.0), 0.0 if t._cuda else _NAN,
-            ]  # fmt: skip
-            t._rows.add(_UNTIMED, row, number - t._first_number < t.warmup_steps)
-            t._paused_s = 0.0
-            t._gap_start = t_end
-            t._last_resolved = number
-            if number % t.log_every_n_steps == 0:
-                t._emit()
-            return False
-        t._end_step(et is not None)
-        return False
 
 
 class StepTimer:
@@ -340,7 +167,6 @@ class StepTimer:
             raise ValueError("pass log_dir or writer, not both")
         if cross_rank not in (True, False):
             raise ValueError(f"cross_rank must be True or False, got {cross_rank!r}")
-        xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
         if log_every_n_steps is None:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
         self.log_every_n_steps: int = log_every_n_steps
@@ -350,62 +176,20 @@ class StepTimer:
         self.enabled = enabled
         self._print_summary = print_summary
         self._rank = _rank()
-        self._closed = False
         self._summary: Summary | None = None
         self._sinks: list[Sink] = list(_sinks)
-        self._phase_cms: dict[str, Any] = {}  # _Phase, or its C twin (_cudart.c Phase)
-        self._step_cm = _Step(self)
-        self._number = start_step
-        self._first_number = start_step + 1
-        self._in_step = False
-        self._timed = False
-        self._untimed = False  # in an untimed step on _Step's short path: phases are no-ops
-        self._untimed_cm: AbstractContextManager[None] = _NULL  # their context manager (C's Null if built)
-        self._gpu = False
-        self._stack: list[tuple[str, str, float, int]] = []
-        self._recs: list[tuple[str, float, float, int, int]] = []  # name, t_in, t_out, ev in, ev out
-        self._evs: list[Any] = []
-        self._last_t = -math.inf
-        self._last_i = -1
-        self._samples: float | None = None
-        self._tokens: float | None = None
-        self._gap_start: float | None = None
-        self._paused_s = 0.0
-        self._pause_evs: list[tuple[Any, Any]] = []
-        self._pending: deque[_Pending] = deque()
-        self._pending_events = 0  # pending steps that hold events (the others need no wait)
-        self._rows = StepRows()  # the steps resolved since the last window
-        self._last_resolved = start_step
+        self._phases: dict[str, _Phase] = {}
         self._acc = SummaryAccumulator()
-        self._notes: list[str] = []
-        self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
-        self._next_timed = self._pick_timed(0)
-        # CUDA state, settled at the first step.
-        self._cuda_opt = cuda
-        self._cuda: bool | None = None
-        self._b: _CudaBackend | None = _backend
-        self._record: Callable[[Any, Any], None] = lambda e, s: None
-        self._elapsed: Callable[[Any, Any], float] = lambda a, b: _NAN
-        self._wait: Callable[[Any], None] = lambda e: None
-        self._is_capturing: Callable[[Any], bool] = lambda s: False
-        self._offsets: Callable[[list[Any]], list[float]] = lambda evs: []
-        self._get_stream_key: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
-        self._stream: Any = None
-        self._stream_key: Any = None
-        # lag 0 checks the stream (switch, graph capture) at the step's end instead of its start: the
-        # start follows the wait, when the GPU sits idle until the step's first launch (_begin_step).
-        self._unchecked = False  # this step's start skipped those checks
-        self._streams_vary = False  # a switch was seen: from then on, check at the start
-        self._device = -1
-        self._pools: dict[int, list[Any]] = {}
-        self._free: list[Any] = []
-        self._held_end: tuple[int, int, Any] | None = None  # (number, device, event) of last resolved
-        self.events_created = 0  # pool size, for tests and curious users
-        self._xrank = xrank
+        self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
         self._trace = make_capture(
             trace_steps, log_dir=log_dir, writer=writer, start_step=start_step,
             warmup_steps=warmup_steps, sample_every=sample_every, enabled=enabled, rank=self._rank,
-        )
+        )  # fmt: skip
+        self._engine = Engine(
+            lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
+            backend=_backend, on_resolved=self._on_resolved,
+            on_pending=self._trace.add if self._trace is not None else None,
+        )  # fmt: skip
         if not enabled:
             return
         if cuda is True and _backend is None:
@@ -415,45 +199,30 @@ class StepTimer:
         if cuda is not False and _backend is None:
             prepare_native()  # compile the native CUDA calls now (once per machine), not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
-            from steptimer._tensorboard import TensorBoardSink
-
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
         elif log_dir is not None:
-            _check_writable(os.fspath(log_dir))
+            check_writable(os.fspath(log_dir))
         self._atexit = _register_atexit(self)
-        if xrank is not None:
-            xrank.start_now()  # the gloo side group, while every rank is known to be here
+        if self._xrank is not None:
+            self._xrank.start_now()  # the gloo side group, while every rank is known to be here
 
     # ------------------------------------------------------------------ public API
 
-    def step(self, *, samples: float | None = None, tokens: float | None = None) -> _Step | _Null:
+    def step(self, *, samples: float | None = None, tokens: float | None = None) -> AbstractContextManager[None]:
         """Context manager around one optimizer step; ``samples``/``tokens`` give throughput."""
         if not self.enabled:
             return _NULL
-        self._samples = samples
-        self._tokens = tokens
-        return self._step_cm
+        return _Step(self._engine, samples, tokens)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Context manager around a phase of the current step (``forward``, ``loss``, ...)."""
-        cm = self._phase_cms.get(name)
+        cm = self._phases.get(name)
         if cm is None:
             if not self.enabled:
                 return _NULL
             check_phase_name(name)
-            cm = self._phase_cms[name] = self._new_phase(name)
-        if self._untimed:
-            return self._untimed_cm
-        return cm  # type: ignore[no-any-return]  # a _Phase or its C twin
-
-    def _new_phase(self, name: str) -> Any:
-        # On CUDA with the native extension, the phase's enter/exit run in C (_cudart.c Phase, the same
-        # logic as _Phase): a phase boundary's Python frames and attribute lookups are most of its
-        # host cost. The clock is this module's perf_counter, as for _Phase.
-        native = getattr(self._b.kernels, "Phase", None) if self._b is not None and self._cuda else None
-        if native is not None:
-            return native(self, name, perf_counter, _SHARE_GAP_S)
-        return _Phase(self, name)
+            cm = self._phases[name] = _Phase(self._engine, name)
+        return cm
 
     @contextmanager
     def pause(self) -> Iterator[None]:
@@ -461,25 +230,24 @@ class StepTimer:
 
         Its host time is left out of ``data``; its GPU time is left out of GPU ``idle``.
         """
-        if not self.enabled or self._closed:
+        if not self.enabled or self._engine.closed:
             yield
             return
-        if self._in_step:
-            raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
-        t0 = perf_counter()
-        ev0 = self._pause_event()
+        started = self._engine.begin_pause()
         try:
             yield
         finally:
-            ev1 = self._pause_event()
-            if ev0 is not None and ev1 is not None:
-                self._pause_evs.append((ev0, ev1))
-            self._paused_s += perf_counter() - t0
+            self._engine.end_pause(started)
 
     @property
     def steps(self) -> int:
         """Number of the last completed step (``start_step`` + steps completed)."""
-        return self._number
+        return self._engine.number
+
+    @property
+    def events_created(self) -> int:
+        """CUDA events made so far (the pool's size)."""
+        return self._engine.events_created
 
     def close(self, *, failed: bool = False) -> Summary:
         """Resolve pending steps, write the last window, print and return the summary (idempotent).
@@ -490,39 +258,23 @@ class StepTimer:
         """
         if self._summary is not None:
             return self._summary
-        if failed and self._xrank is not None:
-            self._xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
-        if self._in_step:
-            self._drop_step()
-        if self.enabled and self._pending:
-            if self.lag == 0:  # already waited for at its own end
-                self._resolve_popped(len(self._pending))
-            else:
-                self._resolve_through(len(self._pending))
-        if self._xrank is not None and not self._xrank.off:
+        xrank, engine = self._xrank, self._engine
+        if failed and xrank is not None:
+            xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
+        if self.enabled:
+            engine.close()
+        if xrank is not None and not xrank.off:
             # The closing rounds, with or without a last window (Join-style, see _dist.py).
-            last = self._xrank.close(self._take_window(), self._acc)
+            last = xrank.close(self._take_window(), self._acc)
             if last is not None:
                 for sink in self._sinks:
                     sink.write_window(last)
         self._emit()
         if self._trace is not None:
-            self._trace.finish(self)
-        self._release(self._held_end[2] if self._held_end else None)
-        self._held_end = None
-        self._closed = True
-        notes = tuple(self._notes)
-        if self._acc.steps == 0 and self._number >= self._first_number:
-            notes += (
-                f"all {self._number - self._first_number + 1} steps were warm-up "
-                f"(warmup_steps={self.warmup_steps}); nothing to summarize",
-            )
-        if self._xrank is not None:
-            notes += tuple(self._xrank.notes)
-        summary = self._acc.summary(warmup_steps=self.warmup_steps, cuda=bool(self._cuda), notes=notes)
-        if self._xrank is not None and self._xrank.summary is not None:
-            summary = dataclasses.replace(summary, ranks=self._xrank.summary)
-        self._summary = summary
+            self._trace.finish(engine)
+        engine.release_held()
+        engine.closed = True
+        self._summary = summary = self._build_summary()
         if self.enabled:
             atexit.unregister(self._atexit)
         if self._print_summary and self._rank == 0 and self.enabled:
@@ -540,359 +292,23 @@ class StepTimer:
         self.close(failed=bool(exc) and exc[0] is not None)
         return False
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ windows and summary
 
-    def _begin_step(self) -> None:
-        if self._in_step:
-            raise RuntimeError("step() entered inside a step: steps cannot nest (one step = one optimizer step)")
-        if self._closed:
-            raise RuntimeError("step() after close(): create a new StepTimer")
-        if self._cuda is None:
-            self._settle_cuda()
-        t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
-        self._timed = timed = self._number + 1 == self._next_timed
-        self._in_step = True
-        self._recs = []
-        self._last_t = -math.inf
-        self._t0 = t0
-        self._gpu = gpu = timed and self._cuda is True
-        if gpu:
-            if self.lag == 0 and self._stream_key is not None and not self._streams_vary:
-                # Strict mode: this start follows the wait for the last step, with the GPU idle
-                # until the step's first launch, and each call here delays it (the first CUDA calls
-                # after a wait cost 4-24 µs on the H100 hosts, docs/benchmarks.md). The stream and
-                # capture checks move to the step's end (_check_stream_at_end).
-                self._unchecked = True
-            else:
-                key = self._get_stream_key()
-                if key != self._stream_key:
-                    self._switch_stream(key)
-                if self._is_capturing(self._stream):
-                    self._in_step = False
-                    raise RuntimeError(_CAPTURE_MSG)
-            free = self._free
-            ev = free.pop() if free else self._new_event()
-            self._record(ev, self._stream)
-            self._evs = [ev]
-            self._last_i = 0
-            self._last_t = perf_counter()
-        else:
-            self._evs = []
-
-    def _end_step(self, failed: bool) -> None:
-        if not self._in_step:
-            return
-        t1 = perf_counter()
-        if failed or self._stack:
-            open_ = self._stack[-1][0] if self._stack else None
-            self._drop_step()
-            if not failed:
-                raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
-            return
-        end_marker = False
-        if self._unchecked:
-            end_marker = self._check_stream_at_end()
-        number = self._number + 1
-        rec = _Pending()
-        self._number = number
-        rec.number = number
-        rec.t0 = self._t0
-        rec.timed = self._timed
-        rec.warmup = number - self._first_number < self.warmup_steps
-        rec.samples = self._samples
-        rec.tokens = self._tokens
-        rec.phases = self._recs
-        rec.pauses = self._pause_evs
-        self._pause_evs = []
-        gs = self._gap_start
-        rec.gap_s = None if gs is None else max(self._t0 - gs - self._paused_s, 0.0)
-        self._paused_s = 0.0
-        rec.device = self._device
-        evs = self._evs
-        if self._gpu:
-            rec.i_start = 0
-            if t1 - self._last_t < _SHARE_GAP_S:
-                rec.i_end = self._last_i
-            else:
-                ev = self._free.pop() if self._free else self._new_event()
-                self._record(ev, self._stream)
-                rec.i_end = len(evs)
-                evs.append(ev)
-        elif self._cuda and (end_marker or number + 1 == self._next_timed) and self._stream_key is not None:
-            # An untimed step right before a timed one: one event marks its end, so the timed
-            # step gets its GPU idle.
-            ev = self._free.pop() if self._free else self._new_event()
-            self._record(ev, self._stream)
-            evs.append(ev)
-            rec.i_start = rec.i_end = 0
-        rec.events = evs
-        self._in_step = False
-        pending = self._pending
-        pending.append(rec)
-        if evs:
-            self._pending_events += 1
-        lag = self.lag
-        if not self._cuda:
-            t_end = perf_counter()
-            rec.step_s = t_end - self._t0
-            self._resolve(pending.popleft())
-        elif lag == 0:
-            # Strict: wait for this step's own end. The steps before it completed at their own
-            # waits; they are read first, while the GPU still runs this step's work, so reading
-            # adds nothing to the time the GPU sits idle between steps.
-            while len(pending) > 1:
-                self._resolve(pending.popleft())
-            tw = perf_counter()
-            self._wait_for(1)
-            t_end = perf_counter()
-            rec.wait_s = t_end - tw
-            rec.step_s = t_end - self._t0
-        elif len(pending) > lag:
-            tw = perf_counter()
-            n = len(pending) - lag
-            if n == 1:  # the common case, inline: wait on step N - lag's end event
-                old = pending[0]
-                if old.events:
-                    self._wait(old.events[old.i_end])
-            else:
-                self._wait_for(n)
-            rec.wait_s = perf_counter() - tw
-            for _ in range(n):
-                self._resolve(pending.popleft())
-            t_end = perf_counter()
-            rec.step_s = t_end - self._t0
-        else:
-            t_end = perf_counter()
-            rec.step_s = t_end - self._t0
-        self._gap_start = t_end
-        if number == self._next_timed:
-            if self.sample_every == 1:
-                self._next_timed = number + 1
-            else:
-                self._next_timed = self._pick_timed((number - self._first_number) // self.sample_every + 1)
-
-    def _check_stream_at_end(self) -> bool:
-        """lag 0's checks of a step's start, made at its end (``_begin_step``). Inside a graph capture
-        the step is dropped with the same error as at a start. After a stream switch its events were
-        recorded on the old stream: the step keeps its host times as an untimed step, with an end
-        event on the new stream (returns True: record it), and later steps check at their start."""
-        self._unchecked = False
-        key = self._get_stream_key()
-        stream = self._stream if key == self._stream_key else self._backend().stream_of_key(key)
-        if self._is_capturing(stream):
-            self._drop_step()
-            raise RuntimeError(_CAPTURE_MSG)
-        if key == self._stream_key:
-            return False
-        for ev in self._evs:
-            self._release(ev)
-        self._evs = []
-        self._gpu = self._timed = False
-        self._switch_stream(key)
-        self._streams_vary = True
-        return True
-
-    def _drop_step(self) -> None:
-        """Forget the current step (it raised, or was left inconsistent); keep everything before it."""
-        for ev in self._evs:
-            self._release(ev)
-        for a, b in self._pause_evs:
-            self._release(a)
-            self._release(b)
-        self._pause_evs = []
-        self._evs = []
-        self._recs = []
-        for _, name, _, _ in self._stack:
-            self._phase_cms[name]._active = False
-        self._stack.clear()
-        self._in_step = self._untimed = self._unchecked = False
-        self._gap_start = perf_counter()  # the failed step's time is not data wait
-        self._paused_s = 0.0
-
-    # ------------------------------------------------------------------ sampling
-
-    def _pick_timed(self, block: int) -> int:
-        """The one step timed in block ``block`` (``sample_every`` steps), chosen at random."""
-        n = self.sample_every
-        start = self._first_number + block * n
-        return start if n == 1 else start + self._rng.randrange(n)
-
-    # ------------------------------------------------------------------ CUDA
-
-    def _settle_cuda(self) -> None:
-        opt = self._cuda_opt
-        if opt is False:
-            self._cuda = False
-            return
-        if self._b is not None:  # injected backend (tests)
-            self._cuda = True
-        else:
-            ok, why = cuda_usable()
-            if ok:
-                self._b = default_backend()
-                self._cuda = True
-            elif opt is True:
-                raise RuntimeError(f"StepTimer(cuda=True) but {why}")
-            else:
-                self._cuda = False
-                msg = f"steptimer: {why}; timing the host only (no GPU tags)"
-                self._notes.append(f"host timing only: {why}")
-                log.info(msg)
-                return
-        b = self._backend()
-        if b.note:
-            self._notes.append(b.note)
-        self._record = b.record
-        self._elapsed = b.elapsed_ms
-        self._wait = b.wait
-        self._is_capturing = b.is_capturing
-        if b.offsets_ms is not None:
-            self._offsets = b.offsets_ms
-        else:
-            el = b.elapsed_ms
-
-            def offsets(evs: list[Any]) -> list[float]:
-                ref = evs[0]
-                offs = [0.0]
-                offs += [el(ref, e) for e in evs[1:]]
-                return offs
-
-            self._offsets = offsets
-        self._get_stream_key = b.stream_key
-        # With the native extension, the timed CUDA step's enter/exit run in C (_cudart.c Step, the same
-        # logic as _Step/_begin_step/_end_step/_resolve, which it calls for every other case).
-        # `timer.phase(name)` too (PhaseOf: the lookup of a known name, and a C no-op context manager for
-        # an untimed step's phases), as an instance attribute in front of StepTimer.phase.
-        k = b.kernels
-        if k is not None and hasattr(k, "Step"):
-            self._step_cm = k.Step(self, perf_counter, _SHARE_GAP_S, _Step(self), _UNTIMED)
-            # `timer.step(samples=, tokens=)` too: the Step sets them and returns itself (StepTimer.step,
-            # bound before the first step, stays the Python method).
-            self.__dict__["step"] = self._step_cm
-        if k is not None and hasattr(k, "PhaseOf"):
-            # StepTimer.phase (bound before the first step, say) returns the same C no-op.
-            self._untimed_cm = k.Null()
-            self.__dict__["phase"] = k.PhaseOf(self, StepTimer.phase.__get__(self), self._untimed_cm)
-
-    def _switch_stream(self, key: tuple[int, int, int]) -> None:
-        b = self._backend()
-        self._stream_key = key
-        self._stream = b.stream_of_key(key)
-        device = key[1]
-        if device != self._device:
-            self._pools[self._device] = self._free
-            self._free = self._pools.get(device, [])
-            self._device = device
-
-    def _backend(self) -> _CudaBackend:
-        if self._b is None:  # pragma: no cover - only reachable through a bug in this file
-            raise RuntimeError("steptimer internal error: CUDA backend used before it was settled")
-        return self._b
-
-    def _new_event(self) -> Any:
-        self.events_created += 1
-        return self._backend().new_event()
-
-    def _release(self, ev: Any) -> None:
-        if ev is not None:
-            self._free.append(ev)
-
-    def _pause_event(self) -> Any:
-        if not self._cuda or self._stream_key is None or self._b is None:
-            return None
-        ev = self._free.pop() if self._free else self._new_event()
-        self._record(ev, self._stream)
-        return ev
-
-    def _wait_for(self, n: int) -> None:
-        """Block until the newest of the ``n`` oldest pending steps (step N - lag) has finished.
-
-        One wait per step; an older pending step on another stream (the user switched streams
-        between steps) is waited for too, since finishing one stream says nothing of another.
-        """
-        b = self._backend()
-        pending = self._pending
-        newest = None
-        for k in range(n - 1, -1, -1):
-            rec = pending[k]
-            if rec.events:
-                newest = rec
-                break
-        if newest is None:
-            return
-        b.wait(newest.events[newest.i_end])
-        for k in range(n):
-            rec = pending[k]
-            if rec is not newest and rec.events and rec.device != newest.device:
-                b.wait(rec.events[rec.i_end])
-
-    def _resolve_through(self, n: int) -> None:
-        if self._cuda:
-            self._wait_for(n)
-        self._resolve_popped(n)
-
-    def _resolve_popped(self, n: int) -> None:
-        pending = self._pending
-        for _ in range(n):
-            self._resolve(pending.popleft())
-
-    def _resolve(self, rec: _Pending) -> None:
-        """Turn a finished step into one row of its window (``StepRows``); read its GPU events."""
-        if self._trace is not None:  # before the step's events go back to the pool
-            self._trace.add(self, rec)
-        recs = rec.phases
-        gap, samples, tokens = rec.gap_s, rec.samples, rec.tokens
-        row = [
-            rec.number, _NAN if samples is None else samples, _NAN if tokens is None else tokens,
-            rec.step_s, _NAN if gap is None else gap, rec.wait_s if self._cuda else _NAN,
-        ]  # fmt: skip
-        names = None
-        if rec.timed:
-            names = tuple([r[0] for r in recs])
-            row += [r[2] - r[1] for r in recs]
-        has_gpu = has_idle = False
-        evs = rec.events
-        if evs:
-            self._pending_events -= 1
-            el = self._elapsed
-            held = self._held_end
-            if names is not None:
-                offs = self._offsets(evs)
-                row.append(offs[rec.i_end] - offs[rec.i_start])
-                row += [offs[r[4]] - offs[r[3]] for r in recs]
-                has_gpu = True
-                if held is not None and held[0] == rec.number - 1 and held[1] == rec.device:
-                    idle = el(held[2], evs[rec.i_start])
-                    for a, c in rec.pauses:
-                        idle -= el(a, c)
-                    row.append(idle)
-                    has_idle = True
-            free = self._free
-            for a, c in rec.pauses:
-                free += (a, c)
-            if held is not None:
-                free.append(held[2])
-            i_end = rec.i_end
-            free += evs[:i_end]
-            free += evs[i_end + 1 :]
-            self._held_end = (rec.number, rec.device, evs[i_end])
-        else:
-            for a, c in rec.pauses:  # a pause before an untimed step: its events were never needed
-                self._free += (a, c)
-        self._rows.add((names, has_gpu, has_idle), row, rec.warmup)
-        self._last_resolved = number = rec.number
-        if number % self.log_every_n_steps == 0:
+    def _on_resolved(self, number: int) -> None:
+        # A window ends every log_every_n_steps steps, and at the last warm-up step, so that no window
+        # mixes warm-up steps (left out of the summary) with later ones.
+        if number % self.log_every_n_steps == 0 or number == self._engine.last_warmup:
             self._emit()
 
     def _take_window(self) -> Window | None:
-        """The window of the steps resolved since the last one; they also go into the summary."""
-        rows = self._rows
+        """The window of the steps resolved since the last one; it also goes into the summary."""
+        engine = self._engine
+        rows = engine.rows
         if not rows.count:
             return None
-        self._rows = StepRows()
-        kernels = self._b.kernels if self._b is not None else None
-        window = window_of(rows, self._last_resolved, kernels)
-        self._acc.add_window(window, rows, kernels)
+        engine.rows = StepRows()
+        window = window_of(rows, engine.last_resolved)
+        self._acc.add_window(window)
         return window
 
     def _emit(self) -> None:
@@ -903,6 +319,21 @@ class StepTimer:
             window = self._xrank.interval(window)
         for sink in self._sinks:
             sink.write_window(window)
+
+    def _build_summary(self) -> Summary:
+        engine = self._engine
+        notes = tuple(engine.notes)
+        if self._acc.steps == 0 and engine.number >= engine.first_number:
+            notes += (
+                f"all {engine.number - engine.first_number + 1} steps were warm-up "
+                f"(warmup_steps={self.warmup_steps}); nothing to summarize",
+            )
+        if self._xrank is not None:
+            notes += tuple(self._xrank.notes)
+        summary = self._acc.summary(warmup_steps=self.warmup_steps, cuda=bool(engine.cuda), notes=notes)
+        if self._xrank is not None and self._xrank.summary is not None:
+            summary = dataclasses.replace(summary, ranks=self._xrank.summary)
+        return summary
 
 
 def check_options(
@@ -921,19 +352,6 @@ def check_options(
 def _check_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _check_writable(path: str) -> None:
-    """Fail at construction, not at step 50, when the log directory can't be written."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".steptimer-probe-"):
-            pass
-    except OSError as err:
-        raise ValueError(
-            f"log_dir {path!r} can't be written ({err.strerror or err}); pass a writable directory, "
-            "or log_dir=None to only print the summary"
-        ) from err
 
 
 def _register_atexit(timer: StepTimer) -> Callable[[], None]:

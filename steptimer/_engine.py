@@ -1,0 +1,442 @@
+"""The engine: steps and phases, CUDA events with one lagged wait per step, and finished steps
+resolved into the rows of a window (``_window.StepRows``).
+
+It knows nothing of TensorBoard, Lightning or the summary: the front doors (``timer.StepTimer``'s
+``with`` blocks, the Lightning callback, ``instrument()``) call ``begin_step``/``end_step`` and
+``enter_phase``/``exit_phase``, and ``on_resolved(number)`` tells the owner that a step's row is in
+``rows``.
+
+Per timed step with P back-to-back phases the GPU path makes P + 1 event records (a boundary that
+follows steptimer's last record within ``_SHARE_GAP_S`` reuses its event), 4 ``perf_counter()``
+calls per phase, and one event wait at the end of the step, on the end event of step N - lag, which
+with ``lag >= 1`` has normally completed already. Never a device-wide synchronize.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+from collections import deque
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+from steptimer._clock import _CudaBackend, cuda_usable, default_backend
+from steptimer._window import StepRows
+
+log = logging.getLogger("steptimer")
+
+RESERVED_NAMES = frozenset({"step", "other", "wait", "idle"})
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
+
+# A boundary less than this long (host time) after steptimer's last event record reuses that event
+# instead of recording a new one: no kernel can be launched in between, since launching one from
+# Python costs several µs of host time. So P back-to-back phases cost P + 1 records, not 2P + 2.
+_SHARE_GAP_S = 1.5e-6
+_CAPTURE_MSG = (
+    "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. Put "
+    "`with timer.step():` around the graph replay, not inside the capture"
+)
+_NAN = math.nan
+
+
+def check_phase_name(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a usable phase name."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' "
+            "(nest phases to get 'outer/inner')"
+        )
+    if name in RESERVED_NAMES:
+        raise ValueError(
+            f"phase name {name!r} is reserved ({', '.join(sorted(RESERVED_NAMES))} are computed by "
+            "steptimer); pick another name"
+        )
+
+
+class _Pending:
+    """A finished step whose GPU events may not have completed yet.
+
+    ``phases`` holds ``(full name, host in, host out, event index in, event index out)`` per phase
+    entry; ``events[i_start]``/``events[i_end]`` bound the step on the GPU.
+    """
+
+    __slots__ = (
+        "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
+        "pauses", "device", "samples", "tokens", "timed", "warmup",
+    )  # fmt: skip
+
+    def __init__(self, number: int, t0: float, timed: bool, warmup: bool) -> None:
+        self.number = number
+        self.t0 = t0
+        self.timed = timed
+        self.warmup = warmup
+        self.step_s = 0.0
+        self.wait_s = 0.0
+        self.gap_s: float | None = None
+        self.phases: list[tuple[str, float, float, int, int]] = []
+        self.events: list[Any] = []
+        self.i_start = self.i_end = 0
+        self.pauses: list[tuple[Any, Any]] = []
+        self.device = -1
+        self.samples: float | None = None
+        self.tokens: float | None = None
+
+
+class Engine:
+    """Steps, phases and their events; finished steps become rows of ``rows``.
+
+    Args:
+        lag: 0 waits at the end of each step for that step's GPU work; k >= 1 waits at the end of
+            step N for step N - k.
+        sample_every: time the phases of one step in every ``sample_every``, chosen at random in
+            each block of that many steps.
+        warmup_steps: the first steps, flagged as warm-up in their rows' windows.
+        start_step: steps already done; the first step is ``start_step + 1``.
+        cuda: None: CUDA timing if usable at the first step; True: required; False: host only.
+        backend: the CUDA calls (tests pass a simulated GPU); None: the default backend.
+        on_resolved: called with a step's number once its row is in ``rows``.
+        on_pending: called with each finished step before its events are released (trace capture).
+    """
+
+    def __init__(
+        self,
+        *,
+        lag: int,
+        sample_every: int,
+        warmup_steps: int,
+        start_step: int,
+        cuda: bool | None,
+        backend: _CudaBackend | None,
+        on_resolved: Callable[[int], None],
+        on_pending: Callable[[Engine, _Pending], None] | None = None,
+    ) -> None:
+        self.lag = lag
+        self.sample_every = sample_every
+        self.first_number = start_step + 1
+        self.last_warmup = start_step + warmup_steps  # the last warm-up step's number
+        self.number = start_step  # the last finished step
+        self.last_resolved = start_step  # the last step whose row is in rows (or was)
+        self.rows = StepRows()  # resolved since the owner last took them
+        self.notes: list[str] = []
+        self.closed = False
+        self._on_resolved = on_resolved
+        self._on_pending = on_pending
+        self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
+        self._next_timed = self._pick_timed(0)
+        # The current step.
+        self.in_step = False
+        self._timed = False
+        self._gpu = False  # timed on the GPU
+        self._t0 = 0.0
+        self._samples: float | None = None
+        self._tokens: float | None = None
+        self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
+        self._recs: list[tuple[str, float, float, int, int]] = []
+        self._evs: list[Any] = []
+        self._last_t = -math.inf  # host time of the last record, for sharing it
+        self._last_i = -1
+        # Between steps.
+        self._gap_start: float | None = None
+        self._paused_s = 0.0
+        self._pause_evs: list[tuple[Any, Any]] = []
+        self._pending: deque[_Pending] = deque()
+        # CUDA, settled at the first step.
+        self._cuda_opt = cuda
+        self.cuda: bool | None = None
+        self.b: _CudaBackend | None = backend
+        self.stream: Any = None
+        self._stream_key: Any = None
+        self.device = -1
+        self._pools: dict[int, list[Any]] = {}
+        self._free: list[Any] = []
+        self.held_end: tuple[int, int, Any] | None = None  # (number, device, end event) of the last resolved
+        self.events_created = 0
+
+    # ------------------------------------------------------------------ steps
+
+    def begin_step(self, samples: float | None, tokens: float | None) -> None:
+        if self.in_step:
+            raise RuntimeError("step() entered inside a step: steps cannot nest (one step = one optimizer step)")
+        if self.closed:
+            raise RuntimeError("step() after close(): create a new StepTimer")
+        if self.cuda is None:
+            self._settle_cuda()
+        self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
+        self._timed = self.number + 1 == self._next_timed
+        self._gpu = self._timed and bool(self.cuda)
+        self._samples, self._tokens = samples, tokens
+        self._recs = []
+        self._evs = []
+        self._last_t = -math.inf
+        if self._gpu:
+            b = self._backend()
+            key = b.stream_key()
+            if key != self._stream_key:
+                self._switch_stream(key)
+            if b.is_capturing(self.stream):
+                raise RuntimeError(_CAPTURE_MSG)
+            self._boundary(t0)
+            self._last_t = perf_counter()
+        self.in_step = True
+
+    def end_step(self, failed: bool, samples: float | None = None, tokens: float | None = None) -> None:
+        """Finish the step (drop it if ``failed`` or a phase is open), wait once, resolve what is due.
+
+        ``samples``/``tokens`` given here replace those given at the step's start (the Lightning
+        callback counts a step's samples over its micro-batches).
+        """
+        if not self.in_step:
+            return
+        t1 = perf_counter()
+        if failed or self._stack:
+            open_ = self._stack[-1][0] if self._stack else None
+            self._drop_step()
+            if not failed:
+                raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
+            return
+        self.number = number = self.number + 1
+        rec = _Pending(number, self._t0, self._timed, number <= self.last_warmup)
+        rec.samples = self._samples if samples is None else samples
+        rec.tokens = self._tokens if tokens is None else tokens
+        rec.phases = self._recs
+        rec.pauses, self._pause_evs = self._pause_evs, []
+        gs = self._gap_start
+        rec.gap_s = None if gs is None else max(self._t0 - gs - self._paused_s, 0.0)
+        self._paused_s = 0.0
+        rec.device = self.device
+        if self._gpu:
+            rec.i_end = self._boundary(t1)
+        elif self.cuda and number + 1 == self._next_timed and self._stream_key is not None:
+            # An untimed step right before a timed one: one event marks its end, so the timed step
+            # gets its GPU idle.
+            self._boundary(t1)
+        rec.events = self._evs
+        self.in_step = False
+        self._pending.append(rec)
+        # Wait on the end of step N - lag (N itself with lag 0), then resolve every step up to it,
+        # except this one: it is resolved at the next step's end (or close), inside that step's time.
+        due = number - self.lag if self.cuda else number  # host only: nothing to wait for
+        tw = perf_counter()
+        if self.cuda:
+            self._wait_for(due)
+            rec.wait_s = perf_counter() - tw
+        while self._pending[0] is not rec and self._pending[0].number <= due:
+            self._resolve(self._pending.popleft())
+        t_end = perf_counter()
+        rec.step_s = t_end - self._t0
+        self._gap_start = t_end
+        if number == self._next_timed:
+            block = (number - self.first_number) // self.sample_every + 1
+            self._next_timed = self._pick_timed(block)
+
+    def enter_phase(self, name: str) -> None:
+        t0 = perf_counter()  # first: the gap since the last boundary leaves out steptimer's own work
+        if not self.in_step:
+            raise RuntimeError(f"phase({name!r}) entered outside a step: put it inside `with timer.step():`")
+        if not self._timed:
+            return
+        stack = self._stack
+        for entry in stack:
+            if entry[1] == name:
+                raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
+        i = -1
+        if self._gpu:
+            i = self._boundary(t0)
+            t0 = perf_counter()  # the host span starts after the record
+        stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
+        if self._gpu:
+            self._last_t = perf_counter()
+
+    def exit_phase(self, name: str, failed: bool) -> None:
+        t1 = perf_counter()
+        if not self.in_step or not self._timed:
+            return
+        stack = self._stack
+        if not stack or stack[-1][1] != name:
+            if failed:  # the step is dropped at its end anyway
+                return
+            open_ = stack[-1][0] if stack else None
+            raise RuntimeError(
+                f"phase {name!r} exited while {open_!r} is open: phases must nest (exit the inner phase first)"
+            )
+        full, _, t_in, i_in = stack.pop()
+        i_out = -1
+        if self._gpu:
+            i_out = self._boundary(t1)
+        self._recs.append((full, t_in, t1, i_in, i_out))
+        if self._gpu:
+            self._last_t = perf_counter()
+
+    def begin_pause(self) -> tuple[float, Any]:
+        if self.in_step:
+            raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
+        return perf_counter(), self._pause_event()
+
+    def end_pause(self, started: tuple[float, Any]) -> None:
+        t0, ev0 = started
+        ev1 = self._pause_event()
+        if ev0 is not None and ev1 is not None:
+            self._pause_evs.append((ev0, ev1))
+        self._paused_s += perf_counter() - t0
+
+    def close(self) -> None:
+        """Drop an unfinished step and resolve every pending one (one wait, on the newest)."""
+        if self.in_step:
+            self._drop_step()
+        if self._pending:
+            if self.cuda:
+                self._wait_for(self._pending[-1].number)
+            while self._pending:
+                self._resolve(self._pending.popleft())
+        self.closed = True
+
+    def release_held(self) -> None:
+        """Give the last resolved step's end event back to the pool (at close, after the trace)."""
+        if self.held_end is not None:
+            self._free.append(self.held_end[2])
+            self.held_end = None
+
+    def _drop_step(self) -> None:
+        """Forget the current step (it raised, or was left inconsistent); keep everything before it."""
+        self._free += self._evs
+        for a, b in self._pause_evs:
+            self._free += (a, b)
+        self._pause_evs = []
+        self._evs = []
+        self._recs = []
+        self._stack.clear()
+        self.in_step = False
+        self._gap_start = perf_counter()  # the failed step's time is not data wait
+        self._paused_s = 0.0
+
+    def _pick_timed(self, block: int) -> int:
+        """The one step timed in block ``block`` (``sample_every`` steps), chosen at random."""
+        n = self.sample_every
+        start = self.first_number + block * n
+        return start if n == 1 else start + self._rng.randrange(n)
+
+    # ------------------------------------------------------------------ CUDA
+
+    def _settle_cuda(self) -> None:
+        opt = self._cuda_opt
+        if opt is False:
+            self.cuda = False
+            return
+        if self.b is None:
+            ok, why = cuda_usable()
+            if not ok:
+                if opt is True:
+                    raise RuntimeError(f"StepTimer(cuda=True) but {why}")
+                self.cuda = False
+                self.notes.append(f"host timing only: {why}")
+                log.info("steptimer: %s; timing the host only (no GPU tags)", why)
+                return
+            self.b = default_backend()
+        self.cuda = True
+        if self.b.note:
+            self.notes.append(self.b.note)
+
+    def _backend(self) -> _CudaBackend:
+        if self.b is None:  # pragma: no cover - only reachable through a bug in this file
+            raise RuntimeError("steptimer internal error: CUDA backend used before it was settled")
+        return self.b
+
+    def _switch_stream(self, key: tuple[int, int, int]) -> None:
+        self._stream_key = key
+        self.stream = self._backend().stream_of_key(key)
+        device = key[1]
+        if device != self.device:
+            self._pools[self.device] = self._free
+            self._free = self._pools.get(device, [])
+            self.device = device
+
+    def _take_event(self) -> Any:
+        if self._free:
+            return self._free.pop()
+        self.events_created += 1
+        return self._backend().new_event()
+
+    def _boundary(self, t: float) -> int:
+        """The index in this step's events of an event recorded at host time ``t`` (shared with the
+        last record when that was less than ``_SHARE_GAP_S`` before)."""
+        if t - self._last_t < _SHARE_GAP_S:
+            return self._last_i
+        ev = self._take_event()
+        self._backend().record(ev, self.stream)
+        self._last_i = len(self._evs)
+        self._evs.append(ev)
+        return self._last_i
+
+    def _pause_event(self) -> Any:
+        if not self.cuda or self._stream_key is None:
+            return None
+        ev = self._take_event()
+        self._backend().record(ev, self.stream)
+        return ev
+
+    def _wait_for(self, upto: int) -> None:
+        """Block until the newest pending step numbered ``upto`` or lower has finished on the GPU.
+
+        One wait per step; an older pending step on another device is waited for too, since one
+        device finishing says nothing of another.
+        """
+        due = [rec for rec in self._pending if rec.number <= upto and rec.events]
+        if not due:
+            return
+        b = self._backend()
+        newest = due[-1]
+        b.wait(newest.events[newest.i_end])
+        for rec in due[:-1]:
+            if rec.device != newest.device:
+                b.wait(rec.events[rec.i_end])
+
+    def _resolve(self, rec: _Pending) -> None:
+        """Turn a finished step into one row of the window (``StepRows``); read its GPU events."""
+        if self._on_pending is not None:  # before the step's events go back to the pool
+            self._on_pending(self, rec)
+        recs = rec.phases
+        gap, samples, tokens = rec.gap_s, rec.samples, rec.tokens
+        row = [
+            rec.number, _NAN if samples is None else samples, _NAN if tokens is None else tokens,
+            rec.step_s, _NAN if gap is None else gap, rec.wait_s if self.cuda else _NAN,
+        ]  # fmt: skip
+        names = None
+        if rec.timed:
+            names = tuple([r[0] for r in recs])
+            row += [r[2] - r[1] for r in recs]
+        has_gpu = has_idle = False
+        evs = rec.events
+        if evs:
+            b = self._backend()
+            held = self.held_end
+            if names is not None:
+                offs = self.offsets_ms(evs)
+                row.append(offs[rec.i_end] - offs[rec.i_start])
+                row += [offs[r[4]] - offs[r[3]] for r in recs]
+                has_gpu = True
+                if held is not None and held[0] == rec.number - 1 and held[1] == rec.device:
+                    idle = b.elapsed_ms(held[2], evs[rec.i_start])
+                    for a, c in rec.pauses:
+                        idle -= b.elapsed_ms(a, c)
+                    row.append(idle)
+                    has_idle = True
+            if held is not None:
+                self._free.append(held[2])
+            self._free += evs[: rec.i_end] + evs[rec.i_end + 1 :]
+            self.held_end = (rec.number, rec.device, evs[rec.i_end])
+        for a, c in rec.pauses:
+            self._free += (a, c)
+        self.rows.add((names, has_gpu, has_idle), row)
+        self.rows.warmup = rec.warmup
+        self.last_resolved = rec.number
+        self._on_resolved(rec.number)
+
+    def offsets_ms(self, evs: list[Any]) -> list[float]:
+        """Milliseconds from ``evs[0]`` to each event (one native call where the backend has it)."""
+        b = self._backend()
+        if b.offsets_ms is not None:
+            return b.offsets_ms(evs)
+        return [0.0] + [b.elapsed_ms(evs[0], e) for e in evs[1:]]

@@ -1,0 +1,277 @@
+"""The run summary: per-phase statistics over every step after warm-up, and how it is accumulated.
+
+Windows are added as they are written; their histograms merge by adding bucket counts on the fixed
+grid, so memory stays bounded whatever the run's length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
+from steptimer._window import Packed, Window
+
+
+@dataclass(frozen=True)
+class RankSpread:
+    """One series across ranks: min, mean and max of the ranks' means, and which rank holds each end."""
+
+    min_ms: float
+    mean_ms: float
+    max_ms: float
+    argmin: int
+    argmax: int
+    ranks: int
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """The per-rank section of the summary: each series' spread of the ranks' run means.
+
+    ``series`` maps ``(clock, name)`` (clock ``host`` or ``gpu``) to its spread; ``straggler`` is the
+    spread of ``data + step - backward`` per rank, whose ``argmax`` is the rank that holds the
+    others back. ``reduce_ms`` is this rank's mean host time per round (the statistics' cost).
+    """
+
+    world_size: int
+    ranks: int
+    straggler: RankSpread | None
+    series: Mapping[tuple[str, str], RankSpread]
+    rounds: int
+    reduce_ms: float
+
+    def lines(self) -> list[str]:
+        """The section as text lines, for the summary table's footer."""
+        out = [f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms):"]
+        out.append(f"  {'series':<28} {'min (rank)':>16} {'mean':>10} {'max (rank)':>16}")
+        rows: list[tuple[str, RankSpread]] = []
+        if self.straggler is not None:
+            rows.append(("straggler: data+step-bwd", self.straggler))
+        rows += [(f"{c} {n}", s) for (c, n), s in self.series.items()]
+        for label, s in rows:
+            out.append(
+                f"  {label:<28} {s.min_ms:>10.3f} ({s.argmin:>3}) {s.mean_ms:>10.3f} "
+                f"{s.max_ms:>10.3f} ({s.argmax:>3})"
+            )
+        if self.straggler is not None and self.ranks > 1:
+            s = self.straggler
+            out.append(
+                f"  slowest rank: {s.argmax} (+{s.max_ms - s.min_ms:.3f} ms per step over rank {s.argmin}); "
+                "backward includes waiting for the others' gradients, so read it with care"
+            )
+        out.append(f"  cross-rank statistics cost {self.reduce_ms:.3f} ms per log interval ({self.rounds} rounds)")
+        return out
+
+
+@dataclass(frozen=True)
+class PhaseSummary:
+    """One row of the summary: a phase (or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``).
+
+    ``host``/``gpu`` are per-step statistics over the steps in which the row ran (``gpu`` is None
+    without CUDA or for host-only rows). ``calls_per_step`` is the mean number of entries in those
+    steps (gradient accumulation: forward entered k times). ``share`` is the fraction of wall time
+    (data wait + step) the row takes over the timed steps; the top-level rows add up to 1.
+    ``launch_bound`` is True when the phase's GPU span is no longer than 1.1 × its host span while the
+    host was not running ahead (its median wait in steptimer's event wait under a tenth of the step):
+    the GPU was waiting for the host, and the GPU number includes that idle time.
+    """
+
+    name: str
+    calls_per_step: float
+    host: SeriesStats
+    gpu: SeriesStats | None
+    share: float | None
+    launch_bound: bool
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The end-of-run summary returned by :meth:`StepTimer.close`.
+
+    Rows are in the order phases were first seen, with ``data`` first and ``other``, ``wait`` and
+    ``step`` (and GPU ``idle``) last. ``steps`` counts the steps summarized (after warm-up);
+    ``timed_steps`` those with phase timings (fewer with ``sample_every``).
+    """
+
+    steps: int
+    timed_steps: int
+    warmup_steps: int
+    cuda: bool
+    rows: tuple[PhaseSummary, ...]
+    steps_per_s: float | None
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    notes: tuple[str, ...] = field(default=())
+    ranks: RankSummary | None = None  # per-rank section under torch.distributed (steptimer/_dist.py)
+
+    def __getitem__(self, name: str) -> PhaseSummary:
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise KeyError(f"no row {name!r} in the summary; rows: {[r.name for r in self.rows]}")
+
+    def __contains__(self, name: object) -> bool:
+        return any(row.name == name for row in self.rows)
+
+
+_DERIVED_FIRST = ("data",)
+_DERIVED_LAST = ("other", "wait", "step", "idle")
+
+
+class SummaryAccumulator:
+    """Run-long, bounded accumulation of the windows' steps (after warm-up) for the summary."""
+
+    def __init__(self) -> None:
+        # One row of bucket counts per series, on the fixed grid: adding a window is one np.add.at.
+        self._rows: dict[tuple[str, str], int] = {}
+        self._counts = np.zeros((0, NUM_BUCKETS), dtype=np.int64)
+        self._exact = np.zeros((0, 5))  # count, sum, sum of squares, min, max
+        self.calls: dict[str, int] = {}
+        self.order: dict[str, None] = {}
+        self.steps = 0
+        self.timed_steps = 0
+        self.cycle_ms = 0.0
+        self.timed_cycle_ms = 0.0
+        self.timed_sum_ms: dict[str, float] = {}
+        self.samples: float | None = None
+        self.tokens: float | None = None
+
+    @property
+    def host(self) -> dict[str, LogHistogram]:
+        """The run's host histograms by series name."""
+        return self._histograms("host")
+
+    @property
+    def gpu(self) -> dict[str, LogHistogram]:
+        """The run's GPU histograms by series name."""
+        return self._histograms("gpu")
+
+    def _histograms(self, clock: str) -> dict[str, LogHistogram]:
+        out = {}
+        for (kind, name), r in self._rows.items():
+            if kind != clock:
+                continue
+            h = LogHistogram()
+            nz = np.flatnonzero(self._counts[r])
+            h.counts = dict(zip(nz.tolist(), self._counts[r, nz].tolist()))
+            n, h.sum_ms, h.sumsq_ms, h.min_ms, h.max_ms = self._exact[r].tolist()
+            h.count = int(n)
+            out[name] = h
+        return out
+
+    def add_window(self, window: Window) -> None:
+        """Add a window's steps (a warm-up window is left out)."""
+        p = window.packed
+        if window.warmup or p is None:
+            return
+        self._add_histograms(p)
+        for g in p.groups:
+            self.steps += g.rows
+            self.cycle_ms += g.cycle_ms
+            if g.samples is not None:
+                self.samples = (self.samples or 0.0) + g.samples
+            if g.tokens is not None:
+                self.tokens = (self.tokens or 0.0) + g.tokens
+            if g.names is None:
+                continue
+            for name in g.names:
+                self.order.setdefault(name, None)
+                self.calls[name] = self.calls.get(name, 0) + g.rows
+            self.timed_steps += g.rows
+            self.timed_cycle_ms += g.cycle_ms
+            for (clock, name), total in zip(g.series, g.sums_ms):
+                if clock == "host":
+                    self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + total
+
+    def _add_histograms(self, p: Packed) -> None:
+        rows = self._rows
+        for key, c in zip(p.series, p.count):
+            if c:
+                rows.setdefault(key, len(rows))
+        if len(rows) > len(self._counts):  # grow by doubling: new series appear a few times per run
+            n = max(len(rows), 2 * len(self._counts))
+            grown = np.zeros((n, NUM_BUCKETS), dtype=np.int64)
+            grown[: len(self._counts)] = self._counts
+            exact = np.zeros((n, 5))
+            exact[:, 3], exact[:, 4] = math.inf, -math.inf
+            exact[: len(self._exact)] = self._exact
+            self._counts, self._exact = grown, exact
+        gs = np.array([rows[key] if c else -1 for key, c in zip(p.series, p.count)], dtype=np.int64)
+        np.add.at(self._counts, (gs[p.run_series], p.run_bucket), p.run_count)
+        present = np.flatnonzero(p.count)
+        gp = gs[present]
+        ex = self._exact
+        new = np.array([p.count, p.sum_ms, p.sumsq_ms, p.min_ms, p.max_ms])[:, present]
+        ex[gp, :3] += new[:3].T
+        ex[gp, 3] = np.minimum(ex[gp, 3], new[3])
+        ex[gp, 4] = np.maximum(ex[gp, 4], new[4])
+
+    def summary(self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = ()) -> Summary:
+        first_seen = {n: i for i, n in enumerate(self.order)}
+        host_h, gpu_h = self.host, self.gpu
+
+        def tree_key(name: str) -> tuple[int, ...]:  # parents before children, then first seen
+            parts = name.split("/")
+            prefixes = ["/".join(parts[: k + 1]) for k in range(len(parts))]
+            return tuple(first_seen.get(p, len(first_seen)) for p in prefixes)
+
+        names = [n for n in _DERIVED_FIRST if n in host_h]
+        names += sorted((n for n in self.order if n not in _DERIVED_FIRST and n not in _DERIVED_LAST), key=tree_key)
+        names += [n for n in _DERIVED_LAST if n in host_h or n in gpu_h]
+        # The host ran ahead of the GPU when it spent a tenth of the step blocked in steptimer's wait:
+        # then a phase's GPU span is the GPU's own work even where it is short against the host's.
+        wait_h, step_h = host_h.get("wait"), host_h.get("step")
+        host_ahead = (
+            wait_h is not None and step_h is not None and wait_h.quantile_ms(0.5) > 0.1 * step_h.quantile_ms(0.5)
+        )
+        rows = []
+        for name in names:
+            host = host_h.get(name)
+            gpu = gpu_h.get(name)
+            top_level = "/" not in name and name != "step" and name != "idle"
+            share = None
+            if top_level and self.timed_cycle_ms > 0:
+                total = self.timed_sum_ms.get(name, 0.0)
+                if name == "data":  # data also counts the gap before the step
+                    total = self.timed_sum_ms.get("data", 0.0)
+                share = total / self.timed_cycle_ms
+            host_stats = SeriesStats.of(host) if host is not None else _EMPTY
+            gpu_stats = SeriesStats.of(gpu) if gpu is not None else None
+            launch_bound = (
+                gpu_stats is not None
+                and host is not None
+                and name not in _DERIVED_FIRST + _DERIVED_LAST
+                and gpu_stats.median_ms <= 1.1 * host_stats.median_ms
+                and not host_ahead
+            )
+            steps_ran = host.count if host is not None else (gpu.count if gpu is not None else 0)
+            calls = self.calls.get(name)
+            rows.append(
+                PhaseSummary(
+                    name=name,
+                    calls_per_step=calls / steps_ran if calls is not None and steps_ran else 1.0,
+                    host=host_stats,
+                    gpu=gpu_stats,
+                    share=share,
+                    launch_bound=launch_bound,
+                )
+            )
+        wall_s = self.cycle_ms / 1e3
+        return Summary(
+            steps=self.steps,
+            timed_steps=self.timed_steps,
+            warmup_steps=warmup_steps,
+            cuda=cuda,
+            rows=tuple(rows),
+            steps_per_s=self.steps / wall_s if wall_s > 0 else None,
+            samples_per_s=self.samples / wall_s if self.samples is not None and wall_s > 0 else None,
+            tokens_per_s=self.tokens / wall_s if self.tokens is not None and wall_s > 0 else None,
+            notes=notes,
+        )
+
+
+_EMPTY = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)

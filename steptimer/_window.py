@@ -1,0 +1,328 @@
+"""A log window: the rows of the steps resolved since the last window, and their statistics.
+
+The engine appends one flat row of floats per resolved step (no dict per step, no per-value
+histogram work). Every ``log_every_n_steps`` steps the window's statistics are computed from all of
+its rows at once with numpy: a fixed number of numpy calls per row layout, whatever the number of
+steps or series. Nothing here knows about CUDA, TensorBoard or Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats
+
+# A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
+# times, the GPU step (ms) and one GPU span (ms) per phase entry; with idle, the GPU idle (ms).
+NUMBER, SAMPLES, TOKENS, STEP_S, GAP_S, WAIT_S = range(6)
+LEAD = 6
+
+# A row's layout: (phase entries' names, or None for an untimed step; has GPU times; has GPU idle).
+RowKey = Tuple[Optional[Tuple[str, ...]], bool, bool]
+
+
+class StepRows:
+    """The resolved steps of one log window, as rows grouped by layout (see ``LEAD``)."""
+
+    __slots__ = ("groups", "count", "warmup")
+
+    def __init__(self) -> None:
+        self.groups: dict[RowKey, list[list[float]]] = {}
+        self.count = 0
+        self.warmup = False  # the window's steps are warm-up steps (windows never mix the two)
+
+    def add(self, key: RowKey, row: list[float]) -> None:
+        rows = self.groups.get(key)
+        if rows is None:
+            self.groups[key] = [row]
+        else:
+            rows.append(row)
+        self.count += 1
+
+    def steps(self) -> list[ResolvedStep]:
+        """Per-step values, in step order (for tests and benchmarks; never on the hot path)."""
+        out = []
+        for blk, series in _blocks(self):
+            names = blk.names
+            calls = {n: names.count(n) for n in names} if names is not None else {}
+            for lead, vals, gap_ms in zip(blk.lead.tolist(), blk.derived.tolist(), blk.gap_ms.tolist()):
+                host: dict[str, float] = {"_gap": gap_ms}
+                gpu: dict[str, float] = {}
+                for (clock, name), v in zip(series, vals):
+                    if not math.isnan(v):
+                        (host if clock == "host" else gpu)[name] = v
+                samples, tokens = lead[SAMPLES], lead[TOKENS]
+                out.append(
+                    ResolvedStep(
+                        int(lead[NUMBER]), host, gpu or None, dict(calls),
+                        None if math.isnan(samples) else samples, None if math.isnan(tokens) else tokens,
+                        names is not None, self.warmup,
+                    )
+                )  # fmt: skip
+        return sorted(out, key=lambda st: st.number)
+
+
+class _Layout:
+    """How one row layout turns into series: ``derived = nan_to_num(row) @ transform``, then clamps.
+
+    Built once per layout and cached: a window then costs a handful of numpy calls per layout.
+    """
+
+    def __init__(self, key: RowKey) -> None:
+        names, has_gpu, has_idle = key
+        entries = names or ()
+        r = len(entries)
+        m = LEAD + r + ((1 + r) if has_gpu else 0) + (1 if has_idle else 0)
+        cols: list[dict[int, float]] = []
+        series: list[tuple[str, str]] = []
+
+        def add(clock: str, name: str, coefs: dict[int, float]) -> int:
+            series.append((clock, name))
+            cols.append(coefs)
+            return len(series) - 1
+
+        def entries_of(name: str, first: int, scale: float) -> dict[int, float]:
+            return {first + i: scale for i, n in enumerate(entries) if n == name}
+
+        add("host", "step", {STEP_S: 1e3})
+        uniq = list(dict.fromkeys(entries))
+        top = [i for i, n in enumerate(entries) if "/" not in n]
+        for u in uniq:
+            if u != "data":
+                add("host", u, entries_of(u, LEAD, 1e3))
+        data_col = add("host", "data", {GAP_S: 1e3, **entries_of("data", LEAD, 1e3)})
+        wait_col = add("host", "wait", {WAIT_S: 1e3})
+        clamp = []
+        if names is not None:  # other = step - wait - top-level phases
+            clamp.append(add("host", "other", {STEP_S: 1e3, WAIT_S: -1e3, **{LEAD + i: -1e3 for i in top}}))
+        if has_gpu:
+            g0 = LEAD + r
+            add("gpu", "step", {g0: 1.0})
+            for u in uniq:
+                add("gpu", u, entries_of(u, g0 + 1, 1.0))
+            clamp.append(add("gpu", "other", {g0: 1.0, **{g0 + 1 + i: -1.0 for i in top}}))
+            if has_idle:
+                clamp.append(add("gpu", "idle", {m - 1: 1.0}))
+        t = np.zeros((m, len(series)))
+        for j, coefs in enumerate(cols):
+            for i, c in coefs.items():
+                t[i, j] += c
+        self.transform = t
+        self.series = series
+        self.clamp = np.array(clamp, dtype=np.int64)
+        self.names = names
+        # A value that is NaN in its row makes the series NaN (not 0): wait without CUDA, and data
+        # in the run's first step (no gap before it) unless a data phase ran.
+        self.nan_if = [(wait_col, WAIT_S)] + ([(data_col, GAP_S)] if "data" not in uniq else [])
+
+
+_LAYOUTS: dict[RowKey, _Layout] = {}
+
+
+def _layout(key: RowKey) -> _Layout:
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        if len(_LAYOUTS) > 1024:  # phase names made up per step: keep the cache bounded
+            _LAYOUTS.clear()
+        lay = _LAYOUTS[key] = _Layout(key)
+    return lay
+
+
+class _Block(NamedTuple):
+    """One layout's rows of a window: leading columns (steps x LEAD), derived series (steps x series,
+    ms, NaN where a series has no value in a step), and the data wait before each step (ms)."""
+
+    names: tuple[str, ...] | None
+    lead: np.ndarray
+    derived: np.ndarray
+    gap_ms: np.ndarray
+
+
+def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
+    for key, group in rows.groups.items():
+        lay = _layout(key)
+        a = np.array(group, dtype=np.float64)
+        nan = np.isnan(a)
+        d = np.where(nan, 0.0, a) @ lay.transform
+        if len(lay.clamp):
+            d[:, lay.clamp] = np.maximum(d[:, lay.clamp], 0.0)
+        for col, src in lay.nan_if:
+            d[nan[:, src], col] = np.nan
+        gap = a[:, GAP_S]
+        yield _Block(lay.names, a[:, :LEAD], d, np.where(np.isnan(gap), 0.0, gap) * 1e3), lay.series
+
+
+class GroupTotals(NamedTuple):
+    """Sums over the rows of one layout in a window."""
+
+    names: tuple[str, ...] | None  # the layout's phase entries; None for untimed steps
+    series: list[tuple[str, str]]  # the layout's series
+    rows: int
+    cycle_ms: float  # step + data wait before it
+    samples: float | None  # None: no step gave samples
+    tokens: float | None
+    sums_ms: list[float]  # per layout series, NaN left out
+
+
+_QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
+
+
+class Packed:
+    """A window's statistics as arrays, entry ``k`` for series ``series[k]``, and its histograms as runs
+    of one bucket sorted by (series, bucket): ``bounds[k]:bounds[k + 1]`` are series ``k``'s runs.
+
+    Built by :func:`pack_rows` with a fixed number of numpy calls: one sort by (series, value) gives
+    the quantiles, and bins that come out sorted with it give the histograms.
+    """
+
+    def __init__(self, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> None:
+        """``values[i]`` belongs to series ``series[sid[i]]``; NaN values must be left out."""
+        nser = len(series)
+        self.series = series
+        self.groups: list[GroupTotals] = []
+        order = np.lexsort((values, sid))
+        v = values[order]
+        s = sid[order]
+        counts = np.bincount(s, minlength=nser)
+        starts = np.cumsum(counts) - counts
+        self.count: list[int] = counts.tolist()
+        self.sum_ms: list[float] = np.bincount(s, weights=v, minlength=nser).tolist()
+        self.sumsq_ms: list[float] = np.bincount(s, weights=v * v, minlength=nser).tolist()
+        ranks = np.vstack([starts + np.ceil(_QS * np.maximum(counts, 1)).astype(np.int64) - 1, starts])
+        padded = np.append(v, np.nan)
+        self.max_ms, self.median_ms, self.p90_ms, self.min_ms = padded[np.minimum(ranks, len(v))].tolist()
+        b = np.floor(np.log(np.maximum(v, BASE_MS) / BASE_MS) * INV_LOG_RATIO).astype(np.int64)
+        np.minimum(b, NUM_BUCKETS - 1, out=b)
+        combo = s * NUM_BUCKETS + b  # sorted: values are sorted within each series
+        firsts = np.flatnonzero(np.concatenate(([len(v) > 0], combo[1:] != combo[:-1])))
+        run_combo = combo[firsts]
+        self.run_series = run_combo // NUM_BUCKETS
+        self.run_bucket = run_combo - self.run_series * NUM_BUCKETS
+        self.run_count = np.diff(np.append(firsts, len(combo)))
+        self.bounds: list[int] = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
+
+    def histogram(self, k: int) -> LogHistogram:
+        """Series ``k`` as a :class:`LogHistogram`."""
+        h = LogHistogram()
+        a, b = self.bounds[k], self.bounds[k + 1]
+        h.counts = dict(zip(self.run_bucket[a:b].tolist(), self.run_count[a:b].tolist()))
+        h.count = self.count[k]
+        h.sum_ms, h.sumsq_ms = self.sum_ms[k], self.sumsq_ms[k]
+        h.min_ms, h.max_ms = self.min_ms[k], self.max_ms[k]
+        return h
+
+    def stats(self) -> dict[tuple[str, str], SeriesStats]:
+        """Every non-empty series' statistics."""
+        out = {}
+        for key, c, s, m, p, x in zip(self.series, self.count, self.sum_ms, self.median_ms, self.p90_ms, self.max_ms):
+            if c:
+                out[key] = SeriesStats(c, s / c, m, p, x)
+        return out
+
+    def histograms(self) -> dict[tuple[str, str], LogHistogram]:
+        """Every non-empty series' histogram."""
+        return {key: self.histogram(k) for k, key in enumerate(self.series) if self.count[k]}
+
+
+def pack_rows(rows: StepRows) -> Packed:
+    """A window's statistics and per-layout totals."""
+    index: dict[tuple[str, str], int] = {}
+    vals, sids, totals = [], [], []
+    for blk, series in _blocks(rows):
+        cols = np.array([index.setdefault(s, len(index)) for s in series], dtype=np.int64)
+        vals.append(blk.derived.T.ravel())
+        sids.append(np.repeat(cols, len(blk.derived)))
+        smp, tok = blk.lead[:, SAMPLES], blk.lead[:, TOKENS]
+        totals.append(
+            GroupTotals(
+                blk.names, series, len(blk.lead), float((blk.lead[:, STEP_S] * 1e3 + blk.gap_ms).sum()),
+                None if np.isnan(smp).all() else float(np.nansum(smp)),
+                None if np.isnan(tok).all() else float(np.nansum(tok)),
+                np.nansum(blk.derived, axis=0).tolist(),
+            )
+        )  # fmt: skip
+    values = np.concatenate(vals) if vals else np.zeros(0)
+    sid = np.concatenate(sids) if sids else np.zeros(0, dtype=np.int64)
+    keep = ~np.isnan(values)
+    p = Packed(list(index), values[keep], sid[keep])
+    p.groups = totals
+    return p
+
+
+def series_stats(
+    series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray
+) -> tuple[dict[tuple[str, str], SeriesStats], dict[tuple[str, str], LogHistogram]]:
+    """Exact statistics (nearest-rank quantiles) and log histograms of every non-empty series."""
+    packed = Packed(series, values, sid)
+    return packed.stats(), packed.histograms()
+
+
+@dataclass
+class ResolvedStep:
+    """One step's numbers, in milliseconds (``StepRows.steps()`` builds them from a window's rows, for
+    tests and benchmarks; the engine itself keeps rows).
+
+    ``host_ms``/``gpu_ms`` map phase names and ``step``/``data``/``wait``/``other``/``idle`` to values;
+    a phase that did not run in this step is absent. ``timed`` is False for steps skipped by
+    ``sample_every``: they carry only ``step``, ``data`` and ``wait``.
+    """
+
+    number: int
+    host_ms: dict[str, float]
+    gpu_ms: dict[str, float] | None
+    calls: dict[str, int]
+    samples: float | None = None
+    tokens: float | None = None
+    timed: bool = True
+    warmup: bool = False
+
+
+@dataclass(frozen=True)
+class Window:
+    """What is written every ``log_every_n_steps`` steps: statistics of the steps in the window.
+
+    ``hists`` maps ``("host"|"gpu", name)`` to the window's per-step histogram, so per-step
+    quantiles over a whole run can be recovered from what is written. ``warmup``: its steps are
+    warm-up steps (left out of the summary; a window never mixes warm-up and later steps).
+    """
+
+    step: int
+    steps: int
+    host: Mapping[str, SeriesStats]
+    gpu: Mapping[str, SeriesStats]
+    hists: Mapping[tuple[str, str], LogHistogram]
+    steps_per_s: float
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    warmup: bool = False
+    # More scalars by tag, written as they are (cross-rank statistics: steptimer/_dist.py).
+    extra: Mapping[str, float] = field(default_factory=dict)
+    # The statistics as arrays, for the summary (None for a window built elsewhere, e.g. in tests).
+    packed: Packed | None = field(default=None, repr=False, compare=False)
+
+
+def window_of(rows: StepRows, last_step: int) -> Window:
+    """Statistics of the steps of one log window, ``last_step`` being the number of its last step."""
+    p = pack_rows(rows)
+    wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
+    samples = [g.samples for g in p.groups if g.samples is not None]
+    tokens = [g.tokens for g in p.groups if g.tokens is not None]
+    stats = p.stats()
+    ok = wall_s > 0
+    return Window(
+        step=last_step,
+        steps=rows.count,
+        host={name: st for (clock, name), st in stats.items() if clock == "host"},
+        gpu={name: st for (clock, name), st in stats.items() if clock == "gpu"},
+        hists=p.histograms(),
+        steps_per_s=rows.count / wall_s if ok else math.nan,
+        samples_per_s=sum(samples) / wall_s if samples and ok else None,
+        tokens_per_s=sum(tokens) / wall_s if tokens and ok else None,
+        warmup=rows.warmup,
+        packed=p,
+    )
