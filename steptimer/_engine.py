@@ -143,6 +143,7 @@ class Engine:
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[_Pending] = deque()
+        self._waited = start_step  # the newest step number waited for
         # CUDA, settled at the first step.
         self._cuda_opt = cuda
         self.cuda: bool | None = None
@@ -287,7 +288,7 @@ class Engine:
         if self.in_step:
             self._drop_step()
         if self._pending:
-            if self.cuda:
+            if self.cuda and self._pending[-1].number > self._waited:  # lag 0 waited already
                 self._wait_for(self._pending[-1].number)
             while self._pending:
                 self._resolve(self._pending.popleft())
@@ -383,6 +384,7 @@ class Engine:
         One wait per step; an older pending step on another device is waited for too, since one
         device finishing says nothing of another.
         """
+        self._waited = upto
         due = [rec for rec in self._pending if rec.number <= upto and rec.events]
         if not due:
             return

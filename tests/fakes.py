@@ -15,11 +15,6 @@ from typing import Any
 
 from steptimer._clock import _CudaBackend
 
-# The native extension (_cudart.c) for simulated-GPU backends: tests/test_timer.py runs the engine's
-# suite once with None (phases and windows in Python/numpy) and once with the extension built on this
-# machine (phases and windows in C; no CUDA involved).
-NATIVE_KERNELS: Any = None
-
 
 class FakeClock:
     """Host clock in seconds; time moves only when a test (or a wait) moves it."""
@@ -81,6 +76,9 @@ class FakeGPU:
         if ev.done_at_ms > self.host_ms:
             self.clock.now = ev.done_at_ms / 1e3
 
+    def query(self, ev: FakeEvent) -> bool:
+        return ev.done_at_ms is not None and ev.done_at_ms <= self.host_ms + 1e-9
+
     def new_event(self) -> FakeEvent:
         self.events_created += 1
         return FakeEvent(self)
@@ -91,10 +89,10 @@ class FakeGPU:
             record=self.record,
             elapsed_ms=self.elapsed_ms,
             wait=self.wait,
+            query=self.query,
             stream_key=lambda: self.stream,
             stream_of_key=lambda key: key,
             is_capturing=lambda stream: self.capturing,
-            kernels=NATIVE_KERNELS,
         )
 
 
@@ -137,11 +135,11 @@ def counting_native_waits(make: Callable[[], _CudaBackend], on_wait: Callable[[]
 @contextmanager
 def engine_waits_counted(on_wait: Callable[[], None]) -> Iterator[None]:
     """Timers that settle their CUDA backend inside this block call ``on_wait`` at each native wait."""
-    import steptimer.timer as timer_mod
+    import steptimer._engine as engine_mod
 
-    orig = timer_mod.default_backend
-    timer_mod.default_backend = counting_native_waits(orig, on_wait)  # type: ignore[assignment]
+    orig = engine_mod.default_backend
+    engine_mod.default_backend = counting_native_waits(orig, on_wait)  # type: ignore[assignment]
     try:
         yield
     finally:
-        timer_mod.default_backend = orig  # type: ignore[assignment]
+        engine_mod.default_backend = orig  # type: ignore[assignment]

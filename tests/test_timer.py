@@ -10,33 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import steptimer.timer as timer_mod
+import steptimer._engine as engine_mod
 from steptimer import StepTimer
 from tests.fakes import FakeClock, FakeGPU, ListSink
-
-
-@pytest.fixture(scope="module")
-def native_kernels(tmp_path_factory: pytest.TempPathFactory) -> object:
-    from steptimer import _native
-
-    return _native.load(_native.build(tmp_path_factory.mktemp("native")))
-
-
-@pytest.fixture(autouse=True, params=["python", "native"])
-def engine_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every engine test runs twice on the simulated GPU: phases and windows in Python and numpy, and
-    in the native extension (_cudart.c Phase and window kernels), which must behave the same."""
-    import tests.fakes
-
-    if request.param == "native":
-        monkeypatch.setattr(tests.fakes, "NATIVE_KERNELS", request.getfixturevalue("native_kernels"))
-    return str(request.param)
 
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     c = FakeClock()
-    monkeypatch.setattr(timer_mod, "perf_counter", c)
+    monkeypatch.setattr(engine_mod, "perf_counter", c)
     return c
 
 
@@ -225,13 +207,13 @@ def test_loading_the_cuda_calls_is_not_the_first_steps_time(
         clock.advance_ms(300.0)
         return gpu.backend()
 
-    monkeypatch.setattr(timer_mod, "cuda_usable", lambda: (True, ""))
-    monkeypatch.setattr(timer_mod, "default_backend", slow_backend)
+    monkeypatch.setattr(engine_mod, "cuda_usable", lambda: (True, ""))
+    monkeypatch.setattr(engine_mod, "default_backend", slow_backend)
     sink = ListSink()
     t = StepTimer(_sinks=[sink], warmup_steps=0, print_summary=False, log_every_n_steps=1)
     train_step(t, clock, gpu, host={"forward": 2.0}, kernels={"forward": 1.0})
     t.close()
-    assert t._b is not None and gpu.records > 0  # the settled backend was used
+    assert t._engine.b is not None and gpu.records > 0  # the settled backend was used
     assert sink.windows[0].host["step"].max_ms == pytest.approx(2.0)
 
 
@@ -387,12 +369,15 @@ def test_step_inside_cuda_graph_capture_is_a_clear_error(clock: FakeClock, gpu: 
 
 
 def test_sampled_warmup_steps_are_left_out_of_the_summary(clock: FakeClock, gpu: FakeGPU) -> None:
-    """Untimed steps (most of them, with sample_every) are warm-up steps too."""
+    """Untimed steps (most of them, with sample_every) are warm-up steps too. The warm-up steps get a
+    window of their own (marked warm-up), so no window mixes them with the steps after."""
     t, sink = make(gpu, sample_every=10, warmup_steps=30, log_every_n_steps=100)
     for i in range(100):
         train_step(t, clock, gpu, host={"forward": 50.0 if i < 30 else 1.0}, kernels={"forward": 1.0})
     s = t.close()
-    assert sink.windows[0].steps == 100 and sink.windows[0].host["step"].max_ms == pytest.approx(50.0)
+    warm, rest = sink.windows
+    assert (warm.step, warm.steps, warm.warmup) == (30, 30, True) and warm.host["step"].median_ms == pytest.approx(50.0, rel=0.01)
+    assert (rest.step, rest.steps, rest.warmup) == (100, 70, False) and rest.host["step"].max_ms == pytest.approx(1.0)
     assert s.steps == 70 and s["step"].host.steps == 70 and s["step"].host.max_ms == pytest.approx(1.0)
     assert s.timed_steps == 7
 
@@ -456,7 +441,7 @@ def test_a_stream_switch_between_steps_times_the_new_stream(clock: FakeClock, gp
             gpu.stream = (9, 0, 1)  # the user moved the loop to another stream
         train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 3.0})
     t.close()
-    assert t._stream_key == (9, 0, 1) and t._stream == (9, 0, 1)
+    assert t._engine.stream == (9, 0, 1)
     assert sink.windows[0].gpu["forward"].mean_ms == pytest.approx(3.0)
     assert sink.windows[0].gpu["forward"].steps == 8
 
@@ -481,34 +466,20 @@ def test_step_arguments_after_the_first_step(clock: FakeClock, gpu: FakeGPU) -> 
     assert w.tokens_per_s == pytest.approx(128 / 0.005)
 
 
-def test_lag0_checks_the_stream_at_each_steps_end(clock: FakeClock, gpu: FakeGPU) -> None:
-    """Strict mode moves the stream and capture checks from a step's start (right after the wait,
-    with the GPU idle until the step's first launch) to its end. A stream switch between steps is
-    then seen at that step's end: the step keeps its host times as an untimed step, later steps time
-    the new stream and check it at their start again."""
-    seen: list[int] = []  # phases recorded in the step when the stream was looked up
-
-    def stream_key() -> tuple[int, int, int]:
-        seen.append(len(t._recs))
-        return gpu.stream
-
-    b = dataclasses.replace(gpu.backend(), stream_key=stream_key)
-    sink = ListSink()
-    t = StepTimer(_backend=b, _sinks=[sink], lag=0, log_every_n_steps=8, warmup_steps=0, print_summary=False)
+def test_lag0_times_a_stream_switch_like_any_lag(clock: FakeClock, gpu: FakeGPU) -> None:
+    """Strict mode checks the stream at each step's start, as every lag does: after a switch between
+    steps the next step times the new stream, and every step is waited for."""
+    t, sink = make(gpu, lag=0, log_every_n_steps=8)
     for i in range(8):
         if i == 4:
             gpu.stream = (9, 0, 1)  # the user moved the loop to another stream
         train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 3.0})
     s = t.close()
-    # step 1 settles at its start; steps 2-5 check at their end (5 finds the switch; the C step hands
-    # it to the Python path, which looks once more); steps 6-8 check at their start
-    assert seen in ([0, 1, 1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 1, 0, 0, 0])
-    assert t._stream_key == (9, 0, 1)
+    assert t._engine.stream == (9, 0, 1)
     w = sink.windows[0]
-    assert w.steps == 8 and w.host["forward"].steps == 7 and w.host["step"].steps == 8
-    assert w.gpu["forward"].steps == 7 and w.gpu["forward"].mean_ms == pytest.approx(3.0)
-    assert s.steps == 8 and s.timed_steps == 7
-    assert gpu.waits == 8  # strict: every step waited for, the switched one too
+    assert w.steps == 8 and w.gpu["forward"].steps == 8 and w.gpu["forward"].mean_ms == pytest.approx(3.0)
+    assert s.steps == 8 and s.timed_steps == 8
+    assert gpu.waits == 8  # strict: one wait per step
 
 
 def test_sampled_timing_times_one_step_per_block_at_jittered_offsets(clock: FakeClock, gpu: FakeGPU) -> None:
@@ -576,7 +547,9 @@ def test_keyboard_interrupt_inside_with_flushes(tmp_path: Path, clock: FakeClock
                     with t.step():
                         raise KeyboardInterrupt
     vals = scalars(tmp_path)
-    assert vals["steptimer/host/forward_ms"] == [(7, pytest.approx(1.0))]
+    # the 5 warm-up steps' window, then the rest, written at close by the `with` block
+    assert vals["steptimer/host/forward_ms"] == [(5, pytest.approx(1.0)), (7, pytest.approx(1.0))]
+    assert vals["steptimer/run/warmup_steps"] == [(5, 5.0)]
 
 
 def test_memory_is_bounded(clock: FakeClock, gpu: FakeGPU) -> None:
@@ -787,61 +760,3 @@ def test_unhandled_ctrl_c_without_close_still_writes_every_step(tmp_path: Path) 
     vals = scalars(tmp_path)
     assert [s for s, _ in vals["steptimer/host/forward_ms"]] == [7]
     assert "forward" in proc.stdout  # the summary table was printed at exit
-
-
-def test_steps_and_phases_run_in_c_where_the_extension_is(clock: FakeClock, gpu: FakeGPU, engine_impl: str) -> None:
-    """The parametrized suite really runs both implementations: C phases with the extension on a GPU
-    backend, Python ones without it (and always for host-only timing)."""
-    t, _ = make(gpu)
-    for _ in range(3):
-        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 1.0})
-    native = engine_impl == "native"
-    assert type(t._phase_cms["forward"]).__name__ == ("Phase" if native else "_Phase")
-    # The step too: the first step settles CUDA in Python; the next ones are C steps with C records.
-    assert type(t._step_cm).__name__ == ("Step" if native else "_Step")
-    assert [type(p).__name__ for p in t._pending] == (["Pending", "Pending"] if native else ["_Pending"] * 2)
-    # timer.phase(name) itself: a C lookup in front of StepTimer.phase, which still checks new names.
-    assert type(t.phase).__name__ == ("PhaseOf" if native else "method")
-    with pytest.raises(ValueError, match="reserved"):
-        t.phase("step")
-    with pytest.raises(ValueError, match="invalid phase name"):
-        t.phase(name="a b")
-    assert t.phase(name="forward") is t.phase("forward") is t._phase_cms["forward"]
-    s, _ = make(gpu, sample_every=1000)
-    bound = s.phase  # StepTimer.phase, bound before the first step: it must give the same no-op
-    with s.step(), s.phase("forward"):  # the first step settles CUDA, off the short path
-        pass
-    kinds = set()
-    for _ in range(3):  # the timed step is one of the first 1000 (fixed seed): not one of these 3
-        with s.step():
-            assert s._untimed  # on the untimed short path (C or Python)
-            cm = s.phase("forward")
-            with cm:
-                pass
-            assert bound("forward") is cm
-        kinds.add(type(cm).__name__)
-    assert kinds == ({"Null"} if native else {"_Null"})
-    assert s.close().steps == 4
-    h, _ = make()
-    train_step(h, clock, None, host={"forward": 1.0})
-    assert type(h._phase_cms["forward"]).__name__ == "_Phase"
-    assert type(h._step_cm).__name__ == "_Step"
-
-
-def test_native_steps_and_phases_read_the_same_clock_as_perf_counter(engine_impl: str) -> None:
-    """With the real clock, the C step and phase read CLOCK_MONOTONIC themselves: their times must be
-    time.perf_counter()'s, bracketed by calls made around them."""
-    from time import perf_counter
-
-    gpu = FakeGPU(FakeClock())
-    t, _ = make(gpu)
-    for _ in range(3):
-        before = perf_counter()
-        with t.step():
-            with t.phase("forward"):
-                pass
-            inside = list(t._recs)
-        after = perf_counter()
-        ((name, t_in, t_out, _, _),) = inside
-        assert name == "forward" and before <= t._t0 <= t_in <= t_out <= t._gap_start <= after
-    assert type(t._phase_cms["forward"]).__name__ == ("Phase" if engine_impl == "native" else "_Phase")
