@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from steptimer._stats import LogHistogram, StepRows, bucket_index, series_stats, window_of
+from steptimer._histogram import LogHistogram, bucket_index
+from steptimer._window import StepRows, pack_rows, window_of
 
 NAN = math.nan
 
@@ -38,9 +39,9 @@ def test_series_stats_match_per_value_references(n: int) -> None:
         fwd.append(h * 1e3)
         gfwd.append(g)
         # number, samples, tokens, step_s, gap_s, wait_s | host forward (s) | GPU step, forward (ms)
-        rows.add((("forward",), True, False), [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, h, g + 1.0, g], warmup=False)
-    m = rows.matrix()
-    stats, hists = series_stats(m.series, *m.ragged())
+        rows.add((("forward",), True, False), [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, h, g + 1.0, g])
+    p = pack_rows(rows)
+    stats, hists = p.stats(), p.histograms()
     for key, values in ((("host", "forward"), fwd), (("gpu", "forward"), gfwd)):
         st, h, ref = stats[key], hists[key], _hist(values)
         assert h.counts == ref.counts and set(h.counts) == {bucket_index(v) for v in values}
@@ -60,9 +61,9 @@ def test_rows_derive_data_other_idle_and_repeated_phases() -> None:
     # step 1: no gap yet (first step), no idle; step 2: gap 2 ms, GPU idle 0.25 ms
     host_s = [0.001, 0.0005, 0.002, 0.0003]
     gpu_ms = [1.5, 0.5, 2.5, 0.1]
-    rows.add((names, True, False), [1, NAN, 64.0, 0.010, NAN, 0.001, *host_s, 5.0, *gpu_ms], warmup=True)
-    rows.add((names, True, True), [2, NAN, 64.0, 0.010, 0.002, 0.001, *host_s, 5.0, *gpu_ms, 0.25], warmup=False)
-    rows.add((None, False, False), [3, NAN, 64.0, 0.008, 0.001, 0.0005], warmup=False)  # untimed step
+    rows.add((names, True, False), [1, NAN, 64.0, 0.010, NAN, 0.001, *host_s, 5.0, *gpu_ms])
+    rows.add((names, True, True), [2, NAN, 64.0, 0.010, 0.002, 0.001, *host_s, 5.0, *gpu_ms, 0.25])
+    rows.add((None, False, False), [3, NAN, 64.0, 0.008, 0.001, 0.0005])  # untimed step
     w = window_of(rows, 3)
     assert w.step == 3 and w.steps == 3
     assert w.host["forward"].steps == 2 and w.host["forward"].mean_ms == pytest.approx(3.0)
@@ -84,13 +85,13 @@ def test_rows_derive_data_other_idle_and_repeated_phases() -> None:
     assert per_step[0].calls == {"forward": 2, "forward/inner": 1, "data": 1}
     assert "data" in per_step[0].host_ms and per_step[2].gpu_ms is None and not per_step[2].timed
     assert per_step[1].gpu_ms is not None and per_step[1].gpu_ms["idle"] == pytest.approx(0.25)
-    assert rows.warm == 1 and [s.warmup for s in per_step] == [True, False, False]
+    assert [s.warmup for s in per_step] == [False, False, False]
 
 
 def test_series_without_values_are_left_out() -> None:
     """Host-only rows carry NaN for the wait: no 'wait' series, no GPU series."""
     rows = StepRows()
-    rows.add((("forward",), False, False), [1, NAN, NAN, 0.004, NAN, NAN, 0.001], warmup=False)
+    rows.add((("forward",), False, False), [1, NAN, NAN, 0.004, NAN, NAN, 0.001])
     w = window_of(rows, 1)
     assert set(w.host) == {"step", "forward", "other"} and not w.gpu
     assert w.host["other"].mean_ms == pytest.approx(3.0)
