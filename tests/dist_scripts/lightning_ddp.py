@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--accelerator", default="cpu")
     a = p.parse_args()
     data = TensorDataset(torch.randn(4096, 32), torch.randn(4096, 1))
-    cb = StepTimerCallback(log_every_n_steps=10, warmup_steps=2)
+    cb = StepTimerCallback(log_every_n_steps=10, warmup_steps=0)
     trainer = pl.Trainer(
         accelerator=a.accelerator, devices=2, strategy="ddp", max_steps=a.steps, log_every_n_steps=10,
         logger=TensorBoardLogger(a.log_dir, name="", version=""), callbacks=[cb],

@@ -78,7 +78,7 @@ def main() -> None:
     steps = a.short_steps if rank == a.short_rank else a.steps
     x = torch.randn(a.batch, a.width, device=device)
     timer = StepTimer(
-        log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=2, cuda=a.cuda or False,
+        log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=0, cuda=a.cuda or False,
         cross_rank_timeout_s=a.timeout,
     )
     t0 = time.perf_counter()
