@@ -122,8 +122,10 @@ def _records(path: str) -> list[bytes]:
         with open(path, "rb") as f:
             return list(read_records(f))
     except RecordError as err:
+        what = "truncated" if "truncated" in str(err) else "corrupt"
         raise LogError(
-            f"{path}: {err}; if the run is still writing, wait for it to finish or close the writer"
+            f"{path}: {what} event file ({err}); if the run is still writing, wait for it to finish or "
+            "close the writer"
         ) from None
     except OSError as err:
         raise LogError(f"{path}: can't read event file ({err.strerror or err})") from None

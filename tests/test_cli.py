@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 import steptimer
+import steptimer._engine as engine_mod
 import steptimer._trace as trace_mod
-import steptimer.timer as timer_mod
+import steptimer._tracefile as tracefile_mod
 from steptimer import StepTimer
 from tests.fakes import FakeClock, FakeGPU
 
@@ -41,7 +42,7 @@ def report_json(path: Path, *extra: str) -> dict[str, Any]:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     c = FakeClock()
-    monkeypatch.setattr(timer_mod, "perf_counter", c)
+    monkeypatch.setattr(engine_mod, "perf_counter", c)
     monkeypatch.setattr(trace_mod, "perf_counter", c)
     return c
 
@@ -122,7 +123,7 @@ def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
     """Logs without histograms (a logger that only takes scalars) still report, and say so."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from steptimer._stats import StepRows, window_of
+    from steptimer._window import StepRows, window_of
     from steptimer._tensorboard import window_scalars
 
     nan = float("nan")
@@ -134,7 +135,6 @@ def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
             rows.add(
                 (("forward",), False, False),
                 [5 * k + i + 1, nan, nan, (10 + k + i) / 1e3, 2e-3, nan, (4 + k) / 1e3],
-                False,
             )
         win = window_of(rows, 5 * k + 5)
         means.append(win.host["forward"].mean_ms)
@@ -341,7 +341,7 @@ def test_trace_host_only(tmp_path: Path, clock: FakeClock) -> None:
     t.close()
     doc = json.loads(cli("trace", str(tmp_path), "-o", "-").stdout)
     slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    assert {e["tid"] for e in slices} == {trace_mod.HOST_TID} and doc["metadata"]["gpu"] is False
+    assert {e["tid"] for e in slices} == {tracefile_mod.HOST_TID} and doc["metadata"]["gpu"] is False
     assert [e["name"] for e in slices if e["cat"] == "phase"] == ["forward", "forward/inner"] * 3
     steps = [e for e in slices if e["cat"] == "step"]
     assert [e["dur"] for e in steps] == pytest.approx([3000.0] * 3)
@@ -457,8 +457,8 @@ def test_trace_on_gpu(tmp_path: Path) -> None:
     _gpu_run(tmp_path, "gpu")
     doc = json.loads(cli("trace", str(tmp_path), "-o", "-").stdout)
     slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    gpu = [e for e in slices if e["tid"] == trace_mod.GPU_TID]
-    host = [e for e in slices if e["tid"] == trace_mod.HOST_TID]
+    gpu = [e for e in slices if e["tid"] == tracefile_mod.GPU_TID]
+    host = [e for e in slices if e["tid"] == tracefile_mod.HOST_TID]
     assert len([e for e in gpu if e["cat"] == "phase"]) == 6
     assert len([e for e in host if e["cat"] == "phase"]) == 6
     # The anchor places GPU times late by the wait's wake-up latency, never early: in a GPU-bound
