@@ -173,7 +173,7 @@ class RecordingTimer:  # built lazily so this module imports without torch for t
                 super().__init__(**kw2)
 
             def _take_window(self) -> Any:
-                self.resolved.extend(self._rows.steps())
+                self.resolved.extend(self._engine.rows.steps())
                 return super()._take_window()
 
         kw.setdefault("print_summary", False)

@@ -262,12 +262,12 @@ def test_tables_render_from_results() -> None:
 
 def test_recording_timer_keeps_every_step_with_its_gpu_and_host_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """The truth checks read per-step values from RecordingTimer: one per step, in order, exact."""
-    import steptimer.timer as timer_mod
+    import steptimer._engine as engine_mod
     from bench.truth import RecordingTimer
     from tests.fakes import FakeClock, FakeGPU
 
     clock = FakeClock()
-    monkeypatch.setattr(timer_mod, "perf_counter", clock)
+    monkeypatch.setattr(engine_mod, "perf_counter", clock)
     gpu = FakeGPU(clock)
     timer = RecordingTimer.make(_backend=gpu.backend(), log_every_n_steps=4, lag=1)
     for i in range(1, 11):

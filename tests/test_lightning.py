@@ -91,6 +91,7 @@ class WallGPU:
             record=record,
             elapsed_ms=lambda a, b: (b[0] - a[0]) * 1e3,
             wait=self._wait,
+            query=lambda ev: True,
             stream_key=lambda: (1, 0, 1),
             stream_of_key=lambda key: key,
             is_capturing=lambda stream: False,
@@ -261,10 +262,10 @@ class SyncCounter:
             key = f"{getattr(owner, '__name__', owner)}.{name}"
             monkeypatch.setattr(owner, name, self._counter(key, getattr(owner, name)))
         # The engine's waits through its native CUDA calls bypass torch: counted as Event.synchronize.
-        import steptimer.timer as timer_mod
+        import steptimer._engine as engine_mod
 
         native_wait = self._counter("Event.synchronize", lambda: None)
-        monkeypatch.setattr(timer_mod, "default_backend", counting_native_waits(timer_mod.default_backend, native_wait))
+        monkeypatch.setattr(engine_mod, "default_backend", counting_native_waits(engine_mod.default_backend, native_wait))
 
     def _counter(self, key: str, orig: Any) -> Any:
         def count(*args: Any, **kwargs: Any) -> Any:
