@@ -18,6 +18,7 @@ Three measurements, each in one process on one GPU:
 from __future__ import annotations
 
 import math
+import dataclasses
 import tempfile
 import time
 from collections.abc import Callable
@@ -683,7 +684,7 @@ def phase_gap(steps: int = 3000) -> dict[str, Any]:
     between two back-to-back wrapped calls) and disabling sharing so every phase records.
     Also the fraction of steps in which the unpatched engine shared events as designed.
     """
-    import steptimer.timer as engine
+    import steptimer._engine as engine
 
     small = torch.zeros(1, device="cuda")
     # 1) the unpatched engine: how many records per step with 4 back-to-back phases?
@@ -691,14 +692,14 @@ def phase_gap(steps: int = 3000) -> dict[str, Any]:
     counts: list[int] = []
     with timer.step():
         pass
-    real_record = timer._record
+    backend = timer._engine.b
     n_rec = [0]
 
     def counting(e: Any, s: Any) -> None:
         n_rec[0] += 1
-        real_record(e, s)
+        backend.record(e, s)
 
-    timer._record = counting
+    timer._engine.b = dataclasses.replace(backend, record=counting)
     for _ in range(steps):
         n_rec[0] = 0
         with timer.step():
@@ -760,39 +761,6 @@ def phase_gap(steps: int = 3000) -> dict[str, Any]:
 # --------------------------------------------------------------------------- host cost per step
 
 
-def _without_kernels() -> Any:
-    """The default backend without the native kernels: steps, phases and windows in Python and numpy
-    (the CUDA calls stay native). Runs N-P called this variant ``default-numpywindows``."""
-    import dataclasses
-
-    from steptimer._clock import default_backend
-
-    return dataclasses.replace(default_backend(), kernels=None)
-
-
-class _Without:
-    """The native module without some of its C types: the engine then runs those parts in Python."""
-
-    def __init__(self, mod: Any, *names: str) -> None:
-        self._mod = mod
-        self._names = names
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._names:
-            raise AttributeError(name)
-        return getattr(self._mod, name)
-
-
-def _python(*names: str) -> Any:
-    """The default backend with the C types ``names`` ("Step", "Phase", ...) left to their Python twins."""
-    import dataclasses
-
-    from steptimer._clock import default_backend
-
-    b = default_backend()
-    return dataclasses.replace(b, kernels=_Without(b.kernels, *names) if b.kernels is not None else None)
-
-
 def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
     """Host µs added per step with no GPU work ("empty") and with one tiny kernel per phase."""
     small = torch.zeros(1, device="cuda")
@@ -851,8 +819,7 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         return f
 
     def make_lookup(timer: Any) -> Callable[[int], float]:
-        """The README's loop: ``timer.step()`` and ``timer.phase(...)`` looked up at each call, which
-        after the first step finds the C step and phase lookup (``_cudart.c``) on the instance."""
+        """The README's loop: ``timer.step()`` and ``timer.phase(...)`` looked up at each call."""
 
         def f(n: int) -> float:
             t0 = pc()
@@ -875,14 +842,8 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         ("default", {"log_dir": ...}, ("empty", "tiny")),
         # The same, its step() and phase() looked up at each call (make_lookup).
         ("default-lookup", {"log_dir": ...}, ("empty",)),
-        # The same engine on torch's Python event API (the fallback where _cudart.c can't be built).
+        # The same engine on torch's Python event API (the fallback where the _cudart.c shim can't be built).
         ("default-torchapi", {"log_dir": ..., "_backend": torch_backend()}, ("empty",)),
-        # The same engine with its window statistics through numpy (where _cudart.c can't be built).
-        ("default-nokernels", {"log_dir": ..., "_backend": _without_kernels()}, ("empty",)),
-        # The same engine with its steps' enter/exit in Python (_Step) instead of _cudart.c's Step, then
-        # with its phases' too (_Phase instead of Phase); windows native in both.
-        ("default-pysteps", {"log_dir": ..., "_backend": _python("Step")}, ("empty",)),
-        ("default-pyphases", {"log_dir": ..., "_backend": _python("Step", "Phase", "PhaseOf", "Null")}, ("empty",)),
         ("lag0", {"lag": 0, "log_dir": ...}, ("empty", "tiny")),
         ("sampled100", {"sample_every": 100, "log_dir": ...}, ("empty", "tiny")),
         # Where the host time goes: without the TensorBoard sink, without the cross-rank
@@ -961,7 +922,7 @@ _NOOP = _Noop()
 
 class NoopApi:
     """StepTimer's ``step``/``phase`` API with context managers that do nothing: CPython's own cost of
-    the ``with`` statements (``ref_with_api``, and ``bench/lag0_probe.py``'s ``ev5esync_api``)."""
+    the ``with`` statements (``ref_with_api``)."""
 
     def step(self, samples: float | None = None) -> _Noop:
         return _NOOP
