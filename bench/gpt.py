@@ -229,7 +229,13 @@ class Trainer:
     """
 
     def __init__(
-        self, cfg: GPTConfig, device: torch.device, *, compile: bool = False, data_path: str | None = None, seed: int = 0
+        self,
+        cfg: GPTConfig,
+        device: torch.device,
+        *,
+        compile: bool = False,
+        data_path: str | None = None,
+        seed: int = 0,
     ) -> None:
         self.cfg = cfg
         self.device = device

@@ -44,8 +44,26 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `steptimer` i
 
 import torch  # noqa: E402
 
-from bench._stats import RatioStats, fmt_num, fmt_pct, fmt_spread, format_table, median, ratio_stats, round_order  # noqa: E402
-from bench.gpt import PRESETS, GPTConfig, Trainer, flops_per_iter, mfu, n_params, train_bare, train_steptimer  # noqa: E402
+from bench._stats import (  # noqa: E402
+    RatioStats,
+    fmt_num,
+    fmt_pct,
+    fmt_spread,
+    format_table,
+    median,
+    ratio_stats,
+    round_order,
+)
+from bench.gpt import (  # noqa: E402
+    PRESETS,
+    GPTConfig,
+    Trainer,
+    flops_per_iter,
+    mfu,
+    n_params,
+    train_bare,
+    train_steptimer,
+)
 from steptimer import StepTimer, Summary  # noqa: E402
 
 MODES = {"off": ("eager",), "on": ("compiled",), "both": ("eager", "compiled")}
@@ -78,7 +96,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- measuring
 
 
-def run_mode(cfg: GPTConfig, device: torch.device, args: argparse.Namespace, mode: str, log: Callable[[str], None]) -> dict[str, Any]:
+def run_mode(
+    cfg: GPTConfig, device: torch.device, args: argparse.Namespace, mode: str, log: Callable[[str], None]
+) -> dict[str, Any]:
     """Warm up, then interleave bare and timed rounds of one mode; returns its numbers (see :func:`analyze`)."""
     t = Trainer(cfg, device, compile=mode == "compiled", data_path=args.data)
     t_start = time.perf_counter()
@@ -87,11 +107,12 @@ def run_mode(cfg: GPTConfig, device: torch.device, args: argparse.Namespace, mod
     log(f"{mode}: {args.warmup} warm-up iterations in {warmup_s:.1f} s")
     log_dir = os.path.join(args.out, "tb", mode)
     shutil.rmtree(log_dir, ignore_errors=True)  # our own directory: a rerun must not mix in old event files
-    # One timer for all timed rounds, paused around the bare ones: it counts its steps like a real
-    # run does, and its warm-up (its first steps: event pool, phase objects, the first TensorBoard
-    # write) is paid once, in a round of its own before the measured rounds. That round is also its
-    # first log window (log_every_n_steps = iters), which `steptimer report --skip-steps` drops.
-    # pause() keeps the bare rounds out of steptimer's data wait and GPU idle.
+    # One timer for all timed rounds, paused around the bare ones: it counts its steps as in a real
+    # run, and its warm-up (first steps: the event pool filling, phase objects made, first calls) is
+    # paid once, in a round of its own before the measured rounds, not in every round as a timer per
+    # round would. That round is also its first log window (log_every_n_steps = iters), which
+    # `steptimer report --skip-steps` drops. pause() keeps the bare rounds out of steptimer's data
+    # wait and GPU idle.
     timer = StepTimer(log_dir=log_dir, warmup_steps=args.iters, log_every_n_steps=args.iters, print_summary=False)
     train_steptimer(t, timer, args.iters)
     bare: list[list[float]] = []
@@ -161,7 +182,7 @@ def analyze(
     top = [r for r in summary.rows if "/" not in r.name and r.name not in ("step", "idle")]
     gpu_rows = [r for r in top if r.gpu is not None]
     return {
-        "clock_ms": {"bare": [[dt * 1e3 for dt in r] for r in bare], "steptimer": [[dt * 1e3 for dt in r] for r in timed]},
+        "clock_ms": {"bare": _ms(bare), "steptimer": _ms(timed)},
         "bare_median_ms": median(bare_all) * 1e3,
         "bare_mean_ms": fmean(bare_all) * 1e3,
         "steptimer_median_ms": clock_median_ms,
@@ -178,12 +199,16 @@ def analyze(
         "warmup_steps": summary.warmup_steps,
         "share_sum": math.fsum(r.share for r in top if r.share is not None),
         "gpu_sum_rows": [r.name for r in gpu_rows],
-        "gpu_sum_ms": math.fsum(r.gpu.mean_ms for r in gpu_rows) if gpu_rows and step.gpu else None,  # type: ignore[union-attr]
+        "gpu_sum_ms": math.fsum(r.gpu.mean_ms for r in gpu_rows if r.gpu) if gpu_rows and step.gpu else None,
         "gpu_step_ms": step.gpu.mean_ms if step.gpu else None,
         "launch_bound": [r.name for r in summary.rows if r.launch_bound],
         "rows": [dataclasses.asdict(r) for r in summary.rows],
         "notes": list(summary.notes),
     }
+
+
+def _ms(rounds: list[list[float]]) -> list[list[float]]:
+    return [[dt * 1e3 for dt in r] for r in rounds]
 
 
 # --------------------------------------------------------------------------- tables
@@ -227,12 +252,13 @@ def arithmetic_table(res: dict[str, dict[str, Any]]) -> str:
     for mode, r in res.items():
         rep = r["report"]
         tok = r["tokens_per_s"]
+        gpu_sum, gpu_step = r["gpu_sum_ms"], r["gpu_step_ms"]
         rows.append([
             mode,
             f"{r['steps']} / {r['expected_steps']}",
             str(rep.get("steps", "n/a")),
             f"{r['share_sum']:.9f}",
-            f"{fmt_num(r['gpu_sum_ms'])} / {fmt_num(r['gpu_step_ms'])} ({fmt_pct(_ratio(r['gpu_sum_ms'], r['gpu_step_ms']))})",
+            f"{fmt_num(gpu_sum)} / {fmt_num(gpu_step)} ({fmt_pct(_ratio(gpu_sum, gpu_step))})",
             f"{fmt_num(tok['steptimer'], 0)} / {fmt_num(tok['trainer'], 0)}",
         ])  # fmt: skip
     headers = ["mode", "steps summarized / expected", "steps in report", "top-level shares sum",
@@ -244,11 +270,13 @@ def phase_table(r: dict[str, Any]) -> str:
     rows = []
     for row in r["rows"]:
         host, gpu = row["host"], row["gpu"] or {}
-        rows.append([row["name"], fmt_num(row["calls_per_step"], 1), fmt_num(host["mean_ms"]), fmt_num(host["median_ms"]),
+        rows.append([row["name"], fmt_num(row["calls_per_step"], 1),
+                     fmt_num(host["mean_ms"]), fmt_num(host["median_ms"]),
                      fmt_num(gpu.get("mean_ms")), fmt_num(gpu.get("median_ms")),
                      "n/a" if row["share"] is None else f"{100 * row['share']:.2f} %",
                      "yes" if row["launch_bound"] else ""])  # fmt: skip
-    headers = ["phase", "calls/step", "host mean ms", "host median ms", "GPU mean ms", "GPU median ms", "share", "launch-bound"]
+    headers = ["phase", "calls/step", "host mean ms", "host median ms", "GPU mean ms", "GPU median ms", "share",
+               "launch-bound"]  # fmt: skip
     return format_table(headers, rows)
 
 
