@@ -314,7 +314,9 @@ def train_steptimer(t: Trainer, timer: Any, iters: int) -> list[float]:
                 opt.step()
             with timer.phase("zero_grad"):
                 opt.zero_grad(set_to_none=True)
-        t.loss = loss.item() * accum
+            # The log line's sync, inside the step: its wait for the GPU is host time of this step
+            # (host `other`), not data wait before the next one.
+            t.loss = loss.item() * accum
         t1 = perf_counter()
         dts.append(t1 - t0)
         t0 = t1
