@@ -79,7 +79,16 @@ def window_summary(window: Window, *, scalars: bool = True) -> Any:
     if scalars:
         for tag, v in window_scalars(window).items():
             add(tag=tag, simple_value=v)
-    for (clock, name), h in window.hists.items():
+    p = window.packed
+    if p is not None:  # straight from the window's arrays: no LogHistogram per series
+        for (clock, name), k, limits, counts in p.buckets():
+            hp = add(tag=f"steptimer/hist_{clock}/{name}_ms").histo
+            hp.min, hp.max, hp.num, hp.sum = p.min_ms[k], p.max_ms[k], p.count[k], p.sum_ms[k]
+            hp.sum_squares = p.sumsq_ms[k]
+            hp.bucket_limit.extend(limits)
+            hp.bucket.extend(counts)
+        return summary
+    for (clock, name), h in window.hists.items():  # a window built elsewhere (tests, tools)
         limits, counts = h.buckets()
         hp = add(tag=f"steptimer/hist_{clock}/{name}_ms").histo
         hp.min, hp.max, hp.num, hp.sum, hp.sum_squares = h.min_ms, h.max_ms, h.count, h.sum_ms, h.sumsq_ms

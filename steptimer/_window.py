@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats
+from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats, bucket_upper_ms
 
 # A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
 # times, the GPU step (ms) and one GPU span (ms) per phase entry; with idle, the GPU idle (ms).
@@ -170,6 +170,7 @@ class GroupTotals(NamedTuple):
 
 
 _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
+UPPER_MS = np.array([bucket_upper_ms(i) for i in range(NUM_BUCKETS)])
 
 
 class Packed:
@@ -227,6 +228,33 @@ class Packed:
     def histograms(self) -> dict[tuple[str, str], LogHistogram]:
         """Every non-empty series' histogram."""
         return {key: self.histogram(k) for k, key in enumerate(self.series) if self.count[k]}
+
+    def buckets(self) -> Iterator[tuple[tuple[str, str], int, list[float], list[float]]]:
+        """Per non-empty series: its key, index, and its histogram's non-empty buckets as upper edges
+        (ms) and counts, without a :class:`LogHistogram` (what the TensorBoard sink writes)."""
+        limits = UPPER_MS[self.run_bucket].tolist()
+        counts = self.run_count.astype(np.float64).tolist()
+        b = self.bounds
+        for k, key in enumerate(self.series):
+            if self.count[k]:
+                yield key, k, limits[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]
+
+
+class _Hists(Mapping[Tuple[str, str], LogHistogram]):
+    """A window's histograms by ``(clock, name)``, each built from the packed runs when read."""
+
+    def __init__(self, packed: Packed) -> None:
+        self._p = packed
+        self._index = {key: k for k, key in enumerate(packed.series) if packed.count[k]}
+
+    def __getitem__(self, key: tuple[str, str]) -> LogHistogram:
+        return self._p.histogram(self._index[key])
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
 
 
 def pack_rows(rows: StepRows) -> Packed:
@@ -319,7 +347,7 @@ def window_of(rows: StepRows, last_step: int) -> Window:
         steps=rows.count,
         host={name: st for (clock, name), st in stats.items() if clock == "host"},
         gpu={name: st for (clock, name), st in stats.items() if clock == "gpu"},
-        hists=p.histograms(),
+        hists=_Hists(p),
         steps_per_s=rows.count / wall_s if ok else math.nan,
         samples_per_s=sum(samples) / wall_s if samples and ok else None,
         tokens_per_s=sum(tokens) / wall_s if tokens and ok else None,
