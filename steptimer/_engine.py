@@ -219,13 +219,15 @@ class Engine:
         self._pending.append(rec)
         # Wait on the end of step N - lag (N itself with lag 0), then resolve every step up to it,
         # except this one: it is resolved at the next step's end (or close), inside that step's time.
+        # Steps waited for already (with lag 0, all before this one) are resolved before the wait,
+        # while the GPU still runs this step: after a lag 0 wait the GPU sits idle until the next launch.
         due = number - self.lag if self.cuda else number  # host only: nothing to wait for
+        self._resolve_upto(min(self._waited, number - 1))
         tw = perf_counter()
         if self.cuda:
             self._wait_for(due)
             rec.wait_s = perf_counter() - tw
-        while self._pending[0] is not rec and self._pending[0].number <= due:
-            self._resolve(self._pending.popleft())
+        self._resolve_upto(min(due, number - 1))
         t_end = perf_counter()
         rec.step_s = t_end - self._t0
         self._gap_start = t_end
@@ -270,6 +272,11 @@ class Engine:
         self._recs.append((full, t_in, t1, i_in, i_out))
         if self._gpu:
             self._last_t = perf_counter()
+
+    def _resolve_upto(self, upto: int) -> None:
+        pending = self._pending
+        while pending and pending[0].number <= upto:
+            self._resolve(pending.popleft())
 
     def begin_pause(self) -> tuple[float, Any]:
         if self.in_step:
