@@ -80,17 +80,23 @@ class RunReport:
         return None
 
 
-def analyze(run: RunLog, *, skip_steps: int = 0) -> RunReport:
+def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -> RunReport:
     """Per-phase statistics, shares, throughput and verdict of one run.
 
     Args:
         run: What steptimer wrote to the run's directory.
-        skip_steps: Leave out the windows that end at or before this step (warm-up is logged).
+        skip_steps: Leave out the windows that end at or before this step.
+        include_warmup: Count the warm-up steps too. By default their windows (tagged
+            ``steptimer/run/warmup_steps``) are left out, as the end-of-run summary leaves them out.
     """
-    windows = [s for s, _ in run.scalars.get("steps_per_s", []) if s > skip_steps]
+    warm = {s: int(v) for s, v in run.scalars.get("run/warmup_steps", [])}
+    skip = set() if include_warmup else set(warm)
+    windows = [s for s, _ in run.scalars.get("steps_per_s", []) if s > skip_steps and s not in skip]
     if not windows:
-        windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps})
+        windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in skip})
     notes: list[str] = []
+    if warm and not include_warmup:
+        notes.append(f"{sum(warm.values())} warm-up steps left out, as in the summary (--include-warmup counts them)")
     of_steps = bool(run.hists)
     if not of_steps:
         notes.append(

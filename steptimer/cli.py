@@ -42,14 +42,16 @@ def _parser() -> argparse.ArgumentParser:
         type=_nonneg,
         default=0,
         metavar="N",
-        help="leave out the windows that end at or before step N (e.g. warm-up)",
+        help="leave out the windows that end at or before step N",
     )
+    r.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
     r.set_defaults(func=_cmd_report)
     c = sub.add_parser("compare", help="per-phase change from RUN_A to RUN_B, with a noise note")
     c.add_argument("run_a")
     c.add_argument("run_b")
     c.add_argument("--json", action="store_true")
     c.add_argument("--skip-steps", type=_nonneg, default=0, metavar="N")
+    c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
     c.set_defaults(func=_cmd_compare)
     t = sub.add_parser(
         "trace",
@@ -80,7 +82,9 @@ def _nonneg(text: str) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    reports = [analyze(run, skip_steps=args.skip_steps) for run in find_runs(args.logdir)]
+    reports = [
+        analyze(run, skip_steps=args.skip_steps, include_warmup=args.include_warmup) for run in find_runs(args.logdir)
+    ]
     reports = [r for r in reports if r.steps]
     if not reports:
         raise LogError(f"{args.logdir}: no logged windows after step {args.skip_steps}")
@@ -170,20 +174,20 @@ def _print_report(console: Any, r: RunReport) -> None:
 # ---------------------------------------------------------------------- compare
 
 
-def _one_run(path: str, skip: int) -> RunReport:
+def _one_run(path: str, skip: int, include_warmup: bool) -> RunReport:
     runs = find_runs(path)
     if len(runs) > 1:
         names = ", ".join(r.name for r in runs[:5])
         raise LogError(f"{path}: holds {len(runs)} runs ({names}...); compare takes one run directory each")
-    rep = analyze(runs[0], skip_steps=skip)
+    rep = analyze(runs[0], skip_steps=skip, include_warmup=include_warmup)
     if not rep.steps:
         raise LogError(f"{path}: no logged windows after step {skip}")
     return rep
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    a = _one_run(args.run_a, args.skip_steps)
-    b = _one_run(args.run_b, args.skip_steps)
+    a = _one_run(args.run_a, args.skip_steps, args.include_warmup)
+    b = _one_run(args.run_b, args.skip_steps, args.include_warmup)
     deltas = compare(a, b)
     if args.json:
         out = {

@@ -472,3 +472,26 @@ def test_trace_on_gpu(tmp_path: Path) -> None:
     fwd_gpu = [e for e in gpu if e["name"] == "forward"]
     fwd_host = [e for e in host if e["name"] == "forward"]
     assert sum(e["dur"] for e in fwd_gpu) > 2 * sum(e["dur"] for e in fwd_host)
+
+
+def test_report_agrees_with_the_summary_and_leaves_out_warm_up(tmp_path: Path, clock: FakeClock) -> None:
+    """The report and the end-of-run summary of one run give the same answer: warm-up steps (a
+    compile-like 1 s forward here) are left out of both, unless --include-warmup."""
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False)
+    for i in range(42):
+        clock.advance_ms(2.0)
+        with t.step(), t.phase("forward"):
+            clock.advance_ms(1000.0 if i < 5 else 1.0 + (i % 3))
+    s = t.close()
+    (run,) = report_json(tmp_path)["runs"]
+    rows = {r["name"]: r for r in run["rows"]}
+    assert run["steps"] == s.steps == 37
+    for name in ("forward", "step", "data"):
+        assert rows[name]["host"]["max_ms"] == pytest.approx(s[name].host.max_ms)
+        assert rows[name]["host"]["median_ms"] == pytest.approx(s[name].host.median_ms)
+        assert rows[name]["share"] == pytest.approx(s[name].share)
+    assert run["steps_per_s"] == pytest.approx(s.steps_per_s)
+    assert "5 warm-up steps left out" in cli("report", str(tmp_path)).stdout
+    (everything,) = report_json(tmp_path, "--include-warmup")["runs"]
+    assert everything["steps"] == 42
+    assert {r["name"]: r for r in everything["rows"]}["forward"]["host"]["max_ms"] == pytest.approx(1000.0)
