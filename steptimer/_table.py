@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 from steptimer._summary import PhaseSummary, Summary
 
@@ -18,12 +19,18 @@ def _label(row: PhaseSummary) -> str:
     return "  " * depth + row.name.rsplit("/", 1)[-1]
 
 
-def render(summary: Summary) -> str:
-    """The table as text (what :func:`print_summary` prints)."""
+# Below this many columns the table leaves out the max columns and shortens its headers, so it fits
+# an 80-column terminal without cutting a phase name.
+_FULL_WIDTH = 100
+
+
+def render(summary: Summary, width: int = 120) -> str:
+    """The table as text, laid out for a terminal ``width`` columns wide (what :func:`print_summary`
+    prints)."""
     from rich.console import Console
 
-    console = Console(width=120, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
-    console.print(build_table(summary))
+    console = Console(width=width, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(build_table(summary, width))
     for line in footer(summary):
         console.print(line, markup=False, highlight=False)
     text = console.export_text()
@@ -42,8 +49,8 @@ def footer(summary: Summary) -> list[str]:
         lines.append("throughput: " + ", ".join(r for r in rates if r))
     if any(r.launch_bound for r in summary.rows):
         lines.append(
-            "* launch-bound: the phase's GPU span is at most 1.1x its host span, so the GPU waited "
-            "for the host to launch work and the GPU number includes that idle time."
+            "* launch-bound: the phase's GPU span is at most 1.1x its host span, so the GPU "
+            "waited for the host to launch work and the GPU number includes that idle time."
         )
     lines.extend(summary.notes)
     if summary.ranks is not None:
@@ -51,29 +58,33 @@ def footer(summary: Summary) -> list[str]:
     return lines
 
 
-def build_table(summary: Summary):  # type: ignore[no-untyped-def]
+def build_table(summary: Summary, width: int = 120):  # type: ignore[no-untyped-def]
+    """The summary as a ``rich`` table. Narrower than ``_FULL_WIDTH``: median and p90 only, short
+    headers (ms). The phase column is never cut."""
     from rich.table import Table
 
+    full = width >= _FULL_WIDTH
     mode = "CUDA events + host clock" if summary.cuda else "host clock only"
     sampled = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed"
     table = Table(
         title=f"steptimer: {summary.steps} steps{sampled} ({summary.warmup_steps} warm-up left out), {mode}",
         title_justify="left",
     )
-    table.add_column("phase")
-    table.add_column("calls/step", justify="right")
+    labels = [_label(row) for row in summary.rows]
+    table.add_column("phase", no_wrap=True, min_width=max(map(len, labels), default=5))
+    table.add_column("calls/step" if full else "calls", justify="right")
+    stats = ("median", "p90", "max") if full else ("median", "p90")
     for clock in (("GPU",) if summary.cuda else ()) + ("host",):
-        for stat in ("median", "p90", "max"):
-            table.add_column(f"{clock} {stat} ms", justify="right")
+        for stat in stats:
+            table.add_column(f"{clock} {stat} ms" if full else f"{clock} {stat[:3]}", justify="right")
     table.add_column("share", justify="right")
-    for row in summary.rows:
-        cells = [_label(row), f"{row.calls_per_step:g}"]
+    for label, row in zip(labels, summary.rows):
+        cells = [label, f"{row.calls_per_step:g}"]
         if summary.cuda:
             g = row.gpu
             mark = "*" if row.launch_bound else ""
-            cells += [_ms(g.median_ms) + mark if g else "-", _ms(g.p90_ms) if g else "-", _ms(g.max_ms) if g else "-"]
-        h = row.host
-        cells += [_ms(h.median_ms), _ms(h.p90_ms), _ms(h.max_ms)]
+            cells += [(_ms(getattr(g, f"{st}_ms")) if g else "-") + (mark if st == "median" else "") for st in stats]
+        cells += [_ms(getattr(row.host, f"{st}_ms")) for st in stats]
         cells.append("-" if row.share is None else f"{100 * row.share:.1f}%")
         table.add_row(*cells)
     return table
@@ -83,6 +94,6 @@ def print_summary(summary: Summary) -> None:
     from rich.console import Console
 
     console = Console()
-    console.print(build_table(summary))
+    console.print(build_table(summary, console.width))
     for line in footer(summary):
         console.print(line, markup=False, highlight=False)
