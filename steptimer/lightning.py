@@ -496,9 +496,11 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if self._saw_forward or not self._saw_backward or self._no_forward_warned:
             return
         self._no_forward_warned = True
-        hooked = [n or "the LightningModule" for n, _ in self._hooked]
+        names = [n for n, _ in self._hooked]
+        hooked = [n or "the LightningModule" for n in names]
         # What training_step may call instead: the model modules one level below the hooked ones.
         deeper = [f"{n}.{m}" if n else m for n, mod in self._hooked for m, _ in _model_modules(mod)]
+        deeper = [n for n in deeper if n not in names]
         hint = (
             f"pass the ones it calls, e.g. StepTimerCallback(forward_module={deeper[:4]!r})"
             if deeper
