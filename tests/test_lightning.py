@@ -1065,6 +1065,161 @@ def test_gpu_callback_matches_plain_loop(precision: str, monkeypatch: pytest.Mon
         assert abs(a.median_ms - b.median_ms) <= 0.05 * a.median_ms, "\n".join(lines)
 
 
+class ProjectedMSE(torch.nn.Module):
+    """A criterion with GPU work worth timing (two matmuls with a fixed buffer) and no parameters."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("proj", torch.randn(width, width) / width**0.5)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(a @ self.proj, b @ self.proj)
+
+
+def gpu_parts(width: int) -> dict[str, torch.nn.Module]:
+    """The same modules, weights and buffers for the plain loop and the LightningModule."""
+
+    def mlp(n_out: int) -> torch.nn.Sequential:
+        return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, n_out))
+
+    torch.manual_seed(0)
+    return {
+        "encoder": mlp(width), "decoder": mlp(width), "criterion": ProjectedMSE(width),
+        "metric": MeanAbsError(0.0), "generator": mlp(width), "discriminator": mlp(1),
+    }
+
+
+def bce(logits: torch.Tensor, target: float) -> torch.Tensor:
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["autoencoder", "gan"])
+def test_gpu_split_without_self_call_matches_plain_loop(kind: str) -> None:
+    """No self(x), no arguments: GPU forward/loss/backward/optimizer agree with a plain loop (5 %).
+
+    ``autoencoder``: self.encoder, self.decoder, a criterion module, then a metric update (automatic
+    optimization). ``gan``: generator and discriminator with two optimizers (manual optimization).
+    """
+    import pytorch_lightning as pl
+
+    from steptimer import StepTimer
+
+    width, batch, steps, warmup = 4096, 8192, 25, 5
+    torch.manual_seed(1)
+    x = torch.randn(batch, width, device="cuda")
+    z = torch.randn(batch, width, device="cuda")
+
+    # The plain loop, by hand, as a user would phase it.
+    m = torch.nn.ModuleDict(gpu_parts(width)).cuda()
+    timer = StepTimer(cuda=True, warmup_steps=warmup, print_summary=False, log_every_n_steps=1000)
+
+    def update(loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+        with timer.phase("zero_grad"):
+            opt.zero_grad()
+        with timer.phase("backward"):
+            loss.backward()
+        with timer.phase("clip"):
+            pass
+        with timer.phase("optimizer"):
+            opt.step()
+
+    if kind == "autoencoder":
+        opt = torch.optim.SGD([*m["encoder"].parameters(), *m["decoder"].parameters()], lr=1e-3)
+        for _ in range(steps):
+            with timer.step():
+                with timer.phase("forward"):
+                    x_hat = m["decoder"](m["encoder"](x))
+                with timer.phase("loss"):
+                    loss = m["criterion"](x_hat, x)
+                    m["metric"](x_hat.detach(), x)
+                update(loss, opt)
+    else:
+        opt_g = torch.optim.SGD(m["generator"].parameters(), lr=1e-3)
+        opt_d = torch.optim.SGD(m["discriminator"].parameters(), lr=1e-3)
+        for _ in range(steps):
+            with timer.step():
+                with timer.phase("forward"):
+                    fake = m["generator"](z)
+                    d_fake = m["discriminator"](fake)
+                with timer.phase("loss"):
+                    g_loss = bce(d_fake, 1.0) + m["criterion"](fake, x)
+                update(g_loss, opt_g)
+                with timer.phase("forward"):
+                    d_real, d_fake = m["discriminator"](x), m["discriminator"](fake.detach())
+                with timer.phase("loss"):
+                    d_loss = (bce(d_real, 1.0) + bce(d_fake, 0.0)) / 2
+                update(d_loss, opt_d)
+    plain = timer.close()
+    del m
+
+    class AutoEncoder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, module in gpu_parts(width).items():
+                if name not in ("generator", "discriminator"):
+                    setattr(self, name, module)
+            self.register_buffer("x", x.cpu(), persistent=False)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            z = self.encoder(self.x)
+            x_hat = self.decoder(z)
+            loss = self.criterion(x_hat, self.x)
+            self.metric(x_hat.detach(), self.x)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class GAN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            for name, module in gpu_parts(width).items():
+                if name in ("generator", "discriminator", "criterion"):
+                    setattr(self, name, module)
+            self.register_buffer("x", x.cpu(), persistent=False)
+            self.register_buffer("z", z.cpu(), persistent=False)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt_g, opt_d = self.optimizers()
+            fake = self.generator(self.z)
+            g_loss = bce(self.discriminator(fake), 1.0) + self.criterion(fake, self.x)
+            opt_g.zero_grad()
+            self.manual_backward(g_loss)
+            opt_g.step()
+            d_loss = (bce(self.discriminator(self.x), 1.0) + bce(self.discriminator(fake.detach()), 0.0)) / 2
+            opt_d.zero_grad()
+            self.manual_backward(d_loss)
+            opt_d.step()
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (self.generator, self.discriminator)]
+
+    cb = StepTimerCallback(warmup_steps=warmup, print_summary=False)
+    tr = pl.Trainer(
+        accelerator="cuda", devices=1, max_steps=steps * (2 if kind == "gan" else 1), callbacks=[cb],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    # The batch is a plain int (nothing to copy to the GPU): the inputs live on the module.
+    tr.fit(AutoEncoder() if kind == "autoencoder" else GAN(), DataLoader(range(steps * 4), batch_size=4, collate_fn=len))
+    ours = cb.summary
+    assert ours is not None and ours.cuda and ours.steps == plain.steps == steps - warmup
+
+    lines = [f"{kind}: phase GPU median ms (calls/step), plain loop vs StepTimerCallback()"]
+    for name in ("forward", "loss", "zero_grad", "backward", "clip", "optimizer", "step"):
+        a, b = plain[name], ours[name]
+        lines.append(
+            f"  {name:10s} {a.gpu.median_ms if a.gpu else float('nan'):9.3f} ({a.calls_per_step:g})"
+            f" {b.gpu.median_ms if b.gpu else float('nan'):9.3f} ({b.calls_per_step:g})"
+        )
+    print("\n".join(lines))
+    for name in ("forward", "loss", "backward", "optimizer"):
+        a, b = plain[name].gpu, ours[name].gpu
+        assert a is not None and b is not None
+        assert abs(a.median_ms - b.median_ms) <= 0.05 * a.median_ms, "\n".join(lines)
+
+
 @pytest.mark.parametrize("flavour_name", ["pytorch_lightning", "lightning.pytorch"])
 def test_sampling_lengthens_the_trainers_log_interval(flavour_name: str) -> None:
     """With sample_every=3 and the Trainer's interval 5, windows are 30 steps: ~10 timed steps each."""
