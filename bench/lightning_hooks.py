@@ -54,12 +54,13 @@ def make_module(n: int, shape: str) -> Any:
 
         def training_step(self, x: torch.Tensor, batch_idx: int) -> torch.Tensor:
             if shape == "deep":
-                return self.model(x).sum()
-            if shape == "direct":
+                x = self.model(x)
+            elif shape == "direct":
                 for layer in self.layers:
                     x = layer(x)
-                return x.sum()
-            return self(x).sum()
+            else:
+                x = self(x)
+            return x.sum()
 
     return Layers()
 
@@ -120,7 +121,7 @@ def main() -> None:
     torch.set_num_threads(1)
     gc.disable()
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, CPU, 1 thread")
-    print("| N | shape | hooked calls/step | bare µs/step | with hooks µs/step | added µs/step | added µs/hooked call |")
+    print("| N | shape | hooked calls/step | bare µs/step | with hooks µs/step | added µs/step | per hooked call |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for n in a.sizes:
         for shape in SHAPES:

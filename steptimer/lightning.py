@@ -12,7 +12,7 @@ Where each phase starts and ends (``docs/lightning.md`` has the full table):
 - ``forward``: the model's module calls inside ``training_step``: forward pre/post hooks on the
   LightningModule and its outermost submodules with parameters (or on the ``forward_module`` names).
 - ``loss``: the rest of ``training_step`` after the first forward, up to zero_grad, backward or the
-  update (criterion and metric modules hold no parameters, or are metrics: they are not hooked).
+  update. A criterion (no parameters) and metrics are not hooked: their time is ``loss``.
 - ``zero_grad``: ``on_before_zero_grad`` (automatic) or the start of ``opt.zero_grad()`` (manual) to
   the end of the optimizer's ``zero_grad``.
 - ``backward``: ``on_before_backward`` to ``on_after_backward``.
@@ -25,7 +25,7 @@ Where each phase starts and ends (``docs/lightning.md`` has the full table):
 
 Costs: per timed step, the engine's event records (one per phase boundary) and its one lagged wait.
 The callback itself adds a few Python calls per hook and never synchronizes the device; each hooked
-module call costs about 1.5 µs of host time (``bench/lightning_hooks.py``), and only the outermost
+module call costs about 2 µs of host time (``bench/lightning_hooks.py``), and only the outermost
 modules with parameters are hooked, never every leaf.
 """
 
@@ -613,7 +613,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def _hook_model(self, pl_module: Any) -> None:
         """Hook the forward of the model's modules and gate the hooks on ``training_step``.
 
-        Registered once per fit. Each hooked call costs about 1.5 µs of host time, so only the
+        Registered once per fit. Each hooked call costs about 2 µs of host time, so only the
         outermost modules are hooked: the LightningModule (``self(x)``) and its outermost submodules
         with parameters (``_model_modules``), never every leaf of a deep model.
         """

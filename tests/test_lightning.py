@@ -712,7 +712,8 @@ def test_hooks_only_on_outermost_model_modules_once() -> None:
             self.metric = MeanAbsError(0.0)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            seen.append({n or "self": len(m._forward_pre_hooks) for n, m in self.named_modules() if m._forward_pre_hooks})
+            hooks = {n or "self": len(m._forward_pre_hooks) for n, m in self.named_modules()}
+            seen.append({n: k for n, k in hooks.items() if k})
             (x,) = batch
             out = self.nets["disc"](self.nets["gen"](self.model(self.frozen(x))))
             self.metric(out, out)
@@ -1202,7 +1203,8 @@ def test_gpu_split_without_self_call_matches_plain_loop(kind: str) -> None:
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )
     # The batch is a plain int (nothing to copy to the GPU): the inputs live on the module.
-    tr.fit(AutoEncoder() if kind == "autoencoder" else GAN(), DataLoader(range(steps * 4), batch_size=4, collate_fn=len))
+    module = AutoEncoder() if kind == "autoencoder" else GAN()
+    tr.fit(module, DataLoader(range(steps * 4), batch_size=4, collate_fn=len))
     ours = cb.summary
     assert ours is not None and ours.cuda and ours.steps == plain.steps == steps - warmup
 
