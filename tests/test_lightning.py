@@ -424,7 +424,7 @@ def test_resume_continues_the_step_counter(tmp_path: Path) -> None:
 # 1 ms check can't absorb; a nap is a known time at a known place in the code, and `forward`/`loss`
 # must read exactly the naps placed in them. (The real clock is covered by the 50 ms sleep tests.)
 FWD_S, LOSS_S = 0.020, 0.010  # naps per step in the model and in the loss; distinct, so a swap fails
-SPLIT_TOL_MS = 1e-6
+SPLIT_TOL_MS = 1e-6  # the bar is 1 ms; on the virtual clock a right split reads exactly
 CLOCK = FakeClock()
 
 
