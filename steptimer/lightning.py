@@ -9,8 +9,10 @@ Where each phase starts and ends (``docs/lightning.md`` has the full table):
 
 - ``data``: ``on_train_batch_end`` to the next ``on_train_batch_start`` (fetch, batch transfer, other
   callbacks' batch-end work). Validation inside it is paused and reported as ``steptimer/val_ms``.
-- ``forward``: forward pre/post hooks on the LightningModule (or on ``forward_module``).
-- ``loss``: the rest of ``training_step`` after forward, up to zero_grad, backward or the update.
+- ``forward``: the model's module calls inside ``training_step``: forward pre/post hooks on the
+  LightningModule and its outermost submodules with parameters (or on the ``forward_module`` names).
+- ``loss``: the rest of ``training_step`` after the first forward, up to zero_grad, backward or the
+  update. A criterion (no parameters) and metrics are not hooked: their time is ``loss``.
 - ``zero_grad``: ``on_before_zero_grad`` (automatic) or the start of ``opt.zero_grad()`` (manual) to
   the end of the optimizer's ``zero_grad``.
 - ``backward``: ``on_before_backward`` to ``on_after_backward``.
@@ -22,7 +24,9 @@ Where each phase starts and ends (``docs/lightning.md`` has the full table):
   ``optimizer.step``; the closure is never billed here.
 
 Costs: per timed step, the engine's event records (one per phase boundary) and its one lagged wait.
-The callback itself adds a few Python calls per hook and never synchronizes the device.
+The callback itself adds a few Python calls per hook and never synchronizes the device; each hooked
+module call costs about 2 µs of host time (``bench/lightning_hooks.py``), and only the outermost
+modules with parameters are hooked, never every leaf.
 """
 
 from __future__ import annotations
@@ -163,6 +167,39 @@ class _UserPhase:
         cb._timer.phase(self._name).__exit__(et, ev, tb)
 
 
+def _valid_names(names: Any) -> bool:
+    """Whether ``forward_module`` is a non-empty name or a non-empty list/tuple of them."""
+    if isinstance(names, str):
+        return bool(names)
+    return isinstance(names, (list, tuple)) and bool(names) and all(isinstance(n, str) and n for n in names)
+
+
+def _is_metric(module: Any) -> bool:
+    # By class name, not isinstance: importing torchmetrics only to ask would cost ~1 s at start.
+    return any(c.__name__ == "Metric" and c.__module__.startswith("torchmetrics") for c in type(module).__mro__)
+
+
+def _model_modules(module: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """The outermost submodules of ``module`` that are model: they hold parameters and are no metric.
+
+    Parameter-free modules (``nn.CrossEntropyLoss``, activations) and metrics are what ``loss``
+    calls. A container with no ``forward`` of its own (``nn.ModuleList``, ``nn.ModuleDict``) can't be
+    called, so its children are looked at instead (``self.nets["gen"](z)``). Frozen parameters count:
+    a frozen backbone (``BaseFinetuning`` freezes it before training starts) is still the model.
+    """
+    from torch import nn
+
+    found = []
+    for name, child in module.named_children():
+        if _is_metric(child) or next(child.parameters(), None) is None:
+            continue
+        if type(child).forward is nn.Module.forward:
+            found += _model_modules(child, f"{prefix}{name}.")
+        else:
+            found.append((prefix + name, child))
+    return found
+
+
 class StepTimerCallback(*_BASES):  # type: ignore[misc]
     """Times each optimizer step's phases in a Lightning Trainer; no change to the LightningModule.
 
@@ -183,8 +220,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         cuda: None uses CUDA events when the LightningModule is on a CUDA device; True requires
             CUDA; False times the host only.
         sample_every: Time the phases of one step in every ``sample_every``.
-        forward_module: Name of the submodule (``"net"``, ``"model.encoder"``) whose forward is
-            ``forward``, for a ``training_step`` that calls ``self.net(x)`` instead of ``self(x)``.
+        forward_module: Name, or names, of the submodules (``"net"``, ``["model.encoder",
+            "model.decoder"]``) whose calls in ``training_step`` are ``forward``. None hooks the
+            LightningModule and its outermost submodules with parameters (not metrics), which covers
+            ``self(x)``, ``self.model(x)`` and ``self.encoder(x); self.decoder(z)``.
         batch_size_fn: ``batch -> samples`` for ``steptimer/samples_per_s``.
         tokens_fn: ``batch -> tokens`` for ``steptimer/tokens_per_s``.
         histograms: Write per-window histograms to TensorBoard loggers.
@@ -205,7 +244,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         lag: int = 2,
         cuda: bool | None = None,
         sample_every: int = 1,
-        forward_module: str | None = None,
+        forward_module: str | Sequence[str] | None = None,
         batch_size_fn: Callable[[Any], float] | None = None,
         tokens_fn: Callable[[Any], float] | None = None,
         histograms: bool = True,
@@ -215,9 +254,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
-        if forward_module is not None and (not isinstance(forward_module, str) or not forward_module):
+        if forward_module is not None and not _valid_names(forward_module):
             raise ValueError(
-                f"forward_module must be the name of a submodule (e.g. 'net'), got {forward_module!r}"
+                "forward_module must be the name of a submodule (e.g. 'net') or a list of names, "
+                f"got {forward_module!r}"
             )
         for name, fn in (("batch_size_fn", batch_size_fn), ("tokens_fn", tokens_fn)):
             if fn is not None and not callable(fn):
@@ -241,7 +281,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._sink: _LoggerSink | None = None
         self._user_phases: dict[str, _UserPhase] = {}
         self._handles: list[Any] = []
-        self._patched: list[tuple[Any, str]] = []
+        self._patched: list[tuple[Any, str, Any]] = []
+        self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._reset_batch_state()
 
     def _reset_batch_state(self) -> None:
@@ -252,7 +293,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._update_open = False  # the update began and its step post-hook has not fired yet
         self._will_step = True
         self._manual = False
-        self._fwd_depth = 0
+        self._fwd_depth = 0  # nested hooked calls (self(x) calling self.encoder) count once
+        self._in_training_step = False  # forward hooks count only inside training_step ...
+        self._in_backward = False  # ... and not in backward (activation checkpointing re-runs forward)
         self._zg_depth = 0
         self._saw_forward = False
         self._saw_backward = False
@@ -440,11 +483,19 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if self._saw_forward or not self._saw_backward or self._no_forward_warned:
             return
         self._no_forward_warned = True
-        target = f"forward_module={self.forward_module!r}" if self.forward_module else "the LightningModule"
+        names = [n for n, _ in self._hooked]
+        hooked = [n or "the LightningModule" for n in names]
+        # What training_step may call instead: the model modules one level below the hooked ones.
+        deeper = [f"{n}.{m}" if n else m for n, mod in self._hooked for m, _ in _model_modules(mod)]
+        deeper = [n for n in deeper if n not in names]
+        hint = (
+            f"pass the ones it calls, e.g. StepTimerCallback(forward_module={deeper[:4]!r})"
+            if deeper
+            else "it calls no module with parameters; time it with callback.phase('forward')"
+        )
         warnings.warn(
-            f"StepTimerCallback: training_step never called the forward of {target}, so no `forward` or "
-            "`loss` phase was timed (that time is in `other`). If training_step calls a submodule "
-            "(e.g. self.net(x)), pass StepTimerCallback(forward_module='net').",
+            f"StepTimerCallback: training_step called none of the modules hooked for `forward` ({hooked}), "
+            f"so no `forward` or `loss` phase was timed (that time is in `other`); {hint}.",
             stacklevel=2,
         )
 
@@ -490,12 +541,14 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self._in_backward = True
         if self._in_batch:
             self._saw_backward = True
             self._switch("backward")
 
     @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self._in_backward = False
         if self._in_batch:
             self._switch("clip" if self._manual or self._will_step else None)
 
@@ -530,18 +583,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     def _install(self, trainer: Any, pl_module: Any) -> None:
         self._uninstall()
-        target = pl_module
-        if self.forward_module is not None:
-            try:
-                target = pl_module.get_submodule(self.forward_module)
-            except AttributeError:
-                names = [n for n, _ in pl_module.named_modules() if n][:20]
-                raise ValueError(
-                    f"forward_module={self.forward_module!r} is not a submodule of "
-                    f"{type(pl_module).__name__}; its submodules: {names}"
-                ) from None
-        self._handles.append(target.register_forward_pre_hook(self._forward_pre))
-        self._handles.append(target.register_forward_hook(self._forward_post, always_call=True))
+        self._hook_model(pl_module)
         raw = list(trainer.optimizers)
         for opt in raw:
             self._handles.append(opt.register_step_post_hook(self._optimizer_post))
@@ -555,38 +597,86 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         else:
             self._patch(pl_module, "configure_gradient_clipping", self._clipping_wrapper)
 
+    def _hook_model(self, pl_module: Any) -> None:
+        """Hook the forward of the model's modules and gate the hooks on ``training_step``.
+
+        Registered once per fit. Each hooked call costs about 2 µs of host time, so only the
+        outermost modules are hooked: the LightningModule (``self(x)``) and its outermost submodules
+        with parameters (``_model_modules``), never every leaf of a deep model.
+        """
+        if self.forward_module is None:
+            targets = [("", pl_module), *_model_modules(pl_module)]
+        else:
+            names = [self.forward_module] if isinstance(self.forward_module, str) else self.forward_module
+            targets = []
+            for name in names:
+                try:
+                    targets.append((name, pl_module.get_submodule(name)))
+                except AttributeError:
+                    subs = [n for n, _ in pl_module.named_modules() if n][:20]
+                    raise ValueError(
+                        f"forward_module={name!r} is not a submodule of "
+                        f"{type(pl_module).__name__}; its submodules: {subs}"
+                    ) from None
+        self._hooked = targets
+        for _, module in targets:
+            self._handles.append(module.register_forward_pre_hook(self._forward_pre))
+            self._handles.append(module.register_forward_hook(self._forward_post, always_call=True))
+        self._patch(pl_module, "training_step", self._training_step_wrapper)
+
     def _patch(self, obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Wrap ``obj.attr`` with an instance attribute (removed at teardown; the class is untouched)."""
+        """Wrap ``obj.attr`` with an instance attribute (undone at teardown; the class is untouched)."""
         if not hasattr(obj, attr) or "__dict__" not in dir(obj):
             return
         orig = getattr(obj, attr)
         wrapper = functools.wraps(orig)(make(orig))  # `__wrapped__` keeps is_overridden() truthful
         wrapper._steptimer = True  # type: ignore[attr-defined]
+        # An instance attribute already there (Lightning's `from_compiled` sets `training_step`) is
+        # put back at teardown, not deleted.
+        self._patched.append((obj, attr, obj.__dict__.get(attr)))
         setattr(obj, attr, wrapper)
-        self._patched.append((obj, attr))
 
     def _uninstall(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for obj, attr in self._patched:
+        self._hooked = []
+        for obj, attr, before in reversed(self._patched):
             if getattr(obj.__dict__.get(attr), "_steptimer", False):
-                delattr(obj, attr)
+                if before is None:
+                    delattr(obj, attr)
+                else:
+                    setattr(obj, attr, before)
         self._patched = []
 
+    def _training_step_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        # The forward hooks count only in here: not a callback's or validation's self(x), and not the
+        # outer call of the LightningModule that DDP's forward redirection wraps around training_step.
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            if not self._in_batch:
+                return orig(*args, **kwargs)
+            self._in_training_step = True
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self._in_training_step = False
+                self._fwd_depth = 0
+
+        return training_step
+
     def _forward_pre(self, module: Any, args: Any) -> None:
-        if not self._in_batch:
+        if not self._in_training_step or self._in_backward:
             return
         self._fwd_depth += 1
-        if self._fwd_depth == 1:
+        if self._fwd_depth == 1:  # the outermost hooked call: self(x) calling self.encoder counts once
             self._saw_forward = True
             self._switch("forward")
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
-        if not self._in_batch or self._fwd_depth == 0:
+        if not self._in_training_step or self._in_backward or self._fwd_depth == 0:
             return
         self._fwd_depth -= 1
-        if self._fwd_depth == 0:
+        if self._fwd_depth == 0:  # several calls (encoder, then decoder) are several `forward` spans
             self._switch("loss")
 
     def _zero_grad_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -660,7 +750,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 f"validation: {len(self._val_ms)} run(s), {mean:.1f} ms mean, paused (not counted as data)"
             )
         if self._no_forward_warned:
-            notes.append("no forward phase: training_step never called the hooked module's forward")
+            notes.append("no forward phase: training_step called none of the modules hooked for forward")
         self.summary = dataclasses.replace(summary, notes=tuple(notes))
         if self.print_summary and trainer.is_global_zero:
             from steptimer._table import print_summary
