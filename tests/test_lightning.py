@@ -435,9 +435,9 @@ def nap(seconds: float) -> None:
 
 @pytest.fixture
 def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    import steptimer.timer as timer_mod
+    import steptimer._engine as engine_mod
 
-    monkeypatch.setattr(timer_mod, "perf_counter", CLOCK)
+    monkeypatch.setattr(engine_mod, "perf_counter", CLOCK)
     return CLOCK
 
 
