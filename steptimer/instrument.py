@@ -1,0 +1,438 @@
+"""Zero-edit front door: :func:`instrument` times a plain training loop's phases from hooks.
+
+    timer = steptimer.instrument(model, optimizer, log_dir="runs/exp1")
+    for x, y in loader:
+        loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+    timer.close()
+
+A step runs from the first training forward (or a ``zero_grad`` that opens the loop body) to the
+end of the optimizer step (or of the ``zero_grad`` that follows it). The phase boundaries, all taken
+on the thread that called :func:`instrument` (docs/instrument.md has the table and the traps):
+
+- ``forward``: the model's forward pre-hook to its forward hook (``always_call=True``).
+- ``loss``: the end of forward to the next boundary (normally backward's start).
+- ``backward``: ``torch.autograd.backward`` (what ``loss.backward()`` calls) entered to returned:
+  the whole backward, gradient accumulation and DDP's reduction included.
+- ``zero_grad``: the optimizers' and the model's ``zero_grad`` (instance attributes, removed at close).
+- ``optimizer``: the optimizer's step pre-hook to its step post-hook.
+- ``data``: the engine's own data wait between steps; evaluation forwards under ``torch.no_grad()``
+  between steps are paused out of it.
+
+Why backward is timed by wrapping ``torch.autograd.backward`` and not by an autograd hook: autograd runs
+every hook (tensor hooks, ``register_multi_grad_hook``, module backward hooks, node pre-hooks, queued
+callbacks) on the thread that executes the node, which for CUDA tensors is the engine's device thread,
+not the training thread; the engine's phases and its CUDA events must only be driven from the training
+thread. The call into the autograd engine is the only point on the training thread where backward
+starts and ends. The wrapper is installed once, passes every other thread's and every nested
+(reentrant checkpoint) call straight through, and is taken out at :meth:`Instrumented.remove`.
+
+Cost: hooks are registered once, on the root module and the optimizers; per step about six hook calls
+(each a few µs of Python, ``torch.compiler.disable``'s wrapper included) on top of the engine's own
+boundary cost. No device synchronization.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import CodeType, FrameType, TracebackType
+from typing import Any, Literal
+
+import torch
+
+from steptimer._summary import Summary
+from steptimer.timer import StepTimer, check_phase_name
+
+__all__ = ["Instrumented", "instrument"]
+
+# Frames in these directories are not "the loop" when instrument() learns where zero_grad sits.
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+_ExcInfo = tuple[Any, Any, Any]
+
+
+def instrument(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], **options: Any
+) -> Instrumented:
+    """Time every step of a plain training loop from hooks; no ``with`` lines in the loop.
+
+    Args:
+        model: The module the loop calls (``model(x)``): its forward is ``forward``. A DDP or
+            ``torch.compile`` wrapper or the module inside it both work.
+        optimizer: The optimizer, or a list of them: a step ends when each of them has stepped once.
+        **options: Every :class:`~steptimer.StepTimer` option (``log_dir``, ``warmup_steps``, ...).
+
+    Returns:
+        An :class:`Instrumented`: ``close()``, ``steps``, ``pause()``, ``phase()``, and ``.timer``.
+
+    Raises:
+        ValueError: ``model`` is not a module, or ``optimizer`` holds no optimizer, a non-optimizer
+            or the same optimizer twice.
+
+    Example:
+        >>> net = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> timer = instrument(net, opt, cuda=False, warmup_steps=0, print_summary=False)
+        >>> for _ in range(3):
+        ...     net(torch.randn(8, 4)).square().mean().backward(); opt.step(); opt.zero_grad()
+        >>> timer.close().steps
+        3
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r}")
+    opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
+    if not opts or bad or len({id(o) for o in opts}) != len(opts):
+        raise ValueError(
+            "optimizer must be a torch.optim.Optimizer or a list of distinct ones, got "
+            f"{bad[0] if bad else optimizer!r}"
+        )
+    return Instrumented(StepTimer(**options), model, opts)
+
+
+class Instrumented:
+    """A :class:`~steptimer.StepTimer` driven by hooks on a model and its optimizers.
+
+    A small class rather than the StepTimer itself: ``pause()`` and ``phase()`` must tell the hooks,
+    and ``close()`` must take them out; the timer stays reachable as ``.timer``.
+    """
+
+    def __init__(self, timer: StepTimer, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.timer = timer
+        self._optimizers = tuple(optimizers)
+        self._thread = threading.get_ident()  # the training thread: every other thread is ignored
+        self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
+        self._in_step = False
+        self._step_cm: Any = None
+        self._stepped: set[int] = set()  # ids of the optimizers that stepped in this step
+        self._zeroed: set[int] = set()  # ... and were zeroed after it
+        # Nesting of optimizer.step() calls: a subclass's step() calling super().step() runs the hooks
+        # twice when both classes were patched by torch (any plain instance of the base made before).
+        self._update_depth = 0
+        self._update_closure = False  # the update runs a closure: forward/backward inside it are fine
+        self._deferred = False  # the update is done; the step ends at the zero_grad that follows it
+        self._end_pending = False  # the step ended inside a user phase: end it when that phase exits
+        self._zero_grad_last: bool | None = None  # the loop's order, learned (see _zero_grad_order)
+        self._step_sites: dict[CodeType, int] | None = None
+        self._fwd_depth = 0
+        self._bwd_depth = 0
+        self._paused = 0
+        self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
+        self._warned = False
+        self._removed = False
+        self._handles: list[Any] = []
+        self._patched: list[tuple[Any, Any, Any]] = []  # (object, our zero_grad, its zero_grad before)
+        self._backward_orig: Callable[..., Any] | None = None
+        self._backward_wrapper: Callable[..., Any] | None = None
+        if timer.enabled:
+            self._install(model)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def steps(self) -> int:
+        """Number of the last completed step."""
+        return self.timer.steps
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Between steps: work that is neither a step nor data wait (a whole evaluation loop)."""
+        self._settle()
+        with self.timer.pause():
+            self._paused += 1
+            try:
+                yield
+            finally:
+                self._paused -= 1
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """A phase of your own inside a step (``clip``), nested in the hook phase open at that moment.
+
+        Hook phases inside it nest too (``name/forward``). Outside a step it is a no-op: that time
+        stays in ``data``.
+
+        Raises:
+            ValueError: ``name`` is not a valid phase name.
+        """
+        check_phase_name(name)
+        if not self._in_step or self._deferred:
+            yield
+            return
+        self.timer.phase(name).__enter__()
+        self._frames.append(None)
+        exc: _ExcInfo = (None, None, None)
+        try:
+            yield
+        except BaseException:
+            exc = sys.exc_info()
+            raise
+        finally:
+            if self._in_step and len(self._frames) > 1:  # not dropped meanwhile
+                self._switch(None)
+                self._frames.pop()
+                self.timer.phase(name).__exit__(*exc)
+                if self._end_pending and len(self._frames) == 1:
+                    self._end()
+
+    def close(self, *, failed: bool = False) -> Summary:
+        """Take the hooks out and close the timer (idempotent); returns the summary."""
+        if self._deferred:
+            self._end()  # a finished step, waiting for its zero_grad
+        self.remove()
+        return self.timer.close(failed=failed)
+
+    def remove(self) -> None:
+        """Take every hook and wrapper out; the model and optimizers behave as before (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for obj, wrapper, before in self._patched:
+            if obj.__dict__.get("zero_grad") is wrapper:
+                if before is None:
+                    del obj.__dict__["zero_grad"]
+                else:
+                    obj.__dict__["zero_grad"] = before  # someone's instance wrapper from before ours
+        self._patched = []
+        if self._backward_wrapper is not None and torch.autograd.backward is self._backward_wrapper:
+            torch.autograd.backward = self._backward_orig  # type: ignore[assignment]
+        # Else someone wrapped it after us: ours stays inside theirs, passing every call through.
+        self._removed = True
+
+    def __enter__(self) -> Instrumented:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+        self.close(failed=et is not None)
+        return False
+
+    # ------------------------------------------------------------------ hooks
+
+    def _install(self, model: torch.nn.Module) -> None:
+        # torch.compile would otherwise trace the hooks into its graph (their clock reads and state
+        # changes replayed at the wrong time); disabled, they run eagerly at a graph break.
+        off = torch.compiler.disable
+        self._handles.append(model.register_forward_pre_hook(off(self._forward_pre), prepend=True))
+        self._handles.append(model.register_forward_hook(off(self._forward_post), always_call=True))
+        for opt in self._optimizers:
+            self._handles.append(opt.register_step_pre_hook(off(self._update_pre)))
+            self._handles.append(opt.register_step_post_hook(off(self._update_post)))
+        everyone = {id(o) for o in self._optimizers}
+        for obj, zeroes in [*((o, {id(o)}) for o in self._optimizers), (model, everyone)]:
+            wrapper = off(self._zero_grad_wrapper(obj.zero_grad, zeroes))
+            before = obj.__dict__.get("zero_grad")
+            obj.__dict__["zero_grad"] = wrapper  # an instance attribute: the class stays untouched
+            self._patched.append((obj, wrapper, before))
+        self._backward_orig = torch.autograd.backward
+        self._backward_wrapper = off(self._backward_wrapper_of(self._backward_orig))
+        torch.autograd.backward = self._backward_wrapper  # type: ignore[assignment]
+
+    def _ignored(self) -> bool:
+        """Other threads (DataParallel replicas, autograd's device threads), pauses, forwards that a
+        reentrant checkpoint reruns inside backward, and everything after remove()."""
+        return self._removed or self._paused > 0 or self._bwd_depth > 0 or threading.get_ident() != self._thread
+
+    def _forward_pre(self, module: Any, args: Any) -> None:
+        if self._ignored():
+            return
+        self._fwd_depth += 1
+        if self._fwd_depth > 1:  # the root module re-entered (recursion): only the outer call counts
+            return
+        self._settle()
+        if not self._in_step:
+            if not torch.is_grad_enabled():  # evaluation between steps: neither a step nor data
+                self._eval_pause = self.timer.pause()
+                self._eval_pause.__enter__()
+                return
+            self._begin()
+        self._switch("forward")
+
+    def _forward_post(self, module: Any, args: Any, output: Any) -> None:
+        if self._ignored() or self._fwd_depth == 0:
+            return
+        self._fwd_depth -= 1
+        if self._fwd_depth > 0:
+            return
+        if self._eval_pause is not None:
+            pause, self._eval_pause = self._eval_pause, None
+            pause.__exit__(None, None, None)
+        elif self._in_step:
+            exc = sys.exc_info()
+            if output is None and exc[0] is not None:  # always_call: run in _call_impl's `except`
+                self._drop(exc)
+            else:
+                self._switch("loss")
+
+    def _backward_wrapper_of(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if self._ignored():
+                return orig(*args, **kwargs)
+            self._settle()
+            if not self._in_step:  # no training forward of this model before it: not this loop's
+                return orig(*args, **kwargs)
+            self._switch("backward")
+            self._bwd_depth += 1
+            try:
+                out = orig(*args, **kwargs)
+            except BaseException:
+                self._bwd_depth -= 1
+                self._drop(sys.exc_info())
+                raise
+            self._bwd_depth -= 1
+            self._switch(None)
+            return out
+
+        return backward
+
+    def _zero_grad_wrapper(self, orig: Callable[..., Any], zeroes: set[int]) -> Callable[..., Any]:
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            if self._ignored():
+                return orig(*args, **kwargs)
+            if self._deferred:  # right after the update: the last phase of this step
+                self._switch("zero_grad")
+            else:
+                self._settle()
+                if not self._in_step:
+                    if self._zero_grad_last is None:
+                        self._zero_grad_last = self._zero_grad_order(sys._getframe(1))
+                    if self._zero_grad_last is not False:  # after the update, or not known yet
+                        with self.timer.pause():  # this one belongs to no step: not data either
+                            return orig(*args, **kwargs)
+                    self._begin()  # the loop body starts with zero_grad
+                self._switch("zero_grad")
+            try:
+                out = orig(*args, **kwargs)
+            except BaseException:
+                self._drop(sys.exc_info())
+                raise
+            self._switch(None)
+            if self._deferred:
+                self._zeroed |= zeroes  # the model's zero_grad zeroes every optimizer's parameters
+                if len(self._zeroed) == len(self._optimizers):
+                    self._end()
+            return out
+
+        return zero_grad
+
+    def _update_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._ignored():
+            return
+        if self._update_depth:  # super().step() of a subclass: the same update
+            self._update_depth += 1
+            return
+        self._settle()
+        # With a closure (LBFGS) the forward and backward run inside the update, as their own phases.
+        closure = len(args) > 1 or kwargs.get("closure") is not None
+        if not self._in_step:
+            if closure:  # the update runs the whole iteration: it is the step
+                self._begin()
+            else:
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        "steptimer.instrument: optimizer.step() with no training forward of the instrumented "
+                        "model since the last step: not timed. If no step is ever timed, pass instrument() "
+                        "the module your loop calls.",
+                        stacklevel=3,
+                    )
+                return
+        self._switch("optimizer")
+        self._update_depth = 1
+        self._update_closure = closure
+
+    def _update_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._ignored() or not self._in_step or self._update_depth == 0:
+            return
+        self._update_depth -= 1
+        if self._update_depth:
+            return
+        self._switch(None)
+        self._stepped.add(id(opt))
+        if len(self._stepped) < len(self._optimizers):
+            return
+        if self._zero_grad_last is None:
+            self._step_sites = _user_sites(sys._getframe(1))
+        if self._zero_grad_last:
+            self._deferred = True
+        else:
+            self._end()
+
+    # ------------------------------------------------------------------ steps and phases
+
+    def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
+        """Whether this loop calls zero_grad after the optimizer step (True) or before the forward
+        (False); None: can't tell yet.
+
+        ``step(); zero_grad()`` and ``zero_grad(); ...; step()`` give the same sequence of calls, and
+        only the loader's fetch, which no hook sees, sits on a different side of zero_grad. So the
+        order is read from the code: the innermost function that called both (the loop) and where in
+        it each call is. A zero_grad written after the step ends the step; one written before it
+        opens the next step. Learned once, at the first zero_grad between two steps.
+        """
+        sites = self._step_sites
+        while sites is not None and frame is not None:
+            at = sites.get(frame.f_code)
+            if at is not None and at != frame.f_lasti:
+                return frame.f_lasti > at
+            frame = frame.f_back
+        return None
+
+    def _settle(self) -> None:
+        """Before any boundary: end a step that waited for a zero_grad that never came, and drop one
+        whose update raised (its step post-hook never ran)."""
+        if self._deferred:
+            self._end()
+        elif self._update_depth and not self._update_closure:
+            self._drop((RuntimeError, RuntimeError("the optimizer step raised"), None))
+
+    def _switch(self, name: str | None) -> None:
+        """End the hook phase open at the innermost level and start ``name`` (None: none)."""
+        cur = self._frames[-1]
+        if cur == name:
+            return
+        if cur is not None:
+            self._frames[-1] = None
+            self.timer.phase(cur).__exit__(None, None, None)
+        if name is not None:
+            self.timer.phase(name).__enter__()
+            self._frames[-1] = name
+
+    def _begin(self) -> None:
+        self._step_cm = self.timer.step()
+        self._step_cm.__enter__()
+        self._in_step = True
+
+    def _end(self) -> None:
+        if len(self._frames) > 1:  # the update ran inside a user phase: end when it exits
+            self._end_pending = True
+            return
+        self._switch(None)
+        cm = self._reset()
+        cm.__exit__(None, None, None)
+
+    def _drop(self, exc: _ExcInfo) -> None:
+        """Drop the step (the engine forgets it; its open phases too) and start clean."""
+        self._reset().__exit__(*exc)
+
+    def _reset(self) -> Any:
+        cm, self._step_cm = self._step_cm, None
+        self._frames = [None]
+        self._in_step = self._deferred = self._end_pending = False
+        self._stepped = set()
+        self._zeroed = set()
+        self._fwd_depth = self._update_depth = 0
+        return cm
+
+
+def _user_sites(frame: FrameType | None) -> dict[CodeType, int]:
+    """Code object -> instruction offset of each frame on the stack outside torch and steptimer."""
+    sites: dict[CodeType, int] = {}
+    while frame is not None:
+        code = frame.f_code
+        if code not in sites and not code.co_filename.startswith(_SKIP_DIRS):
+            sites[code] = frame.f_lasti
+        frame = frame.f_back
+    return sites

@@ -1,0 +1,583 @@
+"""instrument(): phases of a plain loop from hooks, checked with real sleeps of known length.
+
+Each phase of the sleepy loop below sleeps a known time in exactly one place, so a hook boundary in
+the wrong place moves milliseconds from one phase to another. A phase's host time is at least its
+sleep (``time.sleep`` never returns early) and at most a few ms more, so the bounds are
+``[sleep - 0.5 ms, sleep + 10 ms]``: generous above for a loaded CI machine, tight below. They are
+checked on the median over the steps, which one step stalled by a busy machine does not move.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from steptimer import StepTimer, Summary
+from steptimer.instrument import Instrumented, instrument
+from tests.tb import scalars
+
+SLEEP_MS = {"data": 40.0, "forward": 30.0, "loss": 20.0, "backward": 25.0, "optimizer": 15.0, "zero_grad": 10.0}
+QUIET = {"cuda": False, "print_summary": False, "cross_rank": False}
+
+
+class SleepInBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: known work on autograd's side of the loop."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(SLEEP_MS["backward"] / 1e3)
+        return grad
+
+
+class SleepyNet(nn.Module):
+    def __init__(self, sleep_ms: float = SLEEP_MS["forward"]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.sleep_ms = sleep_ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.sleep_ms / 1e3)
+        return SleepInBackward.apply(self.lin(x))  # type: ignore[no-any-return]
+
+
+class SleepySGD(torch.optim.SGD):
+    """SGD whose update and zero_grad sleep (the step hooks fire around a subclass's step too)."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        time.sleep(SLEEP_MS["optimizer"] / 1e3)
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        time.sleep(SLEEP_MS["zero_grad"] / 1e3)
+        super().zero_grad(set_to_none)
+
+
+def loader(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for _ in range(n):
+        time.sleep(SLEEP_MS["data"] / 1e3)
+        yield torch.randn(8, 4), torch.randn(8, 1)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    time.sleep(SLEEP_MS["loss"] / 1e3)
+    return F.mse_loss(out, y)
+
+
+def assert_host_ms(summary: Summary, name: str, expected_ms: float) -> None:
+    median = summary[name].host.median_ms  # to within 0.5 % (the summary's histogram)
+    assert expected_ms - 0.5 <= median <= expected_ms + 10.0, f"{name}: {median:.2f} ms, slept {expected_ms} ms"
+
+
+def sleepy_run(style: str, steps: int = 5, **options: Any) -> Summary:
+    """The sleepy loop in one of the orders people write it, timed by instrument()."""
+    model = SleepyNet()
+    opt = SleepySGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **{**QUIET, "warmup_steps": 1, **options})
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> None:  # zero_grad first, inside a function
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for x, y in loader(steps):
+        if style == "first":
+            opt.zero_grad()
+        if style == "function":
+            train_step(x, y)
+            continue
+        loss = loss_fn(model(x), y)
+        if style == "inside":
+            opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if style == "last":
+            opt.zero_grad()
+        if style == "none":  # no zero_grad call at all
+            for p in model.parameters():
+                p.grad = None
+    return timer.close()
+
+
+@pytest.mark.parametrize("style", ["last", "first", "inside", "function", "none"])
+def test_each_sleep_lands_in_its_phase(style: str) -> None:
+    s = sleepy_run(style)
+    assert s.steps == 4  # 5 steps, 1 warm-up
+    for name in ("data", "forward", "loss", "backward", "optimizer"):
+        assert_host_ms(s, name, SLEEP_MS[name])
+        assert s[name].calls_per_step == 1
+    if style == "none":
+        assert "zero_grad" not in s
+    else:
+        assert_host_ms(s, "zero_grad", SLEEP_MS["zero_grad"])
+    assert s["other"].host.mean_ms < 3.0  # nothing of size fell between the phases
+
+
+def test_gradient_accumulation_adds_up_micro_batches() -> None:
+    model = SleepyNet(sleep_ms=10.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=1)
+    opt.zero_grad()  # before the loop, as accumulation loops often do
+    for i, (x, y) in enumerate(loader(12)):
+        (loss_fn(model(x), y) / 3).backward()
+        if (i + 1) % 3 == 0:
+            opt.step()
+            opt.zero_grad()
+    s = timer.close()
+    assert timer.steps == 4 and s.steps == 3
+    for name in ("forward", "loss", "backward"):
+        assert s[name].calls_per_step == 3
+    assert s["optimizer"].calls_per_step == 1
+    assert_host_ms(s, "forward", 3 * 10.0)
+    assert_host_ms(s, "backward", 3 * SLEEP_MS["backward"])
+
+
+def test_no_grad_evaluation_between_steps_is_neither_a_step_nor_data() -> None:
+    model = SleepyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=1)
+    for x, y in loader(5):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # two 30 ms evaluation forwards after every step
+            model(x)
+            model(x)
+    with timer.pause(), torch.enable_grad():  # a whole evaluation loop, grad on: paused too
+        model(torch.randn(8, 4)).sum()
+    s = timer.close()
+    assert timer.steps == 5
+    assert s["forward"].calls_per_step == 1
+    assert_host_ms(s, "forward", SLEEP_MS["forward"])
+    assert_host_ms(s, "data", SLEEP_MS["data"])  # the 60 ms of evaluation is paused out
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["forward", "loss", "backward", "optimizer", "zero_grad"])
+def test_exception_mid_step_drops_that_step_only(where: str) -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+            self.fail = ""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail == "forward":
+                raise Boom
+            return Fail.apply(self.lin(x), self.fail == "backward")  # type: ignore[no-any-return]
+
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:
+            ctx.fail = fail
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            if ctx.fail:
+                raise Boom
+            return grad, None
+
+    class Opt(torch.optim.SGD):
+        fail = ""
+
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            if self.fail == "optimizer":
+                raise Boom
+            return super().step(closure)
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            if self.fail == "zero_grad":
+                raise Boom
+            super().zero_grad(set_to_none)
+
+    model = Net()
+    opt = Opt(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=0)
+    zero_grad_first = where == "zero_grad"  # so that zero_grad is inside the step
+    for i, (x, y) in enumerate(loader(6)):
+        model.fail = opt.fail = where if i == 2 else ""
+        try:
+            if zero_grad_first:
+                opt.zero_grad()
+            out = model(x)
+            if model.fail == "loss":
+                raise Boom
+            F.mse_loss(out, y).backward()
+            opt.step()
+        except Boom:
+            continue
+        if not zero_grad_first:
+            opt.zero_grad()
+    s = timer.close()
+    assert timer.steps == 5, "the failed step is dropped, the others counted"
+    expected = {"forward", "loss", "backward", "optimizer"} | ({"zero_grad"} if zero_grad_first else set())
+    for name in expected:
+        # An exception in the loss code passes no hook: the failed micro-batch's forward and loss
+        # merge into the next step, as a second micro-batch would (docs/instrument.md, limits).
+        calls = 6 / 5 if where == "loss" and name in ("forward", "loss") else 1
+        assert s[name].calls_per_step == pytest.approx(calls), name
+
+
+def test_close_removes_every_hook_and_training_is_unchanged() -> None:
+    def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    b = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.Adam(a.parameters(), lr=0.01)
+    opt_b = torch.optim.Adam(b.parameters(), lr=0.01)
+    backward = torch.autograd.backward
+    timer = instrument(a, opt_a, **QUIET, warmup_steps=0)
+    assert a._forward_pre_hooks and a._forward_hooks and opt_a._optimizer_step_pre_hooks
+    train(a, opt_a, 3)
+    train(b, opt_b, 3)
+    assert timer.close().steps == 3
+    assert timer.close().steps == 3  # idempotent
+    assert not (a._forward_pre_hooks or a._forward_hooks or a._forward_hooks_always_called)
+    assert not (opt_a._optimizer_step_pre_hooks or opt_a._optimizer_step_post_hooks)
+    assert "zero_grad" not in vars(a) and "zero_grad" not in vars(opt_a)
+    assert torch.autograd.backward is backward
+    train(a, opt_a, 3)  # after close: training works, and exactly as without steptimer
+    train(b, opt_b, 3)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_remove_keeps_a_later_wrapper_of_autograd_backward() -> None:
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    orig = torch.autograd.backward
+    timer = instrument(model, opt, **QUIET)
+    ours = torch.autograd.backward
+    calls = []
+
+    def theirs(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return ours(*args, **kwargs)
+
+    torch.autograd.backward = theirs  # type: ignore[assignment]
+    try:
+        timer.close()
+        assert torch.autograd.backward is theirs  # not unwrapped under someone else's wrapper
+        model(torch.randn(2, 4)).sum().backward()  # ours now passes straight through
+        assert calls == [1] and timer.steps == 0
+    finally:
+        torch.autograd.backward = orig  # type: ignore[assignment]
+
+
+def test_two_optimizers_make_one_step() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), SleepyNet(sleep_ms=1.0))
+    opt1 = SleepySGD(model[0].parameters(), lr=0.01)
+    opt2 = SleepySGD(model[1].parameters(), lr=0.01)
+    timer = instrument(model, [opt1, opt2], **QUIET, warmup_steps=1)
+    for x, y in loader(4):
+        loss_fn(model(x), y).backward()
+        opt1.step()
+        opt2.step()
+        opt1.zero_grad()
+        opt2.zero_grad()
+    s = timer.close()
+    assert timer.steps == 4
+    assert s["optimizer"].calls_per_step == 2
+    assert s["zero_grad"].calls_per_step == 2  # both, after the last update: in the step
+    assert_host_ms(s, "data", SLEEP_MS["data"])
+
+
+@pytest.mark.parametrize("where", ["optimizer", "model"])
+def test_zero_grad_set_to_false_or_through_the_model(where: str) -> None:
+    model = SleepyNet(sleep_ms=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=1)
+    for x, y in loader(4):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        if where == "optimizer":
+            opt.zero_grad(set_to_none=False)
+        else:
+            model.zero_grad()
+    s = timer.close()
+    assert timer.steps == 4 and s["zero_grad"].calls_per_step == 1
+    assert_host_ms(s, "data", SLEEP_MS["data"])
+    grads = [p.grad for p in model.parameters()]
+    if where == "optimizer":
+        assert all(g is not None and not g.any() for g in grads)
+    else:
+        assert all(g is None for g in grads)
+
+
+@pytest.mark.parametrize("how", ["compiled", "inner", "module.compile"])
+def test_torch_compile(how: str) -> None:
+    # backend="aot_eager": dynamo and AOTAutograd as in production, without a C compiler and its
+    # minutes of build time on CPU (inductor on CUDA is the GPU test's business).
+    torch._dynamo.reset()
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    if how == "module.compile":
+        net.compile(backend="aot_eager")
+        model, called = net, net
+    else:
+        called = torch.compile(net, backend="aot_eager")
+        model = called if how == "compiled" else net
+    timer = instrument(model, opt, **QUIET, warmup_steps=1)
+    for x, y in loader(4):
+        F.mse_loss(called(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    s = timer.close()
+    assert timer.steps == 4
+    for name in ("forward", "loss", "backward", "optimizer", "zero_grad"):
+        assert s[name].calls_per_step == 1, name
+    assert_host_ms(s, "data", SLEEP_MS["data"])
+
+
+def test_ddp_wrapper_or_the_module_inside(tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        for hook_inner in (False, True):
+            net = SleepyNet(sleep_ms=5.0)
+            ddp = DDP(net)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+            timer = instrument(net if hook_inner else ddp, opt, **QUIET, warmup_steps=1)
+            for x, y in loader(4):
+                loss_fn(ddp(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            s = timer.close()
+            assert timer.steps == 4
+            assert_host_ms(s, "forward", 5.0)
+            assert_host_ms(s, "backward", SLEEP_MS["backward"])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reentrant_checkpoint_and_other_threads_are_not_steps() -> None:
+    # A reentrant checkpoint reruns its block inside backward and calls torch.autograd.backward
+    # from there (on this thread for CPU tensors): one backward, one forward, not two.
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            from torch.utils.checkpoint import checkpoint
+
+            return self.head(checkpoint(self.block, x.requires_grad_(), use_reentrant=True))
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=0)
+    for x, y in loader(3):
+        F.mse_loss(model(x), y).backward()
+        side = threading.Thread(target=lambda: model(torch.randn(2, 4)).sum().backward())
+        side.start()  # another thread's forward and backward, inside this thread's step
+        side.join()
+        opt.step()
+        opt.zero_grad()
+    s = timer.close()
+    assert timer.steps == 3
+    for name in ("forward", "loss", "backward", "optimizer", "zero_grad"):
+        assert s[name].calls_per_step == 1, name
+
+
+def test_user_phases_nest_with_hook_phases() -> None:
+    model = SleepyNet(sleep_ms=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=0)
+    for x, y in loader(3):
+        with timer.phase("augment"):  # before the forward: no step yet, a no-op (its time is data)
+            time.sleep(0.005)
+        out = model(x)
+        with timer.phase("metric"):  # inside loss
+            time.sleep(0.005)
+        loss = loss_fn(out, y)
+        loss.backward()
+        with timer.phase("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with timer.phase("update"):  # the step's end inside a user phase: it ends when that exits
+            opt.step()
+        opt.zero_grad()
+    s = timer.close()
+    assert timer.steps == 3
+    assert "augment" not in s and "loss/metric" in s and "clip" in s and "update/optimizer" in s
+    assert_host_ms(s, "loss/metric", 5.0)
+    assert_host_ms(s, "data", SLEEP_MS["data"] + 5.0)
+
+
+def test_lbfgs_closure_runs_forward_and_backward_inside_the_update() -> None:
+    model = nn.Linear(4, 1)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    timer = instrument(model, opt, **QUIET, warmup_steps=0)
+    for x, y in loader(3):
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    s = timer.close()
+    assert timer.steps == 3
+    assert s["forward"].calls_per_step >= 2 and s["backward"].calls_per_step == s["forward"].calls_per_step
+
+
+def test_disabled_installs_nothing() -> None:
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, enabled=False)
+    assert not model._forward_pre_hooks and "zero_grad" not in vars(opt)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert timer.close().steps == 0
+
+
+def test_optimizer_step_without_a_forward_warns_once() -> None:
+    model, other = nn.Linear(4, 1), nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(other, opt, **QUIET)  # the wrong module: the loop never calls it
+    with pytest.warns(UserWarning, match="pass instrument\\(\\) the module your loop calls"):
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # warned once only
+    assert timer.close().steps == 0
+
+
+def test_bad_input_is_a_value_error_echoing_it() -> None:
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(ValueError, match="model must be a torch.nn.Module, got str"):
+        instrument("net", opt)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="got 'adam'"):
+        instrument(model, [opt, "adam"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="got \\[\\]"):
+        instrument(model, [])
+    with pytest.raises(ValueError, match="distinct"):
+        instrument(model, [opt, opt])
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 0, got -1"):
+        instrument(model, opt, warmup_steps=-1)
+    assert not model._forward_pre_hooks  # nothing installed by a failed call
+    timer = instrument(model, opt, **QUIET)
+    with pytest.raises(ValueError, match="invalid phase name"):
+        with timer.phase("a b"):
+            pass
+    timer.close()
+
+
+def test_tensorboard_event_file(tmp_path: Path) -> None:
+    """The phases as TensorBoard shows them (the one test of tag names: adapt it if they change)."""
+    sleepy_run("last", steps=5, log_dir=tmp_path, log_every_n_steps=1, warmup_steps=0)
+    v = scalars(tmp_path)  # one window per step: each value is one step's
+    for name, expected_ms in SLEEP_MS.items():
+        values = [x for _, x in v[f"steptimer/host/{name}_ms"]]
+        # Step 1 has no data wait (nothing before it) and no zero_grad (the loop's order is learned there).
+        assert len(values) == (4 if name in ("data", "zero_grad") else 5), name
+        median = sorted(values)[len(values) // 2]
+        assert expected_ms - 0.5 <= median <= expected_ms + 10.0, (name, values)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.cuda
+def test_autograd_hooks_run_off_the_training_thread_on_cuda() -> None:
+    """Why backward's boundaries come from wrapping torch.autograd.backward: on CUDA, autograd runs
+    hooks on its device thread, where the engine's phases must never be driven."""
+    main = threading.get_ident()
+    seen: dict[str, bool] = {}
+    x = torch.randn(64, 64, device="cuda", requires_grad=True)
+    model = nn.Linear(64, 64).cuda()
+    model.register_full_backward_pre_hook(lambda m, g: seen.setdefault("module", threading.get_ident() == main))
+    loss = model(x).square().mean()
+    loss.register_hook(lambda g: seen.setdefault("loss", threading.get_ident() == main))
+    torch.autograd.graph.register_multi_grad_hook(
+        (x,), lambda gs: seen.setdefault("multi", threading.get_ident() == main)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, print_summary=False, warmup_steps=0, cross_rank=False)
+    on_main: list[bool] = []
+    wrapped = torch.autograd.backward
+    torch.autograd.backward = lambda *a, **k: (on_main.append(threading.get_ident() == main), wrapped(*a, **k))[1]  # type: ignore[assignment]
+    try:
+        loss.backward()
+    finally:
+        torch.autograd.backward = wrapped  # type: ignore[assignment]
+        timer.close()
+    assert seen == {"module": False, "loss": False, "multi": False}
+    assert on_main == [True]
+
+
+def _gpu_model() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)]).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    return model, opt, torch.randn(2048, 4096, device="cuda"), torch.randn(2048, 4096, device="cuda")
+
+
+def _gpu_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) @ y.T).square().mean()  # a 2048 x 4096 x 2048 matmul: a loss phase of weight
+
+
+@pytest.mark.cuda
+def test_gpu_times_agree_with_with_blocks() -> None:
+    """The same CUDA loop timed with `with` lines and with instrument(): per-phase GPU times agree."""
+    steps, warmup = 40, 10
+    model, opt, x, y = _gpu_model()
+    timer = StepTimer(warmup_steps=warmup, print_summary=False, cross_rank=False)
+    for _ in range(steps):
+        with timer.step():
+            with timer.phase("forward"):
+                out = model(x)
+            with timer.phase("loss"):
+                loss = _gpu_loss(out, y)
+            with timer.phase("backward"):
+                loss.backward()
+            with timer.phase("optimizer"):
+                opt.step()
+            with timer.phase("zero_grad"):
+                opt.zero_grad(set_to_none=False)
+    by_hand = timer.close()
+
+    model, opt, x, y = _gpu_model()
+    hooked: Instrumented = instrument(model, opt, warmup_steps=warmup, print_summary=False, cross_rank=False)
+    for _ in range(steps):
+        _gpu_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    auto = hooked.close()
+
+    assert auto.steps == by_hand.steps == steps - warmup
+    for name in ("forward", "loss", "backward", "optimizer", "zero_grad"):
+        a, b = auto[name].gpu, by_hand[name].gpu
+        assert a is not None and b is not None, name
+        # 5 %, or 20 µs for a phase too short for 5 % to be above event-timing noise (zero_grad).
+        assert abs(a.median_ms - b.median_ms) <= max(0.05 * b.median_ms, 0.02), (name, a, b)
