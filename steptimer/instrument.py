@@ -5,30 +5,24 @@
         loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
     timer.close()
 
-A step runs from the first training forward (or a ``zero_grad`` that opens the loop body) to the
-end of the optimizer step (or of the ``zero_grad`` that follows it). The phase boundaries, all taken
-on the thread that called :func:`instrument` (docs/instrument.md has the table and the traps):
+One step is one optimizer step: from the first training forward (or a ``zero_grad`` written at the
+top of the loop) to the end of ``optimizer.step()`` (or of a ``zero_grad`` written after it).
+``forward`` is the model's forward pre-hook to its forward hook, ``loss`` the time from there to the
+next boundary, ``backward`` the call of ``torch.autograd.backward``, ``zero_grad`` the optimizers' and
+the model's ``zero_grad`` (instance attributes), ``optimizer`` the step pre-hook to the step post-hook;
+``data`` is the engine's own wait between steps. docs/instrument.md has the table and the traps.
 
-- ``forward``: the model's forward pre-hook to its forward hook (``always_call=True``).
-- ``loss``: the end of forward to the next boundary (normally backward's start).
-- ``backward``: ``torch.autograd.backward`` (what ``loss.backward()`` calls) entered to returned:
-  the whole backward, gradient accumulation and DDP's reduction included.
-- ``zero_grad``: the optimizers' and the model's ``zero_grad`` (instance attributes, removed at close).
-- ``optimizer``: the optimizer's step pre-hook to its step post-hook.
-- ``data``: the engine's own data wait between steps; evaluation forwards under ``torch.no_grad()``
-  between steps are paused out of it.
+Why backward is timed by wrapping ``torch.autograd.backward`` (what ``loss.backward()`` calls) and not
+by an autograd hook: autograd runs its hooks (tensor hooks, ``register_multi_grad_hook``, module
+backward hooks, node pre-hooks) on the thread that runs the node, which for CUDA tensors is the
+engine's device thread (tests/test_instrument.py checks it); the engine's phases and CUDA events
+must only be driven from the training thread, and the call into autograd is the one place on it
+where backward starts and ends (every gradient accumulated). The wrapper passes other threads' and nested
+(reentrant checkpoint) calls straight through, and is taken out by :meth:`Instrumented.remove`.
 
-Why backward is timed by wrapping ``torch.autograd.backward`` and not by an autograd hook: autograd runs
-every hook (tensor hooks, ``register_multi_grad_hook``, module backward hooks, node pre-hooks, queued
-callbacks) on the thread that executes the node, which for CUDA tensors is the engine's device thread,
-not the training thread; the engine's phases and its CUDA events must only be driven from the training
-thread. The call into the autograd engine is the only point on the training thread where backward
-starts and ends. The wrapper is installed once, passes every other thread's and every nested
-(reentrant checkpoint) call straight through, and is taken out at :meth:`Instrumented.remove`.
-
-Cost: hooks are registered once, on the root module and the optimizers; per step about six hook calls
-(each a few µs of Python, ``torch.compiler.disable``'s wrapper included) on top of the engine's own
-boundary cost. No device synchronization.
+Cost: hooks are registered once, on the root module and the optimizers, never per step or per layer;
+per step six hook calls of a few µs of Python each (``torch.compiler.disable``'s wrapper included) on
+top of the engine's own boundary cost; measured in docs/instrument.md. No device synchronization.
 """
 
 from __future__ import annotations
@@ -40,12 +34,14 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import CodeType, FrameType, TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from steptimer._summary import Summary
 from steptimer.timer import StepTimer, check_phase_name
+
+if TYPE_CHECKING:
+    from steptimer import Summary
 
 __all__ = ["Instrumented", "instrument"]
 
@@ -83,13 +79,13 @@ def instrument(
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r}")
-    opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    opts: list[Any] = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
-    if not opts or bad or len({id(o) for o in opts}) != len(opts):
-        raise ValueError(
-            "optimizer must be a torch.optim.Optimizer or a list of distinct ones, got "
-            f"{bad[0] if bad else optimizer!r}"
-        )
+    if not opts or bad:
+        got = bad[0] if bad else optimizer
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {got!r}")
+    if len({id(o) for o in opts}) != len(opts):
+        raise ValueError("optimizer: the list holds the same optimizer twice; pass each one once")
     return Instrumented(StepTimer(**options), model, opts)
 
 
@@ -125,7 +121,7 @@ class Instrumented:
         self._removed = False
         self._handles: list[Any] = []
         self._patched: list[tuple[Any, Any, Any]] = []  # (object, our zero_grad, its zero_grad before)
-        self._backward_orig: Callable[..., Any] | None = None
+        self._backward_orig: Any = None
         self._backward_wrapper: Callable[..., Any] | None = None
         if timer.enabled:
             self._install(model)
@@ -198,14 +194,16 @@ class Instrumented:
                     obj.__dict__["zero_grad"] = before  # someone's instance wrapper from before ours
         self._patched = []
         if self._backward_wrapper is not None and torch.autograd.backward is self._backward_wrapper:
-            torch.autograd.backward = self._backward_orig  # type: ignore[assignment]
+            torch.autograd.backward = self._backward_orig
         # Else someone wrapped it after us: ours stays inside theirs, passing every call through.
         self._removed = True
 
     def __enter__(self) -> Instrumented:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
         self.close(failed=et is not None)
         return False
 
@@ -220,15 +218,16 @@ class Instrumented:
         for opt in self._optimizers:
             self._handles.append(opt.register_step_pre_hook(off(self._update_pre)))
             self._handles.append(opt.register_step_post_hook(off(self._update_post)))
-        everyone = {id(o) for o in self._optimizers}
-        for obj, zeroes in [*((o, {id(o)}) for o in self._optimizers), (model, everyone)]:
+        targets: list[tuple[Any, set[int]]] = [(o, {id(o)}) for o in self._optimizers]
+        targets.append((model, {id(o) for o in self._optimizers}))  # the model's zeroes them all
+        for obj, zeroes in targets:
             wrapper = off(self._zero_grad_wrapper(obj.zero_grad, zeroes))
             before = obj.__dict__.get("zero_grad")
             obj.__dict__["zero_grad"] = wrapper  # an instance attribute: the class stays untouched
             self._patched.append((obj, wrapper, before))
         self._backward_orig = torch.autograd.backward
         self._backward_wrapper = off(self._backward_wrapper_of(self._backward_orig))
-        torch.autograd.backward = self._backward_wrapper  # type: ignore[assignment]
+        torch.autograd.backward = self._backward_wrapper
 
     def _ignored(self) -> bool:
         """Other threads (DataParallel replicas, autograd's device threads), pauses, forwards that a
@@ -310,7 +309,7 @@ class Instrumented:
                 raise
             self._switch(None)
             if self._deferred:
-                self._zeroed |= zeroes  # the model's zero_grad zeroes every optimizer's parameters
+                self._zeroed |= zeroes
                 if len(self._zeroed) == len(self._optimizers):
                     self._end()
             return out
@@ -326,19 +325,18 @@ class Instrumented:
         self._settle()
         # With a closure (LBFGS) the forward and backward run inside the update, as their own phases.
         closure = len(args) > 1 or kwargs.get("closure") is not None
-        if not self._in_step:
-            if closure:  # the update runs the whole iteration: it is the step
-                self._begin()
-            else:
-                if not self._warned:
-                    self._warned = True
-                    warnings.warn(
-                        "steptimer.instrument: optimizer.step() with no training forward of the instrumented "
-                        "model since the last step: not timed. If no step is ever timed, pass instrument() "
-                        "the module your loop calls.",
-                        stacklevel=3,
-                    )
-                return
+        if not self._in_step and closure:  # the update runs the whole iteration: it is the step
+            self._begin()
+        elif not self._in_step:
+            if not self._warned:
+                self._warned = True
+                msg = "optimizer.step() with no training forward of the instrumented model since the last step"
+                warnings.warn(
+                    f"steptimer.instrument: {msg}: not timed. If no step is ever timed, pass "
+                    "instrument() the module your loop calls.",
+                    stacklevel=3,
+                )
+            return
         self._switch("optimizer")
         self._update_depth = 1
         self._update_closure = closure
