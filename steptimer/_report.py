@@ -15,6 +15,7 @@ from typing import Literal
 
 from steptimer._reader import RunLog
 from steptimer._histogram import LogHistogram, SeriesStats
+from steptimer._summary import is_launch_bound
 
 _DERIVED_FIRST = ("data",)
 _DERIVED_LAST = ("other", "wait", "step", "idle")
@@ -23,7 +24,6 @@ _DERIVED_LAST = ("other", "wait", "step", "idle")
 DATA_SHARE = 0.2  # the host waits for data at least this much ...
 IDLE_SHARE = 0.1  # ... and the GPU sits idle between steps at least this much: input-bound
 WAIT_SHARE = 0.1  # the host blocks on the GPU at the lagged wait at least this much: GPU-bound
-LAUNCH_RATIO = 1.1  # every phase's GPU span within 1.1x its host span: the GPU followed the host
 BEHIND_RATIO = 1.5  # a phase whose GPU span exceeds 1.5x its host span: work queued up on the GPU
 
 VerdictKind = Literal["input-bound", "launch-bound", "gpu-bound", "compute-bound", "mixed"]
@@ -51,6 +51,7 @@ class PhaseRow:
     share: float | None
     host_window_means_ms: tuple[float, ...]
     gpu_window_means_ms: tuple[float, ...]
+    launch_bound: bool = False  # the summary's rule (_summary.is_launch_bound)
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,13 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     ordered += [n for n in _DERIVED_LAST if n in first_seen]
 
     cuda = any(c == "gpu" for c, _ in names)
+
+    def caught(name: str) -> float | None:
+        """The fraction of steps in which the GPU caught up inside the phase (None: not logged)."""
+        pts = [(s, v) for s, v in scal.get(f"gpu_caught_up/{name}_frac", []) if n_of.get(s)]
+        n = sum(n_of[s] for s, _ in pts)
+        return sum(v * n_of[s] for s, v in pts) / n if n else None
+
     _, _, timed, _ = stats("host", "other")
     timed_frac = timed / steps if timed and steps else 1.0
     rows = []
@@ -182,7 +190,11 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         if wall_ms > 0 and host is not None and "/" not in name and name not in ("step", "idle"):
             everywhere = name in ("data", "wait")  # logged for every step; phases only for timed ones
             share = host_sum / (wall_ms if everywhere else wall_ms * timed_frac)
-        rows.append(PhaseRow(name, host, gpu, share, host_means, gpu_means))
+        lb = (
+            host is not None and gpu is not None and name not in _DERIVED_FIRST + _DERIVED_LAST
+            and is_launch_bound(gpu.median_ms, host.median_ms, caught(name))
+        )  # fmt: skip
+        rows.append(PhaseRow(name, host, gpu, share, host_means, gpu_means, lb))
 
     def share_of(clock: str, name: str, *, timed_only: bool) -> float | None:
         if wall_ms <= 0 or (clock, name) not in sums:
@@ -296,11 +308,12 @@ def _verdict(
             ev.append("GPU ran behind the host in " + "; ".join(pair(r) for r in behind))
         ev.append(said_idle)
         return Verdict("gpu-bound", tuple(ev))
-    if top and all(ratio(r) <= LAUNCH_RATIO for r in top):
+    if top and all(r.launch_bound for r in top):
         return Verdict(
             "launch-bound",
             (
-                "GPU ms per phase ≈ host ms (GPU never ahead): " + "; ".join(pair(r) for r in top),
+                "the GPU waited for the host to launch every phase (GPU ms ≈ host ms, and the GPU caught "
+                "up with the host inside them): " + "; ".join(pair(r) for r in top),
                 said_wait,
                 said_data,
             ),

@@ -75,9 +75,9 @@ class PhaseSummary:
     without CUDA or for host-only rows). ``calls_per_step`` is the mean number of entries in those
     steps (gradient accumulation: forward entered k times). ``share`` is the fraction of wall time
     (data wait + step) the row takes over the timed steps; the top-level rows add up to 1.
-    ``launch_bound`` is True when the phase's GPU span is no longer than 1.1 × its host span while the
-    host was not running ahead (its median wait in steptimer's event wait under a tenth of the step):
-    the GPU was waiting for the host, and the GPU number includes that idle time.
+    ``launch_bound`` is True by :func:`is_launch_bound`: the GPU span is no longer than 1.1 × the host
+    span and the GPU caught up with the host inside the phase in at least half of its steps; the GPU
+    was then waiting for the host, and the GPU number includes that idle time.
     """
 
     name: str
@@ -120,6 +120,18 @@ class Summary:
 
 _DERIVED_FIRST = ("data",)
 _DERIVED_LAST = ("other", "wait", "step", "idle")
+
+
+LAUNCH_RATIO = 1.1
+
+
+def is_launch_bound(gpu_ms: float, host_ms: float, caught: float | None) -> bool:
+    """The launch-bound rule, shared by the summary and ``steptimer report``: the phase's GPU span is
+    at most 1.1 x its host span *and* the GPU caught up with the host inside it in at least half of
+    its steps (``caught``; None in logs from before it was written: the span rule alone). A GPU
+    that never caught up had older work queued the whole time, so it never waited for the host,
+    however close the two spans are (the host blocks in a full launch queue on a GPU-bound run)."""
+    return gpu_ms <= LAUNCH_RATIO * host_ms and (caught is None or caught >= 0.5)
 
 
 class SummaryAccumulator:
@@ -222,12 +234,7 @@ class SummaryAccumulator:
         names = [n for n in _DERIVED_FIRST if n in host_h]
         names += sorted((n for n in self.order if n not in _DERIVED_FIRST and n not in _DERIVED_LAST), key=tree_key)
         names += [n for n in _DERIVED_LAST if n in host_h or n in gpu_h]
-        # The host ran ahead of the GPU when it spent a tenth of the step blocked in steptimer's wait:
-        # then a phase's GPU span is the GPU's own work even where it is short against the host's.
-        wait_h, step_h = host_h.get("wait"), host_h.get("step")
-        host_ahead = (
-            wait_h is not None and step_h is not None and wait_h.quantile_ms(0.5) > 0.1 * step_h.quantile_ms(0.5)
-        )
+        caught_h = self._histograms("caught")
         rows = []
         for name in names:
             host = host_h.get(name)
@@ -241,12 +248,12 @@ class SummaryAccumulator:
                 share = total / self.timed_cycle_ms
             host_stats = SeriesStats.of(host) if host is not None else _EMPTY
             gpu_stats = SeriesStats.of(gpu) if gpu is not None else None
+            caught = caught_h.get(name)
             launch_bound = (
                 gpu_stats is not None
                 and host is not None
                 and name not in _DERIVED_FIRST + _DERIVED_LAST
-                and gpu_stats.median_ms <= 1.1 * host_stats.median_ms
-                and not host_ahead
+                and is_launch_bound(gpu_stats.median_ms, host_stats.median_ms, caught and caught.mean_ms)
             )
             steps_ran = host.count if host is not None else (gpu.count if gpu is not None else 0)
             calls = self.calls.get(name)

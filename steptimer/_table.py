@@ -49,8 +49,8 @@ def footer(summary: Summary) -> list[str]:
         lines.append("throughput: " + ", ".join(r for r in rates if r))
     if any(r.launch_bound for r in summary.rows):
         lines.append(
-            "* launch-bound: the phase's GPU span is at most 1.1x its host span, so the GPU "
-            "waited for the host to launch work and the GPU number includes that idle time."
+            "* launch-bound: the GPU caught up with the host inside the phase and its span is at "
+            "most 1.1x the host's: the GPU waited for launches, and its number includes that idle."
         )
     lines.extend(summary.notes)
     if summary.ranks is not None:

@@ -7,6 +7,8 @@ Tag grammar (one rule, documented in the README's tag table)::
     steptimer/<clock>_max/<phase>_ms    window max of steps
     steptimer/hist_<clock>/<phase>_ms   histogram of the window's steps on steptimer's fixed log grid
     steptimer/steps_per_s, steptimer/samples_per_s, steptimer/tokens_per_s
+    steptimer/gpu_caught_up/<phase>_frac  fraction of the window's steps in which the GPU reached the
+                                        phase's start before the host left the phase (launch-bound rule)
     steptimer/run/warmup_steps          on a window of warm-up steps only: their number
 
 ``<phase>`` is a phase name (``outer/inner`` when nested) or a derived one: ``step``, ``data``,
@@ -59,6 +61,8 @@ def window_scalars(window: Window) -> dict[str, float]:
             out[f"steptimer/{clock}/{name}_ms"] = st.mean_ms
             out[f"steptimer/{clock}_p90/{name}_ms"] = st.p90_ms
             out[f"steptimer/{clock}_max/{name}_ms"] = st.max_ms
+    for name, frac in window.caught.items():
+        out[f"steptimer/gpu_caught_up/{name}_frac"] = frac
     out["steptimer/steps_per_s"] = window.steps_per_s
     if window.samples_per_s is not None:
         out["steptimer/samples_per_s"] = window.samples_per_s

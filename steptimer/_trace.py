@@ -86,7 +86,7 @@ class Capture:
             "gap_s": rec.gap_s,
             "wait_s": rec.wait_s,
             "paused": bool(rec.pauses),
-            "phases": [[name, t_in, t_out] for name, t_in, t_out, _, _ in rec.phases],
+            "phases": [[name, t_in, t_out] for name, t_in, t_out, *_ in rec.phases],
             "gpu_rel": None,
         }
         if engine.cuda and self._gpu_ok:
@@ -113,7 +113,7 @@ class Capture:
         return {
             "start": start,
             "end": self._rel,
-            "phases": [[name, base + offs[i], base + offs[j]] for name, _, _, i, j in rec.phases],
+            "phases": [[name, base + offs[i], base + offs[j]] for name, _, _, i, j, _ in rec.phases],
         }
 
     def _break(self, why: str) -> None:

@@ -18,7 +18,8 @@ import numpy as np
 from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats, bucket_upper_ms
 
 # A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
-# times, the GPU step (ms) and one GPU span (ms) per phase entry; with idle, the GPU idle (ms).
+# times, the GPU step (ms), one GPU span (ms) per phase entry and one "caught" flag per phase entry
+# (1.0: the GPU had reached the entry when the host left the phase); with idle, the GPU idle (ms).
 NUMBER, SAMPLES, TOKENS, STEP_S, GAP_S, WAIT_S = range(6)
 LEAD = 6
 
@@ -54,7 +55,7 @@ class StepRows:
                 host: dict[str, float] = {"_gap": gap_ms}
                 gpu: dict[str, float] = {}
                 for (clock, name), v in zip(series, vals):
-                    if not math.isnan(v):
+                    if not math.isnan(v) and clock != "caught":
                         (host if clock == "host" else gpu)[name] = v
                 samples, tokens = lead[SAMPLES], lead[TOKENS]
                 out.append(
@@ -77,7 +78,7 @@ class _Layout:
         names, has_gpu, has_idle = key
         entries = names or ()
         r = len(entries)
-        m = LEAD + r + ((1 + r) if has_gpu else 0) + (1 if has_idle else 0)
+        m = LEAD + r + ((1 + 2 * r) if has_gpu else 0) + (1 if has_idle else 0)
         cols: list[dict[int, float]] = []
         series: list[tuple[str, str]] = []
 
@@ -106,6 +107,8 @@ class _Layout:
             for u in uniq:
                 add("gpu", u, entries_of(u, g0 + 1, 1.0))
             clamp.append(add("gpu", "other", {g0: 1.0, **{g0 + 1 + i: -1.0 for i in top}}))
+            for u in uniq:  # the fraction of the phase's entries in the step in which the GPU caught up
+                add("caught", u, entries_of(u, g0 + 1 + r, 1.0 / entries.count(u)))
             if has_idle:
                 clamp.append(add("gpu", "idle", {m - 1: 1.0}))
         t = np.zeros((m, len(series)))
@@ -236,7 +239,7 @@ class Packed:
         counts = self.run_count.astype(np.float64).tolist()
         b = self.bounds
         for k, key in enumerate(self.series):
-            if self.count[k]:
+            if self.count[k] and key[0] != "caught":
                 yield key, k, limits[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]
 
 
@@ -245,7 +248,7 @@ class _Hists(Mapping[Tuple[str, str], LogHistogram]):
 
     def __init__(self, packed: Packed) -> None:
         self._p = packed
-        self._index = {key: k for k, key in enumerate(packed.series) if packed.count[k]}
+        self._index = {key: k for k, key in enumerate(packed.series) if packed.count[k] and key[0] != "caught"}
 
     def __getitem__(self, key: tuple[str, str]) -> LogHistogram:
         return self._p.histogram(self._index[key])
@@ -323,11 +326,15 @@ class Window:
     steps: int
     host: Mapping[str, SeriesStats]
     gpu: Mapping[str, SeriesStats]
-    hists: Mapping[tuple[str, str], LogHistogram]
+    hists: Mapping[tuple[str, str], LogHistogram]  # host and GPU series
     steps_per_s: float
     samples_per_s: float | None
     tokens_per_s: float | None
     warmup: bool = False
+    # Per phase, the fraction of its timed steps in which the GPU caught up with the host inside it
+    # (reached the phase's entry before the host left it): below 0.5 the GPU can't have waited for
+    # the host there, whatever the spans say.
+    caught: Mapping[str, float] = field(default_factory=dict)
     # More scalars by tag, written as they are (cross-rank statistics: steptimer/_dist.py).
     extra: Mapping[str, float] = field(default_factory=dict)
     # The statistics as arrays, for the summary (None for a window built elsewhere, e.g. in tests).
@@ -348,6 +355,7 @@ def window_of(rows: StepRows, last_step: int) -> Window:
         host={name: st for (clock, name), st in stats.items() if clock == "host"},
         gpu={name: st for (clock, name), st in stats.items() if clock == "gpu"},
         hists=_Hists(p),
+        caught={name: st.mean_ms for (clock, name), st in stats.items() if clock == "caught"},
         steps_per_s=rows.count / wall_s if ok else math.nan,
         samples_per_s=sum(samples) / wall_s if samples and ok else None,
         tokens_per_s=sum(tokens) / wall_s if tokens and ok else None,

@@ -55,10 +55,13 @@ def fake_run(
     phases: dict[str, tuple[float, float]],
     steps: int = 20,
     lag: int = 1,
+    backlog_ms: float = 0.0,
     **kw: Any,
 ) -> Any:
-    """A run on the simulated GPU: each phase costs (host ms, GPU ms); ``data_ms`` between steps."""
+    """A run on the simulated GPU: each phase costs (host ms, GPU ms); ``data_ms`` between steps;
+    ``backlog_ms`` of GPU work queued before the first step (and kept: the GPU stays that far behind)."""
     gpu = FakeGPU(clock)
+    gpu.launch(backlog_ms)
     t = StepTimer(
         log_dir=str(log_dir),
         log_every_n_steps=5,
@@ -175,7 +178,7 @@ def test_verdict_launch_bound(tmp_path: Path, clock: FakeClock) -> None:
     assert r["verdict"]["kind"] == "launch-bound", r["verdict"]
     rows = {row["name"]: row for row in r["rows"]}
     assert rows["forward"]["gpu"]["median_ms"] == pytest.approx(10.0, rel=0.01)
-    assert "GPU ms per phase ≈ host ms" in cli("report", str(tmp_path)).stdout
+    assert "the GPU waited for the host to launch every phase" in cli("report", str(tmp_path)).stdout
 
 
 def test_verdict_gpu_bound(tmp_path: Path, clock: FakeClock) -> None:
@@ -495,3 +498,18 @@ def test_report_agrees_with_the_summary_and_leaves_out_warm_up(tmp_path: Path, c
     (everything,) = report_json(tmp_path, "--include-warmup")["runs"]
     assert everything["steps"] == 42
     assert {r["name"]: r for r in everything["rows"]}["forward"]["host"]["max_ms"] == pytest.approx(1000.0)
+
+
+def test_report_and_summary_use_one_launch_bound_rule(tmp_path: Path, clock: FakeClock) -> None:
+    """A GPU-bound run whose host blocks in a full launch queue (GPU spans ~ host spans, the GPU 30 ms
+    behind): neither the summary nor the report marks a phase launch-bound or says launch-bound. A
+    truly launch-bound run (no backlog): both mark every phase."""
+    for backlog, marked in ((30.0, False), (0.0, True)):
+        run = tmp_path / f"backlog{backlog:g}"
+        s = fake_run(run, clock, data_ms=0.1, phases={"forward": (10.0, 9.5), "loss": (10.0, 9.5)},
+                     backlog_ms=backlog, lag=2)  # fmt: skip
+        (r,) = report_json(run)["runs"]
+        rows = {row["name"]: row for row in r["rows"]}
+        for name in ("forward", "loss"):
+            assert s[name].launch_bound is marked and rows[name]["launch_bound"] is marked, (backlog, name)
+        assert (r["verdict"]["kind"] == "launch-bound") is marked, r["verdict"]

@@ -702,13 +702,29 @@ def test_launch_bound_flag_only_when_the_gpu_waited_for_the_host(clock: FakeCloc
     assert s["forward"].launch_bound and s["loss"].launch_bound
     assert s["forward"].gpu is not None and s["forward"].gpu.median_ms == pytest.approx(1.0, rel=0.01)
     # Host ahead: forward queues 20 ms of GPU work, loss is short on the GPU but the host is not
-    # what the GPU waited for: steptimer's wait shows the host ahead, so nothing is flagged.
+    # what the GPU waited for: the GPU never reached loss's start while the host was in it.
     t, _ = make(gpu, lag=1)
     for _ in range(10):
         train_step(t, clock, gpu, host={"forward": 1.0, "loss": 1.0}, kernels={"forward": 20.0, "loss": 0.2})
     s = t.close()
     assert not s["forward"].launch_bound and not s["loss"].launch_bound
     assert s["wait"].host.median_ms > 10.0
+
+
+def test_no_launch_bound_mark_when_the_host_blocks_in_a_full_launch_queue(clock: FakeClock, gpu: FakeGPU) -> None:
+    """A GPU-bound run (issue 17): the GPU is 30 ms behind, and the host spends as long in each phase
+    as the GPU does (it blocks in CUDA's full launch queue), so GPU span <= 1.1 x host span, and
+    steptimer's wait is ~0. The GPU never reached a phase's start while the host was in it: no mark."""
+    t, _ = make(gpu, lag=2, log_every_n_steps=10)
+    gpu.launch(30.0)  # the backlog the run keeps
+    for _ in range(10):
+        train_step(t, clock, gpu, host={"forward": 10.0, "loss": 10.0}, kernels={"forward": 10.0, "loss": 10.0})
+    s = t.close()
+    for name in ("forward", "loss"):
+        row = s[name]
+        assert row.gpu is not None and row.gpu.median_ms <= 1.1 * row.host.median_ms
+        assert not row.launch_bound, name
+    assert s["wait"].host.median_ms < 1.0
 
 
 def test_pauses_before_untimed_steps_do_not_grow_the_pool(clock: FakeClock, gpu: FakeGPU) -> None:

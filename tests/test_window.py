@@ -38,8 +38,8 @@ def test_series_stats_match_per_value_references(n: int) -> None:
         g = rng.lognormvariate(0.0, 2.0)
         fwd.append(h * 1e3)
         gfwd.append(g)
-        # number, samples, tokens, step_s, gap_s, wait_s | host forward (s) | GPU step, forward (ms)
-        rows.add((("forward",), True, False), [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, h, g + 1.0, g])
+        # number, samples, tokens, step_s, gap_s, wait_s | host forward (s) | GPU step, forward (ms) | caught
+        rows.add((("forward",), True, False), [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, h, g + 1.0, g, float(k % 2)])
     p = pack_rows(rows)
     stats, hists = p.stats(), p.histograms()
     for key, values in ((("host", "forward"), fwd), (("gpu", "forward"), gfwd)):
@@ -61,8 +61,9 @@ def test_rows_derive_data_other_idle_and_repeated_phases() -> None:
     # step 1: no gap yet (first step), no idle; step 2: gap 2 ms, GPU idle 0.25 ms
     host_s = [0.001, 0.0005, 0.002, 0.0003]
     gpu_ms = [1.5, 0.5, 2.5, 0.1]
-    rows.add((names, True, False), [1, NAN, 64.0, 0.010, NAN, 0.001, *host_s, 5.0, *gpu_ms])
-    rows.add((names, True, True), [2, NAN, 64.0, 0.010, 0.002, 0.001, *host_s, 5.0, *gpu_ms, 0.25])
+    caught = [1.0, 0.0, 0.0, 1.0]  # per entry: forward caught up in 1 of its 2 entries, data in its one
+    rows.add((names, True, False), [1, NAN, 64.0, 0.010, NAN, 0.001, *host_s, 5.0, *gpu_ms, *caught])
+    rows.add((names, True, True), [2, NAN, 64.0, 0.010, 0.002, 0.001, *host_s, 5.0, *gpu_ms, *caught, 0.25])
     rows.add((None, False, False), [3, NAN, 64.0, 0.008, 0.001, 0.0005])  # untimed step
     w = window_of(rows, 3)
     assert w.step == 3 and w.steps == 3
@@ -77,6 +78,9 @@ def test_rows_derive_data_other_idle_and_repeated_phases() -> None:
     assert w.gpu["forward"].mean_ms == pytest.approx(4.0)
     assert w.gpu["other"].mean_ms == pytest.approx(5.0 - 4.1)
     assert w.gpu["idle"].steps == 1 and w.gpu["idle"].mean_ms == pytest.approx(0.25)
+    # caught: the mean over a step's entries of a phase, then over steps; not a host or GPU series
+    assert w.caught == {"forward": 0.5, "forward/inner": 0.0, "data": 1.0}
+    assert all(clock != "caught" for clock, _ in w.hists)
     cycle_s = 0.010 + 0.010 + 0.002 + 0.008 + 0.001
     assert w.steps_per_s == pytest.approx(3 / cycle_s)
     assert w.tokens_per_s == pytest.approx(3 * 64.0 / cycle_s) and w.samples_per_s is None
