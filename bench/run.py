@@ -274,6 +274,31 @@ def truth_table(t: dict[str, Any]) -> str:
     )
 
 
+def marks_table(t: dict[str, Any]) -> str:
+    """The launch-bound mark against CUPTI: a phase is launch-bound when idle gaps between its kernels
+    add up to more than 10 % of its span in most of its steps; the mark is the summary's."""
+    rows = []
+    counts = {"true +": 0, "true -": 0, "false +": 0, "false -": 0}
+    for scen, res in t.items():
+        if not isinstance(res, dict) or "launch_bound" not in res or scen == "known_kernels":
+            continue
+        for phase, r in res["phases"].items():
+            if "cupti_gap_frac_median" not in r or phase == "queue":
+                continue
+            truth = r["cupti_launch_bound_steps"] * 2 > r["steps"]
+            mark = phase in res["launch_bound"]
+            kind = ("true " if truth == mark else "false ") + ("+" if mark else "-")
+            counts[kind] += 1
+            rows.append([scen, phase, fmt_num(100 * r["cupti_gap_frac_median"], 1),
+                         f"{r['cupti_launch_bound_steps']}/{r['steps']}", "yes" if truth else "no",
+                         "*" if mark else "", kind])  # fmt: skip
+    table = format_table(
+        ["scenario", "phase", "CUPTI idle gaps % of span (median)", "steps > 10 %", "launch-bound (CUPTI)",
+         "steptimer mark", "outcome"], rows,
+    )  # fmt: skip
+    return table + "\n\nconfusion: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
 def host_vs_gpu_table(t: dict[str, Any]) -> str:
     rows = []
     for scen in (
@@ -509,6 +534,7 @@ def _truth(
         tables.append(
             ("GPU truth: steptimer per-step GPU ms vs CUPTI kernel spans", truth_table(res["truth"]))
         )
+        tables.append(("Launch-bound marks against CUPTI's idle gaps", marks_table(res["truth"])))
         tables.append(
             (
                 "Host timers lie: host vs GPU ms per phase (same run, no profiler)",

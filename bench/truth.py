@@ -42,10 +42,12 @@ class Span:
     end_us: float = float("-inf")
     n: int = 0
     names: list[str] = field(default_factory=list)
+    busy_us: float = 0.0  # summed activity durations (one stream: they don't overlap)
 
     def add(self, start: float, end: float, name: str) -> None:
         self.start_us = min(self.start_us, start)
         self.end_us = max(self.end_us, end)
+        self.busy_us += end - start
         self.n += 1
         if len(self.names) < 8:
             self.names.append(name)
@@ -53,6 +55,17 @@ class Span:
     @property
     def ms(self) -> float:
         return (self.end_us - self.start_us) / 1e3 if self.n else 0.0
+
+    @property
+    def gap_frac(self) -> float:
+        """The part of the span in which the GPU ran none of the window's activities (idle gaps)."""
+        span = self.end_us - self.start_us
+        return max(0.0, 1.0 - self.busy_us / span) if self.n and span > 0 else 0.0
+
+
+# Ground truth for the launch-bound mark: a phase is launch-bound in a step when CUPTI shows idle
+# gaps between its kernels adding up to more than this part of its span.
+LAUNCH_GAP_FRAC = 0.10
 
 
 @dataclass
@@ -237,6 +250,7 @@ def _compare_run(timer: Any, att: Attribution, skip: int) -> dict[str, Any]:
     """Per-phase comparison of steptimer's per-step GPU ms with the CUPTI spans."""
     by_phase: dict[str, list[tuple[float, float]]] = {}
     host: dict[str, list[float]] = {}
+    gaps: dict[str, list[float]] = {}
     for s in timer.resolved:
         if s.number <= skip or s.gpu_ms is None:
             continue
@@ -244,10 +258,13 @@ def _compare_run(timer: Any, att: Attribution, skip: int) -> dict[str, Any]:
             if step == s.number and phase in s.gpu_ms:
                 by_phase.setdefault(phase, []).append((span.ms, s.gpu_ms[phase]))
                 host.setdefault(phase, []).append(s.host_ms[phase])
+                gaps.setdefault(phase, []).append(span.gap_frac)
     out = {}
     for phase, pairs in by_phase.items():
         r = summarize_phase(pairs)
         r["host_median_ms"] = median(host[phase])
+        r["cupti_gap_frac_median"] = median(gaps[phase])
+        r["cupti_launch_bound_steps"] = sum(g > LAUNCH_GAP_FRAC for g in gaps[phase])
         out[phase] = r
     return out
 

@@ -287,3 +287,21 @@ def test_recording_timer_keeps_every_step_with_its_gpu_and_host_values(monkeypat
         if s.number > 1:
             assert s.host_ms["data"] == pytest.approx(21.0)
             assert "idle" in s.gpu_ms
+
+
+def test_cupti_gap_fraction_and_the_marks_confusion_table() -> None:
+    """Ground truth for the launch-bound mark: idle gaps between a window's kernels over its span."""
+    from bench import run
+    from bench.truth import Span
+
+    s = Span()
+    s.add(0.0, 40.0, "a")
+    s.add(60.0, 100.0, "b")  # 20 µs idle in a 100 µs span
+    assert s.gap_frac == pytest.approx(0.2)
+    phases = {
+        "forward": {"cupti_gap_frac_median": 0.2, "cupti_launch_bound_steps": 9, "steps": 10},
+        "loss": {"cupti_gap_frac_median": 0.01, "cupti_launch_bound_steps": 0, "steps": 10},
+        "backward": {"cupti_gap_frac_median": 0.3, "cupti_launch_bound_steps": 10, "steps": 10},
+    }
+    text = run.marks_table({"x": {"launch_bound": ["forward", "loss"], "phases": phases}})
+    assert "confusion: true + 1, true - 0, false + 1, false - 1" in text
