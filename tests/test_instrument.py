@@ -634,10 +634,12 @@ def test_inductor_compiled_cuda_model() -> None:
     for name in ("forward", "loss", "backward", "optimizer", "zero_grad"):
         assert s[name].calls_per_step == 1 and s[name].gpu is not None, name
     fwd = s["forward"].gpu
-    # Ground truth: the same compiled forward timed with torch's own events, the hooks removed.
+    # Ground truth: the same compiled forward timed with torch's own events, the hooks removed, a long
+    # kernel queued first so the host is ahead and the events hold the GPU's work, not launch waits.
     ref = []
     for _ in range(5):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(50_000_000)
         e0.record()
         compiled(x)
         e1.record()
