@@ -285,14 +285,6 @@ def pack_rows(rows: StepRows) -> Packed:
     return p
 
 
-def series_stats(
-    series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray
-) -> tuple[dict[tuple[str, str], SeriesStats], dict[tuple[str, str], LogHistogram]]:
-    """Exact statistics (nearest-rank quantiles) and log histograms of every non-empty series."""
-    packed = Packed(series, values, sid)
-    return packed.stats(), packed.histograms()
-
-
 @dataclass
 class ResolvedStep:
     """One step's numbers, in milliseconds (``StepRows.steps()`` builds them from a window's rows, for

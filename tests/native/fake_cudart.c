@@ -1,9 +1,8 @@
 /* A stand-in CUDA runtime with the calls steptimer/_cudart.c binds, for CPU tests of that glue
- * (argument handling, error paths, the not-ready wait, lag 0's polled wait). The real runtime is
+ * (argument handling, error paths, the not-ready query, lag 0's one synchronize per step). The real runtime is
  * tested on the GPU.
  * Handles are small integers: event h has a time (ms) and a "done" flag set by the test. */
 #include <stddef.h>
-#include <time.h>
 
 #define N 64
 static double t_ms[N];
@@ -13,8 +12,8 @@ int fake_syncs, fake_records, fake_capturing;
 int fake_fail_record; /* when set, cudaEventRecord returns this error */
 /* A simulated GPU for the engine's tests, off (-1) by default: when >= 0, cudaEventRecord gives the event
  * the next time on a clock that moves 1 ms per record, and the event completes after this many
- * cudaEventQuery calls on it, each of which takes fake_query_us (cudaEventSynchronize completes it). */
-int fake_record_queries = -1, fake_query_us;
+ * cudaEventQuery calls on it (cudaEventSynchronize completes it). */
+int fake_record_queries = -1;
 static int pending[N], seq[N], next_seq;
 static double clock_ms;
 
@@ -55,10 +54,6 @@ int cudaEventElapsedTime(float *ms, void *a, void *b) {
 }
 int cudaEventQuery(void *ev) {
     if (bad(ev)) return err(400);
-    if (fake_query_us > 0) {
-        struct timespec ts = {0, (long)fake_query_us * 1000};
-        nanosleep(&ts, NULL);
-    }
     if (!done[(size_t)ev] && pending[(size_t)ev] > 0 && --pending[(size_t)ev] == 0) complete((size_t)ev);
     return done[(size_t)ev] ? 0 : err(600);
 }
