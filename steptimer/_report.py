@@ -15,10 +15,8 @@ from typing import Literal
 
 from steptimer._reader import RunLog
 from steptimer._histogram import LogHistogram, SeriesStats
-from steptimer._summary import is_launch_bound
+from steptimer._summary import DERIVED_FIRST, DERIVED_LAST, is_launch_bound, row_order
 
-_DERIVED_FIRST = ("data",)
-_DERIVED_LAST = ("other", "wait", "step", "idle")
 
 # Verdict thresholds, as fractions of wall time (data wait + step) unless said otherwise.
 DATA_SHARE = 0.2  # the host waits for data at least this much ...
@@ -158,16 +156,8 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         return st, total, n, means
 
     phases = [p for c, p in names if c == "host"] + [p for c, p in names if c == "gpu"]
-    order = list(dict.fromkeys(phases))
-    first_seen = {n: i for i, n in enumerate(order)}
-
-    def tree_key(name: str) -> tuple[int, ...]:
-        parts = name.split("/")
-        return tuple(first_seen.get("/".join(parts[: k + 1]), len(first_seen)) for k in range(len(parts)))
-
-    ordered = [n for n in _DERIVED_FIRST if n in first_seen]
-    ordered += sorted((n for n in order if n not in _DERIVED_FIRST + _DERIVED_LAST), key=tree_key)
-    ordered += [n for n in _DERIVED_LAST if n in first_seen]
+    first_seen = dict.fromkeys(phases)
+    ordered = row_order(list(first_seen), first_seen)
 
     cuda = any(c == "gpu" for c, _ in names)
 
@@ -191,7 +181,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
             everywhere = name in ("data", "wait")  # logged for every step; phases only for timed ones
             share = host_sum / (wall_ms if everywhere else wall_ms * timed_frac)
         lb = (
-            host is not None and gpu is not None and name not in _DERIVED_FIRST + _DERIVED_LAST
+            host is not None and gpu is not None and name not in DERIVED_FIRST + DERIVED_LAST
             and is_launch_bound(gpu.median_ms, host.median_ms, caught(name))
         )  # fmt: skip
         rows.append(PhaseRow(name, host, gpu, share, host_means, gpu_means, lb))
@@ -282,7 +272,7 @@ def _verdict(
     said_wait = f"the host blocked on the GPU (lagged wait) {_pct(wait)} of wall time"
     top = [
         r for r in rows
-        if "/" not in r.name and r.name not in _DERIVED_FIRST + _DERIVED_LAST
+        if "/" not in r.name and r.name not in DERIVED_FIRST + DERIVED_LAST
         and r.host is not None and r.gpu is not None and r.host.median_ms > 0
     ]  # fmt: skip
     # Phases under 5 % of the step don't decide the verdict: for a phase of a few µs, the event

@@ -118,11 +118,28 @@ class Summary:
         return any(row.name == name for row in self.rows)
 
 
-_DERIVED_FIRST = ("data",)
-_DERIVED_LAST = ("other", "wait", "step", "idle")
+DERIVED_FIRST = ("data",)
+DERIVED_LAST = ("other", "wait", "step", "idle")
 
 
 LAUNCH_RATIO = 1.1
+
+
+def row_order(seen: list[str], present: set[str] | dict[str, object]) -> list[str]:
+    """The table's rows: ``data``, then the phases ``seen`` (in first-seen order, parents before
+    children), then ``other``, ``wait``, ``step``, ``idle``; derived rows only where ``present``."""
+    first = {n: i for i, n in enumerate(seen)}
+
+    def tree_key(name: str) -> tuple[int, ...]:
+        parts = name.split("/")
+        return tuple(first.get("/".join(parts[: k + 1]), len(first)) for k in range(len(parts)))
+
+    derived = DERIVED_FIRST + DERIVED_LAST
+    return (
+        [n for n in DERIVED_FIRST if n in present]
+        + sorted((n for n in seen if n not in derived), key=tree_key)
+        + [n for n in DERIVED_LAST if n in present]
+    )
 
 
 def is_launch_bound(gpu_ms: float, host_ms: float, caught: float | None) -> bool:
@@ -223,17 +240,8 @@ class SummaryAccumulator:
         ex[gp, 4] = np.maximum(ex[gp, 4], new[4])
 
     def summary(self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = ()) -> Summary:
-        first_seen = {n: i for i, n in enumerate(self.order)}
         host_h, gpu_h = self.host, self.gpu
-
-        def tree_key(name: str) -> tuple[int, ...]:  # parents before children, then first seen
-            parts = name.split("/")
-            prefixes = ["/".join(parts[: k + 1]) for k in range(len(parts))]
-            return tuple(first_seen.get(p, len(first_seen)) for p in prefixes)
-
-        names = [n for n in _DERIVED_FIRST if n in host_h]
-        names += sorted((n for n in self.order if n not in _DERIVED_FIRST and n not in _DERIVED_LAST), key=tree_key)
-        names += [n for n in _DERIVED_LAST if n in host_h or n in gpu_h]
+        names = row_order(list(self.order), {**host_h, **gpu_h})
         caught_h = self._histograms("caught")
         rows = []
         for name in names:
@@ -252,7 +260,7 @@ class SummaryAccumulator:
             launch_bound = (
                 gpu_stats is not None
                 and host is not None
-                and name not in _DERIVED_FIRST + _DERIVED_LAST
+                and name not in DERIVED_FIRST + DERIVED_LAST
                 and is_launch_bound(gpu_stats.median_ms, host_stats.median_ms, caught and caught.mean_ms)
             )
             steps_ran = host.count if host is not None else (gpu.count if gpu is not None else 0)
