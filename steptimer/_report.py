@@ -88,14 +88,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         include_warmup: Count the warm-up steps too. By default their windows (tagged
             ``steptimer/run/warmup_steps``) are left out, as the end-of-run summary leaves them out.
     """
-    warm = {s: int(v) for s, v in run.scalars.get("run/warmup_steps", [])}
-    skip = set() if include_warmup else set(warm)
-    windows = [s for s, _ in run.scalars.get("steps_per_s", []) if s > skip_steps and s not in skip]
-    if not windows:
-        windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in skip})
-    notes: list[str] = []
-    if warm and not include_warmup:
-        notes.append(f"{sum(warm.values())} warm-up steps left out, as in the summary (--include-warmup counts them)")
+    windows, notes = _select_windows(run, skip_steps, include_warmup)
     of_steps = bool(run.hists)
     if not of_steps:
         notes.append(
@@ -106,20 +99,9 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     hists = {k: [(s, h) for s, h in pts if s in wset] for k, pts in run.hists.items()}
     scal = {k: [(s, v) for s, v in pts if s in wset] for k, pts in run.scalars.items()}
 
-    # Steps per window: exact from the host step histogram, else from the step numbers.
-    n_of: dict[int, int] = {s: h.count for s, h in hists.get(("host", "step"), [])}
-    prev = max([s for s, _ in run.scalars.get("steps_per_s", []) if s <= skip_steps], default=0)
-    for s in windows:
-        if s not in n_of:
-            n_of[s] = max(s - prev, 1)
-        prev = s
+    n_of, wall_ms = _window_sizes(run, hists, scal, windows, skip_steps)
     steps = sum(n_of[s] for s in windows)
     rate = dict(scal.get("steps_per_s", []))
-    wall_ms = 0.0
-    for s in windows:
-        r = rate.get(s)
-        if r and r > 0 and math.isfinite(r):
-            wall_ms += n_of[s] / r * 1e3
     cycle_window_ms = tuple(1e3 / rate[s] for s in windows if rate.get(s))
 
     names: dict[tuple[str, str], None] = {}
@@ -131,41 +113,13 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
             names[(clock, rest[:-3])] = None
 
     def stats(clock: str, phase: str) -> tuple[SeriesStats | None, float, int, tuple[float, ...]]:
-        """(stats, sum of per-step ms, steps it ran in, window means)."""
-        pts = hists.get((clock, phase))
-        if pts:
-            merged = LogHistogram()
-            for _, h in pts:
-                merged.merge(h)
-            means = tuple(h.mean_ms for _, h in pts if h.count)
-            return SeriesStats.of(merged), merged.sum_ms, merged.count, means
-        mean_pts = scal.get(f"{clock}/{phase}_ms")
-        if not mean_pts:
-            return None, 0.0, 0, ()
-        means = tuple(v for _, v in mean_pts)
-        maxes = [v for _, v in scal.get(f"{clock}_max/{phase}_ms", [])]
-        n = sum(n_of.get(s, 0) for s, _ in mean_pts)
-        total = sum(v * n_of.get(s, 0) for s, v in mean_pts)
-        st = SeriesStats(
-            steps=n,
-            mean_ms=total / n if n else math.nan,
-            median_ms=statistics.median(means),
-            p90_ms=_nearest_rank(means, 0.9),
-            max_ms=max(maxes) if maxes else max(means),
-        )
-        return st, total, n, means
+        return _series(hists, scal, n_of, clock, phase)
 
     phases = [p for c, p in names if c == "host"] + [p for c, p in names if c == "gpu"]
     first_seen = dict.fromkeys(phases)
     ordered = row_order(list(first_seen), first_seen)
 
     cuda = any(c == "gpu" for c, _ in names)
-
-    def caught(name: str) -> float | None:
-        """The fraction of steps in which the GPU caught up inside the phase (None: not logged)."""
-        pts = [(s, v) for s, v in scal.get(f"gpu_caught_up/{name}_frac", []) if n_of.get(s)]
-        n = sum(n_of[s] for s, _ in pts)
-        return sum(v * n_of[s] for s, v in pts) / n if n else None
 
     _, _, timed, _ = stats("host", "other")
     timed_frac = timed / steps if timed and steps else 1.0
@@ -182,7 +136,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
             share = host_sum / (wall_ms if everywhere else wall_ms * timed_frac)
         lb = (
             host is not None and gpu is not None and name not in DERIVED_FIRST + DERIVED_LAST
-            and is_launch_bound(gpu.median_ms, host.median_ms, caught(name))
+            and is_launch_bound(gpu.median_ms, host.median_ms, _caught(scal, n_of, name))
         )  # fmt: skip
         rows.append(PhaseRow(name, host, gpu, share, host_means, gpu_means, lb))
 
@@ -197,14 +151,6 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     wait_share = share_of("host", "wait", timed_only=False) if ("host", "wait") in names else None
     idle_share = share_of("gpu", "idle", timed_only=True) if ("gpu", "idle") in names else None
 
-    def total(tag: str) -> float | None:
-        pts = scal.get(tag)
-        if not pts or wall_ms <= 0:
-            return None
-        per_window = {s: v for s, v in pts}
-        done = sum(per_window[s] * n_of[s] / rate[s] for s in windows if s in per_window and rate.get(s))
-        return done / (wall_ms / 1e3)
-
     report_rows = tuple(rows)
     verdict = _verdict(report_rows, cuda, data_share, wait_share, idle_share)
     return RunReport(
@@ -217,8 +163,8 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         rows=report_rows,
         wall_s=wall_ms / 1e3,
         steps_per_s=steps / (wall_ms / 1e3) if wall_ms > 0 else None,
-        samples_per_s=total("samples_per_s"),
-        tokens_per_s=total("tokens_per_s"),
+        samples_per_s=_rate_total(scal.get("samples_per_s"), windows, n_of, rate, wall_ms),
+        tokens_per_s=_rate_total(scal.get("tokens_per_s"), windows, n_of, rate, wall_ms),
         data_share=data_share,
         wait_share=wait_share,
         gpu_idle_share=idle_share,
@@ -226,6 +172,87 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         verdict=verdict,
         notes=tuple(notes),
     )
+
+
+def _select_windows(run: RunLog, skip_steps: int, include_warmup: bool) -> tuple[list[int], list[str]]:
+    """The windows the report covers (after ``skip_steps``, warm-up windows left out unless asked),
+    and the notes that say what was left out."""
+    warm = {s: int(v) for s, v in run.scalars.get("run/warmup_steps", [])}
+    skip = set() if include_warmup else set(warm)
+    windows = [s for s, _ in run.scalars.get("steps_per_s", []) if s > skip_steps and s not in skip]
+    if not windows:
+        windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in skip})
+    notes: list[str] = []
+    if warm and not include_warmup:
+        notes.append(f"{sum(warm.values())} warm-up steps left out, as in the summary (--include-warmup counts them)")
+    return windows, notes
+
+
+def _caught(scal: dict, n_of: dict[int, int], name: str) -> float | None:  # type: ignore[type-arg]
+    """The fraction of steps in which the GPU caught up inside the phase (None: not logged)."""
+    pts = [(s, v) for s, v in scal.get(f"gpu_caught_up/{name}_frac", []) if n_of.get(s)]
+    n = sum(n_of[s] for s, _ in pts)
+    return sum(v * n_of[s] for s, v in pts) / n if n else None
+
+
+def _rate_total(
+    pts: list[tuple[int, float]] | None, windows: list[int], n_of: dict[int, int], rate: dict[int, float], wall_ms: float
+) -> float | None:
+    """A per-window rate (samples/s, tokens/s) over the whole run: the windows' totals over wall time."""
+    if not pts or wall_ms <= 0:
+        return None
+    per_window = dict(pts)
+    done = sum(per_window[s] * n_of[s] / rate[s] for s in windows if s in per_window and rate.get(s))
+    return done / (wall_ms / 1e3)
+
+
+def _window_sizes(
+    run: RunLog, hists: dict, scal: dict, windows: list[int], skip_steps: int  # type: ignore[type-arg]
+) -> tuple[dict[int, int], float]:
+    """Steps per window (exact from the host step histogram, else from the step numbers) and the
+    windows' wall time in ms."""
+    n_of: dict[int, int] = {s: h.count for s, h in hists.get(("host", "step"), [])}
+    prev = max([s for s, _ in run.scalars.get("steps_per_s", []) if s <= skip_steps], default=0)
+    for s in windows:
+        if s not in n_of:
+            n_of[s] = max(s - prev, 1)
+        prev = s
+    rate = dict(scal.get("steps_per_s", []))
+    wall_ms = 0.0
+    for s in windows:
+        r = rate.get(s)
+        if r and r > 0 and math.isfinite(r):
+            wall_ms += n_of[s] / r * 1e3
+    return n_of, wall_ms
+
+
+def _series(
+    hists: dict, scal: dict, n_of: dict[int, int], clock: str, phase: str  # type: ignore[type-arg]
+) -> tuple[SeriesStats | None, float, int, tuple[float, ...]]:
+    """One series over the windows: (stats, sum of per-step ms, steps it ran in, window means).
+    Quantiles of steps from the merged histograms, else of window means (scalar-only logs)."""
+    pts = hists.get((clock, phase))
+    if pts:
+        merged = LogHistogram()
+        for _, h in pts:
+            merged.merge(h)
+        means = tuple(h.mean_ms for _, h in pts if h.count)
+        return SeriesStats.of(merged), merged.sum_ms, merged.count, means
+    mean_pts = scal.get(f"{clock}/{phase}_ms")
+    if not mean_pts:
+        return None, 0.0, 0, ()
+    means = tuple(v for _, v in mean_pts)
+    maxes = [v for _, v in scal.get(f"{clock}_max/{phase}_ms", [])]
+    n = sum(n_of.get(s, 0) for s, _ in mean_pts)
+    total = sum(v * n_of.get(s, 0) for s, v in mean_pts)
+    st = SeriesStats(
+        steps=n,
+        mean_ms=total / n if n else math.nan,
+        median_ms=statistics.median(means),
+        p90_ms=_nearest_rank(means, 0.9),
+        max_ms=max(maxes) if maxes else max(means),
+    )
+    return st, total, n, means
 
 
 def _nearest_rank(values: tuple[float, ...], q: float) -> float:
