@@ -59,11 +59,9 @@ class RankSummary:
             )
         if self.straggler is not None and self.ranks > 1:
             s = self.straggler
-            out.append(
-                f"  slowest rank: {s.argmax} (+{s.max_ms - s.min_ms:.3f} ms per step over rank {s.argmin}); "
-                "backward includes waiting for the others' gradients, so read it with care"
-            )
-        out.append(f"  cross-rank statistics cost {self.reduce_ms:.3f} ms per log interval ({self.rounds} rounds)")
+            out.append(f"  slowest rank: {s.argmax} (+{s.max_ms - s.min_ms:.3f} ms per step over rank {s.argmin})")
+            out.append("  (backward includes waiting for the others' gradients: read it with care)")
+        out.append(f"  cross-rank statistics: {self.reduce_ms:.3f} ms per log interval, {self.rounds} rounds")
         return out
 
 

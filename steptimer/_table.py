@@ -30,12 +30,25 @@ def render(summary: Summary, width: int = 120) -> str:
     from rich.console import Console
 
     console = Console(width=width, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
-    console.print(build_table(summary, width))
-    for line in footer(summary):
-        console.print(line, markup=False, highlight=False)
+    _print(console, summary)
     text = console.export_text()
     console.file.close()
     return text
+
+
+def heading(summary: Summary) -> str:
+    """The line above the table: steps, warm-up and clocks. A line of its own, not the table's title,
+    which ``rich`` would wrap to the table's width."""
+    mode = "CUDA events + host clock" if summary.cuda else "host clock only"
+    sampled = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed"
+    return f"steptimer: {summary.steps} steps{sampled} ({summary.warmup_steps} warm-up left out), {mode}"
+
+
+def _print(console, summary: Summary) -> None:  # type: ignore[no-untyped-def]
+    console.print(heading(summary), markup=False, highlight=False)
+    console.print(build_table(summary, console.width))
+    for line in footer(summary):
+        console.print(line, markup=False, highlight=False)
 
 
 def footer(summary: Summary) -> list[str]:
@@ -64,12 +77,7 @@ def build_table(summary: Summary, width: int = 120):  # type: ignore[no-untyped-
     from rich.table import Table
 
     full = width >= _FULL_WIDTH
-    mode = "CUDA events + host clock" if summary.cuda else "host clock only"
-    sampled = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed"
-    table = Table(
-        title=f"steptimer: {summary.steps} steps{sampled} ({summary.warmup_steps} warm-up left out), {mode}",
-        title_justify="left",
-    )
+    table = Table()
     labels = [_label(row) for row in summary.rows]
     table.add_column("phase", no_wrap=True, min_width=max(map(len, labels), default=5))
     table.add_column("calls/step" if full else "calls", justify="right")
@@ -93,7 +101,4 @@ def build_table(summary: Summary, width: int = 120):  # type: ignore[no-untyped-
 def print_summary(summary: Summary) -> None:
     from rich.console import Console
 
-    console = Console()
-    console.print(build_table(summary, console.width))
-    for line in footer(summary):
-        console.print(line, markup=False, highlight=False)
+    _print(Console(), summary)
