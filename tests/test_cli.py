@@ -134,10 +134,10 @@ def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
     means = []
     for k in range(4):
         rows = StepRows()
-        for i in range(5):  # number, samples, tokens, step_s, gap_s, wait_s, forward_s
+        for i in range(5):  # number, samples, tokens, step_s, gap_s, wait_s, flops, forward_s
             rows.add(
                 (("forward",), False, False),
-                [5 * k + i + 1, nan, nan, (10 + k + i) / 1e3, 2e-3, nan, (4 + k) / 1e3],
+                [5 * k + i + 1, nan, nan, (10 + k + i) / 1e3, 2e-3, nan, nan, (4 + k) / 1e3],
             )
         win = window_of(rows, 5 * k + 5)
         means.append(win.host["forward"].mean_ms)
