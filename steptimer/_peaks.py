@@ -104,6 +104,28 @@ _RULES: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
+_FALLBACK = {"bf16": "fp16", "tf32": "fp32"}
+
+
+def dtype_of_precision(precision: str) -> str:
+    """The peak's dtype for a Lightning ``Trainer(precision=...)`` string, as Lightning's
+    ThroughputMonitor picks it: bf16 for ``bf16-*``, fp16 for ``16-*``, fp64 for ``64-*``, fp8 for
+    Transformer Engine, and for ``32-true`` tf32 unless ``torch.get_float32_matmul_precision()`` is
+    ``"highest"`` (then fp32)."""
+    p = str(precision)
+    if p.startswith("bf16"):
+        return "bf16"
+    if p.startswith("16"):
+        return "fp16"
+    if p.startswith("64"):
+        return "fp64"
+    if p.startswith("transformer-engine"):
+        return "fp8"
+    import torch
+
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
 def chip_of(device_name: str) -> str | None:
     """The table row for a device name (``torch.cuda.get_device_name()``), or None if unknown."""
     words = device_name.lower().replace("-", " ").split()
@@ -126,7 +148,10 @@ def lookup_peak(device_name: str, dtype: str = "bf16") -> tuple[float | None, st
     if chip is None:
         return None, f"no MFU: {device_name!r} is not in steptimer's peak table; pass peak_tflops="
     row = PEAKS[chip]
-    used = dtype if dtype in row else ("fp16" if dtype == "bf16" and "fp16" in row else None)
+    # Without bf16 tensor cores (V100, T4) bf16 work runs on the fp16 ones; without tf32, fp32
+    # matmuls run in fp32.
+    used = dtype if dtype in row else _FALLBACK.get(dtype)
+    used = used if used in row else None
     if used is None:
         return None, f"no MFU: no {dtype} peak for {device_name!r} in steptimer's table; pass peak_tflops="
     return row[used], f"MFU against {row[used]:g} TFLOP/s, the dense {used} peak of {device_name}"

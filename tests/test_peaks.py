@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from steptimer._peaks import DTYPES, PEAKS, chip_of, lookup_peak
+from steptimer._peaks import DTYPES, PEAKS, chip_of, dtype_of_precision, lookup_peak
 
 
 @pytest.mark.parametrize(
@@ -72,3 +72,17 @@ def test_every_row_is_dense_and_ordered() -> None:
             assert row["fp8"] == pytest.approx(2 * half, rel=0.01), chip
         if "tf32" in row:
             assert row["fp32"] <= row["tf32"] <= half, chip
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [("bf16-mixed", "bf16"), ("bf16-true", "bf16"), ("16-mixed", "fp16"), ("16-true", "fp16"),
+     ("64-true", "fp64"), ("transformer-engine", "fp8"), ("32-true", "fp32")],
+)  # fmt: skip
+def test_trainer_precision_picks_the_peaks_dtype(precision: str, dtype: str) -> None:
+    """As Lightning's ThroughputMonitor; 32-true here under the default float32 matmul precision
+    ("highest": fp32; the callback test covers tf32 under "high")."""
+    import torch
+
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert dtype_of_precision(precision) == dtype
