@@ -48,8 +48,10 @@ def test_lookup_gives_the_dense_peak_of_the_dtype_and_says_so() -> None:
     # No bf16 tensor cores: bf16 falls back to the fp16 tensor-core peak, and the note says fp16.
     peak, note = lookup_peak("Tesla V100-SXM2-16GB")
     assert peak == 125.0 and "fp16" in note
-    peak, note = lookup_peak("Tesla T4", "tf32")
-    assert peak is None and "no tf32 peak" in note and "pass peak_tflops=" in note
+    peak, note = lookup_peak("Tesla T4", "tf32")  # no tf32 cores: fp32 matmuls run in fp32
+    assert peak == 8.1 and "fp32" in note
+    peak, note = lookup_peak("Tesla T4", "fp8")
+    assert peak is None and "no fp8 peak" in note and "pass peak_tflops=" in note
     peak, note = lookup_peak("NVIDIA A10G")
     assert peak is None and "'NVIDIA A10G'" in note and "peak_tflops=" in note
 
