@@ -45,8 +45,8 @@ PEAKS: dict[str, dict[str, float]] = {
     "h100 pcie": {"fp64": 25.6, "fp32": 51.2, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0, "fp8": 1513.0},
     # A100 SXM and PCIe, 40 and 80 GB (A100 datasheet): FP64 9.7, FP32 19.5, TF32 156, BF16/FP16 312.
     "a100": {"fp64": 9.7, "fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
-    # L40S (datasheet): FP32 91.6, TF32 366*, BF16/FP16 733*, FP8 1,466*.
-    "l40s": {"fp32": 91.6, "tf32": 183.0, "bf16": 366.5, "fp16": 366.5, "fp8": 733.0},
+    # L40S (datasheet, which prints dense and sparse): FP32 91.6, TF32 183, BF16/FP16 362.05, FP8 733.
+    "l40s": {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05, "fp8": 733.0},
     # L40 (datasheet): FP32 90.5, TF32 181*, BF16/FP16 362*, FP8 724*.
     "l40": {"fp32": 90.5, "tf32": 90.5, "bf16": 181.0, "fp16": 181.0, "fp8": 362.0},
     # L4 (datasheet): FP32 30.3, TF32 120*, BF16/FP16 242*, FP8 485*.

@@ -71,7 +71,7 @@ def test_every_row_is_dense_and_ordered() -> None:
         if "bf16" in row:
             assert row["bf16"] == row["fp16"], chip
         if "fp8" in row:
-            assert row["fp8"] == pytest.approx(2 * half, rel=0.01), chip
+            assert row["fp8"] == pytest.approx(2 * half, rel=0.02), chip  # L40S: 733 and 362.05
         if "tf32" in row:
             assert row["fp32"] <= row["tf32"] <= half, chip
 

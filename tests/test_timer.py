@@ -815,9 +815,12 @@ def test_tflops_and_mfu_count_every_step_over_the_wall_time(clock: FakeClock, us
     assert s.peak_tflops == 0.002 and not any("MFU" in n for n in s.notes)
 
 
-def test_no_peak_gives_tflops_without_mfu_and_one_note(clock: FakeClock, gpu: FakeGPU) -> None:
-    """Host-only without peak_tflops, or a GPU steptimer can't name (the simulated one): TFLOP/s, no
-    MFU, one note in the summary (no warning per step). Without flops: neither, and no note."""
+def test_no_peak_gives_tflops_without_mfu_and_one_note(
+    clock: FakeClock, gpu: FakeGPU, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host-only without peak_tflops, or a GPU not in the table (the simulated one, named so): TFLOP/s,
+    no MFU, one note in the summary (no warning per step). Without flops: neither, and no note."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Simulated GPU 9000")
     for g in (None, gpu):
         t, sink = make(g, log_every_n_steps=2)
         for _ in range(6):
@@ -840,3 +843,23 @@ def test_no_peak_gives_tflops_without_mfu_and_one_note(clock: FakeClock, gpu: Fa
 def test_bad_peak_tflops_is_a_value_error(bad: object) -> None:
     with pytest.raises(ValueError, match="peak_tflops"):
         StepTimer(cuda=False, peak_tflops=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+def test_mfu_on_the_gpu_uses_the_tables_bf16_peak_for_this_device() -> None:
+    """On a real GPU with peak_tflops=None: the dense bf16 peak of torch.cuda.get_device_name() (the
+    device machine's H100 is in the table), and MFU = TFLOP/s over it."""
+    from steptimer._peaks import lookup_peak
+
+    expected, _ = lookup_peak(torch.cuda.get_device_name())
+    assert expected is not None, torch.cuda.get_device_name()
+    a = torch.randn(1024, 1024, device="cuda")
+    t = StepTimer(cuda=True, warmup_steps=1, print_summary=False)
+    for _ in range(5):
+        with t.step(flops=2 * 1024**3), t.phase("matmul"):
+            a @ a
+    s = t.close()
+    assert s.peak_tflops == expected
+    assert s.tflops_per_s == pytest.approx(4 * 2 * 1024**3 / (s.steps / s.steps_per_s) / 1e12)
+    assert s.mfu == pytest.approx(s.tflops_per_s / expected)
+    assert any(f"{expected:g} TFLOP/s" in n for n in s.notes)
