@@ -288,14 +288,18 @@ def arithmetic_table(res: dict[str, dict[str, Any]]) -> str:
     return format_table(headers, rows)
 
 
+def _g(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
+
+
 def mfu_table(res: dict[str, dict[str, Any]]) -> str:
     rows = []
     for mode, r in res.items():
         c = r["mfu_check"]
         m = c["mfu"]
         rel = c["relative_difference"]
-        rows.append([mode, fmt_num(c["peak_tflops"], 1),
-                     f"{fmt_num(c['tflops_per_s']['steptimer'], 2)} / {fmt_num(c['tflops_per_s']['trainer'], 2)}",
+        tf = c["tflops_per_s"]
+        rows.append([mode, _g(c["peak_tflops"]), f"{_g(tf['steptimer'])} / {_g(tf['trainer'])}",
                      f"{fmt_num(None if m['steptimer'] is None else 100 * m['steptimer'], 2)} / "
                      f"{fmt_num(None if m['trainer'] is None else 100 * m['trainer'], 2)}",
                      "n/a" if rel is None else f"{100 * rel:+.3f} %",

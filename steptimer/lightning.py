@@ -279,7 +279,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             if fn is not None and not callable(fn):
                 raise ValueError(f"{name} must be a function batch -> number, got {fn!r}")
         if flops_per_batch is not None and not callable(flops_per_batch) and not _positive(flops_per_batch):
-            raise ValueError(f"flops_per_batch must be a number > 0 or a function batch -> number, got {flops_per_batch!r}")
+            raise ValueError(
+                f"flops_per_batch must be a number > 0 or a function batch -> number, got {flops_per_batch!r}"
+            )
         if peak_tflops is not None and not _positive(peak_tflops):
             raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {peak_tflops!r}")
         self.log_every_n_steps = log_every_n_steps
