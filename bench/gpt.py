@@ -240,6 +240,7 @@ class Trainer:
         self.cfg = cfg
         self.device = device
         self.tokens_per_iter = cfg.tokens_per_iter
+        self.flops_per_iter = flops_per_iter(cfg)
         self.data = open_tokens(data_path or default_data_path(cfg, seed=seed), vocab_size=cfg.vocab_size, seed=seed)
         self.rng = np.random.default_rng(seed)
         torch.manual_seed(seed)
@@ -297,7 +298,7 @@ def train_steptimer(t: Trainer, timer: Any, iters: int) -> list[float]:
     dts = []
     t0 = perf_counter()
     for _ in range(iters):
-        with timer.step(tokens=t.tokens_per_iter):
+        with timer.step(tokens=t.tokens_per_iter, flops=t.flops_per_iter):
             for _micro in range(accum):
                 with t.ctx:
                     with timer.phase("forward"):
@@ -344,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         from steptimer import StepTimer
 
-        timer = StepTimer(log_dir=a.steptimer_dir, warmup_steps=min(5, a.iters - 1))
+        timer = StepTimer(log_dir=a.steptimer_dir, warmup_steps=min(5, a.iters - 1), peak_tflops=a.peak_tflops)
         dts = train_steptimer(t, timer, a.iters)
         timer.close()
     for i, dt in enumerate(dts):

@@ -65,7 +65,7 @@ class _Pending:
 
     __slots__ = (
         "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
-        "pauses", "device", "samples", "tokens", "timed", "warmup",
+        "pauses", "device", "samples", "tokens", "flops", "timed", "warmup",
     )  # fmt: skip
 
     def __init__(self, number: int, t0: float, timed: bool, warmup: bool) -> None:
@@ -83,6 +83,7 @@ class _Pending:
         self.device = -1
         self.samples: float | None = None
         self.tokens: float | None = None
+        self.flops: float | None = None
 
 
 class Engine:
@@ -133,6 +134,7 @@ class Engine:
         self._t0 = 0.0
         self._samples: float | None = None
         self._tokens: float | None = None
+        self._flops: float | None = None
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[tuple[str, float, float, int, int, float]] = []
         self._evs: list[Any] = []
@@ -159,7 +161,7 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
 
-    def begin_step(self, samples: float | None, tokens: float | None) -> None:
+    def begin_step(self, samples: float | None, tokens: float | None, flops: float | None = None) -> None:
         if self.in_step:
             raise RuntimeError("step() entered inside a step: steps cannot nest (one step = one optimizer step)")
         if self.closed:
@@ -169,7 +171,7 @@ class Engine:
         self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
         self._timed = self.number + 1 == self._next_timed
         self._gpu = self._timed and bool(self.cuda)
-        self._samples, self._tokens = samples, tokens
+        self._samples, self._tokens, self._flops = samples, tokens, flops
         self._recs = []
         self._evs = []
         self._last_t = -math.inf
@@ -184,11 +186,13 @@ class Engine:
             self._last_t = perf_counter()
         self.in_step = True
 
-    def end_step(self, failed: bool, samples: float | None = None, tokens: float | None = None) -> None:
+    def end_step(
+        self, failed: bool, samples: float | None = None, tokens: float | None = None, flops: float | None = None
+    ) -> None:
         """Finish the step (drop it if ``failed`` or a phase is open), wait once, resolve what is due.
 
-        ``samples``/``tokens`` given here replace those given at the step's start (the Lightning
-        callback counts a step's samples over its micro-batches).
+        ``samples``/``tokens``/``flops`` given here replace those given at the step's start (the
+        Lightning callback counts a step's samples over its micro-batches).
         """
         if not self.in_step:
             return
@@ -203,6 +207,7 @@ class Engine:
         rec = _Pending(number, self._t0, self._timed, number <= self.last_warmup)
         rec.samples = self._samples if samples is None else samples
         rec.tokens = self._tokens if tokens is None else tokens
+        rec.flops = self._flops if flops is None else flops
         rec.phases = self._recs
         rec.pauses, self._pause_evs = self._pause_evs, []
         gs = self._gap_start
@@ -417,6 +422,7 @@ class Engine:
         row = [
             rec.number, _NAN if samples is None else samples, _NAN if tokens is None else tokens,
             rec.step_s, _NAN if gap is None else gap, rec.wait_s if self.cuda else _NAN,
+            _NAN if rec.flops is None else rec.flops,
         ]  # fmt: skip
         names = None
         if rec.timed:

@@ -71,6 +71,8 @@ class RunReport:
     cycle_window_ms: tuple[float, ...]  # wall ms per step of each window (1 / throughput)
     verdict: Verdict
     notes: tuple[str, ...]
+    tflops_per_s: float | None = None  # as the summary's: total FLOPs over wall time
+    mfu: float | None = None
 
     def row(self, name: str) -> PhaseRow | None:
         for r in self.rows:
@@ -165,6 +167,9 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         steps_per_s=steps / (wall_ms / 1e3) if wall_ms > 0 else None,
         samples_per_s=_rate_total(scal.get("samples_per_s"), windows, n_of, rate, wall_ms),
         tokens_per_s=_rate_total(scal.get("tokens_per_s"), windows, n_of, rate, wall_ms),
+        # MFU is TFLOP/s over a constant peak, so its run total is the same time-weighted mean.
+        tflops_per_s=_rate_total(scal.get("tflops_per_s"), windows, n_of, rate, wall_ms),
+        mfu=_rate_total(scal.get("mfu"), windows, n_of, rate, wall_ms),
         data_share=data_share,
         wait_share=wait_share,
         gpu_idle_share=idle_share,

@@ -105,6 +105,12 @@ class Summary:
     tokens_per_s: float | None
     notes: tuple[str, ...] = field(default=())
     ranks: RankSummary | None = None  # per-rank section under torch.distributed (steptimer/_dist.py)
+    # FLOPs of the summarized steps (``step(flops=)``) over their wall time (data wait + step, as
+    # samples_per_s), in TFLOP/s; mfu is that over ``peak_tflops`` (a fraction, 0-1). None: no flops
+    # given, or no peak known (a note then says why).
+    tflops_per_s: float | None = None
+    mfu: float | None = None
+    peak_tflops: float | None = None
 
     def __getitem__(self, name: str) -> PhaseSummary:
         for row in self.rows:
@@ -166,6 +172,7 @@ class SummaryAccumulator:
         self.timed_sum_ms: dict[str, float] = {}
         self.samples: float | None = None
         self.tokens: float | None = None
+        self.flops: float | None = None
 
     @property
     def host(self) -> dict[str, LogHistogram]:
@@ -203,6 +210,8 @@ class SummaryAccumulator:
                 self.samples = (self.samples or 0.0) + g.samples
             if g.tokens is not None:
                 self.tokens = (self.tokens or 0.0) + g.tokens
+            if g.flops is not None:
+                self.flops = (self.flops or 0.0) + g.flops
             if g.names is None:
                 continue
             for name in g.names:
@@ -237,7 +246,9 @@ class SummaryAccumulator:
         ex[gp, 3] = np.minimum(ex[gp, 3], new[3])
         ex[gp, 4] = np.maximum(ex[gp, 4], new[4])
 
-    def summary(self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = ()) -> Summary:
+    def summary(
+        self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = (), peak_tflops: float | None = None
+    ) -> Summary:
         host_h, gpu_h = self.host, self.gpu
         names = row_order(list(self.order), {**host_h, **gpu_h})
         caught_h = self._histograms("caught")
@@ -274,6 +285,7 @@ class SummaryAccumulator:
                 )
             )
         wall_s = self.cycle_ms / 1e3
+        tflops_per_s = self.flops / wall_s / 1e12 if self.flops is not None and wall_s > 0 else None
         return Summary(
             steps=self.steps,
             timed_steps=self.timed_steps,
@@ -284,6 +296,9 @@ class SummaryAccumulator:
             samples_per_s=self.samples / wall_s if self.samples is not None and wall_s > 0 else None,
             tokens_per_s=self.tokens / wall_s if self.tokens is not None and wall_s > 0 else None,
             notes=notes,
+            tflops_per_s=tflops_per_s,
+            mfu=tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None,
+            peak_tflops=peak_tflops,
         )
 
 

@@ -60,6 +60,8 @@ def footer(summary: Summary) -> list[str]:
         rates.append(f"{summary.tokens_per_s:,.0f} tokens/s")
     if any(rates):
         lines.append("throughput: " + ", ".join(r for r in rates if r))
+    if summary.tflops_per_s is not None:
+        lines.append(compute_line(summary.tflops_per_s, summary.mfu))
     if any(r.launch_bound for r in summary.rows):
         lines.append(
             "* launch-bound: the GPU caught up with the host inside the phase and its span is at "
@@ -69,6 +71,11 @@ def footer(summary: Summary) -> list[str]:
     if summary.ranks is not None:
         lines.extend(summary.ranks.lines())
     return lines
+
+
+def compute_line(tflops_per_s: float, mfu: float | None) -> str:
+    """``compute: 412.3 TFLOP/s, MFU 41.7%`` (the summary's and ``steptimer report``'s line)."""
+    return f"compute: {tflops_per_s:,.4g} TFLOP/s" + ("" if mfu is None else f", MFU {100 * mfu:.1f}%")
 
 
 def build_table(summary: Summary, width: int = 120):  # type: ignore[no-untyped-def]

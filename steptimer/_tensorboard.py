@@ -7,6 +7,8 @@ Tag grammar (one rule, documented in the README's tag table)::
     steptimer/<clock>_max/<phase>_ms    window max of steps
     steptimer/hist_<clock>/<phase>_ms   histogram of the window's steps on steptimer's fixed log grid
     steptimer/steps_per_s, steptimer/samples_per_s, steptimer/tokens_per_s
+    steptimer/tflops_per_s              the window's step(flops=) over its wall time, in TFLOP/s
+    steptimer/mfu                       tflops_per_s over the peak (a fraction, 0-1)
     steptimer/gpu_caught_up/<phase>_frac  fraction of the window's steps in which the GPU reached the
                                         phase's start before the host left the phase (launch-bound rule)
     steptimer/run/warmup_steps          on a window of warm-up steps only: their number
@@ -33,7 +35,9 @@ WARMUP_TAG = "steptimer/run/warmup_steps"
 CHARTS = {
     "GPU ms per phase": r"^steptimer/gpu/.*_ms$",
     "Host ms per phase": r"^steptimer/host/.*_ms$",
-    "Throughput": r"^steptimer/.*_per_s$",
+    "Throughput": r"^steptimer/(steps|samples|tokens)_per_s$",
+    "TFLOP/s": r"^steptimer/tflops_per_s$",
+    "MFU (fraction of peak)": r"^steptimer/mfu$",
 }
 # A write() system call cost ~80 µs per window on the device's virtual disk (docs/benchmarks.md):
 # events are buffered and reach the file at most this long after they were written, and at close.
@@ -46,6 +50,10 @@ def layout(window: Window) -> dict[str, dict[str, list[Any]]]:
     charts = dict(CHARTS)
     if not window.gpu:
         del charts["GPU ms per phase"]
+    if window.tflops_per_s is None:
+        del charts["TFLOP/s"]
+    if window.mfu is None:
+        del charts["MFU (fraction of peak)"]
     if any(tag.startswith("steptimer/ranks") for tag in window.extra):
         from steptimer._dist import CHARTS as RANK_CHARTS
 
@@ -68,6 +76,10 @@ def window_scalars(window: Window) -> dict[str, float]:
         out["steptimer/samples_per_s"] = window.samples_per_s
     if window.tokens_per_s is not None:
         out["steptimer/tokens_per_s"] = window.tokens_per_s
+    if window.tflops_per_s is not None:
+        out["steptimer/tflops_per_s"] = window.tflops_per_s
+    if window.mfu is not None:
+        out["steptimer/mfu"] = window.mfu
     if window.warmup:
         out[WARMUP_TAG] = float(window.steps)
     out.update(window.extra)

@@ -20,8 +20,8 @@ from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogr
 # A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
 # times, the GPU step (ms), one GPU span (ms) per phase entry and one "caught" flag per phase entry
 # (1.0: the GPU had reached the entry when the host left the phase); with idle, the GPU idle (ms).
-NUMBER, SAMPLES, TOKENS, STEP_S, GAP_S, WAIT_S = range(6)
-LEAD = 6
+NUMBER, SAMPLES, TOKENS, STEP_S, GAP_S, WAIT_S, FLOPS = range(7)
+LEAD = 7
 
 # A row's layout: (phase entries' names, or None for an untimed step; has GPU times; has GPU idle).
 RowKey = Tuple[Optional[Tuple[str, ...]], bool, bool]
@@ -57,12 +57,12 @@ class StepRows:
                 for (clock, name), v in zip(series, vals):
                     if not math.isnan(v) and clock != "caught":
                         (host if clock == "host" else gpu)[name] = v
-                samples, tokens = lead[SAMPLES], lead[TOKENS]
+                samples, tokens, flops = lead[SAMPLES], lead[TOKENS], lead[FLOPS]
                 out.append(
                     ResolvedStep(
                         int(lead[NUMBER]), host, gpu or None, dict(calls),
                         None if math.isnan(samples) else samples, None if math.isnan(tokens) else tokens,
-                        names is not None, self.warmup,
+                        names is not None, self.warmup, None if math.isnan(flops) else flops,
                     )
                 )  # fmt: skip
         return sorted(out, key=lambda st: st.number)
@@ -169,6 +169,7 @@ class GroupTotals(NamedTuple):
     cycle_ms: float  # step + data wait before it
     samples: float | None  # None: no step gave samples
     tokens: float | None
+    flops: float | None
     sums_ms: list[float]  # per layout series, NaN left out
 
 
@@ -268,12 +269,13 @@ def pack_rows(rows: StepRows) -> Packed:
         cols = np.array([index.setdefault(s, len(index)) for s in series], dtype=np.int64)
         vals.append(blk.derived.T.ravel())
         sids.append(np.repeat(cols, len(blk.derived)))
-        smp, tok = blk.lead[:, SAMPLES], blk.lead[:, TOKENS]
+        smp, tok, flo = blk.lead[:, SAMPLES], blk.lead[:, TOKENS], blk.lead[:, FLOPS]
         totals.append(
             GroupTotals(
                 blk.names, series, len(blk.lead), float((blk.lead[:, STEP_S] * 1e3 + blk.gap_ms).sum()),
                 None if np.isnan(smp).all() else float(np.nansum(smp)),
                 None if np.isnan(tok).all() else float(np.nansum(tok)),
+                None if np.isnan(flo).all() else float(np.nansum(flo)),
                 np.nansum(blk.derived, axis=0).tolist(),
             )
         )  # fmt: skip
@@ -303,6 +305,7 @@ class ResolvedStep:
     tokens: float | None = None
     timed: bool = True
     warmup: bool = False
+    flops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -323,6 +326,10 @@ class Window:
     samples_per_s: float | None
     tokens_per_s: float | None
     warmup: bool = False
+    # FLOPs of the window's steps (``step(flops=)``) over the same wall time as samples_per_s, in
+    # TFLOP/s, and as a fraction of the peak (None: no step gave flops, or no peak for mfu).
+    tflops_per_s: float | None = None
+    mfu: float | None = None
     # Per phase, the fraction of its timed steps in which the GPU caught up with the host inside it
     # (reached the phase's entry before the host left it): below 0.5 the GPU can't have waited for
     # the host there, whatever the spans say.
@@ -333,14 +340,20 @@ class Window:
     packed: Packed | None = field(default=None, repr=False, compare=False)
 
 
-def window_of(rows: StepRows, last_step: int) -> Window:
-    """Statistics of the steps of one log window, ``last_step`` being the number of its last step."""
+def window_of(rows: StepRows, last_step: int, peak_tflops: float | None = None) -> Window:
+    """Statistics of the steps of one log window, ``last_step`` being the number of its last step.
+
+    Rates are totals over the window's wall time: the sum over its steps (timed or not: each step
+    has a row) of the step's host time and the data wait before it. ``peak_tflops`` gives ``mfu``.
+    """
     p = pack_rows(rows)
     wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
     samples = [g.samples for g in p.groups if g.samples is not None]
     tokens = [g.tokens for g in p.groups if g.tokens is not None]
+    flops = [g.flops for g in p.groups if g.flops is not None]
     stats = p.stats()
     ok = wall_s > 0
+    tflops_per_s = sum(flops) / wall_s / 1e12 if flops and ok else None
     return Window(
         step=last_step,
         steps=rows.count,
@@ -351,6 +364,8 @@ def window_of(rows: StepRows, last_step: int) -> Window:
         steps_per_s=rows.count / wall_s if ok else math.nan,
         samples_per_s=sum(samples) / wall_s if samples and ok else None,
         tokens_per_s=sum(tokens) / wall_s if tokens and ok else None,
+        tflops_per_s=tflops_per_s,
+        mfu=tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None,
         warmup=rows.warmup,
         packed=p,
     )

@@ -16,6 +16,7 @@ from typing import Any
 
 from steptimer._reader import LogError, find_runs
 from steptimer._report import RunReport, analyze, compare
+from steptimer._table import compute_line
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,6 +162,8 @@ def _print_report(console: Any, r: RunReport) -> None:
     if r.tokens_per_s is not None:
         rates.append(f"{r.tokens_per_s:,.0f} tokens/s")
     console.print("throughput: " + ", ".join(rates))
+    if r.tflops_per_s is not None:
+        console.print(compute_line(r.tflops_per_s, r.mfu))
     if r.data_share is not None:
         console.print(f"data wait: {100 * r.data_share:.1f}% of wall time")
     console.print(f"verdict: [bold]{r.verdict.kind}[/bold]")
@@ -195,6 +198,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             "b": b.path,
             "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
             "verdicts": {"a": a.verdict.kind, "b": b.verdict.kind},
+            "compute": {k: {"tflops_per_s": r.tflops_per_s, "mfu": r.mfu} for k, r in (("a", a), ("b", b))},
         }
         print(json.dumps(_finite(out), indent=2, allow_nan=False))
         return 0
@@ -210,6 +214,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         note = "within noise" if d.noise else ("slower" if d.delta_ms > 0 else "faster")
         table.add_row(d.name, d.clock, _ms(d.a_ms), _ms(d.b_ms), change, _ms(d.spread_ms), note)
     console.print(table)
+    for label, run in (("A", a), ("B", b)):
+        if run.tflops_per_s is not None:
+            console.print(f"{label} {compute_line(run.tflops_per_s, run.mfu)}")
     console.print(f"verdict A: {a.verdict.kind}; verdict B: {b.verdict.kind}")
     console.print(
         "note: a change is 'within noise' when it is no larger than the runs' own spread "

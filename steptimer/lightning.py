@@ -45,6 +45,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
 from steptimer._tensorboard import window_scalars, write_layout_beside, write_to_writer
 from steptimer._window import Window
@@ -167,6 +168,11 @@ class _UserPhase:
         cb._timer.phase(self._name).__exit__(et, ev, tb)
 
 
+def _positive(x: Any) -> bool:
+    """A finite number > 0 (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
+
+
 def _valid_names(names: Any) -> bool:
     """Whether ``forward_module`` is a non-empty name or a non-empty list/tuple of them."""
     if isinstance(names, str):
@@ -226,6 +232,14 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             ``self(x)``, ``self.model(x)`` and ``self.encoder(x); self.decoder(z)``.
         batch_size_fn: ``batch -> samples`` for ``steptimer/samples_per_s``.
         tokens_fn: ``batch -> tokens`` for ``steptimer/tokens_per_s``.
+        flops_per_batch: Floating-point operations of one training batch (forward + backward, as
+            :func:`lightning.fabric.utilities.throughput.measure_flops` counts them), a number or a
+            function ``batch -> flops``; a step's FLOPs are the sum over its micro-batches
+            (``accumulate_grad_batches``). Gives ``steptimer/tflops_per_s`` and ``steptimer/mfu``.
+        peak_tflops: The peak for ``steptimer/mfu`` (TFLOP/s). None looks the GPU up in steptimer's
+            table of dense peaks, for the dtype of ``Trainer(precision=...)`` as Lightning's
+            ThroughputMonitor picks it (bf16-mixed: bf16; 16-mixed: fp16; 32-true: tf32, or fp32
+            when ``torch.get_float32_matmul_precision()`` is "highest").
         histograms: Write per-window histograms to TensorBoard loggers.
         print_summary: Print the summary table at the end of training (rank 0).
         enabled: False turns the callback into a no-op.
@@ -247,6 +261,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         forward_module: str | Sequence[str] | None = None,
         batch_size_fn: Callable[[Any], float] | None = None,
         tokens_fn: Callable[[Any], float] | None = None,
+        flops_per_batch: float | Callable[[Any], float] | None = None,
+        peak_tflops: float | None = None,
         histograms: bool = True,
         print_summary: bool = True,
         enabled: bool = True,
@@ -262,6 +278,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         for name, fn in (("batch_size_fn", batch_size_fn), ("tokens_fn", tokens_fn)):
             if fn is not None and not callable(fn):
                 raise ValueError(f"{name} must be a function batch -> number, got {fn!r}")
+        if flops_per_batch is not None and not callable(flops_per_batch) and not _positive(flops_per_batch):
+            raise ValueError(
+                f"flops_per_batch must be a number > 0 or a function batch -> number, got {flops_per_batch!r}"
+            )
+        if peak_tflops is not None and not _positive(peak_tflops):
+            raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {peak_tflops!r}")
         self.log_every_n_steps = log_every_n_steps
         self.warmup_steps = warmup_steps
         self.lag = lag
@@ -270,6 +292,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self.forward_module = forward_module
         self.batch_size_fn = batch_size_fn
         self.tokens_fn = tokens_fn
+        self.flops_per_batch = flops_per_batch
+        self.peak_tflops = peak_tflops
         self.histograms = histograms
         self.print_summary = print_summary
         self.enabled = enabled
@@ -301,6 +325,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._saw_backward = False
         self._samples = 0.0
         self._tokens = 0.0
+        self._flops = 0.0
         self._pause: AbstractContextManager[None] | None = None
         self._val_t0: float | None = None
         self._val_in_step = False
@@ -372,6 +397,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             start_step=self._steps_done,
             sample_every=self.sample_every,
             print_summary=False,
+            peak_tflops=self.peak_tflops,
+            _peak_dtype=dtype_of_precision(trainer.precision),
             _backend=self._backend,
             _sinks=[sink] if sink is not None else [],
         )
@@ -426,7 +453,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if not self._in_step:
             timer.step().__enter__()
             self._in_step = True
-            self._samples = self._tokens = 0.0
+            self._samples = self._tokens = self._flops = 0.0
             self._saw_forward = self._saw_backward = False
         else:
             self._switch(None)  # the `data` phase between micro-batches of one step
@@ -438,6 +465,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             self._samples += float(self.batch_size_fn(batch))
         if self.tokens_fn is not None:
             self._tokens += float(self.tokens_fn(batch))
+        fpb = self.flops_per_batch
+        if fpb is not None:
+            self._flops += float(fpb(batch) if callable(fpb) else fpb)
 
     @override
     def on_train_batch_end(
@@ -475,8 +505,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._check_forward_seen()
         samples = self._samples if self.batch_size_fn is not None else None
         tokens = self._tokens if self.tokens_fn is not None else None
+        flops = self._flops if self.flops_per_batch is not None else None
         # step() sets the step's counts and returns its context manager, entered at batch start.
-        timer.step(samples=samples, tokens=tokens).__exit__(None, None, None)
+        timer.step(samples=samples, tokens=tokens, flops=flops).__exit__(None, None, None)
         self._in_step = False
 
     def _check_forward_seen(self) -> None:

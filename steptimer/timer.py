@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -51,18 +52,18 @@ _NULL = _Null()
 
 
 class _Step:
-    """``with timer.step(samples=..., tokens=...):``"""
+    """``with timer.step(samples=..., tokens=..., flops=...):``"""
 
-    __slots__ = ("_e", "_samples", "_tokens")
+    __slots__ = ("_e", "_samples", "_tokens", "_flops")
 
-    def __init__(self, engine: Engine, samples: float | None, tokens: float | None) -> None:
-        self._e, self._samples, self._tokens = engine, samples, tokens
+    def __init__(self, engine: Engine, samples: float | None, tokens: float | None, flops: float | None) -> None:
+        self._e, self._samples, self._tokens, self._flops = engine, samples, tokens, flops
 
     def __enter__(self) -> None:
-        self._e.begin_step(self._samples, self._tokens)
+        self._e.begin_step(self._samples, self._tokens, self._flops)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
-        self._e.end_step(et is not None, self._samples, self._tokens)
+        self._e.end_step(et is not None, self._samples, self._tokens, self._flops)
         return False
 
 
@@ -131,6 +132,10 @@ class StepTimer:
             its phases): an int N is the N steps right after warm-up, a pair is ``(first, last)``
             step numbers. Written to ``steptimer-trace.json`` in the log directory at close; costs
             one extra event wait, once, when the capture ends.
+        peak_tflops: The peak (TFLOP/s) that ``steptimer/mfu`` divides achieved TFLOP/s by
+            (``step(flops=...)``). None looks the GPU up in steptimer's table of dense bf16
+            tensor-core peaks (fp16 on GPUs without bf16), the usual MFU convention; a number is
+            used as given (e.g. for fp32, fp8, or a CPU run). No peak: no MFU, and a note says why.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -158,6 +163,8 @@ class StepTimer:
         cross_rank: bool = True,
         cross_rank_timeout_s: float = DEFAULT_TIMEOUT_S,
         trace_steps: int | tuple[int, int] | None = None,
+        peak_tflops: float | None = None,
+        _peak_dtype: str = "bf16",
         _backend: _CudaBackend | None = None,
         _sinks: Sequence[Sink] = (),
     ) -> None:
@@ -167,6 +174,10 @@ class StepTimer:
             raise ValueError("pass log_dir or writer, not both")
         if cross_rank not in (True, False):
             raise ValueError(f"cross_rank must be True or False, got {cross_rank!r}")
+        if peak_tflops is not None and not (
+            isinstance(peak_tflops, (int, float)) and not isinstance(peak_tflops, bool) and 0 < peak_tflops < math.inf
+        ):
+            raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {peak_tflops!r}")
         if log_every_n_steps is None:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
         self.log_every_n_steps: int = log_every_n_steps
@@ -175,6 +186,9 @@ class StepTimer:
         self.sample_every = sample_every
         self.enabled = enabled
         self._print_summary = print_summary
+        self._peak_opt = None if peak_tflops is None else float(peak_tflops)
+        self._peak_dtype = _peak_dtype
+        self._peak: tuple[float | None, str | None] | None = None  # (peak, note), found at the first window
         self._rank = _rank()
         self._summary: Summary | None = None
         self._sinks: list[Sink] = list(_sinks)
@@ -208,11 +222,15 @@ class StepTimer:
 
     # ------------------------------------------------------------------ public API
 
-    def step(self, *, samples: float | None = None, tokens: float | None = None) -> AbstractContextManager[None]:
-        """Context manager around one optimizer step; ``samples``/``tokens`` give throughput."""
+    def step(
+        self, *, samples: float | None = None, tokens: float | None = None, flops: float | None = None
+    ) -> AbstractContextManager[None]:
+        """Context manager around one optimizer step; ``samples``/``tokens`` give throughput,
+        ``flops`` (floating-point operations of the step: forward, backward, optimizer as you
+        count them) gives ``tflops_per_s`` and ``mfu``."""
         if not self.enabled:
             return _NULL
-        return _Step(self._engine, samples, tokens)
+        return _Step(self._engine, samples, tokens, flops)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Context manager around a phase of the current step (``forward``, ``loss``, ...)."""
@@ -307,7 +325,7 @@ class StepTimer:
         if not rows.count:
             return None
         engine.rows = StepRows()
-        window = window_of(rows, engine.last_resolved)
+        window = window_of(rows, engine.last_resolved, self._peak_tflops()[0])
         self._acc.add_window(window)
         return window
 
@@ -320,9 +338,27 @@ class StepTimer:
         for sink in self._sinks:
             sink.write_window(window)
 
+    def _peak_tflops(self) -> tuple[float | None, str | None]:
+        """The peak for MFU and a note on it: the option, else the GPU's in steptimer's table
+        (looked up once, at the first window, when the device is known)."""
+        if self._peak is None:
+            engine = self._engine
+            if self._peak_opt is not None:
+                self._peak = (self._peak_opt, None)
+            elif engine.cuda:
+                from steptimer._peaks import cuda_peak
+
+                self._peak = cuda_peak(engine.device, self._peak_dtype)
+            else:
+                return None, "no MFU: no peak for host-only timing; pass peak_tflops="
+        return self._peak
+
     def _build_summary(self) -> Summary:
         engine = self._engine
         notes = tuple(engine.notes)
+        peak, peak_note = self._peak_tflops()
+        if self._acc.flops is not None and peak_note is not None:
+            notes += (peak_note,)
         if self._acc.steps == 0 and engine.number >= engine.first_number:
             notes += (
                 f"all {engine.number - engine.first_number + 1} steps were warm-up "
@@ -330,7 +366,9 @@ class StepTimer:
             )
         if self._xrank is not None:
             notes += tuple(self._xrank.notes)
-        summary = self._acc.summary(warmup_steps=self.warmup_steps, cuda=bool(engine.cuda), notes=notes)
+        summary = self._acc.summary(
+            warmup_steps=self.warmup_steps, cuda=bool(engine.cuda), notes=notes, peak_tflops=peak
+        )
         if self._xrank is not None and self._xrank.summary is not None:
             summary = dataclasses.replace(summary, ranks=self._xrank.summary)
         return summary

@@ -134,10 +134,10 @@ def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
     means = []
     for k in range(4):
         rows = StepRows()
-        for i in range(5):  # number, samples, tokens, step_s, gap_s, wait_s, forward_s
+        for i in range(5):  # number, samples, tokens, step_s, gap_s, wait_s, flops, forward_s
             rows.add(
                 (("forward",), False, False),
-                [5 * k + i + 1, nan, nan, (10 + k + i) / 1e3, 2e-3, nan, (4 + k) / 1e3],
+                [5 * k + i + 1, nan, nan, (10 + k + i) / 1e3, 2e-3, nan, nan, (4 + k) / 1e3],
             )
         win = window_of(rows, 5 * k + 5)
         means.append(win.host["forward"].mean_ms)
@@ -479,11 +479,13 @@ def test_trace_on_gpu(tmp_path: Path) -> None:
 
 def test_report_agrees_with_the_summary_and_leaves_out_warm_up(tmp_path: Path, clock: FakeClock) -> None:
     """The report and the end-of-run summary of one run give the same answer: warm-up steps (a
-    compile-like 1 s forward here) are left out of both, unless --include-warmup."""
-    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False)
+    compile-like 1 s forward here) are left out of both, unless --include-warmup. Throughput, TFLOP/s
+    and MFU too (steps of different FLOPs and times, so a mean of window rates would differ)."""
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False,
+                  peak_tflops=0.5)  # fmt: skip
     for i in range(42):
         clock.advance_ms(2.0)
-        with t.step(), t.phase("forward"):
+        with t.step(samples=8, flops=1e9 * (1 + i % 4)), t.phase("forward"):
             clock.advance_ms(1000.0 if i < 5 else 1.0 + (i % 3))
     s = t.close()
     (run,) = report_json(tmp_path)["runs"]
@@ -493,8 +495,16 @@ def test_report_agrees_with_the_summary_and_leaves_out_warm_up(tmp_path: Path, c
         assert rows[name]["host"]["max_ms"] == pytest.approx(s[name].host.max_ms)
         assert rows[name]["host"]["median_ms"] == pytest.approx(s[name].host.median_ms)
         assert rows[name]["share"] == pytest.approx(s[name].share)
-    assert run["steps_per_s"] == pytest.approx(s.steps_per_s)
-    assert "5 warm-up steps left out" in cli("report", str(tmp_path)).stdout
+    for rate in ("steps_per_s", "samples_per_s", "tflops_per_s", "mfu"):
+        assert run[rate] == pytest.approx(getattr(s, rate), rel=1e-6), rate
+    text = cli("report", str(tmp_path)).stdout
+    assert "5 warm-up steps left out" in text
+    assert f"compute: {s.tflops_per_s:,.4g} TFLOP/s, MFU {100 * s.mfu:.1f}%" in text
+    both = cli("compare", str(tmp_path), str(tmp_path)).stdout
+    assert both.count(f"compute: {s.tflops_per_s:,.4g} TFLOP/s") == 2
+    assert json.loads(cli("compare", str(tmp_path), str(tmp_path), "--json").stdout)["compute"]["b"] == {
+        "tflops_per_s": pytest.approx(s.tflops_per_s, rel=1e-6), "mfu": pytest.approx(s.mfu, rel=1e-6)
+    }
     (everything,) = report_json(tmp_path, "--include-warmup")["runs"]
     assert everything["steps"] == 42
     assert {r["name"]: r for r in everything["rows"]}["forward"]["host"]["max_ms"] == pytest.approx(1000.0)

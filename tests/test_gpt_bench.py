@@ -162,7 +162,7 @@ def _run_main(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -
 def test_main_on_tiny_writes_json_and_tables_with_consistent_arithmetic(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    res = _run_main(tmp_path, capsys)
+    res = _run_main(tmp_path, capsys, "--peak-tflops", "0.001")
     assert res["errors"] == {} and list(res["modes"]) == ["eager"]
     assert res["flops_per_iter"] == flops_per_iter(TINY)
     r = res["modes"]["eager"]
@@ -188,6 +188,19 @@ def test_main_on_tiny_writes_json_and_tables_with_consistent_arithmetic(
     assert r["tokens_per_s"]["trainer"] == pytest.approx(TINY.tokens_per_iter / (sum(timed) / 6e3))
     assert math.isfinite(r["final_loss"])
     assert list((tmp_path / "out" / "tb" / "eager").glob("events.out.tfevents.*"))
+    # MFU: steptimer's from step(flops=flops_per_iter) over its wall time, the trainer's from its clock,
+    # one FLOP count and one peak; on CPU only the arithmetic is checked (the 2 % bar is the GPU's).
+    c = r["mfu_check"]
+    wall_ms = r["clock"]["wall per step (1 / steps_per_s)"]["steptimer_ms"]
+    assert c["peak_tflops"] == 0.001
+    assert c["tflops_per_s"]["steptimer"] == pytest.approx(flops_per_iter(TINY) / (wall_ms / 1e3) / 1e12)
+    assert c["tflops_per_s"]["trainer"] == pytest.approx(flops_per_iter(TINY) / (sum(timed) / 6e3) / 1e12)
+    assert c["mfu"]["steptimer"] == pytest.approx(c["tflops_per_s"]["steptimer"] / 0.001)
+    assert c["mfu"]["trainer"] == pytest.approx(c["tflops_per_s"]["trainer"] / 0.001)
+    assert c["relative_difference"] == pytest.approx(sum(timed) / 6 / wall_ms - 1)
+    assert r["report"]["tflops_per_s"] == pytest.approx(c["tflops_per_s"]["steptimer"])
+    assert r["report"]["mfu"] == pytest.approx(c["mfu"]["steptimer"])
+    assert "within 2 %" in (tmp_path / "out" / "gpt_bench.md").read_text()
 
 
 def _stats(mean: float) -> SeriesStats:
@@ -237,3 +250,8 @@ def test_main_on_tiny_on_cuda_reports_gpu_numbers(tmp_path: Path, capsys: pytest
     gpu = {row["name"] for row in r["rows"] if row["gpu"] is not None}
     assert set(gpt_bench.PHASES) - {"data"} <= gpu and "step" in gpu and "idle" in gpu
     assert r["gpu_step_ms"] > 0 and r["gpu_sum_ms"] > 0
+    # No --peak-tflops: the peak comes from steptimer's table (the device is one it knows).
+    c = r["mfu_check"]
+    assert c["peak_tflops"] is not None and c["mfu"]["steptimer"] == pytest.approx(
+        c["tflops_per_s"]["steptimer"] / c["peak_tflops"]
+    )

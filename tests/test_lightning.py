@@ -918,6 +918,93 @@ def test_bad_options_are_rejected() -> None:
         StepTimerCallback().phase("other")
 
 
+def test_bad_flops_options_are_rejected() -> None:
+    with pytest.raises(ValueError, match="flops_per_batch must be a number > 0 or a function batch -> number, got 'x'"):
+        StepTimerCallback(flops_per_batch="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="peak_tflops must be a number > 0 .*, got 0"):
+        StepTimerCallback(peak_tflops=0)
+
+
+# --------------------------------------------------------------------------- FLOP/s and MFU
+
+
+def make_napping(L: Any) -> Any:
+    """self(x) naps FWD_S, the loss LOSS_S: on the virtual clock a micro-batch takes exactly their sum."""
+
+    class Napping(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = SlowLinear(4, 4, FWD_S)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return slow_mse(self(x), x)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Napping()
+
+
+@pytest.mark.parametrize("flavour_name", ["pytorch_lightning", "lightning.pytorch"])
+def test_flops_per_batch_sums_the_micro_batches_of_a_step(flavour_name: str, virtual_clock: FakeClock) -> None:
+    """flops_per_batch (a function of the batch, or a number) summed over the micro-batches of each
+    optimizer step (accumulate_grad_batches=2; a short last batch), over the steps' wall time, in
+    the summary and in what the Trainer's logger gets."""
+    L = flavour(flavour_name)
+    data = DataLoader(TensorDataset(torch.randn(30, 4)), batch_size=4)  # 7 batches of 4, then 2
+    wall_s = 4 * 2 * (FWD_S + LOSS_S)  # 4 steps of 2 micro-batches; nothing else moves the clock
+    for fpb, flops in ((lambda b: 1e6 * b[0].shape[0], 30e6), (5e6, 8 * 5e6)):
+        cb = StepTimerCallback(warmup_steps=0, log_every_n_steps=2, print_summary=False, flops_per_batch=fpb,
+                               peak_tflops=1e-6)  # fmt: skip
+        cap = make_capture(L)
+        trainer(L, cb, logger=cap, accumulate_grad_batches=2, limit_val_batches=0).fit(make_napping(L), data)
+        s = cb.summary
+        assert s is not None and s.steps == 4
+        assert s.tflops_per_s == pytest.approx(flops / wall_s / 1e12, rel=1e-9)
+        assert s.mfu == pytest.approx(flops / wall_s / 1e12 / 1e-6, rel=1e-9)
+        logged = cap.by_step()
+        assert sorted(logged) == [2, 4]
+        if fpb == 5e6:
+            for m in logged.values():
+                assert m["steptimer/tflops_per_s"] == pytest.approx(4 * 5e6 / (wall_s / 2) / 1e12, rel=1e-9)
+                assert m["steptimer/mfu"] == pytest.approx(m["steptimer/tflops_per_s"] / 1e-6, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("precision", "matmul", "peak"),
+    [("bf16-mixed", "highest", 989.4), ("32-true", "highest", 66.9), ("32-true", "high", 494.7),
+     ("64-true", "highest", 33.5)],
+)  # fmt: skip
+def test_peak_follows_the_trainers_precision(
+    precision: str, matmul: str, peak: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """peak_tflops=None: the GPU's peak for the dtype of Trainer(precision=...), as Lightning's
+    ThroughputMonitor picks it (32-true is tf32 unless float32 matmul precision is "highest").
+    The GPU's timeline is simulated on the wall clock; its name is an H100 SXM's."""
+    import pytorch_lightning as pl
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul)
+    try:
+        cb = StepTimerCallback(warmup_steps=0, print_summary=False, flops_per_batch=1e6, _backend=WallGPU().backend())
+        tr = trainer(pl, cb, precision=precision, limit_val_batches=0)
+        model = make_napping(pl)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tr.fit(model.double() if precision == "64-true" else model, loader(4))
+    finally:
+        torch.set_float32_matmul_precision(old)
+    s = cb.summary
+    assert s is not None and s.peak_tflops == peak and s.mfu is not None
+    assert s.mfu == pytest.approx(s.tflops_per_s / peak)
+    assert any(f"{peak:g} TFLOP/s" in n for n in s.notes)
+
+
 def test_import_without_lightning_fails_with_the_fix() -> None:
     code = (
         "import sys\n"

@@ -20,7 +20,8 @@ def _summary() -> Summary:
                      None if name in ("step", "idle") else 0.05, name == "clip")
         for i, name in enumerate(names)
     )  # fmt: skip
-    return Summary(100, 100, 5, True, rows, 7.5, None, 331_000.0)
+    return Summary(100, 100, 5, True, rows, 7.5, None, 331_000.0, tflops_per_s=412.345, mfu=0.41677,
+                   peak_tflops=989.4)  # fmt: skip
 
 
 @pytest.mark.parametrize("width", [80, 120])
@@ -35,3 +36,4 @@ def test_phase_names_are_never_cut_and_the_table_fits(width: int) -> None:
     assert "GPU med" in text and "host p90" in text and "share" in text
     assert " 123.5 │" in text and " 12.3 │" in text  # data: GPU and host medians
     assert "128.5*" in text and text.count("*") == 2  # clip's GPU median carries the mark (+ the footer)
+    assert "compute: 412.3 TFLOP/s, MFU 41.7%" in text

@@ -107,6 +107,26 @@ def test_layout_regexes_each_match_a_written_tag(tmp_path: Path, clock: FakeCloc
     assert {"steptimer/gpu/forward_ms", "steptimer/gpu/backward_ms", "steptimer/gpu/step_ms"} <= matched
 
 
+def test_tflops_and_mfu_tags_and_their_own_charts(tmp_path: Path, clock: FakeClock) -> None:
+    """steptimer/tflops_per_s and steptimer/mfu, read back with TensorBoard's reader, each in a chart
+    of its own unit (not in the per-second Throughput chart)."""
+    t = StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=4, warmup_steps=0, print_summary=False,
+                  peak_tflops=4.0)  # fmt: skip
+    for _ in range(8):
+        clock.advance_ms(1.0)
+        with t.step(samples=4, flops=6e9):
+            clock.advance_ms(2.0)
+    t.close()
+    v = scalars(tmp_path)
+    cycle_s = 3e-3
+    assert v["steptimer/tflops_per_s"][1] == (8, pytest.approx(6e9 / cycle_s / 1e12))
+    assert v["steptimer/mfu"][1] == (8, pytest.approx(6e9 / cycle_s / 1e12 / 4.0))
+    regexes = layout_regexes(tmp_path)
+    charts = {rx: {tag for tag in v if re.search(rx, tag)} for rx in regexes}
+    assert {"steptimer/tflops_per_s"} in charts.values() and {"steptimer/mfu"} in charts.values()
+    assert {"steptimer/steps_per_s", "steptimer/samples_per_s"} in charts.values()
+
+
 def test_given_writer_is_not_closed_and_user_layout_kept(tmp_path: Path, clock: FakeClock) -> None:
     writer = SummaryWriter(log_dir=str(tmp_path / "exp"))
     writer.add_custom_scalars({"mine": {"loss": ["Multiline", ["^loss$"]]}})

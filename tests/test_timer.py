@@ -776,3 +776,90 @@ def test_unhandled_ctrl_c_without_close_still_writes_every_step(tmp_path: Path) 
     vals = scalars(tmp_path)
     assert [s for s, _ in vals["steptimer/host/forward_ms"]] == [7]
     assert "forward" in proc.stdout  # the summary table was printed at exit
+
+
+# ---------------------------------------------------------------- FLOP/s and MFU
+
+
+@pytest.mark.parametrize("use_gpu", [False, True])
+def test_tflops_and_mfu_count_every_step_over_the_wall_time(clock: FakeClock, use_gpu: bool) -> None:
+    """TFLOP/s is the FLOPs of all of a window's steps (timed or skipped by sample_every) over the
+    window's wall time (data wait + step), exactly as samples/s; the warm-up window stays out of the
+    summary; MFU divides by peak_tflops. Steps differ in FLOPs and time, so counting only the timed
+    steps, or leaving out the data wait, gives other numbers."""
+    gpu = FakeGPU(clock) if use_gpu else None
+    t, sink = make(gpu, sample_every=4, warmup_steps=4, log_every_n_steps=8, peak_tflops=0.002)
+    steps = []  # (data ms, step ms, flops)
+    for i in range(20):
+        data_ms, step_ms, flops = 1.0 + (i % 3), 4.0 + (i % 5), 1e9 * (1 + i % 7)
+        clock.advance_ms(data_ms)
+        with t.step(samples=2, flops=flops), t.phase("forward"):
+            if gpu is not None:
+                gpu.launch(1.0)
+            clock.advance_ms(step_ms)
+        steps.append((data_ms if i else 0.0, step_ms, flops))  # the first step has no wait before it
+    s = t.close()
+
+    def rate(sel: list[tuple[float, float, float]]) -> float:
+        return sum(f for _, _, f in sel) / (sum(d + m for d, m, _ in sel) / 1e3) / 1e12
+
+    bounds = [(0, 4), (4, 8), (8, 16), (16, 20)]  # warm-up window, then every 8th step, then close
+    assert [w.step for w in sink.windows] == [4, 8, 16, 20]
+    for w, (a, b) in zip(sink.windows, bounds):
+        assert w.tflops_per_s == pytest.approx(rate(steps[a:b]), rel=1e-9)
+        assert w.mfu == pytest.approx(rate(steps[a:b]) / 0.002, rel=1e-9)
+        assert w.samples_per_s == pytest.approx(2 * (b - a) / (sum(d + m for d, m, _ in steps[a:b]) / 1e3))
+    assert s.steps == 16 and s.timed_steps < 16  # sampled: most steps untimed, all counted
+    assert s.tflops_per_s == pytest.approx(rate(steps[4:]), rel=1e-9)
+    assert s.mfu == pytest.approx(rate(steps[4:]) / 0.002, rel=1e-9)
+    assert s.peak_tflops == 0.002 and not any("MFU" in n for n in s.notes)
+
+
+def test_no_peak_gives_tflops_without_mfu_and_one_note(
+    clock: FakeClock, gpu: FakeGPU, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host-only without peak_tflops, or a GPU not in the table (the simulated one, named so): TFLOP/s,
+    no MFU, one note in the summary (no warning per step). Without flops: neither, and no note."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Simulated GPU 9000")
+    for g in (None, gpu):
+        t, sink = make(g, log_every_n_steps=2)
+        for _ in range(6):
+            clock.advance_ms(1.0)
+            with t.step(flops=3e9):
+                clock.advance_ms(2.0)
+        s = t.close()
+        assert s.tflops_per_s == pytest.approx(6 * 3e9 / 17e-3 / 1e12)  # no data wait before step 1
+        assert s.mfu is None and all(w.mfu is None for w in sink.windows)
+        assert [n for n in s.notes if "MFU" in n] == [n for n in s.notes if "peak_tflops=" in n]
+        assert len([n for n in s.notes if "no MFU" in n]) == 1
+    t, _ = make(None, peak_tflops=1.0)
+    with t.step():
+        pass
+    s = t.close()
+    assert s.tflops_per_s is None and s.mfu is None and not any("MFU" in n for n in s.notes)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "989", True])
+def test_bad_peak_tflops_is_a_value_error(bad: object) -> None:
+    with pytest.raises(ValueError, match="peak_tflops"):
+        StepTimer(cuda=False, peak_tflops=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+def test_mfu_on_the_gpu_uses_the_tables_bf16_peak_for_this_device() -> None:
+    """On a real GPU with peak_tflops=None: the dense bf16 peak of torch.cuda.get_device_name() (the
+    device machine's H100 is in the table), and MFU = TFLOP/s over it."""
+    from steptimer._peaks import lookup_peak
+
+    expected, _ = lookup_peak(torch.cuda.get_device_name())
+    assert expected is not None, torch.cuda.get_device_name()
+    a = torch.randn(1024, 1024, device="cuda")
+    t = StepTimer(cuda=True, warmup_steps=1, print_summary=False)
+    for _ in range(5):
+        with t.step(flops=2 * 1024**3), t.phase("matmul"):
+            a @ a
+    s = t.close()
+    assert s.peak_tflops == expected
+    assert s.tflops_per_s == pytest.approx(4 * 2 * 1024**3 / (s.steps / s.steps_per_s) / 1e12)
+    assert s.mfu == pytest.approx(s.tflops_per_s / expected)
+    assert any(f"{expected:g} TFLOP/s" in n for n in s.notes)

@@ -39,7 +39,7 @@ def test_series_stats_match_per_value_references(n: int) -> None:
         fwd.append(h * 1e3)
         gfwd.append(g)
         # number, samples, tokens, step_s, gap_s, wait_s | host forward (s) | GPU step, forward (ms) | caught
-        rows.add((("forward",), True, False), [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, h, g + 1.0, g, float(k % 2)])
+        rows.add((("forward",), True, False), [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, NAN, h, g + 1.0, g, float(k % 2)])
     p = pack_rows(rows)
     stats, hists = p.stats(), p.histograms()
     for key, values in ((("host", "forward"), fwd), (("gpu", "forward"), gfwd)):
@@ -62,9 +62,9 @@ def test_rows_derive_data_other_idle_and_repeated_phases() -> None:
     host_s = [0.001, 0.0005, 0.002, 0.0003]
     gpu_ms = [1.5, 0.5, 2.5, 0.1]
     caught = [1.0, 0.0, 0.0, 1.0]  # per entry: forward caught up in 1 of its 2 entries, data in its one
-    rows.add((names, True, False), [1, NAN, 64.0, 0.010, NAN, 0.001, *host_s, 5.0, *gpu_ms, *caught])
-    rows.add((names, True, True), [2, NAN, 64.0, 0.010, 0.002, 0.001, *host_s, 5.0, *gpu_ms, *caught, 0.25])
-    rows.add((None, False, False), [3, NAN, 64.0, 0.008, 0.001, 0.0005])  # untimed step
+    rows.add((names, True, False), [1, NAN, 64.0, 0.010, NAN, 0.001, NAN, *host_s, 5.0, *gpu_ms, *caught])
+    rows.add((names, True, True), [2, NAN, 64.0, 0.010, 0.002, 0.001, NAN, *host_s, 5.0, *gpu_ms, *caught, 0.25])
+    rows.add((None, False, False), [3, NAN, 64.0, 0.008, 0.001, 0.0005, NAN])  # untimed step
     w = window_of(rows, 3)
     assert w.step == 3 and w.steps == 3
     assert w.host["forward"].steps == 2 and w.host["forward"].mean_ms == pytest.approx(3.0)
@@ -95,7 +95,7 @@ def test_rows_derive_data_other_idle_and_repeated_phases() -> None:
 def test_series_without_values_are_left_out() -> None:
     """Host-only rows carry NaN for the wait: no 'wait' series, no GPU series."""
     rows = StepRows()
-    rows.add((("forward",), False, False), [1, NAN, NAN, 0.004, NAN, NAN, 0.001])
+    rows.add((("forward",), False, False), [1, NAN, NAN, 0.004, NAN, NAN, NAN, 0.001])
     w = window_of(rows, 1)
     assert set(w.host) == {"step", "forward", "other"} and not w.gpu
     assert w.host["other"].mean_ms == pytest.approx(3.0)
