@@ -184,6 +184,7 @@ class ProfileCapture:
         self.last = last
         self.path = path
         self.started = False
+        self.stopped = False
         self.written = False
         self._prof: Any = None
         self._steps: list[dict[str, Any]] = []
@@ -204,8 +205,9 @@ class ProfileCapture:
             engine.end_pause(paused)
 
     def stop(self, engine: Engine) -> None:
-        if self._prof is None:
+        if self._prof is None or self.stopped:
             return
+        self.stopped = True
         paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
         try:
             self._prof.stop()
@@ -303,7 +305,7 @@ def make_ranges(
 
     ``folder`` is where the trace goes (the log directory); the capture is made on rank 0 only.
     """
-    if nvtx not in (True, False):
+    if not isinstance(nvtx, bool):
         raise ValueError(f"nvtx must be True or False, got {nvtx!r}")
     capture = None
     if profile_steps is not None:

@@ -261,7 +261,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
-        if nvtx not in (True, False):
+        if not isinstance(nvtx, bool):
             raise ValueError(f"nvtx must be True or False, got {nvtx!r}")
         if profile_steps is not None:
             check_profile_steps(profile_steps, start_step=0)
