@@ -263,30 +263,52 @@ NAME_WIDTH = 43
 
 
 def short_name(name: str, width: int = NAME_WIDTH) -> str:
-    """A kernel name that fits ``width``: no ``void``, no argument list, template arguments elided
-    (``at::native::elementwise_kernel<…>``), then the middle cut if still too long."""
-    s = re.sub(r"^void ", "", name.strip())
-    depth, cut = 0, []
-    for ch in s:  # drop what is inside <...> (keep the brackets) and from the first top-level "("
-        if ch == "(" and depth == 0 and cut:
-            break
+    """A kernel name that fits ``width``. As is if it fits; else, step by step until it fits: without
+    ``void``, the argument list and anonymous namespaces; nested template arguments elided
+    (``Functor<…>``); all template arguments elided, unless that leaves a generic wrapper
+    (``cutlass::Kernel2<…>``, ``cutlass::device_kernel<…>``) whose argument is the real name; then
+    the middle cut, keeping the end (the kernel's own name)."""
+    s = name.strip()
+    if len(s) <= width:
+        return s
+    if s.startswith("void "):
+        s = s[5:]
+    if s.endswith(")"):  # the argument list: the trailing balanced (...)
+        depth = 0
+        for i in range(len(s) - 1, 0, -1):
+            depth += {")": 1, "(": -1}.get(s[i], 0)
+            if depth == 0:
+                s = s[:i]
+                break
+    s = s.replace("(anonymous namespace)::", "").strip()
+    if len(s) > width:
+        nested = _elide_templates(s, 2)
+        bare = _elide_templates(s, 1)
+        s = nested if _WRAPPER_RE.search(bare) else bare
+    if len(s) > width:  # the end (the kernel's own name) says most: keep two thirds of it
+        tail = 2 * (width - 1) // 3
+        s = s[: width - 1 - tail] + "…" + s[len(s) - tail :]
+    return s
+
+
+_WRAPPER_RE = re.compile(r"(?:^|::)(?:device_)?[Kk]ernel\d*<…>$")
+
+
+def _elide_templates(s: str, level: int) -> str:
+    """``s`` with the template arguments at nesting ``level`` and deeper replaced by ``…``."""
+    out, depth = [], 0
+    for ch in s:
         if ch == "<":
             depth += 1
-            if depth == 1:
-                cut.append("<…")
-            continue
-        if ch == ">" and depth:
+            if depth <= level:
+                out.append("<" if depth < level else "<…")
+        elif ch == ">" and depth:
+            if depth <= level:
+                out.append(">")
             depth -= 1
-            if depth == 0:
-                cut.append(">")
-            continue
-        if depth == 0:
-            cut.append(ch)
-    s = "".join(cut).strip() or name
-    if len(s) > width:
-        keep = width - 1
-        s = s[: keep - keep // 3] + "…" + s[len(s) - keep // 3 :]
-    return s
+        elif depth < level:
+            out.append(ch)
+    return "".join(out)
 
 
 def format_report(rep: KernelsReport, top: int) -> str:
