@@ -28,6 +28,7 @@ at ``close()``), since the check needs their GPU times.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 from collections.abc import Callable
@@ -96,6 +97,9 @@ class Ranges:
         self._records: list[Any] = []  # their record_function objects, while recording
         self._in_step = False
         self.recording = False  # record_function ranges on (inside the profiler window)
+        # The timer's steps go through the ranges from this step count on (engine.number before the
+        # step): always with NVTX; else from the window's start until its trace is written.
+        self.from_number: float = 0 if self._push is not None else capture.first - 1 if capture else math.inf
         set_ranged(self._push is not None)
 
     # ------------------------------------------------------------------ steps
@@ -133,6 +137,8 @@ class Ranges:
             cap.stop(engine)
         if cap.ready(engine):
             cap.write(engine)
+            if self._push is None:
+                self.from_number = math.inf
 
     def finish(self, engine: Engine) -> None:
         """At ``close()``, after the engine resolved every step: stop and write the capture."""

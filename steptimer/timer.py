@@ -297,8 +297,9 @@ class StepTimer:
         """Context manager around one optimizer step; ``samples``/``tokens`` give throughput."""
         if not self.enabled:
             return _NULL
-        if self._ranges is not None:
-            return _RangedStep(self._engine, samples, tokens, self._ranges)
+        r = self._ranges
+        if r is not None and self._engine.number >= r.from_number:  # NVTX, or the profiler window
+            return _RangedStep(self._engine, samples, tokens, r)
         return _Step(self._engine, samples, tokens)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
