@@ -117,8 +117,7 @@ class _RangedPhase(_Phase):
     __slots__ = ()
 
     def __enter__(self) -> None:
-        r = self._r
-        assert r is not None  # noqa: S101 - set on every phase of a timer with ranges
+        r: Ranges = self._r  # type: ignore[assignment]  # set on every phase of a timer with ranges
         r.enter(self._name)
         try:
             self._e.enter_phase(self._name)

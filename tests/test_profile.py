@@ -15,7 +15,7 @@ import steptimer._profile as profile_mod
 from steptimer import StepTimer
 from steptimer._profile import PROFILE_FILE
 from steptimer.timer import _Phase, _RangedPhase
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, FakeGPU
 
 N_STEPS = 8
 
@@ -114,6 +114,48 @@ def test_profiler_start_stop_and_export_are_not_data_wait(
     assert (tmp_path / PROFILE_FILE).exists()
     assert s["data"].host.max_ms == pytest.approx(1.0)
     assert s["step"].host.max_ms == pytest.approx(2.0)
+
+
+def test_steptimer_times_in_the_trace_are_the_resolved_gpu_spans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(engine_mod, "perf_counter", clock)
+    gpu = FakeGPU(clock)
+    t = StepTimer(
+        log_dir=tmp_path, warmup_steps=0, print_summary=False, profile_steps=(3, 4), lag=2,
+        _backend=gpu.backend(),
+    )  # fmt: skip
+    for n in range(1, 7):
+        clock.advance_ms(1.0)
+        with t.step():
+            with t.phase("forward"):
+                gpu.launch(2.0 * n)  # GPU ms known per step
+                clock.advance_ms(0.5)
+            with t.phase("backward"):
+                gpu.launch(3.0)
+                clock.advance_ms(0.25)
+        if n == 5:  # step 4 resolves at the end of step 6 (lag 2): not written yet
+            assert not (tmp_path / PROFILE_FILE).exists()
+    assert (tmp_path / PROFILE_FILE).exists()  # written at the end of step 6, before close
+    t.close()
+    steps = load(tmp_path)["steptimer"]["steps"]
+    assert [s["number"] for s in steps] == [3, 4]
+    for s in steps:
+        n = s["number"]
+        assert s["gpu_ms"]["forward"] == pytest.approx(2.0 * n)
+        assert s["gpu_ms"]["backward"] == pytest.approx(3.0)
+        assert s["host_ms"]["forward"] == pytest.approx(0.5)
+        assert s["host_ms"]["backward"] == pytest.approx(0.25)
+
+
+def test_trace_steps_and_profile_steps_together(tmp_path: Path) -> None:
+    t = StepTimer(log_dir=tmp_path, warmup_steps=0, print_summary=False, profile_steps=(2, 3), trace_steps=(3, 5))
+    run_loop(t, n=6)
+    t.close()
+    assert [s["number"] for s in load(tmp_path)["steptimer"]["steps"]] == [2, 3]
+    with open(tmp_path / "steptimer-trace.json") as f:
+        assert [s["number"] for s in json.load(f)["steps"]] == [3, 4, 5]
 
 
 def test_run_ending_inside_the_window_writes_at_close(tmp_path: Path) -> None:
@@ -242,6 +284,28 @@ def test_nvtx_ranges_are_named_like_the_tags_and_stay_balanced(monkeypatch: pyte
     t.close()
 
 
+def test_instrument_takes_both_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from steptimer import instrument
+
+    nv = NvtxLog()
+    monkeypatch.setattr(profile_mod, "_nvtx_functions", lambda: (nv.push, nv.pop))
+    net = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    timer = instrument(
+        net, opt, log_dir=tmp_path, cuda=False, warmup_steps=0, print_summary=False,
+        nvtx=True, profile_steps=(2, 3),
+    )  # fmt: skip
+    for _ in range(4):
+        net(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    timer.close()
+    assert nv.stack == []
+    assert nv.opened[:5] == ["step", "forward", "loss", "backward", "optimizer"]
+    names = [e["name"] for e in annotations(load(tmp_path))]
+    assert names.count("steptimer/step") == 2 and names.count("steptimer/forward") == 2
+
+
 def test_lightning_callback_profiles_its_steps(tmp_path: Path) -> None:
     pl = pytest.importorskip("pytorch_lightning")
     from steptimer.lightning import StepTimerCallback
@@ -301,7 +365,7 @@ class SpinInBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
@@ -343,7 +407,7 @@ def test_kernels_land_in_their_phase_on_gpu(tmp_path: Path) -> None:
     bwd = {k.name: k for k in phases["backward"].kernels}
     gemm = [k for k in fwd.values() if any(s in k.name.lower() for s in ("gemm", "cutlass", "xmma", "nvjet"))]
     assert gemm and gemm[0].calls == 3, list(fwd)
-    assert gemm[0].share > 0.9  # the forward is the matmul
+    assert sum(k.share for k in gemm) > 0.8, list(fwd)  # the forward is the matmul (and a copy)
     spin = [k for k in bwd.values() if "spin_kernel" in k.name]
     assert len(spin) == 1 and spin[0].calls == 3, list(bwd)
     assert spin[0].mean_us == pytest.approx(1e3 * spin_ms, rel=0.2)
