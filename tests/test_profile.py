@@ -429,3 +429,21 @@ def test_nvtx_on_gpu_times_as_without(tmp_path: Path) -> None:
     assert s.cuda and s.steps == 6
     assert not any("nvtx" in n for n in s.notes), s.notes
     assert s["backward"].gpu is not None and s["backward"].gpu.median_ms >= 0.9
+
+
+def test_ranges_bench_runs(tmp_path: Path) -> None:
+    """bench/ranges.py (run on the device for docs/benchmarks.md): a smoke run of its CPU path."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=root)
+    cmd = [sys.executable, "bench/ranges.py", "--out", str(tmp_path), "--steps", "50", "--rounds", "2"]
+    p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    with open(tmp_path / "ranges.json") as f:
+        res = json.load(f)
+    assert res["rounds"] == 2 and res["phases_per_step"] == 4
+    assert res["nvtx_added_us_per_range"] == pytest.approx(res["nvtx_added_us_per_step"] / 5)
+    assert {"plain_us_per_step", "profile_idle_added_us_per_step"} <= set(res)
