@@ -317,7 +317,10 @@ def format_report(rep: KernelsReport, top: int) -> str:
     span_word = "GPU span" if rep.clock == "gpu" else "host span"
     gap_word = "idle" if rep.clock == "gpu" else "gap"
     steps = f"steps {rep.steps[0]}..{rep.steps[-1]}" if rep.steps else "the profiled steps"
-    lines = [f"{rep.path}", f"{what} per phase over {steps} (µs summed over the steps)", ""]
+    lines = [f"{rep.path}"]
+    if rep.clock == "host":
+        lines.append("no GPU kernels in this trace (no CUDA activity): CPU ops instead")
+    lines += [f"{what} per phase over {steps} (µs summed over the steps)", ""]
     head = f"  {'name':<{NAME_WIDTH}} {'calls':>6} {'total µs':>10} {'mean µs':>9} {'share':>6}"
     for p in rep.phases:
         check = ""
