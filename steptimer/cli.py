@@ -1,4 +1,4 @@
-"""The ``steptimer`` console command: ``report``, ``compare`` and ``trace`` over steptimer's logs.
+"""The ``steptimer`` console command: ``report``, ``compare``, ``trace`` and ``kernels`` over steptimer's logs.
 
 Bad input (a missing path, no steptimer tags, a corrupt or truncated event file, a trace-less log
 directory) prints one line on stderr and exits with status 1; usage errors exit with status 2.
@@ -66,7 +66,22 @@ def _parser() -> argparse.ArgumentParser:
         help="where to write the trace (default: %(default)s); '-' for stdout",
     )
     t.set_defaults(func=_cmd_trace)
+    k = sub.add_parser(
+        "kernels",
+        help="top GPU kernels per phase from the profiler trace (StepTimer(profile_steps=...))",
+    )
+    k.add_argument("logdir", help="the run directory holding steptimer-profile.json (or the file itself)")
+    k.add_argument("--top", type=_positive, default=5, metavar="N", help="kernels per phase (default: %(default)s)")
+    k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
+    k.set_defaults(func=_cmd_kernels)
     return p
+
+
+def _positive(text: str) -> int:
+    v = _nonneg(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return v
 
 
 def _nonneg(text: str) -> int:
@@ -253,4 +268,19 @@ def _cmd_trace(args: argparse.Namespace) -> int:
             )
             + "; open it at https://ui.perfetto.dev"
         )
+    return 0
+
+
+# ---------------------------------------------------------------------- kernels
+
+
+def _cmd_kernels(args: argparse.Namespace) -> int:
+    from steptimer._kernels import analyze as analyze_kernels
+    from steptimer._kernels import format_report, load_profile, report_json
+
+    rep = analyze_kernels(load_profile(args.logdir))
+    if args.json:
+        print(json.dumps(_finite(report_json(rep, args.top)), indent=2, allow_nan=False))
+    else:
+        print(format_report(rep, args.top))
     return 0

@@ -46,6 +46,7 @@ from typing import Any
 from typing_extensions import override
 
 from steptimer._peaks import dtype_of_precision
+from steptimer._profile import check_profile_steps
 from steptimer._summary import Summary
 from steptimer._tensorboard import window_scalars, write_layout_beside, write_to_writer
 from steptimer._window import Window
@@ -243,6 +244,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         histograms: Write per-window histograms to TensorBoard loggers.
         print_summary: Print the summary table at the end of training (rank 0).
         enabled: False turns the callback into a no-op.
+        nvtx: Each step and phase is an NVTX range named like its tag (see
+            :class:`~steptimer.StepTimer`).
+        profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps and write
+            ``steptimer-profile.json`` to ``trainer.log_dir`` (see :class:`~steptimer.StepTimer`).
 
     Example:
         >>> cb = StepTimerCallback(log_every_n_steps=10)
@@ -266,10 +271,20 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         histograms: bool = True,
         print_summary: bool = True,
         enabled: bool = True,
+        nvtx: bool = False,
+        profile_steps: tuple[int, int] | None = None,
         _backend: Any = None,
     ) -> None:
         super().__init__()
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
+        if not isinstance(nvtx, bool):
+            raise ValueError(f"nvtx must be True or False, got {nvtx!r}")
+        if profile_steps is not None:
+            check_profile_steps(profile_steps, start_step=0)
+            if sample_every != 1:
+                raise ValueError(
+                    f"profile_steps needs every step timed (sample_every=1), got sample_every={sample_every}"
+                )
         if forward_module is not None and not _valid_names(forward_module):
             raise ValueError(
                 "forward_module must be the name of a submodule (e.g. 'net') or a list of names, "
@@ -297,6 +312,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self.histograms = histograms
         self.print_summary = print_summary
         self.enabled = enabled
+        self.nvtx = nvtx
+        self.profile_steps = profile_steps
         self._backend = _backend
         self.summary: Summary | None = None
         self._steps_done = 0
@@ -389,6 +406,13 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if trainer.is_global_zero and trainer.loggers:
             sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
         self._sink = sink
+        profile_steps = self.profile_steps
+        if profile_steps is not None and profile_steps[0] <= self._steps_done:
+            log.warning(
+                "steptimer: profile_steps=%s starts at or before the resumed step count %d; not profiling",
+                profile_steps, self._steps_done,
+            )  # fmt: skip
+            profile_steps = None
         self._timer = StepTimer(
             log_every_n_steps=self.log_every_n_steps or self._default_log_every(int(trainer.log_every_n_steps)),
             warmup_steps=self.warmup_steps,
@@ -399,6 +423,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             print_summary=False,
             peak_tflops=self.peak_tflops,
             _peak_dtype=dtype_of_precision(trainer.precision),
+            nvtx=self.nvtx,
+            profile_steps=profile_steps,
+            _profile_dir=str(trainer.log_dir or trainer.default_root_dir) if profile_steps is not None else None,
             _backend=self._backend,
             _sinks=[sink] if sink is not None else [],
         )

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._engine import Engine, check_phase_name
+from steptimer._profile import Ranges, make_ranges
 from steptimer._summary import Summary, SummaryAccumulator
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
@@ -70,10 +71,10 @@ class _Step:
 class _Phase:
     """``with timer.phase(name):`` (one object per name, reused)."""
 
-    __slots__ = ("_e", "_name")
+    __slots__ = ("_e", "_name", "_r")
 
-    def __init__(self, engine: Engine, name: str) -> None:
-        self._e, self._name = engine, name
+    def __init__(self, engine: Engine, name: str, ranges: Ranges | None = None) -> None:
+        self._e, self._name, self._r = engine, name, ranges
 
     def __enter__(self) -> None:
         self._e.enter_phase(self._name)
@@ -81,6 +82,71 @@ class _Phase:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
         self._e.exit_phase(self._name, et is not None)
         return False
+
+
+class _RangedStep(_Step):
+    """A step that is also an NVTX / profiler range (``nvtx=True``, ``profile_steps``), see _profile.py."""
+
+    __slots__ = ("_r",)
+
+    def __init__(
+        self, engine: Engine, samples: float | None, tokens: float | None, flops: float | None, ranges: Ranges
+    ) -> None:
+        super().__init__(engine, samples, tokens, flops)
+        self._r = ranges
+
+    def __enter__(self) -> None:
+        r = self._r
+        r.begin_step(self._e)
+        try:
+            self._e.begin_step(self._samples, self._tokens, self._flops)
+        except BaseException:
+            r.abort_step()
+            raise
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+        try:
+            self._e.end_step(et is not None, self._samples, self._tokens, self._flops)
+        finally:
+            self._r.end_step(self._e)
+        return False
+
+
+class _RangedPhase(_Phase):
+    """A phase that is also an NVTX / profiler range. Same layout as ``_Phase``: the timer switches
+    its phase objects' class when the profiler window opens and closes, so phases outside it pay
+    nothing. The range encloses steptimer's own boundary work, so its cost is not the phase's."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        r: Ranges = self._r  # type: ignore[assignment]  # set on every phase of a timer with ranges
+        r.enter(self._name)
+        try:
+            self._e.enter_phase(self._name)
+        except BaseException:
+            r.exit()
+            raise
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+        try:
+            self._e.exit_phase(self._name, et is not None)
+        finally:
+            self._r.exit()  # type: ignore[union-attr]
+        return False
+
+
+def _on_pending(*captures: Any) -> Callable[[Engine, Any], None] | None:
+    """The engine's one ``on_pending`` call, for the captures that want each resolved step."""
+    adds = [c.add for c in captures if c is not None]
+    if len(adds) <= 1:
+        return adds[0] if adds else None
+
+    def add_all(engine: Engine, rec: Any) -> None:
+        for add in adds:
+            add(engine, rec)
+
+    return add_all
 
 
 def _rank() -> int:
@@ -136,6 +202,13 @@ class StepTimer:
             (``step(flops=...)``). None looks the GPU up in steptimer's table of dense bf16
             tensor-core peaks (fp16 on GPUs without bf16), the usual MFU convention; a number is
             used as given (e.g. for fp32, fp8, or a CPU run). No peak: no MFU, and a note says why.
+        nvtx: Make each step an NVTX range named ``step`` and each phase one named like its tag
+            (``forward/attn``), for Nsight Systems. With a torch that has no NVTX (CPU builds) it
+            is a no-op, with a note in the summary.
+        profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps (inclusive), with
+            each phase as a ``record_function`` range named ``steptimer/<phase>``, and write the
+            Chrome trace to ``steptimer-profile.json`` in the log directory, for ``steptimer
+            kernels``. The profiled steps stay in the statistics, flagged in the summary's notes.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -165,6 +238,9 @@ class StepTimer:
         trace_steps: int | tuple[int, int] | None = None,
         peak_tflops: float | None = None,
         _peak_dtype: str = "bf16",
+        nvtx: bool = False,
+        profile_steps: tuple[int, int] | None = None,
+        _profile_dir: str | None = None,
         _backend: _CudaBackend | None = None,
         _sinks: Sequence[Sink] = (),
     ) -> None:
@@ -199,11 +275,21 @@ class StepTimer:
             trace_steps, log_dir=log_dir, writer=writer, start_step=start_step,
             warmup_steps=warmup_steps, sample_every=sample_every, enabled=enabled, rank=self._rank,
         )  # fmt: skip
+        self._phase_cls: type[_Phase] = _Phase
+        if _profile_dir is None and (log_dir is not None or writer is not None):
+            _profile_dir = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
+        self._ranges, nvtx_note = make_ranges(
+            nvtx=nvtx, profile_steps=profile_steps, folder=_profile_dir, start_step=start_step,
+            sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
+        )  # fmt: skip
+        profile = self._ranges.capture if self._ranges is not None else None
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=_backend, on_resolved=self._on_resolved,
-            on_pending=self._trace.add if self._trace is not None else None,
+            on_pending=_on_pending(self._trace, profile),
         )  # fmt: skip
+        if nvtx_note is not None:
+            self._engine.notes.append(nvtx_note)
         if not enabled:
             return
         if cuda is True and _backend is None:
@@ -230,6 +316,9 @@ class StepTimer:
         count them) gives ``tflops_per_s`` and ``mfu``."""
         if not self.enabled:
             return _NULL
+        r = self._ranges
+        if r is not None and self._engine.number >= r.from_number:  # NVTX, or the profiler window
+            return _RangedStep(self._engine, samples, tokens, flops, r)
         return _Step(self._engine, samples, tokens, flops)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
@@ -239,7 +328,7 @@ class StepTimer:
             if not self.enabled:
                 return _NULL
             check_phase_name(name)
-            cm = self._phases[name] = _Phase(self._engine, name)
+            cm = self._phases[name] = self._phase_cls(self._engine, name, self._ranges)
         return cm
 
     @contextmanager
@@ -290,6 +379,8 @@ class StepTimer:
         self._emit()
         if self._trace is not None:
             self._trace.finish(engine)
+        if self._ranges is not None:
+            self._ranges.finish(engine)
         engine.release_held()
         engine.closed = True
         self._summary = summary = self._build_summary()
@@ -309,6 +400,14 @@ class StepTimer:
     def __exit__(self, *exc: object) -> Literal[False]:
         self.close(failed=bool(exc) and exc[0] is not None)
         return False
+
+    def _set_ranged(self, on: bool) -> None:
+        """Phases call the ranges (``on``) or not: switch the class of every phase object, cached
+        ones included, so a phase outside the profiler window pays nothing (see _profile.py)."""
+        cls = _RangedPhase if on else _Phase
+        self._phase_cls = cls
+        for cm in self._phases.values():
+            cm.__class__ = cls
 
     # ------------------------------------------------------------------ windows and summary
 

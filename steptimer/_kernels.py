@@ -1,0 +1,356 @@
+"""``steptimer kernels LOGDIR``: the top GPU kernels of each phase, from the ``torch.profiler`` trace
+that ``StepTimer(profile_steps=...)`` writes (``_profile.py``).
+
+How a kernel finds its phase: the profiler records each CUDA launch on the CPU (``cudaLaunchKernel``,
+``cuLaunchKernel``, ``cudaMemcpyAsync``, ... : category ``cuda_runtime`` or ``cuda_driver``) and each
+kernel, copy and memset on the GPU (``kernel``, ``gpu_memcpy``, ``gpu_memset``), and gives the two
+the same ``args.correlation`` (the ``ac2g`` flow arrows in Perfetto). The launch's host time falls
+inside steptimer's ``record_function`` ranges (``steptimer/step``, ``steptimer/forward``, ...): the
+innermost range open at that time is the kernel's phase, and its enclosing phases count it too,
+as steptimer's own numbers do (``forward`` includes ``forward/attn``). By time, not by thread:
+backward's launches come from autograd's device thread while the training thread waits in
+``backward()``. Launches inside a step but outside its phases are ``other``; between the window's
+steps, ``data``.
+
+The check: on the timed stream, a phase's kernels run between the phase's entry and exit events,
+so their total is at most steptimer's GPU span of the phase in the same steps; the gap is GPU idle
+inside the phase. Kernels on other streams (NCCL, side streams) can overlap and break the bound:
+such a phase is flagged, not hidden.
+
+A trace without CUDA activity (no GPU) has no kernels: the same table then lists the top CPU ops of
+each phase (outermost ``aten::`` ops, so nested ops are not counted twice) against steptimer's host
+time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import textwrap
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Any
+
+from steptimer._profile import PROFILE_FILE, RANGE_PREFIX
+from steptimer._reader import LogError
+
+GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
+# A phase is consistent when its kernels fit in its span within this tolerance: CUPTI's kernel
+# timestamps and CUDA events are read from the same GPU timer but rounded differently (~1 µs).
+_TOL_FRAC = 0.01
+_TOL_US_PER_STEP = 2.0
+
+
+@dataclass
+class KernelRow:
+    """One kernel (or CPU op) name within a phase; times summed over the profiled steps."""
+
+    name: str
+    calls: int
+    total_us: float
+    mean_us: float
+    share: float  # of the phase's kernel total
+
+
+@dataclass
+class PhaseKernels:
+    """A phase's kernels and the check against steptimer's span of the same steps."""
+
+    name: str
+    total_us: float
+    kernels: list[KernelRow]
+    span_us: float | None  # steptimer's time of the phase summed over the profiled steps (None: unknown)
+    idle_us: float | None = None  # span - total
+    consistent: bool | None = None  # total <= span (within the tolerance)
+
+
+@dataclass
+class KernelsReport:
+    path: str
+    clock: str  # "gpu": CUDA kernels; "host": CPU ops (a trace without CUDA activity)
+    steps: list[int]
+    phases: list[PhaseKernels]
+    unattributed: int = 0  # GPU activities whose launch is not in the trace
+    notes: list[str] = field(default_factory=list)
+
+
+def load_profile(path: str) -> dict[str, Any]:
+    """Read ``steptimer-profile.json`` (``path`` is the file or the run's log directory)."""
+    file = os.path.join(path, PROFILE_FILE) if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        if not os.path.exists(path):
+            raise LogError(f"{path}: no such file or directory")
+        raise LogError(
+            f"{path}: no {PROFILE_FILE} here; capture steps with StepTimer(log_dir=..., profile_steps=(first, last))"
+        )
+    try:
+        with open(file) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as err:
+        raise LogError(f"{file}: not a readable trace ({err})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise LogError(f"{file}: not a Chrome trace (no traceEvents)")
+    doc["_path"] = file
+    return doc
+
+
+class _Spans:
+    """steptimer's ranges on the host timeline: the innermost one open at a given time."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        spans = [
+            (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"][len(RANGE_PREFIX) :])
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+            and str(e.get("name", "")).startswith(RANGE_PREFIX)
+        ]  # fmt: skip
+        spans.sort(key=lambda s: (s[0], -s[1]))  # parents before their children at equal starts
+        self.spans = spans
+        self._starts = [s[0] for s in spans]
+        self.order: list[str] = []  # phase names in order of first appearance
+        for _, _, name in spans:
+            if name != "step" and name not in self.order:
+                self.order.append(name)
+
+    def phase_at(self, t: float) -> str:
+        """The innermost phase open at host time ``t``: a name, ``other`` (in a step) or ``data``."""
+        i = bisect_right(self._starts, t) - 1
+        while i >= 0:
+            a, z, name = self.spans[i]
+            if a <= t < z:
+                return "other" if name == "step" else name
+            i -= 1
+        return "data"
+
+
+def _outermost(ops: list[dict[str, Any]], spans: _Spans) -> list[dict[str, Any]]:
+    """CPU ops not nested in another op of the same thread (their times would count twice). An op
+    around a steptimer range (Lightning's ``Optimizer.step`` around the whole closure) is not one
+    phase's: the ops inside it count instead."""
+    out: list[dict[str, Any]] = []
+    end: dict[Any, float] = {}
+    starts = spans._starts
+    for e in sorted(ops, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0)))):
+        key = (e.get("pid"), e.get("tid"))
+        ts = float(e["ts"])
+        te = ts + float(e.get("dur", 0.0))
+        if ts < end.get(key, -1.0):
+            continue
+        i = bisect_right(starts, ts)
+        if i < len(starts) and starts[i] < te:
+            continue  # it encloses a steptimer range
+        out.append(e)
+        end[key] = te
+    return out
+
+
+def analyze(doc: dict[str, Any]) -> KernelsReport:
+    """Each phase's kernels (or CPU ops, without CUDA activity) with the consistency check."""
+    events = [e for e in doc["traceEvents"] if isinstance(e, dict)]
+    meta = doc.get("steptimer") or {}
+    path = str(doc.get("_path", ""))
+    spans = _Spans(events)
+    notes: list[str] = []
+    if not spans.spans:
+        raise LogError(f"{path}: no steptimer ranges ({RANGE_PREFIX}...) in this trace")
+    launch_ts = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in LAUNCH_CATS and isinstance(e.get("args"), dict) and "correlation" in e["args"]
+    }
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    items: list[tuple[str, float, float]] = []  # (name, duration µs, host time that assigns it)
+    unattributed = 0
+    if gpu:
+        clock = "gpu"
+        for e in gpu:
+            t = launch_ts.get((e.get("args") or {}).get("correlation"))
+            if t is None:
+                unattributed += 1
+                continue
+            items.append((str(e["name"]), float(e.get("dur", 0.0)), t))
+        if unattributed:
+            notes.append(f"{unattributed} GPU activities without their launch in the trace were left out")
+    else:
+        clock = "host"
+        notes.append(
+            "no GPU kernels in this trace (captured without CUDA activity): top CPU ops per phase "
+            "(outermost ops and your own ranges) against steptimer's host time"
+        )
+        ops = [
+            e for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+            and not str(e.get("name", "")).startswith(RANGE_PREFIX)
+        ]  # fmt: skip
+        items = [(str(e["name"]), float(e.get("dur", 0.0)), float(e["ts"])) for e in _outermost(ops, spans)]
+    per: dict[str, dict[str, list[float]]] = {}
+    for name, dur, t in items:
+        phase = spans.phase_at(t)
+        # The phase and its enclosing phases, as steptimer counts them ("forward" includes "forward/attn").
+        parts = phase.split("/")
+        names = ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]
+        if phase != "data":
+            names.append("step")
+        for key in names:
+            row = per.setdefault(key, {}).setdefault(name, [0.0, 0.0])
+            row[0] += 1
+            row[1] += dur
+    steps = [int(s["number"]) for s in meta.get("steps", [])]
+    spans_us = _steptimer_spans(meta, clock)
+    if not meta:
+        notes.append("no steptimer times in this trace (not written by profile_steps): no consistency check")
+    order = spans.order + [n for n in ("other", "data", "step") if n in per or n == "step"]
+    phases = []
+    for name in order:
+        kernels = per.get(name, {})
+        total = sum(v[1] for v in kernels.values())
+        rows = [
+            KernelRow(k, int(v[0]), v[1], v[1] / v[0], v[1] / total if total > 0 else 0.0)
+            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][1])
+        ]
+        span = spans_us.get(name)
+        pk = PhaseKernels(name, total, rows, span)
+        if span is not None:
+            pk.idle_us = span - total
+            pk.consistent = total <= span * (1 + _TOL_FRAC) + _TOL_US_PER_STEP * max(len(steps), 1)
+        phases.append(pk)
+    bad = [p.name for p in phases if p.consistent is False]
+    if bad:
+        notes.append(
+            f"kernels exceed steptimer's span in {', '.join(bad)}: kernels on other streams "
+            "overlapped (only the timed stream is bounded by the span)"
+        )
+    return KernelsReport(path, clock, steps, phases, unattributed, notes)
+
+
+def _steptimer_spans(meta: dict[str, Any], clock: str) -> dict[str, float]:
+    """steptimer's time of each phase (and ``step``), in µs summed over the profiled steps."""
+    key = "gpu_ms" if clock == "gpu" else "host_ms"
+    steps = meta.get("steps", [])
+    if not steps or any(s.get(key) is None for s in steps):
+        return {}
+    out: dict[str, float] = {}
+    for s in steps:
+        for name, ms in s[key].items():
+            out[name] = out.get(name, 0.0) + 1e3 * ms
+    return out
+
+
+def report_json(rep: KernelsReport, top: int) -> dict[str, Any]:
+    return {
+        "path": rep.path,
+        "clock": rep.clock,
+        "steps": rep.steps,
+        "unattributed": rep.unattributed,
+        "notes": rep.notes,
+        "phases": [
+            {
+                "name": p.name,
+                "total_us": p.total_us,
+                "span_us": p.span_us,
+                "idle_us": p.idle_us,
+                "consistent": p.consistent,
+                "kernels": [vars(k) for k in p.kernels[:top]],
+            }
+            for p in rep.phases
+        ],
+    }
+
+
+NAME_WIDTH = 43
+
+
+def short_name(name: str, width: int = NAME_WIDTH) -> str:
+    """A kernel name that fits ``width``. As is if it fits; else, step by step until it fits: without
+    ``void``, the argument list and anonymous namespaces; nested template arguments elided
+    (``Functor<…>``); all template arguments elided, unless that leaves a generic wrapper
+    (``cutlass::Kernel2<…>``, ``cutlass::device_kernel<…>``) whose argument is the real name; then
+    the middle cut, keeping the end (the kernel's own name)."""
+    s = name.strip()
+    if len(s) <= width:
+        return s
+    if s.startswith("void "):
+        s = s[5:]
+    if s.endswith(")"):  # the argument list: the trailing balanced (...)
+        depth = 0
+        for i in range(len(s) - 1, 0, -1):
+            depth += {")": 1, "(": -1}.get(s[i], 0)
+            if depth == 0:
+                s = s[:i]
+                break
+    s = s.replace("(anonymous namespace)::", "").strip()
+    if len(s) > width:
+        nested = _elide_templates(s, 2)
+        bare = _elide_templates(s, 1)
+        s = nested if _WRAPPER_RE.search(bare) else bare
+    if len(s) > width:  # the end (the kernel's own name) says most: keep two thirds of it
+        tail = 2 * (width - 1) // 3
+        s = s[: width - 1 - tail] + "…" + s[len(s) - tail :]
+    return s
+
+
+_WRAPPER_RE = re.compile(r"(?:^|::)(?:device_)?[Kk]ernel\d*<…>$")
+
+
+def _elide_templates(s: str, level: int) -> str:
+    """``s`` with the template arguments at nesting ``level`` and deeper replaced by ``…``."""
+    out, depth = [], 0
+    for ch in s:
+        if ch == "<":
+            depth += 1
+            if depth <= level:
+                out.append("<" if depth < level else "<…")
+        elif ch == ">" and depth:
+            if depth <= level:
+                out.append(">")
+            depth -= 1
+        elif depth < level:
+            out.append(ch)
+    return "".join(out)
+
+
+def format_report(rep: KernelsReport, top: int) -> str:
+    """The terminal form: one block per phase, 80 columns."""
+    what = "GPU kernels" if rep.clock == "gpu" else "CPU ops"
+    span_word = "GPU span" if rep.clock == "gpu" else "host span"
+    gap_word = "idle" if rep.clock == "gpu" else "gap"
+    steps = f"steps {rep.steps[0]}..{rep.steps[-1]}" if rep.steps else "the profiled steps"
+    lines = [f"{rep.path}"]
+    if rep.clock == "host":
+        lines.append("no GPU kernels in this trace (no CUDA activity): CPU ops instead")
+    lines += [f"{what} per phase over {steps} (µs summed over the steps)", ""]
+    head = f"  {'name':<{NAME_WIDTH}} {'calls':>6} {'total µs':>10} {'mean µs':>9} {'share':>6}"
+    for p in rep.phases:
+        check = ""
+        if p.span_us is not None and p.idle_us is not None:
+            idle = p.idle_us / p.span_us if p.span_us > 0 else 0.0
+            check = f"  {span_word} {p.span_us:,.1f}, {gap_word} {100 * idle:.1f}%"
+            if p.consistent is False:
+                check += "  OVER"
+        lines.append(f"{p.name}: {p.total_us:,.1f} µs{check}")
+        if not p.kernels:
+            lines.append(f"  (no {what})")
+        else:
+            lines.append(head)
+            for k in p.kernels[:top]:
+                lines.append(
+                    f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
+                    f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"
+                )
+            more = len(p.kernels) - top
+            if more > 0:
+                lines.append(f"  ... {more} more (--top N)")
+        lines.append("")
+    if rep.phases and any(p.span_us is not None for p in rep.phases):
+        lines += textwrap.wrap(
+            f"check: {what} total <= steptimer's {span_word} of the same steps; "
+            + ("the gap is GPU idle" if rep.clock == "gpu" else "the gap is Python between ops")
+            + (" (OVER: overlapping streams)" if any(p.consistent is False for p in rep.phases) else ""),
+            80,
+            subsequent_indent="  ",
+        )
+    for note in rep.notes:
+        lines += textwrap.wrap(f"note: {note}", 80, subsequent_indent="  ")
+    return "\n".join(lines)

@@ -1,0 +1,335 @@
+"""The same steps and phases in the profilers: NVTX ranges and a ``torch.profiler`` capture.
+
+``StepTimer(nvtx=True)`` makes every step an NVTX range named ``step`` and every phase one named like
+its tag (``forward``, ``forward/attn``), so Nsight Systems shows steptimer's phases on its timeline.
+``StepTimer(profile_steps=(first, last))`` runs ``torch.profiler`` (CPU activity, and CUDA when
+torch sees a GPU) for those steps only, with the step and each phase as a ``record_function`` range
+named ``steptimer/step``, ``steptimer/forward``, ... (the prefix tells them apart from your own
+ranges), and writes the Chrome trace to ``<log_dir>/steptimer-profile.json``; ``steptimer kernels``
+reads it (``_kernels.py``).
+
+Where the costs land:
+
+- Off (the default), nothing: the timer uses its plain step and phase objects.
+- NVTX: one ``rangePushA``/``rangePop`` per step and phase, outside steptimer's own measurement (the
+  range encloses the phase's events), so it shows in the enclosing phase or ``other``; measured in
+  docs/benchmarks.md.
+- ``profile_steps``: outside the window a step pays one comparison; its phases pay nothing (they
+  switch to the ranged class only for the window). The profiler's start, stop and export run in a
+  ``pause()`` before the window's first step and after its steps, so they are not counted as data
+  wait. The profiled steps themselves run slower (the profiler records every op): they stay in the
+  statistics, and the summary says which steps they were. Their own steptimer times are written
+  into the trace file (key ``steptimer``) for ``steptimer kernels``' consistency check.
+
+The trace is written once all the window's steps are resolved (``lag`` steps after its last one, or
+at ``close()``), since the check needs their GPU times.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from steptimer._engine import Engine
+
+log = logging.getLogger("steptimer")
+
+PROFILE_FILE = "steptimer-profile.json"
+RANGE_PREFIX = "steptimer/"
+FORMAT = "steptimer-profile"
+VERSION = 1
+
+
+def check_profile_steps(profile_steps: object, *, start_step: int) -> tuple[int, int]:
+    """``(first, last)``: inclusive step numbers with ``start_step < first <= last``."""
+    ok = (
+        isinstance(profile_steps, tuple) and len(profile_steps) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in profile_steps)
+        and start_step < profile_steps[0] <= profile_steps[1]
+    )  # fmt: skip
+    if not ok:
+        raise ValueError(
+            f"profile_steps must be a (first, last) pair of step numbers with "
+            f"{start_step + 1} <= first <= last, got {profile_steps!r}"
+        )
+    return profile_steps[0], profile_steps[1]  # type: ignore[index]
+
+
+def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
+    """NVTX push/pop from torch's CUDA build; None where torch has no NVTX (CPU builds)."""
+    try:
+        from torch._C import _nvtx  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _nvtx.rangePushA, _nvtx.rangePop
+
+
+class Ranges:
+    """The NVTX and ``record_function`` ranges of one timer's steps and phases.
+
+    The timer's ranged step and phase objects call ``begin_step``/``end_step`` and ``enter``/``exit``;
+    the stack of full phase names is kept here, so ranges are named as the tags are, in timed and
+    untimed steps alike. State lives here, not in the context managers (Lightning exits a step through
+    a fresh ``step()`` object).
+
+    Args:
+        nvtx: NVTX push/pop functions, or None for no NVTX ranges.
+        capture: The profiler window, or None.
+        set_ranged: Called with True when the phases must call ``enter``/``exit`` (NVTX on, or inside
+            the profiler window) and False when they need not.
+    """
+
+    def __init__(
+        self,
+        nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None,
+        capture: ProfileCapture | None,
+        set_ranged: Callable[[bool], None],
+    ) -> None:
+        self._push, self._pop = nvtx if nvtx is not None else (None, None)
+        self.capture = capture
+        self._set_ranged = set_ranged
+        self._names: list[str] = []  # full names of the open phases
+        self._records: list[Any] = []  # their record_function objects, while recording
+        self._in_step = False
+        self.recording = False  # record_function ranges on (inside the profiler window)
+        # The timer's steps go through the ranges from this step count on (engine.number before the
+        # step): always with NVTX; else from the window's start until its trace is written.
+        self.from_number: float = 0 if self._push is not None else capture.first - 1 if capture else math.inf
+        set_ranged(self._push is not None)
+
+    # ------------------------------------------------------------------ steps
+
+    def begin_step(self, engine: Engine) -> None:
+        if engine.in_step:
+            return  # the engine raises (steps cannot nest): nothing to open
+        cap = self.capture
+        if cap is not None and engine.number + 1 == cap.first and not cap.started:
+            cap.start(engine)
+            self.recording = True
+            self._set_ranged(True)
+        self._in_step = True
+        self._open("step")
+
+    def abort_step(self) -> None:
+        """``begin_step`` was followed by an engine error: close what it opened."""
+        if self._in_step:
+            self._in_step = False
+            self._close()
+
+    def end_step(self, engine: Engine) -> None:
+        if not self._in_step:
+            return
+        while self._names:  # phases left open (the step failed, or was left inconsistent)
+            self.exit()
+        self._in_step = False
+        self._close()
+        cap = self.capture
+        if cap is None:
+            return
+        if self.recording and engine.number >= cap.last:
+            self.recording = False
+            self._set_ranged(self._push is not None)
+            cap.stop(engine)
+        if cap.ready(engine):
+            cap.write(engine)
+            if self._push is None:
+                self.from_number = math.inf
+
+    def finish(self, engine: Engine) -> None:
+        """At ``close()``, after the engine resolved every step: stop and write the capture."""
+        while self._names:
+            self.exit()
+        if self._in_step:
+            self._in_step = False
+            self._close()
+        self.recording = False
+        if self.capture is not None:
+            self.capture.finish(engine)
+
+    # ------------------------------------------------------------------ phases
+
+    def enter(self, name: str) -> None:
+        names = self._names
+        full = names[-1] + "/" + name if names else name
+        names.append(full)
+        self._open(full)
+
+    def exit(self) -> None:
+        if self._names:
+            self._names.pop()
+            self._close()
+
+    def _open(self, full: str) -> None:
+        if self._push is not None:
+            self._push(full)
+        if self.recording:
+            from torch.profiler import record_function
+
+            rf = record_function(RANGE_PREFIX + full)
+            rf.__enter__()
+            self._records.append(rf)
+
+    def _close(self) -> None:
+        if self._pop is not None:
+            self._pop()
+        if self._records:
+            self._records.pop().__exit__(None, None, None)
+
+
+class ProfileCapture:
+    """``torch.profiler`` over steps ``first..last`` and the trace file, with steptimer's own times
+    of those steps (from the engine's ``on_pending`` call, before their events are released)."""
+
+    def __init__(self, first: int, last: int, path: str) -> None:
+        self.first = first
+        self.last = last
+        self.path = path
+        self.started = False
+        self.stopped = False
+        self.written = False
+        self._prof: Any = None
+        self._steps: list[dict[str, Any]] = []
+        self._cuda = False
+
+    def start(self, engine: Engine) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        self.started = True
+        self._cuda = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
+        self._prof = profile(activities=activities)
+        paused = engine.begin_pause()  # the profiler's start-up (CUPTI: 100s of ms) is not data wait
+        try:
+            self._prof.start()
+        finally:
+            engine.end_pause(paused)
+
+    def stop(self, engine: Engine) -> None:
+        if self._prof is None or self.stopped:
+            return
+        self.stopped = True
+        paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
+        try:
+            self._prof.stop()
+        finally:
+            if paused is not None:
+                engine.end_pause(paused)
+
+    def add(self, engine: Engine, rec: Any) -> None:
+        """Called by the engine for every resolved step: keep the window's steptimer times."""
+        n = rec.number
+        if n < self.first or n > self.last:
+            return
+        host = {"step": rec.step_s * 1e3}
+        for full, t_in, t_out, *_ in rec.phases:
+            host[full] = host.get(full, 0.0) + (t_out - t_in) * 1e3
+        gpu: dict[str, float] | None = None
+        if rec.timed and rec.events and engine.cuda:
+            offs = engine.offsets_ms(rec.events)
+            gpu = {"step": offs[rec.i_end] - offs[rec.i_start]}
+            for full, _, _, i_in, i_out, *_ in rec.phases:
+                gpu[full] = gpu.get(full, 0.0) + offs[i_out] - offs[i_in]
+        self._steps.append({"number": n, "host_ms": host, "gpu_ms": gpu})
+
+    def ready(self, engine: Engine) -> bool:
+        """The window is over and its steps are resolved: the trace can be written."""
+        return self.started and not self.written and engine.last_resolved >= self.last
+
+    def write(self, engine: Engine) -> None:
+        paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
+        try:
+            self._write()
+        finally:
+            if paused is not None:
+                engine.end_pause(paused)
+        engine.notes.append(self.note())
+
+    def finish(self, engine: Engine) -> None:
+        """At close: stop a window the run ended inside, and write what was captured."""
+        if self.written:
+            return
+        if not self.started:
+            engine.notes.append(
+                f"profile_steps={self.first, self.last}: the run ended at step {engine.number}, "
+                "before the window; no profile written"
+            )
+            self.written = True
+            return
+        self.stop(engine)
+        self._write()
+        engine.notes.append(self.note())
+
+    def note(self) -> str:
+        numbers = [s["number"] for s in self._steps]
+        span = f"{numbers[0]}..{numbers[-1]}" if numbers else "none"
+        return (
+            f"steps {span} ran under torch.profiler (profile_steps): their times include the "
+            f"profiler's overhead; trace: {self.path} (steptimer kernels)"
+        )
+
+    def _write(self) -> None:
+        self.written = True
+        prof, self._prof = self._prof, None
+        tmp = self.path + ".tmp"
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        prof.export_chrome_trace(tmp)
+        with open(tmp) as f:
+            doc = json.load(f)
+        # Chrome and Perfetto ignore unknown top-level keys (torch's own trace has several).
+        doc["steptimer"] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "first": self.first,
+            "last": self.last,
+            "cuda_activity": self._cuda,
+            "range_prefix": RANGE_PREFIX,
+            "steps": self._steps,
+        }
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self.path)
+
+
+def make_ranges(
+    *,
+    nvtx: object,
+    profile_steps: object,
+    folder: str | None,
+    start_step: int,
+    sample_every: int,
+    enabled: bool,
+    rank: int,
+    set_ranged: Callable[[bool], None],
+) -> tuple[Ranges | None, str | None]:
+    """Validate ``nvtx`` and ``profile_steps``; the ranges (None when there are none) and a note.
+
+    ``folder`` is where the trace goes (the log directory); the capture is made on rank 0 only.
+    """
+    if not isinstance(nvtx, bool):
+        raise ValueError(f"nvtx must be True or False, got {nvtx!r}")
+    capture = None
+    if profile_steps is not None:
+        first, last = check_profile_steps(profile_steps, start_step=start_step)
+        if sample_every != 1:
+            raise ValueError(
+                f"profile_steps needs every step timed (sample_every=1), got sample_every={sample_every}"
+            )
+        if folder is None:
+            raise ValueError(f"profile_steps needs log_dir or writer: {PROFILE_FILE} is written next to the event files")
+        if enabled and rank == 0:
+            capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))
+    fns, note = None, None
+    if nvtx and enabled:
+        fns = _nvtx_functions()
+        if fns is None:
+            note = "nvtx=True but this torch has no NVTX (a CPU build): no NVTX ranges"
+            log.info("steptimer: %s", note)
+    if fns is None and capture is None:
+        return None, note
+    return Ranges(fns, capture, set_ranged), note
