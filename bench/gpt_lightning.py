@@ -89,8 +89,10 @@ def make_module(pl: Any, cfg: GPTConfig, flops_per_batch: float) -> Any:
             return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
         def configure_optimizers(self) -> Any:
-            fused = self.device.type == "cuda" or None
-            return torch.optim.AdamW(self.parameters(), lr=6e-4, betas=(0.9, 0.95), fused=fused)
+            # Not fused: Lightning's mixed-precision plugin refuses gradient clipping with a fused
+            # optimizer (it unscales inside its step). foreach is the multi-tensor path without it.
+            foreach = self.device.type == "cuda" or None
+            return torch.optim.AdamW(self.parameters(), lr=6e-4, betas=(0.9, 0.95), foreach=foreach)
 
     return GPTModule()
 
