@@ -120,10 +120,13 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
 
     scalars: dict[str, dict[int, tuple[float, float]]] = {}
     hists: dict[tuple[str, str], dict[int, tuple[float, LogHistogram]]] = {}
-    sources: list[tuple[str | None, str]] = [(None, f) for f in files]
-    sources += [(phase, f) for phase, fs in (phases or {}).items() for f in fs]
-    for phase, f in sources:
-        for record in _records(f):
+    sources: list[tuple[str | None, str, list[bytes]]] = [(None, f, _records(f)) for f in files]
+    # The phases' runs in the order they were created (their first event's time), which is the order
+    # their phases were first seen: the report's rows follow it, as the summary table's do.
+    theirs = [(phase, f, _records(f)) for phase, fs in (phases or {}).items() for f in fs]
+    sources += sorted(theirs, key=lambda s: _wall_time(s[2][0]) if s[2] else math.inf)
+    for phase, f, records in sources:
+        for record in records:
             try:
                 event = event_pb2.Event.FromString(record)
             except Exception as err:  # protobuf raises its own DecodeError
@@ -152,6 +155,15 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
         scalars={k: [(s, v) for s, (_, v) in sorted(pts.items())] for k, pts in scalars.items()},
         hists={k: [(s, h) for s, (_, h) in sorted(pts.items())] for k, pts in hists.items()},
     )
+
+
+def _wall_time(record: bytes) -> float:
+    from tensorboard.compat.proto import event_pb2
+
+    try:
+        return float(event_pb2.Event.FromString(record).wall_time)
+    except Exception:  # a corrupt record: reported with its file's name when it is read
+        return math.inf
 
 
 def _records(path: str) -> list[bytes]:

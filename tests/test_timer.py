@@ -549,7 +549,7 @@ def test_keyboard_interrupt_inside_with_flushes(tmp_path: Path, clock: FakeClock
     vals = scalars(tmp_path)
     # the 5 warm-up steps' window, then the rest, written at close by the `with` block
     assert vals["steptimer/host/forward_ms"] == [(5, pytest.approx(1.0)), (7, pytest.approx(1.0))]
-    assert vals["steptimer/run/warmup_steps"] == [(5, 5.0)]
+    assert vals["steptimer-run/warmup_steps"] == [(5, 5.0)]
 
 
 def test_memory_is_bounded(clock: FakeClock, gpu: FakeGPU) -> None:
