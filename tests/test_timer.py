@@ -600,7 +600,7 @@ def test_unwritable_log_dir_fails_at_construction(tmp_path: Path) -> None:
         StepTimer(log_dir=blocker / "runs")
 
 
-@pytest.mark.parametrize("name", ["step", "other", "wait", "idle", "a b", "fwd/x", "", "naïve"])
+@pytest.mark.parametrize("name", ["step", "other", "wait", "idle", "a b", "fwd/x", "", "naïve", ".", ".."])
 def test_bad_phase_names(name: str) -> None:
     t = StepTimer(cuda=False, print_summary=False)
     with pytest.raises(ValueError, match="reserved|invalid phase name"):
