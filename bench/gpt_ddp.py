@@ -11,7 +11,7 @@ micro-batch: a known straggler. Gradient accumulation is nanoGPT's (``require_ba
 the last micro-batch only), so the all-reduce runs once per step, inside the last ``backward``.
 
 Rank 0 reads its TensorBoard log back and writes ``gpt_ddp.json`` and ``gpt_ddp.md`` under ``--out``:
-per window, the straggler rank (``steptimer/ranks_argmax/straggler``), the straggler spread (max - min
+per window, the straggler rank (``steptimer-ranks/straggler_argmax``), the straggler spread (max - min
 of ``data + step - backward``), each rank's step time and the host cost of the window's round.
 """
 
@@ -93,20 +93,19 @@ def train(t: Trainer, ddp: Any, timer: StepTimer, a: argparse.Namespace, rank: i
 
 
 def windows(tb_dir: str) -> list[dict[str, Any]]:
-    """Per logged window of rank 0's run: the cross-rank values read back with TensorBoard's reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Per logged window of rank 0's run: the cross-rank values, read back with steptimer's reader
+    (which puts each phase's run back into its tags)."""
+    from steptimer._reader import find_runs
 
-    acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
+    (run,) = find_runs(tb_dir)
 
     def series(tag: str) -> dict[int, float]:
-        return {e.step: e.value for e in acc.Scalars(tag)} if tag in tags else {}
+        return dict(run.scalars.get(f"steptimer-ranks/{tag}", []))
 
-    straggler = series("steptimer/ranks_argmax/straggler")
-    lo, hi = series("steptimer/ranks_min/straggler_ms"), series("steptimer/ranks_max/straggler_ms")
-    step_lo, step_hi = series("steptimer/ranks_min/host/step_ms"), series("steptimer/ranks_max/host/step_ms")
-    reduce_ms, reporting = series("steptimer/ranks/reduce_ms"), series("steptimer/ranks/reporting")
+    straggler = series("straggler_argmax")
+    lo, hi = series("straggler_min_ms"), series("straggler_max_ms")
+    step_lo, step_hi = series("host/step_min_ms"), series("host/step_max_ms")
+    reduce_ms, reporting = series("reduce_ms"), series("reporting")
     return [
         {
             "step": s,

@@ -44,13 +44,15 @@ STRAGGLER = "straggler"
 _NEG = -math.inf
 _HEADER = 10
 
-# Custom Scalars charts for the cross-rank tags (the TensorBoard sink adds them when present).
+# Custom Scalars charts for the cross-rank tags, over the tags as the runs hold them (a phase's tags
+# sit in the phase's run without its name: steptimer/_tensorboard.py).
 CHARTS = {
-    "Straggler rank (data + step - backward)": r"^steptimer/ranks_argmax/straggler$",
-    "Straggler ms across ranks (min, mean, max)": r"^steptimer/ranks_(min|mean|max)/straggler_ms$",
-    "Step ms across ranks (min, mean, max)": r"^steptimer/ranks_(min|mean|max)/(gpu|host)/step_ms$",
-    "Rank holding the max, per phase": r"^steptimer/ranks_argmax/(gpu|host)/.*$",
-    "Slowest rank's ms per phase": r"^steptimer/ranks_max/(gpu|host)/.*_ms$",
+    "Straggler rank (data + step - backward)": r"^steptimer-ranks/straggler_argmax$",
+    "Straggler ms across ranks (min, mean, max)": r"^steptimer-ranks/straggler_(min|mean|max)_ms$",
+    "Slowest rank's host ms per phase": r"^steptimer-ranks/host_max_ms$",
+    "Slowest rank's GPU ms per phase": r"^steptimer-ranks/gpu_max_ms$",
+    "Rank holding the max host ms, per phase": r"^steptimer-ranks/host_argmax$",
+    "Rank holding the max GPU ms, per phase": r"^steptimer-ranks/gpu_argmax$",
 }
 
 
@@ -158,19 +160,19 @@ def _means(host: Mapping[str, Any], gpu: Mapping[str, Any]) -> dict[str, float]:
 def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: float) -> dict[str, float]:
     """The cross-rank tags (documented in docs/distributed.md)::
 
-        steptimer/ranks_<min|mean|max>/<clock>/<phase>_ms   spread of the ranks' window means
-        steptimer/ranks_argmax/<clock>/<phase>              rank holding the max
-        steptimer/ranks_<min|mean|max>/straggler_ms         data + step - backward per rank
-        steptimer/ranks_argmax/straggler                    the straggler: the rank holding the others back
-        steptimer/ranks/reporting                           ranks in this window (0: interval skipped)
-        steptimer/ranks/reduce_ms                           host time of this interval's round
+        steptimer-ranks/<clock>/<phase>_<min|mean|max>_ms   spread of the ranks' window means
+        steptimer-ranks/<clock>/<phase>_argmax              rank holding the max
+        steptimer-ranks/straggler_<min|mean|max>_ms         data + step - backward per rank
+        steptimer-ranks/straggler_argmax                    the straggler: the rank holding the others back
+        steptimer-ranks/reporting                           ranks in this window (0: interval skipped)
+        steptimer-ranks/reduce_ms                           host time of this interval's round
     """
-    out = {"steptimer/ranks/reporting": float(reporting), "steptimer/ranks/reduce_ms": reduce_ms}
-    for key, s in spread.items():
-        out[f"steptimer/ranks_min/{key}_ms"] = s.min_ms
-        out[f"steptimer/ranks_mean/{key}_ms"] = s.mean_ms
-        out[f"steptimer/ranks_max/{key}_ms"] = s.max_ms
-        out[f"steptimer/ranks_argmax/{key}"] = float(s.argmax)
+    out = {"steptimer-ranks/reporting": float(reporting), "steptimer-ranks/reduce_ms": reduce_ms}
+    for key, s in spread.items():  # key: "<clock>/<phase>" or "straggler"
+        out[f"steptimer-ranks/{key}_min_ms"] = s.min_ms
+        out[f"steptimer-ranks/{key}_mean_ms"] = s.mean_ms
+        out[f"steptimer-ranks/{key}_max_ms"] = s.max_ms
+        out[f"steptimer-ranks/{key}_argmax"] = float(s.argmax)
     return out
 
 

@@ -44,7 +44,8 @@ _NAN = math.nan
 
 def check_phase_name(name: str) -> None:
     """Raise ``ValueError`` unless ``name`` is a usable phase name."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    # Only dots ("." or "..") would name no directory of its own for the phase's TensorBoard run.
+    if not isinstance(name, str) or not _NAME_RE.match(name) or not name.strip("."):
         raise ValueError(
             f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' "
             "(nest phases to get 'outer/inner')"

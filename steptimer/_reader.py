@@ -1,8 +1,11 @@
 """Reading steptimer's TensorBoard event files back into per-run series.
 
 A *run* is a directory whose own event files (``events.out.tfevents.*``) hold steptimer tags
-(``steptimer/...``); :func:`find_runs` walks a tree for them (plain loops, Lightning's
-``version_N`` directories, several runs side by side).
+(``steptimer...``), with its phases' runs beside it in ``<run>/steptimer/<phase>`` (event files
+ending in ``.steptimer``: ``_tensorboard.py``); :func:`find_runs` walks a tree for them (plain
+loops, Lightning's ``version_N`` directories, several runs side by side). Logs written before the
+per-phase runs (every tag flat in one run, tails as ``steptimer/host_p90/<phase>_ms``) read the same:
+their tags are renamed to today's grammar on the way in.
 
 Records are read strictly (``_records.read_records``): TensorBoard's loaders treat a bad record as
 "the file is still being written" and silently stop there, which would make a report quietly leave
@@ -13,13 +16,23 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
+from steptimer._tensorboard import PHASE_DIR, PHASE_SUFFIX, join_tag
 
-PREFIX = "steptimer/"
+PREFIX = "steptimer"  # every group: steptimer/, steptimer-tails/, ...
 _EVENT_FILE_MARK = "tfevents"
+# The grammar before per-phase runs (one run, one "steptimer/" group), renamed to today's on reading.
+_OLD_TAGS = (
+    (re.compile(r"^steptimer/(host|gpu)_(p90|max)/(.+)_ms$"), r"steptimer-tails/\1/\3_\2_ms"),
+    (re.compile(r"^steptimer/gpu_caught_up/(.+)_frac$"), r"steptimer-caught-up/gpu/\1_frac"),
+    (re.compile(r"^steptimer/hist_(host|gpu)/(.+)_ms$"), r"steptimer-hist/\1/\2_ms"),
+    (re.compile(r"^steptimer/run/warmup_steps$"), "steptimer-run/warmup_steps"),
+)
+_HIST = re.compile(r"^steptimer-hist/(host|gpu)/(.+)_ms$")
 
 
 class LogError(Exception):
@@ -30,8 +43,9 @@ class LogError(Exception):
 class RunLog:
     """Everything steptimer wrote to one run directory.
 
-    ``scalars`` maps a tag without the ``steptimer/`` prefix (``host/forward_ms``) to its
-    ``(step, value)`` points in step order. ``hists`` maps ``(clock, phase)`` to each window's
+    ``scalars`` maps a tag, with the phase's name in it as loggers get it
+    (``steptimer/host/forward_ms``, ``_tensorboard.py``'s grammar), to its ``(step, value)`` points
+    in step order. ``hists`` maps ``(clock, phase)`` to each window's
     per-step histogram, rebuilt on steptimer's fixed log grid, in step order. When a step was written
     twice (a restarted run writing into the same directory), the later write wins.
     """
@@ -62,11 +76,20 @@ def find_runs(logdir: str) -> list[RunLog]:
                 dirs[root] = events
     if not dirs:
         raise LogError(f"{logdir}: no TensorBoard event files (events.out.tfevents.*) found")
+    phases: dict[str, dict[str, list[str]]] = {}  # run dir -> phase -> its event files
+    for d in sorted(dirs):
+        if all(f.endswith(PHASE_SUFFIX) for f in dirs[d]):
+            owner = _owner(d, dirs)
+            if owner is not None:
+                rel = os.path.relpath(d, os.path.join(owner, PHASE_DIR))
+                phases.setdefault(owner, {})[rel.replace(os.sep, "/")] = dirs.pop(d)
+    for owner in phases:
+        dirs.setdefault(owner, [])
     runs = []
     for d, files in sorted(dirs.items()):
         rel = os.path.relpath(d, logdir) if os.path.isdir(logdir) else d
         name = d if rel == "." else rel
-        run = read_run(files, name=name, path=d)
+        run = read_run(files, name=name, path=d, phases=phases.get(d, {}))
         if run.scalars or run.hists:
             runs.append(run)
     if not runs:
@@ -77,14 +100,33 @@ def find_runs(logdir: str) -> list[RunLog]:
     return runs
 
 
-def read_run(files: list[str], *, name: str, path: str) -> RunLog:
-    """Read the steptimer tags of the event files of one run directory."""
+def _owner(d: str, dirs: dict[str, list[str]]) -> str | None:
+    """The run a phase's run ``d`` (``<run>/steptimer/<phase>``) belongs to: the nearest directory above
+    it that holds event files other than phases' and has ``d`` under its ``steptimer/``; if none
+    holds any (a log dir whose own run was deleted), the one with ``d`` under ``steptimer/``."""
+    up, fallback = os.path.dirname(d), None
+    while up and up != os.path.dirname(up):
+        if d.startswith(os.path.join(up, PHASE_DIR) + os.sep):
+            if any(not f.endswith(PHASE_SUFFIX) for f in dirs.get(up, [])):
+                return up
+            fallback = fallback or up
+        up = os.path.dirname(up)
+    return fallback
+
+
+def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[str]] | None = None) -> RunLog:
+    """Read the steptimer tags of the event files of one run directory and of its phases' runs."""
     from tensorboard.compat.proto import event_pb2
 
     scalars: dict[str, dict[int, tuple[float, float]]] = {}
     hists: dict[tuple[str, str], dict[int, tuple[float, LogHistogram]]] = {}
-    for f in files:
-        for record in _records(f):
+    sources: list[tuple[str | None, str, list[bytes]]] = [(None, f, _records(f)) for f in files]
+    # The phases' runs in the order they were created (their first event's time), which is the order
+    # their phases were first seen: the report's rows follow it, as the summary table's do.
+    theirs = [(phase, f, _records(f)) for phase, fs in (phases or {}).items() for f in fs]
+    sources += sorted(theirs, key=lambda s: _wall_time(s[2][0]) if s[2] else math.inf)
+    for phase, f, records in sources:
+        for record in records:
             try:
                 event = event_pb2.Event.FromString(record)
             except Exception as err:  # protobuf raises its own DecodeError
@@ -92,15 +134,14 @@ def read_run(files: list[str], *, name: str, path: str) -> RunLog:
             if not event.HasField("summary"):
                 continue
             for value in event.summary.value:
-                tag = value.tag
-                if not tag.startswith(PREFIX):
+                if not value.tag.startswith(PREFIX):
                     continue
-                key = tag[len(PREFIX) :]
+                key = _modern(value.tag if phase is None else join_tag(phase, value.tag))
                 kind = value.WhichOneof("value")
                 if kind == "histo":
-                    clock_phase = _hist_key(key)
-                    if clock_phase is not None:
-                        series = hists.setdefault(clock_phase, {})
+                    m = _HIST.match(key)
+                    if m is not None:
+                        series = hists.setdefault((m[1], m[2]), {})
                         _keep_latest(series, event.step, event.wall_time, _histogram(value.histo))
                 elif kind == "simple_value":
                     _keep_latest(scalars.setdefault(key, {}), event.step, event.wall_time, value.simple_value)
@@ -114,6 +155,15 @@ def read_run(files: list[str], *, name: str, path: str) -> RunLog:
         scalars={k: [(s, v) for s, (_, v) in sorted(pts.items())] for k, pts in scalars.items()},
         hists={k: [(s, h) for s, (_, h) in sorted(pts.items())] for k, pts in hists.items()},
     )
+
+
+def _wall_time(record: bytes) -> float:
+    from tensorboard.compat.proto import event_pb2
+
+    try:
+        return float(event_pb2.Event.FromString(record).wall_time)
+    except Exception:  # a corrupt record: reported with its file's name when it is read
+        return math.inf
 
 
 def _records(path: str) -> list[bytes]:
@@ -137,12 +187,13 @@ def _keep_latest(series: dict, step: int, wall_time: float, value: object) -> No
         series[step] = (wall_time, value)
 
 
-def _hist_key(key: str) -> tuple[str, str] | None:
-    """``hist_gpu/forward_ms`` -> ``("gpu", "forward")``."""
-    head, _, rest = key.partition("/")
-    if not head.startswith("hist_") or not rest.endswith("_ms"):
-        return None
-    return head[len("hist_") :], rest[: -len("_ms")]
+def _modern(tag: str) -> str:
+    """A tag of the grammar before per-phase runs in today's grammar (others as they are)."""
+    if tag.startswith("steptimer/"):
+        for old, new in _OLD_TAGS:
+            if old.match(tag):
+                return old.sub(new, tag)
+    return tag
 
 
 def _histogram(histo: object) -> LogHistogram:

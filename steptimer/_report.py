@@ -16,6 +16,7 @@ from typing import Literal
 from steptimer._reader import RunLog
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._summary import DERIVED_FIRST, DERIVED_LAST, is_launch_bound, row_order
+from steptimer._tensorboard import WARMUP_TAG
 
 
 # Verdict thresholds, as fractions of wall time (data wait + step) unless said otherwise.
@@ -88,7 +89,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         run: What steptimer wrote to the run's directory.
         skip_steps: Leave out the windows that end at or before this step.
         include_warmup: Count the warm-up steps too. By default their windows (tagged
-            ``steptimer/run/warmup_steps``) are left out, as the end-of-run summary leaves them out.
+            ``steptimer-run/warmup_steps``) are left out, as the end-of-run summary leaves them out.
     """
     windows, notes = _select_windows(run, skip_steps, include_warmup)
     of_steps = bool(run.hists)
@@ -103,15 +104,15 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
     n_of, wall_ms = _window_sizes(run, hists, scal, windows, skip_steps)
     steps = sum(n_of[s] for s in windows)
-    rate = dict(scal.get("steps_per_s", []))
+    rate = dict(scal.get("steptimer/steps_per_s", []))
     cycle_window_ms = tuple(1e3 / rate[s] for s in windows if rate.get(s))
 
     names: dict[tuple[str, str], None] = {}
     for clock, phase in hists:
         names[(clock, phase)] = None
     for tag in scal:
-        clock, _, rest = tag.partition("/")
-        if clock in ("host", "gpu") and rest.endswith("_ms"):
+        group, clock, rest = (tag.split("/", 2) + ["", ""])[:3]
+        if group == "steptimer" and clock in ("host", "gpu") and rest.endswith("_ms"):
             names[(clock, rest[:-3])] = None
 
     def stats(clock: str, phase: str) -> tuple[SeriesStats | None, float, int, tuple[float, ...]]:
@@ -165,11 +166,11 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         rows=report_rows,
         wall_s=wall_ms / 1e3,
         steps_per_s=steps / (wall_ms / 1e3) if wall_ms > 0 else None,
-        samples_per_s=_rate_total(scal.get("samples_per_s"), windows, n_of, rate, wall_ms),
-        tokens_per_s=_rate_total(scal.get("tokens_per_s"), windows, n_of, rate, wall_ms),
+        samples_per_s=_rate_total(scal.get("steptimer/samples_per_s"), windows, n_of, rate, wall_ms),
+        tokens_per_s=_rate_total(scal.get("steptimer/tokens_per_s"), windows, n_of, rate, wall_ms),
         # MFU is TFLOP/s over a constant peak, so its run total is the same time-weighted mean.
-        tflops_per_s=_rate_total(scal.get("tflops_per_s"), windows, n_of, rate, wall_ms),
-        mfu=_rate_total(scal.get("mfu"), windows, n_of, rate, wall_ms),
+        tflops_per_s=_rate_total(scal.get("steptimer/tflops_per_s"), windows, n_of, rate, wall_ms),
+        mfu=_rate_total(scal.get("steptimer/mfu"), windows, n_of, rate, wall_ms),
         data_share=data_share,
         wait_share=wait_share,
         gpu_idle_share=idle_share,
@@ -182,9 +183,9 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 def _select_windows(run: RunLog, skip_steps: int, include_warmup: bool) -> tuple[list[int], list[str]]:
     """The windows the report covers (after ``skip_steps``, warm-up windows left out unless asked),
     and the notes that say what was left out."""
-    warm = {s: int(v) for s, v in run.scalars.get("run/warmup_steps", [])}
+    warm = {s: int(v) for s, v in run.scalars.get(WARMUP_TAG, [])}
     skip = set() if include_warmup else set(warm)
-    windows = [s for s, _ in run.scalars.get("steps_per_s", []) if s > skip_steps and s not in skip]
+    windows = [s for s, _ in run.scalars.get("steptimer/steps_per_s", []) if s > skip_steps and s not in skip]
     if not windows:
         windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in skip})
     notes: list[str] = []
@@ -195,7 +196,7 @@ def _select_windows(run: RunLog, skip_steps: int, include_warmup: bool) -> tuple
 
 def _caught(scal: dict, n_of: dict[int, int], name: str) -> float | None:  # type: ignore[type-arg]
     """The fraction of steps in which the GPU caught up inside the phase (None: not logged)."""
-    pts = [(s, v) for s, v in scal.get(f"gpu_caught_up/{name}_frac", []) if n_of.get(s)]
+    pts = [(s, v) for s, v in scal.get(f"steptimer-caught-up/gpu/{name}_frac", []) if n_of.get(s)]
     n = sum(n_of[s] for s, _ in pts)
     return sum(v * n_of[s] for s, v in pts) / n if n else None
 
@@ -217,12 +218,12 @@ def _window_sizes(
     """Steps per window (exact from the host step histogram, else from the step numbers) and the
     windows' wall time in ms."""
     n_of: dict[int, int] = {s: h.count for s, h in hists.get(("host", "step"), [])}
-    prev = max([s for s, _ in run.scalars.get("steps_per_s", []) if s <= skip_steps], default=0)
+    prev = max([s for s, _ in run.scalars.get("steptimer/steps_per_s", []) if s <= skip_steps], default=0)
     for s in windows:
         if s not in n_of:
             n_of[s] = max(s - prev, 1)
         prev = s
-    rate = dict(scal.get("steps_per_s", []))
+    rate = dict(scal.get("steptimer/steps_per_s", []))
     wall_ms = 0.0
     for s in windows:
         r = rate.get(s)
@@ -243,11 +244,11 @@ def _series(
             merged.merge(h)
         means = tuple(h.mean_ms for _, h in pts if h.count)
         return SeriesStats.of(merged), merged.sum_ms, merged.count, means
-    mean_pts = scal.get(f"{clock}/{phase}_ms")
+    mean_pts = scal.get(f"steptimer/{clock}/{phase}_ms")
     if not mean_pts:
         return None, 0.0, 0, ()
     means = tuple(v for _, v in mean_pts)
-    maxes = [v for _, v in scal.get(f"{clock}_max/{phase}_ms", [])]
+    maxes = [v for _, v in scal.get(f"steptimer-tails/{clock}/{phase}_max_ms", [])]
     n = sum(n_of.get(s, 0) for s, _ in mean_pts)
     total = sum(v * n_of.get(s, 0) for s, v in mean_pts)
     st = SeriesStats(

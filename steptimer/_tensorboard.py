@@ -2,75 +2,118 @@
 
 Tag grammar (one rule, documented in the README's tag table)::
 
-    steptimer/<clock>/<phase>_ms        window mean, clock in {host, gpu}
-    steptimer/<clock>_p90/<phase>_ms    window p90 of steps
-    steptimer/<clock>_max/<phase>_ms    window max of steps
-    steptimer/hist_<clock>/<phase>_ms   histogram of the window's steps on steptimer's fixed log grid
-    steptimer/steps_per_s, steptimer/samples_per_s, steptimer/tokens_per_s
-    steptimer/tflops_per_s              the window's step(flops=) over its wall time, in TFLOP/s
-    steptimer/mfu                       tflops_per_s over the peak (a fraction, 0-1)
-    steptimer/gpu_caught_up/<phase>_frac  fraction of the window's steps in which the GPU reached the
-                                        phase's start before the host left the phase (launch-bound rule)
-    steptimer/run/warmup_steps          on a window of warm-up steps only: their number
+    <group>/<family>/<name>_<measure>   a value of one phase or derived row <name>
+    <group>/<measure>                   a value of the whole window
 
-``<phase>`` is a phase name (``outer/inner`` when nested) or a derived one: ``step``, ``data``,
-``other``, ``wait`` (host), ``step``, ``other``, ``idle`` (GPU).
+``<group>`` is the chart group of TensorBoard's Scalars and Time Series tabs (the tag up to its
+first ``/``; groups are shown in alphabetical order, so ``steptimer`` comes first):
+
+    steptimer/<clock>/<name>_ms                  window mean, clock in {host, gpu}
+    steptimer/steps_per_s, steptimer/samples_per_s, steptimer/tokens_per_s
+    steptimer/tflops_per_s                       the window's step(flops=) over its wall time, TFLOP/s
+    steptimer/mfu                                tflops_per_s over the peak (a fraction, 0-1)
+    steptimer-tails/<clock>/<name>_p90_ms        window p90 of steps
+    steptimer-tails/<clock>/<name>_max_ms        window max of steps
+    steptimer-caught-up/gpu/<name>_frac          fraction of the window's steps in which the GPU reached
+                                                 the phase's start before the host left the phase
+    steptimer-hist/<clock>/<name>_ms             histogram of the window's steps on the fixed log grid
+    steptimer-ranks/...                          cross-rank spread (steptimer/_dist.py)
+    steptimer-run/warmup_steps                   on a window of warm-up steps only: their number
+
+``<name>`` is a phase name (``outer/inner`` when nested) or a derived row: ``step``, ``data``,
+``other``, ``wait`` (host), ``step``, ``other``, ``idle`` (GPU). ``<family>`` is one word without
+``_`` (``host``, ``gpu``), so ``<group>/<family>_<measure>`` reads back unambiguously.
+
+On disk (TensorBoard colours lines by run, never by tag): every ``<name>`` gets a run of its own,
+``<dir>/steptimer/<name>``, holding its tags without the name (:func:`split_tag`):
+``steptimer/host/forward_ms`` is ``steptimer/host_ms`` in run ``steptimer/forward``, so the chart
+``steptimer/host_ms`` draws one colour per phase and the run list names them, as
+``SummaryWriter.add_scalars`` does. Whole-window tags stay in ``<dir>``'s own run. Loggers that are
+not TensorBoard (Lightning's CSV, W&B, ...) get the tags above as they are.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import socket
 import tempfile
 import time
+from collections.abc import Collection, Iterable
 from typing import Any
 
-from steptimer._summary import Summary
+from steptimer._summary import Summary, row_order
 from steptimer._window import Window
 
-LAYOUT_RUN = "steptimer-layout"
-WARMUP_TAG = "steptimer/run/warmup_steps"
+PHASE_DIR = "steptimer"  # <dir>/steptimer/<name>: the run of one phase or derived row
+PHASE_SUFFIX = ".steptimer"  # event files of a phase's run end with it: the reader tells them apart
+MAIN = "steptimer"  # the first group: window means per phase and throughput
+WARMUP_TAG = "steptimer-run/warmup_steps"
 
+# Custom Scalars charts, by title: a regex over the tags as the runs hold them (a phase's tags without
+# its name). One unit per chart. A written tag that no regex matches gets a chart of its own.
 CHARTS = {
-    "GPU ms per phase": r"^steptimer/gpu/.*_ms$",
-    "Host ms per phase": r"^steptimer/host/.*_ms$",
-    "Throughput": r"^steptimer/(steps|samples|tokens)_per_s$",
+    "Host ms per phase": r"^steptimer/host_ms$",
+    "GPU ms per phase": r"^steptimer/gpu_ms$",
+    "Steps per second": r"^steptimer/steps_per_s$",
+    "Samples per second": r"^steptimer/samples_per_s$",
+    "Tokens per second": r"^steptimer/tokens_per_s$",
     "TFLOP/s": r"^steptimer/tflops_per_s$",
     "MFU (fraction of peak)": r"^steptimer/mfu$",
+    "Host p90 ms per phase": r"^steptimer-tails/host_p90_ms$",
+    "GPU p90 ms per phase": r"^steptimer-tails/gpu_p90_ms$",
+    "Host max ms per phase": r"^steptimer-tails/host_max_ms$",
+    "GPU max ms per phase": r"^steptimer-tails/gpu_max_ms$",
+    "Steps in which the GPU caught up, per phase": r"^steptimer-caught-up/gpu_frac$",
 }
+_UNCHARTED = ("steptimer-run",)  # groups left out of the Custom Scalars layout
 # A write() system call cost ~80 µs per window on the device's virtual disk (docs/benchmarks.md):
 # events are buffered and reach the file at most this long after they were written, and at close.
 FLUSH_S = 1.0
 
 
-def layout(window: Window) -> dict[str, dict[str, list[Any]]]:
-    """The Custom Scalars layout for what ``window`` writes (every chart's regex matches a tag), with
-    the cross-rank charts under torch.distributed."""
-    charts = dict(CHARTS)
-    if not window.gpu:
-        del charts["GPU ms per phase"]
-    if window.tflops_per_s is None:
-        del charts["TFLOP/s"]
-    if window.mfu is None:
-        del charts["MFU (fraction of peak)"]
-    if any(tag.startswith("steptimer/ranks") for tag in window.extra):
-        from steptimer._dist import CHARTS as RANK_CHARTS
+def split_tag(tag: str, names: Collection[str]) -> tuple[str | None, str]:
+    """``(name, tag in the name's run)`` for a per-phase tag, ``(None, tag)`` for any other.
 
-        charts.update(RANK_CHARTS)
-    return {"steptimer": {title: ["Multiline", [regex]] for title, regex in charts.items()}}
+    ``steptimer/host/forward_ms`` -> ``("forward", "steptimer/host_ms")`` when ``forward`` is in
+    ``names`` (the window's phases and derived rows); the longest name wins (``zero_grad`` over
+    ``zero``).
+
+    >>> split_tag("steptimer-tails/gpu/fwd/attn_p90_ms", {"fwd", "fwd/attn"})
+    ('fwd/attn', 'steptimer-tails/gpu_p90_ms')
+    >>> split_tag("steptimer/steps_per_s", {"fwd"})
+    (None, 'steptimer/steps_per_s')
+    """
+    parts = tag.split("/", 2)
+    if len(parts) < 3 or "_" in parts[1]:
+        return None, tag
+    group, family, rest = parts
+    cut = rest.rfind("_")
+    while cut > 0:
+        if rest[:cut] in names:
+            return rest[:cut], f"{group}/{family}_{rest[cut + 1 :]}"
+        cut = rest.rfind("_", 0, cut)
+    return None, tag
+
+
+def join_tag(name: str, run_tag: str) -> str:
+    """The inverse of :func:`split_tag`: ``("forward", "steptimer/host_ms")`` -> ``steptimer/host/forward_ms``."""
+    group, _, rest = run_tag.partition("/")
+    family, _, measure = rest.partition("_")
+    return f"{group}/{family}/{name}_{measure}"
 
 
 def window_scalars(window: Window) -> dict[str, float]:
-    """Every scalar a window writes, by tag."""
+    """Every scalar a window writes, by tag (the grammar above, a phase's name in the tag)."""
     out: dict[str, float] = {}
     for clock, series in (("host", window.host), ("gpu", window.gpu)):
         for name, st in series.items():
             out[f"steptimer/{clock}/{name}_ms"] = st.mean_ms
-            out[f"steptimer/{clock}_p90/{name}_ms"] = st.p90_ms
-            out[f"steptimer/{clock}_max/{name}_ms"] = st.max_ms
+            out[f"steptimer-tails/{clock}/{name}_p90_ms"] = st.p90_ms
+            out[f"steptimer-tails/{clock}/{name}_max_ms"] = st.max_ms
     for name, frac in window.caught.items():
-        out[f"steptimer/gpu_caught_up/{name}_frac"] = frac
+        out[f"steptimer-caught-up/gpu/{name}_frac"] = frac
     out["steptimer/steps_per_s"] = window.steps_per_s
     if window.samples_per_s is not None:
         out["steptimer/samples_per_s"] = window.samples_per_s
@@ -86,61 +129,67 @@ def window_scalars(window: Window) -> dict[str, float]:
     return out
 
 
-def window_summary(window: Window, *, scalars: bool = True) -> Any:
-    """A window as one TensorBoard ``Summary`` proto: its scalars and its per-step histograms."""
+def run_names(window: Window) -> list[str]:
+    """The window's phases and derived rows in the order their runs are created, which is the order
+    TensorBoard hands out colours (runs sorted by their first event's time; 7 colours, then they
+    repeat): ``step`` first, then the summary table's rows. The log dir's own run is older and takes
+    the first colour, which no per-phase chart uses; with more than 7 rows the 8th shares ``step``'s,
+    and ``step`` is the top line."""
+    names = dict.fromkeys([*window.host, *window.gpu])
+    rows = row_order(list(names), names)
+    return [n for n in ("step",) if n in names] + [n for n in rows if n != "step"]
+
+
+def window_summaries(window: Window, *, scalars: bool = True, histograms: bool = True) -> dict[str | None, Any]:
+    """A window as TensorBoard ``Summary`` protos, by run: ``None`` for the log dir's own run, else the
+    phase or derived row whose run holds them (:func:`split_tag`)."""
     from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
 
-    summary = SummaryProto()
-    add = summary.value.add
+    names = run_names(window)
+    out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in names}}
     if scalars:
         for tag, v in window_scalars(window).items():
-            add(tag=tag, simple_value=v)
+            name, run_tag = split_tag(tag, out)
+            out[name].value.add(tag=run_tag, simple_value=v)
+    if histograms:
+        for clock, name, limits, counts, stats in _histograms(window):
+            hp = out.setdefault(name, SummaryProto()).value.add(tag=f"steptimer-hist/{clock}_ms").histo
+            hp.min, hp.max, hp.num, hp.sum, hp.sum_squares = stats
+            hp.bucket_limit.extend(limits)
+            hp.bucket.extend(counts)
+    return {k: v for k, v in out.items() if v.value}
+
+
+def _histograms(window: Window) -> Iterable[tuple[str, str, Any, Any, tuple[float, ...]]]:
     p = window.packed
     if p is not None:  # straight from the window's arrays: no LogHistogram per series
         for (clock, name), k, limits, counts in p.buckets():
-            hp = add(tag=f"steptimer/hist_{clock}/{name}_ms").histo
-            hp.min, hp.max, hp.num, hp.sum = p.min_ms[k], p.max_ms[k], p.count[k], p.sum_ms[k]
-            hp.sum_squares = p.sumsq_ms[k]
-            hp.bucket_limit.extend(limits)
-            hp.bucket.extend(counts)
-        return summary
+            yield clock, name, limits, counts, (p.min_ms[k], p.max_ms[k], p.count[k], p.sum_ms[k], p.sumsq_ms[k])
+        return
     for (clock, name), h in window.hists.items():  # a window built elsewhere (tests, tools)
         limits, counts = h.buckets()
-        hp = add(tag=f"steptimer/hist_{clock}/{name}_ms").histo
-        hp.min, hp.max, hp.num, hp.sum, hp.sum_squares = h.min_ms, h.max_ms, h.count, h.sum_ms, h.sumsq_ms
-        hp.bucket_limit.extend(limits)
-        hp.bucket.extend(counts)
-    return summary
+        yield clock, name, limits, counts, (h.min_ms, h.max_ms, h.count, h.sum_ms, h.sumsq_ms)
 
 
-def write_to_writer(writer: Any, window: Window, *, scalars: bool = True) -> None:
-    """Write a window to a user's ``SummaryWriter`` (torch's or tensorboardX's): one event holding every
-    value when the writer has torch's file writer (one ``add_scalar`` per tag cost ~20 µs a tag), else
-    tag by tag."""
-    from torch.utils.tensorboard import SummaryWriter
+def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
+    """The Custom Scalars layout for the scalar tags the runs hold: a category per group (``steptimer``
+    first), in it the :data:`CHARTS` that match a tag, and a chart of its own for any other
+    ``steptimer`` tag."""
+    from steptimer._dist import CHARTS as RANK_CHARTS
 
-    if isinstance(writer, SummaryWriter):
-        writer._get_file_writer().add_summary(window_summary(window, scalars=scalars), window.step)
-        return
-    if scalars:  # pragma: no cover - tensorboardX and other writers
-        for tag, value in window_scalars(window).items():
-            writer.add_scalar(tag, value, window.step)
-    for (clock, name), h in window.hists.items():  # pragma: no cover
-        limits, counts = h.buckets()
-        writer.add_histogram_raw(
-            f"steptimer/hist_{clock}/{name}_ms", min=h.min_ms, max=h.max_ms, num=h.count, sum=h.sum_ms,
-            sum_squares=h.sumsq_ms, bucket_limits=limits, bucket_counts=counts, global_step=window.step,
-        )  # fmt: skip
-
-
-def write_layout_beside(writer: Any, window: Window) -> None:
-    """Write the Custom Scalars layout to a sibling run of ``writer``'s (``<dir>/steptimer-layout``):
-    TensorBoard merges the layouts of all runs, so a layout the user wrote to their writer stays."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    side = SummaryWriter(log_dir=os.path.join(writer.get_logdir(), LAYOUT_RUN))
-    side.add_custom_scalars(layout(window))
-    side.close()
+    charts = {**CHARTS, **RANK_CHARTS}
+    cats: dict[str, dict[str, list[Any]]] = {}
+    for tag in sorted(set(run_tags)):
+        group = tag.partition("/")[0]
+        if not group.startswith(MAIN) or group in _UNCHARTED:
+            continue
+        title, rx = next(((t, r) for t, r in charts.items() if re.search(r, tag)), (tag, f"^{re.escape(tag)}$"))
+        cats.setdefault(group, {})[title] = ["Multiline", [rx]]
+    order = {t: i for i, t in enumerate(charts)}
+    return {
+        g: dict(sorted(cats[g].items(), key=lambda kv: order.get(kv[0], len(order))))
+        for g in sorted(cats, key=lambda g: (g != MAIN, g))
+    }
 
 
 def check_writable(path: str) -> None:
@@ -166,7 +215,7 @@ class EventFile:
     exit handler call.
     """
 
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, *, suffix: str = "", buffer_bytes: int = 1 << 20) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
 
         from steptimer._records import RecordWriter
@@ -175,9 +224,10 @@ class EventFile:
         # The name TensorBoard's writers use (time, host, pid, a counter), so readers sort it the same.
         # time.time() here and below is the events' wall-clock stamp (epoch seconds, as TensorBoard
         # shows it), never a duration: every duration steptimer reports comes from perf_counter.
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}{suffix}"
+        os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, name)
-        self._file = open(self.path, "ab", buffering=1 << 20)  # noqa: SIM115 - closed in close()
+        self._file = open(self.path, "ab", buffering=buffer_bytes)  # noqa: SIM115 - closed in close()
         self._records = RecordWriter(self._file)
         self._records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
         self.flush()
@@ -200,15 +250,22 @@ class EventFile:
 _FILE_IDS = itertools.count()
 
 
-class TensorBoardSink:
-    """Writes windows to TensorBoard: to its own event file in ``log_dir``, or to a user's writer.
 
-    With ``log_dir`` it writes an :class:`EventFile`, with the Custom Scalars layout in the same run.
-    With a user's ``writer`` (a ``SummaryWriter``) it never closes it, and writes the layout to a
-    sibling run (:func:`write_layout_beside`).
+
+class TensorBoardSink:
+    """Writes windows to TensorBoard: the log dir's own run, one run per phase and derived row beside
+    it (``<dir>/steptimer/<name>``, steptimer's own :class:`EventFile` each), and the Custom Scalars
+    layout.
+
+    The log dir's own run is an :class:`EventFile` in ``log_dir``, or a user's ``writer`` (a
+    ``SummaryWriter``, never closed here; its layout, if any, stays: TensorBoard merges the layouts
+    of all runs, and ours goes to the ``step`` run). Cost per window: one event per run, each a
+    buffered append (~10 runs for a loop of 5 phases; docs/benchmarks.md has the measured total).
     """
 
-    def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None) -> None:
+    def __init__(
+        self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None, histograms: bool = True
+    ) -> None:
         # Imported here, not at the first window: an import there (ms, more from a cold disk) would
         # land in a training step's time.
         from tensorboard.compat.proto.summary_pb2 import Summary as _  # noqa: F401
@@ -216,26 +273,55 @@ class TensorBoardSink:
 
         self._custom_scalars = custom_scalars
         self.writer = writer
+        self._histograms = histograms
         self._file: EventFile | None = None
         if writer is None:
-            path = os.fspath(log_dir) if log_dir is not None else "runs"
-            check_writable(path)
-            self._file = EventFile(path)
+            self.dir = os.fspath(log_dir) if log_dir is not None else "runs"
+            check_writable(self.dir)
+            self._file = EventFile(self.dir)
+        else:
+            self.dir = writer.get_logdir()
+        self._runs: dict[str, EventFile] = {}
         self._layout_written = False
 
     def write_window(self, window: Window) -> None:
-        if self._file is not None:
-            self._file.write(window_summary(window), window.step)
-        else:
-            write_to_writer(self.writer, window)
+        summaries = window_summaries(window, histograms=self._histograms)
+        main = summaries.pop(None, None)
+        if main is not None:
+            self._write_main(main, window.step)
+        for name, summary in summaries.items():
+            self._run(name).write(summary, window.step)
         if not self._layout_written:
             self._layout_written = True
-            if self._file is not None:
-                self._file.write(self._custom_scalars(layout(window)), 0)
-            else:
-                write_layout_beside(self.writer, window)
+            runs = [s for s in (main, *summaries.values()) if s is not None]
+            tags = [v.tag for s in runs for v in s.value if not v.HasField("histo")]
+            event = self._custom_scalars(layout(tags))
+            target = self._file if self._file is not None else next(iter(self._runs.values()), None)
+            if target is not None:
+                target.write(event, 0)
 
-    def close(self, summary: Summary) -> None:
+    def _run(self, name: str) -> EventFile:
+        f = self._runs.get(name)
+        if f is None:  # a 64 KiB buffer: a phase's event is a few hundred bytes to a few KiB
+            path = os.path.join(self.dir, PHASE_DIR, *name.split("/"))
+            f = self._runs[name] = EventFile(path, suffix=PHASE_SUFFIX, buffer_bytes=1 << 16)
+        return f
+
+    def _write_main(self, summary: Any, step: int) -> None:
+        if self._file is not None:
+            self._file.write(summary, step)
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        if isinstance(self.writer, SummaryWriter):  # one event (an add_scalar costs ~20 µs a tag)
+            self.writer._get_file_writer().add_summary(summary, step)
+        else:  # pragma: no cover - tensorboardX and other writers
+            for v in summary.value:
+                self.writer.add_scalar(v.tag, v.simple_value, step)
+
+    def close(self, summary: Summary | None = None) -> None:
+        for f in self._runs.values():
+            f.close()
         if self._file is not None:
             self._file.close()
         else:

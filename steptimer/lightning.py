@@ -48,11 +48,12 @@ from typing_extensions import override
 from steptimer._peaks import dtype_of_precision
 from steptimer._profile import check_profile_steps
 from steptimer._summary import Summary
-from steptimer._tensorboard import window_scalars, write_layout_beside, write_to_writer
+from steptimer._tensorboard import TensorBoardSink, window_scalars
 from steptimer._window import Window
 from steptimer.timer import StepTimer, check_options, check_phase_name
 
 log = logging.getLogger("steptimer")
+SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
 
 _MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
 
@@ -82,56 +83,41 @@ _TB_LOGGERS: tuple[type, ...] = tuple(m.loggers.TensorBoardLogger for m in _FLAV
 __all__ = ["StepTimerCallback"]
 
 
-class _TensorBoardExtras:
-    """What only TensorBoard shows, for a TensorBoard logger: histograms and the Custom Scalars layout.
-
-    Scalars already went through ``log_metrics``. Histograms go to the logger's own writer; the
-    layout goes to a sibling run (``<log_dir>/steptimer-layout``), as for a user's writer in the
-    plain loop: TensorBoard merges the layouts of all runs, so the user's own layout stays as it is.
-    """
-
-    def __init__(self, writer: Any, histograms: bool) -> None:
-        self._writer = writer
-        self._histograms = histograms
-        self._layout_written = False
-
-    def write_window(self, window: Window) -> None:
-        if self._histograms:
-            write_to_writer(self._writer, window, scalars=False)
-        if not self._layout_written:
-            self._layout_written = True
-            write_layout_beside(self._writer, window)
-
-    def close(self) -> None:
-        self._writer.flush()
-
-
 class _LoggerSink:
-    """Sends each window to every ``trainer.loggers`` logger (rank 0 only: only built there)."""
+    """Sends each window to every ``trainer.loggers`` logger (rank 0 only: only built there).
+
+    A TensorBoard logger gets what a plain loop's ``log_dir`` gets (:class:`TensorBoardSink` on the
+    logger's writer): the whole-window tags in the logger's run, one run per phase beside it, so the
+    per-phase charts draw a colour per phase, and the Custom Scalars layout. Every other logger gets
+    the flat tags through ``log_metrics`` (a phase's name in the tag), as it has no runs to colour.
+    """
 
     def __init__(self, loggers: Sequence[Any], *, histograms: bool, skipped: Callable[[], int]) -> None:
         self._loggers = list(loggers)
         self._skipped = skipped
-        tb_loggers: list[Any] = [lg for lg in self._loggers if isinstance(lg, _TB_LOGGERS)]
-        self._tb = [_TensorBoardExtras(lg.experiment, histograms) for lg in tb_loggers]
+        self._flat = [lg for lg in self._loggers if not isinstance(lg, _TB_LOGGERS)]
+        self._tb = [(lg, TensorBoardSink(writer=lg.experiment, histograms=histograms))
+                    for lg in self._loggers if isinstance(lg, _TB_LOGGERS)]  # fmt: skip
 
     def write_window(self, window: Window) -> None:
-        metrics = window_scalars(window)
-        skipped = self._skipped()
-        if skipped:
-            metrics["steptimer/skipped_steps"] = float(skipped)
-        for lg in self._loggers:
-            lg.log_metrics(metrics, step=window.step)
-        for extras in self._tb:
-            extras.write_window(window)
+        n = self._skipped()
+        skipped = {SKIPPED_TAG: float(n)} if n else {}
+        if self._flat:
+            metrics = {**window_scalars(window), **skipped}
+            for lg in self._flat:
+                lg.log_metrics(metrics, step=window.step)
+        for lg, sink in self._tb:
+            sink.write_window(window)
+            if skipped:
+                lg.log_metrics(skipped, step=window.step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for lg in self._loggers:
             lg.log_metrics(metrics, step=step)
 
     def close(self, summary: Summary) -> None:
-        for extras in self._tb:
-            extras.close()
+        for _, sink in self._tb:
+            sink.close()
         for lg in self._loggers:
             lg.save()
 
@@ -215,9 +201,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     least one ``opt.step()`` (two optimizers, one step). The step counter is the callback's own (saved
     in checkpoints), not ``global_step``.
 
-    Windows go to every ``trainer.loggers`` logger through ``log_metrics`` on rank 0, under the
-    ``steptimer/...`` tags of the plain loop; a TensorBoard logger also gets histograms and the Custom
-    Scalars layout. The summary table is printed at the end of training (``callback.summary``).
+    Windows go to every ``trainer.loggers`` logger on rank 0: a TensorBoard logger gets what the plain
+    loop's ``log_dir`` gets (a run per phase beside the logger's, histograms, the Custom Scalars
+    layout); any other logger gets the same values as flat ``steptimer...`` tags through
+    ``log_metrics``. The summary table is printed at the end of training (``callback.summary``).
 
     Args:
         log_every_n_steps: Log window statistics every this many steps; None uses the Trainer's, or

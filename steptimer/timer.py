@@ -168,8 +168,11 @@ class StepTimer:
     """Times each training step's phases on the GPU (CUDA events) and the host (``perf_counter``).
 
     Args:
-        log_dir: Directory for TensorBoard event files (created if missing; must be writable).
-        writer: An existing ``SummaryWriter`` to write to instead; steptimer never closes it.
+        log_dir: Directory for TensorBoard event files (created if missing; must be writable); each
+            phase's values go to a run of its own in ``<log_dir>/steptimer/<phase>`` (a colour per
+            phase in TensorBoard's charts).
+        writer: An existing ``SummaryWriter`` to write to instead (the phases' runs go beside its
+            directory); steptimer never closes it.
         log_every_n_steps: Write window statistics every this many steps. None (the default) is 50,
             or with ``sample_every`` > 1, ``10 * sample_every``: a window then holds about ten timed
             steps, and its cost (statistics and TensorBoard write, see docs/benchmarks.md) is spread

@@ -122,6 +122,70 @@ def test_report_numbers_are_the_logged_ones(tmp_path: Path) -> None:
     assert "verdict: input-bound" in text and "of steps" in text
 
 
+def _old_layout(window: Any) -> Any:
+    """A window as the event steptimer wrote before per-phase runs: every tag in one run, one group
+    (``steptimer/host_p90/<phase>_ms``, ``steptimer/hist_gpu/<phase>_ms``, ``steptimer/run/...``)."""
+    import re
+
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from steptimer._tensorboard import window_scalars, window_summaries
+
+    old = Summary()
+    renames = [(r"^steptimer-tails/(host|gpu)/(.+)_(p90|max)_ms$", r"steptimer/\1_\3/\2_ms"),
+               (r"^steptimer-caught-up/gpu/(.+)_frac$", r"steptimer/gpu_caught_up/\1_frac"),
+               (r"^steptimer-run/warmup_steps$", "steptimer/run/warmup_steps")]  # fmt: skip
+    for tag, v in window_scalars(window).items():
+        for rx, to in renames:
+            tag = re.sub(rx, to, tag)
+        old.value.add(tag=tag, simple_value=v)
+    for name, summary in window_summaries(window, scalars=False).items():
+        for value in summary.value:  # steptimer-hist/<clock>_ms in the phase's run
+            clock = value.tag.split("/")[1][: -len("_ms")]
+            old.value.add(tag=f"steptimer/hist_{clock}/{name}_ms").histo.CopyFrom(value.histo)
+    return old
+
+
+def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock) -> None:
+    """Logs written before per-phase runs (one run, every tag flat) still read: the report of the
+    same windows in both layouts is the same, verdicts, tails and launch-bound marks included."""
+    from steptimer._tensorboard import EventFile, TensorBoardSink
+    from tests.fakes import ListSink
+
+    gpu = FakeGPU(clock)
+    keep = ListSink()
+    t = StepTimer(log_every_n_steps=5, warmup_steps=3, lag=1, print_summary=False, _backend=gpu.backend(),
+                  _sinks=[keep])  # fmt: skip
+    for i in range(23):
+        clock.advance_ms(1.0)
+        with t.step(samples=4, tokens=64):
+            for name, (host_ms, gpu_ms) in {"forward": (1.0 + i % 3, 4.0), "zero_grad": (0.5, 0.4),
+                                            "backward": (2.0, 2.5 + i % 2)}.items():  # fmt: skip
+                with t.phase(name):
+                    gpu.launch(gpu_ms)
+                    clock.advance_ms(host_ms)
+    t.close()
+    new = TensorBoardSink(log_dir=tmp_path / "new")
+    old = EventFile(str(tmp_path / "old"))
+    for w in keep.windows:
+        new.write_window(w)
+        old.write(_old_layout(w), w.step)
+    new.close()
+    old.close()
+    assert sorted(p.name for p in (tmp_path / "new" / "steptimer").iterdir())[:3] == ["backward", "data", "forward"]
+    assert not (tmp_path / "old" / "steptimer").exists()
+
+    runs = {r["name"]: r for r in report_json(tmp_path)["runs"]}
+    assert set(runs) == {"new", "old"}
+    a, b = runs["new"], runs["old"]
+    assert a["steps"] == 20 and a["quantiles_of"] == "steps" and a["cuda"] is True
+    assert [r["name"] for r in a["rows"]] == ["data", "forward", "zero_grad", "backward", "other", "wait", "step", "idle"]
+    for key in set(a) - {"name", "path"}:
+        assert a[key] == b[key], key
+    texts = [cli("report", str(tmp_path / d)).stdout for d in ("new", "old")]
+    assert texts[0].replace("new", "old") == texts[1]
+
+
 def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
     """Logs without histograms (a logger that only takes scalars) still report, and say so."""
     from torch.utils.tensorboard import SummaryWriter

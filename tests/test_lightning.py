@@ -230,7 +230,7 @@ def make_capture(L: Any) -> Any:
         def by_step(self) -> dict[int, dict[str, float]]:
             out: dict[int, dict[str, float]] = {}
             for step, metrics in self.rows:
-                st = {k: v for k, v in metrics.items() if k.startswith("steptimer/")}
+                st = {k: v for k, v in metrics.items() if k.startswith("steptimer")}
                 if st and step is not None:
                     out.setdefault(step, {}).update(st)
             return out
@@ -342,11 +342,14 @@ def test_sleep_matrix_counts_and_no_sync(
 # --------------------------------------------------------------------------- output
 
 
-def test_csv_and_tensorboard_loggers_get_the_same_keys(tmp_path: Path) -> None:
+def test_csv_and_tensorboard_loggers_get_the_same_values(tmp_path: Path) -> None:
+    """A CSV logger gets the flat tags; a TensorBoard logger the same values, with a run per phase
+    beside the logger's own (a colour per phase), the histograms there, and the layout."""
+    import re
+
     import pytorch_lightning as pl
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.custom_scalar import layout_pb2
-    from tensorboard.util import tensor_util
+
+    from tests.tb import accumulator, layout_regexes, phase_runs, run_scalars, scalars
 
     gpu = WallGPU()
     cb = StepTimerCallback(log_every_n_steps=2, warmup_steps=0, print_summary=False, _backend=gpu.backend())
@@ -361,37 +364,32 @@ def test_csv_and_tensorboard_loggers_get_the_same_keys(tmp_path: Path) -> None:
     keys = set(sent[4])
     for name in ("data", *PHASES, "other", "wait", "step"):
         assert f"steptimer/host/{name}_ms" in keys
-        assert f"steptimer/host_p90/{name}_ms" in keys
+        assert f"steptimer-tails/host/{name}_p90_ms" in keys
     assert {"steptimer/gpu/forward_ms", "steptimer/gpu/idle_ms", "steptimer/steps_per_s"} <= keys
 
     with open(Path(csv_logger.log_dir) / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    csv_keys = {k for row in rows for k, v in row.items() if k.startswith("steptimer/") and v != ""}
+    csv_keys = {k for row in rows for k, v in row.items() if k.startswith("steptimer") and v != ""}
     assert csv_keys == keys
     row4 = next(r for r in rows if r["step"] == "4" and r["steptimer/host/forward_ms"])
     assert float(row4["steptimer/host/forward_ms"]) == pytest.approx(sent[4]["steptimer/host/forward_ms"])
 
-    acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
-    acc.Reload()
-    tb_keys = {t for t in acc.Tags()["scalars"] if t.startswith("steptimer/")}
-    assert tb_keys == keys
-    fwd = acc.Scalars("steptimer/host/forward_ms")
-    assert [e.step for e in fwd] == [2, 4]
-    assert fwd[-1].value == pytest.approx(sent[4]["steptimer/host/forward_ms"], rel=1e-6)
-    hists = acc.Tags()["histograms"]
-    assert "steptimer/hist_host/forward_ms" in hists and "steptimer/hist_gpu/backward_ms" in hists
-    assert sum(acc.Histograms("steptimer/hist_host/forward_ms")[-1].histogram_value.bucket) == 2
+    tb_values = scalars(tb.log_dir)
+    assert {t for t in tb_values if t.startswith("steptimer")} == keys
+    assert [s for s, _ in tb_values["steptimer/host/forward_ms"]] == [2, 4]
+    assert tb_values["steptimer/host/forward_ms"][-1][1] == pytest.approx(sent[4]["steptimer/host/forward_ms"], rel=1e-6)
+    runs = phase_runs(tb.log_dir)
+    assert set(runs) == {"data", *PHASES, "other", "wait", "step", "idle"}
+    assert not [t for t in run_scalars(tb.log_dir) if "forward" in t]  # the logger's run: whole-window tags
+    fwd = accumulator(runs["forward"])
+    assert sum(fwd.Histograms("steptimer-hist/host_ms")[-1].histogram_value.bucket) == 2
+    assert "steptimer-hist/gpu_ms" in accumulator(runs["backward"]).Tags()["histograms"]
 
-    side = EventAccumulator(os.path.join(tb.log_dir, "steptimer-layout"), size_guidance={"tensors": 0})
-    side.Reload()
-    (event,) = side.Tensors("custom_scalars__config__")
-    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
-    regexes = [tag for cat in layout.category for chart in cat.chart for tag in chart.multiline.tag]
-    assert len(regexes) == 3
-    import re
-
+    regexes = layout_regexes(runs["step"])
+    run_tags = {t for d in [tb.log_dir, *runs.values()] for t in run_scalars(d)}
+    assert r"^steptimer/host_ms$" in regexes
     for regex in regexes:
-        assert any(re.match(regex, k) for k in keys), regex
+        assert any(re.match(regex, k) for k in run_tags), regex
 
 
 def test_resume_continues_the_step_counter(tmp_path: Path) -> None:

@@ -5,23 +5,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 import steptimer._engine as engine_mod
 from steptimer import StepTimer
+from steptimer._dist import scalars_of
 from steptimer._histogram import bucket_index, grid_index
-from steptimer._tensorboard import LAYOUT_RUN, EventFile, TensorBoardSink, window_summary
+from steptimer._summary import RankSpread
+from steptimer._tensorboard import EventFile, TensorBoardSink, join_tag, split_tag, window_summaries
 from steptimer._window import Window
 from tests.fakes import FakeClock, FakeGPU, ListSink
-from tests.tb import accumulator, layout_regexes, scalars
+from tests.tb import accumulator, layout_regexes, phase_runs, run_scalars, scalars
 
 
 @pytest.fixture
@@ -52,7 +56,7 @@ def test_scalars_exact_steps_and_values(tmp_path: Path, clock: FakeClock) -> Non
     v = scalars(tmp_path)
     assert [s for s, _ in v["steptimer/host/forward_ms"]] == [4, 8, 10]
     assert [x for _, x in v["steptimer/host/forward_ms"]] == pytest.approx([1.5, 1.5, 1.5])
-    assert [x for _, x in v["steptimer/host_max/forward_ms"]] == pytest.approx([2.0, 2.0, 2.0])
+    assert [x for _, x in v["steptimer-tails/host/forward_max_ms"]] == pytest.approx([2.0, 2.0, 2.0])
     assert [x for _, x in v["steptimer/host/backward_ms"]] == pytest.approx([3.0] * 3)
     assert [x for _, x in v["steptimer/host/step_ms"]] == pytest.approx([4.5] * 3)
     assert v["steptimer/host/data_ms"][1][1] == pytest.approx(2.0)
@@ -72,16 +76,17 @@ def test_gpu_tags_from_simulated_gpu(tmp_path: Path, clock: FakeClock) -> None:
     v = scalars(tmp_path)
     assert [x for _, x in v["steptimer/gpu/forward_ms"]] == pytest.approx([5.0, 5.0])
     assert [x for _, x in v["steptimer/gpu/backward_ms"]] == pytest.approx([9.0, 9.0])
-    for tag in ("gpu/step_ms", "gpu/idle_ms", "gpu/other_ms", "host/wait_ms", "gpu_p90/forward_ms"):
-        assert f"steptimer/{tag}" in v
+    for tag in ("steptimer/gpu/step_ms", "steptimer/gpu/idle_ms", "steptimer/gpu/other_ms",
+                "steptimer/host/wait_ms", "steptimer-tails/gpu/forward_p90_ms", "steptimer-caught-up/gpu/forward_frac"):
+        assert tag in v
 
 
 def test_histograms_recover_per_step_values(tmp_path: Path, clock: FakeClock) -> None:
     t = StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=4, warmup_steps=0, print_summary=False)
     run(t, clock, None, 8)
     t.close()
-    acc = accumulator(tmp_path)
-    hists = acc.Histograms("steptimer/hist_host/forward_ms")
+    acc = accumulator(tmp_path / "steptimer" / "forward")  # the phase's run
+    hists = acc.Histograms("steptimer-hist/host_ms")
     assert [h.step for h in hists] == [4, 8]
     counts: dict[int, int] = {}
     for h in hists:
@@ -91,20 +96,33 @@ def test_histograms_recover_per_step_values(tmp_path: Path, clock: FakeClock) ->
     assert counts == {bucket_index(1.0): 4, bucket_index(2.0): 4}
 
 
-def test_layout_regexes_each_match_a_written_tag(tmp_path: Path, clock: FakeClock) -> None:
+def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, clock: FakeClock) -> None:
     gpu = FakeGPU(clock)
     t = StepTimer(log_dir=tmp_path, _backend=gpu.backend(), log_every_n_steps=2, warmup_steps=0,
                   print_summary=False)
     run(t, clock, gpu, 4)
     t.close()
-    tags = set(scalars(tmp_path))
+    runs = phase_runs(tmp_path)
+    assert set(runs) == {"step", "data", "forward", "backward", "other", "wait", "idle"}
+    assert run_scalars(runs["forward"])["steptimer/gpu_ms"] == [(2, pytest.approx(5.0)), (4, pytest.approx(5.0))]
+    assert not [tag for tag in run_scalars(tmp_path) if "forward" in tag]  # only whole-window tags there
+    tags = {tag for d in [tmp_path, *runs.values()] for tag in run_scalars(d)}
     regexes = layout_regexes(tmp_path)
-    assert len(regexes) == 3
     for rx in regexes:
         assert any(re.search(rx, tag) for tag in tags), rx
-    gpu_rx = next(r for r in regexes if "gpu" in r)
-    matched = {tag for tag in tags if re.search(gpu_rx, tag)}
-    assert {"steptimer/gpu/forward_ms", "steptimer/gpu/backward_ms", "steptimer/gpu/step_ms"} <= matched
+    assert r"^steptimer/gpu_ms$" in regexes and r"^steptimer/samples_per_s$" in regexes
+
+
+def test_split_tag_is_undone_by_join_tag() -> None:
+    names = {"step", "zero", "zero_grad", "fwd", "fwd/attn"}
+    for tag in ("steptimer/host/zero_grad_ms", "steptimer/mem/fwd_peak_mib", "steptimer-tails/gpu/fwd/attn_p90_ms",
+                "steptimer-ranks/host/step_argmax", "steptimer/mem/step_peak_mib"):
+        name, run_tag = split_tag(tag, names)
+        assert name is not None and "/" not in run_tag.split("/", 1)[1]
+        assert join_tag(name, run_tag) == tag
+    assert split_tag("steptimer/host/zero_grad_ms", names) == ("zero_grad", "steptimer/host_ms")
+    for tag in ("steptimer/mem/reserved_mib", "steptimer/steps_per_s", "steptimer-ranks/straggler_max_ms", "x/big"):
+        assert split_tag(tag, names) == (None, tag)
 
 
 def test_tflops_and_mfu_tags_and_their_own_charts(tmp_path: Path, clock: FakeClock) -> None:
@@ -124,7 +142,7 @@ def test_tflops_and_mfu_tags_and_their_own_charts(tmp_path: Path, clock: FakeClo
     regexes = layout_regexes(tmp_path)
     charts = {rx: {tag for tag in v if re.search(rx, tag)} for rx in regexes}
     assert {"steptimer/tflops_per_s"} in charts.values() and {"steptimer/mfu"} in charts.values()
-    assert {"steptimer/steps_per_s", "steptimer/samples_per_s"} in charts.values()
+    assert {"steptimer/steps_per_s"} in charts.values() and {"steptimer/samples_per_s"} in charts.values()
 
 
 def test_given_writer_is_not_closed_and_user_layout_kept(tmp_path: Path, clock: FakeClock) -> None:
@@ -143,64 +161,133 @@ def test_given_writer_is_not_closed_and_user_layout_kept(tmp_path: Path, clock: 
     layout.ParseFromString(event.tensor_proto.string_val[0])
     assert [c.title for c in layout.category] == ["mine"]  # the user's layout, untouched
     assert "loss" in scalars(tmp_path / "exp")
-    assert layout_regexes(tmp_path / "exp" / LAYOUT_RUN)  # ours sits in a sibling run
+    assert layout_regexes(tmp_path / "exp" / "steptimer" / "step")  # ours sits in the step run
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class _Server:
+    """A real ``tensorboard`` on 127.0.0.1 (the port it picked itself), stopped on exit."""
 
+    def __init__(self, logdir: Path) -> None:
+        self.log = logdir.parent / "tensorboard.log"
+        self._out = open(self.log, "w")  # noqa: SIM115 - closed in __exit__
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
+             "--port", "0", "--reload_interval", "1"],
+            stdout=self._out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.base = ""
 
-def _get(url: str) -> object:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
+    def __enter__(self) -> _Server:
+        deadline = time.monotonic() + 60
+        while not self.base:  # TensorBoard prints "TensorBoard 2.x at http://127.0.0.1:PORT/"
+            m = re.search(r"http://127\.0\.0\.1:\d+", self.log.read_text())
+            if m:
+                self.base = m[0]
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"tensorboard did not start: {self.log.read_text()}")
+            else:
+                time.sleep(0.1)
+        return self
+
+    def get(self, path: str, **query: str) -> Any:
+        url = f"{self.base}{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.loads(r.read())
+
+    def until(self, ready: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if ready():
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"tensorboard did not load the logs in time: {self.log.read_text()}")
+            time.sleep(0.2)
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
 
 
 def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock) -> None:
+    """What a user's browser gets from TensorBoard's HTTP API: a run per phase, so the per-phase charts
+    draw a colour per phase (TensorBoard colours by run, in /data/runs order); one unit per chart;
+    the means as the first group; a user's own layout kept beside ours."""
+    logs = tmp_path / "logs"
     gpu = FakeGPU(clock)
-    t = StepTimer(log_dir=tmp_path / "plain", _backend=gpu.backend(), log_every_n_steps=2,
-                  warmup_steps=0, print_summary=False)
+    t = StepTimer(log_dir=logs / "plain", _backend=gpu.backend(), log_every_n_steps=2, warmup_steps=0,
+                  print_summary=False)  # fmt: skip
     run(t, clock, gpu, 4)
     t.close()
-    writer = SummaryWriter(log_dir=str(tmp_path / "user"))
+    writer = SummaryWriter(log_dir=str(logs / "user"))
     writer.add_custom_scalars({"mine": {"loss": ["Multiline", ["^loss$"]]}})
     writer.add_scalar("loss", 1.0, 1)
     t = StepTimer(writer=writer, cuda=False, log_every_n_steps=2, warmup_steps=0, print_summary=False)
     run(t, clock, None, 4)
     t.close()
     writer.close()
+    phases = ["step", "data", "forward", "backward", "other", "wait", "idle"]  # run_names' order
 
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1",
-         "--port", str(port), "--load_fast", "false", "--reload_interval", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        base = f"http://127.0.0.1:{port}/data/plugin"
-        deadline = time.monotonic() + 60
-        layout: dict = {}
-        tags: dict = {}
-        while time.monotonic() < deadline:
-            try:
-                layout = _get(f"{base}/custom_scalars/layout")  # type: ignore[assignment]
-                tags = _get(f"{base}/scalars/tags")  # type: ignore[assignment]
-                if layout and {"plain", "user"} <= set(tags):
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
+    with _Server(logs) as tb:
+        tb.until(lambda: len(tb.get("/data/runs")) == 2 + len(phases) + 5  # the user's: no GPU: no wait, no idle
+                 and len(tb.get("/data/plugin/custom_scalars/layout").get("category", [])) == 4)  # fmt: skip
+        runs = tb.get("/data/runs")
+        tags = tb.get("/data/plugin/scalars/tags")
+        layout = tb.get("/data/plugin/custom_scalars/layout")
+
+        # Colours follow /data/runs: the log dir's own run first, then its phases, step first.
+        plain = [r for r in runs if r.startswith("plain")]
+        assert plain == ["plain"] + [f"plain/steptimer/{p}" for p in phases]
+
+        def series(rx: str) -> dict[str, list[float]]:
+            """What a Custom Scalars chart with regex ``rx`` draws: values by run (one line each)."""
+            out = {}
+            for r in runs:
+                got = tb.get("/data/plugin/custom_scalars/scalars", run=r, tag=rx)
+                for tag, events in got["tag_to_events"].items():
+                    assert r not in out, (rx, r, tag)  # one line per run: told apart by colour
+                    out[r] = [e[2] for e in events]
+            return out
+
         titles = [c["title"] for c in layout["category"]]
-        assert "steptimer" in titles and "mine" in titles  # merged: the user's layout survives
-        all_tags = {tag for run in tags.values() for tag in run}
-        cat = next(c for c in layout["category"] if c["title"] == "steptimer")
-        for chart in cat["chart"]:
-            for rx in chart["multiline"]["tag"]:
-                assert any(re.search(rx, tag) for tag in all_tags), rx
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        assert titles[0] == "steptimer" and "mine" in titles
+        charts = {c["title"]: c["multiline"]["tag"] for c in layout["category"][titles.index("steptimer")]["chart"]}
+        assert list(charts)[:2] == ["Host ms per phase", "GPU ms per phase"]
+        host = series(charts["Host ms per phase"][0])
+        assert host["plain/steptimer/forward"] == pytest.approx([1.5, 1.5])
+        assert host["plain/steptimer/backward"] == pytest.approx([3.0, 3.0])
+        assert host["user/steptimer/forward"] == pytest.approx([1.5, 1.5])
+        assert {r for r in host if r.startswith("plain/")} == {f"plain/steptimer/{p}" for p in phases if p != "idle"}
+        gpu_ms = series(charts["GPU ms per phase"][0])
+        assert gpu_ms["plain/steptimer/backward"] == pytest.approx([9.0, 9.0])
+        assert not [r for r in gpu_ms if r.startswith("user")]  # no GPU there
+        # One unit per chart: each throughput chart draws one tag, from the log dirs' own runs.
+        written = scalars(logs / "plain")
+        for title, tag in (("Steps per second", "steps_per_s"), ("Samples per second", "samples_per_s"),
+                           ("Tokens per second", "tokens_per_s")):  # fmt: skip
+            (rx,) = charts[title]
+            got = series(rx)
+            assert set(got) == {"plain", "user"}, title
+            assert got["plain"] == pytest.approx([v for _, v in written[f"steptimer/{tag}"]]), title
+
+        # Scalars / Time Series tabs: groups are the tags' first component, alphabetical; the first one
+        # holds the per-phase means and the throughput, the tails and the rest come after.
+        groups: dict[str, set[str]] = {}
+        for r in runs:
+            for tag in tags.get(r, {}):
+                groups.setdefault(tag.split("/")[0], set()).add(tag)
+        assert sorted(groups)[:2] == ["loss", "steptimer"]  # the user's own tag sorts where it sorts
+        assert groups["steptimer"] == {"steptimer/host_ms", "steptimer/gpu_ms", "steptimer/steps_per_s",
+                                       "steptimer/samples_per_s", "steptimer/tokens_per_s"}  # fmt: skip
+        assert groups["steptimer-tails"] == {f"steptimer-tails/{c}_{q}_ms" for c in ("host", "gpu") for q in ("p90", "max")}
+        assert "steptimer-caught-up" in groups
 
 
 def _windows(clock: FakeClock) -> list[Window]:
@@ -221,7 +308,9 @@ def _windows(clock: FakeClock) -> list[Window]:
                 with t.phase("loss"):
                     clock.advance_ms(0.01)
     t.close()
-    huge = dataclasses.replace(sink.windows[-1], extra={"steptimer/ranks/reporting": 2.0, "x/big": 1e300})
+    spread = RankSpread(min_ms=1.0, mean_ms=2.0, max_ms=3.0, argmin=0, argmax=1, ranks=2)
+    ranks = scalars_of({"host/forward": spread, "gpu/forward": spread, "straggler": spread}, 2, 0.1)
+    huge = dataclasses.replace(sink.windows[-1], extra={**ranks, "x/big": 1e300})
     return [*sink.windows, huge]
 
 
@@ -231,9 +320,11 @@ def test_histogram_only_summary_and_huge_values(clock: FakeClock) -> None:
     windows = _windows(clock)
     assert len(windows) == 8 and all(w.hists for w in windows)
     for w in windows:
-        full, hist_only = window_summary(w), window_summary(w, scalars=False)
-        assert [v.tag for v in hist_only.value] == [v.tag for v in full.value if v.HasField("histo")]
-    big = next(v for v in window_summary(windows[-1]).value if v.tag == "x/big")
+        full, hist_only = window_summaries(w), window_summaries(w, scalars=False)
+        assert None not in hist_only  # the whole-window run has no histogram
+        assert {k: [v.tag for v in s.value] for k, s in hist_only.items()} == {
+            k: [v.tag for v in s.value if v.HasField("histo")] for k, s in full.items() if k is not None}
+    big = next(v for v in window_summaries(windows[-1])[None].value if v.tag == "x/big")
     assert big.simple_value == float("inf")
 
 
@@ -245,13 +336,13 @@ def test_event_file_is_read_back_by_tensorboard(tmp_path: Path, clock: FakeClock
     before = time.time()
     windows = _windows(clock)
     for w in windows:
-        f.write(window_summary(w), w.step)
+        f.write(window_summaries(w)["step"], w.step)
     f.close()
     events = list(EventFileLoader(f.path).Load())  # checks every record's CRCs
     assert events[0].file_version == "brain.Event:2"
     assert [e.step for e in events[1:]] == [w.step for w in windows]
     assert all(before <= e.wall_time <= time.time() for e in events[1:])
-    assert [len(e.summary.value) for e in events[1:]] == [len(window_summary(w).value) for w in windows]
+    assert [len(e.summary.value) for e in events[1:]] == [len(window_summaries(w)["step"].value) for w in windows]
     assert Path(f.path).name.startswith("events.out.tfevents.")
 
 
@@ -265,7 +356,7 @@ def test_layout_has_the_rank_charts_under_ddp(tmp_path: Path, clock: FakeClock, 
     sink = TensorBoardSink(log_dir=tmp_path / "exp" if own else None, writer=writer)
     sink.write_window(window)
     sink.close(None)  # type: ignore[arg-type]
-    regexes = layout_regexes(tmp_path / "exp" if own else tmp_path / "exp" / LAYOUT_RUN)
+    regexes = layout_regexes(tmp_path / "exp" if own else tmp_path / "exp" / "steptimer" / "step")
     assert set(RANK_CHARTS.values()) <= set(regexes)
 
 
@@ -280,13 +371,13 @@ def test_event_file_reaches_disk_within_the_flush_interval(tmp_path: Path, clock
     f = EventFile(str(tmp_path))
     size0 = Path(f.path).stat().st_size  # the file-version header, flushed at once
     assert size0 > 0
-    f.write(window_summary(windows[0]), 1)
+    f.write(window_summaries(windows[0])[None], 1)
     assert Path(f.path).stat().st_size == size0  # buffered
     now[0] += tb_mod.FLUSH_S
-    f.write(window_summary(windows[1]), 2)
+    f.write(window_summaries(windows[1])[None], 2)
     size2 = Path(f.path).stat().st_size
     assert size2 > size0  # both events, flushed
-    f.write(window_summary(windows[2]), 3)
+    f.write(window_summaries(windows[2])[None], 3)
     assert Path(f.path).stat().st_size == size2
     f.close()
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader

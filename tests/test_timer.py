@@ -549,7 +549,7 @@ def test_keyboard_interrupt_inside_with_flushes(tmp_path: Path, clock: FakeClock
     vals = scalars(tmp_path)
     # the 5 warm-up steps' window, then the rest, written at close by the `with` block
     assert vals["steptimer/host/forward_ms"] == [(5, pytest.approx(1.0)), (7, pytest.approx(1.0))]
-    assert vals["steptimer/run/warmup_steps"] == [(5, 5.0)]
+    assert vals["steptimer-run/warmup_steps"] == [(5, 5.0)]
 
 
 def test_memory_is_bounded(clock: FakeClock, gpu: FakeGPU) -> None:
@@ -600,7 +600,7 @@ def test_unwritable_log_dir_fails_at_construction(tmp_path: Path) -> None:
         StepTimer(log_dir=blocker / "runs")
 
 
-@pytest.mark.parametrize("name", ["step", "other", "wait", "idle", "a b", "fwd/x", "", "naïve"])
+@pytest.mark.parametrize("name", ["step", "other", "wait", "idle", "a b", "fwd/x", "", "naïve", ".", ".."])
 def test_bad_phase_names(name: str) -> None:
     t = StepTimer(cuda=False, print_summary=False)
     with pytest.raises(ValueError, match="reserved|invalid phase name"):
