@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
+from steptimer._memory import MemoryStats, MemorySummary
 from steptimer._window import Packed, Window
 
 
@@ -107,6 +108,7 @@ class Summary:
     tokens_per_s: float | None
     notes: tuple[str, ...] = field(default=())
     ranks: RankSummary | None = None  # per-rank section under torch.distributed (steptimer/_dist.py)
+    memory: MemorySummary | None = None  # CUDA memory (steptimer/_memory.py); None: not read
 
     def __getitem__(self, name: str) -> PhaseSummary:
         for row in self.rows:
@@ -168,6 +170,7 @@ class SummaryAccumulator:
         self.timed_sum_ms: dict[str, float] = {}
         self.samples: float | None = None
         self.tokens: float | None = None
+        self.memory: MemoryStats | None = None
 
     @property
     def host(self) -> dict[str, LogHistogram]:
@@ -197,6 +200,8 @@ class SummaryAccumulator:
         p = window.packed
         if window.warmup or p is None:
             return
+        if window.memory is not None:
+            self.memory = window.memory if self.memory is None else self.memory.merged(window.memory)
         self._add_histograms(p)
         for g in p.groups:
             self.steps += g.rows

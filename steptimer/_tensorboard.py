@@ -10,6 +10,10 @@ Tag grammar (one rule, documented in the README's tag table)::
     steptimer/gpu_caught_up/<phase>_frac  fraction of the window's steps in which the GPU reached the
                                         phase's start before the host left the phase (launch-bound rule)
     steptimer/run/warmup_steps          on a window of warm-up steps only: their number
+    steptimer/mem/<phase>_peak_mib      CUDA memory, MiB (rules in steptimer/_memory.py): max over the
+    steptimer/mem/step_peak_mib         window's timed steps of the peak allocated inside the phase / step;
+    steptimer/mem/<phase>_alloc_mib     allocated at the phase's exit and reserved at the step's end, in
+    steptimer/mem/reserved_mib          the window's last timed step
 
 ``<phase>`` is a phase name (``outer/inner`` when nested) or a derived one: ``step``, ``data``,
 ``other``, ``wait`` (host), ``step``, ``other``, ``idle`` (GPU).
@@ -24,6 +28,7 @@ import tempfile
 import time
 from typing import Any
 
+from steptimer._memory import MIB
 from steptimer._summary import Summary
 from steptimer._window import Window
 
@@ -34,6 +39,7 @@ CHARTS = {
     "GPU ms per phase": r"^steptimer/gpu/.*_ms$",
     "Host ms per phase": r"^steptimer/host/.*_ms$",
     "Throughput": r"^steptimer/.*_per_s$",
+    "CUDA memory MiB": r"^steptimer/mem/.*_mib$",
 }
 # A write() system call cost ~80 µs per window on the device's virtual disk (docs/benchmarks.md):
 # events are buffered and reach the file at most this long after they were written, and at close.
@@ -46,6 +52,8 @@ def layout(window: Window) -> dict[str, dict[str, list[Any]]]:
     charts = dict(CHARTS)
     if not window.gpu:
         del charts["GPU ms per phase"]
+    if window.memory is None:
+        del charts["CUDA memory MiB"]
     if any(tag.startswith("steptimer/ranks") for tag in window.extra):
         from steptimer._dist import CHARTS as RANK_CHARTS
 
@@ -70,6 +78,13 @@ def window_scalars(window: Window) -> dict[str, float]:
         out["steptimer/tokens_per_s"] = window.tokens_per_s
     if window.warmup:
         out[WARMUP_TAG] = float(window.steps)
+    mem = window.memory
+    if mem is not None:
+        for name, b in mem.peak_bytes.items():
+            out[f"steptimer/mem/{name}_peak_mib"] = b / MIB
+        for name, b in mem.alloc_bytes.items():
+            out[f"steptimer/mem/{name}_alloc_mib"] = b / MIB
+        out["steptimer/mem/reserved_mib"] = mem.reserved_bytes / MIB
     out.update(window.extra)
     return out
 

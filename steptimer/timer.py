@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._engine import Engine, check_phase_name
+from steptimer._memory import MemorySummary, _MemoryBackend
 from steptimer._summary import Summary, SummaryAccumulator
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
@@ -62,7 +63,7 @@ class _Step:
         self._e.begin_step(self._samples, self._tokens)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
-        self._e.end_step(et is not None, self._samples, self._tokens)
+        self._e.end_step(et is not None, self._samples, self._tokens, ev)
         return False
 
 
@@ -78,7 +79,7 @@ class _Phase:
         self._e.enter_phase(self._name)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
-        self._e.exit_phase(self._name, et is not None)
+        self._e.exit_phase(self._name, et is not None, ev)
         return False
 
 
@@ -131,6 +132,12 @@ class StepTimer:
             its phases): an int N is the N steps right after warm-up, a pair is ``(first, last)``
             step numbers. Written to ``steptimer-trace.json`` in the log directory at close; costs
             one extra event wait, once, when the capture ends.
+        memory: On timed steps with CUDA timing, read the caching allocator's peak allocated per
+            phase and per step, the allocated at each phase's exit and the reserved (TensorBoard
+            ``steptimer/mem/...``, the summary's memory table). It resets the allocator's peak
+            counter at each phase boundary of a timed step, so ``torch.cuda.max_memory_allocated()``
+            then returns the peak since that boundary; the run's peak is in the summary
+            (``summary.memory.max_allocated_bytes``). False leaves the allocator untouched.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -158,7 +165,9 @@ class StepTimer:
         cross_rank: bool = True,
         cross_rank_timeout_s: float = DEFAULT_TIMEOUT_S,
         trace_steps: int | tuple[int, int] | None = None,
+        memory: bool = True,
         _backend: _CudaBackend | None = None,
+        _memory_backend: _MemoryBackend | None = None,
         _sinks: Sequence[Sink] = (),
     ) -> None:
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
@@ -167,6 +176,8 @@ class StepTimer:
             raise ValueError("pass log_dir or writer, not both")
         if cross_rank not in (True, False):
             raise ValueError(f"cross_rank must be True or False, got {cross_rank!r}")
+        if memory not in (True, False):
+            raise ValueError(f"memory must be True or False, got {memory!r}")
         if log_every_n_steps is None:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
         self.log_every_n_steps: int = log_every_n_steps
@@ -189,6 +200,7 @@ class StepTimer:
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=_backend, on_resolved=self._on_resolved,
             on_pending=self._trace.add if self._trace is not None else None,
+            memory=memory, memory_backend=_memory_backend,
         )  # fmt: skip
         if not enabled:
             return
@@ -328,9 +340,22 @@ class StepTimer:
                 f"all {engine.number - engine.first_number + 1} steps were warm-up "
                 f"(warmup_steps={self.warmup_steps}); nothing to summarize",
             )
+        oom = engine.oom_note()
+        if oom is not None:
+            notes += (oom,)
         if self._xrank is not None:
             notes += tuple(self._xrank.notes)
         summary = self._acc.summary(warmup_steps=self.warmup_steps, cuda=bool(engine.cuda), notes=notes)
+        mem = self._acc.memory
+        if engine.memory is not None:
+            summary = dataclasses.replace(
+                summary,
+                memory=MemorySummary(
+                    peak_bytes=mem.peak_bytes if mem else {}, alloc_bytes=mem.alloc_bytes if mem else {},
+                    reserved_bytes=mem.reserved_bytes if mem else 0, steps=mem.steps if mem else 0,
+                    max_allocated_bytes=engine.memory.seen_bytes,
+                ),
+            )  # fmt: skip
         if self._xrank is not None and self._xrank.summary is not None:
             summary = dataclasses.replace(summary, ranks=self._xrank.summary)
         return summary
