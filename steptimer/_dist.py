@@ -31,6 +31,7 @@ from datetime import timedelta
 from time import perf_counter, sleep
 from typing import Any
 
+from steptimer._memory import MIB, MemoryStats
 from steptimer._summary import RankSpread, RankSummary, SummaryAccumulator
 from steptimer._window import Window
 
@@ -136,14 +137,24 @@ def window_values(window: Window | None) -> dict[str, float] | None:
     """A window's per-series means by key ``<clock>/<phase>`` plus the straggler signal."""
     if window is None or window.steps == 0:
         return None
-    return _means(window.host, window.gpu)
+    return {**_means(window.host, window.gpu), **_memory_values(window.memory)}
 
 
 def summary_values(acc: SummaryAccumulator | None) -> dict[str, float] | None:
     """The same for the run summary (each rank's run mean)."""
     if acc is None or acc.steps == 0:
         return None
-    return _means(acc.host, acc.gpu)
+    return {**_means(acc.host, acc.gpu), **_memory_values(acc.memory)}
+
+
+def _memory_values(m: MemoryStats | None) -> dict[str, float]:
+    """CUDA memory in MiB by key ``mem/<name>_peak`` (phases and ``step``) and ``mem/reserved``: the
+    window's (or run's) peaks and reserved, whose spread across ranks is logged like the times'."""
+    if m is None:
+        return {}
+    out = {f"mem/{name}_peak": b / MIB for name, b in m.peak_bytes.items()}
+    out["mem/reserved"] = m.reserved_bytes / MIB
+    return out
 
 
 def _means(host: Mapping[str, Any], gpu: Mapping[str, Any]) -> dict[str, float]:
@@ -162,14 +173,17 @@ def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: floa
         steptimer/ranks_argmax/<clock>/<phase>              rank holding the max
         steptimer/ranks_<min|mean|max>/straggler_ms         data + step - backward per rank
         steptimer/ranks_argmax/straggler                    the straggler: the rank holding the others back
+        steptimer/ranks_<min|mean|max>/mem/<name>_peak_mib  CUDA memory peaks (phases, step) across ranks
+        steptimer/ranks_<min|mean|max>/mem/reserved_mib     and the reserved; ranks_argmax/mem/...: who
         steptimer/ranks/reporting                           ranks in this window (0: interval skipped)
         steptimer/ranks/reduce_ms                           host time of this interval's round
     """
     out = {"steptimer/ranks/reporting": float(reporting), "steptimer/ranks/reduce_ms": reduce_ms}
     for key, s in spread.items():
-        out[f"steptimer/ranks_min/{key}_ms"] = s.min_ms
-        out[f"steptimer/ranks_mean/{key}_ms"] = s.mean_ms
-        out[f"steptimer/ranks_max/{key}_ms"] = s.max_ms
+        unit = "_mib" if key.startswith("mem/") else "_ms"  # memory rides in the same vectors, in MiB
+        out[f"steptimer/ranks_min/{key}{unit}"] = s.min_ms
+        out[f"steptimer/ranks_mean/{key}{unit}"] = s.mean_ms
+        out[f"steptimer/ranks_max/{key}{unit}"] = s.max_ms
         out[f"steptimer/ranks_argmax/{key}"] = float(s.argmax)
     return out
 
