@@ -224,7 +224,8 @@ class Engine:
         if failed or self._stack:
             open_ = self._stack[-1][0] if self._stack else None
             if failed and self.memory is not None and self.oom is None:
-                self._note_oom(None, error)
+                # phases still open (a front door that exits them only on success: Lightning's)
+                self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
             self._drop_step()
             if not failed:
                 raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
@@ -419,8 +420,11 @@ class Engine:
         if phase is not None:
             where = f"in phase {phase!r} of step {number}"
             before = f"the peak allocated inside the phase before it was {mib(peak or 0):,.1f} MiB"
+        elif read:
+            where = f"in step {number}, outside any phase"
+            before = f"the step's peak allocated before it was {mib(peak or 0):,.1f} MiB"
         else:
-            where = f"in step {number}, " + ("outside any phase" if read else "a step whose phases were not timed")
+            where = f"in step {number}, a step whose phases were not timed"
             before = f"the allocator's peak since steptimer's last reading was {mib(peak or 0):,.1f} MiB"
         return f"CUDA out of memory {where}: {before}"
 

@@ -137,6 +137,12 @@ class MemoryReader:
             self.seen_bytes = peak
         return max(self._step, peak), reserved, tuple(self._phases)
 
+    def open_peak(self) -> int:
+        """The innermost open phase's peak so far (the step's outside any phase), with a reading now
+        and no reset (for the out-of-memory note of a step that fails with phases open)."""
+        _, peak, _ = self.b.read(self.device)
+        return max(self._stack[-1] if self._stack else self._step, peak)
+
     def drop_step(self) -> None:
         self._stack.clear()
         self._phases = []

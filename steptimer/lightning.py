@@ -36,6 +36,7 @@ import functools
 import importlib
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -229,6 +230,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         histograms: Write per-window histograms to TensorBoard loggers.
         print_summary: Print the summary table at the end of training (rank 0).
         enabled: False turns the callback into a no-op.
+        memory: Read CUDA memory per phase on timed steps (see :class:`~steptimer.StepTimer`).
 
     Example:
         >>> cb = StepTimerCallback(log_every_n_steps=10)
@@ -250,7 +252,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         histograms: bool = True,
         print_summary: bool = True,
         enabled: bool = True,
+        memory: bool = True,
         _backend: Any = None,
+        _memory_backend: Any = None,
     ) -> None:
         super().__init__()
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
@@ -273,7 +277,11 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self.histograms = histograms
         self.print_summary = print_summary
         self.enabled = enabled
+        if memory not in (True, False):
+            raise ValueError(f"memory must be True or False, got {memory!r}")
+        self.memory = memory
         self._backend = _backend
+        self._memory_backend = _memory_backend
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
@@ -372,7 +380,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             start_step=self._steps_done,
             sample_every=self.sample_every,
             print_summary=False,
+            memory=self.memory,
             _backend=self._backend,
+            _memory_backend=self._memory_backend,
             _sinks=[sink] if sink is not None else [],
         )
         self._install(trainer, pl_module)
@@ -563,8 +573,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             return max(trainer_every, 1)
         return max(trainer_every, 10 * self.sample_every)
 
-    def _switch(self, name: str | None) -> None:
-        """End the callback phase open in the innermost frame and start ``name`` (None: none)."""
+    def _switch(self, name: str | None, error: BaseException | None = None) -> None:
+        """End the callback phase open in the innermost frame (``error``: the exception that ended
+        it) and start ``name`` (None: none)."""
         frame = self._frames[-1]
         cur = frame[0]
         if cur == name:
@@ -574,7 +585,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             return
         if cur is not None:
             frame[0] = None
-            timer.phase(cur).__exit__(None, None, None)
+            timer.phase(cur).__exit__(type(error) if error is not None else None, error, None)
         if name is not None:
             timer.phase(name).__enter__()
             frame[0] = name
@@ -677,7 +688,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             return
         self._fwd_depth -= 1
         if self._fwd_depth == 0:  # several calls (encoder, then decoder) are several `forward` spans
-            self._switch("loss")
+            # always_call: torch runs this hook from its except block when forward raised; the
+            # error then ends `forward` (the summary's out-of-memory note names the phase)
+            self._switch("loss", error=sys.exc_info()[1])
 
     def _zero_grad_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def zero_grad(*args: Any, **kwargs: Any) -> Any:

@@ -298,8 +298,7 @@ def test_out_of_memory_outside_a_phase_and_other_errors(clock: FakeClock, gpu: F
             raise torch.OutOfMemoryError("CUDA out of memory")
     s = t.close()
     (note,) = [n for n in s.notes if "out of memory" in n]
-    assert note.startswith("CUDA out of memory in step 1, outside any phase: ")  # failed steps get no number
-    assert note.endswith("2.0 MiB")
+    assert note == "CUDA out of memory in step 1, outside any phase: the step's peak allocated before it was 2.0 MiB"
 
 
 def test_out_of_memory_on_an_untimed_step(clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator) -> None:
@@ -420,3 +419,31 @@ def test_out_of_memory_on_the_gpu_propagates_and_is_noted() -> None:
     s = t.close()
     (note,) = [n for n in s.notes if "out of memory" in n]
     assert note.startswith("CUDA out of memory in phase 'forward' of step 1: ")
+
+
+def test_instrument_reads_memory_per_phase(clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator) -> None:
+    """instrument() shares the engine: its hook phases get the same readings."""
+    from steptimer import instrument
+
+    net = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def fwd_hook(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        mem.alloc(5 << 20)
+        mem.free(5 << 20)
+
+    net.register_forward_hook(fwd_hook)
+    sink = ListSink()
+    timer = instrument(
+        net, opt, warmup_steps=0, print_summary=False, log_every_n_steps=2,
+        _backend=gpu.backend(), _memory_backend=mem.backend(), _sinks=[sink],
+    )  # fmt: skip
+    for _ in range(2):
+        net(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    s = timer.close()
+    m = sink.windows[0].memory
+    assert m is not None and m.steps == 2
+    assert m.peak_bytes["forward"] == m.peak_bytes["step"] == 5 << 20
+    assert s.memory is not None and s.memory.peak_bytes["forward"] == 5 << 20
