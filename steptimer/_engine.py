@@ -241,9 +241,10 @@ class Engine:
         self._paused_s = 0.0
         rec.device = self.device
         if self._gpu:
+            shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
             if self._mem is not None:
-                rec.memory = self._mem.end_step()
+                rec.memory = self._mem.end_step(shared)
         elif self.cuda and number + 1 == self._next_timed and self._stream_key is not None:
             # An untimed step right before a timed one: one event marks its end, so the timed step
             # gets its GPU idle.

@@ -96,6 +96,7 @@ class MemoryReader:
         self._stack: list[int] = []
         self._phases: list[tuple[str, int, int]] = []
         self.last_alloc = 0
+        self.last_reserved = 0
 
     def _read(self) -> tuple[int, int, int]:
         """Read, then reset the peak counter (so the next reading covers only what follows)."""
@@ -103,7 +104,7 @@ class MemoryReader:
         self.b.reset_peak(self.device)
         if peak > self.seen_bytes:
             self.seen_bytes = peak
-        self.last_alloc = alloc
+        self.last_alloc, self.last_reserved = alloc, reserved
         return alloc, peak, reserved
 
     def begin_step(self, device: int) -> None:
@@ -131,7 +132,10 @@ class MemoryReader:
         self._phases.append((full, peak, alloc))
         return peak
 
-    def end_step(self) -> StepMemory:
+    def end_step(self, shared: bool) -> StepMemory:
+        """At the step's end; ``shared`` as for ``enter_phase`` (the last reading stands for this one)."""
+        if shared:
+            return self._step, self.last_reserved, tuple(self._phases)
         _, peak, reserved = self.b.read(self.device)  # no reset: the next step's first reading does it
         if peak > self.seen_bytes:
             self.seen_bytes = peak

@@ -182,8 +182,8 @@ def test_reads_only_on_timed_steps_and_shares_back_to_back_boundaries(
     clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator
 ) -> None:
     """With sample_every=4 the allocator is read (and reset) on one step in four. A timed step with P
-    back-to-back phases reads P + 2 times: the step's start, each exit, the step's end; an entry right
-    after an exit reuses that reading (nothing can run in between)."""
+    back-to-back phases reads P + 1 times: the step's start and each exit; an entry right after an exit,
+    and the step's end right after the last exit, reuse that reading (nothing can run in between)."""
     t, sink = make(gpu, mem, sample_every=4, log_every_n_steps=8)
     for _ in range(8):
         with t.step():
@@ -195,13 +195,13 @@ def test_reads_only_on_timed_steps_and_shares_back_to_back_boundaries(
     t.close()
     m = sink.windows[0].memory
     assert m is not None and m.steps == 2
-    assert mem.reads == 2 * (4 + 2) + 1  # + one at close (the run's peak after the last step)
+    assert mem.reads == 2 * (4 + 1) + 1  # + one at close (the run's peak after the last step)
     assert mem.resets == 2 * (1 + 4)
 
 
 def test_an_entry_after_work_reads_again(clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator) -> None:
     """Work between two phases (here 1 ms and 7 KiB held): the second entry is read on its own, so the
-    step's peak counts it and the second phase's peak does not."""
+    step's peak counts the 9 KiB and the second phase's peak does not; so is the step's end."""
     t, sink = make(gpu, mem)
     with t.step():
         with t.phase("a"):
@@ -211,10 +211,13 @@ def test_an_entry_after_work_reads_again(clock: FakeClock, gpu: FakeGPU, mem: Fa
         mem.free(2 * KIB)
         with t.phase("b"):
             clock.advance_ms(1.0)
+        clock.advance_ms(1.0)
+        mem.alloc(30 * KIB)  # after the last phase: the step's end is read on its own too
+        mem.free(30 * KIB)
     t.close()
     m = sink.windows[0].memory
     assert m is not None
-    assert m.peak_bytes == {"step": 9 * KIB, "a": 0, "b": 7 * KIB}
+    assert m.peak_bytes == {"step": 37 * KIB, "a": 0, "b": 7 * KIB}
 
 
 def test_memory_false_never_touches_the_allocator(clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator) -> None:
