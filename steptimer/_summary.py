@@ -35,7 +35,9 @@ class RankSummary:
 
     ``series`` maps ``(clock, name)`` (clock ``host`` or ``gpu``) to its spread; ``straggler`` is the
     spread of ``data + step - backward`` per rank, whose ``argmax`` is the rank that holds the
-    others back. ``reduce_ms`` is this rank's mean host time per round (the statistics' cost).
+    others back. Series ``("mem", "<name>_peak")`` and ``("mem", "reserved")`` (CUDA memory, each
+    rank's run peak and last reserved) carry MiB, not ms, in the same fields. ``reduce_ms`` is this
+    rank's mean host time per round (the statistics' cost).
     """
 
     world_size: int
