@@ -209,7 +209,7 @@ class Engine:
         self.in_step = True
 
     def end_step(
-        self, failed: bool, samples: float | None = None, tokens: float | None = None,
+        self, failed: bool, samples: float | None = None, tokens: float | None = None, *,
         error: BaseException | None = None,
     ) -> None:  # fmt: skip
         """Finish the step (drop it if ``failed`` or a phase is open), wait once, resolve what is due.
@@ -291,7 +291,7 @@ class Engine:
         if self._gpu:
             self._last_t = perf_counter()
 
-    def exit_phase(self, name: str, failed: bool, error: BaseException | None = None) -> None:
+    def exit_phase(self, name: str, failed: bool, *, error: BaseException | None = None) -> None:
         """Leave phase ``name``; ``error``: the exception that ended it, if any (else
         ``sys.exc_info()``'s), for the out-of-memory note."""
         t1 = perf_counter()

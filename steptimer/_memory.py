@@ -24,7 +24,9 @@ the peak since steptimer's last reading on a timed step (a phase boundary), not 
 the process. Every reading takes the peak *before* resetting it, so steptimer knows the value the
 counter would have held without it: ``MemorySummary.max_allocated_bytes`` (what
 ``max_memory_allocated()`` would return at ``close()`` had steptimer never reset it, as long as the
-user's own code resets nothing). ``memory=False`` leaves the allocator untouched.
+user's own code resets nothing; a reset of the user's inside a phase also loses that phase's peak
+before it). ``memory=False`` leaves the allocator untouched. The device read is the one of the
+stream current at ``step()`` entry (the timed stream's); other devices' memory is not read.
 
 Cost: one ``torch._C._cuda_memoryStats`` call (the allocator's stats as a nested dict, which
 ``torch.cuda.memory_allocated`` and friends flatten and sort into an ``OrderedDict`` on every

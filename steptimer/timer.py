@@ -63,7 +63,7 @@ class _Step:
         self._e.begin_step(self._samples, self._tokens)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
-        self._e.end_step(et is not None, self._samples, self._tokens, ev)
+        self._e.end_step(et is not None, self._samples, self._tokens, error=ev)
         return False
 
 
@@ -79,7 +79,7 @@ class _Phase:
         self._e.enter_phase(self._name)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
-        self._e.exit_phase(self._name, et is not None, ev)
+        self._e.exit_phase(self._name, et is not None, error=ev)
         return False
 
 
