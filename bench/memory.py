@@ -102,7 +102,7 @@ def calls(cuda: bool, n: int, reps: int) -> dict[str, float]:
         orig = tm.memory_stats_as_nested_dict
         tm.memory_stats_as_nested_dict = _built()  # type: ignore[assignment]
         public = {
-            "torch.cuda.memory_allocated (Python side)": lambda: tm.memory_stats(dev).get("allocated_bytes.all.current"),
+            "torch.cuda.memory_allocated (Python side)": lambda: tm.memory_allocated(dev),
         }
     out = {name: per_call_us(fn, n, reps) for name, fn in public.items()}
     out["steptimer read" + ("" if cuda else " (Python side)")] = per_call_us(lambda: b.read(dev), n, reps)

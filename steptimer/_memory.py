@@ -38,13 +38,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any
 
 MIB = float(1 << 20)
 
 # A memory backend: read(device) -> (allocated, peak allocated since the last reset, reserved) in
 # bytes, and reset_peak(device). Tests pass fake ones (tests/fakes.py's FakeAllocator).
-ReadFn = Callable[[int], Tuple[int, int, int]]
+ReadFn = Callable[[int], tuple[int, int, int]]
 ResetFn = Callable[[int], None]
 
 
@@ -79,7 +79,7 @@ def torch_memory_backend() -> _MemoryBackend | None:
 
 # One timed step's readings: (step peak bytes, reserved bytes at its end, per phase entry in exit
 # order (full name, peak bytes inside it, allocated bytes at its exit)).
-StepMemory = Tuple[int, int, Tuple[Tuple[str, int, int], ...]]
+StepMemory = tuple[int, int, tuple[tuple[str, int, int], ...]]
 
 
 class MemoryReader:
@@ -187,10 +187,11 @@ class MemoryStats:
         peak = dict(self.peak_bytes)
         for k, v in later.peak_bytes.items():
             peak[k] = max(peak.get(k, v), v)
-        return MemoryStats(peak, {**self.alloc_bytes, **later.alloc_bytes}, later.reserved_bytes, self.steps + later.steps)
+        alloc = {**self.alloc_bytes, **later.alloc_bytes}
+        return MemoryStats(peak, alloc, later.reserved_bytes, self.steps + later.steps)
 
 
-def memory_of(steps: list[StepMemory]) -> Optional[MemoryStats]:
+def memory_of(steps: list[StepMemory]) -> MemoryStats | None:
     """A window's memory from its timed steps' readings, in step order (None: no step was read)."""
     if not steps:
         return None

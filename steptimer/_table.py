@@ -125,7 +125,9 @@ def _mib(n_bytes: float | None) -> str:
     return "-" if n_bytes is None else f"{n_bytes / MIB:,.1f}"
 
 
-def memory_rows(names: list[str], peak: dict[str, float], alloc: dict[str, float], reserved: float | None) -> list[tuple[str, str, str]]:
+def memory_rows(
+    names: list[str], peak: dict[str, float], alloc: dict[str, float], reserved: float | None
+) -> list[tuple[str, str, str]]:
     """The memory table's rows as (label, peak, alloc) text: the phases in ``row_order``, then the
     step's peak and the reserved bytes; one layout for the summary and ``steptimer report``
     (values in bytes)."""

@@ -314,14 +314,18 @@ def test_memory_bench_runs_on_the_python_side(tmp_path: Path) -> None:
 
     from bench import memory
 
-    assert memory.main(["--out", str(tmp_path), "--cpu", "--n", "20", "--reps", "2", "--steps", "20", "--rounds", "2"]) == 0
+    args = ["--out", str(tmp_path), "--cpu", "--n", "20", "--reps", "2", "--steps", "20", "--rounds", "2"]
+    assert memory.main(args) == 0
     res = json.loads((tmp_path / "memory.json").read_text())
     assert res["side"].startswith("Python side only")
     assert set(res["calls_us"]) == {
-        "torch.cuda.memory_allocated (Python side)", "steptimer read (Python side)", "steptimer reset_peak (Python side)",
+        "torch.cuda.memory_allocated (Python side)", "steptimer read (Python side)",
+        "steptimer reset_peak (Python side)",
     }  # fmt: skip
     assert all(math.isfinite(v) and v > 0 for v in res["calls_us"].values())
-    assert set(res["step"]) == {"memory_on_us_per_step", "memory_off_us_per_step", "added_us_per_step", "added_us_per_phase"}
+    assert set(res["step"]) == {
+        "memory_on_us_per_step", "memory_off_us_per_step", "added_us_per_step", "added_us_per_phase",
+    }  # fmt: skip
     # the stand-in stats have the real shape: the public getter's flattening finds the key
     import torch.cuda.memory as tm
 

@@ -555,4 +555,5 @@ def test_report_memory_agrees_with_the_summary(tmp_path: Path, clock: FakeClock)
     assert "CUDA memory MiB" in text
     mem_lines = text.split("CUDA memory MiB", 1)[1].splitlines()
     (fwd,) = [line for line in mem_lines if line.startswith("│ forward ")]
-    assert f"{s.memory.peak_bytes['forward'] / MIB:,.1f}" in fwd and f"{s.memory.alloc_bytes['forward'] / MIB:,.1f}" in fwd
+    assert f"{s.memory.peak_bytes['forward'] / MIB:,.1f}" in fwd
+    assert f"{s.memory.alloc_bytes['forward'] / MIB:,.1f}" in fwd

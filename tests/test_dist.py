@@ -90,7 +90,8 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
 def test_memory_across_ranks(tmp_path: Path) -> None:
     """Each rank's memory peaks ride in the same rounds: rank 1's forward peaks at 16 MiB, rank 0's at
     8 MiB (a simulated allocator per rank); the max, min, mean and argmax say so, in MiB."""
-    results, _ = torchrun("plain_loop.py", "--log-dir", str(tmp_path), "--steps", "20", "--every", "10", "--fake-memory")
+    args = ["--log-dir", str(tmp_path), "--steps", "20", "--every", "10", "--fake-memory"]
+    results, _ = torchrun("plain_loop.py", *args)
     tb = scalars(tmp_path)
     for kind, want in (("max", 16.0), ("min", 8.0), ("mean", 12.0)):
         for name in ("forward_peak", "step_peak"):

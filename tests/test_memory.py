@@ -88,7 +88,9 @@ def test_per_phase_peak_and_alloc_with_nested_phases(clock: FakeClock, gpu: Fake
         "forward/attn": base + 150 * KIB,
         "backward": base + 520 * KIB,
     }
-    assert dict(m.alloc_bytes) == {"forward/attn": base + 100 * KIB, "forward": base + 120 * KIB, "backward": base + 120 * KIB}
+    assert dict(m.alloc_bytes) == {
+        "forward/attn": base + 100 * KIB, "forward": base + 120 * KIB, "backward": base + 120 * KIB,
+    }  # fmt: skip
     assert m.reserved_bytes == 2 << 20  # 1520 KiB at most: one 2 MiB segment
     assert s.memory is not None and dict(s.memory.peak_bytes) == dict(m.peak_bytes)
     assert mem.devices == {0}
@@ -139,7 +141,8 @@ def test_tags_and_custom_scalars_chart(tmp_path: Path, clock: FakeClock, gpu: Fa
     mem_tags = {tag for tag in sc if tag.startswith("steptimer/mem/")}
     assert mem_tags == {
         "steptimer/mem/step_peak_mib", "steptimer/mem/reserved_mib",
-        *(f"steptimer/mem/{p}_{kind}_mib" for p in ("forward", "forward/attn", "backward") for kind in ("peak", "alloc")),
+        *(f"steptimer/mem/{p}_{kind}_mib" for p in ("forward", "forward/attn", "backward")
+          for kind in ("peak", "alloc")),
     }  # fmt: skip
     assert sc["steptimer/mem/backward_peak_mib"] == [(2, 3 * 520 * KIB / MIB), (4, 2 * 520 * KIB / MIB)]
     assert sc["steptimer/mem/forward_alloc_mib"] == [(2, 3 * 120 * KIB / MIB), (4, 1 * 120 * KIB / MIB)]
@@ -255,7 +258,8 @@ def test_summary_memory_table_fits_80_columns(clock: FakeClock, gpu: FakeGPU, me
     start = next(i for i, line in enumerate(lines) if "CUDA memory MiB, 3 timed steps" in line)
     table = "\n".join(lines[start:])
     # phase | peak | alloc at exit, in MiB (nested_step at scale 1024: KiB become MiB)
-    for label, peak, alloc in (("forward", "300.0", "120.0"), ("attn", "150.0", "100.0"), ("backward", "520.0", "120.0")):
+    rows = (("forward", "300.0", "120.0"), ("attn", "150.0", "100.0"), ("backward", "520.0", "120.0"))
+    for label, peak, alloc in rows:
         assert any(label in line and peak in line and alloc in line for line in table.splitlines()), (label, table)
     assert sum("step " in line and "520.0" in line for line in table.splitlines()) == 1
     assert any("reserved" in line and "520.0" in line for line in table.splitlines())  # 260 segments
