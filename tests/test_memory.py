@@ -419,6 +419,42 @@ def test_per_phase_memory_equals_torch_counters_to_the_byte() -> None:
 
 
 @pytest.mark.cuda
+def test_the_run_peak_is_what_max_memory_allocated_says_without_steptimer() -> None:
+    """The same run twice from the same allocator state: with ``memory=False`` (steptimer leaves the
+    counter alone) ``max_memory_allocated()`` at the end is the run's peak, made by a 512 MiB
+    allocation between steps; with ``memory=True`` the summary's ``max_allocated_bytes`` equals it to
+    the byte, while the user's own ``max_memory_allocated()`` now says less (the documented change:
+    the peak since steptimer's last reading)."""
+    torch.zeros(1, device="cuda")
+    mib_ = 1 << 20
+    phases = {"forward": 96 * mib_, "backward": 160 * mib_}
+    nested = {"attn": 128 * mib_}
+
+    def run(memory: bool) -> tuple[int, StepTimer]:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        t = StepTimer(warmup_steps=1, print_summary=False, cross_rank=False, memory=memory)
+        for i in range(4):
+            _timed(t, phases, nested)
+            if i == 1:
+                with t.pause():  # an evaluation between steps: the run's peak
+                    big = torch.empty(512 * mib_, dtype=torch.uint8, device="cuda")
+                    del big
+        t.close()
+        return torch.cuda.max_memory_allocated(), t
+
+    want, bare = run(False)
+    assert bare.close().memory is None
+    after, timed = run(True)
+    summary = timed.close()
+    assert summary.memory is not None
+    assert summary.memory.max_allocated_bytes == want
+    assert want >= 512 * mib_
+    assert after < want
+
+
+@pytest.mark.cuda
 def test_out_of_memory_on_the_gpu_propagates_and_is_noted() -> None:
     torch.zeros(1, device="cuda")
     t = StepTimer(warmup_steps=0, print_summary=False, cross_rank=False)
