@@ -31,6 +31,7 @@ from datetime import timedelta
 from time import perf_counter, sleep
 from typing import Any
 
+from steptimer._memory import MIB, MemoryStats
 from steptimer._summary import RankSpread, RankSummary, SummaryAccumulator
 from steptimer._window import Window
 
@@ -138,14 +139,24 @@ def window_values(window: Window | None) -> dict[str, float] | None:
     """A window's per-series means by key ``<clock>/<phase>`` plus the straggler signal."""
     if window is None or window.steps == 0:
         return None
-    return _means(window.host, window.gpu)
+    return {**_means(window.host, window.gpu), **_memory_values(window.memory)}
 
 
 def summary_values(acc: SummaryAccumulator | None) -> dict[str, float] | None:
     """The same for the run summary (each rank's run mean)."""
     if acc is None or acc.steps == 0:
         return None
-    return _means(acc.host, acc.gpu)
+    return {**_means(acc.host, acc.gpu), **_memory_values(acc.memory)}
+
+
+def _memory_values(m: MemoryStats | None) -> dict[str, float]:
+    """CUDA memory in MiB by key ``mem/<name>_peak`` (phases and ``step``) and ``mem/reserved``: the
+    window's (or run's) peaks and reserved, whose spread across ranks is logged like the times'."""
+    if m is None:
+        return {}
+    out = {f"mem/{name}_peak": b / MIB for name, b in m.peak_bytes.items()}
+    out["mem/reserved"] = m.reserved_bytes / MIB
+    return out
 
 
 def _means(host: Mapping[str, Any], gpu: Mapping[str, Any]) -> dict[str, float]:
@@ -164,14 +175,17 @@ def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: floa
         steptimer-ranks/<clock>/<phase>_argmax              rank holding the max
         steptimer-ranks/straggler_<min|mean|max>_ms         data + step - backward per rank
         steptimer-ranks/straggler_argmax                    the straggler: the rank holding the others back
+        steptimer-ranks/mem/<name>_peak_<min|mean|max>_mib  CUDA memory peaks (phases, step) across ranks
+        steptimer-ranks/mem/reserved_<min|mean|max>_mib     and the reserved; ..._argmax: the rank with the max
         steptimer-ranks/reporting                           ranks in this window (0: interval skipped)
         steptimer-ranks/reduce_ms                           host time of this interval's round
     """
     out = {"steptimer-ranks/reporting": float(reporting), "steptimer-ranks/reduce_ms": reduce_ms}
-    for key, s in spread.items():  # key: "<clock>/<phase>" or "straggler"
-        out[f"steptimer-ranks/{key}_min_ms"] = s.min_ms
-        out[f"steptimer-ranks/{key}_mean_ms"] = s.mean_ms
-        out[f"steptimer-ranks/{key}_max_ms"] = s.max_ms
+    for key, s in spread.items():  # key: "<clock>/<phase>", "straggler" or "mem/<name>_peak", "mem/reserved"
+        unit = "_mib" if key.startswith("mem/") else "_ms"  # memory rides in the same vectors, in MiB
+        out[f"steptimer-ranks/{key}_min{unit}"] = s.min_ms
+        out[f"steptimer-ranks/{key}_mean{unit}"] = s.mean_ms
+        out[f"steptimer-ranks/{key}_max{unit}"] = s.max_ms
         out[f"steptimer-ranks/{key}_argmax"] = float(s.argmax)
     return out
 

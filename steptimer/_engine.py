@@ -10,6 +10,10 @@ Per timed step with P back-to-back phases the GPU path makes P + 1 event records
 follows steptimer's last record within ``_SHARE_GAP_S`` reuses its event), 4 ``perf_counter()``
 calls per phase, and one event wait at the end of the step, on the end event of step N - lag, which
 with ``lag >= 1`` has normally completed already. Never a device-wide synchronize.
+
+With ``memory`` on, a timed GPU step also reads the caching allocator at each boundary (a host call,
+``_memory.MemoryReader``); a failed phase whose exception is a CUDA out-of-memory error leaves a note
+(phase, step, the peak allocated before it).
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import logging
 import math
 import random
 import re
+import sys
 from collections import deque
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
+from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, mib, oom_errors, torch_memory_backend
 from steptimer._window import StepRows
 
 log = logging.getLogger("steptimer")
@@ -66,7 +72,7 @@ class _Pending:
 
     __slots__ = (
         "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
-        "pauses", "device", "samples", "tokens", "flops", "timed", "warmup",
+        "pauses", "device", "samples", "tokens", "flops", "timed", "warmup", "memory",
     )  # fmt: skip
 
     def __init__(self, number: int, t0: float, timed: bool, warmup: bool) -> None:
@@ -85,6 +91,7 @@ class _Pending:
         self.samples: float | None = None
         self.tokens: float | None = None
         self.flops: float | None = None
+        self.memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
 
 
 class Engine:
@@ -101,6 +108,8 @@ class Engine:
         backend: the CUDA calls (tests pass a simulated GPU); None: the default backend.
         on_resolved: called with a step's number once its row is in ``rows``.
         on_pending: called with each finished step before its events are released (trace capture).
+        memory: read the CUDA caching allocator on timed GPU steps (``_memory.py``).
+        memory_backend: the allocator calls (tests pass a fake allocator); None: torch's.
     """
 
     def __init__(
@@ -114,6 +123,8 @@ class Engine:
         backend: _CudaBackend | None,
         on_resolved: Callable[[int], None],
         on_pending: Callable[[Engine, _Pending], None] | None = None,
+        memory: bool = False,
+        memory_backend: _MemoryBackend | None = None,
     ) -> None:
         self.lag = lag
         self.sample_every = sample_every
@@ -159,6 +170,14 @@ class Engine:
         self.held_end: tuple[int, int, Any] | None = None  # (number, device, end event) of the last resolved
         self.events_created = 0
         self._query: Callable[[Any], bool] = lambda ev: False
+        # Memory, settled with CUDA at the first step; _mem is the reader on the current step.
+        self._memory_opt = memory
+        self._custom_backend = backend is not None
+        self._mem_backend = memory_backend
+        self.memory: MemoryReader | None = None
+        self._mem: MemoryReader | None = None
+        # (phase or None, step, peak bytes before it, the step was timed) of a CUDA out-of-memory error
+        self.oom: tuple[str | None, int, int | None, bool] | None = None
 
     # ------------------------------------------------------------------ steps
 
@@ -184,22 +203,32 @@ class Engine:
             if b.is_capturing(self.stream):
                 raise RuntimeError(_CAPTURE_MSG)
             self._boundary(t0)
+            self._mem = mem = self.memory
+            if mem is not None:
+                mem.begin_step(self.device)
             self._last_t = perf_counter()
+        else:
+            self._mem = None
         self.in_step = True
 
     def end_step(
-        self, failed: bool, samples: float | None = None, tokens: float | None = None, flops: float | None = None
-    ) -> None:
+        self, failed: bool, samples: float | None = None, tokens: float | None = None, flops: float | None = None,
+        *, error: BaseException | None = None,
+    ) -> None:  # fmt: skip
         """Finish the step (drop it if ``failed`` or a phase is open), wait once, resolve what is due.
 
         ``samples``/``tokens``/``flops`` given here replace those given at the step's start (the
-        Lightning callback counts a step's samples over its micro-batches).
+        Lightning callback counts a step's samples over its micro-batches). ``error``: the exception
+        that ended the step, if any (else ``sys.exc_info()``'s), for the out-of-memory note.
         """
         if not self.in_step:
             return
         t1 = perf_counter()
         if failed or self._stack:
             open_ = self._stack[-1][0] if self._stack else None
+            if failed and self.memory is not None and self.oom is None:
+                # phases still open (a front door that exits them only on success: Lightning's)
+                self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
             self._drop_step()
             if not failed:
                 raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
@@ -216,7 +245,10 @@ class Engine:
         self._paused_s = 0.0
         rec.device = self.device
         if self._gpu:
+            shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
+            if self._mem is not None:
+                rec.memory = self._mem.end_step(shared)
         elif self.cuda and number + 1 == self._next_timed and self._stream_key is not None:
             # An untimed step right before a timed one: one event marks its end, so the timed step
             # gets its GPU idle.
@@ -254,13 +286,18 @@ class Engine:
                 raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
         i = -1
         if self._gpu:
+            shared = t0 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             i = self._boundary(t0)
-            t0 = perf_counter()  # the host span starts after the record
+            if self._mem is not None:
+                self._mem.enter_phase(shared)
+            t0 = perf_counter()  # the host span starts after the record (and the allocator reading)
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
         if self._gpu:
             self._last_t = perf_counter()
 
-    def exit_phase(self, name: str, failed: bool) -> None:
+    def exit_phase(self, name: str, failed: bool, *, error: BaseException | None = None) -> None:
+        """Leave phase ``name``; ``error``: the exception that ended it, if any (else
+        ``sys.exc_info()``'s), for the out-of-memory note."""
         t1 = perf_counter()
         if not self.in_step or not self._timed:
             return
@@ -280,6 +317,10 @@ class Engine:
             # never a wait: one runtime call, ~0.3 µs through the shim).
             caught = 1.0 if self._query(self._evs[i_in]) else 0.0
             i_out = self._boundary(t1)
+            if self._mem is not None:
+                peak = self._mem.exit_phase(full)
+                if failed and self.oom is None:
+                    self._note_oom(full, error, peak)
         self._recs.append((full, t_in, t1, i_in, i_out, caught))
         if self._gpu:
             self._last_t = perf_counter()
@@ -310,6 +351,8 @@ class Engine:
                 self._wait_for(self._pending[-1].number)
             while self._pending:
                 self._resolve(self._pending.popleft())
+        if self.memory is not None:
+            self.memory.close()
         self.closed = True
 
     def release_held(self) -> None:
@@ -327,6 +370,8 @@ class Engine:
         self._evs = []
         self._recs = []
         self._stack.clear()
+        if self._mem is not None:
+            self._mem.drop_step()
         self.in_step = False
         self._gap_start = perf_counter()  # the failed step's time is not data wait
         self._paused_s = 0.0
@@ -358,6 +403,35 @@ class Engine:
         self._query = self.b.query
         if self.b.note:
             self.notes.append(self.b.note)
+        if self._memory_opt and (self._mem_backend is not None or not self._custom_backend):
+            # torch's allocator only under real CUDA events (a simulated GPU has none)
+            mb = self._mem_backend or torch_memory_backend()
+            self.memory = MemoryReader(mb) if mb is not None else None
+
+    def _note_oom(self, phase: str | None, error: BaseException | None, peak: int | None = None) -> None:
+        """Remember where a CUDA out-of-memory error struck (once per run: the first one)."""
+        err = error if error is not None else sys.exc_info()[1]
+        if err is None or not isinstance(err, oom_errors()):
+            return
+        if peak is None and self.memory is not None:  # a step not read (untimed): the allocator's
+            peak = self.memory.b.read(self.memory.device)[1]  # peak since steptimer's last reading
+        self.oom = (phase, self.number + 1, peak, self._mem is not None)
+
+    def oom_note(self) -> str | None:
+        """The summary's line on a CUDA out-of-memory error inside a step, if one struck."""
+        if self.oom is None:
+            return None
+        phase, number, peak, read = self.oom
+        if phase is not None:
+            where = f"in phase {phase!r} of step {number}"
+            before = f"the peak allocated inside the phase before it was {mib(peak or 0):,.1f} MiB"
+        elif read:
+            where = f"in step {number}, outside any phase"
+            before = f"the step's peak allocated before it was {mib(peak or 0):,.1f} MiB"
+        else:
+            where = f"in step {number}, a step whose phases were not timed"
+            before = f"the allocator's peak since steptimer's last reading was {mib(peak or 0):,.1f} MiB"
+        return f"CUDA out of memory {where}: {before}"
 
     def _backend(self) -> _CudaBackend:
         if self.b is None:  # pragma: no cover - only reachable through a bug in this file
@@ -453,6 +527,8 @@ class Engine:
         for a, c in rec.pauses:
             self._free += (a, c)
         self.rows.add((names, has_gpu, has_idle), row)
+        if rec.memory is not None:
+            self.rows.memory.append(rec.memory)
         self.rows.warmup = rec.warmup
         self.last_resolved = rec.number
         self._on_resolved(rec.number)

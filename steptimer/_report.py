@@ -54,6 +54,17 @@ class PhaseRow:
 
 
 @dataclass(frozen=True)
+class MemoryReport:
+    """CUDA memory over the report's windows, MiB, by the summary's rules (steptimer/_memory.py):
+    ``peak_mib`` (``"step"`` and per phase) the max of the windows' peaks, ``alloc_mib`` per phase and
+    ``reserved_mib`` the last window's values."""
+
+    peak_mib: dict[str, float]
+    alloc_mib: dict[str, float]
+    reserved_mib: float | None
+
+
+@dataclass(frozen=True)
 class RunReport:
     name: str
     path: str
@@ -74,6 +85,7 @@ class RunReport:
     notes: tuple[str, ...]
     tflops_per_s: float | None = None  # as the summary's: total FLOPs over wall time
     mfu: float | None = None
+    memory: MemoryReport | None = None  # None: no steptimer/mem tags in the windows
 
     def row(self, name: str) -> PhaseRow | None:
         for r in self.rows:
@@ -177,7 +189,29 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         cycle_window_ms=cycle_window_ms,
         verdict=verdict,
         notes=tuple(notes),
+        memory=_memory(scal),
     )
+
+
+def _memory(scal: dict) -> MemoryReport | None:  # type: ignore[type-arg]
+    """The ``steptimer/mem/...`` tags of the selected windows (``scal`` holds only those), as the summary's
+    memory: max of the windows' peaks, the last window's allocated and reserved."""
+    peak: dict[str, float] = {}
+    alloc: dict[str, float] = {}
+    reserved = None
+    for tag, pts in scal.items():
+        if not tag.startswith("steptimer/mem/") or not pts:
+            continue
+        key = tag[len("steptimer/mem/") :]
+        if key.endswith("_peak_mib"):
+            peak[key[: -len("_peak_mib")]] = max(v for _, v in pts)
+        elif key.endswith("_alloc_mib"):
+            alloc[key[: -len("_alloc_mib")]] = pts[-1][1]
+        elif key == "reserved_mib":
+            reserved = pts[-1][1]
+    if not peak and reserved is None:
+        return None
+    return MemoryReport(peak, alloc, reserved)
 
 
 def _select_windows(run: RunLog, skip_steps: int, include_warmup: bool) -> tuple[list[int], list[str]]:

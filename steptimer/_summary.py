@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
+from steptimer._memory import MemoryStats, MemorySummary
 from steptimer._window import Packed, Window
 
 
@@ -34,7 +35,9 @@ class RankSummary:
 
     ``series`` maps ``(clock, name)`` (clock ``host`` or ``gpu``) to its spread; ``straggler`` is the
     spread of ``data + step - backward`` per rank, whose ``argmax`` is the rank that holds the
-    others back. ``reduce_ms`` is this rank's mean host time per round (the statistics' cost).
+    others back. Series ``("mem", "<name>_peak")`` and ``("mem", "reserved")`` (CUDA memory, each
+    rank's run peak and last reserved) carry MiB, not ms, in the same fields. ``reduce_ms`` is this
+    rank's mean host time per round (the statistics' cost).
     """
 
     world_size: int
@@ -47,11 +50,13 @@ class RankSummary:
     def lines(self) -> list[str]:
         """The section as text lines, for the summary table's footer."""
         out = [f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms):"]
+        if any(c == "mem" for c, _ in self.series):
+            out[0] = out[0][:-2] + "; mem: each rank's peak and reserved, MiB):"
         out.append(f"  {'series':<28} {'min (rank)':>16} {'mean':>10} {'max (rank)':>16}")
         rows: list[tuple[str, RankSpread]] = []
         if self.straggler is not None:
             rows.append(("straggler: data+step-bwd", self.straggler))
-        rows += [(f"{c} {n}", s) for (c, n), s in self.series.items()]
+        rows += [(f"{c} {n}" + (" MiB" if c == "mem" else ""), s) for (c, n), s in self.series.items()]
         for label, s in rows:
             out.append(
                 f"  {label:<28} {s.min_ms:>10.3f} ({s.argmin:>3}) {s.mean_ms:>10.3f} "
@@ -111,6 +116,7 @@ class Summary:
     tflops_per_s: float | None = None
     mfu: float | None = None
     peak_tflops: float | None = None
+    memory: MemorySummary | None = None  # CUDA memory (steptimer/_memory.py); None: not read
 
     def __getitem__(self, name: str) -> PhaseSummary:
         for row in self.rows:
@@ -173,6 +179,7 @@ class SummaryAccumulator:
         self.samples: float | None = None
         self.tokens: float | None = None
         self.flops: float | None = None
+        self.memory: MemoryStats | None = None
 
     @property
     def host(self) -> dict[str, LogHistogram]:
@@ -202,6 +209,8 @@ class SummaryAccumulator:
         p = window.packed
         if window.warmup or p is None:
             return
+        if window.memory is not None:
+            self.memory = window.memory if self.memory is None else self.memory.merged(window.memory)
         self._add_histograms(p)
         for g in p.groups:
             self.steps += g.rows

@@ -1,11 +1,12 @@
-"""The summary table, printed with ``rich``."""
+"""The summary table, printed with ``rich``, and the CUDA memory table under it (when read)."""
 
 from __future__ import annotations
 
 import math
 import os
 
-from steptimer._summary import PhaseSummary, Summary
+from steptimer._memory import MIB
+from steptimer._summary import PhaseSummary, Summary, row_order
 
 
 def _ms(v: float | None) -> str:
@@ -47,6 +48,9 @@ def heading(summary: Summary) -> str:
 def _print(console, summary: Summary) -> None:  # type: ignore[no-untyped-def]
     console.print(heading(summary), markup=False, highlight=False)
     console.print(build_table(summary, console.width))
+    mem = memory_table(summary)
+    if mem is not None:
+        console.print(mem)
     for line in footer(summary):
         console.print(line, markup=False, highlight=False)
 
@@ -66,6 +70,14 @@ def footer(summary: Summary) -> list[str]:
         lines.append(
             "* launch-bound: the GPU caught up with the host inside the phase and its span is at "
             "most 1.1x the host's: the GPU waited for launches, and its number includes that idle."
+        )
+    m = summary.memory
+    if m is not None and m.steps:
+        lines.append(MEMORY_LEGEND)
+    if m is not None and m.max_allocated_bytes:
+        lines.append(
+            f"the run's peak allocated was {m.max_allocated_bytes / MIB:,.1f} MiB (what "
+            "torch.cuda.max_memory_allocated() would say had steptimer not reset it per phase)"
         )
     lines.extend(summary.notes)
     if summary.ranks is not None:
@@ -109,3 +121,45 @@ def print_summary(summary: Summary) -> None:
     from rich.console import Console
 
     _print(Console(), summary)
+MEMORY_COLUMNS = ("phase", "peak", "at exit")
+MEMORY_LEGEND = (
+    "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
+    "allocated when it was left, and reserved at the step's end (last timed step)"
+)
+
+
+def _mib(n_bytes: float | None) -> str:
+    return "-" if n_bytes is None else f"{n_bytes / MIB:,.1f}"
+
+
+def memory_rows(
+    names: list[str], peak: dict[str, float], alloc: dict[str, float], reserved: float | None
+) -> list[tuple[str, str, str]]:
+    """The memory table's rows as (label, peak, alloc) text: the phases in ``row_order``, then the
+    step's peak and the reserved bytes; one layout for the summary and ``steptimer report``
+    (values in bytes)."""
+    rows = []
+    for name in row_order([n for n in names if n != "step"], set(names) - {"step"}):
+        rows.append(("  " * name.count("/") + name.rsplit("/", 1)[-1], _mib(peak.get(name)), _mib(alloc.get(name))))
+    rows.append(("step", _mib(peak.get("step")), "-"))
+    rows.append(("reserved", "-", _mib(reserved)))
+    return rows
+
+
+def memory_table(summary: Summary):  # type: ignore[no-untyped-def]
+    """The summary's CUDA memory as a ``rich`` table (None when memory was not read): per phase the
+    peak allocated inside it (max over the timed steps) and the allocated at its exit (last timed
+    step); the step's peak; the allocator's reserved bytes at the end of the last timed step."""
+    m = summary.memory
+    if m is None or not m.steps:
+        return None
+    from rich.table import Table
+
+    table = Table(title=f"CUDA memory MiB, {m.steps} timed steps", title_justify="left")
+    for col in MEMORY_COLUMNS:
+        table.add_column(col, justify="left" if col == "phase" else "right", no_wrap=True)
+    seen = [r.name for r in summary.rows]
+    names = [n for n in seen if n in m.peak_bytes] + [n for n in m.peak_bytes if n not in seen]
+    for cells in memory_rows(names, dict(m.peak_bytes), dict(m.alloc_bytes), m.reserved_bytes):
+        table.add_row(*cells)
+    return table

@@ -12,6 +12,11 @@ first ``/``; groups are shown in alphabetical order, so ``steptimer`` comes firs
     steptimer/steps_per_s, steptimer/samples_per_s, steptimer/tokens_per_s
     steptimer/tflops_per_s                       the window's step(flops=) over its wall time, TFLOP/s
     steptimer/mfu                                tflops_per_s over the peak (a fraction, 0-1)
+    steptimer/mem/<name>_peak_mib                CUDA memory (rules in steptimer/_memory.py): max over
+                                                 the window's timed steps of the peak allocated inside
+                                                 the phase (``step``: the step)
+    steptimer/mem/<name>_alloc_mib               allocated at the phase's exit, last timed step
+    steptimer/mem/reserved_mib                   reserved at the step's end, last timed step
     steptimer-tails/<clock>/<name>_p90_ms        window p90 of steps
     steptimer-tails/<clock>/<name>_max_ms        window max of steps
     steptimer-caught-up/gpu/<name>_frac          fraction of the window's steps in which the GPU reached
@@ -43,6 +48,7 @@ import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from steptimer._memory import MIB
 from steptimer._summary import Summary, row_order
 from steptimer._window import Window
 
@@ -66,6 +72,9 @@ CHARTS = {
     "Host max ms per phase": r"^steptimer-tails/host_max_ms$",
     "GPU max ms per phase": r"^steptimer-tails/gpu_max_ms$",
     "Steps in which the GPU caught up, per phase": r"^steptimer-caught-up/gpu_frac$",
+    "CUDA peak allocated MiB per phase": r"^steptimer/mem_peak_mib$",
+    "CUDA allocated MiB at phase exit": r"^steptimer/mem_alloc_mib$",
+    "CUDA reserved MiB": r"^steptimer/mem/reserved_mib$",
 }
 _UNCHARTED = ("steptimer-run",)  # groups left out of the Custom Scalars layout
 # A write() system call cost ~80 µs per window on the device's virtual disk (docs/benchmarks.md):
@@ -125,6 +134,13 @@ def window_scalars(window: Window) -> dict[str, float]:
         out["steptimer/mfu"] = window.mfu
     if window.warmup:
         out[WARMUP_TAG] = float(window.steps)
+    mem = window.memory
+    if mem is not None:
+        for name, b in mem.peak_bytes.items():
+            out[f"steptimer/mem/{name}_peak_mib"] = b / MIB
+        for name, b in mem.alloc_bytes.items():
+            out[f"steptimer/mem/{name}_alloc_mib"] = b / MIB
+        out["steptimer/mem/reserved_mib"] = mem.reserved_bytes / MIB
     out.update(window.extra)
     return out
 

@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional, Tuple
 import numpy as np
 
 from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats, bucket_upper_ms
+from steptimer._memory import MemoryStats, StepMemory, memory_of
 
 # A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
 # times, the GPU step (ms), one GPU span (ms) per phase entry and one "caught" flag per phase entry
@@ -30,12 +31,13 @@ RowKey = Tuple[Optional[Tuple[str, ...]], bool, bool]
 class StepRows:
     """The resolved steps of one log window, as rows grouped by layout (see ``LEAD``)."""
 
-    __slots__ = ("groups", "count", "warmup")
+    __slots__ = ("groups", "count", "warmup", "memory")
 
     def __init__(self) -> None:
         self.groups: dict[RowKey, list[list[float]]] = {}
         self.count = 0
         self.warmup = False  # the window's steps are warm-up steps (windows never mix the two)
+        self.memory: list[StepMemory] = []  # the allocator's readings of the timed steps, in order
 
     def add(self, key: RowKey, row: list[float]) -> None:
         rows = self.groups.get(key)
@@ -338,6 +340,8 @@ class Window:
     extra: Mapping[str, float] = field(default_factory=dict)
     # The statistics as arrays, for the summary (None for a window built elsewhere, e.g. in tests).
     packed: Packed | None = field(default=None, repr=False, compare=False)
+    # CUDA memory of the window's timed steps (None: not read; see steptimer/_memory.py).
+    memory: MemoryStats | None = None
 
 
 def window_of(rows: StepRows, last_step: int, peak_tflops: float | None = None) -> Window:
@@ -368,4 +372,5 @@ def window_of(rows: StepRows, last_step: int, peak_tflops: float | None = None) 
         mfu=tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None,
         warmup=rows.warmup,
         packed=p,
+        memory=memory_of(rows.memory),
     )

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from steptimer._reader import LogError, find_runs
-from steptimer._report import RunReport, analyze, compare
+from steptimer._report import MemoryReport, RunReport, analyze, compare
 from steptimer._table import compute_line
 
 
@@ -171,6 +171,11 @@ def _print_report(console: Any, r: RunReport) -> None:
         cells.append("-" if row.share is None else f"{100 * row.share:.1f}%")
         table.add_row(*cells)
     console.print(table)
+    if r.memory is not None:
+        from steptimer._table import MEMORY_LEGEND
+
+        console.print(_memory_table(r, r.memory))
+        console.print(MEMORY_LEGEND)
     rates = [f"{r.steps_per_s:.2f} steps/s" if r.steps_per_s else "-"]
     if r.samples_per_s is not None:
         rates.append(f"{r.samples_per_s:,.1f} samples/s")
@@ -187,6 +192,25 @@ def _print_report(console: Any, r: RunReport) -> None:
     for note in r.notes:
         console.print(f"note: {note}")
     console.print()
+
+
+def _memory_table(r: RunReport, m: MemoryReport) -> Any:
+    """The summary's memory table (``_table.memory_rows``) from the logged MiB."""
+    from rich.table import Table
+
+    from steptimer._memory import MIB
+    from steptimer._table import MEMORY_COLUMNS, memory_rows
+
+    table = Table(title="CUDA memory MiB", title_justify="left")
+    for col in MEMORY_COLUMNS:
+        table.add_column(col, justify="left" if col == "phase" else "right", no_wrap=True)
+    seen = [row.name for row in r.rows]
+    names = [n for n in seen if n in m.peak_mib] + [n for n in m.peak_mib if n not in seen]
+    to_b = lambda d: {k: v * MIB for k, v in d.items()}  # noqa: E731
+    reserved = None if m.reserved_mib is None else m.reserved_mib * MIB
+    for cells in memory_rows(names, to_b(m.peak_mib), to_b(m.alloc_mib), reserved):
+        table.add_row(*cells)
+    return table
 
 
 # ---------------------------------------------------------------------- compare

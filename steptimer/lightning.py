@@ -36,6 +36,7 @@ import functools
 import importlib
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -235,6 +236,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             :class:`~steptimer.StepTimer`).
         profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps and write
             ``steptimer-profile.json`` to ``trainer.log_dir`` (see :class:`~steptimer.StepTimer`).
+        memory: Read CUDA memory per phase on timed steps (see :class:`~steptimer.StepTimer`).
 
     Example:
         >>> cb = StepTimerCallback(log_every_n_steps=10)
@@ -260,7 +262,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         enabled: bool = True,
         nvtx: bool = False,
         profile_steps: tuple[int, int] | None = None,
+        memory: bool = True,
         _backend: Any = None,
+        _memory_backend: Any = None,
     ) -> None:
         super().__init__()
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
@@ -301,7 +305,11 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self.enabled = enabled
         self.nvtx = nvtx
         self.profile_steps = profile_steps
+        if memory not in (True, False):
+            raise ValueError(f"memory must be True or False, got {memory!r}")
+        self.memory = memory
         self._backend = _backend
+        self._memory_backend = _memory_backend
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
@@ -413,7 +421,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             nvtx=self.nvtx,
             profile_steps=profile_steps,
             _profile_dir=str(trainer.log_dir or trainer.default_root_dir) if profile_steps is not None else None,
+            memory=self.memory,
             _backend=self._backend,
+            _memory_backend=self._memory_backend,
             _sinks=[sink] if sink is not None else [],
         )
         self._install(trainer, pl_module)
@@ -608,8 +618,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             return max(trainer_every, 1)
         return max(trainer_every, 10 * self.sample_every)
 
-    def _switch(self, name: str | None) -> None:
-        """End the callback phase open in the innermost frame and start ``name`` (None: none)."""
+    def _switch(self, name: str | None, error: BaseException | None = None) -> None:
+        """End the callback phase open in the innermost frame (``error``: the exception that ended
+        it) and start ``name`` (None: none)."""
         frame = self._frames[-1]
         cur = frame[0]
         if cur == name:
@@ -619,7 +630,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             return
         if cur is not None:
             frame[0] = None
-            timer.phase(cur).__exit__(None, None, None)
+            timer.phase(cur).__exit__(type(error) if error is not None else None, error, None)
         if name is not None:
             timer.phase(name).__enter__()
             frame[0] = name
@@ -722,7 +733,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             return
         self._fwd_depth -= 1
         if self._fwd_depth == 0:  # several calls (encoder, then decoder) are several `forward` spans
-            self._switch("loss")
+            # always_call: torch runs this hook from its except block when forward raised; the
+            # error then ends `forward` (the summary's out-of-memory note names the phase)
+            self._switch("loss", error=sys.exc_info()[1])
 
     def _zero_grad_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def zero_grad(*args: Any, **kwargs: Any) -> Any:

@@ -21,6 +21,7 @@ from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._engine import Engine, check_phase_name
 from steptimer._profile import Ranges, make_ranges
+from steptimer._memory import MemorySummary, _MemoryBackend
 from steptimer._summary import Summary, SummaryAccumulator
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
@@ -64,7 +65,7 @@ class _Step:
         self._e.begin_step(self._samples, self._tokens, self._flops)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
-        self._e.end_step(et is not None, self._samples, self._tokens, self._flops)
+        self._e.end_step(et is not None, self._samples, self._tokens, self._flops, error=ev)
         return False
 
 
@@ -80,7 +81,7 @@ class _Phase:
         self._e.enter_phase(self._name)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
-        self._e.exit_phase(self._name, et is not None)
+        self._e.exit_phase(self._name, et is not None, error=ev)
         return False
 
 
@@ -106,7 +107,7 @@ class _RangedStep(_Step):
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
         try:
-            self._e.end_step(et is not None, self._samples, self._tokens, self._flops)
+            self._e.end_step(et is not None, self._samples, self._tokens, self._flops, error=ev)
         finally:
             self._r.end_step(self._e)
         return False
@@ -212,6 +213,12 @@ class StepTimer:
             each phase as a ``record_function`` range named ``steptimer/<phase>``, and write the
             Chrome trace to ``steptimer-profile.json`` in the log directory, for ``steptimer
             kernels``. The profiled steps stay in the statistics, flagged in the summary's notes.
+        memory: On timed steps with CUDA timing, read the caching allocator's peak allocated per
+            phase and per step, the allocated at each phase's exit and the reserved (TensorBoard
+            ``steptimer/mem/...``, the summary's memory table). It resets the allocator's peak
+            counter at each phase boundary of a timed step, so ``torch.cuda.max_memory_allocated()``
+            then returns the peak since that boundary; the run's peak is in the summary
+            (``summary.memory.max_allocated_bytes``). False leaves the allocator untouched.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -244,7 +251,9 @@ class StepTimer:
         nvtx: bool = False,
         profile_steps: tuple[int, int] | None = None,
         _profile_dir: str | None = None,
+        memory: bool = True,
         _backend: _CudaBackend | None = None,
+        _memory_backend: _MemoryBackend | None = None,
         _sinks: Sequence[Sink] = (),
     ) -> None:
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
@@ -257,6 +266,8 @@ class StepTimer:
             isinstance(peak_tflops, (int, float)) and not isinstance(peak_tflops, bool) and 0 < peak_tflops < math.inf
         ):
             raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {peak_tflops!r}")
+        if memory not in (True, False):
+            raise ValueError(f"memory must be True or False, got {memory!r}")
         if log_every_n_steps is None:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
         self.log_every_n_steps: int = log_every_n_steps
@@ -290,6 +301,7 @@ class StepTimer:
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=_backend, on_resolved=self._on_resolved,
             on_pending=_on_pending(self._trace, profile),
+            memory=memory, memory_backend=_memory_backend,
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
@@ -466,11 +478,24 @@ class StepTimer:
                 f"all {engine.number - engine.first_number + 1} steps were warm-up "
                 f"(warmup_steps={self.warmup_steps}); nothing to summarize",
             )
+        oom = engine.oom_note()
+        if oom is not None:
+            notes += (oom,)
         if self._xrank is not None:
             notes += tuple(self._xrank.notes)
         summary = self._acc.summary(
             warmup_steps=self.warmup_steps, cuda=bool(engine.cuda), notes=notes, peak_tflops=peak
         )
+        mem = self._acc.memory
+        if engine.memory is not None:
+            summary = dataclasses.replace(
+                summary,
+                memory=MemorySummary(
+                    peak_bytes=mem.peak_bytes if mem else {}, alloc_bytes=mem.alloc_bytes if mem else {},
+                    reserved_bytes=mem.reserved_bytes if mem else 0, steps=mem.steps if mem else 0,
+                    max_allocated_bytes=engine.memory.seen_bytes,
+                ),
+            )  # fmt: skip
         if self._xrank is not None and self._xrank.summary is not None:
             summary = dataclasses.replace(summary, ranks=self._xrank.summary)
         return summary

@@ -143,3 +143,45 @@ def engine_waits_counted(on_wait: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         engine_mod.default_backend = orig  # type: ignore[assignment]
+
+
+class FakeAllocator:
+    """torch's caching allocator as steptimer reads it: allocated, peak since the last reset, reserved.
+
+    ``alloc(n)``/``free(n)`` move the allocated bytes; reserved grows in 2 MiB segments to cover them
+    and never shrinks (as the caching allocator keeps freed blocks). Reads and resets are counted.
+    """
+
+    SEGMENT = 2 << 20
+
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.peak = 0
+        self.reserved = 0
+        self.reads = 0
+        self.resets = 0
+        self.devices: set[int] = set()
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+        need = -(-self.allocated // self.SEGMENT) * self.SEGMENT
+        self.reserved = max(self.reserved, need)
+
+    def free(self, n: int) -> None:
+        assert n <= self.allocated
+        self.allocated -= n
+
+    def read(self, device: int) -> tuple[int, int, int]:
+        self.reads += 1
+        self.devices.add(device)
+        return self.allocated, self.peak, self.reserved
+
+    def reset_peak(self, device: int) -> None:
+        self.resets += 1
+        self.peak = self.allocated
+
+    def backend(self) -> Any:
+        from steptimer._memory import _MemoryBackend
+
+        return _MemoryBackend(read=self.read, reset_peak=self.reset_peak)

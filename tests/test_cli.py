@@ -587,3 +587,47 @@ def test_report_and_summary_use_one_launch_bound_rule(tmp_path: Path, clock: Fak
         for name in ("forward", "loss"):
             assert s[name].launch_bound is marked and rows[name]["launch_bound"] is marked, (backlog, name)
         assert (r["verdict"]["kind"] == "launch-bound") is marked, r["verdict"]
+
+
+def test_report_memory_agrees_with_the_summary(tmp_path: Path, clock: FakeClock) -> None:
+    """The memory table of ``steptimer report`` is the summary's (same rules, from the logged MiB):
+    peaks are the max over the post-warm-up windows (the warm-up's 64 MiB step is left out of both),
+    alloc at exit and reserved the last window's."""
+    from steptimer._memory import MIB
+    from tests.fakes import FakeAllocator
+
+    gpu, mem = FakeGPU(clock), FakeAllocator()
+    t = StepTimer(
+        log_dir=tmp_path, warmup_steps=2, log_every_n_steps=3, print_summary=False,
+        _backend=gpu.backend(), _memory_backend=mem.backend(),
+    )  # fmt: skip
+    for i in range(11):
+        big = (64 if i < 2 else 1 + i % 4) << 20
+        with t.step():
+            with t.phase("forward"):
+                mem.alloc(big)
+                with t.phase("attn"):
+                    mem.alloc(big // 2)
+                    mem.free(big // 2)
+                clock.advance_ms(1.0)
+            with t.phase("backward"):
+                mem.free(big - (i << 10))
+                clock.advance_ms(1.0)
+    s = t.close()
+    # the largest post-warm-up step is i = 7 (4 MiB and 2 inside attn), on the 0 + 1 + ... + 6 KiB
+    # each step before it kept
+    assert s.memory is not None and s.memory.peak_bytes["step"] == 6 * (1 << 20) + sum(range(7)) * 1024
+    (run,) = report_json(tmp_path)["runs"]
+    rep = run["memory"]
+    for name, b in s.memory.peak_bytes.items():
+        assert rep["peak_mib"][name] == pytest.approx(b / MIB, rel=1e-6), name
+    for name, b in s.memory.alloc_bytes.items():
+        assert rep["alloc_mib"][name] == pytest.approx(b / MIB, rel=1e-6), name
+    assert rep["reserved_mib"] == pytest.approx(s.memory.reserved_bytes / MIB)
+    assert set(rep["peak_mib"]) == set(s.memory.peak_bytes)
+    text = cli("report", str(tmp_path)).stdout
+    assert "CUDA memory MiB" in text
+    mem_lines = text.split("CUDA memory MiB", 1)[1].splitlines()
+    (fwd,) = [line for line in mem_lines if line.startswith("│ forward ")]
+    assert f"{s.memory.peak_bytes['forward'] / MIB:,.1f}" in fwd
+    assert f"{s.memory.alloc_bytes['forward'] / MIB:,.1f}" in fwd

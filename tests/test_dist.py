@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,24 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
         assert results[r]["summary_ranks"] == 2
         assert results[r]["summary_straggler_argmax"] == slow
     assert f"slowest rank: {slow} " in out  # the per-rank section of rank 0's printed summary
+
+
+def test_memory_across_ranks(tmp_path: Path) -> None:
+    """Each rank's memory peaks ride in the same rounds: rank 1's forward peaks at 16 MiB, rank 0's at
+    8 MiB (a simulated allocator per rank); the max, min, mean and argmax say so, in MiB."""
+    args = ["--log-dir", str(tmp_path), "--steps", "20", "--every", "10", "--fake-memory"]
+    results, _ = torchrun("plain_loop.py", *args)
+    tb = scalars(tmp_path)
+    for kind, want in (("max", 16.0), ("min", 8.0), ("mean", 12.0)):
+        for name in ("forward_peak", "step_peak"):
+            assert tb[f"steptimer-ranks/mem/{name}_{kind}_mib"] == [(10, want), (20, want)], (kind, name)
+    assert [v for _, v in tb["steptimer-ranks/mem/step_peak_argmax"]] == [1.0, 1.0]
+    assert tb["steptimer-ranks/mem/reserved_max_mib"] == [(10, 16.0), (20, 16.0)]
+    assert [v for _, v in tb["steptimer/mem/forward_peak_mib"]] == [8.0, 8.0]  # rank 0's own
+    lines = results[0]["summary_lines"]
+    (row,) = [line for line in lines if "mem step_peak MiB" in line]
+    assert re.search(r" 8\.000 \(  0\)\s+12\.000\s+16\.000 \(  1\)$", row), row
+    assert "mem: each rank's peak and reserved, MiB" in lines[0]
 
 
 def test_uneven_end_logs_the_final_window_with_a_warning(tmp_path: Path) -> None:

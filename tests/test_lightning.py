@@ -1320,3 +1320,91 @@ def test_sampling_lengthens_the_trainers_log_interval(flavour_name: str) -> None
     assert sorted(windows) == [30, 60]
     assert all("steptimer/host/forward_ms" in w for w in windows.values())
     assert cb.summary is not None and cb.summary.timed_steps == 20
+
+
+# --------------------------------------------------------------------------- CUDA memory
+
+
+def make_allocating(L: Any, mem: Any, oom_at: int = -1) -> Any:
+    """A LightningModule whose forward allocates 3 MiB on a fake allocator and keeps 1 MiB until the
+    end of ``training_step`` (the loss phase); batch ``oom_at`` raises CUDA out-of-memory in forward."""
+
+    class Allocating(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mem.alloc(3 << 20)
+            if self.trainer.global_step == oom_at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+            mem.free(2 << 20)
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self(batch[0]).pow(2).mean()
+            mem.free(1 << 20)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Allocating()
+
+
+def test_memory_per_phase_reaches_the_loggers() -> None:
+    import pytorch_lightning as pl
+
+    from tests.fakes import FakeAllocator
+
+    mem = FakeAllocator()
+    cb = StepTimerCallback(
+        log_every_n_steps=2, warmup_steps=0, print_summary=False, _backend=WallGPU().backend(),
+        _memory_backend=mem.backend(),
+    )  # fmt: skip
+    cap = make_capture(pl)
+    trainer(pl, cb, logger=cap, limit_val_batches=0).fit(make_allocating(pl, mem), loader(4))
+    sent = cap.by_step()[4]
+    assert sent["steptimer/mem/forward_peak_mib"] == 3.0
+    assert sent["steptimer/mem/forward_alloc_mib"] == 1.0
+    assert sent["steptimer/mem/loss_alloc_mib"] == 0.0
+    assert sent["steptimer/mem/step_peak_mib"] == 3.0
+    assert sent["steptimer/mem/backward_peak_mib"] == 0.0
+    assert sent["steptimer/mem/reserved_mib"] == 4.0  # two 2 MiB segments
+    assert cb.summary is not None and cb.summary.memory is not None
+    assert cb.summary.memory.peak_bytes["forward"] == 3 << 20
+
+
+def test_out_of_memory_in_a_lightning_phase_is_noted() -> None:
+    import pytorch_lightning as pl
+
+    from tests.fakes import FakeAllocator
+
+    mem = FakeAllocator()
+    cb = StepTimerCallback(
+        log_every_n_steps=100, warmup_steps=0, print_summary=False, _backend=WallGPU().backend(),
+        _memory_backend=mem.backend(),
+    )  # fmt: skip
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 1.00 GiB"):
+        trainer(pl, cb, logger=False, limit_val_batches=0).fit(make_allocating(pl, mem, oom_at=2), loader(6))
+    assert cb.summary is not None and cb.summary.steps == 2
+    (note,) = [n for n in cb.summary.notes if "out of memory" in n]
+    assert note == (
+        "CUDA out of memory in phase 'forward' of step 3: the peak allocated inside the phase before it "
+        "was 3.0 MiB"
+    )
+
+
+def test_no_memory_tags_on_a_cpu_trainer() -> None:
+    """A real CPU Trainer (no CUDA): the callback reads no allocator, logs no memory tag, and the
+    summary has no memory; nothing else changes."""
+    import pytorch_lightning as pl
+
+    cb = StepTimerCallback(log_every_n_steps=2, warmup_steps=0, print_summary=False)
+    cap = make_capture(pl)
+    trainer(pl, cb, logger=cap, limit_val_batches=0).fit(make_module(pl, "auto", Sleeper(regions=(None,))), loader(4))
+    sent = cap.by_step()
+    assert sorted(sent) == [2, 4]
+    assert "steptimer/host/forward_ms" in sent[4]
+    assert not [k for step in sent.values() for k in step if k.startswith("steptimer/mem/")]
+    assert cb.summary is not None and cb.summary.memory is None and cb.summary.steps == 4

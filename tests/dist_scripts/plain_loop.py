@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,11 +38,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--cuda", action="store_true")
+    p.add_argument(
+        "--fake-memory", action="store_true",
+        help="a simulated GPU and allocator (tests/fakes.py): forward allocates (rank + 1) x 8 MiB",
+    )  # fmt: skip
     return p.parse_args()
 
 
 def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: nn.Module,
-          opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+          opt: torch.optim.Optimizer, x: torch.Tensor, mem: Any = None) -> None:
     with timer:  # an exception leaves through __exit__: close(failed=True), no collective
         for i in range(1, steps + 1):
             if rank == a.raise_rank and i == a.raise_step:
@@ -50,6 +55,9 @@ def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: n
             with timer.step(samples=x.shape[0]):
                 with timer.phase("forward"):
                     loss = net(x).square().mean()
+                    if mem is not None:
+                        mem.alloc((rank + 1) * (8 << 20))
+                        mem.free((rank + 1) * (8 << 20))
                     if rank == a.slow_rank:
                         time.sleep(a.slow_ms / 1e3)
                 if rank == a.extra_phase_rank:
@@ -77,13 +85,20 @@ def main() -> None:
     net = model if a.short_rank >= 0 or a.no_ddp else ddp
     steps = a.short_steps if rank == a.short_rank else a.steps
     x = torch.randn(a.batch, a.width, device=device)
+    fake: dict[str, Any] = {}
+    mem = None
+    if a.fake_memory:
+        from tests.fakes import FakeAllocator, FakeClock, FakeGPU
+
+        mem = FakeAllocator()
+        fake = {"_backend": FakeGPU(FakeClock()).backend(), "_memory_backend": mem.backend()}
     timer = StepTimer(
-        log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=0, cuda=a.cuda or False,
-        cross_rank_timeout_s=a.timeout,
+        log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=0,
+        cuda=None if a.fake_memory else a.cuda or False, cross_rank_timeout_s=a.timeout, **fake,
     )
     t0 = time.perf_counter()
     try:
-        train(a, rank, steps, timer, net, opt, x)
+        train(a, rank, steps, timer, net, opt, x, mem)
     except RuntimeError as err:
         print(f"rank {rank} caught: {err}", flush=True)
         time.sleep(a.linger_s)  # alive but out of steptimer's rounds: the others must time out
@@ -95,6 +110,7 @@ def main() -> None:
         out["summary_straggler_argmax"] = None if s is None else s.argmax
         out["reduce_ms"] = summary.ranks.reduce_ms
         out["rounds"] = summary.ranks.rounds
+        out["summary_lines"] = summary.ranks.lines()
     print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
 

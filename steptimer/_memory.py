@@ -1,0 +1,239 @@
+"""CUDA memory per phase, read from torch's caching allocator on the host (never a device sync).
+
+On a timed step with ``memory=True`` and CUDA timing, the engine reads the allocator at each phase
+boundary (``MemoryReader.boundary``): the peak allocated since the last boundary, then resets the
+peak counter, so the next reading's peak is of the next stretch of code only. The phase's peak is the
+max of the readings inside it (a nested phase's readings included: an outer phase's peak is never
+lost at an inner phase's reset), and the allocated bytes at its exit. The step's peak is the max of
+all of the step's readings; the reserved bytes are read at the step's end.
+
+Per log window, written as ``steptimer/mem/...`` (MiB = 2**20 bytes)::
+
+    steptimer/mem/<phase>_peak_mib    max over the window's timed steps of the phase's peak allocated
+    steptimer/mem/step_peak_mib       max over the window's timed steps of the step's peak allocated
+    steptimer/mem/<phase>_alloc_mib   allocated at the phase's (last) exit in the window's last timed step
+    steptimer/mem/reserved_mib        reserved by the allocator at the end of the window's last timed step
+
+Peaks are maxima (a peak of peaks is what "how close to the card's limit" asks); allocated and
+reserved are levels, given as the last value: exact bytes, and what ``memory_allocated()`` /
+``memory_reserved()`` said then (a mean of levels is a number no tool shows). The run summary
+takes the same rules over the summarized (post-warm-up) windows.
+
+The reset changes what a user's ``torch.cuda.max_memory_allocated()`` returns while steptimer runs:
+the peak since steptimer's last reading on a timed step (a phase boundary), not since the start of
+the process. Every reading takes the peak *before* resetting it, so steptimer knows the value the
+counter would have held without it: ``MemorySummary.max_allocated_bytes`` (what
+``max_memory_allocated()`` would return at ``close()`` had steptimer never reset it, as long as the
+user's own code resets nothing; a reset of the user's inside a phase also loses that phase's peak
+before it). ``memory=False`` leaves the allocator untouched. The device read is the one of the
+stream current at ``step()`` entry (the timed stream's); other devices' memory is not read.
+
+Cost: one ``torch._C._cuda_memoryStats`` call (the allocator's stats as a nested dict, which
+``torch.cuda.memory_allocated`` and friends flatten and sort into an ``OrderedDict`` on every
+call) and one ``_cuda_resetPeakMemoryStats`` per boundary; measured in docs/benchmarks.md
+(``bench/memory.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MIB = float(1 << 20)
+
+# A memory backend: read(device) -> (allocated, peak allocated since the last reset, reserved) in
+# bytes, and reset_peak(device). Tests pass fake ones (tests/fakes.py's FakeAllocator).
+ReadFn = Callable[[int], tuple[int, int, int]]
+ResetFn = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class _MemoryBackend:
+    """The two allocator calls the engine makes, bound once."""
+
+    read: ReadFn
+    reset_peak: ResetFn
+
+
+def torch_memory_backend() -> _MemoryBackend | None:
+    """The allocator calls over torch (None where this torch has no CUDA allocator to read).
+
+    The stats binding is called straight, not ``torch.cuda.memory_allocated`` and friends: each public
+    getter flattens and sorts the whole stats dict into an ``OrderedDict`` (bench/memory.py).
+    """
+    import torch
+
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
+    if stats is None or reset is None or not torch.cuda.is_available():
+        return None
+
+    def read(device: int) -> tuple[int, int, int]:
+        s = stats(device)
+        a = s["allocated_bytes"]["all"]
+        return a["current"], a["peak"], s["reserved_bytes"]["all"]["current"]
+
+    return _MemoryBackend(read=read, reset_peak=reset)
+
+
+# One timed step's readings: (step peak bytes, reserved bytes at its end, per phase entry in exit
+# order (full name, peak bytes inside it, allocated bytes at its exit)).
+StepMemory = tuple[int, int, tuple[tuple[str, int, int], ...]]
+
+
+class MemoryReader:
+    """The readings of the current timed step; owned by the engine.
+
+    Keeps one running peak per open phase (a stack parallel to the engine's) and one for the step.
+    Each reading's peak raises the innermost open phase's running peak (or the step's); at a phase's
+    exit its peak raises its parent's. So an outer phase's peak includes every inner phase's.
+    """
+
+    def __init__(self, backend: _MemoryBackend) -> None:
+        self.b = backend
+        self.device = 0
+        self.seen_bytes = 0  # the largest peak any reading returned: the run's true peak
+        self._step = 0
+        self._stack: list[int] = []
+        self._phases: list[tuple[str, int, int]] = []
+        self.last_alloc = 0
+        self.last_reserved = 0
+
+    def _read(self) -> tuple[int, int, int]:
+        """Read, then reset the peak counter (so the next reading covers only what follows)."""
+        alloc, peak, reserved = self.b.read(self.device)
+        self.b.reset_peak(self.device)
+        if peak > self.seen_bytes:
+            self.seen_bytes = peak
+        self.last_alloc, self.last_reserved = alloc, reserved
+        return alloc, peak, reserved
+
+    def begin_step(self, device: int) -> None:
+        self.device = device
+        alloc, _, _ = self._read()  # its peak (between steps) counts only for seen_bytes
+        self._step = alloc
+        self._stack.clear()
+        self._phases = []
+
+    def enter_phase(self, shared: bool) -> None:
+        """At a phase's entry; ``shared``: nothing ran since the last reading (see the engine's
+        ``_SHARE_GAP_S``), so that reading stands for this one and the allocator is not called."""
+        if shared:
+            alloc = self.last_alloc
+        else:
+            alloc, peak, _ = self._read()
+            self._raise(peak)
+        self._stack.append(alloc)  # after a reset the peak counter starts at the allocated bytes
+
+    def exit_phase(self, full: str) -> int:
+        """At a phase's exit; returns the phase's peak bytes."""
+        alloc, peak, _ = self._read()
+        peak = max(self._stack.pop(), peak)
+        self._raise(peak)
+        self._phases.append((full, peak, alloc))
+        return peak
+
+    def end_step(self, shared: bool) -> StepMemory:
+        """At the step's end; ``shared`` as for ``enter_phase`` (the last reading stands for this one)."""
+        if shared:
+            return self._step, self.last_reserved, tuple(self._phases)
+        _, peak, reserved = self.b.read(self.device)  # no reset: the next step's first reading does it
+        if peak > self.seen_bytes:
+            self.seen_bytes = peak
+        return max(self._step, peak), reserved, tuple(self._phases)
+
+    def open_peak(self) -> int:
+        """The innermost open phase's peak so far (the step's outside any phase), with a reading now
+        and no reset (for the out-of-memory note of a step that fails with phases open)."""
+        _, peak, _ = self.b.read(self.device)
+        return max(self._stack[-1] if self._stack else self._step, peak)
+
+    def drop_step(self) -> None:
+        self._stack.clear()
+        self._phases = []
+
+    def close(self) -> None:
+        """A last reading (no reset), so ``seen_bytes`` covers the time after the last step too."""
+        _, peak, _ = self.b.read(self.device)
+        if peak > self.seen_bytes:
+            self.seen_bytes = peak
+
+    def _raise(self, peak: int) -> None:
+        if self._stack:
+            if peak > self._stack[-1]:
+                self._stack[-1] = peak
+        elif peak > self._step:
+            self._step = peak
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory of a log window or of the run (bytes; see the module docstring for the rules).
+
+    ``peak_bytes`` maps ``"step"`` and each phase (``outer/inner`` when nested) to the max over the
+    steps of the peak allocated; ``alloc_bytes`` maps each phase to the allocated bytes at its last
+    exit in the last timed step that ran it; ``reserved_bytes`` is the reserved bytes at the end of the
+    last timed step; ``steps`` the timed steps read.
+    """
+
+    peak_bytes: Mapping[str, int]
+    alloc_bytes: Mapping[str, int]
+    reserved_bytes: int
+    steps: int
+
+    def merged(self, later: MemoryStats) -> MemoryStats:
+        """This and a later window's memory together: max of peaks, the later levels."""
+        peak = dict(self.peak_bytes)
+        for k, v in later.peak_bytes.items():
+            peak[k] = max(peak.get(k, v), v)
+        alloc = {**self.alloc_bytes, **later.alloc_bytes}
+        return MemoryStats(peak, alloc, later.reserved_bytes, self.steps + later.steps)
+
+
+def memory_of(steps: list[StepMemory]) -> MemoryStats | None:
+    """A window's memory from its timed steps' readings, in step order (None: no step was read)."""
+    if not steps:
+        return None
+    peak: dict[str, int] = {}
+    alloc: dict[str, int] = {}
+    for step_peak, _, phases in steps:
+        if step_peak > peak.get("step", -1):
+            peak["step"] = step_peak
+        for name, p, a in phases:
+            if p > peak.get(name, -1):
+                peak[name] = p
+            alloc[name] = a
+    # "step" first, then the phases in first-seen order
+    ordered = {"step": peak.pop("step")}
+    ordered.update(peak)
+    return MemoryStats(ordered, alloc, steps[-1][1], len(steps))
+
+
+@dataclass(frozen=True)
+class MemorySummary:
+    """The run's CUDA memory in the summary (:attr:`Summary.memory`), bytes.
+
+    ``peak_bytes``/``alloc_bytes``/``reserved_bytes`` follow :class:`MemoryStats` over the summarized
+    (post-warm-up) timed steps. ``max_allocated_bytes`` is the largest peak steptimer read over the
+    whole run (warm-up and the time between steps included): what ``torch.cuda.max_memory_allocated()``
+    would return at ``close()`` had steptimer never reset the allocator's peak counter.
+    """
+
+    peak_bytes: Mapping[str, int]
+    alloc_bytes: Mapping[str, int]
+    reserved_bytes: int
+    steps: int
+    max_allocated_bytes: int
+
+
+def mib(n_bytes: float) -> float:
+    return n_bytes / MIB
+
+
+def oom_errors() -> tuple[type[BaseException], ...]:
+    """The exception types of a CUDA out-of-memory error in this torch (imported lazily)."""
+    import torch
+
+    types: list[Any] = [getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)]
+    return tuple({t for t in types if isinstance(t, type)})
