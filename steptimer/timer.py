@@ -131,7 +131,7 @@ class _RangedPhase(_Phase):
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
         try:
-            self._e.exit_phase(self._name, et is not None)
+            self._e.exit_phase(self._name, et is not None, error=ev)
         finally:
             self._r.exit()  # type: ignore[union-attr]
         return False
