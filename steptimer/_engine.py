@@ -108,7 +108,8 @@ class Engine:
         backend: the CUDA calls (tests pass a simulated GPU); None: the default backend.
         on_resolved: called with a step's number once its row is in ``rows``.
         on_pending: called with each finished step before its events are released (trace capture).
-        memory: read the CUDA caching allocator on timed GPU steps (``_memory.py``).
+        memory: read the CUDA caching allocator on one timed GPU step in this many, the first
+            timed step included (``_memory.py``); 0: never.
         memory_backend: the allocator calls (tests pass a fake allocator); None: torch's.
     """
 
@@ -123,7 +124,7 @@ class Engine:
         backend: _CudaBackend | None,
         on_resolved: Callable[[int], None],
         on_pending: Callable[[Engine, _Pending], None] | None = None,
-        memory: bool = False,
+        memory: int = 0,
         memory_backend: _MemoryBackend | None = None,
     ) -> None:
         self.lag = lag
@@ -171,7 +172,8 @@ class Engine:
         self.events_created = 0
         self._query: Callable[[Any], bool] = lambda ev: False
         # Memory, settled with CUDA at the first step; _mem is the reader on the current step.
-        self._memory_opt = memory
+        self._memory_opt = int(memory)
+        self._mem_steps = 0  # timed GPU steps so far: the memory is read on every _memory_opt-th
         self._custom_backend = backend is not None
         self._mem_backend = memory_backend
         self.memory: MemoryReader | None = None
@@ -203,9 +205,14 @@ class Engine:
             if b.is_capturing(self.stream):
                 raise RuntimeError(_CAPTURE_MSG)
             self._boundary(t0)
-            self._mem = mem = self.memory
+            mem = self.memory
             if mem is not None:
-                mem.begin_step(self.device)
+                self._mem_steps += 1
+                if (self._mem_steps - 1) % self._memory_opt:
+                    mem = None  # not read: the next read step's first reading takes its peak
+                else:
+                    mem.begin_step(self.device)
+            self._mem = mem
             self._last_t = perf_counter()
         else:
             self._mem = None

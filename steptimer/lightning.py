@@ -51,7 +51,7 @@ from steptimer._profile import check_profile_steps
 from steptimer._summary import Summary
 from steptimer._tensorboard import TensorBoardSink, window_scalars
 from steptimer._window import Window
-from steptimer.timer import StepTimer, check_options, check_phase_name
+from steptimer.timer import StepTimer, check_memory, check_options, check_phase_name
 
 log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
@@ -236,7 +236,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             :class:`~steptimer.StepTimer`).
         profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps and write
             ``steptimer-profile.json`` to ``trainer.log_dir`` (see :class:`~steptimer.StepTimer`).
-        memory: Read CUDA memory per phase on timed steps (see :class:`~steptimer.StepTimer`).
+        memory: Read CUDA memory per phase on one timed step in this many (True: every timed step,
+            False: never; see :class:`~steptimer.StepTimer`).
 
     Example:
         >>> cb = StepTimerCallback(log_every_n_steps=10)
@@ -262,7 +263,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         enabled: bool = True,
         nvtx: bool = False,
         profile_steps: tuple[int, int] | None = None,
-        memory: bool = True,
+        memory: int = 10,
         _backend: Any = None,
         _memory_backend: Any = None,
     ) -> None:
@@ -305,8 +306,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self.enabled = enabled
         self.nvtx = nvtx
         self.profile_steps = profile_steps
-        if memory not in (True, False):
-            raise ValueError(f"memory must be True or False, got {memory!r}")
+        check_memory(memory)
         self.memory = memory
         self._backend = _backend
         self._memory_backend = _memory_backend

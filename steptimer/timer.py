@@ -27,7 +27,7 @@ from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
 from steptimer._window import StepRows, Window, window_of
 
-__all__ = ["StepTimer", "check_options", "check_phase_name"]
+__all__ = ["StepTimer", "check_memory", "check_options", "check_phase_name"]
 
 
 class Sink(Protocol):
@@ -213,11 +213,14 @@ class StepTimer:
             each phase as a ``record_function`` range named ``steptimer/<phase>``, and write the
             Chrome trace to ``steptimer-profile.json`` in the log directory, for ``steptimer
             kernels``. The profiled steps stay in the statistics, flagged in the summary's notes.
-        memory: On timed steps with CUDA timing, read the caching allocator's peak allocated per
-            phase and per step, the allocated at each phase's exit and the reserved (TensorBoard
-            ``steptimer/mem/...``, the summary's memory table). It resets the allocator's peak
-            counter at each phase boundary of a timed step, so ``torch.cuda.max_memory_allocated()``
-            then returns the peak since that boundary; the run's peak is in the summary
+        memory: With CUDA timing, on one timed step in this many (the first included), read the
+            caching allocator's peak allocated per phase and per step, the allocated at each
+            phase's exit and the reserved (TensorBoard ``steptimer/mem/...``, the summary's memory
+            table). True is 1 (every timed step), False or 0 never. The default, 10: a reading
+            costs ~10.5 µs of host time on an H100 (torch builds its whole statistics dict), so
+            every step would add ~17 µs per phase (docs/benchmarks.md). It resets the allocator's
+            peak counter at each phase boundary of a read step, so ``torch.cuda.max_memory_allocated()``
+            returns the peak since steptimer's last reading; the run's peak is in the summary
             (``summary.memory.max_allocated_bytes``). False leaves the allocator untouched.
 
     Example:
@@ -251,7 +254,7 @@ class StepTimer:
         nvtx: bool = False,
         profile_steps: tuple[int, int] | None = None,
         _profile_dir: str | None = None,
-        memory: bool = True,
+        memory: int = 10,
         _backend: _CudaBackend | None = None,
         _memory_backend: _MemoryBackend | None = None,
         _sinks: Sequence[Sink] = (),
@@ -266,8 +269,7 @@ class StepTimer:
             isinstance(peak_tflops, (int, float)) and not isinstance(peak_tflops, bool) and 0 < peak_tflops < math.inf
         ):
             raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {peak_tflops!r}")
-        if memory not in (True, False):
-            raise ValueError(f"memory must be True or False, got {memory!r}")
+        check_memory(memory)
         if log_every_n_steps is None:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
         self.log_every_n_steps: int = log_every_n_steps
@@ -512,6 +514,12 @@ def check_options(
     _check_int("sample_every", sample_every, 1)
     if cuda not in (None, True, False):
         raise ValueError(f"cuda must be None, True or False, got {cuda!r}")
+
+
+def check_memory(memory: object) -> None:
+    """``memory``: read one timed step in this many; True is 1, False 0 (never)."""
+    if not isinstance(memory, int) or memory < 0:
+        raise ValueError(f"memory must be True, False or an int >= 0 (read one timed step in N), got {memory!r}")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

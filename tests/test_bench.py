@@ -324,7 +324,8 @@ def test_memory_bench_runs_on_the_python_side(tmp_path: Path) -> None:
     }  # fmt: skip
     assert all(math.isfinite(v) and v > 0 for v in res["calls_us"].values())
     assert set(res["step"]) == {
-        "memory_on_us_per_step", "memory_off_us_per_step", "added_us_per_step", "added_us_per_phase",
+        "memory_on_us_per_step", "memory_10_us_per_step", "memory_off_us_per_step", "added_us_per_step",
+        "added_us_per_phase", "added_us_per_step_default",
     }  # fmt: skip
     # the stand-in stats have the real shape: the public getter's flattening finds the key
     import torch.cuda.memory as tm

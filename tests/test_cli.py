@@ -599,7 +599,7 @@ def test_report_memory_agrees_with_the_summary(tmp_path: Path, clock: FakeClock)
     gpu, mem = FakeGPU(clock), FakeAllocator()
     t = StepTimer(
         log_dir=tmp_path, warmup_steps=2, log_every_n_steps=3, print_summary=False,
-        _backend=gpu.backend(), _memory_backend=mem.backend(),
+        _backend=gpu.backend(), _memory_backend=mem.backend(), memory=True,
     )  # fmt: skip
     for i in range(11):
         big = (64 if i < 2 else 1 + i % 4) << 20

@@ -1360,7 +1360,7 @@ def test_memory_per_phase_reaches_the_loggers() -> None:
     mem = FakeAllocator()
     cb = StepTimerCallback(
         log_every_n_steps=2, warmup_steps=0, print_summary=False, _backend=WallGPU().backend(),
-        _memory_backend=mem.backend(),
+        _memory_backend=mem.backend(), memory=True,
     )  # fmt: skip
     cap = make_capture(pl)
     trainer(pl, cb, logger=cap, limit_val_batches=0).fit(make_allocating(pl, mem), loader(4))
@@ -1383,7 +1383,7 @@ def test_out_of_memory_in_a_lightning_phase_is_noted() -> None:
     mem = FakeAllocator()
     cb = StepTimerCallback(
         log_every_n_steps=100, warmup_steps=0, print_summary=False, _backend=WallGPU().backend(),
-        _memory_backend=mem.backend(),
+        _memory_backend=mem.backend(), memory=True,
     )  # fmt: skip
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 1.00 GiB"):
         trainer(pl, cb, logger=False, limit_val_batches=0).fit(make_allocating(pl, mem, oom_at=2), loader(6))

@@ -39,6 +39,7 @@ def make(gpu: FakeGPU, mem: FakeAllocator, **kw: object) -> tuple[StepTimer, Lis
     sink = ListSink()
     kw.setdefault("warmup_steps", 0)
     kw.setdefault("print_summary", False)
+    kw.setdefault("memory", True)  # every timed step (the default reads one in 10)
     t = StepTimer(_sinks=[sink], _backend=gpu.backend(), _memory_backend=mem.backend(), **kw)  # type: ignore[arg-type]
     return t, sink
 
@@ -132,7 +133,7 @@ def test_window_peaks_are_maxima_and_levels_the_last_step(clock: FakeClock, gpu:
 def test_tags_and_custom_scalars_chart(tmp_path: Path, clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator) -> None:
     t = StepTimer(
         log_dir=tmp_path, warmup_steps=0, print_summary=False, log_every_n_steps=2,
-        _backend=gpu.backend(), _memory_backend=mem.backend(),
+        _backend=gpu.backend(), _memory_backend=mem.backend(), memory=True,
     )  # fmt: skip
     for scale in (1, 3, 2, 1):
         nested_step(t, clock, mem, scale)
@@ -236,8 +237,36 @@ def test_memory_false_never_touches_the_allocator(clock: FakeClock, gpu: FakeGPU
 
 
 def test_memory_option_is_validated() -> None:
-    with pytest.raises(ValueError, match="memory must be True or False, got 'yes'"):
-        StepTimer(cuda=False, memory="yes")  # type: ignore[arg-type]
+    for bad in ("yes", -1, 2.5, None):
+        with pytest.raises(ValueError, match=f"memory must be True, False or an int >= 0 .*got {bad!r}"):
+            StepTimer(cuda=False, memory=bad)  # type: ignore[arg-type]
+
+
+def test_memory_n_reads_one_timed_step_in_n_and_keeps_the_run_peak(
+    clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator
+) -> None:
+    """memory=3 reads steps 1, 4, 7 (the first timed step, then every third). Step 5 allocates the
+    run's largest block: no phase of a read step holds it, but the next read step's first reading
+    takes it, so the run's peak stays what ``max_memory_allocated()`` would say."""
+    t, sink = make(gpu, mem, memory=3, log_every_n_steps=100)
+    peaks = {}
+    for n in range(1, 8):
+        size = (50 if n == 5 else n) << 20
+        with t.step(), t.phase("forward"):
+            mem.alloc(size)
+            mem.free(size)
+            clock.advance_ms(1.0)
+        peaks[n] = size
+    s = t.close()
+    assert s.memory is not None and s.memory.steps == 3
+    # The forward peak is the max over the read steps 1, 4 and 7 only.
+    assert s.memory.peak_bytes["forward"] == max(peaks[1], peaks[4], peaks[7]) == 7 << 20
+    assert s.memory.max_allocated_bytes == 50 << 20  # step 5's, seen by step 7's first reading
+    (window,) = sink.windows
+    assert window.memory is not None and window.memory.peak_bytes["forward"] == 7 << 20
+    # 2 resets per read step (its start and forward's exit; forward's entry right after the start and
+    # the step's end right after the exit reuse those readings), none on the other steps.
+    assert mem.resets == 2 * 3
 
 
 def test_no_memory_without_cuda(clock: FakeClock) -> None:
@@ -397,7 +426,9 @@ def test_per_phase_memory_equals_torch_counters_to_the_byte() -> None:
     phases = {"forward": 96 * mib_, "loss": 8 * mib_, "backward": 160 * mib_, "optimizer": 24 * mib_}
     nested = {"attn": 128 * mib_, "mlp": 40 * mib_ + 512}
     sink = ListSink()
-    t = StepTimer(warmup_steps=0, print_summary=False, log_every_n_steps=1, lag=0, cross_rank=False, _sinks=[sink])
+    t = StepTimer(
+        warmup_steps=0, print_summary=False, log_every_n_steps=1, lag=0, cross_rank=False, memory=True, _sinks=[sink]
+    )
     refs = []
     for _ in range(2):
         # Each run from the same allocator state (no cached free segments): the caching allocator
@@ -487,7 +518,7 @@ def test_instrument_reads_memory_per_phase(clock: FakeClock, gpu: FakeGPU, mem: 
     sink = ListSink()
     timer = instrument(
         net, opt, warmup_steps=0, print_summary=False, log_every_n_steps=2,
-        _backend=gpu.backend(), _memory_backend=mem.backend(), _sinks=[sink],
+        _backend=gpu.backend(), _memory_backend=mem.backend(), _sinks=[sink], memory=True,
     )  # fmt: skip
     for _ in range(2):
         net(torch.randn(8, 4)).square().mean().backward()
