@@ -334,6 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="uint16 token file (default: synthetic, in the temp dir)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's peak bf16 TFLOPS, for MFU")
     p.add_argument("--steptimer-dir", default=None, help="time with steptimer, writing TensorBoard here")
+    p.add_argument("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
+                   help="with --steptimer-dir: torch.profiler for these steps (for `steptimer kernels`)")
+    p.add_argument("--memory", type=int, default=10, help="with --steptimer-dir: read CUDA memory every N steps")
     a = p.parse_args(argv)
     if a.iters < 1:
         p.error(f"--iters must be >= 1, got {a.iters}")
@@ -345,7 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         from steptimer import StepTimer
 
-        timer = StepTimer(log_dir=a.steptimer_dir, warmup_steps=min(5, a.iters - 1), peak_tflops=a.peak_tflops)
+        timer = StepTimer(
+            log_dir=a.steptimer_dir, warmup_steps=min(5, a.iters - 1), peak_tflops=a.peak_tflops, memory=a.memory,
+            profile_steps=None if a.profile_steps is None else tuple(a.profile_steps),
+        )
         dts = train_steptimer(t, timer, a.iters)
         timer.close()
     for i, dt in enumerate(dts):
