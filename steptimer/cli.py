@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -138,9 +139,10 @@ def _finite(x: Any) -> Any:
 def _console() -> Any:
     from rich.console import Console
 
-    # Not a terminal (CI logs, pipes): a wide fixed width rather than rich's 80 columns, so rows
-    # don't wrap.
-    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+    # Not a terminal (CI logs, pipes) and no COLUMNS set: a wide fixed width rather than rich's 80
+    # columns, so rows don't wrap. A terminal, or COLUMNS, sets the width (rich reads both).
+    tty_or_set = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
+    return Console(width=None if tty_or_set else 160, highlight=False)
 
 
 def _ms(v: float | None) -> str:
@@ -155,7 +157,7 @@ def _print_report(console: Any, r: RunReport) -> None:
     of = "of steps" if r.of_steps else "of window means"
     clocks = "CUDA events + host clock" if r.cuda else "host clock only"
     table = Table(
-        title=f"{r.name}: {r.steps} steps in {r.windows} windows, {clocks}; median/p90 {of}",
+        title=f"{r.name}: {r.steps} steps in {r.windows} window{'s' * (r.windows != 1)}, {clocks}; median/p90 {of}",
         title_justify="left",
     )
     table.add_column("phase")
