@@ -83,6 +83,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="iterations per round")
     p.add_argument("--warmup", type=int, default=10, help="bare iterations before the rounds (compile happens here)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's peak bf16 TFLOPS, for MFU")
+    p.add_argument("--memory", type=int, default=10, help="StepTimer(memory=N): CUDA memory every N steps, 0 off")
     p.add_argument("--data", default=None, help="uint16 token file (default: synthetic, in the temp dir)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     a = p.parse_args(argv)
@@ -117,7 +118,7 @@ def run_mode(
     # `steptimer report --skip-steps` drops. pause() keeps the bare rounds out of steptimer's data
     # wait and GPU idle.
     timer = StepTimer(log_dir=log_dir, warmup_steps=args.iters, log_every_n_steps=args.iters, print_summary=False,
-                      peak_tflops=args.peak_tflops)  # fmt: skip
+                      peak_tflops=args.peak_tflops, memory=args.memory)  # fmt: skip
     train_steptimer(t, timer, args.iters)
     bare: list[list[float]] = []
     timed: list[list[float]] = []
@@ -363,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "iters": args.iters,
         "warmup": args.warmup,
         "peak_tflops": args.peak_tflops,
+        "memory": args.memory,
     }
     res: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
