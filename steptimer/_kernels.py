@@ -24,8 +24,6 @@ time.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import textwrap
 from bisect import bisect_right
@@ -34,6 +32,7 @@ from typing import Any
 
 from steptimer._profile import PROFILE_FILE, RANGE_PREFIX
 from steptimer._reader import LogError
+from steptimer._tracefile import read_json
 
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
@@ -78,18 +77,7 @@ class KernelsReport:
 
 def load_profile(path: str) -> dict[str, Any]:
     """Read ``steptimer-profile.json`` (``path`` is the file or the run's log directory)."""
-    file = os.path.join(path, PROFILE_FILE) if os.path.isdir(path) else path
-    if not os.path.exists(file):
-        if not os.path.exists(path):
-            raise LogError(f"{path}: no such file or directory")
-        raise LogError(
-            f"{path}: no {PROFILE_FILE} here; capture steps with StepTimer(log_dir=..., profile_steps=(first, last))"
-        )
-    try:
-        with open(file) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as err:
-        raise LogError(f"{file}: not a readable trace ({err})") from None
+    file, doc = read_json(path, PROFILE_FILE, "profile_steps=(first, last)")
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise LogError(f"{file}: not a Chrome trace (no traceEvents)")
     doc["_path"] = file

@@ -1,8 +1,8 @@
 """CUDA memory per phase, read from torch's caching allocator on the host (never a device sync).
 
-On a read step (the first timed step, then one timed step in ``memory``; CUDA timing), the engine reads the allocator at each phase
-boundary (``MemoryReader.boundary``): the peak allocated since the last boundary, then resets the
-peak counter, so the next reading's peak is of the next stretch of code only. The phase's peak is the
+On a read step (the first timed step, then one timed step in ``memory``; CUDA timing), the engine
+reads the allocator at each phase boundary (``MemoryReader.boundary``): the peak allocated since the
+last boundary, then resets the peak counter, so the next reading's peak is of the next stretch of code only. The phase's peak is the
 max of the readings inside it (a nested phase's readings included: an outer phase's peak is never
 lost at an inner phase's reset), and the allocated bytes at its exit. The step's peak is the max of
 all of the step's readings; the reserved bytes are read at the step's end.

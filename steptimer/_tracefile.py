@@ -12,20 +12,24 @@ from steptimer._trace import FORMAT, TRACE_FILE, VERSION
 
 
 
-def load_capture(path: str) -> dict[str, Any]:
-    """Read a capture written by :class:`Capture` (``path`` is its file or the run's directory)."""
-    file = os.path.join(path, TRACE_FILE) if os.path.isdir(path) else path
+def read_json(path: str, name: str, option: str) -> tuple[str, Any]:
+    """``(file, its JSON)`` for the file ``name`` at ``path`` (the file itself or the run's directory);
+    ``option`` is the StepTimer option that writes it, named in the error when it is missing."""
+    file = os.path.join(path, name) if os.path.isdir(path) else path
     if not os.path.exists(file):
         if not os.path.exists(path):
             raise LogError(f"{path}: no such file or directory")
-        raise LogError(
-            f"{path}: no {TRACE_FILE} here; capture steps with StepTimer(log_dir=..., trace_steps=N)"
-        )
+        raise LogError(f"{path}: no {name} here; capture steps with StepTimer(log_dir=..., {option})")
     try:
         with open(file) as f:
-            doc = json.load(f)
+            return file, json.load(f)
     except (OSError, ValueError) as err:
-        raise LogError(f"{file}: not a readable steptimer trace ({err})") from None
+        raise LogError(f"{file}: not readable JSON ({err})") from None
+
+
+def load_capture(path: str) -> dict[str, Any]:
+    """Read a capture written by :class:`Capture` (``path`` is its file or the run's directory)."""
+    file, doc = read_json(path, TRACE_FILE, "trace_steps=N")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
         raise LogError(f"{file}: not a steptimer trace capture (format {FORMAT!r} expected)")
     if doc.get("version") != VERSION:

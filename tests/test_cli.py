@@ -471,7 +471,7 @@ def test_bad_input(tmp_path: Path, clock: FakeClock) -> None:
 
     assert "no steptimer-trace.json" in _bad("trace", str(good))
     (tmp_path / "junk.json").write_text("{not json")
-    assert "not a readable steptimer trace" in _bad("trace", str(tmp_path / "junk.json"))
+    assert "not readable JSON" in _bad("trace", str(tmp_path / "junk.json"))
     p = cli("report", str(good), "--skip-steps", "x", ok=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr
 

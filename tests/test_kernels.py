@@ -68,7 +68,7 @@ def test_kernels_bad_input(tmp_path: Path) -> None:
     assert p.returncode == 1 and f"no {PROFILE_FILE} here" in p.stderr
     (tmp_path / PROFILE_FILE).write_text("{not json")
     p = cli("kernels", str(tmp_path), ok=False)
-    assert p.returncode == 1 and "not a readable trace" in p.stderr
+    assert p.returncode == 1 and "not readable JSON" in p.stderr
     (tmp_path / PROFILE_FILE).write_text(json.dumps({"traceEvents": []}))
     p = cli("kernels", str(tmp_path), ok=False)
     assert p.returncode == 1 and "no steptimer ranges" in p.stderr
