@@ -49,6 +49,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-ms in --slow-phase")
     p.add_argument("--slow-ms", type=float, default=20.0)
     p.add_argument("--slow-phase", choices=PHASES, default="forward")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="default: nccl with CUDA, else gloo; gloo lets several ranks share one GPU")
     a = p.parse_args(argv)
     if a.iters < 1 or a.every < 1 or a.warmup < 0:
         p.error("--iters and --every must be >= 1, --warmup >= 0")
@@ -165,9 +167,11 @@ def markdown(r: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(a.backend or ("nccl" if cuda else "gloo"))
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    # One GPU per rank; with more ranks than GPUs (gloo only: NCCL refuses a shared GPU) they share.
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     t = Trainer(PRESETS[a.preset], device, compile=a.compile)
