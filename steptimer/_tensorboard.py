@@ -1,6 +1,6 @@
 """TensorBoard sink: window statistics as scalars and histograms, plus a Custom Scalars layout.
 
-Tag grammar (one rule, documented in the README's tag table)::
+Tag grammar (one rule, documented in docs/tensorboard.md)::
 
     <group>/<family>/<name>_<measure>   a value of one phase or derived row <name>
     <group>/<measure>                   a value of the whole window
