@@ -130,7 +130,8 @@ def run_mode(
             else:
                 timed.append(train_steptimer(t, timer, args.iters))
     summary = timer.close()
-    out = analyze(cfg, summary, bare, timed, args.peak_tflops)
+    # The peak steptimer used (--peak-tflops, else its table's), for the bare/timed MFU columns too.
+    out = analyze(cfg, summary, bare, timed, summary.peak_tflops)
     out.update(warmup_s=warmup_s, final_loss=t.loss, log_dir=log_dir, expected_steps=args.rounds * args.iters)
     out["report"] = steptimer_report(log_dir, skip_steps=args.iters)
     del t
