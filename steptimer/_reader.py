@@ -76,6 +76,8 @@ def find_runs(logdir: str) -> list[RunLog]:
                 dirs[root] = events
     if not dirs:
         raise LogError(f"{logdir}: no TensorBoard event files (events.out.tfevents.*) found")
+    if all(f.endswith(PHASE_SUFFIX) for files in dirs.values() for f in files):
+        _refuse_phase_run(logdir)
     phases: dict[str, dict[str, list[str]]] = {}  # run dir -> phase -> its event files
     for d in sorted(dirs):
         if all(f.endswith(PHASE_SUFFIX) for f in dirs[d]):
@@ -98,6 +100,20 @@ def find_runs(logdir: str) -> list[RunLog]:
             "was the run logged with StepTimer(log_dir=...) or the steptimer Lightning callback?"
         )
     return runs
+
+
+def _refuse_phase_run(path: str) -> None:
+    """``path`` holds only phases' runs (``<run>/steptimer/<phase>``, what TensorBoard lists as
+    ``exp/steptimer/forward``): say which folder holds the run, if one above it does."""
+    cur = os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path))
+    while os.path.dirname(cur) != cur:
+        if os.path.basename(cur) == PHASE_DIR:
+            run = os.path.dirname(cur)
+            raise LogError(
+                f"{path}: holds only per-phase TensorBoard runs of the steptimer run in {run}; "
+                f"pass that folder: steptimer report {run}"
+            )
+        cur = os.path.dirname(cur)
 
 
 def _owner(d: str, dirs: dict[str, list[str]]) -> str | None:

@@ -10,38 +10,25 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
 
 from steptimer._reader import RunLog
 from steptimer._histogram import LogHistogram, SeriesStats
-from steptimer._summary import DERIVED_FIRST, DERIVED_LAST, is_launch_bound, row_order
+from steptimer._summary import DERIVED_LAST, is_launch_bound, row_order
 from steptimer._tensorboard import WARMUP_TAG
-
-
-# Verdict thresholds, as fractions of wall time (data wait + step) unless said otherwise.
-DATA_SHARE = 0.2  # the host waits for data at least this much ...
-IDLE_SHARE = 0.1  # ... and the GPU sits idle between steps at least this much: input-bound
-WAIT_SHARE = 0.1  # the host blocks on the GPU at the lagged wait at least this much: GPU-bound
-BEHIND_RATIO = 1.5  # a phase whose GPU span exceeds 1.5x its host span: work queued up on the GPU
-
-VerdictKind = Literal["input-bound", "launch-bound", "gpu-bound", "compute-bound", "mixed"]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The bottleneck, with the numbers that decided it."""
-
-    kind: VerdictKind
-    evidence: tuple[str, ...]
+from steptimer._verdict import ShareClock, Verdict, gpu_shares, verdict
 
 
 @dataclass(frozen=True)
 class PhaseRow:
     """One phase (or derived row): statistics of steps on each clock, and its share of wall time.
 
-    ``window_means_ms`` holds the host (or, for ``idle``, GPU) window means, for the noise estimate
-    of ``compare``.
+    ``share`` is the summary's (``_verdict.py``): of the GPU's timeline with GPU tags, else of the
+    host's wall time. ``host_hist``/``gpu_hist`` are the run's merged per-step histograms and the
+    window means the series' per-window means, both for ``compare`` (left out of ``--json``).
     """
 
     name: str
@@ -51,6 +38,8 @@ class PhaseRow:
     host_window_means_ms: tuple[float, ...]
     gpu_window_means_ms: tuple[float, ...]
     launch_bound: bool = False  # the summary's rule (_summary.is_launch_bound)
+    host_hist: LogHistogram | None = field(default=None, repr=False, compare=False)
+    gpu_hist: LogHistogram | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -77,15 +66,16 @@ class RunReport:
     steps_per_s: float | None
     samples_per_s: float | None
     tokens_per_s: float | None
-    data_share: float | None
+    data_share: float | None  # host time between steps (+ a data phase) over wall time
     wait_share: float | None
-    gpu_idle_share: float | None
+    gpu_idle_share: float | None  # GPU idle between steps over the GPU's timeline
     cycle_window_ms: tuple[float, ...]  # wall ms per step of each window (1 / throughput)
     verdict: Verdict
     notes: tuple[str, ...]
     tflops_per_s: float | None = None  # as the summary's: total FLOPs over wall time
     mfu: float | None = None
     memory: MemoryReport | None = None  # None: no steptimer/mem tags in the windows
+    share_clock: ShareClock = "host"  # the clock of the rows' shares
 
     def row(self, name: str) -> PhaseRow | None:
         for r in self.rows:
@@ -127,47 +117,46 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         if group == "steptimer" and clock in ("host", "gpu") and rest.endswith("_ms"):
             names[(clock, rest[:-3])] = None
 
-    def stats(clock: str, phase: str) -> tuple[SeriesStats | None, float, int, tuple[float, ...]]:
-        return _series(hists, scal, n_of, clock, phase)
-
     phases = [p for c, p in names if c == "host"] + [p for c, p in names if c == "gpu"]
     first_seen = dict.fromkeys(phases)
     ordered = row_order(list(first_seen), first_seen)
 
     cuda = any(c == "gpu" for c, _ in names)
 
-    _, _, timed, _ = stats("host", "other")
+    timed = _series(hists, scal, n_of, "host", "other").steps
     timed_frac = timed / steps if timed and steps else 1.0
+    series = {(clock, name): _series(hists, scal, n_of, clock, name) for name in ordered for clock in ("host", "gpu")}
+    share_of = gpu_shares({n: st.sum_ms for (c, n), st in series.items() if c == "gpu" and st.stats is not None})
+    share_clock: ShareClock = "gpu" if share_of else "host"
+    if not share_of and wall_ms > 0:  # host clock: data and wait are logged for every step, phases for timed ones
+        share_of = {
+            n: st.sum_ms / (wall_ms if n in ("data", "wait") else wall_ms * timed_frac)
+            for (c, n), st in series.items()
+            if c == "host" and st.stats is not None and "/" not in n and n not in ("step", "idle")
+        }
     rows = []
-    sums: dict[tuple[str, str], float] = {}
     for name in ordered:
-        host, host_sum, _, host_means = stats("host", name)
-        gpu, gpu_sum, _, gpu_means = stats("gpu", name)
-        sums[("host", name)] = host_sum
-        sums[("gpu", name)] = gpu_sum
-        share = None
-        if wall_ms > 0 and host is not None and "/" not in name and name not in ("step", "idle"):
-            everywhere = name in ("data", "wait")  # logged for every step; phases only for timed ones
-            share = host_sum / (wall_ms if everywhere else wall_ms * timed_frac)
+        h, g = series[("host", name)], series[("gpu", name)]
+        host, gpu = h.stats, g.stats
         lb = (
-            host is not None and gpu is not None and name not in DERIVED_FIRST + DERIVED_LAST
+            host is not None and gpu is not None and name not in DERIVED_LAST
             and is_launch_bound(gpu.median_ms, host.median_ms, _caught(scal, n_of, name))
         )  # fmt: skip
-        rows.append(PhaseRow(name, host, gpu, share, host_means, gpu_means, lb))
+        rows.append(
+            PhaseRow(
+                name, host, gpu, share_of.get(name), h.window_means_ms, g.window_means_ms, lb, h.hist, g.hist,
+            )
+        )  # fmt: skip
 
-    def share_of(clock: str, name: str, *, timed_only: bool) -> float | None:
-        if wall_ms <= 0 or (clock, name) not in sums:
-            return None
-        return sums[(clock, name)] / (wall_ms * (timed_frac if timed_only else 1.0))
+    def host_share(name: str) -> float | None:
+        st = series.get(("host", name))
+        return st.sum_ms / wall_ms if st is not None and st.stats is not None and wall_ms > 0 else None
 
-    data_share = (
-        share_of("host", "data", timed_only=False) if "data" in first_seen else (0.0 if wall_ms else None)
-    )
-    wait_share = share_of("host", "wait", timed_only=False) if ("host", "wait") in names else None
-    idle_share = share_of("gpu", "idle", timed_only=True) if ("gpu", "idle") in names else None
+    data_share = host_share("data") if "data" in first_seen else (0.0 if wall_ms else None)
+    wait_share = host_share("wait")
+    idle_share = share_of.get("idle") if share_clock == "gpu" else None
 
     report_rows = tuple(rows)
-    verdict = _verdict(report_rows, cuda, data_share, wait_share, idle_share)
     return RunReport(
         name=run.name,
         path=run.path,
@@ -187,9 +176,10 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         wait_share=wait_share,
         gpu_idle_share=idle_share,
         cycle_window_ms=cycle_window_ms,
-        verdict=verdict,
+        verdict=verdict(report_rows, share_clock == "gpu"),
         notes=tuple(notes),
         memory=_memory(scal),
+        share_clock=share_clock,
     )
 
 
@@ -266,21 +256,29 @@ def _window_sizes(
     return n_of, wall_ms
 
 
+class _Series(NamedTuple):
+    stats: SeriesStats | None
+    sum_ms: float  # of per-step values
+    steps: int  # steps it ran in
+    window_means_ms: tuple[float, ...]
+    hist: LogHistogram | None  # merged per-step histogram (None: scalar-only logs)
+
+
 def _series(
     hists: dict, scal: dict, n_of: dict[int, int], clock: str, phase: str  # type: ignore[type-arg]
-) -> tuple[SeriesStats | None, float, int, tuple[float, ...]]:
-    """One series over the windows: (stats, sum of per-step ms, steps it ran in, window means).
-    Quantiles of steps from the merged histograms, else of window means (scalar-only logs)."""
+) -> _Series:
+    """One series over the windows. Quantiles of steps from the merged histograms, else of window
+    means (scalar-only logs)."""
     pts = hists.get((clock, phase))
     if pts:
         merged = LogHistogram()
         for _, h in pts:
             merged.merge(h)
         means = tuple(h.mean_ms for _, h in pts if h.count)
-        return SeriesStats.of(merged), merged.sum_ms, merged.count, means
+        return _Series(SeriesStats.of(merged), merged.sum_ms, merged.count, means, merged)
     mean_pts = scal.get(f"steptimer/{clock}/{phase}_ms")
     if not mean_pts:
-        return None, 0.0, 0, ()
+        return _Series(None, 0.0, 0, (), None)
     means = tuple(v for _, v in mean_pts)
     maxes = [v for _, v in scal.get(f"steptimer-tails/{clock}/{phase}_max_ms", [])]
     n = sum(n_of.get(s, 0) for s, _ in mean_pts)
@@ -292,7 +290,7 @@ def _series(
         p90_ms=_nearest_rank(means, 0.9),
         max_ms=max(maxes) if maxes else max(means),
     )
-    return st, total, n, means
+    return _Series(st, total, n, means, None)
 
 
 def _nearest_rank(values: tuple[float, ...], q: float) -> float:
@@ -300,95 +298,33 @@ def _nearest_rank(values: tuple[float, ...], q: float) -> float:
     return xs[max(1, math.ceil(q * len(xs))) - 1]
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
-
-
-def _verdict(
-    rows: tuple[PhaseRow, ...],
-    cuda: bool,
-    data_share: float | None,
-    wait_share: float | None,
-    idle_share: float | None,
-) -> Verdict:
-    data = data_share or 0.0
-    by = {r.name: r for r in rows}
-    data_row = by.get("data")
-    data_ms = (
-        f" (median {data_row.host.median_ms:.3g} ms before each step)" if data_row and data_row.host else ""
-    )
-    said_data = f"the host waited for data {_pct(data)} of wall time{data_ms}"
-    if not cuda:
-        if data >= DATA_SHARE:
-            return Verdict(
-                "input-bound", (said_data, "no GPU tags (host clock only): GPU idle was not measured")
-            )
-        return Verdict(
-            "compute-bound",
-            (
-                f"the steps themselves take {_pct(1 - data)} of wall time; {said_data}",
-                "no GPU tags (host clock only): steptimer cannot tell a slow host (launch-bound) from "
-                "a busy GPU (GPU-bound) here; log with CUDA to split them",
-            ),
-        )
-    idle = idle_share or 0.0
-    wait = wait_share or 0.0
-    idle_row = by.get("idle")
-    idle_ms = f" (median {idle_row.gpu.median_ms:.3g} ms per step)" if idle_row and idle_row.gpu else ""
-    said_idle = f"the GPU sat idle between steps {_pct(idle)} of wall time{idle_ms}"
-    said_wait = f"the host blocked on the GPU (lagged wait) {_pct(wait)} of wall time"
-    top = [
-        r for r in rows
-        if "/" not in r.name and r.name not in DERIVED_FIRST + DERIVED_LAST
-        and r.host is not None and r.gpu is not None and r.host.median_ms > 0
-    ]  # fmt: skip
-    # Phases under 5 % of the step don't decide the verdict: for a phase of a few µs, the event
-    # record's own launch latency is a large part of the GPU span, so its GPU/host ratio says little.
-    step_row = by.get("step")
-    if step_row is not None and step_row.host is not None and step_row.host.median_ms > 0:
-        floor_ms = 0.05 * step_row.host.median_ms
-        big = [r for r in top if max(r.gpu.median_ms, r.host.median_ms) >= floor_ms]  # type: ignore[union-attr]
-        top = big or top
-
-    def ratio(r: PhaseRow) -> float:
-        return r.gpu.median_ms / r.host.median_ms  # type: ignore[union-attr]
-
-    def pair(r: PhaseRow) -> str:
-        return f"{r.name}: GPU {r.gpu.median_ms:.3g} ms vs host {r.host.median_ms:.3g} ms"  # type: ignore[union-attr]
-
-    if data >= DATA_SHARE and idle >= IDLE_SHARE:
-        return Verdict("input-bound", (said_data, said_idle))
-    behind = [r for r in top if ratio(r) > BEHIND_RATIO]
-    if wait >= WAIT_SHARE or behind:
-        ev = [said_wait]
-        if behind:
-            ev.append("GPU ran behind the host in " + "; ".join(pair(r) for r in behind))
-        ev.append(said_idle)
-        return Verdict("gpu-bound", tuple(ev))
-    if top and all(r.launch_bound for r in top):
-        return Verdict(
-            "launch-bound",
-            (
-                "the GPU waited for the host to launch every phase (GPU ms ≈ host ms, and the GPU caught "
-                "up with the host inside them): " + "; ".join(pair(r) for r in top),
-                said_wait,
-                said_data,
-            ),
-        )
-    return Verdict(
-        "mixed",
-        (said_data, said_idle, said_wait, *(pair(r) for r in top)),
-    )
+# compare: a row changed when the runs' steps are clearly apart *and* the change is large enough to
+# matter. Steps within one run are correlated (the same clocks, the same data order), so a p-value over
+# thousands of steps calls a 0.5 % drift between two identical runs significant; an effect size on the
+# rank scale and a minimum change do not.
+MIN_CHANGE = 0.05  # of A's value: run-to-run drift of an unchanged loop stays well under it
+MIN_CHANGE_MS = 0.005  # 5 µs: a CUDA event span is within 2.4-5.7 µs of CUPTI's (docs/benchmarks.md)
+MIN_DOMINANCE = 0.5  # |Cliff's delta|: B's steps above A's (or below) in 3 of 4 pairs of steps, net
 
 
 @dataclass(frozen=True)
 class Delta:
+    """One row of ``steptimer compare``: a phase's median of steps (``wall per step``: its mean), in
+    run A and run B, on the GPU clock where both runs have it, else on the host's.
+
+    ``dominance`` is Cliff's delta of B's steps over A's (-1..1: the fraction of pairs of steps in
+    which B's is longer, minus those in which it is shorter; of the window values when the logs have
+    no histograms, and for ``wall per step``). ``changed``: ``|dominance| >= MIN_DOMINANCE`` and the
+    change is at least ``MIN_CHANGE`` of A's value and ``MIN_CHANGE_MS``.
+    """
+
     name: str
     clock: Literal["gpu", "host", "wall"]
     a_ms: float
     b_ms: float
-    spread_ms: float
-    noise: bool
+    dominance: float
+    changed: bool
+    statistic: Literal["median", "mean"] = "median"
 
     @property
     def delta_ms(self) -> float:
@@ -400,11 +336,7 @@ class Delta:
 
 
 def compare(a: RunReport, b: RunReport) -> list[Delta]:
-    """Per-phase median deltas (GPU where both runs have it, else host), then the wall time per step.
-
-    A change is *noise* when it is no larger than the larger of the two runs' own spread: the
-    standard deviation of window means with two windows or more, else the p90 - median of steps.
-    """
+    """Per-row change from run A to run B (see :class:`Delta`), then the wall time per step."""
     out = []
     for row_a in a.rows:
         row_b = b.row(row_a.name)
@@ -414,25 +346,43 @@ def compare(a: RunReport, b: RunReport) -> list[Delta]:
         sa, sb = (row_a.gpu, row_b.gpu) if use_gpu else (row_a.host, row_b.host)
         if sa is None or sb is None:
             continue
-        ma = row_a.gpu_window_means_ms if use_gpu else row_a.host_window_means_ms
-        mb = row_b.gpu_window_means_ms if use_gpu else row_b.host_window_means_ms
-        spread = max(_spread(ma, sa), _spread(mb, sb))
-        d = sb.median_ms - sa.median_ms
-        out.append(
-            Delta(
-                row_a.name, "gpu" if use_gpu else "host", sa.median_ms, sb.median_ms, spread, abs(d) <= spread
-            )
-        )
+        ha, hb = (row_a.gpu_hist, row_b.gpu_hist) if use_gpu else (row_a.host_hist, row_b.host_hist)
+        if ha is not None and hb is not None and ha.count and hb.count:
+            dom = dominance(ha, hb)
+        else:
+            ma = row_a.gpu_window_means_ms if use_gpu else row_a.host_window_means_ms
+            mb = row_b.gpu_window_means_ms if use_gpu else row_b.host_window_means_ms
+            dom = _dominance_of_values(ma, mb)
+        out.append(_delta(row_a.name, "gpu" if use_gpu else "host", sa.median_ms, sb.median_ms, dom, "median"))
     if a.steps_per_s and b.steps_per_s:
         ca, cb = 1e3 / a.steps_per_s, 1e3 / b.steps_per_s
-        spread = max(_spread(a.cycle_window_ms, None), _spread(b.cycle_window_ms, None))
-        out.append(Delta("wall per step", "wall", ca, cb, spread, abs(cb - ca) <= spread))
+        dom = _dominance_of_values(a.cycle_window_ms, b.cycle_window_ms)
+        out.append(_delta("wall per step", "wall", ca, cb, dom, "mean"))
     return out
 
 
-def _spread(window_means: tuple[float, ...], st: SeriesStats | None) -> float:
-    if len(window_means) >= 2:
-        return statistics.stdev(window_means)
-    if st is not None and math.isfinite(st.p90_ms - st.median_ms):
-        return st.p90_ms - st.median_ms
-    return 0.0
+def _delta(name: str, clock: Any, a_ms: float, b_ms: float, dom: float, statistic: Any) -> Delta:
+    d = abs(b_ms - a_ms)
+    big = d >= MIN_CHANGE_MS and d >= MIN_CHANGE * abs(a_ms)
+    return Delta(name, clock, float(a_ms), float(b_ms), dom, bool(big and abs(dom) >= MIN_DOMINANCE), statistic)
+
+
+def dominance(a: LogHistogram, b: LogHistogram) -> float:
+    """Cliff's delta of ``b``'s values over ``a``'s from their histograms: P(b > a) - P(b < a) over
+    all pairs; a pair in one bucket (1 % wide) counts as a tie."""
+    ia, ib = sorted(a.counts), sorted(b.counts)
+    grid = np.array(sorted(set(ia) | set(ib)))
+    ca = np.zeros(len(grid))
+    cb = np.zeros(len(grid))
+    ca[np.searchsorted(grid, ia)] = [a.counts[i] for i in ia]
+    cb[np.searchsorted(grid, ib)] = [b.counts[i] for i in ib]
+    below = np.cumsum(ca) - ca  # a's values in lower buckets
+    above = ca.sum() - np.cumsum(ca)  # and in higher ones
+    return float((cb * below).sum() - (cb * above).sum()) / (ca.sum() * cb.sum())
+
+
+def _dominance_of_values(xs: tuple[float, ...], ys: tuple[float, ...]) -> float:
+    if not xs or not ys:
+        return 0.0
+    net = sum((y > x) - (y < x) for x in xs for y in ys)
+    return net / (len(xs) * len(ys))

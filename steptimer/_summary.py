@@ -14,7 +14,8 @@ import numpy as np
 
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
-from steptimer._window import Packed, Window
+from steptimer._verdict import ShareClock, Verdict, shares, verdict
+from steptimer._window import Packed, Window, add_timed_host
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class Summary:
     mfu: float | None = None
     peak_tflops: float | None = None
     memory: MemorySummary | None = None  # CUDA memory (steptimer/_memory.py); None: not read
+    share_clock: ShareClock = "host"  # the clock the rows' shares are of (see PhaseSummary)
+    verdict: Verdict | None = None  # where the wall time went (``_verdict.py``); None: no timed steps
 
     def __getitem__(self, name: str) -> PhaseSummary:
         for row in self.rows:
@@ -175,7 +178,7 @@ class SummaryAccumulator:
         self.timed_steps = 0
         self.cycle_ms = 0.0
         self.timed_cycle_ms = 0.0
-        self.timed_sum_ms: dict[str, float] = {}
+        self.timed_sum_ms: dict[str, float] = {}  # host series over the timed steps
         self.samples: float | None = None
         self.tokens: float | None = None
         self.flops: float | None = None
@@ -227,10 +230,7 @@ class SummaryAccumulator:
                 self.order.setdefault(name, None)
                 self.calls[name] = self.calls.get(name, 0) + g.rows
             self.timed_steps += g.rows
-            self.timed_cycle_ms += g.cycle_ms
-            for (clock, name), total in zip(g.series, g.sums_ms):
-                if clock == "host":
-                    self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + total
+        self.timed_cycle_ms += add_timed_host(p.groups, self.timed_sum_ms)
 
     def _add_histograms(self, p: Packed) -> None:
         rows = self._rows
@@ -261,24 +261,18 @@ class SummaryAccumulator:
         host_h, gpu_h = self.host, self.gpu
         names = row_order(list(self.order), {**host_h, **gpu_h})
         caught_h = self._histograms("caught")
+        clock, share_of = shares({n: h.sum_ms for n, h in gpu_h.items()}, self.timed_sum_ms, self.timed_cycle_ms)
         rows = []
         for name in names:
             host = host_h.get(name)
             gpu = gpu_h.get(name)
-            top_level = "/" not in name and name != "step" and name != "idle"
-            share = None
-            if top_level and self.timed_cycle_ms > 0:
-                total = self.timed_sum_ms.get(name, 0.0)
-                if name == "data":  # data also counts the gap before the step
-                    total = self.timed_sum_ms.get("data", 0.0)
-                share = total / self.timed_cycle_ms
             host_stats = SeriesStats.of(host) if host is not None else _EMPTY
             gpu_stats = SeriesStats.of(gpu) if gpu is not None else None
             caught = caught_h.get(name)
             launch_bound = (
                 gpu_stats is not None
                 and host is not None
-                and name not in DERIVED_FIRST + DERIVED_LAST
+                and name not in DERIVED_LAST
                 and is_launch_bound(gpu_stats.median_ms, host_stats.median_ms, caught and caught.mean_ms)
             )
             steps_ran = host.count if host is not None else (gpu.count if gpu is not None else 0)
@@ -289,7 +283,7 @@ class SummaryAccumulator:
                     calls_per_step=calls / steps_ran if calls is not None and steps_ran else 1.0,
                     host=host_stats,
                     gpu=gpu_stats,
-                    share=share,
+                    share=share_of.get(name),
                     launch_bound=launch_bound,
                 )
             )
@@ -308,6 +302,8 @@ class SummaryAccumulator:
             tflops_per_s=tflops_per_s,
             mfu=tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None,
             peak_tflops=peak_tflops,
+            share_clock=clock,
+            verdict=verdict(rows, clock == "gpu") if self.timed_steps else None,
         )
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
+import textwrap
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from steptimer._memory import MIB
 from steptimer._summary import PhaseSummary, Summary, row_order
@@ -15,14 +19,77 @@ def _ms(v: float | None) -> str:
     return f"{v:.3f}" if v < 10 else f"{v:.1f}"
 
 
-def _label(row: PhaseSummary) -> str:
+def _label(row: Any) -> str:
     depth = row.name.count("/")
     return "  " * depth + row.name.rsplit("/", 1)[-1]
 
 
-# Below this many columns the table leaves out the max columns and shortens its headers, so it fits
-# an 80-column terminal without cutting a phase name.
-_FULL_WIDTH = 100
+def fitted(variants: Iterable[Any], width: int) -> Any:
+    """The first ``rich`` table of ``variants`` whose natural width fits ``width`` columns (the last
+    one if none does): no row wraps and no cell is cut where a narrower layout exists."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=10_000, file=io.StringIO())
+    table = None
+    for table in variants:
+        if Measurement.get(console, console.options, table).maximum <= width:
+            return table
+    return table
+
+
+def phase_table(rows: Sequence[Any], *, cuda: bool, share_clock: str, width: int, title: str | None = None) -> Any:
+    """The per-phase table of the summary and of ``steptimer report``, fitted to ``width`` columns:
+    every column if it fits, else without the max columns, else without p90. Headers keep their
+    units; phase names are never cut. ``rows``: ``PhaseSummary`` or ``_report.PhaseRow`` (a
+    ``calls_per_step`` column when the rows have one)."""
+    calls = bool(rows) and hasattr(rows[0], "calls_per_step")
+    labels = [_label(row) for row in rows]
+    clocks = (("GPU", "gpu"),) if cuda else ()
+    clocks += (("host", "host"),)
+
+    def build(stats: tuple[str, ...]) -> Any:
+        from rich import box
+        from rich.table import Table
+
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0), title=title, title_justify="left")
+        table.add_column("phase", no_wrap=True, min_width=max(map(len, labels), default=5))
+        if calls:
+            table.add_column("calls\n/step", justify="right", no_wrap=True)
+        for head, _ in clocks:
+            for stat in stats:
+                table.add_column(f"{head} ms\n{stat}", justify="right", no_wrap=True)
+        table.add_column(f"share\n{'GPU' if share_clock == 'gpu' else 'host'}", justify="right", no_wrap=True)
+        for label, row in zip(labels, rows):
+            cells = [label] + ([f"{row.calls_per_step:g}"] if calls else [])
+            for _, attr in clocks:
+                st = getattr(row, attr)
+                mark = "*" if attr == "gpu" and row.launch_bound else ""
+                cells += [(_ms(getattr(st, f"{s}_ms")) if st else "-") + (mark if s == "median" else "") for s in stats]
+            cells.append("-" if row.share is None else f"{100 * row.share:.1f}%")
+            table.add_row(*cells)
+        return table
+
+    return fitted((build(s) for s in (("median", "p90", "max"), ("median", "p90"), ("median",))), width)
+
+
+def share_legend(share_clock: str) -> str:
+    """What the share column means (printed under the summary's and the report's table)."""
+    if share_clock == "gpu":
+        return (
+            "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's "
+            "idle before it; the wall time in steady state): phases + other + idle = 100%"
+        )
+    return "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"
+
+
+def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
+    """``lines`` wrapped at ``width`` columns, continuation lines indented by ``indent`` more."""
+    out = []
+    for line in lines:
+        lead = line[: len(line) - len(line.lstrip())]
+        out += textwrap.wrap(line, width=max(width, 40), subsequent_indent=lead + indent) or [""]
+    return out
 
 
 def render(summary: Summary, width: int = 120) -> str:
@@ -51,11 +118,30 @@ def _print(console, summary: Summary) -> None:  # type: ignore[no-untyped-def]
     mem = memory_table(summary)
     if mem is not None:
         console.print(mem)
-    for line in footer(summary):
+    for line in wrapped(footer(summary), console.width, "  "):
         console.print(line, markup=False, highlight=False)
+    if summary.ranks is not None:
+        for line in summary.ranks.lines():
+            console.print(line, markup=False, highlight=False)
+
+
+def conclusion(rows: Sequence[Any], share_clock: str, verdict: Any) -> list[str]:
+    """The lines under the summary's and the report's table: what ``share`` and ``*`` mean, then the
+    verdict and its evidence (``_verdict.py``)."""
+    lines = [share_legend(share_clock)]
+    if any(r.launch_bound for r in rows):
+        lines.append(
+            "* launch-bound: the GPU caught up with the host inside the phase and its span is at "
+            "most 1.1x the host's: the GPU waited for launches, and its number includes that idle."
+        )
+    if verdict is not None:
+        lines.append(f"verdict: {verdict.kind}")
+        lines += [f"  - {e}" for e in verdict.evidence]
+    return lines
 
 
 def footer(summary: Summary) -> list[str]:
+    """The summary's lines under its tables (the per-rank section comes after them)."""
     lines = []
     rates = [f"{summary.steps_per_s:.2f} steps/s" if summary.steps_per_s else None]
     if summary.samples_per_s is not None:
@@ -66,11 +152,8 @@ def footer(summary: Summary) -> list[str]:
         lines.append("throughput: " + ", ".join(r for r in rates if r))
     if summary.tflops_per_s is not None:
         lines.append(compute_line(summary.tflops_per_s, summary.mfu))
-    if any(r.launch_bound for r in summary.rows):
-        lines.append(
-            "* launch-bound: the GPU caught up with the host inside the phase and its span is at "
-            "most 1.1x the host's: the GPU waited for launches, and its number includes that idle."
-        )
+    if summary.timed_steps:
+        lines += conclusion(summary.rows, summary.share_clock, summary.verdict)
     m = summary.memory
     if m is not None and m.steps:
         lines.append(MEMORY_LEGEND)
@@ -80,8 +163,6 @@ def footer(summary: Summary) -> list[str]:
             "torch.cuda.max_memory_allocated() would say had steptimer not reset it per phase)"
         )
     lines.extend(summary.notes)
-    if summary.ranks is not None:
-        lines.extend(summary.ranks.lines())
     return lines
 
 
@@ -91,30 +172,8 @@ def compute_line(tflops_per_s: float, mfu: float | None) -> str:
 
 
 def build_table(summary: Summary, width: int = 120):  # type: ignore[no-untyped-def]
-    """The summary as a ``rich`` table. Narrower than ``_FULL_WIDTH``: median and p90 only, short
-    headers (ms). The phase column is never cut."""
-    from rich.table import Table
-
-    full = width >= _FULL_WIDTH
-    table = Table()
-    labels = [_label(row) for row in summary.rows]
-    table.add_column("phase", no_wrap=True, min_width=max(map(len, labels), default=5))
-    table.add_column("calls/step" if full else "calls", justify="right")
-    stats = ("median", "p90", "max") if full else ("median", "p90")
-    for clock in (("GPU",) if summary.cuda else ()) + ("host",):
-        for stat in stats:
-            table.add_column(f"{clock} {stat} ms" if full else f"{clock} {stat[:3]}", justify="right")
-    table.add_column("share", justify="right")
-    for label, row in zip(labels, summary.rows):
-        cells = [label, f"{row.calls_per_step:g}"]
-        if summary.cuda:
-            g = row.gpu
-            mark = "*" if row.launch_bound else ""
-            cells += [(_ms(getattr(g, f"{st}_ms")) if g else "-") + (mark if st == "median" else "") for st in stats]
-        cells += [_ms(getattr(row.host, f"{st}_ms")) for st in stats]
-        cells.append("-" if row.share is None else f"{100 * row.share:.1f}%")
-        table.add_row(*cells)
-    return table
+    """The summary as a ``rich`` table fitted to ``width`` columns (:func:`phase_table`)."""
+    return phase_table(summary.rows, cuda=summary.cuda, share_clock=summary.share_clock, width=width)
 
 
 def print_summary(summary: Summary) -> None:

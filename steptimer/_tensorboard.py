@@ -12,6 +12,9 @@ first ``/``; groups are shown in alphabetical order, so ``steptimer`` comes firs
     steptimer/steps_per_s, steptimer/samples_per_s, steptimer/tokens_per_s
     steptimer/tflops_per_s                       the window's step(flops=) over its wall time, TFLOP/s
     steptimer/mfu                                tflops_per_s over the peak (a fraction, 0-1)
+    steptimer/share/<name>_pct                   the row's part of the window's wall time, %: of the
+                                                 GPU's timeline with CUDA timing (phases, other, idle),
+                                                 else of the host's (steptimer/_verdict.py)
     steptimer/mem/<name>_peak_mib                CUDA memory (rules in steptimer/_memory.py): max over
                                                  the window's timed steps of the peak allocated inside
                                                  the phase (``step``: the step)
@@ -62,6 +65,7 @@ WARMUP_TAG = "steptimer-run/warmup_steps"
 CHARTS = {
     "Host ms per phase": r"^steptimer/host_ms$",
     "GPU ms per phase": r"^steptimer/gpu_ms$",
+    "Share of wall time per row, %": r"^steptimer/share_pct$",
     "Steps per second": r"^steptimer/steps_per_s$",
     "Samples per second": r"^steptimer/samples_per_s$",
     "Tokens per second": r"^steptimer/tokens_per_s$",
@@ -123,6 +127,8 @@ def window_scalars(window: Window) -> dict[str, float]:
             out[f"steptimer-tails/{clock}/{name}_max_ms"] = st.max_ms
     for name, frac in window.caught.items():
         out[f"steptimer-caught-up/gpu/{name}_frac"] = frac
+    for name, share in window.shares.items():
+        out[f"steptimer/share/{name}_pct"] = 100.0 * share
     out["steptimer/steps_per_s"] = window.steps_per_s
     if window.samples_per_s is not None:
         out["steptimer/samples_per_s"] = window.samples_per_s

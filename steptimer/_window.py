@@ -17,6 +17,7 @@ import numpy as np
 
 from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats, bucket_upper_ms
 from steptimer._memory import MemoryStats, StepMemory, memory_of
+from steptimer._verdict import ShareClock, shares
 
 # A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
 # times, the GPU step (ms), one GPU span (ms) per phase entry and one "caught" flag per phase entry
@@ -173,6 +174,20 @@ class GroupTotals(NamedTuple):
     tokens: float | None
     flops: float | None
     sums_ms: list[float]  # per layout series, NaN left out
+
+
+def add_timed_host(groups: list[GroupTotals], sums_ms: dict[str, float]) -> float:
+    """Add the host series of the timed steps' layouts to ``sums_ms``; return their wall time (ms,
+    step + data wait before it): the host shares' numerators and denominator."""
+    cycle_ms = 0.0
+    for g in groups:
+        if g.names is None:
+            continue
+        cycle_ms += g.cycle_ms
+        for (clock, name), total in zip(g.series, g.sums_ms):
+            if clock == "host":
+                sums_ms[name] = sums_ms.get(name, 0.0) + total
+    return cycle_ms
 
 
 _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
@@ -342,6 +357,10 @@ class Window:
     packed: Packed | None = field(default=None, repr=False, compare=False)
     # CUDA memory of the window's timed steps (None: not read; see steptimer/_memory.py).
     memory: MemoryStats | None = None
+    # Each top-level row's part of the window's wall time, on the clock ``share_clock`` (the
+    # summary's rule, steptimer/_verdict.py).
+    shares: Mapping[str, float] = field(default_factory=dict)
+    share_clock: ShareClock = "host"
 
 
 def window_of(rows: StepRows, last_step: int, peak_tflops: float | None = None) -> Window:
@@ -357,6 +376,10 @@ def window_of(rows: StepRows, last_step: int, peak_tflops: float | None = None) 
     flops = [g.flops for g in p.groups if g.flops is not None]
     stats = p.stats()
     ok = wall_s > 0
+    timed_sum: dict[str, float] = {}
+    timed_cycle_ms = add_timed_host(p.groups, timed_sum)
+    gpu_sum = {name: p.sum_ms[k] for k, (clock, name) in enumerate(p.series) if clock == "gpu" and p.count[k]}
+    share_clock, share_of = shares(gpu_sum, timed_sum, timed_cycle_ms)
     tflops_per_s = sum(flops) / wall_s / 1e12 if flops and ok else None
     return Window(
         step=last_step,
@@ -373,4 +396,6 @@ def window_of(rows: StepRows, last_step: int, peak_tflops: float | None = None) 
         warmup=rows.warmup,
         packed=p,
         memory=memory_of(rows.memory),
+        shares=share_of,
+        share_clock=share_clock,
     )

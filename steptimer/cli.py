@@ -118,8 +118,8 @@ def _report_json(r: RunReport) -> dict[str, Any]:
     d = asdict(r)
     d.pop("cycle_window_ms")
     for row in d["rows"]:
-        row.pop("host_window_means_ms")
-        row.pop("gpu_window_means_ms")
+        for key in ("host_window_means_ms", "gpu_window_means_ms", "host_hist", "gpu_hist"):
+            row.pop(key)
     d["quantiles_of"] = "steps" if r.of_steps else "window means"
     d["verdict"] = {"kind": r.verdict.kind, "evidence": list(r.verdict.evidence)}
     return _finite(d)  # type: ignore[no-any-return]
@@ -145,54 +145,42 @@ def _console() -> Any:
     return Console(width=None if tty_or_set else 160, highlight=False)
 
 
-def _ms(v: float | None) -> str:
+def _ms(v: float | None, *, sign: bool = False) -> str:
     if v is None or not math.isfinite(v):
         return "-"
-    return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+    return f"{v:+.3f}" if sign and abs(v) < 10 else f"{v:+.1f}" if sign else f"{v:.3f}" if v < 10 else f"{v:.1f}"
 
 
 def _print_report(console: Any, r: RunReport) -> None:
-    from rich.table import Table
+    from steptimer._table import conclusion, phase_table, wrapped
+
+    def say(lines: list[str]) -> None:
+        for line in wrapped(lines, console.width, "  "):
+            console.print(line, markup=False, highlight=False)
 
     of = "of steps" if r.of_steps else "of window means"
     clocks = "CUDA events + host clock" if r.cuda else "host clock only"
-    table = Table(
-        title=f"{r.name}: {r.steps} steps in {r.windows} window{'s' * (r.windows != 1)}, {clocks}; median/p90 {of}",
-        title_justify="left",
-    )
-    table.add_column("phase")
-    for clock in (("GPU",) if r.cuda else ()) + ("host",):
-        for stat in ("median", "p90", "max"):
-            table.add_column(f"{clock} {stat} ms", justify="right")
-    table.add_column("share", justify="right")
-    for row in r.rows:
-        cells = ["  " * row.name.count("/") + row.name.rsplit("/", 1)[-1]]
-        stats = ((row.gpu,) if r.cuda else ()) + (row.host,)
-        for st in stats:
-            cells += [_ms(st.median_ms), _ms(st.p90_ms), _ms(st.max_ms)] if st else ["-", "-", "-"]
-        cells.append("-" if row.share is None else f"{100 * row.share:.1f}%")
-        table.add_row(*cells)
-    console.print(table)
+    windows = f"{r.windows} window{'s' * (r.windows != 1)}"
+    say([f"{r.name}: {r.steps} steps in {windows}, {clocks}; median/p90 {of}"])
+    console.print(phase_table(r.rows, cuda=r.cuda, share_clock=r.share_clock, width=console.width))
     if r.memory is not None:
         from steptimer._table import MEMORY_LEGEND
 
         console.print(_memory_table(r, r.memory))
-        console.print(MEMORY_LEGEND)
+        say([MEMORY_LEGEND])
     rates = [f"{r.steps_per_s:.2f} steps/s" if r.steps_per_s else "-"]
     if r.samples_per_s is not None:
         rates.append(f"{r.samples_per_s:,.1f} samples/s")
     if r.tokens_per_s is not None:
         rates.append(f"{r.tokens_per_s:,.0f} tokens/s")
-    console.print("throughput: " + ", ".join(rates))
+    lines = ["throughput: " + ", ".join(rates)]
     if r.tflops_per_s is not None:
-        console.print(compute_line(r.tflops_per_s, r.mfu))
+        lines.append(compute_line(r.tflops_per_s, r.mfu))
     if r.data_share is not None:
-        console.print(f"data wait: {100 * r.data_share:.1f}% of wall time")
-    console.print(f"verdict: [bold]{r.verdict.kind}[/bold]")
-    for line in r.verdict.evidence:
-        console.print(f"  - {line}")
-    for note in r.notes:
-        console.print(f"note: {note}")
+        lines.append(f"host time between steps (the data row): {100 * r.data_share:.1f}% of wall time")
+    lines += conclusion(r.rows, r.share_clock, r.verdict)
+    lines += [f"note: {note}" for note in r.notes]
+    say(lines)
     console.print()
 
 
@@ -243,26 +231,44 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         }
         print(json.dumps(_finite(out), indent=2, allow_nan=False))
         return 0
+    from rich import box
     from rich.table import Table
 
+    from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE
+    from steptimer._table import wrapped
+
     console = _console()
-    table = Table(title=f"A = {a.path}\nB = {b.path}  (median ms per step)", title_justify="left")
-    for col in ("phase", "clock", "A ms", "B ms", "change", "spread ms", "note"):
-        table.add_column(col, justify="left" if col in ("phase", "clock", "note") else "right")
+
+    def say(lines: list[str]) -> None:
+        for line in wrapped(lines, console.width, "  "):
+            console.print(line, markup=False, highlight=False)
+
+    say([f"A = {a.path}", f"B = {b.path}"])
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
+    table.add_column("phase", no_wrap=True)
+    for col in ("clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict"):
+        table.add_column(col, justify="left" if col in ("clock", "verdict") else "right", no_wrap=True)
     for d in deltas:
         frac = d.delta_frac
-        change = f"{d.delta_ms:+.3g} ms" + ("" if frac is None else f" ({100 * frac:+.1f}%)")
-        note = "within noise" if d.noise else ("slower" if d.delta_ms > 0 else "faster")
-        table.add_row(d.name, d.clock, _ms(d.a_ms), _ms(d.b_ms), change, _ms(d.spread_ms), note)
+        verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed else "no change"
+        table.add_row(
+            d.name, d.clock, _ms(d.a_ms), _ms(d.b_ms), _ms(d.delta_ms, sign=True),
+            "-" if frac is None else f"{100 * frac:+.1f}", f"{d.dominance:+.2f}", verdict,
+        )  # fmt: skip
     console.print(table)
+    lines = []
     for label, run in (("A", a), ("B", b)):
         if run.tflops_per_s is not None:
-            console.print(f"{label} {compute_line(run.tflops_per_s, run.mfu)}")
-    console.print(f"verdict A: {a.verdict.kind}; verdict B: {b.verdict.kind}")
-    console.print(
-        "note: a change is 'within noise' when it is no larger than the runs' own spread "
-        "(std of window means; p90 - median of steps with a single window)"
-    )
+            lines.append(f"{label} {compute_line(run.tflops_per_s, run.mfu)}")
+    lines += [
+        f"verdict A: {a.verdict.kind}; verdict B: {b.verdict.kind}",
+        "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
+        "step: the mean (1 / steps per second)",
+        f"a row changed when B's steps are above (or below) A's in net {MIN_DOMINANCE:.0%} of pairs "
+        f"of steps (Cliff's delta; of windows for wall per step) and by at least "
+        f"{MIN_CHANGE:.0%} and {1e3 * MIN_CHANGE_MS:g} µs",
+    ]
+    say(lines)
     return 0
 
 

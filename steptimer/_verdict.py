@@ -1,0 +1,173 @@
+"""Where the wall time went: each row's share and the run's verdict, one rule for the summary and for
+``steptimer report``.
+
+With CUDA timing both read the GPU's timeline. A timed step's events tile it: the phases' GPU spans,
+the gaps between them (``other``) and, before the step, the GPU's ``idle`` since the previous step
+ended. In steady state that timeline is the wall time, and it says where the time went. Host times do
+not: on a GPU-bound run the host blocks wherever it first needs a result (``loss.item()``, often
+between steps), so host shares say where the host happened to wait. Host-only runs keep host shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Optional, Protocol
+
+from steptimer._histogram import SeriesStats
+
+# Verdict thresholds, as fractions of the GPU's timeline (host only: of wall time).
+STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this much: input-bound
+BUSY_SHARE = 0.05  # under this, the GPU hardly waited for the host: GPU-bound, if no phase is launch-bound
+LAUNCH_SHARE = 0.5  # phases in which the GPU waited for launches hold at least this much: launch-bound
+HOST_BETWEEN_SHARE = 0.2  # host only: time between steps at least this much of wall time: input-bound
+
+VerdictKind = Literal["input-bound", "launch-bound", "gpu-bound", "compute-bound", "mixed"]
+ShareClock = Literal["gpu", "host"]
+
+# Rows computed by steptimer, not phases of the user's.
+DERIVED = frozenset({"data", "other", "wait", "step", "idle"})
+
+
+class Row(Protocol):
+    """What the verdict reads of a table row (``_summary.PhaseSummary``, ``_report.PhaseRow``)."""
+
+    name: str
+    host: Optional[SeriesStats]  # noqa: UP007 - a Protocol field, evaluated on Python 3.9
+    gpu: Optional[SeriesStats]  # noqa: UP007
+    share: Optional[float]  # noqa: UP007
+    launch_bound: bool
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The bottleneck, with the measured facts that decided it (each a sentence)."""
+
+    kind: VerdictKind
+    evidence: tuple[str, ...]
+
+
+def gpu_shares(gpu_sum_ms: Mapping[str, float]) -> dict[str, float]:
+    """Each top-level row's part of the GPU's timeline, from per-series sums over the same steps.
+
+    The timeline of a step is its GPU span plus the GPU's idle before it (``idle``, absent for a
+    run's first step: counted as 0), so ``phases + other + idle = 1``. ``data`` is the GPU span of a
+    phase named ``data``; time between steps is on the GPU's timeline only as ``idle``.
+    """
+    total = gpu_sum_ms.get("step", 0.0) + gpu_sum_ms.get("idle", 0.0)
+    if total <= 0:
+        return {}
+    return {n: v / total for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait")}
+
+
+def shares(
+    gpu_sum_ms: Mapping[str, float], timed_sum_ms: Mapping[str, float], timed_cycle_ms: float
+) -> tuple[ShareClock, dict[str, float]]:
+    """The shares of the summary, the report and TensorBoard: on the GPU's timeline where the steps
+    have GPU times (:func:`gpu_shares`), else on the host's wall time (:func:`host_shares`)."""
+    on_gpu = gpu_shares(gpu_sum_ms)
+    if on_gpu:
+        return "gpu", on_gpu
+    return "host", host_shares(timed_sum_ms, timed_cycle_ms)
+
+
+def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dict[str, float]:
+    """Each top-level row's part of wall time (time between steps + step) over the timed steps, by
+    the host clock: ``data + phases + other + wait = 1``."""
+    if timed_cycle_ms <= 0:
+        return {}
+    return {n: v / timed_cycle_ms for n, v in timed_sum_ms.items() if "/" not in n and n not in ("step", "idle")}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%" if x < 0.995 else f"{100 * x:.0f}%"
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3g} ms"
+
+
+def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
+    """The run's bottleneck from its rows (shares on the GPU's timeline with ``cuda``, else on the
+    host's wall time; see the module docstring). Every sentence of evidence is a measured fact."""
+    by = {r.name: r for r in rows}
+    phases = [r for r in rows if "/" not in r.name and r.name not in DERIVED and r.share is not None]
+    if not cuda:
+        return _host_verdict(by, phases)
+    idle_row, data_row = by.get("idle"), by.get("data")
+    idle = idle_row.share or 0.0 if idle_row is not None else 0.0
+    # A `data` phase in which the GPU caught up with the host: the GPU waited for the batch.
+    data_wait = data_row.share or 0.0 if data_row is not None and data_row.launch_bound else 0.0
+    stall = idle + data_wait
+    launch = [r for r in phases if r.launch_bound]
+    launch_share = sum(r.share or 0.0 for r in launch)
+
+    said_idle = f"GPU idle between steps: {_pct(idle)} of the GPU's timeline" + (
+        f" (median {_ms(idle_row.gpu.median_ms)} per step)" if idle_row is not None and idle_row.gpu else ""
+    )
+    said_data = (
+        f"the GPU waited for the host inside your `data` phase: {_pct(data_wait)} of its timeline"
+        if data_wait
+        else None
+    )
+    between = by.get("data")
+    said_between = (
+        f"meanwhile the host was between steps (the data row: your loader, .item(), logging, anything "
+        f"outside a step) for a median {_ms(between.host.median_ms)} per step"
+        if between is not None and between.host is not None
+        else None
+    )
+    said_launch = (
+        "the GPU caught up with the host (waited for launches) in "
+        + ", ".join(f"{r.name} ({_pct(r.share or 0.0)})" for r in launch)
+        if launch
+        else "the GPU caught up with the host inside no phase: it always had queued work"
+    )
+    lead = sorted((r for r in phases if (r.share or 0.0) >= 0.01), key=lambda r: -(r.share or 0.0))[:3]
+    said_lead = "the GPU's time went to " + ", ".join(f"{r.name} {_pct(r.share or 0.0)}" for r in lead)
+
+    if stall >= STALL_SHARE and stall >= launch_share:
+        first = f"the GPU waited for the host before its steps' work {_pct(stall)} of its timeline"
+        ev = [said_idle, said_data, said_between if idle >= data_wait else None]
+        return Verdict("input-bound", _facts(first, ev))
+    if launch_share >= LAUNCH_SHARE:
+        return Verdict("launch-bound", _facts(said_launch, [said_idle]))
+    if stall < BUSY_SHARE and launch_share < BUSY_SHARE:
+        return Verdict("gpu-bound", _facts(said_lead if lead else said_idle, [said_idle, said_launch]))
+    reasons = []
+    if stall >= BUSY_SHARE:
+        reasons.append(
+            f"the GPU waited for the host between steps {_pct(stall)} of its timeline: more than a "
+            f"GPU-bound run ({_pct(BUSY_SHARE)}), less than an input-bound one ({_pct(STALL_SHARE)})"
+        )
+    if launch_share >= BUSY_SHARE:
+        reasons.append(
+            f"launch-bound phases hold {_pct(launch_share)} of the GPU's timeline (launch-bound from "
+            f"{_pct(LAUNCH_SHARE)}): {said_launch.split(' in ', 1)[1]}"
+        )
+    return Verdict("mixed", _facts(reasons[0], [*reasons[1:], said_idle, said_lead if lead else None]))
+
+
+def _host_verdict(by: Mapping[str, Row], phases: Sequence[Row]) -> Verdict:
+    data = by.get("data")
+    between = data.share or 0.0 if data is not None else 0.0
+    said_between = f"the host spent {_pct(between)} of wall time between steps" + (
+        f" (the data row, median {_ms(data.host.median_ms)}: your loader, logging, the framework's loop, "
+        "anything outside a step)"
+        if data is not None and data.host is not None
+        else ""
+    )
+    no_gpu = "host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here"
+    if between >= HOST_BETWEEN_SHARE:
+        return Verdict("input-bound", (said_between, no_gpu))
+    lead = sorted((r for r in phases if (r.share or 0.0) >= 0.01), key=lambda r: -(r.share or 0.0))[:3]
+    said_lead = "the steps' time went to " + ", ".join(f"{r.name} {_pct(r.share or 0.0)}" for r in lead)
+    return Verdict("compute-bound", _facts(said_between, [said_lead if lead else None, no_gpu]))
+
+
+def _facts(first: str, more: Sequence[str | None]) -> tuple[str, ...]:
+    out = [first]
+    for s in more:
+        if s and s not in out:
+            out.append(s)
+    return tuple(out)

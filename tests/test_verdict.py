@@ -1,0 +1,225 @@
+"""Shares on the GPU's timeline and the verdict: each rule pinned on a simulated GPU (``tests/fakes.py``)
+whose timeline is known exactly, the summary and ``steptimer report`` checked to agree, and
+``compare`` checked on identical, drifted and changed runs (simulated, and real busy-wait loops).
+
+The GPU-bound runs are shaped like the GPT-2 trainer of issue 29: the host reads the loss back
+(``loss.item()``) between steps, every step or every 10th, so it blocks there until the GPU drains.
+The old host-clock shares called that block 18 % "data wait"; the GPU's timeline says the GPU was
+busy all along.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+import steptimer._engine as engine_mod
+from steptimer import StepTimer
+from steptimer._reader import find_runs
+from steptimer._report import MIN_CHANGE, analyze, compare
+from steptimer._table import render
+from steptimer._verdict import BUSY_SHARE, STALL_SHARE
+from tests.fakes import FakeClock, FakeGPU
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    c = FakeClock()
+    monkeypatch.setattr(engine_mod, "perf_counter", c)
+    return c
+
+
+# The GPT-2 step of issue 29 on an H100, per optimizer step: (host ms, GPU ms) per phase.
+GPT = {"data": (0.2, 0.05), "forward": (6.0, 50.0), "backward": (9.0, 91.0), "clip": (2.4, 0.6),
+       "optimizer": (1.5, 3.0)}  # fmt: skip
+
+
+def run(
+    log_dir: Path,
+    clock: FakeClock,
+    phases: dict[str, tuple[float, float]],
+    *,
+    steps: int = 60,
+    between_ms: float = 0.1,
+    sync_every: int = 0,
+    rng: random.Random | None = None,
+    scale: dict[str, float] | None = None,
+    cuda: bool = True,
+) -> object:
+    """A run on the simulated GPU. ``between_ms``: host time between steps (a loader); ``sync_every``:
+    every N steps the host blocks until the GPU is done (``loss.item()``) between steps; ``rng``: each
+    duration jittered by a few %; ``scale``: a phase's durations multiplied (a change between runs)."""
+    gpu = FakeGPU(clock)
+    kw = {"_backend": gpu.backend()} if cuda else {"cuda": False}
+    t = StepTimer(log_dir=str(log_dir), log_every_n_steps=10, warmup_steps=5, lag=2, print_summary=False, **kw)
+
+    def jit(ms: float) -> float:
+        return ms * (1.0 + rng.gauss(0.0, 0.02)) if rng is not None else ms
+
+    for i in range(steps):
+        clock.advance_ms(jit(between_ms))
+        with t.step(samples=12):
+            for name, (host_ms, gpu_ms) in phases.items():
+                k = (scale or {}).get(name, 1.0)
+                with t.phase(name):
+                    if cuda:
+                        gpu.launch(jit(gpu_ms) * k)
+                    clock.advance_ms(jit(host_ms) * k)
+        if sync_every and (i + 1) % sync_every == 0:
+            clock.now = max(clock.now, gpu.busy_until_ms / 1e3)  # loss.item(): the host waits for the GPU
+    return t.close()
+
+
+def report_of(log_dir: Path):  # type: ignore[no-untyped-def]
+    (r,) = [analyze(rl) for rl in find_runs(str(log_dir))]
+    return r
+
+
+@pytest.mark.parametrize("sync_every", [1, 10])
+def test_a_gpu_bound_run_whose_host_blocks_between_steps_is_gpu_bound(
+    tmp_path: Path, clock: FakeClock, sync_every: int
+) -> None:
+    s = run(tmp_path, clock, GPT, sync_every=sync_every)
+    r = report_of(tmp_path)
+    step_gpu = sum(g for _, g in GPT.values())
+    for summary in (s, r):
+        assert summary.share_clock == "gpu"
+        assert summary.verdict.kind == "gpu-bound", summary.verdict
+        shares = {row.name: row.share for row in summary.rows if row.share is not None}
+        assert sum(shares.values()) == pytest.approx(1.0)
+        assert shares["data"] + shares.get("idle", 0.0) <= 0.02, shares
+        assert shares["backward"] == pytest.approx(91.0 / step_gpu, abs=0.02)
+        assert summary.verdict.evidence[0].startswith("the GPU's time went to backward 6")
+    # the host clock, which the shares used to divide, blocked between steps for a large part
+    assert s["data"].host.median_ms > (20.0 if sync_every == 1 else 0.0)
+    # the report and the summary give one answer
+    for row in r.rows:
+        if row.share is not None:
+            assert row.share == pytest.approx(s[row.name].share, rel=1e-6), row.name
+    assert r.verdict == s.verdict
+
+
+def test_a_loader_that_stalls_the_gpu_is_input_bound_with_its_part_of_the_step(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    """A loader that sleeps 30 ms per batch outside the step; the host launches a step's 20 ms of GPU
+    work in 2 ms. A step takes 32 ms of wall time, of which the GPU works 20: it idles 12 of 32."""
+    s = run(tmp_path, clock, {"forward": (1.0, 8.0), "backward": (1.0, 12.0)}, between_ms=30.0)
+    r = report_of(tmp_path)
+    for summary in (s, r):
+        assert summary.verdict.kind == "input-bound", summary.verdict
+        idle = next(row.share for row in summary.rows if row.name == "idle")
+        assert idle == pytest.approx((32.0 - 20.0) / 32.0, abs=0.02)
+        assert any("between steps" in e and "30 ms" in e for e in summary.verdict.evidence)
+        assert not any("your `data` phase" in e for e in summary.verdict.evidence)  # no data phase ran
+
+
+def test_a_data_phase_the_gpu_waits_in_is_named(tmp_path: Path, clock: FakeClock) -> None:
+    s = run(tmp_path, clock, {"data": (30.0, 0.1), "forward": (1.0, 8.0), "backward": (1.0, 12.0)})
+    assert s.verdict.kind == "input-bound", s.verdict
+    assert s["data"].launch_bound  # the GPU caught up inside it
+    assert any("inside your `data` phase" in e for e in s.verdict.evidence), s.verdict
+
+
+def test_launch_bound_when_the_gpu_waits_for_launches_in_most_of_the_step(tmp_path: Path, clock: FakeClock) -> None:
+    s = run(tmp_path, clock, {"forward": (10.0, 1.0), "backward": (10.0, 1.0)})
+    assert s.verdict.kind == "launch-bound", s.verdict
+    assert s.verdict.evidence[0].startswith("the GPU caught up with the host (waited for launches) in forward")
+
+
+def test_mixed_says_why(tmp_path: Path, clock: FakeClock) -> None:
+    """The GPU idles 7 % of its timeline between steps: between the two thresholds."""
+    s = run(tmp_path, clock, {"forward": (1.0, 40.0), "backward": (1.0, 53.0)}, between_ms=7.0, sync_every=1)
+    assert BUSY_SHARE < s["idle"].share < STALL_SHARE
+    assert s.verdict.kind == "mixed", s.verdict
+    assert s.verdict.evidence[0].startswith("the GPU waited for the host between steps 7.0% of its timeline")
+
+
+def test_host_only_runs_keep_host_shares(tmp_path: Path, clock: FakeClock) -> None:
+    s = run(tmp_path / "a", clock, {"forward": (3.0, 0), "backward": (4.0, 0)}, between_ms=1.0, cuda=False)
+    assert s.share_clock == "host" and s.verdict.kind == "compute-bound"
+    assert s["data"].share == pytest.approx(1.0 / 8.0, rel=0.01)
+    assert "host clock only" in s.verdict.evidence[-1]
+    s = run(tmp_path / "b", clock, {"forward": (3.0, 0)}, between_ms=3.0, cuda=False)
+    assert s.verdict.kind == "input-bound" and s.verdict.evidence[0].startswith("the host spent 50")
+
+
+def test_the_summary_prints_its_shares_clock_and_verdict(tmp_path: Path, clock: FakeClock) -> None:
+    s = run(tmp_path, clock, GPT, sync_every=1)
+    text = render(s, width=80)
+    assert max(map(len, text.splitlines())) <= 80
+    assert text.splitlines()[2].split()[-1] == "GPU"  # the share column says its clock
+    assert "share GPU: the row's part of the GPU's timeline" in text
+    assert "verdict: gpu-bound" in text
+
+
+# ---------------------------------------------------------------------- compare
+
+
+def _deltas(tmp_path: Path, clock: FakeClock, a: dict, b: dict, **kw: object):  # type: ignore[no-untyped-def,type-arg]
+    run(tmp_path / "a", clock, GPT, **a, **kw)
+    run(tmp_path / "b", clock, GPT, **b, **kw)
+    return {d.name: d for d in compare(report_of(tmp_path / "a"), report_of(tmp_path / "b"))}
+
+
+def test_compare_calls_identical_runs_unchanged(tmp_path: Path, clock: FakeClock) -> None:
+    """20 pairs of runs of the same loop, each duration jittered (2 %) by its own seed: at most one
+    flagged row in 20."""
+    rows = flagged = 0
+    for seed in range(20):
+        d = _deltas(tmp_path / str(seed), clock, {"rng": random.Random(2 * seed)}, {"rng": random.Random(2 * seed + 1)},
+                    sync_every=10)  # fmt: skip
+        rows += len(d)
+        flagged += sum(x.changed for x in d.values())
+    assert flagged * 20 <= rows, (flagged, rows)
+
+
+def test_compare_flags_the_phase_that_changed_and_only_it(tmp_path: Path, clock: FakeClock) -> None:
+    d = _deltas(tmp_path, clock, {"rng": random.Random(1)}, {"rng": random.Random(2), "scale": {"forward": 1.2}},
+                sync_every=10)  # fmt: skip
+    assert d["forward"].changed and d["forward"].delta_frac == pytest.approx(0.2, abs=0.02)
+    assert d["forward"].dominance > 0.9
+    for name in ("data", "backward", "clip", "optimizer"):
+        assert not d[name].changed, d[name]
+
+
+def test_compare_ignores_a_drift_smaller_than_the_minimum_change(tmp_path: Path, clock: FakeClock) -> None:
+    """+0.5 % on every phase (issue 29's two identical runs: backward 4.0007 vs 4.0206 ms): the steps
+    are apart, the change is too small to be one."""
+    d = _deltas(tmp_path, clock, {}, {"scale": {n: 1.005 for n in GPT}})
+    assert d["backward"].delta_frac == pytest.approx(0.005, abs=0.002) and MIN_CHANGE > 0.005
+    assert not any(x.changed for x in d.values()), d
+
+
+def _busy(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+def _busy_run(log_dir: Path, forward_ms: float) -> None:
+    t = StepTimer(log_dir=str(log_dir), cuda=False, log_every_n_steps=10, warmup_steps=5, print_summary=False)
+    for _ in range(45):
+        _busy(1.0)
+        with t.step():
+            for name, ms in (("forward", forward_ms), ("backward", 4.0), ("optimizer", 1.0)):
+                with t.phase(name):
+                    _busy(ms)
+    t.close()
+
+
+def test_compare_on_real_busy_wait_loops(tmp_path: Path) -> None:
+    """Issue 29's loop on the real clock: data 1 ms, forward 3, backward 4, optimizer 1; run twice
+    unchanged, then with forward 20 % longer."""
+    for name, fwd in (("a", 3.0), ("a2", 3.0), ("b", 3.6)):
+        _busy_run(tmp_path / name, fwd)
+    a, a2, b = (report_of(tmp_path / n) for n in ("a", "a2", "b"))
+    same = compare(a, a2)
+    assert not any(d.changed for d in same), same
+    changed = {d.name: d for d in compare(a, b)}
+    assert changed["forward"].changed and changed["forward"].delta_ms > 0
+    for name in ("data", "backward", "optimizer"):
+        assert not changed[name].changed, changed[name]
