@@ -380,6 +380,7 @@ def window_of(rows: StepRows, last_step: int, peak_tflops: float | None = None) 
     timed_cycle_ms = add_timed_host(p.groups, timed_sum)
     gpu_sum = {name: p.sum_ms[k] for k, (clock, name) in enumerate(p.series) if clock == "gpu" and p.count[k]}
     share_clock, share_of = shares(gpu_sum, timed_sum, timed_cycle_ms)
+    share_of = {n: v for n, v in share_of.items() if (share_clock, n) in stats}  # rows the window has
     tflops_per_s = sum(flops) / wall_s / 1e12 if flops and ok else None
     return Window(
         step=last_step,

@@ -284,8 +284,8 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
             for tag in tags.get(r, {}):
                 groups.setdefault(tag.split("/")[0], set()).add(tag)
         assert sorted(groups)[:2] == ["loss", "steptimer"]  # the user's own tag sorts where it sorts
-        assert groups["steptimer"] == {"steptimer/host_ms", "steptimer/gpu_ms", "steptimer/steps_per_s",
-                                       "steptimer/samples_per_s", "steptimer/tokens_per_s"}  # fmt: skip
+        assert groups["steptimer"] == {"steptimer/host_ms", "steptimer/gpu_ms", "steptimer/share_pct",
+                                       "steptimer/steps_per_s", "steptimer/samples_per_s", "steptimer/tokens_per_s"}  # fmt: skip
         assert groups["steptimer-tails"] == {f"steptimer-tails/{c}_{q}_ms" for c in ("host", "gpu") for q in ("p90", "max")}
         assert "steptimer-caught-up" in groups
 
