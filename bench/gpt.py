@@ -263,17 +263,19 @@ class Trainer:
         return get_batch(self.data, self.rng, self.cfg, self.device)
 
 
-def train_bare(t: Trainer, iters: int) -> list[float]:
+def train_bare(t: Trainer, iters: int, sync_every: int = 1) -> list[float]:
     """Run ``iters`` training iterations; returns the trainer's own clock: seconds per iteration.
 
-    Each iteration ends with ``loss.item()`` (the log line nanoGPT writes every iteration), which waits
-    for the GPU: every iteration's time is then a whole iteration of GPU work, the first one included.
+    Every ``sync_every`` iterations, and after the last, the iteration ends with ``loss.item()`` (the
+    log line nanoGPT writes every ``log_interval`` iterations), between steps, which waits for the GPU.
+    With ``sync_every=1`` every iteration's time is a whole iteration of GPU work; with more, the host
+    runs ahead between the log lines and the iterations' times add up to the same total.
     """
     model, opt, accum = t.model, t.opt, t.cfg.accum
     x, y = t.x, t.y
     dts = []
     t0 = perf_counter()
-    for _ in range(iters):
+    for i in range(iters):
         for _micro in range(accum):
             with t.ctx:
                 logits = model(x)
@@ -283,7 +285,8 @@ def train_bare(t: Trainer, iters: int) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t.loss = loss.item() * accum
+        if (i + 1) % sync_every == 0 or i + 1 == iters:
+            t.loss = loss.item() * accum
         t1 = perf_counter()
         dts.append(t1 - t0)
         t0 = t1
@@ -291,13 +294,13 @@ def train_bare(t: Trainer, iters: int) -> list[float]:
     return dts
 
 
-def train_steptimer(t: Trainer, timer: Any, iters: int) -> list[float]:
+def train_steptimer(t: Trainer, timer: Any, iters: int, sync_every: int = 1) -> list[float]:
     """:func:`train_bare` with steptimer: the same loop, with only ``with timer...`` lines added."""
     model, opt, accum = t.model, t.opt, t.cfg.accum
     x, y = t.x, t.y
     dts = []
     t0 = perf_counter()
-    for _ in range(iters):
+    for i in range(iters):
         with timer.step(tokens=t.tokens_per_iter, flops=t.flops_per_iter):
             for _micro in range(accum):
                 with t.ctx:
@@ -315,8 +318,7 @@ def train_steptimer(t: Trainer, timer: Any, iters: int) -> list[float]:
                 opt.step()
             with timer.phase("zero_grad"):
                 opt.zero_grad(set_to_none=True)
-            # The log line's sync, inside the step: its wait for the GPU is host time of this step
-            # (host `other`), not data wait before the next one.
+        if (i + 1) % sync_every == 0 or i + 1 == iters:
             t.loss = loss.item() * accum
         t1 = perf_counter()
         dts.append(t1 - t0)
@@ -337,14 +339,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile-steps", type=int, nargs=2, default=None, metavar=("FIRST", "LAST"),
                    help="with --steptimer-dir: torch.profiler for these steps (for `steptimer kernels`)")
     p.add_argument("--memory", type=int, default=10, help="with --steptimer-dir: read CUDA memory every N steps")
+    p.add_argument("--sync-every", type=int, default=1, metavar="N",
+                   help="read the loss back (loss.item(), between steps) every N iterations, as trainers log")
     a = p.parse_args(argv)
     if a.iters < 1:
         p.error(f"--iters must be >= 1, got {a.iters}")
+    if a.sync_every < 1:
+        p.error(f"--sync-every must be >= 1, got {a.sync_every}")
     cfg = PRESETS[a.preset]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t = Trainer(cfg, device, compile=a.compile, data_path=a.data)
     if a.steptimer_dir is None:
-        dts = train_bare(t, a.iters)
+        dts = train_bare(t, a.iters, a.sync_every)
     else:
         from steptimer import StepTimer
 
@@ -352,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_dir=a.steptimer_dir, warmup_steps=min(5, a.iters - 1), peak_tflops=a.peak_tflops, memory=a.memory,
             profile_steps=None if a.profile_steps is None else tuple(a.profile_steps),
         )
-        dts = train_steptimer(t, timer, a.iters)
+        dts = train_steptimer(t, timer, a.iters, a.sync_every)
         timer.close()
     for i, dt in enumerate(dts):
         m = mfu(cfg, dt, a.peak_tflops)

@@ -86,10 +86,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory", type=int, default=10, help="StepTimer(memory=N): CUDA memory every N steps, 0 off")
     p.add_argument("--data", default=None, help="uint16 token file (default: synthetic, in the temp dir)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--sync-every", type=int, default=1, metavar="N",
+                   help="loss.item() between steps every N iterations (the trainer's log line)")
     a = p.parse_args(argv)
-    for name in ("rounds", "iters"):
+    for name in ("rounds", "iters", "sync_every"):
         if getattr(a, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         p.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.peak_tflops is not None and a.peak_tflops <= 0:
@@ -106,7 +108,7 @@ def run_mode(
     """Warm up, then interleave bare and timed rounds of one mode; returns its numbers (see :func:`analyze`)."""
     t = Trainer(cfg, device, compile=mode == "compiled", data_path=args.data)
     t_start = time.perf_counter()
-    train_bare(t, args.warmup)
+    train_bare(t, args.warmup, args.sync_every)
     warmup_s = time.perf_counter() - t_start
     log(f"{mode}: {args.warmup} warm-up iterations in {warmup_s:.1f} s")
     log_dir = os.path.join(args.out, "tb", mode)
@@ -119,16 +121,16 @@ def run_mode(
     # wait and GPU idle.
     timer = StepTimer(log_dir=log_dir, warmup_steps=args.iters, log_every_n_steps=args.iters, print_summary=False,
                       peak_tflops=args.peak_tflops, memory=args.memory)  # fmt: skip
-    train_steptimer(t, timer, args.iters)
+    train_steptimer(t, timer, args.iters, args.sync_every)
     bare: list[list[float]] = []
     timed: list[list[float]] = []
     for k in range(args.rounds):
         for variant in round_order(("bare", "steptimer"), k):
             if variant == "bare":
                 with timer.pause():
-                    bare.append(train_bare(t, args.iters))
+                    bare.append(train_bare(t, args.iters, args.sync_every))
             else:
-                timed.append(train_steptimer(t, timer, args.iters))
+                timed.append(train_steptimer(t, timer, args.iters, args.sync_every))
     summary = timer.close()
     # The peak steptimer used (--peak-tflops, else its table's), for the bare/timed MFU columns too.
     out = analyze(cfg, summary, bare, timed, summary.peak_tflops)
@@ -150,7 +152,8 @@ def steptimer_report(log_dir: str, *, skip_steps: int) -> dict[str, Any]:
     if rc != 0:
         return {"error": f"steptimer report exited {rc}: {err.getvalue().strip()}"}
     run = json.loads(buf.getvalue())["runs"][0]
-    keys = ("steps", "steps_per_s", "tflops_per_s", "mfu", "data_share", "wait_share", "gpu_idle_share", "verdict")
+    keys = ("steps", "steps_per_s", "tflops_per_s", "mfu", "data_share", "wait_share", "gpu_idle_share", "share_clock",
+            "verdict")  # fmt: skip
     return {k: run[k] for k in keys}
 
 
@@ -168,8 +171,8 @@ def analyze(
     # steptimer's step against the trainer's clock over the same (timed) iterations. The wall time per
     # step (data wait + step) is the trainer's iteration; the GPU step is the iteration less the GPU's
     # idle gap between steps (tens of µs: loss.item()'s copy and the host's return to the next step);
-    # the host step holds the trainer's `loss.item()` sync (its log line, inside the step: host
-    # `other`). At round boundaries the two clocks cut differently: the
+    # the trainer's `loss.item()` sync (its log line) is between steps: host `data`. At round
+    # boundaries the two clocks cut differently: the
     # first step of a timed round counts as data the host time since the last timed step outside
     # pause() (the tail of the round before, the driver's lines), which the trainer's clock puts in the
     # round before, or in the timer's warm-up round: 0.4-0.8 ms per run in all on the CPU test, some
