@@ -207,7 +207,7 @@ def analyze(
         "cuda": summary.cuda,
         "steps": summary.steps,
         "warmup_steps": summary.warmup_steps,
-        "share_sum": math.fsum(r.share for r in top if r.share is not None),
+        "share_sum": math.fsum(r.share for r in summary.rows if r.share is not None),  # idle too, on the GPU
         "gpu_sum_rows": [r.name for r in gpu_rows],
         "gpu_sum_ms": math.fsum(r.gpu.mean_ms for r in gpu_rows if r.gpu) if gpu_rows and step.gpu else None,
         "gpu_step_ms": step.gpu.mean_ms if step.gpu else None,
