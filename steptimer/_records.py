@@ -39,12 +39,17 @@ _LENGTH = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
 
 
+def frame(data: bytes) -> bytes:
+    """One record: ``data`` with its length and both checksums, as TensorBoard frames it."""
+    header = _LENGTH.pack(len(data))
+    return header + _CRC.pack(masked_crc32c(header)) + data + _CRC.pack(masked_crc32c(data))
+
+
 class RecordWriter(_TBRecordWriter):  # type: ignore[misc]
     """TensorBoard's ``RecordWriter`` with this module's checksum (same bytes)."""
 
     def write(self, data: bytes) -> None:
-        header = _LENGTH.pack(len(data))
-        self._writer.write(header + _CRC.pack(masked_crc32c(header)) + data + _CRC.pack(masked_crc32c(data)))
+        self._writer.write(frame(data))
 
 
 class RecordError(Exception):

@@ -171,7 +171,6 @@ def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock
         new.write_window(w)
         old.write(_old_layout(w), w.step)
     new.close()
-    old.close()
     assert sorted(p.name for p in (tmp_path / "new" / "steptimer").iterdir())[:3] == ["backward", "data", "forward"]
     assert not (tmp_path / "old" / "steptimer").exists()
 
