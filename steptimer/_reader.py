@@ -132,7 +132,8 @@ def _split(files: list[str], phases: dict[str, list[str]]) -> tuple[list[Group],
         for f in fs:
             rid = _run_id(f)
             (tied.setdefault(rid, {}) if rid in own else loose).setdefault(phase, []).append(f)
-    return [([own[r]], tied[r]) for r in sorted(tied)], ([f for f in files if _run_id(f) not in tied], loose)
+    order = sorted(tied, key=lambda rid: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in rid.split(".")])
+    return [([own[r]], tied[r]) for r in order], ([f for f in files if _run_id(f) not in tied], loose)
 
 
 def _dir_runs(d: str, files: list[str], phases: dict[str, list[str]], *, name: str) -> list[RunLog]:
