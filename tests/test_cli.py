@@ -655,7 +655,8 @@ def test_truncated_event_file_reads_to_its_last_whole_record(tmp_path: Path, clo
     assert "ends inside the record" in cli("report", str(trunc)).stdout
 
 
-def test_two_runs_in_one_log_dir_stay_apart(tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str]) -> None:
+def test_two_runs_in_one_log_dir_stay_apart(tmp_path: Path, clock: FakeClock,
+                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     """A second StepTimer into the same log_dir is a run of its own: report shows each with its own
     steps and phases and says so; its event file picks one; compare asks for one."""
     log_dir = tmp_path / "exp"
