@@ -35,6 +35,10 @@ from steptimer._window import StepRows
 log = logging.getLogger("steptimer")
 
 RESERVED_NAMES = frozenset({"step", "other", "wait", "idle"})
+# Each phase name is a directory of its TensorBoard run (<log_dir>/steptimer/<outer>/<inner>), and a
+# path component must stay under 255 bytes (NAME_MAX on Linux and macOS). 100 leaves room below it,
+# keeps a nested name's path far from PATH_MAX, and still fits a table row and TensorBoard's run list.
+MAX_PHASE_NAME_CHARS = 100
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 
 # A boundary less than this long (host time) after steptimer's last event record reuses that event
@@ -55,6 +59,12 @@ def check_phase_name(name: str) -> None:
         raise ValueError(
             f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' "
             "(nest phases to get 'outer/inner')"
+        )
+    if len(name) > MAX_PHASE_NAME_CHARS:
+        raise ValueError(
+            f"phase name must be at most {MAX_PHASE_NAME_CHARS} characters (each name is a directory of the "
+            f"TensorBoard log), got {len(name)}: {name[:40]!r}...; pass a shorter name, or nest phases "
+            "to get 'outer/inner'"
         )
     if name in RESERVED_NAMES:
         raise ValueError(

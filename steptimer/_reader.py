@@ -7,9 +7,16 @@ loops, Lightning's ``version_N`` directories, several runs side by side). Logs w
 per-phase runs (every tag flat in one run, tails as ``steptimer/host_p90/<phase>_ms``) read the same:
 their tags are renamed to today's grammar on the way in.
 
-Records are read strictly (``_records.read_records``): TensorBoard's loaders treat a bad record as
-"the file is still being written" and silently stop there, which would make a report quietly leave
-out the rest of a run. Here a truncated or corrupt record is a :class:`LogError` naming the file.
+Runs in one directory stay apart: every file one ``StepTimer`` writes carries its run id in its name
+(``events.out.tfevents.<run id>`` and its phases' ``events.out.tfevents.<run id>.steptimer``), so a
+second run into the same ``log_dir`` is read as a run of its own. Files that name no run (a user's
+``SummaryWriter``, Lightning's logger, steptimer before run ids) are read together as one more run,
+with a note when more than one of them holds steptimer windows.
+
+Records are read strictly (``_records.read_records``). A file that ends inside a record (the run was
+killed, or its disk filled, while writing) is read up to its last whole record and the run gets a
+note saying where it stopped; a checksum that does not match is a :class:`LogError` naming the file
+(TensorBoard's loaders silently stop at either), and so is a file that is not an event file at all.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass, field
 
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
-from steptimer._tensorboard import PHASE_DIR, PHASE_SUFFIX, join_tag
+from steptimer._tensorboard import EVENT_FILE_PREFIX, PHASE_DIR, PHASE_SUFFIX, join_tag
 
 PREFIX = "steptimer"  # every group: steptimer/, steptimer-tails/, ...
 _EVENT_FILE_MARK = "tfevents"
@@ -47,33 +54,51 @@ class RunLog:
     (``steptimer/host/forward_ms``, ``_tensorboard.py``'s grammar), to its ``(step, value)`` points
     in step order. ``hists`` maps ``(clock, phase)`` to each window's
     per-step histogram, rebuilt on steptimer's fixed log grid, in step order. When a step was written
-    twice (a restarted run writing into the same directory), the later write wins.
+    twice (files that name no run, see the module's docstring), the later write wins. ``notes`` say
+    what the report should know about the files (where a truncated one stopped, other runs beside).
     """
 
     name: str
     path: str
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     hists: dict[tuple[str, str], list[tuple[int, LogHistogram]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
 
 def find_runs(logdir: str) -> list[RunLog]:
-    """Every run under ``logdir`` (itself included), read, sorted by path.
+    """Every run under ``logdir`` (itself included), read, sorted by path; ``logdir`` may also be
+    one run's event file (``events.out.tfevents.*``), which reads that run alone.
 
     Raises:
-        LogError: ``logdir`` is missing or no event file under it holds steptimer tags, or an
-            event file is corrupt or truncated.
+        LogError: ``logdir`` is missing, or no event file under it holds steptimer tags, or an
+            event file is corrupt or not an event file, or ``logdir`` is a phase's event file.
     """
     if not os.path.exists(logdir):
         raise LogError(f"{logdir}: no such file or directory")
     if os.path.isfile(logdir):
-        dirs = {os.path.dirname(logdir) or ".": [logdir]}
+        runs = [_file_run(logdir)]
     else:
-        dirs = {}
-        for root, subdirs, files in os.walk(logdir):
-            subdirs.sort()
-            events = sorted(os.path.join(root, f) for f in files if _EVENT_FILE_MARK in f)
-            if events:
-                dirs[root] = events
+        dirs, phases = _scan(logdir)
+        runs = []
+        for d, files in sorted(dirs.items()):
+            rel = os.path.relpath(d, logdir)
+            runs += _dir_runs(d, files, phases.get(d, {}), name=d if rel == "." else rel)
+    if not any(run.scalars or run.hists for run in runs):
+        raise LogError(
+            f"{logdir}: event files found, but none holds steptimer tags (steptimer/...): "
+            "was the run logged with StepTimer(log_dir=...) or the steptimer Lightning callback?"
+        )
+    return [run for run in runs if run.scalars or run.hists]
+
+
+def _scan(logdir: str) -> tuple[dict[str, list[str]], dict[str, dict[str, list[str]]]]:
+    """``(event files by run directory, phases' event files by run directory and phase)`` under ``logdir``."""
+    dirs = {}
+    for root, subdirs, files in os.walk(logdir):
+        subdirs.sort()
+        events = sorted(os.path.join(root, f) for f in files if _EVENT_FILE_MARK in f)
+        if events:
+            dirs[root] = events
     if not dirs:
         raise LogError(f"{logdir}: no TensorBoard event files (events.out.tfevents.*) found")
     if all(f.endswith(PHASE_SUFFIX) for files in dirs.values() for f in files):
@@ -87,17 +112,47 @@ def find_runs(logdir: str) -> list[RunLog]:
                 phases.setdefault(owner, {})[rel.replace(os.sep, "/")] = dirs.pop(d)
     for owner in phases:
         dirs.setdefault(owner, [])
-    runs = []
-    for d, files in sorted(dirs.items()):
-        rel = os.path.relpath(d, logdir) if os.path.isdir(logdir) else d
-        name = d if rel == "." else rel
-        run = read_run(files, name=name, path=d, phases=phases.get(d, {}))
-        if run.scalars or run.hists:
-            runs.append(run)
-    if not runs:
-        raise LogError(
-            f"{logdir}: event files found, but none holds steptimer tags (steptimer/...): "
-            "was the run logged with StepTimer(log_dir=...) or the steptimer Lightning callback?"
+    return dirs, phases
+
+
+def _run_id(path: str) -> str:
+    name = os.path.basename(path)
+    name = name[: -len(PHASE_SUFFIX)] if name.endswith(PHASE_SUFFIX) else name
+    return name[len(EVENT_FILE_PREFIX) :] if name.startswith(EVENT_FILE_PREFIX) else name
+
+
+Group = tuple[list[str], dict[str, list[str]]]  # a run's own event files, its phases' event files
+
+
+def _split(files: list[str], phases: dict[str, list[str]]) -> tuple[list[Group], Group]:
+    """The runs of one directory: ``(runs tied by their run id, in the order they started; the files
+    tied to none)``. A run is a file of the directory and the phases' files that carry its name."""
+    own = {_run_id(f): f for f in files}
+    tied: dict[str, dict[str, list[str]]] = {}
+    loose: dict[str, list[str]] = {}
+    for phase, fs in phases.items():
+        for f in fs:
+            rid = _run_id(f)
+            (tied.setdefault(rid, {}) if rid in own else loose).setdefault(phase, []).append(f)
+    order = sorted(tied, key=lambda rid: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in rid.split(".")])
+    return [([own[r]], tied[r]) for r in order], ([f for f in files if _run_id(f) not in tied], loose)
+
+
+def _dir_runs(d: str, files: list[str], phases: dict[str, list[str]], *, name: str) -> list[RunLog]:
+    """The runs of directory ``d``, read; with more than one, each is named by its event file."""
+    tied, (loose_files, loose_phases) = _split(files, phases)
+    runs = [read_run(own, name=own[0], path=own[0], phases=ph) for own, ph in tied]
+    if loose_files or loose_phases:
+        runs.append(read_run(loose_files, name=d, path=d, phases=loose_phases))
+    runs = [run for run in runs if run.scalars or run.hists]
+    if len(runs) == 1:
+        runs[0].name, runs[0].path = name, d
+    for run in runs if len(runs) > 1 else ():
+        if run.path != d:
+            run.name = os.path.join(name, os.path.basename(run.path))
+        run.notes.append(
+            f"{d} holds {len(runs)} runs (one per StepTimer), reported one by one; pass one's "
+            "events.out.tfevents.* file to report or compare it alone"
         )
     return runs
 
@@ -114,6 +169,24 @@ def _refuse_phase_run(path: str) -> None:
                 f"pass that folder: steptimer report {run}"
             )
         cur = os.path.dirname(cur)
+
+
+def _file_run(path: str) -> RunLog:
+    """The run that the event file ``path`` belongs to (the file itself and its phases' files)."""
+    base = os.path.basename(path)
+    if base.endswith(PHASE_SUFFIX):
+        raise LogError(
+            f"{path}: the event file of one phase's run; pass the run directory (the one holding "
+            f"{PHASE_DIR}/) or its events.out.tfevents.* file"
+        )
+    d = os.path.dirname(path) or "."
+    if _EVENT_FILE_MARK not in base:  # a renamed file: read on its own
+        return read_run([path], name=path, path=path)
+    dirs, phases = _scan(d)
+    files = dirs.get(d, [path])
+    tied, (_, loose_phases) = _split(files, phases.get(d, {}))
+    ph = next((ph for own, ph in tied if os.path.samefile(own[0], path)), loose_phases)
+    return read_run([path], name=path, path=path, phases=ph)
 
 
 def _owner(d: str, dirs: dict[str, list[str]]) -> str | None:
@@ -136,11 +209,13 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
 
     scalars: dict[str, dict[int, tuple[float, float]]] = {}
     hists: dict[tuple[str, str], dict[int, tuple[float, LogHistogram]]] = {}
-    sources: list[tuple[str | None, str, list[bytes]]] = [(None, f, _records(f)) for f in files]
+    notes: list[str] = []
+    sources: list[tuple[str | None, str, list[bytes]]] = [(None, f, _records(f, notes)) for f in files]
     # The phases' runs in the order they were created (their first event's time), which is the order
     # their phases were first seen: the report's rows follow it, as the summary table's do.
-    theirs = [(phase, f, _records(f)) for phase, fs in (phases or {}).items() for f in fs]
+    theirs = [(phase, f, _records(f, notes)) for phase, fs in (phases or {}).items() for f in fs]
     sources += sorted(theirs, key=lambda s: _wall_time(s[2][0]) if s[2] else math.inf)
+    with_windows = set()  # the run's own files that hold steptimer values
     for phase, f, records in sources:
         for record in records:
             try:
@@ -152,6 +227,8 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
             for value in event.summary.value:
                 if not value.tag.startswith(PREFIX):
                     continue
+                if phase is None:
+                    with_windows.add(f)
                 key = _modern(value.tag if phase is None else join_tag(phase, value.tag))
                 kind = value.WhichOneof("value")
                 if kind == "histo":
@@ -165,11 +242,18 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
                     v = _tensor_scalar(value.tensor)
                     if v is not None:
                         _keep_latest(scalars.setdefault(key, {}), event.step, event.wall_time, v)
+    if len(with_windows) > 1:
+        notes.append(
+            f"{len(with_windows)} event files in {path} hold steptimer windows and name no run (a writer= "
+            "SummaryWriter, a Lightning logger or an older steptimer): read as one run, a step written "
+            "twice taken from the later file; if they are separate runs, report one file alone"
+        )
     return RunLog(
         name=name,
         path=path,
         scalars={k: [(s, v) for s, (_, v) in sorted(pts.items())] for k, pts in scalars.items()},
         hists={k: [(s, h) for s, (_, h) in sorted(pts.items())] for k, pts in hists.items()},
+        notes=notes,
     )
 
 
@@ -182,19 +266,44 @@ def _wall_time(record: bytes) -> float:
         return math.inf
 
 
-def _records(path: str) -> list[bytes]:
-    """The raw records of one event file; :class:`LogError` on a truncated or corrupt record."""
+def _records(path: str, notes: list[str]) -> list[bytes]:
+    """The whole records of one event file. A file that ends inside a record is read up to its last
+    whole one, with a note in ``notes``; anything else that is wrong is a :class:`LogError`."""
+    records: list[bytes] = []
     try:
         with open(path, "rb") as f:
-            return list(read_records(f))
+            for record in read_records(f):
+                if not records and not _is_file_version(record):
+                    raise LogError(_not_event_file(path, "its first record is no file_version event"))
+                records.append(record)
     except RecordError as err:
-        what = "truncated" if "truncated" in str(err) else "corrupt"
-        raise LogError(
-            f"{path}: {what} event file ({err}); if the run is still writing, wait for it to finish or "
-            "close the writer"
-        ) from None
+        if not records and (not err.truncated or _EVENT_FILE_MARK not in os.path.basename(path)):
+            raise LogError(_not_event_file(path, str(err))) from None
+        if not err.truncated:
+            raise LogError(f"{path}: corrupt event file ({err})") from None
+        notes.append(
+            f"{path}: ends inside the record at byte {err.offset}, after {len(records)} whole records (the "
+            "run was killed, or its disk filled, while writing); the records before it are reported"
+        )
     except OSError as err:
         raise LogError(f"{path}: can't read event file ({err.strerror or err})") from None
+    return records
+
+
+def _not_event_file(path: str, why: str) -> str:
+    return (
+        f"{path}: not a TensorBoard event file ({why}); pass a run directory or its "
+        "events.out.tfevents.* file"
+    )
+
+
+def _is_file_version(record: bytes) -> bool:
+    from tensorboard.compat.proto import event_pb2
+
+    try:
+        return event_pb2.Event.FromString(record).file_version.startswith("brain.Event")
+    except Exception:  # protobuf raises its own DecodeError
+        return False
 
 
 def _keep_latest(series: dict, step: int, wall_time: float, value: object) -> None:  # type: ignore[type-arg]

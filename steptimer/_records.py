@@ -39,35 +39,46 @@ _LENGTH = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
 
 
+def frame(data: bytes) -> bytes:
+    """One record: ``data`` with its length and both checksums, as TensorBoard frames it."""
+    header = _LENGTH.pack(len(data))
+    return header + _CRC.pack(masked_crc32c(header)) + data + _CRC.pack(masked_crc32c(data))
+
+
 class RecordWriter(_TBRecordWriter):  # type: ignore[misc]
     """TensorBoard's ``RecordWriter`` with this module's checksum (same bytes)."""
 
     def write(self, data: bytes) -> None:
-        header = _LENGTH.pack(len(data))
-        self._writer.write(header + _CRC.pack(masked_crc32c(header)) + data + _CRC.pack(masked_crc32c(data)))
+        self._writer.write(frame(data))
 
 
 class RecordError(Exception):
-    """A truncated or corrupt record (the message says which)."""
+    """A truncated or corrupt record (the message says which); ``offset``: the byte it starts at."""
+
+    def __init__(self, message: str, *, truncated: bool, offset: int) -> None:
+        super().__init__(message)
+        self.truncated = truncated
+        self.offset = offset
 
 
 def read_records(f: BinaryIO) -> Iterator[bytes]:
     """The records of an event file, each checked against its two checksums."""
-    n = 0
+    n = offset = 0
     while True:
         header = f.read(12)
         if not header:
             return
         if len(header) < 12:
-            raise RecordError(f"truncated record header after {n} records")
+            raise RecordError(f"truncated record header after {n} records", truncated=True, offset=offset)
         (length,) = _LENGTH.unpack_from(header)
         if _CRC.unpack_from(header, 8)[0] != masked_crc32c(header[:8]):
-            raise RecordError(f"corrupt record header after {n} records")
+            raise RecordError(f"corrupt record header after {n} records", truncated=False, offset=offset)
         body = f.read(length + 4)
         if len(body) < length + 4:
-            raise RecordError(f"truncated record after {n} records")
+            raise RecordError(f"truncated record after {n} records", truncated=True, offset=offset)
         data = body[:length]
         if _CRC.unpack_from(body, length)[0] != masked_crc32c(data):
-            raise RecordError(f"corrupt record after {n} records")
+            raise RecordError(f"corrupt record after {n} records", truncated=False, offset=offset)
         n += 1
+        offset += 12 + length + 4
         yield data

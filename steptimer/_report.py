@@ -94,6 +94,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
             ``steptimer-run/warmup_steps``) are left out, as the end-of-run summary leaves them out.
     """
     windows, notes = _select_windows(run, skip_steps, include_warmup)
+    notes[:0] = run.notes
     of_steps = bool(run.hists)
     if not of_steps:
         notes.append(
@@ -216,6 +217,18 @@ def _select_windows(run: RunLog, skip_steps: int, include_warmup: bool) -> tuple
     if warm and not include_warmup:
         notes.append(f"{sum(warm.values())} warm-up steps left out, as in the summary (--include-warmup counts them)")
     return windows, notes
+
+
+def nothing_to_report(path: str, runs: list[RunLog], skip_steps: int, include_warmup: bool) -> str:
+    """Why no window of ``runs`` is left to report, and what to pass instead."""
+    warm = sum(int(v) for run in runs for s, v in run.scalars.get(WARMUP_TAG, []) if s > skip_steps)
+    if warm and not include_warmup:
+        after = f" after step {skip_steps}" if skip_steps else ""
+        return (
+            f"{path}: all {warm} logged steps{after} were warm-up steps (StepTimer's warmup_steps), which "
+            "report leaves out as the summary does; pass --include-warmup to report them"
+        )
+    return f"{path}: no logged windows after step {skip_steps}"
 
 
 def _caught(scal: dict, n_of: dict[int, int], name: str) -> float | None:  # type: ignore[type-arg]

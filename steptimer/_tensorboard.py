@@ -42,7 +42,9 @@ not TensorBoard (Lightning's CSV, W&B, ...) get the tags above as they are.
 
 from __future__ import annotations
 
+import errno
 import itertools
+import logging
 import os
 import re
 import socket
@@ -54,6 +56,8 @@ from typing import Any
 from steptimer._memory import MIB
 from steptimer._summary import Summary, row_order
 from steptimer._window import Window
+
+log = logging.getLogger("steptimer")
 
 PHASE_DIR = "steptimer"  # <dir>/steptimer/<name>: the run of one phase or derived row
 PHASE_SUFFIX = ".steptimer"  # event files of a phase's run end with it: the reader tells them apart
@@ -81,9 +85,6 @@ CHARTS = {
     "CUDA reserved MiB": r"^steptimer/mem/reserved_mib$",
 }
 _UNCHARTED = ("steptimer-run",)  # groups left out of the Custom Scalars layout
-# A write() system call cost ~80 µs per window on the device's virtual disk (docs/benchmarks.md):
-# events are buffered and reach the file at most this long after they were written, and at close.
-FLUSH_S = 1.0
 
 
 def split_tag(tag: str, names: Collection[str]) -> tuple[str | None, str]:
@@ -228,50 +229,57 @@ def check_writable(path: str) -> None:
 
 
 class EventFile:
-    """A TensorBoard event file that steptimer owns, written in the caller's thread.
+    """A TensorBoard event file that steptimer owns, appended to in the caller's thread.
 
     TensorBoard's ``SummaryWriter`` hands each event to a writer thread, which takes the GIL several
     times per event while the training loop runs. Here events are TensorBoard's ``Event`` protos,
-    framed by TensorBoard's ``RecordWriter`` with a C checksum (``_records.py``), buffered, and reach
-    the file within ``FLUSH_S`` of being written, and at ``close``, which ``StepTimer.close`` and its
-    exit handler call.
+    framed by TensorBoard's ``RecordWriter`` with a C checksum (``_records.py``), and each ``write``
+    appends its event with one ``open``/``write``/``close``: no file stays open between windows (open
+    files don't grow with the number of phases), a deleted directory is noticed at the next window
+    rather than written to a vanished inode, and after a SIGKILL every window before it is on disk.
+    The cost, measured with ``bench/tb_window.py``, is in docs/benchmarks.md.
+
+    The file name is TensorBoard's (time, host, pid, a counter), so readers sort it the same; every
+    file of one :class:`TensorBoardSink` shares its ``run_id`` (``_reader.find_runs`` tells runs in one
+    directory apart by it).
+
+    Raises:
+        OSError: from the constructor (it writes the file's first record) and from ``write``.
     """
 
-    def __init__(self, log_dir: str, *, suffix: str = "", buffer_bytes: int = 1 << 20) -> None:
+    def __init__(self, log_dir: str, *, run_id: str | None = None, suffix: str = "") -> None:
         from tensorboard.compat.proto.event_pb2 import Event
 
-        from steptimer._records import RecordWriter
+        from steptimer._records import frame
 
-        self._event = Event
-        # The name TensorBoard's writers use (time, host, pid, a counter), so readers sort it the same.
+        self._event, self._frame = Event, frame
+        os.makedirs(log_dir, exist_ok=True)
+        self.path = os.path.join(log_dir, f"{EVENT_FILE_PREFIX}{run_id or new_run_id()}{suffix}")
         # time.time() here and below is the events' wall-clock stamp (epoch seconds, as TensorBoard
         # shows it), never a duration: every duration steptimer reports comes from perf_counter.
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}{suffix}"
-        os.makedirs(log_dir, exist_ok=True)
-        self.path = os.path.join(log_dir, name)
-        self._file = open(self.path, "ab", buffering=buffer_bytes)  # noqa: SIM115 - closed in close()
-        self._records = RecordWriter(self._file)
-        self._records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
-        self.flush()
+        self._append(Event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def write(self, summary: Any, step: int) -> None:
         """Append one event holding the ``Summary`` proto ``summary``."""
-        event = self._event(wall_time=time.time(), step=step, summary=summary)
-        self._records.write(event.SerializeToString())
-        if time.monotonic() - self._flushed >= FLUSH_S:
-            self.flush()
+        self._append(self._event(wall_time=time.time(), step=step, summary=summary))
 
-    def flush(self) -> None:
-        self._file.flush()
-        self._flushed = time.monotonic()
+    def _append(self, event: Any) -> None:
+        data = memoryview(self._frame(event.SerializeToString()))
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            while data:  # a full disk or a file-size limit writes a part, then raises
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
 
-    def close(self) -> None:
-        self._file.close()
 
-
+EVENT_FILE_PREFIX = "events.out.tfevents."
 _FILE_IDS = itertools.count()
 
 
+def new_run_id() -> str:
+    """``<time>.<host>.<pid>.<counter>``: what follows ``events.out.tfevents.`` in a new file's name."""
+    return f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
 
 
 class TensorBoardSink:
@@ -281,8 +289,15 @@ class TensorBoardSink:
 
     The log dir's own run is an :class:`EventFile` in ``log_dir``, or a user's ``writer`` (a
     ``SummaryWriter``, never closed here; its layout, if any, stays: TensorBoard merges the layouts
-    of all runs, and ours goes to the ``step`` run). Cost per window: one event per run, each a
-    buffered append (~10 runs for a loop of 5 phases; docs/benchmarks.md has the measured total).
+    of all runs, and ours goes to the ``step`` run). Cost per window: one appended event per run
+    (~10 runs for a loop of 5 phases; docs/benchmarks.md has the measured total).
+
+    A write that fails after construction (a full disk, a file-size limit, too many open files, a
+    deleted or read-only directory) never reaches the training loop: it is logged once, as a warning
+    on the ``steptimer`` logger naming the directory and the cause, and nothing more is written.
+    The summary at close is built from the windows in memory, so it stays whole. A logger warning,
+    not ``warnings.warn``: ``-W error`` or pytest's ``filterwarnings = error`` would turn a warning
+    into an exception inside the user's training step.
     """
 
     def __init__(
@@ -297,16 +312,26 @@ class TensorBoardSink:
         self.writer = writer
         self._histograms = histograms
         self._file: EventFile | None = None
+        self._run_id = new_run_id()  # every file of this sink carries it: a run of its own for the reader
         if writer is None:
             self.dir = os.fspath(log_dir) if log_dir is not None else "runs"
             check_writable(self.dir)
-            self._file = EventFile(self.dir)
+            self._file = EventFile(self.dir, run_id=self._run_id)
         else:
             self.dir = writer.get_logdir()
         self._runs: dict[str, EventFile] = {}
         self._layout_written = False
+        self.failed: OSError | None = None  # the first failed write; nothing is written after it
 
     def write_window(self, window: Window) -> None:
+        if self.failed is not None:
+            return
+        try:
+            self._write_window(window)
+        except OSError as err:
+            self._fail(err)
+
+    def _write_window(self, window: Window) -> None:
         summaries = window_summaries(window, histograms=self._histograms)
         main = summaries.pop(None, None)
         if main is not None:
@@ -324,9 +349,9 @@ class TensorBoardSink:
 
     def _run(self, name: str) -> EventFile:
         f = self._runs.get(name)
-        if f is None:  # a 64 KiB buffer: a phase's event is a few hundred bytes to a few KiB
+        if f is None:
             path = os.path.join(self.dir, PHASE_DIR, *name.split("/"))
-            f = self._runs[name] = EventFile(path, suffix=PHASE_SUFFIX, buffer_bytes=1 << 16)
+            f = self._runs[name] = EventFile(path, run_id=self._run_id, suffix=PHASE_SUFFIX)
         return f
 
     def _write_main(self, summary: Any, step: int) -> None:
@@ -341,10 +366,23 @@ class TensorBoardSink:
             for v in summary.value:
                 self.writer.add_scalar(v.tag, v.simple_value, step)
 
+    def _fail(self, err: OSError) -> None:
+        self.failed = err
+        cause = err.strerror or str(err)
+        if err.errno is not None and err.errno in errno.errorcode:
+            cause = f"{errno.errorcode[err.errno]}: {cause}"
+        where = f" ({err.filename})" if err.filename else ""
+        log.warning(
+            "steptimer: can't write to log_dir %r: %s%s. steptimer writes nothing more there; training "
+            "goes on, and the summary at close() is complete (it is kept in memory)",
+            self.dir, cause, where,
+        )  # fmt: skip
+
     def close(self, summary: Summary | None = None) -> None:
-        for f in self._runs.values():
-            f.close()
-        if self._file is not None:
-            self._file.close()
-        else:
-            self.writer.flush()
+        """Every window is on disk already (each write appends); a user's ``writer`` is flushed."""
+        if self._file is None:
+            try:
+                self.writer.flush()
+            except OSError as err:
+                if self.failed is None:
+                    self._fail(err)

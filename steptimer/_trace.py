@@ -171,6 +171,7 @@ class Capture:
             "clock": "host perf_counter seconds; GPU times placed on it through a reference event",
             "first": self.first,
             "last": self.last,
+            "last_step": engine.number,  # the run's last completed step: a capture it never reached says so
             "cuda": bool(engine.cuda),
             "steps": self._steps,
             "notes": self._notes,

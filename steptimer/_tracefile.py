@@ -36,6 +36,13 @@ def load_capture(path: str) -> dict[str, Any]:
         raise LogError(
             f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}"
         )
+    if not doc["steps"]:
+        ended = doc.get("last_step")
+        ran = "" if ended is None else f" (it ended at step {ended})"
+        raise LogError(
+            f"{file}: the run never reached the captured steps {doc.get('first')}..{doc.get('last')}{ran}; "
+            "capture steps it reaches: StepTimer(trace_steps=N) takes the N steps after warm-up"
+        )
     return doc
 
 

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 from steptimer._reader import LogError, find_runs
-from steptimer._report import MemoryReport, RunReport, analyze, compare
+from steptimer._report import MemoryReport, RunReport, analyze, compare, nothing_to_report
 from steptimer._table import compute_line
 
 
@@ -28,6 +28,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except LogError as err:
         print(f"steptimer: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a file that vanished or can't be read mid-command: a line, not a traceback
+        print(f"steptimer: error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `steptimer report ... | head`
         return 0
@@ -99,12 +102,11 @@ def _nonneg(text: str) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    reports = [
-        analyze(run, skip_steps=args.skip_steps, include_warmup=args.include_warmup) for run in find_runs(args.logdir)
-    ]
+    runs = find_runs(args.logdir)
+    reports = [analyze(run, skip_steps=args.skip_steps, include_warmup=args.include_warmup) for run in runs]
     reports = [r for r in reports if r.steps]
     if not reports:
-        raise LogError(f"{args.logdir}: no logged windows after step {args.skip_steps}")
+        raise LogError(nothing_to_report(args.logdir, runs, args.skip_steps, args.include_warmup))
     if args.json:
         print(json.dumps({"runs": [_report_json(r) for r in reports]}, indent=2, allow_nan=False))
         return 0
@@ -213,7 +215,7 @@ def _one_run(path: str, skip: int, include_warmup: bool) -> RunReport:
         raise LogError(f"{path}: holds {len(runs)} runs ({names}...); compare takes one run directory each")
     rep = analyze(runs[0], skip_steps=skip, include_warmup=include_warmup)
     if not rep.steps:
-        raise LogError(f"{path}: no logged windows after step {skip}")
+        raise LogError(nothing_to_report(path, runs, skip, include_warmup))
     return rep
 
 

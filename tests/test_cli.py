@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -174,7 +175,6 @@ def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock
         new.write_window(w)
         old.write(_old_layout(w), w.step)
     new.close()
-    old.close()
     assert sorted(p.name for p in (tmp_path / "new" / "steptimer").iterdir())[:3] == ["backward", "data", "forward"]
     assert not (tmp_path / "old" / "steptimer").exists()
 
@@ -478,10 +478,6 @@ def test_bad_input(tmp_path: Path, clock: FakeClock) -> None:
     fake_run(good, clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=10)
     (event_file,) = good.glob("events.out.tfevents.*")
     data = event_file.read_bytes()
-    trunc = tmp_path / "trunc"
-    trunc.mkdir()
-    (trunc / event_file.name).write_bytes(data[:-7])
-    assert "truncated event file" in _bad("report", str(trunc))
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     flipped = bytearray(data)
@@ -652,3 +648,93 @@ def test_report_memory_agrees_with_the_summary(tmp_path: Path, clock: FakeClock)
     (fwd,) = [line for line in mem_lines if line.startswith("│ forward ")]
     assert f"{s.memory.peak_bytes['forward'] / MIB:,.1f}" in fwd
     assert f"{s.memory.alloc_bytes['forward'] / MIB:,.1f}" in fwd
+
+
+# ---------------------------------------------------------------------- issue 30: what was written is read
+
+
+def _main(*args: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """``steptimer.cli.main(args)`` in this process: exit 1 and one error line, no traceback."""
+    from steptimer.cli import main
+
+    assert main(list(args)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("steptimer: error: "), err
+    return err[0]
+
+
+def test_truncated_event_file_reads_to_its_last_whole_record(tmp_path: Path, clock: FakeClock) -> None:
+    fake_run(tmp_path / "good", clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=10)  # windows at 5, 10
+    (event_file,) = (tmp_path / "good").glob("events.out.tfevents.*")
+    trunc = tmp_path / "trunc"
+    shutil.copytree(tmp_path / "good", trunc)
+    (trunc / event_file.name).write_bytes(event_file.read_bytes()[:-7])  # the window at step 10, cut
+    (r,) = report_json(trunc)["runs"]
+    assert r["steps"] == 5
+    (note,) = [n for n in r["notes"] if "ends inside the record" in n]
+    assert event_file.name in note and "after 3 whole records" in note  # file version, layout, step 5
+    assert "ends inside the record" in cli("report", str(trunc)).stdout
+
+
+def test_two_runs_in_one_log_dir_stay_apart(tmp_path: Path, clock: FakeClock,
+                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """A second StepTimer into the same log_dir is a run of its own: report shows each with its own
+    steps and phases and says so; its event file picks one; compare asks for one."""
+    log_dir = tmp_path / "exp"
+    fake_run(log_dir, clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=20)
+    fake_run(log_dir, clock, data_ms=1.0, phases={"g": (2.0, 2.0)}, steps=10)
+    first, second = sorted(log_dir.glob("events.out.tfevents.*"), key=lambda f: int(f.name.rsplit(".", 1)[1]))
+    runs = report_json(log_dir)["runs"]
+    assert [(r["steps"], r["path"]) for r in runs] == [(20, str(first)), (10, str(second))]
+    assert [r["name"] for r in runs] == [str(first), str(second)]  # the path given, then the file
+    assert [r["name"] for r in report_json(tmp_path)["runs"]] == [f"exp/{first.name}", f"exp/{second.name}"]
+    assert "f" in {row["name"] for row in runs[0]["rows"]} and "g" not in {row["name"] for row in runs[0]["rows"]}
+    assert "g" in {row["name"] for row in runs[1]["rows"]} and "f" not in {row["name"] for row in runs[1]["rows"]}
+    assert all(any("holds 2 runs" in n for n in r["notes"]) for r in runs)
+    (alone,) = report_json(second)["runs"]
+    assert alone["steps"] == 10 and {row["name"] for row in alone["rows"]} >= {"g", "step"}
+    assert "holds 2 runs" in _main("compare", str(log_dir), str(second), capsys=capsys)
+
+
+def test_cli_errors_say_what_is_wrong_and_what_to_pass(tmp_path: Path, clock: FakeClock,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    good = tmp_path / "good"
+    fake_run(good, clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=10)
+    (event_file,) = good.glob("events.out.tfevents.*")
+    # An event file's path reads that file's run, phases included; a phase's file names the run dir.
+    assert report_json(event_file)["runs"][0]["rows"] == report_json(good)["runs"][0]["rows"]
+    (phase_file,) = (good / "steptimer" / "f").iterdir()
+    assert "pass the run directory" in _main("report", str(phase_file), capsys=capsys)
+    # Text and garbage: not an event file, whatever its name.
+    (tmp_path / "notes.txt").write_text("these are my notes about the run, not an event file\n")
+    (tmp_path / "hi.txt").write_text("hi")
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / event_file.name).write_bytes(os.urandom(200))
+    for path in (tmp_path / "notes.txt", tmp_path / "hi.txt", junk):
+        line = _main("report", str(path), capsys=capsys)
+        assert "not a TensorBoard event file" in line and "pass a run directory" in line, line
+    # A run of warm-up steps only.
+    warm = tmp_path / "warm"
+    t = StepTimer(log_dir=str(warm), cuda=False, warmup_steps=10, print_summary=False)
+    for _ in range(7):
+        with t.step(), t.phase("f"):
+            clock.advance_ms(1.0)
+    t.close()
+    line = _main("report", str(warm), capsys=capsys)
+    assert "all 7 logged steps were warm-up steps" in line and "--include-warmup" in line
+    assert report_json(warm, "--include-warmup")["runs"][0]["steps"] == 7
+    # trace for steps the run never reached.
+    short = tmp_path / "short"
+    t = StepTimer(log_dir=str(short), cuda=False, warmup_steps=0, print_summary=False, trace_steps=(50, 60))
+    for _ in range(10):
+        with t.step(), t.phase("f"):
+            clock.advance_ms(1.0)
+    t.close()
+    line = _main("trace", str(short), "-o", str(tmp_path / "out.json"), capsys=capsys)
+    assert "never reached the captured steps 50..60 (it ended at step 10)" in line and "trace_steps" in line
+    assert not (tmp_path / "out.json").exists()
+    # The same through a real process.
+    assert "never reached" in _bad("trace", str(short))
+    assert "not a TensorBoard event file" in _bad("report", str(tmp_path / "notes.txt"))
+    assert "--include-warmup" in _bad("report", str(warm))

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +20,11 @@ from typing import Any
 
 import pytest
 from torch.utils.tensorboard import SummaryWriter
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None  # type: ignore[assignment]
 
 import steptimer._engine as engine_mod
 from steptimer import StepTimer
@@ -337,7 +346,6 @@ def test_event_file_is_read_back_by_tensorboard(tmp_path: Path, clock: FakeClock
     windows = _windows(clock)
     for w in windows:
         f.write(window_summaries(w)["step"], w.step)
-    f.close()
     events = list(EventFileLoader(f.path).Load())  # checks every record's CRCs
     assert events[0].file_version == "brain.Event:2"
     assert [e.step for e in events[1:]] == [w.step for w in windows]
@@ -360,26 +368,123 @@ def test_layout_has_the_rank_charts_under_ddp(tmp_path: Path, clock: FakeClock, 
     assert set(RANK_CHARTS.values()) <= set(regexes)
 
 
-def test_event_file_reaches_disk_within_the_flush_interval(tmp_path: Path, clock: FakeClock,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Events are buffered, and on disk within FLUSH_S of being written and at close."""
-    import steptimer._tensorboard as tb_mod
+# ---------------------------------------------------------------------- the run survives steptimer
 
-    windows = _windows(clock)
-    now = [100.0]
-    monkeypatch.setattr(tb_mod.time, "monotonic", lambda: now[0])
-    f = EventFile(str(tmp_path))
-    size0 = Path(f.path).stat().st_size  # the file-version header, flushed at once
-    assert size0 > 0
-    f.write(window_summaries(windows[0])[None], 1)
-    assert Path(f.path).stat().st_size == size0  # buffered
-    now[0] += tb_mod.FLUSH_S
-    f.write(window_summaries(windows[1])[None], 2)
-    size2 = Path(f.path).stat().st_size
-    assert size2 > size0  # both events, flushed
-    f.write(window_summaries(windows[2])[None], 3)
-    assert Path(f.path).stat().st_size == size2
-    f.close()
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+ROOT = str(Path(__file__).resolve().parent.parent)
 
-    assert [e.step for e in EventFileLoader(f.path).Load()][1:] == [1, 2, 3]
+# A small training loop in a process of its own, so that an rlimit or a SIGKILL hits it and not pytest.
+# argv: log_dir, limit ("fsize=BYTES", "nofile=N" or "none"), extra phases, steps, log_every_n_steps,
+# the step after which the process kills itself with SIGKILL (0: never).
+_CHILD = r"""
+import os, resource, signal, sys
+import torch
+from steptimer import StepTimer
+
+log_dir, limit, extra, steps, every, kill_after = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+timer = StepTimer(log_dir=log_dir, cuda=False, log_every_n_steps=every, warmup_steps=0, print_summary=True)
+kind, _, value = limit.partition("=")
+if kind == "fsize":  # CPython ignores SIGXFSZ, so a write past the limit raises OSError(EFBIG)
+    assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(value), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+elif kind == "nofile":
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(value), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+for i in range(1, steps + 1):
+    x = torch.randn(16, 8)
+    with timer.step(samples=16):
+        with timer.phase("forward"):
+            loss = model(x).pow(2).mean()
+        for k in range(extra):
+            with timer.phase(f"extra{k}"):
+                x.sum()
+        with timer.phase("backward"):
+            loss.backward()
+        with timer.phase("optimizer"):
+            opt.step()
+            opt.zero_grad()
+    if i == kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+summary = timer.close()
+print(f"trained {steps} steps; summary of {summary.steps} steps")
+"""
+
+
+def _train(log_dir: Path, limit: str = "none", *, extra: int = 0, steps: int = 100, every: int = 10,
+           kill_after: int = 0) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
+    args = [str(log_dir), limit, str(extra), str(steps), str(every), str(kill_after)]
+    return subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def _report(path: Path) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "steptimer", "report", str(path), "--json"], capture_output=True,
+                       text=True, env=env, timeout=120)  # fmt: skip
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    (run,) = json.loads(p.stdout)["runs"]
+    return run  # type: ignore[no-any-return]
+
+
+def _warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "can't write to log_dir" in line]
+
+
+@pytest.mark.skipif(resource is None, reason="no resource module (Windows)")
+def test_a_file_size_limit_mid_run_is_one_warning_and_the_written_steps_report(tmp_path: Path) -> None:
+    """RLIMIT_FSIZE set after the timer was built (the disk "fills" at some window): training ends
+    normally with a whole summary, one warning names the log dir and EFBIG, and report reads every
+    window written before the failure, with a note on the file that ends inside a record."""
+    p = _train(tmp_path, "fsize=3000")
+    assert p.returncode == 0, p.stderr
+    assert "trained 100 steps; summary of 100 steps" in p.stdout
+    assert "100 steps" in p.stdout.split("trained")[0]  # the printed summary table, too
+    (warning,) = _warnings(p.stderr)
+    assert repr(str(tmp_path)) in warning and "EFBIG" in warning and "File too large" in warning
+    assert max(f.stat().st_size for f in tmp_path.rglob("*tfevents*")) == 3000  # the limit was reached
+    written = [s for s, _ in scalars(tmp_path)["steptimer/steps_per_s"]]  # TensorBoard's own reader
+    assert 0 < len(written) < 10 and written == list(range(10, 10 * len(written) + 1, 10))
+    run = _report(tmp_path)
+    assert run["steps"] == written[-1]
+    assert any("ends inside the record" in note for note in run["notes"]), run["notes"]
+
+
+@pytest.mark.skipif(resource is None, reason="no resource module (Windows)")
+def test_hundreds_of_phases_under_a_low_open_file_limit(tmp_path: Path) -> None:
+    """300 distinct phase names under RLIMIT_NOFILE=64: no event file stays open between windows, so
+    the run trains to the end and writes every phase's run."""
+    p = _train(tmp_path, "nofile=64", extra=300, steps=20)
+    assert p.returncode == 0, p.stderr
+    assert "summary of 20 steps" in p.stdout and not _warnings(p.stderr)
+    assert len(phase_runs(tmp_path)) > 300
+    run = _report(tmp_path)
+    assert run["steps"] == 20 and {f"extra{k}" for k in range(300)} <= {r["name"] for r in run["rows"]}
+
+
+def test_sigkill_keeps_every_whole_window(tmp_path: Path) -> None:
+    """Killed (SIGKILL, nothing runs after it) 20 steps into the third window of 50: the two whole
+    windows are on disk, as each window's events reach the file at the window's end."""
+    p = _train(tmp_path, steps=200, every=50, kill_after=120)
+    assert p.returncode == -signal.SIGKILL
+    assert _report(tmp_path)["steps"] == 100
+
+
+@pytest.mark.parametrize("damage", ["rmtree", "a file in place of steptimer/"])
+def test_log_dir_gone_mid_run(tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture,
+                              damage: str) -> None:  # fmt: skip
+    """The log dir removed, or its phases' directory replaced by a file, between windows: one
+    warning naming the directory and the cause, the summary is whole, nothing is recreated."""
+    log_dir = tmp_path / "run"
+    t = StepTimer(log_dir=log_dir, cuda=False, log_every_n_steps=4, warmup_steps=0, print_summary=False)
+    run(t, clock, None, 8)
+    shutil.rmtree(log_dir if damage == "rmtree" else log_dir / "steptimer")
+    if damage != "rmtree":
+        (log_dir / "steptimer").write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="steptimer"):
+        run(t, clock, None, 8)
+        summary = t.close()
+    assert summary.steps == 16 and summary["forward"].host.steps == 16
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert repr(str(log_dir)) in warning
+    assert ("ENOENT" if damage == "rmtree" else "ENOTDIR") in warning
+    assert log_dir.exists() is (damage != "rmtree")

@@ -863,3 +863,20 @@ def test_mfu_on_the_gpu_uses_the_tables_bf16_peak_for_this_device() -> None:
     assert s.tflops_per_s == pytest.approx(4 * 2 * 1024**3 / (s.steps / s.steps_per_s) / 1e12)
     assert s.mfu == pytest.approx(s.tflops_per_s / expected)
     assert any(f"{expected:g} TFLOP/s" in n for n in s.notes)
+
+
+def test_a_phase_name_the_log_cannot_hold_is_refused_at_phase(tmp_path: Path, clock: FakeClock) -> None:
+    """A 300-character name fails at phase(), naming the limit; two names of 100 characters (the
+    limit), one nested in the other, go all the way to disk."""
+    from steptimer._engine import MAX_PHASE_NAME_CHARS
+    from tests.tb import phase_runs
+
+    t = StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=2, warmup_steps=0, print_summary=False)
+    with pytest.raises(ValueError, match=f"at most {MAX_PHASE_NAME_CHARS} characters.*got 300.*pass a shorter name"):
+        t.phase("x" * 300)
+    outer, inner = "y" * MAX_PHASE_NAME_CHARS, "z" * MAX_PHASE_NAME_CHARS
+    for _ in range(4):
+        with t.step(), t.phase(outer), t.phase(inner):
+            clock.advance_ms(1.0)
+    assert t.close().steps == 4
+    assert f"{outer}/{inner}" in phase_runs(tmp_path)
