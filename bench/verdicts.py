@@ -177,6 +177,51 @@ def launch_bound(args: argparse.Namespace, device: torch.device) -> dict[str, An
     return {"run": "MLP 8 x 64 wide, batch 32", "regime": "launch-bound", "ok": ok, **f}
 
 
+def _busy(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+def _busy_run(log_dir: str, forward_ms: float, steps: int) -> None:
+    t = StepTimer(log_dir=log_dir, cuda=False, log_every_n_steps=10, warmup_steps=5, print_summary=False)
+    for _ in range(steps + 5):
+        _busy(1.0)  # data
+        with t.step():
+            for name, ms in (("forward", forward_ms), ("backward", 4.0), ("optimizer", 1.0)):
+                with t.phase(name):
+                    _busy(ms)
+    t.close()
+
+
+def compare_runs(args: argparse.Namespace, tries: int = 5) -> dict[str, Any]:
+    """Issue 29's loop of busy-waits (data 1 ms, forward 3, backward 4, optimizer 1), host clock:
+    per try, run A twice unchanged and once with forward 20 % longer; count the rows ``compare``
+    flags. Truth: nothing changed between A and A'; only forward (and the step) between A and B."""
+    from steptimer._reader import find_runs
+    from steptimer._report import analyze, compare
+
+    def report(d: str) -> Any:
+        return analyze(find_runs(d)[0])
+
+    same_rows = same_flagged = other_flagged = 0
+    fwd_flagged = 0
+    for k in range(tries):
+        dirs = {n: os.path.join(args.out, "tb", f"busy-{k}-{n}") for n in ("a", "a2", "b")}
+        for n, fwd in (("a", 3.0), ("a2", 3.0), ("b", 3.6)):
+            _busy_run(dirs[n], fwd, args.iters * 2)
+        a, a2, b = (report(dirs[n]) for n in ("a", "a2", "b"))
+        same = compare(a, a2)
+        same_rows += len(same)
+        same_flagged += sum(d.changed for d in same)
+        changed = {d.name: d for d in compare(a, b)}
+        fwd_flagged += changed["forward"].changed
+        other_flagged += sum(changed[n].changed for n in ("data", "backward", "optimizer") if n in changed)
+    return {"tries": tries, "identical_rows": same_rows, "identical_flagged": same_flagged,
+            "forward_flagged": fwd_flagged, "unchanged_flagged": other_flagged,
+            "ok": same_flagged * 20 <= same_rows and fwd_flagged == tries and other_flagged == 0}  # fmt: skip
+
+
 def table(results: Sequence[dict[str, Any]]) -> str:
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.1f} %"
@@ -202,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default="gpt2")
     p.add_argument("--iters", type=int, default=30, help="timed steps per run after 5 warm-up steps")
     p.add_argument("--sleep-ms", type=float, default=40.0, help="the input-bound loader's sleep per batch")
-    p.add_argument("--only", choices=("gpt", "input", "launch"), default=None)
+    p.add_argument("--only", choices=("gpt", "input", "launch", "compare"), default=None)
     a = p.parse_args(argv)
     if a.iters < 1:
         p.error(f"--iters must be >= 1, got {a.iters}")
@@ -219,19 +264,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(input_bound(a, device))
     if a.only in (None, "launch"):
         results.append(launch_bound(a, device))
+    cmp = compare_runs(a) if a.only in (None, "compare") else None
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     md = (f"Device: {dev}, torch {torch.__version__}. Command: `PYTHONPATH=. python3 bench/verdicts.py "
-          f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{table(results)}\n")  # fmt: skip
+          f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{table(results) if results else ''}\n")  # fmt: skip
+    if cmp is not None:
+        md += (f"\ncompare, busy-wait loop, {cmp['tries']} tries: identical runs {cmp['identical_flagged']} of "
+               f"{cmp['identical_rows']} rows flagged; forward +20 % flagged in {cmp['forward_flagged']} of "
+               f"{cmp['tries']}; unchanged phases flagged {cmp['unchanged_flagged']} times\n")  # fmt: skip
     with open(os.path.join(a.out, "verdicts.md"), "w") as f:
         f.write(md)
     with open(os.path.join(a.out, "verdicts.json"), "w") as f:
-        json.dump({"device": dev, "torch": torch.__version__, "results": results}, f, indent=2)
+        json.dump({"device": dev, "torch": torch.__version__, "results": results, "compare": cmp}, f, indent=2)
     print(md)
     for r in results:
         print(f"{r['run']}: {r['verdict']}")
         for e in r["evidence"]:
             print(f"  - {e}")
-    return 0 if all(r["ok"] is not False for r in results) else 1
+    return 0 if all(r["ok"] is not False for r in results) and (cmp is None or cmp["ok"]) else 1
 
 
 if __name__ == "__main__":

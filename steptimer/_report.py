@@ -391,7 +391,7 @@ def dominance(a: LogHistogram, b: LogHistogram) -> float:
     cb[np.searchsorted(grid, ib)] = [b.counts[i] for i in ib]
     below = np.cumsum(ca) - ca  # a's values in lower buckets
     above = ca.sum() - np.cumsum(ca)  # and in higher ones
-    return float((cb * below).sum() - (cb * above).sum()) / (ca.sum() * cb.sum())
+    return float(((cb * below).sum() - (cb * above).sum()) / (ca.sum() * cb.sum()))
 
 
 def _dominance_of_values(xs: tuple[float, ...], ys: tuple[float, ...]) -> float:
