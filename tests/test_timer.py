@@ -32,10 +32,10 @@ def make(gpu: FakeGPU | None = None, **kw: object) -> tuple[StepTimer, ListSink]
     kw.setdefault("warmup_steps", 0)
     kw.setdefault("print_summary", False)
     if gpu is not None:
-        kw["_backend"] = gpu.backend()
+        kw["backend"] = gpu.backend()
     else:
         kw.setdefault("cuda", False)
-    return StepTimer(_sinks=[sink], **kw), sink  # type: ignore[arg-type]
+    return StepTimer._make(sinks=[sink], **kw), sink  # type: ignore[arg-type]
 
 
 def train_step(t: StepTimer, clock: FakeClock, gpu: FakeGPU | None, *, data_ms: float = 0.0,
@@ -210,7 +210,7 @@ def test_loading_the_cuda_calls_is_not_the_first_steps_time(
     monkeypatch.setattr(engine_mod, "cuda_usable", lambda: (True, ""))
     monkeypatch.setattr(engine_mod, "default_backend", slow_backend)
     sink = ListSink()
-    t = StepTimer(_sinks=[sink], warmup_steps=0, print_summary=False, log_every_n_steps=1)
+    t = StepTimer._make(sinks=[sink], warmup_steps=0, print_summary=False, log_every_n_steps=1)
     train_step(t, clock, gpu, host={"forward": 2.0}, kernels={"forward": 1.0})
     t.close()
     assert t._engine.b is not None and gpu.records > 0  # the settled backend was used
@@ -554,7 +554,7 @@ def test_keyboard_interrupt_inside_with_flushes(tmp_path: Path, clock: FakeClock
 
 def test_memory_is_bounded(clock: FakeClock, gpu: FakeGPU) -> None:
     def peak(steps: int) -> int:
-        t = StepTimer(_backend=gpu.backend(), lag=3, log_every_n_steps=50, print_summary=False)
+        t = StepTimer._make(backend=gpu.backend(), lag=3, log_every_n_steps=50, print_summary=False)
         tracemalloc.start()
         for _ in range(steps):
             with t.step():
@@ -863,3 +863,12 @@ def test_mfu_on_the_gpu_uses_the_tables_bf16_peak_for_this_device() -> None:
     assert s.tflops_per_s == pytest.approx(4 * 2 * 1024**3 / (s.steps / s.steps_per_s) / 1e12)
     assert s.mfu == pytest.approx(s.tflops_per_s / expected)
     assert any(f"{expected:g} TFLOP/s" in n for n in s.notes)
+
+
+def test_the_signature_shows_no_private_parameters() -> None:
+    """help(StepTimer) lists what users may pass; the test seams go through StepTimer._make."""
+    import inspect
+
+    params = inspect.signature(StepTimer).parameters
+    assert "log_dir" in params and "memory" in params
+    assert [p for p in params if p.startswith("_")] == []
