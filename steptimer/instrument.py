@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from steptimer import _exit
 from steptimer.timer import StepTimer, check_phase_name
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class Instrumented:
         self._backward_wrapper: Callable[..., Any] | None = None
         if timer.enabled:
             self._install(model)
+            _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
 
     # ------------------------------------------------------------------ public
 
@@ -176,10 +178,19 @@ class Instrumented:
 
     def close(self, *, failed: bool = False) -> Summary:
         """Take the hooks out and close the timer (idempotent); returns the summary."""
+        _exit.untrack(self)
         if self._deferred:
             self._end()  # a finished step, waiting for its zero_grad
         self.remove()
         return self.timer.close(failed=failed)
+
+    def _close_at_end(self) -> None:
+        """Closed by steptimer at exit or on SIGTERM (_exit.py). The hooks stay in: a signal can land
+        inside the model's forward, while torch iterates over the hook dicts that remove() changes;
+        they pass everything through to the closed timer's no-ops."""
+        if self._deferred:
+            self._end()
+        self.timer._close_at_end()
 
     def remove(self) -> None:
         """Take every hook and wrapper out; the model and optimizers behave as before (idempotent)."""

@@ -7,18 +7,17 @@ engine's rows into a window every ``log_every_n_steps`` steps, hands windows to 
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import math
 import numbers
 import os
 import sys
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
 
+from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._engine import Engine, check_phase_name
@@ -332,7 +331,7 @@ class StepTimer:
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
         elif log_dir is not None:
             check_writable(os.fspath(log_dir))
-        self._atexit = _register_atexit(self)
+        _exit.track(self)  # closed at exit and on SIGTERM if still open then (_exit.py)
         if self._xrank is not None:
             self._xrank.start_now()  # the gloo side group, while every rank is known to be here
 
@@ -422,6 +421,7 @@ class StepTimer:
         """
         if self._summary is not None:
             return self._summary
+        _exit.untrack(self)
         xrank, engine = self._xrank, self._engine
         if failed and xrank is not None:
             xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
@@ -441,8 +441,6 @@ class StepTimer:
         engine.release_held()
         engine.closed = True
         self._summary = summary = self._build_summary()
-        if self.enabled:
-            atexit.unregister(self._atexit)
         if self._print_summary and self._rank == 0 and self.enabled:
             from steptimer._table import print_summary
 
@@ -453,6 +451,13 @@ class StepTimer:
 
     def __enter__(self) -> StepTimer:
         return self
+
+    def _close_at_end(self) -> None:
+        """Closed by steptimer at exit or on SIGTERM (_exit.py). A run may go on after a SIGTERM (a
+        handler of the user's or Lightning's decides): the timer then answers every call as a no-op,
+        never with an error."""
+        self._engine.quiet = True
+        self.close(failed=True)  # no cross-rank round: other ranks may be gone
 
     def __exit__(self, *exc: object) -> Literal[False]:
         self.close(failed=bool(exc) and exc[0] is not None)
@@ -596,15 +601,3 @@ def _check_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
-
-def _register_atexit(timer: StepTimer) -> Callable[[], None]:
-    """Close the timer at interpreter exit (e.g. after an unhandled Ctrl-C) so nothing is lost."""
-    ref = weakref.ref(timer)
-
-    def _close() -> None:
-        t = ref()
-        if t is not None:
-            t.close(failed=True)  # no cross-rank round at exit: other ranks may be gone
-
-    atexit.register(_close)
-    return _close

@@ -872,3 +872,45 @@ def test_the_signature_shows_no_private_parameters() -> None:
     params = inspect.signature(StepTimer).parameters
     assert "log_dir" in params and "memory" in params
     assert [p for p in params if p.startswith("_")] == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"samples": -1}, ValueError, "samples must be a finite number >= 0.*got -1"),
+        ({"tokens": float("nan")}, ValueError, "tokens must be a finite number >= 0.*got nan"),
+        ({"flops": float("inf")}, ValueError, "flops must be a finite number >= 0.*got inf"),
+        ({"samples": "32"}, TypeError, "samples must be a finite number >= 0.*got str '32'"),
+        ({"samples": True}, TypeError, "samples must be .*got bool True"),
+        ({"tokens": torch.ones(3)}, TypeError, r"tokens must be .*a tensor of shape \(3,\) on cpu"),
+    ],
+)
+def test_bad_step_counts_are_refused_where_given(
+    clock: FakeClock, kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    t, _ = make()
+    with pytest.raises(error, match=match):
+        t.step(**kwargs)  # type: ignore[arg-type]
+    train_step(t, clock, None, host={"forward": 1.0}, samples=8)  # nothing half-done: the timer goes on
+    assert t.close().steps == 1
+
+
+def test_numpy_and_cpu_tensor_counts_are_taken_as_numbers(clock: FakeClock) -> None:
+    import numpy as np
+
+    t, sink = make(log_every_n_steps=2)
+    clock.advance_ms(1.0)
+    with t.step(samples=np.int64(8), tokens=torch.tensor(64)):
+        clock.advance_ms(1.0)
+    with t.step(samples=np.float32(8.0), tokens=64):
+        clock.advance_ms(1.0)
+    t.close()
+    (w,) = sink.windows
+    assert w.samples_per_s is not None and w.tokens_per_s == pytest.approx(8 * w.samples_per_s)
+
+
+@pytest.mark.parametrize("option", ["enabled", "print_summary", "cross_rank", "nvtx"])
+@pytest.mark.parametrize("value", ["false", "True", 1, None])
+def test_on_off_options_take_only_true_or_false(option: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"{option} must be True or False, got {value!r}"):
+        StepTimer(**{option: value})  # type: ignore[arg-type]
