@@ -154,3 +154,22 @@ def test_a_timer_made_in_another_thread_installs_no_handler() -> None:
     th.join()
     assert signal.getsignal(signal.SIGTERM) is before
     made[0].close()
+
+
+def test_lightning_sigterm_keeps_lightnings_handling_and_writes_every_step(tmp_path: Path) -> None:
+    """Lightning puts its SIGTERM handler in at fit start (it stops the fit at the next batch); the
+    callback's timer goes in on top at train start. SIGTERM inside step 26: Lightning's handler still
+    runs and the process ends as it does without steptimer; windows end at 10, 20 and 25."""
+    pytest.importorskip("pytorch_lightning")
+    script = str(LOOP.parent / "lightning_fit.py")
+    results = {}
+    for name, extra in (("bare", ["--no-steptimer"]), ("timed", [])):
+        proc = start(script, "--log-dir", str(tmp_path / name), *extra)
+        results[name] = terminate_when_ready(proc)
+    (rc_bare, out_bare, err_bare), (rc, out, err) = results["bare"], results["timed"]
+    assert "fit returned" not in out_bare, err_bare  # Lightning ended it: SIGTERMException
+    assert rc == rc_bare, err
+    assert "Received SIGTERM" in err and "Received SIGTERM" in err_bare  # Lightning's handler ran
+    assert ("fit returned" in out) == ("fit returned" in out_bare)
+    assert window_ends(tmp_path / "timed" / "tb" / "version_0") == [10, 20, 25], err
+    assert "forward" in out  # the callback's summary table
