@@ -1417,3 +1417,18 @@ def test_the_signature_shows_no_private_parameters() -> None:
     params = inspect.signature(StepTimerCallback).parameters
     assert "log_every_n_steps" in params
     assert [p for p in params if p.startswith("_")] == []
+
+
+@pytest.mark.parametrize("option", ["histograms", "print_summary", "enabled", "nvtx"])
+def test_on_off_options_refuse_strings(option: str) -> None:
+    with pytest.raises(ValueError, match=f"{option} must be True or False, got 'false'"):
+        StepTimerCallback(**{option: "false"})  # type: ignore[arg-type]
+
+
+def test_a_negative_batch_size_is_refused_naming_batch_size_fn() -> None:
+    import pytorch_lightning as pl
+
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False, batch_size_fn=lambda b: -4)
+    tr = trainer(pl, cb, limit_val_batches=0)
+    with pytest.raises(ValueError, match=r"batch_size_fn\(batch\) must be a finite number >= 0.*got -4"):
+        tr.fit(make_module(pl, "auto", Sleeper(regions=(None,))), loader(2))
