@@ -365,7 +365,7 @@ class StepTimer:
         count them) gives ``tflops_per_s`` and ``mfu``."""
         if not self.enabled:
             return _NULL
-        # Checked here, where they are given; the common int/float case costs ~0.1 µs each (see check_count).
+        # Checked here, where they are given: ~0.15 µs per count given (plain int/float), nothing when None.
         if samples is not None:
             samples = check_count("samples", samples)
         if tokens is not None:
