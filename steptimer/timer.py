@@ -362,7 +362,12 @@ class StepTimer:
     ) -> AbstractContextManager[None]:
         """Context manager around one optimizer step; ``samples``/``tokens`` give throughput,
         ``flops`` (floating-point operations of the step: forward, backward, optimizer as you
-        count them) gives ``tflops_per_s`` and ``mfu``."""
+        count them) gives ``tflops_per_s`` and ``mfu``.
+
+        Raises:
+            TypeError: a count that is not a number (a string, a bool, a GPU tensor).
+            ValueError: a count that is negative, infinite or NaN.
+        """
         if not self.enabled:
             return _NULL
         # Checked here, where they are given: ~0.15 µs per count given (plain int/float), nothing when None.
