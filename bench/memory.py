@@ -140,10 +140,10 @@ def step_cost(cuda: bool, steps: int, rounds: int) -> dict[str, float]:
     """Host µs per step of 4 empty phases, memory on and off, alternated; the difference per phase."""
     kw: dict[str, Any] = {"warmup_steps": 0, "print_summary": False, "cross_rank": False}
     if not cuda:
-        kw["_backend"] = _host_backend()
+        kw["backend"] = _host_backend()
     on_kw = dict(kw)
     if not cuda:
-        on_kw["_memory_backend"] = _MemoryBackend(read=_picking(_built()), reset_peak=lambda d: None)
+        on_kw["memory_backend"] = _MemoryBackend(read=_picking(_built()), reset_peak=lambda d: None)
 
     def run(timer: StepTimer) -> float:
         st, ph = timer.step, timer.phase
@@ -166,7 +166,7 @@ def step_cost(cuda: bool, steps: int, rounds: int) -> dict[str, float]:
     for r in range(rounds):
         got = {}
         for memory in settings if r % 2 == 0 else settings[::-1]:
-            timer = StepTimer(memory=memory, **(on_kw if memory else kw))
+            timer = StepTimer._make(memory=memory, **(on_kw if memory else kw))
             got[memory] = run(timer)
             timer.close()
         for m in settings:

@@ -427,7 +427,7 @@ def run_lightning(
         if v == "pl_steptimer":
             cbs.append(cb_cls(print_summary=False))
         elif v == "pl_steptimer_torchapi":  # the fallback where steptimer/_cudart.c can't be built
-            cbs.append(cb_cls(print_summary=False, _backend=torch_backend()))
+            cbs.append(cb_cls._make(print_summary=False, backend=torch_backend()))
         elif v == "pl_throughput":
             cbs.append(pl.callbacks.ThroughputMonitor(batch_size_fn=lambda b: b.shape[0]))
         elif v == "pl_simpleprofiler":
@@ -843,7 +843,7 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
         # The same, its step() and phase() looked up at each call (make_lookup).
         ("default-lookup", {"log_dir": ...}, ("empty",)),
         # The same engine on torch's Python event API (the fallback where the _cudart.c shim can't be built).
-        ("default-torchapi", {"log_dir": ..., "_backend": torch_backend()}, ("empty",)),
+        ("default-torchapi", {"log_dir": ..., "backend": torch_backend()}, ("empty",)),
         ("lag0", {"lag": 0, "log_dir": ...}, ("empty", "tiny")),
         ("sampled100", {"sample_every": 100, "log_dir": ...}, ("empty", "tiny")),
         # Where the host time goes: without the TensorBoard sink, without the cross-rank
@@ -860,7 +860,7 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
             name = f"{v}_{kind}"
             kw2 = {k: (f"{tmp}/{name}" if val is ... else val) for k, val in kw.items()}
             try:
-                timers[name] = StepTimer(print_summary=False, warmup_steps=0, **kw2)
+                timers[name] = StepTimer._make(print_summary=False, warmup_steps=0, **kw2)
             except TypeError:  # an option this engine version lacks
                 continue
     fns: dict[str, Callable[[int], float]] = {"bare_empty": bare_empty, "bare_tiny": bare_tiny}

@@ -35,7 +35,7 @@ class _Keep:
 
 def windows(n: int) -> list[Any]:
     keep = _Keep()
-    t = StepTimer(cuda=False, log_every_n_steps=50, warmup_steps=0, print_summary=False, _sinks=[keep])
+    t = StepTimer._make(cuda=False, log_every_n_steps=50, warmup_steps=0, print_summary=False, sinks=[keep])
     for _ in range(50 * n):
         with t.step(samples=64, tokens=8192):
             for name in ("forward", "loss", "backward", "optimizer"):

@@ -191,7 +191,7 @@ class RecordingTimer:  # built lazily so this module imports without torch for t
 
         kw.setdefault("print_summary", False)
         kw.setdefault("warmup_steps", 0)
-        return _Recording(**kw)
+        return _Recording._make(**kw)  # seams (backend=...) and options alike
 
 
 @contextmanager

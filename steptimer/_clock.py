@@ -1,7 +1,7 @@
 """The GPU clock: CUDA events on the current stream, with the calls bound once for a lean hot path.
 
 A ``_CudaBackend`` bundles the handful of CUDA calls the engine makes. Tests pass a fake one (fake
-events on a simulated GPU timeline) through ``StepTimer(_backend=...)``; this seam is how the lag,
+events on a simulated GPU timeline) through ``StepTimer._make(backend=...)``; this seam is how the lag,
 pool and wait logic are tested on machines without a GPU.
 
 Costs that shaped this file (H100, torch 2.11): ``torch.cuda.Event.record()`` costs ~12 µs, of which

@@ -146,6 +146,7 @@ class Engine:
         self.rows = StepRows()  # resolved since the owner last took them
         self.notes: list[str] = []
         self.closed = False
+        self.quiet = False  # once closed, steps and phases are no-ops, not errors (StepTimer._close_at_end)
         self._on_resolved = on_resolved
         self._on_pending = on_pending
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
@@ -197,6 +198,8 @@ class Engine:
         if self.in_step:
             raise RuntimeError("step() entered inside a step: steps cannot nest (one step = one optimizer step)")
         if self.closed:
+            if self.quiet:  # closed by steptimer at exit or on SIGTERM: the run goes on untimed
+                return
             raise RuntimeError("step() after close(): create a new StepTimer")
         if self.cuda is None:
             self._settle_cuda()
@@ -294,6 +297,8 @@ class Engine:
     def enter_phase(self, name: str) -> None:
         t0 = perf_counter()  # first: the gap since the last boundary leaves out steptimer's own work
         if not self.in_step:
+            if self.quiet:
+                return
             raise RuntimeError(f"phase({name!r}) entered outside a step: put it inside `with timer.step():`")
         if not self._timed:
             return

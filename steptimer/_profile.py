@@ -307,12 +307,11 @@ def make_ranges(
     rank: int,
     set_ranged: Callable[[bool], None],
 ) -> tuple[Ranges | None, str | None]:
-    """Validate ``nvtx`` and ``profile_steps``; the ranges (None when there are none) and a note.
+    """Validate ``profile_steps`` (``nvtx`` is checked by the caller); the ranges (None when there
+    are none) and a note.
 
     ``folder`` is where the trace goes (the log directory); the capture is made on rank 0 only.
     """
-    if not isinstance(nvtx, bool):
-        raise ValueError(f"nvtx must be True or False, got {nvtx!r}")
     capture = None
     if profile_steps is not None:
         first, last = check_profile_steps(profile_steps, start_step=start_step)

@@ -27,7 +27,9 @@ top of the engine's own boundary cost; measured in docs/instrument.md. No device
 
 from __future__ import annotations
 
+import copyreg
 import os
+import pickle
 import sys
 import threading
 import warnings
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from steptimer import _exit
 from steptimer.timer import StepTimer, check_phase_name
 
 if TYPE_CHECKING:
@@ -119,12 +122,19 @@ class Instrumented:
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
         self._warned = False
         self._removed = False
+        self._watch_steps = True  # until the check after _FORWARDS_BEFORE_WARNING training forwards
+        self._forwards = 0
+        self._ever_stepped: set[int] = set()  # ids of the optimizers that have stepped at least once
+        self._model_zero_grad: Any = None
         self._handles: list[Any] = []
+        self._model_hook_ids: tuple[int, ...] = ()
+        self._reducer: _Reducer | None = None
         self._patched: list[tuple[Any, Any, Any]] = []  # (object, our zero_grad, its zero_grad before)
         self._backward_orig: Any = None
         self._backward_wrapper: Callable[..., Any] | None = None
         if timer.enabled:
             self._install(model)
+            _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
 
     # ------------------------------------------------------------------ public
 
@@ -176,16 +186,30 @@ class Instrumented:
 
     def close(self, *, failed: bool = False) -> Summary:
         """Take the hooks out and close the timer (idempotent); returns the summary."""
+        _exit.untrack(self)
         if self._deferred:
             self._end()  # a finished step, waiting for its zero_grad
+        if self._watch_steps and self._forwards:
+            self._check_stepped()
         self.remove()
         return self.timer.close(failed=failed)
+
+    def _close_at_end(self) -> None:
+        """Closed by steptimer at exit or on SIGTERM (_exit.py). The hooks stay in: a signal can land
+        inside the model's forward, while torch iterates over the hook dicts that remove() changes;
+        they pass everything through to the closed timer's no-ops."""
+        if self._deferred:
+            self._end()
+        self.timer._close_at_end()
 
     def remove(self) -> None:
         """Take every hook and wrapper out; the model and optimizers behave as before (idempotent)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = None
         for obj, wrapper, before in self._patched:
             if obj.__dict__.get("zero_grad") is wrapper:
                 if before is None:
@@ -215,6 +239,7 @@ class Instrumented:
         off = torch.compiler.disable
         self._handles.append(model.register_forward_pre_hook(off(self._forward_pre), prepend=True))
         self._handles.append(model.register_forward_hook(off(self._forward_post), always_call=True))
+        self._model_hook_ids = tuple(h.id for h in self._handles)
         for opt in self._optimizers:
             self._handles.append(opt.register_step_pre_hook(off(self._update_pre)))
             self._handles.append(opt.register_step_post_hook(off(self._update_post)))
@@ -225,9 +250,26 @@ class Instrumented:
             before = obj.__dict__.get("zero_grad")
             obj.__dict__["zero_grad"] = wrapper  # an instance attribute: the class stays untouched
             self._patched.append((obj, wrapper, before))
+        self._model_zero_grad = self._patched[-1][1]  # the model's: installed last
         self._backward_orig = torch.autograd.backward
         self._backward_wrapper = off(self._backward_wrapper_of(self._backward_orig))
         torch.autograd.backward = self._backward_wrapper
+        # The optimizers pickle and copy without hooks or instance attributes (Optimizer.__getstate__
+        # keeps only defaults, state and param_groups); the model needs the reducer.
+        self._reducer = _Reducer(model, self._model_state)
+
+    def _model_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The model's pickled / copied state without steptimer: its hooks and zero_grad wrapper."""
+        state = dict(state)  # never the live __dict__
+        if state.get("zero_grad") is self._model_zero_grad:
+            del state["zero_grad"]
+        for name in _HOOK_DICTS:
+            hooks = state.get(name)
+            if hooks and any(i in hooks for i in self._model_hook_ids):
+                hooks = state[name] = hooks.copy()  # OrderedDict stays OrderedDict
+                for i in self._model_hook_ids:
+                    hooks.pop(i, None)
+        return state
 
     def _ignored(self) -> bool:
         """Other threads (DataParallel replicas, autograd's device threads), pauses, forwards that a
@@ -248,6 +290,27 @@ class Instrumented:
                 return
             self._begin()
         self._switch("forward")
+        if self._watch_steps:
+            self._forwards += 1
+            if self._forwards == _FORWARDS_BEFORE_WARNING:
+                self._check_stepped()
+
+    def _check_stepped(self) -> None:
+        """One warning (and a note in the summary) when an optimizer passed to instrument() has not
+        stepped while the model trained: no step can end, so nothing is timed."""
+        self._watch_steps = False
+        idle = [o for o in self._optimizers if id(o) not in self._ever_stepped]
+        if not idle:
+            return
+        names = ", ".join(type(o).__name__ for o in idle)
+        msg = (
+            f"the optimizer passed to instrument() ({names}) has not stepped in {self._forwards} training "
+            "forward passes of the model, so no step has ended and nothing is timed. Pass instrument() "
+            "the optimizer your loop calls step() on (a trainer that builds its own: that one), or time "
+            "the loop with `with timer.step():` blocks."
+        )
+        warnings.warn(f"steptimer.instrument: {msg}", stacklevel=4)
+        self.timer._engine.notes.append(msg)
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         if self._ignored() or self._fwd_depth == 0:
@@ -349,6 +412,7 @@ class Instrumented:
             return
         self._switch(None)
         self._stepped.add(id(opt))
+        self._ever_stepped.add(id(opt))
         if len(self._stepped) < len(self._optimizers):
             return
         if self._zero_grad_last is None:
@@ -423,6 +487,51 @@ class Instrumented:
         self._zeroed = set()
         self._fwd_depth = self._update_depth = 0
         return cm
+
+
+_FORWARDS_BEFORE_WARNING = 100
+# The module attributes that hold forward hooks, keyed by handle id (torch.nn.Module.__init__).
+_HOOK_DICTS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+class _Reducer:
+    """Pickles and copies the instrumented model without steptimer (``torch.save(model)``, an EMA or
+    teacher ``copy.deepcopy``): a ``copyreg`` entry for the model's class, so that nothing is put on
+    the model itself. Every other instance of the class is reduced as before; the entry found there
+    (if any) is chained and put back by :meth:`remove`.
+
+    Both ``pickle`` (and so ``torch.save``) and ``copy`` look a class up in ``copyreg.dispatch_table``
+    before its own ``__reduce_ex__``; the model is then reduced exactly as usual and only its state
+    is filtered, so the result is the model as it would be with no steptimer: no hooks of ours (a copy
+    would otherwise feed this timer), no ``zero_grad`` wrapper (a copy's would zero this model).
+    """
+
+    def __init__(self, model: torch.nn.Module, filter_state: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        self._model: torch.nn.Module | None = model
+        self._filter = filter_state
+        self._cls = type(model)
+        self._prev = copyreg.dispatch_table.get(self._cls)
+        copyreg.dispatch_table[self._cls] = self
+
+    def __call__(self, obj: Any) -> Any:
+        if obj is not self._model:
+            return self._prev(obj) if self._prev is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        rv = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+            rv = (*rv[:2], self._filter(rv[2]), *rv[3:])
+        return rv
+
+    def remove(self) -> None:
+        if copyreg.dispatch_table.get(self._cls) is self:
+            if self._prev is None:
+                del copyreg.dispatch_table[self._cls]
+            else:
+                copyreg.dispatch_table[self._cls] = self._prev
+        # Else an entry put in after ours chains to it: ours stays, passing every object through.
+        self._model = None
 
 
 def _user_sites(frame: FrameType | None) -> dict[CodeType, int]:

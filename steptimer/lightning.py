@@ -51,7 +51,7 @@ from steptimer._profile import check_profile_steps
 from steptimer._summary import Summary
 from steptimer._tensorboard import TensorBoardSink, window_scalars
 from steptimer._window import Window
-from steptimer.timer import StepTimer, check_memory, check_options, check_phase_name
+from steptimer.timer import StepTimer, check_bool, check_count, check_memory, check_options, check_phase_name
 
 log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
@@ -245,6 +245,17 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         0
     """
 
+    # Test seams, kept out of the signature: a simulated GPU and allocator for the timer (see _make).
+    _backend: Any = None
+    _memory_backend: Any = None
+
+    @classmethod
+    def _make(cls, *, backend: Any = None, memory_backend: Any = None, **options: Any) -> StepTimerCallback:
+        """A callback whose timers use these seams (``StepTimer._make``); ``options`` are the constructor's."""
+        cb = cls(**options)
+        cb._backend, cb._memory_backend = backend, memory_backend
+        return cb
+
     def __init__(
         self,
         *,
@@ -264,13 +275,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         nvtx: bool = False,
         profile_steps: tuple[int, int] | None = None,
         memory: int = 10,
-        _backend: Any = None,
-        _memory_backend: Any = None,
     ) -> None:
         super().__init__()
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
-        if not isinstance(nvtx, bool):
-            raise ValueError(f"nvtx must be True or False, got {nvtx!r}")
+        for name, value in (("histograms", histograms), ("print_summary", print_summary), ("enabled", enabled),
+                            ("nvtx", nvtx)):  # fmt: skip
+            check_bool(name, value)
         if profile_steps is not None:
             check_profile_steps(profile_steps, start_step=0)
             if sample_every != 1:
@@ -308,8 +318,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self.profile_steps = profile_steps
         check_memory(memory)
         self.memory = memory
-        self._backend = _backend
-        self._memory_backend = _memory_backend
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
@@ -408,7 +416,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 profile_steps, self._steps_done,
             )  # fmt: skip
             profile_steps = None
-        self._timer = StepTimer(
+        self._timer = StepTimer._make(
             log_every_n_steps=self.log_every_n_steps or self._default_log_every(int(trainer.log_every_n_steps)),
             warmup_steps=self.warmup_steps,
             lag=self.lag,
@@ -417,14 +425,14 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             sample_every=self.sample_every,
             print_summary=False,
             peak_tflops=self.peak_tflops,
-            _peak_dtype=dtype_of_precision(trainer.precision),
+            peak_dtype=dtype_of_precision(trainer.precision),
             nvtx=self.nvtx,
             profile_steps=profile_steps,
-            _profile_dir=str(trainer.log_dir or trainer.default_root_dir) if profile_steps is not None else None,
+            profile_dir=str(trainer.log_dir or trainer.default_root_dir) if profile_steps is not None else None,
             memory=self.memory,
-            _backend=self._backend,
-            _memory_backend=self._memory_backend,
-            _sinks=[sink] if sink is not None else [],
+            backend=self._backend,
+            memory_backend=self._memory_backend,
+            sinks=[sink] if sink is not None else [],
         )
         self._install(trainer, pl_module)
 
@@ -486,12 +494,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if not self._manual:
             self._will_step = self._steps_after(trainer, batch_idx)
         if self.batch_size_fn is not None:
-            self._samples += float(self.batch_size_fn(batch))
+            self._samples += check_count("batch_size_fn(batch)", self.batch_size_fn(batch))
         if self.tokens_fn is not None:
-            self._tokens += float(self.tokens_fn(batch))
+            self._tokens += check_count("tokens_fn(batch)", self.tokens_fn(batch))
         fpb = self.flops_per_batch
         if fpb is not None:
-            self._flops += float(fpb(batch) if callable(fpb) else fpb)
+            self._flops += check_count("flops_per_batch", fpb(batch) if callable(fpb) else fpb)
 
     @override
     def on_train_batch_end(

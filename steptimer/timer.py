@@ -7,16 +7,17 @@ engine's rows into a window every ``log_every_n_steps`` steps, hands windows to 
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import math
+import numbers
 import os
-import weakref
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
+from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._engine import Engine, check_phase_name
@@ -27,7 +28,9 @@ from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
 from steptimer._window import StepRows, Window, window_of
 
-__all__ = ["StepTimer", "check_memory", "check_options", "check_phase_name"]
+__all__ = ["StepTimer", "check_bool", "check_count", "check_memory", "check_options", "check_phase_name"]
+
+_T = TypeVar("_T", bound="StepTimer")
 
 
 class Sink(Protocol):
@@ -150,6 +153,17 @@ def _on_pending(*captures: Any) -> Callable[[Engine, Any], None] | None:
     return add_all
 
 
+@dataclasses.dataclass(frozen=True)
+class _Seams:
+    """What front doors and tests replace inside a :class:`StepTimer`, kept out of its signature."""
+
+    backend: _CudaBackend | None = None  # CUDA calls (tests: a simulated GPU)
+    memory_backend: _MemoryBackend | None = None  # the allocator's statistics (tests: a fake one)
+    sinks: Sequence[Sink] = ()  # more places for windows (the Lightning callback's logger sink)
+    peak_dtype: str = "bf16"  # which peak of steptimer's table MFU uses (Lightning: the precision)
+    profile_dir: str | None = None  # where the profiler trace goes without log_dir (Lightning's log_dir)
+
+
 def _rank() -> int:
     """This process's rank: torch.distributed when initialized, else the launcher's environment."""
     try:
@@ -250,21 +264,18 @@ class StepTimer:
         cross_rank_timeout_s: float = DEFAULT_TIMEOUT_S,
         trace_steps: int | tuple[int, int] | None = None,
         peak_tflops: float | None = None,
-        _peak_dtype: str = "bf16",
         nvtx: bool = False,
         profile_steps: tuple[int, int] | None = None,
-        _profile_dir: str | None = None,
         memory: int = 10,
-        _backend: _CudaBackend | None = None,
-        _memory_backend: _MemoryBackend | None = None,
-        _sinks: Sequence[Sink] = (),
     ) -> None:
+        seams = self._seams
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
         _check_int("start_step", start_step, 0)
         if log_dir is not None and writer is not None:
             raise ValueError("pass log_dir or writer, not both")
-        if cross_rank not in (True, False):
-            raise ValueError(f"cross_rank must be True or False, got {cross_rank!r}")
+        for name, value in (("enabled", enabled), ("print_summary", print_summary), ("cross_rank", cross_rank),
+                            ("nvtx", nvtx)):  # fmt: skip
+            check_bool(name, value)
         if peak_tflops is not None and not (
             isinstance(peak_tflops, (int, float)) and not isinstance(peak_tflops, bool) and 0 < peak_tflops < math.inf
         ):
@@ -279,11 +290,11 @@ class StepTimer:
         self.enabled = enabled
         self._print_summary = print_summary
         self._peak_opt = None if peak_tflops is None else float(peak_tflops)
-        self._peak_dtype = _peak_dtype
+        self._peak_dtype = seams.peak_dtype
         self._peak: tuple[float | None, str | None] | None = None  # (peak, note), found at the first window
         self._rank = _rank()
         self._summary: Summary | None = None
-        self._sinks: list[Sink] = list(_sinks)
+        self._sinks: list[Sink] = list(seams.sinks)
         self._phases: dict[str, _Phase] = {}
         self._acc = SummaryAccumulator()
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
@@ -292,36 +303,57 @@ class StepTimer:
             warmup_steps=warmup_steps, sample_every=sample_every, enabled=enabled, rank=self._rank,
         )  # fmt: skip
         self._phase_cls: type[_Phase] = _Phase
-        if _profile_dir is None and (log_dir is not None or writer is not None):
-            _profile_dir = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
+        profile_dir = seams.profile_dir
+        if profile_dir is None and (log_dir is not None or writer is not None):
+            profile_dir = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
         self._ranges, nvtx_note = make_ranges(
-            nvtx=nvtx, profile_steps=profile_steps, folder=_profile_dir, start_step=start_step,
+            nvtx=nvtx, profile_steps=profile_steps, folder=profile_dir, start_step=start_step,
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
         )  # fmt: skip
         profile = self._ranges.capture if self._ranges is not None else None
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
-            backend=_backend, on_resolved=self._on_resolved,
+            backend=seams.backend, on_resolved=self._on_resolved,
             on_pending=_on_pending(self._trace, profile),
-            memory=memory, memory_backend=_memory_backend,
+            memory=memory, memory_backend=seams.memory_backend,
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
         if not enabled:
             return
-        if cuda is True and _backend is None:
+        if cuda is True and seams.backend is None:
             ok, why = cuda_usable()
             if not ok:
                 raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
-        if cuda is not False and _backend is None:
+        if cuda is not False and seams.backend is None:
             prepare_native()  # compile the native CUDA calls now (once per machine), not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
         elif log_dir is not None:
             check_writable(os.fspath(log_dir))
-        self._atexit = _register_atexit(self)
+        _exit.track(self)  # closed at exit and on SIGTERM if still open then (_exit.py)
         if self._xrank is not None:
             self._xrank.start_now()  # the gloo side group, while every rank is known to be here
+
+    _seams: _Seams = _Seams()  # the real CUDA calls and allocator, no extra sinks; see _make()
+
+    @classmethod
+    def _make(
+        cls: type[_T],
+        *,
+        backend: _CudaBackend | None = None,
+        memory_backend: _MemoryBackend | None = None,
+        sinks: Sequence[Sink] = (),
+        peak_dtype: str = "bf16",
+        profile_dir: str | None = None,
+        **options: Any,
+    ) -> _T:
+        """A timer with seams (a fake GPU, more sinks, ...) for tests and front doors; ``options`` are
+        the constructor's. The one code path is ``__init__``, which reads the seams from the instance."""
+        timer = cls.__new__(cls)
+        timer._seams = _Seams(backend, memory_backend, tuple(sinks), peak_dtype, profile_dir)
+        timer.__init__(**options)  # type: ignore[misc]
+        return timer
 
     # ------------------------------------------------------------------ public API
 
@@ -330,9 +362,21 @@ class StepTimer:
     ) -> AbstractContextManager[None]:
         """Context manager around one optimizer step; ``samples``/``tokens`` give throughput,
         ``flops`` (floating-point operations of the step: forward, backward, optimizer as you
-        count them) gives ``tflops_per_s`` and ``mfu``."""
+        count them) gives ``tflops_per_s`` and ``mfu``.
+
+        Raises:
+            TypeError: a count that is not a number (a string, a bool, a GPU tensor).
+            ValueError: a count that is negative, infinite or NaN.
+        """
         if not self.enabled:
             return _NULL
+        # Checked here, where they are given: ~0.15 µs per count given (plain int/float), nothing when None.
+        if samples is not None:
+            samples = check_count("samples", samples)
+        if tokens is not None:
+            tokens = check_count("tokens", tokens)
+        if flops is not None:
+            flops = check_count("flops", flops)
         r = self._ranges
         if r is not None and self._engine.number >= r.from_number:  # NVTX, or the profiler window
             return _RangedStep(self._engine, samples, tokens, flops, r)
@@ -382,6 +426,7 @@ class StepTimer:
         """
         if self._summary is not None:
             return self._summary
+        _exit.untrack(self)
         xrank, engine = self._xrank, self._engine
         if failed and xrank is not None:
             xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
@@ -401,8 +446,6 @@ class StepTimer:
         engine.release_held()
         engine.closed = True
         self._summary = summary = self._build_summary()
-        if self.enabled:
-            atexit.unregister(self._atexit)
         if self._print_summary and self._rank == 0 and self.enabled:
             from steptimer._table import print_summary
 
@@ -413,6 +456,13 @@ class StepTimer:
 
     def __enter__(self) -> StepTimer:
         return self
+
+    def _close_at_end(self) -> None:
+        """Closed by steptimer at exit or on SIGTERM (_exit.py). A run may go on after a SIGTERM (a
+        handler of the user's or Lightning's decides): the timer then answers every call as a no-op,
+        never with an error."""
+        self._engine.quiet = True
+        self.close(failed=True)  # no cross-rank round: other ranks may be gone
 
     def __exit__(self, *exc: object) -> Literal[False]:
         self.close(failed=bool(exc) and exc[0] is not None)
@@ -516,6 +566,36 @@ def check_options(
         raise ValueError(f"cuda must be None, True or False, got {cuda!r}")
 
 
+def check_bool(name: str, value: object) -> None:
+    """An on/off option: True or False only (``enabled="false"`` would otherwise mean True)."""
+    if value is not True and value is not False:
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_count(name: str, value: object) -> float:
+    """A step's ``samples``, ``tokens`` or ``flops``: a finite number >= 0, returned as a number.
+
+    Raises:
+        TypeError: not a number (a string, a bool, a tensor that is not one value on the CPU).
+        ValueError: negative, infinite or NaN.
+    """
+    if (type(value) is int or type(value) is float) and 0 <= value < math.inf:  # type: ignore[operator]
+        return value  # type: ignore[return-value]  # the hot path: plain Python numbers
+    expected = f"{name} must be a finite number >= 0 (an int or float, e.g. x.shape[0])"
+    number: Any = value
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.device.type != "cpu":  # reading a GPU tensor waits for the GPU
+            raise TypeError(f"{expected}, got a tensor of shape {tuple(value.shape)} on {value.device}")
+        number = value.item()
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):  # numpy scalars are Real
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
+    number = float(number)
+    if not 0 <= number < math.inf:
+        raise ValueError(f"{expected}, got {value!r}")
+    return number
+
+
 def check_memory(memory: object) -> None:
     """``memory``: read one timed step in this many; True is 1, False 0 (never)."""
     if not isinstance(memory, int) or memory < 0:
@@ -526,15 +606,3 @@ def _check_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
-
-def _register_atexit(timer: StepTimer) -> Callable[[], None]:
-    """Close the timer at interpreter exit (e.g. after an unhandled Ctrl-C) so nothing is lost."""
-    ref = weakref.ref(timer)
-
-    def _close() -> None:
-        t = ref()
-        if t is not None:
-            t.close(failed=True)  # no cross-rank round at exit: other ranks may be gone
-
-    atexit.register(_close)
-    return _close

@@ -270,7 +270,7 @@ def test_recording_timer_keeps_every_step_with_its_gpu_and_host_values(monkeypat
     clock = FakeClock()
     monkeypatch.setattr(engine_mod, "perf_counter", clock)
     gpu = FakeGPU(clock)
-    timer = RecordingTimer.make(_backend=gpu.backend(), log_every_n_steps=4, lag=1)
+    timer = RecordingTimer.make(backend=gpu.backend(), log_every_n_steps=4, lag=1)
     for i in range(1, 11):
         clock.advance_ms(1.0)  # data wait
         with timer.step(samples=8):

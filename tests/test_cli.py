@@ -63,13 +63,13 @@ def fake_run(
     ``backlog_ms`` of GPU work queued before the first step (and kept: the GPU stays that far behind)."""
     gpu = FakeGPU(clock)
     gpu.launch(backlog_ms)
-    t = StepTimer(
+    t = StepTimer._make(
         log_dir=str(log_dir),
         log_every_n_steps=5,
         warmup_steps=0,
         lag=lag,
         print_summary=False,
-        _backend=gpu.backend(),
+        backend=gpu.backend(),
         **kw,
     )
     for _ in range(steps):
@@ -158,8 +158,8 @@ def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock
 
     gpu = FakeGPU(clock)
     keep = ListSink()
-    t = StepTimer(log_every_n_steps=5, warmup_steps=3, lag=1, print_summary=False, _backend=gpu.backend(),
-                  _sinks=[keep])  # fmt: skip
+    t = StepTimer._make(log_every_n_steps=5, warmup_steps=3, lag=1, print_summary=False, backend=gpu.backend(),
+                  sinks=[keep])  # fmt: skip
     for i in range(23):
         clock.advance_ms(1.0)
         with t.step(samples=4, tokens=64):
@@ -370,14 +370,14 @@ def test_compare_needs_one_run_each(tmp_path: Path, clock: FakeClock) -> None:
 def test_trace_capture_and_chrome_export(tmp_path: Path, clock: FakeClock, lag: int) -> None:
     """GPU-bound on the simulated GPU: GPU slices sit where the simulated GPU ran them, after launch."""
     gpu = FakeGPU(clock)
-    t = StepTimer(
+    t = StepTimer._make(
         log_dir=str(tmp_path),
         log_every_n_steps=5,
         warmup_steps=2,
         lag=lag,
         print_summary=False,
         trace_steps=3,
-        _backend=gpu.backend(),
+        backend=gpu.backend(),
     )
     truth: dict[int, list[tuple[str, float, float]]] = {}  # step -> (phase, GPU start, GPU end) in s
     t_origin = 0.0
@@ -614,9 +614,9 @@ def test_report_memory_agrees_with_the_summary(tmp_path: Path, clock: FakeClock)
     from tests.fakes import FakeAllocator
 
     gpu, mem = FakeGPU(clock), FakeAllocator()
-    t = StepTimer(
+    t = StepTimer._make(
         log_dir=tmp_path, warmup_steps=2, log_every_n_steps=3, print_summary=False,
-        _backend=gpu.backend(), _memory_backend=mem.backend(), memory=True,
+        backend=gpu.backend(), memory_backend=mem.backend(), memory=True,
     )  # fmt: skip
     for i in range(11):
         big = (64 if i < 2 else 1 + i % 4) << 20

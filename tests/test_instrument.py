@@ -647,3 +647,134 @@ def test_inductor_compiled_cuda_model() -> None:
         ref.append(e0.elapsed_time(e1))
     ref_ms = sorted(ref)[2]
     assert fwd is not None and abs(fwd.median_ms - ref_ms) <= max(0.1 * ref_ms, 0.05), (fwd, ref)
+
+
+# ---------------------------------------------------------------- a normal model while instrumented
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        F.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_the_whole_model_saves_and_pickles_while_instrumented(tmp_path: Path) -> None:
+    """torch.save(model) of the whole model (pytorch/examples' word-language-model does it at every best
+    epoch): the file holds a plain model, loadable without steptimer; the timer goes on."""
+    import pickle
+
+    net = _mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    timer = instrument(net, opt, **QUIET, warmup_steps=0)
+    _train(net, opt, 2)
+    torch.save(net, tmp_path / "model.pt")
+    assert b"steptimer" not in (tmp_path / "model.pt").read_bytes()
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    for copy_ in (loaded, pickle.loads(pickle.dumps(net)), pickle.loads(pickle.dumps(opt))):
+        assert "zero_grad" not in vars(copy_)
+    assert not (loaded._forward_pre_hooks or loaded._forward_hooks or loaded._forward_hooks_always_called)
+    x = torch.randn(3, 4)
+    assert torch.equal(loaded(x), net(x))
+    _train(net, opt, 2)
+    assert timer.close().steps == 4
+
+
+def test_a_deepcopy_is_an_independent_untimed_model() -> None:
+    """An EMA / teacher copy made while instrumented: its zero_grad clears its own gradients only, its
+    forwards and backwards are not this timer's steps, during the run and after close()."""
+    import copy
+
+    net = _mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    timer = instrument(net, opt, **QUIET, warmup_steps=0)
+    _train(net, opt, 2)
+    ema = copy.deepcopy(net)
+    ema_opt = copy.deepcopy(opt)  # an optimizer copy: no hooks either (it holds net's parameters)
+    assert not (ema_opt._optimizer_step_pre_hooks or ema_opt._optimizer_step_post_hooks)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    F.mse_loss(net(x), y).backward()  # a step of net is open, with ema work inside it
+    F.mse_loss(ema(x), y).backward()
+    ema.zero_grad()
+    assert all(p.grad is not None for p in net.parameters())
+    assert all(p.grad is None for p in ema.parameters())
+    opt.step()
+    opt.zero_grad()
+    _train(ema, torch.optim.SGD(ema.parameters(), lr=0.01), 3)  # the copy trained alone: not timed
+    summary = timer.close()
+    assert summary.steps == 3
+    assert next(r for r in summary.rows if r.name == "forward").calls_per_step == 1.0  # net's only
+    F.mse_loss(net(x), y).backward()  # after close: still independent
+    F.mse_loss(ema(x), y).backward()
+    ema.zero_grad()
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def test_close_leaves_nothing_of_steptimer_on_the_model_or_optimizer() -> None:
+    import copyreg
+
+    net = _mlp()
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+
+    def snapshot() -> dict[str, Any]:
+        hooks = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called",
+                 "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs")  # fmt: skip
+        return {
+            "model": set(vars(net)), "optimizer": set(vars(opt)),
+            **{name: dict(getattr(net, name)) for name in hooks},
+            "step hooks": (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_step_post_hooks)),
+            "copyreg": copyreg.dispatch_table.get(type(net)),
+        }  # fmt: skip
+
+    before = snapshot()
+    timer = instrument(net, opt, **QUIET, warmup_steps=0)
+    assert snapshot() != before  # hooks, zero_grad wrappers, the copyreg entry while instrumented
+    _train(net, opt, 2)
+    timer.close()
+    assert snapshot() == before
+
+
+def test_an_optimizer_that_never_steps_gets_one_warning() -> None:
+    """minGPT's trainer builds its own optimizer: the one passed to instrument() never steps, no step
+    ever ends. After 100 training forwards: one warning naming it, and a note in the summary."""
+    net = _mlp()
+    passed = torch.optim.AdamW(net.parameters(), lr=0.01)
+    used = torch.optim.SGD(net.parameters(), lr=0.01)
+    timer = instrument(net, passed, **QUIET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(net, used, 250)
+        summary = timer.close()
+    msgs = [str(w.message) for w in caught if "has not stepped" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    assert "(AdamW) has not stepped in 100 training forward passes" in msgs[0]
+    assert "passed to instrument()" in msgs[0] and "the optimizer your loop calls step() on" in msgs[0]
+    assert summary.steps == 0 and any("AdamW" in n for n in summary.notes)
+
+
+def test_a_short_run_whose_optimizer_never_stepped_is_warned_at_close() -> None:
+    net = _mlp()
+    timer = instrument(net, torch.optim.AdamW(net.parameters(), lr=0.01), **QUIET)
+    _train(net, torch.optim.SGD(net.parameters(), lr=0.01), 5)
+    with pytest.warns(UserWarning, match=r"\(AdamW\) has not stepped in 5 training forward passes"):
+        timer.close()
+
+
+def test_the_right_optimizer_is_never_warned_about() -> None:
+    net = _mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    timer = instrument(net, opt, **QUIET, warmup_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(net, opt, 120)
+        assert timer.close().steps == 120
+
+
+def test_on_off_options_are_checked() -> None:
+    net = _mlp()
+    with pytest.raises(ValueError, match="enabled must be True or False, got 'false'"):
+        instrument(net, torch.optim.SGD(net.parameters(), lr=0.01), enabled="false")

@@ -304,7 +304,7 @@ def test_sleep_matrix_counts_and_no_sync(
     sleeper = Sleeper(k)
     gpu = WallGPU()
     syncs = SyncCounter(monkeypatch)
-    cb = StepTimerCallback(log_every_n_steps=1, warmup_steps=0, print_summary=False, _backend=gpu.backend())
+    cb = StepTimerCallback._make(log_every_n_steps=1, warmup_steps=0, print_summary=False, backend=gpu.backend())
     cap = make_capture(L)
     steps = len(REGIONS)
     tr = trainer(L, cb, logger=cap, accumulate_grad_batches=k, limit_val_batches=0)
@@ -352,7 +352,7 @@ def test_csv_and_tensorboard_loggers_get_the_same_values(tmp_path: Path) -> None
     from tests.tb import accumulator, layout_regexes, phase_runs, run_scalars, scalars
 
     gpu = WallGPU()
-    cb = StepTimerCallback(log_every_n_steps=2, warmup_steps=0, print_summary=False, _backend=gpu.backend())
+    cb = StepTimerCallback._make(log_every_n_steps=2, warmup_steps=0, print_summary=False, backend=gpu.backend())
     tb = pl.loggers.TensorBoardLogger(str(tmp_path), name="tb")
     csv_logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
     cap = make_capture(pl)
@@ -989,7 +989,7 @@ def test_peak_follows_the_trainers_precision(
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(matmul)
     try:
-        cb = StepTimerCallback(warmup_steps=0, print_summary=False, flops_per_batch=1e6, _backend=WallGPU().backend())
+        cb = StepTimerCallback._make(warmup_steps=0, print_summary=False, flops_per_batch=1e6, backend=WallGPU().backend())
         tr = trainer(pl, cb, precision=precision, limit_val_batches=0)
         model = make_napping(pl)
         with warnings.catch_warnings():
@@ -1358,9 +1358,9 @@ def test_memory_per_phase_reaches_the_loggers() -> None:
     from tests.fakes import FakeAllocator
 
     mem = FakeAllocator()
-    cb = StepTimerCallback(
-        log_every_n_steps=2, warmup_steps=0, print_summary=False, _backend=WallGPU().backend(),
-        _memory_backend=mem.backend(), memory=True,
+    cb = StepTimerCallback._make(
+        log_every_n_steps=2, warmup_steps=0, print_summary=False, backend=WallGPU().backend(),
+        memory_backend=mem.backend(), memory=True,
     )  # fmt: skip
     cap = make_capture(pl)
     trainer(pl, cb, logger=cap, limit_val_batches=0).fit(make_allocating(pl, mem), loader(4))
@@ -1381,9 +1381,9 @@ def test_out_of_memory_in_a_lightning_phase_is_noted() -> None:
     from tests.fakes import FakeAllocator
 
     mem = FakeAllocator()
-    cb = StepTimerCallback(
-        log_every_n_steps=100, warmup_steps=0, print_summary=False, _backend=WallGPU().backend(),
-        _memory_backend=mem.backend(), memory=True,
+    cb = StepTimerCallback._make(
+        log_every_n_steps=100, warmup_steps=0, print_summary=False, backend=WallGPU().backend(),
+        memory_backend=mem.backend(), memory=True,
     )  # fmt: skip
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 1.00 GiB"):
         trainer(pl, cb, logger=False, limit_val_batches=0).fit(make_allocating(pl, mem, oom_at=2), loader(6))
@@ -1408,3 +1408,27 @@ def test_no_memory_tags_on_a_cpu_trainer() -> None:
     assert "steptimer/host/forward_ms" in sent[4]
     assert not [k for step in sent.values() for k in step if k.startswith("steptimer/mem/")]
     assert cb.summary is not None and cb.summary.memory is None and cb.summary.steps == 4
+
+
+def test_the_signature_shows_no_private_parameters() -> None:
+    """help(StepTimerCallback) lists what users may pass; the test seams go through _make."""
+    import inspect
+
+    params = inspect.signature(StepTimerCallback).parameters
+    assert "log_every_n_steps" in params
+    assert [p for p in params if p.startswith("_")] == []
+
+
+@pytest.mark.parametrize("option", ["histograms", "print_summary", "enabled", "nvtx"])
+def test_on_off_options_refuse_strings(option: str) -> None:
+    with pytest.raises(ValueError, match=f"{option} must be True or False, got 'false'"):
+        StepTimerCallback(**{option: "false"})  # type: ignore[arg-type]
+
+
+def test_a_negative_batch_size_is_refused_naming_batch_size_fn() -> None:
+    import pytorch_lightning as pl
+
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False, batch_size_fn=lambda b: -4)
+    tr = trainer(pl, cb, limit_val_batches=0)
+    with pytest.raises(ValueError, match=r"batch_size_fn\(batch\) must be a finite number >= 0.*got -4"):
+        tr.fit(make_module(pl, "auto", Sleeper(regions=(None,))), loader(2))

@@ -40,7 +40,7 @@ def make(gpu: FakeGPU, mem: FakeAllocator, **kw: object) -> tuple[StepTimer, Lis
     kw.setdefault("warmup_steps", 0)
     kw.setdefault("print_summary", False)
     kw.setdefault("memory", True)  # every timed step (the default reads one in 10)
-    t = StepTimer(_sinks=[sink], _backend=gpu.backend(), _memory_backend=mem.backend(), **kw)  # type: ignore[arg-type]
+    t = StepTimer._make(sinks=[sink], backend=gpu.backend(), memory_backend=mem.backend(), **kw)  # type: ignore[arg-type]
     return t, sink
 
 
@@ -131,9 +131,9 @@ def test_window_peaks_are_maxima_and_levels_the_last_step(clock: FakeClock, gpu:
 
 
 def test_tags_and_custom_scalars_chart(tmp_path: Path, clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator) -> None:
-    t = StepTimer(
+    t = StepTimer._make(
         log_dir=tmp_path, warmup_steps=0, print_summary=False, log_every_n_steps=2,
-        _backend=gpu.backend(), _memory_backend=mem.backend(), memory=True,
+        backend=gpu.backend(), memory_backend=mem.backend(), memory=True,
     )  # fmt: skip
     for scale in (1, 3, 2, 1):
         nested_step(t, clock, mem, scale)
@@ -272,7 +272,7 @@ def test_memory_n_reads_one_timed_step_in_n_and_keeps_the_run_peak(
 def test_no_memory_without_cuda(clock: FakeClock) -> None:
     """Host-only timing has no allocator to read: no memory in windows, tags or the summary."""
     sink = ListSink()
-    t = StepTimer(cuda=False, _sinks=[sink], warmup_steps=0, print_summary=False)
+    t = StepTimer._make(cuda=False, sinks=[sink], warmup_steps=0, print_summary=False)
     with t.step(), t.phase("forward"):
         clock.advance_ms(1.0)
     s = t.close()
@@ -426,8 +426,8 @@ def test_per_phase_memory_equals_torch_counters_to_the_byte() -> None:
     phases = {"forward": 96 * mib_, "loss": 8 * mib_, "backward": 160 * mib_, "optimizer": 24 * mib_}
     nested = {"attn": 128 * mib_, "mlp": 40 * mib_ + 512}
     sink = ListSink()
-    t = StepTimer(
-        warmup_steps=0, print_summary=False, log_every_n_steps=1, lag=0, cross_rank=False, memory=True, _sinks=[sink]
+    t = StepTimer._make(
+        warmup_steps=0, print_summary=False, log_every_n_steps=1, lag=0, cross_rank=False, memory=True, sinks=[sink]
     )
     refs = []
     for _ in range(2):
@@ -505,7 +505,7 @@ def test_out_of_memory_on_the_gpu_propagates_and_is_noted() -> None:
 
 def test_instrument_reads_memory_per_phase(clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator) -> None:
     """instrument() shares the engine: its hook phases get the same readings."""
-    from steptimer import instrument
+    from steptimer import Instrumented
 
     net = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -516,10 +516,10 @@ def test_instrument_reads_memory_per_phase(clock: FakeClock, gpu: FakeGPU, mem: 
 
     net.register_forward_hook(fwd_hook)
     sink = ListSink()
-    timer = instrument(
-        net, opt, warmup_steps=0, print_summary=False, log_every_n_steps=2,
-        _backend=gpu.backend(), _memory_backend=mem.backend(), _sinks=[sink], memory=True,
-    )  # fmt: skip
+    timer = Instrumented(StepTimer._make(
+        warmup_steps=0, print_summary=False, log_every_n_steps=2,
+        backend=gpu.backend(), memory_backend=mem.backend(), sinks=[sink], memory=True,
+    ), net, [opt])  # fmt: skip
     for _ in range(2):
         net(torch.randn(8, 4)).square().mean().backward()
         opt.step()

@@ -216,7 +216,7 @@ def test_the_engine_on_the_native_calls_waits_once_per_step_with_lag_0(fake: tup
     ctypes.c_int.in_dll(lib, "fake_record_queries").value = 1_000_000  # events complete at a sync only
     try:
         syncs = ctypes.c_int.in_dll(lib, "fake_syncs").value
-        timer = StepTimer(_backend=backend, lag=0, warmup_steps=0, print_summary=False)
+        timer = StepTimer._make(backend=backend, lag=0, warmup_steps=0, print_summary=False)
         for _ in range(5):
             with timer.step():
                 with timer.phase("forward"):
@@ -328,7 +328,7 @@ def test_the_engine_uses_the_native_calls_on_cuda(tmp_path: Path) -> None:
     _native_or_fail()
     torch.zeros(1, device="cuda")
     sink = ListSink()
-    t = StepTimer(print_summary=False, warmup_steps=0, log_every_n_steps=2, _sinks=[sink])
+    t = StepTimer._make(print_summary=False, warmup_steps=0, log_every_n_steps=2, sinks=[sink])
     for _ in range(4):
         with t.step(), t.phase("work"):
             torch.cuda._sleep(1_000_000)
@@ -404,7 +404,7 @@ def test_the_torch_api_fallback_gives_the_same_numbers_on_cuda() -> None:
 
     torch.zeros(1, device="cuda")
     nat = RecordingTimer.make(cuda=True, log_every_n_steps=5)
-    ref = RecordingTimer.make(_backend=torch_backend(), log_every_n_steps=5)
+    ref = RecordingTimer.make(backend=torch_backend(), log_every_n_steps=5)
     for _ in range(10):
         with nat.step(), ref.step():
             # A long kernel first, so the host runs ahead: the GPU spans then hold GPU work only, not
@@ -455,7 +455,7 @@ def test_a_step_inside_a_real_graph_capture_is_a_clear_error_and_the_timer_goes_
     with torch.cuda.stream(train):
         x = torch.zeros(1024, device="cuda")
         sink = ListSink()
-        t = StepTimer(lag=lag, print_summary=False, warmup_steps=0, log_every_n_steps=8, _sinks=[sink])
+        t = StepTimer._make(lag=lag, print_summary=False, warmup_steps=0, log_every_n_steps=8, sinks=[sink])
 
         def step() -> None:
             with t.step(), t.phase("work"):

@@ -122,9 +122,9 @@ def test_steptimer_times_in_the_trace_are_the_resolved_gpu_spans(
     clock = FakeClock()
     monkeypatch.setattr(engine_mod, "perf_counter", clock)
     gpu = FakeGPU(clock)
-    t = StepTimer(
+    t = StepTimer._make(
         log_dir=tmp_path, warmup_steps=0, print_summary=False, profile_steps=(3, 4), lag=2,
-        _backend=gpu.backend(),
+        backend=gpu.backend(),
     )  # fmt: skip
     for n in range(1, 7):
         clock.advance_ms(1.0)

@@ -78,7 +78,7 @@ def test_scalars_exact_steps_and_values(tmp_path: Path, clock: FakeClock) -> Non
 
 def test_gpu_tags_from_simulated_gpu(tmp_path: Path, clock: FakeClock) -> None:
     gpu = FakeGPU(clock)
-    t = StepTimer(log_dir=tmp_path, _backend=gpu.backend(), log_every_n_steps=4, warmup_steps=0,
+    t = StepTimer._make(log_dir=tmp_path, backend=gpu.backend(), log_every_n_steps=4, warmup_steps=0,
                   print_summary=False)
     run(t, clock, gpu, 8)
     t.close()
@@ -107,7 +107,7 @@ def test_histograms_recover_per_step_values(tmp_path: Path, clock: FakeClock) ->
 
 def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, clock: FakeClock) -> None:
     gpu = FakeGPU(clock)
-    t = StepTimer(log_dir=tmp_path, _backend=gpu.backend(), log_every_n_steps=2, warmup_steps=0,
+    t = StepTimer._make(log_dir=tmp_path, backend=gpu.backend(), log_every_n_steps=2, warmup_steps=0,
                   print_summary=False)
     run(t, clock, gpu, 4)
     t.close()
@@ -231,7 +231,7 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
     the means as the first group; a user's own layout kept beside ours."""
     logs = tmp_path / "logs"
     gpu = FakeGPU(clock)
-    t = StepTimer(log_dir=logs / "plain", _backend=gpu.backend(), log_every_n_steps=2, warmup_steps=0,
+    t = StepTimer._make(log_dir=logs / "plain", backend=gpu.backend(), log_every_n_steps=2, warmup_steps=0,
                   print_summary=False)  # fmt: skip
     run(t, clock, gpu, 4)
     t.close()
@@ -304,8 +304,8 @@ def _windows(clock: FakeClock) -> list[Window]:
     warm-up, nested and repeated phases, throughput, and values past float32's range."""
     gpu = FakeGPU(clock)
     sink = ListSink()
-    t = StepTimer(_backend=gpu.backend(), log_every_n_steps=5, warmup_steps=2, sample_every=3,
-                  print_summary=False, _sinks=[sink])  # fmt: skip
+    t = StepTimer._make(backend=gpu.backend(), log_every_n_steps=5, warmup_steps=2, sample_every=3,
+                  print_summary=False, sinks=[sink])  # fmt: skip
     for i in range(30):
         clock.advance_ms(0.5 + i)
         with t.step(samples=8, tokens=None if i % 2 else 4096):

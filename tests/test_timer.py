@@ -32,10 +32,10 @@ def make(gpu: FakeGPU | None = None, **kw: object) -> tuple[StepTimer, ListSink]
     kw.setdefault("warmup_steps", 0)
     kw.setdefault("print_summary", False)
     if gpu is not None:
-        kw["_backend"] = gpu.backend()
+        kw["backend"] = gpu.backend()
     else:
         kw.setdefault("cuda", False)
-    return StepTimer(_sinks=[sink], **kw), sink  # type: ignore[arg-type]
+    return StepTimer._make(sinks=[sink], **kw), sink  # type: ignore[arg-type]
 
 
 def train_step(t: StepTimer, clock: FakeClock, gpu: FakeGPU | None, *, data_ms: float = 0.0,
@@ -210,7 +210,7 @@ def test_loading_the_cuda_calls_is_not_the_first_steps_time(
     monkeypatch.setattr(engine_mod, "cuda_usable", lambda: (True, ""))
     monkeypatch.setattr(engine_mod, "default_backend", slow_backend)
     sink = ListSink()
-    t = StepTimer(_sinks=[sink], warmup_steps=0, print_summary=False, log_every_n_steps=1)
+    t = StepTimer._make(sinks=[sink], warmup_steps=0, print_summary=False, log_every_n_steps=1)
     train_step(t, clock, gpu, host={"forward": 2.0}, kernels={"forward": 1.0})
     t.close()
     assert t._engine.b is not None and gpu.records > 0  # the settled backend was used
@@ -554,7 +554,7 @@ def test_keyboard_interrupt_inside_with_flushes(tmp_path: Path, clock: FakeClock
 
 def test_memory_is_bounded(clock: FakeClock, gpu: FakeGPU) -> None:
     def peak(steps: int) -> int:
-        t = StepTimer(_backend=gpu.backend(), lag=3, log_every_n_steps=50, print_summary=False)
+        t = StepTimer._make(backend=gpu.backend(), lag=3, log_every_n_steps=50, print_summary=False)
         tracemalloc.start()
         for _ in range(steps):
             with t.step():
@@ -880,3 +880,54 @@ def test_a_phase_name_the_log_cannot_hold_is_refused_at_phase(tmp_path: Path, cl
             clock.advance_ms(1.0)
     assert t.close().steps == 4
     assert f"{outer}/{inner}" in phase_runs(tmp_path)
+
+
+def test_the_signature_shows_no_private_parameters() -> None:
+    """help(StepTimer) lists what users may pass; the test seams go through StepTimer._make."""
+    import inspect
+
+    params = inspect.signature(StepTimer).parameters
+    assert "log_dir" in params and "memory" in params
+    assert [p for p in params if p.startswith("_")] == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"samples": -1}, ValueError, "samples must be a finite number >= 0.*got -1"),
+        ({"tokens": float("nan")}, ValueError, "tokens must be a finite number >= 0.*got nan"),
+        ({"flops": float("inf")}, ValueError, "flops must be a finite number >= 0.*got inf"),
+        ({"samples": "32"}, TypeError, "samples must be a finite number >= 0.*got str '32'"),
+        ({"samples": True}, TypeError, "samples must be .*got bool True"),
+        ({"tokens": torch.ones(3)}, TypeError, r"tokens must be .*a tensor of shape \(3,\) on cpu"),
+    ],
+)
+def test_bad_step_counts_are_refused_where_given(
+    clock: FakeClock, kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    t, _ = make()
+    with pytest.raises(error, match=match):
+        t.step(**kwargs)  # type: ignore[arg-type]
+    train_step(t, clock, None, host={"forward": 1.0}, samples=8)  # nothing half-done: the timer goes on
+    assert t.close().steps == 1
+
+
+def test_numpy_and_cpu_tensor_counts_are_taken_as_numbers(clock: FakeClock) -> None:
+    import numpy as np
+
+    t, sink = make(log_every_n_steps=2)
+    clock.advance_ms(1.0)
+    with t.step(samples=np.int64(8), tokens=torch.tensor(64)):
+        clock.advance_ms(1.0)
+    with t.step(samples=np.float32(8.0), tokens=64):
+        clock.advance_ms(1.0)
+    t.close()
+    (w,) = sink.windows
+    assert w.samples_per_s is not None and w.tokens_per_s == pytest.approx(8 * w.samples_per_s)
+
+
+@pytest.mark.parametrize("option", ["enabled", "print_summary", "cross_rank", "nvtx"])
+@pytest.mark.parametrize("value", ["false", "True", 1, None])
+def test_on_off_options_take_only_true_or_false(option: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"{option} must be True or False, got {value!r}"):
+        StepTimer(**{option: value})  # type: ignore[arg-type]

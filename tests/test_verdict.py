@@ -52,8 +52,8 @@ def run(
     every N steps the host blocks until the GPU is done (``loss.item()``) between steps; ``rng``: each
     duration jittered by a few %; ``scale``: a phase's durations multiplied (a change between runs)."""
     gpu = FakeGPU(clock)
-    kw = {"_backend": gpu.backend()} if cuda else {"cuda": False}
-    t = StepTimer(log_dir=str(log_dir), log_every_n_steps=10, warmup_steps=5, lag=2, print_summary=False, **kw)
+    kw = {"backend": gpu.backend()} if cuda else {"cuda": False}
+    t = StepTimer._make(log_dir=str(log_dir), log_every_n_steps=10, warmup_steps=5, lag=2, print_summary=False, **kw)
 
     def jit(ms: float) -> float:
         return ms * (1.0 + rng.gauss(0.0, 0.02)) if rng is not None else ms

@@ -91,8 +91,8 @@ def main() -> None:
         from tests.fakes import FakeAllocator, FakeClock, FakeGPU
 
         mem = FakeAllocator()
-        fake = {"_backend": FakeGPU(FakeClock()).backend(), "_memory_backend": mem.backend()}
-    timer = StepTimer(
+        fake = {"backend": FakeGPU(FakeClock()).backend(), "memory_backend": mem.backend()}
+    timer = StepTimer._make(
         log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=0,
         cuda=None if a.fake_memory else a.cuda or False, cross_rank_timeout_s=a.timeout, **fake,
     )
