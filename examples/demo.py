@@ -50,7 +50,7 @@ def command(name: str) -> str:
     dev = ROOT / "dev"
     if dev.is_file():
         rel = os.path.relpath(dev)
-        return f"{rel if os.sep in rel else './' + rel} {name}"
+        return f"{min(rel if os.sep in rel else './' + rel, str(dev), key=len)} {name}"
     return mine
 
 
