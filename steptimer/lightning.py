@@ -726,13 +726,19 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._fwd_depth += 1
         if self._fwd_depth == 1:  # the outermost hooked call: self(x) calling self.encoder counts once
             self._saw_forward = True
-            self._switch("forward")
+            frame = self._frames[-1]
+            # `forward` runs from the first model call to the last: the `loss` opened when the last
+            # call returned was code between two calls (encoder, then decoder), so it joins forward.
+            if frame[0] == "loss" and self._timer is not None and self._timer._rejoin("loss", "forward"):
+                frame[0] = "forward"
+            else:
+                self._switch("forward")
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         if not self._in_training_step or self._in_backward or self._fwd_depth == 0:
             return
         self._fwd_depth -= 1
-        if self._fwd_depth == 0:  # several calls (encoder, then decoder) are several `forward` spans
+        if self._fwd_depth == 0:  # maybe the last model call: `loss` until another one joins it back
             # always_call: torch runs this hook from its except block when forward raised; the
             # error then ends `forward` (the summary's out-of-memory note names the phase)
             self._switch("loss", error=sys.exc_info()[1])
