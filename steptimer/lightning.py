@@ -9,9 +9,10 @@ Where each phase starts and ends (``docs/lightning.md`` has the full table):
 
 - ``data``: ``on_train_batch_end`` to the next ``on_train_batch_start`` (fetch, batch transfer, other
   callbacks' batch-end work). Validation inside it is paused and reported as ``steptimer/val_ms``.
-- ``forward``: the model's module calls inside ``training_step``: forward pre/post hooks on the
-  LightningModule and its outermost submodules with parameters (or on the ``forward_module`` names).
-- ``loss``: the rest of ``training_step`` after the first forward, up to zero_grad, backward or the
+- ``forward``: from the first model call in ``training_step`` to the end of the last one (code
+  between two calls included): forward pre/post hooks on the LightningModule and its outermost
+  submodules with parameters (or on the ``forward_module`` names).
+- ``loss``: the rest of ``training_step`` after the last model call, up to zero_grad, backward or the
   update. A criterion (no parameters) and metrics are not hooked: their time is ``loss``.
 - ``zero_grad``: ``on_before_zero_grad`` (automatic) or the start of ``opt.zero_grad()`` (manual) to
   the end of the optimizer's ``zero_grad``.
