@@ -339,8 +339,10 @@ class Engine:
         model call to the last, but whether a call was the last is known only at the next one. The
         two entries become one entry of ``into``, open again, when ``into`` (a sibling) was the last
         phase to exit and ``name`` is open with nothing ended inside it. Costs two list writes; the
-        boundary's event stays in the step's list and goes back to the pool with it. Returns False,
-        changing nothing, otherwise, and on an untimed step (nothing recorded to join).
+        boundary's event stays in the step's list and goes back to the pool with it. The memory
+        reader needs nothing: its running peak of ``name`` carries on as ``into``'s, and the reading
+        at the first exit merges with the last by the window's rules (max of peaks, last level).
+        Returns False, changing nothing, otherwise, and on an untimed step (nothing to join).
         """
         stack, recs = self._stack, self._recs
         if not self._timed or not stack or not recs or stack[-1][1] != name:
@@ -351,8 +353,6 @@ class Engine:
             return False
         recs.pop()
         stack[-1] = (last[0], into, last[1], last[3])
-        if self._mem is not None:
-            self._mem.rejoin()
         return True
 
     def _resolve_upto(self, upto: int) -> None:

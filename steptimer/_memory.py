@@ -134,13 +134,6 @@ class MemoryReader:
         self._phases.append((full, peak, alloc))
         return peak
 
-    def rejoin(self) -> None:
-        """The open phase was undone into the last exited one (``Engine.rejoin_phase``): that
-        one's reading is taken back and its peak carries on as the open phase's running peak."""
-        _, peak, _ = self._phases.pop()
-        if peak > self._stack[-1]:
-            self._stack[-1] = peak
-
     def end_step(self, shared: bool) -> StepMemory:
         """At the step's end; ``shared`` as for ``enter_phase`` (the last reading stands for this one)."""
         if shared:

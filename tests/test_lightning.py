@@ -759,22 +759,26 @@ def test_hooks_only_on_outermost_model_modules_once() -> None:
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             hooks = {n or "self": len(m._forward_pre_hooks) for n, m in self.named_modules()}
             seen.append({n: k for n, k in hooks.items() if k})
-            (x,) = batch
-            out = self.nets["disc"](self.nets["gen"](self.model(self.frozen(x))))
+            (out,) = batch
+            for layer in (self.frozen, self.model, self.nets["gen"], self.nets["disc"]):
+                out = layer(out)
+                with cb.phase("between"):  # ends the `forward` span: each call is an entry of its own
+                    pass
             self.metric(out, out)
             return self.criterion(out, torch.zeros_like(out))
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False)
     module = Many()
     compiled = module.training_step  # stands for Lightning's dynamo-wrapped instance attribute
     module.training_step = compiled
-    cb = StepTimerCallback(warmup_steps=0, print_summary=False)
     assert fit_quietly(pl, cb, module, 3) == []
     expected = dict.fromkeys(["self", "model", "nets.gen", "nets.disc", "frozen"], 1)
     assert seen == [expected] * 3
     assert cb.summary is not None and cb.summary["forward"].calls_per_step == 4  # frozen, model, gen, disc
+    assert cb.summary["loss/between"].calls_per_step == 4
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in module.modules())
     assert vars(module)["training_step"] is compiled
 
