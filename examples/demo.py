@@ -57,8 +57,10 @@ def command(name: str) -> str:
 def previous_run(run_dir: str) -> str | None:
     """The demo run before ``run_dir`` in the same parent (``runs/demo-1`` for ``runs/demo-2``)."""
     head, _, n = run_dir.rpartition("-")
-    before = f"{head}-{int(n) - 1}" if n.isdigit() else ""
-    return before if int(n or 0) > 1 and os.path.isdir(before) else None
+    if not n.isdigit() or int(n) < 2:
+        return None
+    before = f"{head}-{int(n) - 1}"
+    return before if os.path.isdir(before) else None
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
