@@ -44,8 +44,8 @@ def test_demo_runs_prints_summary_and_writes_tensorboard(tmp_path: Path) -> None
 def fresh_clone(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     """A clone as a new user has it once ``./dev`` has set it up, and the environment of a new user:
     a fresh HOME, and a PATH without ``.venv/bin``. ``dev`` and the demo are copied (the demo prints
-    the ``./dev`` beside it); ``.venv`` and ``pyproject.toml`` are this checkout's, linked, so ``dev``
-    finds its set-up done and installs nothing."""
+    the ``./dev`` beside it); ``.venv`` is this checkout's, linked, so ``dev`` finds its set-up done
+    (and with no ``pyproject.toml`` to be newer than it, never installs into it)."""
     if not (VENV / ".steptimer-ready").is_file():
         pytest.skip("needs the .venv that ./dev sets up (run through ./dev test)")
     clone = tmp_path / "clone"
@@ -53,7 +53,6 @@ def fresh_clone(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     shutil.copy2(ROOT / "dev", clone / "dev")
     shutil.copy2(ROOT / "examples" / "demo.py", clone / "examples" / "demo.py")
     (clone / ".venv").symlink_to(VENV)
-    (clone / "pyproject.toml").symlink_to(ROOT / "pyproject.toml")
     (tmp_path / "home").mkdir()
     venv_bin = str(VENV / "bin")
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p.rstrip("/") != venv_bin)
