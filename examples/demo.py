@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def new_run_dir(parent: str = "runs", prefix: str = "demo-") -> str:
     """``runs/demo-N`` for the next N, created here (mkdir is atomic: two demos never share one)."""
     os.makedirs(parent, exist_ok=True)
-    n = 1 + max((int(d.name[len(prefix):]) for d in os.scandir(parent)
-                 if d.name.startswith(prefix) and d.name[len(prefix):].isdigit()), default=0)  # fmt: skip
+    numbers = [d.name[len(prefix) :] for d in os.scandir(parent) if d.name.startswith(prefix)]
+    n = 1 + max((int(x) for x in numbers if x.isdigit()), default=0)
     while True:
         path = os.path.join(parent, f"{prefix}{n}")
         try:
@@ -61,6 +61,7 @@ def previous_run(run_dir: str) -> str | None:
         return None
     before = f"{head}-{int(n) - 1}"
     return before if os.path.isdir(before) else None
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
