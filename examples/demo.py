@@ -1,26 +1,72 @@
 """steptimer demo: train a small model on synthetic data and see where each step's time goes.
 
 Runs on CUDA when present (with CUDA-event GPU timings), else on the CPU (host timings only).
-Writes TensorBoard logs, prints the summary table and the command to open TensorBoard.
+Each run writes TensorBoard logs and a trace capture to a directory of its own (runs/demo-1,
+runs/demo-2, ...), prints the summary table, then the commands that open this run's logs.
 
-    ./dev demo                      # or: python examples/demo.py --steps 300 --log-dir runs/demo
+    ./dev demo                      # or: python examples/demo.py --steps 300 --log-dir runs/mine
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from steptimer import StepTimer
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def new_run_dir(parent: str = "runs", prefix: str = "demo-") -> str:
+    """``runs/demo-N`` for the next N, created here (mkdir is atomic: two demos never share one)."""
+    os.makedirs(parent, exist_ok=True)
+    numbers = [d.name[len(prefix) :] for d in os.scandir(parent) if d.name.startswith(prefix)]
+    n = 1 + max((int(x) for x in numbers if x.isdigit()), default=0)
+    while True:
+        path = os.path.join(parent, f"{prefix}{n}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            n += 1
+
+
+def command(name: str) -> str:
+    """How to run ``steptimer`` or ``tensorboard`` from here, as printed.
+
+    The one on PATH if it is this interpreter's (an activated environment, a pip install); on a
+    clone, ``./dev NAME``: ``./dev demo`` runs from ``.venv``, whose bin is not on PATH.
+    """
+    mine = os.path.join(os.path.dirname(sys.executable), name)
+    if shutil.which(name) == mine:
+        return name
+    dev = ROOT / "dev"
+    if dev.is_file():
+        rel = os.path.relpath(dev)
+        return f"{min(rel if os.sep in rel else './' + rel, str(dev), key=len)} {name}"
+    return mine
+
+
+def previous_run(run_dir: str) -> str | None:
+    """The demo run before ``run_dir`` in the same parent (``runs/demo-1`` for ``runs/demo-2``)."""
+    head, _, n = run_dir.rpartition("-")
+    if not n.isdigit() or int(n) < 2:
+        return None
+    before = f"{head}-{int(n) - 1}"
+    return before if os.path.isdir(before) else None
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300 on CUDA, 120 on CPU)")
-    p.add_argument("--log-dir", default="runs/demo", help="TensorBoard log directory (default runs/demo)")
+    p.add_argument("--log-dir", default=None, help="log directory (default: a new runs/demo-N)")
     p.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step (default 2)")
     p.add_argument("--data-ms", type=float, default=1.0, help="simulated data-loading time per micro-batch")
     args = p.parse_args()
@@ -42,7 +88,9 @@ def main() -> None:
             yield torch.randn(batch, width), torch.randint(0, 10, (batch,))
 
     loader = batches()
-    with StepTimer(log_dir=args.log_dir, log_every_n_steps=20) as timer:
+    log_dir = args.log_dir or new_run_dir()
+    # trace_steps: the 3 steps after warm-up, for `steptimer trace`
+    with StepTimer(log_dir=log_dir, log_every_n_steps=20, trace_steps=3) as timer:
         for _ in range(steps):
             with timer.step(samples=batch * args.accumulate):
                 for _ in range(args.accumulate):
@@ -58,7 +106,24 @@ def main() -> None:
                 with timer.phase("optimizer"):
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-    print(f"\nTensorBoard logs in {args.log_dir}. Open them with:\n  tensorboard --logdir {args.log_dir}")
+    print_next(log_dir)
+
+
+def print_next(log_dir: str) -> None:
+    """This run's logs and the commands that read them, each one runnable as printed."""
+    st, tb = command("steptimer"), command("tensorboard")
+    lines = [
+        (f"{tb} --logdir {log_dir}", "charts in a browser"),
+        (f"{st} report {log_dir}", "medians, shares, verdict"),
+        (f"{st} trace {log_dir}", "steps as a Perfetto trace"),
+    ]
+    before = previous_run(log_dir)
+    if before is not None:
+        lines.append((f"{st} compare {before} {log_dir}", "against the last run"))
+    width = max(len(c) for c, _ in lines)
+    print(f"\nThis run's logs are in {log_dir} (each demo run gets a new directory). Next:")
+    for cmd, what in lines:
+        print(f"  {cmd:<{width}}  # {what}")
 
 
 if __name__ == "__main__":

@@ -347,6 +347,29 @@ class Engine:
         if self._gpu:
             self._last_t = perf_counter()
 
+    def rejoin_phase(self, name: str, into: str) -> bool:
+        """Undo the open phase ``name`` and reopen the entry of ``into`` that ended where it began.
+
+        For a boundary known only later: the Lightning callback's ``forward`` runs from the first
+        model call to the last, but whether a call was the last is known only at the next one. The
+        two entries become one entry of ``into``, open again, when ``into`` (a sibling) was the last
+        phase to exit and ``name`` is open with nothing ended inside it. Costs two list writes; the
+        boundary's event stays in the step's list and goes back to the pool with it. The memory
+        reader needs nothing: its running peak of ``name`` carries on as ``into``'s, and the reading
+        at the first exit merges with the last by the window's rules (max of peaks, last level).
+        Returns False, changing nothing, otherwise, and on an untimed step (nothing to join).
+        """
+        stack, recs = self._stack, self._recs
+        if not self._timed or not stack or not recs or stack[-1][1] != name:
+            return False
+        full = stack[-1][0]
+        last = recs[-1]
+        if last[0] != full[: len(full) - len(name)] + into:
+            return False
+        recs.pop()
+        stack[-1] = (last[0], into, last[1], last[3])
+        return True
+
     def _resolve_upto(self, upto: int) -> None:
         pending = self._pending
         while pending and pending[0].number <= upto:

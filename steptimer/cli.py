@@ -36,9 +36,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+_EXAMPLES = """\
+examples:
+  steptimer report runs/            each run under runs/: phases, verdict
+  steptimer compare runs/a runs/b   per-phase change from run a to run b
+  steptimer trace runs/a            writes runs/a/steptimer-trace.chrome.json
+  steptimer kernels runs/a          top GPU kernels per phase
+"""
+
+TRACE_OUT = "steptimer-trace.chrome.json"  # trace's default output, inside the run directory
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="steptimer", description="Where each training step's time goes.")
-    sub = p.add_subparsers(dest="command", required=True)
+    from steptimer import __version__
+
+    p = argparse.ArgumentParser(
+        prog="steptimer",
+        description="Where each training step's time goes: read the logs that steptimer wrote.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"steptimer {__version__}")
+
+    def usage(args: argparse.Namespace) -> int:  # a bare `steptimer`: the help, as a usage error
+        p.print_help(sys.stderr)
+        return 2
+
+    p.set_defaults(func=usage)
+    sub = p.add_subparsers(dest="command", metavar="{report,compare,trace,kernels}")
     r = sub.add_parser("report", help="per-phase GPU/host times of steps, shares and a bottleneck verdict")
     r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
     r.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -51,11 +76,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
     r.set_defaults(func=_cmd_report)
-    c = sub.add_parser("compare", help="per-phase change from RUN_A to RUN_B, with a noise note")
-    c.add_argument("run_a")
-    c.add_argument("run_b")
-    c.add_argument("--json", action="store_true")
-    c.add_argument("--skip-steps", type=_nonneg, default=0, metavar="N")
+    c = sub.add_parser(
+        "compare",
+        help="per-phase change from RUN_A to RUN_B, with a noise note",
+        description="Per phase, the median ms per step in RUN_A and RUN_B (GPU where both have it, "
+        "else host), the change, and whether it is within the runs' own spread.",
+    )
+    c.add_argument("run_a", metavar="RUN_A", help="the baseline run directory (one run)")
+    c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run)")
+    c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    c.add_argument(
+        "--skip-steps",
+        type=_nonneg,
+        default=0,
+        metavar="N",
+        help="leave out the windows that end at or before step N",
+    )
     c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
     c.set_defaults(func=_cmd_compare)
     t = sub.add_parser(
@@ -66,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "-o",
         "--output",
-        default="steptimer-trace.chrome.json",
-        help="where to write the trace (default: %(default)s); '-' for stdout",
+        default=None,
+        help=f"where to write the trace (default: LOGDIR/{TRACE_OUT}); '-' for stdout",
     )
     t.set_defaults(func=_cmd_trace)
     k = sub.add_parser(
@@ -211,8 +247,8 @@ def _memory_table(r: RunReport, m: MemoryReport) -> Any:
 def _one_run(path: str, skip: int, include_warmup: bool) -> RunReport:
     runs = find_runs(path)
     if len(runs) > 1:
-        names = ", ".join(r.name for r in runs[:5])
-        raise LogError(f"{path}: holds {len(runs)} runs ({names}...); compare takes one run directory each")
+        names = ", ".join(r.name for r in runs[:5]) + (", ..." if len(runs) > 5 else "")
+        raise LogError(f"{path}: holds {len(runs)} runs ({names}); compare takes one run directory each")
     rep = analyze(runs[0], skip_steps=skip, include_warmup=include_warmup)
     if not rep.steps:
         raise LogError(nothing_to_report(path, runs, skip, include_warmup))
@@ -283,24 +319,28 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     capture = load_capture(args.logdir)
     trace = to_chrome(capture)
     text = json.dumps(trace)
-    if args.output == "-":
+    output = args.output
+    if output is None:  # beside the capture, in the run directory, not wherever the shell is
+        run_dir = args.logdir if os.path.isdir(args.logdir) else os.path.dirname(args.logdir)
+        output = os.path.join(run_dir, TRACE_OUT)
+    if output == "-":
         print(text)
     else:
         try:
-            with open(args.output, "w") as f:
+            with open(output, "w") as f:
                 f.write(text)
         except OSError as err:
-            raise LogError(f"{args.output}: can't write ({err.strerror or err})") from None
+            raise LogError(f"{output}: can't write ({err.strerror or err})") from None
         meta = trace["metadata"]
         print(
-            f"wrote {args.output}: {meta['steps']} steps, host track"
+            f"wrote {output}\n  {meta['steps']} steps, host track"
             + (", GPU track" if meta["gpu"] else " only (no GPU times in the capture)")
             + (
-                f"; {meta['clamped']} GPU slice starts clamped to their host launch"
+                f"\n  {meta['clamped']} GPU slice starts clamped to their host launch"
                 if meta["clamped"]
                 else ""
             )
-            + "; open it at https://ui.perfetto.dev"
+            + "\n  open it at https://ui.perfetto.dev"
         )
     return 0
 

@@ -9,9 +9,10 @@ Where each phase starts and ends (``docs/lightning.md`` has the full table):
 
 - ``data``: ``on_train_batch_end`` to the next ``on_train_batch_start`` (fetch, batch transfer, other
   callbacks' batch-end work). Validation inside it is paused and reported as ``steptimer/val_ms``.
-- ``forward``: the model's module calls inside ``training_step``: forward pre/post hooks on the
-  LightningModule and its outermost submodules with parameters (or on the ``forward_module`` names).
-- ``loss``: the rest of ``training_step`` after the first forward, up to zero_grad, backward or the
+- ``forward``: from the first model call in ``training_step`` to the end of the last one (code
+  between two calls included): forward pre/post hooks on the LightningModule and its outermost
+  submodules with parameters (or on the ``forward_module`` names).
+- ``loss``: the rest of ``training_step`` after the last model call, up to zero_grad, backward or the
   update. A criterion (no parameters) and metrics are not hooked: their time is ``loss``.
 - ``zero_grad``: ``on_before_zero_grad`` (automatic) or the start of ``opt.zero_grad()`` (manual) to
   the end of the optimizer's ``zero_grad``.
@@ -734,13 +735,19 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._fwd_depth += 1
         if self._fwd_depth == 1:  # the outermost hooked call: self(x) calling self.encoder counts once
             self._saw_forward = True
-            self._switch("forward")
+            frame = self._frames[-1]
+            # `forward` runs from the first model call to the last: the `loss` opened when the last
+            # call returned was code between two calls (encoder, then decoder), so it joins forward.
+            if frame[0] == "loss" and self._timer is not None and self._timer._rejoin("loss", "forward"):
+                frame[0] = "forward"
+            else:
+                self._switch("forward")
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         if not self._in_training_step or self._in_backward or self._fwd_depth == 0:
             return
         self._fwd_depth -= 1
-        if self._fwd_depth == 0:  # several calls (encoder, then decoder) are several `forward` spans
+        if self._fwd_depth == 0:  # maybe the last model call: `loss` until another one joins it back
             # always_call: torch runs this hook from its except block when forward raised; the
             # error then ends `forward` (the summary's out-of-memory note names the phase)
             self._switch("loss", error=sys.exc_info()[1])

@@ -392,6 +392,17 @@ class StepTimer:
             cm = self._phases[name] = self._phase_cls(self._engine, name, self._ranges)
         return cm
 
+    def _rejoin(self, name: str, into: str) -> bool:
+        """``Engine.rejoin_phase`` for the Lightning callback; NVTX/profiler ranges, pushed as things
+        happened, can't be joined: they close ``name`` and open ``into`` again."""
+        if not self.enabled or not self._engine.rejoin_phase(name, into):
+            return False
+        if self._phase_cls is _RangedPhase:
+            r: Ranges = self._ranges  # type: ignore[assignment]  # ranged phases exist only with ranges
+            r.exit()
+            r.enter(into)
+        return True
+
     @contextmanager
     def pause(self) -> Iterator[None]:
         """Context manager for work between steps (evaluation, checkpointing) that is not data wait.

@@ -738,3 +738,60 @@ def test_cli_errors_say_what_is_wrong_and_what_to_pass(tmp_path: Path, clock: Fa
     assert "never reached" in _bad("trace", str(short))
     assert "not a TensorBoard event file" in _bad("report", str(tmp_path / "notes.txt"))
     assert "--include-warmup" in _bad("report", str(warm))
+
+
+# ---------------------------------------------------------------------- the parser (issue 31)
+
+
+def _steptimer(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="80")
+    return subprocess.run([sys.executable, "-m", "steptimer", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=120)  # fmt: skip
+
+
+def test_version_and_bare_command_print_help() -> None:
+    p = _steptimer("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"steptimer {steptimer.__version__}"
+    p = _steptimer()
+    assert p.returncode == 2 and p.stdout == ""
+    for word in ("report", "compare", "trace", "kernels", "examples:", "steptimer report runs/"):
+        assert word in p.stderr, (word, p.stderr)
+    assert "required" not in p.stderr
+    assert max(len(line) for line in p.stderr.splitlines()) <= 80, p.stderr
+
+
+def test_compare_help_describes_every_argument() -> None:
+    p = _steptimer("compare", "--help")
+    assert p.returncode == 0
+    lines = p.stdout.splitlines()
+    for arg in ("RUN_A", "RUN_B", "--json", "--skip-steps N", "--include-warmup"):
+        (line,) = [x for x in lines if x.startswith(f"  {arg} ")]  # argparse's argument rows
+        assert line[len(arg) + 2 :].strip(), f"no description for {arg}: {line!r}"
+
+
+def test_trace_writes_beside_the_run_by_default(tmp_path: Path, clock: FakeClock) -> None:
+    run = tmp_path / "runs" / "exp1"
+    t = StepTimer(log_dir=str(run), cuda=False, warmup_steps=0, print_summary=False, trace_steps=2)
+    for _ in range(3):
+        with t.step(), t.phase("forward"):
+            clock.advance_ms(1.0)
+    t.close()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for target in (run, run / "steptimer-trace.json"):  # the run directory, or the capture itself
+        p = _steptimer("trace", str(target), cwd=elsewhere)
+        assert p.returncode == 0, p.stderr
+        out = run / "steptimer-trace.chrome.json"
+        assert p.stdout.splitlines()[0] == f"wrote {out}"
+        assert json.loads(out.read_text())["metadata"]["steps"] == 2
+        out.unlink()
+        assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize(("n_runs", "listed"), [(3, "1, 2, 3)"), (6, "1, 2, 3, 4, 5, ...)")])
+def test_compare_lists_the_runs_it_found(tmp_path: Path, clock: FakeClock, n_runs: int, listed: str) -> None:
+    for i in range(1, n_runs + 1):
+        fake_run(tmp_path / "x" / str(i), clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=5)
+    p = _steptimer("compare", str(tmp_path / "x"), str(tmp_path / "x" / "1"))
+    assert p.returncode == 1
+    assert f"holds {n_runs} runs ({listed}; compare takes one run directory each" in p.stderr, p.stderr

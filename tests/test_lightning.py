@@ -611,8 +611,9 @@ def make_real(L: Any, kind: str) -> Any:
     return {"self_call": SelfCall, "autoencoder": AutoEncoder, "criterion": Criterion, "gan": GAN}[kind]()
 
 
-FORWARD_CALLS = {  # hooked top-level model calls per step: each is one `forward` span
-    "self_call": 1, "autoencoder": 2, "criterion": 1, "metric": 1, "torchmetrics": 1, "gan": 4,
+FORWARD_CALLS = {  # `forward` spans per step: first model call to last, until another phase starts
+    "self_call": 1, "autoencoder": 1, "criterion": 1, "metric": 1, "torchmetrics": 1,
+    "gan": 2,  # G(z), D(fake) | zero_grad, backward, step | D(x), bce, D(fake.detach())
 }
 
 
@@ -624,12 +625,14 @@ def fit_quietly(L: Any, cb: StepTimerCallback, module: Any, n_batches: int, **kw
     return [str(w.message) for w in caught if "StepTimerCallback" in str(w.message)]
 
 
-def assert_split(cb: StepTimerCallback, forward_calls: int) -> None:
+def assert_split(cb: StepTimerCallback, forward_calls: int, between_s: float = 0.0) -> None:
+    """The model's naps are `forward`, the loss's `loss`, but for ``between_s`` of loss naps that
+    ran between two model calls (forward then holds them)."""
     s = cb.summary
     assert s is not None
     fwd, loss = s["forward"], s["loss"]
-    assert fwd.host.median_ms == pytest.approx(FWD_S * 1e3, abs=SPLIT_TOL_MS), fwd
-    assert loss.host.median_ms == pytest.approx(LOSS_S * 1e3, abs=SPLIT_TOL_MS), loss
+    assert fwd.host.median_ms == pytest.approx((FWD_S + between_s) * 1e3, abs=SPLIT_TOL_MS), fwd
+    assert loss.host.median_ms == pytest.approx((LOSS_S - between_s) * 1e3, abs=SPLIT_TOL_MS), loss
     assert fwd.calls_per_step == forward_calls
 
 
@@ -640,7 +643,50 @@ def test_forward_and_loss_split_with_no_arguments(kind: str, virtual_clock: Fake
 
     cb = StepTimerCallback(warmup_steps=2, print_summary=False)
     assert fit_quietly(pl, cb, make_real(pl, kind), 10) == []
-    assert_split(cb, FORWARD_CALLS[kind])
+    assert_split(cb, FORWARD_CALLS[kind], between_s=LOSS_S / 3 if kind == "gan" else 0.0)
+
+
+BETWEEN_S, AFTER_S = 0.030, 0.015  # real sleeps; distinct, so billing one as the other fails
+PLACE_TOL_MS = 5.0  # a sleep overshoots by a little on a loaded machine; never undershoots
+
+
+@pytest.mark.parametrize("k", [1, 3], ids=["no_accumulation", "accumulate_3"])
+def test_readme_autoencoder_forward_is_first_to_last_model_call(k: int) -> None:
+    """Lightning's README LitAutoEncoder: encoder and decoder called apart from training_step. On
+    the real clock, a sleep between the two calls is `forward` and a sleep after them is `loss`;
+    one entry of each per micro-batch."""
+    import pytorch_lightning as pl
+    import torch.nn.functional as F
+
+    class LitAutoEncoder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+            self.decoder = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x = batch[0]
+            x = x.view(x.size(0), -1)
+            z = self.encoder(x)
+            time.sleep(BETWEEN_S)
+            x_hat = self.decoder(z)
+            time.sleep(AFTER_S)
+            loss = F.mse_loss(x_hat, x)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    cb = StepTimerCallback(warmup_steps=1, print_summary=False)
+    assert fit_quietly(pl, cb, LitAutoEncoder(), 7 * k, accumulate_grad_batches=k) == []
+    s = cb.summary
+    assert s is not None and s.steps == 6
+    for phase, slept_s in (("forward", BETWEEN_S), ("loss", AFTER_S)):
+        row = s[phase]
+        assert row.calls_per_step == k, row
+        per_call_ms = row.host.median_ms / k
+        assert slept_s * 1e3 <= per_call_ms <= slept_s * 1e3 + PLACE_TOL_MS, (phase, per_call_ms)
 
 
 def test_ddp_forward_redirection_is_not_forward(virtual_clock: FakeClock) -> None:
@@ -713,22 +759,26 @@ def test_hooks_only_on_outermost_model_modules_once() -> None:
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             hooks = {n or "self": len(m._forward_pre_hooks) for n, m in self.named_modules()}
             seen.append({n: k for n, k in hooks.items() if k})
-            (x,) = batch
-            out = self.nets["disc"](self.nets["gen"](self.model(self.frozen(x))))
+            (out,) = batch
+            for layer in (self.frozen, self.model, self.nets["gen"], self.nets["disc"]):
+                out = layer(out)
+                with cb.phase("between"):  # ends the `forward` span: each call is an entry of its own
+                    pass
             self.metric(out, out)
             return self.criterion(out, torch.zeros_like(out))
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False)
     module = Many()
     compiled = module.training_step  # stands for Lightning's dynamo-wrapped instance attribute
     module.training_step = compiled
-    cb = StepTimerCallback(warmup_steps=0, print_summary=False)
     assert fit_quietly(pl, cb, module, 3) == []
     expected = dict.fromkeys(["self", "model", "nets.gen", "nets.disc", "frozen"], 1)
     assert seen == [expected] * 3
     assert cb.summary is not None and cb.summary["forward"].calls_per_step == 4  # frozen, model, gen, disc
+    assert cb.summary["loss/between"].calls_per_step == 4
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in module.modules())
     assert vars(module)["training_step"] is compiled
 
@@ -816,7 +866,7 @@ def test_warning_only_when_no_hooked_module_runs(virtual_clock: FakeClock) -> No
 
     cb = StepTimerCallback(warmup_steps=2, print_summary=False, forward_module=["model.backbone", "model.head"])
     assert fit_quietly(pl, cb, ReachesIn(), 10) == []
-    assert_split(cb, 2)
+    assert_split(cb, 1)
 
 
 def test_validation_is_paused_not_data() -> None:
@@ -1232,10 +1282,11 @@ def test_gpu_split_without_self_call_matches_plain_loop(kind: str) -> None:
                 with timer.phase("loss"):
                     g_loss = bce(d_fake, 1.0) + m["criterion"](fake, x)
                 update(g_loss, opt_g)
-                with timer.phase("forward"):
-                    d_real, d_fake = m["discriminator"](x), m["discriminator"](fake.detach())
+                with timer.phase("forward"):  # first model call to last: the first bce is between
+                    d_real = bce(m["discriminator"](x), 1.0)
+                    d_fake = m["discriminator"](fake.detach())
                 with timer.phase("loss"):
-                    d_loss = (bce(d_real, 1.0) + bce(d_fake, 0.0)) / 2
+                    d_loss = (d_real + bce(d_fake, 0.0)) / 2
                 update(d_loss, opt_d)
     plain = timer.close()
     del m

@@ -529,3 +529,37 @@ def test_instrument_reads_memory_per_phase(clock: FakeClock, gpu: FakeGPU, mem: 
     assert m is not None and m.steps == 2
     assert m.peak_bytes["forward"] == m.peak_bytes["step"] == 5 << 20
     assert s.memory is not None and s.memory.peak_bytes["forward"] == 5 << 20
+
+
+def test_a_rejoined_phase_spans_both_parts_with_their_peak(clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator) -> None:
+    """``Engine.rejoin_phase`` (Lightning's `forward`, first model call to last): the `loss` entered
+    at forward's exit is taken back; forward's one entry spans both parts on the host and the GPU,
+    and its peak is the larger part's. Not after a phase ended inside `loss`."""
+    t, sink = make(gpu, mem, log_every_n_steps=1)
+    forward, loss = t.phase("forward"), t.phase("loss")
+    with t.step():
+        forward.__enter__()
+        mem.alloc(300 * KIB)
+        gpu.launch(2.0)
+        clock.advance_ms(1.0)
+        mem.free(300 * KIB)
+        forward.__exit__(None, None, None)
+        loss.__enter__()
+        mem.alloc(100 * KIB)  # between two model calls
+        gpu.launch(3.0)
+        clock.advance_ms(1.0)
+        assert t._rejoin("loss", "forward")
+        gpu.launch(4.0)
+        clock.advance_ms(1.0)
+        forward.__exit__(None, None, None)
+        with loss:
+            with t.phase("metric"):
+                clock.advance_ms(0.5)
+            assert not t._rejoin("loss", "forward")
+    s = t.close()
+    assert s["forward"].calls_per_step == 1 and s["loss"].calls_per_step == 1
+    assert s["forward"].host.median_ms == pytest.approx(3.0)
+    assert s["forward"].gpu is not None and s["forward"].gpu.median_ms == pytest.approx(9.0)
+    assert s["loss"].host.median_ms == pytest.approx(0.5) and "loss/metric" in s
+    m = sink.windows[0].memory
+    assert m is not None and m.peak_bytes["forward"] == 300 * KIB and m.alloc_bytes["forward"] == 100 * KIB
