@@ -95,9 +95,9 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     if not cuda:
         return _host_verdict(by, phases)
     idle_row, data_row = by.get("idle"), by.get("data")
-    idle = idle_row.share or 0.0 if idle_row is not None else 0.0
+    idle = (idle_row.share or 0.0) if idle_row is not None else 0.0
     # A `data` phase in which the GPU caught up with the host: the GPU waited for the batch.
-    data_wait = data_row.share or 0.0 if data_row is not None and data_row.launch_bound else 0.0
+    data_wait = (data_row.share or 0.0) if data_row is not None and data_row.launch_bound else 0.0
     stall = idle + data_wait
     launch = [r for r in phases if r.launch_bound]
     launch_share = sum(r.share or 0.0 for r in launch)
@@ -117,9 +117,9 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
         if between is not None and between.host is not None
         else None
     )
+    launch_list = ", ".join(f"{r.name} ({_pct(r.share or 0.0)})" for r in launch)
     said_launch = (
-        "the GPU caught up with the host (waited for launches) in "
-        + ", ".join(f"{r.name} ({_pct(r.share or 0.0)})" for r in launch)
+        f"the GPU caught up with the host (waited for launches) in {launch_list}"
         if launch
         else "the GPU caught up with the host inside no phase: it always had queued work"
     )
@@ -143,14 +143,14 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     if launch_share >= BUSY_SHARE:
         reasons.append(
             f"launch-bound phases hold {_pct(launch_share)} of the GPU's timeline (launch-bound from "
-            f"{_pct(LAUNCH_SHARE)}): {said_launch.split(' in ', 1)[1]}"
+            f"{_pct(LAUNCH_SHARE)}): {launch_list}"
         )
     return Verdict("mixed", _facts(reasons[0], [*reasons[1:], said_idle, said_lead if lead else None]))
 
 
 def _host_verdict(by: Mapping[str, Row], phases: Sequence[Row]) -> Verdict:
     data = by.get("data")
-    between = data.share or 0.0 if data is not None else 0.0
+    between = (data.share or 0.0) if data is not None else 0.0
     said_between = f"the host spent {_pct(between)} of wall time between steps" + (
         f" (the data row, median {_ms(data.host.median_ms)}: your loader, logging, the framework's loop, "
         "anything outside a step)"

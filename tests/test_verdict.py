@@ -191,3 +191,30 @@ def test_compare_ignores_a_drift_smaller_than_the_minimum_change(tmp_path: Path,
     d = _deltas(tmp_path, clock, {}, {"scale": {n: 1.005 for n in GPT}})
     assert d["backward"].delta_frac == pytest.approx(0.005, abs=0.002) and MIN_CHANGE > 0.005
     assert not any(x.changed for x in d.values()), d
+
+
+def test_mixed_names_the_launch_bound_phases_when_they_hold_a_part(tmp_path: Path, clock: FakeClock) -> None:
+    """Each step starts on a drained GPU (loss.item() before it) with a phase that takes the host 10 ms
+    to launch 1 ms of GPU work: the GPU waits for launches there, 10 of the step's ~50 ms; forward and
+    backward then keep it busy."""
+    phases = {"zero_grad": (10.0, 1.0), "forward": (1.0, 20.0), "backward": (1.0, 20.0)}
+    s = run(tmp_path, clock, phases, sync_every=1)
+    assert s["zero_grad"].launch_bound and not s["forward"].launch_bound
+    assert s["zero_grad"].share == pytest.approx(10.0 / 50.1, abs=0.01)
+    assert s.verdict.kind == "mixed", s.verdict
+    assert s.verdict.evidence[0].startswith("launch-bound phases hold 20.0% of the GPU's timeline"), s.verdict
+    assert s.verdict.evidence[0].endswith("zero_grad (20.0%)")
+
+
+def test_tensorboard_shares_are_the_summary_shares(tmp_path: Path, clock: FakeClock) -> None:
+    """Every window after warm-up writes steptimer/share/<row>_pct; with identical steps each equals
+    the summary's share (percent)."""
+    from tests.tb import scalars
+
+    s = run(tmp_path, clock, GPT, sync_every=1)
+    tags = scalars(tmp_path)
+    for row in s.rows:
+        if row.share is None:
+            continue
+        pts = [v for step, v in tags[f"steptimer/share/{row.name}_pct"] if step > 10]
+        assert pts and all(v == pytest.approx(100 * row.share, abs=1e-3) for v in pts), row.name
