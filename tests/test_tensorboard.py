@@ -94,8 +94,8 @@ def test_histograms_recover_per_step_values(tmp_path: Path, clock: FakeClock) ->
     t = StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=4, warmup_steps=0, print_summary=False)
     run(t, clock, None, 8)
     t.close()
-    acc = accumulator(tmp_path / "steptimer" / "forward")  # the phase's run
-    hists = acc.Histograms("steptimer-hist/host_ms")
+    acc = accumulator(tmp_path)  # the log dir's own run, each histogram titled by its row
+    hists = acc.Histograms("steptimer-hist/host/forward_ms")
     assert [h.step for h in hists] == [4, 8]
     counts: dict[int, int] = {}
     for h in hists:
@@ -112,9 +112,11 @@ def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, c
     run(t, clock, gpu, 4)
     t.close()
     runs = phase_runs(tmp_path)
-    assert set(runs) == {"step", "data", "forward", "backward", "other", "wait", "idle"}
+    assert set(runs) == {"data", "forward", "backward", "other", "wait", "idle"}  # step: in the log dir's run
     assert run_scalars(runs["forward"])["steptimer/gpu_ms"] == [(2, pytest.approx(5.0)), (4, pytest.approx(5.0))]
-    assert not [tag for tag in run_scalars(tmp_path) if "forward" in tag]  # only whole-window tags there
+    own = run_scalars(tmp_path)
+    assert not [tag for tag in own if "forward" in tag]  # only whole-window tags and step's there
+    assert {"steptimer/gpu/step_ms", "steptimer/host/step_ms", "steptimer-tails/gpu/step_p90_ms"} <= set(own)
     tags = {tag for d in [tmp_path, *runs.values()] for tag in run_scalars(d)}
     regexes = layout_regexes(tmp_path)
     for rx in regexes:
@@ -170,7 +172,7 @@ def test_given_writer_is_not_closed_and_user_layout_kept(tmp_path: Path, clock: 
     layout.ParseFromString(event.tensor_proto.string_val[0])
     assert [c.title for c in layout.category] == ["mine"]  # the user's layout, untouched
     assert "loss" in scalars(tmp_path / "exp")
-    assert layout_regexes(tmp_path / "exp" / "steptimer" / "step")  # ours sits in the step run
+    assert layout_regexes(tmp_path / "exp" / "steptimer" / "data")  # ours sits in the first row's run
 
 
 class _Server:
@@ -324,15 +326,18 @@ def _windows(clock: FakeClock) -> list[Window]:
 
 
 def test_histogram_only_summary_and_huge_values(clock: FakeClock) -> None:
-    """The Lightning path writes histograms only (scalars go through log_metrics); a value past float32
+    """The Lightning path writes histograms only (scalars go through log_metrics), each titled by its row;
+    a value past float32
     range is written as TensorBoard's float field holds it (inf), not dropped."""
     windows = _windows(clock)
     assert len(windows) == 8 and all(w.hists for w in windows)
     for w in windows:
         full, hist_only = window_summaries(w), window_summaries(w, scalars=False)
-        assert None not in hist_only  # the whole-window run has no histogram
-        assert {k: [v.tag for v in s.value] for k, s in hist_only.items()} == {
-            k: [v.tag for v in s.value if v.HasField("histo")] for k, s in full.items() if k is not None}
+        assert list(hist_only) == [None]  # every histogram in the log dir's own run, its row in its tag
+        tags = [v.tag for v in hist_only[None].value]
+        assert tags == [v.tag for v in full[None].value if v.HasField("histo")]
+        assert {t for t in tags} == {f"steptimer-hist/{c}/{n}_ms" for c, n in w.hists}
+        assert not [v for k, s in full.items() if k is not None for v in s.value if v.HasField("histo")]
     big = next(v for v in window_summaries(windows[-1])[None].value if v.tag == "x/big")
     assert big.simple_value == float("inf")
 
@@ -345,12 +350,12 @@ def test_event_file_is_read_back_by_tensorboard(tmp_path: Path, clock: FakeClock
     before = time.time()
     windows = _windows(clock)
     for w in windows:
-        f.write(window_summaries(w)["step"], w.step)
+        f.write(window_summaries(w)["forward"], w.step)
     events = list(EventFileLoader(f.path).Load())  # checks every record's CRCs
     assert events[0].file_version == "brain.Event:2"
     assert [e.step for e in events[1:]] == [w.step for w in windows]
     assert all(before <= e.wall_time <= time.time() for e in events[1:])
-    assert [len(e.summary.value) for e in events[1:]] == [len(window_summaries(w)["step"].value) for w in windows]
+    assert [len(e.summary.value) for e in events[1:]] == [len(window_summaries(w)["forward"].value) for w in windows]
     assert Path(f.path).name.startswith("events.out.tfevents.")
 
 
@@ -364,7 +369,7 @@ def test_layout_has_the_rank_charts_under_ddp(tmp_path: Path, clock: FakeClock, 
     sink = TensorBoardSink(log_dir=tmp_path / "exp" if own else None, writer=writer)
     sink.write_window(window)
     sink.close(None)  # type: ignore[arg-type]
-    regexes = layout_regexes(tmp_path / "exp" if own else tmp_path / "exp" / "steptimer" / "step")
+    regexes = layout_regexes(tmp_path / "exp" if own else tmp_path / "exp" / "steptimer" / "data")
     assert set(RANK_CHARTS.values()) <= set(regexes)
 
 
