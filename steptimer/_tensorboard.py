@@ -6,15 +6,17 @@ Tag grammar (one rule, documented in docs/tensorboard.md)::
     <group>/<measure>                   a value of the whole window
 
 ``<group>`` is the chart group of TensorBoard's Scalars and Time Series tabs (the tag up to its
-first ``/``; groups are shown in alphabetical order, so ``steptimer`` comes first):
+first ``/``; groups are shown in alphabetical order, so ``steptimer`` comes first, and Time Series
+opens only the first two):
 
     steptimer/<clock>/<name>_ms                  window mean, clock in {host, gpu}
+    steptimer/<clock>/<name>_pct                 the row's part of the window's wall time, %: of the
+                                                 GPU's timeline with CUDA timing (clock ``gpu``:
+                                                 phases, other, idle), else of the host's (``host``:
+                                                 data, phases, other, wait; steptimer/_verdict.py)
     steptimer/steps_per_s, steptimer/samples_per_s, steptimer/tokens_per_s
     steptimer/tflops_per_s                       the window's step(flops=) over its wall time, TFLOP/s
     steptimer/mfu                                tflops_per_s over the peak (a fraction, 0-1)
-    steptimer/share/<name>_pct                   the row's part of the window's wall time, %: of the
-                                                 GPU's timeline with CUDA timing (phases, other, idle),
-                                                 else of the host's (steptimer/_verdict.py)
     steptimer/mem/<name>_peak_mib                CUDA memory (rules in steptimer/_memory.py): max over
                                                  the window's timed steps of the peak allocated inside
                                                  the phase (``step``: the step)
@@ -32,12 +34,15 @@ first ``/``; groups are shown in alphabetical order, so ``steptimer`` comes firs
 ``other``, ``wait`` (host), ``step``, ``other``, ``idle`` (GPU). ``<family>`` is one word without
 ``_`` (``host``, ``gpu``), so ``<group>/<family>_<measure>`` reads back unambiguously.
 
-On disk (TensorBoard colours lines by run, never by tag): every ``<name>`` gets a run of its own,
-``<dir>/steptimer/<name>``, holding its tags without the name (:func:`split_tag`):
+On disk (TensorBoard colours lines by run, never by tag): every row but ``step`` gets a run of its
+own, ``<dir>/steptimer/<name>``, holding its scalars without the name (:func:`split_tag`):
 ``steptimer/host/forward_ms`` is ``steptimer/host_ms`` in run ``steptimer/forward``, so the chart
-``steptimer/host_ms`` draws one colour per phase and the run list names them, as
-``SummaryWriter.add_scalars`` does. Whole-window tags stay in ``<dir>``'s own run. Loggers that are
-not TensorBoard (Lightning's CSV, W&B, ...) get the tags above as they are.
+``steptimer/host_ms`` draws one colour per row and the run list names them, as
+``SummaryWriter.add_scalars`` does. ``step`` is the total of those rows, not one of them: its tags
+stay whole in ``<dir>``'s own run (charts of their own, ``steptimer/host/step_ms``), with the
+whole-window tags and every histogram (one run per card anyway, and whole tags give each card its
+row's name as title). Loggers that are not TensorBoard (Lightning's CSV, W&B, ...) get the tags
+above as they are.
 """
 
 from __future__ import annotations
@@ -65,24 +70,34 @@ MAIN = "steptimer"  # the first group: window means per phase and throughput
 WARMUP_TAG = "steptimer-run/warmup_steps"
 
 # Custom Scalars charts, by title: a regex over the tags as the runs hold them (a phase's tags without
-# its name). One unit per chart. A written tag that no regex matches gets a chart of its own.
+# its name; ``step``'s whole, in the log dir's own run). One unit per chart, in this order: where the
+# step goes (its rows' shares and times), the step's total, throughput; then the other groups. A
+# written tag that no regex matches gets a chart of its own.
 CHARTS = {
-    "Host ms per phase": r"^steptimer/host_ms$",
-    "GPU ms per phase": r"^steptimer/gpu_ms$",
-    "Share of wall time per row, %": r"^steptimer/share_pct$",
+    "Share of the GPU's timeline per row, %": r"^steptimer/gpu_pct$",
+    "Share of wall time per row (host clock), %": r"^steptimer/host_pct$",
+    "GPU ms per row": r"^steptimer/gpu_ms$",
+    "Host ms per row": r"^steptimer/host_ms$",
+    "GPU step ms": r"^steptimer/gpu/step_ms$",
+    "Host step ms": r"^steptimer/host/step_ms$",
     "Steps per second": r"^steptimer/steps_per_s$",
     "Samples per second": r"^steptimer/samples_per_s$",
     "Tokens per second": r"^steptimer/tokens_per_s$",
     "TFLOP/s": r"^steptimer/tflops_per_s$",
     "MFU (fraction of peak)": r"^steptimer/mfu$",
-    "Host p90 ms per phase": r"^steptimer-tails/host_p90_ms$",
-    "GPU p90 ms per phase": r"^steptimer-tails/gpu_p90_ms$",
-    "Host max ms per phase": r"^steptimer-tails/host_max_ms$",
-    "GPU max ms per phase": r"^steptimer-tails/gpu_max_ms$",
-    "Steps in which the GPU caught up, per phase": r"^steptimer-caught-up/gpu_frac$",
     "CUDA peak allocated MiB per phase": r"^steptimer/mem_peak_mib$",
+    "CUDA peak allocated MiB per step": r"^steptimer/mem/step_peak_mib$",
     "CUDA allocated MiB at phase exit": r"^steptimer/mem_alloc_mib$",
     "CUDA reserved MiB": r"^steptimer/mem/reserved_mib$",
+    "Host p90 ms per row": r"^steptimer-tails/host_p90_ms$",
+    "GPU p90 ms per row": r"^steptimer-tails/gpu_p90_ms$",
+    "Host max ms per row": r"^steptimer-tails/host_max_ms$",
+    "GPU max ms per row": r"^steptimer-tails/gpu_max_ms$",
+    "Host step p90 ms": r"^steptimer-tails/host/step_p90_ms$",
+    "GPU step p90 ms": r"^steptimer-tails/gpu/step_p90_ms$",
+    "Host step max ms": r"^steptimer-tails/host/step_max_ms$",
+    "GPU step max ms": r"^steptimer-tails/gpu/step_max_ms$",
+    "Steps in which the GPU caught up, per phase": r"^steptimer-caught-up/gpu_frac$",
 }
 _UNCHARTED = ("steptimer-run",)  # groups left out of the Custom Scalars layout
 
@@ -129,7 +144,7 @@ def window_scalars(window: Window) -> dict[str, float]:
     for name, frac in window.caught.items():
         out[f"steptimer-caught-up/gpu/{name}_frac"] = frac
     for name, share in window.shares.items():
-        out[f"steptimer/share/{name}_pct"] = 100.0 * share
+        out[f"steptimer/{window.share_clock}/{name}_pct"] = 100.0 * share
     out["steptimer/steps_per_s"] = window.steps_per_s
     if window.samples_per_s is not None:
         out["steptimer/samples_per_s"] = window.samples_per_s
@@ -152,20 +167,27 @@ def window_scalars(window: Window) -> dict[str, float]:
     return out
 
 
+STEP = "step"  # the total of the rows: never a run of its own, never drawn with its parts
+
+
 def run_names(window: Window) -> list[str]:
-    """The window's phases and derived rows in the order their runs are created, which is the order
-    TensorBoard hands out colours (runs sorted by their first event's time; 7 colours, then they
-    repeat): ``step`` first, then the summary table's rows. The log dir's own run is older and takes
-    the first colour, which no per-phase chart uses; with more than 7 rows the 8th shares ``step``'s,
-    and ``step`` is the top line."""
+    """The window's rows that get a run, in the order their runs are created, which is the order
+    TensorBoard hands out colours: the table's rows in timeline order, ``idle`` (the GPU's, before
+    the step) first and ``wait`` (the host's, at its end) last, ``step`` left out.
+
+    TensorBoard colours the n-th run of ``/data/runs`` (sorted by first event) with colour n mod 7
+    of a 7-colour palette, and the log dir's own run, created at construction, is the first. It
+    holds ``step`` and the throughput, charted apart, so the rows take colours 1, 2, ... and
+    neighbouring rows take neighbouring palette entries, which are far apart. With 8 rows (5 phases
+    under CUDA) ``idle`` and ``wait`` share a colour: they are never in one chart (GPU, host)."""
     names = dict.fromkeys([*window.host, *window.gpu])
-    rows = row_order(list(names), names)
-    return [n for n in ("step",) if n in names] + [n for n in rows if n != "step"]
+    rows = [n for n in row_order(list(names), names) if n not in (STEP, "idle", "wait")]
+    return [n for n in ("idle",) if n in names] + rows + [n for n in ("wait",) if n in names]
 
 
 def window_summaries(window: Window, *, scalars: bool = True, histograms: bool = True) -> dict[str | None, Any]:
     """A window as TensorBoard ``Summary`` protos, by run: ``None`` for the log dir's own run, else the
-    phase or derived row whose run holds them (:func:`split_tag`)."""
+    row whose run holds them (:func:`split_tag`). Histograms go to the log dir's own run, whole."""
     from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
 
     names = run_names(window)
@@ -175,8 +197,9 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
             name, run_tag = split_tag(tag, out)
             out[name].value.add(tag=run_tag, simple_value=v)
     if histograms:
+        main = out[None]
         for clock, name, limits, counts, stats in _histograms(window):
-            hp = out.setdefault(name, SummaryProto()).value.add(tag=f"steptimer-hist/{clock}_ms").histo
+            hp = main.value.add(tag=f"steptimer-hist/{clock}/{name}_ms").histo
             hp.min, hp.max, hp.num, hp.sum, hp.sum_squares = stats
             hp.bucket_limit.extend(limits)
             hp.bucket.extend(counts)
@@ -289,7 +312,7 @@ class TensorBoardSink:
 
     The log dir's own run is an :class:`EventFile` in ``log_dir``, or a user's ``writer`` (a
     ``SummaryWriter``, never closed here; its layout, if any, stays: TensorBoard merges the layouts
-    of all runs, and ours goes to the ``step`` run). Cost per window: one appended event per run
+    of all runs, and ours goes to the first row's run). Cost per window: one appended event per run
     (~10 runs for a loop of 5 phases; docs/benchmarks.md has the measured total).
 
     A write that fails after construction (a full disk, a file-size limit, too many open files, a

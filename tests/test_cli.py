@@ -143,16 +143,40 @@ def _old_layout(window: Any) -> Any:
         for rx, to in renames:
             tag = re.sub(rx, to, tag)
         old.value.add(tag=tag, simple_value=v)
-    for name, summary in window_summaries(window, scalars=False).items():
-        for value in summary.value:  # steptimer-hist/<clock>_ms in the phase's run
-            clock = value.tag.split("/")[1][: -len("_ms")]
-            old.value.add(tag=f"steptimer/hist_{clock}/{name}_ms").histo.CopyFrom(value.histo)
+    for value in window_summaries(window, scalars=False)[None].value:  # steptimer-hist/<clock>/<name>_ms
+        old.value.add(tag=re.sub(r"^steptimer-hist/(host|gpu)/", r"steptimer/hist_\1/", value.tag)).histo.CopyFrom(
+            value.histo
+        )
     return old
 
 
+def _row_runs_layout(window: Any) -> dict[str | None, Any]:
+    """A window as steptimer wrote it with a run for every row, ``step`` included, and each histogram
+    in its row's run as ``steptimer-hist/<clock>_ms``: by run (``None``: the log dir's own)."""
+    import re
+
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from steptimer._tensorboard import split_tag, window_summaries
+
+    out: dict[str | None, Any] = {}
+    for name, summary in window_summaries(window).items():
+        for value in summary.value:
+            row, tag = name, value.tag
+            hist = re.match(r"^steptimer-hist/(host|gpu)/(.+)_ms$", tag)
+            if hist:
+                row, tag = hist[2], f"steptimer-hist/{hist[1]}_ms"
+            elif name is None:
+                row, tag = split_tag(tag, {"step"})
+            out.setdefault(row, Summary()).value.add().CopyFrom(value)
+            out[row].value[-1].tag = tag
+    return out
+
+
 def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock) -> None:
-    """Logs written before per-phase runs (one run, every tag flat) still read: the report of the
-    same windows in both layouts is the same, verdicts, tails and launch-bound marks included."""
+    """Logs written before per-phase runs (one run, every tag flat), and with a run for every row
+    (``step`` included, histograms in the rows' runs), still read: the report of the same windows in
+    the three layouts is the same, verdicts, tails and launch-bound marks included."""
     from steptimer._tensorboard import EventFile, TensorBoardSink
     from tests.fakes import ListSink
 
@@ -171,22 +195,29 @@ def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock
     t.close()
     new = TensorBoardSink(log_dir=tmp_path / "new")
     old = EventFile(str(tmp_path / "old"))
+    rows: dict[str | None, EventFile] = {None: EventFile(str(tmp_path / "rows"), run_id="1.rows")}
     for w in keep.windows:
         new.write_window(w)
         old.write(_old_layout(w), w.step)
+        for row, summary in _row_runs_layout(w).items():
+            if row not in rows:
+                rows[row] = EventFile(str(tmp_path / "rows" / "steptimer" / row), run_id="1.rows", suffix=".steptimer")
+            rows[row].write(summary, w.step)
     new.close()
+    assert "step" in rows and "steptimer-hist/host_ms" in [v.tag for v in _row_runs_layout(w)["forward"].value]
     assert sorted(p.name for p in (tmp_path / "new" / "steptimer").iterdir())[:3] == ["backward", "data", "forward"]
     assert not (tmp_path / "old" / "steptimer").exists()
 
     runs = {r["name"]: r for r in report_json(tmp_path)["runs"]}
-    assert set(runs) == {"new", "old"}
-    a, b = runs["new"], runs["old"]
+    assert set(runs) == {"new", "old", "rows"}
+    a = runs["new"]
     assert a["steps"] == 20 and a["quantiles_of"] == "steps" and a["cuda"] is True
     assert [r["name"] for r in a["rows"]] == ["data", "forward", "zero_grad", "backward", "other", "wait", "step", "idle"]
-    for key in set(a) - {"name", "path"}:
-        assert a[key] == b[key], key
-    texts = [cli("report", str(tmp_path / d)).stdout for d in ("new", "old")]
-    assert texts[0].replace("new", "old") == texts[1]
+    for b in (runs["old"], runs["rows"]):
+        for key in set(a) - {"name", "path"}:
+            assert a[key] == b[key], (b["name"], key)
+    texts = [cli("report", str(tmp_path / d)).stdout for d in ("new", "old", "rows")]
+    assert texts[0].replace("new", "old") == texts[1] and texts[0].replace("new", "rows") == texts[2]
 
 
 def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from steptimer import StepTimer
 from steptimer._dist import scalars_of
 from steptimer._histogram import bucket_index, grid_index
 from steptimer._summary import RankSpread
-from steptimer._tensorboard import EventFile, TensorBoardSink, join_tag, split_tag, window_summaries
+from steptimer._tensorboard import EventFile, TensorBoardSink, join_tag, run_names, split_tag, window_summaries
 from steptimer._window import Window
 from tests.fakes import FakeClock, FakeGPU, ListSink
 from tests.tb import accumulator, layout_regexes, phase_runs, run_scalars, scalars
@@ -94,8 +94,8 @@ def test_histograms_recover_per_step_values(tmp_path: Path, clock: FakeClock) ->
     t = StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=4, warmup_steps=0, print_summary=False)
     run(t, clock, None, 8)
     t.close()
-    acc = accumulator(tmp_path / "steptimer" / "forward")  # the phase's run
-    hists = acc.Histograms("steptimer-hist/host_ms")
+    acc = accumulator(tmp_path)  # the log dir's own run, each histogram titled by its row
+    hists = acc.Histograms("steptimer-hist/host/forward_ms")
     assert [h.step for h in hists] == [4, 8]
     counts: dict[int, int] = {}
     for h in hists:
@@ -112,14 +112,41 @@ def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, c
     run(t, clock, gpu, 4)
     t.close()
     runs = phase_runs(tmp_path)
-    assert set(runs) == {"step", "data", "forward", "backward", "other", "wait", "idle"}
+    assert set(runs) == {"data", "forward", "backward", "other", "wait", "idle"}  # step: in the log dir's run
     assert run_scalars(runs["forward"])["steptimer/gpu_ms"] == [(2, pytest.approx(5.0)), (4, pytest.approx(5.0))]
-    assert not [tag for tag in run_scalars(tmp_path) if "forward" in tag]  # only whole-window tags there
+    own = run_scalars(tmp_path)
+    assert not [tag for tag in own if "forward" in tag]  # only whole-window tags and step's there
+    assert {"steptimer/gpu/step_ms", "steptimer/host/step_ms", "steptimer-tails/gpu/step_p90_ms"} <= set(own)
     tags = {tag for d in [tmp_path, *runs.values()] for tag in run_scalars(d)}
     regexes = layout_regexes(tmp_path)
     for rx in regexes:
         assert any(re.search(rx, tag) for tag in tags), rx
     assert r"^steptimer/gpu_ms$" in regexes and r"^steptimer/samples_per_s$" in regexes
+
+
+def test_rows_charted_together_get_distinct_colours(clock: FakeClock) -> None:
+    """TensorBoard colours the n-th run of /data/runs with colour n mod 7 (both of its palettes have
+    7); the log dir's own run, holding step and the throughput, is the 0th. With 5 phases under CUDA
+    (8 rows) every row of the host chart and of the GPU chart still gets a colour of its own: idle
+    first and wait last share one, and are never charted together."""
+    gpu = FakeGPU(clock)
+    sink = ListSink()
+    t = StepTimer(_backend=gpu.backend(), log_every_n_steps=4, warmup_steps=0, print_summary=False, _sinks=[sink])
+    for _ in range(4):
+        clock.advance_ms(1.0)
+        with t.step():
+            for name in ("data", "forward", "loss", "backward", "optimizer"):
+                with t.phase(name):
+                    gpu.launch(1.0)
+                    clock.advance_ms(1.0)
+    t.close()
+    (w,) = sink.windows
+    names = run_names(w)
+    assert names == ["idle", "data", "forward", "loss", "backward", "optimizer", "other", "wait"]
+    colour = {n: (i + 1) % 7 for i, n in enumerate(names)}  # after the log dir's own run
+    for chart in ([n for n in w.host if n != "step"], [n for n in w.gpu if n != "step"], list(w.shares)):
+        assert len({colour[n] for n in chart}) == len(chart), chart
+    assert set(window_summaries(w)) == {None, *names}  # no run for step
 
 
 def test_split_tag_is_undone_by_join_tag() -> None:
@@ -170,7 +197,7 @@ def test_given_writer_is_not_closed_and_user_layout_kept(tmp_path: Path, clock: 
     layout.ParseFromString(event.tensor_proto.string_val[0])
     assert [c.title for c in layout.category] == ["mine"]  # the user's layout, untouched
     assert "loss" in scalars(tmp_path / "exp")
-    assert layout_regexes(tmp_path / "exp" / "steptimer" / "step")  # ours sits in the step run
+    assert layout_regexes(tmp_path / "exp" / "steptimer" / "data")  # ours sits in the first row's run
 
 
 class _Server:
@@ -226,9 +253,10 @@ class _Server:
 
 
 def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock) -> None:
-    """What a user's browser gets from TensorBoard's HTTP API: a run per phase, so the per-phase charts
-    draw a colour per phase (TensorBoard colours by run, in /data/runs order); one unit per chart;
-    the means as the first group; a user's own layout kept beside ours."""
+    """What a user's browser gets from TensorBoard's HTTP API. The first group answers "where does my
+    step go": each row's share of wall time and its ms (a run per row, so a colour per row; TensorBoard
+    colours the n-th run of /data/runs), the step's total apart from its parts, the throughput. One
+    unit per chart; tails, histograms and the rest in later groups; a user's own layout kept."""
     logs = tmp_path / "logs"
     gpu = FakeGPU(clock)
     t = StepTimer._make(log_dir=logs / "plain", backend=gpu.backend(), log_every_n_steps=2, warmup_steps=0,
@@ -242,18 +270,18 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
     run(t, clock, None, 4)
     t.close()
     writer.close()
-    phases = ["step", "data", "forward", "backward", "other", "wait", "idle"]  # run_names' order
+    rows = ["idle", "data", "forward", "backward", "other", "wait"]  # run_names: timeline order, no step
 
     with _Server(logs) as tb:
-        tb.until(lambda: len(tb.get("/data/runs")) == 2 + len(phases) + 5  # the user's: no GPU: no wait, no idle
+        tb.until(lambda: len(tb.get("/data/runs")) == 2 + len(rows) + 4  # the user's: no GPU: no wait, no idle
                  and len(tb.get("/data/plugin/custom_scalars/layout").get("category", [])) == 4)  # fmt: skip
         runs = tb.get("/data/runs")
         tags = tb.get("/data/plugin/scalars/tags")
         layout = tb.get("/data/plugin/custom_scalars/layout")
 
-        # Colours follow /data/runs: the log dir's own run first, then its phases, step first.
-        plain = [r for r in runs if r.startswith("plain")]
-        assert plain == ["plain"] + [f"plain/steptimer/{p}" for p in phases]
+        # Colours follow /data/runs: the log dir's own run (step, throughput) first, then its rows.
+        assert [r for r in runs if r.startswith("plain")] == ["plain"] + [f"plain/steptimer/{p}" for p in rows]
+        assert [r for r in runs if r.startswith("user")] == ["user"] + [f"user/steptimer/{p}" for p in rows[1:-1]]
 
         def series(rx: str) -> dict[str, list[float]]:
             """What a Custom Scalars chart with regex ``rx`` draws: values by run (one line each)."""
@@ -266,19 +294,34 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
             return out
 
         titles = [c["title"] for c in layout["category"]]
-        assert titles[0] == "steptimer" and "mine" in titles
-        charts = {c["title"]: c["multiline"]["tag"] for c in layout["category"][titles.index("steptimer")]["chart"]}
-        assert list(charts)[:2] == ["Host ms per phase", "GPU ms per phase"]
-        host = series(charts["Host ms per phase"][0])
+        assert titles == ["steptimer", "steptimer-caught-up", "steptimer-tails", "mine"]
+        charts = {c["title"]: c["multiline"]["tag"] for c in layout["category"][0]["chart"]}
+        assert list(charts) == [
+            "Share of the GPU's timeline per row, %", "GPU ms per row", "Host ms per row", "GPU step ms",
+            "Host step ms", "Steps per second", "Samples per second", "Tokens per second",
+            "Share of wall time per row (host clock), %",  # the user's run, without CUDA, merged after
+        ]  # fmt: skip
+        # The parts: a line per row, never the step's total (it would squeeze them to the bottom).
+        share = series(charts["Share of the GPU's timeline per row, %"][0])
+        assert set(share) == {f"plain/steptimer/{p}" for p in ("idle", "forward", "backward", "other")}
+        assert [sum(v) for v in zip(*share.values())] == pytest.approx([100.0, 100.0])  # parts of 100 %
+        host_share = series(charts["Share of wall time per row (host clock), %"][0])
+        assert set(host_share) == {f"user/steptimer/{p}" for p in ("data", "forward", "backward", "other")}
+        host = series(charts["Host ms per row"][0])
         assert host["plain/steptimer/forward"] == pytest.approx([1.5, 1.5])
         assert host["plain/steptimer/backward"] == pytest.approx([3.0, 3.0])
         assert host["user/steptimer/forward"] == pytest.approx([1.5, 1.5])
-        assert {r for r in host if r.startswith("plain/")} == {f"plain/steptimer/{p}" for p in phases if p != "idle"}
-        gpu_ms = series(charts["GPU ms per phase"][0])
+        assert {r for r in host if r.startswith("plain")} == {f"plain/steptimer/{p}" for p in rows if p != "idle"}
+        gpu_ms = series(charts["GPU ms per row"][0])
         assert gpu_ms["plain/steptimer/backward"] == pytest.approx([9.0, 9.0])
-        assert not [r for r in gpu_ms if r.startswith("user")]  # no GPU there
-        # One unit per chart: each throughput chart draws one tag, from the log dirs' own runs.
+        assert set(gpu_ms) == {f"plain/steptimer/{p}" for p in ("idle", "forward", "backward", "other")}
+        # The total and the throughput: a chart each, one line per log dir, in the log dir's own run.
         written = scalars(logs / "plain")
+        for title, clock in (("Host step ms", "host"), ("GPU step ms", "gpu")):
+            got = series(charts[title][0])
+            assert set(got) == ({"plain", "user"} if clock == "host" else {"plain"}), title
+            assert got["plain"] == pytest.approx([v for _, v in written[f"steptimer/{clock}/step_ms"]]), title
+        assert series(charts["Host step ms"][0])["user"] == pytest.approx([4.5, 4.5])
         for title, tag in (("Steps per second", "steps_per_s"), ("Samples per second", "samples_per_s"),
                            ("Tokens per second", "tokens_per_s")):  # fmt: skip
             (rx,) = charts[title]
@@ -286,17 +329,26 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
             assert set(got) == {"plain", "user"}, title
             assert got["plain"] == pytest.approx([v for _, v in written[f"steptimer/{tag}"]]), title
 
-        # Scalars / Time Series tabs: groups are the tags' first component, alphabetical; the first one
-        # holds the per-phase means and the throughput, the tails and the rest come after.
+        # Scalars / Time Series tabs: groups are the tags' first component, sorted; Time Series opens the
+        # first two. The first holds the rows' shares and ms, the step's total and the throughput.
         groups: dict[str, set[str]] = {}
         for r in runs:
             for tag in tags.get(r, {}):
                 groups.setdefault(tag.split("/")[0], set()).add(tag)
-        assert sorted(groups)[:2] == ["loss", "steptimer"]  # the user's own tag sorts where it sorts
-        assert groups["steptimer"] == {"steptimer/host_ms", "steptimer/gpu_ms", "steptimer/share_pct",
-                                       "steptimer/steps_per_s", "steptimer/samples_per_s", "steptimer/tokens_per_s"}  # fmt: skip
-        assert groups["steptimer-tails"] == {f"steptimer-tails/{c}_{q}_ms" for c in ("host", "gpu") for q in ("p90", "max")}
-        assert "steptimer-caught-up" in groups
+        assert sorted(groups) == ["loss", "steptimer", "steptimer-caught-up", "steptimer-tails"]
+        assert groups["steptimer"] == {
+            "steptimer/gpu_pct", "steptimer/host_pct", "steptimer/gpu_ms", "steptimer/host_ms",
+            "steptimer/gpu/step_ms", "steptimer/host/step_ms",
+            "steptimer/steps_per_s", "steptimer/samples_per_s", "steptimer/tokens_per_s",
+        }  # fmt: skip
+        assert {t for r in runs if "/steptimer/" in r for t in tags.get(r, {}) if t.startswith("steptimer/")} == {
+            "steptimer/gpu_pct", "steptimer/host_pct", "steptimer/gpu_ms", "steptimer/host_ms"}  # the rows' runs
+        assert groups["steptimer-tails"] == {
+            f"steptimer-tails/{c}{s}_{q}_ms" for c in ("host", "gpu") for s in ("", "/step") for q in ("p90", "max")}
+        # Histograms: in the log dir's own run, each card titled by its row.
+        hists = tb.get("/data/plugin/histograms/tags")
+        assert set(hists) == {"plain", "user"}
+        assert "steptimer-hist/host/forward_ms" in hists["plain"] and "steptimer-hist/gpu/step_ms" in hists["plain"]
 
 
 def _windows(clock: FakeClock) -> list[Window]:
@@ -324,15 +376,18 @@ def _windows(clock: FakeClock) -> list[Window]:
 
 
 def test_histogram_only_summary_and_huge_values(clock: FakeClock) -> None:
-    """The Lightning path writes histograms only (scalars go through log_metrics); a value past float32
+    """The Lightning path writes histograms only (scalars go through log_metrics), each titled by its row;
+    a value past float32
     range is written as TensorBoard's float field holds it (inf), not dropped."""
     windows = _windows(clock)
     assert len(windows) == 8 and all(w.hists for w in windows)
     for w in windows:
         full, hist_only = window_summaries(w), window_summaries(w, scalars=False)
-        assert None not in hist_only  # the whole-window run has no histogram
-        assert {k: [v.tag for v in s.value] for k, s in hist_only.items()} == {
-            k: [v.tag for v in s.value if v.HasField("histo")] for k, s in full.items() if k is not None}
+        assert list(hist_only) == [None]  # every histogram in the log dir's own run, its row in its tag
+        tags = [v.tag for v in hist_only[None].value]
+        assert tags == [v.tag for v in full[None].value if v.HasField("histo")]
+        assert {t for t in tags} == {f"steptimer-hist/{c}/{n}_ms" for c, n in w.hists}
+        assert not [v for k, s in full.items() if k is not None for v in s.value if v.HasField("histo")]
     big = next(v for v in window_summaries(windows[-1])[None].value if v.tag == "x/big")
     assert big.simple_value == float("inf")
 
@@ -345,12 +400,12 @@ def test_event_file_is_read_back_by_tensorboard(tmp_path: Path, clock: FakeClock
     before = time.time()
     windows = _windows(clock)
     for w in windows:
-        f.write(window_summaries(w)["step"], w.step)
+        f.write(window_summaries(w)[None], w.step)
     events = list(EventFileLoader(f.path).Load())  # checks every record's CRCs
     assert events[0].file_version == "brain.Event:2"
     assert [e.step for e in events[1:]] == [w.step for w in windows]
     assert all(before <= e.wall_time <= time.time() for e in events[1:])
-    assert [len(e.summary.value) for e in events[1:]] == [len(window_summaries(w)["step"].value) for w in windows]
+    assert [len(e.summary.value) for e in events[1:]] == [len(window_summaries(w)[None].value) for w in windows]
     assert Path(f.path).name.startswith("events.out.tfevents.")
 
 
@@ -364,7 +419,8 @@ def test_layout_has_the_rank_charts_under_ddp(tmp_path: Path, clock: FakeClock, 
     sink = TensorBoardSink(log_dir=tmp_path / "exp" if own else None, writer=writer)
     sink.write_window(window)
     sink.close(None)  # type: ignore[arg-type]
-    regexes = layout_regexes(tmp_path / "exp" if own else tmp_path / "exp" / "steptimer" / "step")
+    first_row = tmp_path / "exp" / "steptimer" / run_names(window)[0]
+    regexes = layout_regexes(tmp_path / "exp" if own else first_row)
     assert set(RANK_CHARTS.values()) <= set(regexes)
 
 
