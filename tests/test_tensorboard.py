@@ -131,7 +131,7 @@ def test_rows_charted_together_get_distinct_colours(clock: FakeClock) -> None:
     first and wait last share one, and are never charted together."""
     gpu = FakeGPU(clock)
     sink = ListSink()
-    t = StepTimer(_backend=gpu.backend(), log_every_n_steps=4, warmup_steps=0, print_summary=False, _sinks=[sink])
+    t = StepTimer._make(backend=gpu.backend(), log_every_n_steps=4, warmup_steps=0, print_summary=False, sinks=[sink])
     for _ in range(4):
         clock.advance_ms(1.0)
         with t.step():

@@ -207,7 +207,7 @@ def test_mixed_names_the_launch_bound_phases_when_they_hold_a_part(tmp_path: Pat
 
 
 def test_tensorboard_shares_are_the_summary_shares(tmp_path: Path, clock: FakeClock) -> None:
-    """Every window after warm-up writes steptimer/share/<row>_pct; with identical steps each equals
+    """Every window after warm-up writes steptimer/gpu/<row>_pct; with identical steps each equals
     the summary's share (percent)."""
     from tests.tb import scalars
 
@@ -216,5 +216,5 @@ def test_tensorboard_shares_are_the_summary_shares(tmp_path: Path, clock: FakeCl
     for row in s.rows:
         if row.share is None:
             continue
-        pts = [v for step, v in tags[f"steptimer/share/{row.name}_pct"] if step > 10]
+        pts = [v for step, v in tags[f"steptimer/gpu/{row.name}_pct"] if step > 10]
         assert pts and all(v == pytest.approx(100 * row.share, abs=1e-3) for v in pts), row.name
