@@ -269,7 +269,7 @@ class SlowestKeeper:
     @property
     def floor_ms(self) -> float:
         """The wall time a step must beat to be kept: the k-th slowest so far (-inf until k)."""
-        return self.heap[0].wall_ms if len(self.heap) >= self.k else -math.inf
+        return self.heap[0].wall_ms if self.heap and len(self.heap) >= self.k else -math.inf
 
     def add(self, cands: Sequence[Candidate]) -> list[Candidate]:
         """Merge a window's candidates; return those kept (that entered the run's k slowest)."""
