@@ -85,8 +85,8 @@ class FlightRecorder:
         their paths by step. A write that fails is one warning; the summary still lists the steps."""
         if self.wanted:
             self._take(max(self.wanted))
-        if not self.kept:
-            return {}
+        if not self.kept or not os.path.isdir(os.path.dirname(self.folder)):
+            return {}  # a log directory gone mid-run: the sink has said so once already
         import logging
 
         from steptimer._tracefile import to_chrome
