@@ -585,7 +585,7 @@ class Engine:
         for a, c in rec.pauses:
             self._free += (a, c)
         self.rows.add((names, has_gpu, has_idle), row)
-        if self._slowest:
+        if self._slowest and (rec.marks or rec.paused_s or self.gc_log.spans):  # type: ignore[union-attr]
             self._mark(rec)
         if rec.memory is not None:
             self.rows.memory.append(rec.memory)
