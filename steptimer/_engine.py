@@ -104,12 +104,11 @@ class _Pending:
         self.tokens: float | None = None
         self.flops: float | None = None
         self.memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
-        self.paused_s = 0.0  # host time under pause() since the previous step
         self.marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
-        # Set when resolved, for the flight recorder (_flight.py): each event's ms from the first, and
+        # Not set here (a slot assignment per step is not free): ``paused_s``, host time under pause()
+        # since the previous step (set by end_step); for the flight recorder (_flight.py), set when a
+        # timed GPU step is resolved: ``offs_ms``, each event's ms from the first, and ``chain_ms``,
         # the GPU's ms from the previous step's end event to this step's first (pauses included).
-        self.offs_ms: list[float] | None = None
-        self.chain_ms: float | None = None
 
 
 class Engine:

@@ -112,7 +112,8 @@ def _copy(rec: Any) -> dict[str, Any]:
         "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s, "wait_s": rec.wait_s,
         "paused": bool(rec.pauses) or rec.paused_s > 0,
         "phases": [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in rec.phases],
-        "offs_ms": rec.offs_ms, "chain_ms": rec.chain_ms, "i_start": rec.i_start, "i_end": rec.i_end,
+        "offs_ms": getattr(rec, "offs_ms", None), "chain_ms": getattr(rec, "chain_ms", None),
+        "i_start": rec.i_start, "i_end": rec.i_end,
     }  # fmt: skip
 
 

@@ -306,9 +306,25 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf) -> 
     keep = ~np.isnan(values)
     p = Packed(list(index), values[keep], sid[keep])
     p.groups = totals
-    if slowest and not rows.warmup:
+    if slowest and not rows.warmup and _may_beat(p, index, floor_ms):
         p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, STEP_S, NUMBER)
     return p
+
+
+def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> bool:
+    """Can a step of the window be slower than ``floor_ms``? Its wall time is at most the window's max
+    GPU step + max GPU idle, or max host step + max data (a few list reads: most windows stop here)."""
+    if floor_ms == -math.inf:
+        return True
+    a, b = ("gpu", "step"), ("gpu", "idle")
+    if a not in index or not p.count[index[a]]:
+        a, b = ("host", "step"), ("host", "data")
+    bound = 0.0
+    for key in (a, b):
+        k = index.get(key)
+        if k is not None and p.count[k]:
+            bound += p.max_ms[k]
+    return bound > floor_ms
 
 
 @dataclass
