@@ -30,6 +30,7 @@ from typing import Any
 
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
 from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, mib, oom_errors, torch_memory_backend
+from steptimer._slow import GcLog, dynamo_stats
 from steptimer._window import StepRows
 
 log = logging.getLogger("steptimer")
@@ -82,7 +83,8 @@ class _Pending:
 
     __slots__ = (
         "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
-        "pauses", "device", "samples", "tokens", "flops", "timed", "warmup", "memory",
+        "pauses", "device", "samples", "tokens", "flops", "timed", "warmup", "memory", "paused_s", "marks",
+        "offs_ms", "chain_ms",
     )  # fmt: skip
 
     def __init__(self, number: int, t0: float, timed: bool, warmup: bool) -> None:
@@ -102,6 +104,11 @@ class _Pending:
         self.tokens: float | None = None
         self.flops: float | None = None
         self.memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
+        self.marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
+        # Not set here (a slot assignment per step is not free): ``paused_s``, host time under pause()
+        # since the previous step (set by end_step); for the flight recorder (_flight.py), set when a
+        # timed GPU step is resolved: ``offs_ms``, each event's ms from the first, and ``chain_ms``,
+        # the GPU's ms from the previous step's end event to this step's first (pauses included).
 
 
 class Engine:
@@ -121,6 +128,9 @@ class Engine:
         memory: read the CUDA caching allocator on one timed GPU step in this many, the first
             timed step included (``_memory.py``); 0: never.
         memory_backend: the allocator calls (tests pass a fake allocator); None: torch's.
+        slowest: note what may make a step slow (``_slow.py``): Python GC pauses (a ``gc.callbacks``
+            entry from the first step to ``close``), ``torch.compile`` graphs compiled in the step
+            (one dict lookup per step once ``torch._dynamo`` is imported), time under ``pause()``.
     """
 
     def __init__(
@@ -136,6 +146,7 @@ class Engine:
         on_pending: Callable[[Engine, _Pending], None] | None = None,
         memory: int = 0,
         memory_backend: _MemoryBackend | None = None,
+        slowest: bool = False,
     ) -> None:
         self.lag = lag
         self.sample_every = sample_every
@@ -191,6 +202,11 @@ class Engine:
         self._mem: MemoryReader | None = None
         # (phase or None, step, peak bytes before it, the step was timed) of a CUDA out-of-memory error
         self.oom: tuple[str | None, int, int | None, bool] | None = None
+        # What may make a step slow (_slow.py): GC spans, dynamo's counters, the graphs seen so far.
+        self.gc_log: GcLog | None = GcLog(perf_counter) if slowest else None
+        self._slowest = slowest
+        self._dyn: Any = None
+        self._graphs = 0
 
     # ------------------------------------------------------------------ steps
 
@@ -203,6 +219,9 @@ class Engine:
             raise RuntimeError("step() after close(): create a new StepTimer")
         if self.cuda is None:
             self._settle_cuda()
+            if self.gc_log is not None:
+                self.gc_log.open()
+            self.find_dynamo()
         self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
         self._timed = self.number + 1 == self._next_timed
         self._gpu = self._timed and bool(self.cuda)
@@ -262,7 +281,10 @@ class Engine:
         rec.pauses, self._pause_evs = self._pause_evs, []
         gs = self._gap_start
         rec.gap_s = None if gs is None else max(self._t0 - gs - self._paused_s, 0.0)
+        rec.paused_s = self._paused_s
         self._paused_s = 0.0
+        if self._dyn is not None:
+            self._note_compiles(rec)
         rec.device = self.device
         if self._gpu:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
@@ -293,6 +315,22 @@ class Engine:
         if number == self._next_timed:
             block = (number - self.first_number) // self.sample_every + 1
             self._next_timed = self._pick_timed(block)
+
+    def find_dynamo(self) -> None:
+        """Start counting ``torch.compile``'s graphs per step once ``torch._dynamo`` is imported
+        (looked for at the first step and at each window, never imported here)."""
+        if self._slowest and self._dyn is None:
+            self._dyn = dynamo_stats()
+            if self._dyn is not None:
+                self._graphs = self._dyn.get("unique_graphs", 0)
+
+    def _note_compiles(self, rec: _Pending) -> None:
+        """Mark the step if ``torch.compile`` compiled a graph in it (dynamo's counter, one lookup)."""
+        graphs = self._dyn.get("unique_graphs", 0)
+        if graphs != self._graphs:
+            if graphs > self._graphs:
+                rec.marks = {"graphs_new": float(graphs - self._graphs), "graphs": float(graphs)}
+            self._graphs = graphs
 
     def enter_phase(self, name: str) -> None:
         t0 = perf_counter()  # first: the gap since the last boundary leaves out steptimer's own work
@@ -398,6 +436,8 @@ class Engine:
                 self._resolve(self._pending.popleft())
         if self.memory is not None:
             self.memory.close()
+        if self.gc_log is not None:
+            self.gc_log.close()
         self.closed = True
 
     def release_held(self) -> None:
@@ -554,13 +594,13 @@ class Engine:
             b = self._backend()
             held = self.held_end
             if names is not None:
-                offs = self.offsets_ms(evs)
+                rec.offs_ms = offs = self.offsets_ms(evs)
                 row.append(offs[rec.i_end] - offs[rec.i_start])
                 row += [offs[r[4]] - offs[r[3]] for r in recs]
                 row += [r[5] for r in recs]
                 has_gpu = True
                 if held is not None and held[0] == rec.number - 1 and held[1] == rec.device:
-                    idle = b.elapsed_ms(held[2], evs[rec.i_start])
+                    rec.chain_ms = idle = b.elapsed_ms(held[2], evs[rec.i_start])
                     for a, c in rec.pauses:
                         idle -= b.elapsed_ms(a, c)
                     row.append(idle)
@@ -572,11 +612,36 @@ class Engine:
         for a, c in rec.pauses:
             self._free += (a, c)
         self.rows.add((names, has_gpu, has_idle), row)
+        if self._slowest and (rec.marks or rec.paused_s or self.gc_log.spans):  # type: ignore[union-attr]
+            self._mark(rec)
         if rec.memory is not None:
             self.rows.memory.append(rec.memory)
         self.rows.warmup = rec.warmup
         self.last_resolved = rec.number
         self._on_resolved(rec.number)
+
+    def mark_current(self, key: str, value: float) -> None:
+        """Mark the step being ended (a window emitted inside its ``end_step``), if there is one."""
+        if self._pending and self._pending[-1].number == self.number and not self.closed:
+            rec = self._pending[-1]
+            rec.marks = rec.marks or {}
+            rec.marks[key] = rec.marks.get(key, 0.0) + value
+
+    def _mark(self, rec: _Pending) -> None:
+        """Put what happened in the step (``rec.marks``, GC inside its host time range, a pause
+        before it) in the window's sparse ``rows.marks``; nothing when nothing happened."""
+        marks = rec.marks
+        gcl = self.gc_log
+        if gcl is not None and gcl.spans:
+            gc_ms, gen = gcl.take_ms(rec.t0 - (rec.gap_s or 0.0), rec.t0 + rec.step_s)
+            if gc_ms > 0:
+                marks = marks or {}
+                marks["gc_ms"], marks["gc_gen"] = gc_ms, float(gen)
+        if rec.paused_s > 0:
+            marks = marks or {}
+            marks["pause_ms"] = rec.paused_s * 1e3
+        if marks:
+            self.rows.marks[rec.number] = marks
 
     def offsets_ms(self, evs: list[Any]) -> list[float]:
         """Milliseconds from ``evs[0]`` to each event (one native call where the backend has it)."""

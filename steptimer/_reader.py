@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
+from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
 from steptimer._tensorboard import EVENT_FILE_PREFIX, PHASE_DIR, PHASE_SUFFIX, join_tag
 
 PREFIX = "steptimer"  # every group: steptimer/, steptimer-tails/, ...
@@ -63,6 +64,8 @@ class RunLog:
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     hists: dict[tuple[str, str], list[tuple[int, LogHistogram]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # The run's slowest steps as written at its close (``_slow.py``), slowest first; [] if none.
+    slowest: list[SlowStep] = field(default_factory=list)
 
 
 def find_runs(logdir: str) -> list[RunLog]:
@@ -216,6 +219,7 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
     theirs = [(phase, f, _records(f, notes)) for phase, fs in (phases or {}).items() for f in fs]
     sources += sorted(theirs, key=lambda s: _wall_time(s[2][0]) if s[2] else math.inf)
     with_windows = set()  # the run's own files that hold steptimer values
+    slow: tuple[float, bytes] | None = None  # (wall time, JSON) of the latest slowest steps written
     for phase, f, records in sources:
         for record in records:
             try:
@@ -238,6 +242,9 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
                         _keep_latest(series, event.step, event.wall_time, _histogram(value.histo))
                 elif kind == "simple_value":
                     _keep_latest(scalars.setdefault(key, {}), event.step, event.wall_time, value.simple_value)
+                elif kind == "tensor" and key == SLOW_JSON_TAG and value.tensor.string_val:
+                    if slow is None or event.wall_time >= slow[0]:
+                        slow = (event.wall_time, value.tensor.string_val[0])
                 elif kind == "tensor" and value.tensor.dtype in (1, 2):  # DT_FLOAT, DT_DOUBLE
                     v = _tensor_scalar(value.tensor)
                     if v is not None:
@@ -254,6 +261,7 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
         scalars={k: [(s, v) for s, (_, v) in sorted(pts.items())] for k, pts in scalars.items()},
         hists={k: [(s, h) for s, (_, h) in sorted(pts.items())] for k, pts in hists.items()},
         notes=notes,
+        slowest=parse_slow_json(slow[1]) if slow is not None else [],
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from steptimer._reader import RunLog
+from steptimer._slow import SlowStep
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._summary import DERIVED_LAST, is_launch_bound, row_order
 from steptimer._tensorboard import WARMUP_TAG
@@ -76,6 +77,8 @@ class RunReport:
     mfu: float | None = None
     memory: MemoryReport | None = None  # None: no steptimer/mem tags in the windows
     share_clock: ShareClock = "host"  # the clock of the rows' shares
+    # The run's slowest steps as written at its close (``_slow.py``), after ``skip_steps``.
+    slowest: tuple[SlowStep, ...] = ()
 
     def row(self, name: str) -> PhaseRow | None:
         for r in self.rows:
@@ -181,6 +184,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         notes=tuple(notes),
         memory=_memory(scal),
         share_clock=share_clock,
+        slowest=tuple(s for s in run.slowest if s.step > skip_steps),
     )
 
 

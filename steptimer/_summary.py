@@ -14,6 +14,7 @@ import numpy as np
 
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
+from steptimer._slow import Candidate, SlowestKeeper, SlowStep
 from steptimer._verdict import ShareClock, Verdict, shares, verdict
 from steptimer._window import Packed, Window, add_timed_host
 
@@ -120,6 +121,8 @@ class Summary:
     memory: MemorySummary | None = None  # CUDA memory (steptimer/_memory.py); None: not read
     share_clock: ShareClock = "host"  # the clock the rows' shares are of (see PhaseSummary)
     verdict: Verdict | None = None  # where the wall time went (``_verdict.py``); None: no timed steps
+    # The run's slowest timed steps after warm-up, slowest first, each with what stood out (_slow.py).
+    slowest: tuple[SlowStep, ...] = ()
 
     def __getitem__(self, name: str) -> PhaseSummary:
         for row in self.rows:
@@ -167,7 +170,8 @@ def is_launch_bound(gpu_ms: float, host_ms: float, caught: float | None) -> bool
 class SummaryAccumulator:
     """Run-long, bounded accumulation of the windows' steps (after warm-up) for the summary."""
 
-    def __init__(self) -> None:
+    def __init__(self, slowest: int = 0) -> None:
+        self.slow = SlowestKeeper(slowest)  # the run's k slowest steps (k entries at most)
         # One row of bucket counts per series, on the fixed grid: adding a window is one np.add.at.
         self._rows: dict[tuple[str, str], int] = {}
         self._counts = np.zeros((0, NUM_BUCKETS), dtype=np.int64)
@@ -207,11 +211,13 @@ class SummaryAccumulator:
             out[name] = h
         return out
 
-    def add_window(self, window: Window) -> None:
-        """Add a window's steps (a warm-up window is left out)."""
+    def add_window(self, window: Window) -> list[Candidate]:
+        """Add a window's steps (a warm-up window is left out); return its steps that entered the
+        run's slowest."""
         p = window.packed
         if window.warmup or p is None:
-            return
+            return []
+        kept = self.slow.add(p.slow) if p.slow else []
         if window.memory is not None:
             self.memory = window.memory if self.memory is None else self.memory.merged(window.memory)
         self._add_histograms(p)
@@ -231,6 +237,7 @@ class SummaryAccumulator:
                 self.calls[name] = self.calls.get(name, 0) + g.rows
             self.timed_steps += g.rows
         self.timed_cycle_ms += add_timed_host(p.groups, self.timed_sum_ms)
+        return kept
 
     def _add_histograms(self, p: Packed) -> None:
         rows = self._rows
@@ -256,8 +263,9 @@ class SummaryAccumulator:
         ex[gp, 4] = np.maximum(ex[gp, 4], new[4])
 
     def summary(
-        self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = (), peak_tflops: float | None = None
-    ) -> Summary:
+        self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = (), peak_tflops: float | None = None,
+        traces: dict[int, str] | None = None,
+    ) -> Summary:  # fmt: skip
         host_h, gpu_h = self.host, self.gpu
         names = row_order(list(self.order), {**host_h, **gpu_h})
         caught_h = self._histograms("caught")
@@ -304,7 +312,19 @@ class SummaryAccumulator:
             peak_tflops=peak_tflops,
             share_clock=clock,
             verdict=verdict(rows, clock == "gpu") if self.timed_steps else None,
+            slowest=self.slow.slowest(_medians(rows), traces),
         )
 
 
 _EMPTY = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)
+
+
+def _medians(rows: list[PhaseSummary]) -> dict[tuple[str, str], float]:
+    """The run's median of each row on each clock, what a slow step is read against."""
+    out = {}
+    for r in rows:
+        if r.host.steps:
+            out[("host", r.name)] = r.host.median_ms
+        if r.gpu is not None and r.gpu.steps:
+            out[("gpu", r.name)] = r.gpu.median_ms
+    return out

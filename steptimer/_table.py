@@ -118,6 +118,8 @@ def _print(console, summary: Summary) -> None:  # type: ignore[no-untyped-def]
     mem = memory_table(summary)
     if mem is not None:
         console.print(mem)
+    if summary.slowest:
+        console.print(slowest_table(summary.slowest, console.width))
     for line in wrapped(footer(summary), console.width, "  "):
         console.print(line, markup=False, highlight=False)
     if summary.ranks is not None:
@@ -222,3 +224,30 @@ def memory_table(summary: Summary):  # type: ignore[no-untyped-def]
     for cells in memory_rows(names, dict(m.peak_bytes), dict(m.alloc_bytes), m.reserved_bytes):
         table.add_row(*cells)
     return table
+
+
+def slowest_table(slowest: Sequence[Any], width: int = 80) -> Any:
+    """The slowest steps (``_slow.SlowStep``) as a ``rich`` table fitted to ``width`` columns: step,
+    wall time, and what stood out (the row that grew over its median, the measured causes; the
+    cause column wraps, the others never do). One layout for the summary and ``steptimer report``."""
+    from rich import box
+    from rich.table import Table
+
+    on = "the GPU's timeline" if slowest[0].clock == "gpu" else "host clock"
+
+    def build(traces: bool) -> Any:
+        table = Table(
+            box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0), title_justify="left",
+            title=f"slowest steps (wall on {on}; vs the run's median of the row)",
+        )  # fmt: skip
+        table.add_column("step", justify="right", no_wrap=True)
+        table.add_column("wall ms", justify="right", no_wrap=True)
+        table.add_column("what stood out", overflow="fold", max_width=max(width - 20, 30))
+        for s in slowest:
+            cause = s.cause or "-"
+            if traces and s.trace:
+                cause += f" [trace: {os.path.basename(s.trace)}]"
+            table.add_row(str(s.step), _ms(s.wall_ms), cause)
+        return table
+
+    return fitted((build(True), build(False)), width)

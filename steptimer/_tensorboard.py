@@ -403,9 +403,25 @@ class TensorBoardSink:
 
     def close(self, summary: Summary | None = None) -> None:
         """Every window is on disk already (each write appends); a user's ``writer`` is flushed."""
+        if summary is not None and summary.slowest and self.failed is None:
+            self._write_slowest(summary)
         if self._file is None:
             try:
                 self.writer.flush()
             except OSError as err:
                 if self.failed is None:
                     self._fail(err)
+
+    def _write_slowest(self, summary: Summary) -> None:
+        """The run's slowest steps (``_slow.py``): a text card and the JSON ``steptimer report`` reads,
+        in the log dir's own run, at the last step."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        from steptimer._slow import slow_summary
+
+        if self._file is None and not isinstance(self.writer, SummaryWriter):  # pragma: no cover
+            return  # a writer that takes scalars only (tensorboardX): the summary still has them
+        try:
+            self._write_main(slow_summary(summary.slowest), max(s.step for s in summary.slowest))
+        except OSError as err:
+            self._fail(err)

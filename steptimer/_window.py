@@ -17,6 +17,7 @@ import numpy as np
 
 from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats, bucket_upper_ms
 from steptimer._memory import MemoryStats, StepMemory, memory_of
+from steptimer._slow import Candidate, window_candidates
 from steptimer._verdict import ShareClock, shares
 
 # A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
@@ -32,13 +33,14 @@ RowKey = Tuple[Optional[Tuple[str, ...]], bool, bool]
 class StepRows:
     """The resolved steps of one log window, as rows grouped by layout (see ``LEAD``)."""
 
-    __slots__ = ("groups", "count", "warmup", "memory")
+    __slots__ = ("groups", "count", "warmup", "memory", "marks")
 
     def __init__(self) -> None:
         self.groups: dict[RowKey, list[list[float]]] = {}
         self.count = 0
         self.warmup = False  # the window's steps are warm-up steps (windows never mix the two)
         self.memory: list[StepMemory] = []  # the allocator's readings of the timed steps, in order
+        self.marks: dict[int, dict[str, float]] = {}  # by step: what happened in it (_slow.py), sparse
 
     def add(self, key: RowKey, row: list[float]) -> None:
         rows = self.groups.get(key)
@@ -207,6 +209,7 @@ class Packed:
         nser = len(series)
         self.series = series
         self.groups: list[GroupTotals] = []
+        self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         order = np.lexsort((values, sid))
         v = values[order]
         s = sid[order]
@@ -278,11 +281,13 @@ class _Hists(Mapping[Tuple[str, str], LogHistogram]):
         return len(self._index)
 
 
-def pack_rows(rows: StepRows) -> Packed:
-    """A window's statistics and per-layout totals."""
+def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf) -> Packed:
+    """A window's statistics and per-layout totals; with ``slowest`` k > 0 (not a warm-up window),
+    also its k slowest steps slower than ``floor_ms`` (``Packed.slow``, ``_slow.py``)."""
     index: dict[tuple[str, str], int] = {}
     vals, sids, totals = [], [], []
-    for blk, series in _blocks(rows):
+    blocks = list(_blocks(rows))
+    for blk, series in blocks:
         cols = np.array([index.setdefault(s, len(index)) for s in series], dtype=np.int64)
         vals.append(blk.derived.T.ravel())
         sids.append(np.repeat(cols, len(blk.derived)))
@@ -301,7 +306,25 @@ def pack_rows(rows: StepRows) -> Packed:
     keep = ~np.isnan(values)
     p = Packed(list(index), values[keep], sid[keep])
     p.groups = totals
+    if slowest and not rows.warmup and _may_beat(p, index, floor_ms):
+        p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, STEP_S, NUMBER)
     return p
+
+
+def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> bool:
+    """Can a step of the window be slower than ``floor_ms``? Its wall time is at most the window's max
+    GPU step + max GPU idle, or max host step + max data (a few list reads: most windows stop here)."""
+    if floor_ms == -math.inf:
+        return True
+    a, b = ("gpu", "step"), ("gpu", "idle")
+    if a not in index or not p.count[index[a]]:
+        a, b = ("host", "step"), ("host", "data")
+    bound = 0.0
+    for key in (a, b):
+        k = index.get(key)
+        if k is not None and p.count[k]:
+            bound += p.max_ms[k]
+    return bound > floor_ms
 
 
 @dataclass
@@ -363,13 +386,17 @@ class Window:
     share_clock: ShareClock = "host"
 
 
-def window_of(rows: StepRows, last_step: int, peak_tflops: float | None = None) -> Window:
+def window_of(
+    rows: StepRows, last_step: int, peak_tflops: float | None = None, *, slowest: int = 0,
+    slow_floor_ms: float = -math.inf,
+) -> Window:  # fmt: skip
     """Statistics of the steps of one log window, ``last_step`` being the number of its last step.
 
     Rates are totals over the window's wall time: the sum over its steps (timed or not: each step
     has a row) of the step's host time and the data wait before it. ``peak_tflops`` gives ``mfu``.
+    ``slowest``/``slow_floor_ms``: see :func:`pack_rows`.
     """
-    p = pack_rows(rows)
+    p = pack_rows(rows, slowest, slow_floor_ms)
     wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
     samples = [g.samples for g in p.groups if g.samples is not None]
     tokens = [g.tokens for g in p.groups if g.tokens is not None]

@@ -160,6 +160,7 @@ def _report_json(r: RunReport) -> dict[str, Any]:
             row.pop(key)
     d["quantiles_of"] = "steps" if r.of_steps else "window means"
     d["verdict"] = {"kind": r.verdict.kind, "evidence": list(r.verdict.evidence)}
+    d["slowest"] = [s.to_json() for s in r.slowest]  # with "cause" (not a dataclass field)
     return _finite(d)  # type: ignore[no-any-return]
 
 
@@ -218,6 +219,10 @@ def _print_report(console: Any, r: RunReport) -> None:
         lines.append(f"host time between steps (the data row): {100 * r.data_share:.1f}% of wall time")
     lines += conclusion(r.rows, r.share_clock, r.verdict)
     lines += [f"note: {note}" for note in r.notes]
+    if r.slowest:
+        from steptimer._table import slowest_table
+
+        console.print(slowest_table(r.slowest, console.width))
     say(lines)
     console.print()
 

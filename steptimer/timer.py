@@ -12,6 +12,7 @@ import math
 import numbers
 import os
 import sys
+from time import perf_counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
@@ -21,7 +22,9 @@ from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._engine import Engine, check_phase_name
+from steptimer._flight import FlightRecorder
 from steptimer._profile import Ranges, make_ranges
+from steptimer._slow import DEFAULT_K, allocator_retries
 from steptimer._memory import MemorySummary, _MemoryBackend
 from steptimer._summary import Summary, SummaryAccumulator
 from steptimer._tensorboard import TensorBoardSink, check_writable
@@ -236,6 +239,10 @@ class StepTimer:
             peak counter at each phase boundary of a read step, so ``torch.cuda.max_memory_allocated()``
             returns the peak since steptimer's last reading; the run's peak is in the summary
             (``summary.memory.max_allocated_bytes``). False leaves the allocator untouched.
+        slowest_steps: Keep the run's k slowest timed steps after warm-up, with every phase and
+            what made each slow, measured (``summary.slowest``, the summary's table, TensorBoard,
+            ``steptimer report``; docs/slow-steps.md). With a log directory, also a Perfetto trace
+            of the steps around the slowest three (``steptimer-slow/`` there). 0 turns it off.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -267,6 +274,7 @@ class StepTimer:
         nvtx: bool = False,
         profile_steps: tuple[int, int] | None = None,
         memory: int = 10,
+        slowest_steps: int = DEFAULT_K,
     ) -> None:
         seams = self._seams
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
@@ -281,6 +289,7 @@ class StepTimer:
         ):
             raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {peak_tflops!r}")
         check_memory(memory)
+        _check_int("slowest_steps", slowest_steps, 0)
         if log_every_n_steps is None:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
         self.log_every_n_steps: int = log_every_n_steps
@@ -296,7 +305,8 @@ class StepTimer:
         self._summary: Summary | None = None
         self._sinks: list[Sink] = list(seams.sinks)
         self._phases: dict[str, _Phase] = {}
-        self._acc = SummaryAccumulator()
+        self.slowest_steps = slowest_steps
+        self._acc = SummaryAccumulator(slowest_steps)
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
         self._trace = make_capture(
             trace_steps, log_dir=log_dir, writer=writer, start_step=start_step,
@@ -311,11 +321,16 @@ class StepTimer:
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
         )  # fmt: skip
         profile = self._ranges.capture if self._ranges is not None else None
+        self._flight: FlightRecorder | None = None
+        self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
+        if slowest_steps and enabled and self._rank == 0 and (log_dir is not None or writer is not None):
+            folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
+            self._flight = FlightRecorder(folder, window=log_every_n_steps)
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, on_resolved=self._on_resolved,
-            on_pending=_on_pending(self._trace, profile),
-            memory=memory, memory_backend=seams.memory_backend,
+            on_pending=_on_pending(self._trace, profile, self._flight),
+            memory=memory, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
@@ -450,13 +465,14 @@ class StepTimer:
                 for sink in self._sinks:
                     sink.write_window(last)
         self._emit()
+        traces = self._flight.finish() if self._flight is not None else None
         if self._trace is not None:
             self._trace.finish(engine)
         if self._ranges is not None:
             self._ranges.finish(engine)
         engine.release_held()
         engine.closed = True
-        self._summary = summary = self._build_summary()
+        self._summary = summary = self._build_summary(traces)
         if self._print_summary and self._rank == 0 and self.enabled:
             from steptimer._table import print_summary
 
@@ -502,11 +518,39 @@ class StepTimer:
         if not rows.count:
             return None
         engine.rows = StepRows()
-        window = window_of(rows, engine.last_resolved, self._peak_tflops()[0])
-        self._acc.add_window(window)
+        window = window_of(
+            rows, engine.last_resolved, self._peak_tflops()[0], slowest=self.slowest_steps,
+            slow_floor_ms=self._acc.slow.floor_ms,
+        )  # fmt: skip
+        kept = self._acc.add_window(window)
+        if self.slowest_steps:
+            self._slow_window(window, kept)
         return window
 
+    def _slow_window(self, window: Window, kept: list[Any]) -> None:
+        """Per window, for the slowest steps (``_slow.py``): look for torch.compile, read the CUDA
+        allocator's retries (memory readings on, or slow steps in the window), ask the flight
+        recorder for the steps that entered the run's slowest."""
+        engine = self._engine
+        engine.find_dynamo()
+        slow = window.packed.slow if window.packed is not None else []
+        first = self._alloc_retries is None
+        if engine.cuda and not engine._custom_backend and (engine.memory is not None or slow or first):
+            retries = allocator_retries(engine.device)
+            if retries is not None:
+                if not first and retries > self._alloc_retries[0]:  # type: ignore[index]
+                    for c in slow:  # retries since the last reading, at the end of step `since`
+                        c.marks.update(
+                            alloc_retries=float(retries - self._alloc_retries[0]),  # type: ignore[index]
+                            alloc_from=float(self._alloc_retries[1] + 1), alloc_to=float(window.step),  # type: ignore[index]
+                        )  # fmt: skip
+                self._alloc_retries = (retries, window.step)
+        if self._flight is not None:
+            for c in kept:
+                self._flight.want(c.step, c.wall_ms, engine)
+
     def _emit(self) -> None:
+        t0 = perf_counter()
         window = self._take_window()
         if window is None:
             return
@@ -514,6 +558,8 @@ class StepTimer:
             window = self._xrank.interval(window)
         for sink in self._sinks:
             sink.write_window(window)
+        if self.slowest_steps:  # steptimer's own time in the step that resolved the window's last step
+            self._engine.mark_current("window_ms", (perf_counter() - t0) * 1e3)
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:
         """The peak for MFU and a note on it: the option, else the GPU's in steptimer's table
@@ -530,7 +576,7 @@ class StepTimer:
                 return None, "no MFU: no peak for host-only timing; pass peak_tflops="
         return self._peak
 
-    def _build_summary(self) -> Summary:
+    def _build_summary(self, traces: dict[int, str] | None = None) -> Summary:
         engine = self._engine
         notes = tuple(engine.notes)
         peak, peak_note = self._peak_tflops()
@@ -547,7 +593,7 @@ class StepTimer:
         if self._xrank is not None:
             notes += tuple(self._xrank.notes)
         summary = self._acc.summary(
-            warmup_steps=self.warmup_steps, cuda=bool(engine.cuda), notes=notes, peak_tflops=peak
+            warmup_steps=self.warmup_steps, cuda=bool(engine.cuda), notes=notes, peak_tflops=peak, traces=traces
         )
         mem = self._acc.memory
         if engine.memory is not None:

@@ -695,7 +695,8 @@ def _main(*args: str, capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_truncated_event_file_reads_to_its_last_whole_record(tmp_path: Path, clock: FakeClock) -> None:
-    fake_run(tmp_path / "good", clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=10)  # windows at 5, 10
+    # windows at 5, 10; no slowest steps, whose record at close would be the file's last
+    fake_run(tmp_path / "good", clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=10, slowest_steps=0)
     (event_file,) = (tmp_path / "good").glob("events.out.tfevents.*")
     trunc = tmp_path / "trunc"
     shutil.copytree(tmp_path / "good", trunc)

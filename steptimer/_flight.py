@@ -1,0 +1,167 @@
+"""The flight recorder: a Perfetto trace around each of the run's slowest steps (docs/slow-steps.md).
+
+The engine calls :meth:`FlightRecorder.add` for every resolved step (``on_pending``); it keeps a
+reference to the step in a ring of the last ``log_every_n_steps + before + after + 2`` steps (one
+deque append per step: the step's host times and its GPU event offsets are already there, set by
+the engine as it resolves the step). When a window puts a step among the run's slowest
+(``_slow.SlowestKeeper``), the recorder asks for it; once the ``after`` steps that follow are
+resolved, the ``before + 1 + after`` steps are copied out of the ring. At most ``max_traces`` are
+kept, the slowest; a slower step replaces the fastest kept one. The files are written at close
+(``steptimer-slow/step-<N>.trace.json`` in the log directory, Chrome trace JSON that Perfetto
+opens as is): no file is written inside a training step, so the recorder never slows the steps it
+records.
+
+GPU times: the recorder never waits on the GPU, so it has no reference event to put the GPU's
+timeline on the host clock (``steptimer trace`` waits once for one, ``_trace.py``). The GPU track is
+chained from step to step by the engine's own events and placed at the earliest time its launches
+allow: no GPU slice starts before the host launched it, and at least one starts exactly then. The
+trace's notes say so; the GPU slices' lengths and the gaps between them are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from steptimer._engine import Engine
+
+FLIGHT_DIR = "steptimer-slow"
+DEFAULT_BEFORE = 3
+DEFAULT_AFTER = 2
+DEFAULT_TRACES = 3
+
+
+class FlightRecorder:
+    """Keeps the last steps; snapshots the steps around the run's slowest; writes them at close."""
+
+    def __init__(
+        self, folder: str, *, window: int, before: int = DEFAULT_BEFORE, after: int = DEFAULT_AFTER,
+        max_traces: int = DEFAULT_TRACES,
+    ) -> None:  # fmt: skip
+        self.folder = os.path.join(folder, FLIGHT_DIR)
+        self.before, self.after, self.max_traces = before, after, max_traces
+        self.ring: deque[Any] = deque(maxlen=window + before + after + 2)
+        self.wanted: dict[int, float] = {}  # step -> wall ms, waiting for its `after` steps
+        self.kept: dict[int, tuple[float, list[Any]]] = {}  # step -> (wall ms, its steps copied)
+        self.paths: dict[int, str] = {}  # written at close
+        self._cuda = False
+
+    def add(self, engine: Engine, rec: Any) -> None:
+        """The engine's ``on_pending`` for every resolved step (before ``rec``'s row is computed: the
+        ring holds the object, whose GPU offsets the engine sets right after)."""
+        self.ring.append(rec)
+        if self.wanted and rec.number >= min(self.wanted) + self.after + 1:
+            self._take(rec.number - self.after - 1)  # the steps after it are in the ring, resolved
+
+    def want(self, step: int, wall_ms: float, engine: Engine) -> None:
+        """A window put ``step`` among the run's slowest: keep its trace if it is among the slowest
+        ``max_traces`` kept or wanted (dropping the fastest of those)."""
+        self._cuda = bool(engine.cuda)
+        held = {**{s: w for s, (w, _) in self.kept.items()}, **self.wanted}
+        if len(held) >= self.max_traces:
+            fastest = min(held, key=lambda s: held[s])
+            if held[fastest] >= wall_ms:
+                return
+            self.kept.pop(fastest, None)
+            self.wanted.pop(fastest, None)
+        self.wanted[step] = wall_ms
+        last = self.ring[-1].number if self.ring else 0
+        if last >= step + self.after:
+            self._take(step)
+
+    def _take(self, upto: int) -> None:
+        """Copy out every wanted step at or before ``upto`` (with what the ring holds around it)."""
+        for step in [s for s in self.wanted if s <= upto]:
+            wall = self.wanted.pop(step)
+            recs = [r for r in self.ring if step - self.before <= r.number <= step + self.after]
+            if any(r.number == step for r in recs):
+                self.kept[step] = (wall, [_copy(r) for r in recs])
+
+    def finish(self) -> dict[int, str]:
+        """At close: take what is still wanted (fewer steps after it), write the kept traces; return
+        their paths by step. A write that fails is one warning; the summary still lists the steps."""
+        if self.wanted:
+            self._take(max(self.wanted))
+        if not self.kept or not os.path.isdir(os.path.dirname(self.folder)):
+            return {}  # a log directory gone mid-run: the sink has said so once already
+        import logging
+
+        from steptimer._tracefile import to_chrome
+
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            for step, (wall, steps) in sorted(self.kept.items()):
+                doc = capture_doc(steps, step, wall, self._cuda)
+                path = os.path.join(self.folder, f"step-{step}.trace.json")
+                with open(path, "w") as f:
+                    json.dump(to_chrome(doc), f)
+                self.paths[step] = path
+        except OSError as err:
+            logging.getLogger("steptimer").warning(
+                "steptimer: can't write the slow steps' traces to %r: %s", self.folder, err.strerror or err
+            )
+        return self.paths
+
+
+def _copy(rec: Any) -> dict[str, Any]:
+    """What the trace needs of a resolved step (the ring's objects are the engine's own)."""
+    return {
+        "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s, "wait_s": rec.wait_s,
+        "paused": bool(rec.pauses) or rec.paused_s > 0,
+        "phases": [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in rec.phases],
+        "offs_ms": getattr(rec, "offs_ms", None), "chain_ms": getattr(rec, "chain_ms", None),
+        "i_start": rec.i_start, "i_end": rec.i_end,
+    }  # fmt: skip
+
+
+def capture_doc(steps: list[dict[str, Any]], slow: int, wall_ms: float, cuda: bool) -> dict[str, Any]:
+    """The steps as a ``steptimer trace`` capture (``_tracefile.to_chrome``'s input), the GPU chain
+    placed at the earliest time its launches allow (see the module docstring)."""
+    notes = [f"the flight recorder's trace around step {slow}, one of the run's slowest ({wall_ms:.3f} ms)"]
+    # GPU times relative to the chain's zero: each step starts chain_ms after the previous one's end.
+    rel: dict[int, dict[str, Any]] = {}
+    end = None
+    for s in steps:
+        offs = s["offs_ms"]
+        if offs is None:
+            end = None
+            continue
+        if end is None or s["chain_ms"] is None:
+            rel.clear()  # a break in the chain: the GPU track starts again here
+            start = 0.0
+        else:
+            start = end + s["chain_ms"] / 1e3
+        base = start - offs[s["i_start"]] / 1e3
+        end = base + offs[s["i_end"]] / 1e3
+        rel[s["number"]] = {
+            "start": start, "end": end,
+            "phases": [[name, base + offs[i] / 1e3, base + offs[j] / 1e3] for name, _, _, i, j in s["phases"]],
+        }  # fmt: skip
+    launches = [(s["t0"], rel[s["number"]]["start"]) for s in steps if s["number"] in rel]
+    launches += [
+        (p[1], g[1]) for s in steps if s["number"] in rel for p, g in zip(s["phases"], rel[s["number"]]["phases"])
+    ]
+    shift = max((host - gpu for host, gpu in launches), default=0.0)
+    if rel:
+        notes.append(
+            "GPU track placed at the earliest time its launches allow (the recorder never waits for a "
+            "reference event): its slices' lengths and gaps are exact, their place may be early"
+        )
+    out = []
+    for s in steps:
+        r = rel.get(s["number"])
+        gpu = None
+        if r is not None:
+            gpu = {
+                "start": r["start"] + shift, "end": r["end"] + shift,
+                "phases": [[n, a + shift, z + shift] for n, a, z in r["phases"]],
+            }  # fmt: skip
+        out.append({
+            "number": s["number"], "t0": s["t0"], "step_s": s["step_s"], "gap_s": s["gap_s"],
+            "wait_s": s["wait_s"], "paused": s["paused"],
+            "phases": [[n, a, z] for n, a, z, _, _ in s["phases"]], "gpu": gpu,
+        })  # fmt: skip
+    return {"steps": out, "notes": notes, "cuda": cuda, "slow_step": slow}

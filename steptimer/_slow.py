@@ -1,0 +1,377 @@
+"""The slowest steps of a run, and what made each slow, measured (docs/slow-steps.md).
+
+A step's *wall time* is the product's share rule (``_verdict.py``) applied to one step: with CUDA
+timing, its span on the GPU's timeline (its GPU step span plus the GPU's idle before it), so a GPU
+stall inside a phase makes the step slow even while the host runs ahead with ``lag``; host only, the
+host step plus the time between steps before it (``data``). Only timed steps are ranked (with
+``sample_every`` > 1, the sampled ones): they are the ones with phases to explain.
+
+Nothing here runs per step on the hot path. Per window, the rows are already arrays
+(``_window._blocks``): ``window_candidates`` takes the window's steps slower than the run's k-th
+slowest so far (after the first k, usually none), and :class:`SlowestKeeper` keeps the run's k
+slowest, so memory stays at k entries over any run length. The causes are measured where they
+happen and travel with the step as *marks* (``StepRows.marks``, a sparse dict by step number, only
+for steps in which something happened):
+
+- ``gc_ms``/``gc_gen``: Python garbage collection inside the step's host time range, from
+  ``gc.callbacks`` (:class:`GcLog`: two ``perf_counter()`` calls and a deque append per collection,
+  never per step).
+- ``graphs_new``/``graphs``: ``torch.compile`` graphs compiled during the step, from dynamo's
+  counters, read at the end of every step once ``torch._dynamo`` is imported (one dict lookup).
+- ``pause_ms``: time under ``pause()`` right before the step.
+- ``window_ms``: steptimer's own window (statistics, sinks), computed inside the step that resolved
+  the window's last step (two ``perf_counter()`` calls per window).
+- ``alloc_retries``: the CUDA caching allocator's retries after a failed ``cudaMalloc`` (it frees
+  its cache and tries again) in the step's window, read once per window (one stats call).
+
+The phase that grew, and a data stall, are read against the run's per-row medians at the summary.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import json
+import math
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from steptimer._verdict import ShareClock
+
+DEFAULT_K = 5
+GC_SPANS = 256  # collections kept between resolves; gen-0 collections are short and frequent
+# A GC pause is named when it is at least this long and this part of the step's wall time.
+GC_MIN_MS = 0.5
+GC_MIN_FRAC = 0.05
+# A data stall is named when the data wait grew by at least this part of all the step's growth.
+DATA_MIN_FRAC = 0.5
+SLOW_TAG = "steptimer-slow/steps"  # the text card in TensorBoard
+SLOW_JSON_TAG = "steptimer-slow/json"  # the same steps as JSON, for ``steptimer report``
+SLOW_PLUGIN = "steptimer-slow"
+
+
+@dataclass(frozen=True)
+class SlowStep:
+    """One of a run's slowest steps (``Summary.slowest``, ``steptimer report``'s ``slowest``).
+
+    ``wall_ms`` is on the clock ``clock`` (see the module docstring). ``host_ms``/``gpu_ms`` hold
+    every row of the step as the summary names them (phases, ``data``, ``other``, ``wait``,
+    ``step``; GPU ``idle``). ``grew`` is the row of the wall clock that grew most over the run's
+    median of that row, by ``grew_ms`` (its median ``grew_median_ms``); ``causes`` are what
+    steptimer measured in the step (a GC pause, a recompilation, allocator retries, a data stall,
+    a pause before it), each a sentence.
+    """
+
+    step: int
+    wall_ms: float
+    clock: ShareClock
+    host_ms: Mapping[str, float]
+    gpu_ms: Mapping[str, float] | None
+    grew: str | None = None
+    grew_ms: float | None = None
+    grew_median_ms: float | None = None
+    causes: tuple[str, ...] = ()
+    marks: Mapping[str, float] = field(default_factory=dict, repr=False)
+    trace: str | None = None  # the flight recorder's Perfetto file around the step, if kept
+
+    @property
+    def cause(self) -> str | None:
+        """What stood out, as one line: the row that grew, then the measured causes."""
+        parts = [] if self.grew is None else [self.grew_text()]
+        parts += self.causes
+        return "; ".join(parts) or None
+
+    def grew_text(self) -> str:
+        if self.grew is None or self.grew_ms is None:
+            return ""
+        where = "GPU " if self.clock == "gpu" else ""
+        return f"{where}{self.grew} +{_ms(self.grew_ms)} ms (median {_ms(self.grew_median_ms or 0.0)})"
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "step": self.step, "wall_ms": self.wall_ms, "clock": self.clock,
+            "host_ms": dict(self.host_ms), "gpu_ms": None if self.gpu_ms is None else dict(self.gpu_ms),
+        }  # fmt: skip
+        if self.grew is not None:
+            d["grew"] = {"row": self.grew, "by_ms": self.grew_ms, "median_ms": self.grew_median_ms}
+        if self.causes:
+            d["causes"] = list(self.causes)
+        if self.cause is not None:
+            d["cause"] = self.cause
+        if self.trace is not None:
+            d["trace"] = self.trace
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SlowStep:
+        grew = d.get("grew") or {}
+        return cls(
+            step=int(d["step"]), wall_ms=float(d["wall_ms"]), clock=d.get("clock", "host"),
+            host_ms=dict(d.get("host_ms") or {}), gpu_ms=d.get("gpu_ms"),
+            grew=grew.get("row"), grew_ms=grew.get("by_ms"), grew_median_ms=grew.get("median_ms"),
+            causes=tuple(d.get("causes") or ()), trace=d.get("trace"),
+        )  # fmt: skip
+
+
+def _ms(v: float) -> str:
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+
+
+# ---------------------------------------------------------------------- measured in the step
+
+
+class GcLog:
+    """Python garbage collections as host time spans, from ``gc.callbacks``.
+
+    The callback costs two ``perf_counter()`` calls and a deque append per collection (never per
+    step); the deque is bounded. :meth:`take_ms` attributes the collections to a step by its host
+    time range when the step is resolved. Removed at :meth:`close`.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.spans: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)
+        self._start = 0.0
+        self._on = False
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = self._clock()
+        else:
+            self.spans.append((self._start, self._clock(), info.get("generation", -1)))
+
+    def open(self) -> None:
+        if not self._on:
+            gc.callbacks.append(self._callback)
+            self._on = True
+
+    def close(self) -> None:
+        if self._on:
+            self._on = False
+            try:
+                gc.callbacks.remove(self._callback)
+            except ValueError:  # someone cleared gc.callbacks
+                pass
+
+    def take_ms(self, t_from: float, t_to: float) -> tuple[float, int]:
+        """``(ms of collection inside [t_from, t_to], oldest generation collected)``; spans that end by
+        ``t_to`` are consumed (steps are resolved in order), later ones kept for the next steps."""
+        spans = self.spans
+        total, gen = 0.0, -1
+        while spans and spans[0][1] <= t_to:
+            a, z, g = spans.popleft()
+            cut = min(z, t_to) - max(a, t_from)
+            if cut > 0:
+                total += cut
+                gen = max(gen, g)
+        for a, z, g in spans:  # a collection still running at t_to (rare): its part inside
+            if a >= t_to:
+                break
+            cut = min(z, t_to) - max(a, t_from)
+            if cut > 0:
+                total += cut
+                gen = max(gen, g)
+        return total * 1e3, gen
+
+
+def dynamo_stats() -> Mapping[str, int] | None:
+    """dynamo's ``counters["stats"]`` (``unique_graphs``: graphs compiled so far) if ``torch._dynamo``
+    is already imported; None otherwise (importing it here would cost seconds)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    if counters is None:
+        return None
+    try:
+        return counters["stats"]  # type: ignore[no-any-return]
+    except Exception:  # pragma: no cover - a torch whose counters changed shape
+        return None
+
+
+def allocator_retries(device: int) -> int | None:
+    """The CUDA caching allocator's ``num_alloc_retries`` on ``device`` (None without one). One
+    ``torch._C._cuda_memoryStats`` call (~10 µs on an H100): read once per window, never per step."""
+    torch = sys.modules.get("torch")
+    stats = getattr(getattr(torch, "_C", None), "_cuda_memoryStats", None)
+    if stats is None or device < 0:
+        return None
+    try:
+        return int(stats(device).get("num_alloc_retries", 0))
+    except Exception:  # CUDA not initialized on that device, or a torch without the key
+        return None
+
+
+# ---------------------------------------------------------------------- per window, per run
+
+
+@dataclass
+class Candidate:
+    """A step slower than the run's k-th slowest when its window was computed (not yet explained)."""
+
+    wall_ms: float
+    step: int
+    clock: ShareClock
+    host_ms: dict[str, float]
+    gpu_ms: dict[str, float] | None
+    marks: dict[str, float]
+
+    def __lt__(self, other: Candidate) -> bool:  # a min-heap by wall time
+        return self.wall_ms < other.wall_ms
+
+
+def window_candidates(
+    blocks: Iterable[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
+    k: int, floor_ms: float, step_s_col: int, number_col: int,
+) -> list[Candidate]:  # fmt: skip
+    """A window's steps slower than ``floor_ms`` (the run's k-th slowest so far), its k slowest at
+    most, from its blocks of rows (``_window._blocks``): a few numpy calls per block."""
+    import numpy as np
+
+    out: list[Candidate] = []
+    for blk, series in blocks:
+        if blk.names is None or not len(blk.lead):
+            continue
+        try:
+            j = series.index(("gpu", "step"))
+        except ValueError:
+            wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
+            clock: ShareClock = "host"
+        else:
+            wall = blk.derived[:, j].copy()
+            if ("gpu", "idle") in series:
+                wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
+            clock = "gpu"
+        idx = np.flatnonzero(wall > floor_ms)
+        if len(idx) > k:
+            idx = idx[np.argpartition(-wall[idx], k - 1)[:k]]
+        for i in idx.tolist():
+            host: dict[str, float] = {}
+            gpu: dict[str, float] = {}
+            for (c, name), v in zip(series, blk.derived[i].tolist()):
+                if c != "caught" and not math.isnan(v):
+                    (host if c == "host" else gpu)[name] = v
+            number = int(blk.lead[i, number_col])
+            out.append(Candidate(float(wall[i]), number, clock, host, gpu or None, dict(marks.get(number, {}))))
+    out.sort(key=lambda c: -c.wall_ms)
+    return out[:k]
+
+
+class SlowestKeeper:
+    """The run's k slowest steps (a min-heap of k candidates: bounded memory whatever the run's
+    length), merged one window at a time."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.heap: list[Candidate] = []
+
+    @property
+    def floor_ms(self) -> float:
+        """The wall time a step must beat to be kept: the k-th slowest so far (-inf until k)."""
+        return self.heap[0].wall_ms if self.heap and len(self.heap) >= self.k else -math.inf
+
+    def add(self, cands: Sequence[Candidate]) -> list[Candidate]:
+        """Merge a window's candidates; return those kept (that entered the run's k slowest)."""
+        kept = []
+        for c in cands:
+            if len(self.heap) < self.k:
+                heapq.heappush(self.heap, c)
+                kept.append(c)
+            elif c.wall_ms > self.heap[0].wall_ms:
+                heapq.heapreplace(self.heap, c)
+                kept.append(c)
+        return kept
+
+    def slowest(
+        self, medians: Mapping[tuple[str, str], float], traces: Mapping[int, str] | None = None
+    ) -> tuple[SlowStep, ...]:
+        """The kept steps, slowest first, each explained against the run's medians (``(clock, row)``)."""
+        return tuple(explain(c, medians, (traces or {}).get(c.step)) for c in sorted(self.heap, key=lambda c: -c.wall_ms))
+
+
+# Rows of each clock that tile the wall time (the top-level phases besides them).
+_WALL_ROWS = {"gpu": ("other", "idle"), "host": ("data", "other", "wait")}
+_NOT_PHASES = frozenset({"step", "data", "other", "wait", "idle"})
+
+
+def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str | None = None) -> SlowStep:
+    """What stood out in a slow step against the run's per-row medians, and the measured causes."""
+    values = c.gpu_ms if c.clock == "gpu" and c.gpu_ms is not None else c.host_ms
+    rows = [n for n in values if "/" not in n and n not in _NOT_PHASES] + list(_WALL_ROWS[c.clock])
+    excess = {n: values[n] - medians.get((c.clock, n), 0.0) for n in rows if n in values}
+    grew = max(excess, key=lambda n: excess[n], default=None)
+    if grew is not None and excess[grew] <= 0:
+        grew = None
+    if grew is not None and grew not in _NOT_PHASES:  # the nested phase that holds most of it
+        kids = {n: values[n] - medians.get((c.clock, n), 0.0) for n in values if n.startswith(grew + "/")}
+        kid = max(kids, key=lambda n: kids[n], default=None)
+        if kid is not None and kids[kid] >= 0.5 * excess[grew]:
+            excess[kid] = kids[kid]
+            grew = kid
+    causes = []
+    m = c.marks
+    gc_ms = m.get("gc_ms", 0.0)
+    if gc_ms >= GC_MIN_MS and gc_ms >= GC_MIN_FRAC * c.wall_ms:
+        gen = int(m.get("gc_gen", -1))
+        causes.append(f"Python GC{'' if gen < 0 else f' (generation {gen})'} paused {_ms(gc_ms)} ms in it")
+    if m.get("graphs_new"):
+        n = int(m["graphs_new"])
+        causes.append(f"torch.compile compiled {n} graph{'s' * (n != 1)} in it ({int(m.get('graphs', n))} in all)")
+    if m.get("alloc_retries"):
+        n = int(m["alloc_retries"])
+        span = f"steps {int(m['alloc_from'])}-{int(m['alloc_to'])}" if "alloc_from" in m else "its window"
+        causes.append(f"CUDA allocator retried {n} allocation{'s' * (n != 1)} after a failed cudaMalloc ({span})")
+    data = c.host_ms.get("data")
+    med_data = medians.get(("host", "data"))
+    if data is not None and med_data is not None:
+        grown = sum(v for v in excess.values() if v > 0)
+        if data - med_data > 0 and grown > 0 and data - med_data >= DATA_MIN_FRAC * grown and data >= 2 * med_data:
+            causes.append(f"data stall: {_ms(data)} ms between steps (median {_ms(med_data)})")
+    own = m.get("window_ms", 0.0)
+    if own >= GC_MIN_MS and own >= GC_MIN_FRAC * c.wall_ms:
+        causes.append(f"steptimer's own window (statistics, TensorBoard) took {_ms(own)} ms in it")
+    if m.get("pause_ms"):
+        causes.append(f"after {_ms(m['pause_ms'])} ms under pause() right before it")
+    return SlowStep(
+        step=c.step, wall_ms=c.wall_ms, clock=c.clock, host_ms=c.host_ms, gpu_ms=c.gpu_ms,
+        grew=grew, grew_ms=None if grew is None else excess[grew],
+        grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0),
+        causes=tuple(causes), marks=dict(m), trace=trace,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- TensorBoard
+
+
+def slow_markdown(slowest: Sequence[SlowStep]) -> str:
+    """The TensorBoard text card: one Markdown table row per slow step."""
+    lines = ["| step | wall ms | what stood out |", "|---:|---:|---|"]
+    for s in slowest:
+        lines.append(f"| {s.step} | {_ms(s.wall_ms)} | {(s.cause or '-').replace('|', '/')} |")
+    clock = "the GPU's timeline" if slowest and slowest[0].clock == "gpu" else "host clock"
+    lines.append(f"\nwall time on {clock} (docs/slow-steps.md)")
+    return "\n".join(lines)
+
+
+def slow_summary(slowest: Sequence[SlowStep]) -> Any:
+    """A TensorBoard ``Summary`` with the text card and the JSON that ``steptimer report`` reads."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+
+    def text(tag: str, s: str, plugin: str) -> Any:
+        meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin))
+        t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
+        return Summary.Value(tag=tag, metadata=meta, tensor=t)
+
+    doc = json.dumps([s.to_json() for s in slowest], allow_nan=False)
+    return Summary(value=[text(SLOW_TAG, slow_markdown(slowest), "text"), text(SLOW_JSON_TAG, doc, SLOW_PLUGIN)])
+
+
+def parse_slow_json(raw: bytes) -> list[SlowStep]:
+    """The steps written by :func:`slow_summary` (an empty list if unreadable)."""
+    try:
+        return [SlowStep.from_json(d) for d in json.loads(raw.decode())]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []

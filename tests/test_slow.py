@@ -1,0 +1,240 @@
+"""The slowest steps (steptimer/_slow.py, _flight.py): which steps, what grew, and the measured causes.
+
+Table and JSON are pinned on the simulated GPU (tests/fakes.py); each cause is tested with the real
+thing on CPU (a GC pause, a torch.compile recompilation, a loader that stalls, a checkpoint under
+pause()), and on the GPU (``cuda``) with a real stall and a real allocator retry. Each injected stall
+is tens of ms in steps of a few ms, so which step is slowest is unmistakable.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import steptimer._engine as engine_mod
+from steptimer import StepTimer
+from steptimer._table import render
+from tests.fakes import FakeClock, FakeGPU, ListSink
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    c = FakeClock()
+    monkeypatch.setattr(engine_mod, "perf_counter", c)
+    return c
+
+
+def _gpu_run(clock: FakeClock, gpu: FakeGPU, steps: int, stall_step: int, **kw: object) -> StepTimer:
+    """A GPU-bound loop on the simulated GPU (lag 2: the host runs ahead), a 50 ms kernel in the
+    forward of ``stall_step``."""
+    kw.setdefault("print_summary", False)
+    t = StepTimer._make(backend=gpu.backend(), warmup_steps=2, log_every_n_steps=10, **kw)  # type: ignore[arg-type]
+    for n in range(1, steps + 1):
+        clock.advance_ms(0.2)
+        with t.step():
+            with t.phase("forward"):
+                gpu.launch(50.0 if n == stall_step else 2.0)
+                clock.advance_ms(0.3)
+            with t.phase("backward"):
+                gpu.launch(3.0)
+                clock.advance_ms(0.3)
+    return t
+
+
+def test_gpu_stall_in_forward_is_named_with_its_phase_and_step(tmp_path: Path, clock: FakeClock) -> None:
+    gpu = FakeGPU(clock)
+    t = _gpu_run(clock, gpu, 40, 23, log_dir=tmp_path)
+    s = t.close()
+    assert len(s.slowest) == 5
+    top = s.slowest[0]
+    # On the GPU's timeline: the step's GPU span (50 + 3 ms of kernels) plus its idle before it (none:
+    # the host ran ahead). The host's own time of step 23 is no longer than any other's.
+    assert (top.step, top.clock, top.grew) == (23, "gpu", "forward")
+    assert top.wall_ms == pytest.approx(53.0)
+    assert top.grew_ms == pytest.approx(48.0, rel=0.001) and top.grew_median_ms == pytest.approx(2.0, rel=0.01)
+    assert top.gpu_ms is not None and top.gpu_ms["forward"] == pytest.approx(50.0)
+    assert top.host_ms["forward"] == pytest.approx(0.3)
+    assert top.cause is not None and top.cause == f"GPU forward +48.0 ms (median {s['forward'].gpu.median_ms:.3f})"  # type: ignore[union-attr]
+    assert all(x.wall_ms <= top.wall_ms for x in s.slowest[1:])
+    assert all(x.step > 2 for x in s.slowest)  # warm-up left out
+    text = render(s, width=80)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    (row,) = [line for line in text.splitlines() if line.strip().startswith("23 ")]
+    assert "53.0" in row and "GPU forward +48.0 ms" in row
+    # The same steps, read back from the event files by `steptimer report --json`.
+    from steptimer.cli import _report_json
+    from steptimer._reader import find_runs
+    from steptimer._report import analyze
+
+    (run,) = find_runs(str(tmp_path))
+    (first, *_) = _report_json(analyze(run))["slowest"]
+    assert first["step"] == 23 and first["wall_ms"] == pytest.approx(53.0)
+    assert first["gpu_ms"]["forward"] == pytest.approx(50.0) and first["host_ms"]["forward"] == pytest.approx(0.3)
+    assert first["cause"] == top.cause
+    assert [x["step"] for x in _report_json(analyze(run))["slowest"]] == [x.step for x in s.slowest]
+    # The flight recorder's trace around it: steps 20..25, the stall a 50 ms GPU slice of step 23.
+    assert top.trace is not None and Path(top.trace).name == "step-23.trace.json"
+    events = json.loads(Path(top.trace).read_text())["traceEvents"]
+    gpu_fwd = [e for e in events if e.get("tid") == 2 and e["name"] == "forward" and e["args"]["step"] == 23]
+    assert len(gpu_fwd) == 1 and gpu_fwd[0]["dur"] == pytest.approx(50_000.0)
+    steps = sorted({e["args"]["step"] for e in events if e.get("ph") == "X"})
+    assert steps == [20, 21, 22, 23, 24, 25]
+    # A GPU slice never starts before the host launched it.
+    assert all(e["ts"] >= e["args"]["host_launch_us"] - 1e-3 for e in events if e.get("tid") == 2 and e["ph"] == "X")
+
+
+def test_memory_stays_at_k_over_many_windows(clock: FakeClock, tmp_path: Path) -> None:
+    gpu = FakeGPU(clock)
+    t = _gpu_run(clock, gpu, 3000, 1500, log_dir=tmp_path, slowest_steps=3)
+    s = t.close()
+    assert len(t._acc.slow.heap) == 3 and [x.step for x in s.slowest][0] == 1500
+    flight = t._flight
+    assert flight is not None and flight.ring.maxlen is not None and len(flight.ring) <= flight.ring.maxlen <= 20
+    assert len(flight.kept) <= 3 and len(list((tmp_path / "steptimer-slow").iterdir())) <= 3
+
+
+def test_slowest_steps_off(clock: FakeClock) -> None:
+    gpu = FakeGPU(clock)
+    t = _gpu_run(clock, gpu, 20, 10, slowest_steps=0)
+    assert t.close().slowest == () and t._engine.gc_log is None
+
+
+def _host_loop(t: StepTimer, steps: int, *, before=None, in_forward=None, in_optimizer=None) -> None:  # type: ignore[no-untyped-def]
+    for n in range(1, steps + 1):
+        if before is not None:
+            before(n)
+        with t.step():
+            with t.phase("forward"):
+                time.sleep(0.001)
+                if in_forward is not None:
+                    in_forward(n)
+            with t.phase("optimizer"):
+                if in_optimizer is not None:
+                    in_optimizer(n)
+
+
+def test_gc_pause_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=10)
+    keep = []
+
+    def collect(n: int) -> None:
+        if n == 17:  # many objects in reference cycles, then a full collection
+            for _ in range(300_000):
+                a: list[object] = []
+                a.append(a)
+                keep.append(a)
+            keep.clear()
+            gc.collect()
+
+    _host_loop(t, 30, in_forward=collect)
+    s = t.close()
+    top = s.slowest[0]
+    assert top.step == 17 and top.grew == "forward"
+    assert top.marks["gc_ms"] > 5.0 and "Python GC (generation 2) paused" in (top.cause or "")
+    assert t._engine.gc_log is not None and t._engine.gc_log._callback not in gc.callbacks  # removed at close
+    assert "Python GC (generation 2)" in capsys.readouterr().out
+
+
+def test_recompilation_is_named() -> None:
+    if not hasattr(torch, "compile"):  # pragma: no cover
+        pytest.skip("this torch has no torch.compile")
+    # The eager backend: dynamo traces and recompiles for real, without inductor's code generation
+    # (seconds on a cold CPU), so the test stays fast.
+    fn = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=False)
+    t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=10, print_summary=False)
+    _host_loop(t, 25, in_forward=lambda n: fn(torch.ones(7 if n == 14 else 3)))
+    top = t.close().slowest[0]
+    assert top.step == 14 and top.marks["graphs_new"] == 1
+    assert "torch.compile compiled 1 graph in it" in (top.cause or "")
+
+
+def test_data_stall_is_named() -> None:
+    def loader():  # type: ignore[no-untyped-def]
+        for i in range(1, 1000):
+            if i % 100 == 0:
+                time.sleep(0.05)
+            yield i
+
+    t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=50, print_summary=False)
+    batches = loader()
+    _host_loop(t, 210, before=lambda n: next(batches))
+    s = t.close()
+    assert sorted(x.step for x in s.slowest[:2]) == [100, 200]  # batch i is fetched before step i
+    for x in s.slowest[:2]:
+        assert x.grew == "data" and "data stall" in (x.cause or "") and x.host_ms["data"] > 40
+
+
+def test_checkpoint_under_pause_is_named() -> None:
+    t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=10, print_summary=False)
+    staged: list[threading.Thread] = []
+
+    def checkpoint(n: int) -> None:
+        if n == 12:  # an asynchronous checkpoint: staged under pause(), in a thread
+            with t.pause():
+                th = threading.Thread(target=time.sleep, args=(0.06,))
+                th.start()
+                staged.append(th)
+
+    def optimizer(n: int) -> None:
+        while staged:  # the optimizer must not change the weights before the checkpoint has them
+            staged.pop().join()
+
+    _host_loop(t, 25, before=checkpoint, in_optimizer=optimizer)
+    top = t.close().slowest[0]
+    assert top.step == 12 and top.grew == "optimizer"
+    assert top.marks["pause_ms"] > 0 and "under pause() right before it" in (top.cause or "")
+
+
+# ---------------------------------------------------------------------- on the GPU
+
+
+def _cuda_loop(t: StepTimer, steps: int, *, in_forward) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(512, 512, device="cuda")
+    for n in range(1, steps + 1):
+        with t.step():
+            with t.phase("forward"):
+                y = x @ x
+                in_forward(n)
+            with t.phase("backward"):
+                y = y @ x
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+def test_gpu_stall_on_a_real_gpu_is_named() -> None:
+    cycles_per_ms = 1_000_000  # ~1 GHz and more: the sleep is at least 50 ms on any current GPU
+    t = StepTimer(warmup_steps=3, log_every_n_steps=10, print_summary=False, cuda=True)
+    _cuda_loop(t, 40, in_forward=lambda n: torch.cuda._sleep(50 * cycles_per_ms) if n == 27 else None)
+    top = t.close().slowest[0]
+    assert (top.step, top.clock, top.grew) == (27, "gpu", "forward")
+    assert top.gpu_ms is not None and top.gpu_ms["forward"] > 40
+
+
+@pytest.mark.cuda
+def test_allocator_retry_on_a_real_gpu_is_named() -> None:
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    chunk = int(free * 0.12) // 4 * 4
+    t = StepTimer(warmup_steps=3, log_every_n_steps=10, print_summary=False, cuda=True, memory=1)
+
+    def retry(n: int) -> None:
+        if n == 16:
+            # Fill the cache with freed 12 % blocks, then ask for one block of 60 %: cudaMalloc fails,
+            # the allocator frees its cache and retries (num_alloc_retries + 1).
+            blocks = [torch.empty(chunk // 4, dtype=torch.float32, device="cuda") for _ in range(6)]
+            del blocks
+            big = torch.empty(int(free * 0.6) // 4, dtype=torch.float32, device="cuda")
+            del big
+
+    before = torch.cuda.memory_stats()["num_alloc_retries"]
+    _cuda_loop(t, 30, in_forward=retry)
+    assert torch.cuda.memory_stats()["num_alloc_retries"] > before, "the allocator did not retry"
+    s = t.close()
+    (x,) = [x for x in s.slowest if x.step == 16]
+    assert x.grew == "forward" and "CUDA allocator retried 1 allocation" in (x.cause or "")
