@@ -208,12 +208,25 @@ def _cuda_loop(t: StepTimer, steps: int, *, in_forward) -> None:  # type: ignore
 
 @pytest.mark.cuda
 def test_gpu_stall_on_a_real_gpu_is_named() -> None:
-    cycles_per_ms = 1_000_000  # ~1 GHz and more: the sleep is at least 50 ms on any current GPU
+    """A spin kernel of tens of ms in step 27's forward: the slowest step, its forward grown by the
+    kernel's own length on torch's events (its cycles per ms depend on the GPU's clock)."""
     t = StepTimer(warmup_steps=3, log_every_n_steps=10, print_summary=False, cuda=True)
-    _cuda_loop(t, 40, in_forward=lambda n: torch.cuda._sleep(50 * cycles_per_ms) if n == 27 else None)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def stall(n: int) -> None:
+        if n == 27:
+            e0.record()
+            torch.cuda._sleep(50_000_000)
+            e1.record()
+
+    _cuda_loop(t, 40, in_forward=stall)
     top = t.close().slowest[0]
+    sleep_ms = e0.elapsed_time(e1)
+    assert sleep_ms > 10.0  # tens of ms at any clock: far above a step of this loop (~0.05 ms)
     assert (top.step, top.clock, top.grew) == (27, "gpu", "forward")
-    assert top.gpu_ms is not None and top.gpu_ms["forward"] > 40
+    assert top.gpu_ms is not None
+    assert top.gpu_ms["forward"] == pytest.approx(sleep_ms, abs=0.5)  # the sleep plus one 512^3 matmul
+    assert top.grew_ms == pytest.approx(sleep_ms, abs=0.5)
 
 
 @pytest.mark.cuda
