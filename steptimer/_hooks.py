@@ -244,6 +244,7 @@ class Discovery:
         self.problem: str | None = None  # why discovery gave up, for the summary
         self._model_ids: frozenset[int] = frozenset()
         self._decided = False
+        self._pending: set[int] = set()
         self.done = False
         from torch.nn.modules.module import register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -254,19 +255,22 @@ class Discovery:
         ]
 
     def _on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._decided or threading.get_ident() != self._thread:
+        if self.done or threading.get_ident() != self._thread:
             return
         self.optimizer_steps += 1
+        if self._decided:  # the rest of this iteration's optimizers: the next one starts at a forward
+            self._pending.discard(id(opt))
+            return
         if self._given_opts is not None:
             if any(opt is o for o in self._given_opts):
-                self._decide(list(self._given_opts))
+                self._decide(list(self._given_opts), opt)
             return
         if id(opt) in self._stepped:  # the first optimizer steps again: one whole iteration seen
-            self._decide(list(self._stepped.values()))
+            self._decide(list(self._stepped.values()), opt)
         else:
             self._stepped[id(opt)] = opt
 
-    def _decide(self, opts: list[torch.optim.Optimizer]) -> None:
+    def _decide(self, opts: list[torch.optim.Optimizer], now: torch.optim.Optimizer) -> None:
         self._decided = True
         params = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
         if self._given_models is not None:
@@ -290,6 +294,7 @@ class Discovery:
             return  # the global hooks come out at the next forward: not here, inside torch's iteration
         self.models, self.optimizers = models, opts
         self._model_ids = frozenset(id(m) for m in models)
+        self._pending = {id(o) for o in opts if o is not now}  # still to step in this iteration (a GAN's)
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         if threading.get_ident() != self._thread:
@@ -301,7 +306,7 @@ class Discovery:
         if self.problem is not None:
             self.remove()
             return
-        if id(module) not in self._model_ids or self.done:
+        if id(module) not in self._model_ids or self._pending or self.done:
             return
         # The safe place to take the global hooks out (torch iterates a snapshot of them here).
         self.remove()

@@ -70,9 +70,10 @@ def split(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
     return argv, None, False, []
 
 
-def default_log_dir(target: str, root: str = "runs") -> str:
+def default_log_dir(target: str, root: str = "runs", *, module: bool = False) -> str:
     """``runs/steptimer-<script>-<n>``, n one more than any there: a fresh directory per run."""
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.splitext(os.path.basename(target))[0] or target) or "script"
+    name = target.rsplit(".", 1)[-1] if module else os.path.splitext(os.path.basename(target))[0]
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", name or target) or "script"
     prefix = f"steptimer-{stem}-"
     try:
         taken = [int(n[len(prefix) :]) for n in os.listdir(root) if n.startswith(prefix) and n[len(prefix) :].isdigit()]
@@ -97,7 +98,7 @@ def main(argv: Sequence[str]) -> int:
     rank = _rank()
     log_dir = args.log_dir
     if log_dir is None and rank == 0:  # only rank 0 writes; other ranks need no directory
-        log_dir = default_log_dir(target)
+        log_dir = default_log_dir(target, module=is_module)
     options: dict[str, Any] = dict(
         log_dir=log_dir, warmup_steps=args.warmup_steps, log_every_n_steps=args.log_every_n_steps, lag=args.lag,
         sample_every=args.sample_every, peak_tflops=args.peak_tflops, trace_steps=args.trace_steps,
