@@ -36,8 +36,11 @@ def run(tmp_path: Path, script: str, *args: str, opts: tuple[str, ...] = (), rc:
     return proc
 
 
-def report(log: Path) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "steptimer", "report", "--json", "--include-warmup", str(log)],
+def report(log: Path, *, warmup: bool = True) -> dict[str, Any]:
+    """The run's report; ``warmup=False``: without the warm-up steps (the first step discovery starts
+    counts no keyword batch, so rates are read without it)."""
+    extra = ["--include-warmup"] if warmup else []
+    out = subprocess.run([sys.executable, "-m", "steptimer", "report", "--json", *extra, str(log)],
                          env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     (r,) = json.loads(out.stdout)["runs"]
@@ -131,3 +134,34 @@ def test_module_form_and_arguments_after_the_script_are_the_scripts(tmp_path: Pa
     assert "logging to runs/steptimer-hello-1" in proc.stderr
     assert (tmp_path / "runs" / "steptimer-hello-1").is_dir()  # the next run gets a fresh one
     assert default_log_dir("pkg.hello", str(tmp_path / "runs"), module=True).endswith("steptimer-hello-2")
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_hugging_face_trainer_unchanged(tmp_path: Path, accum: int) -> None:
+    pytest.importorskip("transformers")
+    proc = run(tmp_path, "hf_trainer.py", str(tmp_path / "out"), str(accum))
+    assert "TRAINED" in proc.stdout
+    r = report(tmp_path / "log")
+    assert r["steps"] == 12 - 2
+    med = medians(r)
+    check_sleeps(med, {"data": accum * SLEEP_MS["data"], "forward": accum * SLEEP_MS["forward"]})
+    assert calls(proc.stdout)["forward"] == accum
+    r = report(tmp_path / "log", warmup=False)
+    assert abs(r["tokens_per_s"] / r["steps_per_s"] - accum * 4 * 16) < 0.05 * accum * 64  # 2-D input_ids
+    assert abs(r["samples_per_s"] / r["steps_per_s"] - accum * 4) < 0.05 * accum * 4
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_hugging_face_callback(tmp_path: Path, accum: int) -> None:
+    pytest.importorskip("transformers")
+    env = dict(ENV)
+    cmd = [sys.executable, str(SCRIPTS / "hf_trainer.py"), str(tmp_path / "out"), str(accum), "--callback"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = report(tmp_path / "out" / "steptimer")  # beside the Trainer's output
+    assert r["steps"] == 12  # known from the start: every step timed
+    med = medians(r)
+    check_sleeps(med, {"data": accum * SLEEP_MS["data"], "forward": accum * SLEEP_MS["forward"]})
+    c = calls(proc.stdout)
+    assert c["forward"] == c["backward"] == accum and c["clip"] == 1 and c["optimizer"] == 1 and c["zero_grad"] == 1
+    assert abs(r["tokens_per_s"] / r["steps_per_s"] - accum * 64) < 0.05 * accum * 64
