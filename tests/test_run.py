@@ -165,3 +165,18 @@ def test_hugging_face_callback(tmp_path: Path, accum: int) -> None:
     c = calls(proc.stdout)
     assert c["forward"] == c["backward"] == accum and c["clip"] == 1 and c["optimizer"] == 1 and c["zero_grad"] == 1
     assert abs(r["tokens_per_s"] / r["steps_per_s"] - accum * 64) < 0.05 * accum * 64
+
+
+def test_under_torchrun_each_rank_times_and_rank_0_writes(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "steptimer",
+           "run", "--warmup-steps", "1", "--log-every-n-steps", "4", str(SCRIPTS / "ddp.py")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "RANK 0 DONE" in out and "RANK 1 DONE" in out
+    assert out.count("logging to runs/steptimer-ddp-1") == 1  # rank 0 names the directory and writes
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["steptimer-ddp-1"]
+    r = report(tmp_path / "runs" / "steptimer-ddp-1")
+    assert r["steps"] == 10 - 2
+    assert "found the model (DistributedDataParallel)" in out
+    check_sleeps(medians(r), {k: SLEEP_MS[k] for k in ("data", "forward", "loss", "optimizer")})
