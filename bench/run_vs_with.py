@@ -21,7 +21,7 @@ import tempfile
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAIRS = [("forward", ["forward"], ["forward"]), ("loss (+ data)", ["loss", "data/in-step"], ["loss"]),
+PAIRS = [("forward", ["forward"], ["forward"]), ("loss (+ data)", ["loss", "data"], ["loss"]),
          ("backward", ["backward"], ["backward"]), ("clip / other", ["clip"], ["other"]),
          ("optimizer", ["optimizer"], ["optimizer"]), ("zero_grad", ["zero_grad"], ["zero_grad"]),
          ("step", ["step"], ["step"])]  # fmt: skip
