@@ -4,8 +4,8 @@ Runs bench/gpt.py twice, once with ``--steptimer-dir`` (``with timer.phase(...)`
 and once unchanged under ``python -m steptimer run``, reads both logs with ``steptimer report --json``
 and prints each phase's median (GPU clock where both have it, else host) side by side with the %
 difference. The phases line up as: forward, backward, optimizer, zero_grad one to one; the ``with``
-loop's ``loss`` + ``data`` (the next micro-batch fetched inside the step) is ``run``'s ``loss``; its
-``clip`` is ``run``'s ``other`` (no hook sees clipping).
+loop's ``loss`` + ``data`` (its data row holds the next micro-batch, fetched inside the step after
+the loss) is ``run``'s ``loss``; its ``clip`` is ``run``'s ``other`` (no hook sees clipping).
 
     PYTHONPATH=. python3 bench/run_vs_with.py --preset gpt2 --iters 60 [--compile]
 """
