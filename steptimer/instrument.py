@@ -120,13 +120,15 @@ class Instrumented:
     def __init__(
         self,
         timer: StepTimer,
-        models: Sequence[torch.nn.Module] | None,
+        models: torch.nn.Module | Sequence[torch.nn.Module] | None,
         optimizers: Sequence[torch.optim.Optimizer] | None,
         *,
         samples_per_step: float | None = None,
         tokens_per_step: float | None = None,
     ) -> None:
         self.timer = timer
+        if isinstance(models, torch.nn.Module):  # one model, as before discovery came
+            models = [models]
         self._models: tuple[torch.nn.Module, ...] = tuple(models or ())
         self._optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
         self._fixed = (samples_per_step, tokens_per_step)  # given per step: not counted
