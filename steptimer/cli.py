@@ -1,4 +1,5 @@
-"""The ``steptimer`` console command: ``report``, ``compare``, ``trace`` and ``kernels`` over steptimer's logs.
+"""The ``steptimer`` console command: ``report``, ``compare``, ``trace`` and ``kernels`` over steptimer's logs,
+and ``run``, which times a training script unchanged (steptimer/_run.py).
 
 Bad input (a missing path, no steptimer tags, a corrupt or truncated event file, a trace-less log
 directory) prints one line on stderr and exits with status 1; usage errors exit with status 2.
@@ -22,6 +23,11 @@ from steptimer._table import compute_line
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (also used as the console script's)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # its own parsing: everything after the script is the script's
+        from steptimer import _run
+
+        return _run.main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -38,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 _EXAMPLES = """\
 examples:
+  steptimer run train.py --lr 3e-4  time a training script as it is, no edits
   steptimer report runs/            each run under runs/: phases, verdict
   steptimer compare runs/a runs/b   per-phase change from run a to run b
   steptimer trace runs/a            writes runs/a/steptimer-trace.chrome.json
@@ -63,7 +70,10 @@ def _parser() -> argparse.ArgumentParser:
         return 2
 
     p.set_defaults(func=usage)
-    sub = p.add_subparsers(dest="command", metavar="{report,compare,trace,kernels}")
+    sub = p.add_subparsers(dest="command", metavar="{run,report,compare,trace,kernels}")
+    from steptimer._run import HELP, USAGE
+
+    sub.add_parser("run", help=HELP, usage=USAGE, add_help=False)  # parsed by _run.main (listed here for --help)
     r = sub.add_parser("report", help="per-phase GPU/host times of steps, shares and a bottleneck verdict")
     r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
     r.add_argument("--json", action="store_true", help="print JSON instead of tables")

@@ -27,9 +27,7 @@ top of the engine's own boundary cost; measured in docs/instrument.md. No device
 
 from __future__ import annotations
 
-import copyreg
 import os
-import pickle
 import sys
 import threading
 import warnings
@@ -41,7 +39,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from steptimer import _exit
-from steptimer.timer import StepTimer, check_phase_name
+from steptimer._hooks import Discovery, Hooks, batch_counts
+from steptimer.timer import StepTimer, check_count, check_phase_name
 
 if TYPE_CHECKING:
     from steptimer import Summary
@@ -54,14 +53,27 @@ _ExcInfo = tuple[Any, Any, Any]
 
 
 def instrument(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], **options: Any
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    samples_per_step: float | None = None,
+    tokens_per_step: float | None = None,
+    **options: Any,
 ) -> Instrumented:
     """Time every step of a plain training loop from hooks; no ``with`` lines in the loop.
 
     Args:
         model: The module the loop calls (``model(x)``): its forward is ``forward``. A DDP or
-            ``torch.compile`` wrapper or the module inside it both work.
+            ``torch.compile`` wrapper or the module inside it both work. None: found when the
+            optimizer steps (the outermost modules called with grad that hold its parameters;
+            docs/run.md), as ``steptimer run`` does.
         optimizer: The optimizer, or a list of them: a step ends when each of them has stepped once.
+            None: found at their steps (every optimizer that steps before the first one steps
+            again). Steps before the discovery are not timed (a note in the summary says how many).
+        samples_per_step: Samples per step, for throughput. None counts them: the leading dimension
+            of the model's input, summed over a step's micro-batches (a note says so).
+        tokens_per_step: Tokens per step. None counts them when the model's input is a 2-D integer
+            tensor (token ids).
         **options: Every :class:`~steptimer.StepTimer` option (``log_dir``, ``warmup_steps``, ...).
 
     Returns:
@@ -69,7 +81,7 @@ def instrument(
 
     Raises:
         ValueError: ``model`` is not a module, or ``optimizer`` holds no optimizer, a non-optimizer
-            or the same optimizer twice.
+            or the same optimizer twice, or a count is negative.
 
     Example:
         >>> net = torch.nn.Linear(4, 1)
@@ -80,16 +92,22 @@ def instrument(
         >>> timer.close().steps
         3
     """
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}: {model!r}")
-    opts: list[Any] = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
-    if not opts or bad:
-        got = bad[0] if bad else optimizer
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {got!r}")
-    if len({id(o) for o in opts}) != len(opts):
-        raise ValueError("optimizer: the list holds the same optimizer twice; pass each one once")
-    return Instrumented(StepTimer(**options), model, opts)
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}: {model!r}")
+    opts: list[Any] | None = None
+    if optimizer is not None:
+        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
+        if not opts or bad:
+            got = bad[0] if bad else optimizer
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {got!r}")
+        if len({id(o) for o in opts}) != len(opts):
+            raise ValueError("optimizer: the list holds the same optimizer twice; pass each one once")
+    counts = {}
+    for name, v in (("samples_per_step", samples_per_step), ("tokens_per_step", tokens_per_step)):
+        if v is not None:
+            counts[name] = check_count(name, v)
+    return Instrumented(StepTimer(**options), None if model is None else [model], opts, **counts)
 
 
 class Instrumented:
@@ -99,9 +117,29 @@ class Instrumented:
     and ``close()`` must take them out; the timer stays reachable as ``.timer``.
     """
 
-    def __init__(self, timer: StepTimer, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        timer: StepTimer,
+        models: torch.nn.Module | Sequence[torch.nn.Module] | None,
+        optimizers: Sequence[torch.optim.Optimizer] | None,
+        *,
+        samples_per_step: float | None = None,
+        tokens_per_step: float | None = None,
+    ) -> None:
         self.timer = timer
-        self._optimizers = tuple(optimizers)
+        if isinstance(models, torch.nn.Module):  # one model, as before discovery came
+            models = [models]
+        self._models: tuple[torch.nn.Module, ...] = tuple(models or ())
+        self._optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
+        self._fixed = (samples_per_step, tokens_per_step)  # given per step: not counted
+        self._count = samples_per_step is None or tokens_per_step is None
+        self._count_next = False  # the next model forward starts a micro-batch: count its batch
+        self._samples: float | None = None  # counted in this step so far
+        self._tokens: float | None = None
+        self._after_backward: str | None = None  # a phase to open when the next backward returns (HF: clip)
+        self._discovery: Discovery | None = None
+        self._uncounted = False  # this step's batch was not seen (the step discovery started)
+        self._noted: set[str] = set()
         self._thread = threading.get_ident()  # the training thread: every other thread is ignored
         self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
         self._in_step = False
@@ -125,16 +163,15 @@ class Instrumented:
         self._watch_steps = True  # until the check after _FORWARDS_BEFORE_WARNING training forwards
         self._forwards = 0
         self._ever_stepped: set[int] = set()  # ids of the optimizers that have stepped at least once
-        self._model_zero_grad: Any = None
-        self._handles: list[Any] = []
-        self._model_hook_ids: tuple[int, ...] = ()
-        self._reducer: _Reducer | None = None
-        self._patched: list[tuple[Any, Any, Any]] = []  # (object, our zero_grad, its zero_grad before)
-        self._backward_orig: Any = None
-        self._backward_wrapper: Callable[..., Any] | None = None
-        if timer.enabled:
-            self._install(model)
-            _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
+        self._hooks = Hooks()
+        if not timer.enabled:
+            return
+        if self._models and self._optimizers:
+            self._install()
+        else:  # found at the optimizers' steps; installed at the next forward of the model(s)
+            self._watch_steps = False
+            self._discovery = Discovery(self._found, models=models, optimizers=optimizers)
+        _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
 
     # ------------------------------------------------------------------ public
 
@@ -142,6 +179,32 @@ class Instrumented:
     def steps(self) -> int:
         """Number of the last completed step."""
         return self.timer.steps
+
+    @property
+    def models(self) -> tuple[torch.nn.Module, ...]:
+        """The hooked models: given, or found (empty until then)."""
+        return self._models
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The hooked optimizers: given, or found (empty until then)."""
+        return self._optimizers
+
+    def discovery_note(self) -> str | None:
+        """Why nothing was hooked (a loop nobody named that never trained), else None."""
+        d = self._discovery
+        if d is None or self._models:
+            return None
+        if d.problem is not None:
+            return d.problem
+        if d.optimizer_steps == 0:
+            return "no optimizer.step() was called: nothing to time"
+        if not d.models:
+            return (
+                f"{d.optimizer_steps} optimizer step(s) and the first optimizer never stepped again: "
+                "steptimer finds the loop's optimizers over one whole iteration, so nothing was timed"
+            )
+        return "the model was found but not called again after its optimizer's second step: nothing was timed"
 
     @contextmanager
     def pause(self) -> Iterator[None]:
@@ -191,6 +254,9 @@ class Instrumented:
             self._end()  # a finished step, waiting for its zero_grad
         if self._watch_steps and self._forwards:
             self._check_stepped()
+        note = self.discovery_note()
+        if note is not None and note not in self.timer._engine.notes and self.timer.enabled:
+            self.timer._engine.notes.append(note)
         self.remove()
         return self.timer.close(failed=failed)
 
@@ -204,22 +270,9 @@ class Instrumented:
 
     def remove(self) -> None:
         """Take every hook and wrapper out; the model and optimizers behave as before (idempotent)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        if self._reducer is not None:
-            self._reducer.remove()
-            self._reducer = None
-        for obj, wrapper, before in self._patched:
-            if obj.__dict__.get("zero_grad") is wrapper:
-                if before is None:
-                    del obj.__dict__["zero_grad"]
-                else:
-                    obj.__dict__["zero_grad"] = before  # someone's instance wrapper from before ours
-        self._patched = []
-        if self._backward_wrapper is not None and torch.autograd.backward is self._backward_wrapper:
-            torch.autograd.backward = self._backward_orig
-        # Else someone wrapped it after us: ours stays inside theirs, passing every call through.
+        if self._discovery is not None:
+            self._discovery.remove()
+        self._hooks.remove()
         self._removed = True
 
     def __enter__(self) -> Instrumented:
@@ -233,54 +286,56 @@ class Instrumented:
 
     # ------------------------------------------------------------------ hooks
 
-    def _install(self, model: torch.nn.Module) -> None:
-        # torch.compile would otherwise trace the hooks into its graph (their clock reads and state
-        # changes replayed at the wrong time); disabled, they run eagerly at a graph break.
-        off = torch.compiler.disable
-        self._handles.append(model.register_forward_pre_hook(off(self._forward_pre), prepend=True))
-        self._handles.append(model.register_forward_hook(off(self._forward_post), always_call=True))
-        self._model_hook_ids = tuple(h.id for h in self._handles)
+    def _install(self) -> None:
+        """Every hook, through the one place that owns them (_hooks.Hooks), all run eagerly under
+        torch.compile; registered once, never per step or per layer."""
+        hooks = self._hooks
+        for model in self._models:
+            hooks.forward(model, self._forward_pre, self._forward_post, prepend=True, with_kwargs=True)
         for opt in self._optimizers:
-            self._handles.append(opt.register_step_pre_hook(off(self._update_pre)))
-            self._handles.append(opt.register_step_post_hook(off(self._update_post)))
-        targets: list[tuple[Any, set[int]]] = [(o, {id(o)}) for o in self._optimizers]
-        targets.append((model, {id(o) for o in self._optimizers}))  # the model's zeroes them all
-        for obj, zeroes in targets:
-            wrapper = off(self._zero_grad_wrapper(obj.zero_grad, zeroes))
-            before = obj.__dict__.get("zero_grad")
-            obj.__dict__["zero_grad"] = wrapper  # an instance attribute: the class stays untouched
-            self._patched.append((obj, wrapper, before))
-        self._model_zero_grad = self._patched[-1][1]  # the model's: installed last
-        self._backward_orig = torch.autograd.backward
-        self._backward_wrapper = off(self._backward_wrapper_of(self._backward_orig))
-        torch.autograd.backward = self._backward_wrapper
+            hooks.optimizer(opt, self._update_pre, self._update_post)
+            hooks.patch(opt, "zero_grad", _eager(self._zero_grad_wrapper(opt.zero_grad, {id(opt)})))
+        for model in self._models:  # a model's zero_grad zeroes the optimizers whose parameters it holds
+            held = {id(p) for p in model.parameters()}
+            zeroes = {id(o) for o in self._optimizers if any(id(p) in held for g in o.param_groups for p in g["params"])}
+            hooks.patch(model, "zero_grad", _eager(self._zero_grad_wrapper(model.zero_grad, zeroes)))
+        hooks.wrap_backward(self._backward_wrapper_of)
         # The optimizers pickle and copy without hooks or instance attributes (Optimizer.__getstate__
-        # keeps only defaults, state and param_groups); the model needs the reducer.
-        self._reducer = _Reducer(model, self._model_state)
+        # keeps only defaults, state and param_groups); the models need a copyreg entry.
+        for model in self._models:
+            hooks.keep_picklable(model)
 
-    def _model_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The model's pickled / copied state without steptimer: its hooks and zero_grad wrapper."""
-        state = dict(state)  # never the live __dict__
-        if state.get("zero_grad") is self._model_zero_grad:
-            del state["zero_grad"]
-        for name in _HOOK_DICTS:
-            hooks = state.get(name)
-            if hooks and any(i in hooks for i in self._model_hook_ids):
-                hooks = state[name] = hooks.copy()  # OrderedDict stays OrderedDict
-                for i in self._model_hook_ids:
-                    hooks.pop(i, None)
-        return state
+    def _found(
+        self, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], module: Any, args: Any, kwargs: Any
+    ) -> None:
+        """Discovery found the loop's models and optimizers, at a forward of ``module`` (one of them)."""
+        self._models, self._optimizers = tuple(models), tuple(optimizers)
+        d = self._discovery
+        n = 0 if d is None else d.optimizer_steps
+        names = ", ".join(type(m).__name__ for m in models)
+        onames = ", ".join(type(o).__name__ for o in optimizers)
+        self.timer._engine.notes.append(
+            f"found the model ({names}) and optimizer ({onames}) at their first steps: the {n} optimizer "
+            f"step(s) before were not timed (counted before warm-up)"
+        )
+        if self._removed:
+            return
+        self._install()
+        # This call's own hooks were fixed before ours went in: start its step here. Its keyword
+        # inputs are not seen (torch's global pre-hook gets none), so a keyword batch is not counted.
+        self._forward_pre(module, args, kwargs)
+        self._uncounted = not args
 
     def _ignored(self) -> bool:
         """Other threads (DataParallel replicas, autograd's device threads), pauses, forwards that a
         reentrant checkpoint reruns inside backward, and everything after remove()."""
         return self._removed or self._paused > 0 or self._bwd_depth > 0 or threading.get_ident() != self._thread
 
-    def _forward_pre(self, module: Any, args: Any) -> None:
+    def _forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
         if self._ignored():
             return
         self._fwd_depth += 1
-        if self._fwd_depth > 1:  # the root module re-entered (recursion): only the outer call counts
+        if self._fwd_depth > 1:  # a model inside another (or recursion): only the outer call counts
             return
         self._settle()
         if not self._in_step:
@@ -290,6 +345,13 @@ class Instrumented:
                 return
             self._begin()
         self._switch("forward")
+        if self._count_next:
+            self._count_next = False
+            n, t = batch_counts(args, kwargs)
+            if n is not None:
+                self._samples = (self._samples or 0) + n
+            if t is not None:
+                self._tokens = (self._tokens or 0) + t
         if self._watch_steps:
             self._forwards += 1
             if self._forwards == _FORWARDS_BEFORE_WARNING:
@@ -344,7 +406,11 @@ class Instrumented:
                 self._drop(sys.exc_info())
                 raise
             self._bwd_depth -= 1
-            self._switch(None)
+            self._switch(self._after_backward)
+            self._after_backward = None
+            # The next forward starts a micro-batch (accumulation). With several optimizers (a GAN's
+            # networks see the same batch in turn) only a step's first forward is counted.
+            self._count_next = self._count and len(self._optimizers) == 1
             return out
 
         return backward
@@ -463,17 +529,39 @@ class Instrumented:
             self._frames[-1] = name
 
     def _begin(self) -> None:
-        self._step_cm = self.timer.step()
+        samples, tokens = self._fixed
+        self._step_cm = self.timer.step(samples=samples, tokens=tokens)
         self._step_cm.__enter__()
         self._in_step = True
+        self._count_next = self._count
+        self._samples = self._tokens = None
+        self._uncounted = False
 
     def _end(self) -> None:
         if len(self._frames) > 1:  # the update ran inside a user phase: end when it exits
             self._end_pending = True
             return
         self._switch(None)
+        samples, tokens = (None, None) if self._uncounted else (self._samples, self._tokens)
         cm = self._reset()
+        if self._fixed[0] is None and samples is not None:
+            self._note_count("samples", "the leading dimension of the model's input")
+            cm._samples = samples  # the step's count, summed over its micro-batches
+        if self._fixed[1] is None and tokens is not None:
+            self._note_count("tokens", "the elements of the model's 2-D integer input (token ids, padding included)")
+            cm._tokens = tokens
         cm.__exit__(None, None, None)
+
+    def _note_count(self, what: str, how: str) -> None:
+        if what in self._noted:
+            return
+        self._noted.add(what)
+        msg = (
+            f"{what} per step counted by steptimer: {how}, summed over a step's micro-batches"
+            + (" (a step's first forward only, with several optimizers)" if len(self._optimizers) > 1 else "")
+            + f"; {what}_per_step= (--{what}-per-step) overrides"
+        )
+        self.timer._engine.notes.append(msg)
 
     def _drop(self, exc: _ExcInfo) -> None:
         """Drop the step (the engine forgets it; its open phases too) and start clean."""
@@ -490,48 +578,7 @@ class Instrumented:
 
 
 _FORWARDS_BEFORE_WARNING = 100
-# The module attributes that hold forward hooks, keyed by handle id (torch.nn.Module.__init__).
-_HOOK_DICTS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
-
-
-class _Reducer:
-    """Pickles and copies the instrumented model without steptimer (``torch.save(model)``, an EMA or
-    teacher ``copy.deepcopy``): a ``copyreg`` entry for the model's class, so that nothing is put on
-    the model itself. Every other instance of the class is reduced as before; the entry found there
-    (if any) is chained and put back by :meth:`remove`.
-
-    Both ``pickle`` (and so ``torch.save``) and ``copy`` look a class up in ``copyreg.dispatch_table``
-    before its own ``__reduce_ex__``; the model is then reduced exactly as usual and only its state
-    is filtered, so the result is the model as it would be with no steptimer: no hooks of ours (a copy
-    would otherwise feed this timer), no ``zero_grad`` wrapper (a copy's would zero this model).
-    """
-
-    def __init__(self, model: torch.nn.Module, filter_state: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-        self._model: torch.nn.Module | None = model
-        self._filter = filter_state
-        self._cls = type(model)
-        self._prev = copyreg.dispatch_table.get(self._cls)
-        copyreg.dispatch_table[self._cls] = self
-
-    def __call__(self, obj: Any) -> Any:
-        if obj is not self._model:
-            return self._prev(obj) if self._prev is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-        rv = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-        if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
-            rv = (*rv[:2], self._filter(rv[2]), *rv[3:])
-        return rv
-
-    def remove(self) -> None:
-        if copyreg.dispatch_table.get(self._cls) is self:
-            if self._prev is None:
-                del copyreg.dispatch_table[self._cls]
-            else:
-                copyreg.dispatch_table[self._cls] = self._prev
-        # Else an entry put in after ours chains to it: ours stays, passing every object through.
-        self._model = None
+_eager = torch.compiler.disable
 
 
 def _user_sites(frame: FrameType | None) -> dict[CodeType, int]:

@@ -495,7 +495,7 @@ def test_optimizer_step_without_a_forward_warns_once() -> None:
 def test_bad_input_is_a_value_error_echoing_it() -> None:
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with pytest.raises(ValueError, match="model must be a torch.nn.Module, got str"):
+    with pytest.raises(ValueError, match="model must be a torch.nn.Module or None, got str"):
         instrument("net", opt)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="got 'adam'"):
         instrument(model, [opt, "adam"])  # type: ignore[list-item]

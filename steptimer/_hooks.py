@@ -1,0 +1,321 @@
+"""The one place that puts hooks on a user's model and optimizers, and takes them out again.
+
+Every front door that times a loop from hooks (``instrument()``, ``steptimer run``, the Hugging Face
+callback, the Lightning callback) registers through a :class:`Hooks`: forward hooks on modules, step
+hooks on optimizers, instance-attribute wrappers (``zero_grad``), the ``torch.autograd.backward``
+wrapper and the ``copyreg`` entry that keeps a hooked model pickling as a plain one. All of it goes
+through torch's handles or is recorded with what was there before, and :meth:`Hooks.remove` puts
+everything back: nothing of steptimer stays on the user's objects.
+
+:class:`Discovery` finds the model(s) and optimizer(s) of a loop nobody named (``steptimer run``,
+``instrument()`` with no arguments) with torch's *global* hooks, only until they are known:
+
+- a global optimizer step pre-hook sees every ``optimizer.step()``. Discovery waits until the first
+  optimizer that stepped steps again: every optimizer that stepped in between is one of the loop's
+  (a GAN's two). Until then a step can't end, since it is not known which optimizers make one;
+- a global module forward pre-hook notes each module called with grad enabled; the models are the
+  outermost of them (not inside another one noted) that hold a parameter of those optimizers;
+- at the next forward of one of those models the instance hooks go in, starting that step, and the
+  global hooks come out. They can't come out earlier: torch iterates the global optimizer hook dict
+  while calling them, and a dict changed under iteration raises; the forward hooks are iterated
+  from a snapshot, so the forward pre-hook is the safe place. From then on nothing of discovery runs
+  per step (docs/benchmarks.md measures it).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import pickle
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Discovery", "Hooks", "batch_counts"]
+
+# The module attributes that hold forward hooks, keyed by handle id (torch.nn.Module.__init__).
+_HOOK_DICTS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # torch.compile would otherwise trace a hook into its graph (its clock reads and state changes
+    # replayed at the wrong time); disabled, it runs eagerly at a graph break.
+    return torch.compiler.disable(fn)  # type: ignore[no-any-return]
+
+
+class Hooks:
+    """Every hook and wrapper one front door put on a user's objects; :meth:`remove` takes all out."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._ids: dict[int, list[int]] = {}  # id(module) -> ids of the forward hook handles on it
+        self._patched: list[tuple[Any, str, Any, Any]] = []  # (object, attribute, our wrapper, before)
+        self._backward: tuple[Any, Any] | None = None  # (the original, our wrapper)
+        self._reducers: list[_Reducer] = []
+
+    def forward(
+        self,
+        module: torch.nn.Module,
+        pre: Callable[..., Any],
+        post: Callable[..., Any],
+        *,
+        prepend: bool = False,
+        with_kwargs: bool = False,
+        eager: bool = True,
+    ) -> None:
+        """A forward pre-hook and a forward hook (``always_call``: it sees a forward that raised)."""
+        wrap = _eager if eager else (lambda f: f)
+        hs = (
+            module.register_forward_pre_hook(wrap(pre), prepend=prepend, with_kwargs=with_kwargs),
+            module.register_forward_hook(wrap(post), always_call=True),
+        )
+        self._handles += hs
+        self._ids.setdefault(id(module), []).extend(h.id for h in hs)
+
+    def optimizer(
+        self,
+        opt: torch.optim.Optimizer,
+        pre: Callable[..., Any] | None = None,
+        post: Callable[..., Any] | None = None,
+        *,
+        eager: bool = True,
+    ) -> None:
+        """The optimizer's step pre-hook and/or post-hook."""
+        wrap = _eager if eager else (lambda f: f)
+        if pre is not None:
+            self._handles.append(opt.register_step_pre_hook(wrap(pre)))
+        if post is not None:
+            self._handles.append(opt.register_step_post_hook(wrap(post)))
+
+    def patch(self, obj: Any, attr: str, wrapper: Callable[..., Any]) -> None:
+        """``obj.attr = wrapper`` as an instance attribute (the class stays untouched); one that was
+        there before (someone's own wrapper) is put back by :meth:`remove`."""
+        self._patched.append((obj, attr, wrapper, obj.__dict__.get(attr)))
+        obj.__dict__[attr] = wrapper
+
+    def wrap_backward(self, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replace ``torch.autograd.backward`` with ``make(original)`` (run eagerly under compile)."""
+        orig = torch.autograd.backward
+        wrapper = _eager(make(orig))
+        self._backward = (orig, wrapper)
+        torch.autograd.backward = wrapper
+
+    def keep_picklable(self, model: torch.nn.Module) -> None:
+        """Pickle and copy ``model`` without what this object put on it (see :class:`_Reducer`)."""
+        self._reducers.append(_Reducer(model, self._state_without_us))
+
+    def _state_without_us(self, state: dict[str, Any], model: Any) -> dict[str, Any]:
+        state = dict(state)  # never the live __dict__
+        for obj, attr, wrapper, _ in self._patched:
+            if obj is model and state.get(attr) is wrapper:
+                del state[attr]
+        ids = self._ids.get(id(model), ())
+        for name in _HOOK_DICTS:
+            hooks = state.get(name)
+            if hooks and any(i in hooks for i in ids):
+                hooks = state[name] = hooks.copy()  # OrderedDict stays OrderedDict
+                for i in ids:
+                    hooks.pop(i, None)
+        return state
+
+    def remove(self) -> None:
+        """Take everything out (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._ids = {}
+        for r in self._reducers:
+            r.remove()
+        self._reducers = []
+        for obj, attr, wrapper, before in reversed(self._patched):
+            if obj.__dict__.get(attr) is wrapper:
+                if before is None:
+                    del obj.__dict__[attr]
+                else:
+                    obj.__dict__[attr] = before  # someone's instance wrapper from before ours
+        self._patched = []
+        if self._backward is not None:
+            orig, wrapper = self._backward
+            if torch.autograd.backward is wrapper:
+                torch.autograd.backward = orig
+            # Else someone wrapped it after us: ours stays inside theirs, passing every call through.
+            self._backward = None
+
+
+class _Reducer:
+    """Pickles and copies the hooked model without steptimer (``torch.save(model)``, an EMA or
+    teacher ``copy.deepcopy``): a ``copyreg`` entry for the model's class, so that nothing is put on
+    the model itself. Every other instance of the class is reduced as before; the entry found there
+    (if any) is chained and put back by :meth:`remove`.
+
+    Both ``pickle`` (and so ``torch.save``) and ``copy`` look a class up in ``copyreg.dispatch_table``
+    before its own ``__reduce_ex__``; the model is then reduced exactly as usual and only its state
+    is filtered, so the result is the model as it would be with no steptimer: no hooks of ours (a copy
+    would otherwise feed this timer), no ``zero_grad`` wrapper (a copy's would zero this model).
+    """
+
+    def __init__(self, model: torch.nn.Module, filter_state: Callable[[dict[str, Any], Any], dict[str, Any]]) -> None:
+        self._model: torch.nn.Module | None = model
+        self._filter = filter_state
+        self._cls = type(model)
+        self._prev = copyreg.dispatch_table.get(self._cls)
+        copyreg.dispatch_table[self._cls] = self
+
+    def __call__(self, obj: Any) -> Any:
+        if obj is not self._model:
+            return self._prev(obj) if self._prev is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        rv = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+            rv = (*rv[:2], self._filter(rv[2], obj), *rv[3:])
+        return rv
+
+    def remove(self) -> None:
+        if copyreg.dispatch_table.get(self._cls) is self:
+            if self._prev is None:
+                del copyreg.dispatch_table[self._cls]
+            else:
+                copyreg.dispatch_table[self._cls] = self._prev
+        # Else an entry put in after ours chains to it: ours stays, passing every object through.
+        self._model = None
+
+
+# ---------------------------------------------------------------------- samples and tokens
+
+
+def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if depth < 2 and isinstance(x, dict):
+        first = x.get("input_ids")
+        if isinstance(first, torch.Tensor):
+            return first
+        x = list(x.values())
+    if depth < 2 and isinstance(x, (list, tuple)):
+        for v in x:
+            t = _first_tensor(v, depth + 1)
+            if t is not None:
+                return t
+    return None
+
+
+def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(samples, tokens) of one model call: the batch is its first tensor input (positional first,
+    else ``input_ids``, else the first tensor keyword; one level into a dict, list or tuple); samples
+    are its leading dimension, tokens its elements when it is a 2-D integer tensor (token ids).
+    Shapes only: no device work."""
+    t = _first_tensor(args) if args else None
+    if t is None and kwargs:
+        t = _first_tensor(kwargs)
+    if t is None or t.dim() == 0:
+        return None, None
+    tokens = t.numel() if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool else None
+    return int(t.shape[0]), tokens
+
+
+# ---------------------------------------------------------------------- discovery
+
+
+class Discovery:
+    """Finds a loop's optimizers and models with torch's global hooks, then calls ``on_found`` once
+    (models, optimizers, and the module call that triggered it, whose args it must time) and takes
+    the global hooks out. See the module docstring for the rule. ``models`` / ``optimizers`` given
+    are taken as they are; only the rest is found."""
+
+    def __init__(
+        self,
+        on_found: Callable[[list[torch.nn.Module], list[torch.optim.Optimizer], Any, Any, Any], None],
+        *,
+        models: Sequence[torch.nn.Module] | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] | None = None,
+    ) -> None:
+        self._on_found = on_found
+        self._thread = threading.get_ident()
+        self._given_models = list(models) if models else None
+        self._given_opts = list(optimizers) if optimizers else None
+        self._stepped: dict[int, torch.optim.Optimizer] = {}  # in the order of their first step
+        self._called: dict[int, torch.nn.Module] = {}  # modules called with grad enabled, in order
+        self.optimizer_steps = 0  # optimizer.step() calls seen before the hooks went in
+        self.models: list[torch.nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.problem: str | None = None  # why discovery gave up, for the summary
+        self._model_ids: frozenset[int] = frozenset()
+        self._decided = False
+        self._pending: set[int] = set()
+        self.done = False
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._handles = [
+            register_optimizer_step_pre_hook(_eager(self._on_step)),
+            register_module_forward_pre_hook(_eager(self._on_forward)),
+        ]
+
+    def _on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.done or threading.get_ident() != self._thread:
+            return
+        self.optimizer_steps += 1
+        if self._decided:  # the rest of this iteration's optimizers: the next one starts at a forward
+            self._pending.discard(id(opt))
+            return
+        if self._given_opts is not None:
+            if any(opt is o for o in self._given_opts):
+                self._decide(list(self._given_opts), opt)
+            return
+        if id(opt) in self._stepped:  # the first optimizer steps again: one whole iteration seen
+            self._decide(list(self._stepped.values()), opt)
+        else:
+            self._stepped[id(opt)] = opt
+
+    def _decide(self, opts: list[torch.optim.Optimizer], now: torch.optim.Optimizer) -> None:
+        self._decided = True
+        params = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
+        if self._given_models is not None:
+            models = [m for m in self._given_models]
+            opts = [o for o in opts if any(id(p) in params for m in models for p in m.parameters())] or opts
+        else:
+            called = list(self._called.values())
+            inner = {id(sub) for m in called for sub in m.modules() if sub is not m}
+            models = [m for m in called if id(m) not in inner and any(id(p) in params for p in m.parameters())]
+            if models:  # the optimizers whose parameters those models hold
+                held = {id(p) for m in models for p in m.parameters()}
+                opts = [o for o in opts if any(id(p) in held for g in o.param_groups for p in g["params"])]
+        self._called = {}
+        self._stepped = {}
+        if not models:
+            names = ", ".join(type(o).__name__ for o in opts)
+            self.problem = (
+                f"the optimizer ({names}) stepped, but no module called with grad enabled holds its "
+                "parameters, so there is no model to time"
+            )
+            return  # the global hooks come out at the next forward: not here, inside torch's iteration
+        self.models, self.optimizers = models, opts
+        self._model_ids = frozenset(id(m) for m in models)
+        self._pending = {id(o) for o in opts if o is not now}  # still to step in this iteration (a GAN's)
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        if not self._decided:
+            if torch.is_grad_enabled():
+                self._called.setdefault(id(module), module)
+            return
+        if self.problem is not None:
+            self.remove()
+            return
+        if id(module) not in self._model_ids or self._pending or self.done:
+            return
+        # The safe place to take the global hooks out (torch iterates a snapshot of them here).
+        self.remove()
+        self._on_found(self.models, self.optimizers, module, args, {})
+
+    def remove(self) -> None:
+        """Take the global hooks out (idempotent)."""
+        self.done = True
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._called = {}

@@ -1,0 +1,98 @@
+"""Hugging Face front door: :class:`StepTimerCallback` for ``transformers.Trainer(callbacks=[...])``.
+
+A thin caller of the hooks ``instrument()`` uses (steptimer/_hooks.py): at ``on_train_begin`` it hooks
+the Trainer's model and optimizer (the torch optimizer inside accelerate's wrapper), so one step is one
+optimizer step, its micro-batches summed (gradient accumulation). The Trainer's events add what no
+hook sees: ``on_step_begin`` / ``on_substep_end`` count micro-batches, so the time from the last
+micro-batch's backward to ``on_pre_optimizer_step`` is ``clip`` (gradient clipping and the Trainer's
+bookkeeping after the last backward); ``on_train_end`` closes the timer. Phases: ``data`` (the batches
+of a step are fetched before its first micro-batch), ``forward`` (the model's forward, with the loss:
+the model computes it from ``labels``), ``loss`` (the Trainer's own work between forward and
+backward), ``backward``, ``clip``, ``optimizer``, ``zero_grad`` (``model.zero_grad()``); the LR
+scheduler's step is ``other``. Evaluation under ``no_grad`` is left out.
+
+Logs go beside the Trainer's: ``args.logging_dir`` where the installed transformers has it, else
+``<output_dir>/steptimer``. ``steptimer run`` times a Trainer script without this callback; don't
+use both at once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from steptimer.instrument import Instrumented
+from steptimer.timer import StepTimer
+
+try:
+    from transformers import TrainerCallback
+
+    _AVAILABLE = True
+except ImportError:  # fails where first needed, with the fix
+    TrainerCallback = object  # type: ignore[misc,assignment]
+    _AVAILABLE = False
+
+__all__ = ["StepTimerCallback"]
+
+
+def _torch_optimizer(opt: Any) -> Any:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (its step hooks fire there)."""
+    while hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer):
+        opt = opt.optimizer
+    return opt
+
+
+class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
+    """Times each optimizer step of a ``transformers.Trainer``.
+
+    Args:
+        **options: Every :class:`~steptimer.StepTimer` option; ``log_dir`` defaults to beside the
+            Trainer's logs. ``samples_per_step`` / ``tokens_per_step`` override the counts (by
+            default the leading dimension and, for 2-D integer ``input_ids``, the elements of the
+            model's input, summed over micro-batches).
+
+    Raises:
+        ModuleNotFoundError: transformers is not installed.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        if not _AVAILABLE:
+            raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'steptimer[hf]'")
+        self._counts = {k: options.pop(k) for k in ("samples_per_step", "tokens_per_step") if k in options}
+        self._options = options
+        self.timed: Instrumented | None = None
+        self._accum = 1
+        self._micro = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any) -> None:
+        if self.timed is not None:
+            self.timed.close()
+        options = dict(self._options)
+        if "log_dir" not in options and "writer" not in options:
+            options["log_dir"] = getattr(args, "logging_dir", None) or os.path.join(args.output_dir, "steptimer")
+        self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1)))
+        opt = _torch_optimizer(optimizer)
+        self.timed = Instrumented(StepTimer(**options), [model], [opt], **self._counts)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._micro = 0
+        self._arm()
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._micro += 1
+        self._arm()
+
+    def _arm(self) -> None:
+        # The last micro-batch's backward opens `clip`, which the optimizer's step pre-hook ends.
+        if self.timed is not None and self._micro == self._accum - 1:
+            self.timed._after_backward = "clip"
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.timed is not None:
+            self.timed.close()
+
+    @property
+    def steps(self) -> int:
+        return 0 if self.timed is None else self.timed.steps

@@ -1,0 +1,182 @@
+"""``steptimer run``: training scripts shaped like real ones (tests/run_scripts/), run unchanged as
+real subprocesses through ``python -m steptimer run``; their logs read back with ``steptimer report``.
+
+Each script sleeps a known time in one place per phase (tests/run_scripts/sleepy.py), so a boundary
+in the wrong place moves milliseconds between phases. As in test_instrument.py, a phase's median host
+time must lie in ``[sleep - 0.5 ms, sleep + 10 ms]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from steptimer._run import default_log_dir, split
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "run_scripts"
+sys.path.insert(0, str(SCRIPTS))
+from sleepy import SLEEP_MS  # noqa: E402
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+
+
+def run(tmp_path: Path, script: str, *args: str, opts: tuple[str, ...] = (), rc: int = 0) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "steptimer", "run", "--warmup-steps", "1", "--log-every-n-steps", "4",
+           "--log-dir", str(tmp_path / "log"), *opts, str(SCRIPTS / script), *args]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def report(log: Path, *, warmup: bool = True) -> dict[str, Any]:
+    """The run's report; ``warmup=False``: without the warm-up steps (the first step discovery starts
+    counts no keyword batch, so rates are read without it)."""
+    extra = ["--include-warmup"] if warmup else []
+    out = subprocess.run([sys.executable, "-m", "steptimer", "report", "--json", *extra, str(log)],
+                         env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (r,) = json.loads(out.stdout)["runs"]
+    return r  # type: ignore[no-any-return]
+
+
+def medians(r: dict[str, Any]) -> dict[str, float]:
+    return {row["name"]: row["host"]["median_ms"] for row in r["rows"] if row["host"]}
+
+
+def calls(summary: str) -> dict[str, int]:
+    """The summary table's `calls/step` column, by phase."""
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)\s+\d", summary, re.M)}
+
+
+def check_sleeps(med: dict[str, float], phases: dict[str, float]) -> None:
+    for phase, ms in phases.items():
+        assert ms - 0.5 <= med[phase] <= ms + 10, (phase, med)
+
+
+def test_a_trainer_class_that_builds_its_own_optimizer_and_saves_the_model(tmp_path: Path) -> None:
+    proc = run(tmp_path, "trainer_class.py", str(tmp_path / "model.pt"))
+    assert "SAVED Net" in proc.stdout  # torch.save(model) of the discovered model loads back plain
+    assert f"logging to {tmp_path / 'log'}" in proc.stderr
+    r = report(tmp_path / "log")
+    assert r["steps"] == 14 - 2  # the first optimizer's first two steps are discovery's
+    # model.zero_grad() before backward: inside the step; the scheduler's step is `other`.
+    check_sleeps(medians(r), {k: SLEEP_MS[k] for k in ("data", "forward", "loss", "backward", "optimizer")})
+    assert abs(r["samples_per_s"] / r["steps_per_s"] - 4) < 0.05
+    assert "found the model (Net) and optimizer (SleepySGD)" in proc.stdout
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_an_mnist_style_main_with_argparse_evaluation_and_accumulation(tmp_path: Path, accum: int) -> None:
+    proc = run(tmp_path, "mnist_main.py", "--epochs", "2", "--accum", str(accum), "--exit-code", "3", rc=3)
+    assert "ARGV ['--epochs', '2', '--accum', '%d', '--exit-code', '3']" % accum in proc.stdout
+    assert proc.stdout.count("test loss") == 2
+    r = report(tmp_path / "log")
+    assert r["steps"] == 2 * 12 // accum - 2
+    med = medians(r)
+    # Per step: `accum` micro-batches; data is the one fetch between steps, the others are `other`.
+    check_sleeps(med, {"data": SLEEP_MS["data"], "optimizer": SLEEP_MS["optimizer"], "zero_grad": SLEEP_MS["zero_grad"]})
+    check_sleeps(med, {k: accum * SLEEP_MS[k] for k in ("forward", "loss", "backward")})
+    c = calls(proc.stdout)
+    assert c["forward"] == c["backward"] == accum and c["optimizer"] == 1  # no_grad test forwards left out
+    assert abs(r["samples_per_s"] / r["steps_per_s"] - 4 * accum) < 0.05 * accum
+
+
+def test_a_gan_with_two_optimizers_makes_one_step_per_iteration(tmp_path: Path) -> None:
+    proc = run(tmp_path, "gan.py")
+    r = report(tmp_path / "log")
+    assert r["steps"] == 12 - 2
+    c = calls(proc.stdout)
+    assert c["optimizer"] == 2 and c["backward"] == 3 and c["forward"] == 4 and c["zero_grad"] == 2
+    med = medians(r)
+    # The networks' own zero_grad (nn.Module's) does not sleep: only the optimizers' would.
+    check_sleeps(med, {"data": SLEEP_MS["data"], "forward": SLEEP_MS["forward"], "optimizer": 2 * SLEEP_MS["optimizer"]})
+    assert med["zero_grad"] < 2
+    assert "found the model (D, G) and optimizer (SleepySGD, SleepySGD)" in proc.stdout
+    assert abs(r["samples_per_s"] / r["steps_per_s"] - 6) < 0.05  # the step's first forward only
+
+
+def test_a_compiled_model(tmp_path: Path) -> None:
+    proc = run(tmp_path, "compiled.py")
+    r = report(tmp_path / "log")
+    assert r["steps"] == 12 - 2
+    check_sleeps(medians(r), {k: SLEEP_MS[k] for k in ("data", "forward", "loss", "backward", "optimizer", "zero_grad")})
+    assert "found the model (OptimizedModule)" in proc.stdout
+
+
+@pytest.mark.parametrize("how", ["exit0", "exit4", "raise"])
+def test_a_script_that_never_trains(tmp_path: Path, how: str) -> None:
+    arg = {"exit0": "0", "exit4": "4", "raise": "raise"}[how]
+    proc = run(tmp_path, "never_trains.py", arg, rc={"exit0": 0, "exit4": 4, "raise": 1}[how])
+    assert "steptimer: " + str(SCRIPTS / "never_trains.py") + ": no optimizer.step() was called" in proc.stderr
+    if how == "raise":
+        assert "ValueError: the script's own error" in proc.stderr
+
+
+def test_module_form_and_arguments_after_the_script_are_the_scripts(tmp_path: Path) -> None:
+    assert split(["--lag", "1", "train.py", "--lag", "3", "-m", "x"]) == (["--lag", "1"], "train.py", False, ["--lag", "3", "-m", "x"])
+    assert split(["-m", "pkg.train", "--epochs", "2"]) == ([], "pkg.train", True, ["--epochs", "2"])
+    assert split(["--host-only", "--", "-odd.py", "a"]) == (["--host-only"], "-odd.py", False, ["a"])
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "hello.py").write_text("import sys\nprint('HELLO', __name__, sys.argv[1:])\n")
+    cmd = [sys.executable, "-m", "steptimer", "run", "--no-summary", "-m", "pkg.hello", "--x", "1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "HELLO __main__ ['--x', '1']" in proc.stdout
+    assert "logging to runs/steptimer-hello-1" in proc.stderr
+    assert (tmp_path / "runs" / "steptimer-hello-1").is_dir()  # the next run gets a fresh one
+    assert default_log_dir("pkg.hello", str(tmp_path / "runs"), module=True).endswith("steptimer-hello-2")
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_hugging_face_trainer_unchanged(tmp_path: Path, accum: int) -> None:
+    pytest.importorskip("transformers")
+    proc = run(tmp_path, "hf_trainer.py", str(tmp_path / "out"), str(accum))
+    assert "TRAINED" in proc.stdout
+    r = report(tmp_path / "log")
+    assert r["steps"] == 12 - 2
+    med = medians(r)
+    check_sleeps(med, {"data": accum * SLEEP_MS["data"], "forward": accum * SLEEP_MS["forward"]})
+    assert calls(proc.stdout)["forward"] == accum
+    r = report(tmp_path / "log", warmup=False)
+    assert abs(r["tokens_per_s"] / r["steps_per_s"] - accum * 4 * 16) < 0.05 * accum * 64  # 2-D input_ids
+    assert abs(r["samples_per_s"] / r["steps_per_s"] - accum * 4) < 0.05 * accum * 4
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_hugging_face_callback(tmp_path: Path, accum: int) -> None:
+    pytest.importorskip("transformers")
+    env = dict(ENV)
+    cmd = [sys.executable, str(SCRIPTS / "hf_trainer.py"), str(tmp_path / "out"), str(accum), "--callback"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = report(tmp_path / "out" / "steptimer")  # beside the Trainer's output
+    assert r["steps"] == 12  # known from the start: every step timed
+    med = medians(r)
+    check_sleeps(med, {"data": accum * SLEEP_MS["data"], "forward": accum * SLEEP_MS["forward"]})
+    c = calls(proc.stdout)
+    assert c["forward"] == c["backward"] == accum and c["clip"] == 1 and c["optimizer"] == 1 and c["zero_grad"] == 1
+    assert abs(r["tokens_per_s"] / r["steps_per_s"] - accum * 64) < 0.05 * accum * 64
+
+
+def test_under_torchrun_each_rank_times_and_rank_0_writes(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "steptimer",
+           "run", "--warmup-steps", "1", "--log-every-n-steps", "4", str(SCRIPTS / "ddp.py")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "RANK 0 DONE" in out and "RANK 1 DONE" in out
+    assert out.count("logging to runs/steptimer-ddp-1") == 1  # rank 0 names the directory and writes
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["steptimer-ddp-1"]
+    r = report(tmp_path / "runs" / "steptimer-ddp-1")
+    assert r["steps"] == 10 - 2
+    assert "found the model (DistributedDataParallel)" in out
+    check_sleeps(medians(r), {k: SLEEP_MS[k] for k in ("data", "forward", "loss", "optimizer")})
