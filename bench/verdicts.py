@@ -59,6 +59,8 @@ def facts(summary: Summary) -> dict[str, Any]:
         "backward_share": share.get("backward"),
         "backward_gpu_over_step_gpu": gpu_ratio,
         "steps": summary.steps,
+        # per row: host median ms, GPU median ms, launch-bound mark (what the verdict read)
+        "rows": {r.name: [r.host.median_ms, r.gpu.median_ms if r.gpu else None, r.launch_bound] for r in summary.rows},
     }
 
 

@@ -46,6 +46,9 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 # instead of recording a new one: no kernel can be launched in between, since launching one from
 # Python costs several µs of host time. So P back-to-back phases cost P + 1 records, not 2P + 2.
 _SHARE_GAP_S = 1.5e-6
+# The previous phase's end is checked at a phase's exit (``exit_phase``) only if the host left it at least
+# this long before: an idle GPU completes an event within its launch latency, a few µs after the record.
+_SETTLE_S = 50e-6
 _CAPTURE_MSG = (
     "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. Put "
     "`with timer.step():` around the graph replay, not inside the capture"
@@ -78,7 +81,9 @@ class _Pending:
     """A finished step whose GPU events may not have completed yet.
 
     ``phases`` holds ``(full name, host in, host out, event index in, event index out, caught)`` per
-    phase entry (caught: 1.0 if the GPU had reached the phase's entry by its exit, see ``exit_phase``); ``events[i_start]``/``events[i_end]`` bound the step on the GPU.
+    phase entry (caught: 1.0 if the GPU had reached the phase's entry by its exit, and its exit by the
+    next phase's exit, see ``exit_phase``); ``events[i_start]``/``events[i_end]`` bound the step on
+    the GPU.
     """
 
     __slots__ = (
@@ -376,6 +381,16 @@ class Engine:
             # the host launched this phase, so it cannot have waited for the host inside it (a query,
             # never a wait: one runtime call, ~0.3 µs through the shim).
             caught = 1.0 if self._query(self._evs[i_in]) else 0.0
+            prev = self._recs[-1] if self._recs else None
+            if prev is not None and prev[5] and t1 - prev[2] >= _SETTLE_S:
+                # The phase that ended before this one: the GPU passed its start while the host was in
+                # it; has it reached its end by now? A host blocked in a full launch queue lets the GPU
+                # pass a phase's start with a thousand launches still queued, and then the GPU never
+                # waited there. A GPU that waited for launches finishes the phase's work right after
+                # the host leaves it, within its launch latency (a few µs: hence _SETTLE_S).
+                reached = caught if prev[4] == i_in else self._query(self._evs[prev[4]])
+                if not reached:
+                    self._recs[-1] = prev[:5] + (0.0,)
             i_out = self._boundary(t1)
             if self._mem is not None:
                 peak = self._mem.exit_phase(full)

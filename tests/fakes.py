@@ -39,9 +39,12 @@ class FakeEvent:
 class FakeGPU:
     """One stream's worth of GPU: ``launch(ms)`` queues a kernel of that length."""
 
-    def __init__(self, clock: FakeClock, launch_ms: float = 0.0) -> None:
+    def __init__(self, clock: FakeClock, launch_ms: float = 0.0, queue_ms: float | None = None) -> None:
         self.clock = clock
         self.launch_ms = launch_ms  # host time a launch costs (a few µs on real hardware)
+        # A launch blocks the host while more than this much GPU work is queued (CUDA's launch queue
+        # holds about a thousand launches); None: an unbounded queue.
+        self.queue_ms = queue_ms
         self.busy_until_ms = 0.0
         self.events_created = 0
         self.waits = 0
@@ -54,6 +57,8 @@ class FakeGPU:
         return self.clock.now * 1e3
 
     def launch(self, ms: float) -> None:
+        if self.queue_ms is not None and self.busy_until_ms - self.host_ms > self.queue_ms:
+            self.clock.now = (self.busy_until_ms - self.queue_ms) / 1e3  # blocked in a full queue
         self.clock.advance_ms(self.launch_ms)
         start = max(self.host_ms, self.busy_until_ms)
         self.busy_until_ms = start + ms

@@ -218,3 +218,29 @@ def test_tensorboard_shares_are_the_summary_shares(tmp_path: Path, clock: FakeCl
             continue
         pts = [v for step, v in tags[f"steptimer/gpu/{row.name}_pct"] if step > 10]
         assert pts and all(v == pytest.approx(100 * row.share, abs=1e-3) for v in pts), row.name
+
+
+def test_a_host_blocked_in_a_full_launch_queue_is_not_launch_bound(tmp_path: Path, clock: FakeClock) -> None:
+    """GPT-like accumulation: each micro-batch's forward is 30 kernels of 0.3 ms, its backward 60 of
+    0.3 ms, launched far faster than they run, into a queue that holds 5 ms of work. The host blocks in
+    the full queue inside forward, long enough for the GPU to pass forward's start; the GPU spans then
+    match the host's. The GPU never waited for a launch: it had
+    5 ms queued all along, and it has not reached forward's end when the host leaves loss.
+
+    Not caught: backward, followed by the next micro-batch's long forward, in which the host blocks
+    long enough for the GPU to pass backward's end too (docs/cli.md says so)."""
+    gpu = FakeGPU(clock, queue_ms=5.0)
+    t = StepTimer._make(backend=gpu.backend(), log_every_n_steps=10, warmup_steps=5, print_summary=False)
+    for _ in range(40):
+        clock.advance_ms(0.1)
+        with t.step():
+            for _micro in range(4):
+                for name, kernels in (("forward", 30), ("loss", 2), ("backward", 60)):
+                    with t.phase(name):
+                        for _ in range(kernels):
+                            gpu.launch(0.3)
+                            clock.advance_ms(0.01)
+    s = t.close()
+    fwd = s["forward"]
+    assert fwd.gpu.median_ms <= 1.1 * fwd.host.median_ms  # the spans alone would say launch-bound
+    assert not fwd.launch_bound
