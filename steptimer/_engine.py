@@ -154,6 +154,9 @@ class Engine:
         # The current step.
         self.in_step = False
         self._timed = False
+        # In a step whose phases are not timed (outside the sample): the front door may hand out a
+        # no-op context manager for its phases (StepTimer.phase), ~0.2 µs instead of ~0.6 µs a phase.
+        self.untimed = False
         self._gpu = False  # timed on the GPU
         self._t0 = 0.0
         self._samples: float | None = None
@@ -204,8 +207,9 @@ class Engine:
         if self.cuda is None:
             self._settle_cuda()
         self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
-        self._timed = self.number + 1 == self._next_timed
-        self._gpu = self._timed and bool(self.cuda)
+        self._timed = timed = self.number + 1 == self._next_timed
+        self.untimed = not timed
+        self._gpu = timed and bool(self.cuda)
         self._samples, self._tokens, self._flops = samples, tokens, flops
         self._recs = []
         self._evs = []
@@ -274,7 +278,7 @@ class Engine:
             # gets its GPU idle.
             self._boundary(t1)
         rec.events = self._evs
-        self.in_step = False
+        self.in_step = self.untimed = False
         self._pending.append(rec)
         # Wait on the end of step N - lag (N itself with lag 0), then resolve every step up to it,
         # except this one: it is resolved at the next step's end (or close), inside that step's time.
@@ -417,7 +421,7 @@ class Engine:
         self._stack.clear()
         if self._mem is not None:
             self._mem.drop_step()
-        self.in_step = False
+        self.in_step = self.untimed = False
         self._gap_start = perf_counter()  # the failed step's time is not data wait
         self._paused_s = 0.0
 
