@@ -9,6 +9,7 @@ One run interleaves blocks (``round_order``: each round a different order, GC of
 * ``host``: ``StepTimer(cuda=False, log_dir=...)``, a step of 4 empty phases, every step timed,
   windows of 50 steps written to TensorBoard (the defaults);
 * ``untimed``: the same with ``sample_every=1000``: almost every step is outside the sample;
+* ``host_nolog``: ``host`` without ``log_dir`` (the engine and window statistics, no TensorBoard);
 * on CUDA: ``rec5``, five ``torch.cuda.Event.record(stream)`` calls (the floor of a CUDA-timed step
   of 4 phases), ``cuda`` (the defaults: CUDA events, memory read on one timed step in 10) and
   ``cuda_untimed`` (``sample_every=1000``);
@@ -179,6 +180,8 @@ def targets(med: dict[str, float], lightning_us: float | None, launch_pct: tuple
         check("untimed step (sample_every=1000)", "untimed", 5, " µs"),
         check("host-only timed step, 4 phases", "host", 10, " µs"),
         check("host-only timed step / Python floor", "host/floor", 4, " ×"),
+        check("host-only timed step, no log_dir", "host_nolog", 10, " µs"),
+        check("host-only timed step, no log_dir / Python floor", "host_nolog/floor", 4, " ×"),
         check("untimed step / Python floor", "untimed/floor", 1.5, " ×"),
         check("CUDA timed step (defaults) / 5-record floor", "cuda/rec5", 1.5, " ×"),
         check("CUDA untimed step (sample_every=1000)", "cuda_untimed", 5, " µs"),
@@ -367,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     timers = {
         "host": StepTimer(cuda=False, log_dir=f"{tmp}/host", **common),
         "untimed": StepTimer(cuda=False, sample_every=1000, log_dir=f"{tmp}/untimed", **common),
+        "host_nolog": StepTimer(cuda=False, **common),  # no TensorBoard: the engine and windows alone
     }
     blocks: dict[str, Block] = {"bare": bare_block, "floor": floor_block()}
     if cuda:
