@@ -405,6 +405,10 @@ class StepTimer:
                 return _NULL
             check_phase_name(name)
             cm = self._phases[name] = self._phase_cls(self._engine, name, self._ranges)
+        if self._engine.untimed and self._phase_cls is _Phase:
+            # A step outside the sample times no phase: the engine would only return (NVTX and
+            # profiler ranges, _RangedPhase, still run in every step).
+            return _NULL
         return cm
 
     def _rejoin(self, name: str, into: str) -> bool:

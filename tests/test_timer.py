@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import steptimer._engine as engine_mod
+import steptimer.timer as timer_mod
 from steptimer import StepTimer
 from tests.fakes import FakeClock, FakeGPU, ListSink
 
@@ -518,6 +519,27 @@ def test_exception_in_an_untimed_step_drops_only_that_step(clock: FakeClock, gpu
     s = t.close()
     assert s.steps == 10 and [w.step for w in sink.windows] == [10]
     assert s["data"].host.max_ms == pytest.approx(2.0)  # the failed step's time is not data wait
+
+
+def test_phases_of_an_untimed_step_are_no_ops_and_names_are_still_checked() -> None:
+    """Outside the sample a phase times nothing: phase() hands out the no-op context manager, after
+    checking the name as in a timed step; the timed steps' phases and every step's row are unchanged."""
+    t = StepTimer(cuda=False, sample_every=1000, warmup_steps=0, print_summary=False, log_every_n_steps=5000)
+    for _ in range(1000):
+        with t.step():
+            untimed = t._engine.untimed
+            cm = t.phase("forward")
+            assert (cm is timer_mod._NULL) == untimed
+            with cm:
+                pass
+            if untimed:
+                with pytest.raises(ValueError, match="invalid phase name"):
+                    t.phase("bad name")
+    assert isinstance(t.phase("forward"), timer_mod._Phase)  # between steps: the real one
+    with pytest.raises(RuntimeError, match="outside a step"), t.phase("forward"):
+        pass
+    s = t.close()
+    assert s.steps == 1000 and s.timed_steps == 1 and s["forward"].host.steps == 1
 
 
 # ---------------------------------------------------------------- faults

@@ -1,0 +1,407 @@
+"""Small steps: steptimer's host cost per step against the least a timer must do (issue 34).
+
+On a step of a few ms the host launches the work, so every host µs steptimer spends is wall time.
+One run interleaves blocks (``round_order``: each round a different order, GC off) of:
+
+* ``bare``: an empty loop (subtracted from every other block of the same round);
+* ``floor``: the least a Python timer must do: five nested context managers, each reading
+  ``perf_counter()`` twice and appending once (a step and 4 phases);
+* ``host``: ``StepTimer(cuda=False, log_dir=...)``, a step of 4 empty phases, every step timed,
+  windows of 50 steps written to TensorBoard (the defaults);
+* ``untimed``: the same with ``sample_every=1000``: almost every step is outside the sample;
+* ``host_nolog``: ``host`` without ``log_dir`` (the engine and window statistics, no TensorBoard);
+* on CUDA: ``rec5``, five ``torch.cuda.Event.record(stream)`` calls (the floor of a CUDA-timed step
+  of 4 phases), ``cuda`` (the defaults: CUDA events, memory read on one timed step in 10) and
+  ``cuda_untimed`` (``sample_every=1000``);
+* ``--launch-bound`` (CUDA): a loop of ~4 ms steps that only launch tiny kernels, bare and timed
+  with the defaults, in interleaved blocks: the overhead in % of the bare step, per round;
+* ``--lightning`` (CPU): a Lightning ``Trainer`` fitting a small autoencoder with and without
+  ``StepTimerCallback`` (its automatic forward/loss split included), fits interleaved: µs per step
+  added (the mean step, from a stamp at each ``on_train_batch_start``).
+
+Each added cost is the median over rounds of (variant block - bare block of the same round) per
+step, with its IQR; each ratio is the median over rounds of the same-round ratio to a floor. Run:
+``PYTHONPATH=. python -m bench.small_steps`` (add ``--lightning``, and ``--launch-bound`` on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import tempfile
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from bench._stats import format_table, median, quantile, round_order
+from steptimer import StepTimer
+
+Block = Callable[[int], float]  # runs n steps, returns seconds
+
+
+class _FloorCM:
+    """A context manager that reads the clock on enter and exit and appends the pair: the least."""
+
+    __slots__ = ("out", "t0")
+
+    def __init__(self, out: list[tuple[float, float]]) -> None:
+        self.out = out
+        self.t0 = 0.0
+
+    def __enter__(self) -> None:
+        self.t0 = perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.out.append((self.t0, perf_counter()))
+
+
+def floor_block() -> Block:
+    out: list[tuple[float, float]] = []
+    step, a, b, c, d = (_FloorCM(out) for _ in range(5))
+
+    def run(n: int) -> float:
+        out.clear()
+        t0 = perf_counter()
+        for _ in range(n):
+            with step:
+                with a:
+                    pass
+                with b:
+                    pass
+                with c:
+                    pass
+                with d:
+                    pass
+        return perf_counter() - t0
+
+    return run
+
+
+def bare_block(n: int) -> float:
+    t0 = perf_counter()
+    for _ in range(n):
+        pass
+    return perf_counter() - t0
+
+
+def timer_block(timer: StepTimer) -> Block:
+    """The README's loop: a step of 4 empty phases, ``samples`` given."""
+    st, ph = timer.step, timer.phase
+
+    def run(n: int) -> float:
+        t0 = perf_counter()
+        for _ in range(n):
+            with st(samples=1):
+                with ph("forward"):
+                    pass
+                with ph("loss"):
+                    pass
+                with ph("backward"):
+                    pass
+                with ph("optimizer"):
+                    pass
+        return perf_counter() - t0
+
+    return run
+
+
+def rec5_block() -> Block:
+    stream = torch.cuda.current_stream()
+    evs = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+    e0, e1, e2, e3, e4 = evs
+
+    def run(n: int) -> float:
+        t0 = perf_counter()
+        for _ in range(n):
+            e0.record(stream)
+            e1.record(stream)
+            e2.record(stream)
+            e3.record(stream)
+            e4.record(stream)
+        torch.cuda.synchronize()
+        return perf_counter() - t0
+
+    return run
+
+
+def interleave(blocks: dict[str, Block], rounds: int, steps: int) -> dict[str, list[float]]:
+    """Per-round seconds of each block, blocks in a different order each round, GC off."""
+    for f in blocks.values():
+        f(min(steps, 500))  # warm-up: first windows, compiled paths, caches
+    res: dict[str, list[float]] = {k: [] for k in blocks}
+    gc.collect()
+    gc.disable()
+    try:
+        for k in range(rounds):
+            for name in round_order(list(blocks), k):
+                res[name].append(blocks[name](steps))
+    finally:
+        gc.enable()
+    return res
+
+
+def _iqr(xs: list[float]) -> str:
+    return f"[{quantile(xs, 0.25):.2f}, {quantile(xs, 0.75):.2f}]"
+
+
+def host_table(res: dict[str, list[float]], steps: int) -> tuple[str, dict[str, float]]:
+    """µs per step added over ``bare`` and the ratios to the floors, per variant."""
+    bare = res["bare"]
+    added = {k: [(v - b) / steps * 1e6 for v, b in zip(vs, bare)] for k, vs in res.items() if k != "bare"}
+    floors = {"floor": added["floor"], "rec5": added.get("rec5")}
+    rows, med = [], {}
+    for k, xs in added.items():
+        med[k] = median(xs)
+        ratios = []
+        for fname, fl in floors.items():
+            if fl is None or k == fname:
+                continue
+            r = [x / f for x, f in zip(xs, fl) if f > 0]
+            med[f"{k}/{fname}"] = median(r)
+            ratios.append(f"{median(r):.2f} × {fname} {_iqr(r)}")
+        rows.append([k, f"{med[k]:.2f}", _iqr(xs), f"{min(xs):.2f}..{max(xs):.2f}", "; ".join(ratios) or "-"])
+    table = format_table(["variant", "µs/step added (median)", "IQR", "range", "ratio to floor (median, IQR)"], rows)
+    return table, med
+
+
+def targets(med: dict[str, float], lightning_us: float | None, launch_pct: tuple[float, float, float] | None) -> str:
+    """Which of issue 34's targets this run meets (n/a: not measured on this machine)."""
+
+    def check(label: str, key: str, limit: float, unit: str) -> list[str]:
+        v = med.get(key)
+        if v is None:
+            return [label, "n/a", f"≤ {limit:g}{unit}", "n/a (needs CUDA)" if "cuda" in key or "rec5" in key else "n/a"]
+        return [label, f"{v:.2f}{unit}", f"≤ {limit:g}{unit}", "yes" if v <= limit else "NO"]
+
+    rows = [
+        check("untimed step (sample_every=1000)", "untimed", 5, " µs"),
+        check("host-only timed step, 4 phases", "host", 10, " µs"),
+        check("host-only timed step / Python floor", "host/floor", 4, " ×"),
+        check("host-only timed step, no log_dir", "host_nolog", 10, " µs"),
+        check("host-only timed step, no log_dir / Python floor", "host_nolog/floor", 4, " ×"),
+        check("untimed step / Python floor", "untimed/floor", 1.5, " ×"),
+        check("CUDA timed step (defaults) / 5-record floor", "cuda/rec5", 1.5, " ×"),
+        check("CUDA untimed step (sample_every=1000)", "cuda_untimed", 5, " µs"),
+    ]
+    if lightning_us is not None:
+        rows.append(["Lightning callback over the same Trainer, CPU", f"{lightning_us:.1f} µs", "≤ 50 µs",
+                     "yes" if lightning_us <= 50 else "NO"])  # fmt: skip
+    if launch_pct is not None:
+        m, q1, q3 = launch_pct
+        ok = m < 1.0 and (q3 - q1) < max(m, 0.0) if m > 0 else m < 1.0
+        rows.append(["launch-bound ~4 ms steps, overhead", f"{m:+.2f} % (IQR {q1:+.2f}..{q3:+.2f})", "< 1 %",
+                     "yes" if ok else "NO"])  # fmt: skip
+    return format_table(["target (issue 34)", "this run", "limit", "met"], rows)
+
+
+# --------------------------------------------------------------------------- launch-bound, CUDA
+
+
+def launch_bound(rounds: int, steps: int, step_ms: float) -> tuple[str, tuple[float, float, float]]:
+    """~``step_ms`` steps of tiny kernel launches (4 phases), bare and timed, blocks interleaved."""
+    x = torch.zeros(64, device="cuda")
+
+    def launches(k: int) -> None:
+        for _ in range(k):
+            x.add_(1.0)
+
+    launches(200)
+    torch.cuda.synchronize()
+    t0 = perf_counter()
+    launches(2000)
+    torch.cuda.synchronize()
+    per_launch_ms = (perf_counter() - t0) / 2000 * 1e3
+    k = max(1, round(step_ms / per_launch_ms / 4))  # launches per phase
+    tmp = tempfile.mkdtemp(prefix="steptimer-small-")
+    timer = StepTimer(log_dir=tmp, print_summary=False)
+    st, ph = timer.step, timer.phase
+
+    def bare(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = perf_counter()
+        for _ in range(n):
+            launches(k)
+            launches(k)
+            launches(k)
+            launches(k)
+        torch.cuda.synchronize()
+        return perf_counter() - t0
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = perf_counter()
+        for _ in range(n):
+            with st(samples=1):
+                with ph("forward"):
+                    launches(k)
+                with ph("loss"):
+                    launches(k)
+                with ph("backward"):
+                    launches(k)
+                with ph("optimizer"):
+                    launches(k)
+        torch.cuda.synchronize()
+        return perf_counter() - t0
+
+    res = interleave({"bare": bare, "timed": timed}, rounds, steps)
+    timer.close()
+    pct = [(t / b - 1) * 100 for t, b in zip(res["timed"], res["bare"])]
+    m, q1, q3 = median(pct), quantile(pct, 0.25), quantile(pct, 0.75)
+    bare_ms = median(res["bare"]) / steps * 1e3
+    table = format_table(
+        ["loop", "launches/step", "bare ms/step", "timed vs bare (median)", "IQR", "range", "rounds x steps"],
+        [["launch-bound", 4 * k, f"{bare_ms:.3f}", f"{m:+.2f} %", f"[{q1:+.2f}, {q3:+.2f}] %",
+          f"{min(pct):+.2f}..{max(pct):+.2f} %", f"{rounds} x {steps}"]],
+    )  # fmt: skip
+    return table, (m, q1, q3)
+
+
+# --------------------------------------------------------------------------- Lightning, CPU
+
+
+def lightning(rounds: int, steps: int) -> tuple[str, float]:
+    """A small autoencoder fitted on CPU with and without StepTimerCallback, fits interleaved."""
+    import logging
+    import warnings
+
+    import pytorch_lightning as pl
+    from torch import nn
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from steptimer.lightning import StepTimerCallback
+
+    for name in ("lightning", "pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    x = torch.randn(32, 64)
+
+    class Repeat(IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            while True:
+                yield x
+
+    class AutoEncoder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+            self.decoder = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 64))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            z = self.encoder(batch)  # `forward` from the first model call to the last, then `loss`
+            return nn.functional.mse_loss(self.decoder(z), batch)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class Stamps(pl.Callback):
+        def __init__(self) -> None:
+            self.t: list[float] = []
+
+        def on_train_batch_start(self, *a: Any) -> None:
+            self.t.append(perf_counter())
+
+    warm = 50
+    root = tempfile.mkdtemp(prefix="steptimer-small-pl-")
+
+    def fit(variant: str) -> float:
+        stamps = Stamps()
+        cbs: list[Any] = [stamps]
+        if variant == "callback":
+            cbs.append(StepTimerCallback(print_summary=False))
+        elif variant == "no-op callback":  # Lightning's own cost of dispatching a callback's hooks
+            cbs.append(pl.Callback())
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=warm + steps, default_root_dir=root,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=cbs, num_sanity_val_steps=0, limit_val_batches=0,
+        )  # fmt: skip
+        trainer.fit(AutoEncoder(), DataLoader(Repeat(), batch_size=None))
+        t = stamps.t[warm:]
+        return (t[-1] - t[0]) / (len(t) - 1)  # mean step: windows and logger writes included
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: threads only add noise from the host's other load
+    variants = ["bare", "no-op callback", "callback"]
+    try:
+        for v in variants:
+            fit(v)
+        res: dict[str, list[float]] = {v: [] for v in variants}
+        for r in range(rounds):
+            for v in round_order(variants, r):
+                res[v].append(fit(v))
+    finally:
+        torch.set_num_threads(threads)
+    rows = []
+    for v in variants[1:]:
+        d = [(y - z) * 1e6 for y, z in zip(res[v], res["bare"])]
+        rows.append([v, f"{median(res['bare']) * 1e3:.3f}", f"{median(res[v]) * 1e3:.3f}", f"{median(d):+.1f}",
+                     f"[{quantile(d, 0.25):+.1f}, {quantile(d, 0.75):+.1f}]", f"{min(d):+.1f}..{max(d):+.1f}",
+                     f"{rounds} x {steps}"])  # fmt: skip
+    table = format_table(
+        ["Trainer (CPU, 1 thread, TensorBoard logger): autoencoder 64-32-8-32-64, batch 32", "bare ms/step",
+         "with it ms/step", "µs/step added (median)", "IQR", "range", "rounds x steps"],
+        rows,
+    )
+    d = [(y - z) * 1e6 for y, z in zip(res["callback"], res["bare"])]
+    return table, median(d)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=21, help="rounds of interleaved blocks")
+    p.add_argument("--steps", type=int, default=2000, help="steps per block")
+    p.add_argument("--lightning", action="store_true", help="also the Lightning callback on CPU")
+    p.add_argument("--lightning-rounds", type=int, default=11)
+    p.add_argument("--lightning-steps", type=int, default=400)
+    p.add_argument("--launch-bound", action="store_true", help="also a launch-bound ~4 ms loop (CUDA)")
+    p.add_argument("--launch-rounds", type=int, default=41)
+    p.add_argument("--launch-steps", type=int, default=100)
+    p.add_argument("--step-ms", type=float, default=4.0)
+    a = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})"
+    print(f"# {device}, torch {torch.__version__}, Python {platform.python_version()}; "
+          f"{a.rounds} rounds x {a.steps} steps, blocks interleaved")  # fmt: skip
+    tmp = tempfile.mkdtemp(prefix="steptimer-small-")
+    common: dict[str, Any] = {"print_summary": False, "warmup_steps": 0}
+    timers = {
+        "host": StepTimer(cuda=False, log_dir=f"{tmp}/host", **common),
+        "untimed": StepTimer(cuda=False, sample_every=1000, log_dir=f"{tmp}/untimed", **common),
+        "host_nolog": StepTimer(cuda=False, **common),  # no TensorBoard: the engine and windows alone
+    }
+    blocks: dict[str, Block] = {"bare": bare_block, "floor": floor_block()}
+    if cuda:
+        torch.zeros(1, device="cuda")
+        blocks["rec5"] = rec5_block()
+        timers["cuda"] = StepTimer(log_dir=f"{tmp}/cuda", **common)
+        timers["cuda_untimed"] = StepTimer(sample_every=1000, log_dir=f"{tmp}/cuda_untimed", **common)
+    for k, t in timers.items():
+        blocks[k] = timer_block(t)
+    res = interleave(blocks, a.rounds, a.steps)
+    for t in timers.values():
+        t.close()
+    table, med = host_table(res, a.steps)
+    print("\n## Host µs added per step (4 empty phases), against the floors\n")
+    print(table)
+    launch = None
+    if a.launch_bound:
+        if not cuda:
+            print("\n(--launch-bound needs CUDA: skipped)")
+        else:
+            lt, launch = launch_bound(a.launch_rounds, a.launch_steps, a.step_ms)
+            print("\n## Launch-bound loop (CUDA), timed with the defaults\n")
+            print(lt)
+    lus = None
+    if a.lightning:
+        lt, lus = lightning(a.lightning_rounds, a.lightning_steps)
+        print("\n## Lightning callback, CPU\n")
+        print(lt)
+    print("\n## Targets\n")
+    print(targets(med, lus, launch))
+
+
+if __name__ == "__main__":
+    main()
