@@ -39,14 +39,11 @@ from bench.gpt import PRESETS, Trainer, train_bare, train_steptimer  # noqa: E40
 from steptimer import StepTimer, Summary, instrument  # noqa: E402
 
 
-def _row(summary: Summary, name: str) -> Any:
-    return summary[name] if name in summary else None
-
-
 def facts(summary: Summary) -> dict[str, Any]:
     """What the summary concluded: shares, verdict, and the spans the checks compare them with."""
     share = {r.name: r.share for r in summary.rows if r.share is not None}
-    step, bwd = _row(summary, "step"), _row(summary, "backward")
+    by = {r.name: r for r in summary.rows}
+    step, bwd = by.get("step"), by.get("backward")
     gpu_ratio = None
     if step is not None and step.gpu is not None and bwd is not None and bwd.gpu is not None:
         gpu_ratio = bwd.gpu.mean_ms / step.gpu.mean_ms

@@ -15,9 +15,9 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._reader import RunLog
 from steptimer._slow import SlowStep
-from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._summary import DERIVED_LAST, is_launch_bound, row_order
 from steptimer._tensorboard import WARMUP_TAG
 from steptimer._verdict import ShareClock, Verdict, gpu_shares, verdict

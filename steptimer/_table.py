@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from steptimer._memory import MIB
-from steptimer._summary import PhaseSummary, Summary, row_order
+from steptimer._summary import Summary, row_order
 
 
 def _ms(v: float | None) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional, Protocol
+from typing import Literal, Protocol
 
 from steptimer._histogram import SeriesStats
 
@@ -33,9 +33,9 @@ class Row(Protocol):
     """What the verdict reads of a table row (``_summary.PhaseSummary``, ``_report.PhaseRow``)."""
 
     name: str
-    host: Optional[SeriesStats]  # noqa: UP007 - a Protocol field, evaluated on Python 3.9
-    gpu: Optional[SeriesStats]  # noqa: UP007
-    share: Optional[float]  # noqa: UP007
+    host: SeriesStats | None
+    gpu: SeriesStats | None
+    share: float | None
     launch_bound: bool
 
 
