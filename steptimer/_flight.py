@@ -87,8 +87,7 @@ class FlightRecorder:
             self._take(max(self.wanted))
         if not self.kept or not os.path.isdir(os.path.dirname(self.folder)):
             return {}  # a log directory gone mid-run: the sink has said so once already
-        import logging
-
+        from steptimer._files import unwritten
         from steptimer._tracefile import to_chrome
 
         try:
@@ -100,9 +99,7 @@ class FlightRecorder:
                     json.dump(to_chrome(doc), f)
                 self.paths[step] = path
         except OSError as err:
-            logging.getLogger("steptimer").warning(
-                "steptimer: can't write the slow steps' traces to %r: %s", self.folder, err.strerror or err
-            )
+            unwritten("the slow steps' traces", self.folder, err)
         return self.paths
 
 

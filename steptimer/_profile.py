@@ -28,11 +28,13 @@ at ``close()``), since the check needs their GPU times.
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from steptimer._files import unwritten
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
@@ -244,11 +246,10 @@ class ProfileCapture:
     def write(self, engine: Engine) -> None:
         paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
         try:
-            self._write()
+            self._write_or_note(engine)
         finally:
             if paused is not None:
                 engine.end_pause(paused)
-        engine.notes.append(self.note())
 
     def finish(self, engine: Engine) -> None:
         """At close: stop a window the run ended inside, and write what was captured."""
@@ -262,7 +263,15 @@ class ProfileCapture:
             self.written = True
             return
         self.stop(engine)
-        self._write()
+        self._write_or_note(engine)
+
+    def _write_or_note(self, engine: Engine) -> None:
+        """Write the trace; a failed write is one warning and a note, never an exception in a step."""
+        try:
+            self._write()
+        except OSError as err:
+            engine.notes.append(unwritten("the profiler trace", self.path, err))
+            return
         engine.notes.append(self.note())
 
     def note(self) -> str:

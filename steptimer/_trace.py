@@ -25,6 +25,8 @@ import os
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from steptimer._files import unwritten
+
 if TYPE_CHECKING:
     from steptimer._engine import Engine
 
@@ -176,11 +178,14 @@ class Capture:
             "steps": self._steps,
             "notes": self._notes,
         }
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, self.path)
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.path)
+        except OSError as err:
+            engine.notes.append(unwritten("the trace capture", self.path, err))
 
 
 def make_capture(

@@ -953,3 +953,25 @@ def test_numpy_and_cpu_tensor_counts_are_taken_as_numbers(clock: FakeClock) -> N
 def test_on_off_options_take_only_true_or_false(option: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"{option} must be True or False, got {value!r}"):
         StepTimer(**{option: value})  # type: ignore[arg-type]
+
+
+def test_trace_and_profile_files_that_cannot_be_written_never_stop_training(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The log dir is replaced by a file mid-run: the profiler window that ends at step 4 and the trace
+    capture written at close() both fail to write; training goes on, close() returns the whole
+    summary, and each failure is one warning and a note."""
+    import shutil
+
+    log_dir = tmp_path / "run"
+    t = StepTimer(log_dir=log_dir, cuda=False, warmup_steps=0, log_every_n_steps=100, print_summary=False,
+                  trace_steps=(2, 3), profile_steps=(3, 4))  # fmt: skip
+    for i in range(8):
+        if i == 1:
+            shutil.rmtree(log_dir)
+            log_dir.write_text("not a directory any more")
+        with t.step(), t.phase("forward"):
+            torch.ones(8).sum()
+    s = t.close()
+    assert s.steps == 8 and s["forward"].host.steps == 8
+    for what in ("the trace capture", "the profiler trace"):
+        assert any(n.startswith(f"can't write {what}") for n in s.notes), s.notes
+        assert sum(f"can't write {what}" in r.getMessage() for r in caplog.records) == 1

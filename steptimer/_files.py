@@ -1,0 +1,20 @@
+"""What steptimer does when one of its own files can't be written: one warning, never an exception.
+
+A full disk, a file-size limit or a log directory removed mid-run must not stop the training run
+that steptimer is measuring (the TensorBoard sink has its own rule, ``TensorBoardSink._fail``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("steptimer")
+
+
+def unwritten(what: str, path: str, err: OSError) -> str:
+    """Warn once on the ``steptimer`` logger that ``what`` could not be written to ``path``; return
+    the same sentence for the summary's notes. A logger warning, not ``warnings.warn``: with ``-W
+    error`` a warning would become an exception inside the user's step."""
+    msg = f"can't write {what} to {path!r} ({err.strerror or err}); training went on without it"
+    log.warning("steptimer: %s", msg)
+    return msg
