@@ -231,15 +231,16 @@ def slowest_table(slowest: Sequence[Any], width: int = 80) -> Any:
     wall time, and what stood out (the row that grew over its median, the measured causes; the
     cause column wraps, the others never do). One layout for the summary and ``steptimer report``."""
     from rich import box
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     on = "the GPU's timeline" if slowest[0].clock == "gpu" else "host clock"
+    # A line of its own, not the table's title, which rich would wrap to the table's width.
+    title = Text(f"slowest steps (wall on {on}; vs the run's median of the row)")
 
     def build(traces: bool) -> Any:
-        table = Table(
-            box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0), title_justify="left",
-            title=f"slowest steps (wall on {on}; vs the run's median of the row)",
-        )  # fmt: skip
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
         table.add_column("step", justify="right", no_wrap=True)
         table.add_column("wall ms", justify="right", no_wrap=True)
         table.add_column("what stood out", overflow="fold", max_width=max(width - 20, 30))
@@ -250,4 +251,4 @@ def slowest_table(slowest: Sequence[Any], width: int = 80) -> Any:
             table.add_row(str(s.step), _ms(s.wall_ms), cause)
         return table
 
-    return fitted((build(True), build(False)), width)
+    return Group(title, fitted((build(True), build(False)), width))

@@ -244,3 +244,29 @@ def test_a_host_blocked_in_a_full_launch_queue_is_not_launch_bound(tmp_path: Pat
     fwd = s["forward"]
     assert fwd.gpu.median_ms <= 1.1 * fwd.host.median_ms  # the spans alone would say launch-bound
     assert not fwd.launch_bound
+
+
+def test_report_at_80_columns_cuts_no_name_and_wraps_no_row(tmp_path: Path, clock: FakeClock) -> None:
+    """``steptimer report`` in an 80-column terminal: phase names whole (``optimizer``, ``zero_grad``,
+    not ``optimi…``), one line per row, units in the headers, verdict lines wrapped at 80."""
+    import os
+    import subprocess
+    import sys
+
+    phases = {**GPT, "zero_grad": (0.3, 0.01), "attention_backward": (1.0, 5.0)}
+    run(tmp_path, clock, phases, sync_every=1)
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-m", "steptimer", "report", str(tmp_path)], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "COLUMNS": "80", "PYTHONPATH": root},
+    ).stdout  # fmt: skip
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 80, out
+    assert "…" not in out
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["phase"])
+    end = next(i for i, line in enumerate(lines) if line.startswith("slowest steps"))
+    firsts = [line.split()[0] for line in lines[header + 2 : end] if line.split()]
+    assert firsts == ["data", *[n for n in phases if n != "data"], "other", "wait", "step", "idle"], out
+    assert lines[header - 1].split().count("ms") >= 4 and lines[header].split()[-1] == "GPU"
+    assert "verdict: gpu-bound" in out
+    assert "slowest steps (wall on the GPU's timeline; vs the run's median of the row)" in out
