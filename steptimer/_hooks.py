@@ -8,25 +8,31 @@ through torch's handles or is recorded with what was there before, and :meth:`Ho
 everything back: nothing of steptimer stays on the user's objects.
 
 :class:`Discovery` finds the model(s) and optimizer(s) of a loop nobody named (``steptimer run``,
-``instrument()`` with no arguments) with torch's *global* hooks, only until they are known:
+``instrument()`` with no arguments), with no global *module* hook at any time: ``torch.compile``
+traces and guards a model under whatever global module hooks exist while it compiles, and the
+compiled model stays slow after they are gone (85 % slower steps on GPT-2, docs/run.md):
 
-- a global optimizer step pre-hook sees every ``optimizer.step()``. Discovery waits until the first
-  optimizer that stepped steps again: every optimizer that stepped in between is one of the loop's
-  (a GAN's two). Until then a step can't end, since it is not known which optimizers make one;
-- a global module forward pre-hook notes each module called with grad enabled; the models are the
-  outermost of them (not inside another one noted) that hold a parameter of those optimizers;
-- at the next forward of one of those models the instance hooks go in, starting that step, and the
-  global hooks come out. They can't come out earlier: torch iterates the global optimizer hook dict
-  while calling them, and a dict changed under iteration raises; the forward hooks are iterated
-  from a snapshot, so the forward pre-hook is the safe place. From then on nothing of discovery runs
-  per step (docs/benchmarks.md measures it).
+- a global optimizer step pre-hook (it touches no module) sees every ``optimizer.step()``. Discovery
+  waits until the first optimizer that stepped steps again: every optimizer that stepped in between
+  is one of the loop's (a GAN's two). Until then a step can't end, since it is not known which
+  optimizers make one;
+- then, once, a scan of the live objects (:func:`trained_modules`) finds the models: the outermost
+  modules that hold those optimizers' parameters (a ``torch.compile`` or DDP wrapper, not the module
+  inside it); a one-shot forward pre-hook goes on each (an instance hook, like instrument()'s);
+- at the next forward of one of those models the instance hooks go in, starting that step, and
+  discovery's hooks come out. Not earlier: torch iterates the global optimizer hook dict while
+  calling them, and a dict changed under iteration raises; the forward hooks are iterated from a
+  copy, so a forward pre-hook is the safe place. From then on nothing of discovery runs per step
+  (docs/benchmarks.md measures it).
 """
 
 from __future__ import annotations
 
 import copyreg
+import gc
 import pickle
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -220,10 +226,10 @@ def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | Non
 
 
 class Discovery:
-    """Finds a loop's optimizers and models with torch's global hooks, then calls ``on_found`` once
-    (models, optimizers, and the module call that triggered it, whose args it must time) and takes
-    the global hooks out. See the module docstring for the rule. ``models`` / ``optimizers`` given
-    are taken as they are; only the rest is found."""
+    """Finds a loop's optimizers and models, then calls ``on_found`` once (models, optimizers, and
+    the model call that triggered it, whose args it must time) and takes its own hooks out. See the
+    module docstring for the rule. ``models`` / ``optimizers`` given are taken as they are; only the
+    rest is found. No global module hook, ever: ``torch.compile`` would see it (docs/run.md)."""
 
     def __init__(
         self,
@@ -237,25 +243,23 @@ class Discovery:
         self._given_models = list(models) if models else None
         self._given_opts = list(optimizers) if optimizers else None
         self._stepped: dict[int, torch.optim.Optimizer] = {}  # in the order of their first step
-        self._called: dict[int, torch.nn.Module] = {}  # modules called with grad enabled, in order
         self.optimizer_steps = 0  # optimizer.step() calls seen before the hooks went in
         self.models: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.problem: str | None = None  # why discovery gave up, for the summary
-        self._model_ids: frozenset[int] = frozenset()
+        self.scan_s: float | None = None  # what the one scan of live objects took
         self._decided = False
         self._pending: set[int] = set()
         self.done = False
-        from torch.nn.modules.module import register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        self._handles = [
-            register_optimizer_step_pre_hook(_eager(self._on_step)),
-            register_module_forward_pre_hook(_eager(self._on_forward)),
-        ]
+        self._handles = [register_optimizer_step_pre_hook(_eager(self._on_step))]
+        self._triggers: list[Any] = []  # the found models' one-shot forward pre-hooks
 
     def _on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.done or threading.get_ident() != self._thread:
+            return
+        if self.problem is not None:  # gave up; the hook comes out at close (not here: see remove())
             return
         self.optimizer_steps += 1
         if self._decided:  # the rest of this iteration's optimizers: the next one starts at a forward
@@ -272,50 +276,78 @@ class Discovery:
 
     def _decide(self, opts: list[torch.optim.Optimizer], now: torch.optim.Optimizer) -> None:
         self._decided = True
-        params = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
+        self._stepped = {}
         if self._given_models is not None:
-            models = [m for m in self._given_models]
+            models = list(self._given_models)
+            params = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
             opts = [o for o in opts if any(id(p) in params for m in models for p in m.parameters())] or opts
         else:
-            called = list(self._called.values())
-            inner = {id(sub) for m in called for sub in m.modules() if sub is not m}
-            models = [m for m in called if id(m) not in inner and any(id(p) in params for p in m.parameters())]
+            t0 = time.perf_counter()
+            models = trained_modules(opts)
+            self.scan_s = time.perf_counter() - t0
             if models:  # the optimizers whose parameters those models hold
                 held = {id(p) for m in models for p in m.parameters()}
                 opts = [o for o in opts if any(id(p) in held for g in o.param_groups for p in g["params"])]
-        self._called = {}
-        self._stepped = {}
         if not models:
             names = ", ".join(type(o).__name__ for o in opts)
             self.problem = (
-                f"the optimizer ({names}) stepped, but no module called with grad enabled holds its "
-                "parameters, so there is no model to time"
+                f"the optimizer ({names}) stepped, but no module holds its parameters, so there is no "
+                "model to time"
             )
-            return  # the global hooks come out at the next forward: not here, inside torch's iteration
+            return
         self.models, self.optimizers = models, opts
-        self._model_ids = frozenset(id(m) for m in models)
         self._pending = {id(o) for o in opts if o is not now}  # still to step in this iteration (a GAN's)
+        # One-shot instance pre-hooks on the models: their dicts are not the one torch iterates now.
+        # with_kwargs: the first timed call's keyword batch is counted too.
+        for m in models:
+            self._triggers.append(m.register_forward_pre_hook(_eager(self._on_forward), with_kwargs=True))
 
-    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() != self._thread:
+    def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if self.done or self._pending or threading.get_ident() != self._thread:
             return
-        if not self._decided:
-            if torch.is_grad_enabled():
-                self._called.setdefault(id(module), module)
-            return
-        if self.problem is not None:
-            self.remove()
-            return
-        if id(module) not in self._model_ids or self._pending or self.done:
-            return
-        # The safe place to take the global hooks out (torch iterates a snapshot of them here).
+        # The safe place to take discovery's hooks out: torch iterates a copy of the forward hooks,
+        # and the optimizer hook dict is not being iterated.
         self.remove()
-        self._on_found(self.models, self.optimizers, module, args, {})
+        self._on_found(self.models, self.optimizers, module, args, kwargs)
 
     def remove(self) -> None:
-        """Take the global hooks out (idempotent)."""
+        """Take discovery's hooks out (idempotent). Not from inside an optimizer step: torch iterates
+        the global optimizer-hook dict while calling them, and a dict changed under iteration raises."""
         self.done = True
-        for h in self._handles:
+        for h in (*self._handles, *self._triggers):
             h.remove()
         self._handles = []
-        self._called = {}
+        self._triggers = []
+
+
+def trained_modules(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.nn.Module]:
+    """The models those optimizers train, found by one scan of the live objects (``gc``): the
+    outermost modules that hold one of their parameters and no trainable parameter outside them
+    (a frozen backbone's parameters need not be in an optimizer). Outermost: not a submodule of
+    another such module, so a ``torch.compile`` or DDP wrapper wins over the module inside it. In
+    the order of the optimizers' parameters (a GAN's networks in the order of their optimizers)."""
+    order: dict[int, int] = {}
+    for o in optimizers:
+        for g in o.param_groups:
+            for p in g["params"]:
+                order.setdefault(id(p), len(order))
+    found: list[tuple[int, torch.nn.Module]] = []
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.nn.Module):  # type(), not isinstance: no __class__ lookups
+            continue
+        first = None
+        try:
+            for p in obj.parameters():
+                i = order.get(id(p))
+                if i is None:
+                    if p.requires_grad:
+                        break  # trains something these optimizers don't: not (all of) one of their models
+                elif first is None or i < first:
+                    first = i
+            else:
+                if first is not None:
+                    found.append((first, obj))
+        except Exception:  # a half-built or broken module: not a model
+            continue
+    inner = {id(sub) for _, m in found for sub in m.modules() if sub is not m}
+    return [m for _, m in sorted(found, key=lambda f: f[0]) if id(m) not in inner]

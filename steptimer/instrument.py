@@ -65,8 +65,8 @@ def instrument(
     Args:
         model: The module the loop calls (``model(x)``): its forward is ``forward``. A DDP or
             ``torch.compile`` wrapper or the module inside it both work. None: found when the
-            optimizer steps (the outermost modules called with grad that hold its parameters;
-            docs/run.md), as ``steptimer run`` does.
+            optimizer steps (the outermost modules that hold its parameters; docs/run.md), as
+            ``steptimer run`` does.
         optimizer: The optimizer, or a list of them: a step ends when each of them has stepped once.
             None: found at their steps (every optimizer that steps before the first one steps
             again). Steps before the discovery are not timed (a note in the summary says how many).
@@ -138,7 +138,6 @@ class Instrumented:
         self._tokens: float | None = None
         self._after_backward: str | None = None  # a phase to open when the next backward returns (HF: clip)
         self._discovery: Discovery | None = None
-        self._uncounted = False  # this step's batch was not seen (the step discovery started)
         self._noted: set[str] = set()
         self._thread = threading.get_ident()  # the training thread: every other thread is ignored
         self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
@@ -321,10 +320,9 @@ class Instrumented:
         if self._removed:
             return
         self._install()
-        # This call's own hooks were fixed before ours went in: start its step here. Its keyword
-        # inputs are not seen (torch's global pre-hook gets none), so a keyword batch is not counted.
+        # This call's own hooks were fixed before ours went in: start its step here (discovery's
+        # one-shot pre-hook passes its positional and keyword inputs, so its batch is counted).
         self._forward_pre(module, args, kwargs)
-        self._uncounted = not args
 
     def _ignored(self) -> bool:
         """Other threads (DataParallel replicas, autograd's device threads), pauses, forwards that a
@@ -535,14 +533,13 @@ class Instrumented:
         self._in_step = True
         self._count_next = self._count
         self._samples = self._tokens = None
-        self._uncounted = False
 
     def _end(self) -> None:
         if len(self._frames) > 1:  # the update ran inside a user phase: end when it exits
             self._end_pending = True
             return
         self._switch(None)
-        samples, tokens = (None, None) if self._uncounted else (self._samples, self._tokens)
+        samples, tokens = self._samples, self._tokens
         cm = self._reset()
         if self._fixed[0] is None and samples is not None:
             self._note_count("samples", "the leading dimension of the model's input")

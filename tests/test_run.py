@@ -111,6 +111,43 @@ def test_a_compiled_model(tmp_path: Path) -> None:
     assert "found the model (OptimizedModule)" in proc.stdout
 
 
+def test_no_global_module_hook_ever_and_a_compiled_model_compiles_as_without_steptimer(tmp_path: Path) -> None:
+    # torch.compile traces and guards under whatever global module hooks exist when it compiles (the
+    # compiled GPT-2 ran 85 % slower under discovery's old global forward pre-hook): the script checks
+    # torch's global module hook dicts before the model exists and after every call and step, turns
+    # torch's "global hooks on modules" warning into an error, and counts the graphs compiled.
+    proc = run(tmp_path, "no_global_hooks.py")
+    assert "NO GLOBAL HOOKS; GRAPHS 1" in proc.stdout
+    assert "global hooks on modules" not in proc.stderr
+    assert "found the model (OptimizedModule) and optimizer (SleepySGD)" in proc.stdout
+    assert report(tmp_path / "log")["steps"] == 8 - 2
+
+
+def test_the_models_are_the_outermost_modules_holding_the_optimizers_parameters() -> None:
+    import copy
+
+    import torch
+
+    from steptimer._hooks import trained_modules
+
+    class Tuned(torch.nn.Module):  # a frozen backbone and a trained head, in one model
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = torch.nn.Linear(4, 4).requires_grad_(False)
+            self.head = torch.nn.Linear(4, 1)
+
+    net = Tuned()
+    ema = copy.deepcopy(net)  # holds none of the optimizer's parameters
+    opt = torch.optim.SGD(net.head.parameters(), lr=0.1)
+    assert trained_modules([opt]) == [net]
+    compiled = torch.compile(net, backend="eager")  # the wrapper, which the loop calls, wins
+    assert trained_modules([opt]) == [compiled]
+    g, d = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    opts = [torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1)]
+    assert trained_modules(opts) == [d, g]  # in the order of the optimizers
+    del ema
+
+
 @pytest.mark.parametrize("how", ["exit0", "exit4", "raise"])
 def test_a_script_that_never_trains(tmp_path: Path, how: str) -> None:
     arg = {"exit0": "0", "exit4": "4", "raise": "raise"}[how]
