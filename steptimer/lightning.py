@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import importlib
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -47,6 +46,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from steptimer._hooks import Hooks
 from steptimer._peaks import dtype_of_precision
 from steptimer._profile import check_profile_steps
 from steptimer._summary import Summary
@@ -325,8 +325,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._timer: StepTimer | None = None
         self._sink: _LoggerSink | None = None
         self._user_phases: dict[str, _UserPhase] = {}
-        self._handles: list[Any] = []
-        self._patched: list[tuple[Any, str, Any]] = []
+        self._hooks = Hooks()  # every hook and wrapper on the user's objects (steptimer/_hooks.py)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._reset_batch_state()
 
@@ -651,7 +650,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hook_model(pl_module)
         raw = list(trainer.optimizers)
         for opt in raw:
-            self._handles.append(opt.register_step_post_hook(self._optimizer_post))
+            self._hooks.optimizer(opt, post=self._optimizer_post, eager=False)
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
         for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
@@ -685,8 +684,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                     ) from None
         self._hooked = targets
         for _, module in targets:
-            self._handles.append(module.register_forward_pre_hook(self._forward_pre))
-            self._handles.append(module.register_forward_hook(self._forward_post, always_call=True))
+            self._hooks.forward(module, self._forward_pre, self._forward_post, eager=False)
         self._patch(pl_module, "training_step", self._training_step_wrapper)
 
     def _patch(self, obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -695,24 +693,13 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             return
         orig = getattr(obj, attr)
         wrapper = functools.wraps(orig)(make(orig))  # `__wrapped__` keeps is_overridden() truthful
-        wrapper._steptimer = True  # type: ignore[attr-defined]
         # An instance attribute already there (Lightning's `from_compiled` sets `training_step`) is
         # put back at teardown, not deleted.
-        self._patched.append((obj, attr, obj.__dict__.get(attr)))
-        setattr(obj, attr, wrapper)
+        self._hooks.patch(obj, attr, wrapper)
 
     def _uninstall(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._hooks.remove()
         self._hooked = []
-        for obj, attr, before in reversed(self._patched):
-            if getattr(obj.__dict__.get(attr), "_steptimer", False):
-                if before is None:
-                    delattr(obj, attr)
-                else:
-                    setattr(obj, attr, before)
-        self._patched = []
 
     def _training_step_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         # The forward hooks count only in here: not a callback's or validation's self(x), and not the
