@@ -112,8 +112,8 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     )
     between = by.get("data")
     said_between = (
-        f"meanwhile the host was between steps (the data row: your loader, .item(), logging, anything "
-        f"outside a step) for a median {_ms(between.host.median_ms)} per step"
+        f"meanwhile the host's data row (the time between steps, plus a `data` phase if you have one: "
+        f"your loader, .item(), logging) took a median {_ms(between.host.median_ms)} per step"
         if between is not None and between.host is not None
         else None
     )
@@ -151,9 +151,9 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
 def _host_verdict(by: Mapping[str, Row], phases: Sequence[Row]) -> Verdict:
     data = by.get("data")
     between = (data.share or 0.0) if data is not None else 0.0
-    said_between = f"the host spent {_pct(between)} of wall time between steps" + (
-        f" (the data row, median {_ms(data.host.median_ms)}: your loader, logging, the framework's loop, "
-        "anything outside a step)"
+    said_between = f"the host spent {_pct(between)} of wall time on the data row" + (
+        f" (median {_ms(data.host.median_ms)}: the time between steps, plus a `data` phase if you have "
+        "one; your loader, logging, the framework's loop)"
         if data is not None and data.host is not None
         else ""
     )
