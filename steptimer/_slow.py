@@ -327,7 +327,7 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
     if data is not None and med_data is not None:
         grown = sum(v for v in excess.values() if v > 0)
         if data - med_data > 0 and grown > 0 and data - med_data >= DATA_MIN_FRAC * grown and data >= 2 * med_data:
-            causes.append(f"data stall: {_ms(data)} ms between steps (median {_ms(med_data)})")
+            causes.append(f"data stall: {_ms(data)} ms in the data row (median {_ms(med_data)})")
     own = m.get("window_ms", 0.0)
     if own >= GC_MIN_MS and own >= GC_MIN_FRAC * c.wall_ms:
         causes.append(f"steptimer's own window (statistics, TensorBoard) took {_ms(own)} ms in it")
