@@ -77,32 +77,19 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="per-phase GPU/host times of steps, shares and a bottleneck verdict")
     r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
     r.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    r.add_argument(
-        "--skip-steps",
-        type=_nonneg,
-        default=0,
-        metavar="N",
-        help="leave out the windows that end at or before step N",
-    )
-    r.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
+    _window_args(r)
     r.set_defaults(func=_cmd_report)
     c = sub.add_parser(
         "compare",
-        help="per-phase change from RUN_A to RUN_B, with a noise note",
+        help="per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
         description="Per phase, the median ms per step in RUN_A and RUN_B (GPU where both have it, "
-        "else host), the change, and whether it is within the runs' own spread.",
+        "else host) and the change; 'slower' or 'faster' only when the runs' steps are apart "
+        "(Cliff's delta >= 0.5) and the change is at least 5 % and 5 µs (docs/cli.md).",
     )
     c.add_argument("run_a", metavar="RUN_A", help="the baseline run directory (one run)")
     c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run)")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    c.add_argument(
-        "--skip-steps",
-        type=_nonneg,
-        default=0,
-        metavar="N",
-        help="leave out the windows that end at or before step N",
-    )
-    c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
+    _window_args(c)
     c.set_defaults(func=_cmd_compare)
     t = sub.add_parser(
         "trace",
@@ -125,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
     k.set_defaults(func=_cmd_kernels)
     return p
+
+
+def _window_args(p: argparse.ArgumentParser) -> None:
+    """The options that choose a run's windows (``report`` and ``compare``)."""
+    p.add_argument(
+        "--skip-steps", type=_nonneg, default=0, metavar="N", help="leave out the windows that end at or before step N"
+    )
+    p.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
 
 
 def _positive(text: str) -> int:
