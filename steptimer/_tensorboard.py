@@ -301,7 +301,10 @@ _FILE_IDS = itertools.count()
 
 
 def new_run_id() -> str:
-    """``<time>.<host>.<pid>.<counter>``: what follows ``events.out.tfevents.`` in a new file's name."""
+    """``<time>.<host>.<pid>.<counter>``: what follows ``events.out.tfevents.`` in a new file's name.
+
+    The epoch seconds TensorBoard's own writers put there (readers sort files by it), never a duration.
+    """
     return f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
 
 
