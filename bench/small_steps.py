@@ -10,9 +10,12 @@ One run interleaves blocks (``round_order``: each round a different order, GC of
   windows of 50 steps written to TensorBoard (the defaults);
 * ``untimed``: the same with ``sample_every=1000``: almost every step is outside the sample;
 * ``host_nolog``: ``host`` without ``log_dir`` (the engine and window statistics, no TensorBoard);
+* ``host_50``: ``host`` with ``log_every_n_steps=50`` (the default lengthens a window of small
+  steps to last a second; this is the cost of one window every 50 steps);
 * on CUDA: ``rec5``, five ``torch.cuda.Event.record(stream)`` calls (the floor of a CUDA-timed step
   of 4 phases), ``cuda`` (the defaults: CUDA events, memory read on one timed step in 10) and
-  ``cuda_untimed`` (``sample_every=1000``);
+  ``cuda_untimed`` (``sample_every=1000``), ``cuda_nomem`` (``memory=False``) and ``cuda_50``
+  (``log_every_n_steps=50``);
 * ``--launch-bound`` (CUDA): a loop of ~4 ms steps that only launch tiny kernels, bare and timed
   with the defaults, in interleaved blocks: the overhead in % of the bare step, per round;
 * ``--lightning`` (CPU): a Lightning ``Trainer`` fitting a small autoencoder with and without
@@ -127,6 +130,22 @@ def rec5_block() -> Block:
     return run
 
 
+def profile(block: Block, steps: int, path: str) -> None:
+    """cProfile's top 40 functions by own time over ``steps`` steps of ``block``, to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    block(steps)
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(40)
+    with open(path, "w") as f:
+        f.write(f"# {steps} steps\n{out.getvalue()}")
+
+
 def interleave(blocks: dict[str, Block], rounds: int, steps: int) -> dict[str, list[float]]:
     """Per-round seconds of each block, blocks in a different order each round, GC off."""
     for f in blocks.values():
@@ -200,8 +219,10 @@ def targets(med: dict[str, float], lightning_us: float | None, launch_pct: tuple
 # --------------------------------------------------------------------------- launch-bound, CUDA
 
 
-def launch_bound(rounds: int, steps: int, step_ms: float) -> tuple[str, tuple[float, float, float]]:
-    """~``step_ms`` steps of tiny kernel launches (4 phases), bare and timed, blocks interleaved."""
+def launch_bound(rounds: int, steps: int, step_ms: float, variants: bool = False) -> tuple[str, tuple[float, float, float]]:
+    """~``step_ms`` steps of tiny kernel launches (4 phases), bare and timed, blocks interleaved.
+    ``variants``: also timed with ``memory=False``, ``cuda=False`` and ``sample_every=1000``, to
+    tell the host's Python from the CUDA calls and the allocator readings."""
     x = torch.zeros(64, device="cuda")
 
     def launches(k: int) -> None:
@@ -216,8 +237,11 @@ def launch_bound(rounds: int, steps: int, step_ms: float) -> tuple[str, tuple[fl
     per_launch_ms = (perf_counter() - t0) / 2000 * 1e3
     k = max(1, round(step_ms / per_launch_ms / 4))  # launches per phase
     tmp = tempfile.mkdtemp(prefix="steptimer-small-")
-    timer = StepTimer(log_dir=tmp, print_summary=False)
-    st, ph = timer.step, timer.phase
+    timers = {"timed": StepTimer(log_dir=f"{tmp}/timed", print_summary=False)}
+    if variants:
+        timers["memory=False"] = StepTimer(log_dir=f"{tmp}/nomem", memory=False, print_summary=False)
+        timers["cuda=False"] = StepTimer(log_dir=f"{tmp}/host", cuda=False, print_summary=False)
+        timers["sample_every=1000"] = StepTimer(log_dir=f"{tmp}/sampled", sample_every=1000, print_summary=False)
 
     def bare(n: int) -> float:
         torch.cuda.synchronize()
@@ -230,33 +254,43 @@ def launch_bound(rounds: int, steps: int, step_ms: float) -> tuple[str, tuple[fl
         torch.cuda.synchronize()
         return perf_counter() - t0
 
-    def timed(n: int) -> float:
-        torch.cuda.synchronize()
-        t0 = perf_counter()
-        for _ in range(n):
-            with st(samples=1):
-                with ph("forward"):
-                    launches(k)
-                with ph("loss"):
-                    launches(k)
-                with ph("backward"):
-                    launches(k)
-                with ph("optimizer"):
-                    launches(k)
-        torch.cuda.synchronize()
-        return perf_counter() - t0
+    def timed(timer: StepTimer) -> Block:
+        st, ph = timer.step, timer.phase
 
-    res = interleave({"bare": bare, "timed": timed}, rounds, steps)
-    timer.close()
-    pct = [(t / b - 1) * 100 for t, b in zip(res["timed"], res["bare"])]
-    m, q1, q3 = median(pct), quantile(pct, 0.25), quantile(pct, 0.75)
+        def run(n: int) -> float:
+            torch.cuda.synchronize()
+            t0 = perf_counter()
+            for _ in range(n):
+                with st(samples=1):
+                    with ph("forward"):
+                        launches(k)
+                    with ph("loss"):
+                        launches(k)
+                    with ph("backward"):
+                        launches(k)
+                    with ph("optimizer"):
+                        launches(k)
+            torch.cuda.synchronize()
+            return perf_counter() - t0
+
+        return run
+
+    res = interleave({"bare": bare, **{name: timed(t) for name, t in timers.items()}}, rounds, steps)
+    for t in timers.values():
+        t.close()
     bare_ms = median(res["bare"]) / steps * 1e3
+    rows, first = [], (0.0, 0.0, 0.0)
+    for name in timers:
+        pct = [(t / b - 1) * 100 for t, b in zip(res[name], res["bare"])]
+        m, q1, q3 = median(pct), quantile(pct, 0.25), quantile(pct, 0.75)
+        if name == "timed":
+            first = (m, q1, q3)
+        rows.append([name if name != "timed" else "defaults", 4 * k, f"{bare_ms:.3f}", f"{m:+.2f} %",
+                     f"[{q1:+.2f}, {q3:+.2f}] %", f"{min(pct):+.2f}..{max(pct):+.2f} %", f"{rounds} x {steps}"])  # fmt: skip
     table = format_table(
-        ["loop", "launches/step", "bare ms/step", "timed vs bare (median)", "IQR", "range", "rounds x steps"],
-        [["launch-bound", 4 * k, f"{bare_ms:.3f}", f"{m:+.2f} %", f"[{q1:+.2f}, {q3:+.2f}] %",
-          f"{min(pct):+.2f}..{max(pct):+.2f} %", f"{rounds} x {steps}"]],
-    )  # fmt: skip
-    return table, (m, q1, q3)
+        ["timer", "launches/step", "bare ms/step", "timed vs bare (median)", "IQR", "range", "rounds x steps"], rows
+    )
+    return table, first
 
 
 # --------------------------------------------------------------------------- Lightning, CPU
@@ -360,6 +394,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--launch-rounds", type=int, default=41)
     p.add_argument("--launch-steps", type=int, default=100)
     p.add_argument("--step-ms", type=float, default=4.0)
+    p.add_argument("--launch-variants", action="store_true", help="the launch-bound loop also with "
+                   "memory=False, cuda=False and sample_every=1000")  # fmt: skip
+    p.add_argument("--profile", metavar="FILE", help="also write cProfile's top functions of the default "
+                   "timer's loop (CUDA if present) to FILE")  # fmt: skip
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})"
@@ -371,16 +409,22 @@ def main(argv: list[str] | None = None) -> None:
         "host": StepTimer(cuda=False, log_dir=f"{tmp}/host", **common),
         "untimed": StepTimer(cuda=False, sample_every=1000, log_dir=f"{tmp}/untimed", **common),
         "host_nolog": StepTimer(cuda=False, **common),  # no TensorBoard: the engine and windows alone
+        # windows of exactly 50 steps (the default lengthens them to last a second on small steps)
+        "host_50": StepTimer(cuda=False, log_dir=f"{tmp}/host_50", log_every_n_steps=50, **common),
     }
     blocks: dict[str, Block] = {"bare": bare_block, "floor": floor_block()}
     if cuda:
         torch.zeros(1, device="cuda")
         blocks["rec5"] = rec5_block()
         timers["cuda"] = StepTimer(log_dir=f"{tmp}/cuda", **common)
+        timers["cuda_nomem"] = StepTimer(log_dir=f"{tmp}/cuda_nomem", memory=False, **common)
+        timers["cuda_50"] = StepTimer(log_dir=f"{tmp}/cuda_50", log_every_n_steps=50, **common)
         timers["cuda_untimed"] = StepTimer(sample_every=1000, log_dir=f"{tmp}/cuda_untimed", **common)
     for k, t in timers.items():
         blocks[k] = timer_block(t)
     res = interleave(blocks, a.rounds, a.steps)
+    if a.profile:
+        profile(blocks["cuda" if cuda else "host"], a.steps * 5, a.profile)
     for t in timers.values():
         t.close()
     table, med = host_table(res, a.steps)
@@ -391,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         if not cuda:
             print("\n(--launch-bound needs CUDA: skipped)")
         else:
-            lt, launch = launch_bound(a.launch_rounds, a.launch_steps, a.step_ms)
+            lt, launch = launch_bound(a.launch_rounds, a.launch_steps, a.step_ms, a.launch_variants)
             print("\n## Launch-bound loop (CUDA), timed with the defaults\n")
             print(lt)
     lus = None

@@ -36,6 +36,8 @@ call) and one ``_cuda_resetPeakMemoryStats`` per boundary; measured in docs/benc
 
 from __future__ import annotations
 
+from time import perf_counter
+
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -99,11 +101,14 @@ class MemoryReader:
         self._phases: list[tuple[str, int, int]] = []
         self.last_alloc = 0
         self.last_reserved = 0
+        self.spent_s = 0.0  # host time in the allocator calls of the current step (memory=None's budget)
 
     def _read(self) -> tuple[int, int, int]:
         """Read, then reset the peak counter (so the next reading covers only what follows)."""
+        t0 = perf_counter()
         alloc, peak, reserved = self.b.read(self.device)
         self.b.reset_peak(self.device)
+        self.spent_s += perf_counter() - t0
         if peak > self.seen_bytes:
             self.seen_bytes = peak
         self.last_alloc, self.last_reserved = alloc, reserved
@@ -111,6 +116,7 @@ class MemoryReader:
 
     def begin_step(self, device: int) -> None:
         self.device = device
+        self.spent_s = 0.0
         alloc, _, _ = self._read()  # its peak (between steps) counts only for seen_bytes
         self._step = alloc
         self._stack.clear()
@@ -138,7 +144,9 @@ class MemoryReader:
         """At the step's end; ``shared`` as for ``enter_phase`` (the last reading stands for this one)."""
         if shared:
             return self._step, self.last_reserved, tuple(self._phases)
+        t0 = perf_counter()
         _, peak, reserved = self.b.read(self.device)  # no reset: the next step's first reading does it
+        self.spent_s += perf_counter() - t0
         if peak > self.seen_bytes:
             self.seen_bytes = peak
         return max(self._step, peak), reserved, tuple(self._phases)

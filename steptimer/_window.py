@@ -205,14 +205,21 @@ class Packed:
     """
 
     def __init__(self, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> None:
-        """``values[i]`` belongs to series ``series[sid[i]]``; NaN values must be left out."""
+        """``values[i]`` belongs to series ``series[sid[i]]``; NaN values must be left out. Values
+        already sorted by (series, value) are not sorted again (:func:`pack_rows`' usual window)."""
         nser = len(series)
         self.series = series
         self.groups: list[GroupTotals] = []
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
-        order = np.lexsort((values, sid))
-        v = values[order]
-        s = sid[order]
+        if len(sid) > 1 and not (sid[1:] >= sid[:-1]).all():
+            order = np.lexsort((values, sid))
+            values, sid = values[order], sid[order]
+        else:  # sorted by series; by value within each series? (a window of one layout: see pack_rows)
+            same = sid[1:] == sid[:-1]
+            if (values[1:][same] < values[:-1][same]).any():
+                order = np.lexsort((values, sid))
+                values, sid = values[order], sid[order]
+        v, s = values, sid
         counts = np.bincount(s, minlength=nser)
         starts = np.cumsum(counts) - counts
         self.count: list[int] = counts.tolist()
@@ -289,7 +296,9 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf) -> 
     blocks = list(_blocks(rows))
     for blk, series in blocks:
         cols = np.array([index.setdefault(s, len(index)) for s in series], dtype=np.int64)
-        vals.append(blk.derived.T.ravel())
+        # Each series sorted within the block (NaN last, left out below): a window of one layout,
+        # the usual one, then needs no (series, value) sort in Packed (a lexsort: ~1 ms per 1000 steps).
+        vals.append(np.sort(blk.derived, axis=0).T.ravel())
         sids.append(np.repeat(cols, len(blk.derived)))
         smp, tok, flo = blk.lead[:, SAMPLES], blk.lead[:, TOKENS], blk.lead[:, FLOPS]
         totals.append(

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
-from steptimer._engine import Engine, check_phase_name
+from steptimer._engine import MEMORY_AUTO, Engine, check_phase_name
 from steptimer._flight import FlightRecorder
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
@@ -34,6 +34,11 @@ from steptimer._window import StepRows, Window, window_of
 __all__ = ["StepTimer", "check_bool", "check_count", "check_memory", "check_options", "check_phase_name"]
 
 _T = TypeVar("_T", bound="StepTimer")
+# The default window (log_every_n_steps=None) lasts at least this long, in multiples of 50 steps and
+# at most MAX_WINDOW_UNITS of them: its cost (~0.3 ms of statistics and writes) stays under 0.05 %
+# of the run on any step length, and TensorBoard gets a point a second, not 25, on 2 ms steps.
+MIN_WINDOW_S = 1.0
+MAX_WINDOW_UNITS = 20
 
 
 class Sink(Protocol):
@@ -167,6 +172,18 @@ class _Seams:
     profile_dir: str | None = None  # where the profiler trace goes without log_dir (Lightning's log_dir)
 
 
+def _distributed() -> bool:
+    """More than one process in this run: torch.distributed's world, else the launcher's."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size()) > 1
+    except Exception:  # pragma: no cover - broken distributed builds
+        pass
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
 def _rank() -> int:
     """This process's rank: torch.distributed when initialized, else the launcher's environment."""
     try:
@@ -191,10 +208,12 @@ class StepTimer:
             phase in TensorBoard's charts).
         writer: An existing ``SummaryWriter`` to write to instead (the phases' runs go beside its
             directory); steptimer never closes it.
-        log_every_n_steps: Write window statistics every this many steps. None (the default) is 50,
-            or with ``sample_every`` > 1, ``10 * sample_every``: a window then holds about ten timed
-            steps, and its cost (statistics and TensorBoard write, see docs/benchmarks.md) is spread
-            over as many steps as the sampling saves.
+        log_every_n_steps: Write window statistics every this many steps. None (the default): every
+            50 steps (with ``sample_every`` > 1, ``10 * sample_every``: about ten timed steps), and
+            on small steps every multiple of that which lasts at least a second (at most 20 times
+            it): a window's statistics and TensorBoard write cost ~0.3 ms (docs/benchmarks.md),
+            which 50 steps of 2 ms would feel and a second does not. Under ``torch.distributed``
+            (``WORLD_SIZE`` > 1) the default stays 50 steps: every rank must close the same windows.
         warmup_steps: Steps left out of the summary (still logged). The default, 5, keeps out
             ``torch.compile``'s first compilations and recompilations, cuDNN/cuBLAS autotuning and
             CUDA-graph warm-up, which all happen in the first few steps.
@@ -230,12 +249,14 @@ class StepTimer:
             each phase as a ``record_function`` range named ``steptimer/<phase>``, and write the
             Chrome trace to ``steptimer-profile.json`` in the log directory, for ``steptimer
             kernels``. The profiled steps stay in the statistics, flagged in the summary's notes.
-        memory: With CUDA timing, on one timed step in this many (the first included), read the
-            caching allocator's peak allocated per phase and per step, the allocated at each
-            phase's exit and the reserved (TensorBoard ``steptimer/mem/...``, the summary's memory
-            table). True is 1 (every timed step), False or 0 never. The default, 10: a reading
-            costs ~10.5 µs of host time on an H100 (torch builds its whole statistics dict), so
-            every step would add ~17 µs per phase (docs/benchmarks.md). It resets the allocator's
+        memory: With CUDA timing, read the caching allocator's peak allocated per phase and per
+            step, the allocated at each phase's exit and the reserved (TensorBoard
+            ``steptimer/mem/...``, the summary's memory table) on some timed steps, the first one
+            included. None (the default): as often as costs at most ~0.1 % of the run's time (a
+            reading costs ~10 µs of host time on an H100, as torch builds its whole statistics
+            dict, and a step takes a few per phase): every step of 100 ms, one in ~20 steps of
+            5 ms; under ``torch.distributed`` one timed step in 10, the same steps on every rank.
+            An int N: one timed step in N; True is 1, False or 0 never. It resets the allocator's
             peak counter at each phase boundary of a read step, so ``torch.cuda.max_memory_allocated()``
             returns the peak since steptimer's last reading; the run's peak is in the summary
             (``summary.memory.max_allocated_bytes``). False leaves the allocator untouched.
@@ -273,7 +294,7 @@ class StepTimer:
         peak_tflops: float | None = None,
         nvtx: bool = False,
         profile_steps: tuple[int, int] | None = None,
-        memory: int = 10,
+        memory: int | None = None,
         slowest_steps: int = DEFAULT_K,
     ) -> None:
         seams = self._seams
@@ -290,9 +311,14 @@ class StepTimer:
             raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {peak_tflops!r}")
         check_memory(memory)
         _check_int("slowest_steps", slowest_steps, 0)
+        # A window may be lengthened to last MIN_WINDOW_S (the default only, one process only).
+        self._window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not _distributed() else 0.0
         if log_every_n_steps is None:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
-        self.log_every_n_steps: int = log_every_n_steps
+        self.log_every_n_steps: int = log_every_n_steps  # a window's steps (a multiple of it, see above)
+        self._window_max = log_every_n_steps * (MAX_WINDOW_UNITS if self._window_min_s else 1)
+        self._window_t = -math.inf  # the engine's clock when the last window was taken, its last step
+        self._window_last = start_step
         self.warmup_steps = warmup_steps
         self.lag = lag
         self.sample_every = sample_every
@@ -325,12 +351,12 @@ class StepTimer:
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
         if slowest_steps and enabled and self._rank == 0 and (log_dir is not None or writer is not None):
             folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
-            self._flight = FlightRecorder(folder, window=log_every_n_steps)
+            self._flight = FlightRecorder(folder, window=self._window_max)
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, on_resolved=self._on_resolved,
             on_pending=_on_pending(self._trace, profile, self._flight),
-            memory=memory, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
+            memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
@@ -511,8 +537,16 @@ class StepTimer:
 
     def _on_resolved(self, number: int) -> None:
         # A window ends every log_every_n_steps steps, and at the last warm-up step, so that no window
-        # mixes warm-up steps (left out of the summary) with later ones.
+        # mixes warm-up steps (left out of the summary) with later ones. With the default, a window
+        # shorter than MIN_WINDOW_S goes on to the next multiple (up to _window_max steps).
         if number % self.log_every_n_steps == 0 or number == self._engine.last_warmup:
+            if (
+                self._window_min_s
+                and number != self._engine.last_warmup
+                and number - self._window_last < self._window_max
+                and self._engine.step_t0 - self._window_t < self._window_min_s
+            ):
+                return
             self._emit()
 
     def _take_window(self) -> Window | None:
@@ -522,6 +556,7 @@ class StepTimer:
         if not rows.count:
             return None
         engine.rows = StepRows()
+        self._window_t, self._window_last = engine.step_t0, engine.last_resolved
         window = window_of(
             rows, engine.last_resolved, self._peak_tflops()[0], slowest=self.slowest_steps,
             slow_floor_ms=self._acc.slow.floor_ms,
@@ -658,9 +693,20 @@ def check_count(name: str, value: object) -> float:
 
 
 def check_memory(memory: object) -> None:
-    """``memory``: read one timed step in this many; True is 1, False 0 (never)."""
-    if not isinstance(memory, int) or memory < 0:
-        raise ValueError(f"memory must be True, False or an int >= 0 (read one timed step in N), got {memory!r}")
+    """``memory``: None (time-budgeted), or read one timed step in this many; True is 1, False 0 (never)."""
+    if memory is not None and (not isinstance(memory, int) or memory < 0):
+        raise ValueError(
+            f"memory must be None, True, False or an int >= 0 (read one timed step in N), got {memory!r}"
+        )
+
+
+def memory_every(memory: int | None) -> int:
+    """The engine's ``memory``: None is time-budgeted (``MEMORY_AUTO``) in one process, and one timed
+    step in 10 under ``torch.distributed``, where every rank must read the same steps (the ranks'
+    memory is combined per window, docs/distributed.md)."""
+    if memory is None:
+        return 10 if _distributed() else MEMORY_AUTO
+    return int(memory)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

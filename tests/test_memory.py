@@ -237,8 +237,8 @@ def test_memory_false_never_touches_the_allocator(clock: FakeClock, gpu: FakeGPU
 
 
 def test_memory_option_is_validated() -> None:
-    for bad in ("yes", -1, 2.5, None):
-        with pytest.raises(ValueError, match=f"memory must be True, False or an int >= 0 .*got {bad!r}"):
+    for bad in ("yes", -1, 2.5):
+        with pytest.raises(ValueError, match=f"memory must be None, True, False or an int >= 0 .*got {bad!r}"):
             StepTimer(cuda=False, memory=bad)  # type: ignore[arg-type]
 
 
@@ -563,3 +563,49 @@ def test_a_rejoined_phase_spans_both_parts_with_their_peak(clock: FakeClock, gpu
     assert s["loss"].host.median_ms == pytest.approx(0.5) and "loss/metric" in s
     m = sink.windows[0].memory
     assert m is not None and m.peak_bytes["forward"] == 300 * KIB and m.alloc_bytes["forward"] == 100 * KIB
+
+
+def test_default_memory_reads_cost_at_most_a_thousandth_of_the_run(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator
+) -> None:
+    """memory=None: each allocator call takes 10 µs here (the clock moves inside it); a read step
+    makes 2 calls (20 µs), so the next read step is the first to begin 20 ms after it began. With
+    1 ms steps (1.02 ms on a read step) that is one step in 20; with 30 ms steps, every step."""
+    import steptimer._memory as memory_mod
+
+    monkeypatch.setattr(memory_mod, "perf_counter", clock)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    read = mem.read
+
+    def slow_read(device: int) -> tuple[int, int, int]:
+        clock.advance_ms(0.010)
+        return read(device)
+
+    monkeypatch.setattr(mem, "read", slow_read)
+    t, _ = make(gpu, mem, memory=None, log_every_n_steps=1000)
+    for _ in range(100):
+        with t.step(), t.phase("forward"):
+            clock.advance_ms(1.0)
+    s = t.close()
+    assert s.memory is not None
+    # A read step begins at t, lasts 1.02 ms; the next 19 steps 1 ms each: step +20 begins at t + 20.02 ms.
+    assert s.memory.steps == 5, s.memory.steps  # steps 1, 21, 41, 61, 81
+    t, _ = make(gpu, mem, memory=None, log_every_n_steps=1000)
+    for _ in range(10):
+        with t.step(), t.phase("forward"):
+            clock.advance_ms(30.0)
+    s = t.close()
+    assert s.memory is not None and s.memory.steps == 10
+
+
+def test_default_memory_under_distributed_reads_one_step_in_ten(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator
+) -> None:
+    """Every rank must read the same steps (their memory is combined per window): one in 10."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    t, _ = make(gpu, mem, memory=None, log_every_n_steps=1000, cross_rank=False)
+    for _ in range(30):
+        with t.step(), t.phase("forward"):
+            clock.advance_ms(1.0)
+    s = t.close()
+    assert s.memory is not None and s.memory.steps == 3

@@ -975,3 +975,42 @@ def test_trace_and_profile_files_that_cannot_be_written_never_stop_training(tmp_
     for what in ("the trace capture", "the profiler trace"):
         assert any(n.startswith(f"can't write {what}") for n in s.notes), s.notes
         assert sum(f"can't write {what}" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("step_ms", "windows"),
+    [
+        (1.0, [50, 1050, 2050]),  # a second is 1000 steps: 20 times 50, the longest window
+        (2.5, [50, 450, 850, 1250, 1650, 2050]),  # 400 steps of 2.5 ms last a second
+        (30.0, [50 * k for k in range(1, 42)]),  # 50 steps last 1.5 s: every 50
+    ],
+)
+def test_default_window_lasts_a_second_on_small_steps(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock, gpu: FakeGPU, step_ms: float, windows: list[int]
+) -> None:
+    """The default window is 50 steps, lengthened to the first multiple of 50 that lasts a second
+    (at most 1000 steps), so its cost stays under what anyone notices on small steps."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    t, sink = make(gpu)
+    for _ in range(2100):
+        train_step(t, clock, gpu, host={"forward": step_ms}, kernels={"forward": step_ms / 2})
+    t.close()
+    assert [w.step for w in sink.windows][: len(windows)] == windows
+    assert [w.steps for w in sink.windows][1 : len(windows)] == [b - a for a, b in zip(windows, windows[1:])]
+
+
+def test_explicit_or_distributed_windows_stay_50_steps(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock, gpu: FakeGPU
+) -> None:
+    """log_every_n_steps=50 means 50; under torch.distributed (WORLD_SIZE > 1) every rank must close
+    the same windows, so the default stays 50 too."""
+    for env, kw in ((None, {"log_every_n_steps": 50}), ("2", {"cross_rank": False})):
+        if env is None:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("WORLD_SIZE", env)
+        t, sink = make(gpu, **kw)
+        for _ in range(200):
+            train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 0.5})
+        t.close()
+        assert [w.step for w in sink.windows] == [50, 100, 150, 200]
