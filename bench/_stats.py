@@ -29,6 +29,19 @@ def median(values: Sequence[float]) -> float:
     return quantile(values, 0.5)
 
 
+def median_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float]:
+    """A distribution-free ~95 % confidence interval of the median: the order statistics
+    ``n/2 -+ z sqrt(n)/2`` (the binomial's normal approximation); the whole range below 6 values."""
+    xs = sorted(values)
+    n = len(xs)
+    if n < 6:
+        return (xs[0], xs[-1]) if xs else (math.nan, math.nan)
+    half = z * math.sqrt(n) / 2
+    lo = max(0, math.floor(n / 2 - half))
+    hi = min(n - 1, math.ceil(n / 2 + half) - 1)
+    return xs[lo], xs[hi]
+
+
 @dataclass(frozen=True)
 class RatioStats:
     """Pairwise ratios variant / reference over rounds: their median and spread."""

@@ -237,8 +237,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             :class:`~steptimer.StepTimer`).
         profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps and write
             ``steptimer-profile.json`` to ``trainer.log_dir`` (see :class:`~steptimer.StepTimer`).
-        memory: Read CUDA memory per phase on one timed step in this many (True: every timed step,
-            False: never; see :class:`~steptimer.StepTimer`).
+        memory: Read CUDA memory per phase: None as often as costs ~0.1 % of the run, N on one
+            timed step in N (True: every timed step, False: never; see :class:`~steptimer.StepTimer`).
 
     Example:
         >>> cb = StepTimerCallback(log_every_n_steps=10)
@@ -275,7 +275,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         enabled: bool = True,
         nvtx: bool = False,
         profile_steps: tuple[int, int] | None = None,
-        memory: int = 10,
+        memory: int | None = None,
     ) -> None:
         super().__init__()
         check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)

@@ -336,3 +336,15 @@ def test_memory_bench_runs_on_the_python_side(tmp_path: Path) -> None:
         assert tm.memory_allocated(0) == memory.fake_stats()["allocated_bytes"]["all"]["current"]
     finally:
         tm.memory_stats_as_nested_dict = orig  # type: ignore[assignment]
+
+
+def test_median_ci_is_the_binomial_order_statistics() -> None:
+    """n = 100: ranks 50 -+ 1.96 * 10 / 2 = 40.2..59.8, so the 41st and 60th values (0-based 40, 59),
+    which hold the median with ~95 % probability; fewer than 6 values give the whole range."""
+    from bench._stats import median_ci
+
+    assert median_ci([float(x) for x in range(100)]) == (40.0, 59.0)
+    assert median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)
+    xs = [float(x) for x in range(10_000)]
+    lo, hi = median_ci(xs)
+    assert lo < 4999.5 < hi and hi - lo < 200  # narrows as 1/sqrt(n)
