@@ -7,6 +7,8 @@ import logging
 import tracemalloc
 from pathlib import Path
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -1014,3 +1016,32 @@ def test_explicit_or_distributed_windows_stay_50_steps(
             train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 0.5})
         t.close()
         assert [w.step for w in sink.windows] == [50, 100, 150, 200]
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_untimed_steps_short_way_keeps_windows_and_the_windows_own_time_in_a_step(
+    clock: FakeClock, gpu: FakeGPU, cuda: bool
+) -> None:
+    """Steps outside the sample take the short way (no pending record, no wait). Their windows still
+    close at every 10th step with all 10 steps, and a window's own work (here the sink takes 5 ms of
+    the clock) lands in the host time of the step that computed it, never in the data wait."""
+    t, sink = make(gpu if cuda else None, sample_every=1000, log_every_n_steps=10)
+    writes = sink.write_window
+
+    def slow_write(window: Any) -> None:
+        clock.advance_ms(5.0)
+        writes(window)
+
+    sink.write_window = slow_write  # type: ignore[method-assign]
+    for _ in range(40):
+        train_step(t, clock, gpu if cuda else None, data_ms=1.0, host={"forward": 2.0})
+    s = t.close()
+    assert [w.step for w in sink.windows] == [10, 20, 30, 40]
+    assert [w.steps for w in sink.windows] == [10, 10, 10, 10]
+    assert s["data"].host.max_ms == pytest.approx(1.0)  # never the window's 5 ms
+    # Windows 1-3 were computed inside steps 11, 21, 31 (the 4th at close): each a step of 7 ms
+    assert sink.windows[0].host["step"].max_ms == pytest.approx(2.0)
+    for w in sink.windows[1:]:
+        assert w.host["step"].max_ms == pytest.approx(7.0) and w.host["step"].mean_ms == pytest.approx(2.5)
+    # The wall: 40 steps of 2 ms, 39 data waits of 1 ms (none before the first), 3 windows of 5 ms
+    assert s.steps_per_s == pytest.approx(40 / (40 * 2e-3 + 39 * 1e-3 + 3 * 5e-3))
