@@ -22,6 +22,7 @@ from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._engine import MEMORY_AUTO, Engine, check_phase_name
+from steptimer._engine import Phase as _Phase
 from steptimer._flight import FlightRecorder
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
@@ -80,22 +81,6 @@ class _Step:
         return False
 
 
-class _Phase:
-    """``with timer.phase(name):`` (one object per name, reused)."""
-
-    __slots__ = ("_e", "_name", "_r")
-
-    def __init__(self, engine: Engine, name: str, ranges: Ranges | None = None) -> None:
-        self._e, self._name, self._r = engine, name, ranges
-
-    def __enter__(self) -> None:
-        self._e.enter_phase(self._name)
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
-        self._e.exit_phase(self._name, et is not None, error=ev)
-        return False
-
-
 class _RangedStep(_Step):
     """A step that is also an NVTX / profiler range (``nvtx=True``, ``profile_steps``), see _profile.py."""
 
@@ -132,20 +117,19 @@ class _RangedPhase(_Phase):
     __slots__ = ()
 
     def __enter__(self) -> None:
-        r: Ranges = self._r  # type: ignore[assignment]  # set on every phase of a timer with ranges
-        r.enter(self._name)
+        r: Ranges = self.r  # set on every phase of a timer with ranges
+        r.enter(self.name)
         try:
-            self._e.enter_phase(self._name)
+            super().__enter__()
         except BaseException:
             r.exit()
             raise
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         try:
-            self._e.exit_phase(self._name, et is not None, error=ev)
+            super().__exit__(et, ev, tb)
         finally:
-            self._r.exit()  # type: ignore[union-attr]
-        return False
+            self.r.exit()
 
 
 def _on_pending(*captures: Any) -> Callable[[Engine, Any], None] | None:
