@@ -297,7 +297,7 @@ class Engine:
 
     def end_step(
         self, failed: bool, samples: float | None = None, tokens: float | None = None, flops: float | None = None,
-        *, error: BaseException | None = None,
+        error: BaseException | None = None,
     ) -> None:  # fmt: skip
         """Finish the step (drop it if ``failed`` or a phase is open), wait once, resolve what is due.
 

@@ -66,7 +66,9 @@ _NULL = _Null()
 
 
 class _Step:
-    """``with timer.step(samples=..., tokens=..., flops=...):``"""
+    """``with timer.step(samples=..., tokens=..., flops=...):``; one per timer, reused: ``step()`` sets
+    the counts on it (no object a step). The counts at its exit are those of the last ``step()``
+    call, which is how the Lightning callback gives a step's counts at its end."""
 
     __slots__ = ("_e", "_samples", "_tokens", "_flops")
 
@@ -77,7 +79,7 @@ class _Step:
         self._e.begin_step(self._samples, self._tokens, self._flops)
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
-        self._e.end_step(et is not None, self._samples, self._tokens, self._flops, error=ev)
+        self._e.end_step(et is not None, self._samples, self._tokens, self._flops, ev)
         return False
 
 
@@ -103,7 +105,7 @@ class _RangedStep(_Step):
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
         try:
-            self._e.end_step(et is not None, self._samples, self._tokens, self._flops, error=ev)
+            self._e.end_step(et is not None, self._samples, self._tokens, self._flops, ev)
         finally:
             self._r.end_step(self._e)
         return False
@@ -342,6 +344,7 @@ class StepTimer:
             on_pending=_on_pending(self._trace, profile, self._flight),
             memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
+        self._step_cm = _Step(self._engine, None, None, None)
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
         if not enabled:
@@ -405,7 +408,9 @@ class StepTimer:
         r = self._ranges
         if r is not None and self._engine.number >= r.from_number:  # NVTX, or the profiler window
             return _RangedStep(self._engine, samples, tokens, flops, r)
-        return _Step(self._engine, samples, tokens, flops)
+        cm = self._step_cm
+        cm._samples, cm._tokens, cm._flops = samples, tokens, flops
+        return cm
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Context manager around a phase of the current step (``forward``, ``loss``, ...)."""
