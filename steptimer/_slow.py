@@ -221,6 +221,31 @@ class Candidate:
         return self.wall_ms < other.wall_ms
 
 
+def block_wall_ms(blk: Any, series: list[tuple[str, str]], step_s_col: int) -> tuple[Any, ShareClock]:
+    """Each step's wall time in one block of a window's rows (``_window._blocks``), and its clock:
+    GPU step + GPU idle with CUDA timing, else host step + data (the module docstring's rule)."""
+    import numpy as np
+
+    try:
+        j = series.index(("gpu", "step"))
+    except ValueError:
+        return blk.lead[:, step_s_col] * 1e3 + blk.gap_ms, "host"
+    wall = blk.derived[:, j].copy()
+    if ("gpu", "idle") in series:
+        wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
+    return wall, "gpu"
+
+
+def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Row ``i`` of a block as ``(host_ms, gpu_ms)`` by row name (NaN values left out)."""
+    host: dict[str, float] = {}
+    gpu: dict[str, float] = {}
+    for (c, name), v in zip(series, blk.derived[i].tolist()):
+        if c != "caught" and not math.isnan(v):
+            (host if c == "host" else gpu)[name] = v
+    return host, gpu
+
+
 def window_candidates(
     blocks: Iterable[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
     k: int, floor_ms: float, step_s_col: int, number_col: int,
@@ -233,29 +258,74 @@ def window_candidates(
     for blk, series in blocks:
         if blk.names is None or not len(blk.lead):
             continue
-        try:
-            j = series.index(("gpu", "step"))
-        except ValueError:
-            wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
-            clock: ShareClock = "host"
-        else:
-            wall = blk.derived[:, j].copy()
-            if ("gpu", "idle") in series:
-                wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
-            clock = "gpu"
+        wall, clock = block_wall_ms(blk, series, step_s_col)
         idx = np.flatnonzero(wall > floor_ms)
         if len(idx) > k:
             idx = idx[np.argpartition(-wall[idx], k - 1)[:k]]
         for i in idx.tolist():
-            host: dict[str, float] = {}
-            gpu: dict[str, float] = {}
-            for (c, name), v in zip(series, blk.derived[i].tolist()):
-                if c != "caught" and not math.isnan(v):
-                    (host if c == "host" else gpu)[name] = v
+            host, gpu = row_values(blk, series, i)
             number = int(blk.lead[i, number_col])
             out.append(Candidate(float(wall[i]), number, clock, host, gpu or None, dict(marks.get(number, {}))))
     out.sort(key=lambda c: -c.wall_ms)
     return out[:k]
+
+
+# A phase that, under DDP, includes waiting for the other ranks' gradients (the all-reduce hooks run
+# inside it): a rank's *own* time leaves it out (the straggler rule of _dist.py, per step).
+WAIT_PHASE = "backward"
+
+
+def is_wait_phase(name: str) -> bool:
+    """A top-level ``backward``: its last name part is ``backward`` with no ``backward`` above it."""
+    parts = name.split("/")
+    return parts[-1] == WAIT_PHASE and WAIT_PHASE not in parts[:-1]
+
+
+class StepWalls:
+    """A window's timed steps in step order (``Packed.walls``): each step's number, wall time
+    (:func:`block_wall_ms`) and *own* time, the wall time less its top-level ``backward`` (under DDP
+    the backward holds the wait for the other ranks' gradients, so a rank that waited for a slow one
+    has a short own time, the slow rank a long one). A few numpy calls per window, never per step.
+    """
+
+    __slots__ = ("numbers", "wall_ms", "own_ms", "clock", "_blocks", "_where")
+
+    def __init__(self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int) -> None:
+        import numpy as np
+
+        nums, walls, owns, where = [], [], [], []
+        self.clock: ShareClock = "host"
+        for b, (blk, series) in enumerate(blocks):
+            if blk.names is None or not len(blk.lead):
+                continue
+            wall, self.clock = block_wall_ms(blk, series, step_s_col)
+            wait = [j for j, (c, name) in enumerate(series) if c == self.clock and is_wait_phase(name)]
+            own = np.maximum(wall - np.nansum(blk.derived[:, wait], axis=1), 0.0) if wait else wall
+            nums.append(blk.lead[:, number_col])
+            walls.append(wall)
+            owns.append(own)
+            where.append(np.stack([np.full(len(wall), b), np.arange(len(wall))], axis=1))
+        self._blocks = blocks
+        if not nums:
+            self.numbers = np.zeros(0, dtype=np.int64)
+            self.wall_ms = self.own_ms = np.zeros(0)
+            self._where = np.zeros((0, 2), dtype=np.int64)
+            return
+        numbers = np.concatenate(nums).astype(np.int64)
+        order = np.argsort(numbers, kind="stable")
+        self.numbers = numbers[order]
+        self.wall_ms = np.concatenate(walls)[order]
+        self.own_ms = np.concatenate(owns)[order]
+        self._where = np.concatenate(where)[order]
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name."""
+        b, r = self._where[i].tolist()
+        blk, series = self._blocks[b]
+        return row_values(blk, series, r)
 
 
 class SlowestKeeper:
@@ -333,12 +403,142 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         causes.append(f"steptimer's own window (statistics, TensorBoard) took {_ms(own)} ms in it")
     if m.get("pause_ms"):
         causes.append(f"after {_ms(m['pause_ms'])} ms under pause() right before it")
+    if m.get("profiled"):
+        causes.append("it ran under torch.profiler (profile_steps or profile_on_slow): its overhead is in it")
     return SlowStep(
         step=c.step, wall_ms=c.wall_ms, clock=c.clock, host_ms=c.host_ms, gpu_ms=c.gpu_ms,
         grew=grew, grew_ms=None if grew is None else excess[grew],
         grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0),
         causes=tuple(causes), marks=dict(m), trace=trace,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- profile_on_slow
+
+PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
+PROFILE_SLOW_MAX = 3  # captures per run
+SLOW_RUN_STEPS = 3  # consecutive steps over the factor that make a slowdown (one outlier never does)
+BASELINE_STEPS = 100  # the rolling median: over the last this many resolved steps before the window
+BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many steps (after warm-up)
+COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the next slowdown
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """Steps ``first..last`` (consecutive, resolved) each slower than ``factor`` x ``median_ms``, the
+    rolling median step before them; ``wall_ms`` is their mean, ``grew`` what grew in them
+    (:func:`explain` of their mean rows against the previous window's medians)."""
+
+    first: int
+    last: int
+    wall_ms: float
+    median_ms: float
+    factor: float
+    grew: SlowStep | None
+
+    def text(self) -> str:
+        """``profile_on_slow=1.5: steps 41-43 each slower than 1.5 x the median step before them:
+        13.3 ms on average vs 2.226 ms, forward +7.104 ms (median 1.088)``"""
+        grew = "" if self.grew is None or self.grew.grew is None else f", {self.grew.grew_text()}"
+        return (
+            f"profile_on_slow={self.factor:g}: steps {self.first}-{self.last} each slower than {self.factor:g} x "
+            f"the median step before them: {_ms(self.wall_ms)} ms on average vs {_ms(self.median_ms)} ms{grew}"
+        )
+
+
+class SlowdownWatch:
+    """``profile_on_slow``: finds steps that *stay* slower than ``factor`` x the rolling median step.
+
+    Checked once per window on its arrays (:class:`StepWalls`), never per step: the rolling median is
+    the median wall time of the last ``BASELINE_STEPS`` resolved steps before the window (a numpy
+    median over at most 100 values), and a slowdown is ``SLOW_RUN_STEPS`` consecutive steps each over
+    ``factor`` x that median (a run may start in one window and end in the next). So one outlier
+    never fires, and the detection lags the slowdown's third step by up to a window. Steps under
+    the profiler are left out of the median and of the check (the profiler's overhead would look
+    like the next slowdown), and so are the ``COOLDOWN_STEPS`` steps after a capture; at most
+    ``PROFILE_SLOW_MAX`` captures per run. Warm-up windows never reach here.
+    """
+
+    def __init__(self, factor: float) -> None:
+        import numpy as np
+
+        self.factor = factor
+        self.captures = 0
+        self._ring = np.zeros(0)
+        self._run: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # steps, first, last, their wall sum
+        self._medians: dict[tuple[str, str], float] = {}  # the previous window's, by (clock, row)
+        self._quiet_to = -1  # the last step of the last capture's cool-down
+        self._profiled: list[tuple[int, int]] = []  # steps under the profiler (left out of the median)
+
+    def profiled(self, first: int, last: int, *, capture: bool = True) -> None:
+        """Steps ``first..last`` run under the profiler (``capture``: one of this watch's captures)."""
+        self._profiled.append((first, last))
+        if capture:
+            self.captures += 1
+            self._quiet_to = max(self._quiet_to, last + COOLDOWN_STEPS)
+
+    def check(self, walls: StepWalls, medians: Mapping[tuple[str, str], float]) -> Slowdown | None:
+        """A window's steps (after warm-up) and its per-row medians; a slowdown, if one completed."""
+        import numpy as np
+
+        n, w = walls.numbers, walls.wall_ms
+        if not len(n):
+            return None
+        clean = np.ones(len(n), dtype=bool)
+        self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
+        for a, z in self._profiled:
+            clean &= (n < a) | (n > z)
+        found = None
+        ring = self._ring
+        if len(ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
+            base = float(np.median(ring))
+            over = clean & (n > self._quiet_to) & (w > self.factor * base)
+            if over.any():
+                found = self._runs(walls, over, base)
+            else:
+                self._run = (0, 0, 0, 0.0)
+        else:
+            self._run = (0, 0, 0, 0.0)
+        self._ring = np.concatenate([ring, w[clean]])[-BASELINE_STEPS:]
+        self._medians = dict(medians)
+        return found
+
+    def _runs(self, walls: StepWalls, over: Any, base: float) -> Slowdown | None:
+        """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line (a Python loop over the
+        window's steps, only in a window with a step over it)."""
+        run, first, last, total = self._run
+        numbers = walls.numbers.tolist()
+        for i, (number, is_over) in enumerate(zip(numbers, over.tolist())):
+            if not is_over or (run and number != last + 1):
+                run, total = 0, 0.0
+            if not is_over:
+                continue
+            if not run:
+                first = number
+            run, last, total = run + 1, number, total + float(walls.wall_ms[i])
+            if run >= SLOW_RUN_STEPS:
+                self._run = (0, 0, 0, 0.0)
+                return Slowdown(first, last, total / run, base, self.factor, self._grew(walls, first, i))
+        self._run = (run, first, last, total)
+        return None
+
+    def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
+        """What grew in the run's steps of this window (their mean rows) against the previous
+        window's medians: :func:`explain`, the slowest steps' own rule."""
+        idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
+        host: dict[str, list[float]] = {}
+        gpu: dict[str, list[float]] = {}
+        for i in idx:
+            h, g = walls.rows(i)
+            for d, into in ((h, host), (g, gpu)):
+                for k, v in d.items():
+                    into.setdefault(k, []).append(v)
+        if not self._medians or not idx:
+            return None
+        mean = {k: sum(v) / len(v) for k, v in host.items()}
+        gmean = {k: sum(v) / len(v) for k, v in gpu.items()} or None
+        wall = float(walls.wall_ms[idx].mean())
+        return explain(Candidate(wall, first, walls.clock, mean, gmean, {}), self._medians)
 
 
 # ---------------------------------------------------------------------- TensorBoard
