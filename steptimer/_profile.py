@@ -429,9 +429,7 @@ class SlowProfiler:
         walls = window.packed.walls if window.packed is not None else None
         if walls is None or engine.closed:
             return
-        medians = {("host", n): st.median_ms for n, st in window.host.items()}
-        medians.update({("gpu", n): st.median_ms for n, st in window.gpu.items()})
-        found = self.watch.check(walls, medians)
+        found = self.watch.check(walls, window.host, window.gpu)
         if found is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late

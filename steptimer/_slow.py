@@ -282,50 +282,63 @@ def is_wait_phase(name: str) -> bool:
 
 
 class StepWalls:
-    """A window's timed steps in step order (``Packed.walls``): each step's number, wall time
-    (:func:`block_wall_ms`) and *own* time, the wall time less its top-level ``backward`` (under DDP
-    the backward holds the wait for the other ranks' gradients, so a rank that waited for a slow one
-    has a short own time, the slow rank a long one). A few numpy calls per window, never per step.
+    """A window's timed steps in step order (``Packed.walls``): each step's number and wall time
+    (:func:`block_wall_ms`), and on demand its *own* time (:meth:`own_ms`) and rows (:meth:`rows`).
+    Two or three numpy calls per window (more only when a window mixes phase layouts), never per step.
     """
 
-    __slots__ = ("numbers", "wall_ms", "own_ms", "clock", "_blocks", "_where")
+    __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order")
 
     def __init__(self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int) -> None:
         import numpy as np
 
-        nums, walls, owns, where = [], [], [], []
         self.clock: ShareClock = "host"
-        for b, (blk, series) in enumerate(blocks):
-            if blk.names is None or not len(blk.lead):
-                continue
-            wall, self.clock = block_wall_ms(blk, series, step_s_col)
-            wait = [j for j, (c, name) in enumerate(series) if c == self.clock and is_wait_phase(name)]
-            own = np.maximum(wall - np.nansum(blk.derived[:, wait], axis=1), 0.0) if wait else wall
-            nums.append(blk.lead[:, number_col])
-            walls.append(wall)
-            owns.append(own)
-            where.append(np.stack([np.full(len(wall), b), np.arange(len(wall))], axis=1))
         self._blocks = blocks
-        if not nums:
-            self.numbers = np.zeros(0, dtype=np.int64)
-            self.wall_ms = self.own_ms = np.zeros(0)
-            self._where = np.zeros((0, 2), dtype=np.int64)
-            return
-        numbers = np.concatenate(nums).astype(np.int64)
-        order = np.argsort(numbers, kind="stable")
-        self.numbers = numbers[order]
-        self.wall_ms = np.concatenate(walls)[order]
-        self.own_ms = np.concatenate(owns)[order]
-        self._where = np.concatenate(where)[order]
+        parts = []  # (block index, its numbers, its walls); rows within a block are in step order
+        for b, (blk, series) in enumerate(blocks):
+            if blk.names is not None and len(blk.lead):
+                wall, self.clock = block_wall_ms(blk, series, step_s_col)
+                parts.append((b, blk.lead[:, number_col], wall))
+        self._parts = parts
+        self._order: Any = None
+        if len(parts) == 1:
+            self.numbers, self.wall_ms = parts[0][1], parts[0][2]
+        elif not parts:
+            self.numbers = self.wall_ms = np.zeros(0)
+        else:
+            numbers = np.concatenate([p[1] for p in parts])
+            self._order = np.argsort(numbers, kind="stable")
+            self.numbers = numbers[self._order]
+            self.wall_ms = np.concatenate([p[2] for p in parts])[self._order]
 
     def __len__(self) -> int:
         return len(self.numbers)
 
+    def own_ms(self) -> Any:
+        """Each step's wall time less its top-level ``backward`` rows on the wall's clock: under DDP
+        the backward holds the wait for the other ranks' gradients, so a rank that waited for a slow
+        one has a short own time and the slow rank a long one (``_dist.py``'s straggler rule, per step)."""
+        import numpy as np
+
+        owns = []
+        for b, _, wall in self._parts:
+            blk, series = self._blocks[b]
+            wait = [j for j, (c, name) in enumerate(series) if c == self.clock and is_wait_phase(name)]
+            owns.append(np.maximum(wall - np.nansum(blk.derived[:, wait], axis=1), 0.0) if wait else wall)
+        if len(owns) == 1:
+            return owns[0]
+        return np.concatenate(owns)[self._order] if owns else np.zeros(0)
+
     def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
         """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name."""
-        b, r = self._where[i].tolist()
-        blk, series = self._blocks[b]
-        return row_values(blk, series, r)
+        if self._order is not None:
+            i = int(self._order[i])
+        for b, numbers, _ in self._parts:
+            if i < len(numbers):
+                blk, series = self._blocks[b]
+                return row_values(blk, series, i)
+            i -= len(numbers)
+        raise IndexError(i)
 
 
 class SlowestKeeper:
@@ -418,6 +431,9 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
 PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
 PROFILE_SLOW_MAX = 3  # captures per run
 SLOW_RUN_STEPS = 3  # consecutive steps over the factor that make a slowdown (one outlier never does)
+# ... and each at least this much over the median: on steps of µs, jitter is often 1.5 x, and a capture
+# (the profiler's start-up alone is 100s of ms with CUDA) is worth a slowdown a user would notice.
+SLOW_MIN_MS = 1.0
 BASELINE_STEPS = 100  # the rolling median: over the last this many resolved steps before the window
 BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many steps (after warm-up)
 COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the next slowdown
@@ -450,13 +466,14 @@ class SlowdownWatch:
     """``profile_on_slow``: finds steps that *stay* slower than ``factor`` x the rolling median step.
 
     Checked once per window on its arrays (:class:`StepWalls`), never per step: the rolling median is
-    the median wall time of the last ``BASELINE_STEPS`` resolved steps before the window (a numpy
-    median over at most 100 values), and a slowdown is ``SLOW_RUN_STEPS`` consecutive steps each over
-    ``factor`` x that median (a run may start in one window and end in the next). So one outlier
-    never fires, and the detection lags the slowdown's third step by up to a window. Steps under
-    the profiler are left out of the median and of the check (the profiler's overhead would look
-    like the next slowdown), and so are the ``COOLDOWN_STEPS`` steps after a capture; at most
-    ``PROFILE_SLOW_MAX`` captures per run. Warm-up windows never reach here.
+    the median (nearest rank) wall time of the last ``BASELINE_STEPS`` resolved steps before the
+    window, and a slowdown is ``SLOW_RUN_STEPS`` consecutive steps each over ``factor`` x that median
+    and at least ``SLOW_MIN_MS`` over it (a run may start in one window and end in the next). So one
+    outlier never fires, and the detection lags the slowdown's third step by up to a window. Steps
+    under the profiler are left out of the median and of the check (the profiler's overhead would
+    look like the next slowdown), and so are the ``COOLDOWN_STEPS`` steps after a capture; at most
+    ``PROFILE_SLOW_MAX`` captures per run. Warm-up windows never reach here. Per window: a ring
+    write, a partition of 100 values and a max, when no step is over the line (~10 µs).
     """
 
     def __init__(self, factor: float) -> None:
@@ -464,9 +481,11 @@ class SlowdownWatch:
 
         self.factor = factor
         self.captures = 0
-        self._ring = np.zeros(0)
+        self._ring = np.zeros(BASELINE_STEPS)  # the last resolved steps' wall times, a ring
+        self._filled = 0  # values in the ring
+        self._at = 0  # where the next goes
         self._run: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # steps, first, last, their wall sum
-        self._medians: dict[tuple[str, str], float] = {}  # the previous window's, by (clock, row)
+        self._prev: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})  # last window's host, gpu stats
         self._quiet_to = -1  # the last step of the last capture's cool-down
         self._profiled: list[tuple[int, int]] = []  # steps under the profiler (left out of the median)
 
@@ -477,31 +496,54 @@ class SlowdownWatch:
             self.captures += 1
             self._quiet_to = max(self._quiet_to, last + COOLDOWN_STEPS)
 
-    def check(self, walls: StepWalls, medians: Mapping[tuple[str, str], float]) -> Slowdown | None:
-        """A window's steps (after warm-up) and its per-row medians; a slowdown, if one completed."""
+    def check(
+        self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]
+    ) -> Slowdown | None:  # fmt: skip
+        """A window's steps (after warm-up) and its statistics by row (``Window.host``/``gpu``, whose
+        medians the next window's slowdown is read against); a slowdown, if one completed."""
         import numpy as np
 
         n, w = walls.numbers, walls.wall_ms
         if not len(n):
             return None
-        clean = np.ones(len(n), dtype=bool)
-        self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
-        for a, z in self._profiled:
-            clean &= (n < a) | (n > z)
+        clean = None
+        if self._profiled:
+            self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
+            for a, z in self._profiled:
+                out = (n < a) | (n > z)
+                clean = out if clean is None else clean & out
         found = None
-        ring = self._ring
-        if len(ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
-            base = float(np.median(ring))
-            over = clean & (n > self._quiet_to) & (w > self.factor * base)
-            if over.any():
-                found = self._runs(walls, over, base)
+        if self._filled >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
+            k = (self._filled - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
+            base = float(np.partition(self._ring[: self._filled], k)[k])
+            line = max(self.factor * base, base + SLOW_MIN_MS)
+            if w.max() > line:
+                over = w > line
+                if clean is not None:
+                    over &= clean
+                if n[-1] > self._quiet_to:
+                    over &= n > self._quiet_to
+                    found = self._runs(walls, over, base)
+                else:
+                    self._run = (0, 0, 0, 0.0)
             else:
                 self._run = (0, 0, 0, 0.0)
         else:
             self._run = (0, 0, 0, 0.0)
-        self._ring = np.concatenate([ring, w[clean]])[-BASELINE_STEPS:]
-        self._medians = dict(medians)
+        self._remember(w if clean is None else w[clean])
+        self._prev = (host, gpu)
         return found
+
+    def _remember(self, w: Any) -> None:
+        """Put the window's wall times into the ring (the newest ``BASELINE_STEPS`` at most)."""
+        size = len(self._ring)
+        w = w[-size:]
+        at, m = self._at, len(w)
+        head = min(m, size - at)
+        self._ring[at : at + head] = w[:head]
+        self._ring[: m - head] = w[head:]
+        self._at = (at + m) % size
+        self._filled = min(self._filled + m, size)
 
     def _runs(self, walls: StepWalls, over: Any, base: float) -> Slowdown | None:
         """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line (a Python loop over the
@@ -509,6 +551,7 @@ class SlowdownWatch:
         run, first, last, total = self._run
         numbers = walls.numbers.tolist()
         for i, (number, is_over) in enumerate(zip(numbers, over.tolist())):
+            number = int(number)
             if not is_over or (run and number != last + 1):
                 run, total = 0, 0.0
             if not is_over:
@@ -533,12 +576,15 @@ class SlowdownWatch:
             for d, into in ((h, host), (g, gpu)):
                 for k, v in d.items():
                     into.setdefault(k, []).append(v)
-        if not self._medians or not idx:
+        ph, pg = self._prev
+        medians = {("host", k): st.median_ms for k, st in ph.items()}
+        medians.update({("gpu", k): st.median_ms for k, st in pg.items()})
+        if not medians or not idx:
             return None
         mean = {k: sum(v) / len(v) for k, v in host.items()}
         gmean = {k: sum(v) / len(v) for k, v in gpu.items()} or None
         wall = float(walls.wall_ms[idx].mean())
-        return explain(Candidate(wall, first, walls.clock, mean, gmean, {}), self._medians)
+        return explain(Candidate(wall, first, walls.clock, mean, gmean, {}), medians)
 
 
 # ---------------------------------------------------------------------- TensorBoard
