@@ -36,7 +36,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from steptimer._verdict import ShareClock
@@ -76,6 +76,7 @@ class SlowStep:
     causes: tuple[str, ...] = ()
     marks: Mapping[str, float] = field(default_factory=dict, repr=False)
     trace: str | None = None  # the flight recorder's Perfetto file around the step, if kept
+    rank: RankSlow | None = None  # under torch.distributed: the slowest rank in its window (_dist.py)
 
     @property
     def cause(self) -> str | None:
@@ -103,6 +104,8 @@ class SlowStep:
             d["cause"] = self.cause
         if self.trace is not None:
             d["trace"] = self.trace
+        if self.rank is not None:
+            d["rank"] = self.rank.to_json()
         return d
 
     @classmethod
@@ -113,6 +116,54 @@ class SlowStep:
             host_ms=dict(d.get("host_ms") or {}), gpu_ms=d.get("gpu_ms"),
             grew=grew.get("row"), grew_ms=grew.get("by_ms"), grew_median_ms=grew.get("median_ms"),
             causes=tuple(d.get("causes") or ()), trace=d.get("trace"),
+            rank=RankSlow.from_json(d["rank"]) if isinstance(d.get("rank"), dict) else None,
+        )  # fmt: skip
+
+    def with_rank(self, r: RankSlow) -> SlowStep:
+        """This step with the slowest rank of its window (:class:`RankSlow`) as one more cause."""
+        return replace(self, rank=r, causes=self.causes + (r.text(self.step),))
+
+
+@dataclass(frozen=True)
+class RankSlow:
+    """Under ``torch.distributed``: the slowest step of one log window across ranks, by *own* time
+    (wall time less the top-level ``backward``, :meth:`StepWalls.own_ms`), from the window's
+    cross-rank round (``_dist.py``). ``here_ms`` is the reading rank's own time in that step
+    (``here``: that rank; None if it has no such timed step)."""
+
+    step: int
+    rank: int
+    own_ms: float
+    first: int  # the window's steps
+    last: int
+    here: int
+    here_ms: float | None
+
+    def text(self, step: int) -> str:
+        """What rank ``here``'s table says of its slow step ``step`` (in this window)."""
+        if self.step == step and self.rank == self.here:
+            return f"the slowest rank in this step (its own time {_ms(self.own_ms)} ms: wall less backward)"
+        here = "" if self.here_ms is None else f" vs {_ms(self.here_ms)} ms on rank {self.here}"
+        if self.step == step:
+            return f"rank {self.rank} was slowest in this step: {_ms(self.own_ms)} ms of its own{here} (wall less backward)"
+        return (
+            f"slowest rank in steps {self.first}-{self.last}: rank {self.rank} at step {self.step}, "
+            f"{_ms(self.own_ms)} ms of its own (wall less backward)"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "rank": self.rank, "own_ms": self.own_ms, "window": [self.first, self.last],
+            "here": self.here, "here_ms": self.here_ms,
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RankSlow:
+        first, last = d.get("window") or (d["step"], d["step"])
+        here_ms = d.get("here_ms")
+        return cls(
+            int(d["step"]), int(d["rank"]), float(d["own_ms"]), int(first), int(last), int(d.get("here", 0)),
+            None if here_ms is None else float(here_ms),
         )  # fmt: skip
 
 
@@ -287,13 +338,17 @@ class StepWalls:
     Two or three numpy calls per window (more only when a window mixes phase layouts), never per step.
     """
 
-    __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order")
+    __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order", "_marks")
 
-    def __init__(self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int) -> None:
+    def __init__(
+        self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int,
+        marks: Mapping[int, Mapping[str, float]] | None = None,
+    ) -> None:  # fmt: skip
         import numpy as np
 
         self.clock: ShareClock = "host"
         self._blocks = blocks
+        self._marks = marks or {}
         parts = []  # (block index, its numbers, its walls); rows within a block are in step order
         for b, (blk, series) in enumerate(blocks):
             if blk.names is not None and len(blk.lead):
@@ -315,19 +370,27 @@ class StepWalls:
         return len(self.numbers)
 
     def own_ms(self) -> Any:
-        """Each step's wall time less its top-level ``backward`` rows on the wall's clock: under DDP
-        the backward holds the wait for the other ranks' gradients, so a rank that waited for a slow
-        one has a short own time and the slow rank a long one (``_dist.py``'s straggler rule, per step)."""
+        """Each step's wall time less its top-level ``backward`` rows on the wall's clock and less
+        steptimer's own window (``window_ms``: its statistics, sinks and cross-rank round, where a rank
+        that ran ahead waits for the others): under DDP the backward holds the wait for the other
+        ranks' gradients, so a rank that waited for a slow one has a short own time and the slow rank
+        a long one (``_dist.py``'s straggler rule, per step)."""
         import numpy as np
 
         owns = []
         for b, _, wall in self._parts:
             blk, series = self._blocks[b]
             wait = [j for j, (c, name) in enumerate(series) if c == self.clock and is_wait_phase(name)]
-            owns.append(np.maximum(wall - np.nansum(blk.derived[:, wait], axis=1), 0.0) if wait else wall)
-        if len(owns) == 1:
-            return owns[0]
-        return np.concatenate(owns)[self._order] if owns else np.zeros(0)
+            owns.append(wall - np.nansum(blk.derived[:, wait], axis=1) if wait else wall.copy())
+        if not owns:
+            return np.zeros(0)
+        own = owns[0] if len(owns) == 1 else np.concatenate(owns)[self._order]
+        for number, m in self._marks.items():
+            if m.get("window_ms"):
+                i = int(self.numbers.searchsorted(number))
+                if i < len(own) and self.numbers[i] == number:
+                    own[i] -= m["window_ms"]
+        return np.maximum(own, 0.0)
 
     def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
         """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name."""

@@ -332,7 +332,8 @@ class StepTimer:
         )  # fmt: skip
         r = self._ranges
         profile = r if r is not None and (r.captures or r.slow is not None) else None
-        self._walls = r is not None and r.slow is not None  # StepWalls per window (_slow.py)
+        # StepWalls per window (_slow.py): profile_on_slow's check, the slowest step across ranks
+        self._walls = (r is not None and r.slow is not None) or (self._xrank is not None and slowest_steps > 0)
         self._flight: FlightRecorder | None = None
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
         if slowest_steps and enabled and self._rank == 0 and (log_dir is not None or writer is not None):
@@ -573,7 +574,7 @@ class StepTimer:
         if window is None:
             return
         if self._xrank is not None:
-            window = self._xrank.interval(window)
+            window = self._xrank.interval(window, self._acc.slow)
         for sink in self._sinks:
             sink.write_window(window)
         if self.slowest_steps:  # steptimer's own time in the step that resolved the window's last step
@@ -625,6 +626,8 @@ class StepTimer:
             )  # fmt: skip
         if self._xrank is not None and self._xrank.summary is not None:
             summary = dataclasses.replace(summary, ranks=self._xrank.summary)
+        if self._xrank is not None and summary.slowest:  # each with its window's slowest rank
+            summary = dataclasses.replace(summary, slowest=self._xrank.annotate(summary.slowest))
         return summary
 
 
