@@ -289,7 +289,7 @@ def test_single_process_is_inert_and_options_are_checked(tmp_path: Path) -> None
     assert CrossRank().timeout_s == 300.0
 
 
-@pytest.mark.parametrize("world", [2, 1000])
+@pytest.mark.parametrize("world", [3, 1000])
 def test_slowest_step_key_names_rank_and_step_exactly(world: int) -> None:
     """The window's slowest step across ranks rides in one MAX: the key of the largest own time
     decodes to its rank and step, the step from its low bits and the window's last step."""
