@@ -21,7 +21,6 @@ from time import perf_counter
 
 from steptimer import StepTimer
 
-
 CAPTURES: list[int] = []  # profile_on_slow captures per run of the profile_on_slow variant
 
 

@@ -41,7 +41,8 @@ from time import perf_counter, sleep
 from typing import Any
 
 from steptimer._memory import MIB, MemoryStats
-from steptimer._slow import WAIT_PHASE, RankSlow, SlowestKeeper, SlowStep, is_wait_phase
+from steptimer._slow import WAIT_PHASE as WAIT_PHASE  # re-exported: the straggler rule names it
+from steptimer._slow import RankSlow, SlowestKeeper, SlowStep, is_wait_phase
 from steptimer._summary import RankSpread, RankSummary, SummaryAccumulator
 from steptimer._window import Window
 

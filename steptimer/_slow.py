@@ -145,7 +145,10 @@ class RankSlow:
             return f"the slowest rank in this step (its own time {_ms(self.own_ms)} ms: wall less backward)"
         here = "" if self.here_ms is None else f" vs {_ms(self.here_ms)} ms on rank {self.here}"
         if self.step == step:
-            return f"rank {self.rank} was slowest in this step: {_ms(self.own_ms)} ms of its own{here} (wall less backward)"
+            return (
+                f"rank {self.rank} was slowest in this step: {_ms(self.own_ms)} ms of its own{here} "
+                "(wall less backward)"
+            )
         return (
             f"slowest rank in steps {self.first}-{self.last}: rank {self.rank} at step {self.step}, "
             f"{_ms(self.own_ms)} ms of its own (wall less backward)"

@@ -381,3 +381,44 @@ def test_profile_on_slow_is_validated(tmp_path: Path, bad: object) -> None:
         StepTimer(cuda=False, print_summary=False, profile_on_slow=1.5)
     with pytest.raises(ValueError, match=r"profile_on_slow needs every step timed \(sample_every=1\)"):
         StepTimer(log_dir=tmp_path, cuda=False, print_summary=False, profile_on_slow=1.5, sample_every=2)
+
+
+@pytest.mark.cuda
+def test_profile_on_slow_on_a_real_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A spin kernel of ~10 ms in the forward of steps 41-45 (its cycles calibrated on this GPU's
+    clock first) in a loop of ~0.1 ms steps: one capture, of the GPU's kernels, after the slowdown."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm the kernel up
+    e0.record()
+    torch.cuda._sleep(10_000_000)
+    e1.record()
+    torch.cuda.synchronize()
+    cycles_per_ms = 10_000_000 / e0.elapsed_time(e1)
+    t = StepTimer(log_dir=tmp_path, cuda=True, warmup_steps=5, log_every_n_steps=10, print_summary=False,
+                  profile_on_slow=2.0)  # fmt: skip
+    s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def stall(n: int) -> None:
+        if 41 <= n <= 45:
+            if n == 41:
+                s0.record()
+            torch.cuda._sleep(int(10 * cycles_per_ms))
+            if n == 41:
+                s1.record()
+
+    _cuda_loop(t, 80, in_forward=stall)
+    s = t.close()
+    sleep_ms = s0.elapsed_time(s1)
+    assert sleep_ms > 5.0  # ~10 ms: far above a step of this loop (~0.1 ms) and the 1 ms floor
+    # The window of steps 41-50 is computed when step 50 is resolved, at the end of step 52 (lag 2).
+    assert _slow_traces(tmp_path) == ["steptimer-profile-slow-53.json"]
+    (note,) = [n for n in s.notes if "torch.profiler" in n]
+    assert note.startswith("profile_on_slow=2: steps 41-43 each slower than 2 x the median step before them: ")
+    grew = float(note.split(", GPU forward +")[1].split(" ms")[0])  # on the GPU's timeline
+    assert grew == pytest.approx(sleep_ms, abs=0.5)
+    from steptimer.cli import main
+
+    capsys.readouterr()
+    assert main(["kernels", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "GPU kernels per phase over steps 53..55" in out and "forward:" in out
