@@ -1,10 +1,11 @@
 """What the slowest steps cost (docs/slow-steps.md, docs/benchmarks.md): a loop with nothing slow.
 
 Interleaved blocks of the same empty loop (2 phases, host clock: steptimer's own cost is all there
-is to see) under ``slowest_steps=0`` (off) and the default (``slowest_steps=5``), each without and with a log
-dir (TensorBoard, and with the default the flight recorder's ring); the ratio of the default to off
-(with the same log dir setting) is taken within each round, then the median over rounds. Then the flight recorder's ``add`` and the
-engine's per-step marking, timed alone, and a long run's bounded state.
+is to see) under ``slowest_steps=0`` (off) and the default (``slowest_steps=5``), each without and
+with a log dir (TensorBoard, and with the default the flight recorder's ring), and the default with
+``profile_on_slow=1.5`` and a log dir; the ratio of each to its base is taken within each round,
+then the median over rounds. Then the flight recorder's ``add`` and the engine's per-step marking,
+timed alone, and a long run's bounded state.
 
     .venv/bin/python -m bench.slow [--steps 20000] [--rounds 7] [--long 1000000]
 """
@@ -20,6 +21,8 @@ from time import perf_counter
 
 from steptimer import StepTimer
 
+CAPTURES: list[int] = []  # profile_on_slow captures per run of the profile_on_slow variant
+
 
 def loop(steps: int, **kw: object) -> float:
     """µs per step of an empty 2-phase loop under a timer made with ``kw``."""
@@ -33,7 +36,9 @@ def loop(steps: int, **kw: object) -> float:
             with bwd:
                 pass
     dt = perf_counter() - t0
-    t.close()
+    s = t.close()
+    if "profile_on_slow" in kw:
+        CAPTURES.append(sum("ran under torch.profiler" in n for n in s.notes))
     return dt / steps * 1e6
 
 
@@ -43,8 +48,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--long", type=int, default=1_000_000)
     args = ap.parse_args()
-    variants = ("off", "default", "off+log_dir", "default+log_dir")
-    base = {"off": "off", "default": "off", "off+log_dir": "off+log_dir", "default+log_dir": "off+log_dir"}
+    variants = ("off", "default", "off+log_dir", "default+log_dir", "profile_on_slow+log_dir")
+    base = {"off": "off", "default": "off", "off+log_dir": "off+log_dir", "default+log_dir": "off+log_dir",
+            "profile_on_slow+log_dir": "default+log_dir"}  # fmt: skip
     per: dict[str, list[float]] = {v: [] for v in variants}
     ratios: dict[str, list[float]] = {v: [] for v in variants if base[v] != v}
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +61,9 @@ def main() -> None:
             for v in order:
                 kw: dict[str, object] = {"slowest_steps": 0} if v.startswith("off") else {}
                 if v.endswith("log_dir"):
-                    kw["log_dir"] = f"{tmp}/{r}"
+                    kw["log_dir"] = f"{tmp}/{r}/{v}"
+                if v.startswith("profile_on_slow"):
+                    kw["profile_on_slow"] = 1.5
                 got[v] = loop(args.steps, **kw)
             for v in variants:
                 per[v].append(got[v])
@@ -66,7 +74,8 @@ def main() -> None:
         extra = "" if v not in ratios else f"  ratio to {base[v]}: median {statistics.median(ratios[v]):.3f} " + (
             f"(min {min(ratios[v]):.3f}, max {max(ratios[v]):.3f})"
         )
-        print(f"  {v:<16} {statistics.median(per[v]):6.2f} µs/step{extra}")
+        print(f"  {v:<24} {statistics.median(per[v]):6.2f} µs/step{extra}")
+    print(f"  profile_on_slow captures per run (of {args.steps} steps): {CAPTURES}")
 
     # The per-step pieces alone.
     from steptimer._flight import FlightRecorder

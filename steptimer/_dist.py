@@ -13,6 +13,14 @@ So the message is O(series), whatever the world size; rank 0 keeps O(series) num
 rank. The rank holding the max rides in the MAX itself: the key ``q(value) * 2**b + (2**b - 1 - rank)``
 (``q`` in whole µs, ``b`` bits for the rank) is exact in a float64 while ``q < 2**(52 - b)``.
 
+The window's MAX also carries two values for its slowest step across ranks (docs/slow-steps.md):
+each rank's slowest step of the window by *own* time (wall less the top-level ``backward``, which
+under DDP holds the wait for the others), as the key ``(q(own) * 2**16 + step % 2**16) * 2**b + tag``
+and the own time itself. The MAX's key names the rank and the step (the step from its low 16 bits and
+the window's last step, shared: exact while windows and uneven ends span fewer than 65,536 steps; the
+key's order is exact while ``q < 2**(36 - b)`` µs, 9.5 hours at 2 ranks, 67 s at 1,024). Every rank
+keeps the 5 slowest such steps and those of the windows holding its own slowest steps.
+
 Never a hang: whether a rank enters a round depends only on the resolved step number (shared) and on
 reduced headers (shared); a timeout on the side group ends cross-rank statistics for good; nothing
 runs on an exception path. Uneven ends follow ``torch.distributed.algorithms.Join``: a rank that
@@ -23,6 +31,7 @@ windows, until every rank has closed; the last round also reduces the run summar
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -32,16 +41,20 @@ from time import perf_counter, sleep
 from typing import Any
 
 from steptimer._memory import MIB, MemoryStats
+from steptimer._slow import WAIT_PHASE as WAIT_PHASE  # re-exported: the straggler rule names it
+from steptimer._slow import RankSlow, SlowestKeeper, SlowStep, is_wait_phase
 from steptimer._summary import RankSpread, RankSummary, SummaryAccumulator
 from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
 
 DEFAULT_TIMEOUT_S = 300.0
-# A phase that, under DDP, includes waiting for the other ranks' gradients (the all-reduce hooks
-# run inside it): a compute straggler has the *shortest* one. The straggler signal leaves it out.
-WAIT_PHASE = "backward"
+# WAIT_PHASE (_slow.py): a phase that, under DDP, includes waiting for the other ranks' gradients
+# (the all-reduce hooks run inside it): a compute straggler has the *shortest* one. The straggler
+# signal leaves it out, and so does a step's own time.
 STRAGGLER = "straggler"
+STEP_BITS = 16  # the slowest step's number modulo 2**16 rides in its key
+RANK_SLOW_KEPT = 5  # the slowest steps across ranks kept for the summary
 _NEG = -math.inf
 _HEADER = 10
 
@@ -72,8 +85,7 @@ def straggler_ms(window_host: Mapping[str, Any], window_gpu: Mapping[str, Any], 
         return None
     value = mean(clock["step"])
     for name, st in clock.items():
-        parts = name.split("/")
-        if parts[-1] == WAIT_PHASE and WAIT_PHASE not in parts[:-1]:
+        if is_wait_phase(name):
             value -= mean(st)
     if "data" in window_host:
         value += mean(window_host["data"])
@@ -102,6 +114,22 @@ def encode(value_ms: float, rank: int, bits: int, *, lowest: bool = False) -> fl
 
 def decode_rank(key: float, bits: int) -> int:
     return int(2**bits - 1 - int(key) % 2**bits)
+
+
+def encode_step(own_ms: float, step: int, rank: int, bits: int) -> float:
+    """A key whose MAX over ranks names the rank and the step with the largest own time (ties: the
+    later step, then the lowest rank). Exact in a float64: ``q(own_ms)`` is clamped below
+    ``2**(52 - STEP_BITS - bits)`` µs."""
+    q = min(max(round(own_ms * 1e3), 0), 2 ** (52 - STEP_BITS - bits) - 1)
+    return float((q * 2**STEP_BITS + step % 2**STEP_BITS) * 2**bits + 2**bits - 1 - rank)
+
+
+def decode_step(key: float, bits: int, last_step: int) -> tuple[int, int]:
+    """``(rank, step)`` of :func:`encode_step`'s key; the step is the latest one at or before
+    ``last_step`` (the window's last, shared by the ranks) with the key's low bits."""
+    k = int(key)
+    low = (k >> bits) % 2**STEP_BITS
+    return decode_rank(key, bits), last_step - (last_step - low) % 2**STEP_BITS
 
 
 def spreads(keys: Sequence[str], mx: Sequence[float], sm: Sequence[float], bits: int) -> dict[str, RankSpread]:
@@ -245,6 +273,10 @@ class CrossRank:
         self._others_closed = False
         self.skipped = 0  # intervals skipped because the ranks' phase sets differed
         self.summary: RankSummary | None = None
+        # Each window's slowest step across ranks (RankSlow): the run's RANK_SLOW_KEPT slowest, and
+        # those of the windows that hold this rank's own slowest steps (bounded: k + 5 entries).
+        self._top: list[tuple[float, int, RankSlow]] = []  # a min-heap by own time
+        self._near: dict[int, RankSlow] = {}  # by the window's last step
 
     # -- life cycle
 
@@ -298,11 +330,14 @@ class CrossRank:
 
     # -- rounds
 
-    def interval(self, window: Window) -> Window:
-        """The round at a log interval; returns ``window`` with the cross-rank scalars attached."""
+    def interval(self, window: Window, keeper: SlowestKeeper | None = None) -> Window:
+        """The round at a log interval; returns ``window`` with the cross-rank scalars attached.
+        ``keeper``: this rank's slowest steps, whose windows' slowest rank is kept for the summary."""
         if self.off or not self._start():
             return window
-        res = self._round(window_values(window), None, closing=False, step=window.step)
+        slot, own = self._slow_slot(window)
+        res = self._round(window_values(window), None, closing=False, step=window.step, slot=slot)
+        self._keep_slow(window, res, own, keeper)
         out = self._attach(window, res)
         return window if out is None else out
 
@@ -312,16 +347,76 @@ class CrossRank:
         if self.off or not self._start():
             return window
         summ = summary_values(acc)
-        res = self._round(window_values(window), summ, closing=True, step=window.step if window else 0)
+        slot, own = self._slow_slot(window)
+        res = self._round(window_values(window), summ, closing=True, step=window.step if window else 0, slot=slot)
+        if window is not None:
+            self._keep_slow(window, res, own, acc.slow)
         out = self._attach(window, res) if window is not None else None
         while res is not None and not res["all_closing"]:
             res = self._round(None, summ, closing=True, step=0)
+        if self.summary is not None:
+            self.summary = replace(self.summary, slowest=self.slowest_across())
         return out
+
+    # -- the slowest step across ranks, per window
+
+    def _slow_slot(self, window: Window | None) -> tuple[list[float] | None, Any]:
+        """This rank's part of the window's slowest-step slot (key, own ms) and its steps' own times."""
+        walls = window.packed.walls if window is not None and window.packed is not None else None
+        if walls is None or not len(walls):
+            return None, None
+        own = walls.own_ms()
+        i = int(own.argmax())
+        v = float(own[i])
+        return [encode_step(v, int(walls.numbers[i]), self.rank, self._bits), v], own
+
+    def _keep_slow(self, window: Window, res: dict[str, Any] | None, own: Any, keeper: SlowestKeeper | None) -> None:
+        """Keep the window's slowest step across ranks, with this rank's own time in that step."""
+        if res is None or res.get("slow") is None:
+            return
+        step, rank, own_ms = res["slow"]
+        here_ms = None
+        walls = window.packed.walls if window.packed is not None else None
+        if walls is not None and own is not None:
+            i = int(walls.numbers.searchsorted(step))
+            if i < len(walls) and int(walls.numbers[i]) == step:
+                here_ms = float(own[i])
+        rec = RankSlow(step, rank, own_ms, window.step - window.steps + 1, window.step, self.rank, here_ms)
+        if len(self._top) < RANK_SLOW_KEPT:
+            heapq.heappush(self._top, (own_ms, step, rec))
+        elif own_ms > self._top[0][0]:
+            heapq.heapreplace(self._top, (own_ms, step, rec))
+        kept = [c.step for c in keeper.heap] if keeper is not None else []
+        self._near[window.step] = rec
+        self._near = {k: r for k, r in self._near.items() if any(r.first <= n <= r.last for n in kept)}
+
+    def slowest_across(self) -> tuple[RankSlow, ...]:
+        """The run's slowest steps across ranks (one per window at most), slowest first."""
+        return tuple(r for _, _, r in sorted(self._top, key=lambda t: (-t[0], t[1])))
+
+    def annotate(self, slowest: Sequence[SlowStep]) -> tuple[SlowStep, ...]:
+        """This rank's slowest steps, each with its window's slowest step across ranks
+        (:class:`RankSlow`) when that says something: it is this step, or another rank's step whose
+        own time is at least this step's wall time (a bigger stall than this one, nearby)."""
+        recs = list(self._near.values()) + [r for _, _, r in self._top]
+        out = []
+        for s in slowest:
+            r = next((r for r in recs if r.first <= s.step <= r.last), None)
+            if r is not None and (r.step == s.step or (r.rank != self.rank and r.own_ms >= s.wall_ms)):
+                s = s.with_rank(r)
+            out.append(s)
+        return tuple(out)
 
     def _attach(self, window: Window | None, res: dict[str, Any] | None) -> Window | None:
         if window is None or res is None:
             return window
         extra = scalars_of(res["window"], res["reporting"], res["round_ms"])
+        if res.get("slow") is not None:
+            at, rank, own_ms = res["slow"]
+            extra.update({
+                "steptimer-ranks/slowest_step": float(at), "steptimer-ranks/slowest_step_argmax": float(rank),
+                "steptimer-ranks/slowest_step_own_ms": own_ms,
+            })  # fmt: skip
         return replace(window, extra={**window.extra, **extra})
 
     def _allreduce(self, values: list[float], op: Any) -> list[float] | None:
@@ -344,8 +439,9 @@ class CrossRank:
         return t.tolist()
 
     def _round(
-        self, win: Mapping[str, float] | None, summ: Mapping[str, float] | None, *, closing: bool, step: int
-    ) -> dict[str, Any] | None:
+        self, win: Mapping[str, float] | None, summ: Mapping[str, float] | None, *, closing: bool, step: int,
+        slot: list[float] | None = None,
+    ) -> dict[str, Any] | None:  # fmt: skip
         t0 = perf_counter()
         dist = self._dist
         wkeys = sorted(win) if win is not None else []
@@ -384,8 +480,12 @@ class CrossRank:
         ns = int(h[7]) if s_ok else 0
         wres: dict[str, RankSpread] = {}
         reporting = 0
+        slow = None
         if nw or ns:
             wmx, wsm = _vectors(win if w_ok else None, nw, self.rank, self._bits)
+            if nw:  # the window's slowest step across ranks: (key, own ms), neutral when abstaining
+                wmx += slot if slot is not None and w_ok and win is not None else [_NEG, _NEG]
+            wlen = len(wmx)
             smx, ssm = _vectors(summ if s_ok else None, ns, self.rank, self._bits)
             mx = self._allreduce(wmx + smx, dist.ReduceOp.MAX)
             sm = self._allreduce(wsm + ssm, dist.ReduceOp.SUM) if mx is not None else None
@@ -397,8 +497,11 @@ class CrossRank:
                 reporting = int(sm[nw])
                 if win is not None:
                     wres = spreads(wkeys, mx[: 4 * nw], sm[: nw + 1], self._bits)
+                if mx[4 * nw] != _NEG:
+                    rank, at = decode_step(mx[4 * nw], self._bits, int(h[8]))
+                    slow = (at, rank, mx[4 * nw + 1])
             if ns and summ is not None:
-                sres = spreads(skeys, mx[4 * nw :], sm[nw + 1 :], self._bits)
+                sres = spreads(skeys, mx[wlen:], sm[nw + 1 :], self._bits)
                 strag = sres.pop(STRAGGLER, None)
                 self.summary = RankSummary(
                     world_size=self.world_size,
@@ -416,7 +519,9 @@ class CrossRank:
         dt = perf_counter() - t0
         self.rounds += 1
         self.reduce_s += dt
-        return {"window": wres, "reporting": reporting, "all_closing": all_closing, "round_ms": dt * 1e3}
+        return {
+            "window": wres, "reporting": reporting, "all_closing": all_closing, "round_ms": dt * 1e3, "slow": slow,
+        }  # fmt: skip
 
     @staticmethod
     def _step_of(h: Sequence[float]) -> int:

@@ -205,6 +205,7 @@ class Engine:
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[_Pending] = deque()
         self._plain_done = 0  # a plain step resolved at its own end, not yet told to on_resolved
+        self._now_marks: dict[str, float] | None = None  # the current step's marks (mark_current)
         self._waited = start_step  # the newest step number waited for
         # CUDA, settled at the first step.
         self._cuda_opt = cuda
@@ -336,6 +337,7 @@ class Engine:
             and (self._dyn is None or self._dyn.get("unique_graphs", 0) == self._graphs)
             and not (self.gc_log is not None and self.gc_log.spans)
         ):
+            self._now_marks = None  # a plain step is never ranked: what steptimer did in it is not kept
             self._end_plain(number, gap, samples, tokens, flops)
             return
         rec = _Pending(
@@ -349,6 +351,9 @@ class Engine:
         self._paused_s = 0.0
         if self._dyn is not None:
             self._note_compiles(rec)
+        if self._now_marks is not None:  # marked before the record existed (mark_current)
+            rec.marks = {**self._now_marks, **(rec.marks or {})}
+            self._now_marks = None
         if self._gpu:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
@@ -499,6 +504,7 @@ class Engine:
         self._evs = []
         self._recs = []
         self._stack.clear()
+        self._now_marks = None
         if self._mem is not None:
             self._mem.drop_step()
         self.in_step = self.untimed = False
@@ -667,11 +673,18 @@ class Engine:
         self._on_resolved(rec.number)
 
     def mark_current(self, key: str, value: float) -> None:
-        """Mark the step being ended (a window emitted inside its ``end_step``), if there is one."""
-        if self._pending and self._pending[-1].number == self.number and not self.closed:
-            rec = self._pending[-1]
-            rec.marks = rec.marks or {}
-            rec.marks[key] = rec.marks.get(key, 0.0) + value
+        """Mark the step being ended (a window emitted inside its ``end_step``), if there is one:
+        its pending record, or, before that exists (host only, steps before it are resolved
+        first), the marks ``end_step`` gives it."""
+        if self.closed:
+            return
+        if self._pending and self._pending[-1].number == self.number:
+            marks = self._pending[-1].marks = self._pending[-1].marks or {}
+        elif self.in_step:
+            marks = self._now_marks = self._now_marks or {}
+        else:
+            return
+        marks[key] = marks.get(key, 0.0) + value
 
     def _mark(self, rec: _Pending) -> None:
         """Put what happened in the step (``rec.marks``, GC inside its host time range, a pause

@@ -1,5 +1,7 @@
 """``steptimer kernels LOGDIR``: the top GPU kernels of each phase, from the ``torch.profiler`` trace
-that ``StepTimer(profile_steps=...)`` writes (``_profile.py``).
+that ``StepTimer(profile_steps=...)`` or ``profile_on_slow=`` writes (``_profile.py``). Given a
+directory, it reads ``steptimer-profile.json`` if there is one, else the first
+``steptimer-profile-slow-<step>.json``, and names the others (pass a file to read one of them).
 
 How a kernel finds its phase: the profiler records each CUDA launch on the CPU (``cudaLaunchKernel``,
 ``cuLaunchKernel``, ``cudaMemcpyAsync``, ... : category ``cuda_runtime`` or ``cuda_driver``) and each
@@ -24,13 +26,14 @@ time.
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any
 
-from steptimer._profile import PROFILE_FILE, RANGE_PREFIX
+from steptimer._profile import PROFILE_FILE, RANGE_PREFIX, profile_files
 from steptimer._reader import LogError
 from steptimer._tracefile import read_json
 
@@ -76,11 +79,15 @@ class KernelsReport:
 
 
 def load_profile(path: str) -> dict[str, Any]:
-    """Read ``steptimer-profile.json`` (``path`` is the file or the run's log directory)."""
-    file, doc = read_json(path, PROFILE_FILE, "profile_steps=(first, last)")
+    """Read a profiler trace (``path`` is the file or the run's log directory: its
+    ``steptimer-profile.json``, else its first ``profile_on_slow`` trace; ``_others`` lists the rest)."""
+    files = profile_files(path) if os.path.isdir(path) else []
+    name = os.path.basename(files[0]) if files else PROFILE_FILE
+    file, doc = read_json(path, name, "profile_steps=(first, last) or profile_on_slow=1.5")
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise LogError(f"{file}: not a Chrome trace (no traceEvents)")
     doc["_path"] = file
+    doc["_others"] = files[1:]
     return doc
 
 
@@ -141,6 +148,15 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
     path = str(doc.get("_path", ""))
     spans = _Spans(events)
     notes: list[str] = []
+    why = meta.get("why")
+    if isinstance(why, str):
+        notes.append(f"profiled because {why}")
+    others = doc.get("_others") or []
+    if others:
+        notes.append(
+            f"{len(others)} more trace{'s' * (len(others) != 1)} in this directory (pass one to read it): "
+            + ", ".join(os.path.basename(f) for f in others)
+        )
     if not spans.spans:
         raise LogError(f"{path}: no steptimer ranges ({RANGE_PREFIX}...) in this trace")
     launch_ts = {

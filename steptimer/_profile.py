@@ -81,7 +81,7 @@ class Ranges:
 
     Args:
         nvtx: NVTX push/pop functions, or None for no NVTX ranges.
-        capture: The profiler window, or None.
+        capture: The ``profile_steps`` window, or None.
         set_ranged: Called with True when the phases must call ``enter``/``exit`` (NVTX on, or inside
             the profiler window) and False when they need not.
     """
@@ -93,16 +93,46 @@ class Ranges:
         set_ranged: Callable[[bool], None],
     ) -> None:
         self._push, self._pop = nvtx if nvtx is not None else (None, None)
-        self.capture = capture
+        # The profiler windows not yet written, in step order, one at a time: profile_steps' and
+        # those profile_on_slow arms (:meth:`arm`, which keeps them apart).
+        self.captures: list[ProfileCapture] = [capture] if capture is not None else []
+        self.slow: SlowProfiler | None = None  # profile_on_slow (set by make_ranges)
         self._set_ranged = set_ranged
         self._names: list[str] = []  # full names of the open phases
         self._records: list[Any] = []  # their record_function objects, while recording
         self._in_step = False
         self.recording = False  # record_function ranges on (inside the profiler window)
         # The timer's steps go through the ranges from this step count on (engine.number before the
-        # step): always with NVTX; else from the window's start until its trace is written.
-        self.from_number: float = 0 if self._push is not None else capture.first - 1 if capture else math.inf
+        # step): always with NVTX; else from the next window's start until its trace is written.
+        self.from_number: float = math.inf
+        self._next_window()
         set_ranged(self._push is not None)
+
+    @property
+    def capture(self) -> ProfileCapture | None:
+        """The window running or next to run."""
+        return self.captures[0] if self.captures else None
+
+    def _next_window(self) -> None:
+        cap = self.capture
+        self.from_number = 0 if self._push is not None else cap.first - 1 if cap is not None else math.inf
+
+    def arm(self, capture: ProfileCapture, engine: Engine) -> bool:
+        """Add a window that starts at the next step, unless it would overlap another window or the
+        steps until that one's trace is written (``lag`` steps after its last); False then."""
+        gap = max(engine.lag, 1) + 1
+        for other in self.captures:
+            if not (capture.last + gap <= other.first or other.last + gap <= capture.first):
+                return False
+        self.captures.append(capture)
+        self.captures.sort(key=lambda c: c.first)
+        self._next_window()
+        return True
+
+    def add(self, engine: Engine, rec: Any) -> None:
+        """The engine's ``on_pending`` call: each resolved step to the windows that hold it."""
+        for cap in self.captures:
+            cap.add(engine, rec)
 
     # ------------------------------------------------------------------ steps
 
@@ -111,9 +141,12 @@ class Ranges:
             return  # the engine raises (steps cannot nest): nothing to open
         cap = self.capture
         if cap is not None and engine.number + 1 == cap.first and not cap.started:
-            cap.start(engine)
-            self.recording = True
-            self._set_ranged(True)
+            if cap.start(engine):
+                self.recording = True
+                self._set_ranged(True)
+            else:  # the profiler did not start: a note says why; the run goes on without it
+                self.captures.pop(0)
+                self._next_window()
         self._in_step = True
         self._open("step")
 
@@ -133,25 +166,28 @@ class Ranges:
         cap = self.capture
         if cap is None:
             return
-        if self.recording and engine.number >= cap.last:
-            self.recording = False
-            self._set_ranged(self._push is not None)
-            cap.stop(engine)
+        if self.recording:
+            engine.mark_current("profiled", 1.0)  # the slowest steps say so (_slow.explain)
+            if engine.number >= cap.last:
+                self.recording = False
+                self._set_ranged(self._push is not None)
+                cap.stop(engine)
         if cap.ready(engine):
             cap.write(engine)
-            if self._push is None:
-                self.from_number = math.inf
+            self.captures.pop(0)
+            self._next_window()
 
     def finish(self, engine: Engine) -> None:
-        """At ``close()``, after the engine resolved every step: stop and write the capture."""
+        """At ``close()``, after the engine resolved every step: stop and write the captures."""
         while self._names:
             self.exit()
         if self._in_step:
             self._in_step = False
             self._close()
         self.recording = False
-        if self.capture is not None:
-            self.capture.finish(engine)
+        for cap in self.captures:
+            cap.finish(engine)
+        self.captures = []
 
     # ------------------------------------------------------------------ phases
 
@@ -185,12 +221,14 @@ class Ranges:
 
 class ProfileCapture:
     """``torch.profiler`` over steps ``first..last`` and the trace file, with steptimer's own times
-    of those steps (from the engine's ``on_pending`` call, before their events are released)."""
+    of those steps (from the engine's ``on_pending`` call, before their events are released).
+    ``why``: the slowdown that armed it (``profile_on_slow``); None for ``profile_steps``."""
 
-    def __init__(self, first: int, last: int, path: str) -> None:
+    def __init__(self, first: int, last: int, path: str, why: str | None = None) -> None:
         self.first = first
         self.last = last
         self.path = path
+        self.why = why
         self.started = False
         self.stopped = False
         self.written = False
@@ -198,19 +236,31 @@ class ProfileCapture:
         self._steps: list[dict[str, Any]] = []
         self._cuda = False
 
-    def start(self, engine: Engine) -> None:
+    def start(self, engine: Engine) -> bool:
+        """Start the profiler before step ``first``; False (one warning and a note) if it would not
+        start (another profiler running, say): the run goes on without the capture."""
         import torch
         from torch.profiler import ProfilerActivity, profile
 
         self.started = True
         self._cuda = torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
-        self._prof = profile(activities=activities)
         paused = engine.begin_pause()  # the profiler's start-up (CUPTI: 100s of ms) is not data wait
         try:
+            self._prof = profile(activities=activities)
             self._prof.start()
+        except Exception as err:  # noqa: BLE001 - steptimer's profiler must never stop the run
+            self._prof, self.stopped, self.written = None, True, True
+            msg = f"torch.profiler did not start for {self._what()} ({type(err).__name__}: {err}); no trace"
+            log.warning("steptimer: %s", msg)
+            engine.notes.append(msg)
+            return False
         finally:
             engine.end_pause(paused)
+        return True
+
+    def _what(self) -> str:
+        return f"steps {self.first}..{self.last}" + (" (profile_on_slow)" if self.why else " (profile_steps)")
 
     def stop(self, engine: Engine) -> None:
         if self._prof is None or self.stopped:
@@ -219,6 +269,8 @@ class ProfileCapture:
         paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
         try:
             self._prof.stop()
+        except Exception as err:  # noqa: BLE001 - the write then fails too, with a note
+            log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
         finally:
             if paused is not None:
                 engine.end_pause(paused)
@@ -257,9 +309,11 @@ class ProfileCapture:
             return
         if not self.started:
             engine.notes.append(
+                f"{self.why}; the run ended at step {engine.number}, before the profiler's steps: no trace"
+                if self.why else
                 f"profile_steps={self.first, self.last}: the run ended at step {engine.number}, "
                 "before the window; no profile written"
-            )
+            )  # fmt: skip
             self.written = True
             return
         self.stop(engine)
@@ -272,11 +326,21 @@ class ProfileCapture:
         except OSError as err:
             engine.notes.append(unwritten("the profiler trace", self.path, err))
             return
+        except Exception as err:  # noqa: BLE001 - the profiler's own export failed: never stop the run
+            msg = f"torch.profiler's trace of {self._what()} was not written ({type(err).__name__}: {err})"
+            log.warning("steptimer: %s", msg)
+            engine.notes.append(msg)
+            return
         engine.notes.append(self.note())
 
     def note(self) -> str:
         numbers = [s["number"] for s in self._steps]
         span = f"{numbers[0]}..{numbers[-1]}" if numbers else "none"
+        if self.why:
+            return (
+                f"{self.why}; steps {span} ran under torch.profiler (their times include its overhead), "
+                f"trace: {self.path} (steptimer kernels)"
+            )
         return (
             f"steps {span} ran under torch.profiler (profile_steps): their times include the "
             f"profiler's overhead; trace: {self.path} (steptimer kernels)"
@@ -285,6 +349,8 @@ class ProfileCapture:
     def _write(self) -> None:
         self.written = True
         prof, self._prof = self._prof, None
+        if prof is None:
+            raise RuntimeError("the profiler never ran")
         tmp = self.path + ".tmp"
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         prof.export_chrome_trace(tmp)
@@ -299,10 +365,81 @@ class ProfileCapture:
             "cuda_activity": self._cuda,
             "range_prefix": RANGE_PREFIX,
             "steps": self._steps,
+            "why": self.why,  # the slowdown that armed it (profile_on_slow); None for profile_steps
         }
         with open(tmp, "w") as f:
             json.dump(doc, f)
         os.replace(tmp, self.path)
+
+
+SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
+
+
+def check_profile_on_slow(profile_on_slow: object) -> float | None:
+    """``profile_on_slow``: None, or a factor > 1 of the rolling median step time."""
+    if profile_on_slow is None:
+        return None
+    ok = (
+        isinstance(profile_on_slow, (int, float)) and not isinstance(profile_on_slow, bool)
+        and 1 < profile_on_slow < math.inf
+    )  # fmt: skip
+    if not ok:
+        raise ValueError(
+            "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), "
+            f"or None; got {profile_on_slow!r}"
+        )
+    return float(profile_on_slow)  # type: ignore[arg-type]
+
+
+def profile_files(folder: str) -> list[str]:
+    """The profiler traces in a log directory: ``steptimer-profile.json`` (``profile_steps``) first,
+    then ``profile_on_slow``'s in step order."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    slow = []
+    for name in names:
+        number = name[len(SLOW_PROFILE_PREFIX) : -len(".json")]
+        if name.startswith(SLOW_PROFILE_PREFIX) and name.endswith(".json") and number.isdigit():
+            slow.append((int(number), name))
+    fixed = [PROFILE_FILE] if PROFILE_FILE in names else []
+    return [os.path.join(folder, n) for n in fixed + [n for _, n in sorted(slow)]]
+
+
+class SlowProfiler:
+    """``profile_on_slow``: per window, asks :class:`~steptimer._slow.SlowdownWatch` whether steps
+    stayed slower than the factor, and if so arms a ``torch.profiler`` window of the next
+    ``PROFILE_SLOW_STEPS`` steps on the timer's :class:`Ranges` (the ``profile_steps`` code path),
+    written to ``steptimer-profile-slow-<first step>.json``."""
+
+    def __init__(self, factor: float, folder: str, ranges: Ranges) -> None:
+        from steptimer._slow import SlowdownWatch
+
+        self.watch = SlowdownWatch(factor)
+        self.folder = folder
+        self.ranges = ranges
+        for cap in ranges.captures:  # profile_steps' steps: left out of the rolling median
+            self.watch.profiled(cap.first, cap.last, capture=False)
+
+    def window(self, window: Any, engine: Engine) -> None:
+        """A window's steps (``window.packed.walls``): arm a capture if a slowdown completed."""
+        from steptimer._slow import PROFILE_SLOW_STEPS
+
+        walls = window.packed.walls if window.packed is not None else None
+        if walls is None or engine.closed:
+            return
+        found = self.watch.check(walls, window.host, window.gpu)
+        if found is None:
+            return
+        first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
+        last = first + PROFILE_SLOW_STEPS - 1
+        path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
+        why = found.text()
+        if self.ranges.arm(ProfileCapture(first, last, path, why=why), engine):
+            self.watch.profiled(first, last)
+        else:
+            engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
 
 
 def make_ranges(
@@ -315,29 +452,37 @@ def make_ranges(
     enabled: bool,
     rank: int,
     set_ranged: Callable[[bool], None],
+    profile_on_slow: object = None,
 ) -> tuple[Ranges | None, str | None]:
-    """Validate ``profile_steps`` (``nvtx`` is checked by the caller); the ranges (None when there
-    are none) and a note.
+    """Validate ``profile_steps`` and ``profile_on_slow`` (``nvtx`` is checked by the caller); the
+    ranges (None when there are none) and a note.
 
-    ``folder`` is where the trace goes (the log directory); the capture is made on rank 0 only.
+    ``folder`` is where the traces go (the log directory); captures are made on rank 0 only.
     """
     capture = None
-    if profile_steps is not None:
-        first, last = check_profile_steps(profile_steps, start_step=start_step)
+    factor = check_profile_on_slow(profile_on_slow)
+    for name, value in (("profile_steps", profile_steps), ("profile_on_slow", factor)):
+        if value is None:
+            continue
+        if name == "profile_steps":
+            first, last = check_profile_steps(profile_steps, start_step=start_step)
         if sample_every != 1:
-            raise ValueError(
-                f"profile_steps needs every step timed (sample_every=1), got sample_every={sample_every}"
-            )
+            raise ValueError(f"{name} needs every step timed (sample_every=1), got sample_every={sample_every}")
         if folder is None:
-            raise ValueError(f"profile_steps needs log_dir or writer: {PROFILE_FILE} is written next to the event files")
-        if enabled and rank == 0:
-            capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))
+            file = PROFILE_FILE if name == "profile_steps" else f"{SLOW_PROFILE_PREFIX}<step>.json"
+            raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
+    if profile_steps is not None and enabled and rank == 0:
+        capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
     fns, note = None, None
     if nvtx and enabled:
         fns = _nvtx_functions()
         if fns is None:
             note = "nvtx=True but this torch has no NVTX (a CPU build): no NVTX ranges"
             log.info("steptimer: %s", note)
-    if fns is None and capture is None:
+    slow = factor is not None and enabled and rank == 0
+    if fns is None and capture is None and not slow:
         return None, note
-    return Ranges(fns, capture, set_ranged), note
+    ranges = Ranges(fns, capture, set_ranged)
+    if slow:
+        ranges.slow = SlowProfiler(factor, folder, ranges)  # type: ignore[arg-type]
+    return ranges, note

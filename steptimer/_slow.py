@@ -36,7 +36,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from steptimer._verdict import ShareClock
@@ -76,6 +76,7 @@ class SlowStep:
     causes: tuple[str, ...] = ()
     marks: Mapping[str, float] = field(default_factory=dict, repr=False)
     trace: str | None = None  # the flight recorder's Perfetto file around the step, if kept
+    rank: RankSlow | None = None  # under torch.distributed: the slowest rank in its window (_dist.py)
 
     @property
     def cause(self) -> str | None:
@@ -103,6 +104,8 @@ class SlowStep:
             d["cause"] = self.cause
         if self.trace is not None:
             d["trace"] = self.trace
+        if self.rank is not None:
+            d["rank"] = self.rank.to_json()
         return d
 
     @classmethod
@@ -113,6 +116,57 @@ class SlowStep:
             host_ms=dict(d.get("host_ms") or {}), gpu_ms=d.get("gpu_ms"),
             grew=grew.get("row"), grew_ms=grew.get("by_ms"), grew_median_ms=grew.get("median_ms"),
             causes=tuple(d.get("causes") or ()), trace=d.get("trace"),
+            rank=RankSlow.from_json(d["rank"]) if isinstance(d.get("rank"), dict) else None,
+        )  # fmt: skip
+
+    def with_rank(self, r: RankSlow) -> SlowStep:
+        """This step with the slowest rank of its window (:class:`RankSlow`) as one more cause."""
+        return replace(self, rank=r, causes=self.causes + (r.text(self.step),))
+
+
+@dataclass(frozen=True)
+class RankSlow:
+    """Under ``torch.distributed``: the slowest step of one log window across ranks, by *own* time
+    (wall time less the top-level ``backward``, :meth:`StepWalls.own_ms`), from the window's
+    cross-rank round (``_dist.py``). ``here_ms`` is the reading rank's own time in that step
+    (``here``: that rank; None if it has no such timed step)."""
+
+    step: int
+    rank: int
+    own_ms: float
+    first: int  # the window's steps
+    last: int
+    here: int
+    here_ms: float | None
+
+    def text(self, step: int) -> str:
+        """What rank ``here``'s table says of its slow step ``step`` (in this window)."""
+        if self.step == step and self.rank == self.here:
+            return f"the slowest rank in this step (its own time {_ms(self.own_ms)} ms: wall less backward)"
+        here = "" if self.here_ms is None else f" vs {_ms(self.here_ms)} ms on rank {self.here}"
+        if self.step == step:
+            return (
+                f"rank {self.rank} was slowest in this step: {_ms(self.own_ms)} ms of its own{here} "
+                "(wall less backward)"
+            )
+        return (
+            f"slowest rank in steps {self.first}-{self.last}: rank {self.rank} at step {self.step}, "
+            f"{_ms(self.own_ms)} ms of its own (wall less backward)"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "rank": self.rank, "own_ms": self.own_ms, "window": [self.first, self.last],
+            "here": self.here, "here_ms": self.here_ms,
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RankSlow:
+        first, last = d.get("window") or (d["step"], d["step"])
+        here_ms = d.get("here_ms")
+        return cls(
+            int(d["step"]), int(d["rank"]), float(d["own_ms"]), int(first), int(last), int(d.get("here", 0)),
+            None if here_ms is None else float(here_ms),
         )  # fmt: skip
 
 
@@ -221,6 +275,31 @@ class Candidate:
         return self.wall_ms < other.wall_ms
 
 
+def block_wall_ms(blk: Any, series: list[tuple[str, str]], step_s_col: int) -> tuple[Any, ShareClock]:
+    """Each step's wall time in one block of a window's rows (``_window._blocks``), and its clock:
+    GPU step + GPU idle with CUDA timing, else host step + data (the module docstring's rule)."""
+    import numpy as np
+
+    try:
+        j = series.index(("gpu", "step"))
+    except ValueError:
+        return blk.lead[:, step_s_col] * 1e3 + blk.gap_ms, "host"
+    wall = blk.derived[:, j].copy()
+    if ("gpu", "idle") in series:
+        wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
+    return wall, "gpu"
+
+
+def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Row ``i`` of a block as ``(host_ms, gpu_ms)`` by row name (NaN values left out)."""
+    host: dict[str, float] = {}
+    gpu: dict[str, float] = {}
+    for (c, name), v in zip(series, blk.derived[i].tolist()):
+        if c != "caught" and not math.isnan(v):
+            (host if c == "host" else gpu)[name] = v
+    return host, gpu
+
+
 def window_candidates(
     blocks: Iterable[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
     k: int, floor_ms: float, step_s_col: int, number_col: int,
@@ -233,29 +312,99 @@ def window_candidates(
     for blk, series in blocks:
         if blk.names is None or not len(blk.lead):
             continue
-        try:
-            j = series.index(("gpu", "step"))
-        except ValueError:
-            wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
-            clock: ShareClock = "host"
-        else:
-            wall = blk.derived[:, j].copy()
-            if ("gpu", "idle") in series:
-                wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
-            clock = "gpu"
+        wall, clock = block_wall_ms(blk, series, step_s_col)
         idx = np.flatnonzero(wall > floor_ms)
         if len(idx) > k:
             idx = idx[np.argpartition(-wall[idx], k - 1)[:k]]
         for i in idx.tolist():
-            host: dict[str, float] = {}
-            gpu: dict[str, float] = {}
-            for (c, name), v in zip(series, blk.derived[i].tolist()):
-                if c != "caught" and not math.isnan(v):
-                    (host if c == "host" else gpu)[name] = v
+            host, gpu = row_values(blk, series, i)
             number = int(blk.lead[i, number_col])
             out.append(Candidate(float(wall[i]), number, clock, host, gpu or None, dict(marks.get(number, {}))))
     out.sort(key=lambda c: -c.wall_ms)
     return out[:k]
+
+
+# A phase that, under DDP, includes waiting for the other ranks' gradients (the all-reduce hooks run
+# inside it): a rank's *own* time leaves it out (the straggler rule of _dist.py, per step).
+WAIT_PHASE = "backward"
+
+
+def is_wait_phase(name: str) -> bool:
+    """A top-level ``backward``: its last name part is ``backward`` with no ``backward`` above it."""
+    parts = name.split("/")
+    return parts[-1] == WAIT_PHASE and WAIT_PHASE not in parts[:-1]
+
+
+class StepWalls:
+    """A window's timed steps in step order (``Packed.walls``): each step's number and wall time
+    (:func:`block_wall_ms`), and on demand its *own* time (:meth:`own_ms`) and rows (:meth:`rows`).
+    Two or three numpy calls per window (more only when a window mixes phase layouts), never per step.
+    """
+
+    __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order", "_marks")
+
+    def __init__(
+        self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int,
+        marks: Mapping[int, Mapping[str, float]] | None = None,
+    ) -> None:  # fmt: skip
+        import numpy as np
+
+        self.clock: ShareClock = "host"
+        self._blocks = blocks
+        self._marks = marks or {}
+        parts = []  # (block index, its numbers, its walls); rows within a block are in step order
+        for b, (blk, series) in enumerate(blocks):
+            if blk.names is not None and len(blk.lead):
+                wall, self.clock = block_wall_ms(blk, series, step_s_col)
+                parts.append((b, blk.lead[:, number_col], wall))
+        self._parts = parts
+        self._order: Any = None
+        if len(parts) == 1:
+            self.numbers, self.wall_ms = parts[0][1], parts[0][2]
+        elif not parts:
+            self.numbers = self.wall_ms = np.zeros(0)
+        else:
+            numbers = np.concatenate([p[1] for p in parts])
+            self._order = np.argsort(numbers, kind="stable")
+            self.numbers = numbers[self._order]
+            self.wall_ms = np.concatenate([p[2] for p in parts])[self._order]
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def own_ms(self) -> Any:
+        """Each step's wall time less its top-level ``backward`` rows on the wall's clock and less
+        steptimer's own window (``window_ms``: its statistics, sinks and cross-rank round, where a rank
+        that ran ahead waits for the others): under DDP the backward holds the wait for the other
+        ranks' gradients, so a rank that waited for a slow one has a short own time and the slow rank
+        a long one (``_dist.py``'s straggler rule, per step)."""
+        import numpy as np
+
+        owns = []
+        for b, _, wall in self._parts:
+            blk, series = self._blocks[b]
+            wait = [j for j, (c, name) in enumerate(series) if c == self.clock and is_wait_phase(name)]
+            owns.append(wall - np.nansum(blk.derived[:, wait], axis=1) if wait else wall.copy())
+        if not owns:
+            return np.zeros(0)
+        own = owns[0] if len(owns) == 1 else np.concatenate(owns)[self._order]
+        for number, m in self._marks.items():
+            if m.get("window_ms"):
+                i = int(self.numbers.searchsorted(number))
+                if i < len(own) and self.numbers[i] == number:
+                    own[i] -= m["window_ms"]
+        return np.maximum(own, 0.0)
+
+    def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name."""
+        if self._order is not None:
+            i = int(self._order[i])
+        for b, numbers, _ in self._parts:
+            if i < len(numbers):
+                blk, series = self._blocks[b]
+                return row_values(blk, series, i)
+            i -= len(numbers)
+        raise IndexError(i)
 
 
 class SlowestKeeper:
@@ -333,12 +482,175 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         causes.append(f"steptimer's own window (statistics, TensorBoard) took {_ms(own)} ms in it")
     if m.get("pause_ms"):
         causes.append(f"after {_ms(m['pause_ms'])} ms under pause() right before it")
+    if m.get("profiled"):
+        causes.append("it ran under torch.profiler (profile_steps or profile_on_slow): its overhead is in it")
     return SlowStep(
         step=c.step, wall_ms=c.wall_ms, clock=c.clock, host_ms=c.host_ms, gpu_ms=c.gpu_ms,
         grew=grew, grew_ms=None if grew is None else excess[grew],
         grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0),
         causes=tuple(causes), marks=dict(m), trace=trace,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- profile_on_slow
+
+PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
+PROFILE_SLOW_MAX = 3  # captures per run
+SLOW_RUN_STEPS = 3  # consecutive steps over the factor that make a slowdown (one outlier never does)
+# ... and each at least this much over the median: on steps of µs, jitter is often 1.5 x, and a capture
+# (the profiler's start-up alone is 100s of ms with CUDA) is worth a slowdown a user would notice.
+SLOW_MIN_MS = 1.0
+BASELINE_STEPS = 100  # the rolling median: over the last this many resolved steps before the window
+BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many steps (after warm-up)
+COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the next slowdown
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """Steps ``first..last`` (consecutive, resolved) each slower than ``factor`` x ``median_ms``, the
+    rolling median step before them; ``wall_ms`` is their mean, ``grew`` what grew in them
+    (:func:`explain` of their mean rows against the previous window's medians)."""
+
+    first: int
+    last: int
+    wall_ms: float
+    median_ms: float
+    factor: float
+    grew: SlowStep | None
+
+    def text(self) -> str:
+        """``profile_on_slow=1.5: steps 41-43 each slower than 1.5 x the median step before them:
+        13.3 ms on average vs 2.226 ms, forward +7.104 ms (median 1.088)``"""
+        grew = "" if self.grew is None or self.grew.grew is None else f", {self.grew.grew_text()}"
+        return (
+            f"profile_on_slow={self.factor:g}: steps {self.first}-{self.last} each slower than {self.factor:g} x "
+            f"the median step before them: {_ms(self.wall_ms)} ms on average vs {_ms(self.median_ms)} ms{grew}"
+        )
+
+
+class SlowdownWatch:
+    """``profile_on_slow``: finds steps that *stay* slower than ``factor`` x the rolling median step.
+
+    Checked once per window on its arrays (:class:`StepWalls`), never per step: the rolling median is
+    the median (nearest rank) wall time of the last ``BASELINE_STEPS`` resolved steps before the
+    window, and a slowdown is ``SLOW_RUN_STEPS`` consecutive steps each over ``factor`` x that median
+    and at least ``SLOW_MIN_MS`` over it (a run may start in one window and end in the next). So one
+    outlier never fires, and the detection lags the slowdown's third step by up to a window. Steps
+    under the profiler are left out of the median and of the check (the profiler's overhead would
+    look like the next slowdown), and so are the ``COOLDOWN_STEPS`` steps after a capture; at most
+    ``PROFILE_SLOW_MAX`` captures per run. Warm-up windows never reach here. Per window: a ring
+    write, a partition of 100 values and a max, when no step is over the line (~10 µs).
+    """
+
+    def __init__(self, factor: float) -> None:
+        import numpy as np
+
+        self.factor = factor
+        self.captures = 0
+        self._ring = np.zeros(BASELINE_STEPS)  # the last resolved steps' wall times, a ring
+        self._filled = 0  # values in the ring
+        self._at = 0  # where the next goes
+        self._run: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # steps, first, last, their wall sum
+        self._prev: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})  # last window's host, gpu stats
+        self._quiet_to = -1  # the last step of the last capture's cool-down
+        self._profiled: list[tuple[int, int]] = []  # steps under the profiler (left out of the median)
+
+    def profiled(self, first: int, last: int, *, capture: bool = True) -> None:
+        """Steps ``first..last`` run under the profiler (``capture``: one of this watch's captures)."""
+        self._profiled.append((first, last))
+        if capture:
+            self.captures += 1
+            self._quiet_to = max(self._quiet_to, last + COOLDOWN_STEPS)
+
+    def check(
+        self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]
+    ) -> Slowdown | None:  # fmt: skip
+        """A window's steps (after warm-up) and its statistics by row (``Window.host``/``gpu``, whose
+        medians the next window's slowdown is read against); a slowdown, if one completed."""
+        import numpy as np
+
+        n, w = walls.numbers, walls.wall_ms
+        if not len(n):
+            return None
+        clean = None
+        if self._profiled:
+            self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
+            for a, z in self._profiled:
+                out = (n < a) | (n > z)
+                clean = out if clean is None else clean & out
+        found = None
+        if self._filled >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
+            k = (self._filled - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
+            base = float(np.partition(self._ring[: self._filled], k)[k])
+            line = max(self.factor * base, base + SLOW_MIN_MS)
+            if w.max() > line:
+                over = w > line
+                if clean is not None:
+                    over &= clean
+                if n[-1] > self._quiet_to:
+                    over &= n > self._quiet_to
+                    found = self._runs(walls, over, base)
+                else:
+                    self._run = (0, 0, 0, 0.0)
+            else:
+                self._run = (0, 0, 0, 0.0)
+        else:
+            self._run = (0, 0, 0, 0.0)
+        self._remember(w if clean is None else w[clean])
+        self._prev = (host, gpu)
+        return found
+
+    def _remember(self, w: Any) -> None:
+        """Put the window's wall times into the ring (the newest ``BASELINE_STEPS`` at most)."""
+        size = len(self._ring)
+        w = w[-size:]
+        at, m = self._at, len(w)
+        head = min(m, size - at)
+        self._ring[at : at + head] = w[:head]
+        self._ring[: m - head] = w[head:]
+        self._at = (at + m) % size
+        self._filled = min(self._filled + m, size)
+
+    def _runs(self, walls: StepWalls, over: Any, base: float) -> Slowdown | None:
+        """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line (a Python loop over the
+        window's steps, only in a window with a step over it)."""
+        run, first, last, total = self._run
+        numbers = walls.numbers.tolist()
+        for i, (number, is_over) in enumerate(zip(numbers, over.tolist())):
+            number = int(number)
+            if not is_over or (run and number != last + 1):
+                run, total = 0, 0.0
+            if not is_over:
+                continue
+            if not run:
+                first = number
+            run, last, total = run + 1, number, total + float(walls.wall_ms[i])
+            if run >= SLOW_RUN_STEPS:
+                self._run = (0, 0, 0, 0.0)
+                return Slowdown(first, last, total / run, base, self.factor, self._grew(walls, first, i))
+        self._run = (run, first, last, total)
+        return None
+
+    def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
+        """What grew in the run's steps of this window (their mean rows) against the previous
+        window's medians: :func:`explain`, the slowest steps' own rule."""
+        idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
+        host: dict[str, list[float]] = {}
+        gpu: dict[str, list[float]] = {}
+        for i in idx:
+            h, g = walls.rows(i)
+            for d, into in ((h, host), (g, gpu)):
+                for k, v in d.items():
+                    into.setdefault(k, []).append(v)
+        ph, pg = self._prev
+        medians = {("host", k): st.median_ms for k, st in ph.items()}
+        medians.update({("gpu", k): st.median_ms for k, st in pg.items()})
+        if not medians or not idx:
+            return None
+        mean = {k: sum(v) / len(v) for k, v in host.items()}
+        gmean = {k: sum(v) / len(v) for k, v in gpu.items()} or None
+        wall = float(walls.wall_ms[idx].mean())
+        return explain(Candidate(wall, first, walls.clock, mean, gmean, {}), medians)
 
 
 # ---------------------------------------------------------------------- TensorBoard

@@ -14,7 +14,7 @@ import numpy as np
 
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
-from steptimer._slow import Candidate, SlowestKeeper, SlowStep
+from steptimer._slow import Candidate, RankSlow, SlowestKeeper, SlowStep
 from steptimer._verdict import ShareClock, Verdict, shares, verdict
 from steptimer._window import Packed, Window, add_timed_host
 
@@ -48,6 +48,9 @@ class RankSummary:
     series: Mapping[tuple[str, str], RankSpread]
     rounds: int
     reduce_ms: float
+    # The run's slowest steps across ranks, one per log window at most, by own time (wall less the
+    # top-level backward), slowest first (docs/slow-steps.md).
+    slowest: tuple[RankSlow, ...] = ()
 
     def lines(self) -> list[str]:
         """The section as text lines, for the summary table's footer."""
@@ -68,6 +71,11 @@ class RankSummary:
             s = self.straggler
             out.append(f"  slowest rank: {s.argmax} (+{s.max_ms - s.min_ms:.3f} ms per step over rank {s.argmin})")
             out.append("  (backward includes waiting for the others' gradients: read it with care)")
+        if self.slowest:
+            out.append("  slowest steps across ranks (own time = wall less backward; one per window):")
+            for r in self.slowest:
+                here = "" if r.here_ms is None or r.rank == r.here else f" (rank {r.here}: {r.here_ms:.3f} ms)"
+                out.append(f"    step {r.step}: rank {r.rank}, {r.own_ms:.3f} ms{here}")
         out.append(f"  cross-rank statistics: {self.reduce_ms:.3f} ms per log interval, {self.rounds} rounds")
         return out
 

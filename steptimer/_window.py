@@ -17,7 +17,7 @@ import numpy as np
 
 from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats, bucket_upper_ms
 from steptimer._memory import MemoryStats, StepMemory, memory_of
-from steptimer._slow import Candidate, window_candidates
+from steptimer._slow import Candidate, StepWalls, window_candidates
 from steptimer._verdict import ShareClock, shares
 
 # A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
@@ -211,6 +211,7 @@ class Packed:
         self.series = series
         self.groups: list[GroupTotals] = []
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
+        self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
         if len(sid) > 1 and not (sid[1:] >= sid[:-1]).all():
             order = np.lexsort((values, sid))
             values, sid = values[order], sid[order]
@@ -288,9 +289,10 @@ class _Hists(Mapping[Tuple[str, str], LogHistogram]):
         return len(self._index)
 
 
-def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf) -> Packed:
+def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, walls: bool = False) -> Packed:
     """A window's statistics and per-layout totals; with ``slowest`` k > 0 (not a warm-up window),
-    also its k slowest steps slower than ``floor_ms`` (``Packed.slow``, ``_slow.py``)."""
+    also its k slowest steps slower than ``floor_ms`` (``Packed.slow``, ``_slow.py``); with ``walls``
+    (not a warm-up window), its timed steps' wall times (``Packed.walls``)."""
     index: dict[tuple[str, str], int] = {}
     vals, sids, totals = [], [], []
     blocks = list(_blocks(rows))
@@ -317,6 +319,8 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf) -> 
     p.groups = totals
     if slowest and not rows.warmup and _may_beat(p, index, floor_ms):
         p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, STEP_S, NUMBER)
+    if walls and not rows.warmup:
+        p.walls = StepWalls(blocks, STEP_S, NUMBER, rows.marks)
     return p
 
 
@@ -397,15 +401,15 @@ class Window:
 
 def window_of(
     rows: StepRows, last_step: int, peak_tflops: float | None = None, *, slowest: int = 0,
-    slow_floor_ms: float = -math.inf,
+    slow_floor_ms: float = -math.inf, walls: bool = False,
 ) -> Window:  # fmt: skip
     """Statistics of the steps of one log window, ``last_step`` being the number of its last step.
 
     Rates are totals over the window's wall time: the sum over its steps (timed or not: each step
     has a row) of the step's host time and the data wait before it. ``peak_tflops`` gives ``mfu``.
-    ``slowest``/``slow_floor_ms``: see :func:`pack_rows`.
+    ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`.
     """
-    p = pack_rows(rows, slowest, slow_floor_ms)
+    p = pack_rows(rows, slowest, slow_floor_ms, walls)
     wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
     samples = [g.samples for g in p.groups if g.samples is not None]
     tokens = [g.tokens for g in p.groups if g.tokens is not None]

@@ -105,9 +105,13 @@ def _parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_cmd_trace)
     k = sub.add_parser(
         "kernels",
-        help="top GPU kernels per phase from the profiler trace (StepTimer(profile_steps=...))",
+        help="top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)",
     )
-    k.add_argument("logdir", help="the run directory holding steptimer-profile.json (or the file itself)")
+    k.add_argument(
+        "logdir",
+        help="the run directory holding steptimer-profile.json or steptimer-profile-slow-<step>.json "
+        "(or the file itself)",
+    )
     k.add_argument("--top", type=_positive, default=5, metavar="N", help="kernels per phase (default: %(default)s)")
     k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
     k.set_defaults(func=_cmd_kernels)

@@ -235,6 +235,14 @@ class StepTimer:
             each phase as a ``record_function`` range named ``steptimer/<phase>``, and write the
             Chrome trace to ``steptimer-profile.json`` in the log directory, for ``steptimer
             kernels``. The profiled steps stay in the statistics, flagged in the summary's notes.
+        profile_on_slow: A factor > 1 of the rolling median step time (e.g. 1.5), or None (off).
+            When 3 consecutive steps after warm-up each take longer than that factor times the
+            median of the 100 steps before them, ``torch.profiler`` captures the next 3 steps as
+            ``profile_steps`` does, to ``steptimer-profile-slow-<first step>.json`` in the log
+            directory (``steptimer kernels``), and the summary's notes name the slow steps and the
+            phase that grew. Checked once per window (it can lag by a window); at most 3 captures
+            per run, 100 steps apart. Needs a log directory and ``sample_every=1``
+            (docs/slow-steps.md).
         memory: With CUDA timing, read the caching allocator's peak allocated per phase and per
             step, the allocated at each phase's exit and the reserved (TensorBoard
             ``steptimer/mem/...``, the summary's memory table) on some timed steps, the first one
@@ -280,6 +288,7 @@ class StepTimer:
         peak_tflops: float | None = None,
         nvtx: bool = False,
         profile_steps: tuple[int, int] | None = None,
+        profile_on_slow: float | None = None,
         memory: int | None = None,
         slowest_steps: int = DEFAULT_K,
     ) -> None:
@@ -331,8 +340,12 @@ class StepTimer:
         self._ranges, nvtx_note = make_ranges(
             nvtx=nvtx, profile_steps=profile_steps, folder=profile_dir, start_step=start_step,
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
+            profile_on_slow=profile_on_slow,
         )  # fmt: skip
-        profile = self._ranges.capture if self._ranges is not None else None
+        r = self._ranges
+        profile = r if r is not None and (r.captures or r.slow is not None) else None
+        # StepWalls per window (_slow.py): profile_on_slow's check, the slowest step across ranks
+        self._walls = (r is not None and r.slow is not None) or (self._xrank is not None and slowest_steps > 0)
         self._flight: FlightRecorder | None = None
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
         if slowest_steps and enabled and self._rank == 0 and (log_dir is not None or writer is not None):
@@ -548,9 +561,11 @@ class StepTimer:
         self._window_t, self._window_last = engine.step_t0, engine.last_resolved
         window = window_of(
             rows, engine.last_resolved, self._peak_tflops()[0], slowest=self.slowest_steps,
-            slow_floor_ms=self._acc.slow.floor_ms,
+            slow_floor_ms=self._acc.slow.floor_ms, walls=self._walls,
         )  # fmt: skip
         kept = self._acc.add_window(window)
+        if self._ranges is not None and self._ranges.slow is not None:
+            self._ranges.slow.window(window, engine)
         if self.slowest_steps:
             self._slow_window(window, kept)
         return window
@@ -583,7 +598,7 @@ class StepTimer:
         if window is None:
             return
         if self._xrank is not None:
-            window = self._xrank.interval(window)
+            window = self._xrank.interval(window, self._acc.slow)
         for sink in self._sinks:
             sink.write_window(window)
         if self.slowest_steps:  # steptimer's own time in the step that resolved the window's last step
@@ -635,6 +650,8 @@ class StepTimer:
             )  # fmt: skip
         if self._xrank is not None and self._xrank.summary is not None:
             summary = dataclasses.replace(summary, ranks=self._xrank.summary)
+        if self._xrank is not None and summary.slowest:  # each with its window's slowest rank
+            summary = dataclasses.replace(summary, slowest=self._xrank.annotate(summary.slowest))
         return summary
 
 

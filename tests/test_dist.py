@@ -18,7 +18,9 @@ from steptimer._dist import (
     CHARTS,
     CrossRank,
     decode_rank,
+    decode_step,
     encode,
+    encode_step,
     rank_bits,
     spreads,
     straggler_ms,
@@ -86,6 +88,52 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
         assert results[r]["summary_ranks"] == 2
         assert results[r]["summary_straggler_argmax"] == slow
     assert f"slowest rank: {slow} " in out  # the per-rank section of rank 0's printed summary
+
+
+@pytest.mark.parametrize("ddp", [True, False], ids=["ddp", "no-ddp"])
+def test_the_slow_rank_of_a_slow_step_is_named(tmp_path: Path, ddp: bool) -> None:
+    """Rank 1 sleeps 40 ms in the forward of step 17 only. Under DDP every rank's step 17 is slow (the
+    others wait for rank 1's gradients inside backward), and rank 0's slowest step is 17: its table
+    names rank 1, by own time (wall less backward). Without DDP rank 0's steps are all alike; the
+    per-rank section lists rank 1's step 17, and rank 0's slow steps of steps 11-20 name it."""
+    args = ["--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS),
+            "--slow-rank", "1", "--slow-step", "17"] + ([] if ddp else ["--no-ddp"])  # fmt: skip
+    results, out = torchrun("plain_loop.py", *args)
+    r0 = results[0]
+    top = r0["ranks_slowest"][0]
+    assert (top["step"], top["rank"], top["window"], top["here"]) == (17, 1, [11, 20], 0), r0["ranks_slowest"]
+    assert top["own_ms"] >= SLOW_MS
+    # No other step slept (the first window's steps are left out: DDP's first step builds its buckets).
+    assert all(r["own_ms"] < SLOW_MS / 2 for r in r0["ranks_slowest"][1:] if r["step"] > 10), r0
+    assert results[1]["ranks_slowest"][0]["rank"] == 1  # every rank gets the same answer
+    assert f"    step 17: rank 1, {top['own_ms']:.3f} ms (rank 0: {top['here_ms']:.3f} ms)" in out
+    tb = scalars(tmp_path)
+    assert tb["steptimer-ranks/slowest_step"][0] == (10, tb["steptimer-ranks/slowest_step"][0][1])
+    assert [(s, v) for s, v in tb["steptimer-ranks/slowest_step"] if s == 20] == [(20, 17.0)]
+    assert [(s, v) for s, v in tb["steptimer-ranks/slowest_step_argmax"] if s == 20] == [(20, 1.0)]
+    assert [v for s, v in tb["steptimer-ranks/slowest_step_own_ms"] if s == 20] == [pytest.approx(top["own_ms"])]
+    from steptimer._reader import find_runs
+    from steptimer._report import analyze
+    from steptimer.cli import _report_json
+
+    (run,) = find_runs(str(tmp_path))
+    reported = _report_json(analyze(run))["slowest"]
+    assert reported == [{k: v for k, v in s.items()} for s in r0["slowest"]]  # the report reads the same
+    if ddp:
+        # Rank 0's slowest step is 17 (it waited in backward); its own time there is short.
+        first = r0["slowest"][0]
+        assert first["step"] == 17 and first["rank"]["step"] == 17 and first["rank"]["rank"] == 1
+        assert top["here_ms"] < SLOW_MS / 2
+        assert (
+            f"rank 1 was slowest in this step: {top['own_ms']:.1f} ms of its own vs "
+            f"{top['here_ms']:.3f} ms on rank 0 (wall less backward)"
+        ) in first["causes"]
+    else:
+        in_window = [s for s in r0["slowest"] if 11 <= s["step"] <= 20]
+        assert in_window and all(
+            f"slowest rank in steps 11-20: rank 1 at step 17, {top['own_ms']:.1f} ms of its own (wall less backward)"
+            in s["causes"] for s in in_window
+        )  # fmt: skip
 
 
 def test_memory_across_ranks(tmp_path: Path) -> None:
@@ -239,3 +287,16 @@ def test_single_process_is_inert_and_options_are_checked(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="cross_rank_timeout_s must be a number > 0, got 0"):
         StepTimer(cross_rank_timeout_s=0, cuda=False)
     assert CrossRank().timeout_s == 300.0
+
+
+@pytest.mark.parametrize("world", [3, 1000])
+def test_slowest_step_key_names_rank_and_step_exactly(world: int) -> None:
+    """The window's slowest step across ranks rides in one MAX: the key of the largest own time
+    decodes to its rank and step, the step from its low bits and the window's last step."""
+    bits = rank_bits(world)
+    last = 3 * 2**16 + 20  # windows past 65,536 steps: the step is rebuilt from the last step
+    own = {0: (12.5, last - 3), world - 1: (41.25, last - 7), 1: (41.0, last)}
+    keys = [encode_step(v, step, r, bits) for r, (v, step) in own.items()]
+    assert all(float(int(k)) == k and k < 2**53 for k in keys)
+    assert decode_step(max(keys), bits, last) == (world - 1, last - 7)
+    assert decode_step(encode_step(0.0, last - 2**16 + 1, 0, bits), bits, last) == (0, last - 2**16 + 1)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -251,3 +253,172 @@ def test_allocator_retry_on_a_real_gpu_is_named() -> None:
     s = t.close()
     (x,) = [x for x in s.slowest if x.step == 16]
     assert x.grew == "forward" and "CUDA allocator retried 1 allocation" in (x.cause or "")
+
+
+# ---------------------------------------------------------------------- profile_on_slow
+
+
+def _slowdown_loop(t: StepTimer, clock: FakeClock, steps: int, slow: Callable[[int], bool]) -> None:
+    """Steps of 2 ms on the patched clock (forward 1 ms, backward 1 ms, nothing between steps); a
+    step for which ``slow(n)`` holds has a forward of 8 ms (4.5 x the step)."""
+    for n in range(1, steps + 1):
+        with t.step():
+            with t.phase("forward"):
+                clock.advance_ms(8.0 if slow(n) else 1.0)
+            with t.phase("backward"):
+                clock.advance_ms(1.0)
+
+
+def _slow_traces(folder: Path) -> list[str]:
+    return sorted((p.name for p in folder.glob("steptimer-profile-slow-*.json")), key=lambda n: int(n[23:-5]))
+
+
+def test_profile_on_slow_captures_a_slowdown_and_kernels_reads_it(
+    tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False,
+                  profile_on_slow=2.0)  # fmt: skip
+    _slowdown_loop(t, clock, 80, lambda n: 41 <= n <= 50)
+    s = t.close()
+    # Steps 41-43 are the first three in a row over 2 x the median of the steps before them (2 ms); the
+    # window of steps 41-50 is computed when step 50 is resolved, at the end of step 51 (host clock:
+    # a step is resolved at the next one's end), so the profiler takes the next three, 52-54.
+    assert _slow_traces(tmp_path) == ["steptimer-profile-slow-52.json"]
+    why = (
+        "profile_on_slow=2: steps 41-43 each slower than 2 x the median step before them: 9.000 ms on "
+        "average vs 2.000 ms, forward +7.000 ms (median 1.000)"
+    )
+    (note,) = [n for n in s.notes if "torch.profiler" in n]
+    trace = str(tmp_path / "steptimer-profile-slow-52.json")
+    assert note == (
+        f"{why}; steps 52..54 ran under torch.profiler (their times include its overhead), trace: {trace} "
+        "(steptimer kernels)"
+    )
+    doc = json.loads((tmp_path / "steptimer-profile-slow-52.json").read_text())
+    assert [x["number"] for x in doc["steptimer"]["steps"]] == [52, 53, 54] and doc["steptimer"]["why"] == why
+    # The same steps' phases are the trace's ranges: `steptimer kernels LOGDIR` finds and reads it.
+    from steptimer.cli import main
+
+    capsys.readouterr()
+    assert main(["kernels", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(trace + "\n") and "over steps 52..54" in out
+    assert "forward:" in out and "backward:" in out
+    assert "note: profiled because profile_on_slow=2: steps 41-43" in out
+
+
+def test_profile_on_slow_needs_three_slow_steps_in_a_row_after_warmup(tmp_path: Path, clock: FakeClock) -> None:
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False,
+                  profile_on_slow=2.0)  # fmt: skip
+    # Slow: all of warm-up (steps 1-5), one outlier (45), two in a row (61, 62), then three every
+    # other step (71, 73, 75): none is a slowdown; the slowest steps still see them.
+    slow = {1, 2, 3, 4, 5, 45, 61, 62, 71, 73, 75}
+    _slowdown_loop(t, clock, 90, lambda n: n in slow)
+    s = t.close()
+    assert _slow_traces(tmp_path) == [] and not [n for n in s.notes if "profile" in n]
+    assert {x.step for x in s.slowest} <= slow and len(s.slowest) == 5
+    # The same run with one more slow step, 63, after 61 and 62: a slowdown.
+    t = StepTimer(log_dir=tmp_path / "b", cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False,
+                  profile_on_slow=2.0)  # fmt: skip
+    _slowdown_loop(t, clock, 90, lambda n: n in slow | {63})
+    t.close()
+    assert _slow_traces(tmp_path / "b") == ["steptimer-profile-slow-72.json"]
+
+
+def test_profile_on_slow_takes_three_captures_at_most_with_a_cool_down(tmp_path: Path, clock: FakeClock) -> None:
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False,
+                  profile_on_slow=2.0)  # fmt: skip
+    # Five slowdowns of five steps. The one at 101 is in the cool-down after the first capture (steps
+    # 52-54, then 100 steps); the one at 441 comes after the third capture.
+    starts = (41, 101, 201, 321, 441)
+    _slowdown_loop(t, clock, 460, lambda n: any(a <= n < a + 5 for a in starts))
+    s = t.close()
+    assert _slow_traces(tmp_path) == [f"steptimer-profile-slow-{n}.json" for n in (52, 212, 332)]
+    assert [n.split(":")[1].split(" each")[0] for n in s.notes if "torch.profiler" in n] == [
+        " steps 41-43", " steps 201-203", " steps 321-323"
+    ]
+
+
+def test_profiled_steps_are_flagged_and_never_a_slowdown(tmp_path: Path, clock: FakeClock) -> None:
+    """Steps under the profiler that run slow (its overhead, here simulated) are named as such among
+    the slowest and are left out of profile_on_slow's check."""
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False,
+                  profile_on_slow=2.0, profile_steps=(41, 45))  # fmt: skip
+    _slowdown_loop(t, clock, 70, lambda n: torch.autograd._profiler_enabled())
+    s = t.close()
+    assert _slow_traces(tmp_path) == [] and (tmp_path / "steptimer-profile.json").exists()
+    assert sorted(x.step for x in s.slowest) == [41, 42, 43, 44, 45]
+    assert all("it ran under torch.profiler" in (x.cause or "") for x in s.slowest)
+
+
+def test_profiler_that_fails_to_start_is_a_note(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(self: object) -> None:
+        raise RuntimeError("another profiler is already running")
+
+    monkeypatch.setattr(torch.profiler.profile, "start", refuse)
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False,
+                  profile_on_slow=2.0)  # fmt: skip
+    _slowdown_loop(t, clock, 80, lambda n: 41 <= n <= 50)
+    s = t.close()
+    assert s.steps == 75 and _slow_traces(tmp_path) == []
+    assert (
+        "torch.profiler did not start for steps 52..54 (profile_on_slow) (RuntimeError: another profiler is "
+        "already running); no trace"
+    ) in s.notes
+
+
+@pytest.mark.parametrize("bad", [1, 1.0, 0.5, -2, True, "1.5", float("inf"), float("nan"), (1.5,)])
+def test_profile_on_slow_is_validated(tmp_path: Path, bad: object) -> None:
+    msg = (
+        "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), or None; "
+        f"got {bad!r}"
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        StepTimer(log_dir=tmp_path, cuda=False, print_summary=False, profile_on_slow=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="profile_on_slow needs log_dir or writer"):
+        StepTimer(cuda=False, print_summary=False, profile_on_slow=1.5)
+    with pytest.raises(ValueError, match=r"profile_on_slow needs every step timed \(sample_every=1\)"):
+        StepTimer(log_dir=tmp_path, cuda=False, print_summary=False, profile_on_slow=1.5, sample_every=2)
+
+
+@pytest.mark.cuda
+def test_profile_on_slow_on_a_real_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A spin kernel of ~10 ms in the forward of steps 41-45 (its cycles calibrated on this GPU's
+    clock first) in a loop of ~0.1 ms steps: one capture, of the GPU's kernels, after the slowdown."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm the kernel up
+    e0.record()
+    torch.cuda._sleep(10_000_000)
+    e1.record()
+    torch.cuda.synchronize()
+    cycles_per_ms = 10_000_000 / e0.elapsed_time(e1)
+    t = StepTimer(log_dir=tmp_path, cuda=True, warmup_steps=5, log_every_n_steps=10, print_summary=False,
+                  profile_on_slow=2.0)  # fmt: skip
+    s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def stall(n: int) -> None:
+        if 41 <= n <= 45:
+            if n == 41:
+                s0.record()
+            torch.cuda._sleep(int(10 * cycles_per_ms))
+            if n == 41:
+                s1.record()
+
+    _cuda_loop(t, 80, in_forward=stall)
+    s = t.close()
+    sleep_ms = s0.elapsed_time(s1)
+    assert sleep_ms > 5.0  # ~10 ms: far above a step of this loop (~0.1 ms) and the 1 ms floor
+    # The window of steps 41-50 is computed when step 50 is resolved, at the end of step 52 (lag 2).
+    assert _slow_traces(tmp_path) == ["steptimer-profile-slow-53.json"]
+    (note,) = [n for n in s.notes if "torch.profiler" in n]
+    assert note.startswith("profile_on_slow=2: steps 41-43 each slower than 2 x the median step before them: ")
+    grew = float(note.split(", GPU forward +")[1].split(" ms")[0])  # on the GPU's timeline
+    assert grew == pytest.approx(sleep_ms, abs=0.5)
+    from steptimer.cli import main
+
+    capsys.readouterr()
+    assert main(["kernels", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "GPU kernels per phase over steps 53..55" in out and "forward:" in out

@@ -27,6 +27,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=40.0)
+    p.add_argument("--slow-step", type=int, default=0, help="the slow rank sleeps in this step only (0: every step)")
     p.add_argument("--short-rank", type=int, default=-1, help="this rank stops after --short-steps")
     p.add_argument("--short-steps", type=int, default=0)
     p.add_argument("--extra-phase-rank", type=int, default=-1)
@@ -58,7 +59,7 @@ def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: n
                     if mem is not None:
                         mem.alloc((rank + 1) * (8 << 20))
                         mem.free((rank + 1) * (8 << 20))
-                    if rank == a.slow_rank:
+                    if rank == a.slow_rank and a.slow_step in (0, i):
                         time.sleep(a.slow_ms / 1e3)
                 if rank == a.extra_phase_rank:
                     with timer.phase("extra"):
@@ -111,6 +112,8 @@ def main() -> None:
         out["reduce_ms"] = summary.ranks.reduce_ms
         out["rounds"] = summary.ranks.rounds
         out["summary_lines"] = summary.ranks.lines()
+        out["ranks_slowest"] = [r.to_json() for r in summary.ranks.slowest]
+    out["slowest"] = [s.to_json() for s in summary.slowest]
     print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
 
