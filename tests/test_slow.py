@@ -422,3 +422,38 @@ def test_profile_on_slow_on_a_real_gpu(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["kernels", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "GPU kernels per phase over steps 53..55" in out and "forward:" in out
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_steptimers_own_window_is_named_in_the_step_that_computed_it(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock, cuda: bool
+) -> None:
+    """A sink that takes 50 ms (the clock moves inside it) makes the step that computed the window
+    slow; the cause names steptimer's own window, host only (where the step's earlier steps are
+    resolved before its record exists) and on the GPU clock alike."""
+    import steptimer.timer as timer_mod
+
+    monkeypatch.setattr(timer_mod, "perf_counter", clock)
+    gpu = FakeGPU(clock) if cuda else None
+    sink = ListSink()
+    writes = sink.write_window
+
+    def slow_write(window: object) -> None:
+        clock.advance_ms(50.0)
+        writes(window)
+
+    sink.write_window = slow_write  # type: ignore[method-assign]
+    kw: dict[str, object] = {"backend": gpu.backend()} if gpu is not None else {"cuda": False}
+    t = StepTimer._make(sinks=[sink], warmup_steps=0, print_summary=False, log_every_n_steps=10, lag=1, **kw)
+    for _ in range(25):
+        clock.advance_ms(0.5)
+        with t.step(), t.phase("forward"):
+            if gpu is not None:
+                gpu.launch(1.0)
+            clock.advance_ms(2.0)
+    s = t.close()
+    slow = s.slowest[0]
+    # The window of steps 1-10 is computed at the end of step 11; on the GPU timeline (lag 1: step 10
+    # is resolved at the end of step 11) it is idle before step 12.
+    assert slow.step == (12 if cuda else 11)
+    assert any("steptimer's own window" in c and "took 50.0 ms" in c for c in slow.causes), slow.causes
