@@ -219,7 +219,9 @@ def targets(med: dict[str, float], lightning_us: float | None, launch_pct: tuple
 # --------------------------------------------------------------------------- launch-bound, CUDA
 
 
-def launch_bound(rounds: int, steps: int, step_ms: float, variants: bool = False) -> tuple[str, tuple[float, float, float]]:
+def launch_bound(
+    rounds: int, steps: int, step_ms: float, variants: bool = False
+) -> tuple[str, tuple[float, float, float]]:
     """~``step_ms`` steps of tiny kernel launches (4 phases), bare and timed, blocks interleaved.
     ``variants``: also timed with ``memory=False``, ``cuda=False`` and ``sample_every=1000``, to
     tell the host's Python from the CUDA calls and the allocator readings."""

@@ -270,7 +270,8 @@ class Engine:
             mem = self.memory
             if mem is not None:
                 self._mem_steps += 1
-                if (t0 < self._mem_next) if self._memory_opt == MEMORY_AUTO else (self._mem_steps - 1) % self._memory_opt:
+                auto = self._memory_opt == MEMORY_AUTO
+                if (t0 < self._mem_next) if auto else (self._mem_steps - 1) % self._memory_opt:
                     mem = None  # not read: the next read step's first reading takes its peak
                 else:
                     mem.begin_step(self.device)
@@ -741,7 +742,8 @@ class Phase:
             e._last_t = perf_counter()
 
     def __exit__(self, et: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
-        """Leave the phase (never swallows ``error``); ``error``: the exception that ended it, if any, for the out-of-memory note."""
+        """Leave the phase (never swallows ``error``, the exception that ended it, if any: it is
+        only read for the out-of-memory note)."""
         t1 = perf_counter()
         e, name, failed = self.e, self.name, et is not None
         if not e.in_step or not e._timed:

@@ -36,10 +36,9 @@ call) and one ``_cuda_resetPeakMemoryStats`` per boundary; measured in docs/benc
 
 from __future__ import annotations
 
-from time import perf_counter
-
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 MIB = float(1 << 20)

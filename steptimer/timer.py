@@ -12,9 +12,9 @@ import math
 import numbers
 import os
 import sys
-from time import perf_counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from time import perf_counter
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -24,9 +24,9 @@ from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._engine import MEMORY_AUTO, Engine, check_phase_name
 from steptimer._engine import Phase as _Phase
 from steptimer._flight import FlightRecorder
+from steptimer._memory import MemorySummary, _MemoryBackend
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
-from steptimer._memory import MemorySummary, _MemoryBackend
 from steptimer._summary import Summary, SummaryAccumulator
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture

@@ -70,9 +70,9 @@ def test_gpu_stall_in_forward_is_named_with_its_phase_and_step(tmp_path: Path, c
     (row,) = [line for line in text.splitlines() if line.strip().startswith("23 ")]
     assert "53.0" in row and "GPU forward +48.0 ms" in row
     # The same steps, read back from the event files by `steptimer report --json`.
-    from steptimer.cli import _report_json
     from steptimer._reader import find_runs
     from steptimer._report import analyze
+    from steptimer.cli import _report_json
 
     (run,) = find_runs(str(tmp_path))
     (first, *_) = _report_json(analyze(run))["slowest"]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import tracemalloc
 from pathlib import Path
-
 from typing import Any
 
 import pytest
