@@ -205,7 +205,7 @@ class Engine:
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[_Pending] = deque()
         self._plain_done = 0  # a plain step resolved at its own end, not yet told to on_resolved
-        self._now_marks: dict[str, float] | None = None  # marks for the next step record (mark_current)
+        self._now_marks: dict[str, float] | None = None  # marks for the next step record (mark_own_work)
         self._waited = start_step  # the newest step number waited for
         # CUDA, settled at the first step.
         self._cuda_opt = cuda
@@ -352,7 +352,7 @@ class Engine:
         self._paused_s = 0.0
         if self._dyn is not None:
             self._note_compiles(rec)
-        if self._now_marks is not None:  # what steptimer did in this step's time (mark_current)
+        if self._now_marks is not None:  # what steptimer did in this step's time (mark_own_work)
             rec.marks = {**self._now_marks, **(rec.marks or {})}
             self._now_marks = None
         if self._gpu:
@@ -674,6 +674,13 @@ class Engine:
         self._on_resolved(rec.number)
 
     def mark_current(self, key: str, value: float) -> None:
+        """Mark the step just ended (its record is still pending), if there is one."""
+        if self._pending and self._pending[-1].number == self.number and not self.closed:
+            rec = self._pending[-1]
+            rec.marks = rec.marks or {}
+            rec.marks[key] = rec.marks.get(key, 0.0) + value
+
+    def mark_own_work(self, key: str, value: float) -> None:
         """Mark the step whose wall time holds what steptimer just did inside ``end_step`` (a window):
         the next step record ``end_step`` makes. Host only, that is the step being ended (the
         steps before it are resolved before its record exists); with CUDA, the next step, as the

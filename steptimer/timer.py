@@ -602,7 +602,7 @@ class StepTimer:
         for sink in self._sinks:
             sink.write_window(window)
         if self.slowest_steps:  # steptimer's own time in the step that resolved the window's last step
-            self._engine.mark_current("window_ms", (perf_counter() - t0) * 1e3)
+            self._engine.mark_own_work("window_ms", (perf_counter() - t0) * 1e3)
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:
         """The peak for MFU and a note on it: the option, else the GPU's in steptimer's table
