@@ -58,6 +58,7 @@ log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
 
 _MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
+_PHASES = ("data", "forward", "loss", "zero_grad", "backward", "clip", "optimizer", "val")  # the callback's own
 
 
 def _flavours() -> list[Any]:
@@ -325,6 +326,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._timer: StepTimer | None = None
         self._sink: _LoggerSink | None = None
         self._user_phases: dict[str, _UserPhase] = {}
+        self._cms: dict[str, AbstractContextManager[None]] = {}  # the timer's phase objects (on_train_start)
         self._hooks = Hooks()  # every hook and wrapper on the user's objects (steptimer/_hooks.py)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._reset_batch_state()
@@ -434,6 +436,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             memory_backend=self._memory_backend,
             sinks=[sink] if sink is not None else [],
         )
+        # The timer's phase objects, fetched once: `timer.phase(name)` outside a step returns the
+        # object the timer keeps for that name all its life (on an untimed step the engine returns
+        # at once). Each boundary then costs one call into the engine, not a lookup as well.
+        self._cms = {name: self._timer.phase(name) for name in _PHASES}
         self._install(trainer, pl_module)
 
     @override
@@ -631,16 +637,14 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         it) and start ``name`` (None: none)."""
         frame = self._frames[-1]
         cur = frame[0]
-        if cur == name:
+        if cur == name or self._timer is None:
             return
-        timer = self._timer
-        if timer is None:
-            return
+        cms = self._cms
         if cur is not None:
             frame[0] = None
-            timer.phase(cur).__exit__(type(error) if error is not None else None, error, None)
+            cms[cur].__exit__(type(error) if error is not None else None, error, None)
         if name is not None:
-            timer.phase(name).__enter__()
+            cms[name].__enter__()
             frame[0] = name
 
     # ------------------------------------------------------------------ hooks on module and optimizers
@@ -799,6 +803,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if timer is None:
             return
         self._timer = None
+        self._cms = {}
         summary = timer.close(failed=failed)
         self._steps_done = timer.steps
         notes = list(summary.notes)
