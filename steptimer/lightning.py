@@ -335,6 +335,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._frames: list[list[str | None]] = [[None]]  # per open user phase: the callback phase in it
         self._in_batch = False
         self._in_step = False
+        self._step_cm: AbstractContextManager[None] | None = None  # the open step's, entered at batch start
         self._stepped = False  # an optimizer update was attempted in this batch
         self._update_open = False  # the update began and its step post-hook has not fired yet
         self._will_step = True
@@ -470,8 +471,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             if self._pause is not None:
                 self._pause.__exit__(None, None, None)
                 self._pause = None
-            if self._in_step:
-                self._timer.step().__exit__(type(exception), exception, exception.__traceback__)
+            if self._in_step and self._step_cm is not None:
+                self._step_cm.__exit__(type(exception), exception, exception.__traceback__)
             self._in_step = self._in_batch = False
             self._frames = [[None]]
             try:
@@ -489,7 +490,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if timer is None:
             return
         if not self._in_step:
-            timer.step().__enter__()
+            self._step_cm = timer.step()
+            self._step_cm.__enter__()
             self._in_step = True
             self._samples = self._tokens = self._flops = 0.0
             self._saw_forward = self._saw_backward = False
@@ -516,13 +518,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         while len(self._frames) > 1:  # a user phase left open by a non-`with` use: close it here
             self._switch(None)
             self._frames.pop()
-        self._switch(None)
         if self._update_open:  # the update began but the optimizer never stepped: GradScaler skip
             self._update_open = False
             self._skipped += 1
         self._in_batch = False
         if self._stepped:
-            self._end_step()
+            self._end_step()  # ends the open phase too
         else:
             self._switch("data")  # accumulating: the next micro-batch's fetch is inside this step
 
@@ -540,17 +541,23 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if timer is None:
             return
         self._switch(None)
-        self._check_forward_seen()
-        samples = self._samples if self.batch_size_fn is not None else None
-        tokens = self._tokens if self.tokens_fn is not None else None
-        flops = self._flops if self.flops_per_batch is not None else None
-        # step() sets the step's counts and returns its context manager, entered at batch start.
-        timer.step(samples=samples, tokens=tokens, flops=flops).__exit__(None, None, None)
+        if not self._saw_forward and self._saw_backward and not self._no_forward_warned:
+            self._warn_no_forward()
+        step = self._step_cm
+        if self.batch_size_fn is not None or self.tokens_fn is not None or self.flops_per_batch is not None:
+            # The counts add up over the step's micro-batches: step() sets them on a context manager
+            # for this step, and exiting it ends the step entered at batch start.
+            step = timer.step(
+                samples=self._samples if self.batch_size_fn is not None else None,
+                tokens=self._tokens if self.tokens_fn is not None else None,
+                flops=self._flops if self.flops_per_batch is not None else None,
+            )
+        if step is not None:
+            step.__exit__(None, None, None)
+        self._step_cm = None
         self._in_step = False
 
-    def _check_forward_seen(self) -> None:
-        if self._saw_forward or not self._saw_backward or self._no_forward_warned:
-            return
+    def _warn_no_forward(self) -> None:
         self._no_forward_warned = True
         names = [n for n, _ in self._hooked]
         hooked = [n or "the LightningModule" for n in names]
