@@ -1373,6 +1373,50 @@ def test_sampling_lengthens_the_trainers_log_interval(flavour_name: str) -> None
     assert cb.summary is not None and cb.summary.timed_steps == 20
 
 
+def test_nvtx_ranges_follow_the_phases_on_timed_and_untimed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback switches phases through the timer's own phase objects: with ``nvtx=True`` and
+    ``sample_every=2``, every step, timed or not, opens the same ranges in the same order (the
+    `loss` between the encoder and decoder calls closes, and `forward` opens again), balanced."""
+    import pytorch_lightning as pl
+
+    from steptimer import _profile
+
+    opened: list[str] = []
+    stack: list[str] = []
+
+    def push(name: str) -> int:
+        stack.append(name)
+        opened.append(name)
+        return len(stack) - 1
+
+    def pop() -> int:
+        stack.pop()
+        return len(stack)
+
+    monkeypatch.setattr(_profile, "_nvtx_functions", lambda: (push, pop))
+
+    class AutoEncoder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = torch.nn.Linear(4, 2)
+            self.decoder = torch.nn.Linear(2, 4)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return torch.nn.functional.mse_loss(self.decoder(self.encoder(x)), x)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    cb = StepTimerCallback(warmup_steps=0, sample_every=2, nvtx=True, print_summary=False, cuda=False)
+    assert fit_quietly(pl, cb, AutoEncoder(), 6) == []
+    one_step = ["step", "forward", "loss", "forward", "loss", "zero_grad", "backward", "clip", "optimizer"]
+    assert opened == one_step * 6
+    assert stack == []
+    assert cb.summary is not None and cb.summary.timed_steps == 3
+    assert cb.summary["forward"].calls_per_step == 1  # joined into one span on the timed steps
+
+
 # --------------------------------------------------------------------------- CUDA memory
 
 
