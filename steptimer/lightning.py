@@ -58,6 +58,7 @@ log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
 
 _MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
+_PHASES = ("data", "forward", "loss", "zero_grad", "backward", "clip", "optimizer", "val")  # the callback's own
 
 
 def _flavours() -> list[Any]:
@@ -211,6 +212,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     Args:
         log_every_n_steps: Log window statistics every this many steps; None uses the Trainer's, or
             with ``sample_every`` > 1 at least ``10 * sample_every`` (about ten timed steps per window).
+            With the Trainer's default, 50, a window is lengthened to last a second on small steps,
+            as :class:`~steptimer.StepTimer`'s default is: a window costs ~1.5 ms with seven phases.
         warmup_steps: Steps left out of the summary (see :class:`~steptimer.StepTimer`).
         lag: Steps the engine's one event wait lags behind (see :class:`~steptimer.StepTimer`).
         cuda: None uses CUDA events when the LightningModule is on a CUDA device; True requires
@@ -325,6 +328,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._timer: StepTimer | None = None
         self._sink: _LoggerSink | None = None
         self._user_phases: dict[str, _UserPhase] = {}
+        self._cms: dict[str, AbstractContextManager[None]] = {}  # the timer's phase objects (on_train_start)
         self._hooks = Hooks()  # every hook and wrapper on the user's objects (steptimer/_hooks.py)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._reset_batch_state()
@@ -333,6 +337,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._frames: list[list[str | None]] = [[None]]  # per open user phase: the callback phase in it
         self._in_batch = False
         self._in_step = False
+        self._step_cm: AbstractContextManager[None] | None = None  # the open step's, entered at batch start
         self._stepped = False  # an optimizer update was attempted in this batch
         self._update_open = False  # the update began and its step post-hook has not fired yet
         self._will_step = True
@@ -434,6 +439,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             memory_backend=self._memory_backend,
             sinks=[sink] if sink is not None else [],
         )
+        # The timer's phase objects, fetched once: `timer.phase(name)` outside a step returns the
+        # object the timer keeps for that name all its life (on an untimed step the engine returns
+        # at once). Each boundary then costs one call into the engine, not a lookup as well.
+        self._cms = {name: self._timer.phase(name) for name in _PHASES}
         self._install(trainer, pl_module)
 
     @override
@@ -464,8 +473,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             if self._pause is not None:
                 self._pause.__exit__(None, None, None)
                 self._pause = None
-            if self._in_step:
-                self._timer.step().__exit__(type(exception), exception, exception.__traceback__)
+            if self._in_step and self._step_cm is not None:
+                self._step_cm.__exit__(type(exception), exception, exception.__traceback__)
             self._in_step = self._in_batch = False
             self._frames = [[None]]
             try:
@@ -483,7 +492,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if timer is None:
             return
         if not self._in_step:
-            timer.step().__enter__()
+            self._step_cm = timer.step()
+            self._step_cm.__enter__()
             self._in_step = True
             self._samples = self._tokens = self._flops = 0.0
             self._saw_forward = self._saw_backward = False
@@ -510,13 +520,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         while len(self._frames) > 1:  # a user phase left open by a non-`with` use: close it here
             self._switch(None)
             self._frames.pop()
-        self._switch(None)
         if self._update_open:  # the update began but the optimizer never stepped: GradScaler skip
             self._update_open = False
             self._skipped += 1
         self._in_batch = False
         if self._stepped:
-            self._end_step()
+            self._end_step()  # ends the open phase too
         else:
             self._switch("data")  # accumulating: the next micro-batch's fetch is inside this step
 
@@ -534,17 +543,23 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if timer is None:
             return
         self._switch(None)
-        self._check_forward_seen()
-        samples = self._samples if self.batch_size_fn is not None else None
-        tokens = self._tokens if self.tokens_fn is not None else None
-        flops = self._flops if self.flops_per_batch is not None else None
-        # step() sets the step's counts and returns its context manager, entered at batch start.
-        timer.step(samples=samples, tokens=tokens, flops=flops).__exit__(None, None, None)
+        if not self._saw_forward and self._saw_backward and not self._no_forward_warned:
+            self._warn_no_forward()
+        step = self._step_cm
+        if self.batch_size_fn is not None or self.tokens_fn is not None or self.flops_per_batch is not None:
+            # The counts add up over the step's micro-batches: step() sets them on a context manager
+            # for this step, and exiting it ends the step entered at batch start.
+            step = timer.step(
+                samples=self._samples if self.batch_size_fn is not None else None,
+                tokens=self._tokens if self.tokens_fn is not None else None,
+                flops=self._flops if self.flops_per_batch is not None else None,
+            )
+        if step is not None:
+            step.__exit__(None, None, None)
+        self._step_cm = None
         self._in_step = False
 
-    def _check_forward_seen(self) -> None:
-        if self._saw_forward or not self._saw_backward or self._no_forward_warned:
-            return
+    def _warn_no_forward(self) -> None:
         self._no_forward_warned = True
         names = [n for n, _ in self._hooked]
         hooked = [n or "the LightningModule" for n in names]
@@ -620,8 +635,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if self._in_batch:
             self._stepped = True
 
-    def _default_log_every(self, trainer_every: int) -> int:
-        """The Trainer's interval; with sampling, long enough for about ten timed steps per window."""
+    def _default_log_every(self, trainer_every: int) -> int | None:
+        """The Trainer's interval; with sampling, long enough for about ten timed steps per window.
+        None (StepTimer's default: 50 steps, lengthened to a second on small steps) for the
+        Trainer's default of 50."""
+        if trainer_every == 50:
+            return None
         if self.sample_every == 1:
             return max(trainer_every, 1)
         return max(trainer_every, 10 * self.sample_every)
@@ -631,16 +650,14 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         it) and start ``name`` (None: none)."""
         frame = self._frames[-1]
         cur = frame[0]
-        if cur == name:
+        if cur == name or self._timer is None:
             return
-        timer = self._timer
-        if timer is None:
-            return
+        cms = self._cms
         if cur is not None:
             frame[0] = None
-            timer.phase(cur).__exit__(type(error) if error is not None else None, error, None)
+            cms[cur].__exit__(type(error) if error is not None else None, error, None)
         if name is not None:
-            timer.phase(name).__enter__()
+            cms[name].__enter__()
             frame[0] = name
 
     # ------------------------------------------------------------------ hooks on module and optimizers
@@ -799,6 +816,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if timer is None:
             return
         self._timer = None
+        self._cms = {}
         summary = timer.close(failed=failed)
         self._steps_done = timer.steps
         notes = list(summary.notes)

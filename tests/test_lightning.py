@@ -1373,6 +1373,50 @@ def test_sampling_lengthens_the_trainers_log_interval(flavour_name: str) -> None
     assert cb.summary is not None and cb.summary.timed_steps == 20
 
 
+def test_nvtx_ranges_follow_the_phases_on_timed_and_untimed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback switches phases through the timer's own phase objects: with ``nvtx=True`` and
+    ``sample_every=2``, every step, timed or not, opens the same ranges in the same order (the
+    `loss` between the encoder and decoder calls closes, and `forward` opens again), balanced."""
+    import pytorch_lightning as pl
+
+    from steptimer import _profile
+
+    opened: list[str] = []
+    stack: list[str] = []
+
+    def push(name: str) -> int:
+        stack.append(name)
+        opened.append(name)
+        return len(stack) - 1
+
+    def pop() -> int:
+        stack.pop()
+        return len(stack)
+
+    monkeypatch.setattr(_profile, "_nvtx_functions", lambda: (push, pop))
+
+    class AutoEncoder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = torch.nn.Linear(4, 2)
+            self.decoder = torch.nn.Linear(2, 4)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return torch.nn.functional.mse_loss(self.decoder(self.encoder(x)), x)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    cb = StepTimerCallback(warmup_steps=0, sample_every=2, nvtx=True, print_summary=False, cuda=False)
+    assert fit_quietly(pl, cb, AutoEncoder(), 6) == []
+    one_step = ["step", "forward", "loss", "forward", "loss", "zero_grad", "backward", "clip", "optimizer"]
+    assert opened == one_step * 6
+    assert stack == []
+    assert cb.summary is not None and cb.summary.timed_steps == 3
+    assert cb.summary["forward"].calls_per_step == 1  # joined into one span on the timed steps
+
+
 # --------------------------------------------------------------------------- CUDA memory
 
 
@@ -1483,3 +1527,25 @@ def test_a_negative_batch_size_is_refused_naming_batch_size_fn() -> None:
     tr = trainer(pl, cb, limit_val_batches=0)
     with pytest.raises(ValueError, match=r"batch_size_fn\(batch\) must be a finite number >= 0.*got -4"):
         tr.fit(make_module(pl, "auto", Sleeper(regions=(None,))), loader(2))
+
+
+@pytest.mark.parametrize("trainer_every", [50, 10])
+def test_the_trainers_default_interval_lengthens_windows_on_small_steps(
+    monkeypatch: pytest.MonkeyPatch, trainer_every: int
+) -> None:
+    """With the Trainer's default log_every_n_steps (50), windows of small steps last a second, as
+    StepTimer's default ones do (300 steps of ~1 ms here: the first window at 50, then one only once
+    a second has passed, else at the end); a Trainer interval the user chose is kept, every 10."""
+    import pytorch_lightning as pl
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cap = make_capture(pl)
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False)
+    tr = trainer(pl, cb, logger=cap, max_steps=300, max_epochs=-1, limit_val_batches=0,
+                 log_every_n_steps=trainer_every)  # fmt: skip
+    tr.fit(make_module(pl, "auto", Sleeper(regions=(None,))), loader(300))
+    got = sorted(cap.by_step())
+    if trainer_every == 10:
+        assert got == [10 * k for k in range(1, 31)]
+    else:  # a window between the first and the last only after a second: 250 steps of >= 4 ms
+        assert got[0] == 50 and got[-1] == 300 and len(got) <= 3 and all(w % 50 == 0 for w in got), got
