@@ -385,8 +385,10 @@ class Engine:
         rec.step_s = t_end - self._t0
         self._gap_start = t_end
         if number == self._next_timed:
-            block = (number - self.first_number) // self.sample_every + 1
-            self._next_timed = self._pick_timed(block)
+            if self.sample_every == 1:
+                self._next_timed = number + 1  # _pick_timed's answer, without the call
+            else:
+                self._next_timed = self._pick_timed((number - self.first_number) // self.sample_every + 1)
 
     def _end_plain(
         self, number: int, gap: float | None, samples: float | None, tokens: float | None, flops: float | None
