@@ -327,6 +327,9 @@ class Engine:
         if not self.cuda:  # host only: nothing to wait for; every step before this one is due
             while pending:
                 self._resolve(pending.popleft())
+        else:  # the oldest steps without events (untimed) have nothing to wait for either
+            while pending and not pending[0].events:
+                self._resolve(pending.popleft())
         t0, gs = self._t0, self._gap_start
         gap = None if gs is None else max(t0 - gs - self._paused_s, 0.0)
         if (

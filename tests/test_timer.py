@@ -1043,3 +1043,21 @@ def test_untimed_steps_short_way_keeps_windows_and_the_windows_own_time_in_a_ste
         assert w.host["step"].max_ms == pytest.approx(7.0) and w.host["step"].mean_ms == pytest.approx(2.5)
     # The wall: 40 steps of 2 ms, 39 data waits of 1 ms (none before the first), 3 windows of 5 ms
     assert s.steps_per_s == pytest.approx(40 / (40 * 2e-3 + 39 * 1e-3 + 3 * 5e-3))
+
+
+def test_untimed_steps_take_the_short_way_under_cuda_once_the_timed_step_is_resolved(
+    clock: FakeClock, gpu: FakeGPU
+) -> None:
+    """With CUDA and lag 2 the timed step stays pending for two steps; the untimed steps after it
+    are resolved as soon as it is (they have no events to wait for), so the steps after those
+    take the short way again: nothing pending between two timed steps, never a growing queue."""
+    t, sink = make(gpu, sample_every=100, lag=2, log_every_n_steps=1000)
+    engine = t._engine
+    depth = []
+    for _ in range(300):
+        train_step(t, clock, gpu, data_ms=1.0, host={"forward": 1.0}, kernels={"forward": 0.5})
+        depth.append(len(engine._pending))
+    s = t.close()
+    assert max(depth) <= 3 and depth.count(0) >= 280, depth
+    assert s.steps == 300 and s.timed_steps == 3 and s["step"].host.steps == 300
+    assert s["data"].host.max_ms == pytest.approx(1.0)
