@@ -3,8 +3,8 @@ resolved into the rows of a window (``_window.StepRows``).
 
 It knows nothing of TensorBoard, Lightning or the summary: the front doors (``timer.StepTimer``'s
 ``with`` blocks, the Lightning callback, ``instrument()``) call ``begin_step``/``end_step`` and
-a :class:`Phase` per name (``with`` it), and ``on_resolved(number)`` tells the owner that a step's row is in
-``rows``.
+a :class:`Phase` per name (``with`` it), and ``on_window(number)`` tells the owner that the rows of
+the steps up to ``number``, a window boundary, are in ``rows``.
 
 Per timed step with P back-to-back phases the GPU path makes P + 1 event records (a boundary that
 follows steptimer's last record within ``_SHARE_GAP_S`` reuses its event), 4 ``perf_counter()``
@@ -142,7 +142,9 @@ class Engine:
         start_step: steps already done; the first step is ``start_step + 1``.
         cuda: None: CUDA timing if usable at the first step; True: required; False: host only.
         backend: the CUDA calls (tests pass a simulated GPU); None: the default backend.
-        on_resolved: called with a step's number once its row is in ``rows``.
+        window_every: a window may end at every step whose number is a multiple of this (and at
+            the last warm-up step): ``on_window`` is called with such a step's number once its row,
+            and every row before it, is in ``rows``; the owner decides whether the window ends.
         on_pending: called with each finished step before its events are released (trace capture).
         memory: read the CUDA caching allocator on one timed GPU step in this many, the first
             timed step included (``_memory.py``); 0: never; ``MEMORY_AUTO``: on the first timed
@@ -163,7 +165,8 @@ class Engine:
         start_step: int,
         cuda: bool | None,
         backend: _CudaBackend | None,
-        on_resolved: Callable[[int], None],
+        window_every: int,
+        on_window: Callable[[int], None],
         on_pending: Callable[[Engine, _Pending], None] | None = None,
         memory: int = 0,
         memory_backend: _MemoryBackend | None = None,
@@ -179,7 +182,8 @@ class Engine:
         self.notes: list[str] = []
         self.closed = False
         self.quiet = False  # once closed, steps and phases are no-ops, not errors (StepTimer._close_at_end)
-        self._on_resolved = on_resolved
+        self._window_every = window_every
+        self._on_window = on_window
         self._on_pending = on_pending
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self._next_timed = self._pick_timed(0)
@@ -204,7 +208,7 @@ class Engine:
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[_Pending] = deque()
-        self._plain_done = 0  # a plain step resolved at its own end, not yet told to on_resolved
+        self._plain_done = 0  # a plain step resolved at its own end, at a window boundary: not yet told
         self._now_marks: dict[str, float] | None = None  # marks for the next step record (mark_own_work)
         self._waited = start_step  # the newest step number waited for
         # CUDA, settled at the first step.
@@ -321,7 +325,7 @@ class Engine:
             return
         self.number = number = self.number + 1
         if self._plain_done:  # the last step took the short way below: tell the owner now, inside a step
-            self._on_resolved(self._plain_done)
+            self._on_window(self._plain_done)
             self._plain_done = 0
         pending = self._pending
         if not self.cuda:  # host only: nothing to wait for; every step before this one is due
@@ -331,7 +335,12 @@ class Engine:
             while pending and not pending[0].events:
                 self._resolve(pending.popleft())
         t0, gs = self._t0, self._gap_start
-        gap = None if gs is None else max(t0 - gs - self._paused_s, 0.0)
+        if gs is None:
+            gap = None
+        else:
+            gap = t0 - gs - self._paused_s
+            if gap < 0.0:
+                gap = 0.0
         if (
             not self._timed
             and not self._pending
@@ -341,8 +350,33 @@ class Engine:
             and (self._dyn is None or self._dyn.get("unique_graphs", 0) == self._graphs)
             and not (self.gc_log is not None and self.gc_log.spans)
         ):
-            self._now_marks = None  # a plain step is never ranked: what steptimer did in it is not kept
-            self._end_plain(number, gap, samples, tokens, flops)
+            # A *plain* step: not timed, no event, nothing older pending, nothing to mark. Its row
+            # (the lead columns _resolve writes) goes straight into the window, without a _Pending or
+            # a wait: ~0.8 µs instead of ~2 (bench/small_steps.py's untimed rows). At a window
+            # boundary the owner hears of it at the next step's end (or close), so the window is
+            # still computed inside a step. The flight recorder (on_pending) never sees it: a plain
+            # step has no phases to draw. What steptimer did in it (_now_marks) is not kept: a plain
+            # step is never ranked among the slowest.
+            self._now_marks = None
+            if samples is None:
+                samples = self._samples
+            if tokens is None:
+                tokens = self._tokens
+            if flops is None:
+                flops = self._flops
+            row = [
+                number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
+                _NAN if gap is None else gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops,
+            ]  # fmt: skip
+            rows = self.rows
+            rows.add(_PLAIN, row)
+            rows.warmup = number <= self.last_warmup
+            self.last_resolved = number
+            if number % self._window_every == 0 or number == self.last_warmup:
+                self._plain_done = number
+            self.in_step = self.untimed = False
+            self._gap_start = t_end = perf_counter()
+            row[STEP_S] = t_end - t0
             return
         rec = _Pending(
             number, t0, self._timed, number <= self.last_warmup,
@@ -392,34 +426,6 @@ class Engine:
                 self._next_timed = number + 1  # _pick_timed's answer, without the call
             else:
                 self._next_timed = self._pick_timed((number - self.first_number) // self.sample_every + 1)
-
-    def _end_plain(
-        self, number: int, gap: float | None, samples: float | None, tokens: float | None, flops: float | None
-    ) -> None:
-        """End a *plain* step: not timed, no event, nothing older pending, nothing to mark. Its row
-        (the same lead columns ``_resolve`` writes) goes straight into the window, without a
-        ``_Pending`` or a wait: ~1 µs instead of ~2.5 (``bench/small_steps.py``'s untimed rows).
-        The owner hears of it (``on_resolved``) at the next step's end or at ``close``, so that a
-        window it completes is still computed inside a step, as for any other step. The flight
-        recorder (``on_pending``) never sees it: a plain step has no phases to draw."""
-        if samples is None:
-            samples = self._samples
-        if tokens is None:
-            tokens = self._tokens
-        if flops is None:
-            flops = self._flops
-        row = [
-            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
-            _NAN if gap is None else gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops,
-        ]  # fmt: skip
-        rows = self.rows
-        rows.add(_PLAIN, row)
-        rows.warmup = number <= self.last_warmup
-        self.last_resolved = self._plain_done = number
-        self.in_step = self.untimed = False
-        t_end = perf_counter()
-        row[STEP_S] = t_end - self._t0
-        self._gap_start = t_end
 
     def find_dynamo(self) -> None:
         """Start counting ``torch.compile``'s graphs per step once ``torch._dynamo`` is imported
@@ -482,7 +488,7 @@ class Engine:
         if self.in_step:
             self._drop_step()
         if self._plain_done:
-            self._on_resolved(self._plain_done)
+            self._on_window(self._plain_done)
             self._plain_done = 0
         if self._pending:
             if self.cuda and self._pending[-1].number > self._waited:  # lag 0 waited already
@@ -675,8 +681,9 @@ class Engine:
         if rec.memory is not None:
             self.rows.memory.append(rec.memory)
         self.rows.warmup = rec.warmup
-        self.last_resolved = rec.number
-        self._on_resolved(rec.number)
+        self.last_resolved = n = rec.number
+        if n % self._window_every == 0 or n == self.last_warmup:
+            self._on_window(n)
 
     def mark_current(self, key: str, value: float) -> None:
         """Mark the step just ended (its record is still pending), if there is one."""

@@ -353,7 +353,7 @@ class StepTimer:
             self._flight = FlightRecorder(folder, window=self._window_max)
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
-            backend=seams.backend, on_resolved=self._on_resolved,
+            backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
             on_pending=_on_pending(self._trace, profile, self._flight),
             memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
@@ -411,8 +411,11 @@ class StepTimer:
         """
         if not self.enabled:
             return _NULL
-        # Checked here, where they are given: ~0.15 µs per count given (plain int/float), nothing when None.
-        if samples is not None:
+        # Checked here, where they are given: a plain int or float >= 0 inline, anything else by
+        # check_count (tensors, numpy scalars, bad values); nothing when None.
+        if samples is not None and not (
+            (samples.__class__ is int or samples.__class__ is float) and 0 <= samples < math.inf
+        ):
             samples = check_count("samples", samples)
         if tokens is not None:
             tokens = check_count("tokens", tokens)
@@ -537,19 +540,18 @@ class StepTimer:
 
     # ------------------------------------------------------------------ windows and summary
 
-    def _on_resolved(self, number: int) -> None:
-        # A window ends every log_every_n_steps steps, and at the last warm-up step, so that no window
-        # mixes warm-up steps (left out of the summary) with later ones. With the default, a window
-        # shorter than MIN_WINDOW_S goes on to the next multiple (up to _window_max steps).
-        if number % self.log_every_n_steps == 0 or number == self._engine.last_warmup:
-            if (
-                self._window_min_s
-                and number != self._engine.last_warmup
-                and number - self._window_last < self._window_max
-                and self._engine.step_t0 - self._window_t < self._window_min_s
-            ):
-                return
-            self._emit()
+    def _on_window(self, number: int) -> None:
+        # The engine calls this every log_every_n_steps steps, and at the last warm-up step, so that
+        # no window mixes warm-up steps (left out of the summary) with later ones. With the default,
+        # a window shorter than MIN_WINDOW_S goes on to the next multiple (up to _window_max steps).
+        if (
+            self._window_min_s
+            and number != self._engine.last_warmup
+            and number - self._window_last < self._window_max
+            and self._engine.step_t0 - self._window_t < self._window_min_s
+        ):
+            return
+        self._emit()
 
     def _take_window(self) -> Window | None:
         """The window of the steps resolved since the last one; it also goes into the summary."""
