@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from bench._stats import median, ratio_stats, round_order
+from bench.small_steps import timer_block
 from steptimer import StepTimer
 from steptimer._clock import native_backend, torch_backend
 
@@ -801,20 +802,7 @@ def host_cost(rounds: int = 15, steps: int = 2000) -> dict[str, Any]:
                 return pc() - t0
 
         else:
-
-            def f(n: int) -> float:
-                t0 = pc()
-                for _ in range(n):
-                    with st(samples=1):
-                        with ph("forward"):
-                            pass
-                        with ph("loss"):
-                            pass
-                        with ph("backward"):
-                            pass
-                        with ph("optimizer"):
-                            pass
-                return pc() - t0
+            f = timer_block(timer)  # the same empty 4-phase loop as bench/small_steps.py
 
         return f
 
