@@ -167,7 +167,10 @@ def _distributed() -> bool:
             return int(dist.get_world_size()) > 1
     except Exception:  # pragma: no cover - broken distributed builds
         pass
-    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    except ValueError:  # not a number: no launcher of ours set it, so no world of several ranks
+        return False
 
 
 def _rank() -> int:

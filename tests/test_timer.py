@@ -1061,3 +1061,15 @@ def test_untimed_steps_take_the_short_way_under_cuda_once_the_timed_step_is_reso
     assert max(depth) <= 3 and depth.count(0) >= 280, depth
     assert s.steps == 300 and s.timed_steps == 3 and s["step"].host.steps == 300
     assert s["data"].host.max_ms == pytest.approx(1.0)
+
+
+def test_a_world_size_that_is_not_a_number_is_one_process(monkeypatch: pytest.MonkeyPatch, clock: FakeClock,
+                                                          gpu: FakeGPU) -> None:  # fmt: skip
+    """A stray WORLD_SIZE (not set by a launcher) neither stops the timer's construction nor turns
+    on the distributed defaults: windows are lengthened as in one process."""
+    monkeypatch.setenv("WORLD_SIZE", "auto")
+    t, sink = make(gpu)
+    for _ in range(1100):
+        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 0.5})
+    t.close()
+    assert [w.step for w in sink.windows] == [50, 1050, 1100]
