@@ -31,7 +31,7 @@ from typing import Any
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
 from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, mib, oom_errors, torch_memory_backend
 from steptimer._slow import GcLog, dynamo_stats
-from steptimer._window import STEP_S, StepRows
+from steptimer._window import STEP_S, WAIT_S, StepRows
 
 log = logging.getLogger("steptimer")
 
@@ -88,33 +88,32 @@ def check_phase_name(name: str) -> None:
 class _Pending:
     """A finished step whose GPU events may not have completed yet.
 
-    ``phases`` holds ``(full name, host in, host out, event index in, event index out, caught)`` per
-    phase entry (caught: 1.0 if the GPU had reached the phase's entry by its exit, and its exit by the
-    next phase's exit, see ``Phase.__exit__``); ``events[i_start]``/``events[i_end]`` bound the step on
-    the GPU.
+    ``row`` is the step's row of the window so far: its ``LEAD`` columns (``_window.py``), built by
+    ``end_step`` for every step; ``_resolve`` sets the step's host time and wait in it and appends the
+    phases. ``phases`` holds ``(full name, host in, host out, event index in, event index out,
+    caught)`` per phase entry (caught: 1.0 if the GPU had reached the phase's entry by its exit, and its
+    exit by the next phase's exit, see ``Phase.__exit__``); ``events[i_start]``/``events[i_end]``
+    bound the step on the GPU.
     """
 
     __slots__ = (
         "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
-        "pauses", "device", "samples", "tokens", "flops", "timed", "warmup", "memory", "paused_s", "marks",
+        "pauses", "device", "row", "timed", "warmup", "memory", "paused_s", "marks",
         "offs_ms", "chain_ms",
     )  # fmt: skip
 
     events: list[Any]  # set by end_step
 
     def __init__(
-        self, number: int, t0: float, timed: bool, warmup: bool, samples: float | None, tokens: float | None,
-        flops: float | None, gap_s: float | None, phases: list[tuple[str, float, float, int, int, float]],
-        pauses: Sequence[tuple[Any, Any]], device: int,
+        self, number: int, t0: float, timed: bool, warmup: bool, row: list[float], gap_s: float | None,
+        phases: list[tuple[str, float, float, int, int, float]], pauses: Sequence[tuple[Any, Any]], device: int,
     ) -> None:  # fmt: skip
         # Every field once, from end_step (~0.3 µs less than defaults then overwrites, every step).
         self.number = number
         self.t0 = t0
         self.timed = timed
         self.warmup = warmup
-        self.samples = samples
-        self.tokens = tokens
-        self.flops = flops
+        self.row = row
         self.gap_s = gap_s
         self.phases = phases
         self.pauses = pauses
@@ -341,6 +340,17 @@ class Engine:
             gap = t0 - gs - self._paused_s
             if gap < 0.0:
                 gap = 0.0
+        if samples is None:
+            samples = self._samples
+        if tokens is None:
+            tokens = self._tokens
+        if flops is None:
+            flops = self._flops
+        # The step's LEAD columns (_window.py); its host time is set at the end, its wait by _resolve.
+        row = [
+            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
+            _NAN if gap is None else gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops,
+        ]  # fmt: skip
         if (
             not self._timed
             and not self._pending
@@ -358,16 +368,6 @@ class Engine:
             # step has no phases to draw. What steptimer did in it (_now_marks) is not kept: a plain
             # step is never ranked among the slowest.
             self._now_marks = None
-            if samples is None:
-                samples = self._samples
-            if tokens is None:
-                tokens = self._tokens
-            if flops is None:
-                flops = self._flops
-            row = [
-                number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
-                _NAN if gap is None else gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops,
-            ]  # fmt: skip
             rows = self.rows
             rows.add(_PLAIN, row)
             rows.warmup = number <= self.last_warmup
@@ -379,9 +379,8 @@ class Engine:
             row[STEP_S] = t_end - t0
             return
         rec = _Pending(
-            number, t0, self._timed, number <= self.last_warmup,
-            self._samples if samples is None else samples, self._tokens if tokens is None else tokens,
-            self._flops if flops is None else flops, gap, self._recs, self._pause_evs or _NO_PAUSES, self.device,
+            number, t0, self._timed, number <= self.last_warmup, row, gap, self._recs,
+            self._pause_evs or _NO_PAUSES, self.device,
         )  # fmt: skip
         if self._pause_evs:
             self._pause_evs = []
@@ -642,12 +641,10 @@ class Engine:
         if self._on_pending is not None:  # before the step's events go back to the pool
             self._on_pending(self, rec)
         recs = rec.phases
-        gap, samples, tokens = rec.gap_s, rec.samples, rec.tokens
-        row = [
-            rec.number, _NAN if samples is None else samples, _NAN if tokens is None else tokens,
-            rec.step_s, _NAN if gap is None else gap, rec.wait_s if self.cuda else _NAN,
-            _NAN if rec.flops is None else rec.flops,
-        ]  # fmt: skip
+        row = rec.row
+        row[STEP_S] = rec.step_s
+        if self.cuda:
+            row[WAIT_S] = rec.wait_s
         names = None
         if rec.timed:
             names = tuple([r[0] for r in recs])
