@@ -145,6 +145,9 @@ class Engine:
             the last warm-up step): ``on_window`` is called with such a step's number once its row,
             and every row before it, is in ``rows``; the owner decides whether the window ends.
         on_pending: called with each finished step before its events are released (trace capture).
+        recent: a deque (with a ``maxlen``) that gets every resolved step that has phases or events,
+            in order (the flight recorder's ring, ``_flight.py``): a ``_Pending``, or ``(t0, row,
+            phases)`` for a host step resolved at its own end (its row is ``_window.py``'s).
         memory: read the CUDA caching allocator on one timed GPU step in this many, the first
             timed step included (``_memory.py``); 0: never; ``MEMORY_AUTO``: on the first timed
             GPU step, then on the first one that begins ``MEMORY_BUDGET`` times the last read
@@ -170,6 +173,7 @@ class Engine:
         memory: int = 0,
         memory_backend: _MemoryBackend | None = None,
         slowest: bool = False,
+        recent: deque[Any] | None = None,
     ) -> None:
         self.lag = lag
         self.sample_every = sample_every
@@ -184,6 +188,7 @@ class Engine:
         self._window_every = window_every
         self._on_window = on_window
         self._on_pending = on_pending
+        self._recent = recent
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self._next_timed = self._pick_timed(0)
         # The current step.
@@ -351,25 +356,35 @@ class Engine:
             number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
             _NAN if gap is None else gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops,
         ]  # fmt: skip
+        timed = self._timed
         if (
-            not self._timed
+            not self._gpu
             and not self._pending
             and not self._paused_s
             and not self._pause_evs
             and not (self.cuda and number + 1 == self._next_timed)
             and (self._dyn is None or self._dyn.get("unique_graphs", 0) == self._graphs)
             and not (self.gc_log is not None and self.gc_log.spans)
+            and not (timed and (self._now_marks is not None or self._on_pending is not None))
         ):
-            # A *plain* step: not timed, no event, nothing older pending, nothing to mark. Its row
-            # (the lead columns _resolve writes) goes straight into the window, without a _Pending or
-            # a wait: ~0.8 µs instead of ~2 (bench/small_steps.py's untimed rows). At a window
-            # boundary the owner hears of it at the next step's end (or close), so the window is
-            # still computed inside a step. The flight recorder (on_pending) never sees it: a plain
-            # step has no phases to draw. What steptimer did in it (_now_marks) is not kept: a plain
-            # step is never ranked among the slowest.
-            self._now_marks = None
+            # The *short way*, for a step without GPU events (untimed, or timed on the host clock)
+            # with nothing older pending and nothing to mark: its row is complete at its end and goes
+            # straight into the window, without waiting in the queue for the next step's end
+            # (bench/small_steps.py's host and untimed rows). At a window boundary the owner hears of
+            # it at the next step's end (or close), so the window is still computed inside a step.
+            # What steptimer did in an untimed step (_now_marks) is not kept: an untimed step is
+            # never ranked among the slowest. A timed step goes the long way while captures
+            # (on_pending) want each step's record: they read it, and mark it (mark_current).
             rows = self.rows
-            rows.add(_PLAIN, row)
+            if timed:
+                recs = self._recs
+                rows.add((tuple([r[0] for r in recs]), False, False), row)
+                row += [r[2] - r[1] for r in recs]
+                if self._recent is not None:
+                    self._recent.append((t0, row, recs))
+            else:
+                self._now_marks = None
+                rows.add(_PLAIN, row)
             rows.warmup = number <= self.last_warmup
             self.last_resolved = number
             if number % self._window_every == 0 or number == self.last_warmup:
@@ -377,6 +392,8 @@ class Engine:
             self.in_step = self.untimed = False
             self._gap_start = t_end = perf_counter()
             row[STEP_S] = t_end - t0
+            if timed:
+                self._pick_next(number)
             return
         rec = _Pending(
             number, t0, self._timed, number <= self.last_warmup, row, gap, self._recs,
@@ -421,10 +438,14 @@ class Engine:
         rec.step_s = t_end - self._t0
         self._gap_start = t_end
         if number == self._next_timed:
-            if self.sample_every == 1:
-                self._next_timed = number + 1  # _pick_timed's answer, without the call
-            else:
-                self._next_timed = self._pick_timed((number - self.first_number) // self.sample_every + 1)
+            self._pick_next(number)
+
+    def _pick_next(self, number: int) -> None:
+        """After the timed step ``number``: pick the next one to time."""
+        if self.sample_every == 1:
+            self._next_timed = number + 1  # _pick_timed's answer, without the call
+        else:
+            self._next_timed = self._pick_timed((number - self.first_number) // self.sample_every + 1)
 
     def find_dynamo(self) -> None:
         """Start counting ``torch.compile``'s graphs per step once ``torch._dynamo`` is imported
@@ -640,6 +661,8 @@ class Engine:
         """Turn a finished step into one row of the window (``StepRows``); read its GPU events."""
         if self._on_pending is not None:  # before the step's events go back to the pool
             self._on_pending(self, rec)
+        if self._recent is not None:
+            self._recent.append(rec)
         recs = rec.phases
         row = rec.row
         row[STEP_S] = rec.step_s

@@ -1,15 +1,15 @@
 """The flight recorder: a Perfetto trace around each of the run's slowest steps (docs/slow-steps.md).
 
-The engine calls :meth:`FlightRecorder.add` for every resolved step (``on_pending``); it keeps a
-reference to the step in a ring of the last ``log_every_n_steps + before + after + 2`` steps (one
-deque append per step: the step's host times and its GPU event offsets are already there, set by
-the engine as it resolves the step). When a window puts a step among the run's slowest
-(``_slow.SlowestKeeper``), the recorder asks for it; once the ``after`` steps that follow are
-resolved, the ``before + 1 + after`` steps are copied out of the ring. At most ``max_traces`` are
-kept, the slowest; a slower step replaces the fastest kept one. The files are written at close
-(``steptimer-slow/step-<N>.trace.json`` in the log directory, Chrome trace JSON that Perfetto
-opens as is): no file is written inside a training step, so the recorder never slows the steps it
-records.
+The engine appends every resolved step to the recorder's ring (``Engine(recent=)``: one deque
+append per step; the step's host times and its GPU event offsets are already there, set by the
+engine as it resolves the step), which holds the last ``log_every_n_steps + before + after + 2``
+steps. When a window puts a step among the run's slowest (``_slow.SlowestKeeper``), the recorder
+asks for it; once the ``after`` steps that follow are resolved (at that window or the next one:
+the ring still holds them then), the ``before + 1 + after`` steps are copied out of the ring. At
+most ``max_traces`` are kept, the slowest; a slower step replaces the fastest kept one. The files are
+written at close (``steptimer-slow/step-<N>.trace.json`` in the log directory, Chrome trace JSON
+that Perfetto opens as is): no file is written inside a training step, so the recorder never slows
+the steps it records.
 
 GPU times: the recorder never waits on the GPU, so it has no reference event to put the GPU's
 timeline on the host clock (``steptimer trace`` waits once for one, ``_trace.py``). The GPU track is
@@ -24,6 +24,8 @@ import json
 import os
 from collections import deque
 from typing import TYPE_CHECKING, Any
+
+from steptimer._window import GAP_S, NUMBER, STEP_S
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
@@ -49,13 +51,6 @@ class FlightRecorder:
         self.paths: dict[int, str] = {}  # written at close
         self._cuda = False
 
-    def add(self, engine: Engine, rec: Any) -> None:
-        """The engine's ``on_pending`` for every resolved step (before ``rec``'s row is computed: the
-        ring holds the object, whose GPU offsets the engine sets right after)."""
-        self.ring.append(rec)
-        if self.wanted and rec.number >= min(self.wanted) + self.after + 1:
-            self._take(rec.number - self.after - 1)  # the steps after it are in the ring, resolved
-
     def want(self, step: int, wall_ms: float, engine: Engine) -> None:
         """A window put ``step`` among the run's slowest: keep its trace if it is among the slowest
         ``max_traces`` kept or wanted (dropping the fastest of those)."""
@@ -68,16 +63,19 @@ class FlightRecorder:
             self.kept.pop(fastest, None)
             self.wanted.pop(fastest, None)
         self.wanted[step] = wall_ms
-        last = self.ring[-1].number if self.ring else 0
-        if last >= step + self.after:
-            self._take(step)
+        self.settle()
+
+    def settle(self) -> None:
+        """Copy out the wanted steps whose ``after`` steps are resolved (at each window)."""
+        if self.wanted and self.ring:
+            self._take(_number(self.ring[-1]) - self.after)
 
     def _take(self, upto: int) -> None:
         """Copy out every wanted step at or before ``upto`` (with what the ring holds around it)."""
         for step in [s for s in self.wanted if s <= upto]:
             wall = self.wanted.pop(step)
-            recs = [r for r in self.ring if step - self.before <= r.number <= step + self.after]
-            if any(r.number == step for r in recs):
+            recs = [r for r in self.ring if step - self.before <= _number(r) <= step + self.after]
+            if any(_number(r) == step for r in recs):
                 self.kept[step] = (wall, [_copy(r) for r in recs])
 
     def finish(self) -> dict[int, str]:
@@ -103,8 +101,22 @@ class FlightRecorder:
         return self.paths
 
 
+def _number(rec: Any) -> int:
+    """A ring entry's step number (see ``_copy``)."""
+    return int(rec[1][NUMBER]) if rec.__class__ is tuple else rec.number
+
+
 def _copy(rec: Any) -> dict[str, Any]:
-    """What the trace needs of a resolved step (the ring's objects are the engine's own)."""
+    """What the trace needs of a resolved step (the ring's objects are the engine's own): a
+    ``_Pending``, or ``(t0, row, phases)`` for a host step the engine resolved at its own end."""
+    if rec.__class__ is tuple:
+        t0, row, phases = rec
+        gap = row[GAP_S]
+        return {
+            "number": int(row[NUMBER]), "t0": t0, "step_s": row[STEP_S], "gap_s": None if gap != gap else gap,
+            "wait_s": 0.0, "paused": False, "phases": [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in phases],
+            "offs_ms": None, "chain_ms": None, "i_start": 0, "i_end": 0,
+        }  # fmt: skip
     return {
         "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s, "wait_s": rec.wait_s,
         "paused": bool(rec.pauses) or rec.paused_s > 0,

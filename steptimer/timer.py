@@ -357,7 +357,7 @@ class StepTimer:
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
-            on_pending=_on_pending(self._trace, profile, self._flight),
+            on_pending=_on_pending(self._trace, profile), recent=self._flight.ring if self._flight else None,
             memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
         self._step_cm = _Step(self._engine, None, None, None)
@@ -594,6 +594,7 @@ class StepTimer:
                         )  # fmt: skip
                 self._alloc_retries = (retries, window.step)
         if self._flight is not None:
+            self._flight.settle()
             for c in kept:
                 self._flight.want(c.step, c.wall_ms, engine)
 
