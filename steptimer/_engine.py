@@ -2,9 +2,10 @@
 resolved into the rows of a window (``_window.StepRows``).
 
 It knows nothing of TensorBoard, Lightning or the summary: the front doors (``timer.StepTimer``'s
-``with`` blocks, the Lightning callback, ``instrument()``) call ``begin_step``/``end_step`` and
-a :class:`Phase` per name (``with`` it), and ``on_window(number)`` tells the owner that the rows of
-the steps up to ``number``, a window boundary, are in ``rows``.
+``with`` blocks, the Lightning callback, ``instrument()``) set a step's counts (``samples``,
+``tokens``, ``flops``), enter the engine for one step (``with engine:``, that is ``begin_step`` and
+``end_step``) and a :class:`Phase` per name, and ``on_window(number)`` tells the owner that the
+rows of the steps up to ``number``, a window boundary, are in ``rows``.
 
 Per timed step with P back-to-back phases the GPU path makes P + 1 event records (a boundary that
 follows steptimer's last record within ``_SHARE_GAP_S`` reuses its event), 4 ``perf_counter()``
@@ -194,14 +195,17 @@ class Engine:
         # The current step.
         self.in_step = False
         self._timed = False
+        # A timed step is open: what a phase checks first (one attribute for in_step and _timed).
+        self.timing = False
         # In a step whose phases are not timed (outside the sample): the front door may hand out a
         # no-op context manager for its phases (StepTimer.phase), ~0.2 µs instead of ~0.6 µs a phase.
         self.untimed = False
         self._gpu = False  # timed on the GPU
         self._t0 = 0.0
-        self._samples: float | None = None
-        self._tokens: float | None = None
-        self._flops: float | None = None
+        # The step's counts, set by the front door before the step ends (timer.StepTimer.step).
+        self.samples: float | None = None
+        self.tokens: float | None = None
+        self.flops: float | None = None
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[tuple[str, float, float, int, int, float]] = []
         self._evs: list[Any] = []
@@ -250,11 +254,12 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
 
-    def begin_step(self, samples: float | None, tokens: float | None, flops: float | None = None) -> None:
+    def begin_step(self) -> None:
+        """Begin a step (``with engine:`` enters it: the context manager is the engine itself, a
+        Python call less at each end of every step than a wrapper's)."""
         if (self.in_step or self.closed or self.cuda is None) and not self._may_begin():
             return
         self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
-        self._samples, self._tokens, self._flops = samples, tokens, flops
         if self.number + 1 != self._next_timed:  # outside the sample: no phase, no event, no reading
             self._timed = self._gpu = False
             self.untimed = self.in_step = True
@@ -287,7 +292,7 @@ class Engine:
             self._last_t = perf_counter()
         else:
             self._mem = None
-        self.in_step = True  # last: a step that raised above (graph capture) never began
+        self.in_step = self.timing = True  # last: a step that raised above (graph capture) never began
 
     def _may_begin(self) -> bool:
         """The rare cases at a step's start: a step already open, a closed engine (False: a no-op
@@ -305,19 +310,18 @@ class Engine:
             self.find_dynamo()
         return True
 
-    def end_step(
-        self, failed: bool, samples: float | None = None, tokens: float | None = None, flops: float | None = None,
-        error: BaseException | None = None,
-    ) -> None:  # fmt: skip
-        """Finish the step (drop it if ``failed`` or a phase is open), wait once, resolve what is due.
+    def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:
+        """Finish the step (drop it if it raised, ``et`` not None, or a phase is open), wait once,
+        resolve what is due (``with engine:`` exits it: never swallows the exception).
 
-        ``samples``/``tokens``/``flops`` given here replace those given at the step's start (the
-        Lightning callback counts a step's samples over its micro-batches). ``error``: the exception
-        that ended the step, if any (else ``sys.exc_info()``'s), for the out-of-memory note.
+        The step's counts are those set last (the Lightning callback counts a step's samples over
+        its micro-batches). ``error``: the exception that ended the step, if any (else
+        ``sys.exc_info()``'s), for the out-of-memory note.
         """
         if not self.in_step:
             return
         t1 = perf_counter()
+        failed = et is not None
         if failed or self._stack:
             open_ = self._stack[-1][0] if self._stack else None
             if failed and self.memory is not None and self.oom is None:
@@ -345,12 +349,7 @@ class Engine:
             gap = t0 - gs - self._paused_s
             if gap < 0.0:
                 gap = 0.0
-        if samples is None:
-            samples = self._samples
-        if tokens is None:
-            tokens = self._tokens
-        if flops is None:
-            flops = self._flops
+        samples, tokens, flops = self.samples, self.tokens, self.flops
         # The step's LEAD columns (_window.py); its host time is set at the end, its wait by _resolve.
         row = [
             number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
@@ -389,7 +388,7 @@ class Engine:
             self.last_resolved = number
             if number % self._window_every == 0 or number == self.last_warmup:
                 self._plain_done = number
-            self.in_step = self.untimed = False
+            self.in_step = self.untimed = self.timing = False
             self._gap_start = t_end = perf_counter()
             row[STEP_S] = t_end - t0
             if timed:
@@ -421,7 +420,7 @@ class Engine:
             self._last_t = -math.inf
             self._boundary(t1)
         rec.events = self._evs
-        self.in_step = self.untimed = False
+        self.in_step = self.untimed = self.timing = False
         pending.append(rec)
         # Wait on the end of step N - lag (N itself with lag 0), then resolve every step up to it,
         # except this one: it is resolved at the next step's end (or close), inside that step's time.
@@ -446,6 +445,9 @@ class Engine:
             self._next_timed = number + 1  # _pick_timed's answer, without the call
         else:
             self._next_timed = self._pick_timed((number - self.first_number) // self.sample_every + 1)
+
+    __enter__ = begin_step
+    __exit__ = end_step
 
     def find_dynamo(self) -> None:
         """Start counting ``torch.compile``'s graphs per step once ``torch._dynamo`` is imported
@@ -539,7 +541,7 @@ class Engine:
         self._now_marks = None
         if self._mem is not None:
             self._mem.drop_step()
-        self.in_step = self.untimed = False
+        self.in_step = self.untimed = self.timing = False
         self._gap_start = perf_counter()  # the failed step's time is not data wait
         self._paused_s = 0.0
 
@@ -759,12 +761,10 @@ class Phase:
     def __enter__(self) -> None:
         t0 = perf_counter()  # first: the gap since the last boundary leaves out steptimer's own work
         e, name = self.e, self.name
-        if not e.in_step:
-            if e.quiet:
+        if not e.timing:  # outside a step, or in one whose phases are not timed
+            if e.in_step or e.quiet:
                 return
             raise RuntimeError(f"phase({name!r}) entered outside a step: put it inside `with timer.step():`")
-        if not e._timed:
-            return
         stack = e._stack
         for entry in stack:
             if entry[1] == name:
@@ -785,7 +785,7 @@ class Phase:
         only read for the out-of-memory note)."""
         t1 = perf_counter()
         e, name, failed = self.e, self.name, et is not None
-        if not e.in_step or not e._timed:
+        if not e.timing:
             return
         stack = e._stack
         if not stack or stack[-1][1] != name:

@@ -114,8 +114,8 @@ def _copy(rec: Any) -> dict[str, Any]:
         gap = row[GAP_S]
         return {
             "number": int(row[NUMBER]), "t0": t0, "step_s": row[STEP_S], "gap_s": None if gap != gap else gap,
-            "wait_s": 0.0, "paused": False, "phases": [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in phases],
-            "offs_ms": None, "chain_ms": None, "i_start": 0, "i_end": 0,
+            "wait_s": 0.0, "paused": False, "offs_ms": None, "chain_ms": None, "i_start": 0, "i_end": 0,
+            "phases": [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in phases],
         }  # fmt: skip
     return {
         "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s, "wait_s": rec.wait_s,

