@@ -13,9 +13,10 @@ One run interleaves blocks (``round_order``: each round a different order, GC of
 * ``host_50``: ``host`` with ``log_every_n_steps=50`` (the default lengthens a window of small
   steps to last a second; this is the cost of one window every 50 steps);
 * on CUDA: ``rec5``, five ``torch.cuda.Event.record(stream)`` calls (the floor of a CUDA-timed step
-  of 4 phases), ``cuda`` (the defaults: CUDA events, memory read on one timed step in 10) and
-  ``cuda_untimed`` (``sample_every=1000``), ``cuda_nomem`` (``memory=False``) and ``cuda_50``
-  (``log_every_n_steps=50``);
+  of 4 phases), ``cuda_calls`` (the CUDA calls steptimer's timed step makes, through its backend,
+  without its Python: ``cuda_calls_block``), ``cuda`` (the defaults: CUDA events, the allocator
+  read on a time budget), ``cuda_untimed`` (``sample_every=1000``), ``cuda_nomem``
+  (``memory=False``) and ``cuda_50`` (``log_every_n_steps=50``);
 * ``--launch-bound`` (CUDA): a loop of ~4 ms steps that only launch tiny kernels, bare and timed
   with the defaults, in interleaved blocks: the overhead in % of the bare step, per round;
 * ``--lightning`` (CPU): a Lightning ``Trainer`` fitting a small autoencoder with and without
@@ -30,6 +31,7 @@ step, with its IQR; each ratio is the median over rounds of the same-round ratio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import platform
 import tempfile
@@ -130,6 +132,43 @@ def rec5_block() -> Block:
     return run
 
 
+def cuda_calls_block() -> Block:
+    """The CUDA runtime calls of one timed step of 4 phases, through steptimer's own backend (native
+    where it builds) and nothing else: the stream and capture checks, 5 records, 4 queries (has the
+    GPU reached a phase), the lagged wait (on the previous step's end, done long ago), the 5 events'
+    offsets and the idle between steps. What the engine's CUDA path costs without its Python."""
+    from steptimer._clock import default_backend
+
+    b = default_backend()
+    key = b.stream_key()
+    stream = b.stream_of_key(key)
+    evs = [b.new_event() for _ in range(5)]
+    prev = b.new_event()
+    b.record(prev, stream)
+    record, query, wait, offsets, elapsed = b.record, b.query, b.wait, b.offsets_ms, b.elapsed_ms
+    stream_key, capturing = b.stream_key, b.is_capturing
+
+    def run(n: int) -> float:
+        t0 = perf_counter()
+        for _ in range(n):
+            stream_key()
+            capturing(stream)
+            for ev in evs:
+                record(ev, stream)
+            query(evs[0])
+            query(evs[1])
+            query(evs[2])
+            query(evs[3])
+            wait(prev)
+            if offsets is not None:
+                offsets(evs)
+            elapsed(prev, evs[0])
+        torch.cuda.synchronize()
+        return perf_counter() - t0
+
+    return run
+
+
 def profile(block: Block, steps: int, path: str) -> None:
     """cProfile's top 40 functions by own time over ``steps`` steps of ``block``, to ``path``."""
     import cProfile
@@ -224,7 +263,8 @@ def launch_bound(
 ) -> tuple[str, tuple[float, float, float]]:
     """~``step_ms`` steps of tiny kernel launches (4 phases), bare and timed, blocks interleaved.
     ``variants``: also timed with ``memory=False``, ``cuda=False`` and ``sample_every=1000``, to
-    tell the host's Python from the CUDA calls and the allocator readings."""
+    tell the host's Python from the CUDA calls and the allocator readings, and the bare loop in 5
+    no-op ``with`` blocks (``contextlib.nullcontext``)."""
     x = torch.zeros(64, device="cuda")
 
     def launches(k: int) -> None:
@@ -256,6 +296,24 @@ def launch_bound(
         torch.cuda.synchronize()
         return perf_counter() - t0
 
+    null = contextlib.nullcontext()
+
+    def nulls(n: int) -> float:  # the same loop in 5 no-op with blocks: what any `with` timer adds
+        torch.cuda.synchronize()
+        t0 = perf_counter()
+        for _ in range(n):
+            with null:
+                with null:
+                    launches(k)
+                with null:
+                    launches(k)
+                with null:
+                    launches(k)
+                with null:
+                    launches(k)
+        torch.cuda.synchronize()
+        return perf_counter() - t0
+
     def timed(timer: StepTimer) -> Block:
         st, ph = timer.step, timer.phase
 
@@ -277,12 +335,13 @@ def launch_bound(
 
         return run
 
-    res = interleave({"bare": bare, **{name: timed(t) for name, t in timers.items()}}, rounds, steps)
+    extra = {"null with blocks": nulls} if variants else {}
+    res = interleave({"bare": bare, **extra, **{name: timed(t) for name, t in timers.items()}}, rounds, steps)
     for t in timers.values():
         t.close()
     bare_ms = median(res["bare"]) / steps * 1e3
     rows, first = [], (0.0, 0.0, 0.0)
-    for name in timers:
+    for name in [*extra, *timers]:
         pct = [(t / b - 1) * 100 for t, b in zip(res[name], res["bare"])]
         m, (lo, hi) = median(pct), median_ci(pct)
         if name == "timed":
@@ -420,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         torch.zeros(1, device="cuda")
         blocks["rec5"] = rec5_block()
+        blocks["cuda_calls"] = cuda_calls_block()
         timers["cuda"] = StepTimer(log_dir=f"{tmp}/cuda", **common)
         timers["cuda_nomem"] = StepTimer(log_dir=f"{tmp}/cuda_nomem", memory=False, **common)
         timers["cuda_50"] = StepTimer(log_dir=f"{tmp}/cuda_50", log_every_n_steps=50, **common)
