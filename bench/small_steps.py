@@ -13,9 +13,8 @@ One run interleaves blocks (``round_order``: each round a different order, GC of
 * ``host_50``: ``host`` with ``log_every_n_steps=50`` (the default lengthens a window of small
   steps to last a second; this is the cost of one window every 50 steps);
 * on CUDA: ``rec5``, five ``torch.cuda.Event.record(stream)`` calls (the floor of a CUDA-timed step
-  of 4 phases), ``cuda_calls`` (the CUDA calls steptimer's timed step makes, through its backend,
-  without its Python: ``cuda_calls_block``), ``cuda`` (the defaults: CUDA events, the allocator
-  read on a time budget), ``cuda_untimed`` (``sample_every=1000``), ``cuda_nomem``
+  of 4 phases), ``cuda`` (the defaults: CUDA events, the allocator read on a time budget),
+  ``cuda_untimed`` (``sample_every=1000``), ``cuda_nomem``
   (``memory=False``) and ``cuda_50`` (``log_every_n_steps=50``);
 * ``--launch-bound`` (CUDA): a loop of ~4 ms steps that only launch tiny kernels, bare and timed
   with the defaults, in interleaved blocks: the overhead in % of the bare step, per round;
@@ -126,43 +125,6 @@ def rec5_block() -> Block:
             e2.record(stream)
             e3.record(stream)
             e4.record(stream)
-        torch.cuda.synchronize()
-        return perf_counter() - t0
-
-    return run
-
-
-def cuda_calls_block() -> Block:
-    """The CUDA runtime calls of one timed step of 4 phases, through steptimer's own backend (native
-    where it builds) and nothing else: the stream and capture checks, 5 records, 4 queries (has the
-    GPU reached a phase), the lagged wait (on the previous step's end, done long ago), the 5 events'
-    offsets and the idle between steps. What the engine's CUDA path costs without its Python."""
-    from steptimer._clock import default_backend
-
-    b = default_backend()
-    key = b.stream_key()
-    stream = b.stream_of_key(key)
-    evs = [b.new_event() for _ in range(5)]
-    prev = b.new_event()
-    b.record(prev, stream)
-    record, query, wait, offsets, elapsed = b.record, b.query, b.wait, b.offsets_ms, b.elapsed_ms
-    stream_key, capturing = b.stream_key, b.is_capturing
-
-    def run(n: int) -> float:
-        t0 = perf_counter()
-        for _ in range(n):
-            stream_key()
-            capturing(stream)
-            for ev in evs:
-                record(ev, stream)
-            query(evs[0])
-            query(evs[1])
-            query(evs[2])
-            query(evs[3])
-            wait(prev)
-            if offsets is not None:
-                offsets(evs)
-            elapsed(prev, evs[0])
         torch.cuda.synchronize()
         return perf_counter() - t0
 
@@ -479,7 +441,6 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         torch.zeros(1, device="cuda")
         blocks["rec5"] = rec5_block()
-        blocks["cuda_calls"] = cuda_calls_block()
         timers["cuda"] = StepTimer(log_dir=f"{tmp}/cuda", **common)
         timers["cuda_nomem"] = StepTimer(log_dir=f"{tmp}/cuda_nomem", memory=False, **common)
         timers["cuda_50"] = StepTimer(log_dir=f"{tmp}/cuda_50", log_every_n_steps=50, **common)
