@@ -216,7 +216,7 @@ class Engine:
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[_Pending] = deque()
-        self._plain_done = 0  # a plain step resolved at its own end, at a window boundary: not yet told
+        self._window_due = 0  # a step resolved at its own end (the short way) closed a window: not yet told
         self._now_marks: dict[str, float] | None = None  # marks for the next step record (mark_own_work)
         self._waited = start_step  # the newest step number waited for
         # CUDA, settled at the first step.
@@ -332,9 +332,9 @@ class Engine:
                 raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
             return
         self.number = number = self.number + 1
-        if self._plain_done:  # the last step took the short way below: tell the owner now, inside a step
-            self._on_window(self._plain_done)
-            self._plain_done = 0
+        if self._window_due:  # the last step took the short way below: tell the owner now, inside a step
+            self._on_window(self._window_due)
+            self._window_due = 0
         pending = self._pending
         if not self.cuda:  # host only: nothing to wait for; every step before this one is due
             while pending:
@@ -387,7 +387,7 @@ class Engine:
             rows.warmup = number <= self.last_warmup
             self.last_resolved = number
             if number % self._window_every == 0 or number == self.last_warmup:
-                self._plain_done = number
+                self._window_due = number
             self.in_step = self.untimed = self.timing = False
             self._gap_start = t_end = perf_counter()
             row[STEP_S] = t_end - t0
@@ -509,9 +509,9 @@ class Engine:
         """Drop an unfinished step and resolve every pending one (one wait, on the newest)."""
         if self.in_step:
             self._drop_step()
-        if self._plain_done:
-            self._on_window(self._plain_done)
-            self._plain_done = 0
+        if self._window_due:
+            self._on_window(self._window_due)
+            self._window_due = 0
         if self._pending:
             if self.cuda and self._pending[-1].number > self._waited:  # lag 0 waited already
                 self._wait_for(self._pending[-1].number)

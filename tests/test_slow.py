@@ -101,6 +101,35 @@ def test_memory_stays_at_k_over_many_windows(clock: FakeClock, tmp_path: Path) -
     assert len(flight.kept) <= 3 and len(list((tmp_path / "steptimer-slow").iterdir())) <= 3
 
 
+def test_host_stall_is_traced_by_the_flight_recorder(tmp_path: Path, clock: FakeClock) -> None:
+    """Host clock only: every step takes the engine's short way (its row goes into the window at its
+    own end, its record into the recorder's ring as ``(t0, row, phases)``). A 40 ms forward in step
+    37 of 60 (windows of 10: the steps after it are in the next window) is the slowest step, and
+    its trace holds steps 34..39 with their host slices, and no GPU track."""
+    t = StepTimer(cuda=False, log_dir=tmp_path, warmup_steps=2, log_every_n_steps=10, print_summary=False)
+    for n in range(1, 61):
+        clock.advance_ms(1.0)  # data
+        with t.step():
+            with t.phase("forward"):
+                clock.advance_ms(40.0 if n == 37 else 2.0)
+            with t.phase("backward"):
+                clock.advance_ms(3.0)
+    s = t.close()
+    top = s.slowest[0]
+    assert (top.step, top.clock, top.grew) == (37, "host", "forward")
+    assert top.wall_ms == pytest.approx(44.0)  # 40 + 3 ms of phases and the 1 ms data wait before it
+    assert top.trace is not None and Path(top.trace).name == "step-37.trace.json"
+    events = json.loads(Path(top.trace).read_text())["traceEvents"]
+    slices = [e for e in events if e.get("ph") == "X"]
+    assert sorted({e["args"]["step"] for e in slices}) == [34, 35, 36, 37, 38, 39]
+    assert not [e for e in slices if e.get("tid") == 2]  # no GPU track without CUDA
+    fwd = {e["args"]["step"]: e["dur"] for e in slices if e["name"] == "forward"}
+    assert fwd == {34: pytest.approx(2000.0), 35: pytest.approx(2000.0), 36: pytest.approx(2000.0),
+                   37: pytest.approx(40_000.0), 38: pytest.approx(2000.0), 39: pytest.approx(2000.0)}  # fmt: skip
+    steps = {e["args"]["step"]: e for e in slices if e["name"].startswith("step")}
+    assert steps[37]["dur"] == pytest.approx(43_000.0)
+
+
 def test_slowest_steps_off(clock: FakeClock) -> None:
     gpu = FakeGPU(clock)
     t = _gpu_run(clock, gpu, 20, 10, slowest_steps=0)

@@ -1016,14 +1016,15 @@ def test_explicit_or_distributed_windows_stay_50_steps(
         assert [w.step for w in sink.windows] == [50, 100, 150, 200]
 
 
-@pytest.mark.parametrize("cuda", [False, True])
-def test_untimed_steps_short_way_keeps_windows_and_the_windows_own_time_in_a_step(
-    clock: FakeClock, gpu: FakeGPU, cuda: bool
+@pytest.mark.parametrize(("cuda", "sample_every"), [(False, 1000), (True, 1000), (False, 1)])
+def test_short_way_keeps_windows_and_the_windows_own_time_in_a_step(
+    clock: FakeClock, gpu: FakeGPU, cuda: bool, sample_every: int
 ) -> None:
-    """Steps outside the sample take the short way (no pending record, no wait). Their windows still
-    close at every 10th step with all 10 steps, and a window's own work (here the sink takes 5 ms of
-    the clock) lands in the host time of the step that computed it, never in the data wait."""
-    t, sink = make(gpu if cuda else None, sample_every=1000, log_every_n_steps=10)
+    """Steps without GPU events (outside the sample; or every step, timed on the host clock) take the
+    short way (no pending record, no wait). Their windows still close at every 10th step with all 10
+    steps, and a window's own work (here the sink takes 5 ms of the clock) lands in the host time of
+    the step that computed it, never in the data wait."""
+    t, sink = make(gpu if cuda else None, sample_every=sample_every, log_every_n_steps=10)
     writes = sink.write_window
 
     def slow_write(window: Any) -> None:
@@ -1031,9 +1032,14 @@ def test_untimed_steps_short_way_keeps_windows_and_the_windows_own_time_in_a_ste
         writes(window)
 
     sink.write_window = slow_write  # type: ignore[method-assign]
+    queued = []
     for _ in range(40):
         train_step(t, clock, gpu if cuda else None, data_ms=1.0, host={"forward": 2.0})
+        queued.append(len(t._engine._pending))
     s = t.close()
+    if sample_every == 1:  # every step timed; only the steps that computed a window were queued
+        assert s.timed_steps == 40 and s["forward"].host.max_ms == pytest.approx(2.0)
+        assert [i + 1 for i, q in enumerate(queued) if q] == [11, 21, 31]
     assert [w.step for w in sink.windows] == [10, 20, 30, 40]
     assert [w.steps for w in sink.windows] == [10, 10, 10, 10]
     assert s["data"].host.max_ms == pytest.approx(1.0)  # never the window's 5 ms
