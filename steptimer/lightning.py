@@ -141,7 +141,8 @@ class _UserPhase:
         if timer is None or not cb._in_batch:
             return  # outside a training batch (validation, predict): a no-op
         timer.phase(self._name).__enter__()
-        cb._frames.append([None])
+        cb._outer.append(cb._phase)  # the callback phase open around this one stays open
+        cb._phase = None
         self._active = True
 
     def __exit__(
@@ -151,10 +152,10 @@ class _UserPhase:
             return
         self._active = False
         cb = self._cb
-        if cb._timer is None or len(cb._frames) < 2:
+        if cb._timer is None or not cb._outer:
             return  # the step was dropped under us (exception path)
         cb._switch(None)
-        cb._frames.pop()
+        cb._phase = cb._outer.pop()
         cb._timer.phase(self._name).__exit__(et, ev, tb)
 
 
@@ -334,7 +335,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._reset_batch_state()
 
     def _reset_batch_state(self) -> None:
-        self._frames: list[list[str | None]] = [[None]]  # per open user phase: the callback phase in it
+        # The callback phase open now (innermost: inside the user phases open, if any), and those
+        # open around each open user phase, outermost first.
+        self._phase: str | None = None
+        self._outer: list[str | None] = []
         self._in_batch = False
         self._in_step = False
         self._step_cm: AbstractContextManager[None] | None = None  # the open step's, entered at batch start
@@ -476,7 +480,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             if self._in_step and self._step_cm is not None:
                 self._step_cm.__exit__(type(exception), exception, exception.__traceback__)
             self._in_step = self._in_batch = False
-            self._frames = [[None]]
+            self._phase, self._outer = None, []
             try:
                 self._close(trainer, failed=True)
             except Exception as err:  # a broken device must not hide the user's exception
@@ -517,9 +521,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     ) -> None:
         if self._timer is None or not self._in_batch:
             return
-        while len(self._frames) > 1:  # a user phase left open by a non-`with` use: close it here
+        while self._outer:  # a user phase left open by a non-`with` use: close it here
             self._switch(None)
-            self._frames.pop()
+            self._phase = self._outer.pop()
         if self._update_open:  # the update began but the optimizer never stepped: GradScaler skip
             self._update_open = False
             self._skipped += 1
@@ -646,19 +650,18 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         return max(trainer_every, 10 * self.sample_every)
 
     def _switch(self, name: str | None, error: BaseException | None = None) -> None:
-        """End the callback phase open in the innermost frame (``error``: the exception that ended
-        it) and start ``name`` (None: none)."""
-        frame = self._frames[-1]
-        cur = frame[0]
+        """End the callback phase open now (``error``: the exception that ended it) and start
+        ``name`` (None: none)."""
+        cur = self._phase
         if cur == name or self._timer is None:
             return
         cms = self._cms
         if cur is not None:
-            frame[0] = None
+            self._phase = None
             cms[cur].__exit__(type(error) if error is not None else None, error, None)
         if name is not None:
             cms[name].__enter__()
-            frame[0] = name
+            self._phase = name
 
     # ------------------------------------------------------------------ hooks on module and optimizers
 
@@ -739,11 +742,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._fwd_depth += 1
         if self._fwd_depth == 1:  # the outermost hooked call: self(x) calling self.encoder counts once
             self._saw_forward = True
-            frame = self._frames[-1]
             # `forward` runs from the first model call to the last: the `loss` opened when the last
             # call returned was code between two calls (encoder, then decoder), so it joins forward.
-            if frame[0] == "loss" and self._timer is not None and self._timer._rejoin("loss", "forward"):
-                frame[0] = "forward"
+            if self._phase == "loss" and self._timer is not None and self._timer._rejoin("loss", "forward"):
+                self._phase = "forward"
             else:
                 self._switch("forward")
 
@@ -767,7 +769,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 return orig(*args, **kwargs)
             finally:
                 self._zg_depth -= 1
-                if self._zg_depth == 0 and self._in_batch and self._frames[-1][0] == "zero_grad":
+                if self._zg_depth == 0 and self._in_batch and self._phase == "zero_grad":
                     self._switch(None)
 
         return zero_grad
@@ -806,7 +808,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if not self._in_batch:
             return
         self._update_open = False
-        if not self._manual and self._frames[-1][0] == "optimizer":
+        if not self._manual and self._phase == "optimizer":
             self._switch(None)
 
     # ------------------------------------------------------------------ closing
