@@ -146,9 +146,10 @@ class Engine:
             the last warm-up step): ``on_window`` is called with such a step's number once its row,
             and every row before it, is in ``rows``; the owner decides whether the window ends.
         on_pending: called with each finished step before its events are released (trace capture).
-        recent: a deque (with a ``maxlen``) that gets every resolved step that has phases or events,
-            in order (the flight recorder's ring, ``_flight.py``): a ``_Pending``, or ``(t0, row,
-            phases)`` for a host step resolved at its own end (its row is ``_window.py``'s).
+        recent: a deque (with a ``maxlen``) that gets the resolved steps in order, all but untimed
+            ones resolved at their own end (the flight recorder's ring, ``_flight.py``): a
+            ``_Pending``, or ``(t0, row, phases)`` for a timed host step resolved at its own end
+            (its row is ``_window.py``'s).
         memory: read the CUDA caching allocator on one timed GPU step in this many, the first
             timed step included (``_memory.py``); 0: never; ``MEMORY_AUTO``: on the first timed
             GPU step, then on the first one that begins ``MEMORY_BUDGET`` times the last read

@@ -63,10 +63,10 @@ class FlightRecorder:
             self.kept.pop(fastest, None)
             self.wanted.pop(fastest, None)
         self.wanted[step] = wall_ms
-        self.settle()
 
     def settle(self) -> None:
-        """Copy out the wanted steps whose ``after`` steps are resolved (at each window)."""
+        """Copy out the wanted steps whose ``after`` steps are resolved (at each window, after its
+        ``want`` calls: the ring still holds a step wanted at the last window and its neighbours)."""
         if self.wanted and self.ring:
             self._take(_number(self.ring[-1]) - self.after)
 
@@ -112,18 +112,20 @@ def _copy(rec: Any) -> dict[str, Any]:
     if rec.__class__ is tuple:
         t0, row, phases = rec
         gap = row[GAP_S]
-        return {
+        out = {
             "number": int(row[NUMBER]), "t0": t0, "step_s": row[STEP_S], "gap_s": None if gap != gap else gap,
             "wait_s": 0.0, "paused": False, "offs_ms": None, "chain_ms": None, "i_start": 0, "i_end": 0,
-            "phases": [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in phases],
         }  # fmt: skip
-    return {
-        "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s, "wait_s": rec.wait_s,
-        "paused": bool(rec.pauses) or rec.paused_s > 0,
-        "phases": [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in rec.phases],
-        "offs_ms": getattr(rec, "offs_ms", None), "chain_ms": getattr(rec, "chain_ms", None),
-        "i_start": rec.i_start, "i_end": rec.i_end,
-    }  # fmt: skip
+    else:
+        phases = rec.phases
+        out = {
+            "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s, "wait_s": rec.wait_s,
+            "paused": bool(rec.pauses) or rec.paused_s > 0,
+            "offs_ms": getattr(rec, "offs_ms", None), "chain_ms": getattr(rec, "chain_ms", None),
+            "i_start": rec.i_start, "i_end": rec.i_end,
+        }  # fmt: skip
+    out["phases"] = [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in phases]
+    return out
 
 
 def capture_doc(steps: list[dict[str, Any]], slow: int, wall_ms: float, cuda: bool) -> dict[str, Any]:

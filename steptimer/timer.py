@@ -577,9 +577,9 @@ class StepTimer:
                         )  # fmt: skip
                 self._alloc_retries = (retries, window.step)
         if self._flight is not None:
-            self._flight.settle()
             for c in kept:
                 self._flight.want(c.step, c.wall_ms, engine)
+            self._flight.settle()
 
     def _emit(self) -> None:
         t0 = perf_counter()
