@@ -13,9 +13,10 @@ One run interleaves blocks (``round_order``: each round a different order, GC of
 * ``host_50``: ``host`` with ``log_every_n_steps=50`` (the default lengthens a window of small
   steps to last a second; this is the cost of one window every 50 steps);
 * on CUDA: ``rec5``, five ``torch.cuda.Event.record(stream)`` calls (the floor of a CUDA-timed step
-  of 4 phases), ``cuda`` (the defaults: CUDA events, the allocator read on a time budget),
-  ``cuda_untimed`` (``sample_every=1000``), ``cuda_nomem``
-  (``memory=False``) and ``cuda_50`` (``log_every_n_steps=50``);
+  of 4 phases), ``calls`` (the CUDA calls a default timed step makes, through the engine's backend,
+  with no engine: the floor of any Python engine that makes them), ``cuda`` (the defaults: CUDA
+  events, the allocator read on a time budget), ``cuda_untimed`` (``sample_every=1000``),
+  ``cuda_nomem`` (``memory=False``) and ``cuda_50`` (``log_every_n_steps=50``);
 * ``--launch-bound`` (CUDA): a loop of ~4 ms steps that only launch tiny kernels, bare and timed
   with the defaults, in interleaved blocks: the overhead in % of the bare step, per round;
 * ``--lightning`` (CPU): a Lightning ``Trainer`` fitting a small autoencoder with and without
@@ -131,6 +132,45 @@ def rec5_block() -> Block:
     return run
 
 
+def calls_block() -> Block:
+    """The CUDA calls of a default timed step of 4 empty phases, through the engine's own backend
+    (``_clock.native_backend``) and nothing else: the stream key, the capture check, 5 records, the
+    4 per-phase queries (the launch-bound marks), the wait on step N - 2's end, one read of that
+    step's 5 events and one of its GPU idle. The floor of any engine that makes these calls."""
+    from steptimer._clock import native_backend
+
+    b = native_backend()  # owns the torch Events of the handles: run() refers to it to keep them alive
+    key = b.stream_key()
+    stream = b.stream_of_key(key)
+    ring = [[b.new_event() for _ in range(5)] for _ in range(4)]
+    torch.cuda.synchronize()
+    cap, rec, query, wait, offs, el = b.is_capturing, b.record, b.query, b.wait, b.offsets_ms, b.elapsed_ms
+
+    def run(n: int) -> float:
+        t0 = perf_counter()
+        for k in range(n):
+            e0, e1, e2, e3, e4 = ring[k % 4]
+            b.stream_key()
+            cap(stream)
+            rec(e0, stream)
+            rec(e1, stream)
+            query(e0)
+            rec(e2, stream)
+            query(e1)
+            rec(e3, stream)
+            query(e2)
+            rec(e4, stream)
+            query(e3)
+            old = ring[(k - 2) % 4]
+            wait(old[4])
+            offs(old)  # type: ignore[misc]
+            el(ring[(k - 3) % 4][4], old[0])
+        torch.cuda.synchronize()
+        return perf_counter() - t0
+
+    return run
+
+
 def profile(block: Block, steps: int, path: str) -> None:
     """cProfile's top 40 functions by own time over ``steps`` steps of ``block``, to ``path``."""
     import cProfile
@@ -204,6 +244,7 @@ def targets(med: dict[str, float], lightning_us: float | None, launch_pct: tuple
         check("host-only timed step, no log_dir / Python floor", "host_nolog/floor", 4, " ×"),
         check("untimed step / Python floor", "untimed/floor", 1.5, " ×"),
         check("CUDA timed step (defaults) / 5-record floor", "cuda/rec5", 1.5, " ×"),
+        check("(its CUDA calls alone, no engine) / 5-record floor", "calls/rec5", 1.5, " ×"),
         check("CUDA untimed step (sample_every=1000)", "cuda_untimed", 5, " µs"),
     ]
     if lightning_us is not None:
@@ -225,8 +266,11 @@ def launch_bound(
 ) -> tuple[str, tuple[float, float, float]]:
     """~``step_ms`` steps of tiny kernel launches (4 phases), bare and timed, blocks interleaved.
     ``variants``: also timed with ``memory=False``, ``cuda=False`` and ``sample_every=1000``, to
-    tell the host's Python from the CUDA calls and the allocator readings, and the bare loop in 5
-    no-op ``with`` blocks (``contextlib.nullcontext``)."""
+    tell the host's Python from the CUDA calls and the allocator readings; the bare loop in 5
+    no-op ``with`` blocks (``contextlib.nullcontext``); and the bare loop with no timer but the
+    CUDA calls a timed step makes at its boundaries: the 5 records alone (``rec5``, through torch),
+    and all of ``calls_block``'s calls (through the engine's backend) inside the 5 no-op ``with``
+    blocks: the least an event timer with this API that times every step adds."""
     x = torch.zeros(64, device="cuda")
 
     def launches(k: int) -> None:
@@ -297,7 +341,65 @@ def launch_bound(
 
         return run
 
-    extra = {"null with blocks": nulls} if variants else {}
+    stream = torch.cuda.current_stream()
+    e0, e1, e2, e3, e4 = (torch.cuda.Event(enable_timing=True) for _ in range(5))
+
+    def records(n: int) -> float:  # the 5 records of a timed step, through torch, and nothing else
+        torch.cuda.synchronize()
+        t0 = perf_counter()
+        for _ in range(n):
+            e0.record(stream)
+            launches(k)
+            e1.record(stream)
+            launches(k)
+            e2.record(stream)
+            launches(k)
+            e3.record(stream)
+            launches(k)
+            e4.record(stream)
+        torch.cuda.synchronize()
+        return perf_counter() - t0
+
+    from steptimer._clock import native_backend
+
+    b = native_backend()  # owns the torch Events of the handles: calls() refers to it to keep them alive
+    sp = b.stream_of_key(b.stream_key())
+    ring = [[b.new_event() for _ in range(5)] for _ in range(4)]
+    cap, rec, query, wait, offs, el = b.is_capturing, b.record, b.query, b.wait, b.offsets_ms, b.elapsed_ms
+
+    def calls(n: int) -> float:  # calls_block's calls in the 5 no-op with blocks: the least such a timer adds
+        torch.cuda.synchronize()
+        t0 = perf_counter()
+        for j in range(n):
+            with null:
+                h0, h1, h2, h3, h4 = ring[j % 4]
+                b.stream_key()
+                cap(sp)
+                rec(h0, sp)
+                with null:
+                    launches(k)
+                rec(h1, sp)
+                query(h0)
+                with null:
+                    launches(k)
+                rec(h2, sp)
+                query(h1)
+                with null:
+                    launches(k)
+                rec(h3, sp)
+                query(h2)
+                with null:
+                    launches(k)
+                rec(h4, sp)
+                query(h3)
+                old = ring[(j - 2) % 4]
+                wait(old[4])
+                offs(old)  # type: ignore[misc]
+                el(ring[(j - 3) % 4][4], old[0])
+        torch.cuda.synchronize()
+        return perf_counter() - t0
+
+    extra = {"null with blocks": nulls, "rec5": records, "calls in with blocks": calls} if variants else {}
     res = interleave({"bare": bare, **extra, **{name: timed(t) for name, t in timers.items()}}, rounds, steps)
     for t in timers.values():
         t.close()
@@ -516,6 +618,7 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         torch.zeros(1, device="cuda")
         blocks["rec5"] = rec5_block()
+        blocks["calls"] = calls_block()
         timers["cuda"] = StepTimer(log_dir=f"{tmp}/cuda", **common)
         timers["cuda_nomem"] = StepTimer(log_dir=f"{tmp}/cuda_nomem", memory=False, **common)
         timers["cuda_50"] = StepTimer(log_dir=f"{tmp}/cuda_50", log_every_n_steps=50, **common)
