@@ -58,8 +58,8 @@ class _Null:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: object) -> Literal[False]:
-        return False
+    def __exit__(self, et: object, ev: object, tb: object) -> Literal[False]:
+        return False  # named arguments, not *exc: no tuple packed at each of an untimed step's exits
 
 
 _NULL = _Null()
