@@ -132,18 +132,25 @@ def rec5_block() -> Block:
     return run
 
 
+def _step_events() -> tuple[Any, Any, list[list[Any]]]:
+    """The engine's own CUDA backend (``_clock.native_backend``), the current stream's handle and a
+    ring of 4 steps' 5 event handles. The backend owns the torch Events behind the handles: keep it
+    referenced while they are used."""
+    from steptimer._clock import native_backend
+
+    b = native_backend()
+    stream = b.stream_of_key(b.stream_key())
+    ring = [[b.new_event() for _ in range(5)] for _ in range(4)]
+    torch.cuda.synchronize()
+    return b, stream, ring
+
+
 def calls_block() -> Block:
     """The CUDA calls of a default timed step of 4 empty phases, through the engine's own backend
     (``_clock.native_backend``) and nothing else: the stream key, the capture check, 5 records, the
     4 per-phase queries (the launch-bound marks), the wait on step N - 2's end, one read of that
     step's 5 events and one of its GPU idle. The floor of any engine that makes these calls."""
-    from steptimer._clock import native_backend
-
-    b = native_backend()  # owns the torch Events of the handles: run() refers to it to keep them alive
-    key = b.stream_key()
-    stream = b.stream_of_key(key)
-    ring = [[b.new_event() for _ in range(5)] for _ in range(4)]
-    torch.cuda.synchronize()
+    b, stream, ring = _step_events()  # run() refers to b: it owns the torch Events of the handles
     cap, rec, query, wait, offs, el = b.is_capturing, b.record, b.query, b.wait, b.offsets_ms, b.elapsed_ms
 
     def run(n: int) -> float:
@@ -360,14 +367,12 @@ def launch_bound(
         torch.cuda.synchronize()
         return perf_counter() - t0
 
-    from steptimer._clock import native_backend
-
-    b = native_backend()  # owns the torch Events of the handles: calls() refers to it to keep them alive
-    sp = b.stream_of_key(b.stream_key())
-    ring = [[b.new_event() for _ in range(5)] for _ in range(4)]
+    b, sp, ring = _step_events()  # calls() refers to b: it owns the torch Events of the handles
     cap, rec, query, wait, offs, el = b.is_capturing, b.record, b.query, b.wait, b.offsets_ms, b.elapsed_ms
 
     def calls(n: int) -> float:  # calls_block's calls in the 5 no-op with blocks: the least such a timer adds
+        # calls_block's sequence written out again, with the launches between: a helper called at each
+        # boundary would be measured with it
         torch.cuda.synchronize()
         t0 = perf_counter()
         for j in range(n):
