@@ -15,18 +15,20 @@ mark).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._stats import format_table, median  # noqa: E402
-from bench.gpt import PRESETS, Trainer, train_bare  # noqa: E402
+from bench.gpt import PRESETS, Trainer, train_bare, train_steptimer  # noqa: E402
 from bench.truth import sleep_cycles_per_ms  # noqa: E402
 from steptimer import StepTimer  # noqa: E402
 from steptimer._window import _blocks  # noqa: E402
@@ -50,40 +52,33 @@ class _Keep(StepTimer):
         return super()._take_window()
 
 
+class _Ahead:
+    """The timer as ``train_steptimer`` sees it, with a ``torch.cuda._sleep`` of ``cycles`` queued
+    in a ``queue`` phase at each step's start: the loop itself stays the one verdicts.py times."""
+
+    def __init__(self, timer: StepTimer, cycles: int) -> None:
+        self.timer, self.cycles = timer, cycles
+        self.phase = timer.phase
+
+    @contextlib.contextmanager
+    def step(self, **counts: Any) -> Iterator[None]:
+        with self.timer.step(**counts):
+            with self.timer.phase("queue"):
+                torch.cuda._sleep(self.cycles)
+            yield
+
+
 def run(t: Trainer, iters: int, sync_every: int, ahead_cycles: int) -> dict[str, Any]:
     timer = _Keep(warmup_steps=5, print_summary=False)
-    model, opt, x, y, accum = t.model, t.opt, t.x, t.y, t.cfg.accum
-    for i in range(iters):
-        with timer.step(tokens=t.tokens_per_iter):
-            if ahead_cycles:
-                with timer.phase("queue"):
-                    torch.cuda._sleep(ahead_cycles)
-            for _micro in range(accum):
-                with t.ctx:
-                    with timer.phase("forward"):
-                        logits = model(x)
-                    with timer.phase("loss"):
-                        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)) / accum
-                with timer.phase("data"):
-                    x, y = t.get_batch()
-                with timer.phase("backward"):
-                    loss.backward()
-            with timer.phase("clip"):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            with timer.phase("optimizer"):
-                opt.step()
-            with timer.phase("zero_grad"):
-                opt.zero_grad(set_to_none=True)
-        if (i + 1) % sync_every == 0:
-            loss.item()
+    train_steptimer(t, _Ahead(timer, ahead_cycles) if ahead_cycles else timer, iters, sync_every)
     summary = timer.close()
-    t.x, t.y = x, y
     out: dict[str, Any] = {"verdict": summary.verdict.kind if summary.verdict else None}
     marks = {r.name: r.launch_bound for r in summary.rows}
     for name in PHASES:
-        gpu = [s[("gpu", name)] for s in timer.per_step if s.get(("gpu", name)) == s.get(("gpu", name))]
-        host = [s[("host", name)] for s in timer.per_step if ("host", name) in s]
-        caught = [s[("caught", name)] for s in timer.per_step if s.get(("caught", name)) == s.get(("caught", name))]
+        gpu, host, caught = (
+            [v for s in timer.per_step if not math.isnan(v := s.get((clock, name), math.nan))]
+            for clock in ("gpu", "host", "caught")
+        )
         out[name] = {
             "gpu_ms": median(gpu) if gpu else float("nan"),
             "host_ms": median(host) if host else float("nan"),
