@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from steptimer._options import nonneg_int, positive_int
 from steptimer._reader import LogError, find_runs
 from steptimer._report import MemoryReport, RunReport, analyze, compare, nothing_to_report
 from steptimer._table import compute_line
@@ -112,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the run directory holding steptimer-profile.json or steptimer-profile-slow-<step>.json "
         "(or the file itself)",
     )
-    k.add_argument("--top", type=_positive, default=5, metavar="N", help="kernels per phase (default: %(default)s)")
+    k.add_argument("--top", type=positive_int, default=5, metavar="N", help="kernels per phase (default: %(default)s)")
     k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
     k.set_defaults(func=_cmd_kernels)
     return p
@@ -121,26 +122,9 @@ def _parser() -> argparse.ArgumentParser:
 def _window_args(p: argparse.ArgumentParser) -> None:
     """The options that choose a run's windows (``report`` and ``compare``)."""
     p.add_argument(
-        "--skip-steps", type=_nonneg, default=0, metavar="N", help="leave out the windows that end at or before step N"
+        "--skip-steps", type=nonneg_int, default=0, metavar="N", help="leave out the windows that end at or before step N"
     )
     p.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
-
-
-def _positive(text: str) -> int:
-    v = _nonneg(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return v
-
-
-def _nonneg(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
-    return v
 
 
 # ---------------------------------------------------------------------- report

@@ -254,8 +254,8 @@ class Instrumented:
         if self._watch_steps and self._forwards:
             self._check_stepped()
         note = self.discovery_note()
-        if note is not None and note not in self.timer._engine.notes and self.timer.enabled:
-            self.timer._engine.notes.append(note)
+        if note is not None and self.timer.enabled:
+            self.timer.note(note)
         self.remove()
         return self.timer.close(failed=failed)
 
@@ -313,7 +313,7 @@ class Instrumented:
         n = 0 if d is None else d.optimizer_steps
         names = ", ".join(type(m).__name__ for m in models)
         onames = ", ".join(type(o).__name__ for o in optimizers)
-        self.timer._engine.notes.append(
+        self.timer.note(
             f"found the model ({names}) and optimizer ({onames}) at their first steps: the {n} optimizer "
             f"step(s) before were not timed (counted before warm-up)"
         )
@@ -370,7 +370,7 @@ class Instrumented:
             "the loop with `with timer.step():` blocks."
         )
         warnings.warn(f"steptimer.instrument: {msg}", stacklevel=4)
-        self.timer._engine.notes.append(msg)
+        self.timer.note(msg)
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         if self._ignored() or self._fwd_depth == 0:
@@ -566,7 +566,7 @@ class Instrumented:
             + (" (a step's first forward only, with several optimizers)" if len(self._optimizers) > 1 else "")
             + f"; {what}_per_step= (--{what}-per-step) overrides"
         )
-        self.timer._engine.notes.append(msg)
+        self.timer.note(msg)
 
     def _drop(self, exc: _ExcInfo) -> None:
         """Drop the step (the engine forgets it; its open phases too) and start clean."""

@@ -156,7 +156,7 @@ def _distributed() -> bool:
         return False
 
 
-def _rank() -> int:
+def rank() -> int:
     """This process's rank: torch.distributed when initialized, else the launcher's environment."""
     try:
         import torch.distributed as dist
@@ -308,7 +308,7 @@ class StepTimer:
         self._peak_opt = None if peak_tflops is None else float(peak_tflops)
         self._peak_dtype = seams.peak_dtype
         self._peak: tuple[float | None, str | None] | None = None  # (peak, note), found at the first window
-        self._rank = _rank()
+        self._rank = rank()
         self._summary: Summary | None = None
         self._sinks: list[Sink] = list(seams.sinks)
         self._phases: dict[str, _Phase] = {}
@@ -463,6 +463,11 @@ class StepTimer:
     def events_created(self) -> int:
         """CUDA events made so far (the pool's size)."""
         return self._engine.events_created
+
+    def note(self, text: str) -> None:
+        """Add a line to the summary's notes (once: a line already there is not repeated)."""
+        if text not in self._engine.notes:
+            self._engine.notes.append(text)
 
     def close(self, *, failed: bool = False) -> Summary:
         """Resolve pending steps, write the last window, print and return the summary (idempotent).
