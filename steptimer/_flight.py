@@ -7,9 +7,10 @@ steps. When a window puts a step among the run's slowest (``_slow.SlowestKeeper`
 asks for it; once the ``after`` steps that follow are resolved (at that window or the next one:
 the ring still holds them then), the ``before + 1 + after`` steps are copied out of the ring. At
 most ``max_traces`` are kept, the slowest; a slower step replaces the fastest kept one. The files are
-written at close (``steptimer-slow/step-<N>.trace.json`` in the log directory, Chrome trace JSON
-that Perfetto opens as is): no file is written inside a training step, so the recorder never slows
-the steps it records.
+written at close (``steptimer-slow/<run id>/step-<N>.trace.json`` in the log directory, Chrome trace
+JSON that Perfetto opens as is): no file is written inside a training step, so the recorder never
+slows the steps it records. The run id is the one in the run's TensorBoard file names, so a second
+run into the same log directory never overwrites the first one's traces.
 
 GPU times: the recorder never waits on the GPU, so it has no reference event to put the GPU's
 timeline on the host clock (``steptimer trace`` waits once for one, ``_trace.py``). The GPU track is
@@ -78,9 +79,10 @@ class FlightRecorder:
             if any(_number(r) == step for r in recs):
                 self.kept[step] = (wall, [_copy(r) for r in recs])
 
-    def finish(self) -> dict[int, str]:
-        """At close: take what is still wanted (fewer steps after it), write the kept traces; return
-        their paths by step. A write that fails is one warning; the summary still lists the steps."""
+    def finish(self, run_id: str) -> dict[int, str]:
+        """At close: take what is still wanted (fewer steps after it), write the kept traces into
+        the run's own folder (``run_id``: its TensorBoard files'); return their paths by step. A
+        write that fails is one warning; the summary still lists the steps."""
         if self.wanted:
             self._take(max(self.wanted))
         if not self.kept or not os.path.isdir(os.path.dirname(self.folder)):
@@ -88,16 +90,18 @@ class FlightRecorder:
         from steptimer._files import unwritten
         from steptimer._tracefile import to_chrome
 
+        folder = os.path.join(self.folder, run_id)
         try:
-            os.makedirs(self.folder, exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
             for step, (wall, steps) in sorted(self.kept.items()):
                 doc = capture_doc(steps, step, wall, self._cuda)
-                path = os.path.join(self.folder, f"step-{step}.trace.json")
+                doc["run_id"] = run_id
+                path = os.path.join(folder, f"step-{step}.trace.json")
                 with open(path, "w") as f:
                     json.dump(to_chrome(doc), f)
                 self.paths[step] = path
         except OSError as err:
-            unwritten("the slow steps' traces", self.folder, err)
+            unwritten("the slow steps' traces", folder, err)
         return self.paths
 
 

@@ -491,7 +491,9 @@ class StepTimer:
                 for sink in self._sinks:
                     sink.write_window(last)
         self._emit()
-        traces = self._flight.finish() if self._flight is not None else None
+        traces = None
+        if self._flight is not None:  # its files carry the run id of the TensorBoard sink's (sinks[0])
+            traces = self._flight.finish(self._sinks[0]._run_id)  # type: ignore[attr-defined]
         if self._trace is not None:
             self._trace.finish(engine)
         if self._ranges is not None:
