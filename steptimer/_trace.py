@@ -158,8 +158,11 @@ class Capture:
             return
         self.written = True
         if not self._steps:
-            log_note = f"no step in {self.first}..{self.last} was completed"
-            self._notes.append(log_note)
+            self._notes.append(f"no step in {self.first}..{self.last} was completed")
+            engine.notes.append(
+                f"trace_steps: the run ended at step {engine.number}, before steps "
+                f"{self.first}..{self.last}; no steps traced"
+            )
         if not self._anchored:
             self._anchor(engine)
         for s in self._steps:
