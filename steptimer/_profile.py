@@ -43,6 +43,9 @@ log = logging.getLogger("steptimer")
 
 PROFILE_FILE = "steptimer-profile.json"
 RANGE_PREFIX = "steptimer/"
+# A mark inside a step that raised (steptimer drops such a step: its time is in no statistic), so
+# ``steptimer kernels`` leaves the step's ranges out too. A space: no phase can be named so.
+DROPPED_MARK = RANGE_PREFIX + "step dropped"
 FORMAT = "steptimer-profile"
 VERSION = 1
 
@@ -101,6 +104,7 @@ class Ranges:
         self._names: list[str] = []  # full names of the open phases
         self._records: list[Any] = []  # their record_function objects, while recording
         self._in_step = False
+        self._begun = -1  # engine.number when the open step began: unchanged at its end if it was dropped
         self.recording = False  # record_function ranges on (inside the profiler window)
         # The timer's steps go through the ranges from this step count on (engine.number before the
         # step): always with NVTX; else from the next window's start until its trace is written.
@@ -148,6 +152,7 @@ class Ranges:
                 self.captures.pop(0)
                 self._next_window()
         self._in_step = True
+        self._begun = engine.number
         self._open("step")
 
     def abort_step(self) -> None:
@@ -162,11 +167,17 @@ class Ranges:
         while self._names:  # phases left open (the step failed, or was left inconsistent)
             self.exit()
         self._in_step = False
+        dropped = engine.number == self._begun
+        if dropped and self.recording:
+            from torch.profiler import record_function
+
+            with record_function(DROPPED_MARK):
+                pass
         self._close()
         cap = self.capture
         if cap is None:
             return
-        if self.recording:
+        if self.recording and not dropped:
             engine.mark_current("profiled", 1.0)  # the slowest steps say so (_slow.explain)
             if engine.number >= cap.last:
                 self.recording = False
