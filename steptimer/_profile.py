@@ -87,6 +87,7 @@ class Ranges:
         capture: The ``profile_steps`` window, or None.
         set_ranged: Called with True when the phases must call ``enter``/``exit`` (NVTX on, or inside
             the profiler window) and False when they need not.
+        keep: ``_trace.Capture.keep``: the resolved steps of a profiler window, for its own times.
     """
 
     def __init__(
@@ -94,11 +95,15 @@ class Ranges:
         nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None,
         capture: ProfileCapture | None,
         set_ranged: Callable[[bool], None],
+        keep: Callable[[int, int], list[Any]] | None = None,
     ) -> None:
         self._push, self._pop = nvtx if nvtx is not None else (None, None)
+        self._keep = keep
         # The profiler windows not yet written, in step order, one at a time: profile_steps' and
         # those profile_on_slow arms (:meth:`arm`, which keeps them apart).
-        self.captures: list[ProfileCapture] = [capture] if capture is not None else []
+        self.captures: list[ProfileCapture] = []
+        if capture is not None:
+            self._accept(capture)
         self.slow: SlowProfiler | None = None  # profile_on_slow (set by make_ranges)
         self._set_ranged = set_ranged
         self._names: list[str] = []  # full names of the open phases
@@ -128,15 +133,15 @@ class Ranges:
         for other in self.captures:
             if not (capture.last + gap <= other.first or other.last + gap <= capture.first):
                 return False
-        self.captures.append(capture)
-        self.captures.sort(key=lambda c: c.first)
+        self._accept(capture)
         self._next_window()
         return True
 
-    def add(self, engine: Engine, rec: Any) -> None:
-        """The engine's ``on_pending`` call: each resolved step to the windows that hold it."""
-        for cap in self.captures:
-            cap.add(engine, rec)
+    def _accept(self, capture: ProfileCapture) -> None:
+        if self._keep is not None:
+            capture.recs = self._keep(capture.first, capture.last)
+        self.captures.append(capture)
+        self.captures.sort(key=lambda c: c.first)
 
     # ------------------------------------------------------------------ steps
 
@@ -244,7 +249,7 @@ class ProfileCapture:
         self.stopped = False
         self.written = False
         self._prof: Any = None
-        self._steps: list[dict[str, Any]] = []
+        self.recs: list[Any] = []  # the window's resolved steps (``_trace.Capture.keep``)
         self._cuda = False
 
     def start(self, engine: Engine) -> bool:
@@ -286,21 +291,22 @@ class ProfileCapture:
             if paused is not None:
                 engine.end_pause(paused)
 
-    def add(self, engine: Engine, rec: Any) -> None:
-        """Called by the engine for every resolved step: keep the window's steptimer times."""
-        n = rec.number
-        if n < self.first or n > self.last:
-            return
-        host = {"step": rec.step_s * 1e3}
-        for full, t_in, t_out, *_ in rec.phases:
-            host[full] = host.get(full, 0.0) + (t_out - t_in) * 1e3
-        gpu: dict[str, float] | None = None
-        if rec.timed and rec.events and engine.cuda:
-            offs = engine.offsets_ms(rec.events)
-            gpu = {"step": offs[rec.i_end] - offs[rec.i_start]}
-            for full, _, _, i_in, i_out, *_ in rec.phases:
-                gpu[full] = gpu.get(full, 0.0) + offs[i_out] - offs[i_in]
-        self._steps.append({"number": n, "host_ms": host, "gpu_ms": gpu})
+    def steps(self) -> list[dict[str, Any]]:
+        """steptimer's own times of the window's resolved steps, by phase, in ms."""
+        from steptimer._trace import record
+
+        out = []
+        for s in map(record, self.recs):
+            host = {"step": s["step_s"] * 1e3}
+            for full, t_in, t_out, _, _ in s["phases"]:
+                host[full] = host.get(full, 0.0) + (t_out - t_in) * 1e3
+            offs, gpu = s["offs_ms"], None
+            if offs is not None:
+                gpu = {"step": offs[s["i_end"]] - offs[s["i_start"]]}
+                for full, _, _, i, j in s["phases"]:
+                    gpu[full] = gpu.get(full, 0.0) + offs[j] - offs[i]
+            out.append({"number": s["number"], "host_ms": host, "gpu_ms": gpu})
+        return out
 
     def ready(self, engine: Engine) -> bool:
         """The window is over and its steps are resolved: the trace can be written."""
@@ -345,7 +351,7 @@ class ProfileCapture:
         engine.notes.append(self.note())
 
     def note(self) -> str:
-        numbers = [s["number"] for s in self._steps]
+        numbers = [s["number"] for s in self.steps()]
         span = f"{numbers[0]}..{numbers[-1]}" if numbers else "none"
         if self.why:
             return (
@@ -375,7 +381,7 @@ class ProfileCapture:
             "last": self.last,
             "cuda_activity": self._cuda,
             "range_prefix": RANGE_PREFIX,
-            "steps": self._steps,
+            "steps": self.steps(),
             "why": self.why,  # the slowdown that armed it (profile_on_slow); None for profile_steps
         }
         with open(tmp, "w") as f:
@@ -464,6 +470,7 @@ def make_ranges(
     rank: int,
     set_ranged: Callable[[bool], None],
     profile_on_slow: object = None,
+    keep: Callable[[int, int], list[Any]] | None = None,
 ) -> tuple[Ranges | None, str | None]:
     """Validate ``profile_steps`` and ``profile_on_slow`` (``nvtx`` is checked by the caller); the
     ranges (None when there are none) and a note.
@@ -493,7 +500,7 @@ def make_ranges(
     slow = factor is not None and enabled and rank == 0
     if fns is None and capture is None and not slow:
         return None, note
-    ranges = Ranges(fns, capture, set_ranged)
+    ranges = Ranges(fns, capture, set_ranged, keep)
     if slow:
         ranges.slow = SlowProfiler(factor, folder, ranges)  # type: ignore[arg-type]
     return ranges, note

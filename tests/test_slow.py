@@ -1,4 +1,4 @@
-"""The slowest steps (steptimer/_slow.py, _flight.py): which steps, what grew, and the measured causes.
+"""The slowest steps (steptimer/_slow.py, the flight recorder of _trace.py): which steps, what grew, and the measured causes.
 
 Table and JSON are pinned on the simulated GPU (tests/fakes.py); each cause is tested with the real
 thing on CPU (a GC pause, a torch.compile recompilation, a loader that stalls, a checkpoint under
@@ -96,9 +96,11 @@ def test_memory_stays_at_k_over_many_windows(clock: FakeClock, tmp_path: Path) -
     t = _gpu_run(clock, gpu, 3000, 1500, log_dir=tmp_path, slowest_steps=3)
     s = t.close()
     assert len(t._acc.slow.heap) == 3 and [x.step for x in s.slowest][0] == 1500
-    flight = t._flight
-    assert flight is not None and flight.ring.maxlen is not None and len(flight.ring) <= flight.ring.maxlen <= 20
-    assert len(flight.kept) <= 3 and len(list((tmp_path / "steptimer-slow").iterdir())) <= 3
+    capture = t._capture
+    assert capture is not None and capture.ring.maxlen is not None and len(capture.ring) <= capture.ring.maxlen <= 20
+    assert len(capture.kept) <= 3
+    (run,) = (tmp_path / "steptimer-slow").iterdir()
+    assert len(list(run.iterdir())) <= 3
 
 
 def test_host_stall_is_traced_by_the_flight_recorder(tmp_path: Path, clock: FakeClock) -> None:
