@@ -78,9 +78,11 @@ def main() -> None:
     print(f"  profile_on_slow captures per run (of {args.steps} steps): {CAPTURES}")
 
     # The per-step piece alone: the engine appends each resolved step to the recorder's ring.
-    from steptimer._flight import FlightRecorder
+    from steptimer._trace import make_capture
 
-    fr = FlightRecorder(".", window=50)
+    fr = make_capture(None, log_dir=".", writer=None, start_step=0, warmup_steps=0, sample_every=1, enabled=True,
+                      rank=0, flight=True, window_steps=50, profile=False)  # fmt: skip
+    assert fr is not None
     item = (0.0, [1.0], [])
     n = 1_000_000
     add_us = min(timeit.repeat(lambda: fr.ring.append(item), number=n, repeat=5)) / n * 1e6
@@ -97,7 +99,7 @@ def main() -> None:
                 with fwd:
                     pass
         s = t.close()
-        fl = t._flight
+        fl = t._capture
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print(
             f"  {args.long:,} steps in {perf_counter() - t0:.1f} s: {len(t._acc.slow.heap)} slow steps kept, "

@@ -33,7 +33,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any
 
-from steptimer._profile import PROFILE_FILE, RANGE_PREFIX, profile_files
+from steptimer._profile import DROPPED_MARK, PROFILE_FILE, RANGE_PREFIX, profile_files
 from steptimer._reader import LogError
 from steptimer._tracefile import read_json
 
@@ -92,7 +92,8 @@ def load_profile(path: str) -> dict[str, Any]:
 
 
 class _Spans:
-    """steptimer's ranges on the host timeline: the innermost one open at a given time."""
+    """steptimer's ranges on the host timeline: the innermost one open at a given time. A step that
+    raised (``DROPPED_MARK`` inside it) is left out with its ranges: steptimer dropped its time."""
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
         spans = [
@@ -101,6 +102,9 @@ class _Spans:
             if e.get("ph") == "X" and e.get("cat") == "user_annotation"
             and str(e.get("name", "")).startswith(RANGE_PREFIX)
         ]  # fmt: skip
+        marks = [a for a, _, name in spans if RANGE_PREFIX + name == DROPPED_MARK]
+        self.dropped = [(a, z) for a, z, name in spans if name == "step" and any(a <= m < z for m in marks)]
+        spans = [s for s in spans if not any(a <= s[0] < z for a, z in self.dropped)]
         spans.sort(key=lambda s: (s[0], -s[1]))  # parents before their children at equal starts
         self.spans = spans
         self._starts = [s[0] for s in spans]
@@ -109,8 +113,11 @@ class _Spans:
             if name != "step" and name not in self.order:
                 self.order.append(name)
 
-    def phase_at(self, t: float) -> str:
-        """The innermost phase open at host time ``t``: a name, ``other`` (in a step) or ``data``."""
+    def phase_at(self, t: float) -> str | None:
+        """The innermost phase open at host time ``t``: a name, ``other`` (in a step) or ``data``;
+        None inside a dropped step."""
+        if any(a <= t < z for a, z in self.dropped):
+            return None
         i = bisect_right(self._starts, t) - 1
         while i >= 0:
             a, z, name = self.spans[i]
@@ -189,9 +196,17 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
             and not str(e.get("name", "")).startswith(RANGE_PREFIX)
         ]  # fmt: skip
         items = [(str(e["name"]), float(e.get("dur", 0.0)), float(e["ts"])) for e in _outermost(ops, spans)]
+    if spans.dropped:
+        n = len(spans.dropped)
+        notes.append(
+            f"{n} step{'s' * (n != 1)} that raised left out with {'their' if n != 1 else 'its'} "
+            f"{'kernels' if clock == 'gpu' else 'ops'} (steptimer drops a step that raises)"
+        )
     per: dict[str, dict[str, list[float]]] = {}
     for name, dur, t in items:
         phase = spans.phase_at(t)
+        if phase is None:
+            continue
         # The phase and its enclosing phases, as steptimer counts them ("forward" includes "forward/attn").
         parts = phase.split("/")
         names = ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]

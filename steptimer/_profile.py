@@ -43,6 +43,9 @@ log = logging.getLogger("steptimer")
 
 PROFILE_FILE = "steptimer-profile.json"
 RANGE_PREFIX = "steptimer/"
+# A mark inside a step that raised (steptimer drops such a step: its time is in no statistic), so
+# ``steptimer kernels`` leaves the step's ranges out too. A space: no phase can be named so.
+DROPPED_MARK = RANGE_PREFIX + "step dropped"
 FORMAT = "steptimer-profile"
 VERSION = 1
 
@@ -84,6 +87,7 @@ class Ranges:
         capture: The ``profile_steps`` window, or None.
         set_ranged: Called with True when the phases must call ``enter``/``exit`` (NVTX on, or inside
             the profiler window) and False when they need not.
+        keep: ``_trace.Capture.keep``: the resolved steps of a profiler window, for its own times.
     """
 
     def __init__(
@@ -91,16 +95,21 @@ class Ranges:
         nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None,
         capture: ProfileCapture | None,
         set_ranged: Callable[[bool], None],
+        keep: Callable[[int, int], list[Any]] | None = None,
     ) -> None:
         self._push, self._pop = nvtx if nvtx is not None else (None, None)
+        self._keep = keep
         # The profiler windows not yet written, in step order, one at a time: profile_steps' and
         # those profile_on_slow arms (:meth:`arm`, which keeps them apart).
-        self.captures: list[ProfileCapture] = [capture] if capture is not None else []
+        self.captures: list[ProfileCapture] = []
+        if capture is not None:
+            self._accept(capture)
         self.slow: SlowProfiler | None = None  # profile_on_slow (set by make_ranges)
         self._set_ranged = set_ranged
         self._names: list[str] = []  # full names of the open phases
         self._records: list[Any] = []  # their record_function objects, while recording
         self._in_step = False
+        self._begun = -1  # engine.number when the open step began: unchanged at its end if it was dropped
         self.recording = False  # record_function ranges on (inside the profiler window)
         # The timer's steps go through the ranges from this step count on (engine.number before the
         # step): always with NVTX; else from the next window's start until its trace is written.
@@ -124,15 +133,15 @@ class Ranges:
         for other in self.captures:
             if not (capture.last + gap <= other.first or other.last + gap <= capture.first):
                 return False
-        self.captures.append(capture)
-        self.captures.sort(key=lambda c: c.first)
+        self._accept(capture)
         self._next_window()
         return True
 
-    def add(self, engine: Engine, rec: Any) -> None:
-        """The engine's ``on_pending`` call: each resolved step to the windows that hold it."""
-        for cap in self.captures:
-            cap.add(engine, rec)
+    def _accept(self, capture: ProfileCapture) -> None:
+        if self._keep is not None:
+            capture.recs = self._keep(capture.first, capture.last)
+        self.captures.append(capture)
+        self.captures.sort(key=lambda c: c.first)
 
     # ------------------------------------------------------------------ steps
 
@@ -148,6 +157,7 @@ class Ranges:
                 self.captures.pop(0)
                 self._next_window()
         self._in_step = True
+        self._begun = engine.number
         self._open("step")
 
     def abort_step(self) -> None:
@@ -162,11 +172,17 @@ class Ranges:
         while self._names:  # phases left open (the step failed, or was left inconsistent)
             self.exit()
         self._in_step = False
+        dropped = engine.number == self._begun
+        if dropped and self.recording:
+            from torch.profiler import record_function
+
+            with record_function(DROPPED_MARK):
+                pass
         self._close()
         cap = self.capture
         if cap is None:
             return
-        if self.recording:
+        if self.recording and not dropped:
             engine.mark_current("profiled", 1.0)  # the slowest steps say so (_slow.explain)
             if engine.number >= cap.last:
                 self.recording = False
@@ -233,7 +249,7 @@ class ProfileCapture:
         self.stopped = False
         self.written = False
         self._prof: Any = None
-        self._steps: list[dict[str, Any]] = []
+        self.recs: list[Any] = []  # the window's resolved steps (``_trace.Capture.keep``)
         self._cuda = False
 
     def start(self, engine: Engine) -> bool:
@@ -275,21 +291,22 @@ class ProfileCapture:
             if paused is not None:
                 engine.end_pause(paused)
 
-    def add(self, engine: Engine, rec: Any) -> None:
-        """Called by the engine for every resolved step: keep the window's steptimer times."""
-        n = rec.number
-        if n < self.first or n > self.last:
-            return
-        host = {"step": rec.step_s * 1e3}
-        for full, t_in, t_out, *_ in rec.phases:
-            host[full] = host.get(full, 0.0) + (t_out - t_in) * 1e3
-        gpu: dict[str, float] | None = None
-        if rec.timed and rec.events and engine.cuda:
-            offs = engine.offsets_ms(rec.events)
-            gpu = {"step": offs[rec.i_end] - offs[rec.i_start]}
-            for full, _, _, i_in, i_out, *_ in rec.phases:
-                gpu[full] = gpu.get(full, 0.0) + offs[i_out] - offs[i_in]
-        self._steps.append({"number": n, "host_ms": host, "gpu_ms": gpu})
+    def steps(self) -> list[dict[str, Any]]:
+        """steptimer's own times of the window's resolved steps, by phase, in ms."""
+        from steptimer._trace import record
+
+        out = []
+        for s in map(record, self.recs):
+            host = {"step": s["step_s"] * 1e3}
+            for full, t_in, t_out, _, _ in s["phases"]:
+                host[full] = host.get(full, 0.0) + (t_out - t_in) * 1e3
+            offs, gpu = s["offs_ms"], None
+            if offs is not None:
+                gpu = {"step": offs[s["i_end"]] - offs[s["i_start"]]}
+                for full, _, _, i, j in s["phases"]:
+                    gpu[full] = gpu.get(full, 0.0) + offs[j] - offs[i]
+            out.append({"number": s["number"], "host_ms": host, "gpu_ms": gpu})
+        return out
 
     def ready(self, engine: Engine) -> bool:
         """The window is over and its steps are resolved: the trace can be written."""
@@ -334,7 +351,7 @@ class ProfileCapture:
         engine.notes.append(self.note())
 
     def note(self) -> str:
-        numbers = [s["number"] for s in self._steps]
+        numbers = [s["number"] for s in self.steps()]
         span = f"{numbers[0]}..{numbers[-1]}" if numbers else "none"
         if self.why:
             return (
@@ -364,7 +381,7 @@ class ProfileCapture:
             "last": self.last,
             "cuda_activity": self._cuda,
             "range_prefix": RANGE_PREFIX,
-            "steps": self._steps,
+            "steps": self.steps(),
             "why": self.why,  # the slowdown that armed it (profile_on_slow); None for profile_steps
         }
         with open(tmp, "w") as f:
@@ -453,6 +470,7 @@ def make_ranges(
     rank: int,
     set_ranged: Callable[[bool], None],
     profile_on_slow: object = None,
+    keep: Callable[[int, int], list[Any]] | None = None,
 ) -> tuple[Ranges | None, str | None]:
     """Validate ``profile_steps`` and ``profile_on_slow`` (``nvtx`` is checked by the caller); the
     ranges (None when there are none) and a note.
@@ -482,7 +500,7 @@ def make_ranges(
     slow = factor is not None and enabled and rank == 0
     if fns is None and capture is None and not slow:
         return None, note
-    ranges = Ranges(fns, capture, set_ranged)
+    ranges = Ranges(fns, capture, set_ranged, keep)
     if slow:
         ranges.slow = SlowProfiler(factor, folder, ranges)  # type: ignore[arg-type]
     return ranges, note

@@ -1,31 +1,43 @@
-"""Trace capture: a window of steps on the host clock and the GPU clock, and its Chrome trace export.
+"""One capture of recent steps, on the host clock and the GPU's: behind ``trace_steps``, the flight
+recorder around the run's slowest steps (docs/slow-steps.md) and the profiler windows' own times
+(``_profile.py``).
 
-``StepTimer(trace_steps=...)`` makes a :class:`Capture` that the engine calls once per resolved step
-(one ``is not None`` check per step when tracing is off). It keeps, for each captured step, the host
-``perf_counter`` times of the step and its phases and the GPU times of the same CUDA events.
+The engine hands each resolved step to :meth:`Capture.add`: a reference goes into a ring of the last
+``log_every_n_steps + 7`` steps, and into each step window that wants all its steps (``trace_steps``,
+a profiler window). A step is copied out (:func:`record`) only when a trace is made of it, after the
+engine has set its GPU event offsets. With the flight recorder alone, the engine appends to the same
+ring itself (``Engine(recent=)``), which saves a Python call per step.
 
-Placing GPU times on the host clock: CUDA events only give GPU intervals. Each captured step's
-events are read relative to its first event, and consecutive steps are chained by the engine's own
-end-of-previous-step event (the one it holds for GPU idle). When the capture is over, one reference
-event is recorded and waited for (once per capture: this is the only extra wait tracing adds); the
-host time at which the wait returns anchors the chain. That anchor is late by the wake-up latency of
-the wait (microseconds), so GPU slices are drawn at most that much late, never early; the chain adds
-CUDA's event resolution (about 0.5 µs) per captured step. The extra wait lands in the step during
-which the capture's step after ``last`` is resolved (or in ``close()``), and can cost that step up
-to the GPU work queued at that moment.
+GPU times: CUDA events give GPU intervals only. Each step's events are read relative to its first
+(``offs_ms``) and consecutive steps are chained by the engine's end-of-previous-step event
+(``chain_ms``, :func:`gpu_chain`). The chain is put on the host clock in one of two ways:
 
-The capture is written as ``steptimer-trace.json`` in the log directory at ``close()``;
-``steptimer trace LOGDIR -o out.json`` turns it into Chrome trace JSON (``_tracefile.py``).
+- ``trace_steps``: once the window is over, one reference event is recorded and waited for (once per
+  run: the only extra wait tracing adds); the host time at which the wait returns anchors the chain.
+  The anchor is late by the wait's wake-up latency (µs), so GPU slices are drawn at most that much
+  late, never early; the chain adds CUDA's event resolution (~0.5 µs) per step. The wait lands in
+  the step during which the step after ``last`` is resolved (or in ``close()``), and can cost that
+  step up to the GPU work queued then. Written as ``steptimer-trace.json`` at close; ``steptimer
+  trace`` turns it into Chrome trace JSON (``_tracefile.py``).
+- The flight recorder never waits on the GPU: its chain is placed at the earliest time its launches
+  allow (no GPU slice starts before the host launched it, and one starts exactly then); the slices'
+  lengths and gaps are exact. When a window puts a step among the run's slowest, the ``before + 1 +
+  after`` steps around it are copied out of the ring once the ``after`` steps are resolved; the
+  ``max_traces`` slowest are written at close (no file is written inside a step) as
+  ``steptimer-slow/<run id>/step-<N>.trace.json``, Chrome trace JSON. The run id is the one in the
+  run's TensorBoard file names, so a second run into the same log directory never overwrites them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten
+from steptimer._window import GAP_S, NUMBER, STEP_S
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
@@ -33,6 +45,8 @@ if TYPE_CHECKING:
 TRACE_FILE = "steptimer-trace.json"
 FORMAT = "steptimer-trace"
 VERSION = 1
+FLIGHT_DIR = "steptimer-slow"
+BEFORE, AFTER, MAX_TRACES = 3, 2, 3  # the flight recorder's steps around a slow one, traces kept
 
 
 def trace_range(trace_steps: int | tuple[int, int], *, start_step: int, warmup_steps: int) -> tuple[int, int]:
@@ -58,134 +72,225 @@ def trace_range(trace_steps: int | tuple[int, int], *, start_step: int, warmup_s
     return trace_steps[0], trace_steps[1]  # type: ignore[index]
 
 
-class Capture:
-    """Collects steps ``first..last`` (inclusive) as the engine resolves them; writes at close."""
+def _number(rec: Any) -> int:
+    """A resolved step's number (see :func:`record` for its two shapes)."""
+    return int(rec[1][NUMBER]) if rec.__class__ is tuple else rec.number  # type: ignore[no-any-return]
 
-    def __init__(self, first: int, last: int, path: str) -> None:
-        self.first = first
-        self.last = last
-        self.path = path
-        self._steps: list[dict[str, Any]] = []
-        self._gpu_ok = True  # False once the GPU chain breaks
-        self._rel = 0.0  # seconds since the first captured step's GPU start, of the last end event
-        self._anchored = False
-        self._notes: list[str] = []
-        self.written = False
+
+def record(rec: Any) -> dict[str, Any]:
+    """What a trace needs of a resolved step: the engine's ``_Pending``, or ``(t0, row, phases)`` for
+    a timed host step the engine resolved at its own end (its row is ``_window.py``'s)."""
+    if rec.__class__ is tuple:
+        t0, row, phases = rec
+        gap = row[GAP_S]
+        out = {
+            "number": int(row[NUMBER]), "t0": t0, "step_s": row[STEP_S], "gap_s": None if gap != gap else gap,
+            "wait_s": 0.0, "paused": False, "offs_ms": None, "chain_ms": None, "i_start": 0, "i_end": 0,
+        }  # fmt: skip
+    else:
+        phases = rec.phases
+        out = {
+            "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s, "wait_s": rec.wait_s,
+            "paused": bool(rec.pauses) or rec.paused_s > 0,
+            "offs_ms": getattr(rec, "offs_ms", None), "chain_ms": getattr(rec, "chain_ms", None),
+            "i_start": rec.i_start, "i_end": rec.i_end,
+        }  # fmt: skip
+    out["phases"] = [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in phases]
+    return out
+
+
+def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The GPU span and phases of each step of the last unbroken chain, in seconds from the chain's
+    zero: each step starts ``chain_ms`` after the previous one's end event. A step without GPU
+    events, or not linked to the one before (a device or stream switch), starts the chain again."""
+    rel: dict[int, dict[str, Any]] = {}
+    end = None
+    for s in steps:
+        offs = s["offs_ms"]
+        if offs is None:
+            end = None
+            continue
+        if end is None or s["chain_ms"] is None:
+            rel.clear()
+            start = 0.0
+        else:
+            start = end + s["chain_ms"] / 1e3
+        base = start - offs[s["i_start"]] / 1e3
+        end = base + offs[s["i_end"]] / 1e3
+        rel[s["number"]] = {
+            "start": start, "end": end,
+            "phases": [[name, base + offs[i] / 1e3, base + offs[j] / 1e3] for name, _, _, i, j in s["phases"]],
+        }  # fmt: skip
+    return rel
+
+
+def placed(steps: list[dict[str, Any]], rel: dict[int, dict[str, Any]], shift: float | None) -> dict[str, Any]:
+    """The steps as a capture (``_tracefile.to_chrome``'s input): host times as recorded, the GPU
+    chain ``rel`` moved by ``shift`` onto the host clock (None: no GPU track)."""
+    out, notes = [], []
+    for s in steps:
+        r = rel.get(s["number"]) if shift is not None else None
+        gpu = None
+        if r is not None:
+            gpu = {
+                "start": r["start"] + shift, "end": r["end"] + shift,
+                "phases": [[n, a + shift, z + shift] for n, a, z in r["phases"]],
+            }  # fmt: skip
+        out.append({
+            "number": s["number"], "t0": s["t0"], "step_s": s["step_s"], "gap_s": s["gap_s"],
+            "wait_s": s["wait_s"], "paused": s["paused"],
+            "phases": [[n, a, z] for n, a, z, _, _ in s["phases"]], "gpu": gpu,
+        })  # fmt: skip
+    timed = [s["number"] for s in steps if s["offs_ms"] is not None]
+    if rel and timed[0] != min(rel):
+        notes.append(f"GPU track from step {min(rel)}: the chain of GPU events broke before it (device or stream switch)")
+    return {"steps": out, "notes": notes}
+
+
+class Capture:
+    """The ring of recent steps and the windows kept whole; the ``trace_steps`` window (``trace``:
+    ``(first, last, path)``) and the flight recorder (``flight``: its folder) write at close."""
+
+    def __init__(self, *, ring_steps: int, trace: tuple[int, int, str] | None, flight: str | None) -> None:
+        self.ring: deque[Any] = deque(maxlen=ring_steps)
+        self._keeps: list[tuple[int, int, list[Any]]] = []  # (first, last, their steps) filled by add
+        self.trace = trace
+        self._trace_recs = self.keep(trace[0], trace[1]) if trace is not None else []
+        self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
+        self.flight = flight
+        self.wanted: dict[int, float] = {}  # step -> wall ms, waiting for its `after` steps
+        self.kept: dict[int, tuple[float, list[dict[str, Any]]]] = {}  # step -> (wall ms, its steps copied)
+        self._cuda = False
+
+    def keep(self, first: int, last: int) -> list[Any]:
+        """A list that :meth:`add` fills with the steps ``first..last`` as they are resolved."""
+        recs: list[Any] = []
+        self._keeps.append((first, last, recs))
+        return recs
 
     def add(self, engine: Engine, rec: Any) -> None:
-        """Called by the engine for every resolved step, before its events go back to the pool."""
-        n = rec.number
-        if n < self.first:
+        """Each resolved step, in order, before its events go back to the engine's pool."""
+        self.ring.append(rec)
+        if not self._keeps and (self.trace is None or self._trace_doc is not None):
             return
-        if n > self.last:
-            if not self._anchored:
-                self._anchor(engine)
-            return
-        step: dict[str, Any] = {
-            "number": n,
-            "t0": rec.t0,
-            "step_s": rec.step_s,
-            "gap_s": rec.gap_s,
-            "wait_s": rec.wait_s,
-            "paused": bool(rec.pauses),
-            "phases": [[name, t_in, t_out] for name, t_in, t_out, *_ in rec.phases],
-            "gpu_rel": None,
-        }
-        if engine.cuda and self._gpu_ok:
-            step["gpu_rel"] = self._gpu_rel(engine, rec)
-        self._steps.append(step)
+        n = _number(rec)
+        for first, last, recs in self._keeps:
+            if first <= n <= last:
+                recs.append(rec)
+        if any(last < n for _, last, _ in self._keeps):
+            self._keeps = [k for k in self._keeps if k[1] >= n]
+        if self.trace is not None and self._trace_doc is None and n > self.trace[1]:
+            self._place_trace(engine)
 
-    def _gpu_rel(self, engine: Engine, rec: Any) -> dict[str, Any] | None:
-        evs = rec.events
-        if not evs or not rec.timed:
-            self._break(f"step {rec.number} has no GPU events")
-            return None
-        el = engine._backend().elapsed_ms
-        if self._steps:
-            held = engine.held_end
-            if held is None or held[0] != rec.number - 1 or held[1] != rec.device:
-                self._break(f"the GPU chain broke before step {rec.number} (device or stream switch)")
-                return None
-            start = self._rel + el(held[2], evs[rec.i_start]) / 1e3
-        else:
-            start = 0.0
-        offs = [ms / 1e3 for ms in engine.offsets_ms(evs)]
-        base = start - offs[rec.i_start]
-        self._rel = base + offs[rec.i_end]
-        return {
-            "start": start,
-            "end": self._rel,
-            "phases": [[name, base + offs[i], base + offs[j]] for name, _, _, i, j, _ in rec.phases],
-        }
+    # ------------------------------------------------------------------ trace_steps
 
-    def _break(self, why: str) -> None:
-        self._gpu_ok = False
-        self._notes.append(f"GPU track ends early: {why}")
+    def _place_trace(self, engine: Engine) -> None:
+        """Put the window's GPU chain on the host clock: one reference event, waited for once."""
+        steps = [record(r) for r in self._trace_recs]
+        rel = gpu_chain(steps) if engine.cuda else {}
+        held, b, shift = engine.held_end, engine.b, None
+        if rel and held is not None and held[0] == max(rel) and b is not None:
+            ref = b.new_event()
+            b.record(ref, engine.stream)
+            b.wait(ref)
+            end_host = perf_counter() - b.elapsed_ms(held[2], ref) / 1e3
+            shift = end_host - rel[held[0]]["end"]  # host time of the chain's zero
+        self._trace_doc = placed(steps, rel, shift)
+        if rel and shift is None:
+            self._trace_doc["notes"].append("GPU times dropped: the capture's last event was not held at the anchor")
 
-    def _anchor(self, engine: Engine) -> None:
-        """Put the GPU chain on the host clock: one reference event, waited for once."""
-        self._anchored = True
-        captured = [s for s in self._steps if s["gpu_rel"] is not None]
-        held = engine.held_end
-        if not captured or held is None or held[0] != captured[-1]["number"]:
-            if captured:
-                self._notes.append("GPU times dropped: the capture's last event was not held at the anchor")
-            for s in self._steps:
-                s["gpu_rel"] = None
-            return
-        b = engine._backend()
-        ref = b.new_event()
-        b.record(ref, engine.stream)
-        b.wait(ref)
-        anchor = perf_counter()
-        end_host = anchor - b.elapsed_ms(held[2], ref) / 1e3
-        shift = end_host - self._rel  # host time of the chain's zero
-        for s in self._steps:
-            rel = s.pop("gpu_rel")
-            s["gpu"] = (
-                None
-                if rel is None
-                else {
-                    "start": rel["start"] + shift,
-                    "end": rel["end"] + shift,
-                    "phases": [[name, a + shift, z + shift] for name, a, z in rel["phases"]],
-                }
+    def _write_trace(self, engine: Engine, run_id: str | None) -> None:
+        first, last, path = self.trace  # type: ignore[misc]
+        if self._trace_doc is None:
+            self._place_trace(engine)
+        doc: dict[str, Any] = self._trace_doc  # type: ignore[assignment]
+        if not doc["steps"]:
+            doc["notes"].append(f"no step in {first}..{last} was completed")
+            engine.notes.append(
+                f"trace_steps: the run ended at step {engine.number}, before steps {first}..{last}; no steps traced"
             )
-
-    def finish(self, engine: Engine) -> None:
-        """At ``close()``: anchor if the run ended inside the capture, then write the file."""
-        if self.written:
-            return
-        self.written = True
-        if not self._steps:
-            log_note = f"no step in {self.first}..{self.last} was completed"
-            self._notes.append(log_note)
-        if not self._anchored:
-            self._anchor(engine)
-        for s in self._steps:
-            s.pop("gpu_rel", None)
-            s.setdefault("gpu", None)
-            if s["t0"] is None:
-                self._notes.append(f"step {s['number']}: start time unknown, drawn from its first phase")
-        doc = {
-            "format": FORMAT,
-            "version": VERSION,
+        doc.update({
+            "format": FORMAT, "version": VERSION, "run_id": run_id,
             "clock": "host perf_counter seconds; GPU times placed on it through a reference event",
-            "first": self.first,
-            "last": self.last,
-            "last_step": engine.number,  # the run's last completed step: a capture it never reached says so
-            "cuda": bool(engine.cuda),
-            "steps": self._steps,
-            "notes": self._notes,
-        }
+            "first": first, "last": last, "last_step": engine.number, "cuda": bool(engine.cuda),
+        })  # fmt: skip
         try:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path + ".tmp", "w") as f:
                 json.dump(doc, f)
-            os.replace(tmp, self.path)
+            os.replace(path + ".tmp", path)
         except OSError as err:
-            engine.notes.append(unwritten("the trace capture", self.path, err))
+            engine.notes.append(unwritten("the trace capture", path, err))
+
+    # ------------------------------------------------------------------ the flight recorder
+
+    def want(self, step: int, wall_ms: float, engine: Engine) -> None:
+        """A window put ``step`` among the run's slowest: keep its trace if it is among the slowest
+        ``MAX_TRACES`` kept or wanted (dropping the fastest of those)."""
+        if self.flight is None:
+            return
+        self._cuda = bool(engine.cuda)
+        held = {**{s: w for s, (w, _) in self.kept.items()}, **self.wanted}
+        if len(held) >= MAX_TRACES:
+            fastest = min(held, key=lambda s: held[s])
+            if held[fastest] >= wall_ms:
+                return
+            self.kept.pop(fastest, None)
+            self.wanted.pop(fastest, None)
+        self.wanted[step] = wall_ms
+
+    def settle(self) -> None:
+        """Copy out the wanted steps whose ``after`` steps are resolved (at each window, after its
+        ``want`` calls: the ring still holds a step wanted at the last window and its neighbours)."""
+        if self.wanted and self.ring:
+            self._take(_number(self.ring[-1]) - AFTER)
+
+    def _take(self, upto: int) -> None:
+        for step in [s for s in self.wanted if s <= upto]:
+            wall = self.wanted.pop(step)
+            recs = [record(r) for r in self.ring if step - BEFORE <= _number(r) <= step + AFTER]
+            if any(r["number"] == step for r in recs):
+                self.kept[step] = (wall, recs)
+
+    def _write_flight(self, run_id: str) -> dict[int, str]:
+        from steptimer._tracefile import to_chrome
+
+        if self.wanted:  # fewer steps after them: the run ended
+            self._take(max(self.wanted))
+        if not self.kept or not os.path.isdir(os.path.dirname(self.flight or "")):
+            return {}  # a log directory gone mid-run: the sink has said so once already
+        folder, paths = os.path.join(self.flight, run_id), {}  # type: ignore[arg-type]
+        try:
+            os.makedirs(folder, exist_ok=True)
+            for step, (wall, steps) in sorted(self.kept.items()):
+                rel = gpu_chain(steps)
+                launches = [(s["t0"], rel[s["number"]]["start"]) for s in steps if s["number"] in rel]
+                launches += [(p[1], g[1]) for s in steps if s["number"] in rel
+                             for p, g in zip(s["phases"], rel[s["number"]]["phases"])]  # fmt: skip
+                doc = placed(steps, rel, max((host - gpu for host, gpu in launches), default=0.0))
+                doc["notes"][:0] = [f"the flight recorder's trace around step {step}, one of the run's slowest ({wall:.3f} ms)"]
+                if rel:
+                    doc["notes"].append(
+                        "GPU track placed at the earliest time its launches allow (the recorder never waits for "
+                        "a reference event): its slices' lengths and gaps are exact, their place may be early"
+                    )
+                doc.update(cuda=self._cuda, slow_step=step, run_id=run_id)
+                paths[step] = os.path.join(folder, f"step-{step}.trace.json")
+                with open(paths[step], "w") as f:
+                    json.dump(to_chrome(doc), f)
+        except OSError as err:
+            unwritten("the slow steps' traces", folder, err)
+        return paths
+
+    def finish(self, engine: Engine, run_id: str | None) -> dict[int, str]:
+        """At close, after the engine resolved every step: write the trace window and the flight
+        recorder's traces (``run_id``: the run's TensorBoard files'); the latter's paths by step."""
+        if self.trace is not None:
+            self._write_trace(engine, run_id)
+            self.trace = None
+        if self.flight is None or run_id is None:
+            return {}
+        return self._write_flight(run_id)
 
 
 def make_capture(
@@ -198,20 +303,28 @@ def make_capture(
     sample_every: int,
     enabled: bool,
     rank: int,
+    flight: bool,
+    window_steps: int,
+    profile: bool,
 ) -> Capture | None:
-    """Validate ``StepTimer``'s ``trace_steps``; the capture (rank 0 of an enabled timer) or None."""
-    if trace_steps is None:
+    """Validate ``StepTimer``'s ``trace_steps``; the capture of an enabled timer's rank 0 when it has
+    a use (``trace_steps``, ``flight``: the slowest steps with a log directory, ``profile``: a
+    profiler window), else None."""
+    folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir()) if writer is not None else None
+    trace = None
+    if trace_steps is not None:
+        first, last = trace_range(trace_steps, start_step=start_step, warmup_steps=warmup_steps)
+        if sample_every != 1:
+            raise ValueError(
+                f"trace_steps needs every step timed (sample_every=1), got sample_every={sample_every}"
+            )
+        if folder is None:
+            raise ValueError(
+                f"trace_steps needs log_dir or writer: {TRACE_FILE} is written next to the event files"
+            )
+        trace = (first, last, os.path.join(folder, TRACE_FILE))
+    flight_dir = os.path.join(folder, FLIGHT_DIR) if flight and folder is not None else None
+    if not enabled or rank != 0 or (trace is None and flight_dir is None and not profile):
         return None
-    first, last = trace_range(trace_steps, start_step=start_step, warmup_steps=warmup_steps)
-    if sample_every != 1:
-        raise ValueError(
-            f"trace_steps needs every step timed (sample_every=1), got sample_every={sample_every}"
-        )
-    if log_dir is None and writer is None:
-        raise ValueError(
-            f"trace_steps needs log_dir or writer: {TRACE_FILE} is written next to the event files"
-        )
-    if not enabled or rank != 0:
-        return None
-    folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
-    return Capture(first, last, os.path.join(folder, TRACE_FILE))
+    ring = window_steps + BEFORE + AFTER + 2 if flight_dir is not None else 0
+    return Capture(ring_steps=ring, trace=trace, flight=flight_dir)

@@ -125,5 +125,6 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
             "gpu": has_gpu,
             "clamped": clamped,
             "notes": list(capture.get("notes", [])),
+            "run_id": capture.get("run_id"),
         },
     }

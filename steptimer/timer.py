@@ -23,7 +23,6 @@ from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._engine import MEMORY_AUTO, Engine, check_phase_name
 from steptimer._engine import Phase as _Phase
-from steptimer._flight import FlightRecorder
 from steptimer._memory import MemorySummary, _MemoryBackend
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
@@ -115,19 +114,6 @@ class _RangedPhase(_Phase):
             super().__exit__(et, ev, tb)
         finally:
             self.r.exit()
-
-
-def _on_pending(*captures: Any) -> Callable[[Engine, Any], None] | None:
-    """The engine's one ``on_pending`` call, for the captures that want each resolved step."""
-    adds = [c.add for c in captures if c is not None]
-    if len(adds) <= 1:
-        return adds[0] if adds else None
-
-    def add_all(engine: Engine, rec: Any) -> None:
-        for add in adds:
-            add(engine, rec)
-
-    return add_all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,9 +301,11 @@ class StepTimer:
         self.slowest_steps = slowest_steps
         self._acc = SummaryAccumulator(slowest_steps)
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
-        self._trace = make_capture(
-            trace_steps, log_dir=log_dir, writer=writer, start_step=start_step,
-            warmup_steps=warmup_steps, sample_every=sample_every, enabled=enabled, rank=self._rank,
+        profiled = profile_steps is not None or profile_on_slow is not None
+        self._capture = c = make_capture(
+            trace_steps, log_dir=log_dir, writer=writer, start_step=start_step, warmup_steps=warmup_steps,
+            sample_every=sample_every, enabled=enabled, rank=self._rank, flight=slowest_steps > 0,
+            window_steps=self._window_max, profile=profiled,
         )  # fmt: skip
         self._phase_cls: type[_Phase] = _Phase
         profile_dir = seams.profile_dir
@@ -326,21 +314,19 @@ class StepTimer:
         self._ranges, nvtx_note = make_ranges(
             nvtx=nvtx, profile_steps=profile_steps, folder=profile_dir, start_step=start_step,
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
-            profile_on_slow=profile_on_slow,
+            profile_on_slow=profile_on_slow, keep=c.keep if c is not None else None,
         )  # fmt: skip
         r = self._ranges
-        profile = r if r is not None and (r.captures or r.slow is not None) else None
         # StepWalls per window (_slow.py): profile_on_slow's check, the slowest step across ranks
         self._walls = (r is not None and r.slow is not None) or (self._xrank is not None and slowest_steps > 0)
-        self._flight: FlightRecorder | None = None
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
-        if slowest_steps and enabled and self._rank == 0 and (log_dir is not None or writer is not None):
-            folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
-            self._flight = FlightRecorder(folder, window=self._window_max)
+        # Every resolved step to the capture: through add() when windows keep steps whole (and the
+        # profiler marks them: the long way), else appended to its ring by the engine itself.
+        each = c is not None and (c.trace is not None or profiled)
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
-            on_pending=_on_pending(self._trace, profile), recent=self._flight.ring if self._flight else None,
+            on_pending=c.add if c is not None and each else None, recent=c.ring if c is not None and not each else None,
             memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
         if nvtx_note is not None:
@@ -491,9 +477,10 @@ class StepTimer:
                 for sink in self._sinks:
                     sink.write_window(last)
         self._emit()
-        traces = self._flight.finish() if self._flight is not None else None
-        if self._trace is not None:
-            self._trace.finish(engine)
+        traces = None
+        if self._capture is not None:  # its files carry the run id of the TensorBoard sink's files
+            tb = self._sinks[0] if self._sinks and isinstance(self._sinks[0], TensorBoardSink) else None
+            traces = self._capture.finish(engine, tb._run_id if tb is not None else None)
         if self._ranges is not None:
             self._ranges.finish(engine)
         engine.release_held()
@@ -581,10 +568,10 @@ class StepTimer:
                             alloc_from=float(self._alloc_retries[1] + 1), alloc_to=float(window.step),  # type: ignore[index]
                         )  # fmt: skip
                 self._alloc_retries = (retries, window.step)
-        if self._flight is not None:
+        if self._capture is not None:
             for c in kept:
-                self._flight.want(c.step, c.wall_ms, engine)
-            self._flight.settle()
+                self._capture.want(c.step, c.wall_ms, engine)
+            self._capture.settle()
 
     def _emit(self) -> None:
         t0 = perf_counter()

@@ -5,6 +5,7 @@ tests/test_profile.py runs it on a real CUDA trace."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,33 @@ def test_kernels_on_a_cpu_profile(tmp_path: Path) -> None:
     # The step's ops are its phases' ops (nothing ran in it outside them here).
     total = sum(phases[n]["total_us"] for n in ("forward", "loss", "backward"))
     assert phases["step"]["total_us"] == pytest.approx(total)
+
+
+def test_a_step_that_raised_is_left_out_of_the_kernels(tmp_path: Path) -> None:
+    """Step 3 of the window 2..4 raises after its forward ran 5 matmuls: steptimer drops the step (its
+    time is in no span), so the reader leaves its ranges out too: forward holds the resolved steps'
+    ops only, inside their span, and no stream is blamed on a single-threaded CPU run."""
+    a = torch.randn(256, 256)
+    t = StepTimer(log_dir=tmp_path, warmup_steps=0, print_summary=False, profile_steps=(2, 4))
+    for n in range(1, 7):
+        with pytest.raises(RuntimeError) if n == 3 else contextlib.nullcontext():
+            with t.step():
+                with t.phase("forward"):
+                    for _ in range(5):
+                        a = torch.tanh(a @ a)
+                    if n == 3:
+                        raise RuntimeError("a bad batch")
+                with t.phase("loss"):
+                    a.sum()
+    t.close()
+    rep = analyze(load_profile(str(tmp_path)))
+    assert rep.steps == [2, 3, 4]  # the step numbers resolved (the raised attempt had no number)
+    phases = {p.name: p for p in rep.phases}
+    fwd = {k.name: k for k in phases["forward"].kernels}
+    assert fwd["aten::matmul"].calls == fwd["aten::tanh"].calls == 15  # 5 per resolved step, 3 steps
+    assert all(p.consistent is True for p in rep.phases if p.span_us is not None), rep.phases
+    assert not any("other streams" in n for n in rep.notes)
+    assert any("1 step that raised" in n for n in rep.notes), rep.notes
 
 
 def test_kernels_bad_input(tmp_path: Path) -> None:

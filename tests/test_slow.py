@@ -1,4 +1,4 @@
-"""The slowest steps (steptimer/_slow.py, _flight.py): which steps, what grew, and the measured causes.
+"""The slowest steps (steptimer/_slow.py, the flight recorder of _trace.py): which steps, what grew, and the measured causes.
 
 Table and JSON are pinned on the simulated GPU (tests/fakes.py); each cause is tested with the real
 thing on CPU (a GC pause, a torch.compile recompilation, a loader that stalls, a checkpoint under
@@ -96,9 +96,11 @@ def test_memory_stays_at_k_over_many_windows(clock: FakeClock, tmp_path: Path) -
     t = _gpu_run(clock, gpu, 3000, 1500, log_dir=tmp_path, slowest_steps=3)
     s = t.close()
     assert len(t._acc.slow.heap) == 3 and [x.step for x in s.slowest][0] == 1500
-    flight = t._flight
-    assert flight is not None and flight.ring.maxlen is not None and len(flight.ring) <= flight.ring.maxlen <= 20
-    assert len(flight.kept) <= 3 and len(list((tmp_path / "steptimer-slow").iterdir())) <= 3
+    capture = t._capture
+    assert capture is not None and capture.ring.maxlen is not None and len(capture.ring) <= capture.ring.maxlen <= 20
+    assert len(capture.kept) <= 3
+    (run,) = (tmp_path / "steptimer-slow").iterdir()
+    assert len(list(run.iterdir())) <= 3
 
 
 def test_host_stall_is_traced_by_the_flight_recorder(tmp_path: Path, clock: FakeClock) -> None:
@@ -128,6 +130,34 @@ def test_host_stall_is_traced_by_the_flight_recorder(tmp_path: Path, clock: Fake
                    37: pytest.approx(40_000.0), 38: pytest.approx(2000.0), 39: pytest.approx(2000.0)}  # fmt: skip
     steps = {e["args"]["step"]: e for e in slices if e["name"].startswith("step")}
     assert steps[37]["dur"] == pytest.approx(43_000.0)
+
+
+def _host_stall_run(log_dir: Path, clock: FakeClock, stall_ms: float) -> tuple[StepTimer, object]:
+    t = StepTimer(cuda=False, log_dir=log_dir, warmup_steps=2, log_every_n_steps=10, print_summary=False)
+    for n in range(1, 41):
+        clock.advance_ms(1.0)
+        with t.step(), t.phase("forward"):
+            clock.advance_ms(stall_ms if n == 30 else 2.0)
+    return t, t.close()
+
+
+def test_a_second_run_into_the_same_log_dir_keeps_the_first_runs_traces(tmp_path: Path, clock: FakeClock) -> None:
+    """Two runs into one log_dir, each slowest at step 30: each summary names a trace that holds its
+    own run's step 30, in a folder named by the run id of its TensorBoard files."""
+    _, a = _host_stall_run(tmp_path, clock, 40.0)
+    (a_events,) = [f.name for f in tmp_path.glob("events.out.tfevents.*")]
+    _, b = _host_stall_run(tmp_path, clock, 80.0)
+    for summary, stall_us in ((a, 40_000.0), (b, 80_000.0)):
+        top = summary.slowest[0]  # type: ignore[attr-defined]
+        assert top.step == 30 and top.trace is not None
+        doc = json.loads(Path(top.trace).read_text())
+        (fwd,) = [e for e in doc["traceEvents"] if e.get("name") == "forward" and e["args"]["step"] == 30]
+        assert fwd["dur"] == pytest.approx(stall_us)
+        run_id = Path(top.trace).parent.name
+        assert doc["metadata"]["run_id"] == run_id
+        assert len(list(tmp_path.glob(f"events.out.tfevents.{run_id}"))) == 1  # the run's own event file
+    assert Path(a.slowest[0].trace).parent.name == a_events[len("events.out.tfevents.") :]  # type: ignore[attr-defined]
+    assert a.slowest[0].trace != b.slowest[0].trace  # type: ignore[attr-defined]
 
 
 def test_slowest_steps_off(clock: FakeClock) -> None:

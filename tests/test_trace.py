@@ -1,0 +1,72 @@
+"""The capture of recent steps (steptimer/_trace.py): ``trace_steps`` and the flight recorder. The
+Chrome export and ``steptimer trace`` are in tests/test_cli.py; the slowest steps' traces in
+tests/test_slow.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import steptimer._engine as engine_mod
+import steptimer._trace as trace_mod
+from steptimer import StepTimer
+from steptimer._tracefile import GPU_TID, load_capture, to_chrome
+from tests.fakes import FakeClock, FakeGPU
+
+
+def test_trace_window_the_run_never_reaches_is_a_note(tmp_path: Path) -> None:
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=0, print_summary=False, trace_steps=(50, 60))
+    for _ in range(10):
+        with t.step(), t.phase("forward"):
+            pass
+    s = t.close()
+    assert "trace_steps: the run ended at step 10, before steps 50..60; no steps traced" in s.notes
+    t = StepTimer(log_dir=tmp_path / "b", cuda=False, warmup_steps=0, print_summary=False, trace_steps=(5, 60))
+    for _ in range(10):
+        with t.step(), t.phase("forward"):
+            pass
+    assert not [n for n in t.close().notes if n.startswith("trace_steps")]  # reached: the trace says the rest
+
+
+def test_trace_steps_and_the_flight_recorder_draw_the_same_gpu_track(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One capture behind both: on the simulated GPU (GPU-bound, lag 2), the trace_steps window
+    20..25 and the flight recorder's trace around the slowest step, 23, hold the same GPU slices;
+    the trace is anchored by a reference event, the recorder's placed at the earliest its launches
+    allow, so their places differ by one constant and no more."""
+    clock = FakeClock()
+    monkeypatch.setattr(engine_mod, "perf_counter", clock)
+    monkeypatch.setattr(trace_mod, "perf_counter", clock)
+    gpu = FakeGPU(clock)
+    t = StepTimer._make(backend=gpu.backend(), log_dir=tmp_path, warmup_steps=2, log_every_n_steps=10,
+                        print_summary=False, trace_steps=(20, 25))  # fmt: skip
+    for n in range(1, 41):
+        clock.advance_ms(0.2)
+        with t.step():
+            with t.phase("forward"):
+                gpu.launch(50.0 if n == 23 else 2.0)
+                clock.advance_ms(0.3)
+            with t.phase("backward"):
+                gpu.launch(3.0)
+                clock.advance_ms(0.3)
+    top = t.close().slowest[0]
+    assert top.step == 23 and top.trace is not None
+    flight = to_chrome_slices(json.loads(Path(top.trace).read_text()))
+    traced = to_chrome_slices(to_chrome(load_capture(str(tmp_path))))
+    assert sorted(flight) == sorted(traced) and len(flight) == 18  # 6 steps: the step and 2 phases each
+    shifts = {round(traced[k][0] - flight[k][0], 3) for k in flight}
+    assert len(shifts) == 1, shifts
+    assert all(flight[k][1] == pytest.approx(traced[k][1]) for k in flight)
+    assert flight[(23, "forward")][1] == pytest.approx(50_000.0)
+
+
+def to_chrome_slices(doc: dict[str, Any]) -> dict[tuple[int, str], tuple[float, float]]:
+    """The GPU track's slices of a Chrome trace: (step, name) -> (start µs, length µs)."""
+    return {
+        (e["args"]["step"], e["name"]): (e["ts"], e["dur"])
+        for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == GPU_TID
+    }  # fmt: skip
