@@ -227,6 +227,7 @@ class Engine:
         self._window_last = start_step  # the last window's last step, and the step_t0 it was handed at
         self._window_t = -math.inf
         self.own_s = 0.0  # host time of steptimer's own window work between steps (_hand_window)
+        self._first_t0: float | None = None  # the first step's start (run_s)
         self._pausing = False  # inside pause(): a nested pause counts once
         self._waited = start_step  # the newest step number waited for
         # CUDA, settled at the first step.
@@ -256,6 +257,12 @@ class Engine:
         self._slowest = slowest
         self._dyn: Any = None
         self._graphs = 0
+
+    @property
+    def run_s(self) -> float:
+        """Host seconds from the first step's start to the end of the last step (or of steptimer's
+        own work after it); 0 before the first step."""
+        return 0.0 if self._gap_start is None or self._first_t0 is None else self._gap_start - self._first_t0
 
     @property
     def step_t0(self) -> float:
@@ -318,6 +325,7 @@ class Engine:
             if self.gc_log is not None:
                 self.gc_log.open()
             self.find_dynamo()
+            self._first_t0 = perf_counter()
         return True
 
     def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:

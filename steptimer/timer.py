@@ -497,7 +497,10 @@ class StepTimer:
             self._ranges.finish(engine)
         engine.release_held()
         engine.closed = True
-        self._summary = summary = self._build_summary(traces)
+        summary = self._build_summary(traces)
+        run_s = engine.run_s
+        own = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s > 0 else None}
+        self._summary = summary = dataclasses.replace(summary, **own)  # type: ignore[arg-type]
         if self._print_summary and self._rank == 0 and self.enabled:
             from steptimer._table import print_summary
 

@@ -1050,8 +1050,13 @@ def test_a_windows_own_work_is_in_no_step_and_not_in_the_data_wait(
         assert w.host["step"].max_ms == pytest.approx(2.0)
     # The wall: 40 steps of 2 ms and 39 data waits of 1 ms (none before the first)
     assert s.steps_per_s == pytest.approx(40 / (40 * 2e-3 + 39 * 1e-3))
-    # Each window was written right after its last step (resolved at its own end), between steps
-    assert t._engine.own_s == pytest.approx(4 * 5e-3)
+    # Each window was written right after its last step (resolved at its own end), between steps:
+    # steptimer's own 4 x 5 ms, and its part of the run's host time (the first step's start to the
+    # last window's end: 40 steps, 39 data waits, 4 windows)
+    assert s.own_ms == pytest.approx(4 * 5.0)
+    assert s.own_share == pytest.approx(20.0 / (40 * 2.0 + 39 * 1.0 + 20.0))
+    if sample_every == 1:
+        assert s["other"].host.max_ms == pytest.approx(0.0)
 
 
 def test_untimed_steps_take_the_short_way_under_cuda_once_the_timed_step_is_resolved(
