@@ -143,8 +143,10 @@ class Engine:
         cuda: None: CUDA timing if usable at the first step; True: required; False: host only.
         backend: the CUDA calls (tests pass a simulated GPU); None: the default backend.
         window_every: a window may end at every step whose number is a multiple of this (and at
-            the last warm-up step): ``on_window`` is called with such a step's number once its row,
-            and every row before it, is in ``rows``; the owner decides whether the window ends.
+            the last warm-up step): ``on_window`` is called with its last step's number at the end
+            of ``end_step`` (or in ``close``), once its rows, and no later ones, are in ``rows``.
+        window_min_s: with ``window_max``, a window goes on past a multiple of ``window_every``
+            until it lasts this long or holds ``window_max`` steps (0: every multiple ends one).
         on_pending: called with each finished step before its events are released (trace capture).
         recent: a deque (with a ``maxlen``) that gets the resolved steps in order, all but untimed
             ones resolved at their own end (the flight recorder's ring, ``_flight.py``): a
@@ -171,6 +173,8 @@ class Engine:
         backend: _CudaBackend | None,
         window_every: int,
         on_window: Callable[[int], None],
+        window_min_s: float = 0.0,
+        window_max: int = 0,
         on_pending: Callable[[Engine, _Pending], None] | None = None,
         memory: int = 0,
         memory_backend: _MemoryBackend | None = None,
@@ -217,8 +221,14 @@ class Engine:
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[_Pending] = deque()
-        self._window_due = 0  # a step resolved at its own end (the short way) closed a window: not yet told
-        self._now_marks: dict[str, float] | None = None  # marks for the next step record (mark_own_work)
+        self._window_due = 0  # the last step of a window that ended, not yet handed to the owner
+        self._window_min_s = window_min_s
+        self._window_max = window_max or window_every
+        self._window_last = start_step  # the last window's last step, and the step_t0 it was handed at
+        self._window_t = -math.inf
+        self.own_s = 0.0  # host time of steptimer's own window work between steps (_hand_window)
+        self._first_t0: float | None = None  # the first step's start (run_s)
+        self._pausing = False  # inside pause(): a nested pause counts once
         self._waited = start_step  # the newest step number waited for
         # CUDA, settled at the first step.
         self._cuda_opt = cuda
@@ -247,6 +257,12 @@ class Engine:
         self._slowest = slowest
         self._dyn: Any = None
         self._graphs = 0
+
+    @property
+    def run_s(self) -> float:
+        """Host seconds from the first step's start to the end of the last step (or of steptimer's
+        own work after it); 0 before the first step."""
+        return 0.0 if self._gap_start is None or self._first_t0 is None else self._gap_start - self._first_t0
 
     @property
     def step_t0(self) -> float:
@@ -309,11 +325,13 @@ class Engine:
             if self.gc_log is not None:
                 self.gc_log.open()
             self.find_dynamo()
+            self._first_t0 = perf_counter()
         return True
 
     def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:
         """Finish the step (drop it if it raised, ``et`` not None, or a phase is open), wait once,
-        resolve what is due (``with engine:`` exits it: never swallows the exception).
+        resolve what is due (``with engine:`` exits it: never swallows the exception); then, once
+        the engine's state is whole, hand a window that ended to the owner (``on_window``).
 
         The step's counts are those set last (the Lightning callback counts a step's samples over
         its micro-batches). ``error``: the exception that ended the step, if any (else
@@ -322,27 +340,36 @@ class Engine:
         if not self.in_step:
             return
         t1 = perf_counter()
-        failed = et is not None
-        if failed or self._stack:
-            open_ = self._stack[-1][0] if self._stack else None
-            if failed and self.memory is not None and self.oom is None:
-                # phases still open (a front door that exits them only on success: Lightning's)
-                self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
-            self._drop_step()
-            if not failed:
-                raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
+        if et is not None or self._stack:
+            self._discard(et, error)
             return
-        self.number = number = self.number + 1
-        if self._window_due:  # the last step took the short way below: tell the owner now, inside a step
-            self._on_window(self._window_due)
-            self._window_due = 0
+        try:
+            self._finish(t1)
+        except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
+            self._recover()
+            raise
+        if self._window_due:
+            self._hand_window()
+
+    def _discard(self, et: type[BaseException] | None, error: BaseException | None) -> None:
+        """End a step that raised (``et``) or left a phase open (an error of its own) by dropping it."""
+        open_ = self._stack[-1][0] if self._stack else None
+        if et is not None and self.memory is not None and self.oom is None:
+            # phases still open (a front door that exits them only on success: Lightning's)
+            self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
+        self._drop_step()
+        if et is None:
+            raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
+
+    def _finish(self, t1: float) -> None:
+        """``end_step`` of a step that ended well: its record, the wait, what is due."""
+        number = self.number + 1
         pending = self._pending
         if not self.cuda:  # host only: nothing to wait for; every step before this one is due
-            while pending:
-                self._resolve(pending.popleft())
+            self._resolve_upto(number - 1)
         else:  # the oldest steps without events (untimed) have nothing to wait for either
-            while pending and not pending[0].events:
-                self._resolve(pending.popleft())
+            while pending and not pending[0].events and not self._window_due:
+                self._resolve(pending[0])
         t0, gs = self._t0, self._gap_start
         if gs is None:
             gap = None
@@ -359,61 +386,52 @@ class Engine:
         timed = self._timed
         if (
             not self._gpu
-            and not self._pending
+            and not pending
+            and not self._window_due
             and not self._paused_s
             and not self._pause_evs
             and not (self.cuda and number + 1 == self._next_timed)
             and (self._dyn is None or self._dyn.get("unique_graphs", 0) == self._graphs)
             and not (self.gc_log is not None and self.gc_log.spans)
-            and not (timed and (self._now_marks is not None or self._on_pending is not None))
+            and not (timed and self._on_pending is not None)
         ):
             # The *short way*, for a step without GPU events (untimed, or timed on the host clock)
             # with nothing older pending and nothing to mark: its row is complete at its end and goes
             # straight into the window, without waiting in the queue for the next step's end
-            # (bench/small_steps.py's host and untimed rows). At a window boundary the owner hears of
-            # it at the next step's end (or close), so the window is still computed inside a step.
-            # What steptimer did in an untimed step (_now_marks) is not kept: an untimed step is
-            # never ranked among the slowest. A timed step goes the long way while captures
-            # (on_pending) want each step's record: they read it, and mark it (mark_current).
+            # (bench/small_steps.py's host and untimed rows). A timed step goes the long way while
+            # captures (on_pending) want each step's record: they read it, and mark it (mark_current).
             rows = self.rows
             if timed:
                 recs = self._recs
-                rows.add((tuple([r[0] for r in recs]), False, False), row)
                 row += [r[2] - r[1] for r in recs]
+                rows.add((tuple([r[0] for r in recs]), False, False), row)
                 if self._recent is not None:
                     self._recent.append((t0, row, recs))
             else:
-                self._now_marks = None
                 rows.add(_PLAIN, row)
-            rows.warmup = number <= self.last_warmup
-            self.last_resolved = number
-            if number % self._window_every == 0 or number == self.last_warmup:
-                self._window_due = number
+            self.number = self.last_resolved = number
             self.in_step = self.untimed = self.timing = False
+            rows.warmup = number <= self.last_warmup
             self._gap_start = t_end = perf_counter()
             row[STEP_S] = t_end - t0
+            if number % self._window_every == 0 or number == self.last_warmup:
+                self._window_due = self._window_ends(number)
             if timed:
                 self._pick_next(number)
             return
         rec = _Pending(
-            number, t0, self._timed, number <= self.last_warmup, row, gap, self._recs,
+            number, t0, timed, number <= self.last_warmup, row, gap, self._recs,
             self._pause_evs or _NO_PAUSES, self.device,
         )  # fmt: skip
-        if self._pause_evs:
-            self._pause_evs = []
         rec.paused_s = self._paused_s
-        self._paused_s = 0.0
         if self._dyn is not None:
             self._note_compiles(rec)
-        if self._now_marks is not None:  # what steptimer did in this step's time (mark_own_work)
-            rec.marks = {**self._now_marks, **(rec.marks or {})}
-            self._now_marks = None
         if self._gpu:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
             if self._mem is not None:
                 rec.memory = self._mem.end_step(shared)
-                self._mem_next = self._t0 + MEMORY_BUDGET * self._mem.spent_s
+                self._mem_next = t0 + MEMORY_BUDGET * self._mem.spent_s
         elif self.cuda and number + 1 == self._next_timed and self._stream_key is not None:
             # An untimed step right before a timed one: one event marks its end, so the timed step
             # gets its GPU idle.
@@ -421,8 +439,13 @@ class Engine:
             self._last_t = -math.inf
             self._boundary(t1)
         rec.events = self._evs
-        self.in_step = self.untimed = self.timing = False
+        # The step is the engine's from here: an exception below (Ctrl-C in a wait) keeps it.
         pending.append(rec)
+        self.number = number
+        self.in_step = self.untimed = self.timing = False
+        if self._pause_evs:
+            self._pause_evs = []
+        self._paused_s = 0.0
         # Wait on the end of step N - lag (N itself with lag 0), then resolve every step up to it,
         # except this one: it is resolved at the next step's end (or close), inside that step's time.
         # Steps waited for already (with lag 0, all before this one) are resolved before the wait,
@@ -434,11 +457,57 @@ class Engine:
             self._wait_for(due)
             rec.wait_s = perf_counter() - tw
             self._resolve_upto(min(due, number - 1))
-        t_end = perf_counter()
-        rec.step_s = t_end - self._t0
-        self._gap_start = t_end
+        self._gap_start = t_end = perf_counter()
+        rec.step_s = t_end - t0
         if number == self._next_timed:
             self._pick_next(number)
+
+    def _recover(self) -> None:
+        """After an exception inside ``_finish`` (a signal, steptimer's own failure): a step not yet
+        the engine's is dropped; the engine's last step gets its host time; steps resolved so far
+        stay resolved and the others stay pending. The next step then begins as usual."""
+        if self.in_step:
+            self._drop_step()
+            return
+        rec = self._pending[-1] if self._pending else None
+        if rec is not None and rec.number == self.number and not rec.step_s:
+            self._gap_start = t_end = perf_counter()
+            rec.step_s = t_end - rec.t0
+        if self.number == self._next_timed:
+            self._pick_next(self.number)
+
+    def _window_ends(self, number: int) -> int:
+        """``number`` (a multiple of ``window_every``, or the last warm-up step) if a window ends
+        there, else 0: the default window goes on to the next multiple until it lasts
+        ``window_min_s`` (or ``window_max`` steps); the last warm-up step always ends one, so that
+        no window mixes warm-up steps (left out of the summary) with later ones."""
+        if (
+            self._window_min_s
+            and number != self.last_warmup
+            and number - self._window_last < self._window_max
+            and self._t0 - self._window_t < self._window_min_s
+        ):
+            return 0
+        return number
+
+    def _hand_window(self) -> None:
+        """Give the owner the window that ended (``on_window``), with the engine's state whole.
+
+        Its work (statistics, sinks) is steptimer's own (``own_s``), never a step's: it runs after
+        the step's end, and the next step's data wait starts when it ends; with CUDA, two pause
+        events around it keep any GPU idle it causes out of the next step's ``idle``."""
+        number, self._window_due = self._window_due, 0
+        self._window_last, self._window_t = number, self._t0
+        t0 = perf_counter()
+        ev0 = self._pause_event()
+        try:
+            self._on_window(number)
+        finally:
+            ev1 = self._pause_event()
+            if ev0 is not None and ev1 is not None:
+                self._pause_evs.append((ev0, ev1))
+            self._gap_start = t1 = perf_counter()
+            self.own_s += t1 - t0
 
     def _pick_next(self, number: int) -> None:
         """After the timed step ``number``: pick the next one to time."""
@@ -490,16 +559,27 @@ class Engine:
         return True
 
     def _resolve_upto(self, upto: int) -> None:
+        """Resolve the pending steps up to ``upto``, stopping at a window's end (the owner takes
+        the window before the steps after it go into rows)."""
         pending = self._pending
-        while pending and pending[0].number <= upto:
-            self._resolve(pending.popleft())
+        while pending and pending[0].number <= upto and not self._window_due:
+            self._resolve(pending[0])
 
-    def begin_pause(self) -> tuple[float, Any]:
+    def begin_pause(self) -> tuple[float, Any] | None:
+        """Start a pause; None inside another pause: the outer one already holds this time, and a
+        nested pause counts once (its time subtracted from the data wait once, not twice)."""
         if self.in_step:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
+        if self._pausing:
+            return None
+        self._pausing = True
         return perf_counter(), self._pause_event()
 
-    def end_pause(self, started: tuple[float, Any]) -> None:
+    def end_pause(self, started: tuple[float, Any] | None) -> None:
+        """End the pause that ``begin_pause`` returned ``started`` for (None: a nested one)."""
+        if started is None:
+            return
+        self._pausing = False
         t0, ev0 = started
         ev1 = self._pause_event()
         if ev0 is not None and ev1 is not None:
@@ -510,14 +590,15 @@ class Engine:
         """Drop an unfinished step and resolve every pending one (one wait, on the newest)."""
         if self.in_step:
             self._drop_step()
-        if self._window_due:
-            self._on_window(self._window_due)
-            self._window_due = 0
         if self._pending:
             if self.cuda and self._pending[-1].number > self._waited:  # lag 0 waited already
                 self._wait_for(self._pending[-1].number)
-            while self._pending:
-                self._resolve(self._pending.popleft())
+        while True:
+            if self._window_due:
+                self._hand_window()
+            if not self._pending:
+                break
+            self._resolve_upto(self._pending[-1].number)
         if self.memory is not None:
             self.memory.close()
         if self.gc_log is not None:
@@ -539,7 +620,6 @@ class Engine:
         self._evs = []
         self._recs = []
         self._stack.clear()
-        self._now_marks = None
         if self._mem is not None:
             self._mem.drop_step()
         self.in_step = self.untimed = self.timing = False
@@ -661,11 +741,11 @@ class Engine:
                 b.wait(rec.events[rec.i_end])
 
     def _resolve(self, rec: _Pending) -> None:
-        """Turn a finished step into one row of the window (``StepRows``); read its GPU events."""
+        """Turn the oldest pending step ``rec`` into one row of the window (``StepRows``); read its
+        GPU events. Everything before the step leaves ``pending`` only reads, so an exception there
+        (Ctrl-C) leaves the step pending, to be resolved again."""
         if self._on_pending is not None:  # before the step's events go back to the pool
             self._on_pending(self, rec)
-        if self._recent is not None:
-            self._recent.append(rec)
         recs = rec.phases
         row = rec.row
         row[STEP_S] = rec.step_s
@@ -674,39 +754,43 @@ class Engine:
         names = None
         if rec.timed:
             names = tuple([r[0] for r in recs])
-            row += [r[2] - r[1] for r in recs]
+            row = row + [r[2] - r[1] for r in recs]  # a new list: rec.row stays as it was
         has_gpu = has_idle = False
         evs = rec.events
-        if evs:
+        held = self.held_end
+        if evs and names is not None:
             b = self._backend()
-            held = self.held_end
-            if names is not None:
-                rec.offs_ms = offs = self.offsets_ms(evs)
-                row.append(offs[rec.i_end] - offs[rec.i_start])
-                row += [offs[r[4]] - offs[r[3]] for r in recs]
-                row += [r[5] for r in recs]
-                has_gpu = True
-                if held is not None and held[0] == rec.number - 1 and held[1] == rec.device:
-                    rec.chain_ms = idle = b.elapsed_ms(held[2], evs[rec.i_start])
-                    for a, c in rec.pauses:
-                        idle -= b.elapsed_ms(a, c)
-                    row.append(idle)
-                    has_idle = True
+            rec.offs_ms = offs = self.offsets_ms(evs)
+            row.append(offs[rec.i_end] - offs[rec.i_start])
+            row += [offs[r[4]] - offs[r[3]] for r in recs]
+            row += [r[5] for r in recs]
+            has_gpu = True
+            if held is not None and held[0] == rec.number - 1 and held[1] == rec.device:
+                rec.chain_ms = idle = b.elapsed_ms(held[2], evs[rec.i_start])
+                for a, c in rec.pauses:
+                    idle -= b.elapsed_ms(a, c)
+                row.append(idle)
+                has_idle = True
+        self._pending.popleft()
+        if self._recent is not None:
+            self._recent.append(rec)
+        if evs:
             if held is not None:
                 self._free.append(held[2])
             self._free += evs[: rec.i_end] + evs[rec.i_end + 1 :]
             self.held_end = (rec.number, rec.device, evs[rec.i_end])
         for a, c in rec.pauses:
             self._free += (a, c)
-        self.rows.add((names, has_gpu, has_idle), row)
+        rows = self.rows
+        rows.add((names, has_gpu, has_idle), row)
         if self._slowest and (rec.marks or rec.paused_s or self.gc_log.spans):  # type: ignore[union-attr]
             self._mark(rec)
         if rec.memory is not None:
-            self.rows.memory.append(rec.memory)
-        self.rows.warmup = rec.warmup
+            rows.memory.append(rec.memory)
+        rows.warmup = rec.warmup
         self.last_resolved = n = rec.number
         if n % self._window_every == 0 or n == self.last_warmup:
-            self._on_window(n)
+            self._window_due = self._window_ends(n)
 
     def mark_current(self, key: str, value: float) -> None:
         """Mark the step just ended (its record is still pending), if there is one."""
@@ -716,14 +800,7 @@ class Engine:
             rec.marks[key] = rec.marks.get(key, 0.0) + value
 
     def mark_own_work(self, key: str, value: float) -> None:
-        """Mark the step whose wall time holds what steptimer just did inside ``end_step`` (a window):
-        the next step record ``end_step`` makes. Host only, that is the step being ended (the
-        steps before it are resolved before its record exists); with CUDA, the next step, as the
-        work comes after the ended step's end event and is GPU idle before the next one."""
-        if self.closed:
-            return
-        marks = self._now_marks = self._now_marks or {}
-        marks[key] = marks.get(key, 0.0) + value
+        """Nothing to mark: steptimer's own window work is outside every step (``own_s``)."""
 
     def _mark(self, rec: _Pending) -> None:
         """Put what happened in the step (``rec.marks``, GC inside its host time range, a pause

@@ -131,6 +131,10 @@ class Summary:
     verdict: Verdict | None = None  # where the wall time went (``_verdict.py``); None: no timed steps
     # The run's slowest timed steps after warm-up, slowest first, each with what stood out (_slow.py).
     slowest: tuple[SlowStep, ...] = ()
+    # steptimer's own work between steps (window statistics, sinks), host ms over the whole run, and
+    # its fraction of the run's host time (first step's start to the last step's end): in no row.
+    own_ms: float = 0.0
+    own_share: float | None = None
 
     def __getitem__(self, name: str) -> PhaseSummary:
         for row in self.rows:

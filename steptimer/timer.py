@@ -284,8 +284,6 @@ class StepTimer:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
         self.log_every_n_steps: int = log_every_n_steps  # a window's steps (a multiple of it, see above)
         self._window_max = log_every_n_steps * (MAX_WINDOW_UNITS if self._window_min_s else 1)
-        self._window_t = -math.inf  # the engine's clock when the last window was taken, its last step
-        self._window_last = start_step
         self.warmup_steps = warmup_steps
         self.lag = lag
         self.sample_every = sample_every
@@ -326,6 +324,7 @@ class StepTimer:
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
+            window_min_s=self._window_min_s, window_max=self._window_max,
             on_pending=c.add if c is not None and each else None, recent=c.ring if c is not None and not each else None,
             memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
@@ -485,7 +484,10 @@ class StepTimer:
             self._ranges.finish(engine)
         engine.release_held()
         engine.closed = True
-        self._summary = summary = self._build_summary(traces)
+        summary = self._build_summary(traces)
+        run_s = engine.run_s
+        own = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s > 0 else None}
+        self._summary = summary = dataclasses.replace(summary, **own)  # type: ignore[arg-type]
         if self._print_summary and self._rank == 0 and self.enabled:
             from steptimer._table import print_summary
 
@@ -519,31 +521,24 @@ class StepTimer:
     # ------------------------------------------------------------------ windows and summary
 
     def _on_window(self, number: int) -> None:
-        # The engine calls this every log_every_n_steps steps, and at the last warm-up step, so that
-        # no window mixes warm-up steps (left out of the summary) with later ones. With the default,
-        # a window shorter than MIN_WINDOW_S goes on to the next multiple (up to _window_max steps).
-        if (
-            self._window_min_s
-            and number != self._engine.last_warmup
-            and number - self._window_last < self._window_max
-            and self._engine.step_t0 - self._window_t < self._window_min_s
-        ):
-            return
+        """The engine's window ended at step ``number``: its rows are the engine's ``rows``."""
         self._emit()
 
     def _take_window(self) -> Window | None:
-        """The window of the steps resolved since the last one; it also goes into the summary."""
+        """The window of the steps resolved since the last one; it also goes into the summary.
+
+        The engine's rows are replaced only once the window is in the summary: an exception before
+        (Ctrl-C) leaves them for the next window, and none after can lose a step of it."""
         engine = self._engine
         rows = engine.rows
         if not rows.count:
             return None
-        engine.rows = StepRows()
-        self._window_t, self._window_last = engine.step_t0, engine.last_resolved
         window = window_of(
             rows, engine.last_resolved, self._peak_tflops()[0], slowest=self.slowest_steps,
             slow_floor_ms=self._acc.slow.floor_ms, walls=self._walls,
         )  # fmt: skip
         kept = self._acc.add_window(window)
+        engine.rows = StepRows()
         if self._ranges is not None and self._ranges.slow is not None:
             self._ranges.slow.window(window, engine)
         if self.slowest_steps:

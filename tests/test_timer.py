@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -330,11 +331,13 @@ def test_pool_grows_to_need_and_is_reused(clock: FakeClock, gpu: FakeGPU) -> Non
     for _ in range(20):
         step(2)  # 1 start + 2x(in, out) + end = 6 events
     small = t.events_created
-    assert small <= 6 * (lag + 1) + 1  # + the last resolved step's end event, kept for GPU idle
+    # + the last resolved step's end event, kept for GPU idle, and the 2 events around a window's
+    # own work (kept out of the next step's GPU idle)
+    assert small <= 6 * (lag + 1) + 1 + 2
     for _ in range(20):
         step(5)  # 12 events: the pool grows once ...
     big = t.events_created
-    assert small < big <= 12 * (lag + 1) + 1
+    assert small < big <= 12 * (lag + 1) + 1 + 2
     for _ in range(50):
         step(3)  # ... and nothing is allocated once it is big enough
         step(5)
@@ -1017,13 +1020,13 @@ def test_explicit_or_distributed_windows_stay_50_steps(
 
 
 @pytest.mark.parametrize(("cuda", "sample_every"), [(False, 1000), (True, 1000), (False, 1)])
-def test_short_way_keeps_windows_and_the_windows_own_time_in_a_step(
+def test_a_windows_own_work_is_in_no_step_and_not_in_the_data_wait(
     clock: FakeClock, gpu: FakeGPU, cuda: bool, sample_every: int
 ) -> None:
     """Steps without GPU events (outside the sample; or every step, timed on the host clock) take the
-    short way (no pending record, no wait). Their windows still close at every 10th step with all 10
-    steps, and a window's own work (here the sink takes 5 ms of the clock) lands in the host time of
-    the step that computed it, never in the data wait."""
+    short way (no pending record, no wait). Their windows close at every 10th step with all 10
+    steps, and a window's own work (here the sink takes 5 ms of the clock) is steptimer's own: in
+    no step's host time, never in the data wait, not in the wall that rates divide by."""
     t, sink = make(gpu if cuda else None, sample_every=sample_every, log_every_n_steps=10)
     writes = sink.write_window
 
@@ -1037,18 +1040,23 @@ def test_short_way_keeps_windows_and_the_windows_own_time_in_a_step(
         train_step(t, clock, gpu if cuda else None, data_ms=1.0, host={"forward": 2.0})
         queued.append(len(t._engine._pending))
     s = t.close()
-    if sample_every == 1:  # every step timed; only the steps that computed a window were queued
+    if sample_every == 1:  # every step timed on the host clock: none was queued
         assert s.timed_steps == 40 and s["forward"].host.max_ms == pytest.approx(2.0)
-        assert [i + 1 for i, q in enumerate(queued) if q] == [11, 21, 31]
+        assert not any(queued)
     assert [w.step for w in sink.windows] == [10, 20, 30, 40]
     assert [w.steps for w in sink.windows] == [10, 10, 10, 10]
     assert s["data"].host.max_ms == pytest.approx(1.0)  # never the window's 5 ms
-    # Windows 1-3 were computed inside steps 11, 21, 31 (the 4th at close): each a step of 7 ms
-    assert sink.windows[0].host["step"].max_ms == pytest.approx(2.0)
-    for w in sink.windows[1:]:
-        assert w.host["step"].max_ms == pytest.approx(7.0) and w.host["step"].mean_ms == pytest.approx(2.5)
-    # The wall: 40 steps of 2 ms, 39 data waits of 1 ms (none before the first), 3 windows of 5 ms
-    assert s.steps_per_s == pytest.approx(40 / (40 * 2e-3 + 39 * 1e-3 + 3 * 5e-3))
+    for w in sink.windows:
+        assert w.host["step"].max_ms == pytest.approx(2.0)
+    # The wall: 40 steps of 2 ms and 39 data waits of 1 ms (none before the first)
+    assert s.steps_per_s == pytest.approx(40 / (40 * 2e-3 + 39 * 1e-3))
+    # Each window was written right after its last step (resolved at its own end), between steps:
+    # steptimer's own 4 x 5 ms, and its part of the run's host time (the first step's start to the
+    # last window's end: 40 steps, 39 data waits, 4 windows)
+    assert s.own_ms == pytest.approx(4 * 5.0)
+    assert s.own_share == pytest.approx(20.0 / (40 * 2.0 + 39 * 1.0 + 20.0))
+    if sample_every == 1:
+        assert s["other"].host.max_ms == pytest.approx(0.0)
 
 
 def test_untimed_steps_take_the_short_way_under_cuda_once_the_timed_step_is_resolved(
@@ -1079,3 +1087,127 @@ def test_a_world_size_that_is_not_a_number_is_one_process(monkeypatch: pytest.Mo
         train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 0.5})
     t.close()
     assert [w.step for w in sink.windows] == [50, 1050, 1100]
+
+
+# ---------------------------------------------------------------- Ctrl-C in steptimer's own work
+
+
+@pytest.fixture
+def sigint() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt), as in a script or a notebook."""
+    import signal
+
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, prev)
+
+
+def _interrupted_run(t: StepTimer, clock: FakeClock, gpu: FakeGPU | None, steps: int) -> int:
+    """A training cell run again after each Ctrl-C (a notebook): returns how many steps raised."""
+    raised = 0
+    for _ in range(steps):
+        try:
+            train_step(t, clock, gpu, data_ms=1.0, host={"forward": 2.0}, kernels={"forward": 1.0})
+        except KeyboardInterrupt:
+            raised += 1
+    return raised
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_ctrl_c_while_a_window_is_written_keeps_the_timer_and_every_step(
+    clock: FakeClock, gpu: FakeGPU, sigint: None, cuda: bool
+) -> None:
+    """A real SIGINT raised while the sink writes the window of steps 1-10 (Python's handler raises
+    KeyboardInterrupt there, inside steptimer's own end-of-step work): the step that ended is
+    kept, the next step() begins as usual, and the summary holds every completed step, each with
+    its own host time and data wait."""
+    import signal
+
+    t, sink = make(gpu if cuda else None, log_every_n_steps=10, lag=1)
+    writes = sink.write_window
+
+    def write(window: Any) -> None:
+        writes(window)
+        if len(sink.windows) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    sink.write_window = write  # type: ignore[method-assign]
+    assert _interrupted_run(t, clock, gpu if cuda else None, 35) == 1
+    s = t.close()
+    assert s.steps == 35 and sum(w.steps for w in sink.windows) == 35
+    assert [w.step for w in sink.windows] == [10, 20, 30, 35]
+    # each step 2 ms (mean and max 2 ms: none 0, none holding the window's work)
+    assert s["step"].host.mean_ms == pytest.approx(2.0) and s["step"].host.max_ms == pytest.approx(2.0)
+    assert s["data"].host.max_ms == pytest.approx(1.0)
+
+
+def test_ctrl_c_from_another_thread_during_a_slow_sink_keeps_the_timer_and_every_step(
+    clock: FakeClock, sigint: None
+) -> None:
+    """Ctrl-C as the terminal sends it (os.kill from a timer thread) while a real slow sink sleeps:
+    the sleep ends in KeyboardInterrupt; the run goes on and no completed step is lost."""
+    import os
+    import signal
+    import threading
+    import time
+
+    t, sink = make(None, log_every_n_steps=10)
+    writes = sink.write_window
+
+    def write(window: Any) -> None:
+        if not sink.windows:
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            try:
+                time.sleep(10.0)
+            finally:
+                writes(window)
+        else:
+            writes(window)
+
+    sink.write_window = write  # type: ignore[method-assign]
+    assert _interrupted_run(t, clock, None, 25) == 1
+    s = t.close()
+    assert s.steps == 25 and [w.steps for w in sink.windows] == [10, 10, 5]
+
+
+def test_ctrl_c_in_the_gpu_wait_keeps_the_timer_and_every_step(clock: FakeClock, gpu: FakeGPU, sigint: None) -> None:
+    """A SIGINT that lands in the engine's event wait (a blocking CUDA call) at the end of step 7:
+    step 7 is kept with its host time, the steps before it are resolved as usual, and the next
+    steps run."""
+    import dataclasses
+    import signal
+
+    waits = []
+    base = gpu.backend()
+
+    def wait(ev: Any) -> None:
+        waits.append(ev)
+        base.wait(ev)
+        if len(waits) == 6:
+            signal.raise_signal(signal.SIGINT)
+
+    t = StepTimer._make(backend=dataclasses.replace(base, wait=wait), warmup_steps=0, print_summary=False,
+                        log_every_n_steps=10, lag=1)  # fmt: skip
+    assert _interrupted_run(t, clock, gpu, 30) == 1
+    s = t.close()
+    assert s.steps == 30 and s.timed_steps == 30
+    # the GPU waited for the host's 2 ms in each forward (1 ms of kernels)
+    assert s["forward"].gpu is not None and s["forward"].gpu.mean_ms == pytest.approx(2.0)
+    assert s["step"].host.mean_ms > 1.9  # step 7 too: its host time was set after the interrupt
+
+
+def test_nested_pauses_count_once(clock: FakeClock) -> None:
+    """A 20 ms loader wait before each step, and after each step an evaluate() of 30 ms that pauses
+    inside a caller that also pauses: the data wait stays 20 ms (the pause is subtracted once)."""
+    t, _ = make(None)
+
+    def evaluate() -> None:
+        with t.pause():
+            clock.advance_ms(30.0)
+
+    for _ in range(10):
+        train_step(t, clock, None, data_ms=20.0, host={"forward": 2.0})
+        with t.pause():
+            evaluate()
+    s = t.close()
+    assert s["data"].host.median_ms == pytest.approx(20.0) and s["data"].host.max_ms == pytest.approx(20.0)
