@@ -31,10 +31,12 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten
+from steptimer._trace import check_step_pair, check_window_option, record
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
@@ -51,18 +53,8 @@ VERSION = 1
 
 
 def check_profile_steps(profile_steps: object, *, start_step: int) -> tuple[int, int]:
-    """``(first, last)``: inclusive step numbers with ``start_step < first <= last``."""
-    ok = (
-        isinstance(profile_steps, tuple) and len(profile_steps) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) for x in profile_steps)
-        and start_step < profile_steps[0] <= profile_steps[1]
-    )  # fmt: skip
-    if not ok:
-        raise ValueError(
-            f"profile_steps must be a (first, last) pair of step numbers with "
-            f"{start_step + 1} <= first <= last, got {profile_steps!r}"
-        )
-    return profile_steps[0], profile_steps[1]  # type: ignore[index]
+    """``profile_steps``: inclusive step numbers ``(first, last)`` with ``start_step < first <= last``."""
+    return check_step_pair("profile_steps", profile_steps, start_step=start_step)
 
 
 def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
@@ -235,22 +227,37 @@ class Ranges:
             self._records.pop().__exit__(None, None, None)
 
 
+@contextmanager
+def _outside_steps(engine: Engine) -> Iterator[None]:
+    """Under ``pause()`` when between steps: the profiler's start-up (CUPTI: 100s of ms), stop and
+    export are not data wait. Inside a step (or at close) they are that step's (or nobody's)."""
+    paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
+    try:
+        yield
+    finally:
+        if paused is not None:
+            engine.end_pause(paused)
+
+
 class ProfileCapture:
     """``torch.profiler`` over steps ``first..last`` and the trace file, with steptimer's own times
-    of those steps (from the engine's ``on_pending`` call, before their events are released).
-    ``why``: the slowdown that armed it (``profile_on_slow``); None for ``profile_steps``."""
+    of those steps. ``why``: the slowdown that armed it (``profile_on_slow``); None for
+    ``profile_steps``."""
 
     def __init__(self, first: int, last: int, path: str, why: str | None = None) -> None:
-        self.first = first
-        self.last = last
-        self.path = path
-        self.why = why
-        self.started = False
-        self.stopped = False
-        self.written = False
+        self.first, self.last, self.path, self.why = first, last, path, why
+        self.started = self.stopped = self.written = False
         self._prof: Any = None
         self.recs: list[Any] = []  # the window's resolved steps (``_trace.Capture.keep``)
         self._cuda = False
+
+    def _what(self) -> str:
+        return f"steps {self.first}..{self.last}" + (" (profile_on_slow)" if self.why else " (profile_steps)")
+
+    def _failed(self, engine: Engine, msg: str, err: Exception) -> None:
+        msg = msg.format(what=self._what(), err=f"{type(err).__name__}: {err}")
+        log.warning("steptimer: %s", msg)
+        engine.notes.append(msg)
 
     def start(self, engine: Engine) -> bool:
         """Start the profiler before step ``first``; False (one warning and a note) if it would not
@@ -261,40 +268,28 @@ class ProfileCapture:
         self.started = True
         self._cuda = torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
-        paused = engine.begin_pause()  # the profiler's start-up (CUPTI: 100s of ms) is not data wait
-        try:
-            self._prof = profile(activities=activities)
-            self._prof.start()
-        except Exception as err:  # noqa: BLE001 - steptimer's profiler must never stop the run
-            self._prof, self.stopped, self.written = None, True, True
-            msg = f"torch.profiler did not start for {self._what()} ({type(err).__name__}: {err}); no trace"
-            log.warning("steptimer: %s", msg)
-            engine.notes.append(msg)
-            return False
-        finally:
-            engine.end_pause(paused)
+        with _outside_steps(engine):
+            try:
+                self._prof = profile(activities=activities)
+                self._prof.start()
+            except Exception as err:  # noqa: BLE001 - steptimer's profiler must never stop the run
+                self._prof, self.stopped, self.written = None, True, True
+                self._failed(engine, "torch.profiler did not start for {what} ({err}); no trace", err)
+                return False
         return True
-
-    def _what(self) -> str:
-        return f"steps {self.first}..{self.last}" + (" (profile_on_slow)" if self.why else " (profile_steps)")
 
     def stop(self, engine: Engine) -> None:
         if self._prof is None or self.stopped:
             return
         self.stopped = True
-        paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
-        try:
-            self._prof.stop()
-        except Exception as err:  # noqa: BLE001 - the write then fails too, with a note
-            log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
-        finally:
-            if paused is not None:
-                engine.end_pause(paused)
+        with _outside_steps(engine):
+            try:
+                self._prof.stop()
+            except Exception as err:  # noqa: BLE001 - the write then fails too, with a note
+                log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
 
     def steps(self) -> list[dict[str, Any]]:
         """steptimer's own times of the window's resolved steps, by phase, in ms."""
-        from steptimer._trace import record
-
         out = []
         for s in map(record, self.recs):
             host = {"step": s["step_s"] * 1e3}
@@ -312,81 +307,57 @@ class ProfileCapture:
         """The window is over and its steps are resolved: the trace can be written."""
         return self.started and not self.written and engine.last_resolved >= self.last
 
-    def write(self, engine: Engine) -> None:
-        paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
-        try:
-            self._write_or_note(engine)
-        finally:
-            if paused is not None:
-                engine.end_pause(paused)
-
     def finish(self, engine: Engine) -> None:
         """At close: stop a window the run ended inside, and write what was captured."""
         if self.written:
             return
         if not self.started:
+            self.written = True
             engine.notes.append(
                 f"{self.why}; the run ended at step {engine.number}, before the profiler's steps: no trace"
                 if self.why else
                 f"profile_steps={self.first, self.last}: the run ended at step {engine.number}, "
                 "before the window; no profile written"
             )  # fmt: skip
-            self.written = True
             return
         self.stop(engine)
-        self._write_or_note(engine)
+        self.write(engine)
 
-    def _write_or_note(self, engine: Engine) -> None:
-        """Write the trace; a failed write is one warning and a note, never an exception in a step."""
+    def write(self, engine: Engine) -> None:
+        """Write the trace with steptimer's times of its steps (key ``steptimer``: Chrome and Perfetto
+        ignore unknown top-level keys). A failed write is one warning and a note, never an exception
+        in a step."""
+        self.written = True
+        prof, self._prof = self._prof, None
+        steps = self.steps()
+        tmp = self.path + ".tmp"
         try:
-            self._write()
+            with _outside_steps(engine):
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                prof.export_chrome_trace(tmp)
+                with open(tmp) as f:
+                    doc = json.load(f)
+                doc["steptimer"] = {
+                    "format": FORMAT, "version": VERSION, "first": self.first, "last": self.last,
+                    "cuda_activity": self._cuda, "range_prefix": RANGE_PREFIX, "steps": steps, "why": self.why,
+                }  # fmt: skip
+                with open(tmp, "w") as f:
+                    json.dump(doc, f)
+                os.replace(tmp, self.path)
         except OSError as err:
             engine.notes.append(unwritten("the profiler trace", self.path, err))
             return
         except Exception as err:  # noqa: BLE001 - the profiler's own export failed: never stop the run
-            msg = f"torch.profiler's trace of {self._what()} was not written ({type(err).__name__}: {err})"
-            log.warning("steptimer: %s", msg)
-            engine.notes.append(msg)
+            self._failed(engine, "torch.profiler's trace of {what} was not written ({err})", err)
             return
-        engine.notes.append(self.note())
-
-    def note(self) -> str:
-        numbers = [s["number"] for s in self.steps()]
-        span = f"{numbers[0]}..{numbers[-1]}" if numbers else "none"
-        if self.why:
-            return (
-                f"{self.why}; steps {span} ran under torch.profiler (their times include its overhead), "
-                f"trace: {self.path} (steptimer kernels)"
-            )
-        return (
+        span = f"{steps[0]['number']}..{steps[-1]['number']}" if steps else "none"
+        engine.notes.append(
+            f"{self.why}; steps {span} ran under torch.profiler (their times include its overhead), "
+            f"trace: {self.path} (steptimer kernels)"
+            if self.why else
             f"steps {span} ran under torch.profiler (profile_steps): their times include the "
             f"profiler's overhead; trace: {self.path} (steptimer kernels)"
-        )
-
-    def _write(self) -> None:
-        self.written = True
-        prof, self._prof = self._prof, None
-        if prof is None:
-            raise RuntimeError("the profiler never ran")
-        tmp = self.path + ".tmp"
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        prof.export_chrome_trace(tmp)
-        with open(tmp) as f:
-            doc = json.load(f)
-        # Chrome and Perfetto ignore unknown top-level keys (torch's own trace has several).
-        doc["steptimer"] = {
-            "format": FORMAT,
-            "version": VERSION,
-            "first": self.first,
-            "last": self.last,
-            "cuda_activity": self._cuda,
-            "range_prefix": RANGE_PREFIX,
-            "steps": self.steps(),
-            "why": self.why,  # the slowdown that armed it (profile_on_slow); None for profile_steps
-        }
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, self.path)
+        )  # fmt: skip
 
 
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
@@ -477,18 +448,14 @@ def make_ranges(
 
     ``folder`` is where the traces go (the log directory); captures are made on rank 0 only.
     """
-    capture = None
     factor = check_profile_on_slow(profile_on_slow)
-    for name, value in (("profile_steps", profile_steps), ("profile_on_slow", factor)):
-        if value is None:
-            continue
-        if name == "profile_steps":
-            first, last = check_profile_steps(profile_steps, start_step=start_step)
-        if sample_every != 1:
-            raise ValueError(f"{name} needs every step timed (sample_every=1), got sample_every={sample_every}")
-        if folder is None:
-            file = PROFILE_FILE if name == "profile_steps" else f"{SLOW_PROFILE_PREFIX}<step>.json"
-            raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
+    if profile_steps is not None:
+        first, last = check_profile_steps(profile_steps, start_step=start_step)
+        check_window_option("profile_steps", PROFILE_FILE, sample_every=sample_every, folder=folder)
+    if factor is not None:
+        check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,
+                            folder=folder)  # fmt: skip
+    capture = None
     if profile_steps is not None and enabled and rank == 0:
         capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
     fns, note = None, None

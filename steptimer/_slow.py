@@ -1,30 +1,18 @@
 """The slowest steps of a run, and what made each slow, measured (docs/slow-steps.md).
 
 A step's *wall time* is the product's share rule (``_verdict.py``) applied to one step: with CUDA
-timing, its span on the GPU's timeline (its GPU step span plus the GPU's idle before it), so a GPU
-stall inside a phase makes the step slow even while the host runs ahead with ``lag``; host only, the
-host step plus the time between steps before it (``data``). Only timed steps are ranked (with
-``sample_every`` > 1, the sampled ones): they are the ones with phases to explain.
+timing, its GPU step span plus the GPU's idle before it, so a GPU stall inside a phase makes the
+step slow even while the host runs ahead with ``lag``; host only, the host step plus the time
+between steps before it (``data``). Only timed steps are ranked: they have phases to explain.
 
-Nothing here runs per step on the hot path. Per window, the rows are already arrays
-(``_window._blocks``): ``window_candidates`` takes the window's steps slower than the run's k-th
-slowest so far (after the first k, usually none), and :class:`SlowestKeeper` keeps the run's k
-slowest, so memory stays at k entries over any run length. The causes are measured where they
-happen and travel with the step as *marks* (``StepRows.marks``, a sparse dict by step number, only
-for steps in which something happened):
-
-- ``gc_ms``/``gc_gen``: Python garbage collection inside the step's host time range, from
-  ``gc.callbacks`` (:class:`GcLog`: two ``perf_counter()`` calls and a deque append per collection,
-  never per step).
-- ``graphs_new``/``graphs``: ``torch.compile`` graphs compiled during the step, from dynamo's
-  counters, read at the end of every step once ``torch._dynamo`` is imported (one dict lookup).
-- ``pause_ms``: time under ``pause()`` right before the step.
-- ``window_ms``: steptimer's own window (statistics, sinks), computed inside the step that resolved
-  the window's last step (two ``perf_counter()`` calls per window).
-- ``alloc_retries``: the CUDA caching allocator's retries after a failed ``cudaMalloc`` (it frees
-  its cache and tries again) in the step's window, read once per window (one stats call).
-
-The phase that grew, and a data stall, are read against the run's per-row medians at the summary.
+Nothing here runs per step on the hot path: per window, on the window's arrays (``_window._blocks``),
+``window_candidates`` takes the steps slower than the run's k-th slowest so far (usually none) and
+:class:`SlowestKeeper` keeps the run's k slowest, so memory stays at k entries over any run. The
+causes are measured where they happen and travel with the step as *marks* (``StepRows.marks``, a
+sparse dict by step number): ``gc_ms``/``gc_gen`` (:class:`GcLog`), ``graphs_new``/``graphs``
+(dynamo's counters), ``pause_ms``, ``window_ms`` (steptimer's own window), ``alloc_retries`` (read
+once per window), ``profiled``. The row that grew, and a data stall, are read against the run's
+per-row medians at the summary (:func:`explain`).
 """
 
 from __future__ import annotations
@@ -213,21 +201,16 @@ class GcLog:
     def take_ms(self, t_from: float, t_to: float) -> tuple[float, int]:
         """``(ms of collection inside [t_from, t_to], oldest generation collected)``; spans that end by
         ``t_to`` are consumed (steps are resolved in order), later ones kept for the next steps."""
-        spans = self.spans
         total, gen = 0.0, -1
-        while spans and spans[0][1] <= t_to:
-            a, z, g = spans.popleft()
-            cut = min(z, t_to) - max(a, t_from)
-            if cut > 0:
-                total += cut
-                gen = max(gen, g)
-        for a, z, g in spans:  # a collection still running at t_to (rare): its part inside
+        for a, z, g in self.spans:  # in order: collections never overlap
             if a >= t_to:
                 break
             cut = min(z, t_to) - max(a, t_from)
             if cut > 0:
                 total += cut
                 gen = max(gen, g)
+        while self.spans and self.spans[0][1] <= t_to:
+            self.spans.popleft()
         return total * 1e3, gen
 
 
@@ -578,24 +561,17 @@ class SlowdownWatch:
             for a, z in self._profiled:
                 out = (n < a) | (n > z)
                 clean = out if clean is None else clean & out
-        found = None
+        found, run = None, self._run
+        self._run = (0, 0, 0, 0.0)  # a run of slow steps goes on into this window only over the line
         if self._filled >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
             k = (self._filled - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
             base = float(np.partition(self._ring[: self._filled], k)[k])
-            line = max(self.factor * base, base + SLOW_MIN_MS)
-            if w.max() > line:
-                over = w > line
-                if clean is not None:
-                    over &= clean
-                if n[-1] > self._quiet_to:
-                    over &= n > self._quiet_to
-                    found = self._runs(walls, over, base)
-                else:
-                    self._run = (0, 0, 0, 0.0)
-            else:
-                self._run = (0, 0, 0, 0.0)
-        else:
-            self._run = (0, 0, 0, 0.0)
+            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to)
+            if clean is not None:
+                over &= clean
+            if over.any():  # a Python loop over the window's steps only then
+                self._run = run
+                found = self._runs(walls, over, base)
         self._remember(w if clean is None else w[clean])
         self._prev = (host, gpu)
         return found

@@ -49,27 +49,40 @@ FLIGHT_DIR = "steptimer-slow"
 BEFORE, AFTER, MAX_TRACES = 3, 2, 3  # the flight recorder's steps around a slow one, traces kept
 
 
-def trace_range(trace_steps: int | tuple[int, int], *, start_step: int, warmup_steps: int) -> tuple[int, int]:
-    """``(first, last)`` step numbers to capture, from ``StepTimer``'s ``trace_steps`` option.
+def check_step_pair(name: str, value: object, *, start_step: int) -> tuple[int, int]:
+    """An option's ``(first, last)``: inclusive step numbers with ``start_step < first <= last``."""
+    ok = (
+        isinstance(value, tuple) and len(value) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        and start_step < value[0] <= value[1]
+    )  # fmt: skip
+    if not ok:
+        int_too = " an int >= 1 or" if name == "trace_steps" else ""
+        raise ValueError(
+            f"{name} must be{int_too} a (first, last) pair of step numbers with "
+            f"{start_step + 1} <= first <= last, got {value!r}"
+        )
+    return value[0], value[1]  # type: ignore[index]
 
-    An int N means the N steps right after warm-up; a pair is inclusive step numbers.
-    """
+
+def check_window_option(name: str, file: str, *, sample_every: int, folder: str | None) -> None:
+    """What a window of captured steps (``trace_steps``, ``profile_steps``, ``profile_on_slow``)
+    needs: every step timed, and a log directory for ``file``."""
+    if sample_every != 1:
+        raise ValueError(f"{name} needs every step timed (sample_every=1), got sample_every={sample_every}")
+    if folder is None:
+        raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
+
+
+def trace_range(trace_steps: int | tuple[int, int], *, start_step: int, warmup_steps: int) -> tuple[int, int]:
+    """``(first, last)`` step numbers to capture, from ``StepTimer``'s ``trace_steps`` option: an int
+    N is the N steps right after warm-up, a pair inclusive step numbers."""
     if isinstance(trace_steps, int) and not isinstance(trace_steps, bool):
         if trace_steps < 1:
             raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace_steps!r}")
         first = start_step + warmup_steps + 1
         return first, first + trace_steps - 1
-    ok = (
-        isinstance(trace_steps, tuple) and len(trace_steps) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) for x in trace_steps)
-        and start_step < trace_steps[0] <= trace_steps[1]
-    )  # fmt: skip
-    if not ok:
-        raise ValueError(
-            f"trace_steps must be an int >= 1 or a (first, last) pair of step numbers with "
-            f"{start_step + 1} <= first <= last, got {trace_steps!r}"
-        )
-    return trace_steps[0], trace_steps[1]  # type: ignore[index]
+    return check_step_pair("trace_steps", trace_steps, start_step=start_step)
 
 
 def _number(rec: Any) -> int:
@@ -314,15 +327,8 @@ def make_capture(
     trace = None
     if trace_steps is not None:
         first, last = trace_range(trace_steps, start_step=start_step, warmup_steps=warmup_steps)
-        if sample_every != 1:
-            raise ValueError(
-                f"trace_steps needs every step timed (sample_every=1), got sample_every={sample_every}"
-            )
-        if folder is None:
-            raise ValueError(
-                f"trace_steps needs log_dir or writer: {TRACE_FILE} is written next to the event files"
-            )
-        trace = (first, last, os.path.join(folder, TRACE_FILE))
+        check_window_option("trace_steps", TRACE_FILE, sample_every=sample_every, folder=folder)
+        trace = (first, last, os.path.join(folder, TRACE_FILE))  # type: ignore[arg-type]
     flight_dir = os.path.join(folder, FLIGHT_DIR) if flight and folder is not None else None
     if not enabled or rank != 0 or (trace is None and flight_dir is None and not profile):
         return None
