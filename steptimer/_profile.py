@@ -1,28 +1,20 @@
-"""The same steps and phases in the profilers: NVTX ranges and a ``torch.profiler`` capture.
+"""The same steps and phases in the profilers: NVTX ranges and ``torch.profiler`` windows
+(docs/profilers.md).
 
-``StepTimer(nvtx=True)`` makes every step an NVTX range named ``step`` and every phase one named like
-its tag (``forward``, ``forward/attn``), so Nsight Systems shows steptimer's phases on its timeline.
-``StepTimer(profile_steps=(first, last))`` runs ``torch.profiler`` (CPU activity, and CUDA when
-torch sees a GPU) for those steps only, with the step and each phase as a ``record_function`` range
-named ``steptimer/step``, ``steptimer/forward``, ... (the prefix tells them apart from your own
-ranges), and writes the Chrome trace to ``<log_dir>/steptimer-profile.json``; ``steptimer kernels``
-reads it (``_kernels.py``).
+``nvtx=True`` makes every step an NVTX range named ``step`` and every phase one named like its tag
+(``forward/attn``), for Nsight Systems. ``profile_steps=(first, last)`` runs ``torch.profiler`` for
+those steps only, each step and phase a ``record_function`` range named ``steptimer/<tag>``, and
+writes the Chrome trace with steptimer's own times of the steps to ``steptimer-profile.json``
+(``steptimer kernels``, ``_kernels.py``); ``profile_on_slow`` arms the same window after a slowdown.
 
-Where the costs land:
-
-- Off (the default), nothing: the timer uses its plain step and phase objects.
-- NVTX: one ``rangePushA``/``rangePop`` per step and phase, outside steptimer's own measurement (the
-  range encloses the phase's events), so it shows in the enclosing phase or ``other``; measured in
-  docs/benchmarks.md.
-- ``profile_steps``: outside the window a step pays one comparison; its phases pay nothing (they
-  switch to the ranged class only for the window). The profiler's start, stop and export run in a
-  ``pause()`` before the window's first step and after its steps, so they are not counted as data
-  wait. The profiled steps themselves run slower (the profiler records every op): they stay in the
-  statistics, and the summary says which steps they were. Their own steptimer times are written
-  into the trace file (key ``steptimer``) for ``steptimer kernels``' consistency check.
-
-The trace is written once all the window's steps are resolved (``lag`` steps after its last one, or
-at ``close()``), since the check needs their GPU times.
+Where the costs land: off, nothing (the timer keeps its plain step and phase objects). NVTX: one
+push/pop per step and phase, outside steptimer's own measurement (the range encloses the phase's
+events), so it shows in the enclosing phase or ``other``. A profiler window: outside it one
+comparison a step, and phases switch to the ranged class only inside it; the profiler's start, stop
+and export run under ``pause()`` between steps, so they are not data wait; the profiled steps run
+slower (the profiler records every op), stay in the statistics and are named in the summary. The
+trace is written once the window's steps are resolved (``lag`` steps after its last, or at close),
+since the check needs their GPU times.
 """
 
 from __future__ import annotations
@@ -31,11 +23,13 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten
+from steptimer._slow import Candidate, SlowStep, StepWalls, explain, ms_text
 from steptimer._trace import check_step_pair, check_window_option, record
 
 if TYPE_CHECKING:
@@ -395,39 +389,164 @@ def profile_files(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in fixed + [n for _, n in sorted(slow)]]
 
 
+PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
+PROFILE_SLOW_MAX = 3  # captures per run
+SLOW_RUN_STEPS = 3  # consecutive steps over the factor that make a slowdown (one outlier never does)
+# ... and each at least this much over the median: on steps of µs, jitter is often 1.5 x, and a capture
+# (the profiler's start-up alone is 100s of ms with CUDA) is worth a slowdown a user would notice.
+SLOW_MIN_MS = 1.0
+BASELINE_STEPS = 100  # the rolling median: over the last this many resolved steps before the window
+BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many steps (after warm-up)
+COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the next slowdown
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """Steps ``first..last`` (consecutive, resolved) each slower than ``factor`` x ``median_ms``, the
+    rolling median step before them; ``wall_ms`` is their mean, ``grew`` what grew in them
+    (:func:`explain` of their mean rows against the previous window's medians)."""
+
+    first: int
+    last: int
+    wall_ms: float
+    median_ms: float
+    factor: float
+    grew: SlowStep | None
+
+    def text(self) -> str:
+        """``profile_on_slow=1.5: steps 41-43 each slower than 1.5 x the median step before them:
+        13.3 ms on average vs 2.226 ms, forward +7.104 ms (median 1.088)``"""
+        grew = "" if self.grew is None or self.grew.grew is None else f", {self.grew.grew_text()}"
+        return (
+            f"profile_on_slow={self.factor:g}: steps {self.first}-{self.last} each slower than {self.factor:g} x "
+            f"the median step before them: {ms_text(self.wall_ms)} ms on average vs {ms_text(self.median_ms)} ms{grew}"
+        )
+
+
 class SlowProfiler:
-    """``profile_on_slow``: per window, asks :class:`~steptimer._slow.SlowdownWatch` whether steps
-    stayed slower than the factor, and if so arms a ``torch.profiler`` window of the next
-    ``PROFILE_SLOW_STEPS`` steps on the timer's :class:`Ranges` (the ``profile_steps`` code path),
-    written to ``steptimer-profile-slow-<first step>.json``."""
+    """``profile_on_slow``: finds steps that *stay* slower than ``factor`` x the rolling median step,
+    and arms a ``torch.profiler`` window of the next ``PROFILE_SLOW_STEPS`` steps on the timer's
+    :class:`Ranges` (the ``profile_steps`` code path), written to ``steptimer-profile-slow-<first
+    step>.json``.
+
+    Checked once per window on its arrays (:class:`StepWalls`), never per step: the rolling median is
+    the median (nearest rank) wall time of the last ``BASELINE_STEPS`` resolved steps before the
+    window, and a slowdown is ``SLOW_RUN_STEPS`` consecutive steps each over ``factor`` x that median
+    and at least ``SLOW_MIN_MS`` over it (a run may start in one window and end in the next). So one
+    outlier never fires, and the detection lags the slowdown's third step by up to a window. Steps
+    under the profiler are left out of the median and of the check (the profiler's overhead would
+    look like the next slowdown), and so are the ``COOLDOWN_STEPS`` steps after a capture; at most
+    ``PROFILE_SLOW_MAX`` captures per run. Warm-up windows never reach here. Per window: a ring
+    write, a partition of 100 values and a max, when no step is over the line (~10 µs).
+    """
 
     def __init__(self, factor: float, folder: str, ranges: Ranges) -> None:
-        from steptimer._slow import SlowdownWatch
+        import numpy as np
 
-        self.watch = SlowdownWatch(factor)
-        self.folder = folder
-        self.ranges = ranges
-        for cap in ranges.captures:  # profile_steps' steps: left out of the rolling median
-            self.watch.profiled(cap.first, cap.last, capture=False)
+        self.factor, self.folder, self.ranges = factor, folder, ranges
+        self.captures = 0
+        self._ring = np.zeros(0)  # the last BASELINE_STEPS resolved steps' wall times
+        self._run: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # steps, first, last, their wall sum
+        self._prev: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})  # last window's host, gpu stats
+        self._quiet_to = -1  # the last step of the last capture's cool-down
+        self._profiled: list[tuple[int, int]] = []  # steps under the profiler (left out of the median)
+        for cap in ranges.captures:  # profile_steps' steps
+            self.profiled(cap.first, cap.last, capture=False)
 
     def window(self, window: Any, engine: Engine) -> None:
         """A window's steps (``window.packed.walls``): arm a capture if a slowdown completed."""
-        from steptimer._slow import PROFILE_SLOW_STEPS
-
         walls = window.packed.walls if window.packed is not None else None
         if walls is None or engine.closed:
             return
-        found = self.watch.check(walls, window.host, window.gpu)
+        found = self.check(walls, window.host, window.gpu)
         if found is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
         last = first + PROFILE_SLOW_STEPS - 1
         path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
-        why = found.text()
-        if self.ranges.arm(ProfileCapture(first, last, path, why=why), engine):
-            self.watch.profiled(first, last)
+        if self.ranges.arm(ProfileCapture(first, last, path, why=found.text()), engine):
+            self.profiled(first, last)
         else:
-            engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
+            engine.notes.append(f"{found.text()}; not profiled: profile_steps' window runs then")
+
+    def profiled(self, first: int, last: int, *, capture: bool = True) -> None:
+        """Steps ``first..last`` run under the profiler (``capture``: one of this watch's captures)."""
+        self._profiled.append((first, last))
+        if capture:
+            self.captures += 1
+            self._quiet_to = max(self._quiet_to, last + COOLDOWN_STEPS)
+
+    def check(
+        self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]
+    ) -> Slowdown | None:  # fmt: skip
+        """A window's steps (after warm-up) and its statistics by row (``Window.host``/``gpu``, whose
+        medians the next window's slowdown is read against); a slowdown, if one completed."""
+        import numpy as np
+
+        n, w = walls.numbers, walls.wall_ms
+        if not len(n):
+            return None
+        clean = None
+        if self._profiled:
+            self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
+            for a, z in self._profiled:
+                out = (n < a) | (n > z)
+                clean = out if clean is None else clean & out
+        found, run = None, self._run
+        self._run = (0, 0, 0, 0.0)  # a run of slow steps goes on into this window only over the line
+        if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
+            k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
+            base = float(np.partition(self._ring, k)[k])
+            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to)
+            if clean is not None:
+                over &= clean
+            if over.any():  # a Python loop over the window's steps only then
+                self._run = run
+                found = self._runs(walls, over, base)
+        self._ring = np.concatenate([self._ring, w if clean is None else w[clean]])[-BASELINE_STEPS:]
+        self._prev = (host, gpu)
+        return found
+
+    def _runs(self, walls: StepWalls, over: Any, base: float) -> Slowdown | None:
+        """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line (a Python loop over the
+        window's steps, only in a window with a step over it)."""
+        run, first, last, total = self._run
+        numbers = walls.numbers.tolist()
+        for i, (number, is_over) in enumerate(zip(numbers, over.tolist())):
+            number = int(number)
+            if not is_over or (run and number != last + 1):
+                run, total = 0, 0.0
+            if not is_over:
+                continue
+            if not run:
+                first = number
+            run, last, total = run + 1, number, total + float(walls.wall_ms[i])
+            if run >= SLOW_RUN_STEPS:
+                self._run = (0, 0, 0, 0.0)
+                return Slowdown(first, last, total / run, base, self.factor, self._grew(walls, first, i))
+        self._run = (run, first, last, total)
+        return None
+
+    def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
+        """What grew in the run's steps of this window (their mean rows) against the previous
+        window's medians: :func:`explain`, the slowest steps' own rule."""
+        idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
+        host: dict[str, list[float]] = {}
+        gpu: dict[str, list[float]] = {}
+        for i in idx:
+            h, g = walls.rows(i)
+            for d, into in ((h, host), (g, gpu)):
+                for k, v in d.items():
+                    into.setdefault(k, []).append(v)
+        ph, pg = self._prev
+        medians = {("host", k): st.median_ms for k, st in ph.items()}
+        medians.update({("gpu", k): st.median_ms for k, st in pg.items()})
+        if not medians or not idx:
+            return None
+        mean = {k: sum(v) / len(v) for k, v in host.items()}
+        gmean = {k: sum(v) / len(v) for k, v in gpu.items()} or None
+        wall = float(walls.wall_ms[idx].mean())
+        return explain(Candidate(wall, first, walls.clock, mean, gmean, {}), medians)
 
 
 def make_ranges(

@@ -1,31 +1,21 @@
-"""One capture of recent steps, on the host clock and the GPU's: behind ``trace_steps``, the flight
-recorder around the run's slowest steps (docs/slow-steps.md) and the profiler windows' own times
-(``_profile.py``).
+"""One capture of recent steps, on the host clock and the GPU's, behind ``trace_steps`` (docs/cli.md
+#trace), the flight recorder around the run's slowest steps (docs/slow-steps.md) and the profiler
+windows' own times (``_profile.py``).
 
 The engine hands each resolved step to :meth:`Capture.add`: a reference goes into a ring of the last
-``log_every_n_steps + 7`` steps, and into each step window that wants all its steps (``trace_steps``,
-a profiler window). A step is copied out (:func:`record`) only when a trace is made of it, after the
-engine has set its GPU event offsets. With the flight recorder alone, the engine appends to the same
-ring itself (``Engine(recent=)``), which saves a Python call per step.
+``log_every_n_steps + 7`` steps and into each window kept whole (``trace_steps``, a profiler window);
+a step is copied out (:func:`record`) only when a trace is made of it. With the flight recorder
+alone the engine appends to the ring itself (``Engine(recent=)``), a Python call less per step.
 
-GPU times: CUDA events give GPU intervals only. Each step's events are read relative to its first
-(``offs_ms``) and consecutive steps are chained by the engine's end-of-previous-step event
-(``chain_ms``, :func:`gpu_chain`). The chain is put on the host clock in one of two ways:
-
-- ``trace_steps``: once the window is over, one reference event is recorded and waited for (once per
-  run: the only extra wait tracing adds); the host time at which the wait returns anchors the chain.
-  The anchor is late by the wait's wake-up latency (µs), so GPU slices are drawn at most that much
-  late, never early; the chain adds CUDA's event resolution (~0.5 µs) per step. The wait lands in
-  the step during which the step after ``last`` is resolved (or in ``close()``), and can cost that
-  step up to the GPU work queued then. Written as ``steptimer-trace.json`` at close; ``steptimer
-  trace`` turns it into Chrome trace JSON (``_tracefile.py``).
-- The flight recorder never waits on the GPU: its chain is placed at the earliest time its launches
-  allow (no GPU slice starts before the host launched it, and one starts exactly then); the slices'
-  lengths and gaps are exact. When a window puts a step among the run's slowest, the ``before + 1 +
-  after`` steps around it are copied out of the ring once the ``after`` steps are resolved; the
-  ``max_traces`` slowest are written at close (no file is written inside a step) as
-  ``steptimer-slow/<run id>/step-<N>.trace.json``, Chrome trace JSON. The run id is the one in the
-  run's TensorBoard file names, so a second run into the same log directory never overwrites them.
+GPU times: each step's events are read relative to its first (``offs_ms``) and consecutive steps are
+chained by the engine's end-of-previous-step event (``chain_ms``, :func:`gpu_chain`). ``trace_steps``
+puts the chain on the host clock with one reference event, recorded and waited for once the window
+is over (the only extra wait tracing adds, in the step that resolves the step after ``last``, or in
+``close()``): GPU slices are drawn late by the wait's wake-up latency (µs), never early. The flight
+recorder never waits: its chain is placed at the earliest time its launches allow; lengths and gaps
+are exact. No file is written inside a step: both write at close, the recorder's traces as
+``steptimer-slow/<run id>/step-<N>.trace.json`` with the run id of the run's TensorBoard files, so
+a second run into the same log directory never overwrites them.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from time import perf_counter
 from types import TracebackType
