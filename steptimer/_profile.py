@@ -147,7 +147,7 @@ class Ranges:
         self._open("step")
 
     def abort_step(self) -> None:
-        """``begin_step`` was followed by an engine error: close what it opened."""
+        """Close the step's range (``begin_step`` was followed by an engine error, or at close)."""
         if self._in_step:
             self._in_step = False
             self._close()
@@ -183,9 +183,7 @@ class Ranges:
         """At ``close()``, after the engine resolved every step: stop and write the captures."""
         while self._names:
             self.exit()
-        if self._in_step:
-            self._in_step = False
-            self._close()
+        self.abort_step()
         self.recording = False
         for cap in self.captures:
             cap.finish(engine)

@@ -11,7 +11,6 @@ from steptimer._reader import LogError
 from steptimer._trace import FORMAT, TRACE_FILE, VERSION
 
 
-
 def read_json(path: str, name: str, option: str) -> tuple[str, Any]:
     """``(file, its JSON)`` for the file ``name`` at ``path`` (the file itself or the run's directory);
     ``option`` is the StepTimer option that writes it, named in the error when it is missing."""
@@ -59,10 +58,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     (the anchor or clock drift) is clamped to the host entry time, and the count is in ``metadata``.
     """
     steps = capture["steps"]
-    host_times = [s["t0"] for s in steps if s["t0"] is not None]
-    host_times += [p[1] for s in steps for p in s["phases"]]
-    host_times += [s["t0"] - s["gap_s"] for s in steps if s["t0"] is not None and s["gap_s"]]
-    origin = min(host_times, default=0.0)
+    origin = min([s["t0"] - (s["gap_s"] or 0.0) for s in steps], default=0.0)
 
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 3)
@@ -82,10 +78,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     clamped = 0
     has_gpu = False
     for s in steps:
-        n = s["number"]
-        t0 = s["t0"] if s["t0"] is not None else min((p[1] for p in s["phases"]), default=None)
-        if t0 is None:
-            continue
+        n, t0 = s["number"], s["t0"]
         t_end = t0 + s["step_s"]
         if s["gap_s"]:
             slice_(HOST_TID, "data", "data", t0 - s["gap_s"], t0, step=n)
