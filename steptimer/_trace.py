@@ -105,7 +105,7 @@ def record(rec: Any) -> dict[str, Any]:
 def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """The GPU span and phases of each step of the last unbroken chain, in seconds from the chain's
     zero: each step starts ``chain_ms`` after the previous one's end event. A step without GPU
-    events, or not linked to the one before (a device or stream switch), starts the chain again."""
+    events, or not linked to the one before (another device), starts the chain again."""
     rel: dict[int, dict[str, Any]] = {}
     end = None
     for s in steps:
@@ -146,7 +146,7 @@ def placed(steps: list[dict[str, Any]], rel: dict[int, dict[str, Any]], shift: f
         })  # fmt: skip
     timed = [s["number"] for s in steps if s["offs_ms"] is not None]
     if rel and timed[0] != min(rel):
-        notes.append(f"GPU track from step {min(rel)}: the chain of GPU events broke before it (device or stream switch)")
+        notes.append(f"GPU track from step {min(rel)}: the chain of GPU events broke before it (a device switch)")
     return {"steps": out, "notes": notes}
 
 

@@ -70,3 +70,29 @@ def to_chrome_slices(doc: dict[str, Any]) -> dict[tuple[int, str], tuple[float, 
         (e["args"]["step"], e["name"]): (e["ts"], e["dur"])
         for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == GPU_TID
     }  # fmt: skip
+
+
+def test_a_device_switch_inside_the_window_starts_the_gpu_track_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 6.. run on another device: its events can't be chained to the first device's, so the
+    GPU track holds steps 6..8 only, anchored, and the trace's notes say why."""
+    clock = FakeClock()
+    monkeypatch.setattr(engine_mod, "perf_counter", clock)
+    monkeypatch.setattr(trace_mod, "perf_counter", clock)
+    gpu = FakeGPU(clock)
+    t = StepTimer._make(backend=gpu.backend(), log_dir=tmp_path, warmup_steps=0, print_summary=False,
+                        trace_steps=(3, 8))  # fmt: skip
+    for n in range(1, 11):
+        if n == 6:
+            gpu.stream = (7, 1, 1)  # device 1
+        clock.advance_ms(1.0)
+        with t.step(), t.phase("forward"):
+            gpu.launch(2.0)
+            clock.advance_ms(0.5)
+    t.close()
+    capture = load_capture(str(tmp_path))
+    assert [s["number"] for s in capture["steps"] if s["gpu"] is not None] == [6, 7, 8]
+    assert "GPU track from step 6: the chain of GPU events broke before it (a device switch)" in capture["notes"]
+    slices = to_chrome_slices(to_chrome(capture))
+    assert slices[(7, "forward")][1] == pytest.approx(2000.0)
