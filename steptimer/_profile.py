@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,10 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten
 from steptimer._slow import Candidate, SlowStep, StepWalls, explain, ms_text
-from steptimer._trace import check_step_pair, check_window_option, record
+from steptimer._trace import check_step_pair, check_window_option, own_path, record, run_files
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
+    from steptimer._trace import Capture
 
 log = logging.getLogger("steptimer")
 
@@ -73,7 +75,9 @@ class Ranges:
         capture: The ``profile_steps`` window, or None.
         set_ranged: Called with True when the phases must call ``enter``/``exit`` (NVTX on, or inside
             the profiler window) and False when they need not.
-        keep: ``_trace.Capture.keep``: the resolved steps of a profiler window, for its own times.
+        recent: The capture of recent steps (``_trace.Capture``): a profiler window's resolved steps,
+            for its own times, and the run id that keeps another run's trace file from being
+            overwritten.
     """
 
     def __init__(
@@ -81,10 +85,10 @@ class Ranges:
         nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None,
         capture: ProfileCapture | None,
         set_ranged: Callable[[bool], None],
-        keep: Callable[[int, int], list[Any]] | None = None,
+        recent: Capture | None = None,
     ) -> None:
         self._push, self._pop = nvtx if nvtx is not None else (None, None)
-        self._keep = keep
+        self._recent = recent
         # The profiler windows not yet written, in step order, one at a time: profile_steps' and
         # those profile_on_slow arms (:meth:`arm`, which keeps them apart).
         self.captures: list[ProfileCapture] = []
@@ -124,10 +128,13 @@ class Ranges:
         return True
 
     def _accept(self, capture: ProfileCapture) -> None:
-        if self._keep is not None:
-            capture.recs = self._keep(capture.first, capture.last)
+        if self._recent is not None:
+            capture.recs = self._recent.keep(capture.first, capture.last)
         self.captures.append(capture)
         self.captures.sort(key=lambda c: c.first)
+
+    def _run_id(self) -> str | None:
+        return self._recent.run_id if self._recent is not None else None
 
     # ------------------------------------------------------------------ steps
 
@@ -175,7 +182,7 @@ class Ranges:
                 self._set_ranged(self._push is not None)
                 cap.stop(engine)
         if cap.ready(engine):
-            cap.write(engine)
+            cap.write(engine, self._run_id())
             self.captures.pop(0)
             self._next_window()
 
@@ -186,7 +193,7 @@ class Ranges:
         self.abort_step()
         self.recording = False
         for cap in self.captures:
-            cap.finish(engine)
+            cap.finish(engine, self._run_id())
         self.captures = []
 
     # ------------------------------------------------------------------ phases
@@ -299,7 +306,7 @@ class ProfileCapture:
         """The window is over and its steps are resolved: the trace can be written."""
         return self.started and not self.written and engine.last_resolved >= self.last
 
-    def finish(self, engine: Engine) -> None:
+    def finish(self, engine: Engine, run_id: str | None) -> None:
         """At close: stop a window the run ended inside, and write what was captured."""
         if self.written:
             return
@@ -313,13 +320,14 @@ class ProfileCapture:
             )  # fmt: skip
             return
         self.stop(engine)
-        self.write(engine)
+        self.write(engine, run_id)
 
-    def write(self, engine: Engine) -> None:
+    def write(self, engine: Engine, run_id: str | None) -> None:
         """Write the trace with steptimer's times of its steps (key ``steptimer``: Chrome and Perfetto
-        ignore unknown top-level keys). A failed write is one warning and a note, never an exception
-        in a step."""
+        ignore unknown top-level keys), beside another run's (``_trace.own_path``). A failed write is
+        one warning and a note, never an exception in a step."""
         self.written = True
+        self.path = own_path(self.path, run_id)
         prof, self._prof = self._prof, None
         steps = self.steps()
         tmp = self.path + ".tmp"
@@ -332,6 +340,7 @@ class ProfileCapture:
                 doc["steptimer"] = {
                     "format": FORMAT, "version": VERSION, "first": self.first, "last": self.last,
                     "cuda_activity": self._cuda, "range_prefix": RANGE_PREFIX, "steps": steps, "why": self.why,
+                    "run_id": run_id,
                 }  # fmt: skip
                 with open(tmp, "w") as f:
                     json.dump(doc, f)
@@ -372,19 +381,16 @@ def check_profile_on_slow(profile_on_slow: object) -> float | None:
 
 
 def profile_files(folder: str) -> list[str]:
-    """The profiler traces in a log directory: ``steptimer-profile.json`` (``profile_steps``) first,
-    then ``profile_on_slow``'s in step order."""
+    """The profiler traces in a log directory, each run's (``_trace.run_files``):
+    ``steptimer-profile.json`` (``profile_steps``) first, then ``profile_on_slow``'s in step order."""
     try:
         names = os.listdir(folder)
     except OSError:
         return []
-    slow = []
-    for name in names:
-        number = name[len(SLOW_PROFILE_PREFIX) : -len(".json")]
-        if name.startswith(SLOW_PROFILE_PREFIX) and name.endswith(".json") and number.isdigit():
-            slow.append((int(number), name))
-    fixed = [PROFILE_FILE] if PROFILE_FILE in names else []
-    return [os.path.join(folder, n) for n in fixed + [n for _, n in sorted(slow)]]
+    pattern = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
+    steps = sorted({int(m.group(1)) for m in (re.match(pattern, n) for n in names) if m})
+    stems = [PROFILE_FILE[: -len(".json")]] + [f"{SLOW_PROFILE_PREFIX}{k}" for k in steps]
+    return [f for stem in stems for f in run_files(folder, stem)]
 
 
 PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
@@ -558,7 +564,7 @@ def make_ranges(
     rank: int,
     set_ranged: Callable[[bool], None],
     profile_on_slow: object = None,
-    keep: Callable[[int, int], list[Any]] | None = None,
+    recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:
     """Validate ``profile_steps`` and ``profile_on_slow`` (``nvtx`` is checked by the caller); the
     ranges (None when there are none) and a note.
@@ -584,7 +590,7 @@ def make_ranges(
     slow = factor is not None and enabled and rank == 0
     if fns is None and capture is None and not slow:
         return None, note
-    ranges = Ranges(fns, capture, set_ranged, keep)
+    ranges = Ranges(fns, capture, set_ranged, recent)
     if slow:
         ranges.slow = SlowProfiler(factor, folder, ranges)  # type: ignore[arg-type]
     return ranges, note

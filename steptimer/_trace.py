@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import deque
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,26 @@ def check_step_pair(name: str, value: object, *, start_step: int) -> tuple[int, 
             f"{start_step + 1} <= first <= last, got {value!r}"
         )
     return value[0], value[1]  # type: ignore[index]
+
+
+def own_path(path: str, run_id: str | None) -> str:
+    """Where this run writes ``path``: there, unless another run's file is (a run writes each of its
+    files once), then ``<stem>.<run id><ext>`` (the run id of its TensorBoard files)."""
+    if run_id is None or not os.path.exists(path):
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.{run_id}{ext}"
+
+
+def run_files(folder: str, stem: str) -> list[str]:
+    """The files ``own_path`` gave ``<stem>.json`` in ``folder``: the plain one first, then other
+    runs' in the order they started (their run ids begin with the epoch seconds)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    runs = sorted(n for n in names if re.fullmatch(re.escape(stem) + r"\.\d{10}\..+\.json", n))
+    return [os.path.join(folder, n) for n in ([stem + ".json"] if stem + ".json" in names else []) + runs]
 
 
 def check_window_option(name: str, file: str, *, sample_every: int, folder: str | None) -> None:
@@ -161,6 +182,7 @@ class Capture:
         self._trace_recs = self.keep(trace[0], trace[1]) if trace is not None else []
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
         self.flight = flight
+        self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
         self.wanted: dict[int, float] = {}  # step -> wall ms, waiting for its `after` steps
         self.kept: dict[int, tuple[float, list[dict[str, Any]]]] = {}  # step -> (wall ms, its steps copied)
         self._cuda = False
@@ -202,8 +224,9 @@ class Capture:
         if rel and shift is None:
             self._trace_doc["notes"].append("GPU times dropped: the capture's last event was not held at the anchor")
 
-    def _write_trace(self, engine: Engine, run_id: str | None) -> None:
+    def _write_trace(self, engine: Engine) -> None:
         first, last, path = self.trace  # type: ignore[misc]
+        run_id, path = self.run_id, own_path(path, self.run_id)
         if self._trace_doc is None:
             self._place_trace(engine)
         doc: dict[str, Any] = self._trace_doc  # type: ignore[assignment]
@@ -285,15 +308,15 @@ class Capture:
             unwritten("the slow steps' traces", folder, err)
         return paths
 
-    def finish(self, engine: Engine, run_id: str | None) -> dict[int, str]:
+    def finish(self, engine: Engine) -> dict[int, str]:
         """At close, after the engine resolved every step: write the trace window and the flight
-        recorder's traces (``run_id``: the run's TensorBoard files'); the latter's paths by step."""
+        recorder's traces; the latter's paths by step."""
         if self.trace is not None:
-            self._write_trace(engine, run_id)
+            self._write_trace(engine)
             self.trace = None
-        if self.flight is None or run_id is None:
+        if self.flight is None or self.run_id is None:
             return {}
-        return self._write_flight(run_id)
+        return self._write_flight(self.run_id)
 
 
 def make_capture(

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from steptimer._reader import LogError
-from steptimer._trace import FORMAT, TRACE_FILE, VERSION
+from steptimer._trace import FORMAT, TRACE_FILE, VERSION, run_files
 
 
 def read_json(path: str, name: str, option: str) -> tuple[str, Any]:
@@ -27,8 +27,10 @@ def read_json(path: str, name: str, option: str) -> tuple[str, Any]:
 
 
 def load_capture(path: str) -> dict[str, Any]:
-    """Read a capture written by :class:`Capture` (``path`` is its file or the run's directory)."""
-    file, doc = read_json(path, TRACE_FILE, "trace_steps=N")
+    """Read a capture written by :class:`Capture` (``path`` is its file or the run's directory: its
+    first run's capture, the others named in the notes)."""
+    files = run_files(path, TRACE_FILE[: -len(".json")]) if os.path.isdir(path) else []
+    file, doc = read_json(path, os.path.basename(files[0]) if files else TRACE_FILE, "trace_steps=N")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
         raise LogError(f"{file}: not a steptimer trace capture (format {FORMAT!r} expected)")
     if doc.get("version") != VERSION:
@@ -41,6 +43,11 @@ def load_capture(path: str) -> dict[str, Any]:
         raise LogError(
             f"{file}: the run never reached the captured steps {doc.get('first')}..{doc.get('last')}{ran}; "
             "capture steps it reaches: StepTimer(trace_steps=N) takes the N steps after warm-up"
+        )
+    if files[1:]:
+        doc.setdefault("notes", []).append(
+            f"{len(files) - 1} more capture(s) of other runs here (pass one to read it): "
+            + ", ".join(os.path.basename(f) for f in files[1:])
         )
     return doc
 
