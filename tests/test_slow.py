@@ -1,4 +1,5 @@
-"""The slowest steps (steptimer/_slow.py, the flight recorder of _trace.py): which steps, what grew, and the measured causes.
+"""The slowest steps (steptimer/_slow.py; the flight recorder of _trace.py): which steps, what grew,
+and the measured causes.
 
 Table and JSON are pinned on the simulated GPU (tests/fakes.py); each cause is tested with the real
 thing on CPU (a GC pause, a torch.compile recompilation, a loader that stalls, a checkpoint under
