@@ -440,8 +440,8 @@ class SlowProfiler:
     outlier never fires, and the detection lags the slowdown's third step by up to a window. Steps
     under the profiler are left out of the median and of the check (the profiler's overhead would
     look like the next slowdown), and so are the ``COOLDOWN_STEPS`` steps after a capture; at most
-    ``PROFILE_SLOW_MAX`` captures per run. Warm-up windows never reach here. Per window: a ring
-    write, a partition of 100 values and a max, when no step is over the line (~10 µs).
+    ``PROFILE_SLOW_MAX`` captures per run. Warm-up windows never reach here. Per window, when no step
+    is over the line: a few numpy calls on at most ``BASELINE_STEPS`` + the window's values.
     """
 
     def __init__(self, factor: float, folder: str, ranges: Ranges) -> None:
