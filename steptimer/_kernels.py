@@ -1,27 +1,14 @@
-"""``steptimer kernels LOGDIR``: the top GPU kernels of each phase, from the ``torch.profiler`` trace
-that ``StepTimer(profile_steps=...)`` or ``profile_on_slow=`` writes (``_profile.py``). Given a
-directory, it reads ``steptimer-profile.json`` if there is one, else the first
-``steptimer-profile-slow-<step>.json``, and names the others (pass a file to read one of them).
+"""``steptimer kernels LOGDIR``: the top GPU kernels of each phase in the ``torch.profiler`` trace
+that ``profile_steps`` or ``profile_on_slow`` writes (``_profile.py``), checked against steptimer's
+span of the same phase in the same steps (docs/cli.md#kernels).
 
-How a kernel finds its phase: the profiler records each CUDA launch on the CPU (``cudaLaunchKernel``,
-``cuLaunchKernel``, ``cudaMemcpyAsync``, ... : category ``cuda_runtime`` or ``cuda_driver``) and each
-kernel, copy and memset on the GPU (``kernel``, ``gpu_memcpy``, ``gpu_memset``), and gives the two
-the same ``args.correlation`` (the ``ac2g`` flow arrows in Perfetto). The launch's host time falls
-inside steptimer's ``record_function`` ranges (``steptimer/step``, ``steptimer/forward``, ...): the
-innermost range open at that time is the kernel's phase, and its enclosing phases count it too,
-as steptimer's own numbers do (``forward`` includes ``forward/attn``). By time, not by thread:
+A kernel's phase is the innermost steptimer range (``steptimer/forward``, ...) open at its launch's
+host time (the launch and the kernel share ``args.correlation``): by time, not by thread, since
 backward's launches come from autograd's device thread while the training thread waits in
-``backward()``. Launches inside a step but outside its phases are ``other``; between the window's
-steps, ``data``.
-
-The check: on the timed stream, a phase's kernels run between the phase's entry and exit events,
-so their total is at most steptimer's GPU span of the phase in the same steps; the gap is GPU idle
-inside the phase. Kernels on other streams (NCCL, side streams) can overlap and break the bound:
-such a phase is flagged, not hidden.
-
-A trace without CUDA activity (no GPU) has no kernels: the same table then lists the top CPU ops of
-each phase (outermost ``aten::`` ops, so nested ops are not counted twice) against steptimer's host
-time.
+``backward()``. Launches in a step outside its phases are ``other``; between steps, ``data``. On
+the timed stream a phase's kernels run between its entry and exit events, so their total is at most
+the span; kernels on other streams (NCCL, side streams) can break the bound: flagged, not hidden.
+Without CUDA activity the same table lists each phase's outermost CPU ops against its host time.
 """
 
 from __future__ import annotations
@@ -30,7 +17,7 @@ import os
 import re
 import textwrap
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from steptimer._profile import DROPPED_MARK, PROFILE_FILE, RANGE_PREFIX, profile_files
@@ -148,44 +135,11 @@ def _outermost(ops: list[dict[str, Any]], spans: _Spans) -> list[dict[str, Any]]
     return out
 
 
-def analyze(doc: dict[str, Any]) -> KernelsReport:
-    """Each phase's kernels (or CPU ops, without CUDA activity) with the consistency check."""
-    events = [e for e in doc["traceEvents"] if isinstance(e, dict)]
-    meta = doc.get("steptimer") or {}
-    path = str(doc.get("_path", ""))
-    spans = _Spans(events)
-    notes: list[str] = []
-    why = meta.get("why")
-    if isinstance(why, str):
-        notes.append(f"profiled because {why}")
-    others = doc.get("_others") or []
-    if others:
-        notes.append(
-            f"{len(others)} more trace{'s' * (len(others) != 1)} in this directory (pass one to read it): "
-            + ", ".join(os.path.basename(f) for f in others)
-        )
-    if not spans.spans:
-        raise LogError(f"{path}: no steptimer ranges ({RANGE_PREFIX}...) in this trace")
-    launch_ts = {
-        e["args"]["correlation"]: float(e["ts"])
-        for e in events
-        if e.get("cat") in LAUNCH_CATS and isinstance(e.get("args"), dict) and "correlation" in e["args"]
-    }
+def _timed_items(events: list[dict[str, Any]], spans: _Spans, notes: list[str]) -> tuple[str, list[Any], int]:
+    """``(clock, [(name, duration µs, host time that assigns it)], GPU activities left out)``: the
+    GPU's kernels by their launch's host time, or without any, the outermost CPU ops."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
-    items: list[tuple[str, float, float]] = []  # (name, duration µs, host time that assigns it)
-    unattributed = 0
-    if gpu:
-        clock = "gpu"
-        for e in gpu:
-            t = launch_ts.get((e.get("args") or {}).get("correlation"))
-            if t is None:
-                unattributed += 1
-                continue
-            items.append((str(e["name"]), float(e.get("dur", 0.0)), t))
-        if unattributed:
-            notes.append(f"{unattributed} GPU activities without their launch in the trace were left out")
-    else:
-        clock = "host"
+    if not gpu:
         notes.append(
             "no GPU kernels in this trace (captured without CUDA activity): top CPU ops per phase "
             "(outermost ops and your own ranges) against steptimer's host time"
@@ -195,7 +149,41 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
             if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
             and not str(e.get("name", "")).startswith(RANGE_PREFIX)
         ]  # fmt: skip
-        items = [(str(e["name"]), float(e.get("dur", 0.0)), float(e["ts"])) for e in _outermost(ops, spans)]
+        return "host", [(str(e["name"]), float(e.get("dur", 0.0)), float(e["ts"])) for e in _outermost(ops, spans)], 0
+    launch_ts = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in LAUNCH_CATS and isinstance(e.get("args"), dict) and "correlation" in e["args"]
+    }
+    items = []
+    for e in gpu:
+        t = launch_ts.get((e.get("args") or {}).get("correlation"))
+        if t is not None:
+            items.append((str(e["name"]), float(e.get("dur", 0.0)), t))
+    unattributed = len(gpu) - len(items)
+    if unattributed:
+        notes.append(f"{unattributed} GPU activities without their launch in the trace were left out")
+    return "gpu", items, unattributed
+
+
+def analyze(doc: dict[str, Any]) -> KernelsReport:
+    """Each phase's kernels (or CPU ops, without CUDA activity) with the consistency check."""
+    events = [e for e in doc["traceEvents"] if isinstance(e, dict)]
+    meta = doc.get("steptimer") or {}
+    path = str(doc.get("_path", ""))
+    spans = _Spans(events)
+    notes: list[str] = []
+    if isinstance(meta.get("why"), str):
+        notes.append(f"profiled because {meta['why']}")
+    others = doc.get("_others") or []
+    if others:
+        notes.append(
+            f"{len(others)} more trace{'s' * (len(others) != 1)} in this directory (pass one to read it): "
+            + ", ".join(os.path.basename(f) for f in others)
+        )
+    if not spans.spans:
+        raise LogError(f"{path}: no steptimer ranges ({RANGE_PREFIX}...) in this trace")
+    clock, items, unattributed = _timed_items(events, spans, notes)
     if spans.dropped:
         n = len(spans.dropped)
         notes.append(
@@ -209,20 +197,17 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
             continue
         # The phase and its enclosing phases, as steptimer counts them ("forward" includes "forward/attn").
         parts = phase.split("/")
-        names = ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]
-        if phase != "data":
-            names.append("step")
-        for key in names:
+        for key in ["/".join(parts[:k]) for k in range(1, len(parts) + 1)] + ["step"] * (phase != "data"):
             row = per.setdefault(key, {}).setdefault(name, [0.0, 0.0])
             row[0] += 1
             row[1] += dur
     steps = [int(s["number"]) for s in meta.get("steps", [])]
-    spans_us = _steptimer_spans(meta, clock)
     if not meta:
         notes.append("no steptimer times in this trace (not written by profile_steps): no consistency check")
-    order = spans.order + [n for n in ("other", "data", "step") if n in per or n == "step"]
+    spans_us = _steptimer_spans(meta, clock)
+    tol_us = _TOL_US_PER_STEP * max(len(steps), 1)
     phases = []
-    for name in order:
+    for name in spans.order + [n for n in ("other", "data", "step") if n in per or n == "step"]:
         kernels = per.get(name, {})
         total = sum(v[1] for v in kernels.values())
         rows = [
@@ -230,11 +215,10 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
             for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][1])
         ]
         span = spans_us.get(name)
-        pk = PhaseKernels(name, total, rows, span)
-        if span is not None:
-            pk.idle_us = span - total
-            pk.consistent = total <= span * (1 + _TOL_FRAC) + _TOL_US_PER_STEP * max(len(steps), 1)
-        phases.append(pk)
+        phases.append(PhaseKernels(
+            name, total, rows, span, None if span is None else span - total,
+            None if span is None else total <= span * (1 + _TOL_FRAC) + tol_us,
+        ))  # fmt: skip
     bad = [p.name for p in phases if p.consistent is False]
     if bad:
         notes.append(
@@ -258,24 +242,11 @@ def _steptimer_spans(meta: dict[str, Any], clock: str) -> dict[str, float]:
 
 
 def report_json(rep: KernelsReport, top: int) -> dict[str, Any]:
-    return {
-        "path": rep.path,
-        "clock": rep.clock,
-        "steps": rep.steps,
-        "unattributed": rep.unattributed,
-        "notes": rep.notes,
-        "phases": [
-            {
-                "name": p.name,
-                "total_us": p.total_us,
-                "span_us": p.span_us,
-                "idle_us": p.idle_us,
-                "consistent": p.consistent,
-                "kernels": [vars(k) for k in p.kernels[:top]],
-            }
-            for p in rep.phases
-        ],
-    }
+    """``steptimer kernels --json``: the report, each phase's kernels cut to the ``top`` first."""
+    out = asdict(rep)
+    for p in out["phases"]:
+        p["kernels"] = p["kernels"][:top]
+    return out
 
 
 NAME_WIDTH = 43

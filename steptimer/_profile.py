@@ -1,28 +1,20 @@
-"""The same steps and phases in the profilers: NVTX ranges and a ``torch.profiler`` capture.
+"""The same steps and phases in the profilers: NVTX ranges and ``torch.profiler`` windows
+(docs/profilers.md).
 
-``StepTimer(nvtx=True)`` makes every step an NVTX range named ``step`` and every phase one named like
-its tag (``forward``, ``forward/attn``), so Nsight Systems shows steptimer's phases on its timeline.
-``StepTimer(profile_steps=(first, last))`` runs ``torch.profiler`` (CPU activity, and CUDA when
-torch sees a GPU) for those steps only, with the step and each phase as a ``record_function`` range
-named ``steptimer/step``, ``steptimer/forward``, ... (the prefix tells them apart from your own
-ranges), and writes the Chrome trace to ``<log_dir>/steptimer-profile.json``; ``steptimer kernels``
-reads it (``_kernels.py``).
+``nvtx=True`` makes every step an NVTX range named ``step`` and every phase one named like its tag
+(``forward/attn``), for Nsight Systems. ``profile_steps=(first, last)`` runs ``torch.profiler`` for
+those steps only, each step and phase a ``record_function`` range named ``steptimer/<tag>``, and
+writes the Chrome trace with steptimer's own times of the steps to ``steptimer-profile.json``
+(``steptimer kernels``, ``_kernels.py``); ``profile_on_slow`` arms the same window after a slowdown.
 
-Where the costs land:
-
-- Off (the default), nothing: the timer uses its plain step and phase objects.
-- NVTX: one ``rangePushA``/``rangePop`` per step and phase, outside steptimer's own measurement (the
-  range encloses the phase's events), so it shows in the enclosing phase or ``other``; measured in
-  docs/benchmarks.md.
-- ``profile_steps``: outside the window a step pays one comparison; its phases pay nothing (they
-  switch to the ranged class only for the window). The profiler's start, stop and export run in a
-  ``pause()`` before the window's first step and after its steps, so they are not counted as data
-  wait. The profiled steps themselves run slower (the profiler records every op): they stay in the
-  statistics, and the summary says which steps they were. Their own steptimer times are written
-  into the trace file (key ``steptimer``) for ``steptimer kernels``' consistency check.
-
-The trace is written once all the window's steps are resolved (``lag`` steps after its last one, or
-at ``close()``), since the check needs their GPU times.
+Where the costs land: off, nothing (the timer keeps its plain step and phase objects). NVTX: one
+push/pop per step and phase, outside steptimer's own measurement (the range encloses the phase's
+events), so it shows in the enclosing phase or ``other``. A profiler window: outside it one
+comparison a step, and phases switch to the ranged class only inside it; the profiler's start, stop
+and export run under ``pause()`` between steps, so they are not data wait; the profiled steps run
+slower (the profiler records every op), stay in the statistics and are named in the summary. The
+trace is written once the window's steps are resolved (``lag`` steps after its last, or at close),
+since the check needs their GPU times.
 """
 
 from __future__ import annotations
@@ -31,13 +23,19 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten
+from steptimer._slow import Candidate, SlowStep, StepWalls, explain, ms_text
+from steptimer._trace import check_step_pair, check_window_option, own_path, record, run_files
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
+    from steptimer._trace import Capture
 
 log = logging.getLogger("steptimer")
 
@@ -51,18 +49,8 @@ VERSION = 1
 
 
 def check_profile_steps(profile_steps: object, *, start_step: int) -> tuple[int, int]:
-    """``(first, last)``: inclusive step numbers with ``start_step < first <= last``."""
-    ok = (
-        isinstance(profile_steps, tuple) and len(profile_steps) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) for x in profile_steps)
-        and start_step < profile_steps[0] <= profile_steps[1]
-    )  # fmt: skip
-    if not ok:
-        raise ValueError(
-            f"profile_steps must be a (first, last) pair of step numbers with "
-            f"{start_step + 1} <= first <= last, got {profile_steps!r}"
-        )
-    return profile_steps[0], profile_steps[1]  # type: ignore[index]
+    """``profile_steps``: inclusive step numbers ``(first, last)`` with ``start_step < first <= last``."""
+    return check_step_pair("profile_steps", profile_steps, start_step=start_step)
 
 
 def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
@@ -87,7 +75,9 @@ class Ranges:
         capture: The ``profile_steps`` window, or None.
         set_ranged: Called with True when the phases must call ``enter``/``exit`` (NVTX on, or inside
             the profiler window) and False when they need not.
-        keep: ``_trace.Capture.keep``: the resolved steps of a profiler window, for its own times.
+        recent: The capture of recent steps (``_trace.Capture``): a profiler window's resolved steps,
+            for its own times, and the run id that keeps another run's trace file from being
+            overwritten.
     """
 
     def __init__(
@@ -95,10 +85,10 @@ class Ranges:
         nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None,
         capture: ProfileCapture | None,
         set_ranged: Callable[[bool], None],
-        keep: Callable[[int, int], list[Any]] | None = None,
+        recent: Capture | None = None,
     ) -> None:
         self._push, self._pop = nvtx if nvtx is not None else (None, None)
-        self._keep = keep
+        self._recent = recent
         # The profiler windows not yet written, in step order, one at a time: profile_steps' and
         # those profile_on_slow arms (:meth:`arm`, which keeps them apart).
         self.captures: list[ProfileCapture] = []
@@ -138,10 +128,13 @@ class Ranges:
         return True
 
     def _accept(self, capture: ProfileCapture) -> None:
-        if self._keep is not None:
-            capture.recs = self._keep(capture.first, capture.last)
+        if self._recent is not None:
+            capture.recs = self._recent.keep(capture.first, capture.last)
         self.captures.append(capture)
         self.captures.sort(key=lambda c: c.first)
+
+    def _run_id(self) -> str | None:
+        return self._recent.run_id if self._recent is not None else None
 
     # ------------------------------------------------------------------ steps
 
@@ -161,7 +154,7 @@ class Ranges:
         self._open("step")
 
     def abort_step(self) -> None:
-        """``begin_step`` was followed by an engine error: close what it opened."""
+        """Close the step's range (``begin_step`` was followed by an engine error, or at close)."""
         if self._in_step:
             self._in_step = False
             self._close()
@@ -189,7 +182,7 @@ class Ranges:
                 self._set_ranged(self._push is not None)
                 cap.stop(engine)
         if cap.ready(engine):
-            cap.write(engine)
+            cap.write(engine, self._run_id())
             self.captures.pop(0)
             self._next_window()
 
@@ -197,12 +190,10 @@ class Ranges:
         """At ``close()``, after the engine resolved every step: stop and write the captures."""
         while self._names:
             self.exit()
-        if self._in_step:
-            self._in_step = False
-            self._close()
+        self.abort_step()
         self.recording = False
         for cap in self.captures:
-            cap.finish(engine)
+            cap.finish(engine, self._run_id())
         self.captures = []
 
     # ------------------------------------------------------------------ phases
@@ -235,22 +226,37 @@ class Ranges:
             self._records.pop().__exit__(None, None, None)
 
 
+@contextmanager
+def _outside_steps(engine: Engine) -> Iterator[None]:
+    """Under ``pause()`` when between steps: the profiler's start-up (CUPTI: 100s of ms), stop and
+    export are not data wait. Inside a step (or at close) they are that step's (or nobody's)."""
+    paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
+    try:
+        yield
+    finally:
+        if paused is not None:
+            engine.end_pause(paused)
+
+
 class ProfileCapture:
     """``torch.profiler`` over steps ``first..last`` and the trace file, with steptimer's own times
-    of those steps (from the engine's ``on_pending`` call, before their events are released).
-    ``why``: the slowdown that armed it (``profile_on_slow``); None for ``profile_steps``."""
+    of those steps. ``why``: the slowdown that armed it (``profile_on_slow``); None for
+    ``profile_steps``."""
 
     def __init__(self, first: int, last: int, path: str, why: str | None = None) -> None:
-        self.first = first
-        self.last = last
-        self.path = path
-        self.why = why
-        self.started = False
-        self.stopped = False
-        self.written = False
+        self.first, self.last, self.path, self.why = first, last, path, why
+        self.started = self.stopped = self.written = False
         self._prof: Any = None
         self.recs: list[Any] = []  # the window's resolved steps (``_trace.Capture.keep``)
         self._cuda = False
+
+    def _what(self) -> str:
+        return f"steps {self.first}..{self.last}" + (" (profile_on_slow)" if self.why else " (profile_steps)")
+
+    def _failed(self, engine: Engine, msg: str, err: Exception) -> None:
+        msg = msg.format(what=self._what(), err=f"{type(err).__name__}: {err}")
+        log.warning("steptimer: %s", msg)
+        engine.notes.append(msg)
 
     def start(self, engine: Engine) -> bool:
         """Start the profiler before step ``first``; False (one warning and a note) if it would not
@@ -261,40 +267,28 @@ class ProfileCapture:
         self.started = True
         self._cuda = torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
-        paused = engine.begin_pause()  # the profiler's start-up (CUPTI: 100s of ms) is not data wait
-        try:
-            self._prof = profile(activities=activities)
-            self._prof.start()
-        except Exception as err:  # noqa: BLE001 - steptimer's profiler must never stop the run
-            self._prof, self.stopped, self.written = None, True, True
-            msg = f"torch.profiler did not start for {self._what()} ({type(err).__name__}: {err}); no trace"
-            log.warning("steptimer: %s", msg)
-            engine.notes.append(msg)
-            return False
-        finally:
-            engine.end_pause(paused)
+        with _outside_steps(engine):
+            try:
+                self._prof = profile(activities=activities)
+                self._prof.start()
+            except Exception as err:  # noqa: BLE001 - steptimer's profiler must never stop the run
+                self._prof, self.stopped, self.written = None, True, True
+                self._failed(engine, "torch.profiler did not start for {what} ({err}); no trace", err)
+                return False
         return True
-
-    def _what(self) -> str:
-        return f"steps {self.first}..{self.last}" + (" (profile_on_slow)" if self.why else " (profile_steps)")
 
     def stop(self, engine: Engine) -> None:
         if self._prof is None or self.stopped:
             return
         self.stopped = True
-        paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
-        try:
-            self._prof.stop()
-        except Exception as err:  # noqa: BLE001 - the write then fails too, with a note
-            log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
-        finally:
-            if paused is not None:
-                engine.end_pause(paused)
+        with _outside_steps(engine):
+            try:
+                self._prof.stop()
+            except Exception as err:  # noqa: BLE001 - the write then fails too, with a note
+                log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
 
     def steps(self) -> list[dict[str, Any]]:
         """steptimer's own times of the window's resolved steps, by phase, in ms."""
-        from steptimer._trace import record
-
         out = []
         for s in map(record, self.recs):
             host = {"step": s["step_s"] * 1e3}
@@ -312,81 +306,59 @@ class ProfileCapture:
         """The window is over and its steps are resolved: the trace can be written."""
         return self.started and not self.written and engine.last_resolved >= self.last
 
-    def write(self, engine: Engine) -> None:
-        paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
-        try:
-            self._write_or_note(engine)
-        finally:
-            if paused is not None:
-                engine.end_pause(paused)
-
-    def finish(self, engine: Engine) -> None:
+    def finish(self, engine: Engine, run_id: str | None) -> None:
         """At close: stop a window the run ended inside, and write what was captured."""
         if self.written:
             return
         if not self.started:
+            self.written = True
             engine.notes.append(
                 f"{self.why}; the run ended at step {engine.number}, before the profiler's steps: no trace"
                 if self.why else
                 f"profile_steps={self.first, self.last}: the run ended at step {engine.number}, "
                 "before the window; no profile written"
             )  # fmt: skip
-            self.written = True
             return
         self.stop(engine)
-        self._write_or_note(engine)
+        self.write(engine, run_id)
 
-    def _write_or_note(self, engine: Engine) -> None:
-        """Write the trace; a failed write is one warning and a note, never an exception in a step."""
+    def write(self, engine: Engine, run_id: str | None) -> None:
+        """Write the trace with steptimer's times of its steps (key ``steptimer``: Chrome and Perfetto
+        ignore unknown top-level keys), beside another run's (``_trace.own_path``). A failed write is
+        one warning and a note, never an exception in a step."""
+        self.written = True
+        self.path = own_path(self.path, run_id)
+        prof, self._prof = self._prof, None
+        steps = self.steps()
+        tmp = self.path + ".tmp"
         try:
-            self._write()
+            with _outside_steps(engine):
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                prof.export_chrome_trace(tmp)
+                with open(tmp) as f:
+                    doc = json.load(f)
+                doc["steptimer"] = {
+                    "format": FORMAT, "version": VERSION, "first": self.first, "last": self.last,
+                    "cuda_activity": self._cuda, "range_prefix": RANGE_PREFIX, "steps": steps, "why": self.why,
+                    "run_id": run_id,
+                }  # fmt: skip
+                with open(tmp, "w") as f:
+                    json.dump(doc, f)
+                os.replace(tmp, self.path)
         except OSError as err:
             engine.notes.append(unwritten("the profiler trace", self.path, err))
             return
         except Exception as err:  # noqa: BLE001 - the profiler's own export failed: never stop the run
-            msg = f"torch.profiler's trace of {self._what()} was not written ({type(err).__name__}: {err})"
-            log.warning("steptimer: %s", msg)
-            engine.notes.append(msg)
+            self._failed(engine, "torch.profiler's trace of {what} was not written ({err})", err)
             return
-        engine.notes.append(self.note())
-
-    def note(self) -> str:
-        numbers = [s["number"] for s in self.steps()]
-        span = f"{numbers[0]}..{numbers[-1]}" if numbers else "none"
-        if self.why:
-            return (
-                f"{self.why}; steps {span} ran under torch.profiler (their times include its overhead), "
-                f"trace: {self.path} (steptimer kernels)"
-            )
-        return (
+        span = f"{steps[0]['number']}..{steps[-1]['number']}" if steps else "none"
+        engine.notes.append(
+            f"{self.why}; steps {span} ran under torch.profiler (their times include its overhead), "
+            f"trace: {self.path} (steptimer kernels)"
+            if self.why else
             f"steps {span} ran under torch.profiler (profile_steps): their times include the "
             f"profiler's overhead; trace: {self.path} (steptimer kernels)"
-        )
-
-    def _write(self) -> None:
-        self.written = True
-        prof, self._prof = self._prof, None
-        if prof is None:
-            raise RuntimeError("the profiler never ran")
-        tmp = self.path + ".tmp"
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        prof.export_chrome_trace(tmp)
-        with open(tmp) as f:
-            doc = json.load(f)
-        # Chrome and Perfetto ignore unknown top-level keys (torch's own trace has several).
-        doc["steptimer"] = {
-            "format": FORMAT,
-            "version": VERSION,
-            "first": self.first,
-            "last": self.last,
-            "cuda_activity": self._cuda,
-            "range_prefix": RANGE_PREFIX,
-            "steps": self.steps(),
-            "why": self.why,  # the slowdown that armed it (profile_on_slow); None for profile_steps
-        }
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, self.path)
+        )  # fmt: skip
 
 
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
@@ -409,54 +381,176 @@ def check_profile_on_slow(profile_on_slow: object) -> float | None:
 
 
 def profile_files(folder: str) -> list[str]:
-    """The profiler traces in a log directory: ``steptimer-profile.json`` (``profile_steps``) first,
-    then ``profile_on_slow``'s in step order."""
+    """The profiler traces in a log directory, each run's (``_trace.run_files``):
+    ``steptimer-profile.json`` (``profile_steps``) first, then ``profile_on_slow``'s in step order."""
     try:
         names = os.listdir(folder)
     except OSError:
         return []
-    slow = []
-    for name in names:
-        number = name[len(SLOW_PROFILE_PREFIX) : -len(".json")]
-        if name.startswith(SLOW_PROFILE_PREFIX) and name.endswith(".json") and number.isdigit():
-            slow.append((int(number), name))
-    fixed = [PROFILE_FILE] if PROFILE_FILE in names else []
-    return [os.path.join(folder, n) for n in fixed + [n for _, n in sorted(slow)]]
+    pattern = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
+    steps = sorted({int(m.group(1)) for m in (re.match(pattern, n) for n in names) if m})
+    stems = [PROFILE_FILE[: -len(".json")]] + [f"{SLOW_PROFILE_PREFIX}{k}" for k in steps]
+    return [f for stem in stems for f in run_files(folder, stem)]
+
+
+PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
+PROFILE_SLOW_MAX = 3  # captures per run
+SLOW_RUN_STEPS = 3  # consecutive steps over the factor that make a slowdown (one outlier never does)
+# ... and each at least this much over the median: on steps of µs, jitter is often 1.5 x, and a capture
+# (the profiler's start-up alone is 100s of ms with CUDA) is worth a slowdown a user would notice.
+SLOW_MIN_MS = 1.0
+BASELINE_STEPS = 100  # the rolling median: over the last this many resolved steps before the window
+BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many steps (after warm-up)
+COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the next slowdown
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """Steps ``first..last`` (consecutive, resolved) each slower than ``factor`` x ``median_ms``, the
+    rolling median step before them; ``wall_ms`` is their mean, ``grew`` what grew in them
+    (:func:`explain` of their mean rows against the previous window's medians)."""
+
+    first: int
+    last: int
+    wall_ms: float
+    median_ms: float
+    factor: float
+    grew: SlowStep | None
+
+    def text(self) -> str:
+        """``profile_on_slow=1.5: steps 41-43 each slower than 1.5 x the median step before them:
+        13.3 ms on average vs 2.226 ms, forward +7.104 ms (median 1.088)``"""
+        grew = "" if self.grew is None or self.grew.grew is None else f", {self.grew.grew_text()}"
+        return (
+            f"profile_on_slow={self.factor:g}: steps {self.first}-{self.last} each slower than {self.factor:g} x "
+            f"the median step before them: {ms_text(self.wall_ms)} ms on average vs {ms_text(self.median_ms)} ms{grew}"
+        )
 
 
 class SlowProfiler:
-    """``profile_on_slow``: per window, asks :class:`~steptimer._slow.SlowdownWatch` whether steps
-    stayed slower than the factor, and if so arms a ``torch.profiler`` window of the next
-    ``PROFILE_SLOW_STEPS`` steps on the timer's :class:`Ranges` (the ``profile_steps`` code path),
-    written to ``steptimer-profile-slow-<first step>.json``."""
+    """``profile_on_slow``: finds steps that *stay* slower than ``factor`` x the rolling median step,
+    and arms a ``torch.profiler`` window of the next ``PROFILE_SLOW_STEPS`` steps on the timer's
+    :class:`Ranges` (the ``profile_steps`` code path), written to ``steptimer-profile-slow-<first
+    step>.json``.
+
+    Checked once per window on its arrays (:class:`StepWalls`), never per step: the rolling median is
+    the median (nearest rank) wall time of the last ``BASELINE_STEPS`` resolved steps before the
+    window, and a slowdown is ``SLOW_RUN_STEPS`` consecutive steps each over ``factor`` x that median
+    and at least ``SLOW_MIN_MS`` over it (a run may start in one window and end in the next). So one
+    outlier never fires, and the detection lags the slowdown's third step by up to a window. Steps
+    under the profiler are left out of the median and of the check (the profiler's overhead would
+    look like the next slowdown), and so are the ``COOLDOWN_STEPS`` steps after a capture; at most
+    ``PROFILE_SLOW_MAX`` captures per run. Warm-up windows never reach here. Per window, when no step
+    is over the line: a few numpy calls on at most ``BASELINE_STEPS`` + the window's values.
+    """
 
     def __init__(self, factor: float, folder: str, ranges: Ranges) -> None:
-        from steptimer._slow import SlowdownWatch
+        import numpy as np
 
-        self.watch = SlowdownWatch(factor)
-        self.folder = folder
-        self.ranges = ranges
-        for cap in ranges.captures:  # profile_steps' steps: left out of the rolling median
-            self.watch.profiled(cap.first, cap.last, capture=False)
+        self.factor, self.folder, self.ranges = factor, folder, ranges
+        self.captures = 0
+        self._ring = np.zeros(0)  # the last BASELINE_STEPS resolved steps' wall times
+        self._run: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # steps, first, last, their wall sum
+        self._prev: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})  # last window's host, gpu stats
+        self._quiet_to = -1  # the last step of the last capture's cool-down
+        self._profiled: list[tuple[int, int]] = []  # steps under the profiler (left out of the median)
+        for cap in ranges.captures:  # profile_steps' steps
+            self.profiled(cap.first, cap.last, capture=False)
 
     def window(self, window: Any, engine: Engine) -> None:
         """A window's steps (``window.packed.walls``): arm a capture if a slowdown completed."""
-        from steptimer._slow import PROFILE_SLOW_STEPS
-
         walls = window.packed.walls if window.packed is not None else None
         if walls is None or engine.closed:
             return
-        found = self.watch.check(walls, window.host, window.gpu)
+        found = self.check(walls, window.host, window.gpu)
         if found is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
         last = first + PROFILE_SLOW_STEPS - 1
         path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
-        why = found.text()
-        if self.ranges.arm(ProfileCapture(first, last, path, why=why), engine):
-            self.watch.profiled(first, last)
+        if self.ranges.arm(ProfileCapture(first, last, path, why=found.text()), engine):
+            self.profiled(first, last)
         else:
-            engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
+            engine.notes.append(f"{found.text()}; not profiled: profile_steps' window runs then")
+
+    def profiled(self, first: int, last: int, *, capture: bool = True) -> None:
+        """Steps ``first..last`` run under the profiler (``capture``: one of this watch's captures)."""
+        self._profiled.append((first, last))
+        if capture:
+            self.captures += 1
+            self._quiet_to = max(self._quiet_to, last + COOLDOWN_STEPS)
+
+    def check(
+        self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]
+    ) -> Slowdown | None:  # fmt: skip
+        """A window's steps (after warm-up) and its statistics by row (``Window.host``/``gpu``, whose
+        medians the next window's slowdown is read against); a slowdown, if one completed."""
+        import numpy as np
+
+        n, w = walls.numbers, walls.wall_ms
+        if not len(n):
+            return None
+        clean = None
+        if self._profiled:
+            self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
+            for a, z in self._profiled:
+                out = (n < a) | (n > z)
+                clean = out if clean is None else clean & out
+        found, run = None, self._run
+        self._run = (0, 0, 0, 0.0)  # a run of slow steps goes on into this window only over the line
+        if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
+            k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
+            base = float(np.partition(self._ring, k)[k])
+            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to)
+            if clean is not None:
+                over &= clean
+            if over.any():  # a Python loop over the window's steps only then
+                self._run = run
+                found = self._runs(walls, over, base)
+        self._ring = np.concatenate([self._ring, w if clean is None else w[clean]])[-BASELINE_STEPS:]
+        self._prev = (host, gpu)
+        return found
+
+    def _runs(self, walls: StepWalls, over: Any, base: float) -> Slowdown | None:
+        """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line (a Python loop over the
+        window's steps, only in a window with a step over it)."""
+        run, first, last, total = self._run
+        numbers = walls.numbers.tolist()
+        for i, (number, is_over) in enumerate(zip(numbers, over.tolist())):
+            number = int(number)
+            if not is_over or (run and number != last + 1):
+                run, total = 0, 0.0
+            if not is_over:
+                continue
+            if not run:
+                first = number
+            run, last, total = run + 1, number, total + float(walls.wall_ms[i])
+            if run >= SLOW_RUN_STEPS:
+                self._run = (0, 0, 0, 0.0)
+                return Slowdown(first, last, total / run, base, self.factor, self._grew(walls, first, i))
+        self._run = (run, first, last, total)
+        return None
+
+    def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
+        """What grew in the run's steps of this window (their mean rows) against the previous
+        window's medians: :func:`explain`, the slowest steps' own rule."""
+        idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
+        host: dict[str, list[float]] = {}
+        gpu: dict[str, list[float]] = {}
+        for i in idx:
+            h, g = walls.rows(i)
+            for d, into in ((h, host), (g, gpu)):
+                for k, v in d.items():
+                    into.setdefault(k, []).append(v)
+        ph, pg = self._prev
+        medians = {("host", k): st.median_ms for k, st in ph.items()}
+        medians.update({("gpu", k): st.median_ms for k, st in pg.items()})
+        if not medians or not idx:
+            return None
+        mean = {k: sum(v) / len(v) for k, v in host.items()}
+        gmean = {k: sum(v) / len(v) for k, v in gpu.items()} or None
+        wall = float(walls.wall_ms[idx].mean())
+        return explain(Candidate(wall, first, walls.clock, mean, gmean, {}), medians)
 
 
 def make_ranges(
@@ -470,25 +564,21 @@ def make_ranges(
     rank: int,
     set_ranged: Callable[[bool], None],
     profile_on_slow: object = None,
-    keep: Callable[[int, int], list[Any]] | None = None,
+    recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:
     """Validate ``profile_steps`` and ``profile_on_slow`` (``nvtx`` is checked by the caller); the
     ranges (None when there are none) and a note.
 
     ``folder`` is where the traces go (the log directory); captures are made on rank 0 only.
     """
-    capture = None
     factor = check_profile_on_slow(profile_on_slow)
-    for name, value in (("profile_steps", profile_steps), ("profile_on_slow", factor)):
-        if value is None:
-            continue
-        if name == "profile_steps":
-            first, last = check_profile_steps(profile_steps, start_step=start_step)
-        if sample_every != 1:
-            raise ValueError(f"{name} needs every step timed (sample_every=1), got sample_every={sample_every}")
-        if folder is None:
-            file = PROFILE_FILE if name == "profile_steps" else f"{SLOW_PROFILE_PREFIX}<step>.json"
-            raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
+    if profile_steps is not None:
+        first, last = check_profile_steps(profile_steps, start_step=start_step)
+        check_window_option("profile_steps", PROFILE_FILE, sample_every=sample_every, folder=folder)
+    if factor is not None:
+        check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,
+                            folder=folder)  # fmt: skip
+    capture = None
     if profile_steps is not None and enabled and rank == 0:
         capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
     fns, note = None, None
@@ -500,7 +590,7 @@ def make_ranges(
     slow = factor is not None and enabled and rank == 0
     if fns is None and capture is None and not slow:
         return None, note
-    ranges = Ranges(fns, capture, set_ranged, keep)
+    ranges = Ranges(fns, capture, set_ranged, recent)
     if slow:
         ranges.slow = SlowProfiler(factor, folder, ranges)  # type: ignore[arg-type]
     return ranges, note

@@ -1,30 +1,18 @@
 """The slowest steps of a run, and what made each slow, measured (docs/slow-steps.md).
 
 A step's *wall time* is the product's share rule (``_verdict.py``) applied to one step: with CUDA
-timing, its span on the GPU's timeline (its GPU step span plus the GPU's idle before it), so a GPU
-stall inside a phase makes the step slow even while the host runs ahead with ``lag``; host only, the
-host step plus the time between steps before it (``data``). Only timed steps are ranked (with
-``sample_every`` > 1, the sampled ones): they are the ones with phases to explain.
+timing, its GPU step span plus the GPU's idle before it, so a GPU stall inside a phase makes the
+step slow even while the host runs ahead with ``lag``; host only, the host step plus the time
+between steps before it (``data``). Only timed steps are ranked: they have phases to explain.
 
-Nothing here runs per step on the hot path. Per window, the rows are already arrays
-(``_window._blocks``): ``window_candidates`` takes the window's steps slower than the run's k-th
-slowest so far (after the first k, usually none), and :class:`SlowestKeeper` keeps the run's k
-slowest, so memory stays at k entries over any run length. The causes are measured where they
-happen and travel with the step as *marks* (``StepRows.marks``, a sparse dict by step number, only
-for steps in which something happened):
-
-- ``gc_ms``/``gc_gen``: Python garbage collection inside the step's host time range, from
-  ``gc.callbacks`` (:class:`GcLog`: two ``perf_counter()`` calls and a deque append per collection,
-  never per step).
-- ``graphs_new``/``graphs``: ``torch.compile`` graphs compiled during the step, from dynamo's
-  counters, read at the end of every step once ``torch._dynamo`` is imported (one dict lookup).
-- ``pause_ms``: time under ``pause()`` right before the step.
-- ``window_ms``: steptimer's own window (statistics, sinks), computed inside the step that resolved
-  the window's last step (two ``perf_counter()`` calls per window).
-- ``alloc_retries``: the CUDA caching allocator's retries after a failed ``cudaMalloc`` (it frees
-  its cache and tries again) in the step's window, read once per window (one stats call).
-
-The phase that grew, and a data stall, are read against the run's per-row medians at the summary.
+Nothing here runs per step on the hot path: per window, on the window's arrays (``_window._blocks``),
+``window_candidates`` takes the steps slower than the run's k-th slowest so far (usually none) and
+:class:`SlowestKeeper` keeps the run's k slowest, so memory stays at k entries over any run. The
+causes are measured where they happen and travel with the step as *marks* (``StepRows.marks``, a
+sparse dict by step number): ``gc_ms``/``gc_gen`` (:class:`GcLog`), ``graphs_new``/``graphs``
+(dynamo's counters), ``pause_ms``, ``window_ms`` (steptimer's own window), ``alloc_retries`` (read
+once per window), ``profiled``. The row that grew, and a data stall, are read against the run's
+per-row medians at the summary (:func:`explain`).
 """
 
 from __future__ import annotations
@@ -89,7 +77,7 @@ class SlowStep:
         if self.grew is None or self.grew_ms is None:
             return ""
         where = "GPU " if self.clock == "gpu" else ""
-        return f"{where}{self.grew} +{_ms(self.grew_ms)} ms (median {_ms(self.grew_median_ms or 0.0)})"
+        return f"{where}{self.grew} +{ms_text(self.grew_ms)} ms (median {ms_text(self.grew_median_ms or 0.0)})"
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -142,16 +130,16 @@ class RankSlow:
     def text(self, step: int) -> str:
         """What rank ``here``'s table says of its slow step ``step`` (in this window)."""
         if self.step == step and self.rank == self.here:
-            return f"the slowest rank in this step (its own time {_ms(self.own_ms)} ms: wall less backward)"
-        here = "" if self.here_ms is None else f" vs {_ms(self.here_ms)} ms on rank {self.here}"
+            return f"the slowest rank in this step (its own time {ms_text(self.own_ms)} ms: wall less backward)"
+        here = "" if self.here_ms is None else f" vs {ms_text(self.here_ms)} ms on rank {self.here}"
         if self.step == step:
             return (
-                f"rank {self.rank} was slowest in this step: {_ms(self.own_ms)} ms of its own{here} "
+                f"rank {self.rank} was slowest in this step: {ms_text(self.own_ms)} ms of its own{here} "
                 "(wall less backward)"
             )
         return (
             f"slowest rank in steps {self.first}-{self.last}: rank {self.rank} at step {self.step}, "
-            f"{_ms(self.own_ms)} ms of its own (wall less backward)"
+            f"{ms_text(self.own_ms)} ms of its own (wall less backward)"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -170,7 +158,7 @@ class RankSlow:
         )  # fmt: skip
 
 
-def _ms(v: float) -> str:
+def ms_text(v: float) -> str:
     return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
 
 
@@ -213,21 +201,16 @@ class GcLog:
     def take_ms(self, t_from: float, t_to: float) -> tuple[float, int]:
         """``(ms of collection inside [t_from, t_to], oldest generation collected)``; spans that end by
         ``t_to`` are consumed (steps are resolved in order), later ones kept for the next steps."""
-        spans = self.spans
         total, gen = 0.0, -1
-        while spans and spans[0][1] <= t_to:
-            a, z, g = spans.popleft()
-            cut = min(z, t_to) - max(a, t_from)
-            if cut > 0:
-                total += cut
-                gen = max(gen, g)
-        for a, z, g in spans:  # a collection still running at t_to (rare): its part inside
+        for a, z, g in self.spans:  # in order: collections never overlap
             if a >= t_to:
                 break
             cut = min(z, t_to) - max(a, t_from)
             if cut > 0:
                 total += cut
                 gen = max(gen, g)
+        while self.spans and self.spans[0][1] <= t_to:
+            self.spans.popleft()
         return total * 1e3, gen
 
 
@@ -463,7 +446,7 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
     gc_ms = m.get("gc_ms", 0.0)
     if gc_ms >= GC_MIN_MS and gc_ms >= GC_MIN_FRAC * c.wall_ms:
         gen = int(m.get("gc_gen", -1))
-        causes.append(f"Python GC{'' if gen < 0 else f' (generation {gen})'} paused {_ms(gc_ms)} ms in it")
+        causes.append(f"Python GC{'' if gen < 0 else f' (generation {gen})'} paused {ms_text(gc_ms)} ms in it")
     if m.get("graphs_new"):
         n = int(m["graphs_new"])
         causes.append(f"torch.compile compiled {n} graph{'s' * (n != 1)} in it ({int(m.get('graphs', n))} in all)")
@@ -476,12 +459,12 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
     if data is not None and med_data is not None:
         grown = sum(v for v in excess.values() if v > 0)
         if data - med_data > 0 and grown > 0 and data - med_data >= DATA_MIN_FRAC * grown and data >= 2 * med_data:
-            causes.append(f"data stall: {_ms(data)} ms in the data row (median {_ms(med_data)})")
+            causes.append(f"data stall: {ms_text(data)} ms in the data row (median {ms_text(med_data)})")
     own = m.get("window_ms", 0.0)
     if own >= GC_MIN_MS and own >= GC_MIN_FRAC * c.wall_ms:
-        causes.append(f"steptimer's own window (statistics, TensorBoard) took {_ms(own)} ms in it")
+        causes.append(f"steptimer's own window (statistics, TensorBoard) took {ms_text(own)} ms in it")
     if m.get("pause_ms"):
-        causes.append(f"after {_ms(m['pause_ms'])} ms under pause() right before it")
+        causes.append(f"after {ms_text(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):
         causes.append("it ran under torch.profiler (profile_steps or profile_on_slow): its overhead is in it")
     return SlowStep(
@@ -492,167 +475,6 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
     )  # fmt: skip
 
 
-# ---------------------------------------------------------------------- profile_on_slow
-
-PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
-PROFILE_SLOW_MAX = 3  # captures per run
-SLOW_RUN_STEPS = 3  # consecutive steps over the factor that make a slowdown (one outlier never does)
-# ... and each at least this much over the median: on steps of µs, jitter is often 1.5 x, and a capture
-# (the profiler's start-up alone is 100s of ms with CUDA) is worth a slowdown a user would notice.
-SLOW_MIN_MS = 1.0
-BASELINE_STEPS = 100  # the rolling median: over the last this many resolved steps before the window
-BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many steps (after warm-up)
-COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the next slowdown
-
-
-@dataclass(frozen=True)
-class Slowdown:
-    """Steps ``first..last`` (consecutive, resolved) each slower than ``factor`` x ``median_ms``, the
-    rolling median step before them; ``wall_ms`` is their mean, ``grew`` what grew in them
-    (:func:`explain` of their mean rows against the previous window's medians)."""
-
-    first: int
-    last: int
-    wall_ms: float
-    median_ms: float
-    factor: float
-    grew: SlowStep | None
-
-    def text(self) -> str:
-        """``profile_on_slow=1.5: steps 41-43 each slower than 1.5 x the median step before them:
-        13.3 ms on average vs 2.226 ms, forward +7.104 ms (median 1.088)``"""
-        grew = "" if self.grew is None or self.grew.grew is None else f", {self.grew.grew_text()}"
-        return (
-            f"profile_on_slow={self.factor:g}: steps {self.first}-{self.last} each slower than {self.factor:g} x "
-            f"the median step before them: {_ms(self.wall_ms)} ms on average vs {_ms(self.median_ms)} ms{grew}"
-        )
-
-
-class SlowdownWatch:
-    """``profile_on_slow``: finds steps that *stay* slower than ``factor`` x the rolling median step.
-
-    Checked once per window on its arrays (:class:`StepWalls`), never per step: the rolling median is
-    the median (nearest rank) wall time of the last ``BASELINE_STEPS`` resolved steps before the
-    window, and a slowdown is ``SLOW_RUN_STEPS`` consecutive steps each over ``factor`` x that median
-    and at least ``SLOW_MIN_MS`` over it (a run may start in one window and end in the next). So one
-    outlier never fires, and the detection lags the slowdown's third step by up to a window. Steps
-    under the profiler are left out of the median and of the check (the profiler's overhead would
-    look like the next slowdown), and so are the ``COOLDOWN_STEPS`` steps after a capture; at most
-    ``PROFILE_SLOW_MAX`` captures per run. Warm-up windows never reach here. Per window: a ring
-    write, a partition of 100 values and a max, when no step is over the line (~10 µs).
-    """
-
-    def __init__(self, factor: float) -> None:
-        import numpy as np
-
-        self.factor = factor
-        self.captures = 0
-        self._ring = np.zeros(BASELINE_STEPS)  # the last resolved steps' wall times, a ring
-        self._filled = 0  # values in the ring
-        self._at = 0  # where the next goes
-        self._run: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # steps, first, last, their wall sum
-        self._prev: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})  # last window's host, gpu stats
-        self._quiet_to = -1  # the last step of the last capture's cool-down
-        self._profiled: list[tuple[int, int]] = []  # steps under the profiler (left out of the median)
-
-    def profiled(self, first: int, last: int, *, capture: bool = True) -> None:
-        """Steps ``first..last`` run under the profiler (``capture``: one of this watch's captures)."""
-        self._profiled.append((first, last))
-        if capture:
-            self.captures += 1
-            self._quiet_to = max(self._quiet_to, last + COOLDOWN_STEPS)
-
-    def check(
-        self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]
-    ) -> Slowdown | None:  # fmt: skip
-        """A window's steps (after warm-up) and its statistics by row (``Window.host``/``gpu``, whose
-        medians the next window's slowdown is read against); a slowdown, if one completed."""
-        import numpy as np
-
-        n, w = walls.numbers, walls.wall_ms
-        if not len(n):
-            return None
-        clean = None
-        if self._profiled:
-            self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
-            for a, z in self._profiled:
-                out = (n < a) | (n > z)
-                clean = out if clean is None else clean & out
-        found = None
-        if self._filled >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
-            k = (self._filled - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
-            base = float(np.partition(self._ring[: self._filled], k)[k])
-            line = max(self.factor * base, base + SLOW_MIN_MS)
-            if w.max() > line:
-                over = w > line
-                if clean is not None:
-                    over &= clean
-                if n[-1] > self._quiet_to:
-                    over &= n > self._quiet_to
-                    found = self._runs(walls, over, base)
-                else:
-                    self._run = (0, 0, 0, 0.0)
-            else:
-                self._run = (0, 0, 0, 0.0)
-        else:
-            self._run = (0, 0, 0, 0.0)
-        self._remember(w if clean is None else w[clean])
-        self._prev = (host, gpu)
-        return found
-
-    def _remember(self, w: Any) -> None:
-        """Put the window's wall times into the ring (the newest ``BASELINE_STEPS`` at most)."""
-        size = len(self._ring)
-        w = w[-size:]
-        at, m = self._at, len(w)
-        head = min(m, size - at)
-        self._ring[at : at + head] = w[:head]
-        self._ring[: m - head] = w[head:]
-        self._at = (at + m) % size
-        self._filled = min(self._filled + m, size)
-
-    def _runs(self, walls: StepWalls, over: Any, base: float) -> Slowdown | None:
-        """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line (a Python loop over the
-        window's steps, only in a window with a step over it)."""
-        run, first, last, total = self._run
-        numbers = walls.numbers.tolist()
-        for i, (number, is_over) in enumerate(zip(numbers, over.tolist())):
-            number = int(number)
-            if not is_over or (run and number != last + 1):
-                run, total = 0, 0.0
-            if not is_over:
-                continue
-            if not run:
-                first = number
-            run, last, total = run + 1, number, total + float(walls.wall_ms[i])
-            if run >= SLOW_RUN_STEPS:
-                self._run = (0, 0, 0, 0.0)
-                return Slowdown(first, last, total / run, base, self.factor, self._grew(walls, first, i))
-        self._run = (run, first, last, total)
-        return None
-
-    def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
-        """What grew in the run's steps of this window (their mean rows) against the previous
-        window's medians: :func:`explain`, the slowest steps' own rule."""
-        idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
-        host: dict[str, list[float]] = {}
-        gpu: dict[str, list[float]] = {}
-        for i in idx:
-            h, g = walls.rows(i)
-            for d, into in ((h, host), (g, gpu)):
-                for k, v in d.items():
-                    into.setdefault(k, []).append(v)
-        ph, pg = self._prev
-        medians = {("host", k): st.median_ms for k, st in ph.items()}
-        medians.update({("gpu", k): st.median_ms for k, st in pg.items()})
-        if not medians or not idx:
-            return None
-        mean = {k: sum(v) / len(v) for k, v in host.items()}
-        gmean = {k: sum(v) / len(v) for k, v in gpu.items()} or None
-        wall = float(walls.wall_ms[idx].mean())
-        return explain(Candidate(wall, first, walls.clock, mean, gmean, {}), medians)
-
-
 # ---------------------------------------------------------------------- TensorBoard
 
 
@@ -660,7 +482,7 @@ def slow_markdown(slowest: Sequence[SlowStep]) -> str:
     """The TensorBoard text card: one Markdown table row per slow step."""
     lines = ["| step | wall ms | what stood out |", "|---:|---:|---|"]
     for s in slowest:
-        lines.append(f"| {s.step} | {_ms(s.wall_ms)} | {(s.cause or '-').replace('|', '/')} |")
+        lines.append(f"| {s.step} | {ms_text(s.wall_ms)} | {(s.cause or '-').replace('|', '/')} |")
     clock = "the GPU's timeline" if slowest and slowest[0].clock == "gpu" else "host clock"
     lines.append(f"\nwall time on {clock} (docs/slow-steps.md)")
     return "\n".join(lines)

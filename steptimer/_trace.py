@@ -1,37 +1,28 @@
-"""One capture of recent steps, on the host clock and the GPU's: behind ``trace_steps``, the flight
-recorder around the run's slowest steps (docs/slow-steps.md) and the profiler windows' own times
-(``_profile.py``).
+"""One capture of recent steps, on the host clock and the GPU's, behind ``trace_steps`` (docs/cli.md
+#trace), the flight recorder around the run's slowest steps (docs/slow-steps.md) and the profiler
+windows' own times (``_profile.py``).
 
 The engine hands each resolved step to :meth:`Capture.add`: a reference goes into a ring of the last
-``log_every_n_steps + 7`` steps, and into each step window that wants all its steps (``trace_steps``,
-a profiler window). A step is copied out (:func:`record`) only when a trace is made of it, after the
-engine has set its GPU event offsets. With the flight recorder alone, the engine appends to the same
-ring itself (``Engine(recent=)``), which saves a Python call per step.
+``log_every_n_steps + 7`` steps and into each window kept whole (``trace_steps``, a profiler window);
+a step is copied out (:func:`record`) only when a trace is made of it. With the flight recorder
+alone the engine appends to the ring itself (``Engine(recent=)``), a Python call less per step.
 
-GPU times: CUDA events give GPU intervals only. Each step's events are read relative to its first
-(``offs_ms``) and consecutive steps are chained by the engine's end-of-previous-step event
-(``chain_ms``, :func:`gpu_chain`). The chain is put on the host clock in one of two ways:
-
-- ``trace_steps``: once the window is over, one reference event is recorded and waited for (once per
-  run: the only extra wait tracing adds); the host time at which the wait returns anchors the chain.
-  The anchor is late by the wait's wake-up latency (µs), so GPU slices are drawn at most that much
-  late, never early; the chain adds CUDA's event resolution (~0.5 µs) per step. The wait lands in
-  the step during which the step after ``last`` is resolved (or in ``close()``), and can cost that
-  step up to the GPU work queued then. Written as ``steptimer-trace.json`` at close; ``steptimer
-  trace`` turns it into Chrome trace JSON (``_tracefile.py``).
-- The flight recorder never waits on the GPU: its chain is placed at the earliest time its launches
-  allow (no GPU slice starts before the host launched it, and one starts exactly then); the slices'
-  lengths and gaps are exact. When a window puts a step among the run's slowest, the ``before + 1 +
-  after`` steps around it are copied out of the ring once the ``after`` steps are resolved; the
-  ``max_traces`` slowest are written at close (no file is written inside a step) as
-  ``steptimer-slow/<run id>/step-<N>.trace.json``, Chrome trace JSON. The run id is the one in the
-  run's TensorBoard file names, so a second run into the same log directory never overwrites them.
+GPU times: each step's events are read relative to its first (``offs_ms``) and consecutive steps are
+chained by the engine's end-of-previous-step event (``chain_ms``, :func:`gpu_chain`). ``trace_steps``
+puts the chain on the host clock with one reference event, recorded and waited for once the window
+is over (the only extra wait tracing adds, in the step that resolves the step after ``last``, or in
+``close()``): GPU slices are drawn late by the wait's wake-up latency (µs), never early. The flight
+recorder never waits: its chain is placed at the earliest time its launches allow; lengths and gaps
+are exact. No file is written inside a step: both write at close, the recorder's traces as
+``steptimer-slow/<run id>/step-<N>.trace.json`` with the run id of the run's TensorBoard files, so
+a second run into the same log directory never overwrites them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections import deque
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -49,27 +40,60 @@ FLIGHT_DIR = "steptimer-slow"
 BEFORE, AFTER, MAX_TRACES = 3, 2, 3  # the flight recorder's steps around a slow one, traces kept
 
 
-def trace_range(trace_steps: int | tuple[int, int], *, start_step: int, warmup_steps: int) -> tuple[int, int]:
-    """``(first, last)`` step numbers to capture, from ``StepTimer``'s ``trace_steps`` option.
+def check_step_pair(name: str, value: object, *, start_step: int) -> tuple[int, int]:
+    """An option's ``(first, last)``: inclusive step numbers with ``start_step < first <= last``."""
+    ok = (
+        isinstance(value, tuple) and len(value) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        and start_step < value[0] <= value[1]
+    )  # fmt: skip
+    if not ok:
+        int_too = " an int >= 1 or" if name == "trace_steps" else ""
+        raise ValueError(
+            f"{name} must be{int_too} a (first, last) pair of step numbers with "
+            f"{start_step + 1} <= first <= last, got {value!r}"
+        )
+    return value[0], value[1]  # type: ignore[index]
 
-    An int N means the N steps right after warm-up; a pair is inclusive step numbers.
-    """
+
+def own_path(path: str, run_id: str | None) -> str:
+    """Where this run writes ``path``: there, unless another run's file is (a run writes each of its
+    files once), then ``<stem>.<run id><ext>`` (the run id of its TensorBoard files)."""
+    if run_id is None or not os.path.exists(path):
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.{run_id}{ext}"
+
+
+def run_files(folder: str, stem: str) -> list[str]:
+    """The files ``own_path`` gave ``<stem>.json`` in ``folder``: the plain one first, then other
+    runs' in the order they started (their run ids begin with the epoch seconds)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    runs = sorted(n for n in names if re.fullmatch(re.escape(stem) + r"\.\d{10}\..+\.json", n))
+    return [os.path.join(folder, n) for n in ([stem + ".json"] if stem + ".json" in names else []) + runs]
+
+
+def check_window_option(name: str, file: str, *, sample_every: int, folder: str | None) -> None:
+    """What a window of captured steps (``trace_steps``, ``profile_steps``, ``profile_on_slow``)
+    needs: every step timed, and a log directory for ``file``."""
+    if sample_every != 1:
+        raise ValueError(f"{name} needs every step timed (sample_every=1), got sample_every={sample_every}")
+    if folder is None:
+        raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
+
+
+def trace_range(trace_steps: int | tuple[int, int], *, start_step: int, warmup_steps: int) -> tuple[int, int]:
+    """``(first, last)`` step numbers to capture, from ``StepTimer``'s ``trace_steps`` option: an int
+    N is the N steps right after warm-up, a pair inclusive step numbers."""
     if isinstance(trace_steps, int) and not isinstance(trace_steps, bool):
         if trace_steps < 1:
             raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace_steps!r}")
         first = start_step + warmup_steps + 1
         return first, first + trace_steps - 1
-    ok = (
-        isinstance(trace_steps, tuple) and len(trace_steps) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) for x in trace_steps)
-        and start_step < trace_steps[0] <= trace_steps[1]
-    )  # fmt: skip
-    if not ok:
-        raise ValueError(
-            f"trace_steps must be an int >= 1 or a (first, last) pair of step numbers with "
-            f"{start_step + 1} <= first <= last, got {trace_steps!r}"
-        )
-    return trace_steps[0], trace_steps[1]  # type: ignore[index]
+    return check_step_pair("trace_steps", trace_steps, start_step=start_step)
 
 
 def _number(rec: Any) -> int:
@@ -102,7 +126,7 @@ def record(rec: Any) -> dict[str, Any]:
 def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """The GPU span and phases of each step of the last unbroken chain, in seconds from the chain's
     zero: each step starts ``chain_ms`` after the previous one's end event. A step without GPU
-    events, or not linked to the one before (a device or stream switch), starts the chain again."""
+    events, or not linked to the one before (another device), starts the chain again."""
     rel: dict[int, dict[str, Any]] = {}
     end = None
     for s in steps:
@@ -143,7 +167,7 @@ def placed(steps: list[dict[str, Any]], rel: dict[int, dict[str, Any]], shift: f
         })  # fmt: skip
     timed = [s["number"] for s in steps if s["offs_ms"] is not None]
     if rel and timed[0] != min(rel):
-        notes.append(f"GPU track from step {min(rel)}: the chain of GPU events broke before it (device or stream switch)")
+        notes.append(f"GPU track from step {min(rel)}: the chain of GPU events broke before it (a device switch)")
     return {"steps": out, "notes": notes}
 
 
@@ -158,6 +182,7 @@ class Capture:
         self._trace_recs = self.keep(trace[0], trace[1]) if trace is not None else []
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
         self.flight = flight
+        self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
         self.wanted: dict[int, float] = {}  # step -> wall ms, waiting for its `after` steps
         self.kept: dict[int, tuple[float, list[dict[str, Any]]]] = {}  # step -> (wall ms, its steps copied)
         self._cuda = False
@@ -199,8 +224,9 @@ class Capture:
         if rel and shift is None:
             self._trace_doc["notes"].append("GPU times dropped: the capture's last event was not held at the anchor")
 
-    def _write_trace(self, engine: Engine, run_id: str | None) -> None:
+    def _write_trace(self, engine: Engine) -> None:
         first, last, path = self.trace  # type: ignore[misc]
+        run_id, path = self.run_id, own_path(path, self.run_id)
         if self._trace_doc is None:
             self._place_trace(engine)
         doc: dict[str, Any] = self._trace_doc  # type: ignore[assignment]
@@ -253,13 +279,12 @@ class Capture:
                 self.kept[step] = (wall, recs)
 
     def _write_flight(self, run_id: str) -> dict[int, str]:
-        from steptimer._tracefile import to_chrome
-
         if self.wanted:  # fewer steps after them: the run ended
             self._take(max(self.wanted))
-        if not self.kept or not os.path.isdir(os.path.dirname(self.flight or "")):
+        if not self.kept or self.flight is None or not os.path.isdir(os.path.dirname(self.flight)):
             return {}  # a log directory gone mid-run: the sink has said so once already
-        folder, paths = os.path.join(self.flight, run_id), {}  # type: ignore[arg-type]
+        folder = os.path.join(self.flight, run_id)
+        paths: dict[int, str] = {}
         try:
             os.makedirs(folder, exist_ok=True)
             for step, (wall, steps) in sorted(self.kept.items()):
@@ -268,7 +293,8 @@ class Capture:
                 launches += [(p[1], g[1]) for s in steps if s["number"] in rel
                              for p, g in zip(s["phases"], rel[s["number"]]["phases"])]  # fmt: skip
                 doc = placed(steps, rel, max((host - gpu for host, gpu in launches), default=0.0))
-                doc["notes"][:0] = [f"the flight recorder's trace around step {step}, one of the run's slowest ({wall:.3f} ms)"]
+                doc["notes"].insert(0, f"the flight recorder's trace around step {step}, one of the run's slowest "
+                                    f"({wall:.3f} ms)")  # fmt: skip
                 if rel:
                     doc["notes"].append(
                         "GPU track placed at the earliest time its launches allow (the recorder never waits for "
@@ -282,15 +308,93 @@ class Capture:
             unwritten("the slow steps' traces", folder, err)
         return paths
 
-    def finish(self, engine: Engine, run_id: str | None) -> dict[int, str]:
+    def finish(self, engine: Engine) -> dict[int, str]:
         """At close, after the engine resolved every step: write the trace window and the flight
-        recorder's traces (``run_id``: the run's TensorBoard files'); the latter's paths by step."""
+        recorder's traces; the latter's paths by step."""
         if self.trace is not None:
-            self._write_trace(engine, run_id)
+            self._write_trace(engine)
             self.trace = None
-        if self.flight is None or run_id is None:
+        if self.flight is None or self.run_id is None:
             return {}
-        return self._write_flight(run_id)
+        return self._write_flight(self.run_id)
+
+
+HOST_TID = 1
+GPU_TID = 2
+
+
+def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
+    """Chrome trace JSON (``traceEvents``, ``ph: "X"`` slices in µs) with a host and a GPU track.
+
+    Host track: the data wait before each step, the step, its phases (nested) and the lagged wait
+    (drawn at the end of the step). GPU track: each step's span between its first and last event and
+    its phases' spans. A GPU slice never starts before the host launched it: a start placed earlier
+    (the anchor or clock drift) is clamped to the host entry time, and the count is in ``metadata``.
+    """
+    steps = capture["steps"]
+    origin = min([s["t0"] - (s["gap_s"] or 0.0) for s in steps], default=0.0)
+
+    def us(t: float) -> float:
+        return round((t - origin) * 1e6, 3)
+
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "steptimer"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": HOST_TID, "args": {"name": "host"}},
+        {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": HOST_TID, "args": {"sort_index": 0}},
+    ]
+
+    def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
+        events.append({
+            "ph": "X", "pid": 1, "tid": tid, "name": name, "cat": cat,
+            "ts": us(a), "dur": round(max(z - a, 0.0) * 1e6, 3), "args": args,
+        })  # fmt: skip
+
+    clamped = 0
+    has_gpu = False
+    for s in steps:
+        n, t0 = s["number"], s["t0"]
+        t_end = t0 + s["step_s"]
+        if s["gap_s"]:
+            slice_(HOST_TID, "data", "data", t0 - s["gap_s"], t0, step=n)
+        slice_(HOST_TID, f"step {n}", "step", t0, t_end, step=n)
+        for name, t_in, t_out in s["phases"]:
+            slice_(HOST_TID, name, "phase", t_in, t_out, step=n)
+        if s["wait_s"] > 0:
+            slice_(HOST_TID, "wait", "wait", t_end - s["wait_s"], t_end, step=n, position="approximate")
+        g = s.get("gpu")
+        if g is None:
+            continue
+        has_gpu = True
+        launches = [(f"step {n}", "step", g["start"], g["end"], t0)]
+        launches += [(name, "phase", a, z, p[1]) for (name, a, z), p in zip(g["phases"], s["phases"])]
+        for name, cat, a, z, launched in launches:
+            if a < launched:
+                clamped += 1
+                a = launched
+            slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
+
+    # Parents before children (Chrome's importer nests by order when starts are equal).
+    def order(e: dict[str, Any]) -> tuple[Any, ...]:
+        depth = {"data": 0, "step": 1, "wait": 99}.get(e.get("cat", ""), 2 + e["name"].count("/"))
+        return (e["ph"] != "M", e["tid"], e.get("ts", 0.0), -e.get("dur", 0.0), depth)
+
+    events.sort(key=order)
+    if has_gpu:
+        events += [
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": GPU_TID, "args": {"name": "GPU"}},
+            {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": GPU_TID, "args": {"sort_index": 1}},
+        ]
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "metadata": {
+            "steps": len(steps),
+            "gpu": has_gpu,
+            "clamped": clamped,
+            "notes": list(capture.get("notes", [])),
+            "run_id": capture.get("run_id"),
+        },
+    }
 
 
 def make_capture(
@@ -314,15 +418,8 @@ def make_capture(
     trace = None
     if trace_steps is not None:
         first, last = trace_range(trace_steps, start_step=start_step, warmup_steps=warmup_steps)
-        if sample_every != 1:
-            raise ValueError(
-                f"trace_steps needs every step timed (sample_every=1), got sample_every={sample_every}"
-            )
-        if folder is None:
-            raise ValueError(
-                f"trace_steps needs log_dir or writer: {TRACE_FILE} is written next to the event files"
-            )
-        trace = (first, last, os.path.join(folder, TRACE_FILE))
+        check_window_option("trace_steps", TRACE_FILE, sample_every=sample_every, folder=folder)
+        trace = (first, last, os.path.join(folder, TRACE_FILE))  # type: ignore[arg-type]
     flight_dir = os.path.join(folder, FLIGHT_DIR) if flight and folder is not None else None
     if not enabled or rank != 0 or (trace is None and flight_dir is None and not profile):
         return None

@@ -12,7 +12,7 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from time import perf_counter
 from types import TracebackType
@@ -312,7 +312,7 @@ class StepTimer:
         self._ranges, nvtx_note = make_ranges(
             nvtx=nvtx, profile_steps=profile_steps, folder=profile_dir, start_step=start_step,
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
-            profile_on_slow=profile_on_slow, keep=c.keep if c is not None else None,
+            profile_on_slow=profile_on_slow, recent=c,
         )  # fmt: skip
         r = self._ranges
         # StepWalls per window (_slow.py): profile_on_slow's check, the slowest step across ranks
@@ -340,6 +340,8 @@ class StepTimer:
             prepare_native()  # compile the native CUDA calls now (once per machine), not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
+            if self._capture is not None:  # its files carry the run id of the sink's files
+                self._capture.run_id = self._sinks[0]._run_id  # type: ignore[attr-defined]
         elif log_dir is not None:
             check_writable(os.fspath(log_dir))
         _exit.track(self)  # closed at exit and on SIGTERM if still open then (_exit.py)
@@ -476,10 +478,7 @@ class StepTimer:
                 for sink in self._sinks:
                     sink.write_window(last)
         self._emit()
-        traces = None
-        if self._capture is not None:  # its files carry the run id of the TensorBoard sink's files
-            tb = self._sinks[0] if self._sinks and isinstance(self._sinks[0], TensorBoardSink) else None
-            traces = self._capture.finish(engine, tb._run_id if tb is not None else None)
+        traces = self._capture.finish(engine) if self._capture is not None else None
         if self._ranges is not None:
             self._ranges.finish(engine)
         engine.release_held()

@@ -1,4 +1,5 @@
-"""The slowest steps (steptimer/_slow.py, the flight recorder of _trace.py): which steps, what grew, and the measured causes.
+"""The slowest steps (steptimer/_slow.py; the flight recorder of _trace.py): which steps, what grew,
+and the measured causes.
 
 Table and JSON are pinned on the simulated GPU (tests/fakes.py); each cause is tested with the real
 thing on CPU (a GC pause, a torch.compile recompilation, a loader that stalls, a checkpoint under
@@ -517,16 +518,19 @@ def test_steptimers_own_window_is_in_none_of_the_slowest_steps(
 def test_a_profile_on_slow_trace_that_cant_be_written_is_a_note(
     tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The capture's trace path is taken by a directory (the real write fails with EISDIR, as root
-    too): training runs to its end, the summary is whole, and one warning and a note say so."""
+    """The capture's trace paths are taken by directories (the real write fails with EISDIR, as root
+    too): another run's name, and this run's own beside it (named by the run id of its TensorBoard
+    files). Training runs to its end, the summary is whole, and one warning and a note say so."""
     (tmp_path / "steptimer-profile-slow-52.json").mkdir()
     t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False,
                   profile_on_slow=2.0)  # fmt: skip
+    (events,) = tmp_path.glob("events.out.tfevents.*")
+    trace = str(tmp_path / f"steptimer-profile-slow-52.{events.name[len('events.out.tfevents.') :]}.json")
+    Path(trace).mkdir()
     with caplog.at_level("WARNING", logger="steptimer"):
         _slowdown_loop(t, clock, 80, lambda n: 41 <= n <= 50)
         s = t.close()
     assert s.steps == 75  # 80 steps, 5 of warm-up
-    trace = str(tmp_path / "steptimer-profile-slow-52.json")
     (note,) = [n for n in s.notes if trace in n]
     assert note.startswith("can't write the profiler trace to ") and "training went on without it" in note
     assert [r.getMessage() for r in caplog.records if trace in r.getMessage()] == [f"steptimer: {note}"]

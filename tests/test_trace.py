@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import steptimer._engine as engine_mod
 import steptimer._trace as trace_mod
 from steptimer import StepTimer
+from steptimer._profile import profile_files
 from steptimer._tracefile import GPU_TID, load_capture, to_chrome
 from tests.fakes import FakeClock, FakeGPU
 
@@ -70,3 +72,61 @@ def to_chrome_slices(doc: dict[str, Any]) -> dict[tuple[int, str], tuple[float, 
         (e["args"]["step"], e["name"]): (e["ts"], e["dur"])
         for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == GPU_TID
     }  # fmt: skip
+
+
+def test_a_device_switch_inside_the_window_starts_the_gpu_track_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 6.. run on another device: its events can't be chained to the first device's, so the
+    GPU track holds steps 6..8 only, anchored, and the trace's notes say why."""
+    clock = FakeClock()
+    monkeypatch.setattr(engine_mod, "perf_counter", clock)
+    monkeypatch.setattr(trace_mod, "perf_counter", clock)
+    gpu = FakeGPU(clock)
+    t = StepTimer._make(backend=gpu.backend(), log_dir=tmp_path, warmup_steps=0, print_summary=False,
+                        trace_steps=(3, 8))  # fmt: skip
+    for n in range(1, 11):
+        if n == 6:
+            gpu.stream = (7, 1, 1)  # device 1
+        clock.advance_ms(1.0)
+        with t.step(), t.phase("forward"):
+            gpu.launch(2.0)
+            clock.advance_ms(0.5)
+    t.close()
+    capture = load_capture(str(tmp_path))
+    assert [s["number"] for s in capture["steps"] if s["gpu"] is not None] == [6, 7, 8]
+    assert "GPU track from step 6: the chain of GPU events broke before it (a device switch)" in capture["notes"]
+    slices = to_chrome_slices(to_chrome(capture))
+    assert slices[(7, "forward")][1] == pytest.approx(2000.0)
+
+
+def test_a_second_run_into_the_same_log_dir_writes_beside_the_first(tmp_path: Path) -> None:
+    """Two runs with trace_steps and profile_steps into one log_dir: the first run's files keep
+    their names and contents; the second's carry its run id (its TensorBoard files') in their names;
+    every file holds its run's id, and what each summary names is its own run's file."""
+
+    def run(steps: int) -> tuple[str, list[str]]:
+        before = set(tmp_path.glob("events.out.tfevents.*"))
+        t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=0, print_summary=False, trace_steps=(2, 3),
+                      profile_steps=(2, 3))  # fmt: skip
+        for _ in range(steps):
+            with t.step(), t.phase("forward"):
+                torch.ones(8).sum()
+        notes = list(t.close().notes)
+        (events,) = set(tmp_path.glob("events.out.tfevents.*")) - before
+        return events.name[len("events.out.tfevents.") :], notes
+
+    a_id, a_notes = run(5)
+    b_id, b_notes = run(6)
+    a_trace, b_trace = tmp_path / "steptimer-trace.json", tmp_path / f"steptimer-trace.{b_id}.json"
+    for path, run_id, last_step in ((a_trace, a_id, 5), (b_trace, b_id, 6)):
+        doc = json.loads(path.read_text())
+        assert (doc["run_id"], doc["last_step"]) == (run_id, last_step)
+    a_prof, b_prof = tmp_path / "steptimer-profile.json", tmp_path / f"steptimer-profile.{b_id}.json"
+    for path, run_id, notes in ((a_prof, a_id, a_notes), (b_prof, b_id, b_notes)):
+        assert json.loads(path.read_text())["steptimer"]["run_id"] == run_id
+        assert any(f"trace: {path} (steptimer kernels)" in n for n in notes), notes
+    # Given the directory, the readers take the first run's file and name the other.
+    capture = load_capture(str(tmp_path))
+    assert capture["run_id"] == a_id and any(b_trace.name in n for n in capture["notes"])
+    assert profile_files(str(tmp_path)) == [str(a_prof), str(b_prof)]
