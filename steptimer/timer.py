@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from time import perf_counter
@@ -25,6 +23,7 @@ from steptimer._engine import MEMORY_AUTO, Engine, check_phase_name
 from steptimer._engine import Phase as _Phase
 from steptimer._flight import FlightRecorder
 from steptimer._memory import MemorySummary, _MemoryBackend
+from steptimer._options import Options, check_bool, check_count, check_memory, check_options
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
 from steptimer._summary import Summary, SummaryAccumulator
@@ -279,19 +278,15 @@ class StepTimer:
         slowest_steps: int = DEFAULT_K,
     ) -> None:
         seams = self._seams
-        check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
-        _check_int("start_step", start_step, 0)
         if log_dir is not None and writer is not None:
             raise ValueError("pass log_dir or writer, not both")
-        for name, value in (("enabled", enabled), ("print_summary", print_summary), ("cross_rank", cross_rank),
-                            ("nvtx", nvtx)):  # fmt: skip
-            check_bool(name, value)
-        if peak_tflops is not None and not (
-            isinstance(peak_tflops, (int, float)) and not isinstance(peak_tflops, bool) and 0 < peak_tflops < math.inf
-        ):
-            raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {peak_tflops!r}")
-        check_memory(memory)
-        _check_int("slowest_steps", slowest_steps, 0)
+        self.options = Options(
+            log_every_n_steps=log_every_n_steps, warmup_steps=warmup_steps, lag=lag, cuda=cuda,
+            start_step=start_step, enabled=enabled, sample_every=sample_every, print_summary=print_summary,
+            cross_rank=cross_rank, cross_rank_timeout_s=cross_rank_timeout_s, trace_steps=trace_steps,
+            peak_tflops=peak_tflops, nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow,
+            memory=memory, slowest_steps=slowest_steps,
+        )  # fmt: skip
         # A window may be lengthened to last MIN_WINDOW_S (the default only, one process only).
         self._window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not _distributed() else 0.0
         if log_every_n_steps is None:
@@ -644,57 +639,6 @@ class StepTimer:
         return summary
 
 
-def check_options(
-    log_every_n_steps: int | None, warmup_steps: int, lag: int, sample_every: int, cuda: bool | None
-) -> None:
-    """Validate the options every front door shares (``log_every_n_steps=None``: not checked)."""
-    if log_every_n_steps is not None:
-        _check_int("log_every_n_steps", log_every_n_steps, 1)
-    _check_int("warmup_steps", warmup_steps, 0)
-    _check_int("lag", lag, 0)
-    _check_int("sample_every", sample_every, 1)
-    if cuda not in (None, True, False):
-        raise ValueError(f"cuda must be None, True or False, got {cuda!r}")
-
-
-def check_bool(name: str, value: object) -> None:
-    """An on/off option: True or False only (``enabled="false"`` would otherwise mean True)."""
-    if value is not True and value is not False:
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def check_count(name: str, value: object) -> float:
-    """A step's ``samples``, ``tokens`` or ``flops``: a finite number >= 0, returned as a number.
-
-    Raises:
-        TypeError: not a number (a string, a bool, a tensor that is not one value on the CPU).
-        ValueError: negative, infinite or NaN.
-    """
-    if (type(value) is int or type(value) is float) and 0 <= value < math.inf:  # type: ignore[operator]
-        return value  # type: ignore[return-value]  # the hot path: plain Python numbers
-    expected = f"{name} must be a finite number >= 0 (an int or float, e.g. x.shape[0])"
-    number: Any = value
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.device.type != "cpu":  # reading a GPU tensor waits for the GPU
-            raise TypeError(f"{expected}, got a tensor of shape {tuple(value.shape)} on {value.device}")
-        number = value.item()
-    if isinstance(number, bool) or not isinstance(number, numbers.Real):  # numpy scalars are Real
-        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
-    number = float(number)
-    if not 0 <= number < math.inf:
-        raise ValueError(f"{expected}, got {value!r}")
-    return number
-
-
-def check_memory(memory: object) -> None:
-    """``memory``: None (time-budgeted), or read one timed step in this many; True is 1, False 0 (never)."""
-    if memory is not None and (not isinstance(memory, int) or memory < 0):
-        raise ValueError(
-            f"memory must be None, True, False or an int >= 0 (read one timed step in N), got {memory!r}"
-        )
-
-
 def memory_every(memory: int | None) -> int:
     """The engine's ``memory``: None is time-budgeted (``MEMORY_AUTO``) in one process, and one timed
     step in 10 under ``torch.distributed``, where every rank must read the same steps (the ranks'
@@ -702,9 +646,3 @@ def memory_every(memory: int | None) -> int:
     if memory is None:
         return 10 if _distributed() else MEMORY_AUTO
     return int(memory)
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-

@@ -1211,3 +1211,27 @@ def test_nested_pauses_count_once(clock: FakeClock) -> None:
             evaluate()
     s = t.close()
     assert s["data"].host.median_ms == pytest.approx(20.0) and s["data"].host.max_ms == pytest.approx(20.0)
+
+
+def test_options_are_one_frozen_dataclass_that_every_front_door_shares() -> None:
+    """A timer's options are an ``Options`` (frozen), validated when built, with the same errors a
+    front door gets from it before any timer exists; a timer made from one has those options."""
+    import dataclasses
+
+    from steptimer._options import Options
+
+    opts = Options(cuda=False, warmup_steps=0, print_summary=False, lag=0, sample_every=3)
+    t = StepTimer(**dataclasses.asdict(opts))
+    assert t.options == opts and t.lag == 0 and t.sample_every == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.options.lag = 1  # type: ignore[misc]
+    for bad, msg in (({"lag": -1}, "lag must be an int >= 0, got -1"),
+                     ({"enabled": "false"}, "enabled must be True or False, got 'false'"),
+                     ({"memory": -2}, "memory must be None, True, False or an int >= 0"),
+                     ({"peak_tflops": 0}, "peak_tflops must be a number > 0"),
+                     ({"log_every_n_steps": 0}, "log_every_n_steps must be an int >= 1, got 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            Options(**bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=msg):
+            StepTimer(**bad)  # type: ignore[arg-type]
+    t.close()
