@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
-from steptimer._engine import MEMORY_AUTO, Engine, check_phase_name
+from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, check_phase_name
 from steptimer._engine import Phase as _Phase
 from steptimer._flight import FlightRecorder
 from steptimer._memory import MemorySummary, _MemoryBackend
@@ -416,7 +416,7 @@ class StepTimer:
                 return _NULL
             check_phase_name(name)
             cm = self._phases[name] = self._phase_cls(self._engine, name, self._ranges)
-        if self._engine.untimed and self._phase_cls is _Phase:
+        if self._engine.state == UNTIMED and self._phase_cls is _Phase:
             # A step outside the sample times no phase: the engine would only return (NVTX and
             # profiler ranges, _RangedPhase, still run in every step).
             return _NULL
