@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import re
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,18 +29,11 @@ from time import perf_counter
 from typing import Any, NamedTuple
 
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
-from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, mib, oom_errors, torch_memory_backend
+from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, oom_errors, oom_note, torch_memory_backend
 from steptimer._slow import GcLog, dynamo_stats
 from steptimer._window import GAP_S, STEP_S, WAIT_S, RowKey, StepRows
 
 log = logging.getLogger("steptimer")
-
-RESERVED_NAMES = frozenset({"step", "other", "wait", "idle"})
-# Each phase name is a directory of its TensorBoard run (<log_dir>/steptimer/<outer>/<inner>), and a
-# path component must stay under 255 bytes (NAME_MAX on Linux and macOS). 100 leaves room below it,
-# keeps a nested name's path far from PATH_MAX, and still fits a table row and TensorBoard's run list.
-MAX_PHASE_NAME_CHARS = 100
-_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 
 # A boundary less than this long (host time) after steptimer's last event record reuses that event
 # instead of recording a new one: no kernel can be launched in between, since launching one from
@@ -66,27 +58,6 @@ OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
 _PLAIN = (None, False, False)  # a plain step's row layout (StepRows key): no phases, no GPU times
 _NO_PAUSES: tuple[tuple[Any, Any], ...] = ()  # a step's pauses when it had none (shared, never appended to)
-
-
-def check_phase_name(name: str) -> None:
-    """Raise ``ValueError`` unless ``name`` is a usable phase name."""
-    # Only dots ("." or "..") would name no directory of its own for the phase's TensorBoard run.
-    if not isinstance(name, str) or not _NAME_RE.match(name) or not name.strip("."):
-        raise ValueError(
-            f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' "
-            "(nest phases to get 'outer/inner')"
-        )
-    if len(name) > MAX_PHASE_NAME_CHARS:
-        raise ValueError(
-            f"phase name must be at most {MAX_PHASE_NAME_CHARS} characters (each name is a directory of the "
-            f"TensorBoard log), got {len(name)}: {name[:40]!r}...; pass a shorter name, or nest phases "
-            "to get 'outer/inner'"
-        )
-    if name in RESERVED_NAMES:
-        raise ValueError(
-            f"phase name {name!r} is reserved ({', '.join(sorted(RESERVED_NAMES))} are computed by "
-            "steptimer); pick another name"
-        )
 
 
 class PhaseRecord(NamedTuple):
@@ -181,24 +152,12 @@ class Engine:
     """
 
     def __init__(
-        self,
-        *,
-        lag: int,
-        sample_every: int,
-        warmup_steps: int,
-        start_step: int,
-        cuda: bool | None,
-        backend: _CudaBackend | None,
-        window_every: int,
-        on_window: Callable[[int], None],
-        window_min_s: float = 0.0,
-        window_max: int = 0,
-        on_pending: Callable[[Engine, StepRecord], None] | None = None,
-        memory: int = 0,
-        memory_backend: _MemoryBackend | None = None,
-        slowest: bool = False,
+        self, *, lag: int, sample_every: int, warmup_steps: int, start_step: int, cuda: bool | None,
+        backend: _CudaBackend | None, window_every: int, on_window: Callable[[int], None],
+        window_min_s: float = 0.0, window_max: int = 0, on_pending: Callable[[Engine, StepRecord], None] | None = None,
+        memory: int = 0, memory_backend: _MemoryBackend | None = None, slowest: bool = False,
         recent: deque[Any] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.lag = lag
         self.sample_every = sample_every
         self.first_number = start_step + 1
@@ -689,19 +648,7 @@ class Engine:
 
     def oom_note(self) -> str | None:
         """The summary's line on a CUDA out-of-memory error inside a step, if one struck."""
-        if self.oom is None:
-            return None
-        phase, number, peak, read = self.oom
-        if phase is not None:
-            where = f"in phase {phase!r} of step {number}"
-            before = f"the peak allocated inside the phase before it was {mib(peak or 0):,.1f} MiB"
-        elif read:
-            where = f"in step {number}, outside any phase"
-            before = f"the step's peak allocated before it was {mib(peak or 0):,.1f} MiB"
-        else:
-            where = f"in step {number}, a step whose phases were not timed"
-            before = f"the allocator's peak since steptimer's last reading was {mib(peak or 0):,.1f} MiB"
-        return f"CUDA out of memory {where}: {before}"
+        return None if self.oom is None else oom_note(*self.oom)
 
     def _backend(self) -> _CudaBackend:
         if self.b is None:  # pragma: no cover - only reachable through a bug in this file

@@ -1,10 +1,11 @@
 """Options shared by every front door and the CLI, validated in one place.
 
 :class:`Options` holds what a :class:`~steptimer.StepTimer` is made with; building one validates
-every value (``ValueError`` naming the option, the bad value and what to pass). The Lightning
-callback, ``instrument()``, ``steptimer run`` and the Hugging Face callback build one to check
-their options when they are given, before a timer exists. ``trace_steps`` and ``profile_steps``
-are checked where they are read (``_trace.py``, ``_profile.py``): they need the run's step numbers.
+every value (``ValueError`` naming the option, the bad value and what to pass), so a front door
+that gets options before its timer exists (a callback's constructor) checks them by building one,
+and makes the timer from it (``StepTimer(**dataclasses.asdict(options))``). ``trace_steps`` and
+``profile_steps`` are checked where they are read (``_trace.py``, ``_profile.py``): they need the
+run's step numbers. The step counts (``check_count``) and phase names are checked here too.
 """
 
 from __future__ import annotations
@@ -13,11 +14,19 @@ import argparse
 import dataclasses
 import math
 import numbers
+import re
 import sys
 from typing import Any
 
 from steptimer._dist import DEFAULT_TIMEOUT_S
 from steptimer._slow import DEFAULT_K
+
+RESERVED_NAMES = frozenset({"step", "other", "wait", "idle"})
+# Each phase name is a directory of its TensorBoard run (<log_dir>/steptimer/<outer>/<inner>), and a
+# path component must stay under 255 bytes (NAME_MAX on Linux and macOS). 100 leaves room below it,
+# keeps a nested name's path far from PATH_MAX, and still fits a table row and TensorBoard's run list.
+MAX_PHASE_NAME_CHARS = 100
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,3 +140,24 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
     return v
+
+
+def check_phase_name(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a usable phase name."""
+    # Only dots ("." or "..") would name no directory of its own for the phase's TensorBoard run.
+    if not isinstance(name, str) or not _NAME_RE.match(name) or not name.strip("."):
+        raise ValueError(
+            f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' "
+            "(nest phases to get 'outer/inner')"
+        )
+    if len(name) > MAX_PHASE_NAME_CHARS:
+        raise ValueError(
+            f"phase name must be at most {MAX_PHASE_NAME_CHARS} characters (each name is a directory of the "
+            f"TensorBoard log), got {len(name)}: {name[:40]!r}...; pass a shorter name, or nest phases "
+            "to get 'outer/inner'"
+        )
+    if name in RESERVED_NAMES:
+        raise ValueError(
+            f"phase name {name!r} is reserved ({', '.join(sorted(RESERVED_NAMES))} are computed by "
+            "steptimer); pick another name"
+        )

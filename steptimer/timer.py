@@ -19,11 +19,11 @@ from typing import Any, Literal, Protocol, TypeVar
 from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
-from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, check_phase_name
+from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine
 from steptimer._engine import Phase as _Phase
 from steptimer._flight import FlightRecorder
 from steptimer._memory import MemorySummary, _MemoryBackend
-from steptimer._options import Options, check_bool, check_count, check_memory, check_options
+from steptimer._options import Options, check_bool, check_count, check_memory, check_options, check_phase_name
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
 from steptimer._summary import Summary, SummaryAccumulator
@@ -277,22 +277,17 @@ class StepTimer:
         memory: int | None = None,
         slowest_steps: int = DEFAULT_K,
     ) -> None:
-        seams = self._seams
+        given = locals()  # every argument but log_dir and writer is an Options field, validated there
+        self.options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
         if log_dir is not None and writer is not None:
             raise ValueError("pass log_dir or writer, not both")
-        self.options = Options(
-            log_every_n_steps=log_every_n_steps, warmup_steps=warmup_steps, lag=lag, cuda=cuda,
-            start_step=start_step, enabled=enabled, sample_every=sample_every, print_summary=print_summary,
-            cross_rank=cross_rank, cross_rank_timeout_s=cross_rank_timeout_s, trace_steps=trace_steps,
-            peak_tflops=peak_tflops, nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow,
-            memory=memory, slowest_steps=slowest_steps,
-        )  # fmt: skip
+        seams = self._seams
         # A window may be lengthened to last MIN_WINDOW_S (the default only, one process only).
-        self._window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not _distributed() else 0.0
+        window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not _distributed() else 0.0
         if log_every_n_steps is None:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
         self.log_every_n_steps: int = log_every_n_steps  # a window's steps (a multiple of it, see above)
-        self._window_max = log_every_n_steps * (MAX_WINDOW_UNITS if self._window_min_s else 1)
+        window_max = log_every_n_steps * (MAX_WINDOW_UNITS if window_min_s else 1)
         self.warmup_steps = warmup_steps
         self.lag = lag
         self.sample_every = sample_every
@@ -313,11 +308,10 @@ class StepTimer:
             warmup_steps=warmup_steps, sample_every=sample_every, enabled=enabled, rank=self._rank,
         )  # fmt: skip
         self._phase_cls: type[_Phase] = _Phase
-        profile_dir = seams.profile_dir
-        if profile_dir is None and (log_dir is not None or writer is not None):
-            profile_dir = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
+        folder = None if writer is None else str(writer.get_logdir())
+        folder = os.fspath(log_dir) if log_dir is not None else folder
         self._ranges, nvtx_note = make_ranges(
-            nvtx=nvtx, profile_steps=profile_steps, folder=profile_dir, start_step=start_step,
+            nvtx=nvtx, profile_steps=profile_steps, folder=seams.profile_dir or folder, start_step=start_step,
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
             profile_on_slow=profile_on_slow,
         )  # fmt: skip
@@ -325,22 +319,24 @@ class StepTimer:
         profile = r if r is not None and (r.captures or r.slow is not None) else None
         # StepWalls per window (_slow.py): profile_on_slow's check, the slowest step across ranks
         self._walls = (r is not None and r.slow is not None) or (self._xrank is not None and slowest_steps > 0)
-        self._flight: FlightRecorder | None = None
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
-        if slowest_steps and enabled and self._rank == 0 and (log_dir is not None or writer is not None):
-            folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
-            self._flight = FlightRecorder(folder, window=self._window_max)
+        keep = slowest_steps and enabled and self._rank == 0 and folder is not None
+        self._flight = FlightRecorder(folder, window=window_max) if keep else None  # type: ignore[arg-type]
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
-            window_min_s=self._window_min_s, window_max=self._window_max,
+            window_min_s=window_min_s, window_max=window_max,
             on_pending=_on_pending(self._trace, profile), recent=self._flight.ring if self._flight else None,
             memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
-        if not enabled:
-            return
+        if enabled:
+            self._start(log_dir, writer)
+
+    def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
+        """An enabled timer's checks and set-up that touch the machine: CUDA, files, signals, ranks."""
+        seams, cuda = self._seams, self.options.cuda
         if cuda is True and seams.backend is None:
             ok, why = cuda_usable()
             if not ok:

@@ -893,7 +893,7 @@ def test_mfu_on_the_gpu_uses_the_tables_bf16_peak_for_this_device() -> None:
 def test_a_phase_name_the_log_cannot_hold_is_refused_at_phase(tmp_path: Path, clock: FakeClock) -> None:
     """A 300-character name fails at phase(), naming the limit; two names of 100 characters (the
     limit), one nested in the other, go all the way to disk."""
-    from steptimer._engine import MAX_PHASE_NAME_CHARS
+    from steptimer._options import MAX_PHASE_NAME_CHARS
     from tests.tb import phase_runs
 
     t = StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=2, warmup_steps=0, print_summary=False)
