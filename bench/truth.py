@@ -186,12 +186,28 @@ class RecordingTimer:  # built lazily so this module imports without torch for t
                 super().__init__(**kw2)
 
             def _take_window(self) -> Any:
-                self.resolved.extend(self._engine.rows.steps())
+                self.resolved.extend(_per_step(self._engine.rows))
                 return super()._take_window()
 
         kw.setdefault("print_summary", False)
         kw.setdefault("warmup_steps", 0)
         return _Recording._make(**kw)  # seams (backend=...) and options alike
+
+
+def _per_step(rows: Any) -> list[Any]:
+    """A window's rows as per-step values (ms by row name), in step order."""
+    from types import SimpleNamespace
+
+    from steptimer._slow import row_values
+    from steptimer._window import NUMBER, SAMPLES, _blocks
+
+    out = []
+    for blk, series in _blocks(rows):
+        for i, (number, samples) in enumerate(blk.lead[:, [NUMBER, SAMPLES]].tolist()):
+            host, gpu = row_values(blk, series, i)
+            out.append(SimpleNamespace(number=int(number), host_ms=host, gpu_ms=gpu or None, timed=blk.names is not None,
+                                       samples=None if samples != samples else samples))  # fmt: skip
+    return sorted(out, key=lambda st: st.number)
 
 
 @contextmanager

@@ -22,26 +22,18 @@ from __future__ import annotations
 import logging
 import math
 import random
-import re
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
-from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, mib, oom_errors, torch_memory_backend
+from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, oom_errors, oom_note, torch_memory_backend
 from steptimer._slow import GcLog, dynamo_stats
-from steptimer._window import STEP_S, WAIT_S, StepRows
+from steptimer._window import GAP_S, STEP_S, WAIT_S, RowKey, StepRows
 
 log = logging.getLogger("steptimer")
-
-RESERVED_NAMES = frozenset({"step", "other", "wait", "idle"})
-# Each phase name is a directory of its TensorBoard run (<log_dir>/steptimer/<outer>/<inner>), and a
-# path component must stay under 255 bytes (NAME_MAX on Linux and macOS). 100 leaves room below it,
-# keeps a nested name's path far from PATH_MAX, and still fits a table row and TensorBoard's run list.
-MAX_PHASE_NAME_CHARS = 100
-_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 
 # A boundary less than this long (host time) after steptimer's last event record reuses that event
 # instead of recording a new one: no kernel can be launched in between, since launching one from
@@ -60,41 +52,34 @@ _NAN = math.nan
 # at most 0.1 % of the run, every step of a 100 ms step, one in ~20 of 5 ms steps.
 MEMORY_AUTO = -1
 MEMORY_BUDGET = 1000.0
+# The step state (Engine.state): between steps, a step outside the sample (no phase, no event), a
+# step timed on the host clock, a step timed with CUDA events. Ordered: ``state >= HOST`` is timed.
+OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
 _PLAIN = (None, False, False)  # a plain step's row layout (StepRows key): no phases, no GPU times
 _NO_PAUSES: tuple[tuple[Any, Any], ...] = ()  # a step's pauses when it had none (shared, never appended to)
 
 
-def check_phase_name(name: str) -> None:
-    """Raise ``ValueError`` unless ``name`` is a usable phase name."""
-    # Only dots ("." or "..") would name no directory of its own for the phase's TensorBoard run.
-    if not isinstance(name, str) or not _NAME_RE.match(name) or not name.strip("."):
-        raise ValueError(
-            f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' "
-            "(nest phases to get 'outer/inner')"
-        )
-    if len(name) > MAX_PHASE_NAME_CHARS:
-        raise ValueError(
-            f"phase name must be at most {MAX_PHASE_NAME_CHARS} characters (each name is a directory of the "
-            f"TensorBoard log), got {len(name)}: {name[:40]!r}...; pass a shorter name, or nest phases "
-            "to get 'outer/inner'"
-        )
-    if name in RESERVED_NAMES:
-        raise ValueError(
-            f"phase name {name!r} is reserved ({', '.join(sorted(RESERVED_NAMES))} are computed by "
-            "steptimer); pick another name"
-        )
+class PhaseRecord(NamedTuple):
+    """One phase entry of a timed step, as :meth:`StepRecord.phase_records` names it."""
+
+    name: str  # full name, "outer/inner" when nested
+    t_in: float  # host clock (perf_counter) at entry and exit
+    t_out: float
+    i_in: int  # index in the step's events of the entry and exit events (-1: host only)
+    i_out: int
+    caught: float  # 1.0: the GPU reached the entry before the host left the phase (Phase.__exit__)
 
 
-class _Pending:
-    """A finished step whose GPU events may not have completed yet.
+class StepRecord:
+    """A finished step whose GPU events may not have completed yet (what ``on_pending`` and the
+    ``recent`` ring get).
 
     ``row`` is the step's row of the window so far: its ``LEAD`` columns (``_window.py``), built by
-    ``end_step`` for every step; ``_resolve`` sets the step's host time and wait in it and appends the
-    phases. ``phases`` holds ``(full name, host in, host out, event index in, event index out,
-    caught)`` per phase entry (caught: 1.0 if the GPU had reached the phase's entry by its exit, and its
-    exit by the next phase's exit, see ``Phase.__exit__``); ``events[i_start]``/``events[i_end]``
-    bound the step on the GPU.
+    ``end_step``; ``_resolve`` completes a copy of it. ``phases`` holds one plain tuple per phase
+    entry, laid out as :class:`PhaseRecord` (a tuple is built at each phase exit: a NamedTuple
+    costs ~0.2 µs more each); read them by name through :meth:`phase_records`.
+    ``events[i_start]``/``events[i_end]`` bound the step on the GPU.
     """
 
     __slots__ = (
@@ -129,6 +114,10 @@ class _Pending:
         # timed GPU step is resolved: ``offs_ms``, each event's ms from the first, and ``chain_ms``,
         # the GPU's ms from the previous step's end event to this step's first (pauses included).
 
+    def phase_records(self) -> list[PhaseRecord]:
+        """The step's phase entries with named fields, in entry order."""
+        return [PhaseRecord._make(r) for r in self.phases]
+
 
 class Engine:
     """Steps, phases and their events; finished steps become rows of ``rows``.
@@ -150,7 +139,7 @@ class Engine:
         on_pending: called with each finished step before its events are released (trace capture).
         recent: a deque (with a ``maxlen``) that gets the resolved steps in order, all but untimed
             ones resolved at their own end (the flight recorder's ring, ``_flight.py``): a
-            ``_Pending``, or ``(t0, row, phases)`` for a timed host step resolved at its own end
+            ``StepRecord``, or ``(t0, row, phases)`` for a timed host step resolved at its own end
             (its row is ``_window.py``'s).
         memory: read the CUDA caching allocator on one timed GPU step in this many, the first
             timed step included (``_memory.py``); 0: never; ``MEMORY_AUTO``: on the first timed
@@ -163,24 +152,12 @@ class Engine:
     """
 
     def __init__(
-        self,
-        *,
-        lag: int,
-        sample_every: int,
-        warmup_steps: int,
-        start_step: int,
-        cuda: bool | None,
-        backend: _CudaBackend | None,
-        window_every: int,
-        on_window: Callable[[int], None],
-        window_min_s: float = 0.0,
-        window_max: int = 0,
-        on_pending: Callable[[Engine, _Pending], None] | None = None,
-        memory: int = 0,
-        memory_backend: _MemoryBackend | None = None,
-        slowest: bool = False,
+        self, *, lag: int, sample_every: int, warmup_steps: int, start_step: int, cuda: bool | None,
+        backend: _CudaBackend | None, window_every: int, on_window: Callable[[int], None],
+        window_min_s: float = 0.0, window_max: int = 0, on_pending: Callable[[Engine, StepRecord], None] | None = None,
+        memory: int = 0, memory_backend: _MemoryBackend | None = None, slowest: bool = False,
         recent: deque[Any] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.lag = lag
         self.sample_every = sample_every
         self.first_number = start_step + 1
@@ -197,15 +174,10 @@ class Engine:
         self._recent = recent
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self._next_timed = self._pick_timed(0)
-        # The current step.
-        self.in_step = False
-        self._timed = False
-        # A timed step is open: what a phase checks first (one attribute for in_step and _timed).
-        self.timing = False
-        # In a step whose phases are not timed (outside the sample): the front door may hand out a
-        # no-op context manager for its phases (StepTimer.phase), ~0.2 µs instead of ~0.6 µs a phase.
-        self.untimed = False
-        self._gpu = False  # timed on the GPU
+        # The current step: its state (OUT, UNTIMED, HOST, GPU), what a phase reads first. In an
+        # UNTIMED step the front door may hand out a no-op context manager for its phases
+        # (StepTimer.phase), ~0.2 µs instead of ~0.6 µs a phase.
+        self.state = OUT
         self._t0 = 0.0
         # The step's counts, set by the front door before the step ends (timer.StepTimer.step).
         self.samples: float | None = None
@@ -220,7 +192,7 @@ class Engine:
         self._gap_start: float | None = None
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
-        self._pending: deque[_Pending] = deque()
+        self._pending: deque[StepRecord] = deque()
         self._window_due = 0  # the last step of a window that ended, not yet handed to the owner
         self._window_min_s = window_min_s
         self._window_max = window_max or window_every
@@ -265,6 +237,11 @@ class Engine:
         return 0.0 if self._gap_start is None or self._first_t0 is None else self._gap_start - self._first_t0
 
     @property
+    def in_step(self) -> bool:
+        """A step is open."""
+        return self.state != OUT
+
+    @property
     def step_t0(self) -> float:
         """When the current (or last) step began, on the engine's host clock (``perf_counter``)."""
         return self._t0
@@ -274,47 +251,44 @@ class Engine:
     def begin_step(self) -> None:
         """Begin a step (``with engine:`` enters it: the context manager is the engine itself, a
         Python call less at each end of every step than a wrapper's)."""
-        if (self.in_step or self.closed or self.cuda is None) and not self._may_begin():
+        if (self.state or self.closed or self.cuda is None) and not self._may_begin():
             return
         self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
         if self.number + 1 != self._next_timed:  # outside the sample: no phase, no event, no reading
-            self._timed = self._gpu = False
-            self.untimed = self.in_step = True
             self._recs = self._evs = _EMPTY  # never appended to: a step that needs events gets a list
             self._mem = None
+            self.state = UNTIMED
             return
-        self._timed = True
-        self.untimed = False
-        self._gpu = bool(self.cuda)
         self._recs = []
         self._evs = []
         self._last_t = -math.inf
-        if self._gpu:
-            b = self._backend()
-            key = b.stream_key()
-            if key != self._stream_key:
-                self._switch_stream(key)
-            if b.is_capturing(self.stream):
-                raise RuntimeError(_CAPTURE_MSG)
-            self._boundary(t0)
-            mem = self.memory
-            if mem is not None:
-                self._mem_steps += 1
-                auto = self._memory_opt == MEMORY_AUTO
-                if (t0 < self._mem_next) if auto else (self._mem_steps - 1) % self._memory_opt:
-                    mem = None  # not read: the next read step's first reading takes its peak
-                else:
-                    mem.begin_step(self.device)
-            self._mem = mem
-            self._last_t = perf_counter()
-        else:
+        if not self.cuda:
             self._mem = None
-        self.in_step = self.timing = True  # last: a step that raised above (graph capture) never began
+            self.state = HOST
+            return
+        b = self._backend()
+        key = b.stream_key()
+        if key != self._stream_key:
+            self._switch_stream(key)
+        if b.is_capturing(self.stream):
+            raise RuntimeError(_CAPTURE_MSG)  # the step never began
+        self._boundary(t0)
+        mem = self.memory
+        if mem is not None:
+            self._mem_steps += 1
+            auto = self._memory_opt == MEMORY_AUTO
+            if (t0 < self._mem_next) if auto else (self._mem_steps - 1) % self._memory_opt:
+                mem = None  # not read: the next read step's first reading takes its peak
+            else:
+                mem.begin_step(self.device)
+        self._mem = mem
+        self._last_t = perf_counter()
+        self.state = GPU
 
     def _may_begin(self) -> bool:
         """The rare cases at a step's start: a step already open, a closed engine (False: a no-op
         step, when steptimer closed itself at exit), the first step (settle CUDA)."""
-        if self.in_step:
+        if self.state:
             raise RuntimeError("step() entered inside a step: steps cannot nest (one step = one optimizer step)")
         if self.closed:
             if self.quiet:  # closed by steptimer at exit or on SIGTERM: the run goes on untimed
@@ -337,14 +311,60 @@ class Engine:
         its micro-batches). ``error``: the exception that ended the step, if any (else
         ``sys.exc_info()``'s), for the out-of-memory note.
         """
-        if not self.in_step:
+        if not self.state:
             return
         t1 = perf_counter()
         if et is not None or self._stack:
             self._discard(et, error)
             return
+        state = self.state
+        number = self.number + 1
+        gs = self._gap_start
+        if gs is None:
+            gap = _NAN  # the run's first step: no data wait before it
+        else:
+            gap = self._t0 - gs - self._paused_s
+            if gap < 0.0:
+                gap = 0.0
+        samples, tokens, flops = self.samples, self.tokens, self.flops
+        # The step's LEAD columns (_window.py); its host time is set at its end, its wait by _resolve.
+        row = [
+            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
+            gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops,
+        ]  # fmt: skip
         try:
-            self._finish(t1)
+            if self._pending:  # what needs no wait: all of it host only, else the steps without events
+                self._resolve_ready()
+            if (
+                state == GPU
+                or self._pending
+                or self._window_due
+                or self._paused_s
+                or self._pause_evs
+                or (self.cuda and number + 1 == self._next_timed)
+                or (self._dyn is not None and self._dyn.get("unique_graphs", 0) != self._graphs)
+                or (self.gc_log is not None and self.gc_log.spans)
+                or (state == HOST and self._on_pending is not None)
+            ):
+                self._finish_later(t1, number, row)
+            else:
+                # Resolved at its own end: a step without GPU events (untimed, or timed on the host
+                # clock) with nothing older pending and nothing to mark has its row complete now, so
+                # it skips the record and the queue (bench/small_steps.py's host and untimed rows).
+                # While captures (on_pending) want each step's record, a timed step is queued.
+                self.number = number
+                if state == HOST:
+                    recs = self._recs
+                    row += [r[2] - r[1] for r in recs]
+                    self._add_row(number, (tuple([r[0] for r in recs]), False, False), row)
+                    if self._recent is not None:
+                        self._recent.append((self._t0, row, recs))
+                    self._pick_next(number)
+                else:
+                    self._add_row(number, _PLAIN, row)
+                self.state = OUT
+                self._gap_start = t_end = perf_counter()
+                row[STEP_S] = t_end - self._t0
         except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
             self._recover()
             raise
@@ -361,72 +381,21 @@ class Engine:
         if et is None:
             raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
 
-    def _finish(self, t1: float) -> None:
-        """``end_step`` of a step that ended well: its record, the wait, what is due."""
-        number = self.number + 1
+    def _finish_later(self, t1: float, number: int, row: list[float]) -> None:
+        """End the step as a record (``StepRecord``) in the queue: wait for step N - lag's end event,
+        resolve the steps that are due; this one is resolved at a later step's end (or close)."""
         pending = self._pending
-        if not self.cuda:  # host only: nothing to wait for; every step before this one is due
-            self._resolve_upto(number - 1)
-        else:  # the oldest steps without events (untimed) have nothing to wait for either
-            while pending and not pending[0].events and not self._window_due:
-                self._resolve(pending[0])
-        t0, gs = self._t0, self._gap_start
-        if gs is None:
-            gap = None
-        else:
-            gap = t0 - gs - self._paused_s
-            if gap < 0.0:
-                gap = 0.0
-        samples, tokens, flops = self.samples, self.tokens, self.flops
-        # The step's LEAD columns (_window.py); its host time is set at the end, its wait by _resolve.
-        row = [
-            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
-            _NAN if gap is None else gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops,
-        ]  # fmt: skip
-        timed = self._timed
-        if (
-            not self._gpu
-            and not pending
-            and not self._window_due
-            and not self._paused_s
-            and not self._pause_evs
-            and not (self.cuda and number + 1 == self._next_timed)
-            and (self._dyn is None or self._dyn.get("unique_graphs", 0) == self._graphs)
-            and not (self.gc_log is not None and self.gc_log.spans)
-            and not (timed and self._on_pending is not None)
-        ):
-            # The *short way*, for a step without GPU events (untimed, or timed on the host clock)
-            # with nothing older pending and nothing to mark: its row is complete at its end and goes
-            # straight into the window, without waiting in the queue for the next step's end
-            # (bench/small_steps.py's host and untimed rows). A timed step goes the long way while
-            # captures (on_pending) want each step's record: they read it, and mark it (mark_current).
-            rows = self.rows
-            if timed:
-                recs = self._recs
-                row += [r[2] - r[1] for r in recs]
-                rows.add((tuple([r[0] for r in recs]), False, False), row)
-                if self._recent is not None:
-                    self._recent.append((t0, row, recs))
-            else:
-                rows.add(_PLAIN, row)
-            self.number = self.last_resolved = number
-            self.in_step = self.untimed = self.timing = False
-            rows.warmup = number <= self.last_warmup
-            self._gap_start = t_end = perf_counter()
-            row[STEP_S] = t_end - t0
-            if number % self._window_every == 0 or number == self.last_warmup:
-                self._window_due = self._window_ends(number)
-            if timed:
-                self._pick_next(number)
-            return
-        rec = _Pending(
-            number, t0, timed, number <= self.last_warmup, row, gap, self._recs,
-            self._pause_evs or _NO_PAUSES, self.device,
+        t0 = self._t0
+        state = self.state
+        gap = row[GAP_S]
+        rec = StepRecord(
+            number, t0, state >= HOST, number <= self.last_warmup, row, None if gap != gap else gap,
+            self._recs, self._pause_evs or _NO_PAUSES, self.device,
         )  # fmt: skip
         rec.paused_s = self._paused_s
         if self._dyn is not None:
             self._note_compiles(rec)
-        if self._gpu:
+        if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
             if self._mem is not None:
@@ -442,14 +411,14 @@ class Engine:
         # The step is the engine's from here: an exception below (Ctrl-C in a wait) keeps it.
         pending.append(rec)
         self.number = number
-        self.in_step = self.untimed = self.timing = False
+        self.state = OUT
         if self._pause_evs:
             self._pause_evs = []
         self._paused_s = 0.0
         # Wait on the end of step N - lag (N itself with lag 0), then resolve every step up to it,
-        # except this one: it is resolved at the next step's end (or close), inside that step's time.
-        # Steps waited for already (with lag 0, all before this one) are resolved before the wait,
-        # while the GPU still runs this step: after a lag 0 wait the GPU sits idle until the next launch.
+        # except this one. Steps waited for already (with lag 0, all before this one) are resolved
+        # before the wait, while the GPU still runs this step: after a lag 0 wait the GPU sits idle
+        # until the next launch.
         if self.cuda:
             due = number - self.lag
             self._resolve_upto(min(self._waited, number - 1))
@@ -463,10 +432,10 @@ class Engine:
             self._pick_next(number)
 
     def _recover(self) -> None:
-        """After an exception inside ``_finish`` (a signal, steptimer's own failure): a step not yet
+        """After an exception inside ``end_step``'s own work (a signal, steptimer's own failure): a step not yet
         the engine's is dropped; the engine's last step gets its host time; steps resolved so far
         stay resolved and the others stay pending. The next step then begins as usual."""
-        if self.in_step:
+        if self.state:
             self._drop_step()
             return
         rec = self._pending[-1] if self._pending else None
@@ -527,7 +496,7 @@ class Engine:
             if self._dyn is not None:
                 self._graphs = self._dyn.get("unique_graphs", 0)
 
-    def _note_compiles(self, rec: _Pending) -> None:
+    def _note_compiles(self, rec: StepRecord) -> None:
         """Mark the step if ``torch.compile`` compiled a graph in it (dynamo's counter, one lookup)."""
         graphs = self._dyn.get("unique_graphs", 0)
         if graphs != self._graphs:
@@ -548,7 +517,7 @@ class Engine:
         Returns False, changing nothing, otherwise, and on an untimed step (nothing to join).
         """
         stack, recs = self._stack, self._recs
-        if not self._timed or not stack or not recs or stack[-1][1] != name:
+        if self.state < HOST or not stack or not recs or stack[-1][1] != name:
             return False
         full = stack[-1][0]
         last = recs[-1]
@@ -557,6 +526,16 @@ class Engine:
         recs.pop()
         stack[-1] = (last[0], into, last[1], last[3])
         return True
+
+    def _resolve_ready(self) -> None:
+        """Resolve the pending steps that need no wait: every one host only; with CUDA, the oldest
+        ones without events (untimed)."""
+        pending = self._pending
+        if not self.cuda:
+            self._resolve_upto(self.number)
+        else:
+            while pending and not pending[0].events and not self._window_due:
+                self._resolve(pending[0])
 
     def _resolve_upto(self, upto: int) -> None:
         """Resolve the pending steps up to ``upto``, stopping at a window's end (the owner takes
@@ -568,7 +547,7 @@ class Engine:
     def begin_pause(self) -> tuple[float, Any] | None:
         """Start a pause; None inside another pause: the outer one already holds this time, and a
         nested pause counts once (its time subtracted from the data wait once, not twice)."""
-        if self.in_step:
+        if self.state:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
         if self._pausing:
             return None
@@ -588,7 +567,7 @@ class Engine:
 
     def close(self) -> None:
         """Drop an unfinished step and resolve every pending one (one wait, on the newest)."""
-        if self.in_step:
+        if self.state:
             self._drop_step()
         if self._pending:
             if self.cuda and self._pending[-1].number > self._waited:  # lag 0 waited already
@@ -622,7 +601,7 @@ class Engine:
         self._stack.clear()
         if self._mem is not None:
             self._mem.drop_step()
-        self.in_step = self.untimed = self.timing = False
+        self.state = OUT
         self._gap_start = perf_counter()  # the failed step's time is not data wait
         self._paused_s = 0.0
 
@@ -669,19 +648,7 @@ class Engine:
 
     def oom_note(self) -> str | None:
         """The summary's line on a CUDA out-of-memory error inside a step, if one struck."""
-        if self.oom is None:
-            return None
-        phase, number, peak, read = self.oom
-        if phase is not None:
-            where = f"in phase {phase!r} of step {number}"
-            before = f"the peak allocated inside the phase before it was {mib(peak or 0):,.1f} MiB"
-        elif read:
-            where = f"in step {number}, outside any phase"
-            before = f"the step's peak allocated before it was {mib(peak or 0):,.1f} MiB"
-        else:
-            where = f"in step {number}, a step whose phases were not timed"
-            before = f"the allocator's peak since steptimer's last reading was {mib(peak or 0):,.1f} MiB"
-        return f"CUDA out of memory {where}: {before}"
+        return None if self.oom is None else oom_note(*self.oom)
 
     def _backend(self) -> _CudaBackend:
         if self.b is None:  # pragma: no cover - only reachable through a bug in this file
@@ -740,7 +707,7 @@ class Engine:
             if rec.device != newest.device:
                 b.wait(rec.events[rec.i_end])
 
-    def _resolve(self, rec: _Pending) -> None:
+    def _resolve(self, rec: StepRecord) -> None:
         """Turn the oldest pending step ``rec`` into one row of the window (``StepRows``); read its
         GPU events. Everything before the step leaves ``pending`` only reads, so an exception there
         (Ctrl-C) leaves the step pending, to be resolved again."""
@@ -781,16 +748,20 @@ class Engine:
             self.held_end = (rec.number, rec.device, evs[rec.i_end])
         for a, c in rec.pauses:
             self._free += (a, c)
-        rows = self.rows
-        rows.add((names, has_gpu, has_idle), row)
         if self._slowest and (rec.marks or rec.paused_s or self.gc_log.spans):  # type: ignore[union-attr]
             self._mark(rec)
         if rec.memory is not None:
-            rows.memory.append(rec.memory)
-        rows.warmup = rec.warmup
-        self.last_resolved = n = rec.number
-        if n % self._window_every == 0 or n == self.last_warmup:
-            self._window_due = self._window_ends(n)
+            self.rows.memory.append(rec.memory)
+        self._add_row(rec.number, (names, has_gpu, has_idle), row)
+
+    def _add_row(self, number: int, key: RowKey, row: list[float]) -> None:
+        """Put a resolved step's row in the window; note a window that ends with it."""
+        rows = self.rows
+        rows.add(key, row)
+        rows.warmup = number <= self.last_warmup
+        self.last_resolved = number
+        if number % self._window_every == 0 or number == self.last_warmup:
+            self._window_due = self._window_ends(number)
 
     def mark_current(self, key: str, value: float) -> None:
         """Mark the step just ended (its record is still pending), if there is one."""
@@ -802,7 +773,7 @@ class Engine:
     def mark_own_work(self, key: str, value: float) -> None:
         """Nothing to mark: steptimer's own window work is outside every step (``own_s``)."""
 
-    def _mark(self, rec: _Pending) -> None:
+    def _mark(self, rec: StepRecord) -> None:
         """Put what happened in the step (``rec.marks``, GC inside its host time range, a pause
         before it) in the window's sparse ``rows.marks``; nothing when nothing happened."""
         marks = rec.marks
@@ -839,8 +810,9 @@ class Phase:
     def __enter__(self) -> None:
         t0 = perf_counter()  # first: the gap since the last boundary leaves out steptimer's own work
         e, name = self.e, self.name
-        if not e.timing:  # outside a step, or in one whose phases are not timed
-            if e.in_step or e.quiet:
+        state = e.state
+        if state < HOST:  # outside a step, or in one whose phases are not timed
+            if state or e.quiet:
                 return
             raise RuntimeError(f"phase({name!r}) entered outside a step: put it inside `with timer.step():`")
         stack = e._stack
@@ -848,14 +820,14 @@ class Phase:
             if entry[1] == name:
                 raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
         i = -1
-        if e._gpu:
+        if state == GPU:
             shared = t0 - e._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             i = e._boundary(t0)
             if e._mem is not None:
                 e._mem.enter_phase(shared)
             t0 = perf_counter()  # the host span starts after the record (and the allocator reading)
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
-        if e._gpu:
+        if state == GPU:
             e._last_t = perf_counter()
 
     def __exit__(self, et: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
@@ -863,7 +835,8 @@ class Phase:
         only read for the out-of-memory note)."""
         t1 = perf_counter()
         e, name, failed = self.e, self.name, et is not None
-        if not e.timing:
+        gpu = e.state == GPU
+        if e.state < HOST:
             return
         stack = e._stack
         if not stack or stack[-1][1] != name:
@@ -875,7 +848,7 @@ class Phase:
             )
         full, _, t_in, i_in = stack.pop()
         i_out, caught = -1, 0.0
-        if e._gpu:
+        if gpu:
             # Has the GPU reached the phase's entry yet? If not, it had older work queued all the time
             # the host launched this phase, so it cannot have waited for the host inside it (a query,
             # never a wait: one runtime call, ~0.3 µs through the shim).
@@ -896,5 +869,5 @@ class Phase:
                 if failed and e.oom is None:
                     e._note_oom(full, error, peak)
         e._recs.append((full, t_in, t1, i_in, i_out, caught))
-        if e._gpu:
+        if gpu:
             e._last_t = perf_counter()

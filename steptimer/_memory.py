@@ -244,3 +244,18 @@ def oom_errors() -> tuple[type[BaseException], ...]:
 
     types: list[Any] = [getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)]
     return tuple({t for t in types if isinstance(t, type)})
+
+
+def oom_note(phase: str | None, number: int, peak: int | None, read: bool) -> str:
+    """The summary's line on a CUDA out-of-memory error in step ``number`` (``Engine.oom``): in
+    ``phase`` (None: outside any), ``peak`` allocated bytes before it, on a ``read`` step or not."""
+    if phase is not None:
+        where = f"in phase {phase!r} of step {number}"
+        before = f"the peak allocated inside the phase before it was {mib(peak or 0):,.1f} MiB"
+    elif read:
+        where = f"in step {number}, outside any phase"
+        before = f"the step's peak allocated before it was {mib(peak or 0):,.1f} MiB"
+    else:
+        where = f"in step {number}, a step whose phases were not timed"
+        before = f"the allocator's peak since steptimer's last reading was {mib(peak or 0):,.1f} MiB"
+    return f"CUDA out of memory {where}: {before}"

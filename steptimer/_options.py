@@ -1,8 +1,126 @@
-"""Options shared by every front door and the CLI, validated in one place."""
+"""Options shared by every front door and the CLI, validated in one place.
+
+:class:`Options` holds what a :class:`~steptimer.StepTimer` is made with; building one validates
+every value (``ValueError`` naming the option, the bad value and what to pass), so a front door
+that gets options before its timer exists (a callback's constructor) checks them by building one,
+and makes the timer from it (``StepTimer(**dataclasses.asdict(options))``). ``trace_steps`` and
+``profile_steps`` are checked where they are read (``_trace.py``, ``_profile.py``): they need the
+run's step numbers. The step counts (``check_count``) and phase names are checked here too.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import numbers
+import re
+import sys
+from typing import Any
+
+from steptimer._dist import DEFAULT_TIMEOUT_S
+from steptimer._slow import DEFAULT_K
+
+RESERVED_NAMES = frozenset({"step", "other", "wait", "idle"})
+# Each phase name is a directory of its TensorBoard run (<log_dir>/steptimer/<outer>/<inner>), and a
+# path component must stay under 255 bytes (NAME_MAX on Linux and macOS). 100 leaves room below it,
+# keeps a nested name's path far from PATH_MAX, and still fits a table row and TensorBoard's run list.
+MAX_PHASE_NAME_CHARS = 100
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """A timer's options (see :class:`~steptimer.StepTimer` for each), checked when built."""
+
+    log_every_n_steps: int | None = None
+    warmup_steps: int = 5
+    lag: int = 2
+    cuda: bool | None = None
+    start_step: int = 0
+    enabled: bool = True
+    sample_every: int = 1
+    print_summary: bool = True
+    cross_rank: bool = True
+    cross_rank_timeout_s: float = DEFAULT_TIMEOUT_S
+    trace_steps: int | tuple[int, int] | None = None
+    peak_tflops: float | None = None
+    nvtx: bool = False
+    profile_steps: tuple[int, int] | None = None
+    profile_on_slow: float | None = None
+    memory: int | None = None
+    slowest_steps: int = DEFAULT_K
+
+    def __post_init__(self) -> None:
+        if self.log_every_n_steps is not None:
+            _check_int("log_every_n_steps", self.log_every_n_steps, 1)
+        _check_int("warmup_steps", self.warmup_steps, 0)
+        _check_int("lag", self.lag, 0)
+        _check_int("sample_every", self.sample_every, 1)
+        _check_int("start_step", self.start_step, 0)
+        _check_int("slowest_steps", self.slowest_steps, 0)
+        if self.cuda not in (None, True, False):
+            raise ValueError(f"cuda must be None, True or False, got {self.cuda!r}")
+        for name in ("enabled", "print_summary", "cross_rank", "nvtx"):
+            check_bool(name, getattr(self, name))
+        if self.peak_tflops is not None and not _positive(self.peak_tflops):
+            raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {self.peak_tflops!r}")
+        check_memory(self.memory)
+
+
+def check_options(
+    log_every_n_steps: int | None, warmup_steps: int, lag: int, sample_every: int, cuda: bool | None
+) -> None:
+    """Validate the options every front door shares (:class:`Options`' checks of them)."""
+    Options(log_every_n_steps=log_every_n_steps, warmup_steps=warmup_steps, lag=lag, sample_every=sample_every,
+            cuda=cuda)  # fmt: skip
+
+
+def check_bool(name: str, value: object) -> None:
+    """An on/off option: True or False only (``enabled="false"`` would otherwise mean True)."""
+    if value is not True and value is not False:
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_memory(memory: object) -> None:
+    """``memory``: None (time-budgeted), or read one timed step in this many; True is 1, False 0 (never)."""
+    if memory is not None and (not isinstance(memory, int) or memory < 0):
+        raise ValueError(
+            f"memory must be None, True, False or an int >= 0 (read one timed step in N), got {memory!r}"
+        )
+
+
+def check_count(name: str, value: object) -> float:
+    """A step's ``samples``, ``tokens`` or ``flops``: a finite number >= 0, returned as a number.
+
+    Raises:
+        TypeError: not a number (a string, a bool, a tensor that is not one value on the CPU).
+        ValueError: negative, infinite or NaN.
+    """
+    if (type(value) is int or type(value) is float) and 0 <= value < math.inf:  # type: ignore[operator]
+        return value  # type: ignore[return-value]  # the hot path: plain Python numbers
+    expected = f"{name} must be a finite number >= 0 (an int or float, e.g. x.shape[0])"
+    number: Any = value
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.device.type != "cpu":  # reading a GPU tensor waits for the GPU
+            raise TypeError(f"{expected}, got a tensor of shape {tuple(value.shape)} on {value.device}")
+        number = value.item()
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):  # numpy scalars are Real
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
+    number = float(number)
+    if not 0 <= number < math.inf:
+        raise ValueError(f"{expected}, got {value!r}")
+    return number
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def nonneg_int(text: str) -> int:
@@ -22,3 +140,24 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
     return v
+
+
+def check_phase_name(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a usable phase name."""
+    # Only dots ("." or "..") would name no directory of its own for the phase's TensorBoard run.
+    if not isinstance(name, str) or not _NAME_RE.match(name) or not name.strip("."):
+        raise ValueError(
+            f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' "
+            "(nest phases to get 'outer/inner')"
+        )
+    if len(name) > MAX_PHASE_NAME_CHARS:
+        raise ValueError(
+            f"phase name must be at most {MAX_PHASE_NAME_CHARS} characters (each name is a directory of the "
+            f"TensorBoard log), got {len(name)}: {name[:40]!r}...; pass a shorter name, or nest phases "
+            "to get 'outer/inner'"
+        )
+    if name in RESERVED_NAMES:
+        raise ValueError(
+            f"phase name {name!r} is reserved ({', '.join(sorted(RESERVED_NAMES))} are computed by "
+            "steptimer); pick another name"
+        )

@@ -51,28 +51,6 @@ class StepRows:
             rows.append(row)
         self.count += 1
 
-    def steps(self) -> list[ResolvedStep]:
-        """Per-step values, in step order (for tests and benchmarks; never on the hot path)."""
-        out = []
-        for blk, series in _blocks(self):
-            names = blk.names
-            calls = {n: names.count(n) for n in names} if names is not None else {}
-            for lead, vals, gap_ms in zip(blk.lead.tolist(), blk.derived.tolist(), blk.gap_ms.tolist()):
-                host: dict[str, float] = {"_gap": gap_ms}
-                gpu: dict[str, float] = {}
-                for (clock, name), v in zip(series, vals):
-                    if not math.isnan(v) and clock != "caught":
-                        (host if clock == "host" else gpu)[name] = v
-                samples, tokens, flops = lead[SAMPLES], lead[TOKENS], lead[FLOPS]
-                out.append(
-                    ResolvedStep(
-                        int(lead[NUMBER]), host, gpu or None, dict(calls),
-                        None if math.isnan(samples) else samples, None if math.isnan(tokens) else tokens,
-                        names is not None, self.warmup, None if math.isnan(flops) else flops,
-                    )
-                )  # fmt: skip
-        return sorted(out, key=lambda st: st.number)
-
 
 class _Layout:
     """How one row layout turns into series: ``derived = nan_to_num(row) @ transform``, then clamps.
@@ -340,27 +318,6 @@ def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> 
         if k is not None and p.count[k]:
             bound += p.max_ms[k]
     return bound > floor_ms
-
-
-@dataclass
-class ResolvedStep:
-    """One step's numbers, in milliseconds (``StepRows.steps()`` builds them from a window's rows, for
-    tests and benchmarks; the engine itself keeps rows).
-
-    ``host_ms``/``gpu_ms`` map phase names and ``step``/``data``/``wait``/``other``/``idle`` to values;
-    a phase that did not run in this step is absent. ``timed`` is False for steps skipped by
-    ``sample_every``: they carry only ``step``, ``data`` and ``wait``.
-    """
-
-    number: int
-    host_ms: dict[str, float]
-    gpu_ms: dict[str, float] | None
-    calls: dict[str, int]
-    samples: float | None = None
-    tokens: float | None = None
-    timed: bool = True
-    warmup: bool = False
-    flops: float | None = None
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from time import perf_counter
@@ -21,9 +19,10 @@ from typing import Any, Literal, Protocol, TypeVar
 from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
-from steptimer._engine import MEMORY_AUTO, Engine, check_phase_name
+from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine
 from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemorySummary, _MemoryBackend
+from steptimer._options import Options, check_bool, check_count, check_memory, check_options, check_phase_name
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
 from steptimer._summary import Summary, SummaryAccumulator
@@ -264,26 +263,17 @@ class StepTimer:
         memory: int | None = None,
         slowest_steps: int = DEFAULT_K,
     ) -> None:
-        seams = self._seams
-        check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
-        _check_int("start_step", start_step, 0)
+        given = locals()  # every argument but log_dir and writer is an Options field, validated there
+        self.options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
         if log_dir is not None and writer is not None:
             raise ValueError("pass log_dir or writer, not both")
-        for name, value in (("enabled", enabled), ("print_summary", print_summary), ("cross_rank", cross_rank),
-                            ("nvtx", nvtx)):  # fmt: skip
-            check_bool(name, value)
-        if peak_tflops is not None and not (
-            isinstance(peak_tflops, (int, float)) and not isinstance(peak_tflops, bool) and 0 < peak_tflops < math.inf
-        ):
-            raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {peak_tflops!r}")
-        check_memory(memory)
-        _check_int("slowest_steps", slowest_steps, 0)
+        seams = self._seams
         # A window may be lengthened to last MIN_WINDOW_S (the default only, one process only).
-        self._window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not _distributed() else 0.0
+        window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not _distributed() else 0.0
         if log_every_n_steps is None:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
         self.log_every_n_steps: int = log_every_n_steps  # a window's steps (a multiple of it, see above)
-        self._window_max = log_every_n_steps * (MAX_WINDOW_UNITS if self._window_min_s else 1)
+        window_max = log_every_n_steps * (MAX_WINDOW_UNITS if window_min_s else 1)
         self.warmup_steps = warmup_steps
         self.lag = lag
         self.sample_every = sample_every
@@ -303,14 +293,13 @@ class StepTimer:
         self._capture = c = make_capture(
             trace_steps, log_dir=log_dir, writer=writer, start_step=start_step, warmup_steps=warmup_steps,
             sample_every=sample_every, enabled=enabled, rank=self._rank, flight=slowest_steps > 0,
-            window_steps=self._window_max, profile=profiled,
+            window_steps=window_max, profile=profiled,
         )  # fmt: skip
         self._phase_cls: type[_Phase] = _Phase
-        profile_dir = seams.profile_dir
-        if profile_dir is None and (log_dir is not None or writer is not None):
-            profile_dir = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir())
+        folder = None if writer is None else str(writer.get_logdir())
+        folder = os.fspath(log_dir) if log_dir is not None else folder
         self._ranges, nvtx_note = make_ranges(
-            nvtx=nvtx, profile_steps=profile_steps, folder=profile_dir, start_step=start_step,
+            nvtx=nvtx, profile_steps=profile_steps, folder=seams.profile_dir or folder, start_step=start_step,
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
             profile_on_slow=profile_on_slow, recent=c,
         )  # fmt: skip
@@ -324,14 +313,18 @@ class StepTimer:
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
-            window_min_s=self._window_min_s, window_max=self._window_max,
+            window_min_s=window_min_s, window_max=window_max,
             on_pending=c.add if c is not None and each else None, recent=c.ring if c is not None and not each else None,
             memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
-        if not enabled:
-            return
+        if enabled:
+            self._start(log_dir, writer)
+
+    def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
+        """An enabled timer's checks and set-up that touch the machine: CUDA, files, signals, ranks."""
+        seams, cuda = self._seams, self.options.cuda
         if cuda is True and seams.backend is None:
             ok, why = cuda_usable()
             if not ok:
@@ -409,7 +402,7 @@ class StepTimer:
                 return _NULL
             check_phase_name(name)
             cm = self._phases[name] = self._phase_cls(self._engine, name, self._ranges)
-        if self._engine.untimed and self._phase_cls is _Phase:
+        if self._engine.state == UNTIMED and self._phase_cls is _Phase:
             # A step outside the sample times no phase: the engine would only return (NVTX and
             # profiler ranges, _RangedPhase, still run in every step).
             return _NULL
@@ -630,57 +623,6 @@ class StepTimer:
         return summary
 
 
-def check_options(
-    log_every_n_steps: int | None, warmup_steps: int, lag: int, sample_every: int, cuda: bool | None
-) -> None:
-    """Validate the options every front door shares (``log_every_n_steps=None``: not checked)."""
-    if log_every_n_steps is not None:
-        _check_int("log_every_n_steps", log_every_n_steps, 1)
-    _check_int("warmup_steps", warmup_steps, 0)
-    _check_int("lag", lag, 0)
-    _check_int("sample_every", sample_every, 1)
-    if cuda not in (None, True, False):
-        raise ValueError(f"cuda must be None, True or False, got {cuda!r}")
-
-
-def check_bool(name: str, value: object) -> None:
-    """An on/off option: True or False only (``enabled="false"`` would otherwise mean True)."""
-    if value is not True and value is not False:
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def check_count(name: str, value: object) -> float:
-    """A step's ``samples``, ``tokens`` or ``flops``: a finite number >= 0, returned as a number.
-
-    Raises:
-        TypeError: not a number (a string, a bool, a tensor that is not one value on the CPU).
-        ValueError: negative, infinite or NaN.
-    """
-    if (type(value) is int or type(value) is float) and 0 <= value < math.inf:  # type: ignore[operator]
-        return value  # type: ignore[return-value]  # the hot path: plain Python numbers
-    expected = f"{name} must be a finite number >= 0 (an int or float, e.g. x.shape[0])"
-    number: Any = value
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.device.type != "cpu":  # reading a GPU tensor waits for the GPU
-            raise TypeError(f"{expected}, got a tensor of shape {tuple(value.shape)} on {value.device}")
-        number = value.item()
-    if isinstance(number, bool) or not isinstance(number, numbers.Real):  # numpy scalars are Real
-        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
-    number = float(number)
-    if not 0 <= number < math.inf:
-        raise ValueError(f"{expected}, got {value!r}")
-    return number
-
-
-def check_memory(memory: object) -> None:
-    """``memory``: None (time-budgeted), or read one timed step in this many; True is 1, False 0 (never)."""
-    if memory is not None and (not isinstance(memory, int) or memory < 0):
-        raise ValueError(
-            f"memory must be None, True, False or an int >= 0 (read one timed step in N), got {memory!r}"
-        )
-
-
 def memory_every(memory: int | None) -> int:
     """The engine's ``memory``: None is time-budgeted (``MEMORY_AUTO``) in one process, and one timed
     step in 10 under ``torch.distributed``, where every rank must read the same steps (the ranks'
@@ -688,9 +630,3 @@ def memory_every(memory: int | None) -> int:
     if memory is None:
         return 10 if _distributed() else MEMORY_AUTO
     return int(memory)
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-

@@ -530,7 +530,7 @@ def test_phases_of_an_untimed_step_are_no_ops_and_names_are_still_checked() -> N
     t = StepTimer(cuda=False, sample_every=1000, warmup_steps=0, print_summary=False, log_every_n_steps=5000)
     for _ in range(1000):
         with t.step():
-            untimed = t._engine.untimed
+            untimed = t._engine.state == engine_mod.UNTIMED
             cm = t.phase("forward")
             assert (cm is timer_mod._NULL) == untimed
             with cm:
@@ -893,7 +893,7 @@ def test_mfu_on_the_gpu_uses_the_tables_bf16_peak_for_this_device() -> None:
 def test_a_phase_name_the_log_cannot_hold_is_refused_at_phase(tmp_path: Path, clock: FakeClock) -> None:
     """A 300-character name fails at phase(), naming the limit; two names of 100 characters (the
     limit), one nested in the other, go all the way to disk."""
-    from steptimer._engine import MAX_PHASE_NAME_CHARS
+    from steptimer._options import MAX_PHASE_NAME_CHARS
     from tests.tb import phase_runs
 
     t = StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=2, warmup_steps=0, print_summary=False)
@@ -1211,3 +1211,27 @@ def test_nested_pauses_count_once(clock: FakeClock) -> None:
             evaluate()
     s = t.close()
     assert s["data"].host.median_ms == pytest.approx(20.0) and s["data"].host.max_ms == pytest.approx(20.0)
+
+
+def test_options_are_one_frozen_dataclass_that_every_front_door_shares() -> None:
+    """A timer's options are an ``Options`` (frozen), validated when built, with the same errors a
+    front door gets from it before any timer exists; a timer made from one has those options."""
+    import dataclasses
+
+    from steptimer._options import Options
+
+    opts = Options(cuda=False, warmup_steps=0, print_summary=False, lag=0, sample_every=3)
+    t = StepTimer(**dataclasses.asdict(opts))
+    assert t.options == opts and t.lag == 0 and t.sample_every == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.options.lag = 1  # type: ignore[misc]
+    for bad, msg in (({"lag": -1}, "lag must be an int >= 0, got -1"),
+                     ({"enabled": "false"}, "enabled must be True or False, got 'false'"),
+                     ({"memory": -2}, "memory must be None, True, False or an int >= 0"),
+                     ({"peak_tflops": 0}, "peak_tflops must be a number > 0"),
+                     ({"log_every_n_steps": 0}, "log_every_n_steps must be an int >= 1, got 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            Options(**bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=msg):
+            StepTimer(**bad)  # type: ignore[arg-type]
+    t.close()

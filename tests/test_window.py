@@ -84,12 +84,14 @@ def test_rows_derive_data_other_idle_and_repeated_phases() -> None:
     cycle_s = 0.010 + 0.010 + 0.002 + 0.008 + 0.001
     assert w.steps_per_s == pytest.approx(3 / cycle_s)
     assert w.tokens_per_s == pytest.approx(3 * 64.0 / cycle_s) and w.samples_per_s is None
-    per_step = rows.steps()
-    assert [s.number for s in per_step] == [1, 2, 3]
-    assert per_step[0].calls == {"forward": 2, "forward/inner": 1, "data": 1}
-    assert "data" in per_step[0].host_ms and per_step[2].gpu_ms is None and not per_step[2].timed
-    assert per_step[1].gpu_ms is not None and per_step[1].gpu_ms["idle"] == pytest.approx(0.25)
-    assert [s.warmup for s in per_step] == [False, False, False]
+    # Per step, as the slowest steps read a window's rows (the timed steps only)
+    slow = {c.step: c for c in pack_rows(rows, slowest=3).slow}
+    assert set(slow) == {1, 2}
+    assert slow[1].host_ms["forward"] == pytest.approx(3.0) and slow[1].host_ms["data"] == pytest.approx(0.3)
+    assert slow[2].host_ms["data"] == pytest.approx(2.3) and slow[2].host_ms["other"] == pytest.approx(5.7)
+    assert slow[1].gpu_ms is not None and "idle" not in slow[1].gpu_ms
+    assert slow[2].gpu_ms is not None and slow[2].gpu_ms["idle"] == pytest.approx(0.25)
+    assert slow[2].wall_ms == pytest.approx(5.0 + 0.25)  # GPU step + idle: the GPU clock's wall
 
 
 def test_series_without_values_are_left_out() -> None:

@@ -1,0 +1,218 @@
+"""The engine alone (``steptimer._engine.Engine``): steps, phases, events, lag, windows, on a
+simulated GPU (``tests/fakes.py``: an event read before it completed raises, as CUDA does)."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import steptimer._engine as engine_mod
+from steptimer._engine import GPU, HOST, OUT, UNTIMED, Engine, Phase, PhaseRecord, StepRecord
+from steptimer._window import STEP_S, StepRows, window_of
+from tests.fakes import FakeClock, FakeGPU
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    c = FakeClock()
+    monkeypatch.setattr(engine_mod, "perf_counter", c)
+    return c
+
+
+@pytest.fixture
+def gpu(clock: FakeClock) -> FakeGPU:
+    return FakeGPU(clock)
+
+
+class Owner:
+    """What a front door does with the engine's windows: take the rows at each ``on_window``."""
+
+    def __init__(self, gpu: FakeGPU | None, **kw: Any) -> None:
+        opts: dict[str, Any] = {"lag": 1, "sample_every": 1, "warmup_steps": 0, "start_step": 0,
+                                "window_every": 5, "cuda": gpu is not None}  # fmt: skip
+        opts.update(kw)
+        self.windows: list[tuple[int, list[int], int]] = []  # (number, its steps, engine state)
+        self.taken: list[StepRows] = []
+        self.engine = Engine(backend=gpu.backend() if gpu else None, on_window=self.on_window, **opts)
+        self.phases = {n: Phase(self.engine, n) for n in ("forward", "backward")}
+
+    def on_window(self, number: int) -> None:
+        e = self.engine
+        steps = sorted(int(r[0]) for rows in e.rows.groups.values() for r in rows)
+        self.windows.append((number, steps, e.state))
+        self.taken.append(e.rows)
+        e.rows = StepRows()
+
+    def step(self, clock: FakeClock, gpu: FakeGPU | None, ms: float = 1.0, data_ms: float = 0.5) -> None:
+        clock.advance_ms(data_ms)
+        with self.engine:
+            for name in ("forward", "backward"):
+                with self.phases[name]:
+                    if gpu is not None:
+                        gpu.launch(ms)
+                    clock.advance_ms(ms / 2)
+
+
+def test_each_step_waits_once_on_the_step_lag_steps_back(clock: FakeClock, gpu: FakeGPU) -> None:
+    """lag 2: one event wait per step from step 3 on (on step N - 2's end), and the steps up to
+    N - 2 resolved, in order, every event read only once completed (the fake raises otherwise)."""
+    o = Owner(gpu, lag=2, window_every=1000)
+    for n in range(1, 11):
+        o.step(clock, gpu)
+        assert gpu.waits == max(0, n - 2)
+        assert o.engine.last_resolved == max(0, n - 2)
+    o.engine.close()
+    assert gpu.waits == 9 and o.engine.last_resolved == 10  # close: one wait, on the newest
+    assert o.engine.rows.count == 10 and not o.windows  # no window ended: the owner takes them
+
+
+def test_the_event_pool_stops_growing(clock: FakeClock, gpu: FakeGPU) -> None:
+    """3 events a step (start, the shared boundary, end: back-to-back phases share one), lag 1: the
+    pool holds what two steps and the held end event need, then every step reuses it."""
+    o = Owner(gpu, lag=1, window_every=1000)
+    for _ in range(5):
+        o.step(clock, gpu)
+    made = o.engine.events_created
+    for _ in range(100):
+        o.step(clock, gpu)
+    assert o.engine.events_created == made <= 3 * 2 + 1
+
+
+def test_one_step_state(clock: FakeClock, gpu: FakeGPU) -> None:
+    """Between steps OUT; a sampled step GPU (or HOST without CUDA); a step outside the sample
+    UNTIMED, whose phases time nothing; ``in_step`` is derived from the state."""
+    o = Owner(gpu, sample_every=4)
+    e = o.engine
+    seen = []
+    for _ in range(8):
+        assert e.state == OUT and not e.in_step
+        with e:
+            seen.append(e.state)
+            assert e.in_step
+            with o.phases["forward"]:
+                gpu.launch(1.0)
+    assert sorted(seen) == [UNTIMED] * 6 + [GPU] * 2
+    host = Owner(None)
+    with host.engine:
+        assert host.engine.state == HOST
+    with pytest.raises(RuntimeError, match="steps cannot nest"):
+        with e, e:
+            pass
+    assert e.state == OUT  # the outer step was dropped with the error
+
+
+def test_windows_end_at_multiples_and_at_the_last_warmup_step(clock: FakeClock) -> None:
+    """``on_window`` is called once per window, after the step's end (state OUT), with exactly the
+    window's rows; the last warm-up step always ends one, so no window mixes warm-up steps in."""
+    o = Owner(None, warmup_steps=3, window_every=5)
+    for _ in range(12):
+        o.step(clock, None)
+    o.engine.close()
+    assert o.windows == [(3, [1, 2, 3], OUT), (5, [4, 5], OUT), (10, list(range(6, 11)), OUT)]
+    assert sorted(int(r[0]) for rows in o.engine.rows.groups.values() for r in rows) == [11, 12]
+
+
+def test_a_short_window_goes_on_until_it_lasts_window_min_s(clock: FakeClock) -> None:
+    """window_min_s: a window ends at the first multiple of ``window_every`` once it lasts that long
+    (here 10 ms at 1.5 ms a step), or holds ``window_max`` steps."""
+    o = Owner(None, window_every=2, window_min_s=0.010, window_max=100)
+    for _ in range(20):
+        o.step(clock, None)
+    assert [w[0] for w in o.windows] == [2, 10, 18]  # step 1 starts the clock at its start
+    capped = Owner(None, window_every=2, window_min_s=10.0, window_max=6)
+    for _ in range(13):
+        capped.step(clock, None)
+    assert [w[0] for w in capped.windows] == [2, 8]
+
+
+def test_window_work_is_the_engines_own_time_not_a_steps(clock: FakeClock, gpu: FakeGPU) -> None:
+    """20 ms of window work: in no step's host time, not in the next step's data wait, not in its GPU
+    idle (two pause events around it), and counted as ``own_s``."""
+    o = Owner(gpu, window_every=5)
+    took = o.on_window
+
+    def slow(number: int) -> None:
+        clock.advance_ms(20.0)
+        took(number)
+
+    o.engine._on_window = slow
+    for _ in range(12):
+        o.step(clock, gpu)
+    o.engine.close()
+    assert o.engine.own_s == pytest.approx(2 * 20e-3)  # windows 5 and 10 (the rest is the owner's at close)
+    w = window_of(o.taken[1], 10)  # steps 6-10: step 6 came right after the first window's work
+    # each step: 0.5 ms of data, 1 ms of phases, and at most 0.5 ms waiting for the GPU (2 ms a step)
+    assert w.host["step"].max_ms <= 1.5 + 1e-6 and w.host["data"].max_ms == pytest.approx(0.5)
+    assert w.gpu["idle"].max_ms < 0.6  # the GPU's own gap between steps, never the 20 ms
+
+
+def test_ctrl_c_in_on_window_keeps_the_engine_usable(clock: FakeClock, gpu: FakeGPU) -> None:
+    """A real SIGINT raised in the owner's window work: the step that ended stays counted, the
+    engine is between steps, and the window's rows stay for the next window."""
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        o = Owner(gpu, window_every=5)
+
+        def interrupted(number: int) -> None:
+            signal.raise_signal(signal.SIGINT)
+
+        o.engine._on_window = interrupted
+        for _ in range(5):
+            o.step(clock, gpu)
+        with pytest.raises(KeyboardInterrupt):
+            o.step(clock, gpu)  # lag 1: step 6's end resolves step 5, which ends a window
+        o.step(clock, gpu)
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    e = o.engine
+    assert e.state == OUT and e.number == 7 and e.last_resolved == 6
+    e._on_window = o.on_window
+    for _ in range(4):
+        o.step(clock, gpu)
+    e.close()
+    assert o.windows == [(10, list(range(1, 11)), OUT)]  # the interrupted window's steps included
+    assert [int(r[0]) for rows in e.rows.groups.values() for r in rows] == [11]
+
+
+def test_nested_pauses_count_once(clock: FakeClock) -> None:
+    """``begin_pause`` inside a pause returns None: only the outer pause is subtracted from the
+    next step's data wait."""
+    o = Owner(None, window_every=2)
+    e = o.engine
+    o.step(clock, None)
+    outer = e.begin_pause()
+    inner = e.begin_pause()
+    assert outer is not None and inner is None
+    clock.advance_ms(30.0)
+    e.end_pause(inner)
+    e.end_pause(outer)
+    o.step(clock, None, data_ms=20.0)
+    o.step(clock, None)  # its end resolves step 2 (queued: it had a pause to mark), ending the window
+    assert window_of(o.taken[0], 2).host["data"].max_ms == pytest.approx(20.0)
+
+
+def test_step_records_name_their_phase_entries(clock: FakeClock, gpu: FakeGPU) -> None:
+    """Listeners get a ``StepRecord`` per resolved step; its phase entries read by name."""
+    got: list[StepRecord] = []
+    o = Owner(gpu, on_pending=lambda e, rec: got.append(rec))
+    for _ in range(3):
+        o.step(clock, gpu, ms=2.0)
+    o.engine.close()
+    assert [r.number for r in got] == [1, 2, 3]
+    phases = got[1].phase_records()
+    assert [p.name for p in phases] == ["forward", "backward"] and isinstance(phases[0], PhaseRecord)
+    assert phases[0].t_out - phases[0].t_in == pytest.approx(1e-3)
+    assert phases[0].i_out == phases[1].i_in  # back-to-back phases share their boundary event
+    assert got[1].row[STEP_S] == pytest.approx(2e-3)
+
+
+def test_steps_without_events_are_resolved_at_their_own_end(clock: FakeClock) -> None:
+    """Host only, nothing pending and nothing to mark: each step's row is in the window at its end,
+    no record is queued."""
+    o = Owner(None, window_every=1000)
+    for n in range(1, 6):
+        o.step(clock, None)
+        assert not o.engine._pending and o.engine.last_resolved == n
