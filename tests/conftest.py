@@ -1,4 +1,4 @@
-"""Shared test set-up: the `cuda` marker.
+"""Shared test set-up: the `cuda` marker (its tests run one at a time, in one worker).
 
 Tests marked ``@pytest.mark.cuda`` are skipped where CUDA is absent. On the GPU machine,
 ``STEPTIMER_REQUIRE_CUDA=1`` turns any such skip into a failure, so a green run proves they ran.
@@ -15,10 +15,14 @@ REQUIRE_CUDA = os.environ.get("STEPTIMER_REQUIRE_CUDA") == "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
+    cuda = torch.cuda.is_available()
     for item in items:
-        if "cuda" in item.keywords and not REQUIRE_CUDA:
+        if "cuda" not in item.keywords:
+            continue
+        # GPU tests time kernels of known length: two at once on one GPU would slow each other, so
+        # under pytest-xdist (`./dev test` runs with --dist loadgroup) they all share one worker.
+        item.add_marker(pytest.mark.xdist_group("cuda"))
+        if not cuda and not REQUIRE_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
