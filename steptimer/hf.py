@@ -9,7 +9,9 @@ bookkeeping after the last backward); ``on_train_end`` closes the timer. Phases:
 of a step are fetched before its first micro-batch), ``forward`` (the model's forward, with the loss:
 the model computes it from ``labels``), ``loss`` (the Trainer's own work between forward and
 backward), ``backward``, ``clip``, ``optimizer``, ``zero_grad`` (``model.zero_grad()``); the LR
-scheduler's step is ``other``. Evaluation under ``no_grad`` is left out.
+scheduler's step is ``other``. Evaluation is paused out of the timed run, from the ``on_step_end`` (or
+``on_epoch_end``) that asks for it to ``on_evaluate``, as the Lightning callback pauses validation:
+never ``data``; the summary's notes give its runs and mean time.
 
 Logs go beside the Trainer's: ``args.logging_dir`` where the installed transformers has it, else
 ``<output_dir>/steptimer``. ``steptimer run`` times a Trainer script without this callback; don't
@@ -19,11 +21,13 @@ use both at once.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
 
 from steptimer.instrument import Instrumented
+from steptimer._summary import Summary
 from steptimer.timer import StepTimer
 
 try:
@@ -65,6 +69,10 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self.timed: Instrumented | None = None
         self._accum = 1
         self._micro = 0
+        self._eval: Any = None  # the pause around an evaluation, and when it began
+        self._eval_t0 = 0.0
+        self._eval_ms: list[float] = []
+        self.summary: Summary | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any) -> None:
         if self.timed is not None:
@@ -75,6 +83,8 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1)))
         opt = _torch_optimizer(optimizer)
         self.timed = Instrumented(StepTimer(**options), [model], [opt], **self._counts)
+        self._eval_ms = []
+        self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._micro = 0
@@ -89,9 +99,39 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         if self.timed is not None and self._micro == self._accum - 1:
             self.timed._after_backward = "clip"
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._maybe_evaluate(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._maybe_evaluate(control)
+
+    def _maybe_evaluate(self, control: Any) -> None:
+        # The Trainer evaluates right after these events when the flow callbacks (called before this
+        # one) set should_evaluate; the pause also holds the logging that precedes evaluation.
+        if control.should_evaluate and self.timed is not None and self._eval is None:
+            self._eval = self.timed.pause()
+            self._eval.__enter__()
+            self._eval_t0 = time.perf_counter()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._end_eval()
+
+    def _end_eval(self) -> None:
+        if self._eval is not None:
+            self._eval_ms.append((time.perf_counter() - self._eval_t0) * 1e3)
+            pause, self._eval = self._eval, None
+            pause.__exit__(None, None, None)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self.timed is not None:
-            self.timed.close()
+        if self.timed is None:
+            return
+        self._end_eval()
+        if self._eval_ms:
+            mean = sum(self._eval_ms) / len(self._eval_ms)
+            self.timed.timer.note(
+                f"validation: {len(self._eval_ms)} run(s), {mean:.1f} ms mean, paused (not counted as data)"
+            )
+        self.summary = self.timed.close()
 
     @property
     def steps(self) -> int:
