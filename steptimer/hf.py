@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from steptimer.instrument import Instrumented
+from steptimer._driver import validation_note
 from steptimer._summary import Summary
 from steptimer.timer import StepTimer
 
@@ -69,8 +70,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self.timed: Instrumented | None = None
         self._accum = 1
         self._micro = 0
-        self._eval: Any = None  # the pause around an evaluation, and when it began
-        self._eval_t0 = 0.0
+        self._eval: tuple[Any, float] | None = None  # the pause around an evaluation, when it began
         self._eval_ms: list[float] = []
         self.summary: Summary | None = None
 
@@ -97,7 +97,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     def _arm(self) -> None:
         # The last micro-batch's backward opens `clip`, which the optimizer's step pre-hook ends.
         if self.timed is not None and self._micro == self._accum - 1:
-            self.timed._after_backward = "clip"
+            self.timed.open_after_backward("clip")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._maybe_evaluate(control)
@@ -109,28 +109,26 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         # The Trainer evaluates right after these events when the flow callbacks (called before this
         # one) set should_evaluate; the pause also holds the logging that precedes evaluation.
         if control.should_evaluate and self.timed is not None and self._eval is None:
-            self._eval = self.timed.pause()
-            self._eval.__enter__()
-            self._eval_t0 = time.perf_counter()
+            pause = self.timed.pause()
+            pause.__enter__()
+            self._eval = (pause, time.perf_counter())
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._end_eval()
 
     def _end_eval(self) -> None:
         if self._eval is not None:
-            self._eval_ms.append((time.perf_counter() - self._eval_t0) * 1e3)
-            pause, self._eval = self._eval, None
+            (pause, t0), self._eval = self._eval, None
+            self._eval_ms.append((time.perf_counter() - t0) * 1e3)
             pause.__exit__(None, None, None)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.timed is None:
             return
         self._end_eval()
-        if self._eval_ms:
-            mean = sum(self._eval_ms) / len(self._eval_ms)
-            self.timed.timer.note(
-                f"validation: {len(self._eval_ms)} run(s), {mean:.1f} ms mean, paused (not counted as data)"
-            )
+        note = validation_note(self._eval_ms)
+        if note is not None:
+            self.timed.timer.note(note)
         self.summary = self.timed.close()
 
     @property

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from steptimer import _exit
+from steptimer._driver import PhaseDriver
 from steptimer._hooks import Discovery, Hooks, batch_counts
 from steptimer.timer import StepTimer, check_count, check_phase_name
 
@@ -114,7 +115,9 @@ class Instrumented:
     """A :class:`~steptimer.StepTimer` driven by hooks on a model and its optimizers.
 
     A small class rather than the StepTimer itself: ``pause()`` and ``phase()`` must tell the hooks,
-    and ``close()`` must take them out; the timer stays reachable as ``.timer``.
+    and ``close()`` must take them out; the timer stays reachable as ``.timer``. Which phase is open
+    is the :class:`~steptimer._driver.PhaseDriver`'s; this class decides where a plain loop's steps
+    start and end.
     """
 
     def __init__(
@@ -127,7 +130,8 @@ class Instrumented:
         tokens_per_step: float | None = None,
     ) -> None:
         self.timer = timer
-        if isinstance(models, torch.nn.Module):  # one model, as before discovery came
+        self._driver = PhaseDriver(timer)
+        if isinstance(models, torch.nn.Module):
             models = [models]
         self._models: tuple[torch.nn.Module, ...] = tuple(models or ())
         self._optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
@@ -136,13 +140,10 @@ class Instrumented:
         self._count_next = False  # the next model forward starts a micro-batch: count its batch
         self._samples: float | None = None  # counted in this step so far
         self._tokens: float | None = None
-        self._after_backward: str | None = None  # a phase to open when the next backward returns (HF: clip)
+        self._after_backward: str | None = None  # the phase the next backward's return opens
         self._discovery: Discovery | None = None
         self._noted: set[str] = set()
         self._thread = threading.get_ident()  # the training thread: every other thread is ignored
-        self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
-        self._in_step = False
-        self._step_cm: Any = None
         self._stepped: set[int] = set()  # ids of the optimizers that stepped in this step
         self._zeroed: set[int] = set()  # ... and were zeroed after it
         # Nesting of optimizer.step() calls: a subclass's step() calling super().step() runs the hooks
@@ -150,12 +151,9 @@ class Instrumented:
         self._update_depth = 0
         self._update_closure = False  # the update runs a closure: forward/backward inside it are fine
         self._deferred = False  # the update is done; the step ends at the zero_grad that follows it
-        self._end_pending = False  # the step ended inside a user phase: end it when that phase exits
         self._zero_grad_last: bool | None = None  # the loop's order, learned (see _zero_grad_order)
         self._step_sites: dict[CodeType, int] | None = None
-        self._fwd_depth = 0
         self._bwd_depth = 0
-        self._paused = 0
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
         self._warned = False
         self._removed = False
@@ -209,12 +207,8 @@ class Instrumented:
     def pause(self) -> Iterator[None]:
         """Between steps: work that is neither a step nor data wait (a whole evaluation loop)."""
         self._settle()
-        with self.timer.pause():
-            self._paused += 1
-            try:
-                yield
-            finally:
-                self._paused -= 1
+        with self._driver.pause():
+            yield
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -227,24 +221,21 @@ class Instrumented:
             ValueError: ``name`` is not a valid phase name.
         """
         check_phase_name(name)
-        if not self._in_step or self._deferred:
+        d = self._driver
+        if not d.in_step or self._deferred:
             yield
             return
-        self.timer.phase(name).__enter__()
-        self._frames.append(None)
-        exc: _ExcInfo = (None, None, None)
         try:
-            yield
-        except BaseException:
-            exc = sys.exc_info()
-            raise
+            with d.user_phase(name):
+                yield
         finally:
-            if self._in_step and len(self._frames) > 1:  # not dropped meanwhile
-                self._switch(None)
-                self._frames.pop()
-                self.timer.phase(name).__exit__(*exc)
-                if self._end_pending and len(self._frames) == 1:
-                    self._end()
+            if d.end_pending and not d.in_user_phase:
+                self._end()
+
+    def open_after_backward(self, name: str) -> None:
+        """Open phase ``name`` when the next backward returns, until the next boundary (the
+        Hugging Face callback's ``clip``: after a step's last micro-batch, up to the update)."""
+        self._after_backward = name
 
     def close(self, *, failed: bool = False) -> Summary:
         """Take the hooks out and close the timer (idempotent); returns the summary."""
@@ -327,22 +318,24 @@ class Instrumented:
     def _ignored(self) -> bool:
         """Other threads (DataParallel replicas, autograd's device threads), pauses, forwards that a
         reentrant checkpoint reruns inside backward, and everything after remove()."""
-        return self._removed or self._paused > 0 or self._bwd_depth > 0 or threading.get_ident() != self._thread
+        return self._removed or self._driver.paused > 0 or self._bwd_depth > 0 or threading.get_ident() != self._thread
 
     def _forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
         if self._ignored():
             return
-        self._fwd_depth += 1
-        if self._fwd_depth > 1:  # a model inside another (or recursion): only the outer call counts
+        d = self._driver
+        if d.fwd_depth:  # a model inside another (or recursion): only the outer call counts
+            d.fwd_depth += 1
             return
         self._settle()
-        if not self._in_step:
+        if not d.in_step:
             if not torch.is_grad_enabled():  # evaluation between steps: neither a step nor data
+                d.fwd_depth = 1
                 self._eval_pause = self.timer.pause()
                 self._eval_pause.__enter__()
                 return
             self._begin()
-        self._switch("forward")
+        d.forward_enter()
         if self._count_next:
             self._count_next = False
             n, t = batch_counts(args, kwargs)
@@ -373,29 +366,26 @@ class Instrumented:
         self.timer.note(msg)
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
-        if self._ignored() or self._fwd_depth == 0:
-            return
-        self._fwd_depth -= 1
-        if self._fwd_depth > 0:
+        if self._ignored() or not self._driver.forward_exit():
             return
         if self._eval_pause is not None:
             pause, self._eval_pause = self._eval_pause, None
             pause.__exit__(None, None, None)
-        elif self._in_step:
+        elif self._driver.in_step:
             exc = sys.exc_info()
             if output is None and exc[0] is not None:  # always_call: run in _call_impl's `except`
                 self._drop(exc)
             else:
-                self._switch("loss")
+                self._driver.switch("loss")
 
     def _backward_wrapper_of(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any, **kwargs: Any) -> Any:
             if self._ignored():
                 return orig(*args, **kwargs)
             self._settle()
-            if not self._in_step:  # no training forward of this model before it: not this loop's
+            if not self._driver.in_step:  # no training forward of this model before it: not this loop's
                 return orig(*args, **kwargs)
-            self._switch("backward")
+            self._driver.switch("backward")
             self._bwd_depth += 1
             try:
                 out = orig(*args, **kwargs)
@@ -404,7 +394,7 @@ class Instrumented:
                 self._drop(sys.exc_info())
                 raise
             self._bwd_depth -= 1
-            self._switch(self._after_backward)
+            self._driver.switch(self._after_backward)
             self._after_backward = None
             # The next forward starts a micro-batch (accumulation). With several optimizers (a GAN's
             # networks see the same batch in turn) only a step's first forward is counted.
@@ -417,24 +407,23 @@ class Instrumented:
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
             if self._ignored():
                 return orig(*args, **kwargs)
-            if self._deferred:  # right after the update: the last phase of this step
-                self._switch("zero_grad")
-            else:
+            d = self._driver
+            if not self._deferred:  # deferred: right after the update, the last phase of this step
                 self._settle()
-                if not self._in_step:
+                if not d.in_step:
                     if self._zero_grad_last is None:
                         self._zero_grad_last = self._zero_grad_order(sys._getframe(1))
                     if self._zero_grad_last is not False:  # after the update, or not known yet
                         with self.timer.pause():  # this one belongs to no step: not data either
                             return orig(*args, **kwargs)
                     self._begin()  # the loop body starts with zero_grad
-                self._switch("zero_grad")
+            d.switch("zero_grad")
             try:
                 out = orig(*args, **kwargs)
             except BaseException:
                 self._drop(sys.exc_info())
                 raise
-            self._switch(None)
+            d.switch(None)
             if self._deferred:
                 self._zeroed |= zeroes
                 if len(self._zeroed) == len(self._optimizers):
@@ -452,9 +441,9 @@ class Instrumented:
         self._settle()
         # With a closure (LBFGS) the forward and backward run inside the update, as their own phases.
         closure = len(args) > 1 or kwargs.get("closure") is not None
-        if not self._in_step and closure:  # the update runs the whole iteration: it is the step
+        if not self._driver.in_step and closure:  # the update runs the whole iteration: it is the step
             self._begin()
-        elif not self._in_step:
+        elif not self._driver.in_step:
             if not self._warned:
                 self._warned = True
                 msg = "optimizer.step() with no training forward of the instrumented model since the last step"
@@ -464,17 +453,17 @@ class Instrumented:
                     stacklevel=3,
                 )
             return
-        self._switch("optimizer")
+        self._driver.switch("optimizer")
         self._update_depth = 1
         self._update_closure = closure
 
     def _update_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._ignored() or not self._in_step or self._update_depth == 0:
+        if self._ignored() or not self._driver.in_step or self._update_depth == 0:
             return
         self._update_depth -= 1
         if self._update_depth:
             return
-        self._switch(None)
+        self._driver.switch(None)
         self._stepped.add(id(opt))
         self._ever_stepped.add(id(opt))
         if len(self._stepped) < len(self._optimizers):
@@ -486,7 +475,7 @@ class Instrumented:
         else:
             self._end()
 
-    # ------------------------------------------------------------------ steps and phases
+    # ------------------------------------------------------------------ steps
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
         """Whether this loop calls zero_grad after the optimizer step (True) or before the forward
@@ -514,72 +503,47 @@ class Instrumented:
         elif self._update_depth and not self._update_closure:
             self._drop((RuntimeError, RuntimeError("the optimizer step raised"), None))
 
-    def _switch(self, name: str | None) -> None:
-        """End the hook phase open at the innermost level and start ``name`` (None: none)."""
-        cur = self._frames[-1]
-        if cur == name:
-            return
-        if cur is not None:
-            self._frames[-1] = None
-            self.timer.phase(cur).__exit__(None, None, None)
-        if name is not None:
-            self.timer.phase(name).__enter__()
-            self._frames[-1] = name
-
     def _begin(self) -> None:
         samples, tokens = self._fixed
-        self._step_cm = self.timer.step(samples=samples, tokens=tokens)
-        self._step_cm.__enter__()
-        self._in_step = True
+        self._driver.begin(samples=samples, tokens=tokens)
         self._count_next = self._count
         self._samples = self._tokens = None
 
     def _end(self) -> None:
-        if len(self._frames) > 1:  # the update ran inside a user phase: end when it exits
-            self._end_pending = True
-            return
-        self._switch(None)
-        samples, tokens = self._samples, self._tokens
-        cm = self._reset()
         fixed_samples, fixed_tokens = self._fixed
-        counted_samples = fixed_samples is None and samples is not None
-        counted_tokens = fixed_tokens is None and tokens is not None
+        counted_samples = fixed_samples is None and self._samples is not None
+        counted_tokens = fixed_tokens is None and self._tokens is not None
+        if not self._driver.end(
+            samples=self._samples if counted_samples else fixed_samples,
+            tokens=self._tokens if counted_tokens else fixed_tokens,
+        ):
+            return  # the update ran inside a user phase: the step ends when it exits
+        self._clear()
         if counted_samples:
             self._note_count("samples", "the leading dimension of the model's input")
         if counted_tokens:
             self._note_count("tokens", "the elements of the model's 2-D integer input (token ids, padding included)")
-        if counted_samples or counted_tokens:
-            # The step's counts, summed over its micro-batches: step() sets them on a context manager
-            # for this step, and exiting it ends the step entered at its start (as Lightning's does).
-            cm = self.timer.step(
-                samples=samples if counted_samples else fixed_samples,
-                tokens=tokens if counted_tokens else fixed_tokens,
-            )
-        cm.__exit__(None, None, None)
 
     def _note_count(self, what: str, how: str) -> None:
-        if what in self._noted:
+        if what in self._noted:  # not per step: the note is built once
             return
         self._noted.add(what)
-        msg = (
+        self.timer.note(
             f"{what} per step counted by steptimer: {how}, summed over a step's micro-batches"
             + (" (a step's first forward only, with several optimizers)" if len(self._optimizers) > 1 else "")
             + f"; {what}_per_step= (--{what}-per-step) overrides"
         )
-        self.timer.note(msg)
 
     def _drop(self, exc: _ExcInfo) -> None:
         """Drop the step (the engine forgets it; its open phases too) and start clean."""
-        self._reset().__exit__(*exc)
+        self._driver.drop(*exc)
+        self._clear()
 
-    def _reset(self) -> Any:
-        cm, self._step_cm = self._step_cm, None
-        self._frames = [None]
-        self._in_step = self._deferred = self._end_pending = False
+    def _clear(self) -> None:
+        self._deferred = False
         self._stepped = set()
         self._zeroed = set()
-        self._fwd_depth = self._update_depth = 0
-        return cm
+        self._update_depth = 0
 
 
 _FORWARDS_BEFORE_WARNING = 100
