@@ -29,7 +29,7 @@ import torch
 from steptimer.instrument import Instrumented
 from steptimer._driver import validation_note
 from steptimer._summary import Summary
-from steptimer.timer import StepTimer
+from steptimer.timer import StepTimer, check_bool, check_count
 
 try:
     from transformers import TrainerCallback
@@ -65,7 +65,13 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     def __init__(self, **options: Any) -> None:
         if not _AVAILABLE:
             raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'steptimer[hf]'")
-        self._counts = {k: options.pop(k) for k in ("samples_per_step", "tokens_per_step") if k in options}
+        self._counts = {k: check_count(k, options.pop(k)) for k in ("samples_per_step", "tokens_per_step") if k in options}
+        # The timer checks its own options; a disabled one (no files, no hooks) does it here, so a
+        # bad option fails when the callback is made, not when training starts.
+        # log_dir "" stands in for the default beside the Trainer's logs, known at on_train_begin.
+        default = {} if "log_dir" in options or "writer" in options else {"log_dir": ""}
+        StepTimer(**{**options, **default, "enabled": False})
+        check_bool("enabled", options.get("enabled", True))
         self._options = options
         self.timed: Instrumented | None = None
         self._accum = 1

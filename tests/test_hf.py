@@ -74,3 +74,11 @@ def test_evaluation_is_timed_apart_not_as_data(tmp_path: Path) -> None:
     assert len(val) == 1 and val[0].startswith("validation: 4 run(s)"), summary.notes
     mean_ms = float(val[0].split(", ")[1].split(" ms")[0])
     assert mean_ms >= eval_ms, val
+
+
+def test_a_bad_option_is_refused_when_the_callback_is_made() -> None:
+    with pytest.raises(ValueError, match="lag must be an int >= 0, got -1"):
+        StepTimerCallback(lag=-1)
+    with pytest.raises(ValueError, match="enabled must be True or False, got 'no'"):
+        StepTimerCallback(enabled="no")
+    StepTimerCallback(trace_steps=2)  # its log directory is the default, beside the Trainer's
