@@ -29,10 +29,10 @@ compiled model stays slow after they are gone (85 % slower steps on GPT-2, docs/
 from __future__ import annotations
 
 import copyreg
+import functools
 import gc
 import pickle
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,9 +97,16 @@ class Hooks:
         if post is not None:
             self._handles.append(opt.register_step_post_hook(wrap(post)))
 
-    def patch(self, obj: Any, attr: str, wrapper: Callable[..., Any]) -> None:
-        """``obj.attr = wrapper`` as an instance attribute (the class stays untouched); one that was
-        there before (someone's own wrapper) is put back by :meth:`remove`."""
+    def wrap(self, obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], *, eager: bool = True) -> None:
+        """``obj.attr = make(obj.attr)`` as an instance attribute (the class stays untouched); one
+        that was there before (someone's own wrapper, Lightning's ``from_compiled`` training_step)
+        is put back by :meth:`remove`. An object without ``attr`` or a ``__dict__`` is left alone."""
+        orig = getattr(obj, attr, None)
+        if orig is None or not hasattr(obj, "__dict__"):
+            return
+        wrapper = functools.wraps(orig)(make(orig))  # `__wrapped__` keeps is_overridden() truthful
+        if eager:
+            wrapper = _eager(wrapper)
         self._patched.append((obj, attr, wrapper, obj.__dict__.get(attr)))
         obj.__dict__[attr] = wrapper
 
@@ -247,7 +254,6 @@ class Discovery:
         self.models: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.problem: str | None = None  # why discovery gave up, for the summary
-        self.scan_s: float | None = None  # what the one scan of live objects took
         self._decided = False
         self._pending: set[int] = set()
         self.done = False
@@ -282,9 +288,7 @@ class Discovery:
             params = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
             opts = [o for o in opts if any(id(p) in params for m in models for p in m.parameters())] or opts
         else:
-            t0 = time.perf_counter()
             models = trained_modules(opts)
-            self.scan_s = time.perf_counter() - t0
             if models:  # the optimizers whose parameters those models hold
                 held = {id(p) for m in models for p in m.parameters()}
                 opts = [o for o in opts if any(id(p) in held for g in o.param_groups for p in g["params"])]

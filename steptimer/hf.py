@@ -65,7 +65,8 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     def __init__(self, **options: Any) -> None:
         if not _AVAILABLE:
             raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'steptimer[hf]'")
-        self._counts = {k: check_count(k, options.pop(k)) for k in ("samples_per_step", "tokens_per_step") if k in options}
+        counts = ("samples_per_step", "tokens_per_step")
+        self._counts = {k: check_count(k, options.pop(k)) for k in counts if k in options}
         # The timer checks its own options; a disabled one (no files, no hooks) does it here, so a
         # bad option fails when the callback is made, not when training starts.
         # log_dir "" stands in for the default beside the Trainer's logs, known at on_train_begin.

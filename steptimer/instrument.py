@@ -33,6 +33,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from types import CodeType, FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -95,19 +96,14 @@ def instrument(
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}: {model!r}")
-    opts: list[Any] | None = None
-    if optimizer is not None:
-        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
-        if not opts or bad:
-            got = bad[0] if bad else optimizer
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {got!r}")
-        if len({id(o) for o in opts}) != len(opts):
-            raise ValueError("optimizer: the list holds the same optimizer twice; pass each one once")
-    counts = {}
-    for name, v in (("samples_per_step", samples_per_step), ("tokens_per_step", tokens_per_step)):
-        if v is not None:
-            counts[name] = check_count(name, v)
+    opts = None if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if opts is not None and (not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts)):
+        got = next((o for o in opts if not isinstance(o, torch.optim.Optimizer)), optimizer)
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {got!r}")
+    if opts is not None and len({id(o) for o in opts}) != len(opts):
+        raise ValueError("optimizer: the list holds the same optimizer twice; pass each one once")
+    counts = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step}
+    counts = {k: check_count(k, v) for k, v in counts.items() if v is not None}
     return Instrumented(StepTimer(**options), None if model is None else [model], opts, **counts)
 
 
@@ -284,11 +280,11 @@ class Instrumented:
             hooks.forward(model, self._forward_pre, self._forward_post, prepend=True, with_kwargs=True)
         for opt in self._optimizers:
             hooks.optimizer(opt, self._update_pre, self._update_post)
-            hooks.patch(opt, "zero_grad", _eager(self._zero_grad_wrapper(opt.zero_grad, {id(opt)})))
+            hooks.wrap(opt, "zero_grad", partial(self._zero_grad_wrapper, zeroes={id(opt)}))
         for model in self._models:  # a model's zero_grad zeroes the optimizers whose parameters it holds
             held = {id(p) for p in model.parameters()}
             zeroes = {id(o) for o in self._optimizers if any(id(p) in held for g in o.param_groups for p in g["params"])}
-            hooks.patch(model, "zero_grad", _eager(self._zero_grad_wrapper(model.zero_grad, zeroes)))
+            hooks.wrap(model, "zero_grad", partial(self._zero_grad_wrapper, zeroes=zeroes))
         hooks.wrap_backward(self._backward_wrapper_of)
         # The optimizers pickle and copy without hooks or instance attributes (Optimizer.__getstate__
         # keeps only defaults, state and param_groups); the models need a copyreg entry.
@@ -547,7 +543,6 @@ class Instrumented:
 
 
 _FORWARDS_BEFORE_WARNING = 100
-_eager = torch.compiler.disable
 
 
 def _user_sites(frame: FrameType | None) -> dict[CodeType, int]:

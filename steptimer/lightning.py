@@ -33,7 +33,6 @@ modules with parameters are hooked, never every leaf.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import logging
 import sys
@@ -562,12 +561,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
         for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
-            self._patch(opt, "zero_grad", self._zero_grad_wrapper)
+            self._hooks.wrap(opt, "zero_grad", self._zero_grad_wrapper, eager=False)
         if self._manual:
             for opt in wrapped:
-                self._patch(opt, "step", self._manual_step_wrapper)
+                self._hooks.wrap(opt, "step", self._manual_step_wrapper, eager=False)
         else:
-            self._patch(pl_module, "configure_gradient_clipping", self._clipping_wrapper)
+            self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper, eager=False)
 
     def _hook_model(self, pl_module: Any) -> None:
         """Hook the forward of the model's modules and gate the hooks on ``training_step``.
@@ -593,17 +592,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hooked = targets
         for _, module in targets:
             self._hooks.forward(module, self._forward_pre, self._forward_post, eager=False)
-        self._patch(pl_module, "training_step", self._training_step_wrapper)
-
-    def _patch(self, obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Wrap ``obj.attr`` with an instance attribute (undone at teardown; the class is untouched)."""
-        if not hasattr(obj, attr) or "__dict__" not in dir(obj):
-            return
-        orig = getattr(obj, attr)
-        wrapper = functools.wraps(orig)(make(orig))  # `__wrapped__` keeps is_overridden() truthful
-        # An instance attribute already there (Lightning's `from_compiled` sets `training_step`) is
-        # put back at teardown, not deleted.
-        self._hooks.patch(obj, attr, wrapper)
+        self._hooks.wrap(pl_module, "training_step", self._training_step_wrapper, eager=False)
 
     def _uninstall(self) -> None:
         self._hooks.remove()
