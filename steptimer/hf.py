@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from steptimer.instrument import Instrumented
 from steptimer._driver import validation_note
 from steptimer._summary import Summary
+from steptimer.instrument import Instrumented
 from steptimer.timer import StepTimer, check_bool, check_count
 
 try:
@@ -60,6 +60,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
 
     Raises:
         ModuleNotFoundError: transformers is not installed.
+        ValueError: a bad option (the message names it), when the callback is made.
     """
 
     def __init__(self, **options: Any) -> None:
@@ -68,8 +69,8 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         counts = ("samples_per_step", "tokens_per_step")
         self._counts = {k: check_count(k, options.pop(k)) for k in counts if k in options}
         # The timer checks its own options; a disabled one (no files, no hooks) does it here, so a
-        # bad option fails when the callback is made, not when training starts.
-        # log_dir "" stands in for the default beside the Trainer's logs, known at on_train_begin.
+        # bad option fails when the callback is made. log_dir "" stands in for the default beside
+        # the Trainer's logs, known at on_train_begin.
         default = {} if "log_dir" in options or "writer" in options else {"log_dir": ""}
         StepTimer(**{**options, **default, "enabled": False})
         check_bool("enabled", options.get("enabled", True))

@@ -5,24 +5,11 @@ Add it to a Trainer and each optimizer step is split into ``data``, ``forward``,
 
     trainer = pl.Trainer(callbacks=[StepTimerCallback()], logger=pl.loggers.TensorBoardLogger("runs"))
 
-Where each phase starts and ends (``docs/lightning.md`` has the full table):
-
-- ``data``: ``on_train_batch_end`` to the next ``on_train_batch_start`` (fetch, batch transfer, other
-  callbacks' batch-end work). Validation inside it is paused and reported as ``steptimer/val_ms``.
-- ``forward``: from the first model call in ``training_step`` to the end of the last one (code
-  between two calls included): forward pre/post hooks on the LightningModule and its outermost
-  submodules with parameters (or on the ``forward_module`` names).
-- ``loss``: the rest of ``training_step`` after the last model call, up to zero_grad, backward or the
-  update. A criterion (no parameters) and metrics are not hooked: their time is ``loss``.
-- ``zero_grad``: ``on_before_zero_grad`` (automatic) or the start of ``opt.zero_grad()`` (manual) to
-  the end of the optimizer's ``zero_grad``.
-- ``backward``: ``on_before_backward`` to ``on_after_backward``.
-- ``clip``: ``on_after_backward`` to the end of ``configure_gradient_clipping`` (automatic: AMP
-  ``unscale_``, ``on_before_optimizer_step`` hooks, gradient clipping); in manual optimization, from
-  ``on_after_backward`` to the next timed event (user clipping before ``opt.step()``).
-- ``optimizer``: the update. Automatic: end of clipping to the optimizer's step post-hook; manual:
-  the whole ``opt.step()`` call. Lightning runs the closure (forward + backward) *inside*
-  ``optimizer.step``; the closure is never billed here.
+Each phase starts and ends at a Lightning hook or at a hook on the LightningModule's outermost
+modules with parameters (``forward``); docs/lightning.md has the table. Validation between steps
+is paused (``steptimer/val_ms``), never ``data``; the closure Lightning runs inside
+``optimizer.step`` is never billed to ``optimizer``. Steps begin and end here (batches,
+accumulation, GradScaler skips, manual optimization); which phase is open is steptimer/_driver.py's.
 
 Costs: per timed step, the engine's event records (one per phase boundary) and its one lagged wait.
 The callback itself adds a few Python calls per hook and never synchronizes the device; each hooked
@@ -266,16 +253,11 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             raise ValueError(
                 f"flops_per_batch must be a number > 0 or a function batch -> number, got {flops_per_batch!r}"
             )
-        self.log_every_n_steps = log_every_n_steps
-        self.sample_every = sample_every
         self.forward_module = forward_module
         self.batch_size_fn = batch_size_fn
         self.tokens_fn = tokens_fn
         self.flops_per_batch = flops_per_batch
         self.histograms = histograms
-        self.print_summary = print_summary
-        self.enabled = enabled
-        self.profile_steps = profile_steps
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
@@ -355,7 +337,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Built here, not in setup: checkpoint state (our step counter) and the optimizers are only
         # all in place by now, whatever the strategy. Built on every rank: every rank measures.
-        if not self.enabled:
+        if not self._timer_options["enabled"]:
             return
         self._reset_batch_state()
         self.summary = None
@@ -367,14 +349,18 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if trainer.is_global_zero and trainer.loggers:
             sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
         self._sink = sink
-        profile_steps = self.profile_steps
+        profile_steps = options["profile_steps"]
         if profile_steps is not None and profile_steps[0] <= self._steps_done:
             log.warning(
                 "steptimer: profile_steps=%s starts at or before the resumed step count %d; not profiling",
                 profile_steps, self._steps_done,
             )  # fmt: skip
             options["profile_steps"] = None
-        options["log_every_n_steps"] = self.log_every_n_steps or self._default_log_every(int(trainer.log_every_n_steps))
+        every, sample_every = int(trainer.log_every_n_steps), options["sample_every"]
+        if options["log_every_n_steps"] is None and every != 50:
+            # The Trainer's interval (its default, 50, leaves StepTimer's: 50 steps, lengthened to a
+            # second on small steps); with sampling, long enough for about ten timed steps.
+            options["log_every_n_steps"] = max(every, 1 if sample_every == 1 else 10 * sample_every)
         options["print_summary"] = False  # printed at the close, with the callback's own notes
         timer = StepTimer._make(
             **options,
@@ -540,16 +526,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if self._in_batch:
             self._stepped = True
 
-    def _default_log_every(self, trainer_every: int) -> int | None:
-        """The Trainer's interval; with sampling, long enough for about ten timed steps per window.
-        None (StepTimer's default: 50 steps, lengthened to a second on small steps) for the
-        Trainer's default of 50."""
-        if trainer_every == 50:
-            return None
-        if self.sample_every == 1:
-            return max(trainer_every, 1)
-        return max(trainer_every, 10 * self.sample_every)
-
     # ------------------------------------------------------------------ hooks on module and optimizers
 
     def _install(self, trainer: Any, pl_module: Any) -> None:
@@ -695,7 +671,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if self._no_forward_warned:
             notes.append("no forward phase: training_step called none of the modules hooked for forward")
         self.summary = dataclasses.replace(summary, notes=tuple(notes))
-        if self.print_summary and trainer.is_global_zero:
+        if self._timer_options["print_summary"] and trainer.is_global_zero:
             from steptimer._table import print_summary
 
             print_summary(self.summary)
