@@ -8,22 +8,11 @@ through torch's handles or is recorded with what was there before, and :meth:`Ho
 everything back: nothing of steptimer stays on the user's objects.
 
 :class:`Discovery` finds the model(s) and optimizer(s) of a loop nobody named (``steptimer run``,
-``instrument()`` with no arguments), with no global *module* hook at any time: ``torch.compile``
-traces and guards a model under whatever global module hooks exist while it compiles, and the
-compiled model stays slow after they are gone (85 % slower steps on GPT-2, docs/run.md):
-
-- a global optimizer step pre-hook (it touches no module) sees every ``optimizer.step()``. Discovery
-  waits until the first optimizer that stepped steps again: every optimizer that stepped in between
-  is one of the loop's (a GAN's two). Until then a step can't end, since it is not known which
-  optimizers make one;
-- then, once, a scan of the live objects (:func:`trained_modules`) finds the models: the outermost
-  modules that hold those optimizers' parameters (a ``torch.compile`` or DDP wrapper, not the module
-  inside it); a one-shot forward pre-hook goes on each (an instance hook, like instrument()'s);
-- at the next forward of one of those models the instance hooks go in, starting that step, and
-  discovery's hooks come out. Not earlier: torch iterates the global optimizer hook dict while
-  calling them, and a dict changed under iteration raises; the forward hooks are iterated from a
-  copy, so a forward pre-hook is the safe place. From then on nothing of discovery runs per step
-  (docs/benchmarks.md measures it).
+``instrument()`` with no arguments) from a global optimizer step pre-hook, one scan of the live
+objects and one-shot forward pre-hooks on the models found (docs/run.md has the rule). It never
+puts a global *module* hook in: ``torch.compile`` traces and guards a model under whatever global
+module hooks exist while it compiles, and the compiled model stays slow after they are gone (85 %
+slower steps on GPT-2, docs/run.md).
 """
 
 from __future__ import annotations
@@ -234,8 +223,8 @@ def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | Non
 
 class Discovery:
     """Finds a loop's optimizers and models, then calls ``on_found`` once (models, optimizers, and
-    the model call that triggered it, whose args it must time) and takes its own hooks out. See the
-    module docstring for the rule. ``models`` / ``optimizers`` given are taken as they are; only the
+    the model call that triggered it, whose args it must time) and takes its own hooks out. See
+    docs/run.md for the rule. ``models`` / ``optimizers`` given are taken as they are; only the
     rest is found. No global module hook, ever: ``torch.compile`` would see it (docs/run.md)."""
 
     def __init__(

@@ -129,8 +129,8 @@ class Instrumented:
         self._driver = PhaseDriver(timer)
         if isinstance(models, torch.nn.Module):
             models = [models]
-        self._models: tuple[torch.nn.Module, ...] = tuple(models or ())
-        self._optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
+        self.models: tuple[torch.nn.Module, ...] = tuple(models or ())  # hooked: given, or found
+        self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
         self._fixed = (samples_per_step, tokens_per_step)  # given per step: not counted
         self._count = samples_per_step is None or tokens_per_step is None
         self._count_next = False  # the next model forward starts a micro-batch: count its batch
@@ -159,7 +159,7 @@ class Instrumented:
         self._hooks = Hooks()
         if not timer.enabled:
             return
-        if self._models and self._optimizers:
+        if self.models and self.optimizers:
             self._install()
         else:  # found at the optimizers' steps; installed at the next forward of the model(s)
             self._watch_steps = False
@@ -173,20 +173,10 @@ class Instrumented:
         """Number of the last completed step."""
         return self.timer.steps
 
-    @property
-    def models(self) -> tuple[torch.nn.Module, ...]:
-        """The hooked models: given, or found (empty until then)."""
-        return self._models
-
-    @property
-    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
-        """The hooked optimizers: given, or found (empty until then)."""
-        return self._optimizers
-
     def discovery_note(self) -> str | None:
         """Why nothing was hooked (a loop nobody named that never trained), else None."""
         d = self._discovery
-        if d is None or self._models:
+        if d is None or self.models:
             return None
         if d.problem is not None:
             return d.problem
@@ -276,26 +266,26 @@ class Instrumented:
         """Every hook, through the one place that owns them (_hooks.Hooks), all run eagerly under
         torch.compile; registered once, never per step or per layer."""
         hooks = self._hooks
-        for model in self._models:
+        for model in self.models:
             hooks.forward(model, self._forward_pre, self._forward_post, prepend=True, with_kwargs=True)
-        for opt in self._optimizers:
+        for opt in self.optimizers:
             hooks.optimizer(opt, self._update_pre, self._update_post)
             hooks.wrap(opt, "zero_grad", partial(self._zero_grad_wrapper, zeroes={id(opt)}))
-        for model in self._models:  # a model's zero_grad zeroes the optimizers whose parameters it holds
+        for model in self.models:  # a model's zero_grad zeroes the optimizers whose parameters it holds
             held = {id(p) for p in model.parameters()}
-            zeroes = {id(o) for o in self._optimizers if any(id(p) in held for g in o.param_groups for p in g["params"])}
+            zeroes = {id(o) for o in self.optimizers if any(id(p) in held for g in o.param_groups for p in g["params"])}
             hooks.wrap(model, "zero_grad", partial(self._zero_grad_wrapper, zeroes=zeroes))
         hooks.wrap_backward(self._backward_wrapper_of)
         # The optimizers pickle and copy without hooks or instance attributes (Optimizer.__getstate__
         # keeps only defaults, state and param_groups); the models need a copyreg entry.
-        for model in self._models:
+        for model in self.models:
             hooks.keep_picklable(model)
 
     def _found(
         self, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], module: Any, args: Any, kwargs: Any
     ) -> None:
         """Discovery found the loop's models and optimizers, at a forward of ``module`` (one of them)."""
-        self._models, self._optimizers = tuple(models), tuple(optimizers)
+        self.models, self.optimizers = tuple(models), tuple(optimizers)
         d = self._discovery
         n = 0 if d is None else d.optimizer_steps
         names = ", ".join(type(m).__name__ for m in models)
@@ -348,7 +338,7 @@ class Instrumented:
         """One warning (and a note in the summary) when an optimizer passed to instrument() has not
         stepped while the model trained: no step can end, so nothing is timed."""
         self._watch_steps = False
-        idle = [o for o in self._optimizers if id(o) not in self._ever_stepped]
+        idle = [o for o in self.optimizers if id(o) not in self._ever_stepped]
         if not idle:
             return
         names = ", ".join(type(o).__name__ for o in idle)
@@ -394,7 +384,7 @@ class Instrumented:
             self._after_backward = None
             # The next forward starts a micro-batch (accumulation). With several optimizers (a GAN's
             # networks see the same batch in turn) only a step's first forward is counted.
-            self._count_next = self._count and len(self._optimizers) == 1
+            self._count_next = self._count and len(self.optimizers) == 1
             return out
 
         return backward
@@ -422,7 +412,7 @@ class Instrumented:
             d.switch(None)
             if self._deferred:
                 self._zeroed |= zeroes
-                if len(self._zeroed) == len(self._optimizers):
+                if len(self._zeroed) == len(self.optimizers):
                     self._end()
             return out
 
@@ -462,7 +452,7 @@ class Instrumented:
         self._driver.switch(None)
         self._stepped.add(id(opt))
         self._ever_stepped.add(id(opt))
-        if len(self._stepped) < len(self._optimizers):
+        if len(self._stepped) < len(self.optimizers):
             return
         if self._zero_grad_last is None:
             self._step_sites = _user_sites(sys._getframe(1))
@@ -526,7 +516,7 @@ class Instrumented:
         self._noted.add(what)
         self.timer.note(
             f"{what} per step counted by steptimer: {how}, summed over a step's micro-batches"
-            + (" (a step's first forward only, with several optimizers)" if len(self._optimizers) > 1 else "")
+            + (" (a step's first forward only, with several optimizers)" if len(self.optimizers) > 1 else "")
             + f"; {what}_per_step= (--{what}-per-step) overrides"
         )
 
