@@ -19,7 +19,7 @@ from typing import Any
 
 from steptimer.timer import StepTimer
 
-__all__ = ["PhaseDriver", "validation_note"]
+__all__ = ["PhaseDriver"]
 
 
 class PhaseDriver:
@@ -188,10 +188,9 @@ class PhaseDriver:
         self.val_ms.append(val_ms)
         return val_ms
 
-
-
-def validation_note(val_ms: list[float]) -> str | None:
-    """The summary's line on evaluations timed apart (Lightning's validation, the Trainer's eval)."""
-    if not val_ms:
-        return None
-    return f"validation: {len(val_ms)} run(s), {sum(val_ms) / len(val_ms):.1f} ms mean, paused (not counted as data)"
+    def val_note(self) -> str | None:
+        """The summary's line on the evaluations timed apart, if any."""
+        if not self.val_ms:
+            return None
+        mean_ms = sum(self.val_ms) / len(self.val_ms)
+        return f"validation: {len(self.val_ms)} run(s), {mean_ms:.1f} ms mean, paused (not counted as data)"

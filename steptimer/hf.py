@@ -21,12 +21,10 @@ use both at once.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch
 
-from steptimer._driver import validation_note
 from steptimer._summary import Summary
 from steptimer.instrument import Instrumented
 from steptimer.timer import StepTimer, check_bool, check_count
@@ -78,8 +76,6 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self.timed: Instrumented | None = None
         self._accum = 1
         self._micro = 0
-        self._eval: tuple[Any, float] | None = None  # the pause around an evaluation, when it began
-        self._eval_ms: list[float] = []
         self.summary: Summary | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any) -> None:
@@ -91,7 +87,6 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1)))
         opt = _torch_optimizer(optimizer)
         self.timed = Instrumented(StepTimer(**options), [model], [opt], **self._counts)
-        self._eval_ms = []
         self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -116,28 +111,16 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     def _maybe_evaluate(self, control: Any) -> None:
         # The Trainer evaluates right after these events when the flow callbacks (called before this
         # one) set should_evaluate; the pause also holds the logging that precedes evaluation.
-        if control.should_evaluate and self.timed is not None and self._eval is None:
-            pause = self.timed.pause()
-            pause.__enter__()
-            self._eval = (pause, time.perf_counter())
+        if control.should_evaluate and self.timed is not None:
+            self.timed.begin_evaluation()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._end_eval()
-
-    def _end_eval(self) -> None:
-        if self._eval is not None:
-            (pause, t0), self._eval = self._eval, None
-            self._eval_ms.append((time.perf_counter() - t0) * 1e3)
-            pause.__exit__(None, None, None)
+        if self.timed is not None:
+            self.timed.end_evaluation()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self.timed is None:
-            return
-        self._end_eval()
-        note = validation_note(self._eval_ms)
-        if note is not None:
-            self.timed.timer.note(note)
-        self.summary = self.timed.close()
+        if self.timed is not None:
+            self.summary = self.timed.close()
 
     @property
     def steps(self) -> int:

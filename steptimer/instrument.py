@@ -218,6 +218,16 @@ class Instrumented:
             if d.end_pending and not d.in_user_phase:
                 self._end()
 
+    def begin_evaluation(self) -> None:
+        """An evaluation starts (a framework's event, where no ``with`` block fits): paused out of
+        the run until :meth:`end_evaluation`; the summary's notes give the runs and mean time."""
+        self._settle()
+        self._driver.begin_val()
+
+    def end_evaluation(self) -> None:
+        """The evaluation begun by :meth:`begin_evaluation` ended (none open: nothing to do)."""
+        self._driver.end_val()
+
     def open_after_backward(self, name: str) -> None:
         """Open phase ``name`` when the next backward returns, until the next boundary (the
         Hugging Face callback's ``clip``: after a step's last micro-batch, up to the update)."""
@@ -230,9 +240,10 @@ class Instrumented:
             self._end()  # a finished step, waiting for its zero_grad
         if self._watch_steps and self._forwards:
             self._check_stepped()
-        note = self.discovery_note()
-        if note is not None and self.timer.enabled:
-            self.timer.note(note)
+        self._driver.end_val()
+        for note in (self.discovery_note(), self._driver.val_note()):
+            if note is not None and self.timer.enabled:
+                self.timer.note(note)
         self.remove()
         return self.timer.close(failed=failed)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from steptimer._driver import PhaseDriver, validation_note
+from steptimer._driver import PhaseDriver
 from steptimer._hooks import Hooks
 from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
@@ -665,7 +665,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         notes = list(summary.notes)
         if self._skipped:
             notes.append(f"{self._skipped} optimizer step(s) skipped by the GradScaler (inf/NaN gradients)")
-        val = validation_note(d.val_ms)
+        val = d.val_note()
         if val is not None:
             notes.append(val)
         if self._no_forward_warned:
