@@ -63,18 +63,19 @@ class PhaseDriver:
 
     def end(self, *, samples: float | None = None, tokens: float | None = None, flops: float | None = None) -> bool:
         """End the step and its open phase; counts given replace those of :meth:`begin` (summed
-        over micro-batches, known only now). Inside a user phase the step ends when it exits:
-        returns False and sets :attr:`end_pending`."""
+        over micro-batches, known only now). Inside a user phase it returns False and sets
+        :attr:`end_pending`: the front door ends the step when that phase exits."""
         if self._users:
             self.end_pending = True
             return False
         self.switch(None)
         step = self._reset()
+        if step is None:
+            return True
         if samples is not None or tokens is not None or flops is not None:
             # step() sets the counts on a context manager for this step; exiting it ends the step.
             step = self.timer.step(samples=samples, tokens=tokens, flops=flops)
-        if step is not None:
-            step.__exit__(None, None, None)
+        step.__exit__(None, None, None)
         return True
 
     def drop(self, et: Any, ev: Any, tb: Any) -> None:
