@@ -11,15 +11,14 @@ batches, accumulation and validation (steptimer/lightning.py).
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from time import perf_counter
 from typing import Any
 
 from steptimer.timer import StepTimer
 
-__all__ = ["PhaseDriver"]
+__all__ = ["PhaseDriver", "UserPhase"]
 
 
 class PhaseDriver:
@@ -30,14 +29,19 @@ class PhaseDriver:
         rejoin: A forward that starts while the ``loss`` opened by the previous forward's return
             is open takes that time back into ``forward`` (code between two model calls of one
             ``training_step`` is forward's, Lightning's rule); False: ``forward, loss, forward``.
+        on_pending_end: Called when the last user phase exits after :meth:`end` found the step
+            ending inside it: the front door ends the step (its counts are its own).
     """
 
-    def __init__(self, timer: StepTimer, *, rejoin: bool = False) -> None:
+    def __init__(
+        self, timer: StepTimer, *, rejoin: bool = False, on_pending_end: Callable[[], None] | None = None
+    ) -> None:
         self.timer = timer
         self._rejoin = rejoin
+        self._on_pending_end = on_pending_end
         self._step: AbstractContextManager[None] | None = None
         self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
-        self._users: list[str] = []  # the user phases open, outermost first
+        self._users: list[tuple[str, object]] = []  # the user phases open (name, token), outermost first
         self.end_pending = False  # the step ended inside a user phase: it ends when that one exits
         self.fwd_depth = 0  # nested model calls (a model inside another) count once
         self.paused = 0  # inside pause(): hooks pass everything through
@@ -53,10 +57,6 @@ class PhaseDriver:
         """The hook phase open at the innermost level, or None."""
         return self._frames[-1]
 
-    @property
-    def in_user_phase(self) -> bool:
-        return bool(self._users)
-
     def begin(self, *, samples: float | None = None, tokens: float | None = None) -> None:
         self._step = self.timer.step(samples=samples, tokens=tokens)
         self._step.__enter__()
@@ -64,7 +64,7 @@ class PhaseDriver:
     def end(self, *, samples: float | None = None, tokens: float | None = None, flops: float | None = None) -> bool:
         """End the step and its open phase; counts given replace those of :meth:`begin` (summed
         over micro-batches, known only now). Inside a user phase it returns False and sets
-        :attr:`end_pending`: the front door ends the step when that phase exits."""
+        :attr:`end_pending`: ``on_pending_end`` ends the step when that phase exits."""
         if self._users:
             self.end_pending = True
             return False
@@ -124,33 +124,37 @@ class PhaseDriver:
         self.fwd_depth -= 1
         return self.fwd_depth == 0
 
-    @contextmanager
-    def user_phase(self, name: str) -> Iterator[None]:
-        """A phase of the user's, nested in the hook phase open now (``loss/name``); hook phases
-        inside it nest too (``name/forward``)."""
+    def open_user(self, name: str) -> object:
+        """Open a phase of the user's, nested in the hook phase open now (``loss/name``); hook
+        phases inside it nest too (``name/forward``). Returns the token that closes it."""
         self.timer.phase(name).__enter__()
         self._frames.append(None)
-        self._users.append(name)
-        level = len(self._users)
-        exc: tuple[Any, Any, Any] = (None, None, None)
-        try:
-            yield
-        except BaseException:
-            exc = sys.exc_info()
-            raise
-        finally:
-            if len(self._users) == level:  # not dropped or closed meanwhile
-                self._close_user(exc)
+        token = object()
+        self._users.append((name, token))
+        return token
 
-    def _close_user(self, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
+    def close_user(self, token: object, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
+        """Close the user phase of ``token`` (and any left open inside it); a step that ended
+        inside it ends now (``on_pending_end``). Dropped or closed meanwhile: nothing to do."""
+        i = next((i for i, (_, t) in enumerate(self._users) if t is token), None)
+        if i is None:
+            return
+        while len(self._users) > i + 1:
+            self._close_innermost()
+        self._close_innermost(exc)
+        if self.end_pending and not self._users and self._on_pending_end is not None:
+            self._on_pending_end()
+
+    def _close_innermost(self, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
         self.switch(None)
         self._frames.pop()
-        self.timer.phase(self._users.pop()).__exit__(*exc)
+        name, _ = self._users.pop()
+        self.timer.phase(name).__exit__(*exc)
 
     def close_user_phases(self) -> None:
         """Close the user phases left open (a ``__enter__`` with no ``__exit__``)."""
         while self._users:
-            self._close_user()
+            self._close_innermost()
 
     @contextmanager
     def pause(self) -> Iterator[None]:
@@ -195,3 +199,25 @@ class PhaseDriver:
             return None
         mean_ms = sum(self.val_ms) / len(self.val_ms)
         return f"validation: {len(self.val_ms)} run(s), {mean_ms:.1f} ms mean, paused (not counted as data)"
+
+
+class UserPhase:
+    """``with front_door.phase(name):``: a phase of the user's through the driver that ``driver()``
+    returns when it is entered (None: outside a step, a no-op). A class, not a generator: one
+    entered and never exited stays open until the front door closes it (end of the batch)."""
+
+    __slots__ = ("_name", "_driver", "_open")
+
+    def __init__(self, name: str, driver: Callable[[], PhaseDriver | None]) -> None:
+        self._name = name
+        self._driver = driver
+        self._open: tuple[PhaseDriver, object] | None = None
+
+    def __enter__(self) -> None:
+        d = self._driver()
+        self._open = None if d is None else (d, d.open_user(self._name))
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
+        if self._open is not None:
+            (d, token), self._open = self._open, None
+            d.close_user(token, (et, ev, tb))

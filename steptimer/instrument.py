@@ -32,7 +32,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from types import CodeType, FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from steptimer import _exit
-from steptimer._driver import PhaseDriver
+from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._hooks import Discovery, Hooks, batch_counts
 from steptimer.timer import StepTimer, check_count, check_phase_name
 
@@ -126,7 +126,7 @@ class Instrumented:
         tokens_per_step: float | None = None,
     ) -> None:
         self.timer = timer
-        self._driver = PhaseDriver(timer)
+        self._driver = PhaseDriver(timer, on_pending_end=self._end)
         if isinstance(models, torch.nn.Module):
             models = [models]
         self.models: tuple[torch.nn.Module, ...] = tuple(models or ())  # hooked: given, or found
@@ -196,8 +196,7 @@ class Instrumented:
         with self._driver.pause():
             yield
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> AbstractContextManager[None]:
         """A phase of your own inside a step (``clip``), nested in the hook phase open at that moment.
 
         Hook phases inside it nest too (``name/forward``). Outside a step it is a no-op: that time
@@ -207,16 +206,10 @@ class Instrumented:
             ValueError: ``name`` is not a valid phase name.
         """
         check_phase_name(name)
-        d = self._driver
-        if not d.in_step or self._deferred:
-            yield
-            return
-        try:
-            with d.user_phase(name):
-                yield
-        finally:
-            if d.end_pending and not d.in_user_phase:
-                self._end()
+        return UserPhase(name, self._driver_in_step)
+
+    def _driver_in_step(self) -> PhaseDriver | None:
+        return self._driver if self._driver.in_step and not self._deferred else None
 
     def begin_evaluation(self) -> None:
         """An evaluation starts (a framework's event, where no ``with`` block fits): paused out of

@@ -24,13 +24,13 @@ import importlib
 import logging
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from typing_extensions import override
 
-from steptimer._driver import PhaseDriver
+from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._hooks import Hooks
 from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
@@ -309,16 +309,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if name not in self._phase_names:
             check_phase_name(name)
             self._phase_names.add(name)
-        return self._user_phase(name)
-
-    @contextmanager
-    def _user_phase(self, name: str) -> Iterator[None]:
-        d = self._driver
-        if d is None or not self._in_batch:  # outside a training batch (validation, predict): a no-op
-            yield
-            return
-        with d.user_phase(name):
-            yield
+        return UserPhase(name, lambda: self._driver if self._in_batch else None)
 
     # ------------------------------------------------------------------ state (resume)
 
