@@ -19,7 +19,9 @@ from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._reader import RunLog
 from steptimer._slow import SlowStep
 from steptimer._summary import DERIVED_LAST, is_launch_bound, row_order
-from steptimer._tensorboard import WARMUP_TAG
+from steptimer._tags import (
+    CAUGHT, MAIN, MFU, RESERVED_MIB, SAMPLES_PER_S, STEPS_PER_S, TAILS, TFLOPS_PER_S, TOKENS_PER_S, WARMUP_STEPS, parse, tag,
+)  # fmt: skip
 from steptimer._verdict import ShareClock, Verdict, gpu_shares, verdict
 
 
@@ -110,16 +112,16 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
     n_of, wall_ms = _window_sizes(run, hists, scal, windows, skip_steps)
     steps = sum(n_of[s] for s in windows)
-    rate = dict(scal.get("steptimer/steps_per_s", []))
+    rate = dict(scal.get(STEPS_PER_S, []))
     cycle_window_ms = tuple(1e3 / rate[s] for s in windows if rate.get(s))
 
     names: dict[tuple[str, str], None] = {}
     for clock, phase in hists:
         names[(clock, phase)] = None
-    for tag in scal:
-        group, clock, rest = (tag.split("/", 2) + ["", ""])[:3]
-        if group == "steptimer" and clock in ("host", "gpu") and rest.endswith("_ms"):
-            names[(clock, rest[:-3])] = None
+    for key in scal:
+        t = parse(key)
+        if t is not None and t.group == MAIN and t.measure == "ms":
+            names[(t.family, t.name)] = None
 
     phases = [p for c, p in names if c == "host"] + [p for c, p in names if c == "gpu"]
     first_seen = dict.fromkeys(phases)
@@ -171,11 +173,11 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         rows=report_rows,
         wall_s=wall_ms / 1e3,
         steps_per_s=steps / (wall_ms / 1e3) if wall_ms > 0 else None,
-        samples_per_s=_rate_total(scal.get("steptimer/samples_per_s"), windows, n_of, rate, wall_ms),
-        tokens_per_s=_rate_total(scal.get("steptimer/tokens_per_s"), windows, n_of, rate, wall_ms),
+        samples_per_s=_rate_total(scal.get(SAMPLES_PER_S), windows, n_of, rate, wall_ms),
+        tokens_per_s=_rate_total(scal.get(TOKENS_PER_S), windows, n_of, rate, wall_ms),
         # MFU is TFLOP/s over a constant peak, so its run total is the same time-weighted mean.
-        tflops_per_s=_rate_total(scal.get("steptimer/tflops_per_s"), windows, n_of, rate, wall_ms),
-        mfu=_rate_total(scal.get("steptimer/mfu"), windows, n_of, rate, wall_ms),
+        tflops_per_s=_rate_total(scal.get(TFLOPS_PER_S), windows, n_of, rate, wall_ms),
+        mfu=_rate_total(scal.get(MFU), windows, n_of, rate, wall_ms),
         data_share=data_share,
         wait_share=wait_share,
         gpu_idle_share=idle_share,
@@ -194,15 +196,15 @@ def _memory(scal: dict) -> MemoryReport | None:  # type: ignore[type-arg]
     peak: dict[str, float] = {}
     alloc: dict[str, float] = {}
     reserved = None
-    for tag, pts in scal.items():
-        if not tag.startswith("steptimer/mem/") or not pts:
+    for key, pts in scal.items():
+        t = parse(key)
+        if not pts:
             continue
-        key = tag[len("steptimer/mem/") :]
-        if key.endswith("_peak_mib"):
-            peak[key[: -len("_peak_mib")]] = max(v for _, v in pts)
-        elif key.endswith("_alloc_mib"):
-            alloc[key[: -len("_alloc_mib")]] = pts[-1][1]
-        elif key == "reserved_mib":
+        if t is not None and (t.group, t.family, t.measure) == (MAIN, "mem", "peak_mib"):
+            peak[t.name] = max(v for _, v in pts)
+        elif t is not None and (t.group, t.family, t.measure) == (MAIN, "mem", "alloc_mib"):
+            alloc[t.name] = pts[-1][1]
+        elif key == RESERVED_MIB:
             reserved = pts[-1][1]
     if not peak and reserved is None:
         return None
@@ -212,9 +214,9 @@ def _memory(scal: dict) -> MemoryReport | None:  # type: ignore[type-arg]
 def _select_windows(run: RunLog, skip_steps: int, include_warmup: bool) -> tuple[list[int], list[str]]:
     """The windows the report covers (after ``skip_steps``, warm-up windows left out unless asked),
     and the notes that say what was left out."""
-    warm = {s: int(v) for s, v in run.scalars.get(WARMUP_TAG, [])}
+    warm = {s: int(v) for s, v in run.scalars.get(WARMUP_STEPS, [])}
     skip = set() if include_warmup else set(warm)
-    windows = [s for s, _ in run.scalars.get("steptimer/steps_per_s", []) if s > skip_steps and s not in skip]
+    windows = [s for s, _ in run.scalars.get(STEPS_PER_S, []) if s > skip_steps and s not in skip]
     if not windows:
         windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in skip})
     notes: list[str] = []
@@ -225,7 +227,7 @@ def _select_windows(run: RunLog, skip_steps: int, include_warmup: bool) -> tuple
 
 def nothing_to_report(path: str, runs: list[RunLog], skip_steps: int, include_warmup: bool) -> str:
     """Why no window of ``runs`` is left to report, and what to pass instead."""
-    warm = sum(int(v) for run in runs for s, v in run.scalars.get(WARMUP_TAG, []) if s > skip_steps)
+    warm = sum(int(v) for run in runs for s, v in run.scalars.get(WARMUP_STEPS, []) if s > skip_steps)
     if warm and not include_warmup:
         after = f" after step {skip_steps}" if skip_steps else ""
         return (
@@ -237,7 +239,7 @@ def nothing_to_report(path: str, runs: list[RunLog], skip_steps: int, include_wa
 
 def _caught(scal: dict, n_of: dict[int, int], name: str) -> float | None:  # type: ignore[type-arg]
     """The fraction of steps in which the GPU caught up inside the phase (None: not logged)."""
-    pts = [(s, v) for s, v in scal.get(f"steptimer-caught-up/gpu/{name}_frac", []) if n_of.get(s)]
+    pts = [(s, v) for s, v in scal.get(tag(CAUGHT, "gpu", name, "frac"), []) if n_of.get(s)]
     n = sum(n_of[s] for s, _ in pts)
     return sum(v * n_of[s] for s, v in pts) / n if n else None
 
@@ -259,12 +261,12 @@ def _window_sizes(
     """Steps per window (exact from the host step histogram, else from the step numbers) and the
     windows' wall time in ms."""
     n_of: dict[int, int] = {s: h.count for s, h in hists.get(("host", "step"), [])}
-    prev = max([s for s, _ in run.scalars.get("steptimer/steps_per_s", []) if s <= skip_steps], default=0)
+    prev = max([s for s, _ in run.scalars.get(STEPS_PER_S, []) if s <= skip_steps], default=0)
     for s in windows:
         if s not in n_of:
             n_of[s] = max(s - prev, 1)
         prev = s
-    rate = dict(scal.get("steptimer/steps_per_s", []))
+    rate = dict(scal.get(STEPS_PER_S, []))
     wall_ms = 0.0
     for s in windows:
         r = rate.get(s)
@@ -293,11 +295,11 @@ def _series(
             merged.merge(h)
         means = tuple(h.mean_ms for _, h in pts if h.count)
         return _Series(SeriesStats.of(merged), merged.sum_ms, merged.count, means, merged)
-    mean_pts = scal.get(f"steptimer/{clock}/{phase}_ms")
+    mean_pts = scal.get(tag(MAIN, clock, phase, "ms"))
     if not mean_pts:
         return _Series(None, 0.0, 0, (), None)
     means = tuple(v for _, v in mean_pts)
-    maxes = [v for _, v in scal.get(f"steptimer-tails/{clock}/{phase}_max_ms", [])]
+    maxes = [v for _, v in scal.get(tag(TAILS, clock, phase, "max_ms"), [])]
     n = sum(n_of.get(s, 0) for s, _ in mean_pts)
     total = sum(v * n_of.get(s, 0) for s, v in mean_pts)
     st = SeriesStats(

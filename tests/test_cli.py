@@ -126,30 +126,6 @@ def test_report_numbers_are_the_logged_ones(tmp_path: Path) -> None:
     assert "verdict: input-bound" in text and "of steps" in text
 
 
-def _old_layout(window: Any) -> Any:
-    """A window as the event steptimer wrote before per-phase runs: every tag in one run, one group
-    (``steptimer/host_p90/<phase>_ms``, ``steptimer/hist_gpu/<phase>_ms``, ``steptimer/run/...``)."""
-    import re
-
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    from steptimer._tensorboard import window_scalars, window_summaries
-
-    old = Summary()
-    renames = [(r"^steptimer-tails/(host|gpu)/(.+)_(p90|max)_ms$", r"steptimer/\1_\3/\2_ms"),
-               (r"^steptimer-caught-up/gpu/(.+)_frac$", r"steptimer/gpu_caught_up/\1_frac"),
-               (r"^steptimer-run/warmup_steps$", "steptimer/run/warmup_steps")]  # fmt: skip
-    for tag, v in window_scalars(window).items():
-        for rx, to in renames:
-            tag = re.sub(rx, to, tag)
-        old.value.add(tag=tag, simple_value=v)
-    for value in window_summaries(window, scalars=False)[None].value:  # steptimer-hist/<clock>/<name>_ms
-        old.value.add(tag=re.sub(r"^steptimer-hist/(host|gpu)/", r"steptimer/hist_\1/", value.tag)).histo.CopyFrom(
-            value.histo
-        )
-    return old
-
-
 def _row_runs_layout(window: Any) -> dict[str | None, Any]:
     """A window as steptimer wrote it with a run for every row, ``step`` included, and each histogram
     in its row's run as ``steptimer-hist/<clock>_ms``: by run (``None``: the log dir's own)."""
@@ -157,7 +133,8 @@ def _row_runs_layout(window: Any) -> dict[str | None, Any]:
 
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    from steptimer._tensorboard import split_tag, window_summaries
+    from steptimer._tags import split_tag
+    from steptimer._tensorboard import window_summaries
 
     out: dict[str | None, Any] = {}
     for name, summary in window_summaries(window).items():
@@ -173,10 +150,10 @@ def _row_runs_layout(window: Any) -> dict[str | None, Any]:
     return out
 
 
-def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock) -> None:
-    """Logs written before per-phase runs (one run, every tag flat), and with a run for every row
-    (``step`` included, histograms in the rows' runs), still read: the report of the same windows in
-    the three layouts is the same, verdicts, tails and launch-bound marks included."""
+def test_logs_with_a_run_for_every_row_report_the_same(tmp_path: Path, clock: FakeClock) -> None:
+    """Logs with a run for every row (``step`` included, histograms in the rows' runs) read as the
+    per-phase runs do: the report of the same windows in the two layouts is the same, verdicts,
+    tails and launch-bound marks included."""
     from steptimer._tensorboard import EventFile, TensorBoardSink
     from tests.fakes import ListSink
 
@@ -194,11 +171,9 @@ def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock
                     clock.advance_ms(host_ms)
     t.close()
     new = TensorBoardSink(log_dir=tmp_path / "new")
-    old = EventFile(str(tmp_path / "old"))
     rows: dict[str | None, EventFile] = {None: EventFile(str(tmp_path / "rows"), run_id="1.rows")}
     for w in keep.windows:
         new.write_window(w)
-        old.write(_old_layout(w), w.step)
         for row, summary in _row_runs_layout(w).items():
             if row not in rows:
                 rows[row] = EventFile(str(tmp_path / "rows" / "steptimer" / row), run_id="1.rows", suffix=".steptimer")
@@ -206,18 +181,16 @@ def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock
     new.close()
     assert "step" in rows and "steptimer-hist/host_ms" in [v.tag for v in _row_runs_layout(w)["forward"].value]
     assert sorted(p.name for p in (tmp_path / "new" / "steptimer").iterdir())[:3] == ["backward", "data", "forward"]
-    assert not (tmp_path / "old" / "steptimer").exists()
 
     runs = {r["name"]: r for r in report_json(tmp_path)["runs"]}
-    assert set(runs) == {"new", "old", "rows"}
+    assert set(runs) == {"new", "rows"}
     a = runs["new"]
     assert a["steps"] == 20 and a["quantiles_of"] == "steps" and a["cuda"] is True
     assert [r["name"] for r in a["rows"]] == ["data", "forward", "zero_grad", "backward", "other", "wait", "step", "idle"]
-    for b in (runs["old"], runs["rows"]):
-        for key in set(a) - {"name", "path"}:
-            assert a[key] == b[key], (b["name"], key)
-    texts = [cli("report", str(tmp_path / d)).stdout for d in ("new", "old", "rows")]
-    assert texts[0].replace("new", "old") == texts[1] and texts[0].replace("new", "rows") == texts[2]
+    for key in set(a) - {"name", "path"}:
+        assert a[key] == runs["rows"][key], key
+    texts = [cli("report", str(tmp_path / d)).stdout for d in ("new", "rows")]
+    assert texts[0].replace("new", "rows") == texts[1]
 
 
 def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
