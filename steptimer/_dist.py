@@ -459,23 +459,7 @@ class CrossRank:
         h = self._allreduce(header, dist.ReduceOp.MAX)
         if h is None:
             return None
-        all_closing = -h[4] == 1.0
-        if h[3] == 1.0 and not all_closing and not closing and not self._others_closed:
-            self._others_closed = True
-            self._note0(
-                "some ranks closed before this one (uneven ends): they answer this rank's rounds without "
-                "a window until every rank closes, so cross-rank windows from here on cover fewer ranks"
-            )
-        w_ok = h[0] != _NEG and h[0] == -h[1]
-        if h[0] != _NEG and not w_ok:
-            self.skipped += 1
-            self._note0(
-                "ranks timed different phase sets (first in the window ending at step "
-                f"{self._step_of(h)}); such intervals' cross-rank statistics are skipped on every rank"
-            )
-        s_ok = all_closing and h[5] != _NEG and h[5] == -h[6]
-        if all_closing and h[5] != _NEG and not s_ok:
-            self._note0("ranks timed different phase sets over the run; no per-rank summary")
+        all_closing, w_ok, s_ok = self._read_header(h, closing)
         nw = int(h[2]) if w_ok else 0
         ns = int(h[7]) if s_ok else 0
         wres: dict[str, RankSpread] = {}
@@ -522,6 +506,28 @@ class CrossRank:
         return {
             "window": wres, "reporting": reporting, "all_closing": all_closing, "round_ms": dt * 1e3, "slow": slow,
         }  # fmt: skip
+
+    def _read_header(self, h: Sequence[float], closing: bool) -> tuple[bool, bool, bool]:
+        """``(every rank is closing, the windows agree, the run summaries agree)`` from the reduced
+        header, with a note for each disagreement (the same on every rank: the header is shared)."""
+        all_closing = -h[4] == 1.0
+        if h[3] == 1.0 and not all_closing and not closing and not self._others_closed:
+            self._others_closed = True
+            self._note0(
+                "some ranks closed before this one (uneven ends): they answer this rank's rounds without "
+                "a window until every rank closes, so cross-rank windows from here on cover fewer ranks"
+            )
+        w_ok = h[0] != _NEG and h[0] == -h[1]
+        if h[0] != _NEG and not w_ok:
+            self.skipped += 1
+            self._note0(
+                "ranks timed different phase sets (first in the window ending at step "
+                f"{self._step_of(h)}); such intervals' cross-rank statistics are skipped on every rank"
+            )
+        s_ok = all_closing and h[5] != _NEG and h[5] == -h[6]
+        if all_closing and h[5] != _NEG and not s_ok:
+            self._note0("ranks timed different phase sets over the run; no per-rank summary")
+        return all_closing, w_ok, s_ok
 
     @staticmethod
     def _step_of(h: Sequence[float]) -> int:
