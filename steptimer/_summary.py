@@ -16,6 +16,7 @@ import numpy as np
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
 from steptimer._slow import Candidate, RankSlow, SlowestKeeper, SlowStep
+from steptimer._table import num
 from steptimer._verdict import ShareClock, Verdict, shares, verdict
 from steptimer._window import Packed, Window, add_timed_host
 
@@ -65,19 +66,19 @@ class RankSummary:
         rows += [(f"{c} {n}" + (" MiB" if c == "mem" else ""), s) for (c, n), s in self.series.items()]
         for label, s in rows:
             out.append(
-                f"  {label:<28} {s.min_ms:>10.3f} ({s.argmin:>3}) {s.mean_ms:>10.3f} "
-                f"{s.max_ms:>10.3f} ({s.argmax:>3})"
+                f"  {label:<28} {num(s.min_ms):>10} ({s.argmin:>3}) {num(s.mean_ms):>10} "
+                f"{num(s.max_ms):>10} ({s.argmax:>3})"
             )
         if self.straggler is not None and self.ranks > 1:
             s = self.straggler
-            out.append(f"  slowest rank: {s.argmax} (+{s.max_ms - s.min_ms:.3f} ms per step over rank {s.argmin})")
+            out.append(f"  slowest rank: {s.argmax} (+{num(s.max_ms - s.min_ms)} ms per step over rank {s.argmin})")
             out.append("  (backward includes waiting for the others' gradients: read it with care)")
         if self.slowest:
             out.append("  slowest steps across ranks (own time = wall less backward; one per window):")
             for r in self.slowest:
-                here = "" if r.here_ms is None or r.rank == r.here else f" (rank {r.here}: {r.here_ms:.3f} ms)"
-                out.append(f"    step {r.step}: rank {r.rank}, {r.own_ms:.3f} ms{here}")
-        out.append(f"  cross-rank statistics: {self.reduce_ms:.3f} ms per log interval, {self.rounds} rounds")
+                here = "" if r.here_ms is None or r.rank == r.here else f" (rank {r.here}: {num(r.here_ms)} ms)"
+                out.append(f"    step {r.step}: rank {r.rank}, {num(r.own_ms)} ms{here}")
+        out.append(f"  cross-rank statistics: {num(self.reduce_ms)} ms per log interval, {self.rounds} rounds")
         return out
 
 

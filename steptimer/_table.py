@@ -48,7 +48,7 @@ def fitted(variants: Iterable[Any], width: int) -> Any:
     return table
 
 
-def _table(columns: Sequence[tuple[str, bool]]) -> Any:
+def table_of(columns: Sequence[tuple[str, bool]]) -> Any:
     """A borderless ``rich`` table of ``(header, right-justified)`` columns that never wrap."""
     from rich import box
     from rich.table import Table
@@ -74,7 +74,7 @@ def phase_table(summary: Summary, width: int) -> Any:
     def build(stats: tuple[str, ...]) -> Any:
         cols = [("phase", False)] + [("calls\n/step", True)] * calls
         cols += [(f"{'GPU' if c == 'gpu' else 'host'} ms\n{s}", True) for c in clocks for s in stats]
-        table = _table([*cols, (f"share\n{'GPU' if summary.share_clock == 'gpu' else 'host'}", True)])
+        table = table_of([*cols, (f"share\n{'GPU' if summary.share_clock == 'gpu' else 'host'}", True)])
         for r in rows:
             cells = [_label(r.name)] + ([num(r.calls_per_step) if r.calls_per_step else "-"] if calls else [])
             for c in clocks:
@@ -129,7 +129,7 @@ def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
     from rich.text import Text
 
     def build(traces: bool) -> Any:
-        table = _table([("step", True), ("wall ms", True)])
+        table = table_of([("step", True), ("wall ms", True)])
         table.add_column("what stood out", overflow="fold", max_width=max(width - 20, 30))
         for s in slowest:
             trace = f" [trace: {os.path.basename(s.trace)}]" if traces and s.trace else ""
@@ -174,8 +174,8 @@ def explanations(summary: Summary) -> list[str]:
     lines = [
         f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps",
         share,
-        "data: the host's time between steps (your loader, .item(), logging), plus a `data` phase if you "
-        "have one; other: the step's time outside your phases; wait: the step's end waiting for the GPU",
+        "data: the host's time between steps (your loader, .item(), logging) less pause(), plus a phase "
+        "named data; other: the step less its top-level phases; wait: steptimer's one event wait a step",
     ]
     if any(r.launch_bound for r in summary.rows):
         lines.append(
@@ -208,17 +208,18 @@ def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
     return out
 
 
+def say(console: Any, lines: Iterable[str]) -> None:
+    """Print ``lines`` as plain text, wrapped at the console's width."""
+    for line in wrapped(lines, console.width, "  "):
+        console.print(line, markup=False, highlight=False)
+
+
 def print_summary(summary: Summary, console: Any = None, *, explain: bool = False) -> None:
     """Print ``summary`` on ``console`` (a ``rich`` console; default: stdout at the terminal's width)."""
     from rich.console import Console
 
     console = console or Console()
-
-    def say(lines: Iterable[str]) -> None:
-        for line in wrapped(lines, console.width, "  "):
-            console.print(line, markup=False, highlight=False)
-
-    say([heading(summary)])
+    say(console, [heading(summary)])
     console.print(phase_table(summary, console.width))
     mem = memory_table(summary)
     if mem is not None:
@@ -226,11 +227,9 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     shown = summary.slowest if explain else stood_out(summary)
     if shown:
         console.print(slowest_table(shown, console.width))
-    say(facts(summary))
-    if summary.ranks is not None:
-        say(summary.ranks.lines())
+    say(console, facts(summary) + (summary.ranks.lines() if summary.ranks is not None else []))
     if explain:
-        say(explanations(summary))
+        say(console, explanations(summary))
 
 
 def render(summary: Summary, width: int = 80) -> str:

@@ -4,15 +4,10 @@ The tags follow ``_tags.py``'s grammar (documented in docs/tensorboard.md); ``<g
 to its first ``/``, is the chart group of TensorBoard's Scalars and Time Series tabs (alphabetical,
 so ``steptimer`` comes first; Time Series opens only the first two).
 
-On disk (TensorBoard colours lines by run, never by tag): every row but ``step`` gets a run of its
-own, ``<dir>/steptimer/<name>``, holding its scalars without the name (:func:`split_tag`):
-``steptimer/host/forward_ms`` is ``steptimer/host_ms`` in run ``steptimer/forward``, so the chart
-``steptimer/host_ms`` draws one colour per row and the run list names them, as
-``SummaryWriter.add_scalars`` does. ``step`` is the total of those rows, not one of them: its tags
-stay whole in ``<dir>``'s own run (charts of their own, ``steptimer/host/step_ms``), with the
-whole-window tags and every histogram (one run per card anyway, and whole tags give each card its
-row's name as title). Loggers that are not TensorBoard (Lightning's CSV, W&B, ...) get the tags
-above as they are.
+TensorBoard colours lines by run, never by tag, so every row but ``step`` gets a run of its own,
+``<dir>/steptimer/<name>``, holding its scalars without the name (``steptimer/host_ms``: one chart,
+one colour per row). ``step``, the whole-window tags and every histogram stay whole in ``<dir>``'s
+own run (docs/tensorboard.md). Loggers that are not TensorBoard get the whole tags.
 """
 
 from __future__ import annotations
@@ -106,15 +101,12 @@ def window_scalars(window: Window) -> dict[str, float]:
 
 
 def run_names(window: Window) -> list[str]:
-    """The window's rows that get a run, in the order their runs are created, which is the order
-    TensorBoard hands out colours: the table's rows in timeline order, ``idle`` (the GPU's, before
-    the step) first and ``wait`` (the host's, at its end) last, ``step`` left out.
+    """The window's rows that get a run, in the order their runs are created: ``idle`` first, the
+    table's rows, ``wait`` last, ``step`` left out.
 
-    TensorBoard colours the n-th run of ``/data/runs`` (sorted by first event) with colour n mod 7
-    of a 7-colour palette, and the log dir's own run, created at construction, is the first. It
-    holds ``step`` and the throughput, charted apart, so the rows take colours 1, 2, ... and
-    neighbouring rows take neighbouring palette entries, which are far apart. With 8 rows (5 phases
-    under CUDA) ``idle`` and ``wait`` share a colour: they are never in one chart (GPU, host)."""
+    TensorBoard colours the n-th run (by first event) with colour n mod 7; the log dir's own run is
+    the 0th, so neighbouring rows take neighbouring palette entries, which are far apart. With 8 rows
+    ``idle`` and ``wait`` share a colour: they are never in one chart (GPU, host)."""
     names = dict.fromkeys([*window.host, *window.gpu])
     rows = [n for n in row_order(list(names), names) if n not in (STEP, "idle", "wait")]
     return [n for n in ("idle",) if n in names] + rows + [n for n in ("wait",) if n in names]
@@ -142,14 +134,12 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
 
 
 def _histograms(window: Window) -> Iterable[tuple[str, str, Any, Any, tuple[float, ...]]]:
+    """Straight from the window's arrays: no LogHistogram per series."""
     p = window.packed
-    if p is not None:  # straight from the window's arrays: no LogHistogram per series
-        for (clock, name), k, limits, counts in p.buckets():
-            yield clock, name, limits, counts, (p.min_ms[k], p.max_ms[k], p.count[k], p.sum_ms[k], p.sumsq_ms[k])
+    if p is None:
         return
-    for (clock, name), h in window.hists.items():  # a window built elsewhere (tests, tools)
-        limits, counts = h.buckets()
-        yield clock, name, limits, counts, (h.min_ms, h.max_ms, h.count, h.sum_ms, h.sumsq_ms)
+    for (clock, name), k, limits, counts in p.buckets():
+        yield clock, name, limits, counts, (p.min_ms[k], p.max_ms[k], p.count[k], p.sum_ms[k], p.sumsq_ms[k])
 
 
 def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
@@ -160,11 +150,11 @@ def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
 
     charts = {**CHARTS, **RANK_CHARTS}
     cats: dict[str, dict[str, list[Any]]] = {}
-    for tag in sorted(set(run_tags)):
-        group = tag.partition("/")[0]
+    for key in sorted(set(run_tags)):
+        group = key.partition("/")[0]
         if not group.startswith(MAIN) or group in _UNCHARTED:
             continue
-        title, rx = next(((t, r) for t, r in charts.items() if re.search(r, tag)), (tag, f"^{re.escape(tag)}$"))
+        title, rx = next(((t, r) for t, r in charts.items() if re.search(r, key)), (key, f"^{re.escape(key)}$"))
         cats.setdefault(group, {})[title] = ["Multiline", [rx]]
     order = {t: i for i, t in enumerate(charts)}
     return {
@@ -189,17 +179,11 @@ def check_writable(path: str) -> None:
 class EventFile:
     """A TensorBoard event file that steptimer owns, appended to in the caller's thread.
 
-    TensorBoard's ``SummaryWriter`` hands each event to a writer thread, which takes the GIL several
-    times per event while the training loop runs. Here events are TensorBoard's ``Event`` protos,
-    framed by TensorBoard's ``RecordWriter`` with a C checksum (``_records.py``), and each ``write``
-    appends its event with one ``open``/``write``/``close``: no file stays open between windows (open
-    files don't grow with the number of phases), a deleted directory is noticed at the next window
-    rather than written to a vanished inode, and after a SIGKILL every window before it is on disk.
-    The cost, measured with ``bench/tb_window.py``, is in docs/benchmarks.md.
-
-    The file name is TensorBoard's (time, host, pid, a counter), so readers sort it the same; every
-    file of one :class:`TensorBoardSink` shares its ``run_id`` (``_reader.find_runs`` tells runs in one
-    directory apart by it).
+    ``SummaryWriter``'s writer thread takes the GIL several times per event while the loop runs.
+    Here each ``write`` appends one framed ``Event`` (``_records.py``) with one ``open``/``write``/
+    ``close``: no file stays open between windows, a deleted directory is noticed at the next window,
+    and after a SIGKILL every window before it is on disk (cost: docs/benchmarks.md). Every file of
+    one :class:`TensorBoardSink` carries its ``run_id`` in its name, which tells runs apart.
 
     Raises:
         OSError: from the constructor (it writes the file's first record) and from ``write``.
@@ -244,21 +228,14 @@ def new_run_id() -> str:
 
 
 class TensorBoardSink:
-    """Writes windows to TensorBoard: the log dir's own run, one run per phase and derived row beside
-    it (``<dir>/steptimer/<name>``, steptimer's own :class:`EventFile` each), and the Custom Scalars
-    layout.
+    """Writes windows to TensorBoard: the log dir's own run (an :class:`EventFile`, or a user's
+    ``writer``, never closed here; TensorBoard merges the runs' layouts, ours goes to the first row's
+    run), one run per row beside it, and the Custom Scalars layout.
 
-    The log dir's own run is an :class:`EventFile` in ``log_dir``, or a user's ``writer`` (a
-    ``SummaryWriter``, never closed here; its layout, if any, stays: TensorBoard merges the layouts
-    of all runs, and ours goes to the first row's run). Cost per window: one appended event per run
-    (~10 runs for a loop of 5 phases; docs/benchmarks.md has the measured total).
-
-    A write that fails after construction (a full disk, a file-size limit, too many open files, a
-    deleted or read-only directory) never reaches the training loop: it is logged once, as a warning
-    on the ``steptimer`` logger naming the directory and the cause, and nothing more is written.
-    The summary at close is built from the windows in memory, so it stays whole. A logger warning,
-    not ``warnings.warn``: ``-W error`` or pytest's ``filterwarnings = error`` would turn a warning
-    into an exception inside the user's training step.
+    A write that fails after construction (full disk, file-size limit, too many open files, a deleted
+    directory) never reaches the training loop: one warning on the ``steptimer`` logger names the
+    directory and the cause, and nothing more is written; the summary is kept in memory, whole. A
+    logger warning, not ``warnings.warn``, which ``-W error`` would raise inside the user's step.
     """
 
     def __init__(

@@ -233,23 +233,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         }
         print(json.dumps(_finite(out), indent=2, allow_nan=False))
         return 0
-    from rich import box
-    from rich.table import Table
-
     from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE
-    from steptimer._table import wrapped
+    from steptimer._table import say, table_of
 
     console = _console()
-
-    def say(lines: list[str]) -> None:
-        for line in wrapped(lines, console.width, "  "):
-            console.print(line, markup=False, highlight=False)
-
-    say([f"A = {a.path}", f"B = {b.path}"])
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
-    table.add_column("phase", no_wrap=True)
-    for col in ("clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict"):
-        table.add_column(col, justify="left" if col in ("clock", "verdict") else "right", no_wrap=True)
+    say(console, [f"A = {a.path}", f"B = {b.path}"])
+    heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
+    table = table_of([(h, h not in ("phase", "clock", "verdict")) for h in heads])
     for d in deltas:
         frac = d.delta_frac
         verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed else "no change"
@@ -271,7 +261,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         f"of steps (Cliff's delta; of windows for wall per step) and by at least "
         f"{MIN_CHANGE:.0%} and {1e3 * MIN_CHANGE_MS:g} µs",
     ]
-    say(lines)
+    say(console, lines)
     return 0
 
 
