@@ -155,6 +155,8 @@ def facts(summary: Summary) -> list[str]:
         mfu = "" if summary.mfu is None else f", MFU {100 * summary.mfu:.1f}%"
         line += f"{'; ' if line else ''}compute: {num(summary.tflops_per_s)} TFLOP/s{mfu}"
     lines = [f"throughput: {line}"] if line else []
+    if summary.own_ms > 0 and summary.own_share is not None:  # window statistics and files: in no row
+        lines.append(f"steptimer's own work: {num(summary.own_ms)} ms, {pct(summary.own_share)} of the run")
     v = summary.verdict
     if v is not None:
         lines += [f"verdict: {v.kind}"] + [f"  - {e}" for e in v.evidence]
