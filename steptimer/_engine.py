@@ -552,8 +552,9 @@ class Engine:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
         if self._pausing:
             return None
+        started = perf_counter(), self._pause_event()
         self._pausing = True
-        return perf_counter(), self._pause_event()
+        return started
 
     def end_pause(self, started: tuple[float, Any] | None) -> None:
         """End the pause that ``begin_pause`` returned ``started`` for (None: a nested one)."""
