@@ -6,16 +6,11 @@ ending in ``.steptimer``: ``_tensorboard.py``); :func:`find_runs` walks a tree f
 loops, Lightning's ``version_N`` directories, several runs side by side). Tags are read by
 ``_tags.py``'s grammar, the writer's.
 
-Runs in one directory stay apart: every file one ``StepTimer`` writes carries its run id in its name
-(``events.out.tfevents.<run id>`` and its phases' ``events.out.tfevents.<run id>.steptimer``), so a
-second run into the same ``log_dir`` is read as a run of its own. Files that name no run (a user's
-``SummaryWriter``, Lightning's logger, steptimer before run ids) are read together as one more run,
-with a note when more than one of them holds steptimer windows.
-
-Records are read strictly (``_records.read_records``). A file that ends inside a record (the run was
-killed, or its disk filled, while writing) is read up to its last whole record and the run gets a
-note saying where it stopped; a checksum that does not match is a :class:`LogError` naming the file
-(TensorBoard's loaders silently stop at either), and so is a file that is not an event file at all.
+Runs in one directory stay apart by the run id in their files' names; files that name none (a
+user's ``SummaryWriter``, Lightning's logger) are read together as one more run, with a note when
+several hold steptimer windows. Records are read strictly: a file that ends inside a record (a
+killed run, a full disk) is read to its last whole record, with a note; a bad checksum or a file
+that is not an event file is a :class:`LogError` naming it (TensorBoard's loaders silently stop).
 """
 
 from __future__ import annotations
@@ -42,12 +37,10 @@ class LogError(Exception):
 class RunLog:
     """Everything steptimer wrote to one run directory.
 
-    ``scalars`` maps a tag, with the phase's name in it as loggers get it
-    (``steptimer/host/forward_ms``, ``_tensorboard.py``'s grammar), to its ``(step, value)`` points
-    in step order. ``hists`` maps ``(clock, phase)`` to each window's
-    per-step histogram, rebuilt on steptimer's fixed log grid, in step order. When a step was written
-    twice (files that name no run, see the module's docstring), the later write wins. ``notes`` say
-    what the report should know about the files (where a truncated one stopped, other runs beside).
+    ``scalars`` maps a whole tag (``steptimer/host/forward_ms``) to its ``(step, value)`` points, and
+    ``hists`` maps ``(clock, phase)`` to each window's per-step histogram on the fixed log grid, both
+    in step order (a step written twice: the later write). ``notes`` say what the report should know
+    about the files (where a truncated one stopped, other runs beside).
     """
 
     name: str
