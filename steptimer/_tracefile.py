@@ -1,6 +1,5 @@
-"""Reading a trace capture (``_trace.Capture``): the CLI side of ``steptimer trace LOGDIR`` and
-``steptimer kernels`` (``to_chrome``, the Chrome trace export, is ``_trace.py``'s, which the flight
-recorder writes with)."""
+"""Reading the captures back: ``steptimer trace LOGDIR`` (and the JSON reader ``steptimer kernels``
+shares)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ from steptimer._trace import FORMAT, GPU_TID, HOST_TID, TRACE_FILE, VERSION, run
 
 
 def read_json(path: str, name: str, option: str) -> tuple[str, Any]:
-    """``(file, its JSON)`` for the file ``name`` at ``path`` (the file itself or the run's directory);
-    ``option`` is the StepTimer option that writes it, named in the error when it is missing."""
+    """``(file, its JSON)`` for the file ``name`` at ``path`` (the file or the run's directory);
+    ``option``, the StepTimer option that writes it, is named when it is missing."""
     file = os.path.join(path, name) if os.path.isdir(path) else path
     if not os.path.exists(file):
         if not os.path.exists(path):
@@ -28,16 +27,14 @@ def read_json(path: str, name: str, option: str) -> tuple[str, Any]:
 
 
 def load_capture(path: str) -> dict[str, Any]:
-    """Read a capture written by :class:`Capture` (``path`` is its file or the run's directory: its
-    first run's capture, the others named in the notes)."""
+    """Read a ``trace_steps`` capture (``path``: its file, or the directory: its first run's, the
+    others named in the notes)."""
     files = run_files(path, TRACE_FILE[: -len(".json")]) if os.path.isdir(path) else []
     file, doc = read_json(path, os.path.basename(files[0]) if files else TRACE_FILE, "trace_steps=N")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
         raise LogError(f"{file}: not a steptimer trace capture (format {FORMAT!r} expected)")
     if doc.get("version") != VERSION:
-        raise LogError(
-            f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}"
-        )
+        raise LogError(f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}")
     if not doc["steps"]:
         ended = doc.get("last_step")
         ran = "" if ended is None else f" (it ended at step {ended})"
