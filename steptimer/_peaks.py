@@ -1,22 +1,5 @@
-"""Dense peak TFLOP/s per GPU and dtype, for MFU (model FLOPs utilization).
-
-MFU is achieved FLOP/s over the GPU's peak. The usual convention (PaLM, nanoGPT, Megatron) takes the
-dense (no 2:4 sparsity) tensor-core peak of the dtype the matmuls run in, and bf16 when unsaid.
-So :class:`~steptimer.StepTimer` looks up ``bf16`` (``fp16`` on GPUs without bf16 tensor cores:
-V100, T4), and the Lightning callback the dtype of ``Trainer(precision=...)``; any other choice is
-``peak_tflops=<number>``.
-
-The figures are the vendor's (NVIDIA datasheets and architecture whitepapers, at boost clock).
-Datasheets print tensor-core figures *with sparsity* (marked ``*``); the dense figure is half of it.
-
-Why not Lightning's ``_CUDA_FLOPS`` (``lightning/fabric/utilities/throughput.py``): Lightning is
-optional here, and its table (2.6) differs from the datasheets where it matters for MFU: the H200
-rows hold sparse figures (2,000 for bf16, twice the dense 989.5) under names ``get_device_name``
-never returns ("h200 sxm1"); "h100 nvl" is the two-card NVL pair (1,978.8, twice one card); an
-"L40S" matches its "l4" row; RTX 4090/3090, A6000 and A40 list the fp32 figure as bf16 (a half to
-a quarter of the tensor-core figure); A10G gets the A10's figures, which NVIDIA does not publish
-for the A10G. One table, this one, serves the plain loop and the callback.
-"""
+"""Dense peak TFLOP/s per GPU and dtype, for MFU: vendor figures, each cited at its row (the
+convention, and why not Lightning's table: docs/memory-and-mfu.md)."""
 
 from __future__ import annotations
 
@@ -101,6 +84,7 @@ _RULES: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
+# Without bf16 tensor cores (V100, T4) bf16 work runs on the fp16 ones; without tf32, in fp32.
 _FALLBACK = {"bf16": "fp16", "tf32": "fp32"}
 
 
@@ -145,8 +129,6 @@ def lookup_peak(device_name: str, dtype: str = "bf16") -> tuple[float | None, st
     if chip is None:
         return None, f"no MFU: {device_name!r} is not in steptimer's peak table; pass peak_tflops="
     row = PEAKS[chip]
-    # Without bf16 tensor cores (V100, T4) bf16 work runs on the fp16 ones; without tf32, fp32
-    # matmuls run in fp32.
     used = dtype if dtype in row else _FALLBACK.get(dtype)
     used = used if used in row else None
     if used is None:
