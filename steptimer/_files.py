@@ -1,8 +1,5 @@
-"""What steptimer does when one of its own files can't be written: one warning, never an exception.
-
-A full disk, a file-size limit or a log directory removed mid-run must not stop the training run
-that steptimer is measuring (the TensorBoard sink has its own rule, ``TensorBoardSink._fail``).
-"""
+"""What steptimer does when one of its own files can't be written: one warning, never an exception
+(the TensorBoard sink has its own rule, ``TensorBoardSink._fail``)."""
 
 from __future__ import annotations
 
