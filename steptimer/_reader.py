@@ -1,21 +1,6 @@
-"""Reading steptimer's TensorBoard event files back into per-run series.
-
-A *run* is a directory whose own event files (``events.out.tfevents.*``) hold steptimer tags
-(``steptimer...``), with its phases' runs beside it in ``<run>/steptimer/<phase>`` (event files
-ending in ``.steptimer``: ``_tensorboard.py``); :func:`find_runs` walks a tree for them (plain
-loops, Lightning's ``version_N`` directories, several runs side by side). Tags are read by
-``_tags.py``'s grammar, the writer's.
-
-Runs in one directory stay apart: every file one ``StepTimer`` writes carries its run id in its name
-(``events.out.tfevents.<run id>`` and its phases' ``events.out.tfevents.<run id>.steptimer``), so a
-second run into the same ``log_dir`` is read as a run of its own. Files that name no run (a user's
-``SummaryWriter``, Lightning's logger, steptimer before run ids) are read together as one more run,
-with a note when more than one of them holds steptimer windows.
-
-Records are read strictly (``_records.read_records``). A file that ends inside a record (the run was
-killed, or its disk filled, while writing) is read up to its last whole record and the run gets a
-note saying where it stopped; a checksum that does not match is a :class:`LogError` naming the file
-(TensorBoard's loaders silently stop at either), and so is a file that is not an event file at all.
+"""Reading steptimer's TensorBoard event files back into per-run series (what a run is, run ids, and
+how truncated or corrupt files are read: docs/cli.md, docs/tensorboard.md). Tags are read by
+``_tags.py``'s grammar, the writer's; records strictly (``_records.read_records``).
 """
 
 from __future__ import annotations
@@ -39,22 +24,17 @@ class LogError(Exception):
 
 @dataclass
 class RunLog:
-    """Everything steptimer wrote to one run directory.
-
-    ``scalars`` maps a tag, with the phase's name in it as loggers get it
-    (``steptimer/host/forward_ms``, ``_tensorboard.py``'s grammar), to its ``(step, value)`` points
-    in step order. ``hists`` maps ``(clock, phase)`` to each window's
-    per-step histogram, rebuilt on steptimer's fixed log grid, in step order. When a step was written
-    twice (files that name no run, see the module's docstring), the later write wins. ``notes`` say
-    what the report should know about the files (where a truncated one stopped, other runs beside).
-    """
+    """Everything steptimer wrote to one run directory, in step order (of a step written twice, the
+    later write): ``scalars`` by tag with the phase's name in it (``steptimer/host/forward_ms``),
+    ``hists`` by ``(clock, phase)``, each window's histogram on the fixed grid; ``notes`` on the files
+    (where a truncated one stopped, other runs beside)."""
 
     name: str
     path: str
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     hists: dict[tuple[str, str], list[tuple[int, LogHistogram]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    # The run's slowest steps as written at its close (``_slow.py``), slowest first; [] if none.
+    # The run's slowest steps as written at its close, slowest first.
     slowest: list[SlowStep] = field(default_factory=list)
 
 
@@ -289,10 +269,7 @@ def _records(path: str, notes: list[str]) -> list[bytes]:
 
 
 def _not_event_file(path: str, why: str) -> str:
-    return (
-        f"{path}: not a TensorBoard event file ({why}); pass a run directory or its "
-        "events.out.tfevents.* file"
-    )
+    return f"{path}: not a TensorBoard event file ({why}); pass a run directory or its events.out.tfevents.* file"
 
 
 def _is_file_version(record: bytes) -> bool:
@@ -311,10 +288,8 @@ def _keep_latest(series: dict, step: int, wall_time: float, value: object) -> No
 
 
 def _histogram(histo: object) -> LogHistogram:
-    """Rebuild a window's :class:`LogHistogram` from a written ``HistogramProto``.
-
-    Count, sum, min and max were written exactly; the buckets' upper edges map back to the grid.
-    """
+    """A window's :class:`LogHistogram` from its ``HistogramProto``: count, sum, min and max as
+    written; the buckets' upper edges map back to the grid."""
     h = LogHistogram()
     limits = list(histo.bucket_limit)  # type: ignore[attr-defined]
     counts = list(histo.bucket)  # type: ignore[attr-defined]
