@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
@@ -178,8 +179,6 @@ def _owner(d: str, dirs: dict[str, list[str]]) -> str | None:
 
 def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[str]] | None = None) -> RunLog:
     """Read the steptimer tags of the event files of one run directory and of its phases' runs."""
-    from tensorboard.compat.proto import event_pb2
-
     scalars: dict[str, dict[int, tuple[float, float]]] = {}
     hists: dict[tuple[str, str], dict[int, tuple[float, LogHistogram]]] = {}
     notes: list[str] = []
@@ -187,15 +186,14 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
     # The phases' runs in the order they were created (their first event's time), which is the order
     # their phases were first seen: the report's rows follow it, as the summary table's do.
     theirs = [(phase, f, _records(f, notes)) for phase, fs in (phases or {}).items() for f in fs]
-    sources += sorted(theirs, key=lambda s: _wall_time(s[2][0]) if s[2] else math.inf)
+    sources += sorted(theirs, key=lambda s: _event(s[2][0]).wall_time if s[2] else math.inf)
     with_windows = set()  # the run's own files that hold steptimer values
     slow: tuple[float, bytes] | None = None  # (wall time, JSON) of the latest slowest steps written
     for phase, f, records in sources:
         for record in records:
-            try:
-                event = event_pb2.Event.FromString(record)
-            except Exception as err:  # protobuf raises its own DecodeError
-                raise LogError(f"{f}: corrupt event record ({err})") from None
+            event = _event(record)
+            if event is None:
+                raise LogError(f"{f}: corrupt event record")
             if not event.HasField("summary"):
                 continue
             for value in event.summary.value:
@@ -235,13 +233,14 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
     )
 
 
-def _wall_time(record: bytes) -> float:
+def _event(record: bytes) -> Any:
+    """The record's ``Event``, or None where it does not decode."""
     from tensorboard.compat.proto import event_pb2
 
     try:
-        return float(event_pb2.Event.FromString(record).wall_time)
-    except Exception:  # a corrupt record: reported with its file's name when it is read
-        return math.inf
+        return event_pb2.Event.FromString(record)
+    except Exception:  # protobuf raises its own DecodeError
+        return None
 
 
 def _records(path: str, notes: list[str]) -> list[bytes]:
@@ -251,7 +250,7 @@ def _records(path: str, notes: list[str]) -> list[bytes]:
     try:
         with open(path, "rb") as f:
             for record in read_records(f):
-                if not records and not _is_file_version(record):
+                if not records and not getattr(_event(record), "file_version", "").startswith("brain.Event"):
                     raise LogError(_not_event_file(path, "its first record is no file_version event"))
                 records.append(record)
     except RecordError as err:
@@ -270,15 +269,6 @@ def _records(path: str, notes: list[str]) -> list[bytes]:
 
 def _not_event_file(path: str, why: str) -> str:
     return f"{path}: not a TensorBoard event file ({why}); pass a run directory or its events.out.tfevents.* file"
-
-
-def _is_file_version(record: bytes) -> bool:
-    from tensorboard.compat.proto import event_pb2
-
-    try:
-        return event_pb2.Event.FromString(record).file_version.startswith("brain.Event")
-    except Exception:  # protobuf raises its own DecodeError
-        return False
 
 
 def _keep_latest(series: dict, step: int, wall_time: float, value: object) -> None:  # type: ignore[type-arg]
