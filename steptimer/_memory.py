@@ -171,15 +171,11 @@ def memory_of(steps: list[StepMemory]) -> MemoryStats | None:
 
 
 @dataclass(frozen=True)
-class MemorySummary:
+class MemorySummary(MemoryStats):
     """The run's CUDA memory in the summary, in bytes: :class:`MemoryStats` over the summarized timed
     steps, and ``max_allocated_bytes``, the largest peak read over the whole run: what
     ``torch.cuda.max_memory_allocated()`` would return at ``close()`` had steptimer never reset it."""
 
-    peak_bytes: Mapping[str, int]
-    alloc_bytes: Mapping[str, int]
-    reserved_bytes: int
-    steps: int
     max_allocated_bytes: int
 
 
