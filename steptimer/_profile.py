@@ -428,24 +428,20 @@ class SlowProfiler:
         n, w = walls.numbers, walls.wall_ms
         if not len(n):
             return None
-        clean = None
-        if self._profiled:
-            self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
-            for a, z in self._profiled:
-                out = (n < a) | (n > z)
-                clean = out if clean is None else clean & out
+        self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
+        clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler
+        for a, z in self._profiled:
+            clean &= (n < a) | (n > z)
         found, run = None, self._run
         self._run = (0, 0, 0, 0.0)  # a run of slow steps goes on into this window only over the line
         if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
             k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
             base = float(np.partition(self._ring, k)[k])
-            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to)
-            if clean is not None:
-                over &= clean
+            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to) & clean
             if over.any():  # a Python loop over the window's steps only then
                 self._run = run
                 found = self._runs(walls, over, base)
-        self._ring = np.concatenate([self._ring, w if clean is None else w[clean]])[-BASELINE_STEPS:]
+        self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
         self._prev = (host, gpu)
         return found
 
@@ -454,14 +450,12 @@ class SlowProfiler:
         run, first, last, total = self._run
         numbers = walls.numbers.tolist()
         for i, (number, is_over) in enumerate(zip(numbers, over.tolist())):
-            number = int(number)
-            if not is_over or (run and number != last + 1):
-                run, total = 0, 0.0
             if not is_over:
+                run, total = 0, 0.0
                 continue
-            if not run:
-                first = number
-            run, last, total = run + 1, number, total + float(walls.wall_ms[i])
+            if not run or number != last + 1:
+                run, first, total = 0, int(number), 0.0
+            run, last, total = run + 1, int(number), total + float(walls.wall_ms[i])
             if run >= SLOW_RUN_STEPS:
                 self._run = (0, 0, 0, 0.0)
                 return Slowdown(first, last, total / run, base, self.factor, self._grew(walls, first, i))
