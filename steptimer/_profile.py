@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from steptimer._files import unwritten
+from steptimer._files import unwritten, write_json
 from steptimer._slow import Candidate, SlowStep, StepWalls, explain, ms_text
 from steptimer._trace import check_step_pair, check_window_option, own_path, record, run_files
 
@@ -310,9 +310,7 @@ class ProfileCapture:
                     "cuda_activity": self._cuda, "range_prefix": RANGE_PREFIX, "steps": steps, "why": self.why,
                     "run_id": run_id,
                 }  # fmt: skip
-                with open(tmp, "w") as f:
-                    json.dump(doc, f)
-                os.replace(tmp, self.path)
+                write_json(self.path, doc)
         except OSError as err:
             engine.notes.append(unwritten("the profiler trace", self.path, err))
             return

@@ -6,14 +6,13 @@ when a trace is made of it. No file is written inside a step.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import deque
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from steptimer._files import unwritten
+from steptimer._files import unwritten, write_json
 from steptimer._window import GAP_S, NUMBER, STEP_S
 
 if TYPE_CHECKING:
@@ -225,10 +224,7 @@ class Capture:
             "first": first, "last": last, "last_step": engine.number, "cuda": bool(engine.cuda),
         })  # fmt: skip
         try:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path + ".tmp", "w") as f:
-                json.dump(doc, f)
-            os.replace(path + ".tmp", path)
+            write_json(path, doc)
         except OSError as err:
             engine.notes.append(unwritten("the trace capture", path, err))
 
@@ -268,7 +264,6 @@ class Capture:
         folder = os.path.join(self.flight, run_id)
         paths: dict[int, str] = {}
         try:
-            os.makedirs(folder, exist_ok=True)
             for step, (wall, steps) in sorted(self.kept.items()):
                 rel = gpu_chain(steps)
                 launches = [(s["t0"], rel[s["number"]]["start"]) for s in steps if s["number"] in rel]
@@ -284,8 +279,7 @@ class Capture:
                     )
                 doc.update(cuda=self._cuda, slow_step=step, run_id=run_id)
                 paths[step] = os.path.join(folder, f"step-{step}.trace.json")
-                with open(paths[step], "w") as f:
-                    json.dump(to_chrome(doc), f)
+                write_json(paths[step], to_chrome(doc))
         except OSError as err:
             unwritten("the slow steps' traces", folder, err)
         return paths
