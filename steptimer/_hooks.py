@@ -19,12 +19,9 @@ __all__ = ["Discovery", "Hooks", "batch_counts"]
 
 # The module attributes that hold forward hooks, keyed by handle id (torch.nn.Module.__init__).
 _HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called",
-)
+)  # fmt: skip
 
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -201,11 +198,8 @@ def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | Non
         t = _first_tensor(kwargs)
     if t is None or t.dim() == 0:
         return None, None
-    tokens = (
-        t.numel()
-        if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-        else None
-    )
+    ids = t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+    tokens = t.numel() if ids else None
     return int(t.shape[0]), tokens
 
 
