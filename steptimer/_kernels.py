@@ -130,11 +130,7 @@ def _timed_items(events: list[dict[str, Any]], spans: _Spans, notes: list[str]) 
     """``(clock, [(name, duration µs, host time that assigns it)], GPU activities left out)``: the
     GPU's kernels by their launch's host time, or without any, the outermost CPU ops."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
-    if not gpu:
-        notes.append(
-            "no GPU kernels in this trace (captured without CUDA activity): top CPU ops per phase "
-            "(outermost ops and your own ranges) against steptimer's host time"
-        )
+    if not gpu:  # the report says so once, at its top (``clock`` "host")
         ops = [
             e for e in events
             if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
