@@ -70,16 +70,6 @@ def check_window_option(name: str, file: str, *, sample_every: int, folder: str 
         raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
 
 
-def trace_range(trace_steps: int | tuple[int, int], *, start_step: int, warmup_steps: int) -> tuple[int, int]:
-    """``(first, last)`` from ``trace_steps``: an int N is the N steps right after warm-up."""
-    if isinstance(trace_steps, int) and not isinstance(trace_steps, bool):
-        if trace_steps < 1:
-            raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace_steps!r}")
-        first = start_step + warmup_steps + 1
-        return first, first + trace_steps - 1
-    return check_step_pair("trace_steps", trace_steps, start_step=start_step)
-
-
 def _number(rec: Any) -> int:
     """A resolved step's number (see :func:`record` for its two shapes)."""
     return int(rec[1][NUMBER]) if rec.__class__ is tuple else rec.number  # type: ignore[no-any-return]
@@ -387,7 +377,13 @@ def make_capture(
     folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir()) if writer is not None else None
     trace = None
     if trace_steps is not None:
-        first, last = trace_range(trace_steps, start_step=start_step, warmup_steps=warmup_steps)
+        if isinstance(trace_steps, int) and not isinstance(trace_steps, bool):  # the N steps after warm-up
+            if trace_steps < 1:
+                raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace_steps!r}")
+            first = start_step + warmup_steps + 1
+            last = first + trace_steps - 1
+        else:
+            first, last = check_step_pair("trace_steps", trace_steps, start_step=start_step)
         check_window_option("trace_steps", TRACE_FILE, sample_every=sample_every, folder=folder)
         trace = (first, last, os.path.join(folder, TRACE_FILE))  # type: ignore[arg-type]
     flight_dir = os.path.join(folder, FLIGHT_DIR) if flight and folder is not None else None
