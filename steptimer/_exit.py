@@ -92,10 +92,6 @@ class _Chain:
         # one it found): that handler decides what happens next, as it would without steptimer.
 
 
-def _forget_in_child() -> None:
-    _live.clear()
-
-
 atexit.register(_close_all, "exit")
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
+    os.register_at_fork(after_in_child=_live.clear)
