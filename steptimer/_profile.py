@@ -11,7 +11,6 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten, write_json
@@ -355,26 +354,6 @@ BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many ste
 COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the next slowdown
 
 
-@dataclass(frozen=True)
-class Slowdown:
-    """Steps ``first..last`` each slower than ``factor`` x ``median_ms``, the rolling median step
-    before them; ``wall_ms`` is their mean, ``grew`` what grew in them."""
-
-    first: int
-    last: int
-    wall_ms: float
-    median_ms: float
-    factor: float
-    grew: SlowStep | None
-
-    def text(self) -> str:
-        grew = "" if self.grew is None or self.grew.grew is None else f", {self.grew.grew_text()}"
-        return (
-            f"profile_on_slow={self.factor:g}: steps {self.first}-{self.last} each slower than {self.factor:g} x "
-            f"the median step before them: {ms_text(self.wall_ms)} ms on average vs {ms_text(self.median_ms)} ms{grew}"
-        )
-
-
 class SlowProfiler:
     """``profile_on_slow``: arms a ``profile_steps``-like window on :class:`Ranges` when steps *stay*
     slower than ``factor`` x the rolling median step; checked once per window on its arrays, never per
@@ -398,16 +377,16 @@ class SlowProfiler:
         walls = window.packed.walls if window.packed is not None else None
         if walls is None or engine.closed:
             return
-        found = self.check(walls, window.host, window.gpu)
-        if found is None:
+        why = self.check(walls, window.host, window.gpu)
+        if why is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
         last = first + PROFILE_SLOW_STEPS - 1
         path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
-        if self.ranges.arm(ProfileCapture(first, last, path, why=found.text()), engine):
+        if self.ranges.arm(ProfileCapture(first, last, path, why=why), engine):
             self.profiled(first, last)
         else:
-            engine.notes.append(f"{found.text()}; not profiled: profile_steps' window runs then")
+            engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
 
     def profiled(self, first: int, last: int, *, capture: bool = True) -> None:
         """Steps ``first..last`` run under the profiler (``capture``: one of this watch's captures)."""
@@ -418,9 +397,9 @@ class SlowProfiler:
 
     def check(
         self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]
-    ) -> Slowdown | None:  # fmt: skip
+    ) -> str | None:  # fmt: skip
         """A window's steps (after warm-up) and its statistics by row (the next window's slowdown is
-        read against their medians); a slowdown, if one completed."""
+        read against their medians); the sentence of a slowdown, if one completed."""
         import numpy as np
 
         n, w = walls.numbers, walls.wall_ms
@@ -443,7 +422,7 @@ class SlowProfiler:
         self._prev = (host, gpu)
         return found
 
-    def _runs(self, walls: StepWalls, over: Any, base: float) -> Slowdown | None:
+    def _runs(self, walls: StepWalls, over: Any, base: float) -> str | None:
         """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line."""
         run, first, last, total = self._run
         numbers = walls.numbers.tolist()
@@ -456,7 +435,12 @@ class SlowProfiler:
             run, last, total = run + 1, int(number), total + float(walls.wall_ms[i])
             if run >= SLOW_RUN_STEPS:
                 self._run = (0, 0, 0, 0.0)
-                return Slowdown(first, last, total / run, base, self.factor, self._grew(walls, first, i))
+                grew = self._grew(walls, first, i)
+                what = "" if grew is None or grew.grew is None else f", {grew.grew_text()}"
+                return (
+                    f"profile_on_slow={self.factor:g}: steps {first}-{last} each slower than {self.factor:g} x the "
+                    f"median step before them: {ms_text(total / run)} ms on average vs {ms_text(base)} ms{what}"
+                )
         self._run = (run, first, last, total)
         return None
 
