@@ -57,12 +57,13 @@ def find_runs(logdir: str) -> list[RunLog]:
         for d, files in sorted(dirs.items()):
             rel = os.path.relpath(d, logdir)
             runs += _dir_runs(d, files, phases.get(d, {}), name=d if rel == "." else rel)
-    if not any(run.scalars or run.hists for run in runs):
+    runs = [run for run in runs if run.scalars or run.hists]
+    if not runs:
         raise LogError(
             f"{logdir}: event files found, but none holds steptimer tags (steptimer/...): "
             "was the run logged with StepTimer(log_dir=...) or the steptimer Lightning callback?"
         )
-    return [run for run in runs if run.scalars or run.hists]
+    return runs
 
 
 def _scan(logdir: str) -> tuple[dict[str, list[str]], dict[str, dict[str, list[str]]]]:

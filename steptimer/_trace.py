@@ -311,7 +311,6 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         })  # fmt: skip
 
     clamped = 0
-    has_gpu = False
     for s in steps:
         n, t0 = s["number"], s["t0"]
         t_end = t0 + s["step_s"]
@@ -325,7 +324,6 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         g = s.get("gpu")
         if g is None:
             continue
-        has_gpu = True
         launches = [(f"step {n}", "step", g["start"], g["end"], t0)]
         launches += [(name, "phase", a, z, p[1]) for (name, a, z), p in zip(g["phases"], s["phases"])]
         for name, cat, a, z, launched in launches:
@@ -340,22 +338,17 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         return (e["ph"] != "M", e["tid"], e.get("ts", 0.0), -e.get("dur", 0.0), depth)
 
     events.sort(key=order)
+    has_gpu = any(s.get("gpu") is not None for s in steps)
     if has_gpu:
         events += [
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": GPU_TID, "args": {"name": "GPU"}},
             {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": GPU_TID, "args": {"sort_index": 1}},
         ]
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "metadata": {
-            "steps": len(steps),
-            "gpu": has_gpu,
-            "clamped": clamped,
-            "notes": list(capture.get("notes", [])),
-            "run_id": capture.get("run_id"),
-        },
-    }
+    meta = {
+        "steps": len(steps), "gpu": has_gpu, "clamped": clamped, "notes": list(capture.get("notes", [])),
+        "run_id": capture.get("run_id"),
+    }  # fmt: skip
+    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": meta}
 
 
 def make_capture(
