@@ -1,0 +1,110 @@
+"""The GPU's energy, from NVML's total-energy counter, read off the training thread.
+
+``nvmlDeviceGetTotalEnergyConsumption`` gives the millijoules a GPU used since the driver loaded. One
+read costs about 3.3 ms on an H100 and the counter moves about every 100 ms, so steptimer never reads it
+inside a step, nor on the training thread: at a window boundary the engine's owner calls
+:meth:`EnergyMeter.mark`, which only hands the step number to the meter's thread; that thread reads the
+counter and keeps ``(step, host time, joules)``. Energy over a span of steps is the difference of two
+readings; a window shorter than the counter's update period reads coarse values, the run's total does not.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, NamedTuple
+
+
+class Reading(NamedTuple):
+    step: int  # the last step finished when the read was asked for
+    host_s: float  # perf_counter() at the read
+    joules: float  # the counter, since the driver loaded
+
+
+@dataclass(frozen=True)
+class Energy:
+    """Energy between two readings: ``joules`` over ``steps`` steps and ``seconds`` of wall time."""
+
+    joules: float
+    steps: int
+    seconds: float
+
+    @property
+    def joules_per_step(self) -> float:
+        return self.joules / self.steps
+
+    @property
+    def watts(self) -> float:
+        return self.joules / self.seconds
+
+
+def between(first: Reading, last: Reading) -> Energy | None:
+    """The energy from ``first`` to ``last``; None when no step or no time lies between them."""
+    steps, seconds = last.step - first.step, last.host_s - first.host_s
+    if steps <= 0 or seconds <= 0:
+        return None
+    return Energy(joules=last.joules - first.joules, steps=steps, seconds=seconds)
+
+
+def nvml_counter(device: int) -> tuple[Any, str | None]:
+    """A function that reads GPU ``device``'s energy counter in joules, or None and why not."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None, "energy: not read (NVML's Python binding is missing: pip install nvidia-ml-py)"
+    try:
+        import torch
+
+        pynvml.nvmlInit()
+        p = torch.cuda.get_device_properties(device)
+        bus = getattr(p, "pci_bus_id", None)
+        if bus is None:  # an older torch: the CUDA index, right unless CUDA_VISIBLE_DEVICES reorders
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+        else:
+            pci = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception as err:  # no driver, no counter on this GPU (before Volta), no permission
+        return None, f"energy: not read (NVML's energy counter is not available: {err})"
+    return (lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3), None
+
+
+class EnergyMeter:
+    """Reads an energy counter on its own thread whenever :meth:`mark` asks (once per window).
+
+    Args:
+        read_joules: the counter (:func:`nvml_counter`'s function; tests pass another).
+    """
+
+    def __init__(self, read_joules: Any) -> None:
+        self._read = read_joules
+        self._asks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.readings: list[Reading] = []
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="steptimer-energy", daemon=True)
+        self._thread.start()
+
+    def mark(self, step: int) -> None:
+        """Ask for a reading after ``step`` (returns at once: the read happens on the meter's thread)."""
+        self._asks.put(step)
+
+    def _loop(self) -> None:
+        while (step := self._asks.get()) is not None:
+            try:
+                joules = float(self._read())
+            except Exception as err:  # a counter that fails stops the meter, never the run
+                self.error = f"energy: reading stopped ({err})"
+                return
+            with self._lock:
+                self.readings.append(Reading(step, perf_counter(), joules))
+
+    def close(self, step: int) -> list[Reading]:
+        """Read once more (at the run's end, outside any step), stop the thread, return every reading."""
+        self.mark(step)
+        self._asks.put(None)
+        self._thread.join(timeout=5.0)
+        with self._lock:
+            return list(self.readings)
