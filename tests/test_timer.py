@@ -1023,8 +1023,8 @@ def test_explicit_or_distributed_windows_stay_50_steps(
 def test_a_windows_own_work_is_in_no_step_and_not_in_the_data_wait(
     clock: FakeClock, gpu: FakeGPU, cuda: bool, sample_every: int
 ) -> None:
-    """Steps without GPU events (outside the sample; or every step, timed on the host clock) take the
-    short way (no pending record, no wait). Their windows close at every 10th step with all 10
+    """Steps without GPU events (outside the sample; or every step, timed on the host clock) are
+    resolved at their own end (no pending record, no wait). Their windows close at every 10th step with all 10
     steps, and a window's own work (here the sink takes 5 ms of the clock) is steptimer's own: in
     no step's host time, never in the data wait, not in the wall that rates divide by."""
     t, sink = make(gpu if cuda else None, sample_every=sample_every, log_every_n_steps=10)
@@ -1059,12 +1059,13 @@ def test_a_windows_own_work_is_in_no_step_and_not_in_the_data_wait(
         assert s["other"].host.max_ms == pytest.approx(0.0)
 
 
-def test_untimed_steps_take_the_short_way_under_cuda_once_the_timed_step_is_resolved(
+def test_untimed_steps_are_resolved_at_their_end_under_cuda_once_the_timed_step_is(
     clock: FakeClock, gpu: FakeGPU
 ) -> None:
     """With CUDA and lag 2 the timed step stays pending for two steps; the untimed steps after it
     are resolved as soon as it is (they have no events to wait for), so the steps after those
-    take the short way again: nothing pending between two timed steps, never a growing queue."""
+    are resolved at their own end again: nothing pending between two timed steps, never a growing
+    queue."""
     t, sink = make(gpu, sample_every=100, lag=2, log_every_n_steps=1000)
     engine = t._engine
     depth = []
