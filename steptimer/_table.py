@@ -204,7 +204,10 @@ def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
     out = []
     for line in lines:
         lead = line[: len(line) - len(line.lstrip())]
-        out += textwrap.wrap(line, width=max(width, 40), subsequent_indent=lead + indent) or [""]
+        # A path or a tag is never cut (at its hyphens either): it stays whole, even past ``width``.
+        out += textwrap.wrap(
+            line, width=max(width, 40), subsequent_indent=lead + indent, break_long_words=False, break_on_hyphens=False
+        ) or [""]
     return out
 
 

@@ -2,9 +2,10 @@
 and ``run``, which times a training script unchanged (steptimer/_run.py).
 
 Bad input (a missing path, no steptimer tags, a corrupt or truncated event file, a trace-less log
-directory) prints one line on stderr and exits with status 1; usage errors exit with status 2. Output
-into a pipe whose reader has gone (``| head -1``) exits with status 1 and says nothing (Python's
-convention for SIGPIPE, which ``rich`` follows).
+directory) prints one error on stderr (``steptimer: error: ...``, wrapped at 80 columns) and exits
+with status 1; usage errors exit with status 2. Output into a pipe whose reader has gone
+(``| head -1``) exits with status 1 and says nothing (Python's convention for SIGPIPE, which
+``rich`` follows).
 """
 
 from __future__ import annotations
@@ -43,11 +44,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 1
     except LogError as err:
-        print(f"steptimer: error: {err}", file=sys.stderr)
-        return 1
+        return _error(str(err))
     except OSError as err:  # a file that vanished or can't be read mid-command: a line, not a traceback
-        print(f"steptimer: error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
-        return 1
+        return _error(f"{err.filename or ''}: {err.strerror or err}")
+
+
+def _error(message: str) -> int:
+    """Print ``steptimer: error: message`` on stderr in lines of at most 80 columns; status 1."""
+    from steptimer._table import wrapped
+
+    print("\n".join(wrapped([f"steptimer: error: {message}"], 80, "  ")), file=sys.stderr)
+    return 1
 
 
 _EXAMPLES = """\
@@ -199,10 +206,10 @@ def _finite(x: Any) -> Any:
 def _console() -> Any:
     from rich.console import Console
 
-    # Not a terminal (CI logs, pipes) and no COLUMNS set: a wide fixed width rather than rich's 80
-    # columns, so rows don't wrap. A terminal, or COLUMNS, sets the width (rich reads both).
+    # Not a terminal (CI logs, pipes) and no COLUMNS set: 80 columns, which tables are fitted to and
+    # prose is wrapped at. A terminal, or COLUMNS, sets the width (rich reads both).
     tty_or_set = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
-    return Console(width=None if tty_or_set else 160, highlight=False)
+    return Console(width=None if tty_or_set else 80, highlight=False)
 
 
 # ---------------------------------------------------------------------- compare
