@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple
@@ -38,6 +39,17 @@ class Energy:
     @property
     def watts(self) -> float:
         return self.joules / self.seconds
+
+    def per_step_scalars(self, samples_per_step: float | None, tokens_per_step: float | None) -> dict[str, float]:
+        """The values a window writes (``_tags.py``): joules per step, per sample and per token
+        where those are counted, and average watts."""
+        from steptimer._tags import JOULES_PER_SAMPLE, JOULES_PER_STEP, JOULES_PER_TOKEN, WATTS
+
+        out = {JOULES_PER_STEP: self.joules_per_step, WATTS: self.watts}
+        for tag, per_step in ((JOULES_PER_SAMPLE, samples_per_step), (JOULES_PER_TOKEN, tokens_per_step)):
+            if per_step:
+                out[tag] = self.joules_per_step / per_step
+        return out
 
 
 def between(first: Reading, last: Reading) -> Energy | None:
@@ -76,10 +88,16 @@ class EnergyMeter:
 
     Args:
         read_joules: the counter (:func:`nvml_counter`'s function; tests pass another).
+        open_counter: instead of ``read_joules``, what finds the counter, called on the meter's
+            thread (:func:`nvml_counter` costs a read and NVML's start-up): the counter, or None and
+            why not (then :attr:`error`, and no readings).
     """
 
-    def __init__(self, read_joules: Any) -> None:
+    def __init__(
+        self, read_joules: Any = None, *, open_counter: Callable[[], tuple[Any, str | None]] | None = None
+    ) -> None:
         self._read = read_joules
+        self._open = open_counter
         self._asks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.readings: list[Reading] = []
@@ -92,6 +110,10 @@ class EnergyMeter:
         self._asks.put(step)
 
     def _loop(self) -> None:
+        if self._read is None and self._open is not None:
+            self._read, self.error = self._open()
+            if self._read is None:
+                return
         while (step := self._asks.get()) is not None:
             try:
                 joules = float(self._read())
@@ -101,9 +123,16 @@ class EnergyMeter:
             with self._lock:
                 self.readings.append(Reading(step, perf_counter(), joules))
 
-    def close(self, step: int) -> list[Reading]:
-        """Read once more (at the run's end, outside any step), stop the thread, return every reading."""
-        self.mark(step)
+    def taken(self) -> list[Reading]:
+        """The readings so far."""
+        with self._lock:
+            return list(self.readings)
+
+    def close(self, step: int | None = None) -> list[Reading]:
+        """Read once more after ``step`` if given (at the run's end, outside any step), stop the
+        thread, return every reading."""
+        if step is not None:
+            self.mark(step)
         self._asks.put(None)
         self._thread.join(timeout=5.0)
         with self._lock:

@@ -155,6 +155,8 @@ def facts(summary: Summary) -> list[str]:
         mfu = "" if summary.mfu is None else f", MFU {100 * summary.mfu:.1f}%"
         line += f"{'; ' if line else ''}compute: {num(summary.tflops_per_s)} TFLOP/s{mfu}"
     lines = [f"throughput: {line}"] if line else []
+    if summary.energy is not None:
+        lines.append(energy_line(summary))
     v = summary.verdict
     if v is not None:
         lines += [f"verdict: {v.kind}"] + [f"  - {e}" for e in v.evidence]
@@ -162,6 +164,18 @@ def facts(summary: Summary) -> list[str]:
     if m is not None and m.max_allocated_bytes:
         lines.append(f"the run's peak allocated was {m.max_allocated_bytes / MIB:,.1f} MiB")
     return lines + [f"note: {n}" for n in summary.notes]
+
+
+def energy_line(summary: Summary, label: str = "") -> str:
+    """``energy: 512 J/step, 0.125 J/sample, 650 W``: the GPU's, over the summarized windows."""
+    e = summary.energy
+    assert e is not None
+    per = [f"{num(e.joules_per_step)} J/step"]
+    rate = summary.steps_per_s
+    for count, unit in ((summary.samples_per_s, "sample"), (summary.tokens_per_s, "token")):
+        if count and rate:
+            per.append(f"{num(e.joules_per_step * rate / count)} J/{unit}")
+    return f"{label}energy: {', '.join(per)}, {num(e.watts)} W (GPU)"
 
 
 def explanations(summary: Summary) -> list[str]:

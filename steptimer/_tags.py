@@ -46,6 +46,12 @@ TOKENS_PER_S = f"{MAIN}/tokens_per_s"
 TFLOPS_PER_S = f"{MAIN}/tflops_per_s"
 MFU = f"{MAIN}/mfu"
 RESERVED_MIB = f"{MAIN}/mem/reserved_mib"
+# The GPU's energy over the window (NVML's counter, _energy.py), written one window late: its closing
+# reading is taken off the training thread.
+JOULES_PER_STEP = f"{MAIN}/joules_per_step"
+JOULES_PER_SAMPLE = f"{MAIN}/joules_per_sample"
+JOULES_PER_TOKEN = f"{MAIN}/joules_per_token"
+WATTS = f"{MAIN}/watts"
 WARMUP_STEPS = f"{RUN}/warmup_steps"
 
 

@@ -292,6 +292,20 @@ class TensorBoardSink:
             f = self._runs[name] = EventFile(path, run_id=self._run_id, suffix=PHASE_SUFFIX)
         return f
 
+    def write_energy(self, scalars: dict[str, float], step: int) -> None:
+        """A window's energy (``_energy.py``), known one window late, at that window's step."""
+        if self.failed is not None:
+            return
+        from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+
+        summary = SummaryProto()
+        for k, v in scalars.items():
+            summary.value.add(tag=k, simple_value=v)
+        try:
+            self._write_main(summary, step)
+        except OSError as err:
+            self._fail(err)
+
     def _write_main(self, summary: Any, step: int) -> None:
         if self._file is not None:
             self._file.write(summary, step)

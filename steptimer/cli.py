@@ -189,7 +189,14 @@ def _report_json(s: Summary) -> dict[str, Any]:
         "reserved_mib": m.reserved_bytes / MIB,
     }
     d["slowest"] = [x.to_json() for x in s.slowest]
+    d["energy"] = _energy_json(s)
     return _finite(d)  # type: ignore[no-any-return]
+
+
+def _energy_json(s: Summary) -> dict[str, float] | None:
+    e = s.energy
+    return e and {"joules": e.joules, "steps": e.steps, "seconds": e.seconds, "joules_per_step": e.joules_per_step,
+                  "watts": e.watts}  # fmt: skip
 
 
 def _finite(x: Any) -> Any:
@@ -237,11 +244,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
             "verdicts": {"a": _kind(a), "b": _kind(b)},
             "compute": {k: {"tflops_per_s": r.tflops_per_s, "mfu": r.mfu} for k, r in (("a", a), ("b", b))},
+            "energy": {k: _energy_json(r) for k, r in (("a", a), ("b", b))},
         }
         print(json.dumps(_finite(out), indent=2, allow_nan=False))
         return 0
     from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE
-    from steptimer._table import say, table_of
+    from steptimer._table import energy_line, say, table_of
 
     console = _console()
     say(console, [f"A = {a.path}", f"B = {b.path}"])
@@ -260,6 +268,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if run.tflops_per_s is not None:
             mfu = "" if run.mfu is None else f", MFU {100 * run.mfu:.1f}%"
             lines.append(f"{label} compute: {num(run.tflops_per_s)} TFLOP/s{mfu}")
+        if run.energy is not None:
+            lines.append(energy_line(run, f"{label} "))
     lines += [
         f"verdict A: {_kind(a)}; verdict B: {_kind(b)}",
         "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from time import perf_counter
 from types import TracebackType
@@ -124,6 +124,9 @@ class _Seams:
     sinks: Sequence[Sink] = ()  # more places for windows (the Lightning callback's logger sink)
     peak_dtype: str = "bf16"  # which peak of steptimer's table MFU uses (Lightning: the precision)
     profile_dir: str | None = None  # where the profiler trace goes without log_dir (Lightning's log_dir)
+    # The GPU's energy counter for a device: the counter, or None and why (tests: their own; None:
+    # NVML's, read only with the real CUDA calls)
+    energy_counter: Callable[[int], tuple[Any, str | None]] | None = None
 
 
 def _distributed() -> bool:
@@ -307,6 +310,7 @@ class StepTimer:
         # StepWalls per window (_slow.py): profile_on_slow's check, the slowest step across ranks
         self._walls = (r is not None and r.slow is not None) or (self._xrank is not None and slowest_steps > 0)
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
+        self._energy = _EnergyWindows()
         # Every resolved step to the capture: through add() when windows keep steps whole (and the
         # profiler marks them: the long way), else appended to its ring by the engine itself.
         each = c is not None and (c.trace is not None or profiled)
@@ -352,12 +356,13 @@ class StepTimer:
         sinks: Sequence[Sink] = (),
         peak_dtype: str = "bf16",
         profile_dir: str | None = None,
+        energy_counter: Callable[[int], tuple[Any, str | None]] | None = None,
         **options: Any,
     ) -> _T:
         """A timer with seams (a fake GPU, more sinks, ...) for tests and front doors; ``options`` are
         the constructor's. The one code path is ``__init__``, which reads the seams from the instance."""
         timer = cls.__new__(cls)
-        timer._seams = _Seams(backend, memory_backend, tuple(sinks), peak_dtype, profile_dir)
+        timer._seams = _Seams(backend, memory_backend, tuple(sinks), peak_dtype, profile_dir, energy_counter)
         timer.__init__(**options)  # type: ignore[misc]
         return timer
 
@@ -471,6 +476,7 @@ class StepTimer:
                 for sink in self._sinks:
                     sink.write_window(last)
         self._emit()
+        energy, energy_note = self._energy.close(engine.last_resolved, self._sinks)
         traces = self._capture.finish(engine) if self._capture is not None else None
         if self._ranges is not None:
             self._ranges.finish(engine)
@@ -479,7 +485,8 @@ class StepTimer:
         summary = self._build_summary(traces)
         run_s = engine.run_s
         own = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s > 0 else None}
-        self._summary = summary = dataclasses.replace(summary, **own)  # type: ignore[arg-type]
+        notes = summary.notes + ((energy_note,) if energy_note else ())
+        self._summary = summary = dataclasses.replace(summary, **own, energy=energy, notes=notes)  # type: ignore[arg-type]
         if self._print_summary and self._rank == 0 and self.enabled:
             from steptimer._table import print_summary
 
@@ -567,8 +574,14 @@ class StepTimer:
             return
         if self._xrank is not None:
             window = self._xrank.interval(window, self._acc.slow)
+        engine, counter = self._engine, self._seams.energy_counter
+        energy = engine.cuda and (counter is not None or not engine._custom_backend)
+        if energy:
+            self._energy.write_ready(self._sinks)
         for sink in self._sinks:
             sink.write_window(window)
+        if energy:
+            self._energy.mark(window, engine.device, counter)
         if self.slowest_steps:  # steptimer's own time in the step that resolved the window's last step
             self._engine.mark_own_work("window_ms", (perf_counter() - t0) * 1e3)
 
@@ -621,6 +634,63 @@ class StepTimer:
         if self._xrank is not None and summary.slowest:  # each with its window's slowest rank
             summary = dataclasses.replace(summary, slowest=self._xrank.annotate(summary.slowest))
         return summary
+
+
+class _EnergyWindows:
+    """The GPU's energy per window (``_energy.py``), CUDA timing only: at each window's end the meter
+    is asked for a reading of NVML's counter, which its own thread takes (one read costs ms, so
+    never on the training thread). A window's energy lies between its two readings, so it is known
+    one window late: it goes to the sinks that take it (TensorBoard's) at the next window, before
+    that window's values, at its own step (a step below one written would make TensorBoard drop
+    the later ones). A reading that came after that point is left out there; the run's total
+    (:meth:`close`) has every one."""
+
+    def __init__(self) -> None:
+        self._meter: Any = None
+        self._per_step: dict[int, tuple[float | None, float | None]] = {}  # samples, tokens per step
+        self._written = 1  # readings before this one are done with
+        self._marked = -1  # the step of the last reading asked for: the last window's
+
+    def write_ready(self, sinks: Sequence[Sink]) -> None:
+        """The energy of the last window, if its closing reading is in, to the sinks."""
+        from steptimer._energy import between
+
+        readings = self._meter.taken() if self._meter is not None else []
+        for k in range(self._written, len(readings)):
+            e = between(readings[k - 1], readings[k])
+            per_step = self._per_step.pop(readings[k].step, (None, None))
+            if e is None or readings[k].step < self._marked:
+                continue
+            for sink in sinks:
+                write = getattr(sink, "write_energy", None)  # TensorBoard's; other sinks take windows only
+                if write is not None:
+                    write(e.per_step_scalars(*per_step), readings[k].step)
+        self._written = max(self._written, len(readings))
+
+    def mark(self, window: Window, device: int, counter: Any = None) -> None:
+        """Ask for the reading that ends ``window`` (returns at once)."""
+        from steptimer._energy import EnergyMeter, nvml_counter
+
+        if self._meter is None:
+            self._meter = EnergyMeter(open_counter=lambda: (counter or nvml_counter)(device))
+        rate = window.steps_per_s
+        self._per_step[window.step] = tuple(  # type: ignore[assignment]
+            x / rate if x and rate else None for x in (window.samples_per_s, window.tokens_per_s)
+        )
+        self._meter.mark(window.step)
+        self._marked = window.step
+
+    def close(self, step: int, sinks: Sequence[Sink]) -> tuple[Any, str | None]:
+        """The last window's energy to the sinks; the run's energy from the first reading to the
+        last (None, and why, when the counter could not be read)."""
+        from steptimer._energy import between
+
+        if self._meter is None:
+            return None, None
+        readings = self._meter.close(step if step > self._marked else None)  # steps since the last window
+        self.write_ready(sinks)
+        energy = between(readings[0], readings[-1]) if readings else None
+        return energy, self._meter.error
 
 
 def memory_every(memory: int | None) -> int:
