@@ -552,8 +552,9 @@ class Engine:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
         if self._pausing:
             return None
+        started = perf_counter(), self._pause_event()
         self._pausing = True
-        return perf_counter(), self._pause_event()
+        return started
 
     def end_pause(self, started: tuple[float, Any] | None) -> None:
         """End the pause that ``begin_pause`` returned ``started`` for (None: a nested one)."""
@@ -770,9 +771,6 @@ class Engine:
             rec = self._pending[-1]
             rec.marks = rec.marks or {}
             rec.marks[key] = rec.marks.get(key, 0.0) + value
-
-    def mark_own_work(self, key: str, value: float) -> None:
-        """Nothing to mark: steptimer's own window work is outside every step (``own_s``)."""
 
     def _mark(self, rec: StepRecord) -> None:
         """Put what happened in the step (``rec.marks``, GC inside its host time range, a pause

@@ -80,10 +80,6 @@ def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dic
     return {n: v / timed_cycle_ms for n, v in timed_sum_ms.items() if "/" not in n and n not in ("step", "idle")}
 
 
-def _ms(x: float) -> str:
-    return f"{num(x)} ms"
-
-
 def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     """The run's bottleneck from its rows (shares on the GPU's timeline with ``cuda``, else on the
     host's wall time; see the module docstring). Every sentence of evidence is a measured fact."""
@@ -100,7 +96,7 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     launch_share = sum(r.share or 0.0 for r in launch)
 
     said_idle = f"GPU idle between steps: {pct(idle)} of its timeline" + (
-        f" (median {_ms(idle_row.gpu.median_ms)} a step)" if idle_row is not None and idle_row.gpu else ""
+        f" (median {num(idle_row.gpu.median_ms)} ms a step)" if idle_row is not None and idle_row.gpu else ""
     )
     said_data = (
         f"the GPU waited for the host inside your `data` phase: {pct(data_wait)} of its timeline"
@@ -109,7 +105,7 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     )
     between = by.get("data")
     said_between = (
-        f"the host's data row (between steps) took a median {_ms(between.host.median_ms)} a step"
+        f"the host's data row (between steps) took a median {num(between.host.median_ms)} ms a step"
         if between is not None and between.host is not None and between.host.steps
         else None
     )
@@ -142,7 +138,7 @@ def _host_verdict(by: Mapping[str, Row], phases: Sequence[Row]) -> Verdict:
     data = by.get("data")
     between = (data.share or 0.0) if data is not None else 0.0
     said_between = f"the host spent {pct(between)} of wall time on the data row" + (
-        f" (median {_ms(data.host.median_ms)})" if data is not None and data.host is not None and data.host.steps
+        f" (median {num(data.host.median_ms)} ms)" if data is not None and data.host is not None and data.host.steps
         else ""
     )  # fmt: skip
     if between >= HOST_BETWEEN_SHARE:

@@ -12,7 +12,6 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from time import perf_counter
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -301,8 +300,9 @@ class StepTimer:
         self._phase_cls: type[_Phase] = _Phase
         folder = None if writer is None else str(writer.get_logdir())
         folder = os.fspath(log_dir) if log_dir is not None else folder
+        folder = folder if seams.profile_dir is None else seams.profile_dir  # Lightning's: known at fit
         self._ranges, nvtx_note = make_ranges(
-            nvtx=nvtx, profile_steps=profile_steps, folder=seams.profile_dir or folder, start_step=start_step,
+            nvtx=nvtx, profile_steps=profile_steps, folder=folder, start_step=start_step,
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
             profile_on_slow=profile_on_slow, recent=c,
         )  # fmt: skip
@@ -568,7 +568,6 @@ class StepTimer:
             self._capture.settle()
 
     def _emit(self) -> None:
-        t0 = perf_counter()
         window = self._take_window()
         if window is None:
             return
@@ -582,8 +581,6 @@ class StepTimer:
             sink.write_window(window)
         if energy:
             self._energy.mark(window, engine.device, counter)
-        if self.slowest_steps:  # steptimer's own time in the step that resolved the window's last step
-            self._engine.mark_own_work("window_ms", (perf_counter() - t0) * 1e3)
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:
         """The peak for MFU and a note on it: the option, else the GPU's in steptimer's table

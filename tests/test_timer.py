@@ -14,6 +14,7 @@ import torch
 import steptimer._engine as engine_mod
 import steptimer.timer as timer_mod
 from steptimer import StepTimer
+from steptimer._table import num, pct, render
 from tests.fakes import FakeClock, FakeGPU, ListSink
 
 
@@ -1055,6 +1056,8 @@ def test_a_windows_own_work_is_in_no_step_and_not_in_the_data_wait(
     # last window's end: 40 steps, 39 data waits, 4 windows)
     assert s.own_ms == pytest.approx(4 * 5.0)
     assert s.own_share == pytest.approx(20.0 / (40 * 2.0 + 39 * 1.0 + 20.0))
+    # printed as steptimer's, on a line of its own, never in a row
+    assert f"steptimer's own work: {num(s.own_ms)} ms, {pct(s.own_share)} of the run" in render(s).splitlines()
     if sample_every == 1:
         assert s["other"].host.max_ms == pytest.approx(0.0)
 
