@@ -310,7 +310,6 @@ class StepTimer:
         # StepWalls per window (_slow.py): profile_on_slow's check, the slowest step across ranks
         self._walls = (r is not None and r.slow is not None) or (self._xrank is not None and slowest_steps > 0)
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
-        self._energy = _EnergyWindows()
         # Every resolved step to the capture: through add() when windows keep steps whole (and the
         # profiler marks them: the long way), else appended to its ring by the engine itself.
         each = c is not None and (c.trace is not None or profiled)
@@ -328,6 +327,7 @@ class StepTimer:
 
     def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
         """An enabled timer's checks and set-up that touch the machine: CUDA, files, signals, ranks."""
+        self._energy = _EnergyWindows()
         seams, cuda = self._seams, self.options.cuda
         if cuda is True and seams.backend is None:
             ok, why = cuda_usable()
@@ -476,7 +476,7 @@ class StepTimer:
                 for sink in self._sinks:
                     sink.write_window(last)
         self._emit()
-        energy, energy_note = self._energy.close(engine.last_resolved, self._sinks)
+        energy, energy_note = self._energy.close(engine.last_resolved, self._sinks) if self.enabled else (None, None)
         traces = self._capture.finish(engine) if self._capture is not None else None
         if self._ranges is not None:
             self._ranges.finish(engine)
