@@ -36,3 +36,5 @@ shot() {  # page, file; a new profile each time, so no setting of an earlier pag
 shot "?forceSVG=true#timeseries" docs/img/time-series.png
 shot "#scalars" docs/img/scalars.png
 shot "#custom_scalars" docs/img/custom-scalars.png
+# The two runs told apart: TensorBoard's "color runs by" regex, ^([^/]+), one colour per log dir.
+shot "?forceSVG=true&runColorGroup=regex:%5E(%5B%5E/%5D%2B)#timeseries" docs/img/two-runs.png
