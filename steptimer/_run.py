@@ -181,7 +181,8 @@ def shell_command(name: str, clone: Path | None = None) -> str:
     if dev.is_file() and Path(sys.prefix).resolve() == (root / ".venv").resolve():
         rel = os.path.relpath(dev)
         return f"{min(rel if os.sep in rel else './' + rel, str(dev), key=len)} {name}"
-    return mine if os.path.exists(mine) else f"{sys.executable} -m {name}"
+    module = {"tensorboard": "tensorboard.main"}.get(name, name)  # tensorboard has no __main__
+    return mine if os.path.exists(mine) else f"{sys.executable} -m {module}"
 
 
 def _run_script(target: str, is_module: bool, script_args: list[str]) -> None:
