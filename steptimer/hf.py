@@ -62,7 +62,8 @@ class _TrainerLog:
         self.pending: list[dict[str, float]] = []
 
     def write_window(self, window: Window) -> None:
-        self.pending.append({k: v for k, v in window_scalars(window).items() if k.startswith(MAIN + "/")})
+        if not window.warmup:  # as in TensorBoard, no chart starts with the warm-up's outlier
+            self.pending.append({k: v for k, v in window_scalars(window).items() if k.startswith(MAIN + "/")})
 
     def close(self, summary: Summary) -> None:
         pass
@@ -107,6 +108,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self.timed: Instrumented | None = None
         self._accum = 1
         self._micro = 0
+        self._bar = False
         self.summary: Summary | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any) -> None:
@@ -117,10 +119,8 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
             options["log_dir"] = getattr(args, "logging_dir", None) or os.path.join(args.output_dir, "steptimer")
         self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1)))
         opt = _torch_optimizer(optimizer)
-        # The summary is printed here, after the progress bar's line (see _close), not by the timer.
-        self._print = options.get("print_summary", True) and options.get("enabled", True)
-        self._bar = not args.disable_tqdm
-        options["print_summary"] = False
+        # The progress bar leaves its line open: the summary starts on a line of its own (_close).
+        self._bar = not args.disable_tqdm and options.get("print_summary", True) and options.get("enabled", True)
         sinks = [self._log] if self._trainer is not None else []
         self.timed = Instrumented(StepTimer._make(sinks=sinks, **options), [model], [opt], **self._counts)
         self.summary = None
@@ -183,13 +183,9 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     def _close(self) -> None:
         if self.timed is None or self.summary is not None:
             return
+        if self._bar and rank() == 0:
+            print()
         self.summary = self.timed.close()
-        if self._print and rank() == 0:
-            from steptimer._table import print_summary
-
-            if self._bar:  # the progress bar's line has no end yet
-                print()
-            print_summary(self.summary)
 
     @property
     def steps(self) -> int:
