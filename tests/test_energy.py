@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from steptimer._energy import EnergyMeter, Reading, between, nvml_counter
+from steptimer._table import render
 
 
 def test_the_counter_is_read_on_the_meters_thread_at_each_mark() -> None:
@@ -131,7 +132,7 @@ def test_each_window_and_the_run_get_the_gpus_energy(tmp_path: Path, monkeypatch
     assert all(v == pytest.approx(50.0 / 4) for _, v in tb["steptimer/joules_per_sample"])
     assert all(v > 0 for _, v in tb["steptimer/watts"])
     assert sum(500.0 / w for _, w in tb["steptimer/watts"]) == pytest.approx(e.seconds)
-    assert "energy: 50.0 J/step, 12.5 J/sample, " in str(summary)
+    assert "energy: 50.0 J/step, 12.5 J/sample, " in render(summary)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     out = subprocess.run([sys.executable, "-m", "steptimer", "report", "--json", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -146,7 +147,7 @@ def test_each_window_and_the_run_get_the_gpus_energy(tmp_path: Path, monkeypatch
 def test_without_a_counter_a_note_and_no_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     summary = _timed_run(tmp_path, monkeypatch, lambda device: (None, "energy: not read (no counter here)"))
     assert summary.energy is None and "energy: not read (no counter here)" in summary.notes
-    assert "energy:" not in str(summary).replace("note: energy: not read", "")
+    assert "energy:" not in render(summary).replace("note: energy: not read", "")
     from tests.tb import run_scalars
 
     assert not [t for t in run_scalars(tmp_path) if "joules" in t or "watts" in t]
