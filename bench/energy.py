@@ -119,7 +119,8 @@ def main() -> int:
         counted, sampled = r1.joules - r0.joules, sampler.joules(r0.host_s, r1.host_s)
         diff = counted / sampled - 1
         worst = max(worst, abs(diff))
-        print(f"{r0.step + 1:>6}-{r1.step:<7} {r1.host_s - r0.host_s:6.2f} {counted:10.1f} {sampled:10.1f} {100 * diff:+6.1f}%")
+        span = f"{r0.step + 1}-{r1.step}"
+        print(f"{span:>14} {r1.host_s - r0.host_s:6.2f} {counted:10.1f} {sampled:10.1f} {100 * diff:+6.1f}%")
     e = summary.energy
     step_s = 1 / summary.steps_per_s if summary.steps_per_s else float("nan")
     power_w = sampler.joules(readings[0].host_s, readings[-1].host_s) / e.seconds

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple
@@ -137,3 +137,54 @@ class EnergyMeter:
         self._thread.join(timeout=5.0)
         with self._lock:
             return list(self.readings)
+
+
+class EnergyWindows:
+    """The GPU's energy per window, CUDA timing only (the timer's): at each window's end the meter
+    is asked for a reading of NVML's counter, which its own thread takes (one read costs ms, so
+    never on the training thread). A window's energy lies between its two readings, so it is known
+    one window late: it goes to the sinks that take it (TensorBoard's) at the next window, before
+    that window's values, at its own step (a step below one written would make TensorBoard drop
+    the later ones). A reading that came after that point is left out there; the run's total
+    (:meth:`close`) has every one."""
+
+    def __init__(self) -> None:
+        self._meter: Any = None
+        self._per_step: dict[int, tuple[float | None, float | None]] = {}  # samples, tokens per step
+        self._written = 1  # readings before this one are done with
+        self._marked = -1  # the step of the last reading asked for: the last window's
+
+    def write_ready(self, sinks: Sequence[Any]) -> None:
+        """The energy of the last window, if its closing reading is in, to the sinks."""
+        readings = self._meter.taken() if self._meter is not None else []
+        for k in range(self._written, len(readings)):
+            e = between(readings[k - 1], readings[k])
+            per_step = self._per_step.pop(readings[k].step, (None, None))
+            if e is None or readings[k].step < self._marked:
+                continue
+            for sink in sinks:
+                write = getattr(sink, "write_energy", None)  # TensorBoard's; other sinks take windows only
+                if write is not None:
+                    write(e.per_step_scalars(*per_step), readings[k].step)
+        self._written = max(self._written, len(readings))
+
+    def mark(self, window: Any, device: int, counter: Any = None) -> None:
+        """Ask for the reading that ends ``window`` (returns at once)."""
+        if self._meter is None:
+            self._meter = EnergyMeter(open_counter=lambda: (counter or nvml_counter)(device))
+        rate = window.steps_per_s
+        self._per_step[window.step] = tuple(  # type: ignore[assignment]
+            x / rate if x and rate else None for x in (window.samples_per_s, window.tokens_per_s)
+        )
+        self._meter.mark(window.step)
+        self._marked = window.step
+
+    def close(self, step: int, sinks: Sequence[Any]) -> tuple[Any, str | None]:
+        """The last window's energy to the sinks; the run's energy from the first reading to the
+        last (None, and why, when the counter could not be read)."""
+        if self._meter is None:
+            return None, None
+        readings = self._meter.close(step if step > self._marked else None)  # steps since the last window
+        self.write_ready(sinks)
+        energy = between(readings[0], readings[-1]) if readings else None
+        return energy, self._meter.error

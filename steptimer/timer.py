@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
+from steptimer._energy import EnergyWindows
 from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine
 from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemorySummary, _MemoryBackend
@@ -326,7 +327,7 @@ class StepTimer:
 
     def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
         """An enabled timer's checks and set-up that touch the machine: CUDA, files, signals, ranks."""
-        self._energy = _EnergyWindows()
+        self._energy = EnergyWindows()
         seams, cuda = self._seams, self.options.cuda
         if cuda is True and seams.backend is None:
             ok, why = cuda_usable()
@@ -630,63 +631,6 @@ class StepTimer:
         if self._xrank is not None and summary.slowest:  # each with its window's slowest rank
             summary = dataclasses.replace(summary, slowest=self._xrank.annotate(summary.slowest))
         return summary
-
-
-class _EnergyWindows:
-    """The GPU's energy per window (``_energy.py``), CUDA timing only: at each window's end the meter
-    is asked for a reading of NVML's counter, which its own thread takes (one read costs ms, so
-    never on the training thread). A window's energy lies between its two readings, so it is known
-    one window late: it goes to the sinks that take it (TensorBoard's) at the next window, before
-    that window's values, at its own step (a step below one written would make TensorBoard drop
-    the later ones). A reading that came after that point is left out there; the run's total
-    (:meth:`close`) has every one."""
-
-    def __init__(self) -> None:
-        self._meter: Any = None
-        self._per_step: dict[int, tuple[float | None, float | None]] = {}  # samples, tokens per step
-        self._written = 1  # readings before this one are done with
-        self._marked = -1  # the step of the last reading asked for: the last window's
-
-    def write_ready(self, sinks: Sequence[Sink]) -> None:
-        """The energy of the last window, if its closing reading is in, to the sinks."""
-        from steptimer._energy import between
-
-        readings = self._meter.taken() if self._meter is not None else []
-        for k in range(self._written, len(readings)):
-            e = between(readings[k - 1], readings[k])
-            per_step = self._per_step.pop(readings[k].step, (None, None))
-            if e is None or readings[k].step < self._marked:
-                continue
-            for sink in sinks:
-                write = getattr(sink, "write_energy", None)  # TensorBoard's; other sinks take windows only
-                if write is not None:
-                    write(e.per_step_scalars(*per_step), readings[k].step)
-        self._written = max(self._written, len(readings))
-
-    def mark(self, window: Window, device: int, counter: Any = None) -> None:
-        """Ask for the reading that ends ``window`` (returns at once)."""
-        from steptimer._energy import EnergyMeter, nvml_counter
-
-        if self._meter is None:
-            self._meter = EnergyMeter(open_counter=lambda: (counter or nvml_counter)(device))
-        rate = window.steps_per_s
-        self._per_step[window.step] = tuple(  # type: ignore[assignment]
-            x / rate if x and rate else None for x in (window.samples_per_s, window.tokens_per_s)
-        )
-        self._meter.mark(window.step)
-        self._marked = window.step
-
-    def close(self, step: int, sinks: Sequence[Sink]) -> tuple[Any, str | None]:
-        """The last window's energy to the sinks; the run's energy from the first reading to the
-        last (None, and why, when the counter could not be read)."""
-        from steptimer._energy import between
-
-        if self._meter is None:
-            return None, None
-        readings = self._meter.close(step if step > self._marked else None)  # steps since the last window
-        self.write_ready(sinks)
-        energy = between(readings[0], readings[-1]) if readings else None
-        return energy, self._meter.error
 
 
 def memory_every(memory: int | None) -> int:

@@ -349,7 +349,8 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
         assert host["plain/steptimer/forward"] == pytest.approx([1.5, 1.5])
         assert host["plain/steptimer/backward"] == pytest.approx([3.0, 3.0])
         assert host["user/steptimer/forward"] == pytest.approx([1.5, 1.5])
-        assert {r for r in host if r.startswith("plain")} == {f"plain/steptimer/{p}" for p in rows if p != "idle"} | {"plain"}
+        plain_rows = {f"plain/steptimer/{p}" for p in rows if p != "idle"}
+        assert {r for r in host if r.startswith("plain")} == plain_rows | {"plain"}
         row_sum = [sum(v) for v in zip(*(host[f"plain/steptimer/{p}"] for p in rows if p != "idle"))]
         assert host["plain"] == pytest.approx(row_sum)
         gpu_ms = series(charts["GPU ms per row"][0])
