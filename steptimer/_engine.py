@@ -431,6 +431,12 @@ class Engine:
         rec.step_s = t_end - t0
         if number == self._next_timed:
             self._pick_next(number)
+        if not self.cuda and self._on_pending is None:
+            # Host only, the step is whole now: resolved at its own end as on the short way, so a window
+            # ends at the same step on every rank whichever way each step took (a GC pause on one rank):
+            # a rank a step late to the cross-rank round would wait there while the others wait for it
+            # in their next step's all-reduce. (A capture's listener gets queued steps.)
+            self._resolve_upto(number)
 
     def _recover(self) -> None:
         """After an exception inside ``end_step``'s own work (a signal, steptimer's own failure): a step not yet
