@@ -146,8 +146,8 @@ class Summary:
         return any(row.name == name for row in self.rows)
 
 
-DERIVED_FIRST = ("data",)
-DERIVED_LAST = ("other", "wait", "step", "idle")
+DERIVED_FIRST = ("data", "loop")
+DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop")
 
 
 LAUNCH_RATIO = 1.1

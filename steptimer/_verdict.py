@@ -26,7 +26,7 @@ VerdictKind = Literal["input-bound", "launch-bound", "gpu-bound", "compute-bound
 ShareClock = Literal["gpu", "host"]
 
 # Rows computed by steptimer, not phases of the user's.
-DERIVED = frozenset({"data", "other", "wait", "step", "idle"})
+DERIVED = frozenset({"data", "loop", "other", "wait", "step", "idle"})
 
 
 class Row(Protocol):
