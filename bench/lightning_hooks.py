@@ -31,6 +31,7 @@ from torch import nn
 
 from bench._stats import median
 from steptimer import StepTimer
+from steptimer._driver import PhaseDriver
 from steptimer.lightning import StepTimerCallback
 
 SHAPES = ("self(x)", "direct", "deep", "idle")
@@ -71,7 +72,7 @@ def step_fn(n: int, shape: str, hooked: bool) -> Callable[[], None]:
     timer = StepTimer(cuda=False, warmup_steps=0, log_every_n_steps=100, print_summary=False)
     cb = StepTimerCallback(cuda=False, print_summary=False)
     if hooked:
-        cb._timer = timer
+        cb._driver = PhaseDriver(timer, rejoin=True)
         cb._in_batch = True  # as between on_train_batch_start and on_train_batch_end
         cb._hook_model(module)
     x = torch.randn(4, 8)

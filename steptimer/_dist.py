@@ -44,6 +44,7 @@ from steptimer._memory import MIB, MemoryStats
 from steptimer._slow import WAIT_PHASE as WAIT_PHASE  # re-exported: the straggler rule names it
 from steptimer._slow import RankSlow, SlowestKeeper, SlowStep, is_wait_phase
 from steptimer._summary import RankSpread, RankSummary, SummaryAccumulator
+from steptimer._tags import RANKS, run_tag
 from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
@@ -56,17 +57,16 @@ STRAGGLER = "straggler"
 STEP_BITS = 16  # the slowest step's number modulo 2**16 rides in its key
 RANK_SLOW_KEPT = 5  # the slowest steps across ranks kept for the summary
 _NEG = -math.inf
-_HEADER = 10
 
 # Custom Scalars charts for the cross-rank tags, over the tags as the runs hold them (a phase's tags
 # sit in the phase's run without its name: steptimer/_tensorboard.py).
 CHARTS = {
-    "Straggler rank (data + step - backward)": r"^steptimer-ranks/straggler_argmax$",
-    "Straggler ms across ranks (min, mean, max)": r"^steptimer-ranks/straggler_(min|mean|max)_ms$",
-    "Slowest rank's host ms per phase": r"^steptimer-ranks/host_max_ms$",
-    "Slowest rank's GPU ms per phase": r"^steptimer-ranks/gpu_max_ms$",
-    "Rank holding the max host ms, per phase": r"^steptimer-ranks/host_argmax$",
-    "Rank holding the max GPU ms, per phase": r"^steptimer-ranks/gpu_argmax$",
+    "Straggler rank (data + step - backward)": f"^{RANKS}/{STRAGGLER}_argmax$",
+    "Straggler ms across ranks (min, mean, max)": f"^{RANKS}/{STRAGGLER}_(min|mean|max)_ms$",
+    "Slowest rank's host ms per phase": f"^{run_tag(RANKS, 'host', 'max_ms')}$",
+    "Slowest rank's GPU ms per phase": f"^{run_tag(RANKS, 'gpu', 'max_ms')}$",
+    "Rank holding the max host ms, per phase": f"^{run_tag(RANKS, 'host', 'argmax')}$",
+    "Rank holding the max GPU ms, per phase": f"^{run_tag(RANKS, 'gpu', 'argmax')}$",
 }
 
 
@@ -208,13 +208,13 @@ def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: floa
         steptimer-ranks/reporting                           ranks in this window (0: interval skipped)
         steptimer-ranks/reduce_ms                           host time of this interval's round
     """
-    out = {"steptimer-ranks/reporting": float(reporting), "steptimer-ranks/reduce_ms": reduce_ms}
+    out = {f"{RANKS}/reporting": float(reporting), f"{RANKS}/reduce_ms": reduce_ms}
     for key, s in spread.items():  # key: "<clock>/<phase>", "straggler" or "mem/<name>_peak", "mem/reserved"
         unit = "_mib" if key.startswith("mem/") else "_ms"  # memory rides in the same vectors, in MiB
-        out[f"steptimer-ranks/{key}_min{unit}"] = s.min_ms
-        out[f"steptimer-ranks/{key}_mean{unit}"] = s.mean_ms
-        out[f"steptimer-ranks/{key}_max{unit}"] = s.max_ms
-        out[f"steptimer-ranks/{key}_argmax"] = float(s.argmax)
+        out[f"{RANKS}/{key}_min{unit}"] = s.min_ms
+        out[f"{RANKS}/{key}_mean{unit}"] = s.mean_ms
+        out[f"{RANKS}/{key}_max{unit}"] = s.max_ms
+        out[f"{RANKS}/{key}_argmax"] = float(s.argmax)
     return out
 
 
@@ -414,8 +414,8 @@ class CrossRank:
         if res.get("slow") is not None:
             at, rank, own_ms = res["slow"]
             extra.update({
-                "steptimer-ranks/slowest_step": float(at), "steptimer-ranks/slowest_step_argmax": float(rank),
-                "steptimer-ranks/slowest_step_own_ms": own_ms,
+                f"{RANKS}/slowest_step": float(at), f"{RANKS}/slowest_step_argmax": float(rank),
+                f"{RANKS}/slowest_step_own_ms": own_ms,
             })  # fmt: skip
         return replace(window, extra={**window.extra, **extra})
 
@@ -459,23 +459,7 @@ class CrossRank:
         h = self._allreduce(header, dist.ReduceOp.MAX)
         if h is None:
             return None
-        all_closing = -h[4] == 1.0
-        if h[3] == 1.0 and not all_closing and not closing and not self._others_closed:
-            self._others_closed = True
-            self._note0(
-                "some ranks closed before this one (uneven ends): they answer this rank's rounds without "
-                "a window until every rank closes, so cross-rank windows from here on cover fewer ranks"
-            )
-        w_ok = h[0] != _NEG and h[0] == -h[1]
-        if h[0] != _NEG and not w_ok:
-            self.skipped += 1
-            self._note0(
-                "ranks timed different phase sets (first in the window ending at step "
-                f"{self._step_of(h)}); such intervals' cross-rank statistics are skipped on every rank"
-            )
-        s_ok = all_closing and h[5] != _NEG and h[5] == -h[6]
-        if all_closing and h[5] != _NEG and not s_ok:
-            self._note0("ranks timed different phase sets over the run; no per-rank summary")
+        all_closing, w_ok, s_ok = self._read_header(h, closing)
         nw = int(h[2]) if w_ok else 0
         ns = int(h[7]) if s_ok else 0
         wres: dict[str, RankSpread] = {}
@@ -522,6 +506,28 @@ class CrossRank:
         return {
             "window": wres, "reporting": reporting, "all_closing": all_closing, "round_ms": dt * 1e3, "slow": slow,
         }  # fmt: skip
+
+    def _read_header(self, h: Sequence[float], closing: bool) -> tuple[bool, bool, bool]:
+        """``(every rank is closing, the windows agree, the run summaries agree)`` from the reduced
+        header, with a note for each disagreement (the same on every rank: the header is shared)."""
+        all_closing = -h[4] == 1.0
+        if h[3] == 1.0 and not all_closing and not closing and not self._others_closed:
+            self._others_closed = True
+            self._note0(
+                "some ranks closed before this one (uneven ends): they answer this rank's rounds without "
+                "a window until every rank closes, so cross-rank windows from here on cover fewer ranks"
+            )
+        w_ok = h[0] != _NEG and h[0] == -h[1]
+        if h[0] != _NEG and not w_ok:
+            self.skipped += 1
+            self._note0(
+                "ranks timed different phase sets (first in the window ending at step "
+                f"{self._step_of(h)}); such intervals' cross-rank statistics are skipped on every rank"
+            )
+        s_ok = all_closing and h[5] != _NEG and h[5] == -h[6]
+        if all_closing and h[5] != _NEG and not s_ok:
+            self._note0("ranks timed different phase sets over the run; no per-rank summary")
+        return all_closing, w_ok, s_ok
 
     @staticmethod
     def _step_of(h: Sequence[float]) -> int:

@@ -4,8 +4,10 @@ resolved into the rows of a window (``_window.StepRows``).
 It knows nothing of TensorBoard, Lightning or the summary: the front doors (``timer.StepTimer``'s
 ``with`` blocks, the Lightning callback, ``instrument()``) set a step's counts (``samples``,
 ``tokens``, ``flops``), enter the engine for one step (``with engine:``, that is ``begin_step`` and
-``end_step``) and a :class:`Phase` per name, and ``on_window(number)`` tells the owner that the
-rows of the steps up to ``number``, a window boundary, are in ``rows``.
+``end_step``) and a :class:`Phase` per name. The engine decides where windows end; at the end of
+``end_step``, once its own state is whole, ``on_window(number)`` tells the owner that the rows of
+the window ending at step ``number`` are in ``rows`` (so an exception in the owner's window work,
+Ctrl-C included, leaves no step half-done).
 
 Per timed step with P back-to-back phases the GPU path makes P + 1 event records (a boundary that
 follows steptimer's last record within ``_SHARE_GAP_S`` reuses its event), 4 ``perf_counter()``
@@ -110,10 +112,10 @@ class StepRecord:
         self.i_start = self.i_end = 0
         self.memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
         self.marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
-        # Not set here (a slot assignment per step is not free): ``paused_s``, host time under pause()
-        # since the previous step (set by end_step); for the flight recorder (_flight.py), set when a
-        # timed GPU step is resolved: ``offs_ms``, each event's ms from the first, and ``chain_ms``,
-        # the GPU's ms from the previous step's end event to this step's first (pauses included).
+        # Set later, not here (a slot assignment per step is not free): ``paused_s``, host time under
+        # pause() since the previous step; when a timed GPU step is resolved, ``offs_ms`` (each
+        # event's ms from the first) and ``chain_ms`` (GPU ms from the previous step's end event to
+        # this step's first, pauses included).
 
     def phase_records(self) -> list[PhaseRecord]:
         """The step's phase entries with named fields, in entry order."""
@@ -245,11 +247,6 @@ class Engine:
         """A step is open."""
         return self.state != OUT
 
-    @property
-    def step_t0(self) -> float:
-        """When the current (or last) step began, on the engine's host clock (``perf_counter``)."""
-        return self._t0
-
     # ------------------------------------------------------------------ steps
 
     def begin_step(self) -> None:
@@ -341,7 +338,11 @@ class Engine:
         ]  # fmt: skip
         try:
             if self._pending:  # what needs no wait: all of it host only, else the steps without events
-                self._resolve_ready()
+                try:
+                    self._resolve_ready()
+                except BaseException:  # this step ended well: it is kept, queued, before the error goes on
+                    self._finish_later(t1, number, row)
+                    raise
             if (
                 state == GPU
                 or self._pending
@@ -558,8 +559,9 @@ class Engine:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
         if self._pausing:
             return None
+        started = perf_counter(), self._pause_event()
         self._pausing = True
-        return perf_counter(), self._pause_event()
+        return started
 
     def end_pause(self, started: tuple[float, Any] | None) -> None:
         """End the pause that ``begin_pause`` returned ``started`` for (None: a nested one)."""
@@ -844,9 +846,10 @@ class Phase:
         only read for the out-of-memory note)."""
         t1 = perf_counter()
         e, name, failed = self.e, self.name, et is not None
-        gpu = e.state == GPU
-        if e.state < HOST:
+        state = e.state
+        if state < HOST:
             return
+        gpu = state == GPU
         stack = e._stack
         if not stack or stack[-1][1] != name:
             if failed:  # the step is dropped at its end anyway

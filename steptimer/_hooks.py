@@ -8,31 +8,20 @@ through torch's handles or is recorded with what was there before, and :meth:`Ho
 everything back: nothing of steptimer stays on the user's objects.
 
 :class:`Discovery` finds the model(s) and optimizer(s) of a loop nobody named (``steptimer run``,
-``instrument()`` with no arguments), with no global *module* hook at any time: ``torch.compile``
-traces and guards a model under whatever global module hooks exist while it compiles, and the
-compiled model stays slow after they are gone (85 % slower steps on GPT-2, docs/run.md):
-
-- a global optimizer step pre-hook (it touches no module) sees every ``optimizer.step()``. Discovery
-  waits until the first optimizer that stepped steps again: every optimizer that stepped in between
-  is one of the loop's (a GAN's two). Until then a step can't end, since it is not known which
-  optimizers make one;
-- then, once, a scan of the live objects (:func:`trained_modules`) finds the models: the outermost
-  modules that hold those optimizers' parameters (a ``torch.compile`` or DDP wrapper, not the module
-  inside it); a one-shot forward pre-hook goes on each (an instance hook, like instrument()'s);
-- at the next forward of one of those models the instance hooks go in, starting that step, and
-  discovery's hooks come out. Not earlier: torch iterates the global optimizer hook dict while
-  calling them, and a dict changed under iteration raises; the forward hooks are iterated from a
-  copy, so a forward pre-hook is the safe place. From then on nothing of discovery runs per step
-  (docs/benchmarks.md measures it).
+``instrument()`` with no arguments) from a global optimizer step pre-hook, one scan of the live
+objects and one-shot forward pre-hooks on the models found (docs/run.md has the rule). It never
+puts a global *module* hook in: ``torch.compile`` traces and guards a model under whatever global
+module hooks exist while it compiles, and the compiled model stays slow after they are gone (85 %
+slower steps on GPT-2, docs/run.md).
 """
 
 from __future__ import annotations
 
 import copyreg
+import functools
 import gc
 import pickle
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,9 +86,16 @@ class Hooks:
         if post is not None:
             self._handles.append(opt.register_step_post_hook(wrap(post)))
 
-    def patch(self, obj: Any, attr: str, wrapper: Callable[..., Any]) -> None:
-        """``obj.attr = wrapper`` as an instance attribute (the class stays untouched); one that was
-        there before (someone's own wrapper) is put back by :meth:`remove`."""
+    def wrap(self, obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], *, eager: bool = True) -> None:
+        """``obj.attr = make(obj.attr)`` as an instance attribute (the class stays untouched); one
+        that was there before (someone's own wrapper, Lightning's ``from_compiled`` training_step)
+        is put back by :meth:`remove`. An object without ``attr`` or a ``__dict__`` is left alone."""
+        orig = getattr(obj, attr, None)
+        if orig is None or not hasattr(obj, "__dict__"):
+            return
+        wrapper = functools.wraps(orig)(make(orig))  # `__wrapped__` keeps is_overridden() truthful
+        if eager:
+            wrapper = _eager(wrapper)
         self._patched.append((obj, attr, wrapper, obj.__dict__.get(attr)))
         obj.__dict__[attr] = wrapper
 
@@ -227,8 +223,8 @@ def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | Non
 
 class Discovery:
     """Finds a loop's optimizers and models, then calls ``on_found`` once (models, optimizers, and
-    the model call that triggered it, whose args it must time) and takes its own hooks out. See the
-    module docstring for the rule. ``models`` / ``optimizers`` given are taken as they are; only the
+    the model call that triggered it, whose args it must time) and takes its own hooks out. See
+    docs/run.md for the rule. ``models`` / ``optimizers`` given are taken as they are; only the
     rest is found. No global module hook, ever: ``torch.compile`` would see it (docs/run.md)."""
 
     def __init__(
@@ -247,7 +243,6 @@ class Discovery:
         self.models: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.problem: str | None = None  # why discovery gave up, for the summary
-        self.scan_s: float | None = None  # what the one scan of live objects took
         self._decided = False
         self._pending: set[int] = set()
         self.done = False
@@ -282,9 +277,7 @@ class Discovery:
             params = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
             opts = [o for o in opts if any(id(p) in params for m in models for p in m.parameters())] or opts
         else:
-            t0 = time.perf_counter()
             models = trained_modules(opts)
-            self.scan_s = time.perf_counter() - t0
             if models:  # the optimizers whose parameters those models hold
                 held = {id(p) for m in models for p in m.parameters()}
                 opts = [o for o in opts if any(id(p) in held for g in o.param_groups for p in g["params"])]

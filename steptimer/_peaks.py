@@ -20,9 +20,6 @@ for the A10G. One table, this one, serves the plain loop and the callback.
 
 from __future__ import annotations
 
-from typing import Literal
-
-Dtype = Literal["fp64", "fp32", "tf32", "bf16", "fp16", "fp8"]
 DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 
 # TFLOP/s, dense. fp32 is the non-tensor (CUDA core) figure, fp64 likewise where both exist.

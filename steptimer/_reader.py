@@ -3,9 +3,8 @@
 A *run* is a directory whose own event files (``events.out.tfevents.*``) hold steptimer tags
 (``steptimer...``), with its phases' runs beside it in ``<run>/steptimer/<phase>`` (event files
 ending in ``.steptimer``: ``_tensorboard.py``); :func:`find_runs` walks a tree for them (plain
-loops, Lightning's ``version_N`` directories, several runs side by side). Logs written before the
-per-phase runs (every tag flat in one run, tails as ``steptimer/host_p90/<phase>_ms``) read the same:
-their tags are renamed to today's grammar on the way in.
+loops, Lightning's ``version_N`` directories, several runs side by side). Tags are read by
+``_tags.py``'s grammar, the writer's.
 
 Runs in one directory stay apart: every file one ``StepTimer`` writes carries its run id in its name
 (``events.out.tfevents.<run id>`` and its phases' ``events.out.tfevents.<run id>.steptimer``), so a
@@ -23,24 +22,15 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass, field
 
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
 from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
-from steptimer._tensorboard import EVENT_FILE_PREFIX, PHASE_DIR, PHASE_SUFFIX, join_tag
+from steptimer._tags import HIST, is_steptimer, join_tag, parse
+from steptimer._tensorboard import EVENT_FILE_PREFIX, PHASE_DIR, PHASE_SUFFIX
 
-PREFIX = "steptimer"  # every group: steptimer/, steptimer-tails/, ...
 _EVENT_FILE_MARK = "tfevents"
-# The grammar before per-phase runs (one run, one "steptimer/" group), renamed to today's on reading.
-_OLD_TAGS = (
-    (re.compile(r"^steptimer/(host|gpu)_(p90|max)/(.+)_ms$"), r"steptimer-tails/\1/\3_\2_ms"),
-    (re.compile(r"^steptimer/gpu_caught_up/(.+)_frac$"), r"steptimer-caught-up/gpu/\1_frac"),
-    (re.compile(r"^steptimer/hist_(host|gpu)/(.+)_ms$"), r"steptimer-hist/\1/\2_ms"),
-    (re.compile(r"^steptimer/run/warmup_steps$"), "steptimer-run/warmup_steps"),
-)
-_HIST = re.compile(r"^steptimer-hist/(host|gpu)/(.+)_ms$")
 
 
 class LogError(Exception):
@@ -229,16 +219,16 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
             if not event.HasField("summary"):
                 continue
             for value in event.summary.value:
-                if not value.tag.startswith(PREFIX):
+                if not is_steptimer(value.tag):
                     continue
                 if phase is None:
                     with_windows.add(f)
-                key = _modern(value.tag if phase is None else join_tag(phase, value.tag))
+                key = value.tag if phase is None else join_tag(phase, value.tag)
                 kind = value.WhichOneof("value")
                 if kind == "histo":
-                    m = _HIST.match(key)
-                    if m is not None:
-                        series = hists.setdefault((m[1], m[2]), {})
+                    t = parse(key)
+                    if t is not None and t.group == HIST:
+                        series = hists.setdefault((t.family, t.name), {})
                         _keep_latest(series, event.step, event.wall_time, _histogram(value.histo))
                 elif kind == "simple_value":
                     _keep_latest(scalars.setdefault(key, {}), event.step, event.wall_time, value.simple_value)
@@ -318,15 +308,6 @@ def _keep_latest(series: dict, step: int, wall_time: float, value: object) -> No
     old = series.get(step)
     if old is None or wall_time >= old[0]:
         series[step] = (wall_time, value)
-
-
-def _modern(tag: str) -> str:
-    """A tag of the grammar before per-phase runs in today's grammar (others as they are)."""
-    if tag.startswith("steptimer/"):
-        for old, new in _OLD_TAGS:
-            if old.match(tag):
-                return old.sub(new, tag)
-    return tag
 
 
 def _histogram(histo: object) -> LogHistogram:

@@ -18,13 +18,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from steptimer._options import nonneg_int, positive_int
-
 USAGE = "steptimer run [options] script.py [args ...] | steptimer run [options] -m module [args ...]"
 HELP = "run a training script unchanged and time each optimizer step"
 
 
 def parser() -> argparse.ArgumentParser:
+    """The options; their values are checked by the timer they are passed to (StepTimer's errors
+    name the option), before the script starts."""
     p = argparse.ArgumentParser(
         prog="steptimer run",
         usage=USAGE,
@@ -33,15 +33,15 @@ def parser() -> argparse.ArgumentParser:
         "of each optimizer step. Everything after the script (or -m module) is the script's.",
     )
     p.add_argument("--log-dir", default=None, help="TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)")
-    p.add_argument("--warmup-steps", type=nonneg_int, default=5, metavar="N", help="steps left out of the summary (default: %(default)s)")
-    p.add_argument("--log-every-n-steps", type=positive_int, default=None, metavar="N", help="write window statistics every N steps (default: 50)")
-    p.add_argument("--lag", type=nonneg_int, default=2, metavar="K", help="wait on step N-K's GPU work at the end of step N (default: %(default)s)")
-    p.add_argument("--sample-every", type=positive_int, default=1, metavar="N", help="time the phases of one step in every N")
+    p.add_argument("--warmup-steps", type=int, default=5, metavar="N", help="steps left out of the summary (default: %(default)s)")
+    p.add_argument("--log-every-n-steps", type=int, default=None, metavar="N", help="write window statistics every N steps (default: 50)")
+    p.add_argument("--lag", type=int, default=2, metavar="K", help="wait on step N-K's GPU work at the end of step N (default: %(default)s)")
+    p.add_argument("--sample-every", type=int, default=1, metavar="N", help="time the phases of one step in every N")
     p.add_argument("--samples-per-step", type=float, default=None, metavar="N", help="samples per step (default: counted from the model's input)")
     p.add_argument("--tokens-per-step", type=float, default=None, metavar="N", help="tokens per step (default: counted from a 2-D integer input)")
     p.add_argument("--host-only", action="store_true", help="host clock only, no CUDA events")
     p.add_argument("--peak-tflops", type=float, default=None, help="the peak TFLOP/s for MFU")
-    p.add_argument("--trace-steps", type=positive_int, default=None, metavar="N", help="capture N steps after warm-up for `steptimer trace`")
+    p.add_argument("--trace-steps", type=int, default=None, metavar="N", help="capture N steps after warm-up for `steptimer trace`")
     p.add_argument("--no-summary", action="store_true", help="don't print the summary at exit")
     p.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a module as `python -m MODULE`")
     return p

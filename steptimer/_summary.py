@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
 from steptimer._slow import Candidate, RankSlow, SlowestKeeper, SlowStep
+from steptimer._table import num
 from steptimer._verdict import ShareClock, Verdict, shares, verdict
 from steptimer._window import Packed, Window, add_timed_host
 
@@ -64,19 +66,19 @@ class RankSummary:
         rows += [(f"{c} {n}" + (" MiB" if c == "mem" else ""), s) for (c, n), s in self.series.items()]
         for label, s in rows:
             out.append(
-                f"  {label:<28} {s.min_ms:>10.3f} ({s.argmin:>3}) {s.mean_ms:>10.3f} "
-                f"{s.max_ms:>10.3f} ({s.argmax:>3})"
+                f"  {label:<28} {num(s.min_ms):>10} ({s.argmin:>3}) {num(s.mean_ms):>10} "
+                f"{num(s.max_ms):>10} ({s.argmax:>3})"
             )
         if self.straggler is not None and self.ranks > 1:
             s = self.straggler
-            out.append(f"  slowest rank: {s.argmax} (+{s.max_ms - s.min_ms:.3f} ms per step over rank {s.argmin})")
+            out.append(f"  slowest rank: {s.argmax} (+{num(s.max_ms - s.min_ms)} ms per step over rank {s.argmin})")
             out.append("  (backward includes waiting for the others' gradients: read it with care)")
         if self.slowest:
             out.append("  slowest steps across ranks (own time = wall less backward; one per window):")
             for r in self.slowest:
-                here = "" if r.here_ms is None or r.rank == r.here else f" (rank {r.here}: {r.here_ms:.3f} ms)"
-                out.append(f"    step {r.step}: rank {r.rank}, {r.own_ms:.3f} ms{here}")
-        out.append(f"  cross-rank statistics: {self.reduce_ms:.3f} ms per log interval, {self.rounds} rounds")
+                here = "" if r.here_ms is None or r.rank == r.here else f" (rank {r.here}: {num(r.here_ms)} ms)"
+                out.append(f"    step {r.step}: rank {r.rank}, {num(r.own_ms)} ms{here}")
+        out.append(f"  cross-rank statistics: {num(self.reduce_ms)} ms per log interval, {self.rounds} rounds")
         return out
 
 
@@ -84,26 +86,30 @@ class RankSummary:
 class PhaseSummary:
     """One row of the summary: a phase (or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``).
 
-    ``host``/``gpu`` are per-step statistics over the steps in which the row ran (``gpu`` is None
-    without CUDA or for host-only rows). ``calls_per_step`` is the mean number of entries in those
-    steps (gradient accumulation: forward entered k times). ``share`` is the fraction of wall time
-    (data wait + step) the row takes over the timed steps; the top-level rows add up to 1.
-    ``launch_bound`` is True by :func:`is_launch_bound`: the GPU span is no longer than 1.1 × the host
-    span and the GPU caught up with the host inside the phase in at least half of its steps; the GPU
-    was then waiting for the host, and the GPU number includes that idle time.
+    ``host``/``gpu`` are per-step statistics over the steps in which the row ran (``host.steps`` is 0
+    for GPU ``idle``; ``gpu`` is None without CUDA or for host-only rows). ``calls_per_step`` is the
+    mean number of entries in those steps (gradient accumulation: forward entered k times; None when
+    read back from logs, which don't hold it). ``share`` is the row's part of the wall time (see
+    ``_verdict.py``); the top-level rows add up to 1. ``launch_bound``: :func:`is_launch_bound`.
+    The histograms and window means are what ``steptimer compare`` tests a change on.
     """
 
     name: str
-    calls_per_step: float
+    calls_per_step: float | None
     host: SeriesStats
     gpu: SeriesStats | None
     share: float | None
     launch_bound: bool
+    host_hist: LogHistogram | None = field(default=None, repr=False, compare=False)
+    gpu_hist: LogHistogram | None = field(default=None, repr=False, compare=False)
+    host_window_means_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    gpu_window_means_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True)
 class Summary:
-    """The end-of-run summary returned by :meth:`StepTimer.close`.
+    """The end-of-run summary returned by :meth:`StepTimer.close`, and what ``steptimer report``
+    reads back from a run's logs (``_report.analyze``); ``print(summary)`` shows it at 80 columns.
 
     Rows are in the order phases were first seen, with ``data`` first and ``other``, ``wait`` and
     ``step`` (and GPU ``idle``) last. ``steps`` counts the steps summarized (after warm-up);
@@ -135,6 +141,18 @@ class Summary:
     # its fraction of the run's host time (first step's start to the last step's end): in no row.
     own_ms: float = 0.0
     own_share: float | None = None
+    # Read back from logs: the run's name and directory, its windows, whether median and p90 are of
+    # steps (histograms) or of window means (scalar-only logs), each window's wall ms per step.
+    name: str = "steptimer"
+    path: str | None = None
+    windows: int | None = None
+    of_steps: bool = True
+    cycle_window_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def wall_s(self) -> float:
+        """The summarized steps' wall time (data wait + step)."""
+        return self.steps / self.steps_per_s if self.steps_per_s else 0.0
 
     def __getitem__(self, name: str) -> PhaseSummary:
         for row in self.rows:
@@ -144,6 +162,77 @@ class Summary:
 
     def __contains__(self, name: object) -> bool:
         return any(row.name == name for row in self.rows)
+
+    def __str__(self) -> str:
+        from steptimer._table import render
+
+        return render(self, width=80)
+
+
+class Series(NamedTuple):
+    """One row on one clock over the summarized steps."""
+
+    stats: SeriesStats
+    hist: LogHistogram | None = None  # the merged per-step histogram (None: scalar-only logs)
+    window_means_ms: tuple[float, ...] = ()
+
+    @property
+    def sum_ms(self) -> float:
+        return self.hist.sum_ms if self.hist is not None else self.stats.mean_ms * self.stats.steps
+
+
+@dataclass
+class Totals:
+    """What a summary is computed from: the live run's totals (:class:`SummaryAccumulator`) or the
+    same read back from its logs (``_report.analyze``), over the summarized steps."""
+
+    order: list[str]  # phases, first seen first
+    host: dict[str, Series]
+    gpu: dict[str, Series]
+    caught: dict[str, float]  # per phase: the fraction of steps in which the GPU caught up inside it
+    steps: int
+    timed_steps: int
+    wall_ms: float  # data wait + step
+    timed_sum_ms: Mapping[str, float]  # host sums and wall time over the timed steps (host shares)
+    timed_wall_ms: float
+    calls: Mapping[str, int] | None = None  # entries per phase (None: not known)
+    samples: float | None = None
+    tokens: float | None = None
+    flops: float | None = None
+
+
+def summarize(t: Totals, *, cuda: bool | None = None, peak_tflops: float | None = None, **more: Any) -> Summary:
+    """The summary of ``t``: rows, shares, rates and verdict (``more``: :class:`Summary`'s other fields)."""
+    clock, share_of = shares({n: s.sum_ms for n, s in t.gpu.items()}, t.timed_sum_ms, t.timed_wall_ms)
+    rows = []
+    for name in row_order(t.order, {**t.host, **t.gpu}):
+        h, g = t.host.get(name), t.gpu.get(name)
+        host = h.stats if h is not None else _EMPTY
+        launch_bound = (
+            g is not None and h is not None and name not in DERIVED_LAST
+            and is_launch_bound(g.stats.median_ms, host.median_ms, t.caught.get(name))
+        )  # fmt: skip
+        ran = host.steps or (g.stats.steps if g is not None else 0)
+        calls = None if t.calls is None else (t.calls[name] / ran if name in t.calls and ran else 1.0)
+        rows.append(
+            PhaseSummary(
+                name, calls, host, g.stats if g is not None else None, share_of.get(name), launch_bound,
+                h and h.hist, g and g.hist, h.window_means_ms if h else (), g.window_means_ms if g else (),
+            )
+        )  # fmt: skip
+    wall_s = t.wall_ms / 1e3
+
+    def per_s(x: float | None) -> float | None:
+        return x / wall_s if x is not None and wall_s > 0 else None
+
+    tflops_per_s = None if t.flops is None else per_s(t.flops / 1e12)
+    return Summary(
+        steps=t.steps, timed_steps=t.timed_steps, cuda=bool(t.gpu) if cuda is None else cuda, rows=tuple(rows),
+        steps_per_s=per_s(t.steps), samples_per_s=per_s(t.samples), tokens_per_s=per_s(t.tokens),
+        tflops_per_s=tflops_per_s, peak_tflops=peak_tflops, share_clock=clock,
+        mfu=tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None,
+        verdict=verdict(rows, clock == "gpu") if t.timed_steps else None, **more,
+    )  # fmt: skip
 
 
 DERIVED_FIRST = ("data", "loop")
@@ -278,60 +367,21 @@ class SummaryAccumulator:
         self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = (), peak_tflops: float | None = None,
         traces: dict[int, str] | None = None,
     ) -> Summary:  # fmt: skip
-        host_h, gpu_h = self.host, self.gpu
-        names = row_order(list(self.order), {**host_h, **gpu_h})
-        caught_h = self._histograms("caught")
-        clock, share_of = shares({n: h.sum_ms for n, h in gpu_h.items()}, self.timed_sum_ms, self.timed_cycle_ms)
-        rows = []
-        for name in names:
-            host = host_h.get(name)
-            gpu = gpu_h.get(name)
-            host_stats = SeriesStats.of(host) if host is not None else _EMPTY
-            gpu_stats = SeriesStats.of(gpu) if gpu is not None else None
-            caught = caught_h.get(name)
-            launch_bound = (
-                gpu_stats is not None
-                and host is not None
-                and name not in DERIVED_LAST
-                and is_launch_bound(gpu_stats.median_ms, host_stats.median_ms, caught and caught.mean_ms)
-            )
-            steps_ran = host.count if host is not None else (gpu.count if gpu is not None else 0)
-            calls = self.calls.get(name)
-            rows.append(
-                PhaseSummary(
-                    name=name,
-                    calls_per_step=calls / steps_ran if calls is not None and steps_ran else 1.0,
-                    host=host_stats,
-                    gpu=gpu_stats,
-                    share=share_of.get(name),
-                    launch_bound=launch_bound,
-                )
-            )
-        wall_s = self.cycle_ms / 1e3
-        tflops_per_s = self.flops / wall_s / 1e12 if self.flops is not None and wall_s > 0 else None
-        return Summary(
-            steps=self.steps,
-            timed_steps=self.timed_steps,
-            warmup_steps=warmup_steps,
-            cuda=cuda,
-            rows=tuple(rows),
-            steps_per_s=self.steps / wall_s if wall_s > 0 else None,
-            samples_per_s=self.samples / wall_s if self.samples is not None and wall_s > 0 else None,
-            tokens_per_s=self.tokens / wall_s if self.tokens is not None and wall_s > 0 else None,
-            notes=notes,
-            tflops_per_s=tflops_per_s,
-            mfu=tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None,
-            peak_tflops=peak_tflops,
-            share_clock=clock,
-            verdict=verdict(rows, clock == "gpu") if self.timed_steps else None,
-            slowest=self.slow.slowest(_medians(rows), traces),
-        )
+        caught = {n: h.mean_ms for n, h in self._histograms("caught").items()}
+        host = {n: Series(SeriesStats.of(h), h) for n, h in self.host.items()}
+        gpu = {n: Series(SeriesStats.of(h), h) for n, h in self.gpu.items()}
+        totals = Totals(
+            list(self.order), host, gpu, caught, self.steps, self.timed_steps, self.cycle_ms, self.timed_sum_ms,
+            self.timed_cycle_ms, self.calls, self.samples, self.tokens, self.flops,
+        )  # fmt: skip
+        s = summarize(totals, cuda=cuda, peak_tflops=peak_tflops, warmup_steps=warmup_steps, notes=notes)
+        return replace(s, slowest=self.slow.slowest(_medians(s.rows), traces))
 
 
 _EMPTY = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)
 
 
-def _medians(rows: list[PhaseSummary]) -> dict[tuple[str, str], float]:
+def _medians(rows: tuple[PhaseSummary, ...]) -> dict[tuple[str, str], float]:
     """The run's median of each row on each clock, what a slow step is read against."""
     out = {}
     for r in rows:

@@ -1,4 +1,10 @@
-"""The summary table, printed with ``rich``, and the CUDA memory table under it (when read)."""
+"""The one renderer of a :class:`~steptimer._summary.Summary`: the end-of-run summary and ``steptimer report``.
+
+By default it prints what is read at a glance: a heading, the phase table (and the CUDA memory table),
+one throughput line, the verdict with at most two facts, the slowest steps only when one stood out,
+and the notes. What the columns and marks mean is printed with ``explain=True``
+(``steptimer report --explain``) and written in docs/cli.md.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +13,25 @@ import math
 import os
 import textwrap
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from steptimer._memory import MIB
-from steptimer._summary import Summary, row_order
+
+if TYPE_CHECKING:
+    from steptimer._slow import SlowStep
+    from steptimer._summary import Summary
 
 
-def _ms(v: float | None) -> str:
-    if v is None or math.isnan(v):
+def num(v: float | None, *, sign: bool = False) -> str:
+    """Every number steptimer prints, one format: ``1.234``, ``12.3``, ``1,469`` (``-`` for none)."""
+    if v is None or not math.isfinite(v):
         return "-"
-    return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+    plus = "+" if sign else ""
+    return f"{v:{plus}.3f}" if abs(v) < 10 else f"{v:{plus}.1f}" if abs(v) < 1000 else f"{v:{plus},.0f}"
 
 
-def _label(row: Any) -> str:
-    depth = row.name.count("/")
-    return "  " * depth + row.name.rsplit("/", 1)[-1]
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%" if x < 0.995 else f"{100 * x:.0f}%"
 
 
 def fitted(variants: Iterable[Any], width: int) -> Any:
@@ -38,49 +48,157 @@ def fitted(variants: Iterable[Any], width: int) -> Any:
     return table
 
 
-def phase_table(rows: Sequence[Any], *, cuda: bool, share_clock: str, width: int, title: str | None = None) -> Any:
-    """The per-phase table of the summary and of ``steptimer report``, fitted to ``width`` columns:
-    every column if it fits, else without the max columns, else without p90. Headers keep their
-    units; phase names are never cut. ``rows``: ``PhaseSummary`` or ``_report.PhaseRow`` (a
-    ``calls_per_step`` column when the rows have one)."""
-    calls = bool(rows) and hasattr(rows[0], "calls_per_step")
-    labels = [_label(row) for row in rows]
-    clocks = (("GPU", "gpu"),) if cuda else ()
-    clocks += (("host", "host"),)
+def table_of(columns: Sequence[tuple[str, bool]]) -> Any:
+    """A borderless ``rich`` table of ``(header, right-justified)`` columns that never wrap."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
+    for head, right in columns:
+        table.add_column(head, justify="right" if right else "left", no_wrap=True)
+    return table
+
+
+def _label(name: str) -> str:
+    return "  " * name.count("/") + name.rsplit("/", 1)[-1]
+
+
+def phase_table(summary: Summary, width: int) -> Any:
+    """The per-phase table fitted to ``width`` columns: every column if it fits, else without the max
+    columns, else without p90. Headers keep their units; phase names are never cut. A calls/step
+    column only when a phase was entered more than once a step."""
+    rows = summary.rows
+    calls = any(r.calls_per_step not in (None, 1.0) for r in rows)
+    clocks = ("gpu", "host") if summary.cuda else ("host",)
 
     def build(stats: tuple[str, ...]) -> Any:
-        from rich import box
-        from rich.table import Table
-
-        table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0), title=title, title_justify="left")
-        table.add_column("phase", no_wrap=True, min_width=max(map(len, labels), default=5))
-        if calls:
-            table.add_column("calls\n/step", justify="right", no_wrap=True)
-        for head, _ in clocks:
-            for stat in stats:
-                table.add_column(f"{head} ms\n{stat}", justify="right", no_wrap=True)
-        table.add_column(f"share\n{'GPU' if share_clock == 'gpu' else 'host'}", justify="right", no_wrap=True)
-        for label, row in zip(labels, rows):
-            cells = [label] + ([f"{row.calls_per_step:g}"] if calls else [])
-            for _, attr in clocks:
-                st = getattr(row, attr)
-                mark = "*" if attr == "gpu" and row.launch_bound else ""
-                cells += [(_ms(getattr(st, f"{s}_ms")) if st else "-") + (mark if s == "median" else "") for s in stats]
-            cells.append("-" if row.share is None else f"{100 * row.share:.1f}%")
-            table.add_row(*cells)
+        cols = [("phase", False)] + [("calls\n/step", True)] * calls
+        cols += [(f"{'GPU' if c == 'gpu' else 'host'} ms\n{s}", True) for c in clocks for s in stats]
+        table = table_of([*cols, (f"share\n{'GPU' if summary.share_clock == 'gpu' else 'host'}", True)])
+        for r in rows:
+            cells = [_label(r.name)] + ([num(r.calls_per_step) if r.calls_per_step else "-"] if calls else [])
+            for c in clocks:
+                st = r.gpu if c == "gpu" else r.host
+                mark = "*" if c == "gpu" and r.launch_bound else ""
+                cells += [num(getattr(st, f"{s}_ms")) + (mark if s == "median" else "") if st else "-" for s in stats]
+            table.add_row(*cells, "-" if r.share is None else f"{100 * r.share:.1f}%")
         return table
 
     return fitted((build(s) for s in (("median", "p90", "max"), ("median", "p90"), ("median",))), width)
 
 
-def share_legend(share_clock: str) -> str:
-    """What the share column means (printed under the summary's and the report's table)."""
-    if share_clock == "gpu":
-        return (
-            "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's "
-            "idle before it; the wall time in steady state): phases + other + idle = 100%"
+def memory_table(summary: Summary) -> Any:
+    """CUDA memory (None when not read): per phase the peak allocated inside it and the allocated at
+    its exit; the step's peak; the allocator's reserved bytes at the end of the last timed step."""
+    m = summary.memory
+    if m is None or not (m.peak_bytes or m.reserved_bytes):
+        return None
+    from rich.table import Table
+
+    title = "CUDA memory MiB" + (f", {m.steps} timed steps" if m.steps else "")
+    table = Table(title=title, title_justify="left")
+    for head in ("phase", "peak", "at exit"):
+        table.add_column(head, justify="left" if head == "phase" else "right", no_wrap=True)
+    seen = [r.name for r in summary.rows if r.name != "step"]
+    names = [n for n in seen if n in m.peak_bytes] + [n for n in m.peak_bytes if n not in seen and n != "step"]
+    mib = lambda b: "-" if b is None else f"{b / MIB:,.1f}"  # noqa: E731
+    for n in names:
+        table.add_row(_label(n), mib(m.peak_bytes.get(n)), mib(m.alloc_bytes.get(n)))
+    table.add_row("step", mib(m.peak_bytes.get("step")), "-")
+    table.add_row("reserved", "-", mib(m.reserved_bytes))
+    return table
+
+
+def stood_out(summary: Summary) -> list[SlowStep]:
+    """The slowest steps that stood out: the row that grew most grew by at least half the run's
+    median step (a step merely at the top of a flat run is no news, whatever was measured in it)."""
+    step = summary["step"] if "step" in summary else None
+    out = []
+    for s in summary.slowest:
+        st = None if step is None else step.gpu if s.clock == "gpu" else step.host
+        median = st.median_ms if st is not None and st.steps else math.inf
+        if s.grew_ms is not None and s.grew_ms >= 0.5 * median:
+            out.append(s)
+    return out
+
+
+def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
+    """The steps as a ``rich`` table fitted to ``width`` columns: step, wall time and what stood out
+    (the cause column wraps, the others never do)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    def build(traces: bool) -> Any:
+        table = table_of([("step", True), ("wall ms", True)])
+        table.add_column("what stood out", overflow="fold", max_width=max(width - 20, 30))
+        for s in slowest:
+            trace = f" [trace: {os.path.basename(s.trace)}]" if traces and s.trace else ""
+            table.add_row(str(s.step), num(s.wall_ms), (s.cause or "-") + trace)
+        return table
+
+    return Group(Text("slowest steps"), fitted((build(True), build(False)), width))
+
+
+def heading(summary: Summary) -> str:
+    """The line above the table: the run, its steps and clocks."""
+    timed = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed"
+    warm = f" ({summary.warmup_steps} warm-up left out)" if summary.warmup_steps else ""
+    clocks = "CUDA events + host clock" if summary.cuda else "host clock only"
+    return f"{summary.name}: {summary.steps} steps{timed}{warm}, {clocks}"
+
+
+def facts(summary: Summary) -> list[str]:
+    """The lines under the tables: throughput and compute, the verdict, memory's peak, the notes."""
+    rates = [(summary.steps_per_s, "steps/s"), (summary.samples_per_s, "samples/s"), (summary.tokens_per_s, "tokens/s")]
+    line = ", ".join(f"{num(v)} {unit}" for v, unit in rates if v is not None)
+    if summary.tflops_per_s is not None:
+        mfu = "" if summary.mfu is None else f", MFU {100 * summary.mfu:.1f}%"
+        line += f"{'; ' if line else ''}compute: {num(summary.tflops_per_s)} TFLOP/s{mfu}"
+    lines = [f"throughput: {line}"] if line else []
+    if summary.own_ms > 0 and summary.own_share is not None:  # window statistics and files: in no row
+        lines.append(f"steptimer's own work: {num(summary.own_ms)} ms, {pct(summary.own_share)} of the run")
+    v = summary.verdict
+    if v is not None:
+        lines += [f"verdict: {v.kind}"] + [f"  - {e}" for e in v.evidence]
+    m = summary.memory
+    if m is not None and m.max_allocated_bytes:
+        lines.append(f"the run's peak allocated was {m.max_allocated_bytes / MIB:,.1f} MiB")
+    return lines + [f"note: {n}" for n in summary.notes]
+
+
+def explanations(summary: Summary) -> list[str]:
+    """What the columns and marks mean (``--explain``; docs/cli.md says the same)."""
+    if summary.share_clock == "gpu":
+        share = ("share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle "
+                 "before it; the wall time in steady state): phases + other + idle = 100%")  # fmt: skip
+    else:
+        share = "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"
+    lines = [
+        f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps",
+        share,
+        "data: the host's time between steps (your loader, .item(), logging) less pause(), plus a phase "
+        "named data; other: the step less its top-level phases; wait: steptimer's one event wait a step",
+    ]
+    if any(r.launch_bound for r in summary.rows):
+        lines.append(
+            "* launch-bound: the GPU caught up with the host inside the phase and its span is at most "
+            "1.1x the host's: the GPU waited for launches, and its number includes that idle"
         )
-    return "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"
+    if not summary.cuda:
+        lines.append("host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here")
+    if summary.memory is not None:
+        lines.append(
+            "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
+            "allocated when it was left, and reserved at the step's end (last timed step); the run's "
+            "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it"
+        )
+    if summary.slowest:
+        clock = "the GPU's timeline" if summary.slowest[0].clock == "gpu" else "the host clock"
+        lines.append(
+            f"slowest steps: wall on {clock}; what stood out is the row that grew most over its median, then "
+            "the measured causes; shown by default when the row grew by at least half the median step"
+        )
+    return lines
 
 
 def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
@@ -92,163 +210,35 @@ def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
     return out
 
 
-def render(summary: Summary, width: int = 120) -> str:
-    """The table as text, laid out for a terminal ``width`` columns wide (what :func:`print_summary`
-    prints)."""
+def say(console: Any, lines: Iterable[str]) -> None:
+    """Print ``lines`` as plain text, wrapped at the console's width."""
+    for line in wrapped(lines, console.width, "  "):
+        console.print(line, markup=False, highlight=False)
+
+
+def print_summary(summary: Summary, console: Any = None, *, explain: bool = False) -> None:
+    """Print ``summary`` on ``console`` (a ``rich`` console; default: stdout at the terminal's width)."""
     from rich.console import Console
 
-    console = Console(width=width, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
-    _print(console, summary)
-    text = console.export_text()
-    console.file.close()
-    return text
-
-
-def heading(summary: Summary) -> str:
-    """The line above the table: steps, warm-up and clocks. A line of its own, not the table's title,
-    which ``rich`` would wrap to the table's width."""
-    mode = "CUDA events + host clock" if summary.cuda else "host clock only"
-    sampled = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed"
-    return f"steptimer: {summary.steps} steps{sampled} ({summary.warmup_steps} warm-up left out), {mode}"
-
-
-def _print(console, summary: Summary) -> None:  # type: ignore[no-untyped-def]
-    console.print(heading(summary), markup=False, highlight=False)
-    console.print(build_table(summary, console.width))
+    console = console or Console()
+    say(console, [heading(summary)])
+    console.print(phase_table(summary, console.width))
     mem = memory_table(summary)
     if mem is not None:
         console.print(mem)
-    if summary.slowest:
-        console.print(slowest_table(summary.slowest, console.width))
-    for line in wrapped(footer(summary), console.width, "  "):
-        console.print(line, markup=False, highlight=False)
-    if summary.ranks is not None:
-        for line in summary.ranks.lines():
-            console.print(line, markup=False, highlight=False)
+    shown = summary.slowest if explain else stood_out(summary)
+    if shown:
+        console.print(slowest_table(shown, console.width))
+    say(console, facts(summary) + (summary.ranks.lines() if summary.ranks is not None else []))
+    if explain:
+        say(console, explanations(summary))
 
 
-def conclusion(rows: Sequence[Any], share_clock: str, verdict: Any) -> list[str]:
-    """The lines under the summary's and the report's table: what ``share`` and ``*`` mean, then the
-    verdict and its evidence (``_verdict.py``)."""
-    lines = [share_legend(share_clock)]
-    if any(r.launch_bound for r in rows):
-        lines.append(
-            "* launch-bound: the GPU caught up with the host inside the phase and its span is at "
-            "most 1.1x the host's: the GPU waited for launches, and its number includes that idle."
-        )
-    if verdict is not None:
-        lines.append(f"verdict: {verdict.kind}")
-        lines += [f"  - {e}" for e in verdict.evidence]
-    return lines
-
-
-def footer(summary: Summary) -> list[str]:
-    """The summary's lines under its tables (the per-rank section comes after them)."""
-    lines = []
-    rates = [f"{summary.steps_per_s:.2f} steps/s" if summary.steps_per_s else None]
-    if summary.samples_per_s is not None:
-        rates.append(f"{summary.samples_per_s:,.1f} samples/s")
-    if summary.tokens_per_s is not None:
-        rates.append(f"{summary.tokens_per_s:,.0f} tokens/s")
-    if any(rates):
-        lines.append("throughput: " + ", ".join(r for r in rates if r))
-    if summary.tflops_per_s is not None:
-        lines.append(compute_line(summary.tflops_per_s, summary.mfu))
-    if summary.timed_steps:
-        lines += conclusion(summary.rows, summary.share_clock, summary.verdict)
-    m = summary.memory
-    if m is not None and m.steps:
-        lines.append(MEMORY_LEGEND)
-    if m is not None and m.max_allocated_bytes:
-        lines.append(
-            f"the run's peak allocated was {m.max_allocated_bytes / MIB:,.1f} MiB (what "
-            "torch.cuda.max_memory_allocated() would say had steptimer not reset it per phase)"
-        )
-    lines.extend(summary.notes)
-    return lines
-
-
-def compute_line(tflops_per_s: float, mfu: float | None) -> str:
-    """``compute: 412.3 TFLOP/s, MFU 41.7%`` (the summary's and ``steptimer report``'s line)."""
-    return f"compute: {tflops_per_s:,.4g} TFLOP/s" + ("" if mfu is None else f", MFU {100 * mfu:.1f}%")
-
-
-def build_table(summary: Summary, width: int = 120):  # type: ignore[no-untyped-def]
-    """The summary as a ``rich`` table fitted to ``width`` columns (:func:`phase_table`)."""
-    return phase_table(summary.rows, cuda=summary.cuda, share_clock=summary.share_clock, width=width)
-
-
-def print_summary(summary: Summary) -> None:
+def render(summary: Summary, width: int = 80) -> str:
+    """The summary as :func:`print_summary` prints it on a terminal ``width`` columns wide."""
     from rich.console import Console
 
-    _print(Console(), summary)
-MEMORY_COLUMNS = ("phase", "peak", "at exit")
-MEMORY_LEGEND = (
-    "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
-    "allocated when it was left, and reserved at the step's end (last timed step)"
-)
+    console = Console(width=width, record=True, file=io.StringIO())
+    print_summary(summary, console)
+    return console.export_text()
 
-
-def _mib(n_bytes: float | None) -> str:
-    return "-" if n_bytes is None else f"{n_bytes / MIB:,.1f}"
-
-
-def memory_rows(
-    names: list[str], peak: dict[str, float], alloc: dict[str, float], reserved: float | None
-) -> list[tuple[str, str, str]]:
-    """The memory table's rows as (label, peak, alloc) text: the phases in ``row_order``, then the
-    step's peak and the reserved bytes; one layout for the summary and ``steptimer report``
-    (values in bytes)."""
-    rows = []
-    for name in row_order([n for n in names if n != "step"], set(names) - {"step"}):
-        rows.append(("  " * name.count("/") + name.rsplit("/", 1)[-1], _mib(peak.get(name)), _mib(alloc.get(name))))
-    rows.append(("step", _mib(peak.get("step")), "-"))
-    rows.append(("reserved", "-", _mib(reserved)))
-    return rows
-
-
-def memory_table(summary: Summary):  # type: ignore[no-untyped-def]
-    """The summary's CUDA memory as a ``rich`` table (None when memory was not read): per phase the
-    peak allocated inside it (max over the timed steps) and the allocated at its exit (last timed
-    step); the step's peak; the allocator's reserved bytes at the end of the last timed step."""
-    m = summary.memory
-    if m is None or not m.steps:
-        return None
-    from rich.table import Table
-
-    table = Table(title=f"CUDA memory MiB, {m.steps} timed steps", title_justify="left")
-    for col in MEMORY_COLUMNS:
-        table.add_column(col, justify="left" if col == "phase" else "right", no_wrap=True)
-    seen = [r.name for r in summary.rows]
-    names = [n for n in seen if n in m.peak_bytes] + [n for n in m.peak_bytes if n not in seen]
-    for cells in memory_rows(names, dict(m.peak_bytes), dict(m.alloc_bytes), m.reserved_bytes):
-        table.add_row(*cells)
-    return table
-
-
-def slowest_table(slowest: Sequence[Any], width: int = 80) -> Any:
-    """The slowest steps (``_slow.SlowStep``) as a ``rich`` table fitted to ``width`` columns: step,
-    wall time, and what stood out (the row that grew over its median, the measured causes; the
-    cause column wraps, the others never do). One layout for the summary and ``steptimer report``."""
-    from rich import box
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    on = "the GPU's timeline" if slowest[0].clock == "gpu" else "host clock"
-    # A line of its own, not the table's title, which rich would wrap to the table's width.
-    title = Text(f"slowest steps (wall on {on}; vs the run's median of the row)")
-
-    def build(traces: bool) -> Any:
-        table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
-        table.add_column("step", justify="right", no_wrap=True)
-        table.add_column("wall ms", justify="right", no_wrap=True)
-        table.add_column("what stood out", overflow="fold", max_width=max(width - 20, 30))
-        for s in slowest:
-            cause = s.cause or "-"
-            if traces and s.trace:
-                cause += f" [trace: {os.path.basename(s.trace)}]"
-            table.add_row(str(s.step), _ms(s.wall_ms), cause)
-        return table
-
-    return Group(title, fitted((build(True), build(False)), width))

@@ -1,48 +1,13 @@
 """TensorBoard sink: window statistics as scalars and histograms, plus a Custom Scalars layout.
 
-Tag grammar (one rule, documented in docs/tensorboard.md)::
+The tags follow ``_tags.py``'s grammar (documented in docs/tensorboard.md); ``<group>``, the tag up
+to its first ``/``, is the chart group of TensorBoard's Scalars and Time Series tabs (alphabetical,
+so ``steptimer`` comes first; Time Series opens only the first two).
 
-    <group>/<family>/<name>_<measure>   a value of one phase or derived row <name>
-    <group>/<measure>                   a value of the whole window
-
-``<group>`` is the chart group of TensorBoard's Scalars and Time Series tabs (the tag up to its
-first ``/``; groups are shown in alphabetical order, so ``steptimer`` comes first, and Time Series
-opens only the first two):
-
-    steptimer/<clock>/<name>_ms                  window mean, clock in {host, gpu}
-    steptimer/<clock>/<name>_pct                 the row's part of the window's wall time, %: of the
-                                                 GPU's timeline with CUDA timing (clock ``gpu``:
-                                                 phases, other, idle), else of the host's (``host``:
-                                                 data, phases, other, wait; steptimer/_verdict.py)
-    steptimer/steps_per_s, steptimer/samples_per_s, steptimer/tokens_per_s
-    steptimer/tflops_per_s                       the window's step(flops=) over its wall time, TFLOP/s
-    steptimer/mfu                                tflops_per_s over the peak (a fraction, 0-1)
-    steptimer/mem/<name>_peak_mib                CUDA memory (rules in steptimer/_memory.py): max over
-                                                 the window's timed steps of the peak allocated inside
-                                                 the phase (``step``: the step)
-    steptimer/mem/<name>_alloc_mib               allocated at the phase's exit, last timed step
-    steptimer/mem/reserved_mib                   reserved at the step's end, last timed step
-    steptimer-tails/<clock>/<name>_p90_ms        window p90 of steps
-    steptimer-tails/<clock>/<name>_max_ms        window max of steps
-    steptimer-caught-up/gpu/<name>_frac          fraction of the window's steps in which the GPU reached
-                                                 the phase's start before the host left the phase
-    steptimer-hist/<clock>/<name>_ms             histogram of the window's steps on the fixed log grid
-    steptimer-ranks/...                          cross-rank spread (steptimer/_dist.py)
-    steptimer-run/warmup_steps                   on a window of warm-up steps only: their number
-
-``<name>`` is a phase name (``outer/inner`` when nested) or a derived row: ``step``, ``data``,
-``other``, ``wait`` (host), ``step``, ``other``, ``idle`` (GPU). ``<family>`` is one word without
-``_`` (``host``, ``gpu``), so ``<group>/<family>_<measure>`` reads back unambiguously.
-
-On disk (TensorBoard colours lines by run, never by tag): every row but ``step`` gets a run of its
-own, ``<dir>/steptimer/<name>``, holding its scalars without the name (:func:`split_tag`):
-``steptimer/host/forward_ms`` is ``steptimer/host_ms`` in run ``steptimer/forward``, so the chart
-``steptimer/host_ms`` draws one colour per row and the run list names them, as
-``SummaryWriter.add_scalars`` does. ``step`` is the total of those rows, not one of them: its tags
-stay whole in ``<dir>``'s own run (charts of their own, ``steptimer/host/step_ms``), with the
-whole-window tags and every histogram (one run per card anyway, and whole tags give each card its
-row's name as title). Loggers that are not TensorBoard (Lightning's CSV, W&B, ...) get the tags
-above as they are.
+TensorBoard colours lines by run, never by tag, so every row but ``step`` gets a run of its own,
+``<dir>/steptimer/<name>``, holding its scalars without the name (``steptimer/host_ms``: one chart,
+one colour per row). ``step``, the whole-window tags and every histogram stay whole in ``<dir>``'s
+own run (docs/tensorboard.md). Loggers that are not TensorBoard get the whole tags.
 """
 
 from __future__ import annotations
@@ -55,131 +20,93 @@ import re
 import socket
 import tempfile
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from steptimer._memory import MIB
 from steptimer._summary import Summary, row_order
+from steptimer._tags import (
+    CAUGHT, HIST, MAIN, MFU, RESERVED_MIB, RUN, SAMPLES_PER_S, STEPS_PER_S, TAILS, TFLOPS_PER_S, TOKENS_PER_S,
+    WARMUP_STEPS, run_tag, split_tag, tag,
+)  # fmt: skip
 from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
 
 PHASE_DIR = "steptimer"  # <dir>/steptimer/<name>: the run of one phase or derived row
 PHASE_SUFFIX = ".steptimer"  # event files of a phase's run end with it: the reader tells them apart
-MAIN = "steptimer"  # the first group: window means per phase and throughput
-WARMUP_TAG = "steptimer-run/warmup_steps"
+STEP = "step"  # the total of the rows: never a run of its own, never drawn with its parts
+_TITLE = {"host": "Host", "gpu": "GPU"}
+
+
+def _rx(group: str, family: str, measure: str = "") -> str:
+    return f"^{run_tag(group, family, measure) if measure else f'{group}/{family}'}$"
+
 
 # Custom Scalars charts, by title: a regex over the tags as the runs hold them (a phase's tags without
 # its name; ``step``'s whole, in the log dir's own run). One unit per chart, in this order: where the
 # step goes (its rows' shares and times), the step's total, throughput; then the other groups. A
 # written tag that no regex matches gets a chart of its own.
 CHARTS = {
-    "Share of the GPU's timeline per row, %": r"^steptimer/gpu_pct$",
-    "Share of wall time per row (host clock), %": r"^steptimer/host_pct$",
-    "GPU ms per row": r"^steptimer/gpu_ms$",
-    "Host ms per row": r"^steptimer/host_ms$",
-    "GPU step ms": r"^steptimer/gpu/step_ms$",
-    "Host step ms": r"^steptimer/host/step_ms$",
-    "Steps per second": r"^steptimer/steps_per_s$",
-    "Samples per second": r"^steptimer/samples_per_s$",
-    "Tokens per second": r"^steptimer/tokens_per_s$",
-    "TFLOP/s": r"^steptimer/tflops_per_s$",
-    "MFU (fraction of peak)": r"^steptimer/mfu$",
-    "CUDA peak allocated MiB per phase": r"^steptimer/mem_peak_mib$",
-    "CUDA peak allocated MiB per step": r"^steptimer/mem/step_peak_mib$",
-    "CUDA allocated MiB at phase exit": r"^steptimer/mem_alloc_mib$",
-    "CUDA reserved MiB": r"^steptimer/mem/reserved_mib$",
-    "Host p90 ms per row": r"^steptimer-tails/host_p90_ms$",
-    "GPU p90 ms per row": r"^steptimer-tails/gpu_p90_ms$",
-    "Host max ms per row": r"^steptimer-tails/host_max_ms$",
-    "GPU max ms per row": r"^steptimer-tails/gpu_max_ms$",
-    "Host step p90 ms": r"^steptimer-tails/host/step_p90_ms$",
-    "GPU step p90 ms": r"^steptimer-tails/gpu/step_p90_ms$",
-    "Host step max ms": r"^steptimer-tails/host/step_max_ms$",
-    "GPU step max ms": r"^steptimer-tails/gpu/step_max_ms$",
-    "Steps in which the GPU caught up, per phase": r"^steptimer-caught-up/gpu_frac$",
+    "Share of the GPU's timeline per row, %": _rx(MAIN, "gpu", "pct"),
+    "Share of wall time per row (host clock), %": _rx(MAIN, "host", "pct"),
+    "GPU ms per row": _rx(MAIN, "gpu", "ms"),
+    "Host ms per row": _rx(MAIN, "host", "ms"),
+    "GPU step ms": f"^{tag(MAIN, 'gpu', STEP, 'ms')}$",
+    "Host step ms": f"^{tag(MAIN, 'host', STEP, 'ms')}$",
+    "Steps per second": f"^{STEPS_PER_S}$",
+    "Samples per second": f"^{SAMPLES_PER_S}$",
+    "Tokens per second": f"^{TOKENS_PER_S}$",
+    "TFLOP/s": f"^{TFLOPS_PER_S}$",
+    "MFU (fraction of peak)": f"^{MFU}$",
+    "CUDA peak allocated MiB per phase": _rx(MAIN, "mem", "peak_mib"),
+    "CUDA peak allocated MiB per step": f"^{tag(MAIN, 'mem', STEP, 'peak_mib')}$",
+    "CUDA allocated MiB at phase exit": _rx(MAIN, "mem", "alloc_mib"),
+    "CUDA reserved MiB": f"^{RESERVED_MIB}$",
+    **{f"{_TITLE[c]} {q} ms per row": _rx(TAILS, c, f"{q}_ms") for q in ("p90", "max") for c in _TITLE},
+    **{f"{_TITLE[c]} step {q} ms": f"^{tag(TAILS, c, STEP, f'{q}_ms')}$" for q in ("p90", "max") for c in _TITLE},
+    "Steps in which the GPU caught up, per phase": _rx(CAUGHT, "gpu", "frac"),
 }
-_UNCHARTED = ("steptimer-run",)  # groups left out of the Custom Scalars layout
-
-
-def split_tag(tag: str, names: Collection[str]) -> tuple[str | None, str]:
-    """``(name, tag in the name's run)`` for a per-phase tag, ``(None, tag)`` for any other.
-
-    ``steptimer/host/forward_ms`` -> ``("forward", "steptimer/host_ms")`` when ``forward`` is in
-    ``names`` (the window's phases and derived rows); the longest name wins (``zero_grad`` over
-    ``zero``).
-
-    >>> split_tag("steptimer-tails/gpu/fwd/attn_p90_ms", {"fwd", "fwd/attn"})
-    ('fwd/attn', 'steptimer-tails/gpu_p90_ms')
-    >>> split_tag("steptimer/steps_per_s", {"fwd"})
-    (None, 'steptimer/steps_per_s')
-    """
-    parts = tag.split("/", 2)
-    if len(parts) < 3 or "_" in parts[1]:
-        return None, tag
-    group, family, rest = parts
-    cut = rest.rfind("_")
-    while cut > 0:
-        if rest[:cut] in names:
-            return rest[:cut], f"{group}/{family}_{rest[cut + 1 :]}"
-        cut = rest.rfind("_", 0, cut)
-    return None, tag
-
-
-def join_tag(name: str, run_tag: str) -> str:
-    """The inverse of :func:`split_tag`: ``("forward", "steptimer/host_ms")`` -> ``steptimer/host/forward_ms``."""
-    group, _, rest = run_tag.partition("/")
-    family, _, measure = rest.partition("_")
-    return f"{group}/{family}/{name}_{measure}"
+_UNCHARTED = (RUN,)  # groups left out of the Custom Scalars layout
 
 
 def window_scalars(window: Window) -> dict[str, float]:
-    """Every scalar a window writes, by tag (the grammar above, a phase's name in the tag)."""
+    """Every scalar a window writes, by tag (``_tags.py``'s grammar, a phase's name in the tag)."""
     out: dict[str, float] = {}
     for clock, series in (("host", window.host), ("gpu", window.gpu)):
         for name, st in series.items():
-            out[f"steptimer/{clock}/{name}_ms"] = st.mean_ms
-            out[f"steptimer-tails/{clock}/{name}_p90_ms"] = st.p90_ms
-            out[f"steptimer-tails/{clock}/{name}_max_ms"] = st.max_ms
+            out[tag(MAIN, clock, name, "ms")] = st.mean_ms
+            out[tag(TAILS, clock, name, "p90_ms")] = st.p90_ms
+            out[tag(TAILS, clock, name, "max_ms")] = st.max_ms
     for name, frac in window.caught.items():
-        out[f"steptimer-caught-up/gpu/{name}_frac"] = frac
+        out[tag(CAUGHT, "gpu", name, "frac")] = frac
     for name, share in window.shares.items():
-        out[f"steptimer/{window.share_clock}/{name}_pct"] = 100.0 * share
-    out["steptimer/steps_per_s"] = window.steps_per_s
-    if window.samples_per_s is not None:
-        out["steptimer/samples_per_s"] = window.samples_per_s
-    if window.tokens_per_s is not None:
-        out["steptimer/tokens_per_s"] = window.tokens_per_s
-    if window.tflops_per_s is not None:
-        out["steptimer/tflops_per_s"] = window.tflops_per_s
-    if window.mfu is not None:
-        out["steptimer/mfu"] = window.mfu
+        out[tag(MAIN, window.share_clock, name, "pct")] = 100.0 * share
+    out[STEPS_PER_S] = window.steps_per_s
+    for key, v in ((SAMPLES_PER_S, window.samples_per_s), (TOKENS_PER_S, window.tokens_per_s),
+                   (TFLOPS_PER_S, window.tflops_per_s), (MFU, window.mfu)):  # fmt: skip
+        if v is not None:
+            out[key] = v
     if window.warmup:
-        out[WARMUP_TAG] = float(window.steps)
+        out[WARMUP_STEPS] = float(window.steps)
     mem = window.memory
     if mem is not None:
         for name, b in mem.peak_bytes.items():
-            out[f"steptimer/mem/{name}_peak_mib"] = b / MIB
+            out[tag(MAIN, "mem", name, "peak_mib")] = b / MIB
         for name, b in mem.alloc_bytes.items():
-            out[f"steptimer/mem/{name}_alloc_mib"] = b / MIB
-        out["steptimer/mem/reserved_mib"] = mem.reserved_bytes / MIB
+            out[tag(MAIN, "mem", name, "alloc_mib")] = b / MIB
+        out[RESERVED_MIB] = mem.reserved_bytes / MIB
     out.update(window.extra)
     return out
 
 
-STEP = "step"  # the total of the rows: never a run of its own, never drawn with its parts
-
-
 def run_names(window: Window) -> list[str]:
-    """The window's rows that get a run, in the order their runs are created, which is the order
-    TensorBoard hands out colours: the table's rows in timeline order, ``idle`` (the GPU's, before
-    the step) first and ``wait`` (the host's, at its end) last, ``step`` left out.
+    """The window's rows that get a run, in the order their runs are created: ``idle`` first, the
+    table's rows, ``wait`` last, ``step`` left out.
 
-    TensorBoard colours the n-th run of ``/data/runs`` (sorted by first event) with colour n mod 7
-    of a 7-colour palette, and the log dir's own run, created at construction, is the first. It
-    holds ``step`` and the throughput, charted apart, so the rows take colours 1, 2, ... and
-    neighbouring rows take neighbouring palette entries, which are far apart. With 8 rows (5 phases
-    under CUDA) ``idle`` and ``wait`` share a colour: they are never in one chart (GPU, host)."""
+    TensorBoard colours the n-th run (by first event) with colour n mod 7; the log dir's own run is
+    the 0th, so neighbouring rows take neighbouring palette entries, which are far apart. With 8 rows
+    ``idle`` and ``wait`` share a colour: they are never in one chart (GPU, host)."""
     names = dict.fromkeys([*window.host, *window.gpu])
     rows = [n for n in row_order(list(names), names) if n not in (STEP, "idle", "wait")]
     return [n for n in ("idle",) if n in names] + rows + [n for n in ("wait",) if n in names]
@@ -193,13 +120,13 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
     names = run_names(window)
     out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in names}}
     if scalars:
-        for tag, v in window_scalars(window).items():
-            name, run_tag = split_tag(tag, out)
-            out[name].value.add(tag=run_tag, simple_value=v)
+        for key, v in window_scalars(window).items():
+            name, in_run = split_tag(key, out)
+            out[name].value.add(tag=in_run, simple_value=v)
     if histograms:
         main = out[None]
         for clock, name, limits, counts, stats in _histograms(window):
-            hp = main.value.add(tag=f"steptimer-hist/{clock}/{name}_ms").histo
+            hp = main.value.add(tag=tag(HIST, clock, name, "ms")).histo
             hp.min, hp.max, hp.num, hp.sum, hp.sum_squares = stats
             hp.bucket_limit.extend(limits)
             hp.bucket.extend(counts)
@@ -207,14 +134,12 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
 
 
 def _histograms(window: Window) -> Iterable[tuple[str, str, Any, Any, tuple[float, ...]]]:
+    """Straight from the window's arrays: no LogHistogram per series."""
     p = window.packed
-    if p is not None:  # straight from the window's arrays: no LogHistogram per series
-        for (clock, name), k, limits, counts in p.buckets():
-            yield clock, name, limits, counts, (p.min_ms[k], p.max_ms[k], p.count[k], p.sum_ms[k], p.sumsq_ms[k])
+    if p is None:
         return
-    for (clock, name), h in window.hists.items():  # a window built elsewhere (tests, tools)
-        limits, counts = h.buckets()
-        yield clock, name, limits, counts, (h.min_ms, h.max_ms, h.count, h.sum_ms, h.sumsq_ms)
+    for (clock, name), k, limits, counts in p.buckets():
+        yield clock, name, limits, counts, (p.min_ms[k], p.max_ms[k], p.count[k], p.sum_ms[k], p.sumsq_ms[k])
 
 
 def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
@@ -225,11 +150,11 @@ def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
 
     charts = {**CHARTS, **RANK_CHARTS}
     cats: dict[str, dict[str, list[Any]]] = {}
-    for tag in sorted(set(run_tags)):
-        group = tag.partition("/")[0]
+    for key in sorted(set(run_tags)):
+        group = key.partition("/")[0]
         if not group.startswith(MAIN) or group in _UNCHARTED:
             continue
-        title, rx = next(((t, r) for t, r in charts.items() if re.search(r, tag)), (tag, f"^{re.escape(tag)}$"))
+        title, rx = next(((t, r) for t, r in charts.items() if re.search(r, key)), (key, f"^{re.escape(key)}$"))
         cats.setdefault(group, {})[title] = ["Multiline", [rx]]
     order = {t: i for i, t in enumerate(charts)}
     return {
@@ -254,17 +179,11 @@ def check_writable(path: str) -> None:
 class EventFile:
     """A TensorBoard event file that steptimer owns, appended to in the caller's thread.
 
-    TensorBoard's ``SummaryWriter`` hands each event to a writer thread, which takes the GIL several
-    times per event while the training loop runs. Here events are TensorBoard's ``Event`` protos,
-    framed by TensorBoard's ``RecordWriter`` with a C checksum (``_records.py``), and each ``write``
-    appends its event with one ``open``/``write``/``close``: no file stays open between windows (open
-    files don't grow with the number of phases), a deleted directory is noticed at the next window
-    rather than written to a vanished inode, and after a SIGKILL every window before it is on disk.
-    The cost, measured with ``bench/tb_window.py``, is in docs/benchmarks.md.
-
-    The file name is TensorBoard's (time, host, pid, a counter), so readers sort it the same; every
-    file of one :class:`TensorBoardSink` shares its ``run_id`` (``_reader.find_runs`` tells runs in one
-    directory apart by it).
+    ``SummaryWriter``'s writer thread takes the GIL several times per event while the loop runs.
+    Here each ``write`` appends one framed ``Event`` (``_records.py``) with one ``open``/``write``/
+    ``close``: no file stays open between windows, a deleted directory is noticed at the next window,
+    and after a SIGKILL every window before it is on disk (cost: docs/benchmarks.md). Every file of
+    one :class:`TensorBoardSink` carries its ``run_id`` in its name, which tells runs apart.
 
     Raises:
         OSError: from the constructor (it writes the file's first record) and from ``write``.
@@ -309,21 +228,14 @@ def new_run_id() -> str:
 
 
 class TensorBoardSink:
-    """Writes windows to TensorBoard: the log dir's own run, one run per phase and derived row beside
-    it (``<dir>/steptimer/<name>``, steptimer's own :class:`EventFile` each), and the Custom Scalars
-    layout.
+    """Writes windows to TensorBoard: the log dir's own run (an :class:`EventFile`, or a user's
+    ``writer``, never closed here; TensorBoard merges the runs' layouts, ours goes to the first row's
+    run), one run per row beside it, and the Custom Scalars layout.
 
-    The log dir's own run is an :class:`EventFile` in ``log_dir``, or a user's ``writer`` (a
-    ``SummaryWriter``, never closed here; its layout, if any, stays: TensorBoard merges the layouts
-    of all runs, and ours goes to the first row's run). Cost per window: one appended event per run
-    (~10 runs for a loop of 5 phases; docs/benchmarks.md has the measured total).
-
-    A write that fails after construction (a full disk, a file-size limit, too many open files, a
-    deleted or read-only directory) never reaches the training loop: it is logged once, as a warning
-    on the ``steptimer`` logger naming the directory and the cause, and nothing more is written.
-    The summary at close is built from the windows in memory, so it stays whole. A logger warning,
-    not ``warnings.warn``: ``-W error`` or pytest's ``filterwarnings = error`` would turn a warning
-    into an exception inside the user's training step.
+    A write that fails after construction (full disk, file-size limit, too many open files, a deleted
+    directory) never reaches the training loop: one warning on the ``steptimer`` logger names the
+    directory and the cause, and nothing more is written; the summary is kept in memory, whole. A
+    logger warning, not ``warnings.warn``, which ``-W error`` would raise inside the user's step.
     """
 
     def __init__(

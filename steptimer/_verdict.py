@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from steptimer._histogram import SeriesStats
+from steptimer._table import num, pct
 
 # Verdict thresholds, as fractions of the GPU's timeline (host only: of wall time).
 STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this much: input-bound
@@ -30,7 +31,7 @@ DERIVED = frozenset({"data", "loop", "other", "wait", "step", "idle"})
 
 
 class Row(Protocol):
-    """What the verdict reads of a table row (``_summary.PhaseSummary``, ``_report.PhaseRow``)."""
+    """What the verdict reads of a table row (``_summary.PhaseSummary``)."""
 
     name: str
     host: SeriesStats | None
@@ -79,12 +80,8 @@ def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dic
     return {n: v / timed_cycle_ms for n, v in timed_sum_ms.items() if "/" not in n and n not in ("step", "idle")}
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%" if x < 0.995 else f"{100 * x:.0f}%"
-
-
 def _ms(x: float) -> str:
-    return f"{x:.3g} ms"
+    return f"{num(x)} ms"
 
 
 def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
@@ -102,33 +99,32 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     launch = [r for r in phases if r.launch_bound]
     launch_share = sum(r.share or 0.0 for r in launch)
 
-    said_idle = f"GPU idle between steps: {_pct(idle)} of the GPU's timeline" + (
-        f" (median {_ms(idle_row.gpu.median_ms)} per step)" if idle_row is not None and idle_row.gpu else ""
+    said_idle = f"GPU idle between steps: {pct(idle)} of its timeline" + (
+        f" (median {_ms(idle_row.gpu.median_ms)} a step)" if idle_row is not None and idle_row.gpu else ""
     )
     said_data = (
-        f"the GPU waited for the host inside your `data` phase: {_pct(data_wait)} of its timeline"
+        f"the GPU waited for the host inside your `data` phase: {pct(data_wait)} of its timeline"
         if data_wait
         else None
     )
     between = by.get("data")
     said_between = (
-        f"meanwhile the host's data row (the time between steps, plus a `data` phase if you have one: "
-        f"your loader, .item(), logging) took a median {_ms(between.host.median_ms)} per step"
-        if between is not None and between.host is not None
+        f"the host's data row (between steps) took a median {_ms(between.host.median_ms)} a step"
+        if between is not None and between.host is not None and between.host.steps
         else None
     )
-    launch_list = ", ".join(f"{r.name} ({_pct(r.share or 0.0)})" for r in launch)
+    launch_list = ", ".join(f"{r.name} ({pct(r.share or 0.0)})" for r in launch)
     said_launch = (
         f"the GPU caught up with the host (waited for launches) in {launch_list}"
         if launch
         else "the GPU caught up with the host inside no phase: it always had queued work"
     )
     lead = sorted((r for r in phases if (r.share or 0.0) >= 0.01), key=lambda r: -(r.share or 0.0))[:3]
-    said_lead = "the GPU's time went to " + ", ".join(f"{r.name} {_pct(r.share or 0.0)}" for r in lead)
+    said_lead = "the GPU's time went to " + ", ".join(f"{r.name} {pct(r.share or 0.0)}" for r in lead)
 
     if stall >= STALL_SHARE and stall >= launch_share:
-        first = f"the GPU waited for the host before its steps' work {_pct(stall)} of its timeline"
-        ev = [said_idle, said_data, said_between if idle >= data_wait else None]
+        first = f"the GPU waited for the host before its steps' work {pct(stall)} of its timeline"
+        ev = [said_data, said_between if idle >= data_wait else None, said_idle]
         return Verdict("input-bound", _facts(first, ev))
     if launch_share >= LAUNCH_SHARE:
         return Verdict("launch-bound", _facts(said_launch, [said_idle]))
@@ -136,38 +132,26 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
         return Verdict("gpu-bound", _facts(said_lead if lead else said_idle, [said_idle, said_launch]))
     reasons = []
     if stall >= BUSY_SHARE:
-        reasons.append(
-            f"the GPU waited for the host between steps {_pct(stall)} of its timeline: more than a "
-            f"GPU-bound run ({_pct(BUSY_SHARE)}), less than an input-bound one ({_pct(STALL_SHARE)})"
-        )
+        reasons.append(f"the GPU waited for the host between steps {pct(stall)} of its timeline")
     if launch_share >= BUSY_SHARE:
-        reasons.append(
-            f"launch-bound phases hold {_pct(launch_share)} of the GPU's timeline (launch-bound from "
-            f"{_pct(LAUNCH_SHARE)}): {launch_list}"
-        )
+        reasons.append(f"launch-bound phases hold {pct(launch_share)} of the GPU's timeline: {launch_list}")
     return Verdict("mixed", _facts(reasons[0], [*reasons[1:], said_idle, said_lead if lead else None]))
 
 
 def _host_verdict(by: Mapping[str, Row], phases: Sequence[Row]) -> Verdict:
     data = by.get("data")
     between = (data.share or 0.0) if data is not None else 0.0
-    said_between = f"the host spent {_pct(between)} of wall time on the data row" + (
-        f" (median {_ms(data.host.median_ms)}: the time between steps, plus a `data` phase if you have "
-        "one; your loader, logging, the framework's loop)"
-        if data is not None and data.host is not None
+    said_between = f"the host spent {pct(between)} of wall time on the data row" + (
+        f" (median {_ms(data.host.median_ms)})" if data is not None and data.host is not None and data.host.steps
         else ""
-    )
-    no_gpu = "host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here"
+    )  # fmt: skip
     if between >= HOST_BETWEEN_SHARE:
-        return Verdict("input-bound", (said_between, no_gpu))
+        return Verdict("input-bound", (said_between,))
     lead = sorted((r for r in phases if (r.share or 0.0) >= 0.01), key=lambda r: -(r.share or 0.0))[:3]
-    said_lead = "the steps' time went to " + ", ".join(f"{r.name} {_pct(r.share or 0.0)}" for r in lead)
-    return Verdict("compute-bound", _facts(said_between, [said_lead if lead else None, no_gpu]))
+    said_lead = "the steps' time went to " + ", ".join(f"{r.name} {pct(r.share or 0.0)}" for r in lead)
+    return Verdict("compute-bound", _facts(said_between, [said_lead if lead else None]))
 
 
 def _facts(first: str, more: Sequence[str | None]) -> tuple[str, ...]:
-    out = [first]
-    for s in more:
-        if s and s not in out:
-            out.append(s)
-    return tuple(out)
+    """The verdict's evidence: ``first`` and the next fact of ``more``, two at most."""
+    return (first, *[s for s in more if s and s != first][:1])

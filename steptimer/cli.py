@@ -2,7 +2,9 @@
 and ``run``, which times a training script unchanged (steptimer/_run.py).
 
 Bad input (a missing path, no steptimer tags, a corrupt or truncated event file, a trace-less log
-directory) prints one line on stderr and exits with status 1; usage errors exit with status 2.
+directory) prints one line on stderr and exits with status 1; usage errors exit with status 2. Output
+into a pipe whose reader has gone (``| head -1``) exits with status 1 and says nothing (Python's
+convention for SIGPIPE, which ``rich`` follows).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from dataclasses import asdict
 from typing import Any
 
 from steptimer._options import nonneg_int, positive_int
+from steptimer._memory import MIB
 from steptimer._reader import LogError, find_runs
-from steptimer._report import MemoryReport, RunReport, analyze, compare, nothing_to_report
-from steptimer._table import compute_line
+from steptimer._report import analyze, compare, nothing_to_report
+from steptimer._summary import Summary
+from steptimer._table import num
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,15 +36,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return status
+    except BrokenPipeError:  # `steptimer report ... | head -1`: status 1 and no word, as rich's print does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 1
     except LogError as err:
         print(f"steptimer: error: {err}", file=sys.stderr)
         return 1
     except OSError as err:  # a file that vanished or can't be read mid-command: a line, not a traceback
         print(f"steptimer: error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # `steptimer report ... | head`
-        return 0
 
 
 _EXAMPLES = """\
@@ -78,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="per-phase GPU/host times of steps, shares and a bottleneck verdict")
     r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
     r.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    r.add_argument("--explain", action="store_true", help="also say what each column, mark and row means")
     _window_args(r)
     r.set_defaults(func=_cmd_report)
     c = sub.add_parser(
@@ -131,6 +139,8 @@ def _window_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from steptimer._table import print_summary
+
     runs = find_runs(args.logdir)
     reports = [analyze(run, skip_steps=args.skip_steps, include_warmup=args.include_warmup) for run in runs]
     reports = [r for r in reports if r.steps]
@@ -140,20 +150,38 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps({"runs": [_report_json(r) for r in reports]}, indent=2, allow_nan=False))
         return 0
     console = _console()
-    for r in reports:
-        _print_report(console, r)
+    for i, r in enumerate(reports):
+        if i:
+            console.print()
+        print_summary(r, console, explain=args.explain)
     return 0
 
 
-def _report_json(r: RunReport) -> dict[str, Any]:
-    d = asdict(r)
-    d.pop("cycle_window_ms")
-    for row in d["rows"]:
-        for key in ("host_window_means_ms", "gpu_window_means_ms", "host_hist", "gpu_hist"):
-            row.pop(key)
-    d["quantiles_of"] = "steps" if r.of_steps else "window means"
-    d["verdict"] = {"kind": r.verdict.kind, "evidence": list(r.verdict.evidence)}
-    d["slowest"] = [s.to_json() for s in r.slowest]  # with "cause" (not a dataclass field)
+def _report_json(s: Summary) -> dict[str, Any]:
+    """``report --json``: the summary's numbers (docs/cli.md), shares of wall time on the host clock."""
+    d = {k: getattr(s, k) for k in (
+        "name", "path", "steps", "timed_steps", "warmup_steps", "windows", "of_steps", "cuda", "share_clock",
+        "wall_s", "steps_per_s", "samples_per_s", "tokens_per_s", "tflops_per_s", "mfu", "notes",
+    )}  # fmt: skip
+    d["quantiles_of"] = "steps" if s.of_steps else "window means"
+    d["rows"] = [
+        {"name": r.name, "host": asdict(r.host) if r.host.steps else None, "gpu": r.gpu and asdict(r.gpu),
+         "share": r.share, "launch_bound": r.launch_bound}
+        for r in s.rows
+    ]  # fmt: skip
+    for name in ("data", "wait"):  # the host's time there over wall time (0 when no data row: no gap)
+        host = s[name].host if name in s else None
+        d[f"{name}_share"] = host.mean_ms * host.steps / (s.wall_s * 1e3) if host and host.steps and s.wall_s else (
+            0.0 if name == "data" and s.wall_s else None)  # fmt: skip
+    d["gpu_idle_share"] = s["idle"].share if s.share_clock == "gpu" and "idle" in s else None
+    d["verdict"] = None if s.verdict is None else {"kind": s.verdict.kind, "evidence": list(s.verdict.evidence)}
+    m = s.memory
+    d["memory"] = m and {
+        "peak_mib": {k: v / MIB for k, v in m.peak_bytes.items()},
+        "alloc_mib": {k: v / MIB for k, v in m.alloc_bytes.items()},
+        "reserved_mib": m.reserved_bytes / MIB,
+    }
+    d["slowest"] = [x.to_json() for x in s.slowest]
     return _finite(d)  # type: ignore[no-any-return]
 
 
@@ -177,72 +205,10 @@ def _console() -> Any:
     return Console(width=None if tty_or_set else 160, highlight=False)
 
 
-def _ms(v: float | None, *, sign: bool = False) -> str:
-    if v is None or not math.isfinite(v):
-        return "-"
-    return f"{v:+.3f}" if sign and abs(v) < 10 else f"{v:+.1f}" if sign else f"{v:.3f}" if v < 10 else f"{v:.1f}"
-
-
-def _print_report(console: Any, r: RunReport) -> None:
-    from steptimer._table import conclusion, phase_table, wrapped
-
-    def say(lines: list[str]) -> None:
-        for line in wrapped(lines, console.width, "  "):
-            console.print(line, markup=False, highlight=False)
-
-    of = "of steps" if r.of_steps else "of window means"
-    clocks = "CUDA events + host clock" if r.cuda else "host clock only"
-    windows = f"{r.windows} window{'s' * (r.windows != 1)}"
-    say([f"{r.name}: {r.steps} steps in {windows}, {clocks}; median/p90 {of}"])
-    console.print(phase_table(r.rows, cuda=r.cuda, share_clock=r.share_clock, width=console.width))
-    if r.memory is not None:
-        from steptimer._table import MEMORY_LEGEND
-
-        console.print(_memory_table(r, r.memory))
-        say([MEMORY_LEGEND])
-    rates = [f"{r.steps_per_s:.2f} steps/s" if r.steps_per_s else "-"]
-    if r.samples_per_s is not None:
-        rates.append(f"{r.samples_per_s:,.1f} samples/s")
-    if r.tokens_per_s is not None:
-        rates.append(f"{r.tokens_per_s:,.0f} tokens/s")
-    lines = ["throughput: " + ", ".join(rates)]
-    if r.tflops_per_s is not None:
-        lines.append(compute_line(r.tflops_per_s, r.mfu))
-    if r.data_share is not None:
-        lines.append(f"host time between steps (the data row): {100 * r.data_share:.1f}% of wall time")
-    lines += conclusion(r.rows, r.share_clock, r.verdict)
-    lines += [f"note: {note}" for note in r.notes]
-    if r.slowest:
-        from steptimer._table import slowest_table
-
-        console.print(slowest_table(r.slowest, console.width))
-    say(lines)
-    console.print()
-
-
-def _memory_table(r: RunReport, m: MemoryReport) -> Any:
-    """The summary's memory table (``_table.memory_rows``) from the logged MiB."""
-    from rich.table import Table
-
-    from steptimer._memory import MIB
-    from steptimer._table import MEMORY_COLUMNS, memory_rows
-
-    table = Table(title="CUDA memory MiB", title_justify="left")
-    for col in MEMORY_COLUMNS:
-        table.add_column(col, justify="left" if col == "phase" else "right", no_wrap=True)
-    seen = [row.name for row in r.rows]
-    names = [n for n in seen if n in m.peak_mib] + [n for n in m.peak_mib if n not in seen]
-    to_b = lambda d: {k: v * MIB for k, v in d.items()}  # noqa: E731
-    reserved = None if m.reserved_mib is None else m.reserved_mib * MIB
-    for cells in memory_rows(names, to_b(m.peak_mib), to_b(m.alloc_mib), reserved):
-        table.add_row(*cells)
-    return table
-
-
 # ---------------------------------------------------------------------- compare
 
 
-def _one_run(path: str, skip: int, include_warmup: bool) -> RunReport:
+def _one_run(path: str, skip: int, include_warmup: bool) -> Summary:
     runs = find_runs(path)
     if len(runs) > 1:
         names = ", ".join(r.name for r in runs[:5]) + (", ..." if len(runs) > 5 else "")
@@ -262,50 +228,45 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             "a": a.path,
             "b": b.path,
             "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
-            "verdicts": {"a": a.verdict.kind, "b": b.verdict.kind},
+            "verdicts": {"a": _kind(a), "b": _kind(b)},
             "compute": {k: {"tflops_per_s": r.tflops_per_s, "mfu": r.mfu} for k, r in (("a", a), ("b", b))},
         }
         print(json.dumps(_finite(out), indent=2, allow_nan=False))
         return 0
-    from rich import box
-    from rich.table import Table
-
     from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE
-    from steptimer._table import wrapped
+    from steptimer._table import say, table_of
 
     console = _console()
-
-    def say(lines: list[str]) -> None:
-        for line in wrapped(lines, console.width, "  "):
-            console.print(line, markup=False, highlight=False)
-
-    say([f"A = {a.path}", f"B = {b.path}"])
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
-    table.add_column("phase", no_wrap=True)
-    for col in ("clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict"):
-        table.add_column(col, justify="left" if col in ("clock", "verdict") else "right", no_wrap=True)
+    say(console, [f"A = {a.path}", f"B = {b.path}"])
+    heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
+    table = table_of([(h, h not in ("phase", "clock", "verdict")) for h in heads])
     for d in deltas:
         frac = d.delta_frac
         verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed else "no change"
         table.add_row(
-            d.name, d.clock, _ms(d.a_ms), _ms(d.b_ms), _ms(d.delta_ms, sign=True),
+            d.name, d.clock, num(d.a_ms), num(d.b_ms), num(d.delta_ms, sign=True),
             "-" if frac is None else f"{100 * frac:+.1f}", f"{d.dominance:+.2f}", verdict,
         )  # fmt: skip
     console.print(table)
     lines = []
     for label, run in (("A", a), ("B", b)):
         if run.tflops_per_s is not None:
-            lines.append(f"{label} {compute_line(run.tflops_per_s, run.mfu)}")
+            mfu = "" if run.mfu is None else f", MFU {100 * run.mfu:.1f}%"
+            lines.append(f"{label} compute: {num(run.tflops_per_s)} TFLOP/s{mfu}")
     lines += [
-        f"verdict A: {a.verdict.kind}; verdict B: {b.verdict.kind}",
+        f"verdict A: {_kind(a)}; verdict B: {_kind(b)}",
         "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
         "step: the mean (1 / steps per second)",
         f"a row changed when B's steps are above (or below) A's in net {MIN_DOMINANCE:.0%} of pairs "
         f"of steps (Cliff's delta; of windows for wall per step) and by at least "
         f"{MIN_CHANGE:.0%} and {1e3 * MIN_CHANGE_MS:g} µs",
     ]
-    say(lines)
+    say(console, lines)
     return 0
+
+
+def _kind(s: Summary) -> str | None:
+    return None if s.verdict is None else s.verdict.kind
 
 
 # ---------------------------------------------------------------------- trace

@@ -9,7 +9,9 @@ bookkeeping after the last backward); ``on_train_end`` closes the timer. Phases:
 of a step are fetched before its first micro-batch), ``forward`` (the model's forward, with the loss:
 the model computes it from ``labels``), ``loss`` (the Trainer's own work between forward and
 backward), ``backward``, ``clip``, ``optimizer``, ``zero_grad`` (``model.zero_grad()``); the LR
-scheduler's step is ``other``. Evaluation under ``no_grad`` is left out.
+scheduler's step is ``other``. Evaluation is paused out of the timed run, from the ``on_step_end`` (or
+``on_epoch_end``) that asks for it to ``on_evaluate``, as the Lightning callback pauses validation:
+never ``data``; the summary's notes give its runs and mean time.
 
 Logs go beside the Trainer's: ``args.logging_dir`` where the installed transformers has it, else
 ``<output_dir>/steptimer``. ``steptimer run`` times a Trainer script without this callback; don't
@@ -23,8 +25,9 @@ from typing import Any
 
 import torch
 
+from steptimer._summary import Summary
 from steptimer.instrument import Instrumented
-from steptimer.timer import StepTimer
+from steptimer.timer import StepTimer, check_bool, check_count
 
 try:
     from transformers import TrainerCallback
@@ -55,16 +58,25 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
 
     Raises:
         ModuleNotFoundError: transformers is not installed.
+        ValueError: a bad option (the message names it), when the callback is made.
     """
 
     def __init__(self, **options: Any) -> None:
         if not _AVAILABLE:
             raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'steptimer[hf]'")
-        self._counts = {k: options.pop(k) for k in ("samples_per_step", "tokens_per_step") if k in options}
+        counts = ("samples_per_step", "tokens_per_step")
+        self._counts = {k: check_count(k, options.pop(k)) for k in counts if k in options}
+        # The timer checks its own options; a disabled one (no files, no hooks) does it here, so a
+        # bad option fails when the callback is made. log_dir "" stands in for the default beside
+        # the Trainer's logs, known at on_train_begin.
+        default = {} if "log_dir" in options or "writer" in options else {"log_dir": ""}
+        StepTimer(**{**options, **default, "enabled": False})
+        check_bool("enabled", options.get("enabled", True))
         self._options = options
         self.timed: Instrumented | None = None
         self._accum = 1
         self._micro = 0
+        self.summary: Summary | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any) -> None:
         if self.timed is not None:
@@ -75,6 +87,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1)))
         opt = _torch_optimizer(optimizer)
         self.timed = Instrumented(StepTimer(**options), [model], [opt], **self._counts)
+        self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._micro = 0
@@ -87,11 +100,27 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     def _arm(self) -> None:
         # The last micro-batch's backward opens `clip`, which the optimizer's step pre-hook ends.
         if self.timed is not None and self._micro == self._accum - 1:
-            self.timed._after_backward = "clip"
+            self.timed.open_after_backward("clip")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._maybe_evaluate(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._maybe_evaluate(control)
+
+    def _maybe_evaluate(self, control: Any) -> None:
+        # The Trainer evaluates right after these events when the flow callbacks (called before this
+        # one) set should_evaluate; the pause also holds the logging that precedes evaluation.
+        if control.should_evaluate and self.timed is not None:
+            self.timed.begin_evaluation()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.timed is not None:
+            self.timed.end_evaluation()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.timed is not None:
-            self.timed.close()
+            self.summary = self.timed.close()
 
     @property
     def steps(self) -> int:

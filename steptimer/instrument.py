@@ -32,13 +32,15 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from types import CodeType, FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from steptimer import _exit
+from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._hooks import Discovery, Hooks, batch_counts
 from steptimer.timer import StepTimer, check_count, check_phase_name
 
@@ -94,19 +96,14 @@ def instrument(
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}: {model!r}")
-    opts: list[Any] | None = None
-    if optimizer is not None:
-        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
-        if not opts or bad:
-            got = bad[0] if bad else optimizer
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {got!r}")
-        if len({id(o) for o in opts}) != len(opts):
-            raise ValueError("optimizer: the list holds the same optimizer twice; pass each one once")
-    counts = {}
-    for name, v in (("samples_per_step", samples_per_step), ("tokens_per_step", tokens_per_step)):
-        if v is not None:
-            counts[name] = check_count(name, v)
+    opts = None if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if opts is not None and (not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts)):
+        got = next((o for o in opts if not isinstance(o, torch.optim.Optimizer)), optimizer)
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer or a list of them, got {got!r}")
+    if opts is not None and len({id(o) for o in opts}) != len(opts):
+        raise ValueError("optimizer: the list holds the same optimizer twice; pass each one once")
+    counts = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step}
+    counts = {k: check_count(k, v) for k, v in counts.items() if v is not None}
     return Instrumented(StepTimer(**options), None if model is None else [model], opts, **counts)
 
 
@@ -114,7 +111,9 @@ class Instrumented:
     """A :class:`~steptimer.StepTimer` driven by hooks on a model and its optimizers.
 
     A small class rather than the StepTimer itself: ``pause()`` and ``phase()`` must tell the hooks,
-    and ``close()`` must take them out; the timer stays reachable as ``.timer``.
+    and ``close()`` must take them out; the timer stays reachable as ``.timer``. Which phase is open
+    is the :class:`~steptimer._driver.PhaseDriver`'s; this class decides where a plain loop's steps
+    start and end.
     """
 
     def __init__(
@@ -127,22 +126,20 @@ class Instrumented:
         tokens_per_step: float | None = None,
     ) -> None:
         self.timer = timer
-        if isinstance(models, torch.nn.Module):  # one model, as before discovery came
+        self._driver = PhaseDriver(timer, on_pending_end=self._end)
+        if isinstance(models, torch.nn.Module):
             models = [models]
-        self._models: tuple[torch.nn.Module, ...] = tuple(models or ())
-        self._optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
+        self.models: tuple[torch.nn.Module, ...] = tuple(models or ())  # hooked: given, or found
+        self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
         self._fixed = (samples_per_step, tokens_per_step)  # given per step: not counted
         self._count = samples_per_step is None or tokens_per_step is None
         self._count_next = False  # the next model forward starts a micro-batch: count its batch
         self._samples: float | None = None  # counted in this step so far
         self._tokens: float | None = None
-        self._after_backward: str | None = None  # a phase to open when the next backward returns (HF: clip)
+        self._after_backward: str | None = None  # the phase the next backward's return opens
         self._discovery: Discovery | None = None
         self._noted: set[str] = set()
         self._thread = threading.get_ident()  # the training thread: every other thread is ignored
-        self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
-        self._in_step = False
-        self._step_cm: Any = None
         self._stepped: set[int] = set()  # ids of the optimizers that stepped in this step
         self._zeroed: set[int] = set()  # ... and were zeroed after it
         # Nesting of optimizer.step() calls: a subclass's step() calling super().step() runs the hooks
@@ -150,12 +147,9 @@ class Instrumented:
         self._update_depth = 0
         self._update_closure = False  # the update runs a closure: forward/backward inside it are fine
         self._deferred = False  # the update is done; the step ends at the zero_grad that follows it
-        self._end_pending = False  # the step ended inside a user phase: end it when that phase exits
         self._zero_grad_last: bool | None = None  # the loop's order, learned (see _zero_grad_order)
         self._step_sites: dict[CodeType, int] | None = None
-        self._fwd_depth = 0
         self._bwd_depth = 0
-        self._paused = 0
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
         self._warned = False
         self._removed = False
@@ -165,7 +159,7 @@ class Instrumented:
         self._hooks = Hooks()
         if not timer.enabled:
             return
-        if self._models and self._optimizers:
+        if self.models and self.optimizers:
             self._install()
         else:  # found at the optimizers' steps; installed at the next forward of the model(s)
             self._watch_steps = False
@@ -179,20 +173,10 @@ class Instrumented:
         """Number of the last completed step."""
         return self.timer.steps
 
-    @property
-    def models(self) -> tuple[torch.nn.Module, ...]:
-        """The hooked models: given, or found (empty until then)."""
-        return self._models
-
-    @property
-    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
-        """The hooked optimizers: given, or found (empty until then)."""
-        return self._optimizers
-
     def discovery_note(self) -> str | None:
         """Why nothing was hooked (a loop nobody named that never trained), else None."""
         d = self._discovery
-        if d is None or self._models:
+        if d is None or self.models:
             return None
         if d.problem is not None:
             return d.problem
@@ -209,15 +193,10 @@ class Instrumented:
     def pause(self) -> Iterator[None]:
         """Between steps: work that is neither a step nor data wait (a whole evaluation loop)."""
         self._settle()
-        with self.timer.pause():
-            self._paused += 1
-            try:
-                yield
-            finally:
-                self._paused -= 1
+        with self._driver.pause():
+            yield
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> AbstractContextManager[None]:
         """A phase of your own inside a step (``clip``), nested in the hook phase open at that moment.
 
         Hook phases inside it nest too (``name/forward``). Outside a step it is a no-op: that time
@@ -227,24 +206,25 @@ class Instrumented:
             ValueError: ``name`` is not a valid phase name.
         """
         check_phase_name(name)
-        if not self._in_step or self._deferred:
-            yield
-            return
-        self.timer.phase(name).__enter__()
-        self._frames.append(None)
-        exc: _ExcInfo = (None, None, None)
-        try:
-            yield
-        except BaseException:
-            exc = sys.exc_info()
-            raise
-        finally:
-            if self._in_step and len(self._frames) > 1:  # not dropped meanwhile
-                self._switch(None)
-                self._frames.pop()
-                self.timer.phase(name).__exit__(*exc)
-                if self._end_pending and len(self._frames) == 1:
-                    self._end()
+        return UserPhase(name, self._driver_in_step)
+
+    def _driver_in_step(self) -> PhaseDriver | None:
+        return self._driver if self._driver.in_step and not self._deferred else None
+
+    def begin_evaluation(self) -> None:
+        """An evaluation starts (a framework's event, where no ``with`` block fits): paused out of
+        the run until :meth:`end_evaluation`; the summary's notes give the runs and mean time."""
+        self._settle()
+        self._driver.begin_val()
+
+    def end_evaluation(self) -> None:
+        """The evaluation begun by :meth:`begin_evaluation` ended (none open: nothing to do)."""
+        self._driver.end_val()
+
+    def open_after_backward(self, name: str) -> None:
+        """Open phase ``name`` when the next backward returns, until the next boundary (the
+        Hugging Face callback's ``clip``: after a step's last micro-batch, up to the update)."""
+        self._after_backward = name
 
     def close(self, *, failed: bool = False) -> Summary:
         """Take the hooks out and close the timer (idempotent); returns the summary."""
@@ -253,9 +233,10 @@ class Instrumented:
             self._end()  # a finished step, waiting for its zero_grad
         if self._watch_steps and self._forwards:
             self._check_stepped()
-        note = self.discovery_note()
-        if note is not None and self.timer.enabled:
-            self.timer.note(note)
+        self._driver.end_val()
+        for note in (self.discovery_note(), self._driver.val_note()):
+            if note is not None and self.timer.enabled:
+                self.timer.note(note)
         self.remove()
         return self.timer.close(failed=failed)
 
@@ -289,26 +270,26 @@ class Instrumented:
         """Every hook, through the one place that owns them (_hooks.Hooks), all run eagerly under
         torch.compile; registered once, never per step or per layer."""
         hooks = self._hooks
-        for model in self._models:
+        for model in self.models:
             hooks.forward(model, self._forward_pre, self._forward_post, prepend=True, with_kwargs=True)
-        for opt in self._optimizers:
+        for opt in self.optimizers:
             hooks.optimizer(opt, self._update_pre, self._update_post)
-            hooks.patch(opt, "zero_grad", _eager(self._zero_grad_wrapper(opt.zero_grad, {id(opt)})))
-        for model in self._models:  # a model's zero_grad zeroes the optimizers whose parameters it holds
+            hooks.wrap(opt, "zero_grad", partial(self._zero_grad_wrapper, zeroes={id(opt)}))
+        for model in self.models:  # a model's zero_grad zeroes the optimizers whose parameters it holds
             held = {id(p) for p in model.parameters()}
-            zeroes = {id(o) for o in self._optimizers if any(id(p) in held for g in o.param_groups for p in g["params"])}
-            hooks.patch(model, "zero_grad", _eager(self._zero_grad_wrapper(model.zero_grad, zeroes)))
+            zeroes = {id(o) for o in self.optimizers if any(id(p) in held for g in o.param_groups for p in g["params"])}
+            hooks.wrap(model, "zero_grad", partial(self._zero_grad_wrapper, zeroes=zeroes))
         hooks.wrap_backward(self._backward_wrapper_of)
         # The optimizers pickle and copy without hooks or instance attributes (Optimizer.__getstate__
         # keeps only defaults, state and param_groups); the models need a copyreg entry.
-        for model in self._models:
+        for model in self.models:
             hooks.keep_picklable(model)
 
     def _found(
         self, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], module: Any, args: Any, kwargs: Any
     ) -> None:
         """Discovery found the loop's models and optimizers, at a forward of ``module`` (one of them)."""
-        self._models, self._optimizers = tuple(models), tuple(optimizers)
+        self.models, self.optimizers = tuple(models), tuple(optimizers)
         d = self._discovery
         n = 0 if d is None else d.optimizer_steps
         names = ", ".join(type(m).__name__ for m in models)
@@ -327,22 +308,24 @@ class Instrumented:
     def _ignored(self) -> bool:
         """Other threads (DataParallel replicas, autograd's device threads), pauses, forwards that a
         reentrant checkpoint reruns inside backward, and everything after remove()."""
-        return self._removed or self._paused > 0 or self._bwd_depth > 0 or threading.get_ident() != self._thread
+        return self._removed or self._driver.paused > 0 or self._bwd_depth > 0 or threading.get_ident() != self._thread
 
     def _forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
         if self._ignored():
             return
-        self._fwd_depth += 1
-        if self._fwd_depth > 1:  # a model inside another (or recursion): only the outer call counts
+        d = self._driver
+        if d.fwd_depth:  # a model inside another (or recursion): only the outer call counts
+            d.fwd_depth += 1
             return
         self._settle()
-        if not self._in_step:
+        if not d.in_step:
             if not torch.is_grad_enabled():  # evaluation between steps: neither a step nor data
+                d.fwd_depth = 1
                 self._eval_pause = self.timer.pause()
                 self._eval_pause.__enter__()
                 return
             self._begin()
-        self._switch("forward")
+        d.forward_enter()
         if self._count_next:
             self._count_next = False
             n, t = batch_counts(args, kwargs)
@@ -359,7 +342,7 @@ class Instrumented:
         """One warning (and a note in the summary) when an optimizer passed to instrument() has not
         stepped while the model trained: no step can end, so nothing is timed."""
         self._watch_steps = False
-        idle = [o for o in self._optimizers if id(o) not in self._ever_stepped]
+        idle = [o for o in self.optimizers if id(o) not in self._ever_stepped]
         if not idle:
             return
         names = ", ".join(type(o).__name__ for o in idle)
@@ -373,29 +356,26 @@ class Instrumented:
         self.timer.note(msg)
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
-        if self._ignored() or self._fwd_depth == 0:
-            return
-        self._fwd_depth -= 1
-        if self._fwd_depth > 0:
+        if self._ignored() or not self._driver.forward_exit():
             return
         if self._eval_pause is not None:
             pause, self._eval_pause = self._eval_pause, None
             pause.__exit__(None, None, None)
-        elif self._in_step:
+        elif self._driver.in_step:
             exc = sys.exc_info()
             if output is None and exc[0] is not None:  # always_call: run in _call_impl's `except`
                 self._drop(exc)
             else:
-                self._switch("loss")
+                self._driver.switch("loss")
 
     def _backward_wrapper_of(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any, **kwargs: Any) -> Any:
             if self._ignored():
                 return orig(*args, **kwargs)
             self._settle()
-            if not self._in_step:  # no training forward of this model before it: not this loop's
+            if not self._driver.in_step:  # no training forward of this model before it: not this loop's
                 return orig(*args, **kwargs)
-            self._switch("backward")
+            self._driver.switch("backward")
             self._bwd_depth += 1
             try:
                 out = orig(*args, **kwargs)
@@ -404,11 +384,11 @@ class Instrumented:
                 self._drop(sys.exc_info())
                 raise
             self._bwd_depth -= 1
-            self._switch(self._after_backward)
+            self._driver.switch(self._after_backward)
             self._after_backward = None
             # The next forward starts a micro-batch (accumulation). With several optimizers (a GAN's
             # networks see the same batch in turn) only a step's first forward is counted.
-            self._count_next = self._count and len(self._optimizers) == 1
+            self._count_next = self._count and len(self.optimizers) == 1
             return out
 
         return backward
@@ -417,27 +397,26 @@ class Instrumented:
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
             if self._ignored():
                 return orig(*args, **kwargs)
-            if self._deferred:  # right after the update: the last phase of this step
-                self._switch("zero_grad")
-            else:
+            d = self._driver
+            if not self._deferred:  # deferred: right after the update, the last phase of this step
                 self._settle()
-                if not self._in_step:
+                if not d.in_step:
                     if self._zero_grad_last is None:
                         self._zero_grad_last = self._zero_grad_order(sys._getframe(1))
                     if self._zero_grad_last is not False:  # after the update, or not known yet
                         with self.timer.pause():  # this one belongs to no step: not data either
                             return orig(*args, **kwargs)
                     self._begin()  # the loop body starts with zero_grad
-                self._switch("zero_grad")
+            d.switch("zero_grad")
             try:
                 out = orig(*args, **kwargs)
             except BaseException:
                 self._drop(sys.exc_info())
                 raise
-            self._switch(None)
+            d.switch(None)
             if self._deferred:
                 self._zeroed |= zeroes
-                if len(self._zeroed) == len(self._optimizers):
+                if len(self._zeroed) == len(self.optimizers):
                     self._end()
             return out
 
@@ -452,9 +431,9 @@ class Instrumented:
         self._settle()
         # With a closure (LBFGS) the forward and backward run inside the update, as their own phases.
         closure = len(args) > 1 or kwargs.get("closure") is not None
-        if not self._in_step and closure:  # the update runs the whole iteration: it is the step
+        if not self._driver.in_step and closure:  # the update runs the whole iteration: it is the step
             self._begin()
-        elif not self._in_step:
+        elif not self._driver.in_step:
             if not self._warned:
                 self._warned = True
                 msg = "optimizer.step() with no training forward of the instrumented model since the last step"
@@ -464,20 +443,20 @@ class Instrumented:
                     stacklevel=3,
                 )
             return
-        self._switch("optimizer")
+        self._driver.switch("optimizer")
         self._update_depth = 1
         self._update_closure = closure
 
     def _update_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._ignored() or not self._in_step or self._update_depth == 0:
+        if self._ignored() or not self._driver.in_step or self._update_depth == 0:
             return
         self._update_depth -= 1
         if self._update_depth:
             return
-        self._switch(None)
+        self._driver.switch(None)
         self._stepped.add(id(opt))
         self._ever_stepped.add(id(opt))
-        if len(self._stepped) < len(self._optimizers):
+        if len(self._stepped) < len(self.optimizers):
             return
         if self._zero_grad_last is None:
             self._step_sites = _user_sites(sys._getframe(1))
@@ -486,7 +465,7 @@ class Instrumented:
         else:
             self._end()
 
-    # ------------------------------------------------------------------ steps and phases
+    # ------------------------------------------------------------------ steps
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
         """Whether this loop calls zero_grad after the optimizer step (True) or before the forward
@@ -514,76 +493,50 @@ class Instrumented:
         elif self._update_depth and not self._update_closure:
             self._drop((RuntimeError, RuntimeError("the optimizer step raised"), None))
 
-    def _switch(self, name: str | None) -> None:
-        """End the hook phase open at the innermost level and start ``name`` (None: none)."""
-        cur = self._frames[-1]
-        if cur == name:
-            return
-        if cur is not None:
-            self._frames[-1] = None
-            self.timer.phase(cur).__exit__(None, None, None)
-        if name is not None:
-            self.timer.phase(name).__enter__()
-            self._frames[-1] = name
-
     def _begin(self) -> None:
         samples, tokens = self._fixed
-        self._step_cm = self.timer.step(samples=samples, tokens=tokens)
-        self._step_cm.__enter__()
-        self._in_step = True
+        self._driver.begin(samples=samples, tokens=tokens)
         self._count_next = self._count
         self._samples = self._tokens = None
 
     def _end(self) -> None:
-        if len(self._frames) > 1:  # the update ran inside a user phase: end when it exits
-            self._end_pending = True
-            return
-        self._switch(None)
-        samples, tokens = self._samples, self._tokens
-        cm = self._reset()
         fixed_samples, fixed_tokens = self._fixed
-        counted_samples = fixed_samples is None and samples is not None
-        counted_tokens = fixed_tokens is None and tokens is not None
+        counted_samples = fixed_samples is None and self._samples is not None
+        counted_tokens = fixed_tokens is None and self._tokens is not None
+        if not self._driver.end(
+            samples=self._samples if counted_samples else fixed_samples,
+            tokens=self._tokens if counted_tokens else fixed_tokens,
+        ):
+            return  # the update ran inside a user phase: the step ends when it exits
+        self._clear()
         if counted_samples:
             self._note_count("samples", "the leading dimension of the model's input")
         if counted_tokens:
             self._note_count("tokens", "the elements of the model's 2-D integer input (token ids, padding included)")
-        if counted_samples or counted_tokens:
-            # The step's counts, summed over its micro-batches: step() sets them on a context manager
-            # for this step, and exiting it ends the step entered at its start (as Lightning's does).
-            cm = self.timer.step(
-                samples=samples if counted_samples else fixed_samples,
-                tokens=tokens if counted_tokens else fixed_tokens,
-            )
-        cm.__exit__(None, None, None)
 
     def _note_count(self, what: str, how: str) -> None:
-        if what in self._noted:
+        if what in self._noted:  # not per step: the note is built once
             return
         self._noted.add(what)
-        msg = (
+        self.timer.note(
             f"{what} per step counted by steptimer: {how}, summed over a step's micro-batches"
-            + (" (a step's first forward only, with several optimizers)" if len(self._optimizers) > 1 else "")
+            + (" (a step's first forward only, with several optimizers)" if len(self.optimizers) > 1 else "")
             + f"; {what}_per_step= (--{what}-per-step) overrides"
         )
-        self.timer.note(msg)
 
     def _drop(self, exc: _ExcInfo) -> None:
         """Drop the step (the engine forgets it; its open phases too) and start clean."""
-        self._reset().__exit__(*exc)
+        self._driver.drop(*exc)
+        self._clear()
 
-    def _reset(self) -> Any:
-        cm, self._step_cm = self._step_cm, None
-        self._frames = [None]
-        self._in_step = self._deferred = self._end_pending = False
+    def _clear(self) -> None:
+        self._deferred = False
         self._stepped = set()
         self._zeroed = set()
-        self._fwd_depth = self._update_depth = 0
-        return cm
+        self._update_depth = 0
 
 
 _FORWARDS_BEFORE_WARNING = 100
-_eager = torch.compiler.disable
 
 
 def _user_sites(frame: FrameType | None) -> dict[CodeType, int]:

@@ -5,24 +5,11 @@ Add it to a Trainer and each optimizer step is split into ``data``, ``forward``,
 
     trainer = pl.Trainer(callbacks=[StepTimerCallback()], logger=pl.loggers.TensorBoardLogger("runs"))
 
-Where each phase starts and ends (``docs/lightning.md`` has the full table):
-
-- ``data``: ``on_train_batch_end`` to the next ``on_train_batch_start`` (fetch, batch transfer, other
-  callbacks' batch-end work). Validation inside it is paused and reported as ``steptimer/val_ms``.
-- ``forward``: from the first model call in ``training_step`` to the end of the last one (code
-  between two calls included): forward pre/post hooks on the LightningModule and its outermost
-  submodules with parameters (or on the ``forward_module`` names).
-- ``loss``: the rest of ``training_step`` after the last model call, up to zero_grad, backward or the
-  update. A criterion (no parameters) and metrics are not hooked: their time is ``loss``.
-- ``zero_grad``: ``on_before_zero_grad`` (automatic) or the start of ``opt.zero_grad()`` (manual) to
-  the end of the optimizer's ``zero_grad``.
-- ``backward``: ``on_before_backward`` to ``on_after_backward``.
-- ``clip``: ``on_after_backward`` to the end of ``configure_gradient_clipping`` (automatic: AMP
-  ``unscale_``, ``on_before_optimizer_step`` hooks, gradient clipping); in manual optimization, from
-  ``on_after_backward`` to the next timed event (user clipping before ``opt.step()``).
-- ``optimizer``: the update. Automatic: end of clipping to the optimizer's step post-hook; manual:
-  the whole ``opt.step()`` call. Lightning runs the closure (forward + backward) *inside*
-  ``optimizer.step``; the closure is never billed here.
+Each phase starts and ends at a Lightning hook or at a hook on the LightningModule's outermost
+modules with parameters (``forward``); docs/lightning.md has the table. Validation between steps
+is paused (``steptimer/val_ms``), never ``data``; the closure Lightning runs inside
+``optimizer.step`` is never billed to ``optimizer``. Steps begin and end here (batches,
+accumulation, GradScaler skips, manual optimization); which phase is open is steptimer/_driver.py's.
 
 Costs: per timed step, the engine's event records (one per phase boundary) and its one lagged wait.
 The callback itself adds a few Python calls per hook and never synchronizes the device; each hooked
@@ -33,32 +20,28 @@ modules with parameters are hooked, never every leaf.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import logging
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from time import perf_counter
-from types import TracebackType
 from typing import Any
 
 from typing_extensions import override
 
+from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._hooks import Hooks
 from steptimer._peaks import dtype_of_precision
-from steptimer._profile import check_profile_steps
 from steptimer._summary import Summary
 from steptimer._tensorboard import TensorBoardSink, window_scalars
 from steptimer._window import Window
-from steptimer.timer import StepTimer, check_bool, check_count, check_memory, check_options, check_phase_name
+from steptimer.timer import StepTimer, check_bool, check_count, check_phase_name
 
 log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
 
 _MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
-_PHASES = ("data", "forward", "loss", "zero_grad", "backward", "clip", "optimizer", "val")  # the callback's own
 
 
 def _flavours() -> list[Any]:
@@ -123,40 +106,6 @@ class _LoggerSink:
             sink.close()
         for lg in self._loggers:
             lg.save()
-
-
-class _UserPhase:
-    """``callback.phase(name)``: a phase timed inside the callback's current phase (``loss/name``)."""
-
-    __slots__ = ("_cb", "_name", "_active")
-
-    def __init__(self, cb: StepTimerCallback, name: str) -> None:
-        self._cb = cb
-        self._name = name
-        self._active = False
-
-    def __enter__(self) -> None:
-        cb = self._cb
-        timer = cb._timer
-        if timer is None or not cb._in_batch:
-            return  # outside a training batch (validation, predict): a no-op
-        timer.phase(self._name).__enter__()
-        cb._outer.append(cb._phase)  # the callback phase open around this one stays open
-        cb._phase = None
-        self._active = True
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if not self._active:
-            return
-        self._active = False
-        cb = self._cb
-        if cb._timer is None or not cb._outer:
-            return  # the step was dropped under us (exception path)
-        cb._switch(None)
-        cb._phase = cb._outer.pop()
-        cb._timer.phase(self._name).__exit__(et, ev, tb)
 
 
 def _positive(x: Any) -> bool:
@@ -282,16 +231,16 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         memory: int | None = None,
     ) -> None:
         super().__init__()
-        check_options(log_every_n_steps, warmup_steps, lag, sample_every, cuda)
-        for name, value in (("histograms", histograms), ("print_summary", print_summary), ("enabled", enabled),
-                            ("nvtx", nvtx)):  # fmt: skip
-            check_bool(name, value)
-        if profile_steps is not None:
-            check_profile_steps(profile_steps, start_step=0)
-            if sample_every != 1:
-                raise ValueError(
-                    f"profile_steps needs every step timed (sample_every=1), got sample_every={sample_every}"
-                )
+        self._timer_options: dict[str, Any] = dict(
+            log_every_n_steps=log_every_n_steps, warmup_steps=warmup_steps, lag=lag, cuda=cuda,
+            sample_every=sample_every, peak_tflops=peak_tflops, print_summary=print_summary,
+            enabled=enabled, nvtx=nvtx, profile_steps=profile_steps, memory=memory,
+        )  # fmt: skip
+        # The timer checks its own options; a disabled one (~0.1 ms, no side effects) does it here,
+        # so a bad option fails when the callback is made, not when training starts.
+        StepTimer._make(profile_dir="", **{**self._timer_options, "enabled": False})
+        check_bool("enabled", enabled)  # the check above ran with enabled=False
+        check_bool("histograms", histograms)
         if forward_module is not None and not _valid_names(forward_module):
             raise ValueError(
                 "forward_module must be the name of a submodule (e.g. 'net') or a list of names, "
@@ -304,49 +253,27 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             raise ValueError(
                 f"flops_per_batch must be a number > 0 or a function batch -> number, got {flops_per_batch!r}"
             )
-        if peak_tflops is not None and not _positive(peak_tflops):
-            raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {peak_tflops!r}")
-        self.log_every_n_steps = log_every_n_steps
-        self.warmup_steps = warmup_steps
-        self.lag = lag
-        self.cuda = cuda
-        self.sample_every = sample_every
         self.forward_module = forward_module
         self.batch_size_fn = batch_size_fn
         self.tokens_fn = tokens_fn
         self.flops_per_batch = flops_per_batch
-        self.peak_tflops = peak_tflops
         self.histograms = histograms
-        self.print_summary = print_summary
-        self.enabled = enabled
-        self.nvtx = nvtx
-        self.profile_steps = profile_steps
-        check_memory(memory)
-        self.memory = memory
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
-        self._timer: StepTimer | None = None
+        self._driver: PhaseDriver | None = None  # with the timer, from on_train_start to the close
         self._sink: _LoggerSink | None = None
-        self._user_phases: dict[str, _UserPhase] = {}
-        self._cms: dict[str, AbstractContextManager[None]] = {}  # the timer's phase objects (on_train_start)
+        self._phase_names: set[str] = set()  # user phase names already checked
         self._hooks = Hooks()  # every hook and wrapper on the user's objects (steptimer/_hooks.py)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._reset_batch_state()
 
     def _reset_batch_state(self) -> None:
-        # The callback phase open now (innermost: inside the user phases open, if any), and those
-        # open around each open user phase, outermost first.
-        self._phase: str | None = None
-        self._outer: list[str | None] = []
         self._in_batch = False
-        self._in_step = False
-        self._step_cm: AbstractContextManager[None] | None = None  # the open step's, entered at batch start
         self._stepped = False  # an optimizer update was attempted in this batch
         self._update_open = False  # the update began and its step post-hook has not fired yet
         self._will_step = True
         self._manual = False
-        self._fwd_depth = 0  # nested hooked calls (self(x) calling self.encoder) count once
         self._in_training_step = False  # forward hooks count only inside training_step ...
         self._in_backward = False  # ... and not in backward (activation checkpointing re-runs forward)
         self._zg_depth = 0
@@ -355,10 +282,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._samples = 0.0
         self._tokens = 0.0
         self._flops = 0.0
-        self._pause: AbstractContextManager[None] | None = None
-        self._val_t0: float | None = None
-        self._val_in_step = False
-        self._val_ms: list[float] = []
         self._no_forward_warned = False
 
     # ------------------------------------------------------------------ public
@@ -366,7 +289,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     @property
     def steps(self) -> int:
         """Number of the last completed step (continues across checkpoint resume)."""
-        return self._timer.steps if self._timer is not None else self._steps_done
+        return self._driver.timer.steps if self._driver is not None else self._steps_done
 
     @property
     def skipped_steps(self) -> int:
@@ -383,11 +306,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         Raises:
             ValueError: ``name`` is not a valid phase name.
         """
-        cm = self._user_phases.get(name)
-        if cm is None:
+        if name not in self._phase_names:
             check_phase_name(name)
-            cm = self._user_phases[name] = _UserPhase(self, name)
-        return cm
+            self._phase_names.add(name)
+        return UserPhase(name, lambda: self._driver if self._in_batch else None)
 
     # ------------------------------------------------------------------ state (resume)
 
@@ -406,103 +328,88 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Built here, not in setup: checkpoint state (our step counter) and the optimizers are only
         # all in place by now, whatever the strategy. Built on every rank: every rank measures.
-        if not self.enabled:
+        if not self._timer_options["enabled"]:
             return
         self._reset_batch_state()
         self.summary = None
         self._manual = not pl_module.automatic_optimization
-        cuda = self.cuda
-        if cuda is None and self._backend is None:
-            cuda = pl_module.device.type == "cuda"
+        options = dict(self._timer_options)
+        if options["cuda"] is None and self._backend is None:
+            options["cuda"] = pl_module.device.type == "cuda"
         sink = None
         if trainer.is_global_zero and trainer.loggers:
             sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
         self._sink = sink
-        profile_steps = self.profile_steps
+        profile_steps = options["profile_steps"]
         if profile_steps is not None and profile_steps[0] <= self._steps_done:
             log.warning(
                 "steptimer: profile_steps=%s starts at or before the resumed step count %d; not profiling",
                 profile_steps, self._steps_done,
             )  # fmt: skip
-            profile_steps = None
-        self._timer = StepTimer._make(
-            log_every_n_steps=self.log_every_n_steps or self._default_log_every(int(trainer.log_every_n_steps)),
-            warmup_steps=self.warmup_steps,
-            lag=self.lag,
-            cuda=cuda,
+            options["profile_steps"] = None
+        every, sample_every = int(trainer.log_every_n_steps), options["sample_every"]
+        if options["log_every_n_steps"] is None and every != 50:
+            # The Trainer's interval (its default, 50, leaves StepTimer's: 50 steps, lengthened to a
+            # second on small steps); with sampling, long enough for about ten timed steps.
+            options["log_every_n_steps"] = max(every, 1 if sample_every == 1 else 10 * sample_every)
+        options["print_summary"] = False  # printed at the close, with the callback's own notes
+        timer = StepTimer._make(
+            **options,
             start_step=self._steps_done,
-            sample_every=self.sample_every,
-            print_summary=False,
-            peak_tflops=self.peak_tflops,
             peak_dtype=dtype_of_precision(trainer.precision),
-            nvtx=self.nvtx,
-            profile_steps=profile_steps,
-            profile_dir=str(trainer.log_dir or trainer.default_root_dir) if profile_steps is not None else None,
-            memory=self.memory,
+            profile_dir=str(trainer.log_dir or trainer.default_root_dir),
             backend=self._backend,
             memory_backend=self._memory_backend,
             sinks=[sink] if sink is not None else [],
         )
-        # The timer's phase objects, fetched once: `timer.phase(name)` outside a step returns the
-        # object the timer keeps for that name all its life (on an untimed step the engine returns
-        # at once). Each boundary then costs one call into the engine, not a lookup as well.
-        self._cms = {name: self._timer.phase(name) for name in _PHASES}
+        self._driver = PhaseDriver(timer, rejoin=True)
         self._install(trainer, pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         # A step left open (manual optimization that never stepped in the last batches) ends here.
-        if self._timer is not None and self._in_step and not self._in_batch:
+        if self._driver is not None and self._driver.in_step and not self._in_batch:
             self._end_step()
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._timer is None:
-            return
-        if self._in_step and not self._in_batch:
-            self._end_step()
+        self.on_train_epoch_end(trainer, pl_module)
         self._close(trainer, failed=False)
 
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._timer is not None:
-            self._close(trainer, failed=False)
+        self._close(trainer, failed=False)
         self._uninstall()
 
     @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning skips on_train_end and teardown after an exception or Ctrl-C: flush here. Other
         # ranks may be gone, so close(failed=True) starts no collective.
-        if self._timer is not None:
-            if self._pause is not None:
-                self._pause.__exit__(None, None, None)
-                self._pause = None
-            if self._in_step and self._step_cm is not None:
-                self._step_cm.__exit__(type(exception), exception, exception.__traceback__)
-            self._in_step = self._in_batch = False
-            self._phase, self._outer = None, []
+        d = self._driver
+        if d is not None:
+            d.end_val()
+            d.drop(type(exception), exception, exception.__traceback__)
+            self._in_batch = False
             try:
                 self._close(trainer, failed=True)
             except Exception as err:  # a broken device must not hide the user's exception
                 log.warning("steptimer: could not flush timings after %r: %s", exception, err)
-                self._timer = None
+                self._driver = None
         self._uninstall()
 
     # ------------------------------------------------------------------ batches
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        timer = self._timer
-        if timer is None:
+        d = self._driver
+        if d is None:
             return
-        if not self._in_step:
-            self._step_cm = timer.step()
-            self._step_cm.__enter__()
-            self._in_step = True
+        if not d.in_step:
+            d.begin()
             self._samples = self._tokens = self._flops = 0.0
             self._saw_forward = self._saw_backward = False
         else:
-            self._switch(None)  # the `data` phase between micro-batches of one step
+            d.switch(None)  # the `data` phase between micro-batches of one step
         self._in_batch = True
         self._stepped = False
         if not self._manual:
@@ -519,11 +426,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._timer is None or not self._in_batch:
+        d = self._driver
+        if d is None or not self._in_batch:
             return
-        while self._outer:  # a user phase left open by a non-`with` use: close it here
-            self._switch(None)
-            self._phase = self._outer.pop()
+        d.close_user_phases()  # left open by a non-`with` use
         if self._update_open:  # the update began but the optimizer never stepped: GradScaler skip
             self._update_open = False
             self._skipped += 1
@@ -531,7 +437,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if self._stepped:
             self._end_step()  # ends the open phase too
         else:
-            self._switch("data")  # accumulating: the next micro-batch's fetch is inside this step
+            d.switch("data")  # accumulating: the next micro-batch's fetch is inside this step
 
     @staticmethod
     def _steps_after(trainer: Any, batch_idx: int) -> bool:
@@ -543,25 +449,16 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         return (batch_idx + 1) % k == 0 or (isinstance(n, int) and batch_idx + 1 >= n)
 
     def _end_step(self) -> None:
-        timer = self._timer
-        if timer is None:
+        d = self._driver
+        if d is None:
             return
-        self._switch(None)
         if not self._saw_forward and self._saw_backward and not self._no_forward_warned:
             self._warn_no_forward()
-        step = self._step_cm
-        if self.batch_size_fn is not None or self.tokens_fn is not None or self.flops_per_batch is not None:
-            # The counts add up over the step's micro-batches: step() sets them on a context manager
-            # for this step, and exiting it ends the step entered at batch start.
-            step = timer.step(
-                samples=self._samples if self.batch_size_fn is not None else None,
-                tokens=self._tokens if self.tokens_fn is not None else None,
-                flops=self._flops if self.flops_per_batch is not None else None,
-            )
-        if step is not None:
-            step.__exit__(None, None, None)
-        self._step_cm = None
-        self._in_step = False
+        d.end(
+            samples=self._samples if self.batch_size_fn is not None else None,
+            tokens=self._tokens if self.tokens_fn is not None else None,
+            flops=self._flops if self.flops_per_batch is not None else None,
+        )
 
     def _warn_no_forward(self) -> None:
         self._no_forward_warned = True
@@ -585,83 +482,40 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     @override
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        timer = self._timer
-        if timer is None or trainer.sanity_checking:
-            return
-        self._val_t0 = perf_counter()
-        if self._in_step:
-            # Validation between two micro-batches of one step: it can't be paused out of the step,
-            # so it is a phase of that step.
-            self._val_in_step = True
-            self._switch("val")
-        else:
-            self._pause = timer.pause()
-            self._pause.__enter__()
+        if self._driver is not None and not trainer.sanity_checking:
+            self._driver.begin_val()
 
     @override
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._val_t0 is None:
-            return
-        val_ms = (perf_counter() - self._val_t0) * 1e3
-        self._val_t0 = None
-        if self._val_in_step:
-            self._val_in_step = False
-            self._switch("data")
-        if self._pause is not None:
-            self._pause.__exit__(None, None, None)
-            self._pause = None
-        self._val_ms.append(val_ms)
-        if self._sink is not None:
+        val_ms = None if self._driver is None else self._driver.end_val(after="data")
+        if val_ms is not None and self._sink is not None:
             self._sink.log({"steptimer/val_ms": val_ms}, step=self.steps)
 
     # ------------------------------------------------------------------ phases from hooks
 
+    def _switch(self, name: str | None) -> None:
+        if self._in_batch and self._driver is not None:
+            self._driver.switch(name)
+
     @override
     def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self._in_batch:
-            self._switch("zero_grad")
+        self._switch("zero_grad")
 
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         self._in_backward = True
-        if self._in_batch:
-            self._saw_backward = True
-            self._switch("backward")
+        self._saw_backward = self._saw_backward or self._in_batch
+        self._switch("backward")
 
     @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         self._in_backward = False
-        if self._in_batch:
-            self._switch("clip" if self._manual or self._will_step else None)
+        self._switch("clip" if self._manual or self._will_step else None)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._in_batch:
             self._stepped = True
-
-    def _default_log_every(self, trainer_every: int) -> int | None:
-        """The Trainer's interval; with sampling, long enough for about ten timed steps per window.
-        None (StepTimer's default: 50 steps, lengthened to a second on small steps) for the
-        Trainer's default of 50."""
-        if trainer_every == 50:
-            return None
-        if self.sample_every == 1:
-            return max(trainer_every, 1)
-        return max(trainer_every, 10 * self.sample_every)
-
-    def _switch(self, name: str | None, error: BaseException | None = None) -> None:
-        """End the callback phase open now (``error``: the exception that ended it) and start
-        ``name`` (None: none)."""
-        cur = self._phase
-        if cur == name or self._timer is None:
-            return
-        cms = self._cms
-        if cur is not None:
-            self._phase = None
-            cms[cur].__exit__(type(error) if error is not None else None, error, None)
-        if name is not None:
-            cms[name].__enter__()
-            self._phase = name
 
     # ------------------------------------------------------------------ hooks on module and optimizers
 
@@ -674,12 +528,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
         for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
-            self._patch(opt, "zero_grad", self._zero_grad_wrapper)
+            self._hooks.wrap(opt, "zero_grad", self._zero_grad_wrapper, eager=False)
         if self._manual:
             for opt in wrapped:
-                self._patch(opt, "step", self._manual_step_wrapper)
+                self._hooks.wrap(opt, "step", self._manual_step_wrapper, eager=False)
         else:
-            self._patch(pl_module, "configure_gradient_clipping", self._clipping_wrapper)
+            self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper, eager=False)
 
     def _hook_model(self, pl_module: Any) -> None:
         """Hook the forward of the model's modules and gate the hooks on ``training_step``.
@@ -705,17 +559,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hooked = targets
         for _, module in targets:
             self._hooks.forward(module, self._forward_pre, self._forward_post, eager=False)
-        self._patch(pl_module, "training_step", self._training_step_wrapper)
-
-    def _patch(self, obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Wrap ``obj.attr`` with an instance attribute (undone at teardown; the class is untouched)."""
-        if not hasattr(obj, attr) or "__dict__" not in dir(obj):
-            return
-        orig = getattr(obj, attr)
-        wrapper = functools.wraps(orig)(make(orig))  # `__wrapped__` keeps is_overridden() truthful
-        # An instance attribute already there (Lightning's `from_compiled` sets `training_step`) is
-        # put back at teardown, not deleted.
-        self._hooks.patch(obj, attr, wrapper)
+        self._hooks.wrap(pl_module, "training_step", self._training_step_wrapper, eager=False)
 
     def _uninstall(self) -> None:
         self._hooks.remove()
@@ -732,31 +576,23 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 return orig(*args, **kwargs)
             finally:
                 self._in_training_step = False
-                self._fwd_depth = 0
+                if self._driver is not None:
+                    self._driver.fwd_depth = 0
 
         return training_step
 
     def _forward_pre(self, module: Any, args: Any) -> None:
-        if not self._in_training_step or self._in_backward:
-            return
-        self._fwd_depth += 1
-        if self._fwd_depth == 1:  # the outermost hooked call: self(x) calling self.encoder counts once
+        d = self._driver
+        if d is not None and self._in_training_step and not self._in_backward and d.forward_enter():
             self._saw_forward = True
-            # `forward` runs from the first model call to the last: the `loss` opened when the last
-            # call returned was code between two calls (encoder, then decoder), so it joins forward.
-            if self._phase == "loss" and self._timer is not None and self._timer._rejoin("loss", "forward"):
-                self._phase = "forward"
-            else:
-                self._switch("forward")
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
-        if not self._in_training_step or self._in_backward or self._fwd_depth == 0:
-            return
-        self._fwd_depth -= 1
-        if self._fwd_depth == 0:  # maybe the last model call: `loss` until another one joins it back
-            # always_call: torch runs this hook from its except block when forward raised; the
-            # error then ends `forward` (the summary's out-of-memory note names the phase)
-            self._switch("loss", error=sys.exc_info()[1])
+        d = self._driver
+        if d is not None and self._in_training_step and not self._in_backward and d.forward_exit():
+            # Maybe the last model call: `loss` until another one joins it back. always_call: torch
+            # runs this hook from its except block when forward raised; the error then ends
+            # `forward` (the summary's out-of-memory note names the phase).
+            d.switch("loss", error=sys.exc_info()[1])
 
     def _zero_grad_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
@@ -769,7 +605,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 return orig(*args, **kwargs)
             finally:
                 self._zg_depth -= 1
-                if self._zg_depth == 0 and self._in_batch and self._phase == "zero_grad":
+                if self._zg_depth == 0 and self._driver is not None and self._driver.phase == "zero_grad":
                     self._switch(None)
 
         return zero_grad
@@ -779,8 +615,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         def configure_gradient_clipping(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
             if self._in_batch:
-                self._stepped = True
-                self._update_open = True
+                self._stepped = self._update_open = True
                 self._switch("optimizer")
             return out
 
@@ -790,8 +625,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         def step(*args: Any, **kwargs: Any) -> Any:
             if not self._in_batch:
                 return orig(*args, **kwargs)
-            self._stepped = True
-            self._update_open = True
+            self._stepped = self._update_open = True
             self._switch("optimizer")
             try:
                 return orig(*args, **kwargs)
@@ -799,8 +633,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 if self._update_open:  # no step post-hook: the GradScaler skipped this update
                     self._update_open = False
                     self._skipped += 1
-                if self._in_batch:
-                    self._switch(None)
+                self._switch(None)
 
         return step
 
@@ -808,32 +641,28 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if not self._in_batch:
             return
         self._update_open = False
-        if not self._manual and self._phase == "optimizer":
+        if not self._manual and self._driver is not None and self._driver.phase == "optimizer":
             self._switch(None)
 
     # ------------------------------------------------------------------ closing
 
     def _close(self, trainer: Any, *, failed: bool) -> None:
-        timer = self._timer
-        if timer is None:
+        d = self._driver
+        if d is None:
             return
-        self._timer = None
-        self._cms = {}
-        summary = timer.close(failed=failed)
-        self._steps_done = timer.steps
+        self._driver = None
+        summary = d.timer.close(failed=failed)
+        self._steps_done = d.timer.steps
         notes = list(summary.notes)
         if self._skipped:
             notes.append(f"{self._skipped} optimizer step(s) skipped by the GradScaler (inf/NaN gradients)")
-        if self._val_ms:
-            mean = sum(self._val_ms) / len(self._val_ms)
-            notes.append(
-                f"validation: {len(self._val_ms)} run(s), {mean:.1f} ms mean, paused (not counted as data)"
-            )
+        val = d.val_note()
+        if val is not None:
+            notes.append(val)
         if self._no_forward_warned:
             notes.append("no forward phase: training_step called none of the modules hooked for forward")
         self.summary = dataclasses.replace(summary, notes=tuple(notes))
-        if self.print_summary and trainer.is_global_zero:
+        if self._timer_options["print_summary"] and trainer.is_global_zero:
             from steptimer._table import print_summary
 
             print_summary(self.summary)
-

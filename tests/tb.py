@@ -6,7 +6,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from steptimer._tensorboard import PHASE_DIR, PHASE_SUFFIX, join_tag
+from steptimer._tags import join_tag
+from steptimer._tensorboard import PHASE_DIR, PHASE_SUFFIX
 
 
 def accumulator(path: str | Path) -> EventAccumulator:

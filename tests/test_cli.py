@@ -22,14 +22,15 @@ import steptimer._engine as engine_mod
 import steptimer._trace as trace_mod
 import steptimer._tracefile as tracefile_mod
 from steptimer import StepTimer
+from steptimer._table import num
 from tests.fakes import FakeClock, FakeGPU
 
 ROOT = str(Path(steptimer.__file__).resolve().parent.parent)
 
 
-def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, ok: bool = True, columns: int = 200) -> subprocess.CompletedProcess[str]:
     """``python -m steptimer ARGS`` (the package need not be installed: the device runs it this way)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS=str(columns))
     p = subprocess.run([sys.executable, "-m", "steptimer", *args], capture_output=True, text=True, env=env, timeout=120)
     if ok:
         assert p.returncode == 0, p.stderr
@@ -123,31 +124,8 @@ def test_report_numbers_are_the_logged_ones(tmp_path: Path) -> None:
     assert lines[2].split() == ["phase", "median", "p90", "max", "host"], text  # shares of the host's wall time
     inner = next(line.split() for line in lines if line.split()[:1] == ["inner"])
     assert inner[1] == f"{rows['forward/inner']['host']['median_ms']:.3f}"
-    assert "verdict: input-bound" in text and "of steps" in text
-
-
-def _old_layout(window: Any) -> Any:
-    """A window as the event steptimer wrote before per-phase runs: every tag in one run, one group
-    (``steptimer/host_p90/<phase>_ms``, ``steptimer/hist_gpu/<phase>_ms``, ``steptimer/run/...``)."""
-    import re
-
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    from steptimer._tensorboard import window_scalars, window_summaries
-
-    old = Summary()
-    renames = [(r"^steptimer-tails/(host|gpu)/(.+)_(p90|max)_ms$", r"steptimer/\1_\3/\2_ms"),
-               (r"^steptimer-caught-up/gpu/(.+)_frac$", r"steptimer/gpu_caught_up/\1_frac"),
-               (r"^steptimer-run/warmup_steps$", "steptimer/run/warmup_steps")]  # fmt: skip
-    for tag, v in window_scalars(window).items():
-        for rx, to in renames:
-            tag = re.sub(rx, to, tag)
-        old.value.add(tag=tag, simple_value=v)
-    for value in window_summaries(window, scalars=False)[None].value:  # steptimer-hist/<clock>/<name>_ms
-        old.value.add(tag=re.sub(r"^steptimer-hist/(host|gpu)/", r"steptimer/hist_\1/", value.tag)).histo.CopyFrom(
-            value.histo
-        )
-    return old
+    assert "verdict: input-bound" in text and "of steps" not in text  # said with --explain
+    assert "median and p90 are of steps" in cli("report", str(tmp_path), "--explain").stdout
 
 
 def _row_runs_layout(window: Any) -> dict[str | None, Any]:
@@ -157,7 +135,8 @@ def _row_runs_layout(window: Any) -> dict[str | None, Any]:
 
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    from steptimer._tensorboard import split_tag, window_summaries
+    from steptimer._tags import split_tag
+    from steptimer._tensorboard import window_summaries
 
     out: dict[str | None, Any] = {}
     for name, summary in window_summaries(window).items():
@@ -173,10 +152,10 @@ def _row_runs_layout(window: Any) -> dict[str | None, Any]:
     return out
 
 
-def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock) -> None:
-    """Logs written before per-phase runs (one run, every tag flat), and with a run for every row
-    (``step`` included, histograms in the rows' runs), still read: the report of the same windows in
-    the three layouts is the same, verdicts, tails and launch-bound marks included."""
+def test_logs_with_a_run_for_every_row_report_the_same(tmp_path: Path, clock: FakeClock) -> None:
+    """Logs with a run for every row (``step`` included, histograms in the rows' runs) read as the
+    per-phase runs do: the report of the same windows in the two layouts is the same, verdicts,
+    tails and launch-bound marks included."""
     from steptimer._tensorboard import EventFile, TensorBoardSink
     from tests.fakes import ListSink
 
@@ -194,11 +173,9 @@ def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock
                     clock.advance_ms(host_ms)
     t.close()
     new = TensorBoardSink(log_dir=tmp_path / "new")
-    old = EventFile(str(tmp_path / "old"))
     rows: dict[str | None, EventFile] = {None: EventFile(str(tmp_path / "rows"), run_id="1.rows")}
     for w in keep.windows:
         new.write_window(w)
-        old.write(_old_layout(w), w.step)
         for row, summary in _row_runs_layout(w).items():
             if row not in rows:
                 rows[row] = EventFile(str(tmp_path / "rows" / "steptimer" / row), run_id="1.rows", suffix=".steptimer")
@@ -206,18 +183,16 @@ def test_logs_of_the_old_layout_report_the_same(tmp_path: Path, clock: FakeClock
     new.close()
     assert "step" in rows and "steptimer-hist/host_ms" in [v.tag for v in _row_runs_layout(w)["forward"].value]
     assert sorted(p.name for p in (tmp_path / "new" / "steptimer").iterdir())[:3] == ["backward", "data", "forward"]
-    assert not (tmp_path / "old" / "steptimer").exists()
 
     runs = {r["name"]: r for r in report_json(tmp_path)["runs"]}
-    assert set(runs) == {"new", "old", "rows"}
+    assert set(runs) == {"new", "rows"}
     a = runs["new"]
     assert a["steps"] == 20 and a["quantiles_of"] == "steps" and a["cuda"] is True
     assert [r["name"] for r in a["rows"]] == ["data", "forward", "zero_grad", "backward", "other", "wait", "step", "idle"]
-    for b in (runs["old"], runs["rows"]):
-        for key in set(a) - {"name", "path"}:
-            assert a[key] == b[key], (b["name"], key)
-    texts = [cli("report", str(tmp_path / d)).stdout for d in ("new", "old", "rows")]
-    assert texts[0].replace("new", "old") == texts[1] and texts[0].replace("new", "rows") == texts[2]
+    for key in set(a) - {"name", "path"}:
+        assert a[key] == runs["rows"][key], key
+    texts = [cli("report", str(tmp_path / d)).stdout for d in ("new", "rows")]
+    assert texts[0].replace("new", "rows") == texts[1]
 
 
 def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
@@ -249,7 +224,9 @@ def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
     assert fwd["host"]["median_ms"] == pytest.approx(5.5)  # median of the window means 4, 5, 6, 7
     assert fwd["host"]["max_ms"] == pytest.approx(7.0)
     assert any("window means" in n for n in r["notes"])
-    assert "median/p90 of window means" in cli("report", str(tmp_path)).stdout
+    assert "note: no histograms in these logs (scalars only): median and p90 are of window means" in " ".join(
+        cli("report", str(tmp_path)).stdout.split()
+    )
 
 
 def test_report_of_a_phase_folder_names_the_run_to_pass(tmp_path: Path, clock: FakeClock) -> None:
@@ -275,7 +252,7 @@ def test_verdict_input_bound_gpu(tmp_path: Path, clock: FakeClock) -> None:
     assert r["cuda"] is True
     assert r["verdict"]["kind"] == "input-bound", r["verdict"]
     assert r["share_clock"] == "gpu" and r["gpu_idle_share"] > 0.5 and r["data_share"] > 0.5
-    assert any("GPU idle between steps" in e for e in r["verdict"]["evidence"])
+    assert r["verdict"]["evidence"][1].startswith("the host's data row (between steps) took a median 30")
 
 
 def test_verdict_launch_bound(tmp_path: Path, clock: FakeClock) -> None:
@@ -308,7 +285,7 @@ def test_verdict_compute_bound_without_gpu_tags(tmp_path: Path, clock: FakeClock
     t.close()
     (r,) = report_json(tmp_path)["runs"]
     assert r["verdict"]["kind"] == "compute-bound" and r["share_clock"] == "host"
-    assert any("host clock only" in e for e in r["verdict"]["evidence"])
+    assert cli("report", str(tmp_path)).stdout.splitlines()[0].endswith("host clock only")
 
 
 def test_report_on_a_lightning_run(tmp_path: Path) -> None:
@@ -610,10 +587,13 @@ def test_report_agrees_with_the_summary_and_leaves_out_warm_up(tmp_path: Path, c
     for rate in ("steps_per_s", "samples_per_s", "tflops_per_s", "mfu"):
         assert run[rate] == pytest.approx(getattr(s, rate), rel=1e-6), rate
     text = cli("report", str(tmp_path)).stdout
-    assert "5 warm-up steps left out" in text
-    assert f"compute: {s.tflops_per_s:,.4g} TFLOP/s, MFU {100 * s.mfu:.1f}%" in text
+    assert "(5 warm-up left out)" in text.splitlines()[0]
+    assert f"compute: {num(s.tflops_per_s)} TFLOP/s, MFU {100 * s.mfu:.1f}%" in text
+    # One result, one renderer: at 80 columns the report prints what the summary printed, line by line.
+    printed = cli("report", str(tmp_path), columns=80).stdout.splitlines()
+    assert printed[printed.index(str(s).splitlines()[1]) :] == str(s).splitlines()[1:]  # after the heading
     both = cli("compare", str(tmp_path), str(tmp_path)).stdout
-    assert both.count(f"compute: {s.tflops_per_s:,.4g} TFLOP/s") == 2
+    assert both.count(f"compute: {num(s.tflops_per_s)} TFLOP/s") == 2
     assert json.loads(cli("compare", str(tmp_path), str(tmp_path), "--json").stdout)["compute"]["b"] == {
         "tflops_per_s": pytest.approx(s.tflops_per_s, rel=1e-6), "mfu": pytest.approx(s.mfu, rel=1e-6)
     }
@@ -827,3 +807,20 @@ def test_compare_lists_the_runs_it_found(tmp_path: Path, clock: FakeClock, n_run
     p = _steptimer("compare", str(tmp_path / "x"), str(tmp_path / "x" / "1"))
     assert p.returncode == 1
     assert f"holds {n_runs} runs ({listed}; compare takes one run directory each" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("fmt", [[], ["--json"]])
+def test_report_into_a_closed_pipe_exits_quietly(tmp_path: Path, clock: FakeClock, fmt: list[str]) -> None:
+    """``steptimer report ... | head -1``: the reader has gone when the report is written (here its
+    end of a real pipe is closed before the command starts). No error line; exit status 1, Python's
+    convention for a broken pipe."""
+    fake_run(tmp_path, clock, data_ms=1.0, phases={"forward": (5.0, 5.0)}, steps=10)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="80")
+    try:
+        p = subprocess.run([sys.executable, "-m", "steptimer", "report", str(tmp_path), *fmt], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert (p.returncode, p.stderr) == (1, "")

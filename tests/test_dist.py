@@ -25,6 +25,7 @@ from steptimer._dist import (
     spreads,
     straggler_ms,
 )
+from steptimer._table import num
 from tests.tb import layout_regexes, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +107,7 @@ def test_the_slow_rank_of_a_slow_step_is_named(tmp_path: Path, ddp: bool) -> Non
     # No other step slept (the first window's steps are left out: DDP's first step builds its buckets).
     assert all(r["own_ms"] < SLOW_MS / 2 for r in r0["ranks_slowest"][1:] if r["step"] > 10), r0
     assert results[1]["ranks_slowest"][0]["rank"] == 1  # every rank gets the same answer
-    assert f"    step 17: rank 1, {top['own_ms']:.3f} ms (rank 0: {top['here_ms']:.3f} ms)" in out
+    assert f"    step 17: rank 1, {num(top['own_ms'])} ms (rank 0: {num(top['here_ms'])} ms)" in out
     tb = scalars(tmp_path)
     assert tb["steptimer-ranks/slowest_step"][0] == (10, tb["steptimer-ranks/slowest_step"][0][1])
     assert [(s, v) for s, v in tb["steptimer-ranks/slowest_step"] if s == 20] == [(20, 17.0)]
@@ -150,7 +151,7 @@ def test_memory_across_ranks(tmp_path: Path) -> None:
     assert [v for _, v in tb["steptimer/mem/forward_peak_mib"]] == [8.0, 8.0]  # rank 0's own
     lines = results[0]["summary_lines"]
     (row,) = [line for line in lines if "mem step_peak MiB" in line]
-    assert re.search(r" 8\.000 \(  0\)\s+12\.000\s+16\.000 \(  1\)$", row), row
+    assert re.search(r" 8\.000 \(  0\)\s+12\.0\s+16\.0 \(  1\)$", row), row
     assert "mem: each rank's peak and reserved, MiB" in lines[0]
 
 

@@ -177,6 +177,33 @@ def test_ctrl_c_in_on_window_keeps_the_engine_usable(clock: FakeClock, gpu: Fake
     assert [int(r[0]) for rows in e.rows.groups.values() for r in rows] == [11]
 
 
+def test_ctrl_c_while_an_older_step_is_resolved_keeps_the_step_that_ended(clock: FakeClock) -> None:
+    """A real SIGINT in a listener (``on_pending``) while step 2's end resolves step 1 (queued: the
+    listener wants each record): step 2 is kept, step 1 stays pending and is resolved (and given
+    to the listener again) at the next step's end; no step is lost."""
+    seen: list[int] = []
+
+    def listener(engine: Engine, rec: StepRecord) -> None:
+        seen.append(rec.number)
+        if len(seen) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        o = Owner(None, window_every=1000, on_pending=listener)
+        o.step(clock, None)
+        with pytest.raises(KeyboardInterrupt):
+            o.step(clock, None)  # step 1 is resolved (and interrupted) at step 2's end
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    e = o.engine
+    assert e.state == OUT and e.number == 2 and [r.number for r in e._pending] == [1, 2]
+    o.step(clock, None)
+    e.close()
+    assert seen == [1, 1, 2, 3] and e.rows.count == 3
+    assert sorted(int(r[0]) for rows in e.rows.groups.values() for r in rows) == [1, 2, 3]
+
+
 def test_nested_pauses_count_once(clock: FakeClock) -> None:
     """``begin_pause`` inside a pause returns None: only the outer pause is subtracted from the
     time before the next step."""

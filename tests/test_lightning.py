@@ -810,6 +810,34 @@ def make_bypass(L: Any, cb: StepTimerCallback) -> Any:
     return Bypass()
 
 
+def test_a_custom_phase_entered_and_never_exited_closes_at_the_end_of_its_batch() -> None:
+    """``cb.phase(name).__enter__()`` with no ``__exit__`` (the object dropped at once): the phase
+    stays open, hook phases nest inside it, and the batch's end closes it; no step is lost."""
+    import pytorch_lightning as pl
+
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False)
+
+    class Leaky(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self.net(batch[0]).pow(2).mean()
+            cb.phase("tail").__enter__()
+            time.sleep(SLEEP_S)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    assert fit_quietly(pl, cb, Leaky(), 4) == []
+    s = cb.summary
+    assert s is not None and s.steps == 4
+    assert s["loss/tail"].host.median_ms >= HIGH_MS and s["loss/tail"].calls_per_step == 1
+    assert "loss/tail/backward" in s and "backward" not in s
+
+
 @pytest.mark.parametrize("forward_module", [None, "net", ["net"]], ids=["default", "name", "list"])
 def test_submodule_call_with_custom_phases(forward_module: Any) -> None:
     """self.net(x) is `forward` by default and with forward_module; custom phases nest where they ran."""

@@ -217,3 +217,18 @@ def test_under_torchrun_each_rank_times_and_rank_0_writes(tmp_path: Path) -> Non
     assert r["steps"] == 10 - 2
     assert "found the model (DistributedDataParallel)" in out
     check_sleeps(medians(r), {k: SLEEP_MS[k] for k in ("data", "forward", "loss", "optimizer")})
+
+
+@pytest.mark.parametrize(("opt", "message"), [
+    (("--lag", "-1"), "lag must be an int >= 0, got -1"),
+    (("--sample-every", "0"), "sample_every must be an int >= 1, got 0"),
+    (("--lag", "x"), "argument --lag: invalid int value: 'x'"),
+])  # fmt: skip
+def test_a_bad_option_is_refused_before_the_script_runs(tmp_path: Path, opt: tuple[str, str], message: str) -> None:
+    script = tmp_path / "hello.py"
+    script.write_text("print('RAN')\n")
+    cmd = [sys.executable, "-m", "steptimer", "run", *opt, str(script)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "RAN" not in proc.stdout
+    assert f"steptimer run: error: {message}" in proc.stderr, proc.stderr
+    assert not (tmp_path / "runs").exists()

@@ -31,7 +31,8 @@ from steptimer import StepTimer
 from steptimer._dist import scalars_of
 from steptimer._histogram import bucket_index, grid_index
 from steptimer._summary import RankSpread
-from steptimer._tensorboard import EventFile, TensorBoardSink, join_tag, run_names, split_tag, window_summaries
+from steptimer._tags import MEASURES, join_tag, parse, split_tag
+from steptimer._tensorboard import EventFile, TensorBoardSink, run_names, window_summaries
 from steptimer._window import Window
 from tests.fakes import FakeClock, FakeGPU, ListSink
 from tests.tb import accumulator, layout_regexes, phase_runs, run_scalars, scalars
@@ -159,6 +160,40 @@ def test_split_tag_is_undone_by_join_tag() -> None:
     assert split_tag("steptimer/host/zero_grad_ms", names) == ("zero_grad", "steptimer/host_ms")
     for tag in ("steptimer/mem/reserved_mib", "steptimer/steps_per_s", "steptimer-ranks/straggler_max_ms", "x/big"):
         assert split_tag(tag, names) == (None, tag)
+
+
+def test_no_measure_ends_with_another_of_its_family() -> None:
+    """What makes the grammar unambiguous for every phase name: one measure ends each row's tag."""
+    for key, measures in MEASURES.items():
+        for m in measures:
+            assert not [o for o in measures if o != m and m.endswith("_" + o)], (key, m)
+    assert parse("steptimer-tails/host/pool_max_ms") == ("steptimer-tails", "host", "pool", "max_ms")
+    assert parse("steptimer/host/a.b-c/d_e_pct") == ("steptimer", "host", "a.b-c/d_e", "pct")
+
+
+def test_a_phase_whose_name_extends_another_keeps_its_own_values(tmp_path: Path, clock: FakeClock) -> None:
+    """Phases ``pool`` and ``pool_max``: each one's values in its own run, read back with TensorBoard's
+    reader, and ``steptimer report`` gives each its own max."""
+    t = StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=4, warmup_steps=0, print_summary=False)
+    for i in range(8):
+        clock.advance_ms(1.0)
+        with t.step():
+            for name, ms in (("pool", 1.0 + i % 2), ("pool_max", 5.0 + 2 * (i % 2))):
+                with t.phase(name):
+                    clock.advance_ms(ms)
+    t.close()
+    runs = phase_runs(tmp_path)
+    pool, pool_max = run_scalars(runs["pool"]), run_scalars(runs["pool_max"])
+    assert set(pool) == set(pool_max)  # the same measures each, nothing of one in the other's run
+    assert [v for _, v in pool["steptimer-tails/host_max_ms"]] == pytest.approx([2.0, 2.0])
+    assert [v for _, v in pool_max["steptimer-tails/host_max_ms"]] == pytest.approx([7.0, 7.0])
+    assert [v for _, v in pool_max["steptimer/host_ms"]] == pytest.approx([6.0, 6.0])
+    assert any(re.search(rx, "steptimer-tails/host_max_ms") for rx in layout_regexes(tmp_path))
+    r = _report(tmp_path)
+    rows = {row["name"]: row for row in r["rows"]}
+    assert rows["pool"]["host"]["max_ms"] == pytest.approx(2.0, rel=0.01)
+    assert rows["pool_max"]["host"]["max_ms"] == pytest.approx(7.0, rel=0.01)
+    assert rows["pool_max"]["host"]["mean_ms"] == pytest.approx(6.0, rel=0.01)
 
 
 def test_tflops_and_mfu_tags_and_their_own_charts(tmp_path: Path, clock: FakeClock) -> None:

@@ -14,6 +14,7 @@ import torch
 import steptimer._engine as engine_mod
 import steptimer.timer as timer_mod
 from steptimer import StepTimer
+from steptimer._table import num, pct, render
 from tests.fakes import FakeClock, FakeGPU, ListSink
 
 
@@ -1042,8 +1043,8 @@ def test_explicit_or_distributed_windows_stay_50_steps(
 def test_a_windows_own_work_is_in_no_step_and_not_in_the_data_wait(
     clock: FakeClock, gpu: FakeGPU, cuda: bool, sample_every: int
 ) -> None:
-    """Steps without GPU events (outside the sample; or every step, timed on the host clock) take the
-    short way (no pending record, no wait). Their windows close at every 10th step with all 10
+    """Steps without GPU events (outside the sample; or every step, timed on the host clock) are
+    resolved at their own end (no pending record, no wait). Their windows close at every 10th step with all 10
     steps, and a window's own work (here the sink takes 5 ms of the clock) is steptimer's own: in
     no step's host time, never in the data wait, not in the wall that rates divide by."""
     t, sink = make(gpu if cuda else None, sample_every=sample_every, log_every_n_steps=10)
@@ -1074,16 +1075,19 @@ def test_a_windows_own_work_is_in_no_step_and_not_in_the_data_wait(
     # last window's end: 40 steps, 39 data waits, 4 windows)
     assert s.own_ms == pytest.approx(4 * 5.0)
     assert s.own_share == pytest.approx(20.0 / (40 * 2.0 + 39 * 1.0 + 20.0))
+    # printed as steptimer's, on a line of its own, never in a row
+    assert f"steptimer's own work: {num(s.own_ms)} ms, {pct(s.own_share)} of the run" in render(s).splitlines()
     if sample_every == 1:
         assert s["other"].host.max_ms == pytest.approx(0.0)
 
 
-def test_untimed_steps_take_the_short_way_under_cuda_once_the_timed_step_is_resolved(
+def test_untimed_steps_are_resolved_at_their_end_under_cuda_once_the_timed_step_is(
     clock: FakeClock, gpu: FakeGPU
 ) -> None:
     """With CUDA and lag 2 the timed step stays pending for two steps; the untimed steps after it
     are resolved as soon as it is (they have no events to wait for), so the steps after those
-    take the short way again: nothing pending between two timed steps, never a growing queue."""
+    are resolved at their own end again: nothing pending between two timed steps, never a growing
+    queue."""
     t, sink = make(gpu, sample_every=100, lag=2, log_every_n_steps=1000)
     engine = t._engine
     depth = []

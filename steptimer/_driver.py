@@ -1,0 +1,223 @@
+"""The one state machine of hook-driven phases: which phase of the current step is open.
+
+Every front door that times a loop from hooks (``instrument()``, ``steptimer run``, the Hugging Face
+and Lightning callbacks) feeds a :class:`PhaseDriver` the same events: a step begins, ends or is
+dropped; the model's forward starts and returns; a hook phase opens (``loss``, ``backward``,
+``zero_grad``, ``clip``, ``optimizer``); a user phase nests; work between steps is paused. The
+driver enters and exits the timer's phases. Each front door decides only where its steps start and
+end: a plain loop's optimizer steps and ``zero_grad`` (steptimer/instrument.py), Lightning's
+batches, accumulation and validation (steptimer/lightning.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from time import perf_counter
+from typing import Any
+
+from steptimer.timer import StepTimer
+
+__all__ = ["PhaseDriver", "UserPhase"]
+
+
+class PhaseDriver:
+    """Enters and exits ``timer``'s phases as hook events come.
+
+    Args:
+        timer: The timer to drive.
+        rejoin: A forward that starts while the ``loss`` opened by the previous forward's return
+            is open takes that time back into ``forward`` (code between two model calls of one
+            ``training_step`` is forward's, Lightning's rule); False: ``forward, loss, forward``.
+        on_pending_end: Called when the last user phase exits after :meth:`end` found the step
+            ending inside it: the front door ends the step (its counts are its own).
+    """
+
+    def __init__(
+        self, timer: StepTimer, *, rejoin: bool = False, on_pending_end: Callable[[], None] | None = None
+    ) -> None:
+        self.timer = timer
+        self._rejoin = rejoin
+        self._on_pending_end = on_pending_end
+        self._step: AbstractContextManager[None] | None = None
+        self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
+        self._users: list[tuple[str, object]] = []  # the user phases open (name, token), outermost first
+        self.end_pending = False  # the step ended inside a user phase: it ends when that one exits
+        self.fwd_depth = 0  # nested model calls (a model inside another) count once
+        self.paused = 0  # inside pause(): hooks pass everything through
+        self._val: tuple[float, AbstractContextManager[None] | None] | None = None
+        self.val_ms: list[float] = []  # each evaluation's host time
+
+    @property
+    def in_step(self) -> bool:
+        return self._step is not None
+
+    @property
+    def phase(self) -> str | None:
+        """The hook phase open at the innermost level, or None."""
+        return self._frames[-1]
+
+    def begin(self, *, samples: float | None = None, tokens: float | None = None) -> None:
+        self._step = self.timer.step(samples=samples, tokens=tokens)
+        self._step.__enter__()
+
+    def end(self, *, samples: float | None = None, tokens: float | None = None, flops: float | None = None) -> bool:
+        """End the step and its open phase; counts given replace those of :meth:`begin` (summed
+        over micro-batches, known only now). Inside a user phase it returns False and sets
+        :attr:`end_pending`: ``on_pending_end`` ends the step when that phase exits."""
+        if self._users:
+            self.end_pending = True
+            return False
+        self.switch(None)
+        step = self._reset()
+        if step is None:
+            return True
+        if samples is not None or tokens is not None or flops is not None:
+            # step() sets the counts on a context manager for this step; exiting it ends the step.
+            step = self.timer.step(samples=samples, tokens=tokens, flops=flops)
+        step.__exit__(None, None, None)
+        return True
+
+    def drop(self, et: Any, ev: Any, tb: Any) -> None:
+        """The step raised: the engine forgets it and its open phases; the driver starts clean."""
+        step = self._reset()
+        if step is not None:
+            step.__exit__(et, ev, tb)
+
+    def _reset(self) -> AbstractContextManager[None] | None:
+        step, self._step = self._step, None
+        self._frames = [None]
+        self._users = []
+        self.end_pending = False
+        self.fwd_depth = 0
+        return step
+
+    def switch(self, name: str | None, error: BaseException | None = None) -> None:
+        """End the hook phase open at the innermost level (``error``: the exception that ended it)
+        and start ``name`` (None: none)."""
+        cur = self._frames[-1]
+        if cur == name:
+            return
+        if cur is not None:
+            self._frames[-1] = None
+            self.timer.phase(cur).__exit__(None if error is None else type(error), error, None)
+        if name is not None:
+            self.timer.phase(name).__enter__()
+            self._frames[-1] = name
+
+    def forward_enter(self) -> bool:
+        """A model call starts; True for the outermost one, which opens ``forward``."""
+        self.fwd_depth += 1
+        if self.fwd_depth > 1:
+            return False
+        if self._rejoin and self._frames[-1] == "loss" and self.timer._rejoin("loss", "forward"):
+            self._frames[-1] = "forward"
+        else:
+            self.switch("forward")
+        return True
+
+    def forward_exit(self) -> bool:
+        """A model call returned (or raised); True for the outermost one: the caller opens the next
+        phase. Unmatched exits (a call that started before the step) are ignored."""
+        if self.fwd_depth == 0:
+            return False
+        self.fwd_depth -= 1
+        return self.fwd_depth == 0
+
+    def open_user(self, name: str) -> object:
+        """Open a phase of the user's, nested in the hook phase open now (``loss/name``); hook
+        phases inside it nest too (``name/forward``). Returns the token that closes it."""
+        self.timer.phase(name).__enter__()
+        self._frames.append(None)
+        token = object()
+        self._users.append((name, token))
+        return token
+
+    def close_user(self, token: object, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
+        """Close the user phase of ``token`` (and any left open inside it); a step that ended
+        inside it ends now (``on_pending_end``). Dropped or closed meanwhile: nothing to do."""
+        i = next((i for i, (_, t) in enumerate(self._users) if t is token), None)
+        if i is None:
+            return
+        while len(self._users) > i + 1:
+            self._close_innermost()
+        self._close_innermost(exc)
+        if self.end_pending and not self._users and self._on_pending_end is not None:
+            self._on_pending_end()
+
+    def _close_innermost(self, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
+        self.switch(None)
+        self._frames.pop()
+        name, _ = self._users.pop()
+        self.timer.phase(name).__exit__(*exc)
+
+    def close_user_phases(self) -> None:
+        """Close the user phases left open (a ``__enter__`` with no ``__exit__``)."""
+        while self._users:
+            self._close_innermost()
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Work between steps that is neither a step nor data wait; hooks inside pass through."""
+        with self.timer.pause():
+            self.paused += 1
+            try:
+                yield
+            finally:
+                self.paused -= 1
+
+    def begin_val(self) -> None:
+        """An evaluation starts: paused out between steps; inside a step (between two micro-batches
+        of it, where it can't be paused out) a ``val`` phase of that step."""
+        if self._val is not None:
+            return
+        pause = None
+        if self.in_step:
+            self.switch("val")
+        else:
+            pause = self.pause()
+            pause.__enter__()
+        self._val = (perf_counter(), pause)
+
+    def end_val(self, after: str | None = None) -> float | None:
+        """The evaluation ended (``after``: the phase that goes on in the step); its ms, or None
+        when none was open."""
+        if self._val is None:
+            return None
+        (t0, pause), self._val = self._val, None
+        val_ms = (perf_counter() - t0) * 1e3
+        if pause is not None:
+            pause.__exit__(None, None, None)
+        elif self.phase == "val":
+            self.switch(after)
+        self.val_ms.append(val_ms)
+        return val_ms
+
+    def val_note(self) -> str | None:
+        """The summary's line on the evaluations timed apart, if any."""
+        if not self.val_ms:
+            return None
+        mean_ms = sum(self.val_ms) / len(self.val_ms)
+        return f"validation: {len(self.val_ms)} run(s), {mean_ms:.1f} ms mean, paused (not counted as data)"
+
+
+class UserPhase:
+    """``with front_door.phase(name):``: a phase of the user's through the driver that ``driver()``
+    returns when it is entered (None: outside a step, a no-op). A class, not a generator: one
+    entered and never exited stays open until the front door closes it (end of the batch)."""
+
+    __slots__ = ("_name", "_driver", "_open")
+
+    def __init__(self, name: str, driver: Callable[[], PhaseDriver | None]) -> None:
+        self._name = name
+        self._driver = driver
+        self._open: tuple[PhaseDriver, object] | None = None
+
+    def __enter__(self) -> None:
+        d = self._driver()
+        self._open = None if d is None else (d, d.open_user(self._name))
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
+        if self._open is not None:
+            (d, token), self._open = self._open, None
+            d.close_user(token, (et, ev, tb))

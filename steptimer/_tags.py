@@ -1,0 +1,108 @@
+"""The tag grammar of steptimer's TensorBoard values, shared by the writer (``_tensorboard.py``,
+``_dist.py``) and the reader (``_reader.py``, ``_report.py``); documented in docs/tensorboard.md::
+
+    <group>/<family>/<name>_<measure>   a value of one phase or derived row <name>
+    <group>/<measure>                   a value of the whole window (or <group>/<family>/<measure>)
+
+A phase name may hold letters, digits, ``_``, ``.``, ``-`` and ``/``, so a tag is never split at a
+name: it is split at the *measure*, which must be one of :data:`MEASURES` of its group and family.
+No measure of a family ends with ``_`` and another of its measures, so exactly one measure ends a tag
+and ``pool``'s ``max_ms`` can't be read as ``pool_max``'s ``ms``.
+
+On disk a row's values sit in a run of their own without its name (``<group>/<family>_<measure>``,
+:func:`split_tag`); :func:`join_tag` puts the name back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+MAIN = "steptimer"  # window means, shares, throughput, memory
+TAILS = "steptimer-tails"  # p90 and max of the window's steps
+CAUGHT = "steptimer-caught-up"  # fraction of steps in which the GPU caught up inside the phase
+HIST = "steptimer-hist"  # the window's steps on the fixed log grid
+RANKS = "steptimer-ranks"  # the spread across ranks (_dist.py)
+RUN = "steptimer-run"  # facts about the run, never charted
+
+_RANK_MS = ("min_ms", "mean_ms", "max_ms", "argmax")
+MEASURES: dict[tuple[str, str], tuple[str, ...]] = {
+    (MAIN, "host"): ("ms", "pct"),
+    (MAIN, "gpu"): ("ms", "pct"),
+    (MAIN, "mem"): ("peak_mib", "alloc_mib"),
+    (TAILS, "host"): ("p90_ms", "max_ms"),
+    (TAILS, "gpu"): ("p90_ms", "max_ms"),
+    (CAUGHT, "gpu"): ("frac",),
+    (HIST, "host"): ("ms",),
+    (HIST, "gpu"): ("ms",),
+    (RANKS, "host"): _RANK_MS,
+    (RANKS, "gpu"): _RANK_MS,
+    (RANKS, "mem"): ("peak_min_mib", "peak_mean_mib", "peak_max_mib", "peak_argmax"),
+}
+
+# Whole-window tags.
+STEPS_PER_S = f"{MAIN}/steps_per_s"
+SAMPLES_PER_S = f"{MAIN}/samples_per_s"
+TOKENS_PER_S = f"{MAIN}/tokens_per_s"
+TFLOPS_PER_S = f"{MAIN}/tflops_per_s"
+MFU = f"{MAIN}/mfu"
+RESERVED_MIB = f"{MAIN}/mem/reserved_mib"
+WARMUP_STEPS = f"{RUN}/warmup_steps"
+
+
+class Tag(NamedTuple):
+    group: str
+    family: str
+    name: str
+    measure: str
+
+
+def tag(group: str, family: str, name: str, measure: str) -> str:
+    """``tag("steptimer", "host", "forward", "ms")`` -> ``steptimer/host/forward_ms``."""
+    return f"{group}/{family}/{name}_{measure}"
+
+
+def run_tag(group: str, family: str, measure: str) -> str:
+    """A row's tag inside its own run: ``steptimer/host_ms``."""
+    return f"{group}/{family}_{measure}"
+
+
+def is_steptimer(tag_: str) -> bool:
+    return tag_.startswith(MAIN)
+
+
+def parse(tag_: str) -> Tag | None:
+    """The parts of a row's tag; None for a whole-window tag or a tag not steptimer's.
+
+    >>> parse("steptimer-tails/host/pool_max_ms")
+    Tag(group='steptimer-tails', family='host', name='pool', measure='max_ms')
+    >>> parse("steptimer-tails/host/pool_max_max_ms").name
+    'pool_max'
+    """
+    group, _, rest = tag_.partition("/")
+    family, _, rest = rest.partition("/")
+    for measure in MEASURES.get((group, family), ()):
+        if rest.endswith("_" + measure) and len(rest) > len(measure) + 1:
+            return Tag(group, family, rest[: -len(measure) - 1], measure)
+    return None
+
+
+def split_tag(tag_: str, names: object) -> tuple[str | None, str]:
+    """``(name, tag in the name's run)`` for a row's tag whose name is in ``names`` (the rows that
+    have a run), else ``(None, tag)``.
+
+    >>> split_tag("steptimer-tails/gpu/fwd/attn_p90_ms", {"fwd", "fwd/attn"})
+    ('fwd/attn', 'steptimer-tails/gpu_p90_ms')
+    >>> split_tag("steptimer/steps_per_s", {"fwd"})
+    (None, 'steptimer/steps_per_s')
+    """
+    t = parse(tag_)
+    if t is None or t.name not in names:  # type: ignore[operator]
+        return None, tag_
+    return t.name, run_tag(t.group, t.family, t.measure)
+
+
+def join_tag(name: str, run_tag_: str) -> str:
+    """The inverse of :func:`split_tag`: ``("forward", "steptimer/host_ms")`` -> ``steptimer/host/forward_ms``."""
+    group, _, rest = run_tag_.partition("/")
+    family, _, measure = rest.partition("_")
+    return tag(group, family, name, measure)
