@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
 from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, oom_errors, oom_note, torch_memory_backend
 from steptimer._slow import GcLog, dynamo_stats
-from steptimer._window import FETCH_S, GAP_S, STEP_S, WAIT_S, RowKey, StepRows
+from steptimer._window import GAP_S, STEP_S, WAIT_S, RowKey, StepRows
 
 log = logging.getLogger("steptimer")
 
