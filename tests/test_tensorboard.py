@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,14 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 
 
 def run(t: StepTimer, clock: FakeClock, gpu: FakeGPU | None, steps: int) -> None:
+    def batches() -> Iterator[int]:
+        while True:
+            clock.advance_ms(2.0)  # the loader
+            yield 0
+
+    loader = t.data(batches())
     for i in range(steps):
-        clock.advance_ms(2.0)  # data
+        next(loader)
         with t.step(samples=16, tokens=1024):
             with t.phase("forward"):
                 if gpu:
@@ -113,7 +119,7 @@ def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, c
     run(t, clock, gpu, 4)
     t.close()
     runs = phase_runs(tmp_path)
-    assert set(runs) == {"data", "forward", "backward", "other", "wait", "idle"}  # step: in the log dir's run
+    assert set(runs) == {"data", "loop", "forward", "backward", "other", "wait", "idle", "idle/data", "idle/loop"}  # not step
     assert run_scalars(runs["forward"])["steptimer/gpu_ms"] == [(2, pytest.approx(5.0)), (4, pytest.approx(5.0))]
     own = run_scalars(tmp_path)
     assert not [tag for tag in own if "forward" in tag]  # only whole-window tags and step's there
@@ -127,23 +133,23 @@ def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, c
 
 def test_rows_charted_together_get_distinct_colours(clock: FakeClock) -> None:
     """TensorBoard colours the n-th run of /data/runs with colour n mod 7 (both of its palettes have
-    7); the log dir's own run, holding step and the throughput, is the 0th. With 5 phases under CUDA
-    (8 rows) every row of the host chart and of the GPU chart still gets a colour of its own: idle
-    first and wait last share one, and are never charted together."""
+    7); the log dir's own run, holding step and the throughput, is the 0th. With 4 phases under CUDA
+    (8 rows with loop) every row of the host chart and of the GPU chart still gets a colour of its
+    own: idle first and wait last share one, and are never charted together."""
     gpu = FakeGPU(clock)
     sink = ListSink()
     t = StepTimer._make(backend=gpu.backend(), log_every_n_steps=4, warmup_steps=0, print_summary=False, sinks=[sink])
     for _ in range(4):
         clock.advance_ms(1.0)
         with t.step():
-            for name in ("data", "forward", "loss", "backward", "optimizer"):
+            for name in ("data", "forward", "backward", "optimizer"):
                 with t.phase(name):
                     gpu.launch(1.0)
                     clock.advance_ms(1.0)
     t.close()
     (w,) = sink.windows
     names = run_names(w)
-    assert names == ["idle", "data", "forward", "loss", "backward", "optimizer", "other", "wait"]
+    assert names == ["idle", "data", "loop", "forward", "backward", "optimizer", "other", "wait"]
     colour = {n: (i + 1) % 7 for i, n in enumerate(names)}  # after the log dir's own run
     for chart in ([n for n in w.host if n != "step"], [n for n in w.gpu if n != "step"], list(w.shares)):
         assert len({colour[n] for n in chart}) == len(chart), chart
@@ -305,10 +311,12 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
     run(t, clock, None, 4)
     t.close()
     writer.close()
-    rows = ["idle", "data", "forward", "backward", "other", "wait"]  # run_names: timeline order, no step
+    # run_names: timeline order, no step; the user's: no GPU: no idle (nor its parts), no wait
+    rows = ["idle", "data", "loop", "forward", "backward", "other", "idle/data", "idle/loop", "wait"]
+    user_rows = ["data", "loop", "forward", "backward", "other"]
 
     with _Server(logs) as tb:
-        tb.until(lambda: len(tb.get("/data/runs")) == 2 + len(rows) + 4  # the user's: no GPU: no wait, no idle
+        tb.until(lambda: len(tb.get("/data/runs")) == 2 + len(rows) + len(user_rows)
                  and len(tb.get("/data/plugin/custom_scalars/layout").get("category", [])) == 4)  # fmt: skip
         runs = tb.get("/data/runs")
         tags = tb.get("/data/plugin/scalars/tags")
@@ -316,7 +324,7 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
 
         # Colours follow /data/runs: the log dir's own run (step, throughput) first, then its rows.
         assert [r for r in runs if r.startswith("plain")] == ["plain"] + [f"plain/steptimer/{p}" for p in rows]
-        assert [r for r in runs if r.startswith("user")] == ["user"] + [f"user/steptimer/{p}" for p in rows[1:-1]]
+        assert [r for r in runs if r.startswith("user")] == ["user"] + [f"user/steptimer/{p}" for p in user_rows]
 
         def series(rx: str) -> dict[str, list[float]]:
             """What a Custom Scalars chart with regex ``rx`` draws: values by run (one line each)."""
@@ -341,15 +349,16 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
         assert set(share) == {f"plain/steptimer/{p}" for p in ("idle", "forward", "backward", "other")}
         assert [sum(v) for v in zip(*share.values())] == pytest.approx([100.0, 100.0])  # parts of 100 %
         host_share = series(charts["Share of wall time per row (host clock), %"][0])
-        assert set(host_share) == {f"user/steptimer/{p}" for p in ("data", "forward", "backward", "other")}
+        assert set(host_share) == {f"user/steptimer/{p}" for p in user_rows}
         host = series(charts["Host ms per row"][0])
         assert host["plain/steptimer/forward"] == pytest.approx([1.5, 1.5])
         assert host["plain/steptimer/backward"] == pytest.approx([3.0, 3.0])
         assert host["user/steptimer/forward"] == pytest.approx([1.5, 1.5])
-        assert {r for r in host if r.startswith("plain")} == {f"plain/steptimer/{p}" for p in rows if p != "idle"}
+        assert {r for r in host if r.startswith("plain")} == {f"plain/steptimer/{p}" for p in rows if "idle" not in p}
         gpu_ms = series(charts["GPU ms per row"][0])
         assert gpu_ms["plain/steptimer/backward"] == pytest.approx([9.0, 9.0])
-        assert set(gpu_ms) == {f"plain/steptimer/{p}" for p in ("idle", "forward", "backward", "other")}
+        assert set(gpu_ms) == {f"plain/steptimer/{p}" for p in ("idle", "forward", "backward", "other", "idle/data",
+                                                                "idle/loop")}  # fmt: skip
         # The total and the throughput: a chart each, one line per log dir, in the log dir's own run.
         written = scalars(logs / "plain")
         for title, clock in (("Host step ms", "host"), ("GPU step ms", "gpu")):
