@@ -414,6 +414,11 @@ class StepTimer:
         it = iter(loader)
         return Fetch(self._engine, it) if self.enabled else it
 
+    def _fetches(self) -> Fetch | None:
+        """:meth:`data` for a front door that sees each fetch only as two events (Lightning's
+        profiler calls): ``start()`` when one begins, ``stop(t0)`` when it ends. None when disabled."""
+        return Fetch(self._engine) if self.enabled else None
+
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Context manager around a phase of the current step (``forward``, ``loss``, ...)."""
         cm = self._phases.get(name)
