@@ -69,10 +69,23 @@ class SleepySGD(torch.optim.SGD):
         super().zero_grad(set_to_none)
 
 
-def loader(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for _ in range(n):
+class SleepyBatches(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``n`` batches, each fetched in SLEEP_MS["data"]."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         time.sleep(SLEEP_MS["data"] / 1e3)
-        yield torch.randn(8, 4), torch.randn(8, 1)
+        return torch.randn(8, 4), torch.randn(8, 1)
+
+
+def loader(n: int) -> torch.utils.data.DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+    """A real DataLoader (instrument() times its fetches between steps: ``data``)."""
+    return torch.utils.data.DataLoader(SleepyBatches(n), batch_size=None)
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -431,7 +444,7 @@ def test_user_phases_nest_with_hook_phases() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     timer = instrument(model, opt, **QUIET, warmup_steps=0)
     for x, y in loader(3):
-        with timer.phase("augment"):  # before the forward: no step yet, a no-op (its time is data)
+        with timer.phase("augment"):  # before the forward: no step yet, a no-op (its time is loop)
             time.sleep(0.005)
         out = model(x)
         with timer.phase("metric"):  # inside loss
@@ -447,7 +460,8 @@ def test_user_phases_nest_with_hook_phases() -> None:
     assert timer.steps == 3
     assert "augment" not in s and "loss/metric" in s and "clip" in s and "update/optimizer" in s
     assert_host_ms(s, "loss/metric", 5.0)
-    assert_host_ms(s, "data", SLEEP_MS["data"] + 5.0)
+    assert_host_ms(s, "data", SLEEP_MS["data"])
+    assert_host_ms(s, "loop", 5.0)
 
 
 def test_lbfgs_closure_runs_forward_and_backward_inside_the_update() -> None:
@@ -802,3 +816,42 @@ def test_an_evaluation_begun_and_ended_from_events_is_paused_out_and_noted() -> 
     assert data.host.max_ms < 25, data
     (note,) = [n for n in s.notes if n.startswith("validation:")]
     assert note.startswith("validation: 2 run(s), ") and float(note.split(", ")[1].split(" ms")[0]) >= 50
+
+
+def test_the_loaders_iterated_between_steps_are_data_and_put_back_at_close() -> None:
+    """instrument() times every DataLoader iterated while it runs (in the training thread): their
+    fetches are ``data``; after close, DataLoader iterates as before, and a loop fed by a plain
+    generator says so (no loader timed: the time between steps is ``loop``)."""
+    dl = loader(6)
+    model = SleepyNet(sleep_ms=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=1)
+    assert type(iter(dl)).__name__ == "Fetch"
+    other_thread: list[str] = []
+    th = threading.Thread(target=lambda: other_thread.append(type(iter(dl)).__name__))
+    th.start()
+    th.join()
+    for x, y in dl:
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    s = timer.close()
+    assert other_thread == ["_SingleProcessDataLoaderIter"]
+    assert type(iter(dl)).__name__ == "_SingleProcessDataLoaderIter"
+    assert_host_ms(s, "data", SLEEP_MS["data"])
+    assert s.verdict is not None and s.verdict.kind == "input-bound"
+
+    def plain(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(n):
+            time.sleep(SLEEP_MS["data"] / 1e3)
+            yield torch.randn(8, 4), torch.randn(8, 1)
+
+    timer = instrument(model, opt, **QUIET, warmup_steps=1)
+    for x, y in plain(4):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    s = timer.close()
+    assert "data" not in s
+    assert_host_ms(s, "loop", SLEEP_MS["data"])
+    assert s.verdict is not None and "no loader was timed" in s.verdict.evidence[0]
