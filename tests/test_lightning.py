@@ -419,7 +419,7 @@ def test_csv_and_tensorboard_loggers_get_the_same_values(tmp_path: Path) -> None
     sent = cap.by_step()
     assert sorted(sent) == [2, 4]
     keys = set(sent[4])
-    for name in ("data", *PHASES, "other", "wait", "step"):
+    for name in ("data", "loop", *PHASES, "other", "wait", "step"):
         assert f"steptimer/host/{name}_ms" in keys
         assert f"steptimer-tails/host/{name}_p90_ms" in keys
     assert {"steptimer/gpu/forward_ms", "steptimer/gpu/idle_ms", "steptimer/steps_per_s"} <= keys
@@ -436,7 +436,8 @@ def test_csv_and_tensorboard_loggers_get_the_same_values(tmp_path: Path) -> None
     assert [s for s, _ in tb_values["steptimer/host/forward_ms"]] == [2, 4]
     assert tb_values["steptimer/host/forward_ms"][-1][1] == pytest.approx(sent[4]["steptimer/host/forward_ms"], rel=1e-6)
     runs = phase_runs(tb.log_dir)
-    assert set(runs) == {"data", *PHASES, "other", "wait", "idle"}  # step: in the logger's run
+    # step: in the logger's run; the train dataloader is timed: data, loop and the idle's parts
+    assert set(runs) == {"data", "loop", *PHASES, "other", "wait", "idle", "idle/data", "idle/loop"}
     assert not [t for t in run_scalars(tb.log_dir) if "forward" in t]  # the logger's run: whole-window tags
     own = accumulator(tb.log_dir)  # and every histogram, titled by its row
     assert sum(own.Histograms("steptimer-hist/host/forward_ms")[-1].histogram_value.bucket) == 2
