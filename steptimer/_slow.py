@@ -491,7 +491,8 @@ def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grow
     if data is not None:
         out.append(f"data stall: the loader took {ms_text(data[0])} ms (median {ms_text(data[1])})")
     elif idle_data is not None:
-        out.append(f"data stall: the GPU idled {ms_text(idle_data[0])} ms for the loader (median {ms_text(idle_data[1])})")
+        idle_ms, med_ms = idle_data
+        out.append(f"data stall: the GPU idled {ms_text(idle_ms)} ms for the loader (median {ms_text(med_ms)})")
     loop = grew("host", "loop", c.host_ms)
     if loop is not None:
         text = f"{ms_text(loop[0])} ms between steps (median {ms_text(loop[1])})"

@@ -119,7 +119,8 @@ def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, c
     run(t, clock, gpu, 4)
     t.close()
     runs = phase_runs(tmp_path)
-    assert set(runs) == {"data", "loop", "forward", "backward", "other", "wait", "idle", "idle/data", "idle/loop"}  # not step
+    # step: in the log dir's run
+    assert set(runs) == {"data", "loop", "forward", "backward", "other", "wait", "idle", "idle/data", "idle/loop"}
     assert run_scalars(runs["forward"])["steptimer/gpu_ms"] == [(2, pytest.approx(5.0)), (4, pytest.approx(5.0))]
     own = run_scalars(tmp_path)
     assert not [tag for tag in own if "forward" in tag]  # only whole-window tags and step's there
