@@ -781,9 +781,6 @@ class Engine:
             rec.marks = rec.marks or {}
             rec.marks[key] = rec.marks.get(key, 0.0) + value
 
-    def mark_own_work(self, key: str, value: float) -> None:
-        """Nothing to mark: steptimer's own window work is outside every step (``own_s``)."""
-
     def _mark(self, rec: StepRecord) -> None:
         """Put what happened in the step (``rec.marks``, GC inside its host time range, a pause
         before it) in the window's sparse ``rows.marks``; nothing when nothing happened."""

@@ -6,16 +6,11 @@ ending in ``.steptimer``: ``_tensorboard.py``); :func:`find_runs` walks a tree f
 loops, Lightning's ``version_N`` directories, several runs side by side). Tags are read by
 ``_tags.py``'s grammar, the writer's.
 
-Runs in one directory stay apart: every file one ``StepTimer`` writes carries its run id in its name
-(``events.out.tfevents.<run id>`` and its phases' ``events.out.tfevents.<run id>.steptimer``), so a
-second run into the same ``log_dir`` is read as a run of its own. Files that name no run (a user's
-``SummaryWriter``, Lightning's logger, steptimer before run ids) are read together as one more run,
-with a note when more than one of them holds steptimer windows.
-
-Records are read strictly (``_records.read_records``). A file that ends inside a record (the run was
-killed, or its disk filled, while writing) is read up to its last whole record and the run gets a
-note saying where it stopped; a checksum that does not match is a :class:`LogError` naming the file
-(TensorBoard's loaders silently stop at either), and so is a file that is not an event file at all.
+Runs in one directory stay apart by the run id in their files' names; files that name none (a
+user's ``SummaryWriter``, Lightning's logger) are read together as one more run, with a note when
+several hold steptimer windows. Records are read strictly: a file that ends inside a record (a
+killed run, a full disk) is read to its last whole record, with a note; a bad checksum or a file
+that is not an event file is a :class:`LogError` naming it (TensorBoard's loaders silently stop).
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
@@ -41,12 +37,10 @@ class LogError(Exception):
 class RunLog:
     """Everything steptimer wrote to one run directory.
 
-    ``scalars`` maps a tag, with the phase's name in it as loggers get it
-    (``steptimer/host/forward_ms``, ``_tensorboard.py``'s grammar), to its ``(step, value)`` points
-    in step order. ``hists`` maps ``(clock, phase)`` to each window's
-    per-step histogram, rebuilt on steptimer's fixed log grid, in step order. When a step was written
-    twice (files that name no run, see the module's docstring), the later write wins. ``notes`` say
-    what the report should know about the files (where a truncated one stopped, other runs beside).
+    ``scalars`` maps a whole tag (``steptimer/host/forward_ms``) to its ``(step, value)`` points, and
+    ``hists`` maps ``(clock, phase)`` to each window's per-step histogram on the fixed log grid, both
+    in step order (a step written twice: the later write). ``notes`` say what the report should know
+    about the files (where a truncated one stopped, other runs beside).
     """
 
     name: str
@@ -198,47 +192,20 @@ def _owner(d: str, dirs: dict[str, list[str]]) -> str | None:
 
 def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[str]] | None = None) -> RunLog:
     """Read the steptimer tags of the event files of one run directory and of its phases' runs."""
-    from tensorboard.compat.proto import event_pb2
-
-    scalars: dict[str, dict[int, tuple[float, float]]] = {}
-    hists: dict[tuple[str, str], dict[int, tuple[float, LogHistogram]]] = {}
     notes: list[str] = []
-    sources: list[tuple[str | None, str, list[bytes]]] = [(None, f, _records(f, notes)) for f in files]
+    sources: list[tuple[str | None, str, list[Any]]] = [(None, f, _events(f, notes)) for f in files]
     # The phases' runs in the order they were created (their first event's time), which is the order
     # their phases were first seen: the report's rows follow it, as the summary table's do.
-    theirs = [(phase, f, _records(f, notes)) for phase, fs in (phases or {}).items() for f in fs]
-    sources += sorted(theirs, key=lambda s: _wall_time(s[2][0]) if s[2] else math.inf)
+    theirs = [(phase, f, _events(f, notes)) for phase, fs in (phases or {}).items() for f in fs]
+    sources += sorted(theirs, key=lambda s: s[2][0].wall_time if s[2] else math.inf)
+    log = _Log()
     with_windows = set()  # the run's own files that hold steptimer values
-    slow: tuple[float, bytes] | None = None  # (wall time, JSON) of the latest slowest steps written
-    for phase, f, records in sources:
-        for record in records:
-            try:
-                event = event_pb2.Event.FromString(record)
-            except Exception as err:  # protobuf raises its own DecodeError
-                raise LogError(f"{f}: corrupt event record ({err})") from None
-            if not event.HasField("summary"):
-                continue
-            for value in event.summary.value:
-                if not is_steptimer(value.tag):
-                    continue
-                if phase is None:
-                    with_windows.add(f)
-                key = value.tag if phase is None else join_tag(phase, value.tag)
-                kind = value.WhichOneof("value")
-                if kind == "histo":
-                    t = parse(key)
-                    if t is not None and t.group == HIST:
-                        series = hists.setdefault((t.family, t.name), {})
-                        _keep_latest(series, event.step, event.wall_time, _histogram(value.histo))
-                elif kind == "simple_value":
-                    _keep_latest(scalars.setdefault(key, {}), event.step, event.wall_time, value.simple_value)
-                elif kind == "tensor" and key == SLOW_JSON_TAG and value.tensor.string_val:
-                    if slow is None or event.wall_time >= slow[0]:
-                        slow = (event.wall_time, value.tensor.string_val[0])
-                elif kind == "tensor" and value.tensor.dtype in (1, 2):  # DT_FLOAT, DT_DOUBLE
-                    v = _tensor_scalar(value.tensor)
-                    if v is not None:
-                        _keep_latest(scalars.setdefault(key, {}), event.step, event.wall_time, v)
+    for phase, f, events in sources:
+        for event in events:
+            for value in event.summary.value if event.HasField("summary") else ():
+                if is_steptimer(value.tag):
+                    with_windows.update([f] if phase is None else [])
+                    log.add(value, value.tag if phase is None else join_tag(phase, value.tag), event)
     if len(with_windows) > 1:
         notes.append(
             f"{len(with_windows)} event files in {path} hold steptimer windows and name no run (a writer= "
@@ -248,44 +215,68 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
     return RunLog(
         name=name,
         path=path,
-        scalars={k: [(s, v) for s, (_, v) in sorted(pts.items())] for k, pts in scalars.items()},
-        hists={k: [(s, h) for s, (_, h) in sorted(pts.items())] for k, pts in hists.items()},
+        scalars={k: [(s, v) for s, (_, v) in sorted(pts.items())] for k, pts in log.scalars.items()},
+        hists={k: [(s, h) for s, (_, h) in sorted(pts.items())] for k, pts in log.hists.items()},
         notes=notes,
-        slowest=parse_slow_json(slow[1]) if slow is not None else [],
+        slowest=parse_slow_json(log.slow[1]) if log.slow is not None else [],
     )
 
 
-def _wall_time(record: bytes) -> float:
+class _Log:
+    """The values of one run by tag and step, each step's latest write kept (by wall time)."""
+
+    def __init__(self) -> None:
+        self.scalars: dict[str, dict[int, tuple[float, float]]] = {}
+        self.hists: dict[tuple[str, str], dict[int, tuple[float, LogHistogram]]] = {}
+        self.slow: tuple[float, bytes] | None = None  # (wall time, JSON) of the latest slowest steps
+
+    def add(self, value: Any, key: str, event: Any) -> None:
+        kind = value.WhichOneof("value")
+        if kind == "histo":
+            t = parse(key)
+            if t is not None and t.group == HIST:
+                _keep_latest(self.hists.setdefault((t.family, t.name), {}), event, _histogram(value.histo))
+        elif kind == "simple_value":
+            _keep_latest(self.scalars.setdefault(key, {}), event, value.simple_value)
+        elif kind == "tensor" and key == SLOW_JSON_TAG and value.tensor.string_val:
+            if self.slow is None or event.wall_time >= self.slow[0]:
+                self.slow = (event.wall_time, value.tensor.string_val[0])
+        elif kind == "tensor" and value.tensor.dtype in (1, 2):  # DT_FLOAT, DT_DOUBLE
+            v = _tensor_scalar(value.tensor)
+            if v is not None:
+                _keep_latest(self.scalars.setdefault(key, {}), event, v)
+
+
+def _events(path: str, notes: list[str]) -> list[Any]:
+    """The events of one event file. A file that ends inside a record is read up to its last whole
+    one, with a note in ``notes``; anything else that is wrong is a :class:`LogError`."""
     from tensorboard.compat.proto import event_pb2
 
-    try:
-        return float(event_pb2.Event.FromString(record).wall_time)
-    except Exception:  # a corrupt record: reported with its file's name when it is read
-        return math.inf
-
-
-def _records(path: str, notes: list[str]) -> list[bytes]:
-    """The whole records of one event file. A file that ends inside a record is read up to its last
-    whole one, with a note in ``notes``; anything else that is wrong is a :class:`LogError`."""
-    records: list[bytes] = []
+    events: list[Any] = []
     try:
         with open(path, "rb") as f:
             for record in read_records(f):
-                if not records and not _is_file_version(record):
+                try:
+                    event = event_pb2.Event.FromString(record)
+                except Exception as err:  # protobuf raises its own DecodeError
+                    if events:
+                        raise LogError(f"{path}: corrupt event record ({err})") from None
+                    event = None
+                if not events and (event is None or not event.file_version.startswith("brain.Event")):
                     raise LogError(_not_event_file(path, "its first record is no file_version event"))
-                records.append(record)
+                events.append(event)
     except RecordError as err:
-        if not records and (not err.truncated or _EVENT_FILE_MARK not in os.path.basename(path)):
+        if not events and (not err.truncated or _EVENT_FILE_MARK not in os.path.basename(path)):
             raise LogError(_not_event_file(path, str(err))) from None
         if not err.truncated:
             raise LogError(f"{path}: corrupt event file ({err})") from None
         notes.append(
-            f"{path}: ends inside the record at byte {err.offset}, after {len(records)} whole records (the "
+            f"{path}: ends inside the record at byte {err.offset}, after {len(events)} whole records (the "
             "run was killed, or its disk filled, while writing); the records before it are reported"
         )
     except OSError as err:
         raise LogError(f"{path}: can't read event file ({err.strerror or err})") from None
-    return records
+    return events
 
 
 def _not_event_file(path: str, why: str) -> str:
@@ -295,19 +286,10 @@ def _not_event_file(path: str, why: str) -> str:
     )
 
 
-def _is_file_version(record: bytes) -> bool:
-    from tensorboard.compat.proto import event_pb2
-
-    try:
-        return event_pb2.Event.FromString(record).file_version.startswith("brain.Event")
-    except Exception:  # protobuf raises its own DecodeError
-        return False
-
-
-def _keep_latest(series: dict, step: int, wall_time: float, value: object) -> None:  # type: ignore[type-arg]
-    old = series.get(step)
-    if old is None or wall_time >= old[0]:
-        series[step] = (wall_time, value)
+def _keep_latest(series: dict[int, Any], event: Any, value: object) -> None:
+    old = series.get(event.step)
+    if old is None or event.wall_time >= old[0]:
+        series[event.step] = (event.wall_time, value)
 
 
 def _histogram(histo: object) -> LogHistogram:

@@ -10,7 +10,7 @@ Nothing here runs per step on the hot path: per window, on the window's arrays (
 :class:`SlowestKeeper` keeps the run's k slowest, so memory stays at k entries over any run. The
 causes are measured where they happen and travel with the step as *marks* (``StepRows.marks``, a
 sparse dict by step number): ``gc_ms``/``gc_gen`` (:class:`GcLog`), ``graphs_new``/``graphs``
-(dynamo's counters), ``pause_ms``, ``window_ms`` (steptimer's own window), ``alloc_retries`` (read
+(dynamo's counters), ``pause_ms``, ``alloc_retries`` (read
 once per window), ``profiled``. The row that grew, and a data stall, are read against the run's
 per-row medians at the summary (:func:`explain`).
 """
@@ -325,17 +325,13 @@ class StepWalls:
     Two or three numpy calls per window (more only when a window mixes phase layouts), never per step.
     """
 
-    __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order", "_marks")
+    __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order")
 
-    def __init__(
-        self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int,
-        marks: Mapping[int, Mapping[str, float]] | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int) -> None:
         import numpy as np
 
         self.clock: ShareClock = "host"
         self._blocks = blocks
-        self._marks = marks or {}
         parts = []  # (block index, its numbers, its walls); rows within a block are in step order
         for b, (blk, series) in enumerate(blocks):
             if blk.names is not None and len(blk.lead):
@@ -357,9 +353,7 @@ class StepWalls:
         return len(self.numbers)
 
     def own_ms(self) -> Any:
-        """Each step's wall time less its top-level ``backward`` rows on the wall's clock and less
-        steptimer's own window (``window_ms``: its statistics, sinks and cross-rank round, where a rank
-        that ran ahead waits for the others): under DDP the backward holds the wait for the other
+        """Each step's wall time less its top-level ``backward`` rows on the wall's clock: under DDP the backward holds the wait for the other
         ranks' gradients, so a rank that waited for a slow one has a short own time and the slow rank
         a long one (``_dist.py``'s straggler rule, per step)."""
         import numpy as np
@@ -372,11 +366,6 @@ class StepWalls:
         if not owns:
             return np.zeros(0)
         own = owns[0] if len(owns) == 1 else np.concatenate(owns)[self._order]
-        for number, m in self._marks.items():
-            if m.get("window_ms"):
-                i = int(self.numbers.searchsorted(number))
-                if i < len(own) and self.numbers[i] == number:
-                    own[i] -= m["window_ms"]
         return np.maximum(own, 0.0)
 
     def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -456,9 +445,6 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         span = f"steps {int(m['alloc_from'])}-{int(m['alloc_to'])}" if "alloc_from" in m else "its window"
         causes.append(f"CUDA allocator retried {n} allocation{'s' * (n != 1)} after a failed cudaMalloc ({span})")
     causes += _between_causes(c, medians, sum(v for v in excess.values() if v > 0))
-    own = m.get("window_ms", 0.0)
-    if own >= GC_MIN_MS and own >= GC_MIN_FRAC * c.wall_ms:
-        causes.append(f"steptimer's own window (statistics, TensorBoard) took {ms_text(own)} ms in it")
     if m.get("pause_ms"):
         causes.append(f"after {ms_text(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):

@@ -1,7 +1,6 @@
-"""The run summary: per-phase statistics over every step after warm-up, and how it is accumulated.
-
-Windows are added as they are written; their histograms merge by adding bucket counts on the fixed
-grid, so memory stays bounded whatever the run's length.
+"""The run summary: per-phase statistics over every step after warm-up, one :func:`summarize` for the
+live run (:class:`SummaryAccumulator`: windows merge by adding bucket counts on the fixed grid, so
+memory stays bounded) and for ``steptimer report`` (``_report.py``: the same totals from the logs).
 """
 
 from __future__ import annotations
@@ -37,11 +36,9 @@ class RankSpread:
 class RankSummary:
     """The per-rank section of the summary: each series' spread of the ranks' run means.
 
-    ``series`` maps ``(clock, name)`` (clock ``host`` or ``gpu``) to its spread; ``straggler`` is the
-    spread of ``data + step - backward`` per rank, whose ``argmax`` is the rank that holds the
-    others back. Series ``("mem", "<name>_peak")`` and ``("mem", "reserved")`` (CUDA memory, each
-    rank's run peak and last reserved) carry MiB, not ms, in the same fields. ``reduce_ms`` is this
-    rank's mean host time per round (the statistics' cost).
+    ``series`` maps ``(clock, name)`` to its spread (``("mem", "<name>_peak")``, ``("mem",
+    "reserved")``: MiB in the same fields); ``straggler`` is the spread of ``data + step - backward``,
+    whose ``argmax`` holds the others back. ``reduce_ms``: this rank's mean host time per round.
     """
 
     world_size: int

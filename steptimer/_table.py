@@ -31,7 +31,9 @@ def num(v: float | None, *, sign: bool = False) -> str:
 
 
 def pct(x: float) -> str:
-    return f"{100 * x:.1f}%" if x < 0.995 else f"{100 * x:.0f}%"
+    """Every share and fraction printed: ``41.7%`` (``100%``, not ``100.0%``)."""
+    text = f"{100 * x:.1f}"
+    return ("100" if text == "100.0" else text) + "%"
 
 
 def fitted(variants: Iterable[Any], width: int) -> Any:
@@ -81,7 +83,7 @@ def phase_table(summary: Summary, width: int) -> Any:
                 st = r.gpu if c == "gpu" else r.host
                 mark = "*" if c == "gpu" and r.launch_bound else ""
                 cells += [num(getattr(st, f"{s}_ms")) + (mark if s == "median" else "") if st else "-" for s in stats]
-            table.add_row(*cells, "-" if r.share is None else f"{100 * r.share:.1f}%")
+            table.add_row(*cells, "-" if r.share is None else pct(r.share))
         return table
 
     return fitted((build(s) for s in (("median", "p90", "max"), ("median", "p90"), ("median",))), width)
@@ -152,7 +154,7 @@ def facts(summary: Summary) -> list[str]:
     rates = [(summary.steps_per_s, "steps/s"), (summary.samples_per_s, "samples/s"), (summary.tokens_per_s, "tokens/s")]
     line = ", ".join(f"{num(v)} {unit}" for v, unit in rates if v is not None)
     if summary.tflops_per_s is not None:
-        mfu = "" if summary.mfu is None else f", MFU {100 * summary.mfu:.1f}%"
+        mfu = "" if summary.mfu is None else f", MFU {pct(summary.mfu)}"
         line += f"{'; ' if line else ''}compute: {num(summary.tflops_per_s)} TFLOP/s{mfu}"
     lines = [f"throughput: {line}"] if line else []
     if summary.own_ms > 0 and summary.own_share is not None:  # window statistics and files: in no row

@@ -90,10 +90,6 @@ def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dic
     return {n: v / timed_cycle_ms for n, v in timed_sum_ms.items() if "/" not in n and n not in ("step", "idle")}
 
 
-def _ms(x: float) -> str:
-    return f"{num(x)} ms"
-
-
 def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     """The run's bottleneck from its rows (shares on the GPU's timeline with ``cuda``, else on the
     host's wall time; see the module docstring). Every sentence of evidence is a measured fact."""
@@ -121,7 +117,9 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     }
     lead = sorted((r for r in phases if (r.share or 0.0) >= 0.01), key=lambda r: -(r.share or 0.0))[:3]
     said_lead = "the GPU's time went to " + ", ".join(f"{r.name} {pct(r.share or 0.0)}" for r in lead)
-    said_idle = f"GPU idle between steps: {pct(idle)} of its timeline"
+    said_idle = f"GPU idle between steps: {pct(idle)} of its timeline" + (
+        f" (median {num(idle_row.gpu.median_ms)} ms a step)" if idle_row is not None and idle_row.gpu else ""
+    )
     if stall >= STALL_SHARE and launch_share >= STALL_SHARE:  # both: each named, with its fix
         kind: VerdictKind = "input-bound + launch-bound" if cause == "input" else "loop-bound + launch-bound"
         return Verdict(kind, (said[cause], said["launch"]))

@@ -315,7 +315,7 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
     if slowest and not rows.warmup and _may_beat(p, index, floor_ms):
         p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, STEP_S, NUMBER)
     if walls and not rows.warmup:
-        p.walls = StepWalls(blocks, STEP_S, NUMBER, rows.marks)
+        p.walls = StepWalls(blocks, STEP_S, NUMBER)
     return p
 
 

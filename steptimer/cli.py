@@ -23,7 +23,7 @@ from steptimer._memory import MIB
 from steptimer._reader import LogError, find_runs
 from steptimer._report import analyze, compare, nothing_to_report
 from steptimer._summary import Summary
-from steptimer._table import num
+from steptimer._table import num, pct
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -251,7 +251,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     lines = []
     for label, run in (("A", a), ("B", b)):
         if run.tflops_per_s is not None:
-            mfu = "" if run.mfu is None else f", MFU {100 * run.mfu:.1f}%"
+            mfu = "" if run.mfu is None else f", MFU {pct(run.mfu)}"
             lines.append(f"{label} compute: {num(run.tflops_per_s)} TFLOP/s{mfu}")
     lines += [
         f"verdict A: {_kind(a)}; verdict B: {_kind(b)}",

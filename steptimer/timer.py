@@ -12,7 +12,6 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from time import perf_counter
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -586,7 +585,6 @@ class StepTimer:
             self._capture.settle()
 
     def _emit(self) -> None:
-        t0 = perf_counter()
         window = self._take_window()
         if window is None:
             return
@@ -594,8 +592,6 @@ class StepTimer:
             window = self._xrank.interval(window, self._acc.slow)
         for sink in self._sinks:
             sink.write_window(window)
-        if self.slowest_steps:  # steptimer's own time in the step that resolved the window's last step
-            self._engine.mark_own_work("window_ms", (perf_counter() - t0) * 1e3)
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:
         """The peak for MFU and a note on it: the option, else the GPU's in steptimer's table

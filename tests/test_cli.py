@@ -22,7 +22,7 @@ import steptimer._engine as engine_mod
 import steptimer._trace as trace_mod
 import steptimer._tracefile as tracefile_mod
 from steptimer import StepTimer
-from steptimer._table import num
+from steptimer._table import num, pct
 from tests.fakes import FakeClock, FakeGPU
 
 ROOT = str(Path(steptimer.__file__).resolve().parent.parent)
@@ -588,7 +588,7 @@ def test_report_agrees_with_the_summary_and_leaves_out_warm_up(tmp_path: Path, c
         assert run[rate] == pytest.approx(getattr(s, rate), rel=1e-6), rate
     text = cli("report", str(tmp_path)).stdout
     assert "(5 warm-up left out)" in text.splitlines()[0]
-    assert f"compute: {num(s.tflops_per_s)} TFLOP/s, MFU {100 * s.mfu:.1f}%" in text
+    assert f"compute: {num(s.tflops_per_s)} TFLOP/s, MFU {pct(s.mfu)}" in text
     # One result, one renderer: at 80 columns the report prints what the summary printed, line by line.
     printed = cli("report", str(tmp_path), columns=80).stdout.splitlines()
     assert printed[printed.index(str(s).splitlines()[1]) :] == str(s).splitlines()[1:]  # after the heading

@@ -141,7 +141,7 @@ def test_a_four_phase_run_reads_in_18_lines_of_80_columns_each_fact_true(
         table = [line.split() for line in lines[4 : 4 + len(s.rows)]]
         assert [r.name for r in s.rows] == ["data", "loop", "forward", "loss", "backward", "optimizer", "other", "step"]
         for cells, r in zip(table, s.rows):
-            share = "-" if r.share is None else f"{100 * r.share:.1f}%"
+            share = "-" if r.share is None else pct(r.share)
             assert cells == [r.name, num(r.host.median_ms), num(r.host.p90_ms), num(r.host.max_ms), share]
         assert sum(r.share or 0.0 for r in s.rows) == pytest.approx(1.0)
         assert lines[4 + len(s.rows) :] == [
