@@ -796,7 +796,7 @@ def test_on_off_options_are_checked() -> None:
 
 def test_an_evaluation_begun_and_ended_from_events_is_paused_out_and_noted() -> None:
     """begin_evaluation()/end_evaluation() (a framework's events, as the HF callback's): the time in
-    between is neither a step nor data, and the summary counts the runs."""
+    between is neither a step nor loop, and the summary counts the runs."""
     net = nn.Linear(4, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     timed = instrument(net, opt, warmup_steps=0, **QUIET)
@@ -812,7 +812,7 @@ def test_an_evaluation_begun_and_ended_from_events_is_paused_out_and_noted() -> 
             timed.end_evaluation()
     s = timed.close()
     assert s.steps == 6
-    data = next(r for r in s.rows if r.name == "data")
+    data = next(r for r in s.rows if r.name == "loop")
     assert data.host.max_ms < 25, data
     (note,) = [n for n in s.notes if n.startswith("validation:")]
     assert note.startswith("validation: 2 run(s), ") and float(note.split(", ")[1].split(" ms")[0]) >= 50
