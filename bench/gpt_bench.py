@@ -212,7 +212,7 @@ def analyze(
         "gpu_sum_ms": math.fsum(r.gpu.mean_ms for r in gpu_rows if r.gpu) if gpu_rows and step.gpu else None,
         "gpu_step_ms": step.gpu.mean_ms if step.gpu else None,
         "launch_bound": [r.name for r in summary.rows if r.launch_bound],
-        "rows": [dataclasses.asdict(r) for r in summary.rows],
+        "rows": [{k: v for k, v in dataclasses.asdict(r).items() if not k.endswith("_hist")} for r in summary.rows],
         "notes": list(summary.notes),
     }
 

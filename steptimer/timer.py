@@ -298,8 +298,9 @@ class StepTimer:
         self._phase_cls: type[_Phase] = _Phase
         folder = None if writer is None else str(writer.get_logdir())
         folder = os.fspath(log_dir) if log_dir is not None else folder
+        folder = folder if seams.profile_dir is None else seams.profile_dir  # Lightning's: known at fit
         self._ranges, nvtx_note = make_ranges(
-            nvtx=nvtx, profile_steps=profile_steps, folder=seams.profile_dir or folder, start_step=start_step,
+            nvtx=nvtx, profile_steps=profile_steps, folder=folder, start_step=start_step,
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
             profile_on_slow=profile_on_slow, recent=c,
         )  # fmt: skip
