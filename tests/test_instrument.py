@@ -855,3 +855,38 @@ def test_the_loaders_iterated_between_steps_are_data_and_put_back_at_close() -> 
     assert "data" not in s
     assert_host_ms(s, "loop", SLEEP_MS["data"])
     assert s.verdict is not None and "no loader was timed" in s.verdict.evidence[0]
+
+
+class UpdateAfterClosure(torch.optim.SGD):
+    """An optimizer whose step runs the closure, then updates for SLEEP_MS["optimizer"]: the order
+    of Lightning's automatic optimization (training_step, zero_grad and backward in the closure)."""
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        time.sleep(SLEEP_MS["optimizer"] / 1e3)
+        super().step()
+        return loss
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_the_update_after_the_closure_is_optimizer(keyword: bool) -> None:
+    """optimizer.step(closure): the forward, loss and backward in the closure are their phases, and
+    the update after the closure returns is ``optimizer`` again, not ``other``."""
+    model = SleepyNet()
+    opt = UpdateAfterClosure(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=1)
+    for x, y in loader(4):
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure=closure) if keyword else opt.step(closure)
+    s = timer.close()
+    assert timer.steps == 4
+    assert_host_ms(s, "optimizer", SLEEP_MS["optimizer"])
+    assert_host_ms(s, "forward", SLEEP_MS["forward"])
+    assert_host_ms(s, "backward", SLEEP_MS["backward"])
+    assert s["other"].host.median_ms < 5.0, s["other"]
