@@ -186,9 +186,7 @@ class Engine:
         self.samples: float | None = None
         self.tokens: float | None = None
         self.flops: float | None = None
-        # The training loader's time in ``__next__`` since the last step's end (``Fetch``): NaN until
-        # a loader is wrapped, so a run without one reads one field per step and no more.
-        self.fetch_s = _NAN
+        self.fetch_s = _NAN  # the loader's time since the last step (Fetch); NaN: none, one read a step
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[tuple[str, float, float, int, int, float]] = []
         self._evs: list[Any] = []
