@@ -449,12 +449,15 @@ class Instrumented:
         self._update_closure = closure
         return self._closure_returns_to_update(args, kwargs) if closure else None
 
-    def _closure_returns_to_update(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def _closure_returns_to_update(self, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         """The step's arguments with its closure wrapped: the update after the closure returns is
         ``optimizer`` again (Lightning runs training_step, zero_grad and backward in the closure of
-        ``optimizer.step(closure)``; the parameters are updated after it)."""
+        ``optimizer.step(closure)``; the parameters are updated after it). None: no closure to wrap
+        (accelerate passes ``step(None)``)."""
         given = kwargs.get("closure")
-        inner = given if given is not None else args[1]
+        inner = given if given is not None else args[1] if len(args) > 1 else None
+        if not callable(inner):
+            return None
 
         def closure(*a: Any, **k: Any) -> Any:
             out = inner(*a, **k)

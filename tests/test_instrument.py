@@ -890,3 +890,15 @@ def test_the_update_after_the_closure_is_optimizer(keyword: bool) -> None:
     assert_host_ms(s, "forward", SLEEP_MS["forward"])
     assert_host_ms(s, "backward", SLEEP_MS["backward"])
     assert s["other"].host.median_ms < 5.0, s["other"]
+
+
+def test_a_step_given_none_for_its_closure_runs_as_given() -> None:
+    """``opt.step(None)`` (accelerate's optimizer wrapper passes it so) is left as it is."""
+    model = SleepyNet(sleep_ms=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=0)
+    for x, y in loader(3):
+        loss_fn(model(x), y).backward()
+        opt.step(None)
+        opt.zero_grad()
+    assert timer.close().steps == 3
