@@ -159,6 +159,9 @@ class Instrumented:
         self._hooks = Hooks()
         if not timer.enabled:
             return
+        # The loaders' fetches between steps are data: from now, before the model and optimizers
+        # are found at their first steps (the loop's iterator is made before them).
+        self._hooks.wrap_loaders(timer.data)
         if self.models and self.optimizers:
             self._install()
         else:  # found at the optimizers' steps; installed at the next forward of the model(s)
@@ -280,7 +283,6 @@ class Instrumented:
             zeroes = {id(o) for o in self.optimizers if any(id(p) in held for g in o.param_groups for p in g["params"])}
             hooks.wrap(model, "zero_grad", partial(self._zero_grad_wrapper, zeroes=zeroes))
         hooks.wrap_backward(self._backward_wrapper_of)
-        hooks.wrap_loaders(self.timer.data)  # the loaders' fetches between steps: data
         # The optimizers pickle and copy without hooks or instance attributes (Optimizer.__getstate__
         # keeps only defaults, state and param_groups); the models need a copyreg entry.
         for model in self.models:
