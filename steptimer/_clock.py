@@ -1,20 +1,7 @@
-"""The GPU clock: CUDA events on the current stream, with the calls bound once for a lean hot path.
-
-A ``_CudaBackend`` bundles the handful of CUDA calls the engine makes. Tests pass a fake one (fake
-events on a simulated GPU timeline) through ``StepTimer._make(backend=...)``; this seam is how the lag,
-pool and wait logic are tested on machines without a GPU.
-
-Costs that shaped this file (H100, torch 2.11): ``torch.cuda.Event.record()`` costs ~12 µs, of which
-~8 µs is its own ``torch.cuda.current_stream()`` lookup (it builds a Python ``Stream`` each time);
-``record(stream)`` with the stream in hand costs ~3 µs. So the stream is looked up once per step,
-through the raw ``(stream_id, device, type)`` tuple, and a ``Stream`` object is built only when that
-tuple changes.
-
-``native_backend`` makes the same calls through ``_cudart.c`` (see ``_native.py``), straight into
-the CUDA runtime torch loaded: there events and streams are raw handles (ints), a record costs about
-as much as the runtime call itself (a third of torch's ``Event.record(stream)``, measured in
-docs/benchmarks.md), and a whole step's events are read in one call. It is the default where it can
-be built; ``torch_backend`` is the fallback, with the same numbers.
+"""The GPU clock: the CUDA calls the engine makes, bound once (``_CudaBackend``). ``native_backend``
+(``_cudart.c``: raw handles, a whole step's events read in one call, a third of torch's cost per
+record, docs/benchmarks.md) is the default where it builds; ``torch_backend`` the fallback. Tests pass
+a fake backend (``StepTimer._make(backend=...)``) to run the lag, pool and wait logic without a GPU.
 """
 
 from __future__ import annotations
@@ -58,7 +45,10 @@ def cuda_usable() -> tuple[bool, str]:
 
 
 def torch_backend() -> _CudaBackend:
-    """The real backend over ``torch.cuda``."""
+    """The backend over ``torch.cuda``. ``Event.record()`` costs ~12 µs on an H100, ~8 of them its own
+    ``current_stream()`` lookup (a Python ``Stream`` built each time); ``record(stream)`` ~3 µs. So the
+    engine keys the stream by the raw ``(stream_id, device, type)`` tuple, once per step, and builds a
+    ``Stream`` only when that changes."""
     import torch
 
     event_cls = torch.cuda.Event
@@ -66,25 +56,15 @@ def torch_backend() -> _CudaBackend:
     # on the hot path. The wait stays on the public wrapper (once per step), so tests can patch it
     # to count waits.
     base = getattr(torch._C, "_CudaEventBase", event_cls)
+    # Every CUDA build of torch >= 2.1 has these; a CPU build never calls them.
     get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
     get_device = getattr(torch._C, "_cuda_getDevice", None)
 
-    if get_stream is not None and get_device is not None:
+    def stream_key() -> tuple[int, int, int]:
+        return get_stream(get_device())  # type: ignore[no-any-return]
 
-        def stream_key() -> tuple[int, int, int]:
-            return get_stream(get_device())  # type: ignore[no-any-return]
-
-        def stream_of_key(key: tuple[int, int, int]) -> Any:
-            return torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-
-    else:  # pragma: no cover - older or unusual builds
-
-        def stream_key() -> tuple[int, int, int]:
-            s = torch.cuda.current_stream()
-            return (s.stream_id, s.device_index, s.device_type)
-
-        def stream_of_key(key: tuple[int, int, int]) -> Any:
-            return torch.cuda.current_stream()
+    def stream_of_key(key: tuple[int, int, int]) -> Any:
+        return torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
 
     is_capturing = torch.cuda.is_current_stream_capturing
     return _CudaBackend(
@@ -149,18 +129,15 @@ def native_backend() -> _CudaBackend:
 
 
 def prepare_native() -> None:
-    """Build the native CUDA calls ahead of the first step where CUDA exists (a no-op otherwise).
-
-    The first build on a machine takes a fraction of a second; doing it when the timer is created keeps
-    it out of the training loop. Failures are left for ``default_backend`` to report.
-    """
+    """Build the native CUDA calls when the timer is created (a fraction of a second, once per machine),
+    not in the training loop; a no-op without CUDA. ``default_backend`` reports failures."""
     import torch
 
     from steptimer._native import NativeUnavailable, build, usable_here
 
     if not usable_here() or not torch.cuda.is_available():
         return
-    with contextlib.suppress(NativeUnavailable):  # default_backend reports why, at the first step
+    with contextlib.suppress(NativeUnavailable):
         build()
 
 

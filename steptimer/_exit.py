@@ -1,17 +1,9 @@
-"""Close the timers still open when the process ends: at interpreter exit, and on SIGTERM.
-
-A normal exit, an unhandled exception and an unhandled Ctrl-C all reach interpreter exit, where
-``atexit`` closes every live timer. SIGTERM (schedulers, ``docker stop``, torchrun, preemption) with
-its default action kills the process without running ``atexit``; so while a timer is live, steptimer
-puts a handler in front of the one it finds, as git's ``sigchain`` and Lightning's
-``_HandlersCompose`` do. The handler closes every live timer (the last window written, the summary
-printed), puts the handler it found back and hands the signal on: to that handler if it is a
-function, else by raising the signal again under the default action, so the process ends exactly as
-it would have (killed by SIGTERM: exit status -15, 143 in a shell). It never swallows the signal.
-
-Signals and ``atexit`` belong to the process, so this registry is process-wide. It holds the timers
-weakly (a timer nobody holds is gone, as it would be without steptimer) and forgets them in a forked
-child (a DataLoader worker must not write the parent's timers).
+"""Close the timers still open when the process ends: ``atexit`` (a normal exit, an unhandled
+exception or Ctrl-C), and SIGTERM, whose default action skips ``atexit``. While a timer is live a
+handler goes in front of the one found (as git's ``sigchain``, Lightning's ``_HandlersCompose``): it
+closes every live timer, puts the found handler back and hands the signal on, so the process ends
+exactly as it would have (exit status -15). Process-wide, as signals are; timers are held weakly and
+forgotten in a forked child (a DataLoader worker must not write the parent's timers).
 """
 
 from __future__ import annotations
@@ -73,14 +65,10 @@ def _close_all(why: str) -> None:
 
 
 class _Chain:
-    """The SIGTERM handler in front of ``prev``, the disposition it found when it went in.
-
-    Python runs it in the main thread between two bytecodes, not in the C signal handler, so closing
-    timers here (waiting for the GPU's last events, writing files, printing) is ordinary Python and
-    cannot deadlock on a lock the interrupted code holds in C. The interrupted code can be steptimer's
-    own step bookkeeping: the step in progress is dropped, every completed one is written, and the
-    closed timer then answers every call as a no-op, for a run that goes on (``prev`` may let it).
-    """
+    """The SIGTERM handler in front of ``prev``, the disposition it found. Python runs it between two
+    bytecodes of the main thread, not in the C handler, so closing timers here cannot deadlock on a
+    lock held in C; a step it interrupts is dropped, and the closed timer then answers every call as a
+    no-op, for a run that goes on (``prev`` may let it)."""
 
     __slots__ = ("prev",)
 
@@ -104,10 +92,6 @@ class _Chain:
         # one it found): that handler decides what happens next, as it would without steptimer.
 
 
-def _forget_in_child() -> None:
-    _live.clear()
-
-
 atexit.register(_close_all, "exit")
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
+    os.register_at_fork(after_in_child=_live.clear)

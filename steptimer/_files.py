@@ -1,12 +1,12 @@
-"""What steptimer does when one of its own files can't be written: one warning, never an exception.
-
-A full disk, a file-size limit or a log directory removed mid-run must not stop the training run
-that steptimer is measuring (the TensorBoard sink has its own rule, ``TensorBoardSink._fail``).
-"""
+"""What steptimer does when one of its own files can't be written: one warning, never an exception
+(the TensorBoard sink has its own rule, ``TensorBoardSink._fail``)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from typing import Any
 
 log = logging.getLogger("steptimer")
 
@@ -18,3 +18,11 @@ def unwritten(what: str, path: str, err: OSError) -> str:
     msg = f"can't write {what} to {path!r} ({err.strerror or err}); training went on without it"
     log.warning("steptimer: %s", msg)
     return msg
+
+
+def write_json(path: str, doc: Any) -> None:
+    """``doc`` to ``path`` through ``<path>.tmp``, so that no reader sees half a file."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)

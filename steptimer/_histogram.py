@@ -1,52 +1,36 @@
-"""The fixed log-bucket grid, the mergeable histogram on it, and per-series statistics.
-
-Every histogram of every window, rank and run uses the same grid, so histograms merge by adding
-counts and a quantile read from one is within half a bucket (0.5 %) of the true per-step value.
-"""
+"""The fixed log-bucket grid, the mergeable histogram on it, and per-series statistics."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-# Fixed, global bucket grid shared by every histogram (and every rank), so histograms merge by adding
-# counts. Bucket i holds values in [BASE_MS * _RATIO**i, BASE_MS * _RATIO**(i+1)). With a 1 % ratio a
-# quantile read from the histogram is within 0.5 % of the true per-step value.
+# One grid for every histogram of every window, rank and run, so histograms merge by adding counts.
+# Bucket i holds [BASE_MS * _RATIO**i, BASE_MS * _RATIO**(i+1)): with a 1 % ratio, a quantile read
+# from a histogram is within half a bucket (0.5 %) of the true per-step value.
 _RATIO = 1.01
 _LOG_RATIO = math.log(_RATIO)
+INV_LOG_RATIO = 1.0 / _LOG_RATIO
 BASE_MS = 1e-4  # 0.1 µs; anything below lands in bucket 0
 NUM_BUCKETS = 2600  # 1e-4 ms * 1.01**2600 ≈ 1.8e7 ms (5 hours): covers any step
 
 
-INV_LOG_RATIO = 1.0 / _LOG_RATIO
-
-
 def bucket_index(value_ms: float) -> int:
-    """Index of the fixed log bucket that holds ``value_ms``."""
     if value_ms <= BASE_MS:
         return 0
     return min(int(math.log(value_ms / BASE_MS) / _LOG_RATIO), NUM_BUCKETS - 1)
 
 
-def bucket_lower_ms(index: int) -> float:
-    """Lower edge of bucket ``index`` in milliseconds (bucket 0 starts at 0)."""
-    return 0.0 if index == 0 else BASE_MS * _RATIO**index
-
-
 def bucket_upper_ms(index: int) -> float:
-    """Upper edge of bucket ``index`` in milliseconds."""
     return BASE_MS * _RATIO ** (index + 1)
 
 
-_UPPER_MS = [BASE_MS * _RATIO ** (i + 1) for i in range(NUM_BUCKETS)]
+_UPPER_MS = [bucket_upper_ms(i) for i in range(NUM_BUCKETS)]
 
 
 class LogHistogram:
-    """Bounded, mergeable histogram of per-step values on a fixed log grid.
-
-    Memory is O(distinct buckets) ≤ ``NUM_BUCKETS`` whatever the number of steps; two histograms
-    (two windows, two ranks) merge by adding counts. Count, sum, min and max are exact.
-    """
+    """Per-step values on the grid: O(distinct buckets) memory whatever the number of steps; count,
+    sum, min and max exact."""
 
     __slots__ = ("counts", "count", "sum_ms", "sumsq_ms", "min_ms", "max_ms")
 
@@ -100,7 +84,7 @@ class LogHistogram:
         for i in sorted(self.counts):
             seen += self.counts[i]
             if seen >= rank:
-                mid = math.sqrt(bucket_lower_ms(i) * bucket_upper_ms(i)) if i else bucket_upper_ms(0) / 2
+                mid = math.sqrt(_UPPER_MS[i - 1] * _UPPER_MS[i]) if i else _UPPER_MS[0] / 2
                 return min(max(mid, self.min_ms), self.max_ms)
         return self.max_ms  # pragma: no cover - counts always sum to count
 
@@ -123,4 +107,3 @@ class SeriesStats:
     @classmethod
     def of(cls, hist: LogHistogram) -> SeriesStats:
         return cls(hist.count, hist.mean_ms, hist.quantile_ms(0.5), hist.quantile_ms(0.9), hist.max_ms)
-

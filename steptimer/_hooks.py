@@ -1,18 +1,6 @@
-"""The one place that puts hooks on a user's model and optimizers, and takes them out again.
-
-Every front door that times a loop from hooks (``instrument()``, ``steptimer run``, the Hugging Face
-callback, the Lightning callback) registers through a :class:`Hooks`: forward hooks on modules, step
-hooks on optimizers, instance-attribute wrappers (``zero_grad``), the ``torch.autograd.backward``
-wrapper and the ``copyreg`` entry that keeps a hooked model pickling as a plain one. All of it goes
-through torch's handles or is recorded with what was there before, and :meth:`Hooks.remove` puts
-everything back: nothing of steptimer stays on the user's objects.
-
-:class:`Discovery` finds the model(s) and optimizer(s) of a loop nobody named (``steptimer run``,
-``instrument()`` with no arguments) from a global optimizer step pre-hook, one scan of the live
-objects and one-shot forward pre-hooks on the models found (docs/run.md has the rule). It never
-puts a global *module* hook in: ``torch.compile`` traces and guards a model under whatever global
-module hooks exist while it compiles, and the compiled model stays slow after they are gone (85 %
-slower steps on GPT-2, docs/run.md).
+"""The one place that puts hooks on a user's model and optimizers (:class:`Hooks`, through torch's
+handles or with what was there before, so :meth:`Hooks.remove` leaves nothing of steptimer), and
+finds the model and optimizers of a loop nobody named (:class:`Discovery`, docs/run.md).
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ __all__ = ["Discovery", "Hooks", "batch_counts"]
 _HOOK_DICTS = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called",
-)
+)  # fmt: skip
 
 
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -64,10 +52,11 @@ class Hooks:
         eager: bool = True,
     ) -> None:
         """A forward pre-hook and a forward hook (``always_call``: it sees a forward that raised)."""
-        wrap = _eager if eager else (lambda f: f)
+        if eager:
+            pre, post = _eager(pre), _eager(post)
         hs = (
-            module.register_forward_pre_hook(wrap(pre), prepend=prepend, with_kwargs=with_kwargs),
-            module.register_forward_hook(wrap(post), always_call=True),
+            module.register_forward_pre_hook(pre, prepend=prepend, with_kwargs=with_kwargs),
+            module.register_forward_hook(post, always_call=True),
         )
         self._handles += hs
         self._ids.setdefault(id(module), []).extend(h.id for h in hs)
@@ -81,13 +70,14 @@ class Hooks:
         eager: bool = True,
     ) -> None:
         """The optimizer's step pre-hook and/or post-hook."""
-        wrap = _eager if eager else (lambda f: f)
         if pre is not None:
-            self._handles.append(opt.register_step_pre_hook(wrap(pre)))
+            self._handles.append(opt.register_step_pre_hook(_eager(pre) if eager else pre))
         if post is not None:
-            self._handles.append(opt.register_step_post_hook(wrap(post)))
+            self._handles.append(opt.register_step_post_hook(_eager(post) if eager else post))
 
-    def wrap(self, obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], *, eager: bool = True) -> None:
+    def wrap(
+        self, obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], *, eager: bool = True
+    ) -> None:
         """``obj.attr = make(obj.attr)`` as an instance attribute (the class stays untouched); one
         that was there before (someone's own wrapper, Lightning's ``from_compiled`` training_step)
         is put back by :meth:`remove`. An object without ``attr`` or a ``__dict__`` is left alone."""
@@ -173,16 +163,10 @@ class Hooks:
 
 
 class _Reducer:
-    """Pickles and copies the hooked model without steptimer (``torch.save(model)``, an EMA or
-    teacher ``copy.deepcopy``): a ``copyreg`` entry for the model's class, so that nothing is put on
-    the model itself. Every other instance of the class is reduced as before; the entry found there
-    (if any) is chained and put back by :meth:`remove`.
-
-    Both ``pickle`` (and so ``torch.save``) and ``copy`` look a class up in ``copyreg.dispatch_table``
-    before its own ``__reduce_ex__``; the model is then reduced exactly as usual and only its state
-    is filtered, so the result is the model as it would be with no steptimer: no hooks of ours (a copy
-    would otherwise feed this timer), no ``zero_grad`` wrapper (a copy's would zero this model).
-    """
+    """A ``copyreg`` entry for the hooked model's class (``pickle``, so ``torch.save``, and ``copy``
+    look there before ``__reduce_ex__``): the model is reduced as usual with its state filtered, so a
+    copy has no hooks of ours (it would feed this timer) and no ``zero_grad`` wrapper (it would zero
+    this model). Other instances go to the entry found before, which :meth:`remove` puts back."""
 
     def __init__(self, model: torch.nn.Module, filter_state: Callable[[dict[str, Any], Any], dict[str, Any]]) -> None:
         self._model: torch.nn.Module | None = model
@@ -238,7 +222,8 @@ def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | Non
         t = _first_tensor(kwargs)
     if t is None or t.dim() == 0:
         return None, None
-    tokens = t.numel() if t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool else None
+    ids = t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+    tokens = t.numel() if ids else None
     return int(t.shape[0]), tokens
 
 
@@ -246,10 +231,10 @@ def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | Non
 
 
 class Discovery:
-    """Finds a loop's optimizers and models, then calls ``on_found`` once (models, optimizers, and
-    the model call that triggered it, whose args it must time) and takes its own hooks out. See
-    docs/run.md for the rule. ``models`` / ``optimizers`` given are taken as they are; only the
-    rest is found. No global module hook, ever: ``torch.compile`` would see it (docs/run.md)."""
+    """Finds a loop's optimizers and models (the rule: docs/run.md), then calls ``on_found`` once
+    (models, optimizers, and the model call that triggered it) and takes its own hooks out; what is
+    given is taken as is. No global module hook, ever: a model compiled under one stays slow after it
+    is gone (85 % slower steps on GPT-2, docs/run.md)."""
 
     def __init__(
         self,
@@ -308,8 +293,7 @@ class Discovery:
         if not models:
             names = ", ".join(type(o).__name__ for o in opts)
             self.problem = (
-                f"the optimizer ({names}) stepped, but no module holds its parameters, so there is no "
-                "model to time"
+                f"the optimizer ({names}) stepped, but no module holds its parameters, so there is no model to time"
             )
             return
         self.models, self.optimizers = models, opts

@@ -1,14 +1,6 @@
-"""``steptimer kernels LOGDIR``: the top GPU kernels of each phase in the ``torch.profiler`` trace
-that ``profile_steps`` or ``profile_on_slow`` writes (``_profile.py``), checked against steptimer's
-span of the same phase in the same steps (docs/cli.md#kernels).
-
-A kernel's phase is the innermost steptimer range (``steptimer/forward``, ...) open at its launch's
-host time (the launch and the kernel share ``args.correlation``): by time, not by thread, since
-backward's launches come from autograd's device thread while the training thread waits in
-``backward()``. Launches in a step outside its phases are ``other``; between steps, ``data``. On
-the timed stream a phase's kernels run between its entry and exit events, so their total is at most
-the span; kernels on other streams (NCCL, side streams) can break the bound: flagged, not hidden.
-Without CUDA activity the same table lists each phase's outermost CPU ops against its host time.
+"""``steptimer kernels LOGDIR``: each phase's top GPU kernels (CPU ops without CUDA activity) in the
+``torch.profiler`` trace of ``profile_steps`` / ``profile_on_slow``, checked against steptimer's span
+of the same phase in the same steps; how a kernel finds its phase and the check: docs/cli.md#kernels.
 """
 
 from __future__ import annotations
@@ -45,14 +37,15 @@ class KernelRow:
 
 @dataclass
 class PhaseKernels:
-    """A phase's kernels and the check against steptimer's span of the same steps."""
+    """A phase's kernels and the check against steptimer's span of the same steps (µs summed over
+    the profiled steps; None: unknown)."""
 
     name: str
     total_us: float
     kernels: list[KernelRow]
-    span_us: float | None  # steptimer's time of the phase summed over the profiled steps (None: unknown)
+    span_us: float | None
     idle_us: float | None = None  # span - total
-    consistent: bool | None = None  # total <= span (within the tolerance)
+    consistent: bool | None = None  # total <= span, within the tolerance
 
 
 @dataclass
@@ -66,21 +59,20 @@ class KernelsReport:
 
 
 def load_profile(path: str) -> dict[str, Any]:
-    """Read a profiler trace (``path`` is the file or the run's log directory: its
-    ``steptimer-profile.json``, else its first ``profile_on_slow`` trace; ``_others`` lists the rest)."""
+    """Read a profiler trace (``path``: the file, or the directory: its first trace; ``_notes`` name
+    the rest)."""
     files = profile_files(path) if os.path.isdir(path) else []
-    name = os.path.basename(files[0]) if files else PROFILE_FILE
-    file, doc = read_json(path, name, "profile_steps=(first, last) or profile_on_slow=1.5")
+    file, doc, notes = read_json(path, files, PROFILE_FILE, "profile_steps=(first, last) or profile_on_slow=1.5")
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise LogError(f"{file}: not a Chrome trace (no traceEvents)")
     doc["_path"] = file
-    doc["_others"] = files[1:]
+    doc["_notes"] = notes
     return doc
 
 
 class _Spans:
-    """steptimer's ranges on the host timeline: the innermost one open at a given time. A step that
-    raised (``DROPPED_MARK`` inside it) is left out with its ranges: steptimer dropped its time."""
+    """steptimer's ranges on the host timeline, but those of a step that raised (``DROPPED_MARK``:
+    steptimer dropped its time)."""
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
         spans = [
@@ -115,9 +107,8 @@ class _Spans:
 
 
 def _outermost(ops: list[dict[str, Any]], spans: _Spans) -> list[dict[str, Any]]:
-    """CPU ops not nested in another op of the same thread (their times would count twice). An op
-    around a steptimer range (Lightning's ``Optimizer.step`` around the whole closure) is not one
-    phase's: the ops inside it count instead."""
+    """CPU ops not nested in another op of the same thread, nor around a steptimer range (the ops
+    inside such an op count instead)."""
     out: list[dict[str, Any]] = []
     end: dict[Any, float] = {}
     starts = spans._starts
@@ -139,11 +130,7 @@ def _timed_items(events: list[dict[str, Any]], spans: _Spans, notes: list[str]) 
     """``(clock, [(name, duration µs, host time that assigns it)], GPU activities left out)``: the
     GPU's kernels by their launch's host time, or without any, the outermost CPU ops."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
-    if not gpu:
-        notes.append(
-            "no GPU kernels in this trace (captured without CUDA activity): top CPU ops per phase "
-            "(outermost ops and your own ranges) against steptimer's host time"
-        )
+    if not gpu:  # the report says so once, at its top (``clock`` "host")
         ops = [
             e for e in events
             if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
@@ -175,12 +162,7 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
     notes: list[str] = []
     if isinstance(meta.get("why"), str):
         notes.append(f"profiled because {meta['why']}")
-    others = doc.get("_others") or []
-    if others:
-        notes.append(
-            f"{len(others)} more trace{'s' * (len(others) != 1)} in this directory (pass one to read it): "
-            + ", ".join(os.path.basename(f) for f in others)
-        )
+    notes += doc.get("_notes") or []
     if not spans.spans:
         raise LogError(f"{path}: no steptimer ranges ({RANGE_PREFIX}...) in this trace")
     clock, items, unattributed = _timed_items(events, spans, notes)
@@ -253,11 +235,9 @@ NAME_WIDTH = 43
 
 
 def short_name(name: str, width: int = NAME_WIDTH) -> str:
-    """A kernel name that fits ``width``. As is if it fits; else, step by step until it fits: without
-    ``void``, the argument list and anonymous namespaces; nested template arguments elided
-    (``Functor<…>``); all template arguments elided, unless that leaves a generic wrapper
-    (``cutlass::Kernel2<…>``, ``cutlass::device_kernel<…>``) whose argument is the real name; then
-    the middle cut, keeping the end (the kernel's own name)."""
+    """A kernel name that fits ``width``, shortened step by step until it does: no ``void``, argument
+    list or anonymous namespace; template arguments elided (nested ones only under a generic wrapper,
+    ``cutlass::Kernel2<…>``, whose argument is the real name); then cut in the middle."""
     s = name.strip()
     if len(s) <= width:
         return s

@@ -1,37 +1,6 @@
-"""CUDA memory per phase, read from torch's caching allocator on the host (never a device sync).
-
-On a read step (the first timed step, then one timed step in ``memory``; CUDA timing), the engine
-reads the allocator at each phase boundary (``MemoryReader.boundary``): the peak allocated since the
-last boundary, then resets the peak counter, so the next reading's peak is of the next stretch of code only. The phase's peak is the
-max of the readings inside it (a nested phase's readings included: an outer phase's peak is never
-lost at an inner phase's reset), and the allocated bytes at its exit. The step's peak is the max of
-all of the step's readings; the reserved bytes are read at the step's end.
-
-Per log window, written as ``steptimer/mem/...`` (MiB = 2**20 bytes)::
-
-    steptimer/mem/<phase>_peak_mib    max over the window's timed steps of the phase's peak allocated
-    steptimer/mem/step_peak_mib       max over the window's timed steps of the step's peak allocated
-    steptimer/mem/<phase>_alloc_mib   allocated at the phase's (last) exit in the window's last timed step
-    steptimer/mem/reserved_mib        reserved by the allocator at the end of the window's last timed step
-
-Peaks are maxima (a peak of peaks is what "how close to the card's limit" asks); allocated and
-reserved are levels, given as the last value: exact bytes, and what ``memory_allocated()`` /
-``memory_reserved()`` said then (a mean of levels is a number no tool shows). The run summary
-takes the same rules over the summarized (post-warm-up) windows.
-
-The reset changes what a user's ``torch.cuda.max_memory_allocated()`` returns while steptimer runs:
-the peak since steptimer's last reading on a timed step (a phase boundary), not since the start of
-the process. Every reading takes the peak *before* resetting it, so steptimer knows the value the
-counter would have held without it: ``MemorySummary.max_allocated_bytes`` (what
-``max_memory_allocated()`` would return at ``close()`` had steptimer never reset it, as long as the
-user's own code resets nothing; a reset of the user's inside a phase also loses that phase's peak
-before it). ``memory=False`` leaves the allocator untouched. The device read is the one of the
-stream current at ``step()`` entry (the timed stream's); other devices' memory is not read.
-
-Cost: one ``torch._C._cuda_memoryStats`` call (the allocator's stats as a nested dict, which
-``torch.cuda.memory_allocated`` and friends flatten and sort into an ``OrderedDict`` on every
-call) and one ``_cuda_resetPeakMemoryStats`` per boundary; measured in docs/benchmarks.md
-(``bench/memory.py``).
+"""CUDA memory per phase, read from torch's caching allocator on the host (never a device sync); the
+rules, what the peak reset changes for a user, and the costs are in docs/memory-and-mfu.md, the tags
+in docs/tensorboard.md.
 """
 
 from __future__ import annotations
@@ -43,26 +12,19 @@ from typing import Any
 
 MIB = float(1 << 20)
 
-# A memory backend: read(device) -> (allocated, peak allocated since the last reset, reserved) in
-# bytes, and reset_peak(device). Tests pass fake ones (tests/fakes.py's FakeAllocator).
-ReadFn = Callable[[int], tuple[int, int, int]]
-ResetFn = Callable[[int], None]
-
 
 @dataclass(frozen=True)
 class _MemoryBackend:
-    """The two allocator calls the engine makes, bound once."""
+    """The two allocator calls the engine makes, bound once (tests pass ``tests/fakes.py``'s)."""
 
-    read: ReadFn
-    reset_peak: ResetFn
+    read: Callable[[int], tuple[int, int, int]]  # device -> bytes allocated, peak since the reset, reserved
+    reset_peak: Callable[[int], None]
 
 
 def torch_memory_backend() -> _MemoryBackend | None:
-    """The allocator calls over torch (None where this torch has no CUDA allocator to read).
-
-    The stats binding is called straight, not ``torch.cuda.memory_allocated`` and friends: each public
-    getter flattens and sorts the whole stats dict into an ``OrderedDict`` (bench/memory.py).
-    """
+    """The allocator calls over torch (None where this torch has no CUDA allocator to read). The
+    stats binding is called straight: each public getter (``torch.cuda.memory_allocated``...)
+    flattens and sorts the whole stats dict into an ``OrderedDict`` (bench/memory.py)."""
     import torch
 
     stats = getattr(torch._C, "_cuda_memoryStats", None)
@@ -84,12 +46,9 @@ StepMemory = tuple[int, int, tuple[tuple[str, int, int], ...]]
 
 
 class MemoryReader:
-    """The readings of the current timed step; owned by the engine.
-
-    Keeps one running peak per open phase (a stack parallel to the engine's) and one for the step.
-    Each reading's peak raises the innermost open phase's running peak (or the step's); at a phase's
-    exit its peak raises its parent's. So an outer phase's peak includes every inner phase's.
-    """
+    """The readings of the current timed step; owned by the engine. One running peak per open phase
+    (a stack parallel to the engine's) and one for the step: each reading raises the innermost's, and
+    a phase's exit raises its parent's, so an outer phase's peak holds every inner phase's."""
 
     def __init__(self, backend: _MemoryBackend) -> None:
         self.b = backend
@@ -144,10 +103,8 @@ class MemoryReader:
         if shared:
             return self._step, self.last_reserved, tuple(self._phases)
         t0 = perf_counter()
-        _, peak, reserved = self.b.read(self.device)  # no reset: the next step's first reading does it
+        peak, reserved = self.close()  # no reset: the next step's first reading does it
         self.spent_s += perf_counter() - t0
-        if peak > self.seen_bytes:
-            self.seen_bytes = peak
         return max(self._step, peak), reserved, tuple(self._phases)
 
     def open_peak(self) -> int:
@@ -160,11 +117,13 @@ class MemoryReader:
         self._stack.clear()
         self._phases = []
 
-    def close(self) -> None:
-        """A last reading (no reset), so ``seen_bytes`` covers the time after the last step too."""
-        _, peak, _ = self.b.read(self.device)
+    def close(self) -> tuple[int, int]:
+        """A reading with no reset (at close: ``seen_bytes`` covers the time after the last step too);
+        the peak and reserved bytes."""
+        _, peak, reserved = self.b.read(self.device)
         if peak > self.seen_bytes:
             self.seen_bytes = peak
+        return peak, reserved
 
     def _raise(self, peak: int) -> None:
         if self._stack:
@@ -176,13 +135,9 @@ class MemoryReader:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Memory of a log window or of the run (bytes; see the module docstring for the rules).
-
-    ``peak_bytes`` maps ``"step"`` and each phase (``outer/inner`` when nested) to the max over the
-    steps of the peak allocated; ``alloc_bytes`` maps each phase to the allocated bytes at its last
-    exit in the last timed step that ran it; ``reserved_bytes`` is the reserved bytes at the end of the
-    last timed step; ``steps`` the timed steps read.
-    """
+    """Memory of a log window or of the run, in bytes: ``peak_bytes`` of ``"step"`` and each phase, max
+    over the steps; ``alloc_bytes`` at each phase's last exit; ``reserved_bytes`` at the last timed
+    step's end; ``steps``: the timed steps read."""
 
     peak_bytes: Mapping[str, int]
     alloc_bytes: Mapping[str, int]
@@ -211,31 +166,17 @@ def memory_of(steps: list[StepMemory]) -> MemoryStats | None:
             if p > peak.get(name, -1):
                 peak[name] = p
             alloc[name] = a
-    # "step" first, then the phases in first-seen order
-    ordered = {"step": peak.pop("step")}
-    ordered.update(peak)
+    ordered = {"step": peak.pop("step"), **peak}  # "step" first, then the phases in first-seen order
     return MemoryStats(ordered, alloc, steps[-1][1], len(steps))
 
 
 @dataclass(frozen=True)
-class MemorySummary:
-    """The run's CUDA memory in the summary (:attr:`Summary.memory`), bytes.
+class MemorySummary(MemoryStats):
+    """The run's CUDA memory in the summary, in bytes: :class:`MemoryStats` over the summarized timed
+    steps, and ``max_allocated_bytes``, the largest peak read over the whole run: what
+    ``torch.cuda.max_memory_allocated()`` would return at ``close()`` had steptimer never reset it."""
 
-    ``peak_bytes``/``alloc_bytes``/``reserved_bytes`` follow :class:`MemoryStats` over the summarized
-    (post-warm-up) timed steps. ``max_allocated_bytes`` is the largest peak steptimer read over the
-    whole run (warm-up and the time between steps included): what ``torch.cuda.max_memory_allocated()``
-    would return at ``close()`` had steptimer never reset the allocator's peak counter.
-    """
-
-    peak_bytes: Mapping[str, int]
-    alloc_bytes: Mapping[str, int]
-    reserved_bytes: int
-    steps: int
     max_allocated_bytes: int
-
-
-def mib(n_bytes: float) -> float:
-    return n_bytes / MIB
 
 
 def oom_errors() -> tuple[type[BaseException], ...]:
@@ -250,12 +191,10 @@ def oom_note(phase: str | None, number: int, peak: int | None, read: bool) -> st
     """The summary's line on a CUDA out-of-memory error in step ``number`` (``Engine.oom``): in
     ``phase`` (None: outside any), ``peak`` allocated bytes before it, on a ``read`` step or not."""
     if phase is not None:
-        where = f"in phase {phase!r} of step {number}"
-        before = f"the peak allocated inside the phase before it was {mib(peak or 0):,.1f} MiB"
+        where, before = f"in phase {phase!r} of step {number}", "the peak allocated inside the phase before it was"
     elif read:
-        where = f"in step {number}, outside any phase"
-        before = f"the step's peak allocated before it was {mib(peak or 0):,.1f} MiB"
+        where, before = f"in step {number}, outside any phase", "the step's peak allocated before it was"
     else:
         where = f"in step {number}, a step whose phases were not timed"
-        before = f"the allocator's peak since steptimer's last reading was {mib(peak or 0):,.1f} MiB"
-    return f"CUDA out of memory {where}: {before}"
+        before = "the allocator's peak since steptimer's last reading was"
+    return f"CUDA out of memory {where}: {before} {(peak or 0) / MIB:,.1f} MiB"

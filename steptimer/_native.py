@@ -1,15 +1,8 @@
-"""Build and load ``_cudart.c``: the engine's CUDA calls without torch's Python layer.
-
-The extension is compiled with the system C compiler when a ``StepTimer`` is created on a CUDA
-machine, and cached per source and Python build, as Triton does with its launcher stubs; no build
-backend, CUDA headers or network is needed, only ``cc`` and Python's headers. Whatever goes wrong (no
-compiler, no headers, a CUDA runtime linked statically into torch, ``STEPTIMER_NATIVE=0``) leaves
-steptimer on torch's Python API, which measures the same thing at a higher host cost; the reason is
-logged and noted in the summary.
-
-Set ``STEPTIMER_CACHE_DIR`` to choose where the build is kept (default
-``$XDG_CACHE_HOME/steptimer`` or ``~/.cache/steptimer``; a private folder of the temporary directory
-when that can't be written).
+"""Build and load ``_cudart.c``, the engine's CUDA calls without torch's Python layer, with the system C
+compiler and Python's headers, cached per source and Python build (as Triton's launcher stubs are).
+Whatever goes wrong leaves steptimer on torch's API (same numbers, higher host cost), with the reason
+in the summary. The cache: ``STEPTIMER_CACHE_DIR``, else ``$XDG_CACHE_HOME/steptimer`` or
+``~/.cache/steptimer``, else a private folder of the temporary directory.
 """
 
 from __future__ import annotations
@@ -74,11 +67,8 @@ def _usable_dir(path: Path, *, private: bool = False) -> bool:
 
 
 def build(out_dir: Path | None = None) -> Path:
-    """Compile the extension unless a build of this source for this Python exists; return its path.
-
-    Without ``out_dir``: in ``cache_dir()``, or, when that can't be written (a read-only home, say),
-    in a per-user folder of the system's temporary directory that only this user can write.
-    """
+    """Compile the extension unless a build of this source for this Python exists; its path. Without
+    ``out_dir``: in ``cache_dir()``, or where that can't be written, a per-user temporary folder."""
     src = SOURCE.read_bytes()
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     key = hashlib.sha256(src + sys.version.encode() + suffix.encode()).hexdigest()[:16]

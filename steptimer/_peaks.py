@@ -1,72 +1,43 @@
-"""Dense peak TFLOP/s per GPU and dtype, for MFU (model FLOPs utilization).
-
-MFU is achieved FLOP/s over the GPU's peak. The usual convention (PaLM, nanoGPT, Megatron) takes the
-dense (no 2:4 sparsity) tensor-core peak of the dtype the matmuls run in, and bf16 when unsaid.
-So :class:`~steptimer.StepTimer` looks up ``bf16`` (``fp16`` on GPUs without bf16 tensor cores:
-V100, T4), and the Lightning callback the dtype of ``Trainer(precision=...)``; any other choice is
-``peak_tflops=<number>``.
-
-The figures are the vendor's (NVIDIA datasheets and architecture whitepapers, at boost clock).
-Datasheets print tensor-core figures *with sparsity* (marked ``*``); the dense figure is half of it.
-
-Why not Lightning's ``_CUDA_FLOPS`` (``lightning/fabric/utilities/throughput.py``): Lightning is
-optional here, and its table (2.6) differs from the datasheets where it matters for MFU: the H200
-rows hold sparse figures (2,000 for bf16, twice the dense 989.5) under names ``get_device_name``
-never returns ("h200 sxm1"); "h100 nvl" is the two-card NVL pair (1,978.8, twice one card); an
-"L40S" matches its "l4" row; RTX 4090/3090, A6000 and A40 list the fp32 figure as bf16 (a half to
-a quarter of the tensor-core figure); A10G gets the A10's figures, which NVIDIA does not publish
-for the A10G. One table, this one, serves the plain loop and the callback.
-"""
+"""Dense peak TFLOP/s per GPU and dtype, for MFU: vendor figures, each cited at its row (the
+convention, and why not Lightning's table: docs/memory-and-mfu.md)."""
 
 from __future__ import annotations
 
 DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 
-# TFLOP/s, dense. fp32 is the non-tensor (CUDA core) figure, fp64 likewise where both exist.
+# TFLOP/s, dense. fp32 is the non-tensor (CUDA core) figure, fp64 likewise where both exist. Source of
+# each row; "sparse halved": the datasheet prints tensor-core figures with sparsity (*).
 PEAKS: dict[str, dict[str, float]] = {
-    # NVIDIA B200 (HGX B200 datasheet, 8-GPU figures / 8; sparse halved): FP8 72 PF*, FP16/BF16 36 PF*,
-    # TF32 18 PF*, FP32 600 TF, FP64 296 TF.
+    # HGX B200 datasheet, 8-GPU figures / 8, sparse halved (FP8 72 PF*, BF16 36 PF*, TF32 18 PF*).
     "b200": {"fp64": 37.0, "fp32": 75.0, "tf32": 1125.0, "bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0},
-    # H200 SXM and GH200 (H200 / GH200 datasheets): FP64 34, FP32 67, TF32 989*, BF16/FP16 1,979*,
-    # FP8 3,958*.
+    # H200 SXM and GH200 datasheets, sparse halved (TF32 989*, BF16/FP16 1,979*, FP8 3,958*).
     "h200": {"fp64": 34.0, "fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
     "gh200": {"fp64": 34.0, "fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979.0},
-    # H200 NVL and H100 NVL (datasheets, one card): FP64 30, FP32 60, TF32 835*, BF16/FP16 1,671*,
-    # FP8 3,341*.
+    # H200 NVL and H100 NVL datasheets, one card, sparse halved (TF32 835*, BF16/FP16 1,671*, FP8 3,341*).
     "h200 nvl": {"fp64": 30.0, "fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
     "h100 nvl": {"fp64": 30.0, "fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5},
-    # H100 SXM5 and PCIe (H100 architecture whitepaper, table 3, dense): SXM5 FP64 33.5, FP32 66.9,
-    # TF32 494.7, BF16/FP16 989.4, FP8 1,978.9; PCIe FP64 25.6, FP32 51.2, TF32 378, BF16/FP16 756,
-    # FP8 1,513.
+    # H100 architecture whitepaper, table 3, dense: SXM5 and PCIe.
     "h100 sxm": {"fp64": 33.5, "fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
     "h100 pcie": {"fp64": 25.6, "fp32": 51.2, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0, "fp8": 1513.0},
-    # A100 SXM and PCIe, 40 and 80 GB (A100 datasheet): FP64 9.7, FP32 19.5, TF32 156, BF16/FP16 312.
+    # A100 datasheet (SXM and PCIe, 40 and 80 GB), dense.
     "a100": {"fp64": 9.7, "fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
-    # L40S (datasheet, which prints dense and sparse): FP32 91.6, TF32 183, BF16/FP16 362.05, FP8 733.
+    # L40S datasheet, which prints dense and sparse.
     "l40s": {"fp32": 91.6, "tf32": 183.0, "bf16": 362.05, "fp16": 362.05, "fp8": 733.0},
-    # L40 (datasheet): FP32 90.5, TF32 181*, BF16/FP16 362*, FP8 724*.
+    # L40, L4, A10 and A40 datasheets, sparse halved (L40: TF32 181*, BF16/FP16 362*, FP8 724*; L4: TF32
+    # 120*, BF16/FP16 242*, FP8 485*; A10: TF32 125*, BF16/FP16 250*, none for the A10G; A40: TF32
+    # 149.6*, BF16/FP16 299.4*).
     "l40": {"fp32": 90.5, "tf32": 90.5, "bf16": 181.0, "fp16": 181.0, "fp8": 362.0},
-    # L4 (datasheet): FP32 30.3, TF32 120*, BF16/FP16 242*, FP8 485*.
     "l4": {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0, "fp8": 242.5},
-    # A10 (datasheet): FP32 31.2, TF32 125*, BF16/FP16 250*. (No NVIDIA figures for the A10G.)
     "a10": {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},
-    # A40 (datasheet): FP32 37.4, TF32 149.6*, BF16/FP16 299.4*.
     "a40": {"fp32": 37.4, "tf32": 74.8, "bf16": 149.7, "fp16": 149.7},
-    # RTX A6000 (Ampere GA102 whitepaper, appendix, FP32 accumulate): FP32 38.7, TF32 77.4,
-    # BF16/FP16 154.8.
+    # Ampere GA102 (RTX A6000, RTX 3090) and Ada (RTX 4090) whitepapers, appendix, FP32 accumulate.
     "rtx a6000": {"fp32": 38.7, "tf32": 77.4, "bf16": 154.8, "fp16": 154.8},
-    # GeForce RTX 4090 (Ada whitepaper, appendix, FP32 accumulate): FP32 82.6, TF32 82.6,
-    # BF16/FP16 165.2, FP8 330.3.
     "rtx 4090": {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},
-    # GeForce RTX 3090 (Ampere GA102 whitepaper, appendix, FP32 accumulate): FP32 35.6, TF32 35.6,
-    # BF16/FP16 71.
     "rtx 3090": {"fp32": 35.6, "tf32": 35.6, "bf16": 71.0, "fp16": 71.0},
-    # V100 SXM2 / PCIe / V100S (datasheet): FP64 7.8 / 7 / 8.2, FP32 15.7 / 14 / 16.4, tensor
-    # (FP16) 125 / 112 / 130. No bf16, no tf32.
+    # V100 SXM2 / PCIe / V100S and T4 datasheets (tensor FP16; no bf16, no tf32).
     "v100 sxm": {"fp64": 7.8, "fp32": 15.7, "fp16": 125.0},
     "v100 pcie": {"fp64": 7.0, "fp32": 14.0, "fp16": 112.0},
     "v100s": {"fp64": 8.2, "fp32": 16.4, "fp16": 130.0},
-    # T4 (datasheet): FP32 8.1, FP16 mixed precision 65. No bf16.
     "t4": {"fp32": 8.1, "fp16": 65.0},
 }
 
@@ -101,6 +72,7 @@ _RULES: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
+# Without bf16 tensor cores (V100, T4) bf16 work runs on the fp16 ones; without tf32, in fp32.
 _FALLBACK = {"bf16": "fp16", "tf32": "fp32"}
 
 
@@ -145,8 +117,6 @@ def lookup_peak(device_name: str, dtype: str = "bf16") -> tuple[float | None, st
     if chip is None:
         return None, f"no MFU: {device_name!r} is not in steptimer's peak table; pass peak_tflops="
     row = PEAKS[chip]
-    # Without bf16 tensor cores (V100, T4) bf16 work runs on the fp16 ones; without tf32, fp32
-    # matmuls run in fp32.
     used = dtype if dtype in row else _FALLBACK.get(dtype)
     used = used if used in row else None
     if used is None:

@@ -1,20 +1,5 @@
-"""The same steps and phases in the profilers: NVTX ranges and ``torch.profiler`` windows
-(docs/profilers.md).
-
-``nvtx=True`` makes every step an NVTX range named ``step`` and every phase one named like its tag
-(``forward/attn``), for Nsight Systems. ``profile_steps=(first, last)`` runs ``torch.profiler`` for
-those steps only, each step and phase a ``record_function`` range named ``steptimer/<tag>``, and
-writes the Chrome trace with steptimer's own times of the steps to ``steptimer-profile.json``
-(``steptimer kernels``, ``_kernels.py``); ``profile_on_slow`` arms the same window after a slowdown.
-
-Where the costs land: off, nothing (the timer keeps its plain step and phase objects). NVTX: one
-push/pop per step and phase, outside steptimer's own measurement (the range encloses the phase's
-events), so it shows in the enclosing phase or ``other``. A profiler window: outside it one
-comparison a step, and phases switch to the ranged class only inside it; the profiler's start, stop
-and export run under ``pause()`` between steps, so they are not data wait; the profiled steps run
-slower (the profiler records every op), stay in the statistics and are named in the summary. The
-trace is written once the window's steps are resolved (``lag`` steps after its last, or at close),
-since the check needs their GPU times.
+"""The same steps and phases in the profilers: NVTX ranges (``nvtx``), ``torch.profiler`` windows
+(``profile_steps``, ``profile_on_slow``) and their traces; docs/profilers.md has the rules and costs.
 """
 
 from __future__ import annotations
@@ -26,10 +11,9 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from steptimer._files import unwritten
+from steptimer._files import unwritten, write_json
 from steptimer._slow import Candidate, SlowStep, StepWalls, explain, ms_text
 from steptimer._trace import check_step_pair, check_window_option, own_path, record, run_files
 
@@ -48,11 +32,6 @@ FORMAT = "steptimer-profile"
 VERSION = 1
 
 
-def check_profile_steps(profile_steps: object, *, start_step: int) -> tuple[int, int]:
-    """``profile_steps``: inclusive step numbers ``(first, last)`` with ``start_step < first <= last``."""
-    return check_step_pair("profile_steps", profile_steps, start_step=start_step)
-
-
 def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
     """NVTX push/pop from torch's CUDA build; None where torch has no NVTX (CPU builds)."""
     try:
@@ -63,21 +42,16 @@ def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
 
 
 class Ranges:
-    """The NVTX and ``record_function`` ranges of one timer's steps and phases.
-
-    The timer's ranged step and phase objects call ``begin_step``/``end_step`` and ``enter``/``exit``;
-    the stack of full phase names is kept here, so ranges are named as the tags are, in timed and
-    untimed steps alike. State lives here, not in the context managers (Lightning exits a step through
-    a fresh ``step()`` object).
+    """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags
+    are. State lives here, not in the context managers (Lightning exits a step through a fresh
+    ``step()`` object).
 
     Args:
         nvtx: NVTX push/pop functions, or None for no NVTX ranges.
         capture: The ``profile_steps`` window, or None.
         set_ranged: Called with True when the phases must call ``enter``/``exit`` (NVTX on, or inside
             the profiler window) and False when they need not.
-        recent: The capture of recent steps (``_trace.Capture``): a profiler window's resolved steps,
-            for its own times, and the run id that keeps another run's trace file from being
-            overwritten.
+        recent: The capture of recent steps: a window's resolved steps and the run id.
     """
 
     def __init__(
@@ -89,20 +63,19 @@ class Ranges:
     ) -> None:
         self._push, self._pop = nvtx if nvtx is not None else (None, None)
         self._recent = recent
-        # The profiler windows not yet written, in step order, one at a time: profile_steps' and
-        # those profile_on_slow arms (:meth:`arm`, which keeps them apart).
+        # The profiler windows not yet written, in step order, apart (:meth:`arm`).
         self.captures: list[ProfileCapture] = []
         if capture is not None:
             self._accept(capture)
-        self.slow: SlowProfiler | None = None  # profile_on_slow (set by make_ranges)
+        self.slow: SlowProfiler | None = None  # profile_on_slow
         self._set_ranged = set_ranged
         self._names: list[str] = []  # full names of the open phases
         self._records: list[Any] = []  # their record_function objects, while recording
         self._in_step = False
         self._begun = -1  # engine.number when the open step began: unchanged at its end if it was dropped
         self.recording = False  # record_function ranges on (inside the profiler window)
-        # The timer's steps go through the ranges from this step count on (engine.number before the
-        # step): always with NVTX; else from the next window's start until its trace is written.
+        # Steps go through the ranges from this engine.number on: always with NVTX, else from the
+        # next window's start until its trace is written.
         self.from_number: float = math.inf
         self._next_window()
         set_ranged(self._push is not None)
@@ -135,8 +108,6 @@ class Ranges:
 
     def _run_id(self) -> str | None:
         return self._recent.run_id if self._recent is not None else None
-
-    # ------------------------------------------------------------------ steps
 
     def begin_step(self, engine: Engine) -> None:
         if engine.in_step:
@@ -196,8 +167,6 @@ class Ranges:
             cap.finish(engine, self._run_id())
         self.captures = []
 
-    # ------------------------------------------------------------------ phases
-
     def enter(self, name: str) -> None:
         names = self._names
         full = names[-1] + "/" + name if names else name
@@ -239,9 +208,8 @@ def _outside_steps(engine: Engine) -> Iterator[None]:
 
 
 class ProfileCapture:
-    """``torch.profiler`` over steps ``first..last`` and the trace file, with steptimer's own times
-    of those steps. ``why``: the slowdown that armed it (``profile_on_slow``); None for
-    ``profile_steps``."""
+    """``torch.profiler`` over steps ``first..last`` and its trace with steptimer's own times of those
+    steps. ``why``: the slowdown that armed it (``profile_on_slow``); None for ``profile_steps``."""
 
     def __init__(self, first: int, last: int, path: str, why: str | None = None) -> None:
         self.first, self.last, self.path, self.why = first, last, path, why
@@ -323,9 +291,8 @@ class ProfileCapture:
         self.write(engine, run_id)
 
     def write(self, engine: Engine, run_id: str | None) -> None:
-        """Write the trace with steptimer's times of its steps (key ``steptimer``: Chrome and Perfetto
-        ignore unknown top-level keys), beside another run's (``_trace.own_path``). A failed write is
-        one warning and a note, never an exception in a step."""
+        """Write the trace with steptimer's times of its steps under the key ``steptimer`` (Chrome and
+        Perfetto ignore unknown top-level keys); a failed write is one warning and a note."""
         self.written = True
         self.path = own_path(self.path, run_id)
         prof, self._prof = self._prof, None
@@ -342,9 +309,7 @@ class ProfileCapture:
                     "cuda_activity": self._cuda, "range_prefix": RANGE_PREFIX, "steps": steps, "why": self.why,
                     "run_id": run_id,
                 }  # fmt: skip
-                with open(tmp, "w") as f:
-                    json.dump(doc, f)
-                os.replace(tmp, self.path)
+                write_json(self.path, doc)
         except OSError as err:
             engine.notes.append(unwritten("the profiler trace", self.path, err))
             return
@@ -364,25 +329,9 @@ class ProfileCapture:
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
 
 
-def check_profile_on_slow(profile_on_slow: object) -> float | None:
-    """``profile_on_slow``: None, or a factor > 1 of the rolling median step time."""
-    if profile_on_slow is None:
-        return None
-    ok = (
-        isinstance(profile_on_slow, (int, float)) and not isinstance(profile_on_slow, bool)
-        and 1 < profile_on_slow < math.inf
-    )  # fmt: skip
-    if not ok:
-        raise ValueError(
-            "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), "
-            f"or None; got {profile_on_slow!r}"
-        )
-    return float(profile_on_slow)  # type: ignore[arg-type]
-
-
 def profile_files(folder: str) -> list[str]:
-    """The profiler traces in a log directory, each run's (``_trace.run_files``):
-    ``steptimer-profile.json`` (``profile_steps``) first, then ``profile_on_slow``'s in step order."""
+    """The profiler traces in a log directory, every run's: ``profile_steps``' first, then
+    ``profile_on_slow``'s in step order."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -393,6 +342,7 @@ def profile_files(folder: str) -> list[str]:
     return [f for stem in stems for f in run_files(folder, stem)]
 
 
+# profile_on_slow's rule (docs/slow-steps.md).
 PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
 PROFILE_SLOW_MAX = 3  # captures per run
 SLOW_RUN_STEPS = 3  # consecutive steps over the factor that make a slowdown (one outlier never does)
@@ -404,45 +354,10 @@ BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many ste
 COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the next slowdown
 
 
-@dataclass(frozen=True)
-class Slowdown:
-    """Steps ``first..last`` (consecutive, resolved) each slower than ``factor`` x ``median_ms``, the
-    rolling median step before them; ``wall_ms`` is their mean, ``grew`` what grew in them
-    (:func:`explain` of their mean rows against the previous window's medians)."""
-
-    first: int
-    last: int
-    wall_ms: float
-    median_ms: float
-    factor: float
-    grew: SlowStep | None
-
-    def text(self) -> str:
-        """``profile_on_slow=1.5: steps 41-43 each slower than 1.5 x the median step before them:
-        13.3 ms on average vs 2.226 ms, forward +7.104 ms (median 1.088)``"""
-        grew = "" if self.grew is None or self.grew.grew is None else f", {self.grew.grew_text()}"
-        return (
-            f"profile_on_slow={self.factor:g}: steps {self.first}-{self.last} each slower than {self.factor:g} x "
-            f"the median step before them: {ms_text(self.wall_ms)} ms on average vs {ms_text(self.median_ms)} ms{grew}"
-        )
-
-
 class SlowProfiler:
-    """``profile_on_slow``: finds steps that *stay* slower than ``factor`` x the rolling median step,
-    and arms a ``torch.profiler`` window of the next ``PROFILE_SLOW_STEPS`` steps on the timer's
-    :class:`Ranges` (the ``profile_steps`` code path), written to ``steptimer-profile-slow-<first
-    step>.json``.
-
-    Checked once per window on its arrays (:class:`StepWalls`), never per step: the rolling median is
-    the median (nearest rank) wall time of the last ``BASELINE_STEPS`` resolved steps before the
-    window, and a slowdown is ``SLOW_RUN_STEPS`` consecutive steps each over ``factor`` x that median
-    and at least ``SLOW_MIN_MS`` over it (a run may start in one window and end in the next). So one
-    outlier never fires, and the detection lags the slowdown's third step by up to a window. Steps
-    under the profiler are left out of the median and of the check (the profiler's overhead would
-    look like the next slowdown), and so are the ``COOLDOWN_STEPS`` steps after a capture; at most
-    ``PROFILE_SLOW_MAX`` captures per run. Warm-up windows never reach here. Per window, when no step
-    is over the line: a few numpy calls on at most ``BASELINE_STEPS`` + the window's values.
-    """
+    """``profile_on_slow``: arms a ``profile_steps``-like window on :class:`Ranges` when steps *stay*
+    slower than ``factor`` x the rolling median step; checked once per window on its arrays, never per
+    step (the rule: docs/slow-steps.md)."""
 
     def __init__(self, factor: float, folder: str, ranges: Ranges) -> None:
         import numpy as np
@@ -462,16 +377,16 @@ class SlowProfiler:
         walls = window.packed.walls if window.packed is not None else None
         if walls is None or engine.closed:
             return
-        found = self.check(walls, window.host, window.gpu)
-        if found is None:
+        why = self.check(walls, window.host, window.gpu)
+        if why is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
         last = first + PROFILE_SLOW_STEPS - 1
         path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
-        if self.ranges.arm(ProfileCapture(first, last, path, why=found.text()), engine):
+        if self.ranges.arm(ProfileCapture(first, last, path, why=why), engine):
             self.profiled(first, last)
         else:
-            engine.notes.append(f"{found.text()}; not profiled: profile_steps' window runs then")
+            engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
 
     def profiled(self, first: int, last: int, *, capture: bool = True) -> None:
         """Steps ``first..last`` run under the profiler (``capture``: one of this watch's captures)."""
@@ -482,75 +397,70 @@ class SlowProfiler:
 
     def check(
         self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]
-    ) -> Slowdown | None:  # fmt: skip
-        """A window's steps (after warm-up) and its statistics by row (``Window.host``/``gpu``, whose
-        medians the next window's slowdown is read against); a slowdown, if one completed."""
+    ) -> str | None:  # fmt: skip
+        """A window's steps (after warm-up) and its statistics by row (the next window's slowdown is
+        read against their medians); the sentence of a slowdown, if one completed."""
         import numpy as np
 
         n, w = walls.numbers, walls.wall_ms
         if not len(n):
             return None
-        clean = None
-        if self._profiled:
-            self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
-            for a, z in self._profiled:
-                out = (n < a) | (n > z)
-                clean = out if clean is None else clean & out
+        self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
+        clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler
+        for a, z in self._profiled:
+            clean &= (n < a) | (n > z)
         found, run = None, self._run
         self._run = (0, 0, 0, 0.0)  # a run of slow steps goes on into this window only over the line
         if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
             k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
             base = float(np.partition(self._ring, k)[k])
-            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to)
-            if clean is not None:
-                over &= clean
+            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to) & clean
             if over.any():  # a Python loop over the window's steps only then
                 self._run = run
                 found = self._runs(walls, over, base)
-        self._ring = np.concatenate([self._ring, w if clean is None else w[clean]])[-BASELINE_STEPS:]
+        self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
         self._prev = (host, gpu)
         return found
 
-    def _runs(self, walls: StepWalls, over: Any, base: float) -> Slowdown | None:
-        """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line (a Python loop over the
-        window's steps, only in a window with a step over it)."""
+    def _runs(self, walls: StepWalls, over: Any, base: float) -> str | None:
+        """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line."""
         run, first, last, total = self._run
         numbers = walls.numbers.tolist()
         for i, (number, is_over) in enumerate(zip(numbers, over.tolist())):
-            number = int(number)
-            if not is_over or (run and number != last + 1):
-                run, total = 0, 0.0
             if not is_over:
+                run, total = 0, 0.0
                 continue
-            if not run:
-                first = number
-            run, last, total = run + 1, number, total + float(walls.wall_ms[i])
+            if not run or number != last + 1:
+                run, first, total = 0, int(number), 0.0
+            run, last, total = run + 1, int(number), total + float(walls.wall_ms[i])
             if run >= SLOW_RUN_STEPS:
                 self._run = (0, 0, 0, 0.0)
-                return Slowdown(first, last, total / run, base, self.factor, self._grew(walls, first, i))
+                grew = self._grew(walls, first, i)
+                what = "" if grew is None or grew.grew is None else f", {grew.grew_text()}"
+                return (
+                    f"profile_on_slow={self.factor:g}: steps {first}-{last} each slower than {self.factor:g} x the "
+                    f"median step before them: {ms_text(total / run)} ms on average vs {ms_text(base)} ms{what}"
+                )
         self._run = (run, first, last, total)
         return None
 
     def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
         """What grew in the run's steps of this window (their mean rows) against the previous
-        window's medians: :func:`explain`, the slowest steps' own rule."""
-        idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
-        host: dict[str, list[float]] = {}
-        gpu: dict[str, list[float]] = {}
-        for i in idx:
-            h, g = walls.rows(i)
-            for d, into in ((h, host), (g, gpu)):
-                for k, v in d.items():
-                    into.setdefault(k, []).append(v)
+        window's medians, by the slowest steps' rule."""
         ph, pg = self._prev
         medians = {("host", k): st.median_ms for k, st in ph.items()}
         medians.update({("gpu", k): st.median_ms for k, st in pg.items()})
+        idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
         if not medians or not idx:
             return None
-        mean = {k: sum(v) / len(v) for k, v in host.items()}
-        gmean = {k: sum(v) / len(v) for k, v in gpu.items()} or None
+        values: tuple[dict[str, list[float]], dict[str, list[float]]] = ({}, {})
+        for i in idx:
+            for row, into in zip(walls.rows(i), values):
+                for k, v in row.items():
+                    into.setdefault(k, []).append(v)
+        host, gpu = ({k: sum(v) / len(v) for k, v in d.items()} for d in values)
         wall = float(walls.wall_ms[idx].mean())
-        return explain(Candidate(wall, first, walls.clock, mean, gmean, {}), medians)
+        return explain(Candidate(wall, first, walls.clock, host, gpu or None, {}), medians)
 
 
 def make_ranges(
@@ -567,13 +477,18 @@ def make_ranges(
     recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:
     """Validate ``profile_steps`` and ``profile_on_slow`` (``nvtx`` is checked by the caller); the
-    ranges (None when there are none) and a note.
-
-    ``folder`` is where the traces go (the log directory); captures are made on rank 0 only.
-    """
-    factor = check_profile_on_slow(profile_on_slow)
+    ranges (None when there are none) and a note. Traces go to ``folder``, from rank 0 only."""
+    factor = None
+    if profile_on_slow is not None:
+        ok = isinstance(profile_on_slow, (int, float)) and not isinstance(profile_on_slow, bool)
+        if not ok or not 1 < profile_on_slow < math.inf:  # type: ignore[operator]
+            raise ValueError(
+                "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), "
+                f"or None; got {profile_on_slow!r}"
+            )
+        factor = float(profile_on_slow)  # type: ignore[arg-type]
     if profile_steps is not None:
-        first, last = check_profile_steps(profile_steps, start_step=start_step)
+        first, last = check_step_pair("profile_steps", profile_steps, start_step=start_step)
         check_window_option("profile_steps", PROFILE_FILE, sample_every=sample_every, folder=folder)
     if factor is not None:
         check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,

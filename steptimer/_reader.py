@@ -1,16 +1,6 @@
-"""Reading steptimer's TensorBoard event files back into per-run series.
-
-A *run* is a directory whose own event files (``events.out.tfevents.*``) hold steptimer tags
-(``steptimer...``), with its phases' runs beside it in ``<run>/steptimer/<phase>`` (event files
-ending in ``.steptimer``: ``_tensorboard.py``); :func:`find_runs` walks a tree for them (plain
-loops, Lightning's ``version_N`` directories, several runs side by side). Tags are read by
-``_tags.py``'s grammar, the writer's.
-
-Runs in one directory stay apart by the run id in their files' names; files that name none (a
-user's ``SummaryWriter``, Lightning's logger) are read together as one more run, with a note when
-several hold steptimer windows. Records are read strictly: a file that ends inside a record (a
-killed run, a full disk) is read to its last whole record, with a note; a bad checksum or a file
-that is not an event file is a :class:`LogError` naming it (TensorBoard's loaders silently stop).
+"""Reading steptimer's TensorBoard event files back into per-run series (what a run is, run ids, and
+how truncated or corrupt files are read: docs/cli.md, docs/tensorboard.md). Tags are read by
+``_tags.py``'s grammar, the writer's; records strictly (``_records.read_records``).
 """
 
 from __future__ import annotations
@@ -35,20 +25,17 @@ class LogError(Exception):
 
 @dataclass
 class RunLog:
-    """Everything steptimer wrote to one run directory.
-
-    ``scalars`` maps a whole tag (``steptimer/host/forward_ms``) to its ``(step, value)`` points, and
-    ``hists`` maps ``(clock, phase)`` to each window's per-step histogram on the fixed log grid, both
-    in step order (a step written twice: the later write). ``notes`` say what the report should know
-    about the files (where a truncated one stopped, other runs beside).
-    """
+    """Everything steptimer wrote to one run directory, in step order (of a step written twice, the
+    later write): ``scalars`` by tag with the phase's name in it (``steptimer/host/forward_ms``),
+    ``hists`` by ``(clock, phase)``, each window's histogram on the fixed grid; ``notes`` on the files
+    (where a truncated one stopped, other runs beside)."""
 
     name: str
     path: str
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     hists: dict[tuple[str, str], list[tuple[int, LogHistogram]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    # The run's slowest steps as written at its close (``_slow.py``), slowest first; [] if none.
+    # The run's slowest steps as written at its close, slowest first.
     slowest: list[SlowStep] = field(default_factory=list)
 
 
@@ -70,12 +57,13 @@ def find_runs(logdir: str) -> list[RunLog]:
         for d, files in sorted(dirs.items()):
             rel = os.path.relpath(d, logdir)
             runs += _dir_runs(d, files, phases.get(d, {}), name=d if rel == "." else rel)
-    if not any(run.scalars or run.hists for run in runs):
+    runs = [run for run in runs if run.scalars or run.hists]
+    if not runs:
         raise LogError(
             f"{logdir}: event files found, but none holds steptimer tags (steptimer/...): "
             "was the run logged with StepTimer(log_dir=...) or the steptimer Lightning callback?"
         )
-    return [run for run in runs if run.scalars or run.hists]
+    return runs
 
 
 def _scan(logdir: str) -> tuple[dict[str, list[str]], dict[str, dict[str, list[str]]]]:
@@ -293,10 +281,8 @@ def _keep_latest(series: dict[int, Any], event: Any, value: object) -> None:
 
 
 def _histogram(histo: object) -> LogHistogram:
-    """Rebuild a window's :class:`LogHistogram` from a written ``HistogramProto``.
-
-    Count, sum, min and max were written exactly; the buckets' upper edges map back to the grid.
-    """
+    """A window's :class:`LogHistogram` from its ``HistogramProto``: count, sum, min and max as
+    written; the buckets' upper edges map back to the grid."""
     h = LogHistogram()
     limits = list(histo.bucket_limit)  # type: ignore[attr-defined]
     counts = list(histo.bucket)  # type: ignore[attr-defined]

@@ -1,11 +1,7 @@
 """TensorBoard's record framing (``uint64 length, crc, data, crc``) with a C CRC-32C, for steptimer's
-own event files only.
-
-Without TensorFlow, TensorBoard checksums every record with a pure-Python CRC-32C: about 0.2 µs per
-byte, ~2.8 ms for one window's event on the H100 host of docs/benchmarks.md, with the GIL held. Where
-``google-crc32c`` has its C implementation, steptimer's writer and reader use it. Nothing else in the
-process changes: TensorBoard's functions are never replaced, so a user's ``SummaryWriter`` keeps its
-own checksum code (tests/test_records.py checks both that and that the bytes are TensorBoard's).
+own event files only. TensorBoard's pure-Python CRC-32C costs ~0.2 µs per byte with the GIL held
+(~2.8 ms a window's event, docs/benchmarks.md); TensorBoard's functions are never replaced, so a
+user's ``SummaryWriter`` keeps its own (tests/test_records.py checks that and the bytes).
 """
 
 from __future__ import annotations

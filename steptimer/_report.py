@@ -1,11 +1,6 @@
-"""``steptimer report``'s analysis: a run's logs read back into the live summary's result.
-
-Input is a :class:`~steptimer._reader.RunLog` (what steptimer wrote); nothing here reads files or
-prints. The logs become the same :class:`~steptimer._summary.Totals` the live run sums up, and one
-:func:`~steptimer._summary.summarize` makes the :class:`~steptimer._summary.Summary` of both.
-Statistics are of *steps*: each window's per-step histogram is merged over the run (they share one
-fixed log grid, so merging is adding counts). Logs without histograms (e.g. a Lightning logger that
-only takes scalars) fall back to the window means, and a note says so.
+"""``steptimer report`` and ``compare``: a run's logs read back into the live summary's
+:class:`~steptimer._summary.Totals`, summed up by the same ``summarize``. Statistics are of steps (the
+windows' histograms merged); logs without histograms fall back to the window means, with a note.
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ from steptimer._tags import (
 )  # fmt: skip
 
 Points = dict[str, list[tuple[int, float]]]
+Hists = dict[tuple[str, str], list[tuple[int, LogHistogram]]]
 
 
 def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -> Summary:
@@ -136,8 +132,7 @@ def _caught(scal: Points, n_of: dict[int, int], name: str) -> float | None:
 
 
 def _window_sizes(
-    run: RunLog, hists: dict[tuple[str, str], list[tuple[int, LogHistogram]]], scal: Points, windows: list[int],
-    skip_steps: int,
+    run: RunLog, hists: Hists, scal: Points, windows: list[int], skip_steps: int
 ) -> tuple[dict[int, int], float]:
     """Steps per window (exact from the host step histogram, else from the step numbers) and the
     windows' wall time in ms."""
@@ -156,10 +151,7 @@ def _window_sizes(
     return n_of, wall_ms
 
 
-def _series(
-    hists: dict[tuple[str, str], list[tuple[int, LogHistogram]]], scal: Points, n_of: dict[int, int], clock: str,
-    name: str,
-) -> Series | None:
+def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: str) -> Series | None:
     """One series over the windows: statistics of steps from the merged histograms, else of the
     window means (scalar-only logs)."""
     pts = hists.get((clock, name))

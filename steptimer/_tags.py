@@ -1,16 +1,8 @@
-"""The tag grammar of steptimer's TensorBoard values, shared by the writer (``_tensorboard.py``,
-``_dist.py``) and the reader (``_reader.py``, ``_report.py``); documented in docs/tensorboard.md::
-
-    <group>/<family>/<name>_<measure>   a value of one phase or derived row <name>
-    <group>/<measure>                   a value of the whole window (or <group>/<family>/<measure>)
-
-A phase name may hold letters, digits, ``_``, ``.``, ``-`` and ``/``, so a tag is never split at a
-name: it is split at the *measure*, which must be one of :data:`MEASURES` of its group and family.
-No measure of a family ends with ``_`` and another of its measures, so exactly one measure ends a tag
-and ``pool``'s ``max_ms`` can't be read as ``pool_max``'s ``ms``.
-
-On disk a row's values sit in a run of their own without its name (``<group>/<family>_<measure>``,
-:func:`split_tag`); :func:`join_tag` puts the name back.
+"""The tag grammar of steptimer's TensorBoard values (docs/tensorboard.md), shared by the writer and the
+reader: ``<group>/<family>/<name>_<measure>`` for a row, ``<group>/<measure>`` for the whole window,
+split at the measure (one of :data:`MEASURES`, none ending with ``_`` and another of its family), since
+a name may hold ``_``, ``.``, ``-`` and ``/``. On disk a row's values sit in a run of their own,
+without its name (:func:`split_tag`, :func:`join_tag`).
 """
 
 from __future__ import annotations

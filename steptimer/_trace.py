@@ -1,33 +1,18 @@
-"""One capture of recent steps, on the host clock and the GPU's, behind ``trace_steps`` (docs/cli.md
-#trace), the flight recorder around the run's slowest steps (docs/slow-steps.md) and the profiler
-windows' own times (``_profile.py``).
-
-The engine hands each resolved step to :meth:`Capture.add`: a reference goes into a ring of the last
-``log_every_n_steps + 7`` steps and into each window kept whole (``trace_steps``, a profiler window);
-a step is copied out (:func:`record`) only when a trace is made of it. With the flight recorder
-alone the engine appends to the ring itself (``Engine(recent=)``), a Python call less per step.
-
-GPU times: each step's events are read relative to its first (``offs_ms``) and consecutive steps are
-chained by the engine's end-of-previous-step event (``chain_ms``, :func:`gpu_chain`). ``trace_steps``
-puts the chain on the host clock with one reference event, recorded and waited for once the window
-is over (the only extra wait tracing adds, in the step that resolves the step after ``last``, or in
-``close()``): GPU slices are drawn late by the wait's wake-up latency (µs), never early. The flight
-recorder never waits: its chain is placed at the earliest time its launches allow; lengths and gaps
-are exact. No file is written inside a step: both write at close, the recorder's traces as
-``steptimer-slow/<run id>/step-<N>.trace.json`` with the run id of the run's TensorBoard files, so
-a second run into the same log directory never overwrites them.
+"""One capture of recent steps on the host's and the GPU's clocks, behind ``trace_steps`` (docs/cli.md
+#trace), the flight recorder (docs/slow-steps.md) and the profiler windows' own times (``_profile.py``).
+The engine hands each resolved step to :meth:`Capture.add`; a step is copied out (:func:`record`) only
+when a trace is made of it. No file is written inside a step.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import deque
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from steptimer._files import unwritten
+from steptimer._files import unwritten, write_json
 from steptimer._window import FETCH_S, GAP_S, NUMBER, STEP_S
 
 if TYPE_CHECKING:
@@ -41,7 +26,7 @@ BEFORE, AFTER, MAX_TRACES = 3, 2, 3  # the flight recorder's steps around a slow
 
 
 def check_step_pair(name: str, value: object, *, start_step: int) -> tuple[int, int]:
-    """An option's ``(first, last)``: inclusive step numbers with ``start_step < first <= last``."""
+    """An option's inclusive ``(first, last)`` step numbers, ``start_step < first <= last``."""
     ok = (
         isinstance(value, tuple) and len(value) == 2
         and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
@@ -57,8 +42,8 @@ def check_step_pair(name: str, value: object, *, start_step: int) -> tuple[int, 
 
 
 def own_path(path: str, run_id: str | None) -> str:
-    """Where this run writes ``path``: there, unless another run's file is (a run writes each of its
-    files once), then ``<stem>.<run id><ext>`` (the run id of its TensorBoard files)."""
+    """Where this run writes ``path``: there, unless another run's file is, then
+    ``<stem>.<run id><ext>`` (the run id of its TensorBoard files)."""
     if run_id is None or not os.path.exists(path):
         return path
     stem, ext = os.path.splitext(path)
@@ -83,17 +68,6 @@ def check_window_option(name: str, file: str, *, sample_every: int, folder: str 
         raise ValueError(f"{name} needs every step timed (sample_every=1), got sample_every={sample_every}")
     if folder is None:
         raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
-
-
-def trace_range(trace_steps: int | tuple[int, int], *, start_step: int, warmup_steps: int) -> tuple[int, int]:
-    """``(first, last)`` step numbers to capture, from ``StepTimer``'s ``trace_steps`` option: an int
-    N is the N steps right after warm-up, a pair inclusive step numbers."""
-    if isinstance(trace_steps, int) and not isinstance(trace_steps, bool):
-        if trace_steps < 1:
-            raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace_steps!r}")
-        first = start_step + warmup_steps + 1
-        return first, first + trace_steps - 1
-    return check_step_pair("trace_steps", trace_steps, start_step=start_step)
 
 
 def _number(rec: Any) -> int:
@@ -127,9 +101,9 @@ def record(rec: Any) -> dict[str, Any]:
 
 
 def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """The GPU span and phases of each step of the last unbroken chain, in seconds from the chain's
-    zero: each step starts ``chain_ms`` after the previous one's end event. A step without GPU
-    events, or not linked to the one before (another device), starts the chain again."""
+    """The GPU span and phases of each step of the last unbroken chain, in seconds from its zero: each
+    step starts ``chain_ms`` after the previous one's end event. A step without GPU events, or not
+    linked to the one before (another device), starts the chain again."""
     rel: dict[int, dict[str, Any]] = {}
     end = None
     for s in steps:
@@ -152,8 +126,8 @@ def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def placed(steps: list[dict[str, Any]], rel: dict[int, dict[str, Any]], shift: float | None) -> dict[str, Any]:
-    """The steps as a capture (``_tracefile.to_chrome``'s input): host times as recorded, the GPU
-    chain ``rel`` moved by ``shift`` onto the host clock (None: no GPU track)."""
+    """The steps as :func:`to_chrome` takes them: host times as recorded, the GPU chain ``rel`` moved
+    by ``shift`` onto the host clock (None: no GPU track)."""
     out, notes = [], []
     for s in steps:
         r = rel.get(s["number"]) if shift is not None else None
@@ -210,10 +184,9 @@ class Capture:
         if self.trace is not None and self._trace_doc is None and n > self.trace[1]:
             self._place_trace(engine)
 
-    # ------------------------------------------------------------------ trace_steps
-
     def _place_trace(self, engine: Engine) -> None:
-        """Put the window's GPU chain on the host clock: one reference event, waited for once."""
+        """Put the window's GPU chain on the host clock: one reference event, waited for once (the
+        wait's wake-up latency draws GPU slices late by µs, never early)."""
         steps = [record(r) for r in self._trace_recs]
         rel = gpu_chain(steps) if engine.cuda else {}
         held, b, shift = engine.held_end, engine.b, None
@@ -244,14 +217,9 @@ class Capture:
             "first": first, "last": last, "last_step": engine.number, "cuda": bool(engine.cuda),
         })  # fmt: skip
         try:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            with open(path + ".tmp", "w") as f:
-                json.dump(doc, f)
-            os.replace(path + ".tmp", path)
+            write_json(path, doc)
         except OSError as err:
             engine.notes.append(unwritten("the trace capture", path, err))
-
-    # ------------------------------------------------------------------ the flight recorder
 
     def want(self, step: int, wall_ms: float, engine: Engine) -> None:
         """A window put ``step`` among the run's slowest: keep its trace if it is among the slowest
@@ -289,7 +257,6 @@ class Capture:
         folder = os.path.join(self.flight, run_id)
         paths: dict[int, str] = {}
         try:
-            os.makedirs(folder, exist_ok=True)
             for step, (wall, steps) in sorted(self.kept.items()):
                 rel = gpu_chain(steps)
                 launches = [(s["t0"], rel[s["number"]]["start"]) for s in steps if s["number"] in rel]
@@ -305,8 +272,7 @@ class Capture:
                     )
                 doc.update(cuda=self._cuda, slow_step=step, run_id=run_id)
                 paths[step] = os.path.join(folder, f"step-{step}.trace.json")
-                with open(paths[step], "w") as f:
-                    json.dump(to_chrome(doc), f)
+                write_json(paths[step], to_chrome(doc))
         except OSError as err:
             unwritten("the slow steps' traces", folder, err)
         return paths
@@ -327,13 +293,8 @@ GPU_TID = 2
 
 
 def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
-    """Chrome trace JSON (``traceEvents``, ``ph: "X"`` slices in µs) with a host and a GPU track.
-
-    Host track: the data wait before each step, the step, its phases (nested) and the lagged wait
-    (drawn at the end of the step). GPU track: each step's span between its first and last event and
-    its phases' spans. A GPU slice never starts before the host launched it: a start placed earlier
-    (the anchor or clock drift) is clamped to the host entry time, and the count is in ``metadata``.
-    """
+    """Chrome trace JSON (``ph: "X"`` slices in µs), a host and a GPU track (docs/cli.md#trace). A GPU
+    slice placed before its host launch is clamped to it; the count is in ``metadata``."""
     steps = capture["steps"]
     origin = min([s["t0"] - (s["gap_s"] or 0.0) for s in steps], default=0.0)
 
@@ -353,7 +314,6 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         })  # fmt: skip
 
     clamped = 0
-    has_gpu = False
     for s in steps:
         n, t0 = s["number"], s["t0"]
         t_end = t0 + s["step_s"]
@@ -371,7 +331,6 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         g = s.get("gpu")
         if g is None:
             continue
-        has_gpu = True
         launches = [(f"step {n}", "step", g["start"], g["end"], t0)]
         launches += [(name, "phase", a, z, p[1]) for (name, a, z), p in zip(g["phases"], s["phases"])]
         for name, cat, a, z, launched in launches:
@@ -386,22 +345,17 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         return (e["ph"] != "M", e["tid"], e.get("ts", 0.0), -e.get("dur", 0.0), depth)
 
     events.sort(key=order)
+    has_gpu = any(s.get("gpu") is not None for s in steps)
     if has_gpu:
         events += [
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": GPU_TID, "args": {"name": "GPU"}},
             {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": GPU_TID, "args": {"sort_index": 1}},
         ]
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "metadata": {
-            "steps": len(steps),
-            "gpu": has_gpu,
-            "clamped": clamped,
-            "notes": list(capture.get("notes", [])),
-            "run_id": capture.get("run_id"),
-        },
-    }
+    meta = {
+        "steps": len(steps), "gpu": has_gpu, "clamped": clamped, "notes": list(capture.get("notes", [])),
+        "run_id": capture.get("run_id"),
+    }  # fmt: skip
+    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": meta}
 
 
 def make_capture(
@@ -418,13 +372,18 @@ def make_capture(
     window_steps: int,
     profile: bool,
 ) -> Capture | None:
-    """Validate ``StepTimer``'s ``trace_steps``; the capture of an enabled timer's rank 0 when it has
-    a use (``trace_steps``, ``flight``: the slowest steps with a log directory, ``profile``: a
-    profiler window), else None."""
+    """Validate ``trace_steps``; the capture of an enabled timer's rank 0 when it has a use
+    (``trace_steps``, ``flight``: the slowest steps' traces, ``profile``: a profiler window)."""
     folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir()) if writer is not None else None
     trace = None
     if trace_steps is not None:
-        first, last = trace_range(trace_steps, start_step=start_step, warmup_steps=warmup_steps)
+        if isinstance(trace_steps, int) and not isinstance(trace_steps, bool):  # the N steps after warm-up
+            if trace_steps < 1:
+                raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace_steps!r}")
+            first = start_step + warmup_steps + 1
+            last = first + trace_steps - 1
+        else:
+            first, last = check_step_pair("trace_steps", trace_steps, start_step=start_step)
         check_window_option("trace_steps", TRACE_FILE, sample_every=sample_every, folder=folder)
         trace = (first, last, os.path.join(folder, TRACE_FILE))  # type: ignore[arg-type]
     flight_dir = os.path.join(folder, FLIGHT_DIR) if flight and folder is not None else None

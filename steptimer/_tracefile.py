@@ -1,6 +1,5 @@
-"""Reading a trace capture (``_trace.Capture``): the CLI side of ``steptimer trace LOGDIR`` and
-``steptimer kernels`` (``to_chrome``, the Chrome trace export, is ``_trace.py``'s, which the flight
-recorder writes with)."""
+"""Reading the captures back: ``steptimer trace LOGDIR`` (and the JSON reader ``steptimer kernels``
+shares)."""
 
 from __future__ import annotations
 
@@ -12,32 +11,35 @@ from steptimer._reader import LogError
 from steptimer._trace import FORMAT, GPU_TID, HOST_TID, TRACE_FILE, VERSION, run_files, to_chrome
 
 
-def read_json(path: str, name: str, option: str) -> tuple[str, Any]:
-    """``(file, its JSON)`` for the file ``name`` at ``path`` (the file itself or the run's directory);
-    ``option`` is the StepTimer option that writes it, named in the error when it is missing."""
-    file = os.path.join(path, name) if os.path.isdir(path) else path
+def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str, Any, list[str]]:
+    """``(file, its JSON, notes)`` for ``path``, a file or a run's directory where ``found`` lists the
+    files of every run (the first is read, the others named in a note), else ``name`` is read.
+    ``option``, the StepTimer option that writes it, is named when it is missing."""
+    notes: list[str] = []
+    if found[1:]:
+        others = ", ".join(os.path.basename(f) for f in found[1:])
+        notes.append(f"{len(found) - 1} more file(s) of other runs here (pass one to read it): {others}")
+    file = os.path.join(path, os.path.basename(found[0]) if found else name) if os.path.isdir(path) else path
     if not os.path.exists(file):
         if not os.path.exists(path):
             raise LogError(f"{path}: no such file or directory")
         raise LogError(f"{path}: no {name} here; capture steps with StepTimer(log_dir=..., {option})")
     try:
         with open(file) as f:
-            return file, json.load(f)
+            return file, json.load(f), notes
     except (OSError, ValueError) as err:
         raise LogError(f"{file}: not readable JSON ({err})") from None
 
 
 def load_capture(path: str) -> dict[str, Any]:
-    """Read a capture written by :class:`Capture` (``path`` is its file or the run's directory: its
-    first run's capture, the others named in the notes)."""
+    """Read a ``trace_steps`` capture (``path``: its file, or the directory: its first run's, the
+    others named in the notes)."""
     files = run_files(path, TRACE_FILE[: -len(".json")]) if os.path.isdir(path) else []
-    file, doc = read_json(path, os.path.basename(files[0]) if files else TRACE_FILE, "trace_steps=N")
+    file, doc, notes = read_json(path, files, TRACE_FILE, "trace_steps=N")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
         raise LogError(f"{file}: not a steptimer trace capture (format {FORMAT!r} expected)")
     if doc.get("version") != VERSION:
-        raise LogError(
-            f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}"
-        )
+        raise LogError(f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}")
     if not doc["steps"]:
         ended = doc.get("last_step")
         ran = "" if ended is None else f" (it ended at step {ended})"
@@ -45,11 +47,7 @@ def load_capture(path: str) -> dict[str, Any]:
             f"{file}: the run never reached the captured steps {doc.get('first')}..{doc.get('last')}{ran}; "
             "capture steps it reaches: StepTimer(trace_steps=N) takes the N steps after warm-up"
         )
-    if files[1:]:
-        doc.setdefault("notes", []).append(
-            f"{len(files) - 1} more capture(s) of other runs here (pass one to read it): "
-            + ", ".join(os.path.basename(f) for f in files[1:])
-        )
+    doc.setdefault("notes", []).extend(notes)
     return doc
 
 

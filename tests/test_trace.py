@@ -14,6 +14,7 @@ import torch
 import steptimer._engine as engine_mod
 import steptimer._trace as trace_mod
 from steptimer import StepTimer
+from steptimer._kernels import analyze, load_profile
 from steptimer._profile import profile_files
 from steptimer._tracefile import GPU_TID, HOST_TID, load_capture, to_chrome
 from tests.fakes import FakeClock, FakeGPU
@@ -130,6 +131,8 @@ def test_a_second_run_into_the_same_log_dir_writes_beside_the_first(tmp_path: Pa
     capture = load_capture(str(tmp_path))
     assert capture["run_id"] == a_id and any(b_trace.name in n for n in capture["notes"])
     assert profile_files(str(tmp_path)) == [str(a_prof), str(b_prof)]
+    kernels = analyze(load_profile(str(tmp_path)))
+    assert kernels.path == str(a_prof) and any(b_prof.name in n for n in kernels.notes)
 
 
 def test_the_time_between_steps_is_drawn_as_loop_then_the_loaders_fetch(
