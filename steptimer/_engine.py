@@ -4,10 +4,11 @@ resolved into the rows of a window (``_window.StepRows``).
 It knows nothing of TensorBoard, Lightning or the summary: the front doors (``timer.StepTimer``'s
 ``with`` blocks, the Lightning callback, ``instrument()``) set a step's counts (``samples``,
 ``tokens``, ``flops``), enter the engine for one step (``with engine:``, that is ``begin_step`` and
-``end_step``) and a :class:`Phase` per name. The engine decides where windows end; at the end of
-``end_step``, once its own state is whole, ``on_window(number)`` tells the owner that the rows of
-the window ending at step ``number`` are in ``rows`` (so an exception in the owner's window work,
-Ctrl-C included, leaves no step half-done).
+``end_step``), a :class:`Phase` per name, and time the training loader's fetches through a
+:class:`Fetch` (``data``; the rest of the time between steps is ``loop``). The engine decides where
+windows end; at the end of ``end_step``, once its own state is whole, ``on_window(number)`` tells
+the owner that the rows of the window ending at step ``number`` are in ``rows`` (so an exception in
+the owner's window work, Ctrl-C included, leaves no step half-done).
 
 Per timed step with P back-to-back phases the GPU path makes P + 1 event records (a boundary that
 follows steptimer's last record within ``_SHARE_GAP_S`` reuses its event), 4 ``perf_counter()``
