@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten, write_json
-from steptimer._slow import Candidate, SlowStep, StepWalls, explain, ms_text
+from steptimer._format import num
+from steptimer._slow import Candidate, SlowStep, StepWalls, explain
 from steptimer._trace import check_step_pair, check_window_option, own_path, record, run_files
 
 if TYPE_CHECKING:
@@ -439,7 +440,7 @@ class SlowProfiler:
                 what = "" if grew is None or grew.grew is None else f", {grew.grew_text()}"
                 return (
                     f"profile_on_slow={self.factor:g}: steps {first}-{last} each slower than {self.factor:g} x the "
-                    f"median step before them: {ms_text(total / run)} ms on average vs {ms_text(base)} ms{what}"
+                    f"median step before them: {num(total / run)} ms on average vs {num(base)} ms{what}"
                 )
         self._run = (run, first, last, total)
         return None

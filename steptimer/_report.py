@@ -17,8 +17,18 @@ from steptimer._memory import MIB, MemorySummary
 from steptimer._reader import RunLog
 from steptimer._summary import Series, Summary, Totals, summarize
 from steptimer._tags import (
-    CAUGHT, MAIN, MFU, RESERVED_MIB, SAMPLES_PER_S, STEPS_PER_S, TAILS, TFLOPS_PER_S, TOKENS_PER_S, WARMUP_STEPS,
-    parse, tag,
+    CAUGHT,
+    MAIN,
+    MFU,
+    RESERVED_MIB,
+    SAMPLES_PER_S,
+    STEPS_PER_S,
+    TAILS,
+    TFLOPS_PER_S,
+    TOKENS_PER_S,
+    WARMUP_STEPS,
+    parse,
+    tag,
 )  # fmt: skip
 
 Points = dict[str, list[tuple[int, float]]]

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from steptimer._format import num
 from steptimer._verdict import ShareClock
 
 DEFAULT_K = 5
@@ -78,7 +79,7 @@ class SlowStep:
         if self.grew is None or self.grew_ms is None:
             return ""
         where = "GPU " if self.clock == "gpu" else ""
-        return f"{where}{self.grew} +{ms_text(self.grew_ms)} ms (median {ms_text(self.grew_median_ms or 0.0)})"
+        return f"{where}{self.grew} +{num(self.grew_ms)} ms (median {num(self.grew_median_ms or 0.0)})"
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -131,16 +132,16 @@ class RankSlow:
     def text(self, step: int) -> str:
         """What rank ``here``'s table says of its slow step ``step`` (in this window)."""
         if self.step == step and self.rank == self.here:
-            return f"the slowest rank in this step (its own time {ms_text(self.own_ms)} ms: wall less backward)"
-        here = "" if self.here_ms is None else f" vs {ms_text(self.here_ms)} ms on rank {self.here}"
+            return f"the slowest rank in this step (its own time {num(self.own_ms)} ms: wall less backward)"
+        here = "" if self.here_ms is None else f" vs {num(self.here_ms)} ms on rank {self.here}"
         if self.step == step:
             return (
-                f"rank {self.rank} was slowest in this step: {ms_text(self.own_ms)} ms of its own{here} "
+                f"rank {self.rank} was slowest in this step: {num(self.own_ms)} ms of its own{here} "
                 "(wall less backward)"
             )
         return (
             f"slowest rank in steps {self.first}-{self.last}: rank {self.rank} at step {self.step}, "
-            f"{ms_text(self.own_ms)} ms of its own (wall less backward)"
+            f"{num(self.own_ms)} ms of its own (wall less backward)"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -157,10 +158,6 @@ class RankSlow:
             int(d["step"]), int(d["rank"]), float(d["own_ms"]), int(first), int(last), int(d.get("here", 0)),
             None if here_ms is None else float(here_ms),
         )  # fmt: skip
-
-
-def ms_text(v: float) -> str:
-    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
 
 
 # ---------------------------------------------------------------------- measured in the step
@@ -436,7 +433,7 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
     gc_ms = m.get("gc_ms", 0.0)
     if gc_ms >= GC_MIN_MS and gc_ms >= GC_MIN_FRAC * c.wall_ms:
         gen = int(m.get("gc_gen", -1))
-        causes.append(f"Python GC{'' if gen < 0 else f' (generation {gen})'} paused {ms_text(gc_ms)} ms in it")
+        causes.append(f"Python GC{'' if gen < 0 else f' (generation {gen})'} paused {num(gc_ms)} ms in it")
     if m.get("graphs_new"):
         n = int(m["graphs_new"])
         causes.append(f"torch.compile compiled {n} graph{'s' * (n != 1)} in it ({int(m.get('graphs', n))} in all)")
@@ -446,7 +443,7 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         causes.append(f"CUDA allocator retried {n} allocation{'s' * (n != 1)} after a failed cudaMalloc ({span})")
     causes += _between_causes(c, medians, sum(v for v in excess.values() if v > 0))
     if m.get("pause_ms"):
-        causes.append(f"after {ms_text(m['pause_ms'])} ms under pause() right before it")
+        causes.append(f"after {num(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):
         causes.append("it ran under torch.profiler (profile_steps or profile_on_slow): its overhead is in it")
     return SlowStep(
@@ -475,20 +472,20 @@ def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grow
     data = grew("host", "data", c.host_ms)
     idle_data = grew("gpu", "idle/data", c.gpu_ms) if c.clock == "gpu" else None
     if data is not None:
-        out.append(f"data stall: the loader took {ms_text(data[0])} ms (median {ms_text(data[1])})")
+        out.append(f"data stall: the loader took {num(data[0])} ms (median {num(data[1])})")
     elif idle_data is not None:
         idle_ms, med_ms = idle_data
-        out.append(f"data stall: the GPU idled {ms_text(idle_ms)} ms for the loader (median {ms_text(med_ms)})")
+        out.append(f"data stall: the GPU idled {num(idle_ms)} ms for the loader (median {num(med_ms)})")
     loop = grew("host", "loop", c.host_ms)
     if loop is not None:
-        text = f"{ms_text(loop[0])} ms between steps (median {ms_text(loop[1])})"
+        text = f"{num(loop[0])} ms between steps (median {num(loop[1])})"
         idle = (c.gpu_ms or {}).get("idle", 0.0) - (c.gpu_ms or {}).get("idle/data", 0.0)
         if c.clock != "gpu":
             out.append(f"the host spent {text}, outside the loader")
         elif idle < notable_ms:
             out.append(f"the host waited for the GPU between steps: {text}")
         else:
-            out.append(f"the host was busy between steps while the GPU idled {ms_text(idle)} ms: {text}")
+            out.append(f"the host was busy between steps while the GPU idled {num(idle)} ms: {text}")
     return out
 
 
@@ -499,7 +496,7 @@ def slow_markdown(slowest: Sequence[SlowStep]) -> str:
     """The TensorBoard text card: one Markdown table row per slow step."""
     lines = ["| step | wall ms | what stood out |", "|---:|---:|---|"]
     for s in slowest:
-        lines.append(f"| {s.step} | {ms_text(s.wall_ms)} | {(s.cause or '-').replace('|', '/')} |")
+        lines.append(f"| {s.step} | {num(s.wall_ms)} | {(s.cause or '-').replace('|', '/')} |")
     clock = "the GPU's timeline" if slowest and slowest[0].clock == "gpu" else "host clock"
     lines.append(f"\nwall time on {clock} (docs/slow-steps.md)")
     return "\n".join(lines)

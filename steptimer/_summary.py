@@ -12,10 +12,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from steptimer._format import num
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
 from steptimer._slow import Candidate, RankSlow, SlowestKeeper, SlowStep
-from steptimer._table import num
 from steptimer._verdict import ShareClock, Verdict, shares, verdict
 from steptimer._window import Packed, Window, add_timed_host
 
@@ -106,7 +106,7 @@ class PhaseSummary:
 @dataclass(frozen=True)
 class Summary:
     """The end-of-run summary returned by :meth:`StepTimer.close`, and what ``steptimer report``
-    reads back from a run's logs (``_report.analyze``); ``print(summary)`` shows it at 80 columns.
+    reads back from a run's logs (``_report.analyze``); ``_table.render(summary)`` draws it as printed.
 
     Rows are in the order phases were first seen, with ``data`` first and ``other``, ``wait`` and
     ``step`` (and GPU ``idle``) last. ``steps`` counts the steps summarized (after warm-up);
@@ -159,11 +159,6 @@ class Summary:
 
     def __contains__(self, name: object) -> bool:
         return any(row.name == name for row in self.rows)
-
-    def __str__(self) -> str:
-        from steptimer._table import render
-
-        return render(self, width=80)
 
 
 class Series(NamedTuple):

@@ -15,25 +15,12 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from steptimer._format import num, pct
 from steptimer._memory import MIB
 
 if TYPE_CHECKING:
     from steptimer._slow import SlowStep
     from steptimer._summary import Summary
-
-
-def num(v: float | None, *, sign: bool = False) -> str:
-    """Every number steptimer prints, one format: ``1.234``, ``12.3``, ``1,469`` (``-`` for none)."""
-    if v is None or not math.isfinite(v):
-        return "-"
-    plus = "+" if sign else ""
-    return f"{v:{plus}.3f}" if abs(v) < 10 else f"{v:{plus}.1f}" if abs(v) < 1000 else f"{v:{plus},.0f}"
-
-
-def pct(x: float) -> str:
-    """Every share and fraction printed: ``41.7%`` (``100%``, not ``100.0%``)."""
-    text = f"{100 * x:.1f}"
-    return ("100" if text == "100.0" else text) + "%"
 
 
 def fitted(variants: Iterable[Any], width: int) -> Any:

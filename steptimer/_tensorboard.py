@@ -26,8 +26,21 @@ from typing import Any
 from steptimer._memory import MIB
 from steptimer._summary import Summary, row_order
 from steptimer._tags import (
-    CAUGHT, HIST, MAIN, MFU, RESERVED_MIB, RUN, SAMPLES_PER_S, STEPS_PER_S, TAILS, TFLOPS_PER_S, TOKENS_PER_S,
-    WARMUP_STEPS, run_tag, split_tag, tag,
+    CAUGHT,
+    HIST,
+    MAIN,
+    MFU,
+    RESERVED_MIB,
+    RUN,
+    SAMPLES_PER_S,
+    STEPS_PER_S,
+    TAILS,
+    TFLOPS_PER_S,
+    TOKENS_PER_S,
+    WARMUP_STEPS,
+    run_tag,
+    split_tag,
+    tag,
 )  # fmt: skip
 from steptimer._window import Window
 

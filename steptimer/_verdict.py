@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from steptimer._format import num, pct
 from steptimer._histogram import SeriesStats
-from steptimer._table import num, pct
 
 # Verdict thresholds, as fractions of the GPU's timeline (host only: of wall time).
 STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this much: input- or loop-bound

@@ -18,12 +18,12 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from steptimer._options import nonneg_int, positive_int
+from steptimer._format import num, pct
 from steptimer._memory import MIB
+from steptimer._options import nonneg_int, positive_int
 from steptimer._reader import LogError, find_runs
 from steptimer._report import analyze, compare, nothing_to_report
 from steptimer._summary import Summary
-from steptimer._table import num, pct
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -296,8 +296,7 @@ class StepTimer:
             window_steps=window_max, profile=profiled,
         )  # fmt: skip
         self._phase_cls: type[_Phase] = _Phase
-        folder = None if writer is None else str(writer.get_logdir())
-        folder = os.fspath(log_dir) if log_dir is not None else folder
+        folder = os.fspath(log_dir) if log_dir is not None else writer and str(writer.get_logdir())
         folder = folder if seams.profile_dir is None else seams.profile_dir  # Lightning's: known at fit
         self._ranges, nvtx_note = make_ranges(
             nvtx=nvtx, profile_steps=profile_steps, folder=folder, start_step=start_step,

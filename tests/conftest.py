@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# `./dev test` runs one pytest-xdist worker per core: one intra-op thread each (inherited by the
+# scripts tests start), so two workers' thread pools don't fight over the cores while timing tests
+# compare known sleeps with what steptimer measured.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REQUIRE_CUDA = os.environ.get("STEPTIMER_REQUIRE_CUDA") == "1"
 

@@ -22,7 +22,8 @@ import steptimer._engine as engine_mod
 import steptimer._trace as trace_mod
 import steptimer._tracefile as tracefile_mod
 from steptimer import StepTimer
-from steptimer._table import num, pct
+from steptimer._format import num, pct
+from steptimer._table import render
 from tests.fakes import FakeClock, FakeGPU
 
 ROOT = str(Path(steptimer.__file__).resolve().parent.parent)
@@ -212,8 +213,8 @@ def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
     """Logs without histograms (a logger that only takes scalars) still report, and say so."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from steptimer._window import StepRows, window_of
     from steptimer._tensorboard import window_scalars
+    from steptimer._window import StepRows, window_of
 
     nan = float("nan")
     w = SummaryWriter(str(tmp_path / "lightning_logs" / "version_0"))
@@ -605,7 +606,7 @@ def test_report_agrees_with_the_summary_and_leaves_out_warm_up(tmp_path: Path, c
     assert f"compute: {num(s.tflops_per_s)} TFLOP/s, MFU {pct(s.mfu)}" in text
     # One result, one renderer: at 80 columns the report prints what the summary printed, line by line.
     printed = cli("report", str(tmp_path), columns=80).stdout.splitlines()
-    assert printed[printed.index(str(s).splitlines()[1]) :] == str(s).splitlines()[1:]  # after the heading
+    assert printed[printed.index(render(s).splitlines()[1]) :] == render(s).splitlines()[1:]  # after the heading
     both = cli("compare", str(tmp_path), str(tmp_path)).stdout
     assert both.count(f"compute: {num(s.tflops_per_s)} TFLOP/s") == 2
     assert json.loads(cli("compare", str(tmp_path), str(tmp_path), "--json").stdout)["compute"]["b"] == {

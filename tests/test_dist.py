@@ -25,7 +25,7 @@ from steptimer._dist import (
     spreads,
     straggler_ms,
 )
-from steptimer._table import num
+from steptimer._format import num
 from tests.tb import layout_regexes, scalars
 
 ROOT = Path(__file__).resolve().parent.parent

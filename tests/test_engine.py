@@ -4,7 +4,6 @@ simulated GPU (``tests/fakes.py``: an event read before it completed raises, as 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import pytest

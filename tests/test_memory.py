@@ -11,6 +11,7 @@ import torch
 import steptimer._engine as engine_mod
 from steptimer import StepTimer
 from steptimer._memory import MIB
+from steptimer._table import render
 from tests.fakes import FakeAllocator, FakeClock, FakeGPU, ListSink
 from tests.tb import layout_regexes, scalars
 
@@ -180,7 +181,7 @@ def test_run_peak_is_what_max_memory_allocated_would_say(clock: FakeClock, gpu: 
     assert s.memory.max_allocated_bytes == true_peak
     assert s.memory.peak_bytes["step"] == 520 * KIB  # the summary's rows leave warm-up out
     assert s.memory.steps == 4
-    text = str(s)
+    text = render(s)
     assert "the run's peak allocated was 5.0 MiB" in text
 
 
@@ -232,7 +233,7 @@ def test_memory_false_never_touches_the_allocator(clock: FakeClock, gpu: FakeGPU
     s = t.close()
     assert mem.reads == mem.resets == 0
     assert sink.windows[0].memory is None and s.memory is None
-    assert "CUDA memory" not in str(s)
+    assert "CUDA memory" not in render(s)
 
 
 def test_memory_option_is_validated() -> None:
@@ -283,7 +284,7 @@ def test_summary_memory_table_fits_80_columns(clock: FakeClock, gpu: FakeGPU, me
     for _ in range(3):
         nested_step(t, clock, mem, scale=1024)  # MiB-sized
     s = t.close()
-    text = str(s)
+    text = render(s)
     assert max(map(len, text.splitlines())) <= 80
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if "CUDA memory MiB, 3 timed steps" in line)
@@ -322,7 +323,7 @@ def test_out_of_memory_propagates_and_the_summary_says_where(
         "CUDA out of memory in phase 'forward/attn' of step 2: the peak allocated inside the phase "
         "before it was 4.0 MiB"
     )
-    assert " ".join(note.split()) in " ".join(str(s).split())
+    assert " ".join(note.split()) in " ".join(render(s).split())
 
 
 def test_out_of_memory_outside_a_phase_and_other_errors(clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator) -> None:

@@ -22,6 +22,7 @@ import torch
 
 import steptimer._engine as engine_mod
 from steptimer import StepTimer
+from steptimer._table import render
 from tests.fakes import FakeClock, FakeGPU, ListSink
 
 
@@ -65,7 +66,7 @@ def test_gpu_stall_in_forward_is_named_with_its_phase_and_step(tmp_path: Path, c
     assert top.cause is not None and top.cause == f"GPU forward +48.0 ms (median {s['forward'].gpu.median_ms:.3f})"  # type: ignore[union-attr]
     assert all(x.wall_ms <= top.wall_ms for x in s.slowest[1:])
     assert all(x.step > 2 for x in s.slowest)  # warm-up left out
-    text = str(s)
+    text = render(s)
     assert all(len(line) <= 80 for line in text.splitlines())
     (row,) = [line for line in text.splitlines() if line.strip().startswith("23 ")]
     assert "53.0" in row and "GPU forward +48.0 ms" in row

@@ -1,4 +1,4 @@
-"""The summary as printed: phase names never cut, the table fitted to the terminal (``print(summary)``
+"""The summary as printed: phase names never cut, the table fitted to the terminal (``render(summary)``
 at 80 columns, ``close()``'s print at the terminal's width)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import steptimer
 import steptimer._engine as engine_mod
 from steptimer import PhaseSummary, SeriesStats, StepTimer, Summary
-from steptimer._table import num, pct
+from steptimer._format import num, pct
+from steptimer._table import render
 from tests.fakes import FakeClock, FakeGPU
 
 
@@ -38,7 +39,7 @@ _NAMES = {"data", "forward", "attention_block", "loss", "backward", "clip", "opt
 
 
 def test_phase_names_are_never_cut_and_the_table_fits_80_columns() -> None:
-    text = str(_summary())
+    text = render(_summary())
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 80
     rows = {line.split()[0]: line.split() for line in lines if line.strip() and line.split()[0] in _NAMES}
@@ -59,7 +60,7 @@ def test_the_full_table_is_kept_when_it_fits() -> None:
     s = _summary()
     short = dataclasses.replace(s, rows=tuple(r for r in s.rows if r.name != "forward/attention_block"))
     short = dataclasses.replace(short, rows=tuple(dataclasses.replace(r, calls_per_step=1.0) for r in short.rows))
-    text = str(short)
+    text = render(short)
     assert max(len(line) for line in text.splitlines()) <= 80
     assert text.splitlines()[2].split().count("max") == 2 and "calls" not in text, text
 
@@ -163,7 +164,7 @@ def test_a_four_phase_run_reads_in_18_lines_of_80_columns_each_fact_true(
 
 def test_a_step_that_stood_out_is_listed_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     s = _four_phase_run(str(tmp_path), monkeypatch, stall_at=100)
-    text = str(s)
+    text = render(s)
     start = text.splitlines().index("slowest steps")
     rows = [line.split() for line in text.splitlines()[start + 3 :] if line[:5].strip().isdigit()]
     assert [r[0] for r in rows] == ["100"], text

@@ -14,7 +14,8 @@ import torch
 import steptimer._engine as engine_mod
 import steptimer.timer as timer_mod
 from steptimer import StepTimer
-from steptimer._table import num, pct, render
+from steptimer._format import num, pct
+from steptimer._table import render
 from tests.fakes import FakeClock, FakeGPU, ListSink
 
 

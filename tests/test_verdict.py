@@ -19,6 +19,7 @@ import steptimer._engine as engine_mod
 from steptimer import StepTimer
 from steptimer._reader import find_runs
 from steptimer._report import MIN_CHANGE, analyze, compare
+from steptimer._table import render
 from steptimer._verdict import BUSY_SHARE, STALL_SHARE
 from tests.fakes import FakeClock, FakeGPU
 
@@ -191,7 +192,7 @@ def test_host_only_runs_keep_host_shares(tmp_path: Path, clock: FakeClock) -> No
     s = run(tmp_path / "a", clock, phases, between_ms=0.0, loader_ms=1.0, cuda=False)
     assert s.share_clock == "host" and s.verdict.kind == "compute-bound"
     assert s["data"].share == pytest.approx(1.0 / 8.0, rel=0.01)
-    assert len(s.verdict.evidence) == 2 and "host clock only" in str(s).splitlines()[0]
+    assert len(s.verdict.evidence) == 2 and "host clock only" in render(s).splitlines()[0]
     s = run(tmp_path / "b", clock, {"forward": (3.0, 0)}, between_ms=0.0, loader_ms=3.0, cuda=False)
     assert s.verdict.kind == "input-bound"
     assert s.verdict.evidence[0].startswith("the host spent 50.0% of wall time waiting for the loader")
@@ -201,7 +202,7 @@ def test_host_only_runs_keep_host_shares(tmp_path: Path, clock: FakeClock) -> No
 
 def test_the_summary_prints_its_shares_clock_and_verdict(tmp_path: Path, clock: FakeClock) -> None:
     s = run(tmp_path, clock, GPT, sync_every=1)
-    text = str(s)
+    text = render(s)
     assert max(map(len, text.splitlines())) <= 80
     assert text.splitlines()[2].split()[-1] == "GPU"  # the share column says its clock
     assert "verdict: gpu-bound" in text and "share GPU: the row's part" not in text  # legends: --explain
