@@ -12,13 +12,16 @@ browser="$(command -v chromium || command -v chromium-browser || true)"
 tmp="$(mktemp -d)"
 tb=""
 trap '[ -n "$tb" ] && kill "$tb" 2>/dev/null; rm -rf "$tmp"' EXIT
-PYTHONPATH=. "$py" examples/demo.py --log-dir "$tmp/runs/demo" >/dev/null
-"$py" -m tensorboard.main --logdir "$tmp/runs/demo" --host 127.0.0.1 --port 0 >"$tmp/tb.log" 2>&1 &
+# Two demo runs side by side, as `./dev demo` twice and `./dev tensorboard --logdir runs` show them.
+for n in 1 2; do
+  OMP_NUM_THREADS=1 PYTHONPATH=. "$py" examples/demo.py --log-dir "$tmp/runs/demo-$n" >/dev/null
+done
+"$py" -m tensorboard.main --logdir "$tmp/runs" --host 127.0.0.1 --port 0 >"$tmp/tb.log" 2>&1 &
 tb=$!
 url=""
 for _ in $(seq 300); do url=$(grep -o 'http://127.0.0.1:[0-9]*' "$tmp/tb.log" || true); [ -n "$url" ] && break; sleep 0.2; done
 [ -n "$url" ] || { cat "$tmp/tb.log" >&2; exit 1; }
-sleep 5  # the first load of the logs
+sleep 15  # the first load of the logs (every run)
 mkdir -p docs/img
 shot() {  # page, file; a new profile each time, so no setting of an earlier page carries over
   rm -rf "$tmp/profile" && mkdir "$tmp/profile"
@@ -33,3 +36,5 @@ shot() {  # page, file; a new profile each time, so no setting of an earlier pag
 shot "?forceSVG=true#timeseries" docs/img/time-series.png
 shot "#scalars" docs/img/scalars.png
 shot "#custom_scalars" docs/img/custom-scalars.png
+# The two runs told apart: TensorBoard's "color runs by" regex, ^([^/]+), one colour per log dir.
+shot "?forceSVG=true&runColorGroup=regex:%5E(%5B%5E/%5D%2B)#timeseries" docs/img/two-runs.png

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch
 from torch import nn
 
 from steptimer import StepTimer
+from steptimer._run import shell_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,22 +35,6 @@ def new_run_dir(parent: str = "runs", prefix: str = "demo-") -> str:
             return path
         except FileExistsError:
             n += 1
-
-
-def command(name: str) -> str:
-    """How to run ``steptimer`` or ``tensorboard`` from here, as printed.
-
-    The one on PATH if it is this interpreter's (an activated environment, a pip install); on a
-    clone, ``./dev NAME``: ``./dev demo`` runs from ``.venv``, whose bin is not on PATH.
-    """
-    mine = os.path.join(os.path.dirname(sys.executable), name)
-    if shutil.which(name) == mine:
-        return name
-    dev = ROOT / "dev"
-    if dev.is_file():
-        rel = os.path.relpath(dev)
-        return f"{min(rel if os.sep in rel else './' + rel, str(dev), key=len)} {name}"
-    return mine
 
 
 def previous_run(run_dir: str) -> str | None:
@@ -111,7 +94,7 @@ def main() -> None:
 
 def print_next(log_dir: str) -> None:
     """This run's logs and the commands that read them, each one runnable as printed."""
-    st, tb = command("steptimer"), command("tensorboard")
+    st, tb = shell_command("steptimer", ROOT), shell_command("tensorboard", ROOT)
     lines = [
         (f"{tb} --logdir {log_dir}", "charts in a browser"),
         (f"{st} report {log_dir}", "medians, shares, verdict"),

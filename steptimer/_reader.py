@@ -13,7 +13,7 @@ from typing import Any
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
 from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
-from steptimer._tags import HIST, is_steptimer, join_tag, parse
+from steptimer._tags import HIST, is_steptimer, join_tag, parse, unhidden
 from steptimer._tensorboard import EVENT_FILE_PREFIX, PHASE_DIR, PHASE_SUFFIX
 
 _EVENT_FILE_MARK = "tfevents"
@@ -193,7 +193,8 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
             for value in event.summary.value if event.HasField("summary") else ():
                 if is_steptimer(value.tag):
                     with_windows.update([f] if phase is None else [])
-                    log.add(value, value.tag if phase is None else join_tag(phase, value.tag), event)
+                    in_run = unhidden(value.tag)
+                    log.add(value, in_run if phase is None else join_tag(phase, in_run), event)
     if len(with_windows) > 1:
         notes.append(
             f"{len(with_windows)} event files in {path} hold steptimer windows and name no run (a writer= "

@@ -12,12 +12,14 @@ from typing import Any, Literal
 
 import numpy as np
 
+from steptimer._energy import Energy
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemorySummary
 from steptimer._reader import RunLog
 from steptimer._summary import Series, Summary, Totals, summarize
 from steptimer._tags import (
     CAUGHT,
+    JOULES_PER_STEP,
     MAIN,
     MFU,
     RESERVED_MIB,
@@ -27,6 +29,7 @@ from steptimer._tags import (
     TFLOPS_PER_S,
     TOKENS_PER_S,
     WARMUP_STEPS,
+    WATTS,
     parse,
     tag,
 )  # fmt: skip
@@ -99,7 +102,19 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         windows=len(windows),
         of_steps=bool(run.hists),
         cycle_window_ms=tuple(1e3 / rate[s] for s in windows if rate.get(s)),
+        energy=_energy(scal, n_of),
     )
+
+
+def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
+    """The GPU's energy over the selected windows that have it: joules per step and watts summed back
+    to joules, steps and seconds."""
+    watts = dict(scal.get(WATTS, []))
+    per_step = [(s, v) for s, v in scal.get(JOULES_PER_STEP, []) if watts.get(s) and n_of.get(s)]
+    if not per_step:
+        return None
+    joules = {s: v * n_of[s] for s, v in per_step}
+    return Energy(sum(joules.values()), sum(n_of[s] for s in joules), sum(j / watts[s] for s, j in joules.items()))
 
 
 def _memory(scal: Points) -> MemorySummary | None:

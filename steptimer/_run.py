@@ -14,11 +14,14 @@ import argparse
 import os
 import re
 import runpy
+import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
-USAGE = "steptimer run [options] script.py [args ...] | steptimer run [options] -m module [args ...]"
+USAGE = "steptimer run [options] script.py [args ...]\n       steptimer run [options] -m module [args ...]"
 HELP = "run a training script unchanged and time each optimizer step"
 
 
@@ -83,7 +86,9 @@ def default_log_dir(target: str, root: str = "runs", *, module: bool = False) ->
 
 
 def main(argv: Sequence[str]) -> int:
-    """Parse, install the timer, run the script; returns 0 or raises what the script raised."""
+    """Parse, install the timer, run the script; returns its status: 0, or 1 after its exception
+    (its traceback from its own first frame, as ``python script.py`` shows it). ``sys.exit`` and
+    Ctrl-C pass through."""
     opts, target, is_module, script_args = split(argv)
     p = parser()
     args = p.parse_args(opts)
@@ -109,24 +114,75 @@ def main(argv: Sequence[str]) -> int:
         options["cuda"] = False
     try:
         timer = instrument(**options)
-    except ValueError as err:
-        p.error(str(err))
+    except ValueError as err:  # argparse prefixes "steptimer run: error: "; wrapped with it at 80 columns
+        from steptimer._table import wrapped
+
+        p.error("\n".join(wrapped([f"{p.prog}: error: {err}"], 80, "  "))[len(p.prog) + 9 :])
     name = f"-m {target}" if is_module else target
     if rank == 0:
-        print(f"steptimer: timing {name}; logging to {log_dir} (then: steptimer report {log_dir})", file=sys.stderr)
-    failed = True
+        _say(f"steptimer: timing {name}; logging to {log_dir}")
+        # A command to copy: one line, never wrapped.
+        print(f"steptimer: then: {shell_command('steptimer')} report {log_dir}", file=sys.stderr)
+    failed, error = True, None
     try:
         _run_script(target, is_module, script_args)
         failed = False
     except SystemExit as e:
         failed = e.code not in (None, 0)
         raise
+    except Exception as e:  # the script's own: shown as `python script.py` shows it, after the summary
+        error = e
     finally:
         note = timer.discovery_note()
         timer.close(failed=failed)
         if note is not None and rank == 0:
-            print(f"steptimer: {name}: {note}", file=sys.stderr)
+            _say(f"steptimer: {name}: {note}")
+    if error is not None:
+        tb = _users_frames(error.__traceback__)
+        sys.excepthook(type(error), error.with_traceback(tb), tb)
+        return 1  # Python's status for an uncaught exception
     return 0
+
+
+def _say(line: str) -> None:
+    """A line on stderr, wrapped at 80 columns (a path stays whole)."""
+    from steptimer._table import wrapped
+
+    print("\n".join(wrapped([line], 80, "  ")), file=sys.stderr)
+
+
+def _users_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback from the script's first frame on: steptimer's and runpy's frames above it are
+    no part of the user's error (``python script.py`` shows none of them)."""
+    package = str(Path(__file__).resolve().parent) + os.sep
+    runpys = {"<frozen runpy>", runpy.__file__}  # runpy's frames name it so when it is frozen (3.11+)
+
+    def ours(tb: TracebackType) -> bool:
+        name = tb.tb_frame.f_code.co_filename
+        return name in runpys or os.path.abspath(name).startswith(package)
+
+    while tb is not None and tb.tb_next is not None and ours(tb):
+        tb = tb.tb_next
+    return tb
+
+
+def shell_command(name: str, clone: Path | None = None) -> str:
+    """How to call the ``steptimer`` or ``tensorboard`` command from here, as a user would type it.
+
+    The one on PATH if it is this interpreter's (an activated environment, a pip install); run from
+    a clone's ``.venv`` (``clone``, default: the one steptimer is imported from), ``./dev NAME``,
+    which runs it from there (its bin is not on PATH); else the interpreter's own copy.
+    """
+    mine = os.path.join(os.path.dirname(sys.executable), name)
+    if shutil.which(name) == mine:
+        return name
+    root = clone or Path(__file__).resolve().parent.parent
+    dev = root / "dev"
+    if dev.is_file() and Path(sys.prefix).resolve() == (root / ".venv").resolve():
+        rel = os.path.relpath(dev)
+        return f"{min(rel if os.sep in rel else './' + rel, str(dev), key=len)} {name}"
+    module = {"tensorboard": "tensorboard.main"}.get(name, name)  # tensorboard has no __main__
+    return mine if os.path.exists(mine) else f"{sys.executable} -m {module}"
 
 
 def _run_script(target: str, is_module: bool, script_args: list[str]) -> None:

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from steptimer._energy import Energy
 from steptimer._format import num
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
@@ -138,6 +139,8 @@ class Summary:
     # its fraction of the run's host time (first step's start to the last step's end): in no row.
     own_ms: float = 0.0
     own_share: float | None = None
+    # The GPU's energy over the summarized windows (NVML's counter, _energy.py); None: not read.
+    energy: Energy | None = None
     # Read back from logs: the run's name and directory, its windows, whether median and p90 are of
     # steps (histograms) or of window means (scalar-only logs), each window's wall ms per step.
     name: str = "steptimer"

@@ -144,6 +144,8 @@ def facts(summary: Summary) -> list[str]:
         mfu = "" if summary.mfu is None else f", MFU {pct(summary.mfu)}"
         line += f"{'; ' if line else ''}compute: {num(summary.tflops_per_s)} TFLOP/s{mfu}"
     lines = [f"throughput: {line}"] if line else []
+    if summary.energy is not None:
+        lines.append(energy_line(summary))
     if summary.own_ms > 0 and summary.own_share is not None:  # window statistics and files: in no row
         lines.append(f"steptimer's own work: {num(summary.own_ms)} ms, {pct(summary.own_share)} of the run")
     v = summary.verdict
@@ -153,6 +155,18 @@ def facts(summary: Summary) -> list[str]:
     if m is not None and m.max_allocated_bytes:
         lines.append(f"the run's peak allocated was {m.max_allocated_bytes / MIB:,.1f} MiB")
     return lines + [f"note: {n}" for n in summary.notes]
+
+
+def energy_line(summary: Summary, label: str = "") -> str:
+    """``energy: 512 J/step, 0.125 J/sample, 650 W``: the GPU's, over the summarized windows."""
+    e = summary.energy
+    assert e is not None
+    per = [f"{num(e.joules_per_step)} J/step"]
+    rate = summary.steps_per_s
+    for count, unit in ((summary.samples_per_s, "sample"), (summary.tokens_per_s, "token")):
+        if count and rate:
+            per.append(f"{num(e.joules_per_step * rate / count)} J/{unit}")
+    return f"{label}energy: {', '.join(per)}, {num(e.watts)} W (GPU)"
 
 
 def explanations(summary: Summary) -> list[str]:
@@ -195,7 +209,10 @@ def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
     out = []
     for line in lines:
         lead = line[: len(line) - len(line.lstrip())]
-        out += textwrap.wrap(line, width=max(width, 40), subsequent_indent=lead + indent) or [""]
+        # A path or a tag is never cut (at its hyphens either): it stays whole, even past ``width``.
+        out += textwrap.wrap(
+            line, width=max(width, 40), subsequent_indent=lead + indent, break_long_words=False, break_on_hyphens=False
+        ) or [""]
     return out
 
 

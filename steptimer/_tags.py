@@ -15,6 +15,9 @@ CAUGHT = "steptimer-caught-up"  # fraction of steps in which the GPU caught up i
 HIST = "steptimer-hist"  # the window's steps on the fixed log grid
 RANKS = "steptimer-ranks"  # the spread across ranks (_dist.py)
 RUN = "steptimer-run"  # facts about the run, never charted
+# A warm-up window's values, each tag under it, as tensors no dashboard draws (_tensorboard.py). Tags of
+# their own: TensorBoard gives a tag's whole series the kind of its first value.
+WARMUP = "steptimer-warmup"
 
 _RANK_MS = ("min_ms", "mean_ms", "max_ms", "argmax")
 MEASURES: dict[tuple[str, str], tuple[str, ...]] = {
@@ -38,6 +41,12 @@ TOKENS_PER_S = f"{MAIN}/tokens_per_s"
 TFLOPS_PER_S = f"{MAIN}/tflops_per_s"
 MFU = f"{MAIN}/mfu"
 RESERVED_MIB = f"{MAIN}/mem/reserved_mib"
+# The GPU's energy over the window (NVML's counter, _energy.py), written one window late: its closing
+# reading is taken off the training thread.
+JOULES_PER_STEP = f"{MAIN}/joules_per_step"
+JOULES_PER_SAMPLE = f"{MAIN}/joules_per_sample"
+JOULES_PER_TOKEN = f"{MAIN}/joules_per_token"
+WATTS = f"{MAIN}/watts"
 WARMUP_STEPS = f"{RUN}/warmup_steps"
 
 
@@ -91,6 +100,12 @@ def split_tag(tag_: str, names: object) -> tuple[str | None, str]:
     if t is None or t.name not in names:  # type: ignore[operator]
         return None, tag_
     return t.name, run_tag(t.group, t.family, t.measure)
+
+
+def unhidden(tag_: str) -> str:
+    """The tag a warm-up window's value stands for: ``steptimer-warmup/steptimer/host_ms`` ->
+    ``steptimer/host_ms``; any other tag as it is."""
+    return tag_[len(WARMUP) + 1 :] if tag_.startswith(WARMUP + "/") else tag_
 
 
 def join_tag(name: str, run_tag_: str) -> str:

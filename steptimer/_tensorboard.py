@@ -7,7 +7,8 @@ so ``steptimer`` comes first; Time Series opens only the first two).
 TensorBoard colours lines by run, never by tag, so every row but ``step`` gets a run of its own,
 ``<dir>/steptimer/<name>``, holding its scalars without the name (``steptimer/host_ms``: one chart,
 one colour per row). ``step``, the whole-window tags and every histogram stay whole in ``<dir>``'s
-own run (docs/tensorboard.md). Loggers that are not TensorBoard get the whole tags.
+own run, with the rows' totals that keep every row inside TensorBoard's outlier clipping
+(:func:`totals`; docs/tensorboard.md). Loggers that are not TensorBoard get the whole tags.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from steptimer._tags import (
     TAILS,
     TFLOPS_PER_S,
     TOKENS_PER_S,
+    WARMUP,
     WARMUP_STEPS,
     run_tag,
     split_tag,
@@ -80,7 +82,7 @@ CHARTS = {
     **{f"{_TITLE[c]} step {q} ms": f"^{tag(TAILS, c, STEP, f'{q}_ms')}$" for q in ("p90", "max") for c in _TITLE},
     "Steps in which the GPU caught up, per phase": _rx(CAUGHT, "gpu", "frac"),
 }
-_UNCHARTED = (RUN,)  # groups left out of the Custom Scalars layout
+_UNCHARTED = (RUN, WARMUP)  # groups left out of the Custom Scalars layout
 
 
 def window_scalars(window: Window) -> dict[str, float]:
@@ -125,17 +127,47 @@ def run_names(window: Window) -> list[str]:
     return [n for n in ("idle",) if n in names] + rows + [n for n in ("wait",) if n in names]
 
 
+
+
+def totals(window: Window) -> dict[str, float]:
+    """The log dir's own line in the charts of the rows' shares and ms: the rows' total (100 %, and
+    the top-level rows' ms summed, ``step`` left out).
+
+    TensorBoard's default "ignore outliers in chart scaling" sets a chart's range from the 5th to the
+    95th percentile of every point of its lines (with 5 % padding; webapp/widgets/line_chart_v2's
+    computeDataSeriesExtent, and vz_line_chart2's linear-scale for Scalars and Custom Scalars), so
+    the top 5 % of the points are always cut off: in a chart of rows, the largest row's. The total
+    is above every row in every window, and is more than 5 % of the points while a chart has fewer
+    than 20 rows: the cut falls on it, and every row is drawn whole (the 100 % line, constant, too).
+    """
+    out = {}
+    for clock, series in (("host", window.host), ("gpu", window.gpu)):
+        rows = [st.mean_ms for name, st in series.items() if "/" not in name and name != STEP]
+        if rows:
+            out[run_tag(MAIN, clock, "ms")] = sum(rows)
+    if window.shares:
+        out[run_tag(MAIN, window.share_clock, "pct")] = 100.0 * sum(window.shares.values())
+    return out
+
+
 def window_summaries(window: Window, *, scalars: bool = True, histograms: bool = True) -> dict[str | None, Any]:
     """A window as TensorBoard ``Summary`` protos, by run: ``None`` for the log dir's own run, else the
-    row whose run holds them (:func:`split_tag`). Histograms go to the log dir's own run, whole."""
+    row whose run holds them (:func:`split_tag`). Histograms go to the log dir's own run, whole.
+
+    A warm-up window's values are tensors of a plugin no dashboard draws, under ``steptimer-warmup/``
+    (``steptimer report --include-warmup`` reads them): its slow first steps would start every chart
+    with an outlier, drag its smoothed lines, and give ``warmup_steps`` a chart of one dot."""
     from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
 
     names = run_names(window)
     out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in names}}
     if scalars:
-        for key, v in window_scalars(window).items():
-            name, in_run = split_tag(key, out)
-            out[name].value.add(tag=in_run, simple_value=v)
+        values = [(*split_tag(key, out), v) for key, v in window_scalars(window).items()]
+        for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
+            if window.warmup:
+                _hidden(out[name], in_run, v)
+            else:
+                out[name].value.add(tag=in_run, simple_value=v)
     if histograms:
         main = out[None]
         for clock, name, limits, counts, stats in _histograms(window):
@@ -144,6 +176,16 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
             hp.bucket_limit.extend(limits)
             hp.bucket.extend(counts)
     return {k: v for k, v in out.items() if v.value}
+
+
+def _hidden(summary: Any, key: str, v: float) -> None:
+    """``key``'s value as a float tensor of a plugin of steptimer's, under ``steptimer-warmup/``: no
+    dashboard draws it; the reader takes it back as ``key`` (``_tags.unhidden``)."""
+    from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=WARMUP))
+    summary.value.add(tag=f"{WARMUP}/{key}", metadata=meta, tensor=TensorProto(dtype=1, float_val=[v]))
 
 
 def _histograms(window: Window) -> Iterable[tuple[str, str, Any, Any, tuple[float, ...]]]:
@@ -289,7 +331,7 @@ class TensorBoardSink:
             self._write_main(main, window.step)
         for name, summary in summaries.items():
             self._run(name).write(summary, window.step)
-        if not self._layout_written:
+        if not self._layout_written and not window.warmup:  # a warm-up window's tags are hidden
             self._layout_written = True
             runs = [s for s in (main, *summaries.values()) if s is not None]
             tags = [v.tag for s in runs for v in s.value if not v.HasField("histo")]
@@ -305,6 +347,20 @@ class TensorBoardSink:
             f = self._runs[name] = EventFile(path, run_id=self._run_id, suffix=PHASE_SUFFIX)
         return f
 
+    def write_energy(self, scalars: dict[str, float], step: int) -> None:
+        """A window's energy (``_energy.py``), known one window late, at that window's step."""
+        if self.failed is not None:
+            return
+        from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+
+        summary = SummaryProto()
+        for k, v in scalars.items():
+            summary.value.add(tag=k, simple_value=v)
+        try:
+            self._write_main(summary, step)
+        except OSError as err:
+            self._fail(err)
+
     def _write_main(self, summary: Any, step: int) -> None:
         if self._file is not None:
             self._file.write(summary, step)
@@ -315,7 +371,8 @@ class TensorBoardSink:
             self.writer._get_file_writer().add_summary(summary, step)
         else:  # pragma: no cover - tensorboardX and other writers
             for v in summary.value:
-                self.writer.add_scalar(v.tag, v.simple_value, step)
+                if v.HasField("simple_value"):  # a warm-up window's tensors are not for such writers
+                    self.writer.add_scalar(v.tag, v.simple_value, step)
 
     def _fail(self, err: OSError) -> None:
         self.failed = err

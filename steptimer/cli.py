@@ -2,9 +2,10 @@
 and ``run``, which times a training script unchanged (steptimer/_run.py).
 
 Bad input (a missing path, no steptimer tags, a corrupt or truncated event file, a trace-less log
-directory) prints one line on stderr and exits with status 1; usage errors exit with status 2. Output
-into a pipe whose reader has gone (``| head -1``) exits with status 1 and says nothing (Python's
-convention for SIGPIPE, which ``rich`` follows).
+directory) prints one error on stderr (``steptimer: error: ...``, wrapped at 80 columns) and exits
+with status 1; usage errors exit with status 2. Output into a pipe whose reader has gone
+(``| head -1``) exits with status 1 and says nothing (Python's convention for SIGPIPE, which
+``rich`` follows).
 """
 
 from __future__ import annotations
@@ -43,11 +44,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 1
     except LogError as err:
-        print(f"steptimer: error: {err}", file=sys.stderr)
-        return 1
+        return _error(str(err))
     except OSError as err:  # a file that vanished or can't be read mid-command: a line, not a traceback
-        print(f"steptimer: error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
-        return 1
+        return _error(f"{err.filename or ''}: {err.strerror or err}")
+
+
+def _error(message: str) -> int:
+    """Print ``steptimer: error: message`` on stderr in lines of at most 80 columns; status 1."""
+    from steptimer._table import wrapped
+
+    print("\n".join(wrapped([f"steptimer: error: {message}"], 80, "  ")), file=sys.stderr)
+    return 1
 
 
 _EXAMPLES = """\
@@ -182,7 +189,14 @@ def _report_json(s: Summary) -> dict[str, Any]:
         "reserved_mib": m.reserved_bytes / MIB,
     }
     d["slowest"] = [x.to_json() for x in s.slowest]
+    d["energy"] = _energy_json(s)
     return _finite(d)  # type: ignore[no-any-return]
+
+
+def _energy_json(s: Summary) -> dict[str, float] | None:
+    e = s.energy
+    return e and {"joules": e.joules, "steps": e.steps, "seconds": e.seconds, "joules_per_step": e.joules_per_step,
+                  "watts": e.watts}  # fmt: skip
 
 
 def _finite(x: Any) -> Any:
@@ -199,10 +213,10 @@ def _finite(x: Any) -> Any:
 def _console() -> Any:
     from rich.console import Console
 
-    # Not a terminal (CI logs, pipes) and no COLUMNS set: a wide fixed width rather than rich's 80
-    # columns, so rows don't wrap. A terminal, or COLUMNS, sets the width (rich reads both).
+    # Not a terminal (CI logs, pipes) and no COLUMNS set: 80 columns, which tables are fitted to and
+    # prose is wrapped at. A terminal, or COLUMNS, sets the width (rich reads both).
     tty_or_set = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
-    return Console(width=None if tty_or_set else 160, highlight=False)
+    return Console(width=None if tty_or_set else 80, highlight=False)
 
 
 # ---------------------------------------------------------------------- compare
@@ -230,11 +244,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
             "verdicts": {"a": _kind(a), "b": _kind(b)},
             "compute": {k: {"tflops_per_s": r.tflops_per_s, "mfu": r.mfu} for k, r in (("a", a), ("b", b))},
+            "energy": {k: _energy_json(r) for k, r in (("a", a), ("b", b))},
         }
         print(json.dumps(_finite(out), indent=2, allow_nan=False))
         return 0
     from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE
-    from steptimer._table import say, table_of
+    from steptimer._table import energy_line, say, table_of
 
     console = _console()
     say(console, [f"A = {a.path}", f"B = {b.path}"])
@@ -253,6 +268,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if run.tflops_per_s is not None:
             mfu = "" if run.mfu is None else f", MFU {pct(run.mfu)}"
             lines.append(f"{label} compute: {num(run.tflops_per_s)} TFLOP/s{mfu}")
+        if run.energy is not None:
+            lines.append(energy_line(run, f"{label} "))
     lines += [
         f"verdict A: {_kind(a)}; verdict B: {_kind(b)}",
         "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "

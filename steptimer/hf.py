@@ -14,8 +14,12 @@ scheduler's step is ``other``. Evaluation is paused out of the timed run, from t
 never ``data``; the summary's notes give its runs and mean time.
 
 Logs go beside the Trainer's: ``args.logging_dir`` where the installed transformers has it, else
-``<output_dir>/steptimer``. ``steptimer run`` times a Trainer script without this callback; don't
-use both at once.
+``<output_dir>/steptimer``. Given the Trainer (``StepTimerCallback(trainer=trainer)``), each window's
+``steptimer/...`` values also go where the Trainer's own logs go, through ``Trainer.log``: every
+``report_to`` integration (TensorBoard, W&B, MLflow, ...) and ``state.log_history``. A callback is
+handed no Trainer, and one passed in ``Trainer(callbacks=...)`` sees the logs after those
+integrations, so the Trainer is the one way there. ``steptimer run`` times a Trainer script without
+this callback; don't use both at once.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from typing import Any
 import torch
 
 from steptimer._summary import Summary
+from steptimer._tags import MAIN
+from steptimer._tensorboard import window_scalars
+from steptimer._window import Window
 from steptimer.instrument import Instrumented
-from steptimer.timer import StepTimer, check_bool, check_count
+from steptimer.timer import StepTimer, check_bool, check_count, rank
 
 try:
     from transformers import TrainerCallback
@@ -47,10 +54,33 @@ def _torch_optimizer(opt: Any) -> Any:
     return opt
 
 
+class _TrainerLog:
+    """A sink that keeps each window's ``steptimer/...`` values until the callback hands them to
+    ``Trainer.log`` between steps (the Trainer's loggers are not steptimer's to call mid-step)."""
+
+    def __init__(self) -> None:
+        self.pending: list[dict[str, float]] = []
+
+    def write_window(self, window: Window) -> None:
+        if not window.warmup:  # as in TensorBoard, no chart starts with the warm-up's outlier
+            self.pending.append({k: v for k, v in window_scalars(window).items() if k.startswith(MAIN + "/")})
+
+    def close(self, summary: Summary) -> None:
+        pass
+
+
 class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     """Times each optimizer step of a ``transformers.Trainer``.
 
+    Example::
+
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.add_callback(StepTimerCallback(trainer=trainer))
+        trainer.train()
+
     Args:
+        trainer: The Trainer whose loggers (``report_to``) get each window's values, through
+            ``Trainer.log``; without it they go to steptimer's own TensorBoard run only.
         **options: Every :class:`~steptimer.StepTimer` option; ``log_dir`` defaults to beside the
             Trainer's logs. ``samples_per_step`` / ``tokens_per_step`` override the counts (by
             default the leading dimension and, for 2-D integer ``input_ids``, the elements of the
@@ -61,7 +91,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         ValueError: a bad option (the message names it), when the callback is made.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, trainer: Any = None, **options: Any) -> None:
         if not _AVAILABLE:
             raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'steptimer[hf]'")
         counts = ("samples_per_step", "tokens_per_step")
@@ -73,9 +103,12 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         StepTimer(**{**options, **default, "enabled": False})
         check_bool("enabled", options.get("enabled", True))
         self._options = options
+        self._trainer = trainer
+        self._log = _TrainerLog()
         self.timed: Instrumented | None = None
         self._accum = 1
         self._micro = 0
+        self._bar = False
         self.summary: Summary | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any) -> None:
@@ -86,7 +119,10 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
             options["log_dir"] = getattr(args, "logging_dir", None) or os.path.join(args.output_dir, "steptimer")
         self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1)))
         opt = _torch_optimizer(optimizer)
-        self.timed = Instrumented(StepTimer(**options), [model], [opt], **self._counts)
+        # The progress bar leaves its line open: the summary starts on a line of its own (_close).
+        self._bar = not args.disable_tqdm and options.get("print_summary", True) and options.get("enabled", True)
+        sinks = [self._log] if self._trainer is not None else []
+        self.timed = Instrumented(StepTimer._make(sinks=sinks, **options), [model], [opt], **self._counts)
         self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -103,24 +139,53 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
             self.timed.open_after_backward("clip")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._maybe_evaluate(control)
+        self._send(control)
+        if not self._maybe_evaluate(control):
+            self._maybe_stop(control)
+
+    def _send(self, control: Any) -> None:
+        """The windows that ended, through ``Trainer.log``; the Trainer's own plan for this step
+        (``should_log``, which ``Trainer.log`` clears) is left as it was."""
+        should_log = control.should_log
+        while self._log.pending:
+            self._trainer.log(self._log.pending.pop(0))
+        control.should_log = should_log
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._maybe_evaluate(control)
 
-    def _maybe_evaluate(self, control: Any) -> None:
+    def _maybe_evaluate(self, control: Any) -> bool:
         # The Trainer evaluates right after these events when the flow callbacks (called before this
         # one) set should_evaluate; the pause also holds the logging that precedes evaluation.
-        if control.should_evaluate and self.timed is not None:
+        if control.should_evaluate and self.timed is not None and self.summary is None:
             self.timed.begin_evaluation()
+            return True
+        return False
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self.timed is not None:
+        if self.timed is not None and self.summary is None:
             self.timed.end_evaluation()
+            self._maybe_stop(control)
+
+    def _maybe_stop(self, control: Any) -> None:
+        """After the last step (and its evaluation), while the Trainer's loggers still take values:
+        close, and send the last window."""
+        if control.should_training_stop:
+            self._close()
+            self._send(control)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self.timed is not None:
-            self.summary = self.timed.close()
+        # Training stopped before its last step (an early stop): the loggers have ended by now, so
+        # the last window reaches steptimer's own log only.
+        self._close()
+        self._log.pending.clear()
+
+    def _close(self) -> None:
+        if self.timed is None or self.summary is not None:
+            return
+        if self._bar and rank() == 0:
+            print()
+        self.summary = self.timed.close()
 
     @property
     def steps(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
+from steptimer._energy import EnergyWindows
 from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemorySummary, _MemoryBackend
@@ -124,6 +125,9 @@ class _Seams:
     sinks: Sequence[Sink] = ()  # more places for windows (the Lightning callback's logger sink)
     peak_dtype: str = "bf16"  # which peak of steptimer's table MFU uses (Lightning: the precision)
     profile_dir: str | None = None  # where the profiler trace goes without log_dir (Lightning's log_dir)
+    # The GPU's energy counter for a device: the counter, or None and why (tests: their own; None:
+    # NVML's, read only with the real CUDA calls)
+    energy_counter: Callable[[int], tuple[Any, str | None]] | None = None
 
 
 def _distributed() -> bool:
@@ -324,6 +328,7 @@ class StepTimer:
 
     def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
         """An enabled timer's checks and set-up that touch the machine: CUDA, files, signals, ranks."""
+        self._energy = EnergyWindows()
         seams, cuda = self._seams, self.options.cuda
         if cuda is True and seams.backend is None:
             ok, why = cuda_usable()
@@ -352,12 +357,13 @@ class StepTimer:
         sinks: Sequence[Sink] = (),
         peak_dtype: str = "bf16",
         profile_dir: str | None = None,
+        energy_counter: Callable[[int], tuple[Any, str | None]] | None = None,
         **options: Any,
     ) -> _T:
         """A timer with seams (a fake GPU, more sinks, ...) for tests and front doors; ``options`` are
         the constructor's. The one code path is ``__init__``, which reads the seams from the instance."""
         timer = cls.__new__(cls)
-        timer._seams = _Seams(backend, memory_backend, tuple(sinks), peak_dtype, profile_dir)
+        timer._seams = _Seams(backend, memory_backend, tuple(sinks), peak_dtype, profile_dir, energy_counter)
         timer.__init__(**options)  # type: ignore[misc]
         return timer
 
@@ -495,6 +501,7 @@ class StepTimer:
                 for sink in self._sinks:
                     sink.write_window(last)
         self._emit()
+        energy, energy_note = self._energy.close(engine.last_resolved, self._sinks) if self.enabled else (None, None)
         traces = self._capture.finish(engine) if self._capture is not None else None
         if self._ranges is not None:
             self._ranges.finish(engine)
@@ -503,7 +510,8 @@ class StepTimer:
         summary = self._build_summary(traces)
         run_s = engine.run_s
         own = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s > 0 else None}
-        self._summary = summary = dataclasses.replace(summary, **own)  # type: ignore[arg-type]
+        notes = summary.notes + ((energy_note,) if energy_note else ())
+        self._summary = summary = dataclasses.replace(summary, **own, energy=energy, notes=notes)  # type: ignore[arg-type]
         if self._print_summary and self._rank == 0 and self.enabled:
             from steptimer._table import print_summary
 
@@ -590,8 +598,14 @@ class StepTimer:
             return
         if self._xrank is not None:
             window = self._xrank.interval(window, self._acc.slow)
+        engine, counter = self._engine, self._seams.energy_counter
+        energy = engine.cuda and (counter is not None or not engine._custom_backend)
+        if energy:
+            self._energy.write_ready(self._sinks)
         for sink in self._sinks:
             sink.write_window(window)
+        if energy:
+            self._energy.mark(window, engine.device, counter)
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:
         """The peak for MFU and a note on it: the option, else the GPU's in steptimer's table

@@ -249,7 +249,7 @@ def test_report_of_a_phase_folder_names_the_run_to_pass(tmp_path: Path, clock: F
     for sub in ("steptimer/forward", "steptimer"):
         p = cli("report", str(tmp_path / "exp" / sub), ok=False)
         assert p.returncode == 1 and "Traceback" not in p.stderr
-        assert f"pass that folder: steptimer report {tmp_path / 'exp'}" in p.stderr, p.stderr
+        assert f"pass that folder: steptimer report {tmp_path / 'exp'}" in _error(p.stderr), p.stderr
 
 
 def test_report_walks_a_tree_and_skips_steps(tmp_path: Path, clock: FakeClock) -> None:
@@ -476,12 +476,19 @@ def test_trace_option_is_validated(tmp_path: Path, kw: dict[str, Any], match: st
 # ---------------------------------------------------------------------- bad input
 
 
+def _error(stderr: str) -> str:
+    """The one error a command printed, in lines of at most 80 columns (a longer one is a path or a
+    name that is never cut), joined back into one line."""
+    first, *more = stderr.strip().splitlines()
+    assert first.startswith("steptimer: error:") and all(line.startswith("  ") for line in more), stderr
+    assert all(len(line) <= 80 or " " not in line.strip() for line in (first, *more)), stderr
+    return " ".join(line.strip() for line in (first, *more))
+
+
 def _bad(*args: str) -> str:
     p = cli(*args, ok=False)
     assert p.returncode == 1, (p.returncode, p.stdout, p.stderr)
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("steptimer: error: "), p.stderr
-    return lines[0]
+    return _error(p.stderr)
 
 
 def test_bad_input(tmp_path: Path, clock: FakeClock) -> None:
@@ -684,9 +691,7 @@ def _main(*args: str, capsys: pytest.CaptureFixture[str]) -> str:
     from steptimer.cli import main
 
     assert main(list(args)) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("steptimer: error: "), err
-    return err[0]
+    return _error(capsys.readouterr().err)
 
 
 def test_truncated_event_file_reads_to_its_last_whole_record(tmp_path: Path, clock: FakeClock) -> None:
@@ -821,7 +826,7 @@ def test_compare_lists_the_runs_it_found(tmp_path: Path, clock: FakeClock, n_run
         fake_run(tmp_path / "x" / str(i), clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=5)
     p = _steptimer("compare", str(tmp_path / "x"), str(tmp_path / "x" / "1"))
     assert p.returncode == 1
-    assert f"holds {n_runs} runs ({listed}; compare takes one run directory each" in p.stderr, p.stderr
+    assert f"holds {n_runs} runs ({listed}; compare takes one run directory each" in _error(p.stderr), p.stderr
 
 
 @pytest.mark.parametrize("fmt", [[], ["--json"]])
@@ -839,3 +844,24 @@ def test_report_into_a_closed_pipe_exits_quietly(tmp_path: Path, clock: FakeCloc
     finally:
         os.close(write_end)
     assert (p.returncode, p.stderr) == (1, "")
+
+
+def test_every_line_fits_80_columns_in_a_pipe(tmp_path: Path, clock: FakeClock) -> None:
+    """Output that no terminal sizes (a pipe, a CI log) is 80 columns wide: reports, their
+    explanations, compare's notes, every error and every help."""
+    for name in ("a", "b"):
+        fake_run(tmp_path / name, clock, data_ms=1.0, phases={"forward": (1.0, 2.0), "backward": (2.0, 4.0)})
+    (tmp_path / "notes.txt").write_text("not an event file\n")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    a, b, notes = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "notes.txt")
+    commands = [
+        ["report", "--explain", a], ["compare", a, b], ["report", notes], ["kernels", a], ["trace", a],
+        ["trace", notes], ["--help"], ["run", "--help"], ["report", "--help"], ["kernels", "--help"],
+    ]  # fmt: skip
+    for args in commands:
+        p = subprocess.run([sys.executable, "-m", "steptimer", *args], capture_output=True, text=True, env=env,
+                           timeout=120)  # fmt: skip
+        assert p.stdout or p.stderr, args
+        for line in (p.stdout + p.stderr).splitlines():  # a path is never cut: lines without one
+            assert len(line) <= 80 or str(tmp_path) in line, (args, line)

@@ -82,3 +82,71 @@ def test_a_bad_option_is_refused_when_the_callback_is_made() -> None:
     with pytest.raises(ValueError, match="enabled must be True or False, got 'no'"):
         StepTimerCallback(enabled="no")
     StepTimerCallback(trace_steps=2)  # its log directory is the default, beside the Trainer's
+
+
+def _read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar under ``folder``'s event files (one run), read back with TensorBoard's reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def _train_reporting(tmp_path: Path, report_to: str, **args: Any) -> tuple[Any, StepTimerCallback, dict[str, Any]]:
+    """24 steps, the Trainer's loss logged every 5, steptimer's windows every 10 (after 2 warm-up
+    steps) through ``Trainer.log`` to ``report_to``; returns the Trainer, the callback and the
+    scalars of steptimer's own log."""
+    torch.manual_seed(0)
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, report_to=[report_to], use_cpu=True,
+        save_strategy="no", dataloader_num_workers=0, logging_steps=5, remove_unused_columns=False, max_steps=24,
+        **args,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=_Tiny(), args=targs, train_dataset=_SlowRows(4 * 30, 0.0))
+    cb = StepTimerCallback(trainer=trainer, warmup_steps=2, log_every_n_steps=10, cuda=False,
+                           log_dir=str(tmp_path / "steptimer"))  # fmt: skip
+    trainer.add_callback(cb)
+    trainer.train()
+    assert cb.summary is not None and cb.summary.steps == 24 - 2
+    mine = _read_scalars(tmp_path / "steptimer")  # steptimer's own log: step's ms, whole-window tags
+    assert len(mine["steptimer/host/step_ms"]) == 3, mine  # steps 3-12, 13-22, the close (warm-up: not drawn)
+    return trainer, cb, mine
+
+
+SENT = ("steptimer/host/step_ms", "steptimer/steps_per_s", "steptimer/samples_per_s")
+
+
+def test_windows_reach_the_trainers_tensorboard_and_the_summary_has_a_line_of_its_own(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Given the Trainer, each window goes through ``Trainer.log`` to its ``report_to`` loggers (here
+    its TensorBoard integration, read back from its own event files) and its log history, with the
+    values steptimer's own log holds; the Trainer's own logging of the loss is unchanged."""
+    trainer, cb, mine = _train_reporting(tmp_path, "tensorboard")
+    out = capfd.readouterr().out
+    (folder,) = {f.parent for f in (tmp_path / "out").rglob("events.out.tfevents.*")}  # its runs/<date>...
+    theirs = _read_scalars(folder)
+    for tag in SENT:  # under the integration's train/ prefix
+        assert [v for _, v in theirs[f"train/{tag}"]] == pytest.approx([v for _, v in mine[tag]], rel=1e-6), tag
+    assert [s for s, _ in theirs["train/loss"]] == [5, 10, 15, 20]
+    history = [h["steptimer/host/step_ms"] for h in trainer.state.log_history if "steptimer/host/step_ms" in h]
+    assert history == pytest.approx([v for _, v in mine["steptimer/host/step_ms"]])
+    # After the progress bar (on stderr, its line left open), the summary starts on a line of its own.
+    assert "\n\nsteptimer: " in "\n" + out, out
+
+
+def test_windows_reach_the_trainers_mlflow_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same through MLflow's integration into its file store, whose metric files are lines of
+    ``timestamp value step``."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    _, _, mine = _train_reporting(tmp_path, "mlflow", disable_tqdm=True)
+    for tag in (*SENT, "loss"):
+        (metric,) = (tmp_path / "mlruns").glob(f"*/*/metrics/{tag}")
+        values = [float(line.split()[1]) for line in metric.read_text().splitlines()]
+        if tag == "loss":
+            assert len(values) == 4, values  # the Trainer's own, every 5 steps
+        else:
+            assert values == pytest.approx([v for _, v in mine[tag]], rel=1e-6), tag

@@ -47,6 +47,11 @@ def report(log: Path, *, warmup: bool = True) -> dict[str, Any]:
     return r  # type: ignore[no-any-return]
 
 
+def flat(text: str) -> str:
+    """steptimer's lines as one: it wraps its prose at 80 columns (a path stays whole)."""
+    return text.replace("\n  ", " ")
+
+
 def medians(r: dict[str, Any]) -> dict[str, float]:
     return {row["name"]: row["host"]["median_ms"] for row in r["rows"] if row["host"]}
 
@@ -68,7 +73,12 @@ def check_sleeps(med: dict[str, float], phases: dict[str, float]) -> None:
 def test_a_trainer_class_that_builds_its_own_optimizer_and_saves_the_model(tmp_path: Path) -> None:
     proc = run(tmp_path, "trainer_class.py", str(tmp_path / "model.pt"))
     assert "SAVED Net" in proc.stdout  # torch.save(model) of the discovered model loads back plain
-    assert f"logging to {tmp_path / 'log'}" in proc.stderr
+    assert f"logging to {tmp_path / 'log'}" in flat(proc.stderr)
+    # The command it names runs as printed, from where `run` ran (./dev from a clone, ...).
+    (then,) = [line for line in proc.stderr.splitlines() if line.startswith("steptimer: then: ")]
+    printed = subprocess.run(then[len("steptimer: then: ") :], shell=True, cwd=tmp_path, env=ENV,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert printed.returncode == 0 and "verdict:" in printed.stdout, printed.stderr
     r = report(tmp_path / "log")
     assert r["steps"] == 14 - 2  # the first optimizer's first two steps are discovery's
     # model.zero_grad() before backward: inside the step; the scheduler's step is `other`.
@@ -160,9 +170,14 @@ def test_the_models_are_the_outermost_modules_holding_the_optimizers_parameters(
 def test_a_script_that_never_trains(tmp_path: Path, how: str) -> None:
     arg = {"exit0": "0", "exit4": "4", "raise": "raise"}[how]
     proc = run(tmp_path, "never_trains.py", arg, rc={"exit0": 0, "exit4": 4, "raise": 1}[how])
-    assert "steptimer: " + str(SCRIPTS / "never_trains.py") + ": no optimizer.step() was called" in proc.stderr
-    if how == "raise":
-        assert "ValueError: the script's own error" in proc.stderr
+    assert "steptimer: " + str(SCRIPTS / "never_trains.py") + ": no optimizer.step() was called" in flat(proc.stderr)
+    if how == "raise":  # the script's traceback as `python never_trains.py raise` shows it
+        tb = proc.stderr[proc.stderr.index("Traceback (most recent call last):") :].splitlines()
+        assert tb[1:] == [
+            f'  File "{SCRIPTS / "never_trains.py"}", line 13, in <module>',
+            "    raise ValueError(\"the script's own error\")",
+            "ValueError: the script's own error",
+        ], proc.stderr
 
 
 def test_module_form_and_arguments_after_the_script_are_the_scripts(tmp_path: Path) -> None:
@@ -176,7 +191,7 @@ def test_module_form_and_arguments_after_the_script_are_the_scripts(tmp_path: Pa
     proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "HELLO __main__ ['--x', '1']" in proc.stdout
-    assert "logging to runs/steptimer-hello-1" in proc.stderr
+    assert "logging to runs/steptimer-hello-1" in flat(proc.stderr)
     assert (tmp_path / "runs" / "steptimer-hello-1").is_dir()  # the next run gets a fresh one
     assert default_log_dir("pkg.hello", str(tmp_path / "runs"), module=True).endswith("steptimer-hello-2")
 
@@ -219,7 +234,7 @@ def test_under_torchrun_each_rank_times_and_rank_0_writes(tmp_path: Path) -> Non
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "RANK 0 DONE" in out and "RANK 1 DONE" in out
-    assert out.count("logging to runs/steptimer-ddp-1") == 1  # rank 0 names the directory and writes
+    assert flat(out).count("logging to runs/steptimer-ddp-1") == 1  # rank 0 names the directory and writes
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["steptimer-ddp-1"]
     r = report(tmp_path / "runs" / "steptimer-ddp-1")
     assert r["steps"] == 10 - 2
@@ -239,5 +254,5 @@ def test_a_bad_option_is_refused_before_the_script_runs(tmp_path: Path, opt: tup
     cmd = [sys.executable, "-m", "steptimer", "run", *opt, str(script)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "RAN" not in proc.stdout
-    assert f"steptimer run: error: {message}" in proc.stderr, proc.stderr
+    assert f"steptimer run: error: {message}" in flat(proc.stderr), proc.stderr
     assert not (tmp_path / "runs").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -345,21 +346,27 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
             "Host step ms", "Steps per second", "Samples per second", "Tokens per second",
             "Share of wall time per row (host clock), %",  # the user's run, without CUDA, merged after
         ]  # fmt: skip
-        # The parts: a line per row, never the step's total (it would squeeze them to the bottom).
+        # The parts: a line per row, and the log dir's own line, their total (the frame that keeps
+        # every row inside TensorBoard's outlier clipping); never the step's (it is not their sum).
         share = series(charts["Share of the GPU's timeline per row, %"][0])
-        assert set(share) == {f"plain/steptimer/{p}" for p in ("idle", "forward", "backward", "other")}
-        assert [sum(v) for v in zip(*share.values())] == pytest.approx([100.0, 100.0])  # parts of 100 %
+        parts = {f"plain/steptimer/{p}" for p in ("idle", "forward", "backward", "other")}
+        assert set(share) == parts | {"plain"} and share["plain"] == pytest.approx([100.0, 100.0])
+        assert [sum(v) for v in zip(*(share[p] for p in parts))] == pytest.approx([100.0, 100.0])  # parts of 100 %
         host_share = series(charts["Share of wall time per row (host clock), %"][0])
-        assert set(host_share) == {f"user/steptimer/{p}" for p in user_rows}
+        assert set(host_share) == {f"user/steptimer/{p}" for p in user_rows} | {"user"}
         host = series(charts["Host ms per row"][0])
         assert host["plain/steptimer/forward"] == pytest.approx([1.5, 1.5])
         assert host["plain/steptimer/backward"] == pytest.approx([3.0, 3.0])
         assert host["user/steptimer/forward"] == pytest.approx([1.5, 1.5])
-        assert {r for r in host if r.startswith("plain")} == {f"plain/steptimer/{p}" for p in rows if "idle" not in p}
+        plain_rows = {f"plain/steptimer/{p}" for p in rows if "idle" not in p}
+        assert {r for r in host if r.startswith("plain")} == plain_rows | {"plain"}
+        row_sum = [sum(v) for v in zip(*(host[r] for r in plain_rows))]
+        assert host["plain"] == pytest.approx(row_sum)
         gpu_ms = series(charts["GPU ms per row"][0])
         assert gpu_ms["plain/steptimer/backward"] == pytest.approx([9.0, 9.0])
-        assert set(gpu_ms) == {f"plain/steptimer/{p}" for p in ("idle", "forward", "backward", "other", "idle/data",
-                                                                "idle/loop")}  # fmt: skip
+        idle_parts = {f"plain/steptimer/{p}" for p in ("idle/data", "idle/loop")}  # inside idle
+        assert set(gpu_ms) == parts | idle_parts | {"plain"}
+        assert gpu_ms["plain"] == pytest.approx([sum(v) for v in zip(*(gpu_ms[p] for p in parts))])
         # The total and the throughput: a chart each, one line per log dir, in the log dir's own run.
         written = scalars(logs / "plain")
         for title, clock in (("Host step ms", "host"), ("GPU step ms", "gpu")):
@@ -589,3 +596,56 @@ def test_log_dir_gone_mid_run(tmp_path: Path, clock: FakeClock, caplog: pytest.L
     assert repr(str(log_dir)) in warning
     assert ("ENOENT" if damage == "rmtree" else "ENOTDIR") in warning
     assert log_dir.exists() is (damage != "rmtree")
+
+
+def _smoothed(values: list[float], weight: float = 0.6) -> list[float]:
+    """TensorBoard's default smoothing: the debiased exponential moving average, weight 0.6."""
+    out, last = [], 0.0
+    for n, v in enumerate(values, 1):
+        last = last * weight + (1 - weight) * v
+        out.append(last / (1 - weight**n))
+    return out
+
+
+def _top(lines: dict[str, list[float]]) -> float:
+    """The top of a chart's y range under TensorBoard's default "ignore outliers in chart scaling"
+    (Time Series: webapp/widgets/line_chart_v2 computeDataSeriesExtent, then 5 % padding): the 95th
+    percentile of every smoothed point of its lines, by index, plus 5 % of the 5-95 span."""
+    pts = sorted(p for v in lines.values() for p in _smoothed(v))
+    lo, hi = pts[math.ceil((len(pts) - 1) * 0.05)], pts[math.floor((len(pts) - 1) * 0.95)]
+    return hi + 0.05 * (hi - lo)
+
+
+def test_every_row_is_whole_under_tensorboards_outlier_clipping(tmp_path: Path, clock: FakeClock) -> None:
+    """The charts of the rows' shares and ms, read back from the event files with TensorBoard's reader
+    (one line per run), fit their largest row whole under TensorBoard's default clipping: the log
+    dir's own line, the rows' total, takes the top 5 %. The warm-up window (10 times slower) is not
+    drawn at all, and no chart of one dot says how many steps it had; `report` still reads it."""
+    t = StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=4, warmup_steps=4, print_summary=False)
+    backward_ms = [3.0, 5.0, 2.5, 6.0, 3.0, 2.4, 5.5, 3.2]  # the largest row, window to window
+    for i in range(4 + 4 * len(backward_ms)):
+        slow = 10.0 if i < 4 else 1.0
+        clock.advance_ms(0.5 * slow)
+        with t.step(samples=16):
+            with t.phase("forward"):
+                clock.advance_ms(1.0 * slow)
+            with t.phase("backward"):
+                clock.advance_ms(backward_ms[max(i - 4, 0) // 4] * slow)
+    t.close()
+    runs = {"": Path(tmp_path), **phase_runs(tmp_path)}
+    tags = {name: run_scalars(d) for name, d in runs.items()}
+    assert "steptimer-run/warmup_steps" not in tags[""] and min(s for s, _ in tags[""]["steptimer/steps_per_s"]) > 4
+    for chart in ("steptimer/host_pct", "steptimer/host_ms"):
+        lines = {name: [v for _, v in run[chart]] for name, run in tags.items() if chart in run}
+        rows = {name: v for name, v in lines.items() if name}
+        assert set(rows) == {"loop", "forward", "backward", "other"} and len(lines) == len(rows) + 1, chart
+        top = _top(lines)
+        assert max(_smoothed(rows["backward"])) <= top, (chart, lines)  # whole
+        if chart.endswith("_ms"):  # without the total its top windows would be cut off
+            assert max(_smoothed(rows["backward"])) > _top(rows), (chart, lines)
+    from steptimer._reader import find_runs
+    from steptimer._report import analyze
+
+    (log,) = find_runs(str(tmp_path))
+    assert analyze(log, include_warmup=True).steps == 4 + 4 * len(backward_ms)
+    assert analyze(log).steps == 4 * len(backward_ms)

@@ -1,0 +1,190 @@
+"""The GPU's energy, from NVML's total-energy counter, read off the training thread.
+
+``nvmlDeviceGetTotalEnergyConsumption`` gives the millijoules a GPU used since the driver loaded. One
+read costs about 3.3 ms on an H100 and the counter moves about every 100 ms, so steptimer never reads it
+inside a step, nor on the training thread: at a window boundary the engine's owner calls
+:meth:`EnergyMeter.mark`, which only hands the step number to the meter's thread; that thread reads the
+counter and keeps ``(step, host time, joules)``. Energy over a span of steps is the difference of two
+readings; a window shorter than the counter's update period reads coarse values, the run's total does not.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, NamedTuple
+
+
+class Reading(NamedTuple):
+    step: int  # the last step finished when the read was asked for
+    host_s: float  # perf_counter() at the read
+    joules: float  # the counter, since the driver loaded
+
+
+@dataclass(frozen=True)
+class Energy:
+    """Energy between two readings: ``joules`` over ``steps`` steps and ``seconds`` of wall time."""
+
+    joules: float
+    steps: int
+    seconds: float
+
+    @property
+    def joules_per_step(self) -> float:
+        return self.joules / self.steps
+
+    @property
+    def watts(self) -> float:
+        return self.joules / self.seconds
+
+    def per_step_scalars(self, samples_per_step: float | None, tokens_per_step: float | None) -> dict[str, float]:
+        """The values a window writes (``_tags.py``): joules per step, per sample and per token
+        where those are counted, and average watts."""
+        from steptimer._tags import JOULES_PER_SAMPLE, JOULES_PER_STEP, JOULES_PER_TOKEN, WATTS
+
+        out = {JOULES_PER_STEP: self.joules_per_step, WATTS: self.watts}
+        for tag, per_step in ((JOULES_PER_SAMPLE, samples_per_step), (JOULES_PER_TOKEN, tokens_per_step)):
+            if per_step:
+                out[tag] = self.joules_per_step / per_step
+        return out
+
+
+def between(first: Reading, last: Reading) -> Energy | None:
+    """The energy from ``first`` to ``last``; None when no step or no time lies between them."""
+    steps, seconds = last.step - first.step, last.host_s - first.host_s
+    if steps <= 0 or seconds <= 0:
+        return None
+    return Energy(joules=last.joules - first.joules, steps=steps, seconds=seconds)
+
+
+def nvml_counter(device: int) -> tuple[Any, str | None]:
+    """A function that reads GPU ``device``'s energy counter in joules, or None and why not."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None, "energy: not read (NVML's Python binding is missing: pip install nvidia-ml-py)"
+    try:
+        import torch
+
+        pynvml.nvmlInit()
+        p = torch.cuda.get_device_properties(device)
+        bus = getattr(p, "pci_bus_id", None)
+        if bus is None:  # an older torch: the CUDA index, right unless CUDA_VISIBLE_DEVICES reorders
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+        else:
+            pci = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception as err:  # no driver, no counter on this GPU (before Volta), no permission
+        return None, f"energy: not read (NVML's energy counter is not available: {err})"
+    return (lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3), None
+
+
+class EnergyMeter:
+    """Reads an energy counter on its own thread whenever :meth:`mark` asks (once per window).
+
+    Args:
+        read_joules: the counter (:func:`nvml_counter`'s function; tests pass another).
+        open_counter: instead of ``read_joules``, what finds the counter, called on the meter's
+            thread (:func:`nvml_counter` costs a read and NVML's start-up): the counter, or None and
+            why not (then :attr:`error`, and no readings).
+    """
+
+    def __init__(
+        self, read_joules: Any = None, *, open_counter: Callable[[], tuple[Any, str | None]] | None = None
+    ) -> None:
+        self._read = read_joules
+        self._open = open_counter
+        self._asks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.readings: list[Reading] = []
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="steptimer-energy", daemon=True)
+        self._thread.start()
+
+    def mark(self, step: int) -> None:
+        """Ask for a reading after ``step`` (returns at once: the read happens on the meter's thread)."""
+        self._asks.put(step)
+
+    def _loop(self) -> None:
+        if self._read is None and self._open is not None:
+            self._read, self.error = self._open()
+            if self._read is None:
+                return
+        while (step := self._asks.get()) is not None:
+            try:
+                joules = float(self._read())
+            except Exception as err:  # a counter that fails stops the meter, never the run
+                self.error = f"energy: reading stopped ({err})"
+                return
+            with self._lock:
+                self.readings.append(Reading(step, perf_counter(), joules))
+
+    def taken(self) -> list[Reading]:
+        """The readings so far."""
+        with self._lock:
+            return list(self.readings)
+
+    def close(self, step: int | None = None) -> list[Reading]:
+        """Read once more after ``step`` if given (at the run's end, outside any step), stop the
+        thread, return every reading."""
+        if step is not None:
+            self.mark(step)
+        self._asks.put(None)
+        self._thread.join(timeout=5.0)
+        with self._lock:
+            return list(self.readings)
+
+
+class EnergyWindows:
+    """The GPU's energy per window, CUDA timing only (the timer's): at each window's end the meter
+    is asked for a reading of NVML's counter, which its own thread takes (one read costs ms, so
+    never on the training thread). A window's energy lies between its two readings, so it is known
+    one window late: it goes to the sinks that take it (TensorBoard's) at the next window, before
+    that window's values, at its own step (a step below one written would make TensorBoard drop
+    the later ones). A reading that came after that point is left out there; the run's total
+    (:meth:`close`) has every one."""
+
+    def __init__(self) -> None:
+        self._meter: Any = None
+        self._per_step: dict[int, tuple[float | None, float | None]] = {}  # samples, tokens per step
+        self._written = 1  # readings before this one are done with
+        self._marked = -1  # the step of the last reading asked for: the last window's
+
+    def write_ready(self, sinks: Sequence[Any]) -> None:
+        """The energy of the last window, if its closing reading is in, to the sinks."""
+        readings = self._meter.taken() if self._meter is not None else []
+        for k in range(self._written, len(readings)):
+            e = between(readings[k - 1], readings[k])
+            per_step = self._per_step.pop(readings[k].step, (None, None))
+            if e is None or readings[k].step < self._marked:
+                continue
+            for sink in sinks:
+                write = getattr(sink, "write_energy", None)  # TensorBoard's; other sinks take windows only
+                if write is not None:
+                    write(e.per_step_scalars(*per_step), readings[k].step)
+        self._written = max(self._written, len(readings))
+
+    def mark(self, window: Any, device: int, counter: Any = None) -> None:
+        """Ask for the reading that ends ``window`` (returns at once)."""
+        if self._meter is None:
+            self._meter = EnergyMeter(open_counter=lambda: (counter or nvml_counter)(device))
+        rate = window.steps_per_s
+        self._per_step[window.step] = tuple(  # type: ignore[assignment]
+            x / rate if x and rate else None for x in (window.samples_per_s, window.tokens_per_s)
+        )
+        self._meter.mark(window.step)
+        self._marked = window.step
+
+    def close(self, step: int, sinks: Sequence[Any]) -> tuple[Any, str | None]:
+        """The last window's energy to the sinks; the run's energy from the first reading to the
+        last (None, and why, when the counter could not be read)."""
+        if self._meter is None:
+            return None, None
+        readings = self._meter.close(step if step > self._marked else None)  # steps since the last window
+        self.write_ready(sinks)
+        energy = between(readings[0], readings[-1]) if readings else None
+        return energy, self._meter.error
