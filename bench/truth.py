@@ -455,10 +455,15 @@ def data_stall(stall_s: float = 0.005, steps: int = 30, skip: int = 5) -> dict[s
     # cost (tens of µs a step, more in a hiccup) would otherwise count as data wait on top of the sleep.
     plain = RecordingTimer.make()
     plain_slept: dict[int, float] = {}
-    for i in range(1, steps + 1):
-        t0 = perf_counter()
-        time.sleep(stall_s)
-        plain_slept[i] = perf_counter() - t0
+
+    def batches() -> Any:  # the loader, timed by plain.data: its sleep is the data row
+        for i in range(1, steps + 1):
+            t0 = perf_counter()
+            time.sleep(stall_s)
+            plain_slept[i] = perf_counter() - t0
+            yield i
+
+    for _ in plain.data(batches()):
         with plain.step(samples=x.shape[0]):
             with plain.phase("forward"):
                 out = model(x)

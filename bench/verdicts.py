@@ -146,13 +146,17 @@ def input_bound(args: argparse.Namespace, device: torch.device) -> dict[str, Any
             spans.append(a.elapsed_time(b))
         gpu_ms = sorted(spans)[len(spans) // 2]
     timer = StepTimer(warmup_steps=5, print_summary=False, log_dir=os.path.join(args.out, "tb", "input"))
-    t0 = time.perf_counter()
-    n = args.iters + 5
-    for i in range(n):
-        if i == 5:
-            t0 = time.perf_counter()  # the wall time of the steps after warm-up, on our own clock
-        time.sleep(args.sleep_ms / 1e3)  # the loader
-        _train(model, opt, x, timer)
+    starts: list[float] = []
+
+    def batches(n: int) -> Any:  # the loader, timed by steptimer (timer.data): the data row
+        for _ in range(n):
+            starts.append(time.perf_counter())
+            time.sleep(args.sleep_ms / 1e3)
+            yield x
+
+    for batch in timer.data(batches(args.iters + 5)):
+        _train(model, opt, batch, timer)
+    t0 = starts[5]  # the wall time of the steps after warm-up, on our own clock
     wall_ms = (time.perf_counter() - t0) * 1e3 / args.iters
     summary = timer.close()
     f = facts(summary)

@@ -38,6 +38,7 @@ class Hooks:
         self._ids: dict[int, list[int]] = {}  # id(module) -> ids of the forward hook handles on it
         self._patched: list[tuple[Any, str, Any, Any]] = []  # (object, attribute, our wrapper, before)
         self._backward: tuple[Any, Any] | None = None  # (the original, our wrapper)
+        self._loaders: tuple[Any, Any] | None = None  # DataLoader.__iter__: (the original, our wrapper)
         self._reducers: list[_Reducer] = []
 
     def forward(
@@ -96,6 +97,22 @@ class Hooks:
         self._backward = (orig, wrapper)
         torch.autograd.backward = wrapper
 
+    def wrap_loaders(self, wrap: Callable[[Any], Any]) -> None:
+        """Every ``DataLoader`` iterated in this thread until :meth:`remove` gives ``wrap(its
+        iterator)`` (``DataLoader.__iter__`` replaced, as ``torch.autograd.backward`` is: a loop's
+        loaders are nowhere else to be found; a subclass's own ``__iter__`` calls it too)."""
+        from torch.utils.data import DataLoader
+
+        orig, thread = DataLoader.__iter__, threading.get_ident()
+
+        @functools.wraps(orig)
+        def __iter__(loader: Any) -> Any:  # noqa: N807
+            it = orig(loader)
+            return wrap(it) if threading.get_ident() == thread else it
+
+        self._loaders = (orig, __iter__)
+        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+
     def keep_picklable(self, model: torch.nn.Module) -> None:
         """Pickle and copy ``model`` without what this object put on it (see :class:`_Reducer`)."""
         self._reducers.append(_Reducer(model, self._state_without_us))
@@ -136,6 +153,13 @@ class Hooks:
                 torch.autograd.backward = orig
             # Else someone wrapped it after us: ours stays inside theirs, passing every call through.
             self._backward = None
+        if self._loaders is not None:
+            from torch.utils.data import DataLoader
+
+            orig, wrapper = self._loaders
+            if DataLoader.__dict__.get("__iter__") is wrapper:
+                DataLoader.__iter__ = orig  # type: ignore[method-assign]
+            self._loaders = None
 
 
 class _Reducer:

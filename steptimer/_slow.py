@@ -35,7 +35,8 @@ GC_SPANS = 256  # collections kept between resolves; gen-0 collections are short
 # A GC pause is named when it is at least this long and this part of the step's wall time.
 GC_MIN_MS = 0.5
 GC_MIN_FRAC = 0.05
-# A data stall is named when the data wait grew by at least this part of all the step's growth.
+# A data stall, or a longer loop between steps, is named when it grew by at least this part of all the
+# step's growth (and to twice its median).
 DATA_MIN_FRAC = 0.5
 SLOW_TAG = "steptimer-slow/steps"  # the text card in TensorBoard
 SLOW_JSON_TAG = "steptimer-slow/json"  # the same steps as JSON, for ``steptimer report``
@@ -409,8 +410,8 @@ class SlowestKeeper:
 
 
 # Rows of each clock that tile the wall time (the top-level phases besides them).
-_WALL_ROWS = {"gpu": ("other", "idle"), "host": ("data", "other", "wait")}
-_NOT_PHASES = frozenset({"step", "data", "other", "wait", "idle"})
+_WALL_ROWS = {"gpu": ("other", "idle"), "host": ("data", "loop", "other", "wait")}
+_NOT_PHASES = frozenset({"step", "data", "loop", "other", "wait", "idle"})
 
 
 def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str | None = None) -> SlowStep:
@@ -440,12 +441,7 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         n = int(m["alloc_retries"])
         span = f"steps {int(m['alloc_from'])}-{int(m['alloc_to'])}" if "alloc_from" in m else "its window"
         causes.append(f"CUDA allocator retried {n} allocation{'s' * (n != 1)} after a failed cudaMalloc ({span})")
-    data = c.host_ms.get("data")
-    med_data = medians.get(("host", "data"))
-    if data is not None and med_data is not None:
-        grown = sum(v for v in excess.values() if v > 0)
-        if data - med_data > 0 and grown > 0 and data - med_data >= DATA_MIN_FRAC * grown and data >= 2 * med_data:
-            causes.append(f"data stall: {num(data)} ms in the data row (median {num(med_data)})")
+    causes += _between_causes(c, medians, sum(v for v in excess.values() if v > 0))
     if m.get("pause_ms"):
         causes.append(f"after {num(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):
@@ -456,6 +452,41 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0),
         causes=tuple(causes), marks=dict(m), trace=trace,
     )  # fmt: skip
+
+
+def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grown_ms: float) -> list[str]:
+    """What the time between steps measured before the slow step, when it grew by at least
+    ``DATA_MIN_FRAC`` of the step's growth (``grown_ms``), to twice its median, and by a notable
+    time (as a GC pause is): a data stall only from the loader's time (``data``) or the GPU idle it
+    accounts for (``idle/data``); a longer loop is the host waiting for the GPU when the GPU stayed
+    busy (it idled less than a notable time outside the loader), else the host busy between steps."""
+    notable_ms = max(GC_MIN_MS, GC_MIN_FRAC * c.wall_ms)
+
+    def grew(clock: str, row: str, values: Mapping[str, float] | None) -> tuple[float, float] | None:
+        v, med = (values or {}).get(row), medians.get((clock, row))
+        if v is None or med is None or v < 2 * med or v - med < max(DATA_MIN_FRAC * grown_ms, notable_ms):
+            return None
+        return v, med
+
+    out = []
+    data = grew("host", "data", c.host_ms)
+    idle_data = grew("gpu", "idle/data", c.gpu_ms) if c.clock == "gpu" else None
+    if data is not None:
+        out.append(f"data stall: the loader took {num(data[0])} ms (median {num(data[1])})")
+    elif idle_data is not None:
+        idle_ms, med_ms = idle_data
+        out.append(f"data stall: the GPU idled {num(idle_ms)} ms for the loader (median {num(med_ms)})")
+    loop = grew("host", "loop", c.host_ms)
+    if loop is not None:
+        text = f"{num(loop[0])} ms between steps (median {num(loop[1])})"
+        idle = (c.gpu_ms or {}).get("idle", 0.0) - (c.gpu_ms or {}).get("idle/data", 0.0)
+        if c.clock != "gpu":
+            out.append(f"the host spent {text}, outside the loader")
+        elif idle < notable_ms:
+            out.append(f"the host waited for the GPU between steps: {text}")
+        else:
+            out.append(f"the host was busy between steps while the GPU idled {num(idle)} ms: {text}")
+    return out
 
 
 # ---------------------------------------------------------------------- TensorBoard

@@ -230,8 +230,8 @@ def summarize(t: Totals, *, cuda: bool | None = None, peak_tflops: float | None 
     )  # fmt: skip
 
 
-DERIVED_FIRST = ("data",)
-DERIVED_LAST = ("other", "wait", "step", "idle")
+DERIVED_FIRST = ("data", "loop")
+DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop")
 
 
 LAUNCH_RATIO = 1.1

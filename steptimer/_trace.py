@@ -13,7 +13,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten, write_json
-from steptimer._window import GAP_S, NUMBER, STEP_S
+from steptimer._window import FETCH_S, GAP_S, NUMBER, STEP_S
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
@@ -78,6 +78,8 @@ def _number(rec: Any) -> int:
 def record(rec: Any) -> dict[str, Any]:
     """What a trace needs of a resolved step: the engine's ``_Pending``, or ``(t0, row, phases)`` for
     a timed host step the engine resolved at its own end (its row is ``_window.py``'s)."""
+    row = rec[1] if rec.__class__ is tuple else rec.row
+    fetch = row[FETCH_S]
     if rec.__class__ is tuple:
         t0, row, phases = rec
         gap = row[GAP_S]
@@ -93,6 +95,7 @@ def record(rec: Any) -> dict[str, Any]:
             "offs_ms": getattr(rec, "offs_ms", None), "chain_ms": getattr(rec, "chain_ms", None),
             "i_start": rec.i_start, "i_end": rec.i_end,
         }  # fmt: skip
+    out["fetch_s"] = None if fetch != fetch else fetch  # the loader's part of gap_s (None: none timed)
     out["phases"] = [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in phases]
     return out
 
@@ -136,7 +139,7 @@ def placed(steps: list[dict[str, Any]], rel: dict[int, dict[str, Any]], shift: f
             }  # fmt: skip
         out.append({
             "number": s["number"], "t0": s["t0"], "step_s": s["step_s"], "gap_s": s["gap_s"],
-            "wait_s": s["wait_s"], "paused": s["paused"],
+            "fetch_s": s["fetch_s"], "wait_s": s["wait_s"], "paused": s["paused"],
             "phases": [[n, a, z] for n, a, z, _, _ in s["phases"]], "gpu": gpu,
         })  # fmt: skip
     timed = [s["number"] for s in steps if s["offs_ms"] is not None]
@@ -315,7 +318,11 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         n, t0 = s["number"], s["t0"]
         t_end = t0 + s["step_s"]
         if s["gap_s"]:
-            slice_(HOST_TID, "data", "data", t0 - s["gap_s"], t0, step=n)
+            # The loader's fetch ends the time between steps (its position there is approximate).
+            fetch = min(s.get("fetch_s") or 0.0, s["gap_s"])
+            slice_(HOST_TID, "loop", "loop", t0 - s["gap_s"], t0 - fetch, step=n)
+            if fetch:
+                slice_(HOST_TID, "data", "data", t0 - fetch, t0, step=n, position="approximate")
         slice_(HOST_TID, f"step {n}", "step", t0, t_end, step=n)
         for name, t_in, t_out in s["phases"]:
             slice_(HOST_TID, name, "phase", t_in, t_out, step=n)
@@ -334,7 +341,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
 
     # Parents before children (Chrome's importer nests by order when starts are equal).
     def order(e: dict[str, Any]) -> tuple[Any, ...]:
-        depth = {"data": 0, "step": 1, "wait": 99}.get(e.get("cat", ""), 2 + e["name"].count("/"))
+        depth = {"loop": 0, "data": 0, "step": 1, "wait": 99}.get(e.get("cat", ""), 2 + e["name"].count("/"))
         return (e["ph"] != "M", e["tid"], e.get("ts", 0.0), -e.get("dur", 0.0), depth)
 
     events.sort(key=order)

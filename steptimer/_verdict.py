@@ -18,16 +18,26 @@ from steptimer._format import num, pct
 from steptimer._histogram import SeriesStats
 
 # Verdict thresholds, as fractions of the GPU's timeline (host only: of wall time).
-STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this much: input-bound
+STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this much: input- or loop-bound
 BUSY_SHARE = 0.05  # under this, the GPU hardly waited for the host: GPU-bound, if no phase is launch-bound
 LAUNCH_SHARE = 0.5  # phases in which the GPU waited for launches hold at least this much: launch-bound
-HOST_BETWEEN_SHARE = 0.2  # host only: time between steps at least this much of wall time: input-bound
+HOST_BETWEEN_SHARE = 0.2  # host only: the loader (or the loop) at least this much of wall time
 
-VerdictKind = Literal["input-bound", "launch-bound", "gpu-bound", "compute-bound", "mixed"]
+VerdictKind = Literal[
+    "input-bound", "loop-bound", "launch-bound", "input-bound + launch-bound", "loop-bound + launch-bound",
+    "gpu-bound", "compute-bound", "mixed",
+]
+Bound = Literal["input", "loop"]
+# The fix for each bottleneck, said with it.
+_FIX = {
+    "input": "more DataLoader workers, pin_memory, prefetching",
+    "loop": "read the loss and log less often, checkpoint less often",
+    "launch": "CUDA graphs (torch.compile mode='reduce-overhead') or fewer, larger kernels",
+}
 ShareClock = Literal["gpu", "host"]
 
 # Rows computed by steptimer, not phases of the user's.
-DERIVED = frozenset({"data", "other", "wait", "step", "idle"})
+DERIVED = frozenset({"data", "loop", "other", "wait", "step", "idle"})
 
 
 class Row(Protocol):
@@ -91,41 +101,36 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     idle = (idle_row.share or 0.0) if idle_row is not None else 0.0
     # A `data` phase in which the GPU caught up with the host: the GPU waited for the batch.
     data_wait = (data_row.share or 0.0) if data_row is not None and data_row.launch_bound else 0.0
-    stall = idle + data_wait
+    of_data = _idle_part(by, "idle/data") * idle  # the idle the loader accounts for (none: no loader timed)
+    waits = {"input": data_wait + of_data, "loop": idle - of_data}
+    stall = data_wait + idle
+    cause: Bound = "input" if waits["input"] >= waits["loop"] else "loop"
     launch = [r for r in phases if r.launch_bound]
     launch_share = sum(r.share or 0.0 for r in launch)
-
+    launch_list = ", ".join(f"{r.name} ({pct(r.share or 0.0)})" for r in launch)
+    said = {
+        "input": f"the GPU waited for the loader {pct(waits['input'])} of its timeline"
+        + (f", inside your `data` phase {pct(data_wait)}" if data_wait else "")
+        + f": {_FIX['input']}",
+        "loop": _said_loop(by, waits["loop"]),
+        "launch": f"the GPU waited for launches in {launch_list}: {_FIX['launch']}",
+    }
+    lead = sorted((r for r in phases if (r.share or 0.0) >= 0.01), key=lambda r: -(r.share or 0.0))[:3]
+    said_lead = "the GPU's time went to " + ", ".join(f"{r.name} {pct(r.share or 0.0)}" for r in lead)
     said_idle = f"GPU idle between steps: {pct(idle)} of its timeline" + (
         f" (median {num(idle_row.gpu.median_ms)} ms a step)" if idle_row is not None and idle_row.gpu else ""
     )
-    said_data = (
-        f"the GPU waited for the host inside your `data` phase: {pct(data_wait)} of its timeline"
-        if data_wait
-        else None
-    )
-    between = by.get("data")
-    said_between = (
-        f"the host's data row (between steps) took a median {num(between.host.median_ms)} ms a step"
-        if between is not None and between.host is not None and between.host.steps
-        else None
-    )
-    launch_list = ", ".join(f"{r.name} ({pct(r.share or 0.0)})" for r in launch)
-    said_launch = (
-        f"the GPU caught up with the host (waited for launches) in {launch_list}"
-        if launch
-        else "the GPU caught up with the host inside no phase: it always had queued work"
-    )
-    lead = sorted((r for r in phases if (r.share or 0.0) >= 0.01), key=lambda r: -(r.share or 0.0))[:3]
-    said_lead = "the GPU's time went to " + ", ".join(f"{r.name} {pct(r.share or 0.0)}" for r in lead)
-
+    if stall >= STALL_SHARE and launch_share >= STALL_SHARE:  # both: each named, with its fix
+        kind: VerdictKind = "input-bound + launch-bound" if cause == "input" else "loop-bound + launch-bound"
+        return Verdict(kind, (said[cause], said["launch"]))
     if stall >= STALL_SHARE and stall >= launch_share:
-        first = f"the GPU waited for the host before its steps' work {pct(stall)} of its timeline"
-        ev = [said_data, said_between if idle >= data_wait else None, said_idle]
-        return Verdict("input-bound", _facts(first, ev))
+        other = "loop" if cause == "input" else "input"
+        return Verdict(f"{cause}-bound", _facts(said[cause], [said[other] if waits[other] >= BUSY_SHARE else None]))
     if launch_share >= LAUNCH_SHARE:
-        return Verdict("launch-bound", _facts(said_launch, [said_idle]))
+        return Verdict("launch-bound", _facts(said["launch"], [said_idle]))
     if stall < BUSY_SHARE and launch_share < BUSY_SHARE:
-        return Verdict("gpu-bound", _facts(said_lead if lead else said_idle, [said_idle, said_launch]))
+        said_none = "the GPU waited for launches inside no phase: it always had queued work"
+        return Verdict("gpu-bound", _facts(said_lead if lead else said_idle, [said_idle, said_none]))
     reasons = []
     if stall >= BUSY_SHARE:
         reasons.append(f"the GPU waited for the host between steps {pct(stall)} of its timeline")
@@ -134,18 +139,41 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     return Verdict("mixed", _facts(reasons[0], [*reasons[1:], said_idle, said_lead if lead else None]))
 
 
+def _idle_part(by: Mapping[str, Row], name: str) -> float:
+    """The part of the GPU's ``idle`` that the row ``name`` (``idle/data``) holds; 0 without it."""
+    part, idle = by.get(name), by.get("idle")
+    if part is None or idle is None or part.gpu is None or idle.gpu is None:
+        return 0.0
+    whole = idle.gpu.mean_ms * idle.gpu.steps
+    return min(1.0, part.gpu.mean_ms * part.gpu.steps / whole) if whole > 0 else 0.0
+
+
+def _said_loop(by: Mapping[str, Row], share: float) -> str:
+    """The GPU's idle between steps that no loader accounts for: what the host did then."""
+    if "data" in by and by["data"].host is not None and by["data"].host.steps:
+        return f"the GPU idled {pct(share)} of its timeline while the host ran the loop between steps: {_FIX['loop']}"
+    return (
+        f"the GPU idled {pct(share)} of its timeline between steps; no loader was timed, so the loop "
+        "holds it all (wrap the loader: `for batch in timer.data(loader):`)"
+    )
+
+
 def _host_verdict(by: Mapping[str, Row], phases: Sequence[Row]) -> Verdict:
-    data = by.get("data")
-    between = (data.share or 0.0) if data is not None else 0.0
-    said_between = f"the host spent {pct(between)} of wall time on the data row" + (
-        f" (median {num(data.host.median_ms)} ms)" if data is not None and data.host is not None and data.host.steps
-        else ""
-    )  # fmt: skip
-    if between >= HOST_BETWEEN_SHARE:
-        return Verdict("input-bound", (said_between,))
+    shares = {n: (by[n].share or 0.0) if n in by else 0.0 for n in ("data", "loop")}
+    timed = "data" in by and by["data"].host is not None and bool(by["data"].host.steps)
+    said = {
+        "data": f"the host spent {pct(shares['data'])} of wall time waiting for the loader (data)",
+        "loop": f"the host spent {pct(shares['loop'])} of wall time between steps outside the loader (loop)"
+        if timed
+        else f"the host spent {pct(shares['loop'])} of wall time between steps (loop; no loader was timed)",
+    }
+    if shares["data"] >= HOST_BETWEEN_SHARE and shares["data"] >= shares["loop"]:
+        return Verdict("input-bound", (said["data"] + f": {_FIX['input']}",))
+    if shares["loop"] >= HOST_BETWEEN_SHARE:
+        return Verdict("loop-bound", _facts(said["loop"], [said["data"] if timed else None]))
     lead = sorted((r for r in phases if (r.share or 0.0) >= 0.01), key=lambda r: -(r.share or 0.0))[:3]
     said_lead = "the steps' time went to " + ", ".join(f"{r.name} {pct(r.share or 0.0)}" for r in lead)
-    return Verdict("compute-bound", _facts(said_between, [said_lead if lead else None]))
+    return Verdict("compute-bound", _facts(said_lead if lead else said["loop"], [said["data"] if timed else None]))
 
 
 def _facts(first: str, more: Sequence[str | None]) -> tuple[str, ...]:

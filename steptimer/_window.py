@@ -24,8 +24,10 @@ from steptimer._verdict import ShareClock, shares
 # A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
 # times, the GPU step (ms), one GPU span (ms) per phase entry and one "caught" flag per phase entry
 # (1.0: the GPU had reached the entry when the host left the phase); with idle, the GPU idle (ms).
-NUMBER, SAMPLES, TOKENS, STEP_S, GAP_S, WAIT_S, FLOPS = range(7)
-LEAD = 7
+# GAP_S is the host time between the previous step and this one (pauses left out), FETCH_S the
+# training loader's part of it (NaN: no loader timed): ``data`` is the loader's, ``loop`` the rest.
+NUMBER, SAMPLES, TOKENS, STEP_S, GAP_S, WAIT_S, FLOPS, FETCH_S = range(8)
+LEAD = 8
 
 # A row's layout: (phase entries' names, or None for an untimed step; has GPU times; has GPU idle).
 RowKey = Tuple[Optional[Tuple[str, ...]], bool, bool]
@@ -63,6 +65,7 @@ class _Layout:
         entries = names or ()
         r = len(entries)
         m = LEAD + r + ((1 + 2 * r) if has_gpu else 0) + (1 if has_idle else 0)
+        self.idle_split: tuple[int, int, int] | None = None
         cols: list[dict[int, float]] = []
         series: list[tuple[str, str]] = []
 
@@ -80,9 +83,10 @@ class _Layout:
         for u in uniq:
             if u != "data":
                 add("host", u, entries_of(u, LEAD, 1e3))
-        data_col = add("host", "data", {GAP_S: 1e3, **entries_of("data", LEAD, 1e3)})
+        data_col = add("host", "data", {FETCH_S: 1e3, **entries_of("data", LEAD, 1e3)})
+        loop_col = add("host", "loop", {GAP_S: 1e3, FETCH_S: -1e3})
         wait_col = add("host", "wait", {WAIT_S: 1e3})
-        clamp = []
+        clamp = [loop_col]
         if names is not None:  # other = step - wait - top-level phases
             clamp.append(add("host", "other", {STEP_S: 1e3, WAIT_S: -1e3, **{LEAD + i: -1e3 for i in top}}))
         if has_gpu:
@@ -95,6 +99,8 @@ class _Layout:
                 add("caught", u, entries_of(u, g0 + 1 + r, 1.0 / entries.count(u)))
             if has_idle:
                 clamp.append(add("gpu", "idle", {m - 1: 1.0}))
+                # Filled in by _blocks (a min, not a sum): the loader's part of the idle and the rest.
+                self.idle_split = (len(series) - 1, add("gpu", "idle/data", {}), add("gpu", "idle/loop", {}))
         t = np.zeros((m, len(series)))
         for j, coefs in enumerate(cols):
             for i, c in coefs.items():
@@ -103,9 +109,12 @@ class _Layout:
         self.series = series
         self.clamp = np.array(clamp, dtype=np.int64)
         self.names = names
-        # A value that is NaN in its row makes the series NaN (not 0): wait without CUDA, and data
-        # in the run's first step (no gap before it) unless a data phase ran.
-        self.nan_if = [(wait_col, WAIT_S)] + ([(data_col, GAP_S)] if "data" not in uniq else [])
+        # A value that is NaN in its row makes the series NaN (not 0): wait without CUDA, loop in the
+        # run's first step (no time between steps before it), data with no loader timed unless a
+        # data phase ran.
+        self.nan_if = [(wait_col, WAIT_S), (loop_col, GAP_S)]
+        if "data" not in uniq:
+            self.nan_if.append((data_col, FETCH_S))
 
 
 _LAYOUTS: dict[RowKey, _Layout] = {}
@@ -141,6 +150,12 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
             d[:, lay.clamp] = np.maximum(d[:, lay.clamp], 0.0)
         for col, src in lay.nan_if:
             d[nan[:, src], col] = np.nan
+        if lay.idle_split is not None:
+            # The loader's fetch ends the time between steps (the next step begins with its batch),
+            # so of the GPU's idle right before a step, up to the fetch's time is the loader's.
+            idle, of_data, of_loop = lay.idle_split
+            d[:, of_data] = np.minimum(d[:, idle], a[:, FETCH_S] * 1e3)  # NaN: no loader timed
+            d[:, of_loop] = d[:, idle] - d[:, of_data]
         gap = a[:, GAP_S]
         yield _Block(lay.names, a[:, :LEAD], d, np.where(np.isnan(gap), 0.0, gap) * 1e3), lay.series
 
@@ -306,14 +321,15 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
 
 def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> bool:
     """Can a step of the window be slower than ``floor_ms``? Its wall time is at most the window's max
-    GPU step + max GPU idle, or max host step + max data (a few list reads: most windows stop here)."""
+    GPU step + max GPU idle, or max host step + max data + max loop (a few list reads: most windows
+    stop here)."""
     if floor_ms == -math.inf:
         return True
-    a, b = ("gpu", "step"), ("gpu", "idle")
-    if a not in index or not p.count[index[a]]:
-        a, b = ("host", "step"), ("host", "data")
+    keys = [("gpu", "step"), ("gpu", "idle")]
+    if keys[0] not in index or not p.count[index[keys[0]]]:
+        keys = [("host", "step"), ("host", "data"), ("host", "loop")]
     bound = 0.0
-    for key in (a, b):
+    for key in keys:
         k = index.get(key)
         if k is not None and p.count[k]:
             bound += p.max_ms[k]

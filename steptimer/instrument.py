@@ -159,6 +159,9 @@ class Instrumented:
         self._hooks = Hooks()
         if not timer.enabled:
             return
+        # The loaders' fetches between steps are data: from now, before the model and optimizers
+        # are found at their first steps (the loop's iterator is made before them).
+        self._hooks.wrap_loaders(timer.data)
         if self.models and self.optimizers:
             self._install()
         else:  # found at the optimizers' steps; installed at the next forward of the model(s)
@@ -422,12 +425,12 @@ class Instrumented:
 
         return zero_grad
 
-    def _update_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _update_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if self._ignored():
-            return
+            return None
         if self._update_depth:  # super().step() of a subclass: the same update
             self._update_depth += 1
-            return
+            return None
         self._settle()
         # With a closure (LBFGS) the forward and backward run inside the update, as their own phases.
         closure = len(args) > 1 or kwargs.get("closure") is not None
@@ -442,10 +445,31 @@ class Instrumented:
                     "instrument() the module your loop calls.",
                     stacklevel=3,
                 )
-            return
+            return None
         self._driver.switch("optimizer")
         self._update_depth = 1
         self._update_closure = closure
+        return self._closure_returns_to_update(args, kwargs) if closure else None
+
+    def _closure_returns_to_update(self, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """The step's arguments with its closure wrapped: the update after the closure returns is
+        ``optimizer`` again (Lightning runs training_step, zero_grad and backward in the closure of
+        ``optimizer.step(closure)``; the parameters are updated after it). None: no closure to wrap
+        (accelerate passes ``step(None)``)."""
+        given = kwargs.get("closure")
+        inner = given if given is not None else args[1] if len(args) > 1 else None
+        if not callable(inner):
+            return None
+
+        def closure(*a: Any, **k: Any) -> Any:
+            out = inner(*a, **k)
+            if self._update_depth and self._driver.in_step:
+                self._driver.switch("optimizer")
+            return out
+
+        if given is not None:
+            return args, {**kwargs, "closure": closure}
+        return (args[0], closure, *args[2:]), kwargs
 
     def _update_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._ignored() or not self._driver.in_step or self._update_depth == 0:

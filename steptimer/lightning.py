@@ -31,6 +31,7 @@ from typing import Any
 from typing_extensions import override
 
 from steptimer._driver import PhaseDriver, UserPhase
+from steptimer._engine import Fetch
 from steptimer._hooks import Hooks
 from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
@@ -40,6 +41,8 @@ from steptimer.timer import StepTimer, check_bool, check_count, check_phase_name
 
 log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
+# The profiler action Lightning's training epoch loop starts and stops around each train fetch.
+_FETCH_ACTION = "].train_dataloader_next"
 
 _MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
 
@@ -534,6 +537,11 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 self._hooks.wrap(opt, "step", self._manual_step_wrapper, eager=False)
         else:
             self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper, eager=False)
+        # Lightning calls its profiler's start and stop around each fetch from the train dataloader
+        # (its only public seam there, whatever the fetcher): they time the loader (``data``).
+        fetch = self._driver.timer._fetches() if self._driver is not None else None
+        if fetch is not None and trainer.profiler is not None:
+            self._time_fetches(trainer.profiler, fetch)
 
     def _hook_model(self, pl_module: Any) -> None:
         """Hook the forward of the model's modules and gate the hooks on ``training_step``.
@@ -560,6 +568,32 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         for _, module in targets:
             self._hooks.forward(module, self._forward_pre, self._forward_post, eager=False)
         self._hooks.wrap(pl_module, "training_step", self._training_step_wrapper, eager=False)
+
+    def _time_fetches(self, profiler: Any, fetch: Fetch) -> None:
+        """Wrap the profiler's ``start`` and ``stop`` so that they also time each train fetch in
+        ``fetch``; the profiler's own work stays outside it."""
+        began: list[float | None] = [None]
+
+        def start(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def call(action_name: str, *args: Any, **kwargs: Any) -> Any:
+                out = orig(action_name, *args, **kwargs)
+                if action_name.endswith(_FETCH_ACTION):
+                    began[0] = fetch.start()
+                return out
+
+            return call
+
+        def stop(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def call(action_name: str, *args: Any, **kwargs: Any) -> Any:
+                t0, began[0] = began[0], None
+                if t0 is not None and action_name.endswith(_FETCH_ACTION):
+                    fetch.stop(t0)
+                return orig(action_name, *args, **kwargs)
+
+            return call
+
+        self._hooks.wrap(profiler, "start", start, eager=False)
+        self._hooks.wrap(profiler, "stop", stop, eager=False)
 
     def _uninstall(self) -> None:
         self._hooks.remove()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
@@ -19,7 +19,7 @@ from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._energy import EnergyWindows
-from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine
+from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemorySummary, _MemoryBackend
 from steptimer._options import Options, check_bool, check_count, check_memory, check_options, check_phase_name
@@ -33,6 +33,7 @@ from steptimer._window import StepRows, Window, window_of
 __all__ = ["StepTimer", "check_bool", "check_count", "check_memory", "check_options", "check_phase_name"]
 
 _T = TypeVar("_T", bound="StepTimer")
+_B = TypeVar("_B")
 # The default window (log_every_n_steps=None) lasts at least this long, in multiples of 50 steps and
 # at most MAX_WINDOW_UNITS of them: its cost (~0.3 ms of statistics and writes) stays under 0.05 %
 # of the run on any step length, and TensorBoard gets a point a second, not 25, on 2 ms steps.
@@ -398,6 +399,30 @@ class StepTimer:
         # last step() call, which is how the Lightning callback gives a step's counts at its end.
         e.samples, e.tokens, e.flops = samples, tokens, flops
         return e
+
+    def data(self, loader: Iterable[_B]) -> Iterator[_B]:
+        """The batches of ``loader`` with the time of each fetch measured: the ``data`` row is then
+        the loader's time, and the rest of the time between steps is ``loop`` (without it, all of
+        that time is ``loop``). Use it where the loop fetches: ``for x, y in timer.data(loader):``.
+
+        Args:
+            loader: The training data: a ``DataLoader`` or any iterable of batches.
+
+        Raises:
+            TypeError: ``loader`` is not iterable.
+        """
+        if not isinstance(loader, Iterable) and not hasattr(type(loader), "__getitem__"):
+            raise TypeError(
+                f"data(loader): loader must be iterable (a DataLoader or any iterable of batches), "
+                f"got {type(loader).__name__}"
+            )
+        it = iter(loader)
+        return Fetch(self._engine, it) if self.enabled else it
+
+    def _fetches(self) -> Fetch | None:
+        """:meth:`data` for a front door that sees each fetch only as two events (Lightning's
+        profiler calls): ``start()`` when one begins, ``stop(t0)`` when it ends. None when disabled."""
+        return Fetch(self._engine) if self.enabled else None
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Context manager around a phase of the current step (``forward``, ``loss``, ...)."""

@@ -272,12 +272,12 @@ def test_recording_timer_keeps_every_step_with_its_gpu_and_host_values(monkeypat
     gpu = FakeGPU(clock)
     timer = RecordingTimer.make(backend=gpu.backend(), log_every_n_steps=4, lag=1)
     for i in range(1, 11):
-        clock.advance_ms(1.0)  # data wait
+        clock.advance_ms(1.0)  # between steps, no loader: loop
         with timer.step(samples=8):
             with timer.phase("work"):
                 gpu.launch(2.0 + i)
                 clock.advance_ms(0.5)
-        clock.advance_ms(20.0)  # the GPU finishes within the data wait of the next step
+        clock.advance_ms(20.0)  # the GPU finishes within the time before the next step
     timer.close()
     timer._take_window()  # nothing left: no window, no steps added twice
     assert [s.number for s in timer.resolved] == list(range(1, 11))
@@ -286,7 +286,7 @@ def test_recording_timer_keeps_every_step_with_its_gpu_and_host_values(monkeypat
         assert s.host_ms["work"] == pytest.approx(0.5)
         assert s.samples == 8 and s.timed
         if s.number > 1:
-            assert s.host_ms["data"] == pytest.approx(21.0)
+            assert s.host_ms["loop"] == pytest.approx(21.0)
             assert "idle" in s.gpu_ms
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 import steptimer._engine as engine_mod
-from steptimer._engine import GPU, HOST, OUT, UNTIMED, Engine, Phase, PhaseRecord, StepRecord
-from steptimer._window import STEP_S, StepRows, window_of
+from steptimer._engine import GPU, HOST, OUT, UNTIMED, Engine, Fetch, Phase, PhaseRecord, StepRecord
+from steptimer._window import FETCH_S, GAP_S, STEP_S, StepRows, window_of
 from tests.fakes import FakeClock, FakeGPU
 
 
@@ -128,7 +128,7 @@ def test_a_short_window_goes_on_until_it_lasts_window_min_s(clock: FakeClock) ->
 
 
 def test_window_work_is_the_engines_own_time_not_a_steps(clock: FakeClock, gpu: FakeGPU) -> None:
-    """20 ms of window work: in no step's host time, not in the next step's data wait, not in its GPU
+    """20 ms of window work: in no step's host time, not in the time before the next step, not in its GPU
     idle (two pause events around it), and counted as ``own_s``."""
     o = Owner(gpu, window_every=5)
     took = o.on_window
@@ -143,8 +143,8 @@ def test_window_work_is_the_engines_own_time_not_a_steps(clock: FakeClock, gpu: 
     o.engine.close()
     assert o.engine.own_s == pytest.approx(2 * 20e-3)  # windows 5 and 10 (the rest is the owner's at close)
     w = window_of(o.taken[1], 10)  # steps 6-10: step 6 came right after the first window's work
-    # each step: 0.5 ms of data, 1 ms of phases, and at most 0.5 ms waiting for the GPU (2 ms a step)
-    assert w.host["step"].max_ms <= 1.5 + 1e-6 and w.host["data"].max_ms == pytest.approx(0.5)
+    # each step: 0.5 ms between steps, 1 ms of phases, and at most 0.5 ms waiting for the GPU (2 ms a step)
+    assert w.host["step"].max_ms <= 1.5 + 1e-6 and w.host["loop"].max_ms == pytest.approx(0.5)
     assert w.gpu["idle"].max_ms < 0.6  # the GPU's own gap between steps, never the 20 ms
 
 
@@ -205,7 +205,7 @@ def test_ctrl_c_while_an_older_step_is_resolved_keeps_the_step_that_ended(clock:
 
 def test_nested_pauses_count_once(clock: FakeClock) -> None:
     """``begin_pause`` inside a pause returns None: only the outer pause is subtracted from the
-    next step's data wait."""
+    time before the next step."""
     o = Owner(None, window_every=2)
     e = o.engine
     o.step(clock, None)
@@ -217,7 +217,7 @@ def test_nested_pauses_count_once(clock: FakeClock) -> None:
     e.end_pause(outer)
     o.step(clock, None, data_ms=20.0)
     o.step(clock, None)  # its end resolves step 2 (queued: it had a pause to mark), ending the window
-    assert window_of(o.taken[0], 2).host["data"].max_ms == pytest.approx(20.0)
+    assert window_of(o.taken[0], 2).host["loop"].max_ms == pytest.approx(20.0)
 
 
 def test_step_records_name_their_phase_entries(clock: FakeClock, gpu: FakeGPU) -> None:
@@ -242,3 +242,120 @@ def test_steps_without_events_are_resolved_at_their_own_end(clock: FakeClock) ->
     for n in range(1, 6):
         o.step(clock, None)
         assert not o.engine._pending and o.engine.last_resolved == n
+
+
+class Batches:
+    """A loader whose every batch takes ``ms`` of host time; raises ``error`` at batch ``fail_at``
+    (then goes on), and StopIteration after ``n`` batches."""
+
+    def __init__(self, clock: FakeClock, ms: float, n: int = 1000, fail_at: int = -1) -> None:
+        self.clock, self.ms, self.n, self.fail_at, self.i = clock, ms, n, fail_at, 0
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> int:
+        self.clock.advance_ms(self.ms)
+        self.i += 1
+        if self.i == self.fail_at:
+            raise ValueError("a bad batch")
+        if self.i > self.n:
+            raise StopIteration("epoch done")
+        return self.i
+
+
+def _rows(e: Engine) -> list[list[float]]:
+    return sorted((r for rows in e.rows.groups.values() for r in rows), key=lambda r: r[0])
+
+
+def test_the_loaders_fetch_is_data_and_the_rest_loop(clock: FakeClock, gpu: FakeGPU) -> None:
+    """A loader's fetch between steps is the step's FETCH_S (data), the rest of the time between
+    steps is loop; the GPU idle before the step splits into the loader's part and the rest. Before
+    the first step nothing is counted (no time between steps there)."""
+    o = Owner(gpu, window_every=1000)
+    batches = Fetch(o.engine, Batches(clock, 3.0))
+    for _ in range(6):
+        next(batches)
+        o.step(clock, gpu, data_ms=0.0)
+        clock.advance_ms(2.0)  # the loop's own work after the step (logging)
+    o.engine.close()
+    rows = _rows(o.engine)
+    assert rows[0][FETCH_S] != rows[0][FETCH_S]  # NaN: the first step
+    assert all(r[FETCH_S] == pytest.approx(3e-3) and r[GAP_S] == pytest.approx(5e-3) for r in rows[1:])
+    w = window_of(o.engine.rows, 6)
+    assert w.host["data"].median_ms == pytest.approx(3.0) and w.host["loop"].median_ms == pytest.approx(2.0)
+    # the GPU ran 1 ms past each step's end (2 ms of work launched in 1 ms), then idled 4 ms
+    assert w.gpu["idle"].median_ms == pytest.approx(4.0)
+    assert w.gpu["idle/data"].median_ms == pytest.approx(3.0) and w.gpu["idle/loop"].median_ms == pytest.approx(1.0)
+
+
+def test_without_a_loader_no_fetch_is_recorded(clock: FakeClock) -> None:
+    """No loader wrapped: every row's FETCH_S is NaN, and the time between steps is loop."""
+    o = Owner(None, window_every=1000)
+    for _ in range(3):
+        o.step(clock, None, data_ms=2.0)
+    o.engine.close()
+    assert all(r[FETCH_S] != r[FETCH_S] for r in _rows(o.engine))
+    w = window_of(o.engine.rows, 3)
+    assert "data" not in w.host and w.host["loop"].median_ms == pytest.approx(2.0)
+
+
+def test_a_fetch_inside_a_step_is_a_data_phase_inside_a_phase_or_pause_none(clock: FakeClock, gpu: FakeGPU) -> None:
+    """Inside a step with no phase open (a micro-batch fetched while accumulating) the fetch is a
+    ``data`` phase with its events; inside a phase it is that phase's time; inside a pause, the
+    pause's: neither is counted again."""
+    o = Owner(gpu, window_every=1000)
+    e = o.engine
+    batches = Fetch(e, Batches(clock, 2.0))
+    o.step(clock, gpu)
+    with e:
+        next(batches)
+        with o.phases["forward"]:
+            next(batches)
+            gpu.launch(1.0)
+    started = e.begin_pause()
+    next(batches)
+    e.end_pause(started)
+    assert e.fetch_s == 0.0
+    clock.advance_ms(0.5)
+    with e:
+        with o.phases["forward"]:
+            gpu.launch(1.0)
+    e.close()
+    rows = _rows(e)
+    w = window_of(e.rows, 3)
+    assert [p for p in w.host if p in ("data", "forward")] == ["forward", "data"]
+    assert w.host["data"].max_ms == pytest.approx(2.0) and w.host["data"].steps == 2  # 0 in step 3
+    assert rows[1][FETCH_S] == 0.0 and rows[2][FETCH_S] == 0.0  # the pause's fetch is the pause's
+    assert w.host["forward"].max_ms == pytest.approx(2.0)
+
+
+def test_what_the_loader_raises_passes_through(clock: FakeClock) -> None:
+    """Errors and StopIteration (with its value) come out of the wrapper as the loader raised them,
+    and a loader that goes on after an error goes on through the wrapper; the time still counts."""
+    o = Owner(None, window_every=1000)
+    batches = Fetch(o.engine, Batches(clock, 1.0, n=3, fail_at=2))
+    assert iter(batches) is batches
+    assert next(batches) == 1
+    with pytest.raises(ValueError, match="a bad batch"):
+        next(batches)
+    assert next(batches) == 3
+    with pytest.raises(StopIteration) as stop:
+        next(batches)
+    assert stop.value.value == "epoch done"
+    assert o.engine.fetch_s == pytest.approx(4e-3)
+    assert list(Fetch(o.engine, iter([1, 2]))) == [1, 2]
+
+
+def test_a_dropped_step_drops_the_fetch_before_it(clock: FakeClock) -> None:
+    """A step that raised is dropped with the time before it, the loader's included."""
+    o = Owner(None, window_every=1000)
+    batches = Fetch(o.engine, Batches(clock, 5.0))
+    o.step(clock, None)
+    next(batches)
+    with pytest.raises(RuntimeError), o.engine:
+        raise RuntimeError("boom")
+    next(batches)
+    o.step(clock, None, data_ms=1.0)
+    o.engine.close()
+    assert _rows(o.engine)[1][FETCH_S] == pytest.approx(5e-3)

@@ -69,10 +69,23 @@ class SleepySGD(torch.optim.SGD):
         super().zero_grad(set_to_none)
 
 
-def loader(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for _ in range(n):
+class SleepyBatches(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``n`` batches, each fetched in SLEEP_MS["data"]."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         time.sleep(SLEEP_MS["data"] / 1e3)
-        yield torch.randn(8, 4), torch.randn(8, 1)
+        return torch.randn(8, 4), torch.randn(8, 1)
+
+
+def loader(n: int) -> torch.utils.data.DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+    """A real DataLoader (instrument() times its fetches between steps: ``data``)."""
+    return torch.utils.data.DataLoader(SleepyBatches(n), batch_size=None)
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -431,7 +444,7 @@ def test_user_phases_nest_with_hook_phases() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     timer = instrument(model, opt, **QUIET, warmup_steps=0)
     for x, y in loader(3):
-        with timer.phase("augment"):  # before the forward: no step yet, a no-op (its time is data)
+        with timer.phase("augment"):  # before the forward: no step yet, a no-op (its time is loop)
             time.sleep(0.005)
         out = model(x)
         with timer.phase("metric"):  # inside loss
@@ -447,7 +460,8 @@ def test_user_phases_nest_with_hook_phases() -> None:
     assert timer.steps == 3
     assert "augment" not in s and "loss/metric" in s and "clip" in s and "update/optimizer" in s
     assert_host_ms(s, "loss/metric", 5.0)
-    assert_host_ms(s, "data", SLEEP_MS["data"] + 5.0)
+    assert_host_ms(s, "data", SLEEP_MS["data"])
+    assert_host_ms(s, "loop", 5.0)
 
 
 def test_lbfgs_closure_runs_forward_and_backward_inside_the_update() -> None:
@@ -782,7 +796,7 @@ def test_on_off_options_are_checked() -> None:
 
 def test_an_evaluation_begun_and_ended_from_events_is_paused_out_and_noted() -> None:
     """begin_evaluation()/end_evaluation() (a framework's events, as the HF callback's): the time in
-    between is neither a step nor data, and the summary counts the runs."""
+    between is neither a step nor loop, and the summary counts the runs."""
     net = nn.Linear(4, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     timed = instrument(net, opt, warmup_steps=0, **QUIET)
@@ -798,7 +812,93 @@ def test_an_evaluation_begun_and_ended_from_events_is_paused_out_and_noted() -> 
             timed.end_evaluation()
     s = timed.close()
     assert s.steps == 6
-    data = next(r for r in s.rows if r.name == "data")
+    data = next(r for r in s.rows if r.name == "loop")
     assert data.host.max_ms < 25, data
     (note,) = [n for n in s.notes if n.startswith("validation:")]
     assert note.startswith("validation: 2 run(s), ") and float(note.split(", ")[1].split(" ms")[0]) >= 50
+
+
+def test_the_loaders_iterated_between_steps_are_data_and_put_back_at_close() -> None:
+    """instrument() times every DataLoader iterated while it runs (in the training thread): their
+    fetches are ``data``; after close, DataLoader iterates as before, and a loop fed by a plain
+    generator says so (no loader timed: the time between steps is ``loop``)."""
+    dl = loader(6)
+    model = SleepyNet(sleep_ms=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=1)
+    assert type(iter(dl)).__name__ == "Fetch"
+    other_thread: list[str] = []
+    th = threading.Thread(target=lambda: other_thread.append(type(iter(dl)).__name__))
+    th.start()
+    th.join()
+    for x, y in dl:
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    s = timer.close()
+    assert other_thread == ["_SingleProcessDataLoaderIter"]
+    assert type(iter(dl)).__name__ == "_SingleProcessDataLoaderIter"
+    assert_host_ms(s, "data", SLEEP_MS["data"])
+    assert s.verdict is not None and s.verdict.kind == "input-bound"
+
+    def plain(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(n):
+            time.sleep(SLEEP_MS["data"] / 1e3)
+            yield torch.randn(8, 4), torch.randn(8, 1)
+
+    timer = instrument(model, opt, **QUIET, warmup_steps=1)
+    for x, y in plain(4):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    s = timer.close()
+    assert "data" not in s
+    assert_host_ms(s, "loop", SLEEP_MS["data"])
+    assert s.verdict is not None and "no loader was timed" in s.verdict.evidence[0]
+
+
+class UpdateAfterClosure(torch.optim.SGD):
+    """An optimizer whose step runs the closure, then updates for SLEEP_MS["optimizer"]: the order
+    of Lightning's automatic optimization (training_step, zero_grad and backward in the closure)."""
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        time.sleep(SLEEP_MS["optimizer"] / 1e3)
+        super().step()
+        return loss
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_the_update_after_the_closure_is_optimizer(keyword: bool) -> None:
+    """optimizer.step(closure): the forward, loss and backward in the closure are their phases, and
+    the update after the closure returns is ``optimizer`` again, not ``other``."""
+    model = SleepyNet()
+    opt = UpdateAfterClosure(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=1)
+    for x, y in loader(4):
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure=closure) if keyword else opt.step(closure)
+    s = timer.close()
+    assert timer.steps == 4
+    assert_host_ms(s, "optimizer", SLEEP_MS["optimizer"])
+    assert_host_ms(s, "forward", SLEEP_MS["forward"])
+    assert_host_ms(s, "backward", SLEEP_MS["backward"])
+    assert s["other"].host.median_ms < 5.0, s["other"]
+
+
+def test_a_step_given_none_for_its_closure_runs_as_given() -> None:
+    """``opt.step(None)`` (accelerate's optimizer wrapper passes it so) is left as it is."""
+    model = SleepyNet(sleep_ms=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=0)
+    for x, y in loader(3):
+        loss_fn(model(x), y).backward()
+        opt.step(None)
+        opt.zero_grad()
+    assert timer.close().steps == 3

@@ -106,13 +106,13 @@ def test_profiler_start_stop_and_export_are_not_data_wait(
         monkeypatch.setattr(torch.profiler.profile, name, slow)
     t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=0, print_summary=False, profile_steps=(2, 3))
     for _ in range(5):
-        clock.advance_ms(1.0)  # data
+        clock.advance_ms(1.0)  # between steps: loop
         with t.step():
             with t.phase("forward"):
                 clock.advance_ms(2.0)
     s = t.close()
     assert (tmp_path / PROFILE_FILE).exists()
-    assert s["data"].host.max_ms == pytest.approx(1.0)
+    assert s["loop"].host.max_ms == pytest.approx(1.0)
     assert s["step"].host.max_ms == pytest.approx(2.0)
 
 

@@ -224,12 +224,68 @@ def test_data_stall_is_named() -> None:
             yield i
 
     t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=50, print_summary=False)
-    batches = loader()
+    batches = t.data(loader())
     _host_loop(t, 210, before=lambda n: next(batches))
     s = t.close()
     assert sorted(x.step for x in s.slowest[:2]) == [100, 200]  # batch i is fetched before step i
     for x in s.slowest[:2]:
-        assert x.grew == "data" and "data stall" in (x.cause or "") and x.host_ms["data"] > 40
+        assert x.grew == "data" and x.host_ms["data"] > 40
+        assert "data stall: the loader took" in (x.cause or "") and "between steps" not in (x.cause or "")
+
+
+def test_a_longer_loop_between_steps_is_no_data_stall() -> None:
+    """50 ms between steps outside the loader (a checkpoint, a log line): named for what it is."""
+    t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=50, print_summary=False)
+    batches = t.data(iter(range(1000)))
+
+    def before(n: int) -> None:
+        if n % 100 == 0:
+            time.sleep(0.05)
+        next(batches)
+
+    _host_loop(t, 210, before=before)
+    s = t.close()
+    assert sorted(x.step for x in s.slowest[:2]) == [100, 200]
+    for x in s.slowest[:2]:
+        assert x.grew == "loop" and "data stall" not in (x.cause or "")
+        assert "between steps" in (x.cause or "") and "outside the loader" in (x.cause or "")
+
+
+@pytest.mark.parametrize("between", ["item", "busy"])
+def test_between_steps_on_the_gpu_the_host_waited_or_was_busy(clock: FakeClock, between: str) -> None:
+    """A GPU-bound loop (lag 2) with a 0.1 ms loader. Every 10th step the host either reads the loss
+    back (waits until the GPU drains: the GPU stays busy) or works 30 ms on its own (logging: the GPU
+    drains, then idles). Neither is a data stall; each is named for what it was."""
+    gpu = FakeGPU(clock)
+    t = StepTimer._make(backend=gpu.backend(), warmup_steps=2, log_every_n_steps=10, print_summary=False)
+
+    def batches():  # type: ignore[no-untyped-def]
+        while True:
+            clock.advance_ms(0.1)
+            yield None
+
+    loader = t.data(batches())
+    for n in range(1, 61):
+        next(loader)
+        with t.step():
+            for name in ("forward", "backward"):
+                with t.phase(name):
+                    gpu.launch(5.0)
+                    clock.advance_ms(0.3)
+        if n % 10 == 0:
+            if between == "item":
+                clock.now = max(clock.now, gpu.busy_until_ms / 1e3)  # loss.item()
+            else:
+                clock.advance_ms(30.0)
+    s = t.close()
+    causes = [c for x in s.slowest for c in x.causes]
+    assert not any("data stall" in c for c in causes), causes
+    said = [c for c in causes if "between steps" in c]
+    assert said, [x.cause for x in s.slowest]
+    if between == "item":
+        assert all(c.startswith("the host waited for the GPU between steps: ") for c in said), said
+    else:
+        assert all(c.startswith("the host was busy between steps while the GPU idled ") for c in said), said
 
 
 def test_checkpoint_under_pause_is_named() -> None:

@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,14 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 
 
 def run(t: StepTimer, clock: FakeClock, gpu: FakeGPU | None, steps: int) -> None:
+    def batches() -> Iterator[int]:
+        while True:
+            clock.advance_ms(2.0)  # the loader
+            yield 0
+
+    loader = t.data(batches())
     for i in range(steps):
-        clock.advance_ms(2.0)  # data
+        next(loader)
         with t.step(samples=16, tokens=1024):
             with t.phase("forward"):
                 if gpu:
@@ -114,7 +120,8 @@ def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, c
     run(t, clock, gpu, 4)
     t.close()
     runs = phase_runs(tmp_path)
-    assert set(runs) == {"data", "forward", "backward", "other", "wait", "idle"}  # step: in the log dir's run
+    # step: in the log dir's run
+    assert set(runs) == {"data", "loop", "forward", "backward", "other", "wait", "idle", "idle/data", "idle/loop"}
     assert run_scalars(runs["forward"])["steptimer/gpu_ms"] == [(2, pytest.approx(5.0)), (4, pytest.approx(5.0))]
     own = run_scalars(tmp_path)
     assert not [tag for tag in own if "forward" in tag]  # only whole-window tags and step's there
@@ -128,23 +135,23 @@ def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, c
 
 def test_rows_charted_together_get_distinct_colours(clock: FakeClock) -> None:
     """TensorBoard colours the n-th run of /data/runs with colour n mod 7 (both of its palettes have
-    7); the log dir's own run, holding step and the throughput, is the 0th. With 5 phases under CUDA
-    (8 rows) every row of the host chart and of the GPU chart still gets a colour of its own: idle
-    first and wait last share one, and are never charted together."""
+    7); the log dir's own run, holding step and the throughput, is the 0th. With 4 phases under CUDA
+    (8 rows with loop) every row of the host chart and of the GPU chart still gets a colour of its
+    own: idle first and wait last share one, and are never charted together."""
     gpu = FakeGPU(clock)
     sink = ListSink()
     t = StepTimer._make(backend=gpu.backend(), log_every_n_steps=4, warmup_steps=0, print_summary=False, sinks=[sink])
     for _ in range(4):
         clock.advance_ms(1.0)
         with t.step():
-            for name in ("data", "forward", "loss", "backward", "optimizer"):
+            for name in ("data", "forward", "backward", "optimizer"):
                 with t.phase(name):
                     gpu.launch(1.0)
                     clock.advance_ms(1.0)
     t.close()
     (w,) = sink.windows
     names = run_names(w)
-    assert names == ["idle", "data", "forward", "loss", "backward", "optimizer", "other", "wait"]
+    assert names == ["idle", "data", "loop", "forward", "backward", "optimizer", "other", "wait"]
     colour = {n: (i + 1) % 7 for i, n in enumerate(names)}  # after the log dir's own run
     for chart in ([n for n in w.host if n != "step"], [n for n in w.gpu if n != "step"], list(w.shares)):
         assert len({colour[n] for n in chart}) == len(chart), chart
@@ -306,10 +313,12 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
     run(t, clock, None, 4)
     t.close()
     writer.close()
-    rows = ["idle", "data", "forward", "backward", "other", "wait"]  # run_names: timeline order, no step
+    # run_names: timeline order, no step; the user's: no GPU: no idle (nor its parts), no wait
+    rows = ["idle", "data", "loop", "forward", "backward", "other", "idle/data", "idle/loop", "wait"]
+    user_rows = ["data", "loop", "forward", "backward", "other"]
 
     with _Server(logs) as tb:
-        tb.until(lambda: len(tb.get("/data/runs")) == 2 + len(rows) + 4  # the user's: no GPU: no wait, no idle
+        tb.until(lambda: len(tb.get("/data/runs")) == 2 + len(rows) + len(user_rows)
                  and len(tb.get("/data/plugin/custom_scalars/layout").get("category", [])) == 4)  # fmt: skip
         runs = tb.get("/data/runs")
         tags = tb.get("/data/plugin/scalars/tags")
@@ -317,7 +326,7 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
 
         # Colours follow /data/runs: the log dir's own run (step, throughput) first, then its rows.
         assert [r for r in runs if r.startswith("plain")] == ["plain"] + [f"plain/steptimer/{p}" for p in rows]
-        assert [r for r in runs if r.startswith("user")] == ["user"] + [f"user/steptimer/{p}" for p in rows[1:-1]]
+        assert [r for r in runs if r.startswith("user")] == ["user"] + [f"user/steptimer/{p}" for p in user_rows]
 
         def series(rx: str) -> dict[str, list[float]]:
             """What a Custom Scalars chart with regex ``rx`` draws: values by run (one line each)."""
@@ -344,18 +353,19 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
         assert set(share) == parts | {"plain"} and share["plain"] == pytest.approx([100.0, 100.0])
         assert [sum(v) for v in zip(*(share[p] for p in parts))] == pytest.approx([100.0, 100.0])  # parts of 100 %
         host_share = series(charts["Share of wall time per row (host clock), %"][0])
-        assert set(host_share) == {f"user/steptimer/{p}" for p in ("data", "forward", "backward", "other")} | {"user"}
+        assert set(host_share) == {f"user/steptimer/{p}" for p in user_rows} | {"user"}
         host = series(charts["Host ms per row"][0])
         assert host["plain/steptimer/forward"] == pytest.approx([1.5, 1.5])
         assert host["plain/steptimer/backward"] == pytest.approx([3.0, 3.0])
         assert host["user/steptimer/forward"] == pytest.approx([1.5, 1.5])
-        plain_rows = {f"plain/steptimer/{p}" for p in rows if p != "idle"}
+        plain_rows = {f"plain/steptimer/{p}" for p in rows if "idle" not in p}
         assert {r for r in host if r.startswith("plain")} == plain_rows | {"plain"}
-        row_sum = [sum(v) for v in zip(*(host[f"plain/steptimer/{p}"] for p in rows if p != "idle"))]
+        row_sum = [sum(v) for v in zip(*(host[r] for r in plain_rows))]
         assert host["plain"] == pytest.approx(row_sum)
         gpu_ms = series(charts["GPU ms per row"][0])
         assert gpu_ms["plain/steptimer/backward"] == pytest.approx([9.0, 9.0])
-        assert set(gpu_ms) == parts | {"plain"}
+        idle_parts = {f"plain/steptimer/{p}" for p in ("idle/data", "idle/loop")}  # inside idle
+        assert set(gpu_ms) == parts | idle_parts | {"plain"}
         assert gpu_ms["plain"] == pytest.approx([sum(v) for v in zip(*(gpu_ms[p] for p in parts))])
         # The total and the throughput: a chart each, one line per log dir, in the log dir's own run.
         written = scalars(logs / "plain")
@@ -628,7 +638,7 @@ def test_every_row_is_whole_under_tensorboards_outlier_clipping(tmp_path: Path, 
     for chart in ("steptimer/host_pct", "steptimer/host_ms"):
         lines = {name: [v for _, v in run[chart]] for name, run in tags.items() if chart in run}
         rows = {name: v for name, v in lines.items() if name}
-        assert set(rows) == {"data", "forward", "backward", "other"} and len(lines) == len(rows) + 1, chart
+        assert set(rows) == {"loop", "forward", "backward", "other"} and len(lines) == len(rows) + 1, chart
         top = _top(lines)
         assert max(_smoothed(rows["backward"])) <= top, (chart, lines)  # whole
         if chart.endswith("_ms"):  # without the total its top windows would be cut off

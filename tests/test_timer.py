@@ -43,9 +43,13 @@ def make(gpu: FakeGPU | None = None, **kw: object) -> tuple[StepTimer, ListSink]
 
 
 def train_step(t: StepTimer, clock: FakeClock, gpu: FakeGPU | None, *, data_ms: float = 0.0,
-               host: dict[str, float], kernels: dict[str, float] | None = None, samples: int | None = None) -> None:
-    """One step: ``data_ms`` of host time before it, then each phase spends host ms and launches GPU ms."""
+               host: dict[str, float], kernels: dict[str, float] | None = None, samples: int | None = None,
+               loader: Iterator[int] | None = None) -> None:
+    """One step: ``data_ms`` of host time before it, then a batch from ``loader`` if given, then each
+    phase spends host ms and launches GPU ms."""
     clock.advance_ms(data_ms)
+    if loader is not None:
+        next(loader)
     with t.step(samples=samples):
         for name, ms in host.items():
             with t.phase(name):
@@ -57,13 +61,23 @@ def train_step(t: StepTimer, clock: FakeClock, gpu: FakeGPU | None, *, data_ms: 
 PHASES = {"forward": 2.0, "loss": 0.5, "backward": 3.0, "optimizer": 1.0}
 
 
+def batches(clock: FakeClock, ms: float) -> Iterator[int]:
+    """A loader whose every batch takes ``ms`` of host time."""
+    i = 0
+    while True:
+        clock.advance_ms(ms)
+        i += 1
+        yield i
+
+
 # ---------------------------------------------------------------- host numbers
 
 
 def test_host_numbers_are_exact_with_a_patched_clock(clock: FakeClock) -> None:
     t, sink = make(log_every_n_steps=2)
+    loader = t.data(batches(clock, 3.0))
     for _ in range(4):
-        train_step(t, clock, None, data_ms=4.0, host=PHASES, samples=8)
+        train_step(t, clock, None, data_ms=1.0, host=PHASES, samples=8, loader=loader)
     s = t.close()
     w = sink.windows[0]
     assert w.step == 2 and w.steps == 2
@@ -71,15 +85,17 @@ def test_host_numbers_are_exact_with_a_patched_clock(clock: FakeClock) -> None:
         assert w.host[name].mean_ms == pytest.approx(ms)
     assert w.host["step"].mean_ms == pytest.approx(6.5)
     assert w.host["other"].mean_ms == pytest.approx(0.0, abs=1e-9)
-    # the first step has no data wait before it (nothing to measure from); the second has 4 ms
-    assert w.host["data"].steps == 1 and w.host["data"].mean_ms == pytest.approx(4.0)
+    # the first step has no time between steps before it (nothing to measure from); the second
+    # has 4 ms: 3 in the loader (data), 1 in the loop around it (loop)
+    assert w.host["data"].steps == 1 and w.host["data"].mean_ms == pytest.approx(3.0)
+    assert w.host["loop"].steps == 1 and w.host["loop"].mean_ms == pytest.approx(1.0)
     assert not w.gpu and "wait" not in w.host
     # throughput: 2 steps over (6.5) + (4 + 6.5) ms
     assert w.steps_per_s == pytest.approx(2 / 0.017)
     assert w.samples_per_s == pytest.approx(16 / 0.017)
     assert s.steps == 4 and not s.cuda
     assert s["forward"].host.median_ms == pytest.approx(2.0, rel=0.005)
-    tops = ["data", "forward", "loss", "backward", "optimizer", "other"]
+    tops = ["data", "loop", "forward", "loss", "backward", "optimizer", "other"]
     assert sum(s[n].share for n in tops) == pytest.approx(1.0)
     assert s["backward"].share == pytest.approx(3.0 * 4 / (6.5 * 4 + 12.0))
 
@@ -133,8 +149,10 @@ def test_phase_not_run_is_absent_not_zero(clock: FakeClock) -> None:
 
 def test_data_phase_inside_step_adds_to_data(clock: FakeClock) -> None:
     t, sink = make(log_every_n_steps=2)
+    loader = t.data(batches(clock, 1.0))
     for _ in range(2):
         clock.advance_ms(3.0)
+        next(loader)
         with t.step():
             with t.phase("data"):
                 clock.advance_ms(2.0)
@@ -142,11 +160,12 @@ def test_data_phase_inside_step_adds_to_data(clock: FakeClock) -> None:
                 clock.advance_ms(1.0)
     s = t.close()
     w = sink.windows[0]
-    assert w.host["data"].max_ms == pytest.approx(5.0)  # 3 ms between steps + 2 ms inside
+    assert w.host["data"].max_ms == pytest.approx(3.0)  # 1 ms in the loader + 2 ms inside the step
+    assert w.host["loop"].max_ms == pytest.approx(3.0)
     assert sum(r.share for r in s.rows if r.share is not None) == pytest.approx(1.0)
 
 
-def test_pause_is_not_data_wait(clock: FakeClock) -> None:
+def test_pause_is_not_time_between_steps(clock: FakeClock) -> None:
     t, sink = make(log_every_n_steps=2)
     train_step(t, clock, None, host={"forward": 1.0})
     clock.advance_ms(2.0)
@@ -155,7 +174,7 @@ def test_pause_is_not_data_wait(clock: FakeClock) -> None:
     clock.advance_ms(1.0)
     train_step(t, clock, None, host={"forward": 1.0})
     t.close()
-    assert sink.windows[0].host["data"].mean_ms == pytest.approx(3.0)
+    assert sink.windows[0].host["loop"].mean_ms == pytest.approx(3.0)
 
 
 def test_window_numbering_with_start_step(clock: FakeClock) -> None:
@@ -232,7 +251,7 @@ def test_gpu_idle_grows_with_a_host_stall_between_steps(clock: FakeClock, gpu: F
     # step 2 starts while step 1's work is queued: no idle. Steps 3 and 4 start after a 30 ms stall;
     # what remained queued was drained first, so idle = stall - backlog.
     assert w.gpu["idle"].max_ms > 20.0
-    assert w.host["data"].max_ms == pytest.approx(30.0)
+    assert w.host["loop"].max_ms == pytest.approx(30.0)
 
 
 @pytest.mark.parametrize("lag", [0, 1, 3])
@@ -437,7 +456,7 @@ def test_gpu_pauses_between_timed_steps_leave_idle(clock: FakeClock, gpu: FakeGP
     assert w.gpu["idle"].steps == 5
     assert w.gpu["idle"].max_ms == pytest.approx(2.0)
     assert w.gpu["idle"].mean_ms == pytest.approx(3 * 2.0 / 5)  # steps 2, 3: none; 4, 5, 6: the stall
-    assert w.host["data"].max_ms == pytest.approx(2.0)
+    assert w.host["loop"].max_ms == pytest.approx(2.0)
 
 
 def test_a_stream_switch_between_steps_times_the_new_stream(clock: FakeClock, gpu: FakeGPU) -> None:
@@ -506,8 +525,8 @@ def test_sampled_timing_times_one_step_per_block_at_jittered_offsets(clock: Fake
     assert s["forward"].host.steps == 30
     assert s["step"].host.steps == 300  # every step still counts for step time and throughput
     assert s["forward"].gpu is not None and s["forward"].gpu.median_ms == pytest.approx(2.0, rel=0.01)
-    # Untimed steps (the short path) still give exact step time and data wait on the patched clock
-    assert s["data"].host.steps == 299 and s["data"].host.max_ms == pytest.approx(1.0)
+    # Untimed steps (the short path) still give exact step time and time between steps on the patched clock
+    assert s["loop"].host.steps == 299 and s["loop"].host.max_ms == pytest.approx(1.0)
     assert s["step"].host.median_ms == pytest.approx(1.0) and s["step"].host.max_ms < 2.5
     idle = s["idle"].gpu
     assert idle is not None and idle.steps >= 29  # the step before each timed one marks its end
@@ -523,7 +542,7 @@ def test_exception_in_an_untimed_step_drops_only_that_step(clock: FakeClock, gpu
         train_step(t, clock, gpu, data_ms=2.0, host={"forward": 1.0})
     s = t.close()
     assert s.steps == 10 and [w.step for w in sink.windows] == [10]
-    assert s["data"].host.max_ms == pytest.approx(2.0)  # the failed step's time is not data wait
+    assert s["loop"].host.max_ms == pytest.approx(2.0)  # the failed step's time is not time between steps
 
 
 def test_phases_of_an_untimed_step_are_no_ops_and_names_are_still_checked() -> None:
@@ -1051,7 +1070,7 @@ def test_a_windows_own_work_is_in_no_step_and_not_in_the_data_wait(
         assert not any(queued)
     assert [w.step for w in sink.windows] == [10, 20, 30, 40]
     assert [w.steps for w in sink.windows] == [10, 10, 10, 10]
-    assert s["data"].host.max_ms == pytest.approx(1.0)  # never the window's 5 ms
+    assert s["loop"].host.max_ms == pytest.approx(1.0)  # never the window's 5 ms
     for w in sink.windows:
         assert w.host["step"].max_ms == pytest.approx(2.0)
     # The wall: 40 steps of 2 ms and 39 data waits of 1 ms (none before the first)
@@ -1083,7 +1102,7 @@ def test_untimed_steps_are_resolved_at_their_end_under_cuda_once_the_timed_step_
     s = t.close()
     assert max(depth) <= 3 and depth.count(0) >= 280, depth
     assert s.steps == 300 and s.timed_steps == 3 and s["step"].host.steps == 300
-    assert s["data"].host.max_ms == pytest.approx(1.0)
+    assert s["loop"].host.max_ms == pytest.approx(1.0)
 
 
 def test_a_world_size_that_is_not_a_number_is_one_process(monkeypatch: pytest.MonkeyPatch, clock: FakeClock,
@@ -1147,7 +1166,7 @@ def test_ctrl_c_while_a_window_is_written_keeps_the_timer_and_every_step(
     assert [w.step for w in sink.windows] == [10, 20, 30, 35]
     # each step 2 ms (mean and max 2 ms: none 0, none holding the window's work)
     assert s["step"].host.mean_ms == pytest.approx(2.0) and s["step"].host.max_ms == pytest.approx(2.0)
-    assert s["data"].host.max_ms == pytest.approx(1.0)
+    assert s["loop"].host.max_ms == pytest.approx(1.0)
 
 
 def test_ctrl_c_from_another_thread_during_a_slow_sink_keeps_the_timer_and_every_step(
@@ -1207,15 +1226,16 @@ def test_ctrl_c_in_the_gpu_wait_keeps_the_timer_and_every_step(clock: FakeClock,
 
 def test_nested_pauses_count_once(clock: FakeClock) -> None:
     """A 20 ms loader wait before each step, and after each step an evaluate() of 30 ms that pauses
-    inside a caller that also pauses: the data wait stays 20 ms (the pause is subtracted once)."""
+    inside a caller that also pauses: the data row stays 20 ms (the pause is subtracted once)."""
     t, _ = make(None)
 
     def evaluate() -> None:
         with t.pause():
             clock.advance_ms(30.0)
 
+    loader = t.data(batches(clock, 20.0))
     for _ in range(10):
-        train_step(t, clock, None, data_ms=20.0, host={"forward": 2.0})
+        train_step(t, clock, None, host={"forward": 2.0}, loader=loader)
         with t.pause():
             evaluate()
     s = t.close()
@@ -1244,3 +1264,80 @@ def test_options_are_one_frozen_dataclass_that_every_front_door_shares() -> None
         with pytest.raises(ValueError, match=msg):
             StepTimer(**bad)  # type: ignore[arg-type]
     t.close()
+
+
+# ---------------------------------------------------------------- the loader's time
+
+
+class _Sleepy:
+    """A loader that sleeps before each batch and keeps its own fetch times (measured apart)."""
+
+    def __init__(self, n: int, sleep_s: float) -> None:
+        self.n, self.sleep_s, self.took_ms = n, sleep_s, []  # type: ignore[var-annotated]
+
+    def __iter__(self) -> Iterator[int]:
+        import time
+
+        for i in range(self.n):
+            t0 = time.perf_counter()
+            time.sleep(self.sleep_s)
+            self.took_ms.append((time.perf_counter() - t0) * 1e3)
+            yield i
+
+
+def test_a_sleeping_loader_is_data_and_input_bound() -> None:
+    """A loader that sleeps 10 ms before each batch of a 1 ms step: data is its time, within 5 % of
+    the time the loader measured itself, and the run is input-bound."""
+    import time
+
+    t = StepTimer(cuda=False, warmup_steps=2, print_summary=False)
+    loader = _Sleepy(30, 0.01)
+    for _ in t.data(loader):
+        with t.step(), t.phase("forward"):
+            end = time.perf_counter() + 1e-3
+            while time.perf_counter() < end:
+                pass
+    s = t.close()
+    # The summarized steps' fetches: step k's batch is fetched before it (batch k - 1), and the first
+    # two steps are warm-up. Means: each fetch holds its sleep, whatever the load does to one of them.
+    own = loader.took_ms[2:]
+    assert s["data"].host.mean_ms == pytest.approx(sum(own) / len(own), rel=0.05)
+    assert s.verdict is not None and s.verdict.kind == "input-bound"
+
+
+def test_data_passes_a_real_dataloader_through_as_it_is() -> None:
+    """A real DataLoader through timer.data: the same batches, the same error where its dataset
+    raises, the same end; each epoch's iteration wrapped anew."""
+    from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+    class Bad(Dataset[int]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> int:
+            if i == 5:
+                raise IndexError(f"no item {i}")
+            return i
+
+    dl = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=4)
+    t = StepTimer(cuda=False, warmup_steps=0, print_summary=False)
+    for _ in range(2):
+        got = [b[0].tolist() for b in t.data(dl)]
+        assert got == [b[0].tolist() for b in dl]
+    errors = []
+    for wrap in (False, True):
+        with pytest.raises(IndexError) as err:
+            for _ in t.data(DataLoader(Bad(), batch_size=2)) if wrap else DataLoader(Bad(), batch_size=2):
+                pass
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] == "no item 5"
+    t.close()
+
+
+def test_data_names_the_argument_when_it_is_not_iterable() -> None:
+    t = StepTimer(cuda=False, print_summary=False)
+    with pytest.raises(TypeError, match=r"data\(loader\): loader must be iterable .* got int"):
+        t.data(5)  # type: ignore[arg-type]
+    t.close()
+    off = StepTimer(enabled=False)
+    assert list(off.data([1, 2])) == [1, 2]

@@ -16,7 +16,7 @@ import steptimer._trace as trace_mod
 from steptimer import StepTimer
 from steptimer._kernels import analyze, load_profile
 from steptimer._profile import profile_files
-from steptimer._tracefile import GPU_TID, load_capture, to_chrome
+from steptimer._tracefile import GPU_TID, HOST_TID, load_capture, to_chrome
 from tests.fakes import FakeClock, FakeGPU
 
 
@@ -133,3 +133,34 @@ def test_a_second_run_into_the_same_log_dir_writes_beside_the_first(tmp_path: Pa
     assert profile_files(str(tmp_path)) == [str(a_prof), str(b_prof)]
     kernels = analyze(load_profile(str(tmp_path)))
     assert kernels.path == str(a_prof) and any(b_prof.name in n for n in kernels.notes)
+
+
+def test_the_time_between_steps_is_drawn_as_loop_then_the_loaders_fetch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loader timed with timer.data: before each step, ``loop`` then ``data`` (the fetch ends the
+    time between steps), their lengths the loop's and the loader's."""
+    clock = FakeClock()
+    monkeypatch.setattr(engine_mod, "perf_counter", clock)
+    monkeypatch.setattr(trace_mod, "perf_counter", clock)
+    t = StepTimer(cuda=False, log_dir=tmp_path, warmup_steps=0, print_summary=False, trace_steps=(2, 4))
+
+    def batches():  # type: ignore[no-untyped-def]
+        while True:
+            clock.advance_ms(3.0)
+            yield None
+
+    loader = t.data(batches())
+    for _ in range(6):
+        clock.advance_ms(1.0)
+        next(loader)
+        with t.step(), t.phase("forward"):
+            clock.advance_ms(2.0)
+    t.close()
+    doc = to_chrome(load_capture(str(tmp_path)))
+    host = {(e["args"]["step"], e["name"]): e for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == HOST_TID}
+    for n in (2, 3, 4):
+        loop, data = host[(n, "loop")], host[(n, "data")]
+        assert loop["dur"] == pytest.approx(1000.0) and data["dur"] == pytest.approx(3000.0)
+        assert data["ts"] == pytest.approx(loop["ts"] + 1000.0)
+        assert host[(n, f"step {n}")]["ts"] == pytest.approx(data["ts"] + 3000.0)

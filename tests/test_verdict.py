@@ -43,12 +43,14 @@ def run(
     *,
     steps: int = 60,
     between_ms: float = 0.1,
+    loader_ms: float = 0.0,
     sync_every: int = 0,
     rng: random.Random | None = None,
     scale: dict[str, float] | None = None,
     cuda: bool = True,
 ) -> object:
-    """A run on the simulated GPU. ``between_ms``: host time between steps (a loader); ``sync_every``:
+    """A run on the simulated GPU. ``between_ms``: host time between steps (the loop); ``loader_ms``:
+    then a batch from a loader (``timer.data``) that takes that long, if > 0; ``sync_every``:
     every N steps the host blocks until the GPU is done (``loss.item()``) between steps; ``rng``: each
     duration jittered by a few %; ``scale``: a phase's durations multiplied (a change between runs)."""
     gpu = FakeGPU(clock)
@@ -58,8 +60,16 @@ def run(
     def jit(ms: float) -> float:
         return ms * (1.0 + rng.gauss(0.0, 0.02)) if rng is not None else ms
 
+    def batches():  # type: ignore[no-untyped-def]
+        while True:
+            clock.advance_ms(jit(loader_ms))
+            yield None
+
+    loader = t.data(batches()) if loader_ms > 0 else None
     for i in range(steps):
         clock.advance_ms(jit(between_ms))
+        if loader is not None:
+            next(loader)
         with t.step(samples=12):
             for name, (host_ms, gpu_ms) in phases.items():
                 k = (scale or {}).get(name, 1.0)
@@ -106,7 +116,7 @@ def test_a_gpu_bound_run_whose_host_blocks_between_steps_is_gpu_bound(
         assert shares["backward"] == pytest.approx(91.0 / step_gpu, abs=0.02)
         assert summary.verdict.evidence[0].startswith("the GPU's time went to backward 6")
     # the host clock, which the shares used to divide, blocked between steps for a large part
-    assert s["data"].host.median_ms > (20.0 if sync_every == 1 else 0.0)
+    assert s["loop"].host.median_ms > (20.0 if sync_every == 1 else 0.0)
     # the report and the summary give one answer
     for row in r.rows:
         if row.share is not None:
@@ -118,15 +128,42 @@ def test_a_loader_that_stalls_the_gpu_is_input_bound_with_its_part_of_the_step(
     tmp_path: Path, clock: FakeClock
 ) -> None:
     """A loader that sleeps 30 ms per batch outside the step; the host launches a step's 20 ms of GPU
-    work in 2 ms. A step takes 32 ms of wall time, of which the GPU works 20: it idles 12 of 32."""
-    s = run(tmp_path, clock, {"forward": (1.0, 8.0), "backward": (1.0, 12.0)}, between_ms=30.0)
+    work in 2 ms. A step takes 32 ms of wall time, of which the GPU works 20: it idles 12 of 32, all
+    of it while the loader fetched."""
+    s = run(tmp_path, clock, {"forward": (1.0, 8.0), "backward": (1.0, 12.0)}, between_ms=0.0, loader_ms=30.0)
     r = report_of(tmp_path)
     for summary in (s, r):
         assert summary.verdict.kind == "input-bound", summary.verdict
         idle = next(row.share for row in summary.rows if row.name == "idle")
         assert idle == pytest.approx((32.0 - 20.0) / 32.0, abs=0.02)
-        assert any("between steps" in e and "30.0 ms" in e for e in summary.verdict.evidence)
-        assert not any("your `data` phase" in e for e in summary.verdict.evidence)  # no data phase ran
+        assert summary.verdict.evidence[0].startswith(f"the GPU waited for the loader {100 * idle:.1f}%")
+        assert "DataLoader workers" in summary.verdict.evidence[0]  # the fix
+        assert not any("`data` phase" in e for e in summary.verdict.evidence)  # no data phase ran
+        assert summary["data"].host.median_ms == pytest.approx(30.0)
+
+
+def test_idle_the_loader_does_not_account_for_is_the_loops(tmp_path: Path, clock: FakeClock) -> None:
+    """The same stall, but 1 ms in the loader and 29 in the loop around it (logging, a checkpoint):
+    loop-bound, with its fix; without a loader timed the verdict says so."""
+    phases = {"forward": (1.0, 8.0), "backward": (1.0, 12.0)}
+    s = run(tmp_path / "a", clock, phases, between_ms=29.0, loader_ms=1.0)
+    assert s.verdict.kind == "loop-bound", s.verdict
+    assert s.verdict.evidence[0].startswith("the GPU idled 34.4% of its timeline while the host ran the loop")
+    assert "log less often" in s.verdict.evidence[0]
+    assert s["idle/data"].gpu.median_ms == pytest.approx(1.0) and s["idle/loop"].gpu.median_ms == pytest.approx(11.0)
+    s = run(tmp_path / "b", clock, phases, between_ms=30.0)
+    assert s.verdict.kind == "loop-bound" and "data" not in s
+    assert "no loader was timed" in s.verdict.evidence[0] and "timer.data(loader)" in s.verdict.evidence[0]
+
+
+def test_input_and_launch_bound_names_both(tmp_path: Path, clock: FakeClock) -> None:
+    """A loader of 10 ms and phases whose kernels are shorter than their launches: the GPU idles
+    between steps and waits for launches inside them, each over 10 % of its timeline."""
+    s = run(tmp_path, clock, {"forward": (5.0, 1.0), "backward": (5.0, 1.0)}, between_ms=0.0, loader_ms=10.0)
+    assert s.verdict.kind == "input-bound + launch-bound", s.verdict
+    loader, launch = s.verdict.evidence
+    assert loader.startswith("the GPU waited for the loader") and "DataLoader workers" in loader
+    assert launch.startswith("the GPU waited for launches in forward") and "CUDA graphs" in launch
 
 
 def test_a_data_phase_the_gpu_waits_in_is_named(tmp_path: Path, clock: FakeClock) -> None:
@@ -139,7 +176,7 @@ def test_a_data_phase_the_gpu_waits_in_is_named(tmp_path: Path, clock: FakeClock
 def test_launch_bound_when_the_gpu_waits_for_launches_in_most_of_the_step(tmp_path: Path, clock: FakeClock) -> None:
     s = run(tmp_path, clock, {"forward": (10.0, 1.0), "backward": (10.0, 1.0)})
     assert s.verdict.kind == "launch-bound", s.verdict
-    assert s.verdict.evidence[0].startswith("the GPU caught up with the host (waited for launches) in forward")
+    assert s.verdict.evidence[0].startswith("the GPU waited for launches in forward")
 
 
 def test_mixed_says_why(tmp_path: Path, clock: FakeClock) -> None:
@@ -151,12 +188,16 @@ def test_mixed_says_why(tmp_path: Path, clock: FakeClock) -> None:
 
 
 def test_host_only_runs_keep_host_shares(tmp_path: Path, clock: FakeClock) -> None:
-    s = run(tmp_path / "a", clock, {"forward": (3.0, 0), "backward": (4.0, 0)}, between_ms=1.0, cuda=False)
+    phases = {"forward": (3.0, 0.0), "backward": (4.0, 0.0)}
+    s = run(tmp_path / "a", clock, phases, between_ms=0.0, loader_ms=1.0, cuda=False)
     assert s.share_clock == "host" and s.verdict.kind == "compute-bound"
     assert s["data"].share == pytest.approx(1.0 / 8.0, rel=0.01)
     assert len(s.verdict.evidence) == 2 and "host clock only" in render(s).splitlines()[0]
-    s = run(tmp_path / "b", clock, {"forward": (3.0, 0)}, between_ms=3.0, cuda=False)
-    assert s.verdict.kind == "input-bound" and s.verdict.evidence[0].startswith("the host spent 50")
+    s = run(tmp_path / "b", clock, {"forward": (3.0, 0)}, between_ms=0.0, loader_ms=3.0, cuda=False)
+    assert s.verdict.kind == "input-bound"
+    assert s.verdict.evidence[0].startswith("the host spent 50.0% of wall time waiting for the loader")
+    s = run(tmp_path / "c", clock, {"forward": (3.0, 0)}, between_ms=3.0, cuda=False)
+    assert s.verdict.kind == "loop-bound" and "no loader was timed" in s.verdict.evidence[0]
 
 
 def test_the_summary_prints_its_shares_clock_and_verdict(tmp_path: Path, clock: FakeClock) -> None:
@@ -280,7 +321,7 @@ def test_report_at_80_columns_cuts_no_name_and_wraps_no_row(tmp_path: Path, cloc
     header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["phase"])
     end = next(i for i, line in enumerate(lines) if line.startswith("throughput:"))
     firsts = [line.split()[0] for line in lines[header + 2 : end] if line.split()]
-    assert firsts == ["data", *[n for n in phases if n != "data"], "other", "wait", "step", "idle"], out
+    assert firsts == ["data", "loop", *[n for n in phases if n != "data"], "other", "wait", "step", "idle"], out
     assert lines[header - 1].split().count("ms") >= 4 and lines[header].split()[-1] == "GPU"
     assert "verdict: gpu-bound" in out and "slowest steps" not in out  # none stood out
     assert "slowest steps: wall on the GPU's timeline" in cli_report(tmp_path, "--explain")

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from steptimer._histogram import LogHistogram, bucket_index
-from steptimer._window import StepRows, pack_rows, window_of
+from steptimer._verdict import host_shares
+from steptimer._window import StepRows, Window, add_timed_host, pack_rows, window_of
 
 NAN = math.nan
 
@@ -38,8 +39,10 @@ def test_series_stats_match_per_value_references(n: int) -> None:
         g = rng.lognormvariate(0.0, 2.0)
         fwd.append(h * 1e3)
         gfwd.append(g)
-        # number, samples, tokens, step_s, gap_s, wait_s | host forward (s) | GPU step, forward (ms) | caught
-        rows.add((("forward",), True, False), [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, NAN, h, g + 1.0, g, float(k % 2)])
+        # number, samples, tokens, step_s, gap_s, wait_s, flops, fetch_s | host forward (s)
+        # | GPU step, forward (ms) | caught
+        row = [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, NAN, NAN, h, g + 1.0, g, float(k % 2)]
+        rows.add((("forward",), True, False), row)
     p = pack_rows(rows)
     stats, hists = p.stats(), p.histograms()
     for key, values in ((("host", "forward"), fwd), (("gpu", "forward"), gfwd)):
@@ -54,50 +57,80 @@ def test_series_stats_match_per_value_references(n: int) -> None:
         assert st.p90_ms == _nearest_rank(values, 0.9)
 
 
-def test_rows_derive_data_other_idle_and_repeated_phases() -> None:
-    """Derived series: data = gap (+ a data phase), other = step - top-level phases - wait, repeats add up."""
+def test_rows_derive_data_loop_other_idle_and_repeated_phases() -> None:
+    """Derived series: data = the loader's fetch (+ a data phase), loop = the rest of the time
+    between steps, other = step - top-level phases - wait, repeats add up; the GPU's idle split into
+    the loader's part (up to the fetch's time) and the rest."""
     rows = StepRows()
     names = ("forward", "forward/inner", "forward", "data")
-    # step 1: no gap yet (first step), no idle; step 2: gap 2 ms, GPU idle 0.25 ms
     host_s = [0.001, 0.0005, 0.002, 0.0003]
     gpu_ms = [1.5, 0.5, 2.5, 0.1]
     caught = [1.0, 0.0, 0.0, 1.0]  # per entry: forward caught up in 1 of its 2 entries, data in its one
-    rows.add((names, True, False), [1, NAN, 64.0, 0.010, NAN, 0.001, NAN, *host_s, 5.0, *gpu_ms, *caught])
-    rows.add((names, True, True), [2, NAN, 64.0, 0.010, 0.002, 0.001, NAN, *host_s, 5.0, *gpu_ms, *caught, 0.25])
-    rows.add((None, False, False), [3, NAN, 64.0, 0.008, 0.001, 0.0005, NAN])  # untimed step
-    w = window_of(rows, 3)
-    assert w.step == 3 and w.steps == 3
-    assert w.host["forward"].steps == 2 and w.host["forward"].mean_ms == pytest.approx(3.0)
+    lead = (NAN, 64.0, 0.010)
+    # step 1: the first (no time between steps, no fetch counted, no idle); step 2: 2 ms between
+    # steps, 1.5 of them fetching, GPU idle 0.25 ms; step 3 untimed; step 4: 3 ms between steps,
+    # 0.5 fetching, GPU idle 2 ms
+    rows.add((names, True, False), [1, *lead, NAN, 0.001, NAN, NAN, *host_s, 5.0, *gpu_ms, *caught])
+    rows.add((names, True, True), [2, *lead, 0.002, 0.001, NAN, 0.0015, *host_s, 5.0, *gpu_ms, *caught, 0.25])
+    rows.add((None, False, False), [3, NAN, 64.0, 0.008, 0.001, 0.0005, NAN, 0.0004])
+    rows.add((names, True, True), [4, *lead, 0.003, 0.001, NAN, 0.0005, *host_s, 5.0, *gpu_ms, *caught, 2.0])
+    w = window_of(rows, 4)
+    assert w.step == 4 and w.steps == 4
+    assert w.host["forward"].steps == 3 and w.host["forward"].mean_ms == pytest.approx(3.0)
     assert w.host["forward/inner"].mean_ms == pytest.approx(0.5)
-    # data: step 1 only its phase (0.3); step 2 gap + phase (2.3); step 3 its gap (1.0)
-    assert sorted(w.hists[("host", "data")].counts) == sorted(bucket_index(v) for v in (0.3, 2.3, 1.0))
-    assert w.host["data"].steps == 3 and w.host["data"].mean_ms == pytest.approx((0.3 + 2.3 + 1.0) / 3)
+    data = (0.3, 1.5 + 0.3, 0.4, 0.5 + 0.3)  # step 1 only its phase
+    assert sorted(w.hists[("host", "data")].counts) == sorted(bucket_index(v) for v in data)
+    assert w.host["data"].steps == 4 and w.host["data"].mean_ms == pytest.approx(sum(data) / 4)
+    loop = (2.0 - 1.5, 1.0 - 0.4, 3.0 - 0.5)  # none before the first step
+    assert w.host["loop"].steps == 3 and w.host["loop"].mean_ms == pytest.approx(sum(loop) / 3)
     # other = 10 - (1 + 2 + 0.3) - 1 = 5.7 (nested entries are inside their parent)
-    assert w.host["other"].steps == 2 and w.host["other"].max_ms == pytest.approx(5.7)
-    assert w.host["wait"].steps == 3 and w.host["step"].steps == 3
+    assert w.host["other"].steps == 3 and w.host["other"].max_ms == pytest.approx(5.7)
+    assert w.host["wait"].steps == 4 and w.host["step"].steps == 4
     assert w.gpu["forward"].mean_ms == pytest.approx(4.0)
     assert w.gpu["other"].mean_ms == pytest.approx(5.0 - 4.1)
-    assert w.gpu["idle"].steps == 1 and w.gpu["idle"].mean_ms == pytest.approx(0.25)
+    assert w.gpu["idle"].steps == 2 and w.gpu["idle"].mean_ms == pytest.approx((0.25 + 2.0) / 2)
+    assert w.gpu["idle/data"].mean_ms == pytest.approx((0.25 + 0.5) / 2)
+    assert w.gpu["idle/loop"].mean_ms == pytest.approx((0.0 + 1.5) / 2)
     # caught: the mean over a step's entries of a phase, then over steps; not a host or GPU series
     assert w.caught == {"forward": 0.5, "forward/inner": 0.0, "data": 1.0}
     assert all(clock != "caught" for clock, _ in w.hists)
-    cycle_s = 0.010 + 0.010 + 0.002 + 0.008 + 0.001
-    assert w.steps_per_s == pytest.approx(3 / cycle_s)
-    assert w.tokens_per_s == pytest.approx(3 * 64.0 / cycle_s) and w.samples_per_s is None
+    cycle_s = 0.010 + 0.010 + 0.002 + 0.008 + 0.001 + 0.010 + 0.003
+    assert w.steps_per_s == pytest.approx(4 / cycle_s)
+    assert w.tokens_per_s == pytest.approx(4 * 64.0 / cycle_s) and w.samples_per_s is None
+    # host shares: data, loop, the phases, other and wait tile the timed steps' wall time
+    assert sum(v for n, v in _host_shares(w).items()) == pytest.approx(1.0)
     # Per step, as the slowest steps read a window's rows (the timed steps only)
     slow = {c.step: c for c in pack_rows(rows, slowest=3).slow}
-    assert set(slow) == {1, 2}
+    assert set(slow) == {1, 2, 4}
     assert slow[1].host_ms["forward"] == pytest.approx(3.0) and slow[1].host_ms["data"] == pytest.approx(0.3)
-    assert slow[2].host_ms["data"] == pytest.approx(2.3) and slow[2].host_ms["other"] == pytest.approx(5.7)
+    assert slow[2].host_ms["data"] == pytest.approx(1.8) and slow[2].host_ms["other"] == pytest.approx(5.7)
+    assert slow[2].host_ms["loop"] == pytest.approx(0.5)
     assert slow[1].gpu_ms is not None and "idle" not in slow[1].gpu_ms
     assert slow[2].gpu_ms is not None and slow[2].gpu_ms["idle"] == pytest.approx(0.25)
     assert slow[2].wall_ms == pytest.approx(5.0 + 0.25)  # GPU step + idle: the GPU clock's wall
 
 
+def test_without_a_loader_the_time_between_steps_is_loop() -> None:
+    """No loader timed (fetch NaN): no data series unless a data phase ran; loop is all the time
+    between steps; the GPU's idle is not split."""
+    rows = StepRows()
+    rows.add((("forward",), True, True), [2, NAN, NAN, 0.004, 0.002, 0.0, NAN, NAN, 0.001, 4.0, 3.0, 1.0, 0.5])
+    w = window_of(rows, 2)
+    assert "data" not in w.host and w.host["loop"].mean_ms == pytest.approx(2.0)
+    assert set(w.gpu) == {"step", "forward", "other", "idle"}
+
+
+def _host_shares(w: Window) -> dict[str, float]:
+    assert w.packed is not None
+    sums: dict[str, float] = {}
+    cycle = add_timed_host(w.packed.groups, sums)
+    return host_shares(sums, cycle)
+
+
 def test_series_without_values_are_left_out() -> None:
     """Host-only rows carry NaN for the wait: no 'wait' series, no GPU series."""
     rows = StepRows()
-    rows.add((("forward",), False, False), [1, NAN, NAN, 0.004, NAN, NAN, NAN, 0.001])
+    rows.add((("forward",), False, False), [1, NAN, NAN, 0.004, NAN, NAN, NAN, NAN, 0.001])
     w = window_of(rows, 1)
     assert set(w.host) == {"step", "forward", "other"} and not w.gpu
     assert w.host["other"].mean_ms == pytest.approx(3.0)
