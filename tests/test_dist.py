@@ -91,6 +91,18 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
     assert f"slowest rank: {slow} " in out  # the per-rank section of rank 0's printed summary
 
 
+def test_a_gc_pause_on_one_rank_in_a_windows_last_step_keeps_the_ranks_in_step(tmp_path: Path) -> None:
+    """A step marked on one rank only (a GC pause) ends its window there at the same step as on the
+    others: the ranks meet in the cross-rank round, none waits in the others' all-reduce until the
+    round's timeout, and every window is reported by both."""
+    args = ["--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--gc-rank", "1", "--gc-step", "10",
+            "--timeout", "20"]  # fmt: skip
+    results, out = torchrun("plain_loop.py", *args, timeout_s=120.0)
+    assert "timed out" not in out and "cross-rank" not in out.split("RESULT")[0].lower(), out[-3000:]
+    assert all(r["wall_s"] < 20.0 for r in results.values()), results  # far from the round's timeout
+    assert [v for _, v in scalars(tmp_path)["steptimer-ranks/reporting"]] == [2.0, 2.0, 2.0]
+
+
 @pytest.mark.parametrize("ddp", [True, False], ids=["ddp", "no-ddp"])
 def test_the_slow_rank_of_a_slow_step_is_named(tmp_path: Path, ddp: bool) -> None:
     """Rank 1 sleeps 40 ms in the forward of step 17 only. Under DDP every rank's step 17 is slow (the

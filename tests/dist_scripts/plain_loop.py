@@ -8,6 +8,7 @@ Each rank prints ``RESULT {json}`` at the end.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -33,6 +34,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--extra-phase-rank", type=int, default=-1)
     p.add_argument("--raise-rank", type=int, default=-1, help="this rank raises at --raise-step")
     p.add_argument("--raise-step", type=int, default=0)
+    p.add_argument("--gc-rank", type=int, default=-1, help="this rank collects garbage in step --gc-step")
+    p.add_argument("--gc-step", type=int, default=0)
     p.add_argument("--linger-s", type=float, default=0.0, help="the raising rank stays this long before exiting")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--width", type=int, default=64)
@@ -59,6 +62,8 @@ def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: n
                     if mem is not None:
                         mem.alloc((rank + 1) * (8 << 20))
                         mem.free((rank + 1) * (8 << 20))
+                    if rank == a.gc_rank and i == a.gc_step:  # a GC pause marks this step on one rank only
+                        gc.collect()
                     if rank == a.slow_rank and a.slow_step in (0, i):
                         time.sleep(a.slow_ms / 1e3)
                 if rank == a.extra_phase_rank:
