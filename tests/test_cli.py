@@ -382,7 +382,7 @@ def test_compare_needs_one_run_each(tmp_path: Path, clock: FakeClock) -> None:
     fake_run(tmp_path / "x" / "1", clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=5)
     fake_run(tmp_path / "x" / "2", clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=5)
     p = cli("compare", str(tmp_path / "x"), str(tmp_path / "x" / "1"), ok=False)
-    assert p.returncode == 1 and "holds 2 runs" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 1 and "holds 2 runs" in " ".join(p.stderr.split()) and "Traceback" not in p.stderr
 
 
 # ---------------------------------------------------------------------- trace
