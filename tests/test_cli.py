@@ -538,9 +538,13 @@ def _gpu_run(log_dir: Path, kind: str) -> None:
         trace_steps=3,
         cuda=True,
     )
-    for _ in range(30):
-        if kind == "input":
-            time.sleep(0.03)  # a sleeping data loader
+    def loader() -> Any:  # a data loader, sleeping 30 ms a batch for "input"
+        for _ in range(30):
+            if kind == "input":
+                time.sleep(0.03)
+            yield None
+
+    for _ in t.data(loader()):
         with t.step():
             with t.phase("forward"):
                 if kind == "launch":

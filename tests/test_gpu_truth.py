@@ -122,12 +122,16 @@ def test_gpu_idle_grows_with_a_host_stall_between_steps(cycles_per_ms: float) ->
     timer = RecordingTimer.make(cuda=True)
     steps, stall_s = 10, 0.005
     slept: dict[int, float] = {}
-    with strict_syncs() as counts:
+    def loader() -> Any:
         for i in range(1, 2 * steps + 1):
-            if i > steps:  # second half: a "data loader" that stalls the host before each step
+            if i > steps:  # second half: the data loader stalls the host before each step
                 t0 = perf_counter()
                 time.sleep(stall_s)
                 slept[i] = perf_counter() - t0
+            yield i
+
+    with strict_syncs() as counts:
+        for _ in timer.data(loader()):
             with timer.step(), timer.phase("work"):
                 torch.cuda._sleep(int(0.5 * cycles_per_ms))
         timer.close()
