@@ -305,11 +305,11 @@ class TensorBoardSink:
         self.writer = writer
         self._histograms = histograms
         self._file: EventFile | None = None
-        self._run_id = new_run_id()  # every file of this sink carries it: a run of its own for the reader
+        self.run_id = new_run_id()  # every file of this sink carries it: a run of its own for the reader
         if writer is None:
             self.dir = os.fspath(log_dir) if log_dir is not None else "runs"
             check_writable(self.dir)
-            self._file = EventFile(self.dir, run_id=self._run_id)
+            self._file = EventFile(self.dir, run_id=self.run_id)
         else:
             self.dir = writer.get_logdir()
         self._runs: dict[str, EventFile] = {}
@@ -344,7 +344,7 @@ class TensorBoardSink:
         f = self._runs.get(name)
         if f is None:
             path = os.path.join(self.dir, PHASE_DIR, *name.split("/"))
-            f = self._runs[name] = EventFile(path, run_id=self._run_id, suffix=PHASE_SUFFIX)
+            f = self._runs[name] = EventFile(path, run_id=self.run_id, suffix=PHASE_SUFFIX)
         return f
 
     def write_energy(self, scalars: dict[str, float], step: int) -> None:

@@ -307,9 +307,8 @@ class StepTimer:
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
             profile_on_slow=profile_on_slow, recent=c,
         )  # fmt: skip
-        r = self._ranges
         # StepWalls per window (_slow.py): profile_on_slow's check, the slowest step across ranks
-        self._walls = (r is not None and r.slow is not None) or (self._xrank is not None and slowest_steps > 0)
+        self._walls = getattr(self._ranges, "slow", None) is not None or (self._xrank is not None and slowest_steps > 0)
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
         # Every resolved step to the capture: through add() when windows keep steps whole (and the
         # profiler marks them: the long way), else appended to its ring by the engine itself.
@@ -339,7 +338,7 @@ class StepTimer:
         if self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
             if self._capture is not None:  # its files carry the run id of the sink's files
-                self._capture.run_id = self._sinks[0]._run_id  # type: ignore[attr-defined]
+                self._capture.run_id = self._sinks[0].run_id  # type: ignore[attr-defined]
         elif log_dir is not None:
             check_writable(os.fspath(log_dir))
         _exit.track(self)  # closed at exit and on SIGTERM if still open then (_exit.py)
