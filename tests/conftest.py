@@ -1,4 +1,5 @@
-"""Shared test set-up: the `cuda` marker (its tests run one at a time, in one worker).
+"""Shared test set-up: the `cuda` marker (its tests run one at a time, in one worker); the fake
+clock and GPU that engine tests share.
 
 Tests marked ``@pytest.mark.cuda`` are skipped where CUDA is absent. On the GPU machine,
 ``STEPTIMER_REQUIRE_CUDA=1`` turns any such skip into a failure, so a green run proves they ran.
@@ -15,6 +16,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+import steptimer._engine as engine_mod  # noqa: E402
+from tests.fakes import FakeClock, FakeGPU  # noqa: E402
 
 REQUIRE_CUDA = os.environ.get("STEPTIMER_REQUIRE_CUDA") == "1"
 
@@ -44,3 +48,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if REQUIRE_CUDA and report.skipped and "cuda" in item.keywords:
         report.outcome = "failed"
         report.longrepr = f"STEPTIMER_REQUIRE_CUDA=1: cuda test {item.nodeid} was skipped"
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The engine's host clock, moved by the test (``clock.advance_ms``)."""
+    c = FakeClock()
+    monkeypatch.setattr(engine_mod, "perf_counter", c)
+    return c
+
+
+@pytest.fixture
+def gpu(clock: FakeClock) -> FakeGPU:
+    """A simulated GPU on that clock (tests/fakes.py)."""
+    return FakeGPU(clock)

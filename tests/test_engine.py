@@ -8,22 +8,9 @@ from typing import Any
 
 import pytest
 
-import steptimer._engine as engine_mod
 from steptimer._engine import GPU, HOST, OUT, UNTIMED, Engine, Fetch, Phase, PhaseRecord, StepRecord
 from steptimer._window import FETCH_S, GAP_S, STEP_S, StepRows, window_of
 from tests.fakes import FakeClock, FakeGPU
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    c = FakeClock()
-    monkeypatch.setattr(engine_mod, "perf_counter", c)
-    return c
-
-
-@pytest.fixture
-def gpu(clock: FakeClock) -> FakeGPU:
-    return FakeGPU(clock)
 
 
 class Owner:

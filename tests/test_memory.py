@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import steptimer._engine as engine_mod
 from steptimer import StepTimer
 from steptimer._memory import MIB
 from steptimer._table import render
@@ -16,18 +15,6 @@ from tests.fakes import FakeAllocator, FakeClock, FakeGPU, ListSink
 from tests.tb import layout_regexes, scalars
 
 KIB = 1024
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    c = FakeClock()
-    monkeypatch.setattr(engine_mod, "perf_counter", c)
-    return c
-
-
-@pytest.fixture
-def gpu(clock: FakeClock) -> FakeGPU:
-    return FakeGPU(clock)
 
 
 @pytest.fixture

@@ -20,17 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import steptimer._engine as engine_mod
 from steptimer import StepTimer
 from steptimer._table import render
 from tests.fakes import FakeClock, FakeGPU, ListSink
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    c = FakeClock()
-    monkeypatch.setattr(engine_mod, "perf_counter", c)
-    return c
 
 
 def _gpu_run(clock: FakeClock, gpu: FakeGPU, steps: int, stall_step: int, **kw: object) -> StepTimer:

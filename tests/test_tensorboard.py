@@ -27,7 +27,6 @@ try:
 except ImportError:  # Windows
     resource = None  # type: ignore[assignment]
 
-import steptimer._engine as engine_mod
 from steptimer import StepTimer
 from steptimer._dist import scalars_of
 from steptimer._histogram import bucket_index, grid_index
@@ -37,13 +36,6 @@ from steptimer._tensorboard import EventFile, TensorBoardSink, run_names, window
 from steptimer._window import Window
 from tests.fakes import FakeClock, FakeGPU, ListSink
 from tests.tb import accumulator, layout_regexes, phase_runs, run_scalars, scalars
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    c = FakeClock()
-    monkeypatch.setattr(engine_mod, "perf_counter", c)
-    return c
 
 
 def run(t: StepTimer, clock: FakeClock, gpu: FakeGPU | None, steps: int) -> None:

@@ -19,18 +19,6 @@ from steptimer._table import render
 from tests.fakes import FakeClock, FakeGPU, ListSink
 
 
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    c = FakeClock()
-    monkeypatch.setattr(engine_mod, "perf_counter", c)
-    return c
-
-
-@pytest.fixture
-def gpu(clock: FakeClock) -> FakeGPU:
-    return FakeGPU(clock)
-
-
 def make(gpu: FakeGPU | None = None, **kw: object) -> tuple[StepTimer, ListSink]:
     sink = ListSink()
     kw.setdefault("warmup_steps", 0)

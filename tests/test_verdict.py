@@ -15,20 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import steptimer._engine as engine_mod
 from steptimer import StepTimer
 from steptimer._reader import find_runs
 from steptimer._report import MIN_CHANGE, analyze, compare
 from steptimer._table import render
 from steptimer._verdict import BUSY_SHARE, STALL_SHARE
 from tests.fakes import FakeClock, FakeGPU
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    c = FakeClock()
-    monkeypatch.setattr(engine_mod, "perf_counter", c)
-    return c
 
 
 # The GPT-2 step of issue 29 on an H100, per optimizer step: (host ms, GPU ms) per phase.
