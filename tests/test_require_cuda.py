@@ -18,7 +18,9 @@ def test_require_cuda_turns_skip_into_failure(tmp_path: Path) -> None:
         "import pytest\n\n@pytest.mark.cuda\ndef test_gpu():\n    pytest.skip('no gpu here')\n"
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: gpu\n")
-    env = dict(os.environ, STEPTIMER_REQUIRE_CUDA="1")
+    # The copied conftest imports the shared fakes (tests.fakes) from the repository.
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, STEPTIMER_REQUIRE_CUDA="1", PYTHONPATH=path)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                          capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
