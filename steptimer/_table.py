@@ -99,14 +99,14 @@ def memory_table(summary: Summary) -> Any:
 
 
 def stood_out(summary: Summary) -> list[SlowStep]:
-    """The slowest steps that stood out: the row that grew most grew by at least half the run's
-    median step (a step merely at the top of a flat run is no news, whatever was measured in it)."""
+    """The slowest steps that stood out: the row that grew most grew by at least the run's median
+    step (a step merely at the top of a flat run is no news, whatever was measured in it)."""
     step = summary["step"] if "step" in summary else None
     out = []
     for s in summary.slowest:
         st = None if step is None else step.gpu if s.clock == "gpu" else step.host
         median = st.median_ms if st is not None and st.steps else math.inf
-        if s.grew_ms is not None and s.grew_ms >= 0.5 * median:
+        if s.grew_ms is not None and s.grew_ms >= median:
             out.append(s)
     return out
 
@@ -154,13 +154,16 @@ def facts(summary: Summary) -> list[str]:
     m = summary.memory
     if m is not None and m.max_allocated_bytes:
         lines.append(f"the run's peak allocated was {m.max_allocated_bytes / MIB:,.1f} MiB")
-    return lines + [f"note: {n}" for n in summary.notes]
+    # The heading says "host clock only" already: a note that only says CUDA is absent would say it twice.
+    notes = [n for n in summary.notes if n != "host timing only: CUDA is not available"]
+    return lines + [f"note: {n}" for n in notes]
 
 
 def energy_line(summary: Summary, label: str = "") -> str:
     """``energy: 512 J/step, 0.125 J/sample, 650 W``: the GPU's, over the summarized windows."""
     e = summary.energy
-    assert e is not None
+    if e is None:
+        return f"{label}energy: not read"
     per = [f"{num(e.joules_per_step)} J/step"]
     rate = summary.steps_per_s
     for count, unit in ((summary.samples_per_s, "sample"), (summary.tokens_per_s, "token")):
@@ -199,7 +202,7 @@ def explanations(summary: Summary) -> list[str]:
         clock = "the GPU's timeline" if summary.slowest[0].clock == "gpu" else "the host clock"
         lines.append(
             f"slowest steps: wall on {clock}; what stood out is the row that grew most over its median, then "
-            "the measured causes; shown by default when the row grew by at least half the median step"
+            "the measured causes; shown by default when the row grew by at least the median step"
         )
     return lines
 
