@@ -100,13 +100,14 @@ def memory_table(summary: Summary) -> Any:
 
 def stood_out(summary: Summary) -> list[SlowStep]:
     """The slowest steps that stood out: the row that grew most grew by at least the run's median
-    step (a step merely at the top of a flat run is no news, whatever was measured in it)."""
+    step with a measured cause (a GC pause, a recompilation, ...), or by five median steps without
+    one (a step merely at the top of a flat run is no news)."""
     step = summary["step"] if "step" in summary else None
     out = []
     for s in summary.slowest:
         st = None if step is None else step.gpu if s.clock == "gpu" else step.host
         median = st.median_ms if st is not None and st.steps else math.inf
-        if s.grew_ms is not None and s.grew_ms >= median:
+        if s.grew_ms is not None and s.grew_ms >= (median if s.causes else 5 * median):
             out.append(s)
     return out
 
@@ -202,7 +203,7 @@ def explanations(summary: Summary) -> list[str]:
         clock = "the GPU's timeline" if summary.slowest[0].clock == "gpu" else "the host clock"
         lines.append(
             f"slowest steps: wall on {clock}; what stood out is the row that grew most over its median, then "
-            "the measured causes; shown by default when the row grew by at least the median step"
+            "the measured causes; shown by default when the row grew by at least the median step with a measured cause, or five without"
         )
     return lines
 
