@@ -1,37 +1,28 @@
-"""Small steps: steptimer's host cost per step against the least a timer must do (issue 34).
+"""Small steps: what steptimer costs where its cost shows, and what the cost budget keeps (issue 43).
 
 On a step of a few ms the host launches the work, so every host µs steptimer spends is wall time.
-One run interleaves blocks (``round_order``: each round a different order, GC off) of:
+One run interleaves blocks (``round_order``: each round a different order, GC off):
 
-* ``bare``: an empty loop (subtracted from every other block of the same round);
-* ``floor``: the least a Python timer must do: five nested context managers, each reading
-  ``perf_counter()`` twice and appending once (a step and 4 phases);
-* ``host``: ``StepTimer(cuda=False, log_dir=...)``, a step of 4 empty phases, every step timed,
-  windows of 50 steps written to TensorBoard (the defaults);
-* ``untimed``: the same with ``sample_every=1000``: almost every step is outside the sample;
-* ``host_nolog``: ``host`` without ``log_dir`` (the engine and window statistics, no TensorBoard);
-* ``host_50``: ``host`` with ``log_every_n_steps=50`` (the default lengthens a window of small
-  steps to last a second; this is the cost of one window every 50 steps);
-* on CUDA: ``rec5``, five ``torch.cuda.Event.record(stream)`` calls (the floor of a CUDA-timed step
-  of 4 phases), ``calls`` (the CUDA calls a default timed step makes, through the engine's backend,
-  with no engine: the floor of any Python engine that makes them), ``cuda`` (the defaults: CUDA
-  events, the allocator read on a time budget), ``cuda_untimed`` (``sample_every=1000``),
-  ``cuda_nomem`` (``memory=False``) and ``cuda_50`` (``log_every_n_steps=50``);
-* ``--launch-bound`` (CUDA): a loop of ~4 ms steps that only launch tiny kernels, bare and timed
-  with the defaults, in interleaved blocks: the overhead in % of the bare step, per round;
-* ``--lightning`` (CPU): a Lightning ``Trainer`` fitting a small autoencoder with and without
-  ``StepTimerCallback`` (its automatic forward/loss split included), fits interleaved: µs per step
-  added (the mean step, from a stamp at each ``on_train_batch_start``).
+* the host table: ``bare`` (an empty loop, subtracted from each other block of the same round),
+  ``floor`` (five nested context managers, each reading ``perf_counter()`` twice and appending once),
+  steptimer timing every step (``sample_every=1``) host only with and without ``log_dir`` and with
+  50-step windows, an untimed step (``sample_every=1000``); on CUDA also ``rec5`` (five
+  ``Event.record``), ``calls`` (a timed step's CUDA calls through the engine's backend, no engine:
+  the floor of any Python engine) and the CUDA-timed step;
+* ``--launch-bound`` (CUDA): ~4 ms steps that only launch tiny kernels, bare, with the defaults
+  (the cost budget) and timing every step;
+* ``--cpu-loop``: ~1 ms steps of host work in 4 phases, bare, defaults and every step;
+* ``--lightning`` (CPU): a ``Trainer`` fitting a small autoencoder bare, with ``StepTimerCallback()``
+  and with ``StepTimerCallback(sample_every=1)``, fits interleaved.
 
-Each added cost is the median over rounds of (variant block - bare block of the same round) per
-step, with its IQR; each ratio is the median over rounds of the same-round ratio to a floor. Run:
-``PYTHONPATH=. python -m bench.small_steps`` (add ``--lightning``, and ``--launch-bound`` on CUDA).
+Overheads are medians over rounds of same-round ratios to the bare block, with their IQR. The
+phases' medians and shares under the budget are set against the every-step timer's of the same run.
+Run: ``PYTHONPATH=. python -m bench.small_steps --cpu-loop --lightning`` (``--launch-bound`` on CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import platform
 import tempfile
@@ -41,8 +32,8 @@ from typing import Any
 
 import torch
 
-from bench._stats import format_table, median, median_ci, quantile, round_order
-from steptimer import StepTimer
+from bench._stats import format_table, median, quantile, round_order
+from steptimer import StepTimer, Summary
 
 Block = Callable[[int], float]  # runs n steps, returns seconds
 
@@ -218,66 +209,123 @@ def host_table(res: dict[str, list[float]], steps: int) -> tuple[str, dict[str, 
     """µs per step added over ``bare`` and the ratios to the floors, per variant."""
     bare = res["bare"]
     added = {k: [(v - b) / steps * 1e6 for v, b in zip(vs, bare)] for k, vs in res.items() if k != "bare"}
-    floors = {"floor": added["floor"], "rec5": added.get("rec5")}
+    floors = {"floor": added["floor"], "rec5": added.get("rec5"), "calls": added.get("calls")}
     rows, med = [], {}
     for k, xs in added.items():
         med[k] = median(xs)
         ratios = []
         for fname, fl in floors.items():
-            if fl is None or k == fname:
+            if fl is None or k == fname or (fname != "floor" and not k.startswith("cuda")):
                 continue
             r = [x / f for x, f in zip(xs, fl) if f > 0]
             med[f"{k}/{fname}"] = median(r)
             ratios.append(f"{median(r):.2f} × {fname} {_iqr(r)}")
-        rows.append([k, f"{med[k]:.2f}", _iqr(xs), f"{min(xs):.2f}..{max(xs):.2f}", "; ".join(ratios) or "-"])
-    table = format_table(["variant", "µs/step added (median)", "IQR", "range", "ratio to floor (median, IQR)"], rows)
+        rows.append([k, f"{med[k]:.2f}", _iqr(xs), "; ".join(ratios) or "-"])
+    table = format_table(["variant", "µs/step added (median)", "IQR", "ratio to floor (median, IQR)"], rows)
     return table, med
 
 
-def targets(med: dict[str, float], lightning_us: float | None, launch_pct: tuple[float, float, float] | None) -> str:
-    """Which of issue 34's targets this run meets (n/a: not measured on this machine)."""
-
-    def check(label: str, key: str, limit: float, unit: str) -> list[str]:
-        v = med.get(key)
-        if v is None:
-            return [label, "n/a", f"≤ {limit:g}{unit}", "n/a (needs CUDA)" if "cuda" in key or "rec5" in key else "n/a"]
-        return [label, f"{v:.2f}{unit}", f"≤ {limit:g}{unit}", "yes" if v <= limit else "NO"]
-
-    rows = [
-        check("untimed step (sample_every=1000)", "untimed", 5, " µs"),
-        check("host-only timed step, 4 phases", "host", 10, " µs"),
-        check("host-only timed step / Python floor", "host/floor", 4, " ×"),
-        check("host-only timed step, no log_dir", "host_nolog", 10, " µs"),
-        check("host-only timed step, no log_dir / Python floor", "host_nolog/floor", 4, " ×"),
-        check("untimed step / Python floor", "untimed/floor", 1.5, " ×"),
-        check("CUDA timed step (defaults) / 5-record floor", "cuda/rec5", 1.5, " ×"),
-        check("(its CUDA calls alone, no engine) / 5-record floor", "calls/rec5", 1.5, " ×"),
-        check("CUDA untimed step (sample_every=1000)", "cuda_untimed", 5, " µs"),
-    ]
-    if lightning_us is not None:
-        rows.append(["Lightning callback over the same Trainer, CPU", f"{lightning_us:.1f} µs", "≤ 50 µs",
-                     "yes" if lightning_us <= 50 else "NO"])  # fmt: skip
-    if launch_pct is not None:
-        m, lo, hi = launch_pct
-        ok = hi < 1.0  # the whole 95 % confidence interval of the median below 1 %
-        rows.append(["launch-bound ~4 ms steps, overhead", f"{m:+.2f} % (95 % CI {lo:+.2f}..{hi:+.2f})", "< 1 %",
-                     "yes" if ok else "NO"])  # fmt: skip
-    return format_table(["target (issue 34)", "this run", "limit", "met"], rows)
+def overhead(res: dict[str, list[float]], name: str) -> tuple[float, float, float]:
+    """Median and IQR of block ``name`` over the bare block of the same round, in %."""
+    pct = [(t / b - 1) * 100 for t, b in zip(res[name], res["bare"])]
+    return median(pct), quantile(pct, 0.25), quantile(pct, 0.75)
 
 
-# --------------------------------------------------------------------------- launch-bound, CUDA
+def overhead_rows(label: str, res: dict[str, list[float]], names: list[str], steps: int) -> list[list[str]]:
+    bare_ms = median(res["bare"]) / steps * 1e3
+    out = []
+    for name in names:
+        m, lo, hi = overhead(res, name)
+        out.append([label, name, f"{bare_ms:.3f}", f"{m:+.2f} %", f"[{lo:+.2f}, {hi:+.2f}] %"])
+    return out
 
 
-def launch_bound(
-    rounds: int, steps: int, step_ms: float, variants: bool = False
-) -> tuple[str, tuple[float, float, float]]:
-    """~``step_ms`` steps of tiny kernel launches (4 phases), bare and timed, blocks interleaved.
-    ``variants``: also timed with ``memory=False``, ``cuda=False`` and ``sample_every=1000``, to
-    tell the host's Python from the CUDA calls and the allocator readings; the bare loop in 5
-    no-op ``with`` blocks (``contextlib.nullcontext``); and the bare loop with no timer but the
-    CUDA calls a timed step makes at its boundaries: the 5 records alone (``rec5``, through torch),
-    and all of ``calls_block``'s calls (through the engine's backend) inside the 5 no-op ``with``
-    blocks: the least an event timer with this API that times every step adds."""
+def agreement(label: str, budget: Summary, every: Summary) -> tuple[list[str], float]:
+    """The budget timer's phases against the every-step timer's of the same run: the worst difference of
+    a median (each clock; % of it, or µs where 5 µs is more) and of a share (points), in % of the budget."""
+    worst, what = 0.0, "-"
+    rows_e = {r.name: r for r in every.rows}
+    for r in budget.rows:
+        e = rows_e.get(r.name)
+        if e is None or r.name in ("data", "loop", "wait"):
+            continue
+        for clock, a, b in (("host", r.host, e.host), ("gpu", r.gpu, e.gpu)):
+            if a is None or b is None or not a.steps or not b.steps:
+                continue
+            d_ms = abs(a.median_ms - b.median_ms)
+            rel = d_ms / b.median_ms if b.median_ms else 0.0
+            frac = min(rel / 0.02, d_ms / 0.005)  # 1.0: at the budget (2 %, or 5 µs)
+            if frac > worst:
+                worst, what = frac, f"{r.name} {clock} median {a.median_ms:.4f} vs {b.median_ms:.4f} ms"
+        if r.share is not None and e.share is not None and r.share == r.share and e.share == e.share:
+            frac = abs(r.share - e.share) / 0.02
+            if frac > worst:
+                worst, what = frac, f"{r.name} share {r.share:.2%} vs {e.share:.2%}"
+    timed = f"{budget.timed_steps}/{budget.steps}"
+    return [label, timed, f"{every.timed_steps}/{every.steps}", f"{worst:.0%}", what], worst
+
+
+def four_phase_block(timer: StepTimer | None, work: Callable[[], None], sync: Callable[[], None]) -> Block:
+    """A step of 4 phases each doing ``work()``, under ``timer`` (None: bare)."""
+    if timer is None:
+
+        def bare(n: int) -> float:
+            sync()
+            t0 = perf_counter()
+            for _ in range(n):
+                work()
+                work()
+                work()
+                work()
+            sync()
+            return perf_counter() - t0
+
+        return bare
+    st, ph = timer.step, timer.phase
+
+    def run(n: int) -> float:
+        sync()
+        t0 = perf_counter()
+        for _ in range(n):
+            with st(samples=1):
+                with ph("forward"):
+                    work()
+                with ph("loss"):
+                    work()
+                with ph("backward"):
+                    work()
+                with ph("optimizer"):
+                    work()
+        sync()
+        return perf_counter() - t0
+
+    return run
+
+
+def budget_vs_every(label: str, work: Callable[[], None], sync: Callable[[], None], rounds: int, steps: int,
+                    cuda: bool) -> tuple[list[list[str]], list[str], dict[str, float]]:  # fmt: skip
+    """Bare, the defaults (cost budget) and every step timed, interleaved: overheads and agreement."""
+    tmp = tempfile.mkdtemp(prefix="steptimer-small-")
+    common: dict[str, Any] = {"print_summary": False, "cuda": cuda}
+    timers = {"defaults": StepTimer(log_dir=f"{tmp}/budget", **common),
+              "every step": StepTimer(log_dir=f"{tmp}/every", sample_every=1, **common)}  # fmt: skip
+    blocks = {"bare": four_phase_block(None, work, sync)}
+    blocks.update({k: four_phase_block(t, work, sync) for k, t in timers.items()})
+    res = interleave(blocks, rounds, steps)
+    sums = {k: t.close() for k, t in timers.items()}
+    return result(label, res, steps, sums["defaults"], sums["every step"])
+
+
+def result(label: str, res: dict[str, list[float]], steps: int, budget: Summary, every: Summary) -> Any:
+    """The rows of the overhead and agreement tables of one loop, and its figures for the targets."""
+    agree, worst = agreement(label, budget, every)
+    m, _, hi = overhead(res, "defaults")
+    out = {label: m, f"{label} iqr_hi": hi, f"{label} agree": worst}
+    return overhead_rows(label, res, ["defaults", "every step"], steps), agree, out
+
+
+def launch_bound(rounds: int, steps: int, step_ms: float) -> tuple[list[list[str]], list[str], dict[str, float]]:
+    """~``step_ms`` steps of tiny kernel launches (4 phases)."""
     x = torch.zeros(64, device="cuda")
 
     def launches(k: int) -> None:
@@ -291,151 +339,27 @@ def launch_bound(
     torch.cuda.synchronize()
     per_launch_ms = (perf_counter() - t0) / 2000 * 1e3
     k = max(1, round(step_ms / per_launch_ms / 4))  # launches per phase
-    tmp = tempfile.mkdtemp(prefix="steptimer-small-")
-    timers = {"timed": StepTimer(log_dir=f"{tmp}/timed", print_summary=False)}
-    if variants:
-        timers["memory=False"] = StepTimer(log_dir=f"{tmp}/nomem", memory=False, print_summary=False)
-        timers["cuda=False"] = StepTimer(log_dir=f"{tmp}/host", cuda=False, print_summary=False)
-        timers["sample_every=1000"] = StepTimer(log_dir=f"{tmp}/sampled", sample_every=1000, print_summary=False)
+    return budget_vs_every(f"launch-bound {4 * k} launches", lambda: launches(k), torch.cuda.synchronize,
+                           rounds, steps, True)  # fmt: skip
 
-    def bare(n: int) -> float:
-        torch.cuda.synchronize()
-        t0 = perf_counter()
-        for _ in range(n):
-            launches(k)
-            launches(k)
-            launches(k)
-            launches(k)
-        torch.cuda.synchronize()
-        return perf_counter() - t0
 
-    null = contextlib.nullcontext()
+def cpu_loop(rounds: int, steps: int, step_ms: float) -> tuple[list[list[str]], list[str], dict[str, float]]:
+    """~``step_ms`` steps of host work (a spin on the clock, a quarter of it per phase), host clock only."""
+    q = step_ms / 4e3
 
-    def nulls(n: int) -> float:  # the same loop in 5 no-op with blocks: what any `with` timer adds
-        torch.cuda.synchronize()
-        t0 = perf_counter()
-        for _ in range(n):
-            with null:
-                with null:
-                    launches(k)
-                with null:
-                    launches(k)
-                with null:
-                    launches(k)
-                with null:
-                    launches(k)
-        torch.cuda.synchronize()
-        return perf_counter() - t0
+    def spin() -> None:
+        t = perf_counter() + q
+        while perf_counter() < t:
+            pass
 
-    def timed(timer: StepTimer) -> Block:
-        st, ph = timer.step, timer.phase
-
-        def run(n: int) -> float:
-            torch.cuda.synchronize()
-            t0 = perf_counter()
-            for _ in range(n):
-                with st(samples=1):
-                    with ph("forward"):
-                        launches(k)
-                    with ph("loss"):
-                        launches(k)
-                    with ph("backward"):
-                        launches(k)
-                    with ph("optimizer"):
-                        launches(k)
-            torch.cuda.synchronize()
-            return perf_counter() - t0
-
-        return run
-
-    stream = torch.cuda.current_stream()
-    e0, e1, e2, e3, e4 = (torch.cuda.Event(enable_timing=True) for _ in range(5))
-
-    def records(n: int) -> float:  # the 5 records of a timed step, through torch, and nothing else
-        torch.cuda.synchronize()
-        t0 = perf_counter()
-        for _ in range(n):
-            e0.record(stream)
-            launches(k)
-            e1.record(stream)
-            launches(k)
-            e2.record(stream)
-            launches(k)
-            e3.record(stream)
-            launches(k)
-            e4.record(stream)
-        torch.cuda.synchronize()
-        return perf_counter() - t0
-
-    b, sp, ring = _step_events()  # calls() refers to b: it owns the torch Events of the handles
-    cap, rec, query, wait, offs, el = b.is_capturing, b.record, b.query, b.wait, b.offsets_ms, b.elapsed_ms
-
-    def calls(n: int) -> float:  # calls_block's calls in the 5 no-op with blocks: the least such a timer adds
-        # calls_block's sequence written out again, with the launches between: a helper called at each
-        # boundary would be measured with it
-        torch.cuda.synchronize()
-        t0 = perf_counter()
-        for j in range(n):
-            with null:
-                h0, h1, h2, h3, h4 = ring[j % 4]
-                b.stream_key()
-                cap(sp)
-                rec(h0, sp)
-                with null:
-                    launches(k)
-                rec(h1, sp)
-                query(h0)
-                with null:
-                    launches(k)
-                rec(h2, sp)
-                query(h1)
-                with null:
-                    launches(k)
-                rec(h3, sp)
-                query(h2)
-                with null:
-                    launches(k)
-                rec(h4, sp)
-                query(h3)
-                old = ring[(j - 2) % 4]
-                wait(old[4])
-                offs(old)  # type: ignore[misc]
-                el(ring[(j - 3) % 4][4], old[0])
-        torch.cuda.synchronize()
-        return perf_counter() - t0
-
-    extra = {"null with blocks": nulls, "rec5": records, "calls in with blocks": calls} if variants else {}
-    res = interleave({"bare": bare, **extra, **{name: timed(t) for name, t in timers.items()}}, rounds, steps)
-    for t in timers.values():
-        t.close()
-    bare_ms = median(res["bare"]) / steps * 1e3
-    rows, first = [], (0.0, 0.0, 0.0)
-    for name in [*extra, *timers]:
-        pct = [(t / b - 1) * 100 for t, b in zip(res[name], res["bare"])]
-        m, (lo, hi) = median(pct), median_ci(pct)
-        if name == "timed":
-            first = (m, lo, hi)
-        rows.append([name if name != "timed" else "defaults", 4 * k, f"{bare_ms:.3f}", f"{m:+.2f} %",
-                     f"[{lo:+.2f}, {hi:+.2f}] %", f"[{quantile(pct, 0.25):+.2f}, {quantile(pct, 0.75):+.2f}] %",
-                     f"{rounds} x {steps}"])  # fmt: skip
-    table = format_table(
-        ["timer", "launches/step", "bare ms/step", "timed vs bare (median)", "95 % CI of the median", "IQR",
-         "rounds x steps"], rows,
-    )  # fmt: skip
-    return table, first
+    return budget_vs_every(f"CPU loop {step_ms:g} ms", spin, lambda: None, rounds, steps, False)
 
 
 # --------------------------------------------------------------------------- Lightning, CPU
 
 
-def lightning(rounds: int, steps: int) -> tuple[str, float]:
-    """A small autoencoder fitted on CPU with and without StepTimerCallback, fits interleaved.
-
-    Rows: a no-op ``Callback`` (Lightning's own dispatch of a callback's hooks); ``engine calls
-    only``, the callback's floor on this model (``EngineCalls``: the same timer calls from the same
-    hooks, none of the callback's logic); the callback itself.
-    """
-    import functools
+def lightning(rounds: int, steps: int) -> tuple[list[list[str]], list[str], dict[str, float]]:
+    """A small autoencoder fitted on CPU bare, with ``StepTimerCallback()`` and with ``sample_every=1``."""
     import logging
     import warnings
 
@@ -462,7 +386,7 @@ def lightning(rounds: int, steps: int) -> tuple[str, float]:
             self.decoder = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 64))
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-            z = self.encoder(batch)  # `forward` from the first model call to the last, then `loss`
+            z = self.encoder(batch)
             return nn.functional.mse_loss(self.decoder(z), batch)
 
         def configure_optimizers(self) -> Any:
@@ -475,97 +399,31 @@ def lightning(rounds: int, steps: int) -> tuple[str, float]:
         def on_train_batch_start(self, *a: Any) -> None:
             self.t.append(perf_counter())
 
-    class EngineCalls(pl.Callback):
-        """What StepTimerCallback can't do without on this model: a StepTimer with its options,
-        driven from the same Lightning hooks, forward hooks and wrappers, making the same calls into
-        the engine (the step, seven phases, `forward` joined across the two model calls), written
-        for this model alone: no checks, no state beyond a call count, no user phases."""
-
-        def on_train_start(self, trainer: Any, module: Any) -> None:
-            self.timer = t = StepTimer(cuda=False, print_summary=False)
-            f, loss, zg, bw, clip, upd = (
-                t.phase(n) for n in ("forward", "loss", "zero_grad", "backward", "clip", "optimizer")
-            )
-            self.phases = (loss, zg, bw, clip)
-            self.calls = calls = [0]
-
-            def pre(m: Any, args: Any) -> None:
-                if calls[0]:
-                    t._rejoin("loss", "forward")  # the callback's join (private: NVTX ranges too)
-                else:
-                    f.__enter__()
-                calls[0] += 1
-
-            def post(m: Any, args: Any, out: Any) -> None:
-                f.__exit__(None, None, None)
-                loss.__enter__()
-
-            for m in (module.encoder, module.decoder):
-                m.register_forward_pre_hook(pre)
-                m.register_forward_hook(post, always_call=True)
-            opt = trainer.optimizers[0]
-            opt.register_step_post_hook(lambda *a: upd.__exit__(None, None, None))
-            zero_grad, clipping = opt.zero_grad, module.configure_gradient_clipping
-
-            def zero_grad_end(*a: Any, **k: Any) -> None:
-                zero_grad(*a, **k)
-                zg.__exit__(None, None, None)
-
-            def clipping_end(*a: Any, **k: Any) -> None:
-                clipping(*a, **k)
-                clip.__exit__(None, None, None)
-                upd.__enter__()
-
-            # instance attributes on this fit's own optimizer and module, as the callback's wrappers
-            opt.zero_grad = functools.wraps(zero_grad)(zero_grad_end)
-            module.configure_gradient_clipping = functools.wraps(clipping)(clipping_end)
-
-        def on_train_batch_start(self, *a: Any) -> None:
-            self.step = self.timer.step()
-            self.step.__enter__()
-            self.calls[0] = 0
-
-        def on_before_zero_grad(self, *a: Any) -> None:
-            self.phases[0].__exit__(None, None, None)
-            self.phases[1].__enter__()
-
-        def on_before_backward(self, *a: Any) -> None:
-            self.phases[2].__enter__()
-
-        def on_after_backward(self, *a: Any) -> None:
-            self.phases[2].__exit__(None, None, None)
-            self.phases[3].__enter__()
-
-        def on_train_batch_end(self, *a: Any) -> None:
-            self.step.__exit__(None, None, None)
-
-        def on_train_end(self, *a: Any) -> None:
-            self.timer.close()
-
     warm = 50
     root = tempfile.mkdtemp(prefix="steptimer-small-pl-")
+    sums: dict[str, list[Summary]] = {"defaults": [], "every step": []}
 
     def fit(variant: str) -> float:
         stamps = Stamps()
         cbs: list[Any] = [stamps]
-        if variant == "callback":
-            cbs.append(StepTimerCallback(print_summary=False))
-        elif variant == "no-op callback":  # Lightning's own cost of dispatching a callback's hooks
-            cbs.append(pl.Callback())
-        elif variant == "engine calls only":
-            cbs.append(EngineCalls())
+        cb = None
+        if variant != "bare":
+            cb = StepTimerCallback(print_summary=False, **({"sample_every": 1} if variant == "every step" else {}))
+            cbs.append(cb)
         trainer = pl.Trainer(
             accelerator="cpu", devices=1, max_steps=warm + steps, default_root_dir=root,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=cbs, num_sanity_val_steps=0, limit_val_batches=0,
         )  # fmt: skip
         trainer.fit(AutoEncoder(), DataLoader(Repeat(), batch_size=None))
+        if cb is not None and cb.summary is not None:
+            sums[variant].append(cb.summary)
         t = stamps.t[warm:]
         return (t[-1] - t[0]) / (len(t) - 1)  # mean step: windows and logger writes included
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: threads only add noise from the host's other load
-    variants = ["bare", "no-op callback", "engine calls only", "callback"]
+    variants = ["bare", "defaults", "every step"]
     try:
         for v in variants:
             fit(v)
@@ -575,19 +433,23 @@ def lightning(rounds: int, steps: int) -> tuple[str, float]:
                 res[v].append(fit(v))
     finally:
         torch.set_num_threads(threads)
+    label = "Lightning autoencoder (CPU)"
+    return result(label, res, 1, sums["defaults"][-1], sums["every step"][-1])
+
+
+def targets(med: dict[str, float], loops: dict[str, float]) -> str:
+    """Which of issue 43's targets this run meets (n/a: not measured here)."""
     rows = []
-    for v in variants[1:]:
-        d = [(y - z) * 1e6 for y, z in zip(res[v], res["bare"])]
-        rows.append([v, f"{median(res['bare']) * 1e3:.3f}", f"{median(res[v]) * 1e3:.3f}", f"{median(d):+.1f}",
-                     f"[{quantile(d, 0.25):+.1f}, {quantile(d, 0.75):+.1f}]", f"{min(d):+.1f}..{max(d):+.1f}",
-                     f"{rounds} x {steps}"])  # fmt: skip
-    table = format_table(
-        ["Trainer (CPU, 1 thread, TensorBoard logger): autoencoder 64-32-8-32-64, batch 32", "bare ms/step",
-         "with it ms/step", "µs/step added (median)", "IQR", "range", "rounds x steps"],
-        rows,
-    )
-    d = [(y - z) * 1e6 for y, z in zip(res["callback"], res["bare"])]
-    return table, median(d)
+    for label in [k for k in loops if not k.endswith((" iqr_hi", " agree"))]:
+        m, hi, agree = loops[label], loops[f"{label} iqr_hi"], loops[f"{label} agree"]
+        rows.append([f"{label}: overhead (median, IQR top)", f"{m:+.2f} %, {hi:+.2f} %", "≤ 0.5 %, < 1 %",
+                     "yes" if m <= 0.5 and hi < 1.0 else "NO"])  # fmt: skip
+        rows.append([f"{label}: phases vs every step", f"{agree:.0%} of the limit", "2 % or 5 µs",
+                     "yes" if agree <= 1.0 else "NO"])  # fmt: skip
+    r = med.get("cuda/calls")
+    rows.append(["timed CUDA step / its CUDA calls", "n/a" if r is None else f"{r:.2f} ×", "≤ 2 ×",
+                 "n/a" if r is None else ("yes" if r <= 2 else "NO")])  # fmt: skip
+    return format_table(["target (issue 43)", "this run", "limit", "met"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -597,13 +459,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lightning", action="store_true", help="also the Lightning callback on CPU")
     p.add_argument("--lightning-rounds", type=int, default=11)
     p.add_argument("--lightning-steps", type=int, default=400)
-    p.add_argument("--launch-bound", action="store_true", help="also a launch-bound ~4 ms loop (CUDA)")
-    p.add_argument("--launch-rounds", type=int, default=41)
-    p.add_argument("--launch-steps", type=int, default=100)
-    p.add_argument("--step-ms", type=float, default=4.0)
-    p.add_argument("--launch-variants", action="store_true", help="the launch-bound loop also with "
-                   "memory=False, cuda=False and sample_every=1000")  # fmt: skip
-    p.add_argument("--profile", metavar="FILE", help="also write cProfile's top functions of the default "
+    p.add_argument("--launch-bound", action="store_true", help="also a launch-bound loop (CUDA)")
+    p.add_argument("--cpu-loop", action="store_true", help="also a loop of ~1 ms host steps")
+    p.add_argument("--loop-rounds", type=int, default=41)
+    p.add_argument("--loop-steps", type=int, default=200)
+    p.add_argument("--step-ms", type=float, default=4.0, help="the launch-bound step")
+    p.add_argument("--cpu-step-ms", type=float, default=1.0)
+    p.add_argument("--profile", metavar="FILE", help="also write cProfile's top functions of the every-step "
                    "timer's loop (CUDA if present) to FILE")  # fmt: skip
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -611,12 +473,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {device}, torch {torch.__version__}, Python {platform.python_version()}; "
           f"{a.rounds} rounds x {a.steps} steps, blocks interleaved")  # fmt: skip
     tmp = tempfile.mkdtemp(prefix="steptimer-small-")
-    common: dict[str, Any] = {"print_summary": False, "warmup_steps": 0}
+    common: dict[str, Any] = {"print_summary": False, "warmup_steps": 0, "sample_every": 1}
     timers = {
         "host": StepTimer(cuda=False, log_dir=f"{tmp}/host", **common),
-        "untimed": StepTimer(cuda=False, sample_every=1000, log_dir=f"{tmp}/untimed", **common),
+        "untimed": StepTimer(cuda=False, log_dir=f"{tmp}/untimed", **{**common, "sample_every": 1000}),
         "host_nolog": StepTimer(cuda=False, **common),  # no TensorBoard: the engine and windows alone
-        # windows of exactly 50 steps (the default lengthens them to last a second on small steps)
         "host_50": StepTimer(cuda=False, log_dir=f"{tmp}/host_50", log_every_n_steps=50, **common),
     }
     blocks: dict[str, Block] = {"bare": bare_block, "floor": floor_block()}
@@ -625,9 +486,7 @@ def main(argv: list[str] | None = None) -> None:
         blocks["rec5"] = rec5_block()
         blocks["calls"] = calls_block()
         timers["cuda"] = StepTimer(log_dir=f"{tmp}/cuda", **common)
-        timers["cuda_nomem"] = StepTimer(log_dir=f"{tmp}/cuda_nomem", memory=False, **common)
-        timers["cuda_50"] = StepTimer(log_dir=f"{tmp}/cuda_50", log_every_n_steps=50, **common)
-        timers["cuda_untimed"] = StepTimer(sample_every=1000, log_dir=f"{tmp}/cuda_untimed", **common)
+        timers["cuda_untimed"] = StepTimer(log_dir=f"{tmp}/cuda_untimed", **{**common, "sample_every": 1000})
     for k, t in timers.items():
         blocks[k] = timer_block(t)
     res = interleave(blocks, a.rounds, a.steps)
@@ -636,23 +495,30 @@ def main(argv: list[str] | None = None) -> None:
     for t in timers.values():
         t.close()
     table, med = host_table(res, a.steps)
-    print("\n## Host µs added per step (4 empty phases), against the floors\n")
+    print("\n## Host µs added per step (4 empty phases, every step timed), against the floors\n")
     print(table)
-    launch = None
-    if a.launch_bound:
-        if not cuda:
-            print("\n(--launch-bound needs CUDA: skipped)")
-        else:
-            lt, launch = launch_bound(a.launch_rounds, a.launch_steps, a.step_ms, a.launch_variants)
-            print("\n## Launch-bound loop (CUDA), timed with the defaults\n")
-            print(lt)
-    lus = None
+    rows: list[list[str]] = []
+    agree: list[list[str]] = []
+    loops: dict[str, float] = {}
+    runs = []
+    if a.launch_bound and cuda:
+        runs.append(lambda: launch_bound(a.loop_rounds, a.loop_steps, a.step_ms))
+    if a.cpu_loop:
+        runs.append(lambda: cpu_loop(a.loop_rounds, a.loop_steps, a.cpu_step_ms))
     if a.lightning:
-        lt, lus = lightning(a.lightning_rounds, a.lightning_steps)
-        print("\n## Lightning callback, CPU\n")
-        print(lt)
+        runs.append(lambda: lightning(a.lightning_rounds, a.lightning_steps))
+    for run in runs:
+        r, g, o = run()
+        rows += r
+        agree.append(g)
+        loops.update(o)
+    if rows:
+        print("\n## Overhead on small steps: the defaults (cost budget) and every step timed\n")
+        print(format_table(["loop", "timer", "bare ms/step", "vs bare (median)", "IQR"], rows))
+        print("\n## The defaults' phases against every step's (same run)\n")
+        print(format_table(["loop", "timed (defaults)", "timed (every step)", "worst / limit", "where"], agree))
     print("\n## Targets\n")
-    print(targets(med, lus, launch))
+    print(targets(med, loops))
 
 
 if __name__ == "__main__":
