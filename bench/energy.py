@@ -9,6 +9,7 @@ average power times its mean wall time per step. Prints one line per window and 
 difference; exits 1 when a window is off by more than ``--tolerance`` (default 5 %).
 
     python3 -m bench.energy [--steps 3000] [--every 500] [--sample-ms 10]
+    python3 -m bench.energy --gpt gpt2 --steps 400 --every 30    # the GPT client (GPT-2 124M), eager
 
 Needs CUDA and NVML's Python binding (nvidia-ml-py).
 """
@@ -79,6 +80,26 @@ class PowerSampler:
         return sum((tb - ta) * (wa + wb) / 2 for (ta, wa), (tb, wb) in zip(inside, inside[1:]))
 
 
+def matmul_steps(timer: StepTimer, size: int, steps: int) -> None:
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(steps):
+        with timer.step(samples=size):
+            with timer.phase("forward"):
+                c = a @ b
+            with timer.phase("backward"):
+                c = (c @ b).relu_() @ a
+            with timer.phase("optimizer"):
+                a.add_(c, alpha=1e-6)
+
+
+def gpt_steps(timer: StepTimer, preset: str, steps: int) -> None:
+    """The GPT client (bench/gpt.py), eager, ``loss.item()`` every 10th step."""
+    from bench.gpt import PRESETS, Trainer, train_steptimer
+
+    train_steptimer(Trainer(PRESETS[preset], torch.device("cuda")), timer, steps, sync_every=10)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3000)
@@ -86,24 +107,19 @@ def main() -> int:
     p.add_argument("--size", type=int, default=4096, help="matrix size")
     p.add_argument("--sample-ms", type=float, default=10.0)
     p.add_argument("--tolerance", type=float, default=0.05)
+    p.add_argument("--gpt", metavar="PRESET", help="train bench/gpt.py's PRESET (gpt2: GPT-2 124M) instead")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench.energy: needs CUDA", file=sys.stderr)
         return 2
     dev = torch.cuda.current_device()
     sampler = PowerSampler(dev, args.sample_ms / 1e3)
-    a = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
     with tempfile.TemporaryDirectory() as log_dir:
         timer = StepTimer(log_dir=log_dir, log_every_n_steps=args.every, warmup_steps=20, print_summary=False)
-        for _ in range(args.steps):
-            with timer.step(samples=args.size):
-                with timer.phase("forward"):
-                    c = a @ b
-                with timer.phase("backward"):
-                    c = (c @ b).relu_() @ a
-                with timer.phase("optimizer"):
-                    a.add_(c, alpha=1e-6)
+        if args.gpt:
+            gpt_steps(timer, args.gpt, args.steps)
+        else:
+            matmul_steps(timer, args.size, args.steps)
         summary = timer.close()
         readings = timer._energy._meter.taken() if timer._energy._meter is not None else []
     sampler.stop()
