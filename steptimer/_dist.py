@@ -176,8 +176,7 @@ class CrossRank:
             raise ValueError(f"cross_rank_timeout_s must be a number > 0, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.off = False
-        self._started = False
-        self._dist: Any = None
+        self._dist: Any = None  # torch.distributed, once started
         self._group: Any = None
         self.rank = 0
         self.world_size = 1
@@ -194,8 +193,7 @@ class CrossRank:
 
     def _start(self) -> bool:
         """Create the gloo side group at the first round (every rank's first round is at a shared step)."""
-        if not self._started:
-            self._started = True
+        if self._dist is None and not self.off:
             dist = _initialized()
             if dist is None or dist.get_world_size() < 2:
                 self.off = True
@@ -215,7 +213,7 @@ class CrossRank:
 
     def abandon(self, why: str) -> None:
         """Off for good without any collective (exception path: other ranks may be gone)."""
-        if not self.off and self._started and self._group is not None:
+        if not self.off and self._group is not None:
             self.notes.append(f"cross-rank statistics stopped: {why}; no final round was run")
         self.off = True
 

@@ -100,10 +100,8 @@ def window_scalars(window: Window) -> dict[str, float]:
         out[WARMUP_STEPS] = float(window.steps)
     mem = window.memory
     if mem is not None:
-        for name, b in mem.peak_bytes.items():
-            out[tag(MAIN, "mem", name, "peak_mib")] = b / MIB
-        for name, b in mem.alloc_bytes.items():
-            out[tag(MAIN, "mem", name, "alloc_mib")] = b / MIB
+        for by_name, measure in ((mem.peak_bytes, "peak_mib"), (mem.alloc_bytes, "alloc_mib")):
+            out.update({tag(MAIN, "mem", name, measure): b / MIB for name, b in by_name.items()})
         out[RESERVED_MIB] = mem.reserved_bytes / MIB
     out.update(window.extra)
     return out
@@ -229,13 +227,8 @@ class EventFile:
         self._append(self._event(wall_time=time.time(), step=step, summary=summary))
 
     def _append(self, event: Any) -> None:
-        data = memoryview(self._frame(event.SerializeToString()))
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        try:
-            while data:  # a full disk or a file-size limit writes a part, then raises
-                data = data[os.write(fd, data) :]
-        finally:
-            os.close(fd)
+        with open(self.path, "ab") as f:  # a full disk or a file-size limit writes a part, then raises
+            f.write(self._frame(event.SerializeToString()))
 
 
 class TensorBoardSink:
