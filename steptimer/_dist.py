@@ -229,10 +229,7 @@ class CrossRank:
         ``keeper``: this rank's slowest steps, whose windows' slowest rank is kept for the summary."""
         if self.off or not self._start():
             return window
-        slot, own = self._slow_slot(window)
-        res = self._round(series_values(window), None, closing=False, step=window.step, slot=slot)
-        self._keep_slow(window, res, own, keeper)
-        return self._attach(window, res)
+        return self._window_round(window, None, closing=False, keeper=keeper)[0] or window
 
     def close(self, window: Window | None, acc: SummaryAccumulator) -> Window | None:
         """The closing rounds: this rank's last (partial) window and run summary; shadows the rounds of
@@ -240,45 +237,47 @@ class CrossRank:
         if self.off or not self._start():
             return window
         summ = series_values(acc)
-        slot, own = self._slow_slot(window)
-        step = window.step if window is not None else 0
-        res = self._round(series_values(window), summ, closing=True, step=step, slot=slot)
-        out = None
-        if window is not None:
-            self._keep_slow(window, res, own, acc.slow)
-            out = self._attach(window, res)
+        out, res = self._window_round(window, summ, closing=True, keeper=acc.slow)
         while res is not None and not res["all_closing"]:
             res = self._round(None, summ, closing=True, step=0)
         if self.summary is not None:
             self.summary = replace(self.summary, slowest=tuple(self._top))
         return out
 
-    def _slow_slot(self, window: Window | None) -> tuple[list[float] | None, Any]:
-        """This rank's part of the window's slowest-step slot (key, own ms) and its steps' own times."""
+    def _window_round(
+        self, window: Window | None, summ: Mapping[str, float] | None, *, closing: bool,
+        keeper: SlowestKeeper | None,
+    ) -> tuple[Window | None, dict[str, Any] | None]:  # fmt: skip
+        """A round with ``window``, which it returns with the cross-rank scalars attached; keeps the
+        window's slowest step across ranks with this rank's own time in that step."""
         walls = window.packed.walls if window is not None and window.packed is not None else None
-        if walls is None or not len(walls):
-            return None, None
-        own = walls.own_ms()
-        i = int(own.argmax())
-        v = float(own[i])
-        return [encode_step(v, int(walls.numbers[i]), self.rank, self._bits), v], own
-
-    def _keep_slow(self, window: Window, res: dict[str, Any] | None, own: Any, keeper: SlowestKeeper | None) -> None:
-        """Keep the window's slowest step across ranks, with this rank's own time in that step."""
-        if res is None or res["slow"] is None:
-            return
-        step, rank, own_ms = res["slow"]
-        here_ms = None
-        walls = window.packed.walls if window.packed is not None else None
-        if walls is not None and own is not None:
-            i = int(walls.numbers.searchsorted(step))
-            if i < len(walls) and int(walls.numbers[i]) == step:
-                here_ms = float(own[i])
-        rec = RankSlow(step, rank, own_ms, window.step - window.steps + 1, window.step, self.rank, here_ms)
-        self._top = sorted([*self._top, rec], key=lambda r: (-r.own_ms, r.step))[:RANK_SLOW_KEPT]
-        kept = [c.step for c in keeper.heap] if keeper is not None else []
-        self._near[window.step] = rec
-        self._near = {k: r for k, r in self._near.items() if any(r.first <= n <= r.last for n in kept)}
+        own = walls.own_ms() if walls is not None and len(walls) else None
+        slot = None
+        if own is not None:  # this rank's slowest step of the window by own time: (key, own ms)
+            i = int(own.argmax())
+            slot = [encode_step(float(own[i]), int(walls.numbers[i]), self.rank, self._bits), float(own[i])]
+        step = window.step if window is not None else 0
+        res = self._round(series_values(window), summ, closing=closing, step=step, slot=slot)
+        if window is None or res is None:
+            return window, res
+        extra = scalars_of(res["window"], res["reporting"], res["round_ms"])
+        if res["slow"] is not None:
+            at, rank, own_ms = res["slow"]
+            here_ms = None
+            if own is not None:
+                i = int(walls.numbers.searchsorted(at))
+                if i < len(walls) and int(walls.numbers[i]) == at:
+                    here_ms = float(own[i])
+            rec = RankSlow(at, rank, own_ms, window.step - window.steps + 1, window.step, self.rank, here_ms)
+            self._top = sorted([*self._top, rec], key=lambda r: (-r.own_ms, r.step))[:RANK_SLOW_KEPT]
+            kept = [c.step for c in keeper.heap] if keeper is not None else []
+            self._near[window.step] = rec
+            self._near = {k: r for k, r in self._near.items() if any(r.first <= n <= r.last for n in kept)}
+            extra.update({
+                f"{RANKS}/slowest_step": float(at), f"{RANKS}/slowest_step_argmax": float(rank),
+                f"{RANKS}/slowest_step_own_ms": own_ms,
+            })  # fmt: skip
+        return replace(window, extra={**window.extra, **extra}), res
 
     def annotate(self, slowest: Sequence[SlowStep]) -> tuple[SlowStep, ...]:
         """This rank's slowest steps, each with its window's slowest step across ranks where that says
@@ -291,18 +290,6 @@ class CrossRank:
                 s = s.with_rank(r)
             out.append(s)
         return tuple(out)
-
-    def _attach(self, window: Window, res: dict[str, Any] | None) -> Window:
-        if res is None:
-            return window
-        extra = scalars_of(res["window"], res["reporting"], res["round_ms"])
-        if res["slow"] is not None:
-            at, rank, own_ms = res["slow"]
-            extra.update({
-                f"{RANKS}/slowest_step": float(at), f"{RANKS}/slowest_step_argmax": float(rank),
-                f"{RANKS}/slowest_step_own_ms": own_ms,
-            })  # fmt: skip
-        return replace(window, extra={**window.extra, **extra})
 
     def _allreduce(self, values: list[float], op: Any) -> list[float] | None:
         import torch
