@@ -184,7 +184,6 @@ class CrossRank:
         self.notes: list[str] = []
         self.rounds = 0
         self.reduce_s = 0.0
-        self._others_closed = False
         self.summary: RankSummary | None = None
         # Each window's slowest step across ranks: the run's RANK_SLOW_KEPT slowest (slowest first), and
         # by the window's last step those of the windows holding this rank's own slowest steps.
@@ -373,8 +372,7 @@ class CrossRank:
         """``(every rank is closing, the windows agree, the run summaries agree)`` from the reduced
         header, with a note for each disagreement (the same on every rank: the header is shared)."""
         all_closing = -h[4] == 1.0
-        if h[3] == 1.0 and not all_closing and not closing and not self._others_closed:
-            self._others_closed = True
+        if h[3] == 1.0 and not all_closing and not closing:
             self._note0(
                 "some ranks closed before this one (uneven ends): they answer this rank's rounds without "
                 "a window until every rank closes, so cross-rank windows from here on cover fewer ranks"
