@@ -108,20 +108,16 @@ def window_scalars(window: Window) -> dict[str, float]:
 
 
 def run_names(window: Window) -> list[str]:
-    """The rows that get a run, in creation order: ``idle``, the table's rows, ``wait``; no ``step``.
-
-    TensorBoard colours the n-th run with colour n mod 7 (the log dir's own is the 0th): neighbouring
-    rows take neighbouring palette entries, which are far apart."""
+    """The rows that get a run, in creation order (``idle``, the table's rows, ``wait``): TensorBoard
+    colours the n-th run with colour n mod 7, and neighbouring palette entries are far apart."""
     names = dict.fromkeys([*window.host, *window.gpu])
     rows = [n for n in row_order(list(names), names) if n not in (STEP, "idle", "wait")]
     return [n for n in ("idle",) if n in names] + rows + [n for n in ("wait",) if n in names]
 
 
 def totals(window: Window) -> dict[str, float]:
-    """The log dir's own line in the rows' share and ms charts: 100 %, and the top-level rows' ms summed.
-
-    TensorBoard's default outlier clipping cuts a chart's top 5 % of points; the total, above every row,
-    takes that cut, so every row is drawn whole (docs/tensorboard.md, "The first screen")."""
+    """The log dir's own line in the rows' share and ms charts, 100 % and the top-level rows' ms summed:
+    TensorBoard's outlier clipping cuts the top 5 % of points, which the total takes (docs/tensorboard.md)."""
     out = {}
     for clock, series in (("host", window.host), ("gpu", window.gpu)):
         rows = [st.mean_ms for name, st in series.items() if "/" not in name and name != STEP]
@@ -134,16 +130,21 @@ def totals(window: Window) -> dict[str, float]:
 
 def window_summaries(window: Window, *, scalars: bool = True, histograms: bool = True) -> dict[str | None, Any]:
     """A window as ``Summary`` protos by run: ``None`` for the log dir's own (with every histogram),
-    else the row whose run holds them (:func:`split_tag`). A warm-up window's values are hidden: its
-    slow first steps would start every chart with an outlier (``report --include-warmup`` reads them)."""
+    else the row whose run holds them (:func:`split_tag`)."""
     from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+    from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
 
     out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in run_names(window)}}
+    # A warm-up window's values are tensors of a plugin no dashboard draws (its slow first steps would
+    # start every chart with an outlier); the reader takes each back under its tag (_tags.unhidden).
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=WARMUP))
     if scalars:
         values = [(*split_tag(key, out), v) for key, v in window_scalars(window).items()]
         for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
             if window.warmup:
-                _hidden(out[name], in_run, v)
+                hidden = TensorProto(dtype=1, float_val=[v])
+                out[name].value.add(tag=f"{WARMUP}/{in_run}", metadata=meta, tensor=hidden)
             else:
                 out[name].value.add(tag=in_run, simple_value=v)
     p = window.packed
@@ -155,16 +156,6 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
             hp.bucket_limit.extend(limits)
             hp.bucket.extend(counts)
     return {k: v for k, v in out.items() if v.value}
-
-
-def _hidden(summary: Any, key: str, v: float) -> None:
-    """``key``'s value as a tensor of steptimer's plugin under ``steptimer-warmup/``, which no dashboard
-    draws; the reader takes it back as ``key`` (``_tags.unhidden``)."""
-    from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
-    from tensorboard.compat.proto.tensor_pb2 import TensorProto
-
-    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=WARMUP))
-    summary.value.add(tag=f"{WARMUP}/{key}", metadata=meta, tensor=TensorProto(dtype=1, float_val=[v]))
 
 
 def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
@@ -206,10 +197,9 @@ def new_run_id() -> str:
 
 
 class EventFile:
-    """A TensorBoard event file appended to in the caller's thread, one ``open``/``write``/``close`` per
-    event (``SummaryWriter``'s thread takes the GIL while the loop runs): no file stays open between
-    windows, and after a SIGKILL every window before it is on disk. Raises ``OSError`` when it fails.
-    """
+    """A TensorBoard event file appended to in the caller's thread (``SummaryWriter``'s thread takes the
+    GIL while the loop runs), opened per event: no file stays open between windows, and after a SIGKILL
+    every window before it is on disk. Raises ``OSError``."""
 
     def __init__(self, log_dir: str, *, run_id: str | None = None, suffix: str = "") -> None:
         from tensorboard.compat.proto.event_pb2 import Event
@@ -233,12 +223,9 @@ class EventFile:
 
 class TensorBoardSink:
     """Writes windows to TensorBoard: the log dir's own run (an :class:`EventFile`, or a user's
-    ``writer``, never closed here), one run per row beside it, and the Custom Scalars layout.
-
-    A write that fails (full disk, file-size limit, too many open files, a deleted directory) never
-    reaches the training loop: one warning on the ``steptimer`` logger (not ``warnings.warn``, which
-    ``-W error`` raises in the user's step), then nothing more is written; the summary stays whole.
-    """
+    ``writer``, never closed here), one run per row beside it, and the Custom Scalars layout. A write
+    that fails (full disk, file limits, a deleted directory) becomes one warning on the ``steptimer``
+    logger (``warnings.warn`` would raise under ``-W error``); nothing more is written."""
 
     def __init__(
         self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None, histograms: bool = True
