@@ -104,10 +104,9 @@ def _vectors(values: Mapping[str, float] | None, n: int, rank: int, bits: int) -
     """This rank's MAX and SUM parts for ``n`` series, neutral ones when it abstains (``values`` None)."""
     if values is None:
         return [_NEG] * (4 * n), [0.0] * (n + 1)
-    mx: list[float] = []
-    for v in (values[key] for key in sorted(values)):
-        mx += [encode(v, rank, bits), encode(v, rank, bits, lowest=True), v, -v]
-    return mx, [values[key] for key in sorted(values)] + [1.0]
+    vals = [values[key] for key in sorted(values)]
+    mx = [x for v in vals for x in (encode(v, rank, bits), encode(v, rank, bits, lowest=True), v, -v)]
+    return mx, vals + [1.0]
 
 
 def _both(x: float | None) -> list[float]:
@@ -141,17 +140,6 @@ def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: floa
     return out
 
 
-def _until_released(t: Any, alone: int, deadline: float) -> None:
-    """Wait (until ``deadline`` at most) for gloo's worker to drop its reference to ``t``. That release
-    takes the GIL; at interpreter exit (a script that ends right after ``close()``) it aborts the
-    process (SIGABRT). Free when the worker was quick; a few 0.1 ms polls when not."""
-    use_count = getattr(t, "_use_count", None)
-    if use_count is None:  # pragma: no cover - torch builds without it
-        return
-    while use_count() > alone and perf_counter() < deadline:
-        sleep(1e-4)  # releases the GIL, which the worker needs for its release
-
-
 def _initialized() -> Any:
     """``torch.distributed`` where it is initialized in this process, else None."""
     try:
@@ -163,13 +151,8 @@ def _initialized() -> Any:
 
 class CrossRank:
     """Runs the rounds for one :class:`~steptimer.StepTimer`; inert unless torch.distributed runs with
-    more than one rank at its first round.
-
-    Args:
-        timeout_s: Longest wait for the other ranks in one collective; after a timeout, cross-rank
-            statistics stay off for the rest of the run (a late rank would otherwise pair with the
-            wrong round).
-    """
+    more than one rank at its first round. ``timeout_s``: the longest wait in one collective, after
+    which cross-rank statistics stay off for good (a late rank would pair with the wrong round)."""
 
     def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0):
@@ -226,14 +209,14 @@ class CrossRank:
     def interval(self, window: Window, keeper: SlowestKeeper | None = None) -> Window:
         """The round at a log interval; returns ``window`` with the cross-rank scalars attached.
         ``keeper``: this rank's slowest steps, whose windows' slowest rank is kept for the summary."""
-        if self.off or not self._start():
+        if not self._start():
             return window
         return self._window_round(window, None, closing=False, keeper=keeper)[0] or window
 
     def close(self, window: Window | None, acc: SummaryAccumulator) -> Window | None:
         """The closing rounds: this rank's last (partial) window and run summary; shadows the rounds of
         ranks still running (abstaining from their windows) until every rank has closed."""
-        if self.off or not self._start():
+        if not self._start():
             return window
         summ = series_values(acc)
         out, res = self._window_round(window, summ, closing=True, keeper=acc.slow)
@@ -307,7 +290,11 @@ class CrossRank:
             )
             return None
         del work
-        _until_released(t, alone, perf_counter() + min(self.timeout_s, 1.0))  # at most a second: no hang
+        # Wait (a second at most) for gloo's worker to drop its reference to t: that release takes the
+        # GIL, and at interpreter exit (a script ending right after close()) it aborts the process.
+        deadline = perf_counter() + min(self.timeout_s, 1.0)
+        while hasattr(t, "_use_count") and t._use_count() > alone and perf_counter() < deadline:
+            sleep(1e-4)  # releases the GIL, which the worker needs for its release
         return t.tolist()
 
     def _round(
