@@ -39,14 +39,10 @@ def cache_dir() -> Path:
 
 def compiler() -> list[str]:
     """The C compiler command: ``$CC``, Python's own ``CC``, then ``cc`` / ``gcc`` / ``clang``."""
-    for cand in (os.environ.get("CC"), sysconfig.get_config_var("CC")):
-        if cand:
-            argv = shlex.split(cand)
-            if argv and shutil.which(argv[0]):
-                return argv
-    for name in ("cc", "gcc", "clang"):
-        if shutil.which(name):
-            return [name]
+    for cand in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        argv = shlex.split(cand or "")
+        if argv and shutil.which(argv[0]):
+            return argv
     raise NativeUnavailable("no C compiler found (set CC, or install gcc)")
 
 
