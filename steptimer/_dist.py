@@ -1,9 +1,7 @@
-"""Cross-rank statistics: every rank's window combined at each log interval (never per step), in O(series).
-
-A round on a gloo side group (CPU: it never waits on the GPU queue) is a header ``all_reduce(MAX)``,
-then, only where the reduced header says the ranks' series agree, one MAX and one SUM of fixed-size
-vectors (docs/distributed.md). Never a hang: whether a rank enters a collective depends only on values
-every rank shares; a timeout ends cross-rank statistics for good; nothing runs on an exception path.
+"""Cross-rank statistics: every rank's window combined at each log interval, in O(series), on a gloo
+side group: a header ``all_reduce(MAX)``, then one MAX and one SUM of fixed-size vectors
+(docs/distributed.md). Never a hang: whether a rank enters a collective depends only on values every
+rank shares; a timeout ends cross-rank statistics for good; nothing runs on an exception path.
 """
 
 from __future__ import annotations

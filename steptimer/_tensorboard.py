@@ -292,9 +292,7 @@ class TensorBoardSink:
 
     def write_energy(self, scalars: dict[str, float], step: int) -> None:
         """A window's energy (``_energy.py``), known one window late, at that window's step."""
-        summary = self._proto()
-        for k, v in scalars.items():
-            summary.value.add(tag=k, simple_value=v)
+        summary = self._proto(value=[self._proto.Value(tag=k, simple_value=v) for k, v in scalars.items()])
         self._guarded(self._write_main, summary, step)
 
     def _write_main(self, summary: Any, step: int) -> None:
