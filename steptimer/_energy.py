@@ -1,11 +1,6 @@
-"""The GPU's energy, from NVML's total-energy counter, read off the training thread.
-
-``nvmlDeviceGetTotalEnergyConsumption`` gives the millijoules a GPU used since the driver loaded. One
-read costs about 3.3 ms on an H100 and the counter moves about every 100 ms, so steptimer never reads it
-inside a step, nor on the training thread: at a window boundary the engine's owner calls
-:meth:`EnergyMeter.mark`, which only hands the step number to the meter's thread; that thread reads the
-counter and keeps ``(step, host time, joules)``. Energy over a span of steps is the difference of two
-readings; a window shorter than the counter's update period reads coarse values, the run's total does not.
+"""The GPU's energy from NVML's total-energy counter, read on a thread of its own: one read costs
+about 3.3 ms on an H100, so never in a step nor on the training thread. A window's end only asks for a
+reading; energy over a span of steps is the difference of two readings (docs/memory-and-mfu.md).
 """
 
 from __future__ import annotations
@@ -16,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple
+
+from steptimer._tags import JOULES_PER_SAMPLE, JOULES_PER_STEP, JOULES_PER_TOKEN, WATTS
 
 
 class Reading(NamedTuple):
@@ -41,10 +38,7 @@ class Energy:
         return self.joules / self.seconds
 
     def per_step_scalars(self, samples_per_step: float | None, tokens_per_step: float | None) -> dict[str, float]:
-        """The values a window writes (``_tags.py``): joules per step, per sample and per token
-        where those are counted, and average watts."""
-        from steptimer._tags import JOULES_PER_SAMPLE, JOULES_PER_STEP, JOULES_PER_TOKEN, WATTS
-
+        """A window's tags: joules per step, per sample and per token where counted, and watts."""
         out = {JOULES_PER_STEP: self.joules_per_step, WATTS: self.watts}
         for tag, per_step in ((JOULES_PER_SAMPLE, samples_per_step), (JOULES_PER_TOKEN, tokens_per_step)):
             if per_step:
@@ -84,14 +78,8 @@ def nvml_counter(device: int) -> tuple[Any, str | None]:
 
 
 class EnergyMeter:
-    """Reads an energy counter on its own thread whenever :meth:`mark` asks (once per window).
-
-    Args:
-        read_joules: the counter (:func:`nvml_counter`'s function; tests pass another).
-        open_counter: instead of ``read_joules``, what finds the counter, called on the meter's
-            thread (:func:`nvml_counter` costs a read and NVML's start-up): the counter, or None and
-            why not (then :attr:`error`, and no readings).
-    """
+    """Reads an energy counter, ``read_joules`` or what ``open_counter`` returns (called on the
+    meter's thread: NVML's start-up costs), on its own thread whenever :meth:`mark` asks."""
 
     def __init__(
         self, read_joules: Any = None, *, open_counter: Callable[[], tuple[Any, str | None]] | None = None
@@ -124,29 +112,22 @@ class EnergyMeter:
                 self.readings.append(Reading(step, perf_counter(), joules))
 
     def taken(self) -> list[Reading]:
-        """The readings so far."""
         with self._lock:
             return list(self.readings)
 
     def close(self, step: int | None = None) -> list[Reading]:
-        """Read once more after ``step`` if given (at the run's end, outside any step), stop the
-        thread, return every reading."""
+        """Read once more after ``step`` if given, stop the thread, return every reading."""
         if step is not None:
             self.mark(step)
         self._asks.put(None)
         self._thread.join(timeout=5.0)
-        with self._lock:
-            return list(self.readings)
+        return self.taken()
 
 
 class EnergyWindows:
-    """The GPU's energy per window, CUDA timing only (the timer's): at each window's end the meter
-    is asked for a reading of NVML's counter, which its own thread takes (one read costs ms, so
-    never on the training thread). A window's energy lies between its two readings, so it is known
-    one window late: it goes to the sinks that take it (TensorBoard's) at the next window, before
-    that window's values, at its own step (a step below one written would make TensorBoard drop
-    the later ones). A reading that came after that point is left out there; the run's total
-    (:meth:`close`) has every one."""
+    """The GPU's energy per window (CUDA timing only), known one window late: it goes to the sinks that
+    take it at the next window, before that window's values, at its own step (a lower step than one
+    written would make TensorBoard drop the later ones); a reading later than that is left out there."""
 
     def __init__(self) -> None:
         self._meter: Any = None
@@ -180,8 +161,7 @@ class EnergyWindows:
         self._marked = window.step
 
     def close(self, step: int, sinks: Sequence[Any]) -> tuple[Any, str | None]:
-        """The last window's energy to the sinks; the run's energy from the first reading to the
-        last (None, and why, when the counter could not be read)."""
+        """The last window's energy to the sinks; the run's, first reading to last (None, and why not)."""
         if self._meter is None:
             return None, None
         readings = self._meter.close(step if step > self._marked else None)  # steps since the last window

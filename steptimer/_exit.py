@@ -1,9 +1,7 @@
-"""Close the timers still open when the process ends: ``atexit`` (a normal exit, an unhandled
-exception or Ctrl-C), and SIGTERM, whose default action skips ``atexit``. While a timer is live a
-handler goes in front of the one found (as git's ``sigchain``, Lightning's ``_HandlersCompose``): it
-closes every live timer, puts the found handler back and hands the signal on, so the process ends
-exactly as it would have (exit status -15). Process-wide, as signals are; timers are held weakly and
-forgotten in a forked child (a DataLoader worker must not write the parent's timers).
+"""Close the timers still open when the process ends: at ``atexit`` and on SIGTERM (whose default skips
+``atexit``), through a handler in front of the one found (as git's ``sigchain``) that closes every live
+timer, puts the found handler back and hands the signal on. Timers are held weakly and forgotten in a
+forked child (a DataLoader worker must not write the parent's timers).
 """
 
 from __future__ import annotations
@@ -66,9 +64,7 @@ def _close_all(why: str) -> None:
 
 class _Chain:
     """The SIGTERM handler in front of ``prev``, the disposition it found. Python runs it between two
-    bytecodes of the main thread, not in the C handler, so closing timers here cannot deadlock on a
-    lock held in C; a step it interrupts is dropped, and the closed timer then answers every call as a
-    no-op, for a run that goes on (``prev`` may let it)."""
+    bytecodes of the main thread, so closing timers cannot deadlock on a lock held in C."""
 
     __slots__ = ("prev",)
 
@@ -83,10 +79,9 @@ class _Chain:
             signal.signal(signum, self.prev)
         if _chain is self:
             _chain = None
-        prev = self.prev  # now the process's handler again, when ours was on top
-        if callable(prev):
-            prev(signum, frame)
-        elif on_top and prev == signal.SIG_DFL:
+        if callable(self.prev):  # now the process's handler again, when ours was on top
+            self.prev(signum, frame)
+        elif on_top and self.prev == signal.SIG_DFL:
             signal.raise_signal(signum)  # the default action again: the process ends as it would have
         # SIG_IGN: ignored, as before. Called by a handler put in after ours (Lightning's calls the
         # one it found): that handler decides what happens next, as it would without steptimer.

@@ -1,8 +1,9 @@
-"""What steptimer does when one of its own files can't be written: one warning, never an exception
-(the TensorBoard sink has its own rule, ``TensorBoardSink._fail``)."""
+"""What steptimer does when one of its own files can't be written: one warning naming the path and
+the cause (:func:`cause`), never an exception in the user's step."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -11,11 +12,17 @@ from typing import Any
 log = logging.getLogger("steptimer")
 
 
+def cause(err: OSError) -> str:
+    """``EFBIG: File too large``: the errno's name where known, and the message."""
+    text = err.strerror or str(err)
+    return f"{errno.errorcode[err.errno]}: {text}" if err.errno in errno.errorcode else text
+
+
 def unwritten(what: str, path: str, err: OSError) -> str:
     """Warn once on the ``steptimer`` logger that ``what`` could not be written to ``path``; return
     the same sentence for the summary's notes. A logger warning, not ``warnings.warn``: with ``-W
     error`` a warning would become an exception inside the user's step."""
-    msg = f"can't write {what} to {path!r} ({err.strerror or err}); training went on without it"
+    msg = f"can't write {what} to {path!r} ({cause(err)}); training went on without it"
     log.warning("steptimer: %s", msg)
     return msg
 

@@ -1,7 +1,5 @@
 """CUDA memory per phase, read from torch's caching allocator on the host (never a device sync); the
-rules, what the peak reset changes for a user, and the costs are in docs/memory-and-mfu.md, the tags
-in docs/tensorboard.md.
-"""
+rules, what the peak reset changes for a user, and the costs: docs/memory-and-mfu.md."""
 
 from __future__ import annotations
 
@@ -22,9 +20,8 @@ class _MemoryBackend:
 
 
 def torch_memory_backend() -> _MemoryBackend | None:
-    """The allocator calls over torch (None where this torch has no CUDA allocator to read). The
-    stats binding is called straight: each public getter (``torch.cuda.memory_allocated``...)
-    flattens and sorts the whole stats dict into an ``OrderedDict`` (bench/memory.py)."""
+    """The allocator calls over torch (None without a CUDA allocator). The stats binding straight: each
+    public getter flattens and sorts the whole stats dict into an ``OrderedDict`` (bench/memory.py)."""
     import torch
 
     stats = getattr(torch._C, "_cuda_memoryStats", None)
@@ -46,9 +43,8 @@ StepMemory = tuple[int, int, tuple[tuple[str, int, int], ...]]
 
 
 class MemoryReader:
-    """The readings of the current timed step; owned by the engine. One running peak per open phase
-    (a stack parallel to the engine's) and one for the step: each reading raises the innermost's, and
-    a phase's exit raises its parent's, so an outer phase's peak holds every inner phase's."""
+    """The engine's readings of the current timed step: a running peak per open phase (a stack beside
+    the engine's) and one for the step; a phase's exit raises its parent's, which so holds the inner's."""
 
     def __init__(self, backend: _MemoryBackend) -> None:
         self.b = backend
@@ -61,24 +57,21 @@ class MemoryReader:
         self.last_reserved = 0
         self.spent_s = 0.0  # host time in the allocator calls of the current step (memory=None's budget)
 
-    def _read(self) -> tuple[int, int, int]:
-        """Read, then reset the peak counter (so the next reading covers only what follows)."""
+    def _read(self, reset: bool = True) -> tuple[int, int, int]:
         t0 = perf_counter()
         alloc, peak, reserved = self.b.read(self.device)
-        self.b.reset_peak(self.device)
+        if reset:  # the next reading covers only what follows
+            self.b.reset_peak(self.device)
         self.spent_s += perf_counter() - t0
-        if peak > self.seen_bytes:
-            self.seen_bytes = peak
+        self.seen_bytes = max(self.seen_bytes, peak)
         self.last_alloc, self.last_reserved = alloc, reserved
         return alloc, peak, reserved
 
     def begin_step(self, device: int) -> None:
         self.device = device
         self.spent_s = 0.0
-        alloc, _, _ = self._read()  # its peak (between steps) counts only for seen_bytes
-        self._step = alloc
-        self._stack.clear()
-        self._phases = []
+        self._step = self._read()[0]  # its peak (between steps) counts only for seen_bytes
+        self.drop_step()
 
     def enter_phase(self, shared: bool) -> None:
         """At a phase's entry; ``shared``: nothing ran since the last reading (see the engine's
@@ -99,17 +92,15 @@ class MemoryReader:
         return peak
 
     def end_step(self, shared: bool) -> StepMemory:
-        """At the step's end; ``shared`` as for ``enter_phase`` (the last reading stands for this one)."""
+        """At the step's end; ``shared`` as for ``enter_phase``."""
         if shared:
             return self._step, self.last_reserved, tuple(self._phases)
-        t0 = perf_counter()
-        peak, reserved = self.close()  # no reset: the next step's first reading does it
-        self.spent_s += perf_counter() - t0
+        _, peak, reserved = self._read(reset=False)  # the next step's first reading resets
         return max(self._step, peak), reserved, tuple(self._phases)
 
     def open_peak(self) -> int:
-        """The innermost open phase's peak so far (the step's outside any phase), with a reading now
-        and no reset (for the out-of-memory note of a step that fails with phases open)."""
+        """The innermost open phase's peak so far (the step's outside any phase), for the note on an
+        out-of-memory error."""
         _, peak, _ = self.b.read(self.device)
         return max(self._stack[-1] if self._stack else self._step, peak)
 
@@ -117,27 +108,21 @@ class MemoryReader:
         self._stack.clear()
         self._phases = []
 
-    def close(self) -> tuple[int, int]:
-        """A reading with no reset (at close: ``seen_bytes`` covers the time after the last step too);
-        the peak and reserved bytes."""
-        _, peak, reserved = self.b.read(self.device)
-        if peak > self.seen_bytes:
-            self.seen_bytes = peak
-        return peak, reserved
+    def close(self) -> None:
+        """A last reading, so that ``seen_bytes`` covers the time after the last step too."""
+        self._read(reset=False)
 
     def _raise(self, peak: int) -> None:
         if self._stack:
-            if peak > self._stack[-1]:
-                self._stack[-1] = peak
-        elif peak > self._step:
-            self._step = peak
+            self._stack[-1] = max(self._stack[-1], peak)
+        else:
+            self._step = max(self._step, peak)
 
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Memory of a log window or of the run, in bytes: ``peak_bytes`` of ``"step"`` and each phase, max
-    over the steps; ``alloc_bytes`` at each phase's last exit; ``reserved_bytes`` at the last timed
-    step's end; ``steps``: the timed steps read."""
+    """Memory of a log window or of the run, in bytes: ``peak_bytes`` of ``"step"`` and each phase (max
+    over the steps), ``alloc_bytes`` at each phase's last exit, ``reserved_bytes`` at the last step's end."""
 
     peak_bytes: Mapping[str, int]
     alloc_bytes: Mapping[str, int]
@@ -157,30 +142,25 @@ def memory_of(steps: list[StepMemory]) -> MemoryStats | None:
     """A window's memory from its timed steps' readings, in step order (None: no step was read)."""
     if not steps:
         return None
-    peak: dict[str, int] = {}
+    peak = {"step": max(s[0] for s in steps)}  # then the phases in first-seen order
     alloc: dict[str, int] = {}
-    for step_peak, _, phases in steps:
-        if step_peak > peak.get("step", -1):
-            peak["step"] = step_peak
+    for _, _, phases in steps:
         for name, p, a in phases:
-            if p > peak.get(name, -1):
-                peak[name] = p
+            peak[name] = max(peak.get(name, p), p)
             alloc[name] = a
-    ordered = {"step": peak.pop("step"), **peak}  # "step" first, then the phases in first-seen order
-    return MemoryStats(ordered, alloc, steps[-1][1], len(steps))
+    return MemoryStats(peak, alloc, steps[-1][1], len(steps))
 
 
 @dataclass(frozen=True)
 class MemorySummary(MemoryStats):
-    """The run's CUDA memory in the summary, in bytes: :class:`MemoryStats` over the summarized timed
-    steps, and ``max_allocated_bytes``, the largest peak read over the whole run: what
-    ``torch.cuda.max_memory_allocated()`` would return at ``close()`` had steptimer never reset it."""
+    """The run's CUDA memory, in bytes; ``max_allocated_bytes``: the largest peak read over the whole run,
+    what ``torch.cuda.max_memory_allocated()`` would return had steptimer never reset it."""
 
     max_allocated_bytes: int
 
 
 def oom_errors() -> tuple[type[BaseException], ...]:
-    """The exception types of a CUDA out-of-memory error in this torch (imported lazily)."""
+    """The exception types of a CUDA out-of-memory error in this torch."""
     import torch
 
     types: list[Any] = [getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)]
@@ -188,8 +168,8 @@ def oom_errors() -> tuple[type[BaseException], ...]:
 
 
 def oom_note(phase: str | None, number: int, peak: int | None, read: bool) -> str:
-    """The summary's line on a CUDA out-of-memory error in step ``number`` (``Engine.oom``): in
-    ``phase`` (None: outside any), ``peak`` allocated bytes before it, on a ``read`` step or not."""
+    """The summary's line on a CUDA out-of-memory error in step ``number``, in ``phase`` (None: outside
+    any), ``peak`` allocated bytes before it, on a ``read`` step or not."""
     if phase is not None:
         where, before = f"in phase {phase!r} of step {number}", "the peak allocated inside the phase before it was"
     elif read:

@@ -1,8 +1,6 @@
 """Build and load ``_cudart.c``, the engine's CUDA calls without torch's Python layer, with the system C
-compiler and Python's headers, cached per source and Python build (as Triton's launcher stubs are).
-Whatever goes wrong leaves steptimer on torch's API (same numbers, higher host cost), with the reason
-in the summary. The cache: ``STEPTIMER_CACHE_DIR``, else ``$XDG_CACHE_HOME/steptimer`` or
-``~/.cache/steptimer``, else a private folder of the temporary directory.
+compiler, cached per source and Python build (as Triton's launcher stubs are). Whatever goes wrong
+leaves steptimer on torch's API (same numbers, higher host cost), with the reason in the summary.
 """
 
 from __future__ import annotations
@@ -34,28 +32,23 @@ def usable_here() -> bool:
 
 
 def cache_dir() -> Path:
+    """``STEPTIMER_CACHE_DIR``, else ``$XDG_CACHE_HOME/steptimer`` or ``~/.cache/steptimer``."""
     env = os.environ.get("STEPTIMER_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptimer"
+    return Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "steptimer"
 
 
 def compiler() -> list[str]:
     """The C compiler command: ``$CC``, Python's own ``CC``, then ``cc`` / ``gcc`` / ``clang``."""
-    for cand in (os.environ.get("CC"), sysconfig.get_config_var("CC")):
-        if cand:
-            argv = shlex.split(cand)
-            if argv and shutil.which(argv[0]):
-                return argv
-    for name in ("cc", "gcc", "clang"):
-        if shutil.which(name):
-            return [name]
+    for cand in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        argv = shlex.split(cand or "")
+        if argv and shutil.which(argv[0]):
+            return argv
     raise NativeUnavailable("no C compiler found (set CC, or install gcc)")
 
 
 def _usable_dir(path: Path, *, private: bool = False) -> bool:
-    """Whether builds can be written to ``path`` (created if missing). ``private``: also owned by this
-    user and writable by nobody else, as a shared temporary directory must be before we load from it."""
+    """Whether builds can be written to ``path`` (created if missing); ``private``: also owned by this
+    user and writable by nobody else, as a folder of a shared temporary directory must be."""
     try:
         path.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
         st = path.stat()
@@ -69,16 +62,12 @@ def _usable_dir(path: Path, *, private: bool = False) -> bool:
 def build(out_dir: Path | None = None) -> Path:
     """Compile the extension unless a build of this source for this Python exists; its path. Without
     ``out_dir``: in ``cache_dir()``, or where that can't be written, a per-user temporary folder."""
-    src = SOURCE.read_bytes()
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    key = hashlib.sha256(src + sys.version.encode() + suffix.encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + sys.version.encode() + suffix.encode()).hexdigest()[:16]
     name = f"{MODULE}-{key}{suffix}"
     if out_dir is None:
-        cache = cache_dir()
-        if (cache / name).exists():
-            return cache / name
-        out_dir = cache
-        if not _usable_dir(cache):
+        out_dir = cache = cache_dir()
+        if not (cache / name).exists() and not _usable_dir(cache):
             out_dir = Path(tempfile.gettempdir()) / f"steptimer-{os.getuid()}"
             if not _usable_dir(out_dir, private=True):
                 raise NativeUnavailable(f"no folder to build in: {cache} can't be written, {out_dir} isn't private")
@@ -109,7 +98,6 @@ def build(out_dir: Path | None = None) -> Path:
 
 
 def load(path: Path) -> ModuleType:
-    """Import a built extension."""
     spec = importlib.util.spec_from_file_location(MODULE, path)
     if spec is None or spec.loader is None:  # pragma: no cover - only for a path that isn't an extension
         raise NativeUnavailable(f"cannot import {path}")

@@ -42,33 +42,15 @@ PEAKS: dict[str, dict[str, float]] = {
 }
 
 # ``torch.cuda.get_device_name()`` -> table row: the first rule whose words all appear in the
-# lowercased name, tried in order (more specific first: "h100 nvl" before "h100", "l40s" before
-# "l40" before "l4"). Names as drivers report them, e.g. "NVIDIA H100 80GB HBM3" (SXM),
-# "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA A100-SXM4-80GB",
-# "NVIDIA L40S", "NVIDIA GeForce RTX 4090", "Tesla V100-SXM2-16GB", "Tesla T4".
-_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("b200",), "b200"),
-    (("gh200",), "gh200"),
-    (("h200", "nvl"), "h200 nvl"),
-    (("h200",), "h200"),
-    (("h100", "nvl"), "h100 nvl"),
-    (("h100", "pcie"), "h100 pcie"),
-    (("h100",), "h100 sxm"),  # SXM5 ("H100 80GB HBM3", "H100 SXM5 ...")
-    (("a100",), "a100"),
-    (("l40s",), "l40s"),
-    (("l40",), "l40"),
-    (("l4",), "l4"),
-    (("a10g",), ""),  # no vendor figures: unknown, not the A10's
-    (("a10",), "a10"),
-    (("a40",), "a40"),
-    (("a6000",), "rtx a6000"),
-    (("4090",), "rtx 4090"),
-    (("3090", "ti"), ""),
-    (("3090",), "rtx 3090"),
-    (("v100s",), "v100s"),
-    (("v100", "pcie"), "v100 pcie"),
-    (("v100",), "v100 sxm"),
-    (("t4",), "t4"),
+# lowercased name, more specific first ("h100 nvl" before "h100", "l40s" before "l40" before "l4"); no
+# row: no vendor figures, unknown rather than a neighbour's. Names as drivers report them, e.g. "NVIDIA
+# H100 80GB HBM3" (SXM5), "NVIDIA H100 PCIe", "NVIDIA GH200 480GB", "NVIDIA A100-SXM4-80GB", "Tesla T4".
+_RULES: tuple[tuple[str, str], ...] = (
+    ("b200", "b200"), ("gh200", "gh200"), ("h200 nvl", "h200 nvl"), ("h200", "h200"),
+    ("h100 nvl", "h100 nvl"), ("h100 pcie", "h100 pcie"), ("h100", "h100 sxm"), ("a100", "a100"),
+    ("l40s", "l40s"), ("l40", "l40"), ("l4", "l4"), ("a10g", ""), ("a10", "a10"), ("a40", "a40"),
+    ("a6000", "rtx a6000"), ("4090", "rtx 4090"), ("3090 ti", ""), ("3090", "rtx 3090"),
+    ("v100s", "v100s"), ("v100 pcie", "v100 pcie"), ("v100", "v100 sxm"), ("t4", "t4"),
 )
 
 
@@ -77,19 +59,11 @@ _FALLBACK = {"bf16": "fp16", "tf32": "fp32"}
 
 
 def dtype_of_precision(precision: str) -> str:
-    """The peak's dtype for a Lightning ``Trainer(precision=...)`` string, as Lightning's
-    ThroughputMonitor picks it: bf16 for ``bf16-*``, fp16 for ``16-*``, fp64 for ``64-*``, fp8 for
-    Transformer Engine, and for ``32-true`` tf32 unless ``torch.get_float32_matmul_precision()`` is
-    ``"highest"`` (then fp32)."""
-    p = str(precision)
-    if p.startswith("bf16"):
-        return "bf16"
-    if p.startswith("16"):
-        return "fp16"
-    if p.startswith("64"):
-        return "fp64"
-    if p.startswith("transformer-engine"):
-        return "fp8"
+    """The peak's dtype for a Lightning ``Trainer(precision=...)``, as its ThroughputMonitor picks it;
+    for ``32-true`` tf32, unless ``torch.get_float32_matmul_precision()`` is ``"highest"``."""
+    for prefix, dtype in (("bf16", "bf16"), ("16", "fp16"), ("64", "fp64"), ("transformer-engine", "fp8")):
+        if str(precision).startswith(prefix):
+            return dtype
     import torch
 
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
@@ -99,26 +73,21 @@ def chip_of(device_name: str) -> str | None:
     """The table row for a device name (``torch.cuda.get_device_name()``), or None if unknown."""
     words = device_name.lower().replace("-", " ").split()
     for needles, chip in _RULES:
-        if all(any(w == n or (n.isdigit() and n in w) for w in words) for n in needles):
+        if all(any(w == n or (n.isdigit() and n in w) for w in words) for n in needles.split()):
             return chip or None
     return None
 
 
 def lookup_peak(device_name: str, dtype: str = "bf16") -> tuple[float | None, str]:
-    """The dense peak (TFLOP/s) of ``device_name`` for ``dtype``, and a note saying where it came from
-    (or why there is none). bf16 falls back to fp16 on GPUs without bf16 tensor cores (V100, T4).
-
-    Raises:
-        ValueError: ``dtype`` is not one of ``DTYPES``.
-    """
+    """The dense peak (TFLOP/s) of ``device_name`` for ``dtype`` (bf16 falls back to fp16, tf32 to fp32
+    where the GPU lacks them), and a note saying where it came from or why there is none."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     chip = chip_of(device_name)
     if chip is None:
         return None, f"no MFU: {device_name!r} is not in steptimer's peak table; pass peak_tflops="
     row = PEAKS[chip]
-    used = dtype if dtype in row else _FALLBACK.get(dtype)
-    used = used if used in row else None
+    used = next((d for d in (dtype, _FALLBACK.get(dtype)) if d in row), None)
     if used is None:
         return None, f"no MFU: no {dtype} peak for {device_name!r} in steptimer's table; pass peak_tflops="
     return row[used], f"MFU against {row[used]:g} TFLOP/s, the dense {used} peak of {device_name}"
