@@ -1,6 +1,5 @@
-"""The same steps and phases in the profilers: NVTX ranges (``nvtx``), ``torch.profiler`` windows
-(``profile_steps``, ``profile_on_slow``) and their traces; docs/profilers.md has the rules and costs.
-"""
+"""The same steps and phases in the profilers: NVTX ranges (``nvtx``) and ``torch.profiler`` windows
+(``profile_steps``, ``profile_on_slow``); docs/profilers.md has the rules and costs."""
 
 from __future__ import annotations
 
@@ -12,6 +11,10 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from steptimer._files import unwritten, write_json
 from steptimer._format import num
@@ -26,15 +29,13 @@ log = logging.getLogger("steptimer")
 
 PROFILE_FILE = "steptimer-profile.json"
 RANGE_PREFIX = "steptimer/"
-# A mark inside a step that raised (steptimer drops such a step: its time is in no statistic), so
-# ``steptimer kernels`` leaves the step's ranges out too. A space: no phase can be named so.
+# Marks a step that raised (steptimer drops it), for ``steptimer kernels``; no phase name has a space.
 DROPPED_MARK = RANGE_PREFIX + "step dropped"
 FORMAT = "steptimer-profile"
 VERSION = 1
 
 
 def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
-    """NVTX push/pop from torch's CUDA build; None where torch has no NVTX (CPU builds)."""
     try:
         from torch._C import _nvtx  # type: ignore[attr-defined]
     except ImportError:
@@ -43,17 +44,10 @@ def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
 
 
 class Ranges:
-    """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags
-    are. State lives here, not in the context managers (Lightning exits a step through a fresh
-    ``step()`` object).
-
-    Args:
-        nvtx: NVTX push/pop functions, or None for no NVTX ranges.
-        capture: The ``profile_steps`` window, or None.
-        set_ranged: Called with True when the phases must call ``enter``/``exit`` (NVTX on, or inside
-            the profiler window) and False when they need not.
-        recent: The capture of recent steps: a window's resolved steps and the run id.
-    """
+    """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags are.
+    State lives here, not in the context managers (Lightning exits a step through a fresh ``step()``).
+    ``set_ranged(on)``: whether the phases must call ``enter``/``exit``; ``recent``: the capture of
+    recent steps (a window's resolved steps, the run id)."""
 
     def __init__(
         self,
@@ -64,8 +58,7 @@ class Ranges:
     ) -> None:
         self._push, self._pop = nvtx if nvtx is not None else (None, None)
         self._recent = recent
-        # The profiler windows not yet written, in step order, apart (:meth:`arm`).
-        self.captures: list[ProfileCapture] = []
+        self.captures: list[ProfileCapture] = []  # the windows not yet written, in step order, apart
         if capture is not None:
             self._accept(capture)
         self.slow: SlowProfiler | None = None  # profile_on_slow
@@ -74,16 +67,13 @@ class Ranges:
         self._records: list[Any] = []  # their record_function objects, while recording
         self._in_step = False
         self._begun = -1  # engine.number when the open step began: unchanged at its end if it was dropped
-        self.recording = False  # record_function ranges on (inside the profiler window)
-        # Steps go through the ranges from this engine.number on: always with NVTX, else from the
-        # next window's start until its trace is written.
-        self.from_number: float = math.inf
+        self.recording = False  # inside a profiler window: record_function ranges on
+        self.from_number: float = math.inf  # steps take the ranges from this engine.number on
         self._next_window()
         set_ranged(self._push is not None)
 
     @property
-    def capture(self) -> ProfileCapture | None:
-        """The window running or next to run."""
+    def capture(self) -> ProfileCapture | None:  # the window running or next to run
         return self.captures[0] if self.captures else None
 
     def _next_window(self) -> None:
@@ -91,8 +81,7 @@ class Ranges:
         self.from_number = 0 if self._push is not None else cap.first - 1 if cap is not None else math.inf
 
     def arm(self, capture: ProfileCapture, engine: Engine) -> bool:
-        """Add a window that starts at the next step, unless it would overlap another window or the
-        steps until that one's trace is written (``lag`` steps after its last); False then."""
+        """Add a window unless it would overlap another or the ``lag`` steps until that one is written."""
         gap = max(engine.lag, 1) + 1
         for other in self.captures:
             if not (capture.last + gap <= other.first or other.last + gap <= capture.first):
@@ -106,9 +95,6 @@ class Ranges:
             capture.recs = self._recent.keep(capture.first, capture.last)
         self.captures.append(capture)
         self.captures.sort(key=lambda c: c.first)
-
-    def _run_id(self) -> str | None:
-        return self._recent.run_id if self._recent is not None else None
 
     def begin_step(self, engine: Engine) -> None:
         if engine.in_step:
@@ -126,7 +112,7 @@ class Ranges:
         self._open("step")
 
     def abort_step(self) -> None:
-        """Close the step's range (``begin_step`` was followed by an engine error, or at close)."""
+        """Close the step's range (the engine raised after ``begin_step``, or at close)."""
         if self._in_step:
             self._in_step = False
             self._close()
@@ -134,13 +120,11 @@ class Ranges:
     def end_step(self, engine: Engine) -> None:
         if not self._in_step:
             return
-        while self._names:  # phases left open (the step failed, or was left inconsistent)
+        while self._names:  # phases left open (the step failed)
             self.exit()
         self._in_step = False
         dropped = engine.number == self._begun
         if dropped and self.recording:
-            from torch.profiler import record_function
-
             with record_function(DROPPED_MARK):
                 pass
         self._close()
@@ -153,19 +137,19 @@ class Ranges:
                 self.recording = False
                 self._set_ranged(self._push is not None)
                 cap.stop(engine)
-        if cap.ready(engine):
-            cap.write(engine, self._run_id())
+        if cap.started and not cap.written and engine.last_resolved >= cap.last:  # its steps resolved
+            cap.write(engine, self._recent)
             self.captures.pop(0)
             self._next_window()
 
     def finish(self, engine: Engine) -> None:
-        """At ``close()``, after the engine resolved every step: stop and write the captures."""
+        """At ``close()``, after the engine resolved every step."""
         while self._names:
             self.exit()
         self.abort_step()
         self.recording = False
         for cap in self.captures:
-            cap.finish(engine, self._run_id())
+            cap.finish(engine, self._recent)
         self.captures = []
 
     def enter(self, name: str) -> None:
@@ -183,8 +167,6 @@ class Ranges:
         if self._push is not None:
             self._push(full)
         if self.recording:
-            from torch.profiler import record_function
-
             rf = record_function(RANGE_PREFIX + full)
             rf.__enter__()
             self._records.append(rf)
@@ -198,8 +180,7 @@ class Ranges:
 
 @contextmanager
 def _outside_steps(engine: Engine) -> Iterator[None]:
-    """Under ``pause()`` when between steps: the profiler's start-up (CUPTI: 100s of ms), stop and
-    export are not data wait. Inside a step (or at close) they are that step's (or nobody's)."""
+    """Between steps, under ``pause()``: the profiler's start-up (CUPTI: 100s of ms) is not data wait."""
     paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
     try:
         yield
@@ -216,7 +197,7 @@ class ProfileCapture:
         self.first, self.last, self.path, self.why = first, last, path, why
         self.started = self.stopped = self.written = False
         self._prof: Any = None
-        self.recs: list[Any] = []  # the window's resolved steps (``_trace.Capture.keep``)
+        self.recs: list[Any] = []  # the window's resolved steps (``Capture.keep``)
         self._cuda = False
 
     def _what(self) -> str:
@@ -228,11 +209,7 @@ class ProfileCapture:
         engine.notes.append(msg)
 
     def start(self, engine: Engine) -> bool:
-        """Start the profiler before step ``first``; False (one warning and a note) if it would not
-        start (another profiler running, say): the run goes on without the capture."""
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-
+        """Start the profiler before step ``first``; False (a warning and a note) if it would not start."""
         self.started = True
         self._cuda = torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
@@ -271,11 +248,7 @@ class ProfileCapture:
             out.append({"number": s["number"], "host_ms": host, "gpu_ms": gpu})
         return out
 
-    def ready(self, engine: Engine) -> bool:
-        """The window is over and its steps are resolved: the trace can be written."""
-        return self.started and not self.written and engine.last_resolved >= self.last
-
-    def finish(self, engine: Engine, run_id: str | None) -> None:
+    def finish(self, engine: Engine, recent: Capture | None) -> None:
         """At close: stop a window the run ended inside, and write what was captured."""
         if self.written:
             return
@@ -289,12 +262,13 @@ class ProfileCapture:
             )  # fmt: skip
             return
         self.stop(engine)
-        self.write(engine, run_id)
+        self.write(engine, recent)
 
-    def write(self, engine: Engine, run_id: str | None) -> None:
-        """Write the trace with steptimer's times of its steps under the key ``steptimer`` (Chrome and
-        Perfetto ignore unknown top-level keys); a failed write is one warning and a note."""
+    def write(self, engine: Engine, recent: Capture | None) -> None:
+        """The trace with steptimer's times of its steps under the key ``steptimer`` (Chrome and
+        Perfetto ignore unknown top-level keys); a failed write is a warning and a note."""
         self.written = True
+        run_id = recent.run_id if recent is not None else None
         self.path = own_path(self.path, run_id)
         prof, self._prof = self._prof, None
         steps = self.steps()
@@ -347,8 +321,7 @@ def profile_files(folder: str) -> list[str]:
 PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
 PROFILE_SLOW_MAX = 3  # captures per run
 SLOW_RUN_STEPS = 3  # consecutive steps over the factor that make a slowdown (one outlier never does)
-# ... and each at least this much over the median: on steps of µs, jitter is often 1.5 x, and a capture
-# (the profiler's start-up alone is 100s of ms with CUDA) is worth a slowdown a user would notice.
+# ... each at least this much over the median: µs steps often jitter 1.5 x; a capture costs 100s of ms.
 SLOW_MIN_MS = 1.0
 BASELINE_STEPS = 100  # the rolling median: over the last this many resolved steps before the window
 BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many steps (after warm-up)
@@ -356,13 +329,10 @@ COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the
 
 
 class SlowProfiler:
-    """``profile_on_slow``: arms a ``profile_steps``-like window on :class:`Ranges` when steps *stay*
-    slower than ``factor`` x the rolling median step; checked once per window on its arrays, never per
-    step (the rule: docs/slow-steps.md)."""
+    """``profile_on_slow``: arms a window on :class:`Ranges` when steps *stay* slower than ``factor`` x
+    the rolling median step; checked once per window on its arrays, never per step."""
 
     def __init__(self, factor: float, folder: str, ranges: Ranges) -> None:
-        import numpy as np
-
         self.factor, self.folder, self.ranges = factor, folder, ranges
         self.captures = 0
         self._ring = np.zeros(0)  # the last BASELINE_STEPS resolved steps' wall times
@@ -374,7 +344,7 @@ class SlowProfiler:
             self.profiled(cap.first, cap.last, capture=False)
 
     def window(self, window: Any, engine: Engine) -> None:
-        """A window's steps (``window.packed.walls``): arm a capture if a slowdown completed."""
+        """Arm a capture if a slowdown completed in the window's steps."""
         walls = window.packed.walls if window.packed is not None else None
         if walls is None or engine.closed:
             return
@@ -390,7 +360,7 @@ class SlowProfiler:
             engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
 
     def profiled(self, first: int, last: int, *, capture: bool = True) -> None:
-        """Steps ``first..last`` run under the profiler (``capture``: one of this watch's captures)."""
+        """Steps ``first..last`` run under the profiler (``capture``: one of profile_on_slow's)."""
         self._profiled.append((first, last))
         if capture:
             self.captures += 1
@@ -399,10 +369,8 @@ class SlowProfiler:
     def check(
         self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]
     ) -> str | None:  # fmt: skip
-        """A window's steps (after warm-up) and its statistics by row (the next window's slowdown is
-        read against their medians); the sentence of a slowdown, if one completed."""
-        import numpy as np
-
+        """The sentence of a slowdown that completed in a window's steps, if one did; its statistics by
+        row are the medians the next window's slowdown is read against."""
         n, w = walls.numbers, walls.wall_ms
         if not len(n):
             return None
@@ -446,8 +414,7 @@ class SlowProfiler:
         return None
 
     def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
-        """What grew in the run's steps of this window (their mean rows) against the previous
-        window's medians, by the slowest steps' rule."""
+        """What grew in the run's steps (their mean rows) against the previous window's medians."""
         ph, pg = self._prev
         medians = {("host", k): st.median_ms for k, st in ph.items()}
         medians.update({("gpu", k): st.median_ms for k, st in pg.items()})
@@ -477,8 +444,8 @@ def make_ranges(
     profile_on_slow: object = None,
     recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:
-    """Validate ``profile_steps`` and ``profile_on_slow`` (``nvtx`` is checked by the caller); the
-    ranges (None when there are none) and a note. Traces go to ``folder``, from rank 0 only."""
+    """Validate ``profile_steps`` and ``profile_on_slow``; the ranges (None: none) and a note. Traces
+    go to ``folder``, from rank 0 only."""
     factor = None
     if profile_on_slow is not None:
         ok = isinstance(profile_on_slow, (int, float)) and not isinstance(profile_on_slow, bool)

@@ -1,18 +1,6 @@
-"""The slowest steps of a run, and what made each slow, measured (docs/slow-steps.md).
-
-A step's *wall time* is the product's share rule (``_verdict.py``) applied to one step: with CUDA
-timing, its GPU step span plus the GPU's idle before it, so a GPU stall inside a phase makes the
-step slow even while the host runs ahead with ``lag``; host only, the host step plus the time
-between steps before it (``data``). Only timed steps are ranked: they have phases to explain.
-
-Nothing here runs per step on the hot path: per window, on the window's arrays (``_window._blocks``),
-``window_candidates`` takes the steps slower than the run's k-th slowest so far (usually none) and
-:class:`SlowestKeeper` keeps the run's k slowest, so memory stays at k entries over any run. The
-causes are measured where they happen and travel with the step as *marks* (``StepRows.marks``, a
-sparse dict by step number): ``gc_ms``/``gc_gen`` (:class:`GcLog`), ``graphs_new``/``graphs``
-(dynamo's counters), ``pause_ms``, ``alloc_retries`` (read
-once per window), ``profiled``. The row that grew, and a data stall, are read against the run's
-per-row medians at the summary (:func:`explain`).
+"""The run's slowest steps and what made each slow, measured (docs/slow-steps.md). A step's wall
+time: GPU step + GPU idle before it with CUDA timing, else host step + time between steps. Nothing
+here runs per step: per window on its arrays; causes travel with the step as sparse *marks*.
 """
 
 from __future__ import annotations
@@ -24,8 +12,11 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from steptimer._format import num
 from steptimer._verdict import ShareClock
@@ -45,15 +36,8 @@ SLOW_PLUGIN = "steptimer-slow"
 
 @dataclass(frozen=True)
 class SlowStep:
-    """One of a run's slowest steps (``Summary.slowest``, ``steptimer report``'s ``slowest``).
-
-    ``wall_ms`` is on the clock ``clock`` (see the module docstring). ``host_ms``/``gpu_ms`` hold
-    every row of the step as the summary names them (phases, ``data``, ``other``, ``wait``,
-    ``step``; GPU ``idle``). ``grew`` is the row of the wall clock that grew most over the run's
-    median of that row, by ``grew_ms`` (its median ``grew_median_ms``); ``causes`` are what
-    steptimer measured in the step (a GC pause, a recompilation, allocator retries, a data stall,
-    a pause before it), each a sentence.
-    """
+    """One of a run's slowest steps: every row of it by clock, the row of the wall clock that grew most
+    over its median (``grew``, by ``grew_ms``) and the causes steptimer measured in it, as sentences."""
 
     step: int
     wall_ms: float
@@ -82,21 +66,17 @@ class SlowStep:
         return f"{where}{self.grew} +{num(self.grew_ms)} ms (median {num(self.grew_median_ms or 0.0)})"
 
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
+        grew = {"row": self.grew, "by_ms": self.grew_ms, "median_ms": self.grew_median_ms}
+        optional = {
+            "grew": None if self.grew is None else grew,
+            "causes": list(self.causes) or None, "cause": self.cause, "trace": self.trace,
+            "rank": None if self.rank is None else self.rank.to_json(),
+        }  # fmt: skip
+        return {
             "step": self.step, "wall_ms": self.wall_ms, "clock": self.clock,
             "host_ms": dict(self.host_ms), "gpu_ms": None if self.gpu_ms is None else dict(self.gpu_ms),
+            **{k: v for k, v in optional.items() if v is not None},
         }  # fmt: skip
-        if self.grew is not None:
-            d["grew"] = {"row": self.grew, "by_ms": self.grew_ms, "median_ms": self.grew_median_ms}
-        if self.causes:
-            d["causes"] = list(self.causes)
-        if self.cause is not None:
-            d["cause"] = self.cause
-        if self.trace is not None:
-            d["trace"] = self.trace
-        if self.rank is not None:
-            d["rank"] = self.rank.to_json()
-        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SlowStep:
@@ -116,10 +96,8 @@ class SlowStep:
 
 @dataclass(frozen=True)
 class RankSlow:
-    """Under ``torch.distributed``: the slowest step of one log window across ranks, by *own* time
-    (wall time less the top-level ``backward``, :meth:`StepWalls.own_ms`), from the window's
-    cross-rank round (``_dist.py``). ``here_ms`` is the reading rank's own time in that step
-    (``here``: that rank; None if it has no such timed step)."""
+    """The slowest step of one window across ranks by own time (``_dist.py``); ``here_ms``: the
+    reading rank ``here``'s own time in that step (None: no such timed step)."""
 
     step: int
     rank: int
@@ -130,7 +108,6 @@ class RankSlow:
     here_ms: float | None
 
     def text(self, step: int) -> str:
-        """What rank ``here``'s table says of its slow step ``step`` (in this window)."""
         if self.step == step and self.rank == self.here:
             return f"the slowest rank in this step (its own time {num(self.own_ms)} ms: wall less backward)"
         here = "" if self.here_ms is None else f" vs {num(self.here_ms)} ms on rank {self.here}"
@@ -160,16 +137,9 @@ class RankSlow:
         )  # fmt: skip
 
 
-# ---------------------------------------------------------------------- measured in the step
-
-
 class GcLog:
-    """Python garbage collections as host time spans, from ``gc.callbacks``.
-
-    The callback costs two ``perf_counter()`` calls and a deque append per collection (never per
-    step); the deque is bounded. :meth:`take_ms` attributes the collections to a step by its host
-    time range when the step is resolved. Removed at :meth:`close`.
-    """
+    """Python garbage collections as host time spans, from ``gc.callbacks`` (two clock reads and a
+    bounded deque append per collection, never per step)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
@@ -191,14 +161,12 @@ class GcLog:
     def close(self) -> None:
         if self._on:
             self._on = False
-            try:
+            with suppress(ValueError):  # someone cleared gc.callbacks
                 gc.callbacks.remove(self._callback)
-            except ValueError:  # someone cleared gc.callbacks
-                pass
 
     def take_ms(self, t_from: float, t_to: float) -> tuple[float, int]:
-        """``(ms of collection inside [t_from, t_to], oldest generation collected)``; spans that end by
-        ``t_to`` are consumed (steps are resolved in order), later ones kept for the next steps."""
+        """``(ms of collection inside [t_from, t_to], oldest generation)``; spans ending by ``t_to`` are
+        consumed (steps are resolved in order)."""
         total, gen = 0.0, -1
         for a, z, g in self.spans:  # in order: collections never overlap
             if a >= t_to:
@@ -213,8 +181,8 @@ class GcLog:
 
 
 def dynamo_stats() -> Mapping[str, int] | None:
-    """dynamo's ``counters["stats"]`` (``unique_graphs``: graphs compiled so far) if ``torch._dynamo``
-    is already imported; None otherwise (importing it here would cost seconds)."""
+    """dynamo's ``counters["stats"]`` if ``torch._dynamo`` is already imported (importing it costs
+    seconds); else None."""
     utils = sys.modules.get("torch._dynamo.utils")
     counters = getattr(utils, "counters", None)
     if counters is None:
@@ -226,8 +194,8 @@ def dynamo_stats() -> Mapping[str, int] | None:
 
 
 def allocator_retries(device: int) -> int | None:
-    """The CUDA caching allocator's ``num_alloc_retries`` on ``device`` (None without one). One
-    ``torch._C._cuda_memoryStats`` call (~10 µs on an H100): read once per window, never per step."""
+    """The CUDA caching allocator's ``num_alloc_retries`` on ``device`` (None without one); ~10 µs on
+    an H100: read once per window, never per step."""
     torch = sys.modules.get("torch")
     stats = getattr(getattr(torch, "_C", None), "_cuda_memoryStats", None)
     if stats is None or device < 0:
@@ -236,9 +204,6 @@ def allocator_retries(device: int) -> int | None:
         return int(stats(device).get("num_alloc_retries", 0))
     except Exception:  # CUDA not initialized on that device, or a torch without the key
         return None
-
-
-# ---------------------------------------------------------------------- per window, per run
 
 
 @dataclass
@@ -257,10 +222,7 @@ class Candidate:
 
 
 def block_wall_ms(blk: Any, series: list[tuple[str, str]], step_s_col: int) -> tuple[Any, ShareClock]:
-    """Each step's wall time in one block of a window's rows (``_window._blocks``), and its clock:
-    GPU step + GPU idle with CUDA timing, else host step + data (the module docstring's rule)."""
-    import numpy as np
-
+    """Each step's wall time in one block of a window's rows (``_window._blocks``), and its clock."""
     try:
         j = series.index(("gpu", "step"))
     except ValueError:
@@ -285,10 +247,7 @@ def window_candidates(
     blocks: Iterable[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
     k: int, floor_ms: float, step_s_col: int, number_col: int,
 ) -> list[Candidate]:  # fmt: skip
-    """A window's steps slower than ``floor_ms`` (the run's k-th slowest so far), its k slowest at
-    most, from its blocks of rows (``_window._blocks``): a few numpy calls per block."""
-    import numpy as np
-
+    """A window's k slowest steps at most of those slower than ``floor_ms`` (the run's k-th slowest)."""
     out: list[Candidate] = []
     for blk, series in blocks:
         if blk.names is None or not len(blk.lead):
@@ -305,28 +264,23 @@ def window_candidates(
     return out[:k]
 
 
-# A phase that, under DDP, includes waiting for the other ranks' gradients (the all-reduce hooks run
-# inside it): a rank's *own* time leaves it out (the straggler rule of _dist.py, per step).
+# Under DDP it holds the wait for the other ranks' gradients: a rank's *own* time leaves it out.
 WAIT_PHASE = "backward"
 
 
 def is_wait_phase(name: str) -> bool:
-    """A top-level ``backward``: its last name part is ``backward`` with no ``backward`` above it."""
+    """A top-level ``backward``: no ``backward`` above it."""
     parts = name.split("/")
     return parts[-1] == WAIT_PHASE and WAIT_PHASE not in parts[:-1]
 
 
 class StepWalls:
-    """A window's timed steps in step order (``Packed.walls``): each step's number and wall time
-    (:func:`block_wall_ms`), and on demand its *own* time (:meth:`own_ms`) and rows (:meth:`rows`).
-    Two or three numpy calls per window (more only when a window mixes phase layouts), never per step.
-    """
+    """A window's timed steps in step order (``Packed.walls``): numbers and wall times, and on demand
+    their own times and rows."""
 
     __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order")
 
     def __init__(self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int) -> None:
-        import numpy as np
-
         self.clock: ShareClock = "host"
         self._blocks = blocks
         parts = []  # (block index, its numbers, its walls); rows within a block are in step order
@@ -350,11 +304,7 @@ class StepWalls:
         return len(self.numbers)
 
     def own_ms(self) -> Any:
-        """Each step's wall time less its top-level ``backward`` rows on the wall's clock: under DDP the backward holds the wait for the other
-        ranks' gradients, so a rank that waited for a slow one has a short own time and the slow rank
-        a long one (``_dist.py``'s straggler rule, per step)."""
-        import numpy as np
-
+        """Each step's wall time less its top-level ``backward`` (``_dist.py``'s straggler rule)."""
         owns = []
         for b, _, wall in self._parts:
             blk, series = self._blocks[b]
@@ -378,8 +328,7 @@ class StepWalls:
 
 
 class SlowestKeeper:
-    """The run's k slowest steps (a min-heap of k candidates: bounded memory whatever the run's
-    length), merged one window at a time."""
+    """The run's k slowest steps (a min-heap: bounded memory), merged one window at a time."""
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -406,7 +355,8 @@ class SlowestKeeper:
         self, medians: Mapping[tuple[str, str], float], traces: Mapping[int, str] | None = None
     ) -> tuple[SlowStep, ...]:
         """The kept steps, slowest first, each explained against the run's medians (``(clock, row)``)."""
-        return tuple(explain(c, medians, (traces or {}).get(c.step)) for c in sorted(self.heap, key=lambda c: -c.wall_ms))
+        traces = traces or {}
+        return tuple(explain(c, medians, traces.get(c.step)) for c in sorted(self.heap, key=lambda c: -c.wall_ms))
 
 
 # Rows of each clock that tile the wall time (the top-level phases besides them).
@@ -455,11 +405,7 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
 
 
 def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grown_ms: float) -> list[str]:
-    """What the time between steps measured before the slow step, when it grew by at least
-    ``DATA_MIN_FRAC`` of the step's growth (``grown_ms``), to twice its median, and by a notable
-    time (as a GC pause is): a data stall only from the loader's time (``data``) or the GPU idle it
-    accounts for (``idle/data``); a longer loop is the host waiting for the GPU when the GPU stayed
-    busy (it idled less than a notable time outside the loader), else the host busy between steps."""
+    """A data stall or a longer loop before the slow step, when it grew notably (docs/slow-steps.md)."""
     notable_ms = max(GC_MIN_MS, GC_MIN_FRAC * c.wall_ms)
 
     def grew(clock: str, row: str, values: Mapping[str, float] | None) -> tuple[float, float] | None:
@@ -489,9 +435,6 @@ def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grow
     return out
 
 
-# ---------------------------------------------------------------------- TensorBoard
-
-
 def slow_markdown(slowest: Sequence[SlowStep]) -> str:
     """The TensorBoard text card: one Markdown table row per slow step."""
     lines = ["| step | wall ms | what stood out |", "|---:|---:|---|"]
@@ -510,7 +453,8 @@ def slow_summary(slowest: Sequence[SlowStep]) -> Any:
 
     def text(tag: str, s: str, plugin: str) -> Any:
         meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin))
-        t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
+        shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
+        t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=shape)
         return Summary.Value(tag=tag, metadata=meta, tensor=t)
 
     doc = json.dumps([s.to_json() for s in slowest], allow_nan=False)
