@@ -189,6 +189,13 @@ def _outside_steps(engine: Engine) -> Iterator[None]:
             engine.end_pause(paused)
 
 
+def _by_phase_ms(step_s: float, phases: list[list[Any]]) -> dict[str, float]:
+    out = {"step": step_s * 1e3}
+    for name, t_in, t_out in phases:
+        out[name] = out.get(name, 0.0) + (t_out - t_in) * 1e3
+    return out
+
+
 class ProfileCapture:
     """``torch.profiler`` over steps ``first..last`` and its trace with steptimer's own times of those
     steps. ``why``: the slowdown that armed it (``profile_on_slow``); None for ``profile_steps``."""
@@ -237,14 +244,9 @@ class ProfileCapture:
         """steptimer's own times of the window's resolved steps, by phase, in ms."""
         out = []
         for s in map(record, self.recs):
-            host = {"step": s["step_s"] * 1e3}
-            for full, t_in, t_out, _, _ in s["phases"]:
-                host[full] = host.get(full, 0.0) + (t_out - t_in) * 1e3
-            offs, gpu = s["offs_ms"], None
-            if offs is not None:
-                gpu = {"step": offs[s["i_end"]] - offs[s["i_start"]]}
-                for full, _, _, i, j in s["phases"]:
-                    gpu[full] = gpu.get(full, 0.0) + offs[j] - offs[i]
+            g = s["gpu"]
+            gpu = None if g is None else _by_phase_ms(g["end"] - g["start"], g["phases"])
+            host = _by_phase_ms(s["step_s"], s["phases"])
             out.append({"number": s["number"], "host_ms": host, "gpu_ms": gpu})
         return out
 
