@@ -1,7 +1,6 @@
 """TensorBoard's record framing (``uint64 length, crc, data, crc``) with a C CRC-32C, for steptimer's
-own event files only. TensorBoard's pure-Python CRC-32C costs ~0.2 µs per byte with the GIL held
-(~2.8 ms a window's event, docs/benchmarks.md); TensorBoard's functions are never replaced, so a
-user's ``SummaryWriter`` keeps its own (tests/test_records.py checks that and the bytes).
+own event files only: TensorBoard's pure-Python one costs ~0.2 µs a byte with the GIL held (~2.8 ms a
+window's event). TensorBoard's functions are never replaced: a user's ``SummaryWriter`` keeps its own.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ _CRC = struct.Struct("<I")
 
 
 def frame(data: bytes) -> bytes:
-    """One record: ``data`` with its length and both checksums, as TensorBoard frames it."""
+    """``data`` with its length and both checksums, as TensorBoard frames it."""
     header = _LENGTH.pack(len(data))
     return header + _CRC.pack(masked_crc32c(header)) + data + _CRC.pack(masked_crc32c(data))
 
