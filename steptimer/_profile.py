@@ -50,12 +50,9 @@ class Ranges:
     recent steps (a window's resolved steps, the run id)."""
 
     def __init__(
-        self,
-        nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None,
-        capture: ProfileCapture | None,
-        set_ranged: Callable[[bool], None],
-        recent: Capture | None = None,
-    ) -> None:
+        self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
+        set_ranged: Callable[[bool], None], recent: Capture | None = None,
+    ) -> None:  # fmt: skip
         self._push, self._pop = nvtx if nvtx is not None else (None, None)
         self._recent = recent
         self.captures: list[ProfileCapture] = []  # the windows not yet written, in step order, apart
@@ -434,18 +431,9 @@ class SlowProfiler:
 
 
 def make_ranges(
-    *,
-    nvtx: object,
-    profile_steps: object,
-    folder: str | None,
-    start_step: int,
-    sample_every: int,
-    enabled: bool,
-    rank: int,
-    set_ranged: Callable[[bool], None],
-    profile_on_slow: object = None,
-    recent: Capture | None = None,
-) -> tuple[Ranges | None, str | None]:
+    *, nvtx: object, profile_steps: object, folder: str | None, start_step: int, sample_every: int, enabled: bool,
+    rank: int, set_ranged: Callable[[bool], None], profile_on_slow: object = None, recent: Capture | None = None,
+) -> tuple[Ranges | None, str | None]:  # fmt: skip
     """Validate ``profile_steps`` and ``profile_on_slow``; the ranges (None: none) and a note. Traces
     go to ``folder``, from rank 0 only."""
     factor = None

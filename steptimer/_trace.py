@@ -157,7 +157,7 @@ class Capture:
     def add(self, engine: Engine, rec: Any) -> None:
         """Each resolved step, in order, before its events go back to the engine's pool."""
         self.ring.append(rec)
-        if not self._keeps and (self.trace is None or self._trace_doc is not None):
+        if not self._keeps:  # the trace window's keep goes with its placing
             return
         n = _number(rec)
         for first, last, recs in self._keeps:
@@ -165,8 +165,8 @@ class Capture:
                 recs.append(rec)
         if any(last < n for _, last, _ in self._keeps):
             self._keeps = [k for k in self._keeps if k[1] >= n]
-        if self.trace is not None and self._trace_doc is None and n > self.trace[1]:
-            self._place_trace(engine)
+            if self.trace is not None and self._trace_doc is None and n > self.trace[1]:
+                self._place_trace(engine)
 
     def _place_trace(self, engine: Engine) -> None:
         """The window's GPU chain on the host clock through one reference event, waited for once (its
@@ -344,19 +344,10 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_capture(
-    trace_steps: int | tuple[int, int] | None,
-    *,
-    log_dir: str | os.PathLike[str] | None,
-    writer: Any,
-    start_step: int,
-    warmup_steps: int,
-    sample_every: int,
-    enabled: bool,
-    rank: int,
-    flight: bool,
-    window_steps: int,
-    profile: bool,
-) -> Capture | None:
+    trace_steps: int | tuple[int, int] | None, *, log_dir: str | os.PathLike[str] | None, writer: Any,
+    start_step: int, warmup_steps: int, sample_every: int, enabled: bool, rank: int, flight: bool,
+    window_steps: int, profile: bool,
+) -> Capture | None:  # fmt: skip
     """Validate ``trace_steps``; the capture of an enabled timer's rank 0 when it has a use (``trace_steps``,
     ``flight``: the slowest steps' traces, ``profile``: a profiler window)."""
     folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir()) if writer is not None else None
