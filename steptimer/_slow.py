@@ -289,36 +289,26 @@ class StepWalls:
                 wall, self.clock = block_wall_ms(blk, series, step_s_col)
                 parts.append((b, blk.lead[:, number_col], wall))
         self._parts = parts
-        self._order: Any = None
-        if len(parts) == 1:
-            self.numbers, self.wall_ms = parts[0][1], parts[0][2]
-        elif not parts:
-            self.numbers = self.wall_ms = np.zeros(0)
-        else:
-            numbers = np.concatenate([p[1] for p in parts])
-            self._order = np.argsort(numbers, kind="stable")
-            self.numbers = numbers[self._order]
-            self.wall_ms = np.concatenate([p[2] for p in parts])[self._order]
+        numbers = np.concatenate([p[1] for p in parts] or [np.zeros(0)])
+        self._order = np.argsort(numbers, kind="stable")
+        self.numbers = numbers[self._order]
+        self.wall_ms = np.concatenate([p[2] for p in parts] or [np.zeros(0)])[self._order]
 
     def __len__(self) -> int:
         return len(self.numbers)
 
     def own_ms(self) -> Any:
         """Each step's wall time less its top-level ``backward`` (``_dist.py``'s straggler rule)."""
-        owns = []
+        owns = [np.zeros(0)]
         for b, _, wall in self._parts:
             blk, series = self._blocks[b]
             wait = [j for j, (c, name) in enumerate(series) if c == self.clock and is_wait_phase(name)]
-            owns.append(wall - np.nansum(blk.derived[:, wait], axis=1) if wait else wall.copy())
-        if not owns:
-            return np.zeros(0)
-        own = owns[0] if len(owns) == 1 else np.concatenate(owns)[self._order]
-        return np.maximum(own, 0.0)
+            owns.append(wall - np.nansum(blk.derived[:, wait], axis=1) if wait else wall)
+        return np.maximum(np.concatenate(owns)[self._order], 0.0)
 
     def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
         """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name."""
-        if self._order is not None:
-            i = int(self._order[i])
+        i = int(self._order[i])
         for b, numbers, _ in self._parts:
             if i < len(numbers):
                 blk, series = self._blocks[b]
