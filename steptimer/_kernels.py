@@ -274,12 +274,11 @@ def _elide_templates(s: str, level: int) -> str:
 
 def format_report(rep: KernelsReport, top: int) -> str:
     """The terminal form: one block per phase, 80 columns."""
-    what = "GPU kernels" if rep.clock == "gpu" else "CPU ops"
-    span_word = "GPU span" if rep.clock == "gpu" else "host span"
-    gap_word = "idle" if rep.clock == "gpu" else "gap"
+    gpu = rep.clock == "gpu"
+    what, span_word, gap_word = ("GPU kernels", "GPU span", "idle") if gpu else ("CPU ops", "host span", "gap")
     steps = f"steps {rep.steps[0]}..{rep.steps[-1]}" if rep.steps else "the profiled steps"
-    lines = [f"{rep.path}"]
-    if rep.clock == "host":
+    lines = [rep.path]
+    if not gpu:
         lines.append("no GPU kernels in this trace (no CUDA activity): CPU ops instead")
     lines += [f"{what} per phase over {steps} (µs summed over the steps)", ""]
     head = f"  {'name':<{NAME_WIDTH}} {'calls':>6} {'total µs':>10} {'mean µs':>9} {'share':>6}"
@@ -295,23 +294,19 @@ def format_report(rep: KernelsReport, top: int) -> str:
             lines.append(f"  (no {what})")
         else:
             lines.append(head)
-            for k in p.kernels[:top]:
-                lines.append(
-                    f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
-                    f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"
-                )
-            more = len(p.kernels) - top
-            if more > 0:
-                lines.append(f"  ... {more} more (--top N)")
+            lines += [
+                f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
+                f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"
+                for k in p.kernels[:top]
+            ]
+            if len(p.kernels) > top:
+                lines.append(f"  ... {len(p.kernels) - top} more (--top N)")
         lines.append("")
-    if rep.phases and any(p.span_us is not None for p in rep.phases):
-        lines += textwrap.wrap(
-            f"check: {what} total <= steptimer's {span_word} of the same steps; "
-            + ("the gap is GPU idle" if rep.clock == "gpu" else "the gap is Python between ops")
-            + (" (OVER: overlapping streams)" if any(p.consistent is False for p in rep.phases) else ""),
-            80,
-            subsequent_indent="  ",
-        )
+    if any(p.span_us is not None for p in rep.phases):
+        gap_is = "GPU idle" if gpu else "Python between ops"
+        over = " (OVER: overlapping streams)" if any(p.consistent is False for p in rep.phases) else ""
+        check = f"check: {what} total <= steptimer's {span_word} of the same steps; the gap is {gap_is}{over}"
+        lines += textwrap.wrap(check, 80, subsequent_indent="  ")
     for note in rep.notes:
         lines += textwrap.wrap(f"note: {note}", 80, subsequent_indent="  ")
     return "\n".join(lines)
