@@ -335,7 +335,7 @@ class SlowProfiler:
         self.factor, self.folder, self.ranges = factor, folder, ranges
         self.captures = 0
         self._ring = np.zeros(0)  # the last BASELINE_STEPS resolved steps' wall times
-        self._run: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # steps, first, last, their wall sum
+        self._run: list[tuple[int, float]] = []  # the slow steps in a row so far: (number, wall ms)
         self._prev: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})  # last window's host, gpu stats
         self._quiet_to = -1  # the last step of the last capture's cool-down
         self._profiled: list[tuple[int, int]] = []  # steps under the profiler (left out of the median)
@@ -365,9 +365,7 @@ class SlowProfiler:
             self.captures += 1
             self._quiet_to = max(self._quiet_to, last + COOLDOWN_STEPS)
 
-    def check(
-        self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]
-    ) -> str | None:  # fmt: skip
+    def check(self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]) -> str | None:
         """The sentence of a slowdown that completed in a window's steps, if one did; its statistics by
         row are the medians the next window's slowdown is read against."""
         n, w = walls.numbers, walls.wall_ms
@@ -378,7 +376,7 @@ class SlowProfiler:
         for a, z in self._profiled:
             clean &= (n < a) | (n > z)
         found, run = None, self._run
-        self._run = (0, 0, 0, 0.0)  # a run of slow steps goes on into this window only over the line
+        self._run = []  # a run of slow steps goes on into this window only over the line
         if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
             k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
             base = float(np.partition(self._ring, k)[k])
@@ -392,31 +390,30 @@ class SlowProfiler:
 
     def _runs(self, walls: StepWalls, over: Any, base: float) -> str | None:
         """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line."""
-        run, first, last, total = self._run
-        numbers = walls.numbers.tolist()
-        for i, (number, is_over) in enumerate(zip(numbers, over.tolist())):
-            if not is_over:
-                run, total = 0, 0.0
-                continue
-            if not run or number != last + 1:
-                run, first, total = 0, int(number), 0.0
-            run, last, total = run + 1, int(number), total + float(walls.wall_ms[i])
-            if run >= SLOW_RUN_STEPS:
-                self._run = (0, 0, 0, 0.0)
-                grew = self._grew(walls, first, i)
+        run = self._run
+        for i, (number, is_over) in enumerate(zip(walls.numbers.tolist(), over.tolist())):
+            if not is_over or (run and number != run[-1][0] + 1):
+                run = []
+            if is_over:
+                run.append((int(number), float(walls.wall_ms[i])))
+            if len(run) >= SLOW_RUN_STEPS:
+                self._run = []
+                grew = self._grew(walls, run[0][0], i)
                 what = "" if grew is None or grew.grew is None else f", {grew.grew_text()}"
+                mean_ms = sum(wall for _, wall in run) / len(run)
                 return (
-                    f"profile_on_slow={self.factor:g}: steps {first}-{last} each slower than {self.factor:g} x the "
-                    f"median step before them: {num(total / run)} ms on average vs {num(base)} ms{what}"
+                    f"profile_on_slow={self.factor:g}: steps {run[0][0]}-{run[-1][0]} each slower than "
+                    f"{self.factor:g} x the median step before them: {num(mean_ms)} ms on average vs "
+                    f"{num(base)} ms{what}"
                 )
-        self._run = (run, first, last, total)
+        self._run = run
         return None
 
     def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
         """What grew in the run's steps (their mean rows) against the previous window's medians."""
-        ph, pg = self._prev
-        medians = {("host", k): st.median_ms for k, st in ph.items()}
-        medians.update({("gpu", k): st.median_ms for k, st in pg.items()})
+        host_stats, gpu_stats = self._prev
+        medians = {("host", k): st.median_ms for k, st in host_stats.items()}
+        medians.update({("gpu", k): st.median_ms for k, st in gpu_stats.items()})
         idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
         if not medians or not idx:
             return None
