@@ -62,8 +62,7 @@ class Ranges:
         self._set_ranged = set_ranged
         self._names: list[str] = []  # full names of the open phases
         self._records: list[Any] = []  # their record_function objects, while recording
-        self._in_step = False
-        self._begun = -1  # engine.number when the open step began: unchanged at its end if it was dropped
+        self._begun: int | None = None  # engine.number when the open step began (unchanged at its end: dropped)
         self.recording = False  # inside a profiler window: record_function ranges on
         self.from_number: float = math.inf  # steps take the ranges from this engine.number on
         self._next_window()
@@ -73,7 +72,9 @@ class Ranges:
     def capture(self) -> ProfileCapture | None:  # the window running or next to run
         return self.captures[0] if self.captures else None
 
-    def _next_window(self) -> None:
+    def _next_window(self, *, drop_first: bool = False) -> None:
+        if drop_first:
+            self.captures.pop(0)
         cap = self.capture
         self.from_number = 0 if self._push is not None else cap.first - 1 if cap is not None else math.inf
 
@@ -84,7 +85,6 @@ class Ranges:
             if not (capture.last + gap <= other.first or other.last + gap <= capture.first):
                 return False
         self._accept(capture)
-        self._next_window()
         return True
 
     def _accept(self, capture: ProfileCapture) -> None:
@@ -92,6 +92,7 @@ class Ranges:
             capture.recs = self._recent.keep(capture.first, capture.last)
         self.captures.append(capture)
         self.captures.sort(key=lambda c: c.first)
+        self._next_window()
 
     def begin_step(self, engine: Engine) -> None:
         if engine.in_step:
@@ -102,25 +103,22 @@ class Ranges:
                 self.recording = True
                 self._set_ranged(True)
             else:  # the profiler did not start: a note says why; the run goes on without it
-                self.captures.pop(0)
-                self._next_window()
-        self._in_step = True
+                self._next_window(drop_first=True)
         self._begun = engine.number
         self._open("step")
 
     def abort_step(self) -> None:
         """Close the step's range (the engine raised after ``begin_step``, or at close)."""
-        if self._in_step:
-            self._in_step = False
+        if self._begun is not None:
+            self._begun = None
             self._close()
 
     def end_step(self, engine: Engine) -> None:
-        if not self._in_step:
+        if self._begun is None:
             return
         while self._names:  # phases left open (the step failed)
             self.exit()
-        self._in_step = False
-        dropped = engine.number == self._begun
+        dropped, self._begun = engine.number == self._begun, None
         if dropped and self.recording:
             with record_function(DROPPED_MARK):
                 pass
@@ -136,8 +134,7 @@ class Ranges:
                 cap.stop(engine)
         if cap.started and not cap.written and engine.last_resolved >= cap.last:  # its steps resolved
             cap.write(engine, self._recent)
-            self.captures.pop(0)
-            self._next_window()
+            self._next_window(drop_first=True)
 
     def finish(self, engine: Engine) -> None:
         """At ``close()``, after the engine resolved every step."""
