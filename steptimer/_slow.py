@@ -145,7 +145,6 @@ class GcLog:
         self._clock = clock
         self.spans: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)
         self._start = 0.0
-        self._on = False
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -154,15 +153,12 @@ class GcLog:
             self.spans.append((self._start, self._clock(), info.get("generation", -1)))
 
     def open(self) -> None:
-        if not self._on:
+        if self._callback not in gc.callbacks:
             gc.callbacks.append(self._callback)
-            self._on = True
 
     def close(self) -> None:
-        if self._on:
-            self._on = False
-            with suppress(ValueError):  # someone cleared gc.callbacks
-                gc.callbacks.remove(self._callback)
+        with suppress(ValueError):  # not open, or someone cleared gc.callbacks
+            gc.callbacks.remove(self._callback)
 
     def take_ms(self, t_from: float, t_to: float) -> tuple[float, int]:
         """``(ms of collection inside [t_from, t_to], oldest generation)``; spans ending by ``t_to`` are
