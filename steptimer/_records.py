@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as _tb_masked_crc32c
-from tensorboard.summary.writer.record_writer import RecordWriter as _TBRecordWriter
 
 
 def _c_masked_crc32c() -> Callable[[bytes], int] | None:
@@ -38,13 +37,6 @@ def frame(data: bytes) -> bytes:
     """``data`` with its length and both checksums, as TensorBoard frames it."""
     header = _LENGTH.pack(len(data))
     return header + _CRC.pack(masked_crc32c(header)) + data + _CRC.pack(masked_crc32c(data))
-
-
-class RecordWriter(_TBRecordWriter):  # type: ignore[misc]
-    """TensorBoard's ``RecordWriter`` with this module's checksum (same bytes)."""
-
-    def write(self, data: bytes) -> None:
-        self._writer.write(frame(data))
 
 
 class RecordError(Exception):
