@@ -286,11 +286,11 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 3)
 
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "steptimer"}},
-        {"ph": "M", "name": "thread_name", "pid": 1, "tid": HOST_TID, "args": {"name": "host"}},
-        {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": HOST_TID, "args": {"sort_index": 0}},
-    ]
+    def meta(tid: int, what: str, **args: Any) -> dict[str, Any]:
+        return {"ph": "M", "name": what, "pid": 1, "tid": tid, "args": args}
+
+    events = [meta(0, "process_name", name="steptimer"), meta(HOST_TID, "thread_name", name="host")]
+    events.append(meta(HOST_TID, "thread_sort_index", sort_index=0))
 
     def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
         events.append({
@@ -332,10 +332,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     events.sort(key=order)
     has_gpu = any(s.get("gpu") is not None for s in steps)
     if has_gpu:
-        events += [
-            {"ph": "M", "name": "thread_name", "pid": 1, "tid": GPU_TID, "args": {"name": "GPU"}},
-            {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": GPU_TID, "args": {"sort_index": 1}},
-        ]
+        events += [meta(GPU_TID, "thread_name", name="GPU"), meta(GPU_TID, "thread_sort_index", sort_index=1)]
     meta = {
         "steps": len(steps), "gpu": has_gpu, "clamped": clamped, "notes": list(capture.get("notes", [])),
         "run_id": capture.get("run_id"),
