@@ -11,7 +11,7 @@ import json
 import math
 import sys
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -240,24 +240,20 @@ def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[st
 
 
 def window_candidates(
-    blocks: Iterable[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
+    blocks: Sequence[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
     k: int, floor_ms: float, step_s_col: int, number_col: int,
 ) -> list[Candidate]:  # fmt: skip
     """A window's k slowest steps at most of those slower than ``floor_ms`` (the run's k-th slowest)."""
-    out: list[Candidate] = []
-    for blk, series in blocks:
-        if blk.names is None or not len(blk.lead):
-            continue
-        wall, clock = block_wall_ms(blk, series, step_s_col)
-        idx = np.flatnonzero(wall > floor_ms)
-        if len(idx) > k:
-            idx = idx[np.argpartition(-wall[idx], k - 1)[:k]]
-        for i in idx.tolist():
-            host, gpu = row_values(blk, series, i)
-            number = int(blk.lead[i, number_col])
-            out.append(Candidate(float(wall[i]), number, clock, host, gpu or None, dict(marks.get(number, {}))))
-    out.sort(key=lambda c: -c.wall_ms)
-    return out[:k]
+    walls = StepWalls(blocks, step_s_col, number_col)
+    idx = np.flatnonzero(walls.wall_ms > floor_ms)
+    if len(idx) > k:
+        idx = idx[np.argpartition(-walls.wall_ms[idx], k - 1)[:k]]
+    out = []
+    for i in idx.tolist():
+        host, gpu = walls.rows(i)
+        n = int(walls.numbers[i])
+        out.append(Candidate(float(walls.wall_ms[i]), n, walls.clock, host, gpu or None, dict(marks.get(n, {}))))
+    return sorted(out, key=lambda c: -c.wall_ms)
 
 
 # Under DDP it holds the wait for the other ranks' gradients: a rank's *own* time leaves it out.
