@@ -353,8 +353,7 @@ def make_capture(
         if isinstance(trace_steps, int) and not isinstance(trace_steps, bool):  # the N steps after warm-up
             if trace_steps < 1:
                 raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace_steps!r}")
-            first = start_step + warmup_steps + 1
-            last = first + trace_steps - 1
+            first, last = start_step + warmup_steps + 1, start_step + warmup_steps + trace_steps
         else:
             first, last = check_step_pair("trace_steps", trace_steps, start_step=start_step)
         check_window_option("trace_steps", TRACE_FILE, sample_every=sample_every, folder=folder)
