@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from steptimer._format import num
 from steptimer._verdict import ShareClock
@@ -179,26 +180,20 @@ class GcLog:
 def dynamo_stats() -> Mapping[str, int] | None:
     """dynamo's ``counters["stats"]`` if ``torch._dynamo`` is already imported (importing it costs
     seconds); else None."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None)
-    if counters is None:
-        return None
     try:
-        return counters["stats"]  # type: ignore[no-any-return]
-    except Exception:  # pragma: no cover - a torch whose counters changed shape
+        return sys.modules["torch._dynamo.utils"].counters["stats"]  # type: ignore[no-any-return]
+    except Exception:  # not imported, or a torch whose counters changed shape
         return None
 
 
 def allocator_retries(device: int) -> int | None:
     """The CUDA caching allocator's ``num_alloc_retries`` on ``device`` (None without one); ~10 µs on
     an H100: read once per window, never per step."""
-    torch = sys.modules.get("torch")
-    stats = getattr(getattr(torch, "_C", None), "_cuda_memoryStats", None)
-    if stats is None or device < 0:
+    if device < 0:
         return None
     try:
-        return int(stats(device).get("num_alloc_retries", 0))
-    except Exception:  # CUDA not initialized on that device, or a torch without the key
+        return int(torch._C._cuda_memoryStats(device).get("num_alloc_retries", 0))
+    except Exception:  # no CUDA build, CUDA not initialized on that device, or a torch without the key
         return None
 
 
@@ -219,11 +214,9 @@ class Candidate:
 
 def block_wall_ms(blk: Any, series: list[tuple[str, str]], step_s_col: int) -> tuple[Any, ShareClock]:
     """Each step's wall time in one block of a window's rows (``_window._blocks``), and its clock."""
-    try:
-        j = series.index(("gpu", "step"))
-    except ValueError:
+    if ("gpu", "step") not in series:
         return blk.lead[:, step_s_col] * 1e3 + blk.gap_ms, "host"
-    wall = blk.derived[:, j].copy()
+    wall = blk.derived[:, series.index(("gpu", "step"))].copy()
     if ("gpu", "idle") in series:
         wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
     return wall, "gpu"
