@@ -51,10 +51,7 @@ class RecordError(Exception):
 def read_records(f: BinaryIO) -> Iterator[bytes]:
     """The records of an event file, each checked against its two checksums."""
     n = offset = 0
-    while True:
-        header = f.read(12)
-        if not header:
-            return
+    while header := f.read(12):
         if len(header) < 12:
             raise RecordError(f"truncated record header after {n} records", truncated=True, offset=offset)
         (length,) = _LENGTH.unpack_from(header)
