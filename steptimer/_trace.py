@@ -168,7 +168,7 @@ class Capture:
             if self.trace is not None and self._trace_doc is None and n > self.trace[1]:
                 self._place_trace(engine)
 
-    def _place_trace(self, engine: Engine) -> None:
+    def _place_trace(self, engine: Engine) -> dict[str, Any]:
         """The window's GPU chain on the host clock through one reference event, waited for once (its
         wake-up latency draws GPU slices late by µs, never early)."""
         steps = [record(r) for r in self._trace_recs]
@@ -181,16 +181,15 @@ class Capture:
             end_host = perf_counter() - b.elapsed_ms(held[2], ref) / 1e3
             end = next(s["gpu"]["end"] for s in steps if s["number"] == held[0]) + base[held[0]]
             shift = end_host - end  # host time of the chain's zero
-        self._trace_doc = placed(steps, base, shift)
+        self._trace_doc = doc = placed(steps, base, shift)
         if base and shift is None:
-            self._trace_doc["notes"].append("GPU times dropped: the capture's last event was not held at the anchor")
+            doc["notes"].append("GPU times dropped: the capture's last event was not held at the anchor")
+        return doc
 
     def _write_trace(self, engine: Engine) -> None:
         first, last, path = self.trace  # type: ignore[misc]
         run_id, path = self.run_id, own_path(path, self.run_id)
-        if self._trace_doc is None:
-            self._place_trace(engine)
-        doc: dict[str, Any] = self._trace_doc  # type: ignore[assignment]
+        doc = self._trace_doc if self._trace_doc is not None else self._place_trace(engine)
         if not doc["steps"]:
             doc["notes"].append(f"no step in {first}..{last} was completed")
             engine.notes.append(
