@@ -340,11 +340,27 @@ class SlowProfiler:
             self.profiled(cap.first, cap.last, capture=False)
 
     def window(self, window: Any, engine: Engine) -> None:
-        """Arm a capture if a slowdown completed in the window's steps."""
+        """Arm a capture if a slowdown completed in the window's steps; the window's statistics by row
+        are the medians the next window's slowdown is read against."""
         walls = window.packed.walls if window.packed is not None else None
-        if walls is None or engine.closed:
+        if walls is None or engine.closed or not len(walls):
             return
-        why = self.check(walls, window.host, window.gpu)
+        n, w = walls.numbers, walls.wall_ms
+        self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
+        clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler
+        for a, z in self._profiled:
+            clean &= (n < a) | (n > z)
+        why, run = None, self._run
+        self._run = []  # a run of slow steps goes on into this window only over the line
+        if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
+            k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
+            base = float(np.partition(self._ring, k)[k])
+            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to) & clean
+            if over.any():  # a Python loop over the window's steps only then
+                self._run = run
+                why = self._runs(walls, over, base)
+        self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
+        self._prev = (window.host, window.gpu)
         if why is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
@@ -361,29 +377,6 @@ class SlowProfiler:
         if capture:
             self.captures += 1
             self._quiet_to = max(self._quiet_to, last + COOLDOWN_STEPS)
-
-    def check(self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]) -> str | None:
-        """The sentence of a slowdown that completed in a window's steps, if one did; its statistics by
-        row are the medians the next window's slowdown is read against."""
-        n, w = walls.numbers, walls.wall_ms
-        if not len(n):
-            return None
-        self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
-        clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler
-        for a, z in self._profiled:
-            clean &= (n < a) | (n > z)
-        found, run = None, self._run
-        self._run = []  # a run of slow steps goes on into this window only over the line
-        if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
-            k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
-            base = float(np.partition(self._ring, k)[k])
-            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to) & clean
-            if over.any():  # a Python loop over the window's steps only then
-                self._run = run
-                found = self._runs(walls, over, base)
-        self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
-        self._prev = (host, gpu)
-        return found
 
     def _runs(self, walls: StepWalls, over: Any, base: float) -> str | None:
         """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line."""
