@@ -275,7 +275,9 @@ def _elide_templates(s: str, level: int) -> str:
 def format_report(rep: KernelsReport, top: int) -> str:
     """The terminal form: one block per phase, 80 columns."""
     gpu = rep.clock == "gpu"
-    what, span_word, gap_word = ("GPU kernels", "GPU span", "idle") if gpu else ("CPU ops", "host span", "gap")
+    what = "GPU kernels" if gpu else "CPU ops"
+    span_word = "GPU span" if gpu else "host span"
+    gap_word = "idle" if gpu else "gap"
     steps = f"steps {rep.steps[0]}..{rep.steps[-1]}" if rep.steps else "the profiled steps"
     lines = [rep.path]
     if not gpu:

@@ -62,7 +62,7 @@ class Ranges:
         self._set_ranged = set_ranged
         self._names: list[str] = []  # full names of the open phases
         self._records: list[Any] = []  # their record_function objects, while recording
-        self._begun: int | None = None  # engine.number when the open step began (unchanged at its end: dropped)
+        self._begun: int | None = None  # engine.number at the step's begin (unchanged at its end: dropped)
         self.recording = False  # inside a profiler window: record_function ranges on
         self.from_number: float = math.inf  # steps take the ranges from this engine.number on
         self._next_window()
@@ -418,8 +418,9 @@ class SlowProfiler:
 
 
 def make_ranges(
-    *, nvtx: object, profile_steps: object, folder: str | None, start_step: int, sample_every: int, enabled: bool,
-    rank: int, set_ranged: Callable[[bool], None], profile_on_slow: object = None, recent: Capture | None = None,
+    *, nvtx: object, profile_steps: object, folder: str | None, start_step: int, sample_every: int,
+    enabled: bool, rank: int, set_ranged: Callable[[bool], None], profile_on_slow: object = None,
+    recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:  # fmt: skip
     """Validate ``profile_steps`` and ``profile_on_slow``; the ranges (None: none) and a note. Traces
     go to ``folder``, from rank 0 only."""

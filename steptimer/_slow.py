@@ -245,7 +245,8 @@ def window_candidates(
     for i in idx.tolist():
         host, gpu = walls.rows(i)
         n = int(walls.numbers[i])
-        out.append(Candidate(float(walls.wall_ms[i]), n, walls.clock, host, gpu or None, dict(marks.get(n, {}))))
+        wall = float(walls.wall_ms[i])
+        out.append(Candidate(wall, n, walls.clock, host, gpu or None, dict(marks.get(n, {}))))
     return sorted(out, key=lambda c: -c.wall_ms)
 
 
