@@ -36,8 +36,7 @@ class KernelRow:
 
 @dataclass
 class PhaseKernels:
-    """A phase's kernels and the check against steptimer's span of the same steps (µs summed over
-    the profiled steps; None: unknown)."""
+    """A phase's kernels against steptimer's span of it (µs summed over the steps; None: unknown)."""
 
     name: str
     total_us: float

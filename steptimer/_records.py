@@ -1,7 +1,6 @@
 """TensorBoard's record framing (``uint64 length, crc, data, crc``) with a C CRC-32C, for steptimer's
 own event files only: TensorBoard's pure-Python one costs ~0.2 µs a byte with the GIL held (~2.8 ms a
-window's event). TensorBoard's functions are never replaced: a user's ``SummaryWriter`` keeps its own.
-"""
+window's event). TensorBoard's functions are never replaced: a user's ``SummaryWriter`` keeps its own."""
 
 from __future__ import annotations
 

@@ -72,9 +72,8 @@ def _number(rec: Any) -> int:
 
 
 def record(rec: Any) -> dict[str, Any]:
-    """A resolved step as the trace file has it, its ``gpu`` times in seconds from its first event
-    (placed later): from the engine's ``StepRecord``, or ``(t0, row, phases)`` for a timed host step
-    the engine resolved at its own end."""
+    """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later),
+    from a ``StepRecord`` or the ``(t0, row, phases)`` of a host step resolved at its own end."""
     host = rec.__class__ is tuple
     t0, row, phases = rec if host else (rec.t0, rec.row, rec.phases)
     gap, fetch = row[GAP_S] if host else rec.gap_s, row[FETCH_S]  # fetch: the loader's part of gap_s
