@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Discovery", "Hooks", "batch_counts"]
+__all__ = ["Discovery", "Hooks", "batch_counts", "holds"]
 
 # The module attributes that hold forward hooks, keyed by handle id (torch.nn.Module.__init__).
 _HOOK_DICTS = (
@@ -281,15 +281,9 @@ class Discovery:
     def _decide(self, opts: list[torch.optim.Optimizer], now: torch.optim.Optimizer) -> None:
         self._decided = True
         self._stepped = {}
-        if self._given_models is not None:
-            models = list(self._given_models)
-            params = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
-            opts = [o for o in opts if any(id(p) in params for m in models for p in m.parameters())] or opts
-        else:
-            models = trained_modules(opts)
-            if models:  # the optimizers whose parameters those models hold
-                held = {id(p) for m in models for p in m.parameters()}
-                opts = [o for o in opts if any(id(p) in held for g in o.param_groups for p in g["params"])]
+        models = list(self._given_models) if self._given_models is not None else trained_modules(opts)
+        # The optimizers whose parameters those models hold; none of them: every one that stepped.
+        opts = [o for o in opts if holds(o, models)] or opts
         if not models:
             names = ", ".join(type(o).__name__ for o in opts)
             self.problem = (
@@ -319,6 +313,12 @@ class Discovery:
             h.remove()
         self._handles = []
         self._triggers = []
+
+
+def holds(opt: torch.optim.Optimizer, models: Sequence[torch.nn.Module]) -> bool:
+    """Whether ``opt`` holds a parameter of one of ``models``."""
+    held = {id(p) for m in models for p in m.parameters()}
+    return any(id(p) in held for g in opt.param_groups for p in g["params"])
 
 
 def trained_modules(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.nn.Module]:

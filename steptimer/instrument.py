@@ -41,7 +41,7 @@ import torch
 
 from steptimer import _exit
 from steptimer._driver import PhaseDriver, UserPhase
-from steptimer._hooks import Discovery, Hooks, batch_counts
+from steptimer._hooks import Discovery, Hooks, batch_counts, holds
 from steptimer.timer import StepTimer, check_count, check_phase_name
 
 if TYPE_CHECKING:
@@ -279,8 +279,7 @@ class Instrumented:
             hooks.optimizer(opt, self._update_pre, self._update_post)
             hooks.wrap(opt, "zero_grad", partial(self._zero_grad_wrapper, zeroes={id(opt)}))
         for model in self.models:  # a model's zero_grad zeroes the optimizers whose parameters it holds
-            held = {id(p) for p in model.parameters()}
-            zeroes = {id(o) for o in self.optimizers if any(id(p) in held for g in o.param_groups for p in g["params"])}
+            zeroes = {id(o) for o in self.optimizers if holds(o, [model])}
             hooks.wrap(model, "zero_grad", partial(self._zero_grad_wrapper, zeroes=zeroes))
         hooks.wrap_backward(self._backward_wrapper_of)
         # The optimizers pickle and copy without hooks or instance attributes (Optimizer.__getstate__
