@@ -34,53 +34,45 @@ def _eager(fn: _Fn) -> _Fn:
 
 
 class Hooks:
-    """Every hook and wrapper one front door put on a user's objects; :meth:`remove` takes all out."""
+    """Every hook and wrapper one front door put on a user's objects; :meth:`remove` takes all out.
+    ``eager``: they run eagerly under ``torch.compile``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, eager: bool = True) -> None:
+        self._eager = eager
         self._handles: list[Any] = []
         self._ids: dict[int, list[int]] = {}  # id(module) -> ids of the forward hook handles on it
         self._patched: list[tuple[Any, str, Any, Any]] = []  # (object, attribute, our wrapper, before)
         self._globals: list[tuple[Any, str, Any, Any]] = []  # (module or class, attribute, before, ours)
         self._reducers: list[_Reducer] = []
 
+    def _own(self, fn: _Fn) -> _Fn:
+        return _eager(fn) if self._eager else fn
+
     def forward(
-        self,
-        module: nn.Module,
-        pre: _Fn,
-        post: _Fn,
-        *,
-        prepend: bool = False,
-        with_kwargs: bool = False,
-        eager: bool = True,
+        self, module: nn.Module, pre: _Fn, post: _Fn, *, prepend: bool = False, with_kwargs: bool = False
     ) -> None:
         """A forward pre-hook and a forward hook (``always_call``: it sees a forward that raised)."""
-        if eager:
-            pre, post = _eager(pre), _eager(post)
         hs = (
-            module.register_forward_pre_hook(pre, prepend=prepend, with_kwargs=with_kwargs),
-            module.register_forward_hook(post, always_call=True),
+            module.register_forward_pre_hook(self._own(pre), prepend=prepend, with_kwargs=with_kwargs),
+            module.register_forward_hook(self._own(post), always_call=True),
         )
         self._handles += hs
         self._ids.setdefault(id(module), []).extend(h.id for h in hs)
 
-    def optimizer(
-        self, opt: torch.optim.Optimizer, pre: _Fn | None = None, post: _Fn | None = None, *, eager: bool = True
-    ) -> None:
+    def optimizer(self, opt: torch.optim.Optimizer, pre: _Fn | None = None, post: _Fn | None = None) -> None:
         """The optimizer's step pre-hook and/or post-hook."""
         if pre is not None:
-            self._handles.append(opt.register_step_pre_hook(_eager(pre) if eager else pre))
+            self._handles.append(opt.register_step_pre_hook(self._own(pre)))
         if post is not None:
-            self._handles.append(opt.register_step_post_hook(_eager(post) if eager else post))
+            self._handles.append(opt.register_step_post_hook(self._own(post)))
 
-    def wrap(self, obj: Any, attr: str, make: Callable[[_Fn], _Fn], *, eager: bool = True) -> None:
+    def wrap(self, obj: Any, attr: str, make: Callable[[_Fn], _Fn]) -> None:
         """``obj.attr = make(obj.attr)`` as an instance attribute (an instance one from before is put
         back by :meth:`remove`); an object without ``attr`` or a ``__dict__`` is left alone."""
         orig = getattr(obj, attr, None)
         if orig is None or not hasattr(obj, "__dict__"):
             return
-        wrapper = functools.wraps(orig)(make(orig))  # `__wrapped__` keeps is_overridden() truthful
-        if eager:
-            wrapper = _eager(wrapper)
+        wrapper = self._own(functools.wraps(orig)(make(orig)))  # `__wrapped__` keeps is_overridden() truthful
         self._patched.append((obj, attr, wrapper, obj.__dict__.get(attr)))
         obj.__dict__[attr] = wrapper
 
@@ -89,8 +81,8 @@ class Hooks:
         setattr(owner, attr, wrapper)
 
     def wrap_backward(self, make: Callable[[_Fn], _Fn]) -> None:
-        """Replace ``torch.autograd.backward`` with ``make(original)`` (run eagerly under compile)."""
-        self._replace(torch.autograd, "backward", _eager(make(torch.autograd.backward)))
+        """Replace ``torch.autograd.backward`` with ``make(original)``."""
+        self._replace(torch.autograd, "backward", self._own(make(torch.autograd.backward)))
 
     def wrap_loaders(self, wrap: Callable[[Any], Any]) -> None:
         """Every ``DataLoader`` iterated in this thread gives ``wrap(its iterator)`` (a loop's loaders

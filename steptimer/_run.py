@@ -174,11 +174,10 @@ def shell_command(name: str, clone: Path | None = None) -> str:
 
 def _run_script(target: str, is_module: bool, script_args: list[str]) -> None:
     """As ``python target args`` / ``python -m target args`` sets up ``sys.argv`` and ``sys.path[0]``."""
+    sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in argv[0]
     if is_module:
-        sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in argv[0]
         sys.path[0:1] = [os.getcwd()]
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
-        sys.argv = [target, *script_args]
         sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
         runpy.run_path(target, run_name="__main__")

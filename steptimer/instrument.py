@@ -238,19 +238,17 @@ class Instrumented:
 
     def _install(self) -> None:
         hooks = self._hooks
-        for model in self.models:
-            hooks.forward(model, self._forward_pre, self._forward_post, prepend=True, with_kwargs=True)
         for opt in self.optimizers:
             hooks.optimizer(opt, self._update_pre, self._update_post)
             hooks.wrap(opt, "zero_grad", partial(self._zero_grad_wrapper, zeroes={id(opt)}))
-        for model in self.models:  # a model's zero_grad zeroes the optimizers whose parameters it holds
+        for model in self.models:
+            hooks.forward(model, self._forward_pre, self._forward_post, prepend=True, with_kwargs=True)
+            # A model's zero_grad zeroes the optimizers whose parameters it holds.
             zeroes = {id(o) for o in self.optimizers if holds(o, [model])}
             hooks.wrap(model, "zero_grad", partial(self._zero_grad_wrapper, zeroes=zeroes))
-        hooks.wrap_backward(self._backward_wrapper_of)
-        # The optimizers pickle and copy without hooks or instance attributes (Optimizer.__getstate__
-        # keeps only defaults, state and param_groups); the models need a copyreg entry.
-        for model in self.models:
+            # Optimizers pickle without our hooks (Optimizer.__getstate__); a model needs this.
             hooks.keep_picklable(model)
+        hooks.wrap_backward(self._backward_wrapper_of)
 
     def _found(
         self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], module: Any, args: Any, kwargs: Any
@@ -343,10 +341,10 @@ class Instrumented:
             try:
                 out = orig(*args, **kwargs)
             except BaseException:
-                self._bwd_depth -= 1
                 self._drop(sys.exc_info())
                 raise
-            self._bwd_depth -= 1
+            finally:
+                self._bwd_depth -= 1
             self._driver.switch(self._after_backward)
             self._after_backward = None
             # The next forward starts a micro-batch (accumulation). With several optimizers (a GAN's

@@ -214,7 +214,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._driver: PhaseDriver | None = None  # with the timer, from on_train_start to the close
         self._sink: _LoggerSink | None = None
         self._phase_names: set[str] = set()  # user phase names already checked
-        self._hooks = Hooks()
+        self._hooks = Hooks(eager=False)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._reset_batch_state()
 
@@ -464,16 +464,16 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hook_model(pl_module)
         raw = list(trainer.optimizers)
         for opt in raw:
-            self._hooks.optimizer(opt, post=self._optimizer_post, eager=False)
+            self._hooks.optimizer(opt, post=self._optimizer_post)
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
         for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
-            self._hooks.wrap(opt, "zero_grad", self._zero_grad_wrapper, eager=False)
+            self._hooks.wrap(opt, "zero_grad", self._zero_grad_wrapper)
         if self._manual:
             for opt in wrapped:
-                self._hooks.wrap(opt, "step", self._manual_step_wrapper, eager=False)
+                self._hooks.wrap(opt, "step", self._manual_step_wrapper)
         else:
-            self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper, eager=False)
+            self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper)
         # Lightning calls its profiler's start and stop around each fetch from the train dataloader
         # (its only public seam there, whatever the fetcher): they time the loader (``data``).
         fetch = self._driver.timer._fetches() if self._driver is not None else None
@@ -498,8 +498,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                     ) from None
         self._hooked = targets
         for _, module in targets:
-            self._hooks.forward(module, self._forward_pre, self._forward_post, eager=False)
-        self._hooks.wrap(pl_module, "training_step", self._training_step_wrapper, eager=False)
+            self._hooks.forward(module, self._forward_pre, self._forward_post)
+        self._hooks.wrap(pl_module, "training_step", self._training_step_wrapper)
 
     def _time_fetches(self, profiler: Any, fetch: Fetch) -> None:
         """The profiler's ``start``/``stop`` also time each train fetch (its own work outside it)."""
@@ -523,8 +523,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
             return call
 
-        self._hooks.wrap(profiler, "start", start, eager=False)
-        self._hooks.wrap(profiler, "stop", stop, eager=False)
+        self._hooks.wrap(profiler, "start", start)
+        self._hooks.wrap(profiler, "stop", stop)
 
     def _uninstall(self) -> None:
         self._hooks.remove()
