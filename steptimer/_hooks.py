@@ -169,9 +169,6 @@ class _Reducer:
         self._model = None
 
 
-# ---------------------------------------------------------------------- samples and tokens
-
-
 def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
     if isinstance(x, torch.Tensor):
         return x
@@ -200,9 +197,6 @@ def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | Non
     ids = t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
     tokens = t.numel() if ids else None
     return int(t.shape[0]), tokens
-
-
-# ---------------------------------------------------------------------- discovery
 
 
 class Discovery:

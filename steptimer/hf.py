@@ -136,8 +136,8 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._maybe_evaluate(control)
 
     def _maybe_evaluate(self, control: Any) -> bool:
-        # The Trainer evaluates right after these events when the flow callbacks (called before this
-        # one) set should_evaluate; the pause also holds the logging that precedes evaluation.
+        # The Trainer evaluates right after these events when the flow callbacks set should_evaluate;
+        # the pause also holds the logging before it.
         if control.should_evaluate and self.timed is not None and self.summary is None:
             self.timed.begin_evaluation()
             return True
@@ -155,8 +155,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
             self._send(control)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        # Training stopped before its last step (an early stop): the loggers have ended by now, so
-        # the last window reaches steptimer's own log only.
+        # An early stop: the loggers have ended by now; the last window reaches steptimer's log only.
         self._close()
         self._log.pending.clear()
 

@@ -141,8 +141,6 @@ class Instrumented:
             self._discovery = Discovery(self._found, models=models, optimizers=optimizers)
         _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
 
-    # ------------------------------------------------------------------ public
-
     @property
     def steps(self) -> int:
         """Number of the last completed step."""
@@ -233,8 +231,6 @@ class Instrumented:
     ) -> Literal[False]:
         self.close(failed=et is not None)
         return False
-
-    # ------------------------------------------------------------------ hooks
 
     def _install(self) -> None:
         hooks = self._hooks
@@ -347,8 +343,8 @@ class Instrumented:
                 self._bwd_depth -= 1
             self._driver.switch(self._after_backward)
             self._after_backward = None
-            # The next forward starts a micro-batch (accumulation). With several optimizers (a GAN's
-            # networks see the same batch in turn) only a step's first forward is counted.
+            # The next forward starts a micro-batch; with several optimizers (a GAN's networks see
+            # the same batch in turn) only a step's first forward is counted.
             self._count_next = self._count and len(self.optimizers) == 1
             return out
 
@@ -444,8 +440,6 @@ class Instrumented:
             self._deferred = True
         else:
             self._end()
-
-    # ------------------------------------------------------------------ steps
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
         """Whether the loop's code calls zero_grad after the optimizer step (True) or before the

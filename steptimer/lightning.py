@@ -234,8 +234,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._flops = 0.0
         self._no_forward_warned = False
 
-    # ------------------------------------------------------------------ public
-
     @property
     def steps(self) -> int:
         """Number of the last completed step (continues across checkpoint resume)."""
@@ -258,8 +256,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             self._phase_names.add(name)
         return UserPhase(name, lambda: self._driver if self._in_batch else None)
 
-    # ------------------------------------------------------------------ state (resume)
-
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "skipped_steps": self._skipped}
@@ -268,8 +264,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._steps_done = int(state_dict.get("steps", 0))
         self._skipped = int(state_dict.get("skipped_steps", 0))
-
-    # ------------------------------------------------------------------ fit start / end
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -337,8 +331,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 log.warning("steptimer: could not flush timings after %r: %s", exception, err)
                 self._driver = None
         self._uninstall()
-
-    # ------------------------------------------------------------------ batches
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -418,8 +410,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             stacklevel=2,
         )
 
-    # ------------------------------------------------------------------ validation
-
     @override
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._driver is not None and not trainer.sanity_checking:
@@ -430,8 +420,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         val_ms = None if self._driver is None else self._driver.end_val(after="data")
         if val_ms is not None and self._sink is not None:
             self._sink.log({"steptimer/val_ms": val_ms}, step=self.steps)
-
-    # ------------------------------------------------------------------ phases from hooks
 
     def _switch(self, name: str | None) -> None:
         if self._in_batch and self._driver is not None:
@@ -457,8 +445,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if self._in_batch:
             self._stepped = True
 
-    # ------------------------------------------------------------------ hooks on module and optimizers
-
     def _install(self, trainer: Any, pl_module: Any) -> None:
         self._uninstall()
         self._hook_model(pl_module)
@@ -474,8 +460,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 self._hooks.wrap(opt, "step", self._manual_step_wrapper)
         else:
             self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper)
-        # Lightning calls its profiler's start and stop around each fetch from the train dataloader
-        # (its only public seam there, whatever the fetcher): they time the loader (``data``).
+        # The profiler's start and stop around each train fetch: Lightning's only public seam there.
         fetch = self._driver.timer._fetches() if self._driver is not None else None
         if fetch is not None and trainer.profiler is not None:
             self._time_fetches(trainer.profiler, fetch)
@@ -554,9 +539,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         d = self._driver
         if d is not None and self._in_training_step and not self._in_backward and d.forward_exit():
-            # Maybe the last model call: `loss` until another one joins it back. always_call: torch
-            # runs this hook from its except block when forward raised; the error then ends
-            # `forward` (the summary's out-of-memory note names the phase).
+            # `loss` until another model call joins it back. always_call: run from torch's except
+            # block when forward raised, the error then ends `forward` (an out-of-memory note names it).
             d.switch("loss", error=sys.exc_info()[1])
 
     def _zero_grad_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -608,8 +592,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._update_open = False
         if not self._manual and self._driver is not None and self._driver.phase == "optimizer":
             self._switch(None)
-
-    # ------------------------------------------------------------------ closing
 
     def _close(self, trainer: Any, *, failed: bool) -> None:
         d = self._driver
