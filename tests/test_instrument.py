@@ -902,3 +902,24 @@ def test_a_step_given_none_for_its_closure_runs_as_given() -> None:
         opt.step(None)
         opt.zero_grad()
     assert timer.close().steps == 3
+
+
+def test_a_given_model_keeps_only_the_optimizers_that_hold_its_parameters() -> None:
+    """instrument(model) with no optimizer: of the optimizers that step in one iteration, only
+    those holding the model's parameters are its (a probe trained beside it is not)."""
+    model, probe = SleepyNet(sleep_ms=1.0), nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    probe_opt = torch.optim.Adam(probe.parameters(), lr=0.01)
+    timer = instrument(model, **QUIET, warmup_steps=0)
+    for _ in range(5):
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(probe(x), y).backward()
+        probe_opt.step()
+        probe_opt.zero_grad()
+    s = timer.close()
+    assert timer.models == (model,) and timer.optimizers == (opt,)
+    assert timer.steps == 3  # the first two iterations found them
+    assert s["optimizer"].calls_per_step == 1
