@@ -19,7 +19,7 @@ from steptimer._energy import EnergyWindows
 from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemorySummary, _MemoryBackend
-from steptimer._options import Options, check_bool, check_count, check_memory, check_options, check_phase_name
+from steptimer._options import Options, check_bool, check_count, check_phase_name
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
 from steptimer._summary import Summary, SummaryAccumulator
@@ -27,7 +27,7 @@ from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
 from steptimer._window import StepRows, Window, window_of
 
-__all__ = ["StepTimer", "check_bool", "check_count", "check_memory", "check_options", "check_phase_name"]
+__all__ = ["StepTimer", "check_bool", "check_count", "check_phase_name"]
 
 _T = TypeVar("_T", bound="StepTimer")
 _B = TypeVar("_B")
