@@ -17,7 +17,7 @@ from time import perf_counter
 from typing import Any, NamedTuple
 
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
-from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, oom_errors, oom_note, torch_memory_backend
+from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, oom_errors, torch_memory_backend
 from steptimer._slow import GcLog, dynamo_stats
 from steptimer._window import GAP_S, STEP_S, WAIT_S, RowKey, StepRows
 
@@ -575,10 +575,6 @@ class Engine:
         if peak is None and self.memory is not None:  # an unread step: the peak since the last reading
             peak = self.memory.b.read(self.memory.device)[1]
         self.oom = (phase, self.number + 1, peak, self._mem is not None)
-
-    def oom_note(self) -> str | None:
-        """The summary's line on a CUDA out-of-memory error inside a step, if one struck."""
-        return None if self.oom is None else oom_note(*self.oom)
 
     def _backend(self) -> _CudaBackend:
         if self.b is None:  # pragma: no cover - only reachable through a bug in this file

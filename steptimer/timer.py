@@ -18,7 +18,7 @@ from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._energy import EnergyWindows
 from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
-from steptimer._memory import MemorySummary, _MemoryBackend
+from steptimer._memory import MemoryStats, MemorySummary, _MemoryBackend, oom_note
 from steptimer._options import Options, check_bool, check_count, check_phase_name
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
@@ -266,12 +266,15 @@ class StepTimer:
         # Every resolved step to the capture: through add() when windows keep steps whole (and the
         # profiler marks them), else appended to its ring by the engine itself.
         each = c is not None and (c.trace is not None or profiled)
+        # memory=None is time-budgeted, but one timed step in 10 under torch.distributed: every rank
+        # must read the same steps (the ranks' memory is combined per window).
+        memory_every = int(memory) if memory is not None else 10 if _distributed() else MEMORY_AUTO
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
             window_min_s=window_min_s, window_max=window_max,
             on_pending=c.add if c is not None and each else None, recent=c.ring if c is not None and not each else None,
-            memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
+            memory=memory_every, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
@@ -448,11 +451,7 @@ class StepTimer:
             self._ranges.finish(engine)
         engine.release_held()
         engine.closed = True
-        summary = self._build_summary(traces)
-        run_s = engine.run_s
-        own = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s > 0 else None}
-        notes = summary.notes + ((energy_note,) if energy_note else ())
-        self._summary = summary = dataclasses.replace(summary, **own, energy=energy, notes=notes)  # type: ignore[arg-type]
+        self._summary = summary = self._build_summary(traces, energy, energy_note)
         if self.options.print_summary and self._rank == 0 and self.enabled:
             from steptimer._table import print_summary
 
@@ -561,46 +560,32 @@ class StepTimer:
                 return None, "no MFU: no peak for host-only timing; pass peak_tflops="
         return self._peak
 
-    def _build_summary(self, traces: dict[int, str] | None = None) -> Summary:
-        engine = self._engine
-        notes = tuple(engine.notes)
+    def _build_summary(self, traces: dict[int, str] | None, energy: Any, energy_note: str | None) -> Summary:
+        engine, xrank, acc = self._engine, self._xrank, self._acc
+        notes = list(engine.notes)
         peak, peak_note = self._peak_tflops()
-        if self._acc.flops is not None and peak_note is not None:
-            notes += (peak_note,)
-        if self._acc.steps == 0 and engine.number >= engine.first_number:
-            notes += (
+        if acc.flops is not None and peak_note is not None:
+            notes.append(peak_note)
+        if acc.steps == 0 and engine.number >= engine.first_number:
+            notes.append(
                 f"all {engine.number - engine.first_number + 1} steps were warm-up "
-                f"(warmup_steps={self.options.warmup_steps}); nothing to summarize",
+                f"(warmup_steps={self.options.warmup_steps}); nothing to summarize"
             )
-        oom = engine.oom_note()
-        if oom is not None:
-            notes += (oom,)
-        if self._xrank is not None:
-            notes += tuple(self._xrank.notes)
-        summary = self._acc.summary(
-            warmup_steps=self.options.warmup_steps, cuda=bool(engine.cuda), notes=notes, peak_tflops=peak, traces=traces
-        )
-        mem = self._acc.memory
+        oom = oom_note(*engine.oom) if engine.oom is not None else None
+        notes += [n for n in (oom, *(xrank.notes if xrank else ()), energy_note) if n]
+        summary = acc.summary(
+            warmup_steps=self.options.warmup_steps, cuda=bool(engine.cuda), notes=tuple(notes), peak_tflops=peak,
+            traces=traces,
+        )  # fmt: skip
+        run_s = engine.run_s
+        more: dict[str, Any] = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s else None}
         if engine.memory is not None:
-            summary = dataclasses.replace(
-                summary,
-                memory=MemorySummary(
-                    peak_bytes=mem.peak_bytes if mem else {}, alloc_bytes=mem.alloc_bytes if mem else {},
-                    reserved_bytes=mem.reserved_bytes if mem else 0, steps=mem.steps if mem else 0,
-                    max_allocated_bytes=engine.memory.seen_bytes,
-                ),
-            )  # fmt: skip
-        if self._xrank is not None and self._xrank.summary is not None:
-            summary = dataclasses.replace(summary, ranks=self._xrank.summary)
-        if self._xrank is not None and summary.slowest:  # each with its window's slowest rank
-            summary = dataclasses.replace(summary, slowest=self._xrank.annotate(summary.slowest))
-        return summary
+            m = acc.memory or MemoryStats({}, {}, 0, 0)
+            seen = engine.memory.seen_bytes
+            more["memory"] = MemorySummary(m.peak_bytes, m.alloc_bytes, m.reserved_bytes, m.steps, seen)
+        if xrank is not None and xrank.summary is not None:
+            more["ranks"] = xrank.summary
+        if xrank is not None and summary.slowest:  # each with its window's slowest rank
+            more["slowest"] = xrank.annotate(summary.slowest)
+        return dataclasses.replace(summary, energy=energy, **more)
 
-
-def memory_every(memory: int | None) -> int:
-    """The engine's ``memory``: None is time-budgeted (``MEMORY_AUTO``) in one process, and one timed
-    step in 10 under ``torch.distributed``, where every rank must read the same steps (the ranks'
-    memory is combined per window, docs/distributed.md)."""
-    if memory is None:
-        return 10 if _distributed() else MEMORY_AUTO
-    return int(memory)
