@@ -1,7 +1,7 @@
 """The engine: steps and phases timed with CUDA events (one lagged event wait per step, never a
-device-wide synchronize) or the host clock; finished steps become rows of a window (``_window.StepRows``).
-It knows no framework: once its state is whole at the end of ``end_step``, ``on_window(number)`` tells
-the owner that the rows of the window ending at step ``number`` are in ``rows``.
+device-wide synchronize) or the host clock; finished steps become rows of a window (``StepRows``).
+It knows no framework: once its state is whole at the end of ``end_step``, ``on_window(number)``
+tells the owner that the rows of the window ending at step ``number`` are in ``rows``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class PhaseRecord(NamedTuple):
 
 
 class StepRecord:
-    """A finished step whose GPU events may not have completed yet (what ``on_pending`` and ``recent`` get).
+    """A finished step whose GPU events may not have completed yet (for ``on_pending``, ``recent``).
 
     ``row`` holds its ``LEAD`` columns (``_window.py``). ``phases`` holds plain tuples laid out as
     :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more): :meth:`phase_records`
@@ -192,7 +192,7 @@ class Engine:
 
     @property
     def run_s(self) -> float:
-        """Host seconds from the first step's start to the end of the last step or of steptimer's work."""
+        """Host seconds from the first step's start to the end of the last step (or window work)."""
         return 0.0 if self._gap_start is None or self._first_t0 is None else self._gap_start - self._first_t0
 
     @property
@@ -507,8 +507,9 @@ class Engine:
         """Drop an unfinished step and resolve every pending one (one wait, on the newest)."""
         if self.state:
             self._drop_step()
-        if self._pending and self.cuda and self._pending[-1].number > self._waited:  # lag 0 waited already
-            self._wait_for(self._pending[-1].number)
+        pending = self._pending
+        if pending and self.cuda and pending[-1].number > self._waited:  # lag 0 waited already
+            self._wait_for(pending[-1].number)
         while True:
             if self._window_due:
                 self._hand_window()

@@ -267,16 +267,11 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
         # Sorted per series (NaN last, left out below): one layout then needs no lexsort (~1 ms/1000 steps).
         vals.append(np.sort(blk.derived, axis=0).T.ravel())
         sids.append(np.repeat(cols, len(blk.derived)))
-        smp, tok, flo = blk.lead[:, SAMPLES], blk.lead[:, TOKENS], blk.lead[:, FLOPS]
-        totals.append(
-            GroupTotals(
-                blk.names, series, len(blk.lead), float((blk.lead[:, STEP_S] * 1e3 + blk.gap_ms).sum()),
-                None if np.isnan(smp).all() else float(np.nansum(smp)),
-                None if np.isnan(tok).all() else float(np.nansum(tok)),
-                None if np.isnan(flo).all() else float(np.nansum(flo)),
-                np.nansum(blk.derived, axis=0).tolist(),
-            )
-        )  # fmt: skip
+        lead = blk.lead
+        counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in lead[:, [SAMPLES, TOKENS, FLOPS]].T]
+        cycle_ms = float((lead[:, STEP_S] * 1e3 + blk.gap_ms).sum())
+        sums_ms = np.nansum(blk.derived, axis=0).tolist()
+        totals.append(GroupTotals(blk.names, series, len(lead), cycle_ms, *counts, sums_ms))
     values = np.concatenate(vals) if vals else np.zeros(0)
     sid = np.concatenate(sids) if sids else np.zeros(0, dtype=np.int64)
     keep = ~np.isnan(values)

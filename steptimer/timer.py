@@ -61,7 +61,7 @@ _NULL = _Null()
 
 
 class _RangedStep:
-    """A step that is also an NVTX / profiler range (``nvtx=True``, ``profile_steps``), see _profile.py."""
+    """A step that is also an NVTX / profiler range (``nvtx``, ``profile_steps``), see _profile.py."""
 
     __slots__ = ("_e", "_counts", "_r")
 
@@ -282,7 +282,7 @@ class StepTimer:
             self._start(log_dir, writer)
 
     def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
-        """An enabled timer's checks and set-up that touch the machine: CUDA, files, signals, ranks."""
+        """An enabled timer's set-up that touches the machine: CUDA, files, signals, ranks."""
         self._energy = EnergyWindows()
         seams, cuda = self._seams, self.options.cuda
         if cuda is True and seams.backend is None:
@@ -290,7 +290,7 @@ class StepTimer:
             if not ok:
                 raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
         if cuda is not False and seams.backend is None:
-            prepare_native()  # compile the native CUDA calls now (once per machine), not in a step
+            prepare_native()  # compile the native CUDA calls now, not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
             if self._capture is not None:  # its files carry the run id of the sink's files
@@ -305,8 +305,7 @@ class StepTimer:
 
     @classmethod
     def _make(cls: type[_T], **kwargs: Any) -> _T:
-        """A timer with seams (``_Seams``' fields: a fake GPU, more sinks, ...) for tests and front
-        doors, and the constructor's options; ``__init__`` reads the seams from the instance."""
+        """A timer with seams (``_Seams``' fields) for tests and front doors, and the options."""
         names = {f.name for f in dataclasses.fields(_Seams)}
         timer = cls.__new__(cls)
         timer._seams = _Seams(**{k: kwargs.pop(k) for k in names & kwargs.keys()})
@@ -316,9 +315,8 @@ class StepTimer:
     def step(
         self, *, samples: float | None = None, tokens: float | None = None, flops: float | None = None
     ) -> AbstractContextManager[None]:
-        """Context manager around one optimizer step; ``samples``/``tokens`` give throughput,
-        ``flops`` (floating-point operations of the step: forward, backward, optimizer as you
-        count them) gives ``tflops_per_s`` and ``mfu``.
+        """Context manager around one optimizer step; ``samples``/``tokens`` give throughput, ``flops``
+        (the step's floating-point operations, as you count them) ``tflops_per_s`` and ``mfu``.
 
         Raises:
             TypeError: a count that is not a number (a string, a bool, a GPU tensor).
@@ -326,8 +324,7 @@ class StepTimer:
         """
         if not self.enabled:
             return _NULL
-        # Checked here, where they are given: a plain int or float >= 0 inline, anything else by
-        # check_count (tensors, numpy scalars, bad values); nothing when None.
+        # A plain int or float >= 0 inline (the usual samples), anything else by check_count.
         if samples is not None and not (
             (samples.__class__ is int or samples.__class__ is float) and 0 <= samples < math.inf
         ):
@@ -339,18 +336,13 @@ class StepTimer:
         r, e = self._ranges, self._engine
         if r is not None and e.number >= r.from_number:  # NVTX, or the profiler window
             return _RangedStep(e, (samples, tokens, flops), r)
-        # The engine is the step's context manager; the counts at the step's end are those of the
-        # last step() call, which is how the Lightning callback gives a step's counts at its end.
+        # The engine is the step's context manager; the counts at its end are the last step() call's.
         e.samples, e.tokens, e.flops = samples, tokens, flops
         return e
 
     def data(self, loader: Iterable[_B]) -> Iterator[_B]:
-        """The batches of ``loader`` with the time of each fetch measured: the ``data`` row is then
-        the loader's time, and the rest of the time between steps is ``loop`` (without it, all of
-        that time is ``loop``). Use it where the loop fetches: ``for x, y in timer.data(loader):``.
-
-        Args:
-            loader: The training data: a ``DataLoader`` or any iterable of batches.
+        """The batches of ``loader`` (any iterable of batches) with each fetch timed: the ``data`` row,
+        the rest of the time between steps being ``loop``. Use: ``for x, y in timer.data(loader):``.
 
         Raises:
             TypeError: ``loader`` is not iterable.
@@ -364,8 +356,7 @@ class StepTimer:
         return Fetch(self._engine, it) if self.enabled else it
 
     def _fetches(self) -> Fetch | None:
-        """:meth:`data` for a front door that sees each fetch only as two events (Lightning's
-        profiler calls): ``start()`` when one begins, ``stop(t0)`` when it ends. None when disabled."""
+        """:meth:`data` for a front door that sees a fetch as two events (``start()``, ``stop(t0)``)."""
         return Fetch(self._engine) if self.enabled else None
 
     def phase(self, name: str) -> AbstractContextManager[None]:
@@ -377,14 +368,11 @@ class StepTimer:
             check_phase_name(name)
             cm = self._phases[name] = self._phase_cls(self._engine, name, self._ranges)
         if self._engine.state == UNTIMED and self._phase_cls is _Phase:
-            # A step outside the sample times no phase: the engine would only return (NVTX and
-            # profiler ranges, _RangedPhase, still run in every step).
-            return _NULL
+            return _NULL  # a step outside the sample times no phase (ranges still run in every step)
         return cm
 
     def _rejoin(self, name: str, into: str) -> bool:
-        """``Engine.rejoin_phase`` for the Lightning callback; NVTX/profiler ranges, pushed as things
-        happened, can't be joined: they close ``name`` and open ``into`` again."""
+        """``Engine.rejoin_phase``; NVTX/profiler ranges can't be joined: close ``name``, open ``into``."""
         if not self.enabled or not self._engine.rejoin_phase(name, into):
             return False
         if self._phase_cls is _RangedPhase:
@@ -395,10 +383,8 @@ class StepTimer:
 
     @contextmanager
     def pause(self) -> Iterator[None]:
-        """Context manager for work between steps (evaluation, checkpointing) that is not data wait.
-
-        Its host time is left out of ``data``; its GPU time is left out of GPU ``idle``.
-        """
+        """Context manager for work between steps (evaluation, checkpointing) that is not data wait:
+        its host time is left out of ``data``, its GPU time out of GPU ``idle``."""
         if not self.enabled or self._engine.closed:
             yield
             return
@@ -427,8 +413,8 @@ class StepTimer:
         """Resolve pending steps, write the last window, print and return the summary (idempotent).
 
         Args:
-            failed: Closing because of an exception: no cross-rank collective is started (other
-                ranks may be gone). ``with StepTimer(...)`` passes it for you.
+            failed: Closing because of an exception: no cross-rank collective (other ranks may be
+                gone). ``with StepTimer(...)`` passes it for you.
         """
         if self._summary is not None:
             return self._summary
@@ -439,7 +425,6 @@ class StepTimer:
         if self.enabled:
             engine.close()
         if xrank is not None and not xrank.off:
-            # The closing rounds, with or without a last window (Join-style, see _dist.py).
             last = xrank.close(self._take_window(), self._acc)
             if last is not None:
                 for sink in self._sinks:
@@ -464,9 +449,7 @@ class StepTimer:
         return self
 
     def _close_at_end(self) -> None:
-        """Closed by steptimer at exit or on SIGTERM (_exit.py). A run may go on after a SIGTERM (a
-        handler of the user's or Lightning's decides): the timer then answers every call as a no-op,
-        never with an error."""
+        """Closed by steptimer at exit or on SIGTERM (_exit.py); a run that goes on after it gets no-ops."""
         self._engine.quiet = True
         self.close(failed=True)  # no cross-rank round: other ranks may be gone
 
@@ -475,22 +458,18 @@ class StepTimer:
         return False
 
     def _set_ranged(self, on: bool) -> None:
-        """Phases call the ranges (``on``) or not: switch the class of every phase object, cached
-        ones included, so a phase outside the profiler window pays nothing (see _profile.py)."""
+        """Switch every phase object's class: a phase outside the profiler window pays nothing."""
         cls = _RangedPhase if on else _Phase
         self._phase_cls = cls
         for cm in self._phases.values():
             cm.__class__ = cls
 
     def _on_window(self, number: int) -> None:
-        """The engine's window ended at step ``number``: its rows are the engine's ``rows``."""
         self._emit()
 
     def _take_window(self) -> Window | None:
-        """The window of the steps resolved since the last one; it also goes into the summary.
-
-        The engine's rows are replaced only once the window is in the summary: an exception before
-        (Ctrl-C) leaves them for the next window, and none after can lose a step of it."""
+        """The window of the steps resolved since the last one, added to the summary; the engine's rows
+        are replaced only after that, so an exception (Ctrl-C) can't lose a step."""
         engine = self._engine
         rows = engine.rows
         if not rows.count:
@@ -508,9 +487,8 @@ class StepTimer:
         return window
 
     def _slow_window(self, window: Window, kept: list[Any]) -> None:
-        """Per window, for the slowest steps (``_slow.py``): look for torch.compile, read the CUDA
-        allocator's retries (memory readings on, or slow steps in the window), ask the flight
-        recorder for the steps that entered the run's slowest."""
+        """For the slowest steps (``_slow.py``): look for torch.compile, read the allocator's retries,
+        ask the flight recorder for the steps that entered the run's slowest."""
         engine = self._engine
         engine.find_dynamo()
         slow = window.packed.slow if window.packed is not None else []
@@ -546,8 +524,7 @@ class StepTimer:
             self._energy.mark(window, engine.device, counter)
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:
-        """The peak for MFU and a note on it: the option, else the GPU's in steptimer's table
-        (looked up once, at the first window, when the device is known)."""
+        """The peak for MFU and a note on it: the option, else the GPU's (looked up at the first window)."""
         if self._peak is None:
             engine = self._engine
             if self.options.peak_tflops is not None:
