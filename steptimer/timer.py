@@ -156,43 +156,30 @@ def rank() -> int:
 class StepTimer:
     """Times each training step's phases on the GPU (CUDA events) and the host (``perf_counter``).
 
-    Args:
-        log_dir: Directory for TensorBoard event files (created if missing; must be writable); each
-            phase gets a run of its own in ``<log_dir>/steptimer/<phase>``.
+    Args (each in full in docs/options.md):
+        log_dir: Directory for TensorBoard event files, a run per phase in ``<log_dir>/steptimer/``.
         writer: An existing ``SummaryWriter`` to write to instead (steptimer never closes it).
-        log_every_n_steps: Write window statistics every this many steps. None: 50 steps (with
-            ``sample_every`` > 1, ``10 * sample_every``), on small steps a multiple of it lasting at
-            least a second (at most 20 times it); under ``torch.distributed`` always 50.
+        log_every_n_steps: Write window statistics every this many steps. None: 50 (``10 *
+            sample_every`` if larger), lengthened on small steps to last a second (not distributed).
         warmup_steps: Steps left out of the summary (still logged): compilation and autotuning.
-        lag: 0 waits at the end of each step for its GPU work; k >= 1 waits at the end of step N
-            on step N-k, normally finished already, so the host keeps running ahead of the GPU.
-        cuda: None decides at the first ``step()`` (CUDA if available and initialized by then);
-            True requires CUDA; False times the host only.
+        lag: 0 waits at the end of each step for its GPU work; k >= 1 waits at step N on step N-k.
+        cuda: None decides at the first ``step()``; True requires CUDA; False times the host only.
         start_step: Number of steps already done (resumed runs); the first step is ``start_step + 1``.
         enabled: False makes every call a near-free no-op with the same API.
         sample_every: Time the phases of one step, chosen at random, in every ``sample_every``;
             every step still counts for throughput, step time and data wait.
         print_summary: Print the summary table at :meth:`close` (rank 0 only).
-        cross_rank: Under torch.distributed, combine the ranks' windows at each log interval (min /
-            mean / max per phase, the straggler) and add a per-rank section to the summary.
-        cross_rank_timeout_s: Longest wait for the other ranks in one collective; after a timeout
-            cross-rank statistics stay off, with a warning.
-        trace_steps: Capture these steps for ``steptimer trace``: an int N is the N steps after
-            warm-up, a pair ``(first, last)`` step numbers (``steptimer-trace.json`` at close).
-        peak_tflops: The peak (TFLOP/s) that ``steptimer/mfu`` divides by. None looks the GPU up in
-            steptimer's table of dense bf16 peaks; no peak: no MFU, and a note says why.
-        nvtx: Make each step and phase an NVTX range (``step``, ``forward/attn``) for Nsight Systems.
-        profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps, each phase a
-            ``record_function`` range; the trace goes to ``steptimer-profile.json`` in the log directory.
-        profile_on_slow: A factor > 1 (e.g. 1.5), or None: when 3 steps in a row after warm-up take
-            longer than that times the rolling median, profile the next 3 steps (docs/slow-steps.md).
-        memory: With CUDA timing, read the caching allocator's peaks per phase and step on some timed
-            steps. None: as often as costs ~0.1 % of the run (one step in 10 under
-            ``torch.distributed``); an int N: one timed step in N; True is 1, False or 0 never.
-            It resets the allocator's peak counter on a read step (the run's peak is in
-            ``summary.memory.max_allocated_bytes``).
-        slowest_steps: Keep the run's k slowest timed steps after warm-up with what made each slow
-            (``summary.slowest``; docs/slow-steps.md). 0 turns it off.
+        cross_rank: Under torch.distributed, combine the ranks' windows (spread, straggler).
+        cross_rank_timeout_s: Longest wait for the other ranks; after a timeout cross-rank stays off.
+        trace_steps: Capture these steps for ``steptimer trace``: N after warm-up, or ``(first, last)``.
+        peak_tflops: The peak (TFLOP/s) for ``mfu``; None looks the GPU up in steptimer's table.
+        nvtx: Make each step and phase an NVTX range for Nsight Systems.
+        profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps (``steptimer kernels``).
+        profile_on_slow: A factor > 1 (e.g. 1.5): profile the next 3 steps after 3 steps slower than
+            that times the rolling median (docs/slow-steps.md); None: off.
+        memory: With CUDA timing, read the allocator's peaks on one timed step in N (True: 1, False
+            or 0: never); None: as often as costs ~0.1 % of the run. It resets the peak counter.
+        slowest_steps: Keep the run's k slowest timed steps with what made each slow; 0: off.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
