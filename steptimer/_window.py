@@ -43,11 +43,7 @@ class StepRows:
     marks: dict[int, dict[str, float]] = field(default_factory=dict)  # by step, sparse (_slow.py)
 
     def add(self, key: RowKey, row: list[float]) -> None:
-        rows = self.groups.get(key)
-        if rows is None:
-            self.groups[key] = [row]
-        else:
-            rows.append(row)
+        self.groups.setdefault(key, []).append(row)
         self.count += 1
 
 
@@ -130,8 +126,7 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
         a = np.fromiter(chain.from_iterable(group), np.float64, len(group) * m).reshape(len(group), m)
         nan = np.isnan(a)
         d = np.where(nan, 0.0, a) @ lay.transform
-        if len(lay.clamp):
-            d[:, lay.clamp] = np.maximum(d[:, lay.clamp], 0.0)
+        d[:, lay.clamp] = np.maximum(d[:, lay.clamp], 0.0)
         for col, src in lay.nan_if:
             d[nan[:, src], col] = np.nan
         if lay.idle_split is not None:
