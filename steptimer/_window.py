@@ -263,7 +263,8 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
         vals.append(np.sort(blk.derived, axis=0).T.ravel())
         sids.append(np.repeat(cols, len(blk.derived)))
         lead = blk.lead
-        counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in lead[:, [SAMPLES, TOKENS, FLOPS]].T]
+        cs = [lead[:, SAMPLES], lead[:, TOKENS], lead[:, FLOPS]]
+        counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in cs]
         cycle_ms = float((lead[:, STEP_S] * 1e3 + blk.gap_ms).sum())
         sums_ms = np.nansum(blk.derived, axis=0).tolist()
         totals.append(GroupTotals(blk.names, series, len(lead), cycle_ms, *counts, sums_ms))
