@@ -185,8 +185,7 @@ class Engine:
         self._mem: MemoryReader | None = None  # the reader on the current step
         # (phase or None, step, peak bytes before it, the step was timed) of a CUDA out-of-memory error
         self.oom: tuple[str | None, int, int | None, bool] | None = None
-        self.gc_log: GcLog | None = GcLog(perf_counter) if slowest else None
-        self._slowest = slowest
+        self.gc_log: GcLog | None = GcLog(perf_counter) if slowest else None  # None: no slow-step marks
         self._dyn: Any = None
         self._graphs = 0
 
@@ -341,8 +340,11 @@ class Engine:
             self._recs, self._pause_evs or _NO_PAUSES, self.device,
         )  # fmt: skip
         rec.paused_s = self._paused_s
-        if self._dyn is not None:
-            self._note_compiles(rec)
+        if self._dyn is not None:  # did torch.compile compile a graph in the step? (one dict lookup)
+            graphs = self._dyn.get("unique_graphs", 0)
+            if graphs > self._graphs:
+                rec.marks = {"graphs_new": float(graphs - self._graphs), "graphs": float(graphs)}
+            self._graphs = graphs
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
@@ -436,18 +438,10 @@ class Engine:
 
     def find_dynamo(self) -> None:
         """Count ``torch.compile``'s graphs per step once ``torch._dynamo`` is imported (never here)."""
-        if self._slowest and self._dyn is None:
+        if self.gc_log is not None and self._dyn is None:
             self._dyn = dynamo_stats()
             if self._dyn is not None:
                 self._graphs = self._dyn.get("unique_graphs", 0)
-
-    def _note_compiles(self, rec: StepRecord) -> None:
-        """Mark the step if ``torch.compile`` compiled a graph in it (dynamo's counter, one lookup)."""
-        graphs = self._dyn.get("unique_graphs", 0)
-        if graphs != self._graphs:
-            if graphs > self._graphs:
-                rec.marks = {"graphs_new": float(graphs - self._graphs), "graphs": float(graphs)}
-            self._graphs = graphs
 
     def rejoin_phase(self, name: str, into: str) -> bool:
         """Undo the open phase ``name`` and reopen the sibling ``into`` that ended where it began.
@@ -531,8 +525,7 @@ class Engine:
     def _drop_step(self) -> None:
         """Forget the current step; keep everything before it."""
         self._free += self._evs
-        for a, b in self._pause_evs:
-            self._free += (a, b)
+        self._free += [ev for pair in self._pause_evs for ev in pair]
         self._pause_evs = []
         self._evs = []
         self._recs = []
@@ -668,7 +661,8 @@ class Engine:
             self.held_end = (rec.number, rec.device, evs[rec.i_end])
         for a, c in rec.pauses:
             self._free += (a, c)
-        if self._slowest and (rec.marks or rec.paused_s or self.gc_log.spans):  # type: ignore[union-attr]
+        gcl = self.gc_log
+        if gcl is not None and (rec.marks or rec.paused_s or gcl.spans):
             self._mark(rec)
         if rec.memory is not None:
             self.rows.memory.append(rec.memory)
