@@ -97,7 +97,9 @@ def fake_run(
 def test_report_numbers_are_the_logged_ones(tmp_path: Path) -> None:
     """Real clock, real sleeps (host only): the report re-derives the engine's own summary from the files."""
     run = tmp_path / "run"
-    t = StepTimer(log_dir=str(run), cuda=False, log_every_n_steps=4, warmup_steps=0, print_summary=False)
+    t = StepTimer(
+        log_dir=str(run), cuda=False, sample_every=1, log_every_n_steps=4, warmup_steps=0, print_summary=False
+    )
     def batches():  # type: ignore[no-untyped-def]
         while True:
             time.sleep(0.03)  # a sleeping data loader: 30 ms dominates everything else
