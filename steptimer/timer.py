@@ -23,6 +23,7 @@ from steptimer._options import Options, check_bool, check_count, check_phase_nam
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
 from steptimer._summary import Summary, SummaryAccumulator
+from steptimer._tags import COST_BUDGET, SAMPLE_EVERY
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
 from steptimer._window import StepRows, Window, window_of
@@ -275,6 +276,8 @@ class StepTimer:
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
+        # How steps were timed, in the first window's tags (read back by `steptimer report`).
+        self._run_tags = {SAMPLE_EVERY: float(sample_every)} if sample_every else {COST_BUDGET: float(cost_budget)}
         if enabled:
             self._start(log_dir, writer)
 
@@ -511,6 +514,9 @@ class StepTimer:
             return
         if self._xrank is not None:
             window = self._xrank.interval(window, self._acc.slow)
+        if self._run_tags:
+            window = dataclasses.replace(window, extra={**window.extra, **self._run_tags})
+            self._run_tags = {}
         engine, counter = self._engine, self._seams.energy_counter
         energy = engine.cuda and (counter is not None or not engine._custom_backend)
         if energy:
