@@ -348,16 +348,10 @@ def test_a_dropped_step_drops_the_fetch_before_it(clock: FakeClock) -> None:
     assert _rows(o.engine)[1][FETCH_S] == pytest.approx(5e-3)
 
 
-def costly(gpu: FakeGPU, clock: FakeClock, us: float = 10.0) -> FakeGPU:
-    """Each event record costs ``us`` of host time: steptimer's own cost, which the budget measures."""
-    record = gpu.record
-
-    def slow_record(ev: Any, stream: Any) -> None:
-        clock.advance_ms(us / 1e3)
-        record(ev, stream)
-
-    gpu.record = slow_record  # type: ignore[method-assign]
-    return gpu
+def costly(clock: FakeClock) -> FakeGPU:
+    """A GPU whose event records cost 10 µs of host time each: steptimer's own cost, as the budget
+    measures it."""
+    return FakeGPU(clock, record_ms=0.01)
 
 
 def timed_numbers(o: Owner) -> list[int]:
@@ -366,19 +360,21 @@ def timed_numbers(o: Owner) -> list[int]:
                   if key[0] is not None for r in g)  # fmt: skip
 
 
-def test_the_cost_budget_times_every_step_of_long_steps(clock: FakeClock, gpu: FakeGPU) -> None:
+def test_the_cost_budget_times_every_step_of_long_steps(clock: FakeClock) -> None:
     """200 ms steps, ~40 µs of steptimer's own work each: far under 0.5 %, so every step is timed."""
-    o = Owner(costly(gpu, clock), sample_every=None, window_every=50)
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=50)
     for _ in range(200):
         o.step(clock, gpu, ms=100.0)
     o.engine.close()
     assert timed_numbers(o) == list(range(1, 201))
 
 
-def test_the_cost_budget_times_a_fraction_of_short_steps(clock: FakeClock, gpu: FakeGPU) -> None:
+def test_the_cost_budget_times_a_fraction_of_short_steps(clock: FakeClock) -> None:
     """2 ms steps whose timing costs ~40 µs (four records of 10 µs): steptimer times about one in
     four, so that its own measured time is the budget of the run's wall time, not more."""
-    o = Owner(costly(gpu, clock), sample_every=None, window_every=100, cost_budget=0.005)
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=100, cost_budget=0.005)
     start = clock.now
     for _ in range(4000):
         o.step(clock, gpu)
@@ -386,17 +382,18 @@ def test_the_cost_budget_times_a_fraction_of_short_steps(clock: FakeClock, gpu: 
     own_share = gpu.records * 10e-6 / (clock.now - start)
     assert 4000 / 12 < timed < 4000 / 4
     assert 0.003 < own_share <= 0.0055
-    wide = Owner(costly(FakeGPU(clock), clock), sample_every=None, window_every=100, cost_budget=0.05)
+    wide = Owner(costly(clock), sample_every=None, window_every=100, cost_budget=0.05)
     for _ in range(400):
         wide.step(clock, None)
     wide.engine.close()
     assert len(timed_numbers(wide)) == 400  # a budget of 5 %: every step fits
 
 
-def test_the_cost_budget_never_aliases_with_a_periodic_pattern(clock: FakeClock, gpu: FakeGPU) -> None:
+def test_the_cost_budget_never_aliases_with_a_periodic_pattern(clock: FakeClock) -> None:
     """Every 10th step 50 % longer (a ``.item()`` every 10th step): the timed steps fall on every
     position in the period about equally (one at random in each block, whatever its length)."""
-    o = Owner(costly(gpu, clock), sample_every=None, window_every=100)
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=100)
     for n in range(1, 6001):
         o.step(clock, gpu, data_ms=1.0 if n % 10 == 0 else 0.5)
     timed = timed_numbers(o)
@@ -405,10 +402,11 @@ def test_the_cost_budget_never_aliases_with_a_periodic_pattern(clock: FakeClock,
     assert min(per) > 0.7 * len(timed) / 10 and max(per) < 1.3 * len(timed) / 10, per
 
 
-def test_a_slow_untimed_step_makes_the_next_step_timed(clock: FakeClock, gpu: FakeGPU) -> None:
+def test_a_slow_untimed_step_makes_the_next_step_timed(clock: FakeClock) -> None:
     """An untimed step over twice the wall per step: the next step is timed too, as an extra (the
     block's own pick still is), and the slow step is marked with its wall for the slowest steps."""
-    o = Owner(costly(gpu, clock), sample_every=None, window_every=10_000, slowest=True)
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=10_000, slowest=True)
     e = o.engine
     for _ in range(500):
         o.step(clock, gpu)
