@@ -195,7 +195,8 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
                     key = join_tag(phase, key)
                 kind, t = value.WhichOneof("value"), parse(key)
                 if kind == "histo" and t is not None and t.group == HIST:
-                    _keep_latest(hists.setdefault((t.family, t.name), {}), event.step, event, _histogram(value.histo))
+                    h = _histogram(value.histo)
+                    _keep_latest(hists.setdefault((t.family, t.name), {}), event.step, event, h)
                 elif kind == "simple_value":
                     _keep_latest(scalars.setdefault(key, {}), event.step, event, value.simple_value)
                 elif kind == "tensor" and key == SLOW_JSON_TAG and value.tensor.string_val:
@@ -259,7 +260,10 @@ def _events(path: str, notes: list[str]) -> list[Any]:
 
 
 def _not_event_file(path: str, why: str) -> str:
-    return f"{path}: not a TensorBoard event file ({why}); pass a run directory or its events.out.tfevents.* file"
+    return (
+        f"{path}: not a TensorBoard event file ({why}); pass a run directory or its "
+        "events.out.tfevents.* file"
+    )
 
 
 def _histogram(histo: Any) -> LogHistogram:

@@ -12,27 +12,12 @@ from typing import Literal
 
 import numpy as np
 
+from steptimer import _tags
 from steptimer._energy import Energy
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemorySummary
 from steptimer._reader import RunLog
 from steptimer._summary import PhaseSummary, Series, Summary, Totals, summarize
-from steptimer._tags import (
-    CAUGHT,
-    JOULES_PER_STEP,
-    MAIN,
-    MFU,
-    RESERVED_MIB,
-    SAMPLES_PER_S,
-    STEPS_PER_S,
-    TAILS,
-    TFLOPS_PER_S,
-    TOKENS_PER_S,
-    WARMUP_STEPS,
-    WATTS,
-    parse,
-    tag,
-)  # fmt: skip
 
 Points = dict[str, list[tuple[int, float]]]
 Hists = dict[tuple[str, str], list[tuple[int, LogHistogram]]]
@@ -41,9 +26,9 @@ Hists = dict[tuple[str, str], list[tuple[int, LogHistogram]]]
 def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -> Summary:
     """The summary of one run read back from its logs, without the windows that end at or before
     ``skip_steps`` and (unless ``include_warmup``) the warm-up windows, as the live summary."""
-    warm = {s: int(v) for s, v in run.scalars.get(WARMUP_STEPS, [])}
+    warm = {s: int(v) for s, v in run.scalars.get(_tags.WARMUP_STEPS, [])}
     skip = set() if include_warmup else set(warm)
-    windows = [s for s, _ in run.scalars.get(STEPS_PER_S, []) if s > skip_steps and s not in skip]
+    windows = [s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s > skip_steps and s not in skip]
     if not windows:
         windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in skip})
     notes = list(run.notes)
@@ -55,10 +40,10 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     wset = set(windows)
     hists = {k: [(s, h) for s, h in pts if s in wset] for k, pts in run.hists.items()}
     scal = {k: [(s, v) for s, v in pts if s in wset] for k, pts in run.scalars.items()}
-    rate = dict(scal.get(STEPS_PER_S, []))
+    rate = dict(scal.get(_tags.STEPS_PER_S, []))
     # Steps per window: exact from the host step histogram, else from the step numbers.
     n_of: dict[int, int] = {s: h.count for s, h in hists.get(("host", "step"), [])}
-    prev = max([s for s, _ in run.scalars.get(STEPS_PER_S, []) if s <= skip_steps], default=0)
+    prev = max([s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s <= skip_steps], default=0)
     for s in windows:
         n_of.setdefault(s, max(s - prev, 1))
         prev = s
@@ -67,8 +52,8 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
     seen: dict[tuple[str, str], None] = dict.fromkeys(hists)
     for key in scal:
-        t = parse(key)
-        if t is not None and t.group == MAIN and t.measure == "ms":
+        t = _tags.parse(key)
+        if t is not None and t.group == _tags.MAIN and t.measure == "ms":
             seen[(t.family, t.name)] = None
     host, gpu = (
         {n: s for c, n in seen if c == clock and (s := _series(hists, scal, n_of, c, n))} for clock in ("host", "gpu")
@@ -84,11 +69,12 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         pts = dict(scal.get(key, []))
         return sum(v * n_of[s] / rate[s] for s, v in pts.items() if rate.get(s)) if pts else None
 
-    flops, mfu_s = total(TFLOPS_PER_S), total(MFU)
+    flops, mfu_s = total(_tags.TFLOPS_PER_S), total(_tags.MFU)
     caught = {n: c for n in host.keys() | gpu.keys() if (c := _caught(scal, n_of, n)) is not None}
     totals = Totals(
         list(dict.fromkeys([*host, *gpu])), host, gpu, caught, steps, timed, wall_ms, timed_sum, wall_ms * timed_frac,
-        None, total(SAMPLES_PER_S), total(TOKENS_PER_S), None if flops is None else flops * 1e12,
+        samples=total(_tags.SAMPLES_PER_S), tokens=total(_tags.TOKENS_PER_S),
+        flops=None if flops is None else flops * 1e12,
     )  # fmt: skip
     return summarize(
         totals,
@@ -108,8 +94,9 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
 def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
     """The GPU's energy over the windows that have it: joules per step and watts summed back."""
-    watts = dict(scal.get(WATTS, []))
-    joules = {s: v * n_of[s] for s, v in scal.get(JOULES_PER_STEP, []) if watts.get(s) and n_of.get(s)}
+    watts = dict(scal.get(_tags.WATTS, []))
+    per_step = scal.get(_tags.JOULES_PER_STEP, [])
+    joules = {s: v * n_of[s] for s, v in per_step if watts.get(s) and n_of.get(s)}
     if not joules:
         return None
     return Energy(sum(joules.values()), sum(n_of[s] for s in joules), sum(j / watts[s] for s, j in joules.items()))
@@ -122,13 +109,13 @@ def _memory(scal: Points) -> MemorySummary | None:
     alloc: dict[str, int] = {}
     reserved = None
     for key, pts in scal.items():
-        t = parse(key)
-        if pts and t is not None and (t.group, t.family) == (MAIN, "mem"):
+        t = _tags.parse(key)
+        if pts and t is not None and (t.group, t.family) == (_tags.MAIN, "mem"):
             if t.measure == "peak_mib":
                 peak[t.name] = round(max(v for _, v in pts) * MIB)
             else:
                 alloc[t.name] = round(pts[-1][1] * MIB)
-        elif pts and key == RESERVED_MIB:
+        elif pts and key == _tags.RESERVED_MIB:
             reserved = round(pts[-1][1] * MIB)
     if not peak and reserved is None:
         return None
@@ -137,7 +124,7 @@ def _memory(scal: Points) -> MemorySummary | None:
 
 def nothing_to_report(path: str, runs: list[RunLog], skip_steps: int, include_warmup: bool) -> str:
     """Why no window of ``runs`` is left to report, and what to pass instead."""
-    warm = sum(int(v) for run in runs for s, v in run.scalars.get(WARMUP_STEPS, []) if s > skip_steps)
+    warm = sum(int(v) for r in runs for s, v in r.scalars.get(_tags.WARMUP_STEPS, []) if s > skip_steps)
     if warm and not include_warmup:
         after = f" after step {skip_steps}" if skip_steps else ""
         return (
@@ -149,7 +136,7 @@ def nothing_to_report(path: str, runs: list[RunLog], skip_steps: int, include_wa
 
 def _caught(scal: Points, n_of: dict[int, int], name: str) -> float | None:
     """The fraction of steps in which the GPU caught up inside the phase (None: not logged)."""
-    pts = [(s, v) for s, v in scal.get(tag(CAUGHT, "gpu", name, "frac"), []) if n_of.get(s)]
+    pts = [(s, v) for s, v in scal.get(_tags.tag(_tags.CAUGHT, "gpu", name, "frac"), []) if n_of.get(s)]
     n = sum(n_of[s] for s, _ in pts)
     return sum(v * n_of[s] for s, v in pts) / n if n else None
 
@@ -162,11 +149,11 @@ def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: 
         for _, h in pts:
             merged.merge(h)
         return Series(SeriesStats.of(merged), merged, tuple(h.mean_ms for _, h in pts if h.count))
-    mean_pts = scal.get(tag(MAIN, clock, name, "ms"))
+    mean_pts = scal.get(_tags.tag(_tags.MAIN, clock, name, "ms"))
     if not mean_pts:
         return None
     means = tuple(v for _, v in mean_pts)
-    maxes = [v for _, v in scal.get(tag(TAILS, clock, name, "max_ms"), [])]
+    maxes = [v for _, v in scal.get(_tags.tag(_tags.TAILS, clock, name, "max_ms"), [])]
     n = sum(n_of.get(s, 0) for s, _ in mean_pts)
     total = sum(v * n_of.get(s, 0) for s, v in mean_pts)
     p90 = sorted(means)[max(1, math.ceil(0.9 * len(means))) - 1]  # nearest rank

@@ -277,7 +277,8 @@ class SummaryAccumulator:
             if kind == clock:
                 nz = np.flatnonzero(self._counts[r])
                 n, *exact = self._exact[r].tolist()
-                out[name] = LogHistogram(dict(zip(nz.tolist(), self._counts[r, nz].tolist())), int(n), *exact)
+                counts = dict(zip(nz.tolist(), self._counts[r, nz].tolist()))
+                out[name] = LogHistogram(counts, int(n), *exact)
         return out
 
     def add_window(self, window: Window) -> list[Candidate]:
@@ -315,7 +316,8 @@ class SummaryAccumulator:
         new = len(rows) - len(self._counts)
         if new:  # a new series: a few times per run
             self._counts = np.vstack([self._counts, np.zeros((new, NUM_BUCKETS), dtype=np.int64)])
-            self._exact = np.vstack([self._exact, np.tile([0.0, 0.0, 0.0, math.inf, -math.inf], (new, 1))])
+            empty = np.tile([0.0, 0.0, 0.0, math.inf, -math.inf], (new, 1))
+            self._exact = np.vstack([self._exact, empty])
         gs = np.array([rows[key] if c else -1 for key, c in zip(p.series, p.count)], dtype=np.int64)
         np.add.at(self._counts, (gs[p.run_series], p.run_bucket), p.run_count)
         present = np.flatnonzero(p.count)
@@ -340,7 +342,8 @@ class SummaryAccumulator:
         s = summarize(totals, cuda=cuda, peak_tflops=peak_tflops, warmup_steps=warmup_steps, notes=notes)
         # A slow step is read against the run's median of each row on each clock.
         medians = {
-            (c, r.name): st.median_ms for r in s.rows for c, st in (("host", r.host), ("gpu", r.gpu)) if st and st.steps
+            (c, r.name): st.median_ms
+            for r in s.rows for c, st in (("host", r.host), ("gpu", r.gpu)) if st is not None and st.steps
         }
         return replace(s, slowest=self.slow.slowest(medians, traces))
 

@@ -41,7 +41,8 @@ TOKENS_PER_S = f"{MAIN}/tokens_per_s"
 TFLOPS_PER_S = f"{MAIN}/tflops_per_s"
 MFU = f"{MAIN}/mfu"
 RESERVED_MIB = f"{MAIN}/mem/reserved_mib"
-# The GPU's energy (_energy.py), written one window late: its closing reading is taken off the training thread.
+# The GPU's energy (_energy.py), written one window late: its closing reading is taken off the
+# training thread.
 JOULES_PER_STEP = f"{MAIN}/joules_per_step"
 JOULES_PER_SAMPLE = f"{MAIN}/joules_per_sample"
 JOULES_PER_TOKEN = f"{MAIN}/joules_per_token"

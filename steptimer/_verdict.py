@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal
 
 from steptimer._format import num, pct
-from steptimer._histogram import SeriesStats
+
+if TYPE_CHECKING:
+    from steptimer._summary import PhaseSummary as Row
 
 # Verdict thresholds, as fractions of the GPU's timeline (host only: of wall time).
 STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this much: input- or loop-bound
@@ -33,16 +35,6 @@ _FIX = {
 DERIVED = frozenset({"data", "loop", "other", "wait", "step", "idle"})
 
 
-class Row(Protocol):
-    """What the verdict reads of a table row (``_summary.PhaseSummary``)."""
-
-    name: str
-    host: SeriesStats | None
-    gpu: SeriesStats | None
-    share: float | None
-    launch_bound: bool
-
-
 @dataclass(frozen=True)
 class Verdict:
     """The bottleneck, with the measured facts that decided it (each a sentence)."""
@@ -59,7 +51,8 @@ def shares(
     the host clock (``data + phases + other + wait = 1``)."""
     gpu_total = gpu_sum_ms.get("step", 0.0) + gpu_sum_ms.get("idle", 0.0)
     if gpu_total > 0:
-        return "gpu", {n: v / gpu_total for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait")}
+        top = {n: v for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait")}
+        return "gpu", {n: v / gpu_total for n, v in top.items()}
     return "host", host_shares(timed_sum_ms, timed_cycle_ms)
 
 
@@ -133,8 +126,7 @@ def _idle_part(by: Mapping[str, Row]) -> float:
 
 
 def _loader_timed(by: Mapping[str, Row]) -> bool:
-    data = by["data"].host if "data" in by else None
-    return data is not None and bool(data.steps)
+    return "data" in by and bool(by["data"].host.steps)
 
 
 def _lead(whose: str, phases: Sequence[Row], share: Mapping[str, float]) -> str | None:
