@@ -122,18 +122,6 @@ def _memory(scal: Points) -> MemorySummary | None:
     return MemorySummary(peak, alloc, reserved or 0, steps=0, max_allocated_bytes=0)
 
 
-def nothing_to_report(path: str, runs: list[RunLog], skip_steps: int, include_warmup: bool) -> str:
-    """Why no window of ``runs`` is left to report, and what to pass instead."""
-    warm = sum(int(v) for r in runs for s, v in r.scalars.get(_tags.WARMUP_STEPS, []) if s > skip_steps)
-    if warm and not include_warmup:
-        after = f" after step {skip_steps}" if skip_steps else ""
-        return (
-            f"{path}: all {warm} logged steps{after} were warm-up steps (StepTimer's warmup_steps), which "
-            "report leaves out as the summary does; pass --include-warmup to report them"
-        )
-    return f"{path}: no logged windows after step {skip_steps}"
-
-
 def _caught(scal: Points, n_of: dict[int, int], name: str) -> float | None:
     """The fraction of steps in which the GPU caught up inside the phase (None: not logged)."""
     pts = [(s, v) for s, v in scal.get(_tags.tag(_tags.CAUGHT, "gpu", name, "frac"), []) if n_of.get(s)]

@@ -19,8 +19,9 @@ from steptimer._format import num
 from steptimer._memory import MIB
 from steptimer._options import nonneg_int, positive_int
 from steptimer._reader import LogError, find_runs
-from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, analyze, compare, nothing_to_report
+from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, analyze, compare
 from steptimer._summary import Summary
+from steptimer._tags import WARMUP_STEPS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,8 +129,16 @@ def _summaries(path: str, args: argparse.Namespace, *, one: bool = False) -> lis
         raise LogError(f"{path}: holds {len(runs)} runs ({names}); compare takes one run directory each")
     out = [analyze(run, skip_steps=args.skip_steps, include_warmup=args.include_warmup) for run in runs]
     out = [s for s in out if s.steps]
-    if not out:
-        raise LogError(nothing_to_report(path, runs, args.skip_steps, args.include_warmup))
+    if not out:  # say why, and what to pass instead
+        skip = args.skip_steps
+        warm = sum(int(v) for r in runs for s, v in r.scalars.get(WARMUP_STEPS, []) if s > skip)
+        if warm and not args.include_warmup:
+            after = f" after step {skip}" if skip else ""
+            raise LogError(
+                f"{path}: all {warm} logged steps{after} were warm-up steps (StepTimer's warmup_steps), which "
+                "report leaves out as the summary does; pass --include-warmup to report them"
+            )
+        raise LogError(f"{path}: no logged windows after step {skip}")
     return out
 
 
