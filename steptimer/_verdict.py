@@ -50,8 +50,8 @@ def shares(
     other + idle = 1``; a run's first step has no ``idle``), else of the timed steps' wall time by
     the host clock (``data + phases + other + wait = 1``)."""
     gpu_total = gpu_sum_ms.get("step", 0.0) + gpu_sum_ms.get("idle", 0.0)
-    if gpu_total > 0:
-        top = {n: v for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait")}
+    top = {n: v for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait")}
+    if gpu_total > 0 and top:
         return "gpu", {n: v / gpu_total for n, v in top.items()}
     return "host", host_shares(timed_sum_ms, timed_cycle_ms)
 
@@ -80,15 +80,16 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     launch = [r for r in phases if r.launch_bound]
     launch_share = sum(share[r.name] for r in launch)
     launch_list = ", ".join(f"{r.name} ({pct(share[r.name])})" for r in launch)
+    loop_when = (
+        f"while the host ran the loop between steps: {_FIX['loop']}" if _loader_timed(by)
+        else "between steps; no loader was timed, so the loop holds it all (wrap the loader: "
+        "`for batch in timer.data(loader):`)"
+    )  # fmt: skip
     said = {
         "input": f"the GPU waited for the loader {pct(waits['input'])} of its timeline"
         + (f", inside your `data` phase {pct(data_wait)}" if data_wait else "")
         + f": {_FIX['input']}",
-        "loop": f"the GPU idled {pct(waits['loop'])} of its timeline while the host ran the loop between "
-        f"steps: {_FIX['loop']}"
-        if _loader_timed(by)
-        else f"the GPU idled {pct(waits['loop'])} of its timeline between steps; no loader was timed, so the "
-        "loop holds it all (wrap the loader: `for batch in timer.data(loader):`)",
+        "loop": f"the GPU idled {pct(waits['loop'])} of its timeline {loop_when}",
         "launch": f"the GPU waited for launches in {launch_list}: {_FIX['launch']}",
     }
     said_lead = _lead("the GPU's", phases, share)
