@@ -109,6 +109,13 @@ def stood_out(summary: Summary) -> list[SlowStep]:
     return out
 
 
+def slow_lines(s: SlowStep) -> list[str]:
+    """A step that stood out: its wall and the row that grew, then each measured cause (``--explain``'s
+    table adds its trace file)."""
+    grew = f"; {s.grew_text()}" if s.grew is not None else ""
+    return [f"slow step {s.step}: {num(s.wall_ms)} ms{grew}", *[f"  - {c}" for c in s.causes]]
+
+
 def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
     """Step, wall time and what stood out (the only column that wraps), fitted to ``width``."""
     from rich.console import Group
@@ -237,9 +244,10 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     mem = memory_table(summary)
     if mem is not None:
         console.print(mem)
-    shown = summary.slowest if explain else stood_out(summary)
-    if shown:
-        console.print(slowest_table(shown, console.width))
+    if explain and summary.slowest:
+        console.print(slowest_table(summary.slowest, console.width))
+    elif not explain:
+        say(console, [line for s in stood_out(summary) for line in slow_lines(s)])
     say(console, facts(summary) + (summary.ranks.lines() if summary.ranks is not None else []))
     if explain:
         say(console, explanations(summary))
