@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from steptimer._files import unwritten, write_json
 from steptimer._format import num
-from steptimer._slow import Candidate, SlowStep, StepWalls, explain
+from steptimer._slow import SlowStep, StepWalls, explain
 from steptimer._trace import check_step_pair, check_window_option, own_path, record, run_files
 
 if TYPE_CHECKING:
@@ -45,9 +45,7 @@ def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
 
 class Ranges:
     """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags are.
-    State lives here, not in the context managers (Lightning exits a step through a fresh ``step()``).
-    ``set_ranged(on)``: whether the phases must call ``enter``/``exit``; ``recent``: the capture of
-    recent steps (a window's resolved steps, the run id)."""
+    State lives here, not in the context managers (Lightning exits a step through a fresh ``step()``)."""
 
     def __init__(
         self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
@@ -236,13 +234,11 @@ class ProfileCapture:
 
     def steps(self) -> list[dict[str, Any]]:
         """steptimer's own times of the window's resolved steps, by phase, in ms."""
-        out = []
-        for s in map(record, self.recs):
-            g = s["gpu"]
-            gpu = None if g is None else _by_phase_ms(g["end"] - g["start"], g["phases"])
-            host = _by_phase_ms(s["step_s"], s["phases"])
-            out.append({"number": s["number"], "host_ms": host, "gpu_ms": gpu})
-        return out
+        return [
+            {"number": s["number"], "host_ms": _by_phase_ms(s["step_s"], s["phases"]),
+             "gpu_ms": None if (g := s["gpu"]) is None else _by_phase_ms(g["end"] - g["start"], g["phases"])}
+            for s in map(record, self.recs)
+        ]  # fmt: skip
 
     def finish(self, engine: Engine, recent: Capture | None) -> None:
         """At close: stop a window the run ended inside, and write what was captured."""
@@ -298,17 +294,14 @@ class ProfileCapture:
 
 
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
+_SLOW_RE = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
 
 
 def profile_files(folder: str) -> list[str]:
     """The profiler traces in a log directory, every run's: ``profile_steps``' first, then
     ``profile_on_slow``'s in step order."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    pattern = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
-    steps = sorted({int(m.group(1)) for m in (re.match(pattern, n) for n in names) if m})
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    steps = sorted({int(m[1]) for n in names if (m := re.match(_SLOW_RE, n))})
     stems = [PROFILE_FILE[: -len(".json")]] + [f"{SLOW_PROFILE_PREFIX}{k}" for k in steps]
     return [f for stem in stems for f in run_files(folder, stem)]
 
@@ -414,7 +407,7 @@ class SlowProfiler:
                     into.setdefault(k, []).append(v)
         host, gpu = ({k: sum(v) / len(v) for k, v in d.items()} for d in values)
         wall = float(walls.wall_ms[idx].mean())
-        return explain(Candidate(wall, first, walls.clock, host, gpu or None, {}), medians)
+        return explain(SlowStep(first, wall, walls.clock, host, gpu or None), medians)
 
 
 def make_ranges(

@@ -53,6 +53,9 @@ class SlowStep:
     trace: str | None = None  # the flight recorder's Perfetto file around the step, if kept
     rank: RankSlow | None = None  # under torch.distributed: the slowest rank in its window (_dist.py)
 
+    def __lt__(self, other: SlowStep) -> bool:  # the keeper's min-heap by wall time
+        return self.wall_ms < other.wall_ms
+
     @property
     def cause(self) -> str | None:
         """What stood out, as one line: the row that grew, then the measured causes."""
@@ -83,7 +86,7 @@ class SlowStep:
     def from_json(cls, d: Mapping[str, Any]) -> SlowStep:
         grew = d.get("grew") or {}
         return cls(
-            step=int(d["step"]), wall_ms=float(d["wall_ms"]), clock=d.get("clock", "host"),
+            step=int(d["step"]), wall_ms=float(d["wall_ms"]), clock=d["clock"],
             host_ms=dict(d.get("host_ms") or {}), gpu_ms=d.get("gpu_ms"),
             grew=grew.get("row"), grew_ms=grew.get("by_ms"), grew_median_ms=grew.get("median_ms"),
             causes=tuple(d.get("causes") or ()), trace=d.get("trace"),
@@ -93,6 +96,9 @@ class SlowStep:
     def with_rank(self, r: RankSlow) -> SlowStep:
         """This step with the slowest rank of its window (:class:`RankSlow`) as one more cause."""
         return replace(self, rank=r, causes=self.causes + (r.text(self.step),))
+
+
+Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet explained (grew, causes)
 
 
 @dataclass(frozen=True)
@@ -130,10 +136,10 @@ class RankSlow:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankSlow:
-        first, last = d.get("window") or (d["step"], d["step"])
-        here_ms = d.get("here_ms")
+        first, last = d["window"]
+        here_ms = d["here_ms"]
         return cls(
-            int(d["step"]), int(d["rank"]), float(d["own_ms"]), int(first), int(last), int(d.get("here", 0)),
+            int(d["step"]), int(d["rank"]), float(d["own_ms"]), int(first), int(last), int(d["here"]),
             None if here_ms is None else float(here_ms),
         )  # fmt: skip
 
@@ -197,31 +203,6 @@ def allocator_retries(device: int) -> int | None:
         return None
 
 
-@dataclass
-class Candidate:
-    """A step slower than the run's k-th slowest when its window was computed (not yet explained)."""
-
-    wall_ms: float
-    step: int
-    clock: ShareClock
-    host_ms: dict[str, float]
-    gpu_ms: dict[str, float] | None
-    marks: dict[str, float]
-
-    def __lt__(self, other: Candidate) -> bool:  # a min-heap by wall time
-        return self.wall_ms < other.wall_ms
-
-
-def block_wall_ms(blk: Any, series: list[tuple[str, str]], step_s_col: int) -> tuple[Any, ShareClock]:
-    """Each step's wall time in one block of a window's rows (``_window._blocks``), and its clock."""
-    if ("gpu", "step") not in series:
-        return blk.lead[:, step_s_col] * 1e3 + blk.gap_ms, "host"
-    wall = blk.derived[:, series.index(("gpu", "step"))].copy()
-    if ("gpu", "idle") in series:
-        wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
-    return wall, "gpu"
-
-
 def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[str, float], dict[str, float]]:
     """Row ``i`` of a block as ``(host_ms, gpu_ms)`` by row name (NaN values left out)."""
     host: dict[str, float] = {}
@@ -246,7 +227,7 @@ def window_candidates(
         host, gpu = walls.rows(i)
         n = int(walls.numbers[i])
         wall = float(walls.wall_ms[i])
-        out.append(Candidate(wall, n, walls.clock, host, gpu or None, dict(marks.get(n, {}))))
+        out.append(SlowStep(n, wall, walls.clock, host, gpu or None, marks=dict(marks.get(n, {}))))
     return sorted(out, key=lambda c: -c.wall_ms)
 
 
@@ -271,9 +252,16 @@ class StepWalls:
         self._blocks = blocks
         parts = []  # (block index, its numbers, its walls); rows within a block are in step order
         for b, (blk, series) in enumerate(blocks):
-            if blk.names is not None and len(blk.lead):
-                wall, self.clock = block_wall_ms(blk, series, step_s_col)
-                parts.append((b, blk.lead[:, number_col], wall))
+            if blk.names is None or not len(blk.lead):
+                continue
+            if ("gpu", "step") in series:  # the GPU step and the GPU's idle time before it
+                self.clock = "gpu"
+                wall = blk.derived[:, series.index(("gpu", "step"))].copy()
+                if ("gpu", "idle") in series:
+                    wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
+            else:
+                wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
+            parts.append((b, blk.lead[:, number_col], wall))
         self._parts = parts
         numbers = np.concatenate([p[1] for p in parts] or [np.zeros(0)])
         self._order = np.argsort(numbers, kind="stable")
@@ -372,12 +360,10 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         causes.append(f"after {num(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):
         causes.append("it ran under torch.profiler (profile_steps or profile_on_slow): its overhead is in it")
-    return SlowStep(
-        step=c.step, wall_ms=c.wall_ms, clock=c.clock, host_ms=c.host_ms, gpu_ms=c.gpu_ms,
-        grew=grew, grew_ms=None if grew is None else excess[grew],
-        grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0),
-        causes=tuple(causes), marks=dict(m), trace=trace,
-    )  # fmt: skip
+    return replace(
+        c, grew=grew, grew_ms=None if grew is None else excess[grew],
+        grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0), causes=tuple(causes), trace=trace,
+    )
 
 
 def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grown_ms: float) -> list[str]:
