@@ -87,7 +87,6 @@ class EnergyMeter:
         self._read = read_joules
         self._open = open_counter
         self._asks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
         self.readings: list[Reading] = []
         self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="steptimer-energy", daemon=True)
@@ -108,12 +107,10 @@ class EnergyMeter:
             except Exception as err:  # a counter that fails stops the meter, never the run
                 self.error = f"energy: reading stopped ({err})"
                 return
-            with self._lock:
-                self.readings.append(Reading(step, perf_counter(), joules))
+            self.readings.append(Reading(step, perf_counter(), joules))  # atomic: no lock for the reader
 
     def taken(self) -> list[Reading]:
-        with self._lock:
-            return list(self.readings)
+        return list(self.readings)
 
     def close(self, step: int | None = None) -> list[Reading]:
         """Read once more after ``step`` if given, stop the thread, return every reading."""

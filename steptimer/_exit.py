@@ -12,6 +12,7 @@ import signal
 import threading
 import warnings
 import weakref
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
 
@@ -62,14 +63,12 @@ def _close_all(why: str) -> None:
     _live.clear()
 
 
+@dataclass(eq=False)
 class _Chain:
     """The SIGTERM handler in front of ``prev``, the disposition it found. Python runs it between two
     bytecodes of the main thread, so closing timers cannot deadlock on a lock held in C."""
 
-    __slots__ = ("prev",)
-
-    def __init__(self, prev: Any) -> None:
-        self.prev = prev
+    prev: Any
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         global _chain
