@@ -4,7 +4,7 @@ rules, what the peak reset changes for a user, and the costs: docs/memory-and-mf
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
@@ -42,20 +42,20 @@ def torch_memory_backend() -> _MemoryBackend | None:
 StepMemory = tuple[int, int, tuple[tuple[str, int, int], ...]]
 
 
+@dataclass
 class MemoryReader:
     """The engine's readings of the current timed step: a running peak per open phase (a stack beside
     the engine's) and one for the step; a phase's exit raises its parent's, which so holds the inner's."""
 
-    def __init__(self, backend: _MemoryBackend) -> None:
-        self.b = backend
-        self.device = 0
-        self.seen_bytes = 0  # the largest peak any reading returned: the run's true peak
-        self._step = 0
-        self._stack: list[int] = []
-        self._phases: list[tuple[str, int, int]] = []
-        self.last_alloc = 0
-        self.last_reserved = 0
-        self.spent_s = 0.0  # host time in the allocator calls of the current step (memory=None's budget)
+    b: _MemoryBackend
+    device: int = 0
+    seen_bytes: int = 0  # the largest peak any reading returned: the run's true peak
+    _step: int = 0
+    _stack: list[int] = field(default_factory=list)
+    _phases: list[tuple[str, int, int]] = field(default_factory=list)
+    last_alloc: int = 0
+    last_reserved: int = 0
+    spent_s: float = 0.0  # host time in the allocator calls of the current step (memory=None's budget)
 
     def _read(self, reset: bool = True) -> tuple[int, int, int]:
         t0 = perf_counter()
