@@ -125,8 +125,7 @@ def placed(steps: list[dict[str, Any]], base: dict[int, float], shift: float | N
             phases = [[n, a + d, z + d] for n, a, z in g["phases"]]
             g = {"start": g["start"] + d, "end": g["end"] + d, "phases": phases}
         out.append({**{k: v for k, v in s.items() if k != "chain_ms"}, "gpu": None if d is None else g})
-    timed = [s["number"] for s in steps if s["gpu"] is not None]
-    if base and timed[0] != min(base):
+    if base and min(base) != next(s["number"] for s in steps if s["gpu"] is not None):
         notes.append(f"GPU track from step {min(base)}: the chain of GPU events broke before it (a device switch)")
     return {"steps": out, "notes": notes}
 
@@ -145,7 +144,6 @@ class Capture:
         self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
         # The slowest steps' traces: step -> (wall ms, its steps copied; None until its AFTER steps are)
         self.kept: dict[int, tuple[float, list[dict[str, Any]] | None]] = {}
-        self._cuda = False
 
     def keep(self, first: int, last: int) -> list[Any]:
         """A list that :meth:`add` fills with the steps ``first..last``."""
@@ -209,7 +207,6 @@ class Capture:
         ``MAX_TRACES`` slowest kept (dropping the fastest of those)."""
         if self.flight is None:
             return
-        self._cuda = bool(engine.cuda)
         kept = self.kept
         if len(kept) >= MAX_TRACES:
             fastest = min(kept, key=lambda s: kept[s][0])
@@ -231,7 +228,7 @@ class Capture:
                 else:
                     del self.kept[step]
 
-    def _write_flight(self, flight: str, run_id: str) -> dict[int, str]:
+    def _write_flight(self, flight: str, run_id: str, cuda: bool) -> dict[int, str]:
         self.settle(math.inf)  # fewer steps after the last ones: the run ended
         if not self.kept or not os.path.isdir(os.path.dirname(flight)):
             return {}  # a log directory gone mid-run: the sink has said so once already
@@ -253,7 +250,7 @@ class Capture:
                         "GPU track placed at the earliest time its launches allow (the recorder never waits for "
                         "a reference event): its slices' lengths and gaps are exact, their place may be early"
                     )
-                doc.update(cuda=self._cuda, slow_step=step, run_id=run_id)
+                doc.update(cuda=cuda, slow_step=step, run_id=run_id)
                 paths[step] = os.path.join(folder, f"step-{step}.trace.json")
                 write_json(paths[step], to_chrome(doc))
         except OSError as err:
@@ -268,7 +265,7 @@ class Capture:
             self.trace = None
         if self.flight is None or self.run_id is None:
             return {}
-        return self._write_flight(self.flight, self.run_id)
+        return self._write_flight(self.flight, self.run_id, bool(engine.cuda))
 
 
 HOST_TID = 1
