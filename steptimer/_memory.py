@@ -74,8 +74,7 @@ class MemoryReader:
         self.drop_step()
 
     def enter_phase(self, shared: bool) -> None:
-        """At a phase's entry; ``shared``: nothing ran since the last reading (see the engine's
-        ``_SHARE_GAP_S``), so that reading stands for this one and the allocator is not called."""
+        """At a phase's entry; ``shared``: nothing ran since the last reading, so it stands for this one."""
         if shared:
             alloc = self.last_alloc
         else:
@@ -99,8 +98,7 @@ class MemoryReader:
         return max(self._step, peak), reserved, tuple(self._phases)
 
     def open_peak(self) -> int:
-        """The innermost open phase's peak so far (the step's outside any phase), for the note on an
-        out-of-memory error."""
+        """The innermost open phase's peak so far (else the step's), for the out-of-memory note."""
         _, peak, _ = self.b.read(self.device)
         return max(self._stack[-1] if self._stack else self._step, peak)
 
@@ -121,8 +119,7 @@ class MemoryReader:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Memory of a log window or of the run, in bytes: ``peak_bytes`` of ``"step"`` and each phase (max
-    over the steps), ``alloc_bytes`` at each phase's last exit, ``reserved_bytes`` at the last step's end."""
+    """Memory of a window or the run: peaks (max over steps), last allocated per phase, last reserved."""
 
     peak_bytes: Mapping[str, int]
     alloc_bytes: Mapping[str, int]
@@ -168,8 +165,7 @@ def oom_errors() -> tuple[type[BaseException], ...]:
 
 
 def oom_note(phase: str | None, number: int, peak: int | None, read: bool) -> str:
-    """The summary's line on a CUDA out-of-memory error in step ``number``, in ``phase`` (None: outside
-    any), ``peak`` allocated bytes before it, on a ``read`` step or not."""
+    """The summary's line on a CUDA out-of-memory error in step ``number``, in ``phase`` (None: none)."""
     if phase is not None:
         where, before = f"in phase {phase!r} of step {number}", "the peak allocated inside the phase before it was"
     elif read:

@@ -60,8 +60,7 @@ def _usable_dir(path: Path, *, private: bool = False) -> bool:
 
 
 def build(out_dir: Path | None = None) -> Path:
-    """Compile the extension unless a build of this source for this Python exists; its path. Without
-    ``out_dir``: in ``cache_dir()``, or where that can't be written, a per-user temporary folder."""
+    """The built extension's path, compiled unless cached; in ``cache_dir()``, else a private temp folder."""
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     key = hashlib.sha256(SOURCE.read_bytes() + sys.version.encode() + suffix.encode()).hexdigest()[:16]
     name = f"{MODULE}-{key}{suffix}"

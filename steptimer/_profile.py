@@ -189,8 +189,7 @@ def _by_phase_ms(step_s: float, phases: list[list[Any]]) -> dict[str, float]:
 
 
 class ProfileCapture:
-    """``torch.profiler`` over steps ``first..last`` and its trace with steptimer's own times of those
-    steps. ``why``: the slowdown that armed it (``profile_on_slow``); None for ``profile_steps``."""
+    """``torch.profiler`` over steps ``first..last``; ``why``: the slowdown that armed it, if any."""
 
     def __init__(self, first: int, last: int, path: str, why: str | None = None) -> None:
         self.first, self.last, self.path, self.why = first, last, path, why
@@ -257,8 +256,7 @@ class ProfileCapture:
         self.write(engine, recent)
 
     def write(self, engine: Engine, recent: Capture | None) -> None:
-        """The trace with steptimer's times of its steps under the key ``steptimer`` (Chrome and
-        Perfetto ignore unknown top-level keys); a failed write is a warning and a note."""
+        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys)."""
         self.written = True
         run_id = recent.run_id if recent is not None else None
         self.path = own_path(self.path, run_id)
@@ -298,8 +296,7 @@ _SLOW_RE = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
 
 
 def profile_files(folder: str) -> list[str]:
-    """The profiler traces in a log directory, every run's: ``profile_steps``' first, then
-    ``profile_on_slow``'s in step order."""
+    """Every run's profiler traces in ``folder``: ``profile_steps``' first, then ``profile_on_slow``'s."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
     steps = sorted({int(m[1]) for n in names if (m := re.match(_SLOW_RE, n))})
     stems = [PROFILE_FILE[: -len(".json")]] + [f"{SLOW_PROFILE_PREFIX}{k}" for k in steps]
@@ -333,8 +330,7 @@ class SlowProfiler:
             self.profiled(cap.first, cap.last, capture=False)
 
     def window(self, window: Any, engine: Engine) -> None:
-        """Arm a capture if a slowdown completed in the window's steps; the window's statistics by row
-        are the medians the next window's slowdown is read against."""
+        """Arm a capture if a slowdown completed in the window; keep its rows' medians for the next one."""
         walls = window.packed.walls if window.packed is not None else None
         if walls is None or engine.closed or not len(walls):
             return
@@ -415,8 +411,7 @@ def make_ranges(
     enabled: bool, rank: int, set_ranged: Callable[[bool], None], profile_on_slow: object = None,
     recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:  # fmt: skip
-    """Validate ``profile_steps`` and ``profile_on_slow``; the ranges (None: none) and a note. Traces
-    go to ``folder``, from rank 0 only."""
+    """Validate ``profile_steps`` and ``profile_on_slow``; the ranges (None: none) and a note."""
     factor = None
     if profile_on_slow is not None:
         ok = isinstance(profile_on_slow, (int, float)) and not isinstance(profile_on_slow, bool)

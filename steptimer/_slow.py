@@ -103,8 +103,7 @@ Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet expla
 
 @dataclass(frozen=True)
 class RankSlow:
-    """The slowest step of one window across ranks by own time (``_dist.py``); ``here_ms``: the
-    reading rank ``here``'s own time in that step (None: no such timed step)."""
+    """The slowest step of one window across ranks by own time; ``here_ms``: rank ``here``'s own time."""
 
     step: int
     rank: int
@@ -168,8 +167,7 @@ class GcLog:
             gc.callbacks.remove(self._callback)
 
     def take_ms(self, t_from: float, t_to: float) -> tuple[float, int]:
-        """``(ms of collection inside [t_from, t_to], oldest generation)``; spans ending by ``t_to`` are
-        consumed (steps are resolved in order)."""
+        """``(ms of GC inside [t_from, t_to], oldest generation)``; consumes the spans ending by ``t_to``."""
         total, gen = 0.0, -1
         for a, z, g in self.spans:  # in order: collections never overlap
             if a >= t_to:
@@ -184,8 +182,7 @@ class GcLog:
 
 
 def dynamo_stats() -> Mapping[str, int] | None:
-    """dynamo's ``counters["stats"]`` if ``torch._dynamo`` is already imported (importing it costs
-    seconds); else None."""
+    """dynamo's ``counters["stats"]`` if ``torch._dynamo`` is imported already (its import costs seconds)."""
     try:
         return sys.modules["torch._dynamo.utils"].counters["stats"]  # type: ignore[no-any-return]
     except Exception:  # not imported, or a torch whose counters changed shape
@@ -242,8 +239,7 @@ def is_wait_phase(name: str) -> bool:
 
 
 class StepWalls:
-    """A window's timed steps in step order (``Packed.walls``): numbers and wall times, and on demand
-    their own times and rows."""
+    """A window's timed steps in step order: numbers and wall times; own times and rows on demand."""
 
     __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order")
 

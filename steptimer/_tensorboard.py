@@ -129,8 +129,7 @@ def totals(window: Window) -> dict[str, float]:
 
 
 def window_summaries(window: Window, *, scalars: bool = True, histograms: bool = True) -> dict[str | None, Any]:
-    """A window as ``Summary`` protos by run: ``None`` for the log dir's own (with every histogram),
-    else the row whose run holds them (:func:`split_tag`)."""
+    """A window as ``Summary`` protos by run (``None``: the log dir's own, with every histogram)."""
     from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
     from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
     from tensorboard.compat.proto.tensor_pb2 import TensorProto
@@ -159,8 +158,7 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
 
 
 def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
-    """The Custom Scalars layout for the runs' scalar tags: a category per group (``steptimer`` first)
-    holding the :data:`CHARTS` that match a tag, and a chart of its own for any other tag."""
+    """The Custom Scalars layout: a category per group holding the :data:`CHARTS` that match a tag."""
     from steptimer._dist import CHARTS as RANK_CHARTS
 
     charts = {**CHARTS, **RANK_CHARTS}
@@ -309,8 +307,7 @@ class TensorBoardSink:
                     self.writer.add_scalar(v.tag, v.simple_value, step)
 
     def close(self, summary: Summary | None = None) -> None:
-        """Write the run's slowest steps (``_slow.py``: a text card and the JSON ``report`` reads) at
-        the last step; flush a user's ``writer`` (every window is on disk already)."""
+        """Write the run's slowest steps (text card and JSON) at the last step; flush a user's ``writer``."""
         if summary is not None and summary.slowest:
             from steptimer._slow import slow_summary
 

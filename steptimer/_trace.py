@@ -49,8 +49,7 @@ def own_path(path: str, run_id: str | None) -> str:
 
 
 def run_files(folder: str, stem: str) -> list[str]:
-    """The files ``own_path`` gave ``<stem>.json`` in ``folder``: the plain one first, then other runs'
-    in the order they started (their run ids begin with the epoch seconds)."""
+    """The files ``own_path`` gave ``<stem>.json`` in ``folder``: the plain one, then by run start."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -95,8 +94,7 @@ def record(rec: Any) -> dict[str, Any]:
 
 
 def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, float]:
-    """Each step of the last unbroken chain of GPU events: what its ``gpu`` times add to be in seconds
-    from the chain's zero (a step starts ``chain_ms`` after the previous one's end event)."""
+    """Per step of the last unbroken GPU event chain: the offset that puts its ``gpu`` times on the chain."""
     base: dict[int, float] = {}
     end = None
     for s in steps:
@@ -115,8 +113,7 @@ def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, float]:
 
 
 def placed(steps: list[dict[str, Any]], base: dict[int, float], shift: float | None) -> dict[str, Any]:
-    """The steps as the trace file has them: the GPU chain (``base``, :func:`gpu_chain`) moved by
-    ``shift`` onto the host clock (None: no GPU track)."""
+    """The steps with the GPU chain (``base``) moved by ``shift`` onto the host clock (None: no GPU)."""
     out, notes = [], []
     for s in steps:
         d, g = (base.get(s["number"]) if shift is not None else None), s["gpu"]
@@ -131,8 +128,7 @@ def placed(steps: list[dict[str, Any]], base: dict[int, float], shift: float | N
 
 
 class Capture:
-    """The ring of recent steps and the windows kept whole; the ``trace_steps`` window (``trace``:
-    ``(first, last, path)``) and the flight recorder (``flight``: its folder) write at close."""
+    """The ring of recent steps and the windows kept whole; writes the trace and flight files at close."""
 
     def __init__(self, *, ring_steps: int, trace: tuple[int, int, str] | None, flight: str | None) -> None:
         self.ring: deque[Any] = deque(maxlen=ring_steps)
@@ -203,8 +199,7 @@ class Capture:
             engine.notes.append(unwritten("the trace capture", path, err))
 
     def want(self, step: int, wall_ms: float, engine: Engine) -> None:
-        """A window put ``step`` among the run's slowest: keep its trace if it is among the
-        ``MAX_TRACES`` slowest kept (dropping the fastest of those)."""
+        """Keep ``step``'s trace if it is among the ``MAX_TRACES`` slowest (dropping the fastest kept)."""
         if self.flight is None:
             return
         kept = self.kept
@@ -216,8 +211,7 @@ class Capture:
         kept[step] = (wall_ms, None)
 
     def settle(self, upto: float | None = None) -> None:
-        """Copy out the kept steps whose ``AFTER`` steps are resolved (at each window, after its
-        ``want`` calls: the ring still holds them and their neighbours)."""
+        """Copy out the kept steps whose ``AFTER`` steps are resolved (the ring still holds them)."""
         if upto is None:
             upto = _number(self.ring[-1]) - AFTER if self.ring else -math.inf
         for step, (wall, steps) in list(self.kept.items()):
@@ -258,8 +252,7 @@ class Capture:
         return paths
 
     def finish(self, engine: Engine) -> dict[int, str]:
-        """At close, after the engine resolved every step: write the traces; the flight recorder's
-        paths by step."""
+        """At close: write the traces; the flight recorder's paths by step."""
         if self.trace is not None:
             self._write_trace(engine)
             self.trace = None
@@ -340,8 +333,7 @@ def make_capture(
     start_step: int, warmup_steps: int, sample_every: int, enabled: bool, rank: int, flight: bool,
     window_steps: int, profile: bool,
 ) -> Capture | None:  # fmt: skip
-    """Validate ``trace_steps``; the capture of an enabled timer's rank 0 when it has a use (``trace_steps``,
-    ``flight``: the slowest steps' traces, ``profile``: a profiler window)."""
+    """Validate ``trace_steps``; the capture of an enabled rank 0 when a feature needs it, else None."""
     folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir()) if writer is not None else None
     trace = None
     if trace_steps is not None:
