@@ -8,7 +8,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, NamedTuple
 
@@ -121,16 +121,16 @@ class EnergyMeter:
         return self.taken()
 
 
+@dataclass
 class EnergyWindows:
     """The GPU's energy per window (CUDA timing only), known one window late: it goes to the sinks that
     take it at the next window, before that window's values, at its own step (a lower step than one
     written would make TensorBoard drop the later ones); a reading later than that is left out there."""
 
-    def __init__(self) -> None:
-        self._meter: Any = None
-        self._per_step: dict[int, tuple[float | None, float | None]] = {}  # samples, tokens per step
-        self._written = 1  # readings before this one are done with
-        self._marked = -1  # the step of the last reading asked for: the last window's
+    _meter: Any = None
+    _per_step: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)  # samples, tokens
+    _written: int = 1  # readings before this one are done with
+    _marked: int = -1  # the step of the last reading asked for: the last window's
 
     def write_ready(self, sinks: Sequence[Any]) -> None:
         """The energy of the last window, if its closing reading is in, to the sinks."""

@@ -143,14 +143,14 @@ class RankSlow:
         )  # fmt: skip
 
 
+@dataclass(eq=False)
 class GcLog:
     """Python garbage collections as host time spans, from ``gc.callbacks`` (two clock reads and a
     bounded deque append per collection, never per step)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self.spans: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)
-        self._start = 0.0
+    _clock: Callable[[], float]
+    spans: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=GC_SPANS))
+    _start: float = 0.0
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -287,12 +287,12 @@ class StepWalls:
         raise IndexError(i)
 
 
+@dataclass
 class SlowestKeeper:
     """The run's k slowest steps (a min-heap: bounded memory), merged one window at a time."""
 
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.heap: list[Candidate] = []
+    k: int
+    heap: list[SlowStep] = field(default_factory=list)
 
     @property
     def floor_ms(self) -> float:
