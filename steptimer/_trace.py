@@ -277,8 +277,8 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     def meta(tid: int, what: str, **args: Any) -> dict[str, Any]:
         return {"ph": "M", "name": what, "pid": 1, "tid": tid, "args": args}
 
-    events = [meta(0, "process_name", name="steptimer"), meta(HOST_TID, "thread_name", name="host")]
-    events.append(meta(HOST_TID, "thread_sort_index", sort_index=0))
+    events = [meta(0, "process_name", name="steptimer"), meta(HOST_TID, "thread_name", name="host"),
+              meta(HOST_TID, "thread_sort_index", sort_index=0)]
 
     def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
         events.append({
@@ -307,9 +307,8 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         launches = [(f"step {n}", "step", g["start"], g["end"], t0)]
         launches += [(name, "phase", a, z, p[1]) for (name, a, z), p in zip(g["phases"], s["phases"])]
         for name, cat, a, z, launched in launches:
-            if a < launched:
-                clamped += 1
-                a = launched
+            clamped += a < launched
+            a = max(a, launched)
             slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
 
     # Parents before children (Chrome's importer nests by order when starts are equal).
