@@ -412,7 +412,6 @@ def make_ranges(
     recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:  # fmt: skip
     """Validate ``profile_steps`` and ``profile_on_slow``; the ranges (None: none) and a note."""
-    factor = None
     if profile_on_slow is not None:
         ok = isinstance(profile_on_slow, (int, float)) and not isinstance(profile_on_slow, bool)
         if not ok or not 1 < profile_on_slow < math.inf:  # type: ignore[operator]
@@ -420,13 +419,11 @@ def make_ranges(
                 "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), "
                 f"or None; got {profile_on_slow!r}"
             )
-        factor = float(profile_on_slow)  # type: ignore[arg-type]
+        check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,
+                            folder=folder)  # fmt: skip
     if profile_steps is not None:
         first, last = check_step_pair("profile_steps", profile_steps, start_step=start_step)
         check_window_option("profile_steps", PROFILE_FILE, sample_every=sample_every, folder=folder)
-    if factor is not None:
-        check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,
-                            folder=folder)  # fmt: skip
     capture = None
     if profile_steps is not None and enabled and rank == 0:
         capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
@@ -436,10 +433,10 @@ def make_ranges(
         if fns is None:
             note = "nvtx=True but this torch has no NVTX (a CPU build): no NVTX ranges"
             log.info("steptimer: %s", note)
-    slow = factor is not None and enabled and rank == 0
+    slow = profile_on_slow is not None and enabled and rank == 0
     if fns is None and capture is None and not slow:
         return None, note
     ranges = Ranges(fns, capture, set_ranged, recent)
     if slow:
-        ranges.slow = SlowProfiler(factor, folder, ranges)  # type: ignore[arg-type]
+        ranges.slow = SlowProfiler(float(profile_on_slow), folder, ranges)  # type: ignore[arg-type]
     return ranges, note
