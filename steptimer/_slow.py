@@ -59,9 +59,7 @@ class SlowStep:
     @property
     def cause(self) -> str | None:
         """What stood out, as one line: the row that grew, then the measured causes."""
-        parts = [] if self.grew is None else [self.grew_text()]
-        parts += self.causes
-        return "; ".join(parts) or None
+        return "; ".join(p for p in (self.grew_text(), *self.causes) if p) or None
 
     def grew_text(self) -> str:
         if self.grew is None or self.grew_ms is None:
