@@ -1,7 +1,6 @@
 """The GPU's energy from NVML's total-energy counter, read on a thread of its own: one read costs
 about 3.3 ms on an H100, so never in a step nor on the training thread. A window's end only asks for a
-reading; energy over a span of steps is the difference of two readings (docs/memory-and-mfu.md).
-"""
+reading; energy over a span of steps is the difference of two readings (docs/memory-and-mfu.md)."""
 
 from __future__ import annotations
 

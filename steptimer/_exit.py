@@ -1,8 +1,7 @@
 """Close the timers still open when the process ends: at ``atexit`` and on SIGTERM (whose default skips
 ``atexit``), through a handler in front of the one found (as git's ``sigchain``) that closes every live
 timer, puts the found handler back and hands the signal on. Timers are held weakly and forgotten in a
-forked child (a DataLoader worker must not write the parent's timers).
-"""
+forked child (a DataLoader worker must not write the parent's timers)."""
 
 from __future__ import annotations
 

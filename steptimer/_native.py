@@ -1,7 +1,6 @@
 """Build and load ``_cudart.c``, the engine's CUDA calls without torch's Python layer, with the system C
 compiler, cached per source and Python build (as Triton's launcher stubs are). Whatever goes wrong
-leaves steptimer on torch's API (same numbers, higher host cost), with the reason in the summary.
-"""
+leaves steptimer on torch's API (same numbers, higher host cost), with the reason in the summary."""
 
 from __future__ import annotations
 

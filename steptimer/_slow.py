@@ -1,7 +1,6 @@
 """The run's slowest steps and what made each slow, measured (docs/slow-steps.md). A step's wall
 time: GPU step + GPU idle before it with CUDA timing, else host step + time between steps. Nothing
-here runs per step: per window on its arrays; causes travel with the step as sparse *marks*.
-"""
+here runs per step: per window on its arrays; causes travel with the step as sparse *marks*."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Tags follow ``_tags.py``'s grammar. TensorBoard colours by run, never by tag, so every row but ``step``
 gets a run of its own, ``<dir>/steptimer/<name>``; ``step``, whole-window tags and histograms stay in
-``<dir>``'s own run (docs/tensorboard.md). Loggers that are not TensorBoard get the whole tags.
-"""
+``<dir>``'s own run (docs/tensorboard.md). Loggers that are not TensorBoard get the whole tags."""
 
 from __future__ import annotations
 
