@@ -77,8 +77,7 @@ def nvml_counter(device: int) -> tuple[Any, str | None]:
 
 
 class EnergyMeter:
-    """Reads an energy counter, ``read_joules`` or what ``open_counter`` returns (called on the
-    meter's thread: NVML's start-up costs), on its own thread whenever :meth:`mark` asks."""
+    """Reads an energy counter on its own thread at each :meth:`mark` (``open_counter`` is called there too)."""
 
     def __init__(
         self, read_joules: Any = None, *, open_counter: Callable[[], tuple[Any, str | None]] | None = None
@@ -122,9 +121,8 @@ class EnergyMeter:
 
 @dataclass
 class EnergyWindows:
-    """The GPU's energy per window (CUDA timing only), known one window late: it goes to the sinks that
-    take it at the next window, before that window's values, at its own step (a lower step than one
-    written would make TensorBoard drop the later ones); a reading later than that is left out there."""
+    """The GPU's energy per window, known one window late: written at the next window, before its values,
+    at its own step (TensorBoard drops later points after a lower step); a later reading is left out."""
 
     _meter: Any = None
     _per_step: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)  # samples, tokens

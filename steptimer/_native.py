@@ -46,8 +46,7 @@ def compiler() -> list[str]:
 
 
 def _usable_dir(path: Path, *, private: bool = False) -> bool:
-    """Whether builds can be written to ``path`` (created if missing); ``private``: also owned by this
-    user and writable by nobody else, as a folder of a shared temporary directory must be."""
+    """Whether builds can go to ``path`` (made if missing); ``private``: ours alone, as in a shared tmp."""
     try:
         path.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
         st = path.stat()

@@ -36,8 +36,7 @@ SLOW_PLUGIN = "steptimer-slow"
 
 @dataclass(frozen=True)
 class SlowStep:
-    """One of a run's slowest steps: every row of it by clock, the row of the wall clock that grew most
-    over its median (``grew``, by ``grew_ms``) and the causes steptimer measured in it, as sentences."""
+    """One of a run's slowest steps: its rows by clock, the row that grew most over its median, the causes."""
 
     step: int
     wall_ms: float

@@ -194,9 +194,8 @@ def new_run_id() -> str:
 
 
 class EventFile:
-    """A TensorBoard event file appended to in the caller's thread (``SummaryWriter``'s thread takes the
-    GIL while the loop runs), opened per event: no file stays open between windows, and after a SIGKILL
-    every window before it is on disk. Raises ``OSError``."""
+    """An event file appended to in the caller's thread (``SummaryWriter``'s thread takes the GIL), opened
+    per event: after a SIGKILL every window before it is on disk. Raises ``OSError``."""
 
     def __init__(self, log_dir: str, *, run_id: str | None = None, suffix: str = "") -> None:
         from tensorboard.compat.proto.event_pb2 import Event
@@ -219,10 +218,8 @@ class EventFile:
 
 
 class TensorBoardSink:
-    """Writes windows to TensorBoard: the log dir's own run (an :class:`EventFile`, or a user's
-    ``writer``, never closed here), one run per row beside it, and the Custom Scalars layout. A write
-    that fails (full disk, file limits, a deleted directory) becomes one warning on the ``steptimer``
-    logger (``warnings.warn`` would raise under ``-W error``); nothing more is written."""
+    """Writes windows to TensorBoard: the log dir's own run (an :class:`EventFile` or a user's ``writer``),
+    a run per row and the Custom Scalars layout; the first failed write is one warning, then nothing."""
 
     def __init__(
         self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None, histograms: bool = True

@@ -266,8 +266,7 @@ GPU_TID = 2
 
 
 def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
-    """Chrome trace JSON (``ph: "X"`` slices in µs), a host and a GPU track (docs/cli.md#trace); a GPU
-    slice placed before its host launch is clamped to it."""
+    """Chrome trace JSON: host and GPU tracks (docs/cli.md#trace), GPU slices clamped to their launch."""
     steps = capture["steps"]
     origin = min([s["t0"] - (s["gap_s"] or 0.0) for s in steps], default=0.0)
 
