@@ -183,7 +183,7 @@ def check_writable(path: str) -> None:
             pass
     except OSError as err:
         raise ValueError(
-            f"log_dir {path!r} can't be written ({err.strerror or err}); pass a writable directory, "
+            f"log_dir {path!r} can't be written ({cause(err)}); pass a writable directory, "
             "or log_dir=None to only print the summary"
         ) from err
 
