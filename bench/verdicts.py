@@ -5,8 +5,8 @@ Three regimes, each checked against a truth that does not come from steptimer's 
 * **GPU-bound**: the GPT-2 client (``bench/gpt.py``), eager and compiled, reading the loss back
   (``loss.item()``, between steps) every step and every 10th, timed with ``with`` lines and with
   ``steptimer.instrument()`` (the ``train_bare`` loop, unchanged). The GPU never waits for the host
-  there: expected verdict ``gpu-bound``, every step timed (the cost budget), ``data + idle`` share at most 2 %, and ``backward``'s share
-  within 2 points of its GPU span over the GPU step.
+  there: expected verdict ``gpu-bound``, every step timed (the cost budget), ``data + idle`` share
+  at most 2 %, and ``backward``'s share within 2 points of its GPU span over the GPU step.
 * **input-bound**: an MLP whose loader sleeps ``--sleep-ms`` per batch outside the step. The truth:
   the GPU's work per step ``G`` measured in a separate loop (events around synchronized steps) and the
   wall time per step ``W`` on this script's own clock; the GPU idles ``1 - G / W`` of the time.
