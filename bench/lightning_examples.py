@@ -4,7 +4,8 @@ Each example (bench/lightning_examples/: Lightning's modules, optimizers and ``t
 an in-memory random dataset) runs with ``--callback`` and, unchanged, under ``python -m steptimer
 run``, alternately, ``--rounds`` times each, for the same steps on the CPU. Both logs are read with
 ``steptimer report --json``; the table gives each phase's host median (the median over rounds) from
-both and run's over the callback's.
+both, and the median over rounds of run's over the callback's in the same round (this pairs runs
+made under the same load).
 
     PYTHONPATH=. python -m bench.lightning_examples --rounds 3
 """
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'phase':<10} {'callback':>9} {'run':>9} {'run/cb':>7}")
         for phase in PHASES:
             cb, rn = (_over_rounds(got[how], phase) for how in ("callback", "run"))
-            ratio = f"{rn / cb:.2f}" if cb and rn else "-"
+            pairs = [r[phase] / c[phase] for c, r in zip(got["callback"], got["run"]) if c.get(phase) and phase in r]
+            ratio = f"{median(pairs):.2f}" if pairs else "-"
             print(f"{phase:<10} {_ms(cb):>9} {_ms(rn):>9} {ratio:>7}")
 
 

@@ -11,10 +11,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, random_split
-
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
 
 class LitAutoEncoder(LightningModule):

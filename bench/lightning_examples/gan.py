@@ -14,10 +14,9 @@ from argparse import ArgumentParser
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
-
 from lightning.pytorch.core import LightningModule
 from lightning.pytorch.trainer import Trainer
+from torch.utils.data import DataLoader, TensorDataset
 
 
 class Generator(nn.Module):
