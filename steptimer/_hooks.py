@@ -256,7 +256,8 @@ class Discovery:
         self._triggers: list[Any] = []  # the found models' one-shot forward pre-hooks
 
     def _on_stepped(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.stepping = None
+        if threading.get_ident() == self._thread:
+            self.stepping = None
 
     def _on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.done or threading.get_ident() != self._thread or self.stepping is opt:

@@ -276,10 +276,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         options = dataclasses.asdict(self._options)
         if options["cuda"] is None and self._backend is None:
             options["cuda"] = pl_module.device.type == "cuda"
-        sink = None
+        self._sink = None
         if trainer.is_global_zero and trainer.loggers:
-            sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
-        self._sink = sink
+            self._sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
         profile_steps = options["profile_steps"]
         if profile_steps is not None and profile_steps[0] <= self._steps_done:
             log.warning(
@@ -295,7 +294,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         timer = StepTimer._make(
             **options, peak_dtype=dtype_of_precision(trainer.precision), backend=self._backend,
             profile_dir=str(trainer.log_dir or trainer.default_root_dir), memory_backend=self._memory_backend,
-            sinks=[sink] if sink is not None else [],
+            sinks=[self._sink] if self._sink is not None else [],
         )  # fmt: skip
         self._driver = PhaseDriver(timer, rejoin=True)
         self._install(trainer, pl_module, self._driver)

@@ -965,9 +965,12 @@ def test_a_lightning_trainer_found_by_instrument(manual: bool) -> None:
     timer = instrument(**QUIET, warmup_steps=1)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
-    trainer.fit(Module(), loader(8))
+    module = Module()
+    trainer.fit(module, loader(8))
     s = timer.close()
     n = 2 if manual else 1
+    views = module.optimizers()  # Lightning's wrappers: their classes are as before
+    assert not any("zero_grad" in vars(type(v)) for v in (views if isinstance(views, list) else [views]))
     # Automatic: found in the second optimizer step (in its closure), timed from there.
     untimed = 2 * n if manual else 1
     assert timer.steps == 8 - untimed // n
