@@ -120,6 +120,25 @@ def test_a_gan_with_two_optimizers_makes_one_step_per_iteration(tmp_path: Path) 
     assert abs(r["samples_per_s"] / r["steps_per_s"] - 6) < 0.05  # the step's first forward only
 
 
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_a_lightning_trainer(tmp_path: Path, manual: bool) -> None:
+    """Automatic optimization runs training_step, zero_grad and backward inside
+    ``optimizer.step(closure)``: the update after the closure is ``optimizer``. Manual, with two
+    optimizers: ``opt.zero_grad()`` through Lightning's optimizer wrapper is ``zero_grad``."""
+    pytest.importorskip("lightning")
+    proc = run(tmp_path, "lightning_module.py", *(["--manual"] if manual else []))
+    r = report(tmp_path / "log")
+    n = 2 if manual else 1
+    # Automatic: found in the second optimizer step (in its closure), timed from there.
+    assert r["steps"] == 12 - (2 if manual else 1)
+    c = calls(proc.stdout)
+    assert c["optimizer"] == n and c["zero_grad"] == n
+    med = medians(r)
+    check_sleeps(med, {"data": SLEEP_MS["data"], "forward": n * SLEEP_MS["forward"],
+                       "optimizer": n * SLEEP_MS["optimizer"], "zero_grad": n * SLEEP_MS["zero_grad"]})  # fmt: skip
+    assert med["other"] < 5, med
+
+
 def test_a_compiled_model(tmp_path: Path) -> None:
     proc = run(tmp_path, "compiled.py")
     r = report(tmp_path / "log")
