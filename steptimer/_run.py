@@ -156,19 +156,20 @@ def _users_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-def shell_command(name: str) -> str:
-    """How to call the ``name`` command (``steptimer``) from here, as a user would type it: the one on
-    PATH if it is this interpreter's; from a clone's ``.venv``, its ``./dev NAME``; else the
-    interpreter's own copy."""
+def shell_command(name: str, clone: Path | None = None) -> str:
+    """How to call the ``steptimer`` or ``tensorboard`` command from here, as a user would type it:
+    the one on PATH if it is this interpreter's; from a clone's ``.venv`` (``clone``, default: the one
+    steptimer is imported from; the demo names its own), its ``./dev NAME``; else the interpreter's own copy."""
     mine = os.path.join(os.path.dirname(sys.executable), name)
     if shutil.which(name) == mine:
         return name
-    root = Path(__file__).resolve().parent.parent
+    root = clone or Path(__file__).resolve().parent.parent
     dev = root / "dev"
     if dev.is_file() and Path(sys.prefix).resolve() == (root / ".venv").resolve():
         rel = os.path.relpath(dev)
         return f"{min(rel if os.sep in rel else './' + rel, str(dev), key=len)} {name}"
-    return mine if os.path.exists(mine) else f"{sys.executable} -m {name}"
+    module = {"tensorboard": "tensorboard.main"}.get(name, name)  # tensorboard has no __main__
+    return mine if os.path.exists(mine) else f"{sys.executable} -m {module}"
 
 
 def _run_script(target: str, is_module: bool, script_args: list[str]) -> None:
