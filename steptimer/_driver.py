@@ -96,6 +96,21 @@ class PhaseDriver:
             self.timer.phase(name).__enter__()
             self._frames[-1] = name
 
+    def timed(self, name: str, orig: Callable[..., Any], gate: Callable[[], bool]) -> Callable[..., Any]:
+        """``orig`` whose calls while ``gate()`` holds are phase ``name`` (a nested one counts once)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not gate() or self.phase == name:
+                return orig(*args, **kwargs)
+            self.switch(name)
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                if self.phase == name:
+                    self.switch(None)
+
+        return call
+
     def forward_enter(self) -> bool:
         """A model call starts; True for the outermost one, which opens ``forward``."""
         self.fwd_depth += 1

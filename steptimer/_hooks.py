@@ -77,8 +77,18 @@ class Hooks:
         obj.__dict__[attr] = wrapper
 
     def _replace(self, owner: Any, attr: str, wrapper: _Fn) -> None:
-        self._globals.append((owner, attr, getattr(owner, attr), wrapper))
+        self._globals.append((owner, attr, owner.__dict__.get(attr), wrapper))
         setattr(owner, attr, wrapper)
+
+    def wrap_views(self, opt: torch.optim.Optimizer, attr: str, make: Callable[[_Fn], _Fn]) -> None:
+        """:meth:`wrap` for the wrappers of ``opt`` that subclass its class and forward to it
+        (Lightning's ``LightningOptimizer``, a class per optimizer): their calls never reach
+        ``opt``'s attribute, so the subclass gets the wrapper, for instances sharing ``opt``'s
+        ``param_groups``. A subclass with its own ``attr`` is not such a view: left alone."""
+        ours = {(o, a) for o, a, *_ in self._globals}
+        for cls in type(opt).__subclasses__():
+            if attr not in cls.__dict__ or (cls, attr) in ours:  # ours: another optimizer's view
+                self._replace(cls, attr, self._own(_for_views(opt, getattr(cls, attr), make)))
 
     def wrap_backward(self, make: Callable[[_Fn], _Fn]) -> None:
         """Replace ``torch.autograd.backward`` with ``make(original)``."""
@@ -133,10 +143,23 @@ class Hooks:
                     obj.__dict__[attr] = before  # someone's instance wrapper from before ours
         self._patched = []
         for owner, attr, before, ours in reversed(self._globals):
-            if owner.__dict__.get(attr) is ours:
+            if owner.__dict__.get(attr) is ours and before is None:
+                delattr(owner, attr)
+            elif owner.__dict__.get(attr) is ours:
                 setattr(owner, attr, before)
             # Else someone wrapped it after us: ours stays inside theirs, passing every call through.
         self._globals = []
+
+
+def _for_views(opt: torch.optim.Optimizer, orig: _Fn, make: Callable[[_Fn], _Fn]) -> _Fn:
+    ours = make(orig)
+
+    @functools.wraps(orig)
+    def call(this: Any, *args: Any, **kwargs: Any) -> Any:
+        view = getattr(this, "param_groups", None) is opt.param_groups
+        return (ours if view else orig)(this, *args, **kwargs)
+
+    return call
 
 
 class _Reducer:
@@ -223,14 +246,23 @@ class Discovery:
         self._decided = False
         self._pending: set[int] = set()
         self.done = False
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self._handles = [register_optimizer_step_pre_hook(_eager(self._on_step))]
+        # A subclass's step() calling super().step() fires the hooks twice when torch patched both
+        # classes (a plain instance of the base was made too): the nested pair is one step.
+        self.stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
+        self._handles = [register_optimizer_step_pre_hook(_eager(self._on_step)),
+                         register_optimizer_step_post_hook(_eager(self._on_stepped))]  # fmt: skip
         self._triggers: list[Any] = []  # the found models' one-shot forward pre-hooks
 
+    def _on_stepped(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() == self._thread:
+            self.stepping = None
+
     def _on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.done or threading.get_ident() != self._thread:
+        if self.done or threading.get_ident() != self._thread or self.stepping is opt:
             return
+        self.stepping = opt
         if self.problem is not None:  # gave up; the hook comes out at close (not here: see remove())
             return
         self.optimizer_steps += 1

@@ -86,8 +86,7 @@ class _Spans:
         self.order = list(dict.fromkeys(name for _, _, name in spans if name != "step"))  # as they ran
 
     def phase_at(self, t: float) -> str | None:
-        """The innermost phase open at host time ``t``, ``other`` (in a step) or ``data``; None inside a
-        dropped step."""
+        """The innermost phase open at host time ``t`` (``other``, ``data``; None in a dropped step)."""
         if any(a <= t < z for a, z in self.dropped):
             return None
         i = bisect_right(self._starts, t) - 1
@@ -119,8 +118,7 @@ def _outermost(ops: list[dict[str, Any]], spans: _Spans) -> list[dict[str, Any]]
 
 
 def _timed_items(events: list[dict[str, Any]], spans: _Spans, notes: list[str]) -> tuple[str, list[Any], int]:
-    """``(clock, [(name, µs, host time that assigns its phase)], GPU activities left out)``: kernels by
-    their launch's host time, or without any, the outermost CPU ops."""
+    """``(clock, [(name, µs, host time)], unattributed)``: kernels at their launch, else outermost CPU ops."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     if not gpu:  # the report says so once, at its top (``clock`` "host")
         ops = [

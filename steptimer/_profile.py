@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from steptimer._files import unwritten, write_json
 from steptimer._format import num
-from steptimer._slow import Candidate, SlowStep, StepWalls, explain
+from steptimer._slow import SlowStep, StepWalls, explain
 from steptimer._trace import check_step_pair, check_window_option, own_path, record, run_files
 
 if TYPE_CHECKING:
@@ -45,9 +45,7 @@ def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
 
 class Ranges:
     """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags are.
-    State lives here, not in the context managers (Lightning exits a step through a fresh ``step()``).
-    ``set_ranged(on)``: whether the phases must call ``enter``/``exit``; ``recent``: the capture of
-    recent steps (a window's resolved steps, the run id)."""
+    State lives here, not in the context managers (Lightning exits a step through a fresh ``step()``)."""
 
     def __init__(
         self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
@@ -191,8 +189,7 @@ def _by_phase_ms(step_s: float, phases: list[list[Any]]) -> dict[str, float]:
 
 
 class ProfileCapture:
-    """``torch.profiler`` over steps ``first..last`` and its trace with steptimer's own times of those
-    steps. ``why``: the slowdown that armed it (``profile_on_slow``); None for ``profile_steps``."""
+    """``torch.profiler`` over steps ``first..last``; ``why``: the slowdown that armed it, if any."""
 
     def __init__(self, first: int, last: int, path: str, why: str | None = None) -> None:
         self.first, self.last, self.path, self.why = first, last, path, why
@@ -236,13 +233,11 @@ class ProfileCapture:
 
     def steps(self) -> list[dict[str, Any]]:
         """steptimer's own times of the window's resolved steps, by phase, in ms."""
-        out = []
-        for s in map(record, self.recs):
-            g = s["gpu"]
-            gpu = None if g is None else _by_phase_ms(g["end"] - g["start"], g["phases"])
-            host = _by_phase_ms(s["step_s"], s["phases"])
-            out.append({"number": s["number"], "host_ms": host, "gpu_ms": gpu})
-        return out
+        return [
+            {"number": s["number"], "host_ms": _by_phase_ms(s["step_s"], s["phases"]),
+             "gpu_ms": None if (g := s["gpu"]) is None else _by_phase_ms(g["end"] - g["start"], g["phases"])}
+            for s in map(record, self.recs)
+        ]  # fmt: skip
 
     def finish(self, engine: Engine, recent: Capture | None) -> None:
         """At close: stop a window the run ended inside, and write what was captured."""
@@ -261,8 +256,7 @@ class ProfileCapture:
         self.write(engine, recent)
 
     def write(self, engine: Engine, recent: Capture | None) -> None:
-        """The trace with steptimer's times of its steps under the key ``steptimer`` (Chrome and
-        Perfetto ignore unknown top-level keys); a failed write is a warning and a note."""
+        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys)."""
         self.written = True
         run_id = recent.run_id if recent is not None else None
         self.path = own_path(self.path, run_id)
@@ -298,17 +292,13 @@ class ProfileCapture:
 
 
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
+_SLOW_RE = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
 
 
 def profile_files(folder: str) -> list[str]:
-    """The profiler traces in a log directory, every run's: ``profile_steps``' first, then
-    ``profile_on_slow``'s in step order."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    pattern = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
-    steps = sorted({int(m.group(1)) for m in (re.match(pattern, n) for n in names) if m})
+    """Every run's profiler traces in ``folder``: ``profile_steps``' first, then ``profile_on_slow``'s."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    steps = sorted({int(m[1]) for n in names if (m := re.match(_SLOW_RE, n))})
     stems = [PROFILE_FILE[: -len(".json")]] + [f"{SLOW_PROFILE_PREFIX}{k}" for k in steps]
     return [f for stem in stems for f in run_files(folder, stem)]
 
@@ -340,8 +330,7 @@ class SlowProfiler:
             self.profiled(cap.first, cap.last, capture=False)
 
     def window(self, window: Any, engine: Engine) -> None:
-        """Arm a capture if a slowdown completed in the window's steps; the window's statistics by row
-        are the medians the next window's slowdown is read against."""
+        """Arm a capture if a slowdown completed in the window; keep its rows' medians for the next one."""
         walls = window.packed.walls if window.packed is not None else None
         if walls is None or engine.closed or not len(walls):
             return
@@ -414,7 +403,7 @@ class SlowProfiler:
                     into.setdefault(k, []).append(v)
         host, gpu = ({k: sum(v) / len(v) for k, v in d.items()} for d in values)
         wall = float(walls.wall_ms[idx].mean())
-        return explain(Candidate(wall, first, walls.clock, host, gpu or None, {}), medians)
+        return explain(SlowStep(first, wall, walls.clock, host, gpu or None), medians)
 
 
 def make_ranges(
@@ -422,9 +411,7 @@ def make_ranges(
     enabled: bool, rank: int, set_ranged: Callable[[bool], None], profile_on_slow: object = None,
     recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:  # fmt: skip
-    """Validate ``profile_steps`` and ``profile_on_slow``; the ranges (None: none) and a note. Traces
-    go to ``folder``, from rank 0 only."""
-    factor = None
+    """Validate ``profile_steps`` and ``profile_on_slow``; the ranges (None: none) and a note."""
     if profile_on_slow is not None:
         ok = isinstance(profile_on_slow, (int, float)) and not isinstance(profile_on_slow, bool)
         if not ok or not 1 < profile_on_slow < math.inf:  # type: ignore[operator]
@@ -432,13 +419,11 @@ def make_ranges(
                 "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), "
                 f"or None; got {profile_on_slow!r}"
             )
-        factor = float(profile_on_slow)  # type: ignore[arg-type]
+        check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,
+                            folder=folder)  # fmt: skip
     if profile_steps is not None:
         first, last = check_step_pair("profile_steps", profile_steps, start_step=start_step)
         check_window_option("profile_steps", PROFILE_FILE, sample_every=sample_every, folder=folder)
-    if factor is not None:
-        check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,
-                            folder=folder)  # fmt: skip
     capture = None
     if profile_steps is not None and enabled and rank == 0:
         capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
@@ -448,10 +433,10 @@ def make_ranges(
         if fns is None:
             note = "nvtx=True but this torch has no NVTX (a CPU build): no NVTX ranges"
             log.info("steptimer: %s", note)
-    slow = factor is not None and enabled and rank == 0
+    slow = profile_on_slow is not None and enabled and rank == 0
     if fns is None and capture is None and not slow:
         return None, note
     ranges = Ranges(fns, capture, set_ranged, recent)
     if slow:
-        ranges.slow = SlowProfiler(factor, folder, ranges)  # type: ignore[arg-type]
+        ranges.slow = SlowProfiler(float(profile_on_slow), folder, ranges)  # type: ignore[arg-type]
     return ranges, note

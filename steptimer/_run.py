@@ -159,8 +159,8 @@ def _users_frames(tb: TracebackType | None) -> TracebackType | None:
 
 def shell_command(name: str, clone: Path | None = None) -> str:
     """How to call the ``steptimer`` or ``tensorboard`` command from here, as a user would type it:
-    the one on PATH if it is this interpreter's; from a clone's ``.venv``, its ``./dev NAME``; else
-    the interpreter's own copy."""
+    the one on PATH if it is this interpreter's; from a clone's ``.venv`` (``clone``, default: the one
+    steptimer is imported from; the demo names its own), its ``./dev NAME``; else the interpreter's own copy."""
     mine = os.path.join(os.path.dirname(sys.executable), name)
     if shutil.which(name) == mine:
         return name

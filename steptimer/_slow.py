@@ -1,7 +1,6 @@
 """The run's slowest steps and what made each slow, measured (docs/slow-steps.md). A step's wall
 time: GPU step + GPU idle before it with CUDA timing, else host step + time between steps. Nothing
-here runs per step: per window on its arrays; causes travel with the step as sparse *marks*.
-"""
+here runs per step: per window on its arrays; causes travel with the step as sparse *marks*."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ SLOW_PLUGIN = "steptimer-slow"
 
 @dataclass(frozen=True)
 class SlowStep:
-    """One of a run's slowest steps: every row of it by clock, the row of the wall clock that grew most
-    over its median (``grew``, by ``grew_ms``) and the causes steptimer measured in it, as sentences."""
+    """One of a run's slowest steps: its rows by clock, the row that grew most over its median, the causes."""
 
     step: int
     wall_ms: float
@@ -53,12 +51,13 @@ class SlowStep:
     trace: str | None = None  # the flight recorder's Perfetto file around the step, if kept
     rank: RankSlow | None = None  # under torch.distributed: the slowest rank in its window (_dist.py)
 
+    def __lt__(self, other: SlowStep) -> bool:  # the keeper's min-heap by wall time
+        return self.wall_ms < other.wall_ms
+
     @property
     def cause(self) -> str | None:
         """What stood out, as one line: the row that grew, then the measured causes."""
-        parts = [] if self.grew is None else [self.grew_text()]
-        parts += self.causes
-        return "; ".join(parts) or None
+        return "; ".join(p for p in (self.grew_text(), *self.causes) if p) or None
 
     def grew_text(self) -> str:
         if self.grew is None or self.grew_ms is None:
@@ -83,7 +82,7 @@ class SlowStep:
     def from_json(cls, d: Mapping[str, Any]) -> SlowStep:
         grew = d.get("grew") or {}
         return cls(
-            step=int(d["step"]), wall_ms=float(d["wall_ms"]), clock=d.get("clock", "host"),
+            step=int(d["step"]), wall_ms=float(d["wall_ms"]), clock=d["clock"],
             host_ms=dict(d.get("host_ms") or {}), gpu_ms=d.get("gpu_ms"),
             grew=grew.get("row"), grew_ms=grew.get("by_ms"), grew_median_ms=grew.get("median_ms"),
             causes=tuple(d.get("causes") or ()), trace=d.get("trace"),
@@ -95,10 +94,12 @@ class SlowStep:
         return replace(self, rank=r, causes=self.causes + (r.text(self.step),))
 
 
+Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet explained (grew, causes)
+
+
 @dataclass(frozen=True)
 class RankSlow:
-    """The slowest step of one window across ranks by own time (``_dist.py``); ``here_ms``: the
-    reading rank ``here``'s own time in that step (None: no such timed step)."""
+    """The slowest step of one window across ranks by own time; ``here_ms``: rank ``here``'s own time."""
 
     step: int
     rank: int
@@ -130,22 +131,22 @@ class RankSlow:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankSlow:
-        first, last = d.get("window") or (d["step"], d["step"])
-        here_ms = d.get("here_ms")
+        first, last = d["window"]
+        here_ms = d["here_ms"]
         return cls(
-            int(d["step"]), int(d["rank"]), float(d["own_ms"]), int(first), int(last), int(d.get("here", 0)),
+            int(d["step"]), int(d["rank"]), float(d["own_ms"]), int(first), int(last), int(d["here"]),
             None if here_ms is None else float(here_ms),
         )  # fmt: skip
 
 
+@dataclass(eq=False)
 class GcLog:
     """Python garbage collections as host time spans, from ``gc.callbacks`` (two clock reads and a
     bounded deque append per collection, never per step)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self.spans: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)
-        self._start = 0.0
+    _clock: Callable[[], float]
+    spans: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=GC_SPANS))
+    _start: float = 0.0
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -162,8 +163,7 @@ class GcLog:
             gc.callbacks.remove(self._callback)
 
     def take_ms(self, t_from: float, t_to: float) -> tuple[float, int]:
-        """``(ms of collection inside [t_from, t_to], oldest generation)``; spans ending by ``t_to`` are
-        consumed (steps are resolved in order)."""
+        """``(ms of GC inside [t_from, t_to], oldest generation)``; consumes the spans ending by ``t_to``."""
         total, gen = 0.0, -1
         for a, z, g in self.spans:  # in order: collections never overlap
             if a >= t_to:
@@ -178,8 +178,7 @@ class GcLog:
 
 
 def dynamo_stats() -> Mapping[str, int] | None:
-    """dynamo's ``counters["stats"]`` if ``torch._dynamo`` is already imported (importing it costs
-    seconds); else None."""
+    """dynamo's ``counters["stats"]`` if ``torch._dynamo`` is imported already (its import costs seconds)."""
     try:
         return sys.modules["torch._dynamo.utils"].counters["stats"]  # type: ignore[no-any-return]
     except Exception:  # not imported, or a torch whose counters changed shape
@@ -195,31 +194,6 @@ def allocator_retries(device: int) -> int | None:
         return int(torch._C._cuda_memoryStats(device).get("num_alloc_retries", 0))
     except Exception:  # no CUDA build, CUDA not initialized on that device, or a torch without the key
         return None
-
-
-@dataclass
-class Candidate:
-    """A step slower than the run's k-th slowest when its window was computed (not yet explained)."""
-
-    wall_ms: float
-    step: int
-    clock: ShareClock
-    host_ms: dict[str, float]
-    gpu_ms: dict[str, float] | None
-    marks: dict[str, float]
-
-    def __lt__(self, other: Candidate) -> bool:  # a min-heap by wall time
-        return self.wall_ms < other.wall_ms
-
-
-def block_wall_ms(blk: Any, series: list[tuple[str, str]], step_s_col: int) -> tuple[Any, ShareClock]:
-    """Each step's wall time in one block of a window's rows (``_window._blocks``), and its clock."""
-    if ("gpu", "step") not in series:
-        return blk.lead[:, step_s_col] * 1e3 + blk.gap_ms, "host"
-    wall = blk.derived[:, series.index(("gpu", "step"))].copy()
-    if ("gpu", "idle") in series:
-        wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
-    return wall, "gpu"
 
 
 def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -246,7 +220,7 @@ def window_candidates(
         host, gpu = walls.rows(i)
         n = int(walls.numbers[i])
         wall = float(walls.wall_ms[i])
-        out.append(Candidate(wall, n, walls.clock, host, gpu or None, dict(marks.get(n, {}))))
+        out.append(SlowStep(n, wall, walls.clock, host, gpu or None, marks=dict(marks.get(n, {}))))
     return sorted(out, key=lambda c: -c.wall_ms)
 
 
@@ -261,8 +235,7 @@ def is_wait_phase(name: str) -> bool:
 
 
 class StepWalls:
-    """A window's timed steps in step order (``Packed.walls``): numbers and wall times, and on demand
-    their own times and rows."""
+    """A window's timed steps in step order: numbers and wall times; own times and rows on demand."""
 
     __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order")
 
@@ -271,9 +244,16 @@ class StepWalls:
         self._blocks = blocks
         parts = []  # (block index, its numbers, its walls); rows within a block are in step order
         for b, (blk, series) in enumerate(blocks):
-            if blk.names is not None and len(blk.lead):
-                wall, self.clock = block_wall_ms(blk, series, step_s_col)
-                parts.append((b, blk.lead[:, number_col], wall))
+            if blk.names is None or not len(blk.lead):
+                continue
+            if ("gpu", "step") in series:  # the GPU step and the GPU's idle time before it
+                self.clock = "gpu"
+                wall = blk.derived[:, series.index(("gpu", "step"))].copy()
+                if ("gpu", "idle") in series:
+                    wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
+            else:
+                wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
+            parts.append((b, blk.lead[:, number_col], wall))
         self._parts = parts
         numbers = np.concatenate([p[1] for p in parts] or [np.zeros(0)])
         self._order = np.argsort(numbers, kind="stable")
@@ -303,12 +283,12 @@ class StepWalls:
         raise IndexError(i)
 
 
+@dataclass
 class SlowestKeeper:
     """The run's k slowest steps (a min-heap: bounded memory), merged one window at a time."""
 
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.heap: list[Candidate] = []
+    k: int
+    heap: list[SlowStep] = field(default_factory=list)
 
     @property
     def floor_ms(self) -> float:
@@ -372,12 +352,10 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         causes.append(f"after {num(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):
         causes.append("it ran under torch.profiler (profile_steps or profile_on_slow): its overhead is in it")
-    return SlowStep(
-        step=c.step, wall_ms=c.wall_ms, clock=c.clock, host_ms=c.host_ms, gpu_ms=c.gpu_ms,
-        grew=grew, grew_ms=None if grew is None else excess[grew],
-        grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0),
-        causes=tuple(causes), marks=dict(m), trace=trace,
-    )  # fmt: skip
+    return replace(
+        c, grew=grew, grew_ms=None if grew is None else excess[grew],
+        grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0), causes=tuple(causes), trace=trace,
+    )
 
 
 def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grown_ms: float) -> list[str]:

@@ -49,8 +49,7 @@ def own_path(path: str, run_id: str | None) -> str:
 
 
 def run_files(folder: str, stem: str) -> list[str]:
-    """The files ``own_path`` gave ``<stem>.json`` in ``folder``: the plain one first, then other runs'
-    in the order they started (their run ids begin with the epoch seconds)."""
+    """The files ``own_path`` gave ``<stem>.json`` in ``folder``: the plain one, then by run start."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -95,8 +94,7 @@ def record(rec: Any) -> dict[str, Any]:
 
 
 def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, float]:
-    """Each step of the last unbroken chain of GPU events: what its ``gpu`` times add to be in seconds
-    from the chain's zero (a step starts ``chain_ms`` after the previous one's end event)."""
+    """Per step of the last unbroken GPU event chain: the offset that puts its ``gpu`` times on the chain."""
     base: dict[int, float] = {}
     end = None
     for s in steps:
@@ -115,8 +113,7 @@ def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, float]:
 
 
 def placed(steps: list[dict[str, Any]], base: dict[int, float], shift: float | None) -> dict[str, Any]:
-    """The steps as the trace file has them: the GPU chain (``base``, :func:`gpu_chain`) moved by
-    ``shift`` onto the host clock (None: no GPU track)."""
+    """The steps with the GPU chain (``base``) moved by ``shift`` onto the host clock (None: no GPU)."""
     out, notes = [], []
     for s in steps:
         d, g = (base.get(s["number"]) if shift is not None else None), s["gpu"]
@@ -125,15 +122,13 @@ def placed(steps: list[dict[str, Any]], base: dict[int, float], shift: float | N
             phases = [[n, a + d, z + d] for n, a, z in g["phases"]]
             g = {"start": g["start"] + d, "end": g["end"] + d, "phases": phases}
         out.append({**{k: v for k, v in s.items() if k != "chain_ms"}, "gpu": None if d is None else g})
-    timed = [s["number"] for s in steps if s["gpu"] is not None]
-    if base and timed[0] != min(base):
+    if base and min(base) != next(s["number"] for s in steps if s["gpu"] is not None):
         notes.append(f"GPU track from step {min(base)}: the chain of GPU events broke before it (a device switch)")
     return {"steps": out, "notes": notes}
 
 
 class Capture:
-    """The ring of recent steps and the windows kept whole; the ``trace_steps`` window (``trace``:
-    ``(first, last, path)``) and the flight recorder (``flight``: its folder) write at close."""
+    """The ring of recent steps and the windows kept whole; writes the trace and flight files at close."""
 
     def __init__(self, *, ring_steps: int, trace: tuple[int, int, str] | None, flight: str | None) -> None:
         self.ring: deque[Any] = deque(maxlen=ring_steps)
@@ -145,7 +140,6 @@ class Capture:
         self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
         # The slowest steps' traces: step -> (wall ms, its steps copied; None until its AFTER steps are)
         self.kept: dict[int, tuple[float, list[dict[str, Any]] | None]] = {}
-        self._cuda = False
 
     def keep(self, first: int, last: int) -> list[Any]:
         """A list that :meth:`add` fills with the steps ``first..last``."""
@@ -205,11 +199,9 @@ class Capture:
             engine.notes.append(unwritten("the trace capture", path, err))
 
     def want(self, step: int, wall_ms: float, engine: Engine) -> None:
-        """A window put ``step`` among the run's slowest: keep its trace if it is among the
-        ``MAX_TRACES`` slowest kept (dropping the fastest of those)."""
+        """Keep ``step``'s trace if it is among the ``MAX_TRACES`` slowest (dropping the fastest kept)."""
         if self.flight is None:
             return
-        self._cuda = bool(engine.cuda)
         kept = self.kept
         if len(kept) >= MAX_TRACES:
             fastest = min(kept, key=lambda s: kept[s][0])
@@ -219,8 +211,7 @@ class Capture:
         kept[step] = (wall_ms, None)
 
     def settle(self, upto: float | None = None) -> None:
-        """Copy out the kept steps whose ``AFTER`` steps are resolved (at each window, after its
-        ``want`` calls: the ring still holds them and their neighbours)."""
+        """Copy out the kept steps whose ``AFTER`` steps are resolved (the ring still holds them)."""
         if upto is None:
             upto = _number(self.ring[-1]) - AFTER if self.ring else -math.inf
         for step, (wall, steps) in list(self.kept.items()):
@@ -231,7 +222,7 @@ class Capture:
                 else:
                     del self.kept[step]
 
-    def _write_flight(self, flight: str, run_id: str) -> dict[int, str]:
+    def _write_flight(self, flight: str, run_id: str, cuda: bool) -> dict[int, str]:
         self.settle(math.inf)  # fewer steps after the last ones: the run ended
         if not self.kept or not os.path.isdir(os.path.dirname(flight)):
             return {}  # a log directory gone mid-run: the sink has said so once already
@@ -253,7 +244,7 @@ class Capture:
                         "GPU track placed at the earliest time its launches allow (the recorder never waits for "
                         "a reference event): its slices' lengths and gaps are exact, their place may be early"
                     )
-                doc.update(cuda=self._cuda, slow_step=step, run_id=run_id)
+                doc.update(cuda=cuda, slow_step=step, run_id=run_id)
                 paths[step] = os.path.join(folder, f"step-{step}.trace.json")
                 write_json(paths[step], to_chrome(doc))
         except OSError as err:
@@ -261,14 +252,13 @@ class Capture:
         return paths
 
     def finish(self, engine: Engine) -> dict[int, str]:
-        """At close, after the engine resolved every step: write the traces; the flight recorder's
-        paths by step."""
+        """At close: write the traces; the flight recorder's paths by step."""
         if self.trace is not None:
             self._write_trace(engine)
             self.trace = None
         if self.flight is None or self.run_id is None:
             return {}
-        return self._write_flight(self.flight, self.run_id)
+        return self._write_flight(self.flight, self.run_id, bool(engine.cuda))
 
 
 HOST_TID = 1
@@ -276,8 +266,7 @@ GPU_TID = 2
 
 
 def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
-    """Chrome trace JSON (``ph: "X"`` slices in µs), a host and a GPU track (docs/cli.md#trace); a GPU
-    slice placed before its host launch is clamped to it."""
+    """Chrome trace JSON: host and GPU tracks (docs/cli.md#trace), GPU slices clamped to their launch."""
     steps = capture["steps"]
     origin = min([s["t0"] - (s["gap_s"] or 0.0) for s in steps], default=0.0)
 
@@ -287,8 +276,8 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     def meta(tid: int, what: str, **args: Any) -> dict[str, Any]:
         return {"ph": "M", "name": what, "pid": 1, "tid": tid, "args": args}
 
-    events = [meta(0, "process_name", name="steptimer"), meta(HOST_TID, "thread_name", name="host")]
-    events.append(meta(HOST_TID, "thread_sort_index", sort_index=0))
+    events = [meta(0, "process_name", name="steptimer"), meta(HOST_TID, "thread_name", name="host"),
+              meta(HOST_TID, "thread_sort_index", sort_index=0)]
 
     def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
         events.append({
@@ -317,9 +306,8 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         launches = [(f"step {n}", "step", g["start"], g["end"], t0)]
         launches += [(name, "phase", a, z, p[1]) for (name, a, z), p in zip(g["phases"], s["phases"])]
         for name, cat, a, z, launched in launches:
-            if a < launched:
-                clamped += 1
-                a = launched
+            clamped += a < launched
+            a = max(a, launched)
             slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
 
     # Parents before children (Chrome's importer nests by order when starts are equal).
@@ -343,8 +331,7 @@ def make_capture(
     start_step: int, warmup_steps: int, sample_every: int, enabled: bool, rank: int, flight: bool,
     window_steps: int, profile: bool,
 ) -> Capture | None:  # fmt: skip
-    """Validate ``trace_steps``; the capture of an enabled timer's rank 0 when it has a use (``trace_steps``,
-    ``flight``: the slowest steps' traces, ``profile``: a profiler window)."""
+    """Validate ``trace_steps``; the capture of an enabled rank 0 when a feature needs it, else None."""
     folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir()) if writer is not None else None
     trace = None
     if trace_steps is not None:

@@ -11,8 +11,7 @@ from steptimer._trace import FORMAT, GPU_TID, HOST_TID, TRACE_FILE, VERSION, run
 
 
 def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str, Any, list[str]]:
-    """``(file, its JSON, notes)`` for ``path``: the file, or in a directory the first of ``found`` (the
-    others named in a note) else ``name``; a missing file's error names ``option``, which writes it."""
+    """``(file, JSON, notes)`` of ``path`` or a directory's first of ``found``; errors name ``option``."""
     notes: list[str] = []
     if found[1:]:
         others = ", ".join(os.path.basename(f) for f in found[1:])

@@ -237,6 +237,7 @@ class Instrumented:
         for opt in self.optimizers:
             hooks.optimizer(opt, self._update_pre, self._update_post)
             hooks.wrap(opt, "zero_grad", partial(self._zero_grad_wrapper, zeroes={id(opt)}))
+            hooks.wrap_views(opt, "zero_grad", partial(self._zero_grad_wrapper, zeroes={id(opt)}))
         for model in self.models:
             hooks.forward(model, self._forward_pre, self._forward_post, prepend=True, with_kwargs=True)
             # A model's zero_grad zeroes the optimizers whose parameters it holds.
@@ -251,7 +252,10 @@ class Instrumented:
     ) -> None:
         self.models, self.optimizers = tuple(models), tuple(optimizers)
         d = self._discovery
-        n = 0 if d is None else d.optimizer_steps
+        # Found inside an optimizer step (its closure runs the forward, as Lightning's does): that
+        # step is timed from here, its update in `other`, and ends at its post-hook.
+        inside = d is not None and d.stepping is not None
+        n = 0 if d is None else d.optimizer_steps - inside
         names = ", ".join(type(m).__name__ for m in models)
         onames = ", ".join(type(o).__name__ for o in optimizers)
         self.timer.note(
@@ -263,6 +267,8 @@ class Instrumented:
         self._install()
         # This call's own hooks were fixed before ours went in: start its step here.
         self._forward_pre(module, args, kwargs)
+        if inside:
+            self._update_depth, self._update_closure = 1, True
 
     def _ignored(self) -> bool:
         """Other threads, pauses, a reentrant checkpoint's forwards inside backward, and after remove()."""
@@ -386,8 +392,11 @@ class Instrumented:
             self._update_depth += 1
             return None
         self._settle()
-        # With a closure (LBFGS) the forward and backward run inside the update, as their own phases.
-        closure = len(args) > 1 or kwargs.get("closure") is not None
+        # With a closure (LBFGS, Lightning) the forward and backward run inside the update, as their
+        # own phases, and the update starts when it returns (the step hooks fire around both).
+        given = kwargs.get("closure")
+        inner = given if given is not None else args[1] if len(args) > 1 else None
+        closure = callable(inner)  # accelerate passes step(None): no closure
         if not self._driver.in_step and closure:  # the update runs the whole iteration: it is the step
             self._begin()
         elif not self._driver.in_step:
@@ -400,28 +409,21 @@ class Instrumented:
                     stacklevel=3,
                 )
             return None
-        self._driver.switch("optimizer")
+        self._driver.switch(None if closure else "optimizer")
         self._update_depth = 1
         self._update_closure = closure
-        return self._closure_returns_to_update(args, kwargs) if closure else None
-
-    def _closure_returns_to_update(self, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        """The step's arguments with its closure wrapped so that the update after it is ``optimizer``
-        again; None when there is none to wrap (accelerate passes ``step(None)``)."""
-        given = kwargs.get("closure")
-        inner = given if given is not None else args[1] if len(args) > 1 else None
-        if not callable(inner):
+        if not closure:
             return None
 
-        def closure(*a: Any, **k: Any) -> Any:
+        def returns_to_update(*a: Any, **k: Any) -> Any:
             out = inner(*a, **k)
             if self._update_depth and self._driver.in_step:
                 self._driver.switch("optimizer")
             return out
 
         if given is not None:
-            return args, {**kwargs, "closure": closure}
-        return (args[0], closure, *args[2:]), kwargs
+            return args, {**kwargs, "closure": returns_to_update}
+        return (args[0], returns_to_update, *args[2:]), kwargs
 
     def _update_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._ignored() or not self._driver.in_step or self._update_depth == 0:

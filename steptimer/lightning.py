@@ -13,6 +13,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 from typing_extensions import override
@@ -227,7 +228,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._manual = False
         self._in_training_step = False  # forward hooks count only inside training_step, not in
         self._in_backward = False  # backward (activation checkpointing re-runs forward)
-        self._zg_depth = 0
         self._saw_forward = False
         self._saw_backward = False
         self._samples = 0.0
@@ -277,10 +277,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         options = dataclasses.asdict(self._options)
         if options["cuda"] is None and self._backend is None:
             options["cuda"] = pl_module.device.type == "cuda"
-        sink = None
+        self._sink = None
         if trainer.is_global_zero and trainer.loggers:
-            sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
-        self._sink = sink
+            self._sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
         profile_steps = options["profile_steps"]
         if profile_steps is not None and profile_steps[0] <= self._steps_done:
             log.warning(
@@ -296,10 +295,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         timer = StepTimer._make(
             **options, peak_dtype=dtype_of_precision(trainer.precision), backend=self._backend,
             profile_dir=str(trainer.log_dir or trainer.default_root_dir), memory_backend=self._memory_backend,
-            sinks=[sink] if sink is not None else [],
+            sinks=[self._sink] if self._sink is not None else [],
         )  # fmt: skip
         self._driver = PhaseDriver(timer, rejoin=True)
-        self._install(trainer, pl_module)
+        self._install(trainer, pl_module, self._driver)
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
@@ -427,10 +426,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             self._driver.switch(name)
 
     @override
-    def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self._switch("zero_grad")
-
-    @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         self._in_backward = True
         self._saw_backward = self._saw_backward or self._in_batch
@@ -443,10 +438,13 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # Manual: inside opt.step(), after Lightning's own dispatch: where `run` sees the update start.
         if self._in_batch:
             self._stepped = True
+            if self._manual:
+                self._switch("optimizer")
 
-    def _install(self, trainer: Any, pl_module: Any) -> None:
+    def _install(self, trainer: Any, pl_module: Any, d: PhaseDriver) -> None:
         self._uninstall()
         self._hook_model(pl_module)
         raw = list(trainer.optimizers)
@@ -454,15 +452,16 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             self._hooks.optimizer(opt, post=self._optimizer_post)
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
+        zero_grad = partial(d.timed, "zero_grad", gate=lambda: self._in_batch)
         for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
-            self._hooks.wrap(opt, "zero_grad", self._zero_grad_wrapper)
+            self._hooks.wrap(opt, "zero_grad", zero_grad)
         if self._manual:
             for opt in wrapped:
                 self._hooks.wrap(opt, "step", self._manual_step_wrapper)
         else:
             self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper)
         # The profiler's start and stop around each train fetch: Lightning's only public seam there.
-        fetch = self._driver.timer._fetches() if self._driver is not None else None
+        fetch = d.timer._fetches()
         if fetch is not None and trainer.profiler is not None:
             self._time_fetches(trainer.profiler, fetch)
 
@@ -544,28 +543,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             # block when forward raised, the error then ends `forward` (an out-of-memory note names it).
             d.switch("loss", error=sys.exc_info()[1])
 
-    def _zero_grad_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            if not self._in_batch:
-                return orig(*args, **kwargs)
-            self._zg_depth += 1
-            if self._zg_depth == 1:
-                self._switch("zero_grad")
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self._zg_depth -= 1
-                if self._zg_depth == 0 and self._driver is not None and self._driver.phase == "zero_grad":
-                    self._switch(None)
-
-        return zero_grad
-
     def _clipping_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         # Lightning clips right after on_before_optimizer_step; the update starts when this returns.
         def configure_gradient_clipping(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
             if self._in_batch:
-                self._stepped = self._update_open = True
+                self._update_open = True
                 self._switch("optimizer")
             return out
 
@@ -573,10 +556,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     def _manual_step_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def step(*args: Any, **kwargs: Any) -> Any:
-            if not self._in_batch:
-                return orig(*args, **kwargs)
-            self._stepped = self._update_open = True
-            self._switch("optimizer")
+            self._update_open = self._in_batch
             try:
                 return orig(*args, **kwargs)
             finally:
