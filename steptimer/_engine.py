@@ -338,7 +338,7 @@ class Engine:
                     self._gap_start = t_end = perf_counter()
                     row[STEP_S] = step_s = t_end - self._t0
                     if step_s + gap > self._slow_s:  # the untimed path's one addition (NaN: the first step)
-                        self._slow_untimed(number, step_s + gap)
+                        self._slow_untimed(number)
         except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
             self._recover()
             raise
@@ -404,7 +404,7 @@ class Engine:
         if number == self._next_timed:
             self._pick_next(number)
         elif step_s + gap > self._slow_s:
-            self._slow_untimed(number, step_s + gap, rec)
+            self._slow_untimed(number, rec)
         if not self.cuda and self._on_pending is None:
             # Resolved now as on the short way, so a window ends at the same step on every rank
             # whichever way each step took: a rank a step late to the cross-rank round would deadlock.
@@ -484,14 +484,13 @@ class Engine:
         self._slow_s = SLOW_FACTOR * wall
         return max(1, min(MAX_BLOCK, math.ceil(cost / (self.budget * wall)))) if wall > 0 else 1
 
-    def _slow_untimed(self, number: int, wall_s: float, rec: StepRecord | None = None) -> None:
+    def _slow_untimed(self, number: int, rec: StepRecord | None = None) -> None:
         """An untimed step took over ``SLOW_FACTOR`` times the wall per step: mark it for the slowest
         steps (``_slow.py``) and time the next step, an extra (at most one a block)."""
-        marks = {"untimed_ms": wall_s * 1e3}
         if rec is None:
-            self.rows.marks[number] = marks
+            self.rows.marks[number] = {"untimed": 1.0}
         else:
-            rec.marks = {**(rec.marks or {}), **marks}
+            rec.marks = {**(rec.marks or {}), "untimed": 1.0}
         if self._forced != self._block_end and self._next_timed != number + 1:
             self._forced = self._block_end
             self._planned, self._next_timed = self._next_timed, number + 1

@@ -273,7 +273,8 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
     keep = ~np.isnan(values)
     p = Packed(list(index), values[keep], sid[keep])
     p.groups = totals
-    if slowest and not rows.warmup and _may_beat(p, index, floor_ms):
+    untimed_slow = any("untimed" in m for m in rows.marks.values())  # host walls, beyond a GPU bound
+    if slowest and not rows.warmup and (untimed_slow or _may_beat(p, index, floor_ms)):
         p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, STEP_S, NUMBER)
     if walls and not rows.warmup:
         p.walls = StepWalls(blocks, STEP_S, NUMBER)

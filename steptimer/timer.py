@@ -505,7 +505,8 @@ class StepTimer:
                 self._alloc_retries = (retries, window.step)
         if self._capture is not None:
             for c in kept:
-                self._capture.want(c.step, c.wall_ms, engine)
+                if c.timed:  # an untimed step has no phases to draw
+                    self._capture.want(c.step, c.wall_ms, engine)
             self._capture.settle()
 
     def _emit(self) -> None:
@@ -559,6 +560,8 @@ class StepTimer:
         )  # fmt: skip
         run_s = engine.run_s
         more: dict[str, Any] = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s else None}
+        every = engine.sample_every
+        more.update(sample_every=every, cost_budget=None if every else engine.budget)
         if engine.memory is not None:
             m = acc.memory or MemoryStats({}, {}, 0, 0)
             seen = engine.memory.seen_bytes

@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from steptimer import StepTimer
+from steptimer._format import num
+from steptimer._slow import SlowStep
 from steptimer._table import render
 from tests.fakes import FakeClock, FakeGPU, ListSink
 
@@ -579,3 +581,26 @@ def test_a_profile_on_slow_trace_that_cant_be_written_is_a_note(
     (note,) = [n for n in s.notes if trace in n]
     assert note.startswith("can't write the profiler trace to ") and "training went on without it" in note
     assert [r.getMessage() for r in caplog.records if trace in r.getMessage()] == [f"steptimer: {note}"]
+
+
+def test_a_slow_untimed_step_is_ranked_by_its_host_wall(clock: FakeClock) -> None:
+    """Under the cost budget (2 ms steps whose timing costs ~30 µs: about one in four timed) a step
+    left untimed that took 25 times longer is the slowest step, by its host wall, said to be untimed;
+    the summary shows it by the same rule as a timed one."""
+    gpu = FakeGPU(clock, record_ms=0.01)
+    t = StepTimer._make(backend=gpu.backend(), warmup_steps=0, print_summary=False)
+    e = t._engine
+    slow = 0
+    for _ in range(1000):
+        if not slow and e.number > 500 and e._next_timed - e.number >= 3:
+            slow = e.number + 1
+        with t.step(), t.phase("forward"):
+            gpu.launch(2.0)
+            clock.advance_ms(50.0 if e.number + 1 == slow else 1.0)
+    s = t.close()
+    assert s.cost_budget == 0.005 and s.sample_every is None and s.timed_steps < s.steps / 2
+    top = s.slowest[0]
+    assert (top.step, top.timed, top.clock, top.grew) == (slow, False, "host", "step")
+    assert top.wall_ms == pytest.approx(50.0) and (top.cause or "").endswith("not timed (the next step was)")
+    assert f"slow step {slow}: {num(top.wall_ms)} ms; step +" in render(s)
+    assert SlowStep.from_json(top.to_json()).timed is False
