@@ -282,9 +282,12 @@ def four_phase_block(timer: StepTimer | None, work: Callable[[], None], sync: Ca
 
         return bare
     st, ph = timer.step, timer.phase
+    away = [timer.pause()]  # the other blocks of the round run between this block's: not this run's time
+    away[0].__enter__()
 
     def run(n: int) -> float:
         sync()
+        away[0].__exit__(None, None, None)
         t0 = perf_counter()
         for _ in range(n):
             with st(samples=1):
@@ -297,8 +300,12 @@ def four_phase_block(timer: StepTimer | None, work: Callable[[], None], sync: Ca
                 with ph("optimizer"):
                     work()
         sync()
-        return perf_counter() - t0
+        t1 = perf_counter()
+        away[0] = timer.pause()
+        away[0].__enter__()
+        return t1 - t0
 
+    run.finish = lambda: away[0].__exit__(None, None, None)  # type: ignore[attr-defined]
     return run
 
 
@@ -312,7 +319,10 @@ def budget_vs_every(label: str, work: Callable[[], None], sync: Callable[[], Non
     blocks = {"bare": four_phase_block(None, work, sync)}
     blocks.update({k: four_phase_block(t, work, sync) for k, t in timers.items()})
     res = interleave(blocks, rounds, steps)
-    sums = {k: t.close() for k, t in timers.items()}
+    sums = {}
+    for k, t in timers.items():
+        blocks[k].finish()  # type: ignore[attr-defined]
+        sums[k] = t.close()
     return result(label, res, steps, sums["defaults"], sums["every step"])
 
 

@@ -376,8 +376,15 @@ class Engine:
             if self._mem is not None:
                 rec.memory = self._mem.end_step(shared)
                 self._mem_next = t0 + MEMORY_BUDGET * self._mem.spent_s
-        elif self.cuda and number + 1 == self._next_timed and self._stream_key is not None:
-            # An untimed step right before a timed one: an end event gives the timed step its GPU idle.
+        elif (
+            self.cuda
+            and number + 1 == self._next_timed
+            and self._stream_key is not None
+            and self.b.stream_key() == self._stream_key  # type: ignore[union-attr]
+            and not self.b.is_capturing(self.stream)  # type: ignore[union-attr]
+        ):
+            # An untimed step right before a timed one: an end event gives the timed step its GPU idle
+            # (none on another stream, or inside a graph capture: an event there would break it).
             self._evs = []
             self._last_t = -math.inf
             self._boundary(t1)

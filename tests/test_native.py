@@ -216,7 +216,7 @@ def test_the_engine_on_the_native_calls_waits_once_per_step_with_lag_0(fake: tup
     ctypes.c_int.in_dll(lib, "fake_record_queries").value = 1_000_000  # events complete at a sync only
     try:
         syncs = ctypes.c_int.in_dll(lib, "fake_syncs").value
-        timer = StepTimer._make(backend=backend, lag=0, warmup_steps=0, print_summary=False)
+        timer = StepTimer._make(backend=backend, lag=0, warmup_steps=0, print_summary=False, sample_every=1)
         for _ in range(5):
             with timer.step():
                 with timer.phase("forward"):
@@ -328,7 +328,7 @@ def test_the_engine_uses_the_native_calls_on_cuda(tmp_path: Path) -> None:
     _native_or_fail()
     torch.zeros(1, device="cuda")
     sink = ListSink()
-    t = StepTimer._make(print_summary=False, warmup_steps=0, log_every_n_steps=2, sinks=[sink])
+    t = StepTimer._make(print_summary=False, warmup_steps=0, log_every_n_steps=2, sinks=[sink], sample_every=1)
     for _ in range(4):
         with t.step(), t.phase("work"):
             torch.cuda._sleep(1_000_000)
@@ -363,7 +363,7 @@ def test_a_strict_step_on_cuda_returns_after_its_gpu_work_with_other_threads_run
         while not stop.is_set():
             other.append(time.perf_counter())
 
-    t = StepTimer(lag=0, print_summary=False, warmup_steps=0)
+    t = StepTimer(lag=0, print_summary=False, warmup_steps=0, sample_every=1)
     with t.step(), t.phase("work"):  # the first step settles the backend
         torch.cuda._sleep(1000)
     assert t._engine.b is not None and t._engine.b.name == "native"
@@ -455,7 +455,9 @@ def test_a_step_inside_a_real_graph_capture_is_a_clear_error_and_the_timer_goes_
     with torch.cuda.stream(train):
         x = torch.zeros(1024, device="cuda")
         sink = ListSink()
-        t = StepTimer._make(lag=lag, print_summary=False, warmup_steps=0, log_every_n_steps=8, sinks=[sink])
+        # sample_every=1: a timed step inside the capture raises; an untimed one makes no CUDA call
+        t = StepTimer._make(lag=lag, print_summary=False, warmup_steps=0, log_every_n_steps=8, sinks=[sink],
+                            sample_every=1)
 
         def step() -> None:
             with t.step(), t.phase("work"):
