@@ -50,6 +50,7 @@ _NO_PAUSES: tuple[tuple[Any, Any], ...] = ()  # a step's pauses when it had none
 MAX_BLOCK = 1000
 EMA_ALPHA = 0.2
 SLOW_FACTOR = 2.0
+EXTRA_EVERY = 100
 
 
 class PhaseRecord(NamedTuple):
@@ -146,15 +147,16 @@ class Engine:
         self._recent = recent
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self.budget = cost_budget
-        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends,
-        # and window work. The `with` and no-op phases that every step pays are not a timed step's
-        # extra, so they are left out on purpose.
+        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends.
+        # The `with` and no-op phases that every step pays are not a timed step's extra, nor is window
+        # work (a window costs the same however few of its steps are timed: `own_s` reports it), so
+        # both are left out on purpose.
         self.cost_s = 0.0
         self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
         self._pick_at = (start_step, _NAN)  # the last pick's step and its start time
         self._block_end = self.first_number  # the first step after the current block
         self._planned = 0  # the block's pick, kept while a step after a slow one is timed first
-        self._forced = 0  # the block end of the last forced step: at most one extra per block
+        self._forced = -EXTRA_EVERY  # the last extra step: at most one in EXTRA_EVERY steps
         self._slow_s = math.inf  # an untimed step's wall above this is slow (budget only)
         self._pick_next(start_step)
         self.state = OUT
@@ -457,7 +459,6 @@ class Engine:
                 self._pause_evs.append((ev0, ev1))
             self._gap_start = t1 = perf_counter()
             self.own_s += t1 - t0
-            self.cost_s += t1 - t0
 
     def _pick_next(self, number: int) -> None:
         """After the timed step ``number`` (``start_step`` at first), pick the next step to time: one
@@ -472,8 +473,8 @@ class Engine:
         self._next_timed = start + self._rng.randrange(n) if n > 1 else start
 
     def _budget_block(self, number: int) -> int:
-        """n = ceil(cost / (budget x wall)) steps: steptimer's own time since the last pick (window
-        work and extra steps included) is ``budget`` of the block's wall time."""
+        """n = ceil(cost / (budget x wall)) steps: steptimer's own time since the last pick (extra steps
+        included) is ``budget`` of the block's wall time."""
         last, t_last = self._pick_at
         if number <= last:  # at the start
             return 1
@@ -493,13 +494,15 @@ class Engine:
 
     def _slow_untimed(self, number: int, rec: StepRecord | None = None) -> None:
         """An untimed step took over ``SLOW_FACTOR`` times the wall per step: mark it for the slowest
-        steps (``_slow.py``) and time the next step, an extra (at most one a block)."""
+        steps (``_slow.py``) and time the next step, an extra: at most one in ``EXTRA_EVERY`` steps, so
+        that a periodic slow step (a checkpoint every 10th) can't bias the sample towards the steps
+        after it by more than a few percent of the timed steps."""
         if rec is None:
             self.rows.marks[number] = {"untimed": 1.0}
         else:
             rec.marks = {**(rec.marks or {}), "untimed": 1.0}
-        if self._forced != self._block_end and self._next_timed != number + 1:
-            self._forced = self._block_end
+        if number - self._forced >= EXTRA_EVERY and self._next_timed != number + 1:
+            self._forced = number
             self._planned, self._next_timed = self._next_timed, number + 1
 
     __enter__ = begin_step
