@@ -231,6 +231,7 @@ class Engine:
         self.oom: tuple[str | None, int, int | None, bool] | None = None
         # What may make a step slow (_slow.py): GC spans, dynamo's counters, the graphs seen so far.
         self.gc_log: GcLog | None = GcLog(perf_counter) if slowest else None
+        self.comm: Any = None  # a watched DDP model's collectives (_comm.CommRecorder)
         self._slowest = slowest
         self._dyn: Any = None
         self._graphs = 0
@@ -240,6 +241,11 @@ class Engine:
         """Host seconds from the first step's start to the end of the last step (or of steptimer's
         own work after it); 0 before the first step."""
         return 0.0 if self._gap_start is None or self._first_t0 is None else self._gap_start - self._first_t0
+
+    @property
+    def step_t0(self) -> float:
+        """Host clock at the open step's start."""
+        return self._t0
 
     @property
     def in_step(self) -> bool:
@@ -615,6 +621,8 @@ class Engine:
         self._stack.clear()
         if self._mem is not None:
             self._mem.drop_step()
+        if self.comm is not None:
+            self.comm.drop(self.number + 1)
         self.state = OUT
         self._gap_start = perf_counter()  # the failed step's time is not time between steps
         self._paused_s = 0.0
@@ -774,6 +782,8 @@ class Engine:
         """Put a resolved step's row in the window; note a window that ends with it."""
         rows = self.rows
         rows.add(key, row)
+        if self.comm is not None and (comm := self.comm.take(number)) is not None:
+            rows.comm.append(comm)
         rows.warmup = number <= self.last_warmup
         self.last_resolved = number
         if number % self._window_every == 0 or number == self.last_warmup:

@@ -17,7 +17,7 @@ from steptimer._format import num
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
 from steptimer._slow import Candidate, RankSlow, SlowestKeeper, SlowStep
-from steptimer._verdict import ShareClock, Verdict, shares, verdict
+from steptimer._verdict import COMM_ROWS, ShareClock, Verdict, shares, verdict
 from steptimer._window import Packed, Window, add_timed_host
 
 
@@ -231,7 +231,7 @@ def summarize(t: Totals, *, cuda: bool | None = None, peak_tflops: float | None 
 
 
 DERIVED_FIRST = ("data", "loop")
-DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop")
+DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
 
 
 LAUNCH_RATIO = 1.1

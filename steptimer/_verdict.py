@@ -22,10 +22,11 @@ STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this mu
 BUSY_SHARE = 0.05  # under this, the GPU hardly waited for the host: GPU-bound, if no phase is launch-bound
 LAUNCH_SHARE = 0.5  # phases in which the GPU waited for launches hold at least this much: launch-bound
 HOST_BETWEEN_SHARE = 0.2  # host only: the loader (or the loop) at least this much of wall time
+COMM_SHARE = 0.10  # the compute waited for a watched DDP model's collectives at least this much
 
 VerdictKind = Literal[
     "input-bound", "loop-bound", "launch-bound", "input-bound + launch-bound", "loop-bound + launch-bound",
-    "gpu-bound", "compute-bound", "mixed",
+    "communication-bound", "gpu-bound", "compute-bound", "mixed",
 ]
 Bound = Literal["input", "loop"]
 # The fix for each bottleneck, said with it.
@@ -33,11 +34,15 @@ _FIX = {
     "input": "more DataLoader workers, pin_memory, prefetching",
     "loop": "read the loss and log less often, checkpoint less often",
     "launch": "CUDA graphs (torch.compile mode='reduce-overhead') or fewer, larger kernels",
+    "communication": "fewer, larger collectives (a larger DDP bucket_cap_mb), more overlap with backward, "
+    "no_sync on accumulation micro-batches, or the slower rank the others wait for (per-rank section)",
 }
 ShareClock = Literal["gpu", "host"]
 
+# A watched DDP model's collectives (_comm.py): inside backward, which holds the wait, so no share.
+COMM_ROWS = ("comm", "comm_exposed")
 # Rows computed by steptimer, not phases of the user's.
-DERIVED = frozenset({"data", "loop", "other", "wait", "step", "idle"})
+DERIVED = frozenset({"data", "loop", "other", "wait", "step", "idle", *COMM_ROWS})
 
 
 class Row(Protocol):
@@ -68,7 +73,7 @@ def gpu_shares(gpu_sum_ms: Mapping[str, float]) -> dict[str, float]:
     total = gpu_sum_ms.get("step", 0.0) + gpu_sum_ms.get("idle", 0.0)
     if total <= 0:
         return {}
-    return {n: v / total for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait")}
+    return {n: v / total for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait", *COMM_ROWS)}
 
 
 def shares(
@@ -87,7 +92,8 @@ def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dic
     the host clock: ``data + phases + other + wait = 1``."""
     if timed_cycle_ms <= 0:
         return {}
-    return {n: v / timed_cycle_ms for n, v in timed_sum_ms.items() if "/" not in n and n not in ("step", "idle")}
+    skip = ("step", "idle", *COMM_ROWS)
+    return {n: v / timed_cycle_ms for n, v in timed_sum_ms.items() if "/" not in n and n not in skip}
 
 
 def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
@@ -126,6 +132,9 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     if stall >= STALL_SHARE and stall >= launch_share:
         other = "loop" if cause == "input" else "input"
         return Verdict(f"{cause}-bound", _facts(said[cause], [said[other] if waits[other] >= BUSY_SHARE else None]))
+    comm = _communication(by, "gpu")
+    if comm is not None:
+        return comm
     if launch_share >= LAUNCH_SHARE:
         return Verdict("launch-bound", _facts(said["launch"], [said_idle]))
     if stall < BUSY_SHARE and launch_share < BUSY_SHARE:
@@ -171,9 +180,32 @@ def _host_verdict(by: Mapping[str, Row], phases: Sequence[Row]) -> Verdict:
         return Verdict("input-bound", (said["data"] + f": {_FIX['input']}",))
     if shares["loop"] >= HOST_BETWEEN_SHARE:
         return Verdict("loop-bound", _facts(said["loop"], [said["data"] if timed else None]))
+    comm = _communication(by, "host")
+    if comm is not None:
+        return comm
     lead = sorted((r for r in phases if (r.share or 0.0) >= 0.01), key=lambda r: -(r.share or 0.0))[:3]
     said_lead = "the steps' time went to " + ", ".join(f"{r.name} {pct(r.share or 0.0)}" for r in lead)
     return Verdict("compute-bound", _facts(said_lead if lead else said["loop"], [said["data"] if timed else None]))
+
+
+def _communication(by: Mapping[str, Row], clock: ShareClock) -> Verdict | None:
+    """communication-bound: ``comm_exposed`` holds at least ``COMM_SHARE`` of the GPU's timeline
+    (step + idle; host only: of wall time, step + data + loop); None otherwise."""
+
+    def sum_ms(name: str) -> float:
+        row = by.get(name)
+        st = None if row is None else getattr(row, clock)
+        return st.mean_ms * st.steps if st is not None and st.steps else 0.0
+
+    rows = ("step", "idle") if clock == "gpu" else ("step", "data", "loop")
+    total, exposed = sum(sum_ms(n) for n in rows), sum_ms("comm_exposed")
+    if total <= 0 or exposed < COMM_SHARE * total:
+        return None
+    of = "the GPU's timeline" if clock == "gpu" else "wall time"
+    first = f"the compute waited for the gradient collectives at the end of backward {pct(exposed / total)} of {of}"
+    busy, ex = (getattr(by[n], clock) for n in COMM_ROWS)
+    first += f" (comm_exposed: median {num(ex.median_ms)} ms a step, of {num(busy.median_ms)} ms of collectives)"
+    return Verdict("communication-bound", (first, f"fix: {_FIX['communication']}"))
 
 
 def _facts(first: str, more: Sequence[str | None]) -> tuple[str, ...]:

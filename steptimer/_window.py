@@ -19,7 +19,7 @@ import numpy as np
 from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats, bucket_upper_ms
 from steptimer._memory import MemoryStats, StepMemory, memory_of
 from steptimer._slow import Candidate, StepWalls, window_candidates
-from steptimer._verdict import ShareClock, shares
+from steptimer._verdict import COMM_ROWS, ShareClock, shares
 
 # A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
 # times, the GPU step (ms), one GPU span (ms) per phase entry and one "caught" flag per phase entry
@@ -36,7 +36,7 @@ RowKey = Tuple[Optional[Tuple[str, ...]], bool, bool]
 class StepRows:
     """The resolved steps of one log window, as rows grouped by layout (see ``LEAD``)."""
 
-    __slots__ = ("groups", "count", "warmup", "memory", "marks")
+    __slots__ = ("groups", "count", "warmup", "memory", "marks", "comm")
 
     def __init__(self) -> None:
         self.groups: dict[RowKey, list[list[float]]] = {}
@@ -44,6 +44,7 @@ class StepRows:
         self.warmup = False  # the window's steps are warm-up steps (windows never mix the two)
         self.memory: list[StepMemory] = []  # the allocator's readings of the timed steps, in order
         self.marks: dict[int, dict[str, float]] = {}  # by step: what happened in it (_slow.py), sparse
+        self.comm: list[tuple[int, bool, float, float, float]] = []  # a watched DDP model's (_comm.take)
 
     def add(self, key: RowKey, row: list[float]) -> None:
         rows = self.groups.get(key)
@@ -207,6 +208,7 @@ class Packed:
         self.groups: list[GroupTotals] = []
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
+        self.arrive: dict[int, float] = {}  # by step: ms from its start to its first collective (_comm.py)
         if len(sid) > 1 and not (sid[1:] >= sid[:-1]).all():
             order = np.lexsort((values, sid))
             values, sid = values[order], sid[order]
@@ -307,11 +309,18 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
                 np.nansum(blk.derived, axis=0).tolist(),
             )
         )  # fmt: skip
+    for gpu, clock in ((True, "gpu"), (False, "host")):  # a watched DDP model's rows (_comm.py)
+        pairs = [c[2:4] for c in rows.comm if c[1] == gpu]
+        if pairs:
+            for name, column in zip(COMM_ROWS, np.sort(np.array(pairs), axis=0).T):
+                vals.append(column)
+                sids.append(np.full(len(pairs), index.setdefault((clock, name), len(index)), dtype=np.int64))
     values = np.concatenate(vals) if vals else np.zeros(0)
     sid = np.concatenate(sids) if sids else np.zeros(0, dtype=np.int64)
     keep = ~np.isnan(values)
     p = Packed(list(index), values[keep], sid[keep])
     p.groups = totals
+    p.arrive = {c[0]: c[4] for c in rows.comm}
     if slowest and not rows.warmup and _may_beat(p, index, floor_ms):
         p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, STEP_S, NUMBER)
     if walls and not rows.warmup:

@@ -478,6 +478,24 @@ class StepTimer:
         if text not in self._engine.notes:
             self._engine.notes.append(text)
 
+    def watch_ddp(self, model: Any, *, hook: Any = None, state: Any = None) -> None:
+        """Time a DistributedDataParallel model's gradient collectives per timed step: rows ``comm``
+        and ``comm_exposed`` (the part the compute waited for at the end of backward), and each
+        rank's arrival at them (docs/distributed.md). Call it once, before the first backward.
+
+        Args:
+            model: the ``DistributedDataParallel`` model.
+            hook: your DDP comm hook, run inside steptimer's (DDP takes one); None: DDP's all-reduce.
+            state: the hook's state, as for ``register_comm_hook``.
+
+        Raises:
+            TypeError: ``model`` is not a ``DistributedDataParallel``.
+        """
+        if self.enabled:
+            from steptimer._comm import watch
+
+            watch(self._engine, model, hook, state)
+
     def close(self, *, failed: bool = False) -> Summary:
         """Resolve pending steps, write the last window, print and return the summary (idempotent).
 
