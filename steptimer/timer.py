@@ -307,8 +307,8 @@ class StepTimer:
             sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
             profile_on_slow=profile_on_slow, recent=c,
         )  # fmt: skip
-        # StepWalls per window (_slow.py): profile_on_slow's check, the slowest step across ranks
-        self._walls = getattr(self._ranges, "slow", None) is not None or (self._xrank is not None and slowest_steps > 0)
+        # StepWalls per window (_slow.py): profile_on_slow's check, the rows of the rank last to a collective
+        self._walls = getattr(self._ranges, "slow", None) is not None or self._xrank is not None
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
         # Every resolved step to the capture: through add() when windows keep steps whole (and the
         # profiler marks them: the long way), else appended to its ring by the engine itself.

@@ -1,7 +1,8 @@
 """A plain torch.distributed loop timed by steptimer; tests/test_dist.py runs it under torchrun.
 
 Options make one rank slow (a sleep inside forward), stop early (uneven end), time an extra phase
-(different phase sets), or raise (the exception path). With ``--cuda``: NCCL, one GPU per rank.
+(different phase sets), or raise (the exception path). Under DDP it watches the gradient collectives
+(``watch_ddp``). With ``--cuda``: NCCL, one GPU per rank.
 Each rank prints ``RESULT {json}`` at the end.
 """
 
@@ -102,6 +103,8 @@ def main() -> None:
         log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=0,
         cuda=None if a.fake_memory else a.cuda or False, cross_rank_timeout_s=a.timeout, **fake,
     )
+    if net is ddp:
+        timer.watch_ddp(ddp)
     t0 = time.perf_counter()
     try:
         train(a, rank, steps, timer, net, opt, x, mem)
@@ -117,7 +120,7 @@ def main() -> None:
         out["reduce_ms"] = summary.ranks.reduce_ms
         out["rounds"] = summary.ranks.rounds
         out["summary_lines"] = summary.ranks.lines()
-        out["ranks_slowest"] = [r.to_json() for r in summary.ranks.slowest]
+        out["last"] = None if summary.ranks.last is None else summary.ranks.last.text()
     out["slowest"] = [s.to_json() for s in summary.slowest]
     print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
