@@ -65,23 +65,23 @@ class CommRecorder:
         number = e.number + 1
         if e.state < HOST or number == self._skip or (gpu and (e.state != GPU or not _nccl(state))):
             return self._inner(state, bucket)
+        fut = self._inner(state, bucket)
+        if gpu and not fut.done():  # waiting on it, even on a side stream, would block the host
+            self._skip = number
+            self.drop(number)
+            return fut
         if not self._steps or self._steps[-1][0] != number:
             self._steps.append((number, gpu, (t - e.step_t0) * 1e3, []))
         spans = self._steps[-1][3]
-        fut = self._inner(state, bucket)
         if not gpu:
             span = [t, None, bucket.is_last()]
-            spans.append(span)  # a collective that raises leaves it unfinished: not read
+            spans.append(span)
 
             def stamp(done: Any) -> Any:
                 span[1] = perf_counter()
                 return done.value()
 
             return fut.then(stamp)
-        if not fut.done():  # waiting on it, even on a side stream, would block the host
-            self._skip = number
-            self.drop(number)
-            return fut
         import torch
 
         ready, end = self._event(), self._event()
