@@ -1,6 +1,6 @@
 """A DDP model's gradient collectives per timed step (``StepTimer.watch_ddp``): rows ``comm`` (their
 busy time) and ``comm_exposed`` (the part after each backward's last bucket was ready, which no compute
-hid), and the host's arrival at the step's first collective (the straggler, ``_dist.py``). Both rows
+hid), and the rank's arrival at the step's first collective (the straggler, ``_dist.py``). Both rows
 lie inside ``backward``, which holds the wait, so they have no share (docs/distributed.md).
 """
 
@@ -51,9 +51,12 @@ class CommRecorder:
     def __init__(self, engine: Any, inner: Callable[[Any, Any], Any]) -> None:
         self._engine = engine
         self._inner = inner
-        # Per timed step, oldest first: (number, on the GPU, arrival ms, spans); a span is
-        # [ready, end, last bucket]: CUDA events, or host seconds (end None until it completes).
-        self._steps: deque[tuple[int, bool, float, list[list[Any]]]] = deque()
+        # Per timed step, oldest first: (number, on the GPU, spans); a span is [ready, end, last
+        # bucket]: CUDA events, or host seconds (end None until it completes).
+        self._steps: deque[tuple[int, bool, list[list[Any]]]] = deque()
+        # The last resolved step's last collective end: the ranks leave it together, so the next
+        # step's arrival at its first collective counts from there (no clock shared between hosts).
+        self._held: tuple[int, Any] | None = None
         self._free: list[Any] = []  # CUDA events, reused
         self._side: Any = None
         self._skip = 0  # a step not measured: its collective's future was not complete at launch
@@ -71,8 +74,8 @@ class CommRecorder:
             self.drop(number)
             return fut
         if not self._steps or self._steps[-1][0] != number:
-            self._steps.append((number, gpu, (t - e.step_t0) * 1e3, []))
-        spans = self._steps[-1][3]
+            self._steps.append((number, gpu, []))
+        spans = self._steps[-1][2]
         if not gpu:
             span = [t, None, bucket.is_last()]
             spans.append(span)
@@ -99,37 +102,44 @@ class CommRecorder:
 
         return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
 
-    def _release(self, step: tuple[int, bool, float, list[list[Any]]]) -> None:
+    def _release(self, step: tuple[int, bool, list[list[Any]]], keep: Any = None) -> None:
         if step[1]:
-            self._free += [ev for ready, end, _ in step[3] for ev in (ready, end)]
+            self._free += [ev for ready, end, _ in step[2] for ev in (ready, end) if ev is not keep]
 
     def drop(self, number: int) -> None:
         """The open step ``number`` was dropped (it raised): forget its spans."""
         if self._steps and self._steps[-1][0] == number:
             self._release(self._steps.pop())
 
-    def take(self, number: int) -> tuple[int, bool, float, float, float] | None:
+    def take(self, number: int) -> tuple[int, bool, float, float, float | None] | None:
         """``(number, on the GPU, comm ms, exposed ms, arrival ms)`` of the resolved step ``number``, if
-        it has spans; called after the engine's wait for the step (``Engine._add_row``)."""
+        it has spans; called after the engine's wait for the step (``Engine._add_row``). The arrival at
+        its first collective counts from the previous step's last collective end (None: not measured)."""
         steps = self._steps
         while steps and steps[0][0] < number:  # resolved without a row of ours
             self._release(steps.popleft())
         if not steps or steps[0][0] != number:
             return None
         step = steps.popleft()
-        _, gpu, arrival, spans = step
-        lasts = [s[2] for s in spans]
+        _, gpu, spans = step
         if gpu:
             if not spans[-1][1].query():  # lag 0: the side stream's record may trail the step's end by µs
                 spans[-1][1].synchronize()
             t0 = spans[0][0]
             ms = [(t0.elapsed_time(r), t0.elapsed_time(x)) for r, x, _ in spans]
-            self._release(step)
         elif any(s[1] is None for s in spans):  # pragma: no cover - DDP waited for each future
             return None
         else:
             ms = [(r * 1e3, x * 1e3) for r, x, _ in spans]
-        return (number, gpu, *comm_ms(ms, lasts), arrival)
+        held, end = self._held, spans[max(range(len(ms)), key=lambda i: ms[i][1])][1]
+        arrival = None
+        if held is not None and held[0] == number - 1:
+            arrival = held[1].elapsed_time(spans[0][0]) if gpu else (spans[0][0] - held[1]) * 1e3
+        if held is not None and gpu:
+            self._free.append(held[1])
+        self._held = (number, end)
+        self._release(step, keep=end)
+        return (number, gpu, *comm_ms(ms, [s[2] for s in spans]), arrival)
 
 
 def _nccl(state: Any) -> bool:

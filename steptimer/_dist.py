@@ -150,30 +150,32 @@ def _lasts(mx: Sequence[float], end: int, bits: int) -> dict[int, tuple[int, flo
 
 
 def _row_sums(walls: Any, wkeys: Sequence[str], steps: set[int], mine: bool, nw: int) -> list[float]:
-    """This rank's host rows (``host/<row>`` of ``wkeys``) summed over ``steps``: in the first half
-    when it is the window's last rank (``mine``), else in the second; ``2 * nw`` zeros without walls."""
+    """This rank's rows (``<clock>/<row>`` of ``wkeys``) summed over ``steps``: in the first half when
+    it is the window's last rank (``mine``), else in the second; ``2 * nw`` zeros without walls."""
     if walls is None:
         return [0.0] * (2 * nw)
     sums = [0.0] * len(wkeys)
     for i, number in enumerate(walls.numbers.tolist()):
         if int(number) in steps:
-            host = walls.rows(i)[0]
+            by_clock = dict(zip(("host", "gpu"), walls.rows(i)))
             for k, key in enumerate(wkeys):
-                if key.startswith("host/"):
-                    sums[k] += host.get(key[5:], 0.0)
+                clock, _, name = key.partition("/")
+                sums[k] += by_clock.get(clock, {}).get(name, 0.0)
     zeros = [0.0] * len(wkeys)
     return sums + zeros if mine else zeros + sums
 
 
 def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> dict[str, float]:
     """Per row, the last rank's sum over its steps less the other ranks' mean sum (``_row_sums``,
-    reduced). The rows that can delay the arrival: ``data``, ``loop`` and top-level phases but
-    ``backward``, which holds the wait."""
+    reduced), on the GPU's clock where the steps have one (the arrivals' clock). The rows that can
+    delay the arrival: the time between steps and top-level phases but ``backward``, which holds the
+    wait."""
+    clock, between = ("gpu", ("idle",)) if "gpu/step" in wkeys else ("host", ("data", "loop"))
     out, k = {}, len(wkeys)
     for i, key in enumerate(wkeys):
-        name = key[5:]
+        c, _, name = key.partition("/")
         phase = name not in DERIVED and "/" not in name and not is_wait_phase(name)
-        if key.startswith("host/") and (name in ("data", "loop") or phase):
+        if c == clock and (name in between or phase):
             out[name] = rows[i] - rows[k + i] / max(reporting - 1, 1)
     return out
 

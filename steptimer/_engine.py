@@ -243,11 +243,6 @@ class Engine:
         return 0.0 if self._gap_start is None or self._first_t0 is None else self._gap_start - self._first_t0
 
     @property
-    def step_t0(self) -> float:
-        """Host clock at the open step's start."""
-        return self._t0
-
-    @property
     def in_step(self) -> bool:
         """A step is open."""
         return self.state != OUT

@@ -44,7 +44,7 @@ class StepRows:
         self.warmup = False  # the window's steps are warm-up steps (windows never mix the two)
         self.memory: list[StepMemory] = []  # the allocator's readings of the timed steps, in order
         self.marks: dict[int, dict[str, float]] = {}  # by step: what happened in it (_slow.py), sparse
-        self.comm: list[tuple[int, bool, float, float, float]] = []  # a watched DDP model's (_comm.take)
+        self.comm: list[tuple[int, bool, float, float, float | None]] = []  # a watched DDP model's (_comm.take)
 
     def add(self, key: RowKey, row: list[float]) -> None:
         rows = self.groups.get(key)
@@ -208,7 +208,7 @@ class Packed:
         self.groups: list[GroupTotals] = []
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
-        self.arrive: dict[int, float] = {}  # by step: ms from its start to its first collective (_comm.py)
+        self.arrive: dict[int, float] = {}  # by step: its arrival at its first collective, ms (_comm.py)
         if len(sid) > 1 and not (sid[1:] >= sid[:-1]).all():
             order = np.lexsort((values, sid))
             values, sid = values[order], sid[order]
@@ -320,7 +320,7 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
     keep = ~np.isnan(values)
     p = Packed(list(index), values[keep], sid[keep])
     p.groups = totals
-    p.arrive = {c[0]: c[4] for c in rows.comm}
+    p.arrive = {c[0]: c[4] for c in rows.comm if c[4] is not None}
     if slowest and not rows.warmup and _may_beat(p, index, floor_ms):
         p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, STEP_S, NUMBER)
     if walls and not rows.warmup:

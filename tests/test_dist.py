@@ -101,6 +101,17 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
     assert results[1]["last"] == results[0]["last"] and results[0]["last"] in out.replace("\n    ", " ")
 
 
+def test_a_rank_slow_after_its_collective_is_named_at_the_next_one(tmp_path: Path) -> None:
+    """Rank 1 sleeps 40 ms in its optimizer, after the all-reduce: the arrival counts from the previous
+    step's last collective, so rank 1 is last to the next one, with its optimizer as the row that grew."""
+    args = ["--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS),
+            "--slow-rank", "1", "--slow-phase", "optimizer"]  # fmt: skip
+    results, _ = torchrun("plain_loop.py", *args)
+    m = re.fullmatch(r"rank 1 was last to the all-reduce in ([\d.]+)% of steps, \+([\d.]+) ms, in optimizer .*",
+                     results[0]["last"])  # fmt: skip
+    assert m and float(m[1]) >= 80 and float(m[2]) > SLOW_MS * 0.8, results[0]["last"]
+
+
 def test_a_gc_pause_on_one_rank_in_a_windows_last_step_keeps_the_ranks_in_step(tmp_path: Path) -> None:
     """A step marked on one rank only (a GC pause) ends its window there at the same step as on the
     others: the ranks meet in the cross-rank round, none waits in the others' all-reduce until the
