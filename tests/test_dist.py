@@ -249,6 +249,11 @@ def test_nccl_two_gpus_names_the_slowed_rank(tmp_path: Path) -> None:
     assert [v for _, v in tb["steptimer-ranks/gpu/forward_argmax"]] == [1.0] * 3
     assert "steptimer-ranks/gpu/backward_max_ms" in tb
     assert results[0]["summary_straggler_argmax"] == 1
+    # watch_ddp on NCCL: the collectives on the GPU's clock, and rank 1 last to them (its GPU idled
+    # while its host slept in forward).
+    assert "steptimer/gpu/comm_ms" in tb and "steptimer/gpu/comm_exposed_ms" in tb
+    assert [v for _, v in tb["steptimer-ranks/last_rank"]] == [1.0] * 3
+    assert re.match(r"rank 1 was last to the all-reduce in .*, in forward", results[0]["last"]), results[0]["last"]
 
 
 # ---------------------------------------------------------------- arithmetic, in-process
