@@ -13,7 +13,10 @@ of them, one steptimer window, run under ``torch.profiler`` (CUDA activity: CUPT
 from the trace: the NCCL kernels' busy time (the union of their spans) and the part of it that no
 compute kernel overlaps; from steptimer, the window's ``comm`` and ``comm_exposed`` means. Targets
 (issue 44): exposed within max(5 %, 0.2 ms), total within 5 %; in ``comm-heavy`` the verdict names
-communication. Rank 0 writes ``comm_ddp.json`` and ``comm_ddp.md`` under ``--out`` and prints the table.
+communication. ``straggler``: the preset with rank 1 sleeping ``--slow-ms`` in each forward on its GPU
+(``torch.cuda._sleep``; CPU: ``time.sleep``): the summary must name rank 1 last to the all-reduce in
+95 % of steps or more, in forward; ``default`` must name no rank. Rank 0 writes ``comm_ddp.json`` and
+``comm_ddp.md`` under ``--out`` and prints the table.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--profiled", type=int, default=10, help="the last steps, one steptimer window, profiled")
     p.add_argument("--configs", default=",".join(configs("tiny")), help="comma-separated, of: %(default)s")
+    p.add_argument("--slow-ms", type=float, default=5.0, help="rank 1's sleep in each forward (straggler)")
     a = p.parse_args(argv)
     if a.profiled < 1 or a.iters < 2 * a.profiled or a.iters % a.profiled:
         p.error("--iters must be a multiple of --profiled (>= 1), at least twice it")
@@ -62,11 +67,26 @@ def configs(preset: str) -> dict[str, tuple[Any, float]]:
     gradients), one short sequence a step and 1 MB buckets: more to all-reduce than backward can
     hide. A name ending in ``-unwatched`` runs the same without ``watch_ddp`` (DDP's C++ all-reduce),
     one ending in ``-stock`` with DDP's own Python ``allreduce_hook`` registered: the baselines of the
-    hook's cost (``unprofiled_wall_ms``)."""
+    hook's cost (``unprofiled_wall_ms``). ``straggler``: the preset, rank 1 slowed in forward."""
     cfg = PRESETS[preset]
     heavy = dataclasses.replace(cfg, n_embd=2 * cfg.n_embd, micro_batch=1, accum=1, block_size=cfg.block_size // 4)
     out = {"default": (cfg, 25.0), "comm-heavy": (heavy, 1.0)}
-    return {**out, **{f"{k}-{how}": v for k, v in out.items() for how in ("unwatched", "stock")}}
+    baselines = {f"{k}-{how}": v for k, v in out.items() for how in ("unwatched", "stock")}
+    return {**out, **baselines, "straggler": (cfg, 25.0)}
+
+
+def sleeper(ms: float, cuda: bool) -> Any:
+    """A forward hook that sleeps ``ms``: on the GPU's stream (``torch.cuda._sleep``, its cycles per ms
+    measured once) or on the host."""
+    if not cuda:
+        return lambda *_: time.sleep(ms / 1e3)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    cycles = int(ms * 10**7 / start.elapsed_time(end))
+    return lambda *_: torch.cuda._sleep(cycles)
 
 
 class _Windows:
@@ -143,6 +163,8 @@ def run_config(name: str, cfg: Any, bucket_mb: float, a: argparse.Namespace, dev
         ddp.register_comm_hook(None, allreduce_hook)
     elif not name.endswith("-unwatched"):
         timer.watch_ddp(ddp)
+    if name == "straggler" and rank == 1:
+        t.model.register_forward_hook(sleeper(a.slow_ms, cuda))
     loop = argparse.Namespace(iters=a.iters - a.profiled, slow_rank=-1, slow_phase="forward", slow_ms=0.0)
     train(t, ddp, timer, loop, rank)
     loop.iters = a.profiled
@@ -169,6 +191,7 @@ def run_config(name: str, cfg: Any, bucket_mb: float, a: argparse.Namespace, dev
         "steptimer": {k: clock[k].mean_ms for k in ("comm", "comm_exposed") if k in clock},
         "exposed_share": None, "verdict": summary.verdict.kind if summary.verdict else None,
         "verdict_evidence": list(summary.verdict.evidence) if summary.verdict else [],
+        "last": None if summary.ranks is None or summary.ranks.last is None else summary.ranks.last.text(),
     }  # fmt: skip
     if "comm_exposed" in clock and "step" in win.gpu:
         timeline = win.gpu["step"].mean_ms + (win.gpu["idle"].mean_ms if "idle" in win.gpu else 0.0)
@@ -220,6 +243,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         wall = f"{r['unprofiled_wall_ms']:.2f}"
         cells = [r["config"], str(r["rank"]), wall, step, comm, exposed, blocked, share, str(r["verdict"]), ok]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *[f"- {r['config']}, rank {r['rank']}: {r['last']}" for r in rows if r["rank"] == 0 and r["last"]]]
     return "\n".join(lines) + "\n"
 
 

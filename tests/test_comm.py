@@ -228,12 +228,13 @@ def test_the_comm_bench_runs_on_cpu_with_gloo(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(root / "bench" / "comm_ddp.py"), "--out", str(tmp_path), "--preset", "tiny", "--iters", "10",
-           "--profiled", "5"]  # fmt: skip
+           "--profiled", "5", "--slow-ms", "30"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     r = json.loads((tmp_path / "comm_ddp.json").read_text())
     assert r["backend"] == "gloo" and r["world_size"] == 2
-    configs = sorted(f"{c}{how}" for c in ("default", "comm-heavy") for how in ("", "-unwatched", "-stock"))
+    configs = sorted([f"{c}{how}" for c in ("default", "comm-heavy") for how in ("", "-unwatched", "-stock")]
+                     + ["straggler"])  # fmt: skip
     assert sorted((row["config"], row["rank"]) for row in r["rows"]) == [(c, k) for c in configs for k in (0, 1)]
     for row in r["rows"]:
         assert row["clock"] == "host" and row["steps"] == 5 and "cupti" not in row and row["unprofiled_wall_ms"] > 0
@@ -242,3 +243,5 @@ def test_the_comm_bench_runs_on_cpu_with_gloo(tmp_path: Path) -> None:
         else:
             assert 0.0 <= row["steptimer"]["comm_exposed"] <= row["steptimer"]["comm"] <= row["step_ms"]
     assert "| config | rank |" in (tmp_path / "comm_ddp.md").read_text()
+    last = {row["config"]: row["last"] for row in r["rows"] if row["rank"] == 0}
+    assert last["straggler"].startswith("rank 1 was last to the all-reduce in") and "in forward" in last["straggler"]
