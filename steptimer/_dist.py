@@ -10,7 +10,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from time import perf_counter, sleep
 from typing import Any
@@ -184,6 +184,16 @@ def _grew_most(grew: Mapping[str, float]) -> str | None:
     return max((name for name, v in grew.items() if v > 0), key=grew.__getitem__, default=None)
 
 
+@dataclass
+class _Late:
+    """A rank's steps as its window's last rank to the first collective, with its ms behind the
+    first rank and its rows' growth (by name) summed over them."""
+
+    steps: int = 0
+    ahead_ms: float = 0.0
+    grew_ms: dict[str, float] = field(default_factory=dict)
+
+
 def _initialized() -> Any:
     """``torch.distributed`` where it is initialized in this process, else None."""
     try:
@@ -212,9 +222,8 @@ class CrossRank:
         self.rounds = 0
         self.reduce_s = 0.0
         self.summary: RankSummary | None = None
-        # The rank last to the first collective: per rank, [steps, summed ms ahead, {row: summed growth}]
-        # over the summarized windows, of the steps it was its window's last rank in; steps measured.
-        self._last: dict[int, list[Any]] = {}
+        # By rank, its steps as its window's last rank over the summarized windows; the steps measured.
+        self._last: dict[int, _Late] = {}
         self._last_steps = 0
         # By step, (last rank, ms ahead, its row that grew) in the windows holding this rank's slowest.
         self._per_step: dict[int, tuple[int, float, str | None]] = {}
@@ -273,11 +282,11 @@ class CrossRank:
         return out
 
     def _last_rank(self) -> LastRank:
-        rank, (steps, ahead, grew) = max(self._last.items(), key=lambda kv: (kv[1][1], -kv[0]))
-        phase = _grew_most(grew)
-        share, ahead_ms = steps / self._last_steps, ahead / steps
+        rank, late = max(self._last.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]))
+        phase = _grew_most(late.grew_ms)
+        share, ahead_ms = late.steps / self._last_steps, late.ahead_ms / late.steps
         stood = share >= LAST_SHARE and ahead_ms >= LAST_MIN_MS
-        return LastRank(rank, share, ahead_ms, phase, grew[phase] / steps if phase else 0.0, stood)
+        return LastRank(rank, share, ahead_ms, phase, late.grew_ms[phase] / late.steps if phase else 0.0, stood)
 
     def _window_round(
         self, window: Window | None, summ: Mapping[str, float] | None, *, closing: bool,
@@ -298,11 +307,11 @@ class CrossRank:
                 f"{RANKS}/last_rank_ms": ahead / steps,
             })  # fmt: skip
             if not window.warmup:
-                mine = self._last.setdefault(rank, [0, 0.0, {}])
-                mine[0] += steps
-                mine[1] += ahead
+                late = self._last.setdefault(rank, _Late())
+                late.steps += steps
+                late.ahead_ms += ahead
                 for name, v in grew.items():
-                    mine[2][name] = mine[2].get(name, 0.0) + v
+                    late.grew_ms[name] = late.grew_ms.get(name, 0.0) + v
                 self._last_steps += total
             kept = {c.step for c in keeper.heap} if keeper is not None else set()
             self._per_step = {n: v for n, v in self._per_step.items() if n in kept}
