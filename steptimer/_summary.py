@@ -35,9 +35,9 @@ class RankSpread:
 
 @dataclass(frozen=True)
 class LastRank:
-    """The rank that reached the steps' first gradient collective last most often (a watched DDP
-    model, ``_dist.py``): in ``share`` of the steps, by ``ahead_ms`` on average over the others' mean
-    arrival, with ``phase`` the row of its that grew most against the other ranks' same row."""
+    """The rank the others waited for most at the steps' first gradient collective (a watched DDP
+    model, ``_dist.py``): last in ``share`` of the steps, ``ahead_ms`` on average after the first
+    rank's arrival, with ``phase`` its row that grew most against the other ranks' same row."""
 
     rank: int
     share: float

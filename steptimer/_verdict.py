@@ -73,7 +73,8 @@ def gpu_shares(gpu_sum_ms: Mapping[str, float]) -> dict[str, float]:
     total = gpu_sum_ms.get("step", 0.0) + gpu_sum_ms.get("idle", 0.0)
     if total <= 0:
         return {}
-    return {n: v / total for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait", *COMM_ROWS)}
+    skip = ("step", "wait", *COMM_ROWS)
+    return {n: v / total for n, v in gpu_sum_ms.items() if "/" not in n and n not in skip}
 
 
 def shares(
