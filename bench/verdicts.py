@@ -5,8 +5,8 @@ Three regimes, each checked against a truth that does not come from steptimer's 
 * **GPU-bound**: the GPT-2 client (``bench/gpt.py``), eager and compiled, reading the loss back
   (``loss.item()``, between steps) every step and every 10th, timed with ``with`` lines and with
   ``steptimer.instrument()`` (the ``train_bare`` loop, unchanged). The GPU never waits for the host
-  there: expected verdict ``gpu-bound``, ``data + idle`` share at most 2 %, and ``backward``'s share
-  within 2 points of its GPU span over the GPU step.
+  there: expected verdict ``gpu-bound``, every step timed (the cost budget), ``data + idle`` share
+  at most 2 %, and ``backward``'s share within 2 points of its GPU span over the GPU step.
 * **input-bound**: an MLP whose loader sleeps ``--sleep-ms`` per batch outside the step. The truth:
   the GPU's work per step ``G`` measured in a separate loop (events around synchronized steps) and the
   wall time per step ``W`` on this script's own clock; the GPU idles ``1 - G / W`` of the time.
@@ -56,6 +56,7 @@ def facts(summary: Summary) -> dict[str, Any]:
         "backward_share": share.get("backward"),
         "backward_gpu_over_step_gpu": gpu_ratio,
         "steps": summary.steps,
+        "timed_steps": summary.timed_steps,
         # per row: host median ms, GPU median ms, launch-bound mark (what the verdict read)
         "rows": {r.name: [r.host.median_ms, r.gpu.median_ms if r.gpu else None, r.launch_bound] for r in summary.rows},
     }
@@ -84,6 +85,7 @@ def gpt_runs(args: argparse.Namespace, device: torch.device, log: Callable[[str]
                 if f["share_clock"] == "gpu":
                     ok = (
                         f["verdict"] == "gpu-bound"
+                        and f["timed_steps"] == f["steps"]  # the cost budget times every step of these
                         and f["data_idle_share"] <= 0.02
                         and abs(f["backward_share"] - f["backward_gpu_over_step_gpu"]) <= 0.02
                     )
@@ -236,10 +238,11 @@ def table(results: Sequence[dict[str, Any]]) -> str:
             truth = f"GPU idle by G/W: {pct(r['stall_truth'])}"
         elif r.get("backward_gpu_over_step_gpu") is not None:
             truth = f"backward GPU / step GPU: {pct(r['backward_gpu_over_step_gpu'])}"
-        rows.append([r["run"], r["regime"], r["verdict"], r["share_clock"], pct(r["data_idle_share"]),
+        timed = f"{r['timed_steps']}/{r['steps']}" if "timed_steps" in r else "-"
+        rows.append([r["run"], r["regime"], r["verdict"], timed, r["share_clock"], pct(r["data_idle_share"]),
                      pct(r["shares"].get("idle")), pct(r["backward_share"]), truth,
                      {True: "yes", False: "NO", None: "n/a"}[r["ok"]]])  # fmt: skip
-    head = ["run", "regime", "verdict", "share clock", "data + idle share", "idle share", "backward share",
+    head = ["run", "regime", "verdict", "timed", "share clock", "data + idle share", "idle share", "backward share",
             "truth", "holds"]  # fmt: skip
     return format_table(head, rows)
 

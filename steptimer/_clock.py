@@ -1,7 +1,6 @@
-"""The GPU clock: the CUDA calls the engine makes, bound once (``_CudaBackend``). ``native_backend``
-(``_cudart.c``: raw handles, a whole step's events read in one call, a third of torch's cost per
-record, docs/benchmarks.md) is the default where it builds; ``torch_backend`` the fallback. Tests pass
-a fake backend (``StepTimer._make(backend=...)``) to run the lag, pool and wait logic without a GPU.
+"""The GPU clock: the CUDA calls the engine makes, bound once (``_CudaBackend``): ``native_backend``
+(``_cudart.c``, a third of torch's cost per record) where it builds, else ``torch_backend``. Tests pass
+a fake one (``StepTimer._make(backend=...)``).
 """
 
 from __future__ import annotations
@@ -45,16 +44,14 @@ def cuda_usable() -> tuple[bool, str]:
 
 
 def torch_backend() -> _CudaBackend:
-    """The backend over ``torch.cuda``. ``Event.record()`` costs ~12 µs on an H100, ~8 of them its own
-    ``current_stream()`` lookup (a Python ``Stream`` built each time); ``record(stream)`` ~3 µs. So the
-    engine keys the stream by the raw ``(stream_id, device, type)`` tuple, once per step, and builds a
-    ``Stream`` only when that changes."""
+    """The backend over ``torch.cuda``. ``Event.record()`` costs ~12 µs on an H100 (its own
+    ``current_stream()`` lookup), ``record(stream)`` ~3 µs: so the engine keys the stream by the raw
+    ``(stream_id, device, type)`` tuple once per step and builds a ``Stream`` only when it changes."""
     import torch
 
     event_cls = torch.cuda.Event
-    # Bind the C implementations, skipping torch.cuda.Event's Python wrappers: a frame saved per call
-    # on the hot path. The wait stays on the public wrapper (once per step), so tests can patch it
-    # to count waits.
+    # The C implementations, not torch.cuda.Event's Python wrappers: a frame less per call. The wait
+    # stays on the public wrapper (once per step), so tests can patch it to count waits.
     base = getattr(torch._C, "_CudaEventBase", event_cls)
     # Every CUDA build of torch >= 2.1 has these; a CPU build never calls them.
     get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
@@ -89,9 +86,8 @@ def native_backend() -> _CudaBackend:
     mod = cudart()
     t = torch_backend()
     owners: list[Any] = []  # the torch Events whose CUDA events the engine uses by handle
-    # A first record through the runtime now, on a throwaway event (nothing that needs the GPU to
-    # finish), so that a torch without raw handles or a runtime that disagrees shows here, and
-    # steptimer falls back, rather than inside a step.
+    # A first record now, on a throwaway event: a torch without raw handles or a runtime that
+    # disagrees shows here, and steptimer falls back, rather than inside a step.
     if not torch.cuda.is_current_stream_capturing():  # else the engine refuses the step at once
         try:
             probe = torch.cuda.Event(enable_timing=True)
@@ -104,8 +100,7 @@ def native_backend() -> _CudaBackend:
         owners.append(probe)
 
     def new_event() -> int:
-        # torch creates the CUDA event lazily, at its first record: record it once here, on the
-        # current stream (the one the engine is timing), so the handle exists.
+        # torch creates the CUDA event at its first record: record it once so the handle exists.
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         owners.append(ev)
@@ -129,8 +124,8 @@ def native_backend() -> _CudaBackend:
 
 
 def prepare_native() -> None:
-    """Build the native CUDA calls when the timer is created (a fraction of a second, once per machine),
-    not in the training loop; a no-op without CUDA. ``default_backend`` reports failures."""
+    """Build the native CUDA calls when the timer is created, not in the training loop (no-op without
+    CUDA; ``default_backend`` reports failures)."""
     import torch
 
     from steptimer._native import NativeUnavailable, build, usable_here
@@ -142,8 +137,7 @@ def prepare_native() -> None:
 
 
 def default_backend() -> _CudaBackend:
-    """``native_backend`` where it can be built, else ``torch_backend``, whose ``note`` (logged, and
-    added to the summary by the engine) says why."""
+    """``native_backend`` where it can be built, else ``torch_backend`` with a ``note`` saying why."""
     from steptimer._native import NativeUnavailable
 
     try:

@@ -1,12 +1,7 @@
 """The one state machine of hook-driven phases: which phase of the current step is open.
 
-Every front door that times a loop from hooks (``instrument()``, ``steptimer run``, the Hugging Face
-and Lightning callbacks) feeds a :class:`PhaseDriver` the same events: a step begins, ends or is
-dropped; the model's forward starts and returns; a hook phase opens (``loss``, ``backward``,
-``zero_grad``, ``clip``, ``optimizer``); a user phase nests; work between steps is paused. The
-driver enters and exits the timer's phases. Each front door decides only where its steps start and
-end: a plain loop's optimizer steps and ``zero_grad`` (steptimer/instrument.py), Lightning's
-batches, accumulation and validation (steptimer/lightning.py).
+Every front door that times a loop from hooks feeds a :class:`PhaseDriver` the same events; each
+decides only where its steps start and end.
 """
 
 from __future__ import annotations
@@ -25,12 +20,10 @@ class PhaseDriver:
     """Enters and exits ``timer``'s phases as hook events come.
 
     Args:
-        timer: The timer to drive.
-        rejoin: A forward that starts while the ``loss`` opened by the previous forward's return
-            is open takes that time back into ``forward`` (code between two model calls of one
-            ``training_step`` is forward's, Lightning's rule); False: ``forward, loss, forward``.
+        rejoin: A forward that starts while the previous forward's ``loss`` is open takes that time
+            back into ``forward`` (Lightning's rule); False: ``forward, loss, forward``.
         on_pending_end: Called when the last user phase exits after :meth:`end` found the step
-            ending inside it: the front door ends the step (its counts are its own).
+            ending inside it: the front door ends the step.
     """
 
     def __init__(
@@ -62,9 +55,8 @@ class PhaseDriver:
         self._step.__enter__()
 
     def end(self, *, samples: float | None = None, tokens: float | None = None, flops: float | None = None) -> bool:
-        """End the step and its open phase; counts given replace those of :meth:`begin` (summed
-        over micro-batches, known only now). Inside a user phase it returns False and sets
-        :attr:`end_pending`: ``on_pending_end`` ends the step when that phase exits."""
+        """End the step and its open phase (counts given replace :meth:`begin`'s); inside a user
+        phase, False and :attr:`end_pending` set instead."""
         if self._users:
             self.end_pending = True
             return False
@@ -79,7 +71,7 @@ class PhaseDriver:
         return True
 
     def drop(self, et: Any, ev: Any, tb: Any) -> None:
-        """The step raised: the engine forgets it and its open phases; the driver starts clean."""
+        """The step raised: the engine forgets it and its open phases."""
         step = self._reset()
         if step is not None:
             step.__exit__(et, ev, tb)
@@ -93,8 +85,7 @@ class PhaseDriver:
         return step
 
     def switch(self, name: str | None, error: BaseException | None = None) -> None:
-        """End the hook phase open at the innermost level (``error``: the exception that ended it)
-        and start ``name`` (None: none)."""
+        """End the innermost hook phase (``error``: the exception that ended it); start ``name``."""
         cur = self._frames[-1]
         if cur == name:
             return
@@ -104,6 +95,21 @@ class PhaseDriver:
         if name is not None:
             self.timer.phase(name).__enter__()
             self._frames[-1] = name
+
+    def timed(self, name: str, orig: Callable[..., Any], gate: Callable[[], bool]) -> Callable[..., Any]:
+        """``orig`` whose calls while ``gate()`` holds are phase ``name`` (a nested one counts once)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not gate() or self.phase == name:
+                return orig(*args, **kwargs)
+            self.switch(name)
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                if self.phase == name:
+                    self.switch(None)
+
+        return call
 
     def forward_enter(self) -> bool:
         """A model call starts; True for the outermost one, which opens ``forward``."""
@@ -117,16 +123,14 @@ class PhaseDriver:
         return True
 
     def forward_exit(self) -> bool:
-        """A model call returned (or raised); True for the outermost one: the caller opens the next
-        phase. Unmatched exits (a call that started before the step) are ignored."""
+        """A model call returned (or raised); True for the outermost one, unmatched ones ignored."""
         if self.fwd_depth == 0:
             return False
         self.fwd_depth -= 1
         return self.fwd_depth == 0
 
     def open_user(self, name: str) -> object:
-        """Open a phase of the user's, nested in the hook phase open now (``loss/name``); hook
-        phases inside it nest too (``name/forward``). Returns the token that closes it."""
+        """Open a user phase nested in the hook phase open now; returns the token that closes it."""
         self.timer.phase(name).__enter__()
         self._frames.append(None)
         token = object()
@@ -134,8 +138,7 @@ class PhaseDriver:
         return token
 
     def close_user(self, token: object, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
-        """Close the user phase of ``token`` (and any left open inside it); a step that ended
-        inside it ends now (``on_pending_end``). Dropped or closed meanwhile: nothing to do."""
+        """Close the user phase of ``token`` and any left open inside it, if still open."""
         i = next((i for i, (_, t) in enumerate(self._users) if t is token), None)
         if i is None:
             return
@@ -152,13 +155,11 @@ class PhaseDriver:
         self.timer.phase(name).__exit__(*exc)
 
     def close_user_phases(self) -> None:
-        """Close the user phases left open (a ``__enter__`` with no ``__exit__``)."""
         while self._users:
             self._close_innermost()
 
     @contextmanager
     def pause(self) -> Iterator[None]:
-        """Work between steps that is neither a step nor data wait; hooks inside pass through."""
         with self.timer.pause():
             self.paused += 1
             try:
@@ -167,8 +168,7 @@ class PhaseDriver:
                 self.paused -= 1
 
     def begin_val(self) -> None:
-        """An evaluation starts: paused out between steps; inside a step (between two micro-batches
-        of it, where it can't be paused out) a ``val`` phase of that step."""
+        """An evaluation starts: paused out between steps, a ``val`` phase inside one."""
         if self._val is not None:
             return
         pause = None
@@ -180,8 +180,7 @@ class PhaseDriver:
         self._val = (perf_counter(), pause)
 
     def end_val(self, after: str | None = None) -> float | None:
-        """The evaluation ended (``after``: the phase that goes on in the step); its ms, or None
-        when none was open."""
+        """The evaluation ended (``after``: the phase that goes on); its ms, None if none was open."""
         if self._val is None:
             return None
         (t0, pause), self._val = self._val, None
@@ -193,18 +192,19 @@ class PhaseDriver:
         self.val_ms.append(val_ms)
         return val_ms
 
-    def val_note(self) -> str | None:
-        """The summary's line on the evaluations timed apart, if any."""
-        if not self.val_ms:
-            return None
-        mean_ms = sum(self.val_ms) / len(self.val_ms)
-        return f"validation: {len(self.val_ms)} run(s), {mean_ms:.1f} ms mean, paused (not counted as data)"
+    def note_val(self) -> None:
+        """End an evaluation left open; a note on those timed apart, if any."""
+        self.end_val()
+        if self.val_ms:
+            mean_ms = sum(self.val_ms) / len(self.val_ms)
+            self.timer.note(
+                f"validation: {len(self.val_ms)} run(s), {mean_ms:.1f} ms mean, paused (not counted as data)"
+            )
 
 
 class UserPhase:
-    """``with front_door.phase(name):``: a phase of the user's through the driver that ``driver()``
-    returns when it is entered (None: outside a step, a no-op). A class, not a generator: one
-    entered and never exited stays open until the front door closes it (end of the batch)."""
+    """``with front_door.phase(name):`` through the driver ``driver()`` returns (None: a no-op). A
+    class, not a generator: one never exited stays open until the front door closes it."""
 
     __slots__ = ("_name", "_driver", "_open")
 

@@ -1,14 +1,13 @@
 """The GPU's energy from NVML's total-energy counter, read on a thread of its own: one read costs
 about 3.3 ms on an H100, so never in a step nor on the training thread. A window's end only asks for a
-reading; energy over a span of steps is the difference of two readings (docs/memory-and-mfu.md).
-"""
+reading; energy over a span of steps is the difference of two readings (docs/memory-and-mfu.md)."""
 
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, NamedTuple
 
@@ -78,8 +77,7 @@ def nvml_counter(device: int) -> tuple[Any, str | None]:
 
 
 class EnergyMeter:
-    """Reads an energy counter, ``read_joules`` or what ``open_counter`` returns (called on the
-    meter's thread: NVML's start-up costs), on its own thread whenever :meth:`mark` asks."""
+    """Reads an energy counter on its own thread at each :meth:`mark` (``open_counter`` is called there too)."""
 
     def __init__(
         self, read_joules: Any = None, *, open_counter: Callable[[], tuple[Any, str | None]] | None = None
@@ -87,7 +85,6 @@ class EnergyMeter:
         self._read = read_joules
         self._open = open_counter
         self._asks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
         self.readings: list[Reading] = []
         self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="steptimer-energy", daemon=True)
@@ -108,12 +105,10 @@ class EnergyMeter:
             except Exception as err:  # a counter that fails stops the meter, never the run
                 self.error = f"energy: reading stopped ({err})"
                 return
-            with self._lock:
-                self.readings.append(Reading(step, perf_counter(), joules))
+            self.readings.append(Reading(step, perf_counter(), joules))  # atomic: no lock for the reader
 
     def taken(self) -> list[Reading]:
-        with self._lock:
-            return list(self.readings)
+        return list(self.readings)
 
     def close(self, step: int | None = None) -> list[Reading]:
         """Read once more after ``step`` if given, stop the thread, return every reading."""
@@ -124,16 +119,15 @@ class EnergyMeter:
         return self.taken()
 
 
+@dataclass
 class EnergyWindows:
-    """The GPU's energy per window (CUDA timing only), known one window late: it goes to the sinks that
-    take it at the next window, before that window's values, at its own step (a lower step than one
-    written would make TensorBoard drop the later ones); a reading later than that is left out there."""
+    """The GPU's energy per window, known one window late: written at the next window, before its values,
+    at its own step (TensorBoard drops later points after a lower step); a later reading is left out."""
 
-    def __init__(self) -> None:
-        self._meter: Any = None
-        self._per_step: dict[int, tuple[float | None, float | None]] = {}  # samples, tokens per step
-        self._written = 1  # readings before this one are done with
-        self._marked = -1  # the step of the last reading asked for: the last window's
+    _meter: Any = None
+    _per_step: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)  # samples, tokens
+    _written: int = 1  # readings before this one are done with
+    _marked: int = -1  # the step of the last reading asked for: the last window's
 
     def write_ready(self, sinks: Sequence[Any]) -> None:
         """The energy of the last window, if its closing reading is in, to the sinks."""

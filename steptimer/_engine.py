@@ -1,23 +1,7 @@
-"""The engine: steps and phases, CUDA events with one lagged wait per step, and finished steps
-resolved into the rows of a window (``_window.StepRows``).
-
-It knows nothing of TensorBoard, Lightning or the summary: the front doors (``timer.StepTimer``'s
-``with`` blocks, the Lightning callback, ``instrument()``) set a step's counts (``samples``,
-``tokens``, ``flops``), enter the engine for one step (``with engine:``, that is ``begin_step`` and
-``end_step``), a :class:`Phase` per name, and time the training loader's fetches through a
-:class:`Fetch` (``data``; the rest of the time between steps is ``loop``). The engine decides where
-windows end; at the end of ``end_step``, once its own state is whole, ``on_window(number)`` tells
-the owner that the rows of the window ending at step ``number`` are in ``rows`` (so an exception in
-the owner's window work, Ctrl-C included, leaves no step half-done).
-
-Per timed step with P back-to-back phases the GPU path makes P + 1 event records (a boundary that
-follows steptimer's last record within ``_SHARE_GAP_S`` reuses its event), 4 ``perf_counter()``
-calls per phase, and one event wait at the end of the step, on the end event of step N - lag, which
-with ``lag >= 1`` has normally completed already. Never a device-wide synchronize.
-
-With ``memory`` on, a timed GPU step also reads the caching allocator at each boundary (a host call,
-``_memory.MemoryReader``); a failed phase whose exception is a CUDA out-of-memory error leaves a note
-(phase, step, the peak allocated before it).
+"""The engine: steps and phases timed with CUDA events (one lagged event wait per step, never a
+device-wide synchronize) or the host clock; finished steps become rows of a window (``StepRows``).
+It knows no framework: once its state is whole at the end of ``end_step``, ``on_window(number)``
+tells the owner that the rows of the window ending at step ``number`` are in ``rows``.
 """
 
 from __future__ import annotations
@@ -33,31 +17,29 @@ from time import perf_counter
 from typing import Any, NamedTuple
 
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
-from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, oom_errors, oom_note, torch_memory_backend
+from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, oom_errors, torch_memory_backend
 from steptimer._slow import GcLog, dynamo_stats
 from steptimer._window import GAP_S, STEP_S, WAIT_S, RowKey, StepRows
 
 log = logging.getLogger("steptimer")
 
-# A boundary less than this long (host time) after steptimer's last event record reuses that event
-# instead of recording a new one: no kernel can be launched in between, since launching one from
-# Python costs several µs of host time. So P back-to-back phases cost P + 1 records, not 2P + 2.
+# A boundary this soon after steptimer's last event record reuses that event: no kernel launch from
+# Python fits in between (several µs). So P back-to-back phases cost P + 1 records, not 2P + 2.
 _SHARE_GAP_S = 1.5e-6
-# The previous phase's end is checked at a phase's exit (``Phase.__exit__``) only if the host left it at least
-# this long before: an idle GPU completes an event within its launch latency, a few µs after the record.
+# The previous phase's end is queried at a phase's exit only if the host left it this long before:
+# an idle GPU completes an event within its launch latency, a few µs after the record.
 _SETTLE_S = 50e-6
 _CAPTURE_MSG = (
     "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. Put "
     "`with timer.step():` around the graph replay, not inside the capture"
 )
 _NAN = math.nan
-# memory=MEMORY_AUTO reads the allocator on a timed step only once the time since the last read
-# step is MEMORY_BUDGET times what its readings cost (~10 µs each, a few per phase on an H100):
-# at most 0.1 % of the run, every step of a 100 ms step, one in ~20 of 5 ms steps.
+# memory=MEMORY_AUTO reads the allocator once the time since the last read step is MEMORY_BUDGET
+# times what its readings cost (~10 µs each on an H100): at most 0.1 % of the run.
 MEMORY_AUTO = -1
 MEMORY_BUDGET = 1000.0
-# The step state (Engine.state): between steps, a step outside the sample (no phase, no event), a
-# step timed on the host clock, a step timed with CUDA events. Ordered: ``state >= HOST`` is timed.
+# Engine.state: between steps, a step outside the sample, timed on the host clock, timed with CUDA
+# events. Ordered: ``state >= HOST`` is timed.
 OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
 _PLAIN = (None, False, False)  # a plain step's row layout (StepRows key): no phases, no GPU times
@@ -76,14 +58,11 @@ class PhaseRecord(NamedTuple):
 
 
 class StepRecord:
-    """A finished step whose GPU events may not have completed yet (what ``on_pending`` and the
-    ``recent`` ring get).
+    """A finished step whose GPU events may not have completed yet (for ``on_pending``, ``recent``).
 
-    ``row`` is the step's row of the window so far: its ``LEAD`` columns (``_window.py``), built by
-    ``end_step``; ``_resolve`` completes a copy of it. ``phases`` holds one plain tuple per phase
-    entry, laid out as :class:`PhaseRecord` (a tuple is built at each phase exit: a NamedTuple
-    costs ~0.2 µs more each); read them by name through :meth:`phase_records`.
-    ``events[i_start]``/``events[i_end]`` bound the step on the GPU.
+    ``row`` holds its ``LEAD`` columns (``_window.py``). ``phases`` holds plain tuples laid out as
+    :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more): :meth:`phase_records`
+    names them. ``events[i_start]``/``events[i_end]`` bound the step on the GPU.
     """
 
     __slots__ = (
@@ -98,7 +77,7 @@ class StepRecord:
         self, number: int, t0: float, timed: bool, warmup: bool, row: list[float], gap_s: float | None,
         phases: list[tuple[str, float, float, int, int, float]], pauses: Sequence[tuple[Any, Any]], device: int,
     ) -> None:  # fmt: skip
-        # Every field once, from end_step (~0.3 µs less than defaults then overwrites, every step).
+        # Hand-written, every field once: ~0.15 µs less than a slotted dataclass's __init__.
         self.number = number
         self.t0 = t0
         self.timed = timed
@@ -113,10 +92,8 @@ class StepRecord:
         self.i_start = self.i_end = 0
         self.memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
         self.marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
-        # Set later, not here (a slot assignment per step is not free): ``paused_s``, host time under
-        # pause() since the previous step; when a timed GPU step is resolved, ``offs_ms`` (each
-        # event's ms from the first) and ``chain_ms`` (GPU ms from the previous step's end event to
-        # this step's first, pauses included).
+        # Set later (a slot assignment per step is not free): ``paused_s``; on a resolved timed GPU
+        # step ``offs_ms`` (each event's ms from the first) and ``chain_ms`` (from the previous end).
 
     def phase_records(self) -> list[PhaseRecord]:
         """The step's phase entries with named fields, in entry order."""
@@ -126,33 +103,17 @@ class StepRecord:
 class Engine:
     """Steps, phases and their events; finished steps become rows of ``rows``.
 
-    Args:
-        lag: 0 waits at the end of each step for that step's GPU work; k >= 1 waits at the end of
-            step N for step N - k.
-        sample_every: time the phases of one step in every ``sample_every``, chosen at random in
-            each block of that many steps.
-        warmup_steps: the first steps, flagged as warm-up in their rows' windows.
-        start_step: steps already done; the first step is ``start_step + 1``.
-        cuda: None: CUDA timing if usable at the first step; True: required; False: host only.
+    Args (the rest as :class:`~steptimer.StepTimer`'s):
         backend: the CUDA calls (tests pass a simulated GPU); None: the default backend.
-        window_every: a window may end at every step whose number is a multiple of this (and at
-            the last warm-up step): ``on_window`` is called with its last step's number at the end
-            of ``end_step`` (or in ``close``), once its rows, and no later ones, are in ``rows``.
-        window_min_s: with ``window_max``, a window goes on past a multiple of ``window_every``
-            until it lasts this long or holds ``window_max`` steps (0: every multiple ends one).
+        window_every: a window may end at each multiple of this (and at the last warm-up step).
+        window_min_s: a window goes on past a multiple until it lasts this long or holds
+            ``window_max`` steps (0: every multiple ends one).
         on_pending: called with each finished step before its events are released (trace capture).
-        recent: a deque (with a ``maxlen``) that gets the resolved steps in order, all but untimed
-            ones resolved at their own end (the flight recorder's ring, ``_flight.py``): a
-            ``StepRecord``, or ``(t0, row, phases)`` for a timed host step resolved at its own end
-            (its row is ``_window.py``'s).
-        memory: read the CUDA caching allocator on one timed GPU step in this many, the first
-            timed step included (``_memory.py``); 0: never; ``MEMORY_AUTO``: on the first timed
-            GPU step, then on the first one that begins ``MEMORY_BUDGET`` times the last read
-            step's reading time after that step began (readings take at most ~0.1 % of the run).
+        recent: a deque that gets the resolved steps but untimed ones resolved at their own end (the
+            flight recorder's ring): a ``StepRecord``, or ``(t0, row, phases)`` for a host step.
+        memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
         memory_backend: the allocator calls (tests pass a fake allocator); None: torch's.
-        slowest: note what may make a step slow (``_slow.py``): Python GC pauses (a ``gc.callbacks``
-            entry from the first step to ``close``), ``torch.compile`` graphs compiled in the step
-            (one dict lookup per step once ``torch._dynamo`` is imported), time under ``pause()``.
+        slowest: mark what may make a step slow (``_slow.py``): GC pauses, compiled graphs, pauses.
     """
 
     def __init__(
@@ -177,13 +138,10 @@ class Engine:
         self._on_pending = on_pending
         self._recent = recent
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
-        self._next_timed = self._pick_timed(0)
-        # The current step: its state (OUT, UNTIMED, HOST, GPU), what a phase reads first. In an
-        # UNTIMED step the front door may hand out a no-op context manager for its phases
-        # (StepTimer.phase), ~0.2 µs instead of ~0.6 µs a phase.
+        self._pick_next(start_step)
         self.state = OUT
         self._t0 = 0.0
-        # The step's counts, set by the front door before the step ends (timer.StepTimer.step).
+        # The step's counts, set by the front door before the step ends.
         self.samples: float | None = None
         self.tokens: float | None = None
         self.flops: float | None = None
@@ -193,7 +151,6 @@ class Engine:
         self._evs: list[Any] = []
         self._last_t = -math.inf  # host time of the last record, for sharing it
         self._last_i = -1
-        # Between steps.
         self._gap_start: float | None = None
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
@@ -201,13 +158,13 @@ class Engine:
         self._window_due = 0  # the last step of a window that ended, not yet handed to the owner
         self._window_min_s = window_min_s
         self._window_max = window_max or window_every
-        self._window_last = start_step  # the last window's last step, and the step_t0 it was handed at
+        self._window_last = start_step  # the last window's last step, and the _t0 it was handed at
         self._window_t = -math.inf
         self.own_s = 0.0  # host time of steptimer's own window work between steps (_hand_window)
-        self._first_t0: float | None = None  # the first step's start (run_s)
-        self._pausing = False  # inside pause(): a nested pause counts once
+        self._first_t0: float | None = None
+        self._pausing = False
         self._waited = start_step  # the newest step number waited for
-        # CUDA, settled at the first step.
+        # CUDA and memory, settled at the first step.
         self._cuda_opt = cuda
         self.cuda: bool | None = None
         self.b: _CudaBackend | None = backend
@@ -219,27 +176,23 @@ class Engine:
         self.held_end: tuple[int, int, Any] | None = None  # (number, device, end event) of the last resolved
         self.events_created = 0
         self._query: Callable[[Any], bool] = lambda ev: False
-        # Memory, settled with CUDA at the first step; _mem is the reader on the current step.
         self._memory_opt = int(memory)
         self._mem_steps = 0  # timed GPU steps so far: the memory is read on every _memory_opt-th
         self._mem_next = -math.inf  # MEMORY_AUTO: the host time after which a timed step is read
         self._custom_backend = backend is not None
         self._mem_backend = memory_backend
         self.memory: MemoryReader | None = None
-        self._mem: MemoryReader | None = None
+        self._mem: MemoryReader | None = None  # the reader on the current step
         # (phase or None, step, peak bytes before it, the step was timed) of a CUDA out-of-memory error
         self.oom: tuple[str | None, int, int | None, bool] | None = None
-        # What may make a step slow (_slow.py): GC spans, dynamo's counters, the graphs seen so far.
-        self.gc_log: GcLog | None = GcLog(perf_counter) if slowest else None
+        self.gc_log: GcLog | None = GcLog(perf_counter) if slowest else None  # None: no slow-step marks
         self.comm: Any = None  # a watched DDP model's collectives (_comm.CommRecorder)
-        self._slowest = slowest
         self._dyn: Any = None
         self._graphs = 0
 
     @property
     def run_s(self) -> float:
-        """Host seconds from the first step's start to the end of the last step (or of steptimer's
-        own work after it); 0 before the first step."""
+        """Host seconds from the first step's start to the end of the last step (or window work)."""
         return 0.0 if self._gap_start is None or self._first_t0 is None else self._gap_start - self._first_t0
 
     @property
@@ -247,16 +200,13 @@ class Engine:
         """A step is open."""
         return self.state != OUT
 
-    # ------------------------------------------------------------------ steps
-
     def begin_step(self) -> None:
-        """Begin a step (``with engine:`` enters it: the context manager is the engine itself, a
-        Python call less at each end of every step than a wrapper's)."""
+        """Begin a step (``with engine:``: the engine is its own context manager, a call less)."""
         if (self.state or self.closed or self.cuda is None) and not self._may_begin():
             return
         self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
         if self.number + 1 != self._next_timed:  # outside the sample: no phase, no event, no reading
-            self._recs = self._evs = _EMPTY  # never appended to: a step that needs events gets a list
+            self._recs = self._evs = _EMPTY
             self._mem = None
             self.state = UNTIMED
             return
@@ -287,8 +237,7 @@ class Engine:
         self.state = GPU
 
     def _may_begin(self) -> bool:
-        """The rare cases at a step's start: a step already open, a closed engine (False: a no-op
-        step, when steptimer closed itself at exit), the first step (settle CUDA)."""
+        """A step's rare starts: nested (an error), closed (False: a no-op step if quiet), the first."""
         if self.state:
             raise RuntimeError("step() entered inside a step: steps cannot nest (one step = one optimizer step)")
         if self.closed:
@@ -304,14 +253,9 @@ class Engine:
         return True
 
     def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:
-        """Finish the step (drop it if it raised, ``et`` not None, or a phase is open), wait once,
-        resolve what is due (``with engine:`` exits it: never swallows the exception); then, once
-        the engine's state is whole, hand a window that ended to the owner (``on_window``).
-
-        The step's counts are those set last (the Lightning callback counts a step's samples over
-        its micro-batches). ``error``: the exception that ended the step, if any (else
-        ``sys.exc_info()``'s), for the out-of-memory note.
-        """
+        """Finish the step (drop it if it raised or a phase is open), wait once, resolve what is due,
+        then hand a window that ended to the owner. ``error`` (else ``sys.exc_info()``'s): for the
+        out-of-memory note. Never swallows the exception."""
         if not self.state:
             return
         t1 = perf_counter()
@@ -331,13 +275,13 @@ class Engine:
             if gap < 0.0:
                 gap = 0.0
         samples, tokens, flops = self.samples, self.tokens, self.flops
-        # The step's LEAD columns (_window.py); its host time is set at its end, its wait by _resolve.
+        # The LEAD columns (_window.py); STEP_S is set at the step's end, WAIT_S by _resolve.
         row = [
             number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
             gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops, fetch,
         ]  # fmt: skip
         try:
-            if self._pending:  # what needs no wait: all of it host only, else the steps without events
+            if self._pending:
                 try:
                     self._resolve_ready()
                 except BaseException:  # this step ended well: it is kept, queued, before the error goes on
@@ -356,10 +300,8 @@ class Engine:
             ):
                 self._finish_later(t1, number, row)
             else:
-                # Resolved at its own end: a step without GPU events (untimed, or timed on the host
-                # clock) with nothing older pending and nothing to mark has its row complete now, so
-                # it skips the record and the queue (bench/small_steps.py's host and untimed rows).
-                # While captures (on_pending) want each step's record, a timed step is queued.
+                # The short way: a step without events, nothing pending and nothing to mark has its
+                # row whole now, so it skips the record and the queue (bench/small_steps.py).
                 self.number = number
                 if state == HOST:
                     recs = self._recs
@@ -380,18 +322,16 @@ class Engine:
             self._hand_window()
 
     def _discard(self, et: type[BaseException] | None, error: BaseException | None) -> None:
-        """End a step that raised (``et``) or left a phase open (an error of its own) by dropping it."""
+        """Drop a step that raised (``et``) or left a phase open (an error of its own)."""
         open_ = self._stack[-1][0] if self._stack else None
         if et is not None and self.memory is not None and self.oom is None:
-            # phases still open (a front door that exits them only on success: Lightning's)
             self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
         self._drop_step()
         if et is None:
             raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
 
     def _finish_later(self, t1: float, number: int, row: list[float]) -> None:
-        """End the step as a record (``StepRecord``) in the queue: wait for step N - lag's end event,
-        resolve the steps that are due; this one is resolved at a later step's end (or close)."""
+        """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due."""
         pending = self._pending
         t0 = self._t0
         state = self.state
@@ -401,8 +341,11 @@ class Engine:
             self._recs, self._pause_evs or _NO_PAUSES, self.device,
         )  # fmt: skip
         rec.paused_s = self._paused_s
-        if self._dyn is not None:
-            self._note_compiles(rec)
+        if self._dyn is not None:  # did torch.compile compile a graph in the step? (one dict lookup)
+            graphs = self._dyn.get("unique_graphs", 0)
+            if graphs > self._graphs:
+                rec.marks = {"graphs_new": float(graphs - self._graphs), "graphs": float(graphs)}
+            self._graphs = graphs
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
@@ -410,8 +353,7 @@ class Engine:
                 rec.memory = self._mem.end_step(shared)
                 self._mem_next = t0 + MEMORY_BUDGET * self._mem.spent_s
         elif self.cuda and number + 1 == self._next_timed and self._stream_key is not None:
-            # An untimed step right before a timed one: one event marks its end, so the timed step
-            # gets its GPU idle.
+            # An untimed step right before a timed one: an end event gives the timed step its GPU idle.
             self._evs = []
             self._last_t = -math.inf
             self._boundary(t1)
@@ -423,10 +365,8 @@ class Engine:
         if self._pause_evs:
             self._pause_evs = []
         self._paused_s = 0.0
-        # Wait on the end of step N - lag (N itself with lag 0), then resolve every step up to it,
-        # except this one. Steps waited for already (with lag 0, all before this one) are resolved
-        # before the wait, while the GPU still runs this step: after a lag 0 wait the GPU sits idle
-        # until the next launch.
+        # Steps waited for already are resolved before the wait, while the GPU still runs this step
+        # (after a lag 0 wait the GPU sits idle until the next launch).
         if self.cuda:
             due = number - self.lag
             self._resolve_upto(min(self._waited, number - 1))
@@ -439,16 +379,13 @@ class Engine:
         if number == self._next_timed:
             self._pick_next(number)
         if not self.cuda and self._on_pending is None:
-            # Host only, the step is whole now: resolved at its own end as on the short way, so a window
-            # ends at the same step on every rank whichever way each step took (a GC pause on one rank):
-            # a rank a step late to the cross-rank round would wait there while the others wait for it
-            # in their next step's all-reduce. (A capture's listener gets queued steps.)
+            # Resolved now as on the short way, so a window ends at the same step on every rank
+            # whichever way each step took: a rank a step late to the cross-rank round would deadlock.
             self._resolve_upto(number)
 
     def _recover(self) -> None:
-        """After an exception inside ``end_step``'s own work (a signal, steptimer's own failure): a step not yet
-        the engine's is dropped; the engine's last step gets its host time; steps resolved so far
-        stay resolved and the others stay pending. The next step then begins as usual."""
+        """After an exception in ``end_step``'s own work: drop a step not yet queued, else give it its
+        host time; the next step then begins as usual."""
         if self.state:
             self._drop_step()
             return
@@ -460,10 +397,8 @@ class Engine:
             self._pick_next(self.number)
 
     def _window_ends(self, number: int) -> int:
-        """``number`` (a multiple of ``window_every``, or the last warm-up step) if a window ends
-        there, else 0: the default window goes on to the next multiple until it lasts
-        ``window_min_s`` (or ``window_max`` steps); the last warm-up step always ends one, so that
-        no window mixes warm-up steps (left out of the summary) with later ones."""
+        """``number`` if a window ends there, else 0. The last warm-up step always ends one: no window
+        mixes warm-up steps with later ones."""
         if (
             self._window_min_s
             and number != self.last_warmup
@@ -474,11 +409,8 @@ class Engine:
         return number
 
     def _hand_window(self) -> None:
-        """Give the owner the window that ended (``on_window``), with the engine's state whole.
-
-        Its work (statistics, sinks) is steptimer's own (``own_s``), never a step's: it runs after
-        the step's end, and the next step's data wait starts when it ends; with CUDA, two pause
-        events around it keep any GPU idle it causes out of the next step's ``idle``."""
+        """Call ``on_window``: steptimer's own time (``own_s``), in no step, data wait or GPU idle
+        (two pause events around it)."""
         number, self._window_due = self._window_due, 0
         self._window_last, self._window_t = number, self._t0
         t0 = perf_counter()
@@ -493,42 +425,31 @@ class Engine:
             self.own_s += t1 - t0
 
     def _pick_next(self, number: int) -> None:
-        """After the timed step ``number``: pick the next one to time."""
-        if self.sample_every == 1:
-            self._next_timed = number + 1  # _pick_timed's answer, without the call
+        """After the timed step ``number`` (``start_step`` at first), pick the next step to time: one
+        at random in each block of ``sample_every`` steps. The engine's one sampling decision."""
+        n = self.sample_every
+        if n == 1:
+            self._next_timed = number + 1
         else:
-            self._next_timed = self._pick_timed((number - self.first_number) // self.sample_every + 1)
+            block_start = self.first_number + ((number - self.first_number) // n + 1) * n
+            self._next_timed = block_start + self._rng.randrange(n)
 
     __enter__ = begin_step
     __exit__ = end_step
 
     def find_dynamo(self) -> None:
-        """Start counting ``torch.compile``'s graphs per step once ``torch._dynamo`` is imported
-        (looked for at the first step and at each window, never imported here)."""
-        if self._slowest and self._dyn is None:
+        """Count ``torch.compile``'s graphs per step once ``torch._dynamo`` is imported (never here)."""
+        if self.gc_log is not None and self._dyn is None:
             self._dyn = dynamo_stats()
             if self._dyn is not None:
                 self._graphs = self._dyn.get("unique_graphs", 0)
 
-    def _note_compiles(self, rec: StepRecord) -> None:
-        """Mark the step if ``torch.compile`` compiled a graph in it (dynamo's counter, one lookup)."""
-        graphs = self._dyn.get("unique_graphs", 0)
-        if graphs != self._graphs:
-            if graphs > self._graphs:
-                rec.marks = {"graphs_new": float(graphs - self._graphs), "graphs": float(graphs)}
-            self._graphs = graphs
-
     def rejoin_phase(self, name: str, into: str) -> bool:
-        """Undo the open phase ``name`` and reopen the entry of ``into`` that ended where it began.
+        """Undo the open phase ``name`` and reopen the sibling ``into`` that ended where it began.
 
-        For a boundary known only later: the Lightning callback's ``forward`` runs from the first
-        model call to the last, but whether a call was the last is known only at the next one. The
-        two entries become one entry of ``into``, open again, when ``into`` (a sibling) was the last
-        phase to exit and ``name`` is open with nothing ended inside it. Costs two list writes; the
-        boundary's event stays in the step's list and goes back to the pool with it. The memory
-        reader needs nothing: its running peak of ``name`` carries on as ``into``'s, and the reading
-        at the first exit merges with the last by the window's rules (max of peaks, last level).
-        Returns False, changing nothing, otherwise, and on an untimed step (nothing to join).
+        For a boundary known only later (a hook driver's ``forward`` runs to the last model call,
+        known at the next one). Needs ``name`` open with nothing ended inside it; else (or on an
+        untimed step) returns False and changes nothing. The memory reader's peak carries on.
         """
         stack, recs = self._stack, self._recs
         if self.state < HOST or not stack or not recs or stack[-1][1] != name:
@@ -542,8 +463,7 @@ class Engine:
         return True
 
     def _resolve_ready(self) -> None:
-        """Resolve the pending steps that need no wait: every one host only; with CUDA, the oldest
-        ones without events (untimed)."""
+        """Resolve the pending steps that need no wait (with CUDA, the oldest ones without events)."""
         pending = self._pending
         if not self.cuda:
             self._resolve_upto(self.number)
@@ -552,15 +472,13 @@ class Engine:
                 self._resolve(pending[0])
 
     def _resolve_upto(self, upto: int) -> None:
-        """Resolve the pending steps up to ``upto``, stopping at a window's end (the owner takes
-        the window before the steps after it go into rows)."""
+        """Resolve the pending steps up to ``upto``, stopping at a window's end."""
         pending = self._pending
         while pending and pending[0].number <= upto and not self._window_due:
             self._resolve(pending[0])
 
     def begin_pause(self) -> tuple[float, Any] | None:
-        """Start a pause; None inside another pause: the outer one already holds this time, and a
-        nested pause counts once (its time subtracted from the data wait once, not twice)."""
+        """Start a pause; None inside another pause (a nested pause counts once)."""
         if self.state:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
         if self._pausing:
@@ -584,9 +502,9 @@ class Engine:
         """Drop an unfinished step and resolve every pending one (one wait, on the newest)."""
         if self.state:
             self._drop_step()
-        if self._pending:
-            if self.cuda and self._pending[-1].number > self._waited:  # lag 0 waited already
-                self._wait_for(self._pending[-1].number)
+        pending = self._pending
+        if pending and self.cuda and pending[-1].number > self._waited:  # lag 0 waited already
+            self._wait_for(pending[-1].number)
         while True:
             if self._window_due:
                 self._hand_window()
@@ -606,10 +524,9 @@ class Engine:
             self.held_end = None
 
     def _drop_step(self) -> None:
-        """Forget the current step (it raised, or was left inconsistent); keep everything before it."""
+        """Forget the current step; keep everything before it."""
         self._free += self._evs
-        for a, b in self._pause_evs:
-            self._free += (a, b)
+        self._free += [ev for pair in self._pause_evs for ev in pair]
         self._pause_evs = []
         self._evs = []
         self._recs = []
@@ -623,14 +540,6 @@ class Engine:
         self._paused_s = 0.0
         if self.fetch_s == self.fetch_s:
             self.fetch_s = 0.0
-
-    def _pick_timed(self, block: int) -> int:
-        """The one step timed in block ``block`` (``sample_every`` steps), chosen at random."""
-        n = self.sample_every
-        start = self.first_number + block * n
-        return start if n == 1 else start + self._rng.randrange(n)
-
-    # ------------------------------------------------------------------ CUDA
 
     def _settle_cuda(self) -> None:
         opt = self._cuda_opt
@@ -652,7 +561,6 @@ class Engine:
         if self.b.note:
             self.notes.append(self.b.note)
         if self._memory_opt and (self._mem_backend is not None or not self._custom_backend):
-            # torch's allocator only under real CUDA events (a simulated GPU has none)
             mb = self._mem_backend or torch_memory_backend()
             self.memory = MemoryReader(mb) if mb is not None else None
 
@@ -661,13 +569,9 @@ class Engine:
         err = error if error is not None else sys.exc_info()[1]
         if err is None or not isinstance(err, oom_errors()):
             return
-        if peak is None and self.memory is not None:  # a step not read (untimed): the allocator's
-            peak = self.memory.b.read(self.memory.device)[1]  # peak since steptimer's last reading
+        if peak is None and self.memory is not None:  # an unread step: the peak since the last reading
+            peak = self.memory.b.read(self.memory.device)[1]
         self.oom = (phase, self.number + 1, peak, self._mem is not None)
-
-    def oom_note(self) -> str | None:
-        """The summary's line on a CUDA out-of-memory error inside a step, if one struck."""
-        return None if self.oom is None else oom_note(*self.oom)
 
     def _backend(self) -> _CudaBackend:
         if self.b is None:  # pragma: no cover - only reachable through a bug in this file
@@ -690,9 +594,7 @@ class Engine:
         return self._backend().new_event()
 
     def _boundary(self, t: float) -> int:
-        """The index in this step's events of an event recorded at host time ``t`` (shared with the
-        last record when that was less than ``_SHARE_GAP_S`` before). Called only once CUDA is
-        settled (``self.b`` set); ``_take_event`` is inlined: ~10 times a step."""
+        """The index in this step's events of an event recorded at host time ``t`` (maybe shared)."""
         if t - self._last_t < _SHARE_GAP_S:
             return self._last_i
         ev = self._free.pop() if self._free else self._take_event()
@@ -710,11 +612,7 @@ class Engine:
         return ev
 
     def _wait_for(self, upto: int) -> None:
-        """Block until the newest pending step numbered ``upto`` or lower has finished on the GPU.
-
-        One wait per step; an older pending step on another device is waited for too, since one
-        device finishing says nothing of another.
-        """
+        """Wait for the newest pending step up to ``upto`` (and older ones on another device)."""
         self._waited = upto
         due = [rec for rec in self._pending if rec.number <= upto and rec.events]
         if not due:
@@ -727,9 +625,8 @@ class Engine:
                 b.wait(rec.events[rec.i_end])
 
     def _resolve(self, rec: StepRecord) -> None:
-        """Turn the oldest pending step ``rec`` into one row of the window (``StepRows``); read its
-        GPU events. Everything before the step leaves ``pending`` only reads, so an exception there
-        (Ctrl-C) leaves the step pending, to be resolved again."""
+        """Turn the oldest pending step into a row of ``rows``. Everything before ``popleft`` only
+        reads, so an exception there (Ctrl-C) leaves the step pending."""
         if self._on_pending is not None:  # before the step's events go back to the pool
             self._on_pending(self, rec)
         recs = rec.phases
@@ -767,14 +664,15 @@ class Engine:
             self.held_end = (rec.number, rec.device, evs[rec.i_end])
         for a, c in rec.pauses:
             self._free += (a, c)
-        if self._slowest and (rec.marks or rec.paused_s or self.gc_log.spans):  # type: ignore[union-attr]
+        gcl = self.gc_log
+        if gcl is not None and (rec.marks or rec.paused_s or gcl.spans):
             self._mark(rec)
         if rec.memory is not None:
             self.rows.memory.append(rec.memory)
         self._add_row(rec.number, (names, has_gpu, has_idle), row)
 
     def _add_row(self, number: int, key: RowKey, row: list[float]) -> None:
-        """Put a resolved step's row in the window; note a window that ends with it."""
+        """Put a resolved step's row in ``rows``; note a window that ends with it."""
         rows = self.rows
         rows.add(key, row)
         if self.comm is not None and (comm := self.comm.take(number)) is not None:
@@ -792,8 +690,7 @@ class Engine:
             rec.marks[key] = rec.marks.get(key, 0.0) + value
 
     def _mark(self, rec: StepRecord) -> None:
-        """Put what happened in the step (``rec.marks``, GC inside its host time range, a pause
-        before it) in the window's sparse ``rows.marks``; nothing when nothing happened."""
+        """Put what happened in the step (marks, GC, a pause before it) in ``rows.marks``."""
         marks = rec.marks
         gcl = self.gc_log
         if gcl is not None and gcl.spans:
@@ -816,9 +713,8 @@ class Engine:
 
 
 class Phase:
-    """``with timer.phase(name):``: a phase's entry and exit in the engine ``e`` (one object per
-    name, reused). The context manager itself does the work, not a call into the engine from it:
-    a Python call less at each entry and exit (~0.1 µs each, 8 a step of 4 phases)."""
+    """``with timer.phase(name):`` (one object per name, reused); it does the engine's work itself:
+    a Python call less at each entry and exit (~0.1 µs each)."""
 
     __slots__ = ("e", "name", "r")
 
@@ -849,8 +745,7 @@ class Phase:
             e._last_t = perf_counter()
 
     def __exit__(self, et: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
-        """Leave the phase (never swallows ``error``, the exception that ended it, if any: it is
-        only read for the out-of-memory note)."""
+        """Leave the phase; ``error`` is read only for the out-of-memory note, never swallowed."""
         t1 = perf_counter()
         e, name, failed = self.e, self.name, et is not None
         state = e.state
@@ -868,17 +763,13 @@ class Phase:
         full, _, t_in, i_in = stack.pop()
         i_out, caught = -1, 0.0
         if gpu:
-            # Has the GPU reached the phase's entry yet? If not, it had older work queued all the time
-            # the host launched this phase, so it cannot have waited for the host inside it (a query,
-            # never a wait: one runtime call, ~0.3 µs through the shim).
+            # Has the GPU reached the phase's entry? If not, older work kept it busy the whole phase:
+            # it cannot have waited for the host inside it (a query, ~0.3 µs through the shim).
             caught = 1.0 if e._query(e._evs[i_in]) else 0.0
             prev = e._recs[-1] if e._recs else None
             if prev is not None and prev[5] and t1 - prev[2] >= _SETTLE_S:
-                # The phase that ended before this one: the GPU passed its start while the host was in
-                # it; has it reached its end by now? A host blocked in a full launch queue lets the GPU
-                # pass a phase's start with a thousand launches still queued, and then the GPU never
-                # waited there. A GPU that waited for launches finishes the phase's work right after
-                # the host leaves it, within its launch latency (a few µs: hence _SETTLE_S).
+                # The previous phase was caught: has the GPU reached its end by now? A GPU that waited
+                # for launches finishes within its launch latency; one that has not had a queue.
                 reached = caught if prev[4] == i_in else e._query(e._evs[prev[4]])
                 if not reached:
                     e._recs[-1] = prev[:5] + (0.0,)
@@ -893,15 +784,11 @@ class Phase:
 
 
 class Fetch:
-    """The training loader's iterator ``it`` with each ``__next__`` timed in the engine ``e``.
+    """The loader's iterator ``it`` with each ``__next__`` timed (~0.2 µs a batch, bench/fetch.py).
 
-    Between steps the time adds to the next step's ``FETCH_S`` (the ``data`` row; the rest of the
-    time between steps is ``loop``); inside a step with no phase open (a micro-batch fetched while
-    accumulating) it is a ``data`` phase; inside a phase or a ``pause()`` it is that phase's or
-    pause's time already and is not counted again. Whatever ``it`` raises, StopIteration included,
-    passes through unchanged. A front door that sees a fetch only as two events (Lightning's
-    profiler calls) makes one with no iterator and calls :meth:`start` and :meth:`stop`.
-    Costs ~0.2 µs per batch between steps (bench/fetch.py).
+    Between steps the time goes to the next step's ``FETCH_S``; inside a step with no phase open it
+    is a ``data`` phase; inside a phase or a pause it is not counted again. Without ``it``, a front
+    door calls :meth:`start` and :meth:`stop` itself (Lightning's profiler calls).
     """
 
     __slots__ = ("_e", "_it", "_phase")

@@ -1,8 +1,7 @@
 """Close the timers still open when the process ends: at ``atexit`` and on SIGTERM (whose default skips
 ``atexit``), through a handler in front of the one found (as git's ``sigchain``) that closes every live
 timer, puts the found handler back and hands the signal on. Timers are held weakly and forgotten in a
-forked child (a DataLoader worker must not write the parent's timers).
-"""
+forked child (a DataLoader worker must not write the parent's timers)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import signal
 import threading
 import warnings
 import weakref
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
 
@@ -62,14 +62,12 @@ def _close_all(why: str) -> None:
     _live.clear()
 
 
+@dataclass(eq=False)
 class _Chain:
     """The SIGTERM handler in front of ``prev``, the disposition it found. Python runs it between two
     bytecodes of the main thread, so closing timers cannot deadlock on a lock held in C."""
 
-    __slots__ = ("prev",)
-
-    def __init__(self, prev: Any) -> None:
-        self.prev = prev
+    prev: Any
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         global _chain

@@ -19,9 +19,8 @@ def cause(err: OSError) -> str:
 
 
 def unwritten(what: str, path: str, err: OSError) -> str:
-    """Warn once on the ``steptimer`` logger that ``what`` could not be written to ``path``; return
-    the same sentence for the summary's notes. A logger warning, not ``warnings.warn``: with ``-W
-    error`` a warning would become an exception inside the user's step."""
+    """Warn once on the ``steptimer`` logger (``warnings.warn`` raises under ``-W error``, inside the
+    user's step) that ``what`` could not be written to ``path``; return the sentence for the notes."""
     msg = f"can't write {what} to {path!r} ({cause(err)}); training went on without it"
     log.warning("steptimer: %s", msg)
     return msg

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # One grid for every histogram of every window, rank and run, so histograms merge by adding counts.
 # Bucket i holds [BASE_MS * _RATIO**i, BASE_MS * _RATIO**(i+1)): with a 1 % ratio, a quantile read
@@ -25,22 +25,25 @@ def bucket_upper_ms(index: int) -> float:
     return BASE_MS * _RATIO ** (index + 1)
 
 
+def grid_index(upper_ms: float) -> int:
+    """The bucket index of a written bucket limit (for readers of the histograms)."""
+    return bucket_index(upper_ms * 0.995)
+
+
 _UPPER_MS = [bucket_upper_ms(i) for i in range(NUM_BUCKETS)]
 
 
+@dataclass
 class LogHistogram:
     """Per-step values on the grid: O(distinct buckets) memory whatever the number of steps; count,
     sum, min and max exact."""
 
-    __slots__ = ("counts", "count", "sum_ms", "sumsq_ms", "min_ms", "max_ms")
-
-    def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
-        self.count = 0
-        self.sum_ms = 0.0
-        self.sumsq_ms = 0.0
-        self.min_ms = math.inf
-        self.max_ms = -math.inf
+    counts: dict[int, int] = field(default_factory=dict)
+    count: int = 0
+    sum_ms: float = 0.0
+    sumsq_ms: float = 0.0
+    min_ms: float = math.inf
+    max_ms: float = -math.inf
 
     def add(self, value_ms: float) -> None:
         i = bucket_index(value_ms)
@@ -48,10 +51,8 @@ class LogHistogram:
         self.count += 1
         self.sum_ms += value_ms
         self.sumsq_ms += value_ms * value_ms
-        if value_ms < self.min_ms:
-            self.min_ms = value_ms
-        if value_ms > self.max_ms:
-            self.max_ms = value_ms
+        self.min_ms = min(self.min_ms, value_ms)
+        self.max_ms = max(self.max_ms, value_ms)
 
     def merge(self, other: LogHistogram) -> None:
         for i, c in other.counts.items():
@@ -66,19 +67,10 @@ class LogHistogram:
     def mean_ms(self) -> float:
         return self.sum_ms / self.count if self.count else math.nan
 
-    def buckets(self) -> tuple[list[float], list[float]]:
-        """The non-empty buckets in order: their upper edges (ms) and counts (as floats, the type
-        TensorBoard's histogram fields hold)."""
-        idx = sorted(self.counts)
-        counts = self.counts
-        return [_UPPER_MS[i] for i in idx], [float(counts[i]) for i in idx]
-
     def quantile_ms(self, q: float) -> float:
         """The ``q`` quantile of the values added (nearest rank), to within half a bucket (0.5 %)."""
-        if not self.count:
-            return math.nan
-        if q >= 1.0:
-            return self.max_ms
+        if not self.count or q >= 1.0:
+            return self.max_ms if self.count else math.nan
         rank = max(1, math.ceil(q * self.count))
         seen = 0
         for i in sorted(self.counts):
@@ -87,11 +79,6 @@ class LogHistogram:
                 mid = math.sqrt(_UPPER_MS[i - 1] * _UPPER_MS[i]) if i else _UPPER_MS[0] / 2
                 return min(max(mid, self.min_ms), self.max_ms)
         return self.max_ms  # pragma: no cover - counts always sum to count
-
-
-def grid_index(upper_ms: float) -> int:
-    """Recover the bucket index from a written bucket limit (for readers of the histograms)."""
-    return bucket_index(upper_ms * 0.995)
 
 
 @dataclass(frozen=True)

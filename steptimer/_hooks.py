@@ -1,6 +1,5 @@
-"""The one place that puts hooks on a user's model and optimizers (:class:`Hooks`, through torch's
-handles or with what was there before, so :meth:`Hooks.remove` leaves nothing of steptimer), and
-finds the model and optimizers of a loop nobody named (:class:`Discovery`, docs/run.md).
+"""The one place that puts hooks on a user's model and optimizers (:class:`Hooks`: its ``remove``
+leaves nothing of steptimer) and finds those of a loop nobody named (:class:`Discovery`, docs/run.md).
 """
 
 from __future__ import annotations
@@ -14,93 +13,90 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["Discovery", "Hooks", "batch_counts"]
+__all__ = ["Discovery", "Hooks", "batch_counts", "holds"]
 
-# The module attributes that hold forward hooks, keyed by handle id (torch.nn.Module.__init__).
+# The module attributes that hold forward hooks, keyed by handle id (nn.Module.__init__).
 _HOOK_DICTS = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called",
 )  # fmt: skip
 
 
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+_Fn = Callable[..., Any]
+
+
+def _eager(fn: _Fn) -> _Fn:
     # torch.compile would otherwise trace a hook into its graph (its clock reads and state changes
     # replayed at the wrong time); disabled, it runs eagerly at a graph break.
     return torch.compiler.disable(fn)  # type: ignore[no-any-return]
 
 
 class Hooks:
-    """Every hook and wrapper one front door put on a user's objects; :meth:`remove` takes all out."""
+    """Every hook and wrapper one front door put on a user's objects; :meth:`remove` takes all out.
+    ``eager``: they run eagerly under ``torch.compile``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, eager: bool = True) -> None:
+        self._eager = eager
         self._handles: list[Any] = []
         self._ids: dict[int, list[int]] = {}  # id(module) -> ids of the forward hook handles on it
         self._patched: list[tuple[Any, str, Any, Any]] = []  # (object, attribute, our wrapper, before)
-        self._backward: tuple[Any, Any] | None = None  # (the original, our wrapper)
-        self._loaders: tuple[Any, Any] | None = None  # DataLoader.__iter__: (the original, our wrapper)
+        self._globals: list[tuple[Any, str, Any, Any]] = []  # (module or class, attribute, before, ours)
         self._reducers: list[_Reducer] = []
 
+    def _own(self, fn: _Fn) -> _Fn:
+        return _eager(fn) if self._eager else fn
+
     def forward(
-        self,
-        module: torch.nn.Module,
-        pre: Callable[..., Any],
-        post: Callable[..., Any],
-        *,
-        prepend: bool = False,
-        with_kwargs: bool = False,
-        eager: bool = True,
+        self, module: nn.Module, pre: _Fn, post: _Fn, *, prepend: bool = False, with_kwargs: bool = False
     ) -> None:
         """A forward pre-hook and a forward hook (``always_call``: it sees a forward that raised)."""
-        if eager:
-            pre, post = _eager(pre), _eager(post)
         hs = (
-            module.register_forward_pre_hook(pre, prepend=prepend, with_kwargs=with_kwargs),
-            module.register_forward_hook(post, always_call=True),
+            module.register_forward_pre_hook(self._own(pre), prepend=prepend, with_kwargs=with_kwargs),
+            module.register_forward_hook(self._own(post), always_call=True),
         )
         self._handles += hs
         self._ids.setdefault(id(module), []).extend(h.id for h in hs)
 
-    def optimizer(
-        self,
-        opt: torch.optim.Optimizer,
-        pre: Callable[..., Any] | None = None,
-        post: Callable[..., Any] | None = None,
-        *,
-        eager: bool = True,
-    ) -> None:
+    def optimizer(self, opt: torch.optim.Optimizer, pre: _Fn | None = None, post: _Fn | None = None) -> None:
         """The optimizer's step pre-hook and/or post-hook."""
         if pre is not None:
-            self._handles.append(opt.register_step_pre_hook(_eager(pre) if eager else pre))
+            self._handles.append(opt.register_step_pre_hook(self._own(pre)))
         if post is not None:
-            self._handles.append(opt.register_step_post_hook(_eager(post) if eager else post))
+            self._handles.append(opt.register_step_post_hook(self._own(post)))
 
-    def wrap(
-        self, obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], *, eager: bool = True
-    ) -> None:
-        """``obj.attr = make(obj.attr)`` as an instance attribute (the class stays untouched); one
-        that was there before (someone's own wrapper, Lightning's ``from_compiled`` training_step)
-        is put back by :meth:`remove`. An object without ``attr`` or a ``__dict__`` is left alone."""
+    def wrap(self, obj: Any, attr: str, make: Callable[[_Fn], _Fn]) -> None:
+        """``obj.attr = make(obj.attr)`` as an instance attribute (an instance one from before is put
+        back by :meth:`remove`); an object without ``attr`` or a ``__dict__`` is left alone."""
         orig = getattr(obj, attr, None)
         if orig is None or not hasattr(obj, "__dict__"):
             return
-        wrapper = functools.wraps(orig)(make(orig))  # `__wrapped__` keeps is_overridden() truthful
-        if eager:
-            wrapper = _eager(wrapper)
+        wrapper = self._own(functools.wraps(orig)(make(orig)))  # `__wrapped__` keeps is_overridden() truthful
         self._patched.append((obj, attr, wrapper, obj.__dict__.get(attr)))
         obj.__dict__[attr] = wrapper
 
-    def wrap_backward(self, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Replace ``torch.autograd.backward`` with ``make(original)`` (run eagerly under compile)."""
-        orig = torch.autograd.backward
-        wrapper = _eager(make(orig))
-        self._backward = (orig, wrapper)
-        torch.autograd.backward = wrapper
+    def _replace(self, owner: Any, attr: str, wrapper: _Fn) -> None:
+        self._globals.append((owner, attr, owner.__dict__.get(attr), wrapper))
+        setattr(owner, attr, wrapper)
+
+    def wrap_views(self, opt: torch.optim.Optimizer, attr: str, make: Callable[[_Fn], _Fn]) -> None:
+        """:meth:`wrap` for the wrappers of ``opt`` that subclass its class and forward to it
+        (Lightning's ``LightningOptimizer``, a class per optimizer): their calls never reach
+        ``opt``'s attribute, so the subclass gets the wrapper, for instances sharing ``opt``'s
+        ``param_groups``. A subclass with its own ``attr`` is not such a view: left alone."""
+        ours = {(o, a) for o, a, *_ in self._globals}
+        for cls in type(opt).__subclasses__():
+            if attr not in cls.__dict__ or (cls, attr) in ours:  # ours: another optimizer's view
+                self._replace(cls, attr, self._own(_for_views(opt, getattr(cls, attr), make)))
+
+    def wrap_backward(self, make: Callable[[_Fn], _Fn]) -> None:
+        """Replace ``torch.autograd.backward`` with ``make(original)``."""
+        self._replace(torch.autograd, "backward", self._own(make(torch.autograd.backward)))
 
     def wrap_loaders(self, wrap: Callable[[Any], Any]) -> None:
-        """Every ``DataLoader`` iterated in this thread until :meth:`remove` gives ``wrap(its
-        iterator)`` (``DataLoader.__iter__`` replaced, as ``torch.autograd.backward`` is: a loop's
-        loaders are nowhere else to be found; a subclass's own ``__iter__`` calls it too)."""
+        """Every ``DataLoader`` iterated in this thread gives ``wrap(its iterator)`` (a loop's loaders
+        are nowhere else to be found, so ``DataLoader.__iter__`` is replaced)."""
         from torch.utils.data import DataLoader
 
         orig, thread = DataLoader.__iter__, threading.get_ident()
@@ -110,11 +106,10 @@ class Hooks:
             it = orig(loader)
             return wrap(it) if threading.get_ident() == thread else it
 
-        self._loaders = (orig, __iter__)
-        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+        self._replace(DataLoader, "__iter__", __iter__)
 
-    def keep_picklable(self, model: torch.nn.Module) -> None:
-        """Pickle and copy ``model`` without what this object put on it (see :class:`_Reducer`)."""
+    def keep_picklable(self, model: nn.Module) -> None:
+        """Pickle and copy ``model`` without what this object put on it."""
         self._reducers.append(_Reducer(model, self._state_without_us))
 
     def _state_without_us(self, state: dict[str, Any], model: Any) -> dict[str, Any]:
@@ -147,29 +142,33 @@ class Hooks:
                 else:
                     obj.__dict__[attr] = before  # someone's instance wrapper from before ours
         self._patched = []
-        if self._backward is not None:
-            orig, wrapper = self._backward
-            if torch.autograd.backward is wrapper:
-                torch.autograd.backward = orig
+        for owner, attr, before, ours in reversed(self._globals):
+            if owner.__dict__.get(attr) is ours and before is None:
+                delattr(owner, attr)
+            elif owner.__dict__.get(attr) is ours:
+                setattr(owner, attr, before)
             # Else someone wrapped it after us: ours stays inside theirs, passing every call through.
-            self._backward = None
-        if self._loaders is not None:
-            from torch.utils.data import DataLoader
+        self._globals = []
 
-            orig, wrapper = self._loaders
-            if DataLoader.__dict__.get("__iter__") is wrapper:
-                DataLoader.__iter__ = orig  # type: ignore[method-assign]
-            self._loaders = None
+
+def _for_views(opt: torch.optim.Optimizer, orig: _Fn, make: Callable[[_Fn], _Fn]) -> _Fn:
+    ours = make(orig)
+
+    @functools.wraps(orig)
+    def call(this: Any, *args: Any, **kwargs: Any) -> Any:
+        view = getattr(this, "param_groups", None) is opt.param_groups
+        return (ours if view else orig)(this, *args, **kwargs)
+
+    return call
 
 
 class _Reducer:
-    """A ``copyreg`` entry for the hooked model's class (``pickle``, so ``torch.save``, and ``copy``
-    look there before ``__reduce_ex__``): the model is reduced as usual with its state filtered, so a
-    copy has no hooks of ours (it would feed this timer) and no ``zero_grad`` wrapper (it would zero
-    this model). Other instances go to the entry found before, which :meth:`remove` puts back."""
+    """A ``copyreg`` entry for the hooked model's class (``pickle`` and ``copy`` look there first):
+    the model is reduced with its state filtered, so a copy has no hook or wrapper of ours (it would
+    feed this timer, or zero this model). Other instances go to the entry found before."""
 
-    def __init__(self, model: torch.nn.Module, filter_state: Callable[[dict[str, Any], Any], dict[str, Any]]) -> None:
-        self._model: torch.nn.Module | None = model
+    def __init__(self, model: nn.Module, filter_state: Callable[[dict[str, Any], Any], dict[str, Any]]) -> None:
+        self._model: nn.Module | None = model
         self._filter = filter_state
         self._cls = type(model)
         self._prev = copyreg.dispatch_table.get(self._cls)
@@ -193,9 +192,6 @@ class _Reducer:
         self._model = None
 
 
-# ---------------------------------------------------------------------- samples and tokens
-
-
 def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
     if isinstance(x, torch.Tensor):
         return x
@@ -213,10 +209,9 @@ def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
 
 
 def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | None, int | None]:
-    """(samples, tokens) of one model call: the batch is its first tensor input (positional first,
-    else ``input_ids``, else the first tensor keyword; one level into a dict, list or tuple); samples
-    are its leading dimension, tokens its elements when it is a 2-D integer tensor (token ids).
-    Shapes only: no device work."""
+    """(samples, tokens) of one model call, from its first tensor input (positional, else
+    ``input_ids``, else a keyword): its leading dimension, and its elements when it holds 2-D integer
+    token ids. Shapes only: no device work."""
     t = _first_tensor(args) if args else None
     if t is None and kwargs:
         t = _first_tensor(kwargs)
@@ -227,20 +222,16 @@ def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | Non
     return int(t.shape[0]), tokens
 
 
-# ---------------------------------------------------------------------- discovery
-
-
 class Discovery:
-    """Finds a loop's optimizers and models (the rule: docs/run.md), then calls ``on_found`` once
-    (models, optimizers, and the model call that triggered it) and takes its own hooks out; what is
-    given is taken as is. No global module hook, ever: a model compiled under one stays slow after it
-    is gone (85 % slower steps on GPT-2, docs/run.md)."""
+    """Finds a loop's optimizers and models (docs/run.md), calls ``on_found`` once (with the model
+    call that triggered it) and takes its hooks out. No global module hook, ever: a model compiled
+    under one stays slow after it is gone (85 % slower steps on GPT-2)."""
 
     def __init__(
         self,
-        on_found: Callable[[list[torch.nn.Module], list[torch.optim.Optimizer], Any, Any, Any], None],
+        on_found: Callable[[list[nn.Module], list[torch.optim.Optimizer], Any, Any, Any], None],
         *,
-        models: Sequence[torch.nn.Module] | None = None,
+        models: Sequence[nn.Module] | None = None,
         optimizers: Sequence[torch.optim.Optimizer] | None = None,
     ) -> None:
         self._on_found = on_found
@@ -249,20 +240,29 @@ class Discovery:
         self._given_opts = list(optimizers) if optimizers else None
         self._stepped: dict[int, torch.optim.Optimizer] = {}  # in the order of their first step
         self.optimizer_steps = 0  # optimizer.step() calls seen before the hooks went in
-        self.models: list[torch.nn.Module] = []
+        self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.problem: str | None = None  # why discovery gave up, for the summary
         self._decided = False
         self._pending: set[int] = set()
         self.done = False
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self._handles = [register_optimizer_step_pre_hook(_eager(self._on_step))]
+        # A subclass's step() calling super().step() fires the hooks twice when torch patched both
+        # classes (a plain instance of the base was made too): the nested pair is one step.
+        self.stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
+        self._handles = [register_optimizer_step_pre_hook(_eager(self._on_step)),
+                         register_optimizer_step_post_hook(_eager(self._on_stepped))]  # fmt: skip
         self._triggers: list[Any] = []  # the found models' one-shot forward pre-hooks
 
+    def _on_stepped(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() == self._thread:
+            self.stepping = None
+
     def _on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.done or threading.get_ident() != self._thread:
+        if self.done or threading.get_ident() != self._thread or self.stepping is opt:
             return
+        self.stepping = opt
         if self.problem is not None:  # gave up; the hook comes out at close (not here: see remove())
             return
         self.optimizer_steps += 1
@@ -281,15 +281,9 @@ class Discovery:
     def _decide(self, opts: list[torch.optim.Optimizer], now: torch.optim.Optimizer) -> None:
         self._decided = True
         self._stepped = {}
-        if self._given_models is not None:
-            models = list(self._given_models)
-            params = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
-            opts = [o for o in opts if any(id(p) in params for m in models for p in m.parameters())] or opts
-        else:
-            models = trained_modules(opts)
-            if models:  # the optimizers whose parameters those models hold
-                held = {id(p) for m in models for p in m.parameters()}
-                opts = [o for o in opts if any(id(p) in held for g in o.param_groups for p in g["params"])]
+        models = list(self._given_models) if self._given_models is not None else trained_modules(opts)
+        # The optimizers whose parameters those models hold; none of them: every one that stepped.
+        opts = [o for o in opts if holds(o, models)] or opts
         if not models:
             names = ", ".join(type(o).__name__ for o in opts)
             self.problem = (
@@ -303,7 +297,7 @@ class Discovery:
         for m in models:
             self._triggers.append(m.register_forward_pre_hook(_eager(self._on_forward), with_kwargs=True))
 
-    def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def _on_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.done or self._pending or threading.get_ident() != self._thread:
             return
         # The safe place to take discovery's hooks out: torch iterates a copy of the forward hooks,
@@ -312,8 +306,7 @@ class Discovery:
         self._on_found(self.models, self.optimizers, module, args, kwargs)
 
     def remove(self) -> None:
-        """Take discovery's hooks out (idempotent). Not from inside an optimizer step: torch iterates
-        the global optimizer-hook dict while calling them, and a dict changed under iteration raises."""
+        """Take discovery's hooks out; not from inside an optimizer step (torch iterates that dict)."""
         self.done = True
         for h in (*self._handles, *self._triggers):
             h.remove()
@@ -321,20 +314,24 @@ class Discovery:
         self._triggers = []
 
 
-def trained_modules(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.nn.Module]:
-    """The models those optimizers train, found by one scan of the live objects (``gc``): the
-    outermost modules that hold one of their parameters and no trainable parameter outside them
-    (a frozen backbone's parameters need not be in an optimizer). Outermost: not a submodule of
-    another such module, so a ``torch.compile`` or DDP wrapper wins over the module inside it. In
-    the order of the optimizers' parameters (a GAN's networks in the order of their optimizers)."""
+def holds(opt: torch.optim.Optimizer, models: Sequence[nn.Module]) -> bool:
+    """Whether ``opt`` holds a parameter of one of ``models``."""
+    held = {id(p) for m in models for p in m.parameters()}
+    return any(id(p) in held for g in opt.param_groups for p in g["params"])
+
+
+def trained_modules(optimizers: Sequence[torch.optim.Optimizer]) -> list[nn.Module]:
+    """The models those optimizers train (docs/run.md), by one scan of the live objects: the
+    outermost modules that hold one of their parameters and no trainable parameter outside them, in
+    the order of the optimizers' parameters."""
     order: dict[int, int] = {}
     for o in optimizers:
         for g in o.param_groups:
             for p in g["params"]:
                 order.setdefault(id(p), len(order))
-    found: list[tuple[int, torch.nn.Module]] = []
+    found: list[tuple[int, nn.Module]] = []
     for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.nn.Module):  # type(), not isinstance: no __class__ lookups
+        if not issubclass(type(obj), nn.Module):  # type(), not isinstance: no __class__ lookups
             continue
         first = None
         try:

@@ -1,7 +1,6 @@
-"""``steptimer kernels LOGDIR``: each phase's top GPU kernels (CPU ops without CUDA activity) in the
-``torch.profiler`` trace of ``profile_steps`` / ``profile_on_slow``, checked against steptimer's span
-of the same phase in the same steps; how a kernel finds its phase and the check: docs/cli.md#kernels.
-"""
+"""``steptimer kernels LOGDIR``: each phase's top GPU kernels (CPU ops without CUDA activity) in a
+``profile_steps`` / ``profile_on_slow`` trace, checked against steptimer's span of the same phase in
+the same steps (docs/cli.md#kernels)."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class KernelRow:
 
 @dataclass
 class PhaseKernels:
-    """A phase's kernels and the check against steptimer's span of the same steps (µs summed over
-    the profiled steps; None: unknown)."""
+    """A phase's kernels against steptimer's span of it (µs summed over the steps; None: unknown)."""
 
     name: str
     total_us: float
@@ -59,8 +57,7 @@ class KernelsReport:
 
 
 def load_profile(path: str) -> dict[str, Any]:
-    """Read a profiler trace (``path``: the file, or the directory: its first trace; ``_notes`` name
-    the rest)."""
+    """Read a profiler trace: the file ``path``, or a directory's first (``_notes`` name the rest)."""
     files = profile_files(path) if os.path.isdir(path) else []
     file, doc, notes = read_json(path, files, PROFILE_FILE, "profile_steps=(first, last) or profile_on_slow=1.5")
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
@@ -71,8 +68,7 @@ def load_profile(path: str) -> dict[str, Any]:
 
 
 class _Spans:
-    """steptimer's ranges on the host timeline, but those of a step that raised (``DROPPED_MARK``:
-    steptimer dropped its time)."""
+    """steptimer's ranges on the host timeline, but those of a step that raised (``DROPPED_MARK``)."""
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
         spans = [
@@ -87,14 +83,10 @@ class _Spans:
         spans.sort(key=lambda s: (s[0], -s[1]))  # parents before their children at equal starts
         self.spans = spans
         self._starts = [s[0] for s in spans]
-        self.order: list[str] = []  # phase names in order of first appearance
-        for _, _, name in spans:
-            if name != "step" and name not in self.order:
-                self.order.append(name)
+        self.order = list(dict.fromkeys(name for _, _, name in spans if name != "step"))  # as they ran
 
     def phase_at(self, t: float) -> str | None:
-        """The innermost phase open at host time ``t``: a name, ``other`` (in a step) or ``data``;
-        None inside a dropped step."""
+        """The innermost phase open at host time ``t`` (``other``, ``data``; None in a dropped step)."""
         if any(a <= t < z for a, z in self.dropped):
             return None
         i = bisect_right(self._starts, t) - 1
@@ -107,8 +99,7 @@ class _Spans:
 
 
 def _outermost(ops: list[dict[str, Any]], spans: _Spans) -> list[dict[str, Any]]:
-    """CPU ops not nested in another op of the same thread, nor around a steptimer range (the ops
-    inside such an op count instead)."""
+    """CPU ops not nested in another op of the same thread, nor around a steptimer range."""
     out: list[dict[str, Any]] = []
     end: dict[Any, float] = {}
     starts = spans._starts
@@ -127,8 +118,7 @@ def _outermost(ops: list[dict[str, Any]], spans: _Spans) -> list[dict[str, Any]]
 
 
 def _timed_items(events: list[dict[str, Any]], spans: _Spans, notes: list[str]) -> tuple[str, list[Any], int]:
-    """``(clock, [(name, duration µs, host time that assigns it)], GPU activities left out)``: the
-    GPU's kernels by their launch's host time, or without any, the outermost CPU ops."""
+    """``(clock, [(name, µs, host time)], unattributed)``: kernels at their launch, else outermost CPU ops."""
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     if not gpu:  # the report says so once, at its top (``clock`` "host")
         ops = [
@@ -211,7 +201,7 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
 
 
 def _steptimer_spans(meta: dict[str, Any], clock: str) -> dict[str, float]:
-    """steptimer's time of each phase (and ``step``), in µs summed over the profiled steps."""
+    """steptimer's time of each phase and ``step``, in µs summed over the profiled steps."""
     key = "gpu_ms" if clock == "gpu" else "host_ms"
     steps = meta.get("steps", [])
     if not steps or any(s.get(key) is None for s in steps):
@@ -224,7 +214,7 @@ def _steptimer_spans(meta: dict[str, Any], clock: str) -> dict[str, float]:
 
 
 def report_json(rep: KernelsReport, top: int) -> dict[str, Any]:
-    """``steptimer kernels --json``: the report, each phase's kernels cut to the ``top`` first."""
+    """``steptimer kernels --json``: each phase's kernels cut to the ``top`` first."""
     out = asdict(rep)
     for p in out["phases"]:
         p["kernels"] = p["kernels"][:top]
@@ -235,9 +225,7 @@ NAME_WIDTH = 43
 
 
 def short_name(name: str, width: int = NAME_WIDTH) -> str:
-    """A kernel name that fits ``width``, shortened step by step until it does: no ``void``, argument
-    list or anonymous namespace; template arguments elided (nested ones only under a generic wrapper,
-    ``cutlass::Kernel2<…>``, whose argument is the real name); then cut in the middle."""
+    """A kernel name shortened step by step until it fits ``width`` (docs/cli.md#kernels)."""
     s = name.strip()
     if len(s) <= width:
         return s
@@ -265,7 +253,7 @@ _WRAPPER_RE = re.compile(r"(?:^|::)(?:device_)?[Kk]ernel\d*<…>$")
 
 
 def _elide_templates(s: str, level: int) -> str:
-    """``s`` with the template arguments at nesting ``level`` and deeper replaced by ``…``."""
+    """``s`` with template arguments at nesting ``level`` and deeper replaced by ``…``."""
     out, depth = [], 0
     for ch in s:
         if ch == "<":
@@ -283,12 +271,13 @@ def _elide_templates(s: str, level: int) -> str:
 
 def format_report(rep: KernelsReport, top: int) -> str:
     """The terminal form: one block per phase, 80 columns."""
-    what = "GPU kernels" if rep.clock == "gpu" else "CPU ops"
-    span_word = "GPU span" if rep.clock == "gpu" else "host span"
-    gap_word = "idle" if rep.clock == "gpu" else "gap"
+    gpu = rep.clock == "gpu"
+    what = "GPU kernels" if gpu else "CPU ops"
+    span_word = "GPU span" if gpu else "host span"
+    gap_word = "idle" if gpu else "gap"
     steps = f"steps {rep.steps[0]}..{rep.steps[-1]}" if rep.steps else "the profiled steps"
-    lines = [f"{rep.path}"]
-    if rep.clock == "host":
+    lines = [rep.path]
+    if not gpu:
         lines.append("no GPU kernels in this trace (no CUDA activity): CPU ops instead")
     lines += [f"{what} per phase over {steps} (µs summed over the steps)", ""]
     head = f"  {'name':<{NAME_WIDTH}} {'calls':>6} {'total µs':>10} {'mean µs':>9} {'share':>6}"
@@ -304,23 +293,19 @@ def format_report(rep: KernelsReport, top: int) -> str:
             lines.append(f"  (no {what})")
         else:
             lines.append(head)
-            for k in p.kernels[:top]:
-                lines.append(
-                    f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
-                    f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"
-                )
-            more = len(p.kernels) - top
-            if more > 0:
-                lines.append(f"  ... {more} more (--top N)")
+            lines += [
+                f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
+                f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"
+                for k in p.kernels[:top]
+            ]
+            if len(p.kernels) > top:
+                lines.append(f"  ... {len(p.kernels) - top} more (--top N)")
         lines.append("")
-    if rep.phases and any(p.span_us is not None for p in rep.phases):
-        lines += textwrap.wrap(
-            f"check: {what} total <= steptimer's {span_word} of the same steps; "
-            + ("the gap is GPU idle" if rep.clock == "gpu" else "the gap is Python between ops")
-            + (" (OVER: overlapping streams)" if any(p.consistent is False for p in rep.phases) else ""),
-            80,
-            subsequent_indent="  ",
-        )
+    if any(p.span_us is not None for p in rep.phases):
+        gap_is = "GPU idle" if gpu else "Python between ops"
+        over = " (OVER: overlapping streams)" if any(p.consistent is False for p in rep.phases) else ""
+        check = f"check: {what} total <= steptimer's {span_word} of the same steps; the gap is {gap_is}{over}"
+        lines += textwrap.wrap(check, 80, subsequent_indent="  ")
     for note in rep.notes:
         lines += textwrap.wrap(f"note: {note}", 80, subsequent_indent="  ")
     return "\n".join(lines)

@@ -4,7 +4,7 @@ rules, what the peak reset changes for a user, and the costs: docs/memory-and-mf
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
@@ -42,20 +42,20 @@ def torch_memory_backend() -> _MemoryBackend | None:
 StepMemory = tuple[int, int, tuple[tuple[str, int, int], ...]]
 
 
+@dataclass
 class MemoryReader:
     """The engine's readings of the current timed step: a running peak per open phase (a stack beside
     the engine's) and one for the step; a phase's exit raises its parent's, which so holds the inner's."""
 
-    def __init__(self, backend: _MemoryBackend) -> None:
-        self.b = backend
-        self.device = 0
-        self.seen_bytes = 0  # the largest peak any reading returned: the run's true peak
-        self._step = 0
-        self._stack: list[int] = []
-        self._phases: list[tuple[str, int, int]] = []
-        self.last_alloc = 0
-        self.last_reserved = 0
-        self.spent_s = 0.0  # host time in the allocator calls of the current step (memory=None's budget)
+    b: _MemoryBackend
+    device: int = 0
+    seen_bytes: int = 0  # the largest peak any reading returned: the run's true peak
+    _step: int = 0
+    _stack: list[int] = field(default_factory=list)
+    _phases: list[tuple[str, int, int]] = field(default_factory=list)
+    last_alloc: int = 0
+    last_reserved: int = 0
+    spent_s: float = 0.0  # host time in the allocator calls of the current step (memory=None's budget)
 
     def _read(self, reset: bool = True) -> tuple[int, int, int]:
         t0 = perf_counter()
@@ -74,8 +74,7 @@ class MemoryReader:
         self.drop_step()
 
     def enter_phase(self, shared: bool) -> None:
-        """At a phase's entry; ``shared``: nothing ran since the last reading (see the engine's
-        ``_SHARE_GAP_S``), so that reading stands for this one and the allocator is not called."""
+        """At a phase's entry; ``shared``: nothing ran since the last reading, so it stands for this one."""
         if shared:
             alloc = self.last_alloc
         else:
@@ -99,8 +98,7 @@ class MemoryReader:
         return max(self._step, peak), reserved, tuple(self._phases)
 
     def open_peak(self) -> int:
-        """The innermost open phase's peak so far (the step's outside any phase), for the note on an
-        out-of-memory error."""
+        """The innermost open phase's peak so far (else the step's), for the out-of-memory note."""
         _, peak, _ = self.b.read(self.device)
         return max(self._stack[-1] if self._stack else self._step, peak)
 
@@ -121,8 +119,7 @@ class MemoryReader:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Memory of a log window or of the run, in bytes: ``peak_bytes`` of ``"step"`` and each phase (max
-    over the steps), ``alloc_bytes`` at each phase's last exit, ``reserved_bytes`` at the last step's end."""
+    """Memory of a window or the run: peaks (max over steps), last allocated per phase, last reserved."""
 
     peak_bytes: Mapping[str, int]
     alloc_bytes: Mapping[str, int]
@@ -168,8 +165,7 @@ def oom_errors() -> tuple[type[BaseException], ...]:
 
 
 def oom_note(phase: str | None, number: int, peak: int | None, read: bool) -> str:
-    """The summary's line on a CUDA out-of-memory error in step ``number``, in ``phase`` (None: outside
-    any), ``peak`` allocated bytes before it, on a ``read`` step or not."""
+    """The summary's line on a CUDA out-of-memory error in step ``number``, in ``phase`` (None: none)."""
     if phase is not None:
         where, before = f"in phase {phase!r} of step {number}", "the peak allocated inside the phase before it was"
     elif read:

@@ -1,7 +1,6 @@
 """Build and load ``_cudart.c``, the engine's CUDA calls without torch's Python layer, with the system C
 compiler, cached per source and Python build (as Triton's launcher stubs are). Whatever goes wrong
-leaves steptimer on torch's API (same numbers, higher host cost), with the reason in the summary.
-"""
+leaves steptimer on torch's API (same numbers, higher host cost), with the reason in the summary."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def compiler() -> list[str]:
 
 
 def _usable_dir(path: Path, *, private: bool = False) -> bool:
-    """Whether builds can be written to ``path`` (created if missing); ``private``: also owned by this
-    user and writable by nobody else, as a folder of a shared temporary directory must be."""
+    """Whether builds can go to ``path`` (made if missing); ``private``: ours alone, as in a shared tmp."""
     try:
         path.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
         st = path.stat()
@@ -60,8 +58,7 @@ def _usable_dir(path: Path, *, private: bool = False) -> bool:
 
 
 def build(out_dir: Path | None = None) -> Path:
-    """Compile the extension unless a build of this source for this Python exists; its path. Without
-    ``out_dir``: in ``cache_dir()``, or where that can't be written, a per-user temporary folder."""
+    """The built extension's path, compiled unless cached; in ``cache_dir()``, else a private temp folder."""
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     key = hashlib.sha256(SOURCE.read_bytes() + sys.version.encode() + suffix.encode()).hexdigest()[:16]
     name = f"{MODULE}-{key}{suffix}"

@@ -1,11 +1,6 @@
-"""Options shared by every front door and the CLI, validated in one place.
-
-:class:`Options` holds what a :class:`~steptimer.StepTimer` is made with; building one validates
-every value (``ValueError`` naming the option, the bad value and what to pass), so a front door
-that gets options before its timer exists (a callback's constructor) checks them by building one,
-and makes the timer from it (``StepTimer(**dataclasses.asdict(options))``). ``trace_steps`` and
-``profile_steps`` are checked where they are read (``_trace.py``, ``_profile.py``): they need the
-run's step numbers. The step counts (``check_count``) and phase names are checked here too.
+"""Options shared by every front door and the CLI, validated once: building an :class:`Options` checks
+every value (``trace_steps`` and ``profile_steps`` need the run's step numbers: ``_trace.py``,
+``_profile.py``); a front door builds one before its timer exists. Step counts and phase names too.
 """
 
 from __future__ import annotations
@@ -66,15 +61,11 @@ class Options:
             check_bool(name, getattr(self, name))
         if self.peak_tflops is not None and not _positive(self.peak_tflops):
             raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {self.peak_tflops!r}")
-        check_memory(self.memory)
-
-
-def check_options(
-    log_every_n_steps: int | None, warmup_steps: int, lag: int, sample_every: int, cuda: bool | None
-) -> None:
-    """Validate the options every front door shares (:class:`Options`' checks of them)."""
-    Options(log_every_n_steps=log_every_n_steps, warmup_steps=warmup_steps, lag=lag, sample_every=sample_every,
-            cuda=cuda)  # fmt: skip
+        if self.memory is not None and (not isinstance(self.memory, int) or self.memory < 0):
+            raise ValueError(
+                "memory must be None, True, False or an int >= 0 (read one timed step in N), "
+                f"got {self.memory!r}"
+            )
 
 
 def check_bool(name: str, value: object) -> None:
@@ -83,21 +74,9 @@ def check_bool(name: str, value: object) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
-def check_memory(memory: object) -> None:
-    """``memory``: None (time-budgeted), or read one timed step in this many; True is 1, False 0 (never)."""
-    if memory is not None and (not isinstance(memory, int) or memory < 0):
-        raise ValueError(
-            f"memory must be None, True, False or an int >= 0 (read one timed step in N), got {memory!r}"
-        )
-
-
 def check_count(name: str, value: object) -> float:
-    """A step's ``samples``, ``tokens`` or ``flops``: a finite number >= 0, returned as a number.
-
-    Raises:
-        TypeError: not a number (a string, a bool, a tensor that is not one value on the CPU).
-        ValueError: negative, infinite or NaN.
-    """
+    """A step's ``samples``, ``tokens`` or ``flops``: a finite number >= 0 (else ``ValueError``; not a
+    number, ``TypeError``), returned as a number."""
     if (type(value) is int or type(value) is float) and 0 <= value < math.inf:  # type: ignore[operator]
         return value  # type: ignore[return-value]  # the hot path: plain Python numbers
     expected = f"{name} must be a finite number >= 0 (an int or float, e.g. x.shape[0])"

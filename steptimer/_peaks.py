@@ -79,8 +79,7 @@ def chip_of(device_name: str) -> str | None:
 
 
 def lookup_peak(device_name: str, dtype: str = "bf16") -> tuple[float | None, str]:
-    """The dense peak (TFLOP/s) of ``device_name`` for ``dtype`` (bf16 falls back to fp16, tf32 to fp32
-    where the GPU lacks them), and a note saying where it came from or why there is none."""
+    """The dense peak TFLOP/s of ``device_name`` for ``dtype`` (bf16->fp16, tf32->fp32) and a note."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     chip = chip_of(device_name)

@@ -1,6 +1,5 @@
-"""The same steps and phases in the profilers: NVTX ranges (``nvtx``), ``torch.profiler`` windows
-(``profile_steps``, ``profile_on_slow``) and their traces; docs/profilers.md has the rules and costs.
-"""
+"""The same steps and phases in the profilers: NVTX ranges (``nvtx``) and ``torch.profiler`` windows
+(``profile_steps``, ``profile_on_slow``); docs/profilers.md has the rules and costs."""
 
 from __future__ import annotations
 
@@ -13,9 +12,13 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
 from steptimer._files import unwritten, write_json
 from steptimer._format import num
-from steptimer._slow import Candidate, SlowStep, StepWalls, explain
+from steptimer._slow import SlowStep, StepWalls, explain
 from steptimer._trace import check_step_pair, check_window_option, own_path, record, run_files
 
 if TYPE_CHECKING:
@@ -26,15 +29,13 @@ log = logging.getLogger("steptimer")
 
 PROFILE_FILE = "steptimer-profile.json"
 RANGE_PREFIX = "steptimer/"
-# A mark inside a step that raised (steptimer drops such a step: its time is in no statistic), so
-# ``steptimer kernels`` leaves the step's ranges out too. A space: no phase can be named so.
+# Marks a step that raised (steptimer drops it), for ``steptimer kernels``; no phase name has a space.
 DROPPED_MARK = RANGE_PREFIX + "step dropped"
 FORMAT = "steptimer-profile"
 VERSION = 1
 
 
 def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
-    """NVTX push/pop from torch's CUDA build; None where torch has no NVTX (CPU builds)."""
     try:
         from torch._C import _nvtx  # type: ignore[attr-defined]
     except ImportError:
@@ -43,62 +44,45 @@ def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
 
 
 class Ranges:
-    """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags
-    are. State lives here, not in the context managers (Lightning exits a step through a fresh
-    ``step()`` object).
-
-    Args:
-        nvtx: NVTX push/pop functions, or None for no NVTX ranges.
-        capture: The ``profile_steps`` window, or None.
-        set_ranged: Called with True when the phases must call ``enter``/``exit`` (NVTX on, or inside
-            the profiler window) and False when they need not.
-        recent: The capture of recent steps: a window's resolved steps and the run id.
-    """
+    """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags are.
+    State lives here, not in the context managers (Lightning exits a step through a fresh ``step()``)."""
 
     def __init__(
-        self,
-        nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None,
-        capture: ProfileCapture | None,
-        set_ranged: Callable[[bool], None],
-        recent: Capture | None = None,
-    ) -> None:
+        self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
+        set_ranged: Callable[[bool], None], recent: Capture | None = None,
+    ) -> None:  # fmt: skip
         self._push, self._pop = nvtx if nvtx is not None else (None, None)
         self._recent = recent
-        # The profiler windows not yet written, in step order, apart (:meth:`arm`).
-        self.captures: list[ProfileCapture] = []
+        self.captures: list[ProfileCapture] = []  # the windows not yet written, in step order, apart
         if capture is not None:
             self._accept(capture)
         self.slow: SlowProfiler | None = None  # profile_on_slow
         self._set_ranged = set_ranged
         self._names: list[str] = []  # full names of the open phases
         self._records: list[Any] = []  # their record_function objects, while recording
-        self._in_step = False
-        self._begun = -1  # engine.number when the open step began: unchanged at its end if it was dropped
-        self.recording = False  # record_function ranges on (inside the profiler window)
-        # Steps go through the ranges from this engine.number on: always with NVTX, else from the
-        # next window's start until its trace is written.
-        self.from_number: float = math.inf
+        self._begun: int | None = None  # engine.number at the step's begin (unchanged at its end: dropped)
+        self.recording = False  # inside a profiler window: record_function ranges on
+        self.from_number: float = math.inf  # steps take the ranges from this engine.number on
         self._next_window()
         set_ranged(self._push is not None)
 
     @property
-    def capture(self) -> ProfileCapture | None:
-        """The window running or next to run."""
+    def capture(self) -> ProfileCapture | None:  # the window running or next to run
         return self.captures[0] if self.captures else None
 
-    def _next_window(self) -> None:
+    def _next_window(self, *, drop_first: bool = False) -> None:
+        if drop_first:
+            self.captures.pop(0)
         cap = self.capture
         self.from_number = 0 if self._push is not None else cap.first - 1 if cap is not None else math.inf
 
     def arm(self, capture: ProfileCapture, engine: Engine) -> bool:
-        """Add a window that starts at the next step, unless it would overlap another window or the
-        steps until that one's trace is written (``lag`` steps after its last); False then."""
+        """Add a window unless it would overlap another or the ``lag`` steps until that one is written."""
         gap = max(engine.lag, 1) + 1
         for other in self.captures:
             if not (capture.last + gap <= other.first or other.last + gap <= capture.first):
                 return False
         self._accept(capture)
-        self._next_window()
         return True
 
     def _accept(self, capture: ProfileCapture) -> None:
@@ -106,9 +90,7 @@ class Ranges:
             capture.recs = self._recent.keep(capture.first, capture.last)
         self.captures.append(capture)
         self.captures.sort(key=lambda c: c.first)
-
-    def _run_id(self) -> str | None:
-        return self._recent.run_id if self._recent is not None else None
+        self._next_window()
 
     def begin_step(self, engine: Engine) -> None:
         if engine.in_step:
@@ -119,28 +101,23 @@ class Ranges:
                 self.recording = True
                 self._set_ranged(True)
             else:  # the profiler did not start: a note says why; the run goes on without it
-                self.captures.pop(0)
-                self._next_window()
-        self._in_step = True
+                self._next_window(drop_first=True)
         self._begun = engine.number
         self._open("step")
 
     def abort_step(self) -> None:
-        """Close the step's range (``begin_step`` was followed by an engine error, or at close)."""
-        if self._in_step:
-            self._in_step = False
+        """Close the step's range (the engine raised after ``begin_step``, or at close)."""
+        if self._begun is not None:
+            self._begun = None
             self._close()
 
     def end_step(self, engine: Engine) -> None:
-        if not self._in_step:
+        if self._begun is None:
             return
-        while self._names:  # phases left open (the step failed, or was left inconsistent)
+        while self._names:  # phases left open (the step failed)
             self.exit()
-        self._in_step = False
-        dropped = engine.number == self._begun
+        dropped, self._begun = engine.number == self._begun, None
         if dropped and self.recording:
-            from torch.profiler import record_function
-
             with record_function(DROPPED_MARK):
                 pass
         self._close()
@@ -153,19 +130,18 @@ class Ranges:
                 self.recording = False
                 self._set_ranged(self._push is not None)
                 cap.stop(engine)
-        if cap.ready(engine):
-            cap.write(engine, self._run_id())
-            self.captures.pop(0)
-            self._next_window()
+        if cap.started and not cap.written and engine.last_resolved >= cap.last:  # its steps resolved
+            cap.write(engine, self._recent)
+            self._next_window(drop_first=True)
 
     def finish(self, engine: Engine) -> None:
-        """At ``close()``, after the engine resolved every step: stop and write the captures."""
+        """At ``close()``, after the engine resolved every step."""
         while self._names:
             self.exit()
         self.abort_step()
         self.recording = False
         for cap in self.captures:
-            cap.finish(engine, self._run_id())
+            cap.finish(engine, self._recent)
         self.captures = []
 
     def enter(self, name: str) -> None:
@@ -183,8 +159,6 @@ class Ranges:
         if self._push is not None:
             self._push(full)
         if self.recording:
-            from torch.profiler import record_function
-
             rf = record_function(RANGE_PREFIX + full)
             rf.__enter__()
             self._records.append(rf)
@@ -198,8 +172,7 @@ class Ranges:
 
 @contextmanager
 def _outside_steps(engine: Engine) -> Iterator[None]:
-    """Under ``pause()`` when between steps: the profiler's start-up (CUPTI: 100s of ms), stop and
-    export are not data wait. Inside a step (or at close) they are that step's (or nobody's)."""
+    """Between steps, under ``pause()``: the profiler's start-up (CUPTI: 100s of ms) is not data wait."""
     paused = engine.begin_pause() if not engine.in_step and not engine.closed else None
     try:
         yield
@@ -208,15 +181,21 @@ def _outside_steps(engine: Engine) -> Iterator[None]:
             engine.end_pause(paused)
 
 
+def _by_phase_ms(step_s: float, phases: list[list[Any]]) -> dict[str, float]:
+    out = {"step": step_s * 1e3}
+    for name, t_in, t_out in phases:
+        out[name] = out.get(name, 0.0) + (t_out - t_in) * 1e3
+    return out
+
+
 class ProfileCapture:
-    """``torch.profiler`` over steps ``first..last`` and its trace with steptimer's own times of those
-    steps. ``why``: the slowdown that armed it (``profile_on_slow``); None for ``profile_steps``."""
+    """``torch.profiler`` over steps ``first..last``; ``why``: the slowdown that armed it, if any."""
 
     def __init__(self, first: int, last: int, path: str, why: str | None = None) -> None:
         self.first, self.last, self.path, self.why = first, last, path, why
         self.started = self.stopped = self.written = False
         self._prof: Any = None
-        self.recs: list[Any] = []  # the window's resolved steps (``_trace.Capture.keep``)
+        self.recs: list[Any] = []  # the window's resolved steps (``Capture.keep``)
         self._cuda = False
 
     def _what(self) -> str:
@@ -228,11 +207,7 @@ class ProfileCapture:
         engine.notes.append(msg)
 
     def start(self, engine: Engine) -> bool:
-        """Start the profiler before step ``first``; False (one warning and a note) if it would not
-        start (another profiler running, say): the run goes on without the capture."""
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-
+        """Start the profiler before step ``first``; False (a warning and a note) if it would not start."""
         self.started = True
         self._cuda = torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
@@ -258,24 +233,13 @@ class ProfileCapture:
 
     def steps(self) -> list[dict[str, Any]]:
         """steptimer's own times of the window's resolved steps, by phase, in ms."""
-        out = []
-        for s in map(record, self.recs):
-            host = {"step": s["step_s"] * 1e3}
-            for full, t_in, t_out, _, _ in s["phases"]:
-                host[full] = host.get(full, 0.0) + (t_out - t_in) * 1e3
-            offs, gpu = s["offs_ms"], None
-            if offs is not None:
-                gpu = {"step": offs[s["i_end"]] - offs[s["i_start"]]}
-                for full, _, _, i, j in s["phases"]:
-                    gpu[full] = gpu.get(full, 0.0) + offs[j] - offs[i]
-            out.append({"number": s["number"], "host_ms": host, "gpu_ms": gpu})
-        return out
+        return [
+            {"number": s["number"], "host_ms": _by_phase_ms(s["step_s"], s["phases"]),
+             "gpu_ms": None if (g := s["gpu"]) is None else _by_phase_ms(g["end"] - g["start"], g["phases"])}
+            for s in map(record, self.recs)
+        ]  # fmt: skip
 
-    def ready(self, engine: Engine) -> bool:
-        """The window is over and its steps are resolved: the trace can be written."""
-        return self.started and not self.written and engine.last_resolved >= self.last
-
-    def finish(self, engine: Engine, run_id: str | None) -> None:
+    def finish(self, engine: Engine, recent: Capture | None) -> None:
         """At close: stop a window the run ended inside, and write what was captured."""
         if self.written:
             return
@@ -289,12 +253,12 @@ class ProfileCapture:
             )  # fmt: skip
             return
         self.stop(engine)
-        self.write(engine, run_id)
+        self.write(engine, recent)
 
-    def write(self, engine: Engine, run_id: str | None) -> None:
-        """Write the trace with steptimer's times of its steps under the key ``steptimer`` (Chrome and
-        Perfetto ignore unknown top-level keys); a failed write is one warning and a note."""
+    def write(self, engine: Engine, recent: Capture | None) -> None:
+        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys)."""
         self.written = True
+        run_id = recent.run_id if recent is not None else None
         self.path = own_path(self.path, run_id)
         prof, self._prof = self._prof, None
         steps = self.steps()
@@ -328,17 +292,13 @@ class ProfileCapture:
 
 
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
+_SLOW_RE = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
 
 
 def profile_files(folder: str) -> list[str]:
-    """The profiler traces in a log directory, every run's: ``profile_steps``' first, then
-    ``profile_on_slow``'s in step order."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    pattern = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
-    steps = sorted({int(m.group(1)) for m in (re.match(pattern, n) for n in names) if m})
+    """Every run's profiler traces in ``folder``: ``profile_steps``' first, then ``profile_on_slow``'s."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    steps = sorted({int(m[1]) for n in names if (m := re.match(_SLOW_RE, n))})
     stems = [PROFILE_FILE[: -len(".json")]] + [f"{SLOW_PROFILE_PREFIX}{k}" for k in steps]
     return [f for stem in stems for f in run_files(folder, stem)]
 
@@ -347,8 +307,7 @@ def profile_files(folder: str) -> list[str]:
 PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
 PROFILE_SLOW_MAX = 3  # captures per run
 SLOW_RUN_STEPS = 3  # consecutive steps over the factor that make a slowdown (one outlier never does)
-# ... and each at least this much over the median: on steps of µs, jitter is often 1.5 x, and a capture
-# (the profiler's start-up alone is 100s of ms with CUDA) is worth a slowdown a user would notice.
+# ... each at least this much over the median: µs steps often jitter 1.5 x; a capture costs 100s of ms.
 SLOW_MIN_MS = 1.0
 BASELINE_STEPS = 100  # the rolling median: over the last this many resolved steps before the window
 BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many steps (after warm-up)
@@ -356,17 +315,14 @@ COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the
 
 
 class SlowProfiler:
-    """``profile_on_slow``: arms a ``profile_steps``-like window on :class:`Ranges` when steps *stay*
-    slower than ``factor`` x the rolling median step; checked once per window on its arrays, never per
-    step (the rule: docs/slow-steps.md)."""
+    """``profile_on_slow``: arms a window on :class:`Ranges` when steps *stay* slower than ``factor`` x
+    the rolling median step; checked once per window on its arrays, never per step."""
 
     def __init__(self, factor: float, folder: str, ranges: Ranges) -> None:
-        import numpy as np
-
         self.factor, self.folder, self.ranges = factor, folder, ranges
         self.captures = 0
         self._ring = np.zeros(0)  # the last BASELINE_STEPS resolved steps' wall times
-        self._run: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # steps, first, last, their wall sum
+        self._run: list[tuple[int, float]] = []  # the slow steps in a row so far: (number, wall ms)
         self._prev: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})  # last window's host, gpu stats
         self._quiet_to = -1  # the last step of the last capture's cool-down
         self._profiled: list[tuple[int, int]] = []  # steps under the profiler (left out of the median)
@@ -374,11 +330,26 @@ class SlowProfiler:
             self.profiled(cap.first, cap.last, capture=False)
 
     def window(self, window: Any, engine: Engine) -> None:
-        """A window's steps (``window.packed.walls``): arm a capture if a slowdown completed."""
+        """Arm a capture if a slowdown completed in the window; keep its rows' medians for the next one."""
         walls = window.packed.walls if window.packed is not None else None
-        if walls is None or engine.closed:
+        if walls is None or engine.closed or not len(walls):
             return
-        why = self.check(walls, window.host, window.gpu)
+        n, w = walls.numbers, walls.wall_ms
+        self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
+        clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler
+        for a, z in self._profiled:
+            clean &= (n < a) | (n > z)
+        why, run = None, self._run
+        self._run = []  # a run of slow steps goes on into this window only over the line
+        if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
+            k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
+            base = float(np.partition(self._ring, k)[k])
+            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to) & clean
+            if over.any():  # a Python loop over the window's steps only then
+                self._run = run
+                why = self._runs(walls, over, base)
+        self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
+        self._prev = (window.host, window.gpu)
         if why is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
@@ -390,67 +361,38 @@ class SlowProfiler:
             engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
 
     def profiled(self, first: int, last: int, *, capture: bool = True) -> None:
-        """Steps ``first..last`` run under the profiler (``capture``: one of this watch's captures)."""
+        """Steps ``first..last`` run under the profiler (``capture``: one of profile_on_slow's)."""
         self._profiled.append((first, last))
         if capture:
             self.captures += 1
             self._quiet_to = max(self._quiet_to, last + COOLDOWN_STEPS)
 
-    def check(
-        self, walls: StepWalls, host: Mapping[str, Any], gpu: Mapping[str, Any]
-    ) -> str | None:  # fmt: skip
-        """A window's steps (after warm-up) and its statistics by row (the next window's slowdown is
-        read against their medians); the sentence of a slowdown, if one completed."""
-        import numpy as np
-
-        n, w = walls.numbers, walls.wall_ms
-        if not len(n):
-            return None
-        self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
-        clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler
-        for a, z in self._profiled:
-            clean &= (n < a) | (n > z)
-        found, run = None, self._run
-        self._run = (0, 0, 0, 0.0)  # a run of slow steps goes on into this window only over the line
-        if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
-            k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
-            base = float(np.partition(self._ring, k)[k])
-            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to) & clean
-            if over.any():  # a Python loop over the window's steps only then
-                self._run = run
-                found = self._runs(walls, over, base)
-        self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
-        self._prev = (host, gpu)
-        return found
-
     def _runs(self, walls: StepWalls, over: Any, base: float) -> str | None:
         """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line."""
-        run, first, last, total = self._run
-        numbers = walls.numbers.tolist()
-        for i, (number, is_over) in enumerate(zip(numbers, over.tolist())):
-            if not is_over:
-                run, total = 0, 0.0
-                continue
-            if not run or number != last + 1:
-                run, first, total = 0, int(number), 0.0
-            run, last, total = run + 1, int(number), total + float(walls.wall_ms[i])
-            if run >= SLOW_RUN_STEPS:
-                self._run = (0, 0, 0, 0.0)
-                grew = self._grew(walls, first, i)
+        run = self._run
+        for i, (number, is_over) in enumerate(zip(walls.numbers.tolist(), over.tolist())):
+            if not is_over or (run and number != run[-1][0] + 1):
+                run = []
+            if is_over:
+                run.append((int(number), float(walls.wall_ms[i])))
+            if len(run) >= SLOW_RUN_STEPS:
+                self._run = []
+                grew = self._grew(walls, run[0][0], i)
                 what = "" if grew is None or grew.grew is None else f", {grew.grew_text()}"
+                mean_ms = sum(wall for _, wall in run) / len(run)
                 return (
-                    f"profile_on_slow={self.factor:g}: steps {first}-{last} each slower than {self.factor:g} x the "
-                    f"median step before them: {num(total / run)} ms on average vs {num(base)} ms{what}"
+                    f"profile_on_slow={self.factor:g}: steps {run[0][0]}-{run[-1][0]} each slower than "
+                    f"{self.factor:g} x the median step before them: {num(mean_ms)} ms on average vs "
+                    f"{num(base)} ms{what}"
                 )
-        self._run = (run, first, last, total)
+        self._run = run
         return None
 
     def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
-        """What grew in the run's steps of this window (their mean rows) against the previous
-        window's medians, by the slowest steps' rule."""
-        ph, pg = self._prev
-        medians = {("host", k): st.median_ms for k, st in ph.items()}
-        medians.update({("gpu", k): st.median_ms for k, st in pg.items()})
+        """What grew in the run's steps (their mean rows) against the previous window's medians."""
+        host_stats, gpu_stats = self._prev
+        medians = {("host", k): st.median_ms for k, st in host_stats.items()}
+        medians.update({("gpu", k): st.median_ms for k, st in gpu_stats.items()})
         idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
         if not medians or not idx:
             return None
@@ -461,25 +403,15 @@ class SlowProfiler:
                     into.setdefault(k, []).append(v)
         host, gpu = ({k: sum(v) / len(v) for k, v in d.items()} for d in values)
         wall = float(walls.wall_ms[idx].mean())
-        return explain(Candidate(wall, first, walls.clock, host, gpu or None, {}), medians)
+        return explain(SlowStep(first, wall, walls.clock, host, gpu or None), medians)
 
 
 def make_ranges(
-    *,
-    nvtx: object,
-    profile_steps: object,
-    folder: str | None,
-    start_step: int,
-    sample_every: int,
-    enabled: bool,
-    rank: int,
-    set_ranged: Callable[[bool], None],
-    profile_on_slow: object = None,
+    *, nvtx: object, profile_steps: object, folder: str | None, start_step: int, sample_every: int,
+    enabled: bool, rank: int, set_ranged: Callable[[bool], None], profile_on_slow: object = None,
     recent: Capture | None = None,
-) -> tuple[Ranges | None, str | None]:
-    """Validate ``profile_steps`` and ``profile_on_slow`` (``nvtx`` is checked by the caller); the
-    ranges (None when there are none) and a note. Traces go to ``folder``, from rank 0 only."""
-    factor = None
+) -> tuple[Ranges | None, str | None]:  # fmt: skip
+    """Validate ``profile_steps`` and ``profile_on_slow``; the ranges (None: none) and a note."""
     if profile_on_slow is not None:
         ok = isinstance(profile_on_slow, (int, float)) and not isinstance(profile_on_slow, bool)
         if not ok or not 1 < profile_on_slow < math.inf:  # type: ignore[operator]
@@ -487,13 +419,11 @@ def make_ranges(
                 "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), "
                 f"or None; got {profile_on_slow!r}"
             )
-        factor = float(profile_on_slow)  # type: ignore[arg-type]
+        check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,
+                            folder=folder)  # fmt: skip
     if profile_steps is not None:
         first, last = check_step_pair("profile_steps", profile_steps, start_step=start_step)
         check_window_option("profile_steps", PROFILE_FILE, sample_every=sample_every, folder=folder)
-    if factor is not None:
-        check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,
-                            folder=folder)  # fmt: skip
     capture = None
     if profile_steps is not None and enabled and rank == 0:
         capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
@@ -503,10 +433,10 @@ def make_ranges(
         if fns is None:
             note = "nvtx=True but this torch has no NVTX (a CPU build): no NVTX ranges"
             log.info("steptimer: %s", note)
-    slow = factor is not None and enabled and rank == 0
+    slow = profile_on_slow is not None and enabled and rank == 0
     if fns is None and capture is None and not slow:
         return None, note
     ranges = Ranges(fns, capture, set_ranged, recent)
     if slow:
-        ranges.slow = SlowProfiler(factor, folder, ranges)  # type: ignore[arg-type]
+        ranges.slow = SlowProfiler(float(profile_on_slow), folder, ranges)  # type: ignore[arg-type]
     return ranges, note

@@ -1,6 +1,6 @@
-"""Reading steptimer's TensorBoard event files back into per-run series (what a run is, run ids, and
-how truncated or corrupt files are read: docs/cli.md, docs/tensorboard.md). Tags are read by
-``_tags.py``'s grammar, the writer's; records strictly (``_records.read_records``).
+"""Reading steptimer's TensorBoard event files back into per-run series (what a run is, and how
+truncated or corrupt files are read: docs/cli.md, docs/tensorboard.md). Tags are read by ``_tags.py``'s
+grammar, the writer's; records strictly (``_records.read_records``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
 from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
-from steptimer._tags import HIST, is_steptimer, join_tag, parse, unhidden
+from steptimer._tags import HIST, MAIN, join_tag, parse, unhidden
 from steptimer._tensorboard import EVENT_FILE_PREFIX, PHASE_DIR, PHASE_SUFFIX
 
 _EVENT_FILE_MARK = "tfevents"
@@ -25,17 +25,15 @@ class LogError(Exception):
 
 @dataclass
 class RunLog:
-    """Everything steptimer wrote to one run directory, in step order (of a step written twice, the
-    later write): ``scalars`` by tag with the phase's name in it (``steptimer/host/forward_ms``),
-    ``hists`` by ``(clock, phase)``, each window's histogram on the fixed grid; ``notes`` on the files
-    (where a truncated one stopped, other runs beside)."""
+    """What steptimer wrote to one run, in step order (of a step written twice, the later write):
+    ``scalars`` by full tag (``steptimer/host/forward_ms``), ``hists`` by ``(clock, phase)``;
+    ``notes`` on the files; ``slowest`` as written at the run's close."""
 
     name: str
     path: str
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     hists: dict[tuple[str, str], list[tuple[int, LogHistogram]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    # The run's slowest steps as written at its close, slowest first.
     slowest: list[SlowStep] = field(default_factory=list)
 
 
@@ -67,7 +65,7 @@ def find_runs(logdir: str) -> list[RunLog]:
 
 
 def _scan(logdir: str) -> tuple[dict[str, list[str]], dict[str, dict[str, list[str]]]]:
-    """``(event files by run directory, phases' event files by run directory and phase)`` under ``logdir``."""
+    """``(event files by run directory, phases' event files by run directory and phase)``."""
     dirs = {}
     for root, subdirs, files in os.walk(logdir):
         subdirs.sort()
@@ -78,13 +76,12 @@ def _scan(logdir: str) -> tuple[dict[str, list[str]], dict[str, dict[str, list[s
         raise LogError(f"{logdir}: no TensorBoard event files (events.out.tfevents.*) found")
     if all(f.endswith(PHASE_SUFFIX) for files in dirs.values() for f in files):
         _refuse_phase_run(logdir)
-    phases: dict[str, dict[str, list[str]]] = {}  # run dir -> phase -> its event files
+    phases: dict[str, dict[str, list[str]]] = {}
     for d in sorted(dirs):
-        if all(f.endswith(PHASE_SUFFIX) for f in dirs[d]):
-            owner = _owner(d, dirs)
-            if owner is not None:
-                rel = os.path.relpath(d, os.path.join(owner, PHASE_DIR))
-                phases.setdefault(owner, {})[rel.replace(os.sep, "/")] = dirs.pop(d)
+        owner = _owner(d, dirs) if all(f.endswith(PHASE_SUFFIX) for f in dirs[d]) else None
+        if owner is not None:
+            rel = os.path.relpath(d, os.path.join(owner, PHASE_DIR))
+            phases.setdefault(owner, {})[rel.replace(os.sep, "/")] = dirs.pop(d)
     for owner in phases:
         dirs.setdefault(owner, [])
     return dirs, phases
@@ -100,8 +97,7 @@ Group = tuple[list[str], dict[str, list[str]]]  # a run's own event files, its p
 
 
 def _split(files: list[str], phases: dict[str, list[str]]) -> tuple[list[Group], Group]:
-    """The runs of one directory: ``(runs tied by their run id, in the order they started; the files
-    tied to none)``. A run is a file of the directory and the phases' files that carry its name."""
+    """The runs of one directory, tied by run id in the order they started, and the files tied to none."""
     own = {_run_id(f): f for f in files}
     tied: dict[str, dict[str, list[str]]] = {}
     loose: dict[str, list[str]] = {}
@@ -133,8 +129,7 @@ def _dir_runs(d: str, files: list[str], phases: dict[str, list[str]], *, name: s
 
 
 def _refuse_phase_run(path: str) -> None:
-    """``path`` holds only phases' runs (``<run>/steptimer/<phase>``, what TensorBoard lists as
-    ``exp/steptimer/forward``): say which folder holds the run, if one above it does."""
+    """``path`` holds only phases' runs (``<run>/steptimer/<phase>``): name the run above it, if any."""
     cur = os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path))
     while os.path.dirname(cur) != cur:
         if os.path.basename(cur) == PHASE_DIR:
@@ -154,20 +149,18 @@ def _file_run(path: str) -> RunLog:
             f"{path}: the event file of one phase's run; pass the run directory (the one holding "
             f"{PHASE_DIR}/) or its events.out.tfevents.* file"
         )
-    d = os.path.dirname(path) or "."
     if _EVENT_FILE_MARK not in base:  # a renamed file: read on its own
         return read_run([path], name=path, path=path)
+    d = os.path.dirname(path) or "."
     dirs, phases = _scan(d)
-    files = dirs.get(d, [path])
-    tied, (_, loose_phases) = _split(files, phases.get(d, {}))
+    tied, (_, loose_phases) = _split(dirs.get(d, [path]), phases.get(d, {}))
     ph = next((ph for own, ph in tied if os.path.samefile(own[0], path)), loose_phases)
     return read_run([path], name=path, path=path, phases=ph)
 
 
 def _owner(d: str, dirs: dict[str, list[str]]) -> str | None:
-    """The run a phase's run ``d`` (``<run>/steptimer/<phase>``) belongs to: the nearest directory above
-    it that holds event files other than phases' and has ``d`` under its ``steptimer/``; if none
-    holds any (a log dir whose own run was deleted), the one with ``d`` under ``steptimer/``."""
+    """The run that a phase's run ``d`` belongs to: the nearest directory above with ``d`` under its
+    ``steptimer/`` and event files of its own; else (its own run deleted) the nearest with ``d`` under it."""
     up, fallback = os.path.dirname(d), None
     while up and up != os.path.dirname(up):
         if d.startswith(os.path.join(up, PHASE_DIR) + os.sep):
@@ -182,19 +175,36 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
     """Read the steptimer tags of the event files of one run directory and of its phases' runs."""
     notes: list[str] = []
     sources: list[tuple[str | None, str, list[Any]]] = [(None, f, _events(f, notes)) for f in files]
-    # The phases' runs in the order they were created (their first event's time), which is the order
-    # their phases were first seen: the report's rows follow it, as the summary table's do.
+    # The phases' runs in the order they were created, which is the order their phases were first
+    # seen: the report's rows follow it, as the summary table's do.
     theirs = [(phase, f, _events(f, notes)) for phase, fs in (phases or {}).items() for f in fs]
     sources += sorted(theirs, key=lambda s: s[2][0].wall_time if s[2] else math.inf)
-    log = _Log()
+    scalars: dict[str, dict[int, tuple[float, float]]] = {}
+    hists: dict[tuple[str, str], dict[int, tuple[float, LogHistogram]]] = {}
+    slow: dict[int, tuple[float, bytes]] = {}  # the latest slowest steps, whatever their step
     with_windows = set()  # the run's own files that hold steptimer values
     for phase, f, events in sources:
         for event in events:
             for value in event.summary.value if event.HasField("summary") else ():
-                if is_steptimer(value.tag):
-                    with_windows.update([f] if phase is None else [])
-                    in_run = unhidden(value.tag)
-                    log.add(value, in_run if phase is None else join_tag(phase, in_run), event)
+                if not value.tag.startswith(MAIN):
+                    continue
+                key = unhidden(value.tag)
+                if phase is None:
+                    with_windows.add(f)
+                else:
+                    key = join_tag(phase, key)
+                kind, t = value.WhichOneof("value"), parse(key)
+                if kind == "histo" and t is not None and t.group == HIST:
+                    h = _histogram(value.histo)
+                    _keep_latest(hists.setdefault((t.family, t.name), {}), event.step, event, h)
+                elif kind == "simple_value":
+                    _keep_latest(scalars.setdefault(key, {}), event.step, event, value.simple_value)
+                elif kind == "tensor" and key == SLOW_JSON_TAG and value.tensor.string_val:
+                    _keep_latest(slow, 0, event, value.tensor.string_val[0])
+                elif kind == "tensor" and value.tensor.dtype in (1, 2):  # DT_FLOAT, DT_DOUBLE
+                    v = _tensor_scalar(value.tensor)
+                    if v is not None:
+                        _keep_latest(scalars.setdefault(key, {}), event.step, event, v)
     if len(with_windows) > 1:
         notes.append(
             f"{len(with_windows)} event files in {path} hold steptimer windows and name no run (a writer= "
@@ -204,36 +214,17 @@ def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[s
     return RunLog(
         name=name,
         path=path,
-        scalars={k: [(s, v) for s, (_, v) in sorted(pts.items())] for k, pts in log.scalars.items()},
-        hists={k: [(s, h) for s, (_, h) in sorted(pts.items())] for k, pts in log.hists.items()},
+        scalars={k: [(s, v) for s, (_, v) in sorted(pts.items())] for k, pts in scalars.items()},
+        hists={k: [(s, h) for s, (_, h) in sorted(pts.items())] for k, pts in hists.items()},
         notes=notes,
-        slowest=parse_slow_json(log.slow[1]) if log.slow is not None else [],
+        slowest=parse_slow_json(slow[0][1]) if slow else [],
     )
 
 
-class _Log:
-    """The values of one run by tag and step, each step's latest write kept (by wall time)."""
-
-    def __init__(self) -> None:
-        self.scalars: dict[str, dict[int, tuple[float, float]]] = {}
-        self.hists: dict[tuple[str, str], dict[int, tuple[float, LogHistogram]]] = {}
-        self.slow: tuple[float, bytes] | None = None  # (wall time, JSON) of the latest slowest steps
-
-    def add(self, value: Any, key: str, event: Any) -> None:
-        kind = value.WhichOneof("value")
-        if kind == "histo":
-            t = parse(key)
-            if t is not None and t.group == HIST:
-                _keep_latest(self.hists.setdefault((t.family, t.name), {}), event, _histogram(value.histo))
-        elif kind == "simple_value":
-            _keep_latest(self.scalars.setdefault(key, {}), event, value.simple_value)
-        elif kind == "tensor" and key == SLOW_JSON_TAG and value.tensor.string_val:
-            if self.slow is None or event.wall_time >= self.slow[0]:
-                self.slow = (event.wall_time, value.tensor.string_val[0])
-        elif kind == "tensor" and value.tensor.dtype in (1, 2):  # DT_FLOAT, DT_DOUBLE
-            v = _tensor_scalar(value.tensor)
-            if v is not None:
-                _keep_latest(self.scalars.setdefault(key, {}), event, v)
+def _keep_latest(series: dict[int, Any], step: int, event: Any, value: object) -> None:
+    old = series.get(step)
+    if old is None or event.wall_time >= old[0]:
+        series[step] = (event.wall_time, value)
 
 
 def _events(path: str, notes: list[str]) -> list[Any]:
@@ -275,27 +266,15 @@ def _not_event_file(path: str, why: str) -> str:
     )
 
 
-def _keep_latest(series: dict[int, Any], event: Any, value: object) -> None:
-    old = series.get(event.step)
-    if old is None or event.wall_time >= old[0]:
-        series[event.step] = (event.wall_time, value)
-
-
-def _histogram(histo: object) -> LogHistogram:
-    """A window's :class:`LogHistogram` from its ``HistogramProto``: count, sum, min and max as
-    written; the buckets' upper edges map back to the grid."""
-    h = LogHistogram()
-    limits = list(histo.bucket_limit)  # type: ignore[attr-defined]
-    counts = list(histo.bucket)  # type: ignore[attr-defined]
-    for upper, c in zip(limits, counts):
+def _histogram(histo: Any) -> LogHistogram:
+    """A window's histogram from its ``HistogramProto``, the buckets' upper edges mapped back to the grid."""
+    h = LogHistogram(count=int(round(histo.num)), sum_ms=float(histo.sum), sumsq_ms=float(histo.sum_squares))
+    for upper, c in zip(histo.bucket_limit, histo.bucket):
         if c:
             i = grid_index(upper)
             h.counts[i] = h.counts.get(i, 0) + int(round(c))
-    h.count = int(round(histo.num))  # type: ignore[attr-defined]
-    h.sum_ms = float(histo.sum)  # type: ignore[attr-defined]
-    h.sumsq_ms = float(histo.sum_squares)  # type: ignore[attr-defined]
-    h.min_ms = float(histo.min) if h.count else math.inf  # type: ignore[attr-defined]
-    h.max_ms = float(histo.max) if h.count else -math.inf  # type: ignore[attr-defined]
+    if h.count:
+        h.min_ms, h.max_ms = float(histo.min), float(histo.max)
     return h
 
 

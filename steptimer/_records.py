@@ -1,8 +1,6 @@
 """TensorBoard's record framing (``uint64 length, crc, data, crc``) with a C CRC-32C, for steptimer's
-own event files only. TensorBoard's pure-Python CRC-32C costs ~0.2 µs per byte with the GIL held
-(~2.8 ms a window's event, docs/benchmarks.md); TensorBoard's functions are never replaced, so a
-user's ``SummaryWriter`` keeps its own (tests/test_records.py checks that and the bytes).
-"""
+own event files only: TensorBoard's pure-Python one costs ~0.2 µs a byte with the GIL held (~2.8 ms a
+window's event). TensorBoard's functions are never replaced: a user's ``SummaryWriter`` keeps its own."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as _tb_masked_crc32c
-from tensorboard.summary.writer.record_writer import RecordWriter as _TBRecordWriter
 
 
 def _c_masked_crc32c() -> Callable[[bytes], int] | None:
@@ -36,16 +33,9 @@ _CRC = struct.Struct("<I")
 
 
 def frame(data: bytes) -> bytes:
-    """One record: ``data`` with its length and both checksums, as TensorBoard frames it."""
+    """``data`` with its length and both checksums, as TensorBoard frames it."""
     header = _LENGTH.pack(len(data))
     return header + _CRC.pack(masked_crc32c(header)) + data + _CRC.pack(masked_crc32c(data))
-
-
-class RecordWriter(_TBRecordWriter):  # type: ignore[misc]
-    """TensorBoard's ``RecordWriter`` with this module's checksum (same bytes)."""
-
-    def write(self, data: bytes) -> None:
-        self._writer.write(frame(data))
 
 
 class RecordError(Exception):
@@ -60,10 +50,7 @@ class RecordError(Exception):
 def read_records(f: BinaryIO) -> Iterator[bytes]:
     """The records of an event file, each checked against its two checksums."""
     n = offset = 0
-    while True:
-        header = f.read(12)
-        if not header:
-            return
+    while header := f.read(12):
         if len(header) < 12:
             raise RecordError(f"truncated record header after {n} records", truncated=True, offset=offset)
         (length,) = _LENGTH.unpack_from(header)

@@ -8,48 +8,27 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
+from steptimer import _tags
 from steptimer._energy import Energy
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemorySummary
 from steptimer._reader import RunLog
-from steptimer._summary import Series, Summary, Totals, summarize
-from steptimer._tags import (
-    CAUGHT,
-    JOULES_PER_STEP,
-    MAIN,
-    MFU,
-    RESERVED_MIB,
-    SAMPLES_PER_S,
-    STEPS_PER_S,
-    TAILS,
-    TFLOPS_PER_S,
-    TOKENS_PER_S,
-    WARMUP_STEPS,
-    WATTS,
-    parse,
-    tag,
-)  # fmt: skip
+from steptimer._summary import PhaseSummary, Series, Summary, Totals, summarize
 
 Points = dict[str, list[tuple[int, float]]]
 Hists = dict[tuple[str, str], list[tuple[int, LogHistogram]]]
 
 
 def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -> Summary:
-    """The summary of one run read back from its logs.
-
-    Args:
-        run: What steptimer wrote to the run's directory.
-        skip_steps: Leave out the windows that end at or before this step.
-        include_warmup: Count the warm-up steps too. By default their windows (tagged
-            ``steptimer-run/warmup_steps``) are left out, as the end-of-run summary leaves them out.
-    """
-    warm = {s: int(v) for s, v in run.scalars.get(WARMUP_STEPS, [])}
+    """The summary of one run read back from its logs, without the windows that end at or before
+    ``skip_steps`` and (unless ``include_warmup``) the warm-up windows, as the live summary."""
+    warm = {s: int(v) for s, v in run.scalars.get(_tags.WARMUP_STEPS, [])}
     skip = set() if include_warmup else set(warm)
-    windows = [s for s, _ in run.scalars.get(STEPS_PER_S, []) if s > skip_steps and s not in skip]
+    windows = [s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s > skip_steps and s not in skip]
     if not windows:
         windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in skip})
     notes = list(run.notes)
@@ -61,14 +40,20 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     wset = set(windows)
     hists = {k: [(s, h) for s, h in pts if s in wset] for k, pts in run.hists.items()}
     scal = {k: [(s, v) for s, v in pts if s in wset] for k, pts in run.scalars.items()}
-    n_of, wall_ms = _window_sizes(run, hists, scal, windows, skip_steps)
-    rate = dict(scal.get(STEPS_PER_S, []))
+    rate = dict(scal.get(_tags.STEPS_PER_S, []))
+    # Steps per window: exact from the host step histogram, else from the step numbers.
+    n_of: dict[int, int] = {s: h.count for s, h in hists.get(("host", "step"), [])}
+    prev = max([s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s <= skip_steps], default=0)
+    for s in windows:
+        n_of.setdefault(s, max(s - prev, 1))
+        prev = s
+    wall_ms = sum(n_of[s] / r * 1e3 for s in windows if (r := rate.get(s)) and r > 0 and math.isfinite(r))
     steps = sum(n_of[s] for s in windows)
 
     seen: dict[tuple[str, str], None] = dict.fromkeys(hists)
     for key in scal:
-        t = parse(key)
-        if t is not None and t.group == MAIN and t.measure == "ms":
+        t = _tags.parse(key)
+        if t is not None and t.group == _tags.MAIN and t.measure == "ms":
             seen[(t.family, t.name)] = None
     host, gpu = (
         {n: s for c, n in seen if c == clock and (s := _series(hists, scal, n_of, c, n))} for clock in ("host", "gpu")
@@ -84,11 +69,12 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         pts = dict(scal.get(key, []))
         return sum(v * n_of[s] / rate[s] for s, v in pts.items() if rate.get(s)) if pts else None
 
-    flops, mfu_s = total(TFLOPS_PER_S), total(MFU)
+    flops, mfu_s = total(_tags.TFLOPS_PER_S), total(_tags.MFU)
     caught = {n: c for n in host.keys() | gpu.keys() if (c := _caught(scal, n_of, n)) is not None}
     totals = Totals(
         list(dict.fromkeys([*host, *gpu])), host, gpu, caught, steps, timed, wall_ms, timed_sum, wall_ms * timed_frac,
-        None, total(SAMPLES_PER_S), total(TOKENS_PER_S), None if flops is None else flops * 1e12,
+        samples=total(_tags.SAMPLES_PER_S), tokens=total(_tags.TOKENS_PER_S),
+        flops=None if flops is None else flops * 1e12,
     )  # fmt: skip
     return summarize(
         totals,
@@ -107,99 +93,60 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
 
 def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
-    """The GPU's energy over the selected windows that have it: joules per step and watts summed back
-    to joules, steps and seconds."""
-    watts = dict(scal.get(WATTS, []))
-    per_step = [(s, v) for s, v in scal.get(JOULES_PER_STEP, []) if watts.get(s) and n_of.get(s)]
-    if not per_step:
+    """The GPU's energy over the windows that have it: joules per step and watts summed back."""
+    watts = dict(scal.get(_tags.WATTS, []))
+    per_step = scal.get(_tags.JOULES_PER_STEP, [])
+    joules = {s: v * n_of[s] for s, v in per_step if watts.get(s) and n_of.get(s)}
+    if not joules:
         return None
-    joules = {s: v * n_of[s] for s, v in per_step}
     return Energy(sum(joules.values()), sum(n_of[s] for s in joules), sum(j / watts[s] for s, j in joules.items()))
 
 
 def _memory(scal: Points) -> MemorySummary | None:
-    """The ``steptimer/mem/...`` tags of the selected windows (``scal`` holds only those), as the live
-    summary keeps them: max of the windows' peaks, the last window's allocated and reserved."""
+    """The windows' memory tags as the live summary keeps them: the max of the windows' peaks, the
+    last window's allocated and reserved."""
     peak: dict[str, int] = {}
     alloc: dict[str, int] = {}
     reserved = None
     for key, pts in scal.items():
-        t = parse(key)
-        if pts and t is not None and (t.group, t.family) == (MAIN, "mem"):
+        t = _tags.parse(key)
+        if pts and t is not None and (t.group, t.family) == (_tags.MAIN, "mem"):
             if t.measure == "peak_mib":
                 peak[t.name] = round(max(v for _, v in pts) * MIB)
             else:
                 alloc[t.name] = round(pts[-1][1] * MIB)
-        elif pts and key == RESERVED_MIB:
+        elif pts and key == _tags.RESERVED_MIB:
             reserved = round(pts[-1][1] * MIB)
     if not peak and reserved is None:
         return None
     return MemorySummary(peak, alloc, reserved or 0, steps=0, max_allocated_bytes=0)
 
 
-def nothing_to_report(path: str, runs: list[RunLog], skip_steps: int, include_warmup: bool) -> str:
-    """Why no window of ``runs`` is left to report, and what to pass instead."""
-    warm = sum(int(v) for run in runs for s, v in run.scalars.get(WARMUP_STEPS, []) if s > skip_steps)
-    if warm and not include_warmup:
-        after = f" after step {skip_steps}" if skip_steps else ""
-        return (
-            f"{path}: all {warm} logged steps{after} were warm-up steps (StepTimer's warmup_steps), which "
-            "report leaves out as the summary does; pass --include-warmup to report them"
-        )
-    return f"{path}: no logged windows after step {skip_steps}"
-
-
 def _caught(scal: Points, n_of: dict[int, int], name: str) -> float | None:
     """The fraction of steps in which the GPU caught up inside the phase (None: not logged)."""
-    pts = [(s, v) for s, v in scal.get(tag(CAUGHT, "gpu", name, "frac"), []) if n_of.get(s)]
+    pts = [(s, v) for s, v in scal.get(_tags.tag(_tags.CAUGHT, "gpu", name, "frac"), []) if n_of.get(s)]
     n = sum(n_of[s] for s, _ in pts)
     return sum(v * n_of[s] for s, v in pts) / n if n else None
 
 
-def _window_sizes(
-    run: RunLog, hists: Hists, scal: Points, windows: list[int], skip_steps: int
-) -> tuple[dict[int, int], float]:
-    """Steps per window (exact from the host step histogram, else from the step numbers) and the
-    windows' wall time in ms."""
-    n_of: dict[int, int] = {s: h.count for s, h in hists.get(("host", "step"), [])}
-    prev = max([s for s, _ in run.scalars.get(STEPS_PER_S, []) if s <= skip_steps], default=0)
-    for s in windows:
-        if s not in n_of:
-            n_of[s] = max(s - prev, 1)
-        prev = s
-    rate = dict(scal.get(STEPS_PER_S, []))
-    wall_ms = 0.0
-    for s in windows:
-        r = rate.get(s)
-        if r and r > 0 and math.isfinite(r):
-            wall_ms += n_of[s] / r * 1e3
-    return n_of, wall_ms
-
-
 def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: str) -> Series | None:
-    """One series over the windows: statistics of steps from the merged histograms, else of the
-    window means (scalar-only logs)."""
+    """One series over the windows: of steps from the merged histograms, else of the window means."""
     pts = hists.get((clock, name))
     if pts:
         merged = LogHistogram()
         for _, h in pts:
             merged.merge(h)
         return Series(SeriesStats.of(merged), merged, tuple(h.mean_ms for _, h in pts if h.count))
-    mean_pts = scal.get(tag(MAIN, clock, name, "ms"))
+    mean_pts = scal.get(_tags.tag(_tags.MAIN, clock, name, "ms"))
     if not mean_pts:
         return None
     means = tuple(v for _, v in mean_pts)
-    maxes = [v for _, v in scal.get(tag(TAILS, clock, name, "max_ms"), [])]
+    maxes = [v for _, v in scal.get(_tags.tag(_tags.TAILS, clock, name, "max_ms"), [])]
     n = sum(n_of.get(s, 0) for s, _ in mean_pts)
     total = sum(v * n_of.get(s, 0) for s, v in mean_pts)
-    st = SeriesStats(n, total / n if n else math.nan, statistics.median(means), _nearest_rank(means, 0.9),
-                     max(maxes) if maxes else max(means))  # fmt: skip
+    p90 = sorted(means)[max(1, math.ceil(0.9 * len(means))) - 1]  # nearest rank
+    st = SeriesStats(n, total / n if n else math.nan, statistics.median(means), p90, max(maxes or means))
     return Series(st, None, means)
-
-
-def _nearest_rank(values: tuple[float, ...], q: float) -> float:
-    xs = sorted(values)
-    return xs[max(1, math.ceil(q * len(xs))) - 1]
 
 
 # compare: a row changed when the runs' steps are clearly apart *and* the change is large enough to
@@ -213,14 +160,9 @@ MIN_DOMINANCE = 0.5  # |Cliff's delta|: B's steps above A's (or below) in 3 of 4
 
 @dataclass(frozen=True)
 class Delta:
-    """One row of ``steptimer compare``: a phase's median of steps (``wall per step``: its mean), in
-    run A and run B, on the GPU clock where both runs have it, else on the host's.
-
-    ``dominance`` is Cliff's delta of B's steps over A's (-1..1: the fraction of pairs of steps in
-    which B's is longer, minus those in which it is shorter; of the window values when the logs have
-    no histograms, and for ``wall per step``). ``changed``: ``|dominance| >= MIN_DOMINANCE`` and the
-    change is at least ``MIN_CHANGE`` of A's value and ``MIN_CHANGE_MS``.
-    """
+    """One row of ``steptimer compare``: a phase's median of steps (``wall per step``: its mean) in
+    runs A and B, on the GPU clock where both have it. ``dominance``: Cliff's delta of B's steps over
+    A's (of window values without histograms); ``changed``: see the thresholds above."""
 
     name: str
     clock: Literal["gpu", "host", "wall"]
@@ -242,44 +184,45 @@ class Delta:
 def compare(a: Summary, b: Summary) -> list[Delta]:
     """Per-row change from run A to run B (see :class:`Delta`), then the wall time per step."""
     out = []
-    for row_a in a.rows:
-        if row_a.name not in b:
+    for ra in a.rows:
+        if ra.name not in b:
             continue
-        row_b = b[row_a.name]
-        use_gpu = row_a.gpu is not None and row_b.gpu is not None
-        sa, sb = (row_a.gpu, row_b.gpu) if use_gpu else (row_a.host, row_b.host)
-        if sa is None or sb is None or not sa.steps or not sb.steps:
-            continue
-        ha, hb = (row_a.gpu_hist, row_b.gpu_hist) if use_gpu else (row_a.host_hist, row_b.host_hist)
-        if ha is not None and hb is not None and ha.count and hb.count:
-            dom = dominance(ha, hb)
-        else:
-            ma = row_a.gpu_window_means_ms if use_gpu else row_a.host_window_means_ms
-            mb = row_b.gpu_window_means_ms if use_gpu else row_b.host_window_means_ms
-            dom = _dominance_of_values(ma, mb)
-        out.append(_delta(row_a.name, "gpu" if use_gpu else "host", sa.median_ms, sb.median_ms, dom, "median"))
+        rb = b[ra.name]
+        on_gpu = ra.gpu is not None and rb.gpu is not None
+        sa, sb = (ra.gpu, rb.gpu) if on_gpu else (ra.host, rb.host)
+        if sa is not None and sb is not None and sa.steps and sb.steps:
+            dom = _dominance(ra, rb, on_gpu)
+            out.append(_delta(ra.name, "gpu" if on_gpu else "host", sa.median_ms, sb.median_ms, dom))
     if a.steps_per_s and b.steps_per_s:
-        ca, cb = 1e3 / a.steps_per_s, 1e3 / b.steps_per_s
         dom = _dominance_of_values(a.cycle_window_ms, b.cycle_window_ms)
-        out.append(_delta("wall per step", "wall", ca, cb, dom, "mean"))
+        out.append(_delta("wall per step", "wall", 1e3 / a.steps_per_s, 1e3 / b.steps_per_s, dom, "mean"))
     return out
 
 
-def _delta(name: str, clock: Any, a_ms: float, b_ms: float, dom: float, statistic: Any) -> Delta:
+def _delta(
+    name: str, clock: Literal["gpu", "host", "wall"], a_ms: float, b_ms: float, dom: float,
+    statistic: Literal["median", "mean"] = "median",
+) -> Delta:  # fmt: skip
     d = abs(b_ms - a_ms)
     big = d >= MIN_CHANGE_MS and d >= MIN_CHANGE * abs(a_ms)
     return Delta(name, clock, float(a_ms), float(b_ms), dom, bool(big and abs(dom) >= MIN_DOMINANCE), statistic)
 
 
+def _dominance(ra: PhaseSummary, rb: PhaseSummary, on_gpu: bool) -> float:
+    ha, hb = (ra.gpu_hist, rb.gpu_hist) if on_gpu else (ra.host_hist, rb.host_hist)
+    if ha is not None and hb is not None and ha.count and hb.count:
+        return dominance(ha, hb)
+    if on_gpu:
+        return _dominance_of_values(ra.gpu_window_means_ms, rb.gpu_window_means_ms)
+    return _dominance_of_values(ra.host_window_means_ms, rb.host_window_means_ms)
+
+
 def dominance(a: LogHistogram, b: LogHistogram) -> float:
     """Cliff's delta of ``b``'s values over ``a``'s from their histograms: P(b > a) - P(b < a) over
     all pairs; a pair in one bucket (1 % wide) counts as a tie."""
-    ia, ib = sorted(a.counts), sorted(b.counts)
-    grid = np.array(sorted(set(ia) | set(ib)))
-    ca = np.zeros(len(grid))
-    cb = np.zeros(len(grid))
-    ca[np.searchsorted(grid, ia)] = [a.counts[i] for i in ia]
-    cb[np.searchsorted(grid, ib)] = [b.counts[i] for i in ib]
+    grid = np.array(sorted(a.counts.keys() | b.counts.keys()))
+    ca = np.array([a.counts.get(i, 0) for i in grid], dtype=float)
+    cb = np.array([b.counts.get(i, 0) for i in grid], dtype=float)
     below = np.cumsum(ca) - ca  # a's values in lower buckets
     above = ca.sum() - np.cumsum(ca)  # and in higher ones
     return float(((cb * below).sum() - (cb * above).sum()) / (ca.sum() * cb.sum()))

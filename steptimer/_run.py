@@ -1,11 +1,7 @@
 """``steptimer run [options] script.py [args...]``: time a training script nobody edited.
 
-The script runs as ``python script.py args...`` would run it (``-m module`` as ``python -m``):
-``sys.argv``, ``__main__``, ``sys.path[0]``, its exit status and its exceptions are its own. Before it
-starts, :func:`steptimer.instrument` with no model and no optimizer is in place: it finds them at the
-first optimizer steps (docs/run.md) and then times every step as ``instrument()`` does. The summary
-is printed when the script ends (returns, raises or calls ``sys.exit``); SIGTERM is handled as for
-any timer (steptimer/_exit.py).
+The script runs as ``python script.py args...`` would; :func:`steptimer.instrument` with no model and
+no optimizer finds them at the first optimizer steps (docs/run.md) and times every step after.
 """
 
 from __future__ import annotations
@@ -25,9 +21,22 @@ USAGE = "steptimer run [options] script.py [args ...]\n       steptimer run [opt
 HELP = "run a training script unchanged and time each optimizer step"
 
 
+# (flag, type, default, metavar, help) of each option that takes a value; its dest is instrument()'s keyword.
+_VALUED = (
+    ("--log-dir", str, None, None, "TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)"),
+    ("--warmup-steps", int, 5, "N", "steps left out of the summary (default: %(default)s)"),
+    ("--log-every-n-steps", int, None, "N", "write window statistics every N steps (default: 50)"),
+    ("--lag", int, 2, "K", "wait on step N-K's GPU work at the end of step N (default: %(default)s)"),
+    ("--sample-every", int, 1, "N", "time the phases of one step in every N"),
+    ("--samples-per-step", float, None, "N", "samples per step (default: counted from the model's input)"),
+    ("--tokens-per-step", float, None, "N", "tokens per step (default: counted from a 2-D integer input)"),
+    ("--peak-tflops", float, None, None, "the peak TFLOP/s for MFU"),
+    ("--trace-steps", int, None, "N", "capture N steps after warm-up for `steptimer trace`"),
+)
+
+
 def parser() -> argparse.ArgumentParser:
-    """The options; their values are checked by the timer they are passed to (StepTimer's errors
-    name the option), before the script starts."""
+    """The options; their values are checked by the timer they are passed to, before the script starts."""
     p = argparse.ArgumentParser(
         prog="steptimer run",
         usage=USAGE,
@@ -35,28 +44,18 @@ def parser() -> argparse.ArgumentParser:
         "optimizer when they first step, and time data, forward, loss, backward, optimizer and zero_grad "
         "of each optimizer step. Everything after the script (or -m module) is the script's.",
     )
-    p.add_argument("--log-dir", default=None, help="TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)")
-    p.add_argument("--warmup-steps", type=int, default=5, metavar="N", help="steps left out of the summary (default: %(default)s)")
-    p.add_argument("--log-every-n-steps", type=int, default=None, metavar="N", help="write window statistics every N steps (default: 50)")
-    p.add_argument("--lag", type=int, default=2, metavar="K", help="wait on step N-K's GPU work at the end of step N (default: %(default)s)")
-    p.add_argument("--sample-every", type=int, default=1, metavar="N", help="time the phases of one step in every N")
-    p.add_argument("--samples-per-step", type=float, default=None, metavar="N", help="samples per step (default: counted from the model's input)")
-    p.add_argument("--tokens-per-step", type=float, default=None, metavar="N", help="tokens per step (default: counted from a 2-D integer input)")
-    p.add_argument("--host-only", action="store_true", help="host clock only, no CUDA events")
-    p.add_argument("--peak-tflops", type=float, default=None, help="the peak TFLOP/s for MFU")
-    p.add_argument("--trace-steps", type=int, default=None, metavar="N", help="capture N steps after warm-up for `steptimer trace`")
-    p.add_argument("--no-summary", action="store_true", help="don't print the summary at exit")
+    for flag, type_, default, metavar, help_ in _VALUED:
+        p.add_argument(flag, type=type_, default=default, metavar=metavar, help=help_)
+    p.add_argument("--host-only", dest="cuda", action="store_const", const=False,
+                   help="host clock only, no CUDA events")  # fmt: skip
+    p.add_argument("--no-summary", dest="print_summary", action="store_false",
+                   help="don't print the summary at exit")  # fmt: skip
     p.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a module as `python -m MODULE`")
     return p
 
 
-_TAKES_VALUE = {"--log-dir", "--warmup-steps", "--log-every-n-steps", "--lag", "--sample-every", "--samples-per-step",
-                "--tokens-per-step", "--peak-tflops", "--trace-steps"}  # fmt: skip
-
-
 def split(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
-    """(steptimer's options, the script or module, whether it is a module, the script's arguments):
-    everything after the script path (or ``-m module``) is the script's, as with ``python``."""
+    """(steptimer's options, the script or module, whether it is a module, the script's arguments)."""
     argv = list(argv)
     i = 0
     while i < len(argv):
@@ -69,7 +68,7 @@ def split(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
             return argv[:i], mod, True, rest
         if not a.startswith("-") or a == "-":
             return argv[:i], a, False, argv[i + 1 :]
-        i += 2 if a in _TAKES_VALUE else 1
+        i += 2 if any(a == flag for flag, *_ in _VALUED) else 1
     return argv, None, False, []
 
 
@@ -86,9 +85,7 @@ def default_log_dir(target: str, root: str = "runs", *, module: bool = False) ->
 
 
 def main(argv: Sequence[str]) -> int:
-    """Parse, install the timer, run the script; returns its status: 0, or 1 after its exception
-    (its traceback from its own first frame, as ``python script.py`` shows it). ``sys.exit`` and
-    Ctrl-C pass through."""
+    """Run the script timed; its status: 0, or 1 after its exception. ``sys.exit`` and Ctrl-C pass through."""
     opts, target, is_module, script_args = split(argv)
     p = parser()
     args = p.parse_args(opts)
@@ -101,17 +98,11 @@ def main(argv: Sequence[str]) -> int:
     from steptimer.timer import rank as process_rank
 
     rank = process_rank()
-    log_dir = args.log_dir
+    options: dict[str, Any] = vars(args)
+    del options["module"]  # split() took it
+    log_dir = options["log_dir"]
     if log_dir is None and rank == 0:  # only rank 0 writes; other ranks need no directory
-        log_dir = default_log_dir(target, module=is_module)
-    options: dict[str, Any] = dict(
-        log_dir=log_dir, warmup_steps=args.warmup_steps, log_every_n_steps=args.log_every_n_steps, lag=args.lag,
-        sample_every=args.sample_every, peak_tflops=args.peak_tflops, trace_steps=args.trace_steps,
-        print_summary=not args.no_summary, samples_per_step=args.samples_per_step,
-        tokens_per_step=args.tokens_per_step,
-    )  # fmt: skip
-    if args.host_only:
-        options["cuda"] = False
+        log_dir = options["log_dir"] = default_log_dir(target, module=is_module)
     try:
         timer = instrument(**options)
     except ValueError as err:  # argparse prefixes "steptimer run: error: "; wrapped with it at 80 columns
@@ -152,8 +143,7 @@ def _say(line: str) -> None:
 
 
 def _users_frames(tb: TracebackType | None) -> TracebackType | None:
-    """The traceback from the script's first frame on: steptimer's and runpy's frames above it are
-    no part of the user's error (``python script.py`` shows none of them)."""
+    """The traceback from the script's first frame on, as ``python script.py`` shows it."""
     package = str(Path(__file__).resolve().parent) + os.sep
     runpys = {"<frozen runpy>", runpy.__file__}  # runpy's frames name it so when it is frozen (3.11+)
 
@@ -167,12 +157,9 @@ def _users_frames(tb: TracebackType | None) -> TracebackType | None:
 
 
 def shell_command(name: str, clone: Path | None = None) -> str:
-    """How to call the ``steptimer`` or ``tensorboard`` command from here, as a user would type it.
-
-    The one on PATH if it is this interpreter's (an activated environment, a pip install); run from
-    a clone's ``.venv`` (``clone``, default: the one steptimer is imported from), ``./dev NAME``,
-    which runs it from there (its bin is not on PATH); else the interpreter's own copy.
-    """
+    """How to call the ``steptimer`` or ``tensorboard`` command from here, as a user would type it:
+    the one on PATH if it is this interpreter's; from a clone's ``.venv`` (``clone``, default: the one
+    steptimer is imported from; the demo names its own), its ``./dev NAME``; else the interpreter's own copy."""
     mine = os.path.join(os.path.dirname(sys.executable), name)
     if shutil.which(name) == mine:
         return name
@@ -187,11 +174,10 @@ def shell_command(name: str, clone: Path | None = None) -> str:
 
 def _run_script(target: str, is_module: bool, script_args: list[str]) -> None:
     """As ``python target args`` / ``python -m target args`` sets up ``sys.argv`` and ``sys.path[0]``."""
+    sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in argv[0]
     if is_module:
-        sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in argv[0]
         sys.path[0:1] = [os.getcwd()]
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
-        sys.argv = [target, *script_args]
         sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
         runpy.run_path(target, run_name="__main__")

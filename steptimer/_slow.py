@@ -1,19 +1,6 @@
-"""The slowest steps of a run, and what made each slow, measured (docs/slow-steps.md).
-
-A step's *wall time* is the product's share rule (``_verdict.py``) applied to one step: with CUDA
-timing, its GPU step span plus the GPU's idle before it, so a GPU stall inside a phase makes the
-step slow even while the host runs ahead with ``lag``; host only, the host step plus the time
-between steps before it (``data``). Only timed steps are ranked: they have phases to explain.
-
-Nothing here runs per step on the hot path: per window, on the window's arrays (``_window._blocks``),
-``window_candidates`` takes the steps slower than the run's k-th slowest so far (usually none) and
-:class:`SlowestKeeper` keeps the run's k slowest, so memory stays at k entries over any run. The
-causes are measured where they happen and travel with the step as *marks* (``StepRows.marks``, a
-sparse dict by step number): ``gc_ms``/``gc_gen`` (:class:`GcLog`), ``graphs_new``/``graphs``
-(dynamo's counters), ``pause_ms``, ``alloc_retries`` (read
-once per window), ``profiled``. The row that grew, and a data stall, are read against the run's
-per-row medians at the summary (:func:`explain`).
-"""
+"""The run's slowest steps and what made each slow, measured (docs/slow-steps.md). A step's wall
+time: GPU step + GPU idle before it with CUDA timing, else host step + time between steps. Nothing
+here runs per step: per window on its arrays; causes travel with the step as sparse *marks*."""
 
 from __future__ import annotations
 
@@ -23,9 +10,13 @@ import json
 import math
 import sys
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
+import torch
 
 from steptimer._format import num
 from steptimer._verdict import ShareClock
@@ -45,15 +36,7 @@ SLOW_PLUGIN = "steptimer-slow"
 
 @dataclass(frozen=True)
 class SlowStep:
-    """One of a run's slowest steps (``Summary.slowest``, ``steptimer report``'s ``slowest``).
-
-    ``wall_ms`` is on the clock ``clock`` (see the module docstring). ``host_ms``/``gpu_ms`` hold
-    every row of the step as the summary names them (phases, ``data``, ``other``, ``wait``,
-    ``step``; GPU ``idle``). ``grew`` is the row of the wall clock that grew most over the run's
-    median of that row, by ``grew_ms`` (its median ``grew_median_ms``); ``causes`` are what
-    steptimer measured in the step (a GC pause, a recompilation, allocator retries, a data stall,
-    a pause before it), each a sentence.
-    """
+    """One of a run's slowest steps: its rows by clock, the row that grew most over its median, the causes."""
 
     step: int
     wall_ms: float
@@ -68,12 +51,13 @@ class SlowStep:
     trace: str | None = None  # the flight recorder's Perfetto file around the step, if kept
     rank: RankSlow | None = None  # under torch.distributed: the slowest rank in its window (_dist.py)
 
+    def __lt__(self, other: SlowStep) -> bool:  # the keeper's min-heap by wall time
+        return self.wall_ms < other.wall_ms
+
     @property
     def cause(self) -> str | None:
         """What stood out, as one line: the row that grew, then the measured causes."""
-        parts = [] if self.grew is None else [self.grew_text()]
-        parts += self.causes
-        return "; ".join(parts) or None
+        return "; ".join(p for p in (self.grew_text(), *self.causes) if p) or None
 
     def grew_text(self) -> str:
         if self.grew is None or self.grew_ms is None:
@@ -82,27 +66,23 @@ class SlowStep:
         return f"{where}{self.grew} +{num(self.grew_ms)} ms (median {num(self.grew_median_ms or 0.0)})"
 
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
+        grew = {"row": self.grew, "by_ms": self.grew_ms, "median_ms": self.grew_median_ms}
+        optional = {
+            "grew": None if self.grew is None else grew,
+            "causes": list(self.causes) or None, "cause": self.cause, "trace": self.trace,
+            "rank": None if self.rank is None else self.rank.to_json(),
+        }  # fmt: skip
+        return {
             "step": self.step, "wall_ms": self.wall_ms, "clock": self.clock,
             "host_ms": dict(self.host_ms), "gpu_ms": None if self.gpu_ms is None else dict(self.gpu_ms),
+            **{k: v for k, v in optional.items() if v is not None},
         }  # fmt: skip
-        if self.grew is not None:
-            d["grew"] = {"row": self.grew, "by_ms": self.grew_ms, "median_ms": self.grew_median_ms}
-        if self.causes:
-            d["causes"] = list(self.causes)
-        if self.cause is not None:
-            d["cause"] = self.cause
-        if self.trace is not None:
-            d["trace"] = self.trace
-        if self.rank is not None:
-            d["rank"] = self.rank.to_json()
-        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SlowStep:
         grew = d.get("grew") or {}
         return cls(
-            step=int(d["step"]), wall_ms=float(d["wall_ms"]), clock=d.get("clock", "host"),
+            step=int(d["step"]), wall_ms=float(d["wall_ms"]), clock=d["clock"],
             host_ms=dict(d.get("host_ms") or {}), gpu_ms=d.get("gpu_ms"),
             grew=grew.get("row"), grew_ms=grew.get("by_ms"), grew_median_ms=grew.get("median_ms"),
             causes=tuple(d.get("causes") or ()), trace=d.get("trace"),
@@ -114,12 +94,12 @@ class SlowStep:
         return replace(self, rank=r, causes=self.causes + (r.text(self.step),))
 
 
+Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet explained (grew, causes)
+
+
 @dataclass(frozen=True)
 class RankSlow:
-    """Under ``torch.distributed``: the slowest step of one log window across ranks, by *own* time
-    (wall time less the top-level ``backward``, :meth:`StepWalls.own_ms`), from the window's
-    cross-rank round (``_dist.py``). ``here_ms`` is the reading rank's own time in that step
-    (``here``: that rank; None if it has no such timed step)."""
+    """The slowest step of one window across ranks by own time; ``here_ms``: rank ``here``'s own time."""
 
     step: int
     rank: int
@@ -130,7 +110,6 @@ class RankSlow:
     here_ms: float | None
 
     def text(self, step: int) -> str:
-        """What rank ``here``'s table says of its slow step ``step`` (in this window)."""
         if self.step == step and self.rank == self.here:
             return f"the slowest rank in this step (its own time {num(self.own_ms)} ms: wall less backward)"
         here = "" if self.here_ms is None else f" vs {num(self.here_ms)} ms on rank {self.here}"
@@ -152,30 +131,22 @@ class RankSlow:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankSlow:
-        first, last = d.get("window") or (d["step"], d["step"])
-        here_ms = d.get("here_ms")
+        first, last = d["window"]
+        here_ms = d["here_ms"]
         return cls(
-            int(d["step"]), int(d["rank"]), float(d["own_ms"]), int(first), int(last), int(d.get("here", 0)),
+            int(d["step"]), int(d["rank"]), float(d["own_ms"]), int(first), int(last), int(d["here"]),
             None if here_ms is None else float(here_ms),
         )  # fmt: skip
 
 
-# ---------------------------------------------------------------------- measured in the step
-
-
+@dataclass(eq=False)
 class GcLog:
-    """Python garbage collections as host time spans, from ``gc.callbacks``.
+    """Python garbage collections as host time spans, from ``gc.callbacks`` (two clock reads and a
+    bounded deque append per collection, never per step)."""
 
-    The callback costs two ``perf_counter()`` calls and a deque append per collection (never per
-    step); the deque is bounded. :meth:`take_ms` attributes the collections to a step by its host
-    time range when the step is resolved. Removed at :meth:`close`.
-    """
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self.spans: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)
-        self._start = 0.0
-        self._on = False
+    _clock: Callable[[], float]
+    spans: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=GC_SPANS))
+    _start: float = 0.0
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -184,21 +155,15 @@ class GcLog:
             self.spans.append((self._start, self._clock(), info.get("generation", -1)))
 
     def open(self) -> None:
-        if not self._on:
+        if self._callback not in gc.callbacks:
             gc.callbacks.append(self._callback)
-            self._on = True
 
     def close(self) -> None:
-        if self._on:
-            self._on = False
-            try:
-                gc.callbacks.remove(self._callback)
-            except ValueError:  # someone cleared gc.callbacks
-                pass
+        with suppress(ValueError):  # not open, or someone cleared gc.callbacks
+            gc.callbacks.remove(self._callback)
 
     def take_ms(self, t_from: float, t_to: float) -> tuple[float, int]:
-        """``(ms of collection inside [t_from, t_to], oldest generation collected)``; spans that end by
-        ``t_to`` are consumed (steps are resolved in order), later ones kept for the next steps."""
+        """``(ms of GC inside [t_from, t_to], oldest generation)``; consumes the spans ending by ``t_to``."""
         total, gen = 0.0, -1
         for a, z, g in self.spans:  # in order: collections never overlap
             if a >= t_to:
@@ -213,62 +178,22 @@ class GcLog:
 
 
 def dynamo_stats() -> Mapping[str, int] | None:
-    """dynamo's ``counters["stats"]`` (``unique_graphs``: graphs compiled so far) if ``torch._dynamo``
-    is already imported; None otherwise (importing it here would cost seconds)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None)
-    if counters is None:
-        return None
+    """dynamo's ``counters["stats"]`` if ``torch._dynamo`` is imported already (its import costs seconds)."""
     try:
-        return counters["stats"]  # type: ignore[no-any-return]
-    except Exception:  # pragma: no cover - a torch whose counters changed shape
+        return sys.modules["torch._dynamo.utils"].counters["stats"]  # type: ignore[no-any-return]
+    except Exception:  # not imported, or a torch whose counters changed shape
         return None
 
 
 def allocator_retries(device: int) -> int | None:
-    """The CUDA caching allocator's ``num_alloc_retries`` on ``device`` (None without one). One
-    ``torch._C._cuda_memoryStats`` call (~10 µs on an H100): read once per window, never per step."""
-    torch = sys.modules.get("torch")
-    stats = getattr(getattr(torch, "_C", None), "_cuda_memoryStats", None)
-    if stats is None or device < 0:
+    """The CUDA caching allocator's ``num_alloc_retries`` on ``device`` (None without one); ~10 µs on
+    an H100: read once per window, never per step."""
+    if device < 0:
         return None
     try:
-        return int(stats(device).get("num_alloc_retries", 0))
-    except Exception:  # CUDA not initialized on that device, or a torch without the key
+        return int(torch._C._cuda_memoryStats(device).get("num_alloc_retries", 0))
+    except Exception:  # no CUDA build, CUDA not initialized on that device, or a torch without the key
         return None
-
-
-# ---------------------------------------------------------------------- per window, per run
-
-
-@dataclass
-class Candidate:
-    """A step slower than the run's k-th slowest when its window was computed (not yet explained)."""
-
-    wall_ms: float
-    step: int
-    clock: ShareClock
-    host_ms: dict[str, float]
-    gpu_ms: dict[str, float] | None
-    marks: dict[str, float]
-
-    def __lt__(self, other: Candidate) -> bool:  # a min-heap by wall time
-        return self.wall_ms < other.wall_ms
-
-
-def block_wall_ms(blk: Any, series: list[tuple[str, str]], step_s_col: int) -> tuple[Any, ShareClock]:
-    """Each step's wall time in one block of a window's rows (``_window._blocks``), and its clock:
-    GPU step + GPU idle with CUDA timing, else host step + data (the module docstring's rule)."""
-    import numpy as np
-
-    try:
-        j = series.index(("gpu", "step"))
-    except ValueError:
-        return blk.lead[:, step_s_col] * 1e3 + blk.gap_ms, "host"
-    wall = blk.derived[:, j].copy()
-    if ("gpu", "idle") in series:
-        wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
-    return wall, "gpu"
 
 
 def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -282,93 +207,74 @@ def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[st
 
 
 def window_candidates(
-    blocks: Iterable[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
+    blocks: Sequence[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
     k: int, floor_ms: float, step_s_col: int, number_col: int,
 ) -> list[Candidate]:  # fmt: skip
-    """A window's steps slower than ``floor_ms`` (the run's k-th slowest so far), its k slowest at
-    most, from its blocks of rows (``_window._blocks``): a few numpy calls per block."""
-    import numpy as np
-
-    out: list[Candidate] = []
-    for blk, series in blocks:
-        if blk.names is None or not len(blk.lead):
-            continue
-        wall, clock = block_wall_ms(blk, series, step_s_col)
-        idx = np.flatnonzero(wall > floor_ms)
-        if len(idx) > k:
-            idx = idx[np.argpartition(-wall[idx], k - 1)[:k]]
-        for i in idx.tolist():
-            host, gpu = row_values(blk, series, i)
-            number = int(blk.lead[i, number_col])
-            out.append(Candidate(float(wall[i]), number, clock, host, gpu or None, dict(marks.get(number, {}))))
-    out.sort(key=lambda c: -c.wall_ms)
-    return out[:k]
+    """A window's k slowest steps at most of those slower than ``floor_ms`` (the run's k-th slowest)."""
+    walls = StepWalls(blocks, step_s_col, number_col)
+    idx = np.flatnonzero(walls.wall_ms > floor_ms)
+    if len(idx) > k:
+        idx = idx[np.argpartition(-walls.wall_ms[idx], k - 1)[:k]]
+    out = []
+    for i in idx.tolist():
+        host, gpu = walls.rows(i)
+        n = int(walls.numbers[i])
+        wall = float(walls.wall_ms[i])
+        out.append(SlowStep(n, wall, walls.clock, host, gpu or None, marks=dict(marks.get(n, {}))))
+    return sorted(out, key=lambda c: -c.wall_ms)
 
 
-# A phase that, under DDP, includes waiting for the other ranks' gradients (the all-reduce hooks run
-# inside it): a rank's *own* time leaves it out (the straggler rule of _dist.py, per step).
+# Under DDP it holds the wait for the other ranks' gradients: a rank's *own* time leaves it out.
 WAIT_PHASE = "backward"
 
 
 def is_wait_phase(name: str) -> bool:
-    """A top-level ``backward``: its last name part is ``backward`` with no ``backward`` above it."""
+    """A top-level ``backward``: no ``backward`` above it."""
     parts = name.split("/")
     return parts[-1] == WAIT_PHASE and WAIT_PHASE not in parts[:-1]
 
 
 class StepWalls:
-    """A window's timed steps in step order (``Packed.walls``): each step's number and wall time
-    (:func:`block_wall_ms`), and on demand its *own* time (:meth:`own_ms`) and rows (:meth:`rows`).
-    Two or three numpy calls per window (more only when a window mixes phase layouts), never per step.
-    """
+    """A window's timed steps in step order: numbers and wall times; own times and rows on demand."""
 
     __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order")
 
     def __init__(self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int) -> None:
-        import numpy as np
-
         self.clock: ShareClock = "host"
         self._blocks = blocks
         parts = []  # (block index, its numbers, its walls); rows within a block are in step order
         for b, (blk, series) in enumerate(blocks):
-            if blk.names is not None and len(blk.lead):
-                wall, self.clock = block_wall_ms(blk, series, step_s_col)
-                parts.append((b, blk.lead[:, number_col], wall))
+            if blk.names is None or not len(blk.lead):
+                continue
+            if ("gpu", "step") in series:  # the GPU step and the GPU's idle time before it
+                self.clock = "gpu"
+                wall = blk.derived[:, series.index(("gpu", "step"))].copy()
+                if ("gpu", "idle") in series:
+                    wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
+            else:
+                wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
+            parts.append((b, blk.lead[:, number_col], wall))
         self._parts = parts
-        self._order: Any = None
-        if len(parts) == 1:
-            self.numbers, self.wall_ms = parts[0][1], parts[0][2]
-        elif not parts:
-            self.numbers = self.wall_ms = np.zeros(0)
-        else:
-            numbers = np.concatenate([p[1] for p in parts])
-            self._order = np.argsort(numbers, kind="stable")
-            self.numbers = numbers[self._order]
-            self.wall_ms = np.concatenate([p[2] for p in parts])[self._order]
+        numbers = np.concatenate([p[1] for p in parts] or [np.zeros(0)])
+        self._order = np.argsort(numbers, kind="stable")
+        self.numbers = numbers[self._order]
+        self.wall_ms = np.concatenate([p[2] for p in parts] or [np.zeros(0)])[self._order]
 
     def __len__(self) -> int:
         return len(self.numbers)
 
     def own_ms(self) -> Any:
-        """Each step's wall time less its top-level ``backward`` rows on the wall's clock: under DDP the backward holds the wait for the other
-        ranks' gradients, so a rank that waited for a slow one has a short own time and the slow rank
-        a long one (``_dist.py``'s straggler rule, per step)."""
-        import numpy as np
-
-        owns = []
+        """Each step's wall time less its top-level ``backward`` (``_dist.py``'s straggler rule)."""
+        owns = [np.zeros(0)]
         for b, _, wall in self._parts:
             blk, series = self._blocks[b]
             wait = [j for j, (c, name) in enumerate(series) if c == self.clock and is_wait_phase(name)]
-            owns.append(wall - np.nansum(blk.derived[:, wait], axis=1) if wait else wall.copy())
-        if not owns:
-            return np.zeros(0)
-        own = owns[0] if len(owns) == 1 else np.concatenate(owns)[self._order]
-        return np.maximum(own, 0.0)
+            owns.append(wall - np.nansum(blk.derived[:, wait], axis=1) if wait else wall)
+        return np.maximum(np.concatenate(owns)[self._order], 0.0)
 
     def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
         """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name."""
-        if self._order is not None:
-            i = int(self._order[i])
+        i = int(self._order[i])
         for b, numbers, _ in self._parts:
             if i < len(numbers):
                 blk, series = self._blocks[b]
@@ -377,13 +283,12 @@ class StepWalls:
         raise IndexError(i)
 
 
+@dataclass
 class SlowestKeeper:
-    """The run's k slowest steps (a min-heap of k candidates: bounded memory whatever the run's
-    length), merged one window at a time."""
+    """The run's k slowest steps (a min-heap: bounded memory), merged one window at a time."""
 
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.heap: list[Candidate] = []
+    k: int
+    heap: list[SlowStep] = field(default_factory=list)
 
     @property
     def floor_ms(self) -> float:
@@ -406,7 +311,8 @@ class SlowestKeeper:
         self, medians: Mapping[tuple[str, str], float], traces: Mapping[int, str] | None = None
     ) -> tuple[SlowStep, ...]:
         """The kept steps, slowest first, each explained against the run's medians (``(clock, row)``)."""
-        return tuple(explain(c, medians, (traces or {}).get(c.step)) for c in sorted(self.heap, key=lambda c: -c.wall_ms))
+        traces = traces or {}
+        return tuple(explain(c, medians, traces.get(c.step)) for c in sorted(self.heap, key=lambda c: -c.wall_ms))
 
 
 # Rows of each clock that tile the wall time (the top-level phases besides them).
@@ -446,20 +352,14 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         causes.append(f"after {num(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):
         causes.append("it ran under torch.profiler (profile_steps or profile_on_slow): its overhead is in it")
-    return SlowStep(
-        step=c.step, wall_ms=c.wall_ms, clock=c.clock, host_ms=c.host_ms, gpu_ms=c.gpu_ms,
-        grew=grew, grew_ms=None if grew is None else excess[grew],
-        grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0),
-        causes=tuple(causes), marks=dict(m), trace=trace,
-    )  # fmt: skip
+    return replace(
+        c, grew=grew, grew_ms=None if grew is None else excess[grew],
+        grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0), causes=tuple(causes), trace=trace,
+    )
 
 
 def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grown_ms: float) -> list[str]:
-    """What the time between steps measured before the slow step, when it grew by at least
-    ``DATA_MIN_FRAC`` of the step's growth (``grown_ms``), to twice its median, and by a notable
-    time (as a GC pause is): a data stall only from the loader's time (``data``) or the GPU idle it
-    accounts for (``idle/data``); a longer loop is the host waiting for the GPU when the GPU stayed
-    busy (it idled less than a notable time outside the loader), else the host busy between steps."""
+    """A data stall or a longer loop before the slow step, when it grew notably (docs/slow-steps.md)."""
     notable_ms = max(GC_MIN_MS, GC_MIN_FRAC * c.wall_ms)
 
     def grew(clock: str, row: str, values: Mapping[str, float] | None) -> tuple[float, float] | None:
@@ -489,9 +389,6 @@ def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grow
     return out
 
 
-# ---------------------------------------------------------------------- TensorBoard
-
-
 def slow_markdown(slowest: Sequence[SlowStep]) -> str:
     """The TensorBoard text card: one Markdown table row per slow step."""
     lines = ["| step | wall ms | what stood out |", "|---:|---:|---|"]
@@ -510,7 +407,8 @@ def slow_summary(slowest: Sequence[SlowStep]) -> Any:
 
     def text(tag: str, s: str, plugin: str) -> Any:
         meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin))
-        t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
+        shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
+        t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=shape)
         return Summary.Value(tag=tag, metadata=meta, tensor=t)
 
     doc = json.dumps([s.to_json() for s in slowest], allow_nan=False)

@@ -1,6 +1,6 @@
-"""The run summary: per-phase statistics over every step after warm-up, one :func:`summarize` for the
-live run (:class:`SummaryAccumulator`: windows merge by adding bucket counts on the fixed grid, so
-memory stays bounded) and for ``steptimer report`` (``_report.py``: the same totals from the logs).
+"""The run summary: per-phase statistics over every step after warm-up. One :func:`summarize` serves
+the live run (:class:`SummaryAccumulator`: windows merge by adding bucket counts on the fixed grid, so
+memory stays bounded) and ``steptimer report`` (``_report.py``: the same totals from the logs).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class RankSpread:
 @dataclass(frozen=True)
 class LastRank:
     """The rank the others waited for most at the steps' first gradient collective (a watched DDP
-    model, ``_dist.py``): last in ``share`` of the steps, ``ahead_ms`` on average after the first
-    rank's arrival, with ``phase`` its row that grew most against the other ranks' same row."""
+    model, ``_dist.py``): last by 1 ms or more in ``share`` of the steps, ``ahead_ms`` on average
+    after the first rank's arrival, with ``phase`` its row that grew most against the other ranks' same row."""
 
     rank: int
     share: float
@@ -56,12 +56,10 @@ class LastRank:
 
 @dataclass(frozen=True)
 class RankSummary:
-    """The per-rank section of the summary: each series' spread of the ranks' run means.
-
-    ``series`` maps ``(clock, name)`` to its spread (``("mem", "<name>_peak")``, ``("mem",
-    "reserved")``: MiB in the same fields); ``straggler`` is the spread of ``data + step - backward``,
-    whose ``argmax`` holds the others back. ``reduce_ms``: this rank's mean host time per round.
-    """
+    """The per-rank section of the summary (docs/distributed.md): each series' spread of the ranks'
+    run means by ``(clock, name)`` (``mem`` series in MiB); ``straggler``: the spread of ``data + step
+    - backward``; ``reduce_ms``: this rank's mean host time per round; ``last``: the rank the others
+    waited for at the all-reduce (a watched DDP model)."""
 
     world_size: int
     ranks: int
@@ -98,14 +96,12 @@ class RankSummary:
 
 @dataclass(frozen=True)
 class PhaseSummary:
-    """One row of the summary: a phase (or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``).
+    """One row of the summary: a phase, or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``.
 
-    ``host``/``gpu`` are per-step statistics over the steps in which the row ran (``host.steps`` is 0
-    for GPU ``idle``; ``gpu`` is None without CUDA or for host-only rows). ``calls_per_step`` is the
-    mean number of entries in those steps (gradient accumulation: forward entered k times; None when
-    read back from logs, which don't hold it). ``share`` is the row's part of the wall time (see
-    ``_verdict.py``); the top-level rows add up to 1. ``launch_bound``: :func:`is_launch_bound`.
-    The histograms and window means are what ``steptimer compare`` tests a change on.
+    ``host``/``gpu``: statistics over the steps in which the row ran (``gpu`` None without CUDA);
+    ``calls_per_step``: mean entries in those steps (None when read from logs); ``share``: its part
+    of the wall time, the top-level rows adding up to 1; ``launch_bound``: the GPU waited for the
+    host's launches inside it. The histograms and window means are what ``compare`` tests a change on.
     """
 
     name: str
@@ -123,11 +119,14 @@ class PhaseSummary:
 @dataclass(frozen=True)
 class Summary:
     """The end-of-run summary returned by :meth:`StepTimer.close`, and what ``steptimer report``
-    reads back from a run's logs (``_report.analyze``); ``_table.render(summary)`` draws it as printed.
+    reads back from a run's logs.
 
-    Rows are in the order phases were first seen, with ``data`` first and ``other``, ``wait`` and
-    ``step`` (and GPU ``idle``) last. ``steps`` counts the steps summarized (after warm-up);
-    ``timed_steps`` those with phase timings (fewer with ``sample_every``).
+    Rows are in the order phases were first seen, with ``data`` first and ``other``, ``wait``,
+    ``step`` (and GPU ``idle``) last. ``steps`` counts the steps summarized (after warm-up),
+    ``timed_steps`` those with phase timings (fewer with ``sample_every``). ``tflops_per_s``: the
+    steps' FLOPs (``step(flops=)``) over their wall time; ``mfu``: that over ``peak_tflops``.
+    ``slowest``: the slowest timed steps, each with what stood out. ``own_ms``/``own_share``:
+    steptimer's own work between steps, in no row. ``name`` to ``cycle_window_ms``: from logs.
     """
 
     steps: int
@@ -139,30 +138,21 @@ class Summary:
     samples_per_s: float | None
     tokens_per_s: float | None
     notes: tuple[str, ...] = field(default=())
-    ranks: RankSummary | None = None  # per-rank section under torch.distributed (steptimer/_dist.py)
-    # FLOPs of the summarized steps (``step(flops=)``) over their wall time (data wait + step, as
-    # samples_per_s), in TFLOP/s; mfu is that over ``peak_tflops`` (a fraction, 0-1). None: no flops
-    # given, or no peak known (a note then says why).
+    ranks: RankSummary | None = None
     tflops_per_s: float | None = None
     mfu: float | None = None
     peak_tflops: float | None = None
-    memory: MemorySummary | None = None  # CUDA memory (steptimer/_memory.py); None: not read
-    share_clock: ShareClock = "host"  # the clock the rows' shares are of (see PhaseSummary)
-    verdict: Verdict | None = None  # where the wall time went (``_verdict.py``); None: no timed steps
-    # The run's slowest timed steps after warm-up, slowest first, each with what stood out (_slow.py).
+    memory: MemorySummary | None = None
+    share_clock: ShareClock = "host"
+    verdict: Verdict | None = None
     slowest: tuple[SlowStep, ...] = ()
-    # steptimer's own work between steps (window statistics, sinks), host ms over the whole run, and
-    # its fraction of the run's host time (first step's start to the last step's end): in no row.
     own_ms: float = 0.0
     own_share: float | None = None
-    # The GPU's energy over the summarized windows (NVML's counter, _energy.py); None: not read.
     energy: Energy | None = None
-    # Read back from logs: the run's name and directory, its windows, whether median and p90 are of
-    # steps (histograms) or of window means (scalar-only logs), each window's wall ms per step.
     name: str = "steptimer"
     path: str | None = None
     windows: int | None = None
-    of_steps: bool = True
+    of_steps: bool = True  # median and p90 of steps (histograms), not of window means
     cycle_window_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     @property
@@ -184,7 +174,7 @@ class Series(NamedTuple):
     """One row on one clock over the summarized steps."""
 
     stats: SeriesStats
-    hist: LogHistogram | None = None  # the merged per-step histogram (None: scalar-only logs)
+    hist: LogHistogram | None = None  # None: scalar-only logs
     window_means_ms: tuple[float, ...] = ()
 
     @property
@@ -194,8 +184,7 @@ class Series(NamedTuple):
 
 @dataclass
 class Totals:
-    """What a summary is computed from: the live run's totals (:class:`SummaryAccumulator`) or the
-    same read back from its logs (``_report.analyze``), over the summarized steps."""
+    """What a summary is computed from, over the summarized steps: the live run's or its logs'."""
 
     order: list[str]  # phases, first seen first
     host: dict[str, Series]
@@ -212,6 +201,11 @@ class Totals:
     flops: float | None = None
 
 
+DERIVED_FIRST = ("data", "loop")
+DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
+LAUNCH_RATIO = 1.1
+
+
 def summarize(t: Totals, *, cuda: bool | None = None, peak_tflops: float | None = None, **more: Any) -> Summary:
     """The summary of ``t``: rows, shares, rates and verdict (``more``: :class:`Summary`'s other fields)."""
     clock, share_of = shares({n: s.sum_ms for n, s in t.gpu.items()}, t.timed_sum_ms, t.timed_wall_ms)
@@ -219,9 +213,13 @@ def summarize(t: Totals, *, cuda: bool | None = None, peak_tflops: float | None 
     for name in row_order(t.order, {**t.host, **t.gpu}):
         h, g = t.host.get(name), t.gpu.get(name)
         host = h.stats if h is not None else _EMPTY
+        caught = t.caught.get(name)
+        # Launch-bound: the GPU span is at most 1.1x the host's *and* the GPU caught up with the host
+        # inside the phase in half its steps (None: logs without it). A GPU that never caught up had
+        # work queued all along: the host blocked in a full launch queue, however close the spans.
         launch_bound = (
             g is not None and h is not None and name not in DERIVED_LAST
-            and is_launch_bound(g.stats.median_ms, host.median_ms, t.caught.get(name))
+            and g.stats.median_ms <= LAUNCH_RATIO * host.median_ms and (caught is None or caught >= 0.5)
         )  # fmt: skip
         ran = host.steps or (g.stats.steps if g is not None else 0)
         calls = None if t.calls is None else (t.calls[name] / ran if name in t.calls and ran else 1.0)
@@ -246,37 +244,20 @@ def summarize(t: Totals, *, cuda: bool | None = None, peak_tflops: float | None 
     )  # fmt: skip
 
 
-DERIVED_FIRST = ("data", "loop")
-DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
-
-
-LAUNCH_RATIO = 1.1
-
-
 def row_order(seen: list[str], present: set[str] | dict[str, object]) -> list[str]:
-    """The table's rows: ``data``, then the phases ``seen`` (in first-seen order, parents before
-    children), then ``other``, ``wait``, ``step``, ``idle``; derived rows only where ``present``."""
+    """The table's rows: ``data``, the phases ``seen`` (first seen first, parents before children),
+    then ``other``, ``wait``, ``step``, ``idle``; derived rows only where ``present``."""
     first = {n: i for i, n in enumerate(seen)}
 
     def tree_key(name: str) -> tuple[int, ...]:
         parts = name.split("/")
         return tuple(first.get("/".join(parts[: k + 1]), len(first)) for k in range(len(parts)))
 
-    derived = DERIVED_FIRST + DERIVED_LAST
     return (
         [n for n in DERIVED_FIRST if n in present]
-        + sorted((n for n in seen if n not in derived), key=tree_key)
+        + sorted((n for n in seen if n not in DERIVED_FIRST + DERIVED_LAST), key=tree_key)
         + [n for n in DERIVED_LAST if n in present]
     )
-
-
-def is_launch_bound(gpu_ms: float, host_ms: float, caught: float | None) -> bool:
-    """The launch-bound rule, shared by the summary and ``steptimer report``: the phase's GPU span is
-    at most 1.1 x its host span *and* the GPU caught up with the host inside it in at least half of
-    its steps (``caught``; None in logs from before it was written: the span rule alone). A GPU
-    that never caught up had older work queued the whole time, so it never waited for the host,
-    however close the two spans are (the host blocks in a full launch queue on a GPU-bound run)."""
-    return gpu_ms <= LAUNCH_RATIO * host_ms and (caught is None or caught >= 0.5)
 
 
 class SummaryAccumulator:
@@ -302,30 +283,24 @@ class SummaryAccumulator:
 
     @property
     def host(self) -> dict[str, LogHistogram]:
-        """The run's host histograms by series name."""
         return self._histograms("host")
 
     @property
     def gpu(self) -> dict[str, LogHistogram]:
-        """The run's GPU histograms by series name."""
         return self._histograms("gpu")
 
     def _histograms(self, clock: str) -> dict[str, LogHistogram]:
         out = {}
         for (kind, name), r in self._rows.items():
-            if kind != clock:
-                continue
-            h = LogHistogram()
-            nz = np.flatnonzero(self._counts[r])
-            h.counts = dict(zip(nz.tolist(), self._counts[r, nz].tolist()))
-            n, h.sum_ms, h.sumsq_ms, h.min_ms, h.max_ms = self._exact[r].tolist()
-            h.count = int(n)
-            out[name] = h
+            if kind == clock:
+                nz = np.flatnonzero(self._counts[r])
+                n, *exact = self._exact[r].tolist()
+                counts = dict(zip(nz.tolist(), self._counts[r, nz].tolist()))
+                out[name] = LogHistogram(counts, int(n), *exact)
         return out
 
     def add_window(self, window: Window) -> list[Candidate]:
-        """Add a window's steps (a warm-up window is left out); return its steps that entered the
-        run's slowest."""
+        """Add a window's steps (not a warm-up window's); return those that entered the run's slowest."""
         p = window.packed
         if window.warmup or p is None:
             return []
@@ -354,25 +329,22 @@ class SummaryAccumulator:
     def _add_histograms(self, p: Packed) -> None:
         rows = self._rows
         for key, c in zip(p.series, p.count):
-            if c:
-                rows.setdefault(key, len(rows))
-        if len(rows) > len(self._counts):  # grow by doubling: new series appear a few times per run
-            n = max(len(rows), 2 * len(self._counts))
-            grown = np.zeros((n, NUM_BUCKETS), dtype=np.int64)
-            grown[: len(self._counts)] = self._counts
-            exact = np.zeros((n, 5))
-            exact[:, 3], exact[:, 4] = math.inf, -math.inf
-            exact[: len(self._exact)] = self._exact
-            self._counts, self._exact = grown, exact
+            if c and key not in rows:
+                rows[key] = len(rows)
+        new = len(rows) - len(self._counts)
+        if new:  # a new series: a few times per run
+            self._counts = np.vstack([self._counts, np.zeros((new, NUM_BUCKETS), dtype=np.int64)])
+            empty = np.tile([0.0, 0.0, 0.0, math.inf, -math.inf], (new, 1))
+            self._exact = np.vstack([self._exact, empty])
         gs = np.array([rows[key] if c else -1 for key, c in zip(p.series, p.count)], dtype=np.int64)
         np.add.at(self._counts, (gs[p.run_series], p.run_bucket), p.run_count)
         present = np.flatnonzero(p.count)
         gp = gs[present]
         ex = self._exact
-        new = np.array([p.count, p.sum_ms, p.sumsq_ms, p.min_ms, p.max_ms])[:, present]
-        ex[gp, :3] += new[:3].T
-        ex[gp, 3] = np.minimum(ex[gp, 3], new[3])
-        ex[gp, 4] = np.maximum(ex[gp, 4], new[4])
+        new_ex = np.array([p.count, p.sum_ms, p.sumsq_ms, p.min_ms, p.max_ms])[:, present]
+        ex[gp, :3] += new_ex[:3].T
+        ex[gp, 3] = np.minimum(ex[gp, 3], new_ex[3])
+        ex[gp, 4] = np.maximum(ex[gp, 4], new_ex[4])
 
     def summary(
         self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = (), peak_tflops: float | None = None,
@@ -386,18 +358,12 @@ class SummaryAccumulator:
             self.timed_cycle_ms, self.calls, self.samples, self.tokens, self.flops,
         )  # fmt: skip
         s = summarize(totals, cuda=cuda, peak_tflops=peak_tflops, warmup_steps=warmup_steps, notes=notes)
-        return replace(s, slowest=self.slow.slowest(_medians(s.rows), traces))
+        # A slow step is read against the run's median of each row on each clock.
+        medians = {
+            (c, r.name): st.median_ms
+            for r in s.rows for c, st in (("host", r.host), ("gpu", r.gpu)) if st is not None and st.steps
+        }
+        return replace(s, slowest=self.slow.slowest(medians, traces))
 
 
 _EMPTY = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)
-
-
-def _medians(rows: tuple[PhaseSummary, ...]) -> dict[tuple[str, str], float]:
-    """The run's median of each row on each clock, what a slow step is read against."""
-    out = {}
-    for r in rows:
-        if r.host.steps:
-            out[("host", r.name)] = r.host.median_ms
-        if r.gpu is not None and r.gpu.steps:
-            out[("gpu", r.name)] = r.gpu.median_ms
-    return out

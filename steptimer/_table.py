@@ -1,9 +1,7 @@
-"""The one renderer of a :class:`~steptimer._summary.Summary`: the end-of-run summary and ``steptimer report``.
-
-By default it prints what is read at a glance: a heading, the phase table (and the CUDA memory table),
-one throughput line, the verdict with at most two facts, the slowest steps only when one stood out,
-and the notes. What the columns and marks mean is printed with ``explain=True``
-(``steptimer report --explain``) and written in docs/cli.md.
+"""The one renderer of a :class:`~steptimer._summary.Summary`, for the end-of-run summary and
+``steptimer report``: by default what is read at a glance (heading, tables, one throughput line, the
+verdict, the slowest steps only when one stood out, the notes); what the columns and marks mean only
+with ``explain=True`` (``report --explain``; docs/cli.md says the same).
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ if TYPE_CHECKING:
 
 
 def fitted(variants: Iterable[Any], width: int) -> Any:
-    """The first ``rich`` table of ``variants`` whose natural width fits ``width`` columns (the last
-    one if none does): no row wraps and no cell is cut where a narrower layout exists."""
+    """The first ``rich`` table of ``variants`` whose natural width fits ``width`` (else the last)."""
     from rich.console import Console
     from rich.measure import Measurement
 
@@ -53,9 +50,8 @@ def _label(name: str) -> str:
 
 
 def phase_table(summary: Summary, width: int) -> Any:
-    """The per-phase table fitted to ``width`` columns: every column if it fits, else without the max
-    columns, else without p90. Headers keep their units; phase names are never cut. A calls/step
-    column only when a phase was entered more than once a step."""
+    """The per-phase table fitted to ``width``: without the max columns if it must, then without p90.
+    A calls/step column only when a phase was entered more than once a step."""
     rows = summary.rows
     calls = any(r.calls_per_step not in (None, 1.0) for r in rows)
     clocks = ("gpu", "host") if summary.cuda else ("host",)
@@ -76,9 +72,12 @@ def phase_table(summary: Summary, width: int) -> Any:
     return fitted((build(s) for s in (("median", "p90", "max"), ("median", "p90"), ("median",))), width)
 
 
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / MIB:,.1f}"
+
+
 def memory_table(summary: Summary) -> Any:
-    """CUDA memory (None when not read): per phase the peak allocated inside it and the allocated at
-    its exit; the step's peak; the allocator's reserved bytes at the end of the last timed step."""
+    """CUDA memory per phase (None when not read): peak allocated inside it, allocated at its exit."""
     m = summary.memory
     if m is None or not (m.peak_bytes or m.reserved_bytes):
         return None
@@ -90,19 +89,17 @@ def memory_table(summary: Summary) -> Any:
         table.add_column(head, justify="left" if head == "phase" else "right", no_wrap=True)
     seen = [r.name for r in summary.rows if r.name != "step"]
     names = [n for n in seen if n in m.peak_bytes] + [n for n in m.peak_bytes if n not in seen and n != "step"]
-    mib = lambda b: "-" if b is None else f"{b / MIB:,.1f}"  # noqa: E731
     for n in names:
-        table.add_row(_label(n), mib(m.peak_bytes.get(n)), mib(m.alloc_bytes.get(n)))
-    table.add_row("step", mib(m.peak_bytes.get("step")), "-")
-    table.add_row("reserved", "-", mib(m.reserved_bytes))
+        table.add_row(_label(n), _mib(m.peak_bytes.get(n)), _mib(m.alloc_bytes.get(n)))
+    table.add_row("step", _mib(m.peak_bytes.get("step")), "-")
+    table.add_row("reserved", "-", _mib(m.reserved_bytes))
     return table
 
 
 def stood_out(summary: Summary) -> list[SlowStep]:
-    """The slowest steps that stood out: the row that grew most grew by at least the run's median
-    step with a measured cause (a GC pause, a recompilation, ...), or by five median steps without
-    one (a step merely at the top of a flat run is no news)."""
-    step = summary["step"] if "step" in summary else None
+    """The slowest steps whose row grew by at least the median step with a measured cause (a GC
+    pause, a recompilation, ...), or by five without one: the top of a flat run is no news."""
+    step = summary["step"] if "step" in summary else None  # noqa: SIM401 (a Summary, not a dict)
     out = []
     for s in summary.slowest:
         st = None if step is None else step.gpu if s.clock == "gpu" else step.host
@@ -112,9 +109,15 @@ def stood_out(summary: Summary) -> list[SlowStep]:
     return out
 
 
+def slow_lines(s: SlowStep) -> list[str]:
+    """A step that stood out: its wall and the row that grew, then each measured cause (``--explain``'s
+    table adds its trace file)."""
+    grew = f"; {s.grew_text()}" if s.grew is not None else ""
+    return [f"slow step {s.step}: {num(s.wall_ms)} ms{grew}", *[f"  - {c}" for c in s.causes]]
+
+
 def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
-    """The steps as a ``rich`` table fitted to ``width`` columns: step, wall time and what stood out
-    (the cause column wraps, the others never do)."""
+    """Step, wall time and what stood out (the only column that wraps), fitted to ``width``."""
     from rich.console import Group
     from rich.text import Text
 
@@ -130,7 +133,6 @@ def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
 
 
 def heading(summary: Summary) -> str:
-    """The line above the table: the run, its steps and clocks."""
     timed = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed"
     warm = f" ({summary.warmup_steps} warm-up left out)" if summary.warmup_steps else ""
     clocks = "CUDA events + host clock" if summary.cuda else "host clock only"
@@ -140,10 +142,8 @@ def heading(summary: Summary) -> str:
 def facts(summary: Summary) -> list[str]:
     """The lines under the tables: throughput and compute, the verdict, memory's peak, the notes."""
     rates = [(summary.steps_per_s, "steps/s"), (summary.samples_per_s, "samples/s"), (summary.tokens_per_s, "tokens/s")]
-    line = ", ".join(f"{num(v)} {unit}" for v, unit in rates if v is not None)
-    if summary.tflops_per_s is not None:
-        mfu = "" if summary.mfu is None else f", MFU {pct(summary.mfu)}"
-        line += f"{'; ' if line else ''}compute: {num(summary.tflops_per_s)} TFLOP/s{mfu}"
+    parts = [", ".join(f"{num(v)} {unit}" for v, unit in rates if v is not None), compute_text(summary)]
+    line = "; ".join(p for p in parts if p)
     lines = [f"throughput: {line}"] if line else []
     if summary.energy is not None:
         lines.append(energy_line(summary))
@@ -154,14 +154,21 @@ def facts(summary: Summary) -> list[str]:
         lines += [f"verdict: {v.kind}"] + [f"  - {e}" for e in v.evidence]
     m = summary.memory
     if m is not None and m.max_allocated_bytes:
-        lines.append(f"the run's peak allocated was {m.max_allocated_bytes / MIB:,.1f} MiB")
+        lines.append(f"the run's peak allocated was {_mib(m.max_allocated_bytes)} MiB")
     # The heading says "host clock only" already: a note that only says CUDA is absent would say it twice.
-    notes = [n for n in summary.notes if n != "host timing only: CUDA is not available"]
-    return lines + [f"note: {n}" for n in notes]
+    return lines + [f"note: {n}" for n in summary.notes if n != "host timing only: CUDA is not available"]
+
+
+def compute_text(summary: Summary) -> str:
+    """``compute: 412 TFLOP/s, MFU 41.7%``, or "" without FLOPs."""
+    if summary.tflops_per_s is None:
+        return ""
+    mfu = "" if summary.mfu is None else f", MFU {pct(summary.mfu)}"
+    return f"compute: {num(summary.tflops_per_s)} TFLOP/s{mfu}"
 
 
 def energy_line(summary: Summary, label: str = "") -> str:
-    """``energy: 512 J/step, 0.125 J/sample, 650 W``: the GPU's, over the summarized windows."""
+    """``energy: 512 J/step, 0.125 J/sample, 650 W (GPU)`` over the summarized windows."""
     e = summary.energy
     if e is None:
         return f"{label}energy: not read"
@@ -203,7 +210,8 @@ def explanations(summary: Summary) -> list[str]:
         clock = "the GPU's timeline" if summary.slowest[0].clock == "gpu" else "the host clock"
         lines.append(
             f"slowest steps: wall on {clock}; what stood out is the row that grew most over its median, then "
-            "the measured causes; shown by default when the row grew by at least the median step with a measured cause, or five without"
+            "the measured causes; shown by default when the row grew by at least the median step with a "
+            "measured cause, or five without"
         )
     return lines
 
@@ -236,9 +244,10 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     mem = memory_table(summary)
     if mem is not None:
         console.print(mem)
-    shown = summary.slowest if explain else stood_out(summary)
-    if shown:
-        console.print(slowest_table(shown, console.width))
+    if explain and summary.slowest:
+        console.print(slowest_table(summary.slowest, console.width))
+    elif not explain:
+        say(console, [line for s in stood_out(summary) for line in slow_lines(s)])
     say(console, facts(summary) + (summary.ranks.lines() if summary.ranks is not None else []))
     if explain:
         say(console, explanations(summary))
@@ -251,4 +260,3 @@ def render(summary: Summary, width: int = 80) -> str:
     console = Console(width=width, record=True, file=io.StringIO())
     print_summary(summary, console)
     return console.export_text()
-

@@ -1,8 +1,7 @@
-"""The tag grammar of steptimer's TensorBoard values (docs/tensorboard.md), shared by the writer and the
-reader: ``<group>/<family>/<name>_<measure>`` for a row, ``<group>/<measure>`` for the whole window,
-split at the measure (one of :data:`MEASURES`, none ending with ``_`` and another of its family), since
-a name may hold ``_``, ``.``, ``-`` and ``/``. On disk a row's values sit in a run of their own,
-without its name (:func:`split_tag`, :func:`join_tag`).
+"""The tag grammar of steptimer's TensorBoard values (docs/tensorboard.md), shared by writer and reader:
+``<group>/<family>/<name>_<measure>`` for a row, ``<group>/<measure>`` for the whole window. A name may
+hold ``_``, ``.``, ``-`` and ``/``, so a tag splits at its measure (:data:`MEASURES`). On disk a row's
+values sit in a run of their own, without its name (:func:`split_tag`, :func:`join_tag`).
 """
 
 from __future__ import annotations
@@ -15,11 +14,12 @@ CAUGHT = "steptimer-caught-up"  # fraction of steps in which the GPU caught up i
 HIST = "steptimer-hist"  # the window's steps on the fixed log grid
 RANKS = "steptimer-ranks"  # the spread across ranks (_dist.py)
 RUN = "steptimer-run"  # facts about the run, never charted
-# A warm-up window's values, each tag under it, as tensors no dashboard draws (_tensorboard.py). Tags of
-# their own: TensorBoard gives a tag's whole series the kind of its first value.
+# A warm-up window's values, each tag under it, as tensors no dashboard draws. Tags of their own:
+# TensorBoard gives a tag's whole series the kind of its first value.
 WARMUP = "steptimer-warmup"
 
 _RANK_MS = ("min_ms", "mean_ms", "max_ms", "argmax")
+# No measure ends with ``_`` and another of its family, so the split is unambiguous.
 MEASURES: dict[tuple[str, str], tuple[str, ...]] = {
     (MAIN, "host"): ("ms", "pct"),
     (MAIN, "gpu"): ("ms", "pct"),
@@ -41,8 +41,8 @@ TOKENS_PER_S = f"{MAIN}/tokens_per_s"
 TFLOPS_PER_S = f"{MAIN}/tflops_per_s"
 MFU = f"{MAIN}/mfu"
 RESERVED_MIB = f"{MAIN}/mem/reserved_mib"
-# The GPU's energy over the window (NVML's counter, _energy.py), written one window late: its closing
-# reading is taken off the training thread.
+# The GPU's energy (_energy.py), written one window late: its closing reading is taken off the
+# training thread.
 JOULES_PER_STEP = f"{MAIN}/joules_per_step"
 JOULES_PER_SAMPLE = f"{MAIN}/joules_per_sample"
 JOULES_PER_TOKEN = f"{MAIN}/joules_per_token"
@@ -67,18 +67,9 @@ def run_tag(group: str, family: str, measure: str) -> str:
     return f"{group}/{family}_{measure}"
 
 
-def is_steptimer(tag_: str) -> bool:
-    return tag_.startswith(MAIN)
-
-
 def parse(tag_: str) -> Tag | None:
-    """The parts of a row's tag; None for a whole-window tag or a tag not steptimer's.
-
-    >>> parse("steptimer-tails/host/pool_max_ms")
-    Tag(group='steptimer-tails', family='host', name='pool', measure='max_ms')
-    >>> parse("steptimer-tails/host/pool_max_max_ms").name
-    'pool_max'
-    """
+    """A row's tag in parts (``steptimer-tails/host/pool_max_max_ms``: name ``pool_max``); None for a
+    whole-window tag or one not steptimer's."""
     group, _, rest = tag_.partition("/")
     family, _, rest = rest.partition("/")
     for measure in MEASURES.get((group, family), ()):
@@ -89,23 +80,12 @@ def parse(tag_: str) -> Tag | None:
 
 def split_tag(tag_: str, names: object) -> tuple[str | None, str]:
     """``(name, tag in the name's run)`` for a row's tag whose name is in ``names`` (the rows that
-    have a run), else ``(None, tag)``.
-
-    >>> split_tag("steptimer-tails/gpu/fwd/attn_p90_ms", {"fwd", "fwd/attn"})
-    ('fwd/attn', 'steptimer-tails/gpu_p90_ms')
-    >>> split_tag("steptimer/steps_per_s", {"fwd"})
-    (None, 'steptimer/steps_per_s')
-    """
+    have a run), else ``(None, tag)``: ``steptimer-tails/gpu/fwd/attn_p90_ms`` -> ``("fwd/attn",
+    "steptimer-tails/gpu_p90_ms")``."""
     t = parse(tag_)
     if t is None or t.name not in names:  # type: ignore[operator]
         return None, tag_
     return t.name, run_tag(t.group, t.family, t.measure)
-
-
-def unhidden(tag_: str) -> str:
-    """The tag a warm-up window's value stands for: ``steptimer-warmup/steptimer/host_ms`` ->
-    ``steptimer/host_ms``; any other tag as it is."""
-    return tag_[len(WARMUP) + 1 :] if tag_.startswith(WARMUP + "/") else tag_
 
 
 def join_tag(name: str, run_tag_: str) -> str:
@@ -113,3 +93,9 @@ def join_tag(name: str, run_tag_: str) -> str:
     group, _, rest = run_tag_.partition("/")
     family, _, measure = rest.partition("_")
     return tag(group, family, name, measure)
+
+
+def unhidden(tag_: str) -> str:
+    """The tag a warm-up window's value stands for (``steptimer-warmup/steptimer/host_ms`` ->
+    ``steptimer/host_ms``); any other tag as it is."""
+    return tag_[len(WARMUP) + 1 :] if tag_.startswith(WARMUP + "/") else tag_

@@ -2,8 +2,7 @@
 
 Tags follow ``_tags.py``'s grammar. TensorBoard colours by run, never by tag, so every row but ``step``
 gets a run of its own, ``<dir>/steptimer/<name>``; ``step``, whole-window tags and histograms stay in
-``<dir>``'s own run (docs/tensorboard.md). Loggers that are not TensorBoard get the whole tags.
-"""
+``<dir>``'s own run (docs/tensorboard.md). Loggers that are not TensorBoard get the whole tags."""
 
 from __future__ import annotations
 
@@ -129,8 +128,7 @@ def totals(window: Window) -> dict[str, float]:
 
 
 def window_summaries(window: Window, *, scalars: bool = True, histograms: bool = True) -> dict[str | None, Any]:
-    """A window as ``Summary`` protos by run: ``None`` for the log dir's own (with every histogram),
-    else the row whose run holds them (:func:`split_tag`)."""
+    """A window as ``Summary`` protos by run (``None``: the log dir's own, with every histogram)."""
     from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
     from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
     from tensorboard.compat.proto.tensor_pb2 import TensorProto
@@ -159,8 +157,7 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
 
 
 def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
-    """The Custom Scalars layout for the runs' scalar tags: a category per group (``steptimer`` first)
-    holding the :data:`CHARTS` that match a tag, and a chart of its own for any other tag."""
+    """The Custom Scalars layout: a category per group holding the :data:`CHARTS` that match a tag."""
     from steptimer._dist import CHARTS as RANK_CHARTS
 
     charts = {**CHARTS, **RANK_CHARTS}
@@ -186,7 +183,7 @@ def check_writable(path: str) -> None:
             pass
     except OSError as err:
         raise ValueError(
-            f"log_dir {path!r} can't be written ({err.strerror or err}); pass a writable directory, "
+            f"log_dir {path!r} can't be written ({cause(err)}); pass a writable directory, "
             "or log_dir=None to only print the summary"
         ) from err
 
@@ -197,9 +194,8 @@ def new_run_id() -> str:
 
 
 class EventFile:
-    """A TensorBoard event file appended to in the caller's thread (``SummaryWriter``'s thread takes the
-    GIL while the loop runs), opened per event: no file stays open between windows, and after a SIGKILL
-    every window before it is on disk. Raises ``OSError``."""
+    """An event file appended to in the caller's thread (``SummaryWriter``'s thread takes the GIL), opened
+    per event: after a SIGKILL every window before it is on disk. Raises ``OSError``."""
 
     def __init__(self, log_dir: str, *, run_id: str | None = None, suffix: str = "") -> None:
         from tensorboard.compat.proto.event_pb2 import Event
@@ -222,10 +218,8 @@ class EventFile:
 
 
 class TensorBoardSink:
-    """Writes windows to TensorBoard: the log dir's own run (an :class:`EventFile`, or a user's
-    ``writer``, never closed here), one run per row beside it, and the Custom Scalars layout. A write
-    that fails (full disk, file limits, a deleted directory) becomes one warning on the ``steptimer``
-    logger (``warnings.warn`` would raise under ``-W error``); nothing more is written."""
+    """Writes windows to TensorBoard: the log dir's own run (an :class:`EventFile` or a user's ``writer``),
+    a run per row and the Custom Scalars layout; the first failed write is one warning, then nothing."""
 
     def __init__(
         self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None, histograms: bool = True
@@ -309,8 +303,7 @@ class TensorBoardSink:
                     self.writer.add_scalar(v.tag, v.simple_value, step)
 
     def close(self, summary: Summary | None = None) -> None:
-        """Write the run's slowest steps (``_slow.py``: a text card and the JSON ``report`` reads) at
-        the last step; flush a user's ``writer`` (every window is on disk already)."""
+        """Write the run's slowest steps (text card and JSON) at the last step; flush a user's ``writer``."""
         if summary is not None and summary.slowest:
             from steptimer._slow import slow_summary
 

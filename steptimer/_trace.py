@@ -1,11 +1,10 @@
 """One capture of recent steps on the host's and the GPU's clocks, behind ``trace_steps`` (docs/cli.md
-#trace), the flight recorder (docs/slow-steps.md) and the profiler windows' own times (``_profile.py``).
-The engine hands each resolved step to :meth:`Capture.add`; a step is copied out (:func:`record`) only
-when a trace is made of it. No file is written inside a step.
-"""
+#trace), the flight recorder (docs/slow-steps.md) and the profiler windows' own times. A step is copied
+out (:func:`record`) only when a trace is made of it; no file is written inside a step."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections import deque
@@ -42,8 +41,7 @@ def check_step_pair(name: str, value: object, *, start_step: int) -> tuple[int, 
 
 
 def own_path(path: str, run_id: str | None) -> str:
-    """Where this run writes ``path``: there, unless another run's file is, then
-    ``<stem>.<run id><ext>`` (the run id of its TensorBoard files)."""
+    """``path``, or ``<stem>.<run id><ext>`` where another run's file is there."""
     if run_id is None or not os.path.exists(path):
         return path
     stem, ext = os.path.splitext(path)
@@ -51,8 +49,7 @@ def own_path(path: str, run_id: str | None) -> str:
 
 
 def run_files(folder: str, stem: str) -> list[str]:
-    """The files ``own_path`` gave ``<stem>.json`` in ``folder``: the plain one first, then other
-    runs' in the order they started (their run ids begin with the epoch seconds)."""
+    """The files ``own_path`` gave ``<stem>.json`` in ``folder``: the plain one, then by run start."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -62,8 +59,7 @@ def run_files(folder: str, stem: str) -> list[str]:
 
 
 def check_window_option(name: str, file: str, *, sample_every: int, folder: str | None) -> None:
-    """What a window of captured steps (``trace_steps``, ``profile_steps``, ``profile_on_slow``)
-    needs: every step timed, and a log directory for ``file``."""
+    """What a window of captured steps needs: every step timed, and a log directory for ``file``."""
     if sample_every != 1:
         raise ValueError(f"{name} needs every step timed (sample_every=1), got sample_every={sample_every}")
     if folder is None:
@@ -71,86 +67,68 @@ def check_window_option(name: str, file: str, *, sample_every: int, folder: str 
 
 
 def _number(rec: Any) -> int:
-    """A resolved step's number (see :func:`record` for its two shapes)."""
     return int(rec[1][NUMBER]) if rec.__class__ is tuple else rec.number  # type: ignore[no-any-return]
 
 
 def record(rec: Any) -> dict[str, Any]:
-    """What a trace needs of a resolved step: the engine's ``_Pending``, or ``(t0, row, phases)`` for
-    a timed host step the engine resolved at its own end (its row is ``_window.py``'s)."""
-    row = rec[1] if rec.__class__ is tuple else rec.row
-    fetch = row[FETCH_S]
-    if rec.__class__ is tuple:
-        t0, row, phases = rec
-        gap = row[GAP_S]
-        out = {
-            "number": int(row[NUMBER]), "t0": t0, "step_s": row[STEP_S], "gap_s": None if gap != gap else gap,
-            "wait_s": 0.0, "paused": False, "offs_ms": None, "chain_ms": None, "i_start": 0, "i_end": 0,
+    """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later),
+    from a ``StepRecord`` or the ``(t0, row, phases)`` of a host step resolved at its own end."""
+    host = rec.__class__ is tuple
+    t0, row, phases = rec if host else (rec.t0, rec.row, rec.phases)
+    gap, fetch = row[GAP_S] if host else rec.gap_s, row[FETCH_S]  # fetch: the loader's part of gap_s
+    offs = None if host else getattr(rec, "offs_ms", None)
+    gpu = None
+    if offs is not None:
+        gpu = {
+            "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
+            "phases": [[name, offs[i] / 1e3, offs[j] / 1e3] for name, _, _, i, j, _ in phases],
         }  # fmt: skip
-    else:
-        phases = rec.phases
-        out = {
-            "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s, "wait_s": rec.wait_s,
-            "paused": bool(rec.pauses) or rec.paused_s > 0,
-            "offs_ms": getattr(rec, "offs_ms", None), "chain_ms": getattr(rec, "chain_ms", None),
-            "i_start": rec.i_start, "i_end": rec.i_end,
-        }  # fmt: skip
-    out["fetch_s"] = None if fetch != fetch else fetch  # the loader's part of gap_s (None: none timed)
-    out["phases"] = [[name, t_in, t_out, i, j] for name, t_in, t_out, i, j, _ in phases]
-    return out
+    return {
+        "number": int(row[NUMBER]) if host else rec.number, "t0": t0,
+        "step_s": row[STEP_S] if host else rec.step_s,
+        "gap_s": None if gap != gap else gap, "fetch_s": None if fetch != fetch else fetch,
+        "wait_s": 0.0 if host else rec.wait_s, "paused": not host and (bool(rec.pauses) or rec.paused_s > 0),
+        "phases": [[name, t_in, t_out] for name, t_in, t_out, _, _, _ in phases],
+        "gpu": gpu, "chain_ms": None if host else getattr(rec, "chain_ms", None),
+    }  # fmt: skip
 
 
-def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """The GPU span and phases of each step of the last unbroken chain, in seconds from its zero: each
-    step starts ``chain_ms`` after the previous one's end event. A step without GPU events, or not
-    linked to the one before (another device), starts the chain again."""
-    rel: dict[int, dict[str, Any]] = {}
+def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, float]:
+    """Per step of the last unbroken GPU event chain: the offset that puts its ``gpu`` times on the chain."""
+    base: dict[int, float] = {}
     end = None
     for s in steps:
-        offs = s["offs_ms"]
-        if offs is None:
+        g = s["gpu"]
+        if g is None:
             end = None
             continue
         if end is None or s["chain_ms"] is None:
-            rel.clear()
+            base.clear()
             start = 0.0
         else:
             start = end + s["chain_ms"] / 1e3
-        base = start - offs[s["i_start"]] / 1e3
-        end = base + offs[s["i_end"]] / 1e3
-        rel[s["number"]] = {
-            "start": start, "end": end,
-            "phases": [[name, base + offs[i] / 1e3, base + offs[j] / 1e3] for name, _, _, i, j in s["phases"]],
-        }  # fmt: skip
-    return rel
+        base[s["number"]] = b = start - g["start"]
+        end = b + g["end"]
+    return base
 
 
-def placed(steps: list[dict[str, Any]], rel: dict[int, dict[str, Any]], shift: float | None) -> dict[str, Any]:
-    """The steps as :func:`to_chrome` takes them: host times as recorded, the GPU chain ``rel`` moved
-    by ``shift`` onto the host clock (None: no GPU track)."""
+def placed(steps: list[dict[str, Any]], base: dict[int, float], shift: float | None) -> dict[str, Any]:
+    """The steps with the GPU chain (``base``) moved by ``shift`` onto the host clock (None: no GPU)."""
     out, notes = [], []
     for s in steps:
-        r = rel.get(s["number"]) if shift is not None else None
-        gpu = None
-        if r is not None:
-            gpu = {
-                "start": r["start"] + shift, "end": r["end"] + shift,
-                "phases": [[n, a + shift, z + shift] for n, a, z in r["phases"]],
-            }  # fmt: skip
-        out.append({
-            "number": s["number"], "t0": s["t0"], "step_s": s["step_s"], "gap_s": s["gap_s"],
-            "fetch_s": s["fetch_s"], "wait_s": s["wait_s"], "paused": s["paused"],
-            "phases": [[n, a, z] for n, a, z, _, _ in s["phases"]], "gpu": gpu,
-        })  # fmt: skip
-    timed = [s["number"] for s in steps if s["offs_ms"] is not None]
-    if rel and timed[0] != min(rel):
-        notes.append(f"GPU track from step {min(rel)}: the chain of GPU events broke before it (a device switch)")
+        d, g = (base.get(s["number"]) if shift is not None else None), s["gpu"]
+        if d is not None:
+            d += shift  # type: ignore[operator]
+            phases = [[n, a + d, z + d] for n, a, z in g["phases"]]
+            g = {"start": g["start"] + d, "end": g["end"] + d, "phases": phases}
+        out.append({**{k: v for k, v in s.items() if k != "chain_ms"}, "gpu": None if d is None else g})
+    if base and min(base) != next(s["number"] for s in steps if s["gpu"] is not None):
+        notes.append(f"GPU track from step {min(base)}: the chain of GPU events broke before it (a device switch)")
     return {"steps": out, "notes": notes}
 
 
 class Capture:
-    """The ring of recent steps and the windows kept whole; the ``trace_steps`` window (``trace``:
-    ``(first, last, path)``) and the flight recorder (``flight``: its folder) write at close."""
+    """The ring of recent steps and the windows kept whole; writes the trace and flight files at close."""
 
     def __init__(self, *, ring_steps: int, trace: tuple[int, int, str] | None, flight: str | None) -> None:
         self.ring: deque[Any] = deque(maxlen=ring_steps)
@@ -160,12 +138,11 @@ class Capture:
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
         self.flight = flight
         self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
-        self.wanted: dict[int, float] = {}  # step -> wall ms, waiting for its `after` steps
-        self.kept: dict[int, tuple[float, list[dict[str, Any]]]] = {}  # step -> (wall ms, its steps copied)
-        self._cuda = False
+        # The slowest steps' traces: step -> (wall ms, its steps copied; None until its AFTER steps are)
+        self.kept: dict[int, tuple[float, list[dict[str, Any]] | None]] = {}
 
     def keep(self, first: int, last: int) -> list[Any]:
-        """A list that :meth:`add` fills with the steps ``first..last`` as they are resolved."""
+        """A list that :meth:`add` fills with the steps ``first..last``."""
         recs: list[Any] = []
         self._keeps.append((first, last, recs))
         return recs
@@ -173,7 +150,7 @@ class Capture:
     def add(self, engine: Engine, rec: Any) -> None:
         """Each resolved step, in order, before its events go back to the engine's pool."""
         self.ring.append(rec)
-        if not self._keeps and (self.trace is None or self._trace_doc is not None):
+        if not self._keeps:  # the trace window's keep goes with its placing
             return
         n = _number(rec)
         for first, last, recs in self._keeps:
@@ -181,31 +158,31 @@ class Capture:
                 recs.append(rec)
         if any(last < n for _, last, _ in self._keeps):
             self._keeps = [k for k in self._keeps if k[1] >= n]
-        if self.trace is not None and self._trace_doc is None and n > self.trace[1]:
-            self._place_trace(engine)
+            if self.trace is not None and self._trace_doc is None and n > self.trace[1]:
+                self._place_trace(engine)
 
-    def _place_trace(self, engine: Engine) -> None:
-        """Put the window's GPU chain on the host clock: one reference event, waited for once (the
-        wait's wake-up latency draws GPU slices late by µs, never early)."""
+    def _place_trace(self, engine: Engine) -> dict[str, Any]:
+        """The window's GPU chain on the host clock through one reference event, waited for once (its
+        wake-up latency draws GPU slices late by µs, never early)."""
         steps = [record(r) for r in self._trace_recs]
-        rel = gpu_chain(steps) if engine.cuda else {}
+        base = gpu_chain(steps) if engine.cuda else {}
         held, b, shift = engine.held_end, engine.b, None
-        if rel and held is not None and held[0] == max(rel) and b is not None:
+        if base and held is not None and held[0] == max(base) and b is not None:
             ref = b.new_event()
             b.record(ref, engine.stream)
             b.wait(ref)
             end_host = perf_counter() - b.elapsed_ms(held[2], ref) / 1e3
-            shift = end_host - rel[held[0]]["end"]  # host time of the chain's zero
-        self._trace_doc = placed(steps, rel, shift)
-        if rel and shift is None:
-            self._trace_doc["notes"].append("GPU times dropped: the capture's last event was not held at the anchor")
+            end = next(s["gpu"]["end"] for s in steps if s["number"] == held[0]) + base[held[0]]
+            shift = end_host - end  # host time of the chain's zero
+        self._trace_doc = doc = placed(steps, base, shift)
+        if base and shift is None:
+            doc["notes"].append("GPU times dropped: the capture's last event was not held at the anchor")
+        return doc
 
     def _write_trace(self, engine: Engine) -> None:
         first, last, path = self.trace  # type: ignore[misc]
         run_id, path = self.run_id, own_path(path, self.run_id)
-        if self._trace_doc is None:
-            self._place_trace(engine)
-        doc: dict[str, Any] = self._trace_doc  # type: ignore[assignment]
+        doc = self._trace_doc if self._trace_doc is not None else self._place_trace(engine)
         if not doc["steps"]:
             doc["notes"].append(f"no step in {first}..{last} was completed")
             engine.notes.append(
@@ -222,55 +199,52 @@ class Capture:
             engine.notes.append(unwritten("the trace capture", path, err))
 
     def want(self, step: int, wall_ms: float, engine: Engine) -> None:
-        """A window put ``step`` among the run's slowest: keep its trace if it is among the slowest
-        ``MAX_TRACES`` kept or wanted (dropping the fastest of those)."""
+        """Keep ``step``'s trace if it is among the ``MAX_TRACES`` slowest (dropping the fastest kept)."""
         if self.flight is None:
             return
-        self._cuda = bool(engine.cuda)
-        held = {**{s: w for s, (w, _) in self.kept.items()}, **self.wanted}
-        if len(held) >= MAX_TRACES:
-            fastest = min(held, key=lambda s: held[s])
-            if held[fastest] >= wall_ms:
+        kept = self.kept
+        if len(kept) >= MAX_TRACES:
+            fastest = min(kept, key=lambda s: kept[s][0])
+            if kept[fastest][0] >= wall_ms:
                 return
-            self.kept.pop(fastest, None)
-            self.wanted.pop(fastest, None)
-        self.wanted[step] = wall_ms
+            del kept[fastest]
+        kept[step] = (wall_ms, None)
 
-    def settle(self) -> None:
-        """Copy out the wanted steps whose ``after`` steps are resolved (at each window, after its
-        ``want`` calls: the ring still holds a step wanted at the last window and its neighbours)."""
-        if self.wanted and self.ring:
-            self._take(_number(self.ring[-1]) - AFTER)
+    def settle(self, upto: float | None = None) -> None:
+        """Copy out the kept steps whose ``AFTER`` steps are resolved (the ring still holds them)."""
+        if upto is None:
+            upto = _number(self.ring[-1]) - AFTER if self.ring else -math.inf
+        for step, (wall, steps) in list(self.kept.items()):
+            if steps is None and step <= upto:
+                recs = [record(r) for r in self.ring if step - BEFORE <= _number(r) <= step + AFTER]
+                if any(r["number"] == step for r in recs):
+                    self.kept[step] = (wall, recs)
+                else:
+                    del self.kept[step]
 
-    def _take(self, upto: int) -> None:
-        for step in [s for s in self.wanted if s <= upto]:
-            wall = self.wanted.pop(step)
-            recs = [record(r) for r in self.ring if step - BEFORE <= _number(r) <= step + AFTER]
-            if any(r["number"] == step for r in recs):
-                self.kept[step] = (wall, recs)
-
-    def _write_flight(self, run_id: str) -> dict[int, str]:
-        if self.wanted:  # fewer steps after them: the run ended
-            self._take(max(self.wanted))
-        if not self.kept or self.flight is None or not os.path.isdir(os.path.dirname(self.flight)):
+    def _write_flight(self, flight: str, run_id: str, cuda: bool) -> dict[int, str]:
+        self.settle(math.inf)  # fewer steps after the last ones: the run ended
+        if not self.kept or not os.path.isdir(os.path.dirname(flight)):
             return {}  # a log directory gone mid-run: the sink has said so once already
-        folder = os.path.join(self.flight, run_id)
+        folder = os.path.join(flight, run_id)
         paths: dict[int, str] = {}
         try:
-            for step, (wall, steps) in sorted(self.kept.items()):
-                rel = gpu_chain(steps)
-                launches = [(s["t0"], rel[s["number"]]["start"]) for s in steps if s["number"] in rel]
-                launches += [(p[1], g[1]) for s in steps if s["number"] in rel
-                             for p, g in zip(s["phases"], rel[s["number"]]["phases"])]  # fmt: skip
-                doc = placed(steps, rel, max((host - gpu for host, gpu in launches), default=0.0))
+            for step, (wall, steps) in sorted(self.kept.items()):  # type: ignore[assignment]
+                base = gpu_chain(steps)
+                leads = []  # how far each GPU slice of the chain starts before its host launch
+                for s in (s for s in steps if s["number"] in base):
+                    g, d = s["gpu"], base[s["number"]]
+                    leads.append(s["t0"] - g["start"] - d)
+                    leads += [p[1] - q[1] - d for p, q in zip(s["phases"], g["phases"])]
+                doc = placed(steps, base, max(leads, default=0.0))
                 doc["notes"].insert(0, f"the flight recorder's trace around step {step}, one of the run's slowest "
                                     f"({wall:.3f} ms)")  # fmt: skip
-                if rel:
+                if base:
                     doc["notes"].append(
                         "GPU track placed at the earliest time its launches allow (the recorder never waits for "
                         "a reference event): its slices' lengths and gaps are exact, their place may be early"
                     )
-                doc.update(cuda=self._cuda, slow_step=step, run_id=run_id)
+                doc.update(cuda=cuda, slow_step=step, run_id=run_id)
                 paths[step] = os.path.join(folder, f"step-{step}.trace.json")
                 write_json(paths[step], to_chrome(doc))
         except OSError as err:
@@ -278,14 +252,13 @@ class Capture:
         return paths
 
     def finish(self, engine: Engine) -> dict[int, str]:
-        """At close, after the engine resolved every step: write the trace window and the flight
-        recorder's traces; the latter's paths by step."""
+        """At close: write the traces; the flight recorder's paths by step."""
         if self.trace is not None:
             self._write_trace(engine)
             self.trace = None
         if self.flight is None or self.run_id is None:
             return {}
-        return self._write_flight(self.run_id)
+        return self._write_flight(self.flight, self.run_id, bool(engine.cuda))
 
 
 HOST_TID = 1
@@ -293,19 +266,18 @@ GPU_TID = 2
 
 
 def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
-    """Chrome trace JSON (``ph: "X"`` slices in µs), a host and a GPU track (docs/cli.md#trace). A GPU
-    slice placed before its host launch is clamped to it; the count is in ``metadata``."""
+    """Chrome trace JSON: host and GPU tracks (docs/cli.md#trace), GPU slices clamped to their launch."""
     steps = capture["steps"]
     origin = min([s["t0"] - (s["gap_s"] or 0.0) for s in steps], default=0.0)
 
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 3)
 
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "steptimer"}},
-        {"ph": "M", "name": "thread_name", "pid": 1, "tid": HOST_TID, "args": {"name": "host"}},
-        {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": HOST_TID, "args": {"sort_index": 0}},
-    ]
+    def meta(tid: int, what: str, **args: Any) -> dict[str, Any]:
+        return {"ph": "M", "name": what, "pid": 1, "tid": tid, "args": args}
+
+    events = [meta(0, "process_name", name="steptimer"), meta(HOST_TID, "thread_name", name="host"),
+              meta(HOST_TID, "thread_sort_index", sort_index=0)]
 
     def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
         events.append({
@@ -334,9 +306,8 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         launches = [(f"step {n}", "step", g["start"], g["end"], t0)]
         launches += [(name, "phase", a, z, p[1]) for (name, a, z), p in zip(g["phases"], s["phases"])]
         for name, cat, a, z, launched in launches:
-            if a < launched:
-                clamped += 1
-                a = launched
+            clamped += a < launched
+            a = max(a, launched)
             slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
 
     # Parents before children (Chrome's importer nests by order when starts are equal).
@@ -347,10 +318,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     events.sort(key=order)
     has_gpu = any(s.get("gpu") is not None for s in steps)
     if has_gpu:
-        events += [
-            {"ph": "M", "name": "thread_name", "pid": 1, "tid": GPU_TID, "args": {"name": "GPU"}},
-            {"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": GPU_TID, "args": {"sort_index": 1}},
-        ]
+        events += [meta(GPU_TID, "thread_name", name="GPU"), meta(GPU_TID, "thread_sort_index", sort_index=1)]
     meta = {
         "steps": len(steps), "gpu": has_gpu, "clamped": clamped, "notes": list(capture.get("notes", [])),
         "run_id": capture.get("run_id"),
@@ -359,29 +327,18 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_capture(
-    trace_steps: int | tuple[int, int] | None,
-    *,
-    log_dir: str | os.PathLike[str] | None,
-    writer: Any,
-    start_step: int,
-    warmup_steps: int,
-    sample_every: int,
-    enabled: bool,
-    rank: int,
-    flight: bool,
-    window_steps: int,
-    profile: bool,
-) -> Capture | None:
-    """Validate ``trace_steps``; the capture of an enabled timer's rank 0 when it has a use
-    (``trace_steps``, ``flight``: the slowest steps' traces, ``profile``: a profiler window)."""
+    trace_steps: int | tuple[int, int] | None, *, log_dir: str | os.PathLike[str] | None, writer: Any,
+    start_step: int, warmup_steps: int, sample_every: int, enabled: bool, rank: int, flight: bool,
+    window_steps: int, profile: bool,
+) -> Capture | None:  # fmt: skip
+    """Validate ``trace_steps``; the capture of an enabled rank 0 when a feature needs it, else None."""
     folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir()) if writer is not None else None
     trace = None
     if trace_steps is not None:
         if isinstance(trace_steps, int) and not isinstance(trace_steps, bool):  # the N steps after warm-up
             if trace_steps < 1:
                 raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace_steps!r}")
-            first = start_step + warmup_steps + 1
-            last = first + trace_steps - 1
+            first, last = start_step + warmup_steps + 1, start_step + warmup_steps + trace_steps
         else:
             first, last = check_step_pair("trace_steps", trace_steps, start_step=start_step)
         check_window_option("trace_steps", TRACE_FILE, sample_every=sample_every, folder=folder)

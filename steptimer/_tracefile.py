@@ -1,5 +1,4 @@
-"""Reading the captures back: ``steptimer trace LOGDIR`` (and the JSON reader ``steptimer kernels``
-shares)."""
+"""Reading the captures back: ``steptimer trace LOGDIR`` (and the JSON reader of ``steptimer kernels``)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ from steptimer._trace import FORMAT, GPU_TID, HOST_TID, TRACE_FILE, VERSION, run
 
 
 def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str, Any, list[str]]:
-    """``(file, its JSON, notes)`` for ``path``, a file or a run's directory where ``found`` lists the
-    files of every run (the first is read, the others named in a note), else ``name`` is read.
-    ``option``, the StepTimer option that writes it, is named when it is missing."""
+    """``(file, JSON, notes)`` of ``path`` or a directory's first of ``found``; errors name ``option``."""
     notes: list[str] = []
     if found[1:]:
         others = ", ".join(os.path.basename(f) for f in found[1:])
@@ -32,8 +29,7 @@ def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str,
 
 
 def load_capture(path: str) -> dict[str, Any]:
-    """Read a ``trace_steps`` capture (``path``: its file, or the directory: its first run's, the
-    others named in the notes)."""
+    """Read a ``trace_steps`` capture: the file ``path``, or a directory's first (the notes name the rest)."""
     files = run_files(path, TRACE_FILE[: -len(".json")]) if os.path.isdir(path) else []
     file, doc, notes = read_json(path, files, TRACE_FILE, "trace_steps=N")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):

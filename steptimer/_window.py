@@ -1,9 +1,7 @@
 """A log window: the rows of the steps resolved since the last window, and their statistics.
 
-The engine appends one flat row of floats per resolved step (no dict per step, no per-value
-histogram work). Every ``log_every_n_steps`` steps the window's statistics are computed from all of
-its rows at once with numpy: a fixed number of numpy calls per row layout, whatever the number of
-steps or series. Nothing here knows about CUDA, TensorBoard or Lightning.
+The engine appends one flat row of floats per step (no dict, no histogram work per step); a window's
+statistics take a fixed number of numpy calls per row layout, whatever its number of steps.
 """
 
 from __future__ import annotations
@@ -11,8 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import chain
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,36 +29,27 @@ NUMBER, SAMPLES, TOKENS, STEP_S, GAP_S, WAIT_S, FLOPS, FETCH_S = range(8)
 LEAD = 8
 
 # A row's layout: (phase entries' names, or None for an untimed step; has GPU times; has GPU idle).
-RowKey = Tuple[Optional[Tuple[str, ...]], bool, bool]
+RowKey = tuple[tuple[str, ...] | None, bool, bool]
 
 
+@dataclass(slots=True)
 class StepRows:
     """The resolved steps of one log window, as rows grouped by layout (see ``LEAD``)."""
 
-    __slots__ = ("groups", "count", "warmup", "memory", "marks", "comm")
-
-    def __init__(self) -> None:
-        self.groups: dict[RowKey, list[list[float]]] = {}
-        self.count = 0
-        self.warmup = False  # the window's steps are warm-up steps (windows never mix the two)
-        self.memory: list[StepMemory] = []  # the allocator's readings of the timed steps, in order
-        self.marks: dict[int, dict[str, float]] = {}  # by step: what happened in it (_slow.py), sparse
-        self.comm: list[tuple[int, bool, float, float, float | None]] = []  # a watched DDP model's (_comm.take)
+    groups: dict[RowKey, list[list[float]]] = field(default_factory=dict)
+    count: int = 0
+    warmup: bool = False  # the window's steps are warm-up steps (windows never mix the two)
+    memory: list[StepMemory] = field(default_factory=list)  # the allocator's readings, in order
+    marks: dict[int, dict[str, float]] = field(default_factory=dict)  # by step, sparse (_slow.py)
+    comm: list[tuple[int, bool, float, float, float | None]] = field(default_factory=list)  # _comm.take
 
     def add(self, key: RowKey, row: list[float]) -> None:
-        rows = self.groups.get(key)
-        if rows is None:
-            self.groups[key] = [row]
-        else:
-            rows.append(row)
+        self.groups.setdefault(key, []).append(row)
         self.count += 1
 
 
 class _Layout:
-    """How one row layout turns into series: ``derived = nan_to_num(row) @ transform``, then clamps.
-
-    Built once per layout and cached: a window then costs a handful of numpy calls per layout.
-    """
+    """How one row layout turns into series: ``derived = nan_to_num(row) @ transform``, then clamps."""
 
     def __init__(self, key: RowKey) -> None:
         names, has_gpu, has_idle = key
@@ -118,21 +108,11 @@ class _Layout:
             self.nan_if.append((data_col, FETCH_S))
 
 
-_LAYOUTS: dict[RowKey, _Layout] = {}
-
-
-def _layout(key: RowKey) -> _Layout:
-    lay = _LAYOUTS.get(key)
-    if lay is None:
-        if len(_LAYOUTS) > 1024:  # phase names made up per step: keep the cache bounded
-            _LAYOUTS.clear()
-        lay = _LAYOUTS[key] = _Layout(key)
-    return lay
+_layout = lru_cache(maxsize=1024)(_Layout)  # bounded: phase names may be made up per step
 
 
 class _Block(NamedTuple):
-    """One layout's rows of a window: leading columns (steps x LEAD), derived series (steps x series,
-    ms, NaN where a series has no value in a step), and the data wait before each step (ms)."""
+    """One layout's rows of a window: LEAD columns, series (ms, NaN: none in a step), data wait (ms)."""
 
     names: tuple[str, ...] | None
     lead: np.ndarray
@@ -143,12 +123,11 @@ class _Block(NamedTuple):
 def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
     for key, group in rows.groups.items():
         lay = _layout(key)
-        m = len(group[0])  # every row of a layout has its length; fromiter: ~1/3 less than np.array
+        m = len(group[0])  # fromiter: ~1/3 less than np.array
         a = np.fromiter(chain.from_iterable(group), np.float64, len(group) * m).reshape(len(group), m)
         nan = np.isnan(a)
         d = np.where(nan, 0.0, a) @ lay.transform
-        if len(lay.clamp):
-            d[:, lay.clamp] = np.maximum(d[:, lay.clamp], 0.0)
+        d[:, lay.clamp] = np.maximum(d[:, lay.clamp], 0.0)
         for col, src in lay.nan_if:
             d[nan[:, src], col] = np.nan
         if lay.idle_split is not None:
@@ -175,8 +154,7 @@ class GroupTotals(NamedTuple):
 
 
 def add_timed_host(groups: list[GroupTotals], sums_ms: dict[str, float]) -> float:
-    """Add the host series of the timed steps' layouts to ``sums_ms``; return their wall time (ms,
-    step + data wait before it): the host shares' numerators and denominator."""
+    """Add the timed steps' host series to ``sums_ms``; return their wall time (ms): host shares."""
     cycle_ms = 0.0
     for g in groups:
         if g.names is None:
@@ -195,28 +173,21 @@ UPPER_MS = np.array([bucket_upper_ms(i) for i in range(NUM_BUCKETS)])
 class Packed:
     """A window's statistics as arrays, entry ``k`` for series ``series[k]``, and its histograms as runs
     of one bucket sorted by (series, bucket): ``bounds[k]:bounds[k + 1]`` are series ``k``'s runs.
-
-    Built by :func:`pack_rows` with a fixed number of numpy calls: one sort by (series, value) gives
-    the quantiles, and bins that come out sorted with it give the histograms.
+    One sort by (series, value) gives the quantiles, and the histograms' bins come out sorted with it.
     """
 
     def __init__(self, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> None:
-        """``values[i]`` belongs to series ``series[sid[i]]``; NaN values must be left out. Values
-        already sorted by (series, value) are not sorted again (:func:`pack_rows`' usual window)."""
+        """``values[i]`` (not NaN) belongs to ``series[sid[i]]``; sorted ones are not sorted again."""
         nser = len(series)
         self.series = series
         self.groups: list[GroupTotals] = []
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
         self.arrive: dict[int, float] = {}  # by step: its arrival at its first collective, ms (_comm.py)
-        if len(sid) > 1 and not (sid[1:] >= sid[:-1]).all():
+        same = sid[1:] == sid[:-1]
+        if (sid[1:] < sid[:-1]).any() or (values[1:][same] < values[:-1][same]).any():
             order = np.lexsort((values, sid))
             values, sid = values[order], sid[order]
-        else:  # sorted by series; by value within each series? (a window of one layout: see pack_rows)
-            same = sid[1:] == sid[:-1]
-            if (values[1:][same] < values[:-1][same]).any():
-                order = np.lexsort((values, sid))
-                values, sid = values[order], sid[order]
         v, s = values, sid
         counts = np.bincount(s, minlength=nser)
         starts = np.cumsum(counts) - counts
@@ -237,7 +208,6 @@ class Packed:
         self.bounds: list[int] = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
 
     def histogram(self, k: int) -> LogHistogram:
-        """Series ``k`` as a :class:`LogHistogram`."""
         h = LogHistogram()
         a, b = self.bounds[k], self.bounds[k + 1]
         h.counts = dict(zip(self.run_bucket[a:b].tolist(), self.run_count[a:b].tolist()))
@@ -247,7 +217,6 @@ class Packed:
         return h
 
     def stats(self) -> dict[tuple[str, str], SeriesStats]:
-        """Every non-empty series' statistics."""
         out = {}
         for key, c, s, m, p, x in zip(self.series, self.count, self.sum_ms, self.median_ms, self.p90_ms, self.max_ms):
             if c:
@@ -255,12 +224,10 @@ class Packed:
         return out
 
     def histograms(self) -> dict[tuple[str, str], LogHistogram]:
-        """Every non-empty series' histogram."""
         return {key: self.histogram(k) for k, key in enumerate(self.series) if self.count[k]}
 
     def buckets(self) -> Iterator[tuple[tuple[str, str], int, list[float], list[float]]]:
-        """Per non-empty series: its key, index, and its histogram's non-empty buckets as upper edges
-        (ms) and counts, without a :class:`LogHistogram` (what the TensorBoard sink writes)."""
+        """Per non-empty series: key, index, its buckets' upper edges (ms) and counts (for the sink)."""
         limits = UPPER_MS[self.run_bucket].tolist()
         counts = self.run_count.astype(np.float64).tolist()
         b = self.bounds
@@ -269,7 +236,7 @@ class Packed:
                 yield key, k, limits[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]
 
 
-class _Hists(Mapping[Tuple[str, str], LogHistogram]):
+class _Hists(Mapping[tuple[str, str], LogHistogram]):
     """A window's histograms by ``(clock, name)``, each built from the packed runs when read."""
 
     def __init__(self, packed: Packed) -> None:
@@ -287,28 +254,22 @@ class _Hists(Mapping[Tuple[str, str], LogHistogram]):
 
 
 def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, walls: bool = False) -> Packed:
-    """A window's statistics and per-layout totals; with ``slowest`` k > 0 (not a warm-up window),
-    also its k slowest steps slower than ``floor_ms`` (``Packed.slow``, ``_slow.py``); with ``walls``
-    (not a warm-up window), its timed steps' wall times (``Packed.walls``)."""
+    """A window's statistics and per-layout totals; outside warm-up, with ``slowest`` its k slowest
+    steps slower than ``floor_ms`` (``Packed.slow``), with ``walls`` its steps' wall times."""
     index: dict[tuple[str, str], int] = {}
     vals, sids, totals = [], [], []
     blocks = list(_blocks(rows))
     for blk, series in blocks:
         cols = np.array([index.setdefault(s, len(index)) for s in series], dtype=np.int64)
-        # Each series sorted within the block (NaN last, left out below): a window of one layout,
-        # the usual one, then needs no (series, value) sort in Packed (a lexsort: ~1 ms per 1000 steps).
+        # Sorted per series (NaN last, left out below): one layout then needs no lexsort (~1 ms/1000 steps).
         vals.append(np.sort(blk.derived, axis=0).T.ravel())
         sids.append(np.repeat(cols, len(blk.derived)))
-        smp, tok, flo = blk.lead[:, SAMPLES], blk.lead[:, TOKENS], blk.lead[:, FLOPS]
-        totals.append(
-            GroupTotals(
-                blk.names, series, len(blk.lead), float((blk.lead[:, STEP_S] * 1e3 + blk.gap_ms).sum()),
-                None if np.isnan(smp).all() else float(np.nansum(smp)),
-                None if np.isnan(tok).all() else float(np.nansum(tok)),
-                None if np.isnan(flo).all() else float(np.nansum(flo)),
-                np.nansum(blk.derived, axis=0).tolist(),
-            )
-        )  # fmt: skip
+        lead = blk.lead
+        cs = [lead[:, SAMPLES], lead[:, TOKENS], lead[:, FLOPS]]
+        counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in cs]
+        cycle_ms = float((lead[:, STEP_S] * 1e3 + blk.gap_ms).sum())
+        sums_ms = np.nansum(blk.derived, axis=0).tolist()
+        totals.append(GroupTotals(blk.names, series, len(lead), cycle_ms, *counts, sums_ms))
     for gpu, clock in ((True, "gpu"), (False, "host")):  # a watched DDP model's rows (_comm.py)
         pairs = [c[2:4] for c in rows.comm if c[1] == gpu]
         if pairs:
@@ -329,9 +290,7 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
 
 
 def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> bool:
-    """Can a step of the window be slower than ``floor_ms``? Its wall time is at most the window's max
-    GPU step + max GPU idle, or max host step + max data + max loop (a few list reads: most windows
-    stop here)."""
+    """Can a step be slower than ``floor_ms``? At most max GPU step + idle, or host step + data + loop."""
     if floor_ms == -math.inf:
         return True
     keys = [("gpu", "step"), ("gpu", "idle")]
@@ -349,9 +308,8 @@ def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> 
 class Window:
     """What is written every ``log_every_n_steps`` steps: statistics of the steps in the window.
 
-    ``hists`` maps ``("host"|"gpu", name)`` to the window's per-step histogram, so per-step
-    quantiles over a whole run can be recovered from what is written. ``warmup``: its steps are
-    warm-up steps (left out of the summary; a window never mixes warm-up and later steps).
+    ``hists`` maps ``("host"|"gpu", name)`` to its per-step histogram (run-long quantiles can be
+    recovered from them). ``warmup``: its steps are warm-up steps, left out of the summary.
     """
 
     step: int
@@ -363,22 +321,18 @@ class Window:
     samples_per_s: float | None
     tokens_per_s: float | None
     warmup: bool = False
-    # FLOPs of the window's steps (``step(flops=)``) over the same wall time as samples_per_s, in
-    # TFLOP/s, and as a fraction of the peak (None: no step gave flops, or no peak for mfu).
+    # TFLOP/s over the same wall time as samples_per_s, and its fraction of the peak (None: none)
     tflops_per_s: float | None = None
     mfu: float | None = None
-    # Per phase, the fraction of its timed steps in which the GPU caught up with the host inside it
-    # (reached the phase's entry before the host left it): below 0.5 the GPU can't have waited for
-    # the host there, whatever the spans say.
+    # Per phase, the fraction of its timed steps in which the GPU reached its entry before the host
+    # left it: below 0.5 the GPU can't have waited for the host there (_summary.is_launch_bound).
     caught: Mapping[str, float] = field(default_factory=dict)
-    # More scalars by tag, written as they are (cross-rank statistics: steptimer/_dist.py).
+    # More scalars by tag, written as they are (cross-rank statistics: _dist.py).
     extra: Mapping[str, float] = field(default_factory=dict)
-    # The statistics as arrays, for the summary (None for a window built elsewhere, e.g. in tests).
+    # The statistics as arrays, for the summary (None: a window built elsewhere).
     packed: Packed | None = field(default=None, repr=False, compare=False)
-    # CUDA memory of the window's timed steps (None: not read; see steptimer/_memory.py).
-    memory: MemoryStats | None = None
-    # Each top-level row's part of the window's wall time, on the clock ``share_clock`` (the
-    # summary's rule, steptimer/_verdict.py).
+    memory: MemoryStats | None = None  # CUDA memory of the window's timed steps (None: not read)
+    # Each top-level row's part of the window's wall time, on ``share_clock`` (_verdict.py).
     shares: Mapping[str, float] = field(default_factory=dict)
     share_clock: ShareClock = "host"
 
@@ -387,11 +341,8 @@ def window_of(
     rows: StepRows, last_step: int, peak_tflops: float | None = None, *, slowest: int = 0,
     slow_floor_ms: float = -math.inf, walls: bool = False,
 ) -> Window:  # fmt: skip
-    """Statistics of the steps of one log window, ``last_step`` being the number of its last step.
-
-    Rates are totals over the window's wall time: the sum over its steps (timed or not: each step
-    has a row) of the step's host time and the data wait before it. ``peak_tflops`` gives ``mfu``.
-    ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`.
+    """Statistics of one log window ending at ``last_step``; rates are over the wall time of all its
+    steps (data wait + step). ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`.
     """
     p = pack_rows(rows, slowest, slow_floor_ms, walls)
     wall_s = sum(g.cycle_ms for g in p.groups) / 1e3

@@ -1,11 +1,7 @@
-"""The ``steptimer`` console command: ``report``, ``compare``, ``trace`` and ``kernels`` over steptimer's logs,
-and ``run``, which times a training script unchanged (steptimer/_run.py).
-
-Bad input (a missing path, no steptimer tags, a corrupt or truncated event file, a trace-less log
-directory) prints one error on stderr (``steptimer: error: ...``, wrapped at 80 columns) and exits
-with status 1; usage errors exit with status 2. Output into a pipe whose reader has gone
-(``| head -1``) exits with status 1 and says nothing (Python's convention for SIGPIPE, which
-``rich`` follows).
+"""The ``steptimer`` console command: ``report``, ``compare``, ``trace`` and ``kernels`` over steptimer's
+logs, and ``run``, which times a training script unchanged (steptimer/_run.py). Bad input prints one
+error on stderr (``steptimer: error: ...``, wrapped at 80 columns) and exits 1; usage errors exit 2;
+output into a pipe whose reader has gone (``| head -1``) exits 1 silently, as ``rich`` does.
 """
 
 from __future__ import annotations
@@ -19,12 +15,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from steptimer._format import num, pct
+from steptimer._format import num
 from steptimer._memory import MIB
 from steptimer._options import nonneg_int, positive_int
 from steptimer._reader import LogError, find_runs
-from steptimer._report import analyze, compare, nothing_to_report
+from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, analyze, compare
 from steptimer._summary import Summary
+from steptimer._tags import WARMUP_STEPS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,8 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from steptimer import _run
 
         return _run.main(argv[1:])
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         status = int(args.func(args))
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
@@ -50,7 +46,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(message: str) -> int:
-    """Print ``steptimer: error: message`` on stderr in lines of at most 80 columns; status 1."""
     from steptimer._table import wrapped
 
     print("\n".join(wrapped([f"steptimer: error: {message}"], 80, "  ")), file=sys.stderr)
@@ -71,13 +66,12 @@ TRACE_OUT = "steptimer-trace.chrome.json"  # trace's default output, inside the 
 
 def _parser() -> argparse.ArgumentParser:
     from steptimer import __version__
+    from steptimer._run import HELP, USAGE
 
     p = argparse.ArgumentParser(
-        prog="steptimer",
-        description="Where each training step's time goes: read the logs that steptimer wrote.",
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+        prog="steptimer", description="Where each training step's time goes: read the logs that steptimer wrote.",
+        epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     p.add_argument("--version", action="version", version=f"steptimer {__version__}")
 
     def usage(args: argparse.Namespace) -> int:  # a bare `steptimer`: the help, as a usage error
@@ -86,76 +80,74 @@ def _parser() -> argparse.ArgumentParser:
 
     p.set_defaults(func=usage)
     sub = p.add_subparsers(dest="command", metavar="{run,report,compare,trace,kernels}")
-    from steptimer._run import HELP, USAGE
-
     sub.add_parser("run", help=HELP, usage=USAGE, add_help=False)  # parsed by _run.main (listed here for --help)
-    r = sub.add_parser("report", help="per-phase GPU/host times of steps, shares and a bottleneck verdict")
+
+    def command(name: str, func: Any, help: str, **kw: Any) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, **kw)
+        c.set_defaults(func=func)
+        return c
+
+    def windows(c: argparse.ArgumentParser) -> None:
+        c.add_argument("--skip-steps", type=nonneg_int, default=0, metavar="N",
+                       help="leave out the windows that end at or before step N")  # fmt: skip
+        c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
+
+    r = command("report", _cmd_report, "per-phase GPU/host times of steps, shares and a bottleneck verdict")
     r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
     r.add_argument("--json", action="store_true", help="print JSON instead of tables")
     r.add_argument("--explain", action="store_true", help="also say what each column, mark and row means")
-    _window_args(r)
-    r.set_defaults(func=_cmd_report)
-    c = sub.add_parser(
-        "compare",
-        help="per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
+    windows(r)
+    c = command(
+        "compare", _cmd_compare, "per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
         description="Per phase, the median ms per step in RUN_A and RUN_B (GPU where both have it, "
         "else host) and the change; 'slower' or 'faster' only when the runs' steps are apart "
         "(Cliff's delta >= 0.5) and the change is at least 5 % and 5 µs (docs/cli.md).",
-    )
+    )  # fmt: skip
     c.add_argument("run_a", metavar="RUN_A", help="the baseline run directory (one run)")
     c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run)")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    _window_args(c)
-    c.set_defaults(func=_cmd_compare)
-    t = sub.add_parser(
-        "trace",
-        help="export a captured window of steps (StepTimer(trace_steps=...)) as Chrome/Perfetto trace JSON",
-    )
+    windows(c)
+    t = command("trace", _cmd_trace,
+                "export a captured window of steps (StepTimer(trace_steps=...)) as Chrome/Perfetto trace JSON")
     t.add_argument("logdir", help="the run directory holding steptimer-trace.json (or the file itself)")
-    t.add_argument(
-        "-o",
-        "--output",
-        default=None,
-        help=f"where to write the trace (default: LOGDIR/{TRACE_OUT}); '-' for stdout",
-    )
-    t.set_defaults(func=_cmd_trace)
-    k = sub.add_parser(
-        "kernels",
-        help="top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)",
-    )
-    k.add_argument(
-        "logdir",
-        help="the run directory holding steptimer-profile.json or steptimer-profile-slow-<step>.json "
-        "(or the file itself)",
-    )
+    t.add_argument("-o", "--output", default=None,
+                   help=f"where to write the trace (default: LOGDIR/{TRACE_OUT}); '-' for stdout")  # fmt: skip
+    k = command("kernels", _cmd_kernels,
+                "top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)")  # fmt: skip
+    k.add_argument("logdir", help="the run directory holding steptimer-profile.json or "
+                   "steptimer-profile-slow-<step>.json (or the file itself)")  # fmt: skip
     k.add_argument("--top", type=positive_int, default=5, metavar="N", help="kernels per phase (default: %(default)s)")
     k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
-    k.set_defaults(func=_cmd_kernels)
     return p
 
 
-def _window_args(p: argparse.ArgumentParser) -> None:
-    """The options that choose a run's windows (``report`` and ``compare``)."""
-    p.add_argument(
-        "--skip-steps", type=nonneg_int, default=0, metavar="N", help="leave out the windows that end at or before step N"
-    )
-    p.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
-
-
-# ---------------------------------------------------------------------- report
+def _summaries(path: str, args: argparse.Namespace, *, one: bool = False) -> list[Summary]:
+    """The summaries of the runs under ``path`` that have steps left (``one``: ``path`` is one run)."""
+    runs = find_runs(path)
+    if one and len(runs) > 1:
+        names = ", ".join(r.name for r in runs[:5]) + (", ..." if len(runs) > 5 else "")
+        raise LogError(f"{path}: holds {len(runs)} runs ({names}); compare takes one run directory each")
+    out = [analyze(run, skip_steps=args.skip_steps, include_warmup=args.include_warmup) for run in runs]
+    out = [s for s in out if s.steps]
+    if not out:  # say why, and what to pass instead
+        skip = args.skip_steps
+        warm = sum(int(v) for r in runs for s, v in r.scalars.get(WARMUP_STEPS, []) if s > skip)
+        if warm and not args.include_warmup:
+            after = f" after step {skip}" if skip else ""
+            raise LogError(
+                f"{path}: all {warm} logged steps{after} were warm-up steps (StepTimer's warmup_steps), which "
+                "report leaves out as the summary does; pass --include-warmup to report them"
+            )
+        raise LogError(f"{path}: no logged windows after step {skip}")
+    return out
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from steptimer._table import print_summary
 
-    runs = find_runs(args.logdir)
-    reports = [analyze(run, skip_steps=args.skip_steps, include_warmup=args.include_warmup) for run in runs]
-    reports = [r for r in reports if r.steps]
-    if not reports:
-        raise LogError(nothing_to_report(args.logdir, runs, args.skip_steps, args.include_warmup))
+    reports = _summaries(args.logdir, args)
     if args.json:
-        print(json.dumps({"runs": [_report_json(r) for r in reports]}, indent=2, allow_nan=False))
-        return 0
+        return _print_json({"runs": [_report_json(r) for r in reports]})
     console = _console()
     for i, r in enumerate(reports):
         if i:
@@ -195,8 +187,7 @@ def _report_json(s: Summary) -> dict[str, Any]:
 
 def _energy_json(s: Summary) -> dict[str, float] | None:
     e = s.energy
-    return e and {"joules": e.joules, "steps": e.steps, "seconds": e.seconds, "joules_per_step": e.joules_per_step,
-                  "watts": e.watts}  # fmt: skip
+    return e and {**asdict(e), "joules_per_step": e.joules_per_step, "watts": e.watts}
 
 
 def _finite(x: Any) -> Any:
@@ -210,6 +201,11 @@ def _finite(x: Any) -> Any:
     return x
 
 
+def _print_json(doc: Any) -> int:
+    print(json.dumps(_finite(doc), indent=2, allow_nan=False))
+    return 0
+
+
 def _console() -> Any:
     from rich.console import Console
 
@@ -219,38 +215,21 @@ def _console() -> Any:
     return Console(width=None if tty_or_set else 80, highlight=False)
 
 
-# ---------------------------------------------------------------------- compare
-
-
-def _one_run(path: str, skip: int, include_warmup: bool) -> Summary:
-    runs = find_runs(path)
-    if len(runs) > 1:
-        names = ", ".join(r.name for r in runs[:5]) + (", ..." if len(runs) > 5 else "")
-        raise LogError(f"{path}: holds {len(runs)} runs ({names}); compare takes one run directory each")
-    rep = analyze(runs[0], skip_steps=skip, include_warmup=include_warmup)
-    if not rep.steps:
-        raise LogError(nothing_to_report(path, runs, skip, include_warmup))
-    return rep
-
-
 def _cmd_compare(args: argparse.Namespace) -> int:
-    a = _one_run(args.run_a, args.skip_steps, args.include_warmup)
-    b = _one_run(args.run_b, args.skip_steps, args.include_warmup)
+    from steptimer._table import compute_text, energy_line, say, table_of
+
+    (a,), (b,) = _summaries(args.run_a, args, one=True), _summaries(args.run_b, args, one=True)
     deltas = compare(a, b)
+    kinds = {k: None if r.verdict is None else r.verdict.kind for k, r in (("a", a), ("b", b))}
     if args.json:
-        out = {
+        return _print_json({
             "a": a.path,
             "b": b.path,
             "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
-            "verdicts": {"a": _kind(a), "b": _kind(b)},
+            "verdicts": kinds,
             "compute": {k: {"tflops_per_s": r.tflops_per_s, "mfu": r.mfu} for k, r in (("a", a), ("b", b))},
             "energy": {k: _energy_json(r) for k, r in (("a", a), ("b", b))},
-        }
-        print(json.dumps(_finite(out), indent=2, allow_nan=False))
-        return 0
-    from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE
-    from steptimer._table import energy_line, say, table_of
-
+        })  # fmt: skip
     console = _console()
     say(console, [f"A = {a.path}", f"B = {b.path}"])
     heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
@@ -266,12 +245,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     lines = []
     for label, run in (("A", a), ("B", b)):
         if run.tflops_per_s is not None:
-            mfu = "" if run.mfu is None else f", MFU {pct(run.mfu)}"
-            lines.append(f"{label} compute: {num(run.tflops_per_s)} TFLOP/s{mfu}")
+            lines.append(f"{label} {compute_text(run)}")
         if run.energy is not None:
             lines.append(energy_line(run, f"{label} "))
     lines += [
-        f"verdict A: {_kind(a)}; verdict B: {_kind(b)}",
+        f"verdict A: {kinds['a']}; verdict B: {kinds['b']}",
         "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
         "step: the mean (1 / steps per second)",
         f"a row changed when B's steps are above (or below) A's in net {MIN_DOMINANCE:.0%} of pairs "
@@ -282,18 +260,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kind(s: Summary) -> str | None:
-    return None if s.verdict is None else s.verdict.kind
-
-
-# ---------------------------------------------------------------------- trace
-
-
 def _cmd_trace(args: argparse.Namespace) -> int:
     from steptimer._tracefile import load_capture, to_chrome
 
-    capture = load_capture(args.logdir)
-    trace = to_chrome(capture)
+    trace = to_chrome(load_capture(args.logdir))
     text = json.dumps(trace)
     output = args.output
     if output is None:  # beside the capture, in the run directory, not wherever the shell is
@@ -301,27 +271,19 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         output = os.path.join(run_dir, TRACE_OUT)
     if output == "-":
         print(text)
-    else:
-        try:
-            with open(output, "w") as f:
-                f.write(text)
-        except OSError as err:
-            raise LogError(f"{output}: can't write ({err.strerror or err})") from None
-        meta = trace["metadata"]
-        print(
-            f"wrote {output}\n  {meta['steps']} steps, host track"
-            + (", GPU track" if meta["gpu"] else " only (no GPU times in the capture)")
-            + (
-                f"\n  {meta['clamped']} GPU slice starts clamped to their host launch"
-                if meta["clamped"]
-                else ""
-            )
-            + "\n  open it at https://ui.perfetto.dev"
-        )
+        return 0
+    try:
+        with open(output, "w") as f:
+            f.write(text)
+    except OSError as err:
+        raise LogError(f"{output}: can't write ({err.strerror or err})") from None
+    meta = trace["metadata"]
+    gpu = ", GPU track" if meta["gpu"] else " only (no GPU times in the capture)"
+    lines = [f"wrote {output}", f"  {meta['steps']} steps, host track{gpu}"]
+    if meta["clamped"]:
+        lines.append(f"  {meta['clamped']} GPU slice starts clamped to their host launch")
+    print("\n".join([*lines, "  open it at https://ui.perfetto.dev"]))
     return 0
-
-
-# ---------------------------------------------------------------------- kernels
 
 
 def _cmd_kernels(args: argparse.Namespace) -> int:
@@ -330,7 +292,6 @@ def _cmd_kernels(args: argparse.Namespace) -> int:
 
     rep = analyze_kernels(load_profile(args.logdir))
     if args.json:
-        print(json.dumps(_finite(report_json(rep, args.top)), indent=2, allow_nan=False))
-    else:
-        print(format_report(rep, args.top))
+        return _print_json(report_json(rep, args.top))
+    print(format_report(rep, args.top))
     return 0

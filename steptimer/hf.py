@@ -1,29 +1,12 @@
 """Hugging Face front door: :class:`StepTimerCallback` for ``transformers.Trainer(callbacks=[...])``.
 
-A thin caller of the hooks ``instrument()`` uses (steptimer/_hooks.py): at ``on_train_begin`` it hooks
-the Trainer's model and optimizer (the torch optimizer inside accelerate's wrapper), so one step is one
-optimizer step, its micro-batches summed (gradient accumulation). The Trainer's events add what no
-hook sees: ``on_step_begin`` / ``on_substep_end`` count micro-batches, so the time from the last
-micro-batch's backward to ``on_pre_optimizer_step`` is ``clip`` (gradient clipping and the Trainer's
-bookkeeping after the last backward); ``on_train_end`` closes the timer. Phases: ``data`` (the batches
-of a step are fetched before its first micro-batch), ``forward`` (the model's forward, with the loss:
-the model computes it from ``labels``), ``loss`` (the Trainer's own work between forward and
-backward), ``backward``, ``clip``, ``optimizer``, ``zero_grad`` (``model.zero_grad()``); the LR
-scheduler's step is ``other``. Evaluation is paused out of the timed run, from the ``on_step_end`` (or
-``on_epoch_end``) that asks for it to ``on_evaluate``, as the Lightning callback pauses validation:
-never ``data``; the summary's notes give its runs and mean time.
-
-Logs go beside the Trainer's: ``args.logging_dir`` where the installed transformers has it, else
-``<output_dir>/steptimer``. Given the Trainer (``StepTimerCallback(trainer=trainer)``), each window's
-``steptimer/...`` values also go where the Trainer's own logs go, through ``Trainer.log``: every
-``report_to`` integration (TensorBoard, W&B, MLflow, ...) and ``state.log_history``. A callback is
-handed no Trainer, and one passed in ``Trainer(callbacks=...)`` sees the logs after those
-integrations, so the Trainer is the one way there. ``steptimer run`` times a Trainer script without
-this callback; don't use both at once.
+A thin caller of :class:`~steptimer.instrument.Instrumented` on the Trainer's model and optimizer; the
+Trainer's events add ``clip`` and pause evaluation out. docs/run.md#hugging-face has the phases.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -54,12 +37,11 @@ def _torch_optimizer(opt: Any) -> Any:
     return opt
 
 
+@dataclasses.dataclass
 class _TrainerLog:
-    """A sink that keeps each window's ``steptimer/...`` values until the callback hands them to
-    ``Trainer.log`` between steps (the Trainer's loggers are not steptimer's to call mid-step)."""
+    """Keeps each window's ``steptimer/...`` values for ``Trainer.log``, called between steps."""
 
-    def __init__(self) -> None:
-        self.pending: list[dict[str, float]] = []
+    pending: list[dict[str, float]] = dataclasses.field(default_factory=list)
 
     def write_window(self, window: Window) -> None:
         if not window.warmup:  # as in TensorBoard, no chart starts with the warm-up's outlier
@@ -96,9 +78,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
             raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'steptimer[hf]'")
         counts = ("samples_per_step", "tokens_per_step")
         self._counts = {k: check_count(k, options.pop(k)) for k in counts if k in options}
-        # The timer checks its own options; a disabled one (no files, no hooks) does it here, so a
-        # bad option fails when the callback is made. log_dir "" stands in for the default beside
-        # the Trainer's logs, known at on_train_begin.
+        # A disabled timer checks the options now; log_dir "" stands in for the Trainer's, known later.
         default = {} if "log_dir" in options or "writer" in options else {"log_dir": ""}
         StepTimer(**{**options, **default, "enabled": False})
         check_bool("enabled", options.get("enabled", True))
@@ -111,7 +91,9 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._bar = False
         self.summary: Summary | None = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any
+    ) -> None:
         if self.timed is not None:
             self.timed.close()
         options = dict(self._options)
@@ -144,8 +126,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
             self._maybe_stop(control)
 
     def _send(self, control: Any) -> None:
-        """The windows that ended, through ``Trainer.log``; the Trainer's own plan for this step
-        (``should_log``, which ``Trainer.log`` clears) is left as it was."""
+        # Trainer.log clears should_log, the Trainer's own plan for this step.
         should_log = control.should_log
         while self._log.pending:
             self._trainer.log(self._log.pending.pop(0))
@@ -155,8 +136,8 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._maybe_evaluate(control)
 
     def _maybe_evaluate(self, control: Any) -> bool:
-        # The Trainer evaluates right after these events when the flow callbacks (called before this
-        # one) set should_evaluate; the pause also holds the logging that precedes evaluation.
+        # The Trainer evaluates right after these events when the flow callbacks set should_evaluate;
+        # the pause also holds the logging before it.
         if control.should_evaluate and self.timed is not None and self.summary is None:
             self.timed.begin_evaluation()
             return True
@@ -168,15 +149,13 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
             self._maybe_stop(control)
 
     def _maybe_stop(self, control: Any) -> None:
-        """After the last step (and its evaluation), while the Trainer's loggers still take values:
-        close, and send the last window."""
+        # After the last step (and its evaluation), while the Trainer's loggers still take values.
         if control.should_training_stop:
             self._close()
             self._send(control)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        # Training stopped before its last step (an early stop): the loggers have ended by now, so
-        # the last window reaches steptimer's own log only.
+        # An early stop: the loggers have ended by now; the last window reaches steptimer's log only.
         self._close()
         self._log.pending.clear()
 

@@ -1,28 +1,7 @@
 """Zero-edit front door: :func:`instrument` times a plain training loop's phases from hooks.
 
-    timer = steptimer.instrument(model, optimizer, log_dir="runs/exp1")
-    for x, y in loader:
-        loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
-    timer.close()
-
-One step is one optimizer step: from the first training forward (or a ``zero_grad`` written at the
-top of the loop) to the end of ``optimizer.step()`` (or of a ``zero_grad`` written after it).
-``forward`` is the model's forward pre-hook to its forward hook, ``loss`` the time from there to the
-next boundary, ``backward`` the call of ``torch.autograd.backward``, ``zero_grad`` the optimizers' and
-the model's ``zero_grad`` (instance attributes), ``optimizer`` the step pre-hook to the step post-hook;
-``data`` is the engine's own wait between steps. docs/instrument.md has the table and the traps.
-
-Why backward is timed by wrapping ``torch.autograd.backward`` (what ``loss.backward()`` calls) and not
-by an autograd hook: autograd runs its hooks (tensor hooks, ``register_multi_grad_hook``, module
-backward hooks, node pre-hooks) on the thread that runs the node, which for CUDA tensors is the
-engine's device thread (tests/test_instrument.py checks it); the engine's phases and CUDA events
-must only be driven from the training thread, and the call into autograd is the one place on it
-where backward starts and ends (every gradient accumulated). The wrapper passes other threads' and nested
-(reentrant checkpoint) calls straight through, and is taken out by :meth:`Instrumented.remove`.
-
-Cost: hooks are registered once, on the root module and the optimizers, never per step or per layer;
-per step six hook calls of a few µs of Python each (``torch.compiler.disable``'s wrapper included) on
-top of the engine's own boundary cost; measured in docs/instrument.md. No device synchronization.
+One step is one optimizer step; backward is the call of ``torch.autograd.backward`` (autograd runs
+its own hooks off the training thread on CUDA). docs/instrument.md has the phase table and the traps.
 """
 
 from __future__ import annotations
@@ -38,10 +17,11 @@ from types import CodeType, FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch import nn
 
 from steptimer import _exit
 from steptimer._driver import PhaseDriver, UserPhase
-from steptimer._hooks import Discovery, Hooks, batch_counts
+from steptimer._hooks import Discovery, Hooks, batch_counts, holds
 from steptimer.timer import StepTimer, check_count, check_phase_name
 
 if TYPE_CHECKING:
@@ -65,21 +45,16 @@ def instrument(
     """Time every step of a plain training loop from hooks; no ``with`` lines in the loop.
 
     Args:
-        model: The module the loop calls (``model(x)``): its forward is ``forward``. A DDP or
-            ``torch.compile`` wrapper or the module inside it both work. None: found when the
-            optimizer steps (the outermost modules that hold its parameters; docs/run.md), as
-            ``steptimer run`` does.
-        optimizer: The optimizer, or a list of them: a step ends when each of them has stepped once.
-            None: found at their steps (every optimizer that steps before the first one steps
-            again). Steps before the discovery are not timed (a note in the summary says how many).
-        samples_per_step: Samples per step, for throughput. None counts them: the leading dimension
-            of the model's input, summed over a step's micro-batches (a note says so).
-        tokens_per_step: Tokens per step. None counts them when the model's input is a 2-D integer
-            tensor (token ids).
+        model: The module the loop calls (``model(x)``), or a DDP or ``torch.compile`` wrapper of it.
+            None: found at the first optimizer steps, as ``steptimer run`` does (docs/run.md).
+        optimizer: The optimizer, or a list of them: a step ends when each has stepped once. None:
+            found at their first steps (those steps are not timed; a note says how many).
+        samples_per_step: Samples per step. None counts the leading dimension of the model's input.
+        tokens_per_step: Tokens per step. None counts a 2-D integer input's elements (token ids).
         **options: Every :class:`~steptimer.StepTimer` option (``log_dir``, ``warmup_steps``, ...).
 
     Returns:
-        An :class:`Instrumented`: ``close()``, ``steps``, ``pause()``, ``phase()``, and ``.timer``.
+        An :class:`Instrumented`: ``close()``, ``remove()``, ``steps``, ``pause()``, ``phase()``, ``.timer``.
 
     Raises:
         ValueError: ``model`` is not a module, or ``optimizer`` holds no optimizer, a non-optimizer
@@ -108,12 +83,10 @@ def instrument(
 
 
 class Instrumented:
-    """A :class:`~steptimer.StepTimer` driven by hooks on a model and its optimizers.
+    """A :class:`~steptimer.StepTimer` (``.timer``) driven by hooks on a model and its optimizers.
 
-    A small class rather than the StepTimer itself: ``pause()`` and ``phase()`` must tell the hooks,
-    and ``close()`` must take them out; the timer stays reachable as ``.timer``. Which phase is open
-    is the :class:`~steptimer._driver.PhaseDriver`'s; this class decides where a plain loop's steps
-    start and end.
+    It decides where a plain loop's steps start and end; which phase is open is the
+    :class:`~steptimer._driver.PhaseDriver`'s.
     """
 
     def __init__(
@@ -159,8 +132,7 @@ class Instrumented:
         self._hooks = Hooks()
         if not timer.enabled:
             return
-        # The loaders' fetches between steps are data: from now, before the model and optimizers
-        # are found at their first steps (the loop's iterator is made before them).
+        # From now: the loop's iterator is made before discovery finds the model and optimizers.
         self._hooks.wrap_loaders(timer.data)
         if self.models and self.optimizers:
             self._install()
@@ -168,8 +140,6 @@ class Instrumented:
             self._watch_steps = False
             self._discovery = Discovery(self._found, models=models, optimizers=optimizers)
         _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
-
-    # ------------------------------------------------------------------ public
 
     @property
     def steps(self) -> int:
@@ -200,10 +170,8 @@ class Instrumented:
             yield
 
     def phase(self, name: str) -> AbstractContextManager[None]:
-        """A phase of your own inside a step (``clip``), nested in the hook phase open at that moment.
-
-        Hook phases inside it nest too (``name/forward``). Outside a step it is a no-op: that time
-        stays in ``data``.
+        """A phase of your own inside a step, nested in the hook phase open then (``loss/clip``);
+        hook phases inside it nest too. Outside a step it is a no-op.
 
         Raises:
             ValueError: ``name`` is not a valid phase name.
@@ -215,8 +183,7 @@ class Instrumented:
         return self._driver if self._driver.in_step and not self._deferred else None
 
     def begin_evaluation(self) -> None:
-        """An evaluation starts (a framework's event, where no ``with`` block fits): paused out of
-        the run until :meth:`end_evaluation`; the summary's notes give the runs and mean time."""
+        """An evaluation starts (a framework's event): paused out until :meth:`end_evaluation`."""
         self._settle()
         self._driver.begin_val()
 
@@ -225,8 +192,7 @@ class Instrumented:
         self._driver.end_val()
 
     def open_after_backward(self, name: str) -> None:
-        """Open phase ``name`` when the next backward returns, until the next boundary (the
-        Hugging Face callback's ``clip``: after a step's last micro-batch, up to the update)."""
+        """Open phase ``name`` when the next backward returns, until the next boundary."""
         self._after_backward = name
 
     def close(self, *, failed: bool = False) -> Summary:
@@ -236,17 +202,16 @@ class Instrumented:
             self._end()  # a finished step, waiting for its zero_grad
         if self._watch_steps and self._forwards:
             self._check_stepped()
-        self._driver.end_val()
-        for note in (self.discovery_note(), self._driver.val_note()):
-            if note is not None and self.timer.enabled:
-                self.timer.note(note)
+        note = self.discovery_note()
+        if note is not None:
+            self.timer.note(note)
+        self._driver.note_val()
         self.remove()
         return self.timer.close(failed=failed)
 
     def _close_at_end(self) -> None:
-        """Closed by steptimer at exit or on SIGTERM (_exit.py). The hooks stay in: a signal can land
-        inside the model's forward, while torch iterates over the hook dicts that remove() changes;
-        they pass everything through to the closed timer's no-ops."""
+        # The hooks stay in: a signal can land inside the model's forward, while torch iterates the
+        # hook dicts that remove() changes; they pass everything to the closed timer's no-ops.
         if self._deferred:
             self._end()
         self.timer._close_at_end()
@@ -267,34 +232,30 @@ class Instrumented:
         self.close(failed=et is not None)
         return False
 
-    # ------------------------------------------------------------------ hooks
-
     def _install(self) -> None:
-        """Every hook, through the one place that owns them (_hooks.Hooks), all run eagerly under
-        torch.compile; registered once, never per step or per layer."""
         hooks = self._hooks
-        for model in self.models:
-            hooks.forward(model, self._forward_pre, self._forward_post, prepend=True, with_kwargs=True)
         for opt in self.optimizers:
             hooks.optimizer(opt, self._update_pre, self._update_post)
             hooks.wrap(opt, "zero_grad", partial(self._zero_grad_wrapper, zeroes={id(opt)}))
-        for model in self.models:  # a model's zero_grad zeroes the optimizers whose parameters it holds
-            held = {id(p) for p in model.parameters()}
-            zeroes = {id(o) for o in self.optimizers if any(id(p) in held for g in o.param_groups for p in g["params"])}
-            hooks.wrap(model, "zero_grad", partial(self._zero_grad_wrapper, zeroes=zeroes))
-        hooks.wrap_backward(self._backward_wrapper_of)
-        # The optimizers pickle and copy without hooks or instance attributes (Optimizer.__getstate__
-        # keeps only defaults, state and param_groups); the models need a copyreg entry.
+            hooks.wrap_views(opt, "zero_grad", partial(self._zero_grad_wrapper, zeroes={id(opt)}))
         for model in self.models:
+            hooks.forward(model, self._forward_pre, self._forward_post, prepend=True, with_kwargs=True)
+            # A model's zero_grad zeroes the optimizers whose parameters it holds.
+            zeroes = {id(o) for o in self.optimizers if holds(o, [model])}
+            hooks.wrap(model, "zero_grad", partial(self._zero_grad_wrapper, zeroes=zeroes))
+            # Optimizers pickle without our hooks (Optimizer.__getstate__); a model needs this.
             hooks.keep_picklable(model)
+        hooks.wrap_backward(self._backward_wrapper_of)
 
     def _found(
-        self, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], module: Any, args: Any, kwargs: Any
+        self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], module: Any, args: Any, kwargs: Any
     ) -> None:
-        """Discovery found the loop's models and optimizers, at a forward of ``module`` (one of them)."""
         self.models, self.optimizers = tuple(models), tuple(optimizers)
         d = self._discovery
-        n = 0 if d is None else d.optimizer_steps
+        # Found inside an optimizer step (its closure runs the forward, as Lightning's does): that
+        # step is timed from here, its update in `other`, and ends at its post-hook.
+        inside = d is not None and d.stepping is not None
+        n = 0 if d is None else d.optimizer_steps - inside
         names = ", ".join(type(m).__name__ for m in models)
         onames = ", ".join(type(o).__name__ for o in optimizers)
         self.timer.note(
@@ -304,13 +265,13 @@ class Instrumented:
         if self._removed:
             return
         self._install()
-        # This call's own hooks were fixed before ours went in: start its step here (discovery's
-        # one-shot pre-hook passes its positional and keyword inputs, so its batch is counted).
+        # This call's own hooks were fixed before ours went in: start its step here.
         self._forward_pre(module, args, kwargs)
+        if inside:
+            self._update_depth, self._update_closure = 1, True
 
     def _ignored(self) -> bool:
-        """Other threads (DataParallel replicas, autograd's device threads), pauses, forwards that a
-        reentrant checkpoint reruns inside backward, and everything after remove()."""
+        """Other threads, pauses, a reentrant checkpoint's forwards inside backward, and after remove()."""
         return self._removed or self._driver.paused > 0 or self._bwd_depth > 0 or threading.get_ident() != self._thread
 
     def _forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
@@ -342,8 +303,7 @@ class Instrumented:
                 self._check_stepped()
 
     def _check_stepped(self) -> None:
-        """One warning (and a note in the summary) when an optimizer passed to instrument() has not
-        stepped while the model trained: no step can end, so nothing is timed."""
+        """Warn (once, and note) when an optimizer passed to instrument() never stepped."""
         self._watch_steps = False
         idle = [o for o in self.optimizers if id(o) not in self._ever_stepped]
         if not idle:
@@ -383,14 +343,14 @@ class Instrumented:
             try:
                 out = orig(*args, **kwargs)
             except BaseException:
-                self._bwd_depth -= 1
                 self._drop(sys.exc_info())
                 raise
-            self._bwd_depth -= 1
+            finally:
+                self._bwd_depth -= 1
             self._driver.switch(self._after_backward)
             self._after_backward = None
-            # The next forward starts a micro-batch (accumulation). With several optimizers (a GAN's
-            # networks see the same batch in turn) only a step's first forward is counted.
+            # The next forward starts a micro-batch; with several optimizers (a GAN's networks see
+            # the same batch in turn) only a step's first forward is counted.
             self._count_next = self._count and len(self.optimizers) == 1
             return out
 
@@ -432,8 +392,11 @@ class Instrumented:
             self._update_depth += 1
             return None
         self._settle()
-        # With a closure (LBFGS) the forward and backward run inside the update, as their own phases.
-        closure = len(args) > 1 or kwargs.get("closure") is not None
+        # With a closure (LBFGS, Lightning) the forward and backward run inside the update, as their
+        # own phases, and the update starts when it returns (the step hooks fire around both).
+        given = kwargs.get("closure")
+        inner = given if given is not None else args[1] if len(args) > 1 else None
+        closure = callable(inner)  # accelerate passes step(None): no closure
         if not self._driver.in_step and closure:  # the update runs the whole iteration: it is the step
             self._begin()
         elif not self._driver.in_step:
@@ -446,30 +409,21 @@ class Instrumented:
                     stacklevel=3,
                 )
             return None
-        self._driver.switch("optimizer")
+        self._driver.switch(None if closure else "optimizer")
         self._update_depth = 1
         self._update_closure = closure
-        return self._closure_returns_to_update(args, kwargs) if closure else None
-
-    def _closure_returns_to_update(self, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-        """The step's arguments with its closure wrapped: the update after the closure returns is
-        ``optimizer`` again (Lightning runs training_step, zero_grad and backward in the closure of
-        ``optimizer.step(closure)``; the parameters are updated after it). None: no closure to wrap
-        (accelerate passes ``step(None)``)."""
-        given = kwargs.get("closure")
-        inner = given if given is not None else args[1] if len(args) > 1 else None
-        if not callable(inner):
+        if not closure:
             return None
 
-        def closure(*a: Any, **k: Any) -> Any:
+        def returns_to_update(*a: Any, **k: Any) -> Any:
             out = inner(*a, **k)
             if self._update_depth and self._driver.in_step:
                 self._driver.switch("optimizer")
             return out
 
         if given is not None:
-            return args, {**kwargs, "closure": closure}
-        return (args[0], closure, *args[2:]), kwargs
+            return args, {**kwargs, "closure": returns_to_update}
+        return (args[0], returns_to_update, *args[2:]), kwargs
 
     def _update_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._ignored() or not self._driver.in_step or self._update_depth == 0:
@@ -489,18 +443,10 @@ class Instrumented:
         else:
             self._end()
 
-    # ------------------------------------------------------------------ steps
-
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
-        """Whether this loop calls zero_grad after the optimizer step (True) or before the forward
-        (False); None: can't tell yet.
-
-        ``step(); zero_grad()`` and ``zero_grad(); ...; step()`` give the same sequence of calls, and
-        only the loader's fetch, which no hook sees, sits on a different side of zero_grad. So the
-        order is read from the code: the innermost function that called both (the loop) and where in
-        it each call is. A zero_grad written after the step ends the step; one written before it
-        opens the next step. Learned once, at the first zero_grad between two steps.
-        """
+        """Whether the loop's code calls zero_grad after the optimizer step (True) or before the
+        forward (False), read from where both sit in the innermost function that called both; None:
+        can't tell yet. The calls alone can't tell: both orders give the same sequence."""
         sites = self._step_sites
         while sites is not None and frame is not None:
             at = sites.get(frame.f_code)
@@ -510,8 +456,7 @@ class Instrumented:
         return None
 
     def _settle(self) -> None:
-        """Before any boundary: end a step that waited for a zero_grad that never came, and drop one
-        whose update raised (its step post-hook never ran)."""
+        """End a step that waited for a zero_grad that never came; drop one whose update raised."""
         if self._deferred:
             self._end()
         elif self._update_depth and not self._update_closure:
@@ -549,7 +494,6 @@ class Instrumented:
         )
 
     def _drop(self, exc: _ExcInfo) -> None:
-        """Drop the step (the engine forgets it; its open phases too) and start clean."""
         self._driver.drop(*exc)
         self._clear()
 

@@ -1,20 +1,7 @@
 """Lightning front door: :class:`StepTimerCallback` drives a :class:`~steptimer.StepTimer` from hooks.
 
-Add it to a Trainer and each optimizer step is split into ``data``, ``forward``, ``loss``,
-``zero_grad``, ``backward``, ``clip`` and ``optimizer`` with no change to the LightningModule::
-
-    trainer = pl.Trainer(callbacks=[StepTimerCallback()], logger=pl.loggers.TensorBoardLogger("runs"))
-
-Each phase starts and ends at a Lightning hook or at a hook on the LightningModule's outermost
-modules with parameters (``forward``); docs/lightning.md has the table. Validation between steps
-is paused (``steptimer/val_ms``), never ``data``; the closure Lightning runs inside
-``optimizer.step`` is never billed to ``optimizer``. Steps begin and end here (batches,
-accumulation, GradScaler skips, manual optimization); which phase is open is steptimer/_driver.py's.
-
-Costs: per timed step, the engine's event records (one per phase boundary) and its one lagged wait.
-The callback itself adds a few Python calls per hook and never synchronizes the device; each hooked
-module call costs about 2 µs of host time (``bench/lightning_hooks.py``), and only the outermost
-modules with parameters are hooked, never every leaf.
+Steps begin and end here (batches, accumulation, GradScaler skips, manual optimization); which
+phase is open is steptimer/_driver.py's. docs/lightning.md has the table of phases and the costs.
 """
 
 from __future__ import annotations
@@ -26,6 +13,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 from typing_extensions import override
@@ -33,6 +21,7 @@ from typing_extensions import override
 from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._engine import Fetch
 from steptimer._hooks import Hooks
+from steptimer._options import _positive
 from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
 from steptimer._tensorboard import TensorBoardSink, window_scalars
@@ -73,13 +62,8 @@ __all__ = ["StepTimerCallback"]
 
 
 class _LoggerSink:
-    """Sends each window to every ``trainer.loggers`` logger (rank 0 only: only built there).
-
-    A TensorBoard logger gets what a plain loop's ``log_dir`` gets (:class:`TensorBoardSink` on the
-    logger's writer): the whole-window tags in the logger's run, one run per phase beside it, so the
-    per-phase charts draw a colour per phase, and the Custom Scalars layout. Every other logger gets
-    the flat tags through ``log_metrics`` (a phase's name in the tag), as it has no runs to colour.
-    """
+    """Each window to every ``trainer.loggers`` logger (built on rank 0 only): a TensorBoard logger
+    gets what a plain loop's ``log_dir`` gets, on its writer; any other the flat tags (``log_metrics``)."""
 
     def __init__(self, loggers: Sequence[Any], *, histograms: bool, skipped: Callable[[], int]) -> None:
         self._loggers = list(loggers)
@@ -111,13 +95,7 @@ class _LoggerSink:
             lg.save()
 
 
-def _positive(x: Any) -> bool:
-    """A finite number > 0 (not a bool)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf")
-
-
 def _valid_names(names: Any) -> bool:
-    """Whether ``forward_module`` is a non-empty name or a non-empty list/tuple of them."""
     if isinstance(names, str):
         return bool(names)
     return isinstance(names, (list, tuple)) and bool(names) and all(isinstance(n, str) and n for n in names)
@@ -129,13 +107,8 @@ def _is_metric(module: Any) -> bool:
 
 
 def _model_modules(module: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """The outermost submodules of ``module`` that are model: they hold parameters and are no metric.
-
-    Parameter-free modules (``nn.CrossEntropyLoss``, activations) and metrics are what ``loss``
-    calls. A container with no ``forward`` of its own (``nn.ModuleList``, ``nn.ModuleDict``) can't be
-    called, so its children are looked at instead (``self.nets["gen"](z)``). Frozen parameters count:
-    a frozen backbone (``BaseFinetuning`` freezes it before training starts) is still the model.
-    """
+    """The outermost submodules of ``module`` that hold parameters (frozen ones too) and are no
+    metric; a container with no ``forward`` of its own (``nn.ModuleDict``) gives its children."""
     from torch import nn
 
     found = []
@@ -152,49 +125,27 @@ def _model_modules(module: Any, prefix: str = "") -> list[tuple[str, Any]]:
 class StepTimerCallback(*_BASES):  # type: ignore[misc]
     """Times each optimizer step's phases in a Lightning Trainer; no change to the LightningModule.
 
-    One step is one optimizer step, as in a plain loop: with ``accumulate_grad_batches=k`` the k
-    micro-batches add up into it; in manual optimization a step is a training batch that called at
-    least one ``opt.step()`` (two optimizers, one step). The step counter is the callback's own (saved
-    in checkpoints), not ``global_step``.
-
-    Windows go to every ``trainer.loggers`` logger on rank 0: a TensorBoard logger gets what the plain
-    loop's ``log_dir`` gets (a run per phase beside the logger's, histograms, the Custom Scalars
-    layout); any other logger gets the same values as flat ``steptimer...`` tags through
-    ``log_metrics``. The summary table is printed at the end of training (``callback.summary``).
+    One step is one optimizer step (``accumulate_grad_batches`` micro-batches add up into it; in
+    manual optimization, a training batch that stepped). The step counter is the callback's own,
+    saved in checkpoints. Windows go to every ``trainer.loggers`` logger on rank 0; the summary is
+    printed at the end of training (``callback.summary``). Options not listed here mean what
+    :class:`~steptimer.StepTimer`'s do.
 
     Args:
-        log_every_n_steps: Log window statistics every this many steps; None uses the Trainer's, or
-            with ``sample_every`` > 1 at least ``10 * sample_every`` (about ten timed steps per window).
-            With the Trainer's default, 50, a window is lengthened to last a second on small steps,
-            as :class:`~steptimer.StepTimer`'s default is: a window costs ~1.5 ms with seven phases.
-        warmup_steps: Steps left out of the summary (see :class:`~steptimer.StepTimer`).
-        lag: Steps the engine's one event wait lags behind (see :class:`~steptimer.StepTimer`).
-        cuda: None uses CUDA events when the LightningModule is on a CUDA device; True requires
-            CUDA; False times the host only.
-        sample_every: Time the phases of one step in every ``sample_every``.
-        forward_module: Name, or names, of the submodules (``"net"``, ``["model.encoder",
-            "model.decoder"]``) whose calls in ``training_step`` are ``forward``. None hooks the
-            LightningModule and its outermost submodules with parameters (not metrics), which covers
-            ``self(x)``, ``self.model(x)`` and ``self.encoder(x); self.decoder(z)``.
+        log_every_n_steps: None uses the Trainer's, or with ``sample_every`` > 1 at least
+            ``10 * sample_every``.
+        cuda: None uses CUDA events when the LightningModule is on a CUDA device.
+        forward_module: Name, or names, of the submodules whose calls in ``training_step`` are
+            ``forward``. None hooks the LightningModule and its outermost submodules with
+            parameters (not metrics).
         batch_size_fn: ``batch -> samples`` for ``steptimer/samples_per_s``.
         tokens_fn: ``batch -> tokens`` for ``steptimer/tokens_per_s``.
-        flops_per_batch: Floating-point operations of one training batch (forward + backward, as
-            :func:`lightning.fabric.utilities.throughput.measure_flops` counts them), a number or a
-            function ``batch -> flops``; a step's FLOPs are the sum over its micro-batches
-            (``accumulate_grad_batches``). Gives ``steptimer/tflops_per_s`` and ``steptimer/mfu``.
-        peak_tflops: The peak for ``steptimer/mfu`` (TFLOP/s). None looks the GPU up in steptimer's
-            table of dense peaks, for the dtype of ``Trainer(precision=...)`` as Lightning's
-            ThroughputMonitor picks it (bf16-mixed: bf16; 16-mixed: fp16; 32-true: tf32, or fp32
-            when ``torch.get_float32_matmul_precision()`` is "highest").
+        flops_per_batch: FLOPs of one training batch (forward + backward), a number or a function
+            ``batch -> flops``; summed over a step's micro-batches. Gives ``tflops_per_s`` and ``mfu``.
+        peak_tflops: The peak for ``mfu``; None looks the GPU up for the dtype of
+            ``Trainer(precision=...)``, as Lightning's ThroughputMonitor picks it.
         histograms: Write per-window histograms to TensorBoard loggers.
-        print_summary: Print the summary table at the end of training (rank 0).
-        enabled: False turns the callback into a no-op.
-        nvtx: Each step and phase is an NVTX range named like its tag (see
-            :class:`~steptimer.StepTimer`).
-        profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps and write
-            ``steptimer-profile.json`` to ``trainer.log_dir`` (see :class:`~steptimer.StepTimer`).
-        memory: Read CUDA memory per phase: None as often as costs ~0.1 % of the run, N on one
-            timed step in N (True: every timed step, False: never; see :class:`~steptimer.StepTimer`).
+        profile_steps: ``(first, last)``: ``steptimer-profile.json`` goes to ``trainer.log_dir``.
 
     Example:
         >>> cb = StepTimerCallback(log_every_n_steps=10)
@@ -208,7 +159,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     @classmethod
     def _make(cls, *, backend: Any = None, memory_backend: Any = None, **options: Any) -> StepTimerCallback:
-        """A callback whose timers use these seams (``StepTimer._make``); ``options`` are the constructor's."""
         cb = cls(**options)
         cb._backend, cb._memory_backend = backend, memory_backend
         return cb
@@ -234,15 +184,13 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         memory: int | None = None,
     ) -> None:
         super().__init__()
-        self._timer_options: dict[str, Any] = dict(
-            log_every_n_steps=log_every_n_steps, warmup_steps=warmup_steps, lag=lag, cuda=cuda,
-            sample_every=sample_every, peak_tflops=peak_tflops, print_summary=print_summary,
-            enabled=enabled, nvtx=nvtx, profile_steps=profile_steps, memory=memory,
+        # A disabled timer (~0.1 ms, no side effects) checks every option now, not at training start.
+        checked = StepTimer._make(
+            profile_dir="", log_every_n_steps=log_every_n_steps, warmup_steps=warmup_steps, lag=lag, cuda=cuda,
+            sample_every=sample_every, peak_tflops=peak_tflops, print_summary=print_summary, enabled=False,
+            nvtx=nvtx, profile_steps=profile_steps, memory=memory,
         )  # fmt: skip
-        # The timer checks its own options; a disabled one (~0.1 ms, no side effects) does it here,
-        # so a bad option fails when the callback is made, not when training starts.
-        StepTimer._make(profile_dir="", **{**self._timer_options, "enabled": False})
-        check_bool("enabled", enabled)  # the check above ran with enabled=False
+        self._options = dataclasses.replace(checked.options, enabled=enabled)
         check_bool("histograms", histograms)
         if forward_module is not None and not _valid_names(forward_module):
             raise ValueError(
@@ -267,7 +215,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._driver: PhaseDriver | None = None  # with the timer, from on_train_start to the close
         self._sink: _LoggerSink | None = None
         self._phase_names: set[str] = set()  # user phase names already checked
-        self._hooks = Hooks()  # every hook and wrapper on the user's objects (steptimer/_hooks.py)
+        self._hooks = Hooks(eager=False)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._reset_batch_state()
 
@@ -277,17 +225,14 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._update_open = False  # the update began and its step post-hook has not fired yet
         self._will_step = True
         self._manual = False
-        self._in_training_step = False  # forward hooks count only inside training_step ...
-        self._in_backward = False  # ... and not in backward (activation checkpointing re-runs forward)
-        self._zg_depth = 0
+        self._in_training_step = False  # forward hooks count only inside training_step, not in
+        self._in_backward = False  # backward (activation checkpointing re-runs forward)
         self._saw_forward = False
         self._saw_backward = False
         self._samples = 0.0
         self._tokens = 0.0
         self._flops = 0.0
         self._no_forward_warned = False
-
-    # ------------------------------------------------------------------ public
 
     @property
     def steps(self) -> int:
@@ -300,11 +245,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         return self._skipped
 
     def phase(self, name: str) -> AbstractContextManager[None]:
-        """A custom phase inside ``training_step``, nested in the callback's current phase.
-
-        ``with cb.phase("augment"):`` before ``self(x)`` gives ``augment``; after it (inside ``loss``)
-        gives ``loss/augment``; callback phases inside it nest too (``augment/forward``). Outside a
-        training batch it is a no-op.
+        """A custom phase inside ``training_step``, nested in the callback's current phase
+        (``loss/augment``); callback phases inside it nest too. Outside a training batch, a no-op.
 
         Raises:
             ValueError: ``name`` is not a valid phase name.
@@ -313,8 +255,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             check_phase_name(name)
             self._phase_names.add(name)
         return UserPhase(name, lambda: self._driver if self._in_batch else None)
-
-    # ------------------------------------------------------------------ state (resume)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -325,24 +265,20 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._steps_done = int(state_dict.get("steps", 0))
         self._skipped = int(state_dict.get("skipped_steps", 0))
 
-    # ------------------------------------------------------------------ fit start / end
-
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # Built here, not in setup: checkpoint state (our step counter) and the optimizers are only
-        # all in place by now, whatever the strategy. Built on every rank: every rank measures.
-        if not self._timer_options["enabled"]:
+        # Not in setup: the checkpoint's step counter and the optimizers are only all in place by now.
+        if not self._options.enabled:
             return
         self._reset_batch_state()
         self.summary = None
         self._manual = not pl_module.automatic_optimization
-        options = dict(self._timer_options)
+        options = dataclasses.asdict(self._options)
         if options["cuda"] is None and self._backend is None:
             options["cuda"] = pl_module.device.type == "cuda"
-        sink = None
+        self._sink = None
         if trainer.is_global_zero and trainer.loggers:
-            sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
-        self._sink = sink
+            self._sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
         profile_steps = options["profile_steps"]
         if profile_steps is not None and profile_steps[0] <= self._steps_done:
             log.warning(
@@ -351,22 +287,17 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             )  # fmt: skip
             options["profile_steps"] = None
         every, sample_every = int(trainer.log_every_n_steps), options["sample_every"]
-        if options["log_every_n_steps"] is None and every != 50:
-            # The Trainer's interval (its default, 50, leaves StepTimer's: 50 steps, lengthened to a
-            # second on small steps); with sampling, long enough for about ten timed steps.
+        if options["log_every_n_steps"] is None and every != 50:  # 50: StepTimer's, lengthened to 1 s
             options["log_every_n_steps"] = max(every, 1 if sample_every == 1 else 10 * sample_every)
         options["print_summary"] = False  # printed at the close, with the callback's own notes
+        options["start_step"] = self._steps_done
         timer = StepTimer._make(
-            **options,
-            start_step=self._steps_done,
-            peak_dtype=dtype_of_precision(trainer.precision),
-            profile_dir=str(trainer.log_dir or trainer.default_root_dir),
-            backend=self._backend,
-            memory_backend=self._memory_backend,
-            sinks=[sink] if sink is not None else [],
-        )
+            **options, peak_dtype=dtype_of_precision(trainer.precision), backend=self._backend,
+            profile_dir=str(trainer.log_dir or trainer.default_root_dir), memory_backend=self._memory_backend,
+            sinks=[self._sink] if self._sink is not None else [],
+        )  # fmt: skip
         self._driver = PhaseDriver(timer, rejoin=True)
-        self._install(trainer, pl_module)
+        self._install(trainer, pl_module, self._driver)
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
@@ -400,8 +331,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 self._driver = None
         self._uninstall()
 
-    # ------------------------------------------------------------------ batches
-
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         d = self._driver
@@ -426,9 +355,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             self._flops += check_count("flops_per_batch", fpb(batch) if callable(fpb) else fpb)
 
     @override
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         d = self._driver
         if d is None or not self._in_batch:
             return
@@ -456,15 +383,16 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if d is None:
             return
         if not self._saw_forward and self._saw_backward and not self._no_forward_warned:
-            self._warn_no_forward()
+            self._warn_no_forward(d.timer)
         d.end(
             samples=self._samples if self.batch_size_fn is not None else None,
             tokens=self._tokens if self.tokens_fn is not None else None,
             flops=self._flops if self.flops_per_batch is not None else None,
         )
 
-    def _warn_no_forward(self) -> None:
+    def _warn_no_forward(self, timer: StepTimer) -> None:
         self._no_forward_warned = True
+        timer.note("no forward phase: training_step called none of the modules hooked for forward")
         names = [n for n, _ in self._hooked]
         hooked = [n or "the LightningModule" for n in names]
         # What training_step may call instead: the model modules one level below the hooked ones.
@@ -481,8 +409,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             stacklevel=2,
         )
 
-    # ------------------------------------------------------------------ validation
-
     @override
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._driver is not None and not trainer.sanity_checking:
@@ -494,15 +420,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if val_ms is not None and self._sink is not None:
             self._sink.log({"steptimer/val_ms": val_ms}, step=self.steps)
 
-    # ------------------------------------------------------------------ phases from hooks
-
     def _switch(self, name: str | None) -> None:
         if self._in_batch and self._driver is not None:
             self._driver.switch(name)
-
-    @override
-    def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self._switch("zero_grad")
 
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
@@ -517,39 +437,35 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # Manual: inside opt.step(), after Lightning's own dispatch: where `run` sees the update start.
         if self._in_batch:
             self._stepped = True
+            if self._manual:
+                self._switch("optimizer")
 
-    # ------------------------------------------------------------------ hooks on module and optimizers
-
-    def _install(self, trainer: Any, pl_module: Any) -> None:
+    def _install(self, trainer: Any, pl_module: Any, d: PhaseDriver) -> None:
         self._uninstall()
         self._hook_model(pl_module)
         raw = list(trainer.optimizers)
         for opt in raw:
-            self._hooks.optimizer(opt, post=self._optimizer_post, eager=False)
+            self._hooks.optimizer(opt, post=self._optimizer_post)
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
+        zero_grad = partial(d.timed, "zero_grad", gate=lambda: self._in_batch)
         for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
-            self._hooks.wrap(opt, "zero_grad", self._zero_grad_wrapper, eager=False)
+            self._hooks.wrap(opt, "zero_grad", zero_grad)
         if self._manual:
             for opt in wrapped:
-                self._hooks.wrap(opt, "step", self._manual_step_wrapper, eager=False)
+                self._hooks.wrap(opt, "step", self._manual_step_wrapper)
         else:
-            self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper, eager=False)
-        # Lightning calls its profiler's start and stop around each fetch from the train dataloader
-        # (its only public seam there, whatever the fetcher): they time the loader (``data``).
-        fetch = self._driver.timer._fetches() if self._driver is not None else None
+            self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper)
+        # The profiler's start and stop around each train fetch: Lightning's only public seam there.
+        fetch = d.timer._fetches()
         if fetch is not None and trainer.profiler is not None:
             self._time_fetches(trainer.profiler, fetch)
 
     def _hook_model(self, pl_module: Any) -> None:
-        """Hook the forward of the model's modules and gate the hooks on ``training_step``.
-
-        Registered once per fit. Each hooked call costs about 2 µs of host time, so only the
-        outermost modules are hooked: the LightningModule (``self(x)``) and its outermost submodules
-        with parameters (``_model_modules``), never every leaf of a deep model.
-        """
+        # Each hooked call costs about 2 µs of host time: only the outermost modules, never every leaf.
         if self.forward_module is None:
             targets = [("", pl_module), *_model_modules(pl_module)]
         else:
@@ -566,12 +482,11 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                     ) from None
         self._hooked = targets
         for _, module in targets:
-            self._hooks.forward(module, self._forward_pre, self._forward_post, eager=False)
-        self._hooks.wrap(pl_module, "training_step", self._training_step_wrapper, eager=False)
+            self._hooks.forward(module, self._forward_pre, self._forward_post)
+        self._hooks.wrap(pl_module, "training_step", self._training_step_wrapper)
 
     def _time_fetches(self, profiler: Any, fetch: Fetch) -> None:
-        """Wrap the profiler's ``start`` and ``stop`` so that they also time each train fetch in
-        ``fetch``; the profiler's own work stays outside it."""
+        """The profiler's ``start``/``stop`` also time each train fetch (its own work outside it)."""
         began: list[float | None] = [None]
 
         def start(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -592,8 +507,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
             return call
 
-        self._hooks.wrap(profiler, "start", start, eager=False)
-        self._hooks.wrap(profiler, "stop", stop, eager=False)
+        self._hooks.wrap(profiler, "start", start)
+        self._hooks.wrap(profiler, "stop", stop)
 
     def _uninstall(self) -> None:
         self._hooks.remove()
@@ -623,33 +538,16 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         d = self._driver
         if d is not None and self._in_training_step and not self._in_backward and d.forward_exit():
-            # Maybe the last model call: `loss` until another one joins it back. always_call: torch
-            # runs this hook from its except block when forward raised; the error then ends
-            # `forward` (the summary's out-of-memory note names the phase).
+            # `loss` until another model call joins it back. always_call: run from torch's except
+            # block when forward raised, the error then ends `forward` (an out-of-memory note names it).
             d.switch("loss", error=sys.exc_info()[1])
-
-    def _zero_grad_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            if not self._in_batch:
-                return orig(*args, **kwargs)
-            self._zg_depth += 1
-            if self._zg_depth == 1:
-                self._switch("zero_grad")
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self._zg_depth -= 1
-                if self._zg_depth == 0 and self._driver is not None and self._driver.phase == "zero_grad":
-                    self._switch(None)
-
-        return zero_grad
 
     def _clipping_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         # Lightning clips right after on_before_optimizer_step; the update starts when this returns.
         def configure_gradient_clipping(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
             if self._in_batch:
-                self._stepped = self._update_open = True
+                self._update_open = True
                 self._switch("optimizer")
             return out
 
@@ -657,10 +555,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     def _manual_step_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def step(*args: Any, **kwargs: Any) -> Any:
-            if not self._in_batch:
-                return orig(*args, **kwargs)
-            self._stepped = self._update_open = True
-            self._switch("optimizer")
+            self._update_open = self._in_batch
             try:
                 return orig(*args, **kwargs)
             finally:
@@ -678,25 +573,17 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if not self._manual and self._driver is not None and self._driver.phase == "optimizer":
             self._switch(None)
 
-    # ------------------------------------------------------------------ closing
-
     def _close(self, trainer: Any, *, failed: bool) -> None:
         d = self._driver
         if d is None:
             return
         self._driver = None
-        summary = d.timer.close(failed=failed)
-        self._steps_done = d.timer.steps
-        notes = list(summary.notes)
         if self._skipped:
-            notes.append(f"{self._skipped} optimizer step(s) skipped by the GradScaler (inf/NaN gradients)")
-        val = d.val_note()
-        if val is not None:
-            notes.append(val)
-        if self._no_forward_warned:
-            notes.append("no forward phase: training_step called none of the modules hooked for forward")
-        self.summary = dataclasses.replace(summary, notes=tuple(notes))
-        if self._timer_options["print_summary"] and trainer.is_global_zero:
+            d.timer.note(f"{self._skipped} optimizer step(s) skipped by the GradScaler (inf/NaN gradients)")
+        d.note_val()
+        self.summary = d.timer.close(failed=failed)
+        self._steps_done = d.timer.steps
+        if self._options.print_summary and trainer.is_global_zero:
             from steptimer._table import print_summary
 
             print_summary(self.summary)

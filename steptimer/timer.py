@@ -1,8 +1,5 @@
-"""``StepTimer``: the plain-loop front door. Options, the ``with`` blocks, windows and the summary.
-
-The measuring itself is the engine's (``_engine.Engine``); this module validates options, turns the
-engine's rows into a window every ``log_every_n_steps`` steps, hands windows to the sinks
-(TensorBoard, a Lightning logger), and builds, prints and returns the summary at :meth:`close`.
+"""``StepTimer``: the plain-loop front door. The measuring is the engine's (``_engine.py``); the timer
+turns its rows into windows for the sinks (TensorBoard, a Lightning logger) and the summary at close.
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
 from steptimer._energy import EnergyWindows
 from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
-from steptimer._memory import MemorySummary, _MemoryBackend
-from steptimer._options import Options, check_bool, check_count, check_memory, check_options, check_phase_name
+from steptimer._memory import MemoryStats, MemorySummary, _MemoryBackend, oom_note
+from steptimer._options import Options, check_bool, check_count, check_phase_name
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
 from steptimer._summary import Summary, SummaryAccumulator
@@ -30,13 +27,12 @@ from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
 from steptimer._window import StepRows, Window, window_of
 
-__all__ = ["StepTimer", "check_bool", "check_count", "check_memory", "check_options", "check_phase_name"]
+__all__ = ["StepTimer", "check_bool", "check_count", "check_phase_name"]
 
 _T = TypeVar("_T", bound="StepTimer")
 _B = TypeVar("_B")
-# The default window (log_every_n_steps=None) lasts at least this long, in multiples of 50 steps and
-# at most MAX_WINDOW_UNITS of them: its cost (~0.3 ms of statistics and writes) stays under 0.05 %
-# of the run on any step length, and TensorBoard gets a point a second, not 25, on 2 ms steps.
+# The default window lasts at least this long, in at most MAX_WINDOW_UNITS multiples of 50 steps: its
+# cost (~0.3 ms of statistics and writes) stays under 0.05 % of the run on any step length.
 MIN_WINDOW_S = 1.0
 MAX_WINDOW_UNITS = 20
 
@@ -58,15 +54,14 @@ class _Null:
         return None
 
     def __exit__(self, et: object, ev: object, tb: object) -> Literal[False]:
-        return False  # named arguments, not *exc: no tuple packed at each of an untimed step's exits
+        return False  # named arguments: no tuple packed at each exit
 
 
 _NULL = _Null()
 
 
 class _RangedStep:
-    """A step that is also an NVTX / profiler range (``nvtx=True``, ``profile_steps``), see _profile.py.
-    (A plain step's context manager is the engine itself: ``StepTimer.step``.)"""
+    """A step that is also an NVTX / profiler range (``nvtx``, ``profile_steps``), see _profile.py."""
 
     __slots__ = ("_e", "_counts", "_r")
 
@@ -83,7 +78,7 @@ class _RangedStep:
             r.abort_step()
             raise
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> Literal[False]:
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: object) -> Literal[False]:
         e = self._e
         try:
             e.samples, e.tokens, e.flops = self._counts
@@ -94,9 +89,8 @@ class _RangedStep:
 
 
 class _RangedPhase(_Phase):
-    """A phase that is also an NVTX / profiler range. Same layout as ``_Phase``: the timer switches
-    its phase objects' class when the profiler window opens and closes, so phases outside it pay
-    nothing. The range encloses steptimer's own boundary work, so its cost is not the phase's."""
+    """A phase that is also an NVTX / profiler range; the timer switches its phases' class to it and
+    back (``_set_ranged``), so phases outside the profiler window pay nothing."""
 
     __slots__ = ()
 
@@ -125,13 +119,12 @@ class _Seams:
     sinks: Sequence[Sink] = ()  # more places for windows (the Lightning callback's logger sink)
     peak_dtype: str = "bf16"  # which peak of steptimer's table MFU uses (Lightning: the precision)
     profile_dir: str | None = None  # where the profiler trace goes without log_dir (Lightning's log_dir)
-    # The GPU's energy counter for a device: the counter, or None and why (tests: their own; None:
-    # NVML's, read only with the real CUDA calls)
+    # The GPU's energy counter for a device: the counter, or None and why (None: NVML's)
     energy_counter: Callable[[int], tuple[Any, str | None]] | None = None
 
 
 def _distributed() -> bool:
-    """More than one process in this run: torch.distributed's world, else the launcher's."""
+    """More than one process: torch.distributed's world, else the launcher's ``WORLD_SIZE``."""
     try:
         import torch.distributed as dist
 
@@ -163,76 +156,30 @@ def rank() -> int:
 class StepTimer:
     """Times each training step's phases on the GPU (CUDA events) and the host (``perf_counter``).
 
-    Args:
-        log_dir: Directory for TensorBoard event files (created if missing; must be writable); each
-            phase's values go to a run of its own in ``<log_dir>/steptimer/<phase>`` (a colour per
-            phase in TensorBoard's charts).
-        writer: An existing ``SummaryWriter`` to write to instead (the phases' runs go beside its
-            directory); steptimer never closes it.
-        log_every_n_steps: Write window statistics every this many steps. None (the default): every
-            50 steps (with ``sample_every`` > 1, ``10 * sample_every``: about ten timed steps), and
-            on small steps every multiple of that which lasts at least a second (at most 20 times
-            it): a window's statistics and TensorBoard write cost ~0.3 ms (docs/benchmarks.md),
-            which 50 steps of 2 ms would feel and a second does not. Under ``torch.distributed``
-            (``WORLD_SIZE`` > 1) the default stays 50 steps: every rank must close the same windows.
-        warmup_steps: Steps left out of the summary (still logged). The default, 5, keeps out
-            ``torch.compile``'s first compilations and recompilations, cuDNN/cuBLAS autotuning and
-            CUDA-graph warm-up, which all happen in the first few steps.
-        lag: 0 waits at the end of each step for that step's GPU work (strict: the host never runs
-            ahead across steps). k >= 1 waits at the end of step N on step N-k, which has normally
-            finished already, so the host keeps running ahead of the GPU. The default, 2, was chosen
-            in docs/benchmarks.md: it leaves the GPU a step of queued work through host hiccups.
-        cuda: None decides at the first ``step()`` (CUDA timing if CUDA is available and
-            initialized by then); True requires CUDA; False times the host only.
+    Args (each in full in docs/options.md):
+        log_dir: Directory for TensorBoard event files, a run per phase in ``<log_dir>/steptimer/``.
+        writer: An existing ``SummaryWriter`` to write to instead (steptimer never closes it).
+        log_every_n_steps: Write window statistics every this many steps. None: 50 (``10 *
+            sample_every`` if larger), lengthened on small steps to last a second (not distributed).
+        warmup_steps: Steps left out of the summary (still logged): compilation and autotuning.
+        lag: 0 waits at the end of each step for its GPU work; k >= 1 waits at step N on step N-k.
+        cuda: None decides at the first ``step()``; True requires CUDA; False times the host only.
         start_step: Number of steps already done (resumed runs); the first step is ``start_step + 1``.
         enabled: False makes every call a near-free no-op with the same API.
-        sample_every: Time the phases of one step in every ``sample_every`` (chosen at random in
-            each block of that many steps, so it cannot alias with periodic work); every step still
-            counts for throughput, step time and data wait.
+        sample_every: Time the phases of one step, chosen at random, in every ``sample_every``;
+            every step still counts for throughput, step time and data wait.
         print_summary: Print the summary table at :meth:`close` (rank 0 only).
-        cross_rank: Under torch.distributed with more than one rank, combine the ranks' windows at
-            each log interval (min / mean / max per phase, the rank holding the max, the straggler)
-            on a gloo side group, and add a per-rank section to the summary. False turns it off.
-        cross_rank_timeout_s: Longest wait for the other ranks in one cross-rank collective; after
-            a timeout cross-rank statistics stay off for the rest of the run, with a warning.
-        trace_steps: Capture these steps for ``steptimer trace`` (host and GPU times of the step and
-            its phases): an int N is the N steps right after warm-up, a pair is ``(first, last)``
-            step numbers. Written to ``steptimer-trace.json`` in the log directory at close; costs
-            one extra event wait, once, when the capture ends.
-        peak_tflops: The peak (TFLOP/s) that ``steptimer/mfu`` divides achieved TFLOP/s by
-            (``step(flops=...)``). None looks the GPU up in steptimer's table of dense bf16
-            tensor-core peaks (fp16 on GPUs without bf16), the usual MFU convention; a number is
-            used as given (e.g. for fp32, fp8, or a CPU run). No peak: no MFU, and a note says why.
-        nvtx: Make each step an NVTX range named ``step`` and each phase one named like its tag
-            (``forward/attn``), for Nsight Systems. With a torch that has no NVTX (CPU builds) it
-            is a no-op, with a note in the summary.
-        profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps (inclusive), with
-            each phase as a ``record_function`` range named ``steptimer/<phase>``, and write the
-            Chrome trace to ``steptimer-profile.json`` in the log directory, for ``steptimer
-            kernels``. The profiled steps stay in the statistics, flagged in the summary's notes.
-        profile_on_slow: A factor > 1 of the rolling median step time (e.g. 1.5), or None (off).
-            When 3 consecutive steps after warm-up each take longer than that factor times the
-            median of the 100 steps before them, ``torch.profiler`` captures the next 3 steps as
-            ``profile_steps`` does, to ``steptimer-profile-slow-<first step>.json`` in the log
-            directory (``steptimer kernels``), and the summary's notes name the slow steps and the
-            phase that grew. Checked once per window (it can lag by a window); at most 3 captures
-            per run, 100 steps apart. Needs a log directory and ``sample_every=1``
-            (docs/slow-steps.md).
-        memory: With CUDA timing, read the caching allocator's peak allocated per phase and per
-            step, the allocated at each phase's exit and the reserved (TensorBoard
-            ``steptimer/mem/...``, the summary's memory table) on some timed steps, the first one
-            included. None (the default): as often as costs at most ~0.1 % of the run's time (a
-            reading costs ~10 µs of host time on an H100, as torch builds its whole statistics
-            dict, and a step takes a few per phase): every step of 100 ms, one in ~20 steps of
-            5 ms; under ``torch.distributed`` one timed step in 10, the same steps on every rank.
-            An int N: one timed step in N; True is 1, False or 0 never. It resets the allocator's
-            peak counter at each phase boundary of a read step, so ``torch.cuda.max_memory_allocated()``
-            returns the peak since steptimer's last reading; the run's peak is in the summary
-            (``summary.memory.max_allocated_bytes``). False leaves the allocator untouched.
-        slowest_steps: Keep the run's k slowest timed steps after warm-up, with every phase and
-            what made each slow, measured (``summary.slowest``, the summary's table, TensorBoard,
-            ``steptimer report``; docs/slow-steps.md). With a log directory, also a Perfetto trace
-            of the steps around the slowest three (``steptimer-slow/`` there). 0 turns it off.
+        cross_rank: Under torch.distributed, combine the ranks' windows (spread, straggler).
+        cross_rank_timeout_s: Longest wait for the other ranks; after a timeout cross-rank stays off.
+        trace_steps: Capture these steps for ``steptimer trace``: N after warm-up, or ``(first, last)``.
+        peak_tflops: The peak (TFLOP/s) for ``mfu``; None looks the GPU up in steptimer's table.
+        nvtx: Make each step and phase an NVTX range for Nsight Systems.
+        profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps (``steptimer kernels``).
+        profile_on_slow: A factor > 1 (e.g. 1.5): profile the next 3 steps after 3 steps slower than
+            that times the rolling median (docs/slow-steps.md); None: off.
+        memory: With CUDA timing, read the allocator's peaks on one timed step in N (True: 1, False
+            or 0: never); None: as often as costs ~0.1 % of the run. It resets the peak counter.
+        slowest_steps: Keep the run's k slowest timed steps with what made each slow; 0: off.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -276,49 +223,45 @@ class StepTimer:
         window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not _distributed() else 0.0
         if log_every_n_steps is None:
             log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
-        self.log_every_n_steps: int = log_every_n_steps  # a window's steps (a multiple of it, see above)
+        self.log_every_n_steps: int = log_every_n_steps
         window_max = log_every_n_steps * (MAX_WINDOW_UNITS if window_min_s else 1)
-        self.warmup_steps = warmup_steps
         self.lag = lag
         self.sample_every = sample_every
         self.enabled = enabled
-        self._print_summary = print_summary
-        self._peak_opt = None if peak_tflops is None else float(peak_tflops)
-        self._peak_dtype = seams.peak_dtype
         self._peak: tuple[float | None, str | None] | None = None  # (peak, note), found at the first window
         self._rank = rank()
         self._summary: Summary | None = None
         self._sinks: list[Sink] = list(seams.sinks)
         self._phases: dict[str, _Phase] = {}
-        self.slowest_steps = slowest_steps
+        self._phase_cls: type[_Phase] = _Phase
         self._acc = SummaryAccumulator(slowest_steps)
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
         profiled = profile_steps is not None or profile_on_slow is not None
+        runs = dict(start_step=start_step, sample_every=sample_every, enabled=enabled, rank=self._rank)
         self._capture = c = make_capture(
-            trace_steps, log_dir=log_dir, writer=writer, start_step=start_step, warmup_steps=warmup_steps,
-            sample_every=sample_every, enabled=enabled, rank=self._rank, flight=slowest_steps > 0,
-            window_steps=window_max, profile=profiled,
+            trace_steps, log_dir=log_dir, writer=writer, warmup_steps=warmup_steps, flight=slowest_steps > 0,
+            window_steps=window_max, profile=profiled, **runs,
         )  # fmt: skip
-        self._phase_cls: type[_Phase] = _Phase
         folder = os.fspath(log_dir) if log_dir is not None else writer and str(writer.get_logdir())
-        folder = folder if seams.profile_dir is None else seams.profile_dir  # Lightning's: known at fit
         self._ranges, nvtx_note = make_ranges(
-            nvtx=nvtx, profile_steps=profile_steps, folder=folder, start_step=start_step,
-            sample_every=sample_every, enabled=enabled, rank=self._rank, set_ranged=self._set_ranged,
-            profile_on_slow=profile_on_slow, recent=c,
+            nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow, recent=c,
+            folder=folder if seams.profile_dir is None else seams.profile_dir, set_ranged=self._set_ranged, **runs,
         )  # fmt: skip
         # StepWalls per window (_slow.py): profile_on_slow's check, the rows of the rank last to a collective
         self._walls = getattr(self._ranges, "slow", None) is not None or self._xrank is not None
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
         # Every resolved step to the capture: through add() when windows keep steps whole (and the
-        # profiler marks them: the long way), else appended to its ring by the engine itself.
+        # profiler marks them), else appended to its ring by the engine itself.
         each = c is not None and (c.trace is not None or profiled)
+        # memory=None is time-budgeted, but one timed step in 10 under torch.distributed: every rank
+        # must read the same steps (the ranks' memory is combined per window).
+        memory_every = int(memory) if memory is not None else 10 if _distributed() else MEMORY_AUTO
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
             window_min_s=window_min_s, window_max=window_max,
             on_pending=c.add if c is not None and each else None, recent=c.ring if c is not None and not each else None,
-            memory=memory_every(memory), memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
+            memory=memory_every, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
@@ -326,7 +269,7 @@ class StepTimer:
             self._start(log_dir, writer)
 
     def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
-        """An enabled timer's checks and set-up that touch the machine: CUDA, files, signals, ranks."""
+        """An enabled timer's set-up that touches the machine: CUDA, files, signals, ranks."""
         self._energy = EnergyWindows()
         seams, cuda = self._seams, self.options.cuda
         if cuda is True and seams.backend is None:
@@ -334,7 +277,7 @@ class StepTimer:
             if not ok:
                 raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
         if cuda is not False and seams.backend is None:
-            prepare_native()  # compile the native CUDA calls now (once per machine), not in a step
+            prepare_native()  # compile the native CUDA calls now, not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
             if self._capture is not None:  # its files carry the run id of the sink's files
@@ -348,32 +291,19 @@ class StepTimer:
     _seams: _Seams = _Seams()  # the real CUDA calls and allocator, no extra sinks; see _make()
 
     @classmethod
-    def _make(
-        cls: type[_T],
-        *,
-        backend: _CudaBackend | None = None,
-        memory_backend: _MemoryBackend | None = None,
-        sinks: Sequence[Sink] = (),
-        peak_dtype: str = "bf16",
-        profile_dir: str | None = None,
-        energy_counter: Callable[[int], tuple[Any, str | None]] | None = None,
-        **options: Any,
-    ) -> _T:
-        """A timer with seams (a fake GPU, more sinks, ...) for tests and front doors; ``options`` are
-        the constructor's. The one code path is ``__init__``, which reads the seams from the instance."""
+    def _make(cls: type[_T], **kwargs: Any) -> _T:
+        """A timer with seams (``_Seams``' fields) for tests and front doors, and the options."""
+        names = {f.name for f in dataclasses.fields(_Seams)}
         timer = cls.__new__(cls)
-        timer._seams = _Seams(backend, memory_backend, tuple(sinks), peak_dtype, profile_dir, energy_counter)
-        timer.__init__(**options)  # type: ignore[misc]
+        timer._seams = _Seams(**{k: kwargs.pop(k) for k in names & kwargs.keys()})
+        timer.__init__(**kwargs)  # type: ignore[misc]
         return timer
-
-    # ------------------------------------------------------------------ public API
 
     def step(
         self, *, samples: float | None = None, tokens: float | None = None, flops: float | None = None
     ) -> AbstractContextManager[None]:
-        """Context manager around one optimizer step; ``samples``/``tokens`` give throughput,
-        ``flops`` (floating-point operations of the step: forward, backward, optimizer as you
-        count them) gives ``tflops_per_s`` and ``mfu``.
+        """Context manager around one optimizer step; ``samples``/``tokens`` give throughput, ``flops``
+        (the step's floating-point operations, as you count them) ``tflops_per_s`` and ``mfu``.
 
         Raises:
             TypeError: a count that is not a number (a string, a bool, a GPU tensor).
@@ -381,8 +311,7 @@ class StepTimer:
         """
         if not self.enabled:
             return _NULL
-        # Checked here, where they are given: a plain int or float >= 0 inline, anything else by
-        # check_count (tensors, numpy scalars, bad values); nothing when None.
+        # A plain int or float >= 0 inline (the usual samples), anything else by check_count.
         if samples is not None and not (
             (samples.__class__ is int or samples.__class__ is float) and 0 <= samples < math.inf
         ):
@@ -394,18 +323,13 @@ class StepTimer:
         r, e = self._ranges, self._engine
         if r is not None and e.number >= r.from_number:  # NVTX, or the profiler window
             return _RangedStep(e, (samples, tokens, flops), r)
-        # The engine is the step's context manager; the counts at the step's end are those of the
-        # last step() call, which is how the Lightning callback gives a step's counts at its end.
+        # The engine is the step's context manager; the counts at its end are the last step() call's.
         e.samples, e.tokens, e.flops = samples, tokens, flops
         return e
 
     def data(self, loader: Iterable[_B]) -> Iterator[_B]:
-        """The batches of ``loader`` with the time of each fetch measured: the ``data`` row is then
-        the loader's time, and the rest of the time between steps is ``loop`` (without it, all of
-        that time is ``loop``). Use it where the loop fetches: ``for x, y in timer.data(loader):``.
-
-        Args:
-            loader: The training data: a ``DataLoader`` or any iterable of batches.
+        """The batches of ``loader`` (any iterable of batches) with each fetch timed: the ``data`` row,
+        the rest of the time between steps being ``loop``. Use: ``for x, y in timer.data(loader):``.
 
         Raises:
             TypeError: ``loader`` is not iterable.
@@ -419,8 +343,7 @@ class StepTimer:
         return Fetch(self._engine, it) if self.enabled else it
 
     def _fetches(self) -> Fetch | None:
-        """:meth:`data` for a front door that sees each fetch only as two events (Lightning's
-        profiler calls): ``start()`` when one begins, ``stop(t0)`` when it ends. None when disabled."""
+        """:meth:`data` for a front door that sees a fetch as two events (``start()``, ``stop(t0)``)."""
         return Fetch(self._engine) if self.enabled else None
 
     def phase(self, name: str) -> AbstractContextManager[None]:
@@ -432,14 +355,11 @@ class StepTimer:
             check_phase_name(name)
             cm = self._phases[name] = self._phase_cls(self._engine, name, self._ranges)
         if self._engine.state == UNTIMED and self._phase_cls is _Phase:
-            # A step outside the sample times no phase: the engine would only return (NVTX and
-            # profiler ranges, _RangedPhase, still run in every step).
-            return _NULL
+            return _NULL  # a step outside the sample times no phase (ranges still run in every step)
         return cm
 
     def _rejoin(self, name: str, into: str) -> bool:
-        """``Engine.rejoin_phase`` for the Lightning callback; NVTX/profiler ranges, pushed as things
-        happened, can't be joined: they close ``name`` and open ``into`` again."""
+        """``Engine.rejoin_phase``; NVTX/profiler ranges can't be joined: close ``name``, open ``into``."""
         if not self.enabled or not self._engine.rejoin_phase(name, into):
             return False
         if self._phase_cls is _RangedPhase:
@@ -450,10 +370,8 @@ class StepTimer:
 
     @contextmanager
     def pause(self) -> Iterator[None]:
-        """Context manager for work between steps (evaluation, checkpointing) that is not data wait.
-
-        Its host time is left out of ``data``; its GPU time is left out of GPU ``idle``.
-        """
+        """Context manager for work between steps (evaluation, checkpointing) that is not data wait:
+        its host time is left out of ``data``, its GPU time out of GPU ``idle``."""
         if not self.enabled or self._engine.closed:
             yield
             return
@@ -500,8 +418,8 @@ class StepTimer:
         """Resolve pending steps, write the last window, print and return the summary (idempotent).
 
         Args:
-            failed: Closing because of an exception: no cross-rank collective is started (other
-                ranks may be gone). ``with StepTimer(...)`` passes it for you.
+            failed: Closing because of an exception: no cross-rank collective (other ranks may be
+                gone). ``with StepTimer(...)`` passes it for you.
         """
         if self._summary is not None:
             return self._summary
@@ -512,7 +430,6 @@ class StepTimer:
         if self.enabled:
             engine.close()
         if xrank is not None and not xrank.off:
-            # The closing rounds, with or without a last window (Join-style, see _dist.py).
             last = xrank.close(self._take_window(), self._acc)
             if last is not None:
                 for sink in self._sinks:
@@ -524,12 +441,8 @@ class StepTimer:
             self._ranges.finish(engine)
         engine.release_held()
         engine.closed = True
-        summary = self._build_summary(traces)
-        run_s = engine.run_s
-        own = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s > 0 else None}
-        notes = summary.notes + ((energy_note,) if energy_note else ())
-        self._summary = summary = dataclasses.replace(summary, **own, energy=energy, notes=notes)  # type: ignore[arg-type]
-        if self._print_summary and self._rank == 0 and self.enabled:
+        self._summary = summary = self._build_summary(traces, energy, energy_note)
+        if self.options.print_summary and self._rank == 0 and self.enabled:
             from steptimer._table import print_summary
 
             print_summary(summary)
@@ -541,9 +454,7 @@ class StepTimer:
         return self
 
     def _close_at_end(self) -> None:
-        """Closed by steptimer at exit or on SIGTERM (_exit.py). A run may go on after a SIGTERM (a
-        handler of the user's or Lightning's decides): the timer then answers every call as a no-op,
-        never with an error."""
+        """Closed by steptimer at exit or on SIGTERM (_exit.py); a run that goes on after it gets no-ops."""
         self._engine.quiet = True
         self.close(failed=True)  # no cross-rank round: other ranks may be gone
 
@@ -552,44 +463,37 @@ class StepTimer:
         return False
 
     def _set_ranged(self, on: bool) -> None:
-        """Phases call the ranges (``on``) or not: switch the class of every phase object, cached
-        ones included, so a phase outside the profiler window pays nothing (see _profile.py)."""
+        """Switch every phase object's class: a phase outside the profiler window pays nothing."""
         cls = _RangedPhase if on else _Phase
         self._phase_cls = cls
         for cm in self._phases.values():
             cm.__class__ = cls
 
-    # ------------------------------------------------------------------ windows and summary
-
     def _on_window(self, number: int) -> None:
-        """The engine's window ended at step ``number``: its rows are the engine's ``rows``."""
         self._emit()
 
     def _take_window(self) -> Window | None:
-        """The window of the steps resolved since the last one; it also goes into the summary.
-
-        The engine's rows are replaced only once the window is in the summary: an exception before
-        (Ctrl-C) leaves them for the next window, and none after can lose a step of it."""
+        """The window of the steps resolved since the last one, added to the summary; the engine's rows
+        are replaced only after that, so an exception (Ctrl-C) can't lose a step."""
         engine = self._engine
         rows = engine.rows
         if not rows.count:
             return None
         window = window_of(
-            rows, engine.last_resolved, self._peak_tflops()[0], slowest=self.slowest_steps,
+            rows, engine.last_resolved, self._peak_tflops()[0], slowest=self.options.slowest_steps,
             slow_floor_ms=self._acc.slow.floor_ms, walls=self._walls,
         )  # fmt: skip
         kept = self._acc.add_window(window)
         engine.rows = StepRows()
         if self._ranges is not None and self._ranges.slow is not None:
             self._ranges.slow.window(window, engine)
-        if self.slowest_steps:
+        if self.options.slowest_steps:
             self._slow_window(window, kept)
         return window
 
     def _slow_window(self, window: Window, kept: list[Any]) -> None:
-        """Per window, for the slowest steps (``_slow.py``): look for torch.compile, read the CUDA
-        allocator's retries (memory readings on, or slow steps in the window), ask the flight
-        recorder for the steps that entered the run's slowest."""
+        """For the slowest steps (``_slow.py``): look for torch.compile, read the allocator's retries,
+        ask the flight recorder for the steps that entered the run's slowest."""
         engine = self._engine
         engine.find_dynamo()
         slow = window.packed.slow if window.packed is not None else []
@@ -625,60 +529,45 @@ class StepTimer:
             self._energy.mark(window, engine.device, counter)
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:
-        """The peak for MFU and a note on it: the option, else the GPU's in steptimer's table
-        (looked up once, at the first window, when the device is known)."""
+        """The peak for MFU and a note on it: the option, else the GPU's (looked up at the first window)."""
         if self._peak is None:
             engine = self._engine
-            if self._peak_opt is not None:
-                self._peak = (self._peak_opt, None)
+            if self.options.peak_tflops is not None:
+                self._peak = (float(self.options.peak_tflops), None)
             elif engine.cuda:
                 from steptimer._peaks import cuda_peak
 
-                self._peak = cuda_peak(engine.device, self._peak_dtype)
+                self._peak = cuda_peak(engine.device, self._seams.peak_dtype)
             else:
                 return None, "no MFU: no peak for host-only timing; pass peak_tflops="
         return self._peak
 
-    def _build_summary(self, traces: dict[int, str] | None = None) -> Summary:
-        engine = self._engine
-        notes = tuple(engine.notes)
+    def _build_summary(self, traces: dict[int, str] | None, energy: Any, energy_note: str | None) -> Summary:
+        engine, xrank, acc = self._engine, self._xrank, self._acc
+        notes = list(engine.notes)
         peak, peak_note = self._peak_tflops()
-        if self._acc.flops is not None and peak_note is not None:
-            notes += (peak_note,)
-        if self._acc.steps == 0 and engine.number >= engine.first_number:
-            notes += (
+        if acc.flops is not None and peak_note is not None:
+            notes.append(peak_note)
+        if acc.steps == 0 and engine.number >= engine.first_number:
+            notes.append(
                 f"all {engine.number - engine.first_number + 1} steps were warm-up "
-                f"(warmup_steps={self.warmup_steps}); nothing to summarize",
+                f"(warmup_steps={self.options.warmup_steps}); nothing to summarize"
             )
-        oom = engine.oom_note()
-        if oom is not None:
-            notes += (oom,)
-        if self._xrank is not None:
-            notes += tuple(self._xrank.notes)
-        summary = self._acc.summary(
-            warmup_steps=self.warmup_steps, cuda=bool(engine.cuda), notes=notes, peak_tflops=peak, traces=traces
-        )
-        mem = self._acc.memory
+        oom = oom_note(*engine.oom) if engine.oom is not None else None
+        notes += [n for n in (oom, *(xrank.notes if xrank else ()), energy_note) if n]
+        summary = acc.summary(
+            warmup_steps=self.options.warmup_steps, cuda=bool(engine.cuda), notes=tuple(notes), peak_tflops=peak,
+            traces=traces,
+        )  # fmt: skip
+        run_s = engine.run_s
+        more: dict[str, Any] = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s else None}
         if engine.memory is not None:
-            summary = dataclasses.replace(
-                summary,
-                memory=MemorySummary(
-                    peak_bytes=mem.peak_bytes if mem else {}, alloc_bytes=mem.alloc_bytes if mem else {},
-                    reserved_bytes=mem.reserved_bytes if mem else 0, steps=mem.steps if mem else 0,
-                    max_allocated_bytes=engine.memory.seen_bytes,
-                ),
-            )  # fmt: skip
-        if self._xrank is not None and self._xrank.summary is not None:
-            summary = dataclasses.replace(summary, ranks=self._xrank.summary)
-        if self._xrank is not None and summary.slowest:  # each with its window's slowest rank
-            summary = dataclasses.replace(summary, slowest=self._xrank.annotate(summary.slowest))
-        return summary
+            m = acc.memory or MemoryStats({}, {}, 0, 0)
+            seen = engine.memory.seen_bytes
+            more["memory"] = MemorySummary(m.peak_bytes, m.alloc_bytes, m.reserved_bytes, m.steps, seen)
+        if xrank is not None and xrank.summary is not None:
+            more["ranks"] = xrank.summary
+        if xrank is not None and summary.slowest:  # each with its window's slowest rank
+            more["slowest"] = xrank.annotate(summary.slowest)
+        return dataclasses.replace(summary, energy=energy, **more)
 
-
-def memory_every(memory: int | None) -> int:
-    """The engine's ``memory``: None is time-budgeted (``MEMORY_AUTO``) in one process, and one timed
-    step in 10 under ``torch.distributed``, where every rank must read the same steps (the ranks'
-    memory is combined per window, docs/distributed.md)."""
-    if memory is None:
-        return 10 if _distributed() else MEMORY_AUTO
-    return int(memory)

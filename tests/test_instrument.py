@@ -902,3 +902,81 @@ def test_a_step_given_none_for_its_closure_runs_as_given() -> None:
         opt.step(None)
         opt.zero_grad()
     assert timer.close().steps == 3
+
+
+def test_a_given_model_keeps_only_the_optimizers_that_hold_its_parameters() -> None:
+    """instrument(model) with no optimizer: of the optimizers that step in one iteration, only
+    those holding the model's parameters are its (a probe trained beside it is not)."""
+    model, probe = SleepyNet(sleep_ms=1.0), nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    probe_opt = torch.optim.Adam(probe.parameters(), lr=0.01)
+    timer = instrument(model, **QUIET, warmup_steps=0)
+    for _ in range(5):
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(probe(x), y).backward()
+        probe_opt.step()
+        probe_opt.zero_grad()
+    s = timer.close()
+    assert timer.models == (model,) and timer.optimizers == (opt,)
+    assert timer.steps == 3  # the first two iterations found them
+    assert s["optimizer"].calls_per_step == 1
+
+
+class ZeroGradAfterClosure(UpdateAfterClosure):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        time.sleep(SLEEP_MS["zero_grad"] / 1e3)
+        super().zero_grad(set_to_none)
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_a_lightning_trainer_found_by_instrument(manual: bool) -> None:
+    """instrument() with no arguments on a real Lightning Trainer: automatic optimization runs the
+    step's work inside ``optimizer.step(closure)``, and the update after it is ``optimizer``;
+    manual optimization with two optimizers calls ``zero_grad`` through Lightning's wrapper."""
+    L = pytest.importorskip("lightning.pytorch")
+
+    class Module(L.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = not manual
+            self.a, self.b = SleepyNet(), nn.Linear(1, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            if not manual:
+                return loss_fn(self(x), y)
+            for opt in self.optimizers():
+                opt.zero_grad()
+                self.manual_backward(loss_fn(self(x), y))
+                opt.step()
+            return None
+
+        def configure_optimizers(self) -> Any:
+            if manual:
+                return [ZeroGradAfterClosure(m.parameters(), lr=0.01) for m in (self.a, self.b)]
+            return ZeroGradAfterClosure(self.parameters(), lr=0.01)
+
+    timer = instrument(**QUIET, warmup_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    module = Module()
+    trainer.fit(module, loader(8))
+    s = timer.close()
+    n = 2 if manual else 1
+    views = module.optimizers()  # Lightning's wrappers: their classes are as before
+    assert not any("zero_grad" in vars(type(v)) for v in (views if isinstance(views, list) else [views]))
+    # Automatic: found in the second optimizer step (in its closure), timed from there.
+    untimed = 2 * n if manual else 1
+    assert timer.steps == 8 - untimed // n
+    assert f"the {untimed} optimizer step(s) before were not timed" in s.notes[0]
+    assert s["optimizer"].calls_per_step == s["zero_grad"].calls_per_step == n
+    assert_host_ms(s, "optimizer", n * SLEEP_MS["optimizer"])
+    assert_host_ms(s, "zero_grad", n * SLEEP_MS["zero_grad"])
+    assert_host_ms(s, "forward", n * SLEEP_MS["forward"])
+    assert s["other"].host.median_ms < 5.0, s["other"]

@@ -355,8 +355,8 @@ def test_sleep_matrix_counts_and_no_sync(
 def test_an_in_memory_loader_is_data_and_the_run_is_not_input_bound() -> None:
     """A CPU module fed by a real DataLoader over an in-memory dataset: ``data`` is the loader's
     fetch, within 10 % of the time the dataset measured itself in the same run (a fetch indexes
-    the rows and decodes them with a matrix product, a few ms: the DataLoader's and Lightning's own
-    machinery around it, ~0.1 ms, is a few %), Lightning's loop around it is ``loop``, and the run is
+    the rows and decodes them with a matrix product, ~10 ms: the DataLoader's and Lightning's own
+    machinery around it, ~0.1 ms, is ~1 %), Lightning's loop around it is ``loop``, and the run is
     not input-bound."""
     import pytorch_lightning as pl
     from torch.utils.data import BatchSampler, Dataset, SequentialSampler
@@ -364,8 +364,8 @@ def test_an_in_memory_loader_is_data_and_the_run_is_not_input_bound() -> None:
     class InMemory(Dataset[torch.Tensor]):
         def __init__(self) -> None:
             g = torch.Generator().manual_seed(0)
-            self.x = torch.randn(40 * 256, 512, generator=g)
-            self.w = torch.randn(512, 512, generator=g) / 512**0.5
+            self.x = torch.randn(40 * 256, 1024, generator=g)
+            self.w = torch.randn(1024, 1024, generator=g) / 1024**0.5
             self.took_ms: list[float] = []
 
         def __len__(self) -> int:
@@ -380,7 +380,7 @@ def test_an_in_memory_loader_is_data_and_the_run_is_not_input_bound() -> None:
     class Wide(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1))
+            self.net = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1))
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             return self.net(batch).pow(2).mean()

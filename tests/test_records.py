@@ -17,7 +17,7 @@ def test_records_are_tensorboards_bytes_and_read_back() -> None:
     payloads = [b"", b"x", bytes(range(256)) * 7] + [rng.randbytes(rng.randrange(1, 5000)) for _ in range(20)]
     ours, theirs = io.BytesIO(), io.BytesIO()
     for data in payloads:
-        _records.RecordWriter(ours).write(data)
+        ours.write(_records.frame(data))
         tb_record_writer.RecordWriter(theirs).write(data)
     assert ours.getvalue() == theirs.getvalue()
     assert list(_records.read_records(io.BytesIO(ours.getvalue()))) == payloads
@@ -36,9 +36,8 @@ def test_the_fast_checksum_is_scoped_to_steptimer() -> None:
 @pytest.mark.parametrize("cut", ["truncated record header", "truncated record", "corrupt record"])
 def test_bad_records_are_named_not_skipped(cut: str) -> None:
     buf = io.BytesIO()
-    w = _records.RecordWriter(buf)
-    w.write(b"first")
-    w.write(b"second record")
+    buf.write(_records.frame(b"first"))
+    buf.write(_records.frame(b"second record"))
     raw = bytearray(buf.getvalue())
     if cut == "truncated record header":
         raw = raw[: len(raw) - len(b"second record") - 4 - 6]

@@ -66,8 +66,10 @@ def calls(summary: str) -> dict[str, float]:
 
 
 def check_sleeps(med: dict[str, float], phases: dict[str, float]) -> None:
+    """Each phase holds its sleeps and not much more (a loaded 2-core host oversleeps by a few ms a
+    call: the slack grows with the sleeps, 2 ms a 20 ms call)."""
     for phase, ms in phases.items():
-        assert ms - 0.5 <= med[phase] <= ms + 10, (phase, med)
+        assert ms - 0.5 <= med[phase] <= ms + 10 + 0.1 * ms, (phase, med)
 
 
 def test_a_trainer_class_that_builds_its_own_optimizer_and_saves_the_model(tmp_path: Path) -> None:
@@ -118,6 +120,25 @@ def test_a_gan_with_two_optimizers_makes_one_step_per_iteration(tmp_path: Path) 
     assert med["zero_grad"] < 2
     assert "found the model (D, G) and optimizer (SleepySGD, SleepySGD)" in proc.stdout
     assert abs(r["samples_per_s"] / r["steps_per_s"] - 6) < 0.05  # the step's first forward only
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_a_lightning_trainer(tmp_path: Path, manual: bool) -> None:
+    """Automatic optimization runs training_step, zero_grad and backward inside
+    ``optimizer.step(closure)``: the update after the closure is ``optimizer``. Manual, with two
+    optimizers: ``opt.zero_grad()`` through Lightning's optimizer wrapper is ``zero_grad``."""
+    pytest.importorskip("lightning")
+    proc = run(tmp_path, "lightning_module.py", *(["--manual"] if manual else []))
+    r = report(tmp_path / "log")
+    n = 2 if manual else 1
+    # Automatic: found in the second optimizer step (in its closure), timed from there.
+    assert r["steps"] == 12 - (2 if manual else 1)
+    c = calls(proc.stdout)
+    assert c["optimizer"] == n and c["zero_grad"] == n
+    med = medians(r)
+    check_sleeps(med, {"data": SLEEP_MS["data"], "forward": n * SLEEP_MS["forward"],
+                       "optimizer": n * SLEEP_MS["optimizer"], "zero_grad": n * SLEEP_MS["zero_grad"]})  # fmt: skip
+    assert med["other"] < 5, med
 
 
 def test_a_compiled_model(tmp_path: Path) -> None:

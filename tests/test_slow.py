@@ -60,8 +60,8 @@ def test_gpu_stall_in_forward_is_named_with_its_phase_and_step(tmp_path: Path, c
     assert all(x.step > 2 for x in s.slowest)  # warm-up left out
     text = render(s)
     assert all(len(line) <= 80 for line in text.splitlines())
-    (row,) = [line for line in text.splitlines() if line.strip().startswith("23 ")]
-    assert "53.0" in row and "GPU forward +48.0 ms" in row
+    (row,) = [line for line in text.splitlines() if line.startswith("slow step 23:")]
+    assert "53.0 ms" in row and "GPU forward +48.0 ms" in row
     # The same steps, read back from the event files by `steptimer report --json`.
     from steptimer._reader import find_runs
     from steptimer._report import analyze

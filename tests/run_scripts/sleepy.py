@@ -41,8 +41,15 @@ class Net(nn.Module):
 
 class SleepySGD(torch.optim.SGD):
     def step(self, closure: Any = None) -> Any:
+        # As torch's optimizers do: the closure first (Lightning's training_step, zero_grad and
+        # backward), then the update.
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         nap("optimizer")
-        return super().step(closure)
+        super().step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         nap("zero_grad")
