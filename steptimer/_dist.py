@@ -28,9 +28,9 @@ log = logging.getLogger("steptimer")
 DEFAULT_TIMEOUT_S = 300.0
 STRAGGLER = "straggler"  # data + step - backward: under DDP the top-level backward holds the wait
 MAX_SLOTS = 4096  # a window's last steps whose arrivals at the first collective ride in a round
-# The rank last to the collective stood out: last in this part of the steps, by this much on average.
+# The rank last to the collective stood out: last in this part of the steps, by LAST_MIN_MS or more.
 LAST_SHARE = 2 / 3
-LAST_MIN_MS = 1.0
+LAST_MIN_MS = 1.0  # a step's last rank by less than this arrived with the others (noise)
 _NEG = -math.inf  # what a rank that abstains sends: neutral in a MAX
 
 # Custom Scalars charts for the cross-rank tags, over the tags as the runs hold them (a phase's tags
@@ -277,16 +277,16 @@ class CrossRank:
         out, res = self._window_round(window, summ, closing=True, keeper=acc.slow)
         while res is not None and not res["all_closing"]:
             res = self._round(None, summ, closing=True)
-        if self.summary is not None and self._last:
+        if self.summary is not None and self._last_steps:
             self.summary = replace(self.summary, last=self._last_rank())
         return out
 
     def _last_rank(self) -> LastRank:
-        rank, late = max(self._last.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]))
-        phase = _grew_most(late.grew_ms)
-        share, ahead_ms = late.steps / self._last_steps, late.ahead_ms / late.steps
-        stood = share >= LAST_SHARE and ahead_ms >= LAST_MIN_MS
-        return LastRank(rank, share, ahead_ms, phase, late.grew_ms[phase] / late.steps if phase else 0.0, stood)
+        rank, late = max(self._last.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]), default=(-1, _Late()))
+        phase, steps = _grew_most(late.grew_ms), max(late.steps, 1)
+        share = late.steps / self._last_steps
+        grew_ms = late.grew_ms[phase] / steps if phase else 0.0
+        return LastRank(rank, share, late.ahead_ms / steps, phase, grew_ms, share >= LAST_SHARE)
 
     def _window_round(
         self, window: Window | None, summ: Mapping[str, float] | None, *, closing: bool,
@@ -302,17 +302,18 @@ class CrossRank:
         if last is not None:
             rank, steps, total, ahead, grew, per_step = last
             phase = _grew_most(grew)
-            extra.update({
-                f"{RANKS}/last_rank": float(rank), f"{RANKS}/last_rank_share": steps / total,
-                f"{RANKS}/last_rank_ms": ahead / steps,
-            })  # fmt: skip
-            if not window.warmup:
+            self._last_steps += 0 if window.warmup else total
+            if steps:  # a rank was last by LAST_MIN_MS or more in some step
+                extra.update({
+                    f"{RANKS}/last_rank": float(rank), f"{RANKS}/last_rank_share": steps / total,
+                    f"{RANKS}/last_rank_ms": ahead / steps,
+                })  # fmt: skip
+            if steps and not window.warmup:
                 late = self._last.setdefault(rank, _Late())
                 late.steps += steps
                 late.ahead_ms += ahead
                 for name, v in grew.items():
                     late.grew_ms[name] = late.grew_ms.get(name, 0.0) + v
-                self._last_steps += total
             kept = {c.step for c in keeper.heap} if keeper is not None else set()
             self._per_step = {n: v for n, v in self._per_step.items() if n in kept}
             self._per_step.update({
@@ -326,7 +327,7 @@ class CrossRank:
         out = []
         for s in slowest:
             rank, ms, phase = self._per_step.get(s.step, (0, 0.0, None))
-            if ms >= LAST_MIN_MS:
+            if ms:
                 who = "this rank" if rank == self.rank else f"rank {rank}"
                 text = f"{who} was last to the all-reduce, +{num(ms)} ms" + (f", in {phase}" if phase else "")
                 s = replace(s, causes=(*s.causes, text))
@@ -390,7 +391,8 @@ class CrossRank:
             mx = self._allreduce(wmx + smx + mine, self._dist.ReduceOp.MAX)
             if mx is None:
                 return None
-            per_step = _lasts(mx[4 * (nw + ns) :], end, self._bits)
+            measured = _lasts(mx[4 * (nw + ns) :], end, self._bits)
+            per_step = {n: v for n, v in measured.items() if v[1] >= LAST_MIN_MS}
             # The window's last rank (the most time ahead of the first, summed) sums its rows over the
             # steps it was last in, the others theirs, in the SUM.
             ahead: dict[int, float] = {}
@@ -408,8 +410,9 @@ class CrossRank:
                 if w:
                     wres = spreads(wkeys, mx[: 4 * nw], sm[: nw + 1], self._bits)
             at = nw + ns + 2
-            if per_step:
-                last = (top, len(steps), len(per_step), ahead[top], _grew(sm[at:], wkeys, reporting), per_step)
+            if measured:
+                grew = _grew(sm[at:], wkeys, reporting)
+                last = (top, len(steps), len(measured), ahead.get(top, 0.0), grew, per_step)
             if ns and s:
                 sres = spreads(skeys, mx[4 * nw : 4 * (nw + ns)], sm[nw + 1 : at], self._bits)
                 self.summary = RankSummary(

@@ -78,7 +78,8 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
     if slow is None:
         # Control: no rank sleeps, so no rank stands out by anything near the sleep.
         assert all(d < SLOW_MS / 2 for d in spread), spread
-        assert all(ms < SLOW_MS / 2 for _, ms in tb["steptimer-ranks/last_rank_ms"]), tb["steptimer-ranks/last_rank_ms"]
+        late = tb.get("steptimer-ranks/last_rank_ms", [])  # a window whose ranks all arrived within 1 ms has none
+        assert all(ms < SLOW_MS / 2 for _, ms in late), late
         assert results[0]["last"] == results[1]["last"] == "no rank stood out at the all-reduce"
         return
     seen = {t: v for t, v in tb.items() if "ranks" in t}  # shown if an assertion fails
