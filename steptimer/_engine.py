@@ -44,6 +44,12 @@ OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
 _PLAIN = (None, False, False)  # a plain step's row layout (StepRows key): no phases, no GPU times
 _NO_PAUSES: tuple[tuple[Any, Any], ...] = ()  # a step's pauses when it had none (shared, never appended to)
+# The cost budget: blocks of at most MAX_BLOCK steps; the measured cost and wall per step are moving
+# averages over picks (weight EMA_ALPHA: compilation and warm-up fade); an untimed step slower than
+# SLOW_FACTOR times the wall per step makes the next step timed.
+MAX_BLOCK = 1000
+EMA_ALPHA = 0.2
+SLOW_FACTOR = 2.0
 
 
 class PhaseRecord(NamedTuple):
@@ -114,14 +120,15 @@ class Engine:
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
         memory_backend: the allocator calls (tests pass a fake allocator); None: torch's.
         slowest: mark what may make a step slow (``_slow.py``): GC pauses, compiled graphs, pauses.
+        sample_every: time one step in each block of this many; None: blocks sized by ``cost_budget``.
     """
 
     def __init__(
-        self, *, lag: int, sample_every: int, warmup_steps: int, start_step: int, cuda: bool | None,
+        self, *, lag: int, sample_every: int | None, warmup_steps: int, start_step: int, cuda: bool | None,
         backend: _CudaBackend | None, window_every: int, on_window: Callable[[int], None],
         window_min_s: float = 0.0, window_max: int = 0, on_pending: Callable[[Engine, StepRecord], None] | None = None,
         memory: int = 0, memory_backend: _MemoryBackend | None = None, slowest: bool = False,
-        recent: deque[Any] | None = None,
+        recent: deque[Any] | None = None, cost_budget: float = 0.005,
     ) -> None:  # fmt: skip
         self.lag = lag
         self.sample_every = sample_every
@@ -138,6 +145,17 @@ class Engine:
         self._on_pending = on_pending
         self._recent = recent
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
+        self.budget = cost_budget
+        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends,
+        # and window work. The `with` and no-op phases that every step pays are not a timed step's
+        # extra, so they are left out on purpose.
+        self.cost_s = 0.0
+        self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
+        self._pick_at = (start_step, _NAN)  # the last pick's step and its start time
+        self._block_end = self.first_number  # the first step after the current block
+        self._planned = 0  # the block's pick, kept while a step after a slow one is timed first
+        self._forced = 0  # the block end of the last forced step: at most one extra per block
+        self._slow_s = math.inf  # an untimed step's wall above this is slow (budget only)
         self._pick_next(start_step)
         self.state = OUT
         self._t0 = 0.0
@@ -233,7 +251,8 @@ class Engine:
             else:
                 mem.begin_step(self.device)
         self._mem = mem
-        self._last_t = perf_counter()
+        self._last_t = t = perf_counter()
+        self.cost_s += t - t0
         self.state = GPU
 
     def _may_begin(self) -> bool:
@@ -309,12 +328,18 @@ class Engine:
                     self._add_row(number, (tuple([r[0] for r in recs]), False, False), row)
                     if self._recent is not None:
                         self._recent.append((self._t0, row, recs))
+                    self.state = OUT
+                    self._gap_start = t_end = perf_counter()
+                    row[STEP_S] = t_end - self._t0
+                    self.cost_s += t_end - t1
                     self._pick_next(number)
                 else:
                     self._add_row(number, _PLAIN, row)
-                self.state = OUT
-                self._gap_start = t_end = perf_counter()
-                row[STEP_S] = t_end - self._t0
+                    self.state = OUT
+                    self._gap_start = t_end = perf_counter()
+                    row[STEP_S] = step_s = t_end - self._t0
+                    if step_s + gap > self._slow_s:  # the untimed path's one addition (NaN: the first step)
+                        self._slow_untimed(number)
         except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
             self._recover()
             raise
@@ -375,9 +400,12 @@ class Engine:
             rec.wait_s = perf_counter() - tw
             self._resolve_upto(min(due, number - 1))
         self._gap_start = t_end = perf_counter()
-        rec.step_s = t_end - t0
+        rec.step_s = step_s = t_end - t0
+        self.cost_s += t_end - t1 - rec.wait_s  # an untimed step here is queued for a timed one
         if number == self._next_timed:
             self._pick_next(number)
+        elif step_s + gap > self._slow_s:
+            self._slow_untimed(number, rec)
         if not self.cuda and self._on_pending is None:
             # Resolved now as on the short way, so a window ends at the same step on every rank
             # whichever way each step took: a rank a step late to the cross-rank round would deadlock.
@@ -423,16 +451,50 @@ class Engine:
                 self._pause_evs.append((ev0, ev1))
             self._gap_start = t1 = perf_counter()
             self.own_s += t1 - t0
+            self.cost_s += t1 - t0
 
     def _pick_next(self, number: int) -> None:
         """After the timed step ``number`` (``start_step`` at first), pick the next step to time: one
-        at random in each block of ``sample_every`` steps. The engine's one sampling decision."""
-        n = self.sample_every
-        if n == 1:
-            self._next_timed = number + 1
+        at random in the next block of ``sample_every`` steps, or of as many as the cost budget
+        allows. The engine's one sampling decision."""
+        if self._planned > number:  # the step after a slow one was an extra: the block's pick stands
+            self._next_timed, self._planned = self._planned, 0
+            return
+        n = self.sample_every or self._budget_block(number)
+        start = self._block_end
+        self._block_end = start + n
+        self._next_timed = start + self._rng.randrange(n) if n > 1 else start
+
+    def _budget_block(self, number: int) -> int:
+        """n = ceil(cost / (budget x wall)) steps: steptimer's own time since the last pick (window
+        work and extra steps included) is ``budget`` of the block's wall time."""
+        last, t_last = self._pick_at
+        if number <= last:  # at the start
+            return 1
+        t0 = self._t0
+        self._pick_at = (number, t0)
+        cost, self.cost_s = self.cost_s, 0.0
+        if t_last != t_last:  # the first timed step: no wall per step yet
+            return 1
+        wall = (t0 - t_last) / (number - last)
+        ema = self._ema
+        if ema is not None:
+            cost = ema[0] + EMA_ALPHA * (cost - ema[0])
+            wall = ema[1] + EMA_ALPHA * (wall - ema[1])
+        self._ema = (cost, wall)
+        self._slow_s = SLOW_FACTOR * wall
+        return max(1, min(MAX_BLOCK, math.ceil(cost / (self.budget * wall)))) if wall > 0 else 1
+
+    def _slow_untimed(self, number: int, rec: StepRecord | None = None) -> None:
+        """An untimed step took over ``SLOW_FACTOR`` times the wall per step: mark it for the slowest
+        steps (``_slow.py``) and time the next step, an extra (at most one a block)."""
+        if rec is None:
+            self.rows.marks[number] = {"untimed": 1.0}
         else:
-            block_start = self.first_number + ((number - self.first_number) // n + 1) * n
-            self._next_timed = block_start + self._rng.randrange(n)
+            rec.marks = {**(rec.marks or {}), "untimed": 1.0}
+        if self._forced != self._block_end and self._next_timed != number + 1:
+            self._forced = self._block_end
+            self._planned, self._next_timed = self._next_timed, number + 1
 
     __enter__ = begin_step
     __exit__ = end_step
@@ -734,6 +796,7 @@ class Phase:
             if entry[1] == name:
                 raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
         i = -1
+        t = t0
         if state == GPU:
             shared = t0 - e._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             i = e._boundary(t0)
@@ -742,7 +805,8 @@ class Phase:
             t0 = perf_counter()  # the host span starts after the record (and the allocator reading)
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
         if state == GPU:
-            e._last_t = perf_counter()
+            e._last_t = t2 = perf_counter()
+            e.cost_s += t2 - t
 
     def __exit__(self, et: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         """Leave the phase; ``error`` is read only for the out-of-memory note, never swallowed."""
@@ -779,8 +843,10 @@ class Phase:
                 if failed and e.oom is None:
                     e._note_oom(full, error, peak)
         e._recs.append((full, t_in, t1, i_in, i_out, caught))
+        t2 = perf_counter()
+        e.cost_s += t2 - t1
         if gpu:
-            e._last_t = perf_counter()
+            e._last_t = t2
 
 
 class Fetch:

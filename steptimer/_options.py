@@ -35,7 +35,7 @@ class Options:
     cuda: bool | None = None
     start_step: int = 0
     enabled: bool = True
-    sample_every: int = 1
+    sample_every: int | None = None
     print_summary: bool = True
     cross_rank: bool = True
     cross_rank_timeout_s: float = DEFAULT_TIMEOUT_S
@@ -46,13 +46,20 @@ class Options:
     profile_on_slow: float | None = None
     memory: int | None = None
     slowest_steps: int = DEFAULT_K
+    cost_budget: float = 0.005
 
     def __post_init__(self) -> None:
         if self.log_every_n_steps is not None:
             _check_int("log_every_n_steps", self.log_every_n_steps, 1)
         _check_int("warmup_steps", self.warmup_steps, 0)
         _check_int("lag", self.lag, 0)
-        _check_int("sample_every", self.sample_every, 1)
+        if self.sample_every is not None:
+            _check_int("sample_every", self.sample_every, 1)
+        if not _positive(self.cost_budget) or self.cost_budget >= 1:
+            raise ValueError(
+                "cost_budget must be a number between 0 and 1, exclusive (the part of the wall time "
+                f"timing may cost, e.g. 0.005), got {self.cost_budget!r}; sample_every=1 times every step"
+            )
         _check_int("start_step", self.start_step, 0)
         _check_int("slowest_steps", self.slowest_steps, 0)
         if self.cuda not in (None, True, False):

@@ -76,8 +76,11 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         samples=total(_tags.SAMPLES_PER_S), tokens=total(_tags.TOKENS_PER_S),
         flops=None if flops is None else flops * 1e12,
     )  # fmt: skip
+    every, budget = (run.scalars.get(t, [(0, None)])[-1][1] for t in (_tags.SAMPLE_EVERY, _tags.COST_BUDGET))
     return summarize(
         totals,
+        sample_every=None if every is None else int(every),
+        cost_budget=budget,
         peak_tflops=flops / mfu_s if flops and mfu_s else None,
         warmup_steps=0 if include_warmup else sum(warm.values()),
         notes=tuple(notes),

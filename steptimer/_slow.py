@@ -49,6 +49,7 @@ class SlowStep:
     causes: tuple[str, ...] = ()
     marks: Mapping[str, float] = field(default_factory=dict, repr=False)
     trace: str | None = None  # the flight recorder's Perfetto file around the step, if kept
+    timed: bool = True  # False: a step the cost budget left untimed, slow by its host wall (_engine.py)
 
     def __lt__(self, other: SlowStep) -> bool:  # the keeper's min-heap by wall time
         return self.wall_ms < other.wall_ms
@@ -62,13 +63,15 @@ class SlowStep:
         if self.grew is None or self.grew_ms is None:
             return ""
         where = "GPU " if self.clock == "gpu" else ""
-        return f"{where}{self.grew} +{num(self.grew_ms)} ms (median {num(self.grew_median_ms or 0.0)})"
+        untimed = "" if self.timed else ", not timed (the next step was)"
+        return f"{where}{self.grew} +{num(self.grew_ms)} ms (median {num(self.grew_median_ms or 0.0)}){untimed}"
 
     def to_json(self) -> dict[str, Any]:
         grew = {"row": self.grew, "by_ms": self.grew_ms, "median_ms": self.grew_median_ms}
         optional = {
             "grew": None if self.grew is None else grew,
             "causes": list(self.causes) or None, "cause": self.cause, "trace": self.trace,
+            "timed": None if self.timed else False,
         }  # fmt: skip
         return {
             "step": self.step, "wall_ms": self.wall_ms, "clock": self.clock,
@@ -84,6 +87,7 @@ class SlowStep:
             host_ms=dict(d.get("host_ms") or {}), gpu_ms=d.get("gpu_ms"),
             grew=grew.get("row"), grew_ms=grew.get("by_ms"), grew_median_ms=grew.get("median_ms"),
             causes=tuple(d.get("causes") or ()), trace=d.get("trace"),
+            timed=d.get("timed", True),
         )  # fmt: skip
 
 
@@ -161,7 +165,8 @@ def window_candidates(
     blocks: Sequence[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
     k: int, floor_ms: float, step_s_col: int, number_col: int,
 ) -> list[Candidate]:  # fmt: skip
-    """A window's k slowest steps at most of those slower than ``floor_ms`` (the run's k-th slowest)."""
+    """A window's k slowest steps at most of those slower than ``floor_ms`` (the run's k-th slowest):
+    timed steps, and the untimed ones the engine marked slow (by their host wall)."""
     walls = StepWalls(blocks, step_s_col, number_col)
     idx = np.flatnonzero(walls.wall_ms > floor_ms)
     if len(idx) > k:
@@ -172,7 +177,15 @@ def window_candidates(
         n = int(walls.numbers[i])
         wall = float(walls.wall_ms[i])
         out.append(SlowStep(n, wall, walls.clock, host, gpu or None, marks=dict(marks.get(n, {}))))
-    return sorted(out, key=lambda c: -c.wall_ms)
+    untimed = [n for n, m in marks.items() if "untimed" in m]
+    for blk, series in blocks if untimed else ():
+        if blk.names is None:  # the untimed steps' rows
+            wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
+            for i in np.flatnonzero(np.isin(blk.lead[:, number_col], untimed) & (wall > floor_ms)).tolist():
+                n = int(blk.lead[i, number_col])
+                host, _ = row_values(blk, series, i)
+                out.append(SlowStep(n, float(wall[i]), "host", host, None, marks=dict(marks[n]), timed=False))
+    return sorted(out, key=lambda c: -c.wall_ms)[:k]
 
 
 # Under DDP it holds the wait for the other ranks' gradients: the straggler rule (_dist.py) leaves it out.
@@ -266,6 +279,8 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
     """What stood out in a slow step against the run's per-row medians, and the measured causes."""
     values = c.gpu_ms if c.clock == "gpu" and c.gpu_ms is not None else c.host_ms
     rows = [n for n in values if "/" not in n and n not in _NOT_PHASES] + list(_WALL_ROWS[c.clock])
+    if not c.timed:  # no phases: the step's own time is what may have grown
+        rows.append("step")
     excess = {n: values[n] - medians.get((c.clock, n), 0.0) for n in rows if n in values}
     grew = max(excess, key=lambda n: excess[n], default=None)
     if grew is not None and excess[grew] <= 0:

@@ -123,9 +123,10 @@ class Summary:
 
     Rows are in the order phases were first seen, with ``data`` first and ``other``, ``wait``,
     ``step`` (and GPU ``idle``) last. ``steps`` counts the steps summarized (after warm-up),
-    ``timed_steps`` those with phase timings (fewer with ``sample_every``). ``tflops_per_s``: the
+    ``timed_steps`` those with phase timings: one in ``sample_every``, or as many as ``cost_budget``
+    allowed (None, None: not known). ``tflops_per_s``: the
     steps' FLOPs (``step(flops=)``) over their wall time; ``mfu``: that over ``peak_tflops``.
-    ``slowest``: the slowest timed steps, each with what stood out. ``own_ms``/``own_share``:
+    ``slowest``: the slowest steps, each with what stood out. ``own_ms``/``own_share``:
     steptimer's own work between steps, in no row. ``name`` to ``cycle_window_ms``: from logs.
     """
 
@@ -146,6 +147,8 @@ class Summary:
     share_clock: ShareClock = "host"
     verdict: Verdict | None = None
     slowest: tuple[SlowStep, ...] = ()
+    sample_every: int | None = None
+    cost_budget: float | None = None
     own_ms: float = 0.0
     own_share: float | None = None
     energy: Energy | None = None

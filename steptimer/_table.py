@@ -133,7 +133,9 @@ def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
 
 
 def heading(summary: Summary) -> str:
-    timed = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed"
+    every, budget = summary.sample_every, summary.cost_budget
+    why = f" (1 in {every}: sample_every)" if every else f" (cost budget {pct(budget)})" if budget else ""
+    timed = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed{why}"
     warm = f" ({summary.warmup_steps} warm-up left out)" if summary.warmup_steps else ""
     clocks = "CUDA events + host clock" if summary.cuda else "host clock only"
     return f"{summary.name}: {summary.steps} steps{timed}{warm}, {clocks}"

@@ -48,6 +48,9 @@ JOULES_PER_SAMPLE = f"{MAIN}/joules_per_sample"
 JOULES_PER_TOKEN = f"{MAIN}/joules_per_token"
 WATTS = f"{MAIN}/watts"
 WARMUP_STEPS = f"{RUN}/warmup_steps"
+# Which steps were timed, logged once: one in N (``sample_every``), or as the cost budget allowed.
+SAMPLE_EVERY = f"{RUN}/sample_every"
+COST_BUDGET = f"{RUN}/cost_budget"
 
 
 class Tag(NamedTuple):

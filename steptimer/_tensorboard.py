@@ -135,12 +135,13 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
 
     out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in run_names(window)}}
     # A warm-up window's values are tensors of a plugin no dashboard draws (its slow first steps would
-    # start every chart with an outlier); the reader takes each back under its tag (_tags.unhidden).
+    # start every chart with an outlier), and so are facts of the run (steptimer-run/...); the reader
+    # takes each back under its tag (_tags.unhidden).
     meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=WARMUP))
     if scalars:
         values = [(*split_tag(key, out), v) for key, v in window_scalars(window).items()]
         for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
-            if window.warmup:
+            if window.warmup or in_run.startswith(RUN):
                 hidden = TensorProto(dtype=1, float_val=[v])
                 out[name].value.add(tag=f"{WARMUP}/{in_run}", metadata=meta, tensor=hidden)
             else:

@@ -159,8 +159,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _report_json(s: Summary) -> dict[str, Any]:
     """``report --json``: the summary's numbers (docs/cli.md), shares of wall time on the host clock."""
     d = {k: getattr(s, k) for k in (
-        "name", "path", "steps", "timed_steps", "warmup_steps", "windows", "of_steps", "cuda", "share_clock",
-        "wall_s", "steps_per_s", "samples_per_s", "tokens_per_s", "tflops_per_s", "mfu", "notes",
+        "name", "path", "steps", "timed_steps", "sample_every", "cost_budget", "warmup_steps", "windows", "of_steps",
+        "cuda", "share_clock", "wall_s", "steps_per_s", "samples_per_s", "tokens_per_s", "tflops_per_s", "mfu", "notes",
     )}  # fmt: skip
     d["quantiles_of"] = "steps" if s.of_steps else "window means"
     d["rows"] = [

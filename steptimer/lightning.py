@@ -170,7 +170,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         warmup_steps: int = 5,
         lag: int = 2,
         cuda: bool | None = None,
-        sample_every: int = 1,
+        sample_every: int | None = None,
+        cost_budget: float = 0.005,
         forward_module: str | Sequence[str] | None = None,
         batch_size_fn: Callable[[Any], float] | None = None,
         tokens_fn: Callable[[Any], float] | None = None,
@@ -188,7 +189,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         checked = StepTimer._make(
             profile_dir="", log_every_n_steps=log_every_n_steps, warmup_steps=warmup_steps, lag=lag, cuda=cuda,
             sample_every=sample_every, peak_tflops=peak_tflops, print_summary=print_summary, enabled=False,
-            nvtx=nvtx, profile_steps=profile_steps, memory=memory,
+            nvtx=nvtx, profile_steps=profile_steps, memory=memory, cost_budget=cost_budget,
         )  # fmt: skip
         self._options = dataclasses.replace(checked.options, enabled=enabled)
         check_bool("histograms", histograms)
@@ -288,7 +289,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             options["profile_steps"] = None
         every, sample_every = int(trainer.log_every_n_steps), options["sample_every"]
         if options["log_every_n_steps"] is None and every != 50:  # 50: StepTimer's, lengthened to 1 s
-            options["log_every_n_steps"] = max(every, 1 if sample_every == 1 else 10 * sample_every)
+            options["log_every_n_steps"] = max(every, 1 if sample_every in (None, 1) else 10 * sample_every)
         options["print_summary"] = False  # printed at the close, with the callback's own notes
         options["start_step"] = self._steps_done
         timer = StepTimer._make(

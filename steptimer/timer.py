@@ -23,6 +23,7 @@ from steptimer._options import Options, check_bool, check_count, check_phase_nam
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K, allocator_retries
 from steptimer._summary import Summary, SummaryAccumulator
+from steptimer._tags import COST_BUDGET, SAMPLE_EVERY
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
 from steptimer._window import StepRows, Window, window_of
@@ -166,8 +167,10 @@ class StepTimer:
         cuda: None decides at the first ``step()``; True requires CUDA; False times the host only.
         start_step: Number of steps already done (resumed runs); the first step is ``start_step + 1``.
         enabled: False makes every call a near-free no-op with the same API.
-        sample_every: Time the phases of one step, chosen at random, in every ``sample_every``;
-            every step still counts for throughput, step time and data wait.
+        sample_every: Time the phases of one step, chosen at random, in every ``sample_every`` (1:
+            every step); None: as many as ``cost_budget`` allows, or every step under torch.distributed
+            (ranks time the same steps) and with ``trace_steps``, ``profile_steps`` or ``profile_on_slow``.
+            Every step still counts for throughput, step time and data wait.
         print_summary: Print the summary table at :meth:`close` (rank 0 only).
         cross_rank: Under torch.distributed, combine the ranks' windows (spread, straggler).
         cross_rank_timeout_s: Longest wait for the other ranks; after a timeout cross-rank stays off.
@@ -180,6 +183,7 @@ class StepTimer:
         memory: With CUDA timing, read the allocator's peaks on one timed step in N (True: 1, False
             or 0: never); None: as often as costs ~0.1 % of the run. It resets the peak counter.
         slowest_steps: Keep the run's k slowest timed steps with what made each slow; 0: off.
+        cost_budget: With ``sample_every=None``, the part of the wall time timing may cost (0.005: 0.5 %).
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -202,7 +206,7 @@ class StepTimer:
         cuda: bool | None = None,
         start_step: int = 0,
         enabled: bool = True,
-        sample_every: int = 1,
+        sample_every: int | None = None,
         print_summary: bool = True,
         cross_rank: bool = True,
         cross_rank_timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -213,6 +217,7 @@ class StepTimer:
         profile_on_slow: float | None = None,
         memory: int | None = None,
         slowest_steps: int = DEFAULT_K,
+        cost_budget: float = 0.005,
     ) -> None:
         given = locals()  # every argument but log_dir and writer is an Options field, validated there
         self.options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
@@ -220,9 +225,15 @@ class StepTimer:
             raise ValueError("pass log_dir or writer, not both")
         seams = self._seams
         # A window may be lengthened to last MIN_WINDOW_S (the default only, one process only).
-        window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not _distributed() else 0.0
+        distributed = _distributed()
+        window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not distributed else 0.0
         if log_every_n_steps is None:
-            log_every_n_steps = 50 if sample_every == 1 else max(50, 10 * sample_every)
+            log_every_n_steps = max(50, 10 * (sample_every or 1))
+        profiled = profile_steps is not None or profile_on_slow is not None
+        # Each rank's budget would pick other steps (ranks must time the same ones); a trace or a
+        # profile needs every step.
+        if sample_every is None and (distributed or trace_steps is not None or profiled):
+            sample_every = 1
         self.log_every_n_steps: int = log_every_n_steps
         window_max = log_every_n_steps * (MAX_WINDOW_UNITS if window_min_s else 1)
         self.lag = lag
@@ -236,7 +247,6 @@ class StepTimer:
         self._phase_cls: type[_Phase] = _Phase
         self._acc = SummaryAccumulator(slowest_steps)
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
-        profiled = profile_steps is not None or profile_on_slow is not None
         runs = dict(start_step=start_step, sample_every=sample_every, enabled=enabled, rank=self._rank)
         self._capture = c = make_capture(
             trace_steps, log_dir=log_dir, writer=writer, warmup_steps=warmup_steps, flight=slowest_steps > 0,
@@ -255,16 +265,19 @@ class StepTimer:
         each = c is not None and (c.trace is not None or profiled)
         # memory=None is time-budgeted, but one timed step in 10 under torch.distributed: every rank
         # must read the same steps (the ranks' memory is combined per window).
-        memory_every = int(memory) if memory is not None else 10 if _distributed() else MEMORY_AUTO
+        memory_every = int(memory) if memory is not None else 10 if distributed else MEMORY_AUTO
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
             window_min_s=window_min_s, window_max=window_max,
             on_pending=c.add if c is not None and each else None, recent=c.ring if c is not None and not each else None,
             memory=memory_every, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
+            cost_budget=cost_budget,
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
+        # How steps were timed, in the first window's tags (read back by `steptimer report`).
+        self._run_tags = {SAMPLE_EVERY: float(sample_every)} if sample_every else {COST_BUDGET: float(cost_budget)}
         if enabled:
             self._start(log_dir, writer)
 
@@ -510,7 +523,8 @@ class StepTimer:
                 self._alloc_retries = (retries, window.step)
         if self._capture is not None:
             for c in kept:
-                self._capture.want(c.step, c.wall_ms, engine)
+                if c.timed:  # an untimed step has no phases to draw
+                    self._capture.want(c.step, c.wall_ms, engine)
             self._capture.settle()
 
     def _emit(self) -> None:
@@ -519,6 +533,9 @@ class StepTimer:
             return
         if self._xrank is not None:
             window = self._xrank.interval(window, self._acc.slow)
+        if self._run_tags:
+            window = dataclasses.replace(window, extra={**window.extra, **self._run_tags})
+            self._run_tags = {}
         engine, counter = self._engine, self._seams.energy_counter
         energy = engine.cuda and (counter is not None or not engine._custom_backend)
         if energy:
@@ -561,6 +578,8 @@ class StepTimer:
         )  # fmt: skip
         run_s = engine.run_s
         more: dict[str, Any] = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s else None}
+        every = engine.sample_every
+        more.update(sample_every=every, cost_budget=None if every else engine.budget)
         if engine.memory is not None:
             m = acc.memory or MemoryStats({}, {}, 0, 0)
             seen = engine.memory.seen_bytes

@@ -39,9 +39,12 @@ class FakeEvent:
 class FakeGPU:
     """One stream's worth of GPU: ``launch(ms)`` queues a kernel of that length."""
 
-    def __init__(self, clock: FakeClock, launch_ms: float = 0.0, queue_ms: float | None = None) -> None:
+    def __init__(
+        self, clock: FakeClock, launch_ms: float = 0.0, queue_ms: float | None = None, record_ms: float = 0.0
+    ) -> None:
         self.clock = clock
         self.launch_ms = launch_ms  # host time a launch costs (a few µs on real hardware)
+        self.record_ms = record_ms  # host time an event record costs: steptimer's own, as it measures it
         # A launch blocks the host while more than this much GPU work is queued (CUDA's launch queue
         # holds about a thousand launches); None: an unbounded queue.
         self.queue_ms = queue_ms
@@ -64,6 +67,7 @@ class FakeGPU:
         self.busy_until_ms = start + ms
 
     def record(self, ev: FakeEvent, stream: Any) -> None:
+        self.clock.advance_ms(self.record_ms)
         self.records += 1
         ev.records += 1
         ev.done_at_ms = max(self.host_ms, self.busy_until_ms)

@@ -97,7 +97,9 @@ def fake_run(
 def test_report_numbers_are_the_logged_ones(tmp_path: Path) -> None:
     """Real clock, real sleeps (host only): the report re-derives the engine's own summary from the files."""
     run = tmp_path / "run"
-    t = StepTimer(log_dir=str(run), cuda=False, log_every_n_steps=4, warmup_steps=0, print_summary=False)
+    t = StepTimer(
+        log_dir=str(run), cuda=False, sample_every=1, log_every_n_steps=4, warmup_steps=0, print_summary=False
+    )
     def batches():  # type: ignore[no-untyped-def]
         while True:
             time.sleep(0.03)  # a sleeping data loader: 30 ms dominates everything else
@@ -869,3 +871,22 @@ def test_every_line_fits_80_columns_in_a_pipe(tmp_path: Path, clock: FakeClock) 
         assert p.stdout or p.stderr, args
         for line in (p.stdout + p.stderr).splitlines():  # a path is never cut: lines without one
             assert len(line) <= 80 or str(tmp_path) in line, (args, line)
+
+
+def test_the_heading_says_how_steps_were_timed(tmp_path: Path, clock: FakeClock) -> None:
+    """The summary's heading and the report's say how many steps were timed and why: one in N
+    (``sample_every``), or as many as the cost budget allowed (2 ms steps whose timing costs ~30 µs)."""
+    cases = (("fixed", {"sample_every": 4}, "(1 in 4: sample_every)"), ("budget", {}, "(cost budget 0.5%)"))
+    for name, kw, why in cases:
+        gpu = FakeGPU(clock, record_ms=0.01)
+        t = StepTimer._make(
+            log_dir=str(tmp_path / name), backend=gpu.backend(), warmup_steps=0, print_summary=False, **kw
+        )
+        for _ in range(400):
+            with t.step(), t.phase("forward"):
+                gpu.launch(2.0)
+                clock.advance_ms(1.0)
+        s = t.close()
+        head = f"{s.timed_steps} timed {why}"
+        assert 0 < s.timed_steps < s.steps and head in render(s).splitlines()[0]
+        assert head in cli("report", str(tmp_path / name)).stdout.splitlines()[0]

@@ -346,3 +346,82 @@ def test_a_dropped_step_drops_the_fetch_before_it(clock: FakeClock) -> None:
     o.step(clock, None, data_ms=1.0)
     o.engine.close()
     assert _rows(o.engine)[1][FETCH_S] == pytest.approx(5e-3)
+
+
+def costly(clock: FakeClock) -> FakeGPU:
+    """A GPU whose event records cost 10 µs of host time each: steptimer's own cost, as the budget
+    measures it."""
+    return FakeGPU(clock, record_ms=0.01)
+
+
+def timed_numbers(o: Owner) -> list[int]:
+    """The steps whose phases were timed, from every window and the rows not yet taken."""
+    return sorted(int(r[0]) for rows in [*o.taken, o.engine.rows] for key, g in rows.groups.items()
+                  if key[0] is not None for r in g)  # fmt: skip
+
+
+def test_the_cost_budget_times_every_step_of_long_steps(clock: FakeClock) -> None:
+    """200 ms steps, ~40 µs of steptimer's own work each: far under 0.5 %, so every step is timed."""
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=50)
+    for _ in range(200):
+        o.step(clock, gpu, ms=100.0)
+    o.engine.close()
+    assert timed_numbers(o) == list(range(1, 201))
+
+
+def test_the_cost_budget_times_a_fraction_of_short_steps(clock: FakeClock) -> None:
+    """2 ms steps whose timing costs ~40 µs (four records of 10 µs): steptimer times about one in
+    four, so that its own measured time is the budget of the run's wall time, not more."""
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=100, cost_budget=0.005)
+    start = clock.now
+    for _ in range(4000):
+        o.step(clock, gpu)
+    timed = len(timed_numbers(o))
+    own_share = gpu.records * 10e-6 / (clock.now - start)
+    assert 4000 / 12 < timed < 4000 / 4
+    assert 0.003 < own_share <= 0.0055
+    wide = Owner(costly(clock), sample_every=None, window_every=100, cost_budget=0.05)
+    for _ in range(400):
+        wide.step(clock, None)
+    wide.engine.close()
+    assert len(timed_numbers(wide)) == 400  # a budget of 5 %: every step fits
+
+
+def test_the_cost_budget_never_aliases_with_a_periodic_pattern(clock: FakeClock) -> None:
+    """Every 10th step 50 % longer (a ``.item()`` every 10th step): the timed steps fall on every
+    position in the period about equally (one at random in each block, whatever its length)."""
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=100)
+    for n in range(1, 6001):
+        o.step(clock, gpu, data_ms=1.0 if n % 10 == 0 else 0.5)
+    timed = timed_numbers(o)
+    per = [sum(1 for n in timed if n % 10 == r) for r in range(10)]
+    assert len(timed) < 6000 / 3
+    assert min(per) > 0.7 * len(timed) / 10 and max(per) < 1.3 * len(timed) / 10, per
+
+
+def test_a_slow_untimed_step_makes_the_next_step_timed(clock: FakeClock) -> None:
+    """An untimed step over twice the wall per step: the next step is timed too, as an extra (the
+    block's own pick still is), and the slow step is marked for the slowest steps."""
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=10_000, slowest=True)
+    e = o.engine
+    for _ in range(500):
+        o.step(clock, gpu)
+    while e._next_timed - e.number < 4:  # the next steps up to the block's pick are untimed
+        o.step(clock, gpu)
+    slow, planned = e.number + 1, e._next_timed
+    o.step(clock, gpu, data_ms=30.0)
+    while e.number < planned:
+        o.step(clock, gpu)
+    e.close()
+    timed = timed_numbers(o)
+    assert slow not in timed and slow + 1 in timed and planned in timed
+    assert [n for n in timed if n > slow] == [slow + 1, planned]
+    assert e.rows.marks[slow] == {"untimed": 1.0}
+    fixed = Owner(gpu, sample_every=5, window_every=10_000)  # only with the budget
+    fixed.step(clock, gpu)
+    fixed.step(clock, gpu, data_ms=100.0)
+    assert fixed.engine._slow_s == float("inf")

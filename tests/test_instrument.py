@@ -531,7 +531,7 @@ def test_bad_input_is_a_value_error_echoing_it() -> None:
 
 def test_tensorboard_event_file(tmp_path: Path) -> None:
     """The phases as TensorBoard shows them (the one test of tag names: adapt it if they change)."""
-    sleepy_run("last", steps=5, log_dir=tmp_path, log_every_n_steps=1, warmup_steps=0)
+    sleepy_run("last", steps=5, log_dir=tmp_path, log_every_n_steps=1, warmup_steps=0, sample_every=1)
     v = scalars(tmp_path)  # one window per step: each value is one step's
     for name, expected_ms in SLEEP_MS.items():
         values = [x for _, x in v[f"steptimer/host/{name}_ms"]]

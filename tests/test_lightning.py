@@ -317,7 +317,9 @@ def test_sleep_matrix_counts_and_no_sync(
     sleeper = Sleeper(k, in_loader=True)
     gpu = WallGPU()
     syncs = SyncCounter(monkeypatch)
-    cb = StepTimerCallback._make(log_every_n_steps=1, warmup_steps=0, print_summary=False, backend=gpu.backend())
+    cb = StepTimerCallback._make(
+        log_every_n_steps=1, warmup_steps=0, print_summary=False, backend=gpu.backend(), sample_every=1
+    )
     cap = make_capture(L)
     steps = len(REGIONS)
     tr = trainer(L, cb, logger=cap, accumulate_grad_batches=k, limit_val_batches=0)
@@ -415,7 +417,9 @@ def test_csv_and_tensorboard_loggers_get_the_same_values(tmp_path: Path) -> None
     from tests.tb import accumulator, layout_regexes, phase_runs, run_scalars, scalars
 
     gpu = WallGPU()
-    cb = StepTimerCallback._make(log_every_n_steps=2, warmup_steps=0, print_summary=False, backend=gpu.backend())
+    cb = StepTimerCallback._make(
+        log_every_n_steps=2, warmup_steps=0, print_summary=False, backend=gpu.backend(), sample_every=1
+    )
     tb = pl.loggers.TensorBoardLogger(str(tmp_path), name="tb")
     csv_logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
     cap = make_capture(pl)
@@ -425,6 +429,7 @@ def test_csv_and_tensorboard_loggers_get_the_same_values(tmp_path: Path) -> None
     sent = cap.by_step()
     assert sorted(sent) == [2, 4]
     keys = set(sent[4])
+    assert set(sent[2]) - keys == {"steptimer-run/sample_every"}  # how steps were timed: in the first window
     for name in ("data", "loop", *PHASES, "other", "wait", "step"):
         assert f"steptimer/host/{name}_ms" in keys
         assert f"steptimer-tails/host/{name}_p90_ms" in keys
@@ -433,7 +438,7 @@ def test_csv_and_tensorboard_loggers_get_the_same_values(tmp_path: Path) -> None
     with open(Path(csv_logger.log_dir) / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     csv_keys = {k for row in rows for k, v in row.items() if k.startswith("steptimer") and v != ""}
-    assert csv_keys == keys
+    assert csv_keys == set(sent[2]) | keys
     row4 = next(r for r in rows if r["step"] == "4" and r["steptimer/host/forward_ms"])
     assert float(row4["steptimer/host/forward_ms"]) == pytest.approx(sent[4]["steptimer/host/forward_ms"])
 
@@ -1548,7 +1553,7 @@ def test_memory_per_phase_reaches_the_loggers() -> None:
     mem = FakeAllocator()
     cb = StepTimerCallback._make(
         log_every_n_steps=2, warmup_steps=0, print_summary=False, backend=WallGPU().backend(),
-        memory_backend=mem.backend(), memory=True,
+        memory_backend=mem.backend(), memory=True, sample_every=1,
     )  # fmt: skip
     cap = make_capture(pl)
     trainer(pl, cb, logger=cap, limit_val_batches=0).fit(make_allocating(pl, mem), loader(4))
@@ -1571,7 +1576,7 @@ def test_out_of_memory_in_a_lightning_phase_is_noted() -> None:
     mem = FakeAllocator()
     cb = StepTimerCallback._make(
         log_every_n_steps=100, warmup_steps=0, print_summary=False, backend=WallGPU().backend(),
-        memory_backend=mem.backend(), memory=True,
+        memory_backend=mem.backend(), memory=True, sample_every=1,
     )  # fmt: skip
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 1.00 GiB"):
         trainer(pl, cb, logger=False, limit_val_batches=0).fit(make_allocating(pl, mem, oom_at=2), loader(6))

@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from steptimer import StepTimer
+from steptimer._format import num
+from steptimer._slow import SlowStep
 from steptimer._table import render
 from tests.fakes import FakeClock, FakeGPU, ListSink
 
@@ -174,7 +176,7 @@ def _host_loop(t: StepTimer, steps: int, *, before=None, in_forward=None, in_opt
 
 
 def test_gc_pause_is_named(capsys: pytest.CaptureFixture[str]) -> None:
-    t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=10)
+    t = StepTimer(sample_every=1, cuda=False, warmup_steps=2, log_every_n_steps=10)
     keep = []
 
     def collect(n: int) -> None:
@@ -201,7 +203,7 @@ def test_recompilation_is_named() -> None:
     # The eager backend: dynamo traces and recompiles for real, without inductor's code generation
     # (seconds on a cold CPU), so the test stays fast.
     fn = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=False)
-    t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=10, print_summary=False)
+    t = StepTimer(sample_every=1, cuda=False, warmup_steps=2, log_every_n_steps=10, print_summary=False)
     _host_loop(t, 25, in_forward=lambda n: fn(torch.ones(7 if n == 14 else 3)))
     top = t.close().slowest[0]
     assert top.step == 14 and top.marks["graphs_new"] == 1
@@ -215,7 +217,7 @@ def test_data_stall_is_named() -> None:
                 time.sleep(0.05)
             yield i
 
-    t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=50, print_summary=False)
+    t = StepTimer(sample_every=1, cuda=False, warmup_steps=2, log_every_n_steps=50, print_summary=False)
     batches = t.data(loader())
     _host_loop(t, 210, before=lambda n: next(batches))
     s = t.close()
@@ -227,7 +229,7 @@ def test_data_stall_is_named() -> None:
 
 def test_a_longer_loop_between_steps_is_no_data_stall() -> None:
     """50 ms between steps outside the loader (a checkpoint, a log line): named for what it is."""
-    t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=50, print_summary=False)
+    t = StepTimer(sample_every=1, cuda=False, warmup_steps=2, log_every_n_steps=50, print_summary=False)
     batches = t.data(iter(range(1000)))
 
     def before(n: int) -> None:
@@ -281,7 +283,7 @@ def test_between_steps_on_the_gpu_the_host_waited_or_was_busy(clock: FakeClock, 
 
 
 def test_checkpoint_under_pause_is_named() -> None:
-    t = StepTimer(cuda=False, warmup_steps=2, log_every_n_steps=10, print_summary=False)
+    t = StepTimer(sample_every=1, cuda=False, warmup_steps=2, log_every_n_steps=10, print_summary=False)
     staged: list[threading.Thread] = []
 
     def checkpoint(n: int) -> None:
@@ -320,7 +322,7 @@ def _cuda_loop(t: StepTimer, steps: int, *, in_forward) -> None:  # type: ignore
 def test_gpu_stall_on_a_real_gpu_is_named() -> None:
     """A spin kernel of tens of ms in step 27's forward: the slowest step, its forward grown by the
     kernel's own length on torch's events (its cycles per ms depend on the GPU's clock)."""
-    t = StepTimer(warmup_steps=3, log_every_n_steps=10, print_summary=False, cuda=True)
+    t = StepTimer(sample_every=1, warmup_steps=3, log_every_n_steps=10, print_summary=False, cuda=True)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def stall(n: int) -> None:
@@ -344,7 +346,7 @@ def test_allocator_retry_on_a_real_gpu_is_named() -> None:
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     chunk = int(free * 0.12) // 4 * 4
-    t = StepTimer(warmup_steps=3, log_every_n_steps=10, print_summary=False, cuda=True, memory=1)
+    t = StepTimer(sample_every=1, warmup_steps=3, log_every_n_steps=10, print_summary=False, cuda=True, memory=1)
 
     def retry(n: int) -> None:
         if n == 16:
@@ -579,3 +581,26 @@ def test_a_profile_on_slow_trace_that_cant_be_written_is_a_note(
     (note,) = [n for n in s.notes if trace in n]
     assert note.startswith("can't write the profiler trace to ") and "training went on without it" in note
     assert [r.getMessage() for r in caplog.records if trace in r.getMessage()] == [f"steptimer: {note}"]
+
+
+def test_a_slow_untimed_step_is_ranked_by_its_host_wall(clock: FakeClock) -> None:
+    """Under the cost budget (2 ms steps whose timing costs ~30 µs: about one in four timed) a step
+    left untimed that took 25 times longer is the slowest step, by its host wall, said to be untimed;
+    the summary shows it by the same rule as a timed one."""
+    gpu = FakeGPU(clock, record_ms=0.01)
+    t = StepTimer._make(backend=gpu.backend(), warmup_steps=0, print_summary=False)
+    e = t._engine
+    slow = 0
+    for _ in range(1000):
+        if not slow and e.number > 500 and e._next_timed - e.number >= 3:
+            slow = e.number + 1
+        with t.step(), t.phase("forward"):
+            gpu.launch(2.0)
+            clock.advance_ms(50.0 if e.number + 1 == slow else 1.0)
+    s = t.close()
+    assert s.cost_budget == 0.005 and s.sample_every is None and s.timed_steps < s.steps / 2
+    top = s.slowest[0]
+    assert (top.step, top.timed, top.clock, top.grew) == (slow, False, "host", "step")
+    assert top.wall_ms == pytest.approx(50.0) and (top.cause or "").endswith("not timed (the next step was)")
+    assert f"slow step {slow}: {num(top.wall_ms)} ms; step +" in render(s)
+    assert SlowStep.from_json(top.to_json()).timed is False

@@ -622,6 +622,11 @@ def test_memory_is_bounded(clock: FakeClock, gpu: FakeGPU) -> None:
         ({"lag": -1}, "lag must be an int >= 0, got -1"),
         ({"warmup_steps": -2}, "warmup_steps"),
         ({"sample_every": 0}, "sample_every"),
+        ({"cost_budget": 0}, "cost_budget must be a number between 0 and 1, exclusive"),
+        ({"cost_budget": 1.0}, "cost_budget"),
+        ({"cost_budget": True}, "cost_budget"),
+        ({"cost_budget": "0.01"}, "cost_budget"),
+        ({"cost_budget": float("nan")}, "cost_budget"),
         ({"start_step": 1.5}, "start_step"),
         ({"cuda": "yes"}, "cuda must be None, True or False"),
     ],
@@ -1030,6 +1035,22 @@ def test_explicit_or_distributed_windows_stay_50_steps(
             train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 0.5})
         t.close()
         assert [w.step for w in sink.windows] == [50, 100, 150, 200]
+
+
+def test_the_cost_budget_is_off_where_every_step_must_be_timed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """By default the cost budget picks the steps; every step is timed under torch.distributed (each
+    rank's budget would pick other steps) and with a trace or a profiler window, which need every
+    step; an explicit sample_every wins."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = {"cuda": False, "print_summary": False, "enabled": False}
+    assert StepTimer(**base).sample_every is None
+    assert StepTimer(**base, sample_every=4, cost_budget=0.1).sample_every == 4
+    for kw in ({"trace_steps": 3}, {"profile_steps": (2, 3)}, {"profile_on_slow": 1.5}):
+        assert StepTimer(**base, log_dir=tmp_path, **kw).sample_every == 1  # type: ignore[arg-type]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert StepTimer(**base, cross_rank=False).sample_every == 1
 
 
 @pytest.mark.parametrize(("cuda", "sample_every"), [(False, 1000), (True, 1000), (False, 1)])
