@@ -191,6 +191,7 @@ class RecordingTimer:  # built lazily so this module imports without torch for t
 
         kw.setdefault("print_summary", False)
         kw.setdefault("warmup_steps", 0)
+        kw.setdefault("sample_every", 1)  # per-step truth: every step timed, not the cost budget's sample
         return _Recording._make(**kw)  # seams (backend=...) and options alike
 
 

@@ -455,7 +455,7 @@ def test_the_run_peak_is_what_max_memory_allocated_says_without_steptimer() -> N
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        t = StepTimer(warmup_steps=1, print_summary=False, cross_rank=False, memory=memory)
+        t = StepTimer(warmup_steps=1, print_summary=False, cross_rank=False, memory=memory, sample_every=1)
         for i in range(4):
             _timed(t, phases, nested)
             if i == 1:
