@@ -10,23 +10,27 @@ import hashlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from time import perf_counter, sleep
 from typing import Any
 
+from steptimer._format import num
 from steptimer._memory import MIB
-from steptimer._slow import RankSlow, SlowestKeeper, SlowStep, is_wait_phase
-from steptimer._summary import RankSpread, RankSummary, SummaryAccumulator
+from steptimer._slow import SlowestKeeper, SlowStep, is_wait_phase
+from steptimer._summary import LastRank, RankSpread, RankSummary, SummaryAccumulator
 from steptimer._tags import RANKS, run_tag
+from steptimer._verdict import DERIVED
 from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
 
 DEFAULT_TIMEOUT_S = 300.0
 STRAGGLER = "straggler"  # data + step - backward: under DDP the top-level backward holds the wait
-STEP_BITS = 16  # the slowest step's number modulo 2**16 rides in its key
-RANK_SLOW_KEPT = 5  # the slowest steps across ranks kept for the summary
+MAX_SLOTS = 4096  # a window's last steps whose arrivals at the first collective ride in a round
+# The rank last to the collective stood out: last in this part of the steps, by LAST_MIN_MS or more.
+LAST_SHARE = 2 / 3
+LAST_MIN_MS = 1.0  # a step's last rank by less than this arrived with the others (noise)
 _NEG = -math.inf  # what a rank that abstains sends: neutral in a MAX
 
 # Custom Scalars charts for the cross-rank tags, over the tags as the runs hold them (a phase's tags
@@ -72,20 +76,6 @@ def encode(value_ms: float, rank: int, bits: int, *, lowest: bool = False) -> fl
 
 def decode_rank(key: float, bits: int) -> int:
     return int(2**bits - 1 - int(key) % 2**bits)
-
-
-def encode_step(own_ms: float, step: int, rank: int, bits: int) -> float:
-    """:func:`encode` of an own time with the step's low bits beside it: the MAX over ranks names the
-    rank and the step (ties: the later step, then the lowest rank)."""
-    q = min(max(round(own_ms * 1e3), 0), 2 ** (52 - STEP_BITS - bits) - 1)
-    return float((q * 2**STEP_BITS + step % 2**STEP_BITS) * 2**bits + 2**bits - 1 - rank)
-
-
-def decode_step(key: float, bits: int, last_step: int) -> tuple[int, int]:
-    """``(rank, step)`` of :func:`encode_step`'s key: the step is the latest one at or before
-    ``last_step`` (the window's last, shared by the ranks) with the key's low bits."""
-    low = (int(key) >> bits) % 2**STEP_BITS
-    return decode_rank(key, bits), last_step - (last_step - low) % 2**STEP_BITS
 
 
 def spreads(keys: Sequence[str], mx: Sequence[float], sm: Sequence[float], bits: int) -> dict[str, RankSpread]:
@@ -138,6 +128,72 @@ def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: floa
     return out
 
 
+def _arrivals(arrive: Mapping[int, float], end: int, n: int, rank: int, bits: int) -> list[float]:
+    """This rank's arrivals at its steps' first collective (``Packed.arrive``) in ``n`` slots, slot
+    ``end - step``, for the MAX: keys naming the last rank, then minus the arrivals (the first's)."""
+    keys, neg = [_NEG] * n, [_NEG] * n
+    for step, ms in arrive.items():
+        j = end - step
+        if 0 <= j < n:
+            keys[j], neg[j] = encode(ms, rank, bits), -ms
+    return keys + neg
+
+
+def _lasts(mx: Sequence[float], end: int, bits: int) -> dict[int, tuple[int, float]]:
+    """By step, the rank last to its first collective and by how much after the first rank, from the
+    reduced :func:`_arrivals`."""
+    n = len(mx) // 2
+    return {
+        end - j: (decode_rank(key, bits), (int(key) >> bits) / 1e3 + mx[n + j])
+        for j, key in enumerate(mx[:n]) if key != _NEG
+    }  # fmt: skip
+
+
+def _row_sums(walls: Any, wkeys: Sequence[str], steps: set[int], mine: bool, nw: int) -> list[float]:
+    """This rank's rows (``<clock>/<row>`` of ``wkeys``) summed over ``steps``: in the first half when
+    it is the window's last rank (``mine``), else in the second; ``2 * nw`` zeros without walls."""
+    if walls is None:
+        return [0.0] * (2 * nw)
+    sums = [0.0] * len(wkeys)
+    for i, number in enumerate(walls.numbers.tolist()):
+        if int(number) in steps:
+            by_clock = dict(zip(("host", "gpu"), walls.rows(i)))
+            for k, key in enumerate(wkeys):
+                clock, _, name = key.partition("/")
+                sums[k] += by_clock.get(clock, {}).get(name, 0.0)
+    zeros = [0.0] * len(wkeys)
+    return sums + zeros if mine else zeros + sums
+
+
+def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> dict[str, float]:
+    """Per row, the last rank's sum over its steps less the other ranks' mean sum (``_row_sums``,
+    reduced), on the GPU's clock where the steps have one (the arrivals' clock). The rows that can
+    delay the arrival: the time between steps and top-level phases but ``backward``, which holds the
+    wait."""
+    clock, between = ("gpu", ("idle",)) if "gpu/step" in wkeys else ("host", ("data", "loop"))
+    out, k = {}, len(wkeys)
+    for i, key in enumerate(wkeys):
+        c, _, name = key.partition("/")
+        phase = name not in DERIVED and "/" not in name and not is_wait_phase(name)
+        if c == clock and (name in between or phase):
+            out[name] = rows[i] - rows[k + i] / max(reporting - 1, 1)
+    return out
+
+
+def _grew_most(grew: Mapping[str, float]) -> str | None:
+    return max((name for name, v in grew.items() if v > 0), key=grew.__getitem__, default=None)
+
+
+@dataclass
+class _Late:
+    """A rank's steps as its window's last rank to the first collective, with its ms behind the
+    first rank and its rows' growth (by name) summed over them."""
+
+    steps: int = 0
+    ahead_ms: float = 0.0
+    grew_ms: dict[str, float] = field(default_factory=dict)
+
+
 def _initialized() -> Any:
     """``torch.distributed`` where it is initialized in this process, else None."""
     try:
@@ -166,10 +222,11 @@ class CrossRank:
         self.rounds = 0
         self.reduce_s = 0.0
         self.summary: RankSummary | None = None
-        # Each window's slowest step across ranks: the run's RANK_SLOW_KEPT slowest (slowest first), and
-        # by the window's last step those of the windows holding this rank's own slowest steps.
-        self._top: list[RankSlow] = []
-        self._near: dict[int, RankSlow] = {}
+        # By rank, its steps as its window's last rank over the summarized windows; the steps measured.
+        self._last: dict[int, _Late] = {}
+        self._last_steps = 0
+        # By step, (last rank, ms ahead, its row that grew) in the windows holding this rank's slowest.
+        self._per_step: dict[int, tuple[int, float, str | None]] = {}
 
     def _start(self) -> bool:
         """Create the gloo side group at the first round (every rank's first round is at a shared step)."""
@@ -219,55 +276,61 @@ class CrossRank:
         summ = series_values(acc)
         out, res = self._window_round(window, summ, closing=True, keeper=acc.slow)
         while res is not None and not res["all_closing"]:
-            res = self._round(None, summ, closing=True, step=0)
-        if self.summary is not None:
-            self.summary = replace(self.summary, slowest=tuple(self._top))
+            res = self._round(None, summ, closing=True)
+        if self.summary is not None and self._last_steps:
+            self.summary = replace(self.summary, last=self._last_rank())
         return out
+
+    def _last_rank(self) -> LastRank:
+        rank, late = max(self._last.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]), default=(-1, _Late()))
+        phase, steps = _grew_most(late.grew_ms), max(late.steps, 1)
+        share = late.steps / self._last_steps
+        grew_ms = late.grew_ms[phase] / steps if phase else 0.0
+        return LastRank(rank, share, late.ahead_ms / steps, phase, grew_ms, share >= LAST_SHARE)
 
     def _window_round(
         self, window: Window | None, summ: Mapping[str, float] | None, *, closing: bool,
         keeper: SlowestKeeper | None,
     ) -> tuple[Window | None, dict[str, Any] | None]:  # fmt: skip
-        """A round with ``window``, which it returns with the cross-rank scalars attached; keeps the
-        window's slowest step across ranks with this rank's own time in that step."""
-        walls = window.packed.walls if window is not None and window.packed is not None else None
-        own = walls.own_ms() if walls is not None and len(walls) else None
-        slot = None
-        if own is not None:  # this rank's slowest step of the window by own time: (key, own ms)
-            i = int(own.argmax())
-            slot = [encode_step(float(own[i]), int(walls.numbers[i]), self.rank, self._bits), float(own[i])]
-        step = window.step if window is not None else 0
-        res = self._round(series_values(window), summ, closing=closing, step=step, slot=slot)
+        """A round with ``window``, which it returns with the cross-rank scalars attached; notes the
+        rank last to the first collective in each of its steps."""
+        res = self._round(series_values(window), summ, closing=closing, window=window)
         if window is None or res is None:
             return window, res
         extra = scalars_of(res["window"], res["reporting"], res["round_ms"])
-        if res["slow"] is not None:
-            at, rank, own_ms = res["slow"]
-            here_ms = None
-            if own is not None:
-                i = int(walls.numbers.searchsorted(at))
-                if i < len(walls) and int(walls.numbers[i]) == at:
-                    here_ms = float(own[i])
-            rec = RankSlow(at, rank, own_ms, window.step - window.steps + 1, window.step, self.rank, here_ms)
-            self._top = sorted([*self._top, rec], key=lambda r: (-r.own_ms, r.step))[:RANK_SLOW_KEPT]
-            kept = [c.step for c in keeper.heap] if keeper is not None else []
-            self._near[window.step] = rec
-            self._near = {k: r for k, r in self._near.items() if any(r.first <= n <= r.last for n in kept)}
-            extra.update({
-                f"{RANKS}/slowest_step": float(at), f"{RANKS}/slowest_step_argmax": float(rank),
-                f"{RANKS}/slowest_step_own_ms": own_ms,
+        last = res["last"]
+        if last is not None:
+            rank, steps, total, ahead, grew, per_step = last
+            phase = _grew_most(grew)
+            self._last_steps += 0 if window.warmup else total
+            if steps:  # a rank was last by LAST_MIN_MS or more in some step
+                extra.update({
+                    f"{RANKS}/last_rank": float(rank), f"{RANKS}/last_rank_share": steps / total,
+                    f"{RANKS}/last_rank_ms": ahead / steps,
+                })  # fmt: skip
+            if steps and not window.warmup:
+                late = self._last.setdefault(rank, _Late())
+                late.steps += steps
+                late.ahead_ms += ahead
+                for name, v in grew.items():
+                    late.grew_ms[name] = late.grew_ms.get(name, 0.0) + v
+            kept = {c.step for c in keeper.heap} if keeper is not None else set()
+            self._per_step = {n: v for n, v in self._per_step.items() if n in kept}
+            self._per_step.update({
+                n: (r, ms, phase if r == rank else None) for n, (r, ms) in per_step.items() if n in kept
             })  # fmt: skip
         return replace(window, extra={**window.extra, **extra}), res
 
     def annotate(self, slowest: Sequence[SlowStep]) -> tuple[SlowStep, ...]:
-        """This rank's slowest steps, each with its window's slowest step across ranks where that says
-        something: it is this step, or another rank's whose own time is at least this step's wall time."""
-        recs = [*self._near.values(), *self._top]
+        """This rank's slowest steps, each with the rank that was last to its first collective by at
+        least ``LAST_MIN_MS``: what the others waited for inside their backward."""
         out = []
         for s in slowest:
-            r = next((r for r in recs if r.first <= s.step <= r.last), None)
-            if r is not None and (r.step == s.step or (r.rank != self.rank and r.own_ms >= s.wall_ms)):
-                s = s.with_rank(r)
+            rank, ms, phase = self._per_step.get(s.step, (0, 0.0, None))
+            if ms:
+                who = "this rank" if rank == self.rank else f"rank {rank}"
+                text = f"{who} was last to the all-reduce, +{num(ms)} ms" + (f", in {phase}" if phase else "")
+                s = replace(s, causes=(*s.causes, text))
             out.append(s)
         return tuple(out)
 
@@ -296,43 +359,62 @@ class CrossRank:
         return t.tolist()
 
     def _round(
-        self, win: Mapping[str, float] | None, summ: Mapping[str, float] | None, *, closing: bool, step: int,
-        slot: list[float] | None = None,
+        self, win: Mapping[str, float] | None, summ: Mapping[str, float] | None, *, closing: bool,
+        window: Window | None = None,
     ) -> dict[str, Any] | None:  # fmt: skip
         t0 = perf_counter()
         wkeys, skeys = sorted(win or ()), sorted(summ or ())
-        w, s = win is not None, summ is not None
+        w, s = window is not None and win is not None, summ is not None
+        p = window.packed if w else None  # type: ignore[union-attr]
+        arrive = p.arrive if p is not None else {}
         header = [
             *_both(series_hash(wkeys) if w else None), float(len(wkeys)) if w else _NEG,
             *_both(1.0 if closing else 0.0),
             *_both(series_hash(skeys) if s else None), float(len(skeys)) if s else _NEG,
-            *_both(float(step) if w else None),
+            *_both(float(window.step) if w else None),  # type: ignore[union-attr]
+            float(window.steps) if arrive else _NEG,  # type: ignore[union-attr]
         ]  # fmt: skip
         h = self._allreduce(header, self._dist.ReduceOp.MAX)
         if h is None:
             return None
         all_closing, w_ok, s_ok = self._read_header(h, closing)
         nw, ns = int(h[2]) if w_ok else 0, int(h[7]) if s_ok else 0
+        n = min(int(h[10]), MAX_SLOTS) if nw and h[10] != _NEG else 0  # steps with arrivals (slots)
+        end = int(h[8]) if n else 0  # the windows' last step: slot j is step end - j
         wres: dict[str, RankSpread] = {}
-        reporting, slow = 0, None
+        reporting, last = 0, None
         if nw or ns:
             wmx, wsm = _vectors(win if w_ok else None, nw, self.rank, self._bits)
             smx, ssm = _vectors(summ if s_ok else None, ns, self.rank, self._bits)
-            # Last in the MAX: the window's slowest step across ranks, (key, own ms).
-            mine = slot if nw and w and slot is not None else [_NEG, _NEG]
+            # Last in the MAX: per slot (a step of the window), the arrival at its first collective.
+            mine = _arrivals(arrive if w else {}, end, n, self.rank, self._bits)
             mx = self._allreduce(wmx + smx + mine, self._dist.ReduceOp.MAX)
-            sm = self._allreduce(wsm + ssm, self._dist.ReduceOp.SUM) if mx is not None else None
-            if mx is None or sm is None:
+            if mx is None:
+                return None
+            measured = _lasts(mx[4 * (nw + ns) :], end, self._bits)
+            per_step = {n: v for n, v in measured.items() if v[1] >= LAST_MIN_MS}
+            # The window's last rank (the most time ahead of the first, summed) sums its rows over the
+            # steps it was last in, the others theirs, in the SUM.
+            ahead: dict[int, float] = {}
+            for r, ms in per_step.values():
+                ahead[r] = ahead.get(r, 0.0) + ms
+            top = min(ahead, key=lambda r: (-ahead[r], r), default=-1)
+            steps = {number for number, (r, _) in per_step.items() if r == top}
+            walls = p.walls if w and p is not None else None
+            rows = _row_sums(walls, wkeys, steps, top == self.rank, nw) if n else []
+            sm = self._allreduce(wsm + ssm + rows, self._dist.ReduceOp.SUM)
+            if sm is None:
                 return None
             if nw:  # the reporting ranks' keys are equal (equal hashes); an abstainer keeps the count only
                 reporting = int(sm[nw])
                 if w:
                     wres = spreads(wkeys, mx[: 4 * nw], sm[: nw + 1], self._bits)
-            if mx[-2] != _NEG:
-                rank, at = decode_step(mx[-2], self._bits, int(h[8]))
-                slow = (at, rank, mx[-1])
+            at = nw + ns + 2
+            if measured:
+                grew = _grew(sm[at:], wkeys, reporting)
+                last = (top, len(steps), len(measured), ahead.get(top, 0.0), grew, per_step)
             if ns and s:
-                sres = spreads(skeys, mx[4 * nw : -2], sm[nw + 1 :], self._bits)
+                sres = spreads(skeys, mx[4 * nw : 4 * (nw + ns)], sm[nw + 1 : at], self._bits)
                 self.summary = RankSummary(
                     world_size=self.world_size,
                     ranks=int(sm[nw + 1 + ns]),
@@ -350,7 +432,7 @@ class CrossRank:
         self.rounds += 1
         self.reduce_s += dt
         return {
-            "window": wres, "reporting": reporting, "all_closing": all_closing, "round_ms": dt * 1e3, "slow": slow,
+            "window": wres, "reporting": reporting, "all_closing": all_closing, "round_ms": dt * 1e3, "last": last,
         }  # fmt: skip
 
     def _read_header(self, h: Sequence[float], closing: bool) -> tuple[bool, bool, bool]:

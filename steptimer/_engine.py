@@ -206,6 +206,7 @@ class Engine:
         # (phase or None, step, peak bytes before it, the step was timed) of a CUDA out-of-memory error
         self.oom: tuple[str | None, int, int | None, bool] | None = None
         self.gc_log: GcLog | None = GcLog(perf_counter) if slowest else None  # None: no slow-step marks
+        self.comm: Any = None  # a watched DDP model's collectives (_comm.CommRecorder)
         self._dyn: Any = None
         self._graphs = 0
 
@@ -604,6 +605,8 @@ class Engine:
         self._stack.clear()
         if self._mem is not None:
             self._mem.drop_step()
+        if self.comm is not None:
+            self.comm.drop(self.number + 1)
         self.state = OUT
         self._gap_start = perf_counter()  # the failed step's time is not time between steps
         self._paused_s = 0.0
@@ -744,6 +747,8 @@ class Engine:
         """Put a resolved step's row in ``rows``; note a window that ends with it."""
         rows = self.rows
         rows.add(key, row)
+        if self.comm is not None and (comm := self.comm.take(number)) is not None:
+            rows.comm.append(comm)
         rows.warmup = number <= self.last_warmup
         self.last_resolved = number
         if number % self._window_every == 0 or number == self.last_warmup:

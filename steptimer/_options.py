@@ -15,8 +15,9 @@ from typing import Any
 
 from steptimer._dist import DEFAULT_TIMEOUT_S
 from steptimer._slow import DEFAULT_K
+from steptimer._verdict import COMM_ROWS
 
-RESERVED_NAMES = frozenset({"step", "other", "wait", "idle"})
+RESERVED_NAMES = frozenset({"step", "other", "wait", "idle", *COMM_ROWS})
 # Each phase name is a directory of its TensorBoard run (<log_dir>/steptimer/<outer>/<inner>), and a
 # path component must stay under 255 bytes (NAME_MAX on Linux and macOS). 100 leaves room below it,
 # keeps a nested name's path far from PATH_MAX, and still fits a table row and TensorBoard's run list.

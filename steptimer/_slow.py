@@ -49,7 +49,6 @@ class SlowStep:
     causes: tuple[str, ...] = ()
     marks: Mapping[str, float] = field(default_factory=dict, repr=False)
     trace: str | None = None  # the flight recorder's Perfetto file around the step, if kept
-    rank: RankSlow | None = None  # under torch.distributed: the slowest rank in its window (_dist.py)
     timed: bool = True  # False: a step the cost budget left untimed, slow by its host wall (_engine.py)
 
     def __lt__(self, other: SlowStep) -> bool:  # the keeper's min-heap by wall time
@@ -72,7 +71,7 @@ class SlowStep:
         optional = {
             "grew": None if self.grew is None else grew,
             "causes": list(self.causes) or None, "cause": self.cause, "trace": self.trace,
-            "rank": None if self.rank is None else self.rank.to_json(), "timed": None if self.timed else False,
+            "timed": None if self.timed else False,
         }  # fmt: skip
         return {
             "step": self.step, "wall_ms": self.wall_ms, "clock": self.clock,
@@ -88,58 +87,11 @@ class SlowStep:
             host_ms=dict(d.get("host_ms") or {}), gpu_ms=d.get("gpu_ms"),
             grew=grew.get("row"), grew_ms=grew.get("by_ms"), grew_median_ms=grew.get("median_ms"),
             causes=tuple(d.get("causes") or ()), trace=d.get("trace"),
-            rank=RankSlow.from_json(d["rank"]) if isinstance(d.get("rank"), dict) else None,
             timed=d.get("timed", True),
         )  # fmt: skip
 
-    def with_rank(self, r: RankSlow) -> SlowStep:
-        """This step with the slowest rank of its window (:class:`RankSlow`) as one more cause."""
-        return replace(self, rank=r, causes=self.causes + (r.text(self.step),))
-
 
 Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet explained (grew, causes)
-
-
-@dataclass(frozen=True)
-class RankSlow:
-    """The slowest step of one window across ranks by own time; ``here_ms``: rank ``here``'s own time."""
-
-    step: int
-    rank: int
-    own_ms: float
-    first: int  # the window's steps
-    last: int
-    here: int
-    here_ms: float | None
-
-    def text(self, step: int) -> str:
-        if self.step == step and self.rank == self.here:
-            return f"the slowest rank in this step (its own time {num(self.own_ms)} ms: wall less backward)"
-        here = "" if self.here_ms is None else f" vs {num(self.here_ms)} ms on rank {self.here}"
-        if self.step == step:
-            return (
-                f"rank {self.rank} was slowest in this step: {num(self.own_ms)} ms of its own{here} "
-                "(wall less backward)"
-            )
-        return (
-            f"slowest rank in steps {self.first}-{self.last}: rank {self.rank} at step {self.step}, "
-            f"{num(self.own_ms)} ms of its own (wall less backward)"
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step, "rank": self.rank, "own_ms": self.own_ms, "window": [self.first, self.last],
-            "here": self.here, "here_ms": self.here_ms,
-        }  # fmt: skip
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> RankSlow:
-        first, last = d["window"]
-        here_ms = d["here_ms"]
-        return cls(
-            int(d["step"]), int(d["rank"]), float(d["own_ms"]), int(first), int(last), int(d["here"]),
-            None if here_ms is None else float(here_ms),
-        )  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -236,7 +188,7 @@ def window_candidates(
     return sorted(out, key=lambda c: -c.wall_ms)[:k]
 
 
-# Under DDP it holds the wait for the other ranks' gradients: a rank's *own* time leaves it out.
+# Under DDP it holds the wait for the other ranks' gradients: the straggler rule (_dist.py) leaves it out.
 WAIT_PHASE = "backward"
 
 
@@ -247,7 +199,7 @@ def is_wait_phase(name: str) -> bool:
 
 
 class StepWalls:
-    """A window's timed steps in step order: numbers and wall times; own times and rows on demand."""
+    """A window's timed steps in step order: numbers and wall times; rows on demand."""
 
     __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order")
 
@@ -274,15 +226,6 @@ class StepWalls:
 
     def __len__(self) -> int:
         return len(self.numbers)
-
-    def own_ms(self) -> Any:
-        """Each step's wall time less its top-level ``backward`` (``_dist.py``'s straggler rule)."""
-        owns = [np.zeros(0)]
-        for b, _, wall in self._parts:
-            blk, series = self._blocks[b]
-            wait = [j for j, (c, name) in enumerate(series) if c == self.clock and is_wait_phase(name)]
-            owns.append(wall - np.nansum(blk.derived[:, wait], axis=1) if wait else wall)
-        return np.maximum(np.concatenate(owns)[self._order], 0.0)
 
     def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
         """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name."""

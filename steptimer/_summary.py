@@ -13,11 +13,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from steptimer._energy import Energy
-from steptimer._format import num
+from steptimer._format import num, pct
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
-from steptimer._slow import Candidate, RankSlow, SlowestKeeper, SlowStep
-from steptimer._verdict import ShareClock, Verdict, shares, verdict
+from steptimer._slow import Candidate, SlowestKeeper, SlowStep
+from steptimer._verdict import COMM_ROWS, ShareClock, Verdict, shares, verdict
 from steptimer._window import Packed, Window, add_timed_host
 
 
@@ -34,11 +34,32 @@ class RankSpread:
 
 
 @dataclass(frozen=True)
+class LastRank:
+    """The rank the others waited for most at the steps' first gradient collective (a watched DDP
+    model, ``_dist.py``): last by 1 ms or more in ``share`` of the steps, ``ahead_ms`` on average
+    after the first rank's arrival, with ``phase`` its row that grew most against the other ranks' same row."""
+
+    rank: int
+    share: float
+    ahead_ms: float
+    phase: str | None
+    grew_ms: float
+    stood_out: bool
+
+    def text(self) -> str:
+        if not self.stood_out:
+            return "no rank stood out at the all-reduce"
+        phase = f", in {self.phase} (+{num(self.grew_ms)} ms)" if self.phase else ""
+        ahead = f"+{num(self.ahead_ms)} ms"
+        return f"rank {self.rank} was last to the all-reduce in {pct(self.share)} of steps, {ahead}{phase}"
+
+
+@dataclass(frozen=True)
 class RankSummary:
     """The per-rank section of the summary (docs/distributed.md): each series' spread of the ranks'
     run means by ``(clock, name)`` (``mem`` series in MiB); ``straggler``: the spread of ``data + step
-    - backward``; ``reduce_ms``: this rank's mean host time per round; ``slowest``: the run's slowest
-    steps across ranks, one per window at most, by own time (wall less the top-level backward)."""
+    - backward``; ``reduce_ms``: this rank's mean host time per round; ``last``: the rank the others
+    waited for at the all-reduce (a watched DDP model)."""
 
     world_size: int
     ranks: int
@@ -46,7 +67,7 @@ class RankSummary:
     series: Mapping[tuple[str, str], RankSpread]
     rounds: int
     reduce_ms: float
-    slowest: tuple[RankSlow, ...] = ()
+    last: LastRank | None = None  # None: no rank's arrival at a collective was measured
 
     def lines(self) -> list[str]:
         """The section as text lines, for the summary table's footer."""
@@ -67,11 +88,8 @@ class RankSummary:
             s = self.straggler
             out.append(f"  slowest rank: {s.argmax} (+{num(s.max_ms - s.min_ms)} ms per step over rank {s.argmin})")
             out.append("  (backward includes waiting for the others' gradients: read it with care)")
-        if self.slowest:
-            out.append("  slowest steps across ranks (own time = wall less backward; one per window):")
-            for r in self.slowest:
-                here = "" if r.here_ms is None or r.rank == r.here else f" (rank {r.here}: {num(r.here_ms)} ms)"
-                out.append(f"    step {r.step}: rank {r.rank}, {num(r.own_ms)} ms{here}")
+        if self.last is not None:
+            out.append(f"  {self.last.text()}")
         out.append(f"  cross-rank statistics: {num(self.reduce_ms)} ms per log interval, {self.rounds} rounds")
         return out
 
@@ -187,7 +205,7 @@ class Totals:
 
 
 DERIVED_FIRST = ("data", "loop")
-DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop")
+DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
 LAUNCH_RATIO = 1.1
 
 

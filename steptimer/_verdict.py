@@ -20,19 +20,24 @@ STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this mu
 BUSY_SHARE = 0.05  # under this, the GPU hardly waited for the host: GPU-bound, if no phase is launch-bound
 LAUNCH_SHARE = 0.5  # phases in which the GPU waited for launches hold at least this much: launch-bound
 HOST_BETWEEN_SHARE = 0.2  # host only: the loader (or the loop) at least this much of wall time
+COMM_SHARE = 0.10  # the compute waited for a watched DDP model's collectives at least this much
 
 VerdictKind = Literal[
     "input-bound", "loop-bound", "launch-bound", "input-bound + launch-bound", "loop-bound + launch-bound",
-    "gpu-bound", "compute-bound", "mixed",
+    "communication-bound", "gpu-bound", "compute-bound", "mixed",
 ]
 ShareClock = Literal["gpu", "host"]
 _FIX = {
     "input": "more DataLoader workers, pin_memory, prefetching",
     "loop": "read the loss and log less often, checkpoint less often",
     "launch": "CUDA graphs (torch.compile mode='reduce-overhead') or fewer, larger kernels",
+    "communication": "fewer, larger collectives (a larger DDP bucket_cap_mb), more overlap with backward, "
+    "no_sync on accumulation micro-batches, or the slower rank the others wait for (per-rank section)",
 }
+# A watched DDP model's collectives (_comm.py): inside backward, which holds the wait, so no share.
+COMM_ROWS = ("comm", "comm_exposed")
 # Rows computed by steptimer, not phases of the user's.
-DERIVED = frozenset({"data", "loop", "other", "wait", "step", "idle"})
+DERIVED = frozenset({"data", "loop", "other", "wait", "step", "idle", *COMM_ROWS})
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ def shares(
     other + idle = 1``; a run's first step has no ``idle``), else of the timed steps' wall time by
     the host clock (``data + phases + other + wait = 1``)."""
     gpu_total = gpu_sum_ms.get("step", 0.0) + gpu_sum_ms.get("idle", 0.0)
-    top = {n: v for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait")}
+    top = {n: v for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait", *COMM_ROWS)}
     if gpu_total > 0 and top:
         return "gpu", {n: v / gpu_total for n, v in top.items()}
     return "host", host_shares(timed_sum_ms, timed_cycle_ms)
@@ -59,7 +64,8 @@ def shares(
 def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dict[str, float]:
     if timed_cycle_ms <= 0:
         return {}
-    return {n: v / timed_cycle_ms for n, v in timed_sum_ms.items() if "/" not in n and n not in ("step", "idle")}
+    skip = ("step", "idle", *COMM_ROWS)
+    return {n: v / timed_cycle_ms for n, v in timed_sum_ms.items() if "/" not in n and n not in skip}
 
 
 def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
@@ -104,6 +110,9 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
         other = "loop" if cause == "input" else "input"
         kind = "input-bound" if cause == "input" else "loop-bound"
         return Verdict(kind, _facts(said[cause], [said[other] if waits[other] >= BUSY_SHARE else None]))
+    comm = _communication(by, "gpu")
+    if comm is not None:
+        return comm
     if launch_share >= LAUNCH_SHARE:
         return Verdict("launch-bound", _facts(said["launch"], [said_idle]))
     if stall < BUSY_SHARE and launch_share < BUSY_SHARE:
@@ -147,8 +156,31 @@ def _host_verdict(by: Mapping[str, Row], share: Mapping[str, float], phases: Seq
         return Verdict("input-bound", (said_data + f": {_FIX['input']}",))
     if loop >= HOST_BETWEEN_SHARE:
         return Verdict("loop-bound", _facts(said_loop, [said_data if timed else None]))
+    comm = _communication(by, "host")
+    if comm is not None:
+        return comm
     said_lead = _lead("the steps'", phases, share)
     return Verdict("compute-bound", _facts(said_lead or said_loop, [said_data if timed else None]))
+
+
+def _communication(by: Mapping[str, Row], clock: ShareClock) -> Verdict | None:
+    """communication-bound: ``comm_exposed`` holds at least ``COMM_SHARE`` of the GPU's timeline
+    (step + idle; host only: of wall time, step + data + loop); None otherwise."""
+
+    def sum_ms(name: str) -> float:
+        row = by.get(name)
+        st = None if row is None else getattr(row, clock)
+        return st.mean_ms * st.steps if st is not None and st.steps else 0.0
+
+    rows = ("step", "idle") if clock == "gpu" else ("step", "data", "loop")
+    total, exposed = sum(sum_ms(n) for n in rows), sum_ms("comm_exposed")
+    if total <= 0 or exposed < COMM_SHARE * total:
+        return None
+    of = "the GPU's timeline" if clock == "gpu" else "wall time"
+    first = f"the compute waited for the gradient collectives at the end of backward {pct(exposed / total)} of {of}"
+    busy, ex = (getattr(by[n], clock) for n in COMM_ROWS)
+    first += f" (comm_exposed: median {num(ex.median_ms)} ms a step, of {num(busy.median_ms)} ms of collectives)"
+    return Verdict("communication-bound", (first, f"fix: {_FIX['communication']}"))
 
 
 def _facts(first: str, more: Sequence[str | None]) -> tuple[str, ...]:

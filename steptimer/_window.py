@@ -18,7 +18,7 @@ import numpy as np
 from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats, bucket_upper_ms
 from steptimer._memory import MemoryStats, StepMemory, memory_of
 from steptimer._slow import Candidate, StepWalls, window_candidates
-from steptimer._verdict import ShareClock, shares
+from steptimer._verdict import COMM_ROWS, ShareClock, shares
 
 # A row: LEAD leading values, then one host duration (s) per phase entry, in entry order; with GPU
 # times, the GPU step (ms), one GPU span (ms) per phase entry and one "caught" flag per phase entry
@@ -41,6 +41,7 @@ class StepRows:
     warmup: bool = False  # the window's steps are warm-up steps (windows never mix the two)
     memory: list[StepMemory] = field(default_factory=list)  # the allocator's readings, in order
     marks: dict[int, dict[str, float]] = field(default_factory=dict)  # by step, sparse (_slow.py)
+    comm: list[tuple[int, bool, float, float, float | None]] = field(default_factory=list)  # _comm.take
 
     def add(self, key: RowKey, row: list[float]) -> None:
         self.groups.setdefault(key, []).append(row)
@@ -182,6 +183,7 @@ class Packed:
         self.groups: list[GroupTotals] = []
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
+        self.arrive: dict[int, float] = {}  # by step: its arrival at its first collective, ms (_comm.py)
         same = sid[1:] == sid[:-1]
         if (sid[1:] < sid[:-1]).any() or (values[1:][same] < values[:-1][same]).any():
             order = np.lexsort((values, sid))
@@ -268,11 +270,18 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
         cycle_ms = float((lead[:, STEP_S] * 1e3 + blk.gap_ms).sum())
         sums_ms = np.nansum(blk.derived, axis=0).tolist()
         totals.append(GroupTotals(blk.names, series, len(lead), cycle_ms, *counts, sums_ms))
+    for gpu, clock in ((True, "gpu"), (False, "host")):  # a watched DDP model's rows (_comm.py)
+        pairs = [c[2:4] for c in rows.comm if c[1] == gpu]
+        if pairs:
+            for name, column in zip(COMM_ROWS, np.sort(np.array(pairs), axis=0).T):
+                vals.append(column)
+                sids.append(np.full(len(pairs), index.setdefault((clock, name), len(index)), dtype=np.int64))
     values = np.concatenate(vals) if vals else np.zeros(0)
     sid = np.concatenate(sids) if sids else np.zeros(0, dtype=np.int64)
     keep = ~np.isnan(values)
     p = Packed(list(index), values[keep], sid[keep])
     p.groups = totals
+    p.arrive = {c[0]: c[4] for c in rows.comm if c[4] is not None}
     untimed_slow = any("untimed" in m for m in rows.marks.values())  # host walls, beyond a GPU bound
     if slowest and not rows.warmup and (untimed_slow or _may_beat(p, index, floor_ms)):
         p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, STEP_S, NUMBER)

@@ -257,8 +257,8 @@ class StepTimer:
             nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow, recent=c,
             folder=folder if seams.profile_dir is None else seams.profile_dir, set_ranged=self._set_ranged, **runs,
         )  # fmt: skip
-        # StepWalls per window (_slow.py): profile_on_slow's check, the slowest step across ranks
-        self._walls = getattr(self._ranges, "slow", None) is not None or (self._xrank is not None and slowest_steps > 0)
+        # StepWalls per window (_slow.py): profile_on_slow's check, the rows of the rank last to a collective
+        self._walls = getattr(self._ranges, "slow", None) is not None or self._xrank is not None
         self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
         # Every resolved step to the capture: through add() when windows keep steps whole (and the
         # profiler marks them), else appended to its ring by the engine itself.
@@ -408,6 +408,24 @@ class StepTimer:
         """Add a line to the summary's notes (once: a line already there is not repeated)."""
         if text not in self._engine.notes:
             self._engine.notes.append(text)
+
+    def watch_ddp(self, model: Any, *, hook: Any = None, state: Any = None) -> None:
+        """Time a DistributedDataParallel model's gradient collectives per timed step: rows ``comm``
+        and ``comm_exposed`` (the part the compute waited for at the end of backward), and each
+        rank's arrival at them (docs/distributed.md). Call it once, before the first backward.
+
+        Args:
+            model: the ``DistributedDataParallel`` model.
+            hook: your DDP comm hook, run inside steptimer's (DDP takes one); None: DDP's all-reduce.
+            state: the hook's state, as for ``register_comm_hook``.
+
+        Raises:
+            TypeError: ``model`` is not a ``DistributedDataParallel``.
+        """
+        if self.enabled:
+            from steptimer._comm import watch
+
+            watch(self._engine, model, hook, state)
 
     def close(self, *, failed: bool = False) -> Summary:
         """Resolve pending steps, write the last window, print and return the summary (idempotent).

@@ -17,15 +17,15 @@ from steptimer import StepTimer
 from steptimer._dist import (
     CHARTS,
     CrossRank,
+    _arrivals,
+    _grew,
+    _lasts,
     decode_rank,
-    decode_step,
     encode,
-    encode_step,
     rank_bits,
     spreads,
     straggler_ms,
 )
-from steptimer._format import num
 from tests.tb import layout_regexes, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +78,9 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
     if slow is None:
         # Control: no rank sleeps, so no rank stands out by anything near the sleep.
         assert all(d < SLOW_MS / 2 for d in spread), spread
+        late = tb.get("steptimer-ranks/last_rank_ms", [])  # a window whose ranks all arrived within 1 ms has none
+        assert all(ms < SLOW_MS / 2 for _, ms in late), late
+        assert results[0]["last"] == results[1]["last"] == "no rank stood out at the all-reduce"
         return
     seen = {t: v for t, v in tb.items() if "ranks" in t}  # shown if an assertion fails
     assert [v for _, v in tb["steptimer-ranks/straggler_argmax"]] == [slow] * 3, seen
@@ -89,6 +92,25 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
         assert results[r]["summary_ranks"] == 2
         assert results[r]["summary_straggler_argmax"] == slow
     assert f"slowest rank: {slow} " in out  # the per-rank section of rank 0's printed summary
+    # Named from what it did before the all-reduce: last to it in every step, by about the sleep, in forward.
+    assert [v for _, v in tb["steptimer-ranks/last_rank"]] == [slow] * 3, seen
+    assert [v for _, v in tb["steptimer-ranks/last_rank_share"]] == [1.0] * 3, seen
+    assert all(ms > SLOW_MS * 0.8 for _, ms in tb["steptimer-ranks/last_rank_ms"]), seen
+    said = rf"rank {slow} was last to the all-reduce in 100% of steps, \+([\d.]+) ms, in forward \(\+([\d.]+) ms\)"
+    m = re.fullmatch(said, results[0]["last"])
+    assert m and float(m[1]) > SLOW_MS * 0.8 and float(m[2]) > SLOW_MS * 0.8, results[0]["last"]
+    assert results[1]["last"] == results[0]["last"] and results[0]["last"] in out.replace("\n    ", " ")
+
+
+def test_a_rank_slow_after_its_collective_is_named_at_the_next_one(tmp_path: Path) -> None:
+    """Rank 1 sleeps 40 ms in its optimizer, after the all-reduce: the arrival counts from the previous
+    step's last collective, so rank 1 is last to the next one, with its optimizer as the row that grew."""
+    args = ["--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS),
+            "--slow-rank", "1", "--slow-phase", "optimizer"]  # fmt: skip
+    results, _ = torchrun("plain_loop.py", *args)
+    m = re.fullmatch(r"rank 1 was last to the all-reduce in ([\d.]+)% of steps, \+([\d.]+) ms, in optimizer .*",
+                     results[0]["last"])  # fmt: skip
+    assert m and float(m[1]) >= 80 and float(m[2]) > SLOW_MS * 0.8, results[0]["last"]
 
 
 def test_a_gc_pause_on_one_rank_in_a_windows_last_step_keeps_the_ranks_in_step(tmp_path: Path) -> None:
@@ -106,47 +128,32 @@ def test_a_gc_pause_on_one_rank_in_a_windows_last_step_keeps_the_ranks_in_step(t
 @pytest.mark.parametrize("ddp", [True, False], ids=["ddp", "no-ddp"])
 def test_the_slow_rank_of_a_slow_step_is_named(tmp_path: Path, ddp: bool) -> None:
     """Rank 1 sleeps 40 ms in the forward of step 17 only. Under DDP every rank's step 17 is slow (the
-    others wait for rank 1's gradients inside backward), and rank 0's slowest step is 17: its table
-    names rank 1, by own time (wall less backward). Without DDP rank 0's steps are all alike; the
-    per-rank section lists rank 1's step 17, and rank 0's slow steps of steps 11-20 name it."""
+    others wait for rank 1's gradients inside backward): each rank's slowest step is 17, and its table
+    says rank 1 reached the all-reduce last, by about the sleep, in forward. Without DDP there is no
+    all-reduce to be late to: nothing is said."""
     args = ["--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS),
             "--slow-rank", "1", "--slow-step", "17"] + ([] if ddp else ["--no-ddp"])  # fmt: skip
     results, out = torchrun("plain_loop.py", *args)
-    r0 = results[0]
-    top = r0["ranks_slowest"][0]
-    assert (top["step"], top["rank"], top["window"], top["here"]) == (17, 1, [11, 20], 0), r0["ranks_slowest"]
-    assert top["own_ms"] >= SLOW_MS
-    # No other step slept (the first window's steps are left out: DDP's first step builds its buckets).
-    assert all(r["own_ms"] < SLOW_MS / 2 for r in r0["ranks_slowest"][1:] if r["step"] > 10), r0
-    assert results[1]["ranks_slowest"][0]["rank"] == 1  # every rank gets the same answer
-    assert f"    step 17: rank 1, {num(top['own_ms'])} ms (rank 0: {num(top['here_ms'])} ms)" in out
-    tb = scalars(tmp_path)
-    assert tb["steptimer-ranks/slowest_step"][0] == (10, tb["steptimer-ranks/slowest_step"][0][1])
-    assert [(s, v) for s, v in tb["steptimer-ranks/slowest_step"] if s == 20] == [(20, 17.0)]
-    assert [(s, v) for s, v in tb["steptimer-ranks/slowest_step_argmax"] if s == 20] == [(20, 1.0)]
-    assert [v for s, v in tb["steptimer-ranks/slowest_step_own_ms"] if s == 20] == [pytest.approx(top["own_ms"])]
     from steptimer._reader import find_runs
     from steptimer._report import analyze
     from steptimer.cli import _report_json
 
     (run,) = find_runs(str(tmp_path))
     reported = _report_json(analyze(run))["slowest"]
-    assert reported == [{k: v for k, v in s.items()} for s in r0["slowest"]]  # the report reads the same
-    if ddp:
-        # Rank 0's slowest step is 17 (it waited in backward); its own time there is short.
-        first = r0["slowest"][0]
-        assert first["step"] == 17 and first["rank"]["step"] == 17 and first["rank"]["rank"] == 1
-        assert top["here_ms"] < SLOW_MS / 2
-        assert (
-            f"rank 1 was slowest in this step: {top['own_ms']:.1f} ms of its own vs "
-            f"{top['here_ms']:.3f} ms on rank 0 (wall less backward)"
-        ) in first["causes"]
-    else:
-        in_window = [s for s in r0["slowest"] if 11 <= s["step"] <= 20]
-        assert in_window and all(
-            f"slowest rank in steps 11-20: rank 1 at step 17, {top['own_ms']:.1f} ms of its own (wall less backward)"
-            in s["causes"] for s in in_window
-        )  # fmt: skip
+    assert reported == [{k: v for k, v in s.items()} for s in results[0]["slowest"]]  # the report reads the same
+    causes = [c for r in results.values() for s in r["slowest"] for c in s.get("causes", ())]
+    if not ddp:
+        assert not [c for c in causes if "all-reduce" in c] and "all-reduce" not in out, causes
+        assert results[0]["last"] is None
+        return
+    for r, who in ((0, "rank 1"), (1, "this rank")):
+        first = results[r]["slowest"][0]
+        (cause,) = [c for c in first["causes"] if "all-reduce" in c]
+        m = re.fullmatch(rf"{who} was last to the all-reduce, \+([\d.]+) ms, in forward", cause)
+        assert first["step"] == 17 and m and float(m[1]) > SLOW_MS * 0.8, first
+    tb = scalars(tmp_path)
+    assert [v for s, v in tb["steptimer-ranks/last_rank"] if s == 20] == [1.0]
+    assert results[0]["last"] == "no rank stood out at the all-reduce"  # one slow step is no straggler
 
 
 def test_memory_across_ranks(tmp_path: Path) -> None:
@@ -243,6 +250,11 @@ def test_nccl_two_gpus_names_the_slowed_rank(tmp_path: Path) -> None:
     assert [v for _, v in tb["steptimer-ranks/gpu/forward_argmax"]] == [1.0] * 3
     assert "steptimer-ranks/gpu/backward_max_ms" in tb
     assert results[0]["summary_straggler_argmax"] == 1
+    # watch_ddp on NCCL: the collectives on the GPU's clock, and rank 1 last to them (its GPU idled
+    # while its host slept in forward).
+    assert "steptimer/gpu/comm_ms" in tb and "steptimer/gpu/comm_exposed_ms" in tb
+    assert [v for _, v in tb["steptimer-ranks/last_rank"]] == [1.0] * 3
+    assert re.match(r"rank 1 was last to the all-reduce in .*, in forward", results[0]["last"]), results[0]["last"]
 
 
 # ---------------------------------------------------------------- arithmetic, in-process
@@ -303,13 +315,16 @@ def test_single_process_is_inert_and_options_are_checked(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("world", [3, 1000])
-def test_slowest_step_key_names_rank_and_step_exactly(world: int) -> None:
-    """The window's slowest step across ranks rides in one MAX: the key of the largest own time
-    decodes to its rank and step, the step from its low bits and the window's last step."""
-    bits = rank_bits(world)
-    last = 3 * 2**16 + 20  # windows past 65,536 steps: the step is rebuilt from the last step
-    own = {0: (12.5, last - 3), world - 1: (41.25, last - 7), 1: (41.0, last)}
-    keys = [encode_step(v, step, r, bits) for r, (v, step) in own.items()]
-    assert all(float(int(k)) == k and k < 2**53 for k in keys)
-    assert decode_step(max(keys), bits, last) == (world - 1, last - 7)
-    assert decode_step(encode_step(0.0, last - 2**16 + 1, 0, bits), bits, last) == (0, last - 2**16 + 1)
+def test_arrivals_name_the_last_rank_and_its_lead_over_the_first(world: int) -> None:
+    """Per step of a window, the MAX of the ranks' arrival keys names the last rank to the first
+    collective and, with minus the arrivals, by how much after the first; a rank without the step
+    abstains (-inf)."""
+    bits, end = rank_bits(world), 1000
+    arrive = {0: {999: 5.0, 1000: 2.0}, 1: {999: 17.25, 1000: 1.0}, world - 1: {1000: 3.5}}
+    mine = [_arrivals(a, end, 3, r, bits) for r, a in arrive.items()]
+    mx = [max(col) for col in zip(*mine)]
+    assert _lasts(mx, end, bits) == {1000: (world - 1, 2.5), 999: (1, 12.25)}
+    # Rows summed over the last rank's steps, its own then the others': forward grew, backward is left out.
+    keys = ["gpu/forward", "host/backward", "host/data", "host/forward", "host/step", "straggler"]
+    rows = [0, 1.0, 2.0, 45.0, 50.0, 0] + [0, 80.0, 4.0, 10.0, 100.0, 0]  # two other ranks
+    assert _grew(rows, keys, 3) == {"data": 0.0, "forward": 40.0}

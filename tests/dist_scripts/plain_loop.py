@@ -1,7 +1,8 @@
 """A plain torch.distributed loop timed by steptimer; tests/test_dist.py runs it under torchrun.
 
-Options make one rank slow (a sleep inside forward), stop early (uneven end), time an extra phase
-(different phase sets), or raise (the exception path). With ``--cuda``: NCCL, one GPU per rank.
+Options make one rank slow (a sleep inside forward or the optimizer), stop early (uneven end), time an extra phase
+(different phase sets), or raise (the exception path). Under DDP it watches the gradient collectives
+(``watch_ddp``). With ``--cuda``: NCCL, one GPU per rank.
 Each rank prints ``RESULT {json}`` at the end.
 """
 
@@ -29,6 +30,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=40.0)
     p.add_argument("--slow-step", type=int, default=0, help="the slow rank sleeps in this step only (0: every step)")
+    p.add_argument("--slow-phase", choices=("forward", "optimizer"), default="forward")
     p.add_argument("--short-rank", type=int, default=-1, help="this rank stops after --short-steps")
     p.add_argument("--short-steps", type=int, default=0)
     p.add_argument("--extra-phase-rank", type=int, default=-1)
@@ -64,7 +66,8 @@ def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: n
                         mem.free((rank + 1) * (8 << 20))
                     if rank == a.gc_rank and i == a.gc_step:  # a GC pause marks this step on one rank only
                         gc.collect()
-                    if rank == a.slow_rank and a.slow_step in (0, i):
+                    slow = rank == a.slow_rank and a.slow_step in (0, i)
+                    if slow and a.slow_phase == "forward":
                         time.sleep(a.slow_ms / 1e3)
                 if rank == a.extra_phase_rank:
                     with timer.phase("extra"):
@@ -73,6 +76,8 @@ def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: n
                     loss.backward()
                 with timer.phase("optimizer"):
                     opt.step()
+                    if slow and a.slow_phase == "optimizer":
+                        time.sleep(a.slow_ms / 1e3)
                     opt.zero_grad()
 
 
@@ -102,6 +107,8 @@ def main() -> None:
         log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=0,
         cuda=None if a.fake_memory else a.cuda or False, cross_rank_timeout_s=a.timeout, **fake,
     )
+    if net is ddp:
+        timer.watch_ddp(ddp)
     t0 = time.perf_counter()
     try:
         train(a, rank, steps, timer, net, opt, x, mem)
@@ -117,7 +124,7 @@ def main() -> None:
         out["reduce_ms"] = summary.ranks.reduce_ms
         out["rounds"] = summary.ranks.rounds
         out["summary_lines"] = summary.ranks.lines()
-        out["ranks_slowest"] = [r.to_json() for r in summary.ranks.slowest]
+        out["last"] = None if summary.ranks.last is None else summary.ranks.last.text()
     out["slowest"] = [s.to_json() for s in summary.slowest]
     print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()

@@ -1,0 +1,247 @@
+"""steptimer/_comm.py: DDP's collectives per step (rows ``comm`` and ``comm_exposed``): the span
+arithmetic on plain numbers, and a real 2-process gloo DDP run on CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from steptimer import PhaseSummary, SeriesStats, StepTimer
+from steptimer._comm import comm_ms, union_ms
+from steptimer._reader import find_runs
+from steptimer._report import analyze
+from steptimer._verdict import verdict
+from tests.fakes import ListSink
+from tests.tb import scalars
+
+# ---------------------------------------------------------------- the arithmetic
+
+
+def test_union_of_spans_counts_overlaps_once() -> None:
+    assert union_ms([]) == 0.0
+    assert union_ms([(0.0, 2.0), (5.0, 6.0)]) == 3.0  # disjoint: the sum
+    assert union_ms([(0.0, 3.0), (2.0, 6.0), (4.0, 9.0)]) == 9.0  # chained overlaps
+    assert union_ms([(0.0, 10.0), (2.0, 3.0)]) == 10.0  # nested
+    assert union_ms([(4.0, 9.0), (0.0, 3.0), (2.0, 6.0)]) == 9.0  # in any order
+    assert union_ms([(0.0, 3.0), (2.0, 6.0), (7.0, 9.0)], after=4.0) == 4.0  # clipped: [4, 6] and [7, 9]
+    assert union_ms([(0.0, 3.0)], after=5.0) == 0.0
+
+
+def test_buckets_queued_on_one_stream_give_its_busy_time_and_the_tail_after_the_last_ready() -> None:
+    # Three buckets ready at 0, 2 and 4 ms, 3 ms each on one (serial) stream: they run 0-3, 3-6 and
+    # 6-9. The stream is busy 9 ms; compute ended when the last bucket was ready (4 ms) and waited
+    # until the last collective ended (9 ms): 5 ms exposed.
+    spans = [(0.0, 3.0), (2.0, 6.0), (4.0, 9.0)]
+    assert comm_ms(spans, [False, False, True]) == (9.0, 5.0)
+    # The collectives kept up with the compute: the last one ends 1 ms after its bucket was ready.
+    assert comm_ms([(0.0, 1.0), (5.0, 6.0), (10.0, 11.0)], [False, False, True]) == (3.0, 1.0)
+
+
+def test_each_backward_has_its_own_exposed_tail() -> None:
+    # Two backward passes with a sync each (two groups of buckets, each closed by its last bucket).
+    spans = [(0.0, 2.0), (1.0, 4.0), (10.0, 11.0), (12.0, 15.0)]
+    busy, exposed = comm_ms(spans, [False, True, False, True])
+    assert busy == 4.0 + 1.0 + 3.0
+    assert exposed == (4.0 - 1.0) + (15.0 - 12.0)
+    # No bucket said it was last (a hook that doesn't know): the step's spans are one group.
+    assert comm_ms(spans, [False] * 4) == (8.0, 3.0)
+
+
+# ---------------------------------------------------------------- the verdict
+
+
+def _row(name: str, host_ms: float | None, gpu_ms: float | None, share: float | None, steps: int = 10) -> PhaseSummary:
+    def st(ms: float | None) -> SeriesStats | None:
+        return None if ms is None else SeriesStats(steps, ms, ms, ms, ms)
+
+    return PhaseSummary(name, 1.0, st(host_ms) or SeriesStats(0, math.nan, math.nan, math.nan, math.nan),
+                        st(gpu_ms), share, False)  # fmt: skip
+
+
+def _gpu_rows(exposed_ms: float) -> list[PhaseSummary]:
+    # 100 ms GPU steps with 2 ms idle before each: a 102 ms timeline; backward holds the exposed wait.
+    return [_row("forward", 30.0, 30.0, 30 / 102), _row("backward", 69.0, 69.0, 69 / 102),
+            _row("other", 1.0, 1.0, 1 / 102), _row("step", 100.0, 100.0, None), _row("idle", None, 2.0, 2 / 102),
+            _row("comm", None, 20.0, None), _row("comm_exposed", None, exposed_ms, None)]  # fmt: skip
+
+
+def test_exposed_communication_from_a_tenth_of_the_gpu_timeline_is_communication_bound() -> None:
+    v = verdict(_gpu_rows(10.2), cuda=True)  # 10 % of 102 ms
+    assert v.kind == "communication-bound"
+    assert v.evidence[0] == (
+        "the compute waited for the gradient collectives at the end of backward 10.0% of the GPU's timeline "
+        "(comm_exposed: median 10.2 ms a step, of 20.0 ms of collectives)"
+    )
+    assert "bucket_cap_mb" in v.evidence[1] and "overlap" in v.evidence[1] and "fewer, larger" in v.evidence[1]
+    assert verdict(_gpu_rows(10.1), cuda=True).kind == "gpu-bound"  # 9.9 %: the other rules decide
+
+
+def test_host_only_exposed_communication_is_of_wall_time_and_input_bound_comes_first() -> None:
+    rows = [_row("data", 1.0, None, 0.02), _row("forward", 10.0, None, 0.2), _row("backward", 38.0, None, 0.76),
+            _row("other", 1.0, None, 0.02), _row("step", 49.0, None, None),
+            _row("comm", 20.0, None, None), _row("comm_exposed", 5.0, None, None)]  # fmt: skip
+    v = verdict(rows, cuda=False)
+    assert v.kind == "communication-bound" and "10.0% of wall time" in v.evidence[0]
+    rows[0] = _row("data", 20.0, None, 0.29)  # the loop waits between steps: that comes first
+    assert verdict(rows, cuda=False).kind == "input-bound"
+
+
+# ---------------------------------------------------------------- a real DDP run (2 gloo ranks, CPU)
+
+STEPS, EVERY, WARMUP, RAISE_STEP = 20, 5, 2, 9
+
+
+def _rank_main(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)])
+    # Small buckets: several collectives per backward, queued behind each other.
+    ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    sink = ListSink()
+    timer = StepTimer._make(
+        sinks=[sink], cuda=False, print_summary=False, warmup_steps=WARMUP, log_every_n_steps=EVERY,
+        log_dir=str(Path(out, "tb")), cross_rank_timeout_s=30.0,
+    )  # fmt: skip
+    timer.watch_ddp(ddp)
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(rank))
+    failed = False
+    while timer.steps < STEPS:
+        try:
+            with timer.step(samples=64):
+                with timer.phase("forward"):
+                    loss = ddp(x).square().mean()
+                with timer.phase("backward"):
+                    loss.backward()
+                with timer.phase("optimizer"):
+                    if timer.steps + 1 == RAISE_STEP and not failed:
+                        failed = True  # a step that fails after its collectives ran: dropped, then run again
+                        raise RuntimeError("planned")
+                    opt.step()
+                    opt.zero_grad()
+        except RuntimeError as err:
+            if str(err) != "planned":
+                raise
+            opt.zero_grad()
+    summary = timer.close()
+    windows = [
+        {"step": w.step, "steps": w.steps, "warmup": w.warmup,
+         "host": {n: [s.steps, s.mean_ms] for n, s in w.host.items()},
+         "shares": dict(w.shares), "extra": {k: v for k, v in w.extra.items() if "comm" in k}}
+        for w in sink.windows
+    ]  # fmt: skip
+    rows = {r.name: [r.host.steps, r.host.mean_ms, r.share] for r in summary.rows}
+    params = [float(p.detach().sum()) for p in net.parameters()]
+    doc = {"windows": windows, "rows": rows, "params": params, "dir": out}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(doc))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    d = tmp_path_factory.mktemp("comm")
+    mp.spawn(_rank_main, args=(f"file://{d / 'init'}", str(d)), nprocs=2, join=True)
+    return {r: json.loads((d / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def test_each_rank_gets_comm_rows_inside_backward_and_the_shares_still_add_up(ddp_run: dict) -> None:
+    for rank, r in ddp_run.items():
+        wins = [w for w in r["windows"] if not w["warmup"]]
+        assert [w["step"] for w in wins] == [5, 10, 15, 20], rank
+        for w in wins:
+            host = w["host"]
+            # One value per timed step: the failed step's collectives are dropped with it.
+            assert host["comm"][0] == host["comm_exposed"][0] == w["steps"], (rank, w)
+            assert 0.0 < host["comm"][1] <= host["backward"][1], (rank, w)  # DDP waits inside backward
+            assert 0.0 <= host["comm_exposed"][1] <= host["comm"][1], (rank, w)
+            assert "comm" not in w["shares"] and "comm_exposed" not in w["shares"]
+            assert math.isclose(sum(w["shares"].values()), 1.0, rel_tol=1e-9), w["shares"]
+
+
+def test_the_summary_has_the_comm_rows_without_a_share(ddp_run: dict) -> None:
+    for rank, r in ddp_run.items():
+        rows = r["rows"]
+        assert list(rows)[-2:] == ["comm", "comm_exposed"], rows  # after the rows of the timeline
+        assert rows["comm"][2] is None and rows["comm_exposed"][2] is None  # no share: inside backward
+        assert rows["comm"][0] == rows["comm_exposed"][0] == STEPS - WARMUP
+        assert 0.0 <= rows["comm_exposed"][1] <= rows["comm"][1] <= rows["backward"][1], (rank, rows)
+        assert math.isclose(sum(s for _, _, s in rows.values() if s is not None), 1.0, rel_tol=1e-9)
+
+
+def test_tensorboard_report_and_compare_read_the_comm_rows_back(ddp_run: dict) -> None:
+    tb_dir = ddp_run[0]["dir"] + "/tb"
+    tags = scalars(Path(tb_dir))
+    for tag in ("steptimer/host/comm_ms", "steptimer/host/comm_exposed_ms",
+                "steptimer-ranks/host/comm_max_ms", "steptimer-ranks/host/comm_exposed_argmax"):  # fmt: skip
+        assert {5, 10, 15, 20} <= {s for s, _ in tags[tag]}, tag
+    # The summary's own rows, as rank 0 wrote them: the report reads the same numbers back.
+    (run,) = find_runs(tb_dir)
+    report = analyze(run)
+    live = ddp_run[0]["rows"]
+    assert report["comm"].share is None and report["comm"].host.steps == live["comm"][0]
+    assert math.isclose(report["comm_exposed"].host.mean_ms, live["comm_exposed"][1], rel_tol=1e-4)
+    for args in (["report", tb_dir], ["compare", tb_dir, tb_dir]):
+        out = subprocess.run([sys.executable, "-m", "steptimer", *args], capture_output=True, text=True,
+                             env={**os.environ, "COLUMNS": "80"}, check=True).stdout  # fmt: skip
+        assert re.search(r"^comm_exposed +", out, re.M) and re.search(r"^comm +", out, re.M), out
+
+
+def test_the_ranks_spread_of_comm_is_in_the_cross_rank_tags(ddp_run: dict) -> None:
+    for w in ddp_run[0]["windows"]:
+        if w["warmup"]:
+            continue
+        ex = w["extra"]
+        assert ex["steptimer-ranks/host/comm_min_ms"] <= ex["steptimer-ranks/host/comm_max_ms"], ex
+        assert "steptimer-ranks/host/comm_exposed_mean_ms" in ex
+
+
+def test_training_is_unchanged_the_ranks_hold_the_same_weights(ddp_run: dict) -> None:
+    assert ddp_run[0]["params"] == ddp_run[1]["params"]
+
+
+def test_watch_ddp_wants_a_ddp_model() -> None:
+    timer = StepTimer(cuda=False, print_summary=False)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        timer.watch_ddp(nn.Linear(2, 2))
+    timer.close()
+
+
+# ---------------------------------------------------------------- bench/comm_ddp.py on CPU
+
+
+def test_the_comm_bench_runs_on_cpu_with_gloo(tmp_path: Path) -> None:
+    """The device script's CPU path (2 gloo ranks, the tiny preset, no kernel trace), so it doesn't rot."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(root / "bench" / "comm_ddp.py"), "--out", str(tmp_path), "--preset", "tiny", "--iters", "10",
+           "--profiled", "5", "--slow-ms", "30"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    r = json.loads((tmp_path / "comm_ddp.json").read_text())
+    assert r["backend"] == "gloo" and r["world_size"] == 2
+    configs = sorted([f"{c}{how}" for c in ("default", "comm-heavy") for how in ("", "-unwatched", "-stock")]
+                     + ["straggler"])  # fmt: skip
+    assert sorted((row["config"], row["rank"]) for row in r["rows"]) == [(c, k) for c in configs for k in (0, 1)]
+    for row in r["rows"]:
+        assert row["clock"] == "host" and row["steps"] == 5 and "cupti" not in row and row["unprofiled_wall_ms"] > 0
+        if row["config"].endswith(("-unwatched", "-stock")):
+            assert row["steptimer"] == {}
+        else:
+            assert 0.0 <= row["steptimer"]["comm_exposed"] <= row["steptimer"]["comm"] <= row["step_ms"]
+    assert "| config | rank |" in (tmp_path / "comm_ddp.md").read_text()
+    last = {row["config"]: row["last"] for row in r["rows"] if row["rank"] == 0}
+    assert last["straggler"].startswith("rank 1 was last to the all-reduce in") and "in forward" in last["straggler"]
