@@ -152,6 +152,11 @@ class Engine:
         # work (a window costs the same however few of its steps are timed: `own_s` reports it), so
         # both are left out on purpose.
         self.cost_s = 0.0
+        # The most one GPU boundary counts: twice the least a phase's entry with a record took, plus
+        # 2 µs. A record that waits for a full launch queue (a GPU-bound run) waits where the user's
+        # next launch would have waited anyway: not steptimer's cost.
+        self.bound_min = math.inf
+        self.bound_cap = math.inf
         self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
         self._pick_at = (start_step, _NAN)  # the last pick's step and its start time
         self._block_end = self.first_number  # the first step after the current block
@@ -254,7 +259,7 @@ class Engine:
                 mem.begin_step(self.device)
         self._mem = mem
         self._last_t = t = perf_counter()
-        self.cost_s += t - t0
+        self.cost_s += min(t - t0, 2 * self.bound_cap)
         self.state = GPU
 
     def _may_begin(self) -> bool:
@@ -363,6 +368,7 @@ class Engine:
         t0 = self._t0
         state = self.state
         gap = row[GAP_S]
+        blocked = 0.0
         rec = StepRecord(
             number, t0, state >= HOST, number <= self.last_warmup, row, None if gap != gap else gap,
             self._recs, self._pause_evs or _NO_PAUSES, self.device,
@@ -376,6 +382,7 @@ class Engine:
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
+            blocked = perf_counter() - t1 - self.bound_cap  # in a full launch queue: not our cost
             if self._mem is not None:
                 rec.memory = self._mem.end_step(shared)
                 self._mem_next = t0 + MEMORY_BUDGET * self._mem.spent_s
@@ -410,7 +417,8 @@ class Engine:
             self._resolve_upto(min(due, number - 1))
         self._gap_start = t_end = perf_counter()
         rec.step_s = step_s = t_end - t0
-        self.cost_s += t_end - t1 - rec.wait_s  # an untimed step here is queued for a timed one
+        # (an untimed step here is queued for a timed one)
+        self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
         if number == self._next_timed:
             self._pick_next(number)
         elif step_s + gap > self._slow_s:
@@ -482,6 +490,7 @@ class Engine:
         t0 = self._t0
         self._pick_at = (number, t0)
         cost, self.cost_s = self.cost_s, 0.0
+        self.bound_cap = 2 * self.bound_min + 2e-6
         if t_last != t_last:  # the first timed step: no wall per step yet
             return 1
         wall = (t0 - t_last) / (number - last)
@@ -816,7 +825,10 @@ class Phase:
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
         if state == GPU:
             e._last_t = t2 = perf_counter()
-            e.cost_s += t2 - t
+            d = t2 - t
+            if d < e.bound_min and not shared:  # a boundary that recorded an event
+                e.bound_min = d
+            e.cost_s += d if d < e.bound_cap else e.bound_cap
 
     def __exit__(self, et: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         """Leave the phase; ``error`` is read only for the out-of-memory note, never swallowed."""
@@ -854,7 +866,8 @@ class Phase:
                     e._note_oom(full, error, peak)
         e._recs.append((full, t_in, t1, i_in, i_out, caught))
         t2 = perf_counter()
-        e.cost_s += t2 - t1
+        d = t2 - t1
+        e.cost_s += d if d < e.bound_cap else e.bound_cap
         if gpu:
             e._last_t = t2
 

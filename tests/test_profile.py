@@ -423,7 +423,7 @@ def test_kernels_land_in_their_phase_on_gpu(tmp_path: Path) -> None:
 @pytest.mark.cuda
 def test_nvtx_on_gpu_times_as_without(tmp_path: Path) -> None:
     assert profile_mod._nvtx_functions() is not None  # a CUDA build has NVTX
-    t = StepTimer(warmup_steps=2, print_summary=False, nvtx=True)
+    t = StepTimer(warmup_steps=2, print_summary=False, nvtx=True, sample_every=1)
     gpu_loop(t, 8, _spin_cycles(1.0))
     s = t.close()
     assert s.cuda and s.steps == 6
