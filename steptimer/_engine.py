@@ -496,7 +496,9 @@ class Engine:
         wall = (t0 - t_last) / (number - last)
         ema = self._ema
         if ema is not None:
-            cost = ema[0] + EMA_ALPHA * (cost - ema[0])
+            # A block's spike (a trace file written, a call that blocked) moves the average by at
+            # most EMA_ALPHA of it; steady costs still raise it, by up to that much a block.
+            cost = ema[0] + EMA_ALPHA * (min(cost, 2 * ema[0]) - ema[0])
             wall = ema[1] + EMA_ALPHA * (wall - ema[1])
         self._ema = (cost, wall)
         self._slow_s = SLOW_FACTOR * wall
