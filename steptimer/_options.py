@@ -46,7 +46,7 @@ class Options:
     profile_on_slow: float | None = None
     memory: int | None = None
     slowest_steps: int = DEFAULT_K
-    cost_budget: float = 0.005
+    cost_budget: float | None = None
 
     def __post_init__(self) -> None:
         if self.log_every_n_steps is not None:
@@ -55,7 +55,7 @@ class Options:
         _check_int("lag", self.lag, 0)
         if self.sample_every is not None:
             _check_int("sample_every", self.sample_every, 1)
-        if not _positive(self.cost_budget) or self.cost_budget >= 1:
+        if self.cost_budget is not None and (not _positive(self.cost_budget) or self.cost_budget >= 1):
             raise ValueError(
                 "cost_budget must be a number between 0 and 1, exclusive (the part of the wall time "
                 f"timing may cost, e.g. 0.005), got {self.cost_budget!r}; sample_every=1 times every step"

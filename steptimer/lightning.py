@@ -171,7 +171,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         lag: int = 2,
         cuda: bool | None = None,
         sample_every: int | None = None,
-        cost_budget: float = 0.005,
+        cost_budget: float | None = None,
         forward_module: str | Sequence[str] | None = None,
         batch_size_fn: Callable[[Any], float] | None = None,
         tokens_fn: Callable[[Any], float] | None = None,

@@ -168,8 +168,9 @@ class StepTimer:
         start_step: Number of steps already done (resumed runs); the first step is ``start_step + 1``.
         enabled: False makes every call a near-free no-op with the same API.
         sample_every: Time the phases of one step, chosen at random, in every ``sample_every`` (1:
-            every step); None: as many as ``cost_budget`` allows, or every step under torch.distributed
-            (ranks time the same steps) and with ``trace_steps``, ``profile_steps`` or ``profile_on_slow``.
+            every step); None: every step, or as many as ``cost_budget`` allows when one is given
+            (every step under torch.distributed, where ranks time the same steps, and with
+            ``trace_steps``, ``profile_steps`` or ``profile_on_slow``).
             Every step still counts for throughput, step time and data wait.
         print_summary: Print the summary table at :meth:`close` (rank 0 only).
         cross_rank: Under torch.distributed, combine the ranks' windows (spread, straggler).
@@ -183,7 +184,8 @@ class StepTimer:
         memory: With CUDA timing, read the allocator's peaks on one timed step in N (True: 1, False
             or 0: never); None: as often as costs ~0.1 % of the run. It resets the peak counter.
         slowest_steps: Keep the run's k slowest timed steps with what made each slow; 0: off.
-        cost_budget: With ``sample_every=None``, the part of the wall time timing may cost (0.005: 0.5 %).
+        cost_budget: With ``sample_every=None``, time as many steps as this part of the wall time
+            allows (0.005: 0.5 %); None (the default): every step (docs/options.md says why).
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -217,7 +219,7 @@ class StepTimer:
         profile_on_slow: float | None = None,
         memory: int | None = None,
         slowest_steps: int = DEFAULT_K,
-        cost_budget: float = 0.005,
+        cost_budget: float | None = None,
     ) -> None:
         given = locals()  # every argument but log_dir and writer is an Options field, validated there
         self.options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
@@ -232,7 +234,7 @@ class StepTimer:
         profiled = profile_steps is not None or profile_on_slow is not None
         # Each rank's budget would pick other steps (ranks must time the same ones); a trace or a
         # profile needs every step.
-        if sample_every is None and (distributed or trace_steps is not None or profiled):
+        if sample_every is None and (cost_budget is None or distributed or trace_steps is not None or profiled):
             sample_every = 1
         self.log_every_n_steps: int = log_every_n_steps
         window_max = log_every_n_steps * (MAX_WINDOW_UNITS if window_min_s else 1)

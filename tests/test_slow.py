@@ -588,7 +588,7 @@ def test_a_slow_untimed_step_is_ranked_by_its_host_wall(clock: FakeClock) -> Non
     left untimed that took 25 times longer is the slowest step, by its host wall, said to be untimed;
     the summary shows it by the same rule as a timed one."""
     gpu = FakeGPU(clock, record_ms=0.01)
-    t = StepTimer._make(backend=gpu.backend(), warmup_steps=0, print_summary=False)
+    t = StepTimer._make(backend=gpu.backend(), warmup_steps=0, print_summary=False, cost_budget=0.005)
     e = t._engine
     slow = 0
     for _ in range(1000):

@@ -1040,17 +1040,18 @@ def test_explicit_or_distributed_windows_stay_50_steps(
 def test_the_cost_budget_is_off_where_every_step_must_be_timed(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """By default the cost budget picks the steps; every step is timed under torch.distributed (each
-    rank's budget would pick other steps) and with a trace or a profiler window, which need every
-    step; an explicit sample_every wins."""
+    """By default every step is timed; with a cost budget the budget picks the steps, except under
+    torch.distributed (each rank's budget would pick other steps) and with a trace or a profiler
+    window, which need every step; an explicit sample_every wins."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     base = {"cuda": False, "print_summary": False, "enabled": False}
-    assert StepTimer(**base).sample_every is None
+    assert StepTimer(**base).sample_every == 1
+    assert StepTimer(**base, cost_budget=0.005).sample_every is None
     assert StepTimer(**base, sample_every=4, cost_budget=0.1).sample_every == 4
     for kw in ({"trace_steps": 3}, {"profile_steps": (2, 3)}, {"profile_on_slow": 1.5}):
-        assert StepTimer(**base, log_dir=tmp_path, **kw).sample_every == 1  # type: ignore[arg-type]
+        assert StepTimer(**base, log_dir=tmp_path, cost_budget=0.005, **kw).sample_every == 1  # type: ignore[arg-type]
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert StepTimer(**base, cross_rank=False).sample_every == 1
+    assert StepTimer(**base, cross_rank=False, cost_budget=0.005).sample_every == 1
 
 
 @pytest.mark.parametrize(("cuda", "sample_every"), [(False, 1000), (True, 1000), (False, 1)])
