@@ -146,24 +146,7 @@ class Engine:
         self._on_pending = on_pending
         self._recent = recent
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
-        self.budget = cost_budget
-        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends.
-        # The `with` and no-op phases that every step pays are not a timed step's extra, nor is window
-        # work (a window costs the same however few of its steps are timed: `own_s` reports it), so
-        # both are left out on purpose.
-        self.cost_s = 0.0
-        # The most one GPU boundary counts: twice the least a phase's entry with a record took, plus
-        # 2 µs. A record that waits for a full launch queue (a GPU-bound run) waits where the user's
-        # next launch would have waited anyway: not steptimer's cost.
-        self.bound_min = math.inf
-        self.bound_cap = math.inf
-        self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
-        self._pick_at = (start_step, _NAN)  # the last pick's step and its start time
-        self._block_end = self.first_number  # the first step after the current block
-        self._planned = 0  # the block's pick, kept while a step after a slow one is timed first
-        self._forced = -EXTRA_EVERY  # the last extra step: at most one in EXTRA_EVERY steps
-        self._slow_s = math.inf  # an untimed step's wall above this is slow (budget only)
-        self._pick_next(start_step)
+        self._start_sampling(cost_budget, start_step)
         self.state = OUT
         self._t0 = 0.0
         # The step's counts, set by the front door before the step ends.
@@ -468,6 +451,27 @@ class Engine:
                 self._pause_evs.append((ev0, ev1))
             self._gap_start = t1 = perf_counter()
             self.own_s += t1 - t0
+
+    def _start_sampling(self, cost_budget: float, start_step: int) -> None:
+        """The sampling state: which step is next, and the cost budget's measurements."""
+        self.budget = cost_budget
+        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends.
+        # The `with` and no-op phases that every step pays are not a timed step's extra, nor is window
+        # work (a window costs the same however few of its steps are timed: `own_s` reports it), so
+        # both are left out on purpose.
+        self.cost_s = 0.0
+        # The most one GPU boundary counts: twice the least a phase's entry with a record took, plus
+        # 2 µs. A record that waits for a full launch queue (a GPU-bound run) waits where the user's
+        # next launch would have waited anyway: not steptimer's cost.
+        self.bound_min = math.inf
+        self.bound_cap = math.inf
+        self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
+        self._pick_at = (start_step, _NAN)  # the last pick's step and its start time
+        self._block_end = self.first_number  # the first step after the current block
+        self._planned = 0  # the block's pick, kept while a step after a slow one is timed first
+        self._forced = -EXTRA_EVERY  # the last extra step: at most one in EXTRA_EVERY steps
+        self._slow_s = math.inf  # an untimed step's wall above this is slow (budget only)
+        self._pick_next(start_step)
 
     def _pick_next(self, number: int) -> None:
         """After the timed step ``number`` (``start_step`` at first), pick the next step to time: one

@@ -232,8 +232,7 @@ class StepTimer:
         if log_every_n_steps is None:
             log_every_n_steps = max(50, 10 * (sample_every or 1))
         profiled = profile_steps is not None or profile_on_slow is not None
-        # Each rank's budget would pick other steps (ranks must time the same ones); a trace or a
-        # profile needs every step.
+        # Ranks must time the same steps (each rank's budget would pick others); a trace needs every step.
         if sample_every is None and (cost_budget is None or distributed or trace_steps is not None or profiled):
             sample_every = 1
         self.log_every_n_steps: int = log_every_n_steps
@@ -261,12 +260,10 @@ class StepTimer:
         )  # fmt: skip
         # StepWalls per window (_slow.py): profile_on_slow's check, the rows of the rank last to a collective
         self._walls = getattr(self._ranges, "slow", None) is not None or self._xrank is not None
-        self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
         # Every resolved step to the capture: through add() when windows keep steps whole (and the
         # profiler marks them), else appended to its ring by the engine itself.
         each = c is not None and (c.trace is not None or profiled)
-        # memory=None is time-budgeted, but one timed step in 10 under torch.distributed: every rank
-        # must read the same steps (the ranks' memory is combined per window).
+        # memory=None: time-budgeted; one timed step in 10 across ranks (every rank reads the same steps).
         memory_every = int(memory) if memory is not None else 10 if distributed else MEMORY_AUTO
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
@@ -278,13 +275,15 @@ class StepTimer:
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)
-        # How steps were timed, in the first window's tags (read back by `steptimer report`).
-        self._run_tags = {SAMPLE_EVERY: float(sample_every)} if sample_every else {COST_BUDGET: float(cost_budget)}
         if enabled:
             self._start(log_dir, writer)
 
     def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
         """An enabled timer's set-up that touches the machine: CUDA, files, signals, ranks."""
+        self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
+        # How steps were timed, in the first window's tags (read back by `steptimer report`).
+        every, budget = self.sample_every, self.options.cost_budget
+        self._run_tags = {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET: float(budget or 0.0)}
         self._energy = EnergyWindows()
         seams, cuda = self._seams, self.options.cuda
         if cuda is True and seams.backend is None:
