@@ -69,6 +69,15 @@ class CommRecorder:
         if e.state < HOST or number == self._skip or (gpu and (e.state != GPU or not _nccl(state))):
             return self._inner(state, bucket)
         fut = self._inner(state, bucket)
+        try:
+            return self._note(fut, t, gpu, number, bucket)
+        except Exception:  # steptimer's own failure: the collective goes on, this step unmeasured
+            self._skip = number
+            self.drop(number)
+            return fut
+
+    def _note(self, fut: Any, t: float, gpu: bool, number: int, bucket: Any) -> Any:
+        """Note the bucket's span for the step ``number``; returns the future DDP waits for."""
         if gpu and not fut.done():  # waiting on it, even on a side stream, would block the host
             self._skip = number
             self.drop(number)
@@ -114,7 +123,16 @@ class CommRecorder:
     def take(self, number: int) -> tuple[int, bool, float, float, float | None] | None:
         """``(number, on the GPU, comm ms, exposed ms, arrival ms)`` of the resolved step ``number``, if
         it has spans; called after the engine's wait for the step (``Engine._add_row``). The arrival at
-        its first collective counts from the previous step's last collective end (None: not measured)."""
+        its first collective counts from the previous step's last collective end (None: not measured).
+        A failure of steptimer's own here leaves the step without comm rows, never the run stopped."""
+        try:
+            return self._take(number)
+        except Exception:
+            self._steps.clear()
+            self._held = None
+            return None
+
+    def _take(self, number: int) -> tuple[int, bool, float, float, float | None] | None:
         steps = self._steps
         while steps and steps[0][0] < number:  # resolved without a row of ours
             self._release(steps.popleft())

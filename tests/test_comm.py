@@ -245,3 +245,40 @@ def test_the_comm_bench_runs_on_cpu_with_gloo(tmp_path: Path) -> None:
     assert "| config | rank |" in (tmp_path / "comm_ddp.md").read_text()
     last = {row["config"]: row["last"] for row in r["rows"] if row["rank"] == 0}
     assert last["straggler"].startswith("rank 1 was last to the all-reduce in") and "in forward" in last["straggler"]
+
+
+def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """steptimer's bookkeeping in the comm hook and at the step's resolve fails (a real gloo DDP, one
+    rank): the all-reduce still runs and returns, the steps are timed without comm rows, and the
+    weights are those of the same run without steptimer."""
+    from steptimer import _comm
+
+    def boom(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("steptimer's own failure")
+
+    def train(watch: bool) -> list[float]:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / ('init-' + str(watch))}", rank=0, world_size=1)
+        try:
+            torch.manual_seed(0)
+            ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1)))
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0, cross_rank=False)
+            if watch:
+                timer.watch_ddp(ddp)
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+            for _ in range(4):
+                with timer.step(), timer.phase("backward"):
+                    ddp(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            s = timer.close()
+            assert "comm" not in s and s.steps == 4
+            return [float(p.detach().sum()) for p in ddp.parameters()]
+        finally:
+            dist.destroy_process_group()
+
+    monkeypatch.setattr(_comm.CommRecorder, "_note", boom)
+    monkeypatch.setattr(_comm.CommRecorder, "_take", boom)
+    assert train(True) == train(False)
