@@ -277,12 +277,6 @@ class CrossRank:
         out, res = self._window_round(window, summ, closing=True, keeper=acc.slow)
         while res is not None and not res["all_closing"]:
             res = self._round(None, summ, closing=True)
-        if res is not None:  # every rank is past its last round on the side group: free its threads and sockets
-            try:
-                self._dist.destroy_process_group(self._group)
-            except Exception:  # noqa: BLE001 - a group left to the process's end costs nothing more
-                pass
-            self._group, self.off = None, True
         if self.summary is not None and self._last_steps:
             self.summary = replace(self.summary, last=self._last_rank())
         return out
