@@ -281,4 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalization: gloo's worker thread may free the last collective's work (tensors
+    # made from Python) while the interpreter is torn down, and abort the process (pytorch/pytorch#179291).
+    os._exit(code)
