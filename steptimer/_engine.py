@@ -242,7 +242,8 @@ class Engine:
                 mem.begin_step(self.device)
         self._mem = mem
         self._last_t = t = perf_counter()
-        self.cost_s += min(t - t0, 2 * self.bound_cap)
+        if self.budget is not None:
+            self.cost_s += min(t - t0, 2 * self.bound_cap)
         self.state = GPU
 
     def _may_begin(self) -> bool:
@@ -321,7 +322,8 @@ class Engine:
                     self.state = OUT
                     self._gap_start = t_end = perf_counter()
                     row[STEP_S] = t_end - self._t0
-                    self.cost_s += t_end - t1
+                    if self.budget is not None:
+                        self.cost_s += t_end - t1
                     self._pick_next(number)
                 else:
                     self._add_row(number, _PLAIN, row)
@@ -365,7 +367,8 @@ class Engine:
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
-            blocked = perf_counter() - t1 - self.bound_cap  # in a full launch queue: not our cost
+            if self.budget is not None:
+                blocked = perf_counter() - t1 - self.bound_cap  # in a full launch queue: not our cost
             if self._mem is not None:
                 rec.memory = self._mem.end_step(shared)
                 self._mem_next = t0 + MEMORY_BUDGET * self._mem.spent_s
@@ -400,8 +403,8 @@ class Engine:
             self._resolve_upto(min(due, number - 1))
         self._gap_start = t_end = perf_counter()
         rec.step_s = step_s = t_end - t0
-        # (an untimed step here is queued for a timed one)
-        self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
+        if self.budget is not None:  # (an untimed step here is queued for a timed one)
+            self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
         if number == self._next_timed:
             self._pick_next(number)
         elif step_s + gap > self._slow_s:
@@ -454,7 +457,7 @@ class Engine:
 
     def _start_sampling(self, cost_budget: float, start_step: int) -> None:
         """The sampling state: which step is next, and the cost budget's measurements."""
-        self.budget = cost_budget
+        self.budget: float | None = cost_budget if self.sample_every is None else None  # None: no bookkeeping
         # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends.
         # The `with` and no-op phases that every step pays are not a timed step's extra, nor is window
         # work (a window costs the same however few of its steps are timed: `own_s` reports it), so
@@ -506,7 +509,8 @@ class Engine:
             wall = ema[1] + EMA_ALPHA * (wall - ema[1])
         self._ema = (cost, wall)
         self._slow_s = SLOW_FACTOR * wall
-        return max(1, min(MAX_BLOCK, math.ceil(cost / (self.budget * wall)))) if wall > 0 else 1
+        budget: float = self.budget  # type: ignore[assignment]  # set: blocks are sized by it
+        return max(1, min(MAX_BLOCK, math.ceil(cost / (budget * wall)))) if wall > 0 else 1
 
     def _slow_untimed(self, number: int, rec: StepRecord | None = None) -> None:
         """An untimed step took over ``SLOW_FACTOR`` times the wall per step: mark it for the slowest
@@ -831,10 +835,11 @@ class Phase:
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
         if state == GPU:
             e._last_t = t2 = perf_counter()
-            d = t2 - t
-            if d < e.bound_min and not shared:  # a boundary that recorded an event
-                e.bound_min = d
-            e.cost_s += d if d < e.bound_cap else e.bound_cap
+            if e.budget is not None:
+                d = t2 - t
+                if d < e.bound_min and not shared:  # a boundary that recorded an event
+                    e.bound_min = d
+                e.cost_s += d if d < e.bound_cap else e.bound_cap
 
     def __exit__(self, et: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         """Leave the phase; ``error`` is read only for the out-of-memory note, never swallowed."""
@@ -871,11 +876,11 @@ class Phase:
                 if failed and e.oom is None:
                     e._note_oom(full, error, peak)
         e._recs.append((full, t_in, t1, i_in, i_out, caught))
-        t2 = perf_counter()
-        d = t2 - t1
-        e.cost_s += d if d < e.bound_cap else e.bound_cap
         if gpu:
-            e._last_t = t2
+            e._last_t = perf_counter()
+        if e.budget is not None:
+            d = perf_counter() - t1
+            e.cost_s += d if d < e.bound_cap else e.bound_cap
 
 
 class Fetch:
