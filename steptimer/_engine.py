@@ -65,42 +65,39 @@ class PhaseRecord(NamedTuple):
 
 
 class StepRecord:
-    """A finished step whose GPU events may not have completed yet (for ``on_pending``, ``recent``).
+    """A finished step whose GPU events may not have completed yet (for ``on_step``).
 
-    ``row`` holds its ``LEAD`` columns (``_window.py``). ``phases`` holds plain tuples laid out as
-    :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more): :meth:`phase_records`
+    ``row`` starts with its ``LEAD`` columns (``_window.py``). ``phases`` holds plain tuples laid out
+    as :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more): :meth:`phase_records`
     names them. ``events[i_start]``/``events[i_end]`` bound the step on the GPU.
     """
 
     __slots__ = (
         "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
-        "pauses", "device", "row", "timed", "warmup", "memory", "paused_s", "marks",
-        "offs_ms", "chain_ms",
+        "pauses", "device", "row", "memory", "paused_s", "marks", "offs_ms", "chain_ms",
     )  # fmt: skip
 
     events: list[Any]  # set by end_step
 
-    def __init__(
-        self, number: int, t0: float, timed: bool, warmup: bool, row: list[float], gap_s: float | None,
-        phases: list[tuple[str, float, float, int, int, float]], pauses: Sequence[tuple[Any, Any]], device: int,
-    ) -> None:  # fmt: skip
+    def __init__(self, e: Engine, number: int, row: list[float]) -> None:
+        """The step ``number`` that ``e`` is ending, its LEAD columns in ``row``."""
         # Hand-written, every field once: ~0.15 µs less than a slotted dataclass's __init__.
+        gap = row[GAP_S]
         self.number = number
-        self.t0 = t0
-        self.timed = timed
-        self.warmup = warmup
+        self.t0 = e._t0
         self.row = row
-        self.gap_s = gap_s
-        self.phases = phases
-        self.pauses = pauses
-        self.device = device
+        self.gap_s = None if gap != gap else gap
+        self.phases: list[tuple[str, float, float, int, int, float]] = e._recs
+        self.pauses: Sequence[tuple[Any, Any]] = e._pause_evs or _NO_PAUSES
+        self.device = e.device
+        self.paused_s = e._paused_s
         self.step_s = 0.0
         self.wait_s = 0.0
         self.i_start = self.i_end = 0
         self.memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
         self.marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
-        # Set later (a slot assignment per step is not free): ``paused_s``; on a resolved timed GPU
-        # step ``offs_ms`` (each event's ms from the first) and ``chain_ms`` (from the previous end).
+        # Set later (a slot assignment per step is not free): on a resolved timed GPU step ``offs_ms``
+        # (each event's ms from the first) and ``chain_ms`` (from the previous end).
 
     def phase_records(self) -> list[PhaseRecord]:
         """The step's phase entries with named fields, in entry order."""
@@ -115,9 +112,10 @@ class Engine:
         window_every: a window may end at each multiple of this (and at the last warm-up step).
         window_min_s: a window goes on past a multiple until it lasts this long or holds
             ``window_max`` steps (0: every multiple ends one).
-        on_pending: called with each finished step before its events are released (trace capture).
-        recent: a deque that gets the resolved steps but untimed ones resolved at their own end (the
-            flight recorder's ring): a ``StepRecord``, or ``(t0, row, phases)`` for a host step.
+        on_step: called with each resolved step before its events are released (the capture of
+            recent steps), but with untimed steps resolved at their own end.
+        late_marks: a step is marked after its end (:meth:`mark_current`, the profiler): host steps
+            stay queued until the next step's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
         memory_backend: the allocator calls (tests pass a fake allocator); None: torch's.
         slowest: mark what may make a step slow (``_slow.py``): GC pauses, compiled graphs, pauses.
@@ -127,9 +125,9 @@ class Engine:
     def __init__(
         self, *, lag: int, sample_every: int | None, warmup_steps: int, start_step: int, cuda: bool | None,
         backend: _CudaBackend | None, window_every: int, on_window: Callable[[int], None],
-        window_min_s: float = 0.0, window_max: int = 0, on_pending: Callable[[Engine, StepRecord], None] | None = None,
+        window_min_s: float = 0.0, window_max: int = 0, on_step: Callable[[Engine, StepRecord], None] | None = None,
         memory: int = 0, memory_backend: _MemoryBackend | None = None, slowest: bool = False,
-        recent: deque[Any] | None = None, cost_budget: float = 0.005,
+        cost_budget: float = 0.005, late_marks: bool = False,
     ) -> None:  # fmt: skip
         self.lag = lag
         self.sample_every = sample_every
@@ -143,8 +141,8 @@ class Engine:
         self.quiet = False  # once closed, steps and phases are no-ops, not errors (StepTimer._close_at_end)
         self._window_every = window_every
         self._on_window = on_window
-        self._on_pending = on_pending
-        self._recent = recent
+        self._on_step = on_step
+        self._late_marks = late_marks
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self._start_sampling(cost_budget, start_step)
         self.state = OUT
@@ -306,22 +304,25 @@ class Engine:
                 or (self.cuda and number + 1 == self._next_timed)
                 or (self._dyn is not None and self._dyn.get("unique_graphs", 0) != self._graphs)
                 or (self.gc_log is not None and self.gc_log.spans)
-                or (state == HOST and self._on_pending is not None)
+                or (state == HOST and self._late_marks)
             ):
                 self._finish_later(t1, number, row)
             else:
                 # The short way: a step without events, nothing pending and nothing to mark has its
-                # row whole now, so it skips the record and the queue (bench/small_steps.py).
+                # row whole now, so it skips the queue (bench/small_steps.py).
                 self.number = number
                 if state == HOST:
                     recs = self._recs
+                    on_step = self._on_step
+                    rec = StepRecord(self, number, row) if on_step is not None else None
                     row += [r[2] - r[1] for r in recs]
                     self._add_row(number, (tuple([r[0] for r in recs]), False, False), row)
-                    if self._recent is not None:
-                        self._recent.append((self._t0, row, recs))
                     self.state = OUT
                     self._gap_start = t_end = perf_counter()
                     row[STEP_S] = t_end - self._t0
+                    if rec is not None:
+                        rec.step_s = row[STEP_S]
+                        on_step(self, rec)  # type: ignore[misc]
                     if self.budget is not None:
                         self.cost_s += t_end - t1
                     self._pick_next(number)
@@ -354,11 +355,7 @@ class Engine:
         state = self.state
         gap = row[GAP_S]
         blocked = 0.0
-        rec = StepRecord(
-            number, t0, state >= HOST, number <= self.last_warmup, row, None if gap != gap else gap,
-            self._recs, self._pause_evs or _NO_PAUSES, self.device,
-        )  # fmt: skip
-        rec.paused_s = self._paused_s
+        rec = StepRecord(self, number, row)
         if self._dyn is not None:  # did torch.compile compile a graph in the step? (one dict lookup)
             graphs = self._dyn.get("unique_graphs", 0)
             if graphs > self._graphs:
@@ -409,7 +406,7 @@ class Engine:
             self._pick_next(number)
         elif step_s + gap > self._slow_s:
             self._slow_untimed(number, rec)
-        if not self.cuda and self._on_pending is None:
+        if not self.cuda and not self._late_marks:
             # Resolved now as on the short way, so a window ends at the same step on every rank
             # whichever way each step took: a rank a step late to the cross-rank round would deadlock.
             self._resolve_upto(number)
@@ -718,15 +715,15 @@ class Engine:
     def _resolve(self, rec: StepRecord) -> None:
         """Turn the oldest pending step into a row of ``rows``. Everything before ``popleft`` only
         reads, so an exception there (Ctrl-C) leaves the step pending."""
-        if self._on_pending is not None:  # before the step's events go back to the pool
-            self._on_pending(self, rec)
+        if self._on_step is not None:  # before the step's events go back to the pool
+            self._on_step(self, rec)
         recs = rec.phases
         row = rec.row
         row[STEP_S] = rec.step_s
         if self.cuda:
             row[WAIT_S] = rec.wait_s
         names = None
-        if rec.timed:
+        if recs is not _EMPTY:  # a timed step
             names = tuple([r[0] for r in recs])
             row = row + [r[2] - r[1] for r in recs]  # a new list: rec.row stays as it was
         has_gpu = has_idle = False
@@ -746,8 +743,6 @@ class Engine:
                 row.append(idle)
                 has_idle = True
         self._pending.popleft()
-        if self._recent is not None:
-            self._recent.append(rec)
         if evs:
             if held is not None:
                 self._free.append(held[2])
