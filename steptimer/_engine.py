@@ -65,12 +65,8 @@ class PhaseRecord(NamedTuple):
 
 
 class StepRecord:
-    """A finished step whose GPU events may not have completed yet (for ``on_step``).
-
-    ``row`` starts with its ``LEAD`` columns (``_window.py``). ``phases`` holds plain tuples laid out
-    as :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more): :meth:`phase_records`
-    names them. ``events[i_start]``/``events[i_end]`` bound the step on the GPU.
-    """
+    """A finished step whose GPU events may not have completed yet (for ``on_step``). ``phases``: plain
+    tuples laid out as :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more)."""
 
     __slots__ = (
         "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
@@ -80,7 +76,6 @@ class StepRecord:
     events: list[Any]  # set by end_step
 
     def __init__(self, e: Engine, number: int, row: list[float]) -> None:
-        """The step ``number`` that ``e`` is ending, its LEAD columns in ``row``."""
         # Hand-written, every field once: ~0.15 µs less than a slotted dataclass's __init__.
         gap = row[GAP_S]
         self.number = number
@@ -262,8 +257,7 @@ class Engine:
 
     def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:
         """Finish the step (drop it if it raised or a phase is open), wait once, resolve what is due,
-        then hand a window that ended to the owner. ``error`` (else ``sys.exc_info()``'s): for the
-        out-of-memory note. Never swallows the exception."""
+        then hand a window that ended to the owner. Never swallows the exception."""
         if not self.state:
             return
         t1 = perf_counter()
@@ -412,8 +406,7 @@ class Engine:
             self._resolve_upto(number)
 
     def _recover(self) -> None:
-        """After an exception in ``end_step``'s own work: drop a step not yet queued, else give it its
-        host time; the next step then begins as usual."""
+        """After an exception in ``end_step``'s own work: drop a step not yet queued, else time it."""
         if self.state:
             self._drop_step()
             return
@@ -437,8 +430,7 @@ class Engine:
         return number
 
     def _hand_window(self) -> None:
-        """Call ``on_window``: steptimer's own time (``own_s``), in no step, data wait or GPU idle
-        (two pause events around it)."""
+        """Call ``on_window``: steptimer's own time (``own_s``), in no step, data wait or GPU idle."""
         number, self._window_due = self._window_due, 0
         self._window_last, self._window_t = number, self._t0
         t0 = perf_counter()
@@ -455,14 +447,11 @@ class Engine:
     def _start_sampling(self, cost_budget: float, start_step: int) -> None:
         """The sampling state: which step is next, and the cost budget's measurements."""
         self.budget: float | None = cost_budget if self.sample_every is None else None  # None: no bookkeeping
-        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends.
-        # The `with` and no-op phases that every step pays are not a timed step's extra, nor is window
-        # work (a window costs the same however few of its steps are timed: `own_s` reports it), so
-        # both are left out on purpose.
+        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends
+        # (not the `with` every step pays, nor window work, which costs the same however few are timed).
         self.cost_s = 0.0
-        # The most one GPU boundary counts: twice the least a phase's entry with a record took, plus
-        # 2 µs. A record that waits for a full launch queue (a GPU-bound run) waits where the user's
-        # next launch would have waited anyway: not steptimer's cost.
+        # The most one GPU boundary counts (2 x the least one took + 2 µs): a record that waits for a
+        # full launch queue waits where the user's next launch would have waited anyway.
         self.bound_min = math.inf
         self.bound_cap = math.inf
         self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
@@ -474,9 +463,8 @@ class Engine:
         self._pick_next(start_step)
 
     def _pick_next(self, number: int) -> None:
-        """After the timed step ``number`` (``start_step`` at first), pick the next step to time: one
-        at random in the next block of ``sample_every`` steps, or of as many as the cost budget
-        allows. The engine's one sampling decision."""
+        """After the timed step ``number``, pick the next one: at random in the next block of
+        ``sample_every`` steps, or of as many as the cost budget allows."""
         if self._planned > number:  # the step after a slow one was an extra: the block's pick stands
             self._next_timed, self._planned = self._planned, 0
             return
@@ -486,8 +474,7 @@ class Engine:
         self._next_timed = start + self._rng.randrange(n) if n > 1 else start
 
     def _budget_block(self, number: int) -> int:
-        """n = ceil(cost / (budget x wall)) steps: steptimer's own time since the last pick (extra steps
-        included) is ``budget`` of the block's wall time."""
+        """n = ceil(cost / (budget x wall)): steptimer's own time since the last pick is ``budget`` of the wall."""
         last, t_last = self._pick_at
         if number <= last:  # at the start
             return 1
@@ -500,8 +487,7 @@ class Engine:
         wall = (t0 - t_last) / (number - last)
         ema = self._ema
         if ema is not None:
-            # A block's spike (a trace file written, a call that blocked) moves the average by at
-            # most EMA_ALPHA of it; steady costs still raise it, by up to that much a block.
+            # A block's spike (a trace file written) moves the average by at most EMA_ALPHA of it.
             cost = ema[0] + EMA_ALPHA * (min(cost, 2 * ema[0]) - ema[0])
             wall = ema[1] + EMA_ALPHA * (wall - ema[1])
         self._ema = (cost, wall)
@@ -510,10 +496,8 @@ class Engine:
         return max(1, min(MAX_BLOCK, math.ceil(cost / (budget * wall)))) if wall > 0 else 1
 
     def _slow_untimed(self, number: int, rec: StepRecord | None = None) -> None:
-        """An untimed step took over ``SLOW_FACTOR`` times the wall per step: mark it for the slowest
-        steps (``_slow.py``) and time the next step, an extra: at most one in ``EXTRA_EVERY`` steps, so
-        that a periodic slow step (a checkpoint every 10th) can't bias the sample towards the steps
-        after it by more than a few percent of the timed steps."""
+        """Mark a slow untimed step and time the next one, an extra: at most one in ``EXTRA_EVERY``
+        steps, so a periodic slow step (a checkpoint) can't bias the sample towards the steps after it."""
         if rec is None:
             self.rows.marks[number] = {"untimed": 1.0}
         else:
@@ -533,12 +517,9 @@ class Engine:
                 self._graphs = self._dyn.get("unique_graphs", 0)
 
     def rejoin_phase(self, name: str, into: str) -> bool:
-        """Undo the open phase ``name`` and reopen the sibling ``into`` that ended where it began.
-
-        For a boundary known only later (a hook driver's ``forward`` runs to the last model call,
-        known at the next one). Needs ``name`` open with nothing ended inside it; else (or on an
-        untimed step) returns False and changes nothing. The memory reader's peak carries on.
-        """
+        """Undo the open phase ``name`` and reopen the sibling ``into`` that ended where it began (a
+        boundary known only later); False, changing nothing, unless ``name`` is open with nothing ended
+        inside it on a timed step."""
         stack, recs = self._stack, self._recs
         if self.state < HOST or not stack or not recs or stack[-1][1] != name:
             return False
