@@ -70,17 +70,17 @@ def record(rec: StepRecord) -> dict[str, Any]:
     """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later)."""
     fetch = rec.row[FETCH_S]  # the loader's part of gap_s
     offs = getattr(rec, "offs_ms", None)
+    phases = rec.phase_records()
     gpu = None
     if offs is not None:
         gpu = {
             "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
-            "phases": [[name, offs[i] / 1e3, offs[j] / 1e3] for name, _, _, i, j, _ in rec.phases],
+            "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
         }  # fmt: skip
     return {
         "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s,
         "fetch_s": None if fetch != fetch else fetch, "wait_s": rec.wait_s,
-        "paused": bool(rec.pauses) or rec.paused_s > 0,
-        "phases": [[name, t_in, t_out] for name, t_in, t_out, _, _, _ in rec.phases],
+        "paused": bool(rec.pauses) or rec.paused_s > 0, "phases": [[p.name, p.t_in, p.t_out] for p in phases],
         "gpu": gpu, "chain_ms": getattr(rec, "chain_ms", None),
     }  # fmt: skip
 
