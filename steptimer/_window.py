@@ -210,9 +210,6 @@ class Packed:
                 out[key] = SeriesStats(c, s / c, m, p, x)
         return out
 
-    def histograms(self) -> dict[tuple[str, str], LogHistogram]:
-        return {key: self.histogram(k) for k, key in enumerate(self.series) if self.count[k]}
-
     def buckets(self) -> Iterator[tuple[tuple[str, str], int, list[float], list[float]]]:
         """Per non-empty series: key, index, its buckets' upper edges (ms) and counts (for the sink)."""
         limits = UPPER_MS[self.run_bucket].tolist()
