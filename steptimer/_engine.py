@@ -65,42 +65,34 @@ class PhaseRecord(NamedTuple):
 
 
 class StepRecord:
-    """A finished step whose GPU events may not have completed yet (for ``on_pending``, ``recent``).
-
-    ``row`` holds its ``LEAD`` columns (``_window.py``). ``phases`` holds plain tuples laid out as
-    :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more): :meth:`phase_records`
-    names them. ``events[i_start]``/``events[i_end]`` bound the step on the GPU.
-    """
+    """A finished step whose GPU events may not have completed yet (for ``on_step``). ``phases``: plain
+    tuples laid out as :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more)."""
 
     __slots__ = (
         "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
-        "pauses", "device", "row", "timed", "warmup", "memory", "paused_s", "marks",
-        "offs_ms", "chain_ms",
+        "pauses", "device", "row", "memory", "paused_s", "marks", "offs_ms", "chain_ms",
     )  # fmt: skip
 
     events: list[Any]  # set by end_step
 
-    def __init__(
-        self, number: int, t0: float, timed: bool, warmup: bool, row: list[float], gap_s: float | None,
-        phases: list[tuple[str, float, float, int, int, float]], pauses: Sequence[tuple[Any, Any]], device: int,
-    ) -> None:  # fmt: skip
+    def __init__(self, e: Engine, number: int, row: list[float]) -> None:
         # Hand-written, every field once: ~0.15 µs less than a slotted dataclass's __init__.
+        gap = row[GAP_S]
         self.number = number
-        self.t0 = t0
-        self.timed = timed
-        self.warmup = warmup
+        self.t0 = e._t0
         self.row = row
-        self.gap_s = gap_s
-        self.phases = phases
-        self.pauses = pauses
-        self.device = device
+        self.gap_s = None if gap != gap else gap
+        self.phases: list[tuple[str, float, float, int, int, float]] = e._recs
+        self.pauses: Sequence[tuple[Any, Any]] = e._pause_evs or _NO_PAUSES
+        self.device = e.device
+        self.paused_s = e._paused_s
         self.step_s = 0.0
         self.wait_s = 0.0
         self.i_start = self.i_end = 0
         self.memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
         self.marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
-        # Set later (a slot assignment per step is not free): ``paused_s``; on a resolved timed GPU
-        # step ``offs_ms`` (each event's ms from the first) and ``chain_ms`` (from the previous end).
+        # Set later (a slot assignment per step is not free): on a resolved timed GPU step ``offs_ms``
+        # (each event's ms from the first) and ``chain_ms`` (from the previous end).
 
     def phase_records(self) -> list[PhaseRecord]:
         """The step's phase entries with named fields, in entry order."""
@@ -115,9 +107,10 @@ class Engine:
         window_every: a window may end at each multiple of this (and at the last warm-up step).
         window_min_s: a window goes on past a multiple until it lasts this long or holds
             ``window_max`` steps (0: every multiple ends one).
-        on_pending: called with each finished step before its events are released (trace capture).
-        recent: a deque that gets the resolved steps but untimed ones resolved at their own end (the
-            flight recorder's ring): a ``StepRecord``, or ``(t0, row, phases)`` for a host step.
+        on_step: called with each resolved step before its events are released (the capture of
+            recent steps), but with untimed steps resolved at their own end.
+        late_marks: a step is marked after its end (:meth:`mark_current`, the profiler): host steps
+            stay queued until the next step's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
         memory_backend: the allocator calls (tests pass a fake allocator); None: torch's.
         slowest: mark what may make a step slow (``_slow.py``): GC pauses, compiled graphs, pauses.
@@ -127,9 +120,9 @@ class Engine:
     def __init__(
         self, *, lag: int, sample_every: int | None, warmup_steps: int, start_step: int, cuda: bool | None,
         backend: _CudaBackend | None, window_every: int, on_window: Callable[[int], None],
-        window_min_s: float = 0.0, window_max: int = 0, on_pending: Callable[[Engine, StepRecord], None] | None = None,
+        window_min_s: float = 0.0, window_max: int = 0, on_step: Callable[[Engine, StepRecord], None] | None = None,
         memory: int = 0, memory_backend: _MemoryBackend | None = None, slowest: bool = False,
-        recent: deque[Any] | None = None, cost_budget: float = 0.005,
+        cost_budget: float = 0.005, late_marks: bool = False,
     ) -> None:  # fmt: skip
         self.lag = lag
         self.sample_every = sample_every
@@ -143,8 +136,8 @@ class Engine:
         self.quiet = False  # once closed, steps and phases are no-ops, not errors (StepTimer._close_at_end)
         self._window_every = window_every
         self._on_window = on_window
-        self._on_pending = on_pending
-        self._recent = recent
+        self._on_step = on_step
+        self._late_marks = late_marks
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self._start_sampling(cost_budget, start_step)
         self.state = OUT
@@ -242,7 +235,8 @@ class Engine:
                 mem.begin_step(self.device)
         self._mem = mem
         self._last_t = t = perf_counter()
-        self.cost_s += min(t - t0, 2 * self.bound_cap)
+        if self.budget is not None:
+            self.cost_s += min(t - t0, 2 * self.bound_cap)
         self.state = GPU
 
     def _may_begin(self) -> bool:
@@ -263,8 +257,7 @@ class Engine:
 
     def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:
         """Finish the step (drop it if it raised or a phase is open), wait once, resolve what is due,
-        then hand a window that ended to the owner. ``error`` (else ``sys.exc_info()``'s): for the
-        out-of-memory note. Never swallows the exception."""
+        then hand a window that ended to the owner. Never swallows the exception."""
         if not self.state:
             return
         t1 = perf_counter()
@@ -305,23 +298,27 @@ class Engine:
                 or (self.cuda and number + 1 == self._next_timed)
                 or (self._dyn is not None and self._dyn.get("unique_graphs", 0) != self._graphs)
                 or (self.gc_log is not None and self.gc_log.spans)
-                or (state == HOST and self._on_pending is not None)
+                or (state == HOST and self._late_marks)
             ):
                 self._finish_later(t1, number, row)
             else:
                 # The short way: a step without events, nothing pending and nothing to mark has its
-                # row whole now, so it skips the record and the queue (bench/small_steps.py).
+                # row whole now, so it skips the queue (bench/small_steps.py).
                 self.number = number
                 if state == HOST:
                     recs = self._recs
+                    on_step = self._on_step
+                    rec = StepRecord(self, number, row) if on_step is not None else None
                     row += [r[2] - r[1] for r in recs]
                     self._add_row(number, (tuple([r[0] for r in recs]), False, False), row)
-                    if self._recent is not None:
-                        self._recent.append((self._t0, row, recs))
                     self.state = OUT
                     self._gap_start = t_end = perf_counter()
                     row[STEP_S] = t_end - self._t0
-                    self.cost_s += t_end - t1
+                    if rec is not None:
+                        rec.step_s = row[STEP_S]
+                        on_step(self, rec)  # type: ignore[misc]
+                    if self.budget is not None:
+                        self.cost_s += t_end - t1
                     self._pick_next(number)
                 else:
                     self._add_row(number, _PLAIN, row)
@@ -352,11 +349,7 @@ class Engine:
         state = self.state
         gap = row[GAP_S]
         blocked = 0.0
-        rec = StepRecord(
-            number, t0, state >= HOST, number <= self.last_warmup, row, None if gap != gap else gap,
-            self._recs, self._pause_evs or _NO_PAUSES, self.device,
-        )  # fmt: skip
-        rec.paused_s = self._paused_s
+        rec = StepRecord(self, number, row)
         if self._dyn is not None:  # did torch.compile compile a graph in the step? (one dict lookup)
             graphs = self._dyn.get("unique_graphs", 0)
             if graphs > self._graphs:
@@ -365,7 +358,8 @@ class Engine:
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
-            blocked = perf_counter() - t1 - self.bound_cap  # in a full launch queue: not our cost
+            if self.budget is not None:
+                blocked = perf_counter() - t1 - self.bound_cap  # in a full launch queue: not our cost
             if self._mem is not None:
                 rec.memory = self._mem.end_step(shared)
                 self._mem_next = t0 + MEMORY_BUDGET * self._mem.spent_s
@@ -400,20 +394,19 @@ class Engine:
             self._resolve_upto(min(due, number - 1))
         self._gap_start = t_end = perf_counter()
         rec.step_s = step_s = t_end - t0
-        # (an untimed step here is queued for a timed one)
-        self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
+        if self.budget is not None:  # (an untimed step here is queued for a timed one)
+            self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
         if number == self._next_timed:
             self._pick_next(number)
         elif step_s + gap > self._slow_s:
             self._slow_untimed(number, rec)
-        if not self.cuda and self._on_pending is None:
+        if not self.cuda and not self._late_marks:
             # Resolved now as on the short way, so a window ends at the same step on every rank
             # whichever way each step took: a rank a step late to the cross-rank round would deadlock.
             self._resolve_upto(number)
 
     def _recover(self) -> None:
-        """After an exception in ``end_step``'s own work: drop a step not yet queued, else give it its
-        host time; the next step then begins as usual."""
+        """After an exception in ``end_step``'s own work: drop a step not yet queued, else time it."""
         if self.state:
             self._drop_step()
             return
@@ -437,8 +430,7 @@ class Engine:
         return number
 
     def _hand_window(self) -> None:
-        """Call ``on_window``: steptimer's own time (``own_s``), in no step, data wait or GPU idle
-        (two pause events around it)."""
+        """Call ``on_window``: steptimer's own time (``own_s``), in no step, data wait or GPU idle."""
         number, self._window_due = self._window_due, 0
         self._window_last, self._window_t = number, self._t0
         t0 = perf_counter()
@@ -454,15 +446,12 @@ class Engine:
 
     def _start_sampling(self, cost_budget: float, start_step: int) -> None:
         """The sampling state: which step is next, and the cost budget's measurements."""
-        self.budget = cost_budget
-        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends.
-        # The `with` and no-op phases that every step pays are not a timed step's extra, nor is window
-        # work (a window costs the same however few of its steps are timed: `own_s` reports it), so
-        # both are left out on purpose.
+        self.budget: float | None = cost_budget if self.sample_every is None else None  # None: no bookkeeping
+        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends
+        # (not the `with` every step pays, nor window work, which costs the same however few are timed).
         self.cost_s = 0.0
-        # The most one GPU boundary counts: twice the least a phase's entry with a record took, plus
-        # 2 µs. A record that waits for a full launch queue (a GPU-bound run) waits where the user's
-        # next launch would have waited anyway: not steptimer's cost.
+        # The most one GPU boundary counts (2 x the least one took + 2 µs): a record that waits for a
+        # full launch queue waits where the user's next launch would have waited anyway.
         self.bound_min = math.inf
         self.bound_cap = math.inf
         self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
@@ -474,9 +463,8 @@ class Engine:
         self._pick_next(start_step)
 
     def _pick_next(self, number: int) -> None:
-        """After the timed step ``number`` (``start_step`` at first), pick the next step to time: one
-        at random in the next block of ``sample_every`` steps, or of as many as the cost budget
-        allows. The engine's one sampling decision."""
+        """After the timed step ``number``, pick the next one: at random in the next block of
+        ``sample_every`` steps, or of as many as the cost budget allows."""
         if self._planned > number:  # the step after a slow one was an extra: the block's pick stands
             self._next_timed, self._planned = self._planned, 0
             return
@@ -486,8 +474,7 @@ class Engine:
         self._next_timed = start + self._rng.randrange(n) if n > 1 else start
 
     def _budget_block(self, number: int) -> int:
-        """n = ceil(cost / (budget x wall)) steps: steptimer's own time since the last pick (extra steps
-        included) is ``budget`` of the block's wall time."""
+        """n = ceil(cost / (budget x wall)): steptimer's own time since the last pick is ``budget`` of the wall."""
         last, t_last = self._pick_at
         if number <= last:  # at the start
             return 1
@@ -500,19 +487,17 @@ class Engine:
         wall = (t0 - t_last) / (number - last)
         ema = self._ema
         if ema is not None:
-            # A block's spike (a trace file written, a call that blocked) moves the average by at
-            # most EMA_ALPHA of it; steady costs still raise it, by up to that much a block.
+            # A block's spike (a trace file written) moves the average by at most EMA_ALPHA of it.
             cost = ema[0] + EMA_ALPHA * (min(cost, 2 * ema[0]) - ema[0])
             wall = ema[1] + EMA_ALPHA * (wall - ema[1])
         self._ema = (cost, wall)
         self._slow_s = SLOW_FACTOR * wall
-        return max(1, min(MAX_BLOCK, math.ceil(cost / (self.budget * wall)))) if wall > 0 else 1
+        budget: float = self.budget  # type: ignore[assignment]  # set: blocks are sized by it
+        return max(1, min(MAX_BLOCK, math.ceil(cost / (budget * wall)))) if wall > 0 else 1
 
     def _slow_untimed(self, number: int, rec: StepRecord | None = None) -> None:
-        """An untimed step took over ``SLOW_FACTOR`` times the wall per step: mark it for the slowest
-        steps (``_slow.py``) and time the next step, an extra: at most one in ``EXTRA_EVERY`` steps, so
-        that a periodic slow step (a checkpoint every 10th) can't bias the sample towards the steps
-        after it by more than a few percent of the timed steps."""
+        """Mark a slow untimed step and time the next one, an extra: at most one in ``EXTRA_EVERY``
+        steps, so a periodic slow step (a checkpoint) can't bias the sample towards the steps after it."""
         if rec is None:
             self.rows.marks[number] = {"untimed": 1.0}
         else:
@@ -532,12 +517,9 @@ class Engine:
                 self._graphs = self._dyn.get("unique_graphs", 0)
 
     def rejoin_phase(self, name: str, into: str) -> bool:
-        """Undo the open phase ``name`` and reopen the sibling ``into`` that ended where it began.
-
-        For a boundary known only later (a hook driver's ``forward`` runs to the last model call,
-        known at the next one). Needs ``name`` open with nothing ended inside it; else (or on an
-        untimed step) returns False and changes nothing. The memory reader's peak carries on.
-        """
+        """Undo the open phase ``name`` and reopen the sibling ``into`` that ended where it began (a
+        boundary known only later); False, changing nothing, unless ``name`` is open with nothing ended
+        inside it on a timed step."""
         stack, recs = self._stack, self._recs
         if self.state < HOST or not stack or not recs or stack[-1][1] != name:
             return False
@@ -714,15 +696,15 @@ class Engine:
     def _resolve(self, rec: StepRecord) -> None:
         """Turn the oldest pending step into a row of ``rows``. Everything before ``popleft`` only
         reads, so an exception there (Ctrl-C) leaves the step pending."""
-        if self._on_pending is not None:  # before the step's events go back to the pool
-            self._on_pending(self, rec)
+        if self._on_step is not None:  # before the step's events go back to the pool
+            self._on_step(self, rec)
         recs = rec.phases
         row = rec.row
         row[STEP_S] = rec.step_s
         if self.cuda:
             row[WAIT_S] = rec.wait_s
         names = None
-        if rec.timed:
+        if recs is not _EMPTY:  # a timed step
             names = tuple([r[0] for r in recs])
             row = row + [r[2] - r[1] for r in recs]  # a new list: rec.row stays as it was
         has_gpu = has_idle = False
@@ -742,8 +724,6 @@ class Engine:
                 row.append(idle)
                 has_idle = True
         self._pending.popleft()
-        if self._recent is not None:
-            self._recent.append(rec)
         if evs:
             if held is not None:
                 self._free.append(held[2])
@@ -831,10 +811,11 @@ class Phase:
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
         if state == GPU:
             e._last_t = t2 = perf_counter()
-            d = t2 - t
-            if d < e.bound_min and not shared:  # a boundary that recorded an event
-                e.bound_min = d
-            e.cost_s += d if d < e.bound_cap else e.bound_cap
+            if e.budget is not None:
+                d = t2 - t
+                if d < e.bound_min and not shared:  # a boundary that recorded an event
+                    e.bound_min = d
+                e.cost_s += d if d < e.bound_cap else e.bound_cap
 
     def __exit__(self, et: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         """Leave the phase; ``error`` is read only for the out-of-memory note, never swallowed."""
@@ -871,11 +852,11 @@ class Phase:
                 if failed and e.oom is None:
                     e._note_oom(full, error, peak)
         e._recs.append((full, t_in, t1, i_in, i_out, caught))
-        t2 = perf_counter()
-        d = t2 - t1
-        e.cost_s += d if d < e.bound_cap else e.bound_cap
         if gpu:
-            e._last_t = t2
+            e._last_t = perf_counter()
+        if e.budget is not None:
+            d = perf_counter() - t1
+            e.cost_s += d if d < e.bound_cap else e.bound_cap
 
 
 class Fetch:

@@ -12,10 +12,10 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten, write_json
-from steptimer._window import FETCH_S, GAP_S, NUMBER, STEP_S
+from steptimer._window import FETCH_S
 
 if TYPE_CHECKING:
-    from steptimer._engine import Engine
+    from steptimer._engine import Engine, StepRecord
 
 TRACE_FILE = "steptimer-trace.json"
 FORMAT = "steptimer-trace"
@@ -66,30 +66,22 @@ def check_window_option(name: str, file: str, *, sample_every: int, folder: str 
         raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
 
 
-def _number(rec: Any) -> int:
-    return int(rec[1][NUMBER]) if rec.__class__ is tuple else rec.number  # type: ignore[no-any-return]
-
-
-def record(rec: Any) -> dict[str, Any]:
-    """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later),
-    from a ``StepRecord`` or the ``(t0, row, phases)`` of a host step resolved at its own end."""
-    host = rec.__class__ is tuple
-    t0, row, phases = rec if host else (rec.t0, rec.row, rec.phases)
-    gap, fetch = row[GAP_S] if host else rec.gap_s, row[FETCH_S]  # fetch: the loader's part of gap_s
-    offs = None if host else getattr(rec, "offs_ms", None)
+def record(rec: StepRecord) -> dict[str, Any]:
+    """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later)."""
+    fetch = rec.row[FETCH_S]  # the loader's part of gap_s
+    offs = getattr(rec, "offs_ms", None)
+    phases = rec.phase_records()
     gpu = None
     if offs is not None:
         gpu = {
             "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
-            "phases": [[name, offs[i] / 1e3, offs[j] / 1e3] for name, _, _, i, j, _ in phases],
+            "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
         }  # fmt: skip
     return {
-        "number": int(row[NUMBER]) if host else rec.number, "t0": t0,
-        "step_s": row[STEP_S] if host else rec.step_s,
-        "gap_s": None if gap != gap else gap, "fetch_s": None if fetch != fetch else fetch,
-        "wait_s": 0.0 if host else rec.wait_s, "paused": not host and (bool(rec.pauses) or rec.paused_s > 0),
-        "phases": [[name, t_in, t_out] for name, t_in, t_out, _, _, _ in phases],
-        "gpu": gpu, "chain_ms": None if host else getattr(rec, "chain_ms", None),
+        "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s,
+        "fetch_s": None if fetch != fetch else fetch, "wait_s": rec.wait_s,
+        "paused": bool(rec.pauses) or rec.paused_s > 0, "phases": [[p.name, p.t_in, p.t_out] for p in phases],
+        "gpu": gpu, "chain_ms": getattr(rec, "chain_ms", None),
     }  # fmt: skip
 
 
@@ -131,8 +123,8 @@ class Capture:
     """The ring of recent steps and the windows kept whole; writes the trace and flight files at close."""
 
     def __init__(self, *, ring_steps: int, trace: tuple[int, int, str] | None, flight: str | None) -> None:
-        self.ring: deque[Any] = deque(maxlen=ring_steps)
-        self._keeps: list[tuple[int, int, list[Any]]] = []  # (first, last, their steps) filled by add
+        self.ring: deque[StepRecord] = deque(maxlen=ring_steps)
+        self._keeps: list[tuple[int, int, list[StepRecord]]] = []  # (first, last, their steps) filled by add
         self.trace = trace
         self._trace_recs = self.keep(trace[0], trace[1]) if trace is not None else []
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
@@ -141,18 +133,18 @@ class Capture:
         # The slowest steps' traces: step -> (wall ms, its steps copied; None until its AFTER steps are)
         self.kept: dict[int, tuple[float, list[dict[str, Any]] | None]] = {}
 
-    def keep(self, first: int, last: int) -> list[Any]:
+    def keep(self, first: int, last: int) -> list[StepRecord]:
         """A list that :meth:`add` fills with the steps ``first..last``."""
-        recs: list[Any] = []
+        recs: list[StepRecord] = []
         self._keeps.append((first, last, recs))
         return recs
 
-    def add(self, engine: Engine, rec: Any) -> None:
-        """Each resolved step, in order, before its events go back to the engine's pool."""
+    def add(self, engine: Engine, rec: StepRecord) -> None:
+        """The engine's ``on_step``: each resolved step, in order, before its events go back to the pool."""
         self.ring.append(rec)
         if not self._keeps:  # the trace window's keep goes with its placing
             return
-        n = _number(rec)
+        n = rec.number
         for first, last, recs in self._keeps:
             if first <= n <= last:
                 recs.append(rec)
@@ -213,10 +205,10 @@ class Capture:
     def settle(self, upto: float | None = None) -> None:
         """Copy out the kept steps whose ``AFTER`` steps are resolved (the ring still holds them)."""
         if upto is None:
-            upto = _number(self.ring[-1]) - AFTER if self.ring else -math.inf
+            upto = self.ring[-1].number - AFTER if self.ring else -math.inf
         for step, (wall, steps) in list(self.kept.items()):
             if steps is None and step <= upto:
-                recs = [record(r) for r in self.ring if step - BEFORE <= _number(r) <= step + AFTER]
+                recs = [record(r) for r in self.ring if step - BEFORE <= r.number <= step + AFTER]
                 if any(r["number"] == step for r in recs):
                     self.kept[step] = (wall, recs)
                 else:

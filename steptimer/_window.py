@@ -55,57 +55,44 @@ class _Layout:
         names, has_gpu, has_idle = key
         entries = names or ()
         r = len(entries)
-        m = LEAD + r + ((1 + 2 * r) if has_gpu else 0) + (1 if has_idle else 0)
-        self.idle_split: tuple[int, int, int] | None = None
-        cols: list[dict[int, float]] = []
-        series: list[tuple[str, str]] = []
-
-        def add(clock: str, name: str, coefs: dict[int, float]) -> int:
-            series.append((clock, name))
-            cols.append(coefs)
-            return len(series) - 1
-
-        def entries_of(name: str, first: int, scale: float) -> dict[int, float]:
-            return {first + i: scale for i, n in enumerate(entries) if n == name}
-
-        add("host", "step", {STEP_S: 1e3})
         uniq = list(dict.fromkeys(entries))
         top = [i for i, n in enumerate(entries) if "/" not in n]
-        for u in uniq:
-            if u != "data":
-                add("host", u, entries_of(u, LEAD, 1e3))
-        data_col = add("host", "data", {FETCH_S: 1e3, **entries_of("data", LEAD, 1e3)})
-        loop_col = add("host", "loop", {GAP_S: 1e3, FETCH_S: -1e3})
-        wait_col = add("host", "wait", {WAIT_S: 1e3})
-        clamp = [loop_col]
+
+        def of(name: str, first: int, scale: float) -> dict[int, float]:
+            return {first + i: scale for i, n in enumerate(entries) if n == name}
+
+        cols = [(("host", "step"), {STEP_S: 1e3})] + [(("host", u), of(u, LEAD, 1e3)) for u in uniq if u != "data"]
+        cols += [
+            (("host", "data"), {FETCH_S: 1e3, **of("data", LEAD, 1e3)}),
+            (("host", "loop"), {GAP_S: 1e3, FETCH_S: -1e3}),
+            (("host", "wait"), {WAIT_S: 1e3}),
+        ]
         if names is not None:  # other = step - wait - top-level phases
-            clamp.append(add("host", "other", {STEP_S: 1e3, WAIT_S: -1e3, **{LEAD + i: -1e3 for i in top}}))
+            cols.append((("host", "other"), {STEP_S: 1e3, WAIT_S: -1e3, **{LEAD + i: -1e3 for i in top}}))
+        g0 = LEAD + r
         if has_gpu:
-            g0 = LEAD + r
-            add("gpu", "step", {g0: 1.0})
-            for u in uniq:
-                add("gpu", u, entries_of(u, g0 + 1, 1.0))
-            clamp.append(add("gpu", "other", {g0: 1.0, **{g0 + 1 + i: -1.0 for i in top}}))
-            for u in uniq:  # the fraction of the phase's entries in the step in which the GPU caught up
-                add("caught", u, entries_of(u, g0 + 1 + r, 1.0 / entries.count(u)))
-            if has_idle:
-                clamp.append(add("gpu", "idle", {m - 1: 1.0}))
-                # Filled in by _blocks (a min, not a sum): the loader's part of the idle and the rest.
-                self.idle_split = (len(series) - 1, add("gpu", "idle/data", {}), add("gpu", "idle/loop", {}))
-        t = np.zeros((m, len(series)))
-        for j, coefs in enumerate(cols):
+            cols += [(("gpu", "step"), {g0: 1.0})] + [(("gpu", u), of(u, g0 + 1, 1.0)) for u in uniq]
+            cols.append((("gpu", "other"), {g0: 1.0, **{g0 + 1 + i: -1.0 for i in top}}))
+            # the fraction of the phase's entries in the step in which the GPU caught up
+            cols += [(("caught", u), of(u, g0 + 1 + r, 1.0 / entries.count(u))) for u in uniq]
+        if has_idle:  # idle/data and idle/loop are filled in by _blocks (a min, not a sum)
+            cols += [(("gpu", "idle"), {g0 + 1 + 2 * r: 1.0}), (("gpu", "idle/data"), {}), (("gpu", "idle/loop"), {})]
+        self.series = [k for k, _ in cols]
+        at = {k: j for j, k in enumerate(self.series)}  # the last of a name: the computed series, not a phase
+        self.transform = t = np.zeros((g0 + ((1 + 2 * r) if has_gpu else 0) + has_idle, len(cols)))
+        for j, (_, coefs) in enumerate(cols):
             for i, c in coefs.items():
                 t[i, j] += c
-        self.transform = t
-        self.series = series
-        self.clamp = np.array(clamp, dtype=np.int64)
+        clamped = [("host", "loop"), ("host", "other"), ("gpu", "other"), ("gpu", "idle")]
+        self.clamp = np.array([at[k] for k in clamped if k in at], dtype=np.int64)
         self.names = names
+        self.idle_split = (at["gpu", "idle"], at["gpu", "idle/data"], at["gpu", "idle/loop"]) if has_idle else None
         # A value that is NaN in its row makes the series NaN (not 0): wait without CUDA, loop in the
         # run's first step (no time between steps before it), data with no loader timed unless a
         # data phase ran.
-        self.nan_if = [(wait_col, WAIT_S), (loop_col, GAP_S)]
+        self.nan_if = [(at["host", "wait"], WAIT_S), (at["host", "loop"], GAP_S)]
         if "data" not in uniq:
-            self.nan_if.append((data_col, FETCH_S))
+            self.nan_if.append((at["host", "data"], FETCH_S))
 
 
 _layout = lru_cache(maxsize=1024)(_Layout)  # bounded: phase names may be made up per step
@@ -222,9 +209,6 @@ class Packed:
             if c:
                 out[key] = SeriesStats(c, s / c, m, p, x)
         return out
-
-    def histograms(self) -> dict[tuple[str, str], LogHistogram]:
-        return {key: self.histogram(k) for k, key in enumerate(self.series) if self.count[k]}
 
     def buckets(self) -> Iterator[tuple[tuple[str, str], int, list[float], list[float]]]:
         """Per non-empty series: key, index, its buckets' upper edges (ms) and counts (for the sink)."""

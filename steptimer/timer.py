@@ -260,18 +260,14 @@ class StepTimer:
         )  # fmt: skip
         # StepWalls per window (_slow.py): profile_on_slow's check, the rows of the rank last to a collective
         self._walls = getattr(self._ranges, "slow", None) is not None or self._xrank is not None
-        # Every resolved step to the capture: through add() when windows keep steps whole (and the
-        # profiler marks them), else appended to its ring by the engine itself.
-        each = c is not None and (c.trace is not None or profiled)
         # memory=None: time-budgeted; one timed step in 10 across ranks (every rank reads the same steps).
         memory_every = int(memory) if memory is not None else 10 if distributed else MEMORY_AUTO
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
-            window_min_s=window_min_s, window_max=window_max,
-            on_pending=c.add if c is not None and each else None, recent=c.ring if c is not None and not each else None,
+            window_min_s=window_min_s, window_max=window_max, on_step=c.add if c is not None else None,
             memory=memory_every, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
-            cost_budget=cost_budget,
+            cost_budget=cost_budget, late_marks=profiled,
         )  # fmt: skip
         if nvtx_note is not None:
             self._engine.notes.append(nvtx_note)

@@ -164,8 +164,8 @@ def test_ctrl_c_in_on_window_keeps_the_engine_usable(clock: FakeClock, gpu: Fake
 
 
 def test_ctrl_c_while_an_older_step_is_resolved_keeps_the_step_that_ended(clock: FakeClock) -> None:
-    """A real SIGINT in a listener (``on_pending``) while step 2's end resolves step 1 (queued: the
-    listener wants each record): step 2 is kept, step 1 stays pending and is resolved (and given
+    """A real SIGINT in a listener (``on_step``) while step 2's end resolves step 1 (queued: the
+    step may be marked after its end): step 2 is kept, step 1 stays pending and is resolved (and given
     to the listener again) at the next step's end; no step is lost."""
     seen: list[int] = []
 
@@ -176,7 +176,7 @@ def test_ctrl_c_while_an_older_step_is_resolved_keeps_the_step_that_ended(clock:
 
     prev = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        o = Owner(None, window_every=1000, on_pending=listener)
+        o = Owner(None, window_every=1000, on_step=listener, late_marks=True)
         o.step(clock, None)
         with pytest.raises(KeyboardInterrupt):
             o.step(clock, None)  # step 1 is resolved (and interrupted) at step 2's end
@@ -210,7 +210,7 @@ def test_nested_pauses_count_once(clock: FakeClock) -> None:
 def test_step_records_name_their_phase_entries(clock: FakeClock, gpu: FakeGPU) -> None:
     """Listeners get a ``StepRecord`` per resolved step; its phase entries read by name."""
     got: list[StepRecord] = []
-    o = Owner(gpu, on_pending=lambda e, rec: got.append(rec))
+    o = Owner(gpu, on_step=lambda e, rec: got.append(rec))
     for _ in range(3):
         o.step(clock, gpu, ms=2.0)
     o.engine.close()

@@ -44,7 +44,7 @@ def test_series_stats_match_per_value_references(n: int) -> None:
         row = [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, NAN, NAN, h, g + 1.0, g, float(k % 2)]
         rows.add((("forward",), True, False), row)
     p = pack_rows(rows)
-    stats, hists = p.stats(), p.histograms()
+    stats, hists = p.stats(), window_of(rows, n).hists
     for key, values in ((("host", "forward"), fwd), (("gpu", "forward"), gfwd)):
         st, h, ref = stats[key], hists[key], _hist(values)
         assert h.counts == ref.counts and set(h.counts) == {bucket_index(v) for v in values}
