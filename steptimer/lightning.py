@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -206,10 +205,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 f"flops_per_batch must be a number > 0 or a function batch -> number, got {flops_per_batch!r}"
             )
         self.forward_module = forward_module
-        self.batch_size_fn = batch_size_fn
-        self.tokens_fn = tokens_fn
-        self.flops_per_batch = flops_per_batch
         self.histograms = histograms
+        # (count, what an error names, batch -> number or a number), summed over a step's micro-batches
+        self._counters = [(k, what, fn) for k, what, fn in (
+            ("samples", "batch_size_fn(batch)", batch_size_fn), ("tokens", "tokens_fn(batch)", tokens_fn),
+            ("flops", "flops_per_batch", flops_per_batch)) if fn is not None]  # fmt: skip
+        self._counts: dict[str, float] = {}
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
@@ -218,21 +219,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._phase_names: set[str] = set()  # user phase names already checked
         self._hooks = Hooks(eager=False)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
-        self._reset_batch_state()
-
-    def _reset_batch_state(self) -> None:
-        self._in_batch = False
+        self._manual = False
+        self._will_step = True  # this micro-batch ends with an optimizer step (automatic optimization)
         self._stepped = False  # an optimizer update was attempted in this batch
         self._update_open = False  # the update began and its step post-hook has not fired yet
-        self._will_step = True
-        self._manual = False
-        self._in_training_step = False  # forward hooks count only inside training_step, not in
-        self._in_backward = False  # backward (activation checkpointing re-runs forward)
-        self._saw_forward = False
-        self._saw_backward = False
-        self._samples = 0.0
-        self._tokens = 0.0
-        self._flops = 0.0
         self._no_forward_warned = False
 
     @property
@@ -255,7 +245,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if name not in self._phase_names:
             check_phase_name(name)
             self._phase_names.add(name)
-        return UserPhase(name, lambda: self._driver if self._in_batch else None)
+        return UserPhase(name, self._live)
+
+    def _live(self) -> PhaseDriver | None:
+        """The driver while a training batch runs, else None."""
+        d = self._driver
+        return d if d is not None and d.live else None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -271,9 +266,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         # Not in setup: the checkpoint's step counter and the optimizers are only all in place by now.
         if not self._options.enabled:
             return
-        self._reset_batch_state()
         self.summary = None
         self._manual = not pl_module.automatic_optimization
+        self._no_forward_warned = False
         options = dataclasses.asdict(self._options)
         if options["cuda"] is None and self._backend is None:
             options["cuda"] = pl_module.device.type == "cuda"
@@ -297,14 +292,16 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             profile_dir=str(trainer.log_dir or trainer.default_root_dir), memory_backend=self._memory_backend,
             sinks=[self._sink] if self._sink is not None else [],
         )  # fmt: skip
-        self._driver = PhaseDriver(timer, rejoin=True)
+        self._driver = PhaseDriver(timer, rejoin=True, scoped=True)
+        self._driver.live = False
         self._install(trainer, pl_module, self._driver)
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         # A step left open (manual optimization that never stepped in the last batches) ends here.
-        if self._driver is not None and self._driver.in_step and not self._in_batch:
-            self._end_step()
+        d = self._driver
+        if d is not None and d.in_step and not d.live:
+            self._end_step(d)
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -324,7 +321,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if d is not None:
             d.end_val()
             d.drop(type(exception), exception, exception.__traceback__)
-            self._in_batch = False
+            d.live = False
             try:
                 self._close(trainer, failed=True)
             except Exception as err:  # a broken device must not hide the user's exception
@@ -339,34 +336,27 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             return
         if not d.in_step:
             d.begin()
-            self._samples = self._tokens = self._flops = 0.0
-            self._saw_forward = self._saw_backward = False
+            self._counts = {k: 0.0 for k, _, _ in self._counters}
         else:
             d.switch(None)  # the `data` phase between micro-batches of one step
-        self._in_batch = True
-        self._stepped = False
+        d.live = True
+        self._stepped = self._update_open = False
         if not self._manual:
             self._will_step = self._steps_after(trainer, batch_idx)
-        if self.batch_size_fn is not None:
-            self._samples += check_count("batch_size_fn(batch)", self.batch_size_fn(batch))
-        if self.tokens_fn is not None:
-            self._tokens += check_count("tokens_fn(batch)", self.tokens_fn(batch))
-        fpb = self.flops_per_batch
-        if fpb is not None:
-            self._flops += check_count("flops_per_batch", fpb(batch) if callable(fpb) else fpb)
+        for k, what, fn in self._counters:
+            self._counts[k] += check_count(what, fn(batch) if callable(fn) else fn)
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        d = self._driver
-        if d is None or not self._in_batch:
+        d = self._live()
+        if d is None:
             return
         d.close_user_phases()  # left open by a non-`with` use
         if self._update_open:  # the update began but the optimizer never stepped: GradScaler skip
-            self._update_open = False
             self._skipped += 1
-        self._in_batch = False
+        d.live = False
         if self._stepped:
-            self._end_step()  # ends the open phase too
+            self._end_step(d)  # ends the open phase too
         else:
             d.switch("data")  # accumulating: the next micro-batch's fetch is inside this step
 
@@ -379,17 +369,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         n = trainer.num_training_batches
         return (batch_idx + 1) % k == 0 or (isinstance(n, int) and batch_idx + 1 >= n)
 
-    def _end_step(self) -> None:
-        d = self._driver
-        if d is None:
-            return
-        if not self._saw_forward and self._saw_backward and not self._no_forward_warned:
+    def _end_step(self, d: PhaseDriver) -> None:
+        if "backward" in d.seen and "forward" not in d.seen and not self._no_forward_warned:
             self._warn_no_forward(d.timer)
-        d.end(
-            samples=self._samples if self.batch_size_fn is not None else None,
-            tokens=self._tokens if self.tokens_fn is not None else None,
-            flops=self._flops if self.flops_per_batch is not None else None,
-        )
+        d.end(**self._counts)
 
     def _warn_no_forward(self, timer: StepTimer) -> None:
         self._no_forward_warned = True
@@ -421,40 +404,35 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if val_ms is not None and self._sink is not None:
             self._sink.log({"steptimer/val_ms": val_ms}, step=self.steps)
 
-    def _switch(self, name: str | None) -> None:
-        if self._in_batch and self._driver is not None:
-            self._driver.switch(name)
-
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        self._in_backward = True
-        self._saw_backward = self._saw_backward or self._in_batch
-        self._switch("backward")
+        if self._driver is not None:
+            self._driver.backward_begin()
 
     @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        self._in_backward = False
-        self._switch("clip" if self._manual or self._will_step else None)
+        if self._driver is not None:
+            self._driver.backward_end("clip" if self._manual or self._will_step else None)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # Manual: inside opt.step(), after Lightning's own dispatch: where `run` sees the update start.
-        if self._in_batch:
+        d = self._live()
+        if d is not None:
             self._stepped = True
             if self._manual:
-                self._switch("optimizer")
+                d.switch("optimizer")
 
     def _install(self, trainer: Any, pl_module: Any, d: PhaseDriver) -> None:
         self._uninstall()
-        self._hook_model(pl_module)
+        self._hook_model(pl_module, d)
         raw = list(trainer.optimizers)
         for opt in raw:
             self._hooks.optimizer(opt, post=self._optimizer_post)
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
-        zero_grad = partial(d.timed, "zero_grad", gate=lambda: self._in_batch)
         for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
-            self._hooks.wrap(opt, "zero_grad", zero_grad)
+            self._hooks.wrap(opt, "zero_grad", partial(d.timed, "zero_grad"))
         if self._manual:
             for opt in wrapped:
                 self._hooks.wrap(opt, "step", self._manual_step_wrapper)
@@ -465,7 +443,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if fetch is not None and trainer.profiler is not None:
             self._time_fetches(trainer.profiler, fetch)
 
-    def _hook_model(self, pl_module: Any) -> None:
+    def _hook_model(self, pl_module: Any, d: PhaseDriver) -> None:
         # Each hooked call costs about 2 µs of host time: only the outermost modules, never every leaf.
         if self.forward_module is None:
             targets = [("", pl_module), *_model_modules(pl_module)]
@@ -483,8 +461,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                     ) from None
         self._hooked = targets
         for _, module in targets:
-            self._hooks.forward(module, self._forward_pre, self._forward_post)
-        self._hooks.wrap(pl_module, "training_step", self._training_step_wrapper)
+            self._hooks.forward(module, d.model_pre, d.model_post)
+        # Model calls are `forward` only inside training_step: not a callback's or validation's self(x),
+        # nor the outer call of the LightningModule that DDP's forward redirection wraps around it.
+        self._hooks.wrap(pl_module, "training_step", d.scope)
 
     def _time_fetches(self, profiler: Any, fetch: Fetch) -> None:
         """The profiler's ``start``/``stop`` also time each train fetch (its own work outside it)."""
@@ -515,64 +495,40 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hooks.remove()
         self._hooked = []
 
-    def _training_step_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        # The forward hooks count only in here: not a callback's or validation's self(x), and not the
-        # outer call of the LightningModule that DDP's forward redirection wraps around training_step.
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            if not self._in_batch:
-                return orig(*args, **kwargs)
-            self._in_training_step = True
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self._in_training_step = False
-                if self._driver is not None:
-                    self._driver.fwd_depth = 0
-
-        return training_step
-
-    def _forward_pre(self, module: Any, args: Any) -> None:
-        d = self._driver
-        if d is not None and self._in_training_step and not self._in_backward and d.forward_enter():
-            self._saw_forward = True
-
-    def _forward_post(self, module: Any, args: Any, output: Any) -> None:
-        d = self._driver
-        if d is not None and self._in_training_step and not self._in_backward and d.forward_exit():
-            # `loss` until another model call joins it back. always_call: run from torch's except
-            # block when forward raised, the error then ends `forward` (an out-of-memory note names it).
-            d.switch("loss", error=sys.exc_info()[1])
-
     def _clipping_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         # Lightning clips right after on_before_optimizer_step; the update starts when this returns.
         def configure_gradient_clipping(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
-            if self._in_batch:
+            d = self._live()
+            if d is not None:
                 self._update_open = True
-                self._switch("optimizer")
+                d.switch("optimizer")
             return out
 
         return configure_gradient_clipping
 
     def _manual_step_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def step(*args: Any, **kwargs: Any) -> Any:
-            self._update_open = self._in_batch
+            d = self._live()
+            self._update_open = d is not None
             try:
                 return orig(*args, **kwargs)
             finally:
                 if self._update_open:  # no step post-hook: the GradScaler skipped this update
                     self._update_open = False
                     self._skipped += 1
-                self._switch(None)
+                if d is not None and d.live:
+                    d.switch(None)
 
         return step
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._in_batch:
+        d = self._live()
+        if d is None:
             return
         self._update_open = False
-        if not self._manual and self._driver is not None and self._driver.phase == "optimizer":
-            self._switch(None)
+        if not self._manual and d.phase == "optimizer":
+            d.switch(None)
 
     def _close(self, trainer: Any, *, failed: bool) -> None:
         d = self._driver
