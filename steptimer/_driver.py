@@ -126,6 +126,17 @@ class PhaseDriver:
 
         return call
 
+    def then(self, name: str | None, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """``orig`` whose return, while live, opens phase ``name`` (None: ends the open one)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = orig(*args, **kwargs)
+            if self.live:
+                self.switch(name)
+            return out
+
+        return call
+
     def scope(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         """``orig`` inside whose calls (while live) model calls are ``forward``."""
 

@@ -418,10 +418,13 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # Manual: inside opt.step(), after Lightning's own dispatch: where `run` sees the update start.
         d = self._live()
-        if d is not None:
-            self._stepped = True
-            if self._manual:
-                d.switch("optimizer")
+        if d is None:
+            return
+        if self._update_open:  # this batch's previous update never stepped: GradScaler skip
+            self._skipped += 1
+        self._stepped = self._update_open = True  # until the optimizer's step post-hook
+        if self._manual:
+            d.switch("optimizer")
 
     def _install(self, trainer: Any, pl_module: Any, d: PhaseDriver) -> None:
         self._uninstall()
@@ -433,11 +436,13 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
         for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
             self._hooks.wrap(opt, "zero_grad", partial(d.timed, "zero_grad"))
+        # The update ends (manual: opt.step() returns) or starts (automatic: Lightning's clipping,
+        # right after on_before_optimizer_step, returns).
         if self._manual:
             for opt in wrapped:
-                self._hooks.wrap(opt, "step", self._manual_step_wrapper)
+                self._hooks.wrap(opt, "step", partial(d.then, None))
         else:
-            self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper)
+            self._hooks.wrap(pl_module, "configure_gradient_clipping", partial(d.then, "optimizer"))
         # The profiler's start and stop around each train fetch: Lightning's only public seam there.
         fetch = d.timer._fetches()
         if fetch is not None and trainer.profiler is not None:
@@ -494,33 +499,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def _uninstall(self) -> None:
         self._hooks.remove()
         self._hooked = []
-
-    def _clipping_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        # Lightning clips right after on_before_optimizer_step; the update starts when this returns.
-        def configure_gradient_clipping(*args: Any, **kwargs: Any) -> Any:
-            out = orig(*args, **kwargs)
-            d = self._live()
-            if d is not None:
-                self._update_open = True
-                d.switch("optimizer")
-            return out
-
-        return configure_gradient_clipping
-
-    def _manual_step_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def step(*args: Any, **kwargs: Any) -> Any:
-            d = self._live()
-            self._update_open = d is not None
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                if self._update_open:  # no step post-hook: the GradScaler skipped this update
-                    self._update_open = False
-                    self._skipped += 1
-                if d is not None and d.live:
-                    d.switch(None)
-
-        return step
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         d = self._live()
