@@ -41,7 +41,7 @@ class PhaseDriver:
         self._on_pending_end = on_pending_end
         self._step: AbstractContextManager[None] | None = None
         self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
-        self._users: list[tuple[str, object]] = []  # the user phases open (name, token), outermost first
+        self._users: list[UserPhase] = []  # the user phases open, outermost first
         self.end_pending = False  # the step ended inside a user phase: it ends when that one exits
         self.live = True  # hook events count; False: the front door is between its batches
         self.in_scope = not scoped  # model calls are `forward` now
@@ -192,20 +192,17 @@ class PhaseDriver:
         self.fwd_depth -= 1
         return self.fwd_depth == 0
 
-    def open_user(self, name: str) -> object:
-        """Open a user phase nested in the hook phase open now; returns the token that closes it."""
-        self.timer.phase(name).__enter__()
+    def open_user(self, phase: UserPhase) -> None:
+        """Open a user phase nested in the hook phase open now."""
+        self.timer.phase(phase.name).__enter__()
         self._frames.append(None)
-        token = object()
-        self._users.append((name, token))
-        return token
+        self._users.append(phase)
 
-    def close_user(self, token: object, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
-        """Close the user phase of ``token`` and any left open inside it, if still open."""
-        i = next((i for i, (_, t) in enumerate(self._users) if t is token), None)
-        if i is None:
+    def close_user(self, phase: UserPhase, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
+        """Close ``phase`` and any left open inside it, if still open."""
+        if phase not in self._users:
             return
-        while len(self._users) > i + 1:
+        while self._users[-1] is not phase:
             self._close_innermost()
         self._close_innermost(exc)
         if self.end_pending and not self._users and self._on_pending_end is not None:
@@ -214,8 +211,7 @@ class PhaseDriver:
     def _close_innermost(self, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
         self.switch(None)
         self._frames.pop()
-        name, _ = self._users.pop()
-        self.timer.phase(name).__exit__(*exc)
+        self.timer.phase(self._users.pop().name).__exit__(*exc)
 
     def close_user_phases(self) -> None:
         while self._users:
@@ -269,18 +265,19 @@ class UserPhase:
     """``with front_door.phase(name):`` through the driver ``driver()`` returns (None: a no-op). A
     class, not a generator: one never exited stays open until the front door closes it."""
 
-    __slots__ = ("_name", "_driver", "_open")
+    __slots__ = ("name", "_driver", "_open")
 
     def __init__(self, name: str, driver: Callable[[], PhaseDriver | None]) -> None:
-        self._name = name
+        self.name = name
         self._driver = driver
-        self._open: tuple[PhaseDriver, object] | None = None
+        self._open: PhaseDriver | None = None
 
     def __enter__(self) -> None:
-        d = self._driver()
-        self._open = None if d is None else (d, d.open_user(self._name))
+        self._open = self._driver()
+        if self._open is not None:
+            self._open.open_user(self)
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
-        if self._open is not None:
-            (d, token), self._open = self._open, None
-            d.close_user(token, (et, ev, tb))
+        d, self._open = self._open, None
+        if d is not None:
+            d.close_user(self, (et, ev, tb))

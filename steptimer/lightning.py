@@ -61,43 +61,33 @@ __all__ = ["StepTimerCallback"]
 
 
 class _LoggerSink:
-    """Each window to every ``trainer.loggers`` logger (built on rank 0 only): a TensorBoard logger
-    gets what a plain loop's ``log_dir`` gets, on its writer; any other the flat tags (``log_metrics``)."""
+    """Each window to every ``trainer.loggers`` logger (rank 0's; none on other ranks): a TensorBoard
+    logger gets what a plain loop's ``log_dir`` gets, on its writer; any other the flat tags."""
 
     def __init__(self, loggers: Sequence[Any], *, histograms: bool, skipped: Callable[[], int]) -> None:
-        self._loggers = list(loggers)
         self._skipped = skipped
-        self._flat = [lg for lg in self._loggers if not isinstance(lg, _TB_LOGGERS)]
-        self._tb = [(lg, TensorBoardSink(writer=lg.experiment, histograms=histograms))
-                    for lg in self._loggers if isinstance(lg, _TB_LOGGERS)]  # fmt: skip
+        self._loggers = [(lg, TensorBoardSink(writer=lg.experiment, histograms=histograms)
+                          if isinstance(lg, _TB_LOGGERS) else None) for lg in loggers]  # fmt: skip
 
     def write_window(self, window: Window) -> None:
         n = self._skipped()
         skipped = {SKIPPED_TAG: float(n)} if n else {}
-        if self._flat:
-            metrics = {**window_scalars(window), **skipped}
-            for lg in self._flat:
+        for lg, sink in self._loggers:
+            if sink is not None:
+                sink.write_window(window)
+            metrics = skipped if sink is not None else {**window_scalars(window), **skipped}
+            if metrics:
                 lg.log_metrics(metrics, step=window.step)
-        for lg, sink in self._tb:
-            sink.write_window(window)
-            if skipped:
-                lg.log_metrics(skipped, step=window.step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        for lg in self._loggers:
+        for lg, _ in self._loggers:
             lg.log_metrics(metrics, step=step)
 
     def close(self, summary: Summary) -> None:
-        for _, sink in self._tb:
-            sink.close()
-        for lg in self._loggers:
+        for lg, sink in self._loggers:
+            if sink is not None:
+                sink.close()
             lg.save()
-
-
-def _valid_names(names: Any) -> bool:
-    if isinstance(names, str):
-        return bool(names)
-    return isinstance(names, (list, tuple)) and bool(names) and all(isinstance(n, str) and n for n in names)
 
 
 def _is_metric(module: Any) -> bool:
@@ -152,14 +142,13 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         0
     """
 
-    # Test seams, kept out of the signature: a simulated GPU and allocator for the timer (see _make).
-    _backend: Any = None
-    _memory_backend: Any = None
+    _seams: dict[str, Any] = {}  # the timer's test seams, kept out of the signature (see _make)
 
     @classmethod
     def _make(cls, *, backend: Any = None, memory_backend: Any = None, **options: Any) -> StepTimerCallback:
+        """A callback whose timer gets a simulated GPU and allocator."""
         cb = cls(**options)
-        cb._backend, cb._memory_backend = backend, memory_backend
+        cb._seams = {"backend": backend, "memory_backend": memory_backend}
         return cb
 
     def __init__(
@@ -192,7 +181,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         )  # fmt: skip
         self._options = dataclasses.replace(checked.options, enabled=enabled)
         check_bool("histograms", histograms)
-        if forward_module is not None and not _valid_names(forward_module):
+        names = [forward_module] if isinstance(forward_module, str) else forward_module
+        named = isinstance(names, (list, tuple)) and names and all(isinstance(n, str) and n for n in names)
+        if names is not None and not named:
             raise ValueError(
                 "forward_module must be the name of a submodule (e.g. 'net') or a list of names, "
                 f"got {forward_module!r}"
@@ -204,7 +195,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             raise ValueError(
                 f"flops_per_batch must be a number > 0 or a function batch -> number, got {flops_per_batch!r}"
             )
-        self.forward_module = forward_module
+        self._forward_names: Sequence[str] | None = names
         self.histograms = histograms
         # (count, what an error names, batch -> number or a number), summed over a step's micro-batches
         self._counters = [(k, what, fn) for k, what, fn in (
@@ -270,11 +261,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._manual = not pl_module.automatic_optimization
         self._no_forward_warned = False
         options = dataclasses.asdict(self._options)
-        if options["cuda"] is None and self._backend is None:
+        if options["cuda"] is None and self._seams.get("backend") is None:
             options["cuda"] = pl_module.device.type == "cuda"
-        self._sink = None
-        if trainer.is_global_zero and trainer.loggers:
-            self._sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
+        loggers = trainer.loggers if trainer.is_global_zero else []
+        self._sink = _LoggerSink(loggers, histograms=self.histograms, skipped=lambda: self._skipped)
         profile_steps = options["profile_steps"]
         if profile_steps is not None and profile_steps[0] <= self._steps_done:
             log.warning(
@@ -288,9 +278,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         options["print_summary"] = False  # printed at the close, with the callback's own notes
         options["start_step"] = self._steps_done
         timer = StepTimer._make(
-            **options, peak_dtype=dtype_of_precision(trainer.precision), backend=self._backend,
-            profile_dir=str(trainer.log_dir or trainer.default_root_dir), memory_backend=self._memory_backend,
-            sinks=[self._sink] if self._sink is not None else [],
+            **options, **self._seams, peak_dtype=dtype_of_precision(trainer.precision),
+            profile_dir=str(trainer.log_dir or trainer.default_root_dir), sinks=[self._sink],
         )  # fmt: skip
         self._driver = PhaseDriver(timer, rejoin=True, scoped=True)
         self._driver.live = False
@@ -380,8 +369,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         names = [n for n, _ in self._hooked]
         hooked = [n or "the LightningModule" for n in names]
         # What training_step may call instead: the model modules one level below the hooked ones.
-        deeper = [f"{n}.{m}" if n else m for n, mod in self._hooked for m, _ in _model_modules(mod)]
-        deeper = [n for n in deeper if n not in names]
+        deeper = [m for n, mod in self._hooked for m, _ in _model_modules(mod, n and f"{n}.") if m not in names]
         hint = (
             f"pass the ones it calls, e.g. StepTimerCallback(forward_module={deeper[:4]!r})"
             if deeper
@@ -450,12 +438,11 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     def _hook_model(self, pl_module: Any, d: PhaseDriver) -> None:
         # Each hooked call costs about 2 µs of host time: only the outermost modules, never every leaf.
-        if self.forward_module is None:
+        if self._forward_names is None:
             targets = [("", pl_module), *_model_modules(pl_module)]
         else:
-            names = [self.forward_module] if isinstance(self.forward_module, str) else self.forward_module
             targets = []
-            for name in names:
+            for name in self._forward_names:
                 try:
                     targets.append((name, pl_module.get_submodule(name)))
                 except AttributeError:
