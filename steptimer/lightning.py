@@ -32,8 +32,6 @@ SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler sk
 # The profiler action Lightning's training epoch loop starts and stops around each train fetch.
 _FETCH_ACTION = "].train_dataloader_next"
 
-_MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
-
 
 def _flavours() -> list[Any]:
     """The installed Lightning packages (``pytorch_lightning``, ``lightning.pytorch``), imported."""
@@ -50,7 +48,9 @@ def _flavours() -> list[Any]:
 
 _FLAVOURS = _flavours()
 if not _FLAVOURS:
-    raise ModuleNotFoundError(_MISSING, name="pytorch_lightning")
+    raise ModuleNotFoundError(
+        "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'", name="pytorch_lightning"
+    )
 
 # One class that is a Callback for every installed flavour, so the same `StepTimerCallback` works in a
 # `pytorch_lightning.Trainer` and in a `lightning.pytorch.Trainer`: both only call hooks by name.
@@ -146,7 +146,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     @classmethod
     def _make(cls, *, backend: Any = None, memory_backend: Any = None, **options: Any) -> StepTimerCallback:
-        """A callback whose timer gets a simulated GPU and allocator."""
         cb = cls(**options)
         cb._seams = {"backend": backend, "memory_backend": memory_backend}
         return cb
@@ -212,8 +211,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._manual = False
         self._will_step = True  # this micro-batch ends with an optimizer step (automatic optimization)
-        self._stepped = False  # an optimizer update was attempted in this batch
-        self._update_open = False  # the update began and its step post-hook has not fired yet
+        # Updates begun in this batch (on_before_optimizer_step) and done (the optimizer's step
+        # post-hook): one begun and never done was skipped by the GradScaler (inf/NaN gradients).
+        self._begun = self._done = 0
         self._no_forward_warned = False
 
     @property
@@ -329,9 +329,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         else:
             d.switch(None)  # the `data` phase between micro-batches of one step
         d.live = True
-        self._stepped = self._update_open = False
-        if not self._manual:
-            self._will_step = self._steps_after(trainer, batch_idx)
+        self._begun = self._done = 0
+        if not self._manual:  # Lightning's accumulation rule: does this micro-batch end with a step?
+            k, n = int(trainer.accumulate_grad_batches), trainer.num_training_batches
+            self._will_step = (batch_idx + 1) % k == 0 or (isinstance(n, int) and batch_idx + 1 >= n)
         for k, what, fn in self._counters:
             self._counts[k] += check_count(what, fn(batch) if callable(fn) else fn)
 
@@ -341,22 +342,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if d is None:
             return
         d.close_user_phases()  # left open by a non-`with` use
-        if self._update_open:  # the update began but the optimizer never stepped: GradScaler skip
-            self._skipped += 1
+        self._skipped += max(0, self._begun - self._done)
         d.live = False
-        if self._stepped:
+        if self._begun:
             self._end_step(d)  # ends the open phase too
         else:
             d.switch("data")  # accumulating: the next micro-batch's fetch is inside this step
-
-    @staticmethod
-    def _steps_after(trainer: Any, batch_idx: int) -> bool:
-        """Whether this micro-batch ends with an optimizer step (Lightning's accumulation rule)."""
-        k = int(trainer.accumulate_grad_batches)
-        if k <= 1:
-            return True
-        n = trainer.num_training_batches
-        return (batch_idx + 1) % k == 0 or (isinstance(n, int) and batch_idx + 1 >= n)
 
     def _end_step(self, d: PhaseDriver) -> None:
         if "backward" in d.seen and "forward" not in d.seen and not self._no_forward_warned:
@@ -406,13 +397,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # Manual: inside opt.step(), after Lightning's own dispatch: where `run` sees the update start.
         d = self._live()
-        if d is None:
-            return
-        if self._update_open:  # this batch's previous update never stepped: GradScaler skip
-            self._skipped += 1
-        self._stepped = self._update_open = True  # until the optimizer's step post-hook
-        if self._manual:
-            d.switch("optimizer")
+        if d is not None:
+            self._begun += 1
+            if self._manual:
+                d.switch("optimizer")
 
     def _install(self, trainer: Any, pl_module: Any, d: PhaseDriver) -> None:
         self._uninstall()
@@ -491,7 +479,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         d = self._live()
         if d is None:
             return
-        self._update_open = False
+        self._done += 1
         if not self._manual and d.phase == "optimizer":
             d.switch(None)
 
