@@ -206,7 +206,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._skipped = 0
         self._driver: PhaseDriver | None = None  # with the timer, from on_train_start to the close
         self._sink: _LoggerSink | None = None
-        self._phase_names: set[str] = set()  # user phase names already checked
         self._hooks = Hooks(eager=False)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._manual = False
@@ -233,9 +232,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         Raises:
             ValueError: ``name`` is not a valid phase name.
         """
-        if name not in self._phase_names:
-            check_phase_name(name)
-            self._phase_names.add(name)
+        check_phase_name(name)
         return UserPhase(name, self._live)
 
     def _live(self) -> PhaseDriver | None:
