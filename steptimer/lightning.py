@@ -31,6 +31,7 @@ log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
 # The profiler action Lightning's training epoch loop starts and stops around each train fetch.
 _FETCH_ACTION = "].train_dataloader_next"
+_MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
 
 
 def _flavours() -> list[Any]:
@@ -48,9 +49,7 @@ def _flavours() -> list[Any]:
 
 _FLAVOURS = _flavours()
 if not _FLAVOURS:
-    raise ModuleNotFoundError(
-        "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'", name="pytorch_lightning"
-    )
+    raise ModuleNotFoundError(_MISSING, name="pytorch_lightning")
 
 # One class that is a Callback for every installed flavour, so the same `StepTimerCallback` works in a
 # `pytorch_lightning.Trainer` and in a `lightning.pytorch.Trainer`: both only call hooks by name.
@@ -181,8 +180,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._options = dataclasses.replace(checked.options, enabled=enabled)
         check_bool("histograms", histograms)
         names = [forward_module] if isinstance(forward_module, str) else forward_module
-        named = isinstance(names, (list, tuple)) and names and all(isinstance(n, str) and n for n in names)
-        if names is not None and not named:
+        named = isinstance(names, (list, tuple)) and all(isinstance(n, str) and n for n in names)
+        if names is not None and not (named and names):
             raise ValueError(
                 "forward_module must be the name of a submodule (e.g. 'net') or a list of names, "
                 f"got {forward_module!r}"
@@ -196,9 +195,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             )
         self._forward_names: Sequence[str] | None = names
         self.histograms = histograms
-        # (count, what an error names, batch -> number or a number), summed over a step's micro-batches
+        # (count, what an error names, batch -> number or a number), summed over a step's batches
         self._counters = [(k, what, fn) for k, what, fn in (
-            ("samples", "batch_size_fn(batch)", batch_size_fn), ("tokens", "tokens_fn(batch)", tokens_fn),
+            ("samples", "batch_size_fn(batch)", batch_size_fn),
+            ("tokens", "tokens_fn(batch)", tokens_fn),
             ("flops", "flops_per_batch", flops_per_batch)) if fn is not None]  # fmt: skip
         self._counts: dict[str, float] = {}
         self.summary: Summary | None = None
@@ -209,7 +209,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hooks = Hooks(eager=False)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._manual = False
-        self._will_step = True  # this micro-batch ends with an optimizer step (automatic optimization)
+        self._will_step = True  # this micro-batch ends with an optimizer step (automatic)
         # Updates begun in this batch (on_before_optimizer_step) and done (the optimizer's step
         # post-hook): one begun and never done was skipped by the GradScaler (inf/NaN gradients).
         self._begun = self._done = 0
@@ -357,7 +357,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         names = [n for n, _ in self._hooked]
         hooked = [n or "the LightningModule" for n in names]
         # What training_step may call instead: the model modules one level below the hooked ones.
-        deeper = [m for n, mod in self._hooked for m, _ in _model_modules(mod, n and f"{n}.") if m not in names]
+        deeper = [m for n, mod in self._hooked for m, _ in _model_modules(mod, n and f"{n}.")]
+        deeper = [m for m in deeper if m not in names]
         hint = (
             f"pass the ones it calls, e.g. StepTimerCallback(forward_module={deeper[:4]!r})"
             if deeper
@@ -439,8 +440,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hooked = targets
         for _, module in targets:
             self._hooks.forward(module, d.model_pre, d.model_post)
-        # Model calls are `forward` only inside training_step: not a callback's or validation's self(x),
-        # nor the outer call of the LightningModule that DDP's forward redirection wraps around it.
+        # Model calls are `forward` only inside training_step: not a callback's or validation's
+        # self(x), nor the LightningModule's outer call that DDP's forward redirection wraps around it.
         self._hooks.wrap(pl_module, "training_step", d.scope)
 
     def _time_fetches(self, profiler: Any, fetch: Fetch) -> None:
