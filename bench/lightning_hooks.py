@@ -71,14 +71,13 @@ def step_fn(n: int, shape: str, hooked: bool) -> Callable[[], None]:
     module = make_module(n, shape)
     timer = StepTimer(cuda=False, warmup_steps=0, log_every_n_steps=100, print_summary=False)
     cb = StepTimerCallback(cuda=False, print_summary=False)
+    d = PhaseDriver(timer, rejoin=True, scoped=True)  # live: as between on_train_batch_start and _end
     if hooked:
-        cb._driver = PhaseDriver(timer, rejoin=True)
-        cb._in_batch = True  # as between on_train_batch_start and on_train_batch_end
-        cb._hook_model(module)
+        cb._hook_model(module, d)
     x = torch.randn(4, 8)
     call = module if shape == "idle" else (lambda x: module.training_step(x, 0))
     step = timer.step
-    batch_end = cb._switch  # closes the open `loss`, as on_train_batch_end does (a no-op when bare)
+    batch_end = d.switch  # closes the open `loss`, as on_train_batch_end does (a no-op when bare)
 
     def one() -> None:
         with torch.no_grad(), step():

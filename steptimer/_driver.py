@@ -6,6 +6,7 @@ decides only where its steps start and end.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from time import perf_counter
@@ -22,20 +23,30 @@ class PhaseDriver:
     Args:
         rejoin: A forward that starts while the previous forward's ``loss`` is open takes that time
             back into ``forward`` (Lightning's rule); False: ``forward, loss, forward``.
+        scoped: Model calls are ``forward`` only inside a call wrapped by :meth:`scope`.
         on_pending_end: Called when the last user phase exits after :meth:`end` found the step
             ending inside it: the front door ends the step.
     """
 
     def __init__(
-        self, timer: StepTimer, *, rejoin: bool = False, on_pending_end: Callable[[], None] | None = None
+        self,
+        timer: StepTimer,
+        *,
+        rejoin: bool = False,
+        scoped: bool = False,
+        on_pending_end: Callable[[], None] | None = None,
     ) -> None:
         self.timer = timer
         self._rejoin = rejoin
         self._on_pending_end = on_pending_end
         self._step: AbstractContextManager[None] | None = None
         self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
-        self._users: list[tuple[str, object]] = []  # the user phases open (name, token), outermost first
+        self._users: list[UserPhase] = []  # the user phases open, outermost first
         self.end_pending = False  # the step ended inside a user phase: it ends when that one exits
+        self.live = True  # hook events count; False: the front door is between its batches
+        self.in_scope = not scoped  # model calls are `forward` now
+        self.in_backward = False  # activation checkpointing re-runs forward inside backward
+        self.seen: set[str] = set()  # the hook phases opened in this step
         self.fwd_depth = 0  # nested model calls (a model inside another) count once
         self.paused = 0  # inside pause(): hooks pass everything through
         self._val: tuple[float, AbstractContextManager[None] | None] | None = None
@@ -81,6 +92,8 @@ class PhaseDriver:
         self._frames = [None]
         self._users = []
         self.end_pending = False
+        self.in_backward = False
+        self.seen = set()
         self.fwd_depth = 0
         return step
 
@@ -95,12 +108,14 @@ class PhaseDriver:
         if name is not None:
             self.timer.phase(name).__enter__()
             self._frames[-1] = name
+            self.seen.add(name)
 
-    def timed(self, name: str, orig: Callable[..., Any], gate: Callable[[], bool]) -> Callable[..., Any]:
-        """``orig`` whose calls while ``gate()`` holds are phase ``name`` (a nested one counts once)."""
+    def timed(self, name: str, orig: Callable[..., Any], gate: Callable[[], bool] | None = None) -> Callable[..., Any]:
+        """``orig`` whose calls while ``gate()`` (None: :attr:`live`) holds are phase ``name`` (a
+        nested one counts once)."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not gate() or self.phase == name:
+            if not (self.live if gate is None else gate()) or self.phase == name:
                 return orig(*args, **kwargs)
             self.switch(name)
             try:
@@ -110,6 +125,54 @@ class PhaseDriver:
                     self.switch(None)
 
         return call
+
+    def then(self, name: str | None, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """``orig`` whose return, while live, opens phase ``name`` (None: ends the open one)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = orig(*args, **kwargs)
+            if self.live:
+                self.switch(name)
+            return out
+
+        return call
+
+    def scope(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """``orig`` inside whose calls (while live) model calls are ``forward``."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self.live:
+                return orig(*args, **kwargs)
+            before, self.in_scope = self.in_scope, True
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.in_scope = before
+                self.fwd_depth = 0
+
+        return call
+
+    def model_pre(self, *_: Any) -> None:
+        """A forward pre-hook: the outermost model call opens ``forward``."""
+        if self.live and self.in_scope and not self.in_backward:
+            self.forward_enter()
+
+    def model_post(self, *_: Any) -> None:
+        """A forward hook (``always_call``): the outermost call's return opens ``loss``; run from
+        torch's ``except`` block, the error ends ``forward`` (an out-of-memory note names it)."""
+        if self.live and self.in_scope and not self.in_backward and self.forward_exit():
+            self.switch("loss", error=sys.exc_info()[1])
+
+    def backward_begin(self) -> None:
+        if self.live:
+            self.in_backward = True
+            self.switch("backward")
+
+    def backward_end(self, after: str | None = None) -> None:
+        """Backward returned: phase ``after`` opens, until the next event."""
+        if self.live:
+            self.in_backward = False
+            self.switch(after)
 
     def forward_enter(self) -> bool:
         """A model call starts; True for the outermost one, which opens ``forward``."""
@@ -129,20 +192,17 @@ class PhaseDriver:
         self.fwd_depth -= 1
         return self.fwd_depth == 0
 
-    def open_user(self, name: str) -> object:
-        """Open a user phase nested in the hook phase open now; returns the token that closes it."""
-        self.timer.phase(name).__enter__()
+    def open_user(self, phase: UserPhase) -> None:
+        """Open a user phase nested in the hook phase open now."""
+        self.timer.phase(phase.name).__enter__()
         self._frames.append(None)
-        token = object()
-        self._users.append((name, token))
-        return token
+        self._users.append(phase)
 
-    def close_user(self, token: object, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
-        """Close the user phase of ``token`` and any left open inside it, if still open."""
-        i = next((i for i, (_, t) in enumerate(self._users) if t is token), None)
-        if i is None:
+    def close_user(self, phase: UserPhase, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
+        """Close ``phase`` and any left open inside it, if still open."""
+        if phase not in self._users:
             return
-        while len(self._users) > i + 1:
+        while self._users[-1] is not phase:
             self._close_innermost()
         self._close_innermost(exc)
         if self.end_pending and not self._users and self._on_pending_end is not None:
@@ -151,8 +211,7 @@ class PhaseDriver:
     def _close_innermost(self, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
         self.switch(None)
         self._frames.pop()
-        name, _ = self._users.pop()
-        self.timer.phase(name).__exit__(*exc)
+        self.timer.phase(self._users.pop().name).__exit__(*exc)
 
     def close_user_phases(self) -> None:
         while self._users:
@@ -206,18 +265,19 @@ class UserPhase:
     """``with front_door.phase(name):`` through the driver ``driver()`` returns (None: a no-op). A
     class, not a generator: one never exited stays open until the front door closes it."""
 
-    __slots__ = ("_name", "_driver", "_open")
+    __slots__ = ("name", "_driver", "_open")
 
     def __init__(self, name: str, driver: Callable[[], PhaseDriver | None]) -> None:
-        self._name = name
+        self.name = name
         self._driver = driver
-        self._open: tuple[PhaseDriver, object] | None = None
+        self._open: PhaseDriver | None = None
 
     def __enter__(self) -> None:
-        d = self._driver()
-        self._open = None if d is None else (d, d.open_user(self._name))
+        self._open = self._driver()
+        if self._open is not None:
+            self._open.open_user(self)
 
     def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
-        if self._open is not None:
-            (d, token), self._open = self._open, None
-            d.close_user(token, (et, ev, tb))
+        d, self._open = self._open, None
+        if d is not None:
+            d.close_user(self, (et, ev, tb))

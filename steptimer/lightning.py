@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -32,7 +31,6 @@ log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
 # The profiler action Lightning's training epoch loop starts and stops around each train fetch.
 _FETCH_ACTION = "].train_dataloader_next"
-
 _MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
 
 
@@ -62,43 +60,33 @@ __all__ = ["StepTimerCallback"]
 
 
 class _LoggerSink:
-    """Each window to every ``trainer.loggers`` logger (built on rank 0 only): a TensorBoard logger
-    gets what a plain loop's ``log_dir`` gets, on its writer; any other the flat tags (``log_metrics``)."""
+    """Each window to every ``trainer.loggers`` logger (rank 0's; none on other ranks): a TensorBoard
+    logger gets what a plain loop's ``log_dir`` gets, on its writer; any other the flat tags."""
 
     def __init__(self, loggers: Sequence[Any], *, histograms: bool, skipped: Callable[[], int]) -> None:
-        self._loggers = list(loggers)
         self._skipped = skipped
-        self._flat = [lg for lg in self._loggers if not isinstance(lg, _TB_LOGGERS)]
-        self._tb = [(lg, TensorBoardSink(writer=lg.experiment, histograms=histograms))
-                    for lg in self._loggers if isinstance(lg, _TB_LOGGERS)]  # fmt: skip
+        self._loggers = [(lg, TensorBoardSink(writer=lg.experiment, histograms=histograms)
+                          if isinstance(lg, _TB_LOGGERS) else None) for lg in loggers]  # fmt: skip
 
     def write_window(self, window: Window) -> None:
         n = self._skipped()
         skipped = {SKIPPED_TAG: float(n)} if n else {}
-        if self._flat:
-            metrics = {**window_scalars(window), **skipped}
-            for lg in self._flat:
+        for lg, sink in self._loggers:
+            if sink is not None:
+                sink.write_window(window)
+            metrics = skipped if sink is not None else {**window_scalars(window), **skipped}
+            if metrics:
                 lg.log_metrics(metrics, step=window.step)
-        for lg, sink in self._tb:
-            sink.write_window(window)
-            if skipped:
-                lg.log_metrics(skipped, step=window.step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        for lg in self._loggers:
+        for lg, _ in self._loggers:
             lg.log_metrics(metrics, step=step)
 
     def close(self, summary: Summary) -> None:
-        for _, sink in self._tb:
-            sink.close()
-        for lg in self._loggers:
+        for lg, sink in self._loggers:
+            if sink is not None:
+                sink.close()
             lg.save()
-
-
-def _valid_names(names: Any) -> bool:
-    if isinstance(names, str):
-        return bool(names)
-    return isinstance(names, (list, tuple)) and bool(names) and all(isinstance(n, str) and n for n in names)
 
 
 def _is_metric(module: Any) -> bool:
@@ -153,14 +141,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         0
     """
 
-    # Test seams, kept out of the signature: a simulated GPU and allocator for the timer (see _make).
-    _backend: Any = None
-    _memory_backend: Any = None
+    _seams: dict[str, Any] = {}  # the timer's test seams, kept out of the signature (see _make)
 
     @classmethod
     def _make(cls, *, backend: Any = None, memory_backend: Any = None, **options: Any) -> StepTimerCallback:
         cb = cls(**options)
-        cb._backend, cb._memory_backend = backend, memory_backend
+        cb._seams = {"backend": backend, "memory_backend": memory_backend}
         return cb
 
     def __init__(
@@ -193,7 +179,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         )  # fmt: skip
         self._options = dataclasses.replace(checked.options, enabled=enabled)
         check_bool("histograms", histograms)
-        if forward_module is not None and not _valid_names(forward_module):
+        names = [forward_module] if isinstance(forward_module, str) else forward_module
+        named = isinstance(names, (list, tuple)) and all(isinstance(n, str) and n for n in names)
+        if names is not None and not (named and names):
             raise ValueError(
                 "forward_module must be the name of a submodule (e.g. 'net') or a list of names, "
                 f"got {forward_module!r}"
@@ -205,34 +193,26 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             raise ValueError(
                 f"flops_per_batch must be a number > 0 or a function batch -> number, got {flops_per_batch!r}"
             )
-        self.forward_module = forward_module
-        self.batch_size_fn = batch_size_fn
-        self.tokens_fn = tokens_fn
-        self.flops_per_batch = flops_per_batch
+        self._forward_names: Sequence[str] | None = names
         self.histograms = histograms
+        # (count, what an error names, batch -> number or a number), summed over a step's batches
+        self._counters = [(k, what, fn) for k, what, fn in (
+            ("samples", "batch_size_fn(batch)", batch_size_fn),
+            ("tokens", "tokens_fn(batch)", tokens_fn),
+            ("flops", "flops_per_batch", flops_per_batch)) if fn is not None]  # fmt: skip
+        self._counts: dict[str, float] = {}
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
         self._driver: PhaseDriver | None = None  # with the timer, from on_train_start to the close
         self._sink: _LoggerSink | None = None
-        self._phase_names: set[str] = set()  # user phase names already checked
         self._hooks = Hooks(eager=False)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
-        self._reset_batch_state()
-
-    def _reset_batch_state(self) -> None:
-        self._in_batch = False
-        self._stepped = False  # an optimizer update was attempted in this batch
-        self._update_open = False  # the update began and its step post-hook has not fired yet
-        self._will_step = True
         self._manual = False
-        self._in_training_step = False  # forward hooks count only inside training_step, not in
-        self._in_backward = False  # backward (activation checkpointing re-runs forward)
-        self._saw_forward = False
-        self._saw_backward = False
-        self._samples = 0.0
-        self._tokens = 0.0
-        self._flops = 0.0
+        self._will_step = True  # this micro-batch ends with an optimizer step (automatic)
+        # Updates begun in this batch (on_before_optimizer_step) and done (the optimizer's step
+        # post-hook): one begun and never done was skipped by the GradScaler (inf/NaN gradients).
+        self._begun = self._done = 0
         self._no_forward_warned = False
 
     @property
@@ -252,10 +232,13 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         Raises:
             ValueError: ``name`` is not a valid phase name.
         """
-        if name not in self._phase_names:
-            check_phase_name(name)
-            self._phase_names.add(name)
-        return UserPhase(name, lambda: self._driver if self._in_batch else None)
+        check_phase_name(name)
+        return UserPhase(name, self._live)
+
+    def _live(self) -> PhaseDriver | None:
+        """The driver while a training batch runs, else None."""
+        d = self._driver
+        return d if d is not None and d.live else None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -271,15 +254,14 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         # Not in setup: the checkpoint's step counter and the optimizers are only all in place by now.
         if not self._options.enabled:
             return
-        self._reset_batch_state()
         self.summary = None
         self._manual = not pl_module.automatic_optimization
+        self._no_forward_warned = False
         options = dataclasses.asdict(self._options)
-        if options["cuda"] is None and self._backend is None:
+        if options["cuda"] is None and self._seams.get("backend") is None:
             options["cuda"] = pl_module.device.type == "cuda"
-        self._sink = None
-        if trainer.is_global_zero and trainer.loggers:
-            self._sink = _LoggerSink(trainer.loggers, histograms=self.histograms, skipped=lambda: self._skipped)
+        loggers = trainer.loggers if trainer.is_global_zero else []
+        self._sink = _LoggerSink(loggers, histograms=self.histograms, skipped=lambda: self._skipped)
         profile_steps = options["profile_steps"]
         if profile_steps is not None and profile_steps[0] <= self._steps_done:
             log.warning(
@@ -293,18 +275,19 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         options["print_summary"] = False  # printed at the close, with the callback's own notes
         options["start_step"] = self._steps_done
         timer = StepTimer._make(
-            **options, peak_dtype=dtype_of_precision(trainer.precision), backend=self._backend,
-            profile_dir=str(trainer.log_dir or trainer.default_root_dir), memory_backend=self._memory_backend,
-            sinks=[self._sink] if self._sink is not None else [],
+            **options, **self._seams, peak_dtype=dtype_of_precision(trainer.precision),
+            profile_dir=str(trainer.log_dir or trainer.default_root_dir), sinks=[self._sink],
         )  # fmt: skip
-        self._driver = PhaseDriver(timer, rejoin=True)
+        self._driver = PhaseDriver(timer, rejoin=True, scoped=True)
+        self._driver.live = False
         self._install(trainer, pl_module, self._driver)
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         # A step left open (manual optimization that never stepped in the last batches) ends here.
-        if self._driver is not None and self._driver.in_step and not self._in_batch:
-            self._end_step()
+        d = self._driver
+        if d is not None and d.in_step and not d.live:
+            self._end_step(d)
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -324,7 +307,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if d is not None:
             d.end_val()
             d.drop(type(exception), exception, exception.__traceback__)
-            self._in_batch = False
+            d.live = False
             try:
                 self._close(trainer, failed=True)
             except Exception as err:  # a broken device must not hide the user's exception
@@ -339,57 +322,34 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             return
         if not d.in_step:
             d.begin()
-            self._samples = self._tokens = self._flops = 0.0
-            self._saw_forward = self._saw_backward = False
+            self._counts = {k: 0.0 for k, _, _ in self._counters}
         else:
             d.switch(None)  # the `data` phase between micro-batches of one step
-        self._in_batch = True
-        self._stepped = False
-        if not self._manual:
-            self._will_step = self._steps_after(trainer, batch_idx)
-        if self.batch_size_fn is not None:
-            self._samples += check_count("batch_size_fn(batch)", self.batch_size_fn(batch))
-        if self.tokens_fn is not None:
-            self._tokens += check_count("tokens_fn(batch)", self.tokens_fn(batch))
-        fpb = self.flops_per_batch
-        if fpb is not None:
-            self._flops += check_count("flops_per_batch", fpb(batch) if callable(fpb) else fpb)
+        d.live = True
+        self._begun = self._done = 0
+        if not self._manual:  # Lightning's accumulation rule: does this micro-batch end with a step?
+            k, n = int(trainer.accumulate_grad_batches), trainer.num_training_batches
+            self._will_step = (batch_idx + 1) % k == 0 or (isinstance(n, int) and batch_idx + 1 >= n)
+        for k, what, fn in self._counters:
+            self._counts[k] += check_count(what, fn(batch) if callable(fn) else fn)
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        d = self._driver
-        if d is None or not self._in_batch:
+        d = self._live()
+        if d is None:
             return
         d.close_user_phases()  # left open by a non-`with` use
-        if self._update_open:  # the update began but the optimizer never stepped: GradScaler skip
-            self._update_open = False
-            self._skipped += 1
-        self._in_batch = False
-        if self._stepped:
-            self._end_step()  # ends the open phase too
+        self._skipped += max(0, self._begun - self._done)
+        d.live = False
+        if self._begun:
+            self._end_step(d)  # ends the open phase too
         else:
             d.switch("data")  # accumulating: the next micro-batch's fetch is inside this step
 
-    @staticmethod
-    def _steps_after(trainer: Any, batch_idx: int) -> bool:
-        """Whether this micro-batch ends with an optimizer step (Lightning's accumulation rule)."""
-        k = int(trainer.accumulate_grad_batches)
-        if k <= 1:
-            return True
-        n = trainer.num_training_batches
-        return (batch_idx + 1) % k == 0 or (isinstance(n, int) and batch_idx + 1 >= n)
-
-    def _end_step(self) -> None:
-        d = self._driver
-        if d is None:
-            return
-        if not self._saw_forward and self._saw_backward and not self._no_forward_warned:
+    def _end_step(self, d: PhaseDriver) -> None:
+        if "backward" in d.seen and "forward" not in d.seen and not self._no_forward_warned:
             self._warn_no_forward(d.timer)
-        d.end(
-            samples=self._samples if self.batch_size_fn is not None else None,
-            tokens=self._tokens if self.tokens_fn is not None else None,
-            flops=self._flops if self.flops_per_batch is not None else None,
-        )
+        d.end(**self._counts)
 
     def _warn_no_forward(self, timer: StepTimer) -> None:
         self._no_forward_warned = True
@@ -397,8 +357,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         names = [n for n, _ in self._hooked]
         hooked = [n or "the LightningModule" for n in names]
         # What training_step may call instead: the model modules one level below the hooked ones.
-        deeper = [f"{n}.{m}" if n else m for n, mod in self._hooked for m, _ in _model_modules(mod)]
-        deeper = [n for n in deeper if n not in names]
+        deeper = [m for n, mod in self._hooked for m, _ in _model_modules(mod, n and f"{n}.")]
+        deeper = [m for m in deeper if m not in names]
         hint = (
             f"pass the ones it calls, e.g. StepTimerCallback(forward_module={deeper[:4]!r})"
             if deeper
@@ -421,58 +381,54 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if val_ms is not None and self._sink is not None:
             self._sink.log({"steptimer/val_ms": val_ms}, step=self.steps)
 
-    def _switch(self, name: str | None) -> None:
-        if self._in_batch and self._driver is not None:
-            self._driver.switch(name)
-
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        self._in_backward = True
-        self._saw_backward = self._saw_backward or self._in_batch
-        self._switch("backward")
+        if self._driver is not None:
+            self._driver.backward_begin()
 
     @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        self._in_backward = False
-        self._switch("clip" if self._manual or self._will_step else None)
+        if self._driver is not None:
+            self._driver.backward_end("clip" if self._manual or self._will_step else None)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # Manual: inside opt.step(), after Lightning's own dispatch: where `run` sees the update start.
-        if self._in_batch:
-            self._stepped = True
+        d = self._live()
+        if d is not None:
+            self._begun += 1
             if self._manual:
-                self._switch("optimizer")
+                d.switch("optimizer")
 
     def _install(self, trainer: Any, pl_module: Any, d: PhaseDriver) -> None:
         self._uninstall()
-        self._hook_model(pl_module)
+        self._hook_model(pl_module, d)
         raw = list(trainer.optimizers)
         for opt in raw:
             self._hooks.optimizer(opt, post=self._optimizer_post)
         wrapped = pl_module.optimizers(use_pl_optimizer=True)
         wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
-        zero_grad = partial(d.timed, "zero_grad", gate=lambda: self._in_batch)
         for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
-            self._hooks.wrap(opt, "zero_grad", zero_grad)
+            self._hooks.wrap(opt, "zero_grad", partial(d.timed, "zero_grad"))
+        # The update ends (manual: opt.step() returns) or starts (automatic: Lightning's clipping,
+        # right after on_before_optimizer_step, returns).
         if self._manual:
             for opt in wrapped:
-                self._hooks.wrap(opt, "step", self._manual_step_wrapper)
+                self._hooks.wrap(opt, "step", partial(d.then, None))
         else:
-            self._hooks.wrap(pl_module, "configure_gradient_clipping", self._clipping_wrapper)
+            self._hooks.wrap(pl_module, "configure_gradient_clipping", partial(d.then, "optimizer"))
         # The profiler's start and stop around each train fetch: Lightning's only public seam there.
         fetch = d.timer._fetches()
         if fetch is not None and trainer.profiler is not None:
             self._time_fetches(trainer.profiler, fetch)
 
-    def _hook_model(self, pl_module: Any) -> None:
+    def _hook_model(self, pl_module: Any, d: PhaseDriver) -> None:
         # Each hooked call costs about 2 µs of host time: only the outermost modules, never every leaf.
-        if self.forward_module is None:
+        if self._forward_names is None:
             targets = [("", pl_module), *_model_modules(pl_module)]
         else:
-            names = [self.forward_module] if isinstance(self.forward_module, str) else self.forward_module
             targets = []
-            for name in names:
+            for name in self._forward_names:
                 try:
                     targets.append((name, pl_module.get_submodule(name)))
                 except AttributeError:
@@ -483,8 +439,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                     ) from None
         self._hooked = targets
         for _, module in targets:
-            self._hooks.forward(module, self._forward_pre, self._forward_post)
-        self._hooks.wrap(pl_module, "training_step", self._training_step_wrapper)
+            self._hooks.forward(module, d.model_pre, d.model_post)
+        # Model calls are `forward` only inside training_step: not a callback's or validation's
+        # self(x), nor the LightningModule's outer call that DDP's forward redirection wraps around it.
+        self._hooks.wrap(pl_module, "training_step", d.scope)
 
     def _time_fetches(self, profiler: Any, fetch: Fetch) -> None:
         """The profiler's ``start``/``stop`` also time each train fetch (its own work outside it)."""
@@ -515,64 +473,13 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hooks.remove()
         self._hooked = []
 
-    def _training_step_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        # The forward hooks count only in here: not a callback's or validation's self(x), and not the
-        # outer call of the LightningModule that DDP's forward redirection wraps around training_step.
-        def training_step(*args: Any, **kwargs: Any) -> Any:
-            if not self._in_batch:
-                return orig(*args, **kwargs)
-            self._in_training_step = True
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self._in_training_step = False
-                if self._driver is not None:
-                    self._driver.fwd_depth = 0
-
-        return training_step
-
-    def _forward_pre(self, module: Any, args: Any) -> None:
-        d = self._driver
-        if d is not None and self._in_training_step and not self._in_backward and d.forward_enter():
-            self._saw_forward = True
-
-    def _forward_post(self, module: Any, args: Any, output: Any) -> None:
-        d = self._driver
-        if d is not None and self._in_training_step and not self._in_backward and d.forward_exit():
-            # `loss` until another model call joins it back. always_call: run from torch's except
-            # block when forward raised, the error then ends `forward` (an out-of-memory note names it).
-            d.switch("loss", error=sys.exc_info()[1])
-
-    def _clipping_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        # Lightning clips right after on_before_optimizer_step; the update starts when this returns.
-        def configure_gradient_clipping(*args: Any, **kwargs: Any) -> Any:
-            out = orig(*args, **kwargs)
-            if self._in_batch:
-                self._update_open = True
-                self._switch("optimizer")
-            return out
-
-        return configure_gradient_clipping
-
-    def _manual_step_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def step(*args: Any, **kwargs: Any) -> Any:
-            self._update_open = self._in_batch
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                if self._update_open:  # no step post-hook: the GradScaler skipped this update
-                    self._update_open = False
-                    self._skipped += 1
-                self._switch(None)
-
-        return step
-
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._in_batch:
+        d = self._live()
+        if d is None:
             return
-        self._update_open = False
-        if not self._manual and self._driver is not None and self._driver.phase == "optimizer":
-            self._switch(None)
+        self._done += 1
+        if not self._manual and d.phase == "optimizer":
+            d.switch(None)
 
     def _close(self, trainer: Any, *, failed: bool) -> None:
         d = self._driver
