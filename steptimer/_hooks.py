@@ -9,6 +9,7 @@ import functools
 import gc
 import pickle
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,9 +42,9 @@ class Hooks:
         self._eager = eager
         self._handles: list[Any] = []
         self._ids: dict[int, list[int]] = {}  # id(module) -> ids of the forward hook handles on it
-        self._patched: list[tuple[Any, str, Any, Any]] = []  # (object, attribute, our wrapper, before)
-        self._globals: list[tuple[Any, str, Any, Any]] = []  # (module or class, attribute, before, ours)
-        self._reducers: list[_Reducer] = []
+        # (a dict or a class, key, ours, the value before): an instance's __dict__, a class or module
+        # attribute, or a copyreg entry.
+        self._put: list[tuple[Any, Any, Any, Any]] = []
 
     def _own(self, fn: _Fn) -> _Fn:
         return _eager(fn) if self._eager else fn
@@ -70,29 +71,26 @@ class Hooks:
         """``obj.attr = make(obj.attr)`` as an instance attribute (an instance one from before is put
         back by :meth:`remove`); an object without ``attr`` or a ``__dict__`` is left alone."""
         orig = getattr(obj, attr, None)
-        if orig is None or not hasattr(obj, "__dict__"):
-            return
-        wrapper = self._own(functools.wraps(orig)(make(orig)))  # `__wrapped__` keeps is_overridden() truthful
-        self._patched.append((obj, attr, wrapper, obj.__dict__.get(attr)))
-        obj.__dict__[attr] = wrapper
+        if orig is not None and hasattr(obj, "__dict__"):  # `__wrapped__` keeps is_overridden() truthful
+            self._replace(obj.__dict__, attr, self._own(functools.wraps(orig)(make(orig))))
 
-    def _replace(self, owner: Any, attr: str, wrapper: _Fn) -> None:
-        self._globals.append((owner, attr, owner.__dict__.get(attr), wrapper))
-        setattr(owner, attr, wrapper)
+    def _replace(self, where: Any, key: Any, ours: Any) -> None:
+        self._put.append((where, key, ours, _entries(where).get(key)))
+        _assign(where, key, ours)
 
     def wrap_views(self, opt: torch.optim.Optimizer, attr: str, make: Callable[[_Fn], _Fn]) -> None:
         """:meth:`wrap` for the wrappers of ``opt`` that subclass its class and forward to it
         (Lightning's ``LightningOptimizer``, a class per optimizer): their calls never reach
         ``opt``'s attribute, so the subclass gets the wrapper, for instances sharing ``opt``'s
         ``param_groups``. A subclass with its own ``attr`` is not such a view: left alone."""
-        ours = {(o, a) for o, a, *_ in self._globals}
         for cls in type(opt).__subclasses__():
-            if attr not in cls.__dict__ or (cls, attr) in ours:  # ours: another optimizer's view
+            ours = any(w is cls and k == attr for w, k, *_ in self._put)  # another optimizer's view
+            if attr not in cls.__dict__ or ours:
                 self._replace(cls, attr, self._own(_for_views(opt, getattr(cls, attr), make)))
 
     def wrap_backward(self, make: Callable[[_Fn], _Fn]) -> None:
         """Replace ``torch.autograd.backward`` with ``make(original)``."""
-        self._replace(torch.autograd, "backward", self._own(make(torch.autograd.backward)))
+        self._replace(torch.autograd.__dict__, "backward", self._own(make(torch.autograd.backward)))
 
     def wrap_loaders(self, wrap: Callable[[Any], Any]) -> None:
         """Every ``DataLoader`` iterated in this thread gives ``wrap(its iterator)`` (a loop's loaders
@@ -109,13 +107,26 @@ class Hooks:
         self._replace(DataLoader, "__iter__", __iter__)
 
     def keep_picklable(self, model: nn.Module) -> None:
-        """Pickle and copy ``model`` without what this object put on it."""
-        self._reducers.append(_Reducer(model, self._state_without_us))
+        """Pickle and copy ``model`` without what this object put on it (a copy would feed this timer,
+        or zero this model): a ``copyreg`` entry for its class, which ``pickle`` and ``copy`` look up
+        first; other instances go to the entry found before."""
+        cls, ref = type(model), weakref.ref(model)
+        before = copyreg.dispatch_table.get(cls)
+
+        def reduce(obj: Any) -> Any:
+            if obj is not ref():
+                return before(obj) if before is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+            rv = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+            if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+                rv = (*rv[:2], self._state_without_us(rv[2], obj), *rv[3:])
+            return rv
+
+        self._replace(copyreg.dispatch_table, cls, reduce)
 
     def _state_without_us(self, state: dict[str, Any], model: Any) -> dict[str, Any]:
         state = dict(state)  # never the live __dict__
-        for obj, attr, wrapper, _ in self._patched:
-            if obj is model and state.get(attr) is wrapper:
+        for where, attr, ours, _ in self._put:
+            if where is model.__dict__ and state.get(attr) is ours:
                 del state[attr]
         ids = self._ids.get(id(model), ())
         for name in _HOOK_DICTS:
@@ -132,23 +143,28 @@ class Hooks:
             h.remove()
         self._handles = []
         self._ids = {}
-        for r in self._reducers:
-            r.remove()
-        self._reducers = []
-        for obj, attr, wrapper, before in reversed(self._patched):
-            if obj.__dict__.get(attr) is wrapper:
-                if before is None:
-                    del obj.__dict__[attr]
-                else:
-                    obj.__dict__[attr] = before  # someone's instance wrapper from before ours
-        self._patched = []
-        for owner, attr, before, ours in reversed(self._globals):
-            if owner.__dict__.get(attr) is ours and before is None:
-                delattr(owner, attr)
-            elif owner.__dict__.get(attr) is ours:
-                setattr(owner, attr, before)
-            # Else someone wrapped it after us: ours stays inside theirs, passing every call through.
-        self._globals = []
+        for where, key, ours, before in reversed(self._put):
+            # Else someone wrapped it after us: ours stays inside theirs, passing every call through
+            # (a copyreg entry of ours passes every object to the one before it).
+            if _entries(where).get(key) is ours:
+                _assign(where, key, before)
+        self._put = []
+
+
+def _entries(where: Any) -> Any:
+    return where if isinstance(where, dict) else where.__dict__
+
+
+def _assign(where: Any, key: Any, value: Any) -> None:
+    """``where[key] = value`` (None: delete it) on a dict, or as an attribute of a class."""
+    if isinstance(where, dict) and value is None:
+        del where[key]
+    elif isinstance(where, dict):
+        where[key] = value
+    elif value is None:
+        delattr(where, key)
+    else:
+        setattr(where, key, value)
 
 
 def _for_views(opt: torch.optim.Optimizer, orig: _Fn, make: Callable[[_Fn], _Fn]) -> _Fn:
@@ -160,36 +176,6 @@ def _for_views(opt: torch.optim.Optimizer, orig: _Fn, make: Callable[[_Fn], _Fn]
         return (ours if view else orig)(this, *args, **kwargs)
 
     return call
-
-
-class _Reducer:
-    """A ``copyreg`` entry for the hooked model's class (``pickle`` and ``copy`` look there first):
-    the model is reduced with its state filtered, so a copy has no hook or wrapper of ours (it would
-    feed this timer, or zero this model). Other instances go to the entry found before."""
-
-    def __init__(self, model: nn.Module, filter_state: Callable[[dict[str, Any], Any], dict[str, Any]]) -> None:
-        self._model: nn.Module | None = model
-        self._filter = filter_state
-        self._cls = type(model)
-        self._prev = copyreg.dispatch_table.get(self._cls)
-        copyreg.dispatch_table[self._cls] = self
-
-    def __call__(self, obj: Any) -> Any:
-        if obj is not self._model:
-            return self._prev(obj) if self._prev is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-        rv = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-        if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
-            rv = (*rv[:2], self._filter(rv[2], obj), *rv[3:])
-        return rv
-
-    def remove(self) -> None:
-        if copyreg.dispatch_table.get(self._cls) is self:
-            if self._prev is None:
-                del copyreg.dispatch_table[self._cls]
-            else:
-                copyreg.dispatch_table[self._cls] = self._prev
-        # Else an entry put in after ours chains to it: ours stays, passing every object through.
-        self._model = None
 
 
 def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:

@@ -104,11 +104,9 @@ class Instrumented:
             models = [models]
         self.models: tuple[torch.nn.Module, ...] = tuple(models or ())  # hooked: given, or found
         self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
-        self._fixed = (samples_per_step, tokens_per_step)  # given per step: not counted
-        self._count = samples_per_step is None or tokens_per_step is None
+        self._fixed = {"samples": samples_per_step, "tokens": tokens_per_step}  # given: not counted
         self._count_next = False  # the next model forward starts a micro-batch: count its batch
-        self._samples: float | None = None  # counted in this step so far
-        self._tokens: float | None = None
+        self._counted: dict[str, float] = {}  # in this step so far
         self._after_backward: str | None = None  # the phase the next backward's return opens
         self._discovery: Discovery | None = None
         self._noted: set[str] = set()
@@ -292,11 +290,9 @@ class Instrumented:
         d.forward_enter()
         if self._count_next:
             self._count_next = False
-            n, t = batch_counts(args, kwargs)
-            if n is not None:
-                self._samples = (self._samples or 0) + n
-            if t is not None:
-                self._tokens = (self._tokens or 0) + t
+            for what, n in zip(_COUNTED, batch_counts(args, kwargs)):
+                if n is not None and self._fixed[what] is None:
+                    self._counted[what] = self._counted.get(what, 0) + n
         if self._watch_steps:
             self._forwards += 1
             if self._forwards == _FORWARDS_BEFORE_WARNING:
@@ -351,7 +347,7 @@ class Instrumented:
             self._after_backward = None
             # The next forward starts a micro-batch; with several optimizers (a GAN's networks see
             # the same batch in turn) only a step's first forward is counted.
-            self._count_next = self._count and len(self.optimizers) == 1
+            self._count_next = len(self.optimizers) == 1 and None in self._fixed.values()
             return out
 
         return backward
@@ -463,35 +459,21 @@ class Instrumented:
             self._drop((RuntimeError, RuntimeError("the optimizer step raised"), None))
 
     def _begin(self) -> None:
-        samples, tokens = self._fixed
-        self._driver.begin(samples=samples, tokens=tokens)
-        self._count_next = self._count
-        self._samples = self._tokens = None
+        self._driver.begin(**self._fixed)
+        self._count_next = None in self._fixed.values()
+        self._counted = {}
 
     def _end(self) -> None:
-        fixed_samples, fixed_tokens = self._fixed
-        counted_samples = fixed_samples is None and self._samples is not None
-        counted_tokens = fixed_tokens is None and self._tokens is not None
-        if not self._driver.end(
-            samples=self._samples if counted_samples else fixed_samples,
-            tokens=self._tokens if counted_tokens else fixed_tokens,
-        ):
+        if not self._driver.end(**{**self._fixed, **self._counted}):
             return  # the update ran inside a user phase: the step ends when it exits
         self._clear()
-        if counted_samples:
-            self._note_count("samples", "the leading dimension of the model's input")
-        if counted_tokens:
-            self._note_count("tokens", "the elements of the model's 2-D integer input (token ids, padding included)")
-
-    def _note_count(self, what: str, how: str) -> None:
-        if what in self._noted:  # not per step: the note is built once
-            return
-        self._noted.add(what)
-        self.timer.note(
-            f"{what} per step counted by steptimer: {how}, summed over a step's micro-batches"
-            + (" (a step's first forward only, with several optimizers)" if len(self.optimizers) > 1 else "")
-            + f"; {what}_per_step= (--{what}-per-step) overrides"
-        )
+        for what in [w for w in self._counted if w not in self._noted]:  # not per step: noted once
+            self._noted.add(what)
+            self.timer.note(
+                f"{what} per step counted by steptimer: {_COUNTED[what]}, summed over a step's micro-batches"
+                + (" (a step's first forward only, with several optimizers)" if len(self.optimizers) > 1 else "")
+                + f"; {what}_per_step= (--{what}-per-step) overrides"
+            )
 
     def _drop(self, exc: _ExcInfo) -> None:
         self._driver.drop(*exc)
@@ -505,6 +487,11 @@ class Instrumented:
 
 
 _FORWARDS_BEFORE_WARNING = 100
+# What a step's model input gives (batch_counts' order), and how.
+_COUNTED = {
+    "samples": "the leading dimension of the model's input",
+    "tokens": "the elements of the model's 2-D integer input (token ids, padding included)",
+}
 
 
 def _user_sites(frame: FrameType | None) -> dict[CodeType, int]:
