@@ -229,7 +229,6 @@ class Discovery:
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.problem: str | None = None  # why discovery gave up, for the summary
-        self._decided = False
         self._pending: set[int] = set()
         self.done = False
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -237,9 +236,9 @@ class Discovery:
         # A subclass's step() calling super().step() fires the hooks twice when torch patched both
         # classes (a plain instance of the base was made too): the nested pair is one step.
         self.stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
+        # And, once found, the models' one-shot forward pre-hooks.
         self._handles = [register_optimizer_step_pre_hook(_eager(self._on_step)),
                          register_optimizer_step_post_hook(_eager(self._on_stepped))]  # fmt: skip
-        self._triggers: list[Any] = []  # the found models' one-shot forward pre-hooks
 
     def _on_stepped(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if threading.get_ident() == self._thread:
@@ -252,20 +251,17 @@ class Discovery:
         if self.problem is not None:  # gave up; the hook comes out at close (not here: see remove())
             return
         self.optimizer_steps += 1
-        if self._decided:  # the rest of this iteration's optimizers: the next one starts at a forward
+        if self.models:  # the rest of this iteration's optimizers: the next one starts at a forward
             self._pending.discard(id(opt))
-            return
-        if self._given_opts is not None:
+        elif self._given_opts is not None:
             if any(opt is o for o in self._given_opts):
                 self._decide(list(self._given_opts), opt)
-            return
-        if id(opt) in self._stepped:  # the first optimizer steps again: one whole iteration seen
+        elif id(opt) in self._stepped:  # the first optimizer steps again: one whole iteration seen
             self._decide(list(self._stepped.values()), opt)
         else:
             self._stepped[id(opt)] = opt
 
     def _decide(self, opts: list[torch.optim.Optimizer], now: torch.optim.Optimizer) -> None:
-        self._decided = True
         self._stepped = {}
         models = list(self._given_models) if self._given_models is not None else trained_modules(opts)
         # The optimizers whose parameters those models hold; none of them: every one that stepped.
@@ -281,7 +277,7 @@ class Discovery:
         # One-shot instance pre-hooks on the models: their dicts are not the one torch iterates now.
         # with_kwargs: the first timed call's keyword batch is counted too.
         for m in models:
-            self._triggers.append(m.register_forward_pre_hook(_eager(self._on_forward), with_kwargs=True))
+            self._handles.append(m.register_forward_pre_hook(_eager(self._on_forward), with_kwargs=True))
 
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.done or self._pending or threading.get_ident() != self._thread:
@@ -294,10 +290,9 @@ class Discovery:
     def remove(self) -> None:
         """Take discovery's hooks out; not from inside an optimizer step (torch iterates that dict)."""
         self.done = True
-        for h in (*self._handles, *self._triggers):
+        for h in self._handles:
             h.remove()
         self._handles = []
-        self._triggers = []
 
 
 def holds(opt: torch.optim.Optimizer, models: Sequence[nn.Module]) -> bool:

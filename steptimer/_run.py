@@ -17,22 +17,25 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from steptimer._options import Options
+
 USAGE = "steptimer run [options] script.py [args ...]\n       steptimer run [options] -m module [args ...]"
 HELP = "run a training script unchanged and time each optimizer step"
 
 
-# (flag, type, default, metavar, help) of each option that takes a value; its dest is instrument()'s keyword.
+# (flag, type, metavar, help) of each option that takes a value; its dest is instrument()'s keyword,
+# its default the Options field's (None where it is no field).
 _VALUED = (
-    ("--log-dir", str, None, None, "TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)"),
-    ("--warmup-steps", int, 5, "N", "steps left out of the summary (default: %(default)s)"),
-    ("--log-every-n-steps", int, None, "N", "write window statistics every N steps (default: 50)"),
-    ("--lag", int, 2, "K", "wait on step N-K's GPU work at the end of step N (default: %(default)s)"),
-    ("--sample-every", int, None, "N", "time the phases of one step in every N (default: every step)"),
-    ("--cost-budget", float, None, "F", "time as many steps as this part of the wall time allows (e.g. 0.005)"),
-    ("--samples-per-step", float, None, "N", "samples per step (default: counted from the model's input)"),
-    ("--tokens-per-step", float, None, "N", "tokens per step (default: counted from a 2-D integer input)"),
-    ("--peak-tflops", float, None, None, "the peak TFLOP/s for MFU"),
-    ("--trace-steps", int, None, "N", "capture N steps after warm-up for `steptimer trace`"),
+    ("--log-dir", str, None, "TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)"),
+    ("--warmup-steps", int, "N", "steps left out of the summary (default: %(default)s)"),
+    ("--log-every-n-steps", int, "N", "write window statistics every N steps (default: 50)"),
+    ("--lag", int, "K", "wait on step N-K's GPU work at the end of step N (default: %(default)s)"),
+    ("--sample-every", int, "N", "time the phases of one step in every N (default: every step)"),
+    ("--cost-budget", float, "F", "time as many steps as this part of the wall time allows (e.g. 0.005)"),
+    ("--samples-per-step", float, "N", "samples per step (default: counted from the model's input)"),
+    ("--tokens-per-step", float, "N", "tokens per step (default: counted from a 2-D integer input)"),
+    ("--peak-tflops", float, None, "the peak TFLOP/s for MFU"),
+    ("--trace-steps", int, "N", "capture N steps after warm-up for `steptimer trace`"),
 )
 
 
@@ -45,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
         "optimizer when they first step, and time data, forward, loss, backward, optimizer and zero_grad "
         "of each optimizer step. Everything after the script (or -m module) is the script's.",
     )
-    for flag, type_, default, metavar, help_ in _VALUED:
+    for flag, type_, metavar, help_ in _VALUED:
+        default = getattr(Options, flag[2:].replace("-", "_"), None)
         p.add_argument(flag, type=type_, default=default, metavar=metavar, help=help_)
     p.add_argument("--host-only", dest="cuda", action="store_const", const=False,
                    help="host clock only, no CUDA events")  # fmt: skip

@@ -79,7 +79,7 @@ def instrument(
         raise ValueError("optimizer: the list holds the same optimizer twice; pass each one once")
     counts = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step}
     counts = {k: check_count(k, v) for k, v in counts.items() if v is not None}
-    return Instrumented(StepTimer(**options), None if model is None else [model], opts, **counts)
+    return Instrumented(StepTimer(**options), model, opts, **counts)
 
 
 class Instrumented:
@@ -124,8 +124,8 @@ class Instrumented:
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
         self._warned = False
         self._removed = False
-        self._watch_steps = True  # until the check after _FORWARDS_BEFORE_WARNING training forwards
-        self._forwards = 0
+        # Training forwards, until the check after _FORWARDS_BEFORE_WARNING of them (None: done).
+        self._forwards: int | None = 0
         self._ever_stepped: set[int] = set()  # ids of the optimizers that have stepped at least once
         self._hooks = Hooks()
         if not timer.enabled:
@@ -135,7 +135,7 @@ class Instrumented:
         if self.models and self.optimizers:
             self._install()
         else:  # found at the optimizers' steps; installed at the next forward of the model(s)
-            self._watch_steps = False
+            self._forwards = None
             self._discovery = Discovery(self._found, models=models, optimizers=optimizers)
         _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
 
@@ -198,7 +198,7 @@ class Instrumented:
         _exit.untrack(self)
         if self._deferred:
             self._end()  # a finished step, waiting for its zero_grad
-        if self._watch_steps and self._forwards:
+        if self._forwards:
             self._check_stepped()
         note = self.discovery_note()
         if note is not None:
@@ -293,20 +293,20 @@ class Instrumented:
             for what, n in zip(_COUNTED, batch_counts(args, kwargs)):
                 if n is not None and self._fixed[what] is None:
                     self._counted[what] = self._counted.get(what, 0) + n
-        if self._watch_steps:
+        if self._forwards is not None:
             self._forwards += 1
             if self._forwards == _FORWARDS_BEFORE_WARNING:
                 self._check_stepped()
 
     def _check_stepped(self) -> None:
         """Warn (once, and note) when an optimizer passed to instrument() never stepped."""
-        self._watch_steps = False
+        forwards, self._forwards = self._forwards, None
         idle = [o for o in self.optimizers if id(o) not in self._ever_stepped]
         if not idle:
             return
         names = ", ".join(type(o).__name__ for o in idle)
         msg = (
-            f"the optimizer passed to instrument() ({names}) has not stepped in {self._forwards} training "
+            f"the optimizer passed to instrument() ({names}) has not stepped in {forwards} training "
             "forward passes of the model, so no step has ended and nothing is timed. Pass instrument() "
             "the optimizer your loop calls step() on (a trainer that builds its own: that one), or time "
             "the loop with `with timer.step():` blocks."
