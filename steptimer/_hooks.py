@@ -35,15 +35,14 @@ def _eager(fn: _Fn) -> _Fn:
 
 
 class Hooks:
-    """Every hook and wrapper one front door put on a user's objects; :meth:`remove` takes all out.
-    ``eager``: they run eagerly under ``torch.compile``."""
+    """Every hook and wrapper one front door put on a user's objects (``eager``: run eagerly under
+    ``torch.compile``); :meth:`remove` takes all out."""
 
     def __init__(self, *, eager: bool = True) -> None:
         self._eager = eager
         self._handles: list[Any] = []
         self._ids: dict[int, list[int]] = {}  # id(module) -> ids of the forward hook handles on it
-        # (a dict or a class, key, ours, the value before): an instance's __dict__, a class or module
-        # attribute, or a copyreg entry.
+        # (an instance's or module's __dict__, a class or copyreg's table; key, ours, the value before)
         self._put: list[tuple[Any, Any, Any, Any]] = []
 
     def _own(self, fn: _Fn) -> _Fn:
@@ -68,8 +67,7 @@ class Hooks:
             self._handles.append(opt.register_step_post_hook(self._own(post)))
 
     def wrap(self, obj: Any, attr: str, make: Callable[[_Fn], _Fn]) -> None:
-        """``obj.attr = make(obj.attr)`` as an instance attribute (an instance one from before is put
-        back by :meth:`remove`); an object without ``attr`` or a ``__dict__`` is left alone."""
+        """``obj.attr = make(obj.attr)`` in the instance's ``__dict__``; no ``attr``: nothing."""
         orig = getattr(obj, attr, None)
         if orig is not None and hasattr(obj, "__dict__"):  # `__wrapped__` keeps is_overridden() truthful
             self._replace(obj.__dict__, attr, self._own(functools.wraps(orig)(make(orig))))
@@ -79,10 +77,8 @@ class Hooks:
         _assign(where, key, ours)
 
     def wrap_views(self, opt: torch.optim.Optimizer, attr: str, make: Callable[[_Fn], _Fn]) -> None:
-        """:meth:`wrap` for the wrappers of ``opt`` that subclass its class and forward to it
-        (Lightning's ``LightningOptimizer``, a class per optimizer): their calls never reach
-        ``opt``'s attribute, so the subclass gets the wrapper, for instances sharing ``opt``'s
-        ``param_groups``. A subclass with its own ``attr`` is not such a view: left alone."""
+        """:meth:`wrap` for ``opt``'s views: subclasses of its class without their own ``attr`` whose
+        instances share its ``param_groups`` (Lightning's ``LightningOptimizer``) never reach it."""
         for cls in type(opt).__subclasses__():
             ours = any(w is cls and k == attr for w, k, *_ in self._put)  # another optimizer's view
             if attr not in cls.__dict__ or ours:
@@ -93,8 +89,8 @@ class Hooks:
         self._replace(torch.autograd.__dict__, "backward", self._own(make(torch.autograd.backward)))
 
     def wrap_loaders(self, wrap: Callable[[Any], Any]) -> None:
-        """Every ``DataLoader`` iterated in this thread gives ``wrap(its iterator)`` (a loop's loaders
-        are nowhere else to be found, so ``DataLoader.__iter__`` is replaced)."""
+        """Every ``DataLoader`` iterated in this thread gives ``wrap(its iterator)`` (nowhere else to
+        find a loop's loaders)."""
         from torch.utils.data import DataLoader
 
         orig, thread = DataLoader.__iter__, threading.get_ident()
@@ -107,9 +103,8 @@ class Hooks:
         self._replace(DataLoader, "__iter__", __iter__)
 
     def keep_picklable(self, model: nn.Module) -> None:
-        """Pickle and copy ``model`` without what this object put on it (a copy would feed this timer,
-        or zero this model): a ``copyreg`` entry for its class, which ``pickle`` and ``copy`` look up
-        first; other instances go to the entry found before."""
+        """Pickle and copy ``model`` without what we put on it (a copy would feed this timer, or zero
+        this model): a ``copyreg`` entry for its class, which ``pickle`` and ``copy`` look up first."""
         cls, ref = type(model), weakref.ref(model)
         before = copyreg.dispatch_table.get(cls)
 
@@ -182,10 +177,7 @@ def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
     if isinstance(x, torch.Tensor):
         return x
     if depth < 2 and isinstance(x, dict):
-        first = x.get("input_ids")
-        if isinstance(first, torch.Tensor):
-            return first
-        x = list(x.values())
+        x = [x["input_ids"]] if isinstance(x.get("input_ids"), torch.Tensor) else list(x.values())
     if depth < 2 and isinstance(x, (list, tuple)):
         for v in x:
             t = _first_tensor(v, depth + 1)
@@ -215,7 +207,7 @@ class Discovery:
 
     def __init__(
         self,
-        on_found: Callable[[list[nn.Module], list[torch.optim.Optimizer], Any, Any, Any], None],
+        on_found: Callable[[Discovery, Any, Any, Any], None],
         *,
         models: Sequence[nn.Module] | None = None,
         optimizers: Sequence[torch.optim.Optimizer] | None = None,
@@ -285,7 +277,7 @@ class Discovery:
         # The safe place to take discovery's hooks out: torch iterates a copy of the forward hooks,
         # and the optimizer hook dict is not being iterated.
         self.remove()
-        self._on_found(self.models, self.optimizers, module, args, kwargs)
+        self._on_found(self, module, args, kwargs)
 
     def remove(self) -> None:
         """Take discovery's hooks out; not from inside an optimizer step (torch iterates that dict)."""

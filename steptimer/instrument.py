@@ -17,7 +17,6 @@ from types import CodeType, FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch import nn
 
 from steptimer import _exit
 from steptimer._driver import PhaseDriver, UserPhase
@@ -245,20 +244,16 @@ class Instrumented:
             hooks.keep_picklable(model)
         hooks.wrap_backward(self._backward_wrapper_of)
 
-    def _found(
-        self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], module: Any, args: Any, kwargs: Any
-    ) -> None:
-        self.models, self.optimizers = tuple(models), tuple(optimizers)
-        d = self._discovery
+    def _found(self, d: Discovery, module: Any, args: Any, kwargs: Any) -> None:
+        self.models, self.optimizers = tuple(d.models), tuple(d.optimizers)
         # Found inside an optimizer step (its closure runs the forward, as Lightning's does): that
         # step is timed from here, its update in `other`, and ends at its post-hook.
-        inside = d is not None and d.stepping is not None
-        n = 0 if d is None else d.optimizer_steps - inside
-        names = ", ".join(type(m).__name__ for m in models)
-        onames = ", ".join(type(o).__name__ for o in optimizers)
+        inside = d.stepping is not None
+        names = ", ".join(type(m).__name__ for m in d.models)
+        onames = ", ".join(type(o).__name__ for o in d.optimizers)
         self.timer.note(
-            f"found the model ({names}) and optimizer ({onames}) at their first steps: the {n} optimizer "
-            f"step(s) before were not timed (counted before warm-up)"
+            f"found the model ({names}) and optimizer ({onames}) at their first steps: the "
+            f"{d.optimizer_steps - inside} optimizer step(s) before were not timed (counted before warm-up)"
         )
         if self._removed:
             return
