@@ -18,13 +18,6 @@ from torch import nn
 
 __all__ = ["Discovery", "Hooks", "batch_counts", "holds"]
 
-# The module attributes that hold forward hooks, keyed by handle id (nn.Module.__init__).
-_HOOK_DICTS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)  # fmt: skip
-
-
 _Fn = Callable[..., Any]
 
 
@@ -124,9 +117,9 @@ class Hooks:
             if where is model.__dict__ and state.get(attr) is ours:
                 del state[attr]
         ids = self._ids.get(id(model), ())
-        for name in _HOOK_DICTS:
-            hooks = state.get(name)
-            if hooks and any(i in hooks for i in ids):
+        # nn.Module keeps its forward hooks and their flags in dicts `_forward_*` keyed by handle id.
+        for name, hooks in list(state.items()):
+            if name.startswith("_forward_") and isinstance(hooks, dict) and any(i in hooks for i in ids):
                 hooks = state[name] = hooks.copy()  # OrderedDict stays OrderedDict
                 for i in ids:
                     hooks.pop(i, None)
@@ -297,28 +290,20 @@ def trained_modules(optimizers: Sequence[torch.optim.Optimizer]) -> list[nn.Modu
     """The models those optimizers train (docs/run.md), by one scan of the live objects: the
     outermost modules that hold one of their parameters and no trainable parameter outside them, in
     the order of the optimizers' parameters."""
-    order: dict[int, int] = {}
-    for o in optimizers:
-        for g in o.param_groups:
-            for p in g["params"]:
-                order.setdefault(id(p), len(order))
+    ids = dict.fromkeys(id(p) for o in optimizers for g in o.param_groups for p in g["params"])
+    order = {k: i for i, k in enumerate(ids)}
     found: list[tuple[int, nn.Module]] = []
     for obj in gc.get_objects():
         if not issubclass(type(obj), nn.Module):  # type(), not isinstance: no __class__ lookups
             continue
-        first = None
         try:
-            for p in obj.parameters():
-                i = order.get(id(p))
-                if i is None:
-                    if p.requires_grad:
-                        break  # trains something these optimizers don't: not (all of) one of their models
-                elif first is None or i < first:
-                    first = i
-            else:
-                if first is not None:
-                    found.append((first, obj))
+            params = list(obj.parameters())
         except Exception:  # a half-built or broken module: not a model
             continue
+        # One trainable parameter these optimizers don't hold: not (all of) one of their models.
+        if not any(id(p) not in order and p.requires_grad for p in params):
+            mine = [order[id(p)] for p in params if id(p) in order]
+            if mine:
+                found.append((min(mine), obj))
     inner = {id(sub) for _, m in found for sub in m.modules() if sub is not m}
     return [m for _, m in sorted(found, key=lambda f: f[0]) if id(m) not in inner]

@@ -111,12 +111,10 @@ def main(argv: Sequence[str]) -> int:
     try:
         timer = instrument(**options)
     except ValueError as err:  # argparse prefixes "steptimer run: error: "; wrapped with it at 80 columns
-        from steptimer._table import wrapped
-
-        p.error("\n".join(wrapped([f"{p.prog}: error: {err}"], 80, "  "))[len(p.prog) + 9 :])
+        p.error(_wrapped(f"{p.prog}: error: {err}")[len(p.prog) + 9 :])
     name = f"-m {target}" if is_module else target
     if rank == 0:
-        _say(f"steptimer: timing {name}; logging to {log_dir}")
+        print(_wrapped(f"steptimer: timing {name}; logging to {log_dir}"), file=sys.stderr)
         # A command to copy: one line, never wrapped.
         print(f"steptimer: then: {shell_command('steptimer')} report {log_dir}", file=sys.stderr)
     failed, error = True, None
@@ -132,7 +130,7 @@ def main(argv: Sequence[str]) -> int:
         note = timer.discovery_note()
         timer.close(failed=failed)
         if note is not None and rank == 0:
-            _say(f"steptimer: {name}: {note}")
+            print(_wrapped(f"steptimer: {name}: {note}"), file=sys.stderr)
     if error is not None:
         tb = _users_frames(error.__traceback__)
         sys.excepthook(type(error), error.with_traceback(tb), tb)
@@ -140,11 +138,11 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _say(line: str) -> None:
-    """A line on stderr, wrapped at 80 columns (a path stays whole)."""
+def _wrapped(line: str) -> str:
+    """``line`` wrapped at 80 columns (a path stays whole)."""
     from steptimer._table import wrapped
 
-    print("\n".join(wrapped([line], 80, "  ")), file=sys.stderr)
+    return "\n".join(wrapped([line], 80, "  "))
 
 
 def _users_frames(tb: TracebackType | None) -> TracebackType | None:

@@ -30,7 +30,6 @@ __all__ = ["Instrumented", "instrument"]
 
 # Frames in these directories are not "the loop" when instrument() learns where zero_grad sits.
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-_ExcInfo = tuple[Any, Any, Any]
 
 
 def instrument(
@@ -470,7 +469,7 @@ class Instrumented:
                 + f"; {what}_per_step= (--{what}-per-step) overrides"
             )
 
-    def _drop(self, exc: _ExcInfo) -> None:
+    def _drop(self, exc: tuple[Any, Any, Any]) -> None:
         self._driver.drop(*exc)
         self._clear()
 
