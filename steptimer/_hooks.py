@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 __all__ = ["Discovery", "Hooks", "batch_counts", "holds"]
 
@@ -216,8 +217,6 @@ class Discovery:
         self.problem: str | None = None  # why discovery gave up, for the summary
         self._pending: set[int] = set()
         self.done = False
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
         # A subclass's step() calling super().step() fires the hooks twice when torch patched both
         # classes (a plain instance of the base was made too): the nested pair is one step.
         self.stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running

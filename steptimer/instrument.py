@@ -392,10 +392,10 @@ class Instrumented:
         elif not self._driver.in_step:
             if not self._warned:
                 self._warned = True
-                msg = "optimizer.step() with no training forward of the instrumented model since the last step"
                 warnings.warn(
-                    f"steptimer.instrument: {msg}: not timed. If no step is ever timed, pass "
-                    "instrument() the module your loop calls.",
+                    "steptimer.instrument: optimizer.step() with no training forward of the instrumented "
+                    "model since the last step: not timed. If no step is ever timed, pass instrument() the "
+                    "module your loop calls.",
                     stacklevel=3,
                 )
             return None
