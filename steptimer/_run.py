@@ -67,7 +67,7 @@ def split(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
         a = argv[i]
         if a == "--":
             return argv[:i], (argv[i + 1] if i + 1 < len(argv) else None), False, argv[i + 2 :]
-        if a == "-m" or (a.startswith("-m") and not a.startswith("--")):
+        if a.startswith("-m"):  # "-m mod" or "-mmod"
             mod = a[2:] or (argv[i + 1] if i + 1 < len(argv) else None)
             rest = argv[i + (1 if a[2:] else 2) :]
             return argv[:i], mod, True, rest
