@@ -9,20 +9,15 @@ import functools
 import gc
 import pickle
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 __all__ = ["Discovery", "Hooks", "batch_counts", "holds"]
-
-# The module attributes that hold forward hooks, keyed by handle id (nn.Module.__init__).
-_HOOK_DICTS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)  # fmt: skip
-
 
 _Fn = Callable[..., Any]
 
@@ -34,16 +29,15 @@ def _eager(fn: _Fn) -> _Fn:
 
 
 class Hooks:
-    """Every hook and wrapper one front door put on a user's objects; :meth:`remove` takes all out.
-    ``eager``: they run eagerly under ``torch.compile``."""
+    """Every hook and wrapper one front door put on a user's objects (``eager``: run eagerly under
+    ``torch.compile``); :meth:`remove` takes all out."""
 
     def __init__(self, *, eager: bool = True) -> None:
         self._eager = eager
         self._handles: list[Any] = []
         self._ids: dict[int, list[int]] = {}  # id(module) -> ids of the forward hook handles on it
-        self._patched: list[tuple[Any, str, Any, Any]] = []  # (object, attribute, our wrapper, before)
-        self._globals: list[tuple[Any, str, Any, Any]] = []  # (module or class, attribute, before, ours)
-        self._reducers: list[_Reducer] = []
+        # (an instance's or module's __dict__, a class or copyreg's table; key, ours, the value before)
+        self._put: list[tuple[Any, Any, Any, Any]] = []
 
     def _own(self, fn: _Fn) -> _Fn:
         return _eager(fn) if self._eager else fn
@@ -67,36 +61,30 @@ class Hooks:
             self._handles.append(opt.register_step_post_hook(self._own(post)))
 
     def wrap(self, obj: Any, attr: str, make: Callable[[_Fn], _Fn]) -> None:
-        """``obj.attr = make(obj.attr)`` as an instance attribute (an instance one from before is put
-        back by :meth:`remove`); an object without ``attr`` or a ``__dict__`` is left alone."""
+        """``obj.attr = make(obj.attr)`` in the instance's ``__dict__``; no ``attr``: nothing."""
         orig = getattr(obj, attr, None)
-        if orig is None or not hasattr(obj, "__dict__"):
-            return
-        wrapper = self._own(functools.wraps(orig)(make(orig)))  # `__wrapped__` keeps is_overridden() truthful
-        self._patched.append((obj, attr, wrapper, obj.__dict__.get(attr)))
-        obj.__dict__[attr] = wrapper
+        if orig is not None and hasattr(obj, "__dict__"):  # `__wrapped__` keeps is_overridden() truthful
+            self._replace(obj.__dict__, attr, self._own(functools.wraps(orig)(make(orig))))
 
-    def _replace(self, owner: Any, attr: str, wrapper: _Fn) -> None:
-        self._globals.append((owner, attr, owner.__dict__.get(attr), wrapper))
-        setattr(owner, attr, wrapper)
+    def _replace(self, where: Any, key: Any, ours: Any) -> None:
+        self._put.append((where, key, ours, _entries(where).get(key)))
+        _assign(where, key, ours)
 
     def wrap_views(self, opt: torch.optim.Optimizer, attr: str, make: Callable[[_Fn], _Fn]) -> None:
-        """:meth:`wrap` for the wrappers of ``opt`` that subclass its class and forward to it
-        (Lightning's ``LightningOptimizer``, a class per optimizer): their calls never reach
-        ``opt``'s attribute, so the subclass gets the wrapper, for instances sharing ``opt``'s
-        ``param_groups``. A subclass with its own ``attr`` is not such a view: left alone."""
-        ours = {(o, a) for o, a, *_ in self._globals}
+        """:meth:`wrap` for ``opt``'s views: subclasses of its class without their own ``attr`` whose
+        instances share its ``param_groups`` (Lightning's ``LightningOptimizer``) never reach it."""
         for cls in type(opt).__subclasses__():
-            if attr not in cls.__dict__ or (cls, attr) in ours:  # ours: another optimizer's view
+            ours = any(w is cls and k == attr for w, k, *_ in self._put)  # another optimizer's view
+            if attr not in cls.__dict__ or ours:
                 self._replace(cls, attr, self._own(_for_views(opt, getattr(cls, attr), make)))
 
     def wrap_backward(self, make: Callable[[_Fn], _Fn]) -> None:
         """Replace ``torch.autograd.backward`` with ``make(original)``."""
-        self._replace(torch.autograd, "backward", self._own(make(torch.autograd.backward)))
+        self._replace(torch.autograd.__dict__, "backward", self._own(make(torch.autograd.backward)))
 
     def wrap_loaders(self, wrap: Callable[[Any], Any]) -> None:
-        """Every ``DataLoader`` iterated in this thread gives ``wrap(its iterator)`` (a loop's loaders
-        are nowhere else to be found, so ``DataLoader.__iter__`` is replaced)."""
+        """Every ``DataLoader`` iterated in this thread gives ``wrap(its iterator)`` (nowhere else to
+        find a loop's loaders)."""
         from torch.utils.data import DataLoader
 
         orig, thread = DataLoader.__iter__, threading.get_ident()
@@ -109,18 +97,30 @@ class Hooks:
         self._replace(DataLoader, "__iter__", __iter__)
 
     def keep_picklable(self, model: nn.Module) -> None:
-        """Pickle and copy ``model`` without what this object put on it."""
-        self._reducers.append(_Reducer(model, self._state_without_us))
+        """Pickle and copy ``model`` without what we put on it (a copy would feed this timer, or zero
+        this model): a ``copyreg`` entry for its class, which ``pickle`` and ``copy`` look up first."""
+        cls, ref = type(model), weakref.ref(model)
+        before = copyreg.dispatch_table.get(cls)
+
+        def reduce(obj: Any) -> Any:
+            if obj is not ref():
+                return before(obj) if before is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+            rv = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+            if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+                rv = (*rv[:2], self._state_without_us(rv[2], obj), *rv[3:])
+            return rv
+
+        self._replace(copyreg.dispatch_table, cls, reduce)
 
     def _state_without_us(self, state: dict[str, Any], model: Any) -> dict[str, Any]:
         state = dict(state)  # never the live __dict__
-        for obj, attr, wrapper, _ in self._patched:
-            if obj is model and state.get(attr) is wrapper:
+        for where, attr, ours, _ in self._put:
+            if where is model.__dict__ and state.get(attr) is ours:
                 del state[attr]
         ids = self._ids.get(id(model), ())
-        for name in _HOOK_DICTS:
-            hooks = state.get(name)
-            if hooks and any(i in hooks for i in ids):
+        # nn.Module keeps its forward hooks and their flags in dicts `_forward_*` keyed by handle id.
+        for name, hooks in list(state.items()):
+            if name.startswith("_forward_") and isinstance(hooks, dict) and any(i in hooks for i in ids):
                 hooks = state[name] = hooks.copy()  # OrderedDict stays OrderedDict
                 for i in ids:
                     hooks.pop(i, None)
@@ -132,23 +132,28 @@ class Hooks:
             h.remove()
         self._handles = []
         self._ids = {}
-        for r in self._reducers:
-            r.remove()
-        self._reducers = []
-        for obj, attr, wrapper, before in reversed(self._patched):
-            if obj.__dict__.get(attr) is wrapper:
-                if before is None:
-                    del obj.__dict__[attr]
-                else:
-                    obj.__dict__[attr] = before  # someone's instance wrapper from before ours
-        self._patched = []
-        for owner, attr, before, ours in reversed(self._globals):
-            if owner.__dict__.get(attr) is ours and before is None:
-                delattr(owner, attr)
-            elif owner.__dict__.get(attr) is ours:
-                setattr(owner, attr, before)
-            # Else someone wrapped it after us: ours stays inside theirs, passing every call through.
-        self._globals = []
+        for where, key, ours, before in reversed(self._put):
+            # Else someone wrapped it after us: ours stays inside theirs, passing every call through
+            # (a copyreg entry of ours passes every object to the one before it).
+            if _entries(where).get(key) is ours:
+                _assign(where, key, before)
+        self._put = []
+
+
+def _entries(where: Any) -> Any:
+    return where if isinstance(where, dict) else where.__dict__
+
+
+def _assign(where: Any, key: Any, value: Any) -> None:
+    """``where[key] = value`` (None: delete it) on a dict, or as an attribute of a class."""
+    if isinstance(where, dict) and value is None:
+        del where[key]
+    elif isinstance(where, dict):
+        where[key] = value
+    elif value is None:
+        delattr(where, key)
+    else:
+        setattr(where, key, value)
 
 
 def _for_views(opt: torch.optim.Optimizer, orig: _Fn, make: Callable[[_Fn], _Fn]) -> _Fn:
@@ -162,44 +167,11 @@ def _for_views(opt: torch.optim.Optimizer, orig: _Fn, make: Callable[[_Fn], _Fn]
     return call
 
 
-class _Reducer:
-    """A ``copyreg`` entry for the hooked model's class (``pickle`` and ``copy`` look there first):
-    the model is reduced with its state filtered, so a copy has no hook or wrapper of ours (it would
-    feed this timer, or zero this model). Other instances go to the entry found before."""
-
-    def __init__(self, model: nn.Module, filter_state: Callable[[dict[str, Any], Any], dict[str, Any]]) -> None:
-        self._model: nn.Module | None = model
-        self._filter = filter_state
-        self._cls = type(model)
-        self._prev = copyreg.dispatch_table.get(self._cls)
-        copyreg.dispatch_table[self._cls] = self
-
-    def __call__(self, obj: Any) -> Any:
-        if obj is not self._model:
-            return self._prev(obj) if self._prev is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-        rv = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-        if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
-            rv = (*rv[:2], self._filter(rv[2], obj), *rv[3:])
-        return rv
-
-    def remove(self) -> None:
-        if copyreg.dispatch_table.get(self._cls) is self:
-            if self._prev is None:
-                del copyreg.dispatch_table[self._cls]
-            else:
-                copyreg.dispatch_table[self._cls] = self._prev
-        # Else an entry put in after ours chains to it: ours stays, passing every object through.
-        self._model = None
-
-
 def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
     if isinstance(x, torch.Tensor):
         return x
     if depth < 2 and isinstance(x, dict):
-        first = x.get("input_ids")
-        if isinstance(first, torch.Tensor):
-            return first
-        x = list(x.values())
+        x = [x["input_ids"]] if isinstance(x.get("input_ids"), torch.Tensor) else list(x.values())
     if depth < 2 and isinstance(x, (list, tuple)):
         for v in x:
             t = _first_tensor(v, depth + 1)
@@ -229,7 +201,7 @@ class Discovery:
 
     def __init__(
         self,
-        on_found: Callable[[list[nn.Module], list[torch.optim.Optimizer], Any, Any, Any], None],
+        on_found: Callable[[Discovery, Any, Any, Any], None],
         *,
         models: Sequence[nn.Module] | None = None,
         optimizers: Sequence[torch.optim.Optimizer] | None = None,
@@ -243,17 +215,14 @@ class Discovery:
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.problem: str | None = None  # why discovery gave up, for the summary
-        self._decided = False
         self._pending: set[int] = set()
         self.done = False
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
         # A subclass's step() calling super().step() fires the hooks twice when torch patched both
         # classes (a plain instance of the base was made too): the nested pair is one step.
         self.stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
+        # And, once found, the models' one-shot forward pre-hooks.
         self._handles = [register_optimizer_step_pre_hook(_eager(self._on_step)),
                          register_optimizer_step_post_hook(_eager(self._on_stepped))]  # fmt: skip
-        self._triggers: list[Any] = []  # the found models' one-shot forward pre-hooks
 
     def _on_stepped(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if threading.get_ident() == self._thread:
@@ -266,20 +235,17 @@ class Discovery:
         if self.problem is not None:  # gave up; the hook comes out at close (not here: see remove())
             return
         self.optimizer_steps += 1
-        if self._decided:  # the rest of this iteration's optimizers: the next one starts at a forward
+        if self.models:  # the rest of this iteration's optimizers: the next one starts at a forward
             self._pending.discard(id(opt))
-            return
-        if self._given_opts is not None:
+        elif self._given_opts is not None:
             if any(opt is o for o in self._given_opts):
                 self._decide(list(self._given_opts), opt)
-            return
-        if id(opt) in self._stepped:  # the first optimizer steps again: one whole iteration seen
+        elif id(opt) in self._stepped:  # the first optimizer steps again: one whole iteration seen
             self._decide(list(self._stepped.values()), opt)
         else:
             self._stepped[id(opt)] = opt
 
     def _decide(self, opts: list[torch.optim.Optimizer], now: torch.optim.Optimizer) -> None:
-        self._decided = True
         self._stepped = {}
         models = list(self._given_models) if self._given_models is not None else trained_modules(opts)
         # The optimizers whose parameters those models hold; none of them: every one that stepped.
@@ -295,7 +261,7 @@ class Discovery:
         # One-shot instance pre-hooks on the models: their dicts are not the one torch iterates now.
         # with_kwargs: the first timed call's keyword batch is counted too.
         for m in models:
-            self._triggers.append(m.register_forward_pre_hook(_eager(self._on_forward), with_kwargs=True))
+            self._handles.append(m.register_forward_pre_hook(_eager(self._on_forward), with_kwargs=True))
 
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.done or self._pending or threading.get_ident() != self._thread:
@@ -303,15 +269,14 @@ class Discovery:
         # The safe place to take discovery's hooks out: torch iterates a copy of the forward hooks,
         # and the optimizer hook dict is not being iterated.
         self.remove()
-        self._on_found(self.models, self.optimizers, module, args, kwargs)
+        self._on_found(self, module, args, kwargs)
 
     def remove(self) -> None:
         """Take discovery's hooks out; not from inside an optimizer step (torch iterates that dict)."""
         self.done = True
-        for h in (*self._handles, *self._triggers):
+        for h in self._handles:
             h.remove()
         self._handles = []
-        self._triggers = []
 
 
 def holds(opt: torch.optim.Optimizer, models: Sequence[nn.Module]) -> bool:
@@ -324,28 +289,20 @@ def trained_modules(optimizers: Sequence[torch.optim.Optimizer]) -> list[nn.Modu
     """The models those optimizers train (docs/run.md), by one scan of the live objects: the
     outermost modules that hold one of their parameters and no trainable parameter outside them, in
     the order of the optimizers' parameters."""
-    order: dict[int, int] = {}
-    for o in optimizers:
-        for g in o.param_groups:
-            for p in g["params"]:
-                order.setdefault(id(p), len(order))
+    ids = dict.fromkeys(id(p) for o in optimizers for g in o.param_groups for p in g["params"])
+    order = {k: i for i, k in enumerate(ids)}
     found: list[tuple[int, nn.Module]] = []
     for obj in gc.get_objects():
         if not issubclass(type(obj), nn.Module):  # type(), not isinstance: no __class__ lookups
             continue
-        first = None
         try:
-            for p in obj.parameters():
-                i = order.get(id(p))
-                if i is None:
-                    if p.requires_grad:
-                        break  # trains something these optimizers don't: not (all of) one of their models
-                elif first is None or i < first:
-                    first = i
-            else:
-                if first is not None:
-                    found.append((first, obj))
+            params = list(obj.parameters())
         except Exception:  # a half-built or broken module: not a model
             continue
+        # One trainable parameter these optimizers don't hold: not (all of) one of their models.
+        if not any(id(p) not in order and p.requires_grad for p in params):
+            mine = [order[id(p)] for p in params if id(p) in order]
+            if mine:
+                found.append((min(mine), obj))
     inner = {id(sub) for _, m in found for sub in m.modules() if sub is not m}
     return [m for _, m in sorted(found, key=lambda f: f[0]) if id(m) not in inner]

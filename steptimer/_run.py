@@ -17,22 +17,25 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from steptimer._options import Options
+
 USAGE = "steptimer run [options] script.py [args ...]\n       steptimer run [options] -m module [args ...]"
 HELP = "run a training script unchanged and time each optimizer step"
 
 
-# (flag, type, default, metavar, help) of each option that takes a value; its dest is instrument()'s keyword.
+# (flag, type, metavar, help) of each option that takes a value; its dest is instrument()'s keyword,
+# its default the Options field's (None where it is no field).
 _VALUED = (
-    ("--log-dir", str, None, None, "TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)"),
-    ("--warmup-steps", int, 5, "N", "steps left out of the summary (default: %(default)s)"),
-    ("--log-every-n-steps", int, None, "N", "write window statistics every N steps (default: 50)"),
-    ("--lag", int, 2, "K", "wait on step N-K's GPU work at the end of step N (default: %(default)s)"),
-    ("--sample-every", int, None, "N", "time the phases of one step in every N (default: every step)"),
-    ("--cost-budget", float, None, "F", "time as many steps as this part of the wall time allows (e.g. 0.005)"),
-    ("--samples-per-step", float, None, "N", "samples per step (default: counted from the model's input)"),
-    ("--tokens-per-step", float, None, "N", "tokens per step (default: counted from a 2-D integer input)"),
-    ("--peak-tflops", float, None, None, "the peak TFLOP/s for MFU"),
-    ("--trace-steps", int, None, "N", "capture N steps after warm-up for `steptimer trace`"),
+    ("--log-dir", str, None, "TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)"),
+    ("--warmup-steps", int, "N", "steps left out of the summary (default: %(default)s)"),
+    ("--log-every-n-steps", int, "N", "write window statistics every N steps (default: 50)"),
+    ("--lag", int, "K", "wait on step N-K's GPU work at the end of step N (default: %(default)s)"),
+    ("--sample-every", int, "N", "time the phases of one step in every N (default: every step)"),
+    ("--cost-budget", float, "F", "time as many steps as this part of the wall time allows (e.g. 0.005)"),
+    ("--samples-per-step", float, "N", "samples per step (default: counted from the model's input)"),
+    ("--tokens-per-step", float, "N", "tokens per step (default: counted from a 2-D integer input)"),
+    ("--peak-tflops", float, None, "the peak TFLOP/s for MFU"),
+    ("--trace-steps", int, "N", "capture N steps after warm-up for `steptimer trace`"),
 )
 
 
@@ -45,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
         "optimizer when they first step, and time data, forward, loss, backward, optimizer and zero_grad "
         "of each optimizer step. Everything after the script (or -m module) is the script's.",
     )
-    for flag, type_, default, metavar, help_ in _VALUED:
+    for flag, type_, metavar, help_ in _VALUED:
+        default = getattr(Options, flag[2:].replace("-", "_"), None)
         p.add_argument(flag, type=type_, default=default, metavar=metavar, help=help_)
     p.add_argument("--host-only", dest="cuda", action="store_const", const=False,
                    help="host clock only, no CUDA events")  # fmt: skip
@@ -63,7 +67,7 @@ def split(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
         a = argv[i]
         if a == "--":
             return argv[:i], (argv[i + 1] if i + 1 < len(argv) else None), False, argv[i + 2 :]
-        if a == "-m" or (a.startswith("-m") and not a.startswith("--")):
+        if a.startswith("-m"):  # "-m mod" or "-mmod"
             mod = a[2:] or (argv[i + 1] if i + 1 < len(argv) else None)
             rest = argv[i + (1 if a[2:] else 2) :]
             return argv[:i], mod, True, rest
@@ -107,12 +111,10 @@ def main(argv: Sequence[str]) -> int:
     try:
         timer = instrument(**options)
     except ValueError as err:  # argparse prefixes "steptimer run: error: "; wrapped with it at 80 columns
-        from steptimer._table import wrapped
-
-        p.error("\n".join(wrapped([f"{p.prog}: error: {err}"], 80, "  "))[len(p.prog) + 9 :])
+        p.error(_wrapped(f"{p.prog}: error: {err}")[len(p.prog) + 9 :])
     name = f"-m {target}" if is_module else target
     if rank == 0:
-        _say(f"steptimer: timing {name}; logging to {log_dir}")
+        print(_wrapped(f"steptimer: timing {name}; logging to {log_dir}"), file=sys.stderr)
         # A command to copy: one line, never wrapped.
         print(f"steptimer: then: {shell_command('steptimer')} report {log_dir}", file=sys.stderr)
     failed, error = True, None
@@ -128,7 +130,7 @@ def main(argv: Sequence[str]) -> int:
         note = timer.discovery_note()
         timer.close(failed=failed)
         if note is not None and rank == 0:
-            _say(f"steptimer: {name}: {note}")
+            print(_wrapped(f"steptimer: {name}: {note}"), file=sys.stderr)
     if error is not None:
         tb = _users_frames(error.__traceback__)
         sys.excepthook(type(error), error.with_traceback(tb), tb)
@@ -136,11 +138,11 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _say(line: str) -> None:
-    """A line on stderr, wrapped at 80 columns (a path stays whole)."""
+def _wrapped(line: str) -> str:
+    """``line`` wrapped at 80 columns (a path stays whole)."""
     from steptimer._table import wrapped
 
-    print("\n".join(wrapped([line], 80, "  ")), file=sys.stderr)
+    return "\n".join(wrapped([line], 80, "  "))
 
 
 def _users_frames(tb: TracebackType | None) -> TracebackType | None:

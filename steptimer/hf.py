@@ -108,16 +108,15 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._micro = 0
-        self._arm()
+        self._arm(0)
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._micro += 1
-        self._arm()
+        self._arm(self._micro + 1)
 
-    def _arm(self) -> None:
+    def _arm(self, micro: int) -> None:
         # The last micro-batch's backward opens `clip`, which the optimizer's step pre-hook ends.
-        if self.timed is not None and self._micro == self._accum - 1:
+        self._micro = micro
+        if self.timed is not None and micro == self._accum - 1:
             self.timed.open_after_backward("clip")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

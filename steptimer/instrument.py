@@ -17,7 +17,6 @@ from types import CodeType, FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch import nn
 
 from steptimer import _exit
 from steptimer._driver import PhaseDriver, UserPhase
@@ -31,7 +30,6 @@ __all__ = ["Instrumented", "instrument"]
 
 # Frames in these directories are not "the loop" when instrument() learns where zero_grad sits.
 _SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-_ExcInfo = tuple[Any, Any, Any]
 
 
 def instrument(
@@ -79,7 +77,7 @@ def instrument(
         raise ValueError("optimizer: the list holds the same optimizer twice; pass each one once")
     counts = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step}
     counts = {k: check_count(k, v) for k, v in counts.items() if v is not None}
-    return Instrumented(StepTimer(**options), None if model is None else [model], opts, **counts)
+    return Instrumented(StepTimer(**options), model, opts, **counts)
 
 
 class Instrumented:
@@ -104,11 +102,9 @@ class Instrumented:
             models = [models]
         self.models: tuple[torch.nn.Module, ...] = tuple(models or ())  # hooked: given, or found
         self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
-        self._fixed = (samples_per_step, tokens_per_step)  # given per step: not counted
-        self._count = samples_per_step is None or tokens_per_step is None
+        self._fixed = {"samples": samples_per_step, "tokens": tokens_per_step}  # given: not counted
         self._count_next = False  # the next model forward starts a micro-batch: count its batch
-        self._samples: float | None = None  # counted in this step so far
-        self._tokens: float | None = None
+        self._counted: dict[str, float] = {}  # in this step so far
         self._after_backward: str | None = None  # the phase the next backward's return opens
         self._discovery: Discovery | None = None
         self._noted: set[str] = set()
@@ -126,8 +122,8 @@ class Instrumented:
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
         self._warned = False
         self._removed = False
-        self._watch_steps = True  # until the check after _FORWARDS_BEFORE_WARNING training forwards
-        self._forwards = 0
+        # Training forwards, until the check after _FORWARDS_BEFORE_WARNING of them (None: done).
+        self._forwards: int | None = 0
         self._ever_stepped: set[int] = set()  # ids of the optimizers that have stepped at least once
         self._hooks = Hooks()
         if not timer.enabled:
@@ -137,7 +133,7 @@ class Instrumented:
         if self.models and self.optimizers:
             self._install()
         else:  # found at the optimizers' steps; installed at the next forward of the model(s)
-            self._watch_steps = False
+            self._forwards = None
             self._discovery = Discovery(self._found, models=models, optimizers=optimizers)
         _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
 
@@ -200,7 +196,7 @@ class Instrumented:
         _exit.untrack(self)
         if self._deferred:
             self._end()  # a finished step, waiting for its zero_grad
-        if self._watch_steps and self._forwards:
+        if self._forwards:
             self._check_stepped()
         note = self.discovery_note()
         if note is not None:
@@ -247,20 +243,16 @@ class Instrumented:
             hooks.keep_picklable(model)
         hooks.wrap_backward(self._backward_wrapper_of)
 
-    def _found(
-        self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], module: Any, args: Any, kwargs: Any
-    ) -> None:
-        self.models, self.optimizers = tuple(models), tuple(optimizers)
-        d = self._discovery
+    def _found(self, d: Discovery, module: Any, args: Any, kwargs: Any) -> None:
+        self.models, self.optimizers = tuple(d.models), tuple(d.optimizers)
         # Found inside an optimizer step (its closure runs the forward, as Lightning's does): that
         # step is timed from here, its update in `other`, and ends at its post-hook.
-        inside = d is not None and d.stepping is not None
-        n = 0 if d is None else d.optimizer_steps - inside
-        names = ", ".join(type(m).__name__ for m in models)
-        onames = ", ".join(type(o).__name__ for o in optimizers)
+        inside = d.stepping is not None
+        names = ", ".join(type(m).__name__ for m in d.models)
+        onames = ", ".join(type(o).__name__ for o in d.optimizers)
         self.timer.note(
-            f"found the model ({names}) and optimizer ({onames}) at their first steps: the {n} optimizer "
-            f"step(s) before were not timed (counted before warm-up)"
+            f"found the model ({names}) and optimizer ({onames}) at their first steps: the "
+            f"{d.optimizer_steps - inside} optimizer step(s) before were not timed (counted before warm-up)"
         )
         if self._removed:
             return
@@ -292,25 +284,23 @@ class Instrumented:
         d.forward_enter()
         if self._count_next:
             self._count_next = False
-            n, t = batch_counts(args, kwargs)
-            if n is not None:
-                self._samples = (self._samples or 0) + n
-            if t is not None:
-                self._tokens = (self._tokens or 0) + t
-        if self._watch_steps:
+            for what, n in zip(_COUNTED, batch_counts(args, kwargs)):
+                if n is not None and self._fixed[what] is None:
+                    self._counted[what] = self._counted.get(what, 0) + n
+        if self._forwards is not None:
             self._forwards += 1
             if self._forwards == _FORWARDS_BEFORE_WARNING:
                 self._check_stepped()
 
     def _check_stepped(self) -> None:
         """Warn (once, and note) when an optimizer passed to instrument() never stepped."""
-        self._watch_steps = False
+        forwards, self._forwards = self._forwards, None
         idle = [o for o in self.optimizers if id(o) not in self._ever_stepped]
         if not idle:
             return
         names = ", ".join(type(o).__name__ for o in idle)
         msg = (
-            f"the optimizer passed to instrument() ({names}) has not stepped in {self._forwards} training "
+            f"the optimizer passed to instrument() ({names}) has not stepped in {forwards} training "
             "forward passes of the model, so no step has ended and nothing is timed. Pass instrument() "
             "the optimizer your loop calls step() on (a trainer that builds its own: that one), or time "
             "the loop with `with timer.step():` blocks."
@@ -351,7 +341,7 @@ class Instrumented:
             self._after_backward = None
             # The next forward starts a micro-batch; with several optimizers (a GAN's networks see
             # the same batch in turn) only a step's first forward is counted.
-            self._count_next = self._count and len(self.optimizers) == 1
+            self._count_next = len(self.optimizers) == 1 and None in self._fixed.values()
             return out
 
         return backward
@@ -402,10 +392,10 @@ class Instrumented:
         elif not self._driver.in_step:
             if not self._warned:
                 self._warned = True
-                msg = "optimizer.step() with no training forward of the instrumented model since the last step"
                 warnings.warn(
-                    f"steptimer.instrument: {msg}: not timed. If no step is ever timed, pass "
-                    "instrument() the module your loop calls.",
+                    "steptimer.instrument: optimizer.step() with no training forward of the instrumented "
+                    "model since the last step: not timed. If no step is ever timed, pass instrument() the "
+                    "module your loop calls.",
                     stacklevel=3,
                 )
             return None
@@ -463,37 +453,23 @@ class Instrumented:
             self._drop((RuntimeError, RuntimeError("the optimizer step raised"), None))
 
     def _begin(self) -> None:
-        samples, tokens = self._fixed
-        self._driver.begin(samples=samples, tokens=tokens)
-        self._count_next = self._count
-        self._samples = self._tokens = None
+        self._driver.begin(**self._fixed)
+        self._count_next = None in self._fixed.values()
+        self._counted = {}
 
     def _end(self) -> None:
-        fixed_samples, fixed_tokens = self._fixed
-        counted_samples = fixed_samples is None and self._samples is not None
-        counted_tokens = fixed_tokens is None and self._tokens is not None
-        if not self._driver.end(
-            samples=self._samples if counted_samples else fixed_samples,
-            tokens=self._tokens if counted_tokens else fixed_tokens,
-        ):
+        if not self._driver.end(**{**self._fixed, **self._counted}):
             return  # the update ran inside a user phase: the step ends when it exits
         self._clear()
-        if counted_samples:
-            self._note_count("samples", "the leading dimension of the model's input")
-        if counted_tokens:
-            self._note_count("tokens", "the elements of the model's 2-D integer input (token ids, padding included)")
+        for what in [w for w in self._counted if w not in self._noted]:  # not per step: noted once
+            self._noted.add(what)
+            self.timer.note(
+                f"{what} per step counted by steptimer: {_COUNTED[what]}, summed over a step's micro-batches"
+                + (" (a step's first forward only, with several optimizers)" if len(self.optimizers) > 1 else "")
+                + f"; {what}_per_step= (--{what}-per-step) overrides"
+            )
 
-    def _note_count(self, what: str, how: str) -> None:
-        if what in self._noted:  # not per step: the note is built once
-            return
-        self._noted.add(what)
-        self.timer.note(
-            f"{what} per step counted by steptimer: {how}, summed over a step's micro-batches"
-            + (" (a step's first forward only, with several optimizers)" if len(self.optimizers) > 1 else "")
-            + f"; {what}_per_step= (--{what}-per-step) overrides"
-        )
-
-    def _drop(self, exc: _ExcInfo) -> None:
+    def _drop(self, exc: tuple[Any, Any, Any]) -> None:
         self._driver.drop(*exc)
         self._clear()
 
@@ -505,6 +481,11 @@ class Instrumented:
 
 
 _FORWARDS_BEFORE_WARNING = 100
+# What a step's model input gives (batch_counts' order), and how.
+_COUNTED = {
+    "samples": "the leading dimension of the model's input",
+    "tokens": "the elements of the model's 2-D integer input (token ids, padding included)",
+}
 
 
 def _user_sites(frame: FrameType | None) -> dict[CodeType, int]:
