@@ -34,8 +34,7 @@ LAST_SHARE = 2 / 3
 LAST_MIN_MS = 1.0  # a step's last rank by less than this arrived with the others (noise)
 _NEG = -math.inf  # what a rank that abstains sends: neutral in a MAX
 
-# Custom Scalars charts for the cross-rank tags, over the tags as the runs hold them (a phase's tags
-# sit in the phase's run without its name: steptimer/_tensorboard.py).
+# Custom Scalars charts, over the tags as runs hold them (a phase's sit in its run: _tensorboard.py).
 CHARTS = {
     "Straggler rank (data + step - backward)": f"^{RANKS}/{STRAGGLER}_argmax$",
     "Straggler ms across ranks (min, mean, max)": f"^{RANKS}/{STRAGGLER}_(min|mean|max)_ms$",
@@ -130,8 +129,7 @@ def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: floa
 
 
 def _arrivals(arrive: Mapping[int, float], end: int, n: int, rank: int, bits: int) -> list[float]:
-    """This rank's arrivals at its steps' first collective (``Packed.arrive``) in ``n`` slots, slot
-    ``end - step``, for the MAX: keys naming the last rank, then minus the arrivals (the first's)."""
+    """The MAX's ``n`` slots (step ``end - j``) of arrival keys (the last rank), then minus the arrivals."""
     keys, neg = [_NEG] * n, [_NEG] * n
     for step, ms in arrive.items():
         j = end - step
@@ -141,8 +139,7 @@ def _arrivals(arrive: Mapping[int, float], end: int, n: int, rank: int, bits: in
 
 
 def _lasts(mx: Sequence[float], end: int, bits: int) -> dict[int, tuple[int, float]]:
-    """By step, the rank last to its first collective and by how much after the first rank, from the
-    reduced :func:`_arrivals`."""
+    """By step, the rank last to its first collective and its ms after the first (reduced ``_arrivals``)."""
     n = len(mx) // 2
     return {
         end - j: (decode_rank(key, bits), (int(key) >> bits) / 1e3 + mx[n + j])
@@ -151,8 +148,7 @@ def _lasts(mx: Sequence[float], end: int, bits: int) -> dict[int, tuple[int, flo
 
 
 def _row_sums(walls: Any, wkeys: Sequence[str], steps: set[int], mine: bool, nw: int) -> list[float]:
-    """This rank's rows (``<clock>/<row>`` of ``wkeys``) summed over ``steps``: in the first half when
-    it is the window's last rank (``mine``), else in the second; ``2 * nw`` zeros without walls."""
+    """This rank's rows (``wkeys``) summed over ``steps``: first half if ``mine`` (the last rank), else second."""
     if walls is None:
         return [0.0] * (2 * nw)
     sums = [0.0] * len(wkeys)
@@ -167,10 +163,8 @@ def _row_sums(walls: Any, wkeys: Sequence[str], steps: set[int], mine: bool, nw:
 
 
 def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> dict[str, float]:
-    """Per row, the last rank's sum over its steps less the other ranks' mean sum (``_row_sums``,
-    reduced), on the GPU's clock where the steps have one (the arrivals' clock). The rows that can
-    delay the arrival: the time between steps and top-level phases but ``backward``, which holds the
-    wait."""
+    """Per row that can delay the arrival (between steps; top-level phases but ``backward``, which holds
+    the wait), on the arrivals' clock: the last rank's sum less the others' mean (reduced ``_row_sums``)."""
     clock, between = ("gpu", ("idle",)) if "gpu/step" in wkeys else ("host", ("data", "loop"))
     out, k = {}, len(wkeys)
     for i, key in enumerate(wkeys):
@@ -187,8 +181,7 @@ def _grew_most(grew: Mapping[str, float]) -> str | None:
 
 @dataclass
 class _Late:
-    """A rank's steps as its window's last rank to the first collective, with its ms behind the
-    first rank and its rows' growth (by name) summed over them."""
+    """A rank's steps as its window's last rank, with its ms behind the first and its rows' growth."""
 
     steps: int = 0
     ahead_ms: float = 0.0
