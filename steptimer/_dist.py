@@ -18,7 +18,7 @@ from typing import Any
 
 from steptimer._format import num
 from steptimer._memory import MIB
-from steptimer._slow import SlowestKeeper, SlowStep, is_wait_phase
+from steptimer._slow import SlowestKeeper, SlowStep, grew_most, is_wait_phase
 from steptimer._summary import LastRank, RankSpread, RankSummary, SummaryAccumulator
 from steptimer._tags import RANKS, run_tag
 from steptimer._verdict import DERIVED
@@ -175,10 +175,6 @@ def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> dict[s
     return out
 
 
-def _grew_most(grew: Mapping[str, float]) -> str | None:
-    return max((name for name, v in grew.items() if v > 0), key=grew.__getitem__, default=None)
-
-
 @dataclass
 class _Late:
     """A rank's steps as its window's last rank, with its ms behind the first and its rows' growth."""
@@ -290,7 +286,7 @@ class CrossRank:
             self._group, self.off = None, True
         if self.summary is not None and self._measured:
             rank, late = max(self._late.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]), default=(-1, _Late()))
-            phase, steps, share = _grew_most(late.grew_ms), max(late.steps, 1), late.steps / self._measured
+            phase, steps, share = grew_most(late.grew_ms), max(late.steps, 1), late.steps / self._measured
             grew_ms = late.grew_ms[phase] / steps if phase else 0.0
             last = LastRank(rank, share, late.ahead_ms / steps, phase, grew_ms, share >= LAST_SHARE)
             self.summary = replace(self.summary, last=last)
@@ -313,7 +309,7 @@ class CrossRank:
                 late.ahead_ms += sum(ahead)
                 for name, v in res.grew.items():
                     late.grew_ms[name] = late.grew_ms.get(name, 0.0) + v
-            phase = _grew_most(res.grew)
+            phase = grew_most(res.grew)
             kept = {c.step for c in keeper.heap} if keeper is not None else set()
             self._said = {n: text for n, text in self._said.items() if n in kept}
             for n, (rank, ms) in res.last.items():

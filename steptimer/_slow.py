@@ -270,6 +270,11 @@ class SlowestKeeper:
         return tuple(explain(c, medians, traces.get(c.step)) for c in sorted(self.heap, key=lambda c: -c.wall_ms))
 
 
+def grew_most(excess_ms: Mapping[str, float]) -> str | None:
+    """The row that grew most (by the largest positive excess), if any."""
+    return max((name for name, v in excess_ms.items() if v > 0), key=excess_ms.__getitem__, default=None)
+
+
 # Rows of each clock that tile the wall time (the top-level phases besides them).
 _WALL_ROWS = {"gpu": ("other", "idle"), "host": ("data", "loop", "other", "wait")}
 _NOT_PHASES = frozenset({"step", "data", "loop", "other", "wait", "idle"})
@@ -282,9 +287,7 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
     if not c.timed:  # no phases: the step's own time is what may have grown
         rows.append("step")
     excess = {n: values[n] - medians.get((c.clock, n), 0.0) for n in rows if n in values}
-    grew = max(excess, key=lambda n: excess[n], default=None)
-    if grew is not None and excess[grew] <= 0:
-        grew = None
+    grew = grew_most(excess)
     if grew is not None and grew not in _NOT_PHASES:  # the nested phase that holds most of it
         kids = {n: values[n] - medians.get((c.clock, n), 0.0) for n in values if n.startswith(grew + "/")}
         kid = max(kids, key=lambda n: kids[n], default=None)
@@ -293,8 +296,9 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
             grew = kid
     causes = []
     m = c.marks
+    notable_ms = max(GC_MIN_MS, GC_MIN_FRAC * c.wall_ms)
     gc_ms = m.get("gc_ms", 0.0)
-    if gc_ms >= GC_MIN_MS and gc_ms >= GC_MIN_FRAC * c.wall_ms:
+    if gc_ms >= notable_ms:
         gen = int(m.get("gc_gen", -1))
         causes.append(f"Python GC{'' if gen < 0 else f' (generation {gen})'} paused {num(gc_ms)} ms in it")
     if m.get("graphs_new"):
@@ -304,7 +308,7 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         n = int(m["alloc_retries"])
         span = f"steps {int(m['alloc_from'])}-{int(m['alloc_to'])}" if "alloc_from" in m else "its window"
         causes.append(f"CUDA allocator retried {n} allocation{'s' * (n != 1)} after a failed cudaMalloc ({span})")
-    causes += _between_causes(c, medians, sum(v for v in excess.values() if v > 0))
+    causes += _between_causes(c, medians, sum(v for v in excess.values() if v > 0), notable_ms)
     if m.get("pause_ms"):
         causes.append(f"after {num(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):
@@ -315,9 +319,10 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
     )
 
 
-def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grown_ms: float) -> list[str]:
+def _between_causes(
+    c: Candidate, medians: Mapping[tuple[str, str], float], grown_ms: float, notable_ms: float
+) -> list[str]:
     """A data stall or a longer loop before the slow step, when it grew notably (docs/slow-steps.md)."""
-    notable_ms = max(GC_MIN_MS, GC_MIN_FRAC * c.wall_ms)
 
     def grew(clock: str, row: str, values: Mapping[str, float] | None) -> tuple[float, float] | None:
         v, med = (values or {}).get(row), medians.get((clock, row))
