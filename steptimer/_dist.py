@@ -380,7 +380,7 @@ class CrossRank:
                 return None
             measured = _lasts(mx[4 * (nw + ns) :], end, self._bits)
             res.measured = len(measured)
-            res.last = {n: v for n, v in measured.items() if v[1] >= LAST_MIN_MS}
+            res.last = {step: v for step, v in measured.items() if v[1] >= LAST_MIN_MS}
             ahead: dict[int, float] = {}
             for r, ms in res.last.values():
                 ahead[r] = ahead.get(r, 0.0) + ms
