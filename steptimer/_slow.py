@@ -92,6 +92,7 @@ class SlowStep:
 
 
 Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet explained (grew, causes)
+Medians = Mapping[tuple[str, str], float]  # the run's per-row medians by (clock, row)
 
 
 @dataclass(eq=False)
@@ -262,9 +263,7 @@ class SlowestKeeper:
                 kept.append(c)
         return kept
 
-    def slowest(
-        self, medians: Mapping[tuple[str, str], float], traces: Mapping[int, str] | None = None
-    ) -> tuple[SlowStep, ...]:
+    def slowest(self, medians: Medians, traces: Mapping[int, str] | None = None) -> tuple[SlowStep, ...]:
         """The kept steps, slowest first, each explained against the run's medians (``(clock, row)``)."""
         traces = traces or {}
         return tuple(explain(c, medians, traces.get(c.step)) for c in sorted(self.heap, key=lambda c: -c.wall_ms))
@@ -280,7 +279,7 @@ _WALL_ROWS = {"gpu": ("other", "idle"), "host": ("data", "loop", "other", "wait"
 _NOT_PHASES = frozenset({"step", "data", "loop", "other", "wait", "idle"})
 
 
-def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str | None = None) -> SlowStep:
+def explain(c: Candidate, medians: Medians, trace: str | None = None) -> SlowStep:
     """What stood out in a slow step against the run's per-row medians, and the measured causes."""
     values = c.gpu_ms if c.clock == "gpu" and c.gpu_ms is not None else c.host_ms
     rows = [n for n in values if "/" not in n and n not in _NOT_PHASES] + list(_WALL_ROWS[c.clock])
@@ -319,9 +318,7 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
     )
 
 
-def _between_causes(
-    c: Candidate, medians: Mapping[tuple[str, str], float], grown_ms: float, notable_ms: float
-) -> list[str]:
+def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms: float) -> list[str]:
     """A data stall or a longer loop before the slow step, when it grew notably (docs/slow-steps.md)."""
 
     def grew(clock: str, row: str, values: Mapping[str, float] | None) -> tuple[float, float] | None:
