@@ -202,10 +202,8 @@ class _Round:
 
 def _initialized() -> Any:
     """``torch.distributed`` where it is initialized in this process, else None."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - builds without distributed
-        return None
+    import torch.distributed as dist  # present in every build; is_available() tells
+
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
