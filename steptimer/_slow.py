@@ -333,8 +333,7 @@ def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms:
     if data is not None:
         out.append(f"data stall: the loader took {num(data[0])} ms (median {num(data[1])})")
     elif idle_data is not None:
-        idle_ms, med_ms = idle_data
-        out.append(f"data stall: the GPU idled {num(idle_ms)} ms for the loader (median {num(med_ms)})")
+        out.append(f"data stall: the GPU idled {num(idle_data[0])} ms for the loader (median {num(idle_data[1])})")
     loop = grew("host", "loop", c.host_ms)
     if loop is not None:
         text = f"{num(loop[0])} ms between steps (median {num(loop[1])})"
