@@ -1,13 +1,13 @@
-"""A DDP model's gradient collectives per timed step (``StepTimer.watch_ddp``): rows ``comm`` (their
-busy time) and ``comm_exposed`` (the part after each backward's last bucket was ready, which no compute
-hid), and the rank's arrival at the step's first collective (the straggler, ``_dist.py``). Both rows
-lie inside ``backward``, which holds the wait, so they have no share (docs/distributed.md).
+"""A DDP model's gradient collectives per timed step (``StepTimer.watch_ddp``): rows ``comm`` (busy time)
+and ``comm_exposed`` (after each backward's last bucket was ready), and the rank's arrival at the step's
+first collective (``_dist.py``). Both rows lie inside ``backward``, so they have no share (docs/distributed.md).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from time import perf_counter
 from typing import Any
 
@@ -40,13 +40,10 @@ def comm_ms(spans: Sequence[Span], lasts: Sequence[bool]) -> tuple[float, float]
 
 
 class CommRecorder:
-    """The comm hook, and the timed steps' spans until the engine resolves each (:meth:`take`).
-
-    With NCCL and CUDA timing a span is two CUDA events: one on the compute stream after the launch,
-    one on a side stream that waits on the collective's future. NCCL's futures are complete at launch,
-    so neither the host nor a stream of the user's waits. Otherwise (gloo) it is ``perf_counter`` at
-    the hook and in a callback chained to the future, which DDP waits for before backward ends.
-    """
+    """The comm hook, and the timed steps' spans until the engine resolves each (:meth:`take`): with NCCL
+    and CUDA timing two CUDA events (compute stream after the launch; a side stream waiting on the
+    future, complete at launch, so nothing of the user's waits), else ``perf_counter`` at the hook and
+    in a callback chained to the future, which DDP waits for before backward ends."""
 
     def __init__(self, engine: Any, inner: Callable[[Any, Any], Any]) -> None:
         self._engine = engine
@@ -69,19 +66,15 @@ class CommRecorder:
         if e.state < HOST or number == self._skip or (gpu and (e.state != GPU or not _nccl(state))):
             return self._inner(state, bucket)
         fut = self._inner(state, bucket)
-        try:
-            return self._note(fut, t, gpu, number, bucket)
-        except Exception:  # steptimer's own failure: the collective goes on, this step unmeasured
-            self._skip = number
-            self.drop(number)
-            return fut
+        with suppress(Exception):  # steptimer's own failure: the collective goes on, this step unmeasured
+            if not gpu or fut.done():  # else waiting on it, even on a side stream, would block the host
+                return self._note(fut, t, gpu, number, bucket)
+        self._skip = number
+        self.drop(number)
+        return fut
 
     def _note(self, fut: Any, t: float, gpu: bool, number: int, bucket: Any) -> Any:
         """Note the bucket's span for the step ``number``; returns the future DDP waits for."""
-        if gpu and not fut.done():  # waiting on it, even on a side stream, would block the host
-            self._skip = number
-            self.drop(number)
-            return fut
         if not self._steps or self._steps[-1][0] != number:
             self._steps.append((number, gpu, []))
         spans = self._steps[-1][2]
@@ -121,10 +114,9 @@ class CommRecorder:
             self._release(self._steps.pop())
 
     def take(self, number: int) -> tuple[int, bool, float, float, float | None] | None:
-        """``(number, on the GPU, comm ms, exposed ms, arrival ms)`` of the resolved step ``number``, if
-        it has spans; called after the engine's wait for the step (``Engine._add_row``). The arrival at
-        its first collective counts from the previous step's last collective end (None: not measured).
-        A failure of steptimer's own here leaves the step without comm rows, never the run stopped."""
+        """``(number, on the GPU, comm ms, exposed ms, arrival ms)`` of the resolved step ``number`` if it
+        has spans, after the engine's wait for it; the arrival counts from the previous step's last
+        collective end (None: not measured). Its own failure leaves the step without comm rows."""
         try:
             return self._take(number)
         except Exception:
@@ -138,8 +130,7 @@ class CommRecorder:
             self._release(steps.popleft())
         if not steps or steps[0][0] != number:
             return None
-        step = steps.popleft()
-        _, gpu, spans = step
+        _, gpu, spans = step = steps.popleft()
         if gpu:
             if not spans[-1][1].query():  # lag 0: the side stream's record may trail the step's end by µs
                 spans[-1][1].synchronize()

@@ -17,7 +17,7 @@ from typing import Any
 
 from steptimer._format import num
 from steptimer._memory import MIB
-from steptimer._slow import SlowestKeeper, SlowStep, is_wait_phase
+from steptimer._slow import SlowestKeeper, SlowStep, grew_most, is_wait_phase
 from steptimer._summary import LastRank, RankSpread, RankSummary, SummaryAccumulator
 from steptimer._tags import RANKS, run_tag
 from steptimer._verdict import DERIVED
@@ -33,8 +33,7 @@ LAST_SHARE = 2 / 3
 LAST_MIN_MS = 1.0  # a step's last rank by less than this arrived with the others (noise)
 _NEG = -math.inf  # what a rank that abstains sends: neutral in a MAX
 
-# Custom Scalars charts for the cross-rank tags, over the tags as the runs hold them (a phase's tags
-# sit in the phase's run without its name: steptimer/_tensorboard.py).
+# Custom Scalars charts, over the tags as runs hold them (a phase's sit in its run: _tensorboard.py).
 CHARTS = {
     "Straggler rank (data + step - backward)": f"^{RANKS}/{STRAGGLER}_argmax$",
     "Straggler ms across ranks (min, mean, max)": f"^{RANKS}/{STRAGGLER}_(min|mean|max)_ms$",
@@ -129,8 +128,7 @@ def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: floa
 
 
 def _arrivals(arrive: Mapping[int, float], end: int, n: int, rank: int, bits: int) -> list[float]:
-    """This rank's arrivals at its steps' first collective (``Packed.arrive``) in ``n`` slots, slot
-    ``end - step``, for the MAX: keys naming the last rank, then minus the arrivals (the first's)."""
+    """The MAX's ``n`` slots (step ``end - j``) of arrival keys (the last rank), then minus the arrivals."""
     keys, neg = [_NEG] * n, [_NEG] * n
     for step, ms in arrive.items():
         j = end - step
@@ -140,8 +138,7 @@ def _arrivals(arrive: Mapping[int, float], end: int, n: int, rank: int, bits: in
 
 
 def _lasts(mx: Sequence[float], end: int, bits: int) -> dict[int, tuple[int, float]]:
-    """By step, the rank last to its first collective and by how much after the first rank, from the
-    reduced :func:`_arrivals`."""
+    """By step, the rank last to its first collective and its ms after the first (reduced ``_arrivals``)."""
     n = len(mx) // 2
     return {
         end - j: (decode_rank(key, bits), (int(key) >> bits) / 1e3 + mx[n + j])
@@ -150,8 +147,7 @@ def _lasts(mx: Sequence[float], end: int, bits: int) -> dict[int, tuple[int, flo
 
 
 def _row_sums(walls: Any, wkeys: Sequence[str], steps: set[int], mine: bool, nw: int) -> list[float]:
-    """This rank's rows (``<clock>/<row>`` of ``wkeys``) summed over ``steps``: in the first half when
-    it is the window's last rank (``mine``), else in the second; ``2 * nw`` zeros without walls."""
+    """This rank's rows (``wkeys``) summed over ``steps``: first half if ``mine`` (the last rank), else second."""
     if walls is None:
         return [0.0] * (2 * nw)
     sums = [0.0] * len(wkeys)
@@ -166,10 +162,8 @@ def _row_sums(walls: Any, wkeys: Sequence[str], steps: set[int], mine: bool, nw:
 
 
 def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> dict[str, float]:
-    """Per row, the last rank's sum over its steps less the other ranks' mean sum (``_row_sums``,
-    reduced), on the GPU's clock where the steps have one (the arrivals' clock). The rows that can
-    delay the arrival: the time between steps and top-level phases but ``backward``, which holds the
-    wait."""
+    """Per row that can delay the arrival (between steps; top-level phases but ``backward``, which holds
+    the wait), on the arrivals' clock: the last rank's sum less the others' mean (reduced ``_row_sums``)."""
     clock, between = ("gpu", ("idle",)) if "gpu/step" in wkeys else ("host", ("data", "loop"))
     out, k = {}, len(wkeys)
     for i, key in enumerate(wkeys):
@@ -180,26 +174,35 @@ def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> dict[s
     return out
 
 
-def _grew_most(grew: Mapping[str, float]) -> str | None:
-    return max((name for name, v in grew.items() if v > 0), key=grew.__getitem__, default=None)
-
-
 @dataclass
 class _Late:
-    """A rank's steps as its window's last rank to the first collective, with its ms behind the
-    first rank and its rows' growth (by name) summed over them."""
+    """A rank's steps as its window's last rank, with its ms behind the first and its rows' growth."""
 
     steps: int = 0
     ahead_ms: float = 0.0
     grew_ms: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class _Round:
+    """What one round gave this rank; ``last``: by step, the rank last to its first collective by
+    ``LAST_MIN_MS`` or more and its ms behind the first, of the ``measured`` steps; ``top``: the
+    window's last rank (the most ms behind, summed), with its rows' growth against the others'."""
+
+    all_closing: bool
+    spread: dict[str, RankSpread] = field(default_factory=dict)
+    reporting: int = 0
+    ms: float = 0.0
+    measured: int = 0
+    last: dict[int, tuple[int, float]] = field(default_factory=dict)
+    top: int = -1
+    grew: dict[str, float] = field(default_factory=dict)
+
+
 def _initialized() -> Any:
     """``torch.distributed`` where it is initialized in this process, else None."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - builds without distributed
-        return None
+    import torch.distributed as dist  # present in every build; is_available() tells
+
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -222,11 +225,9 @@ class CrossRank:
         self.rounds = 0
         self.reduce_s = 0.0
         self.summary: RankSummary | None = None
-        # By rank, its steps as its window's last rank over the summarized windows; the steps measured.
-        self._last: dict[int, _Late] = {}
-        self._last_steps = 0
-        # By step, (last rank, ms ahead, its row that grew) in the windows holding this rank's slowest.
-        self._per_step: dict[int, tuple[int, float, str | None]] = {}
+        self._late: dict[int, _Late] = {}  # by rank, over the windows after warm-up
+        self._measured = 0  # the steps of those windows whose arrivals were measured
+        self._said: dict[int, str] = {}  # by step of this rank's slowest: the rank last to its collective
 
     def _start(self) -> bool:
         """Create the gloo side group at the first round (every rank's first round is at a shared step)."""
@@ -256,17 +257,15 @@ class CrossRank:
 
     def _switch_off(self, why: str) -> None:
         self.off = True
-        msg = f"steptimer rank {self.rank}: cross-rank statistics switched off for the rest of the run: "
-        msg += why
+        msg = f"steptimer rank {self.rank}: cross-rank statistics switched off for the rest of the run: {why}"
         self.notes.append(msg)
         log.warning(msg)
 
     def interval(self, window: Window, keeper: SlowestKeeper | None = None) -> Window:
         """The round at a log interval; returns ``window`` with the cross-rank scalars attached.
         ``keeper``: this rank's slowest steps, whose windows' slowest rank is kept for the summary."""
-        if not self._start():
-            return window
-        return self._window_round(window, None, closing=False, keeper=keeper)[0] or window
+        res = self._round(window, None, closing=False) if self._start() else None
+        return window if res is None else self._attach(window, res, keeper)
 
     def close(self, window: Window | None, acc: SummaryAccumulator) -> Window | None:
         """The closing rounds: this rank's last (partial) window and run summary; shadows the rounds of
@@ -274,65 +273,50 @@ class CrossRank:
         if not self._start():
             return window
         summ = series_values(acc)
-        out, res = self._window_round(window, summ, closing=True, keeper=acc.slow)
-        while res is not None and not res["all_closing"]:
+        res = self._round(window, summ, closing=True)
+        out = window if window is None or res is None else self._attach(window, res, acc.slow)
+        while res is not None and not res.all_closing:
             res = self._round(None, summ, closing=True)
-        if self.summary is not None and self._last_steps:
-            self.summary = replace(self.summary, last=self._last_rank())
+        if self.summary is not None and self._measured:
+            rank, late = max(self._late.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]), default=(-1, _Late()))
+            phase, steps, share = grew_most(late.grew_ms), max(late.steps, 1), late.steps / self._measured
+            grew_ms = late.grew_ms[phase] / steps if phase else 0.0
+            last = LastRank(rank, share, late.ahead_ms / steps, phase, grew_ms, share >= LAST_SHARE)
+            self.summary = replace(self.summary, last=last)
         return out
 
-    def _last_rank(self) -> LastRank:
-        rank, late = max(self._last.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]), default=(-1, _Late()))
-        phase, steps = _grew_most(late.grew_ms), max(late.steps, 1)
-        share = late.steps / self._last_steps
-        grew_ms = late.grew_ms[phase] / steps if phase else 0.0
-        return LastRank(rank, share, late.ahead_ms / steps, phase, grew_ms, share >= LAST_SHARE)
-
-    def _window_round(
-        self, window: Window | None, summ: Mapping[str, float] | None, *, closing: bool,
-        keeper: SlowestKeeper | None,
-    ) -> tuple[Window | None, dict[str, Any] | None]:  # fmt: skip
-        """A round with ``window``, which it returns with the cross-rank scalars attached; notes the
-        rank last to the first collective in each of its steps."""
-        res = self._round(series_values(window), summ, closing=closing, window=window)
-        if window is None or res is None:
-            return window, res
-        extra = scalars_of(res["window"], res["reporting"], res["round_ms"])
-        last = res["last"]
-        if last is not None:
-            rank, steps, total, ahead, grew, per_step = last
-            phase = _grew_most(grew)
-            self._last_steps += 0 if window.warmup else total
-            if steps:  # a rank was last by LAST_MIN_MS or more in some step
+    def _attach(self, window: Window, res: _Round, keeper: SlowestKeeper | None) -> Window:
+        """``window`` with the round's scalars; notes the rank last to the first collective in its steps."""
+        extra = scalars_of(res.spread, res.reporting, res.ms)
+        if res.measured:
+            ahead = [ms for rank, ms in res.last.values() if rank == res.top]
+            if ahead:  # a rank was last by LAST_MIN_MS or more in some step
                 extra.update({
-                    f"{RANKS}/last_rank": float(rank), f"{RANKS}/last_rank_share": steps / total,
-                    f"{RANKS}/last_rank_ms": ahead / steps,
+                    f"{RANKS}/last_rank": float(res.top), f"{RANKS}/last_rank_share": len(ahead) / res.measured,
+                    f"{RANKS}/last_rank_ms": sum(ahead) / len(ahead),
                 })  # fmt: skip
-            if steps and not window.warmup:
-                late = self._last.setdefault(rank, _Late())
-                late.steps += steps
-                late.ahead_ms += ahead
-                for name, v in grew.items():
+            self._measured += 0 if window.warmup else res.measured
+            if ahead and not window.warmup:
+                late = self._late.setdefault(res.top, _Late())
+                late.steps += len(ahead)
+                late.ahead_ms += sum(ahead)
+                for name, v in res.grew.items():
                     late.grew_ms[name] = late.grew_ms.get(name, 0.0) + v
+            phase = grew_most(res.grew)
             kept = {c.step for c in keeper.heap} if keeper is not None else set()
-            self._per_step = {n: v for n, v in self._per_step.items() if n in kept}
-            self._per_step.update({
-                n: (r, ms, phase if r == rank else None) for n, (r, ms) in per_step.items() if n in kept
-            })  # fmt: skip
-        return replace(window, extra={**window.extra, **extra}), res
+            self._said = {n: text for n, text in self._said.items() if n in kept}
+            for n, (rank, ms) in res.last.items():
+                if n in kept:
+                    who = "this rank" if rank == self.rank else f"rank {rank}"
+                    where = f", in {phase}" if phase and rank == res.top else ""
+                    self._said[n] = f"{who} was last to the all-reduce, +{num(ms)} ms{where}"
+        return replace(window, extra={**window.extra, **extra})
 
     def annotate(self, slowest: Sequence[SlowStep]) -> tuple[SlowStep, ...]:
         """This rank's slowest steps, each with the rank that was last to its first collective by at
         least ``LAST_MIN_MS``: what the others waited for inside their backward."""
-        out = []
-        for s in slowest:
-            rank, ms, phase = self._per_step.get(s.step, (0, 0.0, None))
-            if ms:
-                who = "this rank" if rank == self.rank else f"rank {rank}"
-                text = f"{who} was last to the all-reduce, +{num(ms)} ms" + (f", in {phase}" if phase else "")
-                s = replace(s, causes=(*s.causes, text))
-            out.append(s)
-        return tuple(out)
+        said = self._said
+        return tuple(replace(s, causes=(*s.causes, said[s.step])) if s.step in said else s for s in slowest)
 
     def _allreduce(self, values: list[float], op: Any) -> list[float] | None:
         import torch
@@ -358,13 +342,11 @@ class CrossRank:
             sleep(1e-4)  # releases the GIL, which the worker needs for its release
         return t.tolist()
 
-    def _round(
-        self, win: Mapping[str, float] | None, summ: Mapping[str, float] | None, *, closing: bool,
-        window: Window | None = None,
-    ) -> dict[str, Any] | None:  # fmt: skip
+    def _round(self, window: Window | None, summ: Mapping[str, float] | None, *, closing: bool) -> _Round | None:
         t0 = perf_counter()
+        win = series_values(window)
         wkeys, skeys = sorted(win or ()), sorted(summ or ())
-        w, s = window is not None and win is not None, summ is not None
+        w, s = win is not None, summ is not None
         p = window.packed if w else None  # type: ignore[union-attr]
         arrive = p.arrive if p is not None else {}
         header = [
@@ -377,44 +359,38 @@ class CrossRank:
         h = self._allreduce(header, self._dist.ReduceOp.MAX)
         if h is None:
             return None
-        all_closing, w_ok, s_ok = self._read_header(h, closing)
-        nw, ns = int(h[2]) if w_ok else 0, int(h[7]) if s_ok else 0
+        all_closing, nw, ns = self._read_header(h, closing)
+        res = _Round(all_closing)
         n = min(int(h[10]), MAX_SLOTS) if nw and h[10] != _NEG else 0  # steps with arrivals (slots)
         end = int(h[8]) if n else 0  # the windows' last step: slot j is step end - j
-        wres: dict[str, RankSpread] = {}
-        reporting, last = 0, None
         if nw or ns:
-            wmx, wsm = _vectors(win if w_ok else None, nw, self.rank, self._bits)
-            smx, ssm = _vectors(summ if s_ok else None, ns, self.rank, self._bits)
+            wmx, wsm = _vectors(win if nw else None, nw, self.rank, self._bits)
+            smx, ssm = _vectors(summ if ns else None, ns, self.rank, self._bits)
             # Last in the MAX: per slot (a step of the window), the arrival at its first collective.
-            mine = _arrivals(arrive if w else {}, end, n, self.rank, self._bits)
+            mine = _arrivals(arrive, end, n, self.rank, self._bits)
             mx = self._allreduce(wmx + smx + mine, self._dist.ReduceOp.MAX)
             if mx is None:
                 return None
             measured = _lasts(mx[4 * (nw + ns) :], end, self._bits)
-            per_step = {n: v for n, v in measured.items() if v[1] >= LAST_MIN_MS}
-            # The window's last rank (the most time ahead of the first, summed) sums its rows over the
-            # steps it was last in, the others theirs, in the SUM.
+            res.measured = len(measured)
+            res.last = {step: v for step, v in measured.items() if v[1] >= LAST_MIN_MS}
             ahead: dict[int, float] = {}
-            for r, ms in per_step.values():
+            for r, ms in res.last.values():
                 ahead[r] = ahead.get(r, 0.0) + ms
-            top = min(ahead, key=lambda r: (-ahead[r], r), default=-1)
-            steps = {number for number, (r, _) in per_step.items() if r == top}
-            walls = p.walls if w and p is not None else None
-            rows = _row_sums(walls, wkeys, steps, top == self.rank, nw) if n else []
+            res.top = min(ahead, key=lambda r: (-ahead[r], r), default=-1)
+            # The window's last rank sums its rows over the steps it was last in, the others theirs, in the SUM.
+            steps = {number for number, (r, _) in res.last.items() if r == res.top}
+            rows = _row_sums(p.walls if p is not None else None, wkeys, steps, res.top == self.rank, nw) if n else []
             sm = self._allreduce(wsm + ssm + rows, self._dist.ReduceOp.SUM)
             if sm is None:
                 return None
             if nw:  # the reporting ranks' keys are equal (equal hashes); an abstainer keeps the count only
-                reporting = int(sm[nw])
-                if w:
-                    wres = spreads(wkeys, mx[: 4 * nw], sm[: nw + 1], self._bits)
-            at = nw + ns + 2
+                res.reporting = int(sm[nw])
+                res.spread = spreads(wkeys, mx[: 4 * nw], sm[: nw + 1], self._bits) if w else {}
             if measured:
-                grew = _grew(sm[at:], wkeys, reporting)
-                last = (top, len(steps), len(measured), ahead.get(top, 0.0), grew, per_step)
+                res.grew = _grew(sm[nw + ns + 2 :], wkeys, res.reporting)
             if ns and s:
-                sres = spreads(skeys, mx[4 * nw : 4 * (nw + ns)], sm[nw + 1 : at], self._bits)
+                sres = spreads(skeys, mx[4 * nw : 4 * (nw + ns)], sm[nw + 1 : nw + ns + 2], self._bits)
                 self.summary = RankSummary(
                     world_size=self.world_size,
                     ranks=int(sm[nw + 1 + ns]),
@@ -428,16 +404,14 @@ class CrossRank:
                     f"uneven end: ranks ended at steps {int(-h[9])} to {int(h[8])}; the final cross-rank "
                     "window combines windows of different lengths"
                 )
-        dt = perf_counter() - t0
+        res.ms = (perf_counter() - t0) * 1e3
         self.rounds += 1
-        self.reduce_s += dt
-        return {
-            "window": wres, "reporting": reporting, "all_closing": all_closing, "round_ms": dt * 1e3, "last": last,
-        }  # fmt: skip
+        self.reduce_s += res.ms / 1e3
+        return res
 
-    def _read_header(self, h: Sequence[float], closing: bool) -> tuple[bool, bool, bool]:
-        """``(every rank is closing, the windows agree, the run summaries agree)`` from the reduced
-        header, with a note for each disagreement (the same on every rank: the header is shared)."""
+    def _read_header(self, h: Sequence[float], closing: bool) -> tuple[bool, int, int]:
+        """``(every rank is closing, series in the windows, in the run summaries)`` from the reduced header
+        (0: none, or ranks that disagree), with a note for each disagreement (the same on every rank)."""
         all_closing = -h[4] == 1.0
         if h[3] == 1.0 and not all_closing and not closing:
             self._note0(
@@ -454,7 +428,7 @@ class CrossRank:
         s_ok = all_closing and h[5] != _NEG and h[5] == -h[6]
         if all_closing and h[5] != _NEG and not s_ok:
             self._note0("ranks timed different phase sets over the run; no per-rank summary")
-        return all_closing, w_ok, s_ok
+        return all_closing, int(h[2]) if w_ok else 0, int(h[7]) if s_ok else 0
 
     def _note0(self, msg: str) -> None:
         """A warning every rank could give (its facts are shared): note it everywhere, log on rank 0."""

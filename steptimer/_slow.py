@@ -92,6 +92,7 @@ class SlowStep:
 
 
 Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet explained (grew, causes)
+Medians = Mapping[tuple[str, str], float]  # the run's per-row medians by (clock, row)
 
 
 @dataclass(eq=False)
@@ -262,12 +263,15 @@ class SlowestKeeper:
                 kept.append(c)
         return kept
 
-    def slowest(
-        self, medians: Mapping[tuple[str, str], float], traces: Mapping[int, str] | None = None
-    ) -> tuple[SlowStep, ...]:
+    def slowest(self, medians: Medians, traces: Mapping[int, str] | None = None) -> tuple[SlowStep, ...]:
         """The kept steps, slowest first, each explained against the run's medians (``(clock, row)``)."""
         traces = traces or {}
         return tuple(explain(c, medians, traces.get(c.step)) for c in sorted(self.heap, key=lambda c: -c.wall_ms))
+
+
+def grew_most(excess_ms: Mapping[str, float]) -> str | None:
+    """The row that grew most (by the largest positive excess), if any."""
+    return max((name for name, v in excess_ms.items() if v > 0), key=excess_ms.__getitem__, default=None)
 
 
 # Rows of each clock that tile the wall time (the top-level phases besides them).
@@ -275,16 +279,14 @@ _WALL_ROWS = {"gpu": ("other", "idle"), "host": ("data", "loop", "other", "wait"
 _NOT_PHASES = frozenset({"step", "data", "loop", "other", "wait", "idle"})
 
 
-def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str | None = None) -> SlowStep:
+def explain(c: Candidate, medians: Medians, trace: str | None = None) -> SlowStep:
     """What stood out in a slow step against the run's per-row medians, and the measured causes."""
     values = c.gpu_ms if c.clock == "gpu" and c.gpu_ms is not None else c.host_ms
     rows = [n for n in values if "/" not in n and n not in _NOT_PHASES] + list(_WALL_ROWS[c.clock])
     if not c.timed:  # no phases: the step's own time is what may have grown
         rows.append("step")
     excess = {n: values[n] - medians.get((c.clock, n), 0.0) for n in rows if n in values}
-    grew = max(excess, key=lambda n: excess[n], default=None)
-    if grew is not None and excess[grew] <= 0:
-        grew = None
+    grew = grew_most(excess)
     if grew is not None and grew not in _NOT_PHASES:  # the nested phase that holds most of it
         kids = {n: values[n] - medians.get((c.clock, n), 0.0) for n in values if n.startswith(grew + "/")}
         kid = max(kids, key=lambda n: kids[n], default=None)
@@ -293,8 +295,9 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
             grew = kid
     causes = []
     m = c.marks
+    notable_ms = max(GC_MIN_MS, GC_MIN_FRAC * c.wall_ms)
     gc_ms = m.get("gc_ms", 0.0)
-    if gc_ms >= GC_MIN_MS and gc_ms >= GC_MIN_FRAC * c.wall_ms:
+    if gc_ms >= notable_ms:
         gen = int(m.get("gc_gen", -1))
         causes.append(f"Python GC{'' if gen < 0 else f' (generation {gen})'} paused {num(gc_ms)} ms in it")
     if m.get("graphs_new"):
@@ -304,7 +307,7 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
         n = int(m["alloc_retries"])
         span = f"steps {int(m['alloc_from'])}-{int(m['alloc_to'])}" if "alloc_from" in m else "its window"
         causes.append(f"CUDA allocator retried {n} allocation{'s' * (n != 1)} after a failed cudaMalloc ({span})")
-    causes += _between_causes(c, medians, sum(v for v in excess.values() if v > 0))
+    causes += _between_causes(c, medians, sum(v for v in excess.values() if v > 0), notable_ms)
     if m.get("pause_ms"):
         causes.append(f"after {num(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):
@@ -315,9 +318,8 @@ def explain(c: Candidate, medians: Mapping[tuple[str, str], float], trace: str |
     )
 
 
-def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grown_ms: float) -> list[str]:
+def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms: float) -> list[str]:
     """A data stall or a longer loop before the slow step, when it grew notably (docs/slow-steps.md)."""
-    notable_ms = max(GC_MIN_MS, GC_MIN_FRAC * c.wall_ms)
 
     def grew(clock: str, row: str, values: Mapping[str, float] | None) -> tuple[float, float] | None:
         v, med = (values or {}).get(row), medians.get((clock, row))
@@ -331,8 +333,7 @@ def _between_causes(c: Candidate, medians: Mapping[tuple[str, str], float], grow
     if data is not None:
         out.append(f"data stall: the loader took {num(data[0])} ms (median {num(data[1])})")
     elif idle_data is not None:
-        idle_ms, med_ms = idle_data
-        out.append(f"data stall: the GPU idled {num(idle_ms)} ms for the loader (median {num(med_ms)})")
+        out.append(f"data stall: the GPU idled {num(idle_data[0])} ms for the loader (median {num(idle_data[1])})")
     loop = grew("host", "loop", c.host_ms)
     if loop is not None:
         text = f"{num(loop[0])} ms between steps (median {num(loop[1])})"

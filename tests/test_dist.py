@@ -33,32 +33,72 @@ SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
 SLOW_MS = 40.0
 
 
-def torchrun(script: str, *args: str, timeout_s: float = 180.0) -> tuple[dict[int, dict], str]:
-    """Run ``script`` on 2 gloo ranks with torchrun; return each rank's RESULT and all output."""
+def launch(script: str, *args: str, timeout_s: float = 180.0) -> dict[str, tuple[dict[int, dict], str]]:
+    """Run ``script`` on 2 gloo ranks with torchrun; return per scenario each rank's RESULT and its output
+    (the single scenario of a launch without ``--scenario`` is ``""``)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(SCRIPTS / script), *args]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    results = {}
+    results: dict[str, dict[int, dict]] = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             r = json.loads(line[len("RESULT "):])
-            results[r["rank"]] = r
-    assert sorted(results) == [0, 1], out[-4000:]
+            results.setdefault(r.get("scenario", ""), {})[r["rank"]] = r
+    outs: dict[str, str] = {}
+    for text in (proc.stdout, proc.stderr):  # each rank writes "SCENARIO <name>" where a scenario begins
+        parts = re.split(r"^SCENARIO (\S*)\n", text, flags=re.M)
+        for name, part in zip(["", *parts[1::2]], parts[::2]):
+            outs[name] = outs.get(name, "") + part
+    assert results and all(sorted(r) == [0, 1] for r in results.values()), out[-4000:]
+    return {name: (r, outs.get(name, "")) for name, r in results.items()}
+
+
+def torchrun(script: str, *args: str, timeout_s: float = 180.0) -> tuple[dict[int, dict], str]:
+    """One scenario's launch: each rank's RESULT and all output."""
+    ((results, out),) = launch(script, *args, timeout_s=timeout_s).values()
     return results, out
+
+
+# The plain loop's scenarios share one launch (torchrun and torch's import cost seconds each), one after
+# another, each with its own timer and log dir.
+SCENARIOS = {
+    **{f"slow-{slow}": ["--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS)]
+       + ([] if slow is None else ["--slow-rank", str(slow)]) for slow in (0, 1, None)},
+    "slow-optimizer": ["--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS), "--slow-rank", "1",
+                       "--slow-phase", "optimizer"],
+    "gc-pause": ["--steps", "30", "--every", "10", "--gc-rank", "1", "--gc-step", "10", "--timeout", "20"],
+    **{f"slow-step-{ddp}": ["--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS), "--slow-rank", "1",
+                            "--slow-step", "17"] + ([] if ddp else ["--no-ddp"]) for ddp in (True, False)},
+    "memory": ["--steps", "20", "--every", "10", "--fake-memory"],
+    # Rank 1 stops after 25 steps, rank 0 runs 32: rank 1's close answers rank 0's round at step 30
+    # (its partial window counted), then shadows until rank 0 closes; no timeout is needed.
+    "uneven": ["--steps", "32", "--every", "10", "--short-rank", "1", "--short-steps", "25", "--timeout", "60"],
+    "phase-sets": ["--steps", "20", "--every", "10", "--extra-phase-rank", "1", "--timeout", "60"],
+    # Last: its side group times out on rank 0.
+    "raise": ["--steps", "30", "--every", "10", "--no-ddp", "--raise-rank", "1", "--raise-step", "15", "--timeout", "3",
+              "--linger-s", "6"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[int, dict], str, Path]]:
+    """Per scenario: each rank's RESULT, the scenario's output and its log dir."""
+    root = tmp_path_factory.mktemp("plain_loop")
+    args = [a for name, extra in SCENARIOS.items() for a in ("+", "--scenario", name, "--log-dir", str(root / name),
+                                                              *extra)][1:]  # fmt: skip
+    got = launch("plain_loop.py", *args, timeout_s=400.0)
+    return {name: (*got[name], root / name) for name in SCENARIOS}
 
 
 # ---------------------------------------------------------------- real runs (torchrun, gloo)
 
 
 @pytest.mark.parametrize("slow", [0, 1, None], ids=["rank0-slow", "rank1-slow", "none-slow"])
-def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) -> None:
-    args = ["--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS)]
-    if slow is not None:
-        args += ["--slow-rank", str(slow)]
-    results, out = torchrun("plain_loop.py", *args)
+def test_plain_ddp_loop_names_the_slowed_rank(runs: dict, slow: int | None) -> None:
+    results, out, tmp_path = runs[f"slow-{slow}"]
     tb = scalars(tmp_path)
     # The cross-rank tags, one point per log interval, every rank reporting.
     for tag in ("host/forward_min_ms", "host/forward_mean_ms", "host/forward_max_ms", "host/forward_argmax",
@@ -102,38 +142,32 @@ def test_plain_ddp_loop_names_the_slowed_rank(tmp_path: Path, slow: int | None) 
     assert results[1]["last"] == results[0]["last"] and results[0]["last"] in out.replace("\n    ", " ")
 
 
-def test_a_rank_slow_after_its_collective_is_named_at_the_next_one(tmp_path: Path) -> None:
+def test_a_rank_slow_after_its_collective_is_named_at_the_next_one(runs: dict) -> None:
     """Rank 1 sleeps 40 ms in its optimizer, after the all-reduce: the arrival counts from the previous
     step's last collective, so rank 1 is last to the next one, with its optimizer as the row that grew."""
-    args = ["--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS),
-            "--slow-rank", "1", "--slow-phase", "optimizer"]  # fmt: skip
-    results, _ = torchrun("plain_loop.py", *args)
+    results, _, _ = runs["slow-optimizer"]
     m = re.fullmatch(r"rank 1 was last to the all-reduce in ([\d.]+)% of steps, \+([\d.]+) ms, in optimizer .*",
                      results[0]["last"])  # fmt: skip
     assert m and float(m[1]) >= 80 and float(m[2]) > SLOW_MS * 0.8, results[0]["last"]
 
 
-def test_a_gc_pause_on_one_rank_in_a_windows_last_step_keeps_the_ranks_in_step(tmp_path: Path) -> None:
+def test_a_gc_pause_on_one_rank_in_a_windows_last_step_keeps_the_ranks_in_step(runs: dict) -> None:
     """A step marked on one rank only (a GC pause) ends its window there at the same step as on the
     others: the ranks meet in the cross-rank round, none waits in the others' all-reduce until the
     round's timeout, and every window is reported by both."""
-    args = ["--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--gc-rank", "1", "--gc-step", "10",
-            "--timeout", "20"]  # fmt: skip
-    results, out = torchrun("plain_loop.py", *args, timeout_s=120.0)
+    results, out, tmp_path = runs["gc-pause"]
     assert "timed out" not in out and "cross-rank" not in out.split("RESULT")[0].lower(), out[-3000:]
     assert all(r["wall_s"] < 20.0 for r in results.values()), results  # far from the round's timeout
     assert [v for _, v in scalars(tmp_path)["steptimer-ranks/reporting"]] == [2.0, 2.0, 2.0]
 
 
 @pytest.mark.parametrize("ddp", [True, False], ids=["ddp", "no-ddp"])
-def test_the_slow_rank_of_a_slow_step_is_named(tmp_path: Path, ddp: bool) -> None:
+def test_the_slow_rank_of_a_slow_step_is_named(runs: dict, ddp: bool) -> None:
     """Rank 1 sleeps 40 ms in the forward of step 17 only. Under DDP every rank's step 17 is slow (the
     others wait for rank 1's gradients inside backward): each rank's slowest step is 17, and its table
     says rank 1 reached the all-reduce last, by about the sleep, in forward. Without DDP there is no
     all-reduce to be late to: nothing is said."""
-    args = ["--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS),
-            "--slow-rank", "1", "--slow-step", "17"] + ([] if ddp else ["--no-ddp"])  # fmt: skip
-    results, out = torchrun("plain_loop.py", *args)
+    results, out, tmp_path = runs[f"slow-step-{ddp}"]
     from steptimer._reader import find_runs
     from steptimer._report import analyze
     from steptimer.cli import _report_json
@@ -156,11 +190,10 @@ def test_the_slow_rank_of_a_slow_step_is_named(tmp_path: Path, ddp: bool) -> Non
     assert results[0]["last"] == "no rank stood out at the all-reduce"  # one slow step is no straggler
 
 
-def test_memory_across_ranks(tmp_path: Path) -> None:
+def test_memory_across_ranks(runs: dict) -> None:
     """Each rank's memory peaks ride in the same rounds: rank 1's forward peaks at 16 MiB, rank 0's at
     8 MiB (a simulated allocator per rank); the max, min, mean and argmax say so, in MiB."""
-    args = ["--log-dir", str(tmp_path), "--steps", "20", "--every", "10", "--fake-memory"]
-    results, _ = torchrun("plain_loop.py", *args)
+    results, _, tmp_path = runs["memory"]
     tb = scalars(tmp_path)
     for kind, want in (("max", 16.0), ("min", 8.0), ("mean", 12.0)):
         for name in ("forward_peak", "step_peak"):
@@ -174,13 +207,8 @@ def test_memory_across_ranks(tmp_path: Path) -> None:
     assert "mem: each rank's peak and reserved, MiB" in lines[0]
 
 
-def test_uneven_end_logs_the_final_window_with_a_warning(tmp_path: Path) -> None:
-    # Rank 1 stops after 25 steps, rank 0 runs 32: rank 1's close answers rank 0's round at step 30
-    # (its partial window counted), then shadows until rank 0 closes; no timeout is needed.
-    results, out = torchrun(
-        "plain_loop.py", "--log-dir", str(tmp_path), "--steps", "32", "--every", "10",
-        "--short-rank", "1", "--short-steps", "25", "--timeout", "60", timeout_s=100,
-    )  # fmt: skip
+def test_uneven_end_logs_the_final_window_with_a_warning(runs: dict) -> None:
+    results, out, tmp_path = runs["uneven"]
     tb = scalars(tmp_path)
     assert tb["steptimer-ranks/reporting"] == [(10, 2.0), (20, 2.0), (30, 2.0), (32, 1.0)]
     assert [s for s, _ in tb["steptimer/host/step_ms"]][-1] == 32  # the final window is logged
@@ -190,11 +218,8 @@ def test_uneven_end_logs_the_final_window_with_a_warning(tmp_path: Path) -> None
     assert results[0]["summary_ranks"] == results[1]["summary_ranks"] == 2
 
 
-def test_different_phase_sets_skip_the_interval_on_every_rank(tmp_path: Path) -> None:
-    results, out = torchrun(
-        "plain_loop.py", "--log-dir", str(tmp_path), "--steps", "20", "--every", "10",
-        "--extra-phase-rank", "1", "--timeout", "60", timeout_s=100,
-    )  # fmt: skip
+def test_different_phase_sets_skip_the_interval_on_every_rank(runs: dict) -> None:
+    results, out, tmp_path = runs["phase-sets"]
     tb = scalars(tmp_path)
     assert tb["steptimer-ranks/reporting"] == [(10, 0.0), (20, 0.0)]
     assert not [t for t in tb if t.startswith("steptimer-ranks/") and t not in ("steptimer-ranks/reporting", "steptimer-ranks/reduce_ms")]
@@ -204,14 +229,11 @@ def test_different_phase_sets_skip_the_interval_on_every_rank(tmp_path: Path) ->
     assert "summary_ranks" not in results[0]  # run-long phase sets differ too: no per-rank summary
 
 
-def test_a_rank_that_fails_starts_no_collective_and_the_others_time_out(tmp_path: Path) -> None:
+def test_a_rank_that_fails_starts_no_collective_and_the_others_time_out(runs: dict) -> None:
     # Rank 1 raises at step 15 inside `with timer:` and stays alive outside steptimer: its close
     # must not run a round (it would pair with rank 0's round at step 20). Rank 0 times out there,
     # switches cross-rank statistics off for good, and finishes its run.
-    results, out = torchrun(
-        "plain_loop.py", "--log-dir", str(tmp_path), "--steps", "30", "--every", "10", "--no-ddp",
-        "--raise-rank", "1", "--raise-step", "15", "--timeout", "3", "--linger-s", "6", timeout_s=100,
-    )  # fmt: skip
+    results, out, tmp_path = runs["raise"]
     tb = scalars(tmp_path)
     assert tb["steptimer-ranks/reporting"] == [(10, 2.0)]
     assert [s for s, _ in tb["steptimer/host/step_ms"]] == [10, 20, 30]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -64,7 +65,8 @@ def main() -> None:
     if summary is not None and summary.ranks is not None and summary.ranks.straggler is not None:
         out["summary_straggler_argmax"] = summary.ranks.straggler.argmax
         out["reduce_ms"] = summary.ranks.reduce_ms
-    print("RESULT " + json.dumps(out), flush=True)
+    sys.stdout.write("RESULT " + json.dumps(out) + "\n")  # one write: the ranks share the pipe
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Options make one rank slow (a sleep inside forward or the optimizer), stop early (uneven end), time an extra phase
 (different phase sets), or raise (the exception path). Under DDP it watches the gradient collectives
 (``watch_ddp``). With ``--cuda``: NCCL, one GPU per rank.
-Each rank prints ``RESULT {json}`` at the end.
+Each rank prints ``RESULT {json}`` at the end. Scenarios separated by ``+`` run one after another in one
+launch, each with its own timer, its output after a line ``SCENARIO <name>`` on stdout and stderr.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -22,8 +24,9 @@ from torch import nn
 from steptimer import StepTimer
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
+    p.add_argument("--scenario", default="")
     p.add_argument("--log-dir", required=True)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=10)
@@ -48,7 +51,7 @@ def parse() -> argparse.Namespace:
         "--fake-memory", action="store_true",
         help="a simulated GPU and allocator (tests/fakes.py): forward allocates (rank + 1) x 8 MiB",
     )  # fmt: skip
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: nn.Module,
@@ -81,9 +84,7 @@ def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: n
                     opt.zero_grad()
 
 
-def main() -> None:
-    a = parse()
-    dist.init_process_group("nccl" if a.cuda else "gloo")
+def run(a: argparse.Namespace) -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if a.cuda else torch.device("cpu")
     if a.cuda:
@@ -116,7 +117,7 @@ def main() -> None:
         print(f"rank {rank} caught: {err}", flush=True)
         time.sleep(a.linger_s)  # alive but out of steptimer's rounds: the others must time out
     summary = timer.close()
-    out = {"rank": rank, "wall_s": time.perf_counter() - t0, "steps": summary.steps}
+    out = {"rank": rank, "scenario": a.scenario, "wall_s": time.perf_counter() - t0, "steps": summary.steps}
     if summary.ranks is not None:
         s = summary.ranks.straggler
         out["summary_ranks"] = summary.ranks.ranks
@@ -126,7 +127,23 @@ def main() -> None:
         out["summary_lines"] = summary.ranks.lines()
         out["last"] = None if summary.ranks.last is None else summary.ranks.last.text()
     out["slowest"] = [s.to_json() for s in summary.slowest]
-    print("RESULT " + json.dumps(out), flush=True)
+    sys.stdout.write("RESULT " + json.dumps(out) + "\n")  # one write: the ranks share the pipe
+    sys.stdout.flush()
+
+
+def main() -> None:
+    argv, scenarios = sys.argv[1:], []
+    while "+" in argv:
+        scenarios.append(parse(argv[: argv.index("+")]))
+        argv = argv[argv.index("+") + 1 :]
+    scenarios.append(parse(argv))
+    dist.init_process_group("nccl" if scenarios[0].cuda else "gloo")
+    for a in scenarios:
+        for stream in (sys.stdout, sys.stderr):
+            stream.write(f"SCENARIO {a.scenario}\n")
+            stream.flush()
+        run(a)
+        dist.barrier()  # each rank's output of this scenario is written before the next one's marker
     dist.destroy_process_group()
 
 
