@@ -83,9 +83,8 @@ def _complete_events(doc: dict[str, Any]) -> list[_X]:
     for e in doc["traceEvents"]:
         if isinstance(e, dict) and e.get("ph") == "X":
             args = e.get("args") if isinstance(e.get("args"), dict) else {}
-            thread = (e.get("pid"), e.get("tid"))
-            out.append(_X(str(e.get("name", "")), e.get("cat"), float(e["ts"]), float(e.get("dur", 0.0)), thread,
-                          args.get("correlation")))  # fmt: skip
+            ts, dur, thread = float(e["ts"]), float(e.get("dur", 0.0)), (e.get("pid"), e.get("tid"))
+            out.append(_X(str(e.get("name", "")), e.get("cat"), ts, dur, thread, args.get("correlation")))
     return out
 
 
@@ -135,7 +134,8 @@ def _timed_items(events: list[_X], spans: _Spans, notes: list[str]) -> tuple[str
     """``(clock, [(name, µs, host time)], unattributed)``: kernels at their launch, else outermost CPU ops."""
     gpu = [x for x in events if x.cat in GPU_CATS]
     if not gpu:  # the report says so once, at its top (``clock`` "host")
-        ops = [x for x in events if x.cat in ("cpu_op", "user_annotation") and not x.name.startswith(RANGE_PREFIX)]
+        cpu = ("cpu_op", "user_annotation")
+        ops = [x for x in events if x.cat in cpu and not x.name.startswith(RANGE_PREFIX)]
         return "host", [(x.name, x.dur, x.ts) for x in _outermost(ops, spans.starts)], 0
     launch_ts = {x.corr: x.ts for x in events if x.cat in LAUNCH_CATS and x.corr is not None}
     items = [(x.name, x.dur, launch_ts[x.corr]) for x in gpu if x.corr in launch_ts]
@@ -269,14 +269,18 @@ def _elide_templates(s: str, level: int) -> str:
     return "".join(out)
 
 
+_WORDS = {  # what is listed, steptimer's span of a phase, the gap's name, what the gap is
+    "gpu": ("GPU kernels", "GPU span", "idle", "GPU idle"),
+    "host": ("CPU ops", "host span", "gap", "Python between ops"),
+}
+
+
 def format_report(rep: KernelsReport, top: int) -> str:
     """The terminal form: one block per phase, 80 columns."""
-    gpu = rep.clock == "gpu"
-    words = ("GPU kernels", "GPU span", "idle", "GPU idle"), ("CPU ops", "host span", "gap", "Python between ops")
-    what, span_word, gap_word, gap_is = words[not gpu]
+    what, span_word, gap_word, gap_is = _WORDS[rep.clock]
     steps = f"steps {rep.steps[0]}..{rep.steps[-1]}" if rep.steps else "the profiled steps"
     lines = [rep.path]
-    if not gpu:
+    if rep.clock == "host":
         lines.append("no GPU kernels in this trace (no CUDA activity): CPU ops instead")
     lines += [f"{what} per phase over {steps} (µs summed over the steps)", ""]
     head = f"  {'name':<{NAME_WIDTH}} {'calls':>6} {'total µs':>10} {'mean µs':>9} {'share':>6}"
@@ -284,21 +288,17 @@ def format_report(rep: KernelsReport, top: int) -> str:
         check = ""
         if p.span_us is not None and p.idle_us is not None:
             idle = p.idle_us / p.span_us if p.span_us > 0 else 0.0
-            check = f"  {span_word} {p.span_us:,.1f}, {gap_word} {100 * idle:.1f}%"
-            if p.consistent is False:
-                check += "  OVER"
+            over = "  OVER" if p.consistent is False else ""
+            check = f"  {span_word} {p.span_us:,.1f}, {gap_word} {100 * idle:.1f}%{over}"
         lines.append(f"{p.name}: {p.total_us:,.1f} µs{check}")
-        if not p.kernels:
-            lines.append(f"  (no {what})")
-        else:
-            lines.append(head)
-            lines += [
-                f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
-                f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"
-                for k in p.kernels[:top]
-            ]
-            if len(p.kernels) > top:
-                lines.append(f"  ... {len(p.kernels) - top} more (--top N)")
+        lines.append(head if p.kernels else f"  (no {what})")
+        lines += [
+            f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
+            f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"
+            for k in p.kernels[:top]
+        ]
+        if len(p.kernels) > top:
+            lines.append(f"  ... {len(p.kernels) - top} more (--top N)")
         lines.append("")
     if any(p.span_us is not None for p in rep.phases):
         over = " (OVER: overlapping streams)" if any(p.consistent is False for p in rep.phases) else ""

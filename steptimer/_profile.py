@@ -197,6 +197,9 @@ class ProfileCapture:
     def _what(self) -> str:
         return f"steps {self.first}..{self.last}" + (" (profile_on_slow)" if self.why else " (profile_steps)")
 
+    def _lead(self) -> str:  # what the notes on this window start with
+        return self.why or f"profile_steps={self.first, self.last}"
+
     def _failed(self, engine: Engine, msg: str, err: Exception) -> None:
         msg = msg.format(what=self._what(), err=f"{type(err).__name__}: {err}")
         log.warning("steptimer: %s", msg)
@@ -228,12 +231,8 @@ class ProfileCapture:
         if self.prof is not None:
             self.write(engine, recent)
             return
-        engine.notes.append(
-            f"{self.why}; the run ended at step {engine.number}, before the profiler's steps: no trace"
-            if self.why else
-            f"profile_steps={self.first, self.last}: the run ended at step {engine.number}, "
-            "before the window; no profile written"
-        )  # fmt: skip
+        ended = f"the run ended at step {engine.number}, before the window; no profile written"
+        engine.notes.append(f"{self._lead()}; {ended}")
 
     def write(self, engine: Engine, recent: Capture | None) -> None:
         """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys)."""
@@ -266,12 +265,9 @@ class ProfileCapture:
             return
         span = f"{steps[0]['number']}..{steps[-1]['number']}" if steps else "none"
         engine.notes.append(
-            f"{self.why}; steps {span} ran under torch.profiler (their times include its overhead), "
+            f"{self._lead()}; steps {span} ran under torch.profiler (their times include its overhead), "
             f"trace: {self.path} (steptimer kernels)"
-            if self.why else
-            f"steps {span} ran under torch.profiler (profile_steps): their times include the "
-            f"profiler's overhead; trace: {self.path} (steptimer kernels)"
-        )  # fmt: skip
+        )
 
 
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
@@ -329,7 +325,8 @@ class SlowProfiler:
             if over.any():  # a Python loop over the window's steps only then
                 why = self._runs(walls, over, base, run)
         self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
-        self._medians = {(c, k): st.median_ms for c in ("host", "gpu") for k, st in getattr(window, c).items()}
+        self._medians = {("host", k): st.median_ms for k, st in window.host.items()}
+        self._medians.update({("gpu", k): st.median_ms for k, st in window.gpu.items()})
         if why is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
