@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import textwrap
 from bisect import bisect_right
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -164,17 +164,13 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
             f"{n} step{'s' * (n != 1)} that raised left out with {'their' if n != 1 else 'its'} "
             f"{'kernels' if clock == 'gpu' else 'ops'} (steptimer drops a step that raises)"
         )
-    per: dict[str, dict[str, list[float]]] = {}
+    per: defaultdict[str, defaultdict[str, list[float]]] = defaultdict(lambda: defaultdict(list))  # µs
     for name, dur, t in items:
         phase = spans.phase_at(t)
-        if phase is None:
-            continue
-        # The phase and its enclosing phases, as steptimer counts them ("forward" includes "forward/attn").
-        parts = phase.split("/")
-        for key in ["/".join(parts[:k]) for k in range(1, len(parts) + 1)] + ["step"] * (phase != "data"):
-            row = per.setdefault(key, {}).setdefault(name, [0.0, 0.0])
-            row[0] += 1
-            row[1] += dur
+        if phase is not None:  # it counts in its enclosing phases too ("forward" includes "forward/attn")
+            parts = phase.split("/")
+            for key in ["/".join(parts[:k]) for k in range(1, len(parts) + 1)] + ["step"] * (phase != "data"):
+                per[key][name].append(dur)
     steps = [int(s["number"]) for s in meta.get("steps", [])]
     if not meta:
         notes.append("no steptimer times in this trace (not written by profile_steps): no consistency check")
@@ -182,11 +178,11 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
     tol_us = _TOL_US_PER_STEP * max(len(steps), 1)
     phases = []
     for name in spans.order + [n for n in ("other", "data", "step") if n in per or n == "step"]:
-        kernels = per.get(name, {})
-        total = sum(v[1] for v in kernels.values())
+        kernels = {k: (len(v), sum(v)) for k, v in per.get(name, {}).items()}
+        total = sum(us for _, us in kernels.values())
         rows = [
-            KernelRow(k, int(v[0]), v[1], v[1] / v[0], v[1] / total if total > 0 else 0.0)
-            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][1])
+            KernelRow(k, calls, us, us / calls, us / total if total > 0 else 0.0)
+            for k, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])
         ]
         span = spans_us.get(name)
         phases.append(PhaseKernels(
