@@ -225,8 +225,7 @@ def short_name(name: str, width: int = NAME_WIDTH) -> str:
     s = name.strip()
     if len(s) <= width:
         return s
-    if s.startswith("void "):
-        s = s[5:]
+    s = s.removeprefix("void ")
     if s.endswith(")"):  # the argument list: the trailing balanced (...)
         depth = 0
         for i in range(len(s) - 1, 0, -1):
@@ -236,9 +235,8 @@ def short_name(name: str, width: int = NAME_WIDTH) -> str:
                 break
     s = s.replace("(anonymous namespace)::", "").strip()
     if len(s) > width:
-        nested = _elide_templates(s, 2)
         bare = _elide_templates(s, 1)
-        s = nested if _WRAPPER_RE.search(bare) else bare
+        s = _elide_templates(s, 2) if _WRAPPER_RE.search(bare) else bare
     if len(s) > width:  # the end (the kernel's own name) says most: keep two thirds of it
         tail = 2 * (width - 1) // 3
         s = s[: width - 1 - tail] + "…" + s[len(s) - tail :]
