@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 MIB = float(1 << 20)
 
@@ -160,11 +160,10 @@ class MemorySummary(MemoryStats):
 
 
 def oom_errors() -> tuple[type[BaseException], ...]:
-    """The exception types of a CUDA out-of-memory error in this torch."""
+    """The exception types of a CUDA out-of-memory error (torch 2.5 names it ``torch.OutOfMemoryError`` too)."""
     import torch
 
-    types: list[Any] = [getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)]
-    return tuple({t for t in types if isinstance(t, type)})
+    return (torch.cuda.OutOfMemoryError,)
 
 
 def oom_note(phase: str | None, number: int, peak: int | None, read: bool) -> str:

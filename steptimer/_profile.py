@@ -135,7 +135,7 @@ class Ranges:
             self.recording = False
             self.captures[0].stop(engine)
         for cap in self.captures:
-            cap.finish(engine, self._recent)
+            cap.write(engine, self._recent)
         self.captures = []
 
     def enter(self, name: str) -> None:
@@ -226,16 +226,13 @@ class ProfileCapture:
             except Exception as err:  # noqa: BLE001 - the write then fails too, with a note
                 log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
 
-    def finish(self, engine: Engine, recent: Capture | None) -> None:
-        """At close: write what was captured, or say that the run ended before the window."""
-        if self.prof is not None:
-            self.write(engine, recent)
-            return
-        ended = f"the run ended at step {engine.number}, before the window; no profile written"
-        engine.notes.append(f"{self._lead()}; {ended}")
-
     def write(self, engine: Engine, recent: Capture | None) -> None:
-        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys)."""
+        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys), or
+        a note that the run ended before the window."""
+        if self.prof is None:
+            ended = f"the run ended at step {engine.number}, before the window; no profile written"
+            engine.notes.append(f"{self._lead()}; {ended}")
+            return
         run_id = recent.run_id if recent is not None else None
         self.path = own_path(self.path, run_id)
         prof, self.prof = self.prof, None
