@@ -121,7 +121,7 @@ def main() -> int:
         else:
             matmul_steps(timer, args.size, args.steps)
         summary = timer.close()
-        readings = timer._energy._meter.taken() if timer._energy._meter is not None else []
+        readings = list(timer._energy._meter.readings) if timer._energy._meter is not None else []
     sampler.stop()
     if summary.energy is None:
         print(f"bench.energy: no energy: {[n for n in summary.notes if n.startswith('energy')]}", file=sys.stderr)

@@ -95,10 +95,10 @@ class EnergyMeter:
         self._asks.put(step)
 
     def _loop(self) -> None:
-        if self._read is None and self._open is not None:
+        if self._open is not None:
             self._read, self.error = self._open()
-            if self._read is None:
-                return
+        if self._read is None:
+            return
         while (step := self._asks.get()) is not None:
             try:
                 joules = float(self._read())
@@ -107,16 +107,13 @@ class EnergyMeter:
                 return
             self.readings.append(Reading(step, perf_counter(), joules))  # atomic: no lock for the reader
 
-    def taken(self) -> list[Reading]:
-        return list(self.readings)
-
     def close(self, step: int | None = None) -> list[Reading]:
         """Read once more after ``step`` if given, stop the thread, return every reading."""
         if step is not None:
             self.mark(step)
         self._asks.put(None)
         self._thread.join(timeout=5.0)
-        return self.taken()
+        return list(self.readings)
 
 
 @dataclass
@@ -131,7 +128,7 @@ class EnergyWindows:
 
     def write_ready(self, sinks: Sequence[Any]) -> None:
         """The energy of the last window, if its closing reading is in, to the sinks."""
-        readings = self._meter.taken() if self._meter is not None else []
+        readings = list(self._meter.readings) if self._meter is not None else []
         for k in range(self._written, len(readings)):
             e = between(readings[k - 1], readings[k])
             per_step = self._per_step.pop(readings[k].step, (None, None))

@@ -4,12 +4,12 @@ the same steps (docs/cli.md#kernels)."""
 
 from __future__ import annotations
 
-import os
 import re
 import textwrap
 from bisect import bisect_right
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from steptimer._profile import DROPPED_MARK, PROFILE_FILE, RANGE_PREFIX, profile_files
 from steptimer._reader import LogError
@@ -58,8 +58,8 @@ class KernelsReport:
 
 def load_profile(path: str) -> dict[str, Any]:
     """Read a profiler trace: the file ``path``, or a directory's first (``_notes`` name the rest)."""
-    files = profile_files(path) if os.path.isdir(path) else []
-    file, doc, notes = read_json(path, files, PROFILE_FILE, "profile_steps=(first, last) or profile_on_slow=1.5")
+    option = "profile_steps=(first, last) or profile_on_slow=1.5"
+    file, doc, notes = read_json(path, profile_files(path), PROFILE_FILE, option)
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise LogError(f"{file}: not a Chrome trace (no traceEvents)")
     doc["_path"] = file
@@ -67,29 +67,48 @@ def load_profile(path: str) -> dict[str, Any]:
     return doc
 
 
+class _X(NamedTuple):
+    """A complete (``"ph": "X"``) event of the trace, read once."""
+
+    name: str
+    cat: Any
+    ts: float
+    dur: float
+    thread: tuple[Any, Any]
+    corr: Any  # ``args.correlation``: a launch's and its kernel's
+
+
+def _complete_events(doc: dict[str, Any]) -> list[_X]:
+    out = []
+    for e in doc["traceEvents"]:
+        if isinstance(e, dict) and e.get("ph") == "X":
+            args = e.get("args") if isinstance(e.get("args"), dict) else {}
+            ts, dur, thread = float(e["ts"]), float(e.get("dur", 0.0)), (e.get("pid"), e.get("tid"))
+            out.append(_X(str(e.get("name", "")), e.get("cat"), ts, dur, thread, args.get("correlation")))
+    return out
+
+
 class _Spans:
     """steptimer's ranges on the host timeline, but those of a step that raised (``DROPPED_MARK``)."""
 
-    def __init__(self, events: list[dict[str, Any]]) -> None:
+    def __init__(self, events: list[_X]) -> None:
         spans = [
-            (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"][len(RANGE_PREFIX) :])
-            for e in events
-            if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-            and str(e.get("name", "")).startswith(RANGE_PREFIX)
+            (x.ts, x.ts + x.dur, x.name[len(RANGE_PREFIX) :])
+            for x in events if x.cat == "user_annotation" and x.name.startswith(RANGE_PREFIX)
         ]  # fmt: skip
         marks = [a for a, _, name in spans if RANGE_PREFIX + name == DROPPED_MARK]
         self.dropped = [(a, z) for a, z, name in spans if name == "step" and any(a <= m < z for m in marks)]
         spans = [s for s in spans if not any(a <= s[0] < z for a, z in self.dropped)]
         spans.sort(key=lambda s: (s[0], -s[1]))  # parents before their children at equal starts
         self.spans = spans
-        self._starts = [s[0] for s in spans]
+        self.starts = [s[0] for s in spans]
         self.order = list(dict.fromkeys(name for _, _, name in spans if name != "step"))  # as they ran
 
     def phase_at(self, t: float) -> str | None:
         """The innermost phase open at host time ``t`` (``other``, ``data``; None in a dropped step)."""
         if any(a <= t < z for a, z in self.dropped):
             return None
-        i = bisect_right(self._starts, t) - 1
+        i = bisect_right(self.starts, t) - 1
         while i >= 0:
             a, z, name = self.spans[i]
             if a <= t < z:
@@ -98,45 +117,28 @@ class _Spans:
         return "data"
 
 
-def _outermost(ops: list[dict[str, Any]], spans: _Spans) -> list[dict[str, Any]]:
-    """CPU ops not nested in another op of the same thread, nor around a steptimer range."""
-    out: list[dict[str, Any]] = []
+def _outermost(ops: list[_X], starts: list[float]) -> list[_X]:
+    """CPU ops not nested in another op of the same thread, nor around a steptimer range (``starts``)."""
+    out: list[_X] = []
     end: dict[Any, float] = {}
-    starts = spans._starts
-    for e in sorted(ops, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0)))):
-        key = (e.get("pid"), e.get("tid"))
-        ts = float(e["ts"])
-        te = ts + float(e.get("dur", 0.0))
-        if ts < end.get(key, -1.0):
+    for x in sorted(ops, key=lambda x: (x.ts, -x.dur)):
+        i = bisect_right(starts, x.ts)
+        if x.ts < end.get(x.thread, -1.0) or (i < len(starts) and starts[i] < x.ts + x.dur):
             continue
-        i = bisect_right(starts, ts)
-        if i < len(starts) and starts[i] < te:
-            continue  # it encloses a steptimer range
-        out.append(e)
-        end[key] = te
+        out.append(x)
+        end[x.thread] = x.ts + x.dur
     return out
 
 
-def _timed_items(events: list[dict[str, Any]], spans: _Spans, notes: list[str]) -> tuple[str, list[Any], int]:
+def _timed_items(events: list[_X], spans: _Spans, notes: list[str]) -> tuple[str, list[Any], int]:
     """``(clock, [(name, µs, host time)], unattributed)``: kernels at their launch, else outermost CPU ops."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    gpu = [x for x in events if x.cat in GPU_CATS]
     if not gpu:  # the report says so once, at its top (``clock`` "host")
-        ops = [
-            e for e in events
-            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
-            and not str(e.get("name", "")).startswith(RANGE_PREFIX)
-        ]  # fmt: skip
-        return "host", [(str(e["name"]), float(e.get("dur", 0.0)), float(e["ts"])) for e in _outermost(ops, spans)], 0
-    launch_ts = {
-        e["args"]["correlation"]: float(e["ts"])
-        for e in events
-        if e.get("cat") in LAUNCH_CATS and isinstance(e.get("args"), dict) and "correlation" in e["args"]
-    }
-    items = []
-    for e in gpu:
-        t = launch_ts.get((e.get("args") or {}).get("correlation"))
-        if t is not None:
-            items.append((str(e["name"]), float(e.get("dur", 0.0)), t))
+        cpu = ("cpu_op", "user_annotation")
+        ops = [x for x in events if x.cat in cpu and not x.name.startswith(RANGE_PREFIX)]
+        return "host", [(x.name, x.dur, x.ts) for x in _outermost(ops, spans.starts)], 0
+    launch_ts = {x.corr: x.ts for x in events if x.cat in LAUNCH_CATS and x.corr is not None}
+    items = [(x.name, x.dur, launch_ts[x.corr]) for x in gpu if x.corr in launch_ts]
     unattributed = len(gpu) - len(items)
     if unattributed:
         notes.append(f"{unattributed} GPU activities without their launch in the trace were left out")
@@ -145,7 +147,7 @@ def _timed_items(events: list[dict[str, Any]], spans: _Spans, notes: list[str]) 
 
 def analyze(doc: dict[str, Any]) -> KernelsReport:
     """Each phase's kernels (or CPU ops, without CUDA activity) with the consistency check."""
-    events = [e for e in doc["traceEvents"] if isinstance(e, dict)]
+    events = _complete_events(doc)
     meta = doc.get("steptimer") or {}
     path = str(doc.get("_path", ""))
     spans = _Spans(events)
@@ -162,17 +164,13 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
             f"{n} step{'s' * (n != 1)} that raised left out with {'their' if n != 1 else 'its'} "
             f"{'kernels' if clock == 'gpu' else 'ops'} (steptimer drops a step that raises)"
         )
-    per: dict[str, dict[str, list[float]]] = {}
+    per: defaultdict[str, defaultdict[str, list[float]]] = defaultdict(lambda: defaultdict(list))  # µs
     for name, dur, t in items:
         phase = spans.phase_at(t)
-        if phase is None:
-            continue
-        # The phase and its enclosing phases, as steptimer counts them ("forward" includes "forward/attn").
-        parts = phase.split("/")
-        for key in ["/".join(parts[:k]) for k in range(1, len(parts) + 1)] + ["step"] * (phase != "data"):
-            row = per.setdefault(key, {}).setdefault(name, [0.0, 0.0])
-            row[0] += 1
-            row[1] += dur
+        if phase is not None:  # it counts in its enclosing phases too ("forward" includes "forward/attn")
+            parts = phase.split("/")
+            for key in ["/".join(parts[:k]) for k in range(1, len(parts) + 1)] + ["step"] * (phase != "data"):
+                per[key][name].append(dur)
     steps = [int(s["number"]) for s in meta.get("steps", [])]
     if not meta:
         notes.append("no steptimer times in this trace (not written by profile_steps): no consistency check")
@@ -180,11 +178,11 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
     tol_us = _TOL_US_PER_STEP * max(len(steps), 1)
     phases = []
     for name in spans.order + [n for n in ("other", "data", "step") if n in per or n == "step"]:
-        kernels = per.get(name, {})
-        total = sum(v[1] for v in kernels.values())
+        kernels = {k: (len(v), sum(v)) for k, v in per.get(name, {}).items()}
+        total = sum(us for _, us in kernels.values())
         rows = [
-            KernelRow(k, int(v[0]), v[1], v[1] / v[0], v[1] / total if total > 0 else 0.0)
-            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][1])
+            KernelRow(k, calls, us, us / calls, us / total if total > 0 else 0.0)
+            for k, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])
         ]
         span = spans_us.get(name)
         phases.append(PhaseKernels(
@@ -204,12 +202,10 @@ def _steptimer_spans(meta: dict[str, Any], clock: str) -> dict[str, float]:
     """steptimer's time of each phase and ``step``, in µs summed over the profiled steps."""
     key = "gpu_ms" if clock == "gpu" else "host_ms"
     steps = meta.get("steps", [])
-    if not steps or any(s.get(key) is None for s in steps):
-        return {}
-    out: dict[str, float] = {}
-    for s in steps:
-        for name, ms in s[key].items():
-            out[name] = out.get(name, 0.0) + 1e3 * ms
+    out: Counter[str] = Counter()
+    if steps and all(s.get(key) is not None for s in steps):
+        for s in steps:
+            out.update({name: 1e3 * ms for name, ms in s[key].items()})
     return out
 
 
@@ -229,8 +225,7 @@ def short_name(name: str, width: int = NAME_WIDTH) -> str:
     s = name.strip()
     if len(s) <= width:
         return s
-    if s.startswith("void "):
-        s = s[5:]
+    s = s.removeprefix("void ")
     if s.endswith(")"):  # the argument list: the trailing balanced (...)
         depth = 0
         for i in range(len(s) - 1, 0, -1):
@@ -240,9 +235,8 @@ def short_name(name: str, width: int = NAME_WIDTH) -> str:
                 break
     s = s.replace("(anonymous namespace)::", "").strip()
     if len(s) > width:
-        nested = _elide_templates(s, 2)
         bare = _elide_templates(s, 1)
-        s = nested if _WRAPPER_RE.search(bare) else bare
+        s = _elide_templates(s, 2) if _WRAPPER_RE.search(bare) else bare
     if len(s) > width:  # the end (the kernel's own name) says most: keep two thirds of it
         tail = 2 * (width - 1) // 3
         s = s[: width - 1 - tail] + "…" + s[len(s) - tail :]
@@ -269,15 +263,18 @@ def _elide_templates(s: str, level: int) -> str:
     return "".join(out)
 
 
+_WORDS = {  # what is listed, steptimer's span of a phase, the gap's name, what the gap is
+    "gpu": ("GPU kernels", "GPU span", "idle", "GPU idle"),
+    "host": ("CPU ops", "host span", "gap", "Python between ops"),
+}
+
+
 def format_report(rep: KernelsReport, top: int) -> str:
     """The terminal form: one block per phase, 80 columns."""
-    gpu = rep.clock == "gpu"
-    what = "GPU kernels" if gpu else "CPU ops"
-    span_word = "GPU span" if gpu else "host span"
-    gap_word = "idle" if gpu else "gap"
+    what, span_word, gap_word, gap_is = _WORDS[rep.clock]
     steps = f"steps {rep.steps[0]}..{rep.steps[-1]}" if rep.steps else "the profiled steps"
     lines = [rep.path]
-    if not gpu:
+    if rep.clock == "host":
         lines.append("no GPU kernels in this trace (no CUDA activity): CPU ops instead")
     lines += [f"{what} per phase over {steps} (µs summed over the steps)", ""]
     head = f"  {'name':<{NAME_WIDTH}} {'calls':>6} {'total µs':>10} {'mean µs':>9} {'share':>6}"
@@ -285,24 +282,19 @@ def format_report(rep: KernelsReport, top: int) -> str:
         check = ""
         if p.span_us is not None and p.idle_us is not None:
             idle = p.idle_us / p.span_us if p.span_us > 0 else 0.0
-            check = f"  {span_word} {p.span_us:,.1f}, {gap_word} {100 * idle:.1f}%"
-            if p.consistent is False:
-                check += "  OVER"
+            over = "  OVER" if p.consistent is False else ""
+            check = f"  {span_word} {p.span_us:,.1f}, {gap_word} {100 * idle:.1f}%{over}"
         lines.append(f"{p.name}: {p.total_us:,.1f} µs{check}")
-        if not p.kernels:
-            lines.append(f"  (no {what})")
-        else:
-            lines.append(head)
-            lines += [
-                f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
-                f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"
-                for k in p.kernels[:top]
-            ]
-            if len(p.kernels) > top:
-                lines.append(f"  ... {len(p.kernels) - top} more (--top N)")
+        lines.append(head if p.kernels else f"  (no {what})")
+        lines += [
+            f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
+            f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"
+            for k in p.kernels[:top]
+        ]
+        if len(p.kernels) > top:
+            lines.append(f"  ... {len(p.kernels) - top} more (--top N)")
         lines.append("")
     if any(p.span_us is not None for p in rep.phases):
-        gap_is = "GPU idle" if gpu else "Python between ops"
         over = " (OVER: overlapping streams)" if any(p.consistent is False for p in rep.phases) else ""
         check = f"check: {what} total <= steptimer's {span_word} of the same steps; the gap is {gap_is}{over}"
         lines += textwrap.wrap(check, 80, subsequent_indent="  ")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any
+from typing import NamedTuple
 
 MIB = float(1 << 20)
 
@@ -37,9 +37,12 @@ def torch_memory_backend() -> _MemoryBackend | None:
     return _MemoryBackend(read=read, reset_peak=reset)
 
 
-# One timed step's readings: (step peak bytes, reserved bytes at its end, per phase entry in exit
-# order (full name, peak bytes inside it, allocated bytes at its exit)).
-StepMemory = tuple[int, int, tuple[tuple[str, int, int], ...]]
+class StepMemory(NamedTuple):
+    """One timed step's readings; ``phases``: (full name, peak bytes inside it, allocated at its exit)."""
+
+    peak_bytes: int
+    reserved_bytes: int  # at the step's end
+    phases: tuple[tuple[str, int, int], ...]  # in exit order
 
 
 @dataclass
@@ -93,9 +96,9 @@ class MemoryReader:
     def end_step(self, shared: bool) -> StepMemory:
         """At the step's end; ``shared`` as for ``enter_phase``."""
         if shared:
-            return self._step, self.last_reserved, tuple(self._phases)
+            return StepMemory(self._step, self.last_reserved, tuple(self._phases))
         _, peak, reserved = self._read(reset=False)  # the next step's first reading resets
-        return max(self._step, peak), reserved, tuple(self._phases)
+        return StepMemory(max(self._step, peak), reserved, tuple(self._phases))
 
     def open_peak(self) -> int:
         """The innermost open phase's peak so far (else the step's), for the out-of-memory note."""
@@ -139,13 +142,13 @@ def memory_of(steps: list[StepMemory]) -> MemoryStats | None:
     """A window's memory from its timed steps' readings, in step order (None: no step was read)."""
     if not steps:
         return None
-    peak = {"step": max(s[0] for s in steps)}  # then the phases in first-seen order
+    peak = {"step": max(s.peak_bytes for s in steps)}  # then the phases in first-seen order
     alloc: dict[str, int] = {}
-    for _, _, phases in steps:
-        for name, p, a in phases:
+    for s in steps:
+        for name, p, a in s.phases:
             peak[name] = max(peak.get(name, p), p)
             alloc[name] = a
-    return MemoryStats(peak, alloc, steps[-1][1], len(steps))
+    return MemoryStats(peak, alloc, steps[-1].reserved_bytes, len(steps))
 
 
 @dataclass(frozen=True)
@@ -157,11 +160,10 @@ class MemorySummary(MemoryStats):
 
 
 def oom_errors() -> tuple[type[BaseException], ...]:
-    """The exception types of a CUDA out-of-memory error in this torch."""
+    """The exception types of a CUDA out-of-memory error (torch 2.5 names it ``torch.OutOfMemoryError`` too)."""
     import torch
 
-    types: list[Any] = [getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)]
-    return tuple({t for t in types if isinstance(t, type)})
+    return (torch.cuda.OutOfMemoryError,)
 
 
 def oom_note(phase: str | None, number: int, peak: int | None, read: bool) -> str:

@@ -68,6 +68,11 @@ class Options:
             check_bool(name, getattr(self, name))
         if self.peak_tflops is not None and not _positive(self.peak_tflops):
             raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {self.peak_tflops!r}")
+        if self.profile_on_slow is not None and not (_positive(self.profile_on_slow) and self.profile_on_slow > 1):
+            raise ValueError(
+                "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), "
+                f"or None; got {self.profile_on_slow!r}"
+            )
         if self.memory is not None and (not isinstance(self.memory, int) or self.memory < 0):
             raise ValueError(
                 "memory must be None, True, False or an int >= 0 (read one timed step in N), "

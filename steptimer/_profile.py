@@ -8,8 +8,9 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,8 +55,6 @@ class Ranges:
         self._push, self._pop = nvtx if nvtx is not None else (None, None)
         self._recent = recent
         self.captures: list[ProfileCapture] = []  # the windows not yet written, in step order, apart
-        if capture is not None:
-            self._accept(capture)
         self.slow: SlowProfiler | None = None  # profile_on_slow
         self._set_ranged = set_ranged
         self._names: list[str] = []  # full names of the open phases
@@ -63,45 +62,38 @@ class Ranges:
         self._begun: int | None = None  # engine.number at the step's begin (unchanged at its end: dropped)
         self.recording = False  # inside a profiler window: record_function ranges on
         self.from_number: float = math.inf  # steps take the ranges from this engine.number on
-        self._next_window()
+        self._accept(capture)
         set_ranged(self._push is not None)
 
-    @property
-    def capture(self) -> ProfileCapture | None:  # the window running or next to run
-        return self.captures[0] if self.captures else None
-
-    def _next_window(self, *, drop_first: bool = False) -> None:
+    def _accept(self, capture: ProfileCapture | None, *, drop_first: bool = False) -> None:
+        """Add ``capture`` (or drop the first window); steps take the ranges from the next one's on."""
         if drop_first:
             self.captures.pop(0)
-        cap = self.capture
+        if capture is not None:
+            if self._recent is not None:
+                capture.recs = self._recent.keep(capture.first, capture.last)
+            self.captures.append(capture)
+            self.captures.sort(key=lambda c: c.first)
+        cap = self.captures[0] if self.captures else None
         self.from_number = 0 if self._push is not None else cap.first - 1 if cap is not None else math.inf
 
     def arm(self, capture: ProfileCapture, engine: Engine) -> bool:
         """Add a window unless it would overlap another or the ``lag`` steps until that one is written."""
         gap = max(engine.lag, 1) + 1
-        for other in self.captures:
-            if not (capture.last + gap <= other.first or other.last + gap <= capture.first):
-                return False
+        if any(capture.last + gap > c.first and c.last + gap > capture.first for c in self.captures):
+            return False
         self._accept(capture)
         return True
-
-    def _accept(self, capture: ProfileCapture) -> None:
-        if self._recent is not None:
-            capture.recs = self._recent.keep(capture.first, capture.last)
-        self.captures.append(capture)
-        self.captures.sort(key=lambda c: c.first)
-        self._next_window()
 
     def begin_step(self, engine: Engine) -> None:
         if engine.in_step:
             return  # the engine raises (steps cannot nest): nothing to open
-        cap = self.capture
-        if cap is not None and engine.number + 1 == cap.first and not cap.started:
-            if cap.start(engine):
+        if self.captures and engine.number + 1 == self.captures[0].first and not self.recording:
+            if self.captures[0].start(engine):
                 self.recording = True
                 self._set_ranged(True)
             else:  # the profiler did not start: a note says why; the run goes on without it
-                self._next_window(drop_first=True)
+                self._accept(None, drop_first=True)
         self._begun = engine.number
         self._open("step")
 
@@ -121,27 +113,29 @@ class Ranges:
             with record_function(DROPPED_MARK):
                 pass
         self._close()
-        cap = self.capture
-        if cap is None:
+        if not self.captures:
             return
+        cap = self.captures[0]
         if self.recording and not dropped:
             engine.mark_current("profiled", 1.0)  # the slowest steps say so (_slow.explain)
             if engine.number >= cap.last:
                 self.recording = False
                 self._set_ranged(self._push is not None)
                 cap.stop(engine)
-        if cap.started and not cap.written and engine.last_resolved >= cap.last:  # its steps resolved
+        if cap.prof is not None and engine.last_resolved >= cap.last:  # its steps resolved
             cap.write(engine, self._recent)
-            self._next_window(drop_first=True)
+            self._accept(None, drop_first=True)
 
     def finish(self, engine: Engine) -> None:
         """At ``close()``, after the engine resolved every step."""
         while self._names:
             self.exit()
         self.abort_step()
-        self.recording = False
+        if self.recording:
+            self.recording = False
+            self.captures[0].stop(engine)
         for cap in self.captures:
-            cap.finish(engine, self._recent)
+            cap.write(engine, self._recent)
         self.captures = []
 
     def enter(self, name: str) -> None:
@@ -188,18 +182,23 @@ def _by_phase_ms(step_s: float, phases: list[list[Any]]) -> dict[str, float]:
     return out
 
 
+@dataclass(eq=False)
 class ProfileCapture:
     """``torch.profiler`` over steps ``first..last``; ``why``: the slowdown that armed it, if any."""
 
-    def __init__(self, first: int, last: int, path: str, why: str | None = None) -> None:
-        self.first, self.last, self.path, self.why = first, last, path, why
-        self.started = self.stopped = self.written = False
-        self._prof: Any = None
-        self.recs: list[Any] = []  # the window's resolved steps (``Capture.keep``)
-        self._cuda = False
+    first: int
+    last: int
+    path: str
+    why: str | None = None
+    prof: Any = None  # the profiler, from its start until the trace is written
+    recs: list[Any] = field(default_factory=list)  # the window's resolved steps (``Capture.keep``)
+    cuda: bool = False
 
     def _what(self) -> str:
         return f"steps {self.first}..{self.last}" + (" (profile_on_slow)" if self.why else " (profile_steps)")
+
+    def _lead(self) -> str:  # what the notes on this window start with
+        return self.why or f"profile_steps={self.first, self.last}"
 
     def _failed(self, engine: Engine, msg: str, err: Exception) -> None:
         msg = msg.format(what=self._what(), err=f"{type(err).__name__}: {err}")
@@ -208,60 +207,40 @@ class ProfileCapture:
 
     def start(self, engine: Engine) -> bool:
         """Start the profiler before step ``first``; False (a warning and a note) if it would not start."""
-        self.started = True
-        self._cuda = torch.cuda.is_available()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
+        self.cuda = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         with _outside_steps(engine):
             try:
-                self._prof = profile(activities=activities)
-                self._prof.start()
+                self.prof = profile(activities=activities)
+                self.prof.start()
             except Exception as err:  # noqa: BLE001 - steptimer's profiler must never stop the run
-                self._prof, self.stopped, self.written = None, True, True
+                self.prof = None
                 self._failed(engine, "torch.profiler did not start for {what} ({err}); no trace", err)
                 return False
         return True
 
     def stop(self, engine: Engine) -> None:
-        if self._prof is None or self.stopped:
-            return
-        self.stopped = True
         with _outside_steps(engine):
             try:
-                self._prof.stop()
+                self.prof.stop()
             except Exception as err:  # noqa: BLE001 - the write then fails too, with a note
                 log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
 
-    def steps(self) -> list[dict[str, Any]]:
-        """steptimer's own times of the window's resolved steps, by phase, in ms."""
-        return [
+    def write(self, engine: Engine, recent: Capture | None) -> None:
+        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys), or
+        a note that the run ended before the window."""
+        if self.prof is None:
+            ended = f"the run ended at step {engine.number}, before the window; no profile written"
+            engine.notes.append(f"{self._lead()}; {ended}")
+            return
+        run_id = recent.run_id if recent is not None else None
+        self.path = own_path(self.path, run_id)
+        prof, self.prof = self.prof, None
+        steps = [
             {"number": s["number"], "host_ms": _by_phase_ms(s["step_s"], s["phases"]),
              "gpu_ms": None if (g := s["gpu"]) is None else _by_phase_ms(g["end"] - g["start"], g["phases"])}
             for s in map(record, self.recs)
         ]  # fmt: skip
-
-    def finish(self, engine: Engine, recent: Capture | None) -> None:
-        """At close: stop a window the run ended inside, and write what was captured."""
-        if self.written:
-            return
-        if not self.started:
-            self.written = True
-            engine.notes.append(
-                f"{self.why}; the run ended at step {engine.number}, before the profiler's steps: no trace"
-                if self.why else
-                f"profile_steps={self.first, self.last}: the run ended at step {engine.number}, "
-                "before the window; no profile written"
-            )  # fmt: skip
-            return
-        self.stop(engine)
-        self.write(engine, recent)
-
-    def write(self, engine: Engine, recent: Capture | None) -> None:
-        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys)."""
-        self.written = True
-        run_id = recent.run_id if recent is not None else None
-        self.path = own_path(self.path, run_id)
-        prof, self._prof = self._prof, None
-        steps = self.steps()
         tmp = self.path + ".tmp"
         try:
             with _outside_steps(engine):
@@ -271,7 +250,7 @@ class ProfileCapture:
                     doc = json.load(f)
                 doc["steptimer"] = {
                     "format": FORMAT, "version": VERSION, "first": self.first, "last": self.last,
-                    "cuda_activity": self._cuda, "range_prefix": RANGE_PREFIX, "steps": steps, "why": self.why,
+                    "cuda_activity": self.cuda, "range_prefix": RANGE_PREFIX, "steps": steps, "why": self.why,
                     "run_id": run_id,
                 }  # fmt: skip
                 write_json(self.path, doc)
@@ -283,12 +262,9 @@ class ProfileCapture:
             return
         span = f"{steps[0]['number']}..{steps[-1]['number']}" if steps else "none"
         engine.notes.append(
-            f"{self.why}; steps {span} ran under torch.profiler (their times include its overhead), "
+            f"{self._lead()}; steps {span} ran under torch.profiler (their times include its overhead), "
             f"trace: {self.path} (steptimer kernels)"
-            if self.why else
-            f"steps {span} ran under torch.profiler (profile_steps): their times include the "
-            f"profiler's overhead; trace: {self.path} (steptimer kernels)"
-        )  # fmt: skip
+        )
 
 
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
@@ -323,11 +299,10 @@ class SlowProfiler:
         self.captures = 0
         self._ring = np.zeros(0)  # the last BASELINE_STEPS resolved steps' wall times
         self._run: list[tuple[int, float]] = []  # the slow steps in a row so far: (number, wall ms)
-        self._prev: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})  # last window's host, gpu stats
+        self._medians: dict[tuple[str, str], float] = {}  # the last window's, by (clock, row)
         self._quiet_to = -1  # the last step of the last capture's cool-down
-        self._profiled: list[tuple[int, int]] = []  # steps under the profiler (left out of the median)
-        for cap in ranges.captures:  # profile_steps' steps
-            self.profiled(cap.first, cap.last, capture=False)
+        # Steps under the profiler, profile_steps' and the captures': left out of the median.
+        self._profiled = [(c.first, c.last) for c in ranges.captures]
 
     def window(self, window: Any, engine: Engine) -> None:
         """Arm a capture if a slowdown completed in the window; keep its rows' medians for the next one."""
@@ -339,44 +314,36 @@ class SlowProfiler:
         clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler
         for a, z in self._profiled:
             clean &= (n < a) | (n > z)
-        why, run = None, self._run
-        self._run = []  # a run of slow steps goes on into this window only over the line
+        why, run, self._run = None, self._run, []  # a run goes on into this window only over the line
         if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
             k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
             base = float(np.partition(self._ring, k)[k])
             over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to) & clean
             if over.any():  # a Python loop over the window's steps only then
-                self._run = run
-                why = self._runs(walls, over, base)
+                why = self._runs(walls, over, base, run)
         self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
-        self._prev = (window.host, window.gpu)
+        self._medians = {("host", k): st.median_ms for k, st in window.host.items()}
+        self._medians.update({("gpu", k): st.median_ms for k, st in window.gpu.items()})
         if why is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
         last = first + PROFILE_SLOW_STEPS - 1
         path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
-        if self.ranges.arm(ProfileCapture(first, last, path, why=why), engine):
-            self.profiled(first, last)
-        else:
+        if not self.ranges.arm(ProfileCapture(first, last, path, why=why), engine):
             engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
-
-    def profiled(self, first: int, last: int, *, capture: bool = True) -> None:
-        """Steps ``first..last`` run under the profiler (``capture``: one of profile_on_slow's)."""
+            return
         self._profiled.append((first, last))
-        if capture:
-            self.captures += 1
-            self._quiet_to = max(self._quiet_to, last + COOLDOWN_STEPS)
+        self.captures += 1
+        self._quiet_to = last + COOLDOWN_STEPS
 
-    def _runs(self, walls: StepWalls, over: Any, base: float) -> str | None:
-        """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line."""
-        run = self._run
+    def _runs(self, walls: StepWalls, over: Any, base: float, run: list[tuple[int, float]]) -> str | None:
+        """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line (``run``: its start)."""
         for i, (number, is_over) in enumerate(zip(walls.numbers.tolist(), over.tolist())):
             if not is_over or (run and number != run[-1][0] + 1):
                 run = []
             if is_over:
                 run.append((int(number), float(walls.wall_ms[i])))
             if len(run) >= SLOW_RUN_STEPS:
-                self._run = []
                 grew = self._grew(walls, run[0][0], i)
                 what = "" if grew is None or grew.grew is None else f", {grew.grew_text()}"
                 mean_ms = sum(wall for _, wall in run) / len(run)
@@ -390,12 +357,9 @@ class SlowProfiler:
 
     def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
         """What grew in the run's steps (their mean rows) against the previous window's medians."""
-        host_stats, gpu_stats = self._prev
-        medians = {("host", k): st.median_ms for k, st in host_stats.items()}
-        medians.update({("gpu", k): st.median_ms for k, st in gpu_stats.items()})
-        idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
-        if not medians or not idx:
+        if not self._medians:
             return None
+        idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
         values: tuple[dict[str, list[float]], dict[str, list[float]]] = ({}, {})
         for i in idx:
             for row, into in zip(walls.rows(i), values):
@@ -403,7 +367,7 @@ class SlowProfiler:
                     into.setdefault(k, []).append(v)
         host, gpu = ({k: sum(v) / len(v) for k, v in d.items()} for d in values)
         wall = float(walls.wall_ms[idx].mean())
-        return explain(SlowStep(first, wall, walls.clock, host, gpu or None), medians)
+        return explain(SlowStep(first, wall, walls.clock, host, gpu or None), self._medians)
 
 
 def make_ranges(
@@ -411,29 +375,23 @@ def make_ranges(
     enabled: bool, rank: int, set_ranged: Callable[[bool], None], profile_on_slow: object = None,
     recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:  # fmt: skip
-    """Validate ``profile_steps`` and ``profile_on_slow``; the ranges (None: none) and a note."""
+    """What ``profile_steps`` and ``profile_on_slow`` need of the run; the ranges (None: none) and a note."""
     if profile_on_slow is not None:
-        ok = isinstance(profile_on_slow, (int, float)) and not isinstance(profile_on_slow, bool)
-        if not ok or not 1 < profile_on_slow < math.inf:  # type: ignore[operator]
-            raise ValueError(
-                "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), "
-                f"or None; got {profile_on_slow!r}"
-            )
         check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,
                             folder=folder)  # fmt: skip
+    ours = enabled and rank == 0
+    capture = None
     if profile_steps is not None:
         first, last = check_step_pair("profile_steps", profile_steps, start_step=start_step)
         check_window_option("profile_steps", PROFILE_FILE, sample_every=sample_every, folder=folder)
-    capture = None
-    if profile_steps is not None and enabled and rank == 0:
-        capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
-    fns, note = None, None
-    if nvtx and enabled:
-        fns = _nvtx_functions()
-        if fns is None:
-            note = "nvtx=True but this torch has no NVTX (a CPU build): no NVTX ranges"
-            log.info("steptimer: %s", note)
-    slow = profile_on_slow is not None and enabled and rank == 0
+        if ours:
+            capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
+    fns = _nvtx_functions() if nvtx and enabled else None
+    note = None
+    if nvtx and enabled and fns is None:
+        note = "nvtx=True but this torch has no NVTX (a CPU build): no NVTX ranges"
+        log.info("steptimer: %s", note)
+    slow = profile_on_slow is not None and ours
     if fns is None and capture is None and not slow:
         return None, note
     ranges = Ranges(fns, capture, set_ranged, recent)

@@ -30,7 +30,7 @@ def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str,
 
 def load_capture(path: str) -> dict[str, Any]:
     """Read a ``trace_steps`` capture: the file ``path``, or a directory's first (the notes name the rest)."""
-    files = run_files(path, TRACE_FILE[: -len(".json")]) if os.path.isdir(path) else []
+    files = run_files(path, TRACE_FILE[: -len(".json")])  # none unless ``path`` is a directory
     file, doc, notes = read_json(path, files, TRACE_FILE, "trace_steps=N")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
         raise LogError(f"{file}: not a steptimer trace capture (format {FORMAT!r} expected)")
