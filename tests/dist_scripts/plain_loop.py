@@ -149,3 +149,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo's worker may free a collective's tensors during interpreter finalization and abort
