@@ -64,10 +64,10 @@ _NULL = _Null()
 class _RangedStep:
     """A step that is also an NVTX / profiler range (``nvtx``, ``profile_steps``), see _profile.py."""
 
-    __slots__ = ("_e", "_counts", "_r")
+    __slots__ = ("_e", "_r")
 
-    def __init__(self, engine: Engine, counts: tuple[float | None, float | None, float | None], ranges: Ranges) -> None:
-        self._e, self._counts, self._r = engine, counts, ranges
+    def __init__(self, engine: Engine, ranges: Ranges) -> None:
+        self._e, self._r = engine, ranges
 
     def __enter__(self) -> None:
         r, e = self._r, self._e
@@ -79,12 +79,10 @@ class _RangedStep:
             raise
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: object) -> Literal[False]:
-        e = self._e
         try:
-            e.samples, e.tokens, e.flops = self._counts
-            e.end_step(et, ev)
+            self._e.end_step(et, ev)
         finally:
-            self._r.end_step(e)
+            self._r.end_step(self._e)
         return False
 
 
@@ -266,11 +264,10 @@ class StepTimer:
         every, budget = self.sample_every, self.options.cost_budget
         self._run_tags = {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET: float(budget or 0.0)}
         seams, cuda = self._seams, self.options.cuda
-        if cuda is True and seams.backend is None:
-            ok, why = cuda_usable()
-            if not ok:
-                raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
         if cuda is not False and seams.backend is None:
+            ok, why = cuda_usable()
+            if cuda and not ok:
+                raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
             prepare_native()  # compile the native CUDA calls now, not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
@@ -314,11 +311,11 @@ class StepTimer:
             tokens = check_count("tokens", tokens)
         if flops is not None:
             flops = check_count("flops", flops)
-        r, e = self._ranges, self._engine
-        if r is not None and e.number >= r.from_number:  # NVTX, or the profiler window
-            return _RangedStep(e, (samples, tokens, flops), r)
         # The engine is the step's context manager; the counts at its end are the last step() call's.
+        r, e = self._ranges, self._engine
         e.samples, e.tokens, e.flops = samples, tokens, flops
+        if r is not None and e.number >= r.from_number:  # NVTX, or the profiler window
+            return _RangedStep(e, r)
         return e
 
     def data(self, loader: Iterable[_B]) -> Iterator[_B]:
@@ -423,12 +420,7 @@ class StepTimer:
             xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
         if self.enabled:
             engine.close()
-        if xrank is not None and not xrank.off:
-            last = xrank.close(self._take_window(), self._acc)
-            if last is not None:
-                for sink in self._sinks:
-                    sink.write_window(last)
-        self._on_window()
+        self._on_window(closing=True)
         energy, energy_note = self._energy.close(engine.last_resolved, self._sinks)
         traces = self._capture.finish(engine) if self._capture is not None else None
         if self._ranges is not None:
@@ -463,13 +455,15 @@ class StepTimer:
         for cm in self._phases.values():
             cm.__class__ = cls
 
-    def _on_window(self, number: int = 0) -> None:
+    def _on_window(self, number: int = 0, *, closing: bool = False) -> None:
         """A window ended (the engine's call, or the close): to cross-rank, the sinks and energy."""
-        window = self._take_window()
+        window, xrank = self._take_window(), self._xrank
+        if closing and xrank is not None and not xrank.off:
+            window = xrank.close(window, self._acc)  # the closing rounds, with or without a window here
+        elif window is not None and xrank is not None:
+            window = xrank.interval(window, self._acc.slow)
         if window is None:
             return
-        if self._xrank is not None:
-            window = self._xrank.interval(window, self._acc.slow)
         if self._run_tags:
             window = dataclasses.replace(window, extra={**window.extra, **self._run_tags})
             self._run_tags = {}
