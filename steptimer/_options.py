@@ -49,19 +49,16 @@ class Options:
     cost_budget: float | None = None
 
     def __post_init__(self) -> None:
-        if self.log_every_n_steps is not None:
-            _check_int("log_every_n_steps", self.log_every_n_steps, 1)
-        _check_int("warmup_steps", self.warmup_steps, 0)
-        _check_int("lag", self.lag, 0)
-        if self.sample_every is not None:
-            _check_int("sample_every", self.sample_every, 1)
+        for name in ("log_every_n_steps", "sample_every"):  # None: steptimer's choice
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        for name in ("warmup_steps", "lag", "start_step", "slowest_steps"):
+            _check_int(name, getattr(self, name), 0)
         if self.cost_budget is not None and (not _positive(self.cost_budget) or self.cost_budget >= 1):
             raise ValueError(
                 "cost_budget must be a number between 0 and 1, exclusive (the part of the wall time "
                 f"timing may cost, e.g. 0.005), got {self.cost_budget!r}; sample_every=1 times every step"
             )
-        _check_int("start_step", self.start_step, 0)
-        _check_int("slowest_steps", self.slowest_steps, 0)
         if self.cuda not in (None, True, False):
             raise ValueError(f"cuda must be None, True or False, got {self.cuda!r}")
         for name in ("enabled", "print_summary", "cross_rank", "nvtx"):
@@ -115,23 +112,20 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def nonneg_int(text: str) -> int:
-    """argparse type: an int >= 0."""
+def nonneg_int(text: str, least: int = 0) -> int:
+    """argparse type: an int >= ``least``."""
     try:
         v = int(text)
     except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+        v = least - 1
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be an int >= {least}, got {text!r}")
     return v
 
 
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
-    v = nonneg_int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return v
+    return nonneg_int(text, 1)
 
 
 def check_phase_name(name: str) -> None:

@@ -51,7 +51,7 @@ _RULES: tuple[tuple[str, str], ...] = (
     ("l40s", "l40s"), ("l40", "l40"), ("l4", "l4"), ("a10g", ""), ("a10", "a10"), ("a40", "a40"),
     ("a6000", "rtx a6000"), ("4090", "rtx 4090"), ("3090 ti", ""), ("3090", "rtx 3090"),
     ("v100s", "v100s"), ("v100 pcie", "v100 pcie"), ("v100", "v100 sxm"), ("t4", "t4"),
-)
+)  # fmt: skip
 
 
 # Without bf16 tensor cores (V100, T4) bf16 work runs on the fp16 ones; without tf32, in fp32.

@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
-from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank
+from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank, _initialized
 from steptimer._energy import EnergyWindows
 from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
@@ -64,28 +64,25 @@ _NULL = _Null()
 class _RangedStep:
     """A step that is also an NVTX / profiler range (``nvtx``, ``profile_steps``), see _profile.py."""
 
-    __slots__ = ("_e", "_counts", "_r")
+    __slots__ = ("_e", "_r")
 
-    def __init__(self, engine: Engine, counts: tuple[float | None, float | None, float | None], ranges: Ranges) -> None:
-        self._e, self._counts, self._r = engine, counts, ranges
+    def __init__(self, engine: Engine, ranges: Ranges) -> None:
+        self._e, self._r = engine, ranges
 
     def __enter__(self) -> None:
         r, e = self._r, self._e
         r.begin_step(e)
         try:
-            e.samples, e.tokens, e.flops = self._counts
             e.begin_step()
         except BaseException:
             r.abort_step()
             raise
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: object) -> Literal[False]:
-        e = self._e
         try:
-            e.samples, e.tokens, e.flops = self._counts
-            e.end_step(et, ev)
+            self._e.end_step(et, ev)
         finally:
-            self._r.end_step(e)
+            self._r.end_step(self._e)
         return False
 
 
@@ -126,32 +123,19 @@ class _Seams:
 
 def _distributed() -> bool:
     """More than one process: torch.distributed's world, else the launcher's ``WORLD_SIZE``."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_world_size()) > 1
-    except Exception:  # pragma: no cover - broken distributed builds
-        pass
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-    except ValueError:  # not a number: no launcher of ours set it, so no world of several ranks
-        return False
+    dist = _initialized()
+    if dist is not None:
+        return int(dist.get_world_size()) > 1
+    world = os.environ.get("WORLD_SIZE", "").strip()  # not a number: no launcher of ours set it
+    return world.isdigit() and int(world) > 1
 
 
 def rank() -> int:
     """This process's rank: torch.distributed when initialized, else the launcher's environment."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:  # pragma: no cover - broken distributed builds
-        pass
-    for var in ("RANK", "LOCAL_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
+    dist = _initialized()
+    if dist is not None:
+        return int(dist.get_rank())
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
 
 
 class StepTimer:
@@ -160,18 +144,15 @@ class StepTimer:
     Args (each in full in docs/options.md):
         log_dir: Directory for TensorBoard event files, a run per phase in ``<log_dir>/steptimer/``.
         writer: An existing ``SummaryWriter`` to write to instead (steptimer never closes it).
-        log_every_n_steps: Write window statistics every this many steps. None: 50 (``10 *
-            sample_every`` if larger), lengthened on small steps to last a second (not distributed).
+        log_every_n_steps: Write window statistics every this many steps; None: 50, lengthened on
+            small steps to last a second (not distributed).
         warmup_steps: Steps left out of the summary (still logged): compilation and autotuning.
         lag: 0 waits at the end of each step for its GPU work; k >= 1 waits at step N on step N-k.
         cuda: None decides at the first ``step()``; True requires CUDA; False times the host only.
         start_step: Number of steps already done (resumed runs); the first step is ``start_step + 1``.
         enabled: False makes every call a near-free no-op with the same API.
-        sample_every: Time the phases of one step, chosen at random, in every ``sample_every`` (1:
-            every step); None: every step, or as many as ``cost_budget`` allows when one is given
-            (every step under torch.distributed, where ranks time the same steps, and with
-            ``trace_steps``, ``profile_steps`` or ``profile_on_slow``).
-            Every step still counts for throughput, step time and data wait.
+        sample_every: Time the phases of one step, chosen at random, in every ``sample_every``; None:
+            every step, or as many as ``cost_budget`` allows. Every step counts for throughput.
         print_summary: Print the summary table at :meth:`close` (rank 0 only).
         cross_rank: Under torch.distributed, combine the ranks' windows (spread, straggler).
         cross_rank_timeout_s: Longest wait for the other ranks; after a timeout cross-rank stays off.
@@ -179,13 +160,13 @@ class StepTimer:
         peak_tflops: The peak (TFLOP/s) for ``mfu``; None looks the GPU up in steptimer's table.
         nvtx: Make each step and phase an NVTX range for Nsight Systems.
         profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps (``steptimer kernels``).
-        profile_on_slow: A factor > 1 (e.g. 1.5): profile the next 3 steps after 3 steps slower than
-            that times the rolling median (docs/slow-steps.md); None: off.
+        profile_on_slow: A factor > 1: profile the next 3 steps after 3 slower than that times the
+            rolling median (docs/slow-steps.md); None: off.
         memory: With CUDA timing, read the allocator's peaks on one timed step in N (True: 1, False
             or 0: never); None: as often as costs ~0.1 % of the run. It resets the peak counter.
         slowest_steps: Keep the run's k slowest timed steps with what made each slow; 0: off.
         cost_budget: With ``sample_every=None``, time as many steps as this part of the wall time
-            allows (0.005: 0.5 %); None (the default): every step (docs/options.md says why).
+            allows (0.005: 0.5 %); None: every step.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -229,8 +210,7 @@ class StepTimer:
         # A window may be lengthened to last MIN_WINDOW_S (the default only, one process only).
         distributed = _distributed()
         window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not distributed else 0.0
-        if log_every_n_steps is None:
-            log_every_n_steps = max(50, 10 * (sample_every or 1))
+        log_every_n_steps = log_every_n_steps or max(50, 10 * (sample_every or 1))
         profiled = profile_steps is not None or profile_on_slow is not None
         # Ranks must time the same steps (each rank's budget would pick others); a trace needs every step.
         if sample_every is None and (cost_budget is None or distributed or trace_steps is not None or profiled):
@@ -240,13 +220,14 @@ class StepTimer:
         self.lag = lag
         self.sample_every = sample_every
         self.enabled = enabled
-        self._peak: tuple[float | None, str | None] | None = None  # (peak, note), found at the first window
+        self._peak: tuple[float | None, str | None] | None = None  # the GPU's (peak, note), looked up once
         self._rank = rank()
         self._summary: Summary | None = None
         self._sinks: list[Sink] = list(seams.sinks)
         self._phases: dict[str, _Phase] = {}
         self._phase_cls: type[_Phase] = _Phase
         self._acc = SummaryAccumulator(slowest_steps)
+        self._energy = EnergyWindows()
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
         runs = dict(start_step=start_step, sample_every=sample_every, enabled=enabled, rank=self._rank)
         self._capture = c = make_capture(
@@ -258,8 +239,6 @@ class StepTimer:
             nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow, recent=c,
             folder=folder if seams.profile_dir is None else seams.profile_dir, set_ranged=self._set_ranged, **runs,
         )  # fmt: skip
-        # StepWalls per window (_slow.py): profile_on_slow's check, the rows of the rank last to a collective
-        self._walls = getattr(self._ranges, "slow", None) is not None or self._xrank is not None
         # memory=None: time-budgeted; one timed step in 10 across ranks (every rank reads the same steps).
         memory_every = int(memory) if memory is not None else 10 if distributed else MEMORY_AUTO
         self._engine = Engine(
@@ -270,7 +249,7 @@ class StepTimer:
             cost_budget=cost_budget, late_marks=profiled,
         )  # fmt: skip
         if nvtx_note is not None:
-            self._engine.notes.append(nvtx_note)
+            self.note(nvtx_note)
         if enabled:
             self._start(log_dir, writer)
 
@@ -280,13 +259,11 @@ class StepTimer:
         # How steps were timed, in the first window's tags (read back by `steptimer report`).
         every, budget = self.sample_every, self.options.cost_budget
         self._run_tags = {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET: float(budget or 0.0)}
-        self._energy = EnergyWindows()
         seams, cuda = self._seams, self.options.cuda
-        if cuda is True and seams.backend is None:
-            ok, why = cuda_usable()
-            if not ok:
-                raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
         if cuda is not False and seams.backend is None:
+            ok, why = cuda_usable()
+            if cuda and not ok:
+                raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
             prepare_native()  # compile the native CUDA calls now, not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
@@ -330,11 +307,11 @@ class StepTimer:
             tokens = check_count("tokens", tokens)
         if flops is not None:
             flops = check_count("flops", flops)
-        r, e = self._ranges, self._engine
-        if r is not None and e.number >= r.from_number:  # NVTX, or the profiler window
-            return _RangedStep(e, (samples, tokens, flops), r)
         # The engine is the step's context manager; the counts at its end are the last step() call's.
+        r, e = self._ranges, self._engine
         e.samples, e.tokens, e.flops = samples, tokens, flops
+        if r is not None and e.number >= r.from_number:  # NVTX, or the profiler window
+            return _RangedStep(e, r)
         return e
 
     def data(self, loader: Iterable[_B]) -> Iterator[_B]:
@@ -439,13 +416,8 @@ class StepTimer:
             xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
         if self.enabled:
             engine.close()
-        if xrank is not None and not xrank.off:
-            last = xrank.close(self._take_window(), self._acc)
-            if last is not None:
-                for sink in self._sinks:
-                    sink.write_window(last)
-        self._emit()
-        energy, energy_note = self._energy.close(engine.last_resolved, self._sinks) if self.enabled else (None, None)
+        self._on_window(closing=True)
+        energy, energy_note = self._energy.close(engine.last_resolved, self._sinks)
         traces = self._capture.finish(engine) if self._capture is not None else None
         if self._ranges is not None:
             self._ranges.finish(engine)
@@ -479,57 +451,15 @@ class StepTimer:
         for cm in self._phases.values():
             cm.__class__ = cls
 
-    def _on_window(self, number: int) -> None:
-        self._emit()
-
-    def _take_window(self) -> Window | None:
-        """The window of the steps resolved since the last one, added to the summary; the engine's rows
-        are replaced only after that, so an exception (Ctrl-C) can't lose a step."""
-        engine = self._engine
-        rows = engine.rows
-        if not rows.count:
-            return None
-        window = window_of(
-            rows, engine.last_resolved, self._peak_tflops()[0], slowest=self.options.slowest_steps,
-            slow_floor_ms=self._acc.slow.floor_ms, walls=self._walls,
-        )  # fmt: skip
-        kept = self._acc.add_window(window)
-        engine.rows = StepRows()
-        if self._ranges is not None and self._ranges.slow is not None:
-            self._ranges.slow.window(window, engine)
-        if self.options.slowest_steps:
-            self._slow_window(window, kept)
-        return window
-
-    def _slow_window(self, window: Window, kept: list[Any]) -> None:
-        """For the slowest steps (``_slow.py``): look for torch.compile, read the allocator's retries,
-        ask the flight recorder for the steps that entered the run's slowest."""
-        engine = self._engine
-        engine.find_dynamo()
-        slow = window.packed.slow if window.packed is not None else []
-        first = self._alloc_retries is None
-        if engine.cuda and not engine._custom_backend and (engine.memory is not None or slow or first):
-            retries = allocator_retries(engine.device)
-            if retries is not None:
-                if not first and retries > self._alloc_retries[0]:  # type: ignore[index]
-                    for c in slow:  # retries since the last reading, at the end of step `since`
-                        c.marks.update(
-                            alloc_retries=float(retries - self._alloc_retries[0]),  # type: ignore[index]
-                            alloc_from=float(self._alloc_retries[1] + 1), alloc_to=float(window.step),  # type: ignore[index]
-                        )  # fmt: skip
-                self._alloc_retries = (retries, window.step)
-        if self._capture is not None:
-            for c in kept:
-                if c.timed:  # an untimed step has no phases to draw
-                    self._capture.want(c.step, c.wall_ms, engine)
-            self._capture.settle()
-
-    def _emit(self) -> None:
-        window = self._take_window()
+    def _on_window(self, number: int = 0, *, closing: bool = False) -> None:
+        """A window ended (the engine's call, or the close): to cross-rank, the sinks and energy."""
+        window, xrank = self._take_window(), self._xrank
+        if closing and xrank is not None and not xrank.off:
+            window = xrank.close(window, self._acc)  # the closing rounds, with or without a window here
+        elif window is not None and xrank is not None:
+            window = xrank.interval(window, self._acc.slow)
         if window is None:
             return
-        if self._xrank is not None:
-            window = self._xrank.interval(window, self._acc.slow)
         if self._run_tags:
             window = dataclasses.replace(window, extra={**window.extra, **self._run_tags})
             self._run_tags = {}
@@ -542,48 +472,82 @@ class StepTimer:
         if energy:
             self._energy.mark(window, engine.device, counter)
 
-    def _peak_tflops(self) -> tuple[float | None, str | None]:
-        """The peak for MFU and a note on it: the option, else the GPU's (looked up at the first window)."""
-        if self._peak is None:
-            engine = self._engine
-            if self.options.peak_tflops is not None:
-                self._peak = (float(self.options.peak_tflops), None)
-            elif engine.cuda:
-                from steptimer._peaks import cuda_peak
+    def _take_window(self) -> Window | None:
+        """The window of the steps resolved since the last one, added to the summary; the engine's rows
+        are replaced only after that, so an exception (Ctrl-C) can't lose a step."""
+        engine, slow = self._engine, getattr(self._ranges, "slow", None)
+        if not engine.rows.count:
+            return None
+        # StepWalls (_slow.py) for profile_on_slow's check and the rows of the rank last to a collective
+        window = window_of(
+            engine.rows, engine.last_resolved, self._peak_tflops()[0], slowest=self.options.slowest_steps,
+            slow_floor_ms=self._acc.slow.floor_ms, walls=slow is not None or self._xrank is not None,
+        )  # fmt: skip
+        kept = self._acc.add_window(window)
+        engine.rows = StepRows()
+        if slow is not None:
+            slow.window(window, engine)
+        if self.options.slowest_steps:
+            self._slow_window(window, kept)
+        return window
 
-                self._peak = cuda_peak(engine.device, self._seams.peak_dtype)
-            else:
-                return None, "no MFU: no peak for host-only timing; pass peak_tflops="
+    def _slow_window(self, window: Window, kept: list[Any]) -> None:
+        """For the slowest steps (``_slow.py``): look for torch.compile, mark the allocator's retries,
+        ask the flight recorder for the steps that entered the run's slowest."""
+        engine, last = self._engine, self._alloc_retries
+        engine.find_dynamo()
+        slow = window.packed.slow if window.packed is not None else []
+        if engine.cuda and not engine._custom_backend and (engine.memory is not None or slow or last is None):
+            retries = allocator_retries(engine.device)
+            if retries is not None:
+                if last is not None and retries > last[0]:
+                    for c in slow:  # the retries since the last reading, in steps alloc_from..alloc_to
+                        c.marks.update(
+                            alloc_retries=float(retries - last[0]), alloc_from=float(last[1] + 1),
+                            alloc_to=float(window.step),
+                        )  # fmt: skip
+                self._alloc_retries = (retries, window.step)
+        if self._capture is not None:
+            for c in kept:
+                if c.timed:  # an untimed step has no phases to draw
+                    self._capture.want(c.step, c.wall_ms, engine)
+            self._capture.settle()
+
+    def _peak_tflops(self) -> tuple[float | None, str | None]:
+        """The peak for MFU and a note on it: the option, else the GPU's (looked up once)."""
+        if self.options.peak_tflops is not None:
+            return float(self.options.peak_tflops), None
+        if not self._engine.cuda:
+            return None, "no MFU: no peak for host-only timing; pass peak_tflops="
+        if self._peak is None:
+            from steptimer._peaks import cuda_peak
+
+            self._peak = cuda_peak(self._engine.device, self._seams.peak_dtype)
         return self._peak
 
     def _build_summary(self, traces: dict[int, str] | None, energy: Any, energy_note: str | None) -> Summary:
-        engine, xrank, acc = self._engine, self._xrank, self._acc
-        notes = list(engine.notes)
+        engine, xrank, acc, warmup = self._engine, self._xrank, self._acc, self.options.warmup_steps
         peak, peak_note = self._peak_tflops()
-        if acc.flops is not None and peak_note is not None:
-            notes.append(peak_note)
-        if acc.steps == 0 and engine.number >= engine.first_number:
-            notes.append(
-                f"all {engine.number - engine.first_number + 1} steps were warm-up "
-                f"(warmup_steps={self.options.warmup_steps}); nothing to summarize"
-            )
-        oom = oom_note(*engine.oom) if engine.oom is not None else None
-        notes += [n for n in (oom, *(xrank.notes if xrank else ()), energy_note) if n]
+        warm = engine.number - engine.first_number + 1
+        notes = [*engine.notes, peak_note if acc.flops is not None else None]
+        if acc.steps == 0 and warm > 0:
+            notes.append(f"all {warm} steps were warm-up (warmup_steps={warmup}); nothing to summarize")
+        notes += [oom_note(*engine.oom) if engine.oom is not None else None, *(xrank.notes if xrank else ())]
+        notes.append(energy_note)
         summary = acc.summary(
-            warmup_steps=self.options.warmup_steps, cuda=bool(engine.cuda), notes=tuple(notes), peak_tflops=peak,
+            warmup_steps=warmup, cuda=bool(engine.cuda), notes=tuple(n for n in notes if n), peak_tflops=peak,
             traces=traces,
         )  # fmt: skip
-        run_s = engine.run_s
-        more: dict[str, Any] = {"own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s else None}
-        every = engine.sample_every
-        more.update(sample_every=every, cost_budget=None if every else engine.budget)
+        run_s, every = engine.run_s, engine.sample_every
+        more: dict[str, Any] = {
+            "own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s else None,
+            "sample_every": every, "cost_budget": None if every else engine.budget,
+        }  # fmt: skip
         if engine.memory is not None:
-            m = acc.memory or MemoryStats({}, {}, 0, 0)
-            seen = engine.memory.seen_bytes
+            m, seen = acc.memory or MemoryStats({}, {}, 0, 0), engine.memory.seen_bytes
             more["memory"] = MemorySummary(m.peak_bytes, m.alloc_bytes, m.reserved_bytes, m.steps, seen)
         if xrank is not None and xrank.summary is not None:
             more["ranks"] = xrank.summary
         if xrank is not None and summary.slowest:  # each with its window's slowest rank
             more["slowest"] = xrank.annotate(summary.slowest)
         return dataclasses.replace(summary, energy=energy, **more)
-
