@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from steptimer.hf import StepTimerCallback  # noqa: E402
 
 EVAL_SLEEP_S = 0.025  # per evaluation sample: an evaluation takes 4 x this, at least
-FORWARD_SLEEP_S = 0.02  # a training forward: the step outweighs the Trainer's own loop in `data`
+FORWARD_SLEEP_S = 0.04  # a training forward: the step outweighs the Trainer's own loop in `data`
 
 
 class _Tiny(torch.nn.Module):
