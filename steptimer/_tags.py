@@ -71,8 +71,7 @@ def run_tag(group: str, family: str, measure: str) -> str:
 
 
 def parse(tag_: str) -> Tag | None:
-    """A row's tag in parts (``steptimer-tails/host/pool_max_max_ms``: name ``pool_max``); None for a
-    whole-window tag or one not steptimer's."""
+    """A row's tag in parts (``steptimer-tails/host/pool_max_max_ms``: name ``pool_max``), else None."""
     group, _, rest = tag_.partition("/")
     family, _, rest = rest.partition("/")
     for measure in MEASURES.get((group, family), ()):
@@ -82,9 +81,8 @@ def parse(tag_: str) -> Tag | None:
 
 
 def split_tag(tag_: str, names: object) -> tuple[str | None, str]:
-    """``(name, tag in the name's run)`` for a row's tag whose name is in ``names`` (the rows that
-    have a run), else ``(None, tag)``: ``steptimer-tails/gpu/fwd/attn_p90_ms`` -> ``("fwd/attn",
-    "steptimer-tails/gpu_p90_ms")``."""
+    """``steptimer-tails/gpu/fwd/attn_p90_ms`` -> ``("fwd/attn", "steptimer-tails/gpu_p90_ms")`` when
+    ``fwd/attn`` is in ``names`` (the rows with a run), else ``(None, tag)``."""
     t = parse(tag_)
     if t is None or t.name not in names:  # type: ignore[operator]
         return None, tag_
@@ -99,6 +97,5 @@ def join_tag(name: str, run_tag_: str) -> str:
 
 
 def unhidden(tag_: str) -> str:
-    """The tag a warm-up window's value stands for (``steptimer-warmup/steptimer/host_ms`` ->
-    ``steptimer/host_ms``); any other tag as it is."""
+    """``steptimer-warmup/steptimer/host_ms`` (a warm-up value) -> ``steptimer/host_ms``."""
     return tag_[len(WARMUP) + 1 :] if tag_.startswith(WARMUP + "/") else tag_
