@@ -251,11 +251,3 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     if explain:
         say(console, explanations(summary))
 
-
-def render(summary: Summary, width: int = 80) -> str:
-    """The summary as :func:`print_summary` prints it on a terminal ``width`` columns wide."""
-    from rich.console import Console
-
-    console = Console(width=width, record=True, file=io.StringIO())
-    print_summary(summary, console)
-    return console.export_text()
