@@ -68,10 +68,11 @@ class RankSummary:
 
     def lines(self) -> list[str]:
         """The section as text lines, for the summary table's footer."""
-        out = [f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms):"]
-        if any(c == "mem" for c, _ in self.series):
-            out[0] = out[0][:-2] + "; mem: each rank's peak and reserved, MiB):"
-        out.append(f"  {'series':<28} {'min (rank)':>16} {'mean':>10} {'max (rank)':>16}")
+        mem = "; mem: each rank's peak and reserved, MiB" if any(c == "mem" for c, _ in self.series) else ""
+        out = [
+            f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms{mem}):",
+            f"  {'series':<28} {'min (rank)':>16} {'mean':>10} {'max (rank)':>16}",
+        ]
         rows: list[tuple[str, RankSpread]] = []
         if self.straggler is not None:
             rows.append(("straggler: data+step-bwd", self.straggler))

@@ -18,19 +18,14 @@ RUN = "steptimer-run"  # facts about the run, never charted
 # TensorBoard gives a tag's whole series the kind of its first value.
 WARMUP = "steptimer-warmup"
 
-_RANK_MS = ("min_ms", "mean_ms", "max_ms", "argmax")
 # No measure ends with ``_`` and another of its family, so the split is unambiguous.
 MEASURES: dict[tuple[str, str], tuple[str, ...]] = {
-    (MAIN, "host"): ("ms", "pct"),
-    (MAIN, "gpu"): ("ms", "pct"),
+    **{(MAIN, c): ("ms", "pct") for c in ("host", "gpu")},
     (MAIN, "mem"): ("peak_mib", "alloc_mib"),
-    (TAILS, "host"): ("p90_ms", "max_ms"),
-    (TAILS, "gpu"): ("p90_ms", "max_ms"),
+    **{(TAILS, c): ("p90_ms", "max_ms") for c in ("host", "gpu")},
     (CAUGHT, "gpu"): ("frac",),
-    (HIST, "host"): ("ms",),
-    (HIST, "gpu"): ("ms",),
-    (RANKS, "host"): _RANK_MS,
-    (RANKS, "gpu"): _RANK_MS,
+    **{(HIST, c): ("ms",) for c in ("host", "gpu")},
+    **{(RANKS, c): ("min_ms", "mean_ms", "max_ms", "argmax") for c in ("host", "gpu")},
     (RANKS, "mem"): ("peak_min_mib", "peak_mean_mib", "peak_max_mib", "peak_argmax"),
 }
 
