@@ -13,8 +13,7 @@ from typing import Any
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
 from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
-from steptimer._tags import HIST, MAIN, join_tag, parse, unhidden
-from steptimer._tensorboard import EVENT_FILE_PREFIX, PHASE_DIR, PHASE_SUFFIX
+from steptimer._tags import EVENT_FILE_PREFIX, HIST, MAIN, PHASE_DIR, PHASE_SUFFIX, join_tag, parse, unhidden
 
 _EVENT_FILE_MARK = "tfevents"
 

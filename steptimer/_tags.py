@@ -17,6 +17,10 @@ RUN = "steptimer-run"  # facts about the run, never charted
 # A warm-up window's values, each tag under it, as tensors no dashboard draws. Tags of their own:
 # TensorBoard gives a tag's whole series the kind of its first value.
 WARMUP = "steptimer-warmup"
+# On disk: a row's run is ``<dir>/steptimer/<name>``, its event files end with the suffix.
+EVENT_FILE_PREFIX = "events.out.tfevents."
+PHASE_DIR = "steptimer"
+PHASE_SUFFIX = ".steptimer"
 
 # No measure ends with ``_`` and another of its family, so the split is unambiguous.
 MEASURES: dict[tuple[str, str], tuple[str, ...]] = {

@@ -20,15 +20,12 @@ from steptimer import _tags
 from steptimer._files import cause
 from steptimer._memory import MIB
 from steptimer._summary import Summary, row_order
-from steptimer._tags import MAIN, tag
+from steptimer._tags import EVENT_FILE_PREFIX, MAIN, PHASE_DIR, PHASE_SUFFIX, tag
 from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
 
-PHASE_DIR = "steptimer"  # <dir>/steptimer/<name>: the run of one phase or derived row
-PHASE_SUFFIX = ".steptimer"  # event files of a phase's run end with it: the reader tells them apart
 STEP = "step"  # the total of the rows: never a run of its own, never drawn with its parts
-EVENT_FILE_PREFIX = "events.out.tfevents."
 _TITLE = {"host": "Host", "gpu": "GPU"}
 _FILE_IDS = itertools.count()
 
