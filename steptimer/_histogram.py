@@ -46,13 +46,8 @@ class LogHistogram:
     max_ms: float = -math.inf
 
     def add(self, value_ms: float) -> None:
-        i = bucket_index(value_ms)
-        self.counts[i] = self.counts.get(i, 0) + 1
-        self.count += 1
-        self.sum_ms += value_ms
-        self.sumsq_ms += value_ms * value_ms
-        self.min_ms = min(self.min_ms, value_ms)
-        self.max_ms = max(self.max_ms, value_ms)
+        v = value_ms
+        self.merge(LogHistogram({bucket_index(v): 1}, 1, v, v * v, v, v))
 
     def merge(self, other: LogHistogram) -> None:
         for i, c in other.counts.items():

@@ -13,8 +13,7 @@ from typing import Any
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
 from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
-from steptimer._tags import HIST, MAIN, join_tag, parse, unhidden
-from steptimer._tensorboard import EVENT_FILE_PREFIX, PHASE_DIR, PHASE_SUFFIX
+from steptimer._tags import EVENT_FILE_PREFIX, HIST, MAIN, PHASE_DIR, PHASE_SUFFIX, join_tag, parse, unhidden
 
 _EVENT_FILE_MARK = "tfevents"
 
@@ -25,9 +24,8 @@ class LogError(Exception):
 
 @dataclass
 class RunLog:
-    """What steptimer wrote to one run, in step order (of a step written twice, the later write):
-    ``scalars`` by full tag (``steptimer/host/forward_ms``), ``hists`` by ``(clock, phase)``;
-    ``notes`` on the files; ``slowest`` as written at the run's close."""
+    """What steptimer wrote to one run in step order (a step written twice: the later write);
+    ``scalars`` by full tag, ``hists`` by ``(clock, phase)``."""
 
     name: str
     path: str
@@ -38,13 +36,8 @@ class RunLog:
 
 
 def find_runs(logdir: str) -> list[RunLog]:
-    """Every run under ``logdir`` (itself included), read, sorted by path; ``logdir`` may also be
-    one run's event file (``events.out.tfevents.*``), which reads that run alone.
-
-    Raises:
-        LogError: ``logdir`` is missing, or no event file under it holds steptimer tags, or an
-            event file is corrupt or not an event file, or ``logdir`` is a phase's event file.
-    """
+    """Every run under ``logdir`` (itself included) sorted by path, or the run of one event file;
+    raises :class:`LogError` for bad input."""
     if not os.path.exists(logdir):
         raise LogError(f"{logdir}: no such file or directory")
     if os.path.isfile(logdir):
@@ -159,8 +152,7 @@ def _file_run(path: str) -> RunLog:
 
 
 def _owner(d: str, dirs: dict[str, list[str]]) -> str | None:
-    """The run that a phase's run ``d`` belongs to: the nearest directory above with ``d`` under its
-    ``steptimer/`` and event files of its own; else (its own run deleted) the nearest with ``d`` under it."""
+    """The nearest run above with ``d`` under its ``steptimer/`` (one with its own files first)."""
     up, fallback = os.path.dirname(d), None
     while up and up != os.path.dirname(up):
         if d.startswith(os.path.join(up, PHASE_DIR) + os.sep):
@@ -228,8 +220,7 @@ def _keep_latest(series: dict[int, Any], step: int, event: Any, value: object) -
 
 
 def _events(path: str, notes: list[str]) -> list[Any]:
-    """The events of one event file. A file that ends inside a record is read up to its last whole
-    one, with a note in ``notes``; anything else that is wrong is a :class:`LogError`."""
+    """The events of one file; a truncated one up to its last whole record, with a note."""
     from tensorboard.compat.proto import event_pb2
 
     events: list[Any] = []

@@ -24,8 +24,7 @@ Hists = dict[tuple[str, str], list[tuple[int, LogHistogram]]]
 
 
 def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -> Summary:
-    """The summary of one run read back from its logs, without the windows that end at or before
-    ``skip_steps`` and (unless ``include_warmup``) the warm-up windows, as the live summary."""
+    """One run's summary from its logs, past ``skip_steps`` and (as live) without warm-up windows."""
     warm = {s: int(v) for s, v in run.scalars.get(_tags.WARMUP_STEPS, [])}
     skip = set() if include_warmup else set(warm)
     windows = [s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s > skip_steps and s not in skip]
@@ -106,8 +105,7 @@ def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
 
 
 def _memory(scal: Points) -> MemorySummary | None:
-    """The windows' memory tags as the live summary keeps them: the max of the windows' peaks, the
-    last window's allocated and reserved."""
+    """As the live summary keeps it: the max of the windows' peaks, the last allocated and reserved."""
     peak: dict[str, int] = {}
     alloc: dict[str, int] = {}
     reserved = None
@@ -191,11 +189,10 @@ def compare(a: Summary, b: Summary) -> list[Delta]:
         if ra.name not in b:
             continue
         rb = b[ra.name]
-        on_gpu = ra.gpu is not None and rb.gpu is not None
-        sa, sb = (ra.gpu, rb.gpu) if on_gpu else (ra.host, rb.host)
-        if sa is not None and sb is not None and sa.steps and sb.steps:
-            dom = _dominance(ra, rb, on_gpu)
-            out.append(_delta(ra.name, "gpu" if on_gpu else "host", sa.median_ms, sb.median_ms, dom))
+        clock: Literal["gpu", "host"] = "gpu" if ra.gpu is not None and rb.gpu is not None else "host"
+        sa, sb = getattr(ra, clock), getattr(rb, clock)
+        if sa.steps and sb.steps:
+            out.append(_delta(ra.name, clock, sa.median_ms, sb.median_ms, _dominance(ra, rb, clock)))
     if a.steps_per_s and b.steps_per_s:
         dom = _dominance_of_values(a.cycle_window_ms, b.cycle_window_ms)
         out.append(_delta("wall per step", "wall", 1e3 / a.steps_per_s, 1e3 / b.steps_per_s, dom, "mean"))
@@ -211,13 +208,12 @@ def _delta(
     return Delta(name, clock, float(a_ms), float(b_ms), dom, bool(big and abs(dom) >= MIN_DOMINANCE), statistic)
 
 
-def _dominance(ra: PhaseSummary, rb: PhaseSummary, on_gpu: bool) -> float:
-    ha, hb = (ra.gpu_hist, rb.gpu_hist) if on_gpu else (ra.host_hist, rb.host_hist)
+def _dominance(ra: PhaseSummary, rb: PhaseSummary, clock: str) -> float:
+    ha, hb = getattr(ra, f"{clock}_hist"), getattr(rb, f"{clock}_hist")
     if ha is not None and hb is not None and ha.count and hb.count:
         return dominance(ha, hb)
-    if on_gpu:
-        return _dominance_of_values(ra.gpu_window_means_ms, rb.gpu_window_means_ms)
-    return _dominance_of_values(ra.host_window_means_ms, rb.host_window_means_ms)
+    means = f"{clock}_window_means_ms"
+    return _dominance_of_values(getattr(ra, means), getattr(rb, means))
 
 
 def dominance(a: LogHistogram, b: LogHistogram) -> float:

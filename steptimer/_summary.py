@@ -17,7 +17,7 @@ from steptimer._format import num, pct
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
 from steptimer._slow import Candidate, SlowestKeeper, SlowStep
-from steptimer._verdict import COMM_ROWS, ShareClock, Verdict, shares, verdict
+from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, ShareClock, Verdict, shares, verdict
 from steptimer._window import Packed, Window, add_timed_host
 
 
@@ -35,9 +35,8 @@ class RankSpread:
 
 @dataclass(frozen=True)
 class LastRank:
-    """The rank the others waited for most at the steps' first gradient collective (a watched DDP
-    model, ``_dist.py``): last by 1 ms or more in ``share`` of the steps, ``ahead_ms`` on average
-    after the first rank's arrival, with ``phase`` its row that grew most against the other ranks' same row."""
+    """The rank last (by 1 ms or more) to a watched DDP model's first gradient collective in ``share``
+    of the steps, ``ahead_ms`` after the first rank on average; ``phase``: its row that grew most."""
 
     rank: int
     share: float
@@ -56,10 +55,8 @@ class LastRank:
 
 @dataclass(frozen=True)
 class RankSummary:
-    """The per-rank section of the summary (docs/distributed.md): each series' spread of the ranks'
-    run means by ``(clock, name)`` (``mem`` series in MiB); ``straggler``: the spread of ``data + step
-    - backward``; ``reduce_ms``: this rank's mean host time per round; ``last``: the rank the others
-    waited for at the all-reduce (a watched DDP model)."""
+    """The per-rank section of the summary (docs/distributed.md): the spread of the ranks' run means
+    by ``(clock, name)``; ``straggler``: of ``data + step - backward``; ``reduce_ms``: host ms a round."""
 
     world_size: int
     ranks: int
@@ -71,10 +68,11 @@ class RankSummary:
 
     def lines(self) -> list[str]:
         """The section as text lines, for the summary table's footer."""
-        out = [f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms):"]
-        if any(c == "mem" for c, _ in self.series):
-            out[0] = out[0][:-2] + "; mem: each rank's peak and reserved, MiB):"
-        out.append(f"  {'series':<28} {'min (rank)':>16} {'mean':>10} {'max (rank)':>16}")
+        mem = "; mem: each rank's peak and reserved, MiB" if any(c == "mem" for c, _ in self.series) else ""
+        out = [
+            f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms{mem}):",
+            f"  {'series':<28} {'min (rank)':>16} {'mean':>10} {'max (rank)':>16}",
+        ]
         rows: list[tuple[str, RankSpread]] = []
         if self.straggler is not None:
             rows.append(("straggler: data+step-bwd", self.straggler))
@@ -98,10 +96,9 @@ class RankSummary:
 class PhaseSummary:
     """One row of the summary: a phase, or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``.
 
-    ``host``/``gpu``: statistics over the steps in which the row ran (``gpu`` None without CUDA);
-    ``calls_per_step``: mean entries in those steps (None when read from logs); ``share``: its part
-    of the wall time, the top-level rows adding up to 1; ``launch_bound``: the GPU waited for the
-    host's launches inside it. The histograms and window means are what ``compare`` tests a change on.
+    ``host``/``gpu``: over the steps in which the row ran (``gpu`` None without CUDA); ``calls_per_step``:
+    None when read from logs; ``share``: the top-level rows add up to 1; ``launch_bound``: the GPU waited
+    for the host's launches inside it. ``compare`` tests a change on the histograms and window means.
     """
 
     name: str
@@ -121,12 +118,9 @@ class Summary:
     """The end-of-run summary returned by :meth:`StepTimer.close`, and what ``steptimer report``
     reads back from a run's logs.
 
-    Rows are in the order phases were first seen, with ``data`` first and ``other``, ``wait``,
-    ``step`` (and GPU ``idle``) last. ``steps`` counts the steps summarized (after warm-up),
-    ``timed_steps`` those with phase timings: one in ``sample_every``, or as many as ``cost_budget``
-    allowed (None, None: not known). ``tflops_per_s``: the
-    steps' FLOPs (``step(flops=)``) over their wall time; ``mfu``: that over ``peak_tflops``.
-    ``slowest``: the slowest steps, each with what stood out. ``own_ms``/``own_share``:
+    Rows: ``data`` first, phases as first seen, then ``other``, ``wait``, ``step`` (GPU ``idle``).
+    ``steps``: summarized (after warm-up); ``timed_steps``: with phase timings (one in ``sample_every``,
+    or as ``cost_budget`` allowed). ``mfu``: ``tflops_per_s`` over ``peak_tflops``. ``own_ms``:
     steptimer's own work between steps, in no row. ``name`` to ``cycle_window_ms``: from logs.
     """
 
@@ -204,8 +198,6 @@ class Totals:
     flops: float | None = None
 
 
-DERIVED_FIRST = ("data", "loop")
-DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
 LAUNCH_RATIO = 1.1
 
 
@@ -248,8 +240,7 @@ def summarize(t: Totals, *, cuda: bool | None = None, peak_tflops: float | None 
 
 
 def row_order(seen: list[str], present: set[str] | dict[str, object]) -> list[str]:
-    """The table's rows: ``data``, the phases ``seen`` (first seen first, parents before children),
-    then ``other``, ``wait``, ``step``, ``idle``; derived rows only where ``present``."""
+    """``data``, the phases ``seen`` (parents before children), ``other``...``idle`` (if ``present``)."""
     first = {n: i for i, n in enumerate(seen)}
 
     def tree_key(name: str) -> tuple[int, ...]:

@@ -50,8 +50,7 @@ def _label(name: str) -> str:
 
 
 def phase_table(summary: Summary, width: int) -> Any:
-    """The per-phase table fitted to ``width``: without the max columns if it must, then without p90.
-    A calls/step column only when a phase was entered more than once a step."""
+    """The per-phase table fitted to ``width`` (dropping max, then p90); calls/step only if not all 1."""
     rows = summary.rows
     calls = any(r.calls_per_step not in (None, 1.0) for r in rows)
     clocks = ("gpu", "host") if summary.cuda else ("host",)
@@ -97,8 +96,7 @@ def memory_table(summary: Summary) -> Any:
 
 
 def stood_out(summary: Summary) -> list[SlowStep]:
-    """The slowest steps whose row grew by at least the median step with a measured cause (a GC
-    pause, a recompilation, ...), or by five without one: the top of a flat run is no news."""
+    """The slowest steps whose row grew by the median step with a measured cause, or by five without."""
     step = summary["step"] if "step" in summary else None  # noqa: SIM401 (a Summary, not a dict)
     out = []
     for s in summary.slowest:
@@ -110,8 +108,7 @@ def stood_out(summary: Summary) -> list[SlowStep]:
 
 
 def slow_lines(s: SlowStep) -> list[str]:
-    """A step that stood out: its wall and the row that grew, then each measured cause (``--explain``'s
-    table adds its trace file)."""
+    """A step that stood out: its wall and the row that grew, then each measured cause."""
     grew = f"; {s.grew_text()}" if s.grew is not None else ""
     return [f"slow step {s.step}: {num(s.wall_ms)} ms{grew}", *[f"  - {c}" for c in s.causes]]
 
@@ -254,11 +251,3 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     if explain:
         say(console, explanations(summary))
 
-
-def render(summary: Summary, width: int = 80) -> str:
-    """The summary as :func:`print_summary` prints it on a terminal ``width`` columns wide."""
-    from rich.console import Console
-
-    console = Console(width=width, record=True, file=io.StringIO())
-    print_summary(summary, console)
-    return console.export_text()

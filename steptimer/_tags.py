@@ -17,20 +17,19 @@ RUN = "steptimer-run"  # facts about the run, never charted
 # A warm-up window's values, each tag under it, as tensors no dashboard draws. Tags of their own:
 # TensorBoard gives a tag's whole series the kind of its first value.
 WARMUP = "steptimer-warmup"
+# On disk: a row's run is ``<dir>/steptimer/<name>``, its event files end with the suffix.
+EVENT_FILE_PREFIX = "events.out.tfevents."
+PHASE_DIR = "steptimer"
+PHASE_SUFFIX = ".steptimer"
 
-_RANK_MS = ("min_ms", "mean_ms", "max_ms", "argmax")
 # No measure ends with ``_`` and another of its family, so the split is unambiguous.
 MEASURES: dict[tuple[str, str], tuple[str, ...]] = {
-    (MAIN, "host"): ("ms", "pct"),
-    (MAIN, "gpu"): ("ms", "pct"),
+    **{(MAIN, c): ("ms", "pct") for c in ("host", "gpu")},
     (MAIN, "mem"): ("peak_mib", "alloc_mib"),
-    (TAILS, "host"): ("p90_ms", "max_ms"),
-    (TAILS, "gpu"): ("p90_ms", "max_ms"),
+    **{(TAILS, c): ("p90_ms", "max_ms") for c in ("host", "gpu")},
     (CAUGHT, "gpu"): ("frac",),
-    (HIST, "host"): ("ms",),
-    (HIST, "gpu"): ("ms",),
-    (RANKS, "host"): _RANK_MS,
-    (RANKS, "gpu"): _RANK_MS,
+    **{(HIST, c): ("ms",) for c in ("host", "gpu")},
+    **{(RANKS, c): ("min_ms", "mean_ms", "max_ms", "argmax") for c in ("host", "gpu")},
     (RANKS, "mem"): ("peak_min_mib", "peak_mean_mib", "peak_max_mib", "peak_argmax"),
 }
 
@@ -71,8 +70,7 @@ def run_tag(group: str, family: str, measure: str) -> str:
 
 
 def parse(tag_: str) -> Tag | None:
-    """A row's tag in parts (``steptimer-tails/host/pool_max_max_ms``: name ``pool_max``); None for a
-    whole-window tag or one not steptimer's."""
+    """A row's tag in parts (``steptimer-tails/host/pool_max_max_ms``: name ``pool_max``), else None."""
     group, _, rest = tag_.partition("/")
     family, _, rest = rest.partition("/")
     for measure in MEASURES.get((group, family), ()):
@@ -82,9 +80,8 @@ def parse(tag_: str) -> Tag | None:
 
 
 def split_tag(tag_: str, names: object) -> tuple[str | None, str]:
-    """``(name, tag in the name's run)`` for a row's tag whose name is in ``names`` (the rows that
-    have a run), else ``(None, tag)``: ``steptimer-tails/gpu/fwd/attn_p90_ms`` -> ``("fwd/attn",
-    "steptimer-tails/gpu_p90_ms")``."""
+    """``steptimer-tails/gpu/fwd/attn_p90_ms`` -> ``("fwd/attn", "steptimer-tails/gpu_p90_ms")`` when
+    ``fwd/attn`` is in ``names`` (the rows with a run), else ``(None, tag)``."""
     t = parse(tag_)
     if t is None or t.name not in names:  # type: ignore[operator]
         return None, tag_
@@ -99,6 +96,5 @@ def join_tag(name: str, run_tag_: str) -> str:
 
 
 def unhidden(tag_: str) -> str:
-    """The tag a warm-up window's value stands for (``steptimer-warmup/steptimer/host_ms`` ->
-    ``steptimer/host_ms``); any other tag as it is."""
+    """``steptimer-warmup/steptimer/host_ms`` (a warm-up value) -> ``steptimer/host_ms``."""
     return tag_[len(WARMUP) + 1 :] if tag_.startswith(WARMUP + "/") else tag_

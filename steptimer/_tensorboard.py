@@ -16,41 +16,26 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from steptimer import _tags
 from steptimer._files import cause
 from steptimer._memory import MIB
 from steptimer._summary import Summary, row_order
-from steptimer._tags import (
-    CAUGHT,
-    HIST,
-    MAIN,
-    MFU,
-    RESERVED_MIB,
-    RUN,
-    SAMPLES_PER_S,
-    STEPS_PER_S,
-    TAILS,
-    TFLOPS_PER_S,
-    TOKENS_PER_S,
-    WARMUP,
-    WARMUP_STEPS,
-    run_tag,
-    split_tag,
-    tag,
-)  # fmt: skip
+from steptimer._tags import EVENT_FILE_PREFIX, MAIN, PHASE_DIR, PHASE_SUFFIX, tag
 from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
 
-PHASE_DIR = "steptimer"  # <dir>/steptimer/<name>: the run of one phase or derived row
-PHASE_SUFFIX = ".steptimer"  # event files of a phase's run end with it: the reader tells them apart
 STEP = "step"  # the total of the rows: never a run of its own, never drawn with its parts
-EVENT_FILE_PREFIX = "events.out.tfevents."
 _TITLE = {"host": "Host", "gpu": "GPU"}
 _FILE_IDS = itertools.count()
 
 
-def _rx(group: str, family: str, measure: str = "") -> str:
-    return f"^{run_tag(group, family, measure) if measure else f'{group}/{family}'}$"
+def _rx(group: str, family: str, measure: str) -> str:
+    return f"^{_tags.run_tag(group, family, measure)}$"
+
+
+def _step(group: str, family: str, measure: str) -> str:
+    return f"^{tag(group, family, STEP, measure)}$"
 
 
 # Custom Scalars charts by title, in order, each a regex over the tags as the runs hold them (a
@@ -60,22 +45,22 @@ CHARTS = {
     "Share of wall time per row (host clock), %": _rx(MAIN, "host", "pct"),
     "GPU ms per row": _rx(MAIN, "gpu", "ms"),
     "Host ms per row": _rx(MAIN, "host", "ms"),
-    "GPU step ms": f"^{tag(MAIN, 'gpu', STEP, 'ms')}$",
-    "Host step ms": f"^{tag(MAIN, 'host', STEP, 'ms')}$",
-    "Steps per second": f"^{STEPS_PER_S}$",
-    "Samples per second": f"^{SAMPLES_PER_S}$",
-    "Tokens per second": f"^{TOKENS_PER_S}$",
-    "TFLOP/s": f"^{TFLOPS_PER_S}$",
-    "MFU (fraction of peak)": f"^{MFU}$",
+    "GPU step ms": _step(MAIN, "gpu", "ms"),
+    "Host step ms": _step(MAIN, "host", "ms"),
+    "Steps per second": f"^{_tags.STEPS_PER_S}$",
+    "Samples per second": f"^{_tags.SAMPLES_PER_S}$",
+    "Tokens per second": f"^{_tags.TOKENS_PER_S}$",
+    "TFLOP/s": f"^{_tags.TFLOPS_PER_S}$",
+    "MFU (fraction of peak)": f"^{_tags.MFU}$",
     "CUDA peak allocated MiB per phase": _rx(MAIN, "mem", "peak_mib"),
-    "CUDA peak allocated MiB per step": f"^{tag(MAIN, 'mem', STEP, 'peak_mib')}$",
+    "CUDA peak allocated MiB per step": _step(MAIN, "mem", "peak_mib"),
     "CUDA allocated MiB at phase exit": _rx(MAIN, "mem", "alloc_mib"),
-    "CUDA reserved MiB": f"^{RESERVED_MIB}$",
-    **{f"{_TITLE[c]} {q} ms per row": _rx(TAILS, c, f"{q}_ms") for q in ("p90", "max") for c in _TITLE},
-    **{f"{_TITLE[c]} step {q} ms": f"^{tag(TAILS, c, STEP, f'{q}_ms')}$" for q in ("p90", "max") for c in _TITLE},
-    "Steps in which the GPU caught up, per phase": _rx(CAUGHT, "gpu", "frac"),
+    "CUDA reserved MiB": f"^{_tags.RESERVED_MIB}$",
+    **{f"{_TITLE[c]} {q} ms per row": _rx(_tags.TAILS, c, f"{q}_ms") for q in ("p90", "max") for c in _TITLE},
+    **{f"{_TITLE[c]} step {q} ms": _step(_tags.TAILS, c, f"{q}_ms") for q in ("p90", "max") for c in _TITLE},
+    "Steps in which the GPU caught up, per phase": _rx(_tags.CAUGHT, "gpu", "frac"),
 }
-_UNCHARTED = (RUN, WARMUP)  # groups left out of the Custom Scalars layout
+_UNCHARTED = (_tags.RUN, _tags.WARMUP)  # groups left out of the Custom Scalars layout
 
 
 def window_scalars(window: Window) -> dict[str, float]:
@@ -84,46 +69,44 @@ def window_scalars(window: Window) -> dict[str, float]:
     for clock, series in (("host", window.host), ("gpu", window.gpu)):
         for name, st in series.items():
             out[tag(MAIN, clock, name, "ms")] = st.mean_ms
-            out[tag(TAILS, clock, name, "p90_ms")] = st.p90_ms
-            out[tag(TAILS, clock, name, "max_ms")] = st.max_ms
+            out[tag(_tags.TAILS, clock, name, "p90_ms")] = st.p90_ms
+            out[tag(_tags.TAILS, clock, name, "max_ms")] = st.max_ms
     for name, frac in window.caught.items():
-        out[tag(CAUGHT, "gpu", name, "frac")] = frac
+        out[tag(_tags.CAUGHT, "gpu", name, "frac")] = frac
     for name, share in window.shares.items():
         out[tag(MAIN, window.share_clock, name, "pct")] = 100.0 * share
-    out[STEPS_PER_S] = window.steps_per_s
-    for key, v in ((SAMPLES_PER_S, window.samples_per_s), (TOKENS_PER_S, window.tokens_per_s),
-                   (TFLOPS_PER_S, window.tflops_per_s), (MFU, window.mfu)):  # fmt: skip
+    out[_tags.STEPS_PER_S] = window.steps_per_s
+    for key, v in ((_tags.SAMPLES_PER_S, window.samples_per_s), (_tags.TOKENS_PER_S, window.tokens_per_s),
+                   (_tags.TFLOPS_PER_S, window.tflops_per_s), (_tags.MFU, window.mfu)):  # fmt: skip
         if v is not None:
             out[key] = v
     if window.warmup:
-        out[WARMUP_STEPS] = float(window.steps)
+        out[_tags.WARMUP_STEPS] = float(window.steps)
     mem = window.memory
     if mem is not None:
         for by_name, measure in ((mem.peak_bytes, "peak_mib"), (mem.alloc_bytes, "alloc_mib")):
             out.update({tag(MAIN, "mem", name, measure): b / MIB for name, b in by_name.items()})
-        out[RESERVED_MIB] = mem.reserved_bytes / MIB
+        out[_tags.RESERVED_MIB] = mem.reserved_bytes / MIB
     out.update(window.extra)
     return out
 
 
 def run_names(window: Window) -> list[str]:
-    """The rows that get a run, in creation order (``idle``, the table's rows, ``wait``): TensorBoard
-    colours the n-th run with colour n mod 7, and neighbouring palette entries are far apart."""
+    """The rows that get a run, in creation order: TensorBoard colours the n-th run n mod 7."""
     names = dict.fromkeys([*window.host, *window.gpu])
     rows = [n for n in row_order(list(names), names) if n not in (STEP, "idle", "wait")]
     return [n for n in ("idle",) if n in names] + rows + [n for n in ("wait",) if n in names]
 
 
 def totals(window: Window) -> dict[str, float]:
-    """The log dir's own line in the rows' share and ms charts, 100 % and the top-level rows' ms summed:
-    TensorBoard's outlier clipping cuts the top 5 % of points, which the total takes (docs/tensorboard.md)."""
+    """The log dir's own line in the share and ms charts: TensorBoard's outlier clipping takes it."""
     out = {}
     for clock, series in (("host", window.host), ("gpu", window.gpu)):
         rows = [st.mean_ms for name, st in series.items() if "/" not in name and name != STEP]
         if rows:
-            out[run_tag(MAIN, clock, "ms")] = sum(rows)
+            out[_tags.run_tag(MAIN, clock, "ms")] = sum(rows)
     if window.shares:
-        out[run_tag(MAIN, window.share_clock, "pct")] = 100.0 * sum(window.shares.values())
+        out[_tags.run_tag(MAIN, window.share_clock, "pct")] = 100.0 * sum(window.shares.values())
     return out
 
 
@@ -137,19 +120,19 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
     # A warm-up window's values are tensors of a plugin no dashboard draws (its slow first steps would
     # start every chart with an outlier), and so are facts of the run (steptimer-run/...); the reader
     # takes each back under its tag (_tags.unhidden).
-    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=WARMUP))
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_tags.WARMUP))
     if scalars:
-        values = [(*split_tag(key, out), v) for key, v in window_scalars(window).items()]
+        values = [(*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()]
         for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
-            if window.warmup or in_run.startswith(RUN):
+            if window.warmup or in_run.startswith(_tags.RUN):
                 hidden = TensorProto(dtype=1, float_val=[v])
-                out[name].value.add(tag=f"{WARMUP}/{in_run}", metadata=meta, tensor=hidden)
+                out[name].value.add(tag=f"{_tags.WARMUP}/{in_run}", metadata=meta, tensor=hidden)
             else:
                 out[name].value.add(tag=in_run, simple_value=v)
     p = window.packed
     if histograms and p is not None:  # straight from the window's arrays: no LogHistogram per series
         for (clock, name), k, limits, counts in p.buckets():
-            hp = out[None].value.add(tag=tag(HIST, clock, name, "ms")).histo
+            hp = out[None].value.add(tag=tag(_tags.HIST, clock, name, "ms")).histo
             hp.min, hp.max, hp.num = p.min_ms[k], p.max_ms[k], p.count[k]
             hp.sum, hp.sum_squares = p.sum_ms[k], p.sumsq_ms[k]
             hp.bucket_limit.extend(limits)
@@ -195,8 +178,8 @@ def new_run_id() -> str:
 
 
 class EventFile:
-    """An event file appended to in the caller's thread (``SummaryWriter``'s thread takes the GIL), opened
-    per event: after a SIGKILL every window before it is on disk. Raises ``OSError``."""
+    """An event file appended in the caller's thread (a writer thread takes the GIL), opened per
+    event: after a SIGKILL every window before it is on disk."""
 
     def __init__(self, log_dir: str, *, run_id: str | None = None, suffix: str = "") -> None:
         from tensorboard.compat.proto.event_pb2 import Event
@@ -219,8 +202,7 @@ class EventFile:
 
 
 class TensorBoardSink:
-    """Writes windows to TensorBoard: the log dir's own run (an :class:`EventFile` or a user's ``writer``),
-    a run per row and the Custom Scalars layout; the first failed write is one warning, then nothing."""
+    """Windows to the log dir's own run, a run per row and the layout; a failed write warns once."""
 
     def __init__(
         self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None, histograms: bool = True

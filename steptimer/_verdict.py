@@ -36,8 +36,10 @@ _FIX = {
 }
 # A watched DDP model's collectives (_comm.py): inside backward, which holds the wait, so no share.
 COMM_ROWS = ("comm", "comm_exposed")
-# Rows computed by steptimer, not phases of the user's.
-DERIVED = frozenset({"data", "loop", "other", "wait", "step", "idle", *COMM_ROWS})
+# Rows computed by steptimer, not phases of the user's: the table's first and last rows.
+DERIVED_FIRST = ("data", "loop")
+DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
+DERIVED = frozenset(DERIVED_FIRST + DERIVED_LAST)
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,8 @@ class Verdict:
 def shares(
     gpu_sum_ms: Mapping[str, float], timed_sum_ms: Mapping[str, float], timed_cycle_ms: float
 ) -> tuple[ShareClock, dict[str, float]]:
-    """Each top-level row's share: of the GPU's timeline where the steps have GPU times (``phases +
-    other + idle = 1``; a run's first step has no ``idle``), else of the timed steps' wall time by
-    the host clock (``data + phases + other + wait = 1``)."""
+    """Each top-level row's share of the GPU's timeline where the steps have GPU times, else of the
+    timed steps' wall time by the host clock."""
     gpu_total = gpu_sum_ms.get("step", 0.0) + gpu_sum_ms.get("idle", 0.0)
     top = {n: v for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait", *COMM_ROWS)}
     if gpu_total > 0 and top:
@@ -69,8 +70,7 @@ def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dic
 
 
 def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
-    """The run's bottleneck from its rows (shares of the GPU's timeline with ``cuda``, else of the
-    host's wall time). Every sentence of evidence is a measured fact."""
+    """The run's bottleneck from its rows' shares; every sentence of evidence is a measured fact."""
     by = {r.name: r for r in rows}
     share = {r.name: r.share or 0.0 for r in rows}
     phases = [r for r in rows if "/" not in r.name and r.name not in DERIVED and r.share is not None]
@@ -164,8 +164,7 @@ def _host_verdict(by: Mapping[str, Row], share: Mapping[str, float], phases: Seq
 
 
 def _communication(by: Mapping[str, Row], clock: ShareClock) -> Verdict | None:
-    """communication-bound: ``comm_exposed`` holds at least ``COMM_SHARE`` of the GPU's timeline
-    (step + idle; host only: of wall time, step + data + loop); None otherwise."""
+    """communication-bound if ``comm_exposed`` holds ``COMM_SHARE`` of the timeline (or wall time)."""
 
     def sum_ms(name: str) -> float:
         row = by.get(name)

@@ -194,3 +194,16 @@ class FakeAllocator:
         from steptimer._memory import _MemoryBackend
 
         return _MemoryBackend(read=self.read, reset_peak=self.reset_peak)
+
+
+def render(summary: Any, width: int = 80) -> str:
+    """The summary as ``print_summary`` prints it on a terminal ``width`` columns wide."""
+    import io
+
+    from rich.console import Console
+
+    from steptimer._table import print_summary
+
+    console = Console(width=width, record=True, file=io.StringIO())
+    print_summary(summary, console)
+    return console.export_text()

@@ -6,8 +6,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from steptimer._tags import join_tag
-from steptimer._tensorboard import PHASE_DIR, PHASE_SUFFIX
+from steptimer._tags import PHASE_DIR, PHASE_SUFFIX, join_tag
 
 
 def accumulator(path: str | Path) -> EventAccumulator:

@@ -23,8 +23,7 @@ import steptimer._trace as trace_mod
 import steptimer._tracefile as tracefile_mod
 from steptimer import StepTimer
 from steptimer._format import num, pct
-from steptimer._table import render
-from tests.fakes import FakeClock, FakeGPU
+from tests.fakes import FakeClock, FakeGPU, render
 
 ROOT = str(Path(steptimer.__file__).resolve().parent.parent)
 

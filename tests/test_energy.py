@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from steptimer._energy import EnergyMeter, Reading, between, nvml_counter
-from steptimer._table import render
+from tests.fakes import render
 
 
 def test_the_counter_is_read_on_the_meters_thread_at_each_mark() -> None:

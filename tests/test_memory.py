@@ -10,8 +10,7 @@ import torch
 
 from steptimer import StepTimer
 from steptimer._memory import MIB
-from steptimer._table import render
-from tests.fakes import FakeAllocator, FakeClock, FakeGPU, ListSink
+from tests.fakes import FakeAllocator, FakeClock, FakeGPU, ListSink, render
 from tests.tb import layout_regexes, scalars
 
 KIB = 1024

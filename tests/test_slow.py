@@ -23,8 +23,7 @@ import torch
 from steptimer import StepTimer
 from steptimer._format import num
 from steptimer._slow import SlowStep
-from steptimer._table import render
-from tests.fakes import FakeClock, FakeGPU, ListSink
+from tests.fakes import FakeClock, FakeGPU, ListSink, render
 
 
 def _gpu_run(clock: FakeClock, gpu: FakeGPU, steps: int, stall_step: int, **kw: object) -> StepTimer:

@@ -15,8 +15,7 @@ import steptimer
 import steptimer._engine as engine_mod
 from steptimer import PhaseSummary, SeriesStats, StepTimer, Summary
 from steptimer._format import num, pct
-from steptimer._table import render
-from tests.fakes import FakeClock, FakeGPU
+from tests.fakes import FakeClock, FakeGPU, render
 
 
 def _summary() -> Summary:

@@ -15,8 +15,7 @@ import steptimer._engine as engine_mod
 import steptimer.timer as timer_mod
 from steptimer import StepTimer
 from steptimer._format import num, pct
-from steptimer._table import render
-from tests.fakes import FakeClock, FakeGPU, ListSink
+from tests.fakes import FakeClock, FakeGPU, ListSink, render
 
 
 def make(gpu: FakeGPU | None = None, **kw: object) -> tuple[StepTimer, ListSink]:

@@ -18,10 +18,8 @@ import pytest
 from steptimer import StepTimer
 from steptimer._reader import find_runs
 from steptimer._report import MIN_CHANGE, analyze, compare
-from steptimer._table import render
 from steptimer._verdict import BUSY_SHARE, STALL_SHARE
-from tests.fakes import FakeClock, FakeGPU
-
+from tests.fakes import FakeClock, FakeGPU, render
 
 # The GPT-2 step of issue 29 on an H100, per optimizer step: (host ms, GPU ms) per phase.
 GPT = {"data": (0.2, 0.05), "forward": (6.0, 50.0), "backward": (9.0, 91.0), "clip": (2.4, 0.6),
