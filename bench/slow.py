@@ -4,8 +4,7 @@ Interleaved blocks of the same empty loop (2 phases, host clock: steptimer's own
 is to see) under ``slowest_steps=0`` (off) and the default (``slowest_steps=5``), each without and
 with a log dir (TensorBoard, and with the default the flight recorder's ring), and the default with
 ``profile_on_slow=1.5`` and a log dir; the ratio of each to its base is taken within each round,
-then the median over rounds. Then the flight recorder's ``add`` and the engine's per-step marking,
-timed alone, and a long run's bounded state.
+then the median over rounds. Then a long run's bounded state.
 
     .venv/bin/python -m bench.slow [--steps 20000] [--rounds 7] [--long 1000000]
 """
@@ -16,7 +15,6 @@ import argparse
 import resource
 import statistics
 import tempfile
-import timeit
 from time import perf_counter
 
 from steptimer import StepTimer
@@ -76,17 +74,6 @@ def main() -> None:
         )
         print(f"  {v:<24} {statistics.median(per[v]):6.2f} µs/step{extra}")
     print(f"  profile_on_slow captures per run (of {args.steps} steps): {CAPTURES}")
-
-    # The per-step piece alone: the engine appends each resolved step to the recorder's ring.
-    from steptimer._trace import make_capture
-
-    fr = make_capture(None, log_dir=".", writer=None, start_step=0, warmup_steps=0, sample_every=1, enabled=True,
-                      rank=0, flight=True, window_steps=50, profile=False)  # fmt: skip
-    assert fr is not None
-    item = (0.0, [1.0], [])
-    n = 1_000_000
-    add_us = min(timeit.repeat(lambda: fr.ring.append(item), number=n, repeat=5)) / n * 1e6
-    print(f"  flight recorder ring append: {add_us:.3f} µs per step")
 
     # A long run: the kept state stays at k entries.
     t0 = perf_counter()
