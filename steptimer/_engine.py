@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter
 from typing import Any, NamedTuple
 
+import torch
+
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
-from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, oom_errors, torch_memory_backend
+from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, torch_memory_backend
 from steptimer._slow import StepMarks
 from steptimer._window import GAP_S, STEP_S, WAIT_S, RowKey, StepRows
 
@@ -622,7 +624,7 @@ class Engine:
     def _note_oom(self, phase: str | None, error: BaseException | None, peak: int | None = None) -> None:
         """Remember where a CUDA out-of-memory error struck (once per run: the first one)."""
         err = error if error is not None else sys.exc_info()[1]
-        if err is None or not isinstance(err, oom_errors()):
+        if err is None or not isinstance(err, torch.cuda.OutOfMemoryError):
             return
         if peak is None and self.memory is not None:  # an unread step: the peak since the last reading
             peak = self.memory.b.read(self.memory.device)[1]

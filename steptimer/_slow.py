@@ -243,13 +243,12 @@ def is_wait_phase(name: str) -> bool:
 class StepWalls:
     """A window's timed steps in step order: numbers and wall times; rows on demand."""
 
-    __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order")
+    __slots__ = ("numbers", "wall_ms", "clock", "_parts", "_order")
 
     def __init__(self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int) -> None:
         self.clock: ShareClock = "host"
-        self._blocks = blocks
-        parts = []  # (block index, its numbers, its walls); rows within a block are in step order
-        for b, (blk, series) in enumerate(blocks):
+        parts = []  # (block, series, its numbers, its walls); rows within a block are in step order
+        for blk, series in blocks:
             if blk.names is None or not len(blk.lead):
                 continue
             if ("gpu", "step") in series:  # the GPU step and the GPU's idle time before it
@@ -259,12 +258,12 @@ class StepWalls:
                     wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
             else:
                 wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
-            parts.append((b, blk.lead[:, number_col], wall))
+            parts.append((blk, series, blk.lead[:, number_col], wall))
         self._parts = parts
-        numbers = np.concatenate([p[1] for p in parts] or [np.zeros(0)])
+        numbers = np.concatenate([p[2] for p in parts] or [np.zeros(0)])
         self._order = np.argsort(numbers, kind="stable")
         self.numbers = numbers[self._order]
-        self.wall_ms = np.concatenate([p[2] for p in parts] or [np.zeros(0)])[self._order]
+        self.wall_ms = np.concatenate([p[3] for p in parts] or [np.zeros(0)])[self._order]
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -272,9 +271,8 @@ class StepWalls:
     def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
         """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name."""
         i = int(self._order[i])
-        for b, numbers, _ in self._parts:
+        for blk, series, numbers, _ in self._parts:
             if i < len(numbers):
-                blk, series = self._blocks[b]
                 return row_values(blk, series, i)
             i -= len(numbers)
         raise IndexError(i)
