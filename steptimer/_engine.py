@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter
 from typing import Any, NamedTuple
 
+import torch
+
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
-from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, oom_errors, torch_memory_backend
-from steptimer._slow import GcLog, dynamo_stats
+from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, torch_memory_backend
+from steptimer._slow import StepMarks
 from steptimer._window import GAP_S, STEP_S, WAIT_S, RowKey, StepRows
 
 log = logging.getLogger("steptimer")
@@ -109,11 +111,11 @@ class Engine:
             ``window_max`` steps (0: every multiple ends one).
         on_step: called with each resolved step before its events are released (the capture of
             recent steps), but with untimed steps resolved at their own end.
-        late_marks: a step is marked after its end (:meth:`mark_current`, the profiler): host steps
-            stay queued until the next step's end.
+        late_marks: a step is marked after its end (``StepMarks.mark_current``, the profiler): host
+            steps stay queued until the next step's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
         memory_backend: the allocator calls (tests pass a fake allocator); None: torch's.
-        slowest: mark what may make a step slow (``_slow.py``): GC pauses, compiled graphs, pauses.
+        slowest: mark what may make a step slow: ``slow``, the listener (``_slow.StepMarks``).
         sample_every: time one step in each block of this many; None: blocks sized by ``cost_budget``.
     """
 
@@ -186,10 +188,8 @@ class Engine:
         self._mem: MemoryReader | None = None  # the reader on the current step
         # (phase or None, step, peak bytes before it, the step was timed) of a CUDA out-of-memory error
         self.oom: tuple[str | None, int, int | None, bool] | None = None
-        self.gc_log: GcLog | None = GcLog(perf_counter) if slowest else None  # None: no slow-step marks
+        self.slow = StepMarks(perf_counter, self._pending) if slowest else None
         self.comm: Any = None  # a watched DDP model's collectives (_comm.CommRecorder)
-        self._dyn: Any = None
-        self._graphs = 0
 
     @property
     def run_s(self) -> float:
@@ -249,9 +249,8 @@ class Engine:
             raise RuntimeError("step() after close(): create a new StepTimer")
         if self.cuda is None:
             self._settle_cuda()
-            if self.gc_log is not None:
-                self.gc_log.open()
-            self.find_dynamo()
+            if self.slow is not None:
+                self.slow.open()
             self._first_t0 = perf_counter()
         return True
 
@@ -276,7 +275,7 @@ class Engine:
             gap = self._t0 - gs - self._paused_s
             if gap < 0.0:
                 gap = 0.0
-        samples, tokens, flops = self.samples, self.tokens, self.flops
+        samples, tokens, flops, slow = self.samples, self.tokens, self.flops, self.slow
         # The LEAD columns (_window.py); STEP_S is set at the step's end, WAIT_S by _resolve.
         row = [
             number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
@@ -296,8 +295,7 @@ class Engine:
                 or self._paused_s
                 or self._pause_evs
                 or (self.cuda and number + 1 == self._next_timed)
-                or (self._dyn is not None and self._dyn.get("unique_graphs", 0) != self._graphs)
-                or (self.gc_log is not None and self.gc_log.spans)
+                or (slow is not None and (slow.spans or slow.dyn is not None and slow.compiled()))
                 or (state == HOST and self._late_marks)
             ):
                 self._finish_later(t1, number, row)
@@ -350,11 +348,8 @@ class Engine:
         gap = row[GAP_S]
         blocked = 0.0
         rec = StepRecord(self, number, row)
-        if self._dyn is not None:  # did torch.compile compile a graph in the step? (one dict lookup)
-            graphs = self._dyn.get("unique_graphs", 0)
-            if graphs > self._graphs:
-                rec.marks = {"graphs_new": float(graphs - self._graphs), "graphs": float(graphs)}
-            self._graphs = graphs
+        if self.slow is not None and self.slow.dyn is not None:
+            rec.marks = self.slow.ended()
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
@@ -509,13 +504,6 @@ class Engine:
     __enter__ = begin_step
     __exit__ = end_step
 
-    def find_dynamo(self) -> None:
-        """Count ``torch.compile``'s graphs per step once ``torch._dynamo`` is imported (never here)."""
-        if self.gc_log is not None and self._dyn is None:
-            self._dyn = dynamo_stats()
-            if self._dyn is not None:
-                self._graphs = self._dyn.get("unique_graphs", 0)
-
     def rejoin_phase(self, name: str, into: str) -> bool:
         """Undo the open phase ``name`` and reopen the sibling ``into`` that ended where it began (a
         boundary known only later); False, changing nothing, unless ``name`` is open with nothing ended
@@ -582,8 +570,8 @@ class Engine:
             self._resolve_upto(self._pending[-1].number)
         if self.memory is not None:
             self.memory.close()
-        if self.gc_log is not None:
-            self.gc_log.close()
+        if self.slow is not None:
+            self.slow.close()
         self.closed = True
 
     def release_held(self) -> None:
@@ -636,7 +624,7 @@ class Engine:
     def _note_oom(self, phase: str | None, error: BaseException | None, peak: int | None = None) -> None:
         """Remember where a CUDA out-of-memory error struck (once per run: the first one)."""
         err = error if error is not None else sys.exc_info()[1]
-        if err is None or not isinstance(err, oom_errors()):
+        if err is None or not isinstance(err, torch.cuda.OutOfMemoryError):
             return
         if peak is None and self.memory is not None:  # an unread step: the peak since the last reading
             peak = self.memory.b.read(self.memory.device)[1]
@@ -731,9 +719,11 @@ class Engine:
             self.held_end = (rec.number, rec.device, evs[rec.i_end])
         for a, c in rec.pauses:
             self._free += (a, c)
-        gcl = self.gc_log
-        if gcl is not None and (rec.marks or rec.paused_s or gcl.spans):
-            self._mark(rec)
+        slow = self.slow
+        if slow is not None and (rec.marks or rec.paused_s or slow.spans):
+            marks = slow.resolved(rec)
+            if marks is not None:
+                self.rows.marks[rec.number] = marks
         if rec.memory is not None:
             self.rows.memory.append(rec.memory)
         self._add_row(rec.number, (names, has_gpu, has_idle), row)
@@ -748,28 +738,6 @@ class Engine:
         self.last_resolved = number
         if number % self._window_every == 0 or number == self.last_warmup:
             self._window_due = self._window_ends(number)
-
-    def mark_current(self, key: str, value: float) -> None:
-        """Mark the step just ended (its record is still pending), if there is one."""
-        if self._pending and self._pending[-1].number == self.number and not self.closed:
-            rec = self._pending[-1]
-            rec.marks = rec.marks or {}
-            rec.marks[key] = rec.marks.get(key, 0.0) + value
-
-    def _mark(self, rec: StepRecord) -> None:
-        """Put what happened in the step (marks, GC, a pause before it) in ``rows.marks``."""
-        marks = rec.marks
-        gcl = self.gc_log
-        if gcl is not None and gcl.spans:
-            gc_ms, gen = gcl.take_ms(rec.t0 - (rec.gap_s or 0.0), rec.t0 + rec.step_s)
-            if gc_ms > 0:
-                marks = marks or {}
-                marks["gc_ms"], marks["gc_gen"] = gc_ms, float(gen)
-        if rec.paused_s > 0:
-            marks = marks or {}
-            marks["pause_ms"] = rec.paused_s * 1e3
-        if marks:
-            self.rows.marks[rec.number] = marks
 
     def offsets_ms(self, evs: list[Any]) -> list[float]:
         """Milliseconds from ``evs[0]`` to each event (one native call where the backend has it)."""

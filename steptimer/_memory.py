@@ -159,13 +159,6 @@ class MemorySummary(MemoryStats):
     max_allocated_bytes: int
 
 
-def oom_errors() -> tuple[type[BaseException], ...]:
-    """The exception types of a CUDA out-of-memory error (torch 2.5 names it ``torch.OutOfMemoryError`` too)."""
-    import torch
-
-    return (torch.cuda.OutOfMemoryError,)
-
-
 def oom_note(phase: str | None, number: int, peak: int | None, read: bool) -> str:
     """The summary's line on a CUDA out-of-memory error in step ``number``, in ``phase`` (None: none)."""
     if phase is not None:

@@ -117,7 +117,8 @@ class Ranges:
             return
         cap = self.captures[0]
         if self.recording and not dropped:
-            engine.mark_current("profiled", 1.0)  # the slowest steps say so (_slow.explain)
+            if engine.slow is not None:  # the slowest steps say so (_slow.explain)
+                engine.slow.mark_current(engine.number, "profiled", 1.0)
             if engine.number >= cap.last:
                 self.recording = False
                 self._set_ranged(self._push is not None)

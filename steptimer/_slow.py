@@ -95,61 +95,102 @@ Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet expla
 Medians = Mapping[tuple[str, str], float]  # the run's per-row medians by (clock, row)
 
 
-@dataclass(eq=False)
-class GcLog:
-    """Python garbage collections as host time spans, from ``gc.callbacks`` (two clock reads and a
-    bounded deque append per collection, never per step)."""
+class StepMarks:
+    """What may make a step slow, marked on it (the engine's listener, ``slowest_steps`` on): Python
+    GC pauses (``gc.callbacks``: two clock reads per collection), graphs torch.compile compiled, a
+    pause right before it, the profiler; per window, the CUDA allocator's retries. The engine reads
+    ``spans`` and ``dyn`` before calling in: a step with nothing to mark costs two attribute reads."""
 
-    _clock: Callable[[], float]
-    spans: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=GC_SPANS))
-    _start: float = 0.0
+    def __init__(self, clock: Callable[[], float], pending: Sequence[Any]) -> None:
+        self._clock = clock  # the engine's host clock
+        self._pending = pending  # the engine's ended steps not yet resolved (StepRecord), oldest first
+        self.spans: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)  # GC not yet in a step
+        self.dyn: Mapping[str, int] | None = None  # dynamo's counters["stats"], once it is imported
+        self._graphs = 0
+        self._gc_t0 = 0.0
+        self._alloc: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
 
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+    def _gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            self._start = self._clock()
+            self._gc_t0 = self._clock()
         else:
-            self.spans.append((self._start, self._clock(), info.get("generation", -1)))
+            self.spans.append((self._gc_t0, self._clock(), info.get("generation", -1)))
 
     def open(self) -> None:
-        if self._callback not in gc.callbacks:
-            gc.callbacks.append(self._callback)
+        """At the first step."""
+        if self._gc not in gc.callbacks:
+            gc.callbacks.append(self._gc)
+        self.find_dynamo()
 
     def close(self) -> None:
         with suppress(ValueError):  # not open, or someone cleared gc.callbacks
-            gc.callbacks.remove(self._callback)
+            gc.callbacks.remove(self._gc)
 
-    def take_ms(self, t_from: float, t_to: float) -> tuple[float, int]:
-        """``(ms of GC inside [t_from, t_to], oldest generation)``; consumes the spans ending by ``t_to``."""
-        total, gen = 0.0, -1
+    def find_dynamo(self) -> None:
+        """Count torch.compile's graphs once ``torch._dynamo`` is imported (its import costs seconds)."""
+        if self.dyn is None:
+            try:
+                self.dyn = sys.modules["torch._dynamo.utils"].counters["stats"]
+            except Exception:  # not imported, or a torch whose counters changed shape
+                return
+            self._graphs = self.dyn.get("unique_graphs", 0)
+
+    def compiled(self) -> bool:
+        """torch.compile compiled a graph since the last step's end (``dyn`` is set)."""
+        return self.dyn.get("unique_graphs", 0) != self._graphs  # type: ignore[union-attr]
+
+    def ended(self) -> dict[str, float] | None:
+        """At a queued step's end (``dyn`` is set): its marks for the graphs compiled in it."""
+        graphs = self.dyn.get("unique_graphs", 0)  # type: ignore[union-attr]
+        new, self._graphs = graphs - self._graphs, graphs
+        return {"graphs_new": float(new), "graphs": float(graphs)} if new > 0 else None
+
+    def mark_current(self, number: int, key: str, value: float) -> None:
+        """Mark step ``number`` if it is the newest step ended and not yet resolved (the profiler's)."""
+        rec = self._pending[-1] if self._pending else None
+        if rec is not None and rec.number == number:
+            rec.marks = rec.marks or {}
+            rec.marks[key] = rec.marks.get(key, 0.0) + value
+
+    def resolved(self, rec: Any) -> dict[str, float] | None:
+        """A resolved step's (``StepRecord``) marks: its own, the GC inside it and since the previous
+        step's end, the pause right before it; None: nothing to mark."""
+        marks = rec.marks or {}
+        t_from, t_to = rec.t0 - (rec.gap_s or 0.0), rec.t0 + rec.step_s
+        gc_ms, gen = 0.0, -1
         for a, z, g in self.spans:  # in order: collections never overlap
             if a >= t_to:
                 break
             cut = min(z, t_to) - max(a, t_from)
             if cut > 0:
-                total += cut
+                gc_ms += cut * 1e3
                 gen = max(gen, g)
         while self.spans and self.spans[0][1] <= t_to:
             self.spans.popleft()
-        return total * 1e3, gen
+        if gc_ms > 0:
+            marks.update(gc_ms=gc_ms, gc_gen=float(gen))
+        if rec.paused_s > 0:
+            marks["pause_ms"] = rec.paused_s * 1e3
+        return marks or None
 
-
-def dynamo_stats() -> Mapping[str, int] | None:
-    """dynamo's ``counters["stats"]`` if ``torch._dynamo`` is imported already (its import costs seconds)."""
-    try:
-        return sys.modules["torch._dynamo.utils"].counters["stats"]  # type: ignore[no-any-return]
-    except Exception:  # not imported, or a torch whose counters changed shape
-        return None
-
-
-def allocator_retries(device: int) -> int | None:
-    """The CUDA caching allocator's ``num_alloc_retries`` on ``device`` (None without one); ~10 µs on
-    an H100: read once per window, never per step."""
-    if device < 0:
-        return None
-    try:
-        return int(torch._C._cuda_memoryStats(device).get("num_alloc_retries", 0))
-    except Exception:  # no CUDA build, CUDA not initialized on that device, or a torch without the key
-        return None
+    def window(self, window: Any, device: int, memory: bool) -> None:
+        """After a window: look for torch.compile; give the window's slow candidates the allocator's
+        retries since the last reading (``device`` < 0: none). The reading costs ~10 µs on an H100:
+        taken only with memory readings on, with candidates, or the first time."""
+        self.find_dynamo()
+        slow, last = window.packed.slow if window.packed is not None else [], self._alloc
+        if device < 0 or not (memory or slow or last is None):
+            return
+        try:
+            retries = int(torch._C._cuda_memoryStats(device).get("num_alloc_retries", 0))
+        except Exception:  # CUDA not initialized on that device, or a torch without the key
+            return
+        if last is not None and retries > last[0]:
+            for c in slow:  # the retries since the last reading, in steps alloc_from..alloc_to
+                c.marks.update(
+                    alloc_retries=float(retries - last[0]), alloc_from=float(last[1] + 1), alloc_to=float(window.step)
+                )
+        self._alloc = (retries, window.step)
 
 
 def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -202,13 +243,12 @@ def is_wait_phase(name: str) -> bool:
 class StepWalls:
     """A window's timed steps in step order: numbers and wall times; rows on demand."""
 
-    __slots__ = ("numbers", "wall_ms", "clock", "_blocks", "_parts", "_order")
+    __slots__ = ("numbers", "wall_ms", "clock", "_parts", "_order")
 
     def __init__(self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int) -> None:
         self.clock: ShareClock = "host"
-        self._blocks = blocks
-        parts = []  # (block index, its numbers, its walls); rows within a block are in step order
-        for b, (blk, series) in enumerate(blocks):
+        parts = []  # (block, series, its numbers, its walls); rows within a block are in step order
+        for blk, series in blocks:
             if blk.names is None or not len(blk.lead):
                 continue
             if ("gpu", "step") in series:  # the GPU step and the GPU's idle time before it
@@ -218,12 +258,12 @@ class StepWalls:
                     wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
             else:
                 wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
-            parts.append((b, blk.lead[:, number_col], wall))
+            parts.append((blk, series, blk.lead[:, number_col], wall))
         self._parts = parts
-        numbers = np.concatenate([p[1] for p in parts] or [np.zeros(0)])
+        numbers = np.concatenate([p[2] for p in parts] or [np.zeros(0)])
         self._order = np.argsort(numbers, kind="stable")
         self.numbers = numbers[self._order]
-        self.wall_ms = np.concatenate([p[2] for p in parts] or [np.zeros(0)])[self._order]
+        self.wall_ms = np.concatenate([p[3] for p in parts] or [np.zeros(0)])[self._order]
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -231,9 +271,8 @@ class StepWalls:
     def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
         """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name."""
         i = int(self._order[i])
-        for b, numbers, _ in self._parts:
+        for blk, series, numbers, _ in self._parts:
             if i < len(numbers):
-                blk, series = self._blocks[b]
                 return row_values(blk, series, i)
             i -= len(numbers)
         raise IndexError(i)

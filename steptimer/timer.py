@@ -21,7 +21,7 @@ from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemoryStats, MemorySummary, _MemoryBackend, oom_note
 from steptimer._options import Options, check_bool, check_count, check_phase_name
 from steptimer._profile import Ranges, make_ranges
-from steptimer._slow import DEFAULT_K, allocator_retries
+from steptimer._slow import DEFAULT_K
 from steptimer._summary import Summary, SummaryAccumulator
 from steptimer._tags import COST_BUDGET, SAMPLE_EVERY
 from steptimer._tensorboard import TensorBoardSink, check_writable
@@ -255,7 +255,6 @@ class StepTimer:
 
     def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
         """An enabled timer's set-up that touches the machine: CUDA, files, signals, ranks."""
-        self._alloc_retries: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
         # How steps were timed, in the first window's tags (read back by `steptimer report`).
         every, budget = self.sample_every, self.options.cost_budget
         self._run_tags = {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET: float(budget or 0.0)}
@@ -475,43 +474,27 @@ class StepTimer:
     def _take_window(self) -> Window | None:
         """The window of the steps resolved since the last one, added to the summary; the engine's rows
         are replaced only after that, so an exception (Ctrl-C) can't lose a step."""
-        engine, slow = self._engine, getattr(self._ranges, "slow", None)
+        engine, on_slow = self._engine, getattr(self._ranges, "slow", None)
         if not engine.rows.count:
             return None
         # StepWalls (_slow.py) for profile_on_slow's check and the rows of the rank last to a collective
         window = window_of(
             engine.rows, engine.last_resolved, self._peak_tflops()[0], slowest=self.options.slowest_steps,
-            slow_floor_ms=self._acc.slow.floor_ms, walls=slow is not None or self._xrank is not None,
+            slow_floor_ms=self._acc.slow.floor_ms, walls=on_slow is not None or self._xrank is not None,
         )  # fmt: skip
         kept = self._acc.add_window(window)
         engine.rows = StepRows()
-        if slow is not None:
-            slow.window(window, engine)
-        if self.options.slowest_steps:
-            self._slow_window(window, kept)
+        if on_slow is not None:
+            on_slow.window(window, engine)
+        if engine.slow is not None:
+            real_cuda = engine.cuda and not engine._custom_backend
+            engine.slow.window(window, engine.device if real_cuda else -1, engine.memory is not None)
+            if self._capture is not None:  # traces of the steps that entered the run's slowest
+                for c in kept:
+                    if c.timed:  # an untimed step has no phases to draw
+                        self._capture.want(c.step, c.wall_ms, engine)
+                self._capture.settle()
         return window
-
-    def _slow_window(self, window: Window, kept: list[Any]) -> None:
-        """For the slowest steps (``_slow.py``): look for torch.compile, mark the allocator's retries,
-        ask the flight recorder for the steps that entered the run's slowest."""
-        engine, last = self._engine, self._alloc_retries
-        engine.find_dynamo()
-        slow = window.packed.slow if window.packed is not None else []
-        if engine.cuda and not engine._custom_backend and (engine.memory is not None or slow or last is None):
-            retries = allocator_retries(engine.device)
-            if retries is not None:
-                if last is not None and retries > last[0]:
-                    for c in slow:  # the retries since the last reading, in steps alloc_from..alloc_to
-                        c.marks.update(
-                            alloc_retries=float(retries - last[0]), alloc_from=float(last[1] + 1),
-                            alloc_to=float(window.step),
-                        )  # fmt: skip
-                self._alloc_retries = (retries, window.step)
-        if self._capture is not None:
-            for c in kept:
-                if c.timed:  # an untimed step has no phases to draw
-                    self._capture.want(c.step, c.wall_ms, engine)
-            self._capture.settle()
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:
         """The peak for MFU and a note on it: the option, else the GPU's (looked up once)."""

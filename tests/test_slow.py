@@ -157,7 +157,7 @@ def test_a_second_run_into_the_same_log_dir_keeps_the_first_runs_traces(tmp_path
 def test_slowest_steps_off(clock: FakeClock) -> None:
     gpu = FakeGPU(clock)
     t = _gpu_run(clock, gpu, 20, 10, slowest_steps=0)
-    assert t.close().slowest == () and t._engine.gc_log is None
+    assert t.close().slowest == () and t._engine.slow is None
 
 
 def _host_loop(t: StepTimer, steps: int, *, before=None, in_forward=None, in_optimizer=None) -> None:  # type: ignore[no-untyped-def]
@@ -192,7 +192,7 @@ def test_gc_pause_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     top = s.slowest[0]
     assert top.step == 17 and top.grew == "forward"
     assert top.marks["gc_ms"] > 5.0 and "Python GC (generation 2) paused" in (top.cause or "")
-    assert t._engine.gc_log is not None and t._engine.gc_log._callback not in gc.callbacks  # removed at close
+    assert t._engine.slow is not None and t._engine.slow._gc not in gc.callbacks  # removed at close
     assert "Python GC (generation 2)" in capsys.readouterr().out
 
 
