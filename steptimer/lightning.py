@@ -20,7 +20,7 @@ from typing_extensions import override
 from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._engine import Fetch
 from steptimer._hooks import Hooks
-from steptimer._options import _positive
+from steptimer._options import Options, _positive
 from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
 from steptimer._tensorboard import TensorBoardSink, window_scalars
@@ -171,13 +171,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         memory: int | None = None,
     ) -> None:
         super().__init__()
-        # A disabled timer (~0.1 ms, no side effects) checks every option now, not at training start.
-        checked = StepTimer._make(
-            profile_dir="", log_every_n_steps=log_every_n_steps, warmup_steps=warmup_steps, lag=lag, cuda=cuda,
-            sample_every=sample_every, peak_tflops=peak_tflops, print_summary=print_summary, enabled=False,
-            nvtx=nvtx, profile_steps=profile_steps, memory=memory, cost_budget=cost_budget,
-        )  # fmt: skip
-        self._options = dataclasses.replace(checked.options, enabled=enabled)
+        given = locals()  # the StepTimer options among the arguments, checked now, not at training start
+        self._options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options) if f.name in given})
         check_bool("histograms", histograms)
         names = [forward_module] if isinstance(forward_module, str) else forward_module
         named = isinstance(names, (list, tuple)) and all(isinstance(n, str) and n for n in names)
