@@ -443,26 +443,20 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         """The profiler's ``start``/``stop`` also time each train fetch (its own work outside it)."""
         began: list[float | None] = [None]
 
-        def start(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def call(action_name: str, *args: Any, **kwargs: Any) -> Any:
-                out = orig(action_name, *args, **kwargs)
-                if action_name.endswith(_FETCH_ACTION):
-                    began[0] = fetch.start()
-                return out
+        def start(orig: Callable[..., Any], action_name: str, *args: Any, **kwargs: Any) -> Any:
+            out = orig(action_name, *args, **kwargs)
+            if action_name.endswith(_FETCH_ACTION):
+                began[0] = fetch.start()
+            return out
 
-            return call
+        def stop(orig: Callable[..., Any], action_name: str, *args: Any, **kwargs: Any) -> Any:
+            t0, began[0] = began[0], None
+            if t0 is not None and action_name.endswith(_FETCH_ACTION):
+                fetch.stop(t0)
+            return orig(action_name, *args, **kwargs)
 
-        def stop(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def call(action_name: str, *args: Any, **kwargs: Any) -> Any:
-                t0, began[0] = began[0], None
-                if t0 is not None and action_name.endswith(_FETCH_ACTION):
-                    fetch.stop(t0)
-                return orig(action_name, *args, **kwargs)
-
-            return call
-
-        self._hooks.wrap(profiler, "start", start)
-        self._hooks.wrap(profiler, "stop", stop)
+        self._hooks.wrap(profiler, "start", lambda orig: partial(start, orig))
+        self._hooks.wrap(profiler, "stop", lambda orig: partial(stop, orig))
 
     def _uninstall(self) -> None:
         self._hooks.remove()
