@@ -212,8 +212,6 @@ class CrossRank:
     which cross-rank statistics stay off for good (a late rank would pair with the wrong round)."""
 
     def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0):
-            raise ValueError(f"cross_rank_timeout_s must be a number > 0, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.off = False
         self._dist: Any = None  # torch.distributed, once started

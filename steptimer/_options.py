@@ -1,6 +1,5 @@
 """Options shared by every front door and the CLI, validated once: building an :class:`Options` checks
-every value (``trace_steps`` and ``profile_steps`` need the run's step numbers: ``_trace.py``,
-``_profile.py``); a front door builds one before its timer exists. Step counts and phase names too.
+every value; a front door builds one before its timer exists. Step counts and phase names too.
 """
 
 from __future__ import annotations
@@ -75,6 +74,21 @@ class Options:
                 "memory must be None, True, False or an int >= 0 (read one timed step in N), "
                 f"got {self.memory!r}"
             )
+        if not _positive(self.cross_rank_timeout_s):
+            raise ValueError(f"cross_rank_timeout_s must be a number > 0, got {self.cross_rank_timeout_s!r}")
+        trace = self.trace_steps
+        if isinstance(trace, int) and not isinstance(trace, bool):  # the N steps after warm-up
+            if trace < 1:
+                raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace!r}")
+        elif trace is not None:
+            _check_pair("trace_steps", trace, self.start_step)
+        if self.profile_steps is not None:
+            _check_pair("profile_steps", self.profile_steps, self.start_step)
+        for name in ("trace_steps", "profile_on_slow", "profile_steps"):  # their files need every step
+            if getattr(self, name) is not None and self.sample_every not in (None, 1):
+                raise ValueError(
+                    f"{name} needs every step timed (sample_every=1), got sample_every={self.sample_every}"
+                )
 
 
 def check_bool(name: str, value: object) -> None:
@@ -101,6 +115,27 @@ def check_count(name: str, value: object) -> float:
     if not 0 <= number < math.inf:
         raise ValueError(f"{expected}, got {value!r}")
     return number
+
+
+def check_folder(name: str, file: str, folder: str | None) -> None:
+    """``trace_steps``' and the profilers' files go next to the event files: a log directory is needed."""
+    if folder is None:
+        raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
+
+
+def _check_pair(name: str, value: object, start_step: int) -> None:
+    """An option's inclusive ``(first, last)`` step numbers, ``start_step < first <= last``."""
+    ok = (
+        isinstance(value, tuple) and len(value) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        and start_step < value[0] <= value[1]
+    )  # fmt: skip
+    if not ok:
+        int_too = " an int >= 1 or" if name == "trace_steps" else ""
+        raise ValueError(
+            f"{name} must be{int_too} a (first, last) pair of step numbers with "
+            f"{start_step + 1} <= first <= last, got {value!r}"
+        )
 
 
 def _positive(value: object) -> bool:

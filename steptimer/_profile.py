@@ -19,8 +19,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from steptimer._files import unwritten, write_json
 from steptimer._format import num
+from steptimer._options import check_folder
 from steptimer._slow import SlowStep, StepWalls, explain
-from steptimer._trace import check_step_pair, check_window_option, own_path, record, run_files
+from steptimer._trace import own_path, record, run_files
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
@@ -372,21 +373,19 @@ class SlowProfiler:
 
 
 def make_ranges(
-    *, nvtx: object, profile_steps: object, folder: str | None, start_step: int, sample_every: int,
+    *, nvtx: object, profile_steps: tuple[int, int] | None, folder: str | None, start_step: int, sample_every: int,
     enabled: bool, rank: int, set_ranged: Callable[[bool], None], profile_on_slow: object = None,
     recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:  # fmt: skip
     """What ``profile_steps`` and ``profile_on_slow`` need of the run; the ranges (None: none) and a note."""
     if profile_on_slow is not None:
-        check_window_option("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", sample_every=sample_every,
-                            folder=folder)  # fmt: skip
+        check_folder("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", folder)
     ours = enabled and rank == 0
     capture = None
     if profile_steps is not None:
-        first, last = check_step_pair("profile_steps", profile_steps, start_step=start_step)
-        check_window_option("profile_steps", PROFILE_FILE, sample_every=sample_every, folder=folder)
+        check_folder("profile_steps", PROFILE_FILE, folder)
         if ours:
-            capture = ProfileCapture(first, last, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
+            capture = ProfileCapture(*profile_steps, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
     fns = _nvtx_functions() if nvtx and enabled else None
     note = None
     if nvtx and enabled and fns is None:

@@ -40,7 +40,7 @@ _VALUED = (
 
 
 def parser() -> argparse.ArgumentParser:
-    """The options; their values are checked by the timer they are passed to, before the script starts."""
+    """The options; Options checks their values (in instrument()) before the script starts."""
     p = argparse.ArgumentParser(
         prog="steptimer run",
         usage=USAGE,

@@ -12,6 +12,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten, write_json
+from steptimer._options import check_folder
 from steptimer._window import FETCH_S
 
 if TYPE_CHECKING:
@@ -22,22 +23,6 @@ FORMAT = "steptimer-trace"
 VERSION = 1
 FLIGHT_DIR = "steptimer-slow"
 BEFORE, AFTER, MAX_TRACES = 3, 2, 3  # the flight recorder's steps around a slow one, traces kept
-
-
-def check_step_pair(name: str, value: object, *, start_step: int) -> tuple[int, int]:
-    """An option's inclusive ``(first, last)`` step numbers, ``start_step < first <= last``."""
-    ok = (
-        isinstance(value, tuple) and len(value) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-        and start_step < value[0] <= value[1]
-    )  # fmt: skip
-    if not ok:
-        int_too = " an int >= 1 or" if name == "trace_steps" else ""
-        raise ValueError(
-            f"{name} must be{int_too} a (first, last) pair of step numbers with "
-            f"{start_step + 1} <= first <= last, got {value!r}"
-        )
-    return value[0], value[1]  # type: ignore[index]
 
 
 def own_path(path: str, run_id: str | None) -> str:
@@ -56,14 +41,6 @@ def run_files(folder: str, stem: str) -> list[str]:
         return []
     runs = sorted(n for n in names if re.fullmatch(re.escape(stem) + r"\.\d{10}\..+\.json", n))
     return [os.path.join(folder, n) for n in ([stem + ".json"] if stem + ".json" in names else []) + runs]
-
-
-def check_window_option(name: str, file: str, *, sample_every: int, folder: str | None) -> None:
-    """What a window of captured steps needs: every step timed, and a log directory for ``file``."""
-    if sample_every != 1:
-        raise ValueError(f"{name} needs every step timed (sample_every=1), got sample_every={sample_every}")
-    if folder is None:
-        raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
 
 
 def record(rec: StepRecord) -> dict[str, Any]:
@@ -323,18 +300,14 @@ def make_capture(
     start_step: int, warmup_steps: int, sample_every: int, enabled: bool, rank: int, flight: bool,
     window_steps: int, profile: bool,
 ) -> Capture | None:  # fmt: skip
-    """Validate ``trace_steps``; the capture of an enabled rank 0 when a feature needs it, else None."""
+    """The capture of an enabled rank 0 when a feature needs it, else None (options checked by Options)."""
     folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir()) if writer is not None else None
     trace = None
     if trace_steps is not None:
-        if isinstance(trace_steps, int) and not isinstance(trace_steps, bool):  # the N steps after warm-up
-            if trace_steps < 1:
-                raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace_steps!r}")
-            first, last = start_step + warmup_steps + 1, start_step + warmup_steps + trace_steps
-        else:
-            first, last = check_step_pair("trace_steps", trace_steps, start_step=start_step)
-        check_window_option("trace_steps", TRACE_FILE, sample_every=sample_every, folder=folder)
-        trace = (first, last, os.path.join(folder, TRACE_FILE))  # type: ignore[arg-type]
+        check_folder("trace_steps", TRACE_FILE, folder)
+        if isinstance(trace_steps, int):  # the N steps after warm-up
+            trace_steps = (start_step + warmup_steps + 1, start_step + warmup_steps + trace_steps)
+        trace = (*trace_steps, os.path.join(folder, TRACE_FILE))  # type: ignore[arg-type]
     flight_dir = os.path.join(folder, FLIGHT_DIR) if flight and folder is not None else None
     if not enabled or rank != 0 or (trace is None and flight_dir is None and not profile):
         return None

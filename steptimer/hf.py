@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
+from steptimer._options import Options
 from steptimer._summary import Summary
 from steptimer._tags import MAIN
 from steptimer._tensorboard import window_scalars
 from steptimer._window import Window
 from steptimer.instrument import Instrumented
-from steptimer.timer import StepTimer, check_bool, check_count, rank
+from steptimer.timer import StepTimer, check_count, rank
 
 try:
     from transformers import TrainerCallback
@@ -78,11 +79,11 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
             raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'steptimer[hf]'")
         counts = ("samples_per_step", "tokens_per_step")
         self._counts = {k: check_count(k, options.pop(k)) for k in counts if k in options}
-        # A disabled timer checks the options now; log_dir "" stands in for the Trainer's, known later.
-        default = {} if "log_dir" in options or "writer" in options else {"log_dir": ""}
-        StepTimer(**{**options, **default, "enabled": False})
-        check_bool("enabled", options.get("enabled", True))
-        self._options = options
+        # Where the logs go (none given: beside the Trainer's, known at on_train_begin), and the rest.
+        self._logs = {k: options.pop(k) for k in ("log_dir", "writer") if k in options}
+        if self._logs.get("log_dir") is not None and self._logs.get("writer") is not None:
+            raise ValueError("pass log_dir or writer, not both")
+        self._options = Options(**options)
         self._trainer = trainer
         self._log = _TrainerLog()
         self.timed: Instrumented | None = None
@@ -96,15 +97,15 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         if self.timed is not None:
             self.timed.close()
-        options = dict(self._options)
-        if "log_dir" not in options and "writer" not in options:
-            options["log_dir"] = getattr(args, "logging_dir", None) or os.path.join(args.output_dir, "steptimer")
+        beside = getattr(args, "logging_dir", None) or os.path.join(args.output_dir, "steptimer")
+        logs = self._logs or {"log_dir": beside}
         self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1)))
         opt = _torch_optimizer(optimizer)
         # The progress bar leaves its line open: the summary starts on a line of its own (_close).
-        self._bar = not args.disable_tqdm and options.get("print_summary", True) and options.get("enabled", True)
+        self._bar = not args.disable_tqdm and self._options.print_summary and self._options.enabled
         sinks = [self._log] if self._trainer is not None else []
-        self.timed = Instrumented(StepTimer._make(sinks=sinks, **options), [model], [opt], **self._counts)
+        timer = StepTimer._make(sinks=sinks, **logs, **dataclasses.asdict(self._options))
+        self.timed = Instrumented(timer, [model], [opt], **self._counts)
         self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

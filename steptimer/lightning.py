@@ -20,7 +20,7 @@ from typing_extensions import override
 from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._engine import Fetch
 from steptimer._hooks import Hooks
-from steptimer._options import _positive
+from steptimer._options import Options, _positive
 from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
 from steptimer._tensorboard import TensorBoardSink, window_scalars
@@ -171,13 +171,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         memory: int | None = None,
     ) -> None:
         super().__init__()
-        # A disabled timer (~0.1 ms, no side effects) checks every option now, not at training start.
-        checked = StepTimer._make(
-            profile_dir="", log_every_n_steps=log_every_n_steps, warmup_steps=warmup_steps, lag=lag, cuda=cuda,
-            sample_every=sample_every, peak_tflops=peak_tflops, print_summary=print_summary, enabled=False,
-            nvtx=nvtx, profile_steps=profile_steps, memory=memory, cost_budget=cost_budget,
-        )  # fmt: skip
-        self._options = dataclasses.replace(checked.options, enabled=enabled)
+        given = locals()  # the StepTimer options among the arguments, checked now, not at training start
+        self._options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options) if f.name in given})
         check_bool("histograms", histograms)
         names = [forward_module] if isinstance(forward_module, str) else forward_module
         named = isinstance(names, (list, tuple)) and all(isinstance(n, str) and n for n in names)
@@ -448,26 +443,20 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         """The profiler's ``start``/``stop`` also time each train fetch (its own work outside it)."""
         began: list[float | None] = [None]
 
-        def start(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def call(action_name: str, *args: Any, **kwargs: Any) -> Any:
-                out = orig(action_name, *args, **kwargs)
-                if action_name.endswith(_FETCH_ACTION):
-                    began[0] = fetch.start()
-                return out
+        def start(orig: Callable[..., Any], action_name: str, *args: Any, **kwargs: Any) -> Any:
+            out = orig(action_name, *args, **kwargs)
+            if action_name.endswith(_FETCH_ACTION):
+                began[0] = fetch.start()
+            return out
 
-            return call
+        def stop(orig: Callable[..., Any], action_name: str, *args: Any, **kwargs: Any) -> Any:
+            t0, began[0] = began[0], None
+            if t0 is not None and action_name.endswith(_FETCH_ACTION):
+                fetch.stop(t0)
+            return orig(action_name, *args, **kwargs)
 
-        def stop(orig: Callable[..., Any]) -> Callable[..., Any]:
-            def call(action_name: str, *args: Any, **kwargs: Any) -> Any:
-                t0, began[0] = began[0], None
-                if t0 is not None and action_name.endswith(_FETCH_ACTION):
-                    fetch.stop(t0)
-                return orig(action_name, *args, **kwargs)
-
-            return call
-
-        self._hooks.wrap(profiler, "start", start)
-        self._hooks.wrap(profiler, "stop", stop)
+        self._hooks.wrap(profiler, "start", lambda orig: partial(start, orig))
+        self._hooks.wrap(profiler, "stop", lambda orig: partial(stop, orig))
 
     def _uninstall(self) -> None:
         self._hooks.remove()
