@@ -17,7 +17,7 @@ from steptimer._format import num, pct
 from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
 from steptimer._slow import Candidate, SlowestKeeper, SlowStep
-from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, ShareClock, Verdict, shares, verdict
+from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, PhaseSummary, ShareClock, Verdict, shares, verdict
 from steptimer._window import Packed, Window, add_timed_host
 
 
@@ -90,27 +90,6 @@ class RankSummary:
             out.append(f"  {self.last.text()}")
         out.append(f"  cross-rank statistics: {num(self.reduce_ms)} ms per log interval, {self.rounds} rounds")
         return out
-
-
-@dataclass(frozen=True)
-class PhaseSummary:
-    """One row of the summary: a phase, or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``.
-
-    ``host``/``gpu``: over the steps in which the row ran (``gpu`` None without CUDA); ``calls_per_step``:
-    None when read from logs; ``share``: the top-level rows add up to 1; ``launch_bound``: the GPU waited
-    for the host's launches inside it. ``compare`` tests a change on the histograms and window means.
-    """
-
-    name: str
-    calls_per_step: float | None
-    host: SeriesStats
-    gpu: SeriesStats | None
-    share: float | None
-    launch_bound: bool
-    host_hist: LogHistogram | None = field(default=None, repr=False, compare=False)
-    gpu_hist: LogHistogram | None = field(default=None, repr=False, compare=False)
-    host_window_means_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
-    gpu_window_means_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,11 @@ happened to block (``loss.item()``), so only host-only runs keep them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
 from steptimer._format import num, pct
-
-if TYPE_CHECKING:
-    from steptimer._summary import PhaseSummary as Row
+from steptimer._histogram import LogHistogram, SeriesStats
 
 # Verdict thresholds, as fractions of the GPU's timeline (host only: of wall time).
 STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this much: input- or loop-bound
@@ -43,6 +41,27 @@ DERIVED = frozenset(DERIVED_FIRST + DERIVED_LAST)
 
 
 @dataclass(frozen=True)
+class PhaseSummary:
+    """One row of the summary: a phase, or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``.
+
+    ``host``/``gpu``: over the steps in which the row ran (``gpu`` None without CUDA); ``calls_per_step``:
+    None when read from logs; ``share``: the top-level rows add up to 1; ``launch_bound``: the GPU waited
+    for the host's launches inside it. ``compare`` tests a change on the histograms and window means.
+    """
+
+    name: str
+    calls_per_step: float | None
+    host: SeriesStats
+    gpu: SeriesStats | None
+    share: float | None
+    launch_bound: bool
+    host_hist: LogHistogram | None = field(default=None, repr=False, compare=False)
+    gpu_hist: LogHistogram | None = field(default=None, repr=False, compare=False)
+    host_window_means_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    gpu_window_means_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The bottleneck, with the measured facts that decided it (each a sentence)."""
 
@@ -69,7 +88,7 @@ def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dic
     return {n: v / timed_cycle_ms for n, v in timed_sum_ms.items() if "/" not in n and n not in skip}
 
 
-def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
+def verdict(rows: Sequence[PhaseSummary], cuda: bool) -> Verdict:
     """The run's bottleneck from its rows' shares; every sentence of evidence is a measured fact."""
     by = {r.name: r for r in rows}
     share = {r.name: r.share or 0.0 for r in rows}
@@ -126,7 +145,7 @@ def verdict(rows: Sequence[Row], cuda: bool) -> Verdict:
     return Verdict("mixed", _facts(reasons[0], [*reasons[1:], said_idle, said_lead]))
 
 
-def _idle_part(by: Mapping[str, Row]) -> float:
+def _idle_part(by: Mapping[str, PhaseSummary]) -> float:
     """The part of the GPU's ``idle`` that ``idle/data`` holds; 0 without it."""
     part, idle = by.get("idle/data"), by.get("idle")
     if part is None or idle is None or part.gpu is None or idle.gpu is None:
@@ -135,17 +154,19 @@ def _idle_part(by: Mapping[str, Row]) -> float:
     return min(1.0, part.gpu.mean_ms * part.gpu.steps / whole) if whole > 0 else 0.0
 
 
-def _loader_timed(by: Mapping[str, Row]) -> bool:
+def _loader_timed(by: Mapping[str, PhaseSummary]) -> bool:
     return "data" in by and bool(by["data"].host.steps)
 
 
-def _lead(whose: str, phases: Sequence[Row], share: Mapping[str, float]) -> str | None:
+def _lead(whose: str, phases: Sequence[PhaseSummary], share: Mapping[str, float]) -> str | None:
     """The three phases that held most of the time (1 % at least), or None."""
     lead = sorted((r.name for r in phases if share[r.name] >= 0.01), key=lambda n: -share[n])[:3]
     return f"{whose} time went to " + ", ".join(f"{n} {pct(share[n])}" for n in lead) if lead else None
 
 
-def _host_verdict(by: Mapping[str, Row], share: Mapping[str, float], phases: Sequence[Row]) -> Verdict:
+def _host_verdict(
+    by: Mapping[str, PhaseSummary], share: Mapping[str, float], phases: Sequence[PhaseSummary]
+) -> Verdict:
     data, loop = share.get("data", 0.0), share.get("loop", 0.0)
     timed = _loader_timed(by)
     said_data = f"the host spent {pct(data)} of wall time waiting for the loader (data)"
@@ -163,7 +184,7 @@ def _host_verdict(by: Mapping[str, Row], share: Mapping[str, float], phases: Seq
     return Verdict("compute-bound", _facts(said_lead or said_loop, [said_data if timed else None]))
 
 
-def _communication(by: Mapping[str, Row], clock: ShareClock) -> Verdict | None:
+def _communication(by: Mapping[str, PhaseSummary], clock: ShareClock) -> Verdict | None:
     """communication-bound if ``comm_exposed`` holds ``COMM_SHARE`` of the timeline (or wall time)."""
 
     def sum_ms(name: str) -> float:
