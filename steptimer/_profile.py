@@ -373,9 +373,8 @@ class SlowProfiler:
 
 
 def make_ranges(
-    *, nvtx: object, profile_steps: tuple[int, int] | None, folder: str | None, start_step: int, sample_every: int,
-    enabled: bool, rank: int, set_ranged: Callable[[bool], None], profile_on_slow: object = None,
-    recent: Capture | None = None,
+    *, nvtx: object, profile_steps: tuple[int, int] | None, folder: str | None, enabled: bool, rank: int,
+    set_ranged: Callable[[bool], None], profile_on_slow: object = None, recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:  # fmt: skip
     """What ``profile_steps`` and ``profile_on_slow`` need of the run; the ranges (None: none) and a note."""
     if profile_on_slow is not None:

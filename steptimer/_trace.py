@@ -297,7 +297,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
 
 def make_capture(
     trace_steps: int | tuple[int, int] | None, *, log_dir: str | os.PathLike[str] | None, writer: Any,
-    start_step: int, warmup_steps: int, sample_every: int, enabled: bool, rank: int, flight: bool,
+    start_step: int, warmup_steps: int, enabled: bool, rank: int, flight: bool,
     window_steps: int, profile: bool,
 ) -> Capture | None:  # fmt: skip
     """The capture of an enabled rank 0 when a feature needs it, else None (options checked by Options)."""

@@ -229,10 +229,10 @@ class StepTimer:
         self._acc = SummaryAccumulator(slowest_steps)
         self._energy = EnergyWindows()
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
-        runs = dict(start_step=start_step, sample_every=sample_every, enabled=enabled, rank=self._rank)
+        runs = dict(enabled=enabled, rank=self._rank)
         self._capture = c = make_capture(
-            trace_steps, log_dir=log_dir, writer=writer, warmup_steps=warmup_steps, flight=slowest_steps > 0,
-            window_steps=window_max, profile=profiled, **runs,
+            trace_steps, log_dir=log_dir, writer=writer, start_step=start_step, warmup_steps=warmup_steps,
+            flight=slowest_steps > 0, window_steps=window_max, profile=profiled, **runs,
         )  # fmt: skip
         folder = os.fspath(log_dir) if log_dir is not None else writer and str(writer.get_logdir())
         self._ranges, nvtx_note = make_ranges(
