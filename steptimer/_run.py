@@ -99,7 +99,7 @@ def main(argv: Sequence[str]) -> int:
     if not is_module and not os.path.exists(target):
         print(f"steptimer run: error: {target}: no such file", file=sys.stderr)
         return 2
-    from steptimer.instrument import instrument
+    from steptimer._instrument import instrument
     from steptimer.timer import rank as process_rank
 
     rank = process_rank()

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-import torch
 
 from steptimer._format import num
 from steptimer._verdict import ShareClock
@@ -181,6 +180,8 @@ class StepMarks:
         slow, last = window.packed.slow if window.packed is not None else [], self._alloc
         if device < 0 or not (memory or slow or last is None):
             return
+        import torch
+
         try:
             retries = int(torch._C._cuda_memoryStats(device).get("num_alloc_retries", 0))
         except Exception:  # CUDA not initialized on that device, or a torch without the key

@@ -1,6 +1,6 @@
 """Hugging Face front door: :class:`StepTimerCallback` for ``transformers.Trainer(callbacks=[...])``.
 
-A thin caller of :class:`~steptimer.instrument.Instrumented` on the Trainer's model and optimizer; the
+A thin caller of :class:`~steptimer.Instrumented` on the Trainer's model and optimizer; the
 Trainer's events add ``clip`` and pause evaluation out. docs/run.md#hugging-face has the phases.
 """
 
@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
+from steptimer._instrument import Instrumented
 from steptimer._options import Options
 from steptimer._summary import Summary
 from steptimer._tags import MAIN
 from steptimer._tensorboard import window_scalars
 from steptimer._window import Window
-from steptimer.instrument import Instrumented
 from steptimer.timer import StepTimer, check_count, rank
 
 try:

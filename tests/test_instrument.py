@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from steptimer import StepTimer, Summary
-from steptimer.instrument import Instrumented, instrument
+from steptimer import Instrumented, StepTimer, Summary, instrument
 from tests.tb import scalars
 
 SLEEP_MS = {"data": 40.0, "forward": 30.0, "loss": 20.0, "backward": 25.0, "optimizer": 15.0, "zero_grad": 10.0}
