@@ -1,7 +1,5 @@
-"""Reading steptimer's TensorBoard event files back into per-run series (what a run is, and how
-truncated or corrupt files are read: docs/cli.md, docs/tensorboard.md). Tags are read by ``_tags.py``'s
-grammar, the writer's; records strictly (``_records.read_records``).
-"""
+"""Reading steptimer's TensorBoard event files back into per-run series (what a run is, and how truncated
+or corrupt files are read: docs/cli.md, docs/tensorboard.md), by ``_tags.py``'s grammar, the writer's."""
 
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
 from steptimer._tags import EVENT_FILE_PREFIX, HIST, MAIN, PHASE_DIR, PHASE_SUFFIX, join_tag, parse, unhidden
 
 _EVENT_FILE_MARK = "tfevents"
+Files = list[tuple[Optional[str], str]]  # a run's event files: (None, its own) and (phase, its phases')
 
 
 class LogError(Exception):
@@ -35,14 +34,24 @@ class RunLog:
 
 
 def find_runs(logdir: str) -> list[RunLog]:
-    """Every run under ``logdir`` (itself included) sorted by path, or the run of one event file;
-    raises :class:`LogError` for bad input."""
+    """Every run under ``logdir`` (itself included) sorted by path, or the run of one event file (the
+    file and its phases' files); raises :class:`LogError` for bad input."""
     if not os.path.exists(logdir):
         raise LogError(f"{logdir}: no such file or directory")
-    runs = [_file_run(logdir)] if os.path.isfile(logdir) else []
-    for d, groups in _walk(logdir).items() if not runs else ():
-        rel = os.path.relpath(d, logdir)
-        name = logdir if rel == "." else rel
+    top, base = os.path.split(logdir)
+    if os.path.isfile(logdir) and base.endswith(PHASE_SUFFIX):
+        raise LogError(
+            f"{logdir}: the event file of one phase's run; pass the run directory (the one holding "
+            f"{PHASE_DIR}/) or its events.out.tfevents.* file"
+        )
+    runs = []
+    if os.path.isfile(logdir):
+        top = os.path.normpath(top or ".")
+        groups = _walk(top)[top] if _EVENT_FILE_MARK in base else []  # a renamed file: read on its own
+        ours = next((fs for _, fs in groups if (None, os.path.join(top, base)) in fs), [])
+        runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], name=logdir, path=logdir)]
+    for d, groups in () if runs else _walk(logdir).items():
+        name = logdir if d == os.path.normpath(logdir) else os.path.relpath(d, logdir)
         here = [read_run(files, name=path, path=path) for path, files in groups]
         here = [run for run in here if run.scalars or run.hists]
         if len(here) == 1:
@@ -63,9 +72,6 @@ def find_runs(logdir: str) -> list[RunLog]:
     return runs
 
 
-Files = list[tuple[Optional[str], str]]  # a run's event files: (None, its own) and (phase, its phases')
-
-
 def _walk(logdir: str) -> dict[str, list[tuple[str, Files]]]:
     """The runs under ``logdir`` by directory, sorted, as ``(path, files)``: one per run id with files
     of its own and phases' (named by its own file, in the order they started), then the files of none."""
@@ -74,10 +80,9 @@ def _walk(logdir: str) -> dict[str, list[tuple[str, Files]]]:
     for root, subdirs, files in os.walk(os.path.normpath(logdir)):
         subdirs.sort()
         events = sorted(f for f in files if _EVENT_FILE_MARK in f)
-        only_phases = all(f.endswith(PHASE_SUFFIX) for f in events)
-        owner = _owner(root, own_dirs) if only_phases else None
-        if not only_phases:
+        if not all(f.endswith(PHASE_SUFFIX) for f in events):
             own_dirs.add(root)
+        owner = None if root in own_dirs else _owner(root, own_dirs)
         phase = owner and os.path.relpath(root, os.path.join(owner, PHASE_DIR)).replace(os.sep, "/")
         for f in events:
             run_id = f.removeprefix(EVENT_FILE_PREFIX).removesuffix(PHASE_SUFFIX)
@@ -102,29 +107,11 @@ def _walk(logdir: str) -> dict[str, list[tuple[str, Files]]]:
 
 def _owner(d: str, own_dirs: set[str]) -> str | None:
     """The nearest run above with ``d`` under its ``steptimer/`` (one with its own files first)."""
-    up, fallback = os.path.dirname(d), None
-    while up and up != os.path.dirname(up):
-        if d.startswith(os.path.join(up, PHASE_DIR) + os.sep):
-            if up in own_dirs:
-                return up
-            fallback = fallback or up
-        up = os.path.dirname(up)
-    return fallback
-
-
-def _file_run(path: str) -> RunLog:
-    """The run that the event file ``path`` belongs to (the file itself and its phases' files)."""
-    d, base = os.path.split(path)
-    if base.endswith(PHASE_SUFFIX):
-        raise LogError(
-            f"{path}: the event file of one phase's run; pass the run directory (the one holding "
-            f"{PHASE_DIR}/) or its events.out.tfevents.* file"
-        )
-    if _EVENT_FILE_MARK not in base:  # a renamed file: read on its own
-        return read_run([(None, path)], name=path, path=path)
-    d = os.path.normpath(d or ".")
-    ours = next(fs for _, fs in _walk(d)[d] if (None, os.path.join(d, base)) in fs)
-    return read_run([(None, path)] + [pf for pf in ours if pf[0] is not None], name=path, path=path)
+    ups, rest = [], d
+    while up := rest.rpartition(os.sep + PHASE_DIR + os.sep)[0]:
+        ups.append(up)
+        rest = up + os.sep
+    return next((up for up in ups if up in own_dirs), ups[0] if ups else None)
 
 
 def read_run(files: Files, *, name: str, path: str) -> RunLog:
