@@ -1,5 +1,5 @@
-"""Reading steptimer's TensorBoard event files back into per-run series (what a run is, and how truncated
-or corrupt files are read: docs/cli.md, docs/tensorboard.md), by ``_tags.py``'s grammar, the writer's."""
+"""Reads steptimer's TensorBoard event files back into per-run series, by the writer's tag grammar
+(``_tags.py``). What a run is, and how damaged files are read: docs/cli.md, docs/tensorboard.md."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ class RunLog:
 
 
 def find_runs(logdir: str) -> list[RunLog]:
-    """Every run under ``logdir`` (itself included) sorted by path, or the run of one event file (the
-    file and its phases' files); raises :class:`LogError` for bad input."""
+    """Every run under ``logdir`` (itself included) sorted by path, or the run of one event file
+    (with its phases' files); raises :class:`LogError` for bad input."""
     if not os.path.exists(logdir):
         raise LogError(f"{logdir}: no such file or directory")
     top, base = os.path.split(logdir)
@@ -47,7 +47,7 @@ def find_runs(logdir: str) -> list[RunLog]:
     runs = []
     if os.path.isfile(logdir):
         top = os.path.normpath(top or ".")
-        groups = _walk(top)[top] if _EVENT_FILE_MARK in base else []  # a renamed file: read on its own
+        groups = _walk(top)[top] if _EVENT_FILE_MARK in base else []  # a renamed file: alone
         ours = next((fs for _, fs in groups if (None, os.path.join(top, base)) in fs), [])
         runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], name=logdir, path=logdir)]
     for d, groups in () if runs else _walk(logdir).items():
@@ -73,8 +73,8 @@ def find_runs(logdir: str) -> list[RunLog]:
 
 
 def _walk(logdir: str) -> dict[str, list[tuple[str, Files]]]:
-    """The runs under ``logdir`` by directory, sorted, as ``(path, files)``: one per run id with files
-    of its own and phases' (named by its own file, in the order they started), then the files of none."""
+    """The runs under ``logdir`` by directory, as ``(path, files)``: one per run id with its own and
+    phases' files (named by its own file, in the order they started), then the files of no run id."""
     by_id: dict[str, dict[str, Files]] = {}  # a run's directory -> run id -> its files
     own_dirs: set[str] = set()  # the directories with event files that are not only phases'
     for root, subdirs, files in os.walk(os.path.normpath(logdir)):
@@ -100,7 +100,7 @@ def _walk(logdir: str) -> dict[str, list[tuple[str, Files]]]:
         # A run's own files come before its phases' (os.walk is top-down); one with both is tied.
         tied = {rid: fs for rid, fs in ids.items() if fs[0][0] is None and fs[-1][0] is not None}
         loose = [pf for rid, fs in ids.items() if rid not in tied for pf in fs]
-        order = sorted(tied, key=lambda rid: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in rid.split(".")])
+        order = sorted(tied, key=lambda r: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in r.split(".")])
         runs[d] = [(tied[rid][0][1], tied[rid]) for rid in order] + ([(d, loose)] if loose else [])
     return runs
 
