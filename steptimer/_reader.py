@@ -1,14 +1,11 @@
-"""Reading steptimer's TensorBoard event files back into per-run series (what a run is, and how
-truncated or corrupt files are read: docs/cli.md, docs/tensorboard.md). Tags are read by ``_tags.py``'s
-grammar, the writer's; records strictly (``_records.read_records``).
-"""
+"""Reads steptimer's TensorBoard event files back into per-run series, by the writer's tag grammar
+(``_tags.py``). What a run is, and how damaged files are read: docs/cli.md, docs/tensorboard.md."""
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
@@ -16,6 +13,7 @@ from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
 from steptimer._tags import EVENT_FILE_PREFIX, HIST, MAIN, PHASE_DIR, PHASE_SUFFIX, join_tag, parse, unhidden
 
 _EVENT_FILE_MARK = "tfevents"
+Files = list[tuple[Optional[str], str]]  # a run's event files: (None, its own) and (phase, its phases')
 
 
 class LogError(Exception):
@@ -36,18 +34,35 @@ class RunLog:
 
 
 def find_runs(logdir: str) -> list[RunLog]:
-    """Every run under ``logdir`` (itself included) sorted by path, or the run of one event file;
-    raises :class:`LogError` for bad input."""
+    """Every run under ``logdir`` (itself included) sorted by path, or the run of one event file
+    (with its phases' files); raises :class:`LogError` for bad input."""
     if not os.path.exists(logdir):
         raise LogError(f"{logdir}: no such file or directory")
+    top, base = os.path.split(logdir)
+    if os.path.isfile(logdir) and base.endswith(PHASE_SUFFIX):
+        raise LogError(
+            f"{logdir}: the event file of one phase's run; pass the run directory (the one holding "
+            f"{PHASE_DIR}/) or its events.out.tfevents.* file"
+        )
+    runs = []
     if os.path.isfile(logdir):
-        runs = [_file_run(logdir)]
-    else:
-        dirs, phases = _scan(logdir)
-        runs = []
-        for d, files in sorted(dirs.items()):
-            rel = os.path.relpath(d, logdir)
-            runs += _dir_runs(d, files, phases.get(d, {}), name=d if rel == "." else rel)
+        top = os.path.normpath(top or ".")
+        groups = _walk(top)[top] if _EVENT_FILE_MARK in base else []  # a renamed file: alone
+        ours = next((fs for _, fs in groups if (None, os.path.join(top, base)) in fs), [])
+        runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], name=logdir, path=logdir)]
+    for d, groups in () if runs else _walk(logdir).items():
+        name = logdir if d == os.path.normpath(logdir) else os.path.relpath(d, logdir)
+        here = [read_run(files, name=path, path=path) for path, files in groups]
+        here = [run for run in here if run.scalars or run.hists]
+        if len(here) == 1:
+            here[0].name, here[0].path = name, d
+        for run in here if len(here) > 1 else ():
+            run.name = name if run.path == d else os.path.join(name, os.path.basename(run.path))
+            run.notes.append(
+                f"{d} holds {len(here)} runs (one per StepTimer), reported one by one; pass one's "
+                "events.out.tfevents.* file to report or compare it alone"
+            )
+        runs += here
     runs = [run for run in runs if run.scalars or run.hists]
     if not runs:
         raise LogError(
@@ -57,120 +72,55 @@ def find_runs(logdir: str) -> list[RunLog]:
     return runs
 
 
-def _scan(logdir: str) -> tuple[dict[str, list[str]], dict[str, dict[str, list[str]]]]:
-    """``(event files by run directory, phases' event files by run directory and phase)``."""
-    dirs = {}
-    for root, subdirs, files in os.walk(logdir):
+def _walk(logdir: str) -> dict[str, list[tuple[str, Files]]]:
+    """The runs under ``logdir`` by directory, as ``(path, files)``: one per run id with its own and
+    phases' files (named by its own file, in the order they started), then the files of no run id."""
+    by_id: dict[str, dict[str, Files]] = {}  # a run's directory -> run id -> its files
+    own_dirs: set[str] = set()  # the directories with event files that are not only phases'
+    for root, subdirs, files in os.walk(os.path.normpath(logdir)):
         subdirs.sort()
-        events = sorted(os.path.join(root, f) for f in files if _EVENT_FILE_MARK in f)
-        if events:
-            dirs[root] = events
-    if not dirs:
+        events = sorted(f for f in files if _EVENT_FILE_MARK in f)
+        if not all(f.endswith(PHASE_SUFFIX) for f in events):
+            own_dirs.add(root)
+        owner = None if root in own_dirs else _owner(root, own_dirs)
+        phase = owner and os.path.relpath(root, os.path.join(owner, PHASE_DIR)).replace(os.sep, "/")
+        for f in events:
+            run_id = f.removeprefix(EVENT_FILE_PREFIX).removesuffix(PHASE_SUFFIX)
+            by_id.setdefault(owner or root, {}).setdefault(run_id, []).append((phase, os.path.join(root, f)))
+    if not by_id:
         raise LogError(f"{logdir}: no TensorBoard event files (events.out.tfevents.*) found")
-    if all(f.endswith(PHASE_SUFFIX) for files in dirs.values() for f in files):
-        _refuse_phase_run(logdir)
-    phases: dict[str, dict[str, list[str]]] = {}
-    for d in sorted(dirs):
-        owner = _owner(d, dirs) if all(f.endswith(PHASE_SUFFIX) for f in dirs[d]) else None
-        if owner is not None:
-            rel = os.path.relpath(d, os.path.join(owner, PHASE_DIR))
-            phases.setdefault(owner, {})[rel.replace(os.sep, "/")] = dirs.pop(d)
-    for owner in phases:
-        dirs.setdefault(owner, [])
-    return dirs, phases
-
-
-def _run_id(path: str) -> str:
-    name = os.path.basename(path)
-    name = name[: -len(PHASE_SUFFIX)] if name.endswith(PHASE_SUFFIX) else name
-    return name[len(EVENT_FILE_PREFIX) :] if name.startswith(EVENT_FILE_PREFIX) else name
-
-
-Group = tuple[list[str], dict[str, list[str]]]  # a run's own event files, its phases' event files
-
-
-def _split(files: list[str], phases: dict[str, list[str]]) -> tuple[list[Group], Group]:
-    """The runs of one directory, tied by run id in the order they started, and the files tied to none."""
-    own = {_run_id(f): f for f in files}
-    tied: dict[str, dict[str, list[str]]] = {}
-    loose: dict[str, list[str]] = {}
-    for phase, fs in phases.items():
-        for f in fs:
-            rid = _run_id(f)
-            (tied.setdefault(rid, {}) if rid in own else loose).setdefault(phase, []).append(f)
-    order = sorted(tied, key=lambda rid: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in rid.split(".")])
-    return [([own[r]], tied[r]) for r in order], ([f for f in files if _run_id(f) not in tied], loose)
-
-
-def _dir_runs(d: str, files: list[str], phases: dict[str, list[str]], *, name: str) -> list[RunLog]:
-    """The runs of directory ``d``, read; with more than one, each is named by its event file."""
-    tied, (loose_files, loose_phases) = _split(files, phases)
-    runs = [read_run(own, name=own[0], path=own[0], phases=ph) for own, ph in tied]
-    if loose_files or loose_phases:
-        runs.append(read_run(loose_files, name=d, path=d, phases=loose_phases))
-    runs = [run for run in runs if run.scalars or run.hists]
-    if len(runs) == 1:
-        runs[0].name, runs[0].path = name, d
-    for run in runs if len(runs) > 1 else ():
-        if run.path != d:
-            run.name = os.path.join(name, os.path.basename(run.path))
-        run.notes.append(
-            f"{d} holds {len(runs)} runs (one per StepTimer), reported one by one; pass one's "
-            "events.out.tfevents.* file to report or compare it alone"
+    run, in_phase_dir, _ = (os.path.abspath(logdir) + os.sep).rpartition(os.sep + PHASE_DIR + os.sep)
+    if not own_dirs and in_phase_dir:
+        raise LogError(
+            f"{logdir}: holds only per-phase TensorBoard runs of the steptimer run in {run}; "
+            f"pass that folder: steptimer report {run}"
         )
+    runs = {}
+    for d, ids in sorted(by_id.items()):
+        # A run's own files come before its phases' (os.walk is top-down); one with both is tied.
+        tied = {rid: fs for rid, fs in ids.items() if fs[0][0] is None and fs[-1][0] is not None}
+        loose = [pf for rid, fs in ids.items() if rid not in tied for pf in fs]
+        order = sorted(tied, key=lambda r: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in r.split(".")])
+        runs[d] = [(tied[rid][0][1], tied[rid]) for rid in order] + ([(d, loose)] if loose else [])
     return runs
 
 
-def _refuse_phase_run(path: str) -> None:
-    """``path`` holds only phases' runs (``<run>/steptimer/<phase>``): name the run above it, if any."""
-    cur = os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path))
-    while os.path.dirname(cur) != cur:
-        if os.path.basename(cur) == PHASE_DIR:
-            run = os.path.dirname(cur)
-            raise LogError(
-                f"{path}: holds only per-phase TensorBoard runs of the steptimer run in {run}; "
-                f"pass that folder: steptimer report {run}"
-            )
-        cur = os.path.dirname(cur)
-
-
-def _file_run(path: str) -> RunLog:
-    """The run that the event file ``path`` belongs to (the file itself and its phases' files)."""
-    base = os.path.basename(path)
-    if base.endswith(PHASE_SUFFIX):
-        raise LogError(
-            f"{path}: the event file of one phase's run; pass the run directory (the one holding "
-            f"{PHASE_DIR}/) or its events.out.tfevents.* file"
-        )
-    if _EVENT_FILE_MARK not in base:  # a renamed file: read on its own
-        return read_run([path], name=path, path=path)
-    d = os.path.dirname(path) or "."
-    dirs, phases = _scan(d)
-    tied, (_, loose_phases) = _split(dirs.get(d, [path]), phases.get(d, {}))
-    ph = next((ph for own, ph in tied if os.path.samefile(own[0], path)), loose_phases)
-    return read_run([path], name=path, path=path, phases=ph)
-
-
-def _owner(d: str, dirs: dict[str, list[str]]) -> str | None:
+def _owner(d: str, own_dirs: set[str]) -> str | None:
     """The nearest run above with ``d`` under its ``steptimer/`` (one with its own files first)."""
-    up, fallback = os.path.dirname(d), None
-    while up and up != os.path.dirname(up):
-        if d.startswith(os.path.join(up, PHASE_DIR) + os.sep):
-            if any(not f.endswith(PHASE_SUFFIX) for f in dirs.get(up, [])):
-                return up
-            fallback = fallback or up
-        up = os.path.dirname(up)
-    return fallback
+    ups, rest = [], d
+    while up := rest.rpartition(os.sep + PHASE_DIR + os.sep)[0]:
+        ups.append(up)
+        rest = up + os.sep
+    return next((up for up in ups if up in own_dirs), ups[0] if ups else None)
 
 
-def read_run(files: list[str], *, name: str, path: str, phases: dict[str, list[str]] | None = None) -> RunLog:
-    """Read the steptimer tags of the event files of one run directory and of its phases' runs."""
+def read_run(files: Files, *, name: str, path: str) -> RunLog:
+    """Read the steptimer tags of one run's event files: its own, then its phases' runs."""
     notes: list[str] = []
-    sources: list[tuple[str | None, str, list[Any]]] = [(None, f, _events(f, notes)) for f in files]
+    sources = [(phase, f, _events(f, notes)) for phase, f in files]
     # The phases' runs in the order they were created, which is the order their phases were first
     # seen: the report's rows follow it, as the summary table's do.
-    theirs = [(phase, f, _events(f, notes)) for phase, fs in (phases or {}).items() for f in fs]
-    sources += sorted(theirs, key=lambda s: s[2][0].wall_time if s[2] else math.inf)
+    sources.sort(key=lambda s: (s[0] is not None, s[2][0].wall_time if s[0] and s[2] else 0.0))
     scalars: dict[str, dict[int, tuple[float, float]]] = {}
     hists: dict[tuple[str, str], dict[int, tuple[float, LogHistogram]]] = {}
     slow: dict[int, tuple[float, bytes]] = {}  # the latest slowest steps, whatever their step
