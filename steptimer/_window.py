@@ -153,6 +153,60 @@ def add_timed_host(groups: list[GroupTotals], sums_ms: dict[str, float]) -> floa
     return cycle_ms
 
 
+@dataclass
+class Tally:
+    """Sums over steps, one window's or the run's (after warm-up): rates and host shares."""
+
+    steps: int = 0
+    timed_steps: int = 0
+    wall_ms: float = 0.0  # data wait + step
+    timed_wall_ms: float = 0.0
+    timed_sum_ms: dict[str, float] = field(default_factory=dict)  # host series over the timed steps
+    calls: dict[str, int] = field(default_factory=dict)  # entries per phase, first seen first
+    samples: float | None = None  # None: no step gave samples
+    tokens: float | None = None
+    flops: float | None = None
+
+    def add(self, groups: list[GroupTotals]) -> None:
+        for g in groups:
+            self.steps += g.rows
+            self.wall_ms += g.cycle_ms
+            if g.samples is not None:
+                self.samples = (self.samples or 0.0) + g.samples
+            if g.tokens is not None:
+                self.tokens = (self.tokens or 0.0) + g.tokens
+            if g.flops is not None:
+                self.flops = (self.flops or 0.0) + g.flops
+            if g.names is not None:
+                self.timed_steps += g.rows
+                for name in g.names:
+                    self.calls[name] = self.calls.get(name, 0) + g.rows
+        self.timed_wall_ms += add_timed_host(groups, self.timed_sum_ms)
+
+
+class Rates(NamedTuple):
+    steps_per_s: float | None
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    tflops_per_s: float | None
+    mfu: float | None  # tflops_per_s over peak_tflops
+
+
+def rates(
+    wall_ms: float, steps: float, samples: float | None, tokens: float | None, flops: float | None,
+    peak_tflops: float | None,
+) -> Rates:  # fmt: skip
+    """Per second of ``wall_ms`` (None: no wall time, or none given)."""
+    wall_s = wall_ms / 1e3
+
+    def per_s(x: float | None) -> float | None:
+        return x / wall_s if x is not None and wall_s > 0 else None
+
+    tflops_per_s = None if flops is None else per_s(flops / 1e12)
+    mfu = tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None
+    return Rates(per_s(steps), per_s(samples), per_s(tokens), tflops_per_s, mfu)
+
+
 _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
 UPPER_MS = np.array([bucket_upper_ms(i) for i in range(NUM_BUCKETS)])
 
@@ -194,14 +248,16 @@ class Packed:
         self.run_count = np.diff(np.append(firsts, len(combo)))
         self.bounds: list[int] = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
 
-    def histogram(self, k: int) -> LogHistogram:
-        h = LogHistogram()
-        a, b = self.bounds[k], self.bounds[k + 1]
-        h.counts = dict(zip(self.run_bucket[a:b].tolist(), self.run_count[a:b].tolist()))
-        h.count = self.count[k]
-        h.sum_ms, h.sumsq_ms = self.sum_ms[k], self.sumsq_ms[k]
-        h.min_ms, h.max_ms = self.min_ms[k], self.max_ms[k]
-        return h
+    def histograms(self) -> dict[tuple[str, str], LogHistogram]:
+        """Per non-empty series (``caught`` included), its histogram."""
+        buckets, counts, b = self.run_bucket.tolist(), self.run_count.tolist(), self.bounds
+        out = {}
+        for k, key in enumerate(self.series):
+            if self.count[k]:
+                runs = dict(zip(buckets[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]))
+                exact = self.count[k], self.sum_ms[k], self.sumsq_ms[k], self.min_ms[k], self.max_ms[k]
+                out[key] = LogHistogram(runs, *exact)
+        return out
 
     def stats(self) -> dict[tuple[str, str], SeriesStats]:
         out = {}
@@ -218,23 +274,6 @@ class Packed:
         for k, key in enumerate(self.series):
             if self.count[k] and key[0] != "caught":
                 yield key, k, limits[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]
-
-
-class _Hists(Mapping[tuple[str, str], LogHistogram]):
-    """A window's histograms by ``(clock, name)``, each built from the packed runs when read."""
-
-    def __init__(self, packed: Packed) -> None:
-        self._p = packed
-        self._index = {key: k for k, key in enumerate(packed.series) if packed.count[k] and key[0] != "caught"}
-
-    def __getitem__(self, key: tuple[str, str]) -> LogHistogram:
-        return self._p.histogram(self._index[key])
-
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter(self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
 
 
 def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, walls: bool = False) -> Packed:
@@ -292,19 +331,17 @@ def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> 
 @dataclass(frozen=True)
 class Window:
     """What is written every ``log_every_n_steps`` steps: statistics of the steps in the window.
-
-    ``hists`` maps ``("host"|"gpu", name)`` to its per-step histogram (run-long quantiles can be
-    recovered from them). ``warmup``: its steps are warm-up steps, left out of the summary.
+    ``warmup``: its steps are warm-up steps, left out of the summary.
     """
 
     step: int
     steps: int
     host: Mapping[str, SeriesStats]
     gpu: Mapping[str, SeriesStats]
-    hists: Mapping[tuple[str, str], LogHistogram]  # host and GPU series
     steps_per_s: float
     samples_per_s: float | None
     tokens_per_s: float | None
+    packed: Packed = field(repr=False, compare=False)  # the statistics as arrays, for the summary
     warmup: bool = False
     # TFLOP/s over the same wall time as samples_per_s, and its fraction of the peak (None: none)
     tflops_per_s: float | None = None
@@ -314,12 +351,15 @@ class Window:
     caught: Mapping[str, float] = field(default_factory=dict)
     # More scalars by tag, written as they are (cross-rank statistics: _dist.py).
     extra: Mapping[str, float] = field(default_factory=dict)
-    # The statistics as arrays, for the summary (None: a window built elsewhere).
-    packed: Packed | None = field(default=None, repr=False, compare=False)
     memory: MemoryStats | None = None  # CUDA memory of the window's timed steps (None: not read)
     # Each top-level row's part of the window's wall time, on ``share_clock`` (_verdict.py).
     shares: Mapping[str, float] = field(default_factory=dict)
     share_clock: ShareClock = "host"
+
+    @property
+    def hists(self) -> dict[tuple[str, str], LogHistogram]:
+        """Per ``("host"|"gpu", name)``, its per-step histogram (built when read)."""
+        return {key: h for key, h in self.packed.histograms().items() if key[0] != "caught"}
 
 
 def window_of(
@@ -330,30 +370,24 @@ def window_of(
     steps (data wait + step). ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`.
     """
     p = pack_rows(rows, slowest, slow_floor_ms, walls)
-    wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
-    samples = [g.samples for g in p.groups if g.samples is not None]
-    tokens = [g.tokens for g in p.groups if g.tokens is not None]
-    flops = [g.flops for g in p.groups if g.flops is not None]
+    t = Tally()
+    t.add(p.groups)
+    r = rates(t.wall_ms, t.steps, t.samples, t.tokens, t.flops, peak_tflops)
     stats = p.stats()
-    ok = wall_s > 0
-    timed_sum: dict[str, float] = {}
-    timed_cycle_ms = add_timed_host(p.groups, timed_sum)
     gpu_sum = {name: p.sum_ms[k] for k, (clock, name) in enumerate(p.series) if clock == "gpu" and p.count[k]}
-    share_clock, share_of = shares(gpu_sum, timed_sum, timed_cycle_ms)
+    share_clock, share_of = shares(gpu_sum, t.timed_sum_ms, t.timed_wall_ms)
     share_of = {n: v for n, v in share_of.items() if (share_clock, n) in stats}  # rows the window has
-    tflops_per_s = sum(flops) / wall_s / 1e12 if flops and ok else None
     return Window(
         step=last_step,
         steps=rows.count,
         host={name: st for (clock, name), st in stats.items() if clock == "host"},
         gpu={name: st for (clock, name), st in stats.items() if clock == "gpu"},
-        hists=_Hists(p),
         caught={name: st.mean_ms for (clock, name), st in stats.items() if clock == "caught"},
-        steps_per_s=rows.count / wall_s if ok else math.nan,
-        samples_per_s=sum(samples) / wall_s if samples and ok else None,
-        tokens_per_s=sum(tokens) / wall_s if tokens and ok else None,
-        tflops_per_s=tflops_per_s,
-        mfu=tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None,
+        steps_per_s=math.nan if r.steps_per_s is None else r.steps_per_s,
+        samples_per_s=r.samples_per_s,
+        tokens_per_s=r.tokens_per_s,
+        tflops_per_s=r.tflops_per_s,
+        mfu=r.mfu,
         warmup=rows.warmup,
         packed=p,
         memory=memory_of(rows.memory),
