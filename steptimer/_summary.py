@@ -255,7 +255,7 @@ class SummaryAccumulator(Tally):
             self.memory = window.memory if self.memory is None else self.memory.merged(window.memory)
         for key, h in p.histograms().items():
             self.hists.setdefault(key, LogHistogram()).merge(h)
-        self.add(p.groups)
+        self.merge(p.tally)
         return kept
 
     def summary(

@@ -127,32 +127,6 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
         yield _Block(lay.names, a[:, :LEAD], d, np.where(np.isnan(gap), 0.0, gap) * 1e3), lay.series
 
 
-class GroupTotals(NamedTuple):
-    """Sums over the rows of one layout in a window."""
-
-    names: tuple[str, ...] | None  # the layout's phase entries; None for untimed steps
-    series: list[tuple[str, str]]  # the layout's series
-    rows: int
-    cycle_ms: float  # step + data wait before it
-    samples: float | None  # None: no step gave samples
-    tokens: float | None
-    flops: float | None
-    sums_ms: list[float]  # per layout series, NaN left out
-
-
-def add_timed_host(groups: list[GroupTotals], sums_ms: dict[str, float]) -> float:
-    """Add the timed steps' host series to ``sums_ms``; return their wall time (ms): host shares."""
-    cycle_ms = 0.0
-    for g in groups:
-        if g.names is None:
-            continue
-        cycle_ms += g.cycle_ms
-        for (clock, name), total in zip(g.series, g.sums_ms):
-            if clock == "host":
-                sums_ms[name] = sums_ms.get(name, 0.0) + total
-    return cycle_ms
-
-
 @dataclass
 class Tally:
     """Sums over steps, one window's or the run's (after warm-up): rates and host shares."""
@@ -167,21 +141,33 @@ class Tally:
     tokens: float | None = None
     flops: float | None = None
 
-    def add(self, groups: list[GroupTotals]) -> None:
-        for g in groups:
-            self.steps += g.rows
-            self.wall_ms += g.cycle_ms
-            if g.samples is not None:
-                self.samples = (self.samples or 0.0) + g.samples
-            if g.tokens is not None:
-                self.tokens = (self.tokens or 0.0) + g.tokens
-            if g.flops is not None:
-                self.flops = (self.flops or 0.0) + g.flops
-            if g.names is not None:
-                self.timed_steps += g.rows
-                for name in g.names:
-                    self.calls[name] = self.calls.get(name, 0) + g.rows
-        self.timed_wall_ms += add_timed_host(groups, self.timed_sum_ms)
+    @classmethod
+    def of_block(cls, blk: _Block, series: list[tuple[str, str]]) -> Tally:
+        lead, n = blk.lead, len(blk.lead)
+        wall_ms = float((lead[:, STEP_S] * 1e3 + blk.gap_ms).sum())
+        cs = lead[:, SAMPLES], lead[:, TOKENS], lead[:, FLOPS]
+        counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in cs]
+        if blk.names is None:
+            return cls(n, 0, wall_ms, 0.0, {}, {}, *counts)
+        t = cls(n, n, wall_ms, wall_ms, {}, {name: n * blk.names.count(name) for name in blk.names}, *counts)
+        for (clock, name), total in zip(series, np.nansum(blk.derived, axis=0).tolist()):
+            if clock == "host":
+                t.timed_sum_ms[name] = t.timed_sum_ms.get(name, 0.0) + total
+        return t
+
+    def merge(self, t: Tally) -> None:
+        self.steps += t.steps
+        self.timed_steps += t.timed_steps
+        self.wall_ms += t.wall_ms
+        self.timed_wall_ms += t.timed_wall_ms
+        for name, ms in t.timed_sum_ms.items():
+            self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + ms
+        for name, calls in t.calls.items():
+            self.calls[name] = self.calls.get(name, 0) + calls
+        self.samples, self.tokens, self.flops = (
+            mine if theirs is None else (mine or 0.0) + theirs
+            for mine, theirs in ((self.samples, t.samples), (self.tokens, t.tokens), (self.flops, t.flops))
+        )
 
 
 class Rates(NamedTuple):
@@ -221,7 +207,7 @@ class Packed:
         """``values[i]`` (not NaN) belongs to ``series[sid[i]]``; sorted ones are not sorted again."""
         nser = len(series)
         self.series = series
-        self.groups: list[GroupTotals] = []
+        self.tally = Tally()  # the window's sums
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
         self.arrive: dict[int, float] = {}  # by step: its arrival at its first collective, ms (_comm.py)
@@ -243,8 +229,7 @@ class Packed:
         combo = s * NUM_BUCKETS + b  # sorted: values are sorted within each series
         firsts = np.flatnonzero(np.concatenate(([len(v) > 0], combo[1:] != combo[:-1])))
         run_combo = combo[firsts]
-        self.run_series = run_combo // NUM_BUCKETS
-        self.run_bucket = run_combo - self.run_series * NUM_BUCKETS
+        self.run_bucket = run_combo % NUM_BUCKETS
         self.run_count = np.diff(np.append(firsts, len(combo)))
         self.bounds: list[int] = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
 
@@ -277,22 +262,17 @@ class Packed:
 
 
 def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, walls: bool = False) -> Packed:
-    """A window's statistics and per-layout totals; outside warm-up, with ``slowest`` its k slowest
+    """A window's statistics and sums; outside warm-up, with ``slowest`` its k slowest
     steps slower than ``floor_ms`` (``Packed.slow``), with ``walls`` its steps' wall times."""
     index: dict[tuple[str, str], int] = {}
-    vals, sids, totals = [], [], []
+    vals, sids, tally = [], [], Tally()
     blocks = list(_blocks(rows))
     for blk, series in blocks:
         cols = np.array([index.setdefault(s, len(index)) for s in series], dtype=np.int64)
         # Sorted per series (NaN last, left out below): one layout then needs no lexsort (~1 ms/1000 steps).
         vals.append(np.sort(blk.derived, axis=0).T.ravel())
         sids.append(np.repeat(cols, len(blk.derived)))
-        lead = blk.lead
-        cs = [lead[:, SAMPLES], lead[:, TOKENS], lead[:, FLOPS]]
-        counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in cs]
-        cycle_ms = float((lead[:, STEP_S] * 1e3 + blk.gap_ms).sum())
-        sums_ms = np.nansum(blk.derived, axis=0).tolist()
-        totals.append(GroupTotals(blk.names, series, len(lead), cycle_ms, *counts, sums_ms))
+        tally.merge(Tally.of_block(blk, series))
     for gpu, clock in ((True, "gpu"), (False, "host")):  # a watched DDP model's rows (_comm.py)
         pairs = [c[2:4] for c in rows.comm if c[1] == gpu]
         if pairs:
@@ -303,7 +283,7 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
     sid = np.concatenate(sids) if sids else np.zeros(0, dtype=np.int64)
     keep = ~np.isnan(values)
     p = Packed(list(index), values[keep], sid[keep])
-    p.groups = totals
+    p.tally = tally
     p.arrive = {c[0]: c[4] for c in rows.comm if c[4] is not None}
     untimed_slow = any("untimed" in m for m in rows.marks.values())  # host walls, beyond a GPU bound
     if slowest and not rows.warmup and (untimed_slow or _may_beat(p, index, floor_ms)):
@@ -370,8 +350,7 @@ def window_of(
     steps (data wait + step). ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`.
     """
     p = pack_rows(rows, slowest, slow_floor_ms, walls)
-    t = Tally()
-    t.add(p.groups)
+    t = p.tally
     r = rates(t.wall_ms, t.steps, t.samples, t.tokens, t.flops, peak_tflops)
     stats = p.stats()
     gpu_sum = {name: p.sum_ms[k] for k, (clock, name) in enumerate(p.series) if clock == "gpu" and p.count[k]}
