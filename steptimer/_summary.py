@@ -263,8 +263,7 @@ class SummaryAccumulator(Tally):
         traces: dict[int, str] | None = None,
     ) -> Summary:  # fmt: skip
         caught = {n: h.mean_ms for n, h in self._of("caught").items()}
-        host = {n: Series(SeriesStats.of(h), h) for n, h in self.host.items()}
-        gpu = {n: Series(SeriesStats.of(h), h) for n, h in self.gpu.items()}
+        host, gpu = ({n: Series(SeriesStats.of(h), h) for n, h in self._of(c).items()} for c in ("host", "gpu"))
         totals = Totals(
             list(self.calls), host, gpu, caught, self.steps, self.timed_steps, self.wall_ms, self.timed_sum_ms,
             self.timed_wall_ms, self.calls, self.samples, self.tokens, self.flops,

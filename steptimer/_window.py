@@ -143,6 +143,7 @@ class Tally:
 
     @classmethod
     def of_block(cls, blk: _Block, series: list[tuple[str, str]]) -> Tally:
+        """The sums of one layout's steps in a window."""
         lead, n = blk.lead, len(blk.lead)
         wall_ms = float((lead[:, STEP_S] * 1e3 + blk.gap_ms).sum())
         cs = lead[:, SAMPLES], lead[:, TOKENS], lead[:, FLOPS]
@@ -198,7 +199,7 @@ UPPER_MS = np.array([bucket_upper_ms(i) for i in range(NUM_BUCKETS)])
 
 
 class Packed:
-    """A window's statistics as arrays, entry ``k`` for series ``series[k]``, and its histograms as runs
+    """A window's statistics as arrays, entry ``k`` for series ``series[k]``, its histograms as runs
     of one bucket sorted by (series, bucket): ``bounds[k]:bounds[k + 1]`` are series ``k``'s runs.
     One sort by (series, value) gives the quantiles, and the histograms' bins come out sorted with it.
     """
