@@ -298,15 +298,10 @@ def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> 
     """Can a step be slower than ``floor_ms``? At most max GPU step + idle, or host step + data + loop."""
     if floor_ms == -math.inf:
         return True
-    keys = [("gpu", "step"), ("gpu", "idle")]
-    if keys[0] not in index or not p.count[index[keys[0]]]:
-        keys = [("host", "step"), ("host", "data"), ("host", "loop")]
-    bound = 0.0
-    for key in keys:
-        k = index.get(key)
-        if k is not None and p.count[k]:
-            bound += p.max_ms[k]
-    return bound > floor_ms
+    top = {key: p.max_ms[k] for key, k in index.items() if p.count[k]}
+    gpu = ("gpu", "step") in top
+    keys = [("gpu", "step"), ("gpu", "idle")] if gpu else [("host", "step"), ("host", "data"), ("host", "loop")]
+    return sum(top.get(key, 0.0) for key in keys) > floor_ms
 
 
 @dataclass(frozen=True)
