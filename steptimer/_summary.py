@@ -71,9 +71,7 @@ class RankSummary:
             f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms{mem}):",
             f"  {'series':<28} {'min (rank)':>16} {'mean':>10} {'max (rank)':>16}",
         ]
-        rows: list[tuple[str, RankSpread]] = []
-        if self.straggler is not None:
-            rows.append(("straggler: data+step-bwd", self.straggler))
+        rows = [("straggler: data+step-bwd", self.straggler)] if self.straggler is not None else []
         rows += [(f"{c} {n}" + (" MiB" if c == "mem" else ""), s) for (c, n), s in self.series.items()]
         for label, s in rows:
             out.append(
