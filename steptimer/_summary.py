@@ -1,6 +1,6 @@
 """The run summary: per-phase statistics over every step after warm-up. One :func:`summarize` serves
-the live run (:class:`SummaryAccumulator`: windows merge by adding bucket counts on the fixed grid, so
-memory stays bounded) and ``steptimer report`` (``_report.py``: the same totals from the logs).
+the live run (:class:`SummaryAccumulator`: the windows' histograms merged, so memory stays bounded)
+and ``steptimer report`` (``_report.py``: the same totals from the logs).
 """
 
 from __future__ import annotations
@@ -10,15 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from steptimer._energy import Energy
 from steptimer._format import num, pct
-from steptimer._histogram import NUM_BUCKETS, LogHistogram, SeriesStats
+from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
 from steptimer._slow import Candidate, SlowestKeeper, SlowStep
 from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, PhaseSummary, ShareClock, Verdict, shares, verdict
-from steptimer._window import Packed, Window, add_timed_host
+from steptimer._window import Tally, Window, rates
 
 
 @dataclass(frozen=True)
@@ -73,9 +71,7 @@ class RankSummary:
             f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms{mem}):",
             f"  {'series':<28} {'min (rank)':>16} {'mean':>10} {'max (rank)':>16}",
         ]
-        rows: list[tuple[str, RankSpread]] = []
-        if self.straggler is not None:
-            rows.append(("straggler: data+step-bwd", self.straggler))
+        rows = [("straggler: data+step-bwd", self.straggler)] if self.straggler is not None else []
         rows += [(f"{c} {n}" + (" MiB" if c == "mem" else ""), s) for (c, n), s in self.series.items()]
         for label, s in rows:
             out.append(
@@ -203,17 +199,10 @@ def summarize(t: Totals, *, cuda: bool | None = None, peak_tflops: float | None 
                 h and h.hist, g and g.hist, h.window_means_ms if h else (), g.window_means_ms if g else (),
             )
         )  # fmt: skip
-    wall_s = t.wall_ms / 1e3
-
-    def per_s(x: float | None) -> float | None:
-        return x / wall_s if x is not None and wall_s > 0 else None
-
-    tflops_per_s = None if t.flops is None else per_s(t.flops / 1e12)
+    r = rates(t.wall_ms, t.steps, t.samples, t.tokens, t.flops, peak_tflops)
     return Summary(
         steps=t.steps, timed_steps=t.timed_steps, cuda=bool(t.gpu) if cuda is None else cuda, rows=tuple(rows),
-        steps_per_s=per_s(t.steps), samples_per_s=per_s(t.samples), tokens_per_s=per_s(t.tokens),
-        tflops_per_s=tflops_per_s, peak_tflops=peak_tflops, share_clock=clock,
-        mfu=tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None,
+        **r._asdict(), peak_tflops=peak_tflops, share_clock=clock,
         verdict=verdict(rows, clock == "gpu") if t.timed_steps else None, **more,
     )  # fmt: skip
 
@@ -233,102 +222,49 @@ def row_order(seen: list[str], present: set[str] | dict[str, object]) -> list[st
     )
 
 
-class SummaryAccumulator:
-    """Run-long, bounded accumulation of the windows' steps (after warm-up) for the summary."""
+class SummaryAccumulator(Tally):
+    """Run-long, bounded accumulation of the windows' steps (after warm-up) for the summary: the
+    windows' histograms merge by adding bucket counts on the fixed grid."""
 
     def __init__(self, slowest: int = 0) -> None:
+        super().__init__()
         self.slow = SlowestKeeper(slowest)  # the run's k slowest steps (k entries at most)
-        # One row of bucket counts per series, on the fixed grid: adding a window is one np.add.at.
-        self._rows: dict[tuple[str, str], int] = {}
-        self._counts = np.zeros((0, NUM_BUCKETS), dtype=np.int64)
-        self._exact = np.zeros((0, 5))  # count, sum, sum of squares, min, max
-        self.calls: dict[str, int] = {}
-        self.order: dict[str, None] = {}
-        self.steps = 0
-        self.timed_steps = 0
-        self.cycle_ms = 0.0
-        self.timed_cycle_ms = 0.0
-        self.timed_sum_ms: dict[str, float] = {}  # host series over the timed steps
-        self.samples: float | None = None
-        self.tokens: float | None = None
-        self.flops: float | None = None
+        self.hists: dict[tuple[str, str], LogHistogram] = {}  # by (clock, name), "caught" included
         self.memory: MemoryStats | None = None
 
     @property
     def host(self) -> dict[str, LogHistogram]:
-        return self._histograms("host")
+        return self._of("host")
 
     @property
     def gpu(self) -> dict[str, LogHistogram]:
-        return self._histograms("gpu")
+        return self._of("gpu")
 
-    def _histograms(self, clock: str) -> dict[str, LogHistogram]:
-        out = {}
-        for (kind, name), r in self._rows.items():
-            if kind == clock:
-                nz = np.flatnonzero(self._counts[r])
-                n, *exact = self._exact[r].tolist()
-                counts = dict(zip(nz.tolist(), self._counts[r, nz].tolist()))
-                out[name] = LogHistogram(counts, int(n), *exact)
-        return out
+    def _of(self, clock: str) -> dict[str, LogHistogram]:
+        return {name: h for (c, name), h in self.hists.items() if c == clock}
 
     def add_window(self, window: Window) -> list[Candidate]:
         """Add a window's steps (not a warm-up window's); return those that entered the run's slowest."""
         p = window.packed
-        if window.warmup or p is None:
+        if window.warmup:
             return []
         kept = self.slow.add(p.slow) if p.slow else []
         if window.memory is not None:
             self.memory = window.memory if self.memory is None else self.memory.merged(window.memory)
-        self._add_histograms(p)
-        for g in p.groups:
-            self.steps += g.rows
-            self.cycle_ms += g.cycle_ms
-            if g.samples is not None:
-                self.samples = (self.samples or 0.0) + g.samples
-            if g.tokens is not None:
-                self.tokens = (self.tokens or 0.0) + g.tokens
-            if g.flops is not None:
-                self.flops = (self.flops or 0.0) + g.flops
-            if g.names is None:
-                continue
-            for name in g.names:
-                self.order.setdefault(name, None)
-                self.calls[name] = self.calls.get(name, 0) + g.rows
-            self.timed_steps += g.rows
-        self.timed_cycle_ms += add_timed_host(p.groups, self.timed_sum_ms)
+        for key, h in p.histograms().items():
+            self.hists.setdefault(key, LogHistogram()).merge(h)
+        self.merge(p.tally)
         return kept
-
-    def _add_histograms(self, p: Packed) -> None:
-        rows = self._rows
-        for key, c in zip(p.series, p.count):
-            if c and key not in rows:
-                rows[key] = len(rows)
-        new = len(rows) - len(self._counts)
-        if new:  # a new series: a few times per run
-            self._counts = np.vstack([self._counts, np.zeros((new, NUM_BUCKETS), dtype=np.int64)])
-            empty = np.tile([0.0, 0.0, 0.0, math.inf, -math.inf], (new, 1))
-            self._exact = np.vstack([self._exact, empty])
-        gs = np.array([rows[key] if c else -1 for key, c in zip(p.series, p.count)], dtype=np.int64)
-        np.add.at(self._counts, (gs[p.run_series], p.run_bucket), p.run_count)
-        present = np.flatnonzero(p.count)
-        gp = gs[present]
-        ex = self._exact
-        new_ex = np.array([p.count, p.sum_ms, p.sumsq_ms, p.min_ms, p.max_ms])[:, present]
-        ex[gp, :3] += new_ex[:3].T
-        ex[gp, 3] = np.minimum(ex[gp, 3], new_ex[3])
-        ex[gp, 4] = np.maximum(ex[gp, 4], new_ex[4])
 
     def summary(
         self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = (), peak_tflops: float | None = None,
         traces: dict[int, str] | None = None,
     ) -> Summary:  # fmt: skip
-        caught = {n: h.mean_ms for n, h in self._histograms("caught").items()}
-        host = {n: Series(SeriesStats.of(h), h) for n, h in self.host.items()}
-        gpu = {n: Series(SeriesStats.of(h), h) for n, h in self.gpu.items()}
+        caught = {n: h.mean_ms for n, h in self._of("caught").items()}
+        host, gpu = ({n: Series(SeriesStats.of(h), h) for n, h in self._of(c).items()} for c in ("host", "gpu"))
         totals = Totals(
-            list(self.order), host, gpu, caught, self.steps, self.timed_steps, self.cycle_ms, self.timed_sum_ms,
-            self.timed_cycle_ms, self.calls, self.samples, self.tokens, self.flops,
+            list(self.calls), host, gpu, caught, self.steps, self.timed_steps, self.wall_ms, self.timed_sum_ms,
+            self.timed_wall_ms, self.calls, self.samples, self.tokens, self.flops,
         )  # fmt: skip
         s = summarize(totals, cuda=cuda, peak_tflops=peak_tflops, warmup_steps=warmup_steps, notes=notes)
         # A slow step is read against the run's median of each row on each clock.

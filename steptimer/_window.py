@@ -127,30 +127,71 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
         yield _Block(lay.names, a[:, :LEAD], d, np.where(np.isnan(gap), 0.0, gap) * 1e3), lay.series
 
 
-class GroupTotals(NamedTuple):
-    """Sums over the rows of one layout in a window."""
+@dataclass
+class Tally:
+    """Sums over steps, one window's or the run's (after warm-up): rates and host shares."""
 
-    names: tuple[str, ...] | None  # the layout's phase entries; None for untimed steps
-    series: list[tuple[str, str]]  # the layout's series
-    rows: int
-    cycle_ms: float  # step + data wait before it
-    samples: float | None  # None: no step gave samples
-    tokens: float | None
-    flops: float | None
-    sums_ms: list[float]  # per layout series, NaN left out
+    steps: int = 0
+    timed_steps: int = 0
+    wall_ms: float = 0.0  # data wait + step
+    timed_wall_ms: float = 0.0
+    timed_sum_ms: dict[str, float] = field(default_factory=dict)  # host series over the timed steps
+    calls: dict[str, int] = field(default_factory=dict)  # entries per phase, first seen first
+    samples: float | None = None  # None: no step gave samples
+    tokens: float | None = None
+    flops: float | None = None
 
-
-def add_timed_host(groups: list[GroupTotals], sums_ms: dict[str, float]) -> float:
-    """Add the timed steps' host series to ``sums_ms``; return their wall time (ms): host shares."""
-    cycle_ms = 0.0
-    for g in groups:
-        if g.names is None:
-            continue
-        cycle_ms += g.cycle_ms
-        for (clock, name), total in zip(g.series, g.sums_ms):
+    @classmethod
+    def of_block(cls, blk: _Block, series: list[tuple[str, str]]) -> Tally:
+        """The sums of one layout's steps in a window."""
+        lead, n = blk.lead, len(blk.lead)
+        wall_ms = float((lead[:, STEP_S] * 1e3 + blk.gap_ms).sum())
+        cs = lead[:, SAMPLES], lead[:, TOKENS], lead[:, FLOPS]
+        counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in cs]
+        if blk.names is None:
+            return cls(n, 0, wall_ms, 0.0, {}, {}, *counts)
+        t = cls(n, n, wall_ms, wall_ms, {}, {name: n * blk.names.count(name) for name in blk.names}, *counts)
+        for (clock, name), total in zip(series, np.nansum(blk.derived, axis=0).tolist()):
             if clock == "host":
-                sums_ms[name] = sums_ms.get(name, 0.0) + total
-    return cycle_ms
+                t.timed_sum_ms[name] = t.timed_sum_ms.get(name, 0.0) + total
+        return t
+
+    def merge(self, t: Tally) -> None:
+        self.steps += t.steps
+        self.timed_steps += t.timed_steps
+        self.wall_ms += t.wall_ms
+        self.timed_wall_ms += t.timed_wall_ms
+        for name, ms in t.timed_sum_ms.items():
+            self.timed_sum_ms[name] = self.timed_sum_ms.get(name, 0.0) + ms
+        for name, calls in t.calls.items():
+            self.calls[name] = self.calls.get(name, 0) + calls
+        self.samples, self.tokens, self.flops = (
+            mine if theirs is None else (mine or 0.0) + theirs
+            for mine, theirs in ((self.samples, t.samples), (self.tokens, t.tokens), (self.flops, t.flops))
+        )
+
+
+class Rates(NamedTuple):
+    steps_per_s: float | None
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    tflops_per_s: float | None
+    mfu: float | None  # tflops_per_s over peak_tflops
+
+
+def rates(
+    wall_ms: float, steps: float, samples: float | None, tokens: float | None, flops: float | None,
+    peak_tflops: float | None,
+) -> Rates:  # fmt: skip
+    """Per second of ``wall_ms`` (None: no wall time, or none given)."""
+    wall_s = wall_ms / 1e3
+
+    def per_s(x: float | None) -> float | None:
+        return x / wall_s if x is not None and wall_s > 0 else None
+
+    tflops_per_s = None if flops is None else per_s(flops / 1e12)
+    mfu = tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None
+    return Rates(per_s(steps), per_s(samples), per_s(tokens), tflops_per_s, mfu)
 
 
 _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
@@ -158,7 +199,7 @@ UPPER_MS = np.array([bucket_upper_ms(i) for i in range(NUM_BUCKETS)])
 
 
 class Packed:
-    """A window's statistics as arrays, entry ``k`` for series ``series[k]``, and its histograms as runs
+    """A window's statistics as arrays, entry ``k`` for series ``series[k]``, its histograms as runs
     of one bucket sorted by (series, bucket): ``bounds[k]:bounds[k + 1]`` are series ``k``'s runs.
     One sort by (series, value) gives the quantiles, and the histograms' bins come out sorted with it.
     """
@@ -167,7 +208,7 @@ class Packed:
         """``values[i]`` (not NaN) belongs to ``series[sid[i]]``; sorted ones are not sorted again."""
         nser = len(series)
         self.series = series
-        self.groups: list[GroupTotals] = []
+        self.tally = Tally()  # the window's sums
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
         self.arrive: dict[int, float] = {}  # by step: its arrival at its first collective, ms (_comm.py)
@@ -189,19 +230,20 @@ class Packed:
         combo = s * NUM_BUCKETS + b  # sorted: values are sorted within each series
         firsts = np.flatnonzero(np.concatenate(([len(v) > 0], combo[1:] != combo[:-1])))
         run_combo = combo[firsts]
-        self.run_series = run_combo // NUM_BUCKETS
-        self.run_bucket = run_combo - self.run_series * NUM_BUCKETS
+        self.run_bucket = run_combo % NUM_BUCKETS
         self.run_count = np.diff(np.append(firsts, len(combo)))
         self.bounds: list[int] = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
 
-    def histogram(self, k: int) -> LogHistogram:
-        h = LogHistogram()
-        a, b = self.bounds[k], self.bounds[k + 1]
-        h.counts = dict(zip(self.run_bucket[a:b].tolist(), self.run_count[a:b].tolist()))
-        h.count = self.count[k]
-        h.sum_ms, h.sumsq_ms = self.sum_ms[k], self.sumsq_ms[k]
-        h.min_ms, h.max_ms = self.min_ms[k], self.max_ms[k]
-        return h
+    def histograms(self) -> dict[tuple[str, str], LogHistogram]:
+        """Per non-empty series (``caught`` included), its histogram."""
+        buckets, counts, b = self.run_bucket.tolist(), self.run_count.tolist(), self.bounds
+        out = {}
+        for k, key in enumerate(self.series):
+            if self.count[k]:
+                runs = dict(zip(buckets[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]))
+                exact = self.count[k], self.sum_ms[k], self.sumsq_ms[k], self.min_ms[k], self.max_ms[k]
+                out[key] = LogHistogram(runs, *exact)
+        return out
 
     def stats(self) -> dict[tuple[str, str], SeriesStats]:
         out = {}
@@ -220,40 +262,18 @@ class Packed:
                 yield key, k, limits[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]
 
 
-class _Hists(Mapping[tuple[str, str], LogHistogram]):
-    """A window's histograms by ``(clock, name)``, each built from the packed runs when read."""
-
-    def __init__(self, packed: Packed) -> None:
-        self._p = packed
-        self._index = {key: k for k, key in enumerate(packed.series) if packed.count[k] and key[0] != "caught"}
-
-    def __getitem__(self, key: tuple[str, str]) -> LogHistogram:
-        return self._p.histogram(self._index[key])
-
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        return iter(self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-
 def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, walls: bool = False) -> Packed:
-    """A window's statistics and per-layout totals; outside warm-up, with ``slowest`` its k slowest
+    """A window's statistics and sums; outside warm-up, with ``slowest`` its k slowest
     steps slower than ``floor_ms`` (``Packed.slow``), with ``walls`` its steps' wall times."""
     index: dict[tuple[str, str], int] = {}
-    vals, sids, totals = [], [], []
+    vals, sids, tally = [], [], Tally()
     blocks = list(_blocks(rows))
     for blk, series in blocks:
         cols = np.array([index.setdefault(s, len(index)) for s in series], dtype=np.int64)
         # Sorted per series (NaN last, left out below): one layout then needs no lexsort (~1 ms/1000 steps).
         vals.append(np.sort(blk.derived, axis=0).T.ravel())
         sids.append(np.repeat(cols, len(blk.derived)))
-        lead = blk.lead
-        cs = [lead[:, SAMPLES], lead[:, TOKENS], lead[:, FLOPS]]
-        counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in cs]
-        cycle_ms = float((lead[:, STEP_S] * 1e3 + blk.gap_ms).sum())
-        sums_ms = np.nansum(blk.derived, axis=0).tolist()
-        totals.append(GroupTotals(blk.names, series, len(lead), cycle_ms, *counts, sums_ms))
+        tally.merge(Tally.of_block(blk, series))
     for gpu, clock in ((True, "gpu"), (False, "host")):  # a watched DDP model's rows (_comm.py)
         pairs = [c[2:4] for c in rows.comm if c[1] == gpu]
         if pairs:
@@ -264,7 +284,7 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
     sid = np.concatenate(sids) if sids else np.zeros(0, dtype=np.int64)
     keep = ~np.isnan(values)
     p = Packed(list(index), values[keep], sid[keep])
-    p.groups = totals
+    p.tally = tally
     p.arrive = {c[0]: c[4] for c in rows.comm if c[4] is not None}
     untimed_slow = any("untimed" in m for m in rows.marks.values())  # host walls, beyond a GPU bound
     if slowest and not rows.warmup and (untimed_slow or _may_beat(p, index, floor_ms)):
@@ -278,33 +298,26 @@ def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> 
     """Can a step be slower than ``floor_ms``? At most max GPU step + idle, or host step + data + loop."""
     if floor_ms == -math.inf:
         return True
-    keys = [("gpu", "step"), ("gpu", "idle")]
-    if keys[0] not in index or not p.count[index[keys[0]]]:
-        keys = [("host", "step"), ("host", "data"), ("host", "loop")]
-    bound = 0.0
-    for key in keys:
-        k = index.get(key)
-        if k is not None and p.count[k]:
-            bound += p.max_ms[k]
-    return bound > floor_ms
+    top = {key: p.max_ms[k] for key, k in index.items() if p.count[k]}
+    gpu = ("gpu", "step") in top
+    keys = [("gpu", "step"), ("gpu", "idle")] if gpu else [("host", "step"), ("host", "data"), ("host", "loop")]
+    return sum(top.get(key, 0.0) for key in keys) > floor_ms
 
 
 @dataclass(frozen=True)
 class Window:
     """What is written every ``log_every_n_steps`` steps: statistics of the steps in the window.
-
-    ``hists`` maps ``("host"|"gpu", name)`` to its per-step histogram (run-long quantiles can be
-    recovered from them). ``warmup``: its steps are warm-up steps, left out of the summary.
+    ``warmup``: its steps are warm-up steps, left out of the summary.
     """
 
     step: int
     steps: int
     host: Mapping[str, SeriesStats]
     gpu: Mapping[str, SeriesStats]
-    hists: Mapping[tuple[str, str], LogHistogram]  # host and GPU series
     steps_per_s: float
     samples_per_s: float | None
     tokens_per_s: float | None
+    packed: Packed = field(repr=False, compare=False)  # the statistics as arrays, for the summary
     warmup: bool = False
     # TFLOP/s over the same wall time as samples_per_s, and its fraction of the peak (None: none)
     tflops_per_s: float | None = None
@@ -314,12 +327,15 @@ class Window:
     caught: Mapping[str, float] = field(default_factory=dict)
     # More scalars by tag, written as they are (cross-rank statistics: _dist.py).
     extra: Mapping[str, float] = field(default_factory=dict)
-    # The statistics as arrays, for the summary (None: a window built elsewhere).
-    packed: Packed | None = field(default=None, repr=False, compare=False)
     memory: MemoryStats | None = None  # CUDA memory of the window's timed steps (None: not read)
     # Each top-level row's part of the window's wall time, on ``share_clock`` (_verdict.py).
     shares: Mapping[str, float] = field(default_factory=dict)
     share_clock: ShareClock = "host"
+
+    @property
+    def hists(self) -> dict[tuple[str, str], LogHistogram]:
+        """Per ``("host"|"gpu", name)``, its per-step histogram (built when read)."""
+        return {key: h for key, h in self.packed.histograms().items() if key[0] != "caught"}
 
 
 def window_of(
@@ -330,30 +346,23 @@ def window_of(
     steps (data wait + step). ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`.
     """
     p = pack_rows(rows, slowest, slow_floor_ms, walls)
-    wall_s = sum(g.cycle_ms for g in p.groups) / 1e3
-    samples = [g.samples for g in p.groups if g.samples is not None]
-    tokens = [g.tokens for g in p.groups if g.tokens is not None]
-    flops = [g.flops for g in p.groups if g.flops is not None]
+    t = p.tally
+    r = rates(t.wall_ms, t.steps, t.samples, t.tokens, t.flops, peak_tflops)
     stats = p.stats()
-    ok = wall_s > 0
-    timed_sum: dict[str, float] = {}
-    timed_cycle_ms = add_timed_host(p.groups, timed_sum)
     gpu_sum = {name: p.sum_ms[k] for k, (clock, name) in enumerate(p.series) if clock == "gpu" and p.count[k]}
-    share_clock, share_of = shares(gpu_sum, timed_sum, timed_cycle_ms)
+    share_clock, share_of = shares(gpu_sum, t.timed_sum_ms, t.timed_wall_ms)
     share_of = {n: v for n, v in share_of.items() if (share_clock, n) in stats}  # rows the window has
-    tflops_per_s = sum(flops) / wall_s / 1e12 if flops and ok else None
     return Window(
         step=last_step,
         steps=rows.count,
         host={name: st for (clock, name), st in stats.items() if clock == "host"},
         gpu={name: st for (clock, name), st in stats.items() if clock == "gpu"},
-        hists=_Hists(p),
         caught={name: st.mean_ms for (clock, name), st in stats.items() if clock == "caught"},
-        steps_per_s=rows.count / wall_s if ok else math.nan,
-        samples_per_s=sum(samples) / wall_s if samples and ok else None,
-        tokens_per_s=sum(tokens) / wall_s if tokens and ok else None,
-        tflops_per_s=tflops_per_s,
-        mfu=tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None,
+        steps_per_s=math.nan if r.steps_per_s is None else r.steps_per_s,
+        samples_per_s=r.samples_per_s,
+        tokens_per_s=r.tokens_per_s,
+        tflops_per_s=r.tflops_per_s,
+        mfu=r.mfu,
         warmup=rows.warmup,
         packed=p,
         memory=memory_of(rows.memory),

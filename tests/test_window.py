@@ -9,7 +9,7 @@ import pytest
 
 from steptimer._histogram import LogHistogram, bucket_index
 from steptimer._verdict import host_shares
-from steptimer._window import StepRows, Window, add_timed_host, pack_rows, window_of
+from steptimer._window import StepRows, Window, pack_rows, window_of
 
 NAN = math.nan
 
@@ -121,10 +121,7 @@ def test_without_a_loader_the_time_between_steps_is_loop() -> None:
 
 
 def _host_shares(w: Window) -> dict[str, float]:
-    assert w.packed is not None
-    sums: dict[str, float] = {}
-    cycle = add_timed_host(w.packed.groups, sums)
-    return host_shares(sums, cycle)
+    return host_shares(w.packed.tally.timed_sum_ms, w.packed.tally.timed_wall_ms)
 
 
 def test_series_without_values_are_left_out() -> None:
