@@ -1,4 +1,5 @@
-"""Ratio math and table formatting for the benchmarks: pure Python, no torch, tested on CPU.
+"""Ratio math, table formatting and a sink that keeps windows, for the benchmarks: pure Python, no
+torch, tested on CPU.
 
 The overhead benchmark alternates variants in short blocks (A B A B ...) so that drift in clocks,
 temperature or the host's other load hits every variant alike; it compares each variant's block with
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -160,3 +162,16 @@ def round_order(variants: Sequence[str], k: int) -> list[str]:
     r = (k // 2) % n
     order = list(variants[r:]) + list(variants[:r])
     return order[::-1] if k % 2 else order
+
+
+class KeptWindows:
+    """A steptimer sink that keeps the windows it is handed (what TensorBoard gets)."""
+
+    def __init__(self) -> None:
+        self.windows: list[Any] = []
+
+    def write_window(self, window: Any) -> None:
+        self.windows.append(window)
+
+    def close(self, summary: Any) -> None:
+        pass

@@ -39,6 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._stats import KeptWindows  # noqa: E402
 from bench.gpt import PRESETS, Trainer  # noqa: E402
 from bench.gpt_ddp import train  # noqa: E402
 from steptimer import StepTimer  # noqa: E402
@@ -87,19 +88,6 @@ def sleeper(ms: float, cuda: bool) -> Any:
     end.synchronize()
     cycles = int(ms * 10**7 / start.elapsed_time(end))
     return lambda *_: torch.cuda._sleep(cycles)
-
-
-class _Windows:
-    """A sink that keeps the windows (what TensorBoard gets)."""
-
-    def __init__(self) -> None:
-        self.windows: list[Any] = []
-
-    def write_window(self, window: Any) -> None:
-        self.windows.append(window)
-
-    def close(self, summary: Any) -> None:
-        pass
 
 
 def cupti_ms(trace_path: str, steps: int) -> dict[str, float]:
@@ -156,7 +144,7 @@ def run_config(name: str, cfg: Any, bucket_mb: float, a: argparse.Namespace, dev
     ddp = torch.nn.parallel.DistributedDataParallel(
         t.model, device_ids=[device.index] if cuda else None, bucket_cap_mb=bucket_mb
     )
-    sink = _Windows()
+    sink = KeptWindows()
     timer = StepTimer._make(sinks=[sink], log_every_n_steps=a.profiled, warmup_steps=a.iters - 2 * a.profiled,
                             print_summary=False)  # fmt: skip
     if name.endswith("-stock"):

@@ -17,8 +17,8 @@ Three measurements, each in one process on one GPU:
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 import tempfile
 import time
 from collections.abc import Callable

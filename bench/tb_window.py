@@ -18,23 +18,13 @@ import tempfile
 import time
 from typing import Any
 
+from bench._stats import KeptWindows
 from steptimer import StepTimer
 from steptimer._tensorboard import TensorBoardSink
 
 
-class _Keep:
-    def __init__(self) -> None:
-        self.windows: list[Any] = []
-
-    def write_window(self, window: Any) -> None:
-        self.windows.append(window)
-
-    def close(self, summary: Any) -> None:
-        pass
-
-
 def windows(n: int) -> list[Any]:
-    keep = _Keep()
+    keep = KeptWindows()
     t = StepTimer._make(cuda=False, log_every_n_steps=50, warmup_steps=0, print_summary=False, sinks=[keep])
     for _ in range(50 * n):
         with t.step(samples=64, tokens=8192):

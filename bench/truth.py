@@ -206,7 +206,8 @@ def _per_step(rows: Any) -> list[Any]:
     for blk, series in _blocks(rows):
         for i, (number, samples) in enumerate(blk.lead[:, [NUMBER, SAMPLES]].tolist()):
             host, gpu = row_values(blk, series, i)
-            out.append(SimpleNamespace(number=int(number), host_ms=host, gpu_ms=gpu or None, timed=blk.names is not None,
+            out.append(SimpleNamespace(number=int(number), host_ms=host, gpu_ms=gpu or None,
+                                       timed=blk.names is not None,
                                        samples=None if samples != samples else samples))  # fmt: skip
     return sorted(out, key=lambda st: st.number)
 
