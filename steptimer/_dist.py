@@ -27,6 +27,7 @@ log = logging.getLogger("steptimer")
 
 DEFAULT_TIMEOUT_S = 300.0
 STRAGGLER = "straggler"  # data + step - backward: under DDP the top-level backward holds the wait
+ENERGY = ("joules_per_step", "watts")  # a rank's GPU energy in a round: a window's, or the run's
 MAX_SLOTS = 4096  # a window's last steps whose arrivals at the first collective ride in a round
 # The rank last to the collective stood out: last in this part of the steps, by LAST_MIN_MS or more.
 LAST_SHARE = 2 / 3
@@ -116,6 +117,22 @@ def series_values(x: Window | SummaryAccumulator | None) -> dict[str, float] | N
     return out
 
 
+def energy_values(e: Any) -> dict[str, float] | None:
+    """An :class:`~steptimer._energy.Energy` as the round's ``ENERGY`` values (None: no reading)."""
+    return None if e is None else {"joules_per_step": e.joules_per_step, "watts": e.watts}
+
+
+def energy_scalars(spread: Mapping[str, RankSpread]) -> dict[str, float]:
+    """The ranks' energy tags of one window: each value's min, mean, max, sum and the rank with the max."""
+    out = {}
+    for key, s in spread.items():
+        stats = (("min", s.min_ms), ("mean", s.mean_ms), ("max", s.max_ms), ("sum", s.mean_ms * s.ranks))
+        out.update({f"{RANKS}/energy/{key}_{stat}": v for stat, v in stats})
+        out[f"{RANKS}/energy/{key}_argmax"] = float(s.argmax)
+    out[f"{RANKS}/energy/reporting"] = float(next(iter(spread.values())).ranks)
+    return out
+
+
 def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: float) -> dict[str, float]:
     """The cross-rank tags of one interval (docs/distributed.md); memory's in MiB."""
     out = {f"{RANKS}/reporting": float(reporting), f"{RANKS}/reduce_ms": reduce_ms}
@@ -197,6 +214,7 @@ class _Round:
     last: dict[int, tuple[int, float]] = field(default_factory=dict)
     top: int = -1
     grew: dict[str, float] = field(default_factory=dict)
+    energy: dict[str, RankSpread] = field(default_factory=dict)  # the window's (an interval) or the run's
 
 
 def _initialized() -> Any:
@@ -226,6 +244,8 @@ class CrossRank:
         self._late: dict[int, _Late] = {}  # by rank, over the windows after warm-up
         self._measured = 0  # the steps of those windows whose arrivals were measured
         self._said: dict[int, str] = {}  # by step of this rank's slowest: the rank last to its collective
+        self.last_step = -1  # the last interval's window's step: the window whose energy the next one carries
+        self.energy: tuple[int, dict[str, float]] | None = None  # the ranks' energy tags and their step
 
     def _start(self) -> bool:
         """Create the gloo side group at the first round (every rank's first round is at a shared step)."""
@@ -259,22 +279,32 @@ class CrossRank:
         self.notes.append(msg)
         log.warning(msg)
 
-    def interval(self, window: Window, keeper: SlowestKeeper | None = None) -> Window:
+    def interval(
+        self, window: Window, keeper: SlowestKeeper | None = None, energy: Mapping[str, float] | None = None
+    ) -> Window:
         """The round at a log interval; returns ``window`` with the cross-rank scalars attached.
-        ``keeper``: this rank's slowest steps, whose windows' slowest rank is kept for the summary."""
-        res = self._round(window, None, closing=False) if self._start() else None
+        ``keeper``: this rank's slowest steps, whose windows' slowest rank is kept for the summary;
+        ``energy``: this rank's ``ENERGY`` values of the window ending at ``last_step`` (None: not read),
+        whose spread over the ranks :attr:`energy` holds after the round."""
+        res = self._round(window, None, closing=False, energy=energy) if self._start() else None
+        self.energy = (self.last_step, energy_scalars(res.energy)) if res is not None and res.energy else None
+        self.last_step = window.step
         return window if res is None else self._attach(window, res, keeper)
 
-    def close(self, window: Window | None, acc: SummaryAccumulator) -> Window | None:
-        """The closing rounds: this rank's last (partial) window and run summary; shadows the rounds of
-        ranks still running (abstaining from their windows) until every rank has closed."""
+    def close(
+        self, window: Window | None, acc: SummaryAccumulator, energy: Mapping[str, float] | None = None
+    ) -> Window | None:
+        """The closing rounds: this rank's last (partial) window and run summary (``energy``: the run's
+        ``ENERGY`` values); shadows the rounds of ranks still running (abstaining from their windows)
+        until every rank has closed."""
+        self.energy = None
         if not self._start():
             return window
         summ = series_values(acc)
-        res = self._round(window, summ, closing=True)
+        res = self._round(window, summ, closing=True, energy=energy)
         out = window if window is None or res is None else self._attach(window, res, acc.slow)
         while res is not None and not res.all_closing:
-            res = self._round(None, summ, closing=True)
+            res = self._round(None, summ, closing=True, energy=energy)
         if self.summary is not None and self._measured:
             rank, late = max(self._late.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]), default=(-1, _Late()))
             phase, steps, share = grew_most(late.grew_ms), max(late.steps, 1), late.steps / self._measured
@@ -340,7 +370,10 @@ class CrossRank:
             sleep(1e-4)  # releases the GIL, which the worker needs for its release
         return t.tolist()
 
-    def _round(self, window: Window | None, summ: Mapping[str, float] | None, *, closing: bool) -> _Round | None:
+    def _round(
+        self, window: Window | None, summ: Mapping[str, float] | None, *, closing: bool,
+        energy: Mapping[str, float] | None = None,
+    ) -> _Round | None:
         t0 = perf_counter()
         win = series_values(window)
         wkeys, skeys = sorted(win or ()), sorted(summ or ())
@@ -364,12 +397,15 @@ class CrossRank:
         if nw or ns:
             wmx, wsm = _vectors(win if nw else None, nw, self.rank, self._bits)
             smx, ssm = _vectors(summ if ns else None, ns, self.rank, self._bits)
-            # Last in the MAX: per slot (a step of the window), the arrival at its first collective.
+            # Then per slot (a step of the window), the arrival at its first collective; last, energy:
+            # the window's (of ranks in an interval) and the run's (of closing ranks), 2 x 4 and 2 x 3.
             mine = _arrivals(arrive, end, n, self.rank, self._bits)
-            mx = self._allreduce(wmx + smx + mine, self._dist.ReduceOp.MAX)
+            ew, es = _vectors(None if closing else energy, 2, self.rank, self._bits)
+            rw, rs = _vectors(energy if closing else None, 2, self.rank, self._bits)
+            mx = self._allreduce(wmx + smx + mine + ew + rw, self._dist.ReduceOp.MAX)
             if mx is None:
                 return None
-            measured = _lasts(mx[4 * (nw + ns) :], end, self._bits)
+            measured = _lasts(mx[4 * (nw + ns) : -16], end, self._bits)
             res.measured = len(measured)
             res.last = {step: v for step, v in measured.items() if v[1] >= LAST_MIN_MS}
             ahead: dict[int, float] = {}
@@ -379,14 +415,16 @@ class CrossRank:
             # The window's last rank sums its rows over the steps it was last in, the others theirs, in the SUM.
             steps = {number for number, (r, _) in res.last.items() if r == res.top}
             rows = _row_sums(p.walls if p is not None else None, wkeys, steps, res.top == self.rank, nw) if n else []
-            sm = self._allreduce(wsm + ssm + rows, self._dist.ReduceOp.SUM)
+            sm = self._allreduce(wsm + ssm + rows + es + rs, self._dist.ReduceOp.SUM)
             if sm is None:
                 return None
+            run_energy = spreads(ENERGY, mx[-8:], sm[-3:], self._bits) if sm[-1] else {}
+            res.energy = spreads(ENERGY, mx[-16:-8], sm[-6:-3], self._bits) if sm[-4] else {}
             if nw:  # the reporting ranks' keys are equal (equal hashes); an abstainer keeps the count only
                 res.reporting = int(sm[nw])
                 res.spread = spreads(wkeys, mx[: 4 * nw], sm[: nw + 1], self._bits) if w else {}
             if measured:
-                res.grew = _grew(sm[nw + ns + 2 :], wkeys, res.reporting)
+                res.grew = _grew(sm[nw + ns + 2 : -6], wkeys, res.reporting)
             if ns and s:
                 sres = spreads(skeys, mx[4 * nw : 4 * (nw + ns)], sm[nw + 1 : nw + ns + 2], self._bits)
                 self.summary = RankSummary(
@@ -394,6 +432,7 @@ class CrossRank:
                     ranks=int(sm[nw + 1 + ns]),
                     straggler=sres.pop(STRAGGLER, None),
                     series={tuple(k.split("/", 1)): v for k, v in sres.items()},  # type: ignore[misc]
+                    energy=run_energy or None,
                     rounds=self.rounds + 1,
                     reduce_ms=(self.reduce_s + perf_counter() - t0) * 1e3 / (self.rounds + 1),
                 )

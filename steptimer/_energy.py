@@ -126,36 +126,52 @@ class EnergyWindows:
     _written: int = 1  # readings before this one are done with
     _marked: int = -1  # the step of the last reading asked for: the last window's
 
-    def write_ready(self, sinks: Sequence[Any]) -> None:
-        """The energy of the last window, if its closing reading is in, to the sinks."""
+    def write_ready(self, sinks: Sequence[Any], ranks: tuple[int, dict[str, float]] | None = None) -> None:
+        """The energy of the last window, if its closing reading is in, to the sinks; ``ranks``: the
+        ranks' energy of the window ending at that step (``_dist.py``), written with it."""
         readings = list(self._meter.readings) if self._meter is not None else []
+        out: dict[int, dict[str, float]] = {}
         for k in range(self._written, len(readings)):
             e = between(readings[k - 1], readings[k])
             per_step = self._per_step.pop(readings[k].step, (None, None))
-            if e is None or readings[k].step < self._marked:
-                continue
+            if e is not None and readings[k].step >= self._marked:
+                out[readings[k].step] = e.per_step_scalars(*per_step)
+        self._written = max(self._written, len(readings))
+        if ranks is not None:
+            out.setdefault(ranks[0], {}).update(ranks[1])
+        for step, scalars in sorted(out.items()):
             for sink in sinks:
                 write = getattr(sink, "write_energy", None)  # TensorBoard's; other sinks take windows only
                 if write is not None:
-                    write(e.per_step_scalars(*per_step), readings[k].step)
-        self._written = max(self._written, len(readings))
+                    write(scalars, step)
+
+    def at(self, step: int) -> Energy | None:
+        """The energy of the window ending at ``step``, if its closing reading is in."""
+        readings = list(self._meter.readings) if self._meter is not None else []
+        k = next((k for k in range(len(readings) - 1, 0, -1) if readings[k].step == step), 0)
+        return between(readings[k - 1], readings[k]) if k else None
 
     def mark(self, window: Any, device: int, counter: Any = None) -> None:
         """Ask for the reading that ends ``window`` (returns at once)."""
         if self._meter is None:
             self._meter = EnergyMeter(open_counter=lambda: (counter or nvml_counter)(device))
+        self._count(window)
+        self._meter.mark(window.step)
+        self._marked = window.step
+
+    def _count(self, window: Any) -> None:
         rate = window.steps_per_s
         self._per_step[window.step] = tuple(  # type: ignore[assignment]
             x / rate if x and rate else None for x in (window.samples_per_s, window.tokens_per_s)
         )
-        self._meter.mark(window.step)
-        self._marked = window.step
 
-    def close(self, step: int, sinks: Sequence[Any]) -> tuple[Any, str | None]:
-        """The last window's energy to the sinks; the run's, first reading to last (None, and why not)."""
+    def close(self, step: int, window: Any = None) -> tuple[Energy | None, str | None]:
+        """The last reading (after ``step``, ending ``window`` if given), the meter stopped; the run's
+        energy, first reading to last (None, and why not). :meth:`write_ready` writes what is left."""
         if self._meter is None:
             return None, None
+        if window is not None:
+            self._count(window)
         readings = self._meter.close(step if step > self._marked else None)  # steps since the last window
-        self.write_ready(sinks)
         energy = between(readings[0], readings[-1]) if readings else None
         return energy, self._meter.error

@@ -63,6 +63,7 @@ class RankSummary:
     rounds: int
     reduce_ms: float
     last: LastRank | None = None  # None: no rank's arrival at a collective was measured
+    energy: Mapping[str, RankSpread] | None = None  # the ranks' GPU energy over the run (_dist.ENERGY)
 
     def lines(self) -> list[str]:
         """The section as text lines, for the summary table's footer."""
@@ -73,6 +74,8 @@ class RankSummary:
         ]
         rows = [("straggler: data+step-bwd", self.straggler)] if self.straggler is not None else []
         rows += [(f"{c} {n}" + (" MiB" if c == "mem" else ""), s) for (c, n), s in self.series.items()]
+        units = {"joules_per_step": "J/step", "watts": "W"}
+        rows += [(f"energy {units[key]}", s) for key, s in (self.energy or {}).items()]
         for label, s in rows:
             out.append(
                 f"  {label:<28} {num(s.min_ms):>10} ({s.argmin:>3}) {num(s.mean_ms):>10} "
@@ -84,6 +87,9 @@ class RankSummary:
             out.append("  (backward includes waiting for the others' gradients: read it with care)")
         if self.last is not None:
             out.append(f"  {self.last.text()}")
+        if self.energy:
+            j, w = self.energy["joules_per_step"], self.energy["watts"]
+            out.append(f"  energy of {j.ranks} GPUs: {num(j.mean_ms * j.ranks)} J/step, {num(w.mean_ms * w.ranks)} W")
         out.append(f"  cross-rank statistics: {num(self.reduce_ms)} ms per log interval, {self.rounds} rounds")
         return out
 

@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from steptimer import _exit
 from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
-from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank, _initialized
+from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank, _initialized, energy_values
 from steptimer._energy import EnergyWindows
 from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
@@ -415,8 +415,7 @@ class StepTimer:
             xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
         if self.enabled:
             engine.close()
-        self._on_window(closing=True)
-        energy, energy_note = self._energy.close(engine.last_resolved, self._sinks)
+        energy, energy_note = self._on_window(closing=True)
         traces = self._capture.finish(engine) if self._capture is not None else None
         if self._ranges is not None:
             self._ranges.finish(engine)
@@ -450,26 +449,32 @@ class StepTimer:
         for cm in self._phases.values():
             cm.__class__ = cls
 
-    def _on_window(self, number: int = 0, *, closing: bool = False) -> None:
-        """A window ended (the engine's call, or the close): to cross-rank, the sinks and energy."""
-        window, xrank = self._take_window(), self._xrank
+    def _on_window(self, number: int = 0, *, closing: bool = False) -> tuple[Any, str | None]:
+        """A window ended (the engine's call, or the close): to cross-rank, the sinks and energy.
+        Closing, the energy meter stops first, so that the closing round carries the run's energy,
+        which is returned with its note."""
+        window, xrank, engine, counter = self._take_window(), self._xrank, self._engine, self._seams.energy_counter
+        energy = engine.cuda and (counter is not None or not engine._custom_backend)
+        run_energy: tuple[Any, str | None] = (None, None)
+        if closing:
+            run_energy = self._energy.close(engine.last_resolved, window)
         if closing and xrank is not None and not xrank.off:
-            window = xrank.close(window, self._acc)  # the closing rounds, with or without a window here
+            # the closing rounds, with or without a window here
+            window = xrank.close(window, self._acc, energy_values(run_energy[0]))
         elif window is not None and xrank is not None:
-            window = xrank.interval(window, self._acc.slow)
+            window = xrank.interval(window, self._acc.slow, energy_values(self._energy.at(xrank.last_step)))
+        if energy:
+            self._energy.write_ready(self._sinks, xrank.energy if xrank is not None else None)
         if window is None:
-            return
+            return run_energy
         if self._run_tags:
             window = dataclasses.replace(window, extra={**window.extra, **self._run_tags})
             self._run_tags = {}
-        engine, counter = self._engine, self._seams.energy_counter
-        energy = engine.cuda and (counter is not None or not engine._custom_backend)
-        if energy:
-            self._energy.write_ready(self._sinks)
         for sink in self._sinks:
             sink.write_window(window)
-        if energy:
+        if energy and not closing:
             self._energy.mark(window, engine.device, counter)
+        return run_energy
 
     def _take_window(self) -> Window | None:
         """The window of the steps resolved since the last one, added to the summary; the engine's rows

@@ -73,6 +73,7 @@ SCENARIOS = {
     **{f"slow-step-{ddp}": ["--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS), "--slow-rank", "1",
                             "--slow-step", "17"] + ([] if ddp else ["--no-ddp"]) for ddp in (True, False)},
     "memory": ["--steps", "20", "--every", "10", "--fake-memory"],
+    "energy": ["--steps", "40", "--every", "10", "--fake-memory", "--fake-energy"],
     # Rank 1 stops after 25 steps, rank 0 runs 32: rank 1's close answers rank 0's round at step 30
     # (its partial window counted), then shadows until rank 0 closes; no timeout is needed.
     "uneven": ["--steps", "32", "--every", "10", "--short-rank", "1", "--short-steps", "25", "--timeout", "60"],
@@ -207,6 +208,31 @@ def test_memory_across_ranks(runs: dict) -> None:
     assert "mem: each rank's peak and reserved, MiB" in lines[0]
 
 
+def test_energy_across_ranks(runs: dict) -> None:
+    """Each rank's GPU energy rides in the rounds: rank 0's counter draws 100 W, rank 1's 200 W. A
+    window's spread is written at its own step (its closing reading comes in after it), the run's is in
+    the summary, with the energy of all ranks' GPUs together."""
+    results, _, tmp_path = runs["energy"]
+    tb = scalars(tmp_path)
+    # Window 20's energy (readings at 10 and 20) rides in round 30, window 30's in round 40; window 40's
+    # closing reading comes after the last round: it is in rank 0's own tags and in the run's energy.
+    for kind, want in (("min", 100.0), ("mean", 150.0), ("max", 200.0), ("sum", 300.0)):
+        points = tb[f"steptimer-ranks/energy/watts_{kind}"]
+        assert [s for s, _ in points] == [20, 30], kind
+        assert [v for _, v in points] == pytest.approx([want, want], rel=0.01), kind
+    assert tb["steptimer-ranks/energy/watts_argmax"] == [(20, 1.0), (30, 1.0)]
+    assert tb["steptimer-ranks/energy/joules_per_step_argmax"] == [(20, 1.0), (30, 1.0)]  # twice the power
+    assert tb["steptimer-ranks/energy/reporting"] == [(20, 2.0), (30, 2.0)]
+    assert [s for s, _ in tb["steptimer/watts"]] == [20, 30, 40]  # rank 0's own, every window but the first
+    assert results[0]["watts"] == pytest.approx(100.0, rel=0.01)
+    assert results[1]["watts"] == pytest.approx(200.0, rel=0.01)
+    lines = results[0]["summary_lines"]
+    (row,) = [line for line in lines if "energy W" in line]
+    assert re.search(r" 100\.0 \(  0\)\s+150\.0\s+200\.0 \(  1\)$", row), row
+    (total,) = [line for line in lines if "energy of 2 GPUs" in line]
+    assert re.search(r"energy of 2 GPUs: [\d.,]+ J/step, 300\.0 W$", total), total
+
+
 def test_uneven_end_logs_the_final_window_with_a_warning(runs: dict) -> None:
     results, out, tmp_path = runs["uneven"]
     tb = scalars(tmp_path)
@@ -277,6 +303,15 @@ def test_nccl_two_gpus_names_the_slowed_rank(tmp_path: Path) -> None:
     assert "steptimer/gpu/comm_ms" in tb and "steptimer/gpu/comm_exposed_ms" in tb
     assert [v for _, v in tb["steptimer-ranks/last_rank"]] == [1.0] * 3
     assert re.match(r"rank 1 was last to the all-reduce in .*, in forward", results[0]["last"]), results[0]["last"]
+    # Each rank's GPU energy from NVML: window 40's spread (window 20's end is the first reading),
+    # and the run's, whose sum over the ranks is the ranks' own run energy added up.
+    assert tb["steptimer-ranks/energy/reporting"] == [(40, 2.0)]
+    ((_, lo),), ((_, hi),) = tb["steptimer-ranks/energy/watts_min"], tb["steptimer-ranks/energy/watts_max"]
+    assert 30.0 < lo <= hi < 1500.0
+    low, total, high = results[0]["ranks_watts"]
+    assert total == pytest.approx(results[0]["watts"] + results[1]["watts"], rel=1e-9)
+    own = sorted(results[r]["watts"] for r in (0, 1))
+    assert [low, high] == own
 
 
 # ---------------------------------------------------------------- arithmetic, in-process

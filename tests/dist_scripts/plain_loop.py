@@ -51,6 +51,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--fake-memory", action="store_true",
         help="a simulated GPU and allocator (tests/fakes.py): forward allocates (rank + 1) x 8 MiB",
     )  # fmt: skip
+    p.add_argument(
+        "--fake-energy", action="store_true",
+        help="with --fake-memory: an energy counter per rank drawing (rank + 1) x 100 W of host time",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -104,6 +108,8 @@ def run(a: argparse.Namespace) -> None:
 
         mem = FakeAllocator()
         fake = {"backend": FakeGPU(FakeClock()).backend(), "memory_backend": mem.backend()}
+    if a.fake_energy:
+        fake["energy_counter"] = lambda device: (lambda: time.perf_counter() * (rank + 1) * 100.0, None)
     timer = StepTimer._make(
         log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=0,
         cuda=None if a.fake_memory else a.cuda or False, cross_rank_timeout_s=a.timeout, **fake,
@@ -126,6 +132,11 @@ def run(a: argparse.Namespace) -> None:
         out["rounds"] = summary.ranks.rounds
         out["summary_lines"] = summary.ranks.lines()
         out["last"] = None if summary.ranks.last is None else summary.ranks.last.text()
+        if summary.ranks.energy is not None:
+            w = summary.ranks.energy["watts"]
+            out["ranks_watts"] = [w.min_ms, w.mean_ms * w.ranks, w.max_ms]
+    if summary.energy is not None:
+        out["watts"] = summary.energy.watts
     out["slowest"] = [s.to_json() for s in summary.slowest]
     sys.stdout.write("RESULT " + json.dumps(out) + "\n")  # one write: the ranks share the pipe
     sys.stdout.flush()
