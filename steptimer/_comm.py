@@ -1,10 +1,12 @@
-"""A DDP model's gradient collectives per timed step (``StepTimer.watch_ddp``): rows ``comm`` (busy time)
-and ``comm_exposed`` (after each backward's last bucket was ready), and the rank's arrival at the step's
-first collective (``_dist.py``). Both rows lie inside ``backward``, so they have no share (docs/distributed.md).
+"""A DDP or FSDP2 model's collectives per timed step (``StepTimer.watch_ddp``, ``watch_fsdp``): rows
+``comm`` (busy time) and ``comm_exposed`` (the time the compute waited for them), and the rank's arrival
+at the step's first collective (``_dist.py``). The rows lie inside other phases, so they have no share
+(docs/distributed.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import suppress
@@ -26,14 +28,20 @@ def union_ms(spans: Sequence[Span], after: float = -float("inf")) -> float:
     return total
 
 
-def comm_ms(spans: Sequence[Span], lasts: Sequence[bool]) -> tuple[float, float]:
-    """``(comm, exposed)`` of one step from its buckets' spans. ``lasts[i]``: span ``i`` is a backward's
-    last bucket (DDP's ``is_last()``); each backward's exposed part is its spans' union after its last
-    bucket was ready, when the compute had nothing left to do but wait."""
-    exposed, first = 0.0, 0
-    for i, last in enumerate(lasts):
-        if last or i == len(lasts) - 1:
-            group = spans[first : i + 1]
+def comm_ms(spans: Sequence[Span], lasts: Sequence[bool], waits: Sequence[float | None] = ()) -> tuple[float, float]:
+    """``(comm, exposed)`` of one step from its collectives' spans. ``waits[i]``: when the compute
+    reached its wait for span ``i`` (FSDP2's all-gathers; host timing: every span), which it waited
+    from until the span's end; NaN: never waited for. The others (DDP's buckets, FSDP2's reduce-scatters)
+    are grouped by backward, ``lasts[i]``: span ``i`` is a backward's last (DDP's ``is_last()``; else the
+    step's last): a group's exposed part is its union after its last span was ready, when the compute
+    had nothing left to do but wait for it."""
+    waits = list(waits) or [None] * len(spans)
+    exposed = sum(max(0.0, b - w) for (_, b), w in zip(spans, waits) if w is not None and w == w)
+    grouped = [(span, last) for span, last, w in zip(spans, lasts, waits) if w is None]
+    first = 0
+    for i, (_, last) in enumerate(grouped):
+        if last or i == len(grouped) - 1:
+            group = [span for span, _ in grouped[first : i + 1]]
             exposed += union_ms(group, after=max(a for a, _ in group))
             first = i + 1
     return union_ms(spans), exposed
@@ -49,7 +57,8 @@ class CommRecorder:
         self._engine = engine
         self._inner = inner
         # Per timed step, oldest first: (number, on the GPU, spans); a span is [ready, end, last
-        # bucket]: CUDA events, or host seconds (end None until it completes).
+        # bucket, the compute's wait (comm_ms's waits)]: CUDA events, or host seconds (end None until
+        # it completes).
         self._steps: deque[tuple[int, bool, list[list[Any]]]] = deque()
         # The last resolved step's last collective end: the ranks leave it together, so the next
         # step's arrival at its first collective counts from there (no clock shared between hosts).
@@ -57,6 +66,7 @@ class CommRecorder:
         self._free: list[Any] = []  # CUDA events, reused
         self._side: Any = None
         self._skip = 0  # a step not measured: its collective's future was not complete at launch
+        self._gathers: dict[int, list[Any]] = {}  # FSDP2: by param group, its all-gather not yet waited for
 
     def hook(self, state: Any, bucket: Any) -> Any:
         """DDP's comm hook: the inner hook's collective, with the bucket's span noted on a timed step."""
@@ -79,7 +89,7 @@ class CommRecorder:
             self._steps.append((number, gpu, []))
         spans = self._steps[-1][2]
         if not gpu:
-            span = [t, None, bucket.is_last()]
+            span = [t, None, bucket.is_last(), None]
             spans.append(span)
 
             def stamp(done: Any) -> Any:
@@ -96,8 +106,43 @@ class CommRecorder:
         with torch.cuda.stream(self._side):
             fut.wait()
             end.record(self._side)
-        spans.append([ready, end, bucket.is_last()])
+        spans.append([ready, end, bucket.is_last(), None])
         return fut
+
+    def fsdp(self, call: Callable[[], Any], gpu: bool, async_op: bool, gather: int | None) -> Any:
+        """An FSDP2 collective ``call()``, run on its stream, its span noted on a timed step; ``gather``:
+        the all-gather's param group, whose wait (:meth:`fsdp_wait`) it pairs with; None: a reduce-scatter."""
+        e = self._engine
+        number = e.number + 1
+        if e.state < HOST or async_op or (gpu and e.state != GPU):  # async: its end is not in stream order
+            return call()
+        if not self._steps or self._steps[-1][0] != number:
+            self._steps.append((number, gpu, []))
+        if not gpu:  # the call returns when the collective has: the compute waited all along
+            t = perf_counter()
+            out = call()
+            self._steps[-1][2].append([t, perf_counter(), False, t])
+            return out
+        try:
+            ready, end = self._event(), self._event()
+            ready.record()  # on the collective's stream, once FSDP made it wait for the inputs
+        except Exception:  # steptimer's own failure: the collective goes on, unmeasured
+            return call()
+        out = call()
+        with suppress(Exception):
+            end.record()  # the stream waits for the collective (a synchronous call)
+            span = [ready, end, False, None if gather is None else math.nan]
+            self._steps[-1][2].append(span)
+            if gather is not None:
+                self._gathers[gather] = span
+        return out
+
+    def fsdp_wait(self, gather: int) -> None:
+        """The compute stream is about to wait for param group ``gather``'s all-gather (FSDP2)."""
+        span = self._gathers.pop(gather, None)
+        if span is not None and self._steps and span in self._steps[-1][2]:
+            span[3] = self._event()
+            span[3].record()
 
     def _event(self) -> Any:
         import torch
@@ -106,7 +151,8 @@ class CommRecorder:
 
     def _release(self, step: tuple[int, bool, list[list[Any]]], keep: Any = None) -> None:
         if step[1]:
-            self._free += [ev for ready, end, _ in step[2] for ev in (ready, end) if ev is not keep]
+            evs = [ev for span in step[2] for ev in (span[0], span[1], span[3])]
+            self._free += [ev for ev in evs if ev is not keep and not isinstance(ev, (float, type(None)))]
 
     def drop(self, number: int) -> None:
         """The open step ``number`` was dropped (it raised): forget its spans."""
@@ -132,14 +178,19 @@ class CommRecorder:
             return None
         _, gpu, spans = step = steps.popleft()
         if gpu:
-            if not spans[-1][1].query():  # lag 0: the side stream's record may trail the step's end by µs
-                spans[-1][1].synchronize()
+            # The compute stream waited for every span but DDP's last (its side stream's record may trail
+            # the step's end by µs) and an all-gather never waited for: lag 0 for those.
+            for span in (spans[-1], *(s for s in spans if isinstance(s[3], float))):
+                if not span[1].query():
+                    span[1].synchronize()
             t0 = spans[0][0]
-            ms = [(t0.elapsed_time(r), t0.elapsed_time(x)) for r, x, _ in spans]
+            ms = [(t0.elapsed_time(s[0]), t0.elapsed_time(s[1])) for s in spans]
+            waits = [s[3] if s[3] is None or isinstance(s[3], float) else t0.elapsed_time(s[3]) for s in spans]
         elif any(s[1] is None for s in spans):  # pragma: no cover - DDP waited for each future
             return None
         else:
-            ms = [(r * 1e3, x * 1e3) for r, x, _ in spans]
+            ms = [(s[0] * 1e3, s[1] * 1e3) for s in spans]
+            waits = [None if s[3] is None else s[3] * 1e3 for s in spans]
         held, end = self._held, spans[max(range(len(ms)), key=lambda i: ms[i][1])][1]
         arrival = None
         if held is not None and held[0] == number - 1:
@@ -148,7 +199,7 @@ class CommRecorder:
             self._free.append(held[1])
         self._held = (number, end)
         self._release(step, keep=end)
-        return (number, gpu, *comm_ms(ms, [s[2] for s in spans]), arrival)
+        return (number, gpu, *comm_ms(ms, [s[2] for s in spans], waits), arrival)
 
 
 def _nccl(state: Any) -> bool:
@@ -174,3 +225,49 @@ def watch(engine: Any, model: Any, hook: Callable[[Any, Any], Any] | None = None
     engine.comm = rec = CommRecorder(engine, hook or allreduce_hook)
     # A lambda: DDP checks a hook's annotations against its own types, and this module's are strings.
     model.register_comm_hook(state, lambda st, bucket: rec.hook(st, bucket))
+
+
+class _Timed:
+    """FSDP2's all-gather or reduce-scatter of one param group (its ``set_custom_*`` protocol: ``allocate``
+    and the call), each call timed by the recorder."""
+
+    def __init__(self, inner: Any, rec: CommRecorder, gather: int | None) -> None:
+        self._inner, self._rec, self._gather = inner, rec, gather
+
+    def allocate(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner.allocate(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = kwargs.get("output_tensor", args[0] if args else None)
+        gpu, async_op = bool(getattr(out, "is_cuda", False)), bool(kwargs.get("async_op", False))
+        return self._rec.fsdp(lambda: self._inner(*args, **kwargs), gpu, async_op, self._gather)
+
+
+def watch_fsdp(engine: Any, model: Any) -> None:
+    """Time the all-gathers and reduce-scatters of every ``fully_shard`` module in ``model`` and the
+    compute stream's waits for the gathers, through the recorder given to ``engine``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not mods:
+        raise TypeError(
+            f"watch_fsdp needs a model with fully_shard modules, got {type(model).__name__}: call it after "
+            "fully_shard(...)"
+        )
+    engine.comm = rec = CommRecorder(engine, None)  # type: ignore[arg-type]
+    for m in mods:
+        for group in m._get_fsdp_state()._fsdp_param_groups:  # FSDP2's param groups (their comms, waits)
+            key = id(group)
+            group._all_gather_comm = _Timed(group._all_gather_comm, rec, key)
+            group._reduce_scatter_comm = _Timed(group._reduce_scatter_comm, rec, None)
+            group.wait_for_unshard = _waiting(group.wait_for_unshard, group, rec, key)
+
+
+def _waiting(orig: Callable[[], Any], group: Any, rec: CommRecorder, key: int) -> Callable[[], Any]:
+    def wait_for_unshard() -> Any:
+        if getattr(group, "_all_gather_result", None) is not None:  # else nothing to wait for
+            with suppress(Exception):  # steptimer's own failure leaves the wait unmeasured
+                rec.fsdp_wait(key)
+        return orig()
+
+    return wait_for_unshard

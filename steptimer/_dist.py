@@ -244,6 +244,7 @@ class CrossRank:
         self._late: dict[int, _Late] = {}  # by rank, over the windows after warm-up
         self._measured = 0  # the steps of those windows whose arrivals were measured
         self._said: dict[int, str] = {}  # by step of this rank's slowest: the rank last to its collective
+        self.collective = "all-reduce"  # the first collective of a step: "all-gather" under FSDP2
         self.last_step = -1  # the last interval's window's step: the window whose energy the next one carries
         self.energy: tuple[int, dict[str, float]] | None = None  # the ranks' energy tags and their step
 
@@ -309,7 +310,7 @@ class CrossRank:
             rank, late = max(self._late.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]), default=(-1, _Late()))
             phase, steps, share = grew_most(late.grew_ms), max(late.steps, 1), late.steps / self._measured
             grew_ms = late.grew_ms[phase] / steps if phase else 0.0
-            last = LastRank(rank, share, late.ahead_ms / steps, phase, grew_ms, share >= LAST_SHARE)
+            last = LastRank(rank, share, late.ahead_ms / steps, phase, grew_ms, share >= LAST_SHARE, self.collective)
             self.summary = replace(self.summary, last=last)
         return out
 
@@ -337,7 +338,7 @@ class CrossRank:
                 if n in kept:
                     who = "this rank" if rank == self.rank else f"rank {rank}"
                     where = f", in {phase}" if phase and rank == res.top else ""
-                    self._said[n] = f"{who} was last to the all-reduce, +{num(ms)} ms{where}"
+                    self._said[n] = f"{who} was last to the {self.collective}, +{num(ms)} ms{where}"
         return replace(window, extra={**window.extra, **extra})
 
     def annotate(self, slowest: Sequence[SlowStep]) -> tuple[SlowStep, ...]:

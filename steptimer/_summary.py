@@ -33,8 +33,9 @@ class RankSpread:
 
 @dataclass(frozen=True)
 class LastRank:
-    """The rank last (by 1 ms or more) to a watched DDP model's first gradient collective in ``share``
-    of the steps, ``ahead_ms`` after the first rank on average; ``phase``: its row that grew most."""
+    """The rank last (by 1 ms or more) to a watched model's first collective in a step (DDP's first
+    all-reduce, FSDP2's first all-gather) in ``share`` of the steps, ``ahead_ms`` after the first rank
+    on average; ``phase``: its row that grew most."""
 
     rank: int
     share: float
@@ -42,13 +43,14 @@ class LastRank:
     phase: str | None
     grew_ms: float
     stood_out: bool
+    collective: str = "all-reduce"
 
     def text(self) -> str:
         if not self.stood_out:
-            return "no rank stood out at the all-reduce"
+            return f"no rank stood out at the {self.collective}"
         phase = f", in {self.phase} (+{num(self.grew_ms)} ms)" if self.phase else ""
         ahead = f"+{num(self.ahead_ms)} ms"
-        return f"rank {self.rank} was last to the all-reduce in {pct(self.share)} of steps, {ahead}{phase}"
+        return f"rank {self.rank} was last to the {self.collective} in {pct(self.share)} of steps, {ahead}{phase}"
 
 
 @dataclass(frozen=True)

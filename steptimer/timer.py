@@ -400,6 +400,21 @@ class StepTimer:
 
             watch(self._engine, model, hook, state)
 
+    def watch_fsdp(self, model: Any) -> None:
+        """Time an FSDP2 model's collectives per timed step: rows ``comm`` (its all-gathers and
+        reduce-scatters) and ``comm_exposed`` (the compute's waits for them), and each rank's arrival
+        at the step's first all-gather (docs/distributed.md). Call it once, after ``fully_shard``.
+
+        Raises:
+            TypeError: ``model`` holds no ``fully_shard`` module.
+        """
+        if self.enabled:
+            from steptimer._comm import watch_fsdp
+
+            watch_fsdp(self._engine, model)
+            if self._xrank is not None:
+                self._xrank.collective = "all-gather"
+
     def close(self, *, failed: bool = False) -> Summary:
         """Resolve pending steps, write the last window, print and return the summary (idempotent).
 

@@ -59,6 +59,17 @@ def test_each_backward_has_its_own_exposed_tail() -> None:
     assert comm_ms(spans, [False] * 4) == (8.0, 3.0)
 
 
+def test_waits_of_the_compute_count_from_when_it_reached_them() -> None:
+    # FSDP2: two all-gathers the compute waited for from 1 ms and 9 ms (the first done at 3 ms, the second
+    # at 8 ms, before the wait: nothing exposed), one never waited for (NaN), and two reduce-scatters
+    # grouped as DDP's buckets: ready at 10 and 12, ending at 13 and 16: 4 ms after the last ready.
+    spans = [(0.0, 3.0), (5.0, 8.0), (6.0, 7.0), (10.0, 13.0), (12.0, 16.0)]
+    waits = [1.0, 9.0, math.nan, None, None]
+    busy, exposed = comm_ms(spans, [False] * 5, waits)
+    assert busy == 3.0 + 3.0 + 6.0
+    assert exposed == (3.0 - 1.0) + 0.0 + (16.0 - 12.0)
+
+
 # ---------------------------------------------------------------- the verdict
 
 
@@ -216,6 +227,70 @@ def test_watch_ddp_wants_a_ddp_model() -> None:
     timer = StepTimer(cuda=False, print_summary=False)
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         timer.watch_ddp(nn.Linear(2, 2))
+    timer.close()
+
+
+# ---------------------------------------------------------------- a real FSDP2 run (2 gloo ranks, CPU)
+
+
+def _fsdp_main(rank: int, init: str, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
+    doc: dict[str, Any] = {}
+    for watched in (False, True):  # the same training, without steptimer's comms and with them
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        for layer in net:
+            fully_shard(layer)
+        fully_shard(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        sink = ListSink()
+        timer = StepTimer._make(sinks=[sink], cuda=False, print_summary=False, warmup_steps=2, log_every_n_steps=5)
+        if watched:
+            timer.watch_fsdp(net)
+        losses = []
+        with timer:
+            for _ in range(10):
+                with timer.step(samples=32):
+                    with timer.phase("forward"):
+                        loss = net(x).square().mean()
+                    with timer.phase("backward"):
+                        loss.backward()
+                    with timer.phase("optimizer"):
+                        opt.step()
+                        opt.zero_grad()
+                losses.append(float(loss))
+        rows = {r.name: [r.host.steps, r.host.mean_ms, r.share] for r in timer.close().rows}
+        doc["watched" if watched else "bare"] = {"losses": losses, "rows": rows}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(doc))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    d = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(_fsdp_main, args=(f"file://{d / 'init'}", str(d)), nprocs=2, join=True)
+    return {r: json.loads((d / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def test_fsdp2_collectives_are_rows_of_their_own_and_training_is_unchanged(fsdp_run: dict) -> None:
+    for rank, r in fsdp_run.items():
+        assert r["watched"]["losses"] == r["bare"]["losses"], rank  # the same training, bit for bit
+        assert "comm" not in r["bare"]["rows"]
+        rows = r["watched"]["rows"]
+        assert rows["comm"][0] == rows["comm_exposed"][0] == 8 and rows["comm"][2] is None
+        # On the host a collective returns when it is done: the compute waited for all of it.
+        assert math.isclose(rows["comm_exposed"][1], rows["comm"][1], rel_tol=1e-6), rows
+        assert 0.0 < rows["comm"][1] < rows["forward"][1] + rows["backward"][1], rows
+
+
+def test_watch_fsdp_wants_fully_shard_modules() -> None:
+    timer = StepTimer(cuda=False, print_summary=False)
+    with pytest.raises(TypeError, match="fully_shard"):
+        timer.watch_fsdp(nn.Linear(2, 2))
     timer.close()
 
 
