@@ -309,17 +309,38 @@ def test_the_comm_bench_runs_on_cpu_with_gloo(tmp_path: Path) -> None:
     r = json.loads((tmp_path / "comm_ddp.json").read_text())
     assert r["backend"] == "gloo" and r["world_size"] == 2
     configs = sorted([f"{c}{how}" for c in ("default", "comm-heavy") for how in ("", "-unwatched", "-stock")]
-                     + ["straggler"])  # fmt: skip
+                     + ["straggler", "fsdp", "fsdp-unwatched", "fsdp-straggler"])  # fmt: skip
     assert sorted((row["config"], row["rank"]) for row in r["rows"]) == [(c, k) for c in configs for k in (0, 1)]
     for row in r["rows"]:
         assert row["clock"] == "host" and row["steps"] == 5 and "cupti" not in row and row["unprofiled_wall_ms"] > 0
-        if row["config"].endswith(("-unwatched", "-stock")):
+        if row["config"].startswith("fsdp") and not row["config"].endswith("-unwatched"):  # host: all waited for
+            assert 0.0 < row["steptimer"]["comm_exposed"] == pytest.approx(row["steptimer"]["comm"], rel=1e-6)
+        elif row["config"].endswith(("-unwatched", "-stock")):
             assert row["steptimer"] == {}
         else:
             assert 0.0 <= row["steptimer"]["comm_exposed"] <= row["steptimer"]["comm"] <= row["step_ms"]
     assert "| config | rank |" in (tmp_path / "comm_ddp.md").read_text()
     last = {row["config"]: row["last"] for row in r["rows"] if row["rank"] == 0}
     assert last["straggler"].startswith("rank 1 was last to the all-reduce in") and "in forward" in last["straggler"]
+
+
+@pytest.mark.cuda
+def test_fsdp2_on_two_gpus_times_the_collectives_on_the_gpus_clock(tmp_path: Path) -> None:
+    """The bench's FSDP2 path on NCCL (tiny preset): comm on the GPU's clock, the waits inside it."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(root / "bench" / "comm_ddp.py"), "--out", str(tmp_path), "--preset", "tiny", "--iters", "20",
+           "--profiled", "10", "--configs", "fsdp"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for row in json.loads((tmp_path / "comm_ddp.json").read_text())["rows"]:
+        assert row["clock"] == "gpu" and row["steps"] == 10, row
+        st, cu = row["steptimer"], row["cupti"]
+        assert 0.0 <= st["comm_exposed"] <= st["comm"] <= row["step_ms"], row
+        assert st["comm"] == pytest.approx(cu["comm_ms"], rel=0.25), row  # the NCCL kernels, with the waits
 
 
 def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without_it(
