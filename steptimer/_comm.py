@@ -255,8 +255,12 @@ def watch_fsdp(engine: Any, model: Any) -> None:
             "fully_shard(...)"
         )
     engine.comm = rec = CommRecorder(engine, None)  # type: ignore[arg-type]
-    for m in mods:
-        for group in m._get_fsdp_state()._fsdp_param_groups:  # FSDP2's param groups (their comms, waits)
+    for m in mods:  # FSDP2's param groups (their comms, waits): a list from torch 2.12, one before
+        state = m._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [g] if (g := getattr(state, "_fsdp_param_group", None)) is not None else []
+        for group in groups:
             key = id(group)
             group._all_gather_comm = _Timed(group._all_gather_comm, rec, key)
             group._reduce_scatter_comm = _Timed(group._reduce_scatter_comm, rec, None)
