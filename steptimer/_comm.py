@@ -255,7 +255,7 @@ def watch_fsdp(engine: Any, model: Any) -> None:
             "fully_shard(...)"
         )
     engine.comm = rec = CommRecorder(engine, None)  # type: ignore[arg-type]
-    for m in mods:  # FSDP2's param groups (their comms, waits): a list from torch 2.12, one before
+    for m in mods:  # FSDP2's param groups (their comms, waits): a list in torch 2.13, one in 2.11
         state = m._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:
