@@ -28,15 +28,20 @@ def union_ms(spans: Sequence[Span], after: float = -float("inf")) -> float:
     return total
 
 
-def comm_ms(spans: Sequence[Span], lasts: Sequence[bool], waits: Sequence[float | None] = ()) -> tuple[float, float]:
-    """``(comm, exposed)`` of one step from its collectives' spans. ``waits[i]``: when the compute
-    reached its wait for span ``i`` (FSDP2's all-gathers; host timing: every span), which it waited
-    from until the span's end; NaN: never waited for. The others (DDP's buckets, FSDP2's reduce-scatters)
-    are grouped by backward, ``lasts[i]``: span ``i`` is a backward's last (DDP's ``is_last()``; else the
-    step's last): a group's exposed part is its union after its last span was ready, when the compute
-    had nothing left to do but wait for it."""
+def comm_ms(
+    spans: Sequence[Span], lasts: Sequence[bool], waits: Sequence[float | None] = (), regions: Sequence[Span] = ()
+) -> tuple[float, float]:
+    """``(comm, exposed)`` of one step from its collectives' spans. ``waits[i]``: host timing, when the
+    compute began to wait for span ``i`` (until its end); NaN: span ``i`` is waited for inside a region.
+    ``regions``: spans of the compute stream where it may have waited (FSDP2's waits for an all-gather or
+    an earlier reduce-scatter): each waited from its start until the last collective that ended in it.
+    The others (DDP's buckets, FSDP2's reduce-scatters) are grouped by backward, ``lasts[i]``: span ``i``
+    is a backward's last (DDP's ``is_last()``; else the step's last): a group's exposed part is its union
+    after its last span was ready, when the compute had nothing left to do but wait for it."""
     waits = list(waits) or [None] * len(spans)
     exposed = sum(max(0.0, b - w) for (_, b), w in zip(spans, waits) if w is not None and w == w)
+    for a, z in regions:
+        exposed += max([b - a for _, b in spans if a < b <= z], default=0.0)
     grouped = [(span, last) for span, last, w in zip(spans, lasts, waits) if w is None]
     first = 0
     for i, (_, last) in enumerate(grouped):
@@ -57,8 +62,8 @@ class CommRecorder:
         self._engine = engine
         self._inner = inner
         # Per timed step, oldest first: (number, on the GPU, spans); a span is [ready, end, last
-        # bucket, the compute's wait (comm_ms's waits)]: CUDA events, or host seconds (end None until
-        # it completes).
+        # bucket, kind]: CUDA events, or host seconds (end None until it completes); kind: None, "gather"
+        # (FSDP2's), "wait" (a region of the compute stream, not a collective) or the host's wait start.
         self._steps: deque[tuple[int, bool, list[list[Any]]]] = deque()
         # The last resolved step's last collective end: the ranks leave it together, so the next
         # step's arrival at its first collective counts from there (no clock shared between hosts).
@@ -66,7 +71,6 @@ class CommRecorder:
         self._free: list[Any] = []  # CUDA events, reused
         self._side: Any = None
         self._skip = 0  # a step not measured: its collective's future was not complete at launch
-        self._gathers: dict[int, list[Any]] = {}  # FSDP2: by param group, its all-gather not yet waited for
 
     def hook(self, state: Any, bucket: Any) -> Any:
         """DDP's comm hook: the inner hook's collective, with the bucket's span noted on a timed step."""
@@ -109,9 +113,9 @@ class CommRecorder:
         spans.append([ready, end, bucket.is_last(), None])
         return fut
 
-    def fsdp(self, call: Callable[[], Any], gpu: bool, async_op: bool, gather: int | None) -> Any:
-        """An FSDP2 collective ``call()``, run on its stream, its span noted on a timed step; ``gather``:
-        the all-gather's param group, whose wait (:meth:`fsdp_wait`) it pairs with; None: a reduce-scatter."""
+    def fsdp(self, call: Callable[[], Any], gpu: bool, async_op: bool, gather: bool) -> Any:
+        """An FSDP2 collective ``call()`` (an all-gather if ``gather``, else a reduce-scatter), run on its
+        stream, its span noted on a timed step."""
         e = self._engine
         number = e.number + 1
         if e.state < HOST or async_op or (gpu and e.state != GPU):  # async: its end is not in stream order
@@ -131,18 +135,25 @@ class CommRecorder:
         out = call()
         with suppress(Exception):
             end.record()  # the stream waits for the collective (a synchronous call)
-            span = [ready, end, False, None if gather is None else math.nan]
-            self._steps[-1][2].append(span)
-            if gather is not None:
-                self._gathers[gather] = span
+            self._steps[-1][2].append([ready, end, False, "gather" if gather else None])
         return out
 
-    def fsdp_wait(self, gather: int) -> None:
-        """The compute stream is about to wait for param group ``gather``'s all-gather (FSDP2)."""
-        span = self._gathers.pop(gather, None)
-        if span is not None and self._steps and span in self._steps[-1][2]:
-            span[3] = self._event()
-            span[3].record()
+    def fsdp_region(self, call: Callable[[], Any]) -> Any:
+        """FSDP2's ``call()`` in which the compute stream may wait for a collective, its span on the
+        compute stream noted on a timed GPU step that has collectives already."""
+        e, steps = self._engine, self._steps
+        if e.state != GPU or not steps or steps[-1][0] != e.number + 1 or not steps[-1][1]:
+            return call()
+        try:
+            a, z = self._event(), self._event()
+            a.record()
+        except Exception:  # steptimer's own failure: FSDP goes on, the wait unmeasured
+            return call()
+        out = call()
+        with suppress(Exception):
+            z.record()
+            steps[-1][2].append([a, z, False, "wait"])
+        return out
 
     def _event(self) -> Any:
         import torch
@@ -151,8 +162,7 @@ class CommRecorder:
 
     def _release(self, step: tuple[int, bool, list[list[Any]]], keep: Any = None) -> None:
         if step[1]:
-            evs = [ev for span in step[2] for ev in (span[0], span[1], span[3])]
-            self._free += [ev for ev in evs if ev is not keep and not isinstance(ev, (float, type(None)))]
+            self._free += [ev for span in step[2] for ev in span[:2] if ev is not keep]
 
     def drop(self, number: int) -> None:
         """The open step ``number`` was dropped (it raised): forget its spans."""
@@ -176,20 +186,22 @@ class CommRecorder:
             self._release(steps.popleft())
         if not steps or steps[0][0] != number:
             return None
-        _, gpu, spans = step = steps.popleft()
+        _, gpu, every = step = steps.popleft()
+        spans = [s for s in every if s[3] != "wait"]
         if gpu:
-            # The compute stream waited for every span but DDP's last (its side stream's record may trail
-            # the step's end by µs) and an all-gather never waited for: lag 0 for those.
-            for span in (spans[-1], *(s for s in spans if isinstance(s[3], float))):
+            # The compute stream waited for the spans before the step's end, but DDP's last may trail it
+            # by µs (its side stream's record) and FSDP2's gathers are waited for by FSDP: lag 0 for those.
+            for span in (spans[-1], *(s for s in spans if s[3] == "gather")):
                 if not span[1].query():
                     span[1].synchronize()
             t0 = spans[0][0]
             ms = [(t0.elapsed_time(s[0]), t0.elapsed_time(s[1])) for s in spans]
-            waits = [s[3] if s[3] is None or isinstance(s[3], float) else t0.elapsed_time(s[3]) for s in spans]
+            regions = [(t0.elapsed_time(s[0]), t0.elapsed_time(s[1])) for s in every if s[3] == "wait"]
+            waits = [math.nan if s[3] == "gather" else None for s in spans]
         elif any(s[1] is None for s in spans):  # pragma: no cover - DDP waited for each future
             return None
         else:
-            ms = [(s[0] * 1e3, s[1] * 1e3) for s in spans]
+            ms, regions = [(s[0] * 1e3, s[1] * 1e3) for s in spans], []
             waits = [None if s[3] is None else s[3] * 1e3 for s in spans]
         held, end = self._held, spans[max(range(len(ms)), key=lambda i: ms[i][1])][1]
         arrival = None
@@ -199,7 +211,7 @@ class CommRecorder:
             self._free.append(held[1])
         self._held = (number, end)
         self._release(step, keep=end)
-        return (number, gpu, *comm_ms(ms, [s[2] for s in spans], waits), arrival)
+        return (number, gpu, *comm_ms(ms, [s[2] for s in spans], waits, regions), arrival)
 
 
 def _nccl(state: Any) -> bool:
@@ -231,7 +243,7 @@ class _Timed:
     """FSDP2's all-gather or reduce-scatter of one param group (its ``set_custom_*`` protocol: ``allocate``
     and the call), each call timed by the recorder."""
 
-    def __init__(self, inner: Any, rec: CommRecorder, gather: int | None) -> None:
+    def __init__(self, inner: Any, rec: CommRecorder, gather: bool) -> None:
         self._inner, self._rec, self._gather = inner, rec, gather
 
     def allocate(self, *args: Any, **kwargs: Any) -> Any:
@@ -245,7 +257,9 @@ class _Timed:
 
 def watch_fsdp(engine: Any, model: Any) -> None:
     """Time the all-gathers and reduce-scatters of every ``fully_shard`` module in ``model`` and the
-    compute stream's waits for the gathers, through the recorder given to ``engine``."""
+    compute stream's spans where FSDP2 makes it wait for them (before a module's forward or backward, for
+    its all-gather; after its backward, for an earlier reduce-scatter), through the recorder given to
+    ``engine``."""
     from torch.distributed.fsdp import FSDPModule
 
     mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -261,17 +275,14 @@ def watch_fsdp(engine: Any, model: Any) -> None:
         if groups is None:
             groups = [g] if (g := getattr(state, "_fsdp_param_group", None)) is not None else []
         for group in groups:
-            key = id(group)
-            group._all_gather_comm = _Timed(group._all_gather_comm, rec, key)
-            group._reduce_scatter_comm = _Timed(group._reduce_scatter_comm, rec, None)
-            group.wait_for_unshard = _waiting(group.wait_for_unshard, group, rec, key)
+            group._all_gather_comm = _Timed(group._all_gather_comm, rec, True)
+            group._reduce_scatter_comm = _Timed(group._reduce_scatter_comm, rec, False)
+            group.wait_for_unshard = _region(group.wait_for_unshard, rec)
+            group.post_backward = _region(group.post_backward, rec)
 
 
-def _waiting(orig: Callable[[], Any], group: Any, rec: CommRecorder, key: int) -> Callable[[], Any]:
-    def wait_for_unshard() -> Any:
-        if getattr(group, "_all_gather_result", None) is not None:  # else nothing to wait for
-            with suppress(Exception):  # steptimer's own failure leaves the wait unmeasured
-                rec.fsdp_wait(key)
-        return orig()
+def _region(orig: Callable[..., Any], rec: CommRecorder) -> Callable[..., Any]:
+    def region(*args: Any, **kwargs: Any) -> Any:
+        return rec.fsdp_region(lambda: orig(*args, **kwargs))
 
-    return wait_for_unshard
+    return region

@@ -59,15 +59,16 @@ def test_each_backward_has_its_own_exposed_tail() -> None:
     assert comm_ms(spans, [False] * 4) == (8.0, 3.0)
 
 
-def test_waits_of_the_compute_count_from_when_it_reached_them() -> None:
-    # FSDP2: two all-gathers the compute waited for from 1 ms and 9 ms (the first done at 3 ms, the second
-    # at 8 ms, before the wait: nothing exposed), one never waited for (NaN), and two reduce-scatters
-    # grouped as DDP's buckets: ready at 10 and 12, ending at 13 and 16: 4 ms after the last ready.
-    spans = [(0.0, 3.0), (5.0, 8.0), (6.0, 7.0), (10.0, 13.0), (12.0, 16.0)]
-    waits = [1.0, 9.0, math.nan, None, None]
-    busy, exposed = comm_ms(spans, [False] * 5, waits)
+def test_waits_of_the_compute_count_until_the_collective_it_waited_for_ended() -> None:
+    # FSDP2: two all-gathers, 0-3 and 5-8 ms, waited for inside regions of the compute stream from 1 to
+    # 3.5 ms (2 ms waited: copies follow) and from 9 to 9.5 ms (done before: nothing waited); two
+    # reduce-scatters grouped as DDP's buckets: ready at 10 and 12, ending at 13 and 16.
+    spans = [(0.0, 3.0), (5.0, 8.0), (10.0, 13.0), (12.0, 16.0)]
+    busy, exposed = comm_ms(spans, [False] * 4, [math.nan, math.nan, None, None], [(1.0, 3.5), (9.0, 9.5)])
     assert busy == 3.0 + 3.0 + 6.0
     assert exposed == (3.0 - 1.0) + 0.0 + (16.0 - 12.0)
+    # Host timing: each collective waited for from its start.
+    assert comm_ms([(0.0, 2.0), (3.0, 4.0)], [False, False], [0.0, 3.0]) == (3.0, 3.0)
 
 
 # ---------------------------------------------------------------- the verdict
@@ -340,7 +341,7 @@ def test_fsdp2_on_two_gpus_times_the_collectives_on_the_gpus_clock(tmp_path: Pat
         assert row["clock"] == "gpu" and row["steps"] == 10, row
         st, cu = row["steptimer"], row["cupti"]
         assert 0.0 <= st["comm_exposed"] <= st["comm"] <= row["step_ms"], row
-        assert st["comm"] == pytest.approx(cu["comm_ms"], rel=0.25), row  # the NCCL kernels, with the waits
+        assert st["comm"] >= 0.9 * cu["comm_ms"], row  # the spans hold the NCCL kernels (and their launch)
 
 
 def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without_it(
