@@ -58,7 +58,7 @@ class CommRecorder:
     future, complete at launch, so nothing of the user's waits), else ``perf_counter`` at the hook and
     in a callback chained to the future, which DDP waits for before backward ends."""
 
-    def __init__(self, engine: Any, inner: Callable[[Any, Any], Any]) -> None:
+    def __init__(self, engine: Any, inner: Callable[[Any, Any], Any] | None) -> None:
         self._engine = engine
         self._inner = inner
         # Per timed step, oldest first: (number, on the GPU, spans); a span is [ready, end, last
@@ -204,14 +204,20 @@ class CommRecorder:
             ms, regions = [(s[0] * 1e3, s[1] * 1e3) for s in spans], []
             waits = [None if s[3] is None else s[3] * 1e3 for s in spans]
         held, end = self._held, spans[max(range(len(ms)), key=lambda i: ms[i][1])][1]
+        comm, exposed = comm_ms(ms, [s[2] for s in spans], waits, regions)
         arrival = None
         if held is not None and held[0] == number - 1:
-            arrival = held[1].elapsed_time(spans[0][0]) if gpu else (spans[0][0] - held[1]) * 1e3
+            # DDP: from there to the first collective. FSDP2, whose collectives run all through the
+            # step: to the step's last collective end, which the ranks leave together, less the waits.
+            if self._inner is None:  # watch_fsdp's
+                arrival = (held[1].elapsed_time(end) if gpu else (end - held[1]) * 1e3) - exposed
+            else:
+                arrival = held[1].elapsed_time(spans[0][0]) if gpu else (spans[0][0] - held[1]) * 1e3
         if held is not None and gpu:
             self._free.append(held[1])
         self._held = (number, end)
         self._release(step, keep=end)
-        return (number, gpu, *comm_ms(ms, [s[2] for s in spans], waits, regions), arrival)
+        return (number, gpu, comm, exposed, arrival)
 
 
 def _nccl(state: Any) -> bool:
@@ -268,7 +274,7 @@ def watch_fsdp(engine: Any, model: Any) -> None:
             f"watch_fsdp needs a model with fully_shard modules, got {type(model).__name__}: call it after "
             "fully_shard(...)"
         )
-    engine.comm = rec = CommRecorder(engine, None)  # type: ignore[arg-type]
+    engine.comm = rec = CommRecorder(engine, None)  # no DDP hook: FSDP2's collectives
     for m in mods:  # FSDP2's param groups (their comms, waits): a list in torch 2.13, one in 2.11
         state = m._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)

@@ -244,7 +244,7 @@ class CrossRank:
         self._late: dict[int, _Late] = {}  # by rank, over the windows after warm-up
         self._measured = 0  # the steps of those windows whose arrivals were measured
         self._said: dict[int, str] = {}  # by step of this rank's slowest: the rank last to its collective
-        self.collective = "all-reduce"  # the first collective of a step: "all-gather" under FSDP2
+        self.collective = "all-reduce"  # what the ranks wait at: DDP's first all-reduce, FSDP2's collectives
         self.last_step = -1  # the last interval's window's step: the window whose energy the next one carries
         self.energy: tuple[int, dict[str, float]] | None = None  # the ranks' energy tags and their step
 

@@ -402,8 +402,8 @@ class StepTimer:
 
     def watch_fsdp(self, model: Any) -> None:
         """Time an FSDP2 model's collectives per timed step: rows ``comm`` (its all-gathers and
-        reduce-scatters) and ``comm_exposed`` (the compute's waits for them), and each rank's arrival
-        at the step's first all-gather (docs/distributed.md). Call it once, after ``fully_shard``.
+        reduce-scatters) and ``comm_exposed`` (the compute's waits for them), and the rank the others
+        waited for (docs/distributed.md). Call it once, after ``fully_shard``.
 
         Raises:
             TypeError: ``model`` holds no ``fully_shard`` module.
@@ -413,7 +413,7 @@ class StepTimer:
 
             watch_fsdp(self._engine, model)
             if self._xrank is not None:
-                self._xrank.collective = "all-gather"
+                self._xrank.collective = "FSDP collectives"
 
     def close(self, *, failed: bool = False) -> Summary:
         """Resolve pending steps, write the last window, print and return the summary (idempotent).

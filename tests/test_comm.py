@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -258,14 +259,18 @@ def _fsdp_main(rank: int, init: str, out: str) -> None:
                 with timer.step(samples=32):
                     with timer.phase("forward"):
                         loss = net(x).square().mean()
+                        if rank == 1:
+                            time.sleep(0.03)  # the others wait for it in its next collective
                     with timer.phase("backward"):
                         loss.backward()
                     with timer.phase("optimizer"):
                         opt.step()
                         opt.zero_grad()
                 losses.append(float(loss))
-        rows = {r.name: [r.host.steps, r.host.mean_ms, r.share] for r in timer.close().rows}
-        doc["watched" if watched else "bare"] = {"losses": losses, "rows": rows}
+        summary = timer.close()
+        rows = {r.name: [r.host.steps, r.host.mean_ms, r.share] for r in summary.rows}
+        last = summary.ranks.last.text() if summary.ranks is not None and summary.ranks.last is not None else None
+        doc["watched" if watched else "bare"] = {"losses": losses, "rows": rows, "last": last}
     Path(out, f"rank{rank}.json").write_text(json.dumps(doc))
     dist.destroy_process_group()
 
@@ -286,6 +291,10 @@ def test_fsdp2_collectives_are_rows_of_their_own_and_training_is_unchanged(fsdp_
         # On the host a collective returns when it is done: the compute waited for all of it.
         assert math.isclose(rows["comm_exposed"][1], rows["comm"][1], rel_tol=1e-6), rows
         assert 0.0 < rows["comm"][1] < rows["forward"][1] + rows["backward"][1], rows
+    # Rank 1 sleeps 30 ms in each forward: rank 0 waits for it inside its collectives.
+    last = fsdp_run[0]["watched"]["last"]
+    want = r"rank 1 was last to the FSDP collectives in 100% of steps, \+[\d.]+ ms, in forward.*"
+    assert re.fullmatch(want, last), last
 
 
 def test_watch_fsdp_wants_fully_shard_modules() -> None:
