@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from steptimer._profile import DROPPED_MARK, PROFILE_FILE, RANGE_PREFIX, profile_files
 from steptimer._reader import LogError
-from steptimer._tracefile import read_json
+from steptimer._trace import read_json
 
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})

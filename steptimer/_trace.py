@@ -1,9 +1,11 @@
 """One capture of recent steps on the host's and the GPU's clocks, behind ``trace_steps`` (docs/cli.md
-#trace), the flight recorder (docs/slow-steps.md) and the profiler windows' own times. A step is copied
-out (:func:`record`) only when a trace is made of it; no file is written inside a step."""
+#trace, read back by ``steptimer trace``), the flight recorder (docs/slow-steps.md) and the profiler
+windows' own times. A step is copied out (:func:`record`) only when a trace is made of it; no file
+is written inside a step."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten, write_json
 from steptimer._options import check_folder
+from steptimer._reader import LogError
 from steptimer._window import FETCH_S
 
 if TYPE_CHECKING:
@@ -48,12 +51,10 @@ def record(rec: StepRecord) -> dict[str, Any]:
     fetch = rec.row[FETCH_S]  # the loader's part of gap_s
     offs = getattr(rec, "offs_ms", None)
     phases = rec.phase_records()
-    gpu = None
-    if offs is not None:
-        gpu = {
-            "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
-            "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
-        }  # fmt: skip
+    gpu = None if offs is None else {
+        "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
+        "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
+    }  # fmt: skip
     return {
         "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s,
         "fetch_s": None if fetch != fetch else fetch, "wait_s": rec.wait_s,
@@ -296,12 +297,10 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
 
 
 def make_capture(
-    trace_steps: int | tuple[int, int] | None, *, log_dir: str | os.PathLike[str] | None, writer: Any,
-    start_step: int, warmup_steps: int, enabled: bool, rank: int, flight: bool,
-    window_steps: int, profile: bool,
+    trace_steps: int | tuple[int, int] | None, *, folder: str | None, start_step: int, warmup_steps: int,
+    enabled: bool, rank: int, flight: bool, window_steps: int, profile: bool,
 ) -> Capture | None:  # fmt: skip
     """The capture of an enabled rank 0 when a feature needs it, else None (options checked by Options)."""
-    folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir()) if writer is not None else None
     trace = None
     if trace_steps is not None:
         check_folder("trace_steps", TRACE_FILE, folder)
@@ -313,3 +312,41 @@ def make_capture(
         return None
     ring = window_steps + BEFORE + AFTER + 2 if flight_dir is not None else 0
     return Capture(ring_steps=ring, trace=trace, flight=flight_dir)
+
+
+def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str, Any, list[str]]:
+    """``(file, JSON, notes)`` of ``path`` or a directory's first of ``found``; errors name ``option``."""
+    notes: list[str] = []
+    if found[1:]:
+        others = ", ".join(os.path.basename(f) for f in found[1:])
+        notes.append(f"{len(found) - 1} more file(s) of other runs here (pass one to read it): {others}")
+    file = os.path.join(path, os.path.basename(found[0]) if found else name) if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        if not os.path.exists(path):
+            raise LogError(f"{path}: no such file or directory")
+        raise LogError(f"{path}: no {name} here; capture steps with StepTimer(log_dir=..., {option})")
+    try:
+        with open(file) as f:
+            return file, json.load(f), notes
+    except (OSError, ValueError) as err:
+        raise LogError(f"{file}: not readable JSON ({err})") from None
+
+
+def load_capture(path: str) -> dict[str, Any]:
+    """Read a ``trace_steps`` capture (``steptimer trace``): the file ``path``, or a directory's first
+    (the notes name the rest)."""
+    files = run_files(path, TRACE_FILE[: -len(".json")])  # none unless ``path`` is a directory
+    file, doc, notes = read_json(path, files, TRACE_FILE, "trace_steps=N")
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
+        raise LogError(f"{file}: not a steptimer trace capture (format {FORMAT!r} expected)")
+    if doc.get("version") != VERSION:
+        raise LogError(f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}")
+    if not doc["steps"]:
+        ended = doc.get("last_step")
+        ran = "" if ended is None else f" (it ended at step {ended})"
+        raise LogError(
+            f"{file}: the run never reached the captured steps {doc.get('first')}..{doc.get('last')}{ran}; "
+            "capture steps it reaches: StepTimer(trace_steps=N) takes the N steps after warm-up"
+        )
+    doc.setdefault("notes", []).extend(notes)
+    return doc
