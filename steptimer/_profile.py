@@ -53,8 +53,8 @@ class Ranges:
         self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
         set_ranged: Callable[[bool], None], recent: Capture | None = None,
     ) -> None:  # fmt: skip
-        self._push, self._pop = nvtx if nvtx is not None else (None, None)
-        self._recent = recent
+        self._push, self._pop = nvtx or (None, None)
+        self._recent = recent  # the timer's capture: a profiler window's steps (there whenever a window is)
         self.captures: list[ProfileCapture] = []  # the windows not yet written, in step order, apart
         self.slow: SlowProfiler | None = None  # profile_on_slow
         self._set_ranged = set_ranged
@@ -71,8 +71,7 @@ class Ranges:
         if drop_first:
             self.captures.pop(0)
         if capture is not None:
-            if self._recent is not None:
-                capture.recs = self._recent.keep(capture.first, capture.last)
+            capture.recs = self._recent.keep(capture.first, capture.last)  # type: ignore[union-attr]
             self.captures.append(capture)
             self.captures.sort(key=lambda c: c.first)
         cap = self.captures[0] if self.captures else None
@@ -125,7 +124,7 @@ class Ranges:
                 self._set_ranged(self._push is not None)
                 cap.stop(engine)
         if cap.prof is not None and engine.last_resolved >= cap.last:  # its steps resolved
-            cap.write(engine, self._recent)
+            cap.write(engine, self._recent.run_id)  # type: ignore[union-attr]
             self._accept(None, drop_first=True)
 
     def finish(self, engine: Engine) -> None:
@@ -137,7 +136,7 @@ class Ranges:
             self.recording = False
             self.captures[0].stop(engine)
         for cap in self.captures:
-            cap.write(engine, self._recent)
+            cap.write(engine, self._recent.run_id)  # type: ignore[union-attr]
         self.captures = []
 
     def enter(self, name: str) -> None:
@@ -228,14 +227,13 @@ class ProfileCapture:
             except Exception as err:  # noqa: BLE001 - the write then fails too, with a note
                 log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
 
-    def write(self, engine: Engine, recent: Capture | None) -> None:
+    def write(self, engine: Engine, run_id: str | None) -> None:
         """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys), or
         a note that the run ended before the window."""
         if self.prof is None:
             ended = f"the run ended at step {engine.number}, before the window; no profile written"
             engine.notes.append(f"{self._lead()}; {ended}")
             return
-        run_id = recent.run_id if recent is not None else None
         self.path = own_path(self.path, run_id)
         prof, self.prof = self.prof, None
         steps = [

@@ -6,7 +6,6 @@ is written inside a step."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections import deque
@@ -108,8 +107,7 @@ class Capture:
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
         self.flight = flight
         self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
-        # The slowest steps' traces: step -> (wall ms, its steps copied; None until its AFTER steps are)
-        self.kept: dict[int, tuple[float, list[dict[str, Any]] | None]] = {}
+        self.kept: dict[int, tuple[float, list[StepRecord]]] = {}  # the slowest steps': (wall ms, around it)
 
     def keep(self, first: int, last: int) -> list[StepRecord]:
         """A list that :meth:`add` fills with the steps ``first..last``."""
@@ -169,37 +167,28 @@ class Capture:
             engine.notes.append(unwritten("the trace capture", path, err))
 
     def want(self, step: int, wall_ms: float, engine: Engine) -> None:
-        """Keep ``step``'s trace if it is among the ``MAX_TRACES`` slowest (dropping the fastest kept)."""
-        if self.flight is None:
-            return
+        """Keep the steps around ``step`` (the ring's now, the ``AFTER`` ones as they come) if it is among
+        the ``MAX_TRACES`` slowest, dropping the fastest kept."""
+        recs = [r for r in self.ring if step - BEFORE <= r.number <= step + AFTER]
         kept = self.kept
+        if self.flight is None or not any(r.number == step for r in recs):
+            return
         if len(kept) >= MAX_TRACES:
             fastest = min(kept, key=lambda s: kept[s][0])
             if kept[fastest][0] >= wall_ms:
                 return
             del kept[fastest]
-        kept[step] = (wall_ms, None)
-
-    def settle(self, upto: float | None = None) -> None:
-        """Copy out the kept steps whose ``AFTER`` steps are resolved (the ring still holds them)."""
-        if upto is None:
-            upto = self.ring[-1].number - AFTER if self.ring else -math.inf
-        for step, (wall, steps) in list(self.kept.items()):
-            if steps is None and step <= upto:
-                recs = [record(r) for r in self.ring if step - BEFORE <= r.number <= step + AFTER]
-                if any(r["number"] == step for r in recs):
-                    self.kept[step] = (wall, recs)
-                else:
-                    del self.kept[step]
+        self._keeps.append((self.ring[-1].number + 1, step + AFTER, recs))
+        kept[step] = (wall_ms, recs)
 
     def _write_flight(self, flight: str, run_id: str, cuda: bool) -> dict[int, str]:
-        self.settle(math.inf)  # fewer steps after the last ones: the run ended
         if not self.kept or not os.path.isdir(os.path.dirname(flight)):
             return {}  # a log directory gone mid-run: the sink has said so once already
         folder = os.path.join(flight, run_id)
         paths: dict[int, str] = {}
         try:
-            for step, (wall, steps) in sorted(self.kept.items()):  # type: ignore[assignment]
+            for step, (wall, recs) in sorted(self.kept.items()):
+                steps = [record(r) for r in recs]
                 base = gpu_chain(steps)
                 leads = []  # how far each GPU slice of the chain starts before its host launch
                 for s in (s for s in steps if s["number"] in base):

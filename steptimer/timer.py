@@ -493,7 +493,6 @@ class StepTimer:
                 for c in kept:
                     if c.timed:  # an untimed step has no phases to draw
                         self._capture.want(c.step, c.wall_ms, engine)
-                self._capture.settle()
         return window
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:
