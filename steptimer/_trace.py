@@ -228,30 +228,24 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     """Chrome trace JSON: host and GPU tracks (docs/cli.md#trace), GPU slices clamped to their launch."""
     steps = capture["steps"]
     origin = min([s["t0"] - (s["gap_s"] or 0.0) for s in steps], default=0.0)
+    slices: list[dict[str, Any]] = []
 
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 3)
 
-    def meta(tid: int, what: str, **args: Any) -> dict[str, Any]:
-        return {"ph": "M", "name": what, "pid": 1, "tid": tid, "args": args}
-
-    events = [meta(0, "process_name", name="steptimer"), meta(HOST_TID, "thread_name", name="host"),
-              meta(HOST_TID, "thread_sort_index", sort_index=0)]
-
     def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
-        events.append({
+        slices.append({
             "ph": "X", "pid": 1, "tid": tid, "name": name, "cat": cat,
             "ts": us(a), "dur": round(max(z - a, 0.0) * 1e6, 3), "args": args,
         })  # fmt: skip
 
     clamped = 0
     for s in steps:
-        n, t0 = s["number"], s["t0"]
+        n, t0, gap = s["number"], s["t0"], s["gap_s"]
         t_end = t0 + s["step_s"]
-        if s["gap_s"]:
-            # The loader's fetch ends the time between steps (its position there is approximate).
-            fetch = min(s.get("fetch_s") or 0.0, s["gap_s"])
-            slice_(HOST_TID, "loop", "loop", t0 - s["gap_s"], t0 - fetch, step=n)
+        if gap:  # the loader's fetch ends the time between steps (its position there is approximate)
+            fetch = min(s.get("fetch_s") or 0.0, gap)
+            slice_(HOST_TID, "loop", "loop", t0 - gap, t0 - fetch, step=n)
             if fetch:
                 slice_(HOST_TID, "data", "data", t0 - fetch, t0, step=n, position="approximate")
         slice_(HOST_TID, f"step {n}", "step", t0, t_end, step=n)
@@ -268,21 +262,19 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
             clamped += a < launched
             a = max(a, launched)
             slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
-
     # Parents before children (Chrome's importer nests by order when starts are equal).
-    def order(e: dict[str, Any]) -> tuple[Any, ...]:
-        depth = {"loop": 0, "data": 0, "step": 1, "wait": 99}.get(e.get("cat", ""), 2 + e["name"].count("/"))
-        return (e["ph"] != "M", e["tid"], e.get("ts", 0.0), -e.get("dur", 0.0), depth)
-
-    events.sort(key=order)
+    depth = {"loop": 0, "data": 0, "step": 1, "wait": 99}
+    slices.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"], depth.get(e["cat"], 2 + e["name"].count("/"))))
     has_gpu = any(s.get("gpu") is not None for s in steps)
-    if has_gpu:
-        events += [meta(GPU_TID, "thread_name", name="GPU"), meta(GPU_TID, "thread_sort_index", sort_index=1)]
+    tracks = [(0, "process_name", {"name": "steptimer"})]
+    for i, (tid, name) in enumerate([(HOST_TID, "host"), (GPU_TID, "GPU")][: 1 + has_gpu]):
+        tracks += [(tid, "thread_name", {"name": name}), (tid, "thread_sort_index", {"sort_index": i})]
+    events = [{"ph": "M", "name": what, "pid": 1, "tid": tid, "args": args} for tid, what, args in tracks]
     meta = {
         "steps": len(steps), "gpu": has_gpu, "clamped": clamped, "notes": list(capture.get("notes", [])),
         "run_id": capture.get("run_id"),
     }  # fmt: skip
-    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": meta}
+    return {"traceEvents": events + slices, "displayTimeUnit": "ms", "metadata": meta}
 
 
 def make_capture(
