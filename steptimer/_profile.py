@@ -98,7 +98,9 @@ class Ranges:
         self._open("step")
 
     def abort_step(self) -> None:
-        """Close the step's range (the engine raised after ``begin_step``, or at close)."""
+        """Close the step's ranges (the engine raised after ``begin_step``, or at close)."""
+        while self._names:
+            self.exit()
         if self._begun is not None:
             self._begun = None
             self._close()
@@ -129,8 +131,6 @@ class Ranges:
 
     def finish(self, engine: Engine) -> None:
         """At ``close()``, after the engine resolved every step."""
-        while self._names:
-            self.exit()
         self.abort_step()
         if self.recording:
             self.recording = False
@@ -322,8 +322,7 @@ class SlowProfiler:
             if over.any():  # a Python loop over the window's steps only then
                 why = self._runs(walls, over, base, run)
         self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
-        self._medians = {("host", k): st.median_ms for k, st in window.host.items()}
-        self._medians.update({("gpu", k): st.median_ms for k, st in window.gpu.items()})
+        self._medians = {(c, k): st.median_ms for c in ("host", "gpu") for k, st in getattr(window, c).items()}
         if why is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
@@ -344,8 +343,7 @@ class SlowProfiler:
             if is_over:
                 run.append((int(number), float(walls.wall_ms[i])))
             if len(run) >= SLOW_RUN_STEPS:
-                grew = self._grew(walls, run[0][0], i)
-                what = "" if grew is None or grew.grew is None else f", {grew.grew_text()}"
+                what = self._grew(walls, run[0][0], i)
                 mean_ms = sum(wall for _, wall in run) / len(run)
                 return (
                     f"profile_on_slow={self.factor:g}: steps {run[0][0]}-{run[-1][0]} each slower than "
@@ -355,10 +353,11 @@ class SlowProfiler:
         self._run = run
         return None
 
-    def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
-        """What grew in the run's steps (their mean rows) against the previous window's medians."""
+    def _grew(self, walls: StepWalls, first: int, upto: int) -> str:
+        """``, <row> +<ms> (median ...)``: what grew in the run's steps (their mean rows) against the
+        previous window's medians ("": nothing known to)."""
         if not self._medians:
-            return None
+            return ""
         idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
         values: tuple[dict[str, list[float]], dict[str, list[float]]] = ({}, {})
         for i in idx:
@@ -367,7 +366,8 @@ class SlowProfiler:
                     into.setdefault(k, []).append(v)
         host, gpu = ({k: sum(v) / len(v) for k, v in d.items()} for d in values)
         wall = float(walls.wall_ms[idx].mean())
-        return explain(SlowStep(first, wall, walls.clock, host, gpu or None), self._medians)
+        grew = explain(SlowStep(first, wall, walls.clock, host, gpu or None), self._medians).grew_text()
+        return grew and f", {grew}"
 
 
 def make_ranges(
