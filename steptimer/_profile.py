@@ -354,8 +354,7 @@ class SlowProfiler:
         return None
 
     def _grew(self, walls: StepWalls, first: int, upto: int) -> str:
-        """``, <row> +<ms> (median ...)``: what grew in the run's steps (their mean rows) against the
-        previous window's medians ("": nothing known to)."""
+        """``, <what grew>`` in the run's steps (their mean rows) against the last window's medians, or ""."""
         if not self._medians:
             return ""
         idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]

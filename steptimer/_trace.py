@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from steptimer._files import unwritten, write_json
 from steptimer._options import check_folder
 from steptimer._reader import LogError
+from steptimer._slow import SlowestKeeper, SlowStep
 from steptimer._window import FETCH_S
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ class Capture:
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
         self.flight = flight
         self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
+        self._slowest = SlowestKeeper(MAX_TRACES)
         self.kept: dict[int, tuple[float, list[StepRecord]]] = {}  # the slowest steps': (wall ms, around it)
 
     def keep(self, first: int, last: int) -> list[StepRecord]:
@@ -166,20 +168,14 @@ class Capture:
         except OSError as err:
             engine.notes.append(unwritten("the trace capture", path, err))
 
-    def want(self, step: int, wall_ms: float, engine: Engine) -> None:
-        """Keep the steps around ``step`` (the ring's now, the ``AFTER`` ones as they come) if it is among
-        the ``MAX_TRACES`` slowest, dropping the fastest kept."""
-        recs = [r for r in self.ring if step - BEFORE <= r.number <= step + AFTER]
-        kept = self.kept
-        if self.flight is None or not any(r.number == step for r in recs):
+    def want(self, c: SlowStep) -> None:
+        """Keep the steps around ``c`` (the ring's now, the ``AFTER`` ones as they come) while it is
+        among the ``MAX_TRACES`` slowest."""
+        recs = [r for r in self.ring if c.step - BEFORE <= r.number <= c.step + AFTER]
+        if self.flight is None or not any(r.number == c.step for r in recs) or not self._slowest.add([c]):
             return
-        if len(kept) >= MAX_TRACES:
-            fastest = min(kept, key=lambda s: kept[s][0])
-            if kept[fastest][0] >= wall_ms:
-                return
-            del kept[fastest]
-        self._keeps.append((self.ring[-1].number + 1, step + AFTER, recs))
-        kept[step] = (wall_ms, recs)
+        self._keeps.append((self.ring[-1].number + 1, c.step + AFTER, recs))
+        self.kept = {s.step: self.kept.get(s.step) or (s.wall_ms, recs) for s in self._slowest.heap}
 
     def _write_flight(self, flight: str, run_id: str, cuda: bool) -> dict[int, str]:
         if not self.kept or not os.path.isdir(os.path.dirname(flight)):

@@ -492,7 +492,7 @@ class StepTimer:
             if self._capture is not None:  # traces of the steps that entered the run's slowest
                 for c in kept:
                     if c.timed:  # an untimed step has no phases to draw
-                        self._capture.want(c.step, c.wall_ms, engine)
+                        self._capture.want(c)
         return window
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:
