@@ -66,9 +66,9 @@ class SlowStep:
         return f"{where}{self.grew} +{num(self.grew_ms)} ms (median {num(self.grew_median_ms or 0.0)}){untimed}"
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        del d["marks"]
-        return {**d, "causes": list(self.causes), "cause": self.cause}
+        """The fields but ``marks``, and ``cause``; those unknown (None) left out but ``gpu_ms``."""
+        d = {**asdict(self), "causes": list(self.causes), "cause": self.cause}
+        return {k: v for k, v in d.items() if k != "marks" and (v is not None or k == "gpu_ms")}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SlowStep:
