@@ -333,10 +333,9 @@ def explain(c: Candidate, medians: Medians, trace: str | None = None) -> SlowSte
         causes.append(f"after {num(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):
         causes.append("it ran under torch.profiler (profile_steps or profile_on_slow): its overhead is in it")
-    return replace(
-        c, grew=grew, grew_ms=None if grew is None else excess[grew],
-        grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0), causes=tuple(causes), trace=trace,
-    )
+    grew_ms = None if grew is None else excess[grew]
+    median_ms = None if grew is None else medians.get((c.clock, grew), 0.0)
+    return replace(c, grew=grew, grew_ms=grew_ms, grew_median_ms=median_ms, causes=tuple(causes), trace=trace)
 
 
 def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms: float) -> list[str]:
