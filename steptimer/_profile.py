@@ -21,11 +21,10 @@ from steptimer._files import unwritten, write_json
 from steptimer._format import num
 from steptimer._options import check_folder
 from steptimer._slow import SlowStep, StepWalls, explain
-from steptimer._trace import own_path, record, run_files
+from steptimer._trace import Capture, own_path, record, run_files
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
-    from steptimer._trace import Capture
 
 log = logging.getLogger("steptimer")
 
