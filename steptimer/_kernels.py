@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from steptimer._profile import DROPPED_MARK, PROFILE_FILE, RANGE_PREFIX, profile_files
 from steptimer._reader import LogError
-from steptimer._tracefile import read_json
+from steptimer._trace import read_json
 
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
@@ -171,10 +171,15 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
             parts = phase.split("/")
             for key in ["/".join(parts[:k]) for k in range(1, len(parts) + 1)] + ["step"] * (phase != "data"):
                 per[key][name].append(dur)
-    steps = [int(s["number"]) for s in meta.get("steps", [])]
+    timed = meta.get("steps", [])
+    steps = [int(s["number"]) for s in timed]
     if not meta:
         notes.append("no steptimer times in this trace (not written by profile_steps): no consistency check")
-    spans_us = _steptimer_spans(meta, clock)
+    spans_us: Counter[str] = Counter()  # steptimer's time of each phase and ``step``, µs over the steps
+    key = "gpu_ms" if clock == "gpu" else "host_ms"
+    if timed and all(s.get(key) is not None for s in timed):
+        for s in timed:
+            spans_us.update({name: 1e3 * ms for name, ms in s[key].items()})
     tol_us = _TOL_US_PER_STEP * max(len(steps), 1)
     phases = []
     for name in spans.order + [n for n in ("other", "data", "step") if n in per or n == "step"]:
@@ -196,17 +201,6 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
             "overlapped (only the timed stream is bounded by the span)"
         )
     return KernelsReport(path, clock, steps, phases, unattributed, notes)
-
-
-def _steptimer_spans(meta: dict[str, Any], clock: str) -> dict[str, float]:
-    """steptimer's time of each phase and ``step``, in µs summed over the profiled steps."""
-    key = "gpu_ms" if clock == "gpu" else "host_ms"
-    steps = meta.get("steps", [])
-    out: Counter[str] = Counter()
-    if steps and all(s.get(key) is not None for s in steps):
-        for s in steps:
-            out.update({name: 1e3 * ms for name, ms in s[key].items()})
-    return out
 
 
 def report_json(rep: KernelsReport, top: int) -> dict[str, Any]:

@@ -21,11 +21,10 @@ from steptimer._files import unwritten, write_json
 from steptimer._format import num
 from steptimer._options import check_folder
 from steptimer._slow import SlowStep, StepWalls, explain
-from steptimer._trace import own_path, record, run_files
+from steptimer._trace import Capture, own_path, record, run_files
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
-    from steptimer._trace import Capture
 
 log = logging.getLogger("steptimer")
 
@@ -53,8 +52,8 @@ class Ranges:
         self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
         set_ranged: Callable[[bool], None], recent: Capture | None = None,
     ) -> None:  # fmt: skip
-        self._push, self._pop = nvtx if nvtx is not None else (None, None)
-        self._recent = recent
+        self._push, self._pop = nvtx or (None, None)
+        self._recent = recent  # the timer's capture: a profiler window's steps (there whenever a window is)
         self.captures: list[ProfileCapture] = []  # the windows not yet written, in step order, apart
         self.slow: SlowProfiler | None = None  # profile_on_slow
         self._set_ranged = set_ranged
@@ -71,8 +70,7 @@ class Ranges:
         if drop_first:
             self.captures.pop(0)
         if capture is not None:
-            if self._recent is not None:
-                capture.recs = self._recent.keep(capture.first, capture.last)
+            capture.recs = self._recent.keep(capture.first, capture.last)  # type: ignore[union-attr]
             self.captures.append(capture)
             self.captures.sort(key=lambda c: c.first)
         cap = self.captures[0] if self.captures else None
@@ -99,7 +97,9 @@ class Ranges:
         self._open("step")
 
     def abort_step(self) -> None:
-        """Close the step's range (the engine raised after ``begin_step``, or at close)."""
+        """Close the step's ranges (the engine raised after ``begin_step``, or at close)."""
+        while self._names:
+            self.exit()
         if self._begun is not None:
             self._begun = None
             self._close()
@@ -125,19 +125,17 @@ class Ranges:
                 self._set_ranged(self._push is not None)
                 cap.stop(engine)
         if cap.prof is not None and engine.last_resolved >= cap.last:  # its steps resolved
-            cap.write(engine, self._recent)
+            cap.write(engine, self._recent.run_id)  # type: ignore[union-attr]
             self._accept(None, drop_first=True)
 
     def finish(self, engine: Engine) -> None:
         """At ``close()``, after the engine resolved every step."""
-        while self._names:
-            self.exit()
         self.abort_step()
         if self.recording:
             self.recording = False
             self.captures[0].stop(engine)
         for cap in self.captures:
-            cap.write(engine, self._recent)
+            cap.write(engine, self._recent.run_id)  # type: ignore[union-attr]
         self.captures = []
 
     def enter(self, name: str) -> None:
@@ -228,14 +226,13 @@ class ProfileCapture:
             except Exception as err:  # noqa: BLE001 - the write then fails too, with a note
                 log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
 
-    def write(self, engine: Engine, recent: Capture | None) -> None:
+    def write(self, engine: Engine, run_id: str | None) -> None:
         """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys), or
         a note that the run ended before the window."""
         if self.prof is None:
             ended = f"the run ended at step {engine.number}, before the window; no profile written"
             engine.notes.append(f"{self._lead()}; {ended}")
             return
-        run_id = recent.run_id if recent is not None else None
         self.path = own_path(self.path, run_id)
         prof, self.prof = self.prof, None
         steps = [
@@ -324,8 +321,7 @@ class SlowProfiler:
             if over.any():  # a Python loop over the window's steps only then
                 why = self._runs(walls, over, base, run)
         self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
-        self._medians = {("host", k): st.median_ms for k, st in window.host.items()}
-        self._medians.update({("gpu", k): st.median_ms for k, st in window.gpu.items()})
+        self._medians = {(c, k): st.median_ms for c in ("host", "gpu") for k, st in getattr(window, c).items()}
         if why is None:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
@@ -346,8 +342,7 @@ class SlowProfiler:
             if is_over:
                 run.append((int(number), float(walls.wall_ms[i])))
             if len(run) >= SLOW_RUN_STEPS:
-                grew = self._grew(walls, run[0][0], i)
-                what = "" if grew is None or grew.grew is None else f", {grew.grew_text()}"
+                what = self._grew(walls, run[0][0], i)
                 mean_ms = sum(wall for _, wall in run) / len(run)
                 return (
                     f"profile_on_slow={self.factor:g}: steps {run[0][0]}-{run[-1][0]} each slower than "
@@ -357,10 +352,10 @@ class SlowProfiler:
         self._run = run
         return None
 
-    def _grew(self, walls: StepWalls, first: int, upto: int) -> SlowStep | None:
-        """What grew in the run's steps (their mean rows) against the previous window's medians."""
+    def _grew(self, walls: StepWalls, first: int, upto: int) -> str:
+        """``, <what grew>`` in the run's steps (their mean rows) against the last window's medians, or ""."""
         if not self._medians:
-            return None
+            return ""
         idx = [i for i in range(upto + 1) if walls.numbers[i] >= first]
         values: tuple[dict[str, list[float]], dict[str, list[float]]] = ({}, {})
         for i in idx:
@@ -369,7 +364,8 @@ class SlowProfiler:
                     into.setdefault(k, []).append(v)
         host, gpu = ({k: sum(v) / len(v) for k, v in d.items()} for d in values)
         wall = float(walls.wall_ms[idx].mean())
-        return explain(SlowStep(first, wall, walls.clock, host, gpu or None), self._medians)
+        grew = explain(SlowStep(first, wall, walls.clock, host, gpu or None), self._medians).grew_text()
+        return grew and f", {grew}"
 
 
 def make_ranges(

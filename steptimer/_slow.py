@@ -12,7 +12,7 @@ import sys
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -66,28 +66,15 @@ class SlowStep:
         return f"{where}{self.grew} +{num(self.grew_ms)} ms (median {num(self.grew_median_ms or 0.0)}){untimed}"
 
     def to_json(self) -> dict[str, Any]:
-        grew = {"row": self.grew, "by_ms": self.grew_ms, "median_ms": self.grew_median_ms}
-        optional = {
-            "grew": None if self.grew is None else grew,
-            "causes": list(self.causes) or None, "cause": self.cause, "trace": self.trace,
-            "timed": None if self.timed else False,
-        }  # fmt: skip
-        return {
-            "step": self.step, "wall_ms": self.wall_ms, "clock": self.clock,
-            "host_ms": dict(self.host_ms), "gpu_ms": None if self.gpu_ms is None else dict(self.gpu_ms),
-            **{k: v for k, v in optional.items() if v is not None},
-        }  # fmt: skip
+        """The fields but ``marks``, and ``cause``; those unknown (None) left out but ``gpu_ms``."""
+        d = {**asdict(self), "causes": list(self.causes), "cause": self.cause}
+        return {k: v for k, v in d.items() if k != "marks" and (v is not None or k == "gpu_ms")}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SlowStep:
-        grew = d.get("grew") or {}
-        return cls(
-            step=int(d["step"]), wall_ms=float(d["wall_ms"]), clock=d["clock"],
-            host_ms=dict(d.get("host_ms") or {}), gpu_ms=d.get("gpu_ms"),
-            grew=grew.get("row"), grew_ms=grew.get("by_ms"), grew_median_ms=grew.get("median_ms"),
-            causes=tuple(d.get("causes") or ()), trace=d.get("trace"),
-            timed=d.get("timed", True),
-        )  # fmt: skip
+        known = {f.name for f in fields(cls)} - {"marks"}
+        s = cls(**{k: v for k, v in d.items() if k in known})
+        return replace(s, causes=tuple(s.causes))
 
 
 Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet explained (grew, causes)
@@ -210,24 +197,16 @@ def window_candidates(
 ) -> list[Candidate]:  # fmt: skip
     """A window's k slowest steps at most of those slower than ``floor_ms`` (the run's k-th slowest):
     timed steps, and the untimed ones the engine marked slow (by their host wall)."""
-    walls = StepWalls(blocks, step_s_col, number_col)
-    idx = np.flatnonzero(walls.wall_ms > floor_ms)
-    if len(idx) > k:
-        idx = idx[np.argpartition(-walls.wall_ms[idx], k - 1)[:k]]
-    out = []
-    for i in idx.tolist():
-        host, gpu = walls.rows(i)
-        n = int(walls.numbers[i])
-        wall = float(walls.wall_ms[i])
-        out.append(SlowStep(n, wall, walls.clock, host, gpu or None, marks=dict(marks.get(n, {}))))
     untimed = [n for n, m in marks.items() if "untimed" in m]
-    for blk, series in blocks if untimed else ():
-        if blk.names is None:  # the untimed steps' rows
-            wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
-            for i in np.flatnonzero(np.isin(blk.lead[:, number_col], untimed) & (wall > floor_ms)).tolist():
-                n = int(blk.lead[i, number_col])
-                host, _ = row_values(blk, series, i)
-                out.append(SlowStep(n, float(wall[i]), "host", host, None, marks=dict(marks[n]), timed=False))
+    out = []
+    for timed in (True, False) if untimed else (True,):
+        walls = StepWalls(blocks, step_s_col, number_col, timed=timed)
+        over = walls.wall_ms > floor_ms
+        idx = np.flatnonzero(over if timed else over & np.isin(walls.numbers, untimed))
+        for i in idx[np.argsort(-walls.wall_ms[idx], kind="stable")[:k]].tolist():
+            n, (host, gpu) = int(walls.numbers[i]), walls.rows(i)
+            mk = dict(marks.get(n, {}))
+            out.append(SlowStep(n, float(walls.wall_ms[i]), walls.clock, host, gpu or None, marks=mk, timed=timed))
     return sorted(out, key=lambda c: -c.wall_ms)[:k]
 
 
@@ -242,17 +221,20 @@ def is_wait_phase(name: str) -> bool:
 
 
 class StepWalls:
-    """A window's timed steps in step order: numbers and wall times; rows on demand."""
+    """A window's timed (or untimed: host walls) steps in step order: numbers, wall times; rows on demand."""
 
     __slots__ = ("numbers", "wall_ms", "clock", "_parts", "_order")
 
-    def __init__(self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int) -> None:
+    def __init__(
+        self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int,
+        timed: bool = True,
+    ) -> None:  # fmt: skip
         self.clock: ShareClock = "host"
         parts = []  # (block, series, its numbers, its walls); rows within a block are in step order
         for blk, series in blocks:
-            if blk.names is None or not len(blk.lead):
+            if (blk.names is None) == timed or not len(blk.lead):
                 continue
-            if ("gpu", "step") in series:  # the GPU step and the GPU's idle time before it
+            if timed and ("gpu", "step") in series:  # the GPU step and the GPU's idle time before it
                 self.clock = "gpu"
                 wall = blk.derived[:, series.index(("gpu", "step"))].copy()
                 if ("gpu", "idle") in series:
@@ -297,10 +279,9 @@ class SlowestKeeper:
         for c in cands:
             if len(self.heap) < self.k:
                 heapq.heappush(self.heap, c)
-                kept.append(c)
-            elif c.wall_ms > self.heap[0].wall_ms:
-                heapq.heapreplace(self.heap, c)
-                kept.append(c)
+            elif heapq.heappushpop(self.heap, c) is c:  # not slower than the k-th slowest
+                continue
+            kept.append(c)
         return kept
 
     def slowest(self, medians: Medians, traces: Mapping[int, str] | None = None) -> tuple[SlowStep, ...]:
@@ -352,10 +333,9 @@ def explain(c: Candidate, medians: Medians, trace: str | None = None) -> SlowSte
         causes.append(f"after {num(m['pause_ms'])} ms under pause() right before it")
     if m.get("profiled"):
         causes.append("it ran under torch.profiler (profile_steps or profile_on_slow): its overhead is in it")
-    return replace(
-        c, grew=grew, grew_ms=None if grew is None else excess[grew],
-        grew_median_ms=None if grew is None else medians.get((c.clock, grew), 0.0), causes=tuple(causes), trace=trace,
-    )
+    grew_ms = None if grew is None else excess[grew]
+    median_ms = None if grew is None else medians.get((c.clock, grew), 0.0)
+    return replace(c, grew=grew, grew_ms=grew_ms, grew_median_ms=median_ms, causes=tuple(causes), trace=trace)
 
 
 def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms: float) -> list[str]:

@@ -1,10 +1,11 @@
 """One capture of recent steps on the host's and the GPU's clocks, behind ``trace_steps`` (docs/cli.md
-#trace), the flight recorder (docs/slow-steps.md) and the profiler windows' own times. A step is copied
-out (:func:`record`) only when a trace is made of it; no file is written inside a step."""
+#trace, read back by ``steptimer trace``), the flight recorder (docs/slow-steps.md) and the profiler
+windows' own times. A step is copied out (:func:`record`) only when a trace is made of it; no file
+is written inside a step."""
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import re
 from collections import deque
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten, write_json
 from steptimer._options import check_folder
+from steptimer._reader import LogError
+from steptimer._slow import SlowestKeeper, SlowStep
 from steptimer._window import FETCH_S
 
 if TYPE_CHECKING:
@@ -48,12 +51,10 @@ def record(rec: StepRecord) -> dict[str, Any]:
     fetch = rec.row[FETCH_S]  # the loader's part of gap_s
     offs = getattr(rec, "offs_ms", None)
     phases = rec.phase_records()
-    gpu = None
-    if offs is not None:
-        gpu = {
-            "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
-            "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
-        }  # fmt: skip
+    gpu = None if offs is None else {
+        "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
+        "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
+    }  # fmt: skip
     return {
         "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s,
         "fetch_s": None if fetch != fetch else fetch, "wait_s": rec.wait_s,
@@ -107,8 +108,8 @@ class Capture:
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
         self.flight = flight
         self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
-        # The slowest steps' traces: step -> (wall ms, its steps copied; None until its AFTER steps are)
-        self.kept: dict[int, tuple[float, list[dict[str, Any]] | None]] = {}
+        self._slowest = SlowestKeeper(MAX_TRACES)
+        self.kept: dict[int, tuple[float, list[StepRecord]]] = {}  # the slowest steps': (wall ms, around it)
 
     def keep(self, first: int, last: int) -> list[StepRecord]:
         """A list that :meth:`add` fills with the steps ``first..last``."""
@@ -167,38 +168,23 @@ class Capture:
         except OSError as err:
             engine.notes.append(unwritten("the trace capture", path, err))
 
-    def want(self, step: int, wall_ms: float, engine: Engine) -> None:
-        """Keep ``step``'s trace if it is among the ``MAX_TRACES`` slowest (dropping the fastest kept)."""
-        if self.flight is None:
+    def want(self, c: SlowStep) -> None:
+        """Keep the steps around ``c`` (the ring's now, the ``AFTER`` ones as they come) while it is
+        among the ``MAX_TRACES`` slowest."""
+        recs = [r for r in self.ring if c.step - BEFORE <= r.number <= c.step + AFTER]
+        if self.flight is None or not any(r.number == c.step for r in recs) or not self._slowest.add([c]):
             return
-        kept = self.kept
-        if len(kept) >= MAX_TRACES:
-            fastest = min(kept, key=lambda s: kept[s][0])
-            if kept[fastest][0] >= wall_ms:
-                return
-            del kept[fastest]
-        kept[step] = (wall_ms, None)
-
-    def settle(self, upto: float | None = None) -> None:
-        """Copy out the kept steps whose ``AFTER`` steps are resolved (the ring still holds them)."""
-        if upto is None:
-            upto = self.ring[-1].number - AFTER if self.ring else -math.inf
-        for step, (wall, steps) in list(self.kept.items()):
-            if steps is None and step <= upto:
-                recs = [record(r) for r in self.ring if step - BEFORE <= r.number <= step + AFTER]
-                if any(r["number"] == step for r in recs):
-                    self.kept[step] = (wall, recs)
-                else:
-                    del self.kept[step]
+        self._keeps.append((self.ring[-1].number + 1, c.step + AFTER, recs))
+        self.kept = {s.step: self.kept.get(s.step) or (s.wall_ms, recs) for s in self._slowest.heap}
 
     def _write_flight(self, flight: str, run_id: str, cuda: bool) -> dict[int, str]:
-        self.settle(math.inf)  # fewer steps after the last ones: the run ended
         if not self.kept or not os.path.isdir(os.path.dirname(flight)):
             return {}  # a log directory gone mid-run: the sink has said so once already
         folder = os.path.join(flight, run_id)
         paths: dict[int, str] = {}
         try:
-            for step, (wall, steps) in sorted(self.kept.items()):  # type: ignore[assignment]
+            for step, (wall, recs) in sorted(self.kept.items()):
+                steps = [record(r) for r in recs]
                 base = gpu_chain(steps)
                 leads = []  # how far each GPU slice of the chain starts before its host launch
                 for s in (s for s in steps if s["number"] in base):
@@ -238,30 +224,24 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     """Chrome trace JSON: host and GPU tracks (docs/cli.md#trace), GPU slices clamped to their launch."""
     steps = capture["steps"]
     origin = min([s["t0"] - (s["gap_s"] or 0.0) for s in steps], default=0.0)
+    slices: list[dict[str, Any]] = []
 
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 3)
 
-    def meta(tid: int, what: str, **args: Any) -> dict[str, Any]:
-        return {"ph": "M", "name": what, "pid": 1, "tid": tid, "args": args}
-
-    events = [meta(0, "process_name", name="steptimer"), meta(HOST_TID, "thread_name", name="host"),
-              meta(HOST_TID, "thread_sort_index", sort_index=0)]
-
     def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
-        events.append({
+        slices.append({
             "ph": "X", "pid": 1, "tid": tid, "name": name, "cat": cat,
             "ts": us(a), "dur": round(max(z - a, 0.0) * 1e6, 3), "args": args,
         })  # fmt: skip
 
     clamped = 0
     for s in steps:
-        n, t0 = s["number"], s["t0"]
+        n, t0, gap = s["number"], s["t0"], s["gap_s"]
         t_end = t0 + s["step_s"]
-        if s["gap_s"]:
-            # The loader's fetch ends the time between steps (its position there is approximate).
-            fetch = min(s.get("fetch_s") or 0.0, s["gap_s"])
-            slice_(HOST_TID, "loop", "loop", t0 - s["gap_s"], t0 - fetch, step=n)
+        if gap:  # the loader's fetch ends the time between steps (its position there is approximate)
+            fetch = min(s.get("fetch_s") or 0.0, gap)
+            slice_(HOST_TID, "loop", "loop", t0 - gap, t0 - fetch, step=n)
             if fetch:
                 slice_(HOST_TID, "data", "data", t0 - fetch, t0, step=n, position="approximate")
         slice_(HOST_TID, f"step {n}", "step", t0, t_end, step=n)
@@ -278,30 +258,26 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
             clamped += a < launched
             a = max(a, launched)
             slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
-
     # Parents before children (Chrome's importer nests by order when starts are equal).
-    def order(e: dict[str, Any]) -> tuple[Any, ...]:
-        depth = {"loop": 0, "data": 0, "step": 1, "wait": 99}.get(e.get("cat", ""), 2 + e["name"].count("/"))
-        return (e["ph"] != "M", e["tid"], e.get("ts", 0.0), -e.get("dur", 0.0), depth)
-
-    events.sort(key=order)
+    depth = {"loop": 0, "data": 0, "step": 1, "wait": 99}
+    slices.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"], depth.get(e["cat"], 2 + e["name"].count("/"))))
     has_gpu = any(s.get("gpu") is not None for s in steps)
-    if has_gpu:
-        events += [meta(GPU_TID, "thread_name", name="GPU"), meta(GPU_TID, "thread_sort_index", sort_index=1)]
+    tracks = [(0, "process_name", {"name": "steptimer"})]
+    for i, (tid, name) in enumerate([(HOST_TID, "host"), (GPU_TID, "GPU")][: 1 + has_gpu]):
+        tracks += [(tid, "thread_name", {"name": name}), (tid, "thread_sort_index", {"sort_index": i})]
+    events = [{"ph": "M", "name": what, "pid": 1, "tid": tid, "args": args} for tid, what, args in tracks]
     meta = {
         "steps": len(steps), "gpu": has_gpu, "clamped": clamped, "notes": list(capture.get("notes", [])),
         "run_id": capture.get("run_id"),
     }  # fmt: skip
-    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": meta}
+    return {"traceEvents": events + slices, "displayTimeUnit": "ms", "metadata": meta}
 
 
 def make_capture(
-    trace_steps: int | tuple[int, int] | None, *, log_dir: str | os.PathLike[str] | None, writer: Any,
-    start_step: int, warmup_steps: int, enabled: bool, rank: int, flight: bool,
-    window_steps: int, profile: bool,
+    trace_steps: int | tuple[int, int] | None, *, folder: str | None, start_step: int, warmup_steps: int,
+    enabled: bool, rank: int, flight: bool, window_steps: int, profile: bool,
 ) -> Capture | None:  # fmt: skip
     """The capture of an enabled rank 0 when a feature needs it, else None (options checked by Options)."""
-    folder = os.fspath(log_dir) if log_dir is not None else str(writer.get_logdir()) if writer is not None else None
     trace = None
     if trace_steps is not None:
         check_folder("trace_steps", TRACE_FILE, folder)
@@ -313,3 +289,41 @@ def make_capture(
         return None
     ring = window_steps + BEFORE + AFTER + 2 if flight_dir is not None else 0
     return Capture(ring_steps=ring, trace=trace, flight=flight_dir)
+
+
+def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str, Any, list[str]]:
+    """``(file, JSON, notes)`` of ``path`` or a directory's first of ``found``; errors name ``option``."""
+    notes: list[str] = []
+    if found[1:]:
+        others = ", ".join(os.path.basename(f) for f in found[1:])
+        notes.append(f"{len(found) - 1} more file(s) of other runs here (pass one to read it): {others}")
+    file = os.path.join(path, os.path.basename(found[0]) if found else name) if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        if not os.path.exists(path):
+            raise LogError(f"{path}: no such file or directory")
+        raise LogError(f"{path}: no {name} here; capture steps with StepTimer(log_dir=..., {option})")
+    try:
+        with open(file) as f:
+            return file, json.load(f), notes
+    except (OSError, ValueError) as err:
+        raise LogError(f"{file}: not readable JSON ({err})") from None
+
+
+def load_capture(path: str) -> dict[str, Any]:
+    """Read a ``trace_steps`` capture (``steptimer trace``): the file ``path``, or a directory's first
+    (the notes name the rest)."""
+    files = run_files(path, TRACE_FILE[: -len(".json")])  # none unless ``path`` is a directory
+    file, doc, notes = read_json(path, files, TRACE_FILE, "trace_steps=N")
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
+        raise LogError(f"{file}: not a steptimer trace capture (format {FORMAT!r} expected)")
+    if doc.get("version") != VERSION:
+        raise LogError(f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}")
+    if not doc["steps"]:
+        ended = doc.get("last_step")
+        ran = "" if ended is None else f" (it ended at step {ended})"
+        raise LogError(
+            f"{file}: the run never reached the captured steps {doc.get('first')}..{doc.get('last')}{ran}; "
+            "capture steps it reaches: StepTimer(trace_steps=N) takes the N steps after warm-up"
+        )
+    doc.setdefault("notes", []).extend(notes)
+    return doc

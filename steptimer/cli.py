@@ -261,7 +261,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from steptimer._tracefile import load_capture, to_chrome
+    from steptimer._trace import load_capture, to_chrome
 
     trace = to_chrome(load_capture(args.logdir))
     text = json.dumps(trace)

@@ -230,11 +230,11 @@ class StepTimer:
         self._energy = EnergyWindows()
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
         runs = dict(enabled=enabled, rank=self._rank)
+        folder = os.fspath(log_dir) if log_dir is not None else writer and str(writer.get_logdir())
         self._capture = c = make_capture(
-            trace_steps, log_dir=log_dir, writer=writer, start_step=start_step, warmup_steps=warmup_steps,
+            trace_steps, folder=folder, start_step=start_step, warmup_steps=warmup_steps,
             flight=slowest_steps > 0, window_steps=window_max, profile=profiled, **runs,
         )  # fmt: skip
-        folder = os.fspath(log_dir) if log_dir is not None else writer and str(writer.get_logdir())
         self._ranges, nvtx_note = make_ranges(
             nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow, recent=c,
             folder=folder if seams.profile_dir is None else seams.profile_dir, set_ranged=self._set_ranged, **runs,
@@ -512,8 +512,7 @@ class StepTimer:
             if self._capture is not None:  # traces of the steps that entered the run's slowest
                 for c in kept:
                     if c.timed:  # an untimed step has no phases to draw
-                        self._capture.want(c.step, c.wall_ms, engine)
-                self._capture.settle()
+                        self._capture.want(c)
         return window
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:

@@ -20,7 +20,6 @@ import pytest
 import steptimer
 import steptimer._engine as engine_mod
 import steptimer._trace as trace_mod
-import steptimer._tracefile as tracefile_mod
 from steptimer import StepTimer
 from steptimer._format import num, pct
 from tests.fakes import FakeClock, FakeGPU, render
@@ -452,7 +451,7 @@ def test_trace_host_only(tmp_path: Path, clock: FakeClock) -> None:
     t.close()
     doc = json.loads(cli("trace", str(tmp_path), "-o", "-").stdout)
     slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    assert {e["tid"] for e in slices} == {tracefile_mod.HOST_TID} and doc["metadata"]["gpu"] is False
+    assert {e["tid"] for e in slices} == {trace_mod.HOST_TID} and doc["metadata"]["gpu"] is False
     assert [e["name"] for e in slices if e["cat"] == "phase"] == ["forward", "forward/inner"] * 3
     steps = [e for e in slices if e["cat"] == "step"]
     assert [e["dur"] for e in steps] == pytest.approx([3000.0] * 3)
@@ -575,8 +574,8 @@ def test_trace_on_gpu(tmp_path: Path) -> None:
     _gpu_run(tmp_path, "gpu")
     doc = json.loads(cli("trace", str(tmp_path), "-o", "-").stdout)
     slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    gpu = [e for e in slices if e["tid"] == tracefile_mod.GPU_TID]
-    host = [e for e in slices if e["tid"] == tracefile_mod.HOST_TID]
+    gpu = [e for e in slices if e["tid"] == trace_mod.GPU_TID]
+    host = [e for e in slices if e["tid"] == trace_mod.HOST_TID]
     assert len([e for e in gpu if e["cat"] == "phase"]) == 6
     assert len([e for e in host if e["cat"] == "phase"]) == 6
     # The anchor places GPU times late by the wait's wake-up latency, never early: in a GPU-bound

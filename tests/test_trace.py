@@ -16,7 +16,7 @@ import steptimer._trace as trace_mod
 from steptimer import StepTimer
 from steptimer._kernels import analyze, load_profile
 from steptimer._profile import profile_files
-from steptimer._tracefile import GPU_TID, HOST_TID, load_capture, to_chrome
+from steptimer._trace import GPU_TID, HOST_TID, load_capture, to_chrome
 from tests.fakes import FakeClock, FakeGPU
 
 
