@@ -17,7 +17,7 @@ from typing import Any
 
 from steptimer._format import num
 from steptimer._memory import MIB
-from steptimer._options import nonneg_int, positive_int
+from steptimer._options import int_at_least
 from steptimer._reader import LogError, find_runs
 from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, analyze, compare
 from steptimer._summary import Summary
@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         return c
 
     def windows(c: argparse.ArgumentParser) -> None:
-        c.add_argument("--skip-steps", type=nonneg_int, default=0, metavar="N",
+        c.add_argument("--skip-steps", type=int_at_least, default=0, metavar="N",
                        help="leave out the windows that end at or before step N")  # fmt: skip
         c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
 
@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
                 "top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)")  # fmt: skip
     k.add_argument("logdir", help="the run directory holding steptimer-profile.json or "
                    "steptimer-profile-slow-<step>.json (or the file itself)")  # fmt: skip
-    k.add_argument("--top", type=positive_int, default=5, metavar="N", help="kernels per phase (default: %(default)s)")
+    k.add_argument("--top", type=lambda t: int_at_least(t, 1), default=5, metavar="N", help="kernels per phase (default: %(default)s)")
     k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
     return p
 
