@@ -74,11 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--version", action="version", version=f"steptimer {__version__}")
 
-    def usage(args: argparse.Namespace) -> int:  # a bare `steptimer`: the help, as a usage error
-        p.print_help(sys.stderr)
-        return 2
-
-    p.set_defaults(func=usage)
+    p.set_defaults(func=lambda args: p.print_help(sys.stderr) or 2)  # a bare `steptimer`: help; a usage error
     sub = p.add_subparsers(dest="command", metavar="{run,report,compare,trace,kernels}")
     sub.add_parser("run", help=HELP, usage=USAGE, add_help=False)  # parsed by _run.main (listed here for --help)
 
@@ -87,16 +83,16 @@ def _parser() -> argparse.ArgumentParser:
         c.set_defaults(func=func)
         return c
 
-    def windows(c: argparse.ArgumentParser) -> None:
+    def windows(c: argparse.ArgumentParser, json_help: str) -> None:
+        c.add_argument("--json", action="store_true", help=f"print JSON instead of {json_help}")
         c.add_argument("--skip-steps", type=int_at_least, default=0, metavar="N",
                        help="leave out the windows that end at or before step N")  # fmt: skip
         c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
 
     r = command("report", _cmd_report, "per-phase GPU/host times of steps, shares and a bottleneck verdict")
     r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
-    r.add_argument("--json", action="store_true", help="print JSON instead of tables")
     r.add_argument("--explain", action="store_true", help="also say what each column, mark and row means")
-    windows(r)
+    windows(r, "tables")
     c = command(
         "compare", _cmd_compare, "per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
         description="Per phase, the median ms per step in RUN_A and RUN_B (GPU where both have it, "
@@ -105,8 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     c.add_argument("run_a", metavar="RUN_A", help="the baseline run directory (one run)")
     c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run)")
-    c.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    windows(c)
+    windows(c, "a table")
     t = command("trace", _cmd_trace,
                 "export a captured window of steps (StepTimer(trace_steps=...)) as Chrome/Perfetto trace JSON")
     t.add_argument("logdir", help="the run directory holding steptimer-trace.json (or the file itself)")
@@ -116,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
                 "top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)")  # fmt: skip
     k.add_argument("logdir", help="the run directory holding steptimer-profile.json or "
                    "steptimer-profile-slow-<step>.json (or the file itself)")  # fmt: skip
-    k.add_argument("--top", type=lambda t: int_at_least(t, 1), default=5, metavar="N", help="kernels per phase (default: %(default)s)")
+    k.add_argument("--top", type=lambda t: int_at_least(t, 1), default=5, metavar="N",
+                   help="kernels per phase (default: %(default)s)")  # fmt: skip
     k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
     return p
 
