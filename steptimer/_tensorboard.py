@@ -56,21 +56,15 @@ _UNCHARTED = (_tags.RUN, _tags.WARMUP)  # groups left out of the Custom Scalars 
 
 def window_scalars(window: Window) -> dict[str, float]:
     """Every scalar a window writes, by tag (``_tags.py``'s grammar, a phase's name in the tag)."""
-    out: dict[str, float] = {}
-    for clock, series in (("host", window.host), ("gpu", window.gpu)):
-        for name, st in series.items():
-            out[tag(MAIN, clock, name, "ms")] = st.mean_ms
-            out[tag(_tags.TAILS, clock, name, "p90_ms")] = st.p90_ms
-            out[tag(_tags.TAILS, clock, name, "max_ms")] = st.max_ms
-    for name, frac in window.caught.items():
-        out[tag(_tags.CAUGHT, "gpu", name, "frac")] = frac
-    for name, share in window.shares.items():
-        out[tag(MAIN, window.share_clock, name, "pct")] = 100.0 * share
-    out[_tags.STEPS_PER_S] = window.steps_per_s
-    for key, v in ((_tags.SAMPLES_PER_S, window.samples_per_s), (_tags.TOKENS_PER_S, window.tokens_per_s),
-                   (_tags.TFLOPS_PER_S, window.tflops_per_s), (_tags.MFU, window.mfu)):  # fmt: skip
-        if v is not None:
-            out[key] = v
+    out = {
+        tag(group, clock, name, measure): getattr(st, field)
+        for clock, series in (("host", window.host), ("gpu", window.gpu))
+        for name, st in series.items()
+        for group, measure, field in _tags.ROW_STATS
+    }
+    out.update({tag(_tags.CAUGHT, "gpu", name, "frac"): frac for name, frac in window.caught.items()})
+    out.update({tag(MAIN, window.share_clock, name, "pct"): 100.0 * sh for name, sh in window.shares.items()})
+    out.update({k: v for k in _tags.RATES if (v := getattr(window, k.partition("/")[2])) is not None})
     if window.warmup:
         out[_tags.WARMUP_STEPS] = float(window.steps)
     mem = window.memory
@@ -78,8 +72,7 @@ def window_scalars(window: Window) -> dict[str, float]:
         for by_name, measure in ((mem.peak_bytes, "peak_mib"), (mem.alloc_bytes, "alloc_mib")):
             out.update({tag(MAIN, "mem", name, measure): b / MIB for name, b in by_name.items()})
         out[_tags.RESERVED_MIB] = mem.reserved_bytes / MIB
-    out.update(window.extra)
-    return out
+    return {**out, **window.extra}
 
 
 def run_names(window: Window) -> list[str]:
