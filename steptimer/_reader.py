@@ -52,8 +52,7 @@ def find_runs(logdir: str) -> list[RunLog]:
         runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], name=logdir, path=logdir)]
     for d, groups in () if runs else _walk(logdir).items():
         name = logdir if d == os.path.normpath(logdir) else os.path.relpath(d, logdir)
-        here = [read_run(files, name=path, path=path) for path, files in groups]
-        here = [run for run in here if run.scalars or run.hists]
+        here = [run for path, files in groups if (run := read_run(files, name=path, path=path)).scalars or run.hists]
         if len(here) == 1:
             here[0].name, here[0].path = name, d
         for run in here if len(here) > 1 else ():
@@ -107,10 +106,8 @@ def _walk(logdir: str) -> dict[str, list[tuple[str, Files]]]:
 
 def _owner(d: str, own_dirs: set[str]) -> str | None:
     """The nearest run above with ``d`` under its ``steptimer/`` (one with its own files first)."""
-    ups, rest = [], d
-    while up := rest.rpartition(os.sep + PHASE_DIR + os.sep)[0]:
-        ups.append(up)
-        rest = up + os.sep
+    parts = d.split(os.sep)
+    ups = [up for i in range(len(parts) - 2, 0, -1) if parts[i] == PHASE_DIR and (up := os.sep.join(parts[:i]))]
     return next((up for up in ups if up in own_dirs), ups[0] if ups else None)
 
 
