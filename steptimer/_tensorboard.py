@@ -194,14 +194,13 @@ class TensorBoardSink:
         self._proto, self._custom_scalars = SummaryProto, custom_scalars
         self.writer = writer
         self._histograms = histograms
-        self._file: EventFile | None = None
         self.run_id = new_run_id()  # every file of this sink carries it: a run of its own for the reader
         if writer is None:
-            self.dir = os.fspath(log_dir) if log_dir is not None else "runs"
+            self.dir = os.fspath(log_dir if log_dir is not None else "runs")
             check_writable(self.dir)
-            self._file = EventFile(self.dir, run_id=self.run_id)
         else:
             self.dir = writer.get_logdir()
+        self._file = EventFile(self.dir, run_id=self.run_id) if writer is None else None
         self._runs: dict[str, EventFile] = {}
         self._layout_written = False
         self.failed: OSError | None = None  # the first failed write; nothing is written after it
