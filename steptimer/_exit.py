@@ -13,18 +13,13 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
-
-class _Closes(Protocol):
-    def _close_at_end(self) -> None: ...
-
-
-_live: dict[int, weakref.ref[_Closes]] = {}  # id -> timer (or Instrumented), in the order they began
+_live: dict[int, weakref.ref[Any]] = {}  # id -> timer (or Instrumented), in the order they began
 _chain: _Chain | None = None  # the handler put in for the timers live now
 
 
-def track(obj: _Closes) -> None:
+def track(obj: Any) -> None:
     """``obj`` is live: close it at exit or on SIGTERM (``obj._close_at_end()``) unless untracked first."""
     global _chain
     _live[id(obj)] = weakref.ref(obj)
