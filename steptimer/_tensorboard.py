@@ -31,7 +31,7 @@ _FILE_IDS = itertools.count()
 
 # Custom Scalars charts by title, in order, each a regex over the tags as the runs hold them (a
 # phase's without its name). One unit per chart; a written tag no regex matches gets a chart of its own.
-CHARTS = {title: f"^{rx}$" for title, rx in {
+_CHART_TAGS = {
     "Share of the GPU's timeline per row, %": run_tag(MAIN, "gpu", "pct"),
     "Share of wall time per row (host clock), %": run_tag(MAIN, "host", "pct"),
     "GPU ms per row": run_tag(MAIN, "gpu", "ms"),
@@ -50,7 +50,8 @@ CHARTS = {title: f"^{rx}$" for title, rx in {
     **{f"{_TITLE[c]} {q} ms per row": run_tag(_tags.TAILS, c, f"{q}_ms") for q in ("p90", "max") for c in _TITLE},
     **{f"{_TITLE[c]} step {q} ms": tag(_tags.TAILS, c, STEP, f"{q}_ms") for q in ("p90", "max") for c in _TITLE},
     "Steps in which the GPU caught up, per phase": run_tag(_tags.CAUGHT, "gpu", "frac"),
-}.items()}
+}
+CHARTS = {title: f"^{rx}$" for title, rx in _CHART_TAGS.items()}
 _UNCHARTED = (_tags.RUN, _tags.WARMUP)  # groups left out of the Custom Scalars layout
 
 

@@ -102,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("run_a", metavar="RUN_A", help="the baseline run directory (one run)")
     c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run)")
     windows(c, "a table")
-    t = command("trace", _cmd_trace,
-                "export a captured window of steps (StepTimer(trace_steps=...)) as Chrome/Perfetto trace JSON")
+    t = command("trace", _cmd_trace, "export a captured window of steps (StepTimer(trace_steps=...)) as "
+                "Chrome/Perfetto trace JSON")  # fmt: skip
     t.add_argument("logdir", help="the run directory holding steptimer-trace.json (or the file itself)")
     t.add_argument("-o", "--output", default=None,
                    help=f"where to write the trace (default: LOGDIR/{TRACE_OUT}); '-' for stdout")  # fmt: skip
