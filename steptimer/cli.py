@@ -215,16 +215,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from steptimer._table import compute_text, energy_line, say, table_of
 
     (a,), (b,) = _summaries(args.run_a, args, one=True), _summaries(args.run_b, args, one=True)
-    deltas = compare(a, b)
-    kinds = {k: None if r.verdict is None else r.verdict.kind for k, r in (("a", a), ("b", b))}
+    deltas, runs = compare(a, b), {"a": a, "b": b}
+    kinds = {k: None if r.verdict is None else r.verdict.kind for k, r in runs.items()}
     if args.json:
         return _print_json({
-            "a": a.path,
-            "b": b.path,
+            **{k: r.path for k, r in runs.items()},
             "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
             "verdicts": kinds,
-            "compute": {k: {"tflops_per_s": r.tflops_per_s, "mfu": r.mfu} for k, r in (("a", a), ("b", b))},
-            "energy": {k: _energy_json(r) for k, r in (("a", a), ("b", b))},
+            "compute": {k: {"tflops_per_s": r.tflops_per_s, "mfu": r.mfu} for k, r in runs.items()},
+            "energy": {k: _energy_json(r) for k, r in runs.items()},
         })  # fmt: skip
     console = _console()
     say(console, [f"A = {a.path}", f"B = {b.path}"])
@@ -239,11 +238,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         )  # fmt: skip
     console.print(table)
     lines = []
-    for label, run in (("A", a), ("B", b)):
+    for label, run in runs.items():
         if run.tflops_per_s is not None:
-            lines.append(f"{label} {compute_text(run)}")
+            lines.append(f"{label.upper()} {compute_text(run)}")
         if run.energy is not None:
-            lines.append(energy_line(run, f"{label} "))
+            lines.append(energy_line(run, f"{label.upper()} "))
     lines += [
         f"verdict A: {kinds['a']}; verdict B: {kinds['b']}",
         "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
