@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -188,13 +187,7 @@ def _energy_json(s: Summary) -> dict[str, float] | None:
 
 def _finite(x: Any) -> Any:
     """JSON has no NaN/inf: they become null."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
+    return json.loads(json.dumps(x), parse_constant=lambda _: None)
 
 
 def _print_json(doc: Any) -> int:
