@@ -123,9 +123,7 @@ class MemoryStats:
 
     def merged(self, later: MemoryStats) -> MemoryStats:
         """This and a later window's memory together: max of peaks, the later levels."""
-        peak = dict(self.peak_bytes)
-        for k, v in later.peak_bytes.items():
-            peak[k] = max(peak.get(k, v), v)
+        peak = {**self.peak_bytes, **{k: max(self.peak_bytes.get(k, v), v) for k, v in later.peak_bytes.items()}}
         alloc = {**self.alloc_bytes, **later.alloc_bytes}
         return MemoryStats(peak, alloc, later.reserved_bytes, self.steps + later.steps)
 
