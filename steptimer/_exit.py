@@ -13,28 +13,22 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
-
-class _Closes(Protocol):
-    def _close_at_end(self) -> None: ...
-
-
-_live: dict[int, weakref.ref[_Closes]] = {}  # id -> timer (or Instrumented), in the order they began
+_live: dict[int, weakref.ref[Any]] = {}  # id -> timer (or Instrumented), in the order they began
 _chain: _Chain | None = None  # the handler put in for the timers live now
 
 
-def track(obj: _Closes) -> None:
+def track(obj: Any) -> None:
     """``obj`` is live: close it at exit or on SIGTERM (``obj._close_at_end()``) unless untracked first."""
     global _chain
     _live[id(obj)] = weakref.ref(obj)
-    if not hasattr(signal, "SIGTERM") or threading.current_thread() is not threading.main_thread():
-        return  # signal.signal() works only in the main thread; atexit still covers the exit
-    found = signal.getsignal(signal.SIGTERM)
-    if found is _chain or found is None:  # ours already, or set outside Python (it can't be called from here)
-        return
-    _chain = _Chain(found)
-    signal.signal(signal.SIGTERM, _chain)
+    # signal.signal() works only in the main thread; atexit still covers the exit.
+    if hasattr(signal, "SIGTERM") and threading.current_thread() is threading.main_thread():
+        found = signal.getsignal(signal.SIGTERM)
+        if found is not _chain and found is not None:  # None: set outside Python, can't be called from here
+            _chain = _Chain(found)
+            signal.signal(signal.SIGTERM, _chain)
 
 
 def untrack(obj: object) -> None:

@@ -47,14 +47,13 @@ class StepMemory(NamedTuple):
 
 @dataclass
 class MemoryReader:
-    """The engine's readings of the current timed step: a running peak per open phase (a stack beside
-    the engine's) and one for the step; a phase's exit raises its parent's, which so holds the inner's."""
+    """The engine's readings of the current timed step: a running peak for the step and for each open
+    phase (a stack beside the engine's); a phase's exit raises its parent's, which so holds the inner's."""
 
     b: _MemoryBackend
     device: int = 0
     seen_bytes: int = 0  # the largest peak any reading returned: the run's true peak
-    _step: int = 0
-    _stack: list[int] = field(default_factory=list)
+    _peaks: list[int] = field(default_factory=lambda: [0])  # the step's, then each open phase's
     _phases: list[tuple[str, int, int]] = field(default_factory=list)
     last_alloc: int = 0
     last_reserved: int = 0
@@ -73,8 +72,8 @@ class MemoryReader:
     def begin_step(self, device: int) -> None:
         self.device = device
         self.spent_s = 0.0
-        self._step = self._read()[0]  # its peak (between steps) counts only for seen_bytes
-        self.drop_step()
+        self._peaks = [self._read()[0]]  # its peak (between steps) counts only for seen_bytes
+        self._phases = []
 
     def enter_phase(self, shared: bool) -> None:
         """At a phase's entry; ``shared``: nothing ran since the last reading, so it stands for this one."""
@@ -82,42 +81,35 @@ class MemoryReader:
             alloc = self.last_alloc
         else:
             alloc, peak, _ = self._read()
-            self._raise(peak)
-        self._stack.append(alloc)  # after a reset the peak counter starts at the allocated bytes
+            self._peaks[-1] = max(self._peaks[-1], peak)
+        self._peaks.append(alloc)  # after a reset the peak counter starts at the allocated bytes
 
     def exit_phase(self, full: str) -> int:
         """At a phase's exit; returns the phase's peak bytes."""
         alloc, peak, _ = self._read()
-        peak = max(self._stack.pop(), peak)
-        self._raise(peak)
+        peak = max(self._peaks.pop(), peak)
+        self._peaks[-1] = max(self._peaks[-1], peak)
         self._phases.append((full, peak, alloc))
         return peak
 
     def end_step(self, shared: bool) -> StepMemory:
         """At the step's end; ``shared`` as for ``enter_phase``."""
         if shared:
-            return StepMemory(self._step, self.last_reserved, tuple(self._phases))
+            return StepMemory(self._peaks[0], self.last_reserved, tuple(self._phases))
         _, peak, reserved = self._read(reset=False)  # the next step's first reading resets
-        return StepMemory(max(self._step, peak), reserved, tuple(self._phases))
+        return StepMemory(max(self._peaks[0], peak), reserved, tuple(self._phases))
 
     def open_peak(self) -> int:
         """The innermost open phase's peak so far (else the step's), for the out-of-memory note."""
-        _, peak, _ = self.b.read(self.device)
-        return max(self._stack[-1] if self._stack else self._step, peak)
+        return max(self._peaks[-1], self.b.read(self.device)[1])
 
     def drop_step(self) -> None:
-        self._stack.clear()
+        del self._peaks[1:]
         self._phases = []
 
     def close(self) -> None:
         """A last reading, so that ``seen_bytes`` covers the time after the last step too."""
         self._read(reset=False)
-
-    def _raise(self, peak: int) -> None:
-        if self._stack:
-            self._stack[-1] = max(self._stack[-1], peak)
-        else:
-            self._step = max(self._step, peak)
 
 
 @dataclass(frozen=True)
@@ -131,9 +123,7 @@ class MemoryStats:
 
     def merged(self, later: MemoryStats) -> MemoryStats:
         """This and a later window's memory together: max of peaks, the later levels."""
-        peak = dict(self.peak_bytes)
-        for k, v in later.peak_bytes.items():
-            peak[k] = max(peak.get(k, v), v)
+        peak = {**self.peak_bytes, **{k: max(self.peak_bytes.get(k, v), v) for k, v in later.peak_bytes.items()}}
         alloc = {**self.alloc_bytes, **later.alloc_bytes}
         return MemoryStats(peak, alloc, later.reserved_bytes, self.steps + later.steps)
 

@@ -1,5 +1,6 @@
 """Options shared by every front door and the CLI, validated once: building an :class:`Options` checks
-every value; a front door builds one before its timer exists. Step counts and phase names too.
+every value against :data:`_RULES`; a front door builds one before its timer exists. Step counts and
+phase names too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 import numbers
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from steptimer._dist import DEFAULT_TIMEOUT_S
@@ -22,6 +24,35 @@ RESERVED_NAMES = frozenset({"step", "other", "wait", "idle", *COMM_ROWS})
 # keeps a nested name's path far from PATH_MAX, and still fits a table row and TensorBoard's run list.
 MAX_PHASE_NAME_CHARS = 100
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
+
+
+def _int(v: object, least: float = -math.inf) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _positive(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+
+
+# (options, the rule each value keeps, what it must be): "<option> must be <what>" when one doesn't.
+_RULES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
+    (("log_every_n_steps", "sample_every"), lambda v: v is None or _int(v, 1), "an int >= 1, got {v!r}"),
+    (("warmup_steps", "lag", "start_step", "slowest_steps"), lambda v: _int(v, 0), "an int >= 0, got {v!r}"),
+    (("cost_budget",), lambda v: v is None or _positive(v) and v < 1,
+     "a number between 0 and 1, exclusive (the part of the wall time timing may cost, e.g. 0.005), "
+     "got {v!r}; sample_every=1 times every step"),
+    (("cuda",), lambda v: v in (None, True, False), "None, True or False, got {v!r}"),
+    (("enabled", "print_summary", "cross_rank", "nvtx"), lambda v: v is True or v is False,
+     "True or False, got {v!r}"),
+    (("peak_tflops",), lambda v: v is None or _positive(v), "a number > 0 (TFLOP/s) or None, got {v!r}"),
+    (("profile_on_slow",), lambda v: v is None or _positive(v) and v > 1,
+     "a factor > 1 of the rolling median step time (e.g. 1.5), or None; got {v!r}"),
+    (("memory",), lambda v: v is None or isinstance(v, int) and v >= 0,
+     "None, True, False or an int >= 0 (read one timed step in N), got {v!r}"),
+    (("cross_rank_timeout_s",), _positive, "a number > 0, got {v!r}"),
+    (("trace_steps",), lambda v: v is None or not _int(v) or v >= 1,
+     "an int >= 1 or a (first, last) pair, got {v!r}"),
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,42 +79,19 @@ class Options:
     cost_budget: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("log_every_n_steps", "sample_every"):  # None: steptimer's choice
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 1)
-        for name in ("warmup_steps", "lag", "start_step", "slowest_steps"):
-            _check_int(name, getattr(self, name), 0)
-        if self.cost_budget is not None and (not _positive(self.cost_budget) or self.cost_budget >= 1):
-            raise ValueError(
-                "cost_budget must be a number between 0 and 1, exclusive (the part of the wall time "
-                f"timing may cost, e.g. 0.005), got {self.cost_budget!r}; sample_every=1 times every step"
-            )
-        if self.cuda not in (None, True, False):
-            raise ValueError(f"cuda must be None, True or False, got {self.cuda!r}")
-        for name in ("enabled", "print_summary", "cross_rank", "nvtx"):
-            check_bool(name, getattr(self, name))
-        if self.peak_tflops is not None and not _positive(self.peak_tflops):
-            raise ValueError(f"peak_tflops must be a number > 0 (TFLOP/s) or None, got {self.peak_tflops!r}")
-        if self.profile_on_slow is not None and not (_positive(self.profile_on_slow) and self.profile_on_slow > 1):
-            raise ValueError(
-                "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), "
-                f"or None; got {self.profile_on_slow!r}"
-            )
-        if self.memory is not None and (not isinstance(self.memory, int) or self.memory < 0):
-            raise ValueError(
-                "memory must be None, True, False or an int >= 0 (read one timed step in N), "
-                f"got {self.memory!r}"
-            )
-        if not _positive(self.cross_rank_timeout_s):
-            raise ValueError(f"cross_rank_timeout_s must be a number > 0, got {self.cross_rank_timeout_s!r}")
-        trace = self.trace_steps
-        if isinstance(trace, int) and not isinstance(trace, bool):  # the N steps after warm-up
-            if trace < 1:
-                raise ValueError(f"trace_steps must be an int >= 1 or a (first, last) pair, got {trace!r}")
-        elif trace is not None:
-            _check_pair("trace_steps", trace, self.start_step)
-        if self.profile_steps is not None:
-            _check_pair("profile_steps", self.profile_steps, self.start_step)
+        for names, ok, what in _RULES:
+            for name in names:
+                if not ok(v := getattr(self, name)):
+                    raise ValueError(f"{name} must be {what.format(v=v)}")
+        first = self.start_step + 1
+        for name in ("trace_steps", "profile_steps"):
+            v, ints = getattr(self, name), name == "trace_steps"  # trace_steps=N: N steps after warm-up
+            pair = isinstance(v, tuple) and len(v) == 2 and all(map(_int, v)) and first <= v[0] <= v[1]
+            if v is not None and not pair and not (ints and _int(v)):
+                raise ValueError(
+                    f"{name} must be{' an int >= 1 or' if ints else ''} a (first, last) pair of step numbers "
+                    f"with {first} <= first <= last, got {v!r}"
+                )
         for name in ("trace_steps", "profile_on_slow", "profile_steps"):  # their files need every step
             if getattr(self, name) is not None and self.sample_every not in (None, 1):
                 raise ValueError(
@@ -123,31 +131,7 @@ def check_folder(name: str, file: str, folder: str | None) -> None:
         raise ValueError(f"{name} needs log_dir or writer: {file} is written next to the event files")
 
 
-def _check_pair(name: str, value: object, start_step: int) -> None:
-    """An option's inclusive ``(first, last)`` step numbers, ``start_step < first <= last``."""
-    ok = (
-        isinstance(value, tuple) and len(value) == 2
-        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-        and start_step < value[0] <= value[1]
-    )  # fmt: skip
-    if not ok:
-        int_too = " an int >= 1 or" if name == "trace_steps" else ""
-        raise ValueError(
-            f"{name} must be{int_too} a (first, last) pair of step numbers with "
-            f"{start_step + 1} <= first <= last, got {value!r}"
-        )
-
-
-def _positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def nonneg_int(text: str, least: int = 0) -> int:
+def int_at_least(text: str, least: int = 0) -> int:
     """argparse type: an int >= ``least``."""
     try:
         v = int(text)
@@ -156,11 +140,6 @@ def nonneg_int(text: str, least: int = 0) -> int:
     if v < least:
         raise argparse.ArgumentTypeError(f"must be an int >= {least}, got {text!r}")
     return v
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    return nonneg_int(text, 1)
 
 
 def check_phase_name(name: str) -> None:

@@ -107,10 +107,8 @@ def _walk(logdir: str) -> dict[str, list[tuple[str, Files]]]:
 
 def _owner(d: str, own_dirs: set[str]) -> str | None:
     """The nearest run above with ``d`` under its ``steptimer/`` (one with its own files first)."""
-    ups, rest = [], d
-    while up := rest.rpartition(os.sep + PHASE_DIR + os.sep)[0]:
-        ups.append(up)
-        rest = up + os.sep
+    parts = d.split(os.sep)
+    ups = [up for i in range(len(parts) - 2, 0, -1) if parts[i] == PHASE_DIR and (up := os.sep.join(parts[:i]))]
     return next((up for up in ups if up in own_dirs), ups[0] if ups else None)
 
 

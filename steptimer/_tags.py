@@ -33,12 +33,15 @@ MEASURES: dict[tuple[str, str], tuple[str, ...]] = {
     (RANKS, "mem"): ("peak_min_mib", "peak_mean_mib", "peak_max_mib", "peak_argmax"),
 }
 
-# Whole-window tags.
+# A row's statistics as tagged: (group, measure, the SeriesStats field it holds).
+ROW_STATS = ((MAIN, "ms", "mean_ms"), (TAILS, "p90_ms", "p90_ms"), (TAILS, "max_ms", "max_ms"))
+# Whole-window tags. The rates, each named as the Window's (and Summary's) field it holds:
 STEPS_PER_S = f"{MAIN}/steps_per_s"
 SAMPLES_PER_S = f"{MAIN}/samples_per_s"
 TOKENS_PER_S = f"{MAIN}/tokens_per_s"
 TFLOPS_PER_S = f"{MAIN}/tflops_per_s"
 MFU = f"{MAIN}/mfu"
+RATES = (STEPS_PER_S, SAMPLES_PER_S, TOKENS_PER_S, TFLOPS_PER_S, MFU)
 RESERVED_MIB = f"{MAIN}/mem/reserved_mib"
 # The GPU's energy (_energy.py), written one window late: its closing reading is taken off the
 # training thread.

@@ -1,8 +1,7 @@
-"""TensorBoard sink: window statistics as scalars and histograms, plus a Custom Scalars layout.
-
-Tags follow ``_tags.py``'s grammar. TensorBoard colours by run, never by tag, so every row but ``step``
-gets a run of its own, ``<dir>/steptimer/<name>``; ``step``, whole-window tags and histograms stay in
-``<dir>``'s own run (docs/tensorboard.md). Loggers that are not TensorBoard get the whole tags."""
+"""TensorBoard sink: window statistics as scalars and histograms (``_tags.py``'s grammar), plus a Custom
+Scalars layout. TensorBoard colours by run, never by tag, so every row but ``step`` gets a run of its own,
+``<dir>/steptimer/<name>``; ``step``, whole-window tags and histograms stay in ``<dir>``'s own run
+(docs/tensorboard.md). Loggers that are not TensorBoard get the whole tags."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from steptimer import _tags
 from steptimer._files import cause
 from steptimer._memory import MIB
 from steptimer._summary import Summary, row_order
-from steptimer._tags import EVENT_FILE_PREFIX, MAIN, PHASE_DIR, PHASE_SUFFIX, tag
+from steptimer._tags import EVENT_FILE_PREFIX, MAIN, PHASE_DIR, PHASE_SUFFIX, run_tag, tag
 from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
@@ -30,56 +29,43 @@ _TITLE = {"host": "Host", "gpu": "GPU"}
 _FILE_IDS = itertools.count()
 
 
-def _rx(group: str, family: str, measure: str) -> str:
-    return f"^{_tags.run_tag(group, family, measure)}$"
-
-
-def _step(group: str, family: str, measure: str) -> str:
-    return f"^{tag(group, family, STEP, measure)}$"
-
-
 # Custom Scalars charts by title, in order, each a regex over the tags as the runs hold them (a
 # phase's without its name). One unit per chart; a written tag no regex matches gets a chart of its own.
-CHARTS = {
-    "Share of the GPU's timeline per row, %": _rx(MAIN, "gpu", "pct"),
-    "Share of wall time per row (host clock), %": _rx(MAIN, "host", "pct"),
-    "GPU ms per row": _rx(MAIN, "gpu", "ms"),
-    "Host ms per row": _rx(MAIN, "host", "ms"),
-    "GPU step ms": _step(MAIN, "gpu", "ms"),
-    "Host step ms": _step(MAIN, "host", "ms"),
-    "Steps per second": f"^{_tags.STEPS_PER_S}$",
-    "Samples per second": f"^{_tags.SAMPLES_PER_S}$",
-    "Tokens per second": f"^{_tags.TOKENS_PER_S}$",
-    "TFLOP/s": f"^{_tags.TFLOPS_PER_S}$",
-    "MFU (fraction of peak)": f"^{_tags.MFU}$",
-    "CUDA peak allocated MiB per phase": _rx(MAIN, "mem", "peak_mib"),
-    "CUDA peak allocated MiB per step": _step(MAIN, "mem", "peak_mib"),
-    "CUDA allocated MiB at phase exit": _rx(MAIN, "mem", "alloc_mib"),
-    "CUDA reserved MiB": f"^{_tags.RESERVED_MIB}$",
-    **{f"{_TITLE[c]} {q} ms per row": _rx(_tags.TAILS, c, f"{q}_ms") for q in ("p90", "max") for c in _TITLE},
-    **{f"{_TITLE[c]} step {q} ms": _step(_tags.TAILS, c, f"{q}_ms") for q in ("p90", "max") for c in _TITLE},
-    "Steps in which the GPU caught up, per phase": _rx(_tags.CAUGHT, "gpu", "frac"),
+_CHART_TAGS = {
+    "Share of the GPU's timeline per row, %": run_tag(MAIN, "gpu", "pct"),
+    "Share of wall time per row (host clock), %": run_tag(MAIN, "host", "pct"),
+    "GPU ms per row": run_tag(MAIN, "gpu", "ms"),
+    "Host ms per row": run_tag(MAIN, "host", "ms"),
+    "GPU step ms": tag(MAIN, "gpu", STEP, "ms"),
+    "Host step ms": tag(MAIN, "host", STEP, "ms"),
+    "Steps per second": _tags.STEPS_PER_S,
+    "Samples per second": _tags.SAMPLES_PER_S,
+    "Tokens per second": _tags.TOKENS_PER_S,
+    "TFLOP/s": _tags.TFLOPS_PER_S,
+    "MFU (fraction of peak)": _tags.MFU,
+    "CUDA peak allocated MiB per phase": run_tag(MAIN, "mem", "peak_mib"),
+    "CUDA peak allocated MiB per step": tag(MAIN, "mem", STEP, "peak_mib"),
+    "CUDA allocated MiB at phase exit": run_tag(MAIN, "mem", "alloc_mib"),
+    "CUDA reserved MiB": _tags.RESERVED_MIB,
+    **{f"{_TITLE[c]} {q} ms per row": run_tag(_tags.TAILS, c, f"{q}_ms") for q in ("p90", "max") for c in _TITLE},
+    **{f"{_TITLE[c]} step {q} ms": tag(_tags.TAILS, c, STEP, f"{q}_ms") for q in ("p90", "max") for c in _TITLE},
+    "Steps in which the GPU caught up, per phase": run_tag(_tags.CAUGHT, "gpu", "frac"),
 }
+CHARTS = {title: f"^{rx}$" for title, rx in _CHART_TAGS.items()}
 _UNCHARTED = (_tags.RUN, _tags.WARMUP)  # groups left out of the Custom Scalars layout
 
 
 def window_scalars(window: Window) -> dict[str, float]:
     """Every scalar a window writes, by tag (``_tags.py``'s grammar, a phase's name in the tag)."""
-    out: dict[str, float] = {}
-    for clock, series in (("host", window.host), ("gpu", window.gpu)):
-        for name, st in series.items():
-            out[tag(MAIN, clock, name, "ms")] = st.mean_ms
-            out[tag(_tags.TAILS, clock, name, "p90_ms")] = st.p90_ms
-            out[tag(_tags.TAILS, clock, name, "max_ms")] = st.max_ms
-    for name, frac in window.caught.items():
-        out[tag(_tags.CAUGHT, "gpu", name, "frac")] = frac
-    for name, share in window.shares.items():
-        out[tag(MAIN, window.share_clock, name, "pct")] = 100.0 * share
-    out[_tags.STEPS_PER_S] = window.steps_per_s
-    for key, v in ((_tags.SAMPLES_PER_S, window.samples_per_s), (_tags.TOKENS_PER_S, window.tokens_per_s),
-                   (_tags.TFLOPS_PER_S, window.tflops_per_s), (_tags.MFU, window.mfu)):  # fmt: skip
-        if v is not None:
-            out[key] = v
+    out = {
+        tag(group, clock, name, measure): getattr(st, field)
+        for clock, series in (("host", window.host), ("gpu", window.gpu))
+        for name, st in series.items()
+        for group, measure, field in _tags.ROW_STATS
+    }
+    out.update({tag(_tags.CAUGHT, "gpu", name, "frac"): frac for name, frac in window.caught.items()})
+    out.update({tag(MAIN, window.share_clock, name, "pct"): 100.0 * sh for name, sh in window.shares.items()})
+    out.update({k: v for k in _tags.RATES if (v := getattr(window, k.partition("/")[2])) is not None})
     if window.warmup:
         out[_tags.WARMUP_STEPS] = float(window.steps)
     mem = window.memory
@@ -87,8 +73,7 @@ def window_scalars(window: Window) -> dict[str, float]:
         for by_name, measure in ((mem.peak_bytes, "peak_mib"), (mem.alloc_bytes, "alloc_mib")):
             out.update({tag(MAIN, "mem", name, measure): b / MIB for name, b in by_name.items()})
         out[_tags.RESERVED_MIB] = mem.reserved_bytes / MIB
-    out.update(window.extra)
-    return out
+    return {**out, **window.extra}
 
 
 def run_names(window: Window) -> list[str]:
@@ -104,13 +89,13 @@ def totals(window: Window) -> dict[str, float]:
     for clock, series in (("host", window.host), ("gpu", window.gpu)):
         rows = [st.mean_ms for name, st in series.items() if "/" not in name and name != STEP]
         if rows:
-            out[_tags.run_tag(MAIN, clock, "ms")] = sum(rows)
+            out[run_tag(MAIN, clock, "ms")] = sum(rows)
     if window.shares:
-        out[_tags.run_tag(MAIN, window.share_clock, "pct")] = 100.0 * sum(window.shares.values())
+        out[run_tag(MAIN, window.share_clock, "pct")] = 100.0 * sum(window.shares.values())
     return out
 
 
-def window_summaries(window: Window, *, scalars: bool = True, histograms: bool = True) -> dict[str | None, Any]:
+def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | None, Any]:
     """A window as ``Summary`` protos by run (``None``: the log dir's own, with every histogram)."""
     from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
     from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
@@ -121,14 +106,13 @@ def window_summaries(window: Window, *, scalars: bool = True, histograms: bool =
     # start every chart with an outlier), and so are facts of the run (steptimer-run/...); the reader
     # takes each back under its tag (_tags.unhidden).
     meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_tags.WARMUP))
-    if scalars:
-        values = [(*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()]
-        for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
-            if window.warmup or in_run.startswith(_tags.RUN):
-                hidden = TensorProto(dtype=1, float_val=[v])
-                out[name].value.add(tag=f"{_tags.WARMUP}/{in_run}", metadata=meta, tensor=hidden)
-            else:
-                out[name].value.add(tag=in_run, simple_value=v)
+    values = [(*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()]
+    for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
+        if window.warmup or in_run.startswith(_tags.RUN):
+            hidden = TensorProto(dtype=1, float_val=[v])
+            out[name].value.add(tag=f"{_tags.WARMUP}/{in_run}", metadata=meta, tensor=hidden)
+        else:
+            out[name].value.add(tag=in_run, simple_value=v)
     p = window.packed
     if histograms and p is not None:  # straight from the window's arrays: no LogHistogram per series
         for (clock, name), k, limits, counts in p.buckets():
@@ -182,23 +166,20 @@ class EventFile:
     event: after a SIGKILL every window before it is on disk."""
 
     def __init__(self, log_dir: str, *, run_id: str | None = None, suffix: str = "") -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
+        os.makedirs(log_dir, exist_ok=True)
+        self.path = os.path.join(log_dir, f"{EVENT_FILE_PREFIX}{run_id or new_run_id()}{suffix}")
+        self.write(file_version="brain.Event:2")
+
+    def write(self, summary: Any = None, step: int = 0, **event: Any) -> None:
+        """Append one event holding the ``Summary`` proto ``summary`` (or the ``Event`` fields ``event``)."""
+        from tensorboard.compat.proto.event_pb2 import Event  # imported at the first event: cached after
 
         from steptimer._records import frame
 
-        self._event, self._frame = Event, frame
-        os.makedirs(log_dir, exist_ok=True)
-        self.path = os.path.join(log_dir, f"{EVENT_FILE_PREFIX}{run_id or new_run_id()}{suffix}")
         # time.time(): the events' wall-clock stamp, never a duration (those come from perf_counter).
-        self._append(Event(wall_time=time.time(), file_version="brain.Event:2"))
-
-    def write(self, summary: Any, step: int) -> None:
-        """Append one event holding the ``Summary`` proto ``summary``."""
-        self._append(self._event(wall_time=time.time(), step=step, summary=summary))
-
-    def _append(self, event: Any) -> None:
+        e = Event(wall_time=time.time(), step=step, summary=summary, **event)
         with open(self.path, "ab") as f:  # a full disk or a file-size limit writes a part, then raises
-            f.write(self._frame(event.SerializeToString()))
+            f.write(frame(e.SerializeToString()))
 
 
 class TensorBoardSink:
@@ -214,14 +195,13 @@ class TensorBoardSink:
         self._proto, self._custom_scalars = SummaryProto, custom_scalars
         self.writer = writer
         self._histograms = histograms
-        self._file: EventFile | None = None
         self.run_id = new_run_id()  # every file of this sink carries it: a run of its own for the reader
         if writer is None:
-            self.dir = os.fspath(log_dir) if log_dir is not None else "runs"
+            self.dir = os.fspath(log_dir if log_dir is not None else "runs")
             check_writable(self.dir)
-            self._file = EventFile(self.dir, run_id=self.run_id)
         else:
             self.dir = writer.get_logdir()
+        self._file = EventFile(self.dir, run_id=self.run_id) if writer is None else None
         self._runs: dict[str, EventFile] = {}
         self._layout_written = False
         self.failed: OSError | None = None  # the first failed write; nothing is written after it

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from typing import Any
 
 from steptimer._format import num
 from steptimer._memory import MIB
-from steptimer._options import nonneg_int, positive_int
+from steptimer._options import int_at_least
 from steptimer._reader import LogError, find_runs
 from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, analyze, compare
 from steptimer._summary import Summary
@@ -74,11 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--version", action="version", version=f"steptimer {__version__}")
 
-    def usage(args: argparse.Namespace) -> int:  # a bare `steptimer`: the help, as a usage error
-        p.print_help(sys.stderr)
-        return 2
-
-    p.set_defaults(func=usage)
+    p.set_defaults(func=lambda args: p.print_help(sys.stderr) or 2)  # a bare `steptimer`: help; a usage error
     sub = p.add_subparsers(dest="command", metavar="{run,report,compare,trace,kernels}")
     sub.add_parser("run", help=HELP, usage=USAGE, add_help=False)  # parsed by _run.main (listed here for --help)
 
@@ -87,16 +82,16 @@ def _parser() -> argparse.ArgumentParser:
         c.set_defaults(func=func)
         return c
 
-    def windows(c: argparse.ArgumentParser) -> None:
-        c.add_argument("--skip-steps", type=nonneg_int, default=0, metavar="N",
+    def windows(c: argparse.ArgumentParser, json_help: str) -> None:
+        c.add_argument("--json", action="store_true", help=f"print JSON instead of {json_help}")
+        c.add_argument("--skip-steps", type=int_at_least, default=0, metavar="N",
                        help="leave out the windows that end at or before step N")  # fmt: skip
         c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
 
     r = command("report", _cmd_report, "per-phase GPU/host times of steps, shares and a bottleneck verdict")
     r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
-    r.add_argument("--json", action="store_true", help="print JSON instead of tables")
     r.add_argument("--explain", action="store_true", help="also say what each column, mark and row means")
-    windows(r)
+    windows(r, "tables")
     c = command(
         "compare", _cmd_compare, "per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
         description="Per phase, the median ms per step in RUN_A and RUN_B (GPU where both have it, "
@@ -105,10 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     c.add_argument("run_a", metavar="RUN_A", help="the baseline run directory (one run)")
     c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run)")
-    c.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    windows(c)
-    t = command("trace", _cmd_trace,
-                "export a captured window of steps (StepTimer(trace_steps=...)) as Chrome/Perfetto trace JSON")
+    windows(c, "a table")
+    t = command("trace", _cmd_trace, "export a captured window of steps (StepTimer(trace_steps=...)) as "
+                "Chrome/Perfetto trace JSON")  # fmt: skip
     t.add_argument("logdir", help="the run directory holding steptimer-trace.json (or the file itself)")
     t.add_argument("-o", "--output", default=None,
                    help=f"where to write the trace (default: LOGDIR/{TRACE_OUT}); '-' for stdout")  # fmt: skip
@@ -116,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                 "top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)")  # fmt: skip
     k.add_argument("logdir", help="the run directory holding steptimer-profile.json or "
                    "steptimer-profile-slow-<step>.json (or the file itself)")  # fmt: skip
-    k.add_argument("--top", type=positive_int, default=5, metavar="N", help="kernels per phase (default: %(default)s)")
+    k.add_argument("--top", type=lambda t: int_at_least(t, 1), default=5, metavar="N",
+                   help="kernels per phase (default: %(default)s)")  # fmt: skip
     k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
     return p
 
@@ -192,13 +187,7 @@ def _energy_json(s: Summary) -> dict[str, float] | None:
 
 def _finite(x: Any) -> Any:
     """JSON has no NaN/inf: they become null."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
+    return json.loads(json.dumps(x), parse_constant=lambda _: None)
 
 
 def _print_json(doc: Any) -> int:
@@ -219,16 +208,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from steptimer._table import compute_text, energy_line, say, table_of
 
     (a,), (b,) = _summaries(args.run_a, args, one=True), _summaries(args.run_b, args, one=True)
-    deltas = compare(a, b)
-    kinds = {k: None if r.verdict is None else r.verdict.kind for k, r in (("a", a), ("b", b))}
+    deltas, runs = compare(a, b), {"a": a, "b": b}
+    kinds = {k: None if r.verdict is None else r.verdict.kind for k, r in runs.items()}
     if args.json:
         return _print_json({
-            "a": a.path,
-            "b": b.path,
+            **{k: r.path for k, r in runs.items()},
             "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
             "verdicts": kinds,
-            "compute": {k: {"tflops_per_s": r.tflops_per_s, "mfu": r.mfu} for k, r in (("a", a), ("b", b))},
-            "energy": {k: _energy_json(r) for k, r in (("a", a), ("b", b))},
+            "compute": {k: {"tflops_per_s": r.tflops_per_s, "mfu": r.mfu} for k, r in runs.items()},
+            "energy": {k: _energy_json(r) for k, r in runs.items()},
         })  # fmt: skip
     console = _console()
     say(console, [f"A = {a.path}", f"B = {b.path}"])
@@ -243,11 +231,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         )  # fmt: skip
     console.print(table)
     lines = []
-    for label, run in (("A", a), ("B", b)):
+    for label, run in runs.items():
         if run.tflops_per_s is not None:
-            lines.append(f"{label} {compute_text(run)}")
+            lines.append(f"{label.upper()} {compute_text(run)}")
         if run.energy is not None:
-            lines.append(energy_line(run, f"{label} "))
+            lines.append(energy_line(run, f"{label.upper()} "))
     lines += [
         f"verdict A: {kinds['a']}; verdict B: {kinds['b']}",
         "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
