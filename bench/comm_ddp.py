@@ -195,6 +195,10 @@ def run_config(name: str, cfg: Any, bucket_mb: float, a: argparse.Namespace, dev
         "exposed_share": None, "verdict": summary.verdict.kind if summary.verdict else None,
         "verdict_evidence": list(summary.verdict.evidence) if summary.verdict else [],
         "last": None if summary.ranks is None or summary.ranks.last is None else summary.ranks.last.text(),
+        # per step of the last two windows: this rank's arrival (ms), and the window's rank last to it
+        "arrive": {s: ms for w in (before, win) for s, ms in w.packed.arrive.items()},
+        "last_rank": {w.step: {k.rpartition("/")[2]: v for k, v in w.extra.items() if "last_rank" in k}
+                      for w in (before, win)},
     }  # fmt: skip
     if "comm_exposed" in clock and "step" in win.gpu:
         timeline = win.gpu["step"].mean_ms + (win.gpu["idle"].mean_ms if "idle" in win.gpu else 0.0)
