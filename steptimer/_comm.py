@@ -34,14 +34,16 @@ def comm_ms(
     """``(comm, exposed)`` of one step from its collectives' spans. ``waits[i]``: host timing, when the
     compute began to wait for span ``i`` (until its end); NaN: span ``i`` is waited for inside a region.
     ``regions``: spans of the compute stream where it may have waited (FSDP2's waits for an all-gather or
-    an earlier reduce-scatter): each waited from its start until the last collective that ended in it.
+    an earlier reduce-scatter): each waited while collectives ran, from its start until the last
+    collective that ended in it.
     The others (DDP's buckets, FSDP2's reduce-scatters) are grouped by backward, ``lasts[i]``: span ``i``
     is a backward's last (DDP's ``is_last()``; else the step's last): a group's exposed part is its union
     after its last span was ready, when the compute had nothing left to do but wait for it."""
     waits = list(waits) or [None] * len(spans)
     exposed = sum(max(0.0, b - w) for (_, b), w in zip(spans, waits) if w is not None and w == w)
-    for a, z in regions:
-        exposed += max([b - a for _, b in spans if a < b <= z], default=0.0)
+    for a, z in regions:  # the collectives that ran from its start until the last that ended in it
+        e = max([b for _, b in spans if a < b <= z], default=a)
+        exposed += union_ms([(max(r, a), min(b, e)) for r, b in spans if r < e and b > a])
     grouped = [(span, last) for span, last, w in zip(spans, lasts, waits) if w is None]
     first = 0
     for i, (_, last) in enumerate(grouped):

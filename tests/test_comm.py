@@ -61,13 +61,15 @@ def test_each_backward_has_its_own_exposed_tail() -> None:
 
 
 def test_waits_of_the_compute_count_until_the_collective_it_waited_for_ended() -> None:
-    # FSDP2: two all-gathers, 0-3 and 5-8 ms, waited for inside regions of the compute stream from 1 to
-    # 3.5 ms (2 ms waited: copies follow) and from 9 to 9.5 ms (done before: nothing waited); two
-    # reduce-scatters grouped as DDP's buckets: ready at 10 and 12, ending at 13 and 16.
-    spans = [(0.0, 3.0), (5.0, 8.0), (10.0, 13.0), (12.0, 16.0)]
-    busy, exposed = comm_ms(spans, [False] * 4, [math.nan, math.nan, None, None], [(1.0, 3.5), (9.0, 9.5)])
-    assert busy == 3.0 + 3.0 + 6.0
-    assert exposed == (3.0 - 1.0) + 0.0 + (16.0 - 12.0)
+    # FSDP2: three all-gathers, 0-3, 5-8 and 18-19 ms, waited for inside regions of the compute stream
+    # from 1 to 3.5 ms (2 ms waited: copies follow), from 9 to 9.5 ms (done before: nothing waited) and
+    # from 17 to 20 ms (1 ms waited while it ran, after 1 ms of its inputs' copy); two reduce-scatters
+    # grouped as DDP's buckets: ready at 10 and 12, ending at 13 and 16.
+    spans = [(0.0, 3.0), (5.0, 8.0), (18.0, 19.0), (10.0, 13.0), (12.0, 16.0)]
+    waits = [math.nan, math.nan, math.nan, None, None]
+    busy, exposed = comm_ms(spans, [False] * 5, waits, [(1.0, 3.5), (9.0, 9.5), (17.0, 20.0)])
+    assert busy == 3.0 + 3.0 + 1.0 + 6.0
+    assert exposed == (3.0 - 1.0) + 0.0 + 1.0 + (16.0 - 12.0)
     # Host timing: each collective waited for from its start.
     assert comm_ms([(0.0, 2.0), (3.0, 4.0)], [False, False], [0.0, 3.0]) == (3.0, 3.0)
 
