@@ -1,6 +1,6 @@
-"""``steptimer report`` and ``compare``: a run's logs read back into the live summary's
-:class:`~steptimer._summary.Totals`, summed up by the same ``summarize``. Statistics are of steps (the
-windows' histograms merged); logs without histograms fall back to the window means, with a note.
+"""``steptimer report`` and ``compare``: a run's logs read back into the live summary's sums (a
+``Tally``) and series, summed up by the same ``summarize``. Statistics are of steps (the windows'
+histograms merged); logs without histograms fall back to the window means, with a note.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from steptimer._energy import Energy
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemorySummary
 from steptimer._reader import RunLog
-from steptimer._summary import PhaseSummary, Series, Summary, Totals, summarize
+from steptimer._summary import PhaseSummary, Series, Summary, summarize
+from steptimer._window import Tally
 
 Points = dict[str, list[tuple[int, float]]]
 Hists = dict[tuple[str, str], list[tuple[int, LogHistogram]]]
@@ -70,28 +71,19 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
     flops, mfu_s = total(_tags.TFLOPS_PER_S), total(_tags.MFU)
     caught = {n: c for n in host.keys() | gpu.keys() if (c := _caught(scal, n_of, n)) is not None}
-    totals = Totals(
-        list(dict.fromkeys([*host, *gpu])), host, gpu, caught, steps, timed, wall_ms, timed_sum, wall_ms * timed_frac,
-        samples=total(_tags.SAMPLES_PER_S), tokens=total(_tags.TOKENS_PER_S),
-        flops=None if flops is None else flops * 1e12,
+    tally = Tally(
+        steps, timed, wall_ms, wall_ms * timed_frac, timed_sum, samples=total(_tags.SAMPLES_PER_S),
+        tokens=total(_tags.TOKENS_PER_S), flops=None if flops is None else flops * 1e12,
     )  # fmt: skip
     every, budget = (run.scalars.get(t, [(0, None)])[-1][1] for t in (_tags.SAMPLE_EVERY, _tags.COST_BUDGET))
     return summarize(
-        totals,
-        sample_every=None if every is None else int(every),
-        cost_budget=budget,
-        peak_tflops=flops / mfu_s if flops and mfu_s else None,
-        warmup_steps=0 if include_warmup else sum(warm.values()),
-        notes=tuple(notes),
-        memory=_memory(scal),
-        slowest=tuple(s for s in run.slowest if s.step > skip_steps),
-        name=run.name,
-        path=run.path,
-        windows=len(windows),
-        of_steps=bool(run.hists),
+        tally, host, gpu, caught, calls=None, sample_every=None if every is None else int(every),
+        cost_budget=budget, peak_tflops=flops / mfu_s if flops and mfu_s else None,
+        warmup_steps=0 if include_warmup else sum(warm.values()), notes=tuple(notes), memory=_memory(scal),
+        slowest=tuple(s for s in run.slowest if s.step > skip_steps), name=run.name, path=run.path,
+        windows=len(windows), of_steps=bool(run.hists), energy=_energy(scal, n_of),
         cycle_window_ms=tuple(1e3 / rate[s] for s in windows if rate.get(s)),
-        energy=_energy(scal, n_of),
-    )
+    )  # fmt: skip
 
 
 def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
@@ -209,11 +201,10 @@ def _delta(
 
 
 def _dominance(ra: PhaseSummary, rb: PhaseSummary, clock: str) -> float:
-    ha, hb = getattr(ra, f"{clock}_hist"), getattr(rb, f"{clock}_hist")
-    if ha is not None and hb is not None and ha.count and hb.count:
-        return dominance(ha, hb)
-    means = f"{clock}_window_means_ms"
-    return _dominance_of_values(getattr(ra, means), getattr(rb, means))
+    a, b = ra.series[clock], rb.series[clock]
+    if a.hist is not None and b.hist is not None and a.hist.count and b.hist.count:
+        return dominance(a.hist, b.hist)
+    return _dominance_of_values(a.window_means_ms, b.window_means_ms)
 
 
 def dominance(a: LogHistogram, b: LogHistogram) -> float:

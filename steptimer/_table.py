@@ -250,4 +250,3 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     say(console, facts(summary) + (summary.ranks.lines() if summary.ranks is not None else []))
     if explain:
         say(console, explanations(summary))
-
