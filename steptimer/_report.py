@@ -17,7 +17,7 @@ from steptimer._energy import Energy
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemorySummary
 from steptimer._reader import RunLog
-from steptimer._summary import PhaseSummary, Series, Summary, summarize
+from steptimer._summary import NO_STATS, Series, Summary, summarize
 from steptimer._window import Tally
 
 Points = dict[str, list[tuple[int, float]]]
@@ -184,9 +184,10 @@ def compare(a: Summary, b: Summary) -> list[Delta]:
         clock: Literal["gpu", "host"] = "gpu" if ra.gpu is not None and rb.gpu is not None else "host"
         sa, sb = getattr(ra, clock), getattr(rb, clock)
         if sa.steps and sb.steps:
-            out.append(_delta(ra.name, clock, sa.median_ms, sb.median_ms, _dominance(ra, rb, clock)))
-    if a.steps_per_s and b.steps_per_s:
-        dom = _dominance_of_values(a.cycle_window_ms, b.cycle_window_ms)
+            dom = _dominance(ra.series[clock], rb.series[clock])
+            out.append(_delta(ra.name, clock, sa.median_ms, sb.median_ms, dom))
+    if a.steps_per_s and b.steps_per_s:  # of the windows' cycles: a Series of window values only
+        dom = _dominance(*(Series(NO_STATS, None, s.cycle_window_ms) for s in (a, b)))
         out.append(_delta("wall per step", "wall", 1e3 / a.steps_per_s, 1e3 / b.steps_per_s, dom, "mean"))
     return out
 
@@ -200,11 +201,12 @@ def _delta(
     return Delta(name, clock, float(a_ms), float(b_ms), dom, bool(big and abs(dom) >= MIN_DOMINANCE), statistic)
 
 
-def _dominance(ra: PhaseSummary, rb: PhaseSummary, clock: str) -> float:
-    a, b = ra.series[clock], rb.series[clock]
+def _dominance(a: Series, b: Series) -> float:
+    """Cliff's delta of ``b``'s steps over ``a``'s; of their window values without histograms."""
     if a.hist is not None and b.hist is not None and a.hist.count and b.hist.count:
         return dominance(a.hist, b.hist)
-    return _dominance_of_values(a.window_means_ms, b.window_means_ms)
+    xs, ys = a.window_means_ms, b.window_means_ms
+    return sum((y > x) - (y < x) for x in xs for y in ys) / (len(xs) * len(ys)) if xs and ys else 0.0
 
 
 def dominance(a: LogHistogram, b: LogHistogram) -> float:
@@ -216,10 +218,3 @@ def dominance(a: LogHistogram, b: LogHistogram) -> float:
     below = np.cumsum(ca) - ca  # a's values in lower buckets
     above = ca.sum() - np.cumsum(ca)  # and in higher ones
     return float(((cb * below).sum() - (cb * above).sum()) / (ca.sum() * cb.sum()))
-
-
-def _dominance_of_values(xs: tuple[float, ...], ys: tuple[float, ...]) -> float:
-    if not xs or not ys:
-        return 0.0
-    net = sum((y > x) - (y < x) for x in xs for y in ys)
-    return net / (len(xs) * len(ys))

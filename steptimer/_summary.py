@@ -173,6 +173,7 @@ class Summary:
 
 
 LAUNCH_RATIO = 1.1
+NO_STATS = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)  # a row not on this clock
 
 
 def summarize(
@@ -185,7 +186,7 @@ def summarize(
     rows = []
     for name in row_order(list(dict.fromkeys([*(calls or ()), *host, *gpu])), {**host, **gpu}):
         h, g = host.get(name), gpu.get(name)
-        st = h.stats if h is not None else _EMPTY
+        st = h.stats if h is not None else NO_STATS
         ran = st.steps or (g.stats.steps if g is not None else 0)
         per_step = None if calls is None else (calls[name] / ran if name in calls and ran else 1.0)
         launch = _launch_bound(name, h, g, caught.get(name))
@@ -258,6 +259,3 @@ class SummaryAccumulator(Tally):
             for r in s.rows for c, st in (("host", r.host), ("gpu", r.gpu)) if st is not None and st.steps
         }  # fmt: skip
         return replace(s, slowest=self.slow.slowest(medians, traces))
-
-
-_EMPTY = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)

@@ -86,9 +86,8 @@ def memory_table(summary: Summary) -> Any:
     table = Table(title=title, title_justify="left")
     for head in ("phase", "peak", "at exit"):
         table.add_column(head, justify="left" if head == "phase" else "right", no_wrap=True)
-    seen = [r.name for r in summary.rows if r.name != "step"]
-    names = [n for n in seen if n in m.peak_bytes] + [n for n in m.peak_bytes if n not in seen and n != "step"]
-    for n in names:
+    names = dict.fromkeys([*(r.name for r in summary.rows), *m.peak_bytes])  # the rows' order, then the rest
+    for n in (n for n in names if n in m.peak_bytes and n != "step"):
         table.add_row(_label(n), _mib(m.peak_bytes.get(n)), _mib(m.alloc_bytes.get(n)))
     table.add_row("step", _mib(m.peak_bytes.get("step")), "-")
     table.add_row("reserved", "-", _mib(m.reserved_bytes))
@@ -181,38 +180,34 @@ def energy_line(summary: Summary, label: str = "") -> str:
 
 def explanations(summary: Summary) -> list[str]:
     """What the columns and marks mean (``--explain``; docs/cli.md says the same)."""
-    if summary.share_clock == "gpu":
-        share = ("share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle "
-                 "before it; the wall time in steady state): phases + other + idle = 100%")  # fmt: skip
-    else:
-        share = "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"
-    lines = [
-        f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps",
-        share,
-        "data: the host's time between steps (your loader, .item(), logging) less pause(), plus a phase "
-        "named data; other: the step less its top-level phases; wait: steptimer's one event wait a step",
-    ]
-    if any(r.launch_bound for r in summary.rows):
-        lines.append(
-            "* launch-bound: the GPU caught up with the host inside the phase and its span is at most "
-            "1.1x the host's: the GPU waited for launches, and its number includes that idle"
-        )
-    if not summary.cuda:
-        lines.append("host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here")
-    if summary.memory is not None:
-        lines.append(
-            "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
-            "allocated when it was left, and reserved at the step's end (last timed step); the run's "
-            "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it"
-        )
-    if summary.slowest:
-        clock = "the GPU's timeline" if summary.slowest[0].clock == "gpu" else "the host clock"
-        lines.append(
-            f"slowest steps: wall on {clock}; what stood out is the row that grew most over its median, then "
-            "the measured causes; shown by default when the row grew by at least the median step with a "
-            "measured cause, or five without"
-        )
-    return lines
+    share = (
+        "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
+        "it; the wall time in steady state): phases + other + idle = 100%" if summary.share_clock == "gpu"
+        else "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"
+    )  # fmt: skip
+    gpu_slow = summary.slowest and summary.slowest[0].clock == "gpu"
+    slow_clock = "the GPU's timeline" if gpu_slow else "the host clock"
+    said = [
+        (True, f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps"),
+        (True, share),
+        (True, "data: the host's time between steps (your loader, .item(), logging) less pause(), plus a "
+         "phase named data; other: the step less its top-level phases; wait: steptimer's one event wait "
+         "a step"),
+        (any(r.launch_bound for r in summary.rows),
+         "* launch-bound: the GPU caught up with the host inside the phase and its span is at most "
+         "1.1x the host's: the GPU waited for launches, and its number includes that idle"),
+        (not summary.cuda,
+         "host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here"),
+        (summary.memory is not None,
+         "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
+         "allocated when it was left, and reserved at the step's end (last timed step); the run's "
+         "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it"),
+        (bool(summary.slowest),
+         f"slowest steps: wall on {slow_clock}; "
+         "what stood out is the row that grew most over its median, then the measured causes; shown by "
+         "default when the row grew by at least the median step with a measured cause, or five without"),
+    ]  # fmt: skip
+    return [text for shown, text in said if shown]
 
 
 def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
