@@ -50,11 +50,8 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     wall_ms = sum(n_of[s] / r * 1e3 for s in windows if (r := rate.get(s)) and r > 0 and math.isfinite(r))
     steps = sum(n_of[s] for s in windows)
 
-    seen: dict[tuple[str, str], None] = dict.fromkeys(hists)
-    for key in scal:
-        t = _tags.parse(key)
-        if t is not None and t.group == _tags.MAIN and t.measure == "ms":
-            seen[(t.family, t.name)] = None
+    mains = [t for key in scal if (t := _tags.parse(key)) is not None and t.group == _tags.MAIN]
+    seen = dict.fromkeys([*hists, *((t.family, t.name) for t in mains if t.measure == "ms")])
     host, gpu = (
         {n: s for c, n in seen if c == clock and (s := _series(hists, scal, n_of, c, n))} for clock in ("host", "gpu")
     )
@@ -69,8 +66,15 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         pts = dict(scal.get(key, []))
         return sum(v * n_of[s] / rate[s] for s, v in pts.items() if rate.get(s)) if pts else None
 
+    def per_step(key: str) -> float | None:
+        """A per-window fraction as the mean over the windows' steps (None: not logged)."""
+        pts = [(s, v) for s, v in scal.get(key, []) if n_of.get(s)]
+        n = sum(n_of[s] for s, _ in pts)
+        return sum(v * n_of[s] for s, v in pts) / n if n else None
+
     flops, mfu_s = total(_tags.TFLOPS_PER_S), total(_tags.MFU)
-    caught = {n: c for n in host.keys() | gpu.keys() if (c := _caught(scal, n_of, n)) is not None}
+    names = host.keys() | gpu.keys()
+    caught = {n: c for n in names if (c := per_step(_tags.tag(_tags.CAUGHT, "gpu", n, "frac"))) is not None}
     tally = Tally(
         steps, timed, wall_ms, wall_ms * timed_frac, timed_sum, samples=total(_tags.SAMPLES_PER_S),
         tokens=total(_tags.TOKENS_PER_S), flops=None if flops is None else flops * 1e12,
@@ -113,13 +117,6 @@ def _memory(scal: Points) -> MemorySummary | None:
     if not peak and reserved is None:
         return None
     return MemorySummary(peak, alloc, reserved or 0, steps=0, max_allocated_bytes=0)
-
-
-def _caught(scal: Points, n_of: dict[int, int], name: str) -> float | None:
-    """The fraction of steps in which the GPU caught up inside the phase (None: not logged)."""
-    pts = [(s, v) for s, v in scal.get(_tags.tag(_tags.CAUGHT, "gpu", name, "frac"), []) if n_of.get(s)]
-    n = sum(n_of[s] for s, _ in pts)
-    return sum(v * n_of[s] for s, v in pts) / n if n else None
 
 
 def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: str) -> Series | None:

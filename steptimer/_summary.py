@@ -254,8 +254,6 @@ class SummaryAccumulator(Tally):
         caught = {n: h.mean_ms for n, h in self.caught.items()}
         s = summarize(self, host, gpu, caught, calls=self.calls, **more)
         # A slow step is read against the run's median of each row on each clock.
-        medians = {
-            (c, r.name): st.median_ms
-            for r in s.rows for c, st in (("host", r.host), ("gpu", r.gpu)) if st is not None and st.steps
-        }  # fmt: skip
+        ser = [((c, n), x.stats) for c, d in (("host", host), ("gpu", gpu)) for n, x in d.items()]
+        medians = {key: st.median_ms for key, st in ser if st.steps}
         return replace(s, slowest=self.slow.slowest(medians, traces))
