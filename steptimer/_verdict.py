@@ -87,7 +87,9 @@ def _gpu_rules(by: Rows, share: Mapping[str, float], phases: list[PhaseSummary])
     idle = share.get("idle", 0.0)
     # A `data` phase in which the GPU caught up with the host: the GPU waited for the batch.
     data_wait = share["data"] if "data" in by and by["data"].launch_bound else 0.0
-    of_data = _idle_part(by) * idle  # the idle the loader accounts for (none: no loader timed)
+    # The part of the idle that the loader accounts for (none: no loader timed).
+    idle_ms = _sum_ms(by, "idle", "gpu")
+    of_data = min(1.0, _sum_ms(by, "idle/data", "gpu") / idle_ms) * idle if idle_ms > 0 else 0.0
     waits = {"input": data_wait + of_data, "loop": idle - of_data}
     stall = data_wait + idle
     cause, other = ("input", "loop") if waits["input"] >= waits["loop"] else ("loop", "input")
@@ -147,13 +149,9 @@ def _host_rules(by: Rows, share: Mapping[str, float], phases: list[PhaseSummary]
     ]
 
 
-def _idle_part(by: Rows) -> float:
-    """The part of the GPU's ``idle`` that ``idle/data`` holds; 0 without it."""
-    part, idle = by.get("idle/data"), by.get("idle")
-    if part is None or idle is None or part.gpu is None or idle.gpu is None:
-        return 0.0
-    whole = idle.gpu.mean_ms * idle.gpu.steps
-    return min(1.0, part.gpu.mean_ms * part.gpu.steps / whole) if whole > 0 else 0.0
+def _sum_ms(by: Rows, name: str, clock: ShareClock) -> float:
+    st = getattr(by[name], clock) if name in by else None
+    return st.mean_ms * st.steps if st is not None and st.steps else 0.0
 
 
 def _lead(whose: str, phases: Sequence[PhaseSummary], share: Mapping[str, float]) -> str | None:
@@ -164,14 +162,8 @@ def _lead(whose: str, phases: Sequence[PhaseSummary], share: Mapping[str, float]
 
 def _communication(by: Rows, clock: ShareClock) -> Rule:
     """communication-bound if ``comm_exposed`` holds ``COMM_SHARE`` of the timeline (or wall time)."""
-
-    def sum_ms(name: str) -> float:
-        row = by.get(name)
-        st = None if row is None else getattr(row, clock)
-        return st.mean_ms * st.steps if st is not None and st.steps else 0.0
-
     rows = ("step", "idle") if clock == "gpu" else ("step", "data", "loop")
-    total, exposed = sum(sum_ms(n) for n in rows), sum_ms("comm_exposed")
+    total, exposed = sum(_sum_ms(by, n, clock) for n in rows), _sum_ms(by, "comm_exposed", clock)
     if total <= 0 or exposed < COMM_SHARE * total:
         return False, "communication-bound", ()
     of = "the GPU's timeline" if clock == "gpu" else "wall time"
