@@ -97,13 +97,12 @@ def memory_table(summary: Summary) -> Any:
 def stood_out(summary: Summary) -> list[SlowStep]:
     """The slowest steps whose row grew by the median step with a measured cause, or by five without."""
     step = summary["step"] if "step" in summary else None  # noqa: SIM401 (a Summary, not a dict)
-    out = []
-    for s in summary.slowest:
-        st = None if step is None else step.gpu if s.clock == "gpu" else step.host
-        median = st.median_ms if st is not None and st.steps else math.inf
-        if s.grew_ms is not None and s.grew_ms >= (median if s.causes else 5 * median):
-            out.append(s)
-    return out
+
+    def least_ms(s: SlowStep) -> float:
+        st = getattr(step, s.clock, None)
+        return (st.median_ms if st is not None and st.steps else math.inf) * (1 if s.causes else 5)
+
+    return [s for s in summary.slowest if s.grew_ms is not None and s.grew_ms >= least_ms(s)]
 
 
 def slow_lines(s: SlowStep) -> list[str]:
@@ -170,11 +169,9 @@ def energy_line(summary: Summary, label: str = "") -> str:
     e = summary.energy
     if e is None:
         return f"{label}energy: not read"
+    rate, counts = summary.steps_per_s, ((summary.samples_per_s, "sample"), (summary.tokens_per_s, "token"))
     per = [f"{num(e.joules_per_step)} J/step"]
-    rate = summary.steps_per_s
-    for count, unit in ((summary.samples_per_s, "sample"), (summary.tokens_per_s, "token")):
-        if count and rate:
-            per.append(f"{num(e.joules_per_step * rate / count)} J/{unit}")
+    per += [f"{num(e.joules_per_step * rate / count)} J/{unit}" for count, unit in counts if count and rate]
     return f"{label}energy: {', '.join(per)}, {num(e.watts)} W (GPU)"
 
 
