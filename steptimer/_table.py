@@ -1,7 +1,6 @@
-"""The one renderer of a :class:`~steptimer._summary.Summary`, for the end-of-run summary and
-``steptimer report``: by default what is read at a glance (heading, tables, one throughput line, the
-verdict, the slowest steps only when one stood out, the notes); what the columns and marks mean only
-with ``explain=True`` (``report --explain``; docs/cli.md says the same).
+"""The one renderer of a :class:`~steptimer._summary.Summary`, live and for ``steptimer report``: what
+is read at a glance (heading, tables, throughput, verdict, a step only if it stood out, notes); what the
+columns and marks mean only with ``explain=True`` (``report --explain``, as docs/cli.md says).
 """
 
 from __future__ import annotations

@@ -73,8 +73,7 @@ def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dic
 
 
 def verdict(rows: Sequence[PhaseSummary], cuda: bool) -> Verdict:
-    """The run's bottleneck from its rows' shares: the first rule that holds. Every sentence of
-    evidence is a measured fact."""
+    """The run's bottleneck from its rows' shares: the first rule that holds, each fact measured."""
     by = {r.name: r for r in rows}
     share = {r.name: r.share or 0.0 for r in rows}
     phases = [r for r in rows if "/" not in r.name and r.name not in DERIVED and r.share is not None]
