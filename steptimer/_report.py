@@ -52,14 +52,13 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
     mains = [t for key in scal if (t := _tags.parse(key)) is not None and t.group == _tags.MAIN]
     seen = dict.fromkeys([*hists, *((t.family, t.name) for t in mains if t.measure == "ms")])
-    host, gpu = (
-        {n: s for c, n in seen if c == clock and (s := _series(hists, scal, n_of, c, n))} for clock in ("host", "gpu")
-    )
+    series = {key: x for key in seen if (x := _series(hists, scal, n_of, *key))}
+    host = {n: x for (c, n), x in series.items() if c == "host"}
     timed = host["other"].stats.steps if "other" in host else steps
     timed_frac = timed / steps if timed and steps else 1.0
     # data and wait are logged for every step, phases for the timed ones: the host shares' sums and
     # wall time, as the live run keeps them, over the timed steps.
-    timed_sum = {n: s.sum_ms * (timed_frac if n in ("data", "wait") else 1.0) for n, s in host.items()}
+    timed_sum = {n: x.sum_ms * (timed_frac if n in ("data", "wait") else 1.0) for n, x in host.items()}
 
     def total(key: str) -> float | None:
         """A per-window rate (samples/s, ...) summed back to the windows' total."""
@@ -73,7 +72,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         return sum(v * n_of[s] for s, v in pts) / n if n else None
 
     flops, mfu_s = total(_tags.TFLOPS_PER_S), total(_tags.MFU)
-    names = host.keys() | gpu.keys()
+    names = {n for _, n in series}
     caught = {n: c for n in names if (c := per_step(_tags.tag(_tags.CAUGHT, "gpu", n, "frac"))) is not None}
     tally = Tally(
         steps, timed, wall_ms, wall_ms * timed_frac, timed_sum, samples=total(_tags.SAMPLES_PER_S),
@@ -81,7 +80,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     )  # fmt: skip
     every, budget = (run.scalars.get(t, [(0, None)])[-1][1] for t in (_tags.SAMPLE_EVERY, _tags.COST_BUDGET))
     return summarize(
-        tally, host, gpu, caught, calls=None, sample_every=None if every is None else int(every),
+        tally, series, caught, calls=None, sample_every=None if every is None else int(every),
         cost_budget=budget, peak_tflops=flops / mfu_s if flops and mfu_s else None,
         warmup_steps=0 if include_warmup else sum(warm.values()), notes=tuple(notes), memory=_memory(scal),
         slowest=tuple(s for s in run.slowest if s.step > skip_steps), name=run.name, path=run.path,

@@ -177,20 +177,22 @@ NO_STATS = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)  # a row not o
 
 
 def summarize(
-    t: Tally, host: Mapping[str, Series], gpu: Mapping[str, Series], caught: Mapping[str, float], *,
+    t: Tally, series: Mapping[tuple[str, str], Series], caught: Mapping[str, float], *,
     calls: Mapping[str, int] | None, cuda: bool | None = None, peak_tflops: float | None = None, **more: Any,
 ) -> Summary:  # fmt: skip
-    """The summary of the sums ``t`` and the rows' series: rows, shares, rates and verdict. ``caught``:
-    see :func:`_launch_bound`; ``calls``: entries per phase (None: not known); ``more``: other fields."""
-    clock, share_of = shares({n: s.sum_ms for n, s in gpu.items()}, t.timed_sum_ms, t.timed_wall_ms)
+    """Rows, shares, rates and verdict of the sums ``t`` and the ``series`` by (clock, row); ``caught``:
+    see :func:`_launch_bound`; ``calls``: per phase (None: not known); ``more``: other fields."""
+    gpu = {n: x for (c, n), x in series.items() if c == "gpu"}
+    clock, share_of = shares({n: x.sum_ms for n, x in gpu.items()}, t.timed_sum_ms, t.timed_wall_ms)
+    names = dict.fromkeys(n for _, n in series)
     rows = []
-    for name in row_order(list(dict.fromkeys([*(calls or ()), *host, *gpu])), {**host, **gpu}):
-        h, g = host.get(name), gpu.get(name)
+    for name in row_order(list(dict.fromkeys([*(calls or ()), *names])), names):
+        h, g = series.get(("host", name)), gpu.get(name)
         st = h.stats if h is not None else NO_STATS
         ran = st.steps or (g.stats.steps if g is not None else 0)
         per_step = None if calls is None else (calls[name] / ran if name in calls and ran else 1.0)
         launch = _launch_bound(name, h, g, caught.get(name))
-        by_clock = {c: s for c, s in (("host", h), ("gpu", g)) if s is not None}
+        by_clock = {c: x for c, x in (("host", h), ("gpu", g)) if x is not None}
         rows.append(PhaseSummary(name, per_step, st, g and g.stats, share_of.get(name), launch, by_clock))
     r = rates(t.wall_ms, t.steps, t.samples, t.tokens, t.flops, peak_tflops)
     return Summary(
@@ -250,10 +252,10 @@ class SummaryAccumulator(Tally):
 
     def summary(self, *, traces: dict[int, str] | None = None, **more: Any) -> Summary:
         """The run's summary (``more``: :func:`summarize`'s), its slowest steps with ``traces``."""
-        host, gpu = ({n: Series(SeriesStats.of(h), h) for n, h in d.items()} for d in (self.host, self.gpu))
+        hists = ((c, n, h) for c in ("host", "gpu") for n, h in self.hists[c].items())
+        series = {(c, n): Series(SeriesStats.of(h), h) for c, n, h in hists}
         caught = {n: h.mean_ms for n, h in self.caught.items()}
-        s = summarize(self, host, gpu, caught, calls=self.calls, **more)
+        s = summarize(self, series, caught, calls=self.calls, **more)
         # A slow step is read against the run's median of each row on each clock.
-        ser = [((c, n), x.stats) for c, d in (("host", host), ("gpu", gpu)) for n, x in d.items()]
-        medians = {key: st.median_ms for key, st in ser if st.steps}
+        medians = {key: x.stats.median_ms for key, x in series.items() if x.stats.steps}
         return replace(s, slowest=self.slow.slowest(medians, traces))
