@@ -26,11 +26,9 @@ def fitted(variants: Iterable[Any], width: int) -> Any:
     from rich.measure import Measurement
 
     console = Console(width=10_000, file=io.StringIO())
-    table = None
-    for table in variants:
-        if Measurement.get(console, console.options, table).maximum <= width:
-            return table
-    return table
+    tables = list(variants)
+    fits = (t for t in tables if Measurement.get(console, console.options, t).maximum <= width)
+    return next(fits, tables[-1])
 
 
 def table_of(columns: Sequence[tuple[str, bool]]) -> Any:
