@@ -1,6 +1,6 @@
-"""``steptimer report`` and ``compare``: a run's logs read back into the live summary's
-:class:`~steptimer._summary.Totals`, summed up by the same ``summarize``. Statistics are of steps (the
-windows' histograms merged); logs without histograms fall back to the window means, with a note.
+"""``steptimer report`` and ``compare``: a run's logs read back into the live summary's sums (a
+``Tally``) and series, summed up by the same ``summarize``. Statistics are of steps (the windows'
+histograms merged); logs without histograms fall back to the window means, with a note.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from steptimer._energy import Energy
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemorySummary
 from steptimer._reader import RunLog
-from steptimer._summary import PhaseSummary, Series, Summary, Totals, summarize
+from steptimer._summary import NO_STATS, Series, Summary, summarize
+from steptimer._window import Tally
 
 Points = dict[str, list[tuple[int, float]]]
 Hists = dict[tuple[str, str], list[tuple[int, LogHistogram]]]
@@ -49,49 +50,43 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     wall_ms = sum(n_of[s] / r * 1e3 for s in windows if (r := rate.get(s)) and r > 0 and math.isfinite(r))
     steps = sum(n_of[s] for s in windows)
 
-    seen: dict[tuple[str, str], None] = dict.fromkeys(hists)
-    for key in scal:
-        t = _tags.parse(key)
-        if t is not None and t.group == _tags.MAIN and t.measure == "ms":
-            seen[(t.family, t.name)] = None
-    host, gpu = (
-        {n: s for c, n in seen if c == clock and (s := _series(hists, scal, n_of, c, n))} for clock in ("host", "gpu")
-    )
+    mains = [t for key in scal if (t := _tags.parse(key)) is not None and t.group == _tags.MAIN]
+    seen = dict.fromkeys([*hists, *((t.family, t.name) for t in mains if t.measure == "ms")])
+    series = {key: x for key in seen if (x := _series(hists, scal, n_of, *key))}
+    host = {n: x for (c, n), x in series.items() if c == "host"}
     timed = host["other"].stats.steps if "other" in host else steps
     timed_frac = timed / steps if timed and steps else 1.0
     # data and wait are logged for every step, phases for the timed ones: the host shares' sums and
     # wall time, as the live run keeps them, over the timed steps.
-    timed_sum = {n: s.sum_ms * (timed_frac if n in ("data", "wait") else 1.0) for n, s in host.items()}
+    timed_sum = {n: x.sum_ms * (timed_frac if n in ("data", "wait") else 1.0) for n, x in host.items()}
 
     def total(key: str) -> float | None:
         """A per-window rate (samples/s, ...) summed back to the windows' total."""
         pts = dict(scal.get(key, []))
         return sum(v * n_of[s] / rate[s] for s, v in pts.items() if rate.get(s)) if pts else None
 
+    def per_step(key: str) -> float | None:
+        """A per-window fraction as the mean over the windows' steps (None: not logged)."""
+        pts = [(s, v) for s, v in scal.get(key, []) if n_of.get(s)]
+        n = sum(n_of[s] for s, _ in pts)
+        return sum(v * n_of[s] for s, v in pts) / n if n else None
+
     flops, mfu_s = total(_tags.TFLOPS_PER_S), total(_tags.MFU)
-    caught = {n: c for n in host.keys() | gpu.keys() if (c := _caught(scal, n_of, n)) is not None}
-    totals = Totals(
-        list(dict.fromkeys([*host, *gpu])), host, gpu, caught, steps, timed, wall_ms, timed_sum, wall_ms * timed_frac,
-        samples=total(_tags.SAMPLES_PER_S), tokens=total(_tags.TOKENS_PER_S),
-        flops=None if flops is None else flops * 1e12,
+    names = {n for _, n in series}
+    caught = {n: c for n in names if (c := per_step(_tags.tag(_tags.CAUGHT, "gpu", n, "frac"))) is not None}
+    tally = Tally(
+        steps, timed, wall_ms, wall_ms * timed_frac, timed_sum, samples=total(_tags.SAMPLES_PER_S),
+        tokens=total(_tags.TOKENS_PER_S), flops=None if flops is None else flops * 1e12,
     )  # fmt: skip
     every, budget = (run.scalars.get(t, [(0, None)])[-1][1] for t in (_tags.SAMPLE_EVERY, _tags.COST_BUDGET))
     return summarize(
-        totals,
-        sample_every=None if every is None else int(every),
-        cost_budget=budget,
-        peak_tflops=flops / mfu_s if flops and mfu_s else None,
-        warmup_steps=0 if include_warmup else sum(warm.values()),
-        notes=tuple(notes),
-        memory=_memory(scal),
-        slowest=tuple(s for s in run.slowest if s.step > skip_steps),
-        name=run.name,
-        path=run.path,
-        windows=len(windows),
-        of_steps=bool(run.hists),
+        tally, series, caught, calls=None, sample_every=None if every is None else int(every),
+        cost_budget=budget, peak_tflops=flops / mfu_s if flops and mfu_s else None,
+        warmup_steps=0 if include_warmup else sum(warm.values()), notes=tuple(notes), memory=_memory(scal),
+        slowest=tuple(s for s in run.slowest if s.step > skip_steps), name=run.name, path=run.path,
+        windows=len(windows), of_steps=bool(run.hists), energy=_energy(scal, n_of),
         cycle_window_ms=tuple(1e3 / rate[s] for s in windows if rate.get(s)),
-        energy=_energy(scal, n_of),
-    )
+    )  # fmt: skip
 
 
 def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
@@ -121,13 +116,6 @@ def _memory(scal: Points) -> MemorySummary | None:
     if not peak and reserved is None:
         return None
     return MemorySummary(peak, alloc, reserved or 0, steps=0, max_allocated_bytes=0)
-
-
-def _caught(scal: Points, n_of: dict[int, int], name: str) -> float | None:
-    """The fraction of steps in which the GPU caught up inside the phase (None: not logged)."""
-    pts = [(s, v) for s, v in scal.get(_tags.tag(_tags.CAUGHT, "gpu", name, "frac"), []) if n_of.get(s)]
-    n = sum(n_of[s] for s, _ in pts)
-    return sum(v * n_of[s] for s, v in pts) / n if n else None
 
 
 def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: str) -> Series | None:
@@ -192,9 +180,10 @@ def compare(a: Summary, b: Summary) -> list[Delta]:
         clock: Literal["gpu", "host"] = "gpu" if ra.gpu is not None and rb.gpu is not None else "host"
         sa, sb = getattr(ra, clock), getattr(rb, clock)
         if sa.steps and sb.steps:
-            out.append(_delta(ra.name, clock, sa.median_ms, sb.median_ms, _dominance(ra, rb, clock)))
-    if a.steps_per_s and b.steps_per_s:
-        dom = _dominance_of_values(a.cycle_window_ms, b.cycle_window_ms)
+            dom = _dominance(ra.series[clock], rb.series[clock])
+            out.append(_delta(ra.name, clock, sa.median_ms, sb.median_ms, dom))
+    if a.steps_per_s and b.steps_per_s:  # of the windows' cycles: a Series of window values only
+        dom = _dominance(*(Series(NO_STATS, None, s.cycle_window_ms) for s in (a, b)))
         out.append(_delta("wall per step", "wall", 1e3 / a.steps_per_s, 1e3 / b.steps_per_s, dom, "mean"))
     return out
 
@@ -208,12 +197,12 @@ def _delta(
     return Delta(name, clock, float(a_ms), float(b_ms), dom, bool(big and abs(dom) >= MIN_DOMINANCE), statistic)
 
 
-def _dominance(ra: PhaseSummary, rb: PhaseSummary, clock: str) -> float:
-    ha, hb = getattr(ra, f"{clock}_hist"), getattr(rb, f"{clock}_hist")
-    if ha is not None and hb is not None and ha.count and hb.count:
-        return dominance(ha, hb)
-    means = f"{clock}_window_means_ms"
-    return _dominance_of_values(getattr(ra, means), getattr(rb, means))
+def _dominance(a: Series, b: Series) -> float:
+    """Cliff's delta of ``b``'s steps over ``a``'s; of their window values without histograms."""
+    if a.hist is not None and b.hist is not None and a.hist.count and b.hist.count:
+        return dominance(a.hist, b.hist)
+    xs, ys = a.window_means_ms, b.window_means_ms
+    return sum((y > x) - (y < x) for x in xs for y in ys) / (len(xs) * len(ys)) if xs and ys else 0.0
 
 
 def dominance(a: LogHistogram, b: LogHistogram) -> float:
@@ -225,10 +214,3 @@ def dominance(a: LogHistogram, b: LogHistogram) -> float:
     below = np.cumsum(ca) - ca  # a's values in lower buckets
     above = ca.sum() - np.cumsum(ca)  # and in higher ones
     return float(((cb * below).sum() - (cb * above).sum()) / (ca.sum() * cb.sum()))
-
-
-def _dominance_of_values(xs: tuple[float, ...], ys: tuple[float, ...]) -> float:
-    if not xs or not ys:
-        return 0.0
-    net = sum((y > x) - (y < x) for x in xs for y in ys)
-    return net / (len(xs) * len(ys))

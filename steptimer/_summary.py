@@ -1,6 +1,6 @@
 """The run summary: per-phase statistics over every step after warm-up. One :func:`summarize` serves
 the live run (:class:`SummaryAccumulator`: the windows' histograms merged, so memory stays bounded)
-and ``steptimer report`` (``_report.py``: the same totals from the logs).
+and ``steptimer report`` (``_report.py``: the same sums and series read back from the logs).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from steptimer._format import num, pct
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, MemorySummary
 from steptimer._slow import Candidate, SlowestKeeper, SlowStep
-from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, PhaseSummary, ShareClock, Verdict, shares, verdict
+from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, ShareClock, Verdict, shares, verdict
 from steptimer._window import Tally, Window, rates
 
 
@@ -96,6 +96,36 @@ class RankSummary:
         return out
 
 
+class Series(NamedTuple):
+    """One row on one clock over the summarized steps."""
+
+    stats: SeriesStats
+    hist: LogHistogram | None = None  # None: scalar-only logs
+    window_means_ms: tuple[float, ...] = ()
+
+    @property
+    def sum_ms(self) -> float:
+        return self.hist.sum_ms if self.hist is not None else self.stats.mean_ms * self.stats.steps
+
+
+@dataclass(frozen=True)
+class PhaseSummary:
+    """One row of the summary: a phase, or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``.
+
+    ``host``/``gpu``: over the steps in which the row ran (``gpu`` None without CUDA); ``calls_per_step``:
+    None when read from logs; ``share``: the top-level rows add up to 1; ``launch_bound``: the GPU waited
+    for the host's launches inside it; ``series``: by clock, what ``compare`` tests a change on.
+    """
+
+    name: str
+    calls_per_step: float | None
+    host: SeriesStats
+    gpu: SeriesStats | None
+    share: float | None
+    launch_bound: bool
+    series: Mapping[str, Series] = field(default_factory=dict, repr=False, compare=False)
+
+
 @dataclass(frozen=True)
 class Summary:
     """The end-of-run summary returned by :meth:`StepTimer.close`, and what ``steptimer report``
@@ -150,69 +180,43 @@ class Summary:
         return any(row.name == name for row in self.rows)
 
 
-class Series(NamedTuple):
-    """One row on one clock over the summarized steps."""
-
-    stats: SeriesStats
-    hist: LogHistogram | None = None  # None: scalar-only logs
-    window_means_ms: tuple[float, ...] = ()
-
-    @property
-    def sum_ms(self) -> float:
-        return self.hist.sum_ms if self.hist is not None else self.stats.mean_ms * self.stats.steps
-
-
-@dataclass
-class Totals:
-    """What a summary is computed from, over the summarized steps: the live run's or its logs'."""
-
-    order: list[str]  # phases, first seen first
-    host: dict[str, Series]
-    gpu: dict[str, Series]
-    caught: dict[str, float]  # per phase: the fraction of steps in which the GPU caught up inside it
-    steps: int
-    timed_steps: int
-    wall_ms: float  # data wait + step
-    timed_sum_ms: Mapping[str, float]  # host sums and wall time over the timed steps (host shares)
-    timed_wall_ms: float
-    calls: Mapping[str, int] | None = None  # entries per phase (None: not known)
-    samples: float | None = None
-    tokens: float | None = None
-    flops: float | None = None
-
-
 LAUNCH_RATIO = 1.1
+NO_STATS = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)  # a row not on this clock
 
 
-def summarize(t: Totals, *, cuda: bool | None = None, peak_tflops: float | None = None, **more: Any) -> Summary:
-    """The summary of ``t``: rows, shares, rates and verdict (``more``: :class:`Summary`'s other fields)."""
-    clock, share_of = shares({n: s.sum_ms for n, s in t.gpu.items()}, t.timed_sum_ms, t.timed_wall_ms)
+def summarize(
+    t: Tally, series: Mapping[tuple[str, str], Series], caught: Mapping[str, float], *,
+    calls: Mapping[str, int] | None, cuda: bool | None = None, peak_tflops: float | None = None, **more: Any,
+) -> Summary:  # fmt: skip
+    """Rows, shares, rates and verdict of the sums ``t`` and the ``series`` by (clock, row); ``caught``:
+    see :func:`_launch_bound`; ``calls``: per phase (None: not known); ``more``: other fields."""
+    gpu = {n: x for (c, n), x in series.items() if c == "gpu"}
+    clock, share_of = shares({n: x.sum_ms for n, x in gpu.items()}, t.timed_sum_ms, t.timed_wall_ms)
+    names = dict.fromkeys(n for _, n in series)
     rows = []
-    for name in row_order(t.order, {**t.host, **t.gpu}):
-        h, g = t.host.get(name), t.gpu.get(name)
-        host = h.stats if h is not None else _EMPTY
-        caught = t.caught.get(name)
-        # Launch-bound: the GPU span is at most 1.1x the host's *and* the GPU caught up with the host
-        # inside the phase in half its steps (None: logs without it). A GPU that never caught up had
-        # work queued all along: the host blocked in a full launch queue, however close the spans.
-        launch_bound = (
-            g is not None and h is not None and name not in DERIVED_LAST
-            and g.stats.median_ms <= LAUNCH_RATIO * host.median_ms and (caught is None or caught >= 0.5)
-        )  # fmt: skip
-        ran = host.steps or (g.stats.steps if g is not None else 0)
-        calls = None if t.calls is None else (t.calls[name] / ran if name in t.calls and ran else 1.0)
-        rows.append(
-            PhaseSummary(
-                name, calls, host, g.stats if g is not None else None, share_of.get(name), launch_bound,
-                h and h.hist, g and g.hist, h.window_means_ms if h else (), g.window_means_ms if g else (),
-            )
-        )  # fmt: skip
+    for name in row_order(list(dict.fromkeys([*(calls or ()), *names])), names):
+        h, g = series.get(("host", name)), gpu.get(name)
+        st = h.stats if h is not None else NO_STATS
+        ran = st.steps or (g.stats.steps if g is not None else 0)
+        per_step = None if calls is None else (calls[name] / ran if name in calls and ran else 1.0)
+        launch = _launch_bound(name, h, g, caught.get(name))
+        by_clock = {c: x for c, x in (("host", h), ("gpu", g)) if x is not None}
+        rows.append(PhaseSummary(name, per_step, st, g and g.stats, share_of.get(name), launch, by_clock))
     r = rates(t.wall_ms, t.steps, t.samples, t.tokens, t.flops, peak_tflops)
     return Summary(
-        steps=t.steps, timed_steps=t.timed_steps, cuda=bool(t.gpu) if cuda is None else cuda, rows=tuple(rows),
+        steps=t.steps, timed_steps=t.timed_steps, cuda=bool(gpu) if cuda is None else cuda, rows=tuple(rows),
         **r._asdict(), peak_tflops=peak_tflops, share_clock=clock,
         verdict=verdict(rows, clock == "gpu") if t.timed_steps else None, **more,
     )  # fmt: skip
+
+
+def _launch_bound(name: str, h: Series | None, g: Series | None, caught: float | None) -> bool:
+    """The GPU span is at most 1.1x the host's *and* the GPU caught up with the host inside the phase
+    in half its steps (``caught`` None: logs without it). A GPU that never caught up had work queued
+    all along: the host blocked in a full launch queue, however close the spans."""
+    if g is None or h is None or name in DERIVED_LAST:
+        return False
+    return g.stats.median_ms <= LAUNCH_RATIO * h.stats.median_ms and (caught is None or caught >= 0.5)
 
 
 def row_order(seen: list[str], present: set[str] | dict[str, object]) -> list[str]:
@@ -231,25 +235,15 @@ def row_order(seen: list[str], present: set[str] | dict[str, object]) -> list[st
 
 
 class SummaryAccumulator(Tally):
-    """Run-long, bounded accumulation of the windows' steps (after warm-up) for the summary: the
-    windows' histograms merge by adding bucket counts on the fixed grid."""
+    """The run's steps after warm-up, bounded: the windows' sums, histograms (merged by adding bucket
+    counts on the fixed grid), memory and k slowest steps."""
 
     def __init__(self, slowest: int = 0) -> None:
         super().__init__()
-        self.slow = SlowestKeeper(slowest)  # the run's k slowest steps (k entries at most)
-        self.hists: dict[tuple[str, str], LogHistogram] = {}  # by (clock, name), "caught" included
+        self.slow = SlowestKeeper(slowest)
+        self.hists: dict[str, dict[str, LogHistogram]] = {"host": {}, "gpu": {}, "caught": {}}
+        self.host, self.gpu, self.caught = self.hists.values()
         self.memory: MemoryStats | None = None
-
-    @property
-    def host(self) -> dict[str, LogHistogram]:
-        return self._of("host")
-
-    @property
-    def gpu(self) -> dict[str, LogHistogram]:
-        return self._of("gpu")
-
-    def _of(self, clock: str) -> dict[str, LogHistogram]:
-        return {name: h for (c, name), h in self.hists.items() if c == clock}
 
     def add_window(self, window: Window) -> list[Candidate]:
         """Add a window's steps (not a warm-up window's); return those that entered the run's slowest."""
@@ -259,28 +253,17 @@ class SummaryAccumulator(Tally):
         kept = self.slow.add(p.slow) if p.slow else []
         if window.memory is not None:
             self.memory = window.memory if self.memory is None else self.memory.merged(window.memory)
-        for key, h in p.histograms().items():
-            self.hists.setdefault(key, LogHistogram()).merge(h)
+        for (clock, name), h in p.histograms().items():
+            self.hists[clock].setdefault(name, LogHistogram()).merge(h)
         self.merge(p.tally)
         return kept
 
-    def summary(
-        self, *, warmup_steps: int, cuda: bool, notes: tuple[str, ...] = (), peak_tflops: float | None = None,
-        traces: dict[int, str] | None = None,
-    ) -> Summary:  # fmt: skip
-        caught = {n: h.mean_ms for n, h in self._of("caught").items()}
-        host, gpu = ({n: Series(SeriesStats.of(h), h) for n, h in self._of(c).items()} for c in ("host", "gpu"))
-        totals = Totals(
-            list(self.calls), host, gpu, caught, self.steps, self.timed_steps, self.wall_ms, self.timed_sum_ms,
-            self.timed_wall_ms, self.calls, self.samples, self.tokens, self.flops,
-        )  # fmt: skip
-        s = summarize(totals, cuda=cuda, peak_tflops=peak_tflops, warmup_steps=warmup_steps, notes=notes)
+    def summary(self, *, traces: dict[int, str] | None = None, **more: Any) -> Summary:
+        """The run's summary (``more``: :func:`summarize`'s), its slowest steps with ``traces``."""
+        hists = ((c, n, h) for c in ("host", "gpu") for n, h in self.hists[c].items())
+        series = {(c, n): Series(SeriesStats.of(h), h) for c, n, h in hists}
+        caught = {n: h.mean_ms for n, h in self.caught.items()}
+        s = summarize(self, series, caught, calls=self.calls, **more)
         # A slow step is read against the run's median of each row on each clock.
-        medians = {
-            (c, r.name): st.median_ms
-            for r in s.rows for c, st in (("host", r.host), ("gpu", r.gpu)) if st is not None and st.steps
-        }
+        medians = {key: x.stats.median_ms for key, x in series.items() if x.stats.steps}
         return replace(s, slowest=self.slow.slowest(medians, traces))
-
-
-_EMPTY = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)

@@ -1,7 +1,6 @@
-"""The one renderer of a :class:`~steptimer._summary.Summary`, for the end-of-run summary and
-``steptimer report``: by default what is read at a glance (heading, tables, one throughput line, the
-verdict, the slowest steps only when one stood out, the notes); what the columns and marks mean only
-with ``explain=True`` (``report --explain``; docs/cli.md says the same).
+"""The one renderer of a :class:`~steptimer._summary.Summary`, live and for ``steptimer report``: what
+is read at a glance (heading, tables, throughput, verdict, a step only if it stood out, notes); what the
+columns and marks mean only with ``explain=True`` (``report --explain``, as docs/cli.md says).
 """
 
 from __future__ import annotations
@@ -27,11 +26,9 @@ def fitted(variants: Iterable[Any], width: int) -> Any:
     from rich.measure import Measurement
 
     console = Console(width=10_000, file=io.StringIO())
-    table = None
-    for table in variants:
-        if Measurement.get(console, console.options, table).maximum <= width:
-            return table
-    return table
+    tables = list(variants)
+    fits = (t for t in tables if Measurement.get(console, console.options, t).maximum <= width)
+    return next(fits, tables[-1])
 
 
 def table_of(columns: Sequence[tuple[str, bool]]) -> Any:
@@ -86,9 +83,8 @@ def memory_table(summary: Summary) -> Any:
     table = Table(title=title, title_justify="left")
     for head in ("phase", "peak", "at exit"):
         table.add_column(head, justify="left" if head == "phase" else "right", no_wrap=True)
-    seen = [r.name for r in summary.rows if r.name != "step"]
-    names = [n for n in seen if n in m.peak_bytes] + [n for n in m.peak_bytes if n not in seen and n != "step"]
-    for n in names:
+    names = dict.fromkeys([*(r.name for r in summary.rows), *m.peak_bytes])  # the rows' order, then the rest
+    for n in (n for n in names if n in m.peak_bytes and n != "step"):
         table.add_row(_label(n), _mib(m.peak_bytes.get(n)), _mib(m.alloc_bytes.get(n)))
     table.add_row("step", _mib(m.peak_bytes.get("step")), "-")
     table.add_row("reserved", "-", _mib(m.reserved_bytes))
@@ -98,13 +94,12 @@ def memory_table(summary: Summary) -> Any:
 def stood_out(summary: Summary) -> list[SlowStep]:
     """The slowest steps whose row grew by the median step with a measured cause, or by five without."""
     step = summary["step"] if "step" in summary else None  # noqa: SIM401 (a Summary, not a dict)
-    out = []
-    for s in summary.slowest:
-        st = None if step is None else step.gpu if s.clock == "gpu" else step.host
-        median = st.median_ms if st is not None and st.steps else math.inf
-        if s.grew_ms is not None and s.grew_ms >= (median if s.causes else 5 * median):
-            out.append(s)
-    return out
+
+    def least_ms(s: SlowStep) -> float:
+        st = getattr(step, s.clock, None)
+        return (st.median_ms if st is not None and st.steps else math.inf) * (1 if s.causes else 5)
+
+    return [s for s in summary.slowest if s.grew_ms is not None and s.grew_ms >= least_ms(s)]
 
 
 def slow_lines(s: SlowStep) -> list[str]:
@@ -171,48 +166,42 @@ def energy_line(summary: Summary, label: str = "") -> str:
     e = summary.energy
     if e is None:
         return f"{label}energy: not read"
+    rate, counts = summary.steps_per_s, ((summary.samples_per_s, "sample"), (summary.tokens_per_s, "token"))
     per = [f"{num(e.joules_per_step)} J/step"]
-    rate = summary.steps_per_s
-    for count, unit in ((summary.samples_per_s, "sample"), (summary.tokens_per_s, "token")):
-        if count and rate:
-            per.append(f"{num(e.joules_per_step * rate / count)} J/{unit}")
+    per += [f"{num(e.joules_per_step * rate / count)} J/{unit}" for count, unit in counts if count and rate]
     return f"{label}energy: {', '.join(per)}, {num(e.watts)} W (GPU)"
 
 
 def explanations(summary: Summary) -> list[str]:
     """What the columns and marks mean (``--explain``; docs/cli.md says the same)."""
-    if summary.share_clock == "gpu":
-        share = ("share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle "
-                 "before it; the wall time in steady state): phases + other + idle = 100%")  # fmt: skip
-    else:
-        share = "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"
-    lines = [
-        f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps",
-        share,
-        "data: the host's time between steps (your loader, .item(), logging) less pause(), plus a phase "
-        "named data; other: the step less its top-level phases; wait: steptimer's one event wait a step",
-    ]
-    if any(r.launch_bound for r in summary.rows):
-        lines.append(
-            "* launch-bound: the GPU caught up with the host inside the phase and its span is at most "
-            "1.1x the host's: the GPU waited for launches, and its number includes that idle"
-        )
-    if not summary.cuda:
-        lines.append("host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here")
-    if summary.memory is not None:
-        lines.append(
-            "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
-            "allocated when it was left, and reserved at the step's end (last timed step); the run's "
-            "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it"
-        )
-    if summary.slowest:
-        clock = "the GPU's timeline" if summary.slowest[0].clock == "gpu" else "the host clock"
-        lines.append(
-            f"slowest steps: wall on {clock}; what stood out is the row that grew most over its median, then "
-            "the measured causes; shown by default when the row grew by at least the median step with a "
-            "measured cause, or five without"
-        )
-    return lines
+    share = (
+        "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
+        "it; the wall time in steady state): phases + other + idle = 100%" if summary.share_clock == "gpu"
+        else "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"
+    )  # fmt: skip
+    gpu_slow = summary.slowest and summary.slowest[0].clock == "gpu"
+    slow_clock = "the GPU's timeline" if gpu_slow else "the host clock"
+    said = [
+        (True, f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps"),
+        (True, share),
+        (True, "data: the host's time between steps (your loader, .item(), logging) less pause(), plus a "
+         "phase named data; other: the step less its top-level phases; wait: steptimer's one event wait "
+         "a step"),
+        (any(r.launch_bound for r in summary.rows),
+         "* launch-bound: the GPU caught up with the host inside the phase and its span is at most "
+         "1.1x the host's: the GPU waited for launches, and its number includes that idle"),
+        (not summary.cuda,
+         "host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here"),
+        (summary.memory is not None,
+         "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
+         "allocated when it was left, and reserved at the step's end (last timed step); the run's "
+         "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it"),
+        (bool(summary.slowest),
+         f"slowest steps: wall on {slow_clock}; "
+         "what stood out is the row that grew most over its median, then the measured causes; shown by "
+         "default when the row grew by at least the median step with a measured cause, or five without"),
+    ]  # fmt: skip
+    return [text for shown, text in said if shown]
 
 
 def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
@@ -250,4 +239,3 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     say(console, facts(summary) + (summary.ranks.lines() if summary.ranks is not None else []))
     if explain:
         say(console, explanations(summary))
-

@@ -7,11 +7,16 @@ happened to block (``loss.item()``), so only host-only runs keep them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, cast
 
 from steptimer._format import num, pct
-from steptimer._histogram import LogHistogram, SeriesStats
+
+if TYPE_CHECKING:
+    from steptimer._summary import PhaseSummary
+
+    Rows = Mapping[str, PhaseSummary]
+    Rule = tuple[bool, str, tuple[str | None, ...]]  # holds, the verdict's kind, its evidence (two kept)
 
 # Verdict thresholds, as fractions of the GPU's timeline (host only: of wall time).
 STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this much: input- or loop-bound
@@ -23,7 +28,7 @@ COMM_SHARE = 0.10  # the compute waited for a watched DDP model's collectives at
 VerdictKind = Literal[
     "input-bound", "loop-bound", "launch-bound", "input-bound + launch-bound", "loop-bound + launch-bound",
     "communication-bound", "gpu-bound", "compute-bound", "mixed",
-]
+]  # fmt: skip
 ShareClock = Literal["gpu", "host"]
 _FIX = {
     "input": "more DataLoader workers, pin_memory, prefetching",
@@ -38,27 +43,6 @@ COMM_ROWS = ("comm", "comm_exposed")
 DERIVED_FIRST = ("data", "loop")
 DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
 DERIVED = frozenset(DERIVED_FIRST + DERIVED_LAST)
-
-
-@dataclass(frozen=True)
-class PhaseSummary:
-    """One row of the summary: a phase, or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``.
-
-    ``host``/``gpu``: over the steps in which the row ran (``gpu`` None without CUDA); ``calls_per_step``:
-    None when read from logs; ``share``: the top-level rows add up to 1; ``launch_bound``: the GPU waited
-    for the host's launches inside it. ``compare`` tests a change on the histograms and window means.
-    """
-
-    name: str
-    calls_per_step: float | None
-    host: SeriesStats
-    gpu: SeriesStats | None
-    share: float | None
-    launch_bound: bool
-    host_hist: LogHistogram | None = field(default=None, repr=False, compare=False)
-    gpu_hist: LogHistogram | None = field(default=None, repr=False, compare=False)
-    host_window_means_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
-    gpu_window_means_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -89,24 +73,31 @@ def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dic
 
 
 def verdict(rows: Sequence[PhaseSummary], cuda: bool) -> Verdict:
-    """The run's bottleneck from its rows' shares; every sentence of evidence is a measured fact."""
+    """The run's bottleneck from its rows' shares: the first rule that holds, each fact measured."""
     by = {r.name: r for r in rows}
     share = {r.name: r.share or 0.0 for r in rows}
     phases = [r for r in rows if "/" not in r.name and r.name not in DERIVED and r.share is not None]
-    if not cuda:
-        return _host_verdict(by, share, phases)
+    rules = _gpu_rules(by, share, phases) if cuda else _host_rules(by, share, phases)
+    kind, said = next((kind, said) for holds, kind, said in rules if holds)
+    return Verdict(cast(VerdictKind, kind), tuple(dict.fromkeys(s for s in said if s))[:2])
+
+
+def _gpu_rules(by: Rows, share: Mapping[str, float], phases: list[PhaseSummary]) -> list[Rule]:
     idle = share.get("idle", 0.0)
     # A `data` phase in which the GPU caught up with the host: the GPU waited for the batch.
     data_wait = share["data"] if "data" in by and by["data"].launch_bound else 0.0
-    of_data = _idle_part(by) * idle  # the idle the loader accounts for (none: no loader timed)
+    # The part of the idle that the loader accounts for (none: no loader timed).
+    idle_ms = _sum_ms(by, "idle", "gpu")
+    of_data = min(1.0, _sum_ms(by, "idle/data", "gpu") / idle_ms) * idle if idle_ms > 0 else 0.0
     waits = {"input": data_wait + of_data, "loop": idle - of_data}
     stall = data_wait + idle
-    cause = "input" if waits["input"] >= waits["loop"] else "loop"
+    cause, other = ("input", "loop") if waits["input"] >= waits["loop"] else ("loop", "input")
     launch = [r for r in phases if r.launch_bound]
     launch_share = sum(share[r.name] for r in launch)
     launch_list = ", ".join(f"{r.name} ({pct(share[r.name])})" for r in launch)
+    timed = "data" in by and by["data"].host.steps  # a loader was timed
     loop_when = (
-        f"while the host ran the loop between steps: {_FIX['loop']}" if _loader_timed(by)
+        f"while the host ran the loop between steps: {_FIX['loop']}" if timed
         else "between steps; no loader was timed, so the loop holds it all (wrap the loader: "
         "`for batch in timer.data(loader):`)"
     )  # fmt: skip
@@ -117,45 +108,49 @@ def verdict(rows: Sequence[PhaseSummary], cuda: bool) -> Verdict:
         "loop": f"the GPU idled {pct(waits['loop'])} of its timeline {loop_when}",
         "launch": f"the GPU waited for launches in {launch_list}: {_FIX['launch']}",
     }
-    said_lead = _lead("the GPU's", phases, share)
     idle_gpu = by["idle"].gpu if "idle" in by else None
     said_idle = f"GPU idle between steps: {pct(idle)} of its timeline" + (
         f" (median {num(idle_gpu.median_ms)} ms a step)" if idle_gpu else ""
     )
-    if stall >= STALL_SHARE and launch_share >= STALL_SHARE:  # both: each named, with its fix
-        kind: VerdictKind = "input-bound + launch-bound" if cause == "input" else "loop-bound + launch-bound"
-        return Verdict(kind, (said[cause], said["launch"]))
-    if stall >= STALL_SHARE and stall >= launch_share:
-        other = "loop" if cause == "input" else "input"
-        kind = "input-bound" if cause == "input" else "loop-bound"
-        return Verdict(kind, _facts(said[cause], [said[other] if waits[other] >= BUSY_SHARE else None]))
-    comm = _communication(by, "gpu")
-    if comm is not None:
-        return comm
-    if launch_share >= LAUNCH_SHARE:
-        return Verdict("launch-bound", _facts(said["launch"], [said_idle]))
-    if stall < BUSY_SHARE and launch_share < BUSY_SHARE:
-        said_none = "the GPU waited for launches inside no phase: it always had queued work"
-        return Verdict("gpu-bound", _facts(said_lead or said_idle, [said_idle, said_none]))
-    reasons = []
-    if stall >= BUSY_SHARE:
-        reasons.append(f"the GPU waited for the host between steps {pct(stall)} of its timeline")
-    if launch_share >= BUSY_SHARE:
-        reasons.append(f"launch-bound phases hold {pct(launch_share)} of the GPU's timeline: {launch_list}")
-    return Verdict("mixed", _facts(reasons[0], [*reasons[1:], said_idle, said_lead]))
+    said_lead = _lead("the GPU's", phases, share)
+    said_none = "the GPU waited for launches inside no phase: it always had queued work"
+    stalled, launched = stall >= STALL_SHARE, launch_share >= STALL_SHARE
+    waited = (  # for the host between steps or for launches, BUSY_SHARE at least: not GPU-bound
+        f"the GPU waited for the host between steps {pct(stall)} of its timeline"
+        if stall >= BUSY_SHARE else None,
+        f"launch-bound phases hold {pct(launch_share)} of the GPU's timeline: {launch_list}"
+        if launch_share >= BUSY_SHARE else None,
+    )  # fmt: skip
+    return [
+        (stalled and launched, f"{cause}-bound + launch-bound", (said[cause], said["launch"])),
+        (stalled and stall >= launch_share, f"{cause}-bound",
+         (said[cause], said[other] if waits[other] >= BUSY_SHARE else None)),
+        _communication(by, "gpu"),
+        (launch_share >= LAUNCH_SHARE, "launch-bound", (said["launch"], said_idle)),
+        (not any(waited), "gpu-bound", (said_lead or said_idle, said_idle, said_none)),
+        (True, "mixed", (*waited, said_idle, said_lead)),
+    ]  # fmt: skip
 
 
-def _idle_part(by: Mapping[str, PhaseSummary]) -> float:
-    """The part of the GPU's ``idle`` that ``idle/data`` holds; 0 without it."""
-    part, idle = by.get("idle/data"), by.get("idle")
-    if part is None or idle is None or part.gpu is None or idle.gpu is None:
-        return 0.0
-    whole = idle.gpu.mean_ms * idle.gpu.steps
-    return min(1.0, part.gpu.mean_ms * part.gpu.steps / whole) if whole > 0 else 0.0
+def _host_rules(by: Rows, share: Mapping[str, float], phases: list[PhaseSummary]) -> list[Rule]:
+    data, loop = share.get("data", 0.0), share.get("loop", 0.0)
+    timed = "data" in by and bool(by["data"].host.steps)  # a loader was timed
+    said_data = f"the host spent {pct(data)} of wall time waiting for the loader (data)"
+    said_loop = f"the host spent {pct(loop)} of wall time between steps " + (
+        "outside the loader (loop)" if timed else "(loop; no loader was timed)"
+    )
+    also_data = said_data if timed else None
+    return [
+        (data >= HOST_BETWEEN_SHARE and data >= loop, "input-bound", (f"{said_data}: {_FIX['input']}",)),
+        (loop >= HOST_BETWEEN_SHARE, "loop-bound", (said_loop, also_data)),
+        _communication(by, "host"),
+        (True, "compute-bound", (_lead("the steps'", phases, share) or said_loop, also_data)),
+    ]
 
 
-def _loader_timed(by: Mapping[str, PhaseSummary]) -> bool:
-    return "data" in by and bool(by["data"].host.steps)
+def _sum_ms(by: Rows, name: str, clock: ShareClock) -> float:
+    st = getattr(by[name], clock) if name in by else None
+    return st.mean_ms * st.steps if st is not None and st.steps else 0.0
 
 
 def _lead(whose: str, phases: Sequence[PhaseSummary], share: Mapping[str, float]) -> str | None:
@@ -164,45 +159,14 @@ def _lead(whose: str, phases: Sequence[PhaseSummary], share: Mapping[str, float]
     return f"{whose} time went to " + ", ".join(f"{n} {pct(share[n])}" for n in lead) if lead else None
 
 
-def _host_verdict(
-    by: Mapping[str, PhaseSummary], share: Mapping[str, float], phases: Sequence[PhaseSummary]
-) -> Verdict:
-    data, loop = share.get("data", 0.0), share.get("loop", 0.0)
-    timed = _loader_timed(by)
-    said_data = f"the host spent {pct(data)} of wall time waiting for the loader (data)"
-    said_loop = f"the host spent {pct(loop)} of wall time between steps " + (
-        "outside the loader (loop)" if timed else "(loop; no loader was timed)"
-    )
-    if data >= HOST_BETWEEN_SHARE and data >= loop:
-        return Verdict("input-bound", (said_data + f": {_FIX['input']}",))
-    if loop >= HOST_BETWEEN_SHARE:
-        return Verdict("loop-bound", _facts(said_loop, [said_data if timed else None]))
-    comm = _communication(by, "host")
-    if comm is not None:
-        return comm
-    said_lead = _lead("the steps'", phases, share)
-    return Verdict("compute-bound", _facts(said_lead or said_loop, [said_data if timed else None]))
-
-
-def _communication(by: Mapping[str, PhaseSummary], clock: ShareClock) -> Verdict | None:
+def _communication(by: Rows, clock: ShareClock) -> Rule:
     """communication-bound if ``comm_exposed`` holds ``COMM_SHARE`` of the timeline (or wall time)."""
-
-    def sum_ms(name: str) -> float:
-        row = by.get(name)
-        st = None if row is None else getattr(row, clock)
-        return st.mean_ms * st.steps if st is not None and st.steps else 0.0
-
     rows = ("step", "idle") if clock == "gpu" else ("step", "data", "loop")
-    total, exposed = sum(sum_ms(n) for n in rows), sum_ms("comm_exposed")
+    total, exposed = sum(_sum_ms(by, n, clock) for n in rows), _sum_ms(by, "comm_exposed", clock)
     if total <= 0 or exposed < COMM_SHARE * total:
-        return None
+        return False, "communication-bound", ()
     of = "the GPU's timeline" if clock == "gpu" else "wall time"
     first = f"the compute waited for the gradient collectives at the end of backward {pct(exposed / total)} of {of}"
     busy, ex = (getattr(by[n], clock) for n in COMM_ROWS)
     first += f" (comm_exposed: median {num(ex.median_ms)} ms a step, of {num(busy.median_ms)} ms of collectives)"
-    return Verdict("communication-bound", (first, f"fix: {_FIX['communication']}"))
-
-
-def _facts(first: str, more: Sequence[str | None]) -> tuple[str, ...]:
-    """The verdict's evidence: ``first`` and the next fact of ``more``, two at most."""
-    return (first, *[s for s in more if s and s != first][:1])
+    return True, "communication-bound", (first, f"fix: {_FIX['communication']}")
