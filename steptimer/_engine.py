@@ -21,7 +21,7 @@ import torch
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
 from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, torch_memory_backend
 from steptimer._slow import StepMarks
-from steptimer._window import GAP_S, STEP_S, WAIT_S, RowKey, StepRows
+from steptimer._window import GAP_S, STEP_S, WAIT_S, StepRows
 
 log = logging.getLogger("steptimer")
 
@@ -44,7 +44,6 @@ MEMORY_BUDGET = 1000.0
 # events. Ordered: ``state >= HOST`` is timed.
 OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
-_PLAIN = (None, False, False)  # a plain step's row layout (StepRows key): no phases, no GPU times
 _NO_PAUSES: tuple[tuple[Any, Any], ...] = ()  # a step's pauses when it had none (shared, never appended to)
 # The cost budget: blocks of at most MAX_BLOCK steps; the measured cost and wall per step are moving
 # averages over picks (weight EMA_ALPHA: compilation and warm-up fade); an untimed step slower than
@@ -77,13 +76,26 @@ class StepRecord:
 
     events: list[Any]  # set by end_step
 
-    def __init__(self, e: Engine, number: int, row: list[float]) -> None:
+    def __init__(self, e: Engine, number: int) -> None:
         # Hand-written, every field once: ~0.15 µs less than a slotted dataclass's __init__.
-        gap = row[GAP_S]
+        gs, fetch = e._gap_start, e.fetch_s
+        if fetch == fetch:  # a loader is timed: its time before the next step counts from here
+            e.fetch_s = 0.0
+        if gs is None:
+            gap = fetch = _NAN  # the run's first step: no time between steps before it
+        else:
+            gap = e._t0 - gs - e._paused_s
+            if gap < 0.0:
+                gap = 0.0
+        samples, tokens, flops = e.samples, e.tokens, e.flops
+        # The LEAD columns (_window.py); STEP_S and WAIT_S are set by Engine._resolve.
+        self.row = [
+            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
+            gap, 0.0 if e.cuda else _NAN, _NAN if flops is None else flops, fetch,
+        ]  # fmt: skip
         self.number = number
         self.t0 = e._t0
-        self.row = row
-        self.gap_s = None if gap != gap else gap
+        self.gap_s = None if gs is None else gap
         self.phases: list[tuple[str, float, float, int, int, float]] = e._recs
         self.pauses: Sequence[tuple[Any, Any]] = e._pause_evs or _NO_PAUSES
         self.device = e.device
@@ -255,76 +267,16 @@ class Engine:
         return True
 
     def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:
-        """Finish the step (drop it if it raised or a phase is open), wait once, resolve what is due,
-        then hand a window that ended to the owner. Never swallows the exception."""
+        """Finish the step (drop it if it raised or a phase is open), queue it, wait once, resolve what
+        is due, then hand a window that ended to the owner. Never swallows the exception."""
         if not self.state:
             return
         t1 = perf_counter()
         if et is not None or self._stack:
             self._discard(et, error)
             return
-        state = self.state
-        number = self.number + 1
-        gs = self._gap_start
-        fetch = self.fetch_s
-        if fetch == fetch:  # a loader is timed: its time before the next step counts from here
-            self.fetch_s = 0.0
-        if gs is None:
-            gap = fetch = _NAN  # the run's first step: no time between steps before it
-        else:
-            gap = self._t0 - gs - self._paused_s
-            if gap < 0.0:
-                gap = 0.0
-        samples, tokens, flops, slow = self.samples, self.tokens, self.flops, self.slow
-        # The LEAD columns (_window.py); STEP_S is set at the step's end, WAIT_S by _resolve.
-        row = [
-            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
-            gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops, fetch,
-        ]  # fmt: skip
         try:
-            if self._pending:
-                try:
-                    self._resolve_ready()
-                except BaseException:  # this step ended well: it is kept, queued, before the error goes on
-                    self._finish_later(t1, number, row)
-                    raise
-            if (
-                state == GPU
-                or self._pending
-                or self._window_due
-                or self._paused_s
-                or self._pause_evs
-                or (self.cuda and number + 1 == self._next_timed)
-                or (slow is not None and (slow.spans or slow.dyn is not None and slow.compiled()))
-                or (state == HOST and self._late_marks)
-            ):
-                self._finish_later(t1, number, row)
-            else:
-                # The short way: a step without events, nothing pending and nothing to mark has its
-                # row whole now, so it skips the queue (bench/small_steps.py).
-                self.number = number
-                if state == HOST:
-                    recs = self._recs
-                    on_step = self._on_step
-                    rec = StepRecord(self, number, row) if on_step is not None else None
-                    row += [r[2] - r[1] for r in recs]
-                    self._add_row(number, (tuple([r[0] for r in recs]), False, False), row)
-                    self.state = OUT
-                    self._gap_start = t_end = perf_counter()
-                    row[STEP_S] = t_end - self._t0
-                    if rec is not None:
-                        rec.step_s = row[STEP_S]
-                        on_step(self, rec)  # type: ignore[misc]
-                    if self.budget is not None:
-                        self.cost_s += t_end - t1
-                    self._pick_next(number)
-                else:
-                    self._add_row(number, _PLAIN, row)
-                    self.state = OUT
-                    self._gap_start = t_end = perf_counter()
-                    row[STEP_S] = step_s = t_end - self._t0
-                    if step_s + gap > self._slow_s:  # the untimed path's one addition (NaN: the first step)
-                        self._slow_untimed(number)
+            self._queue(t1)
         except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
             self._recover()
             raise
@@ -340,16 +292,14 @@ class Engine:
         if et is None:
             raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
 
-    def _finish_later(self, t1: float, number: int, row: list[float]) -> None:
+    def _queue(self, t1: float) -> None:
         """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due."""
-        pending = self._pending
-        t0 = self._t0
-        state = self.state
-        gap = row[GAP_S]
-        blocked = 0.0
-        rec = StepRecord(self, number, row)
+        pending, state, t0, number = self._pending, self.state, self._t0, self.number + 1
+        queued = bool(pending)
+        rec = StepRecord(self, number)
         if self.slow is not None and self.slow.dyn is not None:
             rec.marks = self.slow.ended()
+        blocked = 0.0
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
@@ -361,7 +311,6 @@ class Engine:
         elif (
             self.cuda
             and number + 1 == self._next_timed
-            and self._stream_key is not None
             and self.b.stream_key() == self._stream_key  # type: ignore[union-attr]
             and not self.b.is_capturing(self.stream)  # type: ignore[union-attr]
         ):
@@ -380,24 +329,24 @@ class Engine:
         self._paused_s = 0.0
         # Steps waited for already are resolved before the wait, while the GPU still runs this step
         # (after a lag 0 wait the GPU sits idle until the next launch).
+        if queued:
+            self._resolve_upto(number - 1)
         if self.cuda:
-            due = number - self.lag
-            self._resolve_upto(min(self._waited, number - 1))
             tw = perf_counter()
-            self._wait_for(due)
+            self._wait_for(number - self.lag)
             rec.wait_s = perf_counter() - tw
-            self._resolve_upto(min(due, number - 1))
+            self._resolve_upto(number - 1)
         self._gap_start = t_end = perf_counter()
         rec.step_s = step_s = t_end - t0
-        if self.budget is not None:  # (an untimed step here is queued for a timed one)
+        if self.budget is not None and (state != UNTIMED or queued or rec.events):
             self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
         if number == self._next_timed:
             self._pick_next(number)
-        elif step_s + gap > self._slow_s:
+        elif step_s + rec.row[GAP_S] > self._slow_s:  # NaN (the run's first step): never
             self._slow_untimed(number, rec)
-        if not self.cuda and not self._late_marks:
-            # Resolved now as on the short way, so a window ends at the same step on every rank
-            # whichever way each step took: a rank a step late to the cross-rank round would deadlock.
+        if not self._late_marks:
+            # A step that needs no wait is resolved at its end, so a window ends at the same step on
+            # every rank: a rank a step late to the cross-rank round would deadlock.
             self._resolve_upto(number)
 
     def _recover(self) -> None:
@@ -490,13 +439,10 @@ class Engine:
         budget: float = self.budget  # type: ignore[assignment]  # set: blocks are sized by it
         return max(1, min(MAX_BLOCK, math.ceil(cost / (budget * wall)))) if wall > 0 else 1
 
-    def _slow_untimed(self, number: int, rec: StepRecord | None = None) -> None:
+    def _slow_untimed(self, number: int, rec: StepRecord) -> None:
         """Mark a slow untimed step and time the next one, an extra: at most one in ``EXTRA_EVERY``
         steps, so a periodic slow step (a checkpoint) can't bias the sample towards the steps after it."""
-        if rec is None:
-            self.rows.marks[number] = {"untimed": 1.0}
-        else:
-            rec.marks = {**(rec.marks or {}), "untimed": 1.0}
+        rec.marks = {**(rec.marks or {}), "untimed": 1.0}
         if number - self._forced >= EXTRA_EVERY and self._next_timed != number + 1:
             self._forced = number
             self._planned, self._next_timed = self._next_timed, number + 1
@@ -519,20 +465,14 @@ class Engine:
         stack[-1] = (last[0], into, last[1], last[3])
         return True
 
-    def _resolve_ready(self) -> None:
-        """Resolve the pending steps that need no wait (with CUDA, the oldest ones without events)."""
-        pending = self._pending
-        if not self.cuda:
-            self._resolve_upto(self.number)
-        else:
-            while pending and not pending[0].events and not self._window_due:
-                self._resolve(pending[0])
-
     def _resolve_upto(self, upto: int) -> None:
-        """Resolve the pending steps up to ``upto``, stopping at a window's end."""
+        """Resolve, in order, the pending steps up to ``upto`` whose events were waited for (or that
+        have none), stopping at a window's end."""
         pending = self._pending
-        while pending and pending[0].number <= upto and not self._window_due:
-            self._resolve(pending[0])
+        while pending and (rec := pending[0]).number <= upto and not self._window_due:
+            if rec.events and rec.number > self._waited:
+                return
+            self._resolve(rec)
 
     def begin_pause(self) -> tuple[float, Any] | None:
         """Start a pause; None inside another pause (a nested pause counts once)."""
@@ -682,12 +622,11 @@ class Engine:
                 b.wait(rec.events[rec.i_end])
 
     def _resolve(self, rec: StepRecord) -> None:
-        """Turn the oldest pending step into a row of ``rows``. Everything before ``popleft`` only
-        reads, so an exception there (Ctrl-C) leaves the step pending."""
+        """Turn the oldest pending step into a row of ``rows``; note a window that ends with it.
+        Everything before ``popleft`` only reads, so an exception there (Ctrl-C) leaves it pending."""
         if self._on_step is not None:  # before the step's events go back to the pool
             self._on_step(self, rec)
-        recs = rec.phases
-        row = rec.row
+        recs, row, number = rec.phases, rec.row, rec.number
         row[STEP_S] = rec.step_s
         if self.cuda:
             row[WAIT_S] = rec.wait_s
@@ -705,7 +644,7 @@ class Engine:
             row += [offs[r[4]] - offs[r[3]] for r in recs]
             row += [r[5] for r in recs]
             has_gpu = True
-            if held is not None and held[0] == rec.number - 1 and held[1] == rec.device:
+            if held is not None and held[0] == number - 1 and held[1] == rec.device:
                 rec.chain_ms = idle = b.elapsed_ms(held[2], evs[rec.i_start])
                 for a, c in rec.pauses:
                     idle -= b.elapsed_ms(a, c)
@@ -716,22 +655,17 @@ class Engine:
             if held is not None:
                 self._free.append(held[2])
             self._free += evs[: rec.i_end] + evs[rec.i_end + 1 :]
-            self.held_end = (rec.number, rec.device, evs[rec.i_end])
+            self.held_end = (number, rec.device, evs[rec.i_end])
         for a, c in rec.pauses:
             self._free += (a, c)
-        slow = self.slow
-        if slow is not None and (rec.marks or rec.paused_s or slow.spans):
-            marks = slow.resolved(rec)
-            if marks is not None:
-                self.rows.marks[rec.number] = marks
+        rows, marks = self.rows, rec.marks
+        if self.slow is not None and (marks or rec.paused_s or self.slow.spans):
+            marks = self.slow.resolved(rec)
+        if marks:
+            rows.marks[number] = marks
         if rec.memory is not None:
-            self.rows.memory.append(rec.memory)
-        self._add_row(rec.number, (names, has_gpu, has_idle), row)
-
-    def _add_row(self, number: int, key: RowKey, row: list[float]) -> None:
-        """Put a resolved step's row in ``rows``; note a window that ends with it."""
-        rows = self.rows
-        rows.add(key, row)
+            rows.memory.append(rec.memory)
+        rows.add((names, has_gpu, has_idle), row)
         if self.comm is not None and (comm := self.comm.take(number)) is not None:
             rows.comm.append(comm)
         rows.warmup = number <= self.last_warmup
