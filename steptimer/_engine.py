@@ -182,7 +182,7 @@ class Engine:
         # CUDA and memory, settled at the first step.
         self._cuda_opt = cuda
         self.cuda: bool | None = None
-        self.b: _CudaBackend | None = backend
+        self.b: _CudaBackend = backend  # type: ignore[assignment]  # None until the first step settles it
         self.stream: Any = None
         self._stream_key: Any = None
         self.device = -1
@@ -190,7 +190,6 @@ class Engine:
         self._free: list[Any] = []
         self.held_end: tuple[int, int, Any] | None = None  # (number, device, end event) of the last resolved
         self.events_created = 0
-        self._query: Callable[[Any], bool] = lambda ev: False
         self._memory_opt = int(memory)
         self._mem_steps = 0  # timed GPU steps so far: the memory is read on every _memory_opt-th
         self._mem_next = -math.inf  # MEMORY_AUTO: the host time after which a timed step is read
@@ -230,7 +229,7 @@ class Engine:
             self._mem = None
             self.state = HOST
             return
-        b = self._backend()
+        b = self.b
         key = b.stream_key()
         if key != self._stream_key:
             self._switch_stream(key)
@@ -311,8 +310,8 @@ class Engine:
         elif (
             self.cuda
             and number + 1 == self._next_timed
-            and self.b.stream_key() == self._stream_key  # type: ignore[union-attr]
-            and not self.b.is_capturing(self.stream)  # type: ignore[union-attr]
+            and self.b.stream_key() == self._stream_key
+            and not self.b.is_capturing(self.stream)
         ):
             # An untimed step right before a timed one: an end event gives the timed step its GPU idle
             # (none on another stream, or inside a graph capture: an event there would break it).
@@ -554,7 +553,6 @@ class Engine:
                 return
             self.b = default_backend()
         self.cuda = True
-        self._query = self.b.query
         if self.b.note:
             self.notes.append(self.b.note)
         if self._memory_opt and (self._mem_backend is not None or not self._custom_backend):
@@ -570,14 +568,9 @@ class Engine:
             peak = self.memory.b.read(self.memory.device)[1]
         self.oom = (phase, self.number + 1, peak, self._mem is not None)
 
-    def _backend(self) -> _CudaBackend:
-        if self.b is None:  # pragma: no cover - only reachable through a bug in this file
-            raise RuntimeError("steptimer internal error: CUDA backend used before it was settled")
-        return self.b
-
     def _switch_stream(self, key: tuple[int, int, int]) -> None:
         self._stream_key = key
-        self.stream = self._backend().stream_of_key(key)
+        self.stream = self.b.stream_of_key(key)
         device = key[1]
         if device != self.device:
             self._pools[self.device] = self._free
@@ -588,14 +581,14 @@ class Engine:
         if self._free:
             return self._free.pop()
         self.events_created += 1
-        return self._backend().new_event()
+        return self.b.new_event()
 
     def _boundary(self, t: float) -> int:
         """The index in this step's events of an event recorded at host time ``t`` (maybe shared)."""
         if t - self._last_t < _SHARE_GAP_S:
             return self._last_i
         ev = self._free.pop() if self._free else self._take_event()
-        self.b.record(ev, self.stream)  # type: ignore[union-attr]
+        self.b.record(ev, self.stream)
         evs = self._evs
         self._last_i = i = len(evs)
         evs.append(ev)
@@ -605,7 +598,7 @@ class Engine:
         if not self.cuda or self._stream_key is None:
             return None
         ev = self._take_event()
-        self._backend().record(ev, self.stream)
+        self.b.record(ev, self.stream)
         return ev
 
     def _wait_for(self, upto: int) -> None:
@@ -614,7 +607,7 @@ class Engine:
         due = [rec for rec in self._pending if rec.number <= upto and rec.events]
         if not due:
             return
-        b = self._backend()
+        b = self.b
         newest = due[-1]
         b.wait(newest.events[newest.i_end])
         for rec in due[:-1]:
@@ -638,8 +631,9 @@ class Engine:
         evs = rec.events
         held = self.held_end
         if evs and names is not None:
-            b = self._backend()
-            rec.offs_ms = offs = self.offsets_ms(evs)
+            b = self.b
+            offs = b.offsets_ms(evs) if b.offsets_ms else [0.0] + [b.elapsed_ms(evs[0], e) for e in evs[1:]]
+            rec.offs_ms = offs
             row.append(offs[rec.i_end] - offs[rec.i_start])
             row += [offs[r[4]] - offs[r[3]] for r in recs]
             row += [r[5] for r in recs]
@@ -672,13 +666,6 @@ class Engine:
         self.last_resolved = number
         if number % self._window_every == 0 or number == self.last_warmup:
             self._window_due = self._window_ends(number)
-
-    def offsets_ms(self, evs: list[Any]) -> list[float]:
-        """Milliseconds from ``evs[0]`` to each event (one native call where the backend has it)."""
-        b = self._backend()
-        if b.offsets_ms is not None:
-            return b.offsets_ms(evs)
-        return [0.0] + [b.elapsed_ms(evs[0], e) for e in evs[1:]]
 
 
 class Phase:
@@ -740,12 +727,12 @@ class Phase:
         if gpu:
             # Has the GPU reached the phase's entry? If not, older work kept it busy the whole phase:
             # it cannot have waited for the host inside it (a query, ~0.3 µs through the shim).
-            caught = 1.0 if e._query(e._evs[i_in]) else 0.0
+            caught = 1.0 if e.b.query(e._evs[i_in]) else 0.0
             prev = e._recs[-1] if e._recs else None
             if prev is not None and prev[5] and t1 - prev[2] >= _SETTLE_S:
                 # The previous phase was caught: has the GPU reached its end by now? A GPU that waited
                 # for launches finishes within its launch latency; one that has not had a queue.
-                reached = caught if prev[4] == i_in else e._query(e._evs[prev[4]])
+                reached = caught if prev[4] == i_in else e.b.query(e._evs[prev[4]])
                 if not reached:
                     e._recs[-1] = prev[:5] + (0.0,)
             i_out = e._boundary(t1)
