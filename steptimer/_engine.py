@@ -13,6 +13,7 @@ import random
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, NamedTuple
 
@@ -65,48 +66,28 @@ class PhaseRecord(NamedTuple):
     caught: float  # 1.0: the GPU reached the entry before the host left the phase (Phase.__exit__)
 
 
+@dataclass(slots=True, eq=False)
 class StepRecord:
     """A finished step whose GPU events may not have completed yet (for ``on_step``). ``phases``: plain
     tuples laid out as :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more)."""
 
-    __slots__ = (
-        "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
-        "pauses", "device", "row", "memory", "paused_s", "marks", "offs_ms", "chain_ms",
-    )  # fmt: skip
-
-    events: list[Any]  # set by end_step
-
-    def __init__(self, e: Engine, number: int) -> None:
-        # Hand-written, every field once: ~0.15 µs less than a slotted dataclass's __init__.
-        gs, fetch = e._gap_start, e.fetch_s
-        if fetch == fetch:  # a loader is timed: its time before the next step counts from here
-            e.fetch_s = 0.0
-        if gs is None:
-            gap = fetch = _NAN  # the run's first step: no time between steps before it
-        else:
-            gap = e._t0 - gs - e._paused_s
-            if gap < 0.0:
-                gap = 0.0
-        samples, tokens, flops = e.samples, e.tokens, e.flops
-        # The LEAD columns (_window.py); STEP_S and WAIT_S are set by Engine._resolve.
-        self.row = [
-            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
-            gap, 0.0 if e.cuda else _NAN, _NAN if flops is None else flops, fetch,
-        ]  # fmt: skip
-        self.number = number
-        self.t0 = e._t0
-        self.gap_s = None if gs is None else gap
-        self.phases: list[tuple[str, float, float, int, int, float]] = e._recs
-        self.pauses: Sequence[tuple[Any, Any]] = e._pause_evs or _NO_PAUSES
-        self.device = e.device
-        self.paused_s = e._paused_s
-        self.step_s = 0.0
-        self.wait_s = 0.0
-        self.i_start = self.i_end = 0
-        self.memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
-        self.marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
-        # Set later (a slot assignment per step is not free): on a resolved timed GPU step ``offs_ms``
-        # (each event's ms from the first) and ``chain_ms`` (from the previous end).
+    number: int
+    t0: float  # host clock at its start
+    row: list[float]  # its LEAD columns (_window.py); STEP_S and WAIT_S are set by Engine._resolve
+    gap_s: float | None  # host time since the previous step, pauses left out (None: the run's first)
+    phases: list[tuple[str, float, float, int, int, float]]
+    pauses: Sequence[tuple[Any, Any]]  # (start, end) events of the pauses before it
+    device: int
+    paused_s: float
+    events: list[Any] = field(default_factory=list)
+    i_start: int = 0  # index in events of its start and end events
+    i_end: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
+    marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
+    offs_ms: list[float] | None = None  # resolved timed GPU step: each event's ms from the first
+    chain_ms: float | None = None  # and the GPU's time from the previous step's end event
 
     def phase_records(self) -> list[PhaseRecord]:
         """The step's phase entries with named fields, in entry order."""
@@ -295,7 +276,12 @@ class Engine:
         """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due."""
         pending, state, t0, number = self._pending, self.state, self._t0, self.number + 1
         queued = bool(pending)
-        rec = StepRecord(self, number)
+        row = self._lead(number)
+        gap = row[GAP_S]
+        rec = StepRecord(
+            number, t0, row, None if gap != gap else gap, self._recs, self._pause_evs or _NO_PAUSES, self.device,
+            self._paused_s,
+        )  # fmt: skip
         if self.slow is not None and self.slow.dyn is not None:
             rec.marks = self.slow.ended()
         blocked = 0.0
@@ -318,7 +304,7 @@ class Engine:
             self._evs = []
             self._last_t = -math.inf
             self._boundary(t1)
-        rec.events = self._evs
+        rec.events = self._evs  # a new list: an untimed step's end event
         # The step is the engine's from here: an exception below (Ctrl-C in a wait) keeps it.
         pending.append(rec)
         self.number = number
@@ -341,12 +327,29 @@ class Engine:
             self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
         if number == self._next_timed:
             self._pick_next(number)
-        elif step_s + rec.row[GAP_S] > self._slow_s:  # NaN (the run's first step): never
+        elif step_s + gap > self._slow_s:  # NaN (the run's first step): never
             self._slow_untimed(number, rec)
         if not self._late_marks:
             # A step that needs no wait is resolved at its end, so a window ends at the same step on
             # every rank: a rank a step late to the cross-rank round would deadlock.
             self._resolve_upto(number)
+
+    def _lead(self, number: int) -> list[float]:
+        """The step's LEAD columns (_window.py); STEP_S and WAIT_S are set by ``_resolve``."""
+        gs, fetch = self._gap_start, self.fetch_s
+        if fetch == fetch:  # a loader is timed: its time before the next step counts from here
+            self.fetch_s = 0.0
+        if gs is None:
+            gap = fetch = _NAN  # the run's first step: no time between steps before it
+        else:
+            gap = self._t0 - gs - self._paused_s
+            if gap < 0.0:
+                gap = 0.0
+        samples, tokens, flops = self.samples, self.tokens, self.flops
+        return [
+            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
+            gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops, fetch,
+        ]  # fmt: skip
 
     def _recover(self) -> None:
         """After an exception in ``end_step``'s own work: drop a step not yet queued, else time it."""
