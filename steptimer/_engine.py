@@ -364,8 +364,7 @@ class Engine:
             self._pick_next(self.number)
 
     def _window_ends(self, number: int) -> int:
-        """``number`` if a window ends there, else 0. The last warm-up step always ends one: no window
-        mixes warm-up steps with later ones."""
+        """``number`` if a window ends there, else 0 (the last warm-up step always ends one)."""
         if (
             self._window_min_s
             and number != self.last_warmup
@@ -409,8 +408,7 @@ class Engine:
         self._pick_next(start_step)
 
     def _pick_next(self, number: int) -> None:
-        """After the timed step ``number``, pick the next one: at random in the next block of
-        ``sample_every`` steps, or of as many as the cost budget allows."""
+        """After the timed step ``number``, pick the next one at random in the next block."""
         if self._planned > number:  # the step after a slow one was an extra: the block's pick stands
             self._next_timed, self._planned = self._planned, 0
             return
@@ -468,8 +466,7 @@ class Engine:
         return True
 
     def _resolve_upto(self, upto: int) -> None:
-        """Resolve, in order, the pending steps up to ``upto`` whose events were waited for (or that
-        have none), stopping at a window's end."""
+        """Resolve the pending steps up to ``upto`` in order, but none not waited for, nor past a window's end."""
         pending = self._pending
         while pending and (rec := pending[0]).number <= upto and not self._window_due:
             if rec.events and rec.number > self._waited:
@@ -574,11 +571,8 @@ class Engine:
     def _switch_stream(self, key: tuple[int, int, int]) -> None:
         self._stream_key = key
         self.stream = self.b.stream_of_key(key)
-        device = key[1]
-        if device != self.device:
-            self._pools[self.device] = self._free
-            self._free = self._pools.get(device, [])
-            self.device = device
+        self.device = key[1]
+        self._free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
 
     def _take_event(self) -> Any:
         if self._free:
@@ -618,8 +612,7 @@ class Engine:
                 b.wait(rec.events[rec.i_end])
 
     def _resolve(self, rec: StepRecord) -> None:
-        """Turn the oldest pending step into a row of ``rows``; note a window that ends with it.
-        Everything before ``popleft`` only reads, so an exception there (Ctrl-C) leaves it pending."""
+        """Turn the oldest pending step into a row of ``rows``; note a window that ends with it."""
         if self._on_step is not None:  # before the step's events go back to the pool
             self._on_step(self, rec)
         recs, row, number = rec.phases, rec.row, rec.number
@@ -647,7 +640,7 @@ class Engine:
                     idle -= b.elapsed_ms(a, c)
                 row.append(idle)
                 has_idle = True
-        self._pending.popleft()
+        self._pending.popleft()  # all above only reads: an exception there (Ctrl-C) leaves it pending
         if evs:
             if held is not None:
                 self._free.append(held[2])
