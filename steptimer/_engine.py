@@ -56,7 +56,7 @@ EXTRA_EVERY = 100
 
 
 class PhaseRecord(NamedTuple):
-    """One phase entry of a timed step, as :meth:`StepRecord.phase_records` names it."""
+    """One phase entry of a timed step (``StepRecord.phases``, in entry order)."""
 
     name: str  # full name, "outer/inner" when nested
     t_in: float  # host clock (perf_counter) at entry and exit
@@ -68,14 +68,13 @@ class PhaseRecord(NamedTuple):
 
 @dataclass(slots=True, eq=False)
 class StepRecord:
-    """A finished step whose GPU events may not have completed yet (for ``on_step``). ``phases``: plain
-    tuples laid out as :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more)."""
+    """A finished step whose GPU events may not have completed yet (for ``on_step``)."""
 
     number: int
     t0: float  # host clock at its start
     row: list[float]  # its LEAD columns (_window.py); STEP_S and WAIT_S are set by Engine._resolve
     gap_s: float | None  # host time since the previous step, pauses left out (None: the run's first)
-    phases: list[tuple[str, float, float, int, int, float]]
+    phases: list[PhaseRecord]
     pauses: Sequence[tuple[Any, Any]]  # (start, end) events of the pauses before it
     device: int
     paused_s: float
@@ -88,10 +87,6 @@ class StepRecord:
     marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
     offs_ms: list[float] | None = None  # resolved timed GPU step: each event's ms from the first
     chain_ms: float | None = None  # and the GPU's time from the previous step's end event
-
-    def phase_records(self) -> list[PhaseRecord]:
-        """The step's phase entries with named fields, in entry order."""
-        return [PhaseRecord._make(r) for r in self.phases]
 
 
 class Engine:
@@ -143,7 +138,7 @@ class Engine:
         self.flops: float | None = None
         self.fetch_s = _NAN  # the loader's time since the last step (Fetch); NaN: none, one read a step
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
-        self._recs: list[tuple[str, float, float, int, int, float]] = []
+        self._recs: list[PhaseRecord] = []
         self._evs: list[Any] = []
         self._last_t = -math.inf  # host time of the last record, for sharing it
         self._last_i = -1
@@ -459,10 +454,10 @@ class Engine:
             return False
         full = stack[-1][0]
         last = recs[-1]
-        if last[0] != full[: len(full) - len(name)] + into:
+        if last.name != full[: len(full) - len(name)] + into:
             return False
         recs.pop()
-        stack[-1] = (last[0], into, last[1], last[3])
+        stack[-1] = (last.name, into, last.t_in, last.i_in)
         return True
 
     def _resolve_upto(self, upto: int) -> None:
@@ -621,8 +616,8 @@ class Engine:
             row[WAIT_S] = rec.wait_s
         names = None
         if recs is not _EMPTY:  # a timed step
-            names = tuple([r[0] for r in recs])
-            row = row + [r[2] - r[1] for r in recs]  # a new list: rec.row stays as it was
+            names = tuple([r.name for r in recs])
+            row = row + [r.t_out - r.t_in for r in recs]  # a new list: rec.row stays as it was
         has_gpu = has_idle = False
         evs = rec.events
         held = self.held_end
@@ -631,8 +626,8 @@ class Engine:
             offs = b.offsets_ms(evs) if b.offsets_ms else [0.0] + [b.elapsed_ms(evs[0], e) for e in evs[1:]]
             rec.offs_ms = offs
             row.append(offs[rec.i_end] - offs[rec.i_start])
-            row += [offs[r[4]] - offs[r[3]] for r in recs]
-            row += [r[5] for r in recs]
+            row += [offs[r.i_out] - offs[r.i_in] for r in recs]
+            row += [r.caught for r in recs]
             has_gpu = True
             if held is not None and held[0] == number - 1 and held[1] == rec.device:
                 rec.chain_ms = idle = b.elapsed_ms(held[2], evs[rec.i_start])
@@ -725,18 +720,18 @@ class Phase:
             # it cannot have waited for the host inside it (a query, ~0.3 µs through the shim).
             caught = 1.0 if e.b.query(e._evs[i_in]) else 0.0
             prev = e._recs[-1] if e._recs else None
-            if prev is not None and prev[5] and t1 - prev[2] >= _SETTLE_S:
+            if prev is not None and prev.caught and t1 - prev.t_out >= _SETTLE_S:
                 # The previous phase was caught: has the GPU reached its end by now? A GPU that waited
                 # for launches finishes within its launch latency; one that has not had a queue.
-                reached = caught if prev[4] == i_in else e.b.query(e._evs[prev[4]])
+                reached = caught if prev.i_out == i_in else e.b.query(e._evs[prev.i_out])
                 if not reached:
-                    e._recs[-1] = prev[:5] + (0.0,)
+                    e._recs[-1] = prev._replace(caught=0.0)
             i_out = e._boundary(t1)
             if e._mem is not None:
                 peak = e._mem.exit_phase(full)
                 if failed and e.oom is None:
                     e._note_oom(full, error, peak)
-        e._recs.append((full, t_in, t1, i_in, i_out, caught))
+        e._recs.append(PhaseRecord(full, t_in, t1, i_in, i_out, caught))
         if gpu:
             e._last_t = perf_counter()
         if e.budget is not None:

@@ -47,7 +47,7 @@ def record(rec: StepRecord) -> dict[str, Any]:
     """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later)."""
     fetch = rec.row[FETCH_S]  # the loader's part of gap_s
     offs = getattr(rec, "offs_ms", None)
-    phases = rec.phase_records()
+    phases = rec.phases
     gpu = None
     if offs is not None:
         gpu = {
