@@ -13,7 +13,7 @@ import random
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple
 
@@ -78,7 +78,7 @@ class StepRecord:
     pauses: Sequence[tuple[Any, Any]]  # (start, end) events of the pauses before it
     device: int
     paused_s: float
-    events: list[Any] = field(default_factory=list)
+    events: list[Any] = _EMPTY  # its CUDA events, set at its end
     i_start: int = 0  # index in events of its start and end events
     i_end: int = 0
     step_s: float = 0.0
@@ -299,7 +299,7 @@ class Engine:
             self._evs = []
             self._last_t = -math.inf
             self._boundary(t1)
-        rec.events = self._evs  # a new list: an untimed step's end event
+        rec.events = self._evs
         # The step is the engine's from here: an exception below (Ctrl-C in a wait) keeps it.
         pending.append(rec)
         self.number = number
