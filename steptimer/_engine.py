@@ -97,8 +97,8 @@ class Engine:
         window_every: a window may end at each multiple of this (and at the last warm-up step).
         window_min_s: a window goes on past a multiple until it lasts this long or holds
             ``window_max`` steps (0: every multiple ends one).
-        on_step: called with each resolved step before its events are released (the capture of
-            recent steps), but with untimed steps resolved at their own end.
+        on_step: called with each resolved timed step before its events are released (the capture
+            of recent steps; an untimed step has no phases to draw).
         late_marks: a step is marked after its end (``StepMarks.mark_current``, the profiler): host
             steps stay queued until the next step's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
@@ -324,8 +324,8 @@ class Engine:
             self._pick_next(number)
         elif step_s + gap > self._slow_s:  # NaN (the run's first step): never
             self._slow_untimed(number, rec)
-        if not self._late_marks:
-            # A step that needs no wait is resolved at its end, so a window ends at the same step on
+        if not rec.events and not self._late_marks:
+            # A step without events is resolved at its end, so a window ends at the same step on
             # every rank: a rank a step late to the cross-rank round would deadlock.
             self._resolve_upto(number)
 
@@ -378,9 +378,8 @@ class Engine:
         try:
             self._on_window(number)
         finally:
-            ev1 = self._pause_event()
-            if ev0 is not None and ev1 is not None:
-                self._pause_evs.append((ev0, ev1))
+            if ev0 is not None:
+                self._pause_evs.append((ev0, self._pause_event()))
             self._gap_start = t1 = perf_counter()
             self.own_s += t1 - t0
 
@@ -474,9 +473,8 @@ class Engine:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
         if self._pausing:
             return None
-        started = perf_counter(), self._pause_event()
         self._pausing = True
-        return started
+        return perf_counter(), self._pause_event()
 
     def end_pause(self, started: tuple[float, Any] | None) -> None:
         """End the pause that ``begin_pause`` returned ``started`` for (None: a nested one)."""
@@ -484,9 +482,8 @@ class Engine:
             return
         self._pausing = False
         t0, ev0 = started
-        ev1 = self._pause_event()
-        if ev0 is not None and ev1 is not None:
-            self._pause_evs.append((ev0, ev1))
+        if ev0 is not None:  # then the end event is recorded too (CUDA settled, a stream known)
+            self._pause_evs.append((ev0, self._pause_event()))
         self._paused_s += perf_counter() - t0
 
     def close(self) -> None:
@@ -597,20 +594,15 @@ class Engine:
         """Wait for the newest pending step up to ``upto`` (and older ones on another device)."""
         self._waited = upto
         due = [rec for rec in self._pending if rec.number <= upto and rec.events]
-        if not due:
-            return
-        b = self.b
-        newest = due[-1]
-        b.wait(newest.events[newest.i_end])
-        for rec in due[:-1]:
-            if rec.device != newest.device:
-                b.wait(rec.events[rec.i_end])
+        for rec in due:
+            if rec is due[-1] or rec.device != due[-1].device:
+                self.b.wait(rec.events[rec.i_end])
 
     def _resolve(self, rec: StepRecord) -> None:
         """Turn the oldest pending step into a row of ``rows``; note a window that ends with it."""
-        if self._on_step is not None:  # before the step's events go back to the pool
-            self._on_step(self, rec)
         recs, row, number = rec.phases, rec.row, rec.number
+        if self._on_step is not None and recs is not _EMPTY:  # before its events go back to the pool
+            self._on_step(self, rec)
         row[STEP_S] = rec.step_s
         if self.cuda:
             row[WAIT_S] = rec.wait_s
