@@ -386,8 +386,9 @@ class Engine:
     def _start_sampling(self, cost_budget: float, start_step: int) -> None:
         """The sampling state: which step is next, and the cost budget's measurements."""
         self.budget: float | None = cost_budget if self.sample_every is None else None  # None: no bookkeeping
-        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends
-        # (not the `with` every step pays, nor window work, which costs the same however few are timed).
+        # steptimer's own host time since the last pick: timed steps' begin, phases and ends, and the
+        # ends of untimed steps that resolve older steps or record an event (not the `with` every step
+        # pays, nor window work, which costs the same however few are timed).
         self.cost_s = 0.0
         # The most one GPU boundary counts (2 x the least one took + 2 µs): a record that waits for a
         # full launch queue waits where the user's next launch would have waited anyway.
