@@ -13,6 +13,7 @@ import random
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ import torch
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
 from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, torch_memory_backend
 from steptimer._slow import StepMarks
-from steptimer._window import GAP_S, STEP_S, WAIT_S, RowKey, StepRows
+from steptimer._window import GAP_S, STEP_S, WAIT_S, StepRows
 
 log = logging.getLogger("steptimer")
 
@@ -44,7 +45,6 @@ MEMORY_BUDGET = 1000.0
 # events. Ordered: ``state >= HOST`` is timed.
 OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
-_PLAIN = (None, False, False)  # a plain step's row layout (StepRows key): no phases, no GPU times
 _NO_PAUSES: tuple[tuple[Any, Any], ...] = ()  # a step's pauses when it had none (shared, never appended to)
 # The cost budget: blocks of at most MAX_BLOCK steps; the measured cost and wall per step are moving
 # averages over picks (weight EMA_ALPHA: compilation and warm-up fade); an untimed step slower than
@@ -56,7 +56,7 @@ EXTRA_EVERY = 100
 
 
 class PhaseRecord(NamedTuple):
-    """One phase entry of a timed step, as :meth:`StepRecord.phase_records` names it."""
+    """One phase entry of a timed step (``StepRecord.phases``, in entry order)."""
 
     name: str  # full name, "outer/inner" when nested
     t_in: float  # host clock (perf_counter) at entry and exit
@@ -66,39 +66,27 @@ class PhaseRecord(NamedTuple):
     caught: float  # 1.0: the GPU reached the entry before the host left the phase (Phase.__exit__)
 
 
+@dataclass(slots=True, eq=False)
 class StepRecord:
-    """A finished step whose GPU events may not have completed yet (for ``on_step``). ``phases``: plain
-    tuples laid out as :class:`PhaseRecord` (a NamedTuple per phase exit costs ~0.2 µs more)."""
+    """A finished step whose GPU events may not have completed yet (for ``on_step``)."""
 
-    __slots__ = (
-        "number", "t0", "step_s", "gap_s", "wait_s", "phases", "events", "i_start", "i_end",
-        "pauses", "device", "row", "memory", "paused_s", "marks", "offs_ms", "chain_ms",
-    )  # fmt: skip
-
-    events: list[Any]  # set by end_step
-
-    def __init__(self, e: Engine, number: int, row: list[float]) -> None:
-        # Hand-written, every field once: ~0.15 µs less than a slotted dataclass's __init__.
-        gap = row[GAP_S]
-        self.number = number
-        self.t0 = e._t0
-        self.row = row
-        self.gap_s = None if gap != gap else gap
-        self.phases: list[tuple[str, float, float, int, int, float]] = e._recs
-        self.pauses: Sequence[tuple[Any, Any]] = e._pause_evs or _NO_PAUSES
-        self.device = e.device
-        self.paused_s = e._paused_s
-        self.step_s = 0.0
-        self.wait_s = 0.0
-        self.i_start = self.i_end = 0
-        self.memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
-        self.marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
-        # Set later (a slot assignment per step is not free): on a resolved timed GPU step ``offs_ms``
-        # (each event's ms from the first) and ``chain_ms`` (from the previous end).
-
-    def phase_records(self) -> list[PhaseRecord]:
-        """The step's phase entries with named fields, in entry order."""
-        return [PhaseRecord._make(r) for r in self.phases]
+    number: int
+    t0: float  # host clock at its start
+    row: list[float]  # its LEAD columns (_window.py); STEP_S and WAIT_S are set by Engine._resolve
+    gap_s: float | None  # host time since the previous step, pauses left out (None: the run's first)
+    phases: list[PhaseRecord]
+    pauses: Sequence[tuple[Any, Any]]  # (start, end) events of the pauses before it
+    device: int
+    paused_s: float
+    events: list[Any] = _EMPTY  # its CUDA events, set at its end
+    i_start: int = 0  # index in events of its start and end events
+    i_end: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
+    marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
+    offs_ms: list[float] | None = None  # resolved timed GPU step: each event's ms from the first
+    chain_ms: float | None = None  # and the GPU's time from the previous step's end event
 
 
 class Engine:
@@ -109,8 +97,8 @@ class Engine:
         window_every: a window may end at each multiple of this (and at the last warm-up step).
         window_min_s: a window goes on past a multiple until it lasts this long or holds
             ``window_max`` steps (0: every multiple ends one).
-        on_step: called with each resolved step before its events are released (the capture of
-            recent steps), but with untimed steps resolved at their own end.
+        on_step: called with each resolved timed step before its events are released (the capture
+            of recent steps; an untimed step has no phases to draw).
         late_marks: a step is marked after its end (``StepMarks.mark_current``, the profiler): host
             steps stay queued until the next step's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
@@ -150,7 +138,7 @@ class Engine:
         self.flops: float | None = None
         self.fetch_s = _NAN  # the loader's time since the last step (Fetch); NaN: none, one read a step
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
-        self._recs: list[tuple[str, float, float, int, int, float]] = []
+        self._recs: list[PhaseRecord] = []
         self._evs: list[Any] = []
         self._last_t = -math.inf  # host time of the last record, for sharing it
         self._last_i = -1
@@ -170,7 +158,7 @@ class Engine:
         # CUDA and memory, settled at the first step.
         self._cuda_opt = cuda
         self.cuda: bool | None = None
-        self.b: _CudaBackend | None = backend
+        self.b: _CudaBackend = backend  # type: ignore[assignment]  # None until the first step settles it
         self.stream: Any = None
         self._stream_key: Any = None
         self.device = -1
@@ -178,7 +166,6 @@ class Engine:
         self._free: list[Any] = []
         self.held_end: tuple[int, int, Any] | None = None  # (number, device, end event) of the last resolved
         self.events_created = 0
-        self._query: Callable[[Any], bool] = lambda ev: False
         self._memory_opt = int(memory)
         self._mem_steps = 0  # timed GPU steps so far: the memory is read on every _memory_opt-th
         self._mem_next = -math.inf  # MEMORY_AUTO: the host time after which a timed step is read
@@ -218,7 +205,7 @@ class Engine:
             self._mem = None
             self.state = HOST
             return
-        b = self._backend()
+        b = self.b
         key = b.stream_key()
         if key != self._stream_key:
             self._switch_stream(key)
@@ -255,76 +242,16 @@ class Engine:
         return True
 
     def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:
-        """Finish the step (drop it if it raised or a phase is open), wait once, resolve what is due,
-        then hand a window that ended to the owner. Never swallows the exception."""
+        """Finish the step (drop it if it raised or a phase is open), queue it, wait once, resolve what
+        is due, then hand a window that ended to the owner. Never swallows the exception."""
         if not self.state:
             return
         t1 = perf_counter()
         if et is not None or self._stack:
             self._discard(et, error)
             return
-        state = self.state
-        number = self.number + 1
-        gs = self._gap_start
-        fetch = self.fetch_s
-        if fetch == fetch:  # a loader is timed: its time before the next step counts from here
-            self.fetch_s = 0.0
-        if gs is None:
-            gap = fetch = _NAN  # the run's first step: no time between steps before it
-        else:
-            gap = self._t0 - gs - self._paused_s
-            if gap < 0.0:
-                gap = 0.0
-        samples, tokens, flops, slow = self.samples, self.tokens, self.flops, self.slow
-        # The LEAD columns (_window.py); STEP_S is set at the step's end, WAIT_S by _resolve.
-        row = [
-            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
-            gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops, fetch,
-        ]  # fmt: skip
         try:
-            if self._pending:
-                try:
-                    self._resolve_ready()
-                except BaseException:  # this step ended well: it is kept, queued, before the error goes on
-                    self._finish_later(t1, number, row)
-                    raise
-            if (
-                state == GPU
-                or self._pending
-                or self._window_due
-                or self._paused_s
-                or self._pause_evs
-                or (self.cuda and number + 1 == self._next_timed)
-                or (slow is not None and (slow.spans or slow.dyn is not None and slow.compiled()))
-                or (state == HOST and self._late_marks)
-            ):
-                self._finish_later(t1, number, row)
-            else:
-                # The short way: a step without events, nothing pending and nothing to mark has its
-                # row whole now, so it skips the queue (bench/small_steps.py).
-                self.number = number
-                if state == HOST:
-                    recs = self._recs
-                    on_step = self._on_step
-                    rec = StepRecord(self, number, row) if on_step is not None else None
-                    row += [r[2] - r[1] for r in recs]
-                    self._add_row(number, (tuple([r[0] for r in recs]), False, False), row)
-                    self.state = OUT
-                    self._gap_start = t_end = perf_counter()
-                    row[STEP_S] = t_end - self._t0
-                    if rec is not None:
-                        rec.step_s = row[STEP_S]
-                        on_step(self, rec)  # type: ignore[misc]
-                    if self.budget is not None:
-                        self.cost_s += t_end - t1
-                    self._pick_next(number)
-                else:
-                    self._add_row(number, _PLAIN, row)
-                    self.state = OUT
-                    self._gap_start = t_end = perf_counter()
-                    row[STEP_S] = step_s = t_end - self._t0
-                    if step_s + gap > self._slow_s:  # the untimed path's one addition (NaN: the first step)
-                        self._slow_untimed(number)
+            self._queue(t1)
         except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
             self._recover()
             raise
@@ -340,16 +267,19 @@ class Engine:
         if et is None:
             raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
 
-    def _finish_later(self, t1: float, number: int, row: list[float]) -> None:
+    def _queue(self, t1: float) -> None:
         """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due."""
-        pending = self._pending
-        t0 = self._t0
-        state = self.state
+        pending, state, t0, number = self._pending, self.state, self._t0, self.number + 1
+        queued = bool(pending)
+        row = self._lead(number)
         gap = row[GAP_S]
-        blocked = 0.0
-        rec = StepRecord(self, number, row)
+        rec = StepRecord(
+            number, t0, row, None if gap != gap else gap, self._recs, self._pause_evs or _NO_PAUSES, self.device,
+            self._paused_s,
+        )  # fmt: skip
         if self.slow is not None and self.slow.dyn is not None:
             rec.marks = self.slow.ended()
+        blocked = 0.0
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
@@ -361,9 +291,8 @@ class Engine:
         elif (
             self.cuda
             and number + 1 == self._next_timed
-            and self._stream_key is not None
-            and self.b.stream_key() == self._stream_key  # type: ignore[union-attr]
-            and not self.b.is_capturing(self.stream)  # type: ignore[union-attr]
+            and self.b.stream_key() == self._stream_key
+            and not self.b.is_capturing(self.stream)
         ):
             # An untimed step right before a timed one: an end event gives the timed step its GPU idle
             # (none on another stream, or inside a graph capture: an event there would break it).
@@ -380,25 +309,42 @@ class Engine:
         self._paused_s = 0.0
         # Steps waited for already are resolved before the wait, while the GPU still runs this step
         # (after a lag 0 wait the GPU sits idle until the next launch).
+        if queued:
+            self._resolve_upto(number - 1)
         if self.cuda:
-            due = number - self.lag
-            self._resolve_upto(min(self._waited, number - 1))
             tw = perf_counter()
-            self._wait_for(due)
+            self._wait_for(number - self.lag)
             rec.wait_s = perf_counter() - tw
-            self._resolve_upto(min(due, number - 1))
+            self._resolve_upto(number - 1)
         self._gap_start = t_end = perf_counter()
         rec.step_s = step_s = t_end - t0
-        if self.budget is not None:  # (an untimed step here is queued for a timed one)
+        if self.budget is not None and (state != UNTIMED or queued or rec.events):
             self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
         if number == self._next_timed:
             self._pick_next(number)
-        elif step_s + gap > self._slow_s:
+        elif step_s + gap > self._slow_s:  # NaN (the run's first step): never
             self._slow_untimed(number, rec)
-        if not self.cuda and not self._late_marks:
-            # Resolved now as on the short way, so a window ends at the same step on every rank
-            # whichever way each step took: a rank a step late to the cross-rank round would deadlock.
+        if not rec.events and not self._late_marks:
+            # A step without events is resolved at its end, so a window ends at the same step on
+            # every rank: a rank a step late to the cross-rank round would deadlock.
             self._resolve_upto(number)
+
+    def _lead(self, number: int) -> list[float]:
+        """The step's LEAD columns (_window.py); STEP_S and WAIT_S are set by ``_resolve``."""
+        gs, fetch = self._gap_start, self.fetch_s
+        if fetch == fetch:  # a loader is timed: its time before the next step counts from here
+            self.fetch_s = 0.0
+        if gs is None:
+            gap = fetch = _NAN  # the run's first step: no time between steps before it
+        else:
+            gap = self._t0 - gs - self._paused_s
+            if gap < 0.0:
+                gap = 0.0
+        samples, tokens, flops = self.samples, self.tokens, self.flops
+        return [
+            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
+            gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops, fetch,
+        ]  # fmt: skip
 
     def _recover(self) -> None:
         """After an exception in ``end_step``'s own work: drop a step not yet queued, else time it."""
@@ -413,8 +359,7 @@ class Engine:
             self._pick_next(self.number)
 
     def _window_ends(self, number: int) -> int:
-        """``number`` if a window ends there, else 0. The last warm-up step always ends one: no window
-        mixes warm-up steps with later ones."""
+        """``number`` if a window ends there, else 0 (the last warm-up step always ends one)."""
         if (
             self._window_min_s
             and number != self.last_warmup
@@ -433,17 +378,17 @@ class Engine:
         try:
             self._on_window(number)
         finally:
-            ev1 = self._pause_event()
-            if ev0 is not None and ev1 is not None:
-                self._pause_evs.append((ev0, ev1))
+            if ev0 is not None:
+                self._pause_evs.append((ev0, self._pause_event()))
             self._gap_start = t1 = perf_counter()
             self.own_s += t1 - t0
 
     def _start_sampling(self, cost_budget: float, start_step: int) -> None:
         """The sampling state: which step is next, and the cost budget's measurements."""
         self.budget: float | None = cost_budget if self.sample_every is None else None  # None: no bookkeeping
-        # steptimer's own host time since the last pick: timed steps' begin, phases and queued ends
-        # (not the `with` every step pays, nor window work, which costs the same however few are timed).
+        # steptimer's own host time since the last pick: timed steps' begin, phases and ends, and the
+        # ends of untimed steps that resolve older steps or record an event (not the `with` every step
+        # pays, nor window work, which costs the same however few are timed).
         self.cost_s = 0.0
         # The most one GPU boundary counts (2 x the least one took + 2 µs): a record that waits for a
         # full launch queue waits where the user's next launch would have waited anyway.
@@ -458,8 +403,7 @@ class Engine:
         self._pick_next(start_step)
 
     def _pick_next(self, number: int) -> None:
-        """After the timed step ``number``, pick the next one: at random in the next block of
-        ``sample_every`` steps, or of as many as the cost budget allows."""
+        """After the timed step ``number``, pick the next one at random in the next block."""
         if self._planned > number:  # the step after a slow one was an extra: the block's pick stands
             self._next_timed, self._planned = self._planned, 0
             return
@@ -490,13 +434,10 @@ class Engine:
         budget: float = self.budget  # type: ignore[assignment]  # set: blocks are sized by it
         return max(1, min(MAX_BLOCK, math.ceil(cost / (budget * wall)))) if wall > 0 else 1
 
-    def _slow_untimed(self, number: int, rec: StepRecord | None = None) -> None:
+    def _slow_untimed(self, number: int, rec: StepRecord) -> None:
         """Mark a slow untimed step and time the next one, an extra: at most one in ``EXTRA_EVERY``
         steps, so a periodic slow step (a checkpoint) can't bias the sample towards the steps after it."""
-        if rec is None:
-            self.rows.marks[number] = {"untimed": 1.0}
-        else:
-            rec.marks = {**(rec.marks or {}), "untimed": 1.0}
+        rec.marks = {**(rec.marks or {}), "untimed": 1.0}
         if number - self._forced >= EXTRA_EVERY and self._next_timed != number + 1:
             self._forced = number
             self._planned, self._next_timed = self._next_timed, number + 1
@@ -513,26 +454,19 @@ class Engine:
             return False
         full = stack[-1][0]
         last = recs[-1]
-        if last[0] != full[: len(full) - len(name)] + into:
+        if last.name != full[: len(full) - len(name)] + into:
             return False
         recs.pop()
-        stack[-1] = (last[0], into, last[1], last[3])
+        stack[-1] = (last.name, into, last.t_in, last.i_in)
         return True
 
-    def _resolve_ready(self) -> None:
-        """Resolve the pending steps that need no wait (with CUDA, the oldest ones without events)."""
-        pending = self._pending
-        if not self.cuda:
-            self._resolve_upto(self.number)
-        else:
-            while pending and not pending[0].events and not self._window_due:
-                self._resolve(pending[0])
-
     def _resolve_upto(self, upto: int) -> None:
-        """Resolve the pending steps up to ``upto``, stopping at a window's end."""
+        """Resolve the pending steps up to ``upto`` in order, but none not waited for, nor past a window's end."""
         pending = self._pending
-        while pending and pending[0].number <= upto and not self._window_due:
-            self._resolve(pending[0])
+        while pending and (rec := pending[0]).number <= upto and not self._window_due:
+            if rec.events and rec.number > self._waited:
+                return
+            self._resolve(rec)
 
     def begin_pause(self) -> tuple[float, Any] | None:
         """Start a pause; None inside another pause (a nested pause counts once)."""
@@ -540,9 +474,8 @@ class Engine:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
         if self._pausing:
             return None
-        started = perf_counter(), self._pause_event()
         self._pausing = True
-        return started
+        return perf_counter(), self._pause_event()
 
     def end_pause(self, started: tuple[float, Any] | None) -> None:
         """End the pause that ``begin_pause`` returned ``started`` for (None: a nested one)."""
@@ -550,9 +483,8 @@ class Engine:
             return
         self._pausing = False
         t0, ev0 = started
-        ev1 = self._pause_event()
-        if ev0 is not None and ev1 is not None:
-            self._pause_evs.append((ev0, ev1))
+        if ev0 is not None:  # then the end event is recorded too (CUDA settled, a stream known)
+            self._pause_evs.append((ev0, self._pause_event()))
         self._paused_s += perf_counter() - t0
 
     def close(self) -> None:
@@ -614,7 +546,6 @@ class Engine:
                 return
             self.b = default_backend()
         self.cuda = True
-        self._query = self.b.query
         if self.b.note:
             self.notes.append(self.b.note)
         if self._memory_opt and (self._mem_backend is not None or not self._custom_backend):
@@ -630,32 +561,24 @@ class Engine:
             peak = self.memory.b.read(self.memory.device)[1]
         self.oom = (phase, self.number + 1, peak, self._mem is not None)
 
-    def _backend(self) -> _CudaBackend:
-        if self.b is None:  # pragma: no cover - only reachable through a bug in this file
-            raise RuntimeError("steptimer internal error: CUDA backend used before it was settled")
-        return self.b
-
     def _switch_stream(self, key: tuple[int, int, int]) -> None:
         self._stream_key = key
-        self.stream = self._backend().stream_of_key(key)
-        device = key[1]
-        if device != self.device:
-            self._pools[self.device] = self._free
-            self._free = self._pools.get(device, [])
-            self.device = device
+        self.stream = self.b.stream_of_key(key)
+        self.device = key[1]
+        self._free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
 
     def _take_event(self) -> Any:
         if self._free:
             return self._free.pop()
         self.events_created += 1
-        return self._backend().new_event()
+        return self.b.new_event()
 
     def _boundary(self, t: float) -> int:
         """The index in this step's events of an event recorded at host time ``t`` (maybe shared)."""
         if t - self._last_t < _SHARE_GAP_S:
             return self._last_i
         ev = self._free.pop() if self._free else self._take_event()
-        self.b.record(ev, self.stream)  # type: ignore[union-attr]
+        self.b.record(ev, self.stream)
         evs = self._evs
         self._last_i = i = len(evs)
         evs.append(ev)
@@ -665,86 +588,68 @@ class Engine:
         if not self.cuda or self._stream_key is None:
             return None
         ev = self._take_event()
-        self._backend().record(ev, self.stream)
+        self.b.record(ev, self.stream)
         return ev
 
     def _wait_for(self, upto: int) -> None:
         """Wait for the newest pending step up to ``upto`` (and older ones on another device)."""
         self._waited = upto
         due = [rec for rec in self._pending if rec.number <= upto and rec.events]
-        if not due:
-            return
-        b = self._backend()
-        newest = due[-1]
-        b.wait(newest.events[newest.i_end])
-        for rec in due[:-1]:
-            if rec.device != newest.device:
-                b.wait(rec.events[rec.i_end])
+        for rec in due:
+            if rec is due[-1] or rec.device != due[-1].device:
+                self.b.wait(rec.events[rec.i_end])
 
     def _resolve(self, rec: StepRecord) -> None:
-        """Turn the oldest pending step into a row of ``rows``. Everything before ``popleft`` only
-        reads, so an exception there (Ctrl-C) leaves the step pending."""
-        if self._on_step is not None:  # before the step's events go back to the pool
+        """Turn the oldest pending step into a row of ``rows``; note a window that ends with it."""
+        recs, row, number = rec.phases, rec.row, rec.number
+        if self._on_step is not None and recs is not _EMPTY:  # before its events go back to the pool
             self._on_step(self, rec)
-        recs = rec.phases
-        row = rec.row
         row[STEP_S] = rec.step_s
         if self.cuda:
             row[WAIT_S] = rec.wait_s
         names = None
         if recs is not _EMPTY:  # a timed step
-            names = tuple([r[0] for r in recs])
-            row = row + [r[2] - r[1] for r in recs]  # a new list: rec.row stays as it was
+            names = tuple([r.name for r in recs])
+            row = row + [r.t_out - r.t_in for r in recs]  # a new list: rec.row stays as it was
         has_gpu = has_idle = False
         evs = rec.events
         held = self.held_end
         if evs and names is not None:
-            b = self._backend()
-            rec.offs_ms = offs = self.offsets_ms(evs)
+            b = self.b
+            offs = b.offsets_ms(evs) if b.offsets_ms else [0.0] + [b.elapsed_ms(evs[0], e) for e in evs[1:]]
+            rec.offs_ms = offs
             row.append(offs[rec.i_end] - offs[rec.i_start])
-            row += [offs[r[4]] - offs[r[3]] for r in recs]
-            row += [r[5] for r in recs]
+            row += [offs[r.i_out] - offs[r.i_in] for r in recs]
+            row += [r.caught for r in recs]
             has_gpu = True
-            if held is not None and held[0] == rec.number - 1 and held[1] == rec.device:
+            if held is not None and held[0] == number - 1 and held[1] == rec.device:
                 rec.chain_ms = idle = b.elapsed_ms(held[2], evs[rec.i_start])
                 for a, c in rec.pauses:
                     idle -= b.elapsed_ms(a, c)
                 row.append(idle)
                 has_idle = True
-        self._pending.popleft()
+        self._pending.popleft()  # all above only reads: an exception there (Ctrl-C) leaves it pending
         if evs:
             if held is not None:
                 self._free.append(held[2])
             self._free += evs[: rec.i_end] + evs[rec.i_end + 1 :]
-            self.held_end = (rec.number, rec.device, evs[rec.i_end])
+            self.held_end = (number, rec.device, evs[rec.i_end])
         for a, c in rec.pauses:
             self._free += (a, c)
-        slow = self.slow
-        if slow is not None and (rec.marks or rec.paused_s or slow.spans):
-            marks = slow.resolved(rec)
-            if marks is not None:
-                self.rows.marks[rec.number] = marks
+        rows, marks = self.rows, rec.marks
+        if self.slow is not None and (marks or rec.paused_s or self.slow.spans):
+            marks = self.slow.resolved(rec)
+        if marks:
+            rows.marks[number] = marks
         if rec.memory is not None:
-            self.rows.memory.append(rec.memory)
-        self._add_row(rec.number, (names, has_gpu, has_idle), row)
-
-    def _add_row(self, number: int, key: RowKey, row: list[float]) -> None:
-        """Put a resolved step's row in ``rows``; note a window that ends with it."""
-        rows = self.rows
-        rows.add(key, row)
+            rows.memory.append(rec.memory)
+        rows.add((names, has_gpu, has_idle), row)
         if self.comm is not None and (comm := self.comm.take(number)) is not None:
             rows.comm.append(comm)
         rows.warmup = number <= self.last_warmup
         self.last_resolved = number
         if number % self._window_every == 0 or number == self.last_warmup:
             self._window_due = self._window_ends(number)
-
-    def offsets_ms(self, evs: list[Any]) -> list[float]:
-        """Milliseconds from ``evs[0]`` to each event (one native call where the backend has it)."""
-        b = self._backend()
-        if b.offsets_ms is not None:
-            return b.offsets_ms(evs)
-        return [0.0] + [b.elapsed_ms(evs[0], e) for e in evs[1:]]
 
 
 class Phase:
@@ -806,20 +711,20 @@ class Phase:
         if gpu:
             # Has the GPU reached the phase's entry? If not, older work kept it busy the whole phase:
             # it cannot have waited for the host inside it (a query, ~0.3 µs through the shim).
-            caught = 1.0 if e._query(e._evs[i_in]) else 0.0
+            caught = 1.0 if e.b.query(e._evs[i_in]) else 0.0
             prev = e._recs[-1] if e._recs else None
-            if prev is not None and prev[5] and t1 - prev[2] >= _SETTLE_S:
+            if prev is not None and prev.caught and t1 - prev.t_out >= _SETTLE_S:
                 # The previous phase was caught: has the GPU reached its end by now? A GPU that waited
                 # for launches finishes within its launch latency; one that has not had a queue.
-                reached = caught if prev[4] == i_in else e._query(e._evs[prev[4]])
+                reached = caught if prev.i_out == i_in else e.b.query(e._evs[prev.i_out])
                 if not reached:
-                    e._recs[-1] = prev[:5] + (0.0,)
+                    e._recs[-1] = prev._replace(caught=0.0)
             i_out = e._boundary(t1)
             if e._mem is not None:
                 peak = e._mem.exit_phase(full)
                 if failed and e.oom is None:
                     e._note_oom(full, error, peak)
-        e._recs.append((full, t_in, t1, i_in, i_out, caught))
+        e._recs.append(PhaseRecord(full, t_in, t1, i_in, i_out, caught))
         if gpu:
             e._last_t = perf_counter()
         if e.budget is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 # One grid for every histogram of every window, rank and run, so histograms merge by adding counts.
 # Bucket i holds [BASE_MS * _RATIO**i, BASE_MS * _RATIO**(i+1)): with a 1 % ratio, a quantile read
 # from a histogram is within half a bucket (0.5 %) of the true per-step value.
@@ -21,16 +23,12 @@ def bucket_index(value_ms: float) -> int:
     return min(int(math.log(value_ms / BASE_MS) / _LOG_RATIO), NUM_BUCKETS - 1)
 
 
-def bucket_upper_ms(index: int) -> float:
-    return BASE_MS * _RATIO ** (index + 1)
-
-
 def grid_index(upper_ms: float) -> int:
     """The bucket index of a written bucket limit (for readers of the histograms)."""
     return bucket_index(upper_ms * 0.995)
 
 
-_UPPER_MS = [bucket_upper_ms(i) for i in range(NUM_BUCKETS)]
+UPPER_MS = np.array([BASE_MS * _RATIO ** (i + 1) for i in range(NUM_BUCKETS)])  # each bucket's upper edge
 
 
 @dataclass
@@ -71,8 +69,8 @@ class LogHistogram:
         for i in sorted(self.counts):
             seen += self.counts[i]
             if seen >= rank:
-                mid = math.sqrt(_UPPER_MS[i - 1] * _UPPER_MS[i]) if i else _UPPER_MS[0] / 2
-                return min(max(mid, self.min_ms), self.max_ms)
+                mid = math.sqrt(UPPER_MS[i - 1] * UPPER_MS[i]) if i else UPPER_MS[0] / 2
+                return float(min(max(mid, self.min_ms), self.max_ms))
         return self.max_ms  # pragma: no cover - counts always sum to count
 
 

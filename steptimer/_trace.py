@@ -50,7 +50,7 @@ def record(rec: StepRecord) -> dict[str, Any]:
     """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later)."""
     fetch = rec.row[FETCH_S]  # the loader's part of gap_s
     offs = getattr(rec, "offs_ms", None)
-    phases = rec.phase_records()
+    phases = rec.phases
     gpu = None if offs is None else {
         "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
         "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats, bucket_upper_ms
+from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, UPPER_MS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, StepMemory, memory_of
 from steptimer._slow import Candidate, StepWalls, window_candidates
 from steptimer._verdict import COMM_ROWS, ShareClock, shares
@@ -195,7 +195,6 @@ def rates(
 
 
 _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
-UPPER_MS = np.array([bucket_upper_ms(i) for i in range(NUM_BUCKETS)])
 
 
 class Packed:

@@ -215,7 +215,7 @@ def test_step_records_name_their_phase_entries(clock: FakeClock, gpu: FakeGPU) -
         o.step(clock, gpu, ms=2.0)
     o.engine.close()
     assert [r.number for r in got] == [1, 2, 3]
-    phases = got[1].phase_records()
+    phases = got[1].phases
     assert [p.name for p in phases] == ["forward", "backward"] and isinstance(phases[0], PhaseRecord)
     assert phases[0].t_out - phases[0].t_in == pytest.approx(1e-3)
     assert phases[0].i_out == phases[1].i_in  # back-to-back phases share their boundary event
