@@ -195,7 +195,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             ("samples", "batch_size_fn(batch)", batch_size_fn),
             ("tokens", "tokens_fn(batch)", tokens_fn),
             ("flops", "flops_per_batch", flops_per_batch)) if fn is not None]  # fmt: skip
-        self._counts: dict[str, float] = {}
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
@@ -316,8 +315,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if d is None:
             return
         if not d.in_step:
-            d.begin()
-            self._counts = {k: 0.0 for k, _, _ in self._counters}
+            d.begin(**{k: 0.0 for k, _, _ in self._counters})
         else:
             d.switch(None)  # the `data` phase between micro-batches of one step
         d.live = True
@@ -326,7 +324,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             k, n = int(trainer.accumulate_grad_batches), trainer.num_training_batches
             self._will_step = (batch_idx + 1) % k == 0 or (isinstance(n, int) and batch_idx + 1 >= n)
         for k, what, fn in self._counters:
-            self._counts[k] += check_count(what, fn(batch) if callable(fn) else fn)
+            d.counts[k] += check_count(what, fn(batch) if callable(fn) else fn)
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -344,7 +342,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def _end_step(self, d: PhaseDriver) -> None:
         if "backward" in d.seen and "forward" not in d.seen and not self._no_forward_warned:
             self._warn_no_forward(d.timer)
-        d.end(**self._counts)
+        d.end()
 
     def _warn_no_forward(self, timer: StepTimer) -> None:
         self._no_forward_warned = True
