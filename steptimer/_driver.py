@@ -67,19 +67,17 @@ class PhaseDriver:
         self._step = self.timer.step(**self.counts)
         self._step.__enter__()
 
-    def end(self) -> bool:
-        """End the step (with :attr:`counts`) and its open phase; inside a user phase, False: it ends
-        when the last one exits."""
+    def end(self) -> None:
+        """End the step (with :attr:`counts`) and its open phase; inside a user phase, when it exits."""
         if self._users:
             self.end_pending = True
-            return False
+            return
         self.switch(None)
         step = self._reset()
         if step is not None and self.counts:
             step = self.timer.step(**self.counts)  # the counts at its exit are the last step() call's
         if step is not None:
             step.__exit__(None, None, None)
-        return True
 
     def drop(self, et: Any, ev: Any, tb: Any) -> None:
         """The step raised: the engine forgets it and its open phases."""

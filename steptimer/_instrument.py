@@ -170,10 +170,8 @@ class Instrumented:
             ValueError: ``name`` is not a valid phase name.
         """
         check_phase_name(name)
-        return UserPhase(name, self._driver_in_step)
-
-    def _driver_in_step(self) -> PhaseDriver | None:
-        return self._driver if self._driver.in_step and not self._deferred else None
+        d = self._driver
+        return UserPhase(name, lambda: d if d.in_step and not self._deferred else None)
 
     def begin_evaluation(self) -> None:
         """An evaluation starts (a framework's event): paused out until :meth:`end_evaluation`."""
@@ -191,27 +189,26 @@ class Instrumented:
     def close(self, *, failed: bool = False) -> Summary:
         """Take the hooks out and close the timer (idempotent); returns the summary."""
         _exit.untrack(self)
-        if self._deferred:
-            self._driver.end()  # a finished step, waiting for its zero_grad
-        if self._forwards:
-            self._check_stepped()
-        note = self.discovery_note()
-        if note is not None:
-            self.timer.note(note)
-        self._note_counts()
-        self._driver.note_val()
+        self._wrap_up()
         self.remove()
         return self.timer.close(failed=failed)
 
     def _close_at_end(self) -> None:
         # The hooks stay in: a signal can land inside the model's forward, while torch iterates the
         # hook dicts that remove() changes; they pass everything to the closed timer's no-ops.
-        if self._deferred:
-            self._driver.end()
-        self._note_counts()
+        self._wrap_up()
         self.timer._close_at_end()
 
-    def _note_counts(self) -> None:
+    def _wrap_up(self) -> None:
+        """End a finished step waiting for its zero_grad; the notes of the run."""
+        if self._deferred:
+            self._driver.end()
+        if self._forwards:
+            self._check_stepped()
+        note = self.discovery_note()
+        if note is not None:
+            self.timer.note(note)
+        self._driver.note_val()
         several = " (a step's first forward only, with several optimizers)" if len(self.optimizers) > 1 else ""
         for what in sorted(self._counted, reverse=True):  # samples, then tokens
             self.timer.note(
@@ -248,7 +245,7 @@ class Instrumented:
             hooks.wrap(model, "zero_grad", partial(self._zero_grad_wrapper, zeroes=zeroes))
             # Optimizers pickle without our hooks (Optimizer.__getstate__); a model needs this.
             hooks.keep_picklable(model)
-        hooks.wrap_backward(self._backward_wrapper_of)
+        hooks.wrap(torch.autograd, "backward", self._backward_wrapper_of)
 
     def _found(self, d: Discovery, module: Any, args: Any, kwargs: Any) -> None:
         self.models, self.optimizers = tuple(d.models), tuple(d.optimizers)

@@ -31,25 +31,17 @@ log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
 # The profiler action Lightning's training epoch loop starts and stops around each train fetch.
 _FETCH_ACTION = "].train_dataloader_next"
-_MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
-
-
-def _flavours() -> list[Any]:
-    """The installed Lightning packages (``pytorch_lightning``, ``lightning.pytorch``), imported."""
-    found = []
-    for name in ("pytorch_lightning", "lightning.pytorch"):
-        try:
-            found.append(importlib.import_module(name))
-        except ModuleNotFoundError as err:
-            # Only "this package is not installed" means absent; a broken install must surface.
-            if err.name not in (name, name.split(".")[0]):
-                raise
-    return found
-
-
-_FLAVOURS = _flavours()
+_FLAVOURS: list[Any] = []  # the installed Lightning packages, imported
+for _name in ("pytorch_lightning", "lightning.pytorch"):
+    try:
+        _FLAVOURS.append(importlib.import_module(_name))
+    except ModuleNotFoundError as err:
+        # Only "this package is not installed" means absent; a broken install must surface.
+        if err.name not in (_name, _name.split(".")[0]):
+            raise
 if not _FLAVOURS:
-    raise ModuleNotFoundError(_MISSING, name="pytorch_lightning")
+    msg = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
+    raise ModuleNotFoundError(msg, name="pytorch_lightning")
 
 # One class that is a Callback for every installed flavour, so the same `StepTimerCallback` works in a
 # `pytorch_lightning.Trainer` and in a `lightning.pytorch.Trainer`: both only call hooks by name.
@@ -272,9 +264,28 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             **options, **self._seams, peak_dtype=dtype_of_precision(trainer.precision),
             profile_dir=str(trainer.log_dir or trainer.default_root_dir), sinks=[self._sink],
         )  # fmt: skip
-        self._driver = PhaseDriver(timer, rejoin=True, scoped=True)
-        self._driver.live = False
-        self._install(trainer, pl_module, self._driver)
+        self._driver = d = PhaseDriver(timer, rejoin=True, scoped=True)
+        d.live = False
+        self._hooks.remove()
+        self._hook_model(pl_module, d)
+        raw = list(trainer.optimizers)
+        for opt in raw:
+            self._hooks.optimizer(opt, post=self._optimizer_post)
+        wrapped = pl_module.optimizers(use_pl_optimizer=True)
+        wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
+        for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
+            self._hooks.wrap(opt, "zero_grad", partial(d.timed, "zero_grad"))
+        # The update ends (manual: opt.step() returns) or starts (automatic: Lightning's clipping,
+        # right after on_before_optimizer_step, returns).
+        if self._manual:
+            for opt in wrapped:
+                self._hooks.wrap(opt, "step", partial(d.then, None))
+        else:
+            self._hooks.wrap(pl_module, "configure_gradient_clipping", partial(d.then, "optimizer"))
+        # The profiler's start and stop around each train fetch: Lightning's only public seam there.
+        fetch = d.timer._fetches()
+        if fetch is not None and trainer.profiler is not None:
+            self._time_fetches(trainer.profiler, fetch)
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
@@ -291,7 +302,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._close(trainer, failed=False)
-        self._uninstall()
+        self._hooks.remove()
 
     @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -307,7 +318,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             except Exception as err:  # a broken device must not hide the user's exception
                 log.warning("steptimer: could not flush timings after %r: %s", exception, err)
                 self._driver = None
-        self._uninstall()
+        self._hooks.remove()
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -340,13 +351,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             d.switch("data")  # accumulating: the next micro-batch's fetch is inside this step
 
     def _end_step(self, d: PhaseDriver) -> None:
-        if "backward" in d.seen and "forward" not in d.seen and not self._no_forward_warned:
-            self._warn_no_forward(d.timer)
+        no_forward = "backward" in d.seen and "forward" not in d.seen
         d.end()
-
-    def _warn_no_forward(self, timer: StepTimer) -> None:
+        if not no_forward or self._no_forward_warned:
+            return
         self._no_forward_warned = True
-        timer.note("no forward phase: training_step called none of the modules hooked for forward")
+        d.timer.note("no forward phase: training_step called none of the modules hooked for forward")
         names = [n for n, _ in self._hooked]
         hooked = [n or "the LightningModule" for n in names]
         # What training_step may call instead: the model modules one level below the hooked ones.
@@ -393,28 +403,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             if self._manual:
                 d.switch("optimizer")
 
-    def _install(self, trainer: Any, pl_module: Any, d: PhaseDriver) -> None:
-        self._uninstall()
-        self._hook_model(pl_module, d)
-        raw = list(trainer.optimizers)
-        for opt in raw:
-            self._hooks.optimizer(opt, post=self._optimizer_post)
-        wrapped = pl_module.optimizers(use_pl_optimizer=True)
-        wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
-        for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
-            self._hooks.wrap(opt, "zero_grad", partial(d.timed, "zero_grad"))
-        # The update ends (manual: opt.step() returns) or starts (automatic: Lightning's clipping,
-        # right after on_before_optimizer_step, returns).
-        if self._manual:
-            for opt in wrapped:
-                self._hooks.wrap(opt, "step", partial(d.then, None))
-        else:
-            self._hooks.wrap(pl_module, "configure_gradient_clipping", partial(d.then, "optimizer"))
-        # The profiler's start and stop around each train fetch: Lightning's only public seam there.
-        fetch = d.timer._fetches()
-        if fetch is not None and trainer.profiler is not None:
-            self._time_fetches(trainer.profiler, fetch)
-
     def _hook_model(self, pl_module: Any, d: PhaseDriver) -> None:
         # Each hooked call costs about 2 µs of host time: only the outermost modules, never every leaf.
         if self._forward_names is None:
@@ -455,10 +443,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
         self._hooks.wrap(profiler, "start", lambda orig: partial(start, orig))
         self._hooks.wrap(profiler, "stop", lambda orig: partial(stop, orig))
-
-    def _uninstall(self) -> None:
-        self._hooks.remove()
-        self._hooked = []
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         d = self._live()
