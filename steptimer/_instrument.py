@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
-from types import CodeType, FrameType, TracebackType
+from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -119,8 +119,7 @@ class Instrumented:
         self._step_sites: dict[CodeType, int] | None = None
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
         self._warned = False
-        # Training forwards, until the check after _FORWARDS_BEFORE_WARNING of them (None: done).
-        self._forwards: int | None = 0
+        self._forwards: int | None = 0  # training forwards until _check_stepped (None: checked)
         self._ever_stepped: set[int] = set()  # ids of the optimizers that have stepped at least once
         self._hooks = Hooks()
         if not timer.enabled:
@@ -226,9 +225,7 @@ class Instrumented:
     def __enter__(self) -> Instrumented:
         return self
 
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> Literal[False]:
+    def __exit__(self, et: type[BaseException] | None, *_: Any) -> Literal[False]:
         self.close(failed=et is not None)
         return False
 
