@@ -111,7 +111,7 @@ class PhaseDriver:
             self.seen.add(name)
 
     def call(self, name: str, after: str | None, orig: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """``orig(*args, **kwargs)`` as phase ``name``, then phase ``after``; one that raises drops the step."""
+        """``orig(*args, **kwargs)`` as phase ``name``, then ``after``; if it raises, the step is dropped."""
         self.switch(name)
         try:
             out = orig(*args, **kwargs)

@@ -61,7 +61,7 @@ class Hooks:
             self._handles.append(opt.register_step_post_hook(self._own(post)))
 
     def wrap(self, obj: Any, attr: str, make: Callable[[_Fn], _Fn]) -> None:
-        """``obj.attr = make(obj.attr)`` in the instance's (or module's) ``__dict__``; no ``attr``: nothing."""
+        """``obj.attr = make(obj.attr)`` in an instance's or module's ``__dict__``; no ``attr``: nothing."""
         orig = getattr(obj, attr, None)
         if orig is not None and hasattr(obj, "__dict__"):  # `__wrapped__` keeps is_overridden() truthful
             self._replace(obj.__dict__, attr, self._own(functools.wraps(orig)(make(orig))))

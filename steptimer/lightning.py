@@ -81,11 +81,6 @@ class _LoggerSink:
             lg.save()
 
 
-def _is_metric(module: Any) -> bool:
-    # By class name, not isinstance: importing torchmetrics only to ask would cost ~1 s at start.
-    return any(c.__name__ == "Metric" and c.__module__.startswith("torchmetrics") for c in type(module).__mro__)
-
-
 def _model_modules(module: Any, prefix: str = "") -> list[tuple[str, Any]]:
     """The outermost submodules of ``module`` that hold parameters (frozen ones too) and are no
     metric; a container with no ``forward`` of its own (``nn.ModuleDict``) gives its children."""
@@ -93,7 +88,10 @@ def _model_modules(module: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
     found = []
     for name, child in module.named_children():
-        if _is_metric(child) or next(child.parameters(), None) is None:
+        # A metric by class name, not isinstance: importing torchmetrics only to ask would cost ~1 s.
+        mro = type(child).__mro__
+        metric = any(c.__name__ == "Metric" and c.__module__.startswith("torchmetrics") for c in mro)
+        if metric or next(child.parameters(), None) is None:
             continue
         if type(child).forward is nn.Module.forward:
             found += _model_modules(child, f"{prefix}{name}.")
