@@ -24,8 +24,7 @@ class PhaseDriver:
         rejoin: A forward that starts while the previous forward's ``loss`` is open takes that time
             back into ``forward`` (Lightning's rule); False: ``forward, loss, forward``.
         scoped: Model calls are ``forward`` only inside a call wrapped by :meth:`scope`.
-        on_pending_end: Called when the last user phase exits after :meth:`end` found the step
-            ending inside it: the front door ends the step.
+        on_reset: Called when the step ends or is dropped: the front door clears its own state.
     """
 
     def __init__(
@@ -34,11 +33,11 @@ class PhaseDriver:
         *,
         rejoin: bool = False,
         scoped: bool = False,
-        on_pending_end: Callable[[], None] | None = None,
+        on_reset: Callable[[], None] | None = None,
     ) -> None:
         self.timer = timer
         self._rejoin = rejoin
-        self._on_pending_end = on_pending_end
+        self._on_reset = on_reset
         self._step: AbstractContextManager[None] | None = None
         self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
         self._users: list[UserPhase] = []  # the user phases open, outermost first
@@ -47,6 +46,7 @@ class PhaseDriver:
         self.in_scope = not scoped  # model calls are `forward` now
         self.in_backward = False  # activation checkpointing re-runs forward inside backward
         self.seen: set[str] = set()  # the hook phases opened in this step
+        self.counts: dict[str, float] = {}  # samples, tokens, flops: the step's, at its end
         self.fwd_depth = 0  # nested model calls (a model inside another) count once
         self.paused = 0  # inside pause(): hooks pass everything through
         self._val: tuple[float, AbstractContextManager[None] | None] | None = None
@@ -61,25 +61,23 @@ class PhaseDriver:
         """The hook phase open at the innermost level, or None."""
         return self._frames[-1]
 
-    def begin(self, *, samples: float | None = None, tokens: float | None = None) -> None:
-        self._step = self.timer.step(samples=samples, tokens=tokens)
+    def begin(self, **counts: float | None) -> None:
+        """Start a step; :attr:`counts` start from ``counts`` (samples, tokens, flops; None: none)."""
+        self.counts = {k: v for k, v in counts.items() if v is not None}
+        self._step = self.timer.step(**self.counts)
         self._step.__enter__()
 
-    def end(self, *, samples: float | None = None, tokens: float | None = None, flops: float | None = None) -> bool:
-        """End the step and its open phase (counts given replace :meth:`begin`'s); inside a user
-        phase, False and :attr:`end_pending` set instead."""
+    def end(self) -> None:
+        """End the step (with :attr:`counts`) and its open phase; inside a user phase, when it exits."""
         if self._users:
             self.end_pending = True
-            return False
+            return
         self.switch(None)
         step = self._reset()
-        if step is None:
-            return True
-        if samples is not None or tokens is not None or flops is not None:
-            # step() sets the counts on a context manager for this step; exiting it ends the step.
-            step = self.timer.step(samples=samples, tokens=tokens, flops=flops)
-        step.__exit__(None, None, None)
-        return True
+        if step is not None and self.counts:
+            step = self.timer.step(**self.counts)  # the counts at its exit are the last step() call's
+        if step is not None:
+            step.__exit__(None, None, None)
 
     def drop(self, et: Any, ev: Any, tb: Any) -> None:
         """The step raised: the engine forgets it and its open phases."""
@@ -95,6 +93,8 @@ class PhaseDriver:
         self.in_backward = False
         self.seen = set()
         self.fwd_depth = 0
+        if self._on_reset is not None:
+            self._on_reset()
         return step
 
     def switch(self, name: str | None, error: BaseException | None = None) -> None:
@@ -110,28 +110,33 @@ class PhaseDriver:
             self._frames[-1] = name
             self.seen.add(name)
 
-    def timed(self, name: str, orig: Callable[..., Any], gate: Callable[[], bool] | None = None) -> Callable[..., Any]:
-        """``orig`` whose calls while ``gate()`` (None: :attr:`live`) holds are phase ``name`` (a
-        nested one counts once)."""
+    def call(self, name: str, after: str | None, orig: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """``orig(*args, **kwargs)`` as phase ``name``, then ``after``; if it raises, the step is dropped."""
+        self.switch(name)
+        try:
+            out = orig(*args, **kwargs)
+        except BaseException:
+            self.drop(*sys.exc_info())
+            raise
+        self.switch(after)
+        return out
+
+    def timed(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """``orig`` whose calls while live are phase ``name`` (a nested one counts once)."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not (self.live if gate is None else gate()) or self.phase == name:
+            if not self.live or self.phase == name:
                 return orig(*args, **kwargs)
-            self.switch(name)
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                if self.phase == name:
-                    self.switch(None)
+            return self.call(name, None, orig, args, kwargs)
 
         return call
 
     def then(self, name: str | None, orig: Callable[..., Any]) -> Callable[..., Any]:
-        """``orig`` whose return, while live, opens phase ``name`` (None: ends the open one)."""
+        """``orig`` whose return, while live in a step, opens phase ``name`` (None: ends the open one)."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
-            if self.live:
+            if self.live and self.in_step:
                 self.switch(name)
             return out
 
@@ -205,8 +210,8 @@ class PhaseDriver:
         while self._users[-1] is not phase:
             self._close_innermost()
         self._close_innermost(exc)
-        if self.end_pending and not self._users and self._on_pending_end is not None:
-            self._on_pending_end()
+        if self.end_pending and not self._users:
+            self.end()
 
     def _close_innermost(self, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
         self.switch(None)

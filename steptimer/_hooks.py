@@ -61,7 +61,7 @@ class Hooks:
             self._handles.append(opt.register_step_post_hook(self._own(post)))
 
     def wrap(self, obj: Any, attr: str, make: Callable[[_Fn], _Fn]) -> None:
-        """``obj.attr = make(obj.attr)`` in the instance's ``__dict__``; no ``attr``: nothing."""
+        """``obj.attr = make(obj.attr)`` in an instance's or module's ``__dict__``; no ``attr``: nothing."""
         orig = getattr(obj, attr, None)
         if orig is not None and hasattr(obj, "__dict__"):  # `__wrapped__` keeps is_overridden() truthful
             self._replace(obj.__dict__, attr, self._own(functools.wraps(orig)(make(orig))))
@@ -77,10 +77,6 @@ class Hooks:
             ours = any(w is cls and k == attr for w, k, *_ in self._put)  # another optimizer's view
             if attr not in cls.__dict__ or ours:
                 self._replace(cls, attr, self._own(_for_views(opt, getattr(cls, attr), make)))
-
-    def wrap_backward(self, make: Callable[[_Fn], _Fn]) -> None:
-        """Replace ``torch.autograd.backward`` with ``make(original)``."""
-        self._replace(torch.autograd.__dict__, "backward", self._own(make(torch.autograd.backward)))
 
     def wrap_loaders(self, wrap: Callable[[Any], Any]) -> None:
         """Every ``DataLoader`` iterated in this thread gives ``wrap(its iterator)`` (nowhere else to
@@ -216,7 +212,6 @@ class Discovery:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.problem: str | None = None  # why discovery gave up, for the summary
         self._pending: set[int] = set()
-        self.done = False
         # A subclass's step() calling super().step() fires the hooks twice when torch patched both
         # classes (a plain instance of the base was made too): the nested pair is one step.
         self.stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
@@ -229,7 +224,7 @@ class Discovery:
             self.stepping = None
 
     def _on_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.done or threading.get_ident() != self._thread or self.stepping is opt:
+        if not self._handles or threading.get_ident() != self._thread or self.stepping is opt:
             return
         self.stepping = opt
         if self.problem is not None:  # gave up; the hook comes out at close (not here: see remove())
@@ -264,7 +259,7 @@ class Discovery:
             self._handles.append(m.register_forward_pre_hook(_eager(self._on_forward), with_kwargs=True))
 
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.done or self._pending or threading.get_ident() != self._thread:
+        if not self._handles or self._pending or threading.get_ident() != self._thread:
             return
         # The safe place to take discovery's hooks out: torch iterates a copy of the forward hooks,
         # and the optimizer hook dict is not being iterated.
@@ -273,7 +268,6 @@ class Discovery:
 
     def remove(self) -> None:
         """Take discovery's hooks out; not from inside an optimizer step (torch iterates that dict)."""
-        self.done = True
         for h in self._handles:
             h.remove()
         self._handles = []

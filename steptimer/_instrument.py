@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
-from types import CodeType, FrameType, TracebackType
+from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -97,17 +97,16 @@ class Instrumented:
         tokens_per_step: float | None = None,
     ) -> None:
         self.timer = timer
-        self._driver = PhaseDriver(timer, on_pending_end=self._end)
+        self._driver = PhaseDriver(timer, on_reset=self._clear)
         if isinstance(models, torch.nn.Module):
             models = [models]
         self.models: tuple[torch.nn.Module, ...] = tuple(models or ())  # hooked: given, or found
         self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
         self._fixed = {"samples": samples_per_step, "tokens": tokens_per_step}  # given: not counted
         self._count_next = False  # the next model forward starts a micro-batch: count its batch
-        self._counted: dict[str, float] = {}  # in this step so far
+        self._counted: set[str] = set()  # what steptimer counted from the model's input
         self._after_backward: str | None = None  # the phase the next backward's return opens
         self._discovery: Discovery | None = None
-        self._noted: set[str] = set()
         self._thread = threading.get_ident()  # the training thread: every other thread is ignored
         self._stepped: set[int] = set()  # ids of the optimizers that stepped in this step
         self._zeroed: set[int] = set()  # ... and were zeroed after it
@@ -118,12 +117,9 @@ class Instrumented:
         self._deferred = False  # the update is done; the step ends at the zero_grad that follows it
         self._zero_grad_last: bool | None = None  # the loop's order, learned (see _zero_grad_order)
         self._step_sites: dict[CodeType, int] | None = None
-        self._bwd_depth = 0
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
         self._warned = False
-        self._removed = False
-        # Training forwards, until the check after _FORWARDS_BEFORE_WARNING of them (None: done).
-        self._forwards: int | None = 0
+        self._forwards: int | None = 0  # training forwards until _check_stepped (None: checked)
         self._ever_stepped: set[int] = set()  # ids of the optimizers that have stepped at least once
         self._hooks = Hooks()
         if not timer.enabled:
@@ -173,10 +169,8 @@ class Instrumented:
             ValueError: ``name`` is not a valid phase name.
         """
         check_phase_name(name)
-        return UserPhase(name, self._driver_in_step)
-
-    def _driver_in_step(self) -> PhaseDriver | None:
-        return self._driver if self._driver.in_step and not self._deferred else None
+        d = self._driver
+        return UserPhase(name, lambda: d if d.in_step and not self._deferred else None)
 
     def begin_evaluation(self) -> None:
         """An evaluation starts (a framework's event): paused out until :meth:`end_evaluation`."""
@@ -194,37 +188,44 @@ class Instrumented:
     def close(self, *, failed: bool = False) -> Summary:
         """Take the hooks out and close the timer (idempotent); returns the summary."""
         _exit.untrack(self)
-        if self._deferred:
-            self._end()  # a finished step, waiting for its zero_grad
-        if self._forwards:
-            self._check_stepped()
-        note = self.discovery_note()
-        if note is not None:
-            self.timer.note(note)
-        self._driver.note_val()
+        self._wrap_up()
         self.remove()
         return self.timer.close(failed=failed)
 
     def _close_at_end(self) -> None:
         # The hooks stay in: a signal can land inside the model's forward, while torch iterates the
         # hook dicts that remove() changes; they pass everything to the closed timer's no-ops.
-        if self._deferred:
-            self._end()
+        self._wrap_up()
         self.timer._close_at_end()
+
+    def _wrap_up(self) -> None:
+        """End a finished step waiting for its zero_grad; the notes of the run."""
+        if self._deferred:
+            self._driver.end()
+        if self._forwards:
+            self._check_stepped()
+        note = self.discovery_note()
+        if note is not None:
+            self.timer.note(note)
+        self._driver.note_val()
+        several = " (a step's first forward only, with several optimizers)" if len(self.optimizers) > 1 else ""
+        for what in sorted(self._counted, reverse=True):  # samples, then tokens
+            self.timer.note(
+                f"{what} per step counted by steptimer: {_COUNTED[what]}, summed over a step's micro-batches"
+                f"{several}; {what}_per_step= (--{what}-per-step) overrides"
+            )
 
     def remove(self) -> None:
         """Take every hook and wrapper out; the model and optimizers behave as before (idempotent)."""
         if self._discovery is not None:
             self._discovery.remove()
         self._hooks.remove()
-        self._removed = True
+        self._driver.live = False
 
     def __enter__(self) -> Instrumented:
         return self
 
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> Literal[False]:
+    def __exit__(self, et: type[BaseException] | None, *_: Any) -> Literal[False]:
         self.close(failed=et is not None)
         return False
 
@@ -241,7 +242,7 @@ class Instrumented:
             hooks.wrap(model, "zero_grad", partial(self._zero_grad_wrapper, zeroes=zeroes))
             # Optimizers pickle without our hooks (Optimizer.__getstate__); a model needs this.
             hooks.keep_picklable(model)
-        hooks.wrap_backward(self._backward_wrapper_of)
+        hooks.wrap(torch.autograd, "backward", self._backward_wrapper_of)
 
     def _found(self, d: Discovery, module: Any, args: Any, kwargs: Any) -> None:
         self.models, self.optimizers = tuple(d.models), tuple(d.optimizers)
@@ -254,7 +255,7 @@ class Instrumented:
             f"found the model ({names}) and optimizer ({onames}) at their first steps: the "
             f"{d.optimizer_steps - inside} optimizer step(s) before were not timed (counted before warm-up)"
         )
-        if self._removed:
+        if not self._driver.live:  # removed
             return
         self._install()
         # This call's own hooks were fixed before ours went in: start its step here.
@@ -264,7 +265,8 @@ class Instrumented:
 
     def _ignored(self) -> bool:
         """Other threads, pauses, a reentrant checkpoint's forwards inside backward, and after remove()."""
-        return self._removed or self._driver.paused > 0 or self._bwd_depth > 0 or threading.get_ident() != self._thread
+        d = self._driver
+        return not d.live or d.paused > 0 or d.in_backward or threading.get_ident() != self._thread
 
     def _forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
         if self._ignored():
@@ -286,7 +288,8 @@ class Instrumented:
             self._count_next = False
             for what, n in zip(_COUNTED, batch_counts(args, kwargs)):
                 if n is not None and self._fixed[what] is None:
-                    self._counted[what] = self._counted.get(what, 0) + n
+                    d.counts[what] = d.counts.get(what, 0) + n
+                    self._counted.add(what)
         if self._forwards is not None:
             self._forwards += 1
             if self._forwards == _FORWARDS_BEFORE_WARNING:
@@ -317,7 +320,7 @@ class Instrumented:
         elif self._driver.in_step:
             exc = sys.exc_info()
             if output is None and exc[0] is not None:  # always_call: run in _call_impl's `except`
-                self._drop(exc)
+                self._driver.drop(*exc)
             else:
                 self._driver.switch("loss")
 
@@ -326,19 +329,13 @@ class Instrumented:
             if self._ignored():
                 return orig(*args, **kwargs)
             self._settle()
-            if not self._driver.in_step:  # no training forward of this model before it: not this loop's
+            d = self._driver
+            if not d.in_step:  # no training forward of this model before it: not this loop's
                 return orig(*args, **kwargs)
-            self._driver.switch("backward")
-            self._bwd_depth += 1
-            try:
-                out = orig(*args, **kwargs)
-            except BaseException:
-                self._drop(sys.exc_info())
-                raise
-            finally:
-                self._bwd_depth -= 1
-            self._driver.switch(self._after_backward)
-            self._after_backward = None
+            d.in_backward = True
+            after, self._after_backward = self._after_backward, None
+            out = d.call("backward", after, orig, args, kwargs)
+            d.in_backward = False
             # The next forward starts a micro-batch; with several optimizers (a GAN's networks see
             # the same batch in turn) only a step's first forward is counted.
             self._count_next = len(self.optimizers) == 1 and None in self._fixed.values()
@@ -360,17 +357,11 @@ class Instrumented:
                         with self.timer.pause():  # this one belongs to no step: not data either
                             return orig(*args, **kwargs)
                     self._begin()  # the loop body starts with zero_grad
-            d.switch("zero_grad")
-            try:
-                out = orig(*args, **kwargs)
-            except BaseException:
-                self._drop(sys.exc_info())
-                raise
-            d.switch(None)
+            out = d.call("zero_grad", None, orig, args, kwargs)
             if self._deferred:
                 self._zeroed |= zeroes
                 if len(self._zeroed) == len(self.optimizers):
-                    self._end()
+                    d.end()
             return out
 
         return zero_grad
@@ -404,13 +395,7 @@ class Instrumented:
         self._update_closure = closure
         if not closure:
             return None
-
-        def returns_to_update(*a: Any, **k: Any) -> Any:
-            out = inner(*a, **k)
-            if self._update_depth and self._driver.in_step:
-                self._driver.switch("optimizer")
-            return out
-
+        returns_to_update = self._driver.then("optimizer", inner)
         if given is not None:
             return args, {**kwargs, "closure": returns_to_update}
         return (args[0], returns_to_update, *args[2:]), kwargs
@@ -431,7 +416,7 @@ class Instrumented:
         if self._zero_grad_last:
             self._deferred = True
         else:
-            self._end()
+            self._driver.end()
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
         """Whether the loop's code calls zero_grad after the optimizer step (True) or before the
@@ -448,30 +433,13 @@ class Instrumented:
     def _settle(self) -> None:
         """End a step that waited for a zero_grad that never came; drop one whose update raised."""
         if self._deferred:
-            self._end()
+            self._driver.end()
         elif self._update_depth and not self._update_closure:
-            self._drop((RuntimeError, RuntimeError("the optimizer step raised"), None))
+            self._driver.drop(RuntimeError, RuntimeError("the optimizer step raised"), None)
 
     def _begin(self) -> None:
         self._driver.begin(**self._fixed)
         self._count_next = None in self._fixed.values()
-        self._counted = {}
-
-    def _end(self) -> None:
-        if not self._driver.end(**{**self._fixed, **self._counted}):
-            return  # the update ran inside a user phase: the step ends when it exits
-        self._clear()
-        for what in [w for w in self._counted if w not in self._noted]:  # not per step: noted once
-            self._noted.add(what)
-            self.timer.note(
-                f"{what} per step counted by steptimer: {_COUNTED[what]}, summed over a step's micro-batches"
-                + (" (a step's first forward only, with several optimizers)" if len(self.optimizers) > 1 else "")
-                + f"; {what}_per_step= (--{what}-per-step) overrides"
-            )
-
-    def _drop(self, exc: tuple[Any, Any, Any]) -> None:
-        self._driver.drop(*exc)
-        self._clear()
 
     def _clear(self) -> None:
         self._deferred = False

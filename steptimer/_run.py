@@ -61,20 +61,20 @@ def parser() -> argparse.ArgumentParser:
 
 def split(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
     """(steptimer's options, the script or module, whether it is a module, the script's arguments)."""
-    argv = list(argv)
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--":
-            return argv[:i], (argv[i + 1] if i + 1 < len(argv) else None), False, argv[i + 2 :]
-        if a.startswith("-m"):  # "-m mod" or "-mmod"
-            mod = a[2:] or (argv[i + 1] if i + 1 < len(argv) else None)
-            rest = argv[i + (1 if a[2:] else 2) :]
-            return argv[:i], mod, True, rest
-        if not a.startswith("-") or a == "-":
-            return argv[:i], a, False, argv[i + 1 :]
-        i += 2 if any(a == flag for flag, *_ in _VALUED) else 1
-    return argv, None, False, []
+    argv, i = list(argv), 0
+    valued = {flag for flag, *_ in _VALUED}
+    while i < len(argv) and argv[i][:1] == "-" and argv[i] not in ("-", "--") and argv[i][:2] != "-m":
+        i += 2 if argv[i] in valued else 1
+    opts, rest = argv[:i], argv[i:]
+    if not rest:
+        return opts, None, False, []
+    target: str | None = rest.pop(0)
+    module = target.startswith("-m")
+    if target in ("--", "-m"):  # the script (or module) is the next word
+        target = rest.pop(0) if rest else None
+    elif module:  # "-mmod"
+        target = target[2:]
+    return opts, target, module, rest
 
 
 def default_log_dir(target: str, root: str = "runs", *, module: bool = False) -> str:

@@ -100,12 +100,11 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         beside = getattr(args, "logging_dir", None) or os.path.join(args.output_dir, "steptimer")
         logs = self._logs or {"log_dir": beside}
         self._accum = max(1, int(getattr(args, "gradient_accumulation_steps", 1)))
-        opt = _torch_optimizer(optimizer)
         # The progress bar leaves its line open: the summary starts on a line of its own (_close).
         self._bar = not args.disable_tqdm and self._options.print_summary and self._options.enabled
         sinks = [self._log] if self._trainer is not None else []
         timer = StepTimer._make(sinks=sinks, **logs, **dataclasses.asdict(self._options))
-        self.timed = Instrumented(timer, [model], [opt], **self._counts)
+        self.timed = Instrumented(timer, [model], [_torch_optimizer(optimizer)], **self._counts)
         self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

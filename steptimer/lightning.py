@@ -31,25 +31,17 @@ log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
 # The profiler action Lightning's training epoch loop starts and stops around each train fetch.
 _FETCH_ACTION = "].train_dataloader_next"
-_MISSING = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
-
-
-def _flavours() -> list[Any]:
-    """The installed Lightning packages (``pytorch_lightning``, ``lightning.pytorch``), imported."""
-    found = []
-    for name in ("pytorch_lightning", "lightning.pytorch"):
-        try:
-            found.append(importlib.import_module(name))
-        except ModuleNotFoundError as err:
-            # Only "this package is not installed" means absent; a broken install must surface.
-            if err.name not in (name, name.split(".")[0]):
-                raise
-    return found
-
-
-_FLAVOURS = _flavours()
+_FLAVOURS: list[Any] = []  # the installed Lightning packages, imported
+for _name in ("pytorch_lightning", "lightning.pytorch"):
+    try:
+        _FLAVOURS.append(importlib.import_module(_name))
+    except ModuleNotFoundError as err:
+        # Only "this package is not installed" means absent; a broken install must surface.
+        if err.name not in (_name, _name.split(".")[0]):
+            raise
 if not _FLAVOURS:
-    raise ModuleNotFoundError(_MISSING, name="pytorch_lightning")
+    msg = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
+    raise ModuleNotFoundError(msg, name="pytorch_lightning")
 
 # One class that is a Callback for every installed flavour, so the same `StepTimerCallback` works in a
 # `pytorch_lightning.Trainer` and in a `lightning.pytorch.Trainer`: both only call hooks by name.
@@ -89,11 +81,6 @@ class _LoggerSink:
             lg.save()
 
 
-def _is_metric(module: Any) -> bool:
-    # By class name, not isinstance: importing torchmetrics only to ask would cost ~1 s at start.
-    return any(c.__name__ == "Metric" and c.__module__.startswith("torchmetrics") for c in type(module).__mro__)
-
-
 def _model_modules(module: Any, prefix: str = "") -> list[tuple[str, Any]]:
     """The outermost submodules of ``module`` that hold parameters (frozen ones too) and are no
     metric; a container with no ``forward`` of its own (``nn.ModuleDict``) gives its children."""
@@ -101,7 +88,10 @@ def _model_modules(module: Any, prefix: str = "") -> list[tuple[str, Any]]:
 
     found = []
     for name, child in module.named_children():
-        if _is_metric(child) or next(child.parameters(), None) is None:
+        # A metric by class name, not isinstance: importing torchmetrics only to ask would cost ~1 s.
+        mro = type(child).__mro__
+        metric = any(c.__name__ == "Metric" and c.__module__.startswith("torchmetrics") for c in mro)
+        if metric or next(child.parameters(), None) is None:
             continue
         if type(child).forward is nn.Module.forward:
             found += _model_modules(child, f"{prefix}{name}.")
@@ -195,7 +185,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             ("samples", "batch_size_fn(batch)", batch_size_fn),
             ("tokens", "tokens_fn(batch)", tokens_fn),
             ("flops", "flops_per_batch", flops_per_batch)) if fn is not None]  # fmt: skip
-        self._counts: dict[str, float] = {}
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
@@ -273,9 +262,28 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             **options, **self._seams, peak_dtype=dtype_of_precision(trainer.precision),
             profile_dir=str(trainer.log_dir or trainer.default_root_dir), sinks=[self._sink],
         )  # fmt: skip
-        self._driver = PhaseDriver(timer, rejoin=True, scoped=True)
-        self._driver.live = False
-        self._install(trainer, pl_module, self._driver)
+        self._driver = d = PhaseDriver(timer, rejoin=True, scoped=True)
+        d.live = False
+        self._hooks.remove()
+        self._hook_model(pl_module, d)
+        raw = list(trainer.optimizers)
+        for opt in raw:
+            self._hooks.optimizer(opt, post=self._optimizer_post)
+        wrapped = pl_module.optimizers(use_pl_optimizer=True)
+        wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
+        for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
+            self._hooks.wrap(opt, "zero_grad", partial(d.timed, "zero_grad"))
+        # The update ends (manual: opt.step() returns) or starts (automatic: Lightning's clipping,
+        # right after on_before_optimizer_step, returns).
+        if self._manual:
+            for opt in wrapped:
+                self._hooks.wrap(opt, "step", partial(d.then, None))
+        else:
+            self._hooks.wrap(pl_module, "configure_gradient_clipping", partial(d.then, "optimizer"))
+        # The profiler's start and stop around each train fetch: Lightning's only public seam there.
+        fetch = d.timer._fetches()
+        if fetch is not None and trainer.profiler is not None:
+            self._time_fetches(trainer.profiler, fetch)
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
@@ -292,7 +300,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._close(trainer, failed=False)
-        self._uninstall()
+        self._hooks.remove()
 
     @override
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -308,7 +316,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             except Exception as err:  # a broken device must not hide the user's exception
                 log.warning("steptimer: could not flush timings after %r: %s", exception, err)
                 self._driver = None
-        self._uninstall()
+        self._hooks.remove()
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -316,8 +324,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if d is None:
             return
         if not d.in_step:
-            d.begin()
-            self._counts = {k: 0.0 for k, _, _ in self._counters}
+            d.begin(**{k: 0.0 for k, _, _ in self._counters})
         else:
             d.switch(None)  # the `data` phase between micro-batches of one step
         d.live = True
@@ -326,7 +333,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             k, n = int(trainer.accumulate_grad_batches), trainer.num_training_batches
             self._will_step = (batch_idx + 1) % k == 0 or (isinstance(n, int) and batch_idx + 1 >= n)
         for k, what, fn in self._counters:
-            self._counts[k] += check_count(what, fn(batch) if callable(fn) else fn)
+            d.counts[k] += check_count(what, fn(batch) if callable(fn) else fn)
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -342,13 +349,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             d.switch("data")  # accumulating: the next micro-batch's fetch is inside this step
 
     def _end_step(self, d: PhaseDriver) -> None:
-        if "backward" in d.seen and "forward" not in d.seen and not self._no_forward_warned:
-            self._warn_no_forward(d.timer)
-        d.end(**self._counts)
-
-    def _warn_no_forward(self, timer: StepTimer) -> None:
+        no_forward = "backward" in d.seen and "forward" not in d.seen
+        d.end()
+        if not no_forward or self._no_forward_warned:
+            return
         self._no_forward_warned = True
-        timer.note("no forward phase: training_step called none of the modules hooked for forward")
+        d.timer.note("no forward phase: training_step called none of the modules hooked for forward")
         names = [n for n, _ in self._hooked]
         hooked = [n or "the LightningModule" for n in names]
         # What training_step may call instead: the model modules one level below the hooked ones.
@@ -395,28 +401,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             if self._manual:
                 d.switch("optimizer")
 
-    def _install(self, trainer: Any, pl_module: Any, d: PhaseDriver) -> None:
-        self._uninstall()
-        self._hook_model(pl_module, d)
-        raw = list(trainer.optimizers)
-        for opt in raw:
-            self._hooks.optimizer(opt, post=self._optimizer_post)
-        wrapped = pl_module.optimizers(use_pl_optimizer=True)
-        wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
-        for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
-            self._hooks.wrap(opt, "zero_grad", partial(d.timed, "zero_grad"))
-        # The update ends (manual: opt.step() returns) or starts (automatic: Lightning's clipping,
-        # right after on_before_optimizer_step, returns).
-        if self._manual:
-            for opt in wrapped:
-                self._hooks.wrap(opt, "step", partial(d.then, None))
-        else:
-            self._hooks.wrap(pl_module, "configure_gradient_clipping", partial(d.then, "optimizer"))
-        # The profiler's start and stop around each train fetch: Lightning's only public seam there.
-        fetch = d.timer._fetches()
-        if fetch is not None and trainer.profiler is not None:
-            self._time_fetches(trainer.profiler, fetch)
-
     def _hook_model(self, pl_module: Any, d: PhaseDriver) -> None:
         # Each hooked call costs about 2 µs of host time: only the outermost modules, never every leaf.
         if self._forward_names is None:
@@ -457,10 +441,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
         self._hooks.wrap(profiler, "start", lambda orig: partial(start, orig))
         self._hooks.wrap(profiler, "stop", lambda orig: partial(stop, orig))
-
-    def _uninstall(self) -> None:
-        self._hooks.remove()
-        self._hooked = []
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         d = self._live()
