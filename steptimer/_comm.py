@@ -276,17 +276,23 @@ def watch_fsdp(engine: Any, model: Any) -> None:
             f"watch_fsdp needs a model with fully_shard modules, got {type(model).__name__}: call it after "
             "fully_shard(...)"
         )
-    engine.comm = rec = CommRecorder(engine, None)  # no DDP hook: FSDP2's collectives
+    groups = []
     for m in mods:  # FSDP2's param groups (their comms, waits): a list in torch 2.13, one in 2.11
-        state = m._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            groups = [g] if (g := getattr(state, "_fsdp_param_group", None)) is not None else []
-        for group in groups:
-            group._all_gather_comm = _Timed(group._all_gather_comm, rec, True)
-            group._reduce_scatter_comm = _Timed(group._reduce_scatter_comm, rec, False)
-            group.wait_for_unshard = _region(group.wait_for_unshard, rec)
-            group.post_backward = _region(group.post_backward, rec)
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        found = getattr(state, "_fsdp_param_groups", None)
+        groups += found if found is not None else [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
+    parts = ("_all_gather_comm", "_reduce_scatter_comm", "wait_for_unshard", "post_backward")
+    if not groups or not all(hasattr(g, part) for g in groups for part in parts):
+        note = "watch_fsdp: this torch's FSDP2 has no param groups steptimer knows; its collectives are not timed"
+        if note not in engine.notes:
+            engine.notes.append(note)
+        return
+    engine.comm = rec = CommRecorder(engine, None)  # no DDP hook: FSDP2's collectives
+    for group in groups:
+        group._all_gather_comm = _Timed(group._all_gather_comm, rec, True)
+        group._reduce_scatter_comm = _Timed(group._reduce_scatter_comm, rec, False)
+        group.wait_for_unshard = _region(group.wait_for_unshard, rec)
+        group.post_backward = _region(group.post_backward, rec)
 
 
 def _region(orig: Callable[..., Any], rec: CommRecorder) -> Callable[..., Any]:

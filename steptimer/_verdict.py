@@ -34,10 +34,10 @@ _FIX = {
     "input": "more DataLoader workers, pin_memory, prefetching",
     "loop": "read the loss and log less often, checkpoint less often",
     "launch": "CUDA graphs (torch.compile mode='reduce-overhead') or fewer, larger kernels",
-    "communication": "fewer, larger collectives (a larger DDP bucket_cap_mb), more overlap with backward, "
+    "communication": "fewer, larger collectives (DDP's bucket_cap_mb, FSDP's wrapping), more overlap, "
     "no_sync on accumulation micro-batches, or the slower rank the others wait for (per-rank section)",
 }
-# A watched DDP model's collectives (_comm.py): inside backward, which holds the wait, so no share.
+# A watched model's collectives (_comm.py): inside the phases that wait for them, so no share.
 COMM_ROWS = ("comm", "comm_exposed")
 # Rows computed by steptimer, not phases of the user's: the table's first and last rows.
 DERIVED_FIRST = ("data", "loop")
@@ -166,7 +166,7 @@ def _communication(by: Rows, clock: ShareClock) -> Rule:
     if total <= 0 or exposed < COMM_SHARE * total:
         return False, "communication-bound", ()
     of = "the GPU's timeline" if clock == "gpu" else "wall time"
-    first = f"the compute waited for the gradient collectives at the end of backward {pct(exposed / total)} of {of}"
+    first = f"the compute waited for the collectives {pct(exposed / total)} of {of}"
     busy, ex = (getattr(by[n], clock) for n in COMM_ROWS)
     first += f" (comm_exposed: median {num(ex.median_ms)} ms a step, of {num(busy.median_ms)} ms of collectives)"
     return True, "communication-bound", (first, f"fix: {_FIX['communication']}")

@@ -412,7 +412,7 @@ class StepTimer:
             from steptimer._comm import watch_fsdp
 
             watch_fsdp(self._engine, model)
-            if self._xrank is not None:
+            if self._xrank is not None and self._engine.comm is not None:
                 self._xrank.collective = "FSDP collectives"
 
     def close(self, *, failed: bool = False) -> Summary:

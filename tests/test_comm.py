@@ -96,7 +96,7 @@ def test_exposed_communication_from_a_tenth_of_the_gpu_timeline_is_communication
     v = verdict(_gpu_rows(10.2), cuda=True)  # 10 % of 102 ms
     assert v.kind == "communication-bound"
     assert v.evidence[0] == (
-        "the compute waited for the gradient collectives at the end of backward 10.0% of the GPU's timeline "
+        "the compute waited for the collectives 10.0% of the GPU's timeline "
         "(comm_exposed: median 10.2 ms a step, of 20.0 ms of collectives)"
     )
     assert "bucket_cap_mb" in v.evidence[1] and "overlap" in v.evidence[1] and "fewer, larger" in v.evidence[1]
