@@ -81,11 +81,7 @@ def instrument(
 
 
 class Instrumented:
-    """A :class:`~steptimer.StepTimer` (``.timer``) driven by hooks on a model and its optimizers.
-
-    It decides where a plain loop's steps start and end; which phase is open is the
-    :class:`~steptimer._driver.PhaseDriver`'s.
-    """
+    """A :class:`~steptimer.StepTimer` (``.timer``) driven by hooks on a model and its optimizers."""
 
     def __init__(
         self,
@@ -419,9 +415,9 @@ class Instrumented:
             self._driver.end()
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
-        """Whether the loop's code calls zero_grad after the optimizer step (True) or before the
-        forward (False), read from where both sit in the innermost function that called both; None:
-        can't tell yet. The calls alone can't tell: both orders give the same sequence."""
+        """zero_grad after the update (True) or before the forward (False) in the loop's code; None: not yet."""
+        # The calls alone can't tell (both orders give the same sequence): where both sit in the
+        # innermost function that called both does.
         sites = self._step_sites
         while sites is not None and frame is not None:
             at = sites.get(frame.f_code)
