@@ -219,8 +219,8 @@ class PhaseDriver:
         self.timer.phase(self._users.pop().name).__exit__(*exc)
 
     def close_user_phases(self) -> None:
-        while self._users:
-            self._close_innermost()
+        if self._users:
+            self.close_user(self._users[0])
 
     @contextmanager
     def pause(self) -> Iterator[None]:

@@ -104,13 +104,8 @@ class Instrumented:
         self._after_backward: str | None = None  # the phase the next backward's return opens
         self._discovery: Discovery | None = None
         self._thread = threading.get_ident()  # the training thread: every other thread is ignored
-        self._stepped: set[int] = set()  # ids of the optimizers that stepped in this step
-        self._zeroed: set[int] = set()  # ... and were zeroed after it
-        # Nesting of optimizer.step() calls: a subclass's step() calling super().step() runs the hooks
-        # twice when both classes were patched by torch (any plain instance of the base made before).
-        self._update_depth = 0
+        self._clear()
         self._update_closure = False  # the update runs a closure: forward/backward inside it are fine
-        self._deferred = False  # the update is done; the step ends at the zero_grad that follows it
         self._zero_grad_last: bool | None = None  # the loop's order, learned (see _zero_grad_order)
         self._step_sites: dict[CodeType, int] | None = None
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
@@ -438,10 +433,12 @@ class Instrumented:
         self._count_next = None in self._fixed.values()
 
     def _clear(self) -> None:
-        self._deferred = False
-        self._stepped = set()
-        self._zeroed = set()
+        self._stepped: set[int] = set()  # ids of the optimizers that stepped in this step
+        self._zeroed: set[int] = set()  # ... and were zeroed after it
+        # Nesting of optimizer.step() calls: a subclass's step() calling super().step() runs the hooks
+        # twice when both classes were patched by torch (any plain instance of the base made before).
         self._update_depth = 0
+        self._deferred = False  # the update is done; the step ends at the zero_grad that follows it
 
 
 _FORWARDS_BEFORE_WARNING = 100

@@ -305,7 +305,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         # ranks may be gone, so close(failed=True) starts no collective.
         d = self._driver
         if d is not None:
-            d.end_val()
             d.drop(type(exception), exception, exception.__traceback__)
             d.live = False
             try:
