@@ -67,7 +67,7 @@ class Hooks:
         _assign(where, key, ours)
 
     def wrap_views(self, opt: torch.optim.Optimizer, attr: str, make: Callable[[_Fn], _Fn]) -> None:
-        """:meth:`wrap` for ``opt``'s views that never reach it (Lightning's ``LightningOptimizer``)."""
+        """:meth:`wrap` for ``opt``'s views, which never reach it (``LightningOptimizer``)."""
         for cls in type(opt).__subclasses__():
             ours = any(w is cls and k == attr for w, k, *_ in self._put)  # another optimizer's view
             if attr not in cls.__dict__ or ours:

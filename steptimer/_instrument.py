@@ -410,7 +410,7 @@ class Instrumented:
             self._driver.end()
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
-        """zero_grad after the update (True) or before the forward (False) in the loop's code; None: not yet."""
+        """zero_grad after the update (True) or before the forward (False); None: not known yet."""
         # The calls alone can't tell (both orders give the same sequence): where both sit in the
         # innermost function that called both does.
         sites = self._step_sites
