@@ -163,8 +163,7 @@ class PhaseDriver:
             self.forward_enter()
 
     def model_post(self, *_: Any) -> None:
-        """A forward hook (``always_call``): the outermost call's return opens ``loss``; run from
-        torch's ``except`` block, the error ends ``forward`` (an out-of-memory note names it)."""
+        """Forward hook (``always_call``): the outermost return opens ``loss``, a raise ends ``forward``."""
         if self.live and self.in_scope and not self.in_backward and self.forward_exit():
             self.switch("loss", error=sys.exc_info()[1])
 
@@ -198,7 +197,6 @@ class PhaseDriver:
         return self.fwd_depth == 0
 
     def open_user(self, phase: UserPhase) -> None:
-        """Open a user phase nested in the hook phase open now."""
         self.timer.phase(phase.name).__enter__()
         self._frames.append(None)
         self._users.append(phase)
@@ -219,8 +217,8 @@ class PhaseDriver:
         self.timer.phase(self._users.pop().name).__exit__(*exc)
 
     def close_user_phases(self) -> None:
-        while self._users:
-            self._close_innermost()
+        if self._users:
+            self.close_user(self._users[0])
 
     @contextmanager
     def pause(self) -> Iterator[None]:

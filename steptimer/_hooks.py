@@ -29,13 +29,11 @@ def _eager(fn: _Fn) -> _Fn:
 
 
 class Hooks:
-    """Every hook and wrapper one front door put on a user's objects (``eager``: run eagerly under
-    ``torch.compile``); :meth:`remove` takes all out."""
+    """Every hook and wrapper one front door put on a user's objects; :meth:`remove` takes all out."""
 
     def __init__(self, *, eager: bool = True) -> None:
         self._eager = eager
         self._handles: list[Any] = []
-        self._ids: dict[int, list[int]] = {}  # id(module) -> ids of the forward hook handles on it
         # (an instance's or module's __dict__, a class or copyreg's table; key, ours, the value before)
         self._put: list[tuple[Any, Any, Any, Any]] = []
 
@@ -46,12 +44,10 @@ class Hooks:
         self, module: nn.Module, pre: _Fn, post: _Fn, *, prepend: bool = False, with_kwargs: bool = False
     ) -> None:
         """A forward pre-hook and a forward hook (``always_call``: it sees a forward that raised)."""
-        hs = (
+        self._handles += (
             module.register_forward_pre_hook(self._own(pre), prepend=prepend, with_kwargs=with_kwargs),
             module.register_forward_hook(self._own(post), always_call=True),
         )
-        self._handles += hs
-        self._ids.setdefault(id(module), []).extend(h.id for h in hs)
 
     def optimizer(self, opt: torch.optim.Optimizer, pre: _Fn | None = None, post: _Fn | None = None) -> None:
         """The optimizer's step pre-hook and/or post-hook."""
@@ -71,16 +67,14 @@ class Hooks:
         _assign(where, key, ours)
 
     def wrap_views(self, opt: torch.optim.Optimizer, attr: str, make: Callable[[_Fn], _Fn]) -> None:
-        """:meth:`wrap` for ``opt``'s views: subclasses of its class without their own ``attr`` whose
-        instances share its ``param_groups`` (Lightning's ``LightningOptimizer``) never reach it."""
+        """:meth:`wrap` for ``opt``'s views, which never reach it (``LightningOptimizer``)."""
         for cls in type(opt).__subclasses__():
             ours = any(w is cls and k == attr for w, k, *_ in self._put)  # another optimizer's view
             if attr not in cls.__dict__ or ours:
                 self._replace(cls, attr, self._own(_for_views(opt, getattr(cls, attr), make)))
 
     def wrap_loaders(self, wrap: Callable[[Any], Any]) -> None:
-        """Every ``DataLoader`` iterated in this thread gives ``wrap(its iterator)`` (nowhere else to
-        find a loop's loaders)."""
+        """Every ``DataLoader`` iterated in this thread gives ``wrap(its iterator)``."""
         from torch.utils.data import DataLoader
 
         orig, thread = DataLoader.__iter__, threading.get_ident()
@@ -93,8 +87,8 @@ class Hooks:
         self._replace(DataLoader, "__iter__", __iter__)
 
     def keep_picklable(self, model: nn.Module) -> None:
-        """Pickle and copy ``model`` without what we put on it (a copy would feed this timer, or zero
-        this model): a ``copyreg`` entry for its class, which ``pickle`` and ``copy`` look up first."""
+        """Pickle and copy ``model`` without what we put on it (a copy would feed this timer)."""
+        # A copyreg entry for its class: pickle and copy look it up first.
         cls, ref = type(model), weakref.ref(model)
         before = copyreg.dispatch_table.get(cls)
 
@@ -113,7 +107,7 @@ class Hooks:
         for where, attr, ours, _ in self._put:
             if where is model.__dict__ and state.get(attr) is ours:
                 del state[attr]
-        ids = self._ids.get(id(model), ())
+        ids = [h.id for h in self._handles]  # unique across every hook dict
         # nn.Module keeps its forward hooks and their flags in dicts `_forward_*` keyed by handle id.
         for name, hooks in list(state.items()):
             if name.startswith("_forward_") and isinstance(hooks, dict) and any(i in hooks for i in ids):
@@ -127,7 +121,6 @@ class Hooks:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._ids = {}
         for where, key, ours, before in reversed(self._put):
             # Else someone wrapped it after us: ours stays inside theirs, passing every call through
             # (a copyreg entry of ours passes every object to the one before it).
@@ -177,9 +170,7 @@ def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
 
 
 def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | None, int | None]:
-    """(samples, tokens) of one model call, from its first tensor input (positional, else
-    ``input_ids``, else a keyword): its leading dimension, and its elements when it holds 2-D integer
-    token ids. Shapes only: no device work."""
+    """(samples, tokens) of one model call from its first tensor input's shape: no device work."""
     t = _first_tensor(args) if args else None
     if t is None and kwargs:
         t = _first_tensor(kwargs)
@@ -280,9 +271,7 @@ def holds(opt: torch.optim.Optimizer, models: Sequence[nn.Module]) -> bool:
 
 
 def trained_modules(optimizers: Sequence[torch.optim.Optimizer]) -> list[nn.Module]:
-    """The models those optimizers train (docs/run.md), by one scan of the live objects: the
-    outermost modules that hold one of their parameters and no trainable parameter outside them, in
-    the order of the optimizers' parameters."""
+    """The models those optimizers train (docs/run.md), by one scan of the live objects."""
     ids = dict.fromkeys(id(p) for o in optimizers for g in o.param_groups for p in g["params"])
     order = {k: i for i, k in enumerate(ids)}
     found: list[tuple[int, nn.Module]] = []

@@ -81,11 +81,7 @@ def instrument(
 
 
 class Instrumented:
-    """A :class:`~steptimer.StepTimer` (``.timer``) driven by hooks on a model and its optimizers.
-
-    It decides where a plain loop's steps start and end; which phase is open is the
-    :class:`~steptimer._driver.PhaseDriver`'s.
-    """
+    """A :class:`~steptimer.StepTimer` (``.timer``) driven by hooks on a model and its optimizers."""
 
     def __init__(
         self,
@@ -108,13 +104,8 @@ class Instrumented:
         self._after_backward: str | None = None  # the phase the next backward's return opens
         self._discovery: Discovery | None = None
         self._thread = threading.get_ident()  # the training thread: every other thread is ignored
-        self._stepped: set[int] = set()  # ids of the optimizers that stepped in this step
-        self._zeroed: set[int] = set()  # ... and were zeroed after it
-        # Nesting of optimizer.step() calls: a subclass's step() calling super().step() runs the hooks
-        # twice when both classes were patched by torch (any plain instance of the base made before).
-        self._update_depth = 0
+        self._clear()
         self._update_closure = False  # the update runs a closure: forward/backward inside it are fine
-        self._deferred = False  # the update is done; the step ends at the zero_grad that follows it
         self._zero_grad_last: bool | None = None  # the loop's order, learned (see _zero_grad_order)
         self._step_sites: dict[CodeType, int] | None = None
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
@@ -419,9 +410,9 @@ class Instrumented:
             self._driver.end()
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
-        """Whether the loop's code calls zero_grad after the optimizer step (True) or before the
-        forward (False), read from where both sit in the innermost function that called both; None:
-        can't tell yet. The calls alone can't tell: both orders give the same sequence."""
+        """zero_grad after the update (True) or before the forward (False); None: not known yet."""
+        # The calls alone can't tell (both orders give the same sequence): where both sit in the
+        # innermost function that called both does.
         sites = self._step_sites
         while sites is not None and frame is not None:
             at = sites.get(frame.f_code)
@@ -442,10 +433,12 @@ class Instrumented:
         self._count_next = None in self._fixed.values()
 
     def _clear(self) -> None:
-        self._deferred = False
-        self._stepped = set()
-        self._zeroed = set()
+        self._stepped: set[int] = set()  # ids of the optimizers that stepped in this step
+        self._zeroed: set[int] = set()  # ... and were zeroed after it
+        # Nesting of optimizer.step() calls: a subclass's step() calling super().step() runs the hooks
+        # twice when both classes were patched by torch (any plain instance of the base made before).
         self._update_depth = 0
+        self._deferred = False  # the update is done; the step ends at the zero_grad that follows it
 
 
 _FORWARDS_BEFORE_WARNING = 100

@@ -52,8 +52,7 @@ __all__ = ["StepTimerCallback"]
 
 
 class _LoggerSink:
-    """Each window to every ``trainer.loggers`` logger (rank 0's; none on other ranks): a TensorBoard
-    logger gets what a plain loop's ``log_dir`` gets, on its writer; any other the flat tags."""
+    """Each window to every logger: a TensorBoard one as a plain loop's ``log_dir``, others flat tags."""
 
     def __init__(self, loggers: Sequence[Any], *, histograms: bool, skipped: Callable[[], int]) -> None:
         self._skipped = skipped
@@ -82,8 +81,7 @@ class _LoggerSink:
 
 
 def _model_modules(module: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """The outermost submodules of ``module`` that hold parameters (frozen ones too) and are no
-    metric; a container with no ``forward`` of its own (``nn.ModuleDict``) gives its children."""
+    """The outermost submodules with parameters, no metric, through containers with no ``forward``."""
     from torch import nn
 
     found = []
@@ -220,7 +218,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         return UserPhase(name, self._live)
 
     def _live(self) -> PhaseDriver | None:
-        """The driver while a training batch runs, else None."""
         d = self._driver
         return d if d is not None and d.live else None
 
@@ -308,7 +305,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         # ranks may be gone, so close(failed=True) starts no collective.
         d = self._driver
         if d is not None:
-            d.end_val()
             d.drop(type(exception), exception, exception.__traceback__)
             d.live = False
             try:
@@ -424,7 +420,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hooks.wrap(pl_module, "training_step", d.scope)
 
     def _time_fetches(self, profiler: Any, fetch: Fetch) -> None:
-        """The profiler's ``start``/``stop`` also time each train fetch (its own work outside it)."""
         began: list[float | None] = [None]
 
         def start(orig: Callable[..., Any], action_name: str, *args: Any, **kwargs: Any) -> Any:
