@@ -16,6 +16,7 @@ from steptimer._format import num, pct
 from steptimer._memory import MIB
 
 if TYPE_CHECKING:
+    from steptimer._report import Delta
     from steptimer._slow import SlowStep
     from steptimer._summary import Summary
 
@@ -239,3 +240,36 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     say(console, facts(summary) + (summary.ranks.lines() if summary.ranks is not None else []))
     if explain:
         say(console, explanations(summary))
+
+
+def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any) -> None:
+    """``steptimer compare``: the per-row changes from run A to run B, then compute, energy, verdicts."""
+    from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE
+
+    say(console, [f"A = {a.path}", f"B = {b.path}"])
+    heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
+    table = table_of([(h, h not in ("phase", "clock", "verdict")) for h in heads])
+    for d in deltas:
+        frac = d.delta_frac
+        verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed else "no change"
+        table.add_row(
+            d.name, d.clock, num(d.a_ms), num(d.b_ms), num(d.delta_ms, sign=True),
+            "-" if frac is None else f"{100 * frac:+.1f}", f"{d.dominance:+.2f}", verdict,
+        )  # fmt: skip
+    console.print(table)
+    lines = []
+    for label, run in (("A", a), ("B", b)):
+        if run.tflops_per_s is not None:
+            lines.append(f"{label} {compute_text(run)}")
+        if run.energy is not None:
+            lines.append(energy_line(run, f"{label} "))
+    kinds = [None if r.verdict is None else r.verdict.kind for r in (a, b)]
+    lines += [
+        f"verdict A: {kinds[0]}; verdict B: {kinds[1]}",
+        "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
+        "step: the mean (1 / steps per second)",
+        f"a row changed when B's steps are above (or below) A's in net {MIN_DOMINANCE:.0%} of pairs "
+        f"of steps (Cliff's delta; of windows for wall per step) and by at least "
+        f"{MIN_CHANGE:.0%} and {1e3 * MIN_CHANGE_MS:g} µs",
+    ]
+    say(console, lines)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, UPPER_MS, LogHistogram, SeriesStats
+from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, StepMemory, memory_of
 from steptimer._slow import Candidate, StepWalls, window_candidates
 from steptimer._verdict import COMM_ROWS, ShareClock, shares
@@ -170,28 +170,26 @@ class Tally:
             for mine, theirs in ((self.samples, t.samples), (self.tokens, t.tokens), (self.flops, t.flops))
         )
 
+    def rates(self, peak_tflops: float | None) -> Rates:
+        wall_s = self.wall_ms / 1e3
 
-class Rates(NamedTuple):
+        def per_s(x: float | None) -> float | None:
+            return x / wall_s if x is not None and wall_s > 0 else None
+
+        tflops_per_s = None if self.flops is None else per_s(self.flops / 1e12)
+        mfu = tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None
+        return Rates(per_s(self.steps), per_s(self.samples), per_s(self.tokens), tflops_per_s, mfu)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per second of the wall time (None: no wall time, or no counts given); ``mfu``: of ``peak_tflops``."""
+
     steps_per_s: float | None
     samples_per_s: float | None
     tokens_per_s: float | None
     tflops_per_s: float | None
-    mfu: float | None  # tflops_per_s over peak_tflops
-
-
-def rates(
-    wall_ms: float, steps: float, samples: float | None, tokens: float | None, flops: float | None,
-    peak_tflops: float | None,
-) -> Rates:  # fmt: skip
-    """Per second of ``wall_ms`` (None: no wall time, or none given)."""
-    wall_s = wall_ms / 1e3
-
-    def per_s(x: float | None) -> float | None:
-        return x / wall_s if x is not None and wall_s > 0 else None
-
-    tflops_per_s = None if flops is None else per_s(flops / 1e12)
-    mfu = tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None
-    return Rates(per_s(steps), per_s(samples), per_s(tokens), tflops_per_s, mfu)
+    mfu: float | None
 
 
 _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
@@ -251,15 +249,6 @@ class Packed:
                 out[key] = SeriesStats(c, s / c, m, p, x)
         return out
 
-    def buckets(self) -> Iterator[tuple[tuple[str, str], int, list[float], list[float]]]:
-        """Per non-empty series: key, index, its buckets' upper edges (ms) and counts (for the sink)."""
-        limits = UPPER_MS[self.run_bucket].tolist()
-        counts = self.run_count.astype(np.float64).tolist()
-        b = self.bounds
-        for k, key in enumerate(self.series):
-            if self.count[k] and key[0] != "caught":
-                yield key, k, limits[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]
-
 
 def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, walls: bool = False) -> Packed:
     """A window's statistics and sums; outside warm-up, with ``slowest`` its k slowest
@@ -304,25 +293,19 @@ def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> 
 
 
 @dataclass(frozen=True)
-class Window:
-    """What is written every ``log_every_n_steps`` steps: statistics of the steps in the window.
-    ``warmup``: its steps are warm-up steps, left out of the summary.
+class Window(Rates):
+    """What is written every ``log_every_n_steps`` steps: statistics of the steps in the window, its rates
+    over their wall time (``steps_per_s`` NaN: none). ``warmup``: warm-up steps, left out of the summary.
     """
 
     step: int
     steps: int
     host: Mapping[str, SeriesStats]
     gpu: Mapping[str, SeriesStats]
-    steps_per_s: float
-    samples_per_s: float | None
-    tokens_per_s: float | None
     packed: Packed = field(repr=False, compare=False)  # the statistics as arrays, for the summary
     warmup: bool = False
-    # TFLOP/s over the same wall time as samples_per_s, and its fraction of the peak (None: none)
-    tflops_per_s: float | None = None
-    mfu: float | None = None
     # Per phase, the fraction of its timed steps in which the GPU reached its entry before the host
-    # left it: below 0.5 the GPU can't have waited for the host there (_summary.is_launch_bound).
+    # left it: below 0.5 the GPU can't have waited for the host there (_summary._launch_bound).
     caught: Mapping[str, float] = field(default_factory=dict)
     # More scalars by tag, written as they are (cross-rank statistics: _dist.py).
     extra: Mapping[str, float] = field(default_factory=dict)
@@ -346,22 +329,18 @@ def window_of(
     """
     p = pack_rows(rows, slowest, slow_floor_ms, walls)
     t = p.tally
-    r = rates(t.wall_ms, t.steps, t.samples, t.tokens, t.flops, peak_tflops)
+    r = t.rates(peak_tflops)
     stats = p.stats()
     gpu_sum = {name: p.sum_ms[k] for k, (clock, name) in enumerate(p.series) if clock == "gpu" and p.count[k]}
     share_clock, share_of = shares(gpu_sum, t.timed_sum_ms, t.timed_wall_ms)
     share_of = {n: v for n, v in share_of.items() if (share_clock, n) in stats}  # rows the window has
     return Window(
+        **{**vars(r), "steps_per_s": math.nan if r.steps_per_s is None else r.steps_per_s},
         step=last_step,
         steps=rows.count,
         host={name: st for (clock, name), st in stats.items() if clock == "host"},
         gpu={name: st for (clock, name), st in stats.items() if clock == "gpu"},
         caught={name: st.mean_ms for (clock, name), st in stats.items() if clock == "caught"},
-        steps_per_s=math.nan if r.steps_per_s is None else r.steps_per_s,
-        samples_per_s=r.samples_per_s,
-        tokens_per_s=r.tokens_per_s,
-        tflops_per_s=r.tflops_per_s,
-        mfu=r.mfu,
         warmup=rows.warmup,
         packed=p,
         memory=memory_of(rows.memory),
