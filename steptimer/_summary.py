@@ -1,7 +1,6 @@
 """The run summary: per-phase statistics over every step after warm-up. One :func:`summarize` serves
 the live run (:class:`SummaryAccumulator`: the windows' histograms merged, so memory stays bounded)
-and ``steptimer report`` (``_report.py``: the same sums and series read back from the logs).
-"""
+and ``steptimer report`` (``_report.py``: the same sums and series read back from the logs)."""
 
 from __future__ import annotations
 
@@ -49,8 +48,8 @@ class LastRank:
         if not self.stood_out:
             return f"no rank stood out at the {self.collective}"
         phase = f", in {self.phase} (+{num(self.grew_ms)} ms)" if self.phase else ""
-        ahead = f"+{num(self.ahead_ms)} ms"
-        return f"rank {self.rank} was last to the {self.collective} in {pct(self.share)} of steps, {ahead}{phase}"
+        last = f"rank {self.rank} was last to the {self.collective} in {pct(self.share)} of steps"
+        return f"{last}, +{num(self.ahead_ms)} ms{phase}"
 
 
 @dataclass(frozen=True)
@@ -85,8 +84,10 @@ class RankSummary:
             )
         if self.straggler is not None and self.ranks > 1:
             s = self.straggler
-            out.append(f"  slowest rank: {s.argmax} (+{num(s.max_ms - s.min_ms)} ms per step over rank {s.argmin})")
-            out.append("  (backward includes waiting for the others' gradients: read it with care)")
+            out += [
+                f"  slowest rank: {s.argmax} (+{num(s.max_ms - s.min_ms)} ms per step over rank {s.argmin})",
+                "  (backward includes waiting for the others' gradients: read it with care)",
+            ]
         if self.last is not None:
             out.append(f"  {self.last.text()}")
         if self.energy:
@@ -235,7 +236,7 @@ def summarize(
         rows.append(PhaseSummary(name, per_step, st, g and g.stats, share_of.get(name), launch, by_clock))
     return Summary(
         steps=t.steps, timed_steps=t.timed_steps, cuda=bool(gpu) if cuda is None else cuda, rows=tuple(rows),
-        **asdict(t.rates(peak_tflops)), peak_tflops=peak_tflops, share_clock=clock,
+        **vars(t.rates(peak_tflops)), peak_tflops=peak_tflops, share_clock=clock,
         verdict=verdict(rows, clock == "gpu") if t.timed_steps else None, **more,
     )  # fmt: skip
 

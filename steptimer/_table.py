@@ -1,7 +1,6 @@
 """The one renderer of a :class:`~steptimer._summary.Summary`, live and for ``steptimer report``: what
 is read at a glance (heading, tables, throughput, verdict, a step only if it stood out, notes); what the
-columns and marks mean only with ``explain=True`` (``report --explain``, as docs/cli.md says).
-"""
+columns and marks mean only with ``explain=True`` (``report --explain``, as docs/cli.md says)."""
 
 from __future__ import annotations
 
@@ -263,9 +262,8 @@ def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any)
             lines.append(f"{label} {compute_text(run)}")
         if run.energy is not None:
             lines.append(energy_line(run, f"{label} "))
-    kinds = [None if r.verdict is None else r.verdict.kind for r in (a, b)]
     lines += [
-        f"verdict A: {kinds[0]}; verdict B: {kinds[1]}",
+        "; ".join(f"verdict {label}: {run.verdict and run.verdict.kind}" for label, run in (("A", a), ("B", b))),
         "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
         "step: the mean (1 / steps per second)",
         f"a row changed when B's steps are above (or below) A's in net {MIN_DOMINANCE:.0%} of pairs "

@@ -1,8 +1,7 @@
 """The tag grammar of steptimer's TensorBoard values (docs/tensorboard.md), shared by writer and reader:
 ``<group>/<family>/<name>_<measure>`` for a row, ``<group>/<measure>`` for the whole window. A name may
 hold ``_``, ``.``, ``-`` and ``/``, so a tag splits at its measure (:data:`MEASURES`). On disk a row's
-values sit in a run of their own, without its name (:func:`split_tag`, :func:`join_tag`).
-"""
+values sit in a run of their own, without its name (:func:`split_tag`, :func:`join_tag`)."""
 
 from __future__ import annotations
 

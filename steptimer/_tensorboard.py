@@ -195,11 +195,9 @@ class TensorBoardSink:
         self.writer = writer
         self._histograms = histograms
         self.run_id = new_run_id()  # every file of this sink carries it: a run of its own for the reader
+        self.dir = os.fspath(log_dir if log_dir is not None else "runs") if writer is None else writer.get_logdir()
         if writer is None:
-            self.dir = os.fspath(log_dir if log_dir is not None else "runs")
             check_writable(self.dir)
-        else:
-            self.dir = writer.get_logdir()
         self._file = EventFile(self.dir, run_id=self.run_id) if writer is None else None
         self._runs: dict[str, EventFile] = {}
         self._layout_written = False

@@ -1,8 +1,6 @@
-"""A log window: the rows of the steps resolved since the last window, and their statistics.
-
-The engine appends one flat row of floats per step (no dict, no histogram work per step); a window's
-statistics take a fixed number of numpy calls per row layout, whatever its number of steps.
-"""
+"""A log window: the rows of the steps resolved since the last window, and their statistics. The engine
+appends one flat row of floats per step (no dict, no histogram work per step); a window's statistics
+take a fixed number of numpy calls per row layout, whatever its number of steps."""
 
 from __future__ import annotations
 
@@ -196,10 +194,8 @@ _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
 
 
 class Packed:
-    """A window's statistics as arrays, entry ``k`` for series ``series[k]``, its histograms as runs
-    of one bucket sorted by (series, bucket): ``bounds[k]:bounds[k + 1]`` are series ``k``'s runs.
-    One sort by (series, value) gives the quantiles, and the histograms' bins come out sorted with it.
-    """
+    """A window's statistics, entry ``k`` for ``series[k]``; its histograms as runs of one bucket sorted by
+    (series, bucket), ``bounds[k]:bounds[k + 1]`` series ``k``'s. One sort by (series, value) gives both."""
 
     def __init__(self, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> None:
         """``values[i]`` (not NaN) belongs to ``series[sid[i]]``; sorted ones are not sorted again."""
@@ -234,20 +230,16 @@ class Packed:
     def histograms(self) -> dict[tuple[str, str], LogHistogram]:
         """Per non-empty series (``caught`` included), its histogram."""
         buckets, counts, b = self.run_bucket.tolist(), self.run_count.tolist(), self.bounds
-        out = {}
-        for k, key in enumerate(self.series):
-            if self.count[k]:
-                runs = dict(zip(buckets[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]))
-                exact = self.count[k], self.sum_ms[k], self.sumsq_ms[k], self.min_ms[k], self.max_ms[k]
-                out[key] = LogHistogram(runs, *exact)
-        return out
+        cols = zip(self.series, self.count, self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, b, b[1:])
+        return {
+            key: LogHistogram(dict(zip(buckets[i:j], counts[i:j])), n, s, sq, lo, hi)
+            for key, n, s, sq, lo, hi, i, j in cols
+            if n
+        }
 
     def stats(self) -> dict[tuple[str, str], SeriesStats]:
-        out = {}
-        for key, c, s, m, p, x in zip(self.series, self.count, self.sum_ms, self.median_ms, self.p90_ms, self.max_ms):
-            if c:
-                out[key] = SeriesStats(c, s / c, m, p, x)
-        return out
+        cols = zip(self.series, self.count, self.sum_ms, self.median_ms, self.p90_ms, self.max_ms)
+        return {key: SeriesStats(c, s / c, m, p, x) for key, c, s, m, p, x in cols if c}
 
 
 def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, walls: bool = False) -> Packed:
@@ -294,9 +286,8 @@ def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> 
 
 @dataclass(frozen=True)
 class Window(Rates):
-    """What is written every ``log_every_n_steps`` steps: statistics of the steps in the window, its rates
-    over their wall time (``steps_per_s`` NaN: none). ``warmup``: warm-up steps, left out of the summary.
-    """
+    """What is written every ``log_every_n_steps`` steps: statistics of the window's steps and rates over
+    their wall time (``steps_per_s`` NaN: none). ``warmup``: warm-up steps, left out of the summary."""
 
     step: int
     steps: int
@@ -324,9 +315,7 @@ def window_of(
     rows: StepRows, last_step: int, peak_tflops: float | None = None, *, slowest: int = 0,
     slow_floor_ms: float = -math.inf, walls: bool = False,
 ) -> Window:  # fmt: skip
-    """Statistics of one log window ending at ``last_step``; rates are over the wall time of all its
-    steps (data wait + step). ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`.
-    """
+    """One log window ending at ``last_step``; ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`."""
     p = pack_rows(rows, slowest, slow_floor_ms, walls)
     t = p.tally
     r = t.rates(peak_tflops)

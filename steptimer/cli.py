@@ -1,8 +1,7 @@
 """The ``steptimer`` console command: ``report``, ``compare``, ``trace`` and ``kernels`` over steptimer's
 logs, and ``run``, which times a training script unchanged (steptimer/_run.py). Bad input prints one
 error on stderr (``steptimer: error: ...``, wrapped at 80 columns) and exits 1; usage errors exit 2;
-output into a pipe whose reader has gone (``| head -1``) exits 1 silently, as ``rich`` does.
-"""
+output into a pipe whose reader has gone (``| head -1``) exits 1 silently, as ``rich`` does."""
 
 from __future__ import annotations
 
@@ -149,13 +148,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _finite(x: Any) -> Any:
-    """JSON has no NaN/inf: they become null."""
-    return json.loads(json.dumps(x), parse_constant=lambda _: None)
-
-
 def _print_json(doc: Any) -> int:
-    print(json.dumps(_finite(doc), indent=2, allow_nan=False))
+    finite = json.loads(json.dumps(doc), parse_constant=lambda _: None)  # JSON has no NaN/inf: null
+    print(json.dumps(finite, indent=2, allow_nan=False))
     return 0
 
 
