@@ -138,9 +138,7 @@ def facts(summary: Summary) -> list[str]:
     rates = [(summary.steps_per_s, "steps/s"), (summary.samples_per_s, "samples/s"), (summary.tokens_per_s, "tokens/s")]
     parts = [", ".join(f"{num(v)} {unit}" for v, unit in rates if v is not None), compute_text(summary)]
     line = "; ".join(p for p in parts if p)
-    lines = [f"throughput: {line}"] if line else []
-    if summary.energy is not None:
-        lines.append(energy_line(summary))
+    lines = ([f"throughput: {line}"] if line else []) + energy_lines(summary)
     if summary.own_ms > 0 and summary.own_share is not None:  # window statistics and files: in no row
         lines.append(f"steptimer's own work: {num(summary.own_ms)} ms, {pct(summary.own_share)} of the run")
     v = summary.verdict
@@ -161,15 +159,15 @@ def compute_text(summary: Summary) -> str:
     return f"compute: {num(summary.tflops_per_s)} TFLOP/s{mfu}"
 
 
-def energy_line(summary: Summary, label: str = "") -> str:
-    """``energy: 512 J/step, 0.125 J/sample, 650 W (GPU)`` over the summarized windows."""
+def energy_lines(summary: Summary, label: str = "") -> list[str]:
+    """``energy: 512 J/step, 0.125 J/sample, 650 W (GPU)`` over the summarized windows (none: not read)."""
     e = summary.energy
     if e is None:
-        return f"{label}energy: not read"
+        return []
     rate, counts = summary.steps_per_s, ((summary.samples_per_s, "sample"), (summary.tokens_per_s, "token"))
     per = [f"{num(e.joules_per_step)} J/step"]
     per += [f"{num(e.joules_per_step * rate / count)} J/{unit}" for count, unit in counts if count and rate]
-    return f"{label}energy: {', '.join(per)}, {num(e.watts)} W (GPU)"
+    return [f"{label}energy: {', '.join(per)}, {num(e.watts)} W (GPU)"]
 
 
 def explanations(summary: Summary) -> list[str]:
@@ -260,8 +258,7 @@ def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any)
     for label, run in (("A", a), ("B", b)):
         if run.tflops_per_s is not None:
             lines.append(f"{label} {compute_text(run)}")
-        if run.energy is not None:
-            lines.append(energy_line(run, f"{label} "))
+        lines += energy_lines(run, f"{label} ")
     lines += [
         "; ".join(f"verdict {label}: {run.verdict and run.verdict.kind}" for label, run in (("A", a), ("B", b))),
         "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
