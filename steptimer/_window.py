@@ -125,6 +125,17 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
         yield _Block(lay.names, a[:, :LEAD], d, np.where(np.isnan(gap), 0.0, gap) * 1e3), lay.series
 
 
+@dataclass(frozen=True)
+class Rates:
+    """Per second of the wall time (None: no wall time, or no counts given); ``mfu``: of ``peak_tflops``."""
+
+    steps_per_s: float | None
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    tflops_per_s: float | None
+    mfu: float | None
+
+
 @dataclass
 class Tally:
     """Sums over steps, one window's or the run's (after warm-up): rates and host shares."""
@@ -177,17 +188,6 @@ class Tally:
         tflops_per_s = None if self.flops is None else per_s(self.flops / 1e12)
         mfu = tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None
         return Rates(per_s(self.steps), per_s(self.samples), per_s(self.tokens), tflops_per_s, mfu)
-
-
-@dataclass(frozen=True)
-class Rates:
-    """Per second of the wall time (None: no wall time, or no counts given); ``mfu``: of ``peak_tflops``."""
-
-    steps_per_s: float | None
-    samples_per_s: float | None
-    tokens_per_s: float | None
-    tflops_per_s: float | None
-    mfu: float | None
 
 
 _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
