@@ -112,11 +112,9 @@ class Series(NamedTuple):
 @dataclass(frozen=True)
 class PhaseSummary:
     """One row of the summary: a phase, or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``.
-
     ``host``/``gpu``: over the steps in which the row ran (``gpu`` None without CUDA); ``calls_per_step``:
     None when read from logs; ``share``: the top-level rows add up to 1; ``launch_bound``: the GPU waited
-    for the host's launches inside it; ``series``: by clock, what ``compare`` tests a change on.
-    """
+    for the host's launches inside it; ``series``: by clock, what ``compare`` tests a change on."""
 
     name: str
     calls_per_step: float | None
@@ -129,14 +127,11 @@ class PhaseSummary:
 
 @dataclass(frozen=True)
 class Summary:
-    """The end-of-run summary returned by :meth:`StepTimer.close`, and what ``steptimer report``
-    reads back from a run's logs.
-
-    Rows: ``data`` first, phases as first seen, then ``other``, ``wait``, ``step`` (GPU ``idle``).
-    ``steps``: summarized (after warm-up); ``timed_steps``: with phase timings (one in ``sample_every``,
-    or as ``cost_budget`` allowed). ``mfu``: ``tflops_per_s`` over ``peak_tflops``. ``own_ms``:
-    steptimer's own work between steps, in no row. ``name`` to ``cycle_window_ms``: from logs.
-    """
+    """The end-of-run summary returned by :meth:`StepTimer.close`, and what ``steptimer report`` reads
+    back from a run's logs. Rows: ``data`` first, phases as first seen, then ``other``, ``wait``, ``step``
+    (GPU ``idle``). ``steps``: summarized (after warm-up); ``timed_steps``: with phase timings (one in
+    ``sample_every``, or as ``cost_budget`` allowed). ``mfu``: ``tflops_per_s`` over ``peak_tflops``.
+    ``own_ms``: steptimer's own work between steps, in no row. ``name`` to ``cycle_window_ms``: from logs."""
 
     steps: int
     timed_steps: int

@@ -167,8 +167,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from steptimer._table import print_compare
 
     (a,), (b,) = _summaries(args.run_a, args, one=True), _summaries(args.run_b, args, one=True)
-    deltas, runs = compare(a, b), {"a": a.to_json(), "b": b.to_json()}
+    deltas = compare(a, b)
     if args.json:
+        runs = {"a": a.to_json(), "b": b.to_json()}
         return _print_json({
             **{k: r["path"] for k, r in runs.items()},
             "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
