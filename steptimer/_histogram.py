@@ -18,9 +18,7 @@ NUM_BUCKETS = 2600  # 1e-4 ms * 1.01**2600 ≈ 1.8e7 ms (5 hours): covers any st
 
 
 def bucket_index(value_ms: float) -> int:
-    if value_ms <= BASE_MS:
-        return 0
-    return min(int(math.log(value_ms / BASE_MS) / _LOG_RATIO), NUM_BUCKETS - 1)
+    return 0 if value_ms <= BASE_MS else min(int(math.log(value_ms / BASE_MS) / _LOG_RATIO), NUM_BUCKETS - 1)
 
 
 def grid_index(upper_ms: float) -> int:

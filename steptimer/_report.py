@@ -1,13 +1,12 @@
 """``steptimer report`` and ``compare``: a run's logs read back into the live summary's sums (a
 ``Tally``) and series, summed up by the same ``summarize``. Statistics are of steps (the windows'
-histograms merged); logs without histograms fall back to the window means, with a note.
-"""
+histograms merged); logs without histograms fall back to the window means, with a note."""
 
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -71,13 +70,9 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         n = sum(n_of[s] for s, _ in pts)
         return sum(v * n_of[s] for s, v in pts) / n if n else None
 
-    flops, mfu_s = total(_tags.TFLOPS_PER_S), total(_tags.MFU)
-    names = {n for _, n in series}
-    caught = {n: c for n in names if (c := per_step(_tags.tag(_tags.CAUGHT, "gpu", n, "frac"))) is not None}
-    tally = Tally(
-        steps, timed, wall_ms, wall_ms * timed_frac, timed_sum, samples=total(_tags.SAMPLES_PER_S),
-        tokens=total(_tags.TOKENS_PER_S), flops=None if flops is None else flops * 1e12,
-    )  # fmt: skip
+    samples, tokens, flops, mfu_s = map(total, _tags.RATES[1:])
+    caught = {n: c for _, n in series if (c := per_step(_tags.tag(_tags.CAUGHT, "gpu", n, "frac"))) is not None}
+    tally = Tally(steps, timed, wall_ms, wall_ms * timed_frac, timed_sum, {}, samples, tokens, flops and flops * 1e12)
     every, budget = (run.scalars.get(t, [(0, None)])[-1][1] for t in (_tags.SAMPLE_EVERY, _tags.COST_BUDGET))
     return summarize(
         tally, series, caught, calls=None, sample_every=None if every is None else int(every),
@@ -126,11 +121,12 @@ def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: 
         for _, h in pts:
             merged.merge(h)
         return Series(SeriesStats.of(merged), merged, tuple(h.mean_ms for _, h in pts if h.count))
-    mean_pts = scal.get(_tags.tag(_tags.MAIN, clock, name, "ms"))
+    pts_of = {field: scal.get(_tags.tag(group, clock, name, m), []) for group, m, field in _tags.ROW_STATS}
+    mean_pts = pts_of["mean_ms"]
     if not mean_pts:
         return None
     means = tuple(v for _, v in mean_pts)
-    maxes = [v for _, v in scal.get(_tags.tag(_tags.TAILS, clock, name, "max_ms"), [])]
+    maxes = [v for _, v in pts_of["max_ms"]]
     n = sum(n_of.get(s, 0) for s, _ in mean_pts)
     total = sum(v * n_of.get(s, 0) for s, v in mean_pts)
     p90 = sorted(means)[max(1, math.ceil(0.9 * len(means))) - 1]  # nearest rank
@@ -158,8 +154,13 @@ class Delta:
     a_ms: float
     b_ms: float
     dominance: float
-    changed: bool
+    changed: bool = field(init=False)
     statistic: Literal["median", "mean"] = "median"
+
+    def __post_init__(self) -> None:
+        d = abs(self.delta_ms)
+        big = d >= MIN_CHANGE_MS and d >= MIN_CHANGE * abs(self.a_ms)
+        object.__setattr__(self, "changed", bool(big and abs(self.dominance) >= MIN_DOMINANCE))
 
     @property
     def delta_ms(self) -> float:
@@ -181,36 +182,22 @@ def compare(a: Summary, b: Summary) -> list[Delta]:
         sa, sb = getattr(ra, clock), getattr(rb, clock)
         if sa.steps and sb.steps:
             dom = _dominance(ra.series[clock], rb.series[clock])
-            out.append(_delta(ra.name, clock, sa.median_ms, sb.median_ms, dom))
+            out.append(Delta(ra.name, clock, sa.median_ms, sb.median_ms, dom))
     if a.steps_per_s and b.steps_per_s:  # of the windows' cycles: a Series of window values only
         dom = _dominance(*(Series(NO_STATS, None, s.cycle_window_ms) for s in (a, b)))
-        out.append(_delta("wall per step", "wall", 1e3 / a.steps_per_s, 1e3 / b.steps_per_s, dom, "mean"))
+        out.append(Delta("wall per step", "wall", 1e3 / a.steps_per_s, 1e3 / b.steps_per_s, dom, "mean"))
     return out
 
 
-def _delta(
-    name: str, clock: Literal["gpu", "host", "wall"], a_ms: float, b_ms: float, dom: float,
-    statistic: Literal["median", "mean"] = "median",
-) -> Delta:  # fmt: skip
-    d = abs(b_ms - a_ms)
-    big = d >= MIN_CHANGE_MS and d >= MIN_CHANGE * abs(a_ms)
-    return Delta(name, clock, float(a_ms), float(b_ms), dom, bool(big and abs(dom) >= MIN_DOMINANCE), statistic)
-
-
 def _dominance(a: Series, b: Series) -> float:
-    """Cliff's delta of ``b``'s steps over ``a``'s; of their window values without histograms."""
+    """Cliff's delta of ``b``'s steps over ``a``'s, P(b > a) - P(b < a) over all pairs: from their
+    histograms (a pair in one 1 % bucket is a tie), else of their window values."""
     if a.hist is not None and b.hist is not None and a.hist.count and b.hist.count:
-        return dominance(a.hist, b.hist)
+        grid = sorted(a.hist.counts.keys() | b.hist.counts.keys())
+        ca = np.array([a.hist.counts.get(i, 0) for i in grid], dtype=float)
+        cb = np.array([b.hist.counts.get(i, 0) for i in grid], dtype=float)
+        below = np.cumsum(ca) - ca  # a's values in lower buckets
+        above = ca.sum() - np.cumsum(ca)  # and in higher ones
+        return float(((cb * below).sum() - (cb * above).sum()) / (ca.sum() * cb.sum()))
     xs, ys = a.window_means_ms, b.window_means_ms
     return sum((y > x) - (y < x) for x in xs for y in ys) / (len(xs) * len(ys)) if xs and ys else 0.0
-
-
-def dominance(a: LogHistogram, b: LogHistogram) -> float:
-    """Cliff's delta of ``b``'s values over ``a``'s from their histograms: P(b > a) - P(b < a) over
-    all pairs; a pair in one bucket (1 % wide) counts as a tie."""
-    grid = np.array(sorted(a.counts.keys() | b.counts.keys()))
-    ca = np.array([a.counts.get(i, 0) for i in grid], dtype=float)
-    cb = np.array([b.counts.get(i, 0) for i in grid], dtype=float)
-    below = np.cumsum(ca) - ca  # a's values in lower buckets
-    above = ca.sum() - np.cumsum(ca)  # and in higher ones
-    return float(((cb * below).sum() - (cb * above).sum()) / (ca.sum() * cb.sum()))

@@ -1,22 +1,21 @@
 """The run summary: per-phase statistics over every step after warm-up. One :func:`summarize` serves
 the live run (:class:`SummaryAccumulator`: the windows' histograms merged, so memory stays bounded)
-and ``steptimer report`` (``_report.py``: the same sums and series read back from the logs).
-"""
+and ``steptimer report`` (``_report.py``: the same sums and series read back from the logs)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple
 
 from steptimer._energy import Energy
 from steptimer._format import num, pct
 from steptimer._histogram import LogHistogram, SeriesStats
-from steptimer._memory import MemoryStats, MemorySummary
+from steptimer._memory import MIB, MemoryStats, MemorySummary
 from steptimer._slow import Candidate, SlowestKeeper, SlowStep
 from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, ShareClock, Verdict, shares, verdict
-from steptimer._window import Tally, Window, rates
+from steptimer._window import Tally, Window
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,8 @@ class LastRank:
         if not self.stood_out:
             return f"no rank stood out at the {self.collective}"
         phase = f", in {self.phase} (+{num(self.grew_ms)} ms)" if self.phase else ""
-        ahead = f"+{num(self.ahead_ms)} ms"
-        return f"rank {self.rank} was last to the {self.collective} in {pct(self.share)} of steps, {ahead}{phase}"
+        last = f"rank {self.rank} was last to the {self.collective} in {pct(self.share)} of steps"
+        return f"{last}, +{num(self.ahead_ms)} ms{phase}"
 
 
 @dataclass(frozen=True)
@@ -85,8 +84,10 @@ class RankSummary:
             )
         if self.straggler is not None and self.ranks > 1:
             s = self.straggler
-            out.append(f"  slowest rank: {s.argmax} (+{num(s.max_ms - s.min_ms)} ms per step over rank {s.argmin})")
-            out.append("  (backward includes waiting for the others' gradients: read it with care)")
+            out += [
+                f"  slowest rank: {s.argmax} (+{num(s.max_ms - s.min_ms)} ms per step over rank {s.argmin})",
+                "  (backward includes waiting for the others' gradients: read it with care)",
+            ]
         if self.last is not None:
             out.append(f"  {self.last.text()}")
         if self.energy:
@@ -111,11 +112,9 @@ class Series(NamedTuple):
 @dataclass(frozen=True)
 class PhaseSummary:
     """One row of the summary: a phase, or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``.
-
     ``host``/``gpu``: over the steps in which the row ran (``gpu`` None without CUDA); ``calls_per_step``:
     None when read from logs; ``share``: the top-level rows add up to 1; ``launch_bound``: the GPU waited
-    for the host's launches inside it; ``series``: by clock, what ``compare`` tests a change on.
-    """
+    for the host's launches inside it; ``series``: by clock, what ``compare`` tests a change on."""
 
     name: str
     calls_per_step: float | None
@@ -128,14 +127,11 @@ class PhaseSummary:
 
 @dataclass(frozen=True)
 class Summary:
-    """The end-of-run summary returned by :meth:`StepTimer.close`, and what ``steptimer report``
-    reads back from a run's logs.
-
-    Rows: ``data`` first, phases as first seen, then ``other``, ``wait``, ``step`` (GPU ``idle``).
-    ``steps``: summarized (after warm-up); ``timed_steps``: with phase timings (one in ``sample_every``,
-    or as ``cost_budget`` allowed). ``mfu``: ``tflops_per_s`` over ``peak_tflops``. ``own_ms``:
-    steptimer's own work between steps, in no row. ``name`` to ``cycle_window_ms``: from logs.
-    """
+    """The end-of-run summary returned by :meth:`StepTimer.close`, and what ``steptimer report`` reads
+    back from a run's logs. Rows: ``data`` first, phases as first seen, then ``other``, ``wait``, ``step``
+    (GPU ``idle``). ``steps``: summarized (after warm-up); ``timed_steps``: with phase timings (one in
+    ``sample_every``, or as ``cost_budget`` allowed). ``mfu``: ``tflops_per_s`` over ``peak_tflops``.
+    ``own_ms``: steptimer's own work between steps, in no row. ``name`` to ``cycle_window_ms``: from logs."""
 
     steps: int
     timed_steps: int
@@ -179,6 +175,37 @@ class Summary:
     def __contains__(self, name: object) -> bool:
         return any(row.name == name for row in self.rows)
 
+    def to_json(self) -> dict[str, Any]:
+        """``report --json``: the numbers (docs/cli.md); ``data_share``/``wait_share`` on the host clock."""
+        d = {k: getattr(self, k) for k in (
+            "name", "path", "steps", "timed_steps", "sample_every", "cost_budget", "warmup_steps", "windows",
+            "of_steps", "cuda", "share_clock", "wall_s", "steps_per_s", "samples_per_s", "tokens_per_s",
+            "tflops_per_s", "mfu", "notes",
+        )}  # fmt: skip
+        d["quantiles_of"] = "steps" if self.of_steps else "window means"
+        d["rows"] = [
+            {"name": r.name, "host": asdict(r.host) if r.host.steps else None, "gpu": r.gpu and asdict(r.gpu),
+             "share": r.share, "launch_bound": r.launch_bound}
+            for r in self.rows
+        ]  # fmt: skip
+        wall_ms = self.wall_s * 1e3
+        for name in ("data", "wait"):  # the host's time there over wall time (0 when no data row: no gap)
+            host = self[name].host if name in self else None
+            d[f"{name}_share"] = host.mean_ms * host.steps / wall_ms if host and host.steps and wall_ms else (
+                0.0 if name == "data" and wall_ms else None)  # fmt: skip
+        d["gpu_idle_share"] = self["idle"].share if self.share_clock == "gpu" and "idle" in self else None
+        d["verdict"] = self.verdict and {"kind": self.verdict.kind, "evidence": list(self.verdict.evidence)}
+        m = self.memory
+        d["memory"] = m and {
+            "peak_mib": {k: v / MIB for k, v in m.peak_bytes.items()},
+            "alloc_mib": {k: v / MIB for k, v in m.alloc_bytes.items()},
+            "reserved_mib": m.reserved_bytes / MIB,
+        }
+        d["slowest"] = [x.to_json() for x in self.slowest]
+        e = self.energy
+        d["energy"] = e and {**asdict(e), "joules_per_step": e.joules_per_step, "watts": e.watts}
+        return d
+
 
 LAUNCH_RATIO = 1.1
 NO_STATS = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)  # a row not on this clock
@@ -202,10 +229,9 @@ def summarize(
         launch = _launch_bound(name, h, g, caught.get(name))
         by_clock = {c: x for c, x in (("host", h), ("gpu", g)) if x is not None}
         rows.append(PhaseSummary(name, per_step, st, g and g.stats, share_of.get(name), launch, by_clock))
-    r = rates(t.wall_ms, t.steps, t.samples, t.tokens, t.flops, peak_tflops)
     return Summary(
         steps=t.steps, timed_steps=t.timed_steps, cuda=bool(gpu) if cuda is None else cuda, rows=tuple(rows),
-        **r._asdict(), peak_tflops=peak_tflops, share_clock=clock,
+        **vars(t.rates(peak_tflops)), peak_tflops=peak_tflops, share_clock=clock,
         verdict=verdict(rows, clock == "gpu") if t.timed_steps else None, **more,
     )  # fmt: skip
 

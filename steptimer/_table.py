@@ -1,7 +1,6 @@
 """The one renderer of a :class:`~steptimer._summary.Summary`, live and for ``steptimer report``: what
 is read at a glance (heading, tables, throughput, verdict, a step only if it stood out, notes); what the
-columns and marks mean only with ``explain=True`` (``report --explain``, as docs/cli.md says).
-"""
+columns and marks mean only with ``explain=True`` (``report --explain``, as docs/cli.md says)."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from steptimer._format import num, pct
 from steptimer._memory import MIB
 
 if TYPE_CHECKING:
+    from steptimer._report import Delta
     from steptimer._slow import SlowStep
     from steptimer._summary import Summary
 
@@ -138,9 +138,7 @@ def facts(summary: Summary) -> list[str]:
     rates = [(summary.steps_per_s, "steps/s"), (summary.samples_per_s, "samples/s"), (summary.tokens_per_s, "tokens/s")]
     parts = [", ".join(f"{num(v)} {unit}" for v, unit in rates if v is not None), compute_text(summary)]
     line = "; ".join(p for p in parts if p)
-    lines = [f"throughput: {line}"] if line else []
-    if summary.energy is not None:
-        lines.append(energy_line(summary))
+    lines = ([f"throughput: {line}"] if line else []) + energy_lines(summary)
     if summary.own_ms > 0 and summary.own_share is not None:  # window statistics and files: in no row
         lines.append(f"steptimer's own work: {num(summary.own_ms)} ms, {pct(summary.own_share)} of the run")
     v = summary.verdict
@@ -161,15 +159,15 @@ def compute_text(summary: Summary) -> str:
     return f"compute: {num(summary.tflops_per_s)} TFLOP/s{mfu}"
 
 
-def energy_line(summary: Summary, label: str = "") -> str:
-    """``energy: 512 J/step, 0.125 J/sample, 650 W (GPU)`` over the summarized windows."""
+def energy_lines(summary: Summary, label: str = "") -> list[str]:
+    """``energy: 512 J/step, 0.125 J/sample, 650 W (GPU)`` over the summarized windows (none: not read)."""
     e = summary.energy
     if e is None:
-        return f"{label}energy: not read"
+        return []
     rate, counts = summary.steps_per_s, ((summary.samples_per_s, "sample"), (summary.tokens_per_s, "token"))
     per = [f"{num(e.joules_per_step)} J/step"]
     per += [f"{num(e.joules_per_step * rate / count)} J/{unit}" for count, unit in counts if count and rate]
-    return f"{label}energy: {', '.join(per)}, {num(e.watts)} W (GPU)"
+    return [f"{label}energy: {', '.join(per)}, {num(e.watts)} W (GPU)"]
 
 
 def explanations(summary: Summary) -> list[str]:
@@ -239,3 +237,34 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     say(console, facts(summary) + (summary.ranks.lines() if summary.ranks is not None else []))
     if explain:
         say(console, explanations(summary))
+
+
+def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any) -> None:
+    """``steptimer compare``: the per-row changes from run A to run B, then compute, energy, verdicts."""
+    from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE
+
+    say(console, [f"A = {a.path}", f"B = {b.path}"])
+    heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
+    table = table_of([(h, h not in ("phase", "clock", "verdict")) for h in heads])
+    for d in deltas:
+        frac = d.delta_frac
+        verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed else "no change"
+        table.add_row(
+            d.name, d.clock, num(d.a_ms), num(d.b_ms), num(d.delta_ms, sign=True),
+            "-" if frac is None else f"{100 * frac:+.1f}", f"{d.dominance:+.2f}", verdict,
+        )  # fmt: skip
+    console.print(table)
+    lines = []
+    for label, run in (("A", a), ("B", b)):
+        if run.tflops_per_s is not None:
+            lines.append(f"{label} {compute_text(run)}")
+        lines += energy_lines(run, f"{label} ")
+    lines += [
+        "; ".join(f"verdict {label}: {run.verdict and run.verdict.kind}" for label, run in (("A", a), ("B", b))),
+        "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
+        "step: the mean (1 / steps per second)",
+        f"a row changed when B's steps are above (or below) A's in net {MIN_DOMINANCE:.0%} of pairs "
+        f"of steps (Cliff's delta; of windows for wall per step) and by at least "
+        f"{MIN_CHANGE:.0%} and {1e3 * MIN_CHANGE_MS:g} µs",
+    ]
+    say(console, lines)

@@ -1,8 +1,7 @@
 """The tag grammar of steptimer's TensorBoard values (docs/tensorboard.md), shared by writer and reader:
 ``<group>/<family>/<name>_<measure>`` for a row, ``<group>/<measure>`` for the whole window. A name may
 hold ``_``, ``.``, ``-`` and ``/``, so a tag splits at its measure (:data:`MEASURES`). On disk a row's
-values sit in a run of their own, without its name (:func:`split_tag`, :func:`join_tag`).
-"""
+values sit in a run of their own, without its name (:func:`split_tag`, :func:`join_tag`)."""
 
 from __future__ import annotations
 
@@ -35,20 +34,15 @@ MEASURES: dict[tuple[str, str], tuple[str, ...]] = {
 
 # A row's statistics as tagged: (group, measure, the SeriesStats field it holds).
 ROW_STATS = ((MAIN, "ms", "mean_ms"), (TAILS, "p90_ms", "p90_ms"), (TAILS, "max_ms", "max_ms"))
-# Whole-window tags. The rates, each named as the Window's (and Summary's) field it holds:
-STEPS_PER_S = f"{MAIN}/steps_per_s"
-SAMPLES_PER_S = f"{MAIN}/samples_per_s"
-TOKENS_PER_S = f"{MAIN}/tokens_per_s"
-TFLOPS_PER_S = f"{MAIN}/tflops_per_s"
-MFU = f"{MAIN}/mfu"
-RATES = (STEPS_PER_S, SAMPLES_PER_S, TOKENS_PER_S, TFLOPS_PER_S, MFU)
+# Whole-window tags. The rates, each named as the field of ``Rates`` (and ``Summary``) it holds:
+RATES = tuple(f"{MAIN}/{rate}" for rate in ("steps_per_s", "samples_per_s", "tokens_per_s", "tflops_per_s", "mfu"))
+STEPS_PER_S, SAMPLES_PER_S, TOKENS_PER_S, TFLOPS_PER_S, MFU = RATES
 RESERVED_MIB = f"{MAIN}/mem/reserved_mib"
 # The GPU's energy (_energy.py), written one window late: its closing reading is taken off the
 # training thread.
-JOULES_PER_STEP = f"{MAIN}/joules_per_step"
-JOULES_PER_SAMPLE = f"{MAIN}/joules_per_sample"
-JOULES_PER_TOKEN = f"{MAIN}/joules_per_token"
-WATTS = f"{MAIN}/watts"
+JOULES_PER_STEP, JOULES_PER_SAMPLE, JOULES_PER_TOKEN, WATTS = (
+    f"{MAIN}/{x}" for x in ("joules_per_step", "joules_per_sample", "joules_per_token", "watts")
+)
 WARMUP_STEPS = f"{RUN}/warmup_steps"
 # Which steps were timed, logged once: one in N (``sample_every``), or as the cost budget allowed.
 SAMPLE_EVERY = f"{RUN}/sample_every"

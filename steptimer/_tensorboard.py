@@ -17,6 +17,7 @@ from typing import Any
 
 from steptimer import _tags
 from steptimer._files import cause
+from steptimer._histogram import UPPER_MS
 from steptimer._memory import MIB
 from steptimer._summary import Summary, row_order
 from steptimer._tags import EVENT_FILE_PREFIX, MAIN, PHASE_DIR, PHASE_SUFFIX, run_tag, tag
@@ -113,14 +114,12 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
             out[name].value.add(tag=f"{_tags.WARMUP}/{in_run}", metadata=meta, tensor=hidden)
         else:
             out[name].value.add(tag=in_run, simple_value=v)
-    p = window.packed
-    if histograms and p is not None:  # straight from the window's arrays: no LogHistogram per series
-        for (clock, name), k, limits, counts in p.buckets():
+    if histograms:
+        for (clock, name), h in window.hists.items():
             hp = out[None].value.add(tag=tag(_tags.HIST, clock, name, "ms")).histo
-            hp.min, hp.max, hp.num = p.min_ms[k], p.max_ms[k], p.count[k]
-            hp.sum, hp.sum_squares = p.sum_ms[k], p.sumsq_ms[k]
-            hp.bucket_limit.extend(limits)
-            hp.bucket.extend(counts)
+            hp.min, hp.max, hp.num, hp.sum, hp.sum_squares = h.min_ms, h.max_ms, h.count, h.sum_ms, h.sumsq_ms
+            hp.bucket_limit.extend(UPPER_MS[list(h.counts)].tolist())
+            hp.bucket.extend(h.counts.values())
     return {k: v for k, v in out.items() if v.value}
 
 
@@ -196,11 +195,9 @@ class TensorBoardSink:
         self.writer = writer
         self._histograms = histograms
         self.run_id = new_run_id()  # every file of this sink carries it: a run of its own for the reader
+        self.dir = os.fspath(log_dir if log_dir is not None else "runs") if writer is None else writer.get_logdir()
         if writer is None:
-            self.dir = os.fspath(log_dir if log_dir is not None else "runs")
             check_writable(self.dir)
-        else:
-            self.dir = writer.get_logdir()
         self._file = EventFile(self.dir, run_id=self.run_id) if writer is None else None
         self._runs: dict[str, EventFile] = {}
         self._layout_written = False

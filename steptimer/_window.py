@@ -1,8 +1,6 @@
-"""A log window: the rows of the steps resolved since the last window, and their statistics.
-
-The engine appends one flat row of floats per step (no dict, no histogram work per step); a window's
-statistics take a fixed number of numpy calls per row layout, whatever its number of steps.
-"""
+"""A log window: the rows of the steps resolved since the last window, and their statistics. The engine
+appends one flat row of floats per step (no dict, no histogram work per step); a window's statistics
+take a fixed number of numpy calls per row layout, whatever its number of steps."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, UPPER_MS, LogHistogram, SeriesStats
+from steptimer._histogram import BASE_MS, INV_LOG_RATIO, NUM_BUCKETS, LogHistogram, SeriesStats
 from steptimer._memory import MemoryStats, StepMemory, memory_of
 from steptimer._slow import Candidate, StepWalls, window_candidates
 from steptimer._verdict import COMM_ROWS, ShareClock, shares
@@ -127,6 +125,17 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
         yield _Block(lay.names, a[:, :LEAD], d, np.where(np.isnan(gap), 0.0, gap) * 1e3), lay.series
 
 
+@dataclass(frozen=True)
+class Rates:
+    """Per second of the wall time (None: no wall time, or no counts given); ``mfu``: of ``peak_tflops``."""
+
+    steps_per_s: float | None
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    tflops_per_s: float | None
+    mfu: float | None
+
+
 @dataclass
 class Tally:
     """Sums over steps, one window's or the run's (after warm-up): rates and host shares."""
@@ -170,38 +179,23 @@ class Tally:
             for mine, theirs in ((self.samples, t.samples), (self.tokens, t.tokens), (self.flops, t.flops))
         )
 
+    def rates(self, peak_tflops: float | None) -> Rates:
+        wall_s = self.wall_ms / 1e3
 
-class Rates(NamedTuple):
-    steps_per_s: float | None
-    samples_per_s: float | None
-    tokens_per_s: float | None
-    tflops_per_s: float | None
-    mfu: float | None  # tflops_per_s over peak_tflops
+        def per_s(x: float | None) -> float | None:
+            return x / wall_s if x is not None and wall_s > 0 else None
 
-
-def rates(
-    wall_ms: float, steps: float, samples: float | None, tokens: float | None, flops: float | None,
-    peak_tflops: float | None,
-) -> Rates:  # fmt: skip
-    """Per second of ``wall_ms`` (None: no wall time, or none given)."""
-    wall_s = wall_ms / 1e3
-
-    def per_s(x: float | None) -> float | None:
-        return x / wall_s if x is not None and wall_s > 0 else None
-
-    tflops_per_s = None if flops is None else per_s(flops / 1e12)
-    mfu = tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None
-    return Rates(per_s(steps), per_s(samples), per_s(tokens), tflops_per_s, mfu)
+        tflops_per_s = None if self.flops is None else per_s(self.flops / 1e12)
+        mfu = tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None
+        return Rates(per_s(self.steps), per_s(self.samples), per_s(self.tokens), tflops_per_s, mfu)
 
 
 _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
 
 
 class Packed:
-    """A window's statistics as arrays, entry ``k`` for series ``series[k]``, its histograms as runs
-    of one bucket sorted by (series, bucket): ``bounds[k]:bounds[k + 1]`` are series ``k``'s runs.
-    One sort by (series, value) gives the quantiles, and the histograms' bins come out sorted with it.
-    """
+    """A window's statistics, entry ``k`` for ``series[k]``; its histograms as runs of one bucket sorted by
+    (series, bucket), ``bounds[k]:bounds[k + 1]`` series ``k``'s. One sort by (series, value) gives both."""
 
     def __init__(self, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> None:
         """``values[i]`` (not NaN) belongs to ``series[sid[i]]``; sorted ones are not sorted again."""
@@ -236,29 +230,16 @@ class Packed:
     def histograms(self) -> dict[tuple[str, str], LogHistogram]:
         """Per non-empty series (``caught`` included), its histogram."""
         buckets, counts, b = self.run_bucket.tolist(), self.run_count.tolist(), self.bounds
-        out = {}
-        for k, key in enumerate(self.series):
-            if self.count[k]:
-                runs = dict(zip(buckets[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]))
-                exact = self.count[k], self.sum_ms[k], self.sumsq_ms[k], self.min_ms[k], self.max_ms[k]
-                out[key] = LogHistogram(runs, *exact)
-        return out
+        cols = zip(self.series, self.count, self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, b, b[1:])
+        return {
+            key: LogHistogram(dict(zip(buckets[i:j], counts[i:j])), n, s, sq, lo, hi)
+            for key, n, s, sq, lo, hi, i, j in cols
+            if n
+        }
 
     def stats(self) -> dict[tuple[str, str], SeriesStats]:
-        out = {}
-        for key, c, s, m, p, x in zip(self.series, self.count, self.sum_ms, self.median_ms, self.p90_ms, self.max_ms):
-            if c:
-                out[key] = SeriesStats(c, s / c, m, p, x)
-        return out
-
-    def buckets(self) -> Iterator[tuple[tuple[str, str], int, list[float], list[float]]]:
-        """Per non-empty series: key, index, its buckets' upper edges (ms) and counts (for the sink)."""
-        limits = UPPER_MS[self.run_bucket].tolist()
-        counts = self.run_count.astype(np.float64).tolist()
-        b = self.bounds
-        for k, key in enumerate(self.series):
-            if self.count[k] and key[0] != "caught":
-                yield key, k, limits[b[k] : b[k + 1]], counts[b[k] : b[k + 1]]
+        cols = zip(self.series, self.count, self.sum_ms, self.median_ms, self.p90_ms, self.max_ms)
+        return {key: SeriesStats(c, s / c, m, p, x) for key, c, s, m, p, x in cols if c}
 
 
 def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, walls: bool = False) -> Packed:
@@ -304,25 +285,18 @@ def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> 
 
 
 @dataclass(frozen=True)
-class Window:
-    """What is written every ``log_every_n_steps`` steps: statistics of the steps in the window.
-    ``warmup``: its steps are warm-up steps, left out of the summary.
-    """
+class Window(Rates):
+    """What is written every ``log_every_n_steps`` steps: statistics of the window's steps and rates over
+    their wall time (``steps_per_s`` NaN: none). ``warmup``: warm-up steps, left out of the summary."""
 
     step: int
     steps: int
     host: Mapping[str, SeriesStats]
     gpu: Mapping[str, SeriesStats]
-    steps_per_s: float
-    samples_per_s: float | None
-    tokens_per_s: float | None
     packed: Packed = field(repr=False, compare=False)  # the statistics as arrays, for the summary
     warmup: bool = False
-    # TFLOP/s over the same wall time as samples_per_s, and its fraction of the peak (None: none)
-    tflops_per_s: float | None = None
-    mfu: float | None = None
     # Per phase, the fraction of its timed steps in which the GPU reached its entry before the host
-    # left it: below 0.5 the GPU can't have waited for the host there (_summary.is_launch_bound).
+    # left it: below 0.5 the GPU can't have waited for the host there (_summary._launch_bound).
     caught: Mapping[str, float] = field(default_factory=dict)
     # More scalars by tag, written as they are (cross-rank statistics: _dist.py).
     extra: Mapping[str, float] = field(default_factory=dict)
@@ -341,27 +315,21 @@ def window_of(
     rows: StepRows, last_step: int, peak_tflops: float | None = None, *, slowest: int = 0,
     slow_floor_ms: float = -math.inf, walls: bool = False,
 ) -> Window:  # fmt: skip
-    """Statistics of one log window ending at ``last_step``; rates are over the wall time of all its
-    steps (data wait + step). ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`.
-    """
+    """One log window ending at ``last_step``; ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`."""
     p = pack_rows(rows, slowest, slow_floor_ms, walls)
     t = p.tally
-    r = rates(t.wall_ms, t.steps, t.samples, t.tokens, t.flops, peak_tflops)
+    r = t.rates(peak_tflops)
     stats = p.stats()
     gpu_sum = {name: p.sum_ms[k] for k, (clock, name) in enumerate(p.series) if clock == "gpu" and p.count[k]}
     share_clock, share_of = shares(gpu_sum, t.timed_sum_ms, t.timed_wall_ms)
     share_of = {n: v for n, v in share_of.items() if (share_clock, n) in stats}  # rows the window has
     return Window(
+        **{**vars(r), "steps_per_s": math.nan if r.steps_per_s is None else r.steps_per_s},
         step=last_step,
         steps=rows.count,
         host={name: st for (clock, name), st in stats.items() if clock == "host"},
         gpu={name: st for (clock, name), st in stats.items() if clock == "gpu"},
         caught={name: st.mean_ms for (clock, name), st in stats.items() if clock == "caught"},
-        steps_per_s=math.nan if r.steps_per_s is None else r.steps_per_s,
-        samples_per_s=r.samples_per_s,
-        tokens_per_s=r.tokens_per_s,
-        tflops_per_s=r.tflops_per_s,
-        mfu=r.mfu,
         warmup=rows.warmup,
         packed=p,
         memory=memory_of(rows.memory),

@@ -1,8 +1,7 @@
 """The ``steptimer`` console command: ``report``, ``compare``, ``trace`` and ``kernels`` over steptimer's
 logs, and ``run``, which times a training script unchanged (steptimer/_run.py). Bad input prints one
 error on stderr (``steptimer: error: ...``, wrapped at 80 columns) and exits 1; usage errors exit 2;
-output into a pipe whose reader has gone (``| head -1``) exits 1 silently, as ``rich`` does.
-"""
+output into a pipe whose reader has gone (``| head -1``) exits 1 silently, as ``rich`` does."""
 
 from __future__ import annotations
 
@@ -14,11 +13,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from steptimer._format import num
-from steptimer._memory import MIB
 from steptimer._options import int_at_least
 from steptimer._reader import LogError, find_runs
-from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, analyze, compare
+from steptimer._report import analyze, compare
 from steptimer._summary import Summary
 from steptimer._tags import WARMUP_STEPS
 
@@ -142,7 +139,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     reports = _summaries(args.logdir, args)
     if args.json:
-        return _print_json({"runs": [_report_json(r) for r in reports]})
+        return _print_json({"runs": [r.to_json() for r in reports]})
     console = _console()
     for i, r in enumerate(reports):
         if i:
@@ -151,47 +148,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_json(s: Summary) -> dict[str, Any]:
-    """``report --json``: the summary's numbers (docs/cli.md), shares of wall time on the host clock."""
-    d = {k: getattr(s, k) for k in (
-        "name", "path", "steps", "timed_steps", "sample_every", "cost_budget", "warmup_steps", "windows", "of_steps",
-        "cuda", "share_clock", "wall_s", "steps_per_s", "samples_per_s", "tokens_per_s", "tflops_per_s", "mfu", "notes",
-    )}  # fmt: skip
-    d["quantiles_of"] = "steps" if s.of_steps else "window means"
-    d["rows"] = [
-        {"name": r.name, "host": asdict(r.host) if r.host.steps else None, "gpu": r.gpu and asdict(r.gpu),
-         "share": r.share, "launch_bound": r.launch_bound}
-        for r in s.rows
-    ]  # fmt: skip
-    for name in ("data", "wait"):  # the host's time there over wall time (0 when no data row: no gap)
-        host = s[name].host if name in s else None
-        d[f"{name}_share"] = host.mean_ms * host.steps / (s.wall_s * 1e3) if host and host.steps and s.wall_s else (
-            0.0 if name == "data" and s.wall_s else None)  # fmt: skip
-    d["gpu_idle_share"] = s["idle"].share if s.share_clock == "gpu" and "idle" in s else None
-    d["verdict"] = None if s.verdict is None else {"kind": s.verdict.kind, "evidence": list(s.verdict.evidence)}
-    m = s.memory
-    d["memory"] = m and {
-        "peak_mib": {k: v / MIB for k, v in m.peak_bytes.items()},
-        "alloc_mib": {k: v / MIB for k, v in m.alloc_bytes.items()},
-        "reserved_mib": m.reserved_bytes / MIB,
-    }
-    d["slowest"] = [x.to_json() for x in s.slowest]
-    d["energy"] = _energy_json(s)
-    return _finite(d)  # type: ignore[no-any-return]
-
-
-def _energy_json(s: Summary) -> dict[str, float] | None:
-    e = s.energy
-    return e and {**asdict(e), "joules_per_step": e.joules_per_step, "watts": e.watts}
-
-
-def _finite(x: Any) -> Any:
-    """JSON has no NaN/inf: they become null."""
-    return json.loads(json.dumps(x), parse_constant=lambda _: None)
-
-
 def _print_json(doc: Any) -> int:
-    print(json.dumps(_finite(doc), indent=2, allow_nan=False))
+    finite = json.loads(json.dumps(doc), parse_constant=lambda _: None)  # JSON has no NaN/inf: null
+    print(json.dumps(finite, indent=2, allow_nan=False))
     return 0
 
 
@@ -205,46 +164,20 @@ def _console() -> Any:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from steptimer._table import compute_text, energy_line, say, table_of
+    from steptimer._table import print_compare
 
     (a,), (b,) = _summaries(args.run_a, args, one=True), _summaries(args.run_b, args, one=True)
-    deltas, runs = compare(a, b), {"a": a, "b": b}
-    kinds = {k: None if r.verdict is None else r.verdict.kind for k, r in runs.items()}
+    deltas = compare(a, b)
     if args.json:
+        runs = {"a": a.to_json(), "b": b.to_json()}
         return _print_json({
-            **{k: r.path for k, r in runs.items()},
+            **{k: r["path"] for k, r in runs.items()},
             "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
-            "verdicts": kinds,
-            "compute": {k: {"tflops_per_s": r.tflops_per_s, "mfu": r.mfu} for k, r in runs.items()},
-            "energy": {k: _energy_json(r) for k, r in runs.items()},
+            "verdicts": {k: r["verdict"] and r["verdict"]["kind"] for k, r in runs.items()},
+            "compute": {k: {"tflops_per_s": r["tflops_per_s"], "mfu": r["mfu"]} for k, r in runs.items()},
+            "energy": {k: r["energy"] for k, r in runs.items()},
         })  # fmt: skip
-    console = _console()
-    say(console, [f"A = {a.path}", f"B = {b.path}"])
-    heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
-    table = table_of([(h, h not in ("phase", "clock", "verdict")) for h in heads])
-    for d in deltas:
-        frac = d.delta_frac
-        verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed else "no change"
-        table.add_row(
-            d.name, d.clock, num(d.a_ms), num(d.b_ms), num(d.delta_ms, sign=True),
-            "-" if frac is None else f"{100 * frac:+.1f}", f"{d.dominance:+.2f}", verdict,
-        )  # fmt: skip
-    console.print(table)
-    lines = []
-    for label, run in runs.items():
-        if run.tflops_per_s is not None:
-            lines.append(f"{label.upper()} {compute_text(run)}")
-        if run.energy is not None:
-            lines.append(energy_line(run, f"{label.upper()} "))
-    lines += [
-        f"verdict A: {kinds['a']}; verdict B: {kinds['b']}",
-        "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
-        "step: the mean (1 / steps per second)",
-        f"a row changed when B's steps are above (or below) A's in net {MIN_DOMINANCE:.0%} of pairs "
-        f"of steps (Cliff's delta; of windows for wall per step) and by at least "
-        f"{MIN_CHANGE:.0%} and {1e3 * MIN_CHANGE_MS:g} µs",
-    ]
-    say(console, lines)
+    print_compare(a, b, deltas, _console())
     return 0
 
 

@@ -171,10 +171,9 @@ def test_the_slow_rank_of_a_slow_step_is_named(runs: dict, ddp: bool) -> None:
     results, out, tmp_path = runs[f"slow-step-{ddp}"]
     from steptimer._reader import find_runs
     from steptimer._report import analyze
-    from steptimer.cli import _report_json
 
     (run,) = find_runs(str(tmp_path))
-    reported = _report_json(analyze(run))["slowest"]
+    reported = analyze(run).to_json()["slowest"]
     assert reported == [{k: v for k, v in s.items()} for s in results[0]["slowest"]]  # the report reads the same
     causes = [c for r in results.values() for s in r["slowest"] for c in s.get("causes", ())]
     if not ddp:

@@ -66,14 +66,13 @@ def test_gpu_stall_in_forward_is_named_with_its_phase_and_step(tmp_path: Path, c
     # The same steps, read back from the event files by `steptimer report --json`.
     from steptimer._reader import find_runs
     from steptimer._report import analyze
-    from steptimer.cli import _report_json
 
     (run,) = find_runs(str(tmp_path))
-    (first, *_) = _report_json(analyze(run))["slowest"]
+    (first, *_) = analyze(run).to_json()["slowest"]
     assert first["step"] == 23 and first["wall_ms"] == pytest.approx(53.0)
     assert first["gpu_ms"]["forward"] == pytest.approx(50.0) and first["host_ms"]["forward"] == pytest.approx(0.3)
     assert first["cause"] == top.cause
-    assert [x["step"] for x in _report_json(analyze(run))["slowest"]] == [x.step for x in s.slowest]
+    assert [x["step"] for x in analyze(run).to_json()["slowest"]] == [x.step for x in s.slowest]
     # The flight recorder's trace around it: steps 20..25, the stall a 50 ms GPU slice of step 23.
     assert top.trace is not None and Path(top.trace).name == "step-23.trace.json"
     events = json.loads(Path(top.trace).read_text())["traceEvents"]
