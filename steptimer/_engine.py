@@ -208,7 +208,8 @@ class Engine:
         b = self.b
         key = b.stream_key()
         if key != self._stream_key:
-            self._switch_stream(key)
+            self._stream_key, self.stream, self.device = key, b.stream_of_key(key), key[1]
+            self._free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
         if b.is_capturing(self.stream):
             raise RuntimeError(_CAPTURE_MSG)  # the step never began
         self._boundary(t0)
@@ -323,7 +324,12 @@ class Engine:
         if number == self._next_timed:
             self._pick_next(number)
         elif step_s + gap > self._slow_s:  # NaN (the run's first step): never
-            self._slow_untimed(number, rec)
+            # Marked, and the next step timed: at most one extra in EXTRA_EVERY steps, so that a
+            # periodic slow step (a checkpoint) can't bias the sample towards the steps after it.
+            rec.marks = {**(rec.marks or {}), "untimed": 1.0}
+            if number - self._forced >= EXTRA_EVERY and self._next_timed != number + 1:
+                self._forced = number
+                self._planned, self._next_timed = self._next_timed, number + 1
         if not rec.events and not self._late_marks:
             # A step without events is resolved at its end, so a window ends at the same step on
             # every rank: a rank a step late to the cross-rank round would deadlock.
@@ -433,14 +439,6 @@ class Engine:
         self._slow_s = SLOW_FACTOR * wall
         budget: float = self.budget  # type: ignore[assignment]  # set: blocks are sized by it
         return max(1, min(MAX_BLOCK, math.ceil(cost / (budget * wall)))) if wall > 0 else 1
-
-    def _slow_untimed(self, number: int, rec: StepRecord) -> None:
-        """Mark a slow untimed step and time the next one, an extra: at most one in ``EXTRA_EVERY``
-        steps, so a periodic slow step (a checkpoint) can't bias the sample towards the steps after it."""
-        rec.marks = {**(rec.marks or {}), "untimed": 1.0}
-        if number - self._forced >= EXTRA_EVERY and self._next_timed != number + 1:
-            self._forced = number
-            self._planned, self._next_timed = self._next_timed, number + 1
 
     __enter__ = begin_step
     __exit__ = end_step
@@ -560,12 +558,6 @@ class Engine:
         if peak is None and self.memory is not None:  # an unread step: the peak since the last reading
             peak = self.memory.b.read(self.memory.device)[1]
         self.oom = (phase, self.number + 1, peak, self._mem is not None)
-
-    def _switch_stream(self, key: tuple[int, int, int]) -> None:
-        self._stream_key = key
-        self.stream = self.b.stream_of_key(key)
-        self.device = key[1]
-        self._free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
 
     def _take_event(self) -> Any:
         if self._free:

@@ -121,10 +121,6 @@ class StepMarks:
                 return
             self._graphs = self.dyn.get("unique_graphs", 0)
 
-    def compiled(self) -> bool:
-        """torch.compile compiled a graph since the last step's end (``dyn`` is set)."""
-        return self.dyn.get("unique_graphs", 0) != self._graphs  # type: ignore[union-attr]
-
     def ended(self) -> dict[str, float] | None:
         """At a queued step's end (``dyn`` is set): its marks for the graphs compiled in it."""
         graphs = self.dyn.get("unique_graphs", 0)  # type: ignore[union-attr]
