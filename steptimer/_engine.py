@@ -45,7 +45,6 @@ MEMORY_BUDGET = 1000.0
 # events. Ordered: ``state >= HOST`` is timed.
 OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
-_NO_PAUSES: tuple[tuple[Any, Any], ...] = ()  # a step's pauses when it had none (shared, never appended to)
 # The cost budget: blocks of at most MAX_BLOCK steps; the measured cost and wall per step are moving
 # averages over picks (weight EMA_ALPHA: compilation and warm-up fade); an untimed step slower than
 # SLOW_FACTOR times the wall per step makes the next step timed.
@@ -275,7 +274,7 @@ class Engine:
         row = self._lead(number)
         gap = row[GAP_S]
         rec = StepRecord(
-            number, t0, row, None if gap != gap else gap, self._recs, self._pause_evs or _NO_PAUSES, self.device,
+            number, t0, row, None if gap != gap else gap, self._recs, self._pause_evs or (), self.device,
             self._paused_s,
         )  # fmt: skip
         if self.slow is not None and self.slow.dyn is not None:
@@ -366,14 +365,8 @@ class Engine:
 
     def _window_ends(self, number: int) -> int:
         """``number`` if a window ends there, else 0 (the last warm-up step always ends one)."""
-        if (
-            self._window_min_s
-            and number != self.last_warmup
-            and number - self._window_last < self._window_max
-            and self._t0 - self._window_t < self._window_min_s
-        ):
-            return 0
-        return number
+        short = number - self._window_last < self._window_max and self._t0 - self._window_t < self._window_min_s
+        return 0 if self._window_min_s and number != self.last_warmup and short else number
 
     def _hand_window(self) -> None:
         """Call ``on_window``: steptimer's own time (``own_s``), in no step, data wait or GPU idle."""
@@ -552,8 +545,7 @@ class Engine:
 
     def _note_oom(self, phase: str | None, error: BaseException | None, peak: int | None = None) -> None:
         """Remember where a CUDA out-of-memory error struck (once per run: the first one)."""
-        err = error if error is not None else sys.exc_info()[1]
-        if err is None or not isinstance(err, torch.cuda.OutOfMemoryError):
+        if not isinstance(error if error is not None else sys.exc_info()[1], torch.cuda.OutOfMemoryError):
             return
         if peak is None and self.memory is not None:  # an unread step: the peak since the last reading
             peak = self.memory.b.read(self.memory.device)[1]

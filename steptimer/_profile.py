@@ -121,13 +121,11 @@ class Ranges:
     def _end_step(self, engine: Engine) -> None:
         if self._begun is None:
             return
-        while self._names:  # phases left open (the step failed)
-            self.exit()
-        dropped, self._begun = engine.number == self._begun, None
+        dropped = engine.number == self._begun
         if dropped and self.recording:
             with record_function(DROPPED_MARK):
                 pass
-        self._close()
+        self.abort_step()  # with the phases left open (the step failed)
         if not self.captures:
             return
         cap = self.captures[0]
