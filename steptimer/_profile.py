@@ -111,7 +111,7 @@ class Ranges:
             self._end_step(engine)
 
     def abort_step(self) -> None:
-        """Close the step's ranges (the engine raised after ``begin_step``, or at close)."""
+        """Close the open phases' ranges, then the step's (at its end, or the engine raised at its begin)."""
         while self._names:
             self.exit()
         if self._begun is not None:
