@@ -56,25 +56,14 @@ def torch_backend() -> _CudaBackend:
     # Every CUDA build of torch >= 2.1 has these; a CPU build never calls them.
     get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
     get_device = getattr(torch._C, "_cuda_getDevice", None)
-
-    def stream_key() -> tuple[int, int, int]:
-        return get_stream(get_device())  # type: ignore[no-any-return]
-
-    def stream_of_key(key: tuple[int, int, int]) -> Any:
-        return torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-
     is_capturing = torch.cuda.is_current_stream_capturing
     return _CudaBackend(
-        new_event=lambda: event_cls(enable_timing=True),
-        record=base.record,
-        elapsed_ms=base.elapsed_time,
-        wait=lambda ev: event_cls.synchronize(ev),
-        query=base.query,
-        stream_key=stream_key,
-        stream_of_key=stream_of_key,
+        new_event=lambda: event_cls(enable_timing=True), record=base.record, elapsed_ms=base.elapsed_time,
+        wait=lambda ev: event_cls.synchronize(ev), query=base.query, stream_key=lambda: get_stream(get_device()),
+        stream_of_key=lambda key: torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2]),
         is_capturing=lambda stream: is_capturing(),  # the stream is the current one
         name="torch",
-    )
+    )  # fmt: skip
 
 
 def native_backend() -> _CudaBackend:
@@ -106,21 +95,11 @@ def native_backend() -> _CudaBackend:
         owners.append(ev)
         return int(ev.cuda_event)
 
-    def stream_of_key(key: tuple[int, int, int]) -> int:
-        return int(t.stream_of_key(key).cuda_stream)
-
-    return _CudaBackend(
-        new_event=new_event,
-        record=mod.record,
-        elapsed_ms=mod.elapsed_ms,
-        wait=mod.wait,
-        query=mod.query,
-        stream_key=t.stream_key,
-        stream_of_key=stream_of_key,
-        is_capturing=mod.is_capturing,
-        offsets_ms=mod.offsets_ms,
-        name="native",
-    )
+    return replace(
+        t, new_event=new_event, record=mod.record, elapsed_ms=mod.elapsed_ms, wait=mod.wait, query=mod.query,
+        stream_of_key=lambda key: int(t.stream_of_key(key).cuda_stream), is_capturing=mod.is_capturing,
+        offsets_ms=mod.offsets_ms, name="native",
+    )  # fmt: skip
 
 
 def prepare_native() -> None:

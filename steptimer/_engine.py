@@ -45,7 +45,6 @@ MEMORY_BUDGET = 1000.0
 # events. Ordered: ``state >= HOST`` is timed.
 OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
-_NO_PAUSES: tuple[tuple[Any, Any], ...] = ()  # a step's pauses when it had none (shared, never appended to)
 # The cost budget: blocks of at most MAX_BLOCK steps; the measured cost and wall per step are moving
 # averages over picks (weight EMA_ALPHA: compilation and warm-up fade); an untimed step slower than
 # SLOW_FACTOR times the wall per step makes the next step timed.
@@ -208,7 +207,8 @@ class Engine:
         b = self.b
         key = b.stream_key()
         if key != self._stream_key:
-            self._switch_stream(key)
+            self._stream_key, self.stream, self.device = key, b.stream_of_key(key), key[1]
+            self._free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
         if b.is_capturing(self.stream):
             raise RuntimeError(_CAPTURE_MSG)  # the step never began
         self._boundary(t0)
@@ -274,7 +274,7 @@ class Engine:
         row = self._lead(number)
         gap = row[GAP_S]
         rec = StepRecord(
-            number, t0, row, None if gap != gap else gap, self._recs, self._pause_evs or _NO_PAUSES, self.device,
+            number, t0, row, None if gap != gap else gap, self._recs, self._pause_evs or (), self.device,
             self._paused_s,
         )  # fmt: skip
         if self.slow is not None and self.slow.dyn is not None:
@@ -323,7 +323,12 @@ class Engine:
         if number == self._next_timed:
             self._pick_next(number)
         elif step_s + gap > self._slow_s:  # NaN (the run's first step): never
-            self._slow_untimed(number, rec)
+            # Marked, and the next step timed: at most one extra in EXTRA_EVERY steps, so that a
+            # periodic slow step (a checkpoint) can't bias the sample towards the steps after it.
+            rec.marks = {**(rec.marks or {}), "untimed": 1.0}
+            if number - self._forced >= EXTRA_EVERY and self._next_timed != number + 1:
+                self._forced = number
+                self._planned, self._next_timed = self._next_timed, number + 1
         if not rec.events and not self._late_marks:
             # A step without events is resolved at its end, so a window ends at the same step on
             # every rank: a rank a step late to the cross-rank round would deadlock.
@@ -360,14 +365,8 @@ class Engine:
 
     def _window_ends(self, number: int) -> int:
         """``number`` if a window ends there, else 0 (the last warm-up step always ends one)."""
-        if (
-            self._window_min_s
-            and number != self.last_warmup
-            and number - self._window_last < self._window_max
-            and self._t0 - self._window_t < self._window_min_s
-        ):
-            return 0
-        return number
+        short = number - self._window_last < self._window_max and self._t0 - self._window_t < self._window_min_s
+        return 0 if self._window_min_s and number != self.last_warmup and short else number
 
     def _hand_window(self) -> None:
         """Call ``on_window``: steptimer's own time (``own_s``), in no step, data wait or GPU idle."""
@@ -433,14 +432,6 @@ class Engine:
         self._slow_s = SLOW_FACTOR * wall
         budget: float = self.budget  # type: ignore[assignment]  # set: blocks are sized by it
         return max(1, min(MAX_BLOCK, math.ceil(cost / (budget * wall)))) if wall > 0 else 1
-
-    def _slow_untimed(self, number: int, rec: StepRecord) -> None:
-        """Mark a slow untimed step and time the next one, an extra: at most one in ``EXTRA_EVERY``
-        steps, so a periodic slow step (a checkpoint) can't bias the sample towards the steps after it."""
-        rec.marks = {**(rec.marks or {}), "untimed": 1.0}
-        if number - self._forced >= EXTRA_EVERY and self._next_timed != number + 1:
-            self._forced = number
-            self._planned, self._next_timed = self._next_timed, number + 1
 
     __enter__ = begin_step
     __exit__ = end_step
@@ -554,18 +545,11 @@ class Engine:
 
     def _note_oom(self, phase: str | None, error: BaseException | None, peak: int | None = None) -> None:
         """Remember where a CUDA out-of-memory error struck (once per run: the first one)."""
-        err = error if error is not None else sys.exc_info()[1]
-        if err is None or not isinstance(err, torch.cuda.OutOfMemoryError):
+        if not isinstance(error if error is not None else sys.exc_info()[1], torch.cuda.OutOfMemoryError):
             return
         if peak is None and self.memory is not None:  # an unread step: the peak since the last reading
             peak = self.memory.b.read(self.memory.device)[1]
         self.oom = (phase, self.number + 1, peak, self._mem is not None)
-
-    def _switch_stream(self, key: tuple[int, int, int]) -> None:
-        self._stream_key = key
-        self.stream = self.b.stream_of_key(key)
-        self.device = key[1]
-        self._free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
 
     def _take_event(self) -> Any:
         if self._free:

@@ -94,10 +94,9 @@ class MemoryReader:
 
     def end_step(self, shared: bool) -> StepMemory:
         """At the step's end; ``shared`` as for ``enter_phase``."""
-        if shared:
-            return StepMemory(self._peaks[0], self.last_reserved, tuple(self._phases))
-        _, peak, reserved = self._read(reset=False)  # the next step's first reading resets
-        return StepMemory(max(self._peaks[0], peak), reserved, tuple(self._phases))
+        if not shared:  # no reset: the next step's first reading resets
+            self._peaks[0] = max(self._peaks[0], self._read(reset=False)[1])
+        return StepMemory(self._peaks[0], self.last_reserved, tuple(self._phases))
 
     def open_peak(self) -> int:
         """The innermost open phase's peak so far (else the step's), for the out-of-memory note."""

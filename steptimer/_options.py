@@ -147,8 +147,7 @@ def check_phase_name(name: str) -> None:
     # Only dots ("." or "..") would name no directory of its own for the phase's TensorBoard run.
     if not isinstance(name, str) or not _NAME_RE.match(name) or not name.strip("."):
         raise ValueError(
-            f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' "
-            "(nest phases to get 'outer/inner')"
+            f"invalid phase name {name!r}: use letters, digits, '_', '.' and '-' (nest phases to get 'outer/inner')"
         )
     if len(name) > MAX_PHASE_NAME_CHARS:
         raise ValueError(

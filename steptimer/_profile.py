@@ -45,15 +45,17 @@ def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
 
 
 class Ranges:
-    """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags are.
-    State lives here, not in the context managers (Lightning exits a step through a fresh ``step()``)."""
+    """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags are,
+    and the step's context manager while they run (``StepTimer.step``). State lives here, not in the
+    context manager's call (Lightning exits a step through a fresh ``step()``)."""
 
     def __init__(
         self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
-        set_ranged: Callable[[bool], None], recent: Capture | None = None,
+        set_ranged: Callable[[bool], None], recent: Capture | None, engine: Engine,
     ) -> None:  # fmt: skip
         self._push, self._pop = nvtx or (None, None)
         self._recent = recent  # the timer's capture: a profiler window's steps (there whenever a window is)
+        self._e = engine
         self.captures: list[ProfileCapture] = []  # the windows not yet written, in step order, apart
         self.slow: SlowProfiler | None = None  # profile_on_slow
         self._set_ranged = set_ranged
@@ -76,44 +78,54 @@ class Ranges:
         cap = self.captures[0] if self.captures else None
         self.from_number = 0 if self._push is not None else cap.first - 1 if cap is not None else math.inf
 
-    def arm(self, capture: ProfileCapture, engine: Engine) -> bool:
+    def arm(self, capture: ProfileCapture) -> bool:
         """Add a window unless it would overlap another or the ``lag`` steps until that one is written."""
-        gap = max(engine.lag, 1) + 1
+        gap = max(self._e.lag, 1) + 1
         if any(capture.last + gap > c.first and c.last + gap > capture.first for c in self.captures):
             return False
         self._accept(capture)
         return True
 
-    def begin_step(self, engine: Engine) -> None:
-        if engine.in_step:
-            return  # the engine raises (steps cannot nest): nothing to open
-        if self.captures and engine.number + 1 == self.captures[0].first and not self.recording:
-            if self.captures[0].start(engine):
-                self.recording = True
-                self._set_ranged(True)
-            else:  # the profiler did not start: a note says why; the run goes on without it
-                self._accept(None, drop_first=True)
-        self._begun = engine.number
-        self._open("step")
+    def __enter__(self) -> None:
+        engine = self._e
+        if not engine.in_step:  # else the engine raises below (steps cannot nest): nothing to open
+            if self.captures and engine.number + 1 == self.captures[0].first and not self.recording:
+                if self.captures[0].start(engine):
+                    self.recording = True
+                    self._set_ranged(True)
+                else:  # the profiler did not start: a note says why; the run goes on without it
+                    self._accept(None, drop_first=True)
+            self._begun = engine.number
+            self._open("step")
+        try:
+            engine.begin_step()
+        except BaseException:
+            self.abort_step()
+            raise
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: object) -> None:
+        engine = self._e
+        try:
+            engine.end_step(et, ev)
+        finally:
+            self._end_step(engine)
 
     def abort_step(self) -> None:
-        """Close the step's ranges (the engine raised after ``begin_step``, or at close)."""
+        """Close the open phases' ranges, then the step's (at its end, or the engine raised at its begin)."""
         while self._names:
             self.exit()
         if self._begun is not None:
             self._begun = None
             self._close()
 
-    def end_step(self, engine: Engine) -> None:
+    def _end_step(self, engine: Engine) -> None:
         if self._begun is None:
             return
-        while self._names:  # phases left open (the step failed)
-            self.exit()
-        dropped, self._begun = engine.number == self._begun, None
+        dropped = engine.number == self._begun
         if dropped and self.recording:
             with record_function(DROPPED_MARK):
                 pass
-        self._close()
+        self.abort_step()  # with the phases left open (the step failed)
         if not self.captures:
             return
         cap = self.captures[0]
@@ -171,8 +183,7 @@ def _outside_steps(engine: Engine) -> Iterator[None]:
     try:
         yield
     finally:
-        if paused is not None:
-            engine.end_pause(paused)
+        engine.end_pause(paused)  # None: nothing to end
 
 
 def _by_phase_ms(step_s: float, phases: list[list[Any]]) -> dict[str, float]:
@@ -327,7 +338,7 @@ class SlowProfiler:
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
         last = first + PROFILE_SLOW_STEPS - 1
         path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
-        if not self.ranges.arm(ProfileCapture(first, last, path, why=why), engine):
+        if not self.ranges.arm(ProfileCapture(first, last, path, why=why)):
             engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
             return
         self._profiled.append((first, last))
@@ -370,7 +381,8 @@ class SlowProfiler:
 
 def make_ranges(
     *, nvtx: object, profile_steps: tuple[int, int] | None, folder: str | None, enabled: bool, rank: int,
-    set_ranged: Callable[[bool], None], profile_on_slow: object = None, recent: Capture | None = None,
+    set_ranged: Callable[[bool], None], engine: Engine, profile_on_slow: object = None,
+    recent: Capture | None = None,
 ) -> tuple[Ranges | None, str | None]:  # fmt: skip
     """What ``profile_steps`` and ``profile_on_slow`` need of the run; the ranges (None: none) and a note."""
     if profile_on_slow is not None:
@@ -389,7 +401,7 @@ def make_ranges(
     slow = profile_on_slow is not None and ours
     if fns is None and capture is None and not slow:
         return None, note
-    ranges = Ranges(fns, capture, set_ranged, recent)
+    ranges = Ranges(fns, capture, set_ranged, recent, engine)
     if slow:
         ranges.slow = SlowProfiler(float(profile_on_slow), folder, ranges)  # type: ignore[arg-type]
     return ranges, note

@@ -121,10 +121,6 @@ class StepMarks:
                 return
             self._graphs = self.dyn.get("unique_graphs", 0)
 
-    def compiled(self) -> bool:
-        """torch.compile compiled a graph since the last step's end (``dyn`` is set)."""
-        return self.dyn.get("unique_graphs", 0) != self._graphs  # type: ignore[union-attr]
-
     def ended(self) -> dict[str, float] | None:
         """At a queued step's end (``dyn`` is set): its marks for the graphs compiled in it."""
         graphs = self.dyn.get("unique_graphs", 0)  # type: ignore[union-attr]
@@ -367,18 +363,9 @@ def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms:
     return out
 
 
-def slow_markdown(slowest: Sequence[SlowStep]) -> str:
-    """The TensorBoard text card: one Markdown table row per slow step."""
-    lines = ["| step | wall ms | what stood out |", "|---:|---:|---|"]
-    for s in slowest:
-        lines.append(f"| {s.step} | {num(s.wall_ms)} | {(s.cause or '-').replace('|', '/')} |")
-    clock = "the GPU's timeline" if slowest and slowest[0].clock == "gpu" else "host clock"
-    lines.append(f"\nwall time on {clock} (docs/slow-steps.md)")
-    return "\n".join(lines)
-
-
 def slow_summary(slowest: Sequence[SlowStep]) -> Any:
-    """A TensorBoard ``Summary`` with the text card and the JSON that ``steptimer report`` reads."""
+    """A TensorBoard ``Summary`` with the text card (a Markdown table row per slow step) and the JSON
+    that ``steptimer report`` reads."""
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.compat.proto.tensor_pb2 import TensorProto
     from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
@@ -389,8 +376,12 @@ def slow_summary(slowest: Sequence[SlowStep]) -> Any:
         t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=shape)
         return Summary.Value(tag=tag, metadata=meta, tensor=t)
 
+    lines = ["| step | wall ms | what stood out |", "|---:|---:|---|"]
+    lines += [f"| {s.step} | {num(s.wall_ms)} | {(s.cause or '-').replace('|', '/')} |" for s in slowest]
+    clock = "the GPU's timeline" if slowest and slowest[0].clock == "gpu" else "host clock"
+    card = "\n".join([*lines, f"\nwall time on {clock} (docs/slow-steps.md)"])
     doc = json.dumps([s.to_json() for s in slowest], allow_nan=False)
-    return Summary(value=[text(SLOW_TAG, slow_markdown(slowest), "text"), text(SLOW_JSON_TAG, doc, SLOW_PLUGIN)])
+    return Summary(value=[text(SLOW_TAG, card, "text"), text(SLOW_JSON_TAG, doc, SLOW_PLUGIN)])
 
 
 def parse_slow_json(raw: bytes) -> list[SlowStep]:

@@ -177,9 +177,14 @@ class Capture:
         self._keeps.append((self.ring[-1].number + 1, c.step + AFTER, recs))
         self.kept = {s.step: self.kept.get(s.step) or (s.wall_ms, recs) for s in self._slowest.heap}
 
-    def _write_flight(self, flight: str, run_id: str, cuda: bool) -> dict[int, str]:
-        if not self.kept or not os.path.isdir(os.path.dirname(flight)):
-            return {}  # a log directory gone mid-run: the sink has said so once already
+    def finish(self, engine: Engine) -> dict[int, str]:
+        """At close: write the traces; the flight recorder's paths by step."""
+        if self.trace is not None:
+            self._write_trace(engine)
+            self.trace = None
+        flight, run_id = self.flight, self.run_id
+        if flight is None or run_id is None or not self.kept or not os.path.isdir(os.path.dirname(flight)):
+            return {}  # without a log directory (gone mid-run: the sink has said so once already)
         folder = os.path.join(flight, run_id)
         paths: dict[int, str] = {}
         try:
@@ -199,21 +204,12 @@ class Capture:
                         "GPU track placed at the earliest time its launches allow (the recorder never waits for "
                         "a reference event): its slices' lengths and gaps are exact, their place may be early"
                     )
-                doc.update(cuda=cuda, slow_step=step, run_id=run_id)
+                doc.update(cuda=bool(engine.cuda), slow_step=step, run_id=run_id)
                 paths[step] = os.path.join(folder, f"step-{step}.trace.json")
                 write_json(paths[step], to_chrome(doc))
         except OSError as err:
             unwritten("the slow steps' traces", folder, err)
         return paths
-
-    def finish(self, engine: Engine) -> dict[int, str]:
-        """At close: write the traces; the flight recorder's paths by step."""
-        if self.trace is not None:
-            self._write_trace(engine)
-            self.trace = None
-        if self.flight is None or self.run_id is None:
-            return {}
-        return self._write_flight(self.flight, self.run_id, bool(engine.cuda))
 
 
 HOST_TID = 1

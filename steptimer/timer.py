@@ -61,31 +61,6 @@ class _Null:
 _NULL = _Null()
 
 
-class _RangedStep:
-    """A step that is also an NVTX / profiler range (``nvtx``, ``profile_steps``), see _profile.py."""
-
-    __slots__ = ("_e", "_r")
-
-    def __init__(self, engine: Engine, ranges: Ranges) -> None:
-        self._e, self._r = engine, ranges
-
-    def __enter__(self) -> None:
-        r, e = self._r, self._e
-        r.begin_step(e)
-        try:
-            e.begin_step()
-        except BaseException:
-            r.abort_step()
-            raise
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: object) -> Literal[False]:
-        try:
-            self._e.end_step(et, ev)
-        finally:
-            self._r.end_step(self._e)
-        return False
-
-
 class _RangedPhase(_Phase):
     """A phase that is also an NVTX / profiler range; the timer switches its phases' class to it and
     back (``_set_ranged``), so phases outside the profiler window pay nothing."""
@@ -235,10 +210,6 @@ class StepTimer:
             trace_steps, folder=folder, start_step=start_step, warmup_steps=warmup_steps,
             flight=slowest_steps > 0, window_steps=window_max, profile=profiled, **runs,
         )  # fmt: skip
-        self._ranges, nvtx_note = make_ranges(
-            nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow, recent=c,
-            folder=folder if seams.profile_dir is None else seams.profile_dir, set_ranged=self._set_ranged, **runs,
-        )  # fmt: skip
         # memory=None: time-budgeted; one timed step in 10 across ranks (every rank reads the same steps).
         memory_every = int(memory) if memory is not None else 10 if distributed else MEMORY_AUTO
         self._engine = Engine(
@@ -247,6 +218,11 @@ class StepTimer:
             window_min_s=window_min_s, window_max=window_max, on_step=c.add if c is not None else None,
             memory=memory_every, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
             cost_budget=cost_budget, late_marks=profiled,
+        )  # fmt: skip
+        self._ranges, nvtx_note = make_ranges(
+            nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow, recent=c,
+            folder=folder if seams.profile_dir is None else seams.profile_dir, set_ranged=self._set_ranged,
+            engine=self._engine, **runs,
         )  # fmt: skip
         if nvtx_note is not None:
             self.note(nvtx_note)
@@ -310,7 +286,7 @@ class StepTimer:
         r, e = self._ranges, self._engine
         e.samples, e.tokens, e.flops = samples, tokens, flops
         if r is not None and e.number >= r.from_number:  # NVTX, or the profiler window
-            return _RangedStep(e, r)
+            return r
         return e
 
     def data(self, loader: Iterable[_B]) -> Iterator[_B]:
