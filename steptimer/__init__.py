@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from steptimer._histogram import SeriesStats
-from steptimer._summary import PhaseSummary, Summary
+from steptimer._summary import Summary
+from steptimer._verdict import PhaseSummary
 
 if TYPE_CHECKING:
     from steptimer._instrument import Instrumented, instrument

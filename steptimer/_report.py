@@ -16,7 +16,8 @@ from steptimer._energy import Energy
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemorySummary
 from steptimer._reader import RunLog
-from steptimer._summary import NO_STATS, Series, Summary, summarize
+from steptimer._summary import NO_STATS, Summary, summarize
+from steptimer._verdict import Series
 from steptimer._window import Tally
 
 Points = dict[str, list[tuple[int, float]]]

@@ -7,14 +7,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 from steptimer._energy import Energy
 from steptimer._format import num, pct
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemoryStats, MemorySummary
 from steptimer._slow import Candidate, SlowestKeeper, SlowStep
-from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, ShareClock, Verdict, shares, verdict
+from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, PhaseSummary, Series, ShareClock, Verdict, shares, verdict
 from steptimer._window import Tally, Window
 
 
@@ -95,34 +95,6 @@ class RankSummary:
             out.append(f"  energy of {j.ranks} GPUs: {num(j.mean_ms * j.ranks)} J/step, {num(w.mean_ms * w.ranks)} W")
         out.append(f"  cross-rank statistics: {num(self.reduce_ms)} ms per log interval, {self.rounds} rounds")
         return out
-
-
-class Series(NamedTuple):
-    """One row on one clock over the summarized steps."""
-
-    stats: SeriesStats
-    hist: LogHistogram | None = None  # None: scalar-only logs
-    window_means_ms: tuple[float, ...] = ()
-
-    @property
-    def sum_ms(self) -> float:
-        return self.hist.sum_ms if self.hist is not None else self.stats.mean_ms * self.stats.steps
-
-
-@dataclass(frozen=True)
-class PhaseSummary:
-    """One row of the summary: a phase, or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``.
-    ``host``/``gpu``: over the steps in which the row ran (``gpu`` None without CUDA); ``calls_per_step``:
-    None when read from logs; ``share``: the top-level rows add up to 1; ``launch_bound``: the GPU waited
-    for the host's launches inside it; ``series``: by clock, what ``compare`` tests a change on."""
-
-    name: str
-    calls_per_step: float | None
-    host: SeriesStats
-    gpu: SeriesStats | None
-    share: float | None
-    launch_bound: bool
-    series: Mapping[str, Series] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,43 @@ happened to block (``loss.item()``), so only host-only runs keep them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, cast
 
 from steptimer._format import num, pct
+from steptimer._histogram import LogHistogram, SeriesStats
 
-if TYPE_CHECKING:
-    from steptimer._summary import PhaseSummary
 
-    Rows = Mapping[str, PhaseSummary]
-    Rule = tuple[bool, str, tuple[str | None, ...]]  # holds, the verdict's kind, its evidence (two kept)
+class Series(NamedTuple):
+    """One row on one clock over the summarized steps."""
+
+    stats: SeriesStats
+    hist: LogHistogram | None = None  # None: scalar-only logs
+    window_means_ms: tuple[float, ...] = ()
+
+    @property
+    def sum_ms(self) -> float:
+        return self.hist.sum_ms if self.hist is not None else self.stats.mean_ms * self.stats.steps
+
+
+@dataclass(frozen=True)
+class PhaseSummary:
+    """One row of the summary: a phase, or ``data``, ``other``, ``wait``, ``step``, GPU ``idle``.
+    ``host``/``gpu``: over the steps in which the row ran (``gpu`` None without CUDA); ``calls_per_step``:
+    None when read from logs; ``share``: the top-level rows add up to 1; ``launch_bound``: the GPU waited
+    for the host's launches inside it; ``series``: by clock, what ``compare`` tests a change on."""
+
+    name: str
+    calls_per_step: float | None
+    host: SeriesStats
+    gpu: SeriesStats | None
+    share: float | None
+    launch_bound: bool
+    series: Mapping[str, Series] = field(default_factory=dict, repr=False, compare=False)
+
+
+Rows = Mapping[str, PhaseSummary]
+Rule = tuple[bool, str, tuple[str | None, ...]]  # holds, the verdict's kind, its evidence (two kept)
 
 # Verdict thresholds, as fractions of the GPU's timeline (host only: of wall time).
 STALL_SHARE = 0.10  # the GPU waited for the host between steps at least this much: input- or loop-bound
