@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import gc
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -590,7 +591,9 @@ def test_keyboard_interrupt_inside_with_flushes(tmp_path: Path, clock: FakeClock
 
 
 def test_memory_is_bounded(clock: FakeClock, gpu: FakeGPU) -> None:
-    def peak(steps: int) -> int:
+    def kept(steps: int) -> int:
+        """What the run holds after ``steps`` steps: traced memory still allocated, garbage collected
+        (a peak would also count transient window work and uncollected cycles, which vary by host)."""
         t = StepTimer._make(backend=gpu.backend(), lag=3, log_every_n_steps=50, print_summary=False)
         tracemalloc.start()
         for _ in range(steps):
@@ -601,14 +604,17 @@ def test_memory_is_bounded(clock: FakeClock, gpu: FakeGPU) -> None:
                 with t.phase("backward"):
                     gpu.launch(2.0)
                     clock.advance_ms(0.5)
-        _, p = tracemalloc.get_traced_memory()
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         t.close()
-        return p
+        return held
 
-    p3k = peak(3_000)
-    p30k = peak(30_000)
-    assert p30k <= p3k * 1.02 + 4096, (p3k, p30k)  # a byte a step kept would add 27 kB
+    kept(3_000)  # first-use caches (imports) out of the comparison
+    k10k = kept(10_000)
+    k40k = kept(40_000)
+    # A byte a step kept would add 30 kB; numpy's own cache of small blocks moves by a few kB.
+    assert k40k <= k10k + 8192, (k10k, k40k)
 
 
 # ---------------------------------------------------------------- bad input
