@@ -118,27 +118,30 @@ class CommRecorder:
 
     def fsdp(self, call: Callable[[], Any], gpu: bool, async_op: bool, gather: bool) -> Any:
         """An FSDP2 collective ``call()`` (an all-gather if ``gather``, else a reduce-scatter), run on its
-        stream, its span noted on a timed step."""
-        e = self._engine
-        number = e.number + 1
-        if e.state < HOST or async_op or (gpu and e.state != GPU):  # async: its end is not in stream order
-            return call()
-        if not self._steps or self._steps[-1][0] != number:
-            self._steps.append((number, gpu, []))
-        if not gpu:  # the call returns when the collective has: the compute waited all along
-            t = perf_counter()
-            out = call()
-            self._steps[-1][2].append([t, perf_counter(), False, t])
-            return out
-        try:
-            ready, end = self._event(), self._event()
-            self._record(ready)  # on the collective's stream, once FSDP made it wait for the inputs
-        except Exception:  # steptimer's own failure: the collective goes on, unmeasured
-            return call()
-        out = call()
+        stream, its span noted on a timed step. steptimer's own failure leaves it run once, unmeasured."""
+        span = None
         with suppress(Exception):
-            self._record(end)  # the stream waits for the collective (a synchronous call)
-            self._steps[-1][2].append([ready, end, False, "gather" if gather else None])
+            e = self._engine
+            if e.state >= HOST and not async_op and (not gpu or e.state == GPU):  # async: end not in order
+                if not self._steps or self._steps[-1][0] != e.number + 1:
+                    self._steps.append((e.number + 1, gpu, []))
+                if gpu:
+                    ready = self._event()
+                    self._record(ready)  # on the collective's stream, once FSDP made it wait for the inputs
+                    span = [ready, None, False, "gather" if gather else None]
+                else:  # the call returns when the collective has: the compute waited all along
+                    t = perf_counter()
+                    span = [t, None, False, t]
+        out = call()
+        if span is not None:
+            with suppress(Exception):
+                if gpu:
+                    end = self._event()
+                    self._record(end)  # the stream waits for the collective (a synchronous call)
+                else:
+                    end = perf_counter()
+                span[1] = end
+                self._steps[-1][2].append(span)
         return out
 
     def fsdp_region(self, call: Callable[[], Any]) -> Any:

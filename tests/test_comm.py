@@ -244,7 +244,17 @@ def _fsdp_main(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
     doc: dict[str, Any] = {}
-    for watched in (False, True):  # the same training, without steptimer's comms and with them
+    # The same training without steptimer's comms, with them, and with them failing: steptimer's clock
+    # around each collective and its resolve raise (each collective must still run, once).
+    for watched in (False, True, "failing"):
+        if watched == "failing":
+            from steptimer import _comm
+
+            def boom(*a: Any, **k: Any) -> Any:
+                raise RuntimeError("steptimer's own failure")
+
+            _comm.perf_counter = boom  # type: ignore[assignment]
+            _comm.CommRecorder._take = boom  # type: ignore[method-assign]
         torch.manual_seed(0)
         net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
         for layer in net:
@@ -272,7 +282,7 @@ def _fsdp_main(rank: int, init: str, out: str) -> None:
         summary = timer.close()
         rows = {r.name: [r.host.steps, r.host.mean_ms, r.share] for r in summary.rows}
         last = summary.ranks.last.text() if summary.ranks is not None and summary.ranks.last is not None else None
-        doc["watched" if watched else "bare"] = {"losses": losses, "rows": rows, "last": last}
+        doc[{False: "bare", True: "watched"}.get(watched, watched)] = {"losses": losses, "rows": rows, "last": last}
     Path(out, f"rank{rank}.json").write_text(json.dumps(doc))
     dist.destroy_process_group()
 
@@ -287,7 +297,8 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, An
 def test_fsdp2_collectives_are_rows_of_their_own_and_training_is_unchanged(fsdp_run: dict) -> None:
     for rank, r in fsdp_run.items():
         assert r["watched"]["losses"] == r["bare"]["losses"], rank  # the same training, bit for bit
-        assert "comm" not in r["bare"]["rows"]
+        assert r["failing"]["losses"] == r["bare"]["losses"], rank  # steptimer failing: the same too
+        assert "comm" not in r["bare"]["rows"] and "comm" not in r["failing"]["rows"]
         rows = r["watched"]["rows"]
         assert rows["comm"][0] == rows["comm_exposed"][0] == 8 and rows["comm"][2] is None
         # On the host a collective returns when it is done: the compute waited for all of it.
