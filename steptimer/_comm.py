@@ -40,7 +40,7 @@ def comm_ms(
     is a backward's last (DDP's ``is_last()``; else the step's last): a group's exposed part is its union
     after its last span was ready, when the compute had nothing left to do but wait for it."""
     waits = list(waits) or [None] * len(spans)
-    exposed = sum(max(0.0, b - w) for (_, b), w in zip(spans, waits) if w is not None and w == w)
+    exposed = sum(max(0.0, b - w) for (_, b), w in zip(spans, waits) if w is not None and not math.isnan(w))
     for a, z in regions:  # the collectives that ran from its start until the last that ended in it
         e = max([b for _, b in spans if a < b <= z], default=a)
         exposed += union_ms([(max(r, a), min(b, e)) for r, b in spans if r < e and b > a])
