@@ -34,9 +34,10 @@ def comm_ms(
     """``(comm, exposed)`` of one step from its collectives' spans. ``waits[i]``: host timing, when the
     compute began to wait for span ``i`` (until its end); NaN: span ``i`` is waited for inside a region.
     ``regions``: spans of the compute stream where it may have waited (FSDP2's waits for an all-gather or
-    an earlier reduce-scatter): each waited while collectives ran, from its start until the last
-    collective that ended in it.
-    The others (DDP's buckets, FSDP2's reduce-scatters) are grouped by backward, ``lasts[i]``: span ``i``
+    a reduce-scatter): each waited while collectives ran, from its start until the last collective that
+    ended in it.
+    The others (DDP's buckets; FSDP2's reduce-scatters if its final callback is not a region) are
+    grouped by backward, ``lasts[i]``: span ``i``
     is a backward's last (DDP's ``is_last()``; else the step's last): a group's exposed part is its union
     after its last span was ready, when the compute had nothing left to do but wait for it."""
     waits = list(waits) or [None] * len(spans)
@@ -73,6 +74,8 @@ class CommRecorder:
         self._free: list[Any] = []  # CUDA events, reused
         self._streams: dict[Any, Any] = {}  # by torch's raw stream key: the Stream object (see _record)
         self._side: Any = None
+        self._region = False  # inside an FSDP2 region: a nested one is part of it
+        self._final = False  # FSDP2's final backward callback is a region: it holds the reduce-scatters' tail
         self._skip = 0  # a step not measured: its collective's future was not complete at launch
 
     def hook(self, state: Any, bucket: Any) -> Any:
@@ -148,14 +151,18 @@ class CommRecorder:
         """FSDP2's ``call()`` in which the compute stream may wait for a collective, its span on the
         compute stream noted on a timed GPU step that has collectives already."""
         e, steps = self._engine, self._steps
-        if e.state != GPU or not steps or steps[-1][0] != e.number + 1 or not steps[-1][1]:
+        if self._region or e.state != GPU or not steps or steps[-1][0] != e.number + 1 or not steps[-1][1]:
             return call()
         try:
             a, z = self._event(), self._event()
             self._record(a)
         except Exception:  # steptimer's own failure: FSDP goes on, the wait unmeasured
             return call()
-        out = call()
+        self._region = True
+        try:
+            out = call()
+        finally:
+            self._region = False
         with suppress(Exception):
             self._record(z)
             steps[-1][2].append([a, z, False, "wait"])
@@ -214,7 +221,7 @@ class CommRecorder:
             t0 = spans[0][0]
             ms = [(t0.elapsed_time(s[0]), t0.elapsed_time(s[1])) for s in spans]
             regions = [(t0.elapsed_time(s[0]), t0.elapsed_time(s[1])) for s in every if s[3] == "wait"]
-            waits = [math.nan if s[3] == "gather" else None for s in spans]
+            waits = [math.nan if s[3] == "gather" or self._final else None for s in spans]
         elif any(s[1] is None for s in spans):  # pragma: no cover - DDP waited for each future
             return None
         else:
@@ -281,8 +288,8 @@ class _Timed:
 def watch_fsdp(engine: Any, model: Any) -> None:
     """Time the all-gathers and reduce-scatters of every ``fully_shard`` module in ``model`` and the
     compute stream's spans where FSDP2 makes it wait for them (before a module's forward or backward, for
-    its all-gather; after its backward, for an earlier reduce-scatter), through the recorder given to
-    ``engine``."""
+    its all-gather; after its backward, for an earlier reduce-scatter; in the final backward callback,
+    for the last ones), through the recorder given to ``engine``."""
     from torch.distributed.fsdp import FSDPModule
 
     mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -291,9 +298,8 @@ def watch_fsdp(engine: Any, model: Any) -> None:
             f"watch_fsdp needs a model with fully_shard modules, got {type(model).__name__}: call it after "
             "fully_shard(...)"
         )
-    groups = []
-    for m in mods:  # FSDP2's param groups (their comms, waits): a list in torch 2.13, one in 2.11
-        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+    groups, states = [], [m._get_fsdp_state() for m in mods if hasattr(m, "_get_fsdp_state")]
+    for state in states:  # FSDP2's param groups (their comms, waits): a list in torch 2.13, one in 2.11
         found = getattr(state, "_fsdp_param_groups", None)
         groups += found if found is not None else [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
     parts = ("_all_gather_comm", "_reduce_scatter_comm", "wait_for_unshard", "post_backward")
@@ -308,6 +314,11 @@ def watch_fsdp(engine: Any, model: Any) -> None:
         group._reduce_scatter_comm = _Timed(group._reduce_scatter_comm, rec, False)
         group.wait_for_unshard = _region(group.wait_for_unshard, rec)
         group.post_backward = _region(group.post_backward, rec)
+    # Queued by whichever state's pre-backward runs first; FSDP2 looks it up on the state when it queues.
+    final = "_root_post_backward_final_callback"
+    rec._final = all(hasattr(state, final) for state in states)
+    for state in states if rec._final else ():
+        setattr(state, final, _region(getattr(state, final), rec))
 
 
 def _region(orig: Callable[..., Any], rec: CommRecorder) -> Callable[..., Any]:

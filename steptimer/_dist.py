@@ -32,6 +32,7 @@ MAX_SLOTS = 4096  # a window's last steps whose arrivals at the first collective
 # The rank last to the collective stood out: last in this part of the steps, by LAST_MIN_MS or more.
 LAST_SHARE = 2 / 3
 LAST_MIN_MS = 1.0  # a step's last rank by less than this arrived with the others (noise)
+HOST_PACED = 0.8  # a row's host time at least this share of its GPU time: the GPU waited for launches
 _NEG = -math.inf  # what a rank that abstains sends: neutral in a MAX
 
 # Custom Scalars charts, over the tags as runs hold them (a phase's sit in its run: _tensorboard.py).
@@ -178,17 +179,20 @@ def _row_sums(walls: Any, wkeys: Sequence[str], steps: set[int], mine: bool, nw:
     return sums + zeros if mine else zeros + sums
 
 
-def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> dict[str, float]:
+def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> tuple[dict, dict[str, list[float]]]:
     """Per row that can delay the arrival (between steps; top-level phases but ``backward``, which holds
-    the wait), on the arrivals' clock: the last rank's sum less the others' mean (reduced ``_row_sums``)."""
+    the wait), on the arrivals' clock: the last rank's sum less the others' mean (reduced ``_row_sums``);
+    on the GPU's clock also the last rank's host and GPU sums of each (``[host, gpu]``), which tell
+    whether its host set the row's pace."""
     clock, between = ("gpu", ("idle",)) if "gpu/step" in wkeys else ("host", ("data", "loop"))
-    out, k = {}, len(wkeys)
+    out, k, at = {}, len(wkeys), {key: i for i, key in enumerate(wkeys)}
     for i, key in enumerate(wkeys):
         c, _, name = key.partition("/")
         phase = name not in DERIVED and "/" not in name and not is_wait_phase(name)
         if c == clock and (name in between or phase):
             out[name] = rows[i] - rows[k + i] / max(reporting - 1, 1)
-    return out
+    fed = {n: [rows[at[f"host/{n}"]], rows[at[f"gpu/{n}"]]] for n in out if clock == "gpu" and f"host/{n}" in at}
+    return out, fed
 
 
 @dataclass
@@ -198,6 +202,7 @@ class _Late:
     steps: int = 0
     ahead_ms: float = 0.0
     grew_ms: dict[str, float] = field(default_factory=dict)
+    fed: dict[str, list[float]] = field(default_factory=dict)  # its rows' [host, gpu] ms
 
 
 @dataclass
@@ -214,6 +219,7 @@ class _Round:
     last: dict[int, tuple[int, float]] = field(default_factory=dict)
     top: int = -1
     grew: dict[str, float] = field(default_factory=dict)
+    fed: dict[str, list[float]] = field(default_factory=dict)
     energy: dict[str, RankSpread] = field(default_factory=dict)  # the window's (an interval) or the run's
 
 
@@ -310,7 +316,11 @@ class CrossRank:
             rank, late = max(self._late.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]), default=(-1, _Late()))
             phase, steps, share = grew_most(late.grew_ms), max(late.steps, 1), late.steps / self._measured
             grew_ms = late.grew_ms[phase] / steps if phase else 0.0
-            last = LastRank(rank, share, late.ahead_ms / steps, phase, grew_ms, share >= LAST_SHARE, self.collective)
+            # Its GPU ran the row about as long as its host took to launch it: the host set the pace.
+            host, gpu = late.fed.get(phase or "", (math.nan, math.nan))
+            paced = None if math.isnan(gpu) else host >= HOST_PACED * gpu
+            ahead_ms, stood_out = late.ahead_ms / steps, share >= LAST_SHARE
+            last = LastRank(rank, share, ahead_ms, phase, grew_ms, stood_out, self.collective, paced)
             self.summary = replace(self.summary, last=last)
         return out
 
@@ -331,6 +341,8 @@ class CrossRank:
                 late.ahead_ms += sum(ahead)
                 for name, v in res.grew.items():
                     late.grew_ms[name] = late.grew_ms.get(name, 0.0) + v
+                for name, (host, gpu) in res.fed.items():
+                    late.fed[name] = [a + b for a, b in zip(late.fed.get(name, [0.0, 0.0]), (host, gpu))]
             phase = grew_most(res.grew)
             kept = {c.step for c in keeper.heap} if keeper is not None else set()
             self._said = {n: text for n, text in self._said.items() if n in kept}
@@ -425,7 +437,7 @@ class CrossRank:
                 res.reporting = int(sm[nw])
                 res.spread = spreads(wkeys, mx[: 4 * nw], sm[: nw + 1], self._bits) if w else {}
             if measured:
-                res.grew = _grew(sm[nw + ns + 2 : -6], wkeys, res.reporting)
+                res.grew, res.fed = _grew(sm[nw + ns + 2 : -6], wkeys, res.reporting)
             if ns and s:
                 sres = spreads(skeys, mx[4 * nw : 4 * (nw + ns)], sm[nw + 1 : nw + ns + 2], self._bits)
                 self.summary = RankSummary(

@@ -34,7 +34,8 @@ class RankSpread:
 class LastRank:
     """The rank last (by 1 ms or more) to a watched model's first collective in a step (DDP's first
     all-reduce, FSDP2's first all-gather) in ``share`` of the steps, ``ahead_ms`` after the first rank
-    on average; ``phase``: its row that grew most."""
+    on average; ``phase``: its row that grew most; ``host_paced``: on the GPU's clock, whether its host
+    took about as long to launch the row as its GPU ran it (the GPU waited for launches)."""
 
     rank: int
     share: float
@@ -43,11 +44,13 @@ class LastRank:
     grew_ms: float
     stood_out: bool
     collective: str = "all-reduce"
+    host_paced: bool | None = None
 
     def text(self) -> str:
         if not self.stood_out:
             return f"no rank stood out at the {self.collective}"
-        phase = f", in {self.phase} (+{num(self.grew_ms)} ms)" if self.phase else ""
+        why = {None: "", True: ": its host launched slower", False: " on its GPU"}[self.host_paced]
+        phase = f", in {self.phase} (+{num(self.grew_ms)} ms{why})" if self.phase else ""
         last = f"rank {self.rank} was last to the {self.collective} in {pct(self.share)} of steps"
         return f"{last}, +{num(self.ahead_ms)} ms{phase}"
 

@@ -16,6 +16,7 @@ import pytest
 from steptimer import StepTimer
 from steptimer._dist import (
     CHARTS,
+    HOST_PACED,
     CrossRank,
     _arrivals,
     _grew,
@@ -26,6 +27,7 @@ from steptimer._dist import (
     spreads,
     straggler_ms,
 )
+from steptimer._summary import LastRank
 from tests.tb import layout_regexes, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,7 +303,8 @@ def test_nccl_two_gpus_names_the_slowed_rank(tmp_path: Path) -> None:
     # while its host slept in forward).
     assert "steptimer/gpu/comm_ms" in tb and "steptimer/gpu/comm_exposed_ms" in tb
     assert [v for _, v in tb["steptimer-ranks/last_rank"]] == [1.0] * 3
-    assert re.match(r"rank 1 was last to the all-reduce in .*, in forward", results[0]["last"]), results[0]["last"]
+    assert re.match(r"rank 1 was last to the all-reduce in .*, in forward \(\+[\d.]+ ms: its host launched slower\)",
+                    results[0]["last"]), results[0]["last"]  # fmt: skip
     # Each rank's GPU energy from NVML: window 40's spread (window 20's end is the first reading),
     # and the run's, whose sum over the ranks is the ranks' own run energy added up.
     assert tb["steptimer-ranks/energy/reporting"] == [(40, 2.0)]
@@ -314,6 +317,18 @@ def test_nccl_two_gpus_names_the_slowed_rank(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- arithmetic, in-process
+
+
+def test_the_last_rank_s_host_set_the_pace_where_its_gpu_ran_a_row_about_as_long_as_its_host() -> None:
+    """On the GPU's clock the reduced rows give the last rank's host and GPU sums of each phase."""
+    wkeys = ["gpu/step", "host/forward", "gpu/forward", "host/optimizer", "gpu/optimizer"]
+    mine, others = [100.0, 30.0, 31.0, 2.0, 12.0], [180.0, 30.0, 40.0, 2.0, 8.0]  # 2 other ranks
+    grew, fed = _grew(mine + others, wkeys, reporting=3)
+    assert grew == {"forward": 11.0, "optimizer": 8.0} and fed == {"forward": [30.0, 31.0], "optimizer": [2.0, 12.0]}
+    said = {n: LastRank(1, 1.0, 9.0, n, grew[n], True, host_paced=h >= HOST_PACED * g).text()
+            for n, (h, g) in fed.items()}  # fmt: skip
+    assert said["forward"].endswith("in forward (+11.0 ms: its host launched slower)"), said
+    assert said["optimizer"].endswith("in optimizer (+8.000 ms on its GPU)"), said
 
 
 @pytest.mark.parametrize("world", [2, 3, 1000, 2**20])
@@ -383,4 +398,4 @@ def test_arrivals_name_the_last_rank_and_its_lead_over_the_first(world: int) -> 
     # Rows summed over the last rank's steps, its own then the others': forward grew, backward is left out.
     keys = ["gpu/forward", "host/backward", "host/data", "host/forward", "host/step", "straggler"]
     rows = [0, 1.0, 2.0, 45.0, 50.0, 0] + [0, 80.0, 4.0, 10.0, 100.0, 0]  # two other ranks
-    assert _grew(rows, keys, 3) == {"data": 0.0, "forward": 40.0}
+    assert _grew(rows, keys, 3) == ({"data": 0.0, "forward": 40.0}, {})
