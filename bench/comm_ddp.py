@@ -14,9 +14,9 @@ from the trace: the NCCL kernels' busy time (the union of their spans), the part
 compute stream waited (idle with its next kernel launched) and the part no compute kernel overlaps;
 from steptimer, the window's ``comm`` and ``comm_exposed`` means. Targets (issue 44): exposed within
 max(5 %, 0.2 ms), total within 5 %; in ``comm-heavy`` the verdict names communication.
-``straggler``: the preset with rank 1 sleeping ``--slow-ms`` in each forward on its host and its GPU
-(``torch.cuda._sleep``): the summary must name rank 1 last to the all-reduce in 95 % of steps or more,
-in forward; ``default`` must name no rank. ``fsdp``, ``fsdp-unwatched`` and ``fsdp-straggler``: the same
+``straggler``: the preset with rank 1 sleeping ``--slow-ms`` in each forward on its GPU (``--slow-on``,
+``torch.cuda._sleep``; CPU: on its host): the summary must name rank 1 last to the all-reduce in 95 %
+of steps or more, in forward; ``default`` must name no rank. ``fsdp``, ``fsdp-unwatched`` and ``fsdp-straggler``: the same
 with FSDP2 (``fully_shard``, ``watch_fsdp``). Rank 0 writes ``comm_ddp.json`` and ``comm_ddp.md`` under
 ``--out`` and prints the table.
 """
@@ -49,6 +49,7 @@ from steptimer._comm import union_ms  # noqa: E402
 
 COMPUTE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+GAP_US = 5.0  # H100: 1-2 µs between kernels queued back to back
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -59,6 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profiled", type=int, default=10, help="the last steps, one steptimer window, profiled")
     p.add_argument("--configs", default=",".join(configs("tiny")), help="comma-separated, of: %(default)s")
     p.add_argument("--slow-ms", type=float, default=5.0, help="rank 1's sleep in each forward (straggler)")
+    p.add_argument("--slow-on", choices=("gpu", "host", "both"), default="gpu", help="where rank 1 sleeps (CUDA)")
     a = p.parse_args(argv)
     if a.profiled < 1 or a.iters < 2 * a.profiled or a.iters % a.profiled:
         p.error("--iters must be a multiple of --profiled (>= 1), at least twice it")
@@ -83,22 +85,24 @@ def configs(preset: str) -> dict[str, tuple[Any, float]]:
     return {**out, **baselines, "straggler": (cfg, 25.0), **fsdp}
 
 
-def sleeper(ms: float, cuda: bool) -> Any:
-    """A forward hook that sleeps ``ms`` on the host and, with CUDA, on the GPU's stream too
-    (``torch.cuda._sleep``, its cycles per ms measured once): the rank is ``ms`` later whether its GPU
-    or its host sets its pace (a launch-bound rank's GPU absorbs a GPU sleep in its idle time)."""
-    if not cuda:
-        return lambda *_: time.sleep(ms / 1e3)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10**7)
-    end.record()
-    end.synchronize()
-    cycles = int(ms * 10**7 / start.elapsed_time(end))
+def sleeper(ms: float, on: str) -> Any:
+    """A forward hook that sleeps ``ms`` on the host, on the GPU's stream (``torch.cuda._sleep``, its
+    cycles per ms measured once) or both (``on``). A launch-bound rank's GPU absorbs a GPU sleep in its
+    idle time, a GPU-bound rank's host a host sleep."""
+    cycles = 0
+    if on != "host":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10**7)
+        end.record()
+        end.synchronize()
+        cycles = int(ms * 10**7 / start.elapsed_time(end))
 
     def sleep(*_: Any) -> None:
-        time.sleep(ms / 1e3)
-        torch.cuda._sleep(cycles)
+        if on != "gpu":
+            time.sleep(ms / 1e3)
+        if cycles:
+            torch.cuda._sleep(cycles)
 
     return sleep
 
@@ -108,8 +112,8 @@ def cupti_ms(trace_path: str, steps: int) -> dict[str, float]:
     their spans), the part of it no compute kernel (or copy) overlaps, and the part during which the
     compute stream (the non-NCCL stream with the most kernels: the one steptimer's events are on) waited:
     idle from its last kernel's end, or its next kernel's launch call's return if later, to that kernel's
-    start (what steptimer's ``comm_exposed`` measures; the gaps between kernels of a stream the host
-    keeps fed are launch latency, not in it). Only NCCL kernels launched inside the profiled steps count
+    start (what steptimer's ``comm_exposed`` measures), by more than ``GAP_US``: the GPU's own gap
+    between queued kernels is not a wait. Only NCCL kernels launched inside the profiled steps count
     (one of an earlier step still running at the start has no launch in the trace)."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
@@ -130,7 +134,7 @@ def cupti_ms(trace_path: str, steps: int) -> dict[str, float]:
     compute = [(a, b) for ks in streams.values() for a, b, _ in ks]
     waited, end = [], -math.inf  # the compute stream idle while its next kernel was launched already
     for a, b, launched in sorted(max(streams.values(), key=len, default=[])):
-        if max(end, launched) < a:
+        if max(end, launched) < a - GAP_US / 1e3:
             waited.append((max(end, launched), a))
         end = max(end, b)
     busy = union_ms(nccl)
@@ -174,7 +178,7 @@ def run_config(name: str, cfg: Any, bucket_mb: float, a: argparse.Namespace, dev
         elif not name.endswith("-unwatched"):
             timer.watch_ddp(ddp)
     if name.endswith("straggler") and rank == 1:
-        t.model.register_forward_hook(sleeper(a.slow_ms, cuda))
+        t.model.register_forward_hook(sleeper(a.slow_ms, a.slow_on if cuda else "host"))
     loop = argparse.Namespace(iters=a.iters - a.profiled, slow_rank=-1, slow_phase="forward", slow_ms=0.0)
     train(t, ddp, timer, loop, rank)
     loop.iters = a.profiled

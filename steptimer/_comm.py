@@ -29,22 +29,25 @@ def union_ms(spans: Sequence[Span], after: float = -float("inf")) -> float:
 
 
 def comm_ms(
-    spans: Sequence[Span], lasts: Sequence[bool], waits: Sequence[float | None] = (), regions: Sequence[Span] = ()
+    spans: Sequence[Span],
+    lasts: Sequence[bool],
+    waits: Sequence[float | None] = (),
+    regions: Sequence[tuple[float, float, int]] = (),
 ) -> tuple[float, float]:
     """``(comm, exposed)`` of one step from its collectives' spans. ``waits[i]``: host timing, when the
     compute began to wait for span ``i`` (until its end); NaN: span ``i`` is waited for inside a region.
-    ``regions``: spans of the compute stream where it may have waited (FSDP2's waits for an all-gather or
-    a reduce-scatter): each waited while collectives ran, from its start until the last collective that
-    ended in it.
+    ``regions``: ``(start, end, n)``, spans of the compute stream where it may have waited (FSDP2's waits
+    for an all-gather or a reduce-scatter) for the first ``n`` spans (those launched before it): each
+    waited while they ran, from its start until the last of them that ended in it.
     The others (DDP's buckets; FSDP2's reduce-scatters if its final callback is not a region) are
     grouped by backward, ``lasts[i]``: span ``i``
     is a backward's last (DDP's ``is_last()``; else the step's last): a group's exposed part is its union
     after its last span was ready, when the compute had nothing left to do but wait for it."""
     waits = list(waits) or [None] * len(spans)
     exposed = sum(max(0.0, b - w) for (_, b), w in zip(spans, waits) if w is not None and not math.isnan(w))
-    for a, z in regions:  # the collectives that ran from its start until the last that ended in it
-        e = max([b for _, b in spans if a < b <= z], default=a)
-        exposed += union_ms([(max(r, a), min(b, e)) for r, b in spans if r < e and b > a])
+    for a, z, n in regions:  # the collectives that ran from its start until the last that ended in it
+        e = max([b for _, b in spans[:n] if a < b <= z], default=a)
+        exposed += union_ms([(max(r, a), min(b, e)) for r, b in spans[:n] if r < e and b > a])
     grouped = [(span, last) for span, last, w in zip(spans, lasts, waits) if w is None]
     first = 0
     for i, (_, last) in enumerate(grouped):
@@ -154,7 +157,7 @@ class CommRecorder:
         if self._region or e.state != GPU or not steps or steps[-1][0] != e.number + 1 or not steps[-1][1]:
             return call()
         try:
-            a, z = self._event(), self._event()
+            a, z, n = self._event(), self._event(), len(steps[-1][2])
             self._record(a)
         except Exception:  # steptimer's own failure: FSDP goes on, the wait unmeasured
             return call()
@@ -165,7 +168,7 @@ class CommRecorder:
             self._region = False
         with suppress(Exception):
             self._record(z)
-            steps[-1][2].append([a, z, False, "wait"])
+            steps[-1][2].append([a, z, False, "wait", n])  # it may wait for the n launched before it
         return out
 
     def _event(self) -> Any:
@@ -220,7 +223,12 @@ class CommRecorder:
                     span[1].synchronize()
             t0 = spans[0][0]
             ms = [(t0.elapsed_time(s[0]), t0.elapsed_time(s[1])) for s in spans]
-            regions = [(t0.elapsed_time(s[0]), t0.elapsed_time(s[1])) for s in every if s[3] == "wait"]
+            # A region may wait for the collectives launched before it (not for those it launches).
+            regions = [
+                (t0.elapsed_time(s[0]), t0.elapsed_time(s[1]), sum(x[3] != "wait" for x in every[: s[4]]))
+                for s in every
+                if s[3] == "wait"
+            ]
             waits = [math.nan if s[3] == "gather" or self._final else None for s in spans]
         elif any(s[1] is None for s in spans):  # pragma: no cover - DDP waited for each future
             return None

@@ -67,9 +67,13 @@ def test_waits_of_the_compute_count_until_the_collective_it_waited_for_ended() -
     # grouped as DDP's buckets: ready at 10 and 12, ending at 13 and 16.
     spans = [(0.0, 3.0), (5.0, 8.0), (18.0, 19.0), (10.0, 13.0), (12.0, 16.0)]
     waits = [math.nan, math.nan, math.nan, None, None]
-    busy, exposed = comm_ms(spans, [False] * 5, waits, [(1.0, 3.5), (9.0, 9.5), (17.0, 20.0)])
+    busy, exposed = comm_ms(spans, [False] * 5, waits, [(1.0, 3.5, 2), (9.0, 9.5, 2), (17.0, 20.0, 3)])
     assert busy == 3.0 + 3.0 + 1.0 + 6.0
     assert exposed == (3.0 - 1.0) + 0.0 + 1.0 + (16.0 - 12.0)
+    # A region waits only for the collectives launched before it: the reduce-scatter that FSDP2's
+    # post_backward launches inside it (10-13 ms, in a region from 9.5 to 13.5 ms) was not waited for.
+    assert comm_ms(spans[:4], [False] * 4, [math.nan] * 4, [(9.5, 13.5, 3)]) == (10.0, 0.0)
+    assert comm_ms(spans[:4], [False] * 4, [math.nan] * 4, [(9.5, 13.5, 4)]) == (10.0, 3.0)
     # Host timing: each collective waited for from its start.
     assert comm_ms([(0.0, 2.0), (3.0, 4.0)], [False, False], [0.0, 3.0]) == (3.0, 3.0)
 
