@@ -197,10 +197,11 @@ def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> tuple[
 
 @dataclass
 class _Late:
-    """A rank's steps as its window's last rank, with its ms behind the first and its rows' growth."""
+    """The steps a rank was last in, its ms behind the first, and its rows' growth where it was a window's last."""
 
     steps: int = 0
     ahead_ms: float = 0.0
+    grew_steps: int = 0  # of ``steps``, those in windows where it was last most: its rows' growth
     grew_ms: dict[str, float] = field(default_factory=dict)
     fed: dict[str, list[float]] = field(default_factory=dict)  # its rows' [host, gpu] ms
 
@@ -315,7 +316,7 @@ class CrossRank:
         if self.summary is not None and self._measured:
             rank, late = max(self._late.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]), default=(-1, _Late()))
             phase, steps, share = grew_most(late.grew_ms), max(late.steps, 1), late.steps / self._measured
-            grew_ms = late.grew_ms[phase] / steps if phase else 0.0
+            grew_ms = late.grew_ms[phase] / max(late.grew_steps, 1) if phase else 0.0
             # Its GPU ran the row about as long as its host took to launch it: the host set the pace.
             host, gpu = late.fed.get(phase or "", (math.nan, math.nan))
             paced = None if math.isnan(gpu) else host >= HOST_PACED * gpu
@@ -335,10 +336,13 @@ class CrossRank:
                     f"{RANKS}/last_rank_ms": sum(ahead) / len(ahead),
                 })  # fmt: skip
             self._measured += 0 if window.warmup else res.measured
-            if ahead and not window.warmup:
-                late = self._late.setdefault(res.top, _Late())
-                late.steps += len(ahead)
-                late.ahead_ms += sum(ahead)
+            for rank, ms in res.last.values() if not window.warmup else ():  # each step's last rank
+                late = self._late.setdefault(rank, _Late())
+                late.steps += 1
+                late.ahead_ms += ms
+            if ahead and not window.warmup:  # the rows were summed over the window's last rank's steps
+                late = self._late[res.top]
+                late.grew_steps += len(ahead)
                 for name, v in res.grew.items():
                     late.grew_ms[name] = late.grew_ms.get(name, 0.0) + v
                 for name, (host, gpu) in res.fed.items():
