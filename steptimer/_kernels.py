@@ -62,9 +62,7 @@ def load_profile(path: str) -> dict[str, Any]:
     file, doc, notes = read_json(path, profile_files(path), PROFILE_FILE, option)
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise LogError(f"{file}: not a Chrome trace (no traceEvents)")
-    doc["_path"] = file
-    doc["_notes"] = notes
-    return doc
+    return {**doc, "_path": file, "_notes": notes}
 
 
 class _X(NamedTuple):
@@ -108,12 +106,10 @@ class _Spans:
         """The innermost phase open at host time ``t`` (``other``, ``data``; None in a dropped step)."""
         if any(a <= t < z for a, z in self.dropped):
             return None
-        i = bisect_right(self.starts, t) - 1
-        while i >= 0:
+        for i in range(bisect_right(self.starts, t) - 1, -1, -1):
             a, z, name = self.spans[i]
             if a <= t < z:
                 return "other" if name == "step" else name
-            i -= 1
         return "data"
 
 
@@ -147,13 +143,10 @@ def _timed_items(events: list[_X], spans: _Spans, notes: list[str]) -> tuple[str
 
 def analyze(doc: dict[str, Any]) -> KernelsReport:
     """Each phase's kernels (or CPU ops, without CUDA activity) with the consistency check."""
+    meta, path = doc.get("steptimer") or {}, str(doc.get("_path", ""))
     events = _complete_events(doc)
-    meta = doc.get("steptimer") or {}
-    path = str(doc.get("_path", ""))
     spans = _Spans(events)
-    notes: list[str] = []
-    if isinstance(meta.get("why"), str):
-        notes.append(f"profiled because {meta['why']}")
+    notes = [f"profiled because {meta['why']}"] if isinstance(meta.get("why"), str) else []
     notes += doc.get("_notes") or []
     if not spans.spans:
         raise LogError(f"{path}: no steptimer ranges ({RANGE_PREFIX}...) in this trace")

@@ -45,20 +45,20 @@ def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
 
 
 class Ranges:
-    """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags are,
-    and the step's context manager while they run (``StepTimer.step``). State lives here, not in the
-    context manager's call (Lightning exits a step through a fresh ``step()``)."""
+    """The NVTX and ``record_function`` ranges of a timer's steps and phases, named as the tags are, and
+    the step's context manager while they run. State lives here, not in the call to ``step()``
+    (Lightning exits a step through a fresh ``step()``)."""
 
     def __init__(
         self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
         set_ranged: Callable[[bool], None], recent: Capture | None, engine: Engine,
     ) -> None:  # fmt: skip
         self._push, self._pop = nvtx or (None, None)
-        self._recent = recent  # the timer's capture: a profiler window's steps (there whenever a window is)
-        self._e = engine
+        self._recent = recent  # the timer's capture (there whenever a window is): a window's steps
+        self._e, self._set_ranged = engine, set_ranged
         self.captures: list[ProfileCapture] = []  # the windows not yet written, in step order, apart
+        self.windows: list[tuple[int, int]] = []  # every window's (first, last) steps, written or not
         self.slow: SlowProfiler | None = None  # profile_on_slow
-        self._set_ranged = set_ranged
         self._names: list[str] = []  # full names of the open phases
         self._records: list[Any] = []  # their record_function objects, while recording
         self._begun: int | None = None  # engine.number at the step's begin (unchanged at its end: dropped)
@@ -73,6 +73,7 @@ class Ranges:
             self.captures.pop(0)
         if capture is not None:
             capture.recs = self._recent.keep(capture.first, capture.last)  # type: ignore[union-attr]
+            self.windows.append((capture.first, capture.last))
             self.captures.append(capture)
             self.captures.sort(key=lambda c: c.first)
         cap = self.captures[0] if self.captures else None
@@ -104,11 +105,10 @@ class Ranges:
             raise
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: object) -> None:
-        engine = self._e
         try:
-            engine.end_step(et, ev)
+            self._e.end_step(et, ev)
         finally:
-            self._end_step(engine)
+            self._end_step(self._e)
 
     def abort_step(self) -> None:
         """Close the open phases' ranges, then the step's (at its end, or the engine raised at its begin)."""
@@ -151,9 +151,8 @@ class Ranges:
         self.captures = []
 
     def enter(self, name: str) -> None:
-        names = self._names
-        full = names[-1] + "/" + name if names else name
-        names.append(full)
+        full = self._names[-1] + "/" + name if self._names else name
+        self._names.append(full)
         self._open(full)
 
     def exit(self) -> None:
@@ -165,9 +164,7 @@ class Ranges:
         if self._push is not None:
             self._push(full)
         if self.recording:
-            rf = record_function(RANGE_PREFIX + full)
-            rf.__enter__()
-            self._records.append(rf)
+            self._records.append(record_function(RANGE_PREFIX + full).__enter__())
 
     def _close(self) -> None:
         if self._pop is not None:
@@ -266,15 +263,14 @@ class ProfileCapture:
                 write_json(self.path, doc)
         except OSError as err:
             engine.notes.append(unwritten("the profiler trace", self.path, err))
-            return
         except Exception as err:  # noqa: BLE001 - the profiler's own export failed: never stop the run
             self._failed(engine, "torch.profiler's trace of {what} was not written ({err})", err)
-            return
-        span = f"{steps[0]['number']}..{steps[-1]['number']}" if steps else "none"
-        engine.notes.append(
-            f"{self._lead()}; steps {span} ran under torch.profiler (their times include its overhead), "
-            f"trace: {self.path} (steptimer kernels)"
-        )
+        else:
+            span = f"{steps[0]['number']}..{steps[-1]['number']}" if steps else "none"
+            engine.notes.append(
+                f"{self._lead()}; steps {span} ran under torch.profiler (their times include its overhead), "
+                f"trace: {self.path} (steptimer kernels)"
+            )
 
 
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
@@ -311,8 +307,6 @@ class SlowProfiler:
         self._run: list[tuple[int, float]] = []  # the slow steps in a row so far: (number, wall ms)
         self._medians: dict[tuple[str, str], float] = {}  # the last window's, by (clock, row)
         self._quiet_to = -1  # the last step of the last capture's cool-down
-        # Steps under the profiler, profile_steps' and the captures': left out of the median.
-        self._profiled = [(c.first, c.last) for c in ranges.captures]
 
     def window(self, window: Any, engine: Engine) -> None:
         """Arm a capture if a slowdown completed in the window; keep its rows' medians for the next one."""
@@ -320,9 +314,8 @@ class SlowProfiler:
         if walls is None or engine.closed or not len(walls):
             return
         n, w = walls.numbers, walls.wall_ms
-        self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
-        clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler
-        for a, z in self._profiled:
+        clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler: left out of the median
+        for a, z in self.ranges.windows:
             clean &= (n < a) | (n > z)
         why, run, self._run = None, self._run, []  # a run goes on into this window only over the line
         if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
@@ -341,7 +334,6 @@ class SlowProfiler:
         if not self.ranges.arm(ProfileCapture(first, last, path, why=why)):
             engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
             return
-        self._profiled.append((first, last))
         self.captures += 1
         self._quiet_to = last + COOLDOWN_STEPS
 
@@ -387,12 +379,11 @@ def make_ranges(
     """What ``profile_steps`` and ``profile_on_slow`` need of the run; the ranges (None: none) and a note."""
     if profile_on_slow is not None:
         check_folder("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", folder)
-    ours = enabled and rank == 0
-    capture = None
     if profile_steps is not None:
         check_folder("profile_steps", PROFILE_FILE, folder)
-        if ours:
-            capture = ProfileCapture(*profile_steps, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
+    ours = enabled and rank == 0
+    path = os.path.join(folder or "", PROFILE_FILE)
+    capture = ProfileCapture(*profile_steps, path) if ours and profile_steps is not None else None
     fns = _nvtx_functions() if nvtx and enabled else None
     note = None
     if nvtx and enabled and fns is None:
@@ -402,6 +393,5 @@ def make_ranges(
     if fns is None and capture is None and not slow:
         return None, note
     ranges = Ranges(fns, capture, set_ranged, recent, engine)
-    if slow:
-        ranges.slow = SlowProfiler(float(profile_on_slow), folder, ranges)  # type: ignore[arg-type]
+    ranges.slow = SlowProfiler(float(profile_on_slow), folder, ranges) if slow else None  # type: ignore[arg-type]
     return ranges, note

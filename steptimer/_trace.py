@@ -1,7 +1,6 @@
-"""One capture of recent steps on the host's and the GPU's clocks, behind ``trace_steps`` (docs/cli.md
-#trace, read back by ``steptimer trace``), the flight recorder (docs/slow-steps.md) and the profiler
-windows' own times. A step is copied out (:func:`record`) only when a trace is made of it; no file
-is written inside a step."""
+"""One capture of recent steps on the host's and the GPU's clocks: ``trace_steps`` (``steptimer
+trace``, docs/cli.md#trace), the flight recorder (docs/slow-steps.md) and the profiler windows' times.
+A step is copied out (:func:`record`) only when a trace is made of it; no file is written in a step."""
 
 from __future__ import annotations
 
@@ -48,9 +47,7 @@ def run_files(folder: str, stem: str) -> list[str]:
 
 def record(rec: StepRecord) -> dict[str, Any]:
     """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later)."""
-    fetch = rec.row[FETCH_S]  # the loader's part of gap_s
-    offs = getattr(rec, "offs_ms", None)
-    phases = rec.phases
+    fetch, offs, phases = rec.row[FETCH_S], rec.offs_ms, rec.phases  # fetch: the loader's part of gap_s
     gpu = None if offs is None else {
         "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
         "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
@@ -59,14 +56,14 @@ def record(rec: StepRecord) -> dict[str, Any]:
         "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s,
         "fetch_s": None if fetch != fetch else fetch, "wait_s": rec.wait_s,
         "paused": bool(rec.pauses) or rec.paused_s > 0, "phases": [[p.name, p.t_in, p.t_out] for p in phases],
-        "gpu": gpu, "chain_ms": getattr(rec, "chain_ms", None),
+        "gpu": gpu, "chain_ms": rec.chain_ms,
     }  # fmt: skip
 
 
 def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, float]:
     """Per step of the last unbroken GPU event chain: the offset that puts its ``gpu`` times on the chain."""
     base: dict[int, float] = {}
-    end = None
+    end: float | None = None
     for s in steps:
         g = s["gpu"]
         if g is None:
@@ -74,9 +71,7 @@ def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, float]:
             continue
         if end is None or s["chain_ms"] is None:
             base.clear()
-            start = 0.0
-        else:
-            start = end + s["chain_ms"] / 1e3
+        start = end + s["chain_ms"] / 1e3 if base else 0.0  # type: ignore[operator]  # base: end set
         base[s["number"]] = b = start - g["start"]
         end = b + g["end"]
     return base
@@ -120,8 +115,6 @@ class Capture:
     def add(self, engine: Engine, rec: StepRecord) -> None:
         """The engine's ``on_step``: each resolved step, in order, before its events go back to the pool."""
         self.ring.append(rec)
-        if not self._keeps:  # the trace window's keep goes with its placing
-            return
         n = rec.number
         for first, last, recs in self._keeps:
             if first <= n <= last:
@@ -135,7 +128,7 @@ class Capture:
         """The window's GPU chain on the host clock through one reference event, waited for once (its
         wake-up latency draws GPU slices late by µs, never early)."""
         steps = [record(r) for r in self._trace_recs]
-        base = gpu_chain(steps) if engine.cuda else {}
+        base = gpu_chain(steps)
         held, b, shift = engine.held_end, engine.b, None
         if base and held is not None and held[0] == max(base) and b is not None:
             ref = b.new_event()
