@@ -1,6 +1,5 @@
-"""``steptimer kernels LOGDIR``: each phase's top GPU kernels (CPU ops without CUDA activity) in a
-``profile_steps`` / ``profile_on_slow`` trace, checked against steptimer's span of the same phase in
-the same steps (docs/cli.md#kernels)."""
+"""``steptimer kernels LOGDIR``: each phase's top GPU kernels (CPU ops without CUDA activity) in a profiler
+trace, checked against steptimer's span of the same phase in the same steps (docs/cli.md#kernels)."""
 
 from __future__ import annotations
 
@@ -96,11 +95,10 @@ class _Spans:
         ]  # fmt: skip
         marks = [a for a, _, name in spans if RANGE_PREFIX + name == DROPPED_MARK]
         self.dropped = [(a, z) for a, z, name in spans if name == "step" and any(a <= m < z for m in marks)]
-        spans = [s for s in spans if not any(a <= s[0] < z for a, z in self.dropped)]
-        spans.sort(key=lambda s: (s[0], -s[1]))  # parents before their children at equal starts
-        self.spans = spans
-        self.starts = [s[0] for s in spans]
-        self.order = list(dict.fromkeys(name for _, _, name in spans if name != "step"))  # as they ran
+        kept = (s for s in spans if not any(a <= s[0] < z for a, z in self.dropped))
+        self.spans = sorted(kept, key=lambda s: (s[0], -s[1]))  # parents before their children at equal starts
+        self.starts = [s[0] for s in self.spans]
+        self.order = list(dict.fromkeys(name for _, _, name in self.spans if name != "step"))  # as they ran
 
     def phase_at(self, t: float) -> str | None:
         """The innermost phase open at host time ``t`` (``other``, ``data``; None in a dropped step)."""
@@ -183,10 +181,8 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
             for k, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])
         ]
         span = spans_us.get(name)
-        phases.append(PhaseKernels(
-            name, total, rows, span, None if span is None else span - total,
-            None if span is None else total <= span * (1 + _TOL_FRAC) + tol_us,
-        ))  # fmt: skip
+        fits = None if span is None else total <= span * (1 + _TOL_FRAC) + tol_us
+        phases.append(PhaseKernels(name, total, rows, span, None if span is None else span - total, fits))
     bad = [p.name for p in phases if p.consistent is False]
     if bad:
         notes.append(
@@ -271,8 +267,7 @@ def format_report(rep: KernelsReport, top: int) -> str:
             idle = p.idle_us / p.span_us if p.span_us > 0 else 0.0
             over = "  OVER" if p.consistent is False else ""
             check = f"  {span_word} {p.span_us:,.1f}, {gap_word} {100 * idle:.1f}%{over}"
-        lines.append(f"{p.name}: {p.total_us:,.1f} µs{check}")
-        lines.append(head if p.kernels else f"  (no {what})")
+        lines += [f"{p.name}: {p.total_us:,.1f} µs{check}", head if p.kernels else f"  (no {what})"]
         lines += [
             f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
             f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"
