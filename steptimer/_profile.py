@@ -32,8 +32,6 @@ PROFILE_FILE = "steptimer-profile.json"
 RANGE_PREFIX = "steptimer/"
 # Marks a step that raised (steptimer drops it), for ``steptimer kernels``; no phase name has a space.
 DROPPED_MARK = RANGE_PREFIX + "step dropped"
-FORMAT = "steptimer-profile"
-VERSION = 1
 
 
 def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
@@ -45,9 +43,8 @@ def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
 
 
 class Ranges:
-    """The NVTX and ``record_function`` ranges of a timer's steps and phases, named as the tags are, and
-    the step's context manager while they run. State lives here, not in the call to ``step()``
-    (Lightning exits a step through a fresh ``step()``)."""
+    """The NVTX and ``record_function`` ranges of a timer's steps and phases, and the step's context
+    manager while they run; state lives here (Lightning exits a step through a fresh ``step()``)."""
 
     def __init__(
         self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
@@ -235,8 +232,7 @@ class ProfileCapture:
                 log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
 
     def write(self, engine: Engine, run_id: str | None) -> None:
-        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys), or
-        a note that the run ended before the window."""
+        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys)."""
         if self.prof is None:
             ended = f"the run ended at step {engine.number}, before the window; no profile written"
             engine.notes.append(f"{self._lead()}; {ended}")
@@ -248,15 +244,14 @@ class ProfileCapture:
              "gpu_ms": None if (g := s["gpu"]) is None else _by_phase_ms(g["end"] - g["start"], g["phases"])}
             for s in map(record, self.recs)
         ]  # fmt: skip
-        tmp = self.path + ".tmp"
         try:
             with _outside_steps(engine):
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                prof.export_chrome_trace(tmp)
-                with open(tmp) as f:
+                prof.export_chrome_trace(self.path + ".tmp")  # write_json then replaces the file
+                with open(self.path + ".tmp") as f:
                     doc = json.load(f)
                 doc["steptimer"] = {
-                    "format": FORMAT, "version": VERSION, "first": self.first, "last": self.last,
+                    "format": "steptimer-profile", "version": 1, "first": self.first, "last": self.last,
                     "cuda_activity": self.cuda, "range_prefix": RANGE_PREFIX, "steps": steps, "why": self.why,
                     "run_id": run_id,
                 }  # fmt: skip
@@ -297,8 +292,8 @@ COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the
 
 
 class SlowProfiler:
-    """``profile_on_slow``: arms a window on :class:`Ranges` when steps *stay* slower than ``factor`` x
-    the rolling median step; checked once per window on its arrays, never per step."""
+    """``profile_on_slow``: arms a window when steps *stay* slower than ``factor`` x the rolling median
+    step; checked once per window on its arrays, never per step."""
 
     def __init__(self, factor: float, folder: str, ranges: Ranges) -> None:
         self.factor, self.folder, self.ranges = factor, folder, ranges
@@ -345,12 +340,11 @@ class SlowProfiler:
             if is_over:
                 run.append((int(number), float(walls.wall_ms[i])))
             if len(run) >= SLOW_RUN_STEPS:
-                what = self._grew(walls, run[0][0], i)
                 mean_ms = sum(wall for _, wall in run) / len(run)
                 return (
                     f"profile_on_slow={self.factor:g}: steps {run[0][0]}-{run[-1][0]} each slower than "
                     f"{self.factor:g} x the median step before them: {num(mean_ms)} ms on average vs "
-                    f"{num(base)} ms{what}"
+                    f"{num(base)} ms{self._grew(walls, run[0][0], i)}"
                 )
         self._run = run
         return None

@@ -125,15 +125,14 @@ class Capture:
                 self._place_trace(engine)
 
     def _place_trace(self, engine: Engine) -> dict[str, Any]:
-        """The window's GPU chain on the host clock through one reference event, waited for once (its
-        wake-up latency draws GPU slices late by µs, never early)."""
+        """The window's GPU chain on the host clock through one reference event, waited for once."""
         steps = [record(r) for r in self._trace_recs]
         base = gpu_chain(steps)
         held, b, shift = engine.held_end, engine.b, None
         if base and held is not None and held[0] == max(base) and b is not None:
             ref = b.new_event()
             b.record(ref, engine.stream)
-            b.wait(ref)
+            b.wait(ref)  # its wake-up latency draws GPU slices late by µs, never early
             end_host = perf_counter() - b.elapsed_ms(held[2], ref) / 1e3
             end = next(s["gpu"]["end"] for s in steps if s["number"] == held[0]) + base[held[0]]
             shift = end_host - end  # host time of the chain's zero
@@ -162,8 +161,7 @@ class Capture:
             engine.notes.append(unwritten("the trace capture", path, err))
 
     def want(self, c: SlowStep) -> None:
-        """Keep the steps around ``c`` (the ring's now, the ``AFTER`` ones as they come) while it is
-        among the ``MAX_TRACES`` slowest."""
+        """Keep the steps around ``c`` (the ring's, then the ``AFTER`` ones) while among the slowest."""
         recs = [r for r in self.ring if c.step - BEFORE <= r.number <= c.step + AFTER]
         if self.flight is None or not any(r.number == c.step for r in recs) or not self._slowest.add([c]):
             return
@@ -299,8 +297,7 @@ def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str,
 
 
 def load_capture(path: str) -> dict[str, Any]:
-    """Read a ``trace_steps`` capture (``steptimer trace``): the file ``path``, or a directory's first
-    (the notes name the rest)."""
+    """Read a ``trace_steps`` capture: the file ``path``, or a directory's first (notes name the rest)."""
     files = run_files(path, TRACE_FILE[: -len(".json")])  # none unless ``path`` is a directory
     file, doc, notes = read_json(path, files, TRACE_FILE, "trace_steps=N")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
