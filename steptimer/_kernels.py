@@ -1,4 +1,4 @@
-"""``steptimer kernels LOGDIR``: each phase's top GPU kernels (CPU ops without CUDA activity) in a profiler
+"""``steptimer kernels LOGDIR``: each phase's top GPU kernels (CPU ops without CUDA) in a profiler
 trace, checked against steptimer's span of the same phase in the same steps (docs/cli.md#kernels)."""
 
 from __future__ import annotations

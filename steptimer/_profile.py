@@ -221,8 +221,7 @@ class ProfileCapture:
             except Exception as err:  # noqa: BLE001 - steptimer's profiler must never stop the run
                 self.prof = None
                 self._failed(engine, "torch.profiler did not start for {what} ({err}); no trace", err)
-                return False
-        return True
+        return self.prof is not None
 
     def stop(self, engine: Engine) -> None:
         with _outside_steps(engine):
@@ -387,5 +386,6 @@ def make_ranges(
     if fns is None and capture is None and not slow:
         return None, note
     ranges = Ranges(fns, capture, set_ranged, recent, engine)
-    ranges.slow = SlowProfiler(float(profile_on_slow), folder, ranges) if slow else None  # type: ignore[arg-type]
+    if slow:
+        ranges.slow = SlowProfiler(float(profile_on_slow), folder, ranges)  # type: ignore[arg-type]
     return ranges, note

@@ -224,8 +224,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
 
     clamped = 0
     for s in steps:
-        n, t0, gap = s["number"], s["t0"], s["gap_s"]
-        t_end = t0 + s["step_s"]
+        n, t0, gap, t_end = s["number"], s["t0"], s["gap_s"], s["t0"] + s["step_s"]
         if gap:  # the loader's fetch ends the time between steps (its position there is approximate)
             fetch = min(s.get("fetch_s") or 0.0, gap)
             slice_(HOST_TID, "loop", "loop", t0 - gap, t0 - fetch, step=n)
@@ -280,10 +279,9 @@ def make_capture(
 
 def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str, Any, list[str]]:
     """``(file, JSON, notes)`` of ``path`` or a directory's first of ``found``; errors name ``option``."""
-    notes: list[str] = []
-    if found[1:]:
-        others = ", ".join(os.path.basename(f) for f in found[1:])
-        notes.append(f"{len(found) - 1} more file(s) of other runs here (pass one to read it): {others}")
+    others = ", ".join(os.path.basename(f) for f in found[1:])
+    more = f"{len(found) - 1} more file(s) of other runs here (pass one to read it): {others}"
+    notes = [more] if others else []
     file = os.path.join(path, os.path.basename(found[0]) if found else name) if os.path.isdir(path) else path
     if not os.path.exists(file):
         if not os.path.exists(path):
