@@ -61,10 +61,10 @@ class Ranges:
         self._begun: int | None = None  # engine.number at the step's begin (unchanged at its end: dropped)
         self.recording = False  # inside a profiler window: record_function ranges on
         self.from_number: float = math.inf  # steps take the ranges from this engine.number on
-        self._accept(capture)
+        self.accept(capture)
         set_ranged(self._push is not None)
 
-    def _accept(self, capture: ProfileCapture | None, *, drop_first: bool = False) -> None:
+    def accept(self, capture: ProfileCapture | None, *, drop_first: bool = False) -> None:
         """Add ``capture`` (or drop the first window); steps take the ranges from the next one's on."""
         if drop_first:
             self.captures.pop(0)
@@ -76,14 +76,6 @@ class Ranges:
         cap = self.captures[0] if self.captures else None
         self.from_number = 0 if self._push is not None else cap.first - 1 if cap is not None else math.inf
 
-    def arm(self, capture: ProfileCapture) -> bool:
-        """Add a window unless it would overlap another or the ``lag`` steps until that one is written."""
-        gap = max(self._e.lag, 1) + 1
-        if any(capture.last + gap > c.first and c.last + gap > capture.first for c in self.captures):
-            return False
-        self._accept(capture)
-        return True
-
     def __enter__(self) -> None:
         engine = self._e
         if not engine.in_step:  # else the engine raises below (steps cannot nest): nothing to open
@@ -92,7 +84,7 @@ class Ranges:
                     self.recording = True
                     self._set_ranged(True)
                 else:  # the profiler did not start: a note says why; the run goes on without it
-                    self._accept(None, drop_first=True)
+                    self.accept(None, drop_first=True)
             self._begun = engine.number
             self._open("step")
         try:
@@ -135,7 +127,7 @@ class Ranges:
                 cap.stop(engine)
         if cap.prof is not None and engine.last_resolved >= cap.last:  # its steps resolved
             cap.write(engine, self._recent.run_id)  # type: ignore[union-attr]
-            self._accept(None, drop_first=True)
+            self.accept(None, drop_first=True)
 
     def finish(self, engine: Engine) -> None:
         """At ``close()``, after the engine resolved every step."""
@@ -197,7 +189,6 @@ class ProfileCapture:
     why: str | None = None
     prof: Any = None  # the profiler, from its start until the trace is written
     recs: list[Any] = field(default_factory=list)  # the window's resolved steps (``Capture.keep``)
-    cuda: bool = False
 
     def _what(self) -> str:
         return f"steps {self.first}..{self.last}" + (" (profile_on_slow)" if self.why else " (profile_steps)")
@@ -212,8 +203,7 @@ class ProfileCapture:
 
     def start(self, engine: Engine) -> bool:
         """Start the profiler before step ``first``; False (a warning and a note) if it would not start."""
-        self.cuda = torch.cuda.is_available()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with _outside_steps(engine):
             try:
                 self.prof = profile(activities=activities)
@@ -251,8 +241,8 @@ class ProfileCapture:
                     doc = json.load(f)
                 doc["steptimer"] = {
                     "format": "steptimer-profile", "version": 1, "first": self.first, "last": self.last,
-                    "cuda_activity": self.cuda, "range_prefix": RANGE_PREFIX, "steps": steps, "why": self.why,
-                    "run_id": run_id,
+                    "cuda_activity": torch.cuda.is_available(), "range_prefix": RANGE_PREFIX, "steps": steps,
+                    "why": self.why, "run_id": run_id,
                 }  # fmt: skip
                 write_json(self.path, doc)
         except OSError as err:
@@ -268,13 +258,12 @@ class ProfileCapture:
 
 
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
-_SLOW_RE = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
 
 
 def profile_files(folder: str) -> list[str]:
     """Every run's profiler traces in ``folder``: ``profile_steps``' first, then ``profile_on_slow``'s."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
-    steps = sorted({int(m[1]) for n in names if (m := re.match(_SLOW_RE, n))})
+    steps = sorted({int(m[1]) for n in names if (m := re.match(rf"{SLOW_PROFILE_PREFIX}(\d+)\.", n))})
     stems = [PROFILE_FILE[: -len(".json")]] + [f"{SLOW_PROFILE_PREFIX}{k}" for k in steps]
     return [f for stem in stems for f in run_files(folder, stem)]
 
@@ -324,10 +313,12 @@ class SlowProfiler:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
         last = first + PROFILE_SLOW_STEPS - 1
-        path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
-        if not self.ranges.arm(ProfileCapture(first, last, path, why=why)):
+        gap = max(engine.lag, 1) + 1  # apart from another window and the lag steps until it is written
+        if any(last + gap > c.first and c.last + gap > first for c in self.ranges.captures):
             engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
             return
+        path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
+        self.ranges.accept(ProfileCapture(first, last, path, why=why))
         self.captures += 1
         self._quiet_to = last + COOLDOWN_STEPS
 

@@ -235,8 +235,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
             slice_(HOST_TID, name, "phase", t_in, t_out, step=n)
         if s["wait_s"] > 0:
             slice_(HOST_TID, "wait", "wait", t_end - s["wait_s"], t_end, step=n, position="approximate")
-        g = s.get("gpu")
-        if g is None:
+        if (g := s.get("gpu")) is None:
             continue
         launches = [(f"step {n}", "step", g["start"], g["end"], t0)]
         launches += [(name, "phase", a, z, p[1]) for (name, a, z), p in zip(g["phases"], s["phases"])]
