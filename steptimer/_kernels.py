@@ -20,6 +20,8 @@ LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 # timestamps and CUDA events are read from the same GPU timer but rounded differently (~1 µs).
 _TOL_FRAC = 0.01
 _TOL_US_PER_STEP = 2.0
+NAME_WIDTH = 43  # the kernel name column of the terminal table
+_WRAPPER_RE = re.compile(r"(?:^|::)(?:device_)?[Kk]ernel\d*<…>$")  # a kernel named by its template only
 
 
 @dataclass
@@ -200,9 +202,6 @@ def report_json(rep: KernelsReport, top: int) -> dict[str, Any]:
     return out
 
 
-NAME_WIDTH = 43
-
-
 def short_name(name: str, width: int = NAME_WIDTH) -> str:
     """A kernel name shortened step by step until it fits ``width`` (docs/cli.md#kernels)."""
     s = name.strip()
@@ -224,9 +223,6 @@ def short_name(name: str, width: int = NAME_WIDTH) -> str:
         tail = 2 * (width - 1) // 3
         s = s[: width - 1 - tail] + "…" + s[len(s) - tail :]
     return s
-
-
-_WRAPPER_RE = re.compile(r"(?:^|::)(?:device_)?[Kk]ernel\d*<…>$")
 
 
 def _elide_templates(s: str, level: int) -> str:

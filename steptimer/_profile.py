@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("steptimer")
 
 PROFILE_FILE = "steptimer-profile.json"
+SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
 RANGE_PREFIX = "steptimer/"
 # Marks a step that raised (steptimer drops it), for ``steptimer kernels``; no phase name has a space.
 DROPPED_MARK = RANGE_PREFIX + "step dropped"
@@ -54,7 +55,7 @@ class Ranges:
         self._recent = recent  # the timer's capture (there whenever a window is): a window's steps
         self._e, self._set_ranged = engine, set_ranged
         self.captures: list[ProfileCapture] = []  # the windows not yet written, in step order, apart
-        self.windows: list[tuple[int, int]] = []  # every window's (first, last) steps, written or not
+        self.windows: list[tuple[int, int]] = []  # every window's (first, last) steps, as accepted
         self.slow: SlowProfiler | None = None  # profile_on_slow
         self._names: list[str] = []  # full names of the open phases
         self._records: list[Any] = []  # their record_function objects, while recording
@@ -257,9 +258,6 @@ class ProfileCapture:
             )
 
 
-SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
-
-
 def profile_files(folder: str) -> list[str]:
     """Every run's profiler traces in ``folder``: ``profile_steps``' first, then ``profile_on_slow``'s."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
@@ -289,7 +287,6 @@ class SlowProfiler:
         self._ring = np.zeros(0)  # the last BASELINE_STEPS resolved steps' wall times
         self._run: list[tuple[int, float]] = []  # the slow steps in a row so far: (number, wall ms)
         self._medians: dict[tuple[str, str], float] = {}  # the last window's, by (clock, row)
-        self._quiet_to = -1  # the last step of the last capture's cool-down
 
     def window(self, window: Any, engine: Engine) -> None:
         """Arm a capture if a slowdown completed in the window; keep its rows' medians for the next one."""
@@ -304,7 +301,8 @@ class SlowProfiler:
         if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
             k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
             base = float(np.partition(self._ring, k)[k])
-            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to) & clean
+            quiet_to = self.ranges.windows[-1][1] + COOLDOWN_STEPS if self.captures else -1
+            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > quiet_to) & clean
             if over.any():  # a Python loop over the window's steps only then
                 why = self._runs(walls, over, base, run)
         self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
@@ -320,7 +318,6 @@ class SlowProfiler:
         path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
         self.ranges.accept(ProfileCapture(first, last, path, why=why))
         self.captures += 1
-        self._quiet_to = last + COOLDOWN_STEPS
 
     def _runs(self, walls: StepWalls, over: Any, base: float, run: list[tuple[int, float]]) -> str | None:
         """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line (``run``: its start)."""

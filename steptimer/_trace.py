@@ -24,6 +24,7 @@ TRACE_FILE = "steptimer-trace.json"
 FORMAT = "steptimer-trace"
 VERSION = 1
 FLIGHT_DIR = "steptimer-slow"
+HOST_TID, GPU_TID = 1, 2  # the Chrome trace's tracks
 BEFORE, AFTER, MAX_TRACES = 3, 2, 3  # the flight recorder's steps around a slow one, traces kept
 
 
@@ -201,10 +202,6 @@ class Capture:
         except OSError as err:
             unwritten("the slow steps' traces", folder, err)
         return paths
-
-
-HOST_TID = 1
-GPU_TID = 2
 
 
 def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
