@@ -21,7 +21,7 @@ LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 _TOL_FRAC = 0.01
 _TOL_US_PER_STEP = 2.0
 NAME_WIDTH = 43  # the kernel name column of the terminal table
-_WRAPPER_RE = re.compile(r"(?:^|::)(?:device_)?[Kk]ernel\d*<…>$")  # a kernel named by its template only
+_WRAPPER_RE = re.compile(r"(?:^|::)(?:device_)?[Kk]ernel\d*<…>$")  # named by its template only
 
 
 @dataclass
@@ -98,7 +98,7 @@ class _Spans:
         marks = [a for a, _, name in spans if RANGE_PREFIX + name == DROPPED_MARK]
         self.dropped = [(a, z) for a, z, name in spans if name == "step" and any(a <= m < z for m in marks)]
         kept = (s for s in spans if not any(a <= s[0] < z for a, z in self.dropped))
-        self.spans = sorted(kept, key=lambda s: (s[0], -s[1]))  # parents before their children at equal starts
+        self.spans = sorted(kept, key=lambda s: (s[0], -s[1]))  # parents first at equal starts
         self.starts = [s[0] for s in self.spans]
         self.order = list(dict.fromkeys(name for _, _, name in self.spans if name != "step"))  # as they ran
 
@@ -119,10 +119,9 @@ def _outermost(ops: list[_X], starts: list[float]) -> list[_X]:
     end: dict[Any, float] = {}
     for x in sorted(ops, key=lambda x: (x.ts, -x.dur)):
         i = bisect_right(starts, x.ts)
-        if x.ts < end.get(x.thread, -1.0) or (i < len(starts) and starts[i] < x.ts + x.dur):
-            continue
-        out.append(x)
-        end[x.thread] = x.ts + x.dur
+        if x.ts >= end.get(x.thread, -1.0) and (i == len(starts) or starts[i] >= x.ts + x.dur):
+            out.append(x)
+            end[x.thread] = x.ts + x.dur
     return out
 
 
@@ -135,8 +134,7 @@ def _timed_items(events: list[_X], spans: _Spans, notes: list[str]) -> tuple[str
         return "host", [(x.name, x.dur, x.ts) for x in _outermost(ops, spans.starts)], 0
     launch_ts = {x.corr: x.ts for x in events if x.cat in LAUNCH_CATS and x.corr is not None}
     items = [(x.name, x.dur, launch_ts[x.corr]) for x in gpu if x.corr in launch_ts]
-    unattributed = len(gpu) - len(items)
-    if unattributed:
+    if unattributed := len(gpu) - len(items):
         notes.append(f"{unattributed} GPU activities without their launch in the trace were left out")
     return "gpu", items, unattributed
 
@@ -151,8 +149,7 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
     if not spans.spans:
         raise LogError(f"{path}: no steptimer ranges ({RANGE_PREFIX}...) in this trace")
     clock, items, unattributed = _timed_items(events, spans, notes)
-    if spans.dropped:
-        n = len(spans.dropped)
+    if n := len(spans.dropped):
         notes.append(
             f"{n} step{'s' * (n != 1)} that raised left out with {'their' if n != 1 else 'its'} "
             f"{'kernels' if clock == 'gpu' else 'ops'} (steptimer drops a step that raises)"
@@ -185,8 +182,7 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
         span = spans_us.get(name)
         fits = None if span is None else total <= span * (1 + _TOL_FRAC) + tol_us
         phases.append(PhaseKernels(name, total, rows, span, None if span is None else span - total, fits))
-    bad = [p.name for p in phases if p.consistent is False]
-    if bad:
+    if bad := [p.name for p in phases if p.consistent is False]:
         notes.append(
             f"kernels exceed steptimer's span in {', '.join(bad)}: kernels on other streams "
             "overlapped (only the timed stream is bounded by the span)"
@@ -197,8 +193,7 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
 def report_json(rep: KernelsReport, top: int) -> dict[str, Any]:
     """``steptimer kernels --json``: each phase's kernels cut to the ``top`` first."""
     out = asdict(rep)
-    for p in out["phases"]:
-        p["kernels"] = p["kernels"][:top]
+    out["phases"] = [{**p, "kernels": p["kernels"][:top]} for p in out["phases"]]
     return out
 
 

@@ -66,8 +66,7 @@ def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, float]:
     base: dict[int, float] = {}
     end: float | None = None
     for s in steps:
-        g = s["gpu"]
-        if g is None:
+        if (g := s["gpu"]) is None:
             end = None
             continue
         if end is None or s["chain_ms"] is None:
@@ -240,8 +239,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
             clamped += a < launched
             a = max(a, launched)
             slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
-    # Parents before children (Chrome's importer nests by order when starts are equal).
-    depth = {"loop": 0, "data": 0, "step": 1, "wait": 99}
+    depth = {"loop": 0, "data": 0, "step": 1, "wait": 99}  # Chrome nests by order at equal starts
     slices.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"], depth.get(e["cat"], 2 + e["name"].count("/"))))
     has_gpu = any(s.get("gpu") is not None for s in steps)
     tracks = [(0, "process_name", {"name": "steptimer"})]
@@ -299,8 +297,7 @@ def load_capture(path: str) -> dict[str, Any]:
     if doc.get("version") != VERSION:
         raise LogError(f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}")
     if not doc["steps"]:
-        ended = doc.get("last_step")
-        ran = "" if ended is None else f" (it ended at step {ended})"
+        ran = "" if doc.get("last_step") is None else f" (it ended at step {doc['last_step']})"
         raise LogError(
             f"{file}: the run never reached the captured steps {doc.get('first')}..{doc.get('last')}{ran}; "
             "capture steps it reaches: StepTimer(trace_steps=N) takes the N steps after warm-up"
