@@ -81,11 +81,10 @@ class Ranges:
         engine = self._e
         if not engine.in_step:  # else the engine raises below (steps cannot nest): nothing to open
             if self.captures and engine.number + 1 == self.captures[0].first and not self.recording:
-                if self.captures[0].start(engine):
-                    self.recording = True
-                    self._set_ranged(True)
-                else:  # the profiler did not start: a note says why; the run goes on without it
+                self.recording = self.captures[0].start(engine)
+                if not self.recording:  # the profiler did not start: a note says why; the run goes on
                     self.accept(None, drop_first=True)
+                self._set_ranged(self.recording or self._push is not None)
             self._begun = engine.number
             self._open("step")
         try:

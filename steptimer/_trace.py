@@ -98,10 +98,9 @@ class Capture:
     def __init__(self, *, ring_steps: int, trace: tuple[int, int, str] | None, flight: str | None) -> None:
         self.ring: deque[StepRecord] = deque(maxlen=ring_steps)
         self._keeps: list[tuple[int, int, list[StepRecord]]] = []  # (first, last, their steps) filled by add
-        self.trace = trace
+        self.trace, self.flight = trace, flight
         self._trace_recs = self.keep(trace[0], trace[1]) if trace is not None else []
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
-        self.flight = flight
         self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
         self._slowest = SlowestKeeper(MAX_TRACES)
         self.kept: dict[int, tuple[float, list[StepRecord]]] = {}  # the slowest steps': (wall ms, around it)
