@@ -1,6 +1,5 @@
-"""``steptimer kernels LOGDIR``: each phase's top GPU kernels (CPU ops without CUDA activity) in a
-``profile_steps`` / ``profile_on_slow`` trace, checked against steptimer's span of the same phase in
-the same steps (docs/cli.md#kernels)."""
+"""``steptimer kernels LOGDIR``: each phase's top GPU kernels (CPU ops without CUDA) in a profiler
+trace, checked against steptimer's span of the same phase in the same steps (docs/cli.md#kernels)."""
 
 from __future__ import annotations
 
@@ -21,6 +20,8 @@ LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 # timestamps and CUDA events are read from the same GPU timer but rounded differently (~1 µs).
 _TOL_FRAC = 0.01
 _TOL_US_PER_STEP = 2.0
+NAME_WIDTH = 43  # the kernel name column of the terminal table
+_WRAPPER_RE = re.compile(r"(?:^|::)(?:device_)?[Kk]ernel\d*<…>$")  # named by its template only
 
 
 @dataclass
@@ -62,9 +63,7 @@ def load_profile(path: str) -> dict[str, Any]:
     file, doc, notes = read_json(path, profile_files(path), PROFILE_FILE, option)
     if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
         raise LogError(f"{file}: not a Chrome trace (no traceEvents)")
-    doc["_path"] = file
-    doc["_notes"] = notes
-    return doc
+    return {**doc, "_path": file, "_notes": notes}
 
 
 class _X(NamedTuple):
@@ -98,22 +97,19 @@ class _Spans:
         ]  # fmt: skip
         marks = [a for a, _, name in spans if RANGE_PREFIX + name == DROPPED_MARK]
         self.dropped = [(a, z) for a, z, name in spans if name == "step" and any(a <= m < z for m in marks)]
-        spans = [s for s in spans if not any(a <= s[0] < z for a, z in self.dropped)]
-        spans.sort(key=lambda s: (s[0], -s[1]))  # parents before their children at equal starts
-        self.spans = spans
-        self.starts = [s[0] for s in spans]
-        self.order = list(dict.fromkeys(name for _, _, name in spans if name != "step"))  # as they ran
+        kept = (s for s in spans if not any(a <= s[0] < z for a, z in self.dropped))
+        self.spans = sorted(kept, key=lambda s: (s[0], -s[1]))  # parents first at equal starts
+        self.starts = [s[0] for s in self.spans]
+        self.order = list(dict.fromkeys(name for _, _, name in self.spans if name != "step"))  # as they ran
 
     def phase_at(self, t: float) -> str | None:
         """The innermost phase open at host time ``t`` (``other``, ``data``; None in a dropped step)."""
         if any(a <= t < z for a, z in self.dropped):
             return None
-        i = bisect_right(self.starts, t) - 1
-        while i >= 0:
+        for i in range(bisect_right(self.starts, t) - 1, -1, -1):
             a, z, name = self.spans[i]
             if a <= t < z:
                 return "other" if name == "step" else name
-            i -= 1
         return "data"
 
 
@@ -123,10 +119,9 @@ def _outermost(ops: list[_X], starts: list[float]) -> list[_X]:
     end: dict[Any, float] = {}
     for x in sorted(ops, key=lambda x: (x.ts, -x.dur)):
         i = bisect_right(starts, x.ts)
-        if x.ts < end.get(x.thread, -1.0) or (i < len(starts) and starts[i] < x.ts + x.dur):
-            continue
-        out.append(x)
-        end[x.thread] = x.ts + x.dur
+        if x.ts >= end.get(x.thread, -1.0) and (i == len(starts) or starts[i] >= x.ts + x.dur):
+            out.append(x)
+            end[x.thread] = x.ts + x.dur
     return out
 
 
@@ -139,27 +134,22 @@ def _timed_items(events: list[_X], spans: _Spans, notes: list[str]) -> tuple[str
         return "host", [(x.name, x.dur, x.ts) for x in _outermost(ops, spans.starts)], 0
     launch_ts = {x.corr: x.ts for x in events if x.cat in LAUNCH_CATS and x.corr is not None}
     items = [(x.name, x.dur, launch_ts[x.corr]) for x in gpu if x.corr in launch_ts]
-    unattributed = len(gpu) - len(items)
-    if unattributed:
+    if unattributed := len(gpu) - len(items):
         notes.append(f"{unattributed} GPU activities without their launch in the trace were left out")
     return "gpu", items, unattributed
 
 
 def analyze(doc: dict[str, Any]) -> KernelsReport:
     """Each phase's kernels (or CPU ops, without CUDA activity) with the consistency check."""
+    meta, path = doc.get("steptimer") or {}, str(doc.get("_path", ""))
     events = _complete_events(doc)
-    meta = doc.get("steptimer") or {}
-    path = str(doc.get("_path", ""))
     spans = _Spans(events)
-    notes: list[str] = []
-    if isinstance(meta.get("why"), str):
-        notes.append(f"profiled because {meta['why']}")
+    notes = [f"profiled because {meta['why']}"] if isinstance(meta.get("why"), str) else []
     notes += doc.get("_notes") or []
     if not spans.spans:
         raise LogError(f"{path}: no steptimer ranges ({RANGE_PREFIX}...) in this trace")
     clock, items, unattributed = _timed_items(events, spans, notes)
-    if spans.dropped:
-        n = len(spans.dropped)
+    if n := len(spans.dropped):
         notes.append(
             f"{n} step{'s' * (n != 1)} that raised left out with {'their' if n != 1 else 'its'} "
             f"{'kernels' if clock == 'gpu' else 'ops'} (steptimer drops a step that raises)"
@@ -190,12 +180,9 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
             for k, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])
         ]
         span = spans_us.get(name)
-        phases.append(PhaseKernels(
-            name, total, rows, span, None if span is None else span - total,
-            None if span is None else total <= span * (1 + _TOL_FRAC) + tol_us,
-        ))  # fmt: skip
-    bad = [p.name for p in phases if p.consistent is False]
-    if bad:
+        fits = None if span is None else total <= span * (1 + _TOL_FRAC) + tol_us
+        phases.append(PhaseKernels(name, total, rows, span, None if span is None else span - total, fits))
+    if bad := [p.name for p in phases if p.consistent is False]:
         notes.append(
             f"kernels exceed steptimer's span in {', '.join(bad)}: kernels on other streams "
             "overlapped (only the timed stream is bounded by the span)"
@@ -206,12 +193,8 @@ def analyze(doc: dict[str, Any]) -> KernelsReport:
 def report_json(rep: KernelsReport, top: int) -> dict[str, Any]:
     """``steptimer kernels --json``: each phase's kernels cut to the ``top`` first."""
     out = asdict(rep)
-    for p in out["phases"]:
-        p["kernels"] = p["kernels"][:top]
+    out["phases"] = [{**p, "kernels": p["kernels"][:top]} for p in out["phases"]]
     return out
-
-
-NAME_WIDTH = 43
 
 
 def short_name(name: str, width: int = NAME_WIDTH) -> str:
@@ -235,9 +218,6 @@ def short_name(name: str, width: int = NAME_WIDTH) -> str:
         tail = 2 * (width - 1) // 3
         s = s[: width - 1 - tail] + "…" + s[len(s) - tail :]
     return s
-
-
-_WRAPPER_RE = re.compile(r"(?:^|::)(?:device_)?[Kk]ernel\d*<…>$")
 
 
 def _elide_templates(s: str, level: int) -> str:
@@ -278,8 +258,7 @@ def format_report(rep: KernelsReport, top: int) -> str:
             idle = p.idle_us / p.span_us if p.span_us > 0 else 0.0
             over = "  OVER" if p.consistent is False else ""
             check = f"  {span_word} {p.span_us:,.1f}, {gap_word} {100 * idle:.1f}%{over}"
-        lines.append(f"{p.name}: {p.total_us:,.1f} µs{check}")
-        lines.append(head if p.kernels else f"  (no {what})")
+        lines += [f"{p.name}: {p.total_us:,.1f} µs{check}", head if p.kernels else f"  (no {what})"]
         lines += [
             f"  {short_name(k.name):<{NAME_WIDTH}} {k.calls:>6} {k.total_us:>10,.1f} "
             f"{k.mean_us:>9,.1f} {100 * k.share:>5.1f}%"

@@ -29,11 +29,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("steptimer")
 
 PROFILE_FILE = "steptimer-profile.json"
+SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
 RANGE_PREFIX = "steptimer/"
 # Marks a step that raised (steptimer drops it), for ``steptimer kernels``; no phase name has a space.
 DROPPED_MARK = RANGE_PREFIX + "step dropped"
-FORMAT = "steptimer-profile"
-VERSION = 1
 
 
 def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
@@ -45,56 +44,47 @@ def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
 
 
 class Ranges:
-    """The NVTX and ``record_function`` ranges of one timer's steps and phases, named as the tags are,
-    and the step's context manager while they run (``StepTimer.step``). State lives here, not in the
-    context manager's call (Lightning exits a step through a fresh ``step()``)."""
+    """The NVTX and ``record_function`` ranges of a timer's steps and phases, and the step's context
+    manager while they run; state lives here (Lightning exits a step through a fresh ``step()``)."""
 
     def __init__(
         self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
         set_ranged: Callable[[bool], None], recent: Capture | None, engine: Engine,
     ) -> None:  # fmt: skip
         self._push, self._pop = nvtx or (None, None)
-        self._recent = recent  # the timer's capture: a profiler window's steps (there whenever a window is)
-        self._e = engine
+        self._recent = recent  # the timer's capture (there whenever a window is): a window's steps
+        self._e, self._set_ranged = engine, set_ranged
         self.captures: list[ProfileCapture] = []  # the windows not yet written, in step order, apart
+        self.windows: list[tuple[int, int]] = []  # every window's (first, last) steps, as accepted
         self.slow: SlowProfiler | None = None  # profile_on_slow
-        self._set_ranged = set_ranged
         self._names: list[str] = []  # full names of the open phases
         self._records: list[Any] = []  # their record_function objects, while recording
         self._begun: int | None = None  # engine.number at the step's begin (unchanged at its end: dropped)
         self.recording = False  # inside a profiler window: record_function ranges on
         self.from_number: float = math.inf  # steps take the ranges from this engine.number on
-        self._accept(capture)
+        self.accept(capture)
         set_ranged(self._push is not None)
 
-    def _accept(self, capture: ProfileCapture | None, *, drop_first: bool = False) -> None:
+    def accept(self, capture: ProfileCapture | None, *, drop_first: bool = False) -> None:
         """Add ``capture`` (or drop the first window); steps take the ranges from the next one's on."""
         if drop_first:
             self.captures.pop(0)
         if capture is not None:
             capture.recs = self._recent.keep(capture.first, capture.last)  # type: ignore[union-attr]
+            self.windows.append((capture.first, capture.last))
             self.captures.append(capture)
             self.captures.sort(key=lambda c: c.first)
         cap = self.captures[0] if self.captures else None
         self.from_number = 0 if self._push is not None else cap.first - 1 if cap is not None else math.inf
 
-    def arm(self, capture: ProfileCapture) -> bool:
-        """Add a window unless it would overlap another or the ``lag`` steps until that one is written."""
-        gap = max(self._e.lag, 1) + 1
-        if any(capture.last + gap > c.first and c.last + gap > capture.first for c in self.captures):
-            return False
-        self._accept(capture)
-        return True
-
     def __enter__(self) -> None:
         engine = self._e
         if not engine.in_step:  # else the engine raises below (steps cannot nest): nothing to open
             if self.captures and engine.number + 1 == self.captures[0].first and not self.recording:
-                if self.captures[0].start(engine):
-                    self.recording = True
-                    self._set_ranged(True)
-                else:  # the profiler did not start: a note says why; the run goes on without it
-                    self._accept(None, drop_first=True)
+                self.recording = self.captures[0].start(engine)
+                if not self.recording:  # the profiler did not start: a note says why; the run goes on
+                    self.accept(None, drop_first=True)
+                self._set_ranged(self.recording or self._push is not None)
             self._begun = engine.number
             self._open("step")
         try:
@@ -104,11 +94,10 @@ class Ranges:
             raise
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: object) -> None:
-        engine = self._e
         try:
-            engine.end_step(et, ev)
+            self._e.end_step(et, ev)
         finally:
-            self._end_step(engine)
+            self._end_step(self._e)
 
     def abort_step(self) -> None:
         """Close the open phases' ranges, then the step's (at its end, or the engine raised at its begin)."""
@@ -138,7 +127,7 @@ class Ranges:
                 cap.stop(engine)
         if cap.prof is not None and engine.last_resolved >= cap.last:  # its steps resolved
             cap.write(engine, self._recent.run_id)  # type: ignore[union-attr]
-            self._accept(None, drop_first=True)
+            self.accept(None, drop_first=True)
 
     def finish(self, engine: Engine) -> None:
         """At ``close()``, after the engine resolved every step."""
@@ -151,9 +140,8 @@ class Ranges:
         self.captures = []
 
     def enter(self, name: str) -> None:
-        names = self._names
-        full = names[-1] + "/" + name if names else name
-        names.append(full)
+        full = self._names[-1] + "/" + name if self._names else name
+        self._names.append(full)
         self._open(full)
 
     def exit(self) -> None:
@@ -165,9 +153,7 @@ class Ranges:
         if self._push is not None:
             self._push(full)
         if self.recording:
-            rf = record_function(RANGE_PREFIX + full)
-            rf.__enter__()
-            self._records.append(rf)
+            self._records.append(record_function(RANGE_PREFIX + full).__enter__())
 
     def _close(self) -> None:
         if self._pop is not None:
@@ -203,7 +189,6 @@ class ProfileCapture:
     why: str | None = None
     prof: Any = None  # the profiler, from its start until the trace is written
     recs: list[Any] = field(default_factory=list)  # the window's resolved steps (``Capture.keep``)
-    cuda: bool = False
 
     def _what(self) -> str:
         return f"steps {self.first}..{self.last}" + (" (profile_on_slow)" if self.why else " (profile_steps)")
@@ -218,8 +203,7 @@ class ProfileCapture:
 
     def start(self, engine: Engine) -> bool:
         """Start the profiler before step ``first``; False (a warning and a note) if it would not start."""
-        self.cuda = torch.cuda.is_available()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with _outside_steps(engine):
             try:
                 self.prof = profile(activities=activities)
@@ -227,8 +211,7 @@ class ProfileCapture:
             except Exception as err:  # noqa: BLE001 - steptimer's profiler must never stop the run
                 self.prof = None
                 self._failed(engine, "torch.profiler did not start for {what} ({err}); no trace", err)
-                return False
-        return True
+        return self.prof is not None
 
     def stop(self, engine: Engine) -> None:
         with _outside_steps(engine):
@@ -238,8 +221,7 @@ class ProfileCapture:
                 log.warning("steptimer: torch.profiler did not stop for %s (%s)", self._what(), err)
 
     def write(self, engine: Engine, run_id: str | None) -> None:
-        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys), or
-        a note that the run ended before the window."""
+        """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys)."""
         if self.prof is None:
             ended = f"the run ended at step {engine.number}, before the window; no profile written"
             engine.notes.append(f"{self._lead()}; {ended}")
@@ -251,40 +233,34 @@ class ProfileCapture:
              "gpu_ms": None if (g := s["gpu"]) is None else _by_phase_ms(g["end"] - g["start"], g["phases"])}
             for s in map(record, self.recs)
         ]  # fmt: skip
-        tmp = self.path + ".tmp"
         try:
             with _outside_steps(engine):
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                prof.export_chrome_trace(tmp)
-                with open(tmp) as f:
+                prof.export_chrome_trace(self.path + ".tmp")  # write_json then replaces the file
+                with open(self.path + ".tmp") as f:
                     doc = json.load(f)
                 doc["steptimer"] = {
-                    "format": FORMAT, "version": VERSION, "first": self.first, "last": self.last,
-                    "cuda_activity": self.cuda, "range_prefix": RANGE_PREFIX, "steps": steps, "why": self.why,
-                    "run_id": run_id,
+                    "format": "steptimer-profile", "version": 1, "first": self.first, "last": self.last,
+                    "cuda_activity": torch.cuda.is_available(), "range_prefix": RANGE_PREFIX, "steps": steps,
+                    "why": self.why, "run_id": run_id,
                 }  # fmt: skip
                 write_json(self.path, doc)
         except OSError as err:
             engine.notes.append(unwritten("the profiler trace", self.path, err))
-            return
         except Exception as err:  # noqa: BLE001 - the profiler's own export failed: never stop the run
             self._failed(engine, "torch.profiler's trace of {what} was not written ({err})", err)
-            return
-        span = f"{steps[0]['number']}..{steps[-1]['number']}" if steps else "none"
-        engine.notes.append(
-            f"{self._lead()}; steps {span} ran under torch.profiler (their times include its overhead), "
-            f"trace: {self.path} (steptimer kernels)"
-        )
-
-
-SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
-_SLOW_RE = re.escape(SLOW_PROFILE_PREFIX) + r"(\d+)\."
+        else:
+            span = f"{steps[0]['number']}..{steps[-1]['number']}" if steps else "none"
+            engine.notes.append(
+                f"{self._lead()}; steps {span} ran under torch.profiler (their times include its overhead), "
+                f"trace: {self.path} (steptimer kernels)"
+            )
 
 
 def profile_files(folder: str) -> list[str]:
     """Every run's profiler traces in ``folder``: ``profile_steps``' first, then ``profile_on_slow``'s."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
-    steps = sorted({int(m[1]) for n in names if (m := re.match(_SLOW_RE, n))})
+    steps = sorted({int(m[1]) for n in names if (m := re.match(rf"{SLOW_PROFILE_PREFIX}(\d+)\.", n))})
     stems = [PROFILE_FILE[: -len(".json")]] + [f"{SLOW_PROFILE_PREFIX}{k}" for k in steps]
     return [f for stem in stems for f in run_files(folder, stem)]
 
@@ -301,8 +277,8 @@ COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the
 
 
 class SlowProfiler:
-    """``profile_on_slow``: arms a window on :class:`Ranges` when steps *stay* slower than ``factor`` x
-    the rolling median step; checked once per window on its arrays, never per step."""
+    """``profile_on_slow``: arms a window when steps *stay* slower than ``factor`` x the rolling median
+    step; checked once per window on its arrays, never per step."""
 
     def __init__(self, factor: float, folder: str, ranges: Ranges) -> None:
         self.factor, self.folder, self.ranges = factor, folder, ranges
@@ -310,9 +286,6 @@ class SlowProfiler:
         self._ring = np.zeros(0)  # the last BASELINE_STEPS resolved steps' wall times
         self._run: list[tuple[int, float]] = []  # the slow steps in a row so far: (number, wall ms)
         self._medians: dict[tuple[str, str], float] = {}  # the last window's, by (clock, row)
-        self._quiet_to = -1  # the last step of the last capture's cool-down
-        # Steps under the profiler, profile_steps' and the captures': left out of the median.
-        self._profiled = [(c.first, c.last) for c in ranges.captures]
 
     def window(self, window: Any, engine: Engine) -> None:
         """Arm a capture if a slowdown completed in the window; keep its rows' medians for the next one."""
@@ -320,15 +293,15 @@ class SlowProfiler:
         if walls is None or engine.closed or not len(walls):
             return
         n, w = walls.numbers, walls.wall_ms
-        self._profiled = [(a, z) for a, z in self._profiled if z >= n[0]]
-        clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler
-        for a, z in self._profiled:
+        clean = np.ones(len(n), dtype=bool)  # the steps not under the profiler: left out of the median
+        for a, z in self.ranges.windows:
             clean &= (n < a) | (n > z)
         why, run, self._run = None, self._run, []  # a run goes on into this window only over the line
         if len(self._ring) >= BASELINE_MIN_STEPS and self.captures < PROFILE_SLOW_MAX:
             k = (len(self._ring) - 1) // 2  # nearest rank, as the windows' medians (_window._QS)
             base = float(np.partition(self._ring, k)[k])
-            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > self._quiet_to) & clean
+            quiet_to = self.ranges.windows[-1][1] + COOLDOWN_STEPS if self.captures else -1
+            over = (w > max(self.factor * base, base + SLOW_MIN_MS)) & (n > quiet_to) & clean
             if over.any():  # a Python loop over the window's steps only then
                 why = self._runs(walls, over, base, run)
         self._ring = np.concatenate([self._ring, w[clean]])[-BASELINE_STEPS:]
@@ -337,13 +310,13 @@ class SlowProfiler:
             return
         first = engine.number + 1  # the next step to begin: steps are resolved lag steps late
         last = first + PROFILE_SLOW_STEPS - 1
-        path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
-        if not self.ranges.arm(ProfileCapture(first, last, path, why=why)):
+        gap = max(engine.lag, 1) + 1  # apart from another window and the lag steps until it is written
+        if any(last + gap > c.first and c.last + gap > first for c in self.ranges.captures):
             engine.notes.append(f"{why}; not profiled: profile_steps' window runs then")
             return
-        self._profiled.append((first, last))
+        path = os.path.join(self.folder, f"{SLOW_PROFILE_PREFIX}{first}.json")
+        self.ranges.accept(ProfileCapture(first, last, path, why=why))
         self.captures += 1
-        self._quiet_to = last + COOLDOWN_STEPS
 
     def _runs(self, walls: StepWalls, over: Any, base: float, run: list[tuple[int, float]]) -> str | None:
         """The first run of ``SLOW_RUN_STEPS`` consecutive steps over the line (``run``: its start)."""
@@ -353,12 +326,11 @@ class SlowProfiler:
             if is_over:
                 run.append((int(number), float(walls.wall_ms[i])))
             if len(run) >= SLOW_RUN_STEPS:
-                what = self._grew(walls, run[0][0], i)
                 mean_ms = sum(wall for _, wall in run) / len(run)
                 return (
                     f"profile_on_slow={self.factor:g}: steps {run[0][0]}-{run[-1][0]} each slower than "
                     f"{self.factor:g} x the median step before them: {num(mean_ms)} ms on average vs "
-                    f"{num(base)} ms{what}"
+                    f"{num(base)} ms{self._grew(walls, run[0][0], i)}"
                 )
         self._run = run
         return None
@@ -387,12 +359,11 @@ def make_ranges(
     """What ``profile_steps`` and ``profile_on_slow`` need of the run; the ranges (None: none) and a note."""
     if profile_on_slow is not None:
         check_folder("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", folder)
-    ours = enabled and rank == 0
-    capture = None
     if profile_steps is not None:
         check_folder("profile_steps", PROFILE_FILE, folder)
-        if ours:
-            capture = ProfileCapture(*profile_steps, os.path.join(folder, PROFILE_FILE))  # type: ignore[arg-type]
+    ours = enabled and rank == 0
+    path = os.path.join(folder or "", PROFILE_FILE)
+    capture = ProfileCapture(*profile_steps, path) if ours and profile_steps is not None else None
     fns = _nvtx_functions() if nvtx and enabled else None
     note = None
     if nvtx and enabled and fns is None:

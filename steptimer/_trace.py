@@ -1,7 +1,6 @@
-"""One capture of recent steps on the host's and the GPU's clocks, behind ``trace_steps`` (docs/cli.md
-#trace, read back by ``steptimer trace``), the flight recorder (docs/slow-steps.md) and the profiler
-windows' own times. A step is copied out (:func:`record`) only when a trace is made of it; no file
-is written inside a step."""
+"""One capture of recent steps on the host's and the GPU's clocks: ``trace_steps`` (``steptimer
+trace``, docs/cli.md#trace), the flight recorder (docs/slow-steps.md) and the profiler windows' times.
+A step is copied out (:func:`record`) only when a trace is made of it; no file is written in a step."""
 
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ TRACE_FILE = "steptimer-trace.json"
 FORMAT = "steptimer-trace"
 VERSION = 1
 FLIGHT_DIR = "steptimer-slow"
+HOST_TID, GPU_TID = 1, 2  # the Chrome trace's tracks
 BEFORE, AFTER, MAX_TRACES = 3, 2, 3  # the flight recorder's steps around a slow one, traces kept
 
 
@@ -48,9 +48,7 @@ def run_files(folder: str, stem: str) -> list[str]:
 
 def record(rec: StepRecord) -> dict[str, Any]:
     """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later)."""
-    fetch = rec.row[FETCH_S]  # the loader's part of gap_s
-    offs = getattr(rec, "offs_ms", None)
-    phases = rec.phases
+    fetch, offs, phases = rec.row[FETCH_S], rec.offs_ms, rec.phases  # fetch: the loader's part of gap_s
     gpu = None if offs is None else {
         "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
         "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
@@ -59,24 +57,21 @@ def record(rec: StepRecord) -> dict[str, Any]:
         "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s,
         "fetch_s": None if fetch != fetch else fetch, "wait_s": rec.wait_s,
         "paused": bool(rec.pauses) or rec.paused_s > 0, "phases": [[p.name, p.t_in, p.t_out] for p in phases],
-        "gpu": gpu, "chain_ms": getattr(rec, "chain_ms", None),
+        "gpu": gpu, "chain_ms": rec.chain_ms,
     }  # fmt: skip
 
 
 def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, float]:
     """Per step of the last unbroken GPU event chain: the offset that puts its ``gpu`` times on the chain."""
     base: dict[int, float] = {}
-    end = None
+    end: float | None = None
     for s in steps:
-        g = s["gpu"]
-        if g is None:
+        if (g := s["gpu"]) is None:
             end = None
             continue
         if end is None or s["chain_ms"] is None:
             base.clear()
-            start = 0.0
-        else:
-            start = end + s["chain_ms"] / 1e3
+        start = end + s["chain_ms"] / 1e3 if base else 0.0  # type: ignore[operator]  # base: end set
         base[s["number"]] = b = start - g["start"]
         end = b + g["end"]
     return base
@@ -103,10 +98,9 @@ class Capture:
     def __init__(self, *, ring_steps: int, trace: tuple[int, int, str] | None, flight: str | None) -> None:
         self.ring: deque[StepRecord] = deque(maxlen=ring_steps)
         self._keeps: list[tuple[int, int, list[StepRecord]]] = []  # (first, last, their steps) filled by add
-        self.trace = trace
+        self.trace, self.flight = trace, flight
         self._trace_recs = self.keep(trace[0], trace[1]) if trace is not None else []
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
-        self.flight = flight
         self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
         self._slowest = SlowestKeeper(MAX_TRACES)
         self.kept: dict[int, tuple[float, list[StepRecord]]] = {}  # the slowest steps': (wall ms, around it)
@@ -120,8 +114,6 @@ class Capture:
     def add(self, engine: Engine, rec: StepRecord) -> None:
         """The engine's ``on_step``: each resolved step, in order, before its events go back to the pool."""
         self.ring.append(rec)
-        if not self._keeps:  # the trace window's keep goes with its placing
-            return
         n = rec.number
         for first, last, recs in self._keeps:
             if first <= n <= last:
@@ -132,15 +124,14 @@ class Capture:
                 self._place_trace(engine)
 
     def _place_trace(self, engine: Engine) -> dict[str, Any]:
-        """The window's GPU chain on the host clock through one reference event, waited for once (its
-        wake-up latency draws GPU slices late by µs, never early)."""
+        """The window's GPU chain on the host clock through one reference event, waited for once."""
         steps = [record(r) for r in self._trace_recs]
-        base = gpu_chain(steps) if engine.cuda else {}
+        base = gpu_chain(steps)
         held, b, shift = engine.held_end, engine.b, None
         if base and held is not None and held[0] == max(base) and b is not None:
             ref = b.new_event()
             b.record(ref, engine.stream)
-            b.wait(ref)
+            b.wait(ref)  # its wake-up latency draws GPU slices late by µs, never early
             end_host = perf_counter() - b.elapsed_ms(held[2], ref) / 1e3
             end = next(s["gpu"]["end"] for s in steps if s["number"] == held[0]) + base[held[0]]
             shift = end_host - end  # host time of the chain's zero
@@ -169,8 +160,7 @@ class Capture:
             engine.notes.append(unwritten("the trace capture", path, err))
 
     def want(self, c: SlowStep) -> None:
-        """Keep the steps around ``c`` (the ring's now, the ``AFTER`` ones as they come) while it is
-        among the ``MAX_TRACES`` slowest."""
+        """Keep the steps around ``c`` (the ring's, then the ``AFTER`` ones) while among the slowest."""
         recs = [r for r in self.ring if c.step - BEFORE <= r.number <= c.step + AFTER]
         if self.flight is None or not any(r.number == c.step for r in recs) or not self._slowest.add([c]):
             return
@@ -212,10 +202,6 @@ class Capture:
         return paths
 
 
-HOST_TID = 1
-GPU_TID = 2
-
-
 def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     """Chrome trace JSON: host and GPU tracks (docs/cli.md#trace), GPU slices clamped to their launch."""
     steps = capture["steps"]
@@ -233,8 +219,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
 
     clamped = 0
     for s in steps:
-        n, t0, gap = s["number"], s["t0"], s["gap_s"]
-        t_end = t0 + s["step_s"]
+        n, t0, gap, t_end = s["number"], s["t0"], s["gap_s"], s["t0"] + s["step_s"]
         if gap:  # the loader's fetch ends the time between steps (its position there is approximate)
             fetch = min(s.get("fetch_s") or 0.0, gap)
             slice_(HOST_TID, "loop", "loop", t0 - gap, t0 - fetch, step=n)
@@ -245,8 +230,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
             slice_(HOST_TID, name, "phase", t_in, t_out, step=n)
         if s["wait_s"] > 0:
             slice_(HOST_TID, "wait", "wait", t_end - s["wait_s"], t_end, step=n, position="approximate")
-        g = s.get("gpu")
-        if g is None:
+        if (g := s.get("gpu")) is None:
             continue
         launches = [(f"step {n}", "step", g["start"], g["end"], t0)]
         launches += [(name, "phase", a, z, p[1]) for (name, a, z), p in zip(g["phases"], s["phases"])]
@@ -254,8 +238,7 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
             clamped += a < launched
             a = max(a, launched)
             slice_(GPU_TID, name, cat, a, max(z, a), step=n, host_launch_us=us(launched))
-    # Parents before children (Chrome's importer nests by order when starts are equal).
-    depth = {"loop": 0, "data": 0, "step": 1, "wait": 99}
+    depth = {"loop": 0, "data": 0, "step": 1, "wait": 99}  # Chrome nests by order at equal starts
     slices.sort(key=lambda e: (e["tid"], e["ts"], -e["dur"], depth.get(e["cat"], 2 + e["name"].count("/"))))
     has_gpu = any(s.get("gpu") is not None for s in steps)
     tracks = [(0, "process_name", {"name": "steptimer"})]
@@ -289,10 +272,9 @@ def make_capture(
 
 def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str, Any, list[str]]:
     """``(file, JSON, notes)`` of ``path`` or a directory's first of ``found``; errors name ``option``."""
-    notes: list[str] = []
-    if found[1:]:
-        others = ", ".join(os.path.basename(f) for f in found[1:])
-        notes.append(f"{len(found) - 1} more file(s) of other runs here (pass one to read it): {others}")
+    others = ", ".join(os.path.basename(f) for f in found[1:])
+    more = f"{len(found) - 1} more file(s) of other runs here (pass one to read it): {others}"
+    notes = [more] if others else []
     file = os.path.join(path, os.path.basename(found[0]) if found else name) if os.path.isdir(path) else path
     if not os.path.exists(file):
         if not os.path.exists(path):
@@ -306,8 +288,7 @@ def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str,
 
 
 def load_capture(path: str) -> dict[str, Any]:
-    """Read a ``trace_steps`` capture (``steptimer trace``): the file ``path``, or a directory's first
-    (the notes name the rest)."""
+    """Read a ``trace_steps`` capture: the file ``path``, or a directory's first (notes name the rest)."""
     files = run_files(path, TRACE_FILE[: -len(".json")])  # none unless ``path`` is a directory
     file, doc, notes = read_json(path, files, TRACE_FILE, "trace_steps=N")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
@@ -315,8 +296,7 @@ def load_capture(path: str) -> dict[str, Any]:
     if doc.get("version") != VERSION:
         raise LogError(f"{file}: trace version {doc.get('version')!r}; this steptimer reads version {VERSION}")
     if not doc["steps"]:
-        ended = doc.get("last_step")
-        ran = "" if ended is None else f" (it ended at step {ended})"
+        ran = "" if doc.get("last_step") is None else f" (it ended at step {doc['last_step']})"
         raise LogError(
             f"{file}: the run never reached the captured steps {doc.get('first')}..{doc.get('last')}{ran}; "
             "capture steps it reaches: StepTimer(trace_steps=N) takes the N steps after warm-up"
