@@ -102,10 +102,6 @@ class MemoryReader:
         """The innermost open phase's peak so far (else the step's), for the out-of-memory note."""
         return max(self._peaks[-1], self.b.read(self.device)[1])
 
-    def drop_step(self) -> None:
-        del self._peaks[1:]
-        self._phases = []
-
     def close(self) -> None:
         """A last reading, so that ``seen_bytes`` covers the time after the last step too."""
         self._read(reset=False)

@@ -3,6 +3,8 @@ convention, and why not Lightning's table: docs/memory-and-mfu.md)."""
 
 from __future__ import annotations
 
+import torch
+
 DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 
 # TFLOP/s, dense. fp32 is the non-tensor (CUDA core) figure, fp64 likewise where both exist. Source of
@@ -64,8 +66,6 @@ def dtype_of_precision(precision: str) -> str:
     for prefix, dtype in (("bf16", "bf16"), ("16", "fp16"), ("64", "fp64"), ("transformer-engine", "fp8")):
         if str(precision).startswith(prefix):
             return dtype
-    import torch
-
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
@@ -95,8 +95,6 @@ def lookup_peak(device_name: str, dtype: str = "bf16") -> tuple[float | None, st
 def cuda_peak(device: int, dtype: str = "bf16") -> tuple[float | None, str]:
     """:func:`lookup_peak` for CUDA device ``device`` (< 0: the current device)."""
     try:
-        import torch
-
         name = torch.cuda.get_device_name(device if device >= 0 else None)
     except Exception as err:  # no usable CUDA (a simulated GPU in tests): no name to look up
         return None, f"no MFU: the GPU's name is unknown ({type(err).__name__}); pass peak_tflops="

@@ -6,28 +6,24 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as _tb_masked_crc32c
 
-
-def _c_masked_crc32c() -> Callable[[bytes], int] | None:
-    try:
-        import google_crc32c
-    except ImportError:  # pragma: no cover - a dependency; kept optional at run time
-        return None
-    if getattr(google_crc32c, "implementation", "") != "c":  # pragma: no cover - pure-Python build
-        return None
-    value: Any = google_crc32c.value
-
-    def masked(data: bytes) -> int:
-        crc = value(bytes(data))
-        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-    return masked
+try:
+    import google_crc32c
+except ImportError:  # pragma: no cover - a dependency; kept optional at run time
+    google_crc32c = None  # type: ignore[assignment]
 
 
-masked_crc32c: Callable[[bytes], int] = _c_masked_crc32c() or _tb_masked_crc32c
+def _c_masked_crc32c(data: bytes) -> int:
+    crc = google_crc32c.value(bytes(data))
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# The C build only: the pure-Python one is no faster than TensorBoard's.
+_C_CRC = getattr(google_crc32c, "implementation", "") == "c"
+masked_crc32c: Callable[[bytes], int] = _c_masked_crc32c if _C_CRC else _tb_masked_crc32c
 _LENGTH = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
 

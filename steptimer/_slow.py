@@ -73,8 +73,7 @@ class SlowStep:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SlowStep:
         known = {f.name for f in fields(cls)} - {"marks"}
-        s = cls(**{k: v for k, v in d.items() if k in known})
-        return replace(s, causes=tuple(s.causes))
+        return cls(**{k: tuple(v) if k == "causes" else v for k, v in d.items() if k in known})
 
 
 Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet explained (grew, causes)
@@ -82,10 +81,9 @@ Medians = Mapping[tuple[str, str], float]  # the run's per-row medians by (clock
 
 
 class StepMarks:
-    """What may make a step slow, marked on it (the engine's listener, ``slowest_steps`` on): Python
-    GC pauses (``gc.callbacks``: two clock reads per collection), graphs torch.compile compiled, a
-    pause right before it, the profiler; per window, the CUDA allocator's retries. The engine reads
-    ``spans`` and ``dyn`` before calling in: a step with nothing to mark costs two attribute reads."""
+    """What may make a step slow, marked on it: Python GC pauses (``gc.callbacks``, two clock reads per
+    collection), graphs torch.compile compiled, a pause right before it, the profiler; per window, the
+    CUDA allocator's retries. The engine reads ``spans`` and ``dyn`` first: an unmarked step costs that."""
 
     def __init__(self, clock: Callable[[], float], pending: Sequence[Any]) -> None:
         self._clock = clock  # the engine's host clock
@@ -103,7 +101,6 @@ class StepMarks:
             self.spans.append((self._gc_t0, self._clock(), info.get("generation", -1)))
 
     def open(self) -> None:
-        """At the first step."""
         if self._gc not in gc.callbacks:
             gc.callbacks.append(self._gc)
         self.find_dynamo()
@@ -129,14 +126,12 @@ class StepMarks:
 
     def mark_current(self, number: int, key: str, value: float) -> None:
         """Mark step ``number`` if it is the newest step ended and not yet resolved (the profiler's)."""
-        rec = self._pending[-1] if self._pending else None
-        if rec is not None and rec.number == number:
+        if self._pending and (rec := self._pending[-1]).number == number:
             rec.marks = rec.marks or {}
             rec.marks[key] = rec.marks.get(key, 0.0) + value
 
     def resolved(self, rec: Any) -> dict[str, float] | None:
-        """A resolved step's (``StepRecord``) marks: its own, the GC inside it and since the previous
-        step's end, the pause right before it; None: nothing to mark."""
+        """A resolved ``StepRecord``'s marks: its own, GC in it or since the last step, the pause before it."""
         marks = rec.marks or {}
         t_from, t_to = rec.t0 - (rec.gap_s or 0.0), rec.t0 + rec.step_s
         gc_ms, gen = 0.0, -1
@@ -156,9 +151,8 @@ class StepMarks:
         return marks or None
 
     def window(self, window: Any, device: int, memory: bool) -> None:
-        """After a window: look for torch.compile; give the window's slow candidates the allocator's
-        retries since the last reading (``device`` < 0: none). The reading costs ~10 µs on an H100:
-        taken only with memory readings on, with candidates, or the first time."""
+        """After a window: look for torch.compile; mark its slow candidates with the allocator's retries
+        (``device`` < 0: none), read (~10 µs on an H100) with memory on, with candidates, or the first time."""
         self.find_dynamo()
         slow, last = window.packed.slow if window.packed is not None else [], self._alloc
         if device < 0 or not (memory or slow or last is None):
@@ -191,8 +185,7 @@ def window_candidates(
     blocks: Sequence[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
     k: int, floor_ms: float, step_s_col: int, number_col: int,
 ) -> list[Candidate]:  # fmt: skip
-    """A window's k slowest steps at most of those slower than ``floor_ms`` (the run's k-th slowest):
-    timed steps, and the untimed ones the engine marked slow (by their host wall)."""
+    """Up to k steps slower than ``floor_ms``: timed ones, and untimed ones marked slow by their host wall."""
     untimed = [n for n, m in marks.items() if "untimed" in m]
     out = []
     for timed in (True, False) if untimed else (True,):
@@ -206,14 +199,10 @@ def window_candidates(
     return sorted(out, key=lambda c: -c.wall_ms)[:k]
 
 
-# Under DDP it holds the wait for the other ranks' gradients: the straggler rule (_dist.py) leaves it out.
-WAIT_PHASE = "backward"
-
-
 def is_wait_phase(name: str) -> bool:
-    """A top-level ``backward``: no ``backward`` above it."""
+    """A top-level ``backward``: under DDP it holds the wait for the other ranks' gradients (_dist.py)."""
     parts = name.split("/")
-    return parts[-1] == WAIT_PHASE and WAIT_PHASE not in parts[:-1]
+    return parts[-1] == "backward" and "backward" not in parts[:-1]
 
 
 class StepWalls:
@@ -306,22 +295,19 @@ def explain(c: Candidate, medians: Medians, trace: str | None = None) -> SlowSte
     grew = grew_most(excess)
     if grew is not None and grew not in _NOT_PHASES:  # the nested phase that holds most of it
         kids = {n: values[n] - medians.get((c.clock, n), 0.0) for n in values if n.startswith(grew + "/")}
-        kid = max(kids, key=lambda n: kids[n], default=None)
+        kid = grew_most(kids)
         if kid is not None and kids[kid] >= 0.5 * excess[grew]:
             excess[kid] = kids[kid]
             grew = kid
     causes = []
     m = c.marks
     notable_ms = max(GC_MIN_MS, GC_MIN_FRAC * c.wall_ms)
-    gc_ms = m.get("gc_ms", 0.0)
-    if gc_ms >= notable_ms:
+    if (gc_ms := m.get("gc_ms", 0.0)) >= notable_ms:
         gen = int(m.get("gc_gen", -1))
         causes.append(f"Python GC{'' if gen < 0 else f' (generation {gen})'} paused {num(gc_ms)} ms in it")
-    if m.get("graphs_new"):
-        n = int(m["graphs_new"])
+    if n := int(m.get("graphs_new", 0)):
         causes.append(f"torch.compile compiled {n} graph{'s' * (n != 1)} in it ({int(m.get('graphs', n))} in all)")
-    if m.get("alloc_retries"):
-        n = int(m["alloc_retries"])
+    if n := int(m.get("alloc_retries", 0)):
         span = f"steps {int(m['alloc_from'])}-{int(m['alloc_to'])}" if "alloc_from" in m else "its window"
         causes.append(f"CUDA allocator retried {n} allocation{'s' * (n != 1)} after a failed cudaMalloc ({span})")
     causes += _between_causes(c, medians, sum(v for v in excess.values() if v > 0), notable_ms)
@@ -364,8 +350,7 @@ def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms:
 
 
 def slow_summary(slowest: Sequence[SlowStep]) -> Any:
-    """A TensorBoard ``Summary`` with the text card (a Markdown table row per slow step) and the JSON
-    that ``steptimer report`` reads."""
+    """A TensorBoard ``Summary``: the text card (a Markdown row per slow step), the JSON ``report`` reads."""
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.compat.proto.tensor_pb2 import TensorProto
     from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
