@@ -43,10 +43,9 @@ PEAKS: dict[str, dict[str, float]] = {
     "t4": {"fp32": 8.1, "fp16": 65.0},
 }
 
-# ``torch.cuda.get_device_name()`` -> table row: the first rule whose words all appear in the
-# lowercased name, more specific first ("h100 nvl" before "h100", "l40s" before "l40" before "l4"); no
-# row: no vendor figures, unknown rather than a neighbour's. Names as drivers report them, e.g. "NVIDIA
-# H100 80GB HBM3" (SXM5), "NVIDIA H100 PCIe", "NVIDIA GH200 480GB", "NVIDIA A100-SXM4-80GB", "Tesla T4".
+# ``torch.cuda.get_device_name()`` (e.g. "NVIDIA H100 80GB HBM3": the SXM5) -> table row: the first rule whose
+# words all appear in the lowercased name, more specific first ("h100 nvl" before "h100", "l40s" before "l40"
+# before "l4"); no row (""): no vendor figures, unknown rather than a neighbour's.
 _RULES: tuple[tuple[str, str], ...] = (
     ("b200", "b200"), ("gh200", "gh200"), ("h200 nvl", "h200 nvl"), ("h200", "h200"),
     ("h100 nvl", "h100 nvl"), ("h100 pcie", "h100 pcie"), ("h100", "h100 sxm"), ("a100", "a100"),
@@ -54,7 +53,6 @@ _RULES: tuple[tuple[str, str], ...] = (
     ("a6000", "rtx a6000"), ("4090", "rtx 4090"), ("3090 ti", ""), ("3090", "rtx 3090"),
     ("v100s", "v100s"), ("v100 pcie", "v100 pcie"), ("v100", "v100 sxm"), ("t4", "t4"),
 )  # fmt: skip
-
 
 # Without bf16 tensor cores (V100, T4) bf16 work runs on the fp16 ones; without tf32, in fp32.
 _FALLBACK = {"bf16": "fp16", "tf32": "fp32"}

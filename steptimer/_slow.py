@@ -78,6 +78,7 @@ class SlowStep:
 
 Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet explained (grew, causes)
 Medians = Mapping[tuple[str, str], float]  # the run's per-row medians by (clock, row)
+Blocks = Sequence[tuple[Any, list[tuple[str, str]]]]  # a window's row blocks and their series (_window._blocks)
 
 
 class StepMarks:
@@ -181,15 +182,12 @@ def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[st
     return host, gpu
 
 
-def window_candidates(
-    blocks: Sequence[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
-    k: int, floor_ms: float, step_s_col: int, number_col: int,
-) -> list[Candidate]:  # fmt: skip
+def window_candidates(blocks: Blocks, marks: dict[int, dict[str, float]], k: int, floor_ms: float) -> list[Candidate]:
     """Up to k steps slower than ``floor_ms``: timed ones, and untimed ones marked slow by their host wall."""
     untimed = [n for n, m in marks.items() if "untimed" in m]
     out = []
     for timed in (True, False) if untimed else (True,):
-        walls = StepWalls(blocks, step_s_col, number_col, timed=timed)
+        walls = StepWalls(blocks, timed)
         over = walls.wall_ms > floor_ms
         idx = np.flatnonzero(over if timed else over & np.isin(walls.numbers, untimed))
         for i in idx[np.argsort(-walls.wall_ms[idx], kind="stable")[:k]].tolist():
@@ -210,10 +208,9 @@ class StepWalls:
 
     __slots__ = ("numbers", "wall_ms", "clock", "_parts", "_order")
 
-    def __init__(
-        self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int,
-        timed: bool = True,
-    ) -> None:  # fmt: skip
+    def __init__(self, blocks: Blocks, timed: bool = True) -> None:
+        from steptimer._window import NUMBER, STEP_S  # here: _window imports this module
+
         self.clock: ShareClock = "host"
         parts = []  # (block, series, its numbers, its walls); rows within a block are in step order
         for blk, series in blocks:
@@ -225,8 +222,8 @@ class StepWalls:
                 if ("gpu", "idle") in series:
                     wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
             else:
-                wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
-            parts.append((blk, series, blk.lead[:, number_col], wall))
+                wall = blk.lead[:, STEP_S] * 1e3 + blk.gap_ms
+            parts.append((blk, series, blk.lead[:, NUMBER], wall))
         self._parts = parts
         numbers = np.concatenate([p[2] for p in parts] or [np.zeros(0)])
         self._order = np.argsort(numbers, kind="stable")
@@ -291,13 +288,13 @@ def explain(c: Candidate, medians: Medians, trace: str | None = None) -> SlowSte
     rows = [n for n in values if "/" not in n and n not in _NOT_PHASES] + list(_WALL_ROWS[c.clock])
     if not c.timed:  # no phases: the step's own time is what may have grown
         rows.append("step")
-    excess = {n: values[n] - medians.get((c.clock, n), 0.0) for n in rows if n in values}
+    over = {n: v - medians.get((c.clock, n), 0.0) for n, v in values.items()}
+    excess = {n: over[n] for n in rows if n in over}
     grew = grew_most(excess)
     if grew is not None and grew not in _NOT_PHASES:  # the nested phase that holds most of it
-        kids = {n: values[n] - medians.get((c.clock, n), 0.0) for n in values if n.startswith(grew + "/")}
-        kid = grew_most(kids)
-        if kid is not None and kids[kid] >= 0.5 * excess[grew]:
-            excess[kid] = kids[kid]
+        kid = grew_most({n: v for n, v in over.items() if n.startswith(grew + "/")})
+        if kid is not None and over[kid] >= 0.5 * excess[grew]:
+            excess[kid] = over[kid]
             grew = kid
     causes = []
     m = c.marks
@@ -330,14 +327,11 @@ def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms:
         return v, med
 
     out = []
-    data = grew("host", "data", c.host_ms)
-    idle_data = grew("gpu", "idle/data", c.gpu_ms) if c.clock == "gpu" else None
-    if data is not None:
+    if (data := grew("host", "data", c.host_ms)) is not None:
         out.append(f"data stall: the loader took {num(data[0])} ms (median {num(data[1])})")
-    elif idle_data is not None:
-        out.append(f"data stall: the GPU idled {num(idle_data[0])} ms for the loader (median {num(idle_data[1])})")
-    loop = grew("host", "loop", c.host_ms)
-    if loop is not None:
+    elif c.clock == "gpu" and (data := grew("gpu", "idle/data", c.gpu_ms)) is not None:
+        out.append(f"data stall: the GPU idled {num(data[0])} ms for the loader (median {num(data[1])})")
+    if (loop := grew("host", "loop", c.host_ms)) is not None:
         text = f"{num(loop[0])} ms between steps (median {num(loop[1])})"
         idle = (c.gpu_ms or {}).get("idle", 0.0) - (c.gpu_ms or {}).get("idle/data", 0.0)
         if c.clock != "gpu":
