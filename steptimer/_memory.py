@@ -107,12 +107,15 @@ class MemoryReader:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Memory of a window or the run: peaks (max over steps), last allocated per phase, last reserved."""
+    """Memory of a window or the run, in bytes: peaks (max over steps), last allocated per phase, last reserved;
+    ``max_allocated_bytes`` (the run's, 0 unknown): the largest peak read over the whole run, what
+    ``torch.cuda.max_memory_allocated()`` would return had steptimer never reset it."""
 
     peak_bytes: Mapping[str, int]
     alloc_bytes: Mapping[str, int]
     reserved_bytes: int
     steps: int
+    max_allocated_bytes: int = 0
 
     def merged(self, later: MemoryStats) -> MemoryStats:
         """This and a later window's memory together: max of peaks, the later levels."""
@@ -132,14 +135,6 @@ def memory_of(steps: list[StepMemory]) -> MemoryStats | None:
             peak[name] = max(peak.get(name, p), p)
             alloc[name] = a
     return MemoryStats(peak, alloc, steps[-1].reserved_bytes, len(steps))
-
-
-@dataclass(frozen=True)
-class MemorySummary(MemoryStats):
-    """The run's CUDA memory, in bytes; ``max_allocated_bytes``: the largest peak read over the whole run,
-    what ``torch.cuda.max_memory_allocated()`` would return had steptimer never reset it."""
-
-    max_allocated_bytes: int
 
 
 def oom_note(phase: str | None, number: int, peak: int | None, read: bool) -> str:
