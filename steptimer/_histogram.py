@@ -30,8 +30,7 @@ UPPER_MS = np.array([BASE_MS * _RATIO ** (i + 1) for i in range(NUM_BUCKETS)])  
 
 @dataclass
 class LogHistogram:
-    """Per-step values on the grid: O(distinct buckets) memory whatever the number of steps; count,
-    sum, min and max exact."""
+    """Per-step values on the grid: O(buckets used) memory whatever the steps; count, sum, min, max exact."""
 
     counts: dict[int, int] = field(default_factory=dict)
     count: int = 0

@@ -21,7 +21,6 @@ def _c_masked_crc32c(data: bytes) -> int:
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
-# The C build only: the pure-Python one is no faster than TensorBoard's.
 _C_CRC = getattr(google_crc32c, "implementation", "") == "c"
 masked_crc32c: Callable[[bytes], int] = _c_masked_crc32c if _C_CRC else _tb_masked_crc32c
 _LENGTH = struct.Struct("<Q")

@@ -30,7 +30,6 @@ GC_MIN_FRAC = 0.05
 DATA_MIN_FRAC = 0.5
 SLOW_TAG = "steptimer-slow/steps"  # the text card in TensorBoard
 SLOW_JSON_TAG = "steptimer-slow/json"  # the same steps as JSON, for ``steptimer report``
-SLOW_PLUGIN = "steptimer-slow"
 
 
 @dataclass(frozen=True)
@@ -164,11 +163,10 @@ class StepMarks:
             retries = int(torch._C._cuda_memoryStats(device).get("num_alloc_retries", 0))
         except Exception:  # CUDA not initialized on that device, or a torch without the key
             return
-        if last is not None and retries > last[0]:
-            for c in slow:  # the retries since the last reading, in steps alloc_from..alloc_to
-                c.marks.update(
-                    alloc_retries=float(retries - last[0]), alloc_from=float(last[1] + 1), alloc_to=float(window.step)
-                )
+        if last is not None and retries > last[0]:  # the retries since the last reading, in these steps
+            since = {"alloc_retries": retries - last[0], "alloc_from": last[1] + 1, "alloc_to": window.step}
+            for c in slow:
+                c.marks.update({k: float(v) for k, v in since.items()})
         self._alloc = (retries, window.step)
 
 
@@ -212,7 +210,7 @@ class StepWalls:
         from steptimer._window import NUMBER, STEP_S  # here: _window imports this module
 
         self.clock: ShareClock = "host"
-        parts = []  # (block, series, its numbers, its walls); rows within a block are in step order
+        self._parts: list[tuple[Any, list[tuple[str, str]], Any, Any]] = []  # block, series, numbers, walls
         for blk, series in blocks:
             if (blk.names is None) == timed or not len(blk.lead):
                 continue
@@ -223,12 +221,11 @@ class StepWalls:
                     wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
             else:
                 wall = blk.lead[:, STEP_S] * 1e3 + blk.gap_ms
-            parts.append((blk, series, blk.lead[:, NUMBER], wall))
-        self._parts = parts
-        numbers = np.concatenate([p[2] for p in parts] or [np.zeros(0)])
+            self._parts.append((blk, series, blk.lead[:, NUMBER], wall))
+        numbers = np.concatenate([p[2] for p in self._parts] or [np.zeros(0)])
         self._order = np.argsort(numbers, kind="stable")
         self.numbers = numbers[self._order]
-        self.wall_ms = np.concatenate([p[3] for p in parts] or [np.zeros(0)])[self._order]
+        self.wall_ms = np.concatenate([p[3] for p in self._parts] or [np.zeros(0)])[self._order]
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -268,8 +265,7 @@ class SlowestKeeper:
 
     def slowest(self, medians: Medians, traces: Mapping[int, str] | None = None) -> tuple[SlowStep, ...]:
         """The kept steps, slowest first, each explained against the run's medians (``(clock, row)``)."""
-        traces = traces or {}
-        return tuple(explain(c, medians, traces.get(c.step)) for c in sorted(self.heap, key=lambda c: -c.wall_ms))
+        return tuple(explain(c, medians, (traces or {}).get(c.step)) for c in sorted(self.heap, reverse=True))
 
 
 def grew_most(excess_ms: Mapping[str, float]) -> str | None:
@@ -360,7 +356,7 @@ def slow_summary(slowest: Sequence[SlowStep]) -> Any:
     clock = "the GPU's timeline" if slowest and slowest[0].clock == "gpu" else "host clock"
     card = "\n".join([*lines, f"\nwall time on {clock} (docs/slow-steps.md)"])
     doc = json.dumps([s.to_json() for s in slowest], allow_nan=False)
-    return Summary(value=[text(SLOW_TAG, card, "text"), text(SLOW_JSON_TAG, doc, SLOW_PLUGIN)])
+    return Summary(value=[text(SLOW_TAG, card, "text"), text(SLOW_JSON_TAG, doc, "steptimer-slow")])
 
 
 def parse_slow_json(raw: bytes) -> list[SlowStep]:
