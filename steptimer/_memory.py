@@ -108,8 +108,7 @@ class MemoryReader:
 @dataclass(frozen=True)
 class MemoryStats:
     """Memory of a window or the run, in bytes: peaks (max over steps), last allocated per phase, last reserved;
-    ``max_allocated_bytes`` (the run's, 0 unknown): the largest peak read over the whole run, what
-    ``torch.cuda.max_memory_allocated()`` would return had steptimer never reset it."""
+    the run's ``max_allocated_bytes`` (0: unknown) is ``torch.cuda.max_memory_allocated()`` as if never reset."""
 
     peak_bytes: Mapping[str, int]
     alloc_bytes: Mapping[str, int]
