@@ -82,8 +82,8 @@ Blocks = Sequence[tuple[Any, list[tuple[str, str]]]]  # a window's row blocks an
 
 class StepMarks:
     """What may make a step slow, marked on it: Python GC pauses (``gc.callbacks``, two clock reads per
-    collection), graphs torch.compile compiled, a pause right before it, the profiler; per window, the
-    CUDA allocator's retries. The engine reads ``spans`` and ``dyn`` first: an unmarked step costs that."""
+    collection), graphs torch.compile compiled, a pause right before it, the profiler; per window, the CUDA
+    allocator's retries. The engine reads ``spans`` and ``dyn`` first: an unmarked step costs two reads."""
 
     def __init__(self, clock: Callable[[], float], pending: Sequence[Any]) -> None:
         self._clock = clock  # the engine's host clock
@@ -131,7 +131,7 @@ class StepMarks:
             rec.marks[key] = rec.marks.get(key, 0.0) + value
 
     def resolved(self, rec: Any) -> dict[str, float] | None:
-        """A resolved ``StepRecord``'s marks: its own, GC in it or since the last step, the pause before it."""
+        """A resolved ``StepRecord``'s marks: its own, GC since the previous step's end, the pause before it."""
         marks = rec.marks or {}
         t_from, t_to = rec.t0 - (rec.gap_s or 0.0), rec.t0 + rec.step_s
         gc_ms, gen = 0.0, -1
@@ -196,7 +196,7 @@ def window_candidates(blocks: Blocks, marks: dict[int, dict[str, float]], k: int
 
 
 def is_wait_phase(name: str) -> bool:
-    """A top-level ``backward``: under DDP it holds the wait for the other ranks' gradients (_dist.py)."""
+    """A top-level ``backward``: under DDP it waits for the other ranks' gradients (_dist.py leaves it out)."""
     parts = name.split("/")
     return parts[-1] == "backward" and "backward" not in parts[:-1]
 
