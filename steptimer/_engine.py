@@ -511,8 +511,6 @@ class Engine:
         self._evs = []
         self._recs = []
         self._stack.clear()
-        if self._mem is not None:
-            self._mem.drop_step()
         if self.comm is not None:
             self.comm.drop(self.number + 1)
         self.state = OUT

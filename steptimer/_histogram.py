@@ -11,14 +11,13 @@ import numpy as np
 # Bucket i holds [BASE_MS * _RATIO**i, BASE_MS * _RATIO**(i+1)): with a 1 % ratio, a quantile read
 # from a histogram is within half a bucket (0.5 %) of the true per-step value.
 _RATIO = 1.01
-_LOG_RATIO = math.log(_RATIO)
-INV_LOG_RATIO = 1.0 / _LOG_RATIO
+INV_LOG_RATIO = 1.0 / math.log(_RATIO)
 BASE_MS = 1e-4  # 0.1 µs; anything below lands in bucket 0
 NUM_BUCKETS = 2600  # 1e-4 ms * 1.01**2600 ≈ 1.8e7 ms (5 hours): covers any step
 
 
 def bucket_index(value_ms: float) -> int:
-    return 0 if value_ms <= BASE_MS else min(int(math.log(value_ms / BASE_MS) / _LOG_RATIO), NUM_BUCKETS - 1)
+    return 0 if value_ms <= BASE_MS else min(int(math.log(value_ms / BASE_MS) * INV_LOG_RATIO), NUM_BUCKETS - 1)
 
 
 def grid_index(upper_ms: float) -> int:
@@ -31,8 +30,7 @@ UPPER_MS = np.array([BASE_MS * _RATIO ** (i + 1) for i in range(NUM_BUCKETS)])  
 
 @dataclass
 class LogHistogram:
-    """Per-step values on the grid: O(distinct buckets) memory whatever the number of steps; count,
-    sum, min and max exact."""
+    """Per-step values on the grid: O(buckets used) memory whatever the steps; count, sum, min, max exact."""
 
     counts: dict[int, int] = field(default_factory=dict)
     count: int = 0
@@ -42,8 +40,7 @@ class LogHistogram:
     max_ms: float = -math.inf
 
     def add(self, value_ms: float) -> None:
-        v = value_ms
-        self.merge(LogHistogram({bucket_index(v): 1}, 1, v, v * v, v, v))
+        self.merge(LogHistogram({bucket_index(value_ms): 1}, 1, value_ms, value_ms * value_ms, value_ms, value_ms))
 
     def merge(self, other: LogHistogram) -> None:
         for i, c in other.counts.items():

@@ -55,19 +55,17 @@ class MemoryReader:
     seen_bytes: int = 0  # the largest peak any reading returned: the run's true peak
     _peaks: list[int] = field(default_factory=lambda: [0])  # the step's, then each open phase's
     _phases: list[tuple[str, int, int]] = field(default_factory=list)
-    last_alloc: int = 0
-    last_reserved: int = 0
+    last: tuple[int, int, int] = (0, 0, 0)  # the last reading: bytes allocated, peak, reserved
     spent_s: float = 0.0  # host time in the allocator calls of the current step (memory=None's budget)
 
     def _read(self, reset: bool = True) -> tuple[int, int, int]:
         t0 = perf_counter()
-        alloc, peak, reserved = self.b.read(self.device)
+        self.last = self.b.read(self.device)
         if reset:  # the next reading covers only what follows
             self.b.reset_peak(self.device)
         self.spent_s += perf_counter() - t0
-        self.seen_bytes = max(self.seen_bytes, peak)
-        self.last_alloc, self.last_reserved = alloc, reserved
-        return alloc, peak, reserved
+        self.seen_bytes = max(self.seen_bytes, self.last[1])
+        return self.last
 
     def begin_step(self, device: int) -> None:
         self.device = device
@@ -78,7 +76,7 @@ class MemoryReader:
     def enter_phase(self, shared: bool) -> None:
         """At a phase's entry; ``shared``: nothing ran since the last reading, so it stands for this one."""
         if shared:
-            alloc = self.last_alloc
+            alloc = self.last[0]
         else:
             alloc, peak, _ = self._read()
             self._peaks[-1] = max(self._peaks[-1], peak)
@@ -96,15 +94,11 @@ class MemoryReader:
         """At the step's end; ``shared`` as for ``enter_phase``."""
         if not shared:  # no reset: the next step's first reading resets
             self._peaks[0] = max(self._peaks[0], self._read(reset=False)[1])
-        return StepMemory(self._peaks[0], self.last_reserved, tuple(self._phases))
+        return StepMemory(self._peaks[0], self.last[2], tuple(self._phases))
 
     def open_peak(self) -> int:
         """The innermost open phase's peak so far (else the step's), for the out-of-memory note."""
         return max(self._peaks[-1], self.b.read(self.device)[1])
-
-    def drop_step(self) -> None:
-        del self._peaks[1:]
-        self._phases = []
 
     def close(self) -> None:
         """A last reading, so that ``seen_bytes`` covers the time after the last step too."""
@@ -113,12 +107,14 @@ class MemoryReader:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Memory of a window or the run: peaks (max over steps), last allocated per phase, last reserved."""
+    """Memory of a window or the run, in bytes: peaks (max over steps), last allocated per phase, last reserved;
+    the run's ``max_allocated_bytes`` (0: unknown) is ``torch.cuda.max_memory_allocated()`` as if never reset."""
 
     peak_bytes: Mapping[str, int]
     alloc_bytes: Mapping[str, int]
     reserved_bytes: int
     steps: int
+    max_allocated_bytes: int = 0
 
     def merged(self, later: MemoryStats) -> MemoryStats:
         """This and a later window's memory together: max of peaks, the later levels."""
@@ -138,14 +134,6 @@ def memory_of(steps: list[StepMemory]) -> MemoryStats | None:
             peak[name] = max(peak.get(name, p), p)
             alloc[name] = a
     return MemoryStats(peak, alloc, steps[-1].reserved_bytes, len(steps))
-
-
-@dataclass(frozen=True)
-class MemorySummary(MemoryStats):
-    """The run's CUDA memory, in bytes; ``max_allocated_bytes``: the largest peak read over the whole run,
-    what ``torch.cuda.max_memory_allocated()`` would return had steptimer never reset it."""
-
-    max_allocated_bytes: int
 
 
 def oom_note(phase: str | None, number: int, peak: int | None, read: bool) -> str:

@@ -3,6 +3,8 @@ convention, and why not Lightning's table: docs/memory-and-mfu.md)."""
 
 from __future__ import annotations
 
+import torch
+
 DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 
 # TFLOP/s, dense. fp32 is the non-tensor (CUDA core) figure, fp64 likewise where both exist. Source of
@@ -41,10 +43,9 @@ PEAKS: dict[str, dict[str, float]] = {
     "t4": {"fp32": 8.1, "fp16": 65.0},
 }
 
-# ``torch.cuda.get_device_name()`` -> table row: the first rule whose words all appear in the
-# lowercased name, more specific first ("h100 nvl" before "h100", "l40s" before "l40" before "l4"); no
-# row: no vendor figures, unknown rather than a neighbour's. Names as drivers report them, e.g. "NVIDIA
-# H100 80GB HBM3" (SXM5), "NVIDIA H100 PCIe", "NVIDIA GH200 480GB", "NVIDIA A100-SXM4-80GB", "Tesla T4".
+# ``torch.cuda.get_device_name()`` (e.g. "NVIDIA H100 80GB HBM3": the SXM5) -> table row: the first rule whose
+# words all appear in the lowercased name, more specific first ("h100 nvl" before "h100", "l40s" before "l40"
+# before "l4"); no row (""): no vendor figures, unknown rather than a neighbour's.
 _RULES: tuple[tuple[str, str], ...] = (
     ("b200", "b200"), ("gh200", "gh200"), ("h200 nvl", "h200 nvl"), ("h200", "h200"),
     ("h100 nvl", "h100 nvl"), ("h100 pcie", "h100 pcie"), ("h100", "h100 sxm"), ("a100", "a100"),
@@ -52,7 +53,6 @@ _RULES: tuple[tuple[str, str], ...] = (
     ("a6000", "rtx a6000"), ("4090", "rtx 4090"), ("3090 ti", ""), ("3090", "rtx 3090"),
     ("v100s", "v100s"), ("v100 pcie", "v100 pcie"), ("v100", "v100 sxm"), ("t4", "t4"),
 )  # fmt: skip
-
 
 # Without bf16 tensor cores (V100, T4) bf16 work runs on the fp16 ones; without tf32, in fp32.
 _FALLBACK = {"bf16": "fp16", "tf32": "fp32"}
@@ -64,8 +64,6 @@ def dtype_of_precision(precision: str) -> str:
     for prefix, dtype in (("bf16", "bf16"), ("16", "fp16"), ("64", "fp64"), ("transformer-engine", "fp8")):
         if str(precision).startswith(prefix):
             return dtype
-    import torch
-
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
@@ -95,8 +93,6 @@ def lookup_peak(device_name: str, dtype: str = "bf16") -> tuple[float | None, st
 def cuda_peak(device: int, dtype: str = "bf16") -> tuple[float | None, str]:
     """:func:`lookup_peak` for CUDA device ``device`` (< 0: the current device)."""
     try:
-        import torch
-
         name = torch.cuda.get_device_name(device if device >= 0 else None)
     except Exception as err:  # no usable CUDA (a simulated GPU in tests): no name to look up
         return None, f"no MFU: the GPU's name is unknown ({type(err).__name__}); pass peak_tflops="

@@ -6,36 +6,29 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as _tb_masked_crc32c
 
-
-def _c_masked_crc32c() -> Callable[[bytes], int] | None:
-    try:
-        import google_crc32c
-    except ImportError:  # pragma: no cover - a dependency; kept optional at run time
-        return None
-    if getattr(google_crc32c, "implementation", "") != "c":  # pragma: no cover - pure-Python build
-        return None
-    value: Any = google_crc32c.value
-
-    def masked(data: bytes) -> int:
-        crc = value(bytes(data))
-        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-    return masked
+try:
+    import google_crc32c
+except ImportError:  # pragma: no cover - a dependency; kept optional at run time
+    google_crc32c = None  # type: ignore[assignment]
 
 
-masked_crc32c: Callable[[bytes], int] = _c_masked_crc32c() or _tb_masked_crc32c
-_LENGTH = struct.Struct("<Q")
-_CRC = struct.Struct("<I")
+def _c_masked_crc32c(data: bytes) -> int:
+    crc = google_crc32c.value(bytes(data))
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+_C_CRC = getattr(google_crc32c, "implementation", "") == "c"
+masked_crc32c: Callable[[bytes], int] = _c_masked_crc32c if _C_CRC else _tb_masked_crc32c
 
 
 def frame(data: bytes) -> bytes:
     """``data`` with its length and both checksums, as TensorBoard frames it."""
-    header = _LENGTH.pack(len(data))
-    return header + _CRC.pack(masked_crc32c(header)) + data + _CRC.pack(masked_crc32c(data))
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
 
 
 class RecordError(Exception):
@@ -53,14 +46,14 @@ def read_records(f: BinaryIO) -> Iterator[bytes]:
     while header := f.read(12):
         if len(header) < 12:
             raise RecordError(f"truncated record header after {n} records", truncated=True, offset=offset)
-        (length,) = _LENGTH.unpack_from(header)
-        if _CRC.unpack_from(header, 8)[0] != masked_crc32c(header[:8]):
+        length, crc = struct.unpack("<QI", header)  # uint64 length, uint32 masked CRC of those 8 bytes
+        if crc != masked_crc32c(header[:8]):
             raise RecordError(f"corrupt record header after {n} records", truncated=False, offset=offset)
         body = f.read(length + 4)
         if len(body) < length + 4:
             raise RecordError(f"truncated record after {n} records", truncated=True, offset=offset)
         data = body[:length]
-        if _CRC.unpack_from(body, length)[0] != masked_crc32c(data):
+        if struct.unpack_from("<I", body, length)[0] != masked_crc32c(data):
             raise RecordError(f"corrupt record after {n} records", truncated=False, offset=offset)
         n += 1
         offset += 12 + length + 4

@@ -14,7 +14,7 @@ import numpy as np
 from steptimer import _tags
 from steptimer._energy import Energy
 from steptimer._histogram import LogHistogram, SeriesStats
-from steptimer._memory import MIB, MemorySummary
+from steptimer._memory import MIB, MemoryStats
 from steptimer._reader import RunLog
 from steptimer._summary import NO_STATS, Summary, summarize
 from steptimer._verdict import Series
@@ -95,7 +95,7 @@ def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
     return Energy(sum(joules.values()), sum(n_of[s] for s in joules), sum(j / watts[s] for s, j in joules.items()))
 
 
-def _memory(scal: Points) -> MemorySummary | None:
+def _memory(scal: Points) -> MemoryStats | None:
     """As the live summary keeps it: the max of the windows' peaks, the last allocated and reserved."""
     peak: dict[str, int] = {}
     alloc: dict[str, int] = {}
@@ -111,7 +111,7 @@ def _memory(scal: Points) -> MemorySummary | None:
             reserved = round(pts[-1][1] * MIB)
     if not peak and reserved is None:
         return None
-    return MemorySummary(peak, alloc, reserved or 0, steps=0, max_allocated_bytes=0)
+    return MemoryStats(peak, alloc, reserved or 0, steps=0)
 
 
 def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: str) -> Series | None:

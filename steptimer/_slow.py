@@ -30,7 +30,6 @@ GC_MIN_FRAC = 0.05
 DATA_MIN_FRAC = 0.5
 SLOW_TAG = "steptimer-slow/steps"  # the text card in TensorBoard
 SLOW_JSON_TAG = "steptimer-slow/json"  # the same steps as JSON, for ``steptimer report``
-SLOW_PLUGIN = "steptimer-slow"
 
 
 @dataclass(frozen=True)
@@ -73,19 +72,18 @@ class SlowStep:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> SlowStep:
         known = {f.name for f in fields(cls)} - {"marks"}
-        s = cls(**{k: v for k, v in d.items() if k in known})
-        return replace(s, causes=tuple(s.causes))
+        return cls(**{k: tuple(v) if k == "causes" else v for k, v in d.items() if k in known})
 
 
 Candidate = SlowStep  # a step slower than the run's k-th slowest, not yet explained (grew, causes)
 Medians = Mapping[tuple[str, str], float]  # the run's per-row medians by (clock, row)
+Blocks = Sequence[tuple[Any, list[tuple[str, str]]]]  # a window's row blocks and their series (_window._blocks)
 
 
 class StepMarks:
-    """What may make a step slow, marked on it (the engine's listener, ``slowest_steps`` on): Python
-    GC pauses (``gc.callbacks``: two clock reads per collection), graphs torch.compile compiled, a
-    pause right before it, the profiler; per window, the CUDA allocator's retries. The engine reads
-    ``spans`` and ``dyn`` before calling in: a step with nothing to mark costs two attribute reads."""
+    """What may make a step slow, marked on it: Python GC pauses (``gc.callbacks``, two clock reads per
+    collection), graphs torch.compile compiled, a pause right before it, the profiler; per window, the CUDA
+    allocator's retries. The engine reads ``spans`` and ``dyn`` first: an unmarked step costs two reads."""
 
     def __init__(self, clock: Callable[[], float], pending: Sequence[Any]) -> None:
         self._clock = clock  # the engine's host clock
@@ -103,7 +101,6 @@ class StepMarks:
             self.spans.append((self._gc_t0, self._clock(), info.get("generation", -1)))
 
     def open(self) -> None:
-        """At the first step."""
         if self._gc not in gc.callbacks:
             gc.callbacks.append(self._gc)
         self.find_dynamo()
@@ -129,14 +126,12 @@ class StepMarks:
 
     def mark_current(self, number: int, key: str, value: float) -> None:
         """Mark step ``number`` if it is the newest step ended and not yet resolved (the profiler's)."""
-        rec = self._pending[-1] if self._pending else None
-        if rec is not None and rec.number == number:
+        if self._pending and (rec := self._pending[-1]).number == number:
             rec.marks = rec.marks or {}
             rec.marks[key] = rec.marks.get(key, 0.0) + value
 
     def resolved(self, rec: Any) -> dict[str, float] | None:
-        """A resolved step's (``StepRecord``) marks: its own, the GC inside it and since the previous
-        step's end, the pause right before it; None: nothing to mark."""
+        """A resolved ``StepRecord``'s marks: its own, GC since the previous step's end, the pause before it."""
         marks = rec.marks or {}
         t_from, t_to = rec.t0 - (rec.gap_s or 0.0), rec.t0 + rec.step_s
         gc_ms, gen = 0.0, -1
@@ -156,9 +151,8 @@ class StepMarks:
         return marks or None
 
     def window(self, window: Any, device: int, memory: bool) -> None:
-        """After a window: look for torch.compile; give the window's slow candidates the allocator's
-        retries since the last reading (``device`` < 0: none). The reading costs ~10 µs on an H100:
-        taken only with memory readings on, with candidates, or the first time."""
+        """After a window: look for torch.compile; mark its slow candidates with the allocator's retries
+        (``device`` < 0: none), read (~10 µs on an H100) with memory on, with candidates, or the first time."""
         self.find_dynamo()
         slow, last = window.packed.slow if window.packed is not None else [], self._alloc
         if device < 0 or not (memory or slow or last is None):
@@ -169,11 +163,10 @@ class StepMarks:
             retries = int(torch._C._cuda_memoryStats(device).get("num_alloc_retries", 0))
         except Exception:  # CUDA not initialized on that device, or a torch without the key
             return
-        if last is not None and retries > last[0]:
-            for c in slow:  # the retries since the last reading, in steps alloc_from..alloc_to
-                c.marks.update(
-                    alloc_retries=float(retries - last[0]), alloc_from=float(last[1] + 1), alloc_to=float(window.step)
-                )
+        if last is not None and retries > last[0]:  # the retries since the last reading, in these steps
+            since = {"alloc_retries": retries - last[0], "alloc_from": last[1] + 1, "alloc_to": window.step}
+            for c in slow:
+                c.marks.update({k: float(v) for k, v in since.items()})
         self._alloc = (retries, window.step)
 
 
@@ -187,16 +180,12 @@ def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[st
     return host, gpu
 
 
-def window_candidates(
-    blocks: Sequence[tuple[Any, list[tuple[str, str]]]], marks: Mapping[int, Mapping[str, float]],
-    k: int, floor_ms: float, step_s_col: int, number_col: int,
-) -> list[Candidate]:  # fmt: skip
-    """A window's k slowest steps at most of those slower than ``floor_ms`` (the run's k-th slowest):
-    timed steps, and the untimed ones the engine marked slow (by their host wall)."""
+def window_candidates(blocks: Blocks, marks: dict[int, dict[str, float]], k: int, floor_ms: float) -> list[Candidate]:
+    """Up to k steps slower than ``floor_ms``: timed ones, and untimed ones marked slow by their host wall."""
     untimed = [n for n, m in marks.items() if "untimed" in m]
     out = []
     for timed in (True, False) if untimed else (True,):
-        walls = StepWalls(blocks, step_s_col, number_col, timed=timed)
+        walls = StepWalls(blocks, timed)
         over = walls.wall_ms > floor_ms
         idx = np.flatnonzero(over if timed else over & np.isin(walls.numbers, untimed))
         for i in idx[np.argsort(-walls.wall_ms[idx], kind="stable")[:k]].tolist():
@@ -206,14 +195,10 @@ def window_candidates(
     return sorted(out, key=lambda c: -c.wall_ms)[:k]
 
 
-# Under DDP it holds the wait for the other ranks' gradients: the straggler rule (_dist.py) leaves it out.
-WAIT_PHASE = "backward"
-
-
 def is_wait_phase(name: str) -> bool:
-    """A top-level ``backward``: no ``backward`` above it."""
+    """A top-level ``backward``: under DDP it waits for the other ranks' gradients (_dist.py leaves it out)."""
     parts = name.split("/")
-    return parts[-1] == WAIT_PHASE and WAIT_PHASE not in parts[:-1]
+    return parts[-1] == "backward" and "backward" not in parts[:-1]
 
 
 class StepWalls:
@@ -221,12 +206,11 @@ class StepWalls:
 
     __slots__ = ("numbers", "wall_ms", "clock", "_parts", "_order")
 
-    def __init__(
-        self, blocks: Sequence[tuple[Any, list[tuple[str, str]]]], step_s_col: int, number_col: int,
-        timed: bool = True,
-    ) -> None:  # fmt: skip
+    def __init__(self, blocks: Blocks, timed: bool = True) -> None:
+        from steptimer._window import NUMBER, STEP_S  # here: _window imports this module
+
         self.clock: ShareClock = "host"
-        parts = []  # (block, series, its numbers, its walls); rows within a block are in step order
+        self._parts: list[tuple[Any, list[tuple[str, str]], Any, Any]] = []  # block, series, numbers, walls
         for blk, series in blocks:
             if (blk.names is None) == timed or not len(blk.lead):
                 continue
@@ -236,13 +220,12 @@ class StepWalls:
                 if ("gpu", "idle") in series:
                     wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
             else:
-                wall = blk.lead[:, step_s_col] * 1e3 + blk.gap_ms
-            parts.append((blk, series, blk.lead[:, number_col], wall))
-        self._parts = parts
-        numbers = np.concatenate([p[2] for p in parts] or [np.zeros(0)])
+                wall = blk.lead[:, STEP_S] * 1e3 + blk.gap_ms
+            self._parts.append((blk, series, blk.lead[:, NUMBER], wall))
+        numbers = np.concatenate([p[2] for p in self._parts] or [np.zeros(0)])
         self._order = np.argsort(numbers, kind="stable")
         self.numbers = numbers[self._order]
-        self.wall_ms = np.concatenate([p[3] for p in parts] or [np.zeros(0)])[self._order]
+        self.wall_ms = np.concatenate([p[3] for p in self._parts] or [np.zeros(0)])[self._order]
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -282,8 +265,7 @@ class SlowestKeeper:
 
     def slowest(self, medians: Medians, traces: Mapping[int, str] | None = None) -> tuple[SlowStep, ...]:
         """The kept steps, slowest first, each explained against the run's medians (``(clock, row)``)."""
-        traces = traces or {}
-        return tuple(explain(c, medians, traces.get(c.step)) for c in sorted(self.heap, key=lambda c: -c.wall_ms))
+        return tuple(explain(c, medians, (traces or {}).get(c.step)) for c in sorted(self.heap, reverse=True))
 
 
 def grew_most(excess_ms: Mapping[str, float]) -> str | None:
@@ -302,26 +284,23 @@ def explain(c: Candidate, medians: Medians, trace: str | None = None) -> SlowSte
     rows = [n for n in values if "/" not in n and n not in _NOT_PHASES] + list(_WALL_ROWS[c.clock])
     if not c.timed:  # no phases: the step's own time is what may have grown
         rows.append("step")
-    excess = {n: values[n] - medians.get((c.clock, n), 0.0) for n in rows if n in values}
+    over = {n: v - medians.get((c.clock, n), 0.0) for n, v in values.items()}
+    excess = {n: over[n] for n in rows if n in over}
     grew = grew_most(excess)
     if grew is not None and grew not in _NOT_PHASES:  # the nested phase that holds most of it
-        kids = {n: values[n] - medians.get((c.clock, n), 0.0) for n in values if n.startswith(grew + "/")}
-        kid = max(kids, key=lambda n: kids[n], default=None)
-        if kid is not None and kids[kid] >= 0.5 * excess[grew]:
-            excess[kid] = kids[kid]
+        kid = grew_most({n: v for n, v in over.items() if n.startswith(grew + "/")})
+        if kid is not None and over[kid] >= 0.5 * excess[grew]:
+            excess[kid] = over[kid]
             grew = kid
     causes = []
     m = c.marks
     notable_ms = max(GC_MIN_MS, GC_MIN_FRAC * c.wall_ms)
-    gc_ms = m.get("gc_ms", 0.0)
-    if gc_ms >= notable_ms:
+    if (gc_ms := m.get("gc_ms", 0.0)) >= notable_ms:
         gen = int(m.get("gc_gen", -1))
         causes.append(f"Python GC{'' if gen < 0 else f' (generation {gen})'} paused {num(gc_ms)} ms in it")
-    if m.get("graphs_new"):
-        n = int(m["graphs_new"])
+    if n := int(m.get("graphs_new", 0)):
         causes.append(f"torch.compile compiled {n} graph{'s' * (n != 1)} in it ({int(m.get('graphs', n))} in all)")
-    if m.get("alloc_retries"):
-        n = int(m["alloc_retries"])
+    if n := int(m.get("alloc_retries", 0)):
         span = f"steps {int(m['alloc_from'])}-{int(m['alloc_to'])}" if "alloc_from" in m else "its window"
         causes.append(f"CUDA allocator retried {n} allocation{'s' * (n != 1)} after a failed cudaMalloc ({span})")
     causes += _between_causes(c, medians, sum(v for v in excess.values() if v > 0), notable_ms)
@@ -344,14 +323,11 @@ def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms:
         return v, med
 
     out = []
-    data = grew("host", "data", c.host_ms)
-    idle_data = grew("gpu", "idle/data", c.gpu_ms) if c.clock == "gpu" else None
-    if data is not None:
+    if (data := grew("host", "data", c.host_ms)) is not None:
         out.append(f"data stall: the loader took {num(data[0])} ms (median {num(data[1])})")
-    elif idle_data is not None:
-        out.append(f"data stall: the GPU idled {num(idle_data[0])} ms for the loader (median {num(idle_data[1])})")
-    loop = grew("host", "loop", c.host_ms)
-    if loop is not None:
+    elif c.clock == "gpu" and (data := grew("gpu", "idle/data", c.gpu_ms)) is not None:
+        out.append(f"data stall: the GPU idled {num(data[0])} ms for the loader (median {num(data[1])})")
+    if (loop := grew("host", "loop", c.host_ms)) is not None:
         text = f"{num(loop[0])} ms between steps (median {num(loop[1])})"
         idle = (c.gpu_ms or {}).get("idle", 0.0) - (c.gpu_ms or {}).get("idle/data", 0.0)
         if c.clock != "gpu":
@@ -364,8 +340,7 @@ def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms:
 
 
 def slow_summary(slowest: Sequence[SlowStep]) -> Any:
-    """A TensorBoard ``Summary`` with the text card (a Markdown table row per slow step) and the JSON
-    that ``steptimer report`` reads."""
+    """A TensorBoard ``Summary``: the text card (a Markdown row per slow step), the JSON ``report`` reads."""
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.compat.proto.tensor_pb2 import TensorProto
     from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
@@ -381,7 +356,7 @@ def slow_summary(slowest: Sequence[SlowStep]) -> Any:
     clock = "the GPU's timeline" if slowest and slowest[0].clock == "gpu" else "host clock"
     card = "\n".join([*lines, f"\nwall time on {clock} (docs/slow-steps.md)"])
     doc = json.dumps([s.to_json() for s in slowest], allow_nan=False)
-    return Summary(value=[text(SLOW_TAG, card, "text"), text(SLOW_JSON_TAG, doc, SLOW_PLUGIN)])
+    return Summary(value=[text(SLOW_TAG, card, "text"), text(SLOW_JSON_TAG, doc, "steptimer-slow")])
 
 
 def parse_slow_json(raw: bytes) -> list[SlowStep]:

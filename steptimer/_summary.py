@@ -12,7 +12,7 @@ from typing import Any
 from steptimer._energy import Energy
 from steptimer._format import num, pct
 from steptimer._histogram import LogHistogram, SeriesStats
-from steptimer._memory import MIB, MemoryStats, MemorySummary
+from steptimer._memory import MIB, MemoryStats
 from steptimer._slow import Candidate, SlowestKeeper, SlowStep
 from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, PhaseSummary, Series, ShareClock, Verdict, shares, verdict
 from steptimer._window import Tally, Window
@@ -121,7 +121,7 @@ class Summary:
     tflops_per_s: float | None = None
     mfu: float | None = None
     peak_tflops: float | None = None
-    memory: MemorySummary | None = None
+    memory: MemoryStats | None = None
     share_clock: ShareClock = "host"
     verdict: Verdict | None = None
     slowest: tuple[SlowStep, ...] = ()

@@ -268,9 +268,9 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
     p.arrive = {c[0]: c[4] for c in rows.comm if c[4] is not None}
     untimed_slow = any("untimed" in m for m in rows.marks.values())  # host walls, beyond a GPU bound
     if slowest and not rows.warmup and (untimed_slow or _may_beat(p, index, floor_ms)):
-        p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, STEP_S, NUMBER)
+        p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms)
     if walls and not rows.warmup:
-        p.walls = StepWalls(blocks, STEP_S, NUMBER)
+        p.walls = StepWalls(blocks)
     return p
 
 

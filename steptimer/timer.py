@@ -18,7 +18,7 @@ from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank, _initialized, energy_v
 from steptimer._energy import EnergyWindows
 from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
-from steptimer._memory import MemoryStats, MemorySummary, _MemoryBackend, oom_note
+from steptimer._memory import MemoryStats, _MemoryBackend, oom_note
 from steptimer._options import Options, check_bool, check_count, check_phase_name
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K
@@ -523,7 +523,7 @@ class StepTimer:
         }  # fmt: skip
         if engine.memory is not None:
             m, seen = acc.memory or MemoryStats({}, {}, 0, 0), engine.memory.seen_bytes
-            more["memory"] = MemorySummary(m.peak_bytes, m.alloc_bytes, m.reserved_bytes, m.steps, seen)
+            more["memory"] = MemoryStats(m.peak_bytes, m.alloc_bytes, m.reserved_bytes, m.steps, seen)
         if xrank is not None and xrank.summary is not None:
             more["ranks"] = xrank.summary
         if xrank is not None and summary.slowest:  # each with its window's slowest rank
