@@ -23,27 +23,19 @@ class PhaseDriver:
     Args:
         rejoin: A forward that starts while the previous forward's ``loss`` is open takes that time
             back into ``forward`` (Lightning's rule); False: ``forward, loss, forward``.
-        scoped: Model calls are ``forward`` only inside a call wrapped by :meth:`scope`.
         on_reset: Called when the step ends or is dropped: the front door clears its own state.
     """
 
-    def __init__(
-        self,
-        timer: StepTimer,
-        *,
-        rejoin: bool = False,
-        scoped: bool = False,
-        on_reset: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, timer: StepTimer, *, rejoin: bool = False, on_reset: Callable[[], None] | None = None) -> None:
         self.timer = timer
         self._rejoin = rejoin
         self._on_reset = on_reset
         self._step: AbstractContextManager[None] | None = None
-        self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
+        self.phase: str | None = None  # the hook phase open at the innermost user-phase level
         self._users: list[UserPhase] = []  # the user phases open, outermost first
         self.end_pending = False  # the step ended inside a user phase: it ends when that one exits
         self.live = True  # hook events count; False: the front door is between its batches
-        self.in_scope = not scoped  # model calls are `forward` now
+        self.in_scope = False  # model_pre/model_post: model calls are `forward` now (see scope())
         self.in_backward = False  # activation checkpointing re-runs forward inside backward
         self.seen: set[str] = set()  # the hook phases opened in this step
         self.counts: dict[str, float] = {}  # samples, tokens, flops: the step's, at its end
@@ -55,11 +47,6 @@ class PhaseDriver:
     @property
     def in_step(self) -> bool:
         return self._step is not None
-
-    @property
-    def phase(self) -> str | None:
-        """The hook phase open at the innermost level, or None."""
-        return self._frames[-1]
 
     def begin(self, **counts: float | None) -> None:
         """Start a step; :attr:`counts` start from ``counts`` (samples, tokens, flops; None: none)."""
@@ -73,11 +60,8 @@ class PhaseDriver:
             self.end_pending = True
             return
         self.switch(None)
-        step = self._reset()
-        if step is not None and self.counts:
-            step = self.timer.step(**self.counts)  # the counts at its exit are the last step() call's
-        if step is not None:
-            step.__exit__(None, None, None)
+        if self._reset() is not None:  # the counts at its exit are the last step() call's
+            self.timer.step(**self.counts).__exit__(None, None, None)
 
     def drop(self, et: Any, ev: Any, tb: Any) -> None:
         """The step raised: the engine forgets it and its open phases."""
@@ -87,7 +71,7 @@ class PhaseDriver:
 
     def _reset(self) -> AbstractContextManager[None] | None:
         step, self._step = self._step, None
-        self._frames = [None]
+        self.phase = None
         self._users = []
         self.end_pending = False
         self.in_backward = False
@@ -99,15 +83,15 @@ class PhaseDriver:
 
     def switch(self, name: str | None, error: BaseException | None = None) -> None:
         """End the innermost hook phase (``error``: the exception that ended it); start ``name``."""
-        cur = self._frames[-1]
+        cur = self.phase
         if cur == name:
             return
         if cur is not None:
-            self._frames[-1] = None
+            self.phase = None
             self.timer.phase(cur).__exit__(None if error is None else type(error), error, None)
         if name is not None:
             self.timer.phase(name).__enter__()
-            self._frames[-1] = name
+            self.phase = name
             self.seen.add(name)
 
     def call(self, name: str, after: str | None, orig: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -178,16 +162,15 @@ class PhaseDriver:
             self.in_backward = False
             self.switch(after)
 
-    def forward_enter(self) -> bool:
-        """A model call starts; True for the outermost one, which opens ``forward``."""
+    def forward_enter(self) -> None:
+        """A model call starts; the outermost one opens ``forward``."""
         self.fwd_depth += 1
         if self.fwd_depth > 1:
-            return False
-        if self._rejoin and self._frames[-1] == "loss" and self.timer._rejoin("loss", "forward"):
-            self._frames[-1] = "forward"
+            return
+        if self._rejoin and self.phase == "loss" and self.timer._rejoin("loss", "forward"):
+            self.phase = "forward"
         else:
             self.switch("forward")
-        return True
 
     def forward_exit(self) -> bool:
         """A model call returned (or raised); True for the outermost one, unmatched ones ignored."""
@@ -198,7 +181,7 @@ class PhaseDriver:
 
     def open_user(self, phase: UserPhase) -> None:
         self.timer.phase(phase.name).__enter__()
-        self._frames.append(None)
+        phase.outer, self.phase = self.phase, None
         self._users.append(phase)
 
     def close_user(self, phase: UserPhase, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
@@ -213,8 +196,9 @@ class PhaseDriver:
 
     def _close_innermost(self, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
         self.switch(None)
-        self._frames.pop()
-        self.timer.phase(self._users.pop().name).__exit__(*exc)
+        user = self._users.pop()
+        self.phase = user.outer
+        self.timer.phase(user.name).__exit__(*exc)
 
     def close_user_phases(self) -> None:
         if self._users:
@@ -268,12 +252,13 @@ class UserPhase:
     """``with front_door.phase(name):`` through the driver ``driver()`` returns (None: a no-op). A
     class, not a generator: one never exited stays open until the front door closes it."""
 
-    __slots__ = ("name", "_driver", "_open")
+    __slots__ = ("name", "_driver", "_open", "outer")
 
     def __init__(self, name: str, driver: Callable[[], PhaseDriver | None]) -> None:
         self.name = name
         self._driver = driver
         self._open: PhaseDriver | None = None
+        self.outer: str | None = None  # the hook phase open around it, open again when it exits
 
     def __enter__(self) -> None:
         self._open = self._driver()

@@ -259,7 +259,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             **options, **self._seams, peak_dtype=dtype_of_precision(trainer.precision),
             profile_dir=str(trainer.log_dir or trainer.default_root_dir), sinks=[self._sink],
         )  # fmt: skip
-        self._driver = d = PhaseDriver(timer, rejoin=True, scoped=True)
+        self._driver = d = PhaseDriver(timer, rejoin=True)
         d.live = False
         self._hooks.remove()
         self._hook_model(pl_module, d)
