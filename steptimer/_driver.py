@@ -151,17 +151,6 @@ class PhaseDriver:
         if self.live and self.in_scope and not self.in_backward and self.forward_exit():
             self.switch("loss", error=sys.exc_info()[1])
 
-    def backward_begin(self) -> None:
-        if self.live:
-            self.in_backward = True
-            self.switch("backward")
-
-    def backward_end(self, after: str | None = None) -> None:
-        """Backward returned: phase ``after`` opens, until the next event."""
-        if self.live:
-            self.in_backward = False
-            self.switch(after)
-
     def forward_enter(self) -> None:
         """A model call starts; the outermost one opens ``forward``."""
         self.fwd_depth += 1

@@ -107,13 +107,11 @@ class Hooks:
         for where, attr, ours, _ in self._put:
             if where is model.__dict__ and state.get(attr) is ours:
                 del state[attr]
-        ids = [h.id for h in self._handles]  # unique across every hook dict
+        ids = {h.id for h in self._handles}  # unique across every hook dict
         # nn.Module keeps its forward hooks and their flags in dicts `_forward_*` keyed by handle id.
         for name, hooks in list(state.items()):
-            if name.startswith("_forward_") and isinstance(hooks, dict) and any(i in hooks for i in ids):
-                hooks = state[name] = hooks.copy()  # OrderedDict stays OrderedDict
-                for i in ids:
-                    hooks.pop(i, None)
+            if name.startswith("_forward_") and isinstance(hooks, dict) and not ids.isdisjoint(hooks):
+                state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in ids)  # OrderedDict too
         return state
 
     def remove(self) -> None:
@@ -162,10 +160,7 @@ def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
     if depth < 2 and isinstance(x, dict):
         x = [x["input_ids"]] if isinstance(x.get("input_ids"), torch.Tensor) else list(x.values())
     if depth < 2 and isinstance(x, (list, tuple)):
-        for v in x:
-            t = _first_tensor(v, depth + 1)
-            if t is not None:
-                return t
+        return next((t for v in x if (t := _first_tensor(v, depth + 1)) is not None), None)
     return None
 
 
@@ -223,13 +218,11 @@ class Discovery:
         self.optimizer_steps += 1
         if self.models:  # the rest of this iteration's optimizers: the next one starts at a forward
             self._pending.discard(id(opt))
-        elif self._given_opts is not None:
-            if any(opt is o for o in self._given_opts):
-                self._decide(list(self._given_opts), opt)
-        elif id(opt) in self._stepped:  # the first optimizer steps again: one whole iteration seen
-            self._decide(list(self._stepped.values()), opt)
-        else:
+        elif self._given_opts is None and id(opt) not in self._stepped:
             self._stepped[id(opt)] = opt
+        elif self._given_opts is None or any(opt is o for o in self._given_opts):
+            # Given, or an optimizer steps again: one whole iteration seen.
+            self._decide(self._given_opts or list(self._stepped.values()), opt)
 
     def _decide(self, opts: list[torch.optim.Optimizer], now: torch.optim.Optimizer) -> None:
         self._stepped = {}

@@ -7,7 +7,7 @@ phase is open is steptimer/_driver.py's. docs/lightning.md has the table of phas
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import importlib.util
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,14 +31,9 @@ log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
 # The profiler action Lightning's training epoch loop starts and stops around each train fetch.
 _FETCH_ACTION = "].train_dataloader_next"
-_FLAVOURS: list[Any] = []  # the installed Lightning packages, imported
-for _name in ("pytorch_lightning", "lightning.pytorch"):
-    try:
-        _FLAVOURS.append(importlib.import_module(_name))
-    except ModuleNotFoundError as err:
-        # Only "this package is not installed" means absent; a broken install must surface.
-        if err.name not in (_name, _name.split(".")[0]):
-            raise
+# The installed Lightning packages, imported: a broken install surfaces here.
+_FLAVOURS = [importlib.import_module(name) for name in ("pytorch_lightning", "lightning.pytorch")
+             if importlib.util.find_spec(name.split(".")[0]) is not None]  # fmt: skip
 if not _FLAVOURS:
     msg = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
     raise ModuleNotFoundError(msg, name="pytorch_lightning")
@@ -253,8 +248,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         every, sample_every = int(trainer.log_every_n_steps), options["sample_every"]
         if options["log_every_n_steps"] is None and every != 50:  # 50: StepTimer's, lengthened to 1 s
             options["log_every_n_steps"] = max(every, 1 if sample_every in (None, 1) else 10 * sample_every)
-        options["print_summary"] = False  # printed at the close, with the callback's own notes
-        options["start_step"] = self._steps_done
+        options.update(print_summary=False, start_step=self._steps_done)  # printed at the close, with our notes
         timer = StepTimer._make(
             **options, **self._seams, peak_dtype=dtype_of_precision(trainer.precision),
             profile_dir=str(trainer.log_dir or trainer.default_root_dir), sinks=[self._sink],
@@ -311,7 +305,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 self._close(trainer, failed=True)
             except Exception as err:  # a broken device must not hide the user's exception
                 log.warning("steptimer: could not flush timings after %r: %s", exception, err)
-                self._driver = None
         self._hooks.remove()
 
     @override
@@ -354,8 +347,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         names = [n for n, _ in self._hooked]
         hooked = [n or "the LightningModule" for n in names]
         # What training_step may call instead: the model modules one level below the hooked ones.
-        deeper = [m for n, mod in self._hooked for m, _ in _model_modules(mod, n and f"{n}.")]
-        deeper = [m for m in deeper if m not in names]
+        deeper = [m for n, mod in self._hooked for m, _ in _model_modules(mod, n and f"{n}.") if m not in names]
         hint = (
             f"pass the ones it calls, e.g. StepTimerCallback(forward_module={deeper[:4]!r})"
             if deeper
@@ -380,13 +372,17 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        if self._driver is not None:
-            self._driver.backward_begin()
+        d = self._live()
+        if d is not None:
+            d.in_backward = True
+            d.switch("backward")
 
     @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        if self._driver is not None:
-            self._driver.backward_end("clip" if self._manual or self._will_step else None)
+        d = self._live()
+        if d is not None:
+            d.in_backward = False
+            d.switch("clip" if self._manual or self._will_step else None)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
