@@ -219,13 +219,12 @@ class PhaseDriver:
         if self._val is None:
             return None
         (t0, pause), self._val = self._val, None
-        val_ms = (perf_counter() - t0) * 1e3
+        self.val_ms.append((perf_counter() - t0) * 1e3)
         if pause is not None:
             pause.__exit__(None, None, None)
         elif self.phase == "val":
             self.switch(after)
-        self.val_ms.append(val_ms)
-        return val_ms
+        return self.val_ms[-1]
 
     def note_val(self) -> None:
         """End an evaluation left open; a note on those timed apart, if any."""

@@ -93,10 +93,10 @@ class Hooks:
         before = copyreg.dispatch_table.get(cls)
 
         def reduce(obj: Any) -> Any:
-            if obj is not ref():
-                return before(obj) if before is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+            if obj is not ref() and before is not None:
+                return before(obj)
             rv = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-            if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+            if obj is ref() and isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
                 rv = (*rv[:2], self._state_without_us(rv[2], obj), *rv[3:])
             return rv
 
@@ -111,7 +111,7 @@ class Hooks:
         # nn.Module keeps its forward hooks and their flags in dicts `_forward_*` keyed by handle id.
         for name, hooks in list(state.items()):
             if name.startswith("_forward_") and isinstance(hooks, dict) and not ids.isdisjoint(hooks):
-                state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in ids)  # OrderedDict too
+                state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in ids)
         return state
 
     def remove(self) -> None:
@@ -201,7 +201,6 @@ class Discovery:
         # A subclass's step() calling super().step() fires the hooks twice when torch patched both
         # classes (a plain instance of the base was made too): the nested pair is one step.
         self.stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
-        # And, once found, the models' one-shot forward pre-hooks.
         self._handles = [register_optimizer_step_pre_hook(_eager(self._on_step)),
                          register_optimizer_step_post_hook(_eager(self._on_stepped))]  # fmt: skip
 
