@@ -23,10 +23,18 @@ class PhaseDriver:
     Args:
         rejoin: A forward that starts while the previous forward's ``loss`` is open takes that time
             back into ``forward`` (Lightning's rule); False: ``forward, loss, forward``.
+        scoped: Model calls are ``forward`` only inside a call wrapped by :meth:`scope`.
         on_reset: Called when the step ends or is dropped: the front door clears its own state.
     """
 
-    def __init__(self, timer: StepTimer, *, rejoin: bool = False, on_reset: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        timer: StepTimer,
+        *,
+        rejoin: bool = False,
+        scoped: bool = False,
+        on_reset: Callable[[], None] | None = None,
+    ) -> None:
         self.timer = timer
         self._rejoin = rejoin
         self._on_reset = on_reset
@@ -35,7 +43,7 @@ class PhaseDriver:
         self._users: list[UserPhase] = []  # the user phases open, outermost first
         self.end_pending = False  # the step ended inside a user phase: it ends when that one exits
         self.live = True  # hook events count; False: the front door is between its batches
-        self.in_scope = False  # model_pre/model_post: model calls are `forward` now (see scope())
+        self.in_scope = not scoped  # model calls are `forward` now
         self.in_backward = False  # activation checkpointing re-runs forward inside backward
         self.seen: set[str] = set()  # the hook phases opened in this step
         self.counts: dict[str, float] = {}  # samples, tokens, flops: the step's, at its end

@@ -247,7 +247,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             **options, **self._seams, peak_dtype=dtype_of_precision(trainer.precision),
             profile_dir=str(trainer.log_dir or trainer.default_root_dir), sinks=[sink],
         )  # fmt: skip
-        self._driver = d = PhaseDriver(timer, rejoin=True)
+        self._driver = d = PhaseDriver(timer, rejoin=True, scoped=True)
         d.live = False
         self._hooks.remove()
         self._hook_model(pl_module, d)
