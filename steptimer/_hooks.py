@@ -166,14 +166,13 @@ def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
 
 def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | None, int | None]:
     """(samples, tokens) of one model call from its first tensor input's shape: no device work."""
-    t = _first_tensor(args) if args else None
-    if t is None and kwargs:
+    t = _first_tensor(args)
+    if t is None:
         t = _first_tensor(kwargs)
     if t is None or t.dim() == 0:
         return None, None
     ids = t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-    tokens = t.numel() if ids else None
-    return int(t.shape[0]), tokens
+    return int(t.shape[0]), t.numel() if ids else None
 
 
 class Discovery:
