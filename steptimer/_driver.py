@@ -39,7 +39,7 @@ class PhaseDriver:
         self._rejoin = rejoin
         self._on_reset = on_reset
         self._step: AbstractContextManager[None] | None = None
-        self._frames: list[str | None] = [None]  # the hook phase open at each user-phase level
+        self.phase: str | None = None  # the hook phase open at the innermost user-phase level
         self._users: list[UserPhase] = []  # the user phases open, outermost first
         self.end_pending = False  # the step ended inside a user phase: it ends when that one exits
         self.live = True  # hook events count; False: the front door is between its batches
@@ -56,11 +56,6 @@ class PhaseDriver:
     def in_step(self) -> bool:
         return self._step is not None
 
-    @property
-    def phase(self) -> str | None:
-        """The hook phase open at the innermost level, or None."""
-        return self._frames[-1]
-
     def begin(self, **counts: float | None) -> None:
         """Start a step; :attr:`counts` start from ``counts`` (samples, tokens, flops; None: none)."""
         self.counts = {k: v for k, v in counts.items() if v is not None}
@@ -73,11 +68,8 @@ class PhaseDriver:
             self.end_pending = True
             return
         self.switch(None)
-        step = self._reset()
-        if step is not None and self.counts:
-            step = self.timer.step(**self.counts)  # the counts at its exit are the last step() call's
-        if step is not None:
-            step.__exit__(None, None, None)
+        if self._reset() is not None:  # the counts at its exit are the last step() call's
+            self.timer.step(**self.counts).__exit__(None, None, None)
 
     def drop(self, et: Any, ev: Any, tb: Any) -> None:
         """The step raised: the engine forgets it and its open phases."""
@@ -87,7 +79,7 @@ class PhaseDriver:
 
     def _reset(self) -> AbstractContextManager[None] | None:
         step, self._step = self._step, None
-        self._frames = [None]
+        self.phase = None
         self._users = []
         self.end_pending = False
         self.in_backward = False
@@ -99,15 +91,15 @@ class PhaseDriver:
 
     def switch(self, name: str | None, error: BaseException | None = None) -> None:
         """End the innermost hook phase (``error``: the exception that ended it); start ``name``."""
-        cur = self._frames[-1]
+        cur = self.phase
         if cur == name:
             return
         if cur is not None:
-            self._frames[-1] = None
+            self.phase = None
             self.timer.phase(cur).__exit__(None if error is None else type(error), error, None)
         if name is not None:
             self.timer.phase(name).__enter__()
-            self._frames[-1] = name
+            self.phase = name
             self.seen.add(name)
 
     def call(self, name: str, after: str | None, orig: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -167,27 +159,15 @@ class PhaseDriver:
         if self.live and self.in_scope and not self.in_backward and self.forward_exit():
             self.switch("loss", error=sys.exc_info()[1])
 
-    def backward_begin(self) -> None:
-        if self.live:
-            self.in_backward = True
-            self.switch("backward")
-
-    def backward_end(self, after: str | None = None) -> None:
-        """Backward returned: phase ``after`` opens, until the next event."""
-        if self.live:
-            self.in_backward = False
-            self.switch(after)
-
-    def forward_enter(self) -> bool:
-        """A model call starts; True for the outermost one, which opens ``forward``."""
+    def forward_enter(self) -> None:
+        """A model call starts; the outermost one opens ``forward``."""
         self.fwd_depth += 1
         if self.fwd_depth > 1:
-            return False
-        if self._rejoin and self._frames[-1] == "loss" and self.timer._rejoin("loss", "forward"):
-            self._frames[-1] = "forward"
+            return
+        if self._rejoin and self.phase == "loss" and self.timer._rejoin("loss", "forward"):
+            self.phase = "forward"
         else:
             self.switch("forward")
-        return True
 
     def forward_exit(self) -> bool:
         """A model call returned (or raised); True for the outermost one, unmatched ones ignored."""
@@ -198,7 +178,7 @@ class PhaseDriver:
 
     def open_user(self, phase: UserPhase) -> None:
         self.timer.phase(phase.name).__enter__()
-        self._frames.append(None)
+        phase.outer, self.phase = self.phase, None
         self._users.append(phase)
 
     def close_user(self, phase: UserPhase, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
@@ -213,8 +193,9 @@ class PhaseDriver:
 
     def _close_innermost(self, exc: tuple[Any, Any, Any] = (None, None, None)) -> None:
         self.switch(None)
-        self._frames.pop()
-        self.timer.phase(self._users.pop().name).__exit__(*exc)
+        user = self._users.pop()
+        self.phase = user.outer
+        self.timer.phase(user.name).__exit__(*exc)
 
     def close_user_phases(self) -> None:
         if self._users:
@@ -246,13 +227,12 @@ class PhaseDriver:
         if self._val is None:
             return None
         (t0, pause), self._val = self._val, None
-        val_ms = (perf_counter() - t0) * 1e3
+        self.val_ms.append((perf_counter() - t0) * 1e3)
         if pause is not None:
             pause.__exit__(None, None, None)
         elif self.phase == "val":
             self.switch(after)
-        self.val_ms.append(val_ms)
-        return val_ms
+        return self.val_ms[-1]
 
     def note_val(self) -> None:
         """End an evaluation left open; a note on those timed apart, if any."""
@@ -268,12 +248,13 @@ class UserPhase:
     """``with front_door.phase(name):`` through the driver ``driver()`` returns (None: a no-op). A
     class, not a generator: one never exited stays open until the front door closes it."""
 
-    __slots__ = ("name", "_driver", "_open")
+    __slots__ = ("name", "_driver", "_open", "outer")
 
     def __init__(self, name: str, driver: Callable[[], PhaseDriver | None]) -> None:
         self.name = name
         self._driver = driver
         self._open: PhaseDriver | None = None
+        self.outer: str | None = None  # the hook phase open around it, open again when it exits
 
     def __enter__(self) -> None:
         self._open = self._driver()

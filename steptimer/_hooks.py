@@ -93,10 +93,10 @@ class Hooks:
         before = copyreg.dispatch_table.get(cls)
 
         def reduce(obj: Any) -> Any:
-            if obj is not ref():
-                return before(obj) if before is not None else obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+            if obj is not ref() and before is not None:
+                return before(obj)
             rv = obj.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-            if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+            if obj is ref() and isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
                 rv = (*rv[:2], self._state_without_us(rv[2], obj), *rv[3:])
             return rv
 
@@ -107,13 +107,11 @@ class Hooks:
         for where, attr, ours, _ in self._put:
             if where is model.__dict__ and state.get(attr) is ours:
                 del state[attr]
-        ids = [h.id for h in self._handles]  # unique across every hook dict
+        ids = {h.id for h in self._handles}  # unique across every hook dict
         # nn.Module keeps its forward hooks and their flags in dicts `_forward_*` keyed by handle id.
         for name, hooks in list(state.items()):
-            if name.startswith("_forward_") and isinstance(hooks, dict) and any(i in hooks for i in ids):
-                hooks = state[name] = hooks.copy()  # OrderedDict stays OrderedDict
-                for i in ids:
-                    hooks.pop(i, None)
+            if name.startswith("_forward_") and isinstance(hooks, dict) and not ids.isdisjoint(hooks):
+                state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in ids)
         return state
 
     def remove(self) -> None:
@@ -162,23 +160,19 @@ def _first_tensor(x: Any, depth: int = 0) -> torch.Tensor | None:
     if depth < 2 and isinstance(x, dict):
         x = [x["input_ids"]] if isinstance(x.get("input_ids"), torch.Tensor) else list(x.values())
     if depth < 2 and isinstance(x, (list, tuple)):
-        for v in x:
-            t = _first_tensor(v, depth + 1)
-            if t is not None:
-                return t
+        return next((t for v in x if (t := _first_tensor(v, depth + 1)) is not None), None)
     return None
 
 
 def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | None, int | None]:
     """(samples, tokens) of one model call from its first tensor input's shape: no device work."""
-    t = _first_tensor(args) if args else None
-    if t is None and kwargs:
+    t = _first_tensor(args)
+    if t is None:
         t = _first_tensor(kwargs)
     if t is None or t.dim() == 0:
         return None, None
     ids = t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-    tokens = t.numel() if ids else None
-    return int(t.shape[0]), tokens
+    return int(t.shape[0]), t.numel() if ids else None
 
 
 class Discovery:
@@ -206,7 +200,6 @@ class Discovery:
         # A subclass's step() calling super().step() fires the hooks twice when torch patched both
         # classes (a plain instance of the base was made too): the nested pair is one step.
         self.stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
-        # And, once found, the models' one-shot forward pre-hooks.
         self._handles = [register_optimizer_step_pre_hook(_eager(self._on_step)),
                          register_optimizer_step_post_hook(_eager(self._on_stepped))]  # fmt: skip
 
@@ -223,13 +216,11 @@ class Discovery:
         self.optimizer_steps += 1
         if self.models:  # the rest of this iteration's optimizers: the next one starts at a forward
             self._pending.discard(id(opt))
-        elif self._given_opts is not None:
-            if any(opt is o for o in self._given_opts):
-                self._decide(list(self._given_opts), opt)
-        elif id(opt) in self._stepped:  # the first optimizer steps again: one whole iteration seen
-            self._decide(list(self._stepped.values()), opt)
-        else:
+        elif self._given_opts is None and id(opt) not in self._stepped:
             self._stepped[id(opt)] = opt
+        elif self._given_opts is None or any(opt is o for o in self._given_opts):
+            # Given, or an optimizer steps again: one whole iteration seen.
+            self._decide(self._given_opts or list(self._stepped.values()), opt)
 
     def _decide(self, opts: list[torch.optim.Optimizer], now: torch.optim.Optimizer) -> None:
         self._stepped = {}

@@ -7,7 +7,7 @@ phase is open is steptimer/_driver.py's. docs/lightning.md has the table of phas
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import importlib.util
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
+from torch import nn
 from typing_extensions import override
 
 from steptimer._driver import PhaseDriver, UserPhase
@@ -31,14 +32,9 @@ log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
 # The profiler action Lightning's training epoch loop starts and stops around each train fetch.
 _FETCH_ACTION = "].train_dataloader_next"
-_FLAVOURS: list[Any] = []  # the installed Lightning packages, imported
-for _name in ("pytorch_lightning", "lightning.pytorch"):
-    try:
-        _FLAVOURS.append(importlib.import_module(_name))
-    except ModuleNotFoundError as err:
-        # Only "this package is not installed" means absent; a broken install must surface.
-        if err.name not in (_name, _name.split(".")[0]):
-            raise
+# The installed Lightning packages, imported: a broken install surfaces here.
+_FLAVOURS = [importlib.import_module(name) for name in ("pytorch_lightning", "lightning.pytorch")
+             if importlib.util.find_spec(name.split(".")[0]) is not None]  # fmt: skip
 if not _FLAVOURS:
     msg = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
     raise ModuleNotFoundError(msg, name="pytorch_lightning")
@@ -69,10 +65,6 @@ class _LoggerSink:
             if metrics:
                 lg.log_metrics(metrics, step=window.step)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        for lg, _ in self._loggers:
-            lg.log_metrics(metrics, step=step)
-
     def close(self, summary: Summary) -> None:
         for lg, sink in self._loggers:
             if sink is not None:
@@ -82,8 +74,6 @@ class _LoggerSink:
 
 def _model_modules(module: Any, prefix: str = "") -> list[tuple[str, Any]]:
     """The outermost submodules with parameters, no metric, through containers with no ``forward``."""
-    from torch import nn
-
     found = []
     for name, child in module.named_children():
         # A metric by class name, not isinstance: importing torchmetrics only to ask would cost ~1 s.
@@ -187,7 +177,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._steps_done = 0
         self._skipped = 0
         self._driver: PhaseDriver | None = None  # with the timer, from on_train_start to the close
-        self._sink: _LoggerSink | None = None
         self._hooks = Hooks(eager=False)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._manual = False
@@ -242,7 +231,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if options["cuda"] is None and self._seams.get("backend") is None:
             options["cuda"] = pl_module.device.type == "cuda"
         loggers = trainer.loggers if trainer.is_global_zero else []
-        self._sink = _LoggerSink(loggers, histograms=self.histograms, skipped=lambda: self._skipped)
+        sink = _LoggerSink(loggers, histograms=self.histograms, skipped=lambda: self._skipped)
         profile_steps = options["profile_steps"]
         if profile_steps is not None and profile_steps[0] <= self._steps_done:
             log.warning(
@@ -253,29 +242,24 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         every, sample_every = int(trainer.log_every_n_steps), options["sample_every"]
         if options["log_every_n_steps"] is None and every != 50:  # 50: StepTimer's, lengthened to 1 s
             options["log_every_n_steps"] = max(every, 1 if sample_every in (None, 1) else 10 * sample_every)
-        options["print_summary"] = False  # printed at the close, with the callback's own notes
-        options["start_step"] = self._steps_done
+        options.update(print_summary=False, start_step=self._steps_done)
         timer = StepTimer._make(
             **options, **self._seams, peak_dtype=dtype_of_precision(trainer.precision),
-            profile_dir=str(trainer.log_dir or trainer.default_root_dir), sinks=[self._sink],
+            profile_dir=str(trainer.log_dir or trainer.default_root_dir), sinks=[sink],
         )  # fmt: skip
         self._driver = d = PhaseDriver(timer, rejoin=True, scoped=True)
         d.live = False
         self._hooks.remove()
         self._hook_model(pl_module, d)
-        raw = list(trainer.optimizers)
-        for opt in raw:
+        # The update ends (manual: opt.step() of the LightningOptimizer, a view of `opt`, returns) or
+        # starts (automatic: Lightning's clipping, right after on_before_optimizer_step, returns).
+        for opt in trainer.optimizers:
             self._hooks.optimizer(opt, post=self._optimizer_post)
-        wrapped = pl_module.optimizers(use_pl_optimizer=True)
-        wrapped = wrapped if isinstance(wrapped, list) else [wrapped]
-        for opt in raw + [o for o in wrapped if all(o is not r for r in raw)]:
             self._hooks.wrap(opt, "zero_grad", partial(d.timed, "zero_grad"))
-        # The update ends (manual: opt.step() returns) or starts (automatic: Lightning's clipping,
-        # right after on_before_optimizer_step, returns).
-        if self._manual:
-            for opt in wrapped:
-                self._hooks.wrap(opt, "step", partial(d.then, None))
-        else:
+            self._hooks.wrap_views(opt, "zero_grad", partial(d.timed, "zero_grad"))
+            if self._manual:
+                self._hooks.wrap_views(opt, "step", partial(d.then, None))
+        if not self._manual:
             self._hooks.wrap(pl_module, "configure_gradient_clipping", partial(d.then, "optimizer"))
         # The profiler's start and stop around each train fetch: Lightning's only public seam there.
         fetch = d.timer._fetches()
@@ -311,7 +295,6 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 self._close(trainer, failed=True)
             except Exception as err:  # a broken device must not hide the user's exception
                 log.warning("steptimer: could not flush timings after %r: %s", exception, err)
-                self._driver = None
         self._hooks.remove()
 
     @override
@@ -375,18 +358,23 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     @override
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         val_ms = None if self._driver is None else self._driver.end_val(after="data")
-        if val_ms is not None and self._sink is not None:
-            self._sink.log({"steptimer/val_ms": val_ms}, step=self.steps)
+        if val_ms is not None and trainer.is_global_zero:
+            for lg in trainer.loggers:
+                lg.log_metrics({"steptimer/val_ms": val_ms}, step=self.steps)
 
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        if self._driver is not None:
-            self._driver.backward_begin()
+        d = self._live()
+        if d is not None:
+            d.in_backward = True
+            d.switch("backward")
 
     @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        if self._driver is not None:
-            self._driver.backward_end("clip" if self._manual or self._will_step else None)
+        d = self._live()
+        if d is not None:
+            d.in_backward = False
+            d.switch("clip" if self._manual or self._will_step else None)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -439,11 +427,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         d = self._live()
-        if d is None:
-            return
-        self._done += 1
-        if not self._manual and d.phase == "optimizer":
-            d.switch(None)
+        if d is not None:
+            self._done += 1
+            if not self._manual and d.phase == "optimizer":
+                d.switch(None)
 
     def _close(self, trainer: Any, *, failed: bool) -> None:
         d = self._driver
