@@ -90,8 +90,3 @@ def join_tag(name: str, run_tag_: str) -> str:
     group, _, rest = run_tag_.partition("/")
     family, _, measure = rest.partition("_")
     return tag(group, family, name, measure)
-
-
-def unhidden(tag_: str) -> str:
-    """``steptimer-warmup/steptimer/host_ms`` (a warm-up value) -> ``steptimer/host_ms``."""
-    return tag_[len(WARMUP) + 1 :] if tag_.startswith(WARMUP + "/") else tag_

@@ -105,7 +105,7 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
     out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in run_names(window)}}
     # A warm-up window's values are tensors of a plugin no dashboard draws (its slow first steps would
     # start every chart with an outlier), and so are facts of the run (steptimer-run/...); the reader
-    # takes each back under its tag (_tags.unhidden).
+    # takes each back under its tag.
     meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_tags.WARMUP))
     values = [(*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()]
     for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
