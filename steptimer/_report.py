@@ -88,8 +88,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
     """The GPU's energy over the windows that have it: joules per step and watts summed back."""
     watts = dict(scal.get(_tags.WATTS, []))
-    per_step = scal.get(_tags.JOULES_PER_STEP, [])
-    joules = {s: v * n_of[s] for s, v in per_step if watts.get(s) and n_of.get(s)}
+    joules = {s: v * n_of[s] for s, v in scal.get(_tags.JOULES_PER_STEP, []) if watts.get(s) and n_of.get(s)}
     if not joules:
         return None
     return Energy(sum(joules.values()), sum(n_of[s] for s in joules), sum(j / watts[s] for s, j in joules.items()))
@@ -97,21 +96,13 @@ def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
 
 def _memory(scal: Points) -> MemorySummary | None:
     """As the live summary keeps it: the max of the windows' peaks, the last allocated and reserved."""
-    peak: dict[str, int] = {}
-    alloc: dict[str, int] = {}
-    reserved = None
-    for key, pts in scal.items():
-        t = _tags.parse(key)
-        if pts and t is not None and (t.group, t.family) == (_tags.MAIN, "mem"):
-            if t.measure == "peak_mib":
-                peak[t.name] = round(max(v for _, v in pts) * MIB)
-            else:
-                alloc[t.name] = round(pts[-1][1] * MIB)
-        elif pts and key == _tags.RESERVED_MIB:
-            reserved = round(pts[-1][1] * MIB)
-    if not peak and reserved is None:
+    mem = [(t, pts) for k, pts in scal.items() if pts and (t := _tags.parse(k)) and t[:2] == (_tags.MAIN, "mem")]
+    peak = {t.name: round(max(v for _, v in pts) * MIB) for t, pts in mem if t.measure == "peak_mib"}
+    alloc = {t.name: round(pts[-1][1] * MIB) for t, pts in mem if t.measure == "alloc_mib"}
+    reserved = scal.get(_tags.RESERVED_MIB)
+    if not peak and not reserved:
         return None
-    return MemorySummary(peak, alloc, reserved or 0, steps=0, max_allocated_bytes=0)
+    return MemorySummary(peak, alloc, round(reserved[-1][1] * MIB) if reserved else 0, steps=0, max_allocated_bytes=0)
 
 
 def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: str) -> Series | None:
@@ -122,12 +113,11 @@ def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: 
         for _, h in pts:
             merged.merge(h)
         return Series(SeriesStats.of(merged), merged, tuple(h.mean_ms for _, h in pts if h.count))
-    pts_of = {field: scal.get(_tags.tag(group, clock, name, m), []) for group, m, field in _tags.ROW_STATS}
-    mean_pts = pts_of["mean_ms"]
+    mean_pts = scal.get(_tags.tag(_tags.MAIN, clock, name, "ms"))
     if not mean_pts:
         return None
     means = tuple(v for _, v in mean_pts)
-    maxes = [v for _, v in pts_of["max_ms"]]
+    maxes = [v for _, v in scal.get(_tags.tag(_tags.TAILS, clock, name, "max_ms"), [])]
     n = sum(n_of.get(s, 0) for s, _ in mean_pts)
     total = sum(v * n_of.get(s, 0) for s, v in mean_pts)
     p90 = sorted(means)[max(1, math.ceil(0.9 * len(means))) - 1]  # nearest rank

@@ -102,12 +102,6 @@ def stood_out(summary: Summary) -> list[SlowStep]:
     return [s for s in summary.slowest if s.grew_ms is not None and s.grew_ms >= least_ms(s)]
 
 
-def slow_lines(s: SlowStep) -> list[str]:
-    """A step that stood out: its wall and the row that grew, then each measured cause."""
-    grew = f"; {s.grew_text()}" if s.grew is not None else ""
-    return [f"slow step {s.step}: {num(s.wall_ms)} ms{grew}", *[f"  - {c}" for c in s.causes]]
-
-
 def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
     """Step, wall time and what stood out (the only column that wraps), fitted to ``width``."""
     from rich.console import Group
@@ -122,15 +116,6 @@ def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
         return table
 
     return Group(Text("slowest steps"), fitted((build(True), build(False)), width))
-
-
-def heading(summary: Summary) -> str:
-    every, budget = summary.sample_every, summary.cost_budget
-    why = f" (1 in {every}: sample_every)" if every else f" (cost budget {pct(budget)})" if budget else ""
-    timed = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed{why}"
-    warm = f" ({summary.warmup_steps} warm-up left out)" if summary.warmup_steps else ""
-    clocks = "CUDA events + host clock" if summary.cuda else "host clock only"
-    return f"{summary.name}: {summary.steps} steps{timed}{warm}, {clocks}"
 
 
 def facts(summary: Summary) -> list[str]:
@@ -225,15 +210,21 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     from rich.console import Console
 
     console = console or Console()
-    say(console, [heading(summary)])
+    every, budget = summary.sample_every, summary.cost_budget
+    why = f" (1 in {every}: sample_every)" if every else f" (cost budget {pct(budget)})" if budget else ""
+    timed = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed{why}"
+    warm = f" ({summary.warmup_steps} warm-up left out)" if summary.warmup_steps else ""
+    clocks = "CUDA events + host clock" if summary.cuda else "host clock only"
+    say(console, [f"{summary.name}: {summary.steps} steps{timed}{warm}, {clocks}"])
     console.print(phase_table(summary, console.width))
     mem = memory_table(summary)
     if mem is not None:
         console.print(mem)
     if explain and summary.slowest:
         console.print(slowest_table(summary.slowest, console.width))
-    elif not explain:
-        say(console, [line for s in stood_out(summary) for line in slow_lines(s)])
+    for s in () if explain else stood_out(summary):  # its wall, the row that grew, each measured cause
+        grew = f"; {s.grew_text()}" if s.grew is not None else ""
+        say(console, [f"slow step {s.step}: {num(s.wall_ms)} ms{grew}", *[f"  - {c}" for c in s.causes]])
     say(console, facts(summary) + (summary.ranks.lines() if summary.ranks is not None else []))
     if explain:
         say(console, explanations(summary))
