@@ -11,6 +11,12 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rich import box
+from rich.console import Console, Group
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
+
 from steptimer._format import num, pct
 from steptimer._memory import MIB
 
@@ -22,9 +28,6 @@ if TYPE_CHECKING:
 
 def fitted(variants: Iterable[Any], width: int) -> Any:
     """The first ``rich`` table of ``variants`` whose natural width fits ``width`` (else the last)."""
-    from rich.console import Console
-    from rich.measure import Measurement
-
     console = Console(width=10_000, file=io.StringIO())
     tables = list(variants)
     fits = (t for t in tables if Measurement.get(console, console.options, t).maximum <= width)
@@ -33,9 +36,6 @@ def fitted(variants: Iterable[Any], width: int) -> Any:
 
 def table_of(columns: Sequence[tuple[str, bool]]) -> Any:
     """A borderless ``rich`` table of ``(header, right-justified)`` columns that never wrap."""
-    from rich import box
-    from rich.table import Table
-
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
     for head, right in columns:
         table.add_column(head, justify="right" if right else "left", no_wrap=True)
@@ -77,8 +77,6 @@ def memory_table(summary: Summary) -> Any:
     m = summary.memory
     if m is None or not (m.peak_bytes or m.reserved_bytes):
         return None
-    from rich.table import Table
-
     title = "CUDA memory MiB" + (f", {m.steps} timed steps" if m.steps else "")
     table = Table(title=title, title_justify="left")
     for head in ("phase", "peak", "at exit"):
@@ -104,8 +102,6 @@ def stood_out(summary: Summary) -> list[SlowStep]:
 
 def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
     """Step, wall time and what stood out (the only column that wraps), fitted to ``width``."""
-    from rich.console import Group
-    from rich.text import Text
 
     def build(traces: bool) -> Any:
         table = table_of([("step", True), ("wall ms", True)])
@@ -207,8 +203,6 @@ def say(console: Any, lines: Iterable[str]) -> None:
 
 def print_summary(summary: Summary, console: Any = None, *, explain: bool = False) -> None:
     """Print ``summary`` on ``console`` (a ``rich`` console; default: stdout at the terminal's width)."""
-    from rich.console import Console
-
     console = console or Console()
     every, budget = summary.sample_every, summary.cost_budget
     why = f" (1 in {every}: sample_every)" if every else f" (cost budget {pct(budget)})" if budget else ""

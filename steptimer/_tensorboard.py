@@ -15,10 +15,18 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+from tensorboard.compat.proto.tensor_pb2 import TensorProto
+
 from steptimer import _tags
+from steptimer._dist import CHARTS as RANK_CHARTS
 from steptimer._files import cause
 from steptimer._histogram import UPPER_MS
 from steptimer._memory import MIB
+from steptimer._records import frame
+from steptimer._slow import slow_summary
 from steptimer._summary import Summary, row_order
 from steptimer._tags import EVENT_FILE_PREFIX, MAIN, PHASE_DIR, PHASE_SUFFIX, run_tag, tag
 from steptimer._window import Window
@@ -98,10 +106,6 @@ def totals(window: Window) -> dict[str, float]:
 
 def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | None, Any]:
     """A window as ``Summary`` protos by run (``None``: the log dir's own, with every histogram)."""
-    from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
-    from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
-    from tensorboard.compat.proto.tensor_pb2 import TensorProto
-
     out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in run_names(window)}}
     # A warm-up window's values are tensors of a plugin no dashboard draws (its slow first steps would
     # start every chart with an outlier), and so are facts of the run (steptimer-run/...); the reader
@@ -125,8 +129,6 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
 
 def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
     """The Custom Scalars layout: a category per group holding the :data:`CHARTS` that match a tag."""
-    from steptimer._dist import CHARTS as RANK_CHARTS
-
     charts = {**CHARTS, **RANK_CHARTS}
     cats: dict[str, dict[str, list[Any]]] = {}
     for key in sorted(set(run_tags)):
@@ -171,10 +173,6 @@ class EventFile:
 
     def write(self, summary: Any = None, step: int = 0, **event: Any) -> None:
         """Append one event holding the ``Summary`` proto ``summary`` (or the ``Event`` fields ``event``)."""
-        from tensorboard.compat.proto.event_pb2 import Event  # imported at the first event: cached after
-
-        from steptimer._records import frame
-
         # time.time(): the events' wall-clock stamp, never a duration (those come from perf_counter).
         e = Event(wall_time=time.time(), step=step, summary=summary, **event)
         with open(self.path, "ab") as f:  # a full disk or a file-size limit writes a part, then raises
@@ -188,10 +186,9 @@ class TensorBoardSink:
         self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None, histograms: bool = True
     ) -> None:
         # Imported now: at the first window the import (ms) would land in a training step's time.
-        from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
         from torch.utils.tensorboard.summary import custom_scalars
 
-        self._proto, self._custom_scalars = SummaryProto, custom_scalars
+        self._custom_scalars = custom_scalars
         self.writer = writer
         self._histograms = histograms
         self.run_id = new_run_id()  # every file of this sink carries it: a run of its own for the reader
@@ -246,7 +243,7 @@ class TensorBoardSink:
 
     def write_energy(self, scalars: dict[str, float], step: int) -> None:
         """A window's energy (``_energy.py``), known one window late, at that window's step."""
-        summary = self._proto(value=[self._proto.Value(tag=k, simple_value=v) for k, v in scalars.items()])
+        summary = SummaryProto(value=[SummaryProto.Value(tag=k, simple_value=v) for k, v in scalars.items()])
         self._guarded(self._write_main, summary, step)
 
     def _write_main(self, summary: Any, step: int) -> None:
@@ -265,8 +262,6 @@ class TensorBoardSink:
     def close(self, summary: Summary | None = None) -> None:
         """Write the run's slowest steps (text card and JSON) at the last step; flush a user's ``writer``."""
         if summary is not None and summary.slowest:
-            from steptimer._slow import slow_summary
-
             last = max(s.step for s in summary.slowest)
             self._guarded(self._write_main, slow_summary(summary.slowest), last)
         if self._file is None:
