@@ -9,7 +9,7 @@ import math
 import os
 import textwrap
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich import box
 from rich.console import Console, Group
@@ -19,11 +19,9 @@ from rich.text import Text
 
 from steptimer._format import num, pct
 from steptimer._memory import MIB
-
-if TYPE_CHECKING:
-    from steptimer._report import Delta
-    from steptimer._slow import SlowStep
-    from steptimer._summary import Summary
+from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, Delta
+from steptimer._slow import SlowStep
+from steptimer._summary import Summary
 
 
 def fitted(variants: Iterable[Any], width: int) -> Any:
@@ -226,8 +224,6 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
 
 def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any) -> None:
     """``steptimer compare``: the per-row changes from run A to run B, then compute, energy, verdicts."""
-    from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE
-
     say(console, [f"A = {a.path}", f"B = {b.path}"])
     heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
     table = table_of([(h, h not in ("phase", "clock", "verdict")) for h in heads])
