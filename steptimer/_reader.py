@@ -13,6 +13,7 @@ from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
 from steptimer._tags import EVENT_FILE_PREFIX, HIST, MAIN, PHASE_DIR, PHASE_SUFFIX, WARMUP, join_tag, parse
 
 _EVENT_FILE_MARK = "tfevents"
+_NOT_EVENT_FILE = "{}: not a TensorBoard event file ({}); pass a run directory or its events.out.tfevents.* file"
 Files = list[tuple[Optional[str], str]]  # a run's event files: (None, its own) and (phase, its phases')
 _Written = tuple[float, int, Any]  # a value as read: its event's wall time, its step, the value
 
@@ -53,8 +54,7 @@ def find_runs(logdir: str) -> list[RunLog]:
         runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], name=logdir, path=logdir)]
     for d, groups in () if runs else _walk(logdir).items():
         name = logdir if d == os.path.normpath(logdir) else os.path.relpath(d, logdir)
-        here = [read_run(files, name=path, path=path) for path, files in groups]
-        here = [run for run in here if run.scalars or run.hists]
+        here = [r for path, files in groups if (r := read_run(files, name=path, path=path)).scalars or r.hists]
         if len(here) == 1:
             here[0].name, here[0].path = name, d
         for run in here if len(here) > 1 else ():
@@ -175,11 +175,11 @@ def _events(path: str, notes: list[str]) -> list[Any]:
                         raise LogError(f"{path}: corrupt event record ({err})") from None
                     event = None
                 if not events and (event is None or not event.file_version.startswith("brain.Event")):
-                    raise LogError(_not_event_file(path, "its first record is no file_version event"))
+                    raise LogError(_NOT_EVENT_FILE.format(path, "its first record is no file_version event"))
                 events.append(event)
     except RecordError as err:
         if not events and (not err.truncated or _EVENT_FILE_MARK not in os.path.basename(path)):
-            raise LogError(_not_event_file(path, str(err))) from None
+            raise LogError(_NOT_EVENT_FILE.format(path, err)) from None
         if not err.truncated:
             raise LogError(f"{path}: corrupt event file ({err})") from None
         notes.append(
@@ -189,13 +189,6 @@ def _events(path: str, notes: list[str]) -> list[Any]:
     except OSError as err:
         raise LogError(f"{path}: can't read event file ({err.strerror or err})") from None
     return events
-
-
-def _not_event_file(path: str, why: str) -> str:
-    return (
-        f"{path}: not a TensorBoard event file ({why}); pass a run directory or its "
-        "events.out.tfevents.* file"
-    )
 
 
 def _histogram(histo: Any) -> LogHistogram:

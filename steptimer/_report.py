@@ -62,8 +62,8 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
     def total(key: str) -> float | None:
         """A per-window rate (samples/s, ...) summed back to the windows' total."""
-        pts = dict(scal.get(key, []))
-        return sum(v * n_of[s] / rate[s] for s, v in pts.items() if rate.get(s)) if pts else None
+        pts = scal.get(key)
+        return sum(v * n_of[s] / rate[s] for s, v in pts if rate.get(s)) if pts else None
 
     def per_step(key: str) -> float | None:
         """A per-window fraction as the mean over the windows' steps (None: not logged)."""

@@ -258,8 +258,7 @@ class SummaryAccumulator(Tally):
 
     def summary(self, *, traces: dict[int, str] | None = None, **more: Any) -> Summary:
         """The run's summary (``more``: :func:`summarize`'s), its slowest steps with ``traces``."""
-        hists = ((c, n, h) for c in ("host", "gpu") for n, h in self.hists[c].items())
-        series = {(c, n): Series(SeriesStats.of(h), h) for c, n, h in hists}
+        series = {(c, n): Series(SeriesStats.of(h), h) for c in ("host", "gpu") for n, h in self.hists[c].items()}
         caught = {n: h.mean_ms for n, h in self.caught.items()}
         s = summarize(self, series, caught, calls=self.calls, **more)
         # A slow step is read against the run's median of each row on each clock.

@@ -43,10 +43,8 @@ _FILE_IDS = itertools.count()
 _CHART_TAGS = {
     "Share of the GPU's timeline per row, %": run_tag(MAIN, "gpu", "pct"),
     "Share of wall time per row (host clock), %": run_tag(MAIN, "host", "pct"),
-    "GPU ms per row": run_tag(MAIN, "gpu", "ms"),
-    "Host ms per row": run_tag(MAIN, "host", "ms"),
-    "GPU step ms": tag(MAIN, "gpu", STEP, "ms"),
-    "Host step ms": tag(MAIN, "host", STEP, "ms"),
+    **{f"{_TITLE[c]} ms per row": run_tag(MAIN, c, "ms") for c in ("gpu", "host")},
+    **{f"{_TITLE[c]} step ms": tag(MAIN, c, STEP, "ms") for c in ("gpu", "host")},
     "Steps per second": _tags.STEPS_PER_S,
     "Samples per second": _tags.SAMPLES_PER_S,
     "Tokens per second": _tags.TOKENS_PER_S,
@@ -107,9 +105,8 @@ def totals(window: Window) -> dict[str, float]:
 def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | None, Any]:
     """A window as ``Summary`` protos by run (``None``: the log dir's own, with every histogram)."""
     out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in run_names(window)}}
-    # A warm-up window's values are tensors of a plugin no dashboard draws (its slow first steps would
-    # start every chart with an outlier), and so are facts of the run (steptimer-run/...); the reader
-    # takes each back under its tag.
+    # A warm-up window's values (slow first steps: every chart would start with an outlier) and the
+    # run's facts (steptimer-run/...) are tensors of a plugin no dashboard draws; the reader reads them.
     meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_tags.WARMUP))
     values = [(*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()]
     for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:

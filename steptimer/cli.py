@@ -177,10 +177,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_trace(args: argparse.Namespace) -> int:
     trace = to_chrome(load_capture(args.logdir))
     text = json.dumps(trace)
-    output = args.output
-    if output is None:  # beside the capture, in the run directory, not wherever the shell is
-        run_dir = args.logdir if os.path.isdir(args.logdir) else os.path.dirname(args.logdir)
-        output = os.path.join(run_dir, TRACE_OUT)
+    run_dir = args.logdir if os.path.isdir(args.logdir) else os.path.dirname(args.logdir)
+    # By default beside the capture, in the run directory, not wherever the shell is.
+    output = os.path.join(run_dir, TRACE_OUT) if args.output is None else args.output
     if output == "-":
         print(text)
         return 0
