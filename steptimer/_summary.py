@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from steptimer._energy import Energy
@@ -260,7 +260,6 @@ class SummaryAccumulator(Tally):
         """The run's summary (``more``: :func:`summarize`'s), its slowest steps with ``traces``."""
         series = {(c, n): Series(SeriesStats.of(h), h) for c in ("host", "gpu") for n, h in self.hists[c].items()}
         caught = {n: h.mean_ms for n, h in self.caught.items()}
-        s = summarize(self, series, caught, calls=self.calls, **more)
         # A slow step is read against the run's median of each row on each clock.
         medians = {key: x.stats.median_ms for key, x in series.items() if x.stats.steps}
-        return replace(s, slowest=self.slow.slowest(medians, traces))
+        return summarize(self, series, caught, calls=self.calls, slowest=self.slow.slowest(medians, traces), **more)

@@ -228,11 +228,10 @@ def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any)
     heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
     table = table_of([(h, h not in ("phase", "clock", "verdict")) for h in heads])
     for d in deltas:
-        frac = d.delta_frac
         verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed else "no change"
         table.add_row(
             d.name, d.clock, num(d.a_ms), num(d.b_ms), num(d.delta_ms, sign=True),
-            "-" if frac is None else f"{100 * frac:+.1f}", f"{d.dominance:+.2f}", verdict,
+            "-" if d.delta_frac is None else f"{100 * d.delta_frac:+.1f}", f"{d.dominance:+.2f}", verdict,
         )  # fmt: skip
     console.print(table)
     lines = []

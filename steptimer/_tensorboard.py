@@ -59,7 +59,6 @@ _CHART_TAGS = {
     "Steps in which the GPU caught up, per phase": run_tag(_tags.CAUGHT, "gpu", "frac"),
 }
 CHARTS = {title: f"^{rx}$" for title, rx in _CHART_TAGS.items()}
-_UNCHARTED = (_tags.RUN, _tags.WARMUP)  # groups left out of the Custom Scalars layout
 
 
 def window_scalars(window: Window) -> dict[str, float]:
@@ -130,7 +129,7 @@ def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
     cats: dict[str, dict[str, list[Any]]] = {}
     for key in sorted(set(run_tags)):
         group = key.partition("/")[0]
-        if not group.startswith(MAIN) or group in _UNCHARTED:
+        if not group.startswith(MAIN) or group in (_tags.RUN, _tags.WARMUP):  # never charted
             continue
         title, rx = next(((t, r) for t, r in charts.items() if re.search(r, key)), (key, f"^{re.escape(key)}$"))
         cats.setdefault(group, {})[title] = ["Multiline", [rx]]
