@@ -54,7 +54,7 @@ def find_runs(logdir: str) -> list[RunLog]:
         runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], name=logdir, path=logdir)]
     for d, groups in () if runs else _walk(logdir).items():
         name = logdir if d == os.path.normpath(logdir) else os.path.relpath(d, logdir)
-        here = [r for path, files in groups if (r := read_run(files, name=path, path=path)).scalars or r.hists]
+        here = [r for p, files in groups if (r := read_run(files, name=p, path=p)).scalars or r.hists]
         if len(here) == 1:
             here[0].name, here[0].path = name, d
         for run in here if len(here) > 1 else ():

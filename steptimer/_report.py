@@ -96,13 +96,15 @@ def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
 
 def _memory(scal: Points) -> MemorySummary | None:
     """As the live summary keeps it: the max of the windows' peaks, the last allocated and reserved."""
-    mem = [(t, pts) for k, pts in scal.items() if pts and (t := _tags.parse(k)) and t[:2] == (_tags.MAIN, "mem")]
+    tags = [(t, pts) for key, pts in scal.items() if pts and (t := _tags.parse(key)) is not None]
+    mem = [(t, pts) for t, pts in tags if (t.group, t.family) == (_tags.MAIN, "mem")]
     peak = {t.name: round(max(v for _, v in pts) * MIB) for t, pts in mem if t.measure == "peak_mib"}
     alloc = {t.name: round(pts[-1][1] * MIB) for t, pts in mem if t.measure == "alloc_mib"}
     reserved = scal.get(_tags.RESERVED_MIB)
     if not peak and not reserved:
         return None
-    return MemorySummary(peak, alloc, round(reserved[-1][1] * MIB) if reserved else 0, steps=0, max_allocated_bytes=0)
+    reserved_bytes = round(reserved[-1][1] * MIB) if reserved else 0
+    return MemorySummary(peak, alloc, reserved_bytes, steps=0, max_allocated_bytes=0)
 
 
 def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: str) -> Series | None:
@@ -165,10 +167,7 @@ class Delta:
 def compare(a: Summary, b: Summary) -> list[Delta]:
     """Per-row change from run A to run B (see :class:`Delta`), then the wall time per step."""
     out = []
-    for ra in a.rows:
-        if ra.name not in b:
-            continue
-        rb = b[ra.name]
+    for ra, rb in ((r, b[r.name]) for r in a.rows if r.name in b):
         clock: Literal["gpu", "host"] = "gpu" if ra.gpu is not None and rb.gpu is not None else "host"
         sa, sb = getattr(ra, clock), getattr(rb, clock)
         if sa.steps and sb.steps:

@@ -258,8 +258,10 @@ class SummaryAccumulator(Tally):
 
     def summary(self, *, traces: dict[int, str] | None = None, **more: Any) -> Summary:
         """The run's summary (``more``: :func:`summarize`'s), its slowest steps with ``traces``."""
-        series = {(c, n): Series(SeriesStats.of(h), h) for c in ("host", "gpu") for n, h in self.hists[c].items()}
+        hists = ((c, n, h) for c in ("host", "gpu") for n, h in self.hists[c].items())
+        series = {(c, n): Series(SeriesStats.of(h), h) for c, n, h in hists}
         caught = {n: h.mean_ms for n, h in self.caught.items()}
         # A slow step is read against the run's median of each row on each clock.
         medians = {key: x.stats.median_ms for key, x in series.items() if x.stats.steps}
-        return summarize(self, series, caught, calls=self.calls, slowest=self.slow.slowest(medians, traces), **more)
+        slowest = self.slow.slowest(medians, traces)
+        return summarize(self, series, caught, calls=self.calls, slowest=slowest, **more)

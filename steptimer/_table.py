@@ -151,16 +151,15 @@ def energy_lines(summary: Summary, label: str = "") -> list[str]:
 
 def explanations(summary: Summary) -> list[str]:
     """What the columns and marks mean (``--explain``; docs/cli.md says the same)."""
-    share = (
-        "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
-        "it; the wall time in steady state): phases + other + idle = 100%" if summary.share_clock == "gpu"
-        else "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"
-    )  # fmt: skip
     gpu_slow = summary.slowest and summary.slowest[0].clock == "gpu"
     slow_clock = "the GPU's timeline" if gpu_slow else "the host clock"
     said = [
         (True, f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps"),
-        (True, share),
+        (summary.share_clock == "gpu",
+         "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
+         "it; the wall time in steady state): phases + other + idle = 100%"),
+        (summary.share_clock != "gpu",
+         "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"),
         (True, "data: the host's time between steps (your loader, .item(), logging) less pause(), plus a "
          "phase named data; other: the step less its top-level phases; wait: steptimer's one event wait "
          "a step"),

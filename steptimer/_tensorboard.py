@@ -110,7 +110,7 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
     values = [(*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()]
     for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
         if window.warmup or in_run.startswith(_tags.RUN):
-            hidden = TensorProto(dtype=1, float_val=[v])
+            hidden = TensorProto(dtype=1, float_val=[v])  # DT_FLOAT
             out[name].value.add(tag=f"{_tags.WARMUP}/{in_run}", metadata=meta, tensor=hidden)
         else:
             out[name].value.add(tag=in_run, simple_value=v)

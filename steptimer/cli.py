@@ -118,12 +118,11 @@ def _summaries(path: str, args: argparse.Namespace, *, one: bool = False) -> lis
     if one and len(runs) > 1:
         names = ", ".join(r.name for r in runs[:5]) + (", ..." if len(runs) > 5 else "")
         raise LogError(f"{path}: holds {len(runs)} runs ({names}); compare takes one run directory each")
-    out = [analyze(run, skip_steps=args.skip_steps, include_warmup=args.include_warmup) for run in runs]
-    out = [s for s in out if s.steps]
+    skip, warmup = args.skip_steps, args.include_warmup
+    out = [s for run in runs if (s := analyze(run, skip_steps=skip, include_warmup=warmup)).steps]
     if not out:  # say why, and what to pass instead
-        skip = args.skip_steps
         warm = sum(int(v) for r in runs for s, v in r.scalars.get(WARMUP_STEPS, []) if s > skip)
-        if warm and not args.include_warmup:
+        if warm and not warmup:
             after = f" after step {skip}" if skip else ""
             raise LogError(
                 f"{path}: all {warm} logged steps{after} were warm-up steps (StepTimer's warmup_steps), which "
