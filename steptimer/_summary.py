@@ -209,9 +209,8 @@ def summarize(
 
 
 def _launch_bound(name: str, h: Series | None, g: Series | None, caught: float | None) -> bool:
-    """The GPU span is at most 1.1x the host's *and* the GPU caught up with the host inside the phase
-    in half its steps (``caught`` None: logs without it). A GPU that never caught up had work queued
-    all along: the host blocked in a full launch queue, however close the spans."""
+    """GPU span at most 1.1x the host's *and* the GPU caught up inside the phase in half its steps (None:
+    not logged); a GPU that never caught up had work queued all along, however close the spans."""
     if g is None or h is None or name in DERIVED_LAST:
         return False
     return g.stats.median_ms <= LAUNCH_RATIO * h.stats.median_ms and (caught is None or caught >= 0.5)
@@ -233,8 +232,7 @@ def row_order(seen: list[str], present: set[str] | dict[str, object]) -> list[st
 
 
 class SummaryAccumulator(Tally):
-    """The run's steps after warm-up, bounded: the windows' sums, histograms (merged by adding bucket
-    counts on the fixed grid), memory and k slowest steps."""
+    """The run's steps after warm-up in bounded memory: sums, merged histograms, memory, slowest steps."""
 
     def __init__(self, slowest: int = 0) -> None:
         super().__init__()

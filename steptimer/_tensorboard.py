@@ -12,7 +12,8 @@ import re
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import Event
@@ -196,51 +197,50 @@ class TensorBoardSink:
         self._layout_written = False
         self.failed: OSError | None = None  # the first failed write; nothing is written after it
 
-    def _guarded(self, write: Callable[..., None], *args: Any) -> None:
-        """``write(*args)`` unless a write failed before; an ``OSError`` becomes the one warning."""
-        if self.failed is None:
-            try:
-                write(*args)
-            except OSError as err:
-                self._fail(err)
-
-    def _fail(self, err: OSError) -> None:
-        if self.failed is None:
-            self.failed = err
-            where = f" ({err.filename})" if err.filename else ""
-            log.warning(
-                "steptimer: can't write to log_dir %r: %s%s. steptimer writes nothing more there; training "
-                "goes on, and the summary at close() is complete (it is kept in memory)",
-                self.dir, cause(err), where,
-            )  # fmt: skip
+    @contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """An ``OSError`` inside becomes the one warning."""
+        try:
+            yield
+        except OSError as err:
+            if self.failed is None:
+                self.failed = err
+                where = f" ({err.filename})" if err.filename else ""
+                log.warning(
+                    "steptimer: can't write to log_dir %r: %s%s. steptimer writes nothing more there; training "
+                    "goes on, and the summary at close() is complete (it is kept in memory)",
+                    self.dir, cause(err), where,
+                )  # fmt: skip
 
     def write_window(self, window: Window) -> None:
-        self._guarded(self._write_window, window)
-
-    def _write_window(self, window: Window) -> None:
-        summaries = window_summaries(window, histograms=self._histograms)
-        main = summaries.pop(None, None)
-        if main is not None:
-            self._write_main(main, window.step)
-        for name, summary in summaries.items():
-            f = self._runs.get(name)
-            if f is None:
-                path = os.path.join(self.dir, PHASE_DIR, *name.split("/"))
-                f = self._runs[name] = EventFile(path, run_id=self.run_id, suffix=PHASE_SUFFIX)
-            f.write(summary, window.step)
-        if not self._layout_written and not window.warmup:  # a warm-up window's tags are hidden
-            self._layout_written = True
-            runs = [s for s in (main, *summaries.values()) if s is not None]
-            tags = [v.tag for s in runs for v in s.value if not v.HasField("histo")]
-            # TensorBoard merges the runs' layouts: ours goes to the log dir's own run, else the first row's.
-            target = self._file if self._file is not None else next(iter(self._runs.values()), None)
-            if target is not None:
-                target.write(self._custom_scalars(layout(tags)), 0)
+        if self.failed is not None:
+            return
+        with self._guarded():
+            summaries = window_summaries(window, histograms=self._histograms)
+            main = summaries.pop(None, None)
+            if main is not None:
+                self._write_main(main, window.step)
+            for name, summary in summaries.items():
+                f = self._runs.get(name)
+                if f is None:
+                    path = os.path.join(self.dir, PHASE_DIR, *name.split("/"))
+                    f = self._runs[name] = EventFile(path, run_id=self.run_id, suffix=PHASE_SUFFIX)
+                f.write(summary, window.step)
+            if not self._layout_written and not window.warmup:  # a warm-up window's tags are hidden
+                self._layout_written = True
+                runs = [s for s in (main, *summaries.values()) if s is not None]
+                tags = [v.tag for s in runs for v in s.value if not v.HasField("histo")]
+                # TensorBoard merges the runs' layouts: ours goes to the log dir's own run, else the first row's.
+                target = self._file if self._file is not None else next(iter(self._runs.values()), None)
+                if target is not None:
+                    target.write(self._custom_scalars(layout(tags)), 0)
 
     def write_energy(self, scalars: dict[str, float], step: int) -> None:
         """A window's energy (``_energy.py``), known one window late, at that window's step."""
         summary = SummaryProto(value=[SummaryProto.Value(tag=k, simple_value=v) for k, v in scalars.items()])
-        self._guarded(self._write_main, summary, step)
+        if self.failed is None:
+            with self._guarded():
+                self._write_main(summary, step)
 
     def _write_main(self, summary: Any, step: int) -> None:
         if self._file is not None:
@@ -257,11 +257,9 @@ class TensorBoardSink:
 
     def close(self, summary: Summary | None = None) -> None:
         """Write the run's slowest steps (text card and JSON) at the last step; flush a user's ``writer``."""
-        if summary is not None and summary.slowest:
-            last = max(s.step for s in summary.slowest)
-            self._guarded(self._write_main, slow_summary(summary.slowest), last)
+        if summary is not None and summary.slowest and self.failed is None:
+            with self._guarded():
+                self._write_main(slow_summary(summary.slowest), max(s.step for s in summary.slowest))
         if self._file is None:
-            try:
+            with self._guarded():
                 self.writer.flush()
-            except OSError as err:
-                self._fail(err)

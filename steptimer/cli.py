@@ -197,11 +197,10 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_kernels(args: argparse.Namespace) -> int:
-    from steptimer._kernels import analyze as analyze_kernels
-    from steptimer._kernels import format_report, load_profile, report_json
+    from steptimer import _kernels  # imports torch (through _profile): only for this command
 
-    rep = analyze_kernels(load_profile(args.logdir))
+    rep = _kernels.analyze(_kernels.load_profile(args.logdir))
     if args.json:
-        return _print_json(report_json(rep, args.top))
-    print(format_report(rep, args.top))
+        return _print_json(_kernels.report_json(rep, args.top))
+    print(_kernels.format_report(rep, args.top))
     return 0
