@@ -51,10 +51,10 @@ def find_runs(logdir: str) -> list[RunLog]:
         top = os.path.normpath(top or ".")
         groups = _walk(top)[top] if _EVENT_FILE_MARK in base else []  # a renamed file: alone
         ours = next((fs for _, fs in groups if (None, os.path.join(top, base)) in fs), [])
-        runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], name=logdir, path=logdir)]
+        runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], logdir)]
     for d, groups in () if runs else _walk(logdir).items():
         name = logdir if d == os.path.normpath(logdir) else os.path.relpath(d, logdir)
-        here = [r for p, files in groups if (r := read_run(files, name=p, path=p)).scalars or r.hists]
+        here = [r for p, files in groups if (r := read_run(files, p)).scalars or r.hists]
         if len(here) == 1:
             here[0].name, here[0].path = name, d
         for run in here if len(here) > 1 else ():
@@ -113,8 +113,8 @@ def _owner(d: str, own_dirs: set[str]) -> str | None:
     return next((up for up in ups if up in own_dirs), ups[0] if ups else None)
 
 
-def read_run(files: Files, *, name: str, path: str) -> RunLog:
-    """Read the steptimer tags of one run's event files: its own, then its phases' runs."""
+def read_run(files: Files, path: str) -> RunLog:
+    """Read the steptimer tags of one run's event files (its own, then its phases' runs) as run ``path``."""
     notes: list[str] = []
     sources = [(phase, f, _events(f, notes)) for phase, f in files]
     # The phases' runs in the order they were created, which is the order their phases were first
@@ -150,7 +150,7 @@ def read_run(files: Files, *, name: str, path: str) -> RunLog:
             "twice taken from the later file; if they are separate runs, report one file alone"
         )
     return RunLog(
-        name, path, {k: _latest(w) for k, w in scalars.items()}, {k: _latest(w) for k, w in hists.items()},
+        path, path, {k: _latest(w) for k, w in scalars.items()}, {k: _latest(w) for k, w in hists.items()},
         notes, parse_slow_json(_latest(slow)[0][1]) if slow else [],
     )  # fmt: skip
 
