@@ -10,10 +10,12 @@ from typing import Any, Optional
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
 from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
-from steptimer._tags import EVENT_FILE_PREFIX, HIST, MAIN, PHASE_DIR, PHASE_SUFFIX, join_tag, parse, unhidden
+from steptimer._tags import EVENT_FILE_PREFIX, HIST, MAIN, PHASE_DIR, PHASE_SUFFIX, WARMUP, join_tag, parse
 
 _EVENT_FILE_MARK = "tfevents"
+_NOT_EVENT_FILE = "{}: not a TensorBoard event file ({}); pass a run directory or its events.out.tfevents.* file"
 Files = list[tuple[Optional[str], str]]  # a run's event files: (None, its own) and (phase, its phases')
+_Written = tuple[float, int, Any]  # a value as read: its event's wall time, its step, the value
 
 
 class LogError(Exception):
@@ -49,11 +51,10 @@ def find_runs(logdir: str) -> list[RunLog]:
         top = os.path.normpath(top or ".")
         groups = _walk(top)[top] if _EVENT_FILE_MARK in base else []  # a renamed file: alone
         ours = next((fs for _, fs in groups if (None, os.path.join(top, base)) in fs), [])
-        runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], name=logdir, path=logdir)]
+        runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], logdir)]
     for d, groups in () if runs else _walk(logdir).items():
         name = logdir if d == os.path.normpath(logdir) else os.path.relpath(d, logdir)
-        here = [read_run(files, name=path, path=path) for path, files in groups]
-        here = [run for run in here if run.scalars or run.hists]
+        here = [r for p, files in groups if (r := read_run(files, p)).scalars or r.hists]
         if len(here) == 1:
             here[0].name, here[0].path = name, d
         for run in here if len(here) > 1 else ():
@@ -112,39 +113,36 @@ def _owner(d: str, own_dirs: set[str]) -> str | None:
     return next((up for up in ups if up in own_dirs), ups[0] if ups else None)
 
 
-def read_run(files: Files, *, name: str, path: str) -> RunLog:
-    """Read the steptimer tags of one run's event files: its own, then its phases' runs."""
+def read_run(files: Files, path: str) -> RunLog:
+    """Read the steptimer tags of one run's event files (its own, then its phases' runs) as run ``path``."""
     notes: list[str] = []
     sources = [(phase, f, _events(f, notes)) for phase, f in files]
     # The phases' runs in the order they were created, which is the order their phases were first
     # seen: the report's rows follow it, as the summary table's do.
     sources.sort(key=lambda s: (s[0] is not None, s[2][0].wall_time if s[0] and s[2] else 0.0))
-    scalars: dict[str, dict[int, tuple[float, float]]] = {}
-    hists: dict[tuple[str, str], dict[int, tuple[float, LogHistogram]]] = {}
-    slow: dict[int, tuple[float, bytes]] = {}  # the latest slowest steps, whatever their step
+    scalars: dict[str, list[_Written]] = {}
+    hists: dict[tuple[str, str], list[_Written]] = {}
+    slow: list[_Written] = []  # the latest slowest steps, whatever their step
     with_windows = set()  # the run's own files that hold steptimer values
     for phase, f, events in sources:
         for event in events:
             for value in event.summary.value if event.HasField("summary") else ():
                 if not value.tag.startswith(MAIN):
                     continue
-                key = unhidden(value.tag)
+                key = value.tag.removeprefix(WARMUP + "/")  # a warm-up value, hidden under its tag
                 if phase is None:
                     with_windows.add(f)
                 else:
                     key = join_tag(phase, key)
-                kind, t = value.WhichOneof("value"), parse(key)
+                kind, t, at = value.WhichOneof("value"), parse(key), (event.wall_time, event.step)
                 if kind == "histo" and t is not None and t.group == HIST:
-                    h = _histogram(value.histo)
-                    _keep_latest(hists.setdefault((t.family, t.name), {}), event.step, event, h)
+                    hists.setdefault((t.family, t.name), []).append((*at, _histogram(value.histo)))
                 elif kind == "simple_value":
-                    _keep_latest(scalars.setdefault(key, {}), event.step, event, value.simple_value)
+                    scalars.setdefault(key, []).append((*at, value.simple_value))
                 elif kind == "tensor" and key == SLOW_JSON_TAG and value.tensor.string_val:
-                    _keep_latest(slow, 0, event, value.tensor.string_val[0])
-                elif kind == "tensor" and value.tensor.dtype in (1, 2):  # DT_FLOAT, DT_DOUBLE
-                    v = _tensor_scalar(value.tensor)
-                    if v is not None:
-                        _keep_latest(scalars.setdefault(key, {}), event.step, event, v)
+                    slow.append((event.wall_time, 0, value.tensor.string_val[0]))
+                elif kind == "tensor" and (v := _tensor_scalar(value.tensor)) is not None:
+                    scalars.setdefault(key, []).append((*at, v))
     if len(with_windows) > 1:
         notes.append(
             f"{len(with_windows)} event files in {path} hold steptimer windows and name no run (a writer= "
@@ -152,19 +150,14 @@ def read_run(files: Files, *, name: str, path: str) -> RunLog:
             "twice taken from the later file; if they are separate runs, report one file alone"
         )
     return RunLog(
-        name=name,
-        path=path,
-        scalars={k: [(s, v) for s, (_, v) in sorted(pts.items())] for k, pts in scalars.items()},
-        hists={k: [(s, h) for s, (_, h) in sorted(pts.items())] for k, pts in hists.items()},
-        notes=notes,
-        slowest=parse_slow_json(slow[0][1]) if slow else [],
-    )
+        path, path, {k: _latest(w) for k, w in scalars.items()}, {k: _latest(w) for k, w in hists.items()},
+        notes, parse_slow_json(_latest(slow)[0][1]) if slow else [],
+    )  # fmt: skip
 
 
-def _keep_latest(series: dict[int, Any], step: int, event: Any, value: object) -> None:
-    old = series.get(step)
-    if old is None or event.wall_time >= old[0]:
-        series[step] = (event.wall_time, value)
+def _latest(written: list[_Written]) -> list[tuple[int, Any]]:
+    """By step, the value written last (by wall time; a tie: the one read last)."""
+    return sorted({step: v for _, step, v in sorted(written, key=lambda w: w[0])}.items())
 
 
 def _events(path: str, notes: list[str]) -> list[Any]:
@@ -182,11 +175,11 @@ def _events(path: str, notes: list[str]) -> list[Any]:
                         raise LogError(f"{path}: corrupt event record ({err})") from None
                     event = None
                 if not events and (event is None or not event.file_version.startswith("brain.Event")):
-                    raise LogError(_not_event_file(path, "its first record is no file_version event"))
+                    raise LogError(_NOT_EVENT_FILE.format(path, "its first record is no file_version event"))
                 events.append(event)
     except RecordError as err:
         if not events and (not err.truncated or _EVENT_FILE_MARK not in os.path.basename(path)):
-            raise LogError(_not_event_file(path, str(err))) from None
+            raise LogError(_NOT_EVENT_FILE.format(path, err)) from None
         if not err.truncated:
             raise LogError(f"{path}: corrupt event file ({err})") from None
         notes.append(
@@ -196,13 +189,6 @@ def _events(path: str, notes: list[str]) -> list[Any]:
     except OSError as err:
         raise LogError(f"{path}: can't read event file ({err.strerror or err})") from None
     return events
-
-
-def _not_event_file(path: str, why: str) -> str:
-    return (
-        f"{path}: not a TensorBoard event file ({why}); pass a run directory or its "
-        "events.out.tfevents.* file"
-    )
 
 
 def _histogram(histo: Any) -> LogHistogram:
@@ -217,9 +203,12 @@ def _histogram(histo: Any) -> LogHistogram:
     return h
 
 
-def _tensor_scalar(tensor: object) -> float | None:
+def _tensor_scalar(tensor: Any) -> float | None:
+    """A float tensor of one value (DT_FLOAT, DT_DOUBLE), else None."""
     from tensorboard.util import tensor_util
 
+    if tensor.dtype not in (1, 2):
+        return None
     try:
         arr = tensor_util.make_ndarray(tensor)
     except Exception:

@@ -62,8 +62,8 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
     def total(key: str) -> float | None:
         """A per-window rate (samples/s, ...) summed back to the windows' total."""
-        pts = dict(scal.get(key, []))
-        return sum(v * n_of[s] / rate[s] for s, v in pts.items() if rate.get(s)) if pts else None
+        pts = scal.get(key)
+        return sum(v * n_of[s] / rate[s] for s, v in pts if rate.get(s)) if pts else None
 
     def per_step(key: str) -> float | None:
         """A per-window fraction as the mean over the windows' steps (None: not logged)."""
@@ -88,8 +88,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
     """The GPU's energy over the windows that have it: joules per step and watts summed back."""
     watts = dict(scal.get(_tags.WATTS, []))
-    per_step = scal.get(_tags.JOULES_PER_STEP, [])
-    joules = {s: v * n_of[s] for s, v in per_step if watts.get(s) and n_of.get(s)}
+    joules = {s: v * n_of[s] for s, v in scal.get(_tags.JOULES_PER_STEP, []) if watts.get(s) and n_of.get(s)}
     if not joules:
         return None
     return Energy(sum(joules.values()), sum(n_of[s] for s in joules), sum(j / watts[s] for s, j in joules.items()))
@@ -97,21 +96,15 @@ def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
 
 def _memory(scal: Points) -> MemoryStats | None:
     """As the live summary keeps it: the max of the windows' peaks, the last allocated and reserved."""
-    peak: dict[str, int] = {}
-    alloc: dict[str, int] = {}
-    reserved = None
-    for key, pts in scal.items():
-        t = _tags.parse(key)
-        if pts and t is not None and (t.group, t.family) == (_tags.MAIN, "mem"):
-            if t.measure == "peak_mib":
-                peak[t.name] = round(max(v for _, v in pts) * MIB)
-            else:
-                alloc[t.name] = round(pts[-1][1] * MIB)
-        elif pts and key == _tags.RESERVED_MIB:
-            reserved = round(pts[-1][1] * MIB)
-    if not peak and reserved is None:
+    tags = [(t, pts) for key, pts in scal.items() if pts and (t := _tags.parse(key)) is not None]
+    mem = [(t, pts) for t, pts in tags if (t.group, t.family) == (_tags.MAIN, "mem")]
+    peak = {t.name: round(max(v for _, v in pts) * MIB) for t, pts in mem if t.measure == "peak_mib"}
+    alloc = {t.name: round(pts[-1][1] * MIB) for t, pts in mem if t.measure == "alloc_mib"}
+    reserved = scal.get(_tags.RESERVED_MIB)
+    if not peak and not reserved:
         return None
-    return MemoryStats(peak, alloc, reserved or 0, steps=0)
+    reserved_bytes = round(reserved[-1][1] * MIB) if reserved else 0
+    return MemoryStats(peak, alloc, reserved_bytes, steps=0)
 
 
 def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: str) -> Series | None:
@@ -122,12 +115,11 @@ def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: 
         for _, h in pts:
             merged.merge(h)
         return Series(SeriesStats.of(merged), merged, tuple(h.mean_ms for _, h in pts if h.count))
-    pts_of = {field: scal.get(_tags.tag(group, clock, name, m), []) for group, m, field in _tags.ROW_STATS}
-    mean_pts = pts_of["mean_ms"]
+    mean_pts = scal.get(_tags.tag(_tags.MAIN, clock, name, "ms"))
     if not mean_pts:
         return None
     means = tuple(v for _, v in mean_pts)
-    maxes = [v for _, v in pts_of["max_ms"]]
+    maxes = [v for _, v in scal.get(_tags.tag(_tags.TAILS, clock, name, "max_ms"), [])]
     n = sum(n_of.get(s, 0) for s, _ in mean_pts)
     total = sum(v * n_of.get(s, 0) for s, v in mean_pts)
     p90 = sorted(means)[max(1, math.ceil(0.9 * len(means))) - 1]  # nearest rank
@@ -175,10 +167,7 @@ class Delta:
 def compare(a: Summary, b: Summary) -> list[Delta]:
     """Per-row change from run A to run B (see :class:`Delta`), then the wall time per step."""
     out = []
-    for ra in a.rows:
-        if ra.name not in b:
-            continue
-        rb = b[ra.name]
+    for ra, rb in ((r, b[r.name]) for r in a.rows if r.name in b):
         clock: Literal["gpu", "host"] = "gpu" if ra.gpu is not None and rb.gpu is not None else "host"
         sa, sb = getattr(ra, clock), getattr(rb, clock)
         if sa.steps and sb.steps:

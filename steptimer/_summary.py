@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from steptimer._energy import Energy
@@ -212,9 +212,8 @@ def summarize(
 
 
 def _launch_bound(name: str, h: Series | None, g: Series | None, caught: float | None) -> bool:
-    """The GPU span is at most 1.1x the host's *and* the GPU caught up with the host inside the phase
-    in half its steps (``caught`` None: logs without it). A GPU that never caught up had work queued
-    all along: the host blocked in a full launch queue, however close the spans."""
+    """GPU span at most 1.1x the host's *and* the GPU caught up inside the phase in half its steps (None:
+    not logged); a GPU that never caught up had work queued all along, however close the spans."""
     if g is None or h is None or name in DERIVED_LAST:
         return False
     return g.stats.median_ms <= LAUNCH_RATIO * h.stats.median_ms and (caught is None or caught >= 0.5)
@@ -236,8 +235,7 @@ def row_order(seen: list[str], present: set[str] | dict[str, object]) -> list[st
 
 
 class SummaryAccumulator(Tally):
-    """The run's steps after warm-up, bounded: the windows' sums, histograms (merged by adding bucket
-    counts on the fixed grid), memory and k slowest steps."""
+    """The run's steps after warm-up in bounded memory: sums, merged histograms, memory, slowest steps."""
 
     def __init__(self, slowest: int = 0) -> None:
         super().__init__()
@@ -264,7 +262,7 @@ class SummaryAccumulator(Tally):
         hists = ((c, n, h) for c in ("host", "gpu") for n, h in self.hists[c].items())
         series = {(c, n): Series(SeriesStats.of(h), h) for c, n, h in hists}
         caught = {n: h.mean_ms for n, h in self.caught.items()}
-        s = summarize(self, series, caught, calls=self.calls, **more)
         # A slow step is read against the run's median of each row on each clock.
         medians = {key: x.stats.median_ms for key, x in series.items() if x.stats.steps}
-        return replace(s, slowest=self.slow.slowest(medians, traces))
+        slowest = self.slow.slowest(medians, traces)
+        return summarize(self, series, caught, calls=self.calls, slowest=slowest, **more)

@@ -9,22 +9,23 @@ import math
 import os
 import textwrap
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
 
 from steptimer._format import num, pct
 from steptimer._memory import MIB
-
-if TYPE_CHECKING:
-    from steptimer._report import Delta
-    from steptimer._slow import SlowStep
-    from steptimer._summary import Summary
+from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, Delta
+from steptimer._slow import SlowStep
+from steptimer._summary import Summary
 
 
 def fitted(variants: Iterable[Any], width: int) -> Any:
     """The first ``rich`` table of ``variants`` whose natural width fits ``width`` (else the last)."""
-    from rich.console import Console
-    from rich.measure import Measurement
-
     console = Console(width=10_000, file=io.StringIO())
     tables = list(variants)
     fits = (t for t in tables if Measurement.get(console, console.options, t).maximum <= width)
@@ -33,9 +34,6 @@ def fitted(variants: Iterable[Any], width: int) -> Any:
 
 def table_of(columns: Sequence[tuple[str, bool]]) -> Any:
     """A borderless ``rich`` table of ``(header, right-justified)`` columns that never wrap."""
-    from rich import box
-    from rich.table import Table
-
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
     for head, right in columns:
         table.add_column(head, justify="right" if right else "left", no_wrap=True)
@@ -77,8 +75,6 @@ def memory_table(summary: Summary) -> Any:
     m = summary.memory
     if m is None or not (m.peak_bytes or m.reserved_bytes):
         return None
-    from rich.table import Table
-
     title = "CUDA memory MiB" + (f", {m.steps} timed steps" if m.steps else "")
     table = Table(title=title, title_justify="left")
     for head in ("phase", "peak", "at exit"):
@@ -102,16 +98,8 @@ def stood_out(summary: Summary) -> list[SlowStep]:
     return [s for s in summary.slowest if s.grew_ms is not None and s.grew_ms >= least_ms(s)]
 
 
-def slow_lines(s: SlowStep) -> list[str]:
-    """A step that stood out: its wall and the row that grew, then each measured cause."""
-    grew = f"; {s.grew_text()}" if s.grew is not None else ""
-    return [f"slow step {s.step}: {num(s.wall_ms)} ms{grew}", *[f"  - {c}" for c in s.causes]]
-
-
 def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
     """Step, wall time and what stood out (the only column that wraps), fitted to ``width``."""
-    from rich.console import Group
-    from rich.text import Text
 
     def build(traces: bool) -> Any:
         table = table_of([("step", True), ("wall ms", True)])
@@ -122,15 +110,6 @@ def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
         return table
 
     return Group(Text("slowest steps"), fitted((build(True), build(False)), width))
-
-
-def heading(summary: Summary) -> str:
-    every, budget = summary.sample_every, summary.cost_budget
-    why = f" (1 in {every}: sample_every)" if every else f" (cost budget {pct(budget)})" if budget else ""
-    timed = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed{why}"
-    warm = f" ({summary.warmup_steps} warm-up left out)" if summary.warmup_steps else ""
-    clocks = "CUDA events + host clock" if summary.cuda else "host clock only"
-    return f"{summary.name}: {summary.steps} steps{timed}{warm}, {clocks}"
 
 
 def facts(summary: Summary) -> list[str]:
@@ -172,16 +151,15 @@ def energy_lines(summary: Summary, label: str = "") -> list[str]:
 
 def explanations(summary: Summary) -> list[str]:
     """What the columns and marks mean (``--explain``; docs/cli.md says the same)."""
-    share = (
-        "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
-        "it; the wall time in steady state): phases + other + idle = 100%" if summary.share_clock == "gpu"
-        else "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"
-    )  # fmt: skip
     gpu_slow = summary.slowest and summary.slowest[0].clock == "gpu"
     slow_clock = "the GPU's timeline" if gpu_slow else "the host clock"
     said = [
         (True, f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps"),
-        (True, share),
+        (summary.share_clock == "gpu",
+         "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
+         "it; the wall time in steady state): phases + other + idle = 100%"),
+        (summary.share_clock != "gpu",
+         "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"),
         (True, "data: the host's time between steps (your loader, .item(), logging) less pause(), plus a "
          "phase named data; other: the step less its top-level phases; wait: steptimer's one event wait "
          "a step"),
@@ -222,18 +200,22 @@ def say(console: Any, lines: Iterable[str]) -> None:
 
 def print_summary(summary: Summary, console: Any = None, *, explain: bool = False) -> None:
     """Print ``summary`` on ``console`` (a ``rich`` console; default: stdout at the terminal's width)."""
-    from rich.console import Console
-
     console = console or Console()
-    say(console, [heading(summary)])
+    every, budget = summary.sample_every, summary.cost_budget
+    why = f" (1 in {every}: sample_every)" if every else f" (cost budget {pct(budget)})" if budget else ""
+    timed = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed{why}"
+    warm = f" ({summary.warmup_steps} warm-up left out)" if summary.warmup_steps else ""
+    clocks = "CUDA events + host clock" if summary.cuda else "host clock only"
+    say(console, [f"{summary.name}: {summary.steps} steps{timed}{warm}, {clocks}"])
     console.print(phase_table(summary, console.width))
     mem = memory_table(summary)
     if mem is not None:
         console.print(mem)
     if explain and summary.slowest:
         console.print(slowest_table(summary.slowest, console.width))
-    elif not explain:
-        say(console, [line for s in stood_out(summary) for line in slow_lines(s)])
+    for s in () if explain else stood_out(summary):  # its wall, the row that grew, each measured cause
+        grew = f"; {s.grew_text()}" if s.grew is not None else ""
+        say(console, [f"slow step {s.step}: {num(s.wall_ms)} ms{grew}", *[f"  - {c}" for c in s.causes]])
     say(console, facts(summary) + (summary.ranks.lines() if summary.ranks is not None else []))
     if explain:
         say(console, explanations(summary))
@@ -241,17 +223,14 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
 
 def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any) -> None:
     """``steptimer compare``: the per-row changes from run A to run B, then compute, energy, verdicts."""
-    from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE
-
     say(console, [f"A = {a.path}", f"B = {b.path}"])
     heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
     table = table_of([(h, h not in ("phase", "clock", "verdict")) for h in heads])
     for d in deltas:
-        frac = d.delta_frac
         verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed else "no change"
         table.add_row(
             d.name, d.clock, num(d.a_ms), num(d.b_ms), num(d.delta_ms, sign=True),
-            "-" if frac is None else f"{100 * frac:+.1f}", f"{d.dominance:+.2f}", verdict,
+            "-" if d.delta_frac is None else f"{100 * d.delta_frac:+.1f}", f"{d.dominance:+.2f}", verdict,
         )  # fmt: skip
     console.print(table)
     lines = []

@@ -38,8 +38,7 @@ ROW_STATS = ((MAIN, "ms", "mean_ms"), (TAILS, "p90_ms", "p90_ms"), (TAILS, "max_
 RATES = tuple(f"{MAIN}/{rate}" for rate in ("steps_per_s", "samples_per_s", "tokens_per_s", "tflops_per_s", "mfu"))
 STEPS_PER_S, SAMPLES_PER_S, TOKENS_PER_S, TFLOPS_PER_S, MFU = RATES
 RESERVED_MIB = f"{MAIN}/mem/reserved_mib"
-# The GPU's energy (_energy.py), written one window late: its closing reading is taken off the
-# training thread.
+# The GPU's energy (_energy.py), written one window late: its closing reading is taken off-thread.
 JOULES_PER_STEP, JOULES_PER_SAMPLE, JOULES_PER_TOKEN, WATTS = (
     f"{MAIN}/{x}" for x in ("joules_per_step", "joules_per_sample", "joules_per_token", "watts")
 )
@@ -90,8 +89,3 @@ def join_tag(name: str, run_tag_: str) -> str:
     group, _, rest = run_tag_.partition("/")
     family, _, measure = rest.partition("_")
     return tag(group, family, name, measure)
-
-
-def unhidden(tag_: str) -> str:
-    """``steptimer-warmup/steptimer/host_ms`` (a warm-up value) -> ``steptimer/host_ms``."""
-    return tag_[len(WARMUP) + 1 :] if tag_.startswith(WARMUP + "/") else tag_

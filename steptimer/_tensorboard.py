@@ -12,13 +12,22 @@ import re
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
+from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+from tensorboard.compat.proto.tensor_pb2 import TensorProto
+
 from steptimer import _tags
+from steptimer._dist import CHARTS as RANK_CHARTS
 from steptimer._files import cause
 from steptimer._histogram import UPPER_MS
 from steptimer._memory import MIB
+from steptimer._records import frame
+from steptimer._slow import slow_summary
 from steptimer._summary import Summary, row_order
 from steptimer._tags import EVENT_FILE_PREFIX, MAIN, PHASE_DIR, PHASE_SUFFIX, run_tag, tag
 from steptimer._window import Window
@@ -35,10 +44,8 @@ _FILE_IDS = itertools.count()
 _CHART_TAGS = {
     "Share of the GPU's timeline per row, %": run_tag(MAIN, "gpu", "pct"),
     "Share of wall time per row (host clock), %": run_tag(MAIN, "host", "pct"),
-    "GPU ms per row": run_tag(MAIN, "gpu", "ms"),
-    "Host ms per row": run_tag(MAIN, "host", "ms"),
-    "GPU step ms": tag(MAIN, "gpu", STEP, "ms"),
-    "Host step ms": tag(MAIN, "host", STEP, "ms"),
+    **{f"{_TITLE[c]} ms per row": run_tag(MAIN, c, "ms") for c in ("gpu", "host")},
+    **{f"{_TITLE[c]} step ms": tag(MAIN, c, STEP, "ms") for c in ("gpu", "host")},
     "Steps per second": _tags.STEPS_PER_S,
     "Samples per second": _tags.SAMPLES_PER_S,
     "Tokens per second": _tags.TOKENS_PER_S,
@@ -53,7 +60,6 @@ _CHART_TAGS = {
     "Steps in which the GPU caught up, per phase": run_tag(_tags.CAUGHT, "gpu", "frac"),
 }
 CHARTS = {title: f"^{rx}$" for title, rx in _CHART_TAGS.items()}
-_UNCHARTED = (_tags.RUN, _tags.WARMUP)  # groups left out of the Custom Scalars layout
 
 
 def window_scalars(window: Window) -> dict[str, float]:
@@ -98,19 +104,14 @@ def totals(window: Window) -> dict[str, float]:
 
 def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | None, Any]:
     """A window as ``Summary`` protos by run (``None``: the log dir's own, with every histogram)."""
-    from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
-    from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
-    from tensorboard.compat.proto.tensor_pb2 import TensorProto
-
     out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in run_names(window)}}
-    # A warm-up window's values are tensors of a plugin no dashboard draws (its slow first steps would
-    # start every chart with an outlier), and so are facts of the run (steptimer-run/...); the reader
-    # takes each back under its tag (_tags.unhidden).
+    # A warm-up window's values (slow first steps: every chart would start with an outlier) and the
+    # run's facts (steptimer-run/...) are tensors of a plugin no dashboard draws; the reader reads them.
     meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_tags.WARMUP))
     values = [(*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()]
     for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
         if window.warmup or in_run.startswith(_tags.RUN):
-            hidden = TensorProto(dtype=1, float_val=[v])
+            hidden = TensorProto(dtype=1, float_val=[v])  # DT_FLOAT
             out[name].value.add(tag=f"{_tags.WARMUP}/{in_run}", metadata=meta, tensor=hidden)
         else:
             out[name].value.add(tag=in_run, simple_value=v)
@@ -125,13 +126,11 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
 
 def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
     """The Custom Scalars layout: a category per group holding the :data:`CHARTS` that match a tag."""
-    from steptimer._dist import CHARTS as RANK_CHARTS
-
     charts = {**CHARTS, **RANK_CHARTS}
     cats: dict[str, dict[str, list[Any]]] = {}
     for key in sorted(set(run_tags)):
         group = key.partition("/")[0]
-        if not group.startswith(MAIN) or group in _UNCHARTED:
+        if not group.startswith(MAIN) or group in (_tags.RUN, _tags.WARMUP):  # never charted
             continue
         title, rx = next(((t, r) for t, r in charts.items() if re.search(r, key)), (key, f"^{re.escape(key)}$"))
         cats.setdefault(group, {})[title] = ["Multiline", [rx]]
@@ -171,10 +170,6 @@ class EventFile:
 
     def write(self, summary: Any = None, step: int = 0, **event: Any) -> None:
         """Append one event holding the ``Summary`` proto ``summary`` (or the ``Event`` fields ``event``)."""
-        from tensorboard.compat.proto.event_pb2 import Event  # imported at the first event: cached after
-
-        from steptimer._records import frame
-
         # time.time(): the events' wall-clock stamp, never a duration (those come from perf_counter).
         e = Event(wall_time=time.time(), step=step, summary=summary, **event)
         with open(self.path, "ab") as f:  # a full disk or a file-size limit writes a part, then raises
@@ -188,10 +183,9 @@ class TensorBoardSink:
         self, *, log_dir: str | os.PathLike[str] | None = None, writer: Any = None, histograms: bool = True
     ) -> None:
         # Imported now: at the first window the import (ms) would land in a training step's time.
-        from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
         from torch.utils.tensorboard.summary import custom_scalars
 
-        self._proto, self._custom_scalars = SummaryProto, custom_scalars
+        self._custom_scalars = custom_scalars
         self.writer = writer
         self._histograms = histograms
         self.run_id = new_run_id()  # every file of this sink carries it: a run of its own for the reader
@@ -203,51 +197,50 @@ class TensorBoardSink:
         self._layout_written = False
         self.failed: OSError | None = None  # the first failed write; nothing is written after it
 
-    def _guarded(self, write: Callable[..., None], *args: Any) -> None:
-        """``write(*args)`` unless a write failed before; an ``OSError`` becomes the one warning."""
-        if self.failed is None:
-            try:
-                write(*args)
-            except OSError as err:
-                self._fail(err)
-
-    def _fail(self, err: OSError) -> None:
-        if self.failed is None:
-            self.failed = err
-            where = f" ({err.filename})" if err.filename else ""
-            log.warning(
-                "steptimer: can't write to log_dir %r: %s%s. steptimer writes nothing more there; training "
-                "goes on, and the summary at close() is complete (it is kept in memory)",
-                self.dir, cause(err), where,
-            )  # fmt: skip
+    @contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """An ``OSError`` inside becomes the one warning."""
+        try:
+            yield
+        except OSError as err:
+            if self.failed is None:
+                self.failed = err
+                where = f" ({err.filename})" if err.filename else ""
+                log.warning(
+                    "steptimer: can't write to log_dir %r: %s%s. steptimer writes nothing more there; training "
+                    "goes on, and the summary at close() is complete (it is kept in memory)",
+                    self.dir, cause(err), where,
+                )  # fmt: skip
 
     def write_window(self, window: Window) -> None:
-        self._guarded(self._write_window, window)
-
-    def _write_window(self, window: Window) -> None:
-        summaries = window_summaries(window, histograms=self._histograms)
-        main = summaries.pop(None, None)
-        if main is not None:
-            self._write_main(main, window.step)
-        for name, summary in summaries.items():
-            f = self._runs.get(name)
-            if f is None:
-                path = os.path.join(self.dir, PHASE_DIR, *name.split("/"))
-                f = self._runs[name] = EventFile(path, run_id=self.run_id, suffix=PHASE_SUFFIX)
-            f.write(summary, window.step)
-        if not self._layout_written and not window.warmup:  # a warm-up window's tags are hidden
-            self._layout_written = True
-            runs = [s for s in (main, *summaries.values()) if s is not None]
-            tags = [v.tag for s in runs for v in s.value if not v.HasField("histo")]
-            # TensorBoard merges the runs' layouts: ours goes to the log dir's own run, else the first row's.
-            target = self._file if self._file is not None else next(iter(self._runs.values()), None)
-            if target is not None:
-                target.write(self._custom_scalars(layout(tags)), 0)
+        if self.failed is not None:
+            return
+        with self._guarded():
+            summaries = window_summaries(window, histograms=self._histograms)
+            main = summaries.pop(None, None)
+            if main is not None:
+                self._write_main(main, window.step)
+            for name, summary in summaries.items():
+                f = self._runs.get(name)
+                if f is None:
+                    path = os.path.join(self.dir, PHASE_DIR, *name.split("/"))
+                    f = self._runs[name] = EventFile(path, run_id=self.run_id, suffix=PHASE_SUFFIX)
+                f.write(summary, window.step)
+            if not self._layout_written and not window.warmup:  # a warm-up window's tags are hidden
+                self._layout_written = True
+                runs = [s for s in (main, *summaries.values()) if s is not None]
+                tags = [v.tag for s in runs for v in s.value if not v.HasField("histo")]
+                # TensorBoard merges the runs' layouts: ours goes to the log dir's own run, else the first row's.
+                target = self._file if self._file is not None else next(iter(self._runs.values()), None)
+                if target is not None:
+                    target.write(self._custom_scalars(layout(tags)), 0)
 
     def write_energy(self, scalars: dict[str, float], step: int) -> None:
         """A window's energy (``_energy.py``), known one window late, at that window's step."""
-        summary = self._proto(value=[self._proto.Value(tag=k, simple_value=v) for k, v in scalars.items()])
-        self._guarded(self._write_main, summary, step)
+        summary = SummaryProto(value=[SummaryProto.Value(tag=k, simple_value=v) for k, v in scalars.items()])
+        if self.failed is None:
+            with self._guarded():
+                self._write_main(summary, step)
 
     def _write_main(self, summary: Any, step: int) -> None:
         if self._file is not None:
@@ -264,13 +257,9 @@ class TensorBoardSink:
 
     def close(self, summary: Summary | None = None) -> None:
         """Write the run's slowest steps (text card and JSON) at the last step; flush a user's ``writer``."""
-        if summary is not None and summary.slowest:
-            from steptimer._slow import slow_summary
-
-            last = max(s.step for s in summary.slowest)
-            self._guarded(self._write_main, slow_summary(summary.slowest), last)
+        if summary is not None and summary.slowest and self.failed is None:
+            with self._guarded():
+                self._write_main(slow_summary(summary.slowest), max(s.step for s in summary.slowest))
         if self._file is None:
-            try:
+            with self._guarded():
                 self.writer.flush()
-            except OSError as err:
-                self._fail(err)

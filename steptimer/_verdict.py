@@ -1,8 +1,7 @@
 """Where the wall time went: each row's share and the run's verdict, one rule for the summary and
 ``steptimer report``. With CUDA both read the GPU's timeline (phases, ``other`` and the ``idle``
 before each step), which in steady state is the wall time; host shares only say where the host
-happened to block (``loss.item()``), so only host-only runs keep them.
-"""
+happened to block (``loss.item()``), so only host-only runs keep them."""
 
 from __future__ import annotations
 
@@ -89,14 +88,9 @@ def shares(
     top = {n: v for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait", *COMM_ROWS)}
     if gpu_total > 0 and top:
         return "gpu", {n: v / gpu_total for n, v in top.items()}
-    return "host", host_shares(timed_sum_ms, timed_cycle_ms)
-
-
-def host_shares(timed_sum_ms: Mapping[str, float], timed_cycle_ms: float) -> dict[str, float]:
-    if timed_cycle_ms <= 0:
-        return {}
     skip = ("step", "idle", *COMM_ROWS)
-    return {n: v / timed_cycle_ms for n, v in timed_sum_ms.items() if "/" not in n and n not in skip}
+    host = {n: v for n, v in timed_sum_ms.items() if "/" not in n and n not in skip}
+    return "host", {n: v / timed_cycle_ms for n, v in host.items()} if timed_cycle_ms > 0 else {}
 
 
 def verdict(rows: Sequence[PhaseSummary], cuda: bool) -> Verdict:

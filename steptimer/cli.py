@@ -13,19 +13,22 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from rich.console import Console
+
+from steptimer import __version__, _run
 from steptimer._options import int_at_least
 from steptimer._reader import LogError, find_runs
 from steptimer._report import analyze, compare
 from steptimer._summary import Summary
+from steptimer._table import print_compare, print_summary, wrapped
 from steptimer._tags import WARMUP_STEPS
+from steptimer._trace import load_capture, to_chrome
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (also used as the console script's)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # its own parsing: everything after the script is the script's
-        from steptimer import _run
-
         return _run.main(argv[1:])
     args = _parser().parse_args(argv)
     try:
@@ -42,8 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(message: str) -> int:
-    from steptimer._table import wrapped
-
     print("\n".join(wrapped([f"steptimer: error: {message}"], 80, "  ")), file=sys.stderr)
     return 1
 
@@ -61,9 +62,6 @@ TRACE_OUT = "steptimer-trace.chrome.json"  # trace's default output, inside the 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from steptimer import __version__
-    from steptimer._run import HELP, USAGE
-
     p = argparse.ArgumentParser(
         prog="steptimer", description="Where each training step's time goes: read the logs that steptimer wrote.",
         epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -72,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p.set_defaults(func=lambda args: p.print_help(sys.stderr) or 2)  # a bare `steptimer`: help; a usage error
     sub = p.add_subparsers(dest="command", metavar="{run,report,compare,trace,kernels}")
-    sub.add_parser("run", help=HELP, usage=USAGE, add_help=False)  # parsed by _run.main (listed here for --help)
+    # `run` is parsed by _run.main, listed here for --help.
+    sub.add_parser("run", help=_run.HELP, usage=_run.USAGE, add_help=False)
 
     def command(name: str, func: Any, help: str, **kw: Any) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, **kw)
@@ -119,12 +118,11 @@ def _summaries(path: str, args: argparse.Namespace, *, one: bool = False) -> lis
     if one and len(runs) > 1:
         names = ", ".join(r.name for r in runs[:5]) + (", ..." if len(runs) > 5 else "")
         raise LogError(f"{path}: holds {len(runs)} runs ({names}); compare takes one run directory each")
-    out = [analyze(run, skip_steps=args.skip_steps, include_warmup=args.include_warmup) for run in runs]
-    out = [s for s in out if s.steps]
+    skip, warmup = args.skip_steps, args.include_warmup
+    out = [s for run in runs if (s := analyze(run, skip_steps=skip, include_warmup=warmup)).steps]
     if not out:  # say why, and what to pass instead
-        skip = args.skip_steps
         warm = sum(int(v) for r in runs for s, v in r.scalars.get(WARMUP_STEPS, []) if s > skip)
-        if warm and not args.include_warmup:
+        if warm and not warmup:
             after = f" after step {skip}" if skip else ""
             raise LogError(
                 f"{path}: all {warm} logged steps{after} were warm-up steps (StepTimer's warmup_steps), which "
@@ -135,8 +133,6 @@ def _summaries(path: str, args: argparse.Namespace, *, one: bool = False) -> lis
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from steptimer._table import print_summary
-
     reports = _summaries(args.logdir, args)
     if args.json:
         return _print_json({"runs": [r.to_json() for r in reports]})
@@ -155,8 +151,6 @@ def _print_json(doc: Any) -> int:
 
 
 def _console() -> Any:
-    from rich.console import Console
-
     # Not a terminal (CI logs, pipes) and no COLUMNS set: 80 columns, which tables are fitted to and
     # prose is wrapped at. A terminal, or COLUMNS, sets the width (rich reads both).
     tty_or_set = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
@@ -164,8 +158,6 @@ def _console() -> Any:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from steptimer._table import print_compare
-
     (a,), (b,) = _summaries(args.run_a, args, one=True), _summaries(args.run_b, args, one=True)
     deltas = compare(a, b)
     if args.json:
@@ -182,14 +174,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from steptimer._trace import load_capture, to_chrome
-
     trace = to_chrome(load_capture(args.logdir))
     text = json.dumps(trace)
-    output = args.output
-    if output is None:  # beside the capture, in the run directory, not wherever the shell is
-        run_dir = args.logdir if os.path.isdir(args.logdir) else os.path.dirname(args.logdir)
-        output = os.path.join(run_dir, TRACE_OUT)
+    run_dir = args.logdir if os.path.isdir(args.logdir) else os.path.dirname(args.logdir)
+    # By default beside the capture, in the run directory, not wherever the shell is.
+    output = os.path.join(run_dir, TRACE_OUT) if args.output is None else args.output
     if output == "-":
         print(text)
         return 0
@@ -208,11 +197,10 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_kernels(args: argparse.Namespace) -> int:
-    from steptimer._kernels import analyze as analyze_kernels
-    from steptimer._kernels import format_report, load_profile, report_json
+    from steptimer import _kernels  # imports torch (through _profile): only for this command
 
-    rep = analyze_kernels(load_profile(args.logdir))
+    rep = _kernels.analyze(_kernels.load_profile(args.logdir))
     if args.json:
-        return _print_json(report_json(rep, args.top))
-    print(format_report(rep, args.top))
+        return _print_json(_kernels.report_json(rep, args.top))
+    print(_kernels.format_report(rep, args.top))
     return 0

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from steptimer._histogram import LogHistogram, bucket_index
-from steptimer._verdict import host_shares
+from steptimer._verdict import shares
 from steptimer._window import StepRows, Window, pack_rows, window_of
 
 NAN = math.nan
@@ -121,7 +121,7 @@ def test_without_a_loader_the_time_between_steps_is_loop() -> None:
 
 
 def _host_shares(w: Window) -> dict[str, float]:
-    return host_shares(w.packed.tally.timed_sum_ms, w.packed.tally.timed_wall_ms)
+    return shares({}, w.packed.tally.timed_sum_ms, w.packed.tally.timed_wall_ms)[1]
 
 
 def test_series_without_values_are_left_out() -> None:
