@@ -247,8 +247,13 @@ class Engine:
         if not self.state:
             return
         t1 = perf_counter()
-        if et is not None or self._stack:
-            self._discard(et, error)
+        if et is not None or self._stack:  # dropped: it raised, or left a phase open (an error of its own)
+            open_ = self._stack[-1][0] if self._stack else None
+            if et is not None and self.memory is not None and self.oom is None:
+                self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
+            self._drop_step()
+            if et is None:
+                raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
             return
         try:
             self._queue(t1)
@@ -257,15 +262,6 @@ class Engine:
             raise
         if self._window_due:
             self._hand_window()
-
-    def _discard(self, et: type[BaseException] | None, error: BaseException | None) -> None:
-        """Drop a step that raised (``et``) or left a phase open (an error of its own)."""
-        open_ = self._stack[-1][0] if self._stack else None
-        if et is not None and self.memory is not None and self.oom is None:
-            self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
-        self._drop_step()
-        if et is None:
-            raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
 
     def _queue(self, t1: float) -> None:
         """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due."""
@@ -497,12 +493,6 @@ class Engine:
             self.slow.close()
         self.closed = True
 
-    def release_held(self) -> None:
-        """Give the last resolved step's end event back to the pool (at close, after the trace)."""
-        if self.held_end is not None:
-            self._free.append(self.held_end[2])
-            self.held_end = None
-
     def _drop_step(self) -> None:
         """Forget the current step; keep everything before it."""
         self._free += self._evs
@@ -523,20 +513,18 @@ class Engine:
 
     def _settle_cuda(self) -> None:
         opt = self._cuda_opt
-        if opt is False:
-            self.cuda = False
-            return
-        if self.b is None:
+        if opt is not False and self.b is None:
             ok, why = cuda_usable()
-            if not ok:
-                if opt is True:
-                    raise RuntimeError(f"StepTimer(cuda=True) but {why}")
-                self.cuda = False
+            if ok:
+                self.b = default_backend()
+            elif opt:
+                raise RuntimeError(f"StepTimer(cuda=True) but {why}")
+            else:
                 self.notes.append(f"host timing only: {why}")
                 log.info("steptimer: %s; timing the host only (no GPU tags)", why)
-                return
-            self.b = default_backend()
-        self.cuda = True
+        self.cuda = opt is not False and self.b is not None
+        if not self.cuda:
+            return
         if self.b.note:
             self.notes.append(self.b.note)
         if self._memory_opt and (self._mem_backend is not None or not self._custom_backend):

@@ -5,10 +5,9 @@ turns its rows into windows for the sinks (TensorBoard, a Lightning logger) and 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -20,9 +19,11 @@ from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemoryStats, MemorySummary, _MemoryBackend, oom_note
 from steptimer._options import Options, check_bool, check_count, check_phase_name
+from steptimer._peaks import cuda_peak
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K
 from steptimer._summary import Summary, SummaryAccumulator
+from steptimer._table import print_summary
 from steptimer._tags import COST_BUDGET, SAMPLE_EVERY
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
@@ -46,19 +47,7 @@ class Sink(Protocol):
     def close(self, summary: Summary) -> None: ...
 
 
-class _Null:
-    """The context manager of a disabled timer."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, et: object, ev: object, tb: object) -> Literal[False]:
-        return False  # named arguments: no tuple packed at each exit
-
-
-_NULL = _Null()
+_NULL = nullcontext()  # a disabled timer's steps and phases, and the phases of an untimed step
 
 
 class _RangedPhase(_Phase):
@@ -273,10 +262,7 @@ class StepTimer:
         """
         if not self.enabled:
             return _NULL
-        # A plain int or float >= 0 inline (the usual samples), anything else by check_count.
-        if samples is not None and not (
-            (samples.__class__ is int or samples.__class__ is float) and 0 <= samples < math.inf
-        ):
+        if samples is not None:
             samples = check_count("samples", samples)
         if tokens is not None:
             tokens = check_count("tokens", tokens)
@@ -410,12 +396,9 @@ class StepTimer:
         traces = self._capture.finish(engine) if self._capture is not None else None
         if self._ranges is not None:
             self._ranges.finish(engine)
-        engine.release_held()
         engine.closed = True
         self._summary = summary = self._build_summary(traces, energy, energy_note)
         if self.options.print_summary and self._rank == 0 and self.enabled:
-            from steptimer._table import print_summary
-
             print_summary(summary)
         for sink in self._sinks:
             sink.close(summary)
@@ -446,9 +429,7 @@ class StepTimer:
         which is returned with its note."""
         window, xrank, engine, counter = self._take_window(), self._xrank, self._engine, self._seams.energy_counter
         energy = engine.cuda and (counter is not None or not engine._custom_backend)
-        run_energy: tuple[Any, str | None] = (None, None)
-        if closing:
-            run_energy = self._energy.close(engine.last_resolved, window)
+        run_energy = self._energy.close(engine.last_resolved, window) if closing else (None, None)
         if closing and xrank is not None and not xrank.off:
             # the closing rounds, with or without a window here
             window = xrank.close(window, self._acc, energy_values(run_energy[0]))
@@ -498,8 +479,6 @@ class StepTimer:
         if not self._engine.cuda:
             return None, "no MFU: no peak for host-only timing; pass peak_tflops="
         if self._peak is None:
-            from steptimer._peaks import cuda_peak
-
             self._peak = cuda_peak(self._engine.device, self._seams.peak_dtype)
         return self._peak
 
