@@ -11,6 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
+from steptimer._native import NativeUnavailable, build, cudart, usable_here
+
 log = logging.getLogger("steptimer")
 
 
@@ -34,8 +38,6 @@ class _CudaBackend:
 
 def cuda_usable() -> tuple[bool, str]:
     """Whether CUDA timing can be used now, and why not when it can't."""
-    import torch
-
     if not torch.cuda.is_available():
         return False, "CUDA is not available"
     if not torch.cuda.is_initialized():
@@ -47,8 +49,6 @@ def torch_backend() -> _CudaBackend:
     """The backend over ``torch.cuda``. ``Event.record()`` costs ~12 µs on an H100 (its own
     ``current_stream()`` lookup), ``record(stream)`` ~3 µs: so the engine keys the stream by the raw
     ``(stream_id, device, type)`` tuple once per step and builds a ``Stream`` only when it changes."""
-    import torch
-
     event_cls = torch.cuda.Event
     # The C implementations, not torch.cuda.Event's Python wrappers: a frame less per call. The wait
     # stays on the public wrapper (once per step), so tests can patch it to count waits.
@@ -68,10 +68,6 @@ def torch_backend() -> _CudaBackend:
 
 def native_backend() -> _CudaBackend:
     """The backend over ``_cudart.c``; raises ``_native.NativeUnavailable`` where it can't be built."""
-    import torch
-
-    from steptimer._native import NativeUnavailable, cudart
-
     mod = cudart()
     t = torch_backend()
     owners: list[Any] = []  # the torch Events whose CUDA events the engine uses by handle
@@ -105,10 +101,6 @@ def native_backend() -> _CudaBackend:
 def prepare_native() -> None:
     """Build the native CUDA calls when the timer is created, not in the training loop (no-op without
     CUDA; ``default_backend`` reports failures)."""
-    import torch
-
-    from steptimer._native import NativeUnavailable, build, usable_here
-
     if not usable_here() or not torch.cuda.is_available():
         return
     with contextlib.suppress(NativeUnavailable):
@@ -117,8 +109,6 @@ def prepare_native() -> None:
 
 def default_backend() -> _CudaBackend:
     """``native_backend`` where it can be built, else ``torch_backend`` with a ``note`` saying why."""
-    from steptimer._native import NativeUnavailable
-
     try:
         return native_backend()
     except NativeUnavailable as e:

@@ -359,11 +359,6 @@ class Engine:
         if self.number == self._next_timed:
             self._pick_next(self.number)
 
-    def _window_ends(self, number: int) -> int:
-        """``number`` if a window ends there, else 0 (the last warm-up step always ends one)."""
-        short = number - self._window_last < self._window_max and self._t0 - self._window_t < self._window_min_s
-        return 0 if self._window_min_s and number != self.last_warmup and short else number
-
     def _hand_window(self) -> None:
         """Call ``on_window``: steptimer's own time (``own_s``), in no step, data wait or GPU idle."""
         number, self._window_due = self._window_due, 0
@@ -620,8 +615,11 @@ class Engine:
             rows.comm.append(comm)
         rows.warmup = number <= self.last_warmup
         self.last_resolved = number
-        if number % self._window_every == 0 or number == self.last_warmup:
-            self._window_due = self._window_ends(number)
+        if number == self.last_warmup:  # always ends a window; a multiple does unless it is short
+            self._window_due = number
+        elif number % self._window_every == 0:
+            short = number - self._window_last < self._window_max and self._t0 - self._window_t < self._window_min_s
+            self._window_due = 0 if self._window_min_s and short else number
 
 
 class Phase:
