@@ -71,18 +71,6 @@ def native_backend() -> _CudaBackend:
     mod = cudart()
     t = torch_backend()
     owners: list[Any] = []  # the torch Events whose CUDA events the engine uses by handle
-    # A first record now, on a throwaway event: a torch without raw handles or a runtime that
-    # disagrees shows here, and steptimer falls back, rather than inside a step.
-    if not torch.cuda.is_current_stream_capturing():  # else the engine refuses the step at once
-        try:
-            probe = torch.cuda.Event(enable_timing=True)
-            probe.record()
-            stream = int(torch.cuda.current_stream().cuda_stream)
-            mod.record(int(probe.cuda_event), stream)
-            mod.is_capturing(stream)
-        except (AttributeError, RuntimeError, TypeError) as e:
-            raise NativeUnavailable(f"the native calls failed their first use: {e!r}") from e
-        owners.append(probe)
 
     def new_event() -> int:
         # torch creates the CUDA event at its first record: record it once so the handle exists.
@@ -91,6 +79,15 @@ def native_backend() -> _CudaBackend:
         owners.append(ev)
         return int(ev.cuda_event)
 
+    # A first record now, on a throwaway event: a torch without raw handles or a runtime that
+    # disagrees shows here, and steptimer falls back, rather than inside a step.
+    if not torch.cuda.is_current_stream_capturing():  # else the engine refuses the step at once
+        try:
+            stream = int(torch.cuda.current_stream().cuda_stream)
+            mod.record(new_event(), stream)
+            mod.is_capturing(stream)
+        except (AttributeError, RuntimeError, TypeError) as e:
+            raise NativeUnavailable(f"the native calls failed their first use: {e!r}") from e
     return replace(
         t, new_event=new_event, record=mod.record, elapsed_ms=mod.elapsed_ms, wait=mod.wait, query=mod.query,
         stream_of_key=lambda key: int(t.stream_of_key(key).cuda_stream), is_capturing=mod.is_capturing,

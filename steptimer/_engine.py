@@ -451,10 +451,10 @@ class Engine:
             self._resolve(rec)
 
     def begin_pause(self) -> tuple[float, Any] | None:
-        """Start a pause; None inside another pause (a nested pause counts once)."""
+        """Start a pause; None inside another pause (a nested pause counts once) or once closed."""
         if self.state:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
-        if self._pausing:
+        if self._pausing or self.closed:
             return None
         self._pausing = True
         return perf_counter(), self._pause_event()
@@ -578,7 +578,6 @@ class Engine:
         if recs is not _EMPTY:  # a timed step
             names = tuple([r.name for r in recs])
             row = row + [r.t_out - r.t_in for r in recs]  # a new list: rec.row stays as it was
-        has_gpu = has_idle = False
         evs = rec.events
         held = self.held_end
         if evs and names is not None:
@@ -588,21 +587,18 @@ class Engine:
             row.append(offs[rec.i_end] - offs[rec.i_start])
             row += [offs[r.i_out] - offs[r.i_in] for r in recs]
             row += [r.caught for r in recs]
-            has_gpu = True
             if held is not None and held[0] == number - 1 and held[1] == rec.device:
                 rec.chain_ms = idle = b.elapsed_ms(held[2], evs[rec.i_start])
                 for a, c in rec.pauses:
                     idle -= b.elapsed_ms(a, c)
                 row.append(idle)
-                has_idle = True
         self._pending.popleft()  # all above only reads: an exception there (Ctrl-C) leaves it pending
         if evs:
             if held is not None:
                 self._free.append(held[2])
             self._free += evs[: rec.i_end] + evs[rec.i_end + 1 :]
             self.held_end = (number, rec.device, evs[rec.i_end])
-        for a, c in rec.pauses:
-            self._free += (a, c)
+        self._free += [ev for pair in rec.pauses for ev in pair]
         rows, marks = self.rows, rec.marks
         if self.slow is not None and (marks or rec.paused_s or self.slow.spans):
             marks = self.slow.resolved(rec)
@@ -610,7 +606,7 @@ class Engine:
             rows.marks[number] = marks
         if rec.memory is not None:
             rows.memory.append(rec.memory)
-        rows.add((names, has_gpu, has_idle), row)
+        rows.add((names, rec.offs_ms is not None, rec.chain_ms is not None), row)  # the row's layout
         if self.comm is not None and (comm := self.comm.take(number)) is not None:
             rows.comm.append(comm)
         rows.warmup = number <= self.last_warmup

@@ -320,9 +320,6 @@ class StepTimer:
     def pause(self) -> Iterator[None]:
         """Context manager for work between steps (evaluation, checkpointing) that is not data wait:
         its host time is left out of ``data``, its GPU time out of GPU ``idle``."""
-        if not self.enabled or self._engine.closed:
-            yield
-            return
         started = self._engine.begin_pause()
         try:
             yield
