@@ -154,7 +154,9 @@ class Engine:
         self._first_t0: float | None = None
         self._pausing = False
         self._waited = start_step  # the newest step number waited for
-        # CUDA and memory, settled at the first step.
+        # CUDA and memory, settled at the first step; cuda=True without CUDA fails now.
+        if cuda and backend is None and not (usable := cuda_usable())[0]:
+            raise RuntimeError(f"StepTimer(cuda=True) but {usable[1]}; pass cuda=None to fall back to host timing")
         self._cuda_opt = cuda
         self.cuda: bool | None = None
         self.b: _CudaBackend = backend  # type: ignore[assignment]  # None until the first step settles it
@@ -512,8 +514,6 @@ class Engine:
             ok, why = cuda_usable()
             if ok:
                 self.b = default_backend()
-            elif opt:
-                raise RuntimeError(f"StepTimer(cuda=True) but {why}")
             else:
                 self.notes.append(f"host timing only: {why}")
                 log.info("steptimer: %s; timing the host only (no GPU tags)", why)

@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
 
 from steptimer import _exit
-from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
+from steptimer._clock import _CudaBackend, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank, _initialized, energy_values
 from steptimer._energy import EnergyWindows
 from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
@@ -202,11 +202,11 @@ class StepTimer:
         # memory=None: time-budgeted; one timed step in 10 across ranks (every rank reads the same steps).
         memory_every = int(memory) if memory is not None else 10 if distributed else MEMORY_AUTO
         self._engine = Engine(
-            lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
+            lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
             window_min_s=window_min_s, window_max=window_max, on_step=c.add if c is not None else None,
             memory=memory_every, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
-            cost_budget=cost_budget, late_marks=profiled,
+            cost_budget=cost_budget, late_marks=profiled, cuda=cuda and enabled,  # disabled: never fails
         )  # fmt: skip
         self._ranges, nvtx_note = make_ranges(
             nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow, recent=c,
@@ -223,11 +223,7 @@ class StepTimer:
         # How steps were timed, in the first window's tags (read back by `steptimer report`).
         every, budget = self.sample_every, self.options.cost_budget
         self._run_tags = {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET: float(budget or 0.0)}
-        seams, cuda = self._seams, self.options.cuda
-        if cuda is not False and seams.backend is None:
-            ok, why = cuda_usable()
-            if cuda and not ok:
-                raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
+        if self.options.cuda is not False and self._seams.backend is None:
             prepare_native()  # compile the native CUDA calls now, not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
