@@ -98,10 +98,9 @@ def native_backend() -> _CudaBackend:
 def prepare_native() -> None:
     """Build the native CUDA calls when the timer is created, not in the training loop (no-op without
     CUDA; ``default_backend`` reports failures)."""
-    if not usable_here() or not torch.cuda.is_available():
-        return
-    with contextlib.suppress(NativeUnavailable):
-        build()
+    if usable_here() and torch.cuda.is_available():
+        with contextlib.suppress(NativeUnavailable):
+            build()
 
 
 def default_backend() -> _CudaBackend:

@@ -1,8 +1,7 @@
 """The engine: steps and phases timed with CUDA events (one lagged event wait per step, never a
 device-wide synchronize) or the host clock; finished steps become rows of a window (``StepRows``).
 It knows no framework: once its state is whole at the end of ``end_step``, ``on_window(number)``
-tells the owner that the rows of the window ending at step ``number`` are in ``rows``.
-"""
+tells the owner that the rows of the window ending at step ``number`` are in ``rows``."""
 
 from __future__ import annotations
 
@@ -32,10 +31,6 @@ _SHARE_GAP_S = 1.5e-6
 # The previous phase's end is queried at a phase's exit only if the host left it this long before:
 # an idle GPU completes an event within its launch latency, a few µs after the record.
 _SETTLE_S = 50e-6
-_CAPTURE_MSG = (
-    "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. Put "
-    "`with timer.step():` around the graph replay, not inside the capture"
-)
 _NAN = math.nan
 # memory=MEMORY_AUTO reads the allocator once the time since the last read step is MEMORY_BUDGET
 # times what its readings cost (~10 µs each on an H100): at most 0.1 % of the run.
@@ -92,7 +87,7 @@ class Engine:
     """Steps, phases and their events; finished steps become rows of ``rows``.
 
     Args (the rest as :class:`~steptimer.StepTimer`'s):
-        backend: the CUDA calls (tests pass a simulated GPU); None: the default backend.
+        backend, memory_backend: the CUDA and allocator calls (tests pass fakes); None: the real ones.
         window_every: a window may end at each multiple of this (and at the last warm-up step).
         window_min_s: a window goes on past a multiple until it lasts this long or holds
             ``window_max`` steps (0: every multiple ends one).
@@ -101,7 +96,6 @@ class Engine:
         late_marks: a step is marked after its end (``StepMarks.mark_current``, the profiler): host
             steps stay queued until the next step's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
-        memory_backend: the allocator calls (tests pass a fake allocator); None: torch's.
         slowest: mark what may make a step slow: ``slow``, the listener (``_slow.StepMarks``).
         sample_every: time one step in each block of this many; None: blocks sized by ``cost_budget``.
     """
@@ -212,7 +206,10 @@ class Engine:
             self._stream_key, self.stream, self.device = key, b.stream_of_key(key), key[1]
             self._free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
         if b.is_capturing(self.stream):
-            raise RuntimeError(_CAPTURE_MSG)  # the step never began
+            raise RuntimeError(  # the step never began
+                "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. "
+                "Put `with timer.step():` around the graph replay, not inside the capture"
+            )
         self._boundary(t0)
         mem = self.memory
         if mem is not None:
@@ -249,7 +246,7 @@ class Engine:
         if not self.state:
             return
         t1 = perf_counter()
-        if et is not None or self._stack:  # dropped: it raised, or left a phase open (an error of its own)
+        if et is not None or self._stack:  # dropped: it raised, or a phase is open (an error of its own)
             open_ = self._stack[-1][0] if self._stack else None
             if et is not None and self.memory is not None and self.oom is None:
                 self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
@@ -384,8 +381,7 @@ class Engine:
         self.cost_s = 0.0
         # The most one GPU boundary counts (2 x the least one took + 2 µs): a record that waits for a
         # full launch queue waits where the user's next launch would have waited anyway.
-        self.bound_min = math.inf
-        self.bound_cap = math.inf
+        self.bound_min = self.bound_cap = math.inf
         self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
         self._pick_at = (start_step, _NAN)  # the last pick's step and its start time
         self._block_end = self.first_number  # the first step after the current block
@@ -430,9 +426,8 @@ class Engine:
     __exit__ = end_step
 
     def rejoin_phase(self, name: str, into: str) -> bool:
-        """Undo the open phase ``name`` and reopen the sibling ``into`` that ended where it began (a
-        boundary known only later); False, changing nothing, unless ``name`` is open with nothing ended
-        inside it on a timed step."""
+        """Undo the open phase ``name``, reopen the sibling ``into`` that ended where it began; False,
+        changing nothing, unless ``name`` is open with nothing ended inside it on a timed step."""
         stack, recs = self._stack, self._recs
         if self.state < HOST or not stack or not recs or stack[-1][1] != name:
             return False
@@ -478,12 +473,11 @@ class Engine:
         pending = self._pending
         if pending and self.cuda and pending[-1].number > self._waited:  # lag 0 waited already
             self._wait_for(pending[-1].number)
-        while True:
+        while self._window_due or self._pending:
             if self._window_due:
                 self._hand_window()
-            if not self._pending:
-                break
-            self._resolve_upto(self._pending[-1].number)
+            else:
+                self._resolve_upto(self._pending[-1].number)
         if self.memory is not None:
             self.memory.close()
         if self.slow is not None:
@@ -611,11 +605,13 @@ class Engine:
             rows.comm.append(comm)
         rows.warmup = number <= self.last_warmup
         self.last_resolved = number
-        if number == self.last_warmup:  # always ends a window; a multiple does unless it is short
+        # The last warm-up step ends a window; a multiple does unless it is short (below window_min_s
+        # and window_max steps).
+        if number == self.last_warmup:
             self._window_due = number
         elif number % self._window_every == 0:
-            short = number - self._window_last < self._window_max and self._t0 - self._window_t < self._window_min_s
-            self._window_due = 0 if self._window_min_s and short else number
+            short = self._t0 - self._window_t < self._window_min_s
+            self._window_due = 0 if short and number - self._window_last < self._window_max else number
 
 
 class Phase:

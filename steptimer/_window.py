@@ -83,7 +83,6 @@ class _Layout:
                 t[i, j] += c
         clamped = [("host", "loop"), ("host", "other"), ("gpu", "other"), ("gpu", "idle")]
         self.clamp = np.array([at[k] for k in clamped if k in at], dtype=np.int64)
-        self.names = names
         self.idle_split = (at["gpu", "idle"], at["gpu", "idle/data"], at["gpu", "idle/loop"]) if has_idle else None
         # A value that is NaN in its row makes the series NaN (not 0): wait without CUDA, loop in the
         # run's first step (no time between steps before it), data with no loader timed unless a
@@ -122,7 +121,7 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
             d[:, of_data] = np.minimum(d[:, idle], a[:, FETCH_S] * 1e3)  # NaN: no loader timed
             d[:, of_loop] = d[:, idle] - d[:, of_data]
         gap = a[:, GAP_S]
-        yield _Block(lay.names, a[:, :LEAD], d, np.where(np.isnan(gap), 0.0, gap) * 1e3), lay.series
+        yield _Block(key[0], a[:, :LEAD], d, np.where(np.isnan(gap), 0.0, gap) * 1e3), lay.series
 
 
 @dataclass(frozen=True)

@@ -418,8 +418,7 @@ class StepTimer:
 
     def _on_window(self, number: int = 0, *, closing: bool = False) -> tuple[Any, str | None]:
         """A window ended (the engine's call, or the close): to cross-rank, the sinks and energy.
-        Closing, the energy meter stops first, so that the closing round carries the run's energy,
-        which is returned with its note."""
+        Closing, the meter stops first: the closing round carries the run's energy (returned, noted)."""
         window, xrank, engine, counter = self._take_window(), self._xrank, self._engine, self._seams.energy_counter
         energy = engine.cuda and (counter is not None or not engine._custom_backend)
         run_energy = self._energy.close(engine.last_resolved, window) if closing else (None, None)
