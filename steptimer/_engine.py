@@ -89,12 +89,9 @@ class Engine:
     Args (the rest as :class:`~steptimer.StepTimer`'s):
         backend, memory_backend: the CUDA and allocator calls (tests pass fakes); None: the real ones.
         window_every: a window may end at each multiple of this (and at the last warm-up step).
-        window_min_s: a window goes on past a multiple until it lasts this long or holds
-            ``window_max`` steps (0: every multiple ends one).
-        on_step: called with each resolved timed step before its events are released (the capture
-            of recent steps; an untimed step has no phases to draw).
-        late_marks: a step is marked after its end (``StepMarks.mark_current``, the profiler): host
-            steps stay queued until the next step's end.
+        window_min_s, window_max: a multiple ends a window once it lasts this long or this many steps.
+        on_step: called with each resolved timed step, before its events go back to the pool.
+        late_marks: steps are marked after their end (the profiler): host steps wait for the next's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
         slowest: mark what may make a step slow: ``slow``, the listener (``_slow.StepMarks``).
         sample_every: time one step in each block of this many; None: blocks sized by ``cost_budget``.

@@ -46,6 +46,7 @@ class StepRows:
         self.count += 1
 
 
+@lru_cache(maxsize=1024)  # bounded: phase names may be made up per step
 class _Layout:
     """How one row layout turns into series: ``derived = nan_to_num(row) @ transform``, then clamps."""
 
@@ -92,9 +93,6 @@ class _Layout:
             self.nan_if.append((at["host", "data"], FETCH_S))
 
 
-_layout = lru_cache(maxsize=1024)(_Layout)  # bounded: phase names may be made up per step
-
-
 class _Block(NamedTuple):
     """One layout's rows of a window: LEAD columns, series (ms, NaN: none in a step), data wait (ms)."""
 
@@ -106,7 +104,7 @@ class _Block(NamedTuple):
 
 def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
     for key, group in rows.groups.items():
-        lay = _layout(key)
+        lay = _Layout(key)
         m = len(group[0])  # fromiter: ~1/3 less than np.array
         a = np.fromiter(chain.from_iterable(group), np.float64, len(group) * m).reshape(len(group), m)
         nan = np.isnan(a)
@@ -245,7 +243,7 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
     """A window's statistics and sums; outside warm-up, with ``slowest`` its k slowest
     steps slower than ``floor_ms`` (``Packed.slow``), with ``walls`` its steps' wall times."""
     index: dict[tuple[str, str], int] = {}
-    vals, sids, tally = [], [], Tally()
+    vals, sids, tally = [np.zeros(0)], [np.zeros(0, dtype=np.int64)], Tally()
     blocks = list(_blocks(rows))
     for blk, series in blocks:
         cols = np.array([index.setdefault(s, len(index)) for s in series], dtype=np.int64)
@@ -259,8 +257,7 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
             for name, column in zip(COMM_ROWS, np.sort(np.array(pairs), axis=0).T):
                 vals.append(column)
                 sids.append(np.full(len(pairs), index.setdefault((clock, name), len(index)), dtype=np.int64))
-    values = np.concatenate(vals) if vals else np.zeros(0)
-    sid = np.concatenate(sids) if sids else np.zeros(0, dtype=np.int64)
+    values, sid = np.concatenate(vals), np.concatenate(sids)
     keep = ~np.isnan(values)
     p = Packed(list(index), values[keep], sid[keep])
     p.tally = tally

@@ -1,6 +1,5 @@
 """``StepTimer``: the plain-loop front door. The measuring is the engine's (``_engine.py``); the timer
-turns its rows into windows for the sinks (TensorBoard, a Lightning logger) and the summary at close.
-"""
+turns its rows into windows for the sinks (TensorBoard, a Lightning logger) and the summary at close."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ _NULL = nullcontext()  # a disabled timer's steps and phases, and the phases of 
 
 
 class _RangedPhase(_Phase):
-    """A phase that is also an NVTX / profiler range; the timer switches its phases' class to it and
-    back (``_set_ranged``), so phases outside the profiler window pay nothing."""
+    """A phase that is also an NVTX / profiler range (``_set_ranged`` switches phases to it and back)."""
 
     __slots__ = ()
 
