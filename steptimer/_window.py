@@ -178,13 +178,10 @@ class Tally:
 
     def rates(self, peak_tflops: float | None) -> Rates:
         wall_s = self.wall_ms / 1e3
-
-        def per_s(x: float | None) -> float | None:
-            return x / wall_s if x is not None and wall_s > 0 else None
-
-        tflops_per_s = None if self.flops is None else per_s(self.flops / 1e12)
-        mfu = tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None
-        return Rates(per_s(self.steps), per_s(self.samples), per_s(self.tokens), tflops_per_s, mfu)
+        xs = (self.steps, self.samples, self.tokens, None if self.flops is None else self.flops / 1e12)
+        per_s = [x / wall_s if x is not None and wall_s > 0 else None for x in xs]
+        mfu = per_s[3] / peak_tflops if per_s[3] is not None and peak_tflops else None  # TFLOP/s of peak
+        return Rates(*per_s, mfu)
 
 
 _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)

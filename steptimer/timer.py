@@ -485,10 +485,10 @@ class StepTimer:
             warmup_steps=warmup, cuda=bool(engine.cuda), notes=tuple(n for n in notes if n), peak_tflops=peak,
             traces=traces,
         )  # fmt: skip
-        run_s, every = engine.run_s, engine.sample_every
+        run_s = engine.run_s
         more: dict[str, Any] = {
             "own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s else None,
-            "sample_every": every, "cost_budget": None if every else engine.budget,
+            "sample_every": engine.sample_every, "cost_budget": engine.budget,  # None: sample_every
         }  # fmt: skip
         if engine.memory is not None:
             m, seen = acc.memory or MemoryStats({}, {}, 0, 0), engine.memory.seen_bytes
