@@ -122,8 +122,7 @@ class Engine:
         self._start_sampling(cost_budget, start_step)
         self.state = OUT
         self._t0 = 0.0
-        # The step's counts, set by the front door before the step ends.
-        self.samples: float | None = None
+        self.samples: float | None = None  # the step's counts, set by the front door before its end
         self.tokens: float | None = None
         self.flops: float | None = None
         self.fetch_s = _NAN  # the loader's time since the last step (Fetch); NaN: none, one read a step

@@ -318,14 +318,9 @@ def window_of(
     share_of = {n: v for n, v in share_of.items() if (share_clock, n) in stats}  # rows the window has
     return Window(
         **{**vars(r), "steps_per_s": math.nan if r.steps_per_s is None else r.steps_per_s},
-        step=last_step,
-        steps=rows.count,
+        step=last_step, steps=rows.count, warmup=rows.warmup, packed=p, memory=memory_of(rows.memory),
         host={name: st for (clock, name), st in stats.items() if clock == "host"},
         gpu={name: st for (clock, name), st in stats.items() if clock == "gpu"},
         caught={name: st.mean_ms for (clock, name), st in stats.items() if clock == "caught"},
-        warmup=rows.warmup,
-        packed=p,
-        memory=memory_of(rows.memory),
-        shares=share_of,
-        share_clock=share_clock,
-    )
+        shares=share_of, share_clock=share_clock,
+    )  # fmt: skip

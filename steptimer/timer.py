@@ -86,10 +86,8 @@ class _Seams:
 def _distributed() -> bool:
     """More than one process: torch.distributed's world, else the launcher's ``WORLD_SIZE``."""
     dist = _initialized()
-    if dist is not None:
-        return int(dist.get_world_size()) > 1
-    world = os.environ.get("WORLD_SIZE", "").strip()  # not a number: no launcher of ours set it
-    return world.isdigit() and int(world) > 1
+    world = str(dist.get_world_size()) if dist is not None else os.environ.get("WORLD_SIZE", "").strip()
+    return world.isdigit() and int(world) > 1  # not a number: no launcher of ours set it
 
 
 def rank() -> int:
