@@ -695,8 +695,7 @@ class Fetch:
 
     Between steps the time goes to the next step's ``FETCH_S``; inside a step with no phase open it
     is a ``data`` phase; inside a phase or a pause it is not counted again. Without ``it``, a front
-    door calls :meth:`start` and :meth:`stop` itself (Lightning's profiler calls).
-    """
+    door calls :meth:`start` and :meth:`stop` itself (Lightning's profiler calls)."""
 
     __slots__ = ("_e", "_it", "_phase")
 

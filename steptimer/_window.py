@@ -118,8 +118,7 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
             idle, of_data, of_loop = lay.idle_split
             d[:, of_data] = np.minimum(d[:, idle], a[:, FETCH_S] * 1e3)  # NaN: no loader timed
             d[:, of_loop] = d[:, idle] - d[:, of_data]
-        gap = a[:, GAP_S]
-        yield _Block(key[0], a[:, :LEAD], d, np.where(np.isnan(gap), 0.0, gap) * 1e3), lay.series
+        yield _Block(key[0], a[:, :LEAD], d, np.nan_to_num(a[:, GAP_S]) * 1e3), lay.series  # no gap: 0
 
 
 @dataclass(frozen=True)
@@ -191,19 +190,18 @@ class Packed:
     """A window's statistics, entry ``k`` for ``series[k]``; its histograms as runs of one bucket sorted by
     (series, bucket), ``bounds[k]:bounds[k + 1]`` series ``k``'s. One sort by (series, value) gives both."""
 
-    def __init__(self, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> None:
-        """``values[i]`` (not NaN) belongs to ``series[sid[i]]``; sorted ones are not sorted again."""
+    def __init__(self, series: list[tuple[str, str]], v: np.ndarray, s: np.ndarray) -> None:
+        """Value ``v[i]`` (not NaN) belongs to ``series[s[i]]``; sorted ones are not sorted again."""
         nser = len(series)
         self.series = series
         self.tally = Tally()  # the window's sums
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
         self.arrive: dict[int, float] = {}  # by step: its arrival at its first collective, ms (_comm.py)
-        same = sid[1:] == sid[:-1]
-        if (sid[1:] < sid[:-1]).any() or (values[1:][same] < values[:-1][same]).any():
-            order = np.lexsort((values, sid))
-            values, sid = values[order], sid[order]
-        v, s = values, sid
+        same = s[1:] == s[:-1]
+        if (s[1:] < s[:-1]).any() or (v[1:][same] < v[:-1][same]).any():
+            order = np.lexsort((v, s))
+            v, s = v[order], s[order]
         counts = np.bincount(s, minlength=nser)
         starts = np.cumsum(counts) - counts
         self.count: list[int] = counts.tolist()
@@ -269,8 +267,6 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
 
 def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> bool:
     """Can a step be slower than ``floor_ms``? At most max GPU step + idle, or host step + data + loop."""
-    if floor_ms == -math.inf:
-        return True
     top = {key: p.max_ms[k] for key, k in index.items() if p.count[k]}
     gpu = ("gpu", "step") in top
     keys = [("gpu", "step"), ("gpu", "idle")] if gpu else [("host", "step"), ("host", "data"), ("host", "loop")]
