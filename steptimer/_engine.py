@@ -104,8 +104,7 @@ class Engine:
         memory: int = 0, memory_backend: _MemoryBackend | None = None, slowest: bool = False,
         cost_budget: float = 0.005, late_marks: bool = False,
     ) -> None:  # fmt: skip
-        self.lag = lag
-        self.sample_every = sample_every
+        self.lag, self.sample_every = lag, sample_every
         self.first_number = start_step + 1
         self.last_warmup = start_step + warmup_steps  # the last warm-up step's number
         self.number = start_step  # the last finished step
@@ -115,9 +114,7 @@ class Engine:
         self.closed = False
         self.quiet = False  # once closed, steps and phases are no-ops, not errors (StepTimer._close_at_end)
         self._window_every = window_every
-        self._on_window = on_window
-        self._on_step = on_step
-        self._late_marks = late_marks
+        self._on_window, self._on_step, self._late_marks = on_window, on_step, late_marks
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self._start_sampling(cost_budget, start_step)
         self.state = OUT
@@ -499,15 +496,14 @@ class Engine:
             self.fetch_s = 0.0
 
     def _settle_cuda(self) -> None:
-        opt = self._cuda_opt
-        if opt is not False and self.b is None:
+        if self._cuda_opt is not False and self.b is None:
             ok, why = cuda_usable()
             if ok:
                 self.b = default_backend()
             else:
                 self.notes.append(f"host timing only: {why}")
                 log.info("steptimer: %s; timing the host only (no GPU tags)", why)
-        self.cuda = opt is not False and self.b is not None
+        self.cuda = self._cuda_opt is not False and self.b is not None
         if not self.cuda:
             return
         if self.b.note:

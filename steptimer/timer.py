@@ -177,9 +177,7 @@ class StepTimer:
             sample_every = 1
         self.log_every_n_steps: int = log_every_n_steps
         window_max = log_every_n_steps * (MAX_WINDOW_UNITS if window_min_s else 1)
-        self.lag = lag
-        self.sample_every = sample_every
-        self.enabled = enabled
+        self.lag, self.sample_every, self.enabled = lag, sample_every, enabled
         self._peak: tuple[float | None, str | None] | None = None  # the GPU's (peak, note), looked up once
         self._rank = rank()
         self._summary: Summary | None = None
@@ -263,9 +261,7 @@ class StepTimer:
         # The engine is the step's context manager; the counts at its end are the last step() call's.
         r, e = self._ranges, self._engine
         e.samples, e.tokens, e.flops = samples, tokens, flops
-        if r is not None and e.number >= r.from_number:  # NVTX, or the profiler window
-            return r
-        return e
+        return r if r is not None and e.number >= r.from_number else e  # r: NVTX, or the profiler window
 
     def data(self, loader: Iterable[_B]) -> Iterator[_B]:
         """The batches of ``loader`` (any iterable of batches) with each fetch timed: the ``data`` row,
@@ -294,9 +290,8 @@ class StepTimer:
                 return _NULL
             check_phase_name(name)
             cm = self._phases[name] = self._phase_cls(self._engine, name, self._ranges)
-        if self._engine.state == UNTIMED and self._phase_cls is _Phase:
-            return _NULL  # a step outside the sample times no phase (ranges still run in every step)
-        return cm
+        # A step outside the sample times no phase (ranges still run in every step).
+        return _NULL if self._engine.state == UNTIMED and self._phase_cls is _Phase else cm
 
     def _rejoin(self, name: str, into: str) -> bool:
         """``Engine.rejoin_phase``; NVTX/profiler ranges can't be joined: close ``name``, open ``into``."""
