@@ -584,7 +584,8 @@ class Engine:
                 self._free.append(held[2])
             self._free += evs[: rec.i_end] + evs[rec.i_end + 1 :]
             self.held_end = (number, rec.device, evs[rec.i_end])
-        self._free += [ev for pair in rec.pauses for ev in pair]
+        for a, c in rec.pauses:
+            self._free += (a, c)
         rows, marks = self.rows, rec.marks
         if self.slow is not None and (marks or rec.paused_s or self.slow.spans):
             marks = self.slow.resolved(rec)
