@@ -424,8 +424,7 @@ class Engine:
         stack, recs = self._stack, self._recs
         if self.state < HOST or not stack or not recs or stack[-1][1] != name:
             return False
-        full = stack[-1][0]
-        last = recs[-1]
+        full, last = stack[-1][0], recs[-1]
         if last.name != full[: len(full) - len(name)] + into:
             return False
         recs.pop()
@@ -482,9 +481,7 @@ class Engine:
         self._free += self._evs
         self._free += [ev for pair in self._pause_evs for ev in pair]
         self._pause_evs = []
-        self._evs = []
-        self._recs = []
-        self._stack.clear()
+        self._stack.clear()  # its events and phase records are replaced at the next step's start
         if self._mem is not None:
             self._mem.drop_step()
         if self.comm is not None:
@@ -697,8 +694,7 @@ class Fetch:
     __slots__ = ("_e", "_it", "_phase")
 
     def __init__(self, engine: Engine, it: Iterator[Any] | None = None) -> None:
-        self._e, self._it = engine, it
-        self._phase = Phase(engine, "data")
+        self._e, self._it, self._phase = engine, it, Phase(engine, "data")
         if engine.fetch_s != engine.fetch_s:  # the first loader: the engine counts from here
             engine.fetch_s = 0.0
 

@@ -85,9 +85,8 @@ class _Layout:
         clamped = [("host", "loop"), ("host", "other"), ("gpu", "other"), ("gpu", "idle")]
         self.clamp = np.array([at[k] for k in clamped if k in at], dtype=np.int64)
         self.idle_split = (at["gpu", "idle"], at["gpu", "idle/data"], at["gpu", "idle/loop"]) if has_idle else None
-        # A value that is NaN in its row makes the series NaN (not 0): wait without CUDA, loop in the
-        # run's first step (no time between steps before it), data with no loader timed unless a
-        # data phase ran.
+        # NaN in its row makes the series NaN (not 0): wait without CUDA, loop in the run's first step
+        # (no time between steps before it), data with no loader timed unless a data phase ran.
         self.nan_if = [(at["host", "wait"], WAIT_S), (at["host", "loop"], GAP_S)]
         if "data" not in uniq:
             self.nan_if.append((at["host", "data"], FETCH_S))

@@ -48,8 +48,7 @@ class Sink(Protocol):
 
 
 class _Null:
-    """The context manager of a disabled timer and of an untimed step's phases (cheaper than
-    ``contextlib.nullcontext``: named arguments, no tuple packed at each exit)."""
+    """A no-op context manager, cheaper than ``nullcontext`` (named arguments: no tuple at each exit)."""
 
     __slots__ = ()
 
@@ -266,7 +265,7 @@ class StepTimer:
         """
         if not self.enabled:
             return _NULL
-        if samples is not None and not (  # a plain int or float >= 0 inline: a call less on the usual count
+        if samples is not None and not (  # an int or float >= 0 inline: a call less
             (samples.__class__ is int or samples.__class__ is float) and 0 <= samples < math.inf
         ):
             samples = check_count("samples", samples)
@@ -291,8 +290,7 @@ class StepTimer:
                 f"data(loader): loader must be iterable (a DataLoader or any iterable of batches), "
                 f"got {type(loader).__name__}"
             )
-        it = iter(loader)
-        return Fetch(self._engine, it) if self.enabled else it
+        return Fetch(self._engine, iter(loader)) if self.enabled else iter(loader)
 
     def _fetches(self) -> Fetch | None:
         """:meth:`data` for a front door that sees a fetch as two events (``start()``, ``stop(t0)``)."""
