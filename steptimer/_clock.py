@@ -1,7 +1,6 @@
 """The GPU clock: the CUDA calls the engine makes, bound once (``_CudaBackend``): ``native_backend``
 (``_cudart.c``, a third of torch's cost per record) where it builds, else ``torch_backend``. Tests pass
-a fake one (``StepTimer._make(backend=...)``).
-"""
+a fake one (``StepTimer._make(backend=...)``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Options shared by every front door and the CLI, validated once: building an :class:`Options` checks
 every value against :data:`_RULES`; a front door builds one before its timer exists. Step counts and
-phase names too.
-"""
+phase names too."""
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
 
 from steptimer import _exit
@@ -76,9 +75,9 @@ class _RangedPhase(_Phase):
             r.exit()
             raise
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: Any) -> None:
         try:
-            super().__exit__(et, ev, tb)
+            super().__exit__(*exc)
         finally:
             self.r.exit()
 
@@ -427,8 +426,7 @@ class StepTimer:
         window, xrank, engine, counter = self._take_window(), self._xrank, self._engine, self._seams.energy_counter
         energy = engine.cuda and (counter is not None or not engine._custom_backend)
         run_energy = self._energy.close(engine.last_resolved, window) if closing else (None, None)
-        if closing and xrank is not None and not xrank.off:
-            # the closing rounds, with or without a window here
+        if closing and xrank is not None and not xrank.off:  # the closing rounds, with or without a window
             window = xrank.close(window, self._acc, energy_values(run_energy[0]))
         elif window is not None and xrank is not None:
             window = xrank.interval(window, self._acc.slow, energy_values(self._energy.at(xrank.last_step)))
