@@ -111,9 +111,7 @@ class Engine:
         self.last_resolved = start_step  # the last step whose row is in rows (or was)
         self.rows = StepRows()  # resolved since the owner last took them
         self.notes: list[str] = []
-        self.closed = False
-        self.quiet = False  # once closed, steps and phases are no-ops, not errors (StepTimer._close_at_end)
-        self._window_every = window_every
+        self.closed = self.quiet = False  # quiet: once closed, steps and phases are no-ops, not errors
         self._on_window, self._on_step, self._late_marks = on_window, on_step, late_marks
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self._start_sampling(cost_budget, start_step)
@@ -126,14 +124,13 @@ class Engine:
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[PhaseRecord] = []
         self._evs: list[Any] = []
-        self._last_t = -math.inf  # host time of the last record, for sharing it
-        self._last_i = -1
+        self._last_t, self._last_i = -math.inf, -1  # host time and index of the last record, to share it
         self._gap_start: float | None = None
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[StepRecord] = deque()
         self._window_due = 0  # the last step of a window that ended, not yet handed to the owner
-        self._window_min_s = window_min_s
+        self._window_every, self._window_min_s = window_every, window_min_s
         self._window_max = window_max or window_every
         self._window_last = start_step  # the last window's last step, and the _t0 it was handed at
         self._window_t = -math.inf
@@ -173,7 +170,6 @@ class Engine:
 
     @property
     def in_step(self) -> bool:
-        """A step is open."""
         return self.state != OUT
 
     def begin_step(self) -> None:
@@ -625,8 +621,7 @@ class Phase:
         for entry in stack:
             if entry[1] == name:
                 raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
-        i = -1
-        t = t0
+        i, t = -1, t0
         if state == GPU:
             shared = t0 - e._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             i = e._boundary(t0)
