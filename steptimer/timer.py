@@ -387,13 +387,11 @@ class StepTimer:
         xrank, engine = self._xrank, self._engine
         if failed and xrank is not None:
             xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
-        if self.enabled:
-            engine.close()
+        engine.close()  # a disabled timer's engine holds nothing: this only marks it closed
         energy, energy_note = self._on_window(closing=True)
         traces = self._capture.finish(engine) if self._capture is not None else None
         if self._ranges is not None:
             self._ranges.finish(engine)
-        engine.closed = True
         self._summary = summary = self._build_summary(traces, energy, energy_note)
         if self.options.print_summary and self._rank == 0 and self.enabled:
             print_summary(summary)
