@@ -91,7 +91,7 @@ class Engine:
         window_every: a window may end at each multiple of this (and at the last warm-up step).
         window_min_s, window_max: a multiple ends a window once it lasts this long or this many steps.
         on_step: called with each resolved timed step, before its events go back to the pool.
-        late_marks: steps are marked after their end (the profiler): host steps wait for the next's end.
+        late_marks: steps are marked after their end (profiler): host steps wait for the next's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
         slowest: mark what may make a step slow: ``slow``, the listener (``_slow.StepMarks``).
         sample_every: time one step in each block of this many; None: blocks sized by ``cost_budget``.
@@ -111,7 +111,7 @@ class Engine:
         self.last_resolved = start_step  # the last step whose row is in rows (or was)
         self.rows = StepRows()  # resolved since the owner last took them
         self.notes: list[str] = []
-        self.closed = self.quiet = False  # quiet: once closed, steps and phases are no-ops, not errors
+        self.closed = self.quiet = False  # quiet: once closed, steps and phases are no-ops
         self._on_window, self._on_step, self._late_marks = on_window, on_step, late_marks
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self._start_sampling(cost_budget, start_step)
@@ -124,7 +124,7 @@ class Engine:
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[PhaseRecord] = []
         self._evs: list[Any] = []
-        self._last_t, self._last_i = -math.inf, -1  # host time and index of the last record, to share it
+        self._last_t, self._last_i = -math.inf, -1  # the last record's host time and index
         self._gap_start: float | None = None
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
@@ -196,8 +196,8 @@ class Engine:
             self._free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
         if b.is_capturing(self.stream):
             raise RuntimeError(  # the step never began
-                "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. "
-                "Put `with timer.step():` around the graph replay, not inside the capture"
+                "step() inside CUDA graph capture: steptimer cannot record timing events into a "
+                "graph. Put `with timer.step():` around the graph replay, not inside the capture"
             )
         self._boundary(t0)
         mem = self.memory
@@ -235,7 +235,7 @@ class Engine:
         if not self.state:
             return
         t1 = perf_counter()
-        if et is not None or self._stack:  # dropped: it raised, or a phase is open (an error of its own)
+        if et is not None or self._stack:  # dropped: it raised, or left a phase open (an error)
             open_ = self._stack[-1][0] if self._stack else None
             if et is not None and self.memory is not None and self.oom is None:
                 self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)

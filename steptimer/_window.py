@@ -117,7 +117,7 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
             idle, of_data, of_loop = lay.idle_split
             d[:, of_data] = np.minimum(d[:, idle], a[:, FETCH_S] * 1e3)  # NaN: no loader timed
             d[:, of_loop] = d[:, idle] - d[:, of_data]
-        yield _Block(key[0], a[:, :LEAD], d, np.nan_to_num(a[:, GAP_S]) * 1e3), lay.series  # no gap: 0
+        yield _Block(key[0], a[:, :LEAD], d, np.nan_to_num(a[:, GAP_S]) * 1e3), lay.series
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ class Tally:
         wall_s = self.wall_ms / 1e3
         xs = (self.steps, self.samples, self.tokens, None if self.flops is None else self.flops / 1e12)
         per_s = [x / wall_s if x is not None and wall_s > 0 else None for x in xs]
-        mfu = per_s[3] / peak_tflops if per_s[3] is not None and peak_tflops else None  # TFLOP/s of peak
+        mfu = per_s[3] / peak_tflops if per_s[3] is not None and peak_tflops else None
         return Rates(*per_s, mfu)
 
 

@@ -1,5 +1,5 @@
 """``StepTimer``: the plain-loop front door. The measuring is the engine's (``_engine.py``); the timer
-turns its rows into windows for the sinks (TensorBoard, a Lightning logger) and the summary at close."""
+turns its rows into windows for the sinks (TensorBoard, Lightning loggers) and the summary."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class Sink(Protocol):
 
 
 class _Null:
-    """A no-op context manager, cheaper than ``nullcontext`` (named arguments: no tuple at each exit)."""
+    """A no-op context manager; not nullcontext: named arguments pack no tuple at each exit."""
 
     __slots__ = ()
 
@@ -62,7 +62,7 @@ _NULL = _Null()
 
 
 class _RangedPhase(_Phase):
-    """A phase that is also an NVTX / profiler range (``_set_ranged`` switches phases to it and back)."""
+    """A phase that is also an NVTX / profiler range (``_set_ranged`` switches phases to it)."""
 
     __slots__ = ()
 
@@ -212,7 +212,7 @@ class StepTimer:
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
             window_min_s=window_min_s, window_max=window_max, on_step=c.add if c is not None else None,
             memory=memory_every, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
-            cost_budget=cost_budget, late_marks=profiled, cuda=cuda and enabled,  # disabled: never fails
+            cost_budget=cost_budget, late_marks=profiled, cuda=cuda and enabled,  # disabled: no check
         )  # fmt: skip
         self._ranges, nvtx_note = make_ranges(
             nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow, recent=c,
@@ -275,7 +275,7 @@ class StepTimer:
         # The engine is the step's context manager; the counts at its end are the last step() call's.
         r, e = self._ranges, self._engine
         e.samples, e.tokens, e.flops = samples, tokens, flops
-        return r if r is not None and e.number >= r.from_number else e  # r: NVTX, or the profiler window
+        return r if r is not None and e.number >= r.from_number else e  # NVTX or the profiler window
 
     def data(self, loader: Iterable[_B]) -> Iterator[_B]:
         """The batches of ``loader`` (any iterable of batches) with each fetch timed: the ``data`` row,
@@ -420,11 +420,11 @@ class StepTimer:
 
     def _on_window(self, number: int = 0, *, closing: bool = False) -> tuple[Any, str | None]:
         """A window ended (the engine's call, or the close): to cross-rank, the sinks and energy.
-        Closing, the meter stops first: the closing round carries the run's energy (returned, noted)."""
+        Closing stops the meter first: the closing round carries the run's energy (returned, noted)."""
         window, xrank, engine, counter = self._take_window(), self._xrank, self._engine, self._seams.energy_counter
         energy = engine.cuda and (counter is not None or not engine._custom_backend)
         run_energy = self._energy.close(engine.last_resolved, window) if closing else (None, None)
-        if closing and xrank is not None and not xrank.off:  # the closing rounds, with or without a window
+        if closing and xrank is not None and not xrank.off:  # closing rounds, window or not
             window = xrank.close(window, self._acc, energy_values(run_energy[0]))
         elif window is not None and xrank is not None:
             window = xrank.interval(window, self._acc.slow, energy_values(self._energy.at(xrank.last_step)))
