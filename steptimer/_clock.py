@@ -1,7 +1,6 @@
 """The GPU clock: the CUDA calls the engine makes, bound once (``_CudaBackend``): ``native_backend``
 (``_cudart.c``, a third of torch's cost per record) where it builds, else ``torch_backend``. Tests pass
-a fake one (``StepTimer._make(backend=...)``).
-"""
+a fake one (``StepTimer._make(backend=...)``)."""
 
 from __future__ import annotations
 
@@ -10,6 +9,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
+
+from steptimer._native import NativeUnavailable, build, cudart, usable_here
 
 log = logging.getLogger("steptimer")
 
@@ -34,8 +37,6 @@ class _CudaBackend:
 
 def cuda_usable() -> tuple[bool, str]:
     """Whether CUDA timing can be used now, and why not when it can't."""
-    import torch
-
     if not torch.cuda.is_available():
         return False, "CUDA is not available"
     if not torch.cuda.is_initialized():
@@ -47,8 +48,6 @@ def torch_backend() -> _CudaBackend:
     """The backend over ``torch.cuda``. ``Event.record()`` costs ~12 µs on an H100 (its own
     ``current_stream()`` lookup), ``record(stream)`` ~3 µs: so the engine keys the stream by the raw
     ``(stream_id, device, type)`` tuple once per step and builds a ``Stream`` only when it changes."""
-    import torch
-
     event_cls = torch.cuda.Event
     # The C implementations, not torch.cuda.Event's Python wrappers: a frame less per call. The wait
     # stays on the public wrapper (once per step), so tests can patch it to count waits.
@@ -68,25 +67,9 @@ def torch_backend() -> _CudaBackend:
 
 def native_backend() -> _CudaBackend:
     """The backend over ``_cudart.c``; raises ``_native.NativeUnavailable`` where it can't be built."""
-    import torch
-
-    from steptimer._native import NativeUnavailable, cudart
-
     mod = cudart()
     t = torch_backend()
     owners: list[Any] = []  # the torch Events whose CUDA events the engine uses by handle
-    # A first record now, on a throwaway event: a torch without raw handles or a runtime that
-    # disagrees shows here, and steptimer falls back, rather than inside a step.
-    if not torch.cuda.is_current_stream_capturing():  # else the engine refuses the step at once
-        try:
-            probe = torch.cuda.Event(enable_timing=True)
-            probe.record()
-            stream = int(torch.cuda.current_stream().cuda_stream)
-            mod.record(int(probe.cuda_event), stream)
-            mod.is_capturing(stream)
-        except (AttributeError, RuntimeError, TypeError) as e:
-            raise NativeUnavailable(f"the native calls failed their first use: {e!r}") from e
-        owners.append(probe)
 
     def new_event() -> int:
         # torch creates the CUDA event at its first record: record it once so the handle exists.
@@ -95,6 +78,15 @@ def native_backend() -> _CudaBackend:
         owners.append(ev)
         return int(ev.cuda_event)
 
+    # A first record now, on a throwaway event: a torch without raw handles or a runtime that
+    # disagrees shows here, and steptimer falls back, rather than inside a step.
+    if not torch.cuda.is_current_stream_capturing():  # else the engine refuses the step at once
+        try:
+            stream = int(torch.cuda.current_stream().cuda_stream)
+            mod.record(new_event(), stream)
+            mod.is_capturing(stream)
+        except (AttributeError, RuntimeError, TypeError) as e:
+            raise NativeUnavailable(f"the native calls failed their first use: {e!r}") from e
     return replace(
         t, new_event=new_event, record=mod.record, elapsed_ms=mod.elapsed_ms, wait=mod.wait, query=mod.query,
         stream_of_key=lambda key: int(t.stream_of_key(key).cuda_stream), is_capturing=mod.is_capturing,
@@ -105,20 +97,13 @@ def native_backend() -> _CudaBackend:
 def prepare_native() -> None:
     """Build the native CUDA calls when the timer is created, not in the training loop (no-op without
     CUDA; ``default_backend`` reports failures)."""
-    import torch
-
-    from steptimer._native import NativeUnavailable, build, usable_here
-
-    if not usable_here() or not torch.cuda.is_available():
-        return
-    with contextlib.suppress(NativeUnavailable):
-        build()
+    if usable_here() and torch.cuda.is_available():
+        with contextlib.suppress(NativeUnavailable):
+            build()
 
 
 def default_backend() -> _CudaBackend:
     """``native_backend`` where it can be built, else ``torch_backend`` with a ``note`` saying why."""
-    from steptimer._native import NativeUnavailable
-
     try:
         return native_backend()
     except NativeUnavailable as e:

@@ -1,8 +1,7 @@
 """The engine: steps and phases timed with CUDA events (one lagged event wait per step, never a
 device-wide synchronize) or the host clock; finished steps become rows of a window (``StepRows``).
 It knows no framework: once its state is whole at the end of ``end_step``, ``on_window(number)``
-tells the owner that the rows of the window ending at step ``number`` are in ``rows``.
-"""
+tells the owner that the rows of the window ending at step ``number`` are in ``rows``."""
 
 from __future__ import annotations
 
@@ -32,10 +31,6 @@ _SHARE_GAP_S = 1.5e-6
 # The previous phase's end is queried at a phase's exit only if the host left it this long before:
 # an idle GPU completes an event within its launch latency, a few µs after the record.
 _SETTLE_S = 50e-6
-_CAPTURE_MSG = (
-    "step() inside CUDA graph capture: steptimer cannot record timing events into a graph. Put "
-    "`with timer.step():` around the graph replay, not inside the capture"
-)
 _NAN = math.nan
 # memory=MEMORY_AUTO reads the allocator once the time since the last read step is MEMORY_BUDGET
 # times what its readings cost (~10 µs each on an H100): at most 0.1 % of the run.
@@ -92,16 +87,12 @@ class Engine:
     """Steps, phases and their events; finished steps become rows of ``rows``.
 
     Args (the rest as :class:`~steptimer.StepTimer`'s):
-        backend: the CUDA calls (tests pass a simulated GPU); None: the default backend.
+        backend, memory_backend: the CUDA and allocator calls (tests pass fakes); None: the real ones.
         window_every: a window may end at each multiple of this (and at the last warm-up step).
-        window_min_s: a window goes on past a multiple until it lasts this long or holds
-            ``window_max`` steps (0: every multiple ends one).
-        on_step: called with each resolved timed step before its events are released (the capture
-            of recent steps; an untimed step has no phases to draw).
-        late_marks: a step is marked after its end (``StepMarks.mark_current``, the profiler): host
-            steps stay queued until the next step's end.
+        window_min_s, window_max: a multiple ends a window once it lasts this long or this many steps.
+        on_step: called with each resolved timed step, before its events go back to the pool.
+        late_marks: steps are marked after their end (profiler): host steps wait for the next's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
-        memory_backend: the allocator calls (tests pass a fake allocator); None: torch's.
         slowest: mark what may make a step slow: ``slow``, the listener (``_slow.StepMarks``).
         sample_every: time one step in each block of this many; None: blocks sized by ``cost_budget``.
     """
@@ -113,40 +104,33 @@ class Engine:
         memory: int = 0, memory_backend: _MemoryBackend | None = None, slowest: bool = False,
         cost_budget: float = 0.005, late_marks: bool = False,
     ) -> None:  # fmt: skip
-        self.lag = lag
-        self.sample_every = sample_every
+        self.lag, self.sample_every = lag, sample_every
         self.first_number = start_step + 1
         self.last_warmup = start_step + warmup_steps  # the last warm-up step's number
         self.number = start_step  # the last finished step
         self.last_resolved = start_step  # the last step whose row is in rows (or was)
         self.rows = StepRows()  # resolved since the owner last took them
         self.notes: list[str] = []
-        self.closed = False
-        self.quiet = False  # once closed, steps and phases are no-ops, not errors (StepTimer._close_at_end)
-        self._window_every = window_every
-        self._on_window = on_window
-        self._on_step = on_step
-        self._late_marks = late_marks
+        self.closed = self.quiet = False  # quiet: once closed, steps and phases are no-ops
+        self._on_window, self._on_step, self._late_marks = on_window, on_step, late_marks
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self._start_sampling(cost_budget, start_step)
         self.state = OUT
         self._t0 = 0.0
-        # The step's counts, set by the front door before the step ends.
-        self.samples: float | None = None
+        self.samples: float | None = None  # the step's counts, set by the front door before its end
         self.tokens: float | None = None
         self.flops: float | None = None
         self.fetch_s = _NAN  # the loader's time since the last step (Fetch); NaN: none, one read a step
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[PhaseRecord] = []
         self._evs: list[Any] = []
-        self._last_t = -math.inf  # host time of the last record, for sharing it
-        self._last_i = -1
+        self._last_t, self._last_i = -math.inf, -1  # the last record's host time and index
         self._gap_start: float | None = None
         self._paused_s = 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[StepRecord] = deque()
         self._window_due = 0  # the last step of a window that ended, not yet handed to the owner
-        self._window_min_s = window_min_s
+        self._window_every, self._window_min_s = window_every, window_min_s
         self._window_max = window_max or window_every
         self._window_last = start_step  # the last window's last step, and the _t0 it was handed at
         self._window_t = -math.inf
@@ -154,7 +138,9 @@ class Engine:
         self._first_t0: float | None = None
         self._pausing = False
         self._waited = start_step  # the newest step number waited for
-        # CUDA and memory, settled at the first step.
+        # CUDA and memory, settled at the first step; cuda=True without CUDA fails now.
+        if cuda and backend is None and not (usable := cuda_usable())[0]:
+            raise RuntimeError(f"StepTimer(cuda=True) but {usable[1]}; pass cuda=None to fall back to host timing")
         self._cuda_opt = cuda
         self.cuda: bool | None = None
         self.b: _CudaBackend = backend  # type: ignore[assignment]  # None until the first step settles it
@@ -184,7 +170,6 @@ class Engine:
 
     @property
     def in_step(self) -> bool:
-        """A step is open."""
         return self.state != OUT
 
     def begin_step(self) -> None:
@@ -210,7 +195,10 @@ class Engine:
             self._stream_key, self.stream, self.device = key, b.stream_of_key(key), key[1]
             self._free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
         if b.is_capturing(self.stream):
-            raise RuntimeError(_CAPTURE_MSG)  # the step never began
+            raise RuntimeError(  # the step never began
+                "step() inside CUDA graph capture: steptimer cannot record timing events into a "
+                "graph. Put `with timer.step():` around the graph replay, not inside the capture"
+            )
         self._boundary(t0)
         mem = self.memory
         if mem is not None:
@@ -247,8 +235,13 @@ class Engine:
         if not self.state:
             return
         t1 = perf_counter()
-        if et is not None or self._stack:
-            self._discard(et, error)
+        if et is not None or self._stack:  # dropped: it raised, or left a phase open (an error)
+            open_ = self._stack[-1][0] if self._stack else None
+            if et is not None and self.memory is not None and self.oom is None:
+                self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
+            self._drop_step()
+            if et is None:
+                raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
             return
         try:
             self._queue(t1)
@@ -257,15 +250,6 @@ class Engine:
             raise
         if self._window_due:
             self._hand_window()
-
-    def _discard(self, et: type[BaseException] | None, error: BaseException | None) -> None:
-        """Drop a step that raised (``et``) or left a phase open (an error of its own)."""
-        open_ = self._stack[-1][0] if self._stack else None
-        if et is not None and self.memory is not None and self.oom is None:
-            self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
-        self._drop_step()
-        if et is None:
-            raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
 
     def _queue(self, t1: float) -> None:
         """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due."""
@@ -363,11 +347,6 @@ class Engine:
         if self.number == self._next_timed:
             self._pick_next(self.number)
 
-    def _window_ends(self, number: int) -> int:
-        """``number`` if a window ends there, else 0 (the last warm-up step always ends one)."""
-        short = number - self._window_last < self._window_max and self._t0 - self._window_t < self._window_min_s
-        return 0 if self._window_min_s and number != self.last_warmup and short else number
-
     def _hand_window(self) -> None:
         """Call ``on_window``: steptimer's own time (``own_s``), in no step, data wait or GPU idle."""
         number, self._window_due = self._window_due, 0
@@ -391,8 +370,7 @@ class Engine:
         self.cost_s = 0.0
         # The most one GPU boundary counts (2 x the least one took + 2 µs): a record that waits for a
         # full launch queue waits where the user's next launch would have waited anyway.
-        self.bound_min = math.inf
-        self.bound_cap = math.inf
+        self.bound_min = self.bound_cap = math.inf
         self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
         self._pick_at = (start_step, _NAN)  # the last pick's step and its start time
         self._block_end = self.first_number  # the first step after the current block
@@ -437,14 +415,12 @@ class Engine:
     __exit__ = end_step
 
     def rejoin_phase(self, name: str, into: str) -> bool:
-        """Undo the open phase ``name`` and reopen the sibling ``into`` that ended where it began (a
-        boundary known only later); False, changing nothing, unless ``name`` is open with nothing ended
-        inside it on a timed step."""
+        """Undo the open phase ``name``, reopen the sibling ``into`` that ended where it began; False,
+        changing nothing, unless ``name`` is open with nothing ended inside it on a timed step."""
         stack, recs = self._stack, self._recs
         if self.state < HOST or not stack or not recs or stack[-1][1] != name:
             return False
-        full = stack[-1][0]
-        last = recs[-1]
+        full, last = stack[-1][0], recs[-1]
         if last.name != full[: len(full) - len(name)] + into:
             return False
         recs.pop()
@@ -460,10 +436,10 @@ class Engine:
             self._resolve(rec)
 
     def begin_pause(self) -> tuple[float, Any] | None:
-        """Start a pause; None inside another pause (a nested pause counts once)."""
+        """Start a pause; None inside another pause (a nested pause counts once) or once closed."""
         if self.state:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
-        if self._pausing:
+        if self._pausing or self.closed:
             return None
         self._pausing = True
         return perf_counter(), self._pause_event()
@@ -485,32 +461,23 @@ class Engine:
         pending = self._pending
         if pending and self.cuda and pending[-1].number > self._waited:  # lag 0 waited already
             self._wait_for(pending[-1].number)
-        while True:
+        while self._window_due or self._pending:
             if self._window_due:
                 self._hand_window()
-            if not self._pending:
-                break
-            self._resolve_upto(self._pending[-1].number)
+            else:
+                self._resolve_upto(self._pending[-1].number)
         if self.memory is not None:
             self.memory.close()
         if self.slow is not None:
             self.slow.close()
         self.closed = True
 
-    def release_held(self) -> None:
-        """Give the last resolved step's end event back to the pool (at close, after the trace)."""
-        if self.held_end is not None:
-            self._free.append(self.held_end[2])
-            self.held_end = None
-
     def _drop_step(self) -> None:
         """Forget the current step; keep everything before it."""
         self._free += self._evs
         self._free += [ev for pair in self._pause_evs for ev in pair]
         self._pause_evs = []
-        self._evs = []
-        self._recs = []
-        self._stack.clear()
+        self._stack.clear()  # its events and phase records are replaced at the next step's start
         if self.comm is not None:
             self.comm.drop(self.number + 1)
         self.state = OUT
@@ -520,21 +487,16 @@ class Engine:
             self.fetch_s = 0.0
 
     def _settle_cuda(self) -> None:
-        opt = self._cuda_opt
-        if opt is False:
-            self.cuda = False
-            return
-        if self.b is None:
+        if self._cuda_opt is not False and self.b is None:
             ok, why = cuda_usable()
-            if not ok:
-                if opt is True:
-                    raise RuntimeError(f"StepTimer(cuda=True) but {why}")
-                self.cuda = False
+            if ok:
+                self.b = default_backend()
+            else:
                 self.notes.append(f"host timing only: {why}")
                 log.info("steptimer: %s; timing the host only (no GPU tags)", why)
-                return
-            self.b = default_backend()
-        self.cuda = True
+        self.cuda = self._cuda_opt is not False and self.b is not None
+        if not self.cuda:
+            return
         if self.b.note:
             self.notes.append(self.b.note)
         if self._memory_opt and (self._mem_backend is not None or not self._custom_backend):
@@ -593,7 +555,6 @@ class Engine:
         if recs is not _EMPTY:  # a timed step
             names = tuple([r.name for r in recs])
             row = row + [r.t_out - r.t_in for r in recs]  # a new list: rec.row stays as it was
-        has_gpu = has_idle = False
         evs = rec.events
         held = self.held_end
         if evs and names is not None:
@@ -603,13 +564,11 @@ class Engine:
             row.append(offs[rec.i_end] - offs[rec.i_start])
             row += [offs[r.i_out] - offs[r.i_in] for r in recs]
             row += [r.caught for r in recs]
-            has_gpu = True
             if held is not None and held[0] == number - 1 and held[1] == rec.device:
                 rec.chain_ms = idle = b.elapsed_ms(held[2], evs[rec.i_start])
                 for a, c in rec.pauses:
                     idle -= b.elapsed_ms(a, c)
                 row.append(idle)
-                has_idle = True
         self._pending.popleft()  # all above only reads: an exception there (Ctrl-C) leaves it pending
         if evs:
             if held is not None:
@@ -625,13 +584,18 @@ class Engine:
             rows.marks[number] = marks
         if rec.memory is not None:
             rows.memory.append(rec.memory)
-        rows.add((names, has_gpu, has_idle), row)
+        rows.add((names, rec.offs_ms is not None, rec.chain_ms is not None), row)  # the row's layout
         if self.comm is not None and (comm := self.comm.take(number)) is not None:
             rows.comm.append(comm)
         rows.warmup = number <= self.last_warmup
         self.last_resolved = number
-        if number % self._window_every == 0 or number == self.last_warmup:
-            self._window_due = self._window_ends(number)
+        # The last warm-up step ends a window; a multiple does unless it is short (below window_min_s
+        # and window_max steps).
+        if number == self.last_warmup:
+            self._window_due = number
+        elif number % self._window_every == 0:
+            short = self._t0 - self._window_t < self._window_min_s
+            self._window_due = 0 if short and number - self._window_last < self._window_max else number
 
 
 class Phase:
@@ -655,8 +619,7 @@ class Phase:
         for entry in stack:
             if entry[1] == name:
                 raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
-        i = -1
-        t = t0
+        i, t = -1, t0
         if state == GPU:
             shared = t0 - e._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             i = e._boundary(t0)
@@ -719,14 +682,12 @@ class Fetch:
 
     Between steps the time goes to the next step's ``FETCH_S``; inside a step with no phase open it
     is a ``data`` phase; inside a phase or a pause it is not counted again. Without ``it``, a front
-    door calls :meth:`start` and :meth:`stop` itself (Lightning's profiler calls).
-    """
+    door calls :meth:`start` and :meth:`stop` itself (Lightning's profiler calls)."""
 
     __slots__ = ("_e", "_it", "_phase")
 
     def __init__(self, engine: Engine, it: Iterator[Any] | None = None) -> None:
-        self._e, self._it = engine, it
-        self._phase = Phase(engine, "data")
+        self._e, self._it, self._phase = engine, it, Phase(engine, "data")
         if engine.fetch_s != engine.fetch_s:  # the first loader: the engine counts from here
             engine.fetch_s = 0.0
 

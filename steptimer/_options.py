@@ -1,7 +1,6 @@
 """Options shared by every front door and the CLI, validated once: building an :class:`Options` checks
 every value against :data:`_RULES`; a front door builds one before its timer exists. Step counts and
-phase names too.
-"""
+phase names too."""
 
 from __future__ import annotations
 
@@ -50,8 +49,6 @@ _RULES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("memory",), lambda v: v is None or isinstance(v, int) and v >= 0,
      "None, True, False or an int >= 0 (read one timed step in N), got {v!r}"),
     (("cross_rank_timeout_s",), _positive, "a number > 0, got {v!r}"),
-    (("trace_steps",), lambda v: v is None or not _int(v) or v >= 1,
-     "an int >= 1 or a (first, last) pair, got {v!r}"),
 )  # fmt: skip
 
 
@@ -87,7 +84,7 @@ class Options:
         for name in ("trace_steps", "profile_steps"):
             v, ints = getattr(self, name), name == "trace_steps"  # trace_steps=N: N steps after warm-up
             pair = isinstance(v, tuple) and len(v) == 2 and all(map(_int, v)) and first <= v[0] <= v[1]
-            if v is not None and not pair and not (ints and _int(v)):
+            if v is not None and not pair and not (ints and _int(v, 1)):
                 raise ValueError(
                     f"{name} must be{' an int >= 1 or' if ints else ''} a (first, last) pair of step numbers "
                     f"with {first} <= first <= last, got {v!r}"

@@ -46,6 +46,7 @@ class StepRows:
         self.count += 1
 
 
+@lru_cache(maxsize=1024)  # bounded: phase names may be made up per step
 class _Layout:
     """How one row layout turns into series: ``derived = nan_to_num(row) @ transform``, then clamps."""
 
@@ -83,17 +84,12 @@ class _Layout:
                 t[i, j] += c
         clamped = [("host", "loop"), ("host", "other"), ("gpu", "other"), ("gpu", "idle")]
         self.clamp = np.array([at[k] for k in clamped if k in at], dtype=np.int64)
-        self.names = names
         self.idle_split = (at["gpu", "idle"], at["gpu", "idle/data"], at["gpu", "idle/loop"]) if has_idle else None
-        # A value that is NaN in its row makes the series NaN (not 0): wait without CUDA, loop in the
-        # run's first step (no time between steps before it), data with no loader timed unless a
-        # data phase ran.
+        # NaN in its row makes the series NaN (not 0): wait without CUDA, loop in the run's first step
+        # (no time between steps before it), data with no loader timed unless a data phase ran.
         self.nan_if = [(at["host", "wait"], WAIT_S), (at["host", "loop"], GAP_S)]
         if "data" not in uniq:
             self.nan_if.append((at["host", "data"], FETCH_S))
-
-
-_layout = lru_cache(maxsize=1024)(_Layout)  # bounded: phase names may be made up per step
 
 
 class _Block(NamedTuple):
@@ -107,7 +103,7 @@ class _Block(NamedTuple):
 
 def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
     for key, group in rows.groups.items():
-        lay = _layout(key)
+        lay = _Layout(key)
         m = len(group[0])  # fromiter: ~1/3 less than np.array
         a = np.fromiter(chain.from_iterable(group), np.float64, len(group) * m).reshape(len(group), m)
         nan = np.isnan(a)
@@ -121,8 +117,7 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
             idle, of_data, of_loop = lay.idle_split
             d[:, of_data] = np.minimum(d[:, idle], a[:, FETCH_S] * 1e3)  # NaN: no loader timed
             d[:, of_loop] = d[:, idle] - d[:, of_data]
-        gap = a[:, GAP_S]
-        yield _Block(lay.names, a[:, :LEAD], d, np.where(np.isnan(gap), 0.0, gap) * 1e3), lay.series
+        yield _Block(key[0], a[:, :LEAD], d, np.nan_to_num(a[:, GAP_S]) * 1e3), lay.series
 
 
 @dataclass(frozen=True)
@@ -181,13 +176,10 @@ class Tally:
 
     def rates(self, peak_tflops: float | None) -> Rates:
         wall_s = self.wall_ms / 1e3
-
-        def per_s(x: float | None) -> float | None:
-            return x / wall_s if x is not None and wall_s > 0 else None
-
-        tflops_per_s = None if self.flops is None else per_s(self.flops / 1e12)
-        mfu = tflops_per_s / peak_tflops if tflops_per_s is not None and peak_tflops else None
-        return Rates(per_s(self.steps), per_s(self.samples), per_s(self.tokens), tflops_per_s, mfu)
+        xs = (self.steps, self.samples, self.tokens, None if self.flops is None else self.flops / 1e12)
+        per_s = [x / wall_s if x is not None and wall_s > 0 else None for x in xs]
+        mfu = per_s[3] / peak_tflops if per_s[3] is not None and peak_tflops else None
+        return Rates(*per_s, mfu)
 
 
 _QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
@@ -197,19 +189,18 @@ class Packed:
     """A window's statistics, entry ``k`` for ``series[k]``; its histograms as runs of one bucket sorted by
     (series, bucket), ``bounds[k]:bounds[k + 1]`` series ``k``'s. One sort by (series, value) gives both."""
 
-    def __init__(self, series: list[tuple[str, str]], values: np.ndarray, sid: np.ndarray) -> None:
-        """``values[i]`` (not NaN) belongs to ``series[sid[i]]``; sorted ones are not sorted again."""
+    def __init__(self, series: list[tuple[str, str]], v: np.ndarray, s: np.ndarray) -> None:
+        """Value ``v[i]`` (not NaN) belongs to ``series[s[i]]``; sorted ones are not sorted again."""
         nser = len(series)
         self.series = series
         self.tally = Tally()  # the window's sums
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
         self.arrive: dict[int, float] = {}  # by step: its arrival at its first collective, ms (_comm.py)
-        same = sid[1:] == sid[:-1]
-        if (sid[1:] < sid[:-1]).any() or (values[1:][same] < values[:-1][same]).any():
-            order = np.lexsort((values, sid))
-            values, sid = values[order], sid[order]
-        v, s = values, sid
+        same = s[1:] == s[:-1]
+        if (s[1:] < s[:-1]).any() or (v[1:][same] < v[:-1][same]).any():
+            order = np.lexsort((v, s))
+            v, s = v[order], s[order]
         counts = np.bincount(s, minlength=nser)
         starts = np.cumsum(counts) - counts
         self.count: list[int] = counts.tolist()
@@ -246,7 +237,7 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
     """A window's statistics and sums; outside warm-up, with ``slowest`` its k slowest
     steps slower than ``floor_ms`` (``Packed.slow``), with ``walls`` its steps' wall times."""
     index: dict[tuple[str, str], int] = {}
-    vals, sids, tally = [], [], Tally()
+    vals, sids, tally = [np.zeros(0)], [np.zeros(0, dtype=np.int64)], Tally()
     blocks = list(_blocks(rows))
     for blk, series in blocks:
         cols = np.array([index.setdefault(s, len(index)) for s in series], dtype=np.int64)
@@ -260,8 +251,7 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
             for name, column in zip(COMM_ROWS, np.sort(np.array(pairs), axis=0).T):
                 vals.append(column)
                 sids.append(np.full(len(pairs), index.setdefault((clock, name), len(index)), dtype=np.int64))
-    values = np.concatenate(vals) if vals else np.zeros(0)
-    sid = np.concatenate(sids) if sids else np.zeros(0, dtype=np.int64)
+    values, sid = np.concatenate(vals), np.concatenate(sids)
     keep = ~np.isnan(values)
     p = Packed(list(index), values[keep], sid[keep])
     p.tally = tally
@@ -276,8 +266,6 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
 
 def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> bool:
     """Can a step be slower than ``floor_ms``? At most max GPU step + idle, or host step + data + loop."""
-    if floor_ms == -math.inf:
-        return True
     top = {key: p.max_ms[k] for key, k in index.items() if p.count[k]}
     gpu = ("gpu", "step") in top
     keys = [("gpu", "step"), ("gpu", "idle")] if gpu else [("host", "step"), ("host", "data"), ("host", "loop")]
@@ -325,14 +313,9 @@ def window_of(
     share_of = {n: v for n, v in share_of.items() if (share_clock, n) in stats}  # rows the window has
     return Window(
         **{**vars(r), "steps_per_s": math.nan if r.steps_per_s is None else r.steps_per_s},
-        step=last_step,
-        steps=rows.count,
+        step=last_step, steps=rows.count, warmup=rows.warmup, packed=p, memory=memory_of(rows.memory),
         host={name: st for (clock, name), st in stats.items() if clock == "host"},
         gpu={name: st for (clock, name), st in stats.items() if clock == "gpu"},
         caught={name: st.mean_ms for (clock, name), st in stats.items() if clock == "caught"},
-        warmup=rows.warmup,
-        packed=p,
-        memory=memory_of(rows.memory),
-        shares=share_of,
-        share_clock=share_clock,
-    )
+        shares=share_of, share_clock=share_clock,
+    )  # fmt: skip

@@ -1,6 +1,5 @@
 """``StepTimer``: the plain-loop front door. The measuring is the engine's (``_engine.py``); the timer
-turns its rows into windows for the sinks (TensorBoard, a Lightning logger) and the summary at close.
-"""
+turns its rows into windows for the sinks (TensorBoard, Lightning loggers) and the summary."""
 
 from __future__ import annotations
 
@@ -9,20 +8,21 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
 
 from steptimer import _exit
-from steptimer._clock import _CudaBackend, cuda_usable, prepare_native
+from steptimer._clock import _CudaBackend, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank, _initialized, energy_values
 from steptimer._energy import EnergyWindows
 from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemoryStats, _MemoryBackend, oom_note
 from steptimer._options import Options, check_bool, check_count, check_phase_name
+from steptimer._peaks import cuda_peak
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K
 from steptimer._summary import Summary, SummaryAccumulator
+from steptimer._table import print_summary
 from steptimer._tags import COST_BUDGET, SAMPLE_EVERY
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
@@ -47,23 +47,22 @@ class Sink(Protocol):
 
 
 class _Null:
-    """The context manager of a disabled timer."""
+    """A no-op context manager; not nullcontext: named arguments pack no tuple at each exit."""
 
     __slots__ = ()
 
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, et: object, ev: object, tb: object) -> Literal[False]:
-        return False  # named arguments: no tuple packed at each exit
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        return None
 
 
 _NULL = _Null()
 
 
 class _RangedPhase(_Phase):
-    """A phase that is also an NVTX / profiler range; the timer switches its phases' class to it and
-    back (``_set_ranged``), so phases outside the profiler window pay nothing."""
+    """A phase that is also an NVTX / profiler range (``_set_ranged`` switches phases to it)."""
 
     __slots__ = ()
 
@@ -76,9 +75,9 @@ class _RangedPhase(_Phase):
             r.exit()
             raise
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: Any) -> None:
         try:
-            super().__exit__(et, ev, tb)
+            super().__exit__(*exc)
         finally:
             self.r.exit()
 
@@ -99,10 +98,8 @@ class _Seams:
 def _distributed() -> bool:
     """More than one process: torch.distributed's world, else the launcher's ``WORLD_SIZE``."""
     dist = _initialized()
-    if dist is not None:
-        return int(dist.get_world_size()) > 1
-    world = os.environ.get("WORLD_SIZE", "").strip()  # not a number: no launcher of ours set it
-    return world.isdigit() and int(world) > 1
+    world = str(dist.get_world_size()) if dist is not None else os.environ.get("WORLD_SIZE", "").strip()
+    return world.isdigit() and int(world) > 1  # not a number: no launcher of ours set it
 
 
 def rank() -> int:
@@ -192,9 +189,7 @@ class StepTimer:
             sample_every = 1
         self.log_every_n_steps: int = log_every_n_steps
         window_max = log_every_n_steps * (MAX_WINDOW_UNITS if window_min_s else 1)
-        self.lag = lag
-        self.sample_every = sample_every
-        self.enabled = enabled
+        self.lag, self.sample_every, self.enabled = lag, sample_every, enabled
         self._peak: tuple[float | None, str | None] | None = None  # the GPU's (peak, note), looked up once
         self._rank = rank()
         self._summary: Summary | None = None
@@ -213,11 +208,11 @@ class StepTimer:
         # memory=None: time-budgeted; one timed step in 10 across ranks (every rank reads the same steps).
         memory_every = int(memory) if memory is not None else 10 if distributed else MEMORY_AUTO
         self._engine = Engine(
-            lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step, cuda=cuda,
+            lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
             window_min_s=window_min_s, window_max=window_max, on_step=c.add if c is not None else None,
             memory=memory_every, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
-            cost_budget=cost_budget, late_marks=profiled,
+            cost_budget=cost_budget, late_marks=profiled, cuda=cuda and enabled,  # disabled: no check
         )  # fmt: skip
         self._ranges, nvtx_note = make_ranges(
             nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow, recent=c,
@@ -234,11 +229,7 @@ class StepTimer:
         # How steps were timed, in the first window's tags (read back by `steptimer report`).
         every, budget = self.sample_every, self.options.cost_budget
         self._run_tags = {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET: float(budget or 0.0)}
-        seams, cuda = self._seams, self.options.cuda
-        if cuda is not False and seams.backend is None:
-            ok, why = cuda_usable()
-            if cuda and not ok:
-                raise RuntimeError(f"StepTimer(cuda=True) but {why}; pass cuda=None to fall back to host timing")
+        if self.options.cuda is not False and self._seams.backend is None:
             prepare_native()  # compile the native CUDA calls now, not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
@@ -273,8 +264,7 @@ class StepTimer:
         """
         if not self.enabled:
             return _NULL
-        # A plain int or float >= 0 inline (the usual samples), anything else by check_count.
-        if samples is not None and not (
+        if samples is not None and not (  # an int or float >= 0 inline: a call less
             (samples.__class__ is int or samples.__class__ is float) and 0 <= samples < math.inf
         ):
             samples = check_count("samples", samples)
@@ -285,9 +275,7 @@ class StepTimer:
         # The engine is the step's context manager; the counts at its end are the last step() call's.
         r, e = self._ranges, self._engine
         e.samples, e.tokens, e.flops = samples, tokens, flops
-        if r is not None and e.number >= r.from_number:  # NVTX, or the profiler window
-            return r
-        return e
+        return r if r is not None and e.number >= r.from_number else e  # NVTX or the profiler window
 
     def data(self, loader: Iterable[_B]) -> Iterator[_B]:
         """The batches of ``loader`` (any iterable of batches) with each fetch timed: the ``data`` row,
@@ -301,8 +289,7 @@ class StepTimer:
                 f"data(loader): loader must be iterable (a DataLoader or any iterable of batches), "
                 f"got {type(loader).__name__}"
             )
-        it = iter(loader)
-        return Fetch(self._engine, it) if self.enabled else it
+        return Fetch(self._engine, iter(loader)) if self.enabled else iter(loader)
 
     def _fetches(self) -> Fetch | None:
         """:meth:`data` for a front door that sees a fetch as two events (``start()``, ``stop(t0)``)."""
@@ -316,9 +303,8 @@ class StepTimer:
                 return _NULL
             check_phase_name(name)
             cm = self._phases[name] = self._phase_cls(self._engine, name, self._ranges)
-        if self._engine.state == UNTIMED and self._phase_cls is _Phase:
-            return _NULL  # a step outside the sample times no phase (ranges still run in every step)
-        return cm
+        # A step outside the sample times no phase (ranges still run in every step).
+        return _NULL if self._engine.state == UNTIMED and self._phase_cls is _Phase else cm
 
     def _rejoin(self, name: str, into: str) -> bool:
         """``Engine.rejoin_phase``; NVTX/profiler ranges can't be joined: close ``name``, open ``into``."""
@@ -334,9 +320,6 @@ class StepTimer:
     def pause(self) -> Iterator[None]:
         """Context manager for work between steps (evaluation, checkpointing) that is not data wait:
         its host time is left out of ``data``, its GPU time out of GPU ``idle``."""
-        if not self.enabled or self._engine.closed:
-            yield
-            return
         started = self._engine.begin_pause()
         try:
             yield
@@ -404,18 +387,13 @@ class StepTimer:
         xrank, engine = self._xrank, self._engine
         if failed and xrank is not None:
             xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
-        if self.enabled:
-            engine.close()
+        engine.close()  # a disabled timer's engine holds nothing: this only marks it closed
         energy, energy_note = self._on_window(closing=True)
         traces = self._capture.finish(engine) if self._capture is not None else None
         if self._ranges is not None:
             self._ranges.finish(engine)
-        engine.release_held()
-        engine.closed = True
         self._summary = summary = self._build_summary(traces, energy, energy_note)
         if self.options.print_summary and self._rank == 0 and self.enabled:
-            from steptimer._table import print_summary
-
             print_summary(summary)
         for sink in self._sinks:
             sink.close(summary)
@@ -442,15 +420,11 @@ class StepTimer:
 
     def _on_window(self, number: int = 0, *, closing: bool = False) -> tuple[Any, str | None]:
         """A window ended (the engine's call, or the close): to cross-rank, the sinks and energy.
-        Closing, the energy meter stops first, so that the closing round carries the run's energy,
-        which is returned with its note."""
+        Closing stops the meter first: the closing round carries the run's energy (returned, noted)."""
         window, xrank, engine, counter = self._take_window(), self._xrank, self._engine, self._seams.energy_counter
         energy = engine.cuda and (counter is not None or not engine._custom_backend)
-        run_energy: tuple[Any, str | None] = (None, None)
-        if closing:
-            run_energy = self._energy.close(engine.last_resolved, window)
-        if closing and xrank is not None and not xrank.off:
-            # the closing rounds, with or without a window here
+        run_energy = self._energy.close(engine.last_resolved, window) if closing else (None, None)
+        if closing and xrank is not None and not xrank.off:  # closing rounds, window or not
             window = xrank.close(window, self._acc, energy_values(run_energy[0]))
         elif window is not None and xrank is not None:
             window = xrank.interval(window, self._acc.slow, energy_values(self._energy.at(xrank.last_step)))
@@ -498,8 +472,6 @@ class StepTimer:
         if not self._engine.cuda:
             return None, "no MFU: no peak for host-only timing; pass peak_tflops="
         if self._peak is None:
-            from steptimer._peaks import cuda_peak
-
             self._peak = cuda_peak(self._engine.device, self._seams.peak_dtype)
         return self._peak
 
@@ -516,10 +488,10 @@ class StepTimer:
             warmup_steps=warmup, cuda=bool(engine.cuda), notes=tuple(n for n in notes if n), peak_tflops=peak,
             traces=traces,
         )  # fmt: skip
-        run_s, every = engine.run_s, engine.sample_every
+        run_s = engine.run_s
         more: dict[str, Any] = {
             "own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s else None,
-            "sample_every": every, "cost_budget": None if every else engine.budget,
+            "sample_every": engine.sample_every, "cost_budget": engine.budget,  # None: sample_every
         }  # fmt: skip
         if engine.memory is not None:
             m, seen = acc.memory or MemoryStats({}, {}, 0, 0), engine.memory.seen_bytes
