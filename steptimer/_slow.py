@@ -207,8 +207,6 @@ class StepWalls:
     __slots__ = ("numbers", "wall_ms", "clock", "_parts", "_order")
 
     def __init__(self, blocks: Blocks, timed: bool = True) -> None:
-        from steptimer._window import NUMBER, STEP_S  # here: _window imports this module
-
         self.clock: ShareClock = "host"
         self._parts: list[tuple[Any, list[tuple[str, str]], Any, Any]] = []  # block, series, numbers, walls
         for blk, series in blocks:
@@ -220,8 +218,8 @@ class StepWalls:
                 if ("gpu", "idle") in series:
                     wall += np.nan_to_num(blk.derived[:, series.index(("gpu", "idle"))])
             else:
-                wall = blk.lead[:, STEP_S] * 1e3 + blk.gap_ms
-            self._parts.append((blk, series, blk.lead[:, NUMBER], wall))
+                wall = blk.wall_ms
+            self._parts.append((blk, series, blk.numbers, wall))
         numbers = np.concatenate([p[2] for p in self._parts] or [np.zeros(0)])
         self._order = np.argsort(numbers, kind="stable")
         self.numbers = numbers[self._order]

@@ -100,6 +100,15 @@ class _Block(NamedTuple):
     derived: np.ndarray
     gap_ms: np.ndarray
 
+    @property
+    def numbers(self) -> np.ndarray:
+        return self.lead[:, NUMBER]
+
+    @property
+    def wall_ms(self) -> np.ndarray:
+        """Each step's host wall: the step and the time before it."""
+        return self.lead[:, STEP_S] * 1e3 + self.gap_ms
+
 
 def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
     for key, group in rows.groups.items():
@@ -149,7 +158,7 @@ class Tally:
     def of_block(cls, blk: _Block, series: list[tuple[str, str]]) -> Tally:
         """The sums of one layout's steps in a window."""
         lead, n = blk.lead, len(blk.lead)
-        wall_ms = float((lead[:, STEP_S] * 1e3 + blk.gap_ms).sum())
+        wall_ms = float(blk.wall_ms.sum())
         cs = lead[:, SAMPLES], lead[:, TOKENS], lead[:, FLOPS]
         counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in cs]
         if blk.names is None:
