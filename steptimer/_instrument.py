@@ -110,17 +110,17 @@ class Instrumented:
         self._step_sites: dict[CodeType, int] | None = None
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
         self._warned = False
-        self._forwards: int | None = 0  # training forwards until _check_stepped (None: checked)
-        self._ever_stepped: set[int] = set()  # ids of the optimizers that have stepped at least once
+        self._forwards = 0  # training forwards: _check_stepped at _FORWARDS_BEFORE_WARNING
+        self._idle: set[int] = set()  # ids of the optimizers given that have not stepped yet
         self._hooks = Hooks()
         if not timer.enabled:
             return
         # From now: the loop's iterator is made before discovery finds the model and optimizers.
         self._hooks.wrap_loaders(timer.data)
         if self.models and self.optimizers:
+            self._idle = {id(o) for o in self.optimizers}
             self._install()
         else:  # found at the optimizers' steps; installed at the next forward of the model(s)
-            self._forwards = None
             self._discovery = Discovery(self._found, models=models, optimizers=optimizers)
         _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
 
@@ -154,11 +154,7 @@ class Instrumented:
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """A phase of your own inside a step, nested in the hook phase open then (``loss/clip``);
-        hook phases inside it nest too. Outside a step it is a no-op.
-
-        Raises:
-            ValueError: ``name`` is not a valid phase name.
-        """
+        hook phases inside it nest too. Outside a step, a no-op; an invalid ``name``, ``ValueError``."""
         check_phase_name(name)
         d = self._driver
         return UserPhase(name, lambda: d if d.in_step and not self._deferred else None)
@@ -193,7 +189,7 @@ class Instrumented:
         """End a finished step waiting for its zero_grad; the notes of the run."""
         if self._deferred:
             self._driver.end()
-        if self._forwards:
+        if 0 < self._forwards < _FORWARDS_BEFORE_WARNING:
             self._check_stepped()
         note = self.discovery_note()
         if note is not None:
@@ -281,20 +277,18 @@ class Instrumented:
                 if n is not None and self._fixed[what] is None:
                     d.counts[what] = d.counts.get(what, 0) + n
                     self._counted.add(what)
-        if self._forwards is not None:
-            self._forwards += 1
-            if self._forwards == _FORWARDS_BEFORE_WARNING:
-                self._check_stepped()
+        self._forwards += 1
+        if self._forwards == _FORWARDS_BEFORE_WARNING:
+            self._check_stepped()
 
     def _check_stepped(self) -> None:
         """Warn (once, and note) when an optimizer passed to instrument() never stepped."""
-        forwards, self._forwards = self._forwards, None
-        idle = [o for o in self.optimizers if id(o) not in self._ever_stepped]
+        idle, self._idle = self._idle, set()
         if not idle:
             return
-        names = ", ".join(type(o).__name__ for o in idle)
+        names = ", ".join(type(o).__name__ for o in self.optimizers if id(o) in idle)
         msg = (
-            f"the optimizer passed to instrument() ({names}) has not stepped in {forwards} training "
+            f"the optimizer passed to instrument() ({names}) has not stepped in {self._forwards} training "
             "forward passes of the model, so no step has ended and nothing is timed. Pass instrument() "
             "the optimizer your loop calls step() on (a trainer that builds its own: that one), or time "
             "the loop with `with timer.step():` blocks."
@@ -399,20 +393,18 @@ class Instrumented:
             return
         self._driver.switch(None)
         self._stepped.add(id(opt))
-        self._ever_stepped.add(id(opt))
+        self._idle.discard(id(opt))
         if len(self._stepped) < len(self.optimizers):
             return
         if self._zero_grad_last is None:
             self._step_sites = _user_sites(sys._getframe(1))
-        if self._zero_grad_last:
-            self._deferred = True
-        else:
+        self._deferred = bool(self._zero_grad_last)
+        if not self._deferred:
             self._driver.end()
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
-        """zero_grad after the update (True) or before the forward (False); None: not known yet."""
-        # The calls alone can't tell (both orders give the same sequence): where both sit in the
-        # innermost function that called both does.
+        """zero_grad after the update (True) or before the forward (False), None: not known yet; read
+        from their sites in the innermost function calling both (both orders call the same sequence)."""
         sites = self._step_sites
         while sites is not None and frame is not None:
             at = sites.get(frame.f_code)

@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import Any
 
 from steptimer._options import Options
+from steptimer._table import wrapped
 
 USAGE = "steptimer run [options] script.py [args ...]\n       steptimer run [options] -m module [args ...]"
 HELP = "run a training script unchanged and time each optimizer step"
@@ -117,9 +118,15 @@ def main(argv: Sequence[str]) -> int:
         print(_wrapped(f"steptimer: timing {name}; logging to {log_dir}"), file=sys.stderr)
         # A command to copy: one line, never wrapped.
         print(f"steptimer: then: {shell_command('steptimer')} report {log_dir}", file=sys.stderr)
+    # As `python target args` / `python -m target args` set sys.argv and sys.path[0].
+    sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in argv[0]
+    sys.path[0:1] = [os.getcwd() if is_module else os.path.dirname(os.path.abspath(target))]
     failed, error = True, None
     try:
-        _run_script(target, is_module, script_args)
+        if is_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
         failed = False
     except SystemExit as e:
         failed = e.code not in (None, 0)
@@ -140,8 +147,6 @@ def main(argv: Sequence[str]) -> int:
 
 def _wrapped(line: str) -> str:
     """``line`` wrapped at 80 columns (a path stays whole)."""
-    from steptimer._table import wrapped
-
     return "\n".join(wrapped([line], 80, "  "))
 
 
@@ -149,12 +154,10 @@ def _users_frames(tb: TracebackType | None) -> TracebackType | None:
     """The traceback from the script's first frame on, as ``python script.py`` shows it."""
     package = str(Path(__file__).resolve().parent) + os.sep
     runpys = {"<frozen runpy>", runpy.__file__}  # runpy's frames name it so when it is frozen (3.11+)
-
-    def ours(tb: TracebackType) -> bool:
+    while tb is not None and tb.tb_next is not None:
         name = tb.tb_frame.f_code.co_filename
-        return name in runpys or os.path.abspath(name).startswith(package)
-
-    while tb is not None and tb.tb_next is not None and ours(tb):
+        if name not in runpys and not os.path.abspath(name).startswith(package):
+            break
         tb = tb.tb_next
     return tb
 
@@ -173,14 +176,3 @@ def shell_command(name: str, clone: Path | None = None) -> str:
         return f"{min(rel if os.sep in rel else './' + rel, str(dev), key=len)} {name}"
     module = {"tensorboard": "tensorboard.main"}.get(name, name)  # tensorboard has no __main__
     return mine if os.path.exists(mine) else f"{sys.executable} -m {module}"
-
-
-def _run_script(target: str, is_module: bool, script_args: list[str]) -> None:
-    """As ``python target args`` / ``python -m target args`` sets up ``sys.argv`` and ``sys.path[0]``."""
-    sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in argv[0]
-    if is_module:
-        sys.path[0:1] = [os.getcwd()]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
-        runpy.run_path(target, run_name="__main__")

@@ -31,13 +31,6 @@ except ImportError:  # fails where first needed, with the fix
 __all__ = ["StepTimerCallback"]
 
 
-def _torch_optimizer(opt: Any) -> Any:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (its step hooks fire there)."""
-    while hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer):
-        opt = opt.optimizer
-    return opt
-
-
 @dataclasses.dataclass
 class _TrainerLog:
     """Keeps each window's ``steptimer/...`` values for ``Trainer.log``, called between steps."""
@@ -87,10 +80,8 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._trainer = trainer
         self._log = _TrainerLog()
         self.timed: Instrumented | None = None
-        self._accum = 1
-        self._micro = 0
-        self._bar = False
         self.summary: Summary | None = None
+        self._accum, self._micro, self._bar = 1, 0, False
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any
@@ -104,7 +95,10 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._bar = not args.disable_tqdm and self._options.print_summary and self._options.enabled
         sinks = [self._log] if self._trainer is not None else []
         timer = StepTimer._make(sinks=sinks, **logs, **dataclasses.asdict(self._options))
-        self.timed = Instrumented(timer, [model], [_torch_optimizer(optimizer)], **self._counts)
+        # The torch optimizer inside accelerate's AcceleratedOptimizer: its step hooks fire there.
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
+        self.timed = Instrumented(timer, [model], [optimizer], **self._counts)
         self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
