@@ -344,8 +344,8 @@ class Instrumented:
                     self._begin()  # the loop body starts with zero_grad
             out = d.call("zero_grad", None, orig, args, kwargs)
             if self._deferred:
-                self._zeroed |= zeroes
-                if len(self._zeroed) == len(self.optimizers):
+                self._stepped -= zeroes
+                if not self._stepped:
                     d.end()
             return out
 
@@ -376,8 +376,7 @@ class Instrumented:
                 )
             return None
         self._driver.switch(None if closure else "optimizer")
-        self._update_depth = 1
-        self._update_closure = closure
+        self._update_depth, self._update_closure = 1, closure
         if not closure:
             return None
         returns_to_update = self._driver.then("optimizer", inner)
@@ -425,8 +424,7 @@ class Instrumented:
         self._count_next = None in self._fixed.values()
 
     def _clear(self) -> None:
-        self._stepped: set[int] = set()  # ids of the optimizers that stepped in this step
-        self._zeroed: set[int] = set()  # ... and were zeroed after it
+        self._stepped: set[int] = set()  # ids of the optimizers stepped (deferred: not zeroed yet)
         # Nesting of optimizer.step() calls: a subclass's step() calling super().step() runs the hooks
         # twice when both classes were patched by torch (any plain instance of the base made before).
         self._update_depth = 0

@@ -67,15 +67,13 @@ def split(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
     while i < len(argv) and argv[i][:1] == "-" and argv[i] not in ("-", "--") and argv[i][:2] != "-m":
         i += 2 if argv[i] in valued else 1
     opts, rest = argv[:i], argv[i:]
-    if not rest:
-        return opts, None, False, []
-    target: str | None = rest.pop(0)
+    target = rest.pop(0) if rest else ""
     module = target.startswith("-m")
     if target in ("--", "-m"):  # the script (or module) is the next word
-        target = rest.pop(0) if rest else None
+        target = rest.pop(0) if rest else ""
     elif module:  # "-mmod"
         target = target[2:]
-    return opts, target, module, rest
+    return opts, target or None, module, rest
 
 
 def default_log_dir(target: str, root: str = "runs", *, module: bool = False) -> str:
