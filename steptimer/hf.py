@@ -102,15 +102,13 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._arm(0)
+        self._micro = -1
+        self.on_substep_end(args, state, control)
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._arm(self._micro + 1)
-
-    def _arm(self, micro: int) -> None:
         # The last micro-batch's backward opens `clip`, which the optimizer's step pre-hook ends.
-        self._micro = micro
-        if self.timed is not None and micro == self._accum - 1:
+        self._micro += 1
+        if self.timed is not None and self._micro == self._accum - 1:
             self.timed.open_after_backward("clip")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
