@@ -1,8 +1,6 @@
-"""``steptimer run [options] script.py [args...]``: time a training script nobody edited.
-
-The script runs as ``python script.py args...`` would; :func:`steptimer.instrument` with no model and
-no optimizer finds them at the first optimizer steps (docs/run.md) and times every step after.
-"""
+"""``steptimer run [options] script.py [args...]``: time a training script nobody edited. It runs as
+``python script.py args...`` would; :func:`steptimer.instrument` with no model and no optimizer
+finds them at the first optimizer steps (docs/run.md) and times every step after."""
 
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ USAGE = "steptimer run [options] script.py [args ...]\n       steptimer run [opt
 HELP = "run a training script unchanged and time each optimizer step"
 
 
-# (flag, type, metavar, help) of each option that takes a value; its dest is instrument()'s keyword,
-# its default the Options field's (None where it is no field).
+# (flag, type, metavar, help) per valued option; dest: instrument()'s keyword; default: Options'.
 _VALUED = (
     ("--log-dir", str, None, "TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)"),
     ("--warmup-steps", int, "N", "steps left out of the summary (default: %(default)s)"),
