@@ -189,8 +189,7 @@ class Instrumented:
         """End a finished step waiting for its zero_grad; the notes of the run."""
         if self._deferred:
             self._driver.end()
-        if 0 < self._forwards < _FORWARDS_BEFORE_WARNING:
-            self._check_stepped()
+        self._check_stepped()
         note = self.discovery_note()
         if note is not None:
             self.timer.note(note)
@@ -282,9 +281,9 @@ class Instrumented:
             self._check_stepped()
 
     def _check_stepped(self) -> None:
-        """Warn (once, and note) when an optimizer passed to instrument() never stepped."""
+        """Warn (once, and note) when an optimizer passed to instrument() never stepped in its forwards."""
         idle, self._idle = self._idle, set()
-        if not idle:
+        if not idle or not self._forwards:
             return
         names = ", ".join(type(o).__name__ for o in self.optimizers if id(o) in idle)
         msg = (
