@@ -1,8 +1,6 @@
-"""Zero-edit front door: :func:`instrument` times a plain training loop's phases from hooks.
-
-One step is one optimizer step; backward is the call of ``torch.autograd.backward`` (autograd runs
-its own hooks off the training thread on CUDA). docs/instrument.md has the phase table and the traps.
-"""
+"""Zero-edit front door: :func:`instrument` times a plain loop's phases from hooks. One step is one
+optimizer step; backward is the call of ``torch.autograd.backward`` (autograd runs its own hooks
+off the training thread on CUDA). docs/instrument.md has the phase table and the traps."""
 
 from __future__ import annotations
 
@@ -94,8 +92,7 @@ class Instrumented:
     ) -> None:
         self.timer = timer
         self._driver = PhaseDriver(timer, on_reset=self._clear)
-        if isinstance(models, torch.nn.Module):
-            models = [models]
+        models = [models] if isinstance(models, torch.nn.Module) else models
         self.models: tuple[torch.nn.Module, ...] = tuple(models or ())  # hooked: given, or found
         self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
         self._fixed = {"samples": samples_per_step, "tokens": tokens_per_step}  # given: not counted

@@ -1,8 +1,6 @@
-"""Hugging Face front door: :class:`StepTimerCallback` for ``transformers.Trainer(callbacks=[...])``.
-
-A thin caller of :class:`~steptimer.Instrumented` on the Trainer's model and optimizer; the
-Trainer's events add ``clip`` and pause evaluation out. docs/run.md#hugging-face has the phases.
-"""
+"""Hugging Face front door: :class:`StepTimerCallback` for ``Trainer(callbacks=[...])``, a thin
+caller of :class:`~steptimer.Instrumented` on the Trainer's model and optimizer; the Trainer's
+events add ``clip`` and pause evaluation out. docs/run.md#hugging-face has the phases."""
 
 from __future__ import annotations
 
