@@ -8,8 +8,8 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, Literal
@@ -142,12 +142,10 @@ class Instrumented:
             )
         return "the model was found but not called again after its optimizer's second step: nothing was timed"
 
-    @contextmanager
-    def pause(self) -> Iterator[None]:
+    def pause(self) -> AbstractContextManager[None]:
         """Between steps: work that is neither a step nor data wait (a whole evaluation loop)."""
         self._settle()
-        with self._driver.pause():
-            yield
+        return self._driver.pause()
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """A phase of your own inside a step, nested in the hook phase open then (``loss/clip``);
