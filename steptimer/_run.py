@@ -164,9 +164,8 @@ def shell_command(name: str, clone: Path | None = None) -> str:
     mine = os.path.join(os.path.dirname(sys.executable), name)
     if shutil.which(name) == mine:
         return name
-    root = clone or Path(__file__).resolve().parent.parent
-    dev = root / "dev"
-    if dev.is_file() and Path(sys.prefix).resolve() == (root / ".venv").resolve():
+    dev = (clone or Path(__file__).resolve().parent.parent) / "dev"
+    if dev.is_file() and Path(sys.prefix).resolve() == (dev.parent / ".venv").resolve():
         rel = os.path.relpath(dev)
         return f"{min(rel if os.sep in rel else './' + rel, str(dev), key=len)} {name}"
     module = {"tensorboard": "tensorboard.main"}.get(name, name)  # tensorboard has no __main__
