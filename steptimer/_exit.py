@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-_live: dict[int, weakref.ref[Any]] = {}  # id -> timer (or Instrumented), in the order they began
+_live: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()  # id -> timer, in order
 _chain: _Chain | None = None  # the handler put in for the timers live now
 
 
 def track(obj: Any) -> None:
     """``obj`` is live: close it at exit or on SIGTERM (``obj._close_at_end()``) unless untracked first."""
     global _chain
-    _live[id(obj)] = weakref.ref(obj)
+    _live[id(obj)] = obj
     # signal.signal() works only in the main thread; atexit still covers the exit.
     if hasattr(signal, "SIGTERM") and threading.current_thread() is threading.main_thread():
         found = signal.getsignal(signal.SIGTERM)
@@ -35,7 +35,7 @@ def untrack(obj: object) -> None:
     """``obj`` closed: forget it; with no live timer left, take the handler out if nobody went on top."""
     global _chain
     _live.pop(id(obj), None)
-    if any(ref() is not None for ref in _live.values()) or _chain is None:
+    if _live or _chain is None:
         return
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is _chain:
         signal.signal(signal.SIGTERM, _chain.prev)
@@ -45,10 +45,7 @@ def untrack(obj: object) -> None:
 
 
 def _close_all(why: str) -> None:
-    for ref in reversed(list(_live.values())):
-        obj = ref()
-        if obj is None:
-            continue
+    for obj in reversed(list(_live.values())):
         try:
             obj._close_at_end()
         except Exception as err:  # steptimer's own failure must not hide the signal or the exit

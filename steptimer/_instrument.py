@@ -1,8 +1,6 @@
-"""Zero-edit front door: :func:`instrument` times a plain training loop's phases from hooks.
-
-One step is one optimizer step; backward is the call of ``torch.autograd.backward`` (autograd runs
-its own hooks off the training thread on CUDA). docs/instrument.md has the phase table and the traps.
-"""
+"""Zero-edit front door: :func:`instrument` times a plain loop's phases from hooks. One step is one
+optimizer step; backward is the call of ``torch.autograd.backward`` (autograd runs its own hooks
+off the training thread on CUDA). docs/instrument.md has the phase table and the traps."""
 
 from __future__ import annotations
 
@@ -10,8 +8,8 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, Literal
@@ -94,8 +92,7 @@ class Instrumented:
     ) -> None:
         self.timer = timer
         self._driver = PhaseDriver(timer, on_reset=self._clear)
-        if isinstance(models, torch.nn.Module):
-            models = [models]
+        models = [models] if isinstance(models, torch.nn.Module) else models
         self.models: tuple[torch.nn.Module, ...] = tuple(models or ())  # hooked: given, or found
         self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
         self._fixed = {"samples": samples_per_step, "tokens": tokens_per_step}  # given: not counted
@@ -110,17 +107,17 @@ class Instrumented:
         self._step_sites: dict[CodeType, int] | None = None
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
         self._warned = False
-        self._forwards: int | None = 0  # training forwards until _check_stepped (None: checked)
-        self._ever_stepped: set[int] = set()  # ids of the optimizers that have stepped at least once
+        self._forwards = 0  # training forwards: _check_stepped at _FORWARDS_BEFORE_WARNING
+        self._idle: set[int] = set()  # ids of the optimizers given that have not stepped yet
         self._hooks = Hooks()
         if not timer.enabled:
             return
         # From now: the loop's iterator is made before discovery finds the model and optimizers.
         self._hooks.wrap_loaders(timer.data)
         if self.models and self.optimizers:
+            self._idle = {id(o) for o in self.optimizers}
             self._install()
         else:  # found at the optimizers' steps; installed at the next forward of the model(s)
-            self._forwards = None
             self._discovery = Discovery(self._found, models=models, optimizers=optimizers)
         _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
 
@@ -145,20 +142,14 @@ class Instrumented:
             )
         return "the model was found but not called again after its optimizer's second step: nothing was timed"
 
-    @contextmanager
-    def pause(self) -> Iterator[None]:
+    def pause(self) -> AbstractContextManager[None]:
         """Between steps: work that is neither a step nor data wait (a whole evaluation loop)."""
         self._settle()
-        with self._driver.pause():
-            yield
+        return self._driver.pause()
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """A phase of your own inside a step, nested in the hook phase open then (``loss/clip``);
-        hook phases inside it nest too. Outside a step it is a no-op.
-
-        Raises:
-            ValueError: ``name`` is not a valid phase name.
-        """
+        hook phases inside it nest too. Outside a step, a no-op; an invalid ``name``, ``ValueError``."""
         check_phase_name(name)
         d = self._driver
         return UserPhase(name, lambda: d if d.in_step and not self._deferred else None)
@@ -193,8 +184,7 @@ class Instrumented:
         """End a finished step waiting for its zero_grad; the notes of the run."""
         if self._deferred:
             self._driver.end()
-        if self._forwards:
-            self._check_stepped()
+        self._check_stepped()
         note = self.discovery_note()
         if note is not None:
             self.timer.note(note)
@@ -281,20 +271,18 @@ class Instrumented:
                 if n is not None and self._fixed[what] is None:
                     d.counts[what] = d.counts.get(what, 0) + n
                     self._counted.add(what)
-        if self._forwards is not None:
-            self._forwards += 1
-            if self._forwards == _FORWARDS_BEFORE_WARNING:
-                self._check_stepped()
+        self._forwards += 1
+        if self._forwards == _FORWARDS_BEFORE_WARNING:
+            self._check_stepped()
 
     def _check_stepped(self) -> None:
-        """Warn (once, and note) when an optimizer passed to instrument() never stepped."""
-        forwards, self._forwards = self._forwards, None
-        idle = [o for o in self.optimizers if id(o) not in self._ever_stepped]
-        if not idle:
+        """Warn (once, and note) when an optimizer passed to instrument() never stepped in its forwards."""
+        idle, self._idle = self._idle, set()
+        if not idle or not self._forwards:
             return
-        names = ", ".join(type(o).__name__ for o in idle)
+        names = ", ".join(type(o).__name__ for o in self.optimizers if id(o) in idle)
         msg = (
-            f"the optimizer passed to instrument() ({names}) has not stepped in {forwards} training "
+            f"the optimizer passed to instrument() ({names}) has not stepped in {self._forwards} training "
             "forward passes of the model, so no step has ended and nothing is timed. Pass instrument() "
             "the optimizer your loop calls step() on (a trainer that builds its own: that one), or time "
             "the loop with `with timer.step():` blocks."
@@ -350,8 +338,8 @@ class Instrumented:
                     self._begin()  # the loop body starts with zero_grad
             out = d.call("zero_grad", None, orig, args, kwargs)
             if self._deferred:
-                self._zeroed |= zeroes
-                if len(self._zeroed) == len(self.optimizers):
+                self._stepped -= zeroes
+                if not self._stepped:
                     d.end()
             return out
 
@@ -382,8 +370,7 @@ class Instrumented:
                 )
             return None
         self._driver.switch(None if closure else "optimizer")
-        self._update_depth = 1
-        self._update_closure = closure
+        self._update_depth, self._update_closure = 1, closure
         if not closure:
             return None
         returns_to_update = self._driver.then("optimizer", inner)
@@ -399,20 +386,18 @@ class Instrumented:
             return
         self._driver.switch(None)
         self._stepped.add(id(opt))
-        self._ever_stepped.add(id(opt))
+        self._idle.discard(id(opt))
         if len(self._stepped) < len(self.optimizers):
             return
         if self._zero_grad_last is None:
             self._step_sites = _user_sites(sys._getframe(1))
-        if self._zero_grad_last:
-            self._deferred = True
-        else:
+        self._deferred = bool(self._zero_grad_last)
+        if not self._deferred:
             self._driver.end()
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
-        """zero_grad after the update (True) or before the forward (False); None: not known yet."""
-        # The calls alone can't tell (both orders give the same sequence): where both sit in the
-        # innermost function that called both does.
+        """zero_grad after the update (True) or before the forward (False), None: not known yet; read
+        from their sites in the innermost function calling both (both orders call the same sequence)."""
         sites = self._step_sites
         while sites is not None and frame is not None:
             at = sites.get(frame.f_code)
@@ -433,8 +418,7 @@ class Instrumented:
         self._count_next = None in self._fixed.values()
 
     def _clear(self) -> None:
-        self._stepped: set[int] = set()  # ids of the optimizers that stepped in this step
-        self._zeroed: set[int] = set()  # ... and were zeroed after it
+        self._stepped: set[int] = set()  # ids of the optimizers stepped (deferred: not zeroed yet)
         # Nesting of optimizer.step() calls: a subclass's step() calling super().step() runs the hooks
         # twice when both classes were patched by torch (any plain instance of the base made before).
         self._update_depth = 0

@@ -1,8 +1,6 @@
-"""``steptimer run [options] script.py [args...]``: time a training script nobody edited.
-
-The script runs as ``python script.py args...`` would; :func:`steptimer.instrument` with no model and
-no optimizer finds them at the first optimizer steps (docs/run.md) and times every step after.
-"""
+"""``steptimer run [options] script.py [args...]``: time a training script nobody edited. It runs as
+``python script.py args...`` would; :func:`steptimer.instrument` with no model and no optimizer
+finds them at the first optimizer steps (docs/run.md) and times every step after."""
 
 from __future__ import annotations
 
@@ -18,13 +16,13 @@ from types import TracebackType
 from typing import Any
 
 from steptimer._options import Options
+from steptimer._table import wrapped
 
 USAGE = "steptimer run [options] script.py [args ...]\n       steptimer run [options] -m module [args ...]"
 HELP = "run a training script unchanged and time each optimizer step"
 
 
-# (flag, type, metavar, help) of each option that takes a value; its dest is instrument()'s keyword,
-# its default the Options field's (None where it is no field).
+# (flag, type, metavar, help) per valued option; dest: instrument()'s keyword; default: Options'.
 _VALUED = (
     ("--log-dir", str, None, "TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)"),
     ("--warmup-steps", int, "N", "steps left out of the summary (default: %(default)s)"),
@@ -66,15 +64,13 @@ def split(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
     while i < len(argv) and argv[i][:1] == "-" and argv[i] not in ("-", "--") and argv[i][:2] != "-m":
         i += 2 if argv[i] in valued else 1
     opts, rest = argv[:i], argv[i:]
-    if not rest:
-        return opts, None, False, []
-    target: str | None = rest.pop(0)
+    target = rest.pop(0) if rest else ""
     module = target.startswith("-m")
     if target in ("--", "-m"):  # the script (or module) is the next word
-        target = rest.pop(0) if rest else None
+        target = rest.pop(0) if rest else ""
     elif module:  # "-mmod"
         target = target[2:]
-    return opts, target, module, rest
+    return opts, target or None, module, rest
 
 
 def default_log_dir(target: str, root: str = "runs", *, module: bool = False) -> str:
@@ -117,9 +113,15 @@ def main(argv: Sequence[str]) -> int:
         print(_wrapped(f"steptimer: timing {name}; logging to {log_dir}"), file=sys.stderr)
         # A command to copy: one line, never wrapped.
         print(f"steptimer: then: {shell_command('steptimer')} report {log_dir}", file=sys.stderr)
+    # As `python target args` / `python -m target args` set sys.argv and sys.path[0].
+    sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in argv[0]
+    sys.path[0:1] = [os.getcwd() if is_module else os.path.dirname(os.path.abspath(target))]
     failed, error = True, None
     try:
-        _run_script(target, is_module, script_args)
+        if is_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
         failed = False
     except SystemExit as e:
         failed = e.code not in (None, 0)
@@ -140,8 +142,6 @@ def main(argv: Sequence[str]) -> int:
 
 def _wrapped(line: str) -> str:
     """``line`` wrapped at 80 columns (a path stays whole)."""
-    from steptimer._table import wrapped
-
     return "\n".join(wrapped([line], 80, "  "))
 
 
@@ -149,12 +149,10 @@ def _users_frames(tb: TracebackType | None) -> TracebackType | None:
     """The traceback from the script's first frame on, as ``python script.py`` shows it."""
     package = str(Path(__file__).resolve().parent) + os.sep
     runpys = {"<frozen runpy>", runpy.__file__}  # runpy's frames name it so when it is frozen (3.11+)
-
-    def ours(tb: TracebackType) -> bool:
+    while tb is not None and tb.tb_next is not None:
         name = tb.tb_frame.f_code.co_filename
-        return name in runpys or os.path.abspath(name).startswith(package)
-
-    while tb is not None and tb.tb_next is not None and ours(tb):
+        if name not in runpys and not os.path.abspath(name).startswith(package):
+            break
         tb = tb.tb_next
     return tb
 
@@ -166,21 +164,9 @@ def shell_command(name: str, clone: Path | None = None) -> str:
     mine = os.path.join(os.path.dirname(sys.executable), name)
     if shutil.which(name) == mine:
         return name
-    root = clone or Path(__file__).resolve().parent.parent
-    dev = root / "dev"
-    if dev.is_file() and Path(sys.prefix).resolve() == (root / ".venv").resolve():
+    dev = (clone or Path(__file__).resolve().parent.parent) / "dev"
+    if dev.is_file() and Path(sys.prefix).resolve() == (dev.parent / ".venv").resolve():
         rel = os.path.relpath(dev)
         return f"{min(rel if os.sep in rel else './' + rel, str(dev), key=len)} {name}"
     module = {"tensorboard": "tensorboard.main"}.get(name, name)  # tensorboard has no __main__
     return mine if os.path.exists(mine) else f"{sys.executable} -m {module}"
-
-
-def _run_script(target: str, is_module: bool, script_args: list[str]) -> None:
-    """As ``python target args`` / ``python -m target args`` sets up ``sys.argv`` and ``sys.path[0]``."""
-    sys.argv = [target, *script_args]  # run_module(alter_sys=True) puts the module's file in argv[0]
-    if is_module:
-        sys.path[0:1] = [os.getcwd()]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
-        runpy.run_path(target, run_name="__main__")

@@ -1,8 +1,6 @@
-"""Hugging Face front door: :class:`StepTimerCallback` for ``transformers.Trainer(callbacks=[...])``.
-
-A thin caller of :class:`~steptimer.Instrumented` on the Trainer's model and optimizer; the
-Trainer's events add ``clip`` and pause evaluation out. docs/run.md#hugging-face has the phases.
-"""
+"""Hugging Face front door: :class:`StepTimerCallback` for ``Trainer(callbacks=[...])``, a thin
+caller of :class:`~steptimer.Instrumented` on the Trainer's model and optimizer; the Trainer's
+events add ``clip`` and pause evaluation out. docs/run.md#hugging-face has the phases."""
 
 from __future__ import annotations
 
@@ -29,13 +27,6 @@ except ImportError:  # fails where first needed, with the fix
     _AVAILABLE = False
 
 __all__ = ["StepTimerCallback"]
-
-
-def _torch_optimizer(opt: Any) -> Any:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (its step hooks fire there)."""
-    while hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer):
-        opt = opt.optimizer
-    return opt
 
 
 @dataclasses.dataclass
@@ -65,9 +56,8 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         trainer: The Trainer whose loggers (``report_to``) get each window's values, through
             ``Trainer.log``; without it they go to steptimer's own TensorBoard run only.
         **options: Every :class:`~steptimer.StepTimer` option; ``log_dir`` defaults to beside the
-            Trainer's logs. ``samples_per_step`` / ``tokens_per_step`` override the counts (by
-            default the leading dimension and, for 2-D integer ``input_ids``, the elements of the
-            model's input, summed over micro-batches).
+            Trainer's logs. ``samples_per_step`` / ``tokens_per_step`` override the counts taken
+            from the model's input (docs/run.md#samples-and-tokens-counted).
 
     Raises:
         ModuleNotFoundError: transformers is not installed.
@@ -87,14 +77,10 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._trainer = trainer
         self._log = _TrainerLog()
         self.timed: Instrumented | None = None
-        self._accum = 1
-        self._micro = 0
-        self._bar = False
         self.summary: Summary | None = None
+        self._accum, self._micro, self._bar = 1, 0, False
 
-    def on_train_begin(
-        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any
-    ) -> None:
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.timed is not None:
             self.timed.close()
         beside = getattr(args, "logging_dir", None) or os.path.join(args.output_dir, "steptimer")
@@ -104,24 +90,26 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._bar = not args.disable_tqdm and self._options.print_summary and self._options.enabled
         sinks = [self._log] if self._trainer is not None else []
         timer = StepTimer._make(sinks=sinks, **logs, **dataclasses.asdict(self._options))
-        self.timed = Instrumented(timer, [model], [_torch_optimizer(optimizer)], **self._counts)
+        optimizer = kw.get("optimizer")  # accelerate wraps it; the step hooks fire on the torch one
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
+        self.timed = Instrumented(timer, [kw.get("model")], [optimizer], **self._counts)
         self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._arm(0)
+        self._micro = -1
+        self.on_substep_end(args, state, control)
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._arm(self._micro + 1)
-
-    def _arm(self, micro: int) -> None:
         # The last micro-batch's backward opens `clip`, which the optimizer's step pre-hook ends.
-        self._micro = micro
-        if self.timed is not None and micro == self._accum - 1:
+        self._micro += 1
+        if self.timed is not None and self._micro == self._accum - 1:
             self.timed.open_after_backward("clip")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._send(control)
-        if not self._maybe_evaluate(control):
+        self._maybe_evaluate(control)
+        if not control.should_evaluate:  # else on_evaluate, after the evaluation
             self._maybe_stop(control)
 
     def _send(self, control: Any) -> None:
@@ -134,13 +122,11 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._maybe_evaluate(control)
 
-    def _maybe_evaluate(self, control: Any) -> bool:
+    def _maybe_evaluate(self, control: Any) -> None:
         # The Trainer evaluates right after these events when the flow callbacks set should_evaluate;
         # the pause also holds the logging before it.
         if control.should_evaluate and self.timed is not None and self.summary is None:
             self.timed.begin_evaluation()
-            return True
-        return False
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.timed is not None and self.summary is None:
