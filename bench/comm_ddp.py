@@ -61,6 +61,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(configs("tiny")), help="comma-separated, of: %(default)s")
     p.add_argument("--slow-ms", type=float, default=5.0, help="rank 1's sleep in each forward (straggler)")
     p.add_argument("--slow-on", choices=("gpu", "host", "both"), default="gpu", help="where rank 1 sleeps (CUDA)")
+    p.add_argument("--micro-batch", type=int, help="sequences per micro-batch, for every config (more: GPU-bound)")
     a = p.parse_args(argv)
     if a.profiled < 1 or a.iters < 2 * a.profiled or a.iters % a.profiled:
         p.error("--iters must be a multiple of --profiled (>= 1), at least twice it")
@@ -281,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for name in a.configs.split(","):
         cfg, bucket_mb = configs(a.preset)[name]
+        cfg = dataclasses.replace(cfg, micro_batch=a.micro_batch or cfg.micro_batch)
         mine = run_config(name, cfg, bucket_mb, a, device, rank)
         every: list[Any] = [None] * world
         dist.all_gather_object(every, mine)
