@@ -18,7 +18,7 @@ from typing import Any
 from steptimer._format import num
 from steptimer._memory import MIB
 from steptimer._slow import SlowestKeeper, SlowStep, grew_most, is_wait_phase
-from steptimer._summary import LastRank, RankSpread, RankSummary, SummaryAccumulator
+from steptimer._summary import LAUNCH_RATIO, LastRank, RankSpread, RankSummary, SummaryAccumulator
 from steptimer._tags import RANKS, run_tag
 from steptimer._verdict import DERIVED
 from steptimer._window import Window
@@ -32,7 +32,6 @@ MAX_SLOTS = 4096  # a window's last steps whose arrivals at the first collective
 # The rank last to the collective stood out: last in this part of the steps, by LAST_MIN_MS or more.
 LAST_SHARE = 2 / 3
 LAST_MIN_MS = 1.0  # a step's last rank by less than this arrived with the others (noise)
-HOST_PACED = 0.8  # a row's host time at least this share of its GPU time: the GPU waited for launches
 _NEG = -math.inf  # what a rank that abstains sends: neutral in a MAX
 
 # Custom Scalars charts, over the tags as runs hold them (a phase's sit in its run: _tensorboard.py).
@@ -165,25 +164,28 @@ def _lasts(mx: Sequence[float], end: int, bits: int) -> dict[int, tuple[int, flo
 
 
 def _row_sums(walls: Any, wkeys: Sequence[str], steps: set[int], mine: bool, nw: int) -> list[float]:
-    """This rank's rows (``wkeys``) summed over ``steps``: first half if ``mine`` (the last rank), else second."""
+    """This rank's rows (``wkeys``) summed over ``steps``: first third if ``mine`` (the last rank), else
+    the second; the last third, if ``mine``: the GPU rows' caught-up fractions (their phases'), summed."""
     if walls is None:
-        return [0.0] * (2 * nw)
-    sums = [0.0] * len(wkeys)
+        return [0.0] * (3 * nw)
+    sums, caught = [0.0] * len(wkeys), [0.0] * len(wkeys)
     for i, number in enumerate(walls.numbers.tolist()):
         if int(number) in steps:
-            by_clock = dict(zip(("host", "gpu"), walls.rows(i)))
+            fractions: dict[str, float] = {}
+            by_clock = dict(zip(("host", "gpu"), walls.rows(i, fractions)))
             for k, key in enumerate(wkeys):
                 clock, _, name = key.partition("/")
                 sums[k] += by_clock.get(clock, {}).get(name, 0.0)
+                caught[k] += fractions.get(name, 0.0) if clock == "gpu" else 0.0
     zeros = [0.0] * len(wkeys)
-    return sums + zeros if mine else zeros + sums
+    return sums + zeros + caught if mine else zeros + sums + zeros
 
 
 def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> tuple[dict, dict[str, list[float]]]:
     """Per row that can delay the arrival (between steps; top-level phases but ``backward``, which holds
     the wait), on the arrivals' clock: the last rank's sum less the others' mean (reduced ``_row_sums``);
-    on the GPU's clock also the last rank's host and GPU sums of each (``[host, gpu]``), which tell
-    whether its host set the row's pace."""
+    on the GPU's clock also the last rank's host, GPU and caught-up sums of each phase, which tell
+    whether its GPU waited for its host's launches there."""
     clock, between = ("gpu", ("idle",)) if "gpu/step" in wkeys else ("host", ("data", "loop"))
     out, k, at = {}, len(wkeys), {key: i for i, key in enumerate(wkeys)}
     for i, key in enumerate(wkeys):
@@ -191,8 +193,18 @@ def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> tuple[
         phase = name not in DERIVED and "/" not in name and not is_wait_phase(name)
         if c == clock and (name in between or phase):
             out[name] = rows[i] - rows[k + i] / max(reporting - 1, 1)
-    fed = {n: [rows[at[f"host/{n}"]], rows[at[f"gpu/{n}"]]] for n in out if clock == "gpu" and f"host/{n}" in at}
+    fed = {
+        n: [rows[at[f"host/{n}"]], rows[at[f"gpu/{n}"]], rows[2 * k + at[f"gpu/{n}"]]]
+        for n in out if clock == "gpu" and f"host/{n}" in at
+    }  # fmt: skip
     return out, fed
+
+
+def host_paced(fed: Sequence[float], steps: int) -> bool:
+    """A phase's host, GPU and caught-up sums over ``steps`` tell it was launch-bound (the verdict's
+    rule): the GPU waited for the host's launches, so the host set its pace."""
+    host, gpu, caught = fed
+    return gpu <= LAUNCH_RATIO * host and caught >= 0.5 * steps
 
 
 @dataclass
@@ -203,7 +215,7 @@ class _Late:
     ahead_ms: float = 0.0
     grew_steps: int = 0  # of ``steps``, those in windows where it was last most: its rows' growth
     grew_ms: dict[str, float] = field(default_factory=dict)
-    fed: dict[str, list[float]] = field(default_factory=dict)  # its rows' [host, gpu] ms
+    fed: dict[str, list[float]] = field(default_factory=dict)  # its phases' host ms, GPU ms, caught-up
 
 
 @dataclass
@@ -317,9 +329,7 @@ class CrossRank:
             rank, late = max(self._late.items(), key=lambda kv: (kv[1].ahead_ms, -kv[0]), default=(-1, _Late()))
             phase, steps, share = grew_most(late.grew_ms), max(late.steps, 1), late.steps / self._measured
             grew_ms = late.grew_ms[phase] / max(late.grew_steps, 1) if phase else 0.0
-            # Its GPU ran the row about as long as its host took to launch it: the host set the pace.
-            host, gpu = late.fed.get(phase or "", (math.nan, math.nan))
-            paced = None if math.isnan(gpu) else host >= HOST_PACED * gpu
+            paced = host_paced(late.fed[phase], late.grew_steps) if phase in late.fed else None
             ahead_ms, stood_out = late.ahead_ms / steps, share >= LAST_SHARE
             last = LastRank(rank, share, ahead_ms, phase, grew_ms, stood_out, self.collective, paced)
             self.summary = replace(self.summary, last=last)
@@ -345,8 +355,8 @@ class CrossRank:
                 late.grew_steps += len(ahead)
                 for name, v in res.grew.items():
                     late.grew_ms[name] = late.grew_ms.get(name, 0.0) + v
-                for name, (host, gpu) in res.fed.items():
-                    late.fed[name] = [a + b for a, b in zip(late.fed.get(name, [0.0, 0.0]), (host, gpu))]
+                for name, sums in res.fed.items():
+                    late.fed[name] = [a + b for a, b in zip(late.fed.get(name, [0.0] * 3), sums)]
             phase = grew_most(res.grew)
             kept = {c.step for c in keeper.heap} if keeper is not None else set()
             self._said = {n: text for n, text in self._said.items() if n in kept}

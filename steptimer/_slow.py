@@ -170,13 +170,19 @@ class StepMarks:
         self._alloc = (retries, window.step)
 
 
-def row_values(blk: Any, series: list[tuple[str, str]], i: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Row ``i`` of a block as ``(host_ms, gpu_ms)`` by row name (NaN values left out)."""
+def row_values(
+    blk: Any, series: list[tuple[str, str]], i: int, caught: dict[str, float] | None = None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Row ``i`` of a block as ``(host_ms, gpu_ms)`` by row name (NaN values left out); the phases'
+    caught-up fractions into ``caught`` if given."""
     host: dict[str, float] = {}
     gpu: dict[str, float] = {}
     for (c, name), v in zip(series, blk.derived[i].tolist()):
-        if c != "caught" and not math.isnan(v):
-            (host if c == "host" else gpu)[name] = v
+        if not math.isnan(v):
+            if c != "caught":
+                (host if c == "host" else gpu)[name] = v
+            elif caught is not None:
+                caught[name] = v
     return host, gpu
 
 
@@ -228,12 +234,12 @@ class StepWalls:
     def __len__(self) -> int:
         return len(self.numbers)
 
-    def rows(self, i: int) -> tuple[dict[str, float], dict[str, float]]:
-        """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name."""
+    def rows(self, i: int, caught: dict[str, float] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+        """Step ``i`` (in step order) as ``(host_ms, gpu_ms)`` by row name (``row_values``)."""
         i = int(self._order[i])
         for blk, series, numbers, _ in self._parts:
             if i < len(numbers):
-                return row_values(blk, series, i)
+                return row_values(blk, series, i, caught)
             i -= len(numbers)
         raise IndexError(i)
 

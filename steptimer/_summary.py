@@ -34,8 +34,8 @@ class RankSpread:
 class LastRank:
     """The rank last (by 1 ms or more) to a watched model's first collective in a step (DDP's first
     all-reduce, FSDP2's first all-gather) in ``share`` of the steps, ``ahead_ms`` after the first rank
-    on average; ``phase``: its row that grew most; ``host_paced``: on the GPU's clock, whether its host
-    took about as long to launch the row as its GPU ran it (the GPU waited for launches)."""
+    on average; ``phase``: its row that grew most; ``host_paced``: on the GPU's clock, whether that phase
+    was launch-bound on it (as the verdict's rule: its GPU waited for its host's launches)."""
 
     rank: int
     share: float

@@ -16,13 +16,13 @@ import pytest
 from steptimer import StepTimer
 from steptimer._dist import (
     CHARTS,
-    HOST_PACED,
     CrossRank,
     _arrivals,
     _grew,
     _lasts,
     decode_rank,
     encode,
+    host_paced,
     rank_bits,
     spreads,
     straggler_ms,
@@ -319,15 +319,20 @@ def test_nccl_two_gpus_names_the_slowed_rank(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- arithmetic, in-process
 
 
-def test_the_last_rank_s_host_set_the_pace_where_its_gpu_ran_a_row_about_as_long_as_its_host() -> None:
-    """On the GPU's clock the reduced rows give the last rank's host and GPU sums of each phase."""
-    wkeys = ["gpu/step", "host/forward", "gpu/forward", "host/optimizer", "gpu/optimizer"]
-    mine, others = [100.0, 30.0, 31.0, 2.0, 12.0], [180.0, 30.0, 40.0, 2.0, 8.0]  # 2 other ranks
-    grew, fed = _grew(mine + others, wkeys, reporting=3)
-    assert grew == {"forward": 11.0, "optimizer": 8.0} and fed == {"forward": [30.0, 31.0], "optimizer": [2.0, 12.0]}
-    said = {n: LastRank(1, 1.0, 9.0, n, grew[n], True, host_paced=h >= HOST_PACED * g).text()
-            for n, (h, g) in fed.items()}  # fmt: skip
-    assert said["forward"].endswith("in forward (+11.0 ms: its host launched slower)"), said
+def test_the_last_rank_s_host_set_the_pace_where_the_phase_was_launch_bound_on_it() -> None:
+    """On the GPU's clock the reduced rows give the last rank's host, GPU and caught-up sums of each
+    phase (2 steps): forward's GPU span within 1.1x the host's and the GPU caught up in both steps (its
+    host set the pace); optimizer's GPU span as close, but the GPU never caught up (a full launch
+    queue blocked the host: the GPU's own work grew)."""
+    wkeys = ["gpu/forward", "gpu/optimizer", "gpu/step", "host/forward", "host/optimizer"]
+    mine = [62.0, 24.0, 200.0, 60.0, 22.0]
+    others = [80.0, 32.0, 360.0, 40.0, 40.0]  # 2 other ranks
+    caught = [2.0, 0.0, 0.0, 0.0, 0.0]
+    grew, fed = _grew(mine + others + caught, wkeys, reporting=3)
+    assert grew == {"forward": 22.0, "optimizer": 8.0}
+    assert fed == {"forward": [60.0, 62.0, 2.0], "optimizer": [22.0, 24.0, 0.0]}
+    said = {n: LastRank(1, 1.0, 9.0, n, grew[n], True, host_paced=host_paced(fed[n], 2)).text() for n in grew}
+    assert said["forward"].endswith("in forward (+22.0 ms: its host launched slower)"), said
     assert said["optimizer"].endswith("in optimizer (+8.000 ms on its GPU)"), said
 
 
