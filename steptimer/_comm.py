@@ -40,9 +40,9 @@ def comm_ms(
     for an all-gather or a reduce-scatter) for the first ``n`` spans (those launched before it): each
     waited while they ran, from its start until the last of them that ended in it.
     The others (DDP's buckets; FSDP2's reduce-scatters if its final callback is not a region) are
-    grouped by backward, ``lasts[i]``: span ``i``
-    is a backward's last (DDP's ``is_last()``; else the step's last): a group's exposed part is its union
-    after its last span was ready, when the compute had nothing left to do but wait for it."""
+    grouped by backward, ``lasts[i]``: span ``i`` is a backward's last (DDP's ``is_last()``; else the
+    step's last): a group's exposed part is its union after its last span was ready, when the compute
+    had nothing left to do but wait for it."""
     waits = list(waits) or [None] * len(spans)
     exposed = sum(max(0.0, b - w) for (_, b), w in zip(spans, waits) if w is not None and not math.isnan(w))
     for a, z, n in regions:  # the collectives that ran from its start until the last that ended in it
