@@ -169,11 +169,15 @@ def _rank_main(rank: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _two_ranks(main: Any, d: Path) -> dict[int, dict[str, Any]]:
+    """``main(rank, init, out)`` on 2 spawned gloo ranks; each rank's ``rank<N>.json``."""
+    mp.spawn(main, args=(f"file://{d / 'init'}", str(d)), nprocs=2, join=True)
+    return {r: json.loads((d / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    d = tmp_path_factory.mktemp("comm")
-    mp.spawn(_rank_main, args=(f"file://{d / 'init'}", str(d)), nprocs=2, join=True)
-    return {r: json.loads((d / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return _two_ranks(_rank_main, tmp_path_factory.mktemp("comm"))
 
 
 def test_each_rank_gets_comm_rows_inside_backward_and_the_shares_still_add_up(ddp_run: dict) -> None:
@@ -293,9 +297,7 @@ def _fsdp_main(rank: int, init: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    d = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_fsdp_main, args=(f"file://{d / 'init'}", str(d)), nprocs=2, join=True)
-    return {r: json.loads((d / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return _two_ranks(_fsdp_main, tmp_path_factory.mktemp("fsdp"))
 
 
 def test_fsdp2_collectives_are_rows_of_their_own_and_training_is_unchanged(fsdp_run: dict) -> None:
@@ -312,6 +314,38 @@ def test_fsdp2_collectives_are_rows_of_their_own_and_training_is_unchanged(fsdp_
     last = fsdp_run[0]["watched"]["last"]
     want = r"rank 1 was last to the FSDP collectives in 100% of steps, \+[\d.]+ ms, in forward.*"
     assert re.fullmatch(want, last), last
+
+
+def test_a_watched_fsdp2_model_saves_and_loads_its_state_dict(tmp_path: Path) -> None:
+    """FSDP2 refuses deepcopy and pickling of the model itself; its state dict is how a watched model
+    is checkpointed: written with torch.save, read back into a fresh model, the same weights."""
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+        for layer in m:
+            fully_shard(layer)
+        return fully_shard(m)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        model, timer = sharded(), StepTimer(cuda=False, print_summary=False, warmup_steps=0, cross_rank=False)
+        timer.watch_fsdp(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            with timer.step(), timer.phase("backward"):
+                model(torch.ones(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        timer.close()
+        torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+        fresh = sharded()
+        fresh.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+            assert torch.equal(a.full_tensor(), b.full_tensor())
+    finally:
+        dist.destroy_process_group()
 
 
 def test_watch_fsdp_wants_fully_shard_modules() -> None:
