@@ -80,6 +80,7 @@ SCENARIOS = {
     # (its partial window counted), then shadows until rank 0 closes; no timeout is needed.
     "uneven": ["--steps", "32", "--every", "10", "--short-rank", "1", "--short-steps", "25", "--timeout", "60"],
     "phase-sets": ["--steps", "20", "--every", "10", "--extra-phase-rank", "1", "--timeout", "60"],
+    "own-failure": ["--steps", "30", "--every", "10", "--break-rounds", "--timeout", "20"],
     # Last: its side group times out on rank 0.
     "raise": ["--steps", "30", "--every", "10", "--no-ddp", "--raise-rank", "1", "--raise-step", "15", "--timeout", "3",
               "--linger-s", "6"],
@@ -268,6 +269,20 @@ def test_a_rank_that_fails_starts_no_collective_and_the_others_time_out(runs: di
     assert "within 3 s" in out
     assert "rank 1 caught: planned failure" in out
     assert results[0]["steps"] == 30 and "summary_ranks" not in results[0]  # no warm-up steps
+
+
+def test_a_failure_of_steptimers_own_in_a_round_stops_the_rounds_not_training(runs: dict) -> None:
+    # Every rank's round arithmetic raises after the first round (a bug of steptimer's, alike on every
+    # rank): the rounds stop for good with a note, each rank trains all its steps to the weights of the
+    # same run without it (slow-None: no rank slowed), and every window is still written.
+    results, out, tmp_path = runs["own-failure"]
+    tb = scalars(tmp_path)
+    assert tb["steptimer-ranks/reporting"] == [(10, 2.0)]
+    assert [s for s, _ in tb["steptimer/host/step_ms"]] == [10, 20, 30]
+    for r in (0, 1):
+        assert results[r]["steps"] == 30
+        assert any("steptimer's own failure in a round (ZeroDivisionError" in n for n in results[r]["notes"]), r
+        assert results[r]["params"] == runs["slow-None"][0][r]["params"], r
 
 
 def test_lightning_ddp_names_the_slowed_rank(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gc-rank", type=int, default=-1, help="this rank collects garbage in step --gc-step")
     p.add_argument("--gc-step", type=int, default=0)
     p.add_argument("--linger-s", type=float, default=0.0, help="the raising rank stays this long before exiting")
+    p.add_argument("--break-rounds", action="store_true", help="every rank's round arithmetic fails after the 1st")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--batch", type=int, default=64)
@@ -117,13 +118,28 @@ def run(a: argparse.Namespace) -> None:
     if net is ddp:
         timer.watch_ddp(ddp)
     t0 = time.perf_counter()
+    if a.break_rounds:  # steptimer's own bug in the reduced values' arithmetic, on every rank alike
+        from steptimer import _dist
+
+        spreads = _dist.spreads
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            if timer._engine.number > a.every:  # the first round (step a.every) goes through
+                raise ZeroDivisionError("steptimer's own bug")
+            return spreads(*args, **kwargs)
+
+        _dist.spreads = broken
     try:
         train(a, rank, steps, timer, net, opt, x, mem)
     except RuntimeError as err:
         print(f"rank {rank} caught: {err}", flush=True)
         time.sleep(a.linger_s)  # alive but out of steptimer's rounds: the others must time out
     summary = timer.close()
+    if a.break_rounds:
+        _dist.spreads = spreads
     out = {"rank": rank, "scenario": a.scenario, "wall_s": time.perf_counter() - t0, "steps": summary.steps}
+    out["notes"] = list(summary.notes)
+    out["params"] = [float(p.detach().sum()) for p in model.parameters()]
     if summary.ranks is not None:
         s = summary.ranks.straggler
         out["summary_ranks"] = summary.ranks.ranks
