@@ -160,7 +160,10 @@ def test_a_gc_pause_on_one_rank_in_a_windows_last_step_keeps_the_ranks_in_step(r
     others: the ranks meet in the cross-rank round, none waits in the others' all-reduce until the
     round's timeout, and every window is reported by both."""
     results, out, tmp_path = runs["gc-pause"]
-    assert "timed out" not in out and "cross-rank" not in out.split("RESULT")[0].lower(), out[-3000:]
+    # The summary's "cross-rank statistics: N ms per log interval" line may print before another rank's
+    # RESULT: look for the two messages that say the rounds ended, not for the words they share.
+    for ended in ("timed out", "statistics switched off", "statistics stopped"):
+        assert ended not in out, out[-3000:]
     assert all(r["wall_s"] < 20.0 for r in results.values()), results  # far from the round's timeout
     assert [v for _, v in scalars(tmp_path)["steptimer-ranks/reporting"]] == [2.0, 2.0, 2.0]
 
