@@ -22,7 +22,7 @@ from steptimer._hooks import Discovery, Hooks, batch_counts, holds
 from steptimer.timer import StepTimer, check_count, check_phase_name
 
 if TYPE_CHECKING:
-    from steptimer import Summary
+    from steptimer._summary import Summary
 
 __all__ = ["Instrumented", "instrument"]
 
