@@ -634,6 +634,8 @@ class Phase:
                 if d < e.bound_min and not shared:  # a boundary that recorded an event
                     e.bound_min = d
                 e.cost_s += d if d < e.bound_cap else e.bound_cap
+        elif e.budget is not None:
+            e.cost_s += perf_counter() - t
 
     def __exit__(self, et: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         """Leave the phase; ``error`` is read only for the out-of-memory note, never swallowed."""

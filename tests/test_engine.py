@@ -10,6 +10,7 @@ import pytest
 
 from steptimer._engine import GPU, HOST, OUT, UNTIMED, Engine, Fetch, Phase, PhaseRecord, StepRecord
 from steptimer._window import FETCH_S, GAP_S, STEP_S, StepRows, window_of
+import steptimer._engine as engine_mod
 from tests.fakes import FakeClock, FakeGPU
 
 
@@ -425,3 +426,29 @@ def test_a_slow_untimed_step_makes_the_next_step_timed(clock: FakeClock) -> None
     fixed.step(clock, gpu)
     fixed.step(clock, gpu, data_ms=100.0)
     assert fixed.engine._slow_s == float("inf")
+
+
+
+class TickingClock(FakeClock):
+    """A host clock each read of which takes ``tick_ms``: steptimer's own time is its clock reads."""
+
+    def __init__(self, tick_ms: float) -> None:
+        super().__init__()
+        self.tick_ms = tick_ms
+
+    def __call__(self) -> float:
+        self.now += self.tick_ms / 1e3
+        return self.now
+
+
+def test_the_cost_budget_counts_a_host_steps_phase_entries_as_its_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host timing on a clock whose reads take 5 µs: a timed step's own time is one read at each of its
+    2 phase entries, 2 exits and its end, 25 µs, so the budget times one step in ceil(25 µs / (0.5 %
+    x 1.54 ms)) = 4, not one in 2 as it would counting the exits and the end alone."""
+    c = TickingClock(5e-3)
+    monkeypatch.setattr(engine_mod, "perf_counter", c)
+    o = Owner(None, sample_every=None, window_every=10_000, cost_budget=0.005)
+    for _ in range(3000):
+        o.step(c, None)  # 0.5 ms of data and 1 ms in two phases, 7 reads of the clock: 1.535 ms
+    o.engine.close()
+    assert 0.9 * 3000 / 4 < len(timed_numbers(o)) <= 1.05 * 3000 / 4
