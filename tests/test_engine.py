@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+import steptimer._engine as engine_mod
 from steptimer._engine import GPU, HOST, OUT, UNTIMED, Engine, Fetch, Phase, PhaseRecord, StepRecord
 from steptimer._window import FETCH_S, GAP_S, STEP_S, StepRows, window_of
-import steptimer._engine as engine_mod
 from tests.fakes import FakeClock, FakeGPU
 
 
