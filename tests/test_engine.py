@@ -428,7 +428,6 @@ def test_a_slow_untimed_step_makes_the_next_step_timed(clock: FakeClock) -> None
     assert fixed.engine._slow_s == float("inf")
 
 
-
 class TickingClock(FakeClock):
     """A host clock each read of which takes ``tick_ms``: steptimer's own time is its clock reads."""
 
