@@ -873,7 +873,8 @@ def test_every_line_fits_80_columns_in_a_pipe(tmp_path: Path, clock: FakeClock) 
 
 def test_the_heading_says_how_steps_were_timed(tmp_path: Path, clock: FakeClock) -> None:
     """The summary's heading and the report's say how many steps were timed and why: one in N
-    (``sample_every``), or as many as the cost budget allowed (2 ms steps whose timing costs ~30 µs)."""
+    (``sample_every``), or as many as the cost budget allowed (launch-bound 1 ms steps whose timing
+    costs ~30 µs)."""
     cases = (("fixed", {"sample_every": 4}, "(1 in 4: sample_every)"), ("budget", {"cost_budget": 0.005}, "(cost budget 0.5%)"))
     for name, kw, why in cases:
         gpu = FakeGPU(clock, record_ms=0.01)
@@ -882,7 +883,7 @@ def test_the_heading_says_how_steps_were_timed(tmp_path: Path, clock: FakeClock)
         )
         for _ in range(400):
             with t.step(), t.phase("forward"):
-                gpu.launch(2.0)
+                gpu.launch(0.5)
                 clock.advance_ms(1.0)
         s = t.close()
         head = f"{s.timed_steps} timed {why}"

@@ -33,13 +33,16 @@ class Owner:
         self.taken.append(e.rows)
         e.rows = StepRows()
 
-    def step(self, clock: FakeClock, gpu: FakeGPU | None, ms: float = 1.0, data_ms: float = 0.5) -> None:
+    def step(
+        self, clock: FakeClock, gpu: FakeGPU | None, ms: float = 1.0, data_ms: float = 0.5, gpu_ms: float | None = None
+    ) -> None:
+        """Each phase launches ``gpu_ms`` (default ``ms``) of GPU work in ``ms / 2`` of host time."""
         clock.advance_ms(data_ms)
         with self.engine:
             for name in ("forward", "backward"):
                 with self.phases[name]:
                     if gpu is not None:
-                        gpu.launch(ms)
+                        gpu.launch(ms if gpu_ms is None else gpu_ms)
                     clock.advance_ms(ms / 2)
 
 
@@ -372,16 +375,17 @@ def test_the_cost_budget_times_every_step_of_long_steps(clock: FakeClock) -> Non
 
 
 def test_the_cost_budget_times_a_fraction_of_short_steps(clock: FakeClock) -> None:
-    """2 ms steps whose timing costs ~40 µs (four records of 10 µs): steptimer times about one in
-    four, so that its own measured time is the budget of the run's wall time, not more."""
+    """Launch-bound 1.5 ms steps (0.2 ms of GPU work) whose timing costs ~40 µs (four records of
+    10 µs): steptimer times about one in four, so that its own measured time is the budget of the
+    run's wall time, not more."""
     gpu = costly(clock)
     o = Owner(gpu, sample_every=None, window_every=100, cost_budget=0.005)
     start = clock.now
     for _ in range(4000):
-        o.step(clock, gpu)
+        o.step(clock, gpu, gpu_ms=0.1)
     timed = len(timed_numbers(o))
     own_share = gpu.records * 10e-6 / (clock.now - start)
-    assert 4000 / 12 < timed <= 1.05 * 4000 / 4  # blocks of ceil(40 µs / (0.5 % x 2 ms)) = 4 steps
+    assert 4000 / 7 < timed <= 1.05 * 4000 / 6  # blocks of ceil(40 µs / (0.5 % x 1.54 ms)) = 6 steps
     assert 0.003 < own_share <= 0.0055
     wide = Owner(costly(clock), sample_every=None, window_every=100, cost_budget=0.05)
     for _ in range(400):
@@ -390,13 +394,26 @@ def test_the_cost_budget_times_a_fraction_of_short_steps(clock: FakeClock) -> No
     assert len(timed_numbers(wide)) == 400  # a budget of 5 %: every step fits
 
 
+def test_the_cost_budget_times_every_gpu_bound_step_its_host_time_hides_behind(clock: FakeClock) -> None:
+    """The same records' 40 µs on steps of 2 ms of GPU work launched in 1.5 ms: the host waits for the
+    GPU every step (the lagged wait), so steptimer's own time there costs no wall. The budget counts
+    a step's own time less that wait and times every step once the waits begin."""
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=100, cost_budget=0.005)
+    start = clock.now
+    for _ in range(4000):
+        o.step(clock, gpu)
+    assert (clock.now - start) / 4000 == pytest.approx(2e-3, rel=1e-3)  # the GPU's pace: nothing added
+    assert len(timed_numbers(o)) >= 0.99 * 4000
+
+
 def test_the_cost_budget_never_aliases_with_a_periodic_pattern(clock: FakeClock) -> None:
     """Every 10th step 50 % longer (a ``.item()`` every 10th step): the timed steps fall on every
     position in the period about equally (one at random in each block, whatever its length)."""
     gpu = costly(clock)
     o = Owner(gpu, sample_every=None, window_every=100)
     for n in range(1, 6001):
-        o.step(clock, gpu, data_ms=1.0 if n % 10 == 0 else 0.5)
+        o.step(clock, gpu, data_ms=1.0 if n % 10 == 0 else 0.5, gpu_ms=0.1)
     timed = timed_numbers(o)
     per = [sum(1 for n in timed if n % 10 == r) for r in range(10)]
     assert len(timed) < 6000 / 3
@@ -410,13 +427,13 @@ def test_a_slow_untimed_step_makes_the_next_step_timed(clock: FakeClock) -> None
     o = Owner(gpu, sample_every=None, window_every=10_000, slowest=True)
     e = o.engine
     for _ in range(500):
-        o.step(clock, gpu)
+        o.step(clock, gpu, gpu_ms=0.1)  # launch-bound: the records' cost is the wall's
     while e._next_timed - e.number < 4:  # the next steps up to the block's pick are untimed
-        o.step(clock, gpu)
+        o.step(clock, gpu, gpu_ms=0.1)
     slow, planned = e.number + 1, e._next_timed
-    o.step(clock, gpu, data_ms=30.0)
+    o.step(clock, gpu, data_ms=30.0, gpu_ms=0.1)
     while e.number < planned:
-        o.step(clock, gpu)
+        o.step(clock, gpu, gpu_ms=0.1)
     e.close()
     timed = timed_numbers(o)
     assert slow not in timed and slow + 1 in timed and planned in timed
