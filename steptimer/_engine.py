@@ -177,7 +177,7 @@ class Engine:
         if (self.state or self.closed or self.cuda is None) and not self._may_begin():
             return
         self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
-        self._cost_t0 = self.cost_s  # the budget's count at the step's start (_queue)
+        self._cost_at_begin = self.cost_s  # the budget's count as the step begins (_queue)
         if self.number + 1 != self._next_timed:  # outside the sample: no phase, no event, no reading
             self._recs = self._evs = _EMPTY
             self._mem = None
@@ -306,7 +306,7 @@ class Engine:
         if self.budget is not None and (state != UNTIMED or queued or rec.events):
             self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
             if rec.wait_s:  # the host then waited for the GPU: its own time in the step, up to that, cost no wall
-                self.cost_s = max(self._cost_t0, self.cost_s - rec.wait_s)
+                self.cost_s = max(self._cost_at_begin, self.cost_s - rec.wait_s)
         if number == self._next_timed:
             self._pick_next(number)
         elif step_s + gap > self._slow_s:  # NaN (the run's first step): never
