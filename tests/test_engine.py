@@ -395,8 +395,9 @@ def test_the_cost_budget_times_a_fraction_of_short_steps(clock: FakeClock) -> No
 
 
 def test_the_cost_budget_times_every_gpu_bound_step_its_host_time_hides_behind(clock: FakeClock) -> None:
-    """The same records' 40 µs on steps of 2 ms of GPU work launched in 1.5 ms: the host waits for the
-    GPU every step (the lagged wait), so steptimer's own time there costs no wall. The budget counts
+    """The same 10 µs records (three a step when every step is timed) on steps of 2 ms of GPU work
+    launched in 1.5 ms: the host waits for the GPU every step (the lagged wait), so steptimer's own
+    time there costs no wall. The budget counts
     a step's own time less that wait and times every step once the waits begin."""
     gpu = costly(clock)
     o = Owner(gpu, sample_every=None, window_every=100, cost_budget=0.005)
