@@ -424,14 +424,14 @@ class StepTimer:
         window, xrank, engine, counter = self._take_window(), self._xrank, self._engine, self._seams.energy_counter
         energy = engine.cuda and (counter is not None or not engine._custom_backend)
         run_energy = self._energy.close(engine.last_resolved, window) if closing else (None, None)
-        try:
-            if closing and xrank is not None and not xrank.off:  # closing rounds, window or not
-                window = xrank.close(window, self._acc, energy_values(run_energy[0]))
-            elif window is not None and xrank is not None:
-                window = xrank.interval(window, self._acc.slow, energy_values(self._energy.at(xrank.last_step)))
-        except Exception as err:  # noqa: BLE001 - steptimer's own failure: the window stays, training goes on
-            assert xrank is not None
-            xrank.abandon(f"steptimer's own failure in a round ({type(err).__name__}: {err})")
+        if xrank is not None:
+            try:
+                if closing and not xrank.off:  # closing rounds, window or not
+                    window = xrank.close(window, self._acc, energy_values(run_energy[0]))
+                elif window is not None:
+                    window = xrank.interval(window, self._acc.slow, energy_values(self._energy.at(xrank.last_step)))
+            except Exception as err:  # noqa: BLE001 - steptimer's own failure: the window stays, training goes on
+                xrank.abandon(f"steptimer's own failure in a round ({type(err).__name__}: {err})")
         if energy:
             self._energy.write_ready(self._sinks, xrank.energy if xrank is not None else None)
         if window is None:
