@@ -66,7 +66,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, trainer: Any = None, **options: Any) -> None:
         if not _AVAILABLE:
-            raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'steptimer[hf]'")
+            raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'torch-steptimer[hf]'")
         counts = ("samples_per_step", "tokens_per_step")
         self._counts = {k: check_count(k, options.pop(k)) for k in counts if k in options}
         # Where the logs go (none given: beside the Trainer's, known at on_train_begin), and the rest.

@@ -36,7 +36,7 @@ _FETCH_ACTION = "].train_dataloader_next"
 _FLAVOURS = [importlib.import_module(name) for name in ("pytorch_lightning", "lightning.pytorch")
              if importlib.util.find_spec(name.split(".")[0]) is not None]  # fmt: skip
 if not _FLAVOURS:
-    msg = "StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
+    msg = "StepTimerCallback needs Lightning: pip install 'torch-steptimer[lightning]'"
     raise ModuleNotFoundError(msg, name="pytorch_lightning")
 
 # One class that is a Callback for every installed flavour, so the same `StepTimerCallback` works in a

@@ -1164,7 +1164,7 @@ def test_import_without_lightning_fails_with_the_fix() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "MNF: StepTimerCallback needs Lightning: pip install 'steptimer[lightning]'"
+    assert out.stdout.strip() == "MNF: StepTimerCallback needs Lightning: pip install 'torch-steptimer[lightning]'"
     # And `import steptimer` alone never imports Lightning.
     code = (
         "import sys, steptimer\n"

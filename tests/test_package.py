@@ -82,3 +82,40 @@ def test_one_version_in_one_place() -> None:
     first = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
     assert first is not None and first.group(1) == steptimer.__version__
     assert f"pip install {DIST_NAME}" in (ROOT / "README.md").read_text()
+
+
+# What a hint may name besides this project: the third-party packages steptimer's messages point to.
+OTHER_DISTRIBUTIONS = {"nvidia-ml-py"}
+HINT = re.compile(r"pip install((?:[ \t]+(?:-\S+|'[^'\n]*'|[\w.\[\],=<>-]+))+)")
+
+
+def install_hints(text: str) -> list[str]:
+    """The distributions each `pip install ...` in ``text`` names, extras and versions dropped."""
+    names = []
+    for m in HINT.finditer(text):
+        for arg in m.group(1).split():
+            arg = arg.strip("'\"`;,.):")
+            if arg and not arg.startswith("-"):
+                names.append(re.split(r"[\[<>=]", arg)[0].lower())
+    return names
+
+
+def test_every_install_hint_names_this_distribution() -> None:
+    # "steptimer" on PyPI is another project: a hint must say torch-steptimer (extras included).
+    files = [
+        *(ROOT / "steptimer").glob("*.py"),
+        *(ROOT / "examples").glob("*.py"),
+        *(ROOT / "bench").glob("*.py"),
+        *(ROOT / "docs").glob("*.md"),
+        ROOT / "README.md",
+        ROOT / "CHANGELOG.md",
+    ]
+    hints = {f.relative_to(ROOT).as_posix(): install_hints(f.read_text()) for f in files}
+    wrong = {f: [n for n in names if n not in {DIST_NAME} | OTHER_DISTRIBUTIONS] for f, names in hints.items()}
+    assert {f: names for f, names in wrong.items() if names} == {}
+    assert DIST_NAME in hints["steptimer/lightning.py"] and DIST_NAME in hints["steptimer/hf.py"]
+
+
+def test_the_install_hint_scan_reads_extras_quotes_and_flags() -> None:
+    text = "run `pip install 'steptimer[lightning]'`; or pip install -U torch-steptimer[hf] nvidia-ml-py."
+    assert install_hints(text) == ["steptimer", "torch-steptimer", "nvidia-ml-py"]
