@@ -121,6 +121,7 @@ class Engine:
         self.tokens: float | None = None
         self.flops: float | None = None
         self.fetch_s = _NAN  # the loader's time since the last step (Fetch); NaN: none, one read a step
+        self.fetching = False  # a Fetch between steps is running: a fetch inside it counts once
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[PhaseRecord] = []
         self._evs: list[Any] = []
@@ -686,8 +687,9 @@ class Fetch:
     """The loader's iterator ``it`` with each ``__next__`` timed (~0.2 µs a batch, bench/fetch.py).
 
     Between steps the time goes to the next step's ``FETCH_S``; inside a step with no phase open it
-    is a ``data`` phase; inside a phase or a pause it is not counted again. Without ``it``, a front
-    door calls :meth:`start` and :meth:`stop` itself (Lightning's profiler calls)."""
+    is a ``data`` phase; inside a phase, a pause or another fetch (``timer.data`` over a loader that
+    ``instrument()`` times, a loader iterating another) it is not counted again. Without ``it``, a
+    front door calls :meth:`start` and :meth:`stop` itself (Lightning's profiler calls)."""
 
     __slots__ = ("_e", "_it", "_phase")
 
@@ -713,16 +715,20 @@ class Fetch:
     def start(self) -> float | None:
         """A fetch begins: its start time (-1.0: a ``data`` phase was opened; None: not timed)."""
         e = self._e
-        if not e.state:
+        if not e.state and not e.fetching:
+            e.fetching = True
             return perf_counter()
-        if e.state < HOST or e._stack:
+        if e.state < HOST or e._stack:  # inside a step, the data phase a fetch opened is on the stack
             return None
         self._phase.__enter__()
         return -1.0
 
     def stop(self, t0: float) -> None:
         """The fetch that :meth:`start` returned ``t0`` for ended."""
+        e = self._e
         if t0 < 0.0:
             self._phase.__exit__(*sys.exc_info())
-        elif not self._e._pausing:
-            self._e.fetch_s += perf_counter() - t0
+            return
+        e.fetching = False
+        if not e._pausing:
+            e.fetch_s += perf_counter() - t0

@@ -979,3 +979,35 @@ def test_a_lightning_trainer_found_by_instrument(manual: bool) -> None:
     assert_host_ms(s, "zero_grad", n * SLEEP_MS["zero_grad"])
     assert_host_ms(s, "forward", n * SLEEP_MS["forward"])
     assert s["other"].host.median_ms < 5.0, s["other"]
+
+
+class LoaderOfLoader(torch.utils.data.IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """An iterable dataset that iterates another DataLoader: a fetch inside a fetch."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return iter(loader(self.n))
+
+
+@pytest.mark.parametrize("shape", ["timer.data", "loader of a loader"])
+def test_a_fetch_inside_a_fetch_counts_once(shape: str) -> None:
+    """instrument() times every DataLoader; a loader wrapped again by ``timer.data`` (as the README
+    shows) or one iterating another starts a fetch inside a fetch: the sleep counts once."""
+    model = SleepyNet(sleep_ms=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timed = instrument(model, opt, **QUIET, warmup_steps=1)
+    if shape == "timer.data":
+        batches: Any = timed.timer.data(loader(5))
+    else:
+        batches = torch.utils.data.DataLoader(LoaderOfLoader(5), batch_size=None)
+    for x, y in batches:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    s = timed.close()
+    assert s.steps == 4
+    assert_host_ms(s, "data", SLEEP_MS["data"])
+    top = [r.share for r in s.rows if r.name not in ("step", "idle") and r.share is not None]
+    assert sum(top) == pytest.approx(1.0, abs=0.01)
