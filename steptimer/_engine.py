@@ -582,7 +582,7 @@ class Engine:
         for a, c in rec.pauses:
             self._free += (a, c)
         rows, marks = self.rows, rec.marks
-        if self.slow is not None and (marks or rec.paused_s or self.slow.spans):
+        if self.slow is not None and (marks or rec.paused_s or self.slow.spans or self.slow.fresh):
             marks = self.slow.resolved(rec)
         if marks:
             rows.marks[number] = marks

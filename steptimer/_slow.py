@@ -88,7 +88,11 @@ class StepMarks:
     def __init__(self, clock: Callable[[], float], pending: Sequence[Any]) -> None:
         self._clock = clock  # the engine's host clock
         self._pending = pending  # the engine's ended steps not yet resolved (StepRecord), oldest first
-        self.spans: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)  # GC not yet in a step
+        # GC not yet in a step. The gc callback appends only to ``fresh``, which ``resolved`` swaps for an
+        # empty one before reading it: a collection can start inside any allocation, also while
+        # ``resolved`` iterates, and a deque that grows under its iterator raises.
+        self.spans: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)
+        self.fresh: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)
         self.dyn: Mapping[str, int] | None = None  # dynamo's counters["stats"], once it is imported
         self._graphs = 0
         self._gc_t0 = 0.0
@@ -98,7 +102,7 @@ class StepMarks:
         if phase == "start":
             self._gc_t0 = self._clock()
         else:
-            self.spans.append((self._gc_t0, self._clock(), info.get("generation", -1)))
+            self.fresh.append((self._gc_t0, self._clock(), info.get("generation", -1)))
 
     def open(self) -> None:
         if self._gc not in gc.callbacks:
@@ -134,6 +138,9 @@ class StepMarks:
         """A resolved ``StepRecord``'s marks: its own, GC since the previous step's end, the pause before it."""
         marks = rec.marks or {}
         t_from, t_to = rec.t0 - (rec.gap_s or 0.0), rec.t0 + rec.step_s
+        if self.fresh:  # the callback appends to the new deque from the swap on, never to the one read
+            fresh, self.fresh = self.fresh, deque(maxlen=GC_SPANS)
+            self.spans.extend(fresh)
         gc_ms, gen = 0.0, -1
         for a, z, g in self.spans:  # in order: collections never overlap
             if a >= t_to:

@@ -14,7 +14,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -602,3 +602,34 @@ def test_a_slow_untimed_step_is_ranked_by_its_host_wall(clock: FakeClock) -> Non
     assert top.wall_ms == pytest.approx(50.0) and (top.cause or "").endswith("not timed (the next step was)")
     assert f"slow step {slow}: {num(top.wall_ms)} ms; step +" in render(s)
     assert SlowStep.from_json(top.to_json()).timed is False
+
+
+@pytest.fixture
+def gc_thresholds() -> Iterator[None]:
+    """The collector's thresholds, restored after the test sets its own."""
+    old = gc.get_threshold()
+    yield
+    gc.set_threshold(*old)
+
+
+def test_a_collection_while_marks_are_read_never_reaches_the_step(gc_thresholds: None) -> None:
+    """The GC callback records a collection while the marks read earlier ones: with a collection at
+    every allocation (threshold 1) each step's end meets one, and 20k tuples kept for 20 steps bring an
+    older generation's mid-run. Every step ends and is kept, its collections marked."""
+    gc.set_threshold(1)
+    t = StepTimer(cuda=False, print_summary=False, warmup_steps=0, log_every_n_steps=10)
+    for _ in range(30):
+        with t.step():
+            with t.phase("forward"):
+                junk = [(i,) for i in range(50)]  # noqa: F841 - allocations, so collections
+    s = t.close()
+    gc.set_threshold(700, 10, 10)  # CPython 3.9-3.12's defaults
+    assert s.steps == 30 and s["forward"].host.steps == 30
+    assert s.slowest and all(x.marks.get("gc_ms", 0.0) > 0.0 for x in s.slowest)
+    t = StepTimer(cuda=False, print_summary=False, warmup_steps=0, log_every_n_steps=10)
+    kept: list[list[tuple[int, int]]] = []
+    for n in range(60):
+        with t.step():
+            kept.append([(i, n) for i in range(20_000)])
+            del kept[:-20]
+    assert t.close().steps == 60
