@@ -55,10 +55,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     series = {key: x for key in seen if (x := _series(hists, scal, n_of, *key))}
     host = {n: x for (c, n), x in series.items() if c == "host"}
     timed = host["other"].stats.steps if "other" in host else steps
-    timed_frac = timed / steps if timed and steps else 1.0
-    # data and wait are logged for every step, phases for the timed ones: the host shares' sums and
-    # wall time, as the live run keeps them, over the timed steps.
-    timed_sum = {n: x.sum_ms * (timed_frac if n in ("data", "wait") else 1.0) for n, x in host.items()}
+    timed_sum, timed_wall_ms = _timed_host(hists, scal, windows, host, timed / steps if timed and steps else 1.0, wall_ms)
 
     def total(key: str) -> float | None:
         """A per-window rate (samples/s, ...) summed back to the windows' total."""
@@ -73,7 +70,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
     samples, tokens, flops, mfu_s = map(total, _tags.RATES[1:])
     caught = {n: c for _, n in series if (c := per_step(_tags.tag(_tags.CAUGHT, "gpu", n, "frac"))) is not None}
-    tally = Tally(steps, timed, wall_ms, wall_ms * timed_frac, timed_sum, {}, samples, tokens, flops and flops * 1e12)
+    tally = Tally(steps, timed, wall_ms, timed_wall_ms, timed_sum, {}, samples, tokens, flops and flops * 1e12)
     every, budget = (run.scalars.get(t, [(0, None)])[-1][1] for t in (_tags.SAMPLE_EVERY, _tags.COST_BUDGET))
     return summarize(
         tally, series, caught, calls=None, sample_every=None if every is None else int(every),
@@ -83,6 +80,37 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         windows=len(windows), of_steps=bool(run.hists), energy=_energy(scal, n_of),
         cycle_window_ms=tuple(1e3 / rate[s] for s in windows if rate.get(s)),
     )  # fmt: skip
+
+
+# Host rows of every step, timed or not; the phases' rows and other are of the timed steps only.
+EVERY_STEP = ("data", "loop", "wait", "step")
+
+
+def _timed_host(
+    hists: Hists, scal: Points, windows: list[int], host: dict[str, Series], timed_frac: float, wall_ms: float
+) -> tuple[dict[str, float], float]:
+    """The host rows' sums and the wall time over the timed steps, which the live run's shares are of.
+    The phases' histograms hold their sums; ``data``, ``loop`` and ``wait`` come from each window's
+    logged shares (the window's timed wall is its phases' and other's sum over their share). Logs without
+    host shares or histograms: the rows' sums over all steps scaled to the timed fraction, an estimate."""
+    timed_sum = {n: x.sum_ms for n, x in host.items() if n not in EVERY_STEP}
+    every = [n for n in EVERY_STEP[:3] if n in host]
+    share = {n: dict(scal.get(_tags.tag(_tags.MAIN, "host", n, "pct"), [])) for n in host}
+    sums = {n: {s: h.sum_ms for s, h in hists.get(("host", n), [])} for n in timed_sum if "/" not in n}
+    exact, timed_wall_ms = dict.fromkeys(every, 0.0), 0.0
+    for s in (s for s in windows if s in sums.get("other", {})):  # the windows with timed steps
+        logged = [n for n in sums if s in share[n]]
+        part = sum(share[n][s] for n in logged) / 100
+        if part <= 0:  # no host shares (the GPU's clock had them)
+            timed_wall_ms = 0.0
+            break
+        wall = sum(sums[n].get(s, 0.0) for n in logged) / part
+        timed_wall_ms += wall
+        for n in every:
+            exact[n] += share[n].get(s, 0.0) / 100 * wall
+    if timed_wall_ms > 0:
+        return {**timed_sum, **exact}, timed_wall_ms
+    return {**timed_sum, **{n: host[n].sum_ms * timed_frac for n in every}}, wall_ms * timed_frac
 
 
 def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:

@@ -889,3 +889,32 @@ def test_the_heading_says_how_steps_were_timed(tmp_path: Path, clock: FakeClock)
         head = f"{s.timed_steps} timed {why}"
         assert 0 < s.timed_steps < s.steps and head in render(s).splitlines()[0]
         assert head in cli("report", str(tmp_path / name)).stdout.splitlines()[0]
+
+
+# ---------------------------------------------------------------------- issue 51: report == summary
+
+
+@pytest.mark.parametrize("every", [5, 100])
+def test_report_and_summary_agree_under_sampling(tmp_path: Path, clock: FakeClock, every: int) -> None:
+    """Under sampling, ``loop`` (logged every step) and the phases (the timed steps) are shared over
+    the same timed steps in the report as in the summary: every share, the verdict and the printed
+    table agree, and the shares add to 100 %. The loop's time between steps differs from step to
+    step, so no scaling of all steps' sum to the timed ones could match by chance."""
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=0, log_every_n_steps=10, print_summary=False,
+                  sample_every=every)  # fmt: skip
+    for i in range(120):
+        clock.advance_ms(1.0 + 3.0 * (i % 7 == 0))  # between steps: the loop
+        with t.step():
+            with t.phase("forward"):
+                clock.advance_ms(4.0)
+            clock.advance_ms(0.1)
+    s = t.close()
+    assert 0 < s.timed_steps < s.steps == 120
+    (run,) = report_json(tmp_path)["runs"]
+    shares = {r["name"]: r["share"] for r in run["rows"] if r["share"] is not None}
+    assert shares == pytest.approx({r.name: r.share for r in s.rows if r.share is not None}, rel=1e-5)
+    assert set(shares) == {"loop", "forward", "other"} and sum(shares.values()) == pytest.approx(1.0)
+    assert run["verdict"]["kind"] == s.verdict.kind  # type: ignore[union-attr]
+    printed, live = cli("report", str(tmp_path), columns=80).stdout.splitlines(), render(s).splitlines()
+    table = live.index(next(line for line in live if "share" in line))  # after the heading (its path differs)
+    assert printed[printed.index(live[table]) :] == live[table:]
