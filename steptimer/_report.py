@@ -55,7 +55,8 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     series = {key: x for key in seen if (x := _series(hists, scal, n_of, *key))}
     host = {n: x for (c, n), x in series.items() if c == "host"}
     timed = host["other"].stats.steps if "other" in host else steps
-    timed_sum, timed_wall_ms = _timed_host(hists, scal, windows, host, timed / steps if timed and steps else 1.0, wall_ms)
+    timed_frac = timed / steps if timed and steps else 1.0
+    timed_sum, timed_wall_ms = _timed_host(hists, scal, windows, host, timed_frac, wall_ms)
 
     def total(key: str) -> float | None:
         """A per-window rate (samples/s, ...) summed back to the windows' total."""
