@@ -102,6 +102,29 @@ def _distributed() -> bool:
     return world.isdigit() and int(world) > 1  # not a number: no launcher of ours set it
 
 
+def _checked_dir(log_dir: object) -> str | None:
+    """``log_dir`` made absolute once, now: a script that changes directory (Hydra does) keeps writing
+    where the run began."""
+    path = os.fspath(log_dir) if isinstance(log_dir, (str, os.PathLike)) else None
+    if log_dir is not None and not isinstance(path, str):
+        raise TypeError(
+            f"log_dir must be a directory path (a str or pathlib.Path), got {type(log_dir).__name__} "
+            f"{log_dir!r}; pass log_dir=None to only print the summary"
+        )
+    return None if path is None else os.path.abspath(path)
+
+
+def _checked_writer(writer: Any) -> Any:
+    """``writer``, checked to be a ``SummaryWriter`` (torch's or tensorboardX's)."""
+    calls = ("get_logdir", "add_scalar", "flush")  # what the TensorBoard sink calls on it
+    if writer is not None and not all(callable(getattr(writer, m, None)) for m in calls):
+        raise TypeError(
+            f"writer must be a SummaryWriter (torch.utils.tensorboard's or tensorboardX's), got "
+            f"{type(writer).__name__} {writer!r:.60}; pass log_dir= for a directory"
+        )
+    return writer
+
+
 def rank() -> int:
     """This process's rank: torch.distributed when initialized, else the launcher's environment."""
     dist = _initialized()
@@ -178,6 +201,7 @@ class StepTimer:
         self.options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
         if log_dir is not None and writer is not None:
             raise ValueError("pass log_dir or writer, not both")
+        log_dir, writer = _checked_dir(log_dir), _checked_writer(writer)
         seams = self._seams
         # A window may be lengthened to last MIN_WINDOW_S (the default only, one process only).
         distributed = _distributed()
@@ -200,7 +224,7 @@ class StepTimer:
         self._energy = EnergyWindows()
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
         runs = dict(enabled=enabled, rank=self._rank)
-        folder = os.fspath(log_dir) if log_dir is not None else writer and str(writer.get_logdir())
+        folder = log_dir if log_dir is not None else writer and os.path.abspath(writer.get_logdir())
         self._capture = c = make_capture(
             trace_steps, folder=folder, start_step=start_step, warmup_steps=warmup_steps,
             flight=slowest_steps > 0, window_steps=window_max, profile=profiled, **runs,

@@ -1357,3 +1357,38 @@ def test_data_names_the_argument_when_it_is_not_iterable() -> None:
     t.close()
     off = StepTimer(enabled=False)
     assert list(off.data([1, 2])) == [1, 2]
+
+
+def test_a_relative_log_dir_keeps_every_step_after_the_script_changes_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``log_dir="runs/exp1"``, and the script changes directory at step 30 as Hydra does: every
+    window, the phases' runs too, reaches the directory the run began in."""
+    from tests.tb import scalars
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)  # restored after the test
+    t = StepTimer(log_dir="runs/exp1", cuda=False, print_summary=False, warmup_steps=0, log_every_n_steps=10)
+    for i in range(70):
+        if i == 30:
+            monkeypatch.chdir(tmp_path / "elsewhere")
+        with t.step(), t.phase("forward"):
+            pass
+    assert t.close().steps == 70
+    got = scalars(tmp_path / "runs" / "exp1")
+    for tag in ("steptimer/host/step_ms", "steptimer/host/forward_ms"):
+        assert [s for s, _ in got[tag]] == list(range(10, 71, 10)), (tag, got[tag])
+    assert not (tmp_path / "elsewhere" / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"log_dir": 123}, r"log_dir must be a directory path \(a str or pathlib.Path\), got int 123"),
+        ({"log_dir": b"runs"}, r"log_dir must be a directory path .*got bytes b'runs'"),
+        ({"writer": "runs"}, r"writer must be a SummaryWriter .*got str 'runs'; pass log_dir= for a directory"),
+    ],
+)
+def test_a_log_dir_or_writer_of_the_wrong_type_is_named(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        StepTimer(cuda=False, print_summary=False, **kwargs)  # type: ignore[arg-type]
