@@ -3,6 +3,7 @@ venv, and the README's quick start and `steptimer --version` run from there."""
 
 from __future__ import annotations
 
+import email.parser
 import re
 import subprocess
 import sys
@@ -28,10 +29,43 @@ loader = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(12)]
 """
 
 
-def _quick_start() -> str:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Quick start") :]
+def _quick_start(page: str) -> str:
+    section = page[page.index("## Quick start") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+
+
+# `steptimer run`'s script: a plain loop over a DataLoader, no steptimer in it.
+TRAIN = """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+for x, y in torch.utils.data.DataLoader(data, batch_size=4):
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+print("trained")
+"""
+
+
+def check_metadata(metadata: str) -> str:
+    """What PyPI shows of the wheel's METADATA, checked as `twine check` would and beyond; returns the
+    long description. Relative links and images don't resolve on PyPI, nor does a clone's ./dev."""
+    meta = email.parser.Parser().parsestr(metadata)
+    assert meta["Name"] == DIST_NAME and meta["Version"] == steptimer.__version__
+    assert meta["Metadata-Version"] and meta["Summary"] and meta["Author"]
+    assert meta["License-Expression"] == "Apache-2.0" and meta.get_all("License-File") == ["LICENSE"]
+    classifiers = meta.get_all("Classifier") or []
+    assert "Programming Language :: Python :: 3" in classifiers and "Typing :: Typed" in classifiers
+    # PEP 639: a License-Expression excludes license classifiers.
+    assert not [c for c in classifiers if c.startswith("License ::")], classifiers
+    assert meta["Description-Content-Type"] == "text/markdown"
+    description = meta.get_payload()
+    targets = re.findall(r"\]\(([^)\s]+)", description) + re.findall(r"(?:src|href)=\"([^\"]+)", description)
+    assert [t for t in targets if not t.startswith("https://")] == []
+    assert "./dev" not in description and "## Quick start" in description
+    assert _quick_start(description) == _quick_start((ROOT / "README.md").read_text())  # one quick start
+    return description
 
 
 def test_wheel_installs_into_a_fresh_venv_and_runs_the_quick_start(tmp_path: Path) -> None:
@@ -43,12 +77,21 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_the_quick_start(tmp_path: Pat
     version = steptimer.__version__
     assert wheel.name.startswith(f"torch_steptimer-{version}-")
     assert sdist.name == f"torch_steptimer-{version}.tar.gz"
-    assert "steptimer/_cudart.c" in zipfile.ZipFile(wheel).namelist()  # the CUDA shim's source ships
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0" in license_text
+    with zipfile.ZipFile(wheel) as z:
+        assert "steptimer/_cudart.c" in z.namelist()  # the CUDA shim's source ships
+        info = f"torch_steptimer-{version}.dist-info"
+        assert z.read(f"{info}/licenses/LICENSE").decode() == license_text
+        description = check_metadata(z.read(f"{info}/METADATA").decode())
     with tarfile.open(sdist) as t:
-        assert any(n.endswith("/CHANGELOG.md") for n in t.getnames())
+        names = {n.partition("/")[2] for n in t.getnames()}
+        assert {"CHANGELOG.md", "LICENSE", "README.md", "docs/options.md"} <= names  # what the description points to
+        pkg_info = t.extractfile(f"torch_steptimer-{version}/PKG-INFO").read().decode()  # type: ignore[union-attr]
+        assert check_metadata(pkg_info) == description
 
     # A fresh venv gets the wheel alone; its dependencies (torch and the rest, already installed for
-    # the tests) are reached through a path file instead of downloaded again.
+    # the tests) are reached through a path file instead of downloaded again (no CUDA torch fetched).
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     py = env_dir / "bin" / "python"
@@ -66,12 +109,22 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_the_quick_start(tmp_path: Pat
                          text=True).stdout  # fmt: skip
     assert out.strip() == f"steptimer {version}"
 
+    # The quick start as PyPI's page prints it.
     script = tmp_path / "quick_start.py"
-    script.write_text(PREAMBLE + _quick_start() + "assert timer.steps == 12, timer.steps\n")
+    script.write_text(PREAMBLE + _quick_start(description) + "assert timer.steps == 12, timer.steps\n")
     run = subprocess.run([str(py), str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "forward" in run.stdout  # the summary table was printed
     assert list((tmp_path / "runs" / "exp1").glob("events.out.tfevents.*"))
+
+    # `steptimer run` on a script with no steptimer in it, from the venv's own command.
+    (tmp_path / "train.py").write_text(TRAIN)
+    cmd = [str(env_dir / "bin" / "steptimer"), "run", "--log-dir", "runs/t", "train.py"]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("trained\n") and "backward" in run.stdout  # the script's output, then the table
+    assert "logging to runs/t" in run.stderr
+    assert list((tmp_path / "runs" / "t").glob("events.out.tfevents.*"))
 
 
 def test_one_version_in_one_place() -> None:
