@@ -12,6 +12,7 @@ import random
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, NamedTuple
@@ -47,6 +48,8 @@ MAX_BLOCK = 1000
 EMA_ALPHA = 0.2
 SLOW_FACTOR = 2.0
 EXTRA_EVERY = 100
+# The plug-ins whose own failure is contained (Engine.off): named so in the note.
+SLOW, MEMORY, CAPTURE = "the slow-step marks", "the memory readings", "the trace capture"
 
 
 class PhaseRecord(NamedTuple):
@@ -90,7 +93,8 @@ class Engine:
         backend, memory_backend: the CUDA and allocator calls (tests pass fakes); None: the real ones.
         window_every: a window may end at each multiple of this (and at the last warm-up step).
         window_min_s, window_max: a multiple ends a window once it lasts this long or this many steps.
-        on_step: called with each resolved timed step, before its events go back to the pool.
+        capture: its ``add(engine, rec)`` is called with each resolved timed step, before its events go
+            back to the pool (``_trace.Capture``).
         late_marks: steps are marked after their end (profiler): host steps wait for the next's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
         slowest: mark what may make a step slow: ``slow``, the listener (``_slow.StepMarks``).
@@ -100,7 +104,7 @@ class Engine:
     def __init__(
         self, *, lag: int, sample_every: int | None, warmup_steps: int, start_step: int, cuda: bool | None,
         backend: _CudaBackend | None, window_every: int, on_window: Callable[[int], None],
-        window_min_s: float = 0.0, window_max: int = 0, on_step: Callable[[Engine, StepRecord], None] | None = None,
+        window_min_s: float = 0.0, window_max: int = 0, capture: Any = None,
         memory: int = 0, memory_backend: _MemoryBackend | None = None, slowest: bool = False,
         cost_budget: float = 0.005, late_marks: bool = False,
     ) -> None:  # fmt: skip
@@ -112,7 +116,7 @@ class Engine:
         self.rows = StepRows()  # resolved since the owner last took them
         self.notes: list[str] = []
         self.closed = self.quiet = False  # quiet: once closed, steps and phases are no-ops
-        self._on_window, self._on_step, self._late_marks = on_window, on_step, late_marks
+        self._on_window, self.capture, self._late_marks = on_window, capture, late_marks
         self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
         self._start_sampling(cost_budget, start_step)
         self.state = OUT
@@ -209,7 +213,11 @@ class Engine:
             if (t0 < self._mem_next) if auto else (self._mem_steps - 1) % self._memory_opt:
                 mem = None  # not read: the next read step's first reading takes its peak
             else:
-                mem.begin_step(self.device)
+                try:
+                    mem.begin_step(self.device)
+                except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+                    self.off(MEMORY, err)
+                    mem = None
         self._mem = mem
         self._last_t = t = perf_counter()
         if self.budget is not None:
@@ -227,7 +235,8 @@ class Engine:
         if self.cuda is None:
             self._settle_cuda()
             if self.slow is not None:
-                self.slow.open()
+                with self.contain(SLOW):
+                    self.slow.open()
             self._first_t0 = perf_counter()
         return True
 
@@ -240,7 +249,8 @@ class Engine:
         if et is not None or self._stack:  # dropped: it raised, or left a phase open (an error)
             open_ = self._stack[-1][0] if self._stack else None
             if et is not None and self.memory is not None and self.oom is None:
-                self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
+                with self.contain(MEMORY):
+                    self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
             self._drop_step()
             if et is None:
                 raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
@@ -264,7 +274,10 @@ class Engine:
             self._paused_s,
         )  # fmt: skip
         if self.slow is not None and self.slow.dyn is not None:
-            rec.marks = self.slow.ended()
+            try:
+                rec.marks = self.slow.ended()
+            except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+                self.off(SLOW, err)
         blocked = 0.0
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
@@ -272,8 +285,11 @@ class Engine:
             if self.budget is not None:
                 blocked = perf_counter() - t1 - self.bound_cap  # in a full launch queue: not our cost
             if self._mem is not None:
-                rec.memory = self._mem.end_step(shared)
-                self._mem_next = t0 + MEMORY_BUDGET * self._mem.spent_s
+                try:
+                    rec.memory = self._mem.end_step(shared)
+                    self._mem_next = t0 + MEMORY_BUDGET * self._mem.spent_s
+                except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+                    self.off(MEMORY, err)
         elif (
             self.cuda
             and number + 1 == self._next_timed
@@ -471,10 +487,35 @@ class Engine:
             else:
                 self._resolve_upto(self._pending[-1].number)
         if self.memory is not None:
-            self.memory.close()
+            with self.contain(MEMORY):
+                self.memory.close()
         if self.slow is not None:
-            self.slow.close()
+            with self.contain(SLOW):
+                self.slow.close()
         self.closed = True
+
+    def off(self, part: str, err: Exception) -> None:
+        """A plug-in's own failure (``part``: SLOW, MEMORY or CAPTURE): one note and warning naming it,
+        and that part off. The step it struck in is kept, training goes on."""
+        if part == SLOW and self.slow is not None:
+            slow, self.slow = self.slow, None
+            with suppress(Exception):
+                slow.close()  # its gc callback
+        elif part == MEMORY:
+            self.memory = self._mem = None
+        elif part == CAPTURE:
+            self.capture = None
+        msg = f"{part} stopped after a failure of steptimer's own ({type(err).__name__}: {err}); steps go on"
+        self.notes.append(msg)
+        log.warning("steptimer: %s", msg)
+
+    @contextmanager
+    def contain(self, part: str) -> Iterator[None]:
+        """``with engine.contain(part):`` around a plug-in's call outside the step's hot path: see :meth:`off`."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - a plug-in's own failure, never the run's
+            self.off(part, err)
 
     def _drop_step(self) -> None:
         """Forget the current step; keep everything before it."""
@@ -550,8 +591,11 @@ class Engine:
     def _resolve(self, rec: StepRecord) -> None:
         """Turn the oldest pending step into a row of ``rows``; note a window that ends with it."""
         recs, row, number = rec.phases, rec.row, rec.number
-        if self._on_step is not None and recs is not _EMPTY:  # before its events go back to the pool
-            self._on_step(self, rec)
+        if self.capture is not None and recs is not _EMPTY:  # before its events go back to the pool
+            try:
+                self.capture.add(self, rec)
+            except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+                self.off(CAPTURE, err)
         row[STEP_S] = rec.step_s
         if self.cuda:
             row[WAIT_S] = rec.wait_s
@@ -583,7 +627,10 @@ class Engine:
             self._free += (a, c)
         rows, marks = self.rows, rec.marks
         if self.slow is not None and (marks or rec.paused_s or self.slow.spans or self.slow.fresh):
-            marks = self.slow.resolved(rec)
+            try:
+                marks = self.slow.resolved(rec)
+            except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+                self.off(SLOW, err)
         if marks:
             rows.marks[number] = marks
         if rec.memory is not None:
@@ -628,7 +675,10 @@ class Phase:
             shared = t0 - e._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             i = e._boundary(t0)
             if e._mem is not None:
-                e._mem.enter_phase(shared)
+                try:
+                    e._mem.enter_phase(shared)
+                except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see Engine.off
+                    e.off(MEMORY, err)
             t0 = perf_counter()  # the host span starts after the record (and the allocator reading)
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
         if state == GPU:
@@ -672,9 +722,12 @@ class Phase:
                     e._recs[-1] = prev._replace(caught=0.0)
             i_out = e._boundary(t1)
             if e._mem is not None:
-                peak = e._mem.exit_phase(full)
-                if failed and e.oom is None:
-                    e._note_oom(full, error, peak)
+                try:
+                    peak = e._mem.exit_phase(full)
+                    if failed and e.oom is None:
+                        e._note_oom(full, error, peak)
+                except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see Engine.off
+                    e.off(MEMORY, err)
         e._recs.append(PhaseRecord(full, t_in, t1, i_in, i_out, caught))
         if gpu:
             e._last_t = perf_counter()

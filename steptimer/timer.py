@@ -14,7 +14,7 @@ from steptimer import _exit
 from steptimer._clock import _CudaBackend, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank, _initialized, energy_values
 from steptimer._energy import EnergyWindows
-from steptimer._engine import MEMORY_AUTO, UNTIMED, Engine, Fetch
+from steptimer._engine import CAPTURE, MEMORY_AUTO, SLOW, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemoryStats, _MemoryBackend, oom_note
 from steptimer._options import Options, check_bool, check_count, check_phase_name
@@ -225,7 +225,7 @@ class StepTimer:
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
         runs = dict(enabled=enabled, rank=self._rank)
         folder = log_dir if log_dir is not None else writer and os.path.abspath(writer.get_logdir())
-        self._capture = c = make_capture(
+        c = make_capture(
             trace_steps, folder=folder, start_step=start_step, warmup_steps=warmup_steps,
             flight=slowest_steps > 0, window_steps=window_max, profile=profiled, **runs,
         )  # fmt: skip
@@ -234,7 +234,7 @@ class StepTimer:
         self._engine = Engine(
             lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step,
             backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
-            window_min_s=window_min_s, window_max=window_max, on_step=c.add if c is not None else None,
+            window_min_s=window_min_s, window_max=window_max, capture=c,
             memory=memory_every, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
             cost_budget=cost_budget, late_marks=profiled, cuda=cuda and enabled,  # disabled: no check
         )  # fmt: skip
@@ -257,8 +257,8 @@ class StepTimer:
             prepare_native()  # compile the native CUDA calls now, not in a step
         if self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
-            if self._capture is not None:  # its files carry the run id of the sink's files
-                self._capture.run_id = self._sinks[0].run_id  # type: ignore[attr-defined]
+            if self._engine.capture is not None:  # its files carry the run id of the sink's files
+                self._engine.capture.run_id = self._sinks[0].run_id
         elif log_dir is not None:
             check_writable(os.fspath(log_dir))
         _exit.track(self)  # closed at exit and on SIGTERM if still open then (_exit.py)
@@ -413,7 +413,10 @@ class StepTimer:
             xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
         engine.close()  # a disabled timer's engine holds nothing: this only marks it closed
         energy, energy_note = self._on_window(closing=True)
-        traces = self._capture.finish(engine) if self._capture is not None else None
+        traces = None
+        if engine.capture is not None:
+            with engine.contain(CAPTURE):  # a plug-in's own failure: a note, the summary whole
+                traces = engine.capture.finish(engine)
         if self._ranges is not None:
             self._ranges.finish(engine)
         self._summary = summary = self._build_summary(traces, energy, energy_note)
@@ -486,11 +489,13 @@ class StepTimer:
             on_slow.window(window, engine)
         if engine.slow is not None:
             real_cuda = engine.cuda and not engine._custom_backend
-            engine.slow.window(window, engine.device if real_cuda else -1, engine.memory is not None)
-            if self._capture is not None:  # traces of the steps that entered the run's slowest
-                for c in kept:
-                    if c.timed:  # an untimed step has no phases to draw
-                        self._capture.want(c)
+            with engine.contain(SLOW):  # a plug-in's own failure: a note, that part off
+                engine.slow.window(window, engine.device if real_cuda else -1, engine.memory is not None)
+            if engine.capture is not None:  # traces of the steps that entered the run's slowest
+                with engine.contain(CAPTURE):
+                    for c in kept:
+                        if c.timed:  # an untimed step has no phases to draw
+                            engine.capture.want(c)
         return window
 
     def _peak_tflops(self) -> tuple[float | None, str | None]:

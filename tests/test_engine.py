@@ -4,14 +4,32 @@ simulated GPU (``tests/fakes.py``: an event read before it completed raises, as 
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import steptimer._engine as engine_mod
-from steptimer._engine import GPU, HOST, OUT, UNTIMED, Engine, Fetch, Phase, PhaseRecord, StepRecord
+from steptimer import StepTimer
+from steptimer._engine import (
+    CAPTURE,
+    GPU,
+    HOST,
+    MEMORY,
+    OUT,
+    SLOW,
+    UNTIMED,
+    Engine,
+    Fetch,
+    Phase,
+    PhaseRecord,
+    StepRecord,
+)
+from steptimer._memory import MemoryReader
+from steptimer._slow import StepMarks
+from steptimer._trace import Capture
 from steptimer._window import FETCH_S, GAP_S, STEP_S, StepRows, window_of
-from tests.fakes import FakeClock, FakeGPU
+from tests.fakes import FakeAllocator, FakeClock, FakeGPU
 
 
 class Owner:
@@ -44,6 +62,13 @@ class Owner:
                     if gpu is not None:
                         gpu.launch(ms if gpu_ms is None else gpu_ms)
                     clock.advance_ms(ms / 2)
+
+
+class Listener:
+    """A plug-in that is given each resolved timed step (the engine's ``capture``, as ``_trace.Capture``)."""
+
+    def __init__(self, add: Callable[[Engine, StepRecord], None]) -> None:
+        self.add = add
 
 
 def test_each_step_waits_once_on_the_step_lag_steps_back(clock: FakeClock, gpu: FakeGPU) -> None:
@@ -168,7 +193,7 @@ def test_ctrl_c_in_on_window_keeps_the_engine_usable(clock: FakeClock, gpu: Fake
 
 
 def test_ctrl_c_while_an_older_step_is_resolved_keeps_the_step_that_ended(clock: FakeClock) -> None:
-    """A real SIGINT in a listener (``on_step``) while step 2's end resolves step 1 (queued: the
+    """A real SIGINT in a listener (the engine's ``capture``) while step 2's end resolves step 1 (queued: the
     step may be marked after its end): step 2 is kept, step 1 stays pending and is resolved (and given
     to the listener again) at the next step's end; no step is lost."""
     seen: list[int] = []
@@ -180,7 +205,7 @@ def test_ctrl_c_while_an_older_step_is_resolved_keeps_the_step_that_ended(clock:
 
     prev = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        o = Owner(None, window_every=1000, on_step=listener, late_marks=True)
+        o = Owner(None, window_every=1000, capture=Listener(listener), late_marks=True)
         o.step(clock, None)
         with pytest.raises(KeyboardInterrupt):
             o.step(clock, None)  # step 1 is resolved (and interrupted) at step 2's end
@@ -214,7 +239,7 @@ def test_nested_pauses_count_once(clock: FakeClock) -> None:
 def test_step_records_name_their_phase_entries(clock: FakeClock, gpu: FakeGPU) -> None:
     """Listeners get a ``StepRecord`` per resolved step; its phase entries read by name."""
     got: list[StepRecord] = []
-    o = Owner(gpu, on_step=lambda e, rec: got.append(rec))
+    o = Owner(gpu, capture=Listener(lambda e, rec: got.append(rec)))
     for _ in range(3):
         o.step(clock, gpu, ms=2.0)
     o.engine.close()
@@ -469,3 +494,56 @@ def test_the_cost_budget_counts_a_host_steps_phase_entries_as_its_exits(monkeypa
         o.step(c, None)  # 0.5 ms of data and 1 ms in two phases, 7 reads of the clock: 1.535 ms
     o.engine.close()
     assert 0.9 * 3000 / 4 < len(timed_numbers(o)) <= 1.05 * 3000 / 4
+
+
+@pytest.mark.parametrize(
+    ("part", "plugin", "method"),
+    [(SLOW, StepMarks, m) for m in ("open", "resolved", "window")]
+    + [(MEMORY, MemoryReader, m) for m in ("begin_step", "enter_phase", "exit_phase", "end_step")]
+    + [(CAPTURE, Capture, m) for m in ("add", "want", "finish")],
+)
+def test_a_plugins_own_failure_is_contained(
+    part: str,
+    plugin: type,
+    method: str,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A failure inside the slow-step marks, the memory readings or the trace capture: one note and one
+    warning naming it, that part off (never called again), every step measured and kept."""
+    calls = []
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        calls.append(args)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(plugin, method, broken)
+    gpu, mem = FakeGPU(clock), FakeAllocator()
+    t = StepTimer._make(
+        backend=gpu.backend(),
+        memory_backend=mem.backend(),
+        memory=True,
+        log_dir=tmp_path,
+        warmup_steps=0,
+        print_summary=False,
+        log_every_n_steps=10,
+    )
+    e = t._engine
+    for n in range(1, 31):
+        clock.advance_ms(0.5)
+        with t.step():
+            with t.phase("forward"):
+                gpu.launch(30.0 if n == 17 else 2.0)
+                clock.advance_ms(1.0)
+        with t.pause():  # a pause before each step: its marks are read (StepMarks.resolved)
+            clock.advance_ms(0.1)
+    s = t.close()
+    assert len(calls) == 1  # off from its first failure on
+    assert s.steps == 30 and s["forward"].gpu is not None and s["forward"].gpu.steps == 30
+    assert s.slowest[0].step == 17 or part == SLOW  # the marks' failure leaves the keeper as it is
+    note = f"{part} stopped after a failure of steptimer's own (RuntimeError: injected); steps go on"
+    assert [n for n in s.notes if "injected" in n] == [note]
+    assert [r.getMessage() for r in caplog.records if "injected" in r.getMessage()] == [f"steptimer: {note}"]
+    assert {SLOW: e.slow, MEMORY: e.memory, CAPTURE: e.capture}[part] is None

@@ -89,7 +89,7 @@ def test_memory_stays_at_k_over_many_windows(clock: FakeClock, tmp_path: Path) -
     t = _gpu_run(clock, gpu, 3000, 1500, log_dir=tmp_path, slowest_steps=3)
     s = t.close()
     assert len(t._acc.slow.heap) == 3 and [x.step for x in s.slowest][0] == 1500
-    capture = t._capture
+    capture = t._engine.capture
     assert capture is not None and capture.ring.maxlen is not None and len(capture.ring) <= capture.ring.maxlen <= 20
     assert len(capture.kept) <= 3
     (run,) = (tmp_path / "steptimer-slow").iterdir()
