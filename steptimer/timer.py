@@ -125,6 +125,13 @@ def _checked_writer(writer: Any) -> Any:
     return writer
 
 
+def _rank_known() -> bool:
+    """torch.distributed is up, or a launcher named the rank: else (a plain script, or a rank of
+    ``torch.multiprocessing.spawn`` before ``init_process_group``) the rank is learned at the first step."""
+    launcher = any(os.environ.get(k, "").strip() for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    return launcher or _initialized() is not None
+
+
 def rank() -> int:
     """This process's rank: torch.distributed when initialized, else the launcher's environment."""
     dist = _initialized()
@@ -216,6 +223,9 @@ class StepTimer:
         self.lag, self.sample_every, self.enabled = lag, sample_every, enabled
         self._peak: tuple[float | None, str | None] | None = None  # the GPU's (peak, note), looked up once
         self._rank = rank()
+        # Who writes, and how windows end, wait for a rank known: a timer built before init_process_group
+        # under torch.multiprocessing.spawn would otherwise take itself for rank 0 (_join).
+        self._joining = (log_dir, writer) if enabled and not _rank_known() else None
         self._summary: Summary | None = None
         self._sinks: list[Sink] = list(seams.sinks)
         self._phases: dict[str, _Phase] = {}
@@ -255,15 +265,38 @@ class StepTimer:
         self._run_tags = {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET: float(budget or 0.0)}
         if self.options.cuda is not False and self._seams.backend is None:
             prepare_native()  # compile the native CUDA calls now, not in a step
-        if self._rank == 0 and (log_dir is not None or writer is not None):
-            self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
-            if self._engine.capture is not None:  # its files carry the run id of the sink's files
-                self._engine.capture.run_id = self._sinks[0].run_id
+        if self._joining is None:
+            self._write_on_rank0(log_dir, writer)
         elif log_dir is not None:
             check_writable(os.fspath(log_dir))
         _exit.track(self)  # closed at exit and on SIGTERM if still open then (_exit.py)
         if self._xrank is not None:
             self._xrank.start_now()  # the gloo side group, while every rank is known to be here
+
+    def _write_on_rank0(self, log_dir: str | None, writer: Any) -> None:
+        """Rank 0's TensorBoard sink; another rank's check that ``log_dir`` can be written."""
+        if self._rank == 0 and (log_dir is not None or writer is not None):
+            self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
+            if self._engine.capture is not None:  # its files carry the run id of the sink's files
+                self._engine.capture.run_id = self._sinks[0].run_id
+        elif log_dir is not None:
+            check_writable(log_dir)
+
+    def _join(self) -> None:
+        """At the first step (or the close) of a timer built with no rank known: the rank and world as
+        they are now. Under torch.distributed with more than one rank, windows end by step number
+        alone (a rank's own clock would end them at other steps than the others', and the cross-rank
+        round would wait for ranks that never come) and memory is read on one timed step in 10, the
+        same steps on every rank; only rank 0 writes."""
+        (log_dir, writer), self._joining = self._joining, None  # type: ignore[misc]
+        self._rank, e = rank(), self._engine
+        if self._rank != 0:
+            self._capture = None  # its files are rank 0's
+        if _distributed():
+            e._window_min_s, e._window_max = 0.0, e._window_every
+            if self.options.memory is None:
+                e._memory_opt = 10
+        self._write_on_rank0(log_dir, writer)
 
     _seams: _Seams = _Seams()  # the real CUDA calls and allocator, no extra sinks; see _make()
 
@@ -297,6 +330,8 @@ class StepTimer:
         if flops is not None:
             flops = check_count("flops", flops)
         # The engine is the step's context manager; the counts at its end are the last step() call's.
+        if self._joining is not None:
+            self._join()
         r, e = self._ranges, self._engine
         e.samples, e.tokens, e.flops = samples, tokens, flops
         return r if r is not None and e.number >= r.from_number else e  # NVTX or the profiler window
@@ -408,6 +443,8 @@ class StepTimer:
         if self._summary is not None:
             return self._summary
         _exit.untrack(self)
+        if self._joining is not None:
+            self._join()
         xrank, engine = self._xrank, self._engine
         if failed and xrank is not None:
             xrank.abandon("closed with failed=True (after an exception, or at exit without close())")

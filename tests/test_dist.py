@@ -288,6 +288,67 @@ def test_a_failure_of_steptimers_own_in_a_round_stops_the_rounds_not_training(ru
         assert results[r]["params"] == runs["slow-None"][0][r]["params"], r
 
 
+def _built_before_init(rank: int, init: str, out: str) -> None:
+    """A rank of ``torch.multiprocessing.spawn`` (no RANK, no WORLD_SIZE) that builds its timer before
+    ``init_process_group``, with the default windows; rank 0 alone checkpoints (sleeps) before step 50."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from tests.fakes import ListSink
+
+    torch.set_num_threads(1)
+    sink = ListSink()
+    # The warm-up window ends at step 45: the next may end at 50, by step number, never by each
+    # rank's clock (rank 0's window lasts over a second, its sleep; rank 1's, five small steps).
+    timer = StepTimer._make(
+        sinks=[sink], log_dir=out, cuda=False, print_summary=False, warmup_steps=45, cross_rank_timeout_s=10.0
+    )
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(8, 8))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x = torch.randn(4, 8)
+    t0 = time.perf_counter()
+    for _ in range(100):
+        if rank == 0 and timer.steps == 49:
+            time.sleep(1.2)  # a checkpoint: rank 1 waits for it in step 50's all-reduce
+        with timer.step():
+            with timer.phase("forward"):
+                loss = ddp(x).square().mean()
+            with timer.phase("backward"):
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+    loop_s = time.perf_counter() - t0
+    summary = timer.close()
+    doc = {"windows": [w.step for w in sink.windows], "notes": list(summary.notes), "loop_s": loop_s}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(doc))
+    dist.destroy_process_group()
+
+
+def test_a_timer_built_before_init_process_group_ends_windows_with_the_other_ranks(tmp_path: Path) -> None:
+    """Spawned ranks (no launcher's environment) build the timer before the process group exists: each
+    learns its rank and the world at its first step, so the ranks end their windows at the same steps
+    (no cross-rank round waits out its timeout) and only rank 0 writes into the log dir."""
+    import torch.multiprocessing as mp
+
+    env = {k: os.environ.pop(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if k in os.environ}
+    try:
+        mp.spawn(_built_before_init, args=(f"file://{tmp_path / 'init'}", str(tmp_path)), nprocs=2, join=True)
+    finally:
+        os.environ.update(env)
+    got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    for r in (0, 1):
+        assert got[r]["windows"] == [45, 50, 100], (r, got[r])
+        assert not [n for n in got[r]["notes"] if "cross-rank" in n], (r, got[r]["notes"])
+        assert got[r]["loop_s"] < 10.0, got[r]  # the 1.2 s checkpoint, not a 10 s timeout
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1  # one run: rank 0's
+    assert scalars(tmp_path)["steptimer-ranks/reporting"] == [(50, 2.0), (100, 2.0)]
+
+
 def test_lightning_ddp_names_the_slowed_rank(tmp_path: Path) -> None:
     # Lightning strategy="ddp" on 2 CPU processes (torchrun launches, Lightning's DDP runs).
     results, out = torchrun("lightning_ddp.py", "--log-dir", str(tmp_path), "--steps", "30", "--slow-rank", "0")
