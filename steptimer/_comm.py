@@ -272,9 +272,27 @@ def watch(engine: Any, model: Any, hook: Callable[[Any, Any], Any] | None = None
             f"watch_ddp needs a DistributedDataParallel model, got {type(model).__name__}: pass the "
             "model that DistributedDataParallel(...) returned"
         )
-    engine.comm = rec = CommRecorder(engine, hook or allreduce_hook)
+    if hook is not None and not callable(hook):
+        raise TypeError(
+            f"watch_ddp(hook=...) must be a DDP comm hook, a function (state, bucket) -> Future such as "
+            f"torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook, or None for "
+            f"DDP's all-reduce; got {type(hook).__name__} {hook!r:.40}"
+        )
+    _watched_once(engine, "watch_ddp")
+    rec = CommRecorder(engine, hook or allreduce_hook)
     # A lambda: DDP checks a hook's annotations against its own types, and this module's are strings.
     model.register_comm_hook(state, lambda st, bucket: rec.hook(st, bucket))
+    engine.comm = rec  # once DDP took the hook: a refused one leaves the engine as it was
+
+
+def _watched_once(engine: Any, call: str) -> None:
+    """One recorder per timer: a second watch would replace the first's (its rows gone) or wrap the
+    collectives twice."""
+    if engine.comm is not None:
+        raise RuntimeError(
+            f"{call}: this timer already times a model's collectives (watch_ddp or watch_fsdp was called); "
+            "call it once per timer, and the first watch goes on"
+        )
 
 
 class _Timed:
@@ -300,6 +318,7 @@ def watch_fsdp(engine: Any, model: Any) -> None:
     for the last ones), through the recorder given to ``engine``."""
     from torch.distributed.fsdp import FSDPModule
 
+    _watched_once(engine, "watch_fsdp")
     mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not mods:
         raise TypeError(

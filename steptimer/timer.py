@@ -411,7 +411,8 @@ class StepTimer:
             state: the hook's state, as for ``register_comm_hook``.
 
         Raises:
-            TypeError: ``model`` is not a ``DistributedDataParallel``.
+            TypeError: ``model`` is not a ``DistributedDataParallel``, or ``hook`` is not callable.
+            RuntimeError: this timer watches a model already (the first watch goes on).
         """
         if self.enabled:
             from steptimer._comm import watch
@@ -425,6 +426,7 @@ class StepTimer:
 
         Raises:
             TypeError: ``model`` holds no ``fully_shard`` module.
+            RuntimeError: this timer watches a model already (the first watch goes on).
         """
         if self.enabled:
             from steptimer._comm import watch_fsdp

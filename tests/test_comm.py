@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from steptimer import PhaseSummary, SeriesStats, StepTimer
+from steptimer import _comm
 from steptimer._comm import comm_ms, union_ms
 from steptimer._reader import find_runs
 from steptimer._report import analyze
@@ -442,3 +443,36 @@ def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without
     monkeypatch.setattr(_comm.CommRecorder, "_note", boom)
     monkeypatch.setattr(_comm.CommRecorder, "_take", boom)
     assert train(True) == train(False)
+
+
+def test_a_hook_that_is_not_callable_and_a_second_watch_are_named_and_the_first_watch_goes_on(
+    tmp_path: Path,
+) -> None:
+    """``watch_ddp(m, hook="fp16")`` is refused at the call, naming the argument; a second ``watch_ddp``
+    or ``watch_fsdp`` is refused naming the call, and the first watch still gives comm rows (a real
+    gloo DDP, one rank)."""
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1)))
+        timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0, cross_rank=False)
+        with pytest.raises(TypeError, match=r"watch_ddp\(hook=\.\.\.\) must be a DDP comm hook.*got str 'fp16'"):
+            timer.watch_ddp(ddp, hook="fp16")
+        timer.watch_ddp(ddp)
+        with pytest.raises(RuntimeError, match="watch_ddp: this timer already times a model's collectives"):
+            timer.watch_ddp(ddp)
+        sharded = fully_shard(nn.Linear(4, 4))
+        with pytest.raises(RuntimeError, match="watch_fsdp: this timer already times a model's collectives"):
+            timer.watch_fsdp(sharded)
+        state = sharded._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]  # torch 2.13, 2.11
+        assert not any(isinstance(g._all_gather_comm, _comm._Timed) for g in groups)  # not wrapped
+        x = torch.randn(8, 16)
+        for _ in range(3):
+            with timer.step(), timer.phase("backward"):
+                ddp(x).square().mean().backward()
+        s = timer.close()
+        assert s["comm"].host.steps == s["comm_exposed"].host.steps == 3
+    finally:
+        dist.destroy_process_group()
