@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 
+from steptimer._engine import Engine, Phase
 from steptimer._histogram import LogHistogram, bucket_index
 from steptimer._verdict import shares
-from steptimer._window import StepRows, Window, pack_rows, window_of
+from steptimer._window import StepRows, Window, _Layout, pack_rows, window_of
+from tests.fakes import FakeClock, FakeGPU
 
 NAN = math.nan
 
@@ -146,3 +149,41 @@ def test_quantiles_within_half_a_bucket_and_merge_adds_up() -> None:
         assert merged.quantile_ms(q) == pytest.approx(true, rel=0.0051)
     assert merged.quantile_ms(1.0) == max(values)
     assert merged.count == 5000 and merged.sum_ms == pytest.approx(sum(values))
+
+
+def _entered_many_times(clock: FakeClock, entries: int) -> StepRows:
+    """Three steps on the simulated GPU that enter ``loss`` ``entries`` (then one and two more) times,
+    each entry 2 µs of host time launching 3 µs of GPU work: three entry counts, three layouts."""
+    gpu = FakeGPU(clock)
+    opts = dict(lag=1, sample_every=1, warmup_steps=0, start_step=0, cuda=True, window_every=10_000)
+    e = Engine(backend=gpu.backend(), on_window=lambda number: None, **opts)  # type: ignore[arg-type]
+    loss = Phase(e, "loss")
+    for k in range(3):
+        with e:
+            for _ in range(entries + k):
+                with loss:
+                    gpu.launch(0.003)
+                    clock.advance_ms(0.002)
+    e.close()
+    return e.rows
+
+
+def test_a_phase_entered_thousands_of_times_costs_the_window_linear_work(clock: FakeClock) -> None:
+    """5,000 entries of one phase a step: the window's numbers are the entries' sums, and its work
+    grows as the entries (10x of them: about 10x, far from the 100x of work per entry per entry)."""
+    cost = {}
+    for entries in (500, 5000):
+        rows = _entered_many_times(clock, entries)
+        best = math.inf
+        for _ in range(3):
+            _Layout.cache_clear()  # each layout built anew, as for a window of new entry counts
+            t0 = time.process_time()
+            w = window_of(rows, 3)
+            best = min(best, time.process_time() - t0)
+        cost[entries] = best
+        n = 3 * entries + 3
+        assert w.packed.tally.calls["loss"] == n
+        assert w.host["loss"].mean_ms == pytest.approx(n / 3 * 0.002, rel=1e-6)
+        assert w.gpu["loss"].mean_ms == pytest.approx(n / 3 * 0.003, rel=1e-6)
+        assert w.host["step"].max_ms == pytest.approx((entries + 2) * 0.002, rel=1e-6)
+    assert cost[5000] < 25 * cost[500], cost  # quadratic: 46x on the dev machine, linear: 10x
