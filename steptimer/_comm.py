@@ -6,6 +6,7 @@ at the step's first collective (``_dist.py``). The rows lie inside other phases,
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -14,6 +15,8 @@ from time import perf_counter
 from typing import Any
 
 from steptimer._engine import GPU, HOST
+
+log = logging.getLogger("steptimer")
 
 Span = Sequence[float]  # (ready, end) on one clock
 
@@ -80,18 +83,32 @@ class CommRecorder:
         self._region = False  # inside an FSDP2 region: a nested one is part of it
         self._final = False  # FSDP2's final backward callback is a region: it holds the reduce-scatters' tail
         self._skip = 0  # a step not measured: its collective's future was not complete at launch
+        self.off = False  # after steptimer's own failure here: the collectives run as without it
+
+    def _fail(self, err: Exception) -> None:
+        """steptimer's own failure: comm rows off for the rest of the run, one warning and a note."""
+        self.off = True
+        self._steps.clear()
+        self._held = None
+        why = f"{type(err).__name__}: {err}"
+        msg = f"comm rows stopped at step {self._engine.number + 1}: steptimer's own failure ({why})"
+        self._engine.notes.append(msg)
+        log.warning("steptimer: %s; training goes on", msg)
 
     def hook(self, state: Any, bucket: Any) -> Any:
         """DDP's comm hook: the inner hook's collective, with the bucket's span noted on a timed step."""
         t, e = perf_counter(), self._engine
         gpu = bucket.buffer().is_cuda
         number = e.number + 1
-        if e.state < HOST or number == self._skip or (gpu and (e.state != GPU or not _nccl(state))):
+        if self.off or e.state < HOST or number == self._skip or (gpu and (e.state != GPU or not _nccl(state))):
             return self._inner(state, bucket)
         fut = self._inner(state, bucket)
-        with suppress(Exception):  # steptimer's own failure: the collective goes on, this step unmeasured
+        try:  # steptimer's own failure: the collective goes on, comm rows off
             if not gpu or fut.done():  # else waiting on it, even on a side stream, would block the host
                 return self._note(fut, t, gpu, number, bucket)
+        except Exception as err:  # noqa: BLE001
+            self._fail(err)
+            return fut
         self._skip = number
         self.drop(number)
         return fut
@@ -201,10 +218,9 @@ class CommRecorder:
         has spans, after the engine's wait for it; the arrival counts from the previous step's last
         collective end (None: not measured). Its own failure leaves the step without comm rows."""
         try:
-            return self._take(number)
-        except Exception:
-            self._steps.clear()
-            self._held = None
+            return None if self.off else self._take(number)
+        except Exception as err:  # noqa: BLE001 - steptimer's own: the step is kept, without comm rows
+            self._fail(err)
             return None
 
     def _take(self, number: int) -> tuple[int, bool, float, float, float | None] | None:

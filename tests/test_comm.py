@@ -435,7 +435,10 @@ def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without
                 opt.step()
                 opt.zero_grad()
             s = timer.close()
-            assert "comm" not in s and s.steps == 4
+            assert "comm" not in s and s.steps == 4 and s["backward"].host.steps == 4
+            if watch:  # one note, naming the part that stopped
+                (note,) = [n for n in s.notes if "comm rows stopped" in n]
+                assert "steptimer's own failure (RuntimeError: steptimer's own failure)" in note, s.notes
             return [float(p.detach().sum()) for p in ddp.parameters()]
         finally:
             dist.destroy_process_group()
