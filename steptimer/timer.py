@@ -4,6 +4,7 @@ turns its rows into windows for the sinks (TensorBoard, Lightning loggers) and t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -30,6 +31,7 @@ from steptimer._window import StepRows, Window, window_of
 
 __all__ = ["StepTimer", "check_bool", "check_count", "check_phase_name"]
 
+log = logging.getLogger("steptimer")
 _T = TypeVar("_T", bound="StepTimer")
 _B = TypeVar("_B")
 # The default window lasts at least this long, in at most MAX_WINDOW_UNITS multiples of 50 steps: its
@@ -461,8 +463,7 @@ class StepTimer:
         self._summary = summary = self._build_summary(traces, energy, energy_note)
         if self.options.print_summary and self._rank == 0 and self.enabled:
             print_summary(summary)
-        for sink in self._sinks:
-            sink.close(summary)
+        self._to_sinks("close", summary)
         return summary
 
     def __enter__(self) -> StepTimer:
@@ -505,11 +506,23 @@ class StepTimer:
         if self._run_tags:
             window = dataclasses.replace(window, extra={**window.extra, **self._run_tags})
             self._run_tags = {}
-        for sink in self._sinks:
-            sink.write_window(window)
+        self._to_sinks("write_window", window)
         if energy and not closing:
             self._energy.mark(window, engine.device, counter)
         return run_energy
+
+    def _to_sinks(self, call: str, arg: Any) -> None:
+        """``sink.<call>(arg)`` on each sink; a sink that fails is dropped with one warning and a note:
+        training goes on, and the summary, kept in memory, is whole."""
+        for sink in list(self._sinks):
+            try:
+                getattr(sink, call)(arg)
+            except Exception as err:  # noqa: BLE001 - a sink's failure is never the run's
+                self._sinks.remove(sink)
+                why = f"{type(err).__name__}: {err}"
+                msg = f"{type(sink).__name__} stopped at step {self._engine.number}: its {call} failed ({why})"
+                self.note(msg)
+                log.warning("steptimer: %s; nothing more is written there, training goes on", msg)
 
     def _take_window(self) -> Window | None:
         """The window of the steps resolved since the last one, added to the summary; the engine's rows

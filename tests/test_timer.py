@@ -1392,3 +1392,31 @@ def test_a_relative_log_dir_keeps_every_step_after_the_script_changes_directory(
 def test_a_log_dir_or_writer_of_the_wrong_type_is_named(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(TypeError, match=match):
         StepTimer(cuda=False, print_summary=False, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_sink_that_fails_is_dropped_with_a_note_and_training_and_the_summary_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A logger sink that raises at its second window (a Lightning logger whose service went away):
+    one warning naming it, no more calls to it, the TensorBoard sink and every step kept."""
+    from tests.tb import scalars
+
+    class Broken(ListSink):
+        def write_window(self, window: Any) -> None:
+            if self.windows:
+                raise ConnectionError("logger service gone")
+            super().write_window(window)
+
+    broken = Broken()
+    t = StepTimer._make(sinks=[broken], log_dir=tmp_path, cuda=False, print_summary=False, warmup_steps=0,
+                        log_every_n_steps=5)  # fmt: skip
+    for _ in range(20):
+        with t.step(), t.phase("forward"):
+            pass
+    s = t.close()
+    assert s.steps == 20 and s["forward"].host.steps == 20
+    assert [w.step for w in broken.windows] == [5] and broken.summary is None
+    (note,) = [n for n in s.notes if "Broken stopped" in n]
+    assert "at step 10: its write_window failed (ConnectionError: logger service gone)" in note
+    assert sum("Broken stopped" in r.getMessage() for r in caplog.records) == 1
+    assert [st for st, _ in scalars(tmp_path)["steptimer/host/forward_ms"]] == [5, 10, 15, 20]
