@@ -43,11 +43,10 @@ OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
 # The cost budget: blocks of at most MAX_BLOCK steps; the measured cost and wall per step are moving
 # averages over picks (weight EMA_ALPHA: compilation and warm-up fade); an untimed step slower than
-# SLOW_FACTOR times the wall per step makes the next step timed.
+# SLOW_FACTOR times the wall per step is marked for the slowest steps (it never changes which is timed).
 MAX_BLOCK = 1000
 EMA_ALPHA = 0.2
 SLOW_FACTOR = 2.0
-EXTRA_EVERY = 100
 # The plug-ins whose own failure is contained (Engine.off): named so in the note.
 SLOW, MEMORY, CAPTURE = "the slow-step marks", "the memory readings", "the trace capture"
 
@@ -327,12 +326,9 @@ class Engine:
         if number == self._next_timed:
             self._pick_next(number)
         elif step_s + gap > self._slow_s:  # NaN (the run's first step): never
-            # Marked, and the next step timed: at most one extra in EXTRA_EVERY steps, so that a
-            # periodic slow step (a checkpoint) can't bias the sample towards the steps after it.
+            # Marked only: timing a step chosen by what came before it (the one after a slow step) would
+            # bias the sample towards such steps; one at random in each block gives each the same chance.
             rec.marks = {**(rec.marks or {}), "untimed": 1.0}
-            if number - self._forced >= EXTRA_EVERY and self._next_timed != number + 1:
-                self._forced = number
-                self._planned, self._next_timed = self._next_timed, number + 1
         if not rec.events and not self._late_marks:
             # A step without events is resolved at its end, so a window ends at the same step on
             # every rank: a rank a step late to the cross-rank round would deadlock.
@@ -394,16 +390,11 @@ class Engine:
         self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
         self._pick_at = (start_step, _NAN)  # the last pick's step and its start time
         self._block_end = self.first_number  # the first step after the current block
-        self._planned = 0  # the block's pick, kept while a step after a slow one is timed first
-        self._forced = -EXTRA_EVERY  # the last extra step: at most one in EXTRA_EVERY steps
         self._slow_s = math.inf  # an untimed step's wall above this is slow (budget only)
         self._pick_next(start_step)
 
     def _pick_next(self, number: int) -> None:
         """After the timed step ``number``, pick the next one at random in the next block."""
-        if self._planned > number:  # the step after a slow one was an extra: the block's pick stands
-            self._next_timed, self._planned = self._planned, 0
-            return
         n = self.sample_every or self._budget_block(number)
         start = self._block_end
         self._block_end = start + n

@@ -61,7 +61,7 @@ class SlowStep:
         if self.grew is None or self.grew_ms is None:
             return ""
         where = "GPU " if self.clock == "gpu" else ""
-        untimed = "" if self.timed else ", not timed (the next step was)"
+        untimed = "" if self.timed else ", not timed"
         return f"{where}{self.grew} +{num(self.grew_ms)} ms (median {num(self.grew_median_ms or 0.0)}){untimed}"
 
     def to_json(self) -> dict[str, Any]:

@@ -446,25 +446,29 @@ def test_the_cost_budget_never_aliases_with_a_periodic_pattern(clock: FakeClock)
     assert min(per) > 0.7 * len(timed) / 10 and max(per) < 1.3 * len(timed) / 10, per
 
 
-def test_a_slow_untimed_step_makes_the_next_step_timed(clock: FakeClock) -> None:
-    """An untimed step over twice the wall per step: the next step is timed too, as an extra (the
-    block's own pick still is), and the slow step is marked for the slowest steps."""
+def test_a_slow_untimed_step_is_marked_and_the_sample_stays_unbiased(clock: FakeClock) -> None:
+    """Every third step's ``loss`` 1.5 ms slower, a budget so small that blocks are 1,000 steps: an
+    untimed slow step is marked for the slowest steps, and the timed steps are the blocks' random picks
+    alone (none chosen for following a slow step), so a third of them are slow and loss's p90 reads
+    the slow value. Timing the step after each slow one read the fast value (0.05 ms)."""
     gpu = costly(clock)
-    o = Owner(gpu, sample_every=None, window_every=10_000, slowest=True)
-    e = o.engine
-    for _ in range(500):
-        o.step(clock, gpu, gpu_ms=0.1)  # launch-bound: the records' cost is the wall's
-    while e._next_timed - e.number < 4:  # the next steps up to the block's pick are untimed
-        o.step(clock, gpu, gpu_ms=0.1)
-    slow, planned = e.number + 1, e._next_timed
-    o.step(clock, gpu, data_ms=30.0, gpu_ms=0.1)
-    while e.number < planned:
-        o.step(clock, gpu, gpu_ms=0.1)
-    e.close()
+    o = Owner(gpu, sample_every=None, window_every=100_000, cost_budget=1e-12, slowest=True)
+    loss = Phase(o.engine, "loss")
+    for n in range(1, 18_001):
+        clock.advance_ms(0.05)
+        with o.engine:
+            with loss:
+                gpu.launch(0.01)
+                clock.advance_ms(1.55 if n % 3 == 0 else 0.05)
+    o.engine.close()
+    assert window_of(o.engine.rows, 18_000).host["loss"].p90_ms == pytest.approx(1.55, rel=0.01)
     timed = timed_numbers(o)
-    assert slow not in timed and slow + 1 in timed and planned in timed
-    assert [n for n in timed if n > slow] == [slow + 1, planned]
-    assert e.rows.marks[slow] == {"untimed": 1.0}
+    assert 17 <= len(timed) <= 20  # one in each block of 1,000 (the first steps: blocks of one)
+    slow = [n for n in timed if n % 3 == 0]
+    assert 2 <= len(slow) < len(timed) - 2  # the picks fall on slow and fast steps alike
+    marked = o.engine.rows.marks
+    assert marked and all(n % 3 == 0 and n not in timed for n in marked)
+    assert all(m == {"untimed": 1.0} for m in marked.values())
     fixed = Owner(gpu, sample_every=5, window_every=10_000)  # only with the budget
     fixed.step(clock, gpu)
     fixed.step(clock, gpu, data_ms=100.0)
