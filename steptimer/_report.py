@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 
@@ -15,9 +16,9 @@ from steptimer import _tags
 from steptimer._energy import Energy
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemoryStats
-from steptimer._reader import RunLog
-from steptimer._summary import NO_STATS, Summary, summarize
-from steptimer._verdict import Series
+from steptimer._reader import LogError, RunLog
+from steptimer._summary import NO_STATS, Summary, row_order, summarize
+from steptimer._verdict import DERIVED, PhaseSummary, Series, Verdict
 from steptimer._window import Tally
 
 Points = dict[str, list[tuple[int, float]]]
@@ -114,6 +115,55 @@ def _timed_host(
     return {**timed_sum, **{n: host[n].sum_ms * timed_frac for n in every}}, wall_ms * timed_frac
 
 
+def run_json(summary: Summary) -> dict[str, Any]:
+    """``report --json``'s run: the summary's numbers, and what ``compare`` needs to take the JSON as
+    a run (a CI's baseline): each row's histograms by clock and the windows' step times."""
+    doc = summary.to_json()
+    for row, r in zip(doc["rows"], summary.rows):
+        row["histograms"] = {c: {**asdict(x.hist), "counts": x.hist.counts} for c, x in r.series.items() if x.hist}
+    return {**doc, "cycle_window_ms": list(summary.cycle_window_ms)}
+
+
+# Summary fields that report --json holds as they are.
+_SAME_IN_JSON = (
+    *("steps", "timed_steps", "warmup_steps", "cuda", "steps_per_s", "samples_per_s", "tokens_per_s"),
+    *("tflops_per_s", "mfu", "share_clock", "sample_every", "cost_budget", "name", "windows", "of_steps"),
+)
+
+
+def summary_of_json(doc: dict[str, Any], path: str) -> Summary:
+    """A run of ``report --json`` (:func:`run_json`) as the summary ``compare`` takes; raises
+    :class:`LogError` if it isn't one."""
+    try:
+        v, e = doc["verdict"], doc["energy"]
+        return Summary(
+            **{k: doc[k] for k in _SAME_IN_JSON},
+            rows=tuple(_row_of_json(r) for r in doc["rows"]),
+            notes=tuple(doc["notes"]),
+            verdict=v and Verdict(v["kind"], tuple(v["evidence"])),
+            energy=e and Energy(e["joules"], e["steps"], e["seconds"]),
+            path=path,
+            cycle_window_ms=tuple(doc["cycle_window_ms"]),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise LogError(
+            f"{path}: not a run of `steptimer report --json` that compare can read ({type(err).__name__}: {err}); "
+            "write it with this version: steptimer report RUN --json > FILE.json"
+        ) from None
+
+
+def _row_of_json(row: dict[str, Any]) -> PhaseSummary:
+    def stats(d: dict[str, Any] | None) -> SeriesStats | None:
+        return None if d is None else SeriesStats(**{k: math.nan if x is None else x for k, x in d.items()})
+
+    series = {}
+    for clock, h in row["histograms"].items():
+        hist = LogHistogram(**{**h, "counts": {int(i): c for i, c in h["counts"].items()}})
+        series[clock] = Series(SeriesStats.of(hist), hist)
+    host = stats(row["host"]) or NO_STATS
+    return PhaseSummary(row["name"], None, host, stats(row["gpu"]), row["share"], row["launch_bound"], series)
+
+
 def _energy(scal: Points, n_of: dict[int, int]) -> Energy | None:
     """The GPU's energy over the windows that have it: joules per step and watts summed back."""
     watts = dict(scal.get(_tags.WATTS, []))
@@ -168,44 +218,131 @@ MIN_DOMINANCE = 0.5  # |Cliff's delta|: B's steps above A's (or below) in 3 of 4
 @dataclass(frozen=True)
 class Delta:
     """One row of ``steptimer compare``: a phase's median of steps (``wall per step``: its mean) in
-    runs A and B, on the GPU clock where both have it. ``dominance``: Cliff's delta of B's steps over
-    A's (of window values without histograms); ``changed``: see the thresholds above."""
+    runs A and B, on the GPU clock where both have it (None: the row is in the other run only).
+    ``dominance``: Cliff's delta of B's steps over A's (of window values without histograms);
+    ``changed``: see the thresholds above."""
 
     name: str
     clock: Literal["gpu", "host", "wall"]
-    a_ms: float
-    b_ms: float
+    a_ms: float | None
+    b_ms: float | None
     dominance: float
     changed: bool = field(init=False)
     statistic: Literal["median", "mean"] = "median"
 
     def __post_init__(self) -> None:
-        d = abs(self.delta_ms)
-        big = d >= MIN_CHANGE_MS and d >= MIN_CHANGE * abs(self.a_ms)
+        d = abs(self.delta_ms) if self.delta_ms is not None else 0.0
+        big = d >= MIN_CHANGE_MS and d >= MIN_CHANGE * abs(self.a_ms or 0.0)
         object.__setattr__(self, "changed", bool(big and abs(self.dominance) >= MIN_DOMINANCE))
 
     @property
-    def delta_ms(self) -> float:
-        return self.b_ms - self.a_ms
+    def delta_ms(self) -> float | None:
+        return None if self.a_ms is None or self.b_ms is None else self.b_ms - self.a_ms
 
     @property
     def delta_frac(self) -> float | None:
-        return self.delta_ms / self.a_ms if self.a_ms else None
+        return self.delta_ms / self.a_ms if self.delta_ms is not None and self.a_ms else None
+
+    @property
+    def only_in(self) -> Literal["A", "B"] | None:
+        """The run that alone has the row (a phase renamed, added or dropped), else None."""
+        return "B" if self.a_ms is None else "A" if self.b_ms is None else None
 
 
 def compare(a: Summary, b: Summary) -> list[Delta]:
-    """Per-row change from run A to run B (see :class:`Delta`), then the wall time per step."""
+    """Per-row change from run A to run B (see :class:`Delta`), rows of one run only included, in the
+    summary's order; then the wall time per step."""
     out = []
-    for ra, rb in ((r, b[r.name]) for r in a.rows if r.name in b):
-        clock: Literal["gpu", "host"] = "gpu" if ra.gpu is not None and rb.gpu is not None else "host"
-        sa, sb = getattr(ra, clock), getattr(rb, clock)
-        if sa.steps and sb.steps:
-            dom = _dominance(ra.series[clock], rb.series[clock])
-            out.append(Delta(ra.name, clock, sa.median_ms, sb.median_ms, dom))
+    names = dict.fromkeys(r.name for s in (a, b) for r in s.rows if r.host.steps or (r.gpu and r.gpu.steps))
+    for name in row_order(list(names), names):
+        rows = [s[name] for s in (a, b) if name in s]
+        clock: Literal["gpu", "host"] = "gpu" if all(r.gpu is not None for r in rows) else "host"
+        sa, sb = (_stats(s, name, clock) for s in (a, b))
+        if sa is not None and sb is not None:
+            dom = _dominance(a[name].series[clock], b[name].series[clock])
+            out.append(Delta(name, clock, sa.median_ms, sb.median_ms, dom))
+        elif sa is not None or sb is not None:
+            out.append(Delta(name, clock, sa and sa.median_ms, sb and sb.median_ms, 0.0))
     if a.steps_per_s and b.steps_per_s:  # of the windows' cycles: a Series of window values only
         dom = _dominance(*(Series(NO_STATS, None, s.cycle_window_ms) for s in (a, b)))
         out.append(Delta("wall per step", "wall", 1e3 / a.steps_per_s, 1e3 / b.steps_per_s, dom, "mean"))
     return out
+
+
+# compare --fail-slower: below these the noise test has too little to go on.
+GATE_MIN_STEPS = 20  # timed steps of each run
+GATE_MIN_WINDOWS = 3  # log windows of each run: ``wall per step`` is tested on window values
+GateVerdict = Literal["pass", "slower", "not comparable"]
+
+
+@dataclass(frozen=True)
+class Gate:
+    """``compare --fail-slower``: the rows (of ``rows``) that B made slower past the noise test and
+    past ``threshold_pct`` of A's value, or why the runs can't be compared (``reason``)."""
+
+    threshold_pct: float
+    rows: tuple[str, ...]
+    slower: tuple[str, ...]
+    reason: str | None
+
+    @property
+    def verdict(self) -> GateVerdict:
+        return "not comparable" if self.reason else "slower" if self.slower else "pass"
+
+    @property
+    def status(self) -> int:
+        """The exit status: 0 pass, 1 slower, 2 not comparable."""
+        return {"pass": 0, "slower": 1, "not comparable": 2}[self.verdict]
+
+    def to_json(self) -> dict[str, Any]:
+        noise = {"min_change": MIN_CHANGE, "min_change_ms": MIN_CHANGE_MS, "min_dominance": MIN_DOMINANCE}
+        return {
+            "verdict": self.verdict,
+            "status": self.status,
+            "threshold_pct": self.threshold_pct,
+            "rows": list(self.rows),
+            "slower": list(self.slower),
+            "noise": noise,
+            "reason": self.reason,
+        }
+
+
+def gate(a: Summary, b: Summary, deltas: list[Delta], threshold_pct: float, rows: Sequence[str] = ()) -> Gate:
+    """Gate B on A: ``rows`` (default: the phases, ``step`` and ``wall per step``) slower than the
+    noise allows and by more than ``threshold_pct`` %. Not comparable: different rows, too few steps
+    or windows, or one run timed on a GPU and the other on the host only."""
+    checked = tuple(rows) or tuple(d.name for d in deltas if d.name not in DERIVED or d.name == "step")
+    slower = tuple(d.name for d in deltas if d.name in checked and _slower(d, threshold_pct))
+    return Gate(threshold_pct, checked, slower, _not_comparable(a, b, deltas))
+
+
+def _slower(d: Delta, threshold_pct: float) -> bool:
+    """B's row is slower past the noise test and by more than ``threshold_pct`` % of A's."""
+    beyond = d.delta_frac is None or 100 * d.delta_frac > threshold_pct
+    return d.changed and d.delta_ms is not None and d.delta_ms > 0 and beyond
+
+
+def _not_comparable(a: Summary, b: Summary, deltas: list[Delta]) -> str | None:
+    """Why A and B can't be compared, in a line; None: they can."""
+    if a.cuda != b.cuda:
+        return "different clocks: " + "; ".join(
+            f"{label} {'CUDA events' if s.cuda else 'host clock only'}" for label, s in (("A", a), ("B", b))
+        )
+    only = {run: ", ".join(d.name for d in deltas if d.only_in == run) for run in ("A", "B")}
+    if any(only.values()):
+        return "different phases: " + "; ".join(f"only in {run}: {names}" for run, names in only.items() if names)
+    for label, s in (("A", a), ("B", b)):
+        if s.timed_steps < GATE_MIN_STEPS:
+            return f"too few steps: run {label} has {s.timed_steps} timed steps, the gate needs {GATE_MIN_STEPS}"
+        if (s.windows or 0) < GATE_MIN_WINDOWS:
+            return f"too few steps: run {label} has {s.windows} log windows, the gate needs {GATE_MIN_WINDOWS}"
+    return None
+
+
+def _stats(run: Summary, name: str, clock: str) -> SeriesStats | None:
+    """The row's statistics on ``clock`` in ``run``; None: not in the run, or no steps."""
+    st = getattr(run[name], clock) if name in run else None
+    return st if st is not None and st.steps else None
 
 
 def _dominance(a: Series, b: Series) -> float:

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from steptimer._format import num, pct
 from steptimer._memory import MIB
-from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, Delta
+from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, Delta, Gate
 from steptimer._slow import SlowStep
 from steptimer._summary import Summary
 
@@ -221,16 +221,18 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
         say(console, explanations(summary))
 
 
-def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any) -> None:
-    """``steptimer compare``: the per-row changes from run A to run B, then compute, energy, verdicts."""
+def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any, gate: Gate | None = None) -> None:
+    """``steptimer compare``: the per-row changes from run A to run B, then compute, energy, verdicts;
+    with ``gate`` (``--fail-slower``), its verdict last."""
     say(console, [f"A = {a.path}", f"B = {b.path}"])
     heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
     table = table_of([(h, h not in ("phase", "clock", "verdict")) for h in heads])
     for d in deltas:
-        verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed else "no change"
+        verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed and d.delta_ms else "no change"
         table.add_row(
             d.name, d.clock, num(d.a_ms), num(d.b_ms), num(d.delta_ms, sign=True),
-            "-" if d.delta_frac is None else f"{100 * d.delta_frac:+.1f}", f"{d.dominance:+.2f}", verdict,
+            "-" if d.delta_frac is None else f"{100 * d.delta_frac:+.1f}",
+            "-" if d.only_in else f"{d.dominance:+.2f}", f"only in {d.only_in}" if d.only_in else verdict,
         )  # fmt: skip
     console.print(table)
     lines = []
@@ -246,4 +248,18 @@ def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any)
         f"of steps (Cliff's delta; of windows for wall per step) and by at least "
         f"{MIN_CHANGE:.0%} and {1e3 * MIN_CHANGE_MS:g} µs",
     ]
+    if gate is not None:
+        lines.append(gate_text(gate, deltas))
     say(console, lines)
+
+
+def gate_text(gate: Gate, deltas: Sequence[Delta]) -> str:
+    """``--fail-slower``'s verdict in a line: pass, the rows slower and by how much, or why not comparable."""
+    past = f"slower past the noise test and by more than {gate.threshold_pct:g}%"
+    if gate.reason:
+        return f"gate: not comparable: {gate.reason}"
+    if not gate.slower:
+        return f"gate: pass: no row of {len(gate.rows)} checked is {past}"
+    frac = {d.name: d.delta_frac for d in deltas}
+    rows = ", ".join(n if (f := frac[n]) is None else f"{n} {100 * f:+.1f}%" for n in gate.slower)
+    return f"gate: FAILED: {rows}: {past}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from rich.console import Console
 from steptimer import __version__, _run
 from steptimer._options import int_at_least
 from steptimer._reader import LogError, find_runs
-from steptimer._report import analyze, compare
+from steptimer._report import analyze, compare, gate, run_json, summary_of_json
 from steptimer._summary import Summary
 from steptimer._table import print_compare, print_summary, wrapped
 from steptimer._tags import WARMUP_STEPS
@@ -94,9 +95,23 @@ def _parser() -> argparse.ArgumentParser:
         "else host) and the change; 'slower' or 'faster' only when the runs' steps are apart "
         "(Cliff's delta >= 0.5) and the change is at least 5 % and 5 µs (docs/cli.md).",
     )  # fmt: skip
-    c.add_argument("run_a", metavar="RUN_A", help="the baseline run directory (one run)")
-    c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run)")
+    c.add_argument("run_a", metavar="RUN_A", help="the baseline: a run directory, or a run saved with report --json")
+    c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run, or such a JSON file)")
     windows(c, "a table")
+    c.add_argument(
+        "--fail-slower",
+        type=_percent,
+        metavar="PCT",
+        help="a CI gate: exit 1 if a row is slower past the noise test and by more than PCT %%, 2 if the runs "
+        "can't be compared (different phases, too few steps, other clocks), else 0",
+    )
+    c.add_argument(
+        "--fail-rows",
+        type=_names,
+        default=(),
+        metavar="ROW,...",
+        help="the rows --fail-slower checks (default: the phases, step and wall per step)",
+    )
     t = command("trace", _cmd_trace, "export a captured window of steps (StepTimer(trace_steps=...)) as "
                 "Chrome/Perfetto trace JSON")  # fmt: skip
     t.add_argument("logdir", help="the run directory holding steptimer-trace.json (or the file itself)")
@@ -112,8 +127,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _percent(text: str) -> float:
+    try:
+        pct = float(text)
+    except ValueError:
+        pct = math.nan
+    if not (pct >= 0 and math.isfinite(pct)):
+        raise argparse.ArgumentTypeError(f"expected a percentage >= 0 (10 for 10 %), got {text!r}")
+    return pct
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
 def _summaries(path: str, args: argparse.Namespace, *, one: bool = False) -> list[Summary]:
-    """The summaries of the runs under ``path`` that have steps left (``one``: ``path`` is one run)."""
+    """The summaries of the runs under ``path`` that have steps left (``one``: ``path`` is one run,
+    or a run saved by ``report --json``)."""
+    if one and path.endswith(".json") and os.path.isfile(path):
+        return [_saved_run(path)]
     runs = find_runs(path)
     if one and len(runs) > 1:
         names = ", ".join(r.name for r in runs[:5]) + (", ..." if len(runs) > 5 else "")
@@ -132,10 +164,22 @@ def _summaries(path: str, args: argparse.Namespace, *, one: bool = False) -> lis
     return out
 
 
+def _saved_run(path: str) -> Summary:
+    """The one run of a ``report --json`` file."""
+    with open(path) as f:
+        try:
+            runs = json.load(f)["runs"]
+        except (ValueError, KeyError, TypeError):
+            raise LogError(f"{path}: not the JSON of steptimer report --json (no runs in it)") from None
+    if len(runs) != 1:
+        raise LogError(f"{path}: holds {len(runs)} runs; compare takes one: steptimer report RUN --json > FILE.json")
+    return summary_of_json(runs[0], path)
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     reports = _summaries(args.logdir, args)
     if args.json:
-        return _print_json({"runs": [r.to_json() for r in reports]})
+        return _print_json({"runs": [run_json(r) for r in reports]})
     console = _console()
     for i, r in enumerate(reports):
         if i:
@@ -160,17 +204,25 @@ def _console() -> Any:
 def _cmd_compare(args: argparse.Namespace) -> int:
     (a,), (b,) = _summaries(args.run_a, args, one=True), _summaries(args.run_b, args, one=True)
     deltas = compare(a, b)
+    checked = None if args.fail_slower is None else gate(a, b, deltas, args.fail_slower, args.fail_rows)
+    unknown = [n for n in args.fail_rows if n not in {d.name for d in deltas}]
+    if unknown:
+        rows = ", ".join(d.name for d in deltas)
+        raise LogError(f"--fail-rows: no row {', '.join(unknown)} in either run; rows: {rows}")
+    status = 0 if checked is None else checked.status
     if args.json:
         runs = {"a": a.to_json(), "b": b.to_json()}
-        return _print_json({
+        _print_json({
             **{k: r["path"] for k, r in runs.items()},
             "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
             "verdicts": {k: r["verdict"] and r["verdict"]["kind"] for k, r in runs.items()},
             "compute": {k: {"tflops_per_s": r["tflops_per_s"], "mfu": r["mfu"]} for k, r in runs.items()},
             "energy": {k: r["energy"] for k, r in runs.items()},
+            "gate": checked and checked.to_json(),
         })  # fmt: skip
-    print_compare(a, b, deltas, _console())
-    return 0
+        return status
+    print_compare(a, b, deltas, _console(), checked)
+    return status
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -918,3 +919,131 @@ def test_report_and_summary_agree_under_sampling(tmp_path: Path, clock: FakeCloc
     printed, live = cli("report", str(tmp_path), columns=80).stdout.splitlines(), render(s).splitlines()
     table = live.index(next(line for line in live if "share" in line))  # after the heading (its path differs)
     assert printed[printed.index(live[table]) :] == live[table:]
+
+
+# ---------------------------------------------------------------------- compare: rows of one run, the CI gate
+
+
+def host_run(log_dir: Path, clock: FakeClock, phases: dict[str, float], *, steps: int = 40, seed: int = 0) -> Any:
+    """A host-only run on the patched clock: ``phases`` (ms, each jittered 2 % by ``seed``), 0.5 ms
+    between steps, a window every 10 steps."""
+    rng = random.Random(seed)
+    t = StepTimer(log_dir=log_dir, cuda=False, warmup_steps=0, log_every_n_steps=10, print_summary=False)
+    for _ in range(steps):
+        clock.advance_ms(0.5)
+        with t.step():
+            for name, ms in phases.items():
+                with t.phase(name):
+                    clock.advance_ms(ms * rng.uniform(0.98, 1.02))
+    return t.close()
+
+
+def compare_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``steptimer compare ARGS`` in this process: its exit status and stdout (stderr must be empty)."""
+    from steptimer.cli import main
+
+    status = main(["compare", *args])
+    out, err = capsys.readouterr()
+    assert err == ""
+    return status, out
+
+
+def gate_line(out: str) -> str:
+    """The gate's line (the output's last), unwrapped."""
+    return " ".join(out.rsplit("gate: ", 1)[-1].split())
+
+
+def test_compare_shows_rows_of_one_run(tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run B renames ``attn`` to ``attention`` and adds a 6 ms ``clip``: the table names all three as
+    rows of one run, so the step's +6 ms is explained; --json gives them with null for the other run."""
+    host_run(tmp_path / "a", clock, {"attn": 2.0, "mlp": 3.0})
+    host_run(tmp_path / "b", clock, {"attention": 2.0, "mlp": 3.0, "clip": 6.0}, seed=1)
+    status, out = compare_main(capsys, str(tmp_path / "a"), str(tmp_path / "b"))
+    rows = {line.split()[0]: line.rstrip() for line in out.splitlines() if line.split()[1:2] == ["host"]}
+    assert status == 0 and rows["attn"].endswith("only in A") and rows["attention"].endswith("only in B")
+    assert rows["clip"].split()[2] == "-" and float(rows["clip"].split()[3]) == pytest.approx(6.0, rel=0.03)
+    assert rows["clip"].endswith("only in B")
+    assert rows["step"].split()[-1] == "slower" and rows["mlp"].split()[-2:] == ["no", "change"]
+    status, out = compare_main(capsys, str(tmp_path / "a"), str(tmp_path / "b"), "--json")
+    deltas = {d["name"]: d for d in json.loads(out)["deltas"]}
+    assert deltas["clip"]["a_ms"] is None and deltas["clip"]["b_ms"] == pytest.approx(6.0, rel=0.03)
+    assert deltas["attn"]["b_ms"] is None and deltas["attn"]["delta_ms"] is None
+    assert json.loads(out)["gate"] is None
+
+
+def test_fail_slower_gates_on_noise_and_threshold(
+    tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--fail-slower PCT: 0 for an unchanged run (its own jitter) and for a faster one; 1 when a row is
+    slower past the noise test and PCT (forward +20 %: at 10, not at 30; not when only backward is
+    checked); --json says the verdict, the threshold, the noise bounds and the slower rows."""
+    base = {"forward": 4.0, "backward": 6.0}
+    for name, phases, seed in (("a", base, 0), ("same", base, 1), ("fast", {**base, "forward": 3.0}, 2),
+                               ("slow", {**base, "forward": 4.8}, 3)):  # fmt: skip
+        host_run(tmp_path / name, clock, phases, seed=seed)
+    a = str(tmp_path / "a")
+    for b, pct, rows, status in (("same", "10", (), 0), ("fast", "10", (), 0), ("slow", "10", (), 1),
+                                 ("slow", "30", (), 0), ("slow", "10", ("backward",), 0)):  # fmt: skip
+        extra = ["--fail-rows", ",".join(rows)] if rows else []
+        got, out = compare_main(capsys, a, str(tmp_path / b), "--fail-slower", pct, *extra)
+        assert got == status, (b, pct, rows, out)
+        assert gate_line(out).startswith("FAILED: forward +19.6%: slower" if status else "pass: no row of"), out
+    got, out = compare_main(capsys, a, str(tmp_path / "slow"), "--fail-slower", "10", "--json")
+    gate = json.loads(out)["gate"]
+    assert got == gate["status"] == 1 and gate["verdict"] == "slower" and gate["reason"] is None
+    assert gate["threshold_pct"] == 10 and gate["slower"] == ["forward"]  # step: +7 %, past the noise only
+    assert gate["rows"] == ["forward", "backward", "step", "wall per step"]
+    assert gate["noise"] == {"min_change": 0.05, "min_change_ms": 0.005, "min_dominance": 0.5}
+
+
+def test_fail_slower_says_when_runs_cannot_be_compared(
+    tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 and the reason in the gate's line: other phases, too few steps, another clock (a run on
+    the simulated GPU against a host-only one)."""
+    host_run(tmp_path / "a", clock, {"forward": 4.0, "backward": 6.0})
+    host_run(tmp_path / "renamed", clock, {"fwd": 4.0, "backward": 6.0})
+    host_run(tmp_path / "short", clock, {"forward": 4.0, "backward": 6.0}, steps=15)
+    fake_run(tmp_path / "gpu", clock, data_ms=0.0, phases={"forward": (4.0, 4.0), "backward": (6.0, 6.0)}, steps=40)
+    reasons = {
+        "renamed": "different phases: only in A: forward; only in B: fwd",
+        "short": "too few steps: run B has 15 timed steps, the gate needs 20",
+        "gpu": "different clocks: A host clock only; B CUDA events",
+    }
+    for b, reason in reasons.items():
+        status, out = compare_main(capsys, str(tmp_path / "a"), str(tmp_path / b), "--fail-slower", "10", "--json")
+        assert status == 2 and json.loads(out)["gate"]["reason"] == reason
+        assert json.loads(out)["gate"]["verdict"] == "not comparable"
+        status, out = compare_main(capsys, str(tmp_path / "a"), str(tmp_path / b), "--fail-slower", "10")
+        assert status == 2 and gate_line(out) == f"not comparable: {reason}"
+
+
+def test_a_saved_report_is_a_baseline(tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str]) -> None:
+    """``report --json`` saved to a file compares as the run it came from: the same deltas and gate.
+    Unreadable input (no file, not JSON, a JSON of two runs) is an error (status 1, one line), as
+    for a log directory; a bad PCT is a usage error (status 2) that names the option."""
+    from steptimer.cli import main
+
+    host_run(tmp_path / "a", clock, {"forward": 4.0, "backward": 6.0})
+    host_run(tmp_path / "b", clock, {"forward": 4.8, "backward": 6.0}, seed=1)
+    assert main(["report", str(tmp_path / "a"), "--json"]) == 0
+    saved = tmp_path / "baseline.json"
+    saved.write_text(capsys.readouterr().out)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    from_logs = compare_main(capsys, a, b, "--fail-slower", "10", "--json")
+    from_file = compare_main(capsys, str(saved), b, "--fail-slower", "10", "--json")
+    assert from_file[0] == from_logs[0] == 1
+    assert json.loads(from_file[1])["a"] == str(saved)
+    for key in ("deltas", "gate", "verdicts", "compute"):
+        assert json.loads(from_file[1])[key] == json.loads(from_logs[1])[key], key
+    (tmp_path / "notes.json").write_text("not json")
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps({"runs": [json.loads(saved.read_text())["runs"][0]] * 2}))
+    for bad, says in ((tmp_path / "none.json", "no such file"), (tmp_path / "notes.json", "not the JSON of"),
+                      (two, "holds 2 runs")):  # fmt: skip
+        assert main(["compare", str(bad), b, "--fail-slower", "10"]) == 1
+        assert says in _error(capsys.readouterr().err)
+    p = cli("compare", a, b, "--fail-slower", "ten", ok=False)
+    assert p.returncode == 2 and "--fail-slower: expected a percentage >= 0" in p.stderr
+    assert main(["compare", a, b, "--fail-slower", "10", "--fail-rows", "fwd"]) == 1
+    assert "--fail-rows: no row fwd in either run" in _error(capsys.readouterr().err)
