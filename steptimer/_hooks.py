@@ -176,18 +176,21 @@ def batch_counts(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int | Non
 
 
 class Discovery:
-    """Finds a loop's optimizers and models (docs/run.md), calls ``on_found`` once (with the model
-    call that triggered it) and takes its hooks out. No global module hook, ever: a model compiled
-    under one stays slow after it is gone (85 % slower steps on GPT-2)."""
+    """Finds a loop's optimizers and models (docs/run.md) and calls ``on_found`` (with the model call
+    that triggered it). Optimizers not given are watched until :meth:`remove`: one nobody found that
+    steps (a fine-tuning's second stage) calls ``on_lost`` and is found again the same way. No global
+    module hook, ever: a model compiled under one stays slow after it is gone (85 % slower steps on GPT-2).
+    """
 
     def __init__(
         self,
         on_found: Callable[[Discovery, Any, Any, Any], None],
         *,
+        on_lost: Callable[[torch.optim.Optimizer], None] | None = None,
         models: Sequence[nn.Module] | None = None,
         optimizers: Sequence[torch.optim.Optimizer] | None = None,
     ) -> None:
-        self._on_found = on_found
+        self._on_found, self._on_lost = on_found, on_lost
         self._thread = threading.get_ident()
         self._given_models = list(models) if models else None
         self._given_opts = list(optimizers) if optimizers else None
@@ -196,12 +199,17 @@ class Discovery:
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.problem: str | None = None  # why discovery gave up, for the summary
+        self.rounds = 0  # times found: a second is a new optimizer's
+        self._beside: set[int] = set()  # ids of those that stepped but train none of the models
         self._pending: set[int] = set()
         # A subclass's step() calling super().step() fires the hooks twice when torch patched both
         # classes (a plain instance of the base was made too): the nested pair is one step.
         self.stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
-        self._handles = [register_optimizer_step_pre_hook(_eager(self._on_step)),
-                         register_optimizer_step_post_hook(_eager(self._on_stepped))]  # fmt: skip
+        self._handles = [
+            register_optimizer_step_pre_hook(_eager(self._on_step)),
+            register_optimizer_step_post_hook(_eager(self._on_stepped)),
+        ]
+        self._once: list[Any] = []  # the models' forward pre-hooks, out when the model is called
 
     def _on_stepped(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if threading.get_ident() == self._thread:
@@ -213,6 +221,13 @@ class Discovery:
         self.stepping = opt
         if self.problem is not None:  # gave up; the hook comes out at close (not here: see remove())
             return
+        if self.models and not self._once:  # found: the front door's hooks time the loop's optimizers
+            if self._given_opts is not None or id(opt) in self._beside or any(opt is o for o in self.optimizers):
+                return
+            # One nobody found steps: the loop changed (a new stage); it is found as the first was.
+            self.models, self.optimizers, self.optimizer_steps = [], [], 0
+            if self._on_lost is not None:
+                self._on_lost(opt)
         self.optimizer_steps += 1
         if self.models:  # the rest of this iteration's optimizers: the next one starts at a forward
             self._pending.discard(id(opt))
@@ -226,7 +241,9 @@ class Discovery:
         self._stepped = {}
         models = list(self._given_models) if self._given_models is not None else trained_modules(opts)
         # The optimizers whose parameters those models hold; none of them: every one that stepped.
-        opts = [o for o in opts if holds(o, models)] or opts
+        mine = [o for o in opts if holds(o, models)] or opts
+        self._beside |= {id(o) for o in opts if o not in mine}
+        opts = mine
         if not models:
             names = ", ".join(type(o).__name__ for o in opts)
             self.problem = (
@@ -237,22 +254,23 @@ class Discovery:
         self._pending = {id(o) for o in opts if o is not now}  # still to step in this iteration (a GAN's)
         # One-shot instance pre-hooks on the models: their dicts are not the one torch iterates now.
         # with_kwargs: the first timed call's keyword batch is counted too.
-        for m in models:
-            self._handles.append(m.register_forward_pre_hook(_eager(self._on_forward), with_kwargs=True))
+        self._once = [m.register_forward_pre_hook(_eager(self._on_forward), with_kwargs=True) for m in models]
 
     def _on_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not self._handles or self._pending or threading.get_ident() != self._thread:
+        if not self._once or self._pending or threading.get_ident() != self._thread:
             return
-        # The safe place to take discovery's hooks out: torch iterates a copy of the forward hooks,
-        # and the optimizer hook dict is not being iterated.
-        self.remove()
+        # torch iterates a copy of the forward hooks: safe to take these out inside one.
+        for h in self._once:
+            h.remove()
+        self._once = []
+        self.rounds += 1
         self._on_found(self, module, args, kwargs)
 
     def remove(self) -> None:
         """Take discovery's hooks out; not from inside an optimizer step (torch iterates that dict)."""
-        for h in self._handles:
+        for h in self._handles + self._once:
             h.remove()
-        self._handles = []
+        self._handles, self._once = [], []
 
 
 def holds(opt: torch.optim.Optimizer, models: Sequence[nn.Module]) -> bool:

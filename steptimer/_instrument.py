@@ -106,19 +106,21 @@ class Instrumented:
         self._zero_grad_last: bool | None = None  # the loop's order, learned (see _zero_grad_order)
         self._step_sites: dict[CodeType, int] | None = None
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
+        self._finding: Any = None  # the pause() while a new optimizer's loop is found (_lost)
         self._warned = False
         self._forwards = 0  # training forwards: _check_stepped at _FORWARDS_BEFORE_WARNING
         self._idle: set[int] = set()  # ids of the optimizers given that have not stepped yet
         self._hooks = Hooks()
+        self._loaders = Hooks()
         if not timer.enabled:
             return
         # From now: the loop's iterator is made before discovery finds the model and optimizers.
-        self._hooks.wrap_loaders(timer.data)
+        self._loaders.wrap_loaders(timer.data)
         if self.models and self.optimizers:
             self._idle = {id(o) for o in self.optimizers}
             self._install()
         else:  # found at the optimizers' steps; installed at the next forward of the model(s)
-            self._discovery = Discovery(self._found, models=models, optimizers=optimizers)
+            self._discovery = Discovery(self._found, on_lost=self._lost, models=models, optimizers=optimizers)
         _exit.track(self)  # at exit or SIGTERM: end a finished step waiting for its zero_grad first
 
     @property
@@ -184,6 +186,7 @@ class Instrumented:
         """End a finished step waiting for its zero_grad; the notes of the run."""
         if self._deferred:
             self._driver.end()
+        self._end_finding()
         self._check_stepped()
         note = self.discovery_note()
         if note is not None:
@@ -201,6 +204,7 @@ class Instrumented:
         if self._discovery is not None:
             self._discovery.remove()
         self._hooks.remove()
+        self._loaders.remove()
         self._driver.live = False
 
     def __enter__(self) -> Instrumented:
@@ -232,10 +236,12 @@ class Instrumented:
         inside = d.stepping is not None
         names = ", ".join(type(m).__name__ for m in d.models)
         onames = ", ".join(type(o).__name__ for o in d.optimizers)
+        when = "" if d.rounds > 1 else " (counted before warm-up)"
         self.timer.note(
             f"found the model ({names}) and optimizer ({onames}) at their first steps: the "
-            f"{d.optimizer_steps - inside} optimizer step(s) before were not timed (counted before warm-up)"
+            f"{d.optimizer_steps - inside} optimizer step(s) before were not timed{when}"
         )
+        self._end_finding()
         if not self._driver.live:  # removed
             return
         self._install()
@@ -243,6 +249,27 @@ class Instrumented:
         self._forward_pre(module, args, kwargs)
         if inside:
             self._update_depth, self._update_closure = 1, True
+
+    def _lost(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer nobody found steps (a new stage of the loop): the hooks come out, the step
+        open now is not timed, and discovery finds the loop's optimizers and models again."""
+        gone = ", ".join(type(o).__name__ for o in self.optimizers)
+        self.timer.note(
+            f"a new optimizer ({type(opt).__name__}) stepped after step {self.timer.steps} instead of "
+            f"{gone}: steptimer finds the loop again from its steps, pausing until then"
+        )
+        self._settle()
+        self._driver.drop(RuntimeError, RuntimeError("a new optimizer stepped"), None)
+        self._hooks.remove()
+        self._finding = self.timer.pause()  # its iterations are neither steps nor the loop's time
+        self._finding.__enter__()
+        self.models, self.optimizers = (), ()
+        self._zero_grad_last, self._step_sites = None, None  # the new stage's loop may differ
+
+    def _end_finding(self) -> None:
+        if self._finding is not None:
+            pause, self._finding = self._finding, None
+            pause.__exit__(None, None, None)
 
     def _ignored(self) -> bool:
         """Other threads, pauses, a reentrant checkpoint's forwards inside backward, and after remove()."""

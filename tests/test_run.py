@@ -72,6 +72,24 @@ def check_sleeps(med: dict[str, float], phases: dict[str, float]) -> None:
         assert ms - 0.5 <= med[phase] <= ms + 10 + 0.1 * ms, (phase, med)
 
 
+def test_a_new_optimizer_after_discovery_is_found_and_timed_from_then_on(tmp_path: Path) -> None:
+    """Head-then-full fine-tuning: SGD on the head for 12 steps, then a new AdamW on the whole model
+    for 12. The second stage is found as the first was (2 steps each) and timed step by step, never
+    one step that never ends; the iterations spent finding it are paused out, not the loop's."""
+    proc = run(tmp_path, "two_stages.py", "12")
+    assert "TRAINED 24" in proc.stdout
+    out = flat(proc.stdout)
+    assert "a new optimizer (AdamW) stepped after step 10 instead of SGD" in out
+    assert "found the model (Net) and optimizer (AdamW) at their first steps: the 2 optimizer" in out
+    r = report(tmp_path / "log")
+    assert r["steps"] == 20  # 10 of each stage
+    med = medians(r)
+    check_sleeps(med, {"forward": SLEEP_MS["forward"], "backward": SLEEP_MS["backward"]})
+    # An iteration sleeps 32 ms; the three spent finding AdamW are in no step and not the loop's.
+    (loop,) = [row["host"] for row in r["rows"] if row["name"] == "loop"]
+    assert loop["max_ms"] < 2 * (SLEEP_MS["forward"] + SLEEP_MS["backward"]), loop
+
+
 def test_a_trainer_class_that_builds_its_own_optimizer_and_saves_the_model(tmp_path: Path) -> None:
     proc = run(tmp_path, "trainer_class.py", str(tmp_path / "model.pt"))
     assert "SAVED Net" in proc.stdout  # torch.save(model) of the discovered model loads back plain
