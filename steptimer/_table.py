@@ -17,7 +17,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from steptimer._format import num, pct
+from steptimer._format import count, num, pct
 from steptimer._memory import MIB
 from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, Delta, Gate
 from steptimer._slow import SlowStep
@@ -55,7 +55,7 @@ def phase_table(summary: Summary, width: int) -> Any:
         cols += [(f"{'GPU' if c == 'gpu' else 'host'} ms\n{s}", True) for c in clocks for s in stats]
         table = table_of([*cols, (f"share\n{'GPU' if summary.share_clock == 'gpu' else 'host'}", True)])
         for r in rows:
-            cells = [_label(r.name)] + ([num(r.calls_per_step) if r.calls_per_step else "-"] if calls else [])
+            cells = [_label(r.name)] + ([count(r.calls_per_step) if r.calls_per_step else "-"] if calls else [])
             for c in clocks:
                 st = r.gpu if c == "gpu" else r.host
                 mark = "*" if c == "gpu" and r.launch_bound else ""

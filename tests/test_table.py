@@ -47,8 +47,8 @@ def test_phase_names_are_never_cut_and_the_table_fits_80_columns() -> None:
     head = lines[1].split() + lines[2].split()
     assert head.count("ms") == 4 and "max" not in head, text  # the narrow table leaves out the max columns
     assert "median" in head and "p90" in head and "share" in head and "calls" in head  # forward: 4 calls
-    assert rows["data"][1:] == ["1.000", "123.5", "135.8", "12.3", "13.6", "5.0%"]
-    assert rows["forward"][1] == "4.000"
+    assert rows["data"][1:] == ["1", "123.5", "135.8", "12.3", "13.6", "5.0%"]
+    assert rows["forward"][1] == "4"
     assert "128.5*" in rows["clip"] and text.count("*") == 1  # clip's GPU median carries the mark
     assert "throughput: 7.500 steps/s, 331,000 tokens/s; compute: 412.3 TFLOP/s, MFU 41.7%" in text
 
@@ -171,3 +171,22 @@ def test_a_step_that_stood_out_is_listed_alone(tmp_path: Path, monkeypatch: pyte
     assert top.cause == top.grew_text() and top.cause.startswith(f"forward +{num(top.grew_ms)} ms")
     assert top.grew_ms == pytest.approx(10.0, abs=0.02)
     assert len(lines) <= 18 and max(map(len, lines)) <= 80, text
+
+
+def test_calls_per_step_read_as_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A phase entered 3 times a step prints ``3``, once ``1``; one entered once or twice in turn
+    ``1.5``: a mean count, so it keeps its fraction."""
+    clock = FakeClock()
+    monkeypatch.setattr(engine_mod, "perf_counter", clock)
+    t = StepTimer(cuda=False, warmup_steps=0, print_summary=False)
+    for i in range(20):
+        with t.step():
+            for name, entries in (("forward", 1), ("micro", 3), ("clip", 1 + i % 2)):
+                for _ in range(entries):
+                    with t.phase(name):
+                        clock.advance_ms(1.0)
+    s = t.close()
+    text = render(s)
+    cells = [line.split() for line in text.splitlines()]
+    calls = {c[0]: c[1] for c in cells if c[:1] in (["forward"], ["micro"], ["clip"])}
+    assert "calls" in text and calls == {"forward": "1", "micro": "3", "clip": "1.5"}, text
