@@ -363,6 +363,14 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 lg.log_metrics({"steptimer/val_ms": val_ms}, step=self.steps)
 
     @override
+    def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # Automatic: right before the LightningModule's optimizer_zero_grad, whose own work before
+        # optimizer.zero_grad() is zero_grad too (the wrapped zero_grad inside it counts once).
+        d = self._live()
+        if d is not None:
+            d.switch("zero_grad")
+
+    @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         d = self._live()
         if d is not None:

@@ -1647,3 +1647,37 @@ def test_the_trainers_default_interval_lengthens_windows_on_small_steps(
         assert got == [10 * k for k in range(1, 31)]
     else:  # a window between the first and the last only after a second: 250 steps of >= 4 ms
         assert got[0] == 50 and got[-1] == 300 and len(got) <= 3 and all(w % 50 == 0 for w in got), got
+
+
+def test_work_in_optimizer_zero_grad_before_zero_grad_is_zero_grad() -> None:
+    """A LightningModule whose ``optimizer_zero_grad`` works before ``optimizer.zero_grad()``: that
+    work is ``zero_grad`` (Lightning calls ``on_before_zero_grad`` right before the hook), not ``loss``."""
+    import pytorch_lightning as pl
+
+    class ZeroGradWork(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            (x,) = batch
+            out = self(x)
+            time.sleep(SLEEP_S / 5)  # 10 ms of loss
+            return out.pow(2).mean()
+
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            time.sleep(SLEEP_S)  # before zero_grad: still zero_grad's work
+            optimizer.zero_grad()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    cb = StepTimerCallback(warmup_steps=1, print_summary=False)
+    trainer(pl, cb).fit(ZeroGradWork(), loader(4))
+    s = cb.summary
+    assert s is not None and s.steps == 3
+    assert s["zero_grad"].host.median_ms >= HIGH_MS
+    assert s["loss"].host.median_ms < LOW_MS
