@@ -138,7 +138,9 @@ def test_each_sleep_lands_in_its_phase(style: str) -> None:
         assert "zero_grad" not in s
     else:
         assert_host_ms(s, "zero_grad", SLEEP_MS["zero_grad"])
-    assert s["other"].host.mean_ms < 3.0  # nothing of size fell between the phases
+    # Nothing of size fell between the phases: under half the smallest sleep (a stalled step's
+    # `other` on a busy host moves the mean, not the median).
+    assert s["other"].host.median_ms < SLEEP_MS["zero_grad"] / 2
 
 
 def test_gradient_accumulation_adds_up_micro_batches() -> None:
@@ -812,7 +814,7 @@ def test_an_evaluation_begun_and_ended_from_events_is_paused_out_and_noted() -> 
     s = timed.close()
     assert s.steps == 6
     data = next(r for r in s.rows if r.name == "loop")
-    assert data.host.max_ms < 25, data
+    assert data.host.max_ms < 50, data  # never the 50 ms the evaluation slept
     (note,) = [n for n in s.notes if n.startswith("validation:")]
     assert note.startswith("validation: 2 run(s), ") and float(note.split(", ")[1].split(" ms")[0]) >= 50
 

@@ -262,7 +262,12 @@ def test_hugging_face_callback(tmp_path: Path, accum: int) -> None:
     r = report(tmp_path / "out" / "steptimer")  # beside the Trainer's output
     assert r["steps"] == 12  # known from the start: every step timed
     med = medians(r)
-    check_sleeps(med, {"data": accum * SLEEP_MS["data"], "forward": accum * SLEEP_MS["forward"]})
+    # Forward is GPT-2's own compute too, more of it on a busy host (56.7 ms read for a 40 ms sleep):
+    # each row is bounded by its sleeps plus one micro-batch of the other's, the least a boundary in
+    # the wrong place would move into it.
+    for phase, other in (("data", "forward"), ("forward", "data")):
+        ms = accum * SLEEP_MS[phase]
+        assert ms - 0.5 <= med[phase] < ms + SLEEP_MS[other], (phase, med)
     c = calls(proc.stdout)
     assert c["forward"] == c["backward"] == accum and c["clip"] == 1 and c["optimizer"] == 1 and c["zero_grad"] == 1
     assert abs(r["tokens_per_s"] / r["steps_per_s"] - accum * 64) < 0.05 * accum * 64
