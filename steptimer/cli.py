@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 
@@ -45,9 +45,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(f"{err.filename or ''}: {err.strerror or err}")
 
 
-def _error(message: str) -> int:
-    print("\n".join(wrapped([f"steptimer: error: {message}"], 80, "  ")), file=sys.stderr)
+def _error(message: str, prog: str = "steptimer") -> int:
+    print("\n".join(wrapped([f"{prog}: error: {message}"], 80, "  ")), file=sys.stderr)
     return 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's, with its usage errors wrapped at 80 columns as the command's other errors are."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        _error(message, self.prog)
+        sys.exit(2)
 
 
 _EXAMPLES = """\
@@ -63,7 +72,7 @@ TRACE_OUT = "steptimer-trace.chrome.json"  # trace's default output, inside the 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="steptimer", description="Where each training step's time goes: read the logs that steptimer wrote.",
         epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip

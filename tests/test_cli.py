@@ -1047,3 +1047,33 @@ def test_a_saved_report_is_a_baseline(tmp_path: Path, clock: FakeClock, capsys: 
     assert p.returncode == 2 and "--fail-slower: expected a percentage >= 0" in p.stderr
     assert main(["compare", a, b, "--fail-slower", "10", "--fail-rows", "fwd"]) == 1
     assert "--fail-rows: no row fwd in either run" in _error(capsys.readouterr().err)
+
+
+def test_every_usage_error_and_help_fits_80_columns(
+    tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every help, usage error (status 2: an unknown command, a missing or bad argument) and error
+    (status 1) of the command, in this process with no terminal and no COLUMNS: each line fits 80
+    columns (a line with a path excepted: a path is never cut)."""
+    from steptimer.cli import main
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    for name in ("a", "b"):
+        host_run(tmp_path / name, clock, {"forward": 4.0, "backward": 6.0}, seed=len(name))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    helps = [["--help"], *([c, "--help"] for c in ("run", "report", "compare", "trace", "kernels"))]
+    gate = ["compare", a, b, "--fail-slower", "5"]
+    errors = [["report", str(tmp_path / "none")], ["kernels", a], ["trace", a], [*gate, "--fail-rows", "attention"]]
+    usage = [[], ["frobnicate"], ["report"], ["compare", a], ["compare", a, b, "--fail-slower", "ten"], ["run"]]
+    usage += [["kernels", a, "--top", "0"], ["report", a, "--skip-steps", "-1"], ["report", "--bogus", a]]
+    commands = {0: [*helps, gate, ["report", "--explain", a]], 1: errors, 2: usage}
+    for status, argvs in commands.items():
+        for argv in argvs:
+            try:
+                got = main(argv)
+            except SystemExit as e:
+                got = e.code if isinstance(e.code, int) else 1
+            out, err = capsys.readouterr()
+            assert (got, bool(out or err)) == (status, True), (argv, out, err)
+            for line in (out + err).splitlines():
+                assert len(line) <= 80 or str(tmp_path) in line, (argv, line)
