@@ -84,10 +84,15 @@ def window_scalars(window: Window) -> dict[str, float]:
 
 
 def run_names(window: Window) -> list[str]:
-    """The rows that get a run, in creation order: TensorBoard colours the n-th run n mod 7."""
+    """The rows that get a run, in creation order: TensorBoard colours the n-th run n mod 7, the log
+    dir's own run (the totals) first. ``loop`` (the time after a step) comes after ``other``, so
+    ``data`` and the first phase get neighbouring entries, which differ most in both palettes (blue
+    and red, cyan and pink). ``idle`` (GPU) first and ``wait`` (host) last share a colour with 7 rows
+    between them, and are never charted together."""
     names = dict.fromkeys([*window.host, *window.gpu])
-    rows = [n for n in row_order(list(names), names) if n not in (STEP, "idle", "wait")]
-    return [n for n in ("idle",) if n in names] + rows + [n for n in ("wait",) if n in names]
+    last = ("loop", "wait")
+    rows = [n for n in row_order(list(names), names) if n not in (STEP, "idle", *last)]
+    return [n for n in ("idle",) if n in names] + rows + [n for n in last if n in names]
 
 
 def totals(window: Window) -> dict[str, float]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tb import scalars
+from tests.tb import phase_runs, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
@@ -30,8 +30,10 @@ def test_demo_runs_prints_summary_and_writes_tensorboard(tmp_path: Path) -> None
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "steptimer: 40 steps" in out.stdout  # 45 steps, 5 of them warm-up
-    for phase in ("data", "forward", "loss", "backward", "optimizer", "other", "step"):
+    for phase in ("data", "forward", "backward", "optimizer", "other", "step"):
         assert any(line.split()[:1] == [phase] for line in out.stdout.splitlines()), phase
+    # 6 rows and the total: TensorBoard's 7 colours, each demo run's rows in the same ones
+    assert sorted(phase_runs(log_dir)) == ["backward", "data", "forward", "loop", "optimizer", "other"]
     assert f"--logdir {log_dir}" in out.stdout
     tags = scalars(log_dir)
     # Every 20 steps after warm-up; the warm-up window (steps 1-5) is written but not drawn.

@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from urllib.parse import unquote
 
+from tests.fakes import FakeClock
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|!\[[^\]]*\]\(([^)\s]+)\)")
@@ -73,3 +75,69 @@ def test_the_checker_catches_a_broken_link_and_anchor(tmp_path: Path) -> None:
         ]
     finally:
         ROOT = old
+
+
+# ------------------------------------------------------------------ docs/tensorboard.md's tag table
+
+
+def tag_table() -> list[tuple[list[str], list[str], str]]:
+    """docs/tensorboard.md's table of tags: per row, its run patterns, tag patterns and its "when"."""
+    text = (ROOT / "docs" / "tensorboard.md").read_text()
+    table = text[text.index("| run | tag | when | value |") :].split("\n\n")[0].splitlines()[2:]
+    rows = []
+    for line in table:
+        run, tag_, when = line.split(" | ")[:3]
+        rows.append((re.findall(r"`([^`]+)`", run) or [run.strip("| ")], re.findall(r"`([^`]+)`", tag_), when))
+    return rows
+
+
+def pattern(doc: str) -> re.Pattern[str]:
+    """A run or tag of the table as a regex: `<clock>` is host or gpu, `<row>` and `<tag>` any name,
+    `...` anything; the log dir's own run is `.`."""
+    rx = re.escape(doc.replace("<log dir>/", "").replace("<log dir>", "."))
+    for holder, any_ in (("<clock>", "(host|gpu)"), ("<row>", ".+"), ("<tag>", ".+"), ("\\.\\.\\.", ".*")):
+        rx = rx.replace(re.escape(holder) if holder.startswith("<") else holder, any_)
+    return re.compile(rx)
+
+
+def test_the_tag_table_lists_every_tag_a_run_writes(tmp_path: Path, clock: FakeClock) -> None:
+    """A host-only run with nested phases, samples, tokens, FLOPs, warm-up and a slow step, read back
+    with TensorBoard's reader: each (run, tag) it wrote matches a row of the table, and each row that
+    such a run should write (not CUDA's, Lightning's, torch.distributed's) matches one it wrote."""
+    from steptimer import StepTimer
+    from tests.tb import accumulator
+
+    t = StepTimer(log_dir=tmp_path, cuda=False, log_every_n_steps=4, warmup_steps=2, print_summary=False)
+    for i in t.data(iter(range(14))):
+        clock.advance_ms(0.5)
+        with t.step(samples=4, tokens=64, flops=1e9):
+            with t.phase("forward"), t.phase("attn"):
+                clock.advance_ms(30.0 if i == 9 else 1.0)
+            with t.phase("backward"):
+                clock.advance_ms(2.0)
+    t.close()
+    written = set()
+    for run in {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}:
+        tags = accumulator(run).Tags()
+        name = run.relative_to(tmp_path).as_posix()
+        written |= {(name, tag) for kind in ("scalars", "histograms", "tensors") for tag in tags[kind]}
+    assert ("steptimer/forward/attn", "steptimer/host_ms") in written  # a nested phase's run
+
+    table = [([pattern(r) for r in runs], [pattern(t) for t in tags], when) for runs, tags, when in tag_table()]
+
+    def in_row(runs: list[re.Pattern[str]], tags: list[re.Pattern[str]], run: str, tag: str) -> bool:
+        return any(r.fullmatch(run) for r in runs) and any(t.fullmatch(tag) for t in tags)
+
+    unlisted = {(run, tag) for run, tag in written if not any(in_row(rs, ts, run, tag) for rs, ts, _ in table)}
+    assert unlisted == set()
+    expected = [(rs, ts) for rs, ts, when in table if not re.search("CUDA|Lightning|distributed", when)]
+    not_written = [[t.pattern for t in ts] for rs, ts in expected if not any(in_row(rs, ts, *w) for w in written)]
+    assert not_written == []
+
+
+def test_the_tag_tables_patterns_read_runs_as_tensorboard_shows_them() -> None:
+    rows = tag_table()
+    assert len(rows) >= 15 and all(tags for _, tags, _ in rows)
+    listed = [pattern(t) for _, tags, _ in rows for t in tags]
+    assert any(p.fullmatch("steptimer-tails/gpu_p90_ms") for p in listed)
+    assert not any(p.fullmatch("steptimer/host/forward_ms") for p in listed)  # the whole tag is not in a run

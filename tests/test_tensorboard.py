@@ -143,11 +143,61 @@ def test_rows_charted_together_get_distinct_colours(clock: FakeClock) -> None:
     t.close()
     (w,) = sink.windows
     names = run_names(w)
-    assert names == ["idle", "data", "loop", "forward", "backward", "optimizer", "other", "wait"]
+    assert names == ["idle", "data", "forward", "backward", "optimizer", "other", "loop", "wait"]
     colour = {n: (i + 1) % 7 for i, n in enumerate(names)}  # after the log dir's own run
     for chart in ([n for n in w.host if n != "step"], [n for n in w.gpu if n != "step"], list(w.shares)):
         assert len({colour[n] for n in chart}) == len(chart), chart
     assert set(window_summaries(w)) == {None, *names}  # no run for step
+
+
+def tensorboard_runs(logdir: Path) -> list[str]:
+    """``/data/runs`` as TensorBoard's own core plugin serves it for ``logdir`` (no server): the order
+    in which Time Series, Scalars and Custom Scalars give runs their colours, the n-th colour n mod 7."""
+    import warnings
+
+    from werkzeug.test import Client
+
+    with warnings.catch_warnings():  # TensorBoard's vendored html5lib warns of its own deprecation
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+        from tensorboard.plugins.base_plugin import TBContext
+        from tensorboard.plugins.core.core_plugin import CorePlugin
+
+    mux = plugin_event_multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    provider = data_provider.MultiplexerDataProvider(mux, str(logdir))
+    app = CorePlugin(TBContext(data_provider=provider, logdir=str(logdir))).get_plugin_apps()["/data/runs"]
+    return json.loads(Client(app).get("/data/runs").get_data())
+
+
+@pytest.mark.parametrize("log_dirs", [2, 3])
+def test_a_phase_has_one_colour_in_every_log_dir_and_none_shares_the_totals(
+    tmp_path: Path, clock: FakeClock, log_dirs: int
+) -> None:
+    """Log dirs side by side (``--logdir runs`` with demo-1, demo-2, ...), each with the demo's rows on
+    a CPU: 6 rows and the log dir's own run (the totals) fill TensorBoard's 7 colours, so in every log
+    dir a phase gets the same colour and no row gets another's or the total's; ``data`` and the first
+    phase get neighbouring palette entries (blue and red in Scalars, not blue and cyan)."""
+    for n in range(1, log_dirs + 1):
+        options = {"log_every_n_steps": 2, "warmup_steps": 0, "print_summary": False}
+        t = StepTimer(log_dir=tmp_path / f"demo-{n}", cuda=False, **options)
+        loader = t.data(iter(range(4)))
+        for _ in loader:
+            with t.step():
+                for name in ("forward", "backward", "optimizer"):
+                    with t.phase(name):
+                        clock.advance_ms(1.0)
+        t.close()
+    runs = tensorboard_runs(tmp_path)
+    colour = {run: i % 7 for i, run in enumerate(runs)}
+    rows = ["data", "forward", "backward", "optimizer", "other", "loop"]
+    for n in range(1, log_dirs + 1):
+        mine = [f"demo-{n}", *(f"demo-{n}/steptimer/{r}" for r in rows)]
+        assert [r for r in runs if r.split("/")[0] == f"demo-{n}"] == mine
+        assert [colour[r] for r in mine] == list(range(7))  # the total 0, the rows 1-6, as in demo-1
+    shares = {r: run_scalars(tmp_path / r) for r in runs}
+    assert all("steptimer/host_pct" in tags for tags in shares.values())  # all 7 in the share chart
 
 
 def test_split_tag_is_undone_by_join_tag() -> None:
@@ -306,8 +356,8 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
     t.close()
     writer.close()
     # run_names: timeline order, no step; the user's: no GPU: no idle (nor its parts), no wait
-    rows = ["idle", "data", "loop", "forward", "backward", "other", "idle/data", "idle/loop", "wait"]
-    user_rows = ["data", "loop", "forward", "backward", "other"]
+    rows = ["idle", "data", "forward", "backward", "other", "idle/data", "idle/loop", "loop", "wait"]
+    user_rows = ["data", "forward", "backward", "other", "loop"]
 
     with _Server(logs) as tb:
         tb.until(lambda: len(tb.get("/data/runs")) == 2 + len(rows) + len(user_rows)
