@@ -43,6 +43,14 @@ class _TrainerLog:
         pass
 
 
+# The Trainer's callbacks that print each log dict (the progress bar's, the printer's, a notebook's).
+_CONSOLE = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")
+
+
+def _console(callback: Any) -> bool:
+    return any(c.__name__ in _CONSOLE for c in type(callback).__mro__)
+
+
 class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     """Times each optimizer step of a ``transformers.Trainer``.
 
@@ -114,9 +122,19 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
 
     def _send(self, control: Any) -> None:
         # Trainer.log clears should_log, the Trainer's own plan for this step.
+        if not self._log.pending:
+            return
         should_log = control.should_log
-        while self._log.pending:
-            self._trainer.log(self._log.pending.pop(0))
+        # Through Trainer.log to its loggers and log history, but not to the console callbacks: a
+        # window is about 100 values, one dict line of 800-1,100 columns for each.
+        handler = self._trainer.callback_handler
+        every = handler.callbacks
+        handler.callbacks = [cb for cb in every if not _console(cb)]
+        try:
+            while self._log.pending:
+                self._trainer.log(self._log.pending.pop(0))
+        finally:
+            handler.callbacks = every
         control.should_log = should_log
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -117,14 +117,19 @@ def _train_reporting(tmp_path: Path, report_to: str, **args: Any) -> tuple[Any, 
 SENT = ("steptimer/host/step_ms", "steptimer/steps_per_s", "steptimer/samples_per_s")
 
 
+@pytest.mark.parametrize("bar", [True, False], ids=["progress-bar", "printer"])
 def test_windows_reach_the_trainers_tensorboard_and_the_summary_has_a_line_of_its_own(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], bar: bool
 ) -> None:
     """Given the Trainer, each window goes through ``Trainer.log`` to its ``report_to`` loggers (here
     its TensorBoard integration, read back from its own event files) and its log history, with the
-    values steptimer's own log holds; the Trainer's own logging of the loss is unchanged."""
-    trainer, cb, mine = _train_reporting(tmp_path, "tensorboard")
-    out = capfd.readouterr().out
+    values steptimer's own log holds; the Trainer's own logging of the loss is unchanged. The console
+    (the progress bar's or the printer's lines of logs) gets none of them: a window is ~100 values."""
+    trainer, cb, mine = _train_reporting(tmp_path, "tensorboard", disable_tqdm=not bar)
+    out, err = capfd.readouterr()
+    printed = [line for line in (out + err).splitlines() if "'loss'" in line]
+    assert len(printed) == 4, printed  # the Trainer's own, as before
+    assert "'steptimer/" not in out + err, max((out + err).splitlines(), key=len)  # no dict of ours
     (folder,) = {f.parent for f in (tmp_path / "out").rglob("events.out.tfevents.*")}  # its runs/<date>...
     theirs = _read_scalars(folder)
     for tag in SENT:  # under the integration's train/ prefix
@@ -133,7 +138,8 @@ def test_windows_reach_the_trainers_tensorboard_and_the_summary_has_a_line_of_it
     history = [h["steptimer/host/step_ms"] for h in trainer.state.log_history if "steptimer/host/step_ms" in h]
     assert history == pytest.approx([v for _, v in mine["steptimer/host/step_ms"]])
     # After the progress bar (on stderr, its line left open), the summary starts on a line of its own.
-    assert "\n\nsteptimer: " in "\n" + out, out
+    # With no bar, the summary follows the printer's last line.
+    assert ("\n\nsteptimer: " if bar else "}\nsteptimer: ") in "\n" + out, out
 
 
 def test_windows_reach_the_trainers_mlflow_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
