@@ -17,7 +17,7 @@ from steptimer._energy import Energy
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemoryStats
 from steptimer._reader import LogError, RunLog
-from steptimer._summary import NO_STATS, Summary, row_order, summarize
+from steptimer._summary import NO_STATS, Summary, all_warmup_note, row_order, summarize
 from steptimer._verdict import DERIVED, PhaseSummary, Series, Verdict
 from steptimer._window import Tally
 
@@ -28,11 +28,14 @@ Hists = dict[tuple[str, str], list[tuple[int, LogHistogram]]]
 def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -> Summary:
     """One run's summary from its logs, past ``skip_steps`` and (as live) without warm-up windows."""
     warm = {s: int(v) for s, v in run.scalars.get(_tags.WARMUP_STEPS, [])}
+    # A run that ended inside its warm-up summarized its warm-up steps: so does its report.
+    all_warm = run.scalars.get(_tags.ALL_WARMUP)
+    include_warmup = include_warmup or bool(all_warm)
     skip = set() if include_warmup else set(warm)
     windows = [s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s > skip_steps and s not in skip]
     if not windows:
         windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in skip})
-    notes = list(run.notes)
+    notes = list(run.notes) + ([all_warmup_note(int(all_warm[-1][1]))] if all_warm else [])
     if not run.hists:
         notes.append(
             "no histograms in these logs (scalars only): median and p90 are of window means, "

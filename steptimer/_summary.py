@@ -182,6 +182,12 @@ class Summary:
         return d
 
 
+def all_warmup_note(steps: int) -> str:
+    """The note of a run that ended inside its warm-up: the summary and ``report`` say it alike."""
+    which = "the run's one step was" if steps == 1 else f"all {steps} steps were"
+    return f"{which} warm-up (the run ended inside warmup_steps): summarized as they are, first-step costs included"
+
+
 LAUNCH_RATIO = 1.1
 NO_STATS = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)  # a row not on this clock
 

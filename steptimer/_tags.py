@@ -43,6 +43,8 @@ JOULES_PER_STEP, JOULES_PER_SAMPLE, JOULES_PER_TOKEN, WATTS = (
     f"{MAIN}/{x}" for x in ("joules_per_step", "joules_per_sample", "joules_per_token", "watts")
 )
 WARMUP_STEPS = f"{RUN}/warmup_steps"
+# On the window a run that ended inside its warm-up writes at its close: its steps, all warm-up, summarized.
+ALL_WARMUP = f"{RUN}/all_warmup_steps"
 # Which steps were timed, logged once: one in N (``sample_every``), or as the cost budget allowed.
 SAMPLE_EVERY = f"{RUN}/sample_every"
 COST_BUDGET = f"{RUN}/cost_budget"

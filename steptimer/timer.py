@@ -22,9 +22,9 @@ from steptimer._options import Options, check_bool, check_count, check_phase_nam
 from steptimer._peaks import cuda_peak
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K
-from steptimer._summary import Summary, SummaryAccumulator
+from steptimer._summary import Summary, SummaryAccumulator, all_warmup_note
 from steptimer._table import print_summary
-from steptimer._tags import COST_BUDGET, SAMPLE_EVERY
+from steptimer._tags import ALL_WARMUP, COST_BUDGET, SAMPLE_EVERY
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
 from steptimer._window import StepRows, Window, window_of
@@ -233,6 +233,7 @@ class StepTimer:
         self._phases: dict[str, _Phase] = {}
         self._phase_cls: type[_Phase] = _Phase
         self._acc = SummaryAccumulator(slowest_steps)
+        self._warm: list[Window] = []  # the warm-up windows, while the run is in its warm-up
         self._energy = EnergyWindows()
         self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
         runs = dict(enabled=enabled, rank=self._rank)
@@ -489,6 +490,8 @@ class StepTimer:
         """A window ended (the engine's call, or the close): to cross-rank, the sinks and energy.
         Closing stops the meter first: the closing round carries the run's energy (returned, noted)."""
         window, xrank, engine, counter = self._take_window(), self._xrank, self._engine, self._seams.energy_counter
+        if closing and self._warm and engine.number <= engine.last_warmup:
+            window = self._all_warmup()
         energy = engine.cuda and (counter is not None or not engine._custom_backend)
         run_energy = self._energy.close(engine.last_resolved, window) if closing else (None, None)
         if xrank is not None:
@@ -536,6 +539,10 @@ class StepTimer:
             slow_floor_ms=self._acc.slow.floor_ms, walls=on_slow is not None or self._xrank is not None,
         )  # fmt: skip
         kept = self._acc.add_window(window)
+        if window.warmup:
+            self._warm.append(window)
+        elif self._warm:
+            self._warm = []
         engine.rows = StepRows()
         if on_slow is not None:
             on_slow.window(window, engine)
@@ -550,6 +557,17 @@ class StepTimer:
                             engine.capture.want(c)
         return window
 
+    def _all_warmup(self) -> Window:
+        """The run ended inside its warm-up (a smoke test, Lightning's ``max_steps=1``): its warm-up
+        windows are summarized, and the last (the closing one, else the last written) is written again
+        as an ordinary window, drawn and read by ``steptimer report``, with how many steps it stands for."""
+        warm, self._warm = self._warm, []
+        for w in warm:
+            self._acc.add_window(dataclasses.replace(w, warmup=False))
+        last = warm[-1]
+        steps = float(sum(w.steps for w in warm))
+        return dataclasses.replace(last, warmup=False, extra={**last.extra, ALL_WARMUP: steps})
+
     def _peak_tflops(self) -> tuple[float | None, str | None]:
         """The peak for MFU and a note on it: the option, else the GPU's (looked up once)."""
         if self.options.peak_tflops is not None:
@@ -563,10 +581,10 @@ class StepTimer:
     def _build_summary(self, traces: dict[int, str] | None, energy: Any, energy_note: str | None) -> Summary:
         engine, xrank, acc, warmup = self._engine, self._xrank, self._acc, self.options.warmup_steps
         peak, peak_note = self._peak_tflops()
-        warm = engine.number - engine.first_number + 1
         notes = [*engine.notes, peak_note if acc.flops is not None else None]
-        if acc.steps == 0 and warm > 0:
-            notes.append(f"all {warm} steps were warm-up (warmup_steps={warmup}); nothing to summarize")
+        if acc.steps and engine.number <= engine.last_warmup:  # _all_warmup summarized them, none left out
+            notes.append(all_warmup_note(acc.steps))
+            warmup = 0
         notes += [oom_note(*engine.oom) if engine.oom is not None else None, *(xrank.notes if xrank else ())]
         notes.append(energy_note)
         summary = acc.summary(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -629,6 +630,74 @@ def test_report_agrees_with_the_summary_and_leaves_out_warm_up(tmp_path: Path, c
     assert {r["name"]: r for r in everything["rows"]}["forward"]["host"]["max_ms"] == pytest.approx(1000.0)
 
 
+def _report_of(path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """``steptimer report PATH --json``'s one run, in this process."""
+    from steptimer.cli import main
+
+    assert main(["report", str(path), "--json"]) == 0
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    return run  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])  # 5: the run ends at the last warm-up step's window
+def test_a_run_shorter_than_warm_up_is_summarized_drawn_and_reported(
+    tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str], steps: int
+) -> None:
+    """A smoke test ends inside warmup_steps: its steps are summarized (with a note), drawn in
+    TensorBoard as an ordinary window, and ``report`` says what the summary said."""
+    from steptimer._summary import all_warmup_note
+    from tests.tb import scalars
+
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=2, print_summary=False)
+    for i in range(steps):
+        with t.step(), t.phase("f"):
+            clock.advance_ms(1.0 + i)
+    s = t.close()
+    assert s.steps == steps and s.warmup_steps == 0 and all_warmup_note(steps) in s.notes
+    assert s["f"].host.max_ms == pytest.approx(float(steps))
+    drawn = scalars(tmp_path)  # TensorBoard's reader: simple values a dashboard draws
+    assert drawn["steptimer-tails/host/f_max_ms"][-1] == (steps, pytest.approx(float(steps)))
+    run = _report_of(tmp_path, capsys)
+    assert run["steps"] == steps and run["warmup_steps"] == 0 and all_warmup_note(steps) in run["notes"]
+    row = {r["name"]: r for r in run["rows"]}["f"]
+    assert row["host"]["median_ms"] == pytest.approx(s["f"].host.median_ms) and row["share"] == pytest.approx(
+        s["f"].share
+    )
+
+
+def test_lightning_max_steps_1_is_summarized_and_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A real Trainer with ``max_steps=1`` (the default warmup_steps=5): one step, summarized and written."""
+    pl = pytest.importorskip("pytorch_lightning")
+    import torch
+    from torch.utils.data import DataLoader
+
+    from steptimer._summary import all_warmup_note
+    from steptimer.lightning import StepTimerCallback
+
+    class Tiny(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: torch.Tensor, i: int) -> torch.Tensor:
+            return self.layer(batch).pow(2).mean()  # type: ignore[no-any-return]
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    cb = StepTimerCallback(cuda=False, print_summary=False)
+    trainer = pl.Trainer(
+        max_steps=1, callbacks=[cb], logger=pl.loggers.TensorBoardLogger(str(tmp_path)), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(Tiny(), DataLoader(torch.randn(4, 8), batch_size=1))
+    s = cb.summary
+    assert s is not None and s.steps == 1 and all_warmup_note(1) in s.notes
+    run = _report_of(tmp_path, capsys)
+    assert run["steps"] == 1 and all_warmup_note(1) in run["notes"]
+    assert {r["name"]: r for r in run["rows"]}["step"]["host"]["max_ms"] == pytest.approx(s["step"].host.max_ms)
+
+
 def test_report_and_summary_use_one_launch_bound_rule(tmp_path: Path, clock: FakeClock) -> None:
     """A GPU-bound run whose host blocks in a full launch queue (GPU spans ~ host spans, the GPU 30 ms
     behind): neither the summary nor the report marks a phase launch-bound or says launch-bound. A
@@ -751,16 +820,18 @@ def test_cli_errors_say_what_is_wrong_and_what_to_pass(tmp_path: Path, clock: Fa
     for path in (tmp_path / "notes.txt", tmp_path / "hi.txt", junk):
         line = _main("report", str(path), capsys=capsys)
         assert "not a TensorBoard event file" in line and "pass a run directory" in line, line
-    # A run of warm-up steps only.
+    # A run killed inside its warm-up: its files as they were before its close (a closed one is
+    # summarized: test_a_run_shorter_than_warm_up_is_summarized_drawn_and_reported).
     warm = tmp_path / "warm"
-    t = StepTimer(log_dir=str(warm), cuda=False, warmup_steps=10, print_summary=False)
+    t = StepTimer(log_dir=str(tmp_path / "live"), cuda=False, warmup_steps=10, log_every_n_steps=2, print_summary=False)
     for _ in range(7):
         with t.step(), t.phase("f"):
             clock.advance_ms(1.0)
+    shutil.copytree(tmp_path / "live", warm)
     t.close()
     line = _main("report", str(warm), capsys=capsys)
-    assert "all 7 logged steps were warm-up steps" in line and "--include-warmup" in line
-    assert report_json(warm, "--include-warmup")["runs"][0]["steps"] == 7
+    assert "all 6 logged steps were warm-up steps" in line and "--include-warmup" in line
+    assert report_json(warm, "--include-warmup")["runs"][0]["steps"] == 6
     # trace for steps the run never reached.
     short = tmp_path / "short"
     t = StepTimer(log_dir=str(short), cuda=False, warmup_steps=0, print_summary=False, trace_steps=(50, 60))
@@ -1077,3 +1148,44 @@ def test_every_usage_error_and_help_fits_80_columns(
             assert (got, bool(out or err)) == (status, True), (argv, out, err)
             for line in (out + err).splitlines():
                 assert len(line) <= 80 or str(tmp_path) in line, (argv, line)
+
+
+def test_explain_says_what_data_loop_and_shares_are_and_lists_the_traces_written(
+    tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``report --explain`` on a host-only run with a loader (2 ms a batch) and 1 ms more between
+    steps: the share line sums exactly the rows that have a share (data, loop, the phases, other),
+    which add to 100 %; data holds the loader's 2 ms and loop the other 1 ms, as the text says. The
+    traces listed are the flight recorder's files, each around its step, and all it wrote."""
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=0, log_every_n_steps=10, print_summary=False)
+
+    def batches():  # type: ignore[no-untyped-def]
+        for i in range(40):
+            clock.advance_ms(2.0)
+            yield i
+
+    for i in t.data(batches()):
+        clock.advance_ms(1.0)  # the loop's part of the time between steps
+        with t.step(), t.phase("forward"):
+            clock.advance_ms(30.0 if i in (13, 27) else 3.0)
+    t.close()
+    from steptimer.cli import main
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["report", "--explain", str(tmp_path)]) == main(["report", "--json", str(tmp_path)]) == 0
+    explained, sep, out = capsys.readouterr().out.partition('{\n  "runs"')
+    text = " ".join(explained.split())
+    assert "share host: the row's part of wall time (host clock): data + loop + phases + other = 100%" in text
+    assert "data: the training loader's time between steps" in text and "loop: the rest of the host's time" in text
+    (run,) = json.loads(sep + out)["runs"]
+    rows = {r["name"]: r for r in run["rows"]}
+    assert {n for n, r in rows.items() if r["share"] is not None} == {"data", "loop", "forward", "other"}
+    assert sum(r["share"] for r in rows.values() if r["share"] is not None) == pytest.approx(1.0)
+    assert rows["data"]["host"]["median_ms"] == pytest.approx(2.0, rel=0.01)
+    assert rows["loop"]["host"]["median_ms"] == pytest.approx(1.0, rel=0.01)
+    listed = dict(re.findall(r"step (\d+): (\S+\.trace\.json)", text.split("traces around the slowest steps")[1]))
+    written = {str(p) for p in (tmp_path / "steptimer-slow").rglob("*.trace.json")}
+    assert set(listed.values()) == written and {"14", "28"} <= set(listed)
+    for step, path in listed.items():
+        notes = json.loads(Path(path).read_text())["metadata"]["notes"]
+        assert notes[0].startswith(f"the flight recorder's trace around step {step},")
