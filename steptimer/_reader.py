@@ -4,13 +4,24 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
 from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
-from steptimer._tags import EVENT_FILE_PREFIX, HIST, MAIN, PHASE_DIR, PHASE_SUFFIX, WARMUP, join_tag, parse
+from steptimer._tags import (
+    EVENT_FILE_PREFIX,
+    FLIGHT_DIR,
+    FLIGHT_FILE,
+    HIST,
+    MAIN,
+    PHASE_DIR,
+    PHASE_SUFFIX,
+    WARMUP,
+    join_tag,
+    parse,
+)
 
 _EVENT_FILE_MARK = "tfevents"
 _NOT_EVENT_FILE = "{}: not a TensorBoard event file ({}); pass a run directory or its events.out.tfevents.* file"
@@ -151,8 +162,19 @@ def read_run(files: Files, path: str) -> RunLog:
         )
     return RunLog(
         path, path, {k: _latest(w) for k, w in scalars.items()}, {k: _latest(w) for k, w in hists.items()},
-        notes, parse_slow_json(_latest(slow)[0][1]) if slow else [],
+        notes, _with_traces(parse_slow_json(_latest(slow)[0][1]), files) if slow else [],
     )  # fmt: skip
+
+
+def _with_traces(slowest: list[SlowStep], files: Files) -> list[SlowStep]:
+    """The slowest steps, each with the flight recorder's trace around it where the run wrote one at
+    its close (the three slowest, beside the run's own event file, by its run id: docs/slow-steps.md)."""
+    own = next((f for phase, f in files if phase is None), None)
+    if own is None:
+        return slowest
+    folder = os.path.join(os.path.dirname(own), FLIGHT_DIR, os.path.basename(own).removeprefix(EVENT_FILE_PREFIX))
+    paths = {s.step: os.path.join(folder, FLIGHT_FILE.format(step=s.step)) for s in slowest}
+    return [replace(s, trace=paths[s.step]) if os.path.isfile(paths[s.step]) else s for s in slowest]
 
 
 def _latest(written: list[_Written]) -> list[tuple[int, Any]]:

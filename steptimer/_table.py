@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from steptimer._memory import MIB
 from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, Delta, Gate
 from steptimer._slow import SlowStep
 from steptimer._summary import Summary
+from steptimer._verdict import DERIVED, DERIVED_FIRST, DERIVED_LAST
 
 
 def fitted(variants: Iterable[Any], width: int) -> Any:
@@ -99,17 +99,20 @@ def stood_out(summary: Summary) -> list[SlowStep]:
 
 
 def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
-    """Step, wall time and what stood out (the only column that wraps), fitted to ``width``."""
+    """Step, wall time and what stood out (the only column that wraps)."""
+    table = table_of([("step", True), ("wall ms", True)])
+    table.add_column("what stood out", overflow="fold", max_width=max(width - 20, 30))
+    for s in slowest:
+        table.add_row(str(s.step), num(s.wall_ms), s.cause or "-")
+    return Group(Text("slowest steps"), table)
 
-    def build(traces: bool) -> Any:
-        table = table_of([("step", True), ("wall ms", True)])
-        table.add_column("what stood out", overflow="fold", max_width=max(width - 20, 30))
-        for s in slowest:
-            trace = f" [trace: {os.path.basename(s.trace)}]" if traces and s.trace else ""
-            table.add_row(str(s.step), num(s.wall_ms), (s.cause or "-") + trace)
-        return table
 
-    return Group(Text("slowest steps"), fitted((build(True), build(False)), width))
+def trace_lines(slowest: Sequence[SlowStep]) -> list[str]:
+    """The flight recorder's traces of the slowest steps, where the run wrote one (with a log directory,
+    around its three slowest)."""
+    traces = [f"  step {s.step}: {s.trace}" for s in slowest if s.trace]
+    head = "traces around the slowest steps (the flight recorder's; open at https://ui.perfetto.dev):"
+    return [head, *traces] if traces else []
 
 
 def facts(summary: Summary) -> list[str]:
@@ -157,12 +160,13 @@ def explanations(summary: Summary) -> list[str]:
         (True, f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps"),
         (summary.share_clock == "gpu",
          "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
-         "it; the wall time in steady state): phases + other + idle = 100%"),
+         f"it; the wall time in steady state): {share_sum(summary)} = 100%"),
         (summary.share_clock != "gpu",
-         "share host: the row's part of wall time (host clock): data + phases + other + wait = 100%"),
-        (True, "data: the host's time between steps (your loader, .item(), logging) less pause(), plus a "
-         "phase named data; other: the step less its top-level phases; wait: steptimer's one event wait "
-         "a step"),
+         f"share host: the row's part of wall time (host clock): {share_sum(summary)} = 100%"),
+        (True, "data: the training loader's time between steps (timer.data(loader)), plus a phase named "
+         "data; loop: the rest of the host's time between steps (.item(), logging; all of it when no "
+         "loader is timed) less pause(); other: the step less its top-level phases; wait: steptimer's "
+         "one event wait a step"),
         (any(r.launch_bound for r in summary.rows),
          "* launch-bound: the GPU caught up with the host inside the phase and its span is at most "
          "1.1x the host's: the GPU waited for launches, and its number includes that idle"),
@@ -180,6 +184,13 @@ def explanations(summary: Summary) -> list[str]:
     return [text for shown, text in said if shown]
 
 
+def share_sum(summary: Summary) -> str:
+    """The rows that have a share, as a sum: ``loop + phases + other`` (``phases``: the user's)."""
+    named = [r.name for r in summary.rows if r.share is not None]
+    phases = ["phases"] if any(n not in DERIVED for n in named) else []
+    return " + ".join([n for n in named if n in DERIVED_FIRST] + phases + [n for n in named if n in DERIVED_LAST])
+
+
 def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
     """``lines`` wrapped at ``width`` columns, continuation lines indented by ``indent`` more."""
     out = []
@@ -195,7 +206,7 @@ def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
 def say(console: Any, lines: Iterable[str]) -> None:
     """Print ``lines`` as plain text, wrapped at the console's width."""
     for line in wrapped(lines, console.width, "  "):
-        console.print(line, markup=False, highlight=False)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)  # wrapped already: a path stays whole
 
 
 def print_summary(summary: Summary, console: Any = None, *, explain: bool = False) -> None:
@@ -213,6 +224,7 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
         console.print(mem)
     if explain and summary.slowest:
         console.print(slowest_table(summary.slowest, console.width))
+        say(console, trace_lines(summary.slowest))
     for s in () if explain else stood_out(summary):  # its wall, the row that grew, each measured cause
         grew = f"; {s.grew_text()}" if s.grew is not None else ""
         say(console, [f"slow step {s.step}: {num(s.wall_ms)} ms{grew}", *[f"  - {c}" for c in s.causes]])

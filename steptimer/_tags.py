@@ -20,6 +20,9 @@ WARMUP = "steptimer-warmup"
 EVENT_FILE_PREFIX = "events.out.tfevents."
 PHASE_DIR = "steptimer"
 PHASE_SUFFIX = ".steptimer"
+# The flight recorder's traces around the slowest steps: ``<dir>/steptimer-slow/<run id>/step-<N>.trace.json``.
+FLIGHT_DIR = "steptimer-slow"
+FLIGHT_FILE = "step-{step}.trace.json"
 
 # No measure ends with ``_`` and another of its family, so the split is unambiguous.
 MEASURES: dict[tuple[str, str], tuple[str, ...]] = {

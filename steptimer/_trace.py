@@ -15,6 +15,7 @@ from steptimer._files import unwritten, write_json
 from steptimer._options import check_folder
 from steptimer._reader import LogError
 from steptimer._slow import SlowestKeeper, SlowStep
+from steptimer._tags import FLIGHT_DIR, FLIGHT_FILE
 from steptimer._window import FETCH_S
 
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 TRACE_FILE = "steptimer-trace.json"
 FORMAT = "steptimer-trace"
 VERSION = 1
-FLIGHT_DIR = "steptimer-slow"
 HOST_TID, GPU_TID = 1, 2  # the Chrome trace's tracks
 BEFORE, AFTER, MAX_TRACES = 3, 2, 3  # the flight recorder's steps around a slow one, traces kept
 
@@ -195,7 +195,7 @@ class Capture:
                         "a reference event): its slices' lengths and gaps are exact, their place may be early"
                     )
                 doc.update(cuda=bool(engine.cuda), slow_step=step, run_id=run_id)
-                paths[step] = os.path.join(folder, f"step-{step}.trace.json")
+                paths[step] = os.path.join(folder, FLIGHT_FILE.format(step=step))
                 write_json(paths[step], to_chrome(doc))
         except OSError as err:
             unwritten("the slow steps' traces", folder, err)
