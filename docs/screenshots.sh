@@ -2,7 +2,8 @@
 # Redo the pictures of README.md and docs/tensorboard.md (docs/img/*.png): the demo's logs in a real
 # TensorBoard on 127.0.0.1, shot by headless Chromium (Debian: `apt-get install -y chromium`). Not
 # part of CI (a browser is slow to install and to start there); look at each picture after a change
-# to the layout, as a newcomer would: can you tell where the step goes in one look?
+# to the layout, as a newcomer would: can you tell where the step goes, and which line is which, in
+# one look?
 #   docs/screenshots.sh [python]      # default .venv/bin/python (./dev demo sets it up)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,16 +13,20 @@ browser="$(command -v chromium || command -v chromium-browser || true)"
 tmp="$(mktemp -d)"
 tb=""
 trap '[ -n "$tb" ] && kill "$tb" 2>/dev/null; rm -rf "$tmp"' EXIT
-# Two demo runs side by side, as `./dev demo` twice and `./dev tensorboard --logdir runs` show them.
-for n in 1 2; do
-  OMP_NUM_THREADS=1 PYTHONPATH=. "$py" examples/demo.py --log-dir "$tmp/runs/demo-$n" >/dev/null
+# Three demo runs, as `./dev demo` three times writes them; two of them alone, as after the second.
+for n in 1 2 3; do
+  OMP_NUM_THREADS=1 PYTHONPATH=. "$py" examples/demo.py --log-dir "$tmp/three/demo-$n" >/dev/null
 done
-"$py" -m tensorboard.main --logdir "$tmp/runs" --host 127.0.0.1 --port 0 >"$tmp/tb.log" 2>&1 &
-tb=$!
-url=""
-for _ in $(seq 300); do url=$(grep -o 'http://127.0.0.1:[0-9]*' "$tmp/tb.log" || true); [ -n "$url" ] && break; sleep 0.2; done
-[ -n "$url" ] || { cat "$tmp/tb.log" >&2; exit 1; }
-sleep 15  # the first load of the logs (every run)
+mkdir "$tmp/two" && cp -a "$tmp/three/demo-1" "$tmp/three/demo-2" "$tmp/two/"
+serve() {  # log dir: a TensorBoard on it, its address in $url
+  [ -n "$tb" ] && kill "$tb" 2>/dev/null && wait "$tb" 2>/dev/null || true
+  "$py" -m tensorboard.main --logdir "$1" --host 127.0.0.1 --port 0 >"$tmp/tb.log" 2>&1 &
+  tb=$!
+  url=""
+  for _ in $(seq 300); do url=$(grep -o 'http://127.0.0.1:[0-9]*' "$tmp/tb.log" || true); [ -n "$url" ] && break; sleep 0.2; done
+  [ -n "$url" ] || { cat "$tmp/tb.log" >&2; exit 1; }
+  sleep 15  # the first load of the logs (every run)
+}
 mkdir -p docs/img
 shot() {  # page, file; a new profile each time, so no setting of an earlier page carries over
   rm -rf "$tmp/profile" && mkdir "$tmp/profile"
@@ -33,8 +38,11 @@ shot() {  # page, file; a new profile each time, so no setting of an earlier pag
 }
 # Time Series draws with WebGL, which headless Chromium without a GPU leaves blank: forceSVG (a
 # TensorBoard flag) draws the same charts as SVG.
+serve "$tmp/two"
 shot "?forceSVG=true#timeseries" docs/img/time-series.png
 shot "#scalars" docs/img/scalars.png
 shot "#custom_scalars" docs/img/custom-scalars.png
-# The two runs told apart: TensorBoard's "color runs by" regex, ^([^/]+), one colour per log dir.
+# The runs told apart: TensorBoard's "color runs by" regex, ^([^/]+), one colour per log dir.
 shot "?forceSVG=true&runColorGroup=regex:%5E(%5B%5E/%5D%2B)#timeseries" docs/img/two-runs.png
+serve "$tmp/three"
+shot "?forceSVG=true#timeseries" docs/img/three-runs.png
