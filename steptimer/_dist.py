@@ -7,6 +7,7 @@ rank shares; a timeout ends cross-rank statistics for good; nothing runs on an e
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -17,8 +18,8 @@ from typing import Any
 
 from steptimer._format import num
 from steptimer._memory import MIB
-from steptimer._slow import SlowestKeeper, SlowStep, grew_most, is_wait_phase
-from steptimer._summary import LAUNCH_RATIO, LastRank, RankSpread, RankSummary, SummaryAccumulator
+from steptimer._slow import SlowestKeeper, SlowStep, grew_most, is_wait_phase, text_value
+from steptimer._summary import LAUNCH_RATIO, LastRank, LateWindows, RankSpread, RankSummary, SummaryAccumulator
 from steptimer._tags import RANKS, run_tag
 from steptimer._verdict import DERIVED
 from steptimer._window import Window
@@ -34,6 +35,9 @@ LAST_SHARE = 2 / 3
 LAST_MIN_MS = 1.0  # a step's last rank by less than this arrived with the others (noise)
 _NEG = -math.inf  # what a rank that abstains sends: neutral in a MAX
 
+RANKS_JSON_TAG = f"{RANKS}/json"  # the per-rank section as JSON, written at close, read by ``report``
+RANKS_TEXT_TAG = f"{RANKS}/summary"  # and as text, for TensorBoard's Text tab
+
 # Custom Scalars charts, over the tags as runs hold them (a phase's sit in its run: _tensorboard.py).
 CHARTS = {
     "Straggler rank (data + step - backward)": f"^{RANKS}/{STRAGGLER}_argmax$",
@@ -43,6 +47,23 @@ CHARTS = {
     "Rank holding the max host ms, per phase": f"^{run_tag(RANKS, 'host', 'argmax')}$",
     "Rank holding the max GPU ms, per phase": f"^{run_tag(RANKS, 'gpu', 'argmax')}$",
 }
+
+
+def ranks_proto(ranks: RankSummary) -> Any:
+    """The per-rank section as a TensorBoard ``Summary``: its text, and the JSON ``report`` reads."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    card = "\n".join("    " + line for line in ranks.lines())  # Markdown: a code block keeps the columns
+    doc = json.dumps(ranks.to_json(), allow_nan=False)
+    return Summary(value=[text_value(RANKS_TEXT_TAG, card, "text"), text_value(RANKS_JSON_TAG, doc, "steptimer-ranks")])
+
+
+def parse_ranks_json(raw: bytes) -> RankSummary | None:
+    """The section written by :func:`ranks_proto` (None if unreadable)."""
+    try:
+        return RankSummary.from_json(json.loads(raw.decode()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def straggler_ms(window_host: Mapping[str, Any], window_gpu: Mapping[str, Any], mean: Any) -> float | None:
@@ -219,6 +240,36 @@ class _Late:
 
 
 @dataclass
+class _LateTally:
+    """Per rank, the windows it was the late rank in and its longest run of them, in O(ranks)."""
+
+    measured: int = 0
+    windows: dict[int, int] = field(default_factory=dict)
+    longest: dict[int, int] = field(default_factory=dict)
+    rank: int = -1  # the last window's late rank (-1: none)
+    in_a_row: int = 0
+
+    def add(self, rank: int) -> tuple[float, float] | None:
+        """A window measured, ``rank`` late in it (-1: none); its share of the windows so far and its
+        run of them ending here, or None."""
+        self.measured += 1
+        self.in_a_row = self.in_a_row + 1 if rank == self.rank and rank >= 0 else 1
+        self.rank = rank
+        if rank < 0:
+            return None
+        self.windows[rank] = self.windows.get(rank, 0) + 1
+        self.longest[rank] = max(self.longest.get(rank, 0), self.in_a_row)
+        return self.windows[rank] / self.measured, float(self.in_a_row)
+
+    def summary(self) -> LateWindows | None:
+        """The rank late in the most windows (ties: the longest run, then the lowest rank); None: none."""
+        if not self.windows:
+            return None
+        rank = min(self.windows, key=lambda r: (-self.windows[r], -self.longest[r], r))
+        return LateWindows(rank, self.windows[rank], self.measured, self.longest[rank], len(self.windows))
+
+
+@dataclass
 class _Round:
     """What one round gave this rank; ``last``: by step, the rank last to its first collective by
     ``LAST_MIN_MS`` or more and its ms behind the first, of the ``measured`` steps; ``top``: the
@@ -266,6 +317,7 @@ class CrossRank:
         self.collective = "all-reduce"  # what the ranks wait at: DDP's first all-reduce, FSDP2's collectives
         self.last_step = -1  # the last interval's window's step: the window whose energy the next one carries
         self.energy: tuple[int, dict[str, float]] | None = None  # the ranks' energy tags and their step
+        self._late_windows = _LateTally()  # which rank was late window after window, after warm-up
 
     def _start(self) -> bool:
         """Create the gloo side group at the first round (every rank's first round is at a shared step)."""
@@ -332,7 +384,7 @@ class CrossRank:
             paced = host_paced(late.fed[phase], late.grew_steps) if phase in late.fed else None
             ahead_ms, stood_out = late.ahead_ms / steps, share >= LAST_SHARE
             last = LastRank(rank, share, ahead_ms, phase, grew_ms, stood_out, self.collective, paced)
-            self.summary = replace(self.summary, last=last)
+            self.summary = replace(self.summary, last=last, late=self._late_windows.summary())
         return out
 
     def _attach(self, window: Window, res: _Round, keeper: SlowestKeeper | None) -> Window:
@@ -345,6 +397,10 @@ class CrossRank:
                     f"{RANKS}/last_rank": float(res.top), f"{RANKS}/last_rank_share": len(ahead) / res.measured,
                     f"{RANKS}/last_rank_ms": sum(ahead) / len(ahead),
                 })  # fmt: skip
+            if not window.warmup:  # the window's late rank: last in LAST_SHARE of its steps
+                lw = self._late_windows.add(res.top if len(ahead) >= LAST_SHARE * res.measured else -1)
+                if lw is not None:
+                    extra[f"{RANKS}/late_rank_windows_share"], extra[f"{RANKS}/late_rank_in_a_row"] = lw
             self._measured += 0 if window.warmup else res.measured
             for rank, ms in res.last.values() if not window.warmup else ():  # each step's last rank
                 late = self._late.setdefault(rank, _Late())

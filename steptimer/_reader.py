@@ -7,9 +7,11 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from steptimer._dist import RANKS_JSON_TAG, parse_ranks_json
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
 from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
+from steptimer._summary import RankSummary
 from steptimer._tags import (
     EVENT_FILE_PREFIX,
     FLIGHT_DIR,
@@ -44,6 +46,7 @@ class RunLog:
     hists: dict[tuple[str, str], list[tuple[int, LogHistogram]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     slowest: list[SlowStep] = field(default_factory=list)
+    ranks: RankSummary | None = None  # the live summary's per-rank section, written at close
 
 
 def find_runs(logdir: str) -> list[RunLog]:
@@ -134,6 +137,7 @@ def read_run(files: Files, path: str) -> RunLog:
     scalars: dict[str, list[_Written]] = {}
     hists: dict[tuple[str, str], list[_Written]] = {}
     slow: list[_Written] = []  # the latest slowest steps, whatever their step
+    ranks: list[_Written] = []  # the latest per-rank section
     with_windows = set()  # the run's own files that hold steptimer values
     for phase, f, events in sources:
         for event in events:
@@ -152,6 +156,8 @@ def read_run(files: Files, path: str) -> RunLog:
                     scalars.setdefault(key, []).append((*at, value.simple_value))
                 elif kind == "tensor" and key == SLOW_JSON_TAG and value.tensor.string_val:
                     slow.append((event.wall_time, 0, value.tensor.string_val[0]))
+                elif kind == "tensor" and key == RANKS_JSON_TAG and value.tensor.string_val:
+                    ranks.append((event.wall_time, 0, value.tensor.string_val[0]))
                 elif kind == "tensor" and (v := _tensor_scalar(value.tensor)) is not None:
                     scalars.setdefault(key, []).append((*at, v))
     if len(with_windows) > 1:
@@ -163,6 +169,7 @@ def read_run(files: Files, path: str) -> RunLog:
     return RunLog(
         path, path, {k: _latest(w) for k, w in scalars.items()}, {k: _latest(w) for k, w in hists.items()},
         notes, _with_traces(parse_slow_json(_latest(slow)[0][1]), files) if slow else [],
+        parse_ranks_json(_latest(ranks)[0][1]) if ranks else None,
     )  # fmt: skip
 
 

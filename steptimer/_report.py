@@ -82,7 +82,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         cost_budget=budget, peak_tflops=flops / mfu_s if flops and mfu_s else None,
         warmup_steps=0 if include_warmup else sum(warm.values()), notes=tuple(notes), memory=_memory(scal),
         slowest=tuple(s for s in run.slowest if s.step > skip_steps), name=run.name, path=run.path,
-        windows=len(windows), of_steps=bool(run.hists), energy=_energy(scal, n_of),
+        windows=len(windows), of_steps=bool(run.hists), energy=_energy(scal, n_of), ranks=run.ranks,
         cycle_window_ms=tuple(1e3 / rate[s] for s in windows if rate.get(s)),
     )  # fmt: skip
 

@@ -350,24 +350,28 @@ def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms:
     return out
 
 
-def slow_summary(slowest: Sequence[SlowStep]) -> Any:
-    """A TensorBoard ``Summary``: the text card (a Markdown row per slow step), the JSON ``report`` reads."""
+def text_value(tag: str, s: str, plugin: str) -> Any:
+    """A TensorBoard ``Summary.Value`` holding the string ``s`` for ``plugin`` (``text``: the Text tab)."""
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.compat.proto.tensor_pb2 import TensorProto
     from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
-    def text(tag: str, s: str, plugin: str) -> Any:
-        meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin))
-        shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
-        t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=shape)
-        return Summary.Value(tag=tag, metadata=meta, tensor=t)
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin))
+    shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
+    t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=shape)
+    return Summary.Value(tag=tag, metadata=meta, tensor=t)
+
+
+def slow_summary(slowest: Sequence[SlowStep]) -> Any:
+    """A TensorBoard ``Summary``: the text card (a Markdown row per slow step), the JSON ``report`` reads."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
 
     lines = ["| step | wall ms | what stood out |", "|---:|---:|---|"]
     lines += [f"| {s.step} | {num(s.wall_ms)} | {(s.cause or '-').replace('|', '/')} |" for s in slowest]
     clock = "the GPU's timeline" if slowest and slowest[0].clock == "gpu" else "host clock"
     card = "\n".join([*lines, f"\nwall time on {clock} (docs/slow-steps.md)"])
     doc = json.dumps([s.to_json() for s in slowest], allow_nan=False)
-    return Summary(value=[text(SLOW_TAG, card, "text"), text(SLOW_JSON_TAG, doc, "steptimer-slow")])
+    return Summary(value=[text_value(SLOW_TAG, card, "text"), text_value(SLOW_JSON_TAG, doc, "steptimer-slow")])
 
 
 def parse_slow_json(raw: bytes) -> list[SlowStep]:

@@ -14,7 +14,17 @@ from steptimer._format import num, pct
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemoryStats
 from steptimer._slow import Candidate, SlowestKeeper, SlowStep
-from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, PhaseSummary, Series, ShareClock, Verdict, shares, verdict
+from steptimer._verdict import (
+    DERIVED_FIRST,
+    DERIVED_LAST,
+    PhaseSummary,
+    Series,
+    ShareClock,
+    Verdict,
+    shares,
+    verdict,
+    waited_for,
+)
 from steptimer._window import Tally, Window
 
 
@@ -55,6 +65,40 @@ class LastRank:
         return f"{last}, +{num(self.ahead_ms)} ms{phase}"
 
 
+CHRONIC_SHARE = 2 / 3  # late in this part of the windows at least: the same rank, window after window
+
+
+@dataclass(frozen=True)
+class LateWindows:
+    """Windows in which one rank was last to the collective in ``LAST_SHARE`` of the steps (_dist.py):
+    of ``measured`` windows, ``rank`` was the late one in ``windows`` (the most), at most ``longest``
+    in a row; ``ranks``: how many ranks were the late one in some window."""
+
+    rank: int
+    windows: int
+    measured: int
+    longest: int
+    ranks: int
+
+    @property
+    def share(self) -> float:
+        return self.windows / self.measured if self.measured else 0.0
+
+    @property
+    def chronic(self) -> bool:
+        """The same rank late window after window: a machine to check, not noise or the data."""
+        return self.share >= CHRONIC_SHARE and self.longest >= 2
+
+    def text(self) -> str:
+        of = f"{self.windows} of {self.measured} windows ({pct(self.share)}), at most {self.longest} in a row"
+        if self.chronic:
+            return f"chronic: rank {self.rank} was the late rank in {of}: check its machine"
+        return (
+            f"one-off: the late rank moved ({self.ranks} ranks late in some window; rank {self.rank} "
+            f"in {of}): noise or the data"
+        )
+
+
 @dataclass(frozen=True)
 class RankSummary:
     """The per-rank section of the summary (docs/distributed.md): the spread of the ranks' run means
@@ -68,6 +112,26 @@ class RankSummary:
     reduce_ms: float
     last: LastRank | None = None  # None: no rank's arrival at a collective was measured
     energy: Mapping[str, RankSpread] | None = None  # the ranks' GPU energy over the run (_dist.ENERGY)
+    late: LateWindows | None = None  # None: no window had a late rank
+
+    def to_json(self) -> dict[str, Any]:
+        """The section's numbers (``report --json``, and the event files' copy ``report`` prints)."""
+        d = asdict(self)
+        d["series"] = [{"clock": c, "name": n, **asdict(s)} for (c, n), s in self.series.items()]
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RankSummary:
+        """The inverse of :meth:`to_json`; raises ``KeyError``/``TypeError`` on another document."""
+        fields = {f: d[f] for f in ("world_size", "ranks", "rounds", "reduce_ms")}
+        series = {(x["clock"], x["name"]): RankSpread(**{k: v for k, v in x.items() if k not in ("clock", "name")})
+                  for x in d["series"]}  # fmt: skip
+        energy = d.get("energy")
+        return cls(
+            **fields, series=series, straggler=d["straggler"] and RankSpread(**d["straggler"]),
+            last=d.get("last") and LastRank(**d["last"]), late=d.get("late") and LateWindows(**d["late"]),
+            energy=energy and {k: RankSpread(**v) for k, v in energy.items()},
+        )  # fmt: skip
 
     def lines(self) -> list[str]:
         """The section as text lines, for the summary table's footer."""
@@ -93,6 +157,17 @@ class RankSummary:
             ]
         if self.last is not None:
             out.append(f"  {self.last.text()}")
+            clock: ShareClock = "gpu" if ("gpu", "comm_exposed") in self.series else "host"
+            waited = waited_for(self, clock)
+            if waited is not None:
+                late_ms, waited_ms = waited
+                out.append(
+                    f"  the others waited mostly for rank {self.last.rank}: its {num(late_ms)} ms a step late "
+                    f"are {pct(min(late_ms / waited_ms, 1.0))} of the longest wait at the collectives "
+                    f"({num(waited_ms)} ms a step, comm_exposed)"
+                )
+        if self.late is not None:
+            out.append(f"  {self.late.text()}")
         if self.energy:
             j, w = self.energy["joules_per_step"], self.energy["watts"]
             out.append(f"  energy of {j.ranks} GPUs: {num(j.mean_ms * j.ranks)} J/step, {num(w.mean_ms * w.ranks)} W")
@@ -177,6 +252,7 @@ class Summary:
             "reserved_mib": m.reserved_bytes / MIB,
         }
         d["slowest"] = [x.to_json() for x in self.slowest]
+        d["ranks"] = self.ranks and self.ranks.to_json()
         e = self.energy
         d["energy"] = e and {**asdict(e), "joules_per_step": e.joules_per_step, "watts": e.watts}
         return d
@@ -213,7 +289,7 @@ def summarize(
     return Summary(
         steps=t.steps, timed_steps=t.timed_steps, cuda=bool(gpu) if cuda is None else cuda, rows=tuple(rows),
         **vars(t.rates(peak_tflops)), peak_tflops=peak_tflops, share_clock=clock,
-        verdict=verdict(rows, clock == "gpu") if t.timed_steps else None, **more,
+        verdict=verdict(rows, clock == "gpu", more.get("ranks")) if t.timed_steps else None, **more,
     )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ from tensorboard.compat.proto.tensor_pb2 import TensorProto
 
 from steptimer import _tags
 from steptimer._dist import CHARTS as RANK_CHARTS
+from steptimer._dist import ranks_proto
 from steptimer._files import cause
 from steptimer._histogram import UPPER_MS
 from steptimer._memory import MIB
@@ -201,6 +202,7 @@ class TensorBoardSink:
         self._runs: dict[str, EventFile] = {}
         self._layout_written = False
         self.failed: OSError | None = None  # the first failed write; nothing is written after it
+        self.step = 0  # the last window's: the run's facts at close go there
 
     @contextmanager
     def _guarded(self) -> Iterator[None]:
@@ -218,6 +220,7 @@ class TensorBoardSink:
                 )  # fmt: skip
 
     def write_window(self, window: Window) -> None:
+        self.step = max(self.step, window.step)
         if self.failed is not None:
             return
         with self._guarded():
@@ -261,10 +264,14 @@ class TensorBoardSink:
                     self.writer.add_scalar(v.tag, v.simple_value, step)
 
     def close(self, summary: Summary | None = None) -> None:
-        """Write the run's slowest steps (text card and JSON) at the last step; flush a user's ``writer``."""
+        """Write the run's slowest steps and the per-rank section (text cards and JSON) at the last
+        step; flush a user's ``writer``."""
         if summary is not None and summary.slowest and self.failed is None:
             with self._guarded():
                 self._write_main(slow_summary(summary.slowest), max(s.step for s in summary.slowest))
+        if summary is not None and summary.ranks is not None and self.failed is None:
+            with self._guarded():
+                self._write_main(ranks_proto(summary.ranks), self.step)
         if self._file is None:
             with self._guarded():
                 self.writer.flush()

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, cast
+from typing import TYPE_CHECKING, Literal, NamedTuple, cast
 
 from steptimer._format import num, pct
 from steptimer._histogram import LogHistogram, SeriesStats
+
+if TYPE_CHECKING:
+    from steptimer._summary import RankSummary
 
 
 class Series(NamedTuple):
@@ -50,10 +53,13 @@ BUSY_SHARE = 0.05  # under this, the GPU hardly waited for the host: GPU-bound, 
 LAUNCH_SHARE = 0.5  # phases in which the GPU waited for launches hold at least this much: launch-bound
 HOST_BETWEEN_SHARE = 0.2  # host only: the loader (or the loop) at least this much of wall time
 COMM_SHARE = 0.10  # the compute waited for a watched DDP model's collectives at least this much
+# The wait at the collectives was for a late rank: its lateness (ms a step, over every step) is at
+# least this part of the mean wait (comm_exposed) of the rank that waited most.
+LATE_SHARE = 0.5
 
 VerdictKind = Literal[
     "input-bound", "loop-bound", "launch-bound", "input-bound + launch-bound", "loop-bound + launch-bound",
-    "communication-bound", "gpu-bound", "compute-bound", "mixed",
+    "communication-bound", "straggler-bound", "gpu-bound", "compute-bound", "mixed",
 ]  # fmt: skip
 ShareClock = Literal["gpu", "host"]
 _FIX = {
@@ -62,6 +68,7 @@ _FIX = {
     "launch": "CUDA graphs (torch.compile mode='reduce-overhead') or fewer, larger kernels",
     "communication": "fewer, larger collectives (DDP's bucket_cap_mb, FSDP's wrapping), more overlap, "
     "no_sync on accumulation micro-batches, or the slower rank the others wait for (per-rank section)",
+    "straggler": "speed up rank {}'s phase named above (per-rank section), not the collectives",
 }
 # A watched model's collectives (_comm.py): inside the phases that wait for them, so no share.
 COMM_ROWS = ("comm", "comm_exposed")
@@ -93,17 +100,20 @@ def shares(
     return "host", {n: v / timed_cycle_ms for n, v in host.items()} if timed_cycle_ms > 0 else {}
 
 
-def verdict(rows: Sequence[PhaseSummary], cuda: bool) -> Verdict:
-    """The run's bottleneck from its rows' shares: the first rule that holds, each fact measured."""
+def verdict(rows: Sequence[PhaseSummary], cuda: bool, ranks: RankSummary | None = None) -> Verdict:
+    """The run's bottleneck from its rows' shares and (``ranks``) the ranks' waits for each other: the
+    first rule that holds, each fact measured."""
     by = {r.name: r for r in rows}
     share = {r.name: r.share or 0.0 for r in rows}
     phases = [r for r in rows if "/" not in r.name and r.name not in DERIVED and r.share is not None]
-    rules = _gpu_rules(by, share, phases) if cuda else _host_rules(by, share, phases)
+    rules = _gpu_rules(by, share, phases, ranks) if cuda else _host_rules(by, share, phases, ranks)
     kind, said = next((kind, said) for holds, kind, said in rules if holds)
     return Verdict(cast(VerdictKind, kind), tuple(dict.fromkeys(s for s in said if s))[:2])
 
 
-def _gpu_rules(by: Rows, share: Mapping[str, float], phases: list[PhaseSummary]) -> list[Rule]:
+def _gpu_rules(
+    by: Rows, share: Mapping[str, float], phases: list[PhaseSummary], ranks: RankSummary | None
+) -> list[Rule]:
     idle = share.get("idle", 0.0)
     # A `data` phase in which the GPU caught up with the host: the GPU waited for the batch.
     data_wait = share["data"] if "data" in by and by["data"].launch_bound else 0.0
@@ -146,6 +156,7 @@ def _gpu_rules(by: Rows, share: Mapping[str, float], phases: list[PhaseSummary])
         (stalled and launched, f"{cause}-bound + launch-bound", (said[cause], said["launch"])),
         (stalled and stall >= launch_share, f"{cause}-bound",
          (said[cause], said[other] if waits[other] >= BUSY_SHARE else None)),
+        _straggler(by, "gpu", ranks),
         _communication(by, "gpu"),
         (launch_share >= LAUNCH_SHARE, "launch-bound", (said["launch"], said_idle)),
         (not any(waited), "gpu-bound", (said_lead or said_idle, said_idle, said_none)),
@@ -153,7 +164,9 @@ def _gpu_rules(by: Rows, share: Mapping[str, float], phases: list[PhaseSummary])
     ]  # fmt: skip
 
 
-def _host_rules(by: Rows, share: Mapping[str, float], phases: list[PhaseSummary]) -> list[Rule]:
+def _host_rules(
+    by: Rows, share: Mapping[str, float], phases: list[PhaseSummary], ranks: RankSummary | None
+) -> list[Rule]:
     data, loop = share.get("data", 0.0), share.get("loop", 0.0)
     timed = "data" in by and bool(by["data"].host.steps)  # a loader was timed
     said_data = f"the host spent {pct(data)} of wall time waiting for the loader (data)"
@@ -164,6 +177,7 @@ def _host_rules(by: Rows, share: Mapping[str, float], phases: list[PhaseSummary]
     return [
         (data >= HOST_BETWEEN_SHARE and data >= loop, "input-bound", (f"{said_data}: {_FIX['input']}",)),
         (loop >= HOST_BETWEEN_SHARE, "loop-bound", (said_loop, also_data)),
+        _straggler(by, "host", ranks),
         _communication(by, "host"),
         (True, "compute-bound", (_lead("the steps'", phases, share) or said_loop, also_data)),
     ]
@@ -178,6 +192,35 @@ def _lead(whose: str, phases: Sequence[PhaseSummary], share: Mapping[str, float]
     """The three phases that held most of the time (1 % at least), or None."""
     lead = sorted((r.name for r in phases if share[r.name] >= 0.01), key=lambda n: -share[n])[:3]
     return f"{whose} time went to " + ", ".join(f"{n} {pct(share[n])}" for n in lead) if lead else None
+
+
+def waited_for(ranks: RankSummary, clock: ShareClock) -> tuple[float, float] | None:
+    """``(late_ms, waited_ms)`` where the ranks' wait at the collectives was mostly for the late rank
+    (the rule the verdict and the per-rank section share): its lateness, ms a step over every step, is
+    ``LATE_SHARE`` at least of the mean ``comm_exposed`` of the rank that waited most; else None."""
+    last, exposed = ranks.last, ranks.series.get((clock, "comm_exposed"))
+    if last is None or not last.stood_out or exposed is None or exposed.max_ms <= 0:
+        return None
+    late_ms = last.ahead_ms * last.share
+    return (late_ms, exposed.max_ms) if late_ms >= LATE_SHARE * exposed.max_ms else None
+
+
+def _straggler(by: Rows, clock: ShareClock, ranks: RankSummary | None) -> Rule:
+    """straggler-bound where a rank waited for the collectives ``COMM_SHARE`` of the timeline (or wall
+    time) at least, and mostly for the late rank (:func:`waited_for`)."""
+    rows = ("step", "idle") if clock == "gpu" else ("step", "data", "loop")
+    steps = getattr(by["step"], clock).steps if "step" in by and getattr(by["step"], clock) else 0
+    total = sum(_sum_ms(by, n, clock) for n in rows)
+    late = waited_for(ranks, clock) if ranks is not None and steps and total > 0 else None
+    if late is None or late[1] < COMM_SHARE * total / steps:
+        return False, "straggler-bound", ()
+    r = ranks.last  # type: ignore[union-attr]  # waited_for found it
+    of = "the GPU's timeline" if clock == "gpu" else "wall time"
+    waited = (
+        f"the rank that waited most at the collectives waited {num(late[1])} ms a step "
+        f"({pct(late[1] * steps / total)} of {of}), {pct(min(late[0] / late[1], 1.0))} of it for rank {r.rank}"
+    )
+    return True, "straggler-bound", (r.text(), f"{waited}: {_FIX['straggler'].format(r.rank)}")
 
 
 def _communication(by: Rows, clock: ShareClock) -> Rule:

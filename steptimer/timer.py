@@ -589,7 +589,7 @@ class StepTimer:
         notes.append(energy_note)
         summary = acc.summary(
             warmup_steps=warmup, cuda=bool(engine.cuda), notes=tuple(n for n in notes if n), peak_tflops=peak,
-            traces=traces,
+            traces=traces, ranks=xrank.summary if xrank is not None else None,  # the verdict reads them
         )  # fmt: skip
         run_s = engine.run_s
         more: dict[str, Any] = {
@@ -599,8 +599,6 @@ class StepTimer:
         if engine.memory is not None:
             m, seen = acc.memory or MemoryStats({}, {}, 0, 0), engine.memory.seen_bytes
             more["memory"] = MemoryStats(m.peak_bytes, m.alloc_bytes, m.reserved_bytes, m.steps, seen)
-        if xrank is not None and xrank.summary is not None:
-            more["ranks"] = xrank.summary
         if xrank is not None and summary.slowest:  # each with its window's slowest rank
             more["slowest"] = xrank.annotate(summary.slowest)
         return dataclasses.replace(summary, energy=energy, **more)

@@ -27,7 +27,7 @@ from steptimer._dist import (
     spreads,
     straggler_ms,
 )
-from steptimer._summary import LastRank
+from steptimer._summary import LastRank, RankSummary
 from tests.tb import layout_regexes, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +69,8 @@ def torchrun(script: str, *args: str, timeout_s: float = 180.0) -> tuple[dict[in
 SCENARIOS = {
     **{f"slow-{slow}": ["--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS)]
        + ([] if slow is None else ["--slow-rank", str(slow)]) for slow in (0, 1, None)},
+    # The slow rank changes each window: rank 0 in steps 1-10 and 21-30, rank 1 in 11-20 and 31-40.
+    "rotate": ["--steps", "40", "--every", "10", "--slow-ms", str(SLOW_MS), "--rotate"],
     "slow-optimizer": ["--steps", "30", "--every", "10", "--slow-ms", str(SLOW_MS), "--slow-rank", "1",
                        "--slow-phase", "optimizer"],
     "gc-pause": ["--steps", "30", "--every", "10", "--gc-rank", "1", "--gc-step", "10", "--timeout", "20"],
@@ -144,6 +146,65 @@ def test_plain_ddp_loop_names_the_slowed_rank(runs: dict, slow: int | None) -> N
     m = re.fullmatch(said, results[0]["last"])
     assert m and float(m[1]) > SLOW_MS * 0.8 and float(m[2]) > SLOW_MS * 0.8, results[0]["last"]
     assert results[1]["last"] == results[0]["last"] and results[0]["last"] in out.replace("\n    ", " ")
+
+
+@pytest.mark.parametrize("slow", [0, 1, None], ids=["rank0-slow", "rank1-slow", "none-slow"])
+def test_the_verdict_names_the_late_rank_and_its_phase_not_the_collectives(runs: dict, slow: int | None) -> None:
+    """Every rank's wait at the all-reduce is for the rank that sleeps 40 ms in forward: the verdict's
+    first fact is that rank and its phase, on every rank (the late one too); with no rank slowed the
+    collectives are slow by themselves (gloo on CPU), and the verdict stays communication-bound."""
+    results, _, _ = runs[f"slow-{slow}"]
+    for r in (0, 1):
+        kind, *evidence = results[r]["verdict"]
+        if slow is None:
+            assert kind == "communication-bound", results[r]["verdict"]
+            assert evidence[0].startswith("the compute waited for the collectives"), evidence
+            continue
+        assert kind == "straggler-bound", results[r]["verdict"]
+        assert evidence[0] == results[0]["last"]  # "rank <slow> was last to the all-reduce ..., in forward (...)"
+        assert evidence[0].startswith(f"rank {slow} was last to the all-reduce") and ", in forward (" in evidence[0]
+        m = re.match(rf"the rank that waited most .* waited ([\d.]+) ms a step .*, ([\d.]+)% of it for rank {slow}:",
+                     evidence[1])  # fmt: skip
+        assert m and float(m[1]) > SLOW_MS * 0.8 and float(m[2]) >= 50, evidence[1]
+
+
+@pytest.mark.parametrize("scenario", ["slow-1", "rotate", "slow-None"])
+def test_report_prints_the_live_per_rank_section_and_verdict(runs: dict, scenario: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """``steptimer report`` on rank 0's logs prints the per-rank section rank 0's live summary printed,
+    line for line (the same lines from the same numbers, written at close), and the same verdict."""
+    from steptimer.cli import main
+
+    results, _, tmp_path = runs[scenario]
+    assert main(["report", str(tmp_path)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    for line in results[0]["summary_lines"]:  # wrapped at the terminal's width: compared word for word
+        assert " ".join(line.split()) in said, (line, said)
+    kind, *evidence = results[0]["verdict"]
+    assert f"verdict: {kind} - {evidence[0]}" in said
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)["runs"]
+    assert RankSummary.from_json(doc["ranks"]).lines() == results[0]["summary_lines"]
+
+
+def test_a_chronic_late_rank_and_a_rotating_one_are_told_apart(runs: dict) -> None:
+    """Rank 1 slowed in every step is the late rank in every window, 3 in a row: chronic. A slow rank
+    that changes each window (0, 1, 0, 1) is late in half the windows, one at a time: one-off. The
+    summary says which, and TensorBoard has each window's late rank with its share and run so far."""
+    chronic, _, chronic_dir = runs["slow-1"]
+    rotating, _, rotating_dir = runs["rotate"]
+    assert "  chronic: rank 1 was the late rank in 3 of 3 windows (100%), at most 3 in a row: check its machine" in (
+        chronic[0]["summary_lines"])  # fmt: skip
+    tb = scalars(chronic_dir)
+    assert [v for _, v in tb["steptimer-ranks/late_rank_windows_share"]] == [1.0, 1.0, 1.0]
+    assert [v for _, v in tb["steptimer-ranks/late_rank_in_a_row"]] == [1.0, 2.0, 3.0]
+    one_off = "  one-off: the late rank moved (2 ranks late in some window; rank 0 in 2 of 4 windows (50.0%), at "
+    assert one_off + "most 1 in a row): noise or the data" in rotating[0]["summary_lines"], rotating[0]["summary_lines"]
+    assert one_off + "most 1 in a row): noise or the data" in rotating[1]["summary_lines"]  # every rank's summary
+    tb = scalars(rotating_dir)
+    assert [v for _, v in tb["steptimer-ranks/last_rank"]] == [0.0, 1.0, 0.0, 1.0]
+    assert [v for _, v in tb["steptimer-ranks/late_rank_in_a_row"]] == [1.0] * 4
+    assert [v for _, v in tb["steptimer-ranks/late_rank_windows_share"]] == pytest.approx([1.0, 0.5, 2 / 3, 0.5])
 
 
 def test_a_rank_slow_after_its_collective_is_named_at_the_next_one(runs: dict) -> None:

@@ -34,6 +34,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slow-ms", type=float, default=40.0)
     p.add_argument("--slow-step", type=int, default=0, help="the slow rank sleeps in this step only (0: every step)")
     p.add_argument("--slow-phase", choices=("forward", "optimizer"), default="forward")
+    p.add_argument("--rotate", action="store_true", help="the slow rank changes each window: rank (window - 1) % world")
     p.add_argument("--short-rank", type=int, default=-1, help="this rank stops after --short-steps")
     p.add_argument("--short-steps", type=int, default=0)
     p.add_argument("--extra-phase-rank", type=int, default=-1)
@@ -74,7 +75,8 @@ def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: n
                         mem.free((rank + 1) * (8 << 20))
                     if rank == a.gc_rank and i == a.gc_step:  # a GC pause marks this step on one rank only
                         gc.collect()
-                    slow = rank == a.slow_rank and a.slow_step in (0, i)
+                    slow_rank = (i - 1) // a.every % dist.get_world_size() if a.rotate else a.slow_rank
+                    slow = rank == slow_rank and a.slow_step in (0, i)
                     if slow and a.slow_phase == "forward":
                         time.sleep(a.slow_ms / 1e3)
                 if rank == a.extra_phase_rank:
@@ -154,6 +156,8 @@ def run(a: argparse.Namespace) -> None:
     if summary.energy is not None:
         out["watts"] = summary.energy.watts
     out["slowest"] = [s.to_json() for s in summary.slowest]
+    v = summary.verdict
+    out["verdict"] = v and [v.kind, *v.evidence]
     sys.stdout.write("RESULT " + json.dumps(out) + "\n")  # one write: the ranks share the pipe
     sys.stdout.flush()
 
