@@ -6,6 +6,7 @@ the logs, and every number checked here, are deterministic; the ``cuda`` tests d
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -1189,3 +1190,57 @@ def test_explain_says_what_data_loop_and_shares_are_and_lists_the_traces_written
     for step, path in listed.items():
         notes = json.loads(Path(path).read_text())["metadata"]["notes"]
         assert notes[0].startswith(f"the flight recorder's trace around step {step},")
+
+
+def test_the_ci_recipe_gates_a_slowdown_and_a_changed_phase_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/cli.md's CI recipe, run as written (its pytest step, in a real chdir with the baseline
+    beside it) on a host-only loop of real sleeps: the unchanged run passes, a forward 8 ms slower
+    fails the gate, a run with a phase added is "not comparable"."""
+    import torch
+
+    from steptimer.cli import main
+
+    docs = (Path(ROOT) / "docs" / "cli.md").read_text()
+    recipe = re.search(r"```python\n(# tests/test_speed\.py.*?)```", docs, re.S)
+    assert recipe is not None
+    monkeypatch.chdir(tmp_path)
+
+    def train(steps: int, seed: int, log_dir: str, forward_ms: float = 8.0, clip: bool = False) -> None:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(8, 8)
+        t = StepTimer(log_dir=log_dir, cuda=False, warmup_steps=2, log_every_n_steps=5, print_summary=False)
+        for _ in range(steps):
+            x = torch.randn(4, 8)
+            with t.step():
+                with t.phase("forward"):
+                    loss = model(x).sum()
+                    time.sleep(forward_ms / 1e3)
+                with t.phase("backward"):
+                    loss.backward()
+                    time.sleep(0.006)
+                if clip:
+                    with t.phase("clip"):
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t.close()
+
+    train(steps=30, seed=0, log_dir="runs/baseline")  # the baseline, made as the docs say
+    assert main(["report", "runs/baseline", "--json"]) == 0
+    (tmp_path / "perf").mkdir()
+    (tmp_path / "perf" / "baseline.json").write_text(capsys.readouterr().out)
+    cases = [
+        ("same", {}, "pass"),
+        ("slower", {"forward_ms": 16.0}, "FAILED: forward +"),
+        ("clip", {"clip": True}, "not comparable: different phases: only in B: clip"),
+    ]
+    for name, kw, gate in cases:
+        scope: dict[str, Any] = {"train": functools.partial(train, **kw)}
+        exec(recipe.group(1), scope)
+        try:
+            scope["test_training_is_not_slower"](tmp_path / name)
+            passed = True
+        except AssertionError:
+            passed = False
+        out = capsys.readouterr().out
+        assert passed == (gate == "pass") and gate_line(out).startswith(gate), (name, out)
