@@ -171,6 +171,22 @@ def tensorboard_runs(logdir: Path) -> list[str]:
     return json.loads(Client(app).get("/data/runs").get_data())
 
 
+DEMO_ROWS = ["data", "forward", "backward", "optimizer", "other", "loop"]  # the demo's on a CPU, in run order
+
+
+def demo_log_dirs(parent: Path, clock: FakeClock, count: int) -> None:
+    """``count`` log dirs side by side, ``demo-1``, ``demo-2``, ..., each with the demo's rows on a CPU."""
+    for n in range(1, count + 1):
+        options = {"log_every_n_steps": 2, "warmup_steps": 0, "print_summary": False}
+        t = StepTimer(log_dir=parent / f"demo-{n}", cuda=False, **options)
+        for _ in t.data(iter(range(4))):
+            with t.step():
+                for name in ("forward", "backward", "optimizer"):
+                    with t.phase(name):
+                        clock.advance_ms(1.0)
+        t.close()
+
+
 @pytest.mark.parametrize("log_dirs", [2, 3])
 def test_a_phase_has_one_colour_in_every_log_dir_and_none_shares_the_totals(
     tmp_path: Path, clock: FakeClock, log_dirs: int
@@ -179,25 +195,47 @@ def test_a_phase_has_one_colour_in_every_log_dir_and_none_shares_the_totals(
     a CPU: 6 rows and the log dir's own run (the totals) fill TensorBoard's 7 colours, so in every log
     dir a phase gets the same colour and no row gets another's or the total's; ``data`` and the first
     phase get neighbouring palette entries (blue and red in Scalars, not blue and cyan)."""
-    for n in range(1, log_dirs + 1):
-        options = {"log_every_n_steps": 2, "warmup_steps": 0, "print_summary": False}
-        t = StepTimer(log_dir=tmp_path / f"demo-{n}", cuda=False, **options)
-        loader = t.data(iter(range(4)))
-        for _ in loader:
-            with t.step():
-                for name in ("forward", "backward", "optimizer"):
-                    with t.phase(name):
-                        clock.advance_ms(1.0)
-        t.close()
+    demo_log_dirs(tmp_path, clock, log_dirs)
     runs = tensorboard_runs(tmp_path)
     colour = {run: i % 7 for i, run in enumerate(runs)}
-    rows = ["data", "forward", "backward", "optimizer", "other", "loop"]
     for n in range(1, log_dirs + 1):
-        mine = [f"demo-{n}", *(f"demo-{n}/steptimer/{r}" for r in rows)]
+        mine = [f"demo-{n}", *(f"demo-{n}/steptimer/{r}" for r in DEMO_ROWS)]
         assert [r for r in runs if r.split("/")[0] == f"demo-{n}"] == mine
         assert [colour[r] for r in mine] == list(range(7))  # the total 0, the rows 1-6, as in demo-1
     shares = {r: run_scalars(tmp_path / r) for r in runs}
     assert all("steptimer/host_pct" in tags for tags in shares.values())  # all 7 in the share chart
+
+
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(BROWSER is None, reason="needs chromium (Debian: apt-get install -y chromium)")
+def test_time_series_in_a_browser_gives_a_phase_one_colour_in_three_log_dirs(tmp_path: Path, clock: FakeClock) -> None:
+    """What a user sees: Time Series in headless Chromium, on a real ``tensorboard``, with three log
+    dirs: the colour swatch of each run in its run table. Each phase (and the total) has the colour
+    docs/tensorboard.md names, the same in all three log dirs."""
+    logs = tmp_path / "runs"
+    demo_log_dirs(logs, clock, 3)
+    with _Server(logs) as tb:
+        tb.until(lambda: len(tb.get("/data/runs")) == 3 * 7)
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--virtual-time-budget=15000"]
+        profile = f"--user-data-dir={tmp_path / 'profile'}"
+        url = f"{tb.base}/?forceSVG=true#timeseries"
+        cmd = [str(BROWSER), *flags, profile, "--dump-dom", url]
+        page = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    # The run selector's rows: data-id="defaultExperimentId/<run>", then the run's swatch.
+    found = re.findall(r'data-id="[^"/]*/(demo-[^"]+)".*?run-color-swatch" style="background: ([^;"]+)', page)
+    swatch = dict(found)
+    assert len(swatch) == 3 * 7, sorted(swatch)
+    # Time Series' palette (#425066 slate, #12b5cb cyan, ...), in the order docs/tensorboard.md gives
+    rgb = ["66, 80, 102", "18, 181, 203", "229, 37, 146", "249, 171, 0", "147, 52, 230", "124, 179, 66", "232, 113, 10"]
+    named = dict(zip(["slate", "cyan", "pink", "yellow", "purple", "green", "orange"], rgb))
+    doc = "data cyan, forward pink, backward yellow, optimizer purple, other green, loop orange, the total slate"
+    assert doc in " ".join(Path(__file__).resolve().parents[1].joinpath("docs", "tensorboard.md").read_text().split())
+    want = {row: f"rgb({named[c]})" for row, c in (part.rsplit(" ", 1) for part in doc.split(", "))}
+    for n in (1, 2, 3):
+        assert swatch[f"demo-{n}"] == want["the total"]
+        assert {r: swatch[f"demo-{n}/steptimer/{r}"] for r in DEMO_ROWS} == {r: want[r] for r in DEMO_ROWS}
 
 
 def test_split_tag_is_undone_by_join_tag() -> None:
