@@ -141,3 +141,13 @@ def test_the_tag_tables_patterns_read_runs_as_tensorboard_shows_them() -> None:
     listed = [pattern(t) for _, tags, _ in rows for t in tags]
     assert any(p.fullmatch("steptimer-tails/gpu_p90_ms") for p in listed)
     assert not any(p.fullmatch("steptimer/host/forward_ms") for p in listed)  # the whole tag is not in a run
+
+
+def test_the_readmes_option_defaults_are_the_options_defaults() -> None:
+    from steptimer._options import Options
+
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme[readme.index("### Options") :].split("\n\n")[1]
+    said = dict(re.findall(r"`(\w+)`\s+\(([^:;)]+):", paragraph))
+    assert set(said) == {"warmup_steps", "lag", "memory"}, said
+    assert said == {name: repr(getattr(Options, name)) for name in said}
