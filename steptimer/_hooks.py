@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-__all__ = ["Discovery", "Hooks", "batch_counts", "holds"]
+__all__ = ["Discovery", "Hooks", "batch_counts", "holds", "watch_comm"]
 
 _Fn = Callable[..., Any]
 
@@ -271,6 +271,35 @@ class Discovery:
         for h in self._handles + self._once:
             h.remove()
         self._handles, self._once = [], []
+
+
+def watch_comm(timer: Any, models: Sequence[Any]) -> None:
+    """For a front door that takes no code from the user: ``timer.watch_ddp`` or ``timer.watch_fsdp``
+    on the first DDP-wrapped or FSDP2-sharded model of ``models``, unless the timer watches one.
+    One that can't be watched (DDP with a comm hook of its own) is a note; training goes on."""
+    if not timer.enabled or timer._engine.comm is not None or not torch.distributed.is_available():
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # no FSDP2 in this torch
+        FSDPModule = ()  # noqa: N806
+    for model in models:
+        if isinstance(model, DistributedDataParallel):
+            call = "watch_ddp"
+        elif isinstance(model, nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules()):
+            call = "watch_fsdp"
+        else:
+            continue
+        try:
+            getattr(timer, call)(model)
+        except Exception as err:  # steptimer's own failure never stops training
+            timer.note(
+                f"{call}: the collectives of {type(model).__name__} are not timed ({err}); "
+                f"call timer.{call}(model) before training, with its comm hook if it has one"
+            )
+        return
 
 
 def holds(opt: torch.optim.Optimizer, models: Sequence[nn.Module]) -> bool:

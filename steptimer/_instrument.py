@@ -18,7 +18,7 @@ import torch
 
 from steptimer import _exit
 from steptimer._driver import PhaseDriver, UserPhase
-from steptimer._hooks import Discovery, Hooks, batch_counts, holds
+from steptimer._hooks import Discovery, Hooks, batch_counts, holds, watch_comm
 from steptimer.timer import StepTimer, check_count, check_phase_name
 
 if TYPE_CHECKING:
@@ -228,6 +228,7 @@ class Instrumented:
             # Optimizers pickle without our hooks (Optimizer.__getstate__); a model needs this.
             hooks.keep_picklable(model)
         hooks.wrap(torch.autograd, "backward", self._backward_wrapper_of)
+        watch_comm(self.timer, self.models)
 
     def _found(self, d: Discovery, module: Any, args: Any, kwargs: Any) -> None:
         self.models, self.optimizers = tuple(d.models), tuple(d.optimizers)

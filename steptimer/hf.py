@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from steptimer._hooks import trained_modules, watch_comm
 from steptimer._instrument import Instrumented
 from steptimer._options import Options
 from steptimer._summary import Summary
@@ -102,6 +103,10 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
             optimizer = optimizer.optimizer
         self.timed = Instrumented(timer, [kw.get("model")], [optimizer], **self._counts)
+        if optimizer is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # The Trainer's callbacks get the module inside its DDP or FSDP wrapper: the wrapper is the
+            # outermost module that holds the optimizer's parameters (one scan of the live objects).
+            watch_comm(timer, trained_modules([optimizer]))
         self.summary = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._engine import Fetch
-from steptimer._hooks import Hooks
+from steptimer._hooks import Hooks, watch_comm
 from steptimer._options import Options, _positive
 from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
@@ -251,6 +251,8 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         d.live = False
         self._hooks.remove()
         self._hook_model(pl_module, d)
+        # The DDP strategy's wrapper, or the LightningModule an FSDP2 strategy sharded.
+        watch_comm(timer, [trainer.strategy.model, pl_module])
         # The update ends (manual: opt.step() of the LightningOptimizer, a view of `opt`, returns) or
         # starts (automatic: Lightning's clipping, right after on_before_optimizer_step, returns).
         for opt in trainer.optimizers:

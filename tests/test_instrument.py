@@ -388,7 +388,8 @@ for hooked in ("ddp", "inner"):
         opt.step()
         opt.zero_grad()
     s = timer.close()
-    out[hooked] = {"steps": timer.steps, **{n: s[n].host.median_ms for n in ("forward", "loss", "backward")}}
+    names = ("forward", "loss", "backward", "comm", "comm_exposed")
+    out[hooked] = {"steps": timer.steps, **{n: s[n].host.median_ms for n in names if n in s}}
 print("RESULT " + json.dumps(out), flush=True)
 os._exit(0)  # gloo's teardown at exit aborts now and then here, with or without steptimer
 """
@@ -404,10 +405,16 @@ def test_ddp_wrapper_or_the_module_inside() -> None:
     )  # fmt: skip
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for hooked, r in json.loads(lines[0][len("RESULT ") :]).items():
+    results = json.loads(lines[0][len("RESULT ") :])
+    for hooked, r in results.items():
         assert r["steps"] == 4, hooked
         for name, slept_ms in (("forward", 5.0), ("loss", SLEEP_MS["loss"]), ("backward", SLEEP_MS["backward"])):
             assert slept_ms - 0.5 <= r[name] <= slept_ms + 10.0, (hooked, name, r)
+    # Given the DDP model, instrument() watches its collectives (no watch_ddp line): the all-reduce
+    # is inside backward. The module inside tells nothing of the DDP around it: no comm rows.
+    ddp = results["ddp"]
+    assert 0.0 < ddp["comm"] <= ddp["backward"] and 0.0 <= ddp["comm_exposed"] <= ddp["comm"], ddp
+    assert "comm" not in results["inner"], results["inner"]
 
 
 def test_reentrant_checkpoint_and_other_threads_are_not_steps() -> None:
@@ -1013,3 +1020,4 @@ def test_a_fetch_inside_a_fetch_counts_once(shape: str) -> None:
     assert_host_ms(s, "data", SLEEP_MS["data"])
     top = [r.share for r in s.rows if r.name not in ("step", "idle") and r.share is not None]
     assert sum(top) == pytest.approx(1.0, abs=0.01)
+

@@ -287,6 +287,10 @@ def test_under_torchrun_each_rank_times_and_rank_0_writes(tmp_path: Path) -> Non
     assert "found the model (DistributedDataParallel)" in out
     check_sleeps(medians(r), {k: SLEEP_MS[k] for k in ("forward", "loss", "optimizer")})
     check_sleeps(medians(r), {"loop": SLEEP_MS["data"]})  # its batches are made in the loop (no loader)
+    # The script has no steptimer line: `run` watches the DDP model's collectives itself.
+    comm = {row["name"]: row["host"] for row in r["rows"] if row["name"].startswith("comm")}
+    assert sorted(comm) == ["comm", "comm_exposed"] and comm["comm"]["steps"] == r["steps"], comm
+    assert 0.0 < comm["comm"]["median_ms"] <= medians(r)["backward"], (comm, medians(r))
 
 
 @pytest.mark.parametrize(("opt", "message"), [
