@@ -1244,3 +1244,36 @@ def test_the_ci_recipe_gates_a_slowdown_and_a_changed_phase_set(
             passed = False
         out = capsys.readouterr().out
         assert passed == (gate == "pass") and gate_line(out).startswith(gate), (name, out)
+
+
+@pytest.mark.cuda
+def test_fail_slower_on_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On the GPU's clock: a saved report of a loop of 2048² matmuls is the baseline; the same loop
+    again passes --fail-slower 10, twice the matmuls in forward fail it (forward slower), and the loop
+    timed on the host clock only is "not comparable"."""
+    import torch
+
+    from steptimer.cli import main
+
+    def run(log_dir: Path, matmuls: int, cuda: bool = True) -> None:
+        x = torch.randn(2048, 2048, device="cuda")
+        t = StepTimer(log_dir=str(log_dir), log_every_n_steps=10, warmup_steps=5, print_summary=False, cuda=cuda)
+        for _ in range(45):
+            with t.step():
+                with t.phase("forward"):
+                    for _ in range(matmuls):
+                        x = torch.tanh(x @ x)
+                with t.phase("loss"):
+                    x.sum()
+        t.close()
+        torch.cuda.synchronize()
+
+    run(tmp_path / "a", 4)
+    assert main(["report", str(tmp_path / "a"), "--json"]) == 0
+    (tmp_path / "a.json").write_text(capsys.readouterr().out)
+    for name, matmuls, cuda, status in (("same", 4, True, 0), ("slow", 8, True, 1), ("host", 4, False, 2)):
+        run(tmp_path / name, matmuls, cuda)
+        got, out = compare_main(capsys, str(tmp_path / "a.json"), str(tmp_path / name), "--fail-slower", "10", "--json")
+        gate = json.loads(out)["gate"]
+        assert got == gate["status"] == status, (name, gate, json.loads(out)["deltas"])
+        assert status != 1 or gate["slower"][0] == "forward", gate
