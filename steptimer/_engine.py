@@ -22,7 +22,7 @@ import torch
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
 from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, torch_memory_backend
 from steptimer._slow import StepMarks
-from steptimer._window import GAP_S, STEP_S, WAIT_S, StepRows
+from steptimer._window import GAP_S, OWN_STEP_S, STEP_S, WAIT_S, StepRows
 
 log = logging.getLogger("steptimer")
 
@@ -139,6 +139,10 @@ class Engine:
         self._window_last = start_step  # the last window's last step, and the _t0 it was handed at
         self._window_t = -math.inf
         self.own_s = 0.0  # host time of steptimer's own window work between steps (_hand_window)
+        # steptimer's own host time in the current timed step outside its top-level phases (its begin,
+        # the phases' entries and exits), and since the last step's end (resolve, window work): the
+        # ``steptimer`` row, taken out of ``other`` and ``loop`` (_window.py).
+        self._own = self._own_gap = 0.0
         self._first_t0: float | None = None
         self._pausing = False
         self._waited = start_step  # the newest step number waited for
@@ -170,7 +174,8 @@ class Engine:
     @property
     def run_s(self) -> float:
         """Host seconds from the first step's start to the end of the last step (or window work)."""
-        return 0.0 if self._gap_start is None or self._first_t0 is None else self._gap_start - self._first_t0
+        gs, t0 = self._gap_start, self._first_t0
+        return 0.0 if gs is None or t0 is None else gs + self._own_gap - t0  # own_gap: the work after it
 
     @property
     def in_step(self) -> bool:
@@ -190,6 +195,7 @@ class Engine:
         self._recs = []
         self._evs = []
         self._last_t = -math.inf
+        self._own = 0.0
         if not self.cuda:
             self._mem = None
             self.state = HOST
@@ -219,6 +225,7 @@ class Engine:
                     mem = None
         self._mem = mem
         self._last_t = t = perf_counter()
+        self._own = t - t0
         if self.budget is not None:
             self.cost_s += min(t - t0, 2 * self.bound_cap)
         self.state = GPU
@@ -255,15 +262,17 @@ class Engine:
                 raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
             return
         try:
-            self._queue(t1)
+            t_end = self._queue(t1)
         except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
             self._recover()
             raise
         if self._window_due:
             self._hand_window()
+        self._own_gap += perf_counter() - t_end  # resolving and window work after the step's end
 
-    def _queue(self, t1: float) -> None:
-        """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due."""
+    def _queue(self, t1: float) -> float:
+        """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due;
+        return the step's end (host clock)."""
         pending, state, t0, number = self._pending, self.state, self._t0, self.number + 1
         queued = bool(pending)
         row = self._lead(number)
@@ -319,6 +328,10 @@ class Engine:
             self._resolve_upto(number - 1)
         self._gap_start = t_end = perf_counter()
         rec.step_s = step_s = t_end - t0
+        # steptimer's own part of the step: its end (less the wait, a row of its own, and a record
+        # blocked in a full launch queue) and, in a timed step, its begin and the phases' entries and exits
+        own = t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
+        row[OWN_STEP_S] = own + self._own if state >= HOST else own
         if self.budget is not None and (state != UNTIMED or queued or rec.events):
             self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
             if rec.wait_s:  # the host then waited for the GPU: its own time in the step, up to that, cost no wall
@@ -333,6 +346,7 @@ class Engine:
             # A step without events is resolved at its end, so a window ends at the same step on
             # every rank: a rank a step late to the cross-rank round would deadlock.
             self._resolve_upto(number)
+        return t_end
 
     def _lead(self, number: int) -> list[float]:
         """The step's LEAD columns (_window.py); STEP_S and WAIT_S are set by ``_resolve``."""
@@ -345,10 +359,11 @@ class Engine:
             gap = self._t0 - gs - self._paused_s
             if gap < 0.0:
                 gap = 0.0
-        samples, tokens, flops = self.samples, self.tokens, self.flops
+        samples, tokens, flops, own_gap = self.samples, self.tokens, self.flops, self._own_gap
+        self._own_gap = 0.0
         return [
             number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
-            gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops, fetch,
+            gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops, fetch, own_gap, 0.0,
         ]  # fmt: skip
 
     def _recover(self) -> None:
@@ -364,7 +379,8 @@ class Engine:
             self._pick_next(self.number)
 
     def _hand_window(self) -> None:
-        """Call ``on_window``: steptimer's own time (``own_s``), in no step, data wait or GPU idle."""
+        """Call ``on_window``: steptimer's own time (``own_s``), in the time before the next step (its
+        ``steptimer`` row, not ``loop``), in no data wait or GPU idle."""
         number, self._window_due = self._window_due, 0
         self._window_last, self._window_t = number, self._t0
         t0 = perf_counter()
@@ -374,8 +390,7 @@ class Engine:
         finally:
             if ev0 is not None:
                 self._pause_evs.append((ev0, self._pause_event()))
-            self._gap_start = t1 = perf_counter()
-            self.own_s += t1 - t0
+            self.own_s += perf_counter() - t0
 
     def _start_sampling(self, cost_budget: float, start_step: int) -> None:
         """The sampling state: which step is next, and the cost budget's measurements."""
@@ -518,6 +533,7 @@ class Engine:
             self.comm.drop(self.number + 1)
         self.state = OUT
         self._gap_start = perf_counter()  # the failed step's time is not time between steps
+        self._own_gap = 0.0
         self._paused_s = 0.0
         if self.fetch_s == self.fetch_s:
             self.fetch_s = 0.0
@@ -670,7 +686,11 @@ class Phase:
                     e._mem.enter_phase(shared)
                 except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see Engine.off
                     e.off(MEMORY, err)
-            t0 = perf_counter()  # the host span starts after the record (and the allocator reading)
+        # The host span starts after steptimer's own work (the checks, the record, the allocator reading):
+        # a top-level phase's is the ``steptimer`` row's, an inner phase's stays in its parent.
+        t0 = perf_counter()
+        if not stack:
+            e._own += t0 - t
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
         if state == GPU:
             e._last_t = t2 = perf_counter()
@@ -680,7 +700,7 @@ class Phase:
                     e.bound_min = d
                 e.cost_s += d if d < e.bound_cap else e.bound_cap
         elif e.budget is not None:
-            e.cost_s += perf_counter() - t
+            e.cost_s += t0 - t
 
     def __exit__(self, et: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         """Leave the phase; ``error`` is read only for the out-of-memory note, never swallowed."""
@@ -720,11 +740,16 @@ class Phase:
                 except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see Engine.off
                     e.off(MEMORY, err)
         e._recs.append(PhaseRecord(full, t_in, t1, i_in, i_out, caught))
-        if gpu:
-            e._last_t = perf_counter()
-        if e.budget is not None:
-            d = perf_counter() - t1
-            e.cost_s += d if d < e.bound_cap else e.bound_cap
+        top = not stack  # a top-level phase's exit is the ``steptimer`` row's, an inner one's its parent's
+        if gpu or top or e.budget is not None:
+            t2 = perf_counter()
+            if gpu:
+                e._last_t = t2
+            d = t2 - t1
+            if top:
+                e._own += d
+            if e.budget is not None:
+                e.cost_s += d if d < e.bound_cap else e.bound_cap
 
 
 class Fetch:

@@ -88,7 +88,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
 
 
 # Host rows of every step, timed or not; the phases' rows and other are of the timed steps only.
-EVERY_STEP = ("data", "loop", "wait", "step")
+EVERY_STEP = ("data", "loop", "steptimer", "wait", "step")
 
 
 def _timed_host(
@@ -99,7 +99,7 @@ def _timed_host(
     logged shares (the window's timed wall is its phases' and other's sum over their share). Logs without
     host shares or histograms: the rows' sums over all steps scaled to the timed fraction, an estimate."""
     timed_sum = {n: x.sum_ms for n, x in host.items() if n not in EVERY_STEP}
-    every = [n for n in EVERY_STEP[:3] if n in host]
+    every = [n for n in EVERY_STEP if n in host and n != "step"]
     share = {n: dict(scal.get(_tags.tag(_tags.MAIN, "host", n, "pct"), [])) for n in host}
     sums = {n: {s: h.sum_ms for s, h in hists.get(("host", n), [])} for n in timed_sum if "/" not in n}
     exact, timed_wall_ms = dict.fromkeys(every, 0.0), 0.0

@@ -165,8 +165,9 @@ def explanations(summary: Summary) -> list[str]:
          f"share host: the row's part of wall time (host clock): {share_sum(summary)} = 100%"),
         (True, "data: the training loader's time between steps (timer.data(loader)), plus a phase named "
          "data; loop: the rest of the host's time between steps (.item(), logging; all of it when no "
-         "loader is timed) less pause(); other: the step less its top-level phases; wait: steptimer's "
-         "one event wait a step"),
+         "loader is timed) less pause() and steptimer's own time; other: the step less its top-level "
+         "phases and steptimer's own time; wait: steptimer's one event wait a step; steptimer: its own "
+         "host time (step ends, resolving, top-level phases' entries and exits, window statistics)"),
         (any(r.launch_bound for r in summary.rows),
          "* launch-bound: the GPU caught up with the host inside the phase and its span is at most "
          "1.1x the host's: the GPU waited for launches, and its number includes that idle"),

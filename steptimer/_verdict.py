@@ -59,7 +59,7 @@ LATE_SHARE = 0.5
 
 VerdictKind = Literal[
     "input-bound", "loop-bound", "launch-bound", "input-bound + launch-bound", "loop-bound + launch-bound",
-    "communication-bound", "straggler-bound", "gpu-bound", "compute-bound", "mixed",
+    "communication-bound", "straggler-bound", "steptimer-bound", "gpu-bound", "compute-bound", "mixed",
 ]  # fmt: skip
 ShareClock = Literal["gpu", "host"]
 _FIX = {
@@ -69,12 +69,13 @@ _FIX = {
     "communication": "fewer, larger collectives (DDP's bucket_cap_mb, FSDP's wrapping), more overlap, "
     "no_sync on accumulation micro-batches, or the slower rank the others wait for (per-rank section)",
     "straggler": "speed up rank {}'s phase named above (per-rank section), not the collectives",
+    "steptimer": "time fewer steps (cost_budget=0.005, or sample_every=N) or fewer, longer phases",
 }
 # A watched model's collectives (_comm.py): inside the phases that wait for them, so no share.
 COMM_ROWS = ("comm", "comm_exposed")
 # Rows computed by steptimer, not phases of the user's: the table's first and last rows.
 DERIVED_FIRST = ("data", "loop")
-DERIVED_LAST = ("other", "wait", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
+DERIVED_LAST = ("other", "wait", "steptimer", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
 DERIVED = frozenset(DERIVED_FIRST + DERIVED_LAST)
 
 
@@ -174,7 +175,10 @@ def _host_rules(
         "outside the loader (loop)" if timed else "(loop; no loader was timed)"
     )
     also_data = said_data if timed else None
+    own = share.get("steptimer", 0.0)  # steptimer's own time: never the loop's or a phase's
+    said_own = f"steptimer's own time was {pct(own)} of wall time, more than any other row: {_FIX['steptimer']}"
     return [
+        (own > 0 and own >= max(share.values()), "steptimer-bound", (said_own,)),
         (data >= HOST_BETWEEN_SHARE and data >= loop, "input-bound", (f"{said_data}: {_FIX['input']}",)),
         (loop >= HOST_BETWEEN_SHARE, "loop-bound", (said_loop, also_data)),
         _straggler(by, "host", ranks),

@@ -23,8 +23,11 @@ from steptimer._verdict import COMM_ROWS, ShareClock, shares
 # (1.0: the GPU had reached the entry when the host left the phase); with idle, the GPU idle (ms).
 # GAP_S is the host time between the previous step and this one (pauses left out), FETCH_S the
 # training loader's part of it (NaN: no loader timed): ``data`` is the loader's, ``loop`` the rest.
-NUMBER, SAMPLES, TOKENS, STEP_S, GAP_S, WAIT_S, FLOPS, FETCH_S = range(8)
-LEAD = 8
+# OWN_GAP_S and OWN_STEP_S are steptimer's own host time in GAP_S (resolving, window work) and in the
+# step outside its top-level phases (its begin and end, the phases' entries and exits): the
+# ``steptimer`` row, taken out of ``loop`` and ``other``.
+NUMBER, SAMPLES, TOKENS, STEP_S, GAP_S, WAIT_S, FLOPS, FETCH_S, OWN_GAP_S, OWN_STEP_S = range(10)
+LEAD = 10
 
 # A row's layout: (phase entries' names, or None for an untimed step; has GPU times; has GPU idle).
 RowKey = tuple[tuple[str, ...] | None, bool, bool]
@@ -66,11 +69,13 @@ class _Layout:
         cols = [(("host", "step"), {STEP_S: 1e3})] + [(("host", u), of(u, LEAD, 1e3)) for u in uniq if u != "data"]
         cols += [
             (("host", "data"), {FETCH_S: 1e3, **of("data", LEAD, 1e3)}),
-            (("host", "loop"), {GAP_S: 1e3, FETCH_S: -1e3}),
+            (("host", "loop"), {GAP_S: 1e3, FETCH_S: -1e3, OWN_GAP_S: -1e3}),
             (("host", "wait"), {WAIT_S: 1e3}),
+            (("host", "steptimer"), {OWN_GAP_S: 1e3, OWN_STEP_S: 1e3}),
         ]
-        if names is not None:  # other = step - wait - top-level phases
-            cols.append((("host", "other"), {STEP_S: 1e3, WAIT_S: -1e3, **{LEAD + i: -1e3 for i in top}}))
+        if names is not None:  # other = step - wait - top-level phases - steptimer's part of the step
+            top_cols = {LEAD + i: -1e3 for i in top}
+            cols.append((("host", "other"), {STEP_S: 1e3, WAIT_S: -1e3, OWN_STEP_S: -1e3, **top_cols}))
         g0 = LEAD + r
         if has_gpu:
             cols += [(("gpu", "step"), {g0: 1.0})] + [(("gpu", u), of(u, g0 + 1, 1.0)) for u in uniq]

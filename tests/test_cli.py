@@ -119,7 +119,7 @@ def test_report_numbers_are_the_logged_ones(tmp_path: Path) -> None:
     assert r["name"] == "run" and r["steps"] == 12 and r["windows"] == 3
     assert r["quantiles_of"] == "steps" and r["cuda"] is False
     rows = {row["name"]: row for row in r["rows"]}
-    assert list(rows) == ["data", "loop", "forward", "forward/inner", "backward", "other", "step"]
+    assert list(rows) == ["data", "loop", "forward", "forward/inner", "backward", "other", "steptimer", "step"]
     for name, row in rows.items():
         want = summary[name]
         # Same per-step histograms, merged from the files: medians and p90 on the same grid point,
@@ -205,7 +205,9 @@ def test_logs_with_a_run_for_every_row_report_the_same(tmp_path: Path, clock: Fa
     assert set(runs) == {"new", "rows"}
     a = runs["new"]
     assert a["steps"] == 20 and a["quantiles_of"] == "steps" and a["cuda"] is True
-    assert [r["name"] for r in a["rows"]] == ["loop", "forward", "zero_grad", "backward", "other", "wait", "step", "idle"]
+    assert [r["name"] for r in a["rows"]] == [
+        *("loop", "forward", "zero_grad", "backward", "other", "wait", "steptimer", "step", "idle")
+    ]
     for key in set(a) - {"name", "path"}:
         assert a[key] == runs["rows"][key], key
     texts = [cli("report", str(tmp_path / d)).stdout for d in ("new", "rows")]
@@ -224,10 +226,10 @@ def test_report_scalars_only_falls_back_to_window_means(tmp_path: Path) -> None:
     means = []
     for k in range(4):
         rows = StepRows()
-        for i in range(5):  # number, samples, tokens, step_s, gap_s, wait_s, flops, fetch_s, forward_s
+        for i in range(5):  # number, samples, tokens, step_s, gap_s, wait_s, flops, fetch_s, own (2), forward_s
             rows.add(
                 (("forward",), False, False),
-                [5 * k + i + 1, nan, nan, (10 + k + i) / 1e3, 2e-3, nan, nan, nan, (4 + k) / 1e3],
+                [5 * k + i + 1, nan, nan, (10 + k + i) / 1e3, 2e-3, nan, nan, nan, 0.0, 0.0, (4 + k) / 1e3],
             )
         win = window_of(rows, 5 * k + 5)
         means.append(win.host["forward"].mean_ms)
@@ -986,7 +988,7 @@ def test_report_and_summary_agree_under_sampling(tmp_path: Path, clock: FakeCloc
     (run,) = report_json(tmp_path)["runs"]
     shares = {r["name"]: r["share"] for r in run["rows"] if r["share"] is not None}
     assert shares == pytest.approx({r.name: r.share for r in s.rows if r.share is not None}, rel=1e-5)
-    assert set(shares) == {"loop", "forward", "other"} and sum(shares.values()) == pytest.approx(1.0)
+    assert set(shares) == {"loop", "forward", "other", "steptimer"} and sum(shares.values()) == pytest.approx(1.0)
     assert run["verdict"]["kind"] == s.verdict.kind  # type: ignore[union-attr]
     printed, live = cli("report", str(tmp_path), columns=80).stdout.splitlines(), render(s).splitlines()
     table = live.index(next(line for line in live if "share" in line))  # after the heading (its path differs)
@@ -1176,11 +1178,11 @@ def test_explain_says_what_data_loop_and_shares_are_and_lists_the_traces_written
     assert main(["report", "--explain", str(tmp_path)]) == main(["report", "--json", str(tmp_path)]) == 0
     explained, sep, out = capsys.readouterr().out.partition('{\n  "runs"')
     text = " ".join(explained.split())
-    assert "share host: the row's part of wall time (host clock): data + loop + phases + other = 100%" in text
+    assert "share host: the row's part of wall time (host clock): data + loop + phases + other + steptimer = 100%" in text
     assert "data: the training loader's time between steps" in text and "loop: the rest of the host's time" in text
     (run,) = json.loads(sep + out)["runs"]
     rows = {r["name"]: r for r in run["rows"]}
-    assert {n for n, r in rows.items() if r["share"] is not None} == {"data", "loop", "forward", "other"}
+    assert {n for n, r in rows.items() if r["share"] is not None} == {"data", "loop", "forward", "other", "steptimer"}
     assert sum(r["share"] for r in rows.values() if r["share"] is not None) == pytest.approx(1.0)
     assert rows["data"]["host"]["median_ms"] == pytest.approx(2.0, rel=0.01)
     assert rows["loop"]["host"]["median_ms"] == pytest.approx(1.0, rel=0.01)

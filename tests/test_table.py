@@ -139,7 +139,7 @@ def test_a_four_phase_run_reads_in_18_lines_of_80_columns_each_fact_true(
         assert lines[0] == f"{name}: 195 steps (5 warm-up left out), host clock only"
         assert lines[1].split() == ["host", "ms"] * 3 + ["share"] and lines[2].split()[0] == "phase"
         table = [line.split() for line in lines[4 : 4 + len(s.rows)]]
-        assert [r.name for r in s.rows] == ["data", "loop", "forward", "loss", "backward", "optimizer", "other", "step"]
+        assert [r.name for r in s.rows] == ["data", "loop", "forward", "loss", "backward", "optimizer", "other", "steptimer", "step"]
         for cells, r in zip(table, s.rows):
             share = "-" if r.share is None else pct(r.share)
             assert cells == [r.name, num(r.host.median_ms), num(r.host.p90_ms), num(r.host.max_ms), share]

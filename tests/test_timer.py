@@ -1061,13 +1061,14 @@ def test_the_cost_budget_is_off_where_every_step_must_be_timed(
 
 
 @pytest.mark.parametrize(("cuda", "sample_every"), [(False, 1000), (True, 1000), (False, 1)])
-def test_a_windows_own_work_is_in_no_step_and_not_in_the_data_wait(
+def test_a_windows_own_work_is_steptimers_row_in_no_step_and_not_in_the_data_wait(
     clock: FakeClock, gpu: FakeGPU, cuda: bool, sample_every: int
 ) -> None:
     """Steps without GPU events (outside the sample; or every step, timed on the host clock) are
     resolved at their own end (no pending record, no wait). Their windows close at every 10th step with all 10
     steps, and a window's own work (here the sink takes 5 ms of the clock) is steptimer's own: in
-    no step's host time, never in the data wait, not in the wall that rates divide by."""
+    no step's host time, never in the data wait or loop, in the ``steptimer`` row of the step after
+    it and in the wall that rates divide by."""
     t, sink = make(gpu if cuda else None, sample_every=sample_every, log_every_n_steps=10)
     writes = sink.write_window
 
@@ -1087,16 +1088,18 @@ def test_a_windows_own_work_is_in_no_step_and_not_in_the_data_wait(
     assert [w.step for w in sink.windows] == [10, 20, 30, 40]
     assert [w.steps for w in sink.windows] == [10, 10, 10, 10]
     assert s["loop"].host.max_ms == pytest.approx(1.0)  # never the window's 5 ms
+    assert s["steptimer"].host.max_ms == pytest.approx(5.0)  # the clock moves in steptimer only there
     for w in sink.windows:
         assert w.host["step"].max_ms == pytest.approx(2.0)
-    # The wall: 40 steps of 2 ms and 39 data waits of 1 ms (none before the first)
-    assert s.steps_per_s == pytest.approx(40 / (40 * 2e-3 + 39 * 1e-3))
+    # The wall: 40 steps of 2 ms, 39 data waits of 1 ms (none before the first) and the 3 windows
+    # before steps 11, 21 and 31 (the last one's, after step 40, is in no step's)
+    assert s.steps_per_s == pytest.approx(40 / (40 * 2e-3 + 39 * 1e-3 + 3 * 5e-3))
     # Each window was written right after its last step (resolved at its own end), between steps:
     # steptimer's own 4 x 5 ms, and its part of the run's host time (the first step's start to the
     # last window's end: 40 steps, 39 data waits, 4 windows)
     assert s.own_ms == pytest.approx(4 * 5.0)
     assert s.own_share == pytest.approx(20.0 / (40 * 2.0 + 39 * 1.0 + 20.0))
-    # printed as steptimer's, on a line of its own, never in a row
+    # printed as steptimer's, on a line of its own, and in its own row
     assert f"steptimer's own work: {num(s.own_ms)} ms, {pct(s.own_share)} of the run" in render(s).splitlines()
     if sample_every == 1:
         assert s["other"].host.max_ms == pytest.approx(0.0)

@@ -311,7 +311,37 @@ def test_report_at_80_columns_cuts_no_name_and_wraps_no_row(tmp_path: Path, cloc
     header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["phase"])
     end = next(i for i, line in enumerate(lines) if line.startswith("throughput:"))
     firsts = [line.split()[0] for line in lines[header + 2 : end] if line.split()]
-    assert firsts == ["data", "loop", *[n for n in phases if n != "data"], "other", "wait", "step", "idle"], out
+    last = ["other", "wait", "steptimer", "step", "idle"]
+    assert firsts == ["data", "loop", *[n for n in phases if n != "data"], *last], out
     assert lines[header - 1].split().count("ms") >= 4 and lines[header].split()[-1] == "GPU"
     assert "verdict: gpu-bound" in out and "slowest steps" not in out  # none stood out
     assert "slowest steps: wall on the GPU's timeline" in cli_report(tmp_path, "--explain")
+
+
+def test_an_empty_loop_is_steptimer_bound_not_loop_bound(tmp_path: Path) -> None:
+    """An empty 4-phase loop on the host clock: nearly all its time is steptimer's own (its phases'
+    entries and exits, its resolve after each step, its window work). That time is the ``steptimer``
+    row, never ``loop`` or a phase; the verdict says so and what to set; the row is written to
+    TensorBoard and ``report`` reads back what the summary said."""
+    from tests.tb import scalars
+
+    t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=0, print_summary=False)
+    for _ in range(1000):
+        with t.step():
+            for name in ("a", "b", "c", "d"):
+                with t.phase(name):
+                    pass
+    s = t.close()
+    assert s.verdict is not None and s.verdict.kind == "steptimer-bound", s.verdict
+    (said,) = s.verdict.evidence
+    assert said.startswith("steptimer's own time was") and "cost_budget" in said and "loop" not in said
+    own = s["steptimer"]
+    assert own.share is not None and own.share == max(r.share or 0.0 for r in s.rows)
+    assert s["loop"].share < own.share and sum(r.share or 0.0 for r in s.rows) == pytest.approx(1.0)
+    drawn = scalars(tmp_path)  # TensorBoard's reader
+    assert drawn["steptimer/host/steptimer_ms"] and drawn["steptimer/host/steptimer_pct"]
+    (logged,) = find_runs(str(tmp_path))
+    r = analyze(logged)
+    assert r["steptimer"].share == pytest.approx(own.share, rel=1e-6)
+    assert r["steptimer"].host.median_ms == pytest.approx(own.host.median_ms)
+    assert r.verdict == s.verdict and sum(x.share or 0.0 for x in r.rows) == pytest.approx(1.0)

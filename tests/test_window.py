@@ -42,9 +42,9 @@ def test_series_stats_match_per_value_references(n: int) -> None:
         g = rng.lognormvariate(0.0, 2.0)
         fwd.append(h * 1e3)
         gfwd.append(g)
-        # number, samples, tokens, step_s, gap_s, wait_s, flops, fetch_s | host forward (s)
-        # | GPU step, forward (ms) | caught
-        row = [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, NAN, NAN, h, g + 1.0, g, float(k % 2)]
+        # number, samples, tokens, step_s, gap_s, wait_s, flops, fetch_s, own_gap_s, own_step_s
+        # | host forward (s) | GPU step, forward (ms) | caught
+        row = [k + 1, 8.0, NAN, 1.0, 0.5, 0.0, NAN, NAN, 0.0, 0.0, h, g + 1.0, g, float(k % 2)]
         rows.add((("forward",), True, False), row)
     p = pack_rows(rows)
     stats, hists = p.stats(), window_of(rows, n).hists
@@ -73,10 +73,11 @@ def test_rows_derive_data_loop_other_idle_and_repeated_phases() -> None:
     # step 1: the first (no time between steps, no fetch counted, no idle); step 2: 2 ms between
     # steps, 1.5 of them fetching, GPU idle 0.25 ms; step 3 untimed; step 4: 3 ms between steps,
     # 0.5 fetching, GPU idle 2 ms
-    rows.add((names, True, False), [1, *lead, NAN, 0.001, NAN, NAN, *host_s, 5.0, *gpu_ms, *caught])
-    rows.add((names, True, True), [2, *lead, 0.002, 0.001, NAN, 0.0015, *host_s, 5.0, *gpu_ms, *caught, 0.25])
-    rows.add((None, False, False), [3, NAN, 64.0, 0.008, 0.001, 0.0005, NAN, 0.0004])
-    rows.add((names, True, True), [4, *lead, 0.003, 0.001, NAN, 0.0005, *host_s, 5.0, *gpu_ms, *caught, 2.0])
+    own = (0.0, 0.0)  # steptimer's own time: its row's test is test_steptimer_row_is_taken_out_of_loop_and_other
+    rows.add((names, True, False), [1, *lead, NAN, 0.001, NAN, NAN, *own, *host_s, 5.0, *gpu_ms, *caught])
+    rows.add((names, True, True), [2, *lead, 0.002, 0.001, NAN, 0.0015, *own, *host_s, 5.0, *gpu_ms, *caught, 0.25])
+    rows.add((None, False, False), [3, NAN, 64.0, 0.008, 0.001, 0.0005, NAN, 0.0004, *own])
+    rows.add((names, True, True), [4, *lead, 0.003, 0.001, NAN, 0.0005, *own, *host_s, 5.0, *gpu_ms, *caught, 2.0])
     w = window_of(rows, 4)
     assert w.step == 4 and w.steps == 4
     assert w.host["forward"].steps == 3 and w.host["forward"].mean_ms == pytest.approx(3.0)
@@ -117,7 +118,9 @@ def test_without_a_loader_the_time_between_steps_is_loop() -> None:
     """No loader timed (fetch NaN): no data series unless a data phase ran; loop is all the time
     between steps; the GPU's idle is not split."""
     rows = StepRows()
-    rows.add((("forward",), True, True), [2, NAN, NAN, 0.004, 0.002, 0.0, NAN, NAN, 0.001, 4.0, 3.0, 1.0, 0.5])
+    rows.add(
+        (("forward",), True, True), [2, NAN, NAN, 0.004, 0.002, 0.0, NAN, NAN, 0.0, 0.0, 0.001, 4.0, 3.0, 1.0, 0.5]
+    )
     w = window_of(rows, 2)
     assert "data" not in w.host and w.host["loop"].mean_ms == pytest.approx(2.0)
     assert set(w.gpu) == {"step", "forward", "other", "idle"}
@@ -130,9 +133,9 @@ def _host_shares(w: Window) -> dict[str, float]:
 def test_series_without_values_are_left_out() -> None:
     """Host-only rows carry NaN for the wait: no 'wait' series, no GPU series."""
     rows = StepRows()
-    rows.add((("forward",), False, False), [1, NAN, NAN, 0.004, NAN, NAN, NAN, NAN, 0.001])
+    rows.add((("forward",), False, False), [1, NAN, NAN, 0.004, NAN, NAN, NAN, NAN, 0.0, 0.0, 0.001])
     w = window_of(rows, 1)
-    assert set(w.host) == {"step", "forward", "other"} and not w.gpu
+    assert set(w.host) == {"step", "forward", "other", "steptimer"} and not w.gpu
     assert w.host["other"].mean_ms == pytest.approx(3.0)
 
 
@@ -187,3 +190,17 @@ def test_a_phase_entered_thousands_of_times_costs_the_window_linear_work(clock: 
         assert w.gpu["loss"].mean_ms == pytest.approx(n / 3 * 0.003, rel=1e-6)
         assert w.host["step"].max_ms == pytest.approx((entries + 2) * 0.002, rel=1e-6)
     assert cost[5000] < 25 * cost[500], cost  # quadratic: 46x on the dev machine, linear: 10x
+
+
+def test_steptimer_row_is_taken_out_of_loop_and_other() -> None:
+    """steptimer's own time in the gap (0.3 ms) and in the step (0.2 ms) is its row, not ``loop``'s
+    or ``other``'s, and the host shares still add up to 100 %."""
+    rows = StepRows()
+    # number, samples, tokens, step 4 ms, gap 2 ms, no wait, flops, fetch 0.5 ms, own 0.3 + 0.2 ms | forward 3 ms
+    rows.add((("forward",), False, False), [1, NAN, NAN, 0.004, 0.002, NAN, NAN, 0.0005, 0.0003, 0.0002, 0.003])
+    w = window_of(rows, 1)
+    assert w.host["steptimer"].mean_ms == pytest.approx(0.5)
+    assert w.host["loop"].mean_ms == pytest.approx(2.0 - 0.5 - 0.3)
+    assert w.host["other"].mean_ms == pytest.approx(4.0 - 3.0 - 0.2)
+    sh = _host_shares(w)
+    assert sh["steptimer"] == pytest.approx(0.5 / 6.0) and sum(sh.values()) == pytest.approx(1.0)
