@@ -294,7 +294,7 @@ class StepTimer:
         (log_dir, writer), self._joining = self._joining, None  # type: ignore[misc]
         self._rank, e = rank(), self._engine
         if self._rank != 0:
-            self._capture = None  # its files are rank 0's
+            e.capture = None  # its files are rank 0's
         if _distributed():
             e._window_min_s, e._window_max = 0.0, e._window_every
             if self.options.memory is None:

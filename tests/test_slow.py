@@ -569,11 +569,12 @@ def test_a_profile_on_slow_trace_that_cant_be_written_is_a_note(
     (tmp_path / "steptimer-profile-slow-52.json").mkdir()
     t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=5, log_every_n_steps=10, print_summary=False,
                   profile_on_slow=2.0)  # fmt: skip
-    (events,) = tmp_path.glob("events.out.tfevents.*")
-    trace = str(tmp_path / f"steptimer-profile-slow-52.{events.name[len('events.out.tfevents.') :]}.json")
-    Path(trace).mkdir()
     with caplog.at_level("WARNING", logger="steptimer"):
-        _slowdown_loop(t, clock, 80, lambda n: 41 <= n <= 50)
+        _slowdown_loop(t, clock, 1, lambda n: False)  # the event file is made at the first step
+        (events,) = tmp_path.glob("events.out.tfevents.*")
+        trace = str(tmp_path / f"steptimer-profile-slow-52.{events.name[len('events.out.tfevents.') :]}.json")
+        Path(trace).mkdir()
+        _slowdown_loop(t, clock, 79, lambda n: 40 <= n <= 49)  # steps 41-50
         s = t.close()
     assert s.steps == 75  # 80 steps, 5 of warm-up
     (note,) = [n for n in s.notes if trace in n]
