@@ -20,7 +20,8 @@ from steptimer._format import count, num, pct
 from steptimer._memory import MIB
 from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, Delta, Gate
 from steptimer._slow import SlowStep
-from steptimer._summary import Summary
+from steptimer._summary import CHRONIC_SHARE, Summary
+from steptimer._verdict import COMM_SHARE, LATE_SHARE
 from steptimer._verdict import DERIVED, DERIVED_FIRST, DERIVED_LAST
 
 
@@ -177,6 +178,11 @@ def explanations(summary: Summary) -> list[str]:
          "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
          "allocated when it was left, and reserved at the step's end (last timed step); the run's "
          "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it"),
+        (summary.ranks is not None and summary.ranks.last is not None,
+         f"straggler-bound: the rank that waited most at the collectives (comm_exposed) waited "
+         f"{pct(COMM_SHARE)} of the timeline or more, and the late rank's lateness (ms after the first rank, "
+         f"over every step) is {pct(LATE_SHARE)} of that wait or more; else communication-bound. A late rank "
+         f"is chronic when late in {pct(CHRONIC_SHARE)} of the windows or more, 2 in a row at least"),
         (bool(summary.slowest),
          f"slowest steps: wall on {slow_clock}; "
          "what stood out is the row that grew most over its median, then the measured causes; shown by "

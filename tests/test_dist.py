@@ -185,6 +185,9 @@ def test_report_prints_the_live_per_rank_section_and_verdict(runs: dict, scenari
     assert main(["report", str(tmp_path), "--json"]) == 0
     (doc,) = json.loads(capsys.readouterr().out)["runs"]
     assert RankSummary.from_json(doc["ranks"]).lines() == results[0]["summary_lines"]
+    assert main(["report", str(tmp_path), "--explain"]) == 0  # the verdict's rule, said from its constants
+    assert "straggler-bound: the rank that waited most at the collectives (comm_exposed) waited 10.0% of" in " ".join(
+        capsys.readouterr().out.split())  # fmt: skip
 
 
 def test_a_chronic_late_rank_and_a_rotating_one_are_told_apart(runs: dict) -> None:
@@ -421,6 +424,8 @@ def test_lightning_ddp_names_the_slowed_rank(tmp_path: Path) -> None:
     assert {v for _, v in tb["steptimer-ranks/host/backward_argmax"]} == {1.0}
     assert "steptimer-ranks/host/forward_max_ms" in tb
     assert results[0]["summary_straggler_argmax"] == results[1]["summary_straggler_argmax"] == 0
+    # The callback watches the DDP strategy's collectives itself (the script has no watch_ddp line).
+    assert {s for s, _ in tb["steptimer/host/comm_ms"]} == {10, 20, 30}, sorted(tb)
 
 
 @pytest.mark.cuda
