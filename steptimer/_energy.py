@@ -4,14 +4,18 @@ reading; energy over a span of steps is the difference of two readings (docs/mem
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, NamedTuple
 
 from steptimer._tags import JOULES_PER_SAMPLE, JOULES_PER_STEP, JOULES_PER_TOKEN, WATTS
+
+log = logging.getLogger("steptimer")
 
 
 class Reading(NamedTuple):
@@ -96,7 +100,11 @@ class EnergyMeter:
 
     def _loop(self) -> None:
         if self._open is not None:
-            self._read, self.error = self._open()
+            try:
+                self._read, self.error = self._open()
+            except Exception as err:  # noqa: BLE001 - a counter that can't open is a note, never the run's
+                self.error = f"energy: not read (opening the counter failed: {type(err).__name__}: {err})"
+                return
         if self._read is None:
             return
         while (step := self._asks.get()) is not None:
@@ -125,10 +133,30 @@ class EnergyWindows:
     _per_step: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)  # samples, tokens
     _written: int = 1  # readings before this one are done with
     _marked: int = -1  # the step of the last reading asked for: the last window's
+    error: str | None = None  # steptimer's own failure here: energy off, in the summary's notes
+
+    @contextmanager
+    def _contained(self) -> Iterator[None]:
+        """A failure of steptimer's own inside (a sink's ``write_energy``, the meter) turns energy off
+        with one warning and a note (:meth:`close` returns it); the steps and training go on."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - a plug-in's own failure, never the run's
+            self.error = f"energy stopped after a failure of steptimer's own ({type(err).__name__}: {err}); steps go on"
+            log.warning("steptimer: %s", self.error)
+            meter, self._meter = self._meter, None
+            if meter is not None:
+                with suppress(Exception):
+                    meter.close()
 
     def write_ready(self, sinks: Sequence[Any], ranks: tuple[int, dict[str, float]] | None = None) -> None:
         """The energy of the last window, if its closing reading is in, to the sinks; ``ranks``: the
         ranks' energy of the window ending at that step (``_dist.py``), written with it."""
+        if self.error is None:
+            with self._contained():
+                self._write_ready(sinks, ranks)
+
+    def _write_ready(self, sinks: Sequence[Any], ranks: tuple[int, dict[str, float]] | None) -> None:
         readings = list(self._meter.readings) if self._meter is not None else []
         out: dict[int, dict[str, float]] = {}
         for k in range(self._written, len(readings)):
@@ -153,11 +181,14 @@ class EnergyWindows:
 
     def mark(self, window: Any, device: int, counter: Any = None) -> None:
         """Ask for the reading that ends ``window`` (returns at once)."""
-        if self._meter is None:
-            self._meter = EnergyMeter(open_counter=lambda: (counter or nvml_counter)(device))
-        self._count(window)
-        self._meter.mark(window.step)
-        self._marked = window.step
+        if self.error is not None:
+            return
+        with self._contained():
+            if self._meter is None:
+                self._meter = EnergyMeter(open_counter=lambda: (counter or nvml_counter)(device))
+            self._count(window)
+            self._meter.mark(window.step)
+            self._marked = window.step
 
     def _count(self, window: Any) -> None:
         rate = window.steps_per_s
@@ -167,11 +198,14 @@ class EnergyWindows:
 
     def close(self, step: int, window: Any = None) -> tuple[Energy | None, str | None]:
         """The last reading (after ``step``, ending ``window`` if given), the meter stopped; the run's
-        energy, first reading to last (None, and why not). :meth:`write_ready` writes what is left."""
+        energy, first reading to last (None, and why not). :meth:`write_ready` writes what is left;
+        :attr:`error` says why energy stopped, if steptimer's own failure stopped it."""
         if self._meter is None:
             return None, None
-        if window is not None:
-            self._count(window)
-        readings = self._meter.close(step if step > self._marked else None)  # steps since the last window
-        energy = between(readings[0], readings[-1]) if readings else None
-        return energy, self._meter.error
+        meter, energy = self._meter, None
+        with self._contained():
+            if window is not None:
+                self._count(window)
+            readings = meter.close(step if step > self._marked else None)  # steps since the last window
+            energy = between(readings[0], readings[-1]) if readings else None
+        return energy if self.error is None else None, meter.error

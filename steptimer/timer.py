@@ -15,6 +15,7 @@ from steptimer import _exit
 from steptimer._clock import _CudaBackend, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank, _initialized, energy_values
 from steptimer._energy import EnergyWindows
+from steptimer._goodput import Kind, Timeline
 from steptimer._engine import CAPTURE, MEMORY_AUTO, SLOW, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemoryStats, _MemoryBackend, oom_note
@@ -230,6 +231,7 @@ class StepTimer:
         self._joining = (log_dir, writer) if enabled and not _rank_known() else None
         self._summary: Summary | None = None
         self._sinks: list[Sink] = list(seams.sinks)
+        self._timeline: Timeline | None = None  # where the run's time goes (_goodput.py), when enabled
         self._phases: dict[str, _Phase] = {}
         self._phase_cls: type[_Phase] = _Phase
         self._acc = SummaryAccumulator(slowest_steps)
@@ -273,6 +275,7 @@ class StepTimer:
         elif log_dir is not None:
             check_writable(os.fspath(log_dir))
         _exit.track(self)  # closed at exit and on SIGTERM if still open then (_exit.py)
+        self._timeline = Timeline(self._engine)
         if self._xrank is not None:
             self._xrank.start_now()  # the gloo side group, while every rank is known to be here
 
@@ -335,8 +338,10 @@ class StepTimer:
         # The engine is the step's context manager; the counts at its end are the last step() call's.
         if self._joining is not None:
             self._join()
-        r, e = self._ranges, self._engine
+        r, e, tl = self._ranges, self._engine, self._timeline
         e.samples, e.tokens, e.flops = samples, tokens, flops
+        if tl is not None and tl.warm_end is None:
+            tl.step_begins()
         return r if r is not None and e.number >= r.from_number else e  # NVTX or the profiler window
 
     def data(self, loader: Iterable[_B]) -> Iterator[_B]:
@@ -384,9 +389,14 @@ class StepTimer:
         its host time is left out of ``data``, its GPU time out of GPU ``idle``."""
         started = self._engine.begin_pause()
         try:
-            yield
+            with self._span("eval"):
+                yield
         finally:
             self._engine.end_pause(started)
+
+    def _span(self, kind: Kind) -> AbstractContextManager[None]:
+        """For the front doors: time inside is ``kind`` (evaluation, checkpoints) in the run's timeline."""
+        return _NULL if self._timeline is None or self._summary is not None else self._timeline.span(kind)
 
     @property
     def steps(self) -> int:
@@ -453,6 +463,7 @@ class StepTimer:
         xrank, engine = self._xrank, self._engine
         if failed and xrank is not None:
             xrank.abandon("closed with failed=True (after an exception, or at exit without close())")
+        goodput = self._timeline.finish() if self._timeline is not None else None  # the timeline ends here
         engine.close()  # a disabled timer's engine holds nothing: this only marks it closed
         energy, energy_note = self._on_window(closing=True)
         traces = None
@@ -461,7 +472,8 @@ class StepTimer:
                 traces = engine.capture.finish(engine)
         if self._ranges is not None:
             self._ranges.finish(engine)
-        self._summary = summary = self._build_summary(traces, energy, energy_note)
+        summary = self._build_summary(traces, energy, energy_note)
+        self._summary = summary = dataclasses.replace(summary, goodput=goodput)
         if self.options.print_summary and self._rank == 0 and self.enabled:
             print_summary(summary)
         self._to_sinks("close", summary)
@@ -586,7 +598,7 @@ class StepTimer:
             notes.append(all_warmup_note(acc.steps))
             warmup = 0
         notes += [oom_note(*engine.oom) if engine.oom is not None else None, *(xrank.notes if xrank else ())]
-        notes.append(energy_note)
+        notes += [energy_note, self._energy.error]  # the counter's, and steptimer's own failure in energy
         summary = acc.summary(
             warmup_steps=warmup, cuda=bool(engine.cuda), notes=tuple(n for n in notes if n), peak_tflops=peak,
             traces=traces, ranks=xrank.summary if xrank is not None else None,  # the verdict reads them

@@ -86,7 +86,7 @@ def test_the_real_counter_moves_under_load() -> None:
 # ---------------------------------------------------------------- wired into the timer (a simulated GPU)
 
 
-def _timed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counter: Any, steps: int = 30) -> Any:
+def _timed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counter: Any, steps: int = 30, **seams: Any) -> Any:
     """``steps`` steps of 2 simulated GPU ms on a fake GPU, 4 samples each, windows of 10 steps."""
     import steptimer._engine as engine_mod
     from steptimer import StepTimer
@@ -96,7 +96,7 @@ def _timed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counter: Any, st
     monkeypatch.setattr(engine_mod, "perf_counter", clock)
     gpu = FakeGPU(clock)
     t = StepTimer._make(log_dir=str(tmp_path), log_every_n_steps=10, warmup_steps=0, print_summary=False,
-                        backend=gpu.backend(), energy_counter=counter)  # fmt: skip
+                        backend=gpu.backend(), energy_counter=counter, **seams)  # fmt: skip
     for _ in range(steps):
         clock.advance_ms(1.0)
         with t.step(samples=4), t.phase("forward"):
@@ -151,3 +151,51 @@ def test_without_a_counter_a_note_and_no_numbers(tmp_path: Path, monkeypatch: py
     from tests.tb import run_scalars
 
     assert not [t for t in run_scalars(tmp_path) if "joules" in t or "watts" in t]
+
+
+def test_a_counter_that_raises_as_it_opens_is_a_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An energy counter that raises where it should return None and why (on the meter's thread): the
+    thread ends quietly, the summary says why there is no energy, every step is kept."""
+    unhandled: list[Any] = []
+    monkeypatch.setattr(threading, "excepthook", unhandled.append)
+
+    def counter(device: int) -> Any:
+        raise RuntimeError("NVML went away")
+
+    summary = _timed_run(tmp_path, monkeypatch, counter)
+    assert summary.steps == 30 and summary.energy is None and not unhandled
+    assert "energy: not read (opening the counter failed: RuntimeError: NVML went away)" in summary.notes
+
+
+class _EnergyFails:
+    """A sink whose ``write_energy`` fails by a bug (not a full disk): its windows still arrive."""
+
+    def __init__(self) -> None:
+        self.windows: list[int] = []
+
+    def write_window(self, window: Any) -> None:
+        self.windows.append(window.step)
+
+    def write_energy(self, scalars: dict[str, float], step: int) -> None:
+        raise ValueError("a bug in writing energy")
+
+    def close(self, summary: Any) -> None:
+        pass
+
+
+def test_a_failure_inside_energy_turns_energy_off_not_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Writing a window's energy raises inside the timer's window end (the training thread): one
+    warning and a note, energy off (no run energy: it would cover windows whose energy was lost),
+    every step and window kept, and no second failure."""
+    joules = iter(range(1000, 100_000, 500))
+    sink = _EnergyFails()
+    with caplog.at_level("WARNING", logger="steptimer"):
+        summary = _timed_run(tmp_path, monkeypatch, lambda device: (lambda: float(next(joules)), None), sinks=[sink])
+    assert summary.steps == 30 and sink.windows == [10, 20, 30]
+    msg = "energy stopped after a failure of steptimer's own (ValueError: a bug in writing energy); steps go on"
+    assert msg in summary.notes and summary.energy is None
+    assert [r.getMessage() for r in caplog.records if "energy" in r.getMessage()] == [f"steptimer: {msg}"]
