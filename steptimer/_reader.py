@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from steptimer._dist import RANKS_JSON_TAG, parse_ranks_json
+from steptimer._goodput import JSON_TAG as GOODPUT_JSON_TAG
+from steptimer._goodput import Goodput, parse_goodput_json
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
 from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
@@ -47,6 +49,7 @@ class RunLog:
     notes: list[str] = field(default_factory=list)
     slowest: list[SlowStep] = field(default_factory=list)
     ranks: RankSummary | None = None  # the live summary's per-rank section, written at close
+    goodput: Goodput | None = None  # where the run's wall time went, written at close
 
 
 def find_runs(logdir: str) -> list[RunLog]:
@@ -138,6 +141,7 @@ def read_run(files: Files, path: str) -> RunLog:
     hists: dict[tuple[str, str], list[_Written]] = {}
     slow: list[_Written] = []  # the latest slowest steps, whatever their step
     ranks: list[_Written] = []  # the latest per-rank section
+    goodput: list[_Written] = []  # the latest timeline
     with_windows = set()  # the run's own files that hold steptimer values
     for phase, f, events in sources:
         for event in events:
@@ -158,6 +162,8 @@ def read_run(files: Files, path: str) -> RunLog:
                     slow.append((event.wall_time, 0, value.tensor.string_val[0]))
                 elif kind == "tensor" and key == RANKS_JSON_TAG and value.tensor.string_val:
                     ranks.append((event.wall_time, 0, value.tensor.string_val[0]))
+                elif kind == "tensor" and key == GOODPUT_JSON_TAG and value.tensor.string_val:
+                    goodput.append((event.wall_time, 0, value.tensor.string_val[0]))
                 elif kind == "tensor" and (v := _tensor_scalar(value.tensor)) is not None:
                     scalars.setdefault(key, []).append((*at, v))
     if len(with_windows) > 1:
@@ -170,6 +176,7 @@ def read_run(files: Files, path: str) -> RunLog:
         path, path, {k: _latest(w) for k, w in scalars.items()}, {k: _latest(w) for k, w in hists.items()},
         notes, _with_traces(parse_slow_json(_latest(slow)[0][1]), files) if slow else [],
         parse_ranks_json(_latest(ranks)[0][1]) if ranks else None,
+        parse_goodput_json(_latest(goodput)[0][1]) if goodput else None,
     )  # fmt: skip
 
 

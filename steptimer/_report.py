@@ -14,6 +14,7 @@ import numpy as np
 
 from steptimer import _tags
 from steptimer._energy import Energy
+from steptimer._goodput import Goodput
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemoryStats
 from steptimer._reader import LogError, RunLog
@@ -83,6 +84,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         warmup_steps=0 if include_warmup else sum(warm.values()), notes=tuple(notes), memory=_memory(scal),
         slowest=tuple(s for s in run.slowest if s.step > skip_steps), name=run.name, path=run.path,
         windows=len(windows), of_steps=bool(run.hists), energy=_energy(scal, n_of), ranks=run.ranks,
+        goodput=run.goodput,
         cycle_window_ms=tuple(1e3 / rate[s] for s in windows if rate.get(s)),
     )  # fmt: skip
 
@@ -138,13 +140,14 @@ def summary_of_json(doc: dict[str, Any], path: str) -> Summary:
     """A run of ``report --json`` (:func:`run_json`) as the summary ``compare`` takes; raises
     :class:`LogError` if it isn't one."""
     try:
-        v, e = doc["verdict"], doc["energy"]
+        v, e, g = doc["verdict"], doc["energy"], doc.get("goodput")
         return Summary(
             **{k: doc[k] for k in _SAME_IN_JSON},
             rows=tuple(_row_of_json(r) for r in doc["rows"]),
             notes=tuple(doc["notes"]),
             verdict=v and Verdict(v["kind"], tuple(v["evidence"])),
             energy=e and Energy(e["joules"], e["steps"], e["seconds"]),
+            goodput=g and Goodput.from_json(g),
             path=path,
             cycle_window_ms=tuple(doc["cycle_window_ms"]),
         )

@@ -11,6 +11,7 @@ from typing import Any
 
 from steptimer._energy import Energy
 from steptimer._format import num, pct
+from steptimer._goodput import Goodput
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemoryStats
 from steptimer._slow import Candidate, SlowestKeeper, SlowStep
@@ -205,6 +206,7 @@ class Summary:
     own_ms: float = 0.0
     own_share: float | None = None
     energy: Energy | None = None
+    goodput: Goodput | None = None  # where the run's wall time went (_goodput.py)
     name: str = "steptimer"
     path: str | None = None
     windows: int | None = None
@@ -255,6 +257,7 @@ class Summary:
         d["ranks"] = self.ranks and self.ranks.to_json()
         e = self.energy
         d["energy"] = e and {**asdict(e), "joules_per_step": e.joules_per_step, "watts": e.watts}
+        d["goodput"] = self.goodput and self.goodput.to_json()
         return d
 
 

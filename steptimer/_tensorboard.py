@@ -24,6 +24,7 @@ from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from steptimer import _tags
 from steptimer._dist import CHARTS as RANK_CHARTS
 from steptimer._dist import ranks_proto
+from steptimer._goodput import goodput_proto
 from steptimer._files import cause
 from steptimer._histogram import UPPER_MS
 from steptimer._memory import MIB
@@ -272,6 +273,9 @@ class TensorBoardSink:
         if summary is not None and summary.ranks is not None and self.failed is None:
             with self._guarded():
                 self._write_main(ranks_proto(summary.ranks), self.step)
+        if summary is not None and summary.goodput is not None and self.failed is None:
+            with self._guarded():
+                self._write_main(goodput_proto(summary.goodput), self.step)
         if self._file is None:
             with self._guarded():
                 self.writer.flush()

@@ -1,0 +1,248 @@
+"""Where a whole run's time goes (docs/goodput.md): the run's timeline, from the timer's creation
+(``steptimer run``: the process's start) to its close, cut into steps after warm-up, warm-up (and
+compilation), evaluation, checkpoint saves and ``other``, the time steptimer can't attribute.
+
+A :class:`Timeline` listens to the timer: its pauses and the front doors' evaluations are ``eval``,
+``torch.save`` and the frameworks' saves ``checkpoints``; the step regions come from the engine's
+clock at the close (the first step's start, the last warm-up step's end, the last step's end), so a
+step costs it nothing."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from time import perf_counter
+from typing import Any, Literal
+
+from steptimer._format import num, pct
+
+__all__ = ["Goodput", "Timeline"]
+
+Kind = Literal["eval", "checkpoints"]
+EVAL: Kind = "eval"
+CHECKPOINTS: Kind = "checkpoints"
+JSON_TAG = "steptimer-goodput/json"  # the result as JSON, written at close, read by ``report``
+TEXT_TAG = "steptimer-goodput/summary"  # and as text, for TensorBoard's Text tab
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """The run's wall time (``wall_s``, host seconds) in parts that add up to it; ``before_s``: the
+    process's time before the timeline began (imports, set-up), in no part; None: not known, or the
+    timeline began with the process (``steptimer run``)."""
+
+    wall_s: float
+    steps_s: float
+    warmup_s: float
+    eval_s: float
+    checkpoints_s: float
+    other_s: float
+    before_s: float | None = None
+
+    @property
+    def parts(self) -> dict[str, float]:
+        """Each part's seconds, in the order the line names them."""
+        return {
+            "steps": self.steps_s,
+            "warm-up": self.warmup_s,
+            "eval": self.eval_s,
+            "checkpoints": self.checkpoints_s,
+            "other": self.other_s,
+        }
+
+    @property
+    def share(self) -> float:
+        """The goodput: the steps' part of the wall time."""
+        return self.steps_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def lines(self) -> list[str]:
+        """``goodput 81.0% of 62.3 s: warm-up 6.0%, eval 9.0%, checkpoints 3.0%, other 1.0%``."""
+        wall = self.wall_s or 1.0
+        rest = ", ".join(f"{k} {pct(v / wall)}" for k, v in self.parts.items() if k != "steps")
+        out = [f"goodput (steps) {pct(self.share)} of {num(self.wall_s)} s: {rest}"]
+        if self.before_s is not None:
+            out.append(f"  and {num(self.before_s)} s in the process before the timer began, in no part")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "share": self.share}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Goodput:
+        """The inverse of :meth:`to_json`; raises ``KeyError``/``TypeError`` on another document."""
+        parts = ("wall_s", "steps_s", "warmup_s", "eval_s", "checkpoints_s", "other_s")
+        return cls(**{k: d[k] for k in parts}, before_s=d.get("before_s"))
+
+
+def process_start() -> float | None:
+    """The process's start on the ``perf_counter`` clock (Linux: ``/proc``, 10 ms resolution), else None."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime, after the name
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return perf_counter() - age
+
+
+class Timeline:
+    """The listener: spans of evaluation and checkpointing as they come, the step regions at
+    :meth:`finish`. ``engine``: the timer's (read only: ``_first_t0``, ``_gap_start``, ``number``,
+    ``last_warmup``, ``in_step``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._e = engine
+        self.start = perf_counter()
+        ps = process_start()
+        self.before_s = None if ps is None else max(0.0, self.start - ps)
+        self.warm_end: float | None = None  # the last warm-up step's end (step() sets it)
+        self._thread = threading.get_ident()  # a save on another thread overlaps training: not counted
+        self._open: list[list[Any]] = []  # [kind, start of its running segment], innermost last
+        self._kinds = {EVAL: 0.0, CHECKPOINTS: 0.0}
+        self._inside = [0.0, 0.0, 0.0]  # span time before the first step, in warm-up, after warm-up
+        self._tail = (-1.0, 0.0)  # (a step's end, span time since it): the spans after the last step
+        self.done: Goodput | None = None
+        _watch_saves(self)
+
+    def from_process_start(self) -> None:
+        """Begin at the process's start (``steptimer run``), where the OS tells it."""
+        t = process_start()
+        if t is not None and t < self.start:
+            self.start, self.before_s = t, None
+
+    def step_begins(self) -> None:
+        """At each ``step()`` call: the step after the last warm-up step begins at ``_gap_start``."""
+        e = self._e
+        if e.number == e.last_warmup and self.warm_end is None:
+            self.warm_end = e._gap_start
+
+    @contextmanager
+    def span(self, kind: Kind) -> Iterator[None]:
+        """Time inside is ``kind`` (an inner span's is the inner kind's)."""
+        if self.done is not None or threading.get_ident() != self._thread:
+            yield
+            return
+        self.enter(kind)
+        try:
+            yield
+        finally:
+            self.exit()
+
+    def enter(self, kind: Kind) -> None:
+        t = perf_counter()
+        if self._open:
+            self._segment(self._open[-1], t)
+        self._open.append([kind, t])
+
+    def exit(self) -> None:
+        if not self._open:
+            return
+        t = perf_counter()
+        self._segment(self._open.pop(), t)
+        if self._open:
+            self._open[-1][1] = t
+
+    def _segment(self, span: list[Any], t: float) -> None:
+        d = t - span[1]
+        self._kinds[span[0]] += d
+        e = self._e
+        if e._first_t0 is None and not e.in_step:
+            self._inside[0] += d
+            return
+        warm = e.number + 1 <= e.last_warmup if e.in_step else e.number < e.last_warmup
+        self._inside[1 if warm else 2] += d
+        if not warm and not e.in_step:  # between steps: after the last step, if no step follows
+            gs = e._gap_start
+            self._tail = (gs, self._tail[1] + d) if self._tail[0] == gs else (gs, d)
+
+    def finish(self) -> Goodput:
+        """The parts, now (idempotent); spans left open end here."""
+        if self.done is not None:
+            return self.done
+        t = perf_counter()
+        while self._open:
+            self.exit()
+        _unwatch_saves(self)
+        e, inside = self._e, self._inside
+        first, last = e._first_t0, e._gap_start
+        steps = warm = 0.0
+        if first is not None and last is not None:
+            warm_end = self.warm_end
+            if warm_end is None:  # no step after warm-up began: no warm-up (0 steps), or all warm-up
+                warm_end = first if e.number > e.last_warmup else last
+            after = self._tail[1] if self._tail[0] == last else 0.0
+            warm = warm_end - first - inside[1]
+            steps = last - warm_end - (inside[2] - after)
+        wall = t - self.start
+        ev, ck = self._kinds[EVAL], self._kinds[CHECKPOINTS]
+        self.done = Goodput(wall, steps, warm, ev, ck, max(0.0, wall - steps - warm - ev - ck), self.before_s)
+        return self.done
+
+
+# torch.save is wrapped while a timeline is live, on the timelines' threads; the last to finish takes
+# the wrapper out (one put on top of ours since keeps ours inside, passing every call through).
+_live: list[Timeline] = []
+_saved: list[Any] = []  # torch.save as found, and ours
+
+
+def _watch_saves(tl: Timeline) -> None:
+    import torch
+
+    _live.append(tl)
+    if _saved:
+        return
+    orig = torch.save
+
+    @functools.wraps(orig)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        spans = [t for t in _live if t._thread == threading.get_ident()]
+        for t in spans:
+            t.enter(CHECKPOINTS)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            for t in spans:
+                t.exit()
+
+    _saved[:] = [orig, save]
+    torch.save = save
+
+
+def _unwatch_saves(tl: Timeline) -> None:
+    import torch
+
+    if tl in _live:
+        _live.remove(tl)
+    if not _live and _saved:
+        orig, ours = _saved
+        if torch.save is ours:
+            torch.save = orig
+            _saved.clear()
+
+
+def goodput_proto(g: Goodput) -> Any:
+    """The result as a TensorBoard ``Summary``: its text, and the JSON ``report`` reads."""
+    import json
+
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from steptimer._slow import text_value
+
+    card = "\n".join("    " + line for line in g.lines())
+    doc = json.dumps(g.to_json(), allow_nan=False)
+    return Summary(value=[text_value(TEXT_TAG, card, "text"), text_value(JSON_TAG, doc, "steptimer-goodput")])
+
+
+def parse_goodput_json(raw: bytes) -> Goodput | None:
+    """The result written by :func:`goodput_proto` (None if unreadable)."""
+    import json
+
+    try:
+        return Goodput.from_json(json.loads(raw.decode()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
