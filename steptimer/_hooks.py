@@ -283,12 +283,14 @@ def watch_comm(timer: Any, models: Sequence[Any]) -> None:
 
     try:
         from torch.distributed.fsdp import FSDPModule
+
+        sharded: tuple[type, ...] = (FSDPModule,)
     except ImportError:  # no FSDP2 in this torch
-        FSDPModule = ()  # noqa: N806
+        sharded = ()
     for model in models:
         if isinstance(model, DistributedDataParallel):
             call = "watch_ddp"
-        elif isinstance(model, nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules()):
+        elif isinstance(model, nn.Module) and any(isinstance(m, sharded) for m in model.modules()):
             call = "watch_fsdp"
         else:
             continue

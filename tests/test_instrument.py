@@ -393,6 +393,18 @@ for hooked in ("ddp", "inner", "own-hook"):
     s = timer.close()
     names = ("forward", "loss", "backward", "comm", "comm_exposed")
     out[hooked] = {"steps": timer.steps, **{n: s[n].host.median_ms for n in names if n in s}, "notes": s.notes}
+# An FSDP2-sharded model: instrument() called watch_fsdp (one world: no collective runs to time).
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+timer = T.instrument(net, torch.optim.SGD(net.parameters(), lr=0.01), **T.QUIET)
+try:
+    timer.timer.watch_fsdp(net)
+    out["fsdp2"] = "not watched"
+except RuntimeError as err:
+    out["fsdp2"] = str(err)
+timer.close()
 print("RESULT " + json.dumps(out), flush=True)
 os._exit(0)  # gloo's teardown at exit aborts now and then here, with or without steptimer
 """
@@ -409,6 +421,7 @@ def test_ddp_wrapper_or_the_module_inside() -> None:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads(lines[0][len("RESULT ") :])
+    fsdp2 = results.pop("fsdp2")
     for hooked, r in results.items():
         assert r["steps"] == 4, hooked
         for name, slept_ms in (("forward", 5.0), ("loss", SLEEP_MS["loss"]), ("backward", SLEEP_MS["backward"])):
@@ -418,6 +431,7 @@ def test_ddp_wrapper_or_the_module_inside() -> None:
     ddp = results["ddp"]
     assert 0.0 < ddp["comm"] <= ddp["backward"] and 0.0 <= ddp["comm_exposed"] <= ddp["comm"], ddp
     assert "comm" not in results["inner"], results["inner"]
+    assert fsdp2.startswith("watch_fsdp: this timer already times"), fsdp2
     own = results["own-hook"]  # timed all the same, its collectives not: a note says why
     assert "comm" not in own and [n for n in own["notes"] if n.startswith("watch_ddp: the collectives")], own
 
