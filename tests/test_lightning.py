@@ -451,8 +451,9 @@ def test_csv_and_tensorboard_loggers_get_the_same_values(tmp_path: Path) -> None
     assert [s for s, _ in tb_values["steptimer/host/forward_ms"]] == [2, 4]
     assert tb_values["steptimer/host/forward_ms"][-1][1] == pytest.approx(sent[4]["steptimer/host/forward_ms"], rel=1e-6)
     runs = phase_runs(tb.log_dir)
-    # step: in the logger's run; the train dataloader is timed: data, loop and the idle's parts
-    assert set(runs) == {"data", "loop", *PHASES, "other", "wait", "idle", "idle/data", "idle/loop"}
+    # step: in the logger's run; the train dataloader is timed: data, loop and the idle's parts;
+    # steptimer: its own host time
+    assert set(runs) == {"data", "loop", *PHASES, "other", "steptimer", "wait", "idle", "idle/data", "idle/loop"}
     assert not [t for t in run_scalars(tb.log_dir) if "forward" in t]  # the logger's run: whole-window tags
     own = accumulator(tb.log_dir)  # and every histogram, titled by its row
     assert sum(own.Histograms("steptimer-hist/host/forward_ms")[-1].histogram_value.bucket) == 2
