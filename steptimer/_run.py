@@ -106,6 +106,8 @@ def main(argv: Sequence[str]) -> int:
         log_dir = options["log_dir"] = default_log_dir(target, module=is_module)
     try:
         timer = instrument(**options)
+        if timer.timer._timeline is not None:  # the whole job's timeline: imports and set-up too
+            timer.timer._timeline.from_process_start()
     except ValueError as err:  # argparse prefixes "steptimer run: error: "; wrapped with it at 80 columns
         p.error(_wrapped(f"{p.prog}: error: {err}")[len(p.prog) + 9 :])
     name = f"-m {target}" if is_module else target

@@ -88,6 +88,8 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self.timed: Instrumented | None = None
         self.summary: Summary | None = None
         self._accum, self._micro, self._bar = 1, 0, False
+        self._saving: Any = None  # the timeline's span of a checkpoint save, from its start to on_save
+        self._stop_after_save = False  # the last step's save: the timer closes after it
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.timed is not None:
@@ -123,6 +125,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         self._send(control)
         self._maybe_evaluate(control)
         if not control.should_evaluate:  # else on_evaluate, after the evaluation
+            self._maybe_save(control)
             self._maybe_stop(control)
 
     def _send(self, control: Any) -> None:
@@ -144,6 +147,24 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._maybe_evaluate(control)
+        if not control.should_evaluate:
+            self._maybe_save(control)
+
+    def _maybe_save(self, control: Any) -> None:
+        # The Trainer saves right after these events (and after the evaluation) when should_save is
+        # set, then calls on_save: the span is the save, model, optimizer and state (the timeline's
+        # checkpoints), whatever writes them (safetensors, torch.save).
+        if control.should_save and self.timed is not None and self.summary is None and self._saving is None:
+            self._saving = self.timed.timer._span("checkpoints")
+            self._saving.__enter__()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.__exit__(None, None, None)
+        if self._stop_after_save:
+            self._stop_after_save = False
+            self._maybe_stop(control)
 
     def _maybe_evaluate(self, control: Any) -> None:
         # The Trainer evaluates right after these events when the flow callbacks set should_evaluate;
@@ -154,11 +175,14 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.timed is not None and self.summary is None:
             self.timed.end_evaluation()
+            self._maybe_save(control)
             self._maybe_stop(control)
 
     def _maybe_stop(self, control: Any) -> None:
-        # After the last step (and its evaluation), while the Trainer's loggers still take values.
-        if control.should_training_stop:
+        # After the last step (its evaluation and save), while the Trainer's loggers still take values.
+        if control.should_training_stop and self._saving is not None:
+            self._stop_after_save = True  # on_save closes
+        elif control.should_training_stop:
             self._close()
             self._send(control)
 

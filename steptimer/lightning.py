@@ -185,6 +185,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         # post-hook): one begun and never done was skipped by the GradScaler (inf/NaN gradients).
         self._begun = self._done = 0
         self._no_forward_warned = False
+        self._val_span: AbstractContextManager[None] | None = None  # an evaluation in the run's timeline
 
     @property
     def steps(self) -> int:
@@ -251,6 +252,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         d.live = False
         self._hooks.remove()
         self._hook_model(pl_module, d)
+        # A checkpoint from its dump to its write's end (on_save_checkpoint comes before the write):
+        # ModelCheckpoint's saves and the user's, through the Trainer's public save_checkpoint.
+        self._hooks.wrap(trainer, "save_checkpoint", partial(self._saving, timer))
         # The DDP strategy's wrapper, or the LightningModule an FSDP2 strategy sharded.
         watch_comm(timer, [trainer.strategy.model, pl_module])
         # The update ends (manual: opt.step() of the LightningOptimizer, a view of `opt`, returns) or
@@ -352,13 +356,26 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             stacklevel=2,
         )
 
+    @staticmethod
+    def _saving(timer: StepTimer, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            with timer._span("checkpoints"):
+                return orig(*args, **kwargs)
+
+        return save_checkpoint
+
     @override
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._driver is not None and not trainer.sanity_checking:
             self._driver.begin_val()
+            self._val_span = self._driver.timer._span("eval")  # inside a step too (accumulating)
+            self._val_span.__enter__()
 
     @override
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        span, self._val_span = self._val_span, None
+        if span is not None:
+            span.__exit__(None, None, None)
         val_ms = None if self._driver is None else self._driver.end_val(after="data")
         if val_ms is not None and trainer.is_global_zero:
             for lg in trainer.loggers:
