@@ -13,9 +13,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from statistics import median
 from time import perf_counter, sleep
 from typing import Any
 
+from steptimer._energy import GpuState
 from steptimer._format import num
 from steptimer._memory import MIB
 from steptimer._slow import SlowestKeeper, SlowStep, grew_most, is_wait_phase, text_value
@@ -29,6 +31,7 @@ log = logging.getLogger("steptimer")
 DEFAULT_TIMEOUT_S = 300.0
 STRAGGLER = "straggler"  # data + step - backward: under DDP the top-level backward holds the wait
 ENERGY = ("joules_per_step", "watts")  # a rank's GPU energy in a round: a window's, or the run's
+STATE = GpuState._fields  # and its GPU's state, each rank's in a slot of its own
 MAX_SLOTS = 4096  # a window's last steps whose arrivals at the first collective ride in a round
 # The rank last to the collective stood out: last in this part of the steps, by LAST_MIN_MS or more.
 LAST_SHARE = 2 / 3
@@ -139,8 +142,44 @@ def series_values(x: Window | SummaryAccumulator | None) -> dict[str, float] | N
 
 
 def energy_values(e: Any) -> dict[str, float] | None:
-    """An :class:`~steptimer._energy.Energy` as the round's ``ENERGY`` values (None: no reading)."""
-    return None if e is None else {"joules_per_step": e.joules_per_step, "watts": e.watts}
+    """An :class:`~steptimer._energy.Energy` as the round's ``ENERGY`` values and, where read, the
+    GPU's ``STATE`` (None: no reading)."""
+    if e is None:
+        return None
+    return {"joules_per_step": e.joules_per_step, "watts": e.watts, **(e.gpu._asdict() if e.gpu else {})}
+
+
+def _state_slots(state: Sequence[float] | None, world: int, rank: int) -> list[float]:
+    """The MAX's ``len(STATE)`` slots per rank: this rank's state in its own (absent: -inf)."""
+    out = [_NEG] * (len(STATE) * world)
+    if state is not None:
+        out[len(STATE) * rank : len(STATE) * (rank + 1)] = [float(x) for x in state]
+    return out
+
+
+def _states(mx: Sequence[float], world: int) -> dict[int, GpuState]:
+    """By rank, the GPU states of the reduced slots (ranks that sent one)."""
+    k = len(STATE)
+    rows = ((r, mx[k * r : k * (r + 1)]) for r in range(world))
+    return {r: GpuState(*v[:4], int(v[4])) for r, v in rows if v[0] != _NEG}
+
+
+def gpu_scalars(states: Mapping[int, GpuState]) -> dict[str, float]:
+    """The ranks' GPU-state tags of one window: SM clock min, median, max and the slowest-clocked rank,
+    the hottest GPU and its rank, the highest power over its limit, the ranks with a throttle reason."""
+    if not states:
+        return {}
+    clock = sorted((st.sm_clock_mhz, r) for r, st in states.items())
+    hot = max((st.temp_c, -r) for r, st in states.items())
+    g = f"{RANKS}/gpu_state"
+    return {
+        f"{g}/sm_clock_mhz_min": clock[0][0], f"{g}/sm_clock_mhz_argmin": float(clock[0][1]),
+        f"{g}/sm_clock_mhz_median": median([c for c, _ in clock]), f"{g}/sm_clock_mhz_max": clock[-1][0],
+        f"{g}/temp_c_max": hot[0], f"{g}/temp_c_argmax": float(-hot[1]),
+        f"{g}/power_of_limit_max": max(
+            (st.power_w / st.power_limit_w for st in states.values() if st.power_limit_w), default=0.0),
+        f"{g}/throttled_ranks": float(sum(1 for st in states.values() if st.reasons())),
+    }  # fmt: skip
 
 
 def energy_scalars(spread: Mapping[str, RankSpread]) -> dict[str, float]:
@@ -285,6 +324,7 @@ class _Round:
     grew: dict[str, float] = field(default_factory=dict)
     fed: dict[str, list[float]] = field(default_factory=dict)
     energy: dict[str, RankSpread] = field(default_factory=dict)  # the window's (an interval) or the run's
+    gpu: dict[int, GpuState] = field(default_factory=dict)  # by rank, the GPU's state: the window's or the run's
 
 
 def _initialized() -> Any:
@@ -359,7 +399,8 @@ class CrossRank:
         ``energy``: this rank's ``ENERGY`` values of the window ending at ``last_step`` (None: not read),
         whose spread over the ranks :attr:`energy` holds after the round."""
         res = self._round(window, None, closing=False, energy=energy) if self._start() else None
-        self.energy = (self.last_step, energy_scalars(res.energy)) if res is not None and res.energy else None
+        tags = {**energy_scalars(res.energy), **gpu_scalars(res.gpu)} if res is not None and res.energy else None
+        self.energy = (self.last_step, tags) if tags else None
         self.last_step = window.step
         return window if res is None else self._attach(window, res, keeper)
 
@@ -483,11 +524,17 @@ class CrossRank:
             # Then per slot (a step of the window), the arrival at its first collective; last, energy:
             # the window's (of ranks in an interval) and the run's (of closing ranks), 2 x 4 and 2 x 3.
             mine = _arrivals(arrive, end, n, self.rank, self._bits)
-            ew, es = _vectors(None if closing else energy, 2, self.rank, self._bits)
-            rw, rs = _vectors(energy if closing else None, 2, self.rank, self._bits)
-            mx = self._allreduce(wmx + smx + mine + ew + rw, self._dist.ReduceOp.MAX)
+            joules = {k: energy[k] for k in ENERGY} if energy else None
+            ew, es = _vectors(None if closing else joules, 2, self.rank, self._bits)
+            rw, rs = _vectors(joules if closing else None, 2, self.rank, self._bits)
+            # Each rank's GPU state: the window's in an interval, the run's once every rank closes.
+            state = [energy[k] for k in STATE] if energy and STATE[0] in energy and closing == all_closing else None
+            mx = self._allreduce(wmx + smx + mine + ew + rw + _state_slots(state, self.world_size, self.rank),
+                                 self._dist.ReduceOp.MAX)  # fmt: skip
             if mx is None:
                 return None
+            res.gpu = _states(mx[len(mx) - len(STATE) * self.world_size :], self.world_size)
+            mx = mx[: len(mx) - len(STATE) * self.world_size]
             measured = _lasts(mx[4 * (nw + ns) : -16], end, self._bits)
             res.measured = len(measured)
             res.last = {step: v for step, v in measured.items() if v[1] >= LAST_MIN_MS}
@@ -516,6 +563,7 @@ class CrossRank:
                     straggler=sres.pop(STRAGGLER, None),
                     series={tuple(k.split("/", 1)): v for k, v in sres.items()},  # type: ignore[misc]
                     energy=run_energy or None,
+                    gpu=res.gpu or None,
                     rounds=self.rounds + 1,
                     reduce_ms=(self.reduce_s + perf_counter() - t0) * 1e3 / (self.rounds + 1),
                 )

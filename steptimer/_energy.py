@@ -1,27 +1,81 @@
 """The GPU's energy from NVML's total-energy counter, read on a thread of its own: one read costs
 about 3.3 ms on an H100, so never in a step nor on the training thread. A window's end only asks for a
-reading; energy over a span of steps is the difference of two readings (docs/memory-and-mfu.md)."""
+reading; energy over a span of steps is the difference of two readings (docs/memory-and-mfu.md). With
+each reading, where the counter can tell (NVML's can), the GPU's state: SM clock, power and its limit,
+temperature and the clock-throttle reasons, which say why a rank's GPU ran slower (docs/distributed.md)."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from statistics import median
 from time import perf_counter
 from typing import Any, NamedTuple
 
-from steptimer._tags import JOULES_PER_SAMPLE, JOULES_PER_STEP, JOULES_PER_TOKEN, WATTS
+from steptimer._format import num
+from steptimer._tags import JOULES_PER_SAMPLE, JOULES_PER_STEP, JOULES_PER_TOKEN, MAIN, WATTS
 
 log = logging.getLogger("steptimer")
+
+
+# NVML's clock-throttle (clocks-event) reasons that slow a busy GPU, by bit (GPU idle, 0x1, is none).
+THROTTLE_REASONS = {
+    0x2: "application clocks", 0x4: "power cap", 0x8: "hardware slowdown", 0x10: "sync boost",
+    0x20: "software thermal", 0x40: "hardware thermal", 0x80: "power brake",
+}  # fmt: skip
+SLOWER_CLOCK = 0.97  # a late rank's SM clock under this part of the ranks' median: its GPU ran slower
+GPU_STATE_TAGS = tuple(f"{MAIN}/gpu_{x}" for x in ("sm_clock_mhz", "power_w", "power_limit_w", "temp_c", "throttle"))
+
+
+class GpuState(NamedTuple):
+    """The GPU at a reading (of a span: clock, power and temperature averaged, the reasons or'ed)."""
+
+    sm_clock_mhz: float
+    power_w: float
+    power_limit_w: float
+    temp_c: float
+    throttle: int  # NVML's clocks-event reasons bitmask
+
+    def reasons(self) -> list[str]:
+        return [name for bit, name in THROTTLE_REASONS.items() if self.throttle & bit]
+
+
+def mean_state(states: Sequence[GpuState]) -> GpuState | None:
+    """The states of a span as one: means, and every throttle reason seen (None: none read)."""
+    if not states:
+        return None
+    n, throttle = len(states), 0
+    for st in states:
+        throttle |= int(st.throttle)
+    means = [sum(float(st[i]) for st in states) / n for i in range(4)]
+    return GpuState(*means, throttle)
+
+
+def gpu_cause(rank: int, states: Mapping[int, GpuState]) -> str | None:
+    """What the GPU of the late ``rank`` says against the others': a lower SM clock than the ranks'
+    median (``SLOWER_CLOCK``), throttle reasons the others don't all share; None: nothing stood out."""
+    late = states.get(rank)
+    if late is None or len(states) < 2:
+        return None
+    mid = median([st.sm_clock_mhz for st in states.values()])
+    others = [st for r, st in states.items() if r != rank]
+    reasons = [x for x in late.reasons() if not all(x in st.reasons() for st in others)]
+    slower = late.sm_clock_mhz < SLOWER_CLOCK * mid
+    if not slower and not reasons:
+        return None
+    why = "".join(f", {x}" for x in reasons)
+    return f"rank {rank}: SM clock {num(late.sm_clock_mhz)} MHz vs {num(mid)} median{why}"
 
 
 class Reading(NamedTuple):
     step: int  # the last step finished when the read was asked for
     host_s: float  # perf_counter() at the read
     joules: float  # the counter, since the driver loaded
+    state: GpuState | None = None  # the GPU's, where the counter reads it
 
 
 @dataclass(frozen=True)
@@ -31,6 +85,7 @@ class Energy:
     joules: float
     steps: int
     seconds: float
+    gpu: GpuState | None = field(default=None, compare=False)  # the GPU's state over the span
 
     @property
     def joules_per_step(self) -> float:
@@ -49,12 +104,38 @@ class Energy:
         return out
 
 
-def between(first: Reading, last: Reading) -> Energy | None:
-    """The energy from ``first`` to ``last``; None when no step or no time lies between them."""
+def between(first: Reading, last: Reading, states: Sequence[GpuState] = ()) -> Energy | None:
+    """The energy from ``first`` to ``last`` (``states``: the GPU's between them; else ``last``'s);
+    None when no step or no time lies between them."""
     steps, seconds = last.step - first.step, last.host_s - first.host_s
     if steps <= 0 or seconds <= 0:
         return None
-    return Energy(joules=last.joules - first.joules, steps=steps, seconds=seconds)
+    gpu = mean_state(states) if states else last.state
+    return Energy(joules=last.joules - first.joules, steps=steps, seconds=seconds, gpu=gpu)
+
+
+class NvmlCounter:
+    """NVML's energy counter of one GPU (call it: joules) and the GPU's state (:meth:`state`)."""
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self.nvml, self.handle = nvml, handle
+
+    def __call__(self) -> float:
+        return float(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)) / 1e3
+
+    def state(self) -> GpuState:
+        """SM clock (MHz), power draw and enforced limit (W), temperature (C), clock-throttle reasons."""
+        nv, h = self.nvml, self.handle
+        # The newer name of the same call; drivers before 535 have only the older one.
+        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        reasons = reasons or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        return GpuState(
+            float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+            nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+            nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3,
+            float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+            int(reasons(h)),
+        )
 
 
 def nvml_counter(device: int) -> tuple[Any, str | None]:
@@ -77,7 +158,7 @@ def nvml_counter(device: int) -> tuple[Any, str | None]:
         pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
     except Exception as err:  # no driver, no counter on this GPU (before Volta), no permission
         return None, f"energy: not read (NVML's energy counter is not available: {err})"
-    return (lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3), None
+    return NvmlCounter(pynvml, handle), None
 
 
 class EnergyMeter:
@@ -107,13 +188,20 @@ class EnergyMeter:
                 return
         if self._read is None:
             return
+        state = getattr(self._read, "state", None)  # a counter that reads the GPU's state too (NVML's)
         while (step := self._asks.get()) is not None:
             try:
                 joules = float(self._read())
             except Exception as err:  # a counter that fails stops the meter, never the run
                 self.error = f"energy: reading stopped ({err})"
                 return
-            self.readings.append(Reading(step, perf_counter(), joules))  # atomic: no lock for the reader
+            host_s = perf_counter()
+            try:
+                gpu = state() if state is not None else None
+            except Exception as err:  # noqa: BLE001 - the state stops, the energy goes on
+                state, gpu = None, None
+                self.error = f"GPU state: reading stopped ({type(err).__name__}: {err})"
+            self.readings.append(Reading(step, host_s, joules, gpu))  # atomic: no lock for the reader
 
     def close(self, step: int | None = None) -> list[Reading]:
         """Read once more after ``step`` if given, stop the thread, return every reading."""
@@ -164,6 +252,8 @@ class EnergyWindows:
             per_step = self._per_step.pop(readings[k].step, (None, None))
             if e is not None and readings[k].step >= self._marked:
                 out[readings[k].step] = e.per_step_scalars(*per_step)
+                if e.gpu is not None:  # the GPU's state at the window's closing reading
+                    out[readings[k].step].update(zip(GPU_STATE_TAGS, map(float, e.gpu)))
         self._written = max(self._written, len(readings))
         if ranks is not None:
             out.setdefault(ranks[0], {}).update(ranks[1])
@@ -207,5 +297,6 @@ class EnergyWindows:
             if window is not None:
                 self._count(window)
             readings = meter.close(step if step > self._marked else None)  # steps since the last window
-            energy = between(readings[0], readings[-1]) if readings else None
+            states = [r.state for r in readings[1:] if r.state is not None]  # each window's closing state
+            energy = between(readings[0], readings[-1], states) if readings else None
         return energy if self.error is None else None, meter.error

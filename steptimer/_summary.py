@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from steptimer._energy import Energy
+from steptimer._energy import Energy, GpuState, gpu_cause
 from steptimer._format import num, pct
 from steptimer._goodput import Goodput
 from steptimer._histogram import LogHistogram, SeriesStats
@@ -114,11 +114,13 @@ class RankSummary:
     last: LastRank | None = None  # None: no rank's arrival at a collective was measured
     energy: Mapping[str, RankSpread] | None = None  # the ranks' GPU energy over the run (_dist.ENERGY)
     late: LateWindows | None = None  # None: no window had a late rank
+    gpu: Mapping[int, GpuState] | None = None  # by rank, its GPU's state over the run (NVML)
 
     def to_json(self) -> dict[str, Any]:
         """The section's numbers (``report --json``, and the event files' copy ``report`` prints)."""
         d = asdict(self)
         d["series"] = [{"clock": c, "name": n, **asdict(s)} for (c, n), s in self.series.items()]
+        d["gpu"] = self.gpu and {str(r): st._asdict() for r, st in self.gpu.items()}
         return d
 
     @classmethod
@@ -127,11 +129,12 @@ class RankSummary:
         fields = {f: d[f] for f in ("world_size", "ranks", "rounds", "reduce_ms")}
         series = {(x["clock"], x["name"]): RankSpread(**{k: v for k, v in x.items() if k not in ("clock", "name")})
                   for x in d["series"]}  # fmt: skip
-        energy = d.get("energy")
+        energy, gpu = d.get("energy"), d.get("gpu")
         return cls(
             **fields, series=series, straggler=d["straggler"] and RankSpread(**d["straggler"]),
             last=d.get("last") and LastRank(**d["last"]), late=d.get("late") and LateWindows(**d["late"]),
             energy=energy and {k: RankSpread(**v) for k, v in energy.items()},
+            gpu=gpu and {int(r): GpuState(**st) for r, st in gpu.items()},
         )  # fmt: skip
 
     def lines(self) -> list[str]:
@@ -158,6 +161,9 @@ class RankSummary:
             ]
         if self.last is not None:
             out.append(f"  {self.last.text()}")
+            said = gpu_cause(self.last.rank, self.gpu or {}) if self.last.stood_out else None
+            if said is not None:  # why, from its GPU: a lower clock, a throttle reason
+                out.append(f"  {said}")
             clock: ShareClock = "gpu" if ("gpu", "comm_exposed") in self.series else "host"
             waited = waited_for(self, clock)
             if waited is not None:

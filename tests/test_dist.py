@@ -78,6 +78,9 @@ SCENARIOS = {
                             "--slow-step", "17"] + ([] if ddp else ["--no-ddp"]) for ddp in (True, False)},
     "memory": ["--steps", "20", "--every", "10", "--fake-memory"],
     "energy": ["--steps", "40", "--every", "10", "--fake-memory", "--fake-energy"],
+    # Rank 1 sleeps in forward; an NVML-like reader says its GPU (or no GPU: -1) ran at a lower clock.
+    **{f"gpu-state-{g}": ["--steps", "40", "--every", "10", "--slow-ms", str(SLOW_MS), "--slow-rank", "1",
+                          "--fake-memory", "--fake-gpu-state", str(g)] for g in (1, -1)},
     # Rank 1 stops after 25 steps, rank 0 runs 32: rank 1's close answers rank 0's round at step 30
     # (its partial window counted), then shadows until rank 0 closes; no timeout is needed.
     "uneven": ["--steps", "32", "--every", "10", "--short-rank", "1", "--short-steps", "25", "--timeout", "60"],
@@ -302,6 +305,35 @@ def test_energy_across_ranks(runs: dict) -> None:
     assert re.search(r"energy of 2 GPUs: [\d.,]+ J/step, 300\.0 W$", total), total
 
 
+@pytest.mark.parametrize("throttled", [1, -1], ids=["late-rank-throttled", "none-throttled"])
+def test_the_late_ranks_gpu_says_why_it_was_slow(runs: dict, throttled: int,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Each rank's GPU state rides in the rounds from the energy counter's seam (an NVML-like reader:
+    rank 1's GPU at 1,410 MHz and power-capped, rank 0's at 1,980): TensorBoard has the ranks' SM clock
+    and who is slowest per window, rank 0's own state, and the straggler line says the late rank's GPU
+    ran slower, by what; ``report`` prints it too. With both GPUs alike nothing is said of them."""
+    from steptimer.cli import main
+
+    results, _, tmp_path = runs[f"gpu-state-{throttled}"]
+    lines = results[0]["summary_lines"]
+    last = lines.index(next(x for x in lines if x.startswith("  rank 1 was last to the all-reduce in 100% of steps")))
+    tb = scalars(tmp_path)
+    g = "steptimer-ranks/gpu_state"
+    assert [v for _, v in tb["steptimer/gpu_sm_clock_mhz"]] == [1980.0] * 3  # rank 0's; the first window opens
+    assert [v for _, v in tb["steptimer/gpu_throttle"]] == [0.0] * 3
+    if throttled < 0:
+        assert not any("SM clock" in x for x in lines), lines
+        assert [v for _, v in tb[f"{g}/throttled_ranks"]] == [0.0, 0.0]
+        return
+    assert lines[last + 1] == "  rank 1: SM clock 1,410 MHz vs 1,695 median, power cap", lines
+    assert [(v, w) for (_, v), (_, w) in zip(tb[f"{g}/sm_clock_mhz_min"], tb[f"{g}/sm_clock_mhz_argmin"])] == [
+        (1410.0, 1.0), (1410.0, 1.0)]  # fmt: skip
+    assert [v for _, v in tb[f"{g}/throttled_ranks"]] == [1.0, 1.0]
+    assert [v for _, v in tb[f"{g}/power_of_limit_max"]] == pytest.approx([299 / 300] * 2)
+    assert main(["report", str(tmp_path)]) == 0
+    assert "rank 1: SM clock 1,410 MHz vs 1,695 median, power cap" in capsys.readouterr().out
+
+
 def test_uneven_end_logs_the_final_window_with_a_warning(runs: dict) -> None:
     results, out, tmp_path = runs["uneven"]
     tb = scalars(tmp_path)
@@ -389,6 +421,7 @@ def _built_before_init(rank: int, init: str, out: str) -> None:
     loop_s = time.perf_counter() - t0
     summary = timer.close()
     doc = {"windows": [w.step for w in sink.windows], "notes": list(summary.notes), "loop_s": loop_s}
+    doc.update(timed=summary.timed_steps, sample_every=summary.sample_every, budget=summary.cost_budget)
     Path(out, f"rank{rank}.json").write_text(json.dumps(doc))
     dist.destroy_process_group()
 
@@ -396,7 +429,8 @@ def _built_before_init(rank: int, init: str, out: str) -> None:
 def test_a_timer_built_before_init_process_group_ends_windows_with_the_other_ranks(tmp_path: Path) -> None:
     """Spawned ranks (no launcher's environment) build the timer before the process group exists: each
     learns its rank and the world at its first step, so the ranks end their windows at the same steps
-    (no cross-rank round waits out its timeout) and only rank 0 writes into the log dir."""
+    (no cross-rank round waits out its timeout), the default cost budget is off and every rank times
+    every step (each rank's budget would pick other steps), and only rank 0 writes into the log dir."""
     import torch.multiprocessing as mp
 
     env = {k: os.environ.pop(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if k in os.environ}
@@ -409,6 +443,7 @@ def test_a_timer_built_before_init_process_group_ends_windows_with_the_other_ran
         assert got[r]["windows"] == [45, 50, 100], (r, got[r])
         assert not [n for n in got[r]["notes"] if "cross-rank" in n], (r, got[r]["notes"])
         assert got[r]["loop_s"] < 10.0, got[r]  # the 1.2 s checkpoint, not a 10 s timeout
+        assert (got[r]["timed"], got[r]["sample_every"], got[r]["budget"]) == (55, 1, None), (r, got[r])
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1  # one run: rank 0's
     assert scalars(tmp_path)["steptimer-ranks/reporting"] == [(50, 2.0), (100, 2.0)]
 

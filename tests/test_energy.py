@@ -45,6 +45,28 @@ def test_a_failing_counter_stops_the_meter_not_the_caller() -> None:
     assert meter.error == "energy: reading stopped (GPU is lost)"
 
 
+def test_nvmls_state_in_units_and_the_older_throttle_call() -> None:
+    """NVML gives milliwatts and millijoules: the counter says watts and joules; a binding without the
+    newer clocks-event call uses the throttle-reasons one (drivers before 535)."""
+    from types import SimpleNamespace
+
+    from steptimer._energy import GpuState, NvmlCounter
+
+    nv = SimpleNamespace(
+        NVML_CLOCK_SM=1, NVML_TEMPERATURE_GPU=0,
+        nvmlDeviceGetTotalEnergyConsumption=lambda h: 5_000_000, nvmlDeviceGetClockInfo=lambda h, kind: 1410 * kind,
+        nvmlDeviceGetPowerUsage=lambda h: 299_500, nvmlDeviceGetEnforcedPowerLimit=lambda h: 300_000,
+        nvmlDeviceGetTemperature=lambda h, kind: 71 + kind, nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x4,
+    )  # fmt: skip
+    counter = NvmlCounter(nv, handle=None)
+    assert counter() == 5000.0
+    state = counter.state()
+    assert state == GpuState(1410.0, 299.5, 300.0, 71.0, 0x4) and state.reasons() == ["power cap"]
+    meter = EnergyMeter(counter)
+    meter.mark(1)
+    assert [r.state for r in meter.close(2)] == [state, state]  # read with each reading, on its thread
+
+
 def test_energy_between_two_readings() -> None:
     e = between(Reading(10, 1.0, 500.0), Reading(30, 3.0, 1300.0))
     assert e is not None
@@ -199,3 +221,57 @@ def test_a_failure_inside_energy_turns_energy_off_not_training(
     msg = "energy stopped after a failure of steptimer's own (ValueError: a bug in writing energy); steps go on"
     assert msg in summary.notes and summary.energy is None
     assert [r.getMessage() for r in caplog.records if "energy" in r.getMessage()] == [f"steptimer: {msg}"]
+
+
+@pytest.mark.cuda
+def test_the_gpu_state_agrees_with_nvidia_smi_in_the_same_window(tmp_path: Path) -> None:
+    """NVML's GPU state as the meter reads it (SM clock, power, temperature, throttle reasons) against
+    ``nvidia-smi`` sampled while the same matmuls run: the clock within 10 %, the power within 25 %
+    (both are instants of a load that varies), the temperature within 5 C, the same reason bits
+    (either's may add GPU idle, 0x1, at an edge of the load)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.cuda.current_device()
+    read, why = nvml_counter(device)
+    assert read is not None and hasattr(read, "state"), why
+    x = torch.randn(8192, 8192, device="cuda")
+    for _ in range(20):  # warm: clocks up
+        x = (x @ x).tanh_()
+    torch.cuda.synchronize()
+    bus = torch.cuda.get_device_properties(device)
+    pci = f"{bus.pci_domain_id:08x}:{bus.pci_bus_id:02x}:{bus.pci_device_id:02x}.0"
+    query = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+    smi = subprocess.Popen(["nvidia-smi", "-i", pci, f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                            "-lms", "100"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    meter = EnergyMeter(read)
+    try:
+        t_end = time.perf_counter() + 2.0
+        step = 0
+        while time.perf_counter() < t_end:
+            for _ in range(10):
+                x = (x @ x).tanh_()
+            step += 1
+            if step % 5 == 0:
+                meter.mark(step)
+        torch.cuda.synchronize()
+    finally:
+        smi.terminate()
+    readings = meter.close()
+    out = smi.communicate(timeout=10)[0]
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+    assert len(rows) >= 5 and len(readings) >= 5, (out, readings)
+    states = [r.state for r in readings if r.state is not None]
+    mid = len(rows) // 4, 3 * len(rows) // 4  # the middle half: the load ran throughout
+    smi_clock = sorted(float(r[0]) for r in rows[mid[0] : mid[1]])
+    smi_power = sorted(float(r[1]) for r in rows[mid[0] : mid[1]])
+    smi_temp = [float(r[2]) for r in rows[mid[0] : mid[1]]]
+    smi_bits = {int(r[3], 16) & ~0x1 for r in rows[mid[0] : mid[1]]}
+    ours = sorted(st.sm_clock_mhz for st in states)
+    median = lambda xs: xs[len(xs) // 2]  # noqa: E731
+    assert median(ours) == pytest.approx(median(smi_clock), rel=0.10), (ours, smi_clock)
+    assert median(sorted(st.power_w for st in states)) == pytest.approx(median(smi_power), rel=0.25)
+    assert all(min(smi_temp) - 5 <= st.temp_c <= max(smi_temp) + 5 for st in states), (states, smi_temp)
+    assert {st.throttle & ~0x1 for st in states} <= smi_bits | {0}, (states, smi_bits)
+    assert all(0 < st.power_limit_w < 2000 for st in states)

@@ -57,7 +57,27 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--fake-energy", action="store_true",
         help="with --fake-memory: an energy counter per rank drawing (rank + 1) x 100 W of host time",
     )  # fmt: skip
+    p.add_argument(
+        "--fake-gpu-state", type=int, default=None, metavar="RANK",
+        help="with --fake-memory: an NVML-like counter that reads the GPU's state too; this rank's GPU clocked "
+        "at 1,410 MHz and power-capped, the others' at 1,980 MHz (-1: none)",
+    )  # fmt: skip
     return p.parse_args(argv)
+
+
+class FakeNvml:
+    """An NVML-like counter of a rank's GPU (the seam NVML's fills): joules, and the GPU's state."""
+
+    def __init__(self, rank: int, slow: bool) -> None:
+        self.rank, self.slow = rank, slow
+
+    def __call__(self) -> float:
+        return time.perf_counter() * (self.rank + 1) * 100.0
+
+    def state(self) -> Any:
+        from steptimer._energy import GpuState
+
+        return GpuState(1410.0, 299.0, 300.0, 71.0, 0x4) if self.slow else GpuState(1980.0, 250.0, 700.0, 60.0, 0)
 
 
 def train(a: argparse.Namespace, rank: int, steps: int, timer: StepTimer, net: nn.Module,
@@ -113,6 +133,8 @@ def run(a: argparse.Namespace) -> None:
         fake = {"backend": FakeGPU(FakeClock()).backend(), "memory_backend": mem.backend()}
     if a.fake_energy:
         fake["energy_counter"] = lambda device: (lambda: time.perf_counter() * (rank + 1) * 100.0, None)
+    if a.fake_gpu_state is not None:
+        fake["energy_counter"] = lambda device: (FakeNvml(rank, rank == a.fake_gpu_state), None)
     timer = StepTimer._make(
         log_dir=a.log_dir, log_every_n_steps=a.every, warmup_steps=0,
         cuda=None if a.fake_memory else a.cuda or False, cross_rank_timeout_s=a.timeout, **fake,
