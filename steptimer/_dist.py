@@ -161,7 +161,7 @@ def _states(mx: Sequence[float], world: int) -> dict[int, GpuState]:
     """By rank, the GPU states of the reduced slots (ranks that sent one)."""
     k = len(STATE)
     rows = ((r, mx[k * r : k * (r + 1)]) for r in range(world))
-    return {r: GpuState(*v[:4], int(v[4])) for r, v in rows if v[0] != _NEG}
+    return {r: GpuState(v[0], v[1], v[2], v[3], int(v[4])) for r, v in rows if v[0] != _NEG}
 
 
 def gpu_scalars(states: Mapping[int, GpuState]) -> dict[str, float]:

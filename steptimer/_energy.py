@@ -51,8 +51,8 @@ def mean_state(states: Sequence[GpuState]) -> GpuState | None:
     n, throttle = len(states), 0
     for st in states:
         throttle |= int(st.throttle)
-    means = [sum(float(st[i]) for st in states) / n for i in range(4)]
-    return GpuState(*means, throttle)
+    clock, power, limit, temp = (sum(float(st[i]) for st in states) / n for i in range(4))
+    return GpuState(clock, power, limit, temp, throttle)
 
 
 def gpu_cause(rank: int, states: Mapping[int, GpuState]) -> str | None:

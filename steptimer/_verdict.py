@@ -216,9 +216,9 @@ def _straggler(by: Rows, clock: ShareClock, ranks: RankSummary | None) -> Rule:
     steps = getattr(by["step"], clock).steps if "step" in by and getattr(by["step"], clock) else 0
     total = sum(_sum_ms(by, n, clock) for n in rows)
     late = waited_for(ranks, clock) if ranks is not None and steps and total > 0 else None
-    if late is None or late[1] < COMM_SHARE * total / steps:
+    r = ranks.last if ranks is not None else None
+    if late is None or r is None or late[1] < COMM_SHARE * total / steps:
         return False, "straggler-bound", ()
-    r = ranks.last  # type: ignore[union-attr]  # waited_for found it
     of = "the GPU's timeline" if clock == "gpu" else "wall time"
     waited = (
         f"the rank that waited most at the collectives waited {num(late[1])} ms a step "
