@@ -24,6 +24,7 @@ from steptimer import _comm
 from steptimer._comm import comm_ms, union_ms
 from steptimer._reader import find_runs
 from steptimer._report import analyze
+from steptimer._summary import LastRank, RankSpread, RankSummary
 from steptimer._verdict import verdict
 from tests.fakes import ListSink
 from tests.tb import scalars
@@ -116,6 +117,27 @@ def test_host_only_exposed_communication_is_of_wall_time_and_input_bound_comes_f
     assert v.kind == "communication-bound" and "10.0% of wall time" in v.evidence[0]
     rows[0] = _row("data", 20.0, None, 0.29)  # the loop waits between steps: that comes first
     assert verdict(rows, cuda=False).kind == "input-bound"
+
+
+def _ranks(late_ms: float, waited_ms: float, share: float = 1.0) -> RankSummary:
+    """Two ranks: rank 1 last to the all-reduce in ``share`` of steps by ``late_ms``; rank 0 waited
+    ``waited_ms`` a step (comm_exposed, GPU clock)."""
+    exposed = RankSpread(1.0, (waited_ms + 1.0) / 2, waited_ms, 1, 0, 2)
+    last = LastRank(1, share, late_ms, "forward", late_ms, share >= 2 / 3)
+    return RankSummary(2, 2, None, {("gpu", "comm_exposed"): exposed}, 3, 1.0, last=last)
+
+
+def test_a_wait_mostly_for_a_late_rank_is_straggler_bound_first_naming_it() -> None:
+    """The exposed wait of the rank that waited most (30 ms of a 102 ms timeline) is for rank 1 where
+    its lateness over every step is half of it or more; less, or no rank standing out, and the
+    collectives are slow by themselves: communication-bound."""
+    v = verdict(_gpu_rows(30.0), cuda=True, ranks=_ranks(15.0, 30.0))
+    assert v.kind == "straggler-bound"
+    assert v.evidence[0] == "rank 1 was last to the all-reduce in 100% of steps, +15.0 ms, in forward (+15.0 ms)"
+    assert v.evidence[1].startswith("the rank that waited most at the collectives waited 30.0 ms a step (29.4% of")
+    assert verdict(_gpu_rows(30.0), cuda=True, ranks=_ranks(14.9, 30.0)).kind == "communication-bound"
+    assert verdict(_gpu_rows(30.0), cuda=True, ranks=_ranks(30.0, 30.0, share=0.6)).kind == "communication-bound"
+    assert verdict(_gpu_rows(10.1), cuda=True, ranks=_ranks(10.1, 10.1)).kind == "gpu-bound"  # 9.9 %: no wait
 
 
 # ---------------------------------------------------------------- a real DDP run (2 gloo ranks, CPU)
