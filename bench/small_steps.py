@@ -10,8 +10,8 @@ One run interleaves blocks (``round_order``: each round a different order, GC of
   ``Event.record``), ``calls`` (a timed step's CUDA calls through the engine's backend, no engine:
   the floor of any Python engine) and the CUDA-timed step;
 * ``--launch-bound`` (CUDA): ~4 ms steps that only launch tiny kernels, bare, timing 1 step in 1,000
-  (the floor: the least any budget costs), with a cost budget of 0.5 % (``cost_budget=0.005``) and
-  timing every step (the default);
+  (the floor: the least any budget costs), under the default cost budget and timing every step
+  (``sample_every=1``);
 * ``--cpu-loop``: ~1 ms steps of host work in 4 phases, the same four;
 * both loops also under ``FloorTimer`` (``python floor``): the least any Python timer costs there;
 * ``--lightning`` (CPU): a ``Trainer`` fitting a small autoencoder, the same four and a callback that
@@ -37,9 +37,10 @@ import torch
 
 from bench._stats import format_table, median, quantile, round_order
 from steptimer import StepTimer, Summary
+from steptimer._options import COST_BUDGET
 
 Block = Callable[[int], float]  # runs n steps, returns seconds
-BUDGET = 0.005  # the cost budget set against timing every step
+BUDGET = COST_BUDGET  # the default cost budget, set against timing every step
 # A budget so small that the engine times its fewest steps (1 in MAX_BLOCK = 1,000), with the default
 # windows: steptimer's floor, the least any budget costs ("1 in 1000" in the tables).
 FLOOR_BUDGET = 1e-9
@@ -340,7 +341,7 @@ def four_phase_block(timer: StepTimer | FloorTimer | None, work: Callable[[], No
 def budget_vs_every(label: str, work: Callable[[], None], sync: Callable[[], None], rounds: int, steps: int,
                     cuda: bool) -> tuple[list[list[str]], list[str], dict[str, float]]:  # fmt: skip
     """Bare, the least a Python timer does (``FloorTimer``), 1 step in 1,000 timed (the least any
-    budget costs), a cost budget of 0.5 % and every step timed,
+    budget costs), the default cost budget and every step timed,
     interleaved: overheads and agreement."""
     tmp = tempfile.mkdtemp(prefix="steptimer-small-")
     common: dict[str, Any] = {"print_summary": False, "cuda": cuda}
@@ -562,7 +563,7 @@ def main(argv: list[str] | None = None) -> None:
         agree.append(g)
         loops.update(o)
     if rows:
-        print("\n## Overhead on small steps: a cost budget of 0.5 % and every step timed\n")
+        print(f"\n## Overhead on small steps: the default cost budget ({BUDGET:g}) and every step timed\n")
         print(format_table(["loop", "timer", "bare ms/step", "vs bare (median)", "IQR"], rows))
         print("\n## The budget's phases against every step's (same run)\n")
         print(format_table(["loop", "timed (budget)", "timed (every step)", "worst / limit", "where"], agree))

@@ -138,7 +138,6 @@ class Engine:
         self._window_max = window_max or window_every
         self._window_last = start_step  # the last window's last step, and the _t0 it was handed at
         self._window_t = -math.inf
-        self.own_s = 0.0  # host time of steptimer's own window work between steps (_hand_window)
         # steptimer's own host time in the current timed step outside its top-level phases (its begin,
         # the phases' entries and exits), and since the last step's end (resolve, window work): the
         # ``steptimer`` row, taken out of ``other`` and ``loop`` (_window.py).
@@ -170,12 +169,6 @@ class Engine:
         self.oom: tuple[str | None, int, int | None, bool] | None = None
         self.slow = StepMarks(perf_counter, self._pending) if slowest else None
         self.comm: Any = None  # a watched DDP model's collectives (_comm.CommRecorder)
-
-    @property
-    def run_s(self) -> float:
-        """Host seconds from the first step's start to the end of the last step (or window work)."""
-        gs, t0 = self._gap_start, self._first_t0
-        return 0.0 if gs is None or t0 is None else gs + self._own_gap - t0  # own_gap: the work after it
 
     @property
     def in_step(self) -> bool:
@@ -379,18 +372,16 @@ class Engine:
             self._pick_next(self.number)
 
     def _hand_window(self) -> None:
-        """Call ``on_window``: steptimer's own time (``own_s``), in the time before the next step (its
-        ``steptimer`` row, not ``loop``), in no data wait or GPU idle."""
+        """Call ``on_window``: steptimer's own time, in the time before the next step (its ``steptimer``
+        row, not ``loop``), in no data wait or GPU idle."""
         number, self._window_due = self._window_due, 0
         self._window_last, self._window_t = number, self._t0
-        t0 = perf_counter()
         ev0 = self._pause_event()
         try:
             self._on_window(number)
         finally:
             if ev0 is not None:
                 self._pause_evs.append((ev0, self._pause_event()))
-            self.own_s += perf_counter() - t0
 
     def _start_sampling(self, cost_budget: float, start_step: int) -> None:
         """The sampling state: which step is next, and the cost budget's measurements."""

@@ -22,6 +22,9 @@ RESERVED_NAMES = frozenset({"step", "other", "wait", "idle", *COMM_ROWS})
 # path component must stay under 255 bytes (NAME_MAX on Linux and macOS). 100 leaves room below it,
 # keeps a nested name's path far from PATH_MAX, and still fits a table row and TensorBoard's run list.
 MAX_PHASE_NAME_CHARS = 100
+# The default cost budget: steptimer's own time per timed step at most this part of the wall time
+# (docs/options.md says why this value); sample_every=1 times every step.
+COST_BUDGET = 0.002
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 
 
@@ -37,7 +40,7 @@ def _positive(v: object) -> bool:
 _RULES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("log_every_n_steps", "sample_every"), lambda v: v is None or _int(v, 1), "an int >= 1, got {v!r}"),
     (("warmup_steps", "lag", "start_step", "slowest_steps"), lambda v: _int(v, 0), "an int >= 0, got {v!r}"),
-    (("cost_budget",), lambda v: v is None or _positive(v) and v < 1,
+    (("cost_budget",), lambda v: _positive(v) and v < 1,
      "a number between 0 and 1, exclusive (the part of the wall time timing may cost, e.g. 0.005), "
      "got {v!r}; sample_every=1 times every step"),
     (("cuda",), lambda v: v in (None, True, False), "None, True or False, got {v!r}"),
@@ -73,7 +76,7 @@ class Options:
     profile_on_slow: float | None = None
     memory: int | None = None
     slowest_steps: int = DEFAULT_K
-    cost_budget: float | None = None
+    cost_budget: float = COST_BUDGET
 
     def __post_init__(self) -> None:
         for names, ok, what in _RULES:

@@ -188,7 +188,7 @@ class Summary:
     back from a run's logs. Rows: ``data`` first, phases as first seen, then ``other``, ``wait``, ``step``
     (GPU ``idle``). ``steps``: summarized (after warm-up); ``timed_steps``: with phase timings (one in
     ``sample_every``, or as ``cost_budget`` allowed). ``mfu``: ``tflops_per_s`` over ``peak_tflops``.
-    ``own_ms``: steptimer's own work between steps, in no row. ``name`` to ``cycle_window_ms``: from logs."""
+    ``name`` to ``cycle_window_ms``: from logs."""
 
     steps: int
     timed_steps: int
@@ -209,8 +209,6 @@ class Summary:
     slowest: tuple[SlowStep, ...] = ()
     sample_every: int | None = None
     cost_budget: float | None = None
-    own_ms: float = 0.0
-    own_share: float | None = None
     energy: Energy | None = None
     goodput: Goodput | None = None  # where the run's wall time went (_goodput.py)
     name: str = "steptimer"

@@ -122,8 +122,6 @@ def facts(summary: Summary) -> list[str]:
     parts = [", ".join(f"{num(v)} {unit}" for v, unit in rates if v is not None), compute_text(summary)]
     line = "; ".join(p for p in parts if p)
     lines = ([f"throughput: {line}"] if line else []) + energy_lines(summary)
-    if summary.own_ms > 0 and summary.own_share is not None:  # window statistics and files: in no row
-        lines.append(f"steptimer's own work: {num(summary.own_ms)} ms, {pct(summary.own_share)} of the run")
     if summary.goodput is not None:  # the whole run's wall time, steps and what came between them
         lines += summary.goodput.lines()
     v = summary.verdict

@@ -69,7 +69,7 @@ _FIX = {
     "communication": "fewer, larger collectives (DDP's bucket_cap_mb, FSDP's wrapping), more overlap, "
     "no_sync on accumulation micro-batches, or the slower rank the others wait for (per-rank section)",
     "straggler": "speed up rank {}'s phase named above (per-rank section), not the collectives",
-    "steptimer": "time fewer steps (cost_budget=0.005, or sample_every=N) or fewer, longer phases",
+    "steptimer": "time fewer steps (a smaller cost_budget, or sample_every=N) or fewer, longer phases",
 }
 # A watched model's collectives (_comm.py): inside the phases that wait for them, so no share.
 COMM_ROWS = ("comm", "comm_exposed")

@@ -21,7 +21,7 @@ from typing_extensions import override
 from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._engine import Fetch
 from steptimer._hooks import Hooks, watch_comm
-from steptimer._options import Options, _positive
+from steptimer._options import COST_BUDGET, Options, _positive
 from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
 from steptimer._tensorboard import TensorBoardSink, window_scalars
@@ -135,7 +135,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         lag: int = 2,
         cuda: bool | None = None,
         sample_every: int | None = None,
-        cost_budget: float | None = None,
+        cost_budget: float = COST_BUDGET,
         forward_module: str | Sequence[str] | None = None,
         batch_size_fn: Callable[[Any], float] | None = None,
         tokens_fn: Callable[[Any], float] | None = None,

@@ -19,13 +19,14 @@ from steptimer._goodput import Kind, Timeline
 from steptimer._engine import CAPTURE, MEMORY_AUTO, SLOW, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
 from steptimer._memory import MemoryStats, _MemoryBackend, oom_note
-from steptimer._options import Options, check_bool, check_count, check_phase_name
+from steptimer._options import COST_BUDGET, Options, check_bool, check_count, check_phase_name
 from steptimer._peaks import cuda_peak
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K
 from steptimer._summary import Summary, SummaryAccumulator, all_warmup_note
 from steptimer._table import print_summary
-from steptimer._tags import ALL_WARMUP, COST_BUDGET, SAMPLE_EVERY
+from steptimer._tags import ALL_WARMUP, SAMPLE_EVERY
+from steptimer._tags import COST_BUDGET as COST_BUDGET_TAG
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
 from steptimer._window import StepRows, Window, window_of
@@ -156,8 +157,8 @@ class StepTimer:
         cuda: None decides at the first ``step()``; True requires CUDA; False times the host only.
         start_step: Number of steps already done (resumed runs); the first step is ``start_step + 1``.
         enabled: False makes every call a near-free no-op with the same API.
-        sample_every: Time the phases of one step, chosen at random, in every ``sample_every``; None:
-            every step, or as many as ``cost_budget`` allows. Every step counts for throughput.
+        sample_every: Time the phases of one step, chosen at random, in every ``sample_every``; 1:
+            every step; None: as many as ``cost_budget`` allows. Every step counts for throughput.
         print_summary: Print the summary table at :meth:`close` (rank 0 only).
         cross_rank: Under torch.distributed, combine the ranks' windows (spread, straggler).
         cross_rank_timeout_s: Longest wait for the other ranks; after a timeout cross-rank stays off.
@@ -171,7 +172,7 @@ class StepTimer:
             or 0: never); None: as often as costs ~0.1 % of the run. It resets the peak counter.
         slowest_steps: Keep the run's k slowest timed steps with what made each slow; 0: off.
         cost_budget: With ``sample_every=None``, time as many steps as this part of the wall time
-            allows (0.005: 0.5 %); None: every step.
+            allows (0.002: 0.2 %; a GPU-bound run: every step); ``sample_every=1`` times every step.
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -205,7 +206,7 @@ class StepTimer:
         profile_on_slow: float | None = None,
         memory: int | None = None,
         slowest_steps: int = DEFAULT_K,
-        cost_budget: float | None = None,
+        cost_budget: float = COST_BUDGET,
     ) -> None:
         given = locals()  # every argument but log_dir and writer is an Options field, validated there
         self.options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
@@ -218,8 +219,9 @@ class StepTimer:
         window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not distributed else 0.0
         log_every_n_steps = log_every_n_steps or max(50, 10 * (sample_every or 1))
         profiled = profile_steps is not None or profile_on_slow is not None
-        # Ranks must time the same steps (each rank's budget would pick others); a trace needs every step.
-        if sample_every is None and (cost_budget is None or distributed or trace_steps is not None or profiled):
+        # Ranks must time the same steps (each rank's budget would pick others; _join for a rank learned
+        # at the first step); a trace needs every step.
+        if sample_every is None and (distributed or trace_steps is not None or profiled):
             sample_every = 1
         self.log_every_n_steps: int = log_every_n_steps
         window_max = log_every_n_steps * (MAX_WINDOW_UNITS if window_min_s else 1)
@@ -266,8 +268,7 @@ class StepTimer:
     def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
         """An enabled timer's set-up that touches the machine: CUDA, files, signals, ranks."""
         # How steps were timed, in the first window's tags (read back by `steptimer report`).
-        every, budget = self.sample_every, self.options.cost_budget
-        self._run_tags = {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET: float(budget or 0.0)}
+        self._run_tags = self._sampling_tags()
         if self.options.cuda is not False and self._seams.backend is None:
             prepare_native()  # compile the native CUDA calls now, not in a step
         if self._joining is None:
@@ -278,6 +279,11 @@ class StepTimer:
         self._timeline = Timeline(self._engine)
         if self._xrank is not None:
             self._xrank.start_now()  # the gloo side group, while every rank is known to be here
+
+    def _sampling_tags(self) -> dict[str, float]:
+        """How steps are timed, for the first window's tags (read back by ``steptimer report``)."""
+        every = self.sample_every
+        return {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET_TAG: self.options.cost_budget}
 
     def _write_on_rank0(self, log_dir: str | None, writer: Any) -> None:
         """Rank 0's TensorBoard sink; another rank's check that ``log_dir`` can be written."""
@@ -300,6 +306,10 @@ class StepTimer:
             e.capture = None  # its files are rank 0's
         if _distributed():
             e._window_min_s, e._window_max = 0.0, e._window_every
+            if self.sample_every is None:  # each rank's budget would time other steps: time every one
+                self.sample_every = e.sample_every = 1
+                e.budget = None
+                self._run_tags = self._sampling_tags()
             if self.options.memory is None:
                 e._memory_opt = 10
         self._write_on_rank0(log_dir, writer)
@@ -603,11 +613,7 @@ class StepTimer:
             warmup_steps=warmup, cuda=bool(engine.cuda), notes=tuple(n for n in notes if n), peak_tflops=peak,
             traces=traces, ranks=xrank.summary if xrank is not None else None,  # the verdict reads them
         )  # fmt: skip
-        run_s = engine.run_s
-        more: dict[str, Any] = {
-            "own_ms": engine.own_s * 1e3, "own_share": engine.own_s / run_s if run_s else None,
-            "sample_every": engine.sample_every, "cost_budget": engine.budget,  # None: sample_every
-        }  # fmt: skip
+        more: dict[str, Any] = {"sample_every": engine.sample_every, "cost_budget": engine.budget}
         if engine.memory is not None:
             m, seen = acc.memory or MemoryStats({}, {}, 0, 0), engine.memory.seen_bytes
             more["memory"] = MemoryStats(m.peak_bytes, m.alloc_bytes, m.reserved_bytes, m.steps, seen)

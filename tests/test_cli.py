@@ -1212,7 +1212,9 @@ def test_the_ci_recipe_gates_a_slowdown_and_a_changed_phase_set(
     def train(steps: int, seed: int, log_dir: str, forward_ms: float = 8.0, clip: bool = False) -> None:
         torch.manual_seed(seed)
         model = torch.nn.Linear(8, 8)
-        t = StepTimer(log_dir=log_dir, cuda=False, warmup_steps=2, log_every_n_steps=5, print_summary=False)
+        t = StepTimer(
+            log_dir=log_dir, cuda=False, warmup_steps=2, log_every_n_steps=5, print_summary=False, sample_every=1
+        )
         for _ in range(steps):
             x = torch.randn(4, 8)
             with t.step():

@@ -447,7 +447,7 @@ def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without
             torch.manual_seed(0)
             ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1)))
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-            timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0, cross_rank=False)
+            timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0, cross_rank=False, sample_every=1)
             if watch:
                 timer.watch_ddp(ddp)
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
@@ -481,7 +481,7 @@ def test_a_hook_that_is_not_callable_and_a_second_watch_are_named_and_the_first_
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1)))
-        timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0, cross_rank=False)
+        timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0, cross_rank=False, sample_every=1)
         with pytest.raises(TypeError, match=r"watch_ddp\(hook=\.\.\.\) must be a DDP comm hook.*got str 'fp16'"):
             timer.watch_ddp(ddp, hook="fp16")
         timer.watch_ddp(ddp)

@@ -16,6 +16,7 @@ import steptimer._engine as engine_mod
 import steptimer.timer as timer_mod
 from steptimer import StepTimer
 from steptimer._format import num, pct
+from steptimer._options import COST_BUDGET
 from tests.fakes import FakeClock, FakeGPU, ListSink, render
 
 
@@ -1043,21 +1044,25 @@ def test_explicit_or_distributed_windows_stay_50_steps(
         assert [w.step for w in sink.windows] == [50, 100, 150, 200]
 
 
-def test_the_cost_budget_is_off_where_every_step_must_be_timed(
+def test_the_cost_budget_is_on_by_default_and_off_where_every_step_must_be_timed(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """By default every step is timed; with a cost budget the budget picks the steps, except under
-    torch.distributed (each rank's budget would pick other steps) and with a trace or a profiler
-    window, which need every step; an explicit sample_every wins."""
+    """By default the cost budget picks the steps, except under torch.distributed (each rank's budget
+    would pick other steps) and with a trace or a profiler window, which need every step; an explicit
+    sample_every wins, and sample_every=1 is the one way to time every step (cost_budget=None is an
+    error that says so)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     base = {"cuda": False, "print_summary": False, "enabled": False}
-    assert StepTimer(**base).sample_every == 1
-    assert StepTimer(**base, cost_budget=0.005).sample_every is None
+    t = StepTimer(**base)
+    assert t.sample_every is None and t._engine.budget == COST_BUDGET
+    assert StepTimer(**base, sample_every=1).sample_every == 1
     assert StepTimer(**base, sample_every=4, cost_budget=0.1).sample_every == 4
     for kw in ({"trace_steps": 3}, {"profile_steps": (2, 3)}, {"profile_on_slow": 1.5}):
-        assert StepTimer(**base, log_dir=tmp_path, cost_budget=0.005, **kw).sample_every == 1  # type: ignore[arg-type]
+        assert StepTimer(**base, log_dir=tmp_path, **kw).sample_every == 1  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"cost_budget must be .* got None; sample_every=1 times every step"):
+        StepTimer(**base, cost_budget=None)  # type: ignore[arg-type]
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert StepTimer(**base, cross_rank=False, cost_budget=0.005).sample_every == 1
+    assert StepTimer(**base, cross_rank=False).sample_every == 1
 
 
 @pytest.mark.parametrize(("cuda", "sample_every"), [(False, 1000), (True, 1000), (False, 1)])
@@ -1094,14 +1099,11 @@ def test_a_windows_own_work_is_steptimers_row_in_no_step_and_not_in_the_data_wai
     # The wall: 40 steps of 2 ms, 39 data waits of 1 ms (none before the first) and the 3 windows
     # before steps 11, 21 and 31 (the last one's, after step 40, is in no step's)
     assert s.steps_per_s == pytest.approx(40 / (40 * 2e-3 + 39 * 1e-3 + 3 * 5e-3))
-    # Each window was written right after its last step (resolved at its own end), between steps:
-    # steptimer's own 4 x 5 ms, and its part of the run's host time (the first step's start to the
-    # last window's end: 40 steps, 39 data waits, 4 windows)
-    assert s.own_ms == pytest.approx(4 * 5.0)
-    assert s.own_share == pytest.approx(20.0 / (40 * 2.0 + 39 * 1.0 + 20.0))
-    # printed as steptimer's, on a line of its own, and in its own row
-    assert f"steptimer's own work: {num(s.own_ms)} ms, {pct(s.own_share)} of the run" in render(s).splitlines()
+    # Each window was written right after its last step (resolved at its own end), between steps: in
+    # steptimer's row of the next step (with every step timed, its share of the wall those rates divide by)
+    assert "steptimer's own work" not in render(s)  # its row says it
     if sample_every == 1:
+        assert s["steptimer"].share == pytest.approx(3 * 5.0 / (40 * 2.0 + 39 * 1.0 + 3 * 5.0))
         assert s["other"].host.max_ms == pytest.approx(0.0)
 
 
@@ -1371,7 +1373,9 @@ def test_a_relative_log_dir_keeps_every_step_after_the_script_changes_directory(
 
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path)  # restored after the test
-    t = StepTimer(log_dir="runs/exp1", cuda=False, print_summary=False, warmup_steps=0, log_every_n_steps=10)
+    t = StepTimer(
+        log_dir="runs/exp1", cuda=False, print_summary=False, warmup_steps=0, log_every_n_steps=10, sample_every=1
+    )
     for i in range(70):
         if i == 30:
             monkeypatch.chdir(tmp_path / "elsewhere")
@@ -1412,7 +1416,7 @@ def test_a_sink_that_fails_is_dropped_with_a_note_and_training_and_the_summary_g
 
     broken = Broken()
     t = StepTimer._make(sinks=[broken], log_dir=tmp_path, cuda=False, print_summary=False, warmup_steps=0,
-                        log_every_n_steps=5)  # fmt: skip
+                        log_every_n_steps=5, sample_every=1)  # fmt: skip
     for _ in range(20):
         with t.step(), t.phase("forward"):
             pass
