@@ -30,8 +30,9 @@ def _run(script: str, tmp_path: Path) -> tuple[dict[str, Any], float]:
     path.write_text(textwrap.dedent(script))
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True,
-                         env=env, cwd=tmp_path)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, str(path), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path
+    )
     assert p.stdout is not None
     last, wall = "", 0.0
     for line in p.stdout:
