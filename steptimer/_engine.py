@@ -22,7 +22,7 @@ import torch
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
 from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, torch_memory_backend
 from steptimer._slow import StepMarks
-from steptimer._window import GAP_S, OWN_STEP_S, STEP_S, WAIT_S, StepRows
+from steptimer._window import GAP_S, OWN_STEP_S, STEP_S, WAIT_S, RowKey, StepRows
 
 log = logging.getLogger("steptimer")
 
@@ -261,24 +261,57 @@ class Engine:
             raise
         if self._window_due:
             self._hand_window()
-        self._own_gap += perf_counter() - t_end  # resolving and window work after the step's end
+        if t_end:  # resolving and window work after the step's end (0.0: none, the row is in)
+            self._own_gap += perf_counter() - t_end
 
     def _queue(self, t1: float) -> float:
         """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due;
-        return the step's end (host clock)."""
-        pending, state, t0, number = self._pending, self.state, self._t0, self.number + 1
+        return the step's end (host clock; 0.0: nothing after it to count). An untimed step with nothing to wait for, mark or record is
+        a row at once (most steps under the cost budget: the cost of an untimed step is this path's)."""
+        pending, state, t0, number, slow = self._pending, self.state, self._t0, self.number + 1, self.slow
         queued = bool(pending)
-        row = self._lead(number)
-        gap = row[GAP_S]
-        rec = StepRecord(
-            number, t0, row, None if gap != gap else gap, self._recs, self._pause_evs or (), self.device,
-            self._paused_s,
-        )  # fmt: skip
-        if self.slow is not None and self.slow.dyn is not None:
+        # The LEAD columns (_window.py); STEP_S and WAIT_S are set below and by ``_resolve``.
+        gs, fetch = self._gap_start, self.fetch_s
+        if fetch == fetch:  # a loader is timed: its time before the next step counts from here
+            self.fetch_s = 0.0
+        if gs is None:
+            gap = fetch = _NAN  # the run's first step: no time between steps before it
+        else:
+            gap = t0 - gs - self._paused_s
+            if gap < 0.0:
+                gap = 0.0
+        samples, tokens, flops, own_gap, marks = self.samples, self.tokens, self.flops, self._own_gap, None
+        self._own_gap = 0.0
+        row = [
+            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
+            gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops, fetch, own_gap, 0.0,
+        ]  # fmt: skip
+        if slow is not None and slow.dyn is not None:
             try:
-                rec.marks = self.slow.ended()
+                marks = slow.ended()
             except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
                 self.off(SLOW, err)
+        if (
+            state == UNTIMED
+            and not queued
+            and not self._pause_evs
+            and not self._late_marks
+            and not self._paused_s
+            and (slow is None or not (slow.spans or slow.fresh))
+            and not (self.cuda and number + 1 == self._next_timed)
+        ):
+            if t1 - t0 + gap > self._slow_s:  # see below
+                marks = {**(marks or {}), "untimed": 1.0}
+            self._add_row(number, (None, False, False), row, marks)
+            self.number, self.state = number, OUT
+            self._gap_start = t_end = perf_counter()  # the row is in: its times are set in it
+            row[STEP_S] = t_end - t0
+            row[OWN_STEP_S] = t_end - t1
+            return 0.0 if not self._window_due else t_end
+        rec = StepRecord(
+            number, t0, row, None if gap != gap else gap, self._recs, self._pause_evs or (), self.device,
+            self._paused_s, marks=marks,
+        )  # fmt: skip
         blocked = 0.0
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
@@ -340,24 +373,6 @@ class Engine:
             # every rank: a rank a step late to the cross-rank round would deadlock.
             self._resolve_upto(number)
         return t_end
-
-    def _lead(self, number: int) -> list[float]:
-        """The step's LEAD columns (_window.py); STEP_S and WAIT_S are set by ``_resolve``."""
-        gs, fetch = self._gap_start, self.fetch_s
-        if fetch == fetch:  # a loader is timed: its time before the next step counts from here
-            self.fetch_s = 0.0
-        if gs is None:
-            gap = fetch = _NAN  # the run's first step: no time between steps before it
-        else:
-            gap = self._t0 - gs - self._paused_s
-            if gap < 0.0:
-                gap = 0.0
-        samples, tokens, flops, own_gap = self.samples, self.tokens, self.flops, self._own_gap
-        self._own_gap = 0.0
-        return [
-            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
-            gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops, fetch, own_gap, 0.0,
-        ]  # fmt: skip
 
     def _recover(self) -> None:
         """After an exception in ``end_step``'s own work: drop a step not yet queued, else time it."""
@@ -623,17 +638,22 @@ class Engine:
             self.held_end = (number, rec.device, evs[rec.i_end])
         for a, c in rec.pauses:
             self._free += (a, c)
-        rows, marks = self.rows, rec.marks
+        marks = rec.marks
         if self.slow is not None and (marks or rec.paused_s or self.slow.spans or self.slow.fresh):
             try:
                 marks = self.slow.resolved(rec)
             except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
                 self.off(SLOW, err)
+        if rec.memory is not None:
+            self.rows.memory.append(rec.memory)
+        self._add_row(number, (names, rec.offs_ms is not None, rec.chain_ms is not None), row, marks)
+
+    def _add_row(self, number: int, key: RowKey, row: list[float], marks: dict[str, float] | None) -> None:
+        """Step ``number``'s row (of layout ``key``) and marks into ``rows``; note a window that ends with it."""
+        rows = self.rows
         if marks:
             rows.marks[number] = marks
-        if rec.memory is not None:
-            rows.memory.append(rec.memory)
-        rows.add((names, rec.offs_ms is not None, rec.chain_ms is not None), row)  # the row's layout
+        rows.add(key, row)
         if self.comm is not None and (comm := self.comm.take(number)) is not None:
             rows.comm.append(comm)
         rows.warmup = number <= self.last_warmup

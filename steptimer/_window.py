@@ -45,7 +45,10 @@ class StepRows:
     comm: list[tuple[int, bool, float, float, float | None]] = field(default_factory=list)  # _comm.take
 
     def add(self, key: RowKey, row: list[float]) -> None:
-        self.groups.setdefault(key, []).append(row)
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = []
+        group.append(row)
         self.count += 1
 
 
