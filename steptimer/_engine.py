@@ -22,7 +22,7 @@ import torch
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
 from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, torch_memory_backend
 from steptimer._slow import StepMarks
-from steptimer._window import GAP_S, OWN_STEP_S, STEP_S, WAIT_S, RowKey, StepRows
+from steptimer._window import OWN_STEP_S, STEP_S, WAIT_S, RowKey, StepRows
 
 log = logging.getLogger("steptimer")
 
@@ -266,8 +266,9 @@ class Engine:
 
     def _queue(self, t1: float) -> float:
         """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due;
-        return the step's end (host clock; 0.0: nothing after it to count). An untimed step with nothing to wait for, mark or record is
-        a row at once (most steps under the cost budget: the cost of an untimed step is this path's)."""
+        return the step's end (host clock; 0.0: nothing after it to count). An untimed step with nothing
+        to wait for, mark or record is a row at once (most steps under the cost budget: the cost of an
+        untimed step is this path's)."""
         pending, state, t0, number, slow = self._pending, self.state, self._t0, self.number + 1, self.slow
         queued = bool(pending)
         # The LEAD columns (_window.py); STEP_S and WAIT_S are set below and by ``_resolve``.
