@@ -428,9 +428,14 @@ class Engine:
         if number <= last:  # at the start
             return 1
         t0 = self._t0
-        self._pick_at = (number, t0)
         cost, self.cost_s = self.cost_s, 0.0
         self.bound_cap = 2 * self.bound_min + 2e-6
+        if number <= self.last_warmup:
+            # Warm-up: every step timed, its costs (compilation, steptimer's own first calls) left out
+            # of the averages: they sized blocks of 1,000 and left a short run with no step timed.
+            self._pick_at = (number, _NAN)
+            return 1
+        self._pick_at = (number, t0)
         if t_last != t_last:  # the first timed step: no wall per step yet
             return 1
         wall = (t0 - t_last) / (number - last)

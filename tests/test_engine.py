@@ -419,6 +419,23 @@ def test_the_cost_budget_times_a_fraction_of_short_steps(clock: FakeClock) -> No
     assert len(timed_numbers(wide)) == 400  # a budget of 5 %: every step fits
 
 
+def test_the_cost_budget_times_every_warm_up_step_and_sizes_blocks_from_the_steps_after(clock: FakeClock) -> None:
+    """Warm-up steps whose timing costs 20 ms (steptimer's own first calls, compilation) on 1.5 ms
+    steps: every warm-up step is timed and none sizes a block, so the first steps after warm-up are
+    timed and the rest at the steady rate (records of 10 µs: blocks of ceil(40 µs / (0.2 % x 1.54
+    ms)) = 13). Sized from the warm-up's cost, blocks of 1,000 left a short run with no step timed."""
+    gpu = costly(clock)
+    gpu.record_ms = 5.0
+    o = Owner(gpu, sample_every=None, window_every=100, cost_budget=0.002, warmup_steps=5)
+    for n in range(1, 401):
+        gpu.record_ms = 5.0 if n <= 5 else 0.01
+        o.step(clock, gpu, gpu_ms=0.1)
+    o.engine.close()
+    timed = timed_numbers(o)
+    assert timed[:7] == list(range(1, 8))
+    assert 395 / 14 < len(timed) - 5 < 1.1 * 395 / 12
+
+
 def test_the_cost_budget_times_every_gpu_bound_step_its_host_time_hides_behind(clock: FakeClock) -> None:
     """The same 10 µs records (three a step when every step is timed) on steps of 2 ms of GPU work
     launched in 1.5 ms: the host waits for the GPU every step (the lagged wait), so steptimer's own
