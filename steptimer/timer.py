@@ -51,18 +51,16 @@ class Sink(Protocol):
 
 
 class _Null:
-    """A no-op context manager; not nullcontext: named arguments pack no tuple at each exit."""
+    """A no-op context manager (an untimed step's phases, a disabled timer's calls). Its methods are a
+    C function, not Python ones: ``"".format`` takes any arguments and returns ``""``, falsy, so an
+    exception goes on; called unbound (a builtin is no descriptor), a ``with`` on it runs no Python
+    frame, 0.04 µs less a phase of an untimed step (bench/small_steps.py)."""
 
     __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, et: object, ev: object, tb: object) -> None:
-        return None
+    __enter__ = __exit__ = "".format
 
 
-_NULL = _Null()
+_NULL: AbstractContextManager[None] = _Null()  # type: ignore[assignment]  # its __enter__ returns ""
 
 
 class _RangedPhase(_Phase):
