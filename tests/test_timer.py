@@ -548,6 +548,8 @@ def test_phases_of_an_untimed_step_are_no_ops_and_names_are_still_checked() -> N
             if untimed:
                 with pytest.raises(ValueError, match="invalid phase name"):
                     t.phase("bad name")
+                with pytest.raises(KeyError, match="goes on"), t.phase("forward"):
+                    raise KeyError("goes on")  # the no-op lets an exception through
     assert isinstance(t.phase("forward"), timer_mod._Phase)  # between steps: the real one
     with pytest.raises(RuntimeError, match="outside a step"), t.phase("forward"):
         pass
