@@ -16,9 +16,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from time import perf_counter
 from typing import Any, Literal
 
+# The engine's clock, read through its module: the spans and the engine's step regions are on one
+# clock (a test's patched clock included).
+from steptimer import _engine
 from steptimer._format import num, pct
 
 __all__ = ["Goodput", "Timeline"]
@@ -61,13 +63,11 @@ class Goodput:
         return self.steps_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def lines(self) -> list[str]:
-        """``goodput 81.0% of 62.3 s: warm-up 6.0%, eval 9.0%, checkpoints 3.0%, other 1.0%``."""
+        """``goodput 81.0% of 62.3 s: warm-up 6.0%, eval 9.0%, checkpoints 3.0%, other 1.0%``: the
+        steps' share, then each other part that holds time (``before_s`` is in ``--json`` only)."""
         wall = self.wall_s or 1.0
-        rest = ", ".join(f"{k} {pct(v / wall)}" for k, v in self.parts.items() if k != "steps")
-        out = [f"goodput (steps) {pct(self.share)} of {num(self.wall_s)} s: {rest}"]
-        if self.before_s is not None:
-            out.append(f"  and {num(self.before_s)} s in the process before the timer began, in no part")
-        return out
+        rest = [f"{k} {pct(v / wall)}" for k, v in self.parts.items() if k != "steps" and v > 0]
+        return [f"goodput {pct(self.share)} of {num(self.wall_s)} s" + (": " + ", ".join(rest) if rest else "")]
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "share": self.share}
@@ -87,7 +87,7 @@ def process_start() -> float | None:
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-    return perf_counter() - age
+    return _engine.perf_counter() - age
 
 
 class Timeline:
@@ -97,7 +97,7 @@ class Timeline:
 
     def __init__(self, engine: Any) -> None:
         self._e = engine
-        self.start = perf_counter()
+        self.start = _engine.perf_counter()
         ps = process_start()
         self.before_s = None if ps is None else max(0.0, self.start - ps)
         self.warm_end: float | None = None  # the last warm-up step's end (step() sets it)
@@ -134,7 +134,7 @@ class Timeline:
             self.exit()
 
     def enter(self, kind: Kind) -> None:
-        t = perf_counter()
+        t = _engine.perf_counter()
         if self._open:
             self._segment(self._open[-1], t)
         self._open.append([kind, t])
@@ -142,7 +142,7 @@ class Timeline:
     def exit(self) -> None:
         if not self._open:
             return
-        t = perf_counter()
+        t = _engine.perf_counter()
         self._segment(self._open.pop(), t)
         if self._open:
             self._open[-1][1] = t
@@ -164,7 +164,7 @@ class Timeline:
         """The parts, now (idempotent); spans left open end here."""
         if self.done is not None:
             return self.done
-        t = perf_counter()
+        t = _engine.perf_counter()
         while self._open:
             self.exit()
         _unwatch_saves(self)

@@ -772,12 +772,17 @@ def _main(*args: str, capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_truncated_event_file_reads_to_its_last_whole_record(tmp_path: Path, clock: FakeClock) -> None:
-    # windows at 5, 10; no slowest steps, whose record at close would be the file's last
+    # windows at 5, 10; no slowest steps; the records written at close (goodput) come after step 10's
     fake_run(tmp_path / "good", clock, data_ms=1.0, phases={"f": (1.0, 1.0)}, steps=10, slowest_steps=0)
     (event_file,) = (tmp_path / "good").glob("events.out.tfevents.*")
     trunc = tmp_path / "trunc"
     shutil.copytree(tmp_path / "good", trunc)
-    (trunc / event_file.name).write_bytes(event_file.read_bytes()[:-7])  # the window at step 10, cut
+    data, ends, at = event_file.read_bytes(), [], 0  # each record: length (8), crc (4), event, crc (4)
+    while at < len(data):
+        at += 16 + int.from_bytes(data[at : at + 8], "little")
+        ends.append(at)
+    window_10 = max(i for i, end in enumerate(ends) if b"steptimer/host_ms" in data[ends[i - 1] if i else 0 : end])
+    (trunc / event_file.name).write_bytes(data[: ends[window_10] - 7])  # the window at step 10, cut
     (r,) = report_json(trunc)["runs"]
     assert r["steps"] == 5
     (note,) = [n for n in r["notes"] if "ends inside the record" in n]

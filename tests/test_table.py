@@ -125,17 +125,19 @@ def _report(log_dir: Path, *args: str) -> str:
                           text=True, env=env, timeout=120, check=True, cwd=log_dir.parent).stdout  # fmt: skip
 
 
-def test_a_four_phase_run_reads_in_18_lines_of_80_columns_each_fact_true(
+def test_a_four_phase_run_reads_in_20_lines_of_80_columns_each_fact_true(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The printed summary and ``steptimer report``: heading, table, one throughput line, the verdict
-    with two facts, and nothing else (no step stood out); each number the summary's own."""
+    """The printed summary and ``steptimer report``: heading, table, one throughput line, one goodput
+    line, the verdict with two facts, and nothing else (no step stood out); each number the summary's
+    own."""
     s = _four_phase_run(str(tmp_path / "run"), monkeypatch)
     printed = capsys.readouterr().out
     assert s.verdict is not None and s.steps_per_s is not None and s.samples_per_s is not None
+    assert s.goodput is not None and len(s.goodput.lines()) == 1
     for name, text in (("steptimer", printed), ("run", _report(tmp_path / "run"))):
         lines = text.splitlines()
-        assert len(lines) <= 18 and max(map(len, lines)) <= 80, text
+        assert len(lines) <= 20 and max(map(len, lines)) <= 80, text
         assert lines[0] == f"{name}: 195 steps (5 warm-up left out), host clock only"
         assert lines[1].split() == ["host", "ms"] * 3 + ["share"] and lines[2].split()[0] == "phase"
         table = [line.split() for line in lines[4 : 4 + len(s.rows)]]
@@ -146,6 +148,7 @@ def test_a_four_phase_run_reads_in_18_lines_of_80_columns_each_fact_true(
         assert sum(r.share or 0.0 for r in s.rows) == pytest.approx(1.0)
         assert lines[4 + len(s.rows) :] == [
             f"throughput: {num(s.steps_per_s)} steps/s, {num(s.samples_per_s)} samples/s",
+            *s.goodput.lines(),
             "verdict: compute-bound",
             *[f"  - {e}" for e in s.verdict.evidence],
         ]
@@ -170,7 +173,7 @@ def test_a_step_that_stood_out_is_listed_alone(tmp_path: Path, monkeypatch: pyte
     assert slow == [f"slow step 100: {num(top.wall_ms)} ms; {top.cause}"], text
     assert top.cause == top.grew_text() and top.cause.startswith(f"forward +{num(top.grew_ms)} ms")
     assert top.grew_ms == pytest.approx(10.0, abs=0.02)
-    assert len(lines) <= 18 and max(map(len, lines)) <= 80, text
+    assert len(lines) <= 20 and max(map(len, lines)) <= 80, text
 
 
 def test_calls_per_step_read_as_counts(monkeypatch: pytest.MonkeyPatch) -> None:
