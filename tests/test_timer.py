@@ -898,6 +898,24 @@ def test_bad_peak_tflops_is_a_value_error(bad: object) -> None:
 
 
 @pytest.mark.cuda
+def test_the_default_cost_budget_times_every_step_of_a_gpu_bound_loop() -> None:
+    """A real GPU-bound loop (each step ~20 matmuls of 2048x2048, launched in far less time than they
+    run): the host waits for the GPU in every step, steptimer's own time hides in that wait, and the
+    default budget times every step."""
+    a = torch.randn(2048, 2048, device="cuda")
+    t = StepTimer(cuda=True, warmup_steps=5, print_summary=False)
+    for _ in range(60):
+        with t.step():
+            for name in ("forward", "backward"):
+                with t.phase(name):
+                    for _ in range(10):
+                        a = (a @ a).tanh()
+    s = t.close()
+    assert s.cost_budget is not None and s.sample_every is None
+    assert s.steps == 55 and s.timed_steps == 55 and s["forward"].gpu is not None
+
+
+@pytest.mark.cuda
 def test_mfu_on_the_gpu_uses_the_tables_bf16_peak_for_this_device() -> None:
     """On a real GPU with peak_tflops=None: the dense bf16 peak of torch.cuda.get_device_name() (the
     device machine's H100 is in the table), and MFU = TFLOP/s over it."""
