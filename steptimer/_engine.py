@@ -22,7 +22,7 @@ import torch
 from steptimer._clock import _CudaBackend, cuda_usable, default_backend
 from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, torch_memory_backend
 from steptimer._slow import StepMarks
-from steptimer._window import OWN_STEP_S, STEP_S, WAIT_S, RowKey, StepRows
+from steptimer._window import GAP_S, OWN_STEP_S, STEP_S, WAIT_S, RowKey, StepRows
 
 log = logging.getLogger("steptimer")
 
@@ -269,8 +269,7 @@ class Engine:
         return the step's end (host clock; 0.0: nothing after it to count). An untimed step with nothing
         to wait for, mark or record is a row at once (most steps under the cost budget: the cost of an
         untimed step is this path's)."""
-        pending, state, t0, number, slow = self._pending, self.state, self._t0, self.number + 1, self.slow
-        queued = bool(pending)
+        state, t0, number, slow = self.state, self._t0, self.number + 1, self.slow
         # The LEAD columns (_window.py); STEP_S and WAIT_S are set below and by ``_resolve``.
         gs, fetch = self._gap_start, self.fetch_s
         if fetch == fetch:  # a loader is timed: its time before the next step counts from here
@@ -294,7 +293,7 @@ class Engine:
                 self.off(SLOW, err)
         if (
             state == UNTIMED
-            and not queued
+            and not self._pending
             and not self._pause_evs
             and not self._late_marks
             and not self._paused_s
@@ -309,6 +308,13 @@ class Engine:
             row[STEP_S] = t_end - t0
             row[OWN_STEP_S] = t_end - t1
             return 0.0 if not self._window_due else t_end
+        return self._pend(t1, row, marks)
+
+    def _pend(self, t1: float, row: list[float], marks: dict[str, float] | None) -> float:
+        """``_queue`` of a step that is timed, or has a step before it, a pause, a mark or an event:
+        as a pending ``StepRecord``."""
+        pending, state, t0, number, gap = self._pending, self.state, self._t0, self.number + 1, row[GAP_S]
+        queued = bool(pending)
         rec = StepRecord(
             number, t0, row, None if gap != gap else gap, self._recs, self._pause_evs or (), self.device,
             self._paused_s, marks=marks,
