@@ -80,8 +80,6 @@ def main() -> None:
                     with timer.phase("data"):  # host fetch + copy to the GPU
                         x, y = next(loader)
                         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    # The loss inside forward: 6 rows and the total fit TensorBoard's 7 colours, so
-                    # each demo run's rows get the same colours, none the total's (docs/tensorboard.md).
                     with timer.phase("forward"):
                         loss = loss_fn(model(x), y) / args.accumulate
                     with timer.phase("backward"):

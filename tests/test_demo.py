@@ -32,8 +32,8 @@ def test_demo_runs_prints_summary_and_writes_tensorboard(tmp_path: Path) -> None
     assert "steptimer: 40 steps" in out.stdout  # 45 steps, 5 of them warm-up
     for phase in ("data", "forward", "backward", "optimizer", "other", "step"):
         assert any(line.split()[:1] == [phase] for line in out.stdout.splitlines()), phase
-    # 6 rows and the total: TensorBoard's 7 colours, each demo run's rows in the same ones
-    assert sorted(phase_runs(log_dir)) == ["backward", "data", "forward", "loop", "optimizer", "other"]
+    # a run per row, steptimer's own among them
+    assert sorted(phase_runs(log_dir)) == ["backward", "data", "forward", "loop", "optimizer", "other", "steptimer"]
     assert f"--logdir {log_dir}" in out.stdout
     tags = scalars(log_dir)
     # Every 20 steps after warm-up; the warm-up window (steps 1-5) is written but not drawn.

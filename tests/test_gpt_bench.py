@@ -174,7 +174,7 @@ def test_main_on_tiny_writes_json_and_tables_with_consistent_arithmetic(
     assert [len(x) for x in r["clock_ms"]["bare"]] == [len(x) for x in r["clock_ms"]["steptimer"]] == [3, 3]
     assert r["overhead_median"]["n"] == r["overhead_total"]["n"] == 2
     names = [row["name"] for row in r["rows"]]
-    assert names[0] == "data" and names[-2:] == ["other", "step"]  # host only: no GPU idle row
+    assert names[0] == "data" and names[-3:] == ["other", "steptimer", "step"]  # host only: no GPU idle row
     assert set(gpt_bench.PHASES) <= set(names)
     calls = {row["name"]: row["calls_per_step"] for row in r["rows"]}
     assert calls["forward"] == calls["loss"] == calls["backward"] == TINY.accum

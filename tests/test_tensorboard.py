@@ -113,7 +113,7 @@ def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, c
     t.close()
     runs = phase_runs(tmp_path)
     # step: in the log dir's run
-    assert set(runs) == {"data", "loop", "forward", "backward", "other", "wait", "idle", "idle/data", "idle/loop"}
+    assert set(runs) == {"data", "loop", "forward", "backward", "other", "steptimer", "wait", "idle", "idle/data", "idle/loop"}
     assert run_scalars(runs["forward"])["steptimer/gpu_ms"] == [(2, pytest.approx(5.0)), (4, pytest.approx(5.0))]
     own = run_scalars(tmp_path)
     assert not [tag for tag in own if "forward" in tag]  # only whole-window tags and step's there
@@ -123,119 +123,6 @@ def test_a_run_per_phase_and_layout_regexes_match_written_tags(tmp_path: Path, c
     for rx in regexes:
         assert any(re.search(rx, tag) for tag in tags), rx
     assert r"^steptimer/gpu_ms$" in regexes and r"^steptimer/samples_per_s$" in regexes
-
-
-def test_rows_charted_together_get_distinct_colours(clock: FakeClock) -> None:
-    """TensorBoard colours the n-th run of /data/runs with colour n mod 7 (both of its palettes have
-    7); the log dir's own run, holding step and the throughput, is the 0th. With 4 phases under CUDA
-    (8 rows with loop) every row of the host chart and of the GPU chart still gets a colour of its
-    own: idle first and wait last share one, and are never charted together."""
-    gpu = FakeGPU(clock)
-    sink = ListSink()
-    t = StepTimer._make(backend=gpu.backend(), log_every_n_steps=4, warmup_steps=0, print_summary=False, sinks=[sink])
-    for _ in range(4):
-        clock.advance_ms(1.0)
-        with t.step():
-            for name in ("data", "forward", "backward", "optimizer"):
-                with t.phase(name):
-                    gpu.launch(1.0)
-                    clock.advance_ms(1.0)
-    t.close()
-    (w,) = sink.windows
-    names = run_names(w)
-    assert names == ["idle", "data", "forward", "backward", "optimizer", "other", "loop", "wait"]
-    colour = {n: (i + 1) % 7 for i, n in enumerate(names)}  # after the log dir's own run
-    for chart in ([n for n in w.host if n != "step"], [n for n in w.gpu if n != "step"], list(w.shares)):
-        assert len({colour[n] for n in chart}) == len(chart), chart
-    assert set(window_summaries(w)) == {None, *names}  # no run for step
-
-
-def tensorboard_runs(logdir: Path) -> list[str]:
-    """``/data/runs`` as TensorBoard's own core plugin serves it for ``logdir`` (no server): the order
-    in which Time Series, Scalars and Custom Scalars give runs their colours, the n-th colour n mod 7."""
-    import warnings
-
-    from werkzeug.test import Client
-
-    with warnings.catch_warnings():  # TensorBoard's vendored html5lib warns of its own deprecation
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
-        from tensorboard.plugins.base_plugin import TBContext
-        from tensorboard.plugins.core.core_plugin import CorePlugin
-
-    mux = plugin_event_multiplexer.EventMultiplexer()
-    mux.AddRunsFromDirectory(str(logdir))
-    mux.Reload()
-    provider = data_provider.MultiplexerDataProvider(mux, str(logdir))
-    app = CorePlugin(TBContext(data_provider=provider, logdir=str(logdir))).get_plugin_apps()["/data/runs"]
-    return json.loads(Client(app).get("/data/runs").get_data())
-
-
-DEMO_ROWS = ["data", "forward", "backward", "optimizer", "other", "loop"]  # the demo's on a CPU, in run order
-
-
-def demo_log_dirs(parent: Path, clock: FakeClock, count: int) -> None:
-    """``count`` log dirs side by side, ``demo-1``, ``demo-2``, ..., each with the demo's rows on a CPU."""
-    for n in range(1, count + 1):
-        options = {"log_every_n_steps": 2, "warmup_steps": 0, "print_summary": False}
-        t = StepTimer(log_dir=parent / f"demo-{n}", cuda=False, **options)
-        for _ in t.data(iter(range(4))):
-            with t.step():
-                for name in ("forward", "backward", "optimizer"):
-                    with t.phase(name):
-                        clock.advance_ms(1.0)
-        t.close()
-
-
-@pytest.mark.parametrize("log_dirs", [2, 3])
-def test_a_phase_has_one_colour_in_every_log_dir_and_none_shares_the_totals(
-    tmp_path: Path, clock: FakeClock, log_dirs: int
-) -> None:
-    """Log dirs side by side (``--logdir runs`` with demo-1, demo-2, ...), each with the demo's rows on
-    a CPU: 6 rows and the log dir's own run (the totals) fill TensorBoard's 7 colours, so in every log
-    dir a phase gets the same colour and no row gets another's or the total's; ``data`` and the first
-    phase get neighbouring palette entries (blue and red in Scalars, not blue and cyan)."""
-    demo_log_dirs(tmp_path, clock, log_dirs)
-    runs = tensorboard_runs(tmp_path)
-    colour = {run: i % 7 for i, run in enumerate(runs)}
-    for n in range(1, log_dirs + 1):
-        mine = [f"demo-{n}", *(f"demo-{n}/steptimer/{r}" for r in DEMO_ROWS)]
-        assert [r for r in runs if r.split("/")[0] == f"demo-{n}"] == mine
-        assert [colour[r] for r in mine] == list(range(7))  # the total 0, the rows 1-6, as in demo-1
-    shares = {r: run_scalars(tmp_path / r) for r in runs}
-    assert all("steptimer/host_pct" in tags for tags in shares.values())  # all 7 in the share chart
-
-
-BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-@pytest.mark.skipif(BROWSER is None, reason="needs chromium (Debian: apt-get install -y chromium)")
-def test_time_series_in_a_browser_gives_a_phase_one_colour_in_three_log_dirs(tmp_path: Path, clock: FakeClock) -> None:
-    """What a user sees: Time Series in headless Chromium, on a real ``tensorboard``, with three log
-    dirs: the colour swatch of each run in its run table. Each phase (and the total) has the colour
-    docs/tensorboard.md names, the same in all three log dirs."""
-    logs = tmp_path / "runs"
-    demo_log_dirs(logs, clock, 3)
-    with _Server(logs) as tb:
-        tb.until(lambda: len(tb.get("/data/runs")) == 3 * 7)
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--virtual-time-budget=15000"]
-        profile = f"--user-data-dir={tmp_path / 'profile'}"
-        url = f"{tb.base}/?forceSVG=true#timeseries"
-        cmd = [str(BROWSER), *flags, profile, "--dump-dom", url]
-        page = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
-    # The run selector's rows: data-id="defaultExperimentId/<run>", then the run's swatch.
-    found = re.findall(r'data-id="[^"/]*/(demo-[^"]+)".*?run-color-swatch" style="background: ([^;"]+)', page)
-    swatch = dict(found)
-    assert len(swatch) == 3 * 7, sorted(swatch)
-    # Time Series' palette (#425066 slate, #12b5cb cyan, ...), in the order docs/tensorboard.md gives
-    rgb = ["66, 80, 102", "18, 181, 203", "229, 37, 146", "249, 171, 0", "147, 52, 230", "124, 179, 66", "232, 113, 10"]
-    named = dict(zip(["slate", "cyan", "pink", "yellow", "purple", "green", "orange"], rgb))
-    doc = "data cyan, forward pink, backward yellow, optimizer purple, other green, loop orange, the total slate"
-    assert doc in " ".join(Path(__file__).resolve().parents[1].joinpath("docs", "tensorboard.md").read_text().split())
-    want = {row: f"rgb({named[c]})" for row, c in (part.rsplit(" ", 1) for part in doc.split(", "))}
-    for n in (1, 2, 3):
-        assert swatch[f"demo-{n}"] == want["the total"]
-        assert {r: swatch[f"demo-{n}/steptimer/{r}"] for r in DEMO_ROWS} == {r: want[r] for r in DEMO_ROWS}
 
 
 def test_split_tag_is_undone_by_join_tag() -> None:
@@ -394,8 +281,8 @@ def test_dashboard_on_a_real_tensorboard_server(tmp_path: Path, clock: FakeClock
     t.close()
     writer.close()
     # run_names: timeline order, no step; the user's: no GPU: no idle (nor its parts), no wait
-    rows = ["idle", "data", "forward", "backward", "other", "idle/data", "idle/loop", "loop", "wait"]
-    user_rows = ["data", "forward", "backward", "other", "loop"]
+    rows = ["idle", "data", "forward", "backward", "other", "steptimer", "idle/data", "idle/loop", "loop", "wait"]
+    user_rows = ["data", "forward", "backward", "other", "steptimer", "loop"]
 
     with _Server(logs) as tb:
         tb.until(lambda: len(tb.get("/data/runs")) == 2 + len(rows) + len(user_rows)
@@ -715,7 +602,7 @@ def test_every_row_is_whole_under_tensorboards_outlier_clipping(tmp_path: Path, 
     for chart in ("steptimer/host_pct", "steptimer/host_ms"):
         lines = {name: [v for _, v in run[chart]] for name, run in tags.items() if chart in run}
         rows = {name: v for name, v in lines.items() if name}
-        assert set(rows) == {"loop", "forward", "backward", "other"} and len(lines) == len(rows) + 1, chart
+        assert set(rows) == {"loop", "forward", "backward", "other", "steptimer"} and len(lines) == len(rows) + 1, chart
         top = _top(lines)
         assert max(_smoothed(rows["backward"])) <= top, (chart, lines)  # whole
         if chart.endswith("_ms"):  # without the total its top windows would be cut off
