@@ -18,9 +18,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-# The engine's clock, read through its module: the spans and the engine's step regions are on one
-# clock (a test's patched clock included).
-from steptimer import _engine
 from steptimer._format import num, pct
 
 __all__ = ["Goodput", "Timeline"]
@@ -79,6 +76,15 @@ class Goodput:
         return cls(**{k: d[k] for k in parts}, before_s=d.get("before_s"))
 
 
+def _now() -> float:
+    """The engine's clock, read through its module: the spans and the engine's step regions are on
+    one clock (a test's patched clock too). Imported here, not above: ``report`` reads a
+    :class:`Goodput` without importing torch."""
+    from steptimer import _engine
+
+    return _engine.perf_counter()
+
+
 def process_start() -> float | None:
     """The process's start on the ``perf_counter`` clock (Linux: ``/proc``, 10 ms resolution), else None."""
     try:
@@ -87,7 +93,7 @@ def process_start() -> float | None:
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-    return _engine.perf_counter() - age
+    return _now() - age
 
 
 class Timeline:
@@ -97,7 +103,7 @@ class Timeline:
 
     def __init__(self, engine: Any) -> None:
         self._e = engine
-        self.start = _engine.perf_counter()
+        self.start = _now()
         ps = process_start()
         self.before_s = None if ps is None else max(0.0, self.start - ps)
         self.warm_end: float | None = None  # the last warm-up step's end (step() sets it)
@@ -134,7 +140,7 @@ class Timeline:
             self.exit()
 
     def enter(self, kind: Kind) -> None:
-        t = _engine.perf_counter()
+        t = _now()
         if self._open:
             self._segment(self._open[-1], t)
         self._open.append([kind, t])
@@ -142,7 +148,7 @@ class Timeline:
     def exit(self) -> None:
         if not self._open:
             return
-        t = _engine.perf_counter()
+        t = _now()
         self._segment(self._open.pop(), t)
         if self._open:
             self._open[-1][1] = t
@@ -164,7 +170,7 @@ class Timeline:
         """The parts, now (idempotent); spans left open end here."""
         if self.done is not None:
             return self.done
-        t = _engine.perf_counter()
+        t = _now()
         while self._open:
             self.exit()
         _unwatch_saves(self)
