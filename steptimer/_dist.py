@@ -21,9 +21,9 @@ from steptimer._energy import GpuState
 from steptimer._format import num
 from steptimer._memory import MIB
 from steptimer._slow import SlowestKeeper, SlowStep, grew_most, is_wait_phase, text_value
-from steptimer._summary import LAUNCH_RATIO, LastRank, LateWindows, RankSpread, RankSummary, SummaryAccumulator
+from steptimer._summary import LastRank, LateWindows, RankSpread, RankSummary, SummaryAccumulator
 from steptimer._tags import RANKS, run_tag
-from steptimer._verdict import DERIVED
+from steptimer._verdict import DERIVED, launch_bound
 from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
@@ -264,7 +264,7 @@ def host_paced(fed: Sequence[float], steps: int) -> bool:
     """A phase's host, GPU and caught-up sums over ``steps`` tell it was launch-bound (the verdict's
     rule): the GPU waited for the host's launches, so the host set its pace."""
     host, gpu, caught = fed
-    return gpu <= LAUNCH_RATIO * host and caught >= 0.5 * steps
+    return launch_bound(gpu, host, caught / steps if steps else None)
 
 
 @dataclass

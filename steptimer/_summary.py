@@ -22,6 +22,7 @@ from steptimer._verdict import (
     Series,
     ShareClock,
     Verdict,
+    launch_bound,
     shares,
     verdict,
     waited_for,
@@ -271,7 +272,6 @@ def all_warmup_note(steps: int) -> str:
     return f"{which} warm-up (the run ended inside warmup_steps): summarized as they are, first-step costs included"
 
 
-LAUNCH_RATIO = 1.1
 NO_STATS = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)  # a row not on this clock
 
 
@@ -301,11 +301,10 @@ def summarize(
 
 
 def _launch_bound(name: str, h: Series | None, g: Series | None, caught: float | None) -> bool:
-    """GPU span at most 1.1x the host's *and* the GPU caught up inside the phase in half its steps (None:
-    not logged); a GPU that never caught up had work queued all along, however close the spans."""
+    """The launch-bound rule (``_verdict.launch_bound``) on the phase's median spans."""
     if g is None or h is None or name in DERIVED_LAST:
         return False
-    return g.stats.median_ms <= LAUNCH_RATIO * h.stats.median_ms and (caught is None or caught >= 0.5)
+    return launch_bound(g.stats.median_ms, h.stats.median_ms, caught)
 
 
 def row_order(seen: list[str], present: set[str] | dict[str, object]) -> list[str]:

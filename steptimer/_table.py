@@ -21,8 +21,7 @@ from steptimer._memory import MIB
 from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, Delta, Gate
 from steptimer._slow import SlowStep
 from steptimer._summary import CHRONIC_SHARE, Summary
-from steptimer._verdict import COMM_SHARE, LATE_SHARE
-from steptimer._verdict import DERIVED, DERIVED_FIRST, DERIVED_LAST
+from steptimer._verdict import COMM_SHARE, DERIVED, DERIVED_FIRST, DERIVED_LAST, LATE_SHARE, LAUNCH_RULE
 
 
 def fitted(variants: Iterable[Any], width: int) -> Any:
@@ -170,8 +169,7 @@ def explanations(summary: Summary) -> list[str]:
          "phases and steptimer's own time; wait: steptimer's one event wait a step; steptimer: its own "
          "host time (step ends, resolving, top-level phases' entries and exits, window statistics)"),
         (any(r.launch_bound for r in summary.rows),
-         "* launch-bound: the GPU caught up with the host inside the phase and its span is at most "
-         "1.1x the host's: the GPU waited for launches, and its number includes that idle"),
+         f"* launch-bound: {LAUNCH_RULE}: the GPU waited for launches, and its number includes that idle"),
         (not summary.cuda,
          "host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here"),
         (summary.memory is not None,

@@ -56,6 +56,22 @@ COMM_SHARE = 0.10  # the compute waited for a watched DDP model's collectives at
 # The wait at the collectives was for a late rank: its lateness (ms a step, over every step) is at
 # least this part of the mean wait (comm_exposed) of the rank that waited most.
 LATE_SHARE = 0.5
+# A phase is launch-bound (its GPU waited for the host's launches) when its GPU span is at most
+# LAUNCH_RATIO times its host span and the GPU caught up inside it in at least CAUGHT_SHARE of its steps.
+LAUNCH_RATIO = 1.1
+CAUGHT_SHARE = 0.5
+LAUNCH_RULE = (
+    f"the GPU caught up with the host inside the phase in at least {CAUGHT_SHARE:.0%} of its steps and "
+    f"its span is at most {LAUNCH_RATIO}x the host's"
+)
+
+
+def launch_bound(gpu_ms: float, host_ms: float, caught: float | None) -> bool:
+    """The launch-bound rule (``LAUNCH_RULE``) for a phase's GPU and host spans (medians or sums) and
+    the share of its steps in which the GPU caught up inside it (None: not logged). A GPU that never
+    caught up had work queued all along, however close the spans."""
+    return gpu_ms <= LAUNCH_RATIO * host_ms and (caught is None or caught >= CAUGHT_SHARE)
+
 
 VerdictKind = Literal[
     "input-bound", "loop-bound", "launch-bound", "input-bound + launch-bound", "loop-bound + launch-bound",

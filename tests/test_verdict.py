@@ -345,3 +345,15 @@ def test_an_empty_loop_is_steptimer_bound_not_loop_bound(tmp_path: Path) -> None
     assert r["steptimer"].share == pytest.approx(own.share, rel=1e-6)
     assert r["steptimer"].host.median_ms == pytest.approx(own.host.median_ms)
     assert r.verdict == s.verdict and sum(x.share or 0.0 for x in r.rows) == pytest.approx(1.0)
+
+
+def test_the_launch_bound_rule_is_one_function_and_its_text() -> None:
+    """One rule for the summary's rows, the cross-rank "its host launched slower" and --explain's text:
+    GPU span at most 1.1x the host's and the GPU caught up in at least half the phase's steps."""
+    from steptimer._dist import host_paced
+    from steptimer._verdict import LAUNCH_RULE, launch_bound
+
+    assert launch_bound(1.1, 1.0, 0.5) and launch_bound(1.0, 1.0, None)
+    assert not launch_bound(1.12, 1.0, 1.0) and not launch_bound(1.0, 1.0, 0.49)
+    assert host_paced((10.0, 11.0, 5.0), 10) and not host_paced((10.0, 11.0, 4.0), 10)  # sums over 10 steps
+    assert "50%" in LAUNCH_RULE and "1.1x" in LAUNCH_RULE
