@@ -125,6 +125,11 @@ def check_count(name: str, value: object) -> float:
     return number
 
 
+def window_steps(base: int, sample_every: int | None) -> int:
+    """A window's default length: ``base`` steps, and at least 10 sampled steps under ``sample_every``."""
+    return max(base, 1 if sample_every in (None, 1) else 10 * sample_every)
+
+
 def check_folder(name: str, file: str, folder: str | None) -> None:
     """``trace_steps``' and the profilers' files go next to the event files: a log directory is needed."""
     if folder is None:

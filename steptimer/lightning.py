@@ -21,7 +21,7 @@ from typing_extensions import override
 from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._engine import Fetch
 from steptimer._hooks import Hooks, watch_comm
-from steptimer._options import COST_BUDGET, Options, _positive
+from steptimer._options import COST_BUDGET, Options, _positive, window_steps
 from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
 from steptimer._tensorboard import TensorBoardSink, window_scalars
@@ -242,7 +242,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             options["profile_steps"] = None
         every, sample_every = int(trainer.log_every_n_steps), options["sample_every"]
         if options["log_every_n_steps"] is None and every != 50:  # 50: StepTimer's, lengthened to 1 s
-            options["log_every_n_steps"] = max(every, 1 if sample_every in (None, 1) else 10 * sample_every)
+            options["log_every_n_steps"] = window_steps(every, sample_every)
         options.update(print_summary=False, start_step=self._steps_done)
         timer = StepTimer._make(
             **options, **self._seams, peak_dtype=dtype_of_precision(trainer.precision),

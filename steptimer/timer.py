@@ -15,11 +15,11 @@ from steptimer import _exit
 from steptimer._clock import _CudaBackend, prepare_native
 from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank, _initialized, energy_values
 from steptimer._energy import EnergyWindows
-from steptimer._goodput import Kind, Timeline
 from steptimer._engine import CAPTURE, MEMORY_AUTO, SLOW, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
+from steptimer._goodput import Kind, Timeline
 from steptimer._memory import MemoryStats, _MemoryBackend, oom_note
-from steptimer._options import COST_BUDGET, Options, check_bool, check_count, check_phase_name
+from steptimer._options import COST_BUDGET, Options, check_bool, check_count, check_phase_name, window_steps
 from steptimer._peaks import cuda_peak
 from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K
@@ -215,7 +215,7 @@ class StepTimer:
         # A window may be lengthened to last MIN_WINDOW_S (the default only, one process only).
         distributed = _distributed()
         window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not distributed else 0.0
-        log_every_n_steps = log_every_n_steps or max(50, 10 * (sample_every or 1))
+        log_every_n_steps = log_every_n_steps or window_steps(50, sample_every)
         profiled = profile_steps is not None or profile_on_slow is not None
         # Ranks must time the same steps (each rank's budget would pick others; _join for a rank learned
         # at the first step); a trace needs every step.
