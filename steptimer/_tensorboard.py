@@ -24,8 +24,8 @@ from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from steptimer import _tags
 from steptimer._dist import CHARTS as RANK_CHARTS
 from steptimer._dist import ranks_proto
-from steptimer._goodput import goodput_proto
 from steptimer._files import cause
+from steptimer._goodput import goodput_proto
 from steptimer._histogram import UPPER_MS
 from steptimer._memory import MIB
 from steptimer._records import frame
