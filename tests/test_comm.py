@@ -19,8 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from steptimer import PhaseSummary, SeriesStats, StepTimer
-from steptimer import _comm
+from steptimer import PhaseSummary, SeriesStats, StepTimer, _comm
 from steptimer._comm import comm_ms, union_ms
 from steptimer._reader import find_runs
 from steptimer._report import analyze

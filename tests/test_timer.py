@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import gc
+import logging
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +15,6 @@ import torch
 import steptimer._engine as engine_mod
 import steptimer.timer as timer_mod
 from steptimer import StepTimer
-from steptimer._format import num, pct
 from steptimer._options import COST_BUDGET
 from tests.fakes import FakeClock, FakeGPU, ListSink, render
 

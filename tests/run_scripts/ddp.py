@@ -2,9 +2,8 @@
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from sleepy import Net, SleepySGD, loss_fn, nap
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 dist.init_process_group("gloo")
 model = DDP(Net())

@@ -1,9 +1,8 @@
 """DCGAN-shaped: two networks, two optimizers, each network's zero_grad, D on real and fake batches."""
 
 import torch
-from torch import nn
-
 from sleepy import SleepySGD, nap
+from torch import nn
 
 
 class D(nn.Module):

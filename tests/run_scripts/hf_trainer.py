@@ -5,9 +5,8 @@ import sys
 import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
 from sleepy import SLEEP_MS
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 
 class SleepyGPT2(GPT2LMHeadModel):

@@ -5,9 +5,8 @@ import argparse
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from torch.utils.data import DataLoader
-
 from sleepy import Net, SleepySGD, dataset, loss_fn, slow_collate
+from torch.utils.data import DataLoader
 
 
 class Module(LightningModule):

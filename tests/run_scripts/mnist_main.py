@@ -5,9 +5,8 @@ import argparse
 import sys
 
 import torch
-from torch.utils.data import DataLoader
-
 from sleepy import Net, SleepySGD, dataset, loss_fn, slow_collate
+from torch.utils.data import DataLoader
 
 
 def train(model, loader, optimizer, accum):

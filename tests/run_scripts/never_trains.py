@@ -3,7 +3,6 @@
 import sys
 
 import torch
-
 from sleepy import Net
 
 model = Net()
