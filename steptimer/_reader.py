@@ -15,6 +15,7 @@ from steptimer._records import RecordError, read_records
 from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
 from steptimer._summary import RankSummary
 from steptimer._tags import (
+    DEVICE,
     EVENT_FILE_PREFIX,
     FLIGHT_DIR,
     FLIGHT_FILE,
@@ -50,6 +51,7 @@ class RunLog:
     slowest: list[SlowStep] = field(default_factory=list)
     ranks: RankSummary | None = None  # the live summary's per-rank section, written at close
     goodput: Goodput | None = None  # where the run's wall time went, written at close
+    device: str | None = None  # the timed device's name (``_tags.DEVICE``); None: logs from before it
 
 
 def find_runs(logdir: str) -> list[RunLog]:
@@ -142,6 +144,7 @@ def read_run(files: Files, path: str) -> RunLog:
     slow: list[_Written] = []  # the latest slowest steps, whatever their step
     ranks: list[_Written] = []  # the latest per-rank section
     goodput: list[_Written] = []  # the latest timeline
+    device: list[_Written] = []
     with_windows = set()  # the run's own files that hold steptimer values
     for phase, f, events in sources:
         for event in events:
@@ -164,6 +167,8 @@ def read_run(files: Files, path: str) -> RunLog:
                     ranks.append((event.wall_time, 0, value.tensor.string_val[0]))
                 elif kind == "tensor" and key == GOODPUT_JSON_TAG and value.tensor.string_val:
                     goodput.append((event.wall_time, 0, value.tensor.string_val[0]))
+                elif kind == "tensor" and key == DEVICE and value.tensor.string_val:
+                    device.append((event.wall_time, 0, value.tensor.string_val[0]))
                 elif kind == "tensor" and (v := _tensor_scalar(value.tensor)) is not None:
                     scalars.setdefault(key, []).append((*at, v))
     if len(with_windows) > 1:
@@ -177,6 +182,7 @@ def read_run(files: Files, path: str) -> RunLog:
         notes, _with_traces(parse_slow_json(_latest(slow)[0][1]), files) if slow else [],
         parse_ranks_json(_latest(ranks)[0][1]) if ranks else None,
         parse_goodput_json(_latest(goodput)[0][1]) if goodput else None,
+        _latest(device)[0][1].decode(errors="replace") if device else None,
     )  # fmt: skip
 
 

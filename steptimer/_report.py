@@ -84,7 +84,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         warmup_steps=0 if include_warmup else sum(warm.values()), notes=tuple(notes), memory=_memory(scal),
         slowest=tuple(s for s in run.slowest if s.step > skip_steps), name=run.name, path=run.path,
         windows=len(windows), of_steps=bool(run.hists), energy=_energy(scal, n_of), ranks=run.ranks,
-        goodput=run.goodput,
+        goodput=run.goodput, device=run.device,
         cycle_window_ms=tuple(1e3 / rate[s] for s in windows if rate.get(s)),
     )  # fmt: skip
 
@@ -149,6 +149,7 @@ def summary_of_json(doc: dict[str, Any], path: str) -> Summary:
             energy=e and Energy(e["joules"], e["steps"], e["seconds"]),
             goodput=g and Goodput.from_json(g),
             path=path,
+            device=doc.get("device"),  # None: saved before the device was logged
             cycle_window_ms=tuple(doc["cycle_window_ms"]),
         )
     except (KeyError, TypeError, ValueError) as err:
@@ -315,8 +316,8 @@ class Gate:
 
 def gate(a: Summary, b: Summary, deltas: list[Delta], threshold_pct: float, rows: Sequence[str] = ()) -> Gate:
     """Gate B on A: ``rows`` (default: the phases, ``step`` and ``wall per step``) slower than the
-    noise allows and by more than ``threshold_pct`` %. Not comparable: different rows, too few steps
-    or windows, or one run timed on a GPU and the other on the host only."""
+    noise allows and by more than ``threshold_pct`` %. Not comparable: different devices, different
+    rows, too few steps or windows, or one run timed on a GPU and the other on the host only."""
     checked = tuple(rows) or tuple(d.name for d in deltas if d.name not in DERIVED or d.name == "step")
     slower = tuple(d.name for d in deltas if d.name in checked and _slower(d, threshold_pct))
     return Gate(threshold_pct, checked, slower, _not_comparable(a, b, deltas))
@@ -329,11 +330,14 @@ def _slower(d: Delta, threshold_pct: float) -> bool:
 
 
 def _not_comparable(a: Summary, b: Summary, deltas: list[Delta]) -> str | None:
-    """Why A and B can't be compared, in a line; None: they can."""
+    """Why A and B can't be compared, in a line; None: they can. A run of unknown device (logs from
+    before it was recorded) is comparable to any."""
     if a.cuda != b.cuda:
         return "different clocks: " + "; ".join(
             f"{label} {'CUDA events' if s.cuda else 'host clock only'}" for label, s in (("A", a), ("B", b))
         )
+    if a.device and b.device and a.device != b.device:
+        return f"run A on {a.device}, run B on {b.device}"
     only = {run: ", ".join(d.name for d in deltas if d.only_in == run) for run in ("A", "B")}
     if any(only.values()):
         return "different phases: " + "; ".join(f"only in {run}: {names}" for run, names in only.items() if names)

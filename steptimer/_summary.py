@@ -214,6 +214,7 @@ class Summary:
     goodput: Goodput | None = None  # where the run's wall time went (_goodput.py)
     name: str = "steptimer"
     path: str | None = None
+    device: str | None = None  # the timed device's name (None: not logged)
     windows: int | None = None
     of_steps: bool = True  # median and p90 of steps (histograms), not of window means
     cycle_window_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
@@ -237,7 +238,7 @@ class Summary:
         d = {k: getattr(self, k) for k in (
             "name", "path", "steps", "timed_steps", "sample_every", "cost_budget", "warmup_steps", "windows",
             "of_steps", "cuda", "share_clock", "wall_s", "steps_per_s", "samples_per_s", "tokens_per_s",
-            "tflops_per_s", "mfu", "notes",
+            "tflops_per_s", "mfu", "notes", "device",
         )}  # fmt: skip
         d["quantiles_of"] = "steps" if self.of_steps else "window means"
         d["rows"] = [

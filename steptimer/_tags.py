@@ -51,6 +51,8 @@ ALL_WARMUP = f"{RUN}/all_warmup_steps"
 # Which steps were timed, logged once: one in N (``sample_every``), or as the cost budget allowed.
 SAMPLE_EVERY = f"{RUN}/sample_every"
 COST_BUDGET = f"{RUN}/cost_budget"
+# The timed device, logged once as text: the GPU's name with CUDA timing, else the CPU's (or "cpu").
+DEVICE = f"{RUN}/device"
 
 
 class Tag(NamedTuple):

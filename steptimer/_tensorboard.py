@@ -82,7 +82,7 @@ def window_scalars(window: Window) -> dict[str, float]:
         for by_name, measure in ((mem.peak_bytes, "peak_mib"), (mem.alloc_bytes, "alloc_mib")):
             out.update({tag(MAIN, "mem", name, measure): b / MIB for name, b in by_name.items()})
         out[_tags.RESERVED_MIB] = mem.reserved_bytes / MIB
-    return {**out, **window.extra}
+    return {**out, **{k: v for k, v in window.extra.items() if not isinstance(v, str)}}  # text: a run's fact
 
 
 def run_names(window: Window) -> list[str]:
@@ -115,10 +115,17 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
     # A warm-up window's values (slow first steps: every chart would start with an outlier) and the
     # run's facts (steptimer-run/...) are tensors of a plugin no dashboard draws; the reader reads them.
     meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_tags.WARMUP))
-    values = [(*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()]
+    values: list[tuple[str | None, str, float | str]] = [
+        (*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()
+    ]
+    values += [(None, k, v) for k, v in window.extra.items() if isinstance(v, str)]  # the run's device
     for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
         if window.warmup or in_run.startswith(_tags.RUN):
-            hidden = TensorProto(dtype=1, float_val=[v])  # DT_FLOAT
+            hidden = (
+                TensorProto(dtype=7, string_val=[v.encode()])  # DT_STRING
+                if isinstance(v, str)
+                else TensorProto(dtype=1, float_val=[v])  # DT_FLOAT
+            )
             out[name].value.add(tag=f"{_tags.WARMUP}/{in_run}", metadata=meta, tensor=hidden)
         else:
             out[name].value.add(tag=in_run, simple_value=v)

@@ -309,8 +309,8 @@ class Window(Rates):
     # Per phase, the fraction of its timed steps in which the GPU reached its entry before the host
     # left it: below 0.5 the GPU can't have waited for the host there (_summary._launch_bound).
     caught: Mapping[str, float] = field(default_factory=dict)
-    # More scalars by tag, written as they are (cross-rank statistics: _dist.py).
-    extra: Mapping[str, float] = field(default_factory=dict)
+    # More scalars by tag, written as they are (cross-rank statistics: _dist.py); text: a run's fact.
+    extra: Mapping[str, float | str] = field(default_factory=dict)
     memory: MemoryStats | None = None  # CUDA memory of the window's timed steps (None: not read)
     # Each top-level row's part of the window's wall time, on ``share_clock`` (_verdict.py).
     shares: Mapping[str, float] = field(default_factory=dict)

@@ -25,7 +25,7 @@ from steptimer._profile import Ranges, make_ranges
 from steptimer._slow import DEFAULT_K
 from steptimer._summary import Summary, SummaryAccumulator, all_warmup_note
 from steptimer._table import print_summary
-from steptimer._tags import ALL_WARMUP, SAMPLE_EVERY
+from steptimer._tags import ALL_WARMUP, DEVICE, SAMPLE_EVERY
 from steptimer._tags import COST_BUDGET as COST_BUDGET_TAG
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
@@ -102,6 +102,26 @@ def _distributed() -> bool:
     dist = _initialized()
     world = str(dist.get_world_size()) if dist is not None else os.environ.get("WORLD_SIZE", "").strip()
     return world.isdigit() and int(world) > 1  # not a number: no launcher of ours set it
+
+
+def _device_name(cuda_device: int | None) -> str | None:
+    """The timed device's name, read once a run (``compare --fail-slower`` tells devices apart):
+    CUDA device ``cuda_device``'s, else the CPU's model name from /proc/cpuinfo (a file read; not
+    ``platform.processor()``, which runs ``uname -p`` in a subprocess on Linux and macOS), else "cpu".
+    None: a CUDA device whose name can't be read (a simulated GPU)."""
+    if cuda_device is not None:
+        import torch
+
+        try:
+            return torch.cuda.get_device_name(cuda_device if cuda_device >= 0 else None)
+        except Exception:  # noqa: BLE001 - no usable CUDA: no name, no claim
+            return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line for line in f if line.startswith("model name")), "")
+    except OSError:  # not Linux
+        model = ""
+    return model.partition(":")[2].strip() or "cpu"
 
 
 def _checked_dir(log_dir: object) -> str | None:
@@ -526,8 +546,11 @@ class StepTimer:
             self._energy.write_ready(self._sinks, xrank.energy if xrank is not None else None)
         if window is None:
             return run_energy
-        if self._run_tags:
-            window = dataclasses.replace(window, extra={**window.extra, **self._run_tags})
+        if self._run_tags:  # the first window: the engine's device is known now, between steps
+            real_cuda = engine.cuda and not engine._custom_backend
+            device = _device_name(engine.device if real_cuda else None)
+            facts = {**self._run_tags, **({DEVICE: device} if device else {})}
+            window = dataclasses.replace(window, extra={**window.extra, **facts})
             self._run_tags = {}
         self._to_sinks("write_window", window)
         if energy and not closing:

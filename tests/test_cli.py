@@ -1293,3 +1293,79 @@ def test_the_cli_reads_logs_without_importing_torch() -> None:
     command (2.3 s against 0.35 s on the 2-core host)."""
     code = "import sys, steptimer.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT}).returncode == 0
+
+
+# ---------------------------------------------------------------------- the timed device, and the gate on it
+
+
+def test_the_device_is_logged_once_and_reported(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The device's name is one text tag on the first window (TensorBoard's reader reads it back),
+    read once a run; ``report --json`` carries it. Host-only: the CPU's model name from /proc/cpuinfo."""
+    import steptimer.timer as timer_mod
+    from steptimer.cli import main
+    from tests.tb import accumulator
+
+    calls = []
+    monkeypatch.setattr(timer_mod, "_device_name", lambda dev: calls.append(dev) or "Test CPU 7")
+    host_run(tmp_path / "a", clock, {"forward": 4.0})
+    acc = accumulator(tmp_path / "a")
+    events = acc.Tensors("steptimer-warmup/steptimer-run/device")
+    assert calls == [None] and [(e.step, e.tensor_proto.string_val) for e in events] == [(10, [b"Test CPU 7"])]
+    assert main(["report", str(tmp_path / "a"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["device"] == "Test CPU 7"
+    monkeypatch.undo()
+    host_run(tmp_path / "b", clock, {"forward": 4.0})
+    assert main(["report", str(tmp_path / "b"), "--json"]) == 0
+    device = json.loads(capsys.readouterr().out)["runs"][0]["device"]
+    cpuinfo = Path("/proc/cpuinfo")
+    models = re.findall(r"^model name\s*:\s*(.+?)\s*$", cpuinfo.read_text(), re.M) if cpuinfo.exists() else []
+    assert device == (models[0] if models else "cpu")
+
+
+def test_fail_slower_says_runs_on_different_devices_are_not_comparable(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two runs whose logged devices differ: exit 2, "not comparable: run A on X, run B on Y", from
+    the logs and from a saved baseline. The same device: the gate as before (pass). A run with no
+    device logged (logs from before it was, or a saved JSON without it): comparable, no claim."""
+    import steptimer.timer as timer_mod
+    from steptimer.cli import main
+
+    base = {"forward": 4.0, "backward": 6.0}
+    for name, device, seed in (("a", "CPU X", 0), ("same", "CPU X", 1), ("other", "CPU Y", 2), ("old", None, 3)):
+        monkeypatch.setattr(timer_mod, "_device_name", lambda dev, name=device: name)
+        host_run(tmp_path / name, clock, base, seed=seed)
+    assert main(["report", str(tmp_path / "a"), "--json"]) == 0
+    saved = json.loads(capsys.readouterr().out)
+    (tmp_path / "a.json").write_text(json.dumps(saved))
+    del saved["runs"][0]["device"]
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    reason = "run A on CPU X, run B on CPU Y"
+    for a in ("a", "a.json"):
+        status, out = compare_main(capsys, str(tmp_path / a), str(tmp_path / "other"), "--fail-slower", "10", "--json")
+        gate = json.loads(out)["gate"]
+        assert status == gate["status"] == 2 and gate["verdict"] == "not comparable" and gate["reason"] == reason
+        status, out = compare_main(capsys, str(tmp_path / a), str(tmp_path / "other"), "--fail-slower", "10")
+        assert status == 2 and gate_line(out) == f"not comparable: {reason}"
+    for a, b in (("a", "same"), ("a.json", "same"), ("a", "old"), ("old.json", "other")):
+        status, out = compare_main(capsys, str(tmp_path / a), str(tmp_path / b), "--fail-slower", "10")
+        assert status == 0 and gate_line(out).startswith("pass: no row of"), (a, b, out)
+
+
+@pytest.mark.cuda
+def test_the_gpus_name_is_logged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With CUDA timing the logged device is the timed GPU's name, as torch names it."""
+    import torch
+
+    from steptimer.cli import main
+
+    x = torch.randn(256, 256, device="cuda")
+    t = StepTimer(log_dir=str(tmp_path), log_every_n_steps=5, warmup_steps=0, print_summary=False, cuda=True)
+    for _ in range(10):
+        with t.step(), t.phase("forward"):
+            x = torch.tanh(x @ x)
+    t.close()
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["device"] == torch.cuda.get_device_name(x.device)
