@@ -108,7 +108,7 @@ def _device_name(cuda_device: int | None) -> str | None:
     """The timed device's name, read once a run (``compare --fail-slower`` tells devices apart):
     CUDA device ``cuda_device``'s, else the CPU's model name from /proc/cpuinfo (a file read; not
     ``platform.processor()``, which runs ``uname -p`` in a subprocess on Linux and macOS), else "cpu".
-    None: a CUDA device whose name can't be read (a simulated GPU)."""
+    None: a CUDA device whose name can't be read."""
     if cuda_device is not None:
         import torch
 
@@ -547,8 +547,8 @@ class StepTimer:
         if window is None:
             return run_energy
         if self._run_tags:  # the first window: the engine's device is known now, between steps
-            real_cuda = engine.cuda and not engine._custom_backend
-            device = _device_name(engine.device if real_cuda else None)
+            # A simulated GPU (tests' backend seam) names no device: no claim.
+            device = None if engine._custom_backend else _device_name(engine.device if engine.cuda else None)
             facts = {**self._run_tags, **({DEVICE: device} if device else {})}
             window = dataclasses.replace(window, extra={**window.extra, **facts})
             self._run_tags = {}
