@@ -1,6 +1,7 @@
 """A torch.compile'd model (aot_eager: Dynamo and AOTAutograd without a C compiler), in a plain loop."""
 
 import torch
+
 from sleepy import Net, SleepySGD, loss_fn, nap
 
 model = Net()

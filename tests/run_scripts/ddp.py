@@ -2,8 +2,9 @@
 
 import torch
 import torch.distributed as dist
-from sleepy import Net, SleepySGD, loss_fn, nap
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sleepy import Net, SleepySGD, loss_fn, nap
 
 dist.init_process_group("gloo")
 model = DDP(Net())

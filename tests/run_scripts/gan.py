@@ -1,8 +1,9 @@
 """DCGAN-shaped: two networks, two optimizers, each network's zero_grad, D on real and fake batches."""
 
 import torch
-from sleepy import SleepySGD, nap
 from torch import nn
+
+from sleepy import SleepySGD, nap
 
 
 class D(nn.Module):

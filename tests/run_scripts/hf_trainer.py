@@ -5,8 +5,9 @@ import sys
 import time
 
 import torch
-from sleepy import SLEEP_MS
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from sleepy import SLEEP_MS
 
 
 class SleepyGPT2(GPT2LMHeadModel):

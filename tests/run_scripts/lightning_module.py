@@ -5,8 +5,9 @@ import argparse
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from sleepy import Net, SleepySGD, dataset, loss_fn, slow_collate
 from torch.utils.data import DataLoader
+
+from sleepy import Net, SleepySGD, dataset, loss_fn, slow_collate
 
 
 class Module(LightningModule):

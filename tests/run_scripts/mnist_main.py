@@ -5,8 +5,9 @@ import argparse
 import sys
 
 import torch
-from sleepy import Net, SleepySGD, dataset, loss_fn, slow_collate
 from torch.utils.data import DataLoader
+
+from sleepy import Net, SleepySGD, dataset, loss_fn, slow_collate
 
 
 def train(model, loader, optimizer, accum):

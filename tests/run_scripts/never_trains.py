@@ -3,6 +3,7 @@
 import sys
 
 import torch
+
 from sleepy import Net
 
 model = Net()

@@ -6,6 +6,7 @@ import warnings
 
 import torch
 import torch.nn.modules.module as M
+
 from sleepy import SleepySGD, loss_fn
 
 GLOBAL = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",

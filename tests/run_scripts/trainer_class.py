@@ -4,8 +4,9 @@ script saves the whole model with torch.save at the end and loads it back."""
 import sys
 
 import torch
-from sleepy import Net, SleepySGD, dataset, loss_fn, slow_collate
 from torch.utils.data import DataLoader
+
+from sleepy import Net, SleepySGD, dataset, loss_fn, slow_collate
 
 
 class Trainer:
