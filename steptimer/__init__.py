@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from steptimer.timer import StepTimer
 
 __all__ = ["Instrumented", "PhaseSummary", "SeriesStats", "StepTimer", "Summary", "__version__", "instrument"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:
