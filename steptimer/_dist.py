@@ -7,7 +7,6 @@ rank shares; a timeout ends cross-rank statistics for good; nothing runs on an e
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -20,7 +19,7 @@ from typing import Any
 from steptimer._energy import GpuState
 from steptimer._format import num
 from steptimer._memory import MIB
-from steptimer._slow import SlowestKeeper, SlowStep, grew_most, is_wait_phase, text_value
+from steptimer._slow import SlowestKeeper, SlowStep, card_proto, grew_most, is_wait_phase, parse_json
 from steptimer._summary import LastRank, LateWindows, RankSpread, RankSummary, SummaryAccumulator
 from steptimer._tags import RANKS, run_tag
 from steptimer._verdict import DERIVED, launch_bound
@@ -54,19 +53,12 @@ CHARTS = {
 
 def ranks_proto(ranks: RankSummary) -> Any:
     """The per-rank section as a TensorBoard ``Summary``: its text, and the JSON ``report`` reads."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    card = "\n".join("    " + line for line in ranks.lines())  # Markdown: a code block keeps the columns
-    doc = json.dumps(ranks.to_json(), allow_nan=False)
-    return Summary(value=[text_value(RANKS_TEXT_TAG, card, "text"), text_value(RANKS_JSON_TAG, doc, "steptimer-ranks")])
+    return card_proto(ranks.lines(), ranks.to_json(), RANKS_TEXT_TAG, RANKS_JSON_TAG, "steptimer-ranks")
 
 
 def parse_ranks_json(raw: bytes) -> RankSummary | None:
     """The section written by :func:`ranks_proto` (None if unreadable)."""
-    try:
-        return RankSummary.from_json(json.loads(raw.decode()))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
+    return parse_json(raw, RankSummary.from_json)
 
 
 def straggler_ms(window_host: Mapping[str, Any], window_gpu: Mapping[str, Any], mean: Any) -> float | None:
@@ -482,8 +474,7 @@ class CrossRank:
             # Its first line only, without square brackets, which rich would read as markup.
             text = (str(err).splitlines() or [""])[0].replace("[", "(").replace("]", ")")
             self._switch_off(
-                f"a collective did not complete within {self.timeout_s:g} s or failed "
-                f"({type(err).__name__}: {text})"
+                f"a collective did not complete within {self.timeout_s:g} s or failed ({type(err).__name__}: {text})"
             )
             return None
         del work
@@ -495,7 +486,11 @@ class CrossRank:
         return t.tolist()
 
     def _round(
-        self, window: Window | None, summ: Mapping[str, float] | None, *, closing: bool,
+        self,
+        window: Window | None,
+        summ: Mapping[str, float] | None,
+        *,
+        closing: bool,
         energy: Mapping[str, float] | None = None,
     ) -> _Round | None:
         t0 = perf_counter()

@@ -519,8 +519,9 @@ class Engine:
         self.closed = True
 
     def off(self, part: str, err: Exception) -> None:
-        """A plug-in's own failure (``part``: SLOW, MEMORY or CAPTURE): one note and warning naming it,
-        and that part off. The step it struck in is kept, training goes on."""
+        """A plug-in's own failure (``part``: SLOW, MEMORY, CAPTURE, or the name of one that turns itself
+        off): one note and warning naming it, and that part off. The step it struck in is kept,
+        training goes on."""
         if part == SLOW and self.slow is not None:
             slow, self.slow = self.slow, None
             with suppress(Exception):

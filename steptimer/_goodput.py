@@ -25,6 +25,7 @@ __all__ = ["Goodput", "Timeline"]
 Kind = Literal["eval", "checkpoints"]
 EVAL: Kind = "eval"
 CHECKPOINTS: Kind = "checkpoints"
+GOODPUT = "the goodput timeline"  # its name in the note of a failure of its own
 JSON_TAG = "steptimer-goodput/json"  # the result as JSON, written at close, read by ``report``
 TEXT_TAG = "steptimer-goodput/summary"  # and as text, for TensorBoard's Text tab
 
@@ -113,6 +114,7 @@ class Timeline:
         self._inside = [0.0, 0.0, 0.0]  # span time before the first step, in warm-up, after warm-up
         self._tail = (-1.0, 0.0)  # (a step's end, span time since it): the spans after the last step
         self.done: Goodput | None = None
+        self.failed = False  # a failure of its own turned it off (a note, no goodput; training on)
         _watch_saves(self)
 
     def from_process_start(self) -> None:
@@ -120,6 +122,17 @@ class Timeline:
         t = process_start()
         if t is not None and t < self.start:
             self.start, self.before_s = t, None
+
+    @contextmanager
+    def _contained(self) -> Iterator[None]:
+        """Its own failure, inside the user's ``torch.save`` or a framework hook: a note (the engine's),
+        the timeline off and ``torch.save`` torch's own again; never the run's."""
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - steptimer's own failure, never the training run's
+            self.failed = True
+            _unwatch_saves(self)
+            self._e.off(GOODPUT, err)
 
     def step_begins(self) -> None:
         """At each ``step()`` call: the step after the last warm-up step begins at ``_gap_start``."""
@@ -130,7 +143,7 @@ class Timeline:
     @contextmanager
     def span(self, kind: Kind) -> Iterator[None]:
         """Time inside is ``kind`` (an inner span's is the inner kind's)."""
-        if self.done is not None or threading.get_ident() != self._thread:
+        if self.done is not None or self.failed or threading.get_ident() != self._thread:
             yield
             return
         self.enter(kind)
@@ -140,18 +153,20 @@ class Timeline:
             self.exit()
 
     def enter(self, kind: Kind) -> None:
-        t = _now()
-        if self._open:
-            self._segment(self._open[-1], t)
-        self._open.append([kind, t])
+        with self._contained():
+            t = _now()
+            if self._open:
+                self._segment(self._open[-1], t)
+            self._open.append([kind, t])
 
     def exit(self) -> None:
         if not self._open:
             return
-        t = _now()
-        self._segment(self._open.pop(), t)
-        if self._open:
-            self._open[-1][1] = t
+        with self._contained():
+            t = _now()
+            self._segment(self._open.pop(), t)
+            if self._open:
+                self._open[-1][1] = t
 
     def _segment(self, span: list[Any], t: float) -> None:
         d = t - span[1]
@@ -166,14 +181,20 @@ class Timeline:
             gs = e._gap_start
             self._tail = (gs, self._tail[1] + d) if self._tail[0] == gs else (gs, d)
 
-    def finish(self) -> Goodput:
-        """The parts, now (idempotent); spans left open end here."""
-        if self.done is not None:
-            return self.done
-        t = _now()
-        while self._open:
-            self.exit()
+    def finish(self) -> Goodput | None:
+        """The parts, now (idempotent); spans left open end here. None after a failure of its own."""
+        if self.done is None and not self.failed:
+            with self._contained():
+                self.done = self._parts()
         _unwatch_saves(self)
+        return self.done
+
+    def _parts(self) -> Goodput | None:
+        t = _now()
+        while self._open and not self.failed:
+            self.exit()
+        if self.failed:
+            return None
         e, inside = self._e, self._inside
         first, last = e._first_t0, e._gap_start
         steps = warm = 0.0
@@ -186,8 +207,7 @@ class Timeline:
             steps = last - warm_end - (inside[2] - after)
         wall = t - self.start
         ev, ck = self._kinds[EVAL], self._kinds[CHECKPOINTS]
-        self.done = Goodput(wall, steps, warm, ev, ck, max(0.0, wall - steps - warm - ev - ck), self.before_s)
-        return self.done
+        return Goodput(wall, steps, warm, ev, ck, max(0.0, wall - steps - warm - ev - ck), self.before_s)
 
 
 # torch.save is wrapped while a timeline is live, on the timelines' threads; the last to finish takes
@@ -233,22 +253,13 @@ def _unwatch_saves(tl: Timeline) -> None:
 
 def goodput_proto(g: Goodput) -> Any:
     """The result as a TensorBoard ``Summary``: its text, and the JSON ``report`` reads."""
-    import json
+    from steptimer._slow import card_proto
 
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    from steptimer._slow import text_value
-
-    card = "\n".join("    " + line for line in g.lines())
-    doc = json.dumps(g.to_json(), allow_nan=False)
-    return Summary(value=[text_value(TEXT_TAG, card, "text"), text_value(JSON_TAG, doc, "steptimer-goodput")])
+    return card_proto(g.lines(), g.to_json(), TEXT_TAG, JSON_TAG, "steptimer-goodput")
 
 
 def parse_goodput_json(raw: bytes) -> Goodput | None:
     """The result written by :func:`goodput_proto` (None if unreadable)."""
-    import json
+    from steptimer._slow import parse_json
 
-    try:
-        return Goodput.from_json(json.loads(raw.decode()))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
+    return parse_json(raw, Goodput.from_json)

@@ -13,12 +13,14 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from steptimer._format import num
 from steptimer._verdict import ShareClock
+
+T = TypeVar("T")
 
 DEFAULT_K = 5
 GC_SPANS = 256  # collections kept between resolves; gen-0 collections are short and frequent
@@ -360,6 +362,24 @@ def text_value(tag: str, s: str, plugin: str) -> Any:
     shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
     t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=shape)
     return Summary.Value(tag=tag, metadata=meta, tensor=t)
+
+
+def card_proto(lines: Sequence[str], doc: Any, text_tag: str, json_tag: str, plugin: str) -> Any:
+    """A TensorBoard ``Summary`` of ``lines`` as a text card (a Markdown code block keeps the columns)
+    and ``doc`` as the JSON ``report`` reads back (:func:`parse_json`)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    card = "\n".join("    " + line for line in lines)
+    text = json.dumps(doc, allow_nan=False)
+    return Summary(value=[text_value(text_tag, card, "text"), text_value(json_tag, text, plugin)])
+
+
+def parse_json(raw: bytes, build: Callable[[Any], T]) -> T | None:
+    """``build`` of the JSON in ``raw`` (written by :func:`card_proto`); None if unreadable."""
+    try:
+        return build(json.loads(raw.decode()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def slow_summary(slowest: Sequence[SlowStep]) -> Any:

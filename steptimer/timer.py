@@ -368,7 +368,7 @@ class StepTimer:
             self._join()
         r, e, tl = self._ranges, self._engine, self._timeline
         e.samples, e.tokens, e.flops = samples, tokens, flops
-        if tl is not None and tl.warm_end is None:
+        if tl is not None and tl.warm_end is None and e.number <= e.last_warmup:  # until warm-up ends
             tl.step_begins()
         return r if r is not None and e.number >= r.from_number else e  # NVTX or the profiler window
 

@@ -120,6 +120,34 @@ def test_torch_save_is_torch_s_again_after_close() -> None:
     assert torch.save is orig
 
 
+def test_a_failure_of_the_timeline_inside_torch_save_is_a_note_and_the_save_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeline's own failure in the user's ``torch.save`` (and in ``pause()``): the file is
+    written, training goes on, every step is kept, one note says so, and ``torch.save`` is torch's."""
+    from steptimer import StepTimer
+    from steptimer._goodput import Timeline
+
+    def broken(self: Timeline, span: list[Any], t: float) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(Timeline, "_segment", broken)
+    orig = torch.save
+    t = StepTimer(cuda=False, print_summary=False, warmup_steps=0, sample_every=1)
+    for i in range(6):
+        with t.step(), t.phase("forward"):
+            pass
+        if i == 2:
+            torch.save({"w": torch.ones(2)}, tmp_path / "ckpt.pt")
+            with t.pause():
+                pass
+    s = t.close()
+    assert torch.load(tmp_path / "ckpt.pt")["w"].tolist() == [1.0, 1.0]
+    assert s.steps == 6 and s.goodput is None and torch.save is orig
+    (note,) = [n for n in s.notes if "goodput" in n]
+    assert note.startswith("the goodput timeline stopped after a failure of steptimer's own (RuntimeError: injected)")
+
+
 LIGHTNING = f"""
 import json, sys, time
 import torch
