@@ -57,12 +57,16 @@ def torch_backend() -> _CudaBackend:
     get_device = getattr(torch._C, "_cuda_getDevice", None)
     is_capturing = torch.cuda.is_current_stream_capturing
     return _CudaBackend(
-        new_event=lambda: event_cls(enable_timing=True), record=base.record, elapsed_ms=base.elapsed_time,
-        wait=lambda ev: event_cls.synchronize(ev), query=base.query, stream_key=lambda: get_stream(get_device()),
+        new_event=lambda: event_cls(enable_timing=True),
+        record=base.record,
+        elapsed_ms=base.elapsed_time,
+        wait=lambda ev: event_cls.synchronize(ev),
+        query=base.query,
+        stream_key=lambda: get_stream(get_device()),
         stream_of_key=lambda key: torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2]),
         is_capturing=lambda stream: is_capturing(),  # the stream is the current one
         name="torch",
-    )  # fmt: skip
+    )
 
 
 def native_backend() -> _CudaBackend:
@@ -88,10 +92,17 @@ def native_backend() -> _CudaBackend:
         except (AttributeError, RuntimeError, TypeError) as e:
             raise NativeUnavailable(f"the native calls failed their first use: {e!r}") from e
     return replace(
-        t, new_event=new_event, record=mod.record, elapsed_ms=mod.elapsed_ms, wait=mod.wait, query=mod.query,
-        stream_of_key=lambda key: int(t.stream_of_key(key).cuda_stream), is_capturing=mod.is_capturing,
-        offsets_ms=mod.offsets_ms, name="native",
-    )  # fmt: skip
+        t,
+        new_event=new_event,
+        record=mod.record,
+        elapsed_ms=mod.elapsed_ms,
+        wait=mod.wait,
+        query=mod.query,
+        stream_of_key=lambda key: int(t.stream_of_key(key).cuda_stream),
+        is_capturing=mod.is_capturing,
+        offsets_ms=mod.offsets_ms,
+        name="native",
+    )
 
 
 def prepare_native() -> None:

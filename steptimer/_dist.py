@@ -165,13 +165,17 @@ def gpu_scalars(states: Mapping[int, GpuState]) -> dict[str, float]:
     hot = max((st.temp_c, -r) for r, st in states.items())
     g = f"{RANKS}/gpu_state"
     return {
-        f"{g}/sm_clock_mhz_min": clock[0][0], f"{g}/sm_clock_mhz_argmin": float(clock[0][1]),
-        f"{g}/sm_clock_mhz_median": median([c for c, _ in clock]), f"{g}/sm_clock_mhz_max": clock[-1][0],
-        f"{g}/temp_c_max": hot[0], f"{g}/temp_c_argmax": float(-hot[1]),
+        f"{g}/sm_clock_mhz_min": clock[0][0],
+        f"{g}/sm_clock_mhz_argmin": float(clock[0][1]),
+        f"{g}/sm_clock_mhz_median": median([c for c, _ in clock]),
+        f"{g}/sm_clock_mhz_max": clock[-1][0],
+        f"{g}/temp_c_max": hot[0],
+        f"{g}/temp_c_argmax": float(-hot[1]),
         f"{g}/power_of_limit_max": max(
-            (st.power_w / st.power_limit_w for st in states.values() if st.power_limit_w), default=0.0),
+            (st.power_w / st.power_limit_w for st in states.values() if st.power_limit_w), default=0.0
+        ),
         f"{g}/throttled_ranks": float(sum(1 for st in states.values() if st.reasons())),
-    }  # fmt: skip
+    }
 
 
 def energy_scalars(spread: Mapping[str, RankSpread]) -> dict[str, float]:
@@ -211,8 +215,9 @@ def _lasts(mx: Sequence[float], end: int, bits: int) -> dict[int, tuple[int, flo
     n = len(mx) // 2
     return {
         end - j: (decode_rank(key, bits), (int(key) >> bits) / 1e3 + mx[n + j])
-        for j, key in enumerate(mx[:n]) if key != _NEG
-    }  # fmt: skip
+        for j, key in enumerate(mx[:n])
+        if key != _NEG
+    }
 
 
 def _row_sums(walls: Any, wkeys: Sequence[str], steps: set[int], mine: bool, nw: int) -> list[float]:
@@ -247,8 +252,9 @@ def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> tuple[
             out[name] = rows[i] - rows[k + i] / max(reporting - 1, 1)
     fed = {
         n: [rows[at[f"host/{n}"]], rows[at[f"gpu/{n}"]], rows[2 * k + at[f"gpu/{n}"]]]
-        for n in out if clock == "gpu" and f"host/{n}" in at
-    }  # fmt: skip
+        for n in out
+        if clock == "gpu" and f"host/{n}" in at
+    }
     return out, fed
 
 
@@ -426,10 +432,13 @@ class CrossRank:
         if res.measured:
             ahead = [ms for rank, ms in res.last.values() if rank == res.top]
             if ahead:  # a rank was last by LAST_MIN_MS or more in some step
-                extra.update({
-                    f"{RANKS}/last_rank": float(res.top), f"{RANKS}/last_rank_share": len(ahead) / res.measured,
-                    f"{RANKS}/last_rank_ms": sum(ahead) / len(ahead),
-                })  # fmt: skip
+                extra.update(
+                    {
+                        f"{RANKS}/last_rank": float(res.top),
+                        f"{RANKS}/last_rank_share": len(ahead) / res.measured,
+                        f"{RANKS}/last_rank_ms": sum(ahead) / len(ahead),
+                    }
+                )
             if not window.warmup:  # the window's late rank: last in LAST_SHARE of its steps
                 lw = self._late_windows.add(res.top if len(ahead) >= LAST_SHARE * res.measured else -1)
                 if lw is not None:
@@ -500,12 +509,14 @@ class CrossRank:
         p = window.packed if w else None  # type: ignore[union-attr]
         arrive = p.arrive if p is not None else {}
         header = [
-            *_both(series_hash(wkeys) if w else None), float(len(wkeys)) if w else _NEG,
+            *_both(series_hash(wkeys) if w else None),
+            float(len(wkeys)) if w else _NEG,
             *_both(1.0 if closing else 0.0),
-            *_both(series_hash(skeys) if s else None), float(len(skeys)) if s else _NEG,
+            *_both(series_hash(skeys) if s else None),
+            float(len(skeys)) if s else _NEG,
             *_both(float(window.step) if w else None),  # type: ignore[union-attr]
             float(window.steps) if arrive else _NEG,  # type: ignore[union-attr]
-        ]  # fmt: skip
+        ]
         h = self._allreduce(header, self._dist.ReduceOp.MAX)
         if h is None:
             return None
@@ -524,8 +535,9 @@ class CrossRank:
             rw, rs = _vectors(joules if closing else None, 2, self.rank, self._bits)
             # Each rank's GPU state: the window's in an interval, the run's once every rank closes.
             state = [energy[k] for k in STATE] if energy and STATE[0] in energy and closing == all_closing else None
-            mx = self._allreduce(wmx + smx + mine + ew + rw + _state_slots(state, self.world_size, self.rank),
-                                 self._dist.ReduceOp.MAX)  # fmt: skip
+            mx = self._allreduce(
+                wmx + smx + mine + ew + rw + _state_slots(state, self.world_size, self.rank), self._dist.ReduceOp.MAX
+            )
             if mx is None:
                 return None
             res.gpu = _states(mx[len(mx) - len(STATE) * self.world_size :], self.world_size)

@@ -24,9 +24,14 @@ log = logging.getLogger("steptimer")
 
 # NVML's clock-throttle (clocks-event) reasons that slow a busy GPU, by bit (GPU idle, 0x1, is none).
 THROTTLE_REASONS = {
-    0x2: "application clocks", 0x4: "power cap", 0x8: "hardware slowdown", 0x10: "sync boost",
-    0x20: "software thermal", 0x40: "hardware thermal", 0x80: "power brake",
-}  # fmt: skip
+    0x2: "application clocks",
+    0x4: "power cap",
+    0x8: "hardware slowdown",
+    0x10: "sync boost",
+    0x20: "software thermal",
+    0x40: "hardware thermal",
+    0x80: "power brake",
+}
 SLOWER_CLOCK = 0.97  # a late rank's SM clock under this part of the ranks' median: its GPU ran slower
 GPU_STATE_TAGS = tuple(f"{MAIN}/gpu_{x}" for x in ("sm_clock_mhz", "power_w", "power_limit_w", "temp_c", "throttle"))
 

@@ -101,12 +101,25 @@ class Engine:
     """
 
     def __init__(
-        self, *, lag: int, sample_every: int | None, warmup_steps: int, start_step: int, cuda: bool | None,
-        backend: _CudaBackend | None, window_every: int, on_window: Callable[[int], None],
-        window_min_s: float = 0.0, window_max: int = 0, capture: Any = None,
-        memory: int = 0, memory_backend: _MemoryBackend | None = None, slowest: bool = False,
-        cost_budget: float = 0.005, late_marks: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        lag: int,
+        sample_every: int | None,
+        warmup_steps: int,
+        start_step: int,
+        cuda: bool | None,
+        backend: _CudaBackend | None,
+        window_every: int,
+        on_window: Callable[[int], None],
+        window_min_s: float = 0.0,
+        window_max: int = 0,
+        capture: Any = None,
+        memory: int = 0,
+        memory_backend: _MemoryBackend | None = None,
+        slowest: bool = False,
+        cost_budget: float = 0.005,
+        late_marks: bool = False,
+    ) -> None:
         self.lag, self.sample_every = lag, sample_every
         self.first_number = start_step + 1
         self.last_warmup = start_step + warmup_steps  # the last warm-up step's number
@@ -283,9 +296,17 @@ class Engine:
         samples, tokens, flops, own_gap, marks = self.samples, self.tokens, self.flops, self._own_gap, None
         self._own_gap = 0.0
         row = [
-            number, _NAN if samples is None else samples, _NAN if tokens is None else tokens, 0.0,
-            gap, 0.0 if self.cuda else _NAN, _NAN if flops is None else flops, fetch, own_gap, 0.0,
-        ]  # fmt: skip
+            number,
+            _NAN if samples is None else samples,
+            _NAN if tokens is None else tokens,
+            0.0,
+            gap,
+            0.0 if self.cuda else _NAN,
+            _NAN if flops is None else flops,
+            fetch,
+            own_gap,
+            0.0,
+        ]
         if slow is not None and slow.dyn is not None:
             try:
                 marks = slow.ended()
@@ -316,15 +337,24 @@ class Engine:
         pending, state, t0, number, gap = self._pending, self.state, self._t0, self.number + 1, row[GAP_S]
         queued = bool(pending)
         rec = StepRecord(
-            number, t0, row, None if gap != gap else gap, self._recs, self._pause_evs or (), self.device,
-            self._paused_s, marks=marks,
-        )  # fmt: skip
+            number,
+            t0,
+            row,
+            None if gap != gap else gap,
+            self._recs,
+            self._pause_evs or (),
+            self.device,
+            self._paused_s,
+            marks=marks,
+        )
         blocked = 0.0
+        behind = False  # the GPU had not begun this step when the host ended it
         if state == GPU:
             shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = self._boundary(t1)
             if self.budget is not None:
                 blocked = perf_counter() - t1 - self.bound_cap  # in a full launch queue: not our cost
+                behind = not self.b.query(self._evs[0])
             if self._mem is not None:
                 try:
                     rec.memory = self._mem.end_step(shared)
@@ -342,6 +372,8 @@ class Engine:
             self._evs = []
             self._last_t = -math.inf
             self._boundary(t1)
+            if self.budget is not None:  # a GPU-bound run's full launch queue: the user's wait, not ours
+                blocked = perf_counter() - t1 - self.bound_cap
         rec.events = self._evs
         # The step is the engine's from here: an exception below (Ctrl-C in a wait) keeps it.
         pending.append(rec)
@@ -365,7 +397,11 @@ class Engine:
         # blocked in a full launch queue) and, in a timed step, its begin and the phases' entries and exits
         own = t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
         row[OWN_STEP_S] = own + self._own if state >= HOST else own
-        if self.budget is not None and (state != UNTIMED or queued or rec.events):
+        if behind:
+            # GPU-bound: the GPU still had the steps before this one to run while the host ran this
+            # one and the boundary before it, so steptimer's host time since the last pick cost no wall.
+            self.cost_s = 0.0
+        elif self.budget is not None and (state != UNTIMED or queued or rec.events):
             self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
             if rec.wait_s:  # the host then waited for the GPU: its own time in the step, up to that, cost no wall
                 self.cost_s = max(self._cost_at_begin, self.cost_s - rec.wait_s)

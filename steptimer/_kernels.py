@@ -93,8 +93,9 @@ class _Spans:
     def __init__(self, events: list[_X]) -> None:
         spans = [
             (x.ts, x.ts + x.dur, x.name[len(RANGE_PREFIX) :])
-            for x in events if x.cat == "user_annotation" and x.name.startswith(RANGE_PREFIX)
-        ]  # fmt: skip
+            for x in events
+            if x.cat == "user_annotation" and x.name.startswith(RANGE_PREFIX)
+        ]
         marks = [a for a, _, name in spans if RANGE_PREFIX + name == DROPPED_MARK]
         self.dropped = [(a, z) for a, z, name in spans if name == "step" and any(a <= m < z for m in marks)]
         kept = (s for s in spans if not any(a <= s[0] < z for a, z in self.dropped))

@@ -40,19 +40,27 @@ def _positive(v: object) -> bool:
 _RULES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
     (("log_every_n_steps", "sample_every"), lambda v: v is None or _int(v, 1), "an int >= 1, got {v!r}"),
     (("warmup_steps", "lag", "start_step", "slowest_steps"), lambda v: _int(v, 0), "an int >= 0, got {v!r}"),
-    (("cost_budget",), lambda v: _positive(v) and v < 1,
-     "a number between 0 and 1, exclusive (the part of the wall time timing may cost, e.g. 0.005), "
-     "got {v!r}; sample_every=1 times every step"),
+    (
+        ("cost_budget",),
+        lambda v: _positive(v) and v < 1,
+        "a number between 0 and 1, exclusive (the part of the wall time timing may cost, e.g. 0.005), "
+        "got {v!r}; sample_every=1 times every step",
+    ),
     (("cuda",), lambda v: v in (None, True, False), "None, True or False, got {v!r}"),
-    (("enabled", "print_summary", "cross_rank", "nvtx"), lambda v: v is True or v is False,
-     "True or False, got {v!r}"),
+    (("enabled", "print_summary", "cross_rank", "nvtx"), lambda v: v is True or v is False, "True or False, got {v!r}"),
     (("peak_tflops",), lambda v: v is None or _positive(v), "a number > 0 (TFLOP/s) or None, got {v!r}"),
-    (("profile_on_slow",), lambda v: v is None or _positive(v) and v > 1,
-     "a factor > 1 of the rolling median step time (e.g. 1.5), or None; got {v!r}"),
-    (("memory",), lambda v: v is None or isinstance(v, int) and v >= 0,
-     "None, True, False or an int >= 0 (read one timed step in N), got {v!r}"),
+    (
+        ("profile_on_slow",),
+        lambda v: v is None or _positive(v) and v > 1,
+        "a factor > 1 of the rolling median step time (e.g. 1.5), or None; got {v!r}",
+    ),
+    (
+        ("memory",),
+        lambda v: v is None or isinstance(v, int) and v >= 0,
+        "None, True, False or an int >= 0 (read one timed step in N), got {v!r}",
+    ),
     (("cross_rank_timeout_s",), _positive, "a number > 0, got {v!r}"),
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass(frozen=True)

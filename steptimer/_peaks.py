@@ -47,12 +47,29 @@ PEAKS: dict[str, dict[str, float]] = {
 # words all appear in the lowercased name, more specific first ("h100 nvl" before "h100", "l40s" before "l40"
 # before "l4"); no row (""): no vendor figures, unknown rather than a neighbour's.
 _RULES: tuple[tuple[str, str], ...] = (
-    ("b200", "b200"), ("gh200", "gh200"), ("h200 nvl", "h200 nvl"), ("h200", "h200"),
-    ("h100 nvl", "h100 nvl"), ("h100 pcie", "h100 pcie"), ("h100", "h100 sxm"), ("a100", "a100"),
-    ("l40s", "l40s"), ("l40", "l40"), ("l4", "l4"), ("a10g", ""), ("a10", "a10"), ("a40", "a40"),
-    ("a6000", "rtx a6000"), ("4090", "rtx 4090"), ("3090 ti", ""), ("3090", "rtx 3090"),
-    ("v100s", "v100s"), ("v100 pcie", "v100 pcie"), ("v100", "v100 sxm"), ("t4", "t4"),
-)  # fmt: skip
+    ("b200", "b200"),
+    ("gh200", "gh200"),
+    ("h200 nvl", "h200 nvl"),
+    ("h200", "h200"),
+    ("h100 nvl", "h100 nvl"),
+    ("h100 pcie", "h100 pcie"),
+    ("h100", "h100 sxm"),
+    ("a100", "a100"),
+    ("l40s", "l40s"),
+    ("l40", "l40"),
+    ("l4", "l4"),
+    ("a10g", ""),
+    ("a10", "a10"),
+    ("a40", "a40"),
+    ("a6000", "rtx a6000"),
+    ("4090", "rtx 4090"),
+    ("3090 ti", ""),
+    ("3090", "rtx 3090"),
+    ("v100s", "v100s"),
+    ("v100 pcie", "v100 pcie"),
+    ("v100", "v100 sxm"),
+    ("t4", "t4"),
+)
 
 # Without bf16 tensor cores (V100, T4) bf16 work runs on the fp16 ones; without tf32, in fp32.
 _FALLBACK = {"bf16": "fp16", "tf32": "fp32"}

@@ -48,9 +48,13 @@ class Ranges:
     manager while they run; state lives here (Lightning exits a step through a fresh ``step()``)."""
 
     def __init__(
-        self, nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None, capture: ProfileCapture | None,
-        set_ranged: Callable[[bool], None], recent: Capture | None, engine: Engine,
-    ) -> None:  # fmt: skip
+        self,
+        nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None,
+        capture: ProfileCapture | None,
+        set_ranged: Callable[[bool], None],
+        recent: Capture | None,
+        engine: Engine,
+    ) -> None:
         self._push, self._pop = nvtx or (None, None)
         self._recent = recent  # the timer's capture (there whenever a window is): a window's steps
         self._e, self._set_ranged = engine, set_ranged
@@ -229,10 +233,13 @@ class ProfileCapture:
         self.path = own_path(self.path, run_id)
         prof, self.prof = self.prof, None
         steps = [
-            {"number": s["number"], "host_ms": _by_phase_ms(s["step_s"], s["phases"]),
-             "gpu_ms": None if (g := s["gpu"]) is None else _by_phase_ms(g["end"] - g["start"], g["phases"])}
+            {
+                "number": s["number"],
+                "host_ms": _by_phase_ms(s["step_s"], s["phases"]),
+                "gpu_ms": None if (g := s["gpu"]) is None else _by_phase_ms(g["end"] - g["start"], g["phases"]),
+            }
             for s in map(record, self.recs)
-        ]  # fmt: skip
+        ]
         try:
             with _outside_steps(engine):
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -240,10 +247,16 @@ class ProfileCapture:
                 with open(self.path + ".tmp") as f:
                     doc = json.load(f)
                 doc["steptimer"] = {
-                    "format": "steptimer-profile", "version": 1, "first": self.first, "last": self.last,
-                    "cuda_activity": torch.cuda.is_available(), "range_prefix": RANGE_PREFIX, "steps": steps,
-                    "why": self.why, "run_id": run_id,
-                }  # fmt: skip
+                    "format": "steptimer-profile",
+                    "version": 1,
+                    "first": self.first,
+                    "last": self.last,
+                    "cuda_activity": torch.cuda.is_available(),
+                    "range_prefix": RANGE_PREFIX,
+                    "steps": steps,
+                    "why": self.why,
+                    "run_id": run_id,
+                }
                 write_json(self.path, doc)
         except OSError as err:
             engine.notes.append(unwritten("the profiler trace", self.path, err))
@@ -352,10 +365,17 @@ class SlowProfiler:
 
 
 def make_ranges(
-    *, nvtx: object, profile_steps: tuple[int, int] | None, folder: str | None, enabled: bool, rank: int,
-    set_ranged: Callable[[bool], None], engine: Engine, profile_on_slow: object = None,
+    *,
+    nvtx: object,
+    profile_steps: tuple[int, int] | None,
+    folder: str | None,
+    enabled: bool,
+    rank: int,
+    set_ranged: Callable[[bool], None],
+    engine: Engine,
+    profile_on_slow: object = None,
     recent: Capture | None = None,
-) -> tuple[Ranges | None, str | None]:  # fmt: skip
+) -> tuple[Ranges | None, str | None]:
     """What ``profile_steps`` and ``profile_on_slow`` need of the run; the ranges (None: none) and a note."""
     if profile_on_slow is not None:
         check_folder("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", folder)

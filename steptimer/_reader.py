@@ -178,12 +178,16 @@ def read_run(files: Files, path: str) -> RunLog:
             "twice taken from the later file; if they are separate runs, report one file alone"
         )
     return RunLog(
-        path, path, {k: _latest(w) for k, w in scalars.items()}, {k: _latest(w) for k, w in hists.items()},
-        notes, _with_traces(parse_slow_json(_latest(slow)[0][1]), files) if slow else [],
+        path,
+        path,
+        {k: _latest(w) for k, w in scalars.items()},
+        {k: _latest(w) for k, w in hists.items()},
+        notes,
+        _with_traces(parse_slow_json(_latest(slow)[0][1]), files) if slow else [],
         parse_ranks_json(_latest(ranks)[0][1]) if ranks else None,
         parse_goodput_json(_latest(goodput)[0][1]) if goodput else None,
         _latest(device)[0][1].decode(errors="replace") if device else None,
-    )  # fmt: skip
+    )
 
 
 def _with_traces(slowest: list[SlowStep], files: Files) -> list[SlowStep]:

@@ -79,14 +79,27 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     tally = Tally(steps, timed, wall_ms, timed_wall_ms, timed_sum, {}, samples, tokens, flops and flops * 1e12)
     every, budget = (run.scalars.get(t, [(0, None)])[-1][1] for t in (_tags.SAMPLE_EVERY, _tags.COST_BUDGET))
     return summarize(
-        tally, series, caught, calls=None, sample_every=None if every is None else int(every),
-        cost_budget=budget, peak_tflops=flops / mfu_s if flops and mfu_s else None,
-        warmup_steps=0 if include_warmup else sum(warm.values()), notes=tuple(notes), memory=_memory(scal),
-        slowest=tuple(s for s in run.slowest if s.step > skip_steps), name=run.name, path=run.path,
-        windows=len(windows), of_steps=bool(run.hists), energy=_energy(scal, n_of), ranks=run.ranks,
-        goodput=run.goodput, device=run.device,
+        tally,
+        series,
+        caught,
+        calls=None,
+        sample_every=None if every is None else int(every),
+        cost_budget=budget,
+        peak_tflops=flops / mfu_s if flops and mfu_s else None,
+        warmup_steps=0 if include_warmup else sum(warm.values()),
+        notes=tuple(notes),
+        memory=_memory(scal),
+        slowest=tuple(s for s in run.slowest if s.step > skip_steps),
+        name=run.name,
+        path=run.path,
+        windows=len(windows),
+        of_steps=bool(run.hists),
+        energy=_energy(scal, n_of),
+        ranks=run.ranks,
+        goodput=run.goodput,
+        device=run.device,
         cycle_window_ms=tuple(1e3 / rate[s] for s in windows if rate.get(s)),
-    )  # fmt: skip
+    )
 
 
 # Host rows of every step, timed or not; the phases' rows and other are of the timed steps only.

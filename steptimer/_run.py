@@ -49,10 +49,10 @@ def parser() -> argparse.ArgumentParser:
     for flag, type_, metavar, help_ in _VALUED:
         default = getattr(Options, flag[2:].replace("-", "_"), None)
         p.add_argument(flag, type=type_, default=default, metavar=metavar, help=help_)
-    p.add_argument("--host-only", dest="cuda", action="store_const", const=False,
-                   help="host clock only, no CUDA events")  # fmt: skip
-    p.add_argument("--no-summary", dest="print_summary", action="store_false",
-                   help="don't print the summary at exit")  # fmt: skip
+    p.add_argument(
+        "--host-only", dest="cuda", action="store_const", const=False, help="host clock only, no CUDA events"
+    )
+    p.add_argument("--no-summary", dest="print_summary", action="store_false", help="don't print the summary at exit")
     p.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a module as `python -m MODULE`")
     return p
 

@@ -128,15 +128,20 @@ class RankSummary:
     def from_json(cls, d: Mapping[str, Any]) -> RankSummary:
         """The inverse of :meth:`to_json`; raises ``KeyError``/``TypeError`` on another document."""
         fields = {f: d[f] for f in ("world_size", "ranks", "rounds", "reduce_ms")}
-        series = {(x["clock"], x["name"]): RankSpread(**{k: v for k, v in x.items() if k not in ("clock", "name")})
-                  for x in d["series"]}  # fmt: skip
+        series = {
+            (x["clock"], x["name"]): RankSpread(**{k: v for k, v in x.items() if k not in ("clock", "name")})
+            for x in d["series"]
+        }
         energy, gpu = d.get("energy"), d.get("gpu")
         return cls(
-            **fields, series=series, straggler=d["straggler"] and RankSpread(**d["straggler"]),
-            last=d.get("last") and LastRank(**d["last"]), late=d.get("late") and LateWindows(**d["late"]),
+            **fields,
+            series=series,
+            straggler=d["straggler"] and RankSpread(**d["straggler"]),
+            last=d.get("last") and LastRank(**d["last"]),
+            late=d.get("late") and LateWindows(**d["late"]),
             energy=energy and {k: RankSpread(**v) for k, v in energy.items()},
             gpu=gpu and {int(r): GpuState(**st) for r, st in gpu.items()},
-        )  # fmt: skip
+        )
 
     def lines(self) -> list[str]:
         """The section as text lines, for the summary table's footer."""
@@ -235,22 +240,49 @@ class Summary:
 
     def to_json(self) -> dict[str, Any]:
         """``report --json``: the numbers (docs/cli.md); ``data_share``/``wait_share`` on the host clock."""
-        d = {k: getattr(self, k) for k in (
-            "name", "path", "steps", "timed_steps", "sample_every", "cost_budget", "warmup_steps", "windows",
-            "of_steps", "cuda", "share_clock", "wall_s", "steps_per_s", "samples_per_s", "tokens_per_s",
-            "tflops_per_s", "mfu", "notes", "device",
-        )}  # fmt: skip
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "name",
+                "path",
+                "steps",
+                "timed_steps",
+                "sample_every",
+                "cost_budget",
+                "warmup_steps",
+                "windows",
+                "of_steps",
+                "cuda",
+                "share_clock",
+                "wall_s",
+                "steps_per_s",
+                "samples_per_s",
+                "tokens_per_s",
+                "tflops_per_s",
+                "mfu",
+                "notes",
+                "device",
+            )
+        }
         d["quantiles_of"] = "steps" if self.of_steps else "window means"
         d["rows"] = [
-            {"name": r.name, "host": asdict(r.host) if r.host.steps else None, "gpu": r.gpu and asdict(r.gpu),
-             "share": r.share, "launch_bound": r.launch_bound}
+            {
+                "name": r.name,
+                "host": asdict(r.host) if r.host.steps else None,
+                "gpu": r.gpu and asdict(r.gpu),
+                "share": r.share,
+                "launch_bound": r.launch_bound,
+            }
             for r in self.rows
-        ]  # fmt: skip
+        ]
         wall_ms = self.wall_s * 1e3
         for name in ("data", "wait"):  # the host's time there over wall time (0 when no data row: no gap)
             host = self[name].host if name in self else None
-            d[f"{name}_share"] = host.mean_ms * host.steps / wall_ms if host and host.steps and wall_ms else (
-                0.0 if name == "data" and wall_ms else None)  # fmt: skip
+            d[f"{name}_share"] = (
+                host.mean_ms * host.steps / wall_ms
+                if host and host.steps and wall_ms
+                else (0.0 if name == "data" and wall_ms else None)
+            )
         d["gpu_idle_share"] = self["idle"].share if self.share_clock == "gpu" and "idle" in self else None
         d["verdict"] = self.verdict and {"kind": self.verdict.kind, "evidence": list(self.verdict.evidence)}
         m = self.memory
@@ -277,9 +309,15 @@ NO_STATS = SeriesStats(0, math.nan, math.nan, math.nan, math.nan)  # a row not o
 
 
 def summarize(
-    t: Tally, series: Mapping[tuple[str, str], Series], caught: Mapping[str, float], *,
-    calls: Mapping[str, int] | None, cuda: bool | None = None, peak_tflops: float | None = None, **more: Any,
-) -> Summary:  # fmt: skip
+    t: Tally,
+    series: Mapping[tuple[str, str], Series],
+    caught: Mapping[str, float],
+    *,
+    calls: Mapping[str, int] | None,
+    cuda: bool | None = None,
+    peak_tflops: float | None = None,
+    **more: Any,
+) -> Summary:
     """Rows, shares, rates and verdict of the sums ``t`` and the ``series`` by (clock, row); ``caught``:
     see :func:`_launch_bound`; ``calls``: per phase (None: not known); ``more``: other fields."""
     gpu = {n: x for (c, n), x in series.items() if c == "gpu"}
@@ -295,10 +333,16 @@ def summarize(
         by_clock = {c: x for c, x in (("host", h), ("gpu", g)) if x is not None}
         rows.append(PhaseSummary(name, per_step, st, g and g.stats, share_of.get(name), launch, by_clock))
     return Summary(
-        steps=t.steps, timed_steps=t.timed_steps, cuda=bool(gpu) if cuda is None else cuda, rows=tuple(rows),
-        **vars(t.rates(peak_tflops)), peak_tflops=peak_tflops, share_clock=clock,
-        verdict=verdict(rows, clock == "gpu", more.get("ranks")) if t.timed_steps else None, **more,
-    )  # fmt: skip
+        steps=t.steps,
+        timed_steps=t.timed_steps,
+        cuda=bool(gpu) if cuda is None else cuda,
+        rows=tuple(rows),
+        **vars(t.rates(peak_tflops)),
+        peak_tflops=peak_tflops,
+        share_clock=clock,
+        verdict=verdict(rows, clock == "gpu", more.get("ranks")) if t.timed_steps else None,
+        **more,
+    )
 
 
 def _launch_bound(name: str, h: Series | None, g: Series | None, caught: float | None) -> bool:

@@ -158,34 +158,48 @@ def explanations(summary: Summary) -> list[str]:
     slow_clock = "the GPU's timeline" if gpu_slow else "the host clock"
     said = [
         (True, f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps"),
-        (summary.share_clock == "gpu",
-         "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
-         f"it; the wall time in steady state): {share_sum(summary)} = 100%"),
-        (summary.share_clock != "gpu",
-         f"share host: the row's part of wall time (host clock): {share_sum(summary)} = 100%"),
-        (True, "data: the training loader's time between steps (timer.data(loader)), plus a phase named "
-         "data; loop: the rest of the host's time between steps (.item(), logging; all of it when no "
-         "loader is timed) less pause() and steptimer's own time; other: the step less its top-level "
-         "phases and steptimer's own time; wait: steptimer's one event wait a step; steptimer: its own "
-         "host time (step ends, resolving, top-level phases' entries and exits, window statistics)"),
-        (any(r.launch_bound for r in summary.rows),
-         f"* launch-bound: {LAUNCH_RULE}: the GPU waited for launches, and its number includes that idle"),
-        (not summary.cuda,
-         "host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here"),
-        (summary.memory is not None,
-         "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
-         "allocated when it was left, and reserved at the step's end (last timed step); the run's "
-         "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it"),
-        (summary.ranks is not None and summary.ranks.last is not None,
-         f"straggler-bound: the rank that waited most at the collectives (comm_exposed) waited "
-         f"{pct(COMM_SHARE)} of the timeline or more, and the late rank's lateness (ms after the first rank, "
-         f"over every step) is {pct(LATE_SHARE)} of that wait or more; else communication-bound. A late rank "
-         f"is chronic when late in {pct(CHRONIC_SHARE)} of the windows or more, 2 in a row at least"),
-        (bool(summary.slowest),
-         f"slowest steps: wall on {slow_clock}; "
-         "what stood out is the row that grew most over its median, then the measured causes; shown by "
-         "default when the row grew by at least the median step with a measured cause, or five without"),
-    ]  # fmt: skip
+        (
+            summary.share_clock == "gpu",
+            "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
+            f"it; the wall time in steady state): {share_sum(summary)} = 100%",
+        ),
+        (
+            summary.share_clock != "gpu",
+            f"share host: the row's part of wall time (host clock): {share_sum(summary)} = 100%",
+        ),
+        (
+            True,
+            "data: the training loader's time between steps (timer.data(loader)), plus a phase named "
+            "data; loop: the rest of the host's time between steps (.item(), logging; all of it when no "
+            "loader is timed) less pause() and steptimer's own time; other: the step less its top-level "
+            "phases and steptimer's own time; wait: steptimer's one event wait a step; steptimer: its own "
+            "host time (step ends, resolving, top-level phases' entries and exits, window statistics)",
+        ),
+        (
+            any(r.launch_bound for r in summary.rows),
+            f"* launch-bound: {LAUNCH_RULE}: the GPU waited for launches, and its number includes that idle",
+        ),
+        (not summary.cuda, "host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here"),
+        (
+            summary.memory is not None,
+            "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
+            "allocated when it was left, and reserved at the step's end (last timed step); the run's "
+            "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it",
+        ),
+        (
+            summary.ranks is not None and summary.ranks.last is not None,
+            f"straggler-bound: the rank that waited most at the collectives (comm_exposed) waited "
+            f"{pct(COMM_SHARE)} of the timeline or more, and the late rank's lateness (ms after the first rank, "
+            f"over every step) is {pct(LATE_SHARE)} of that wait or more; else communication-bound. A late rank "
+            f"is chronic when late in {pct(CHRONIC_SHARE)} of the windows or more, 2 in a row at least",
+        ),
+        (
+            bool(summary.slowest),
+            f"slowest steps: wall on {slow_clock}; "
+            "what stood out is the row that grew most over its median, then the measured causes; shown by "
+            "default when the row grew by at least the median step with a measured cause, or five without",
+        ),
+    ]
     return [text for shown, text in said if shown]
 
 
@@ -247,10 +261,15 @@ def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any,
     for d in deltas:
         verdict = ("slower" if d.delta_ms > 0 else "faster") if d.changed and d.delta_ms else "no change"
         table.add_row(
-            d.name, d.clock, num(d.a_ms), num(d.b_ms), num(d.delta_ms, sign=True),
+            d.name,
+            d.clock,
+            num(d.a_ms),
+            num(d.b_ms),
+            num(d.delta_ms, sign=True),
             "-" if d.delta_frac is None else f"{100 * d.delta_frac:+.1f}",
-            "-" if d.only_in else f"{d.dominance:+.2f}", f"only in {d.only_in}" if d.only_in else verdict,
-        )  # fmt: skip
+            "-" if d.only_in else f"{d.dominance:+.2f}",
+            f"only in {d.only_in}" if d.only_in else verdict,
+        )
     console.print(table)
     lines = []
     for label, run in (("A", a), ("B", b)):

@@ -224,8 +224,10 @@ class TensorBoardSink:
                 log.warning(
                     "steptimer: can't write to log_dir %r: %s%s. steptimer writes nothing more there; training "
                     "goes on, and the summary at close() is complete (it is kept in memory)",
-                    self.dir, cause(err), where,
-                )  # fmt: skip
+                    self.dir,
+                    cause(err),
+                    where,
+                )
 
     def write_window(self, window: Window) -> None:
         self.step = max(self.step, window.step)

@@ -49,16 +49,27 @@ def run_files(folder: str, stem: str) -> list[str]:
 def record(rec: StepRecord) -> dict[str, Any]:
     """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later)."""
     fetch, offs, phases = rec.row[FETCH_S], rec.offs_ms, rec.phases  # fetch: the loader's part of gap_s
-    gpu = None if offs is None else {
-        "start": offs[rec.i_start] / 1e3, "end": offs[rec.i_end] / 1e3,
-        "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
-    }  # fmt: skip
+    gpu = (
+        None
+        if offs is None
+        else {
+            "start": offs[rec.i_start] / 1e3,
+            "end": offs[rec.i_end] / 1e3,
+            "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
+        }
+    )
     return {
-        "number": rec.number, "t0": rec.t0, "step_s": rec.step_s, "gap_s": rec.gap_s,
-        "fetch_s": None if fetch != fetch else fetch, "wait_s": rec.wait_s,
-        "paused": bool(rec.pauses) or rec.paused_s > 0, "phases": [[p.name, p.t_in, p.t_out] for p in phases],
-        "gpu": gpu, "chain_ms": rec.chain_ms,
-    }  # fmt: skip
+        "number": rec.number,
+        "t0": rec.t0,
+        "step_s": rec.step_s,
+        "gap_s": rec.gap_s,
+        "fetch_s": None if fetch != fetch else fetch,
+        "wait_s": rec.wait_s,
+        "paused": bool(rec.pauses) or rec.paused_s > 0,
+        "phases": [[p.name, p.t_in, p.t_out] for p in phases],
+        "gpu": gpu,
+        "chain_ms": rec.chain_ms,
+    }
 
 
 def gpu_chain(steps: list[dict[str, Any]]) -> dict[int, float]:
@@ -149,11 +160,18 @@ class Capture:
             engine.notes.append(
                 f"trace_steps: the run ended at step {engine.number}, before steps {first}..{last}; no steps traced"
             )
-        doc.update({
-            "format": FORMAT, "version": VERSION, "run_id": run_id,
-            "clock": "host perf_counter seconds; GPU times placed on it through a reference event",
-            "first": first, "last": last, "last_step": engine.number, "cuda": bool(engine.cuda),
-        })  # fmt: skip
+        doc.update(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "run_id": run_id,
+                "clock": "host perf_counter seconds; GPU times placed on it through a reference event",
+                "first": first,
+                "last": last,
+                "last_step": engine.number,
+                "cuda": bool(engine.cuda),
+            }
+        )
         try:
             write_json(path, doc)
         except OSError as err:
@@ -187,8 +205,9 @@ class Capture:
                     leads.append(s["t0"] - g["start"] - d)
                     leads += [p[1] - q[1] - d for p, q in zip(s["phases"], g["phases"])]
                 doc = placed(steps, base, max(leads, default=0.0))
-                doc["notes"].insert(0, f"the flight recorder's trace around step {step}, one of the run's slowest "
-                                    f"({wall:.3f} ms)")  # fmt: skip
+                doc["notes"].insert(
+                    0, f"the flight recorder's trace around step {step}, one of the run's slowest ({wall:.3f} ms)"
+                )
                 if base:
                     doc["notes"].append(
                         "GPU track placed at the earliest time its launches allow (the recorder never waits for "
@@ -212,10 +231,18 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         return round((t - origin) * 1e6, 3)
 
     def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
-        slices.append({
-            "ph": "X", "pid": 1, "tid": tid, "name": name, "cat": cat,
-            "ts": us(a), "dur": round(max(z - a, 0.0) * 1e6, 3), "args": args,
-        })  # fmt: skip
+        slices.append(
+            {
+                "ph": "X",
+                "pid": 1,
+                "tid": tid,
+                "name": name,
+                "cat": cat,
+                "ts": us(a),
+                "dur": round(max(z - a, 0.0) * 1e6, 3),
+                "args": args,
+            }
+        )
 
     clamped = 0
     for s in steps:
@@ -246,16 +273,27 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         tracks += [(tid, "thread_name", {"name": name}), (tid, "thread_sort_index", {"sort_index": i})]
     events = [{"ph": "M", "name": what, "pid": 1, "tid": tid, "args": args} for tid, what, args in tracks]
     meta = {
-        "steps": len(steps), "gpu": has_gpu, "clamped": clamped, "notes": list(capture.get("notes", [])),
+        "steps": len(steps),
+        "gpu": has_gpu,
+        "clamped": clamped,
+        "notes": list(capture.get("notes", [])),
         "run_id": capture.get("run_id"),
-    }  # fmt: skip
+    }
     return {"traceEvents": events + slices, "displayTimeUnit": "ms", "metadata": meta}
 
 
 def make_capture(
-    trace_steps: int | tuple[int, int] | None, *, folder: str | None, start_step: int, warmup_steps: int,
-    enabled: bool, rank: int, flight: bool, window_steps: int, profile: bool,
-) -> Capture | None:  # fmt: skip
+    trace_steps: int | tuple[int, int] | None,
+    *,
+    folder: str | None,
+    start_step: int,
+    warmup_steps: int,
+    enabled: bool,
+    rank: int,
+    flight: bool,
+    window_steps: int,
+    profile: bool,
+) -> Capture | None:
     """The capture of an enabled rank 0 when a feature needs it, else None (options checked by Options)."""
     trace = None
     if trace_steps is not None:

@@ -74,9 +74,18 @@ def launch_bound(gpu_ms: float, host_ms: float, caught: float | None) -> bool:
 
 
 VerdictKind = Literal[
-    "input-bound", "loop-bound", "launch-bound", "input-bound + launch-bound", "loop-bound + launch-bound",
-    "communication-bound", "straggler-bound", "steptimer-bound", "gpu-bound", "compute-bound", "mixed",
-]  # fmt: skip
+    "input-bound",
+    "loop-bound",
+    "launch-bound",
+    "input-bound + launch-bound",
+    "loop-bound + launch-bound",
+    "communication-bound",
+    "straggler-bound",
+    "steptimer-bound",
+    "gpu-bound",
+    "compute-bound",
+    "mixed",
+]
 ShareClock = Literal["gpu", "host"]
 _FIX = {
     "input": "more DataLoader workers, pin_memory, prefetching",
@@ -145,10 +154,11 @@ def _gpu_rules(
     launch_list = ", ".join(f"{r.name} ({pct(share[r.name])})" for r in launch)
     timed = "data" in by and by["data"].host.steps  # a loader was timed
     loop_when = (
-        f"while the host ran the loop between steps: {_FIX['loop']}" if timed
+        f"while the host ran the loop between steps: {_FIX['loop']}"
+        if timed
         else "between steps; no loader was timed, so the loop holds it all (wrap the loader: "
         "`for batch in timer.data(loader):`)"
-    )  # fmt: skip
+    )
     said = {
         "input": f"the GPU waited for the loader {pct(waits['input'])} of its timeline"
         + (f", inside your `data` phase {pct(data_wait)}" if data_wait else "")
@@ -164,21 +174,24 @@ def _gpu_rules(
     said_none = "the GPU waited for launches inside no phase: it always had queued work"
     stalled, launched = stall >= STALL_SHARE, launch_share >= STALL_SHARE
     waited = (  # for the host between steps or for launches, BUSY_SHARE at least: not GPU-bound
-        f"the GPU waited for the host between steps {pct(stall)} of its timeline"
-        if stall >= BUSY_SHARE else None,
+        f"the GPU waited for the host between steps {pct(stall)} of its timeline" if stall >= BUSY_SHARE else None,
         f"launch-bound phases hold {pct(launch_share)} of the GPU's timeline: {launch_list}"
-        if launch_share >= BUSY_SHARE else None,
-    )  # fmt: skip
+        if launch_share >= BUSY_SHARE
+        else None,
+    )
     return [
         (stalled and launched, f"{cause}-bound + launch-bound", (said[cause], said["launch"])),
-        (stalled and stall >= launch_share, f"{cause}-bound",
-         (said[cause], said[other] if waits[other] >= BUSY_SHARE else None)),
+        (
+            stalled and stall >= launch_share,
+            f"{cause}-bound",
+            (said[cause], said[other] if waits[other] >= BUSY_SHARE else None),
+        ),
         _straggler(by, "gpu", ranks),
         _communication(by, "gpu"),
         (launch_share >= LAUNCH_SHARE, "launch-bound", (said["launch"], said_idle)),
         (not any(waited), "gpu-bound", (said_lead or said_idle, said_idle, said_none)),
         (True, "mixed", (*waited, said_idle, said_lead)),
-    ]  # fmt: skip
+    ]
 
 
 def _host_rules(

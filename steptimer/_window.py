@@ -323,9 +323,14 @@ class Window(Rates):
 
 
 def window_of(
-    rows: StepRows, last_step: int, peak_tflops: float | None = None, *, slowest: int = 0,
-    slow_floor_ms: float = -math.inf, walls: bool = False,
-) -> Window:  # fmt: skip
+    rows: StepRows,
+    last_step: int,
+    peak_tflops: float | None = None,
+    *,
+    slowest: int = 0,
+    slow_floor_ms: float = -math.inf,
+    walls: bool = False,
+) -> Window:
     """One log window ending at ``last_step``; ``slowest``/``slow_floor_ms``/``walls``: see :func:`pack_rows`."""
     p = pack_rows(rows, slowest, slow_floor_ms, walls)
     t = p.tally
@@ -336,9 +341,14 @@ def window_of(
     share_of = {n: v for n, v in share_of.items() if (share_clock, n) in stats}  # rows the window has
     return Window(
         **{**vars(r), "steps_per_s": math.nan if r.steps_per_s is None else r.steps_per_s},
-        step=last_step, steps=rows.count, warmup=rows.warmup, packed=p, memory=memory_of(rows.memory),
+        step=last_step,
+        steps=rows.count,
+        warmup=rows.warmup,
+        packed=p,
+        memory=memory_of(rows.memory),
         host={name: st for (clock, name), st in stats.items() if clock == "host"},
         gpu={name: st for (clock, name), st in stats.items() if clock == "gpu"},
         caught={name: st.mean_ms for (clock, name), st in stats.items() if clock == "caught"},
-        shares=share_of, share_clock=share_clock,
-    )  # fmt: skip
+        shares=share_of,
+        share_clock=share_clock,
+    )

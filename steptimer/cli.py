@@ -73,9 +73,11 @@ TRACE_OUT = "steptimer-trace.chrome.json"  # trace's default output, inside the 
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
-        prog="steptimer", description="Where each training step's time goes: read the logs that steptimer wrote.",
-        epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        prog="steptimer",
+        description="Where each training step's time goes: read the logs that steptimer wrote.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--version", action="version", version=f"steptimer {__version__}")
 
     p.set_defaults(func=lambda args: p.print_help(sys.stderr) or 2)  # a bare `steptimer`: help; a usage error
@@ -90,8 +92,13 @@ def _parser() -> argparse.ArgumentParser:
 
     def windows(c: argparse.ArgumentParser, json_help: str) -> None:
         c.add_argument("--json", action="store_true", help=f"print JSON instead of {json_help}")
-        c.add_argument("--skip-steps", type=int_at_least, default=0, metavar="N",
-                       help="leave out the windows that end at or before step N")  # fmt: skip
+        c.add_argument(
+            "--skip-steps",
+            type=int_at_least,
+            default=0,
+            metavar="N",
+            help="leave out the windows that end at or before step N",
+        )
         c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
 
     r = command("report", _cmd_report, "per-phase GPU/host times of steps, shares and a bottleneck verdict")
@@ -99,11 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--explain", action="store_true", help="also say what each column, mark and row means")
     windows(r, "tables")
     c = command(
-        "compare", _cmd_compare, "per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
+        "compare",
+        _cmd_compare,
+        "per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
         description="Per phase, the median ms per step in RUN_A and RUN_B (GPU where both have it, "
         "else host) and the change; 'slower' or 'faster' only when the runs' steps are apart "
         "(Cliff's delta >= 0.5) and the change is at least 5 % and 5 µs (docs/cli.md).",
-    )  # fmt: skip
+    )
     c.add_argument("run_a", metavar="RUN_A", help="the baseline: a run directory, or a run saved with report --json")
     c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run, or such a JSON file)")
     windows(c, "a table")
@@ -121,17 +130,30 @@ def _parser() -> argparse.ArgumentParser:
         metavar="ROW,...",
         help="the rows --fail-slower checks (default: the phases, step and wall per step)",
     )
-    t = command("trace", _cmd_trace, "export a captured window of steps (StepTimer(trace_steps=...)) as "
-                "Chrome/Perfetto trace JSON")  # fmt: skip
+    t = command(
+        "trace",
+        _cmd_trace,
+        "export a captured window of steps (StepTimer(trace_steps=...)) as Chrome/Perfetto trace JSON",
+    )
     t.add_argument("logdir", help="the run directory holding steptimer-trace.json (or the file itself)")
-    t.add_argument("-o", "--output", default=None,
-                   help=f"where to write the trace (default: LOGDIR/{TRACE_OUT}); '-' for stdout")  # fmt: skip
-    k = command("kernels", _cmd_kernels,
-                "top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)")  # fmt: skip
-    k.add_argument("logdir", help="the run directory holding steptimer-profile.json or "
-                   "steptimer-profile-slow-<step>.json (or the file itself)")  # fmt: skip
-    k.add_argument("--top", type=lambda t: int_at_least(t, 1), default=5, metavar="N",
-                   help="kernels per phase (default: %(default)s)")  # fmt: skip
+    t.add_argument(
+        "-o", "--output", default=None, help=f"where to write the trace (default: LOGDIR/{TRACE_OUT}); '-' for stdout"
+    )
+    k = command(
+        "kernels", _cmd_kernels, "top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)"
+    )
+    k.add_argument(
+        "logdir",
+        help="the run directory holding steptimer-profile.json or "
+        "steptimer-profile-slow-<step>.json (or the file itself)",
+    )
+    k.add_argument(
+        "--top",
+        type=lambda t: int_at_least(t, 1),
+        default=5,
+        metavar="N",
+        help="kernels per phase (default: %(default)s)",
+    )
     k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
     return p
 
@@ -221,14 +243,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     status = 0 if checked is None else checked.status
     if args.json:
         runs = {"a": a.to_json(), "b": b.to_json()}
-        _print_json({
-            **{k: r["path"] for k, r in runs.items()},
-            "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
-            "verdicts": {k: r["verdict"] and r["verdict"]["kind"] for k, r in runs.items()},
-            "compute": {k: {"tflops_per_s": r["tflops_per_s"], "mfu": r["mfu"]} for k, r in runs.items()},
-            "energy": {k: r["energy"] for k, r in runs.items()},
-            "gate": checked and checked.to_json(),
-        })  # fmt: skip
+        _print_json(
+            {
+                **{k: r["path"] for k, r in runs.items()},
+                "deltas": [{**asdict(d), "delta_ms": d.delta_ms, "delta_frac": d.delta_frac} for d in deltas],
+                "verdicts": {k: r["verdict"] and r["verdict"]["kind"] for k, r in runs.items()},
+                "compute": {k: {"tflops_per_s": r["tflops_per_s"], "mfu": r["mfu"]} for k, r in runs.items()},
+                "energy": {k: r["energy"] for k, r in runs.items()},
+                "gate": checked and checked.to_json(),
+            }
+        )
         return status
     print_compare(a, b, deltas, _console(), checked)
     return status

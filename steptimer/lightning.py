@@ -33,8 +33,11 @@ SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler sk
 # The profiler action Lightning's training epoch loop starts and stops around each train fetch.
 _FETCH_ACTION = "].train_dataloader_next"
 # The installed Lightning packages, imported: a broken install surfaces here.
-_FLAVOURS = [importlib.import_module(name) for name in ("pytorch_lightning", "lightning.pytorch")
-             if importlib.util.find_spec(name.split(".")[0]) is not None]  # fmt: skip
+_FLAVOURS = [
+    importlib.import_module(name)
+    for name in ("pytorch_lightning", "lightning.pytorch")
+    if importlib.util.find_spec(name.split(".")[0]) is not None
+]
 if not _FLAVOURS:
     msg = "StepTimerCallback needs Lightning: pip install 'torch-steptimer[lightning]'"
     raise ModuleNotFoundError(msg, name="pytorch_lightning")
@@ -52,8 +55,10 @@ class _LoggerSink:
 
     def __init__(self, loggers: Sequence[Any], *, histograms: bool, skipped: Callable[[], int]) -> None:
         self._skipped = skipped
-        self._loggers = [(lg, TensorBoardSink(writer=lg.experiment, histograms=histograms)
-                          if isinstance(lg, _TB_LOGGERS) else None) for lg in loggers]  # fmt: skip
+        self._loggers = [
+            (lg, TensorBoardSink(writer=lg.experiment, histograms=histograms) if isinstance(lg, _TB_LOGGERS) else None)
+            for lg in loggers
+        ]
 
     def write_window(self, window: Window) -> None:
         n = self._skipped()
@@ -169,10 +174,15 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._forward_names: Sequence[str] | None = names
         self.histograms = histograms
         # (count, what an error names, batch -> number or a number), summed over a step's batches
-        self._counters = [(k, what, fn) for k, what, fn in (
-            ("samples", "batch_size_fn(batch)", batch_size_fn),
-            ("tokens", "tokens_fn(batch)", tokens_fn),
-            ("flops", "flops_per_batch", flops_per_batch)) if fn is not None]  # fmt: skip
+        self._counters = [
+            (k, what, fn)
+            for k, what, fn in (
+                ("samples", "batch_size_fn(batch)", batch_size_fn),
+                ("tokens", "tokens_fn(batch)", tokens_fn),
+                ("flops", "flops_per_batch", flops_per_batch),
+            )
+            if fn is not None
+        ]
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
@@ -237,17 +247,21 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if profile_steps is not None and profile_steps[0] <= self._steps_done:
             log.warning(
                 "steptimer: profile_steps=%s starts at or before the resumed step count %d; not profiling",
-                profile_steps, self._steps_done,
-            )  # fmt: skip
+                profile_steps,
+                self._steps_done,
+            )
             options["profile_steps"] = None
         every, sample_every = int(trainer.log_every_n_steps), options["sample_every"]
         if options["log_every_n_steps"] is None and every != 50:  # 50: StepTimer's, lengthened to 1 s
             options["log_every_n_steps"] = window_steps(every, sample_every)
         options.update(print_summary=False, start_step=self._steps_done)
         timer = StepTimer._make(
-            **options, **self._seams, peak_dtype=dtype_of_precision(trainer.precision),
-            profile_dir=str(trainer.log_dir or trainer.default_root_dir), sinks=[sink],
-        )  # fmt: skip
+            **options,
+            **self._seams,
+            peak_dtype=dtype_of_precision(trainer.precision),
+            profile_dir=str(trainer.log_dir or trainer.default_root_dir),
+            sinks=[sink],
+        )
         self._driver = d = PhaseDriver(timer, rejoin=True, scoped=True)
         d.live = False
         self._hooks.remove()

@@ -261,23 +261,45 @@ class StepTimer:
         runs = dict(enabled=enabled, rank=self._rank)
         folder = log_dir if log_dir is not None else writer and os.path.abspath(writer.get_logdir())
         c = make_capture(
-            trace_steps, folder=folder, start_step=start_step, warmup_steps=warmup_steps,
-            flight=slowest_steps > 0, window_steps=window_max, profile=profiled, **runs,
-        )  # fmt: skip
+            trace_steps,
+            folder=folder,
+            start_step=start_step,
+            warmup_steps=warmup_steps,
+            flight=slowest_steps > 0,
+            window_steps=window_max,
+            profile=profiled,
+            **runs,
+        )
         # memory=None: time-budgeted; one timed step in 10 across ranks (every rank reads the same steps).
         memory_every = int(memory) if memory is not None else 10 if distributed else MEMORY_AUTO
         self._engine = Engine(
-            lag=lag, sample_every=sample_every, warmup_steps=warmup_steps, start_step=start_step,
-            backend=seams.backend, window_every=log_every_n_steps, on_window=self._on_window,
-            window_min_s=window_min_s, window_max=window_max, capture=c,
-            memory=memory_every, memory_backend=seams.memory_backend, slowest=bool(slowest_steps),
-            cost_budget=cost_budget, late_marks=profiled, cuda=cuda and enabled,  # disabled: no check
-        )  # fmt: skip
+            lag=lag,
+            sample_every=sample_every,
+            warmup_steps=warmup_steps,
+            start_step=start_step,
+            backend=seams.backend,
+            window_every=log_every_n_steps,
+            on_window=self._on_window,
+            window_min_s=window_min_s,
+            window_max=window_max,
+            capture=c,
+            memory=memory_every,
+            memory_backend=seams.memory_backend,
+            slowest=bool(slowest_steps),
+            cost_budget=cost_budget,
+            late_marks=profiled,
+            cuda=cuda and enabled,  # disabled: no check
+        )
         self._ranges, nvtx_note = make_ranges(
-            nvtx=nvtx, profile_steps=profile_steps, profile_on_slow=profile_on_slow, recent=c,
-            folder=folder if seams.profile_dir is None else seams.profile_dir, set_ranged=self._set_ranged,
-            engine=self._engine, **runs,
-        )  # fmt: skip
+            nvtx=nvtx,
+            profile_steps=profile_steps,
+            profile_on_slow=profile_on_slow,
+            recent=c,
+            folder=folder if seams.profile_dir is None else seams.profile_dir,
+            set_ranged=self._set_ranged,
+            engine=self._engine,
+            **runs,
+        )
         if nvtx_note is not None:
             self.note(nvtx_note)
         if enabled:
@@ -578,9 +600,13 @@ class StepTimer:
             return None
         # StepWalls (_slow.py) for profile_on_slow's check and the rows of the rank last to a collective
         window = window_of(
-            engine.rows, engine.last_resolved, self._peak_tflops()[0], slowest=self.options.slowest_steps,
-            slow_floor_ms=self._acc.slow.floor_ms, walls=on_slow is not None or self._xrank is not None,
-        )  # fmt: skip
+            engine.rows,
+            engine.last_resolved,
+            self._peak_tflops()[0],
+            slowest=self.options.slowest_steps,
+            slow_floor_ms=self._acc.slow.floor_ms,
+            walls=on_slow is not None or self._xrank is not None,
+        )
         kept = self._acc.add_window(window)
         if window.warmup:
             self._warm.append(window)
@@ -631,9 +657,13 @@ class StepTimer:
         notes += [oom_note(*engine.oom) if engine.oom is not None else None, *(xrank.notes if xrank else ())]
         notes += [energy_note, self._energy.error]  # the counter's, and steptimer's own failure in energy
         summary = acc.summary(
-            warmup_steps=warmup, cuda=bool(engine.cuda), notes=tuple(n for n in notes if n), peak_tflops=peak,
-            traces=traces, ranks=xrank.summary if xrank is not None else None,  # the verdict reads them
-        )  # fmt: skip
+            warmup_steps=warmup,
+            cuda=bool(engine.cuda),
+            notes=tuple(n for n in notes if n),
+            peak_tflops=peak,
+            traces=traces,
+            ranks=xrank.summary if xrank is not None else None,  # the verdict reads them
+        )
         more: dict[str, Any] = {"sample_every": engine.sample_every, "cost_budget": engine.budget}
         if engine.memory is not None:
             m, seen = acc.memory or MemoryStats({}, {}, 0, 0), engine.memory.seen_bytes
