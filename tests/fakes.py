@@ -59,14 +59,19 @@ class FakeGPU:
     def host_ms(self) -> float:
         return self.clock.now * 1e3
 
-    def launch(self, ms: float) -> None:
+    def _enqueue(self) -> None:
+        """A launch or an event record: each takes a place in the launch queue."""
         if self.queue_ms is not None and self.busy_until_ms - self.host_ms > self.queue_ms:
             self.clock.now = (self.busy_until_ms - self.queue_ms) / 1e3  # blocked in a full queue
+
+    def launch(self, ms: float) -> None:
+        self._enqueue()
         self.clock.advance_ms(self.launch_ms)
         start = max(self.host_ms, self.busy_until_ms)
         self.busy_until_ms = start + ms
 
     def record(self, ev: FakeEvent, stream: Any) -> None:
+        self._enqueue()
         self.clock.advance_ms(self.record_ms)
         self.records += 1
         ev.records += 1

@@ -408,6 +408,7 @@ def test_the_comm_bench_runs_on_cpu_with_gloo(tmp_path: Path) -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.gpus2
 def test_fsdp2_on_two_gpus_times_the_collectives_on_the_gpus_clock(tmp_path: Path) -> None:
     """The bench's FSDP2 path on NCCL (tiny preset): comm on the GPU's clock, the waits inside it."""
     if torch.cuda.device_count() < 2:

@@ -464,6 +464,7 @@ def test_lightning_ddp_names_the_slowed_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.gpus2
 def test_nccl_two_gpus_names_the_slowed_rank(tmp_path: Path) -> None:
     import torch
 
