@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from statistics import median
 from time import perf_counter, sleep
-from typing import Any
+from typing import Any, NamedTuple
 
 from steptimer._energy import GpuState
 from steptimer._format import num
@@ -265,6 +265,12 @@ def host_paced(fed: Sequence[float], steps: int) -> bool:
     return launch_bound(gpu, host, caught / steps if steps else None)
 
 
+def stood_out(last_steps: int, measured: int) -> bool:
+    """A rank stood out as the late one: last to the collective by ``LAST_MIN_MS`` or more in
+    ``LAST_SHARE`` of the ``measured`` steps at least (over the run, or in a window)."""
+    return measured > 0 and last_steps >= LAST_SHARE * measured
+
+
 @dataclass
 class _Late:
     """The steps a rank was last in, its ms behind the first, and its rows' growth where it was a window's last."""
@@ -321,8 +327,71 @@ class _Round:
     top: int = -1
     grew: dict[str, float] = field(default_factory=dict)
     fed: dict[str, list[float]] = field(default_factory=dict)
-    energy: dict[str, RankSpread] = field(default_factory=dict)  # the window's (an interval) or the run's
+    energy: dict[str, RankSpread] = field(default_factory=dict)  # the window's (an interval)
     gpu: dict[int, GpuState] = field(default_factory=dict)  # by rank, the GPU's state: the window's or the run's
+    run: dict[str, RankSpread] = field(default_factory=dict)  # the run summaries' spreads, once all close
+    run_ranks: int = 0  # the ranks that sent a run summary
+    run_energy: dict[str, RankSpread] = field(default_factory=dict)  # the run's (of closing ranks)
+
+    def read_arrivals(self, measured: Mapping[int, tuple[int, float]]) -> None:
+        """Of the ``measured`` steps' last ranks, those last by ``LAST_MIN_MS`` or more, and the window's
+        last rank: the most ms behind, summed (ties: the lowest rank)."""
+        self.measured = len(measured)
+        self.last = {step: v for step, v in measured.items() if v[1] >= LAST_MIN_MS}
+        ahead: dict[int, float] = {}
+        for r, ms in self.last.values():
+            ahead[r] = ahead.get(r, 0.0) + ms
+        self.top = min(ahead, key=lambda r: (-ahead[r], r), default=-1)
+
+
+class _Sent(NamedTuple):
+    """What this rank brings to a round: its window (None: none, or one without a step) and its
+    series' means, its run summary's (None: not closing), whether it closes, its energy values."""
+
+    window: Window | None
+    win: Mapping[str, float] | None
+    wkeys: list[str]
+    summ: Mapping[str, float] | None
+    skeys: list[str]
+    closing: bool
+    energy: Mapping[str, float] | None
+
+    @classmethod
+    def of(
+        cls, window: Window | None, summ: Mapping[str, float] | None, closing: bool, energy: Mapping[str, float] | None
+    ) -> _Sent:
+        win = series_values(window)
+        sent = window if win is not None else None
+        return cls(sent, win, sorted(win or ()), summ, sorted(summ or ()), closing, energy)
+
+    def header(self) -> list[float]:
+        """The round's first MAX: the window's series (hash both ways, count), closing (both ways), the
+        run's series (hash both ways, count), the window's last step (both ways: uneven ends) and, where
+        it has arrivals at the collective, its steps (the slots that follow)."""
+        w, s = self.window, self.summ is not None
+        return [
+            *_both(series_hash(self.wkeys) if w is not None else None),
+            float(len(self.wkeys)) if w is not None else _NEG,
+            *_both(1.0 if self.closing else 0.0),
+            *_both(series_hash(self.skeys) if s else None),
+            float(len(self.skeys)) if s else _NEG,
+            *_both(float(w.step) if w is not None else None),
+            float(w.steps) if w is not None and w.packed.arrive else _NEG,
+        ]
+
+
+def _energy_vectors(
+    sent: _Sent, all_closing: bool, world: int, rank: int, bits: int
+) -> tuple[list[float], list[float]]:
+    """The energy parts of a round's MAX and SUM: the window's (of ranks in an interval) and the run's (of
+    closing ranks), 2 x 4 and 2 x 3; then in the MAX each rank's GPU state: the window's in an interval,
+    the run's once every rank closes."""
+    energy, closing = sent.energy, sent.closing
+    joules = {k: energy[k] for k in ENERGY} if energy else None
+    ew, es = _vectors(None if closing else joules, 2, rank, bits)
+    rw, rs = _vectors(joules if closing else None, 2, rank, bits)
+    state = [energy[k] for k in STATE] if energy and STATE[0] in energy and closing == all_closing else None
+    return ew + rw + _state_slots(state, world, rank), es + rs
 
 
 def _initialized() -> Any:
@@ -421,8 +490,16 @@ class CrossRank:
             phase, steps, share = grew_most(late.grew_ms), max(late.steps, 1), late.steps / self._measured
             grew_ms = late.grew_ms[phase] / max(late.grew_steps, 1) if phase else 0.0
             paced = host_paced(late.fed[phase], late.grew_steps) if phase in late.fed else None
-            ahead_ms, stood_out = late.ahead_ms / steps, share >= LAST_SHARE
-            last = LastRank(rank, share, ahead_ms, phase, grew_ms, stood_out, self.collective, paced)
+            last = LastRank(
+                rank,
+                share,
+                late.ahead_ms / steps,
+                phase,
+                grew_ms,
+                stood_out(late.steps, self._measured),
+                self.collective,
+                paced,
+            )
             self.summary = replace(self.summary, last=last, late=self._late_windows.summary())
         return out
 
@@ -440,7 +517,7 @@ class CrossRank:
                     }
                 )
             if not window.warmup:  # the window's late rank: last in LAST_SHARE of its steps
-                lw = self._late_windows.add(res.top if len(ahead) >= LAST_SHARE * res.measured else -1)
+                lw = self._late_windows.add(res.top if stood_out(len(ahead), res.measured) else -1)
                 if lw is not None:
                     extra[f"{RANKS}/late_rank_windows_share"], extra[f"{RANKS}/late_rank_in_a_row"] = lw
             self._measured += 0 if window.warmup else res.measured
@@ -502,87 +579,78 @@ class CrossRank:
         closing: bool,
         energy: Mapping[str, float] | None = None,
     ) -> _Round | None:
+        """One round: the header (:meth:`_Sent.header`), then, where the ranks agree on what to send,
+        :meth:`_exchange`; the run's per-rank section once every rank closes. None: a collective failed."""
         t0 = perf_counter()
-        win = series_values(window)
-        wkeys, skeys = sorted(win or ()), sorted(summ or ())
-        w, s = win is not None, summ is not None
-        p = window.packed if w else None  # type: ignore[union-attr]
-        arrive = p.arrive if p is not None else {}
-        header = [
-            *_both(series_hash(wkeys) if w else None),
-            float(len(wkeys)) if w else _NEG,
-            *_both(1.0 if closing else 0.0),
-            *_both(series_hash(skeys) if s else None),
-            float(len(skeys)) if s else _NEG,
-            *_both(float(window.step) if w else None),  # type: ignore[union-attr]
-            float(window.steps) if arrive else _NEG,  # type: ignore[union-attr]
-        ]
-        h = self._allreduce(header, self._dist.ReduceOp.MAX)
+        sent = _Sent.of(window, summ, closing, energy)
+        h = self._allreduce(sent.header(), self._dist.ReduceOp.MAX)
         if h is None:
             return None
         all_closing, nw, ns = self._read_header(h, closing)
         res = _Round(all_closing)
-        n = min(int(h[10]), MAX_SLOTS) if nw and h[10] != _NEG else 0  # steps with arrivals (slots)
-        end = int(h[8]) if n else 0  # the windows' last step: slot j is step end - j
-        if nw or ns:
-            wmx, wsm = _vectors(win if nw else None, nw, self.rank, self._bits)
-            smx, ssm = _vectors(summ if ns else None, ns, self.rank, self._bits)
-            # Then per slot (a step of the window), the arrival at its first collective; last, energy:
-            # the window's (of ranks in an interval) and the run's (of closing ranks), 2 x 4 and 2 x 3.
-            mine = _arrivals(arrive, end, n, self.rank, self._bits)
-            joules = {k: energy[k] for k in ENERGY} if energy else None
-            ew, es = _vectors(None if closing else joules, 2, self.rank, self._bits)
-            rw, rs = _vectors(joules if closing else None, 2, self.rank, self._bits)
-            # Each rank's GPU state: the window's in an interval, the run's once every rank closes.
-            state = [energy[k] for k in STATE] if energy and STATE[0] in energy and closing == all_closing else None
-            mx = self._allreduce(
-                wmx + smx + mine + ew + rw + _state_slots(state, self.world_size, self.rank), self._dist.ReduceOp.MAX
+        if (nw or ns) and not self._exchange(sent, res, h, nw, ns):
+            return None
+        if nw and closing and h[8] != -h[9]:
+            self._note0(
+                f"uneven end: ranks ended at steps {int(-h[9])} to {int(h[8])}; the final cross-rank "
+                "window combines windows of different lengths"
             )
-            if mx is None:
-                return None
-            res.gpu = _states(mx[len(mx) - len(STATE) * self.world_size :], self.world_size)
-            mx = mx[: len(mx) - len(STATE) * self.world_size]
-            measured = _lasts(mx[4 * (nw + ns) : -16], end, self._bits)
-            res.measured = len(measured)
-            res.last = {step: v for step, v in measured.items() if v[1] >= LAST_MIN_MS}
-            ahead: dict[int, float] = {}
-            for r, ms in res.last.values():
-                ahead[r] = ahead.get(r, 0.0) + ms
-            res.top = min(ahead, key=lambda r: (-ahead[r], r), default=-1)
-            # The window's last rank sums its rows over the steps it was last in, the others theirs, in the SUM.
-            steps = {number for number, (r, _) in res.last.items() if r == res.top}
-            rows = _row_sums(p.walls if p is not None else None, wkeys, steps, res.top == self.rank, nw) if n else []
-            sm = self._allreduce(wsm + ssm + rows + es + rs, self._dist.ReduceOp.SUM)
-            if sm is None:
-                return None
-            run_energy = spreads(ENERGY, mx[-8:], sm[-3:], self._bits) if sm[-1] else {}
-            res.energy = spreads(ENERGY, mx[-16:-8], sm[-6:-3], self._bits) if sm[-4] else {}
-            if nw:  # the reporting ranks' keys are equal (equal hashes); an abstainer keeps the count only
-                res.reporting = int(sm[nw])
-                res.spread = spreads(wkeys, mx[: 4 * nw], sm[: nw + 1], self._bits) if w else {}
-            if measured:
-                res.grew, res.fed = _grew(sm[nw + ns + 2 : -6], wkeys, res.reporting)
-            if ns and s:
-                sres = spreads(skeys, mx[4 * nw : 4 * (nw + ns)], sm[nw + 1 : nw + ns + 2], self._bits)
-                self.summary = RankSummary(
-                    world_size=self.world_size,
-                    ranks=int(sm[nw + 1 + ns]),
-                    straggler=sres.pop(STRAGGLER, None),
-                    series={tuple(k.split("/", 1)): v for k, v in sres.items()},  # type: ignore[misc]
-                    energy=run_energy or None,
-                    gpu=res.gpu or None,
-                    rounds=self.rounds + 1,
-                    reduce_ms=(self.reduce_s + perf_counter() - t0) * 1e3 / (self.rounds + 1),
-                )
-            if nw and closing and h[8] != -h[9]:
-                self._note0(
-                    f"uneven end: ranks ended at steps {int(-h[9])} to {int(h[8])}; the final cross-rank "
-                    "window combines windows of different lengths"
-                )
         res.ms = (perf_counter() - t0) * 1e3
         self.rounds += 1
         self.reduce_s += res.ms / 1e3
+        if res.run:
+            self.summary = self._rank_summary(res)
         return res
+
+    def _exchange(self, sent: _Sent, res: _Round, h: Sequence[float], nw: int, ns: int) -> bool:
+        """The round's MAX and SUM of ``nw`` window and ``ns`` run series (0: none, or ranks that
+        disagree), arrivals, energy and GPU states, decoded into ``res``; False: a collective failed."""
+        rank, bits, world = self.rank, self._bits, self.world_size
+        n = min(int(h[10]), MAX_SLOTS) if nw and h[10] != _NEG else 0  # steps with arrivals (slots)
+        end = int(h[8]) if n else 0  # the windows' last step: slot j is step end - j
+        wmx, wsm = _vectors(sent.win if nw else None, nw, rank, bits)
+        smx, ssm = _vectors(sent.summ if ns else None, ns, rank, bits)
+        emx, esm = _energy_vectors(sent, res.all_closing, world, rank, bits)
+        # Then per slot (a step of the window), the arrival at its first collective; last, energy.
+        arrive = sent.window.packed.arrive if sent.window is not None else {}
+        mx = self._allreduce(wmx + smx + _arrivals(arrive, end, n, rank, bits) + emx, self._dist.ReduceOp.MAX)
+        if mx is None:
+            return False
+        cut = len(mx) - len(STATE) * world
+        res.gpu, mx = _states(mx[cut:], world), mx[:cut]
+        res.read_arrivals(_lasts(mx[4 * (nw + ns) : -16], end, bits))
+        # The window's last rank sums its rows over the steps it was last in, the others theirs, in the SUM.
+        steps = {number for number, (r, _) in res.last.items() if r == res.top}
+        walls = sent.window.packed.walls if sent.window is not None else None
+        rows = _row_sums(walls, sent.wkeys, steps, res.top == rank, nw) if n else []
+        sm = self._allreduce(wsm + ssm + rows + esm, self._dist.ReduceOp.SUM)
+        if sm is None:
+            return False
+        res.run_energy = spreads(ENERGY, mx[-8:], sm[-3:], bits) if sm[-1] else {}
+        res.energy = spreads(ENERGY, mx[-16:-8], sm[-6:-3], bits) if sm[-4] else {}
+        if nw:  # the reporting ranks' keys are equal (equal hashes); an abstainer keeps the count only
+            res.reporting = int(sm[nw])
+            res.spread = spreads(sent.wkeys, mx[: 4 * nw], sm[: nw + 1], bits) if sent.window is not None else {}
+        if res.measured:
+            res.grew, res.fed = _grew(sm[nw + ns + 2 : -6], sent.wkeys, res.reporting)
+        if ns and sent.summ is not None:
+            res.run = spreads(sent.skeys, mx[4 * nw : 4 * (nw + ns)], sm[nw + 1 : nw + ns + 2], bits)
+            res.run_ranks = int(sm[nw + 1 + ns])
+        return True
+
+    def _rank_summary(self, res: _Round) -> RankSummary:
+        """The per-rank section from the run series of the round every rank closed in."""
+        run = dict(res.run)
+        return RankSummary(
+            world_size=self.world_size,
+            ranks=res.run_ranks,
+            straggler=run.pop(STRAGGLER, None),
+            series={tuple(k.split("/", 1)): v for k, v in run.items()},  # type: ignore[misc]
+            energy=res.run_energy or None,
+            gpu=res.gpu or None,
+            rounds=self.rounds,
+            reduce_ms=self.reduce_s * 1e3 / self.rounds,
+        )
 
     def _read_header(self, h: Sequence[float], closing: bool) -> tuple[bool, int, int]:
         """``(every rank is closing, series in the windows, in the run summaries)`` from the reduced header

@@ -32,10 +32,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     # A run that ended inside its warm-up summarized its warm-up steps: so does its report.
     all_warm = run.scalars.get(_tags.ALL_WARMUP)
     include_warmup = include_warmup or bool(all_warm)
-    skip = set() if include_warmup else set(warm)
-    windows = [s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s > skip_steps and s not in skip]
-    if not windows:
-        windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in skip})
+    windows = _windows(run, skip_steps, set() if include_warmup else set(warm))
     notes = list(run.notes) + ([all_warmup_note(int(all_warm[-1][1]))] if all_warm else [])
     if not run.hists:
         notes.append(
@@ -45,39 +42,14 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     wset = set(windows)
     hists = {k: [(s, h) for s, h in pts if s in wset] for k, pts in run.hists.items()}
     scal = {k: [(s, v) for s, v in pts if s in wset] for k, pts in run.scalars.items()}
-    rate = dict(scal.get(_tags.STEPS_PER_S, []))
-    # Steps per window: exact from the host step histogram, else from the step numbers.
-    n_of: dict[int, int] = {s: h.count for s, h in hists.get(("host", "step"), [])}
-    prev = max([s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s <= skip_steps], default=0)
-    for s in windows:
-        n_of.setdefault(s, max(s - prev, 1))
-        prev = s
-    wall_ms = sum(n_of[s] / r * 1e3 for s in windows if (r := rate.get(s)) and r > 0 and math.isfinite(r))
-    steps = sum(n_of[s] for s in windows)
-
+    n_of = _steps_of(run, hists, windows, skip_steps)
     mains = [t for key in scal if (t := _tags.parse(key)) is not None and t.group == _tags.MAIN]
     seen = dict.fromkeys([*hists, *((t.family, t.name) for t in mains if t.measure == "ms")])
     series = {key: x for key in seen if (x := _series(hists, scal, n_of, *key))}
-    host = {n: x for (c, n), x in series.items() if c == "host"}
-    timed = host["other"].stats.steps if "other" in host else steps
-    timed_frac = timed / steps if timed and steps else 1.0
-    timed_sum, timed_wall_ms = _timed_host(hists, scal, windows, host, timed_frac, wall_ms)
-
-    def total(key: str) -> float | None:
-        """A per-window rate (samples/s, ...) summed back to the windows' total."""
-        pts = scal.get(key)
-        return sum(v * n_of[s] / rate[s] for s, v in pts if rate.get(s)) if pts else None
-
-    def per_step(key: str) -> float | None:
-        """A per-window fraction as the mean over the windows' steps (None: not logged)."""
-        pts = [(s, v) for s, v in scal.get(key, []) if n_of.get(s)]
-        n = sum(n_of[s] for s, _ in pts)
-        return sum(v * n_of[s] for s, v in pts) / n if n else None
-
-    samples, tokens, flops, mfu_s = map(total, _tags.RATES[1:])
-    caught = {n: c for _, n in series if (c := per_step(_tags.tag(_tags.CAUGHT, "gpu", n, "frac"))) is not None}
-    tally = Tally(steps, timed, wall_ms, timed_wall_ms, timed_sum, {}, samples, tokens, flops and flops * 1e12)
+    tally, peak_tflops = _tally(hists, scal, windows, n_of, series)
+    caught = {n: c for _, n in series if (c := _caught(scal, n_of, n)) is not None}
     every, budget = (run.scalars.get(t, [(0, None)])[-1][1] for t in (_tags.SAMPLE_EVERY, _tags.COST_BUDGET))
+    rate = dict(scal.get(_tags.STEPS_PER_S, []))
     return summarize(
         tally,
         series,
@@ -85,7 +57,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         calls=None,
         sample_every=None if every is None else int(every),
         cost_budget=budget,
-        peak_tflops=flops / mfu_s if flops and mfu_s else None,
+        peak_tflops=peak_tflops,
         warmup_steps=0 if include_warmup else sum(warm.values()),
         notes=tuple(notes),
         memory=_memory(scal),
@@ -100,6 +72,54 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         device=run.device,
         cycle_window_ms=tuple(1e3 / rate[s] for s in windows if rate.get(s)),
     )
+
+
+def _caught(scal: Points, n_of: dict[int, int], name: str) -> float | None:
+    """The part of the phase's steps in which the GPU caught up with the host inside it: the windows'
+    fractions as the mean over their steps (None: not logged)."""
+    pts = [(s, v) for s, v in scal.get(_tags.tag(_tags.CAUGHT, "gpu", name, "frac"), []) if n_of.get(s)]
+    n = sum(n_of[s] for s, _ in pts)
+    return sum(v * n_of[s] for s, v in pts) / n if n else None
+
+
+def _windows(run: RunLog, skip_steps: int, warmup: set[int]) -> list[int]:
+    """The summarized windows (their last steps): past ``skip_steps``, none of ``warmup``."""
+    windows = [s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s > skip_steps and s not in warmup]
+    if windows:
+        return windows
+    return sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in warmup})
+
+
+def _steps_of(run: RunLog, hists: Hists, windows: list[int], skip_steps: int) -> dict[int, int]:
+    """Steps per window: exact from the host step histogram, else from the step numbers."""
+    n_of: dict[int, int] = {s: h.count for s, h in hists.get(("host", "step"), [])}
+    prev = max([s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s <= skip_steps], default=0)
+    for s in windows:
+        n_of.setdefault(s, max(s - prev, 1))
+        prev = s
+    return n_of
+
+
+def _tally(
+    hists: Hists, scal: Points, windows: list[int], n_of: dict[int, int], series: dict[tuple[str, str], Series]
+) -> tuple[Tally, float | None]:
+    """The windows' sums, as the live run keeps them, and the peak TFLOP/s that their MFU was of."""
+    rate = dict(scal.get(_tags.STEPS_PER_S, []))
+    wall_ms = sum(n_of[s] / r * 1e3 for s in windows if (r := rate.get(s)) and r > 0 and math.isfinite(r))
+    steps = sum(n_of[s] for s in windows)
+    host = {n: x for (c, n), x in series.items() if c == "host"}
+    timed = host["other"].stats.steps if "other" in host else steps
+    timed_frac = timed / steps if timed and steps else 1.0
+    timed_sum, timed_wall_ms = _timed_host(hists, scal, windows, host, timed_frac, wall_ms)
+
+    def total(key: str) -> float | None:
+        """A per-window rate (samples/s, ...) summed back to the windows' total."""
+        pts = scal.get(key)
+        return sum(v * n_of[s] / rate[s] for s, v in pts if rate.get(s)) if pts else None
+
+    samples, tokens, flops, mfu_s = map(total, _tags.RATES[1:])
+    tally = Tally(steps, timed, wall_ms, timed_wall_ms, timed_sum, {}, samples, tokens, flops and flops * 1e12)
+    return tally, flops / mfu_s if flops and mfu_s else None
 
 
 # Host rows of every step, timed or not; the phases' rows and other are of the timed steps only.

@@ -84,28 +84,40 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{run,report,compare,trace,kernels}")
     # `run` is parsed by _run.main, listed here for --help.
     sub.add_parser("run", help=_run.HELP, usage=_run.USAGE, add_help=False)
+    for add in (_add_report, _add_compare, _add_trace, _add_kernels):
+        add(sub)
+    return p
 
-    def command(name: str, func: Any, help: str, **kw: Any) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=help, **kw)
-        c.set_defaults(func=func)
-        return c
 
-    def windows(c: argparse.ArgumentParser, json_help: str) -> None:
-        c.add_argument("--json", action="store_true", help=f"print JSON instead of {json_help}")
-        c.add_argument(
-            "--skip-steps",
-            type=int_at_least,
-            default=0,
-            metavar="N",
-            help="leave out the windows that end at or before step N",
-        )
-        c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
+def _command(sub: Any, name: str, func: Any, help: str, **kw: Any) -> argparse.ArgumentParser:
+    c: argparse.ArgumentParser = sub.add_parser(name, help=help, **kw)
+    c.set_defaults(func=func)
+    return c
 
-    r = command("report", _cmd_report, "per-phase GPU/host times of steps, shares and a bottleneck verdict")
+
+def _window_flags(c: argparse.ArgumentParser, json_help: str) -> None:
+    """The flags of the commands that summarize a run's windows: --json, --skip-steps, --include-warmup."""
+    c.add_argument("--json", action="store_true", help=f"print JSON instead of {json_help}")
+    c.add_argument(
+        "--skip-steps",
+        type=int_at_least,
+        default=0,
+        metavar="N",
+        help="leave out the windows that end at or before step N",
+    )
+    c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
+
+
+def _add_report(sub: Any) -> None:
+    r = _command(sub, "report", _cmd_report, "per-phase GPU/host times of steps, shares and a bottleneck verdict")
     r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
     r.add_argument("--explain", action="store_true", help="also say what each column, mark and row means")
-    windows(r, "tables")
-    c = command(
+    _window_flags(r, "tables")
+
+
+def _add_compare(sub: Any) -> None:
+    c = _command(
+        sub,
         "compare",
         _cmd_compare,
         "per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
@@ -115,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("run_a", metavar="RUN_A", help="the baseline: a run directory, or a run saved with report --json")
     c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run, or such a JSON file)")
-    windows(c, "a table")
+    _window_flags(c, "a table")
     c.add_argument(
         "--fail-slower",
         type=_percent,
@@ -130,7 +142,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="ROW,...",
         help="the rows --fail-slower checks (default: the phases, step and wall per step)",
     )
-    t = command(
+
+
+def _add_trace(sub: Any) -> None:
+    t = _command(
+        sub,
         "trace",
         _cmd_trace,
         "export a captured window of steps (StepTimer(trace_steps=...)) as Chrome/Perfetto trace JSON",
@@ -139,8 +155,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "-o", "--output", default=None, help=f"where to write the trace (default: LOGDIR/{TRACE_OUT}); '-' for stdout"
     )
-    k = command(
-        "kernels", _cmd_kernels, "top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)"
+
+
+def _add_kernels(sub: Any) -> None:
+    k = _command(
+        sub,
+        "kernels",
+        _cmd_kernels,
+        "top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)",
     )
     k.add_argument(
         "logdir",
@@ -155,7 +177,6 @@ def _parser() -> argparse.ArgumentParser:
         help="kernels per phase (default: %(default)s)",
     )
     k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
-    return p
 
 
 def _percent(text: str) -> float:
