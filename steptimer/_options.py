@@ -1,20 +1,23 @@
-"""Options shared by every front door and the CLI, validated once: building an :class:`Options` checks
-every value against :data:`_RULES`; a front door builds one before its timer exists. Step counts and
-phase names too."""
+"""Options shared by every front door and the CLI. Each option is a field of :class:`Options` that
+holds its default, its help text and its check; ``StepTimer``, ``instrument()``, the Lightning and
+Hugging Face callbacks and ``steptimer run``'s flags are built from those fields, and building an
+:class:`Options` checks every value. Step counts and phase names too."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import inspect
 import math
 import numbers
+import os
 import re
 import sys
-from collections.abc import Callable
-from typing import Any
+import textwrap
+from collections.abc import Callable, Mapping
+from typing import Any, TypedDict
 
-from steptimer._dist import DEFAULT_TIMEOUT_S
-from steptimer._slow import DEFAULT_K
 from steptimer._verdict import COMM_ROWS
 
 RESERVED_NAMES = frozenset({"step", "other", "wait", "idle", *COMM_ROWS})
@@ -25,6 +28,8 @@ MAX_PHASE_NAME_CHARS = 100
 # The default cost budget: steptimer's own time per timed step at most this part of the wall time
 # (docs/options.md says why this value); sample_every=1 times every step.
 COST_BUDGET = 0.002
+DEFAULT_TIMEOUT_S = 300.0  # the longest wait for the other ranks in one cross-rank round
+DEFAULT_K = 5  # the run's k slowest steps kept
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 
 
@@ -36,61 +41,113 @@ def _positive(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
 
 
-# (options, the rule each value keeps, what it must be): "<option> must be <what>" when one doesn't.
-_RULES: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
-    (("log_every_n_steps", "sample_every"), lambda v: v is None or _int(v, 1), "an int >= 1, got {v!r}"),
-    (("warmup_steps", "lag", "start_step", "slowest_steps"), lambda v: _int(v, 0), "an int >= 0, got {v!r}"),
-    (
-        ("cost_budget",),
-        lambda v: _positive(v) and v < 1,
-        "a number between 0 and 1, exclusive (the part of the wall time timing may cost, e.g. 0.005), "
-        "got {v!r}; sample_every=1 times every step",
-    ),
-    (("cuda",), lambda v: v in (None, True, False), "None, True or False, got {v!r}"),
-    (("enabled", "print_summary", "cross_rank", "nvtx"), lambda v: v is True or v is False, "True or False, got {v!r}"),
-    (("peak_tflops",), lambda v: v is None or _positive(v), "a number > 0 (TFLOP/s) or None, got {v!r}"),
-    (
-        ("profile_on_slow",),
-        lambda v: v is None or _positive(v) and v > 1,
-        "a factor > 1 of the rolling median step time (e.g. 1.5), or None; got {v!r}",
-    ),
-    (
-        ("memory",),
-        lambda v: v is None or isinstance(v, int) and v >= 0,
-        "None, True, False or an int >= 0 (read one timed step in N), got {v!r}",
-    ),
-    (("cross_rank_timeout_s",), _positive, "a number > 0, got {v!r}"),
-)
+# A check: (the rule a value keeps, what it must be): "<option> must be <what>" when it doesn't.
+_Check = tuple[Callable[[Any], bool], str]
+_AT_LEAST_1: _Check = (lambda v: v is None or _int(v, 1), "an int >= 1, got {v!r}")
+_AT_LEAST_0: _Check = (lambda v: _int(v, 0), "an int >= 0, got {v!r}")
+_ON_OFF: _Check = (lambda v: v is True or v is False, "True or False, got {v!r}")
+
+
+def _option(default: Any, check: _Check | None, doc: str, cli: tuple[Any, str] | None = None) -> Any:
+    """An :class:`Options` field: its default, its check (None: ``__post_init__``'s own), its help
+    (``help(StepTimer)``, ``steptimer run -h``) and ``steptimer run``'s flag: ``(type, metavar)`` for a
+    valued ``--name``, ``(False, "--flag")`` for a flag that sets it False; None: no flag."""
+    return dataclasses.field(default=default, metadata={"check": check, "help": doc, "cli": cli})
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """A timer's options (see :class:`~steptimer.StepTimer` for each), checked when built."""
+    """A timer's options, checked when built (``help(StepTimer)`` and docs/options.md say each)."""
 
-    log_every_n_steps: int | None = None
-    warmup_steps: int = 5
-    lag: int = 2
-    cuda: bool | None = None
-    start_step: int = 0
-    enabled: bool = True
-    sample_every: int | None = None
-    print_summary: bool = True
-    cross_rank: bool = True
-    cross_rank_timeout_s: float = DEFAULT_TIMEOUT_S
-    trace_steps: int | tuple[int, int] | None = None
-    peak_tflops: float | None = None
-    nvtx: bool = False
-    profile_steps: tuple[int, int] | None = None
-    profile_on_slow: float | None = None
-    memory: int | None = None
-    slowest_steps: int = DEFAULT_K
-    cost_budget: float = COST_BUDGET
+    log_every_n_steps: int | None = _option(
+        None,
+        _AT_LEAST_1,
+        "write window statistics every N steps; None: 50, lengthened on small steps to last a second (not distributed)",
+        (int, "N"),
+    )
+    warmup_steps: int = _option(
+        5, _AT_LEAST_0, "steps left out of the summary (still logged): compilation and autotuning", (int, "N")
+    )
+    lag: int = _option(
+        2, _AT_LEAST_0, "0 waits at each step's end for its GPU work; k >= 1 waits at step N on step N-k", (int, "K")
+    )
+    cuda: bool | None = _option(
+        None,
+        (lambda v: v in (None, True, False), "None, True or False, got {v!r}"),
+        "None decides at the first step(); True requires CUDA; False times the host only",
+        (False, "--host-only"),
+    )
+    start_step: int = _option(0, _AT_LEAST_0, "steps already done (resumed runs); the first step is start_step + 1")
+    enabled: bool = _option(True, _ON_OFF, "False makes every call a near-free no-op with the same API")
+    sample_every: int | None = _option(
+        None,
+        _AT_LEAST_1,
+        "time the phases of one step, chosen at random, in every N; 1: every step; None: as many as "
+        "cost_budget allows. Every step counts for throughput",
+        (int, "N"),
+    )
+    print_summary: bool = _option(
+        True, _ON_OFF, "print the summary table at close() (rank 0 only)", (False, "--no-summary")
+    )
+    cross_rank: bool = _option(True, _ON_OFF, "under torch.distributed, combine the ranks' windows (spread, straggler)")
+    cross_rank_timeout_s: float = _option(
+        DEFAULT_TIMEOUT_S,
+        (_positive, "a number > 0, got {v!r}"),
+        "longest wait for the other ranks; after a timeout cross-rank stays off",
+    )
+    trace_steps: int | tuple[int, int] | None = _option(
+        None,
+        None,
+        "capture steps for `steptimer trace`: N after warm-up, or (first, last)",
+        (int, "N"),
+    )
+    peak_tflops: float | None = _option(
+        None,
+        (lambda v: v is None or _positive(v), "a number > 0 (TFLOP/s) or None, got {v!r}"),
+        "the peak TFLOP/s for mfu; None looks the GPU up in steptimer's table",
+        (float, "F"),
+    )
+    nvtx: bool = _option(False, _ON_OFF, "make each step and phase an NVTX range for Nsight Systems")
+    profile_steps: tuple[int, int] | None = _option(
+        None, None, "(first, last): run torch.profiler for those steps (`steptimer kernels`)"
+    )
+    profile_on_slow: float | None = _option(
+        None,
+        (
+            lambda v: v is None or _positive(v) and v > 1,
+            "a factor > 1 of the rolling median step time (e.g. 1.5), or None; got {v!r}",
+        ),
+        "a factor > 1: profile the next 3 steps after 3 slower than that times the rolling median "
+        "(docs/slow-steps.md); None: off",
+    )
+    memory: int | None = _option(
+        None,
+        (
+            lambda v: v is None or isinstance(v, int) and v >= 0,
+            "None, True, False or an int >= 0 (read one timed step in N), got {v!r}",
+        ),
+        "with CUDA timing, read the allocator's peaks on one timed step in N (True: 1, False or 0: "
+        "never); None: as often as costs ~0.1 % of the run. It resets the peak counter",
+    )
+    slowest_steps: int = _option(
+        DEFAULT_K, _AT_LEAST_0, "keep the run's k slowest timed steps with what made each slow; 0: off"
+    )
+    cost_budget: float = _option(
+        COST_BUDGET,
+        (
+            lambda v: _positive(v) and v < 1,
+            "a number between 0 and 1, exclusive (the part of the wall time timing may cost, e.g. 0.005), "
+            "got {v!r}; sample_every=1 times every step",
+        ),
+        "with sample_every=None, time as many steps as this part of the wall time allows (0.002: "
+        "0.2 %; a GPU-bound run: every step); sample_every=1 times every step",
+        (float, "F"),
+    )
 
     def __post_init__(self) -> None:
-        for names, ok, what in _RULES:
-            for name in names:
-                if not ok(v := getattr(self, name)):
-                    raise ValueError(f"{name} must be {what.format(v=v)}")
+        for f in dataclasses.fields(self):
+            if f.metadata["check"] is not None and not f.metadata["check"][0](v := getattr(self, f.name)):
+                raise ValueError(f"{f.name} must be {f.metadata['check'][1].format(v=v)}")
         first = self.start_step + 1
         for name in ("trace_steps", "profile_steps"):
             v, ints = getattr(self, name), name == "trace_steps"  # trace_steps=N: N steps after warm-up
@@ -105,6 +162,94 @@ class Options:
                 raise ValueError(
                     f"{name} needs every step timed (sample_every=1), got sample_every={self.sample_every}"
                 )
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any], who: str, keywords: type | None = None) -> Options:
+        """The options ``given`` to ``who`` (a front door), checked; ``keywords``: the
+        :class:`Keywords` it takes (default: all). An unknown name is a ``TypeError`` naming ``who``."""
+        taken = list((keywords or Keywords).__annotations__)
+        for name in given:
+            if name not in taken:
+                near = difflib.get_close_matches(name, taken, 1)
+                hint = f"did you mean {near[0]}=?" if near else f"it takes {', '.join(taken)}"
+                raise TypeError(f"{who} got an unexpected keyword argument {name!r}; {hint}")
+        return cls(**given)
+
+    @property
+    def profiled(self) -> bool:
+        """A profiler may run (``profile_steps`` or ``profile_on_slow``)."""
+        return self.profile_steps is not None or self.profile_on_slow is not None
+
+
+class Keywords(TypedDict, total=False):
+    """:class:`Options`' names and types as keywords, for type checkers and IDEs
+    (``**options: Unpack[Keywords]``); each one's default, help and check are its field there
+    (tests/test_timer.py pins the two alike)."""
+
+    log_every_n_steps: int | None
+    warmup_steps: int
+    lag: int
+    cuda: bool | None
+    start_step: int
+    enabled: bool
+    sample_every: int | None
+    print_summary: bool
+    cross_rank: bool
+    cross_rank_timeout_s: float
+    trace_steps: int | tuple[int, int] | None
+    peak_tflops: float | None
+    nvtx: bool
+    profile_steps: tuple[int, int] | None
+    profile_on_slow: float | None
+    memory: int | None
+    slowest_steps: int
+    cost_budget: float
+
+
+class TimerKeywords(Keywords, total=False):
+    """A timer's keywords: its options, and where it writes (``instrument()``, the Hugging Face
+    callback)."""
+
+    log_dir: str | os.PathLike[str] | None
+    writer: Any
+
+
+class LightningKeywords(TypedDict, total=False):
+    """The options the Lightning callback takes (its own step counter, its loggers' files and no
+    cross-rank round leave the rest out)."""
+
+    log_every_n_steps: int | None
+    warmup_steps: int
+    lag: int
+    cuda: bool | None
+    sample_every: int | None
+    cost_budget: float
+    peak_tflops: float | None
+    print_summary: bool
+    enabled: bool
+    nvtx: bool
+    profile_steps: tuple[int, int] | None
+    memory: int | None
+
+
+def spelled_out(func: Callable[..., Any], keywords: type) -> inspect.Signature:
+    """``func``'s signature with its ``**options`` spelled out as the keyword-only parameters of
+    ``keywords``, with :class:`Options`' defaults: what ``help()`` and ``inspect`` show."""
+    fields = {f.name: f for f in dataclasses.fields(Options)}
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    for name, ref in keywords.__annotations__.items():  # the field's annotation, else the keyword's text
+        f = fields.get(name)
+        default, type_ = (f.default, f.type) if f is not None else (None, getattr(ref, "__forward_arg__", ref))
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=type_))
+    return sig.replace(parameters=params)
+
+
+def options_doc(indent: str, keywords: type = Keywords) -> str:
+    """Each option of ``keywords`` and its help, one Google-style ``Args:`` entry each."""
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(Options)}
+    entries = (f"{name}: {helps[name]}." for name in keywords.__annotations__ if name in helps)
+    return "\n".join(textwrap.fill(e, 100, initial_indent=indent, subsequent_indent=indent + "    ") for e in entries)
 
 
 def check_bool(name: str, value: object) -> None:

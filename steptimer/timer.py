@@ -9,20 +9,28 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from steptimer import _exit
 from steptimer._clock import _CudaBackend, prepare_native
-from steptimer._dist import DEFAULT_TIMEOUT_S, CrossRank, _initialized, energy_values
+from steptimer._dist import CrossRank, _initialized, energy_values
 from steptimer._energy import EnergyWindows
 from steptimer._engine import CAPTURE, MEMORY_AUTO, SLOW, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
 from steptimer._goodput import Kind, Timeline
 from steptimer._memory import MemoryStats, _MemoryBackend, oom_note
-from steptimer._options import COST_BUDGET, Options, check_bool, check_count, check_phase_name, window_steps
+from steptimer._options import (
+    Keywords,
+    Options,
+    check_bool,
+    check_count,
+    check_phase_name,
+    options_doc,
+    spelled_out,
+    window_steps,
+)
 from steptimer._peaks import cuda_peak
 from steptimer._profile import Ranges, make_ranges
-from steptimer._slow import DEFAULT_K
 from steptimer._summary import Summary, SummaryAccumulator, all_warmup_note
 from steptimer._table import print_summary
 from steptimer._tags import ALL_WARMUP, DEVICE, SAMPLE_EVERY
@@ -30,6 +38,9 @@ from steptimer._tags import COST_BUDGET as COST_BUDGET_TAG
 from steptimer._tensorboard import TensorBoardSink, check_writable
 from steptimer._trace import make_capture
 from steptimer._window import StepRows, Window, window_of
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["StepTimer", "check_bool", "check_count", "check_phase_name"]
 
@@ -90,7 +101,8 @@ class _Seams:
 
     backend: _CudaBackend | None = None  # CUDA calls (tests: a simulated GPU)
     memory_backend: _MemoryBackend | None = None  # the allocator's statistics (tests: a fake one)
-    sinks: Sequence[Sink] = ()  # more places for windows (the Lightning callback's logger sink)
+    # The default window's steps (Lightning: the Trainer's log_every_n_steps); None: 50, lengthened
+    window_base: int | None = None
     peak_dtype: str = "bf16"  # which peak of steptimer's table MFU uses (Lightning: the precision)
     profile_dir: str | None = None  # where the profiler trace goes without log_dir (Lightning's log_dir)
     # The GPU's energy counter for a device: the counter, or None and why (None: NVML's)
@@ -165,32 +177,12 @@ def rank() -> int:
 class StepTimer:
     """Times each training step's phases on the GPU (CUDA events) and the host (``perf_counter``).
 
-    Args (each in full in docs/options.md):
+    Args (each option in full in docs/options.md):
         log_dir: Directory for TensorBoard event files, a run per phase in ``<log_dir>/steptimer/``.
         writer: An existing ``SummaryWriter`` to write to instead (steptimer never closes it).
-        log_every_n_steps: Write window statistics every this many steps; None: 50, lengthened on
-            small steps to last a second (not distributed).
-        warmup_steps: Steps left out of the summary (still logged): compilation and autotuning.
-        lag: 0 waits at the end of each step for its GPU work; k >= 1 waits at step N on step N-k.
-        cuda: None decides at the first ``step()``; True requires CUDA; False times the host only.
-        start_step: Number of steps already done (resumed runs); the first step is ``start_step + 1``.
-        enabled: False makes every call a near-free no-op with the same API.
-        sample_every: Time the phases of one step, chosen at random, in every ``sample_every``; 1:
-            every step; None: as many as ``cost_budget`` allows. Every step counts for throughput.
-        print_summary: Print the summary table at :meth:`close` (rank 0 only).
-        cross_rank: Under torch.distributed, combine the ranks' windows (spread, straggler).
-        cross_rank_timeout_s: Longest wait for the other ranks; after a timeout cross-rank stays off.
-        trace_steps: Capture these steps for ``steptimer trace``: N after warm-up, or ``(first, last)``.
-        peak_tflops: The peak (TFLOP/s) for ``mfu``; None looks the GPU up in steptimer's table.
-        nvtx: Make each step and phase an NVTX range for Nsight Systems.
-        profile_steps: ``(first, last)``: run ``torch.profiler`` for those steps (``steptimer kernels``).
-        profile_on_slow: A factor > 1: profile the next 3 steps after 3 slower than that times the
-            rolling median (docs/slow-steps.md); None: off.
-        memory: With CUDA timing, read the allocator's peaks on one timed step in N (True: 1, False
-            or 0: never); None: as often as costs ~0.1 % of the run. It resets the peak counter.
-        slowest_steps: Keep the run's k slowest timed steps with what made each slow; 0: off.
-        cost_budget: With ``sample_every=None``, time as many steps as this part of the wall time
-            allows (0.002: 0.2 %; a GPU-bound run: every step); ``sample_every=1`` times every step.
+        sinks: More places for each window and the summary: objects with ``write_window(window)``
+            and ``close(summary)`` (the Lightning and Hugging Face callbacks' loggers), on rank 0.
+        <options>
 
     Example:
         >>> timer = StepTimer(cuda=False, print_summary=False, warmup_steps=0)
@@ -202,108 +194,111 @@ class StepTimer:
         3
     """
 
+    __doc__ = (__doc__ or "").replace("        <options>", options_doc(" " * 8))
+
     def __init__(
         self,
         *,
         log_dir: str | os.PathLike[str] | None = None,
         writer: Any = None,
-        log_every_n_steps: int | None = None,
-        warmup_steps: int = 5,
-        lag: int = 2,
-        cuda: bool | None = None,
-        start_step: int = 0,
-        enabled: bool = True,
-        sample_every: int | None = None,
-        print_summary: bool = True,
-        cross_rank: bool = True,
-        cross_rank_timeout_s: float = DEFAULT_TIMEOUT_S,
-        trace_steps: int | tuple[int, int] | None = None,
-        peak_tflops: float | None = None,
-        nvtx: bool = False,
-        profile_steps: tuple[int, int] | None = None,
-        profile_on_slow: float | None = None,
-        memory: int | None = None,
-        slowest_steps: int = DEFAULT_K,
-        cost_budget: float = COST_BUDGET,
+        sinks: Sequence[Sink] = (),
+        **options: Unpack[Keywords],
     ) -> None:
-        given = locals()  # every argument but log_dir and writer is an Options field, validated there
-        self.options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options)})
+        self.options = opts = Options.of(options, "StepTimer")
         if log_dir is not None and writer is not None:
             raise ValueError("pass log_dir or writer, not both")
         log_dir, writer = _checked_dir(log_dir), _checked_writer(writer)
-        seams = self._seams
-        # A window may be lengthened to last MIN_WINDOW_S (the default only, one process only).
-        distributed = _distributed()
-        window_min_s = MIN_WINDOW_S if log_every_n_steps is None and not distributed else 0.0
-        log_every_n_steps = log_every_n_steps or window_steps(50, sample_every)
-        profiled = profile_steps is not None or profile_on_slow is not None
-        # Ranks must time the same steps (each rank's budget would pick others; _join for a rank learned
-        # at the first step); a trace needs every step.
-        if sample_every is None and (distributed or trace_steps is not None or profiled):
-            sample_every = 1
-        self.log_every_n_steps: int = log_every_n_steps
-        window_max = log_every_n_steps * (MAX_WINDOW_UNITS if window_min_s else 1)
-        self.lag, self.sample_every, self.enabled = lag, sample_every, enabled
+        self.enabled = enabled = opts.enabled
         self._peak: tuple[float | None, str | None] | None = None  # the GPU's (peak, note), looked up once
         self._rank = rank()
         # Who writes, and how windows end, wait for a rank known: a timer built before init_process_group
         # under torch.multiprocessing.spawn would otherwise take itself for rank 0 (_join).
         self._joining = (log_dir, writer) if enabled and not _rank_known() else None
         self._summary: Summary | None = None
-        self._sinks: list[Sink] = list(seams.sinks)
+        self._sinks: list[Sink] = list(sinks)
         self._timeline: Timeline | None = None  # where the run's time goes (_goodput.py), when enabled
         self._phases: dict[str, _Phase] = {}
         self._phase_cls: type[_Phase] = _Phase
-        self._acc = SummaryAccumulator(slowest_steps)
+        self._acc = SummaryAccumulator(opts.slowest_steps)
         self._warm: list[Window] = []  # the warm-up windows, while the run is in its warm-up
         self._energy = EnergyWindows()
-        self._xrank = CrossRank(timeout_s=cross_rank_timeout_s) if cross_rank and enabled else None
-        runs = dict(enabled=enabled, rank=self._rank)
+        self._xrank = CrossRank(timeout_s=opts.cross_rank_timeout_s) if opts.cross_rank and enabled else None
         folder = log_dir if log_dir is not None else writer and os.path.abspath(writer.get_logdir())
-        c = make_capture(
-            trace_steps,
-            folder=folder,
-            start_step=start_step,
-            warmup_steps=warmup_steps,
-            flight=slowest_steps > 0,
-            window_steps=window_max,
-            profile=profiled,
-            **runs,
-        )
-        # memory=None: time-budgeted; one timed step in 10 across ranks (every rank reads the same steps).
-        memory_every = int(memory) if memory is not None else 10 if distributed else MEMORY_AUTO
-        self._engine = Engine(
-            lag=lag,
-            sample_every=sample_every,
-            warmup_steps=warmup_steps,
-            start_step=start_step,
-            backend=seams.backend,
-            window_every=log_every_n_steps,
-            on_window=self._on_window,
-            window_min_s=window_min_s,
-            window_max=window_max,
-            capture=c,
-            memory=memory_every,
-            memory_backend=seams.memory_backend,
-            slowest=bool(slowest_steps),
-            cost_budget=cost_budget,
-            late_marks=profiled,
-            cuda=cuda and enabled,  # disabled: no check
-        )
+        self._engine = self._new_engine(folder)
         self._ranges, nvtx_note = make_ranges(
-            nvtx=nvtx,
-            profile_steps=profile_steps,
-            profile_on_slow=profile_on_slow,
-            recent=c,
-            folder=folder if seams.profile_dir is None else seams.profile_dir,
+            nvtx=opts.nvtx,
+            profile_steps=opts.profile_steps,
+            profile_on_slow=opts.profile_on_slow,
+            recent=self._engine.capture,
+            folder=folder if self._seams.profile_dir is None else self._seams.profile_dir,
             set_ranged=self._set_ranged,
             engine=self._engine,
-            **runs,
+            enabled=enabled,
+            rank=self._rank,
         )
         if nvtx_note is not None:
             self.note(nvtx_note)
         if enabled:
             self._start(log_dir, writer)
+
+    def _new_engine(self, folder: str | None) -> Engine:
+        """The engine, with the values the options leave open resolved once, here: the window's
+        length and whether it may be lengthened, which steps are timed, how often memory is read."""
+        opts, seams, distributed = self.options, self._seams, _distributed()
+        # A window may be lengthened to last MIN_WINDOW_S (StepTimer's default only, one process only).
+        lengthen = opts.log_every_n_steps is None and seams.window_base is None and not distributed
+        every = opts.log_every_n_steps or window_steps(seams.window_base or 50, opts.sample_every)
+        window_max = every * (MAX_WINDOW_UNITS if lengthen else 1)
+        # Ranks must time the same steps (each rank's budget would pick others; _join for a rank learned
+        # at the first step); a trace needs every step.
+        every_step = distributed or opts.trace_steps is not None or opts.profiled
+        sample_every = 1 if opts.sample_every is None and every_step else opts.sample_every
+        capture = make_capture(
+            opts.trace_steps,
+            folder=folder,
+            start_step=opts.start_step,
+            warmup_steps=opts.warmup_steps,
+            flight=opts.slowest_steps > 0,
+            window_steps=window_max,
+            profile=opts.profiled,
+            enabled=opts.enabled,
+            rank=self._rank,
+        )
+        # memory=None: time-budgeted; one timed step in 10 across ranks (every rank reads the same steps).
+        memory = int(opts.memory) if opts.memory is not None else 10 if distributed else MEMORY_AUTO
+        return Engine(
+            lag=opts.lag,
+            sample_every=sample_every,
+            warmup_steps=opts.warmup_steps,
+            start_step=opts.start_step,
+            backend=seams.backend,
+            window_every=every,
+            on_window=self._on_window,
+            window_min_s=MIN_WINDOW_S if lengthen else 0.0,
+            window_max=window_max,
+            capture=capture,
+            memory=memory,
+            memory_backend=seams.memory_backend,
+            slowest=bool(opts.slowest_steps),
+            cost_budget=opts.cost_budget,
+            late_marks=opts.profiled,
+            cuda=opts.cuda and opts.enabled,  # disabled: no check
+        )
+
+    @property
+    def lag(self) -> int:
+        """The ``lag`` option: step N waits for step N-lag's GPU work."""
+        return self.options.lag
+
+    @property
+    def sample_every(self) -> int | None:
+        """One step in this many is timed; None: as many as the cost budget allows."""
+        return self._engine.sample_every
+
+    @property
+    def log_every_n_steps(self) -> int:
+        """A window's length in steps (``log_every_n_steps``, or the default)."""
+        return self._engine.ends.every
 
     def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
         """An enabled timer's set-up that touches the machine: CUDA, files, signals, ranks."""
@@ -345,16 +340,15 @@ class StepTimer:
         if self._rank != 0:
             e.capture = None  # its files are rank 0's
         if _distributed():
-            e._window_min_s, e._window_max = 0.0, e._window_every
-            if self.sample_every is None:  # each rank's budget would time other steps: time every one
-                self.sample_every = e.sample_every = 1
-                e.budget = None
+            e.ends.by_number()
+            if e.sample_every is None:  # each rank's budget would time other steps: time every one
+                e.sampler.time_every_step()
                 self._run_tags = self._sampling_tags()
             if self.options.memory is None:
-                e._memory_opt = 10
+                e.mem.every = 10
         self._write_on_rank0(log_dir, writer)
 
-    _seams: _Seams = _Seams()  # the real CUDA calls and allocator, no extra sinks; see _make()
+    _seams: _Seams = _Seams()  # the real CUDA calls and allocator; see _make()
 
     @classmethod
     def _make(cls: type[_T], **kwargs: Any) -> _T:
@@ -671,3 +665,7 @@ class StepTimer:
         if xrank is not None and summary.slowest:  # each with its window's slowest rank
             more["slowest"] = xrank.annotate(summary.slowest)
         return dataclasses.replace(summary, energy=energy, **more)
+
+
+# help(StepTimer) and inspect show each option as a keyword with its default.
+StepTimer.__init__.__signature__ = spelled_out(StepTimer.__init__, Keywords)  # type: ignore[attr-defined]
