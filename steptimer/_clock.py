@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -15,6 +16,10 @@ import torch
 from steptimer._native import NativeUnavailable, build, cudart, usable_here
 
 log = logging.getLogger("steptimer")
+
+# A boundary this soon after the last event record reuses that event: no kernel launch from Python
+# fits in between (several µs). So P back-to-back phases cost P + 1 records, not 2P + 2.
+SHARE_GAP_S = 1.5e-6
 
 
 @dataclass(frozen=True)
@@ -121,3 +126,84 @@ def default_backend() -> _CudaBackend:
         note = f"CUDA calls through torch's Python API (higher host cost): {e}"
         log.info("steptimer: %s", note)
         return replace(torch_backend(), note=note)
+
+
+class EventClock:
+    """The GPU clock's events for one engine: a pool per device (events are reused, never made per
+    interval), the current stream, the current step's events (``evs``), and the last resolved step's end
+    event (``held_end``: the next step's GPU idle counts from it). It reads no host clock: the engine
+    passes its times.
+
+    Args:
+        backend: the CUDA calls; None: settled at the first step (``settle``).
+    """
+
+    def __init__(self, backend: _CudaBackend | None) -> None:
+        self.b: _CudaBackend = backend  # type: ignore[assignment]  # None until settled
+        self.custom = backend is not None  # a test's or a benchmark's calls: no real device
+        self.stream: Any = None
+        self.stream_key: Any = None
+        self.device = -1
+        self._pools: dict[int, list[Any]] = {}
+        self.free: list[Any] = []  # the current device's pool
+        self.held_end: tuple[int, int, Any] | None = None  # (number, device, end event) of the last resolved
+        self.events_created = 0
+        self.evs: list[Any] = []  # the current step's events, in record order
+        self.last_t, self.last_i = -math.inf, -1  # the last record's host time and index in ``evs``
+
+    def begin(self, t0: float) -> None:
+        """A timed step begins at host time ``t0``: its stream, its first event."""
+        b = self.b
+        key = b.stream_key()
+        if key != self.stream_key:
+            self.stream_key, self.stream, self.device = key, b.stream_of_key(key), key[1]
+            self.free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
+        if b.is_capturing(self.stream):
+            raise RuntimeError(  # the step never began
+                "step() inside CUDA graph capture: steptimer cannot record timing events into a "
+                "graph. Put `with timer.step():` around the graph replay, not inside the capture"
+            )
+        self.evs = []
+        self.last_t = -math.inf
+        self.boundary(t0)
+
+    def take(self) -> Any:
+        if self.free:
+            return self.free.pop()
+        self.events_created += 1
+        return self.b.new_event()
+
+    def boundary(self, t: float) -> int:
+        """The index in ``evs`` of an event recorded at host time ``t`` (maybe shared with the last)."""
+        if t - self.last_t < SHARE_GAP_S:
+            return self.last_i
+        ev = self.free.pop() if self.free else self.take()
+        self.b.record(ev, self.stream)
+        evs = self.evs
+        self.last_i = i = len(evs)
+        evs.append(ev)
+        return i
+
+    def can_end(self) -> bool:
+        """An event may end an untimed step: the stream is the timed steps' and captures no graph."""
+        return self.b.stream_key() == self.stream_key and not self.b.is_capturing(self.stream)
+
+    def pause_event(self) -> Any:
+        """An event recorded now for a pause's start or end (None: no stream known yet)."""
+        if self.stream_key is None:
+            return None
+        ev = self.take()
+        self.b.record(ev, self.stream)
+        return ev
+
+    def offsets_ms(self, evs: list[Any]) -> list[float]:
+        """Each event's ms from the first (one call through the shim where it has one)."""
+        b = self.b
+        return b.offsets_ms(evs) if b.offsets_ms else [0.0] + [b.elapsed_ms(evs[0], e) for e in evs[1:]]
+
+    def release(self, number: int, device: int, evs: list[Any], i_end: int) -> None:
+        """A resolved step's events back to the pool, but its end event: held for the next step's idle."""
+        if self.held_end is not None:
+            self.free.append(self.held_end[2])
+        self.free += evs[:i_end] + evs[i_end + 1 :]
+        self.held_end = (number, device, evs[i_end])

@@ -1,14 +1,16 @@
 """The engine: steps and phases timed with CUDA events (one lagged event wait per step, never a
 device-wide synchronize) or the host clock; finished steps become rows of a window (``StepRows``).
-It knows no framework: once its state is whole at the end of ``end_step``, ``on_window(number)``
-tells the owner that the rows of the window ending at step ``number`` are in ``rows``."""
+It knows no framework. Its parts, each one idea: the event pool and stream (``_clock.EventClock``),
+which steps are timed with the cost budget (``_sampling.Sampler``), the allocator readings
+(``_memory.MemoryPlan``), and here the window boundaries (``WindowEnds``). Once its state is whole at
+the end of ``end_step``, ``on_window(number)`` tells the owner that the rows of the window ending at
+step ``number`` are in ``rows``."""
 
 from __future__ import annotations
 
 import logging
 import math
 import operator
-import random
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -19,34 +21,25 @@ from typing import Any, NamedTuple
 
 import torch
 
-from steptimer._clock import _CudaBackend, cuda_usable, default_backend
-from steptimer._memory import MemoryReader, StepMemory, _MemoryBackend, torch_memory_backend
+from steptimer._clock import SHARE_GAP_S as _SHARE_GAP_S
+from steptimer._clock import EventClock, _CudaBackend, cuda_usable, default_backend
+from steptimer._memory import MEMORY_AUTO, MemoryPlan, StepMemory, _MemoryBackend
+from steptimer._sampling import Sampler
 from steptimer._slow import StepMarks
-from steptimer._window import GAP_S, OWN_STEP_S, STEP_S, WAIT_S, RowKey, StepRows
+from steptimer._window import OWN_STEP_S, STEP_S, RowKey, StepRows
+
+__all__ = ["MEMORY_AUTO", "Engine", "Fetch", "Phase", "PhaseRecord", "StepRecord"]
 
 log = logging.getLogger("steptimer")
 
-# A boundary this soon after steptimer's last event record reuses that event: no kernel launch from
-# Python fits in between (several µs). So P back-to-back phases cost P + 1 records, not 2P + 2.
-_SHARE_GAP_S = 1.5e-6
 # The previous phase's end is queried at a phase's exit only if the host left it this long before:
 # an idle GPU completes an event within its launch latency, a few µs after the record.
 _SETTLE_S = 50e-6
 _NAN = math.nan
-# memory=MEMORY_AUTO reads the allocator once the time since the last read step is MEMORY_BUDGET
-# times what its readings cost (~10 µs each on an H100): at most 0.1 % of the run.
-MEMORY_AUTO = -1
-MEMORY_BUDGET = 1000.0
 # Engine.state: between steps, a step outside the sample, timed on the host clock, timed with CUDA
 # events. Ordered: ``state >= HOST`` is timed.
 OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
-# The cost budget: blocks of at most MAX_BLOCK steps; the measured cost and wall per step are moving
-# averages over picks (weight EMA_ALPHA: compilation and warm-up fade); an untimed step slower than
-# SLOW_FACTOR times the wall per step is marked for the slowest steps (it never changes which is timed).
-MAX_BLOCK = 1000
-EMA_ALPHA = 0.2
-SLOW_FACTOR = 2.0
 # The plug-ins whose own failure is contained (Engine.off): named so in the note.
 SLOW, MEMORY, CAPTURE = "the slow-step marks", "the memory readings", "the trace capture"
 
@@ -64,12 +57,18 @@ class PhaseRecord(NamedTuple):
 
 @dataclass(slots=True, eq=False)
 class StepRecord:
-    """A finished step whose GPU events may not have completed yet (for ``on_step``)."""
+    """A finished step whose GPU events may not have completed yet (for ``on_step``); host times in
+    seconds, NaN where there is none (the counts not given, no time between steps before the run's
+    first, no loader timed)."""
 
     number: int
     t0: float  # host clock at its start
-    row: list[float]  # its LEAD columns (_window.py); STEP_S and WAIT_S are set by Engine._resolve
-    gap_s: float | None  # host time since the previous step, pauses left out (None: the run's first)
+    samples: float
+    tokens: float
+    flops: float
+    gap_s: float  # host time since the previous step, pauses left out
+    fetch_s: float  # the training loader's part of gap_s
+    own_gap_s: float  # steptimer's own part of gap_s (resolving, window work)
     phases: list[PhaseRecord]
     pauses: Sequence[tuple[Any, Any]]  # (start, end) events of the pauses before it
     device: int
@@ -78,11 +77,47 @@ class StepRecord:
     i_start: int = 0  # index in events of its start and end events
     i_end: int = 0
     step_s: float = 0.0
-    wait_s: float = 0.0
+    wait_s: float = 0.0  # the host's wait for the GPU at its end (the lagged event wait)
+    own_step_s: float = 0.0  # steptimer's own host time in it outside its top-level phases
     memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
     marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
     offs_ms: list[float] | None = None  # resolved timed GPU step: each event's ms from the first
     chain_ms: float | None = None  # and the GPU's time from the previous step's end event
+
+    def lead(self, cuda: bool) -> list[float]:
+        """The row's leading columns (``_window.LEAD``, in its order)."""
+        wait = self.wait_s if cuda else _NAN
+        return [
+            *(self.number, self.samples, self.tokens, self.step_s, self.gap_s, wait, self.flops),
+            *(self.fetch_s, self.own_gap_s, self.own_step_s),
+        ]
+
+
+class WindowEnds:
+    """Where log windows end: at the last warm-up step, and at a multiple of ``every`` once the window
+    lasts ``min_s`` seconds or ``max`` steps. ``due``: the last step of a window that ended, not yet
+    handed to ``on_window``."""
+
+    def __init__(
+        self, every: int, min_s: float, max_steps: int, start_step: int, on_window: Callable[[int], None]
+    ) -> None:
+        self.every, self.min_s, self.max = every, min_s, max_steps or every
+        self.on_window = on_window
+        self.due = 0
+        self.last, self.t = start_step, -math.inf  # the last window's last step, and when it was handed
+
+    def by_number(self) -> None:
+        """End windows by step number alone (ranks: a rank's own clock would end them at other steps)."""
+        self.min_s, self.max = 0.0, self.every
+
+    def after(self, number: int, t0: float, last_warmup: int) -> None:
+        """Step ``number`` is in the rows (``t0``: the current step's start): note a window it ends.
+        The last warm-up step ends one; a multiple does unless it is short (below min_s and max steps)."""
+        if number == last_warmup:
+            self.due = number
+        elif number % self.every == 0:
+            short = t0 - self.t < self.min_s
+            self.due = 0 if short and number - self.last < self.max else number
 
 
 class Engine:
@@ -120,19 +155,22 @@ class Engine:
         cost_budget: float = 0.005,
         late_marks: bool = False,
     ) -> None:
-        self.lag, self.sample_every = lag, sample_every
-        self.first_number = start_step + 1
+        # CUDA and memory, settled at the first step; cuda=True without CUDA fails now.
+        if cuda and backend is None and not (usable := cuda_usable())[0]:
+            raise RuntimeError(f"StepTimer(cuda=True) but {usable[1]}; pass cuda=None to fall back to host timing")
+        self.lag, self._cuda_opt = lag, cuda
+        self.cuda: bool | None = None  # settled at the first step
         self.last_warmup = start_step + warmup_steps  # the last warm-up step's number
-        self.number = start_step  # the last finished step
-        self.last_resolved = start_step  # the last step whose row is in rows (or was)
+        self.number = self.last_resolved = self._waited = start_step  # the last finished, resolved, waited for
         self.rows = StepRows()  # resolved since the owner last took them
         self.notes: list[str] = []
         self.closed = self.quiet = False  # quiet: once closed, steps and phases are no-ops
-        self._on_window, self.capture, self._late_marks = on_window, capture, late_marks
-        self._rng = random.Random(0x5EED)  # same seed on every rank: ranks time the same steps
-        self._start_sampling(cost_budget, start_step)
-        self.state = OUT
-        self._t0 = 0.0
+        self.capture, self._late_marks = capture, late_marks
+        self.clock = EventClock(backend)
+        self.sampler = Sampler(sample_every, cost_budget, start_step, self.last_warmup)
+        self.ends = WindowEnds(window_every, window_min_s, window_max, start_step, on_window)
+        self.mem = MemoryPlan(memory, memory_backend)
+        self.state, self._t0 = OUT, 0.0
         self.samples: float | None = None  # the step's counts, set by the front door before its end
         self.tokens: float | None = None
         self.flops: float | None = None
@@ -140,48 +178,28 @@ class Engine:
         self.fetching = False  # a Fetch between steps is running: a fetch inside it counts once
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[PhaseRecord] = []
-        self._evs: list[Any] = []
-        self._last_t, self._last_i = -math.inf, -1  # the last record's host time and index
         self._gap_start: float | None = None
-        self._paused_s = 0.0
+        self._first_t0: float | None = None
+        self._pausing, self._paused_s = False, 0.0
         self._pause_evs: list[tuple[Any, Any]] = []
         self._pending: deque[StepRecord] = deque()
-        self._window_due = 0  # the last step of a window that ended, not yet handed to the owner
-        self._window_every, self._window_min_s = window_every, window_min_s
-        self._window_max = window_max or window_every
-        self._window_last = start_step  # the last window's last step, and the _t0 it was handed at
-        self._window_t = -math.inf
         # steptimer's own host time in the current timed step outside its top-level phases (its begin,
         # the phases' entries and exits), and since the last step's end (resolve, window work): the
         # ``steptimer`` row, taken out of ``other`` and ``loop`` (_window.py).
         self._own = self._own_gap = 0.0
-        self._first_t0: float | None = None
-        self._pausing = False
-        self._waited = start_step  # the newest step number waited for
-        # CUDA and memory, settled at the first step; cuda=True without CUDA fails now.
-        if cuda and backend is None and not (usable := cuda_usable())[0]:
-            raise RuntimeError(f"StepTimer(cuda=True) but {usable[1]}; pass cuda=None to fall back to host timing")
-        self._cuda_opt = cuda
-        self.cuda: bool | None = None
-        self.b: _CudaBackend = backend  # type: ignore[assignment]  # None until the first step settles it
-        self.stream: Any = None
-        self._stream_key: Any = None
-        self.device = -1
-        self._pools: dict[int, list[Any]] = {}
-        self._free: list[Any] = []
-        self.held_end: tuple[int, int, Any] | None = None  # (number, device, end event) of the last resolved
-        self.events_created = 0
-        self._memory_opt = int(memory)
-        self._mem_steps = 0  # timed GPU steps so far: the memory is read on every _memory_opt-th
-        self._mem_next = -math.inf  # MEMORY_AUTO: the host time after which a timed step is read
-        self._custom_backend = backend is not None
-        self._mem_backend = memory_backend
-        self.memory: MemoryReader | None = None
-        self._mem: MemoryReader | None = None  # the reader on the current step
-        # (phase or None, step, peak bytes before it, the step was timed) of a CUDA out-of-memory error
-        self.oom: tuple[str | None, int, int | None, bool] | None = None
         self.slow = StepMarks(perf_counter, self._pending) if slowest else None
         self.comm: Any = None  # a watched DDP model's collectives (_comm.CommRecorder)
+
+    # What the front doors read of the parts.
+    sample_every = property(lambda self: self.sampler.sample_every)
+    budget = property(lambda self: self.sampler.budget)
+    memory = property(lambda self: self.mem.reader)
+    oom = property(lambda self: self.mem.oom)
+    device = property(lambda self: self.clock.device)
+    b = property(lambda self: self.clock.b)
+    stream = property(lambda self: self.clock.stream)
+    events_created = property(lambda self: self.clock.events_created)
+    _custom_backend = property(lambda self: self.clock.custom)
 
     @property
     def in_step(self) -> bool:
@@ -192,48 +210,29 @@ class Engine:
         if (self.state or self.closed or self.cuda is None) and not self._may_begin():
             return
         self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
-        self._cost_at_begin = self.cost_s  # the budget's count as the step begins (_queue)
-        if self.number + 1 != self._next_timed:  # outside the sample: no phase, no event, no reading
-            self._recs = self._evs = _EMPTY
-            self._mem = None
+        sp = self.sampler
+        if self.number + 1 != sp.next_timed:  # outside the sample: no phase, no event, no reading
+            self._recs = self.clock.evs = _EMPTY
+            self.mem.cur = None
             self.state = UNTIMED
             return
+        sp.cost_at_begin = sp.cost_s  # the budget's count as the step begins (_pend)
         self._recs = []
-        self._evs = []
-        self._last_t = -math.inf
         self._own = 0.0
         if not self.cuda:
-            self._mem = None
+            self.clock.evs, self.mem.cur = [], None
+            self.clock.last_t = -math.inf
             self.state = HOST
             return
-        b = self.b
-        key = b.stream_key()
-        if key != self._stream_key:
-            self._stream_key, self.stream, self.device = key, b.stream_of_key(key), key[1]
-            self._free = self._pools.setdefault(key[1], [])  # each device's events, reused on it
-        if b.is_capturing(self.stream):
-            raise RuntimeError(  # the step never began
-                "step() inside CUDA graph capture: steptimer cannot record timing events into a "
-                "graph. Put `with timer.step():` around the graph replay, not inside the capture"
-            )
-        self._boundary(t0)
-        mem = self.memory
-        if mem is not None:
-            self._mem_steps += 1
-            auto = self._memory_opt == MEMORY_AUTO
-            if (t0 < self._mem_next) if auto else (self._mem_steps - 1) % self._memory_opt:
-                mem = None  # not read: the next read step's first reading takes its peak
-            else:
-                try:
-                    mem.begin_step(self.device)
-                except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
-                    self.off(MEMORY, err)
-                    mem = None
-        self._mem = mem
-        self._last_t = t = perf_counter()
+        self.clock.begin(t0)
+        try:
+            self.mem.begin_step(t0, self.clock.device)
+        except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+            self.off(MEMORY, err)
+        self.clock.last_t = t = perf_counter()
         self._own = t - t0
-        if self.budget is not None:
-            self.cost_s += min(t - t0, 2 * self.bound_cap)
+        if sp.budget is not None:
+            sp.cost_s += min(t - t0, 2 * sp.bound_cap)
         self.state = GPU
 
     def _may_begin(self) -> bool:
@@ -260,9 +259,10 @@ class Engine:
         t1 = perf_counter()
         if et is not None or self._stack:  # dropped: it raised, or left a phase open (an error)
             open_ = self._stack[-1][0] if self._stack else None
-            if et is not None and self.memory is not None and self.oom is None:
+            if et is not None and self.mem.reader is not None and self.mem.oom is None:
                 with self.contain(MEMORY):
-                    self._note_oom(open_, error, self._mem.open_peak() if self._mem is not None else None)
+                    cur = self.mem.cur
+                    self._note_oom(open_, error, cur.open_peak() if cur is not None else None)
             self._drop_step()
             if et is None:
                 raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
@@ -272,18 +272,17 @@ class Engine:
         except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
             self._recover()
             raise
-        if self._window_due:
+        if self.ends.due:
             self._hand_window()
         if t_end:  # resolving and window work after the step's end (0.0: none, the row is in)
             self._own_gap += perf_counter() - t_end
 
     def _queue(self, t1: float) -> float:
-        """Queue the step as a ``StepRecord``, wait for step N - lag's end event, resolve what is due;
-        return the step's end (host clock; 0.0: nothing after it to count). An untimed step with nothing
-        to wait for, mark or record is a row at once (most steps under the cost budget: the cost of an
-        untimed step is this path's)."""
+        """Queue the step, wait for step N - lag's end event, resolve what is due; return the step's end
+        (host clock; 0.0: nothing after it to count). An untimed step with nothing to wait for, mark or
+        record is a row at once (most steps under the cost budget: the cost of an untimed step is this
+        path's), its leading columns as ``_window.LEAD`` lays them out."""
         state, t0, number, slow = self.state, self._t0, self.number + 1, self.slow
-        # The LEAD columns (_window.py); STEP_S and WAIT_S are set below and by ``_resolve``.
         gs, fetch = self._gap_start, self.fetch_s
         if fetch == fetch:  # a loader is timed: its time before the next step counts from here
             self.fetch_s = 0.0
@@ -293,25 +292,17 @@ class Engine:
             gap = t0 - gs - self._paused_s
             if gap < 0.0:
                 gap = 0.0
-        samples, tokens, flops, own_gap, marks = self.samples, self.tokens, self.flops, self._own_gap, None
-        self._own_gap = 0.0
-        row = [
-            number,
-            _NAN if samples is None else samples,
-            _NAN if tokens is None else tokens,
-            0.0,
-            gap,
-            0.0 if self.cuda else _NAN,
-            _NAN if flops is None else flops,
-            fetch,
-            own_gap,
-            0.0,
-        ]
+        marks = None
         if slow is not None and slow.dyn is not None:
             try:
                 marks = slow.ended()
             except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
                 self.off(SLOW, err)
+        samples, tokens, flops, own_gap = self.samples, self.tokens, self.flops, self._own_gap
+        self._own_gap = 0.0
+        samples = _NAN if samples is None else samples
+        tokens = _NAN if tokens is None else tokens
+        flops = _NAN if flops is None else flops
         if (
             state == UNTIMED
             and not self._pending
@@ -319,66 +310,60 @@ class Engine:
             and not self._late_marks
             and not self._paused_s
             and (slow is None or not (slow.spans or slow.fresh))
-            and not (self.cuda and number + 1 == self._next_timed)
+            and not (self.cuda and number + 1 == self.sampler.next_timed)
         ):
-            if t1 - t0 + gap > self._slow_s:  # see below
+            if t1 - t0 + gap > self.sampler.slow_s:  # see _pend
                 marks = {**(marks or {}), "untimed": 1.0}
+            wait = 0.0 if self.cuda else _NAN
+            row = [number, samples, tokens, 0.0, gap, wait, flops, fetch, own_gap, 0.0]
             self._add_row(number, (None, False, False), row, marks)
             self.number, self.state = number, OUT
             self._gap_start = t_end = perf_counter()  # the row is in: its times are set in it
             row[STEP_S] = t_end - t0
             row[OWN_STEP_S] = t_end - t1
-            return 0.0 if not self._window_due else t_end
-        return self._pend(t1, row, marks)
+            return 0.0 if not self.ends.due else t_end
+        pauses, device, paused = self._pause_evs or (), self.clock.device, self._paused_s
+        rec = StepRecord(number, t0, samples, tokens, flops, gap, fetch, own_gap, self._recs, pauses, device, paused)
+        rec.marks = marks
+        return self._pend(t1, rec)
 
-    def _pend(self, t1: float, row: list[float], marks: dict[str, float] | None) -> float:
-        """``_queue`` of a step that is timed, or has a step before it, a pause, a mark or an event:
-        as a pending ``StepRecord``."""
-        pending, state, t0, number, gap = self._pending, self.state, self._t0, self.number + 1, row[GAP_S]
-        queued = bool(pending)
-        rec = StepRecord(
-            number,
-            t0,
-            row,
-            None if gap != gap else gap,
-            self._recs,
-            self._pause_evs or (),
-            self.device,
-            self._paused_s,
-            marks=marks,
-        )
-        blocked = 0.0
-        behind = False  # the GPU had not begun this step when the host ended it
+    def _end_events(self, t1: float, rec: StepRecord) -> tuple[float, bool]:
+        """The step's end event, if it has events: (host time blocked in a full launch queue, and whether
+        the GPU had not begun the step when the host ended it), for the budget."""
+        state, clock, sp = self.state, self.clock, self.sampler
+        blocked, behind = 0.0, False
         if state == GPU:
-            shared = t1 - self._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
-            rec.i_end = self._boundary(t1)
-            if self.budget is not None:
-                blocked = perf_counter() - t1 - self.bound_cap  # in a full launch queue: not our cost
-                behind = not self.b.query(self._evs[0])
-            if self._mem is not None:
+            shared = t1 - clock.last_t < _SHARE_GAP_S  # nothing ran since the last boundary
+            rec.i_end = clock.boundary(t1)
+            if sp.budget is not None:
+                blocked = perf_counter() - t1 - sp.bound_cap  # in a full launch queue: not our cost
+                behind = not clock.b.query(clock.evs[0])
+            if self.mem.cur is not None:
                 try:
-                    rec.memory = self._mem.end_step(shared)
-                    self._mem_next = t0 + MEMORY_BUDGET * self._mem.spent_s
+                    rec.memory = self.mem.end_step(rec.t0, shared)
                 except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
                     self.off(MEMORY, err)
-        elif (
-            self.cuda
-            and number + 1 == self._next_timed
-            and self.b.stream_key() == self._stream_key
-            and not self.b.is_capturing(self.stream)
-        ):
+        elif self.cuda and rec.number + 1 == sp.next_timed and clock.can_end():
             # An untimed step right before a timed one: an end event gives the timed step its GPU idle
             # (none on another stream, or inside a graph capture: an event there would break it).
-            self._evs = []
-            self._last_t = -math.inf
-            self._boundary(t1)
-            if self.budget is not None:  # a GPU-bound run's full launch queue: the user's wait, not ours
-                blocked = perf_counter() - t1 - self.bound_cap
-        rec.events = self._evs
+            clock.evs = []
+            clock.last_t = -math.inf
+            clock.boundary(t1)
+            if sp.budget is not None:  # a GPU-bound run's full launch queue: the user's wait, not ours
+                blocked = perf_counter() - t1 - sp.bound_cap
+        rec.events = clock.evs
+        return (blocked if blocked > 0.0 else 0.0), behind
+
+    def _pend(self, t1: float, rec: StepRecord) -> float:
+        """``_queue`` of a step that is timed, or has a step before it, a pause, a mark or an event."""
+        pending, state, number, sp = self._pending, self.state, rec.number, self.sampler
+        queued = bool(pending)
+        if state == UNTIMED:
+            sp.cost_at_begin = sp.cost_s
+        blocked, behind = self._end_events(t1, rec)
         # The step is the engine's from here: an exception below (Ctrl-C in a wait) keeps it.
         pending.append(rec)
-        self.number = number
-        self.state = OUT
+        self.number, self.state = number, OUT
         if self._pause_evs:
             self._pause_evs = []
         self._paused_s = 0.0
@@ -392,22 +377,22 @@ class Engine:
             rec.wait_s = perf_counter() - tw
             self._resolve_upto(number - 1)
         self._gap_start = t_end = perf_counter()
-        rec.step_s = step_s = t_end - t0
+        rec.step_s = step_s = t_end - rec.t0
         # steptimer's own part of the step: its end (less the wait, a row of its own, and a record
         # blocked in a full launch queue) and, in a timed step, its begin and the phases' entries and exits
-        own = t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
-        row[OWN_STEP_S] = own + self._own if state >= HOST else own
+        own = t_end - t1 - rec.wait_s - blocked
+        rec.own_step_s = own + self._own if state >= HOST else own
         if behind:
             # GPU-bound: the GPU still had the steps before this one to run while the host ran this
             # one and the boundary before it, so steptimer's host time since the last pick cost no wall.
-            self.cost_s = 0.0
-        elif self.budget is not None and (state != UNTIMED or queued or rec.events):
-            self.cost_s += t_end - t1 - rec.wait_s - (blocked if blocked > 0.0 else 0.0)
+            sp.cost_s = 0.0
+        elif sp.budget is not None and (state != UNTIMED or queued or rec.events):
+            sp.cost_s += own
             if rec.wait_s:  # the host then waited for the GPU: its own time in the step, up to that, cost no wall
-                self.cost_s = max(self._cost_at_begin, self.cost_s - rec.wait_s)
-        if number == self._next_timed:
-            self._pick_next(number)
-        elif step_s + gap > self._slow_s:  # NaN (the run's first step): never
+                sp.cost_s = max(sp.cost_at_begin, sp.cost_s - rec.wait_s)
+        if number == sp.next_timed:
+            sp.pick_next(number, self._t0)
+        elif step_s + rec.gap_s > sp.slow_s:  # NaN (the run's first step): never
             # Marked only: timing a step chosen by what came before it (the one after a slow step) would
             # bias the sample towards such steps; one at random in each block gives each the same chance.
             rec.marks = {**(rec.marks or {}), "untimed": 1.0}
@@ -426,70 +411,21 @@ class Engine:
         if rec is not None and rec.number == self.number and not rec.step_s:
             self._gap_start = t_end = perf_counter()
             rec.step_s = t_end - rec.t0
-        if self.number == self._next_timed:
-            self._pick_next(self.number)
+        if self.number == self.sampler.next_timed:
+            self.sampler.pick_next(self.number, self._t0)
 
     def _hand_window(self) -> None:
         """Call ``on_window``: steptimer's own time, in the time before the next step (its ``steptimer``
         row, not ``loop``), in no data wait or GPU idle."""
-        number, self._window_due = self._window_due, 0
-        self._window_last, self._window_t = number, self._t0
-        ev0 = self._pause_event()
+        ends = self.ends
+        number, ends.due = ends.due, 0
+        ends.last, ends.t = number, self._t0
+        ev0 = self.clock.pause_event() if self.cuda else None
         try:
-            self._on_window(number)
+            ends.on_window(number)
         finally:
             if ev0 is not None:
-                self._pause_evs.append((ev0, self._pause_event()))
-
-    def _start_sampling(self, cost_budget: float, start_step: int) -> None:
-        """The sampling state: which step is next, and the cost budget's measurements."""
-        self.budget: float | None = cost_budget if self.sample_every is None else None  # None: no bookkeeping
-        # steptimer's own host time since the last pick: timed steps' begin, phases and ends, and the
-        # ends of untimed steps that resolve older steps or record an event (not the `with` every step
-        # pays, nor window work, which costs the same however few are timed).
-        self.cost_s = 0.0
-        # The most one GPU boundary counts (2 x the least one took + 2 µs): a record that waits for a
-        # full launch queue waits where the user's next launch would have waited anyway.
-        self.bound_min = self.bound_cap = math.inf
-        self._ema: tuple[float, float] | None = None  # (cost, wall) per block and per step, seconds
-        self._pick_at = (start_step, _NAN)  # the last pick's step and its start time
-        self._block_end = self.first_number  # the first step after the current block
-        self._slow_s = math.inf  # an untimed step's wall above this is slow (budget only)
-        self._pick_next(start_step)
-
-    def _pick_next(self, number: int) -> None:
-        """After the timed step ``number``, pick the next one at random in the next block."""
-        n = self.sample_every or self._budget_block(number)
-        start = self._block_end
-        self._block_end = start + n
-        self._next_timed = start + self._rng.randrange(n) if n > 1 else start
-
-    def _budget_block(self, number: int) -> int:
-        """n = ceil(cost / (budget x wall)): steptimer's own time since the last pick is ``budget`` of the wall."""
-        last, t_last = self._pick_at
-        if number <= last:  # at the start
-            return 1
-        t0 = self._t0
-        cost, self.cost_s = self.cost_s, 0.0
-        self.bound_cap = 2 * self.bound_min + 2e-6
-        if number <= self.last_warmup:
-            # Warm-up: every step timed, its costs (compilation, steptimer's own first calls) left out
-            # of the averages: they sized blocks of 1,000 and left a short run with no step timed.
-            self._pick_at = (number, _NAN)
-            return 1
-        self._pick_at = (number, t0)
-        if t_last != t_last:  # the first timed step: no wall per step yet
-            return 1
-        wall = (t0 - t_last) / (number - last)
-        ema = self._ema
-        if ema is not None:
-            # A block's spike (a trace file written) moves the average by at most EMA_ALPHA of it.
-            cost = ema[0] + EMA_ALPHA * (min(cost, 2 * ema[0]) - ema[0])
-            wall = ema[1] + EMA_ALPHA * (wall - ema[1])
-        self._ema = (cost, wall)
-        self._slow_s = SLOW_FACTOR * wall
-        budget: float = self.budget  # type: ignore[assignment]  # set: blocks are sized by it
-        return max(1, min(MAX_BLOCK, math.ceil(cost / (budget * wall)))) if wall > 0 else 1
+                self._pause_evs.append((ev0, self.clock.pause_event()))
 
     __enter__ = begin_step
     __exit__ = end_step
@@ -510,7 +446,7 @@ class Engine:
     def _resolve_upto(self, upto: int) -> None:
         """Resolve the pending steps up to ``upto`` in order, but none not waited for, nor past a window's end."""
         pending = self._pending
-        while pending and (rec := pending[0]).number <= upto and not self._window_due:
+        while pending and (rec := pending[0]).number <= upto and not self.ends.due:
             if rec.events and rec.number > self._waited:
                 return
             self._resolve(rec)
@@ -522,7 +458,7 @@ class Engine:
         if self._pausing or self.closed:
             return None
         self._pausing = True
-        return perf_counter(), self._pause_event()
+        return perf_counter(), self.clock.pause_event() if self.cuda else None
 
     def end_pause(self, started: tuple[float, Any] | None) -> None:
         """End the pause that ``begin_pause`` returned ``started`` for (None: a nested one)."""
@@ -531,7 +467,7 @@ class Engine:
         self._pausing = False
         t0, ev0 = started
         if ev0 is not None:  # then the end event is recorded too (CUDA settled, a stream known)
-            self._pause_evs.append((ev0, self._pause_event()))
+            self._pause_evs.append((ev0, self.clock.pause_event()))
         self._paused_s += perf_counter() - t0
 
     def close(self) -> None:
@@ -541,14 +477,14 @@ class Engine:
         pending = self._pending
         if pending and self.cuda and pending[-1].number > self._waited:  # lag 0 waited already
             self._wait_for(pending[-1].number)
-        while self._window_due or self._pending:
-            if self._window_due:
+        while self.ends.due or self._pending:
+            if self.ends.due:
                 self._hand_window()
             else:
                 self._resolve_upto(self._pending[-1].number)
-        if self.memory is not None:
+        if self.mem.reader is not None:
             with self.contain(MEMORY):
-                self.memory.close()
+                self.mem.reader.close()
         if self.slow is not None:
             with self.contain(SLOW):
                 self.slow.close()
@@ -563,7 +499,7 @@ class Engine:
             with suppress(Exception):
                 slow.close()  # its gc callback
         elif part == MEMORY:
-            self.memory = self._mem = None
+            self.mem.off()
         elif part == CAPTURE:
             self.capture = None
         msg = f"{part} stopped after a failure of steptimer's own ({type(err).__name__}: {err}); steps go on"
@@ -580,8 +516,9 @@ class Engine:
 
     def _drop_step(self) -> None:
         """Forget the current step; keep everything before it."""
-        self._free += self._evs
-        self._free += [ev for pair in self._pause_evs for ev in pair]
+        free = self.clock.free
+        free += self.clock.evs
+        free += [ev for pair in self._pause_evs for ev in pair]
         self._pause_evs = []
         self._stack.clear()  # its events and phase records are replaced at the next step's start
         if self.comm is not None:
@@ -594,53 +531,24 @@ class Engine:
             self.fetch_s = 0.0
 
     def _settle_cuda(self) -> None:
-        if self._cuda_opt is not False and self.b is None:
+        clock, opt = self.clock, self._cuda_opt
+        if opt is not False and clock.b is None:
             ok, why = cuda_usable()
             if ok:
-                self.b = default_backend()
+                clock.b = default_backend()
             else:
                 self.notes.append(f"host timing only: {why}")
                 log.info("steptimer: %s; timing the host only (no GPU tags)", why)
-        self.cuda = self._cuda_opt is not False and self.b is not None
-        if not self.cuda:
-            return
-        if self.b.note:
-            self.notes.append(self.b.note)
-        if self._memory_opt and (self._mem_backend is not None or not self._custom_backend):
-            mb = self._mem_backend or torch_memory_backend()
-            self.memory = MemoryReader(mb) if mb is not None else None
+        self.cuda = opt is not False and clock.b is not None
+        if self.cuda:
+            if clock.b.note:
+                self.notes.append(clock.b.note)
+            self.mem.settle(clock.custom)
 
     def _note_oom(self, phase: str | None, error: BaseException | None, peak: int | None = None) -> None:
         """Remember where a CUDA out-of-memory error struck (once per run: the first one)."""
-        if not isinstance(error if error is not None else sys.exc_info()[1], torch.cuda.OutOfMemoryError):
-            return
-        if peak is None and self.memory is not None:  # an unread step: the peak since the last reading
-            peak = self.memory.b.read(self.memory.device)[1]
-        self.oom = (phase, self.number + 1, peak, self._mem is not None)
-
-    def _take_event(self) -> Any:
-        if self._free:
-            return self._free.pop()
-        self.events_created += 1
-        return self.b.new_event()
-
-    def _boundary(self, t: float) -> int:
-        """The index in this step's events of an event recorded at host time ``t`` (maybe shared)."""
-        if t - self._last_t < _SHARE_GAP_S:
-            return self._last_i
-        ev = self._free.pop() if self._free else self._take_event()
-        self.b.record(ev, self.stream)
-        evs = self._evs
-        self._last_i = i = len(evs)
-        evs.append(ev)
-        return i
-
-    def _pause_event(self) -> Any:
-        if not self.cuda or self._stream_key is None:
-            return None
-        ev = self._take_event()
-        self.b.record(ev, self.stream)
-        return ev
+        if isinstance(error if error is not None else sys.exc_info()[1], torch.cuda.OutOfMemoryError):
+            self.mem.note_oom(phase, self.number + 1, peak)
 
     def _wait_for(self, upto: int) -> None:
         """Wait for the newest pending step up to ``upto`` (and older ones on another device)."""
@@ -648,45 +556,37 @@ class Engine:
         due = [rec for rec in self._pending if rec.number <= upto and rec.events]
         for rec in due:
             if rec is due[-1] or rec.device != due[-1].device:
-                self.b.wait(rec.events[rec.i_end])
+                self.clock.b.wait(rec.events[rec.i_end])
 
     def _resolve(self, rec: StepRecord) -> None:
         """Turn the oldest pending step into a row of ``rows``; note a window that ends with it."""
-        recs, row, number = rec.phases, rec.row, rec.number
+        recs, number, clock = rec.phases, rec.number, self.clock
         if self.capture is not None and recs is not _EMPTY:  # before its events go back to the pool
             try:
                 self.capture.add(self, rec)
             except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
                 self.off(CAPTURE, err)
-        row[STEP_S] = rec.step_s
-        if self.cuda:
-            row[WAIT_S] = rec.wait_s
+        row = rec.lead(bool(self.cuda))
         names = None
         if recs is not _EMPTY:  # a timed step
             names = tuple([r.name for r in recs])
-            row = row + [r.t_out - r.t_in for r in recs]  # a new list: rec.row stays as it was
-        evs = rec.events
-        held = self.held_end
+            row += [r.t_out - r.t_in for r in recs]
+        evs, held = rec.events, clock.held_end
         if evs and names is not None:
-            b = self.b
-            offs = b.offsets_ms(evs) if b.offsets_ms else [0.0] + [b.elapsed_ms(evs[0], e) for e in evs[1:]]
-            rec.offs_ms = offs
+            rec.offs_ms = offs = clock.offsets_ms(evs)
             row.append(offs[rec.i_end] - offs[rec.i_start])
             row += [offs[r.i_out] - offs[r.i_in] for r in recs]
             row += [r.caught for r in recs]
             if held is not None and held[0] == number - 1 and held[1] == rec.device:
-                rec.chain_ms = idle = b.elapsed_ms(held[2], evs[rec.i_start])
+                rec.chain_ms = idle = clock.b.elapsed_ms(held[2], evs[rec.i_start])
                 for a, c in rec.pauses:
-                    idle -= b.elapsed_ms(a, c)
+                    idle -= clock.b.elapsed_ms(a, c)
                 row.append(idle)
         self._pending.popleft()  # all above only reads: an exception there (Ctrl-C) leaves it pending
         if evs:
-            if held is not None:
-                self._free.append(held[2])
-            self._free += evs[: rec.i_end] + evs[rec.i_end + 1 :]
-            self.held_end = (number, rec.device, evs[rec.i_end])
+            clock.release(number, rec.device, evs, rec.i_end)
         for a, c in rec.pauses:
-            self._free += (a, c)
+            clock.free += (a, c)
         marks = rec.marks
         if self.slow is not None and (marks or rec.paused_s or self.slow.spans or self.slow.fresh):
             try:
@@ -707,13 +607,9 @@ class Engine:
             rows.comm.append(comm)
         rows.warmup = number <= self.last_warmup
         self.last_resolved = number
-        # The last warm-up step ends a window; a multiple does unless it is short (below window_min_s
-        # and window_max steps).
-        if number == self.last_warmup:
-            self._window_due = number
-        elif number % self._window_every == 0:
-            short = self._t0 - self._window_t < self._window_min_s
-            self._window_due = 0 if short and number - self._window_last < self._window_max else number
+        ends = self.ends
+        if number == self.last_warmup or number % ends.every == 0:
+            ends.after(number, self._t0, self.last_warmup)
 
 
 class Phase:
@@ -737,13 +633,13 @@ class Phase:
         for entry in stack:
             if entry[1] == name:
                 raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
-        i, t = -1, t0
+        i, t, clock = -1, t0, e.clock
         if state == GPU:
-            shared = t0 - e._last_t < _SHARE_GAP_S  # nothing ran since the last boundary
-            i = e._boundary(t0)
-            if e._mem is not None:
+            shared = t0 - clock.last_t < _SHARE_GAP_S  # nothing ran since the last boundary
+            i = clock.boundary(t0)
+            if (mem := e.mem.cur) is not None:
                 try:
-                    e._mem.enter_phase(shared)
+                    mem.enter_phase(shared)
                 except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see Engine.off
                     e.off(MEMORY, err)
         # The host span starts after steptimer's own work (the checks, the record, the allocator reading):
@@ -752,15 +648,16 @@ class Phase:
         if not stack:
             e._own += t0 - t
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
+        sp = e.sampler
         if state == GPU:
-            e._last_t = t2 = perf_counter()
-            if e.budget is not None:
+            clock.last_t = t2 = perf_counter()
+            if sp.budget is not None:
                 d = t2 - t
-                if d < e.bound_min and not shared:  # a boundary that recorded an event
-                    e.bound_min = d
-                e.cost_s += d if d < e.bound_cap else e.bound_cap
-        elif e.budget is not None:
-            e.cost_s += t0 - t
+                if d < sp.bound_min and not shared:  # a boundary that recorded an event
+                    sp.bound_min = d
+                sp.cost_s += d if d < sp.bound_cap else sp.bound_cap
+        elif sp.budget is not None:
+            sp.cost_s += t0 - t
 
     def __exit__(self, et: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
         """Leave the phase; ``error`` is read only for the out-of-memory note, never swallowed."""
@@ -779,37 +676,39 @@ class Phase:
                 f"phase {name!r} exited while {open_!r} is open: phases must nest (exit the inner phase first)"
             )
         full, _, t_in, i_in = stack.pop()
-        i_out, caught = -1, 0.0
+        i_out, caught, clock = -1, 0.0, e.clock
         if gpu:
             # Has the GPU reached the phase's entry? If not, older work kept it busy the whole phase:
             # it cannot have waited for the host inside it (a query, ~0.3 µs through the shim).
-            caught = 1.0 if e.b.query(e._evs[i_in]) else 0.0
+            query, evs = clock.b.query, clock.evs
+            caught = 1.0 if query(evs[i_in]) else 0.0
             prev = e._recs[-1] if e._recs else None
             if prev is not None and prev.caught and t1 - prev.t_out >= _SETTLE_S:
                 # The previous phase was caught: has the GPU reached its end by now? A GPU that waited
                 # for launches finishes within its launch latency; one that has not had a queue.
-                reached = caught if prev.i_out == i_in else e.b.query(e._evs[prev.i_out])
+                reached = caught if prev.i_out == i_in else query(evs[prev.i_out])
                 if not reached:
                     e._recs[-1] = prev._replace(caught=0.0)
-            i_out = e._boundary(t1)
-            if e._mem is not None:
+            i_out = clock.boundary(t1)
+            if (mem := e.mem.cur) is not None:
                 try:
-                    peak = e._mem.exit_phase(full)
-                    if failed and e.oom is None:
+                    peak = mem.exit_phase(full)
+                    if failed and e.mem.oom is None:
                         e._note_oom(full, error, peak)
                 except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see Engine.off
                     e.off(MEMORY, err)
         e._recs.append(PhaseRecord(full, t_in, t1, i_in, i_out, caught))
         top = not stack  # a top-level phase's exit is the ``steptimer`` row's, an inner one's its parent's
-        if gpu or top or e.budget is not None:
+        sp = e.sampler
+        if gpu or top or sp.budget is not None:
             t2 = perf_counter()
             if gpu:
-                e._last_t = t2
+                clock.last_t = t2
             d = t2 - t1
             if top:
                 e._own += d
-            if e.budget is not None:
-                e.cost_s += d if d < e.bound_cap else e.bound_cap
+            if sp.budget is not None:
+                sp.cost_s += d if d < sp.bound_cap else sp.bound_cap
 
 
 class Fetch:

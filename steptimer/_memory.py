@@ -3,6 +3,7 @@ rules, what the peak reset changes for a user, and the costs: docs/memory-and-mf
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -103,6 +104,65 @@ class MemoryReader:
     def close(self) -> None:
         """A last reading, so that ``seen_bytes`` covers the time after the last step too."""
         self._read(reset=False)
+
+
+# memory=MEMORY_AUTO reads the allocator once the time since the last read step is MEMORY_BUDGET
+# times what its readings cost (~10 µs each on an H100): at most 0.1 % of the run.
+MEMORY_AUTO = -1
+MEMORY_BUDGET = 1000.0
+
+
+class MemoryPlan:
+    """Which timed GPU steps read the allocator, the reader, and where a CUDA out-of-memory error struck.
+
+    Args:
+        every: read one timed GPU step in this many; 0: never; ``MEMORY_AUTO``: by ``MEMORY_BUDGET``.
+        backend: the allocator calls (tests pass fakes); None: torch's, unless the CUDA calls are a test's.
+    """
+
+    def __init__(self, every: int, backend: _MemoryBackend | None) -> None:
+        self.every = int(every)
+        self._backend = backend
+        self.reader: MemoryReader | None = None  # None: memory off (or not settled yet)
+        self.cur: MemoryReader | None = None  # the reader on the current step, None if it is not read
+        self._steps = 0  # timed GPU steps so far: the memory is read on every ``every``-th
+        self._next = -math.inf  # MEMORY_AUTO: the host time after which a timed step is read
+        # (phase or None, step, peak bytes before it, the step was timed) of a CUDA out-of-memory error
+        self.oom: tuple[str | None, int, int | None, bool] | None = None
+
+    def settle(self, custom_cuda: bool) -> None:
+        """At the first step with CUDA timing; ``custom_cuda``: a test's CUDA calls (no allocator unless given)."""
+        if self.every and (self._backend is not None or not custom_cuda):
+            mb = self._backend or torch_memory_backend()
+            self.reader = MemoryReader(mb) if mb is not None else None
+
+    def begin_step(self, t0: float, device: int) -> MemoryReader | None:
+        """A timed GPU step begins at host time ``t0``: its reader if it is read (``cur``)."""
+        mem = self.reader
+        if mem is not None:
+            self._steps += 1
+            if (t0 < self._next) if self.every == MEMORY_AUTO else (self._steps - 1) % self.every:
+                mem = None  # not read: the next read step's first reading takes its peak
+            else:
+                mem.begin_step(device)
+        self.cur = mem
+        return mem
+
+    def end_step(self, t0: float, shared: bool) -> StepMemory:
+        """The read step (begun at ``t0``) ends; ``shared`` as for ``MemoryReader.enter_phase``."""
+        cur: MemoryReader = self.cur  # type: ignore[assignment]  # a read step
+        readings = cur.end_step(shared)
+        self._next = t0 + MEMORY_BUDGET * cur.spent_s
+        return readings
+
+    def note_oom(self, phase: str | None, number: int, peak: int | None) -> None:
+        """Remember where a CUDA out-of-memory error struck (the first one); ``peak`` None: read it now."""
+        if peak is None and self.reader is not None:  # an unread step: the peak since the last reading
+            peak = self.reader.b.read(self.reader.device)[1]
+        self.oom = (phase, number, peak, self.cur is not None)
+
+    def off(self) -> None:
+        self.reader = self.cur = None
 
 
 @dataclass(frozen=True)

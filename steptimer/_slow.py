@@ -22,7 +22,6 @@ from steptimer._verdict import ShareClock
 
 T = TypeVar("T")
 
-DEFAULT_K = 5
 GC_SPANS = 256  # collections kept between resolves; gen-0 collections are short and frequent
 # A GC pause is named when it is at least this long and this part of the step's wall time.
 GC_MIN_MS = 0.5
@@ -139,7 +138,8 @@ class StepMarks:
     def resolved(self, rec: Any) -> dict[str, float] | None:
         """A resolved ``StepRecord``'s marks: its own, GC since the previous step's end, the pause before it."""
         marks = rec.marks or {}
-        t_from, t_to = rec.t0 - (rec.gap_s or 0.0), rec.t0 + rec.step_s
+        gap = rec.gap_s if rec.gap_s == rec.gap_s else 0.0  # NaN: the run's first step
+        t_from, t_to = rec.t0 - gap, rec.t0 + rec.step_s
         if self.fresh:  # the callback appends to the new deque from the swap on, never to the one read
             fresh, self.fresh = self.fresh, deque(maxlen=GC_SPANS)
             self.spans.extend(fresh)

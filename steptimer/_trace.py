@@ -16,7 +16,6 @@ from steptimer._options import check_folder
 from steptimer._reader import LogError
 from steptimer._slow import SlowestKeeper, SlowStep
 from steptimer._tags import FLIGHT_DIR, FLIGHT_FILE
-from steptimer._window import FETCH_S
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine, StepRecord
@@ -48,7 +47,7 @@ def run_files(folder: str, stem: str) -> list[str]:
 
 def record(rec: StepRecord) -> dict[str, Any]:
     """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later)."""
-    fetch, offs, phases = rec.row[FETCH_S], rec.offs_ms, rec.phases  # fetch: the loader's part of gap_s
+    fetch, gap, offs, phases = rec.fetch_s, rec.gap_s, rec.offs_ms, rec.phases  # fetch: the loader's part of gap_s
     gpu = (
         None
         if offs is None
@@ -62,7 +61,7 @@ def record(rec: StepRecord) -> dict[str, Any]:
         "number": rec.number,
         "t0": rec.t0,
         "step_s": rec.step_s,
-        "gap_s": rec.gap_s,
+        "gap_s": None if gap != gap else gap,
         "fetch_s": None if fetch != fetch else fetch,
         "wait_s": rec.wait_s,
         "paused": bool(rec.pauses) or rec.paused_s > 0,
@@ -138,10 +137,10 @@ class Capture:
         """The window's GPU chain on the host clock through one reference event, waited for once."""
         steps = [record(r) for r in self._trace_recs]
         base = gpu_chain(steps)
-        held, b, shift = engine.held_end, engine.b, None
+        held, b, shift = engine.clock.held_end, engine.clock.b, None
         if base and held is not None and held[0] == max(base) and b is not None:
             ref = b.new_event()
-            b.record(ref, engine.stream)
+            b.record(ref, engine.clock.stream)
             b.wait(ref)  # its wake-up latency draws GPU slices late by µs, never early
             end_host = perf_counter() - b.elapsed_ms(held[2], ref) / 1e3
             end = next(s["gpu"]["end"] for s in steps if s["number"] == held[0]) + base[held[0]]

@@ -28,7 +28,7 @@ from steptimer._engine import (
 from steptimer._memory import MemoryReader
 from steptimer._slow import StepMarks
 from steptimer._trace import Capture
-from steptimer._window import FETCH_S, GAP_S, STEP_S, StepRows, window_of
+from steptimer._window import FETCH_S, GAP_S, StepRows, window_of
 from tests.fakes import FakeAllocator, FakeClock, FakeGPU
 
 
@@ -153,7 +153,7 @@ def test_window_work_is_the_engines_own_time_not_a_steps(clock: FakeClock, gpu: 
         clock.advance_ms(20.0)
         took(number)
 
-    o.engine._on_window = slow
+    o.engine.ends.on_window = slow
     for _ in range(12):
         o.step(clock, gpu)
     o.engine.close()
@@ -174,7 +174,7 @@ def test_ctrl_c_in_on_window_keeps_the_engine_usable(clock: FakeClock, gpu: Fake
         def interrupted(number: int) -> None:
             signal.raise_signal(signal.SIGINT)
 
-        o.engine._on_window = interrupted
+        o.engine.ends.on_window = interrupted
         for _ in range(5):
             o.step(clock, gpu)
         with pytest.raises(KeyboardInterrupt):
@@ -184,7 +184,7 @@ def test_ctrl_c_in_on_window_keeps_the_engine_usable(clock: FakeClock, gpu: Fake
         signal.signal(signal.SIGINT, prev)
     e = o.engine
     assert e.state == OUT and e.number == 7 and e.last_resolved == 6
-    e._on_window = o.on_window
+    e.ends.on_window = o.on_window
     for _ in range(4):
         o.step(clock, gpu)
     e.close()
@@ -248,7 +248,7 @@ def test_step_records_name_their_phase_entries(clock: FakeClock, gpu: FakeGPU) -
     assert [p.name for p in phases] == ["forward", "backward"] and isinstance(phases[0], PhaseRecord)
     assert phases[0].t_out - phases[0].t_in == pytest.approx(1e-3)
     assert phases[0].i_out == phases[1].i_in  # back-to-back phases share their boundary event
-    assert got[1].row[STEP_S] == pytest.approx(2e-3)
+    assert got[1].step_s == pytest.approx(2e-3)
 
 
 def test_steps_without_events_are_resolved_at_their_own_end(clock: FakeClock) -> None:
@@ -507,7 +507,7 @@ def test_a_slow_untimed_step_is_marked_and_the_sample_stays_unbiased(clock: Fake
     fixed = Owner(gpu, sample_every=5, window_every=10_000)  # only with the budget
     fixed.step(clock, gpu)
     fixed.step(clock, gpu, data_ms=100.0)
-    assert fixed.engine._slow_s == float("inf")
+    assert fixed.engine.sampler.slow_s == float("inf")
 
 
 class TickingClock(FakeClock):

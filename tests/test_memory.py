@@ -328,7 +328,7 @@ def test_out_of_memory_outside_a_phase_and_other_errors(clock: FakeClock, gpu: F
 
 def test_out_of_memory_on_an_untimed_step(clock: FakeClock, gpu: FakeGPU, mem: FakeAllocator) -> None:
     t, _ = make(gpu, mem, sample_every=1000)  # one timed step in the first 1000, not the second with
-    number = t._engine._next_timed  # this seed: find the timed one and fail the step after it
+    number = t._engine.sampler.next_timed  # this seed: find the timed one and fail the step after it
     for _ in range(number):
         nested_step(t, clock, mem)
     with pytest.raises(torch.OutOfMemoryError):

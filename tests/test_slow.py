@@ -443,7 +443,9 @@ def test_profile_on_slow_takes_three_captures_at_most_with_a_cool_down(tmp_path:
     s = t.close()
     assert _slow_traces(tmp_path) == [f"steptimer-profile-slow-{n}.json" for n in (52, 212, 332)]
     assert [n.split(":")[1].split(" each")[0] for n in s.notes if "torch.profiler" in n] == [
-        " steps 41-43", " steps 201-203", " steps 321-323"
+        " steps 41-43",
+        " steps 201-203",
+        " steps 321-323",
     ]
 
 
@@ -479,10 +481,7 @@ def test_profiler_that_fails_to_start_is_a_note(
 
 @pytest.mark.parametrize("bad", [1, 1.0, 0.5, -2, True, "1.5", float("inf"), float("nan"), (1.5,)])
 def test_profile_on_slow_is_validated(tmp_path: Path, bad: object) -> None:
-    msg = (
-        "profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), or None; "
-        f"got {bad!r}"
-    )
+    msg = f"profile_on_slow must be a factor > 1 of the rolling median step time (e.g. 1.5), or None; got {bad!r}"
     with pytest.raises(ValueError, match=re.escape(msg)):
         StepTimer(log_dir=tmp_path, cuda=False, print_summary=False, profile_on_slow=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="profile_on_slow needs log_dir or writer"):
@@ -591,7 +590,7 @@ def test_a_slow_untimed_step_is_ranked_by_its_host_wall(clock: FakeClock) -> Non
     e = t._engine
     slow = 0
     for _ in range(1000):
-        if not slow and e.number > 500 and e._next_timed - e.number >= 3:
+        if not slow and e.number > 500 and e.sampler.next_timed - e.number >= 3:
             slow = e.number + 1
         with t.step(), t.phase("forward"):
             gpu.launch(0.5)
