@@ -48,10 +48,10 @@ _AT_LEAST_0: _Check = (lambda v: _int(v, 0), "an int >= 0, got {v!r}")
 _ON_OFF: _Check = (lambda v: v is True or v is False, "True or False, got {v!r}")
 
 
-def _option(default: Any, check: _Check | None, doc: str, cli: tuple[Any, str] | None = None) -> Any:
+def _option(default: Any, check: _Check | None, doc: str, cli: tuple[Any, ...] | None = None) -> Any:
     """An :class:`Options` field: its default, its check (None: ``__post_init__``'s own), its help
     (``help(StepTimer)``, ``steptimer run -h``) and ``steptimer run``'s flag: ``(type, metavar)`` for a
-    valued ``--name``, ``(False, "--flag")`` for a flag that sets it False; None: no flag."""
+    valued ``--name``, ``(False, "--flag", help)`` for a flag that sets it False; None: no flag."""
     return dataclasses.field(default=default, metadata={"check": check, "help": doc, "cli": cli})
 
 
@@ -75,7 +75,7 @@ class Options:
         None,
         (lambda v: v in (None, True, False), "None, True or False, got {v!r}"),
         "None decides at the first step(); True requires CUDA; False times the host only",
-        (False, "--host-only"),
+        (False, "--host-only", "time the host only, no CUDA events"),
     )
     start_step: int = _option(0, _AT_LEAST_0, "steps already done (resumed runs); the first step is start_step + 1")
     enabled: bool = _option(True, _ON_OFF, "False makes every call a near-free no-op with the same API")
@@ -87,7 +87,10 @@ class Options:
         (int, "N"),
     )
     print_summary: bool = _option(
-        True, _ON_OFF, "print the summary table at close() (rank 0 only)", (False, "--no-summary")
+        True,
+        _ON_OFF,
+        "print the summary table at close() (rank 0 only)",
+        (False, "--no-summary", "don't print the summary at exit"),
     )
     cross_rank: bool = _option(True, _ON_OFF, "under torch.distributed, combine the ranks' windows (spread, straggler)")
     cross_rank_timeout_s: float = _option(

@@ -5,6 +5,7 @@ finds them at the first optimizer steps (docs/run.md) and times every step after
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import runpy
@@ -22,19 +23,18 @@ USAGE = "steptimer run [options] script.py [args ...]\n       steptimer run [opt
 HELP = "run a training script unchanged and time each optimizer step"
 
 
-# (flag, type, metavar, help) per valued option; dest: instrument()'s keyword; default: Options'.
-_VALUED = (
+# (flag, type, metavar, help) per valued flag of run's own; the timer's options are Options' fields.
+_OWN = (
     ("--log-dir", str, None, "TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)"),
-    ("--warmup-steps", int, "N", "steps left out of the summary (default: %(default)s)"),
-    ("--log-every-n-steps", int, "N", "write window statistics every N steps (default: 50)"),
-    ("--lag", int, "K", "wait on step N-K's GPU work at the end of step N (default: %(default)s)"),
-    ("--sample-every", int, "N", "time the phases of one step in every N (default: every step)"),
-    ("--cost-budget", float, "F", "time as many steps as this part of the wall time allows (e.g. 0.005)"),
     ("--samples-per-step", float, "N", "samples per step (default: counted from the model's input)"),
     ("--tokens-per-step", float, "N", "tokens per step (default: counted from a 2-D integer input)"),
-    ("--peak-tflops", float, None, "the peak TFLOP/s for MFU"),
-    ("--trace-steps", int, "N", "capture N steps after warm-up for `steptimer trace`"),
 )
+
+
+def _flags() -> list[tuple[str, dataclasses.Field[Any]]]:
+    """Each option ``steptimer run`` takes (its field's ``cli``), with its flag."""
+    fields = [(f.metadata["cli"], f) for f in dataclasses.fields(Options) if f.metadata["cli"] is not None]
+    return [(cli[1] if cli[0] is False else "--" + f.name.replace("_", "-"), f) for cli, f in fields]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,13 +46,15 @@ def parser() -> argparse.ArgumentParser:
         "optimizer when they first step, and time data, forward, loss, backward, optimizer and zero_grad "
         "of each optimizer step. Everything after the script (or -m module) is the script's.",
     )
-    for flag, type_, metavar, help_ in _VALUED:
-        default = getattr(Options, flag[2:].replace("-", "_"), None)
-        p.add_argument(flag, type=type_, default=default, metavar=metavar, help=help_)
-    p.add_argument(
-        "--host-only", dest="cuda", action="store_const", const=False, help="host clock only, no CUDA events"
-    )
-    p.add_argument("--no-summary", dest="print_summary", action="store_false", help="don't print the summary at exit")
+    for flag, type_, metavar, help_ in _OWN:
+        p.add_argument(flag, type=type_, metavar=metavar, help=help_)
+    for flag, f in _flags():
+        kind, *cli = f.metadata["cli"]
+        if kind is False:  # a flag that turns the option off
+            p.add_argument(flag, dest=f.name, action="store_const", const=False, default=f.default, help=cli[1])
+            continue
+        help_ = f.metadata["help"].replace("%", "%%") + ("" if f.default is None else " (default: %(default)s)")
+        p.add_argument(flag, type=kind, default=f.default, metavar=cli[0], help=help_)
     p.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a module as `python -m MODULE`")
     return p
 
@@ -60,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
 def split(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
     """(steptimer's options, the script or module, whether it is a module, the script's arguments)."""
     argv, i = list(argv), 0
-    valued = {flag for flag, *_ in _VALUED}
+    valued = {flag for flag, *_ in _OWN} | {flag for flag, f in _flags() if f.metadata["cli"][0] is not False}
     while i < len(argv) and argv[i][:1] == "-" and argv[i] not in ("-", "--") and argv[i][:2] != "-m":
         i += 2 if argv[i] in valued else 1
     opts, rest = argv[:i], argv[i:]

@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from steptimer._hooks import trained_modules, watch_comm
 from steptimer._instrument import Instrumented
-from steptimer._options import Options
+from steptimer._options import Options, TimerKeywords, spelled_out
 from steptimer._summary import Summary
 from steptimer._tags import MAIN
 from steptimer._tensorboard import window_scalars
 from steptimer._window import Window
 from steptimer.timer import StepTimer, check_count, rank
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 try:
     from transformers import TrainerCallback
@@ -73,16 +76,23 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         ValueError: a bad option (the message names it), when the callback is made.
     """
 
-    def __init__(self, trainer: Any = None, **options: Any) -> None:
+    def __init__(
+        self,
+        trainer: Any = None,
+        *,
+        samples_per_step: float | None = None,
+        tokens_per_step: float | None = None,
+        **options: Unpack[TimerKeywords],
+    ) -> None:
         if not _AVAILABLE:
             raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'torch-steptimer[hf]'")
-        counts = ("samples_per_step", "tokens_per_step")
-        self._counts = {k: check_count(k, options.pop(k)) for k in counts if k in options}
+        counts = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step}
+        self._counts = {k: check_count(k, v) for k, v in counts.items() if v is not None}
         # Where the logs go (none given: beside the Trainer's, known at on_train_begin), and the rest.
-        self._logs = {k: options.pop(k) for k in ("log_dir", "writer") if k in options}
+        self._logs = {k: options.pop(k) for k in ("log_dir", "writer") if k in options}  # type: ignore[misc]
         if self._logs.get("log_dir") is not None and self._logs.get("writer") is not None:
             raise ValueError("pass log_dir or writer, not both")
-        self._options = Options(**options)
+        self._options = Options.of(options, "StepTimerCallback")
         self._trainer = trainer
         self._log = _TrainerLog()
         self.timed: Instrumented | None = None
@@ -100,7 +110,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         # The progress bar leaves its line open: the summary starts on a line of its own (_close).
         self._bar = not args.disable_tqdm and self._options.print_summary and self._options.enabled
         sinks = [self._log] if self._trainer is not None else []
-        timer = StepTimer._make(sinks=sinks, **logs, **dataclasses.asdict(self._options))
+        timer = StepTimer(sinks=sinks, **logs, **dataclasses.asdict(self._options))
         optimizer = kw.get("optimizer")  # accelerate wraps it; the step hooks fire on the torch one
         while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
             optimizer = optimizer.optimizer
@@ -201,3 +211,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
     @property
     def steps(self) -> int:
         return 0 if self.timed is None else self.timed.steps
+
+
+# help() and inspect show each option as a keyword with its default.
+StepTimerCallback.__init__.__signature__ = spelled_out(StepTimerCallback.__init__, TimerKeywords)  # type: ignore[attr-defined]

@@ -52,7 +52,10 @@ def _train(tmp_path: Path, **args: Any) -> StepTimerCallback:
         disable_tqdm=True, remove_unused_columns=False, **args,
     )  # fmt: skip
     transformers.Trainer(
-        model=_Tiny(), args=targs, train_dataset=_SlowRows(4 * 20, 0.0), eval_dataset=_SlowRows(4, EVAL_SLEEP_S),
+        model=_Tiny(),
+        args=targs,
+        train_dataset=_SlowRows(4 * 20, 0.0),
+        eval_dataset=_SlowRows(4, EVAL_SLEEP_S),
         callbacks=[cb],
     ).train()
     return cb
@@ -156,3 +159,14 @@ def test_windows_reach_the_trainers_mlflow_files(tmp_path: Path, monkeypatch: py
             assert len(values) == 4, values  # the Trainer's own, every 5 steps
         else:
             assert values == pytest.approx([v for _, v in mine[tag]], rel=1e-6), tag
+
+
+def test_the_options_are_keywords_with_their_defaults_and_a_misspelt_one_is_named() -> None:
+    import inspect
+
+    params = inspect.signature(StepTimerCallback).parameters
+    assert params["warmup_steps"].default == 5 and params["log_dir"].default is None
+    with pytest.raises(
+        TypeError, match=r"StepTimerCallback got an unexpected keyword argument 'lags'; did you mean lag=\?"
+    ):
+        StepTimerCallback(lags=1)  # type: ignore[call-arg]

@@ -28,7 +28,9 @@ from sleepy import SLEEP_MS  # noqa: E402
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
 
 
-def run(tmp_path: Path, script: str, *args: str, opts: tuple[str, ...] = (), rc: int = 0) -> subprocess.CompletedProcess[str]:
+def run(
+    tmp_path: Path, script: str, *args: str, opts: tuple[str, ...] = (), rc: int = 0
+) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "steptimer", "run", "--warmup-steps", "1", "--log-every-n-steps", "4",
            "--log-dir", str(tmp_path / "log"), *opts, str(SCRIPTS / script), *args]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
@@ -112,7 +114,7 @@ def test_an_mnist_style_main_with_argparse_evaluation_and_accumulation(tmp_path:
     # Every step timed: an untimed step's data row has only the fetch before it, not those inside it.
     args = ("--epochs", "2", "--accum", str(accum), "--exit-code", "3")
     proc = run(tmp_path, "mnist_main.py", *args, opts=("--sample-every", "1"), rc=3)
-    assert "ARGV ['--epochs', '2', '--accum', '%d', '--exit-code', '3']" % accum in proc.stdout
+    assert f"ARGV ['--epochs', '2', '--accum', '{accum}', '--exit-code', '3']" in proc.stdout
     assert proc.stdout.count("test loss") == 2
     r = report(tmp_path / "log")
     assert r["steps"] == 2 * 12 // accum - 2
@@ -136,7 +138,9 @@ def test_a_gan_with_two_optimizers_makes_one_step_per_iteration(tmp_path: Path) 
     med = medians(r)
     # The networks' own zero_grad (nn.Module's) does not sleep: only the optimizers' would.
     # its batches are made in the loop (no loader): the time between steps is `loop`
-    check_sleeps(med, {"loop": SLEEP_MS["data"], "forward": SLEEP_MS["forward"], "optimizer": 2 * SLEEP_MS["optimizer"]})
+    check_sleeps(
+        med, {"loop": SLEEP_MS["data"], "forward": SLEEP_MS["forward"], "optimizer": 2 * SLEEP_MS["optimizer"]}
+    )
     assert med["zero_grad"] < 2
     assert "found the model (D, G) and optimizer (SleepySGD, SleepySGD)" in proc.stdout
     assert abs(r["samples_per_s"] / r["steps_per_s"] - 6) < 0.05  # the step's first forward only
@@ -216,13 +220,18 @@ def test_a_script_that_never_trains(tmp_path: Path, how: str) -> None:
         tb = proc.stderr[proc.stderr.index("Traceback (most recent call last):") :].splitlines()
         assert tb[1:] == [
             f'  File "{SCRIPTS / "never_trains.py"}", line 13, in <module>',
-            "    raise ValueError(\"the script's own error\")",
+            '    raise ValueError("the script\'s own error")',
             "ValueError: the script's own error",
         ], proc.stderr
 
 
 def test_module_form_and_arguments_after_the_script_are_the_scripts(tmp_path: Path) -> None:
-    assert split(["--lag", "1", "train.py", "--lag", "3", "-m", "x"]) == (["--lag", "1"], "train.py", False, ["--lag", "3", "-m", "x"])
+    assert split(["--lag", "1", "train.py", "--lag", "3", "-m", "x"]) == (
+        ["--lag", "1"],
+        "train.py",
+        False,
+        ["--lag", "3", "-m", "x"],
+    )
     assert split(["-m", "pkg.train", "--epochs", "2"]) == ([], "pkg.train", True, ["--epochs", "2"])
     assert split(["--host-only", "--", "-odd.py", "a"]) == (["--host-only"], "-odd.py", False, ["a"])
     (tmp_path / "pkg").mkdir()
@@ -306,3 +315,23 @@ def test_a_bad_option_is_refused_before_the_script_runs(tmp_path: Path, opt: tup
     assert proc.returncode == 2 and "RAN" not in proc.stdout
     assert f"steptimer run: error: {message}" in flat(proc.stderr), proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_flags_are_the_options_fields() -> None:
+    """Each option `run` takes is its Options field: the flag's default, its help, and its value
+    checked by Options (the bad-option test above runs that check)."""
+    import dataclasses
+
+    from steptimer._options import Options
+    from steptimer._run import parser
+
+    p = parser()
+    opts = vars(p.parse_args([]))
+    for f in dataclasses.fields(Options):
+        cli = f.metadata["cli"]
+        if cli is not None:
+            assert opts[f.name] == f.default, f.name
+            text = cli[2] if cli[0] is False else f.metadata["help"]
+            assert "".join(text.split()) in "".join(p.format_help().split()), f.name  # wrapped at any space
+    args = vars(p.parse_args(["--warmup-steps", "3", "--cost-budget", "0.01", "--host-only", "--no-summary"]))
+    assert (args["warmup_steps"], args["cost_budget"], args["cuda"], args["print_summary"]) == (3, 0.01, False, False)

@@ -30,9 +30,17 @@ def make(gpu: FakeGPU | None = None, **kw: object) -> tuple[StepTimer, ListSink]
     return StepTimer._make(sinks=[sink], **kw), sink  # type: ignore[arg-type]
 
 
-def train_step(t: StepTimer, clock: FakeClock, gpu: FakeGPU | None, *, data_ms: float = 0.0,
-               host: dict[str, float], kernels: dict[str, float] | None = None, samples: int | None = None,
-               loader: Iterator[int] | None = None) -> None:
+def train_step(
+    t: StepTimer,
+    clock: FakeClock,
+    gpu: FakeGPU | None,
+    *,
+    data_ms: float = 0.0,
+    host: dict[str, float],
+    kernels: dict[str, float] | None = None,
+    samples: int | None = None,
+    loader: Iterator[int] | None = None,
+) -> None:
     """One step: ``data_ms`` of host time before it, then a batch from ``loader`` if given, then each
     phase spends host ms and launches GPU ms."""
     clock.advance_ms(data_ms)
@@ -198,8 +206,9 @@ def test_gpu_phase_times_and_idle_on_simulated_gpu(clock: FakeClock, gpu: FakeGP
     t, sink = make(gpu, log_every_n_steps=3, lag=1)
     kernels = {"forward": 10.0, "loss": 1.0, "backward": 20.0, "optimizer": 4.0}
     for _ in range(3):
-        train_step(t, clock, gpu, host={"forward": 0.1, "loss": 0.1, "backward": 0.1, "optimizer": 0.1},
-                   kernels=kernels)
+        train_step(
+            t, clock, gpu, host={"forward": 0.1, "loss": 0.1, "backward": 0.1, "optimizer": 0.1}, kernels=kernels
+        )
     t.close()
     w = sink.windows[0]
     for name, ms in kernels.items():
@@ -243,8 +252,9 @@ def test_gpu_idle_grows_with_a_host_stall_between_steps(clock: FakeClock, gpu: F
 
 
 @pytest.mark.parametrize("lag", [0, 1, 3])
-def test_one_wait_per_step_never_reads_unfinished_events(clock: FakeClock, gpu: FakeGPU, lag: int,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_wait_per_step_never_reads_unfinished_events(
+    clock: FakeClock, gpu: FakeGPU, lag: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     device_syncs = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: device_syncs.append(1))
     t, _ = make(gpu, log_every_n_steps=5, lag=lag)
@@ -389,7 +399,9 @@ def test_sampled_warmup_steps_are_left_out_of_the_summary(clock: FakeClock, gpu:
         train_step(t, clock, gpu, host={"forward": 50.0 if i < 30 else 1.0}, kernels={"forward": 1.0})
     s = t.close()
     warm, rest = sink.windows
-    assert (warm.step, warm.steps, warm.warmup) == (30, 30, True) and warm.host["step"].median_ms == pytest.approx(50.0, rel=0.01)
+    assert (warm.step, warm.steps, warm.warmup) == (30, 30, True) and warm.host["step"].median_ms == pytest.approx(
+        50.0, rel=0.01
+    )
     assert (rest.step, rest.steps, rest.warmup) == (100, 70, False) and rest.host["step"].max_ms == pytest.approx(1.0)
     assert s.steps == 70 and s["step"].host.steps == 70 and s["step"].host.max_ms == pytest.approx(1.0)
     assert s.timed_steps == 7
@@ -1446,3 +1458,40 @@ def test_a_sink_that_fails_is_dropped_with_a_note_and_training_and_the_summary_g
     assert "at step 10: its write_window failed (ConnectionError: logger service gone)" in note
     assert sum("Broken stopped" in r.getMessage() for r in caplog.records) == 1
     assert [st for st, _ in scalars(tmp_path)["steptimer/host/forward_ms"]] == [5, 10, 15, 20]
+
+
+def test_each_option_is_stated_once_and_every_front_door_takes_it_from_there() -> None:
+    """Options' fields hold each default, help text and check; the keyword views type checkers see
+    (Keywords, TimerKeywords, LightningKeywords) name the same options with the same types, and
+    help(StepTimer) shows each with its field's default and help."""
+    import dataclasses
+    import inspect
+
+    from steptimer._options import Keywords, LightningKeywords, Options, TimerKeywords
+
+    fields = {f.name: f for f in dataclasses.fields(Options)}
+    types = {name: ref.__forward_arg__ for name, ref in Keywords.__annotations__.items()}
+    assert types == {name: f.type for name, f in fields.items()}
+    assert TimerKeywords.__annotations__.keys() - Keywords.__annotations__.keys() == {"log_dir", "writer"}
+    lightning = {name: ref.__forward_arg__ for name, ref in LightningKeywords.__annotations__.items()}
+    assert lightning == {name: types[name] for name in lightning}
+    params = inspect.signature(StepTimer).parameters
+    assert {name: params[name].default for name in fields} == {n: f.default for n, f in fields.items()}
+    assert all(f.metadata["help"] in " ".join((StepTimer.__doc__ or "").split()) for f in fields.values())
+
+
+def test_an_unknown_option_is_a_type_error_that_names_the_nearest_one() -> None:
+    with pytest.raises(
+        TypeError, match=r"StepTimer got an unexpected keyword argument 'warmup'; did you mean warmup_steps=\?"
+    ):
+        StepTimer(warmup=3)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'xyz'; it takes log_every_n_steps, warmup_steps"):
+        StepTimer(xyz=3)  # type: ignore[call-arg]
+
+
+def test_the_derived_values_follow_the_options(clock: FakeClock) -> None:
+    """Resolved once from the options: a trace times every step, the default window is at least 10
+    sampled steps, and the timer reports what it resolved."""
+    t = StepTimer(cuda=False, print_summary=False, lag=0, sample_every=7)
+    assert (t.lag, t.sample_every, t.log_every_n_steps) == (0, 7, 70)
+    t.close()
