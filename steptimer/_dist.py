@@ -19,15 +19,15 @@ from typing import Any, NamedTuple
 from steptimer._energy import GpuState
 from steptimer._format import num
 from steptimer._memory import MIB
+from steptimer._options import DEFAULT_TIMEOUT_S
 from steptimer._slow import SlowestKeeper, SlowStep, card_proto, grew_most, is_wait_phase, parse_json
 from steptimer._summary import LastRank, LateWindows, RankSpread, RankSummary, SummaryAccumulator
 from steptimer._tags import RANKS, run_tag
-from steptimer._verdict import DERIVED, launch_bound
+from steptimer._verdict import BETWEEN, ShareClock, is_phase, launch_bound
 from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
 
-DEFAULT_TIMEOUT_S = 300.0
 STRAGGLER = "straggler"  # data + step - backward: under DDP the top-level backward holds the wait
 ENERGY = ("joules_per_step", "watts")  # a rank's GPU energy in a round: a window's, or the run's
 STATE = GpuState._fields  # and its GPU's state, each rank's in a slot of its own
@@ -243,12 +243,11 @@ def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> tuple[
     the wait), on the arrivals' clock: the last rank's sum less the others' mean (reduced ``_row_sums``);
     on the GPU's clock also the last rank's host, GPU and caught-up sums of each phase, which tell
     whether its GPU waited for its host's launches there."""
-    clock, between = ("gpu", ("idle",)) if "gpu/step" in wkeys else ("host", ("data", "loop"))
+    clock: ShareClock = "gpu" if "gpu/step" in wkeys else "host"
     out, k, at = {}, len(wkeys), {key: i for i, key in enumerate(wkeys)}
     for i, key in enumerate(wkeys):
         c, _, name = key.partition("/")
-        phase = name not in DERIVED and "/" not in name and not is_wait_phase(name)
-        if c == clock and (name in between or phase):
+        if c == clock and (name in BETWEEN[clock] or (is_phase(name) and not is_wait_phase(name))):
             out[name] = rows[i] - rows[k + i] / max(reporting - 1, 1)
     fed = {
         n: [rows[at[f"host/{n}"]], rows[at[f"gpu/{n}"]], rows[2 * k + at[f"gpu/{n}"]]]

@@ -67,7 +67,14 @@ class LastRank:
         return f"{last}, +{num(self.ahead_ms)} ms{phase}"
 
 
-CHRONIC_SHARE = 2 / 3  # late in this part of the windows at least: the same rank, window after window
+# A late rank is chronic (the same rank, window after window) when late in this part of the windows at
+# least, and in CHRONIC_IN_A_ROW windows in a row at least.
+CHRONIC_SHARE = 2 / 3
+CHRONIC_IN_A_ROW = 2
+CHRONIC_RULE = (
+    f"A late rank is chronic when late in {pct(CHRONIC_SHARE)} of the windows or more, "
+    f"{CHRONIC_IN_A_ROW} in a row at least"
+)
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,7 @@ class LateWindows:
     @property
     def chronic(self) -> bool:
         """The same rank late window after window: a machine to check, not noise or the data."""
-        return self.share >= CHRONIC_SHARE and self.longest >= 2
+        return self.share >= CHRONIC_SHARE and self.longest >= CHRONIC_IN_A_ROW
 
     def text(self) -> str:
         of = f"{self.windows} of {self.measured} windows ({pct(self.share)}), at most {self.longest} in a row"

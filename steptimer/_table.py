@@ -20,8 +20,8 @@ from steptimer._format import count, num, pct
 from steptimer._memory import MIB
 from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, Delta, Gate
 from steptimer._slow import SlowStep
-from steptimer._summary import CHRONIC_SHARE, Summary
-from steptimer._verdict import COMM_SHARE, DERIVED, DERIVED_FIRST, DERIVED_LAST, LATE_SHARE, LAUNCH_RULE
+from steptimer._summary import CHRONIC_RULE, Summary
+from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, LAUNCH_RULE, RULES, STRAGGLER_RULE, is_phase
 
 
 def fitted(variants: Iterable[Any], width: int) -> Any:
@@ -156,6 +156,8 @@ def explanations(summary: Summary) -> list[str]:
     """What the columns and marks mean (``--explain``; docs/cli.md says the same)."""
     gpu_slow = summary.slowest and summary.slowest[0].clock == "gpu"
     slow_clock = "the GPU's timeline" if gpu_slow else "the host clock"
+    kind = summary.verdict.kind if summary.verdict is not None else ""
+    key = (summary.share_clock, kind)  # the verdict's rule, said from the thresholds it tested
     said = [
         (True, f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps"),
         (
@@ -186,12 +188,10 @@ def explanations(summary: Summary) -> list[str]:
             "allocated when it was left, and reserved at the step's end (last timed step); the run's "
             "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it",
         ),
+        (key in RULES and kind != "straggler-bound", f"{kind}: {RULES.get(key)}"),
         (
             summary.ranks is not None and summary.ranks.last is not None,
-            f"straggler-bound: the rank that waited most at the collectives (comm_exposed) waited "
-            f"{pct(COMM_SHARE)} of the timeline or more, and the late rank's lateness (ms after the first rank, "
-            f"over every step) is {pct(LATE_SHARE)} of that wait or more; else communication-bound. A late rank "
-            f"is chronic when late in {pct(CHRONIC_SHARE)} of the windows or more, 2 in a row at least",
+            f"straggler-bound: {STRAGGLER_RULE}. {CHRONIC_RULE}",
         ),
         (
             bool(summary.slowest),
@@ -206,7 +206,7 @@ def explanations(summary: Summary) -> list[str]:
 def share_sum(summary: Summary) -> str:
     """The rows that have a share, as a sum: ``loop + phases + other`` (``phases``: the user's)."""
     named = [r.name for r in summary.rows if r.share is not None]
-    phases = ["phases"] if any(n not in DERIVED for n in named) else []
+    phases = ["phases"] if any(is_phase(n) for n in named) else []
     return " + ".join([n for n in named if n in DERIVED_FIRST] + phases + [n for n in named if n in DERIVED_LAST])
 
 

@@ -64,6 +64,11 @@ LAUNCH_RULE = (
     f"the GPU caught up with the host inside the phase in at least {CAUGHT_SHARE:.0%} of its steps and "
     f"its span is at most {LAUNCH_RATIO}x the host's"
 )
+STRAGGLER_RULE = (
+    f"the rank that waited most at the collectives (comm_exposed) waited {pct(COMM_SHARE)} of the timeline or "
+    f"more, and the late rank's lateness (ms after the first rank, over every step) is {pct(LATE_SHARE)} of that "
+    "wait or more; else communication-bound"
+)
 
 
 def launch_bound(gpu_ms: float, host_ms: float, caught: float | None) -> bool:
@@ -87,6 +92,38 @@ VerdictKind = Literal[
     "mixed",
 ]
 ShareClock = Literal["gpu", "host"]
+_OF: dict[ShareClock, str] = {"gpu": "the GPU's timeline", "host": "wall time"}
+_STALLED = f"the GPU waited for the host between steps {pct(STALL_SHARE)} of its timeline or more"
+# Each verdict's rule in words, by clock, said by ``report --explain``; the rules below test the same
+# thresholds (tests/test_verdict.py pins each text against its rule).
+RULES: dict[tuple[ShareClock, str], str] = {
+    ("gpu", "input-bound"): f"{_STALLED}, no less than in launch-bound phases, the loader's part of it at "
+    "least the loop's",
+    ("gpu", "loop-bound"): f"{_STALLED}, no less than in launch-bound phases, the loop's part of it more "
+    "than the loader's",
+    ("gpu", "input-bound + launch-bound"): f"{_STALLED}, the loader's part at least the loop's, and "
+    f"launch-bound phases hold {pct(STALL_SHARE)} of it or more",
+    ("gpu", "loop-bound + launch-bound"): f"{_STALLED}, the loop's part more than the loader's, and "
+    f"launch-bound phases hold {pct(STALL_SHARE)} of it or more",
+    ("gpu", "launch-bound"): f"launch-bound phases (*) hold {pct(LAUNCH_SHARE)} of the GPU's timeline or more",
+    ("gpu", "gpu-bound"): f"the GPU waited for the host less than {pct(BUSY_SHARE)} of its timeline between "
+    "steps and in launch-bound phases alike: it always had queued work",
+    ("gpu", "mixed"): f"the GPU waited for the host {pct(BUSY_SHARE)} of its timeline or more, but less than "
+    f"{pct(STALL_SHARE)} between steps and {pct(LAUNCH_SHARE)} in launch-bound phases",
+    ("host", "steptimer-bound"): "steptimer's own time is the largest row of wall time",
+    ("host", "input-bound"): f"the host spent {pct(HOST_BETWEEN_SHARE)} of wall time or more in the loader "
+    "(data), no less than in the loop",
+    ("host", "loop-bound"): f"the host spent {pct(HOST_BETWEEN_SHARE)} of wall time or more between steps "
+    "outside the loader (loop)",
+    ("host", "compute-bound"): "no other rule held: the steps hold the wall time (the host clock alone "
+    "cannot tell a slow host from a busy GPU)",
+    **{
+        (clock, "communication-bound"): "the compute waited for the collectives (comm_exposed) "
+        f"{pct(COMM_SHARE)} of {of} or more"
+        for clock, of in _OF.items()
+    },
+    **{(clock, "straggler-bound"): STRAGGLER_RULE for clock in _OF},
+}
 _FIX = {
     "input": "more DataLoader workers, pin_memory, prefetching",
     "loop": "read the loss and log less often, checkpoint less often",
@@ -102,6 +139,13 @@ COMM_ROWS = ("comm", "comm_exposed")
 DERIVED_FIRST = ("data", "loop")
 DERIVED_LAST = ("other", "wait", "steptimer", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
 DERIVED = frozenset(DERIVED_FIRST + DERIVED_LAST)
+# The rows between steps, by clock: the GPU's idle; the host's wait for the loader and its loop.
+BETWEEN: dict[ShareClock, tuple[str, ...]] = {"gpu": ("idle",), "host": ("data", "loop")}
+
+
+def is_phase(name: str) -> bool:
+    """A top-level phase of the user's: not nested in another, not a row steptimer derives."""
+    return "/" not in name and name not in DERIVED
 
 
 @dataclass(frozen=True)
@@ -131,7 +175,7 @@ def verdict(rows: Sequence[PhaseSummary], cuda: bool, ranks: RankSummary | None 
     first rule that holds, each fact measured."""
     by = {r.name: r for r in rows}
     share = {r.name: r.share or 0.0 for r in rows}
-    phases = [r for r in rows if "/" not in r.name and r.name not in DERIVED and r.share is not None]
+    phases = [r for r in rows if is_phase(r.name) and r.share is not None]
     rules = _gpu_rules(by, share, phases, ranks) if cuda else _host_rules(by, share, phases, ranks)
     kind, said = next((kind, said) for holds, kind, said in rules if holds)
     return Verdict(cast(VerdictKind, kind), tuple(dict.fromkeys(s for s in said if s))[:2])
@@ -216,6 +260,11 @@ def _host_rules(
     ]
 
 
+def _timeline_ms(by: Rows, clock: ShareClock) -> float:
+    """The summed timeline that waits are shares of: the steps and the time between them on ``clock``."""
+    return sum(_sum_ms(by, n, clock) for n in ("step", *BETWEEN[clock]))
+
+
 def _sum_ms(by: Rows, name: str, clock: ShareClock) -> float:
     st = getattr(by[name], clock) if name in by else None
     return st.mean_ms * st.steps if st is not None and st.steps else 0.0
@@ -241,29 +290,25 @@ def waited_for(ranks: RankSummary, clock: ShareClock) -> tuple[float, float] | N
 def _straggler(by: Rows, clock: ShareClock, ranks: RankSummary | None) -> Rule:
     """straggler-bound where a rank waited for the collectives ``COMM_SHARE`` of the timeline (or wall
     time) at least, and mostly for the late rank (:func:`waited_for`)."""
-    rows = ("step", "idle") if clock == "gpu" else ("step", "data", "loop")
     steps = getattr(by["step"], clock).steps if "step" in by and getattr(by["step"], clock) else 0
-    total = sum(_sum_ms(by, n, clock) for n in rows)
+    total = _timeline_ms(by, clock)
     late = waited_for(ranks, clock) if ranks is not None and steps and total > 0 else None
     r = ranks.last if ranks is not None else None
     if late is None or r is None or late[1] < COMM_SHARE * total / steps:
         return False, "straggler-bound", ()
-    of = "the GPU's timeline" if clock == "gpu" else "wall time"
     waited = (
         f"the rank that waited most at the collectives waited {num(late[1])} ms a step "
-        f"({pct(late[1] * steps / total)} of {of}), {pct(min(late[0] / late[1], 1.0))} of it for rank {r.rank}"
+        f"({pct(late[1] * steps / total)} of {_OF[clock]}), {pct(min(late[0] / late[1], 1.0))} of it for rank {r.rank}"
     )
     return True, "straggler-bound", (r.text(), f"{waited}: {_FIX['straggler'].format(r.rank)}")
 
 
 def _communication(by: Rows, clock: ShareClock) -> Rule:
     """communication-bound if ``comm_exposed`` holds ``COMM_SHARE`` of the timeline (or wall time)."""
-    rows = ("step", "idle") if clock == "gpu" else ("step", "data", "loop")
-    total, exposed = sum(_sum_ms(by, n, clock) for n in rows), _sum_ms(by, "comm_exposed", clock)
+    total, exposed = _timeline_ms(by, clock), _sum_ms(by, "comm_exposed", clock)
     if total <= 0 or exposed < COMM_SHARE * total:
         return False, "communication-bound", ()
-    of = "the GPU's timeline" if clock == "gpu" else "wall time"
-    first = f"the compute waited for the collectives {pct(exposed / total)} of {of}"
+    first = f"the compute waited for the collectives {pct(exposed / total)} of {_OF[clock]}"
     busy, ex = (getattr(by[n], clock) for n in COMM_ROWS)
     first += f" (comm_exposed: median {num(ex.median_ms)} ms a step, of {num(busy.median_ms)} ms of collectives)"
     return True, "communication-bound", (first, f"fix: {_FIX['communication']}")

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from steptimer import StepTimer
+from steptimer._histogram import SeriesStats
 from steptimer._reader import find_runs
 from steptimer._report import MIN_CHANGE, analyze, compare
-from steptimer._verdict import BUSY_SHARE, STALL_SHARE
+from steptimer._verdict import BUSY_SHARE, COMM_ROWS, RULES, STALL_SHARE, PhaseSummary, verdict
 from tests.fakes import FakeClock, FakeGPU, render
 
 # The GPT-2 step of issue 29 on an H100, per optimizer step: (host ms, GPU ms) per phase.
@@ -357,3 +358,66 @@ def test_the_launch_bound_rule_is_one_function_and_its_text() -> None:
     assert not launch_bound(1.12, 1.0, 1.0) and not launch_bound(1.0, 1.0, 0.49)
     assert host_paced((10.0, 11.0, 5.0), 10) and not host_paced((10.0, 11.0, 4.0), 10)  # sums over 10 steps
     assert "50%" in LAUNCH_RULE and "1.1x" in LAUNCH_RULE
+
+
+def _rows(shares: dict[str, float], launch: tuple[str, ...] = ()) -> list[PhaseSummary]:
+    """Rows of 10 steps with the given shares of a 100 ms timeline (or wall time); ``launch``: the
+    phases the GPU waited for launches in."""
+    out = []
+    for name, share in shares.items():
+        st = SeriesStats(10, share * 10, share * 10, share * 10, share * 10)
+        out.append(PhaseSummary(name, None, st, st, None if name in COMM_ROWS else share, name in launch))
+    return out
+
+
+# Each verdict flips at the threshold its text states (docs/cli.md's table says the same numbers).
+FLIPS = [
+    # (clock, rows at the threshold, the verdict there, rows just under it, the verdict there, the text's number)
+    ("gpu", {"idle": 0.10, "forward": 0.90}, "loop-bound", {"idle": 0.099, "forward": 0.901}, "mixed", "10.0%"),
+    ("gpu", {"idle": 0.05, "forward": 0.95}, "mixed", {"idle": 0.049, "forward": 0.951}, "gpu-bound", "5.0%"),
+    ("gpu", {"forward": 0.5, "backward": 0.5}, "launch-bound", {"forward": 0.49, "backward": 0.51}, "mixed", "50.0%"),
+    ("host", {"data": 0.2, "forward": 0.8}, "input-bound", {"data": 0.199, "forward": 0.801}, "compute-bound", "20.0%"),
+    ("host", {"loop": 0.2, "forward": 0.8}, "loop-bound", {"loop": 0.199, "forward": 0.801}, "compute-bound", "20.0%"),
+]
+
+
+@pytest.mark.parametrize(("clock", "at", "kind", "under", "kind_under", "said"), FLIPS)
+def test_each_verdict_flips_at_the_threshold_its_rule_text_states(
+    clock: str, at: dict[str, float], kind: str, under: dict[str, float], kind_under: str, said: str
+) -> None:
+    """The rule that decides a verdict and the text ``report --explain`` says of it hold the same
+    number: the verdict holds at it and not just under it."""
+    launch = ("forward",) if kind == "launch-bound" else ()
+    assert verdict(_rows(at, launch), clock == "gpu").kind == kind
+    assert verdict(_rows(under, launch), clock == "gpu").kind == kind_under
+    assert said in RULES[(clock, kind)]
+
+
+def test_communication_bound_at_the_share_its_rule_text_states() -> None:
+    """``comm_exposed`` 10 % of the timeline (step + idle): communication-bound; 9.9 %: gpu-bound."""
+    for exposed, kind in ((0.10, "communication-bound"), (0.099, "gpu-bound")):
+        rows = _rows({"forward": 1.0, "step": 1.0, "comm": 0.3, "comm_exposed": exposed})
+        assert verdict(rows, True).kind == kind
+    assert "10.0% of the GPU's timeline" in RULES[("gpu", "communication-bound")]
+    assert "10.0% of wall time" in RULES[("host", "communication-bound")]
+
+
+@pytest.mark.parametrize(
+    ("phases", "between_ms", "kind"),
+    [
+        ({"forward": (10.0, 1.0), "backward": (10.0, 1.0)}, 0.1, "launch-bound"),
+        ({"forward": (1.0, 8.0), "backward": (1.0, 12.0)}, 30.0, "loop-bound"),
+    ],
+)
+def test_explain_says_the_rule_of_the_verdict_it_gave(
+    tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str], phases: dict, between_ms: float, kind: str
+) -> None:
+    """``report --explain`` states the rule of the run's verdict, in the words of ``RULES``."""
+    from steptimer.cli import main
+
+    s = run(tmp_path, clock, phases, between_ms=between_ms)
+    assert s.verdict.kind == kind
+    assert main(["report", "--explain", str(tmp_path)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"{kind}: {RULES[('gpu', kind)]}" in text
+    assert not any(f"{k}: {rule}" in text for (c, k), rule in RULES.items() if k != kind)
