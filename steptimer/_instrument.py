@@ -19,9 +19,12 @@ import torch
 from steptimer import _exit
 from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._hooks import Discovery, Hooks, batch_counts, holds, watch_comm
+from steptimer._options import TimerKeywords, spelled_out
 from steptimer.timer import StepTimer, check_count, check_phase_name
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from steptimer._summary import Summary
 
 __all__ = ["Instrumented", "instrument"]
@@ -36,7 +39,7 @@ def instrument(
     *,
     samples_per_step: float | None = None,
     tokens_per_step: float | None = None,
-    **options: Any,
+    **options: Unpack[TimerKeywords],
 ) -> Instrumented:
     """Time every step of a plain training loop from hooks; no ``with`` lines in the loop.
 
@@ -76,6 +79,10 @@ def instrument(
     counts = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step}
     counts = {k: check_count(k, v) for k, v in counts.items() if v is not None}
     return Instrumented(StepTimer(**options), model, opts, **counts)
+
+
+# help(instrument) and inspect show each option as a keyword with its default.
+instrument.__signature__ = spelled_out(instrument, TimerKeywords)  # type: ignore[attr-defined]
 
 
 class Instrumented:
