@@ -85,16 +85,39 @@ def window_scalars(window: Window) -> dict[str, float]:
     return {**out, **{k: v for k, v in window.extra.items() if not isinstance(v, str)}}  # text: a run's fact
 
 
+# TensorBoard colours the n-th run of its list (sorted by first event: ours are created in order) with
+# colour n mod 7 of a palette of 7, in every tab (Time Series: ``colors[id % colors.length]`` in the runs
+# store; Scalars and Custom Scalars: ``ColorScale.setDomain``, tf_color_scale), n counting every log dir.
+PALETTE = 7
+# An empty run that fills a log dir's last block of PALETTE runs; not a phase's (the suffix), so
+# ``steptimer report`` reads no row from it.
+PAD, PAD_SUFFIX = "~pad-{}", ".pad"
+_LATE = ("other", "steptimer", "loop", "wait", "idle")  # derived rows (and their parts) after the phases
+
+
 def run_names(window: Window) -> list[str]:
-    """The rows that get a run, in creation order: TensorBoard colours the n-th run n mod 7, the log
-    dir's own run (the totals) first. ``loop`` (the time after a step) comes after ``other``, so
-    ``data`` and the first phase get neighbouring entries, which differ most in both palettes (blue
-    and red, cyan and pink). ``idle`` (GPU) first and ``wait`` (host) last share a colour with 7 rows
-    between them, and are never charted together."""
+    """The rows that get a run, in slot order: ``data`` and the phases first, so their colours never
+    depend on the derived rows a run has (``other``, ``steptimer``, ``loop``, ``wait``, ``idle``)."""
     names = dict.fromkeys([*window.host, *window.gpu])
-    last = ("loop", "wait")
-    rows = [n for n in row_order(list(names), names) if n not in (STEP, "idle", *last)]
-    return [n for n in ("idle",) if n in names] + rows + [n for n in last if n in names]
+    rows = [n for n in row_order(list(names), names) if n != STEP]
+    late = {n: _LATE.index(n.partition("/")[0]) for n in rows if n.partition("/")[0] in _LATE}
+    return [n for n in rows if n not in late] + sorted(late, key=late.__getitem__)
+
+
+def colour_slots(slots: list[str | None], new: list[str], charts: dict[str, set[str]]) -> list[str | None]:
+    """The log dir's runs after its own (slot n is run n + 1 of the dir), ``slots`` extended by the rows
+    ``new`` and by pads (None) to a whole number of blocks of :data:`PALETTE` runs, so the next log dir
+    starts at the first colour again and a phase has one colour in every log dir. A row takes the first
+    free slot whose colour no row of a chart it is in (``charts``: the clocks it has) holds, never the
+    total's (the log dir's own run, colour 0); a chart of 7 rows or more repeats one (the first free)."""
+    out = dict(enumerate(slots, 1))
+    for name in new:
+        used = {i % PALETTE for i, n in out.items() if n is not None and charts.get(n, set()) & charts[name]}
+        end = max(out, default=0) + PALETTE + 1
+        free = [i for i in range(len(slots) + 1, end) if out.get(i) is None and i % PALETTE]
+        out[next((i for i in free if i % PALETTE not in used), free[0])] = name
+    last = max(out, default=0)
+    return [out.get(i) for i in range(1, last + 1 + (-(last + 1) % PALETTE))]
 
 
 def totals(window: Window) -> dict[str, float]:
@@ -208,6 +231,8 @@ class TensorBoardSink:
             check_writable(self.dir)
         self._file = EventFile(self.dir, run_id=self.run_id) if writer is None else None
         self._runs: dict[str, EventFile] = {}
+        self._slots: list[str | None] = []  # colour_slots: the rows' runs and pads after the log dir's own
+        self._charts: dict[str, set[str]] = {}  # a row's clocks: the charts it is drawn in
         self._layout_written = False
         self.failed: OSError | None = None  # the first failed write; nothing is written after it
         self.step = 0  # the last window's: the run's facts at close go there
@@ -238,12 +263,9 @@ class TensorBoardSink:
             main = summaries.pop(None, None)
             if main is not None:
                 self._write_main(main, window.step)
+            self._new_runs(window, [n for n in summaries if n not in self._runs])
             for name, summary in summaries.items():
-                f = self._runs.get(name)
-                if f is None:
-                    path = os.path.join(self.dir, PHASE_DIR, *name.split("/"))
-                    f = self._runs[name] = EventFile(path, run_id=self.run_id, suffix=PHASE_SUFFIX)
-                f.write(summary, window.step)
+                self._runs[name].write(summary, window.step)
             if not self._layout_written and not window.warmup:  # a warm-up window's tags are hidden
                 self._layout_written = True
                 runs = [s for s in (main, *summaries.values()) if s is not None]
@@ -252,6 +274,21 @@ class TensorBoardSink:
                 target = self._file if self._file is not None else next(iter(self._runs.values()), None)
                 if target is not None:
                     target.write(self._custom_scalars(layout(tags)), 0)
+
+    def _new_runs(self, window: Window, new: list[str]) -> None:
+        """Create the runs of the rows ``new`` and the pads of :func:`colour_slots`, in slot order:
+        TensorBoard orders runs by their first event."""
+        if not new:
+            return
+        charts = {n: {c for c, series in (("host", window.host), ("gpu", window.gpu)) if n in series} for n in new}
+        start = len(self._slots)
+        self._slots = colour_slots(self._slots, new, {**self._charts, **charts})
+        self._charts.update(charts)
+        for i, name in enumerate(self._slots[start:], start + 1):
+            path = os.path.join(self.dir, PHASE_DIR, *(name or PAD.format(i)).split("/"))
+            f = EventFile(path, run_id=self.run_id, suffix=PHASE_SUFFIX if name else PAD_SUFFIX)
+            if name is not None:
+                self._runs[name] = f
 
     def write_energy(self, scalars: dict[str, float], step: int) -> None:
         """A window's energy (``_energy.py``), known one window late, at that window's step."""
