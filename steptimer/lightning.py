@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from typing_extensions import override
@@ -21,7 +21,7 @@ from typing_extensions import override
 from steptimer._driver import PhaseDriver, UserPhase
 from steptimer._engine import Fetch
 from steptimer._hooks import Hooks, watch_comm
-from steptimer._options import COST_BUDGET, Options, _positive, window_steps
+from steptimer._options import LightningKeywords, Options, _positive, spelled_out, window_steps
 from steptimer._peaks import dtype_of_precision
 from steptimer._summary import Summary
 from steptimer._tensorboard import TensorBoardSink, window_scalars
@@ -46,6 +46,9 @@ if not _FLAVOURS:
 # `pytorch_lightning.Trainer` and in a `lightning.pytorch.Trainer`: both only call hooks by name.
 _BASES: tuple[type, ...] = tuple(m.Callback for m in _FLAVOURS)
 _TB_LOGGERS: tuple[type, ...] = tuple(m.loggers.TensorBoardLogger for m in _FLAVOURS)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["StepTimerCallback"]
 
@@ -135,27 +138,16 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def __init__(
         self,
         *,
-        log_every_n_steps: int | None = None,
-        warmup_steps: int = 5,
-        lag: int = 2,
-        cuda: bool | None = None,
-        sample_every: int | None = None,
-        cost_budget: float = COST_BUDGET,
         forward_module: str | Sequence[str] | None = None,
         batch_size_fn: Callable[[Any], float] | None = None,
         tokens_fn: Callable[[Any], float] | None = None,
         flops_per_batch: float | Callable[[Any], float] | None = None,
-        peak_tflops: float | None = None,
         histograms: bool = True,
-        print_summary: bool = True,
-        enabled: bool = True,
-        nvtx: bool = False,
-        profile_steps: tuple[int, int] | None = None,
-        memory: int | None = None,
+        **options: Unpack[LightningKeywords],
     ) -> None:
         super().__init__()
-        given = locals()  # the StepTimer options among the arguments, checked now, not at training start
-        self._options = Options(**{f.name: given[f.name] for f in dataclasses.fields(Options) if f.name in given})
+        # The StepTimer options, checked now, not at training start.
+        self._options = Options.of(options, "StepTimerCallback", LightningKeywords)
         check_bool("histograms", histograms)
         names = [forward_module] if isinstance(forward_module, str) else forward_module
         named = isinstance(names, (list, tuple)) and all(isinstance(n, str) and n for n in names)
@@ -495,3 +487,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             from steptimer._table import print_summary
 
             print_summary(self.summary)
+
+
+# help() and inspect show each option as a keyword with its default.
+StepTimerCallback.__init__.__signature__ = spelled_out(StepTimerCallback.__init__, LightningKeywords)  # type: ignore[attr-defined]
