@@ -14,7 +14,19 @@ from typing import Any
 
 from steptimer.timer import StepTimer
 
-__all__ = ["PhaseDriver", "UserPhase"]
+__all__ = ["BUILTIN", "PhaseDriver", "Update", "UserPhase"]
+
+# The built-in phases the front doors' hooks open, in a step's order: the one registry of them.
+DATA, FORWARD, LOSS, ZERO_GRAD, BACKWARD, CLIP, OPTIMIZER, VAL = BUILTIN = (
+    "data",
+    "forward",
+    "loss",
+    "zero_grad",
+    "backward",
+    "clip",
+    "optimizer",
+    "val",
+)
 
 
 class PhaseDriver:
@@ -24,7 +36,6 @@ class PhaseDriver:
         rejoin: A forward that starts while the previous forward's ``loss`` is open takes that time
             back into ``forward`` (Lightning's rule); False: ``forward, loss, forward``.
         scoped: Model calls are ``forward`` only inside a call wrapped by :meth:`scope`.
-        on_reset: Called when the step ends or is dropped: the front door clears its own state.
     """
 
     def __init__(
@@ -33,11 +44,10 @@ class PhaseDriver:
         *,
         rejoin: bool = False,
         scoped: bool = False,
-        on_reset: Callable[[], None] | None = None,
     ) -> None:
         self.timer = timer
         self._rejoin = rejoin
-        self._on_reset = on_reset
+        self.update = Update()  # the step's optimizer updates
         self._step: AbstractContextManager[None] | None = None
         self.phase: str | None = None  # the hook phase open at the innermost user-phase level
         self._users: list[UserPhase] = []  # the user phases open, outermost first
@@ -85,8 +95,7 @@ class PhaseDriver:
         self.in_backward = False
         self.seen = set()
         self.fwd_depth = 0
-        if self._on_reset is not None:
-            self._on_reset()
+        self.update = Update()
         return step
 
     def switch(self, name: str | None, error: BaseException | None = None) -> None:
@@ -101,6 +110,46 @@ class PhaseDriver:
             self.timer.phase(name).__enter__()
             self.phase = name
             self.seen.add(name)
+
+    def update_begin(self, closure: bool) -> bool:
+        """An optimizer update starts: ``optimizer`` opens, or with a ``closure`` (its forward and
+        backward open their own phases) when the closure returns. False: one nested in the update
+        running (a subclass's ``super().step()`` fires the hooks twice), the same update."""
+        u = self.update
+        u.depth += 1
+        if u.depth > 1:
+            return False
+        self.switch(None if closure else OPTIMIZER)
+        u.closure = closure
+        return True
+
+    def update_end(self, opt_id: int) -> bool:
+        """An update returned; True for the outermost one (optimizer ``opt_id`` has stepped)."""
+        u = self.update
+        if u.depth == 0:
+            return False
+        u.depth -= 1
+        if u.depth:
+            return False
+        self.switch(None)
+        u.stepped.add(opt_id)
+        return True
+
+    def zeroed(self, opt_ids: set[int]) -> None:
+        """Those optimizers' gradients were zeroed; a deferred step ends when all that stepped are."""
+        u = self.update
+        if u.deferred:
+            u.stepped -= opt_ids
+            if not u.stepped:
+                self.end()
+
+    def settle(self) -> None:
+        """End a step that waited for a zero_grad that never came; drop one whose update raised."""
+        u = self.update
+        if u.deferred:
+            self.end()
+        elif u.depth and not u.closure:
+            self.drop(RuntimeError, RuntimeError("the optimizer step raised"), None)
 
     def call(self, name: str, after: str | None, orig: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """``orig(*args, **kwargs)`` as phase ``name``, then ``after``; if it raises, the step is dropped."""
@@ -157,17 +206,17 @@ class PhaseDriver:
     def model_post(self, *_: Any) -> None:
         """Forward hook (``always_call``): the outermost return opens ``loss``, a raise ends ``forward``."""
         if self.live and self.in_scope and not self.in_backward and self.forward_exit():
-            self.switch("loss", error=sys.exc_info()[1])
+            self.switch(LOSS, error=sys.exc_info()[1])
 
     def forward_enter(self) -> None:
         """A model call starts; the outermost one opens ``forward``."""
         self.fwd_depth += 1
         if self.fwd_depth > 1:
             return
-        if self._rejoin and self.phase == "loss" and self.timer._rejoin("loss", "forward"):
-            self.phase = "forward"
+        if self._rejoin and self.phase == LOSS and self.timer._rejoin(LOSS, FORWARD):
+            self.phase = FORWARD
         else:
-            self.switch("forward")
+            self.switch(FORWARD)
 
     def forward_exit(self) -> bool:
         """A model call returned (or raised); True for the outermost one, unmatched ones ignored."""
@@ -216,7 +265,7 @@ class PhaseDriver:
             return
         pause = None
         if self.in_step:
-            self.switch("val")
+            self.switch(VAL)
         else:
             pause = self.pause()
             pause.__enter__()
@@ -230,7 +279,7 @@ class PhaseDriver:
         self.val_ms.append((perf_counter() - t0) * 1e3)
         if pause is not None:
             pause.__exit__(None, None, None)
-        elif self.phase == "val":
+        elif self.phase == VAL:
             self.switch(after)
         return self.val_ms[-1]
 
@@ -242,6 +291,18 @@ class PhaseDriver:
             self.timer.note(
                 f"validation: {len(self.val_ms)} run(s), {mean_ms:.1f} ms mean, paused (not counted as data)"
             )
+
+
+class Update:
+    """A step's optimizer updates: nesting, which optimizers stepped, whether its end waits."""
+
+    __slots__ = ("closure", "deferred", "depth", "stepped")
+
+    def __init__(self) -> None:
+        self.depth = 0  # optimizer.step() calls running: nested ones are one update
+        self.closure = False  # the update runs a closure: forward and backward inside it are fine
+        self.stepped: set[int] = set()  # ids of the optimizers stepped (deferred: not zeroed yet)
+        self.deferred = False  # the updates are done; the step ends at the zero_grad that follows
 
 
 class UserPhase:

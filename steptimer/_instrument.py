@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from steptimer import _exit
-from steptimer._driver import PhaseDriver, UserPhase
+from steptimer._driver import BACKWARD, LOSS, OPTIMIZER, ZERO_GRAD, PhaseDriver, UserPhase
 from steptimer._hooks import Discovery, Hooks, batch_counts, holds, watch_comm
 from steptimer._options import TimerKeywords, spelled_out
 from steptimer.timer import StepTimer, check_count, check_phase_name
@@ -98,7 +98,7 @@ class Instrumented:
         tokens_per_step: float | None = None,
     ) -> None:
         self.timer = timer
-        self._driver = PhaseDriver(timer, on_reset=self._clear)
+        self._driver = PhaseDriver(timer)
         models = [models] if isinstance(models, torch.nn.Module) else models
         self.models: tuple[torch.nn.Module, ...] = tuple(models or ())  # hooked: given, or found
         self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(optimizers or ())
@@ -108,8 +108,6 @@ class Instrumented:
         self._after_backward: str | None = None  # the phase the next backward's return opens
         self._discovery: Discovery | None = None
         self._thread = threading.get_ident()  # the training thread: every other thread is ignored
-        self._clear()
-        self._update_closure = False  # the update runs a closure: forward/backward inside it are fine
         self._zero_grad_last: bool | None = None  # the loop's order, learned (see _zero_grad_order)
         self._step_sites: dict[CodeType, int] | None = None
         self._eval_pause: Any = None  # the pause() around a no-grad forward between steps
@@ -153,7 +151,7 @@ class Instrumented:
 
     def pause(self) -> AbstractContextManager[None]:
         """Between steps: work that is neither a step nor data wait (a whole evaluation loop)."""
-        self._settle()
+        self._driver.settle()
         return self._driver.pause()
 
     def phase(self, name: str) -> AbstractContextManager[None]:
@@ -161,11 +159,11 @@ class Instrumented:
         hook phases inside it nest too. Outside a step, a no-op; an invalid ``name``, ``ValueError``."""
         check_phase_name(name)
         d = self._driver
-        return UserPhase(name, lambda: d if d.in_step and not self._deferred else None)
+        return UserPhase(name, lambda: d if d.in_step and not d.update.deferred else None)
 
     def begin_evaluation(self) -> None:
         """An evaluation starts (a framework's event): paused out until :meth:`end_evaluation`."""
-        self._settle()
+        self._driver.settle()
         self._driver.begin_val()
 
     def end_evaluation(self) -> None:
@@ -191,8 +189,7 @@ class Instrumented:
 
     def _wrap_up(self) -> None:
         """End a finished step waiting for its zero_grad; the notes of the run."""
-        if self._deferred:
-            self._driver.end()
+        self._driver.settle()
         self._end_finding()
         self._check_stepped()
         note = self.discovery_note()
@@ -256,7 +253,7 @@ class Instrumented:
         # This call's own hooks were fixed before ours went in: start its step here.
         self._forward_pre(module, args, kwargs)
         if inside:
-            self._update_depth, self._update_closure = 1, True
+            self._driver.update_begin(closure=True)
 
     def _lost(self, opt: torch.optim.Optimizer) -> None:
         """An optimizer nobody found steps (a new stage of the loop): the hooks come out, the step
@@ -266,7 +263,7 @@ class Instrumented:
             f"a new optimizer ({type(opt).__name__}) stepped after step {self.timer.steps} instead of "
             f"{gone}: steptimer finds the loop again from its steps, pausing until then"
         )
-        self._settle()
+        self._driver.settle()
         self._driver.drop(RuntimeError, RuntimeError("a new optimizer stepped"), None)
         self._hooks.remove()
         self._finding = self.timer.pause()  # its iterations are neither steps nor the loop's time
@@ -291,7 +288,7 @@ class Instrumented:
         if d.fwd_depth:  # a model inside another (or recursion): only the outer call counts
             d.fwd_depth += 1
             return
-        self._settle()
+        self._driver.settle()
         if not d.in_step:
             if not torch.is_grad_enabled():  # evaluation between steps: neither a step nor data
                 d.fwd_depth = 1
@@ -336,19 +333,19 @@ class Instrumented:
             if output is None and exc[0] is not None:  # always_call: run in _call_impl's `except`
                 self._driver.drop(*exc)
             else:
-                self._driver.switch("loss")
+                self._driver.switch(LOSS)
 
     def _backward_wrapper_of(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any, **kwargs: Any) -> Any:
             if self._ignored():
                 return orig(*args, **kwargs)
-            self._settle()
+            self._driver.settle()
             d = self._driver
             if not d.in_step:  # no training forward of this model before it: not this loop's
                 return orig(*args, **kwargs)
             d.in_backward = True
             after, self._after_backward = self._after_backward, None
-            out = d.call("backward", after, orig, args, kwargs)
+            out = d.call(BACKWARD, after, orig, args, kwargs)
             d.in_backward = False
             # The next forward starts a micro-batch; with several optimizers (a GAN's networks see
             # the same batch in turn) only a step's first forward is counted.
@@ -362,8 +359,8 @@ class Instrumented:
             if self._ignored():
                 return orig(*args, **kwargs)
             d = self._driver
-            if not self._deferred:  # deferred: right after the update, the last phase of this step
-                self._settle()
+            if not d.update.deferred:  # deferred: right after the update, the last phase of this step
+                self._driver.settle()
                 if not d.in_step:
                     if self._zero_grad_last is None:
                         self._zero_grad_last = self._zero_grad_order(sys._getframe(1))
@@ -371,11 +368,8 @@ class Instrumented:
                         with self.timer.pause():  # this one belongs to no step: not data either
                             return orig(*args, **kwargs)
                     self._begin()  # the loop body starts with zero_grad
-            out = d.call("zero_grad", None, orig, args, kwargs)
-            if self._deferred:
-                self._stepped -= zeroes
-                if not self._stepped:
-                    d.end()
+            out = d.call(ZERO_GRAD, None, orig, args, kwargs)
+            d.zeroed(zeroes)
             return out
 
         return zero_grad
@@ -383,18 +377,19 @@ class Instrumented:
     def _update_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if self._ignored():
             return None
-        if self._update_depth:  # super().step() of a subclass: the same update
-            self._update_depth += 1
+        d = self._driver
+        if d.update.depth:  # super().step() of a subclass: the same update
+            d.update_begin(closure=False)
             return None
-        self._settle()
+        self._driver.settle()
         # With a closure (LBFGS, Lightning) the forward and backward run inside the update, as their
         # own phases, and the update starts when it returns (the step hooks fire around both).
         given = kwargs.get("closure")
         inner = given if given is not None else args[1] if len(args) > 1 else None
         closure = callable(inner)  # accelerate passes step(None): no closure
-        if not self._driver.in_step and closure:  # the update runs the whole iteration: it is the step
+        if not d.in_step and closure:  # the update runs the whole iteration: it is the step
             self._begin()
-        elif not self._driver.in_step:
+        elif not d.in_step:
             if not self._warned:
                 self._warned = True
                 warnings.warn(
@@ -404,31 +399,26 @@ class Instrumented:
                     stacklevel=3,
                 )
             return None
-        self._driver.switch(None if closure else "optimizer")
-        self._update_depth, self._update_closure = 1, closure
+        d.update_begin(closure)
         if not closure:
             return None
-        returns_to_update = self._driver.then("optimizer", inner)
+        returns_to_update = d.then(OPTIMIZER, inner)
         if given is not None:
             return args, {**kwargs, "closure": returns_to_update}
         return (args[0], returns_to_update, *args[2:]), kwargs
 
     def _update_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._ignored() or not self._driver.in_step or self._update_depth == 0:
+        d = self._driver
+        if self._ignored() or not d.in_step or not d.update_end(id(opt)):
             return
-        self._update_depth -= 1
-        if self._update_depth:
-            return
-        self._driver.switch(None)
-        self._stepped.add(id(opt))
         self._idle.discard(id(opt))
-        if len(self._stepped) < len(self.optimizers):
+        if len(d.update.stepped) < len(self.optimizers):
             return
         if self._zero_grad_last is None:
             self._step_sites = _user_sites(sys._getframe(1))
-        self._deferred = bool(self._zero_grad_last)
-        if not self._deferred:
-            self._driver.end()
+        d.update.deferred = bool(self._zero_grad_last)
+        if not d.update.deferred:
+            d.end()
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
         """zero_grad after the update (True) or before the forward (False), None: not known yet; read
@@ -441,23 +431,9 @@ class Instrumented:
             frame = frame.f_back
         return None
 
-    def _settle(self) -> None:
-        """End a step that waited for a zero_grad that never came; drop one whose update raised."""
-        if self._deferred:
-            self._driver.end()
-        elif self._update_depth and not self._update_closure:
-            self._driver.drop(RuntimeError, RuntimeError("the optimizer step raised"), None)
-
     def _begin(self) -> None:
         self._driver.begin(**self._fixed)
         self._count_next = None in self._fixed.values()
-
-    def _clear(self) -> None:
-        self._stepped: set[int] = set()  # ids of the optimizers stepped (deferred: not zeroed yet)
-        # Nesting of optimizer.step() calls: a subclass's step() calling super().step() runs the hooks
-        # twice when both classes were patched by torch (any plain instance of the base made before).
-        self._update_depth = 0
-        self._deferred = False  # the update is done; the step ends at the zero_grad that follows it
 
 
 _FORWARDS_BEFORE_WARNING = 100
