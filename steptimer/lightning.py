@@ -10,7 +10,7 @@ import dataclasses
 import importlib.util
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from typing_extensions import override
 
-from steptimer._driver import PhaseDriver, UserPhase
+from steptimer._driver import BACKWARD, CLIP, DATA, FORWARD, OPTIMIZER, ZERO_GRAD, PhaseDriver, UserPhase
 from steptimer._engine import Fetch
 from steptimer._hooks import Hooks, watch_comm
 from steptimer._options import LightningKeywords, Options, _positive, spelled_out, window_steps
@@ -30,8 +30,6 @@ from steptimer.timer import StepTimer, check_bool, check_count, check_phase_name
 
 log = logging.getLogger("steptimer")
 SKIPPED_TAG = "steptimer-run/skipped_steps"  # optimizer steps the GradScaler skipped (inf/NaN gradients)
-# The profiler action Lightning's training epoch loop starts and stops around each train fetch.
-_FETCH_ACTION = "].train_dataloader_next"
 # The installed Lightning packages, imported: a broken install surfaces here.
 _FLAVOURS = [
     importlib.import_module(name)
@@ -51,6 +49,28 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = ["StepTimerCallback"]
+
+
+class _Fetched:
+    """A DataLoader's iterator whose fetches the callback's timer times while it runs (ignored before
+    training starts and after it ends; between steps they are `data`, inside a phase nothing)."""
+
+    __slots__ = ("_cb", "_it")
+
+    def __init__(self, cb: StepTimerCallback, it: Iterator[Any]) -> None:
+        self._cb, self._it = cb, it
+
+    def __iter__(self) -> _Fetched:
+        return self
+
+    def __next__(self) -> Any:
+        fetch = self._cb._fetch
+        t0 = None if fetch is None else fetch.start()
+        try:
+            return next(self._it)
+        finally:
+            if t0 is not None:
+                fetch.stop(t0)  # type: ignore[union-attr]
 
 
 class _LoggerSink:
@@ -78,6 +98,22 @@ class _LoggerSink:
             if sink is not None:
                 sink.close()
             lg.save()
+
+
+def _counters(batch_size_fn: Any, tokens_fn: Any, flops_per_batch: Any) -> list[tuple[str, str, Any]]:
+    """(count, what an error names, batch -> number or a number) of those given, checked; each is
+    summed over a step's batches."""
+    for name, fn in (("batch_size_fn", batch_size_fn), ("tokens_fn", tokens_fn)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be a function batch -> number, got {fn!r}")
+    if flops_per_batch is not None and not callable(flops_per_batch) and not _positive(flops_per_batch):
+        raise ValueError(f"flops_per_batch must be a number > 0 or a function batch -> number, got {flops_per_batch!r}")
+    given = (
+        ("samples", "batch_size_fn(batch)", batch_size_fn),
+        ("tokens", "tokens_fn(batch)", tokens_fn),
+        ("flops", "flops_per_batch", flops_per_batch),
+    )
+    return [(k, what, fn) for k, what, fn in given if fn is not None]
 
 
 def _model_modules(module: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -156,25 +192,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
                 "forward_module must be the name of a submodule (e.g. 'net') or a list of names, "
                 f"got {forward_module!r}"
             )
-        for name, fn in (("batch_size_fn", batch_size_fn), ("tokens_fn", tokens_fn)):
-            if fn is not None and not callable(fn):
-                raise ValueError(f"{name} must be a function batch -> number, got {fn!r}")
-        if flops_per_batch is not None and not callable(flops_per_batch) and not _positive(flops_per_batch):
-            raise ValueError(
-                f"flops_per_batch must be a number > 0 or a function batch -> number, got {flops_per_batch!r}"
-            )
         self._forward_names: Sequence[str] | None = names
         self.histograms = histograms
-        # (count, what an error names, batch -> number or a number), summed over a step's batches
-        self._counters = [
-            (k, what, fn)
-            for k, what, fn in (
-                ("samples", "batch_size_fn(batch)", batch_size_fn),
-                ("tokens", "tokens_fn(batch)", tokens_fn),
-                ("flops", "flops_per_batch", flops_per_batch),
-            )
-            if fn is not None
-        ]
+        self._counters = _counters(batch_size_fn, tokens_fn, flops_per_batch)
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
@@ -188,6 +208,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._begun = self._done = 0
         self._no_forward_warned = False
         self._val_span: AbstractContextManager[None] | None = None  # an evaluation in the run's timeline
+        self._fetch: Fetch | None = None  # times the train loader's fetches while the timer runs
 
     @property
     def steps(self) -> int:
@@ -223,6 +244,16 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._skipped = int(state_dict.get("skipped_steps", 0))
 
     @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or not self._options.enabled:
+            return
+        self._hooks.remove()
+        # The `data` row is the train loader's fetch, timed by the loader's iterator: one call a
+        # batch, where Lightning's profiler start and stop are about 60 a step. Wrapped now: the first
+        # epoch's iterator is made before on_train_start, before the timer.
+        self._hooks.wrap_loaders(partial(_Fetched, self))
+
+    @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Not in setup: the checkpoint's step counter and the optimizers are only all in place by now.
         if not self._options.enabled:
@@ -256,7 +287,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         )
         self._driver = d = PhaseDriver(timer, rejoin=True, scoped=True)
         d.live = False
-        self._hooks.remove()
+        self._fetch = timer._fetches()
         self._hook_model(pl_module, d)
         # A checkpoint from its dump to its write's end (on_save_checkpoint comes before the write):
         # ModelCheckpoint's saves and the user's, through the Trainer's public save_checkpoint.
@@ -265,18 +296,16 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         watch_comm(timer, [trainer.strategy.model, pl_module])
         # The update ends (manual: opt.step() of the LightningOptimizer, a view of `opt`, returns) or
         # starts (automatic: Lightning's clipping, right after on_before_optimizer_step, returns).
+        # Automatic optimization's zero_grad runs from on_before_zero_grad to on_before_backward:
+        # only the user's own calls in manual optimization need the optimizer's zero_grad wrapped.
         for opt in trainer.optimizers:
             self._hooks.optimizer(opt, post=self._optimizer_post)
-            self._hooks.wrap(opt, "zero_grad", partial(d.timed, "zero_grad"))
-            self._hooks.wrap_views(opt, "zero_grad", partial(d.timed, "zero_grad"))
             if self._manual:
+                self._hooks.wrap(opt, "zero_grad", partial(d.timed, ZERO_GRAD))
+                self._hooks.wrap_views(opt, "zero_grad", partial(d.timed, ZERO_GRAD))
                 self._hooks.wrap_views(opt, "step", partial(d.then, None))
         if not self._manual:
-            self._hooks.wrap(pl_module, "configure_gradient_clipping", partial(d.then, "optimizer"))
-        # The profiler's start and stop around each train fetch: Lightning's only public seam there.
-        fetch = d.timer._fetches()
-        if fetch is not None and trainer.profiler is not None:
-            self._time_fetches(trainer.profiler, fetch)
+            self._hooks.wrap(pl_module, "configure_gradient_clipping", partial(d.then, OPTIMIZER))
 
     @override
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
@@ -337,10 +366,10 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if self._begun:
             self._end_step(d)  # ends the open phase too
         else:
-            d.switch("data")  # accumulating: the next micro-batch's fetch is inside this step
+            d.switch(DATA)  # accumulating: the next micro-batch's fetch is inside this step
 
     def _end_step(self, d: PhaseDriver) -> None:
-        no_forward = "backward" in d.seen and "forward" not in d.seen
+        no_forward = BACKWARD in d.seen and FORWARD not in d.seen
         d.end()
         if not no_forward or self._no_forward_warned:
             return
@@ -382,7 +411,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         span, self._val_span = self._val_span, None
         if span is not None:
             span.__exit__(None, None, None)
-        val_ms = None if self._driver is None else self._driver.end_val(after="data")
+        val_ms = None if self._driver is None else self._driver.end_val(after=DATA)
         if val_ms is not None and trainer.is_global_zero:
             for lg in trainer.loggers:
                 lg.log_metrics({"steptimer/val_ms": val_ms}, step=self.steps)
@@ -393,21 +422,21 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         # optimizer.zero_grad() is zero_grad too (the wrapped zero_grad inside it counts once).
         d = self._live()
         if d is not None:
-            d.switch("zero_grad")
+            d.switch(ZERO_GRAD)
 
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         d = self._live()
         if d is not None:
             d.in_backward = True
-            d.switch("backward")
+            d.switch(BACKWARD)
 
     @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         d = self._live()
         if d is not None:
             d.in_backward = False
-            d.switch("clip" if self._manual or self._will_step else None)
+            d.switch(CLIP if self._manual or self._will_step else None)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -416,7 +445,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if d is not None:
             self._begun += 1
             if self._manual:
-                d.switch("optimizer")
+                d.switch(OPTIMIZER)
 
     def _hook_model(self, pl_module: Any, d: PhaseDriver) -> None:
         # Each hooked call costs about 2 µs of host time: only the outermost modules, never every leaf.
@@ -440,44 +469,18 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         # self(x), nor the LightningModule's outer call that DDP's forward redirection wraps around it.
         self._hooks.wrap(pl_module, "training_step", d.scope)
 
-    def _time_fetches(self, profiler: Any, fetch: Fetch) -> None:
-        began: list[float | None] = [None]
-
-        # Lightning's profiler starts and stops about 30 actions a step: one frame each, its one argument.
-        def starts(orig: Callable[[str], Any]) -> Callable[[str], Any]:
-            def start(action_name: str) -> Any:
-                out = orig(action_name)
-                if action_name.endswith(_FETCH_ACTION):
-                    began[0] = fetch.start()
-                return out
-
-            return start
-
-        def stops(orig: Callable[[str], Any]) -> Callable[[str], Any]:
-            def stop(action_name: str) -> Any:
-                t0 = began[0]
-                if t0 is not None and action_name.endswith(_FETCH_ACTION):
-                    began[0] = None
-                    fetch.stop(t0)
-                return orig(action_name)
-
-            return stop
-
-        self._hooks.wrap(profiler, "start", starts)
-        self._hooks.wrap(profiler, "stop", stops)
-
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         d = self._live()
         if d is not None:
             self._done += 1
-            if not self._manual and d.phase == "optimizer":
+            if not self._manual and d.phase == OPTIMIZER:
                 d.switch(None)
 
     def _close(self, trainer: Any, *, failed: bool) -> None:
         d = self._driver
         if d is None:
             return
-        self._driver = None
+        self._driver = self._fetch = None
         if self._skipped:
             d.timer.note(f"{self._skipped} optimizer step(s) skipped by the GradScaler (inf/NaN gradients)")
         d.note_val()

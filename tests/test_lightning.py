@@ -1114,8 +1114,8 @@ def test_flops_per_batch_sums_the_micro_batches_of_a_step(flavour_name: str, vir
         trainer(L, cb, logger=cap, accumulate_grad_batches=2, limit_val_batches=0).fit(make_napping(L), data)
         s = cb.summary
         assert s is not None and s.steps == 4
-        assert s.tflops_per_s == pytest.approx(flops / wall_s / 1e12, rel=1e-9)
-        assert s.mfu == pytest.approx(flops / wall_s / 1e12 / 1e-6, rel=1e-9)
+        assert s.rates.tflops_per_s == pytest.approx(flops / wall_s / 1e12, rel=1e-9)
+        assert s.rates.mfu == pytest.approx(flops / wall_s / 1e12 / 1e-6, rel=1e-9)
         logged = cap.by_step()
         assert sorted(logged) == [2, 4]
         if fpb == 5e6:
@@ -1150,8 +1150,8 @@ def test_peak_follows_the_trainers_precision(
     finally:
         torch.set_float32_matmul_precision(old)
     s = cb.summary
-    assert s is not None and s.peak_tflops == peak and s.mfu is not None
-    assert s.mfu == pytest.approx(s.tflops_per_s / peak)
+    assert s is not None and s.peak_tflops == peak and s.rates.mfu is not None
+    assert s.rates.mfu == pytest.approx(s.rates.tflops_per_s / peak)
     assert any(f"{peak:g} TFLOP/s" in n for n in s.notes)
 
 
@@ -1686,3 +1686,38 @@ def test_work_in_optimizer_zero_grad_before_zero_grad_is_zero_grad() -> None:
     assert s is not None and s.steps == 3
     assert s["zero_grad"].host.median_ms >= HIGH_MS
     assert s["loss"].host.median_ms < LOW_MS
+
+
+@pytest.mark.parametrize("mode", ["auto", "manual1"])
+def test_only_boundaries_lightning_has_no_hook_for_are_wrapped(mode: str) -> None:
+    """Lightning's profiler (its start and stop run about 60 times a step) is left alone: the fetch is
+    timed at the DataLoader's iterator. Automatic optimization's zero_grad comes from the hooks
+    (on_before_zero_grad to on_before_backward): the optimizer's zero_grad is wrapped in manual only."""
+    import pytorch_lightning as pl
+
+    seen: list[tuple[bool, bool]] = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            wrapped_profiler = any(k in vars(trainer.profiler) for k in ("start", "stop"))
+            seen.append((wrapped_profiler, all("zero_grad" in vars(o) for o in trainer.optimizers)))
+
+    sleeper = Sleeper(in_loader=True, regions=("data",))
+    cb = StepTimerCallback(warmup_steps=0, sample_every=1, print_summary=False)
+    tr = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=[cb, Probe()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        max_epochs=1,
+    )
+    tr.fit(make_module(pl, mode, sleeper), sleepy_loader(4, sleeper))
+    assert seen == [(False, mode != "auto")] * 4
+    s = cb.summary
+    assert s is not None and s.steps == 4
+    assert s["data"].host.median_ms >= HIGH_MS  # every fetch sleeps: measured at the loader
+    assert s["zero_grad"].calls_per_step == 1
