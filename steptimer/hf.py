@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from steptimer._driver import CLIP
 from steptimer._hooks import trained_modules, watch_comm
 from steptimer._instrument import Instrumented
 from steptimer._options import Options, TimerKeywords, spelled_out
@@ -129,7 +130,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         # The last micro-batch's backward opens `clip`, which the optimizer's step pre-hook ends.
         self._micro += 1
         if self.timed is not None and self._micro == self._accum - 1:
-            self.timed.open_after_backward("clip")
+            self.timed.open_after_backward(CLIP)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._send(control)
