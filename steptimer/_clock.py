@@ -135,11 +135,13 @@ class EventClock:
     passes its times.
 
     Args:
-        backend: the CUDA calls; None: settled at the first step (``settle``).
+        backend: the CUDA calls; None: the real ones, settled by the engine at the first step.
+        want: the ``cuda`` option: True, False, or None (where CUDA is usable then).
     """
 
-    def __init__(self, backend: _CudaBackend | None) -> None:
+    def __init__(self, backend: _CudaBackend | None, want: bool | None) -> None:
         self.b: _CudaBackend = backend  # type: ignore[assignment]  # None until settled
+        self.want = want
         self.custom = backend is not None  # a test's or a benchmark's calls: no real device
         self.stream: Any = None
         self.stream_key: Any = None

@@ -15,6 +15,7 @@ from time import perf_counter
 from typing import Any
 
 from steptimer._engine import GPU, HOST
+from steptimer._listener import COMM, Listener
 
 log = logging.getLogger("steptimer")
 
@@ -61,11 +62,13 @@ def comm_ms(
     return union_ms(spans), exposed
 
 
-class CommRecorder:
+class CommRecorder(Listener):
     """The comm hook, and the timed steps' spans until the engine resolves each (:meth:`take`): with NCCL
     and CUDA timing two CUDA events (compute stream after the launch; a side stream waiting on the
     future, complete at launch, so nothing of the user's waits), else ``perf_counter`` at the hook and
     in a callback chained to the future, which DDP waits for before backward ends."""
+
+    part = COMM
 
     def __init__(self, engine: Any, inner: Callable[[Any, Any], Any] | None) -> None:
         self._engine = engine
@@ -208,6 +211,13 @@ class CommRecorder:
         if step[1]:
             self._free += [ev for span in step[2] for ev in span[:2] if ev is not keep]
 
+    def step_resolved(self, rec: Any, rows: Any) -> None:
+        if (comm := self.take(rec.number)) is not None:
+            rows.comm.append(comm)
+
+    def step_dropped(self, number: int) -> None:
+        self.drop(number)
+
     def drop(self, number: int) -> None:
         """The open step ``number`` was dropped (it raised): forget its spans."""
         if self._steps and self._steps[-1][0] == number:
@@ -298,7 +308,7 @@ def watch(engine: Any, model: Any, hook: Callable[[Any, Any], Any] | None = None
     rec = CommRecorder(engine, hook or allreduce_hook)
     # A lambda: DDP checks a hook's annotations against its own types, and this module's are strings.
     model.register_comm_hook(state, lambda st, bucket: rec.hook(st, bucket))
-    engine.comm = rec  # once DDP took the hook: a refused one leaves the engine as it was
+    engine.attach(rec)  # once DDP took the hook: a refused one leaves the engine as it was
 
 
 def _watched_once(engine: Any, call: str) -> None:
@@ -351,7 +361,8 @@ def watch_fsdp(engine: Any, model: Any) -> None:
         if note not in engine.notes:
             engine.notes.append(note)
         return
-    engine.comm = rec = CommRecorder(engine, None)  # no DDP hook: FSDP2's collectives
+    rec = CommRecorder(engine, None)  # no DDP hook: FSDP2's collectives
+    engine.attach(rec)
     for group in groups:
         group._all_gather_comm = _Timed(group._all_gather_comm, rec, True)
         group._reduce_scatter_comm = _Timed(group._reduce_scatter_comm, rec, False)

@@ -23,12 +23,13 @@ import torch
 
 from steptimer._clock import SHARE_GAP_S as _SHARE_GAP_S
 from steptimer._clock import EventClock, _CudaBackend, cuda_usable, default_backend
+from steptimer._listener import CAPTURE, COMM, SLOW, Listener
 from steptimer._memory import MEMORY_AUTO, MemoryPlan, StepMemory, _MemoryBackend
 from steptimer._sampling import Sampler
 from steptimer._slow import StepMarks
 from steptimer._window import OWN_STEP_S, STEP_S, RowKey, StepRows
 
-__all__ = ["MEMORY_AUTO", "Engine", "Fetch", "Phase", "PhaseRecord", "StepRecord"]
+__all__ = ["CAPTURE", "MEMORY", "MEMORY_AUTO", "SLOW", "Engine", "Fetch", "Phase", "PhaseRecord", "StepRecord"]
 
 log = logging.getLogger("steptimer")
 
@@ -40,8 +41,8 @@ _NAN = math.nan
 # events. Ordered: ``state >= HOST`` is timed.
 OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
-# The plug-ins whose own failure is contained (Engine.off): named so in the note.
-SLOW, MEMORY, CAPTURE = "the slow-step marks", "the memory readings", "the trace capture"
+# The memory readings' own failure is contained (Engine.off), as a listener's is: named so in the note.
+MEMORY = "the memory readings"
 
 
 class PhaseRecord(NamedTuple):
@@ -63,9 +64,7 @@ class StepRecord:
 
     number: int
     t0: float  # host clock at its start
-    samples: float
-    tokens: float
-    flops: float
+    counts: tuple[float, float, float]  # samples, tokens, flops
     gap_s: float  # host time since the previous step, pauses left out
     fetch_s: float  # the training loader's part of gap_s
     own_gap_s: float  # steptimer's own part of gap_s (resolving, window work)
@@ -73,9 +72,8 @@ class StepRecord:
     pauses: Sequence[tuple[Any, Any]]  # (start, end) events of the pauses before it
     device: int
     paused_s: float
-    events: list[Any] = _EMPTY  # its CUDA events, set at its end
-    i_start: int = 0  # index in events of its start and end events
-    i_end: int = 0
+    events: list[Any] = _EMPTY  # its CUDA events, set at its end: its start event first
+    i_end: int = 0  # the index in events of its end event
     step_s: float = 0.0
     wait_s: float = 0.0  # the host's wait for the GPU at its end (the lagged event wait)
     own_step_s: float = 0.0  # steptimer's own host time in it outside its top-level phases
@@ -84,11 +82,16 @@ class StepRecord:
     offs_ms: list[float] | None = None  # resolved timed GPU step: each event's ms from the first
     chain_ms: float | None = None  # and the GPU's time from the previous step's end event
 
+    @property
+    def timed(self) -> bool:
+        """Its phases were timed (a step outside the sample has none, and no events but maybe an end)."""
+        return self.phases is not _EMPTY
+
     def lead(self, cuda: bool) -> list[float]:
         """The row's leading columns (``_window.LEAD``, in its order)."""
-        wait = self.wait_s if cuda else _NAN
+        (samples, tokens, flops), wait = self.counts, self.wait_s if cuda else _NAN
         return [
-            *(self.number, self.samples, self.tokens, self.step_s, self.gap_s, wait, self.flops),
+            *(self.number, samples, tokens, self.step_s, self.gap_s, wait, flops),
             *(self.fetch_s, self.own_gap_s, self.own_step_s),
         ]
 
@@ -99,9 +102,16 @@ class WindowEnds:
     handed to ``on_window``."""
 
     def __init__(
-        self, every: int, min_s: float, max_steps: int, start_step: int, on_window: Callable[[int], None]
+        self,
+        every: int,
+        min_s: float,
+        max_steps: int,
+        start_step: int,
+        last_warmup: int,
+        on_window: Callable[[int], None],
     ) -> None:
         self.every, self.min_s, self.max = every, min_s, max_steps or every
+        self.last_warmup = last_warmup  # the last warm-up step's number
         self.on_window = on_window
         self.due = 0
         self.last, self.t = start_step, -math.inf  # the last window's last step, and when it was handed
@@ -110,14 +120,51 @@ class WindowEnds:
         """End windows by step number alone (ranks: a rank's own clock would end them at other steps)."""
         self.min_s, self.max = 0.0, self.every
 
-    def after(self, number: int, t0: float, last_warmup: int) -> None:
+    def after(self, number: int, t0: float) -> None:
         """Step ``number`` is in the rows (``t0``: the current step's start): note a window it ends.
         The last warm-up step ends one; a multiple does unless it is short (below min_s and max steps)."""
-        if number == last_warmup:
+        if number == self.last_warmup:
             self.due = number
         elif number % self.every == 0:
             short = t0 - self.t < self.min_s
             self.due = 0 if short and number - self.last < self.max else number
+
+
+class Between:
+    """The time between steps: where it began, the loader's part (``fetch_s``), steptimer's own
+    (``own_s``: resolving, window work) and the pauses (evaluation, checkpoints) left out of it."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None  # the last step's end (None: before the run's first step)
+        self.first_t0: float | None = None  # the run's first step's start, once CUDA settled
+        self.fetch_s = _NAN  # the loader's time since the last step (Fetch); NaN: none, one read a step
+        self.fetching = False  # a Fetch between steps is running: a fetch inside it counts once
+        self.own_s = 0.0
+        self.pausing = False
+        self.paused_s = 0.0
+        self.pause_evs: list[tuple[Any, Any]] = []  # (start, end) events of the pauses
+
+    def restart(self, t: float) -> None:
+        """The time between steps starts again at ``t`` (after a dropped step: its time is none of it)."""
+        self.start, self.own_s, self.paused_s = t, 0.0, 0.0
+        if self.fetch_s == self.fetch_s:
+            self.fetch_s = 0.0
+
+
+class Pending:
+    """The steps ended and not yet resolved (their events may not have completed), oldest first."""
+
+    def __init__(self, lag: int, start_step: int, late_marks: bool) -> None:
+        self.lag = lag  # step N waits for step N - lag's end event
+        self.steps: deque[StepRecord] = deque()
+        self.waited = start_step  # the newest step number waited for
+        self.last_resolved = start_step  # the last step whose row is in the rows (or was)
+        self.late_marks = late_marks  # steps are marked after their end: host steps wait for the next's end
+
+    def due(self, upto: int) -> list[StepRecord]:
+        """The steps up to ``upto`` with events to wait for (then waited for)."""
+        self.waited = upto
+        return [rec for rec in self.steps if rec.number <= upto and rec.events]
 
 
 class Engine:
@@ -127,11 +174,10 @@ class Engine:
         backend, memory_backend: the CUDA and allocator calls (tests pass fakes); None: the real ones.
         window_every: a window may end at each multiple of this (and at the last warm-up step).
         window_min_s, window_max: a multiple ends a window once it lasts this long or this many steps.
-        capture: its ``add(engine, rec)`` is called with each resolved timed step, before its events go
-            back to the pool (``_trace.Capture``).
+        capture: a listener (``_trace.Capture``) attached at once.
         late_marks: steps are marked after their end (profiler): host steps wait for the next's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
-        slowest: mark what may make a step slow: ``slow``, the listener (``_slow.StepMarks``).
+        slowest: mark what may make a step slow (``_slow.StepMarks``, attached as a listener).
         sample_every: time one step in each block of this many; None: blocks sized by ``cost_budget``.
     """
 
@@ -148,7 +194,7 @@ class Engine:
         on_window: Callable[[int], None],
         window_min_s: float = 0.0,
         window_max: int = 0,
-        capture: Any = None,
+        capture: Listener | None = None,
         memory: int = 0,
         memory_backend: _MemoryBackend | None = None,
         slowest: bool = False,
@@ -158,39 +204,33 @@ class Engine:
         # CUDA and memory, settled at the first step; cuda=True without CUDA fails now.
         if cuda and backend is None and not (usable := cuda_usable())[0]:
             raise RuntimeError(f"StepTimer(cuda=True) but {usable[1]}; pass cuda=None to fall back to host timing")
-        self.lag, self._cuda_opt = lag, cuda
+        self.clock = EventClock(backend, cuda)
         self.cuda: bool | None = None  # settled at the first step
-        self.last_warmup = start_step + warmup_steps  # the last warm-up step's number
-        self.number = self.last_resolved = self._waited = start_step  # the last finished, resolved, waited for
+        last_warmup = start_step + warmup_steps
+        self.sampler = Sampler(sample_every, cost_budget, start_step, last_warmup)
+        self.ends = WindowEnds(window_every, window_min_s, window_max, start_step, last_warmup, on_window)
+        self.mem = MemoryPlan(memory, memory_backend)
+        self.between = Between()
+        self.pend = Pending(lag, start_step, late_marks)
+        self.number = start_step  # the last finished step
         self.rows = StepRows()  # resolved since the owner last took them
         self.notes: list[str] = []
         self.closed = self.quiet = False  # quiet: once closed, steps and phases are no-ops
-        self.capture, self._late_marks = capture, late_marks
-        self.clock = EventClock(backend)
-        self.sampler = Sampler(sample_every, cost_budget, start_step, self.last_warmup)
-        self.ends = WindowEnds(window_every, window_min_s, window_max, start_step, on_window)
-        self.mem = MemoryPlan(memory, memory_backend)
         self.state, self._t0 = OUT, 0.0
-        self.samples: float | None = None  # the step's counts, set by the front door before its end
-        self.tokens: float | None = None
-        self.flops: float | None = None
-        self.fetch_s = _NAN  # the loader's time since the last step (Fetch); NaN: none, one read a step
-        self.fetching = False  # a Fetch between steps is running: a fetch inside it counts once
+        self.counts: tuple[float | None, float | None, float | None] = (None, None, None)  # samples, tokens, flops
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[PhaseRecord] = []
-        self._gap_start: float | None = None
-        self._first_t0: float | None = None
-        self._pausing, self._paused_s = False, 0.0
-        self._pause_evs: list[tuple[Any, Any]] = []
-        self._pending: deque[StepRecord] = deque()
         # steptimer's own host time in the current timed step outside its top-level phases (its begin,
-        # the phases' entries and exits), and since the last step's end (resolve, window work): the
-        # ``steptimer`` row, taken out of ``other`` and ``loop`` (_window.py).
-        self._own = self._own_gap = 0.0
-        self.slow = StepMarks(perf_counter, self._pending) if slowest else None
-        self.comm: Any = None  # a watched DDP model's collectives (_comm.CommRecorder)
+        # the phases' entries and exits): with ``between.own_s``, the ``steptimer`` row (_window.py).
+        self._own = 0.0
+        self._listeners: list[Listener] = []
+        self._enders: list[tuple[Listener, Callable[[int], dict[str, float] | None]]] = []  # their step_ended
+        if slowest:
+            self.attach(StepMarks(perf_counter, self.pend.steps))
+        if capture is not None:
+            self.attach(capture)
 
-    # What the front doors read of the parts.
+    # What the front doors and tests read of the parts.
     sample_every = property(lambda self: self.sampler.sample_every)
     budget = property(lambda self: self.sampler.budget)
     memory = property(lambda self: self.mem.reader)
@@ -200,10 +240,58 @@ class Engine:
     stream = property(lambda self: self.clock.stream)
     events_created = property(lambda self: self.clock.events_created)
     _custom_backend = property(lambda self: self.clock.custom)
+    lag = property(lambda self: self.pend.lag)
+    last_resolved = property(lambda self: self.pend.last_resolved)
+    last_warmup = property(lambda self: self.ends.last_warmup)
+    _pending = property(lambda self: self.pend.steps)
+    _gap_start = property(lambda self: self.between.start)
+    _first_t0 = property(lambda self: self.between.first_t0)
+    slow = property(lambda self: self.listener(SLOW))
+    comm = property(lambda self: self.listener(COMM))
+
+    @property
+    def capture(self) -> Any:
+        return self.listener(CAPTURE)
+
+    @capture.setter
+    def capture(self, value: None) -> None:  # a rank's capture off: its files are rank 0's
+        if value is not None:
+            raise ValueError(f"engine.capture can only be set to None (detached), got {value!r}")
+        if (cap := self.listener(CAPTURE)) is not None:
+            self._detach(cap)
 
     @property
     def in_step(self) -> bool:
         return self.state != OUT
+
+    def attach(self, listener: Listener) -> None:
+        """Let ``listener`` hear the run's events (``_listener.Listener``), after those attached before it."""
+        self._listeners.append(listener)
+        if listener.overrides("step_ended"):
+            self._enders.append((listener, listener.step_ended))
+        if self.cuda is not None and listener.overrides("run_began"):  # the run began already
+            with self.contain(listener.part):
+                listener.run_began(self)
+
+    def listener(self, part: str) -> Any:
+        """The attached listener of ``part`` (``_listener.SLOW``, ``CAPTURE``, ``COMM``), or None."""
+        for each in self._listeners:
+            if each.part == part:
+                return each
+        return None
+
+    def _detach(self, listener: Listener) -> None:
+        self._listeners.remove(listener)
+        self._enders = [e for e in self._enders if e[0] is not listener]
+
+    def _tell(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` on each listener that has its own, each failure contained (:meth:`off`)."""
+        for each in list(self._listeners):
+            if each.overrides(hook):
+                try:
+                    getattr(each, hook)(*args)
+                except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+                    self.off(each.part, err)
 
     def begin_step(self) -> None:
         """Begin a step (``with engine:``: the engine is its own context manager, a call less)."""
@@ -245,10 +333,8 @@ class Engine:
             raise RuntimeError("step() after close(): create a new StepTimer")
         if self.cuda is None:
             self._settle_cuda()
-            if self.slow is not None:
-                with self.contain(SLOW):
-                    self.slow.open()
-            self._first_t0 = perf_counter()
+            self._tell("run_began", self)
+            self.between.first_t0 = perf_counter()
         return True
 
     def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:
@@ -275,56 +361,64 @@ class Engine:
         if self.ends.due:
             self._hand_window()
         if t_end:  # resolving and window work after the step's end (0.0: none, the row is in)
-            self._own_gap += perf_counter() - t_end
+            self.between.own_s += perf_counter() - t_end
+
+    def _marks(self, number: int) -> dict[str, float] | None:
+        """The listeners' marks for the step ``number`` that ends (None: none; ``{}``: keep it pending)."""
+        marks = None
+        for listener, step_ended in self._enders:
+            try:
+                m = step_ended(number)
+            except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+                self.off(listener.part, err)
+                continue
+            if m is not None:
+                marks = m if marks is None else {**marks, **m}
+        return marks
 
     def _queue(self, t1: float) -> float:
         """Queue the step, wait for step N - lag's end event, resolve what is due; return the step's end
         (host clock; 0.0: nothing after it to count). An untimed step with nothing to wait for, mark or
         record is a row at once (most steps under the cost budget: the cost of an untimed step is this
         path's), its leading columns as ``_window.LEAD`` lays them out."""
-        state, t0, number, slow = self.state, self._t0, self.number + 1, self.slow
-        gs, fetch = self._gap_start, self.fetch_s
+        state, t0, number, bt = self.state, self._t0, self.number + 1, self.between
+        gs, fetch = bt.start, bt.fetch_s
         if fetch == fetch:  # a loader is timed: its time before the next step counts from here
-            self.fetch_s = 0.0
+            bt.fetch_s = 0.0
         if gs is None:
             gap = fetch = _NAN  # the run's first step: no time between steps before it
         else:
-            gap = t0 - gs - self._paused_s
+            gap = t0 - gs - bt.paused_s
             if gap < 0.0:
                 gap = 0.0
-        marks = None
-        if slow is not None and slow.dyn is not None:
-            try:
-                marks = slow.ended()
-            except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
-                self.off(SLOW, err)
-        samples, tokens, flops, own_gap = self.samples, self.tokens, self.flops, self._own_gap
-        self._own_gap = 0.0
+        marks = self._marks(number) if self._enders else None
+        own_gap, bt.own_s = bt.own_s, 0.0
+        samples, tokens, flops = self.counts
         samples = _NAN if samples is None else samples
         tokens = _NAN if tokens is None else tokens
         flops = _NAN if flops is None else flops
         if (
             state == UNTIMED
-            and not self._pending
-            and not self._pause_evs
-            and not self._late_marks
-            and not self._paused_s
-            and (slow is None or not (slow.spans or slow.fresh))
+            and marks is None
+            and not self.pend.steps
+            and not bt.pause_evs
+            and not bt.paused_s
+            and not self.pend.late_marks
             and not (self.cuda and number + 1 == self.sampler.next_timed)
         ):
             if t1 - t0 + gap > self.sampler.slow_s:  # see _pend
-                marks = {**(marks or {}), "untimed": 1.0}
+                marks = {"untimed": 1.0}
             wait = 0.0 if self.cuda else _NAN
             row = [number, samples, tokens, 0.0, gap, wait, flops, fetch, own_gap, 0.0]
             self._add_row(number, (None, False, False), row, marks)
             self.number, self.state = number, OUT
-            self._gap_start = t_end = perf_counter()  # the row is in: its times are set in it
+            bt.start = t_end = perf_counter()  # the row is in: its times are set in it
             row[STEP_S] = t_end - t0
             row[OWN_STEP_S] = t_end - t1
             return 0.0 if not self.ends.due else t_end
-        pauses, device, paused = self._pause_evs or (), self.clock.device, self._paused_s
-        rec = StepRecord(number, t0, samples, tokens, flops, gap, fetch, own_gap, self._recs, pauses, device, paused)
-        rec.marks = marks
+        counts, pauses, device = (samples, tokens, flops), bt.pause_evs or (), self.clock.device
+        rec = StepRecord(number, t0, counts, gap, fetch, own_gap, self._recs, pauses, device, bt.paused_s)
+        rec.marks = marks or None
         return self._pend(t1, rec)
 
     def _end_events(self, t1: float, rec: StepRecord) -> tuple[float, bool]:
@@ -356,27 +450,27 @@ class Engine:
 
     def _pend(self, t1: float, rec: StepRecord) -> float:
         """``_queue`` of a step that is timed, or has a step before it, a pause, a mark or an event."""
-        pending, state, number, sp = self._pending, self.state, rec.number, self.sampler
-        queued = bool(pending)
+        pend, bt, state, number, sp = self.pend, self.between, self.state, rec.number, self.sampler
+        queued = bool(pend.steps)
         if state == UNTIMED:
             sp.cost_at_begin = sp.cost_s
         blocked, behind = self._end_events(t1, rec)
         # The step is the engine's from here: an exception below (Ctrl-C in a wait) keeps it.
-        pending.append(rec)
+        pend.steps.append(rec)
         self.number, self.state = number, OUT
-        if self._pause_evs:
-            self._pause_evs = []
-        self._paused_s = 0.0
+        if bt.pause_evs:
+            bt.pause_evs = []
+        bt.paused_s = 0.0
         # Steps waited for already are resolved before the wait, while the GPU still runs this step
         # (after a lag 0 wait the GPU sits idle until the next launch).
         if queued:
             self._resolve_upto(number - 1)
         if self.cuda:
             tw = perf_counter()
-            self._wait_for(number - self.lag)
+            self._wait_for(number - pend.lag)
             rec.wait_s = perf_counter() - tw
             self._resolve_upto(number - 1)
-        self._gap_start = t_end = perf_counter()
+        bt.start = t_end = perf_counter()
         rec.step_s = step_s = t_end - rec.t0
         # steptimer's own part of the step: its end (less the wait, a row of its own, and a record
         # blocked in a full launch queue) and, in a timed step, its begin and the phases' entries and exits
@@ -396,7 +490,7 @@ class Engine:
             # Marked only: timing a step chosen by what came before it (the one after a slow step) would
             # bias the sample towards such steps; one at random in each block gives each the same chance.
             rec.marks = {**(rec.marks or {}), "untimed": 1.0}
-        if not rec.events and not self._late_marks:
+        if not rec.events and not pend.late_marks:
             # A step without events is resolved at its end, so a window ends at the same step on
             # every rank: a rank a step late to the cross-rank round would deadlock.
             self._resolve_upto(number)
@@ -407,9 +501,10 @@ class Engine:
         if self.state:
             self._drop_step()
             return
-        rec = self._pending[-1] if self._pending else None
+        steps = self.pend.steps
+        rec = steps[-1] if steps else None
         if rec is not None and rec.number == self.number and not rec.step_s:
-            self._gap_start = t_end = perf_counter()
+            self.between.start = t_end = perf_counter()
             rec.step_s = t_end - rec.t0
         if self.number == self.sampler.next_timed:
             self.sampler.pick_next(self.number, self._t0)
@@ -425,7 +520,7 @@ class Engine:
             ends.on_window(number)
         finally:
             if ev0 is not None:
-                self._pause_evs.append((ev0, self.clock.pause_event()))
+                self.between.pause_evs.append((ev0, self.clock.pause_event()))
 
     __enter__ = begin_step
     __exit__ = end_step
@@ -445,9 +540,10 @@ class Engine:
 
     def _resolve_upto(self, upto: int) -> None:
         """Resolve the pending steps up to ``upto`` in order, but none not waited for, nor past a window's end."""
-        pending = self._pending
-        while pending and (rec := pending[0]).number <= upto and not self.ends.due:
-            if rec.events and rec.number > self._waited:
+        pend = self.pend
+        steps = pend.steps
+        while steps and (rec := steps[0]).number <= upto and not self.ends.due:
+            if rec.events and rec.number > pend.waited:
                 return
             self._resolve(rec)
 
@@ -455,53 +551,50 @@ class Engine:
         """Start a pause; None inside another pause (a nested pause counts once) or once closed."""
         if self.state:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
-        if self._pausing or self.closed:
+        if self.between.pausing or self.closed:
             return None
-        self._pausing = True
+        self.between.pausing = True
         return perf_counter(), self.clock.pause_event() if self.cuda else None
 
     def end_pause(self, started: tuple[float, Any] | None) -> None:
         """End the pause that ``begin_pause`` returned ``started`` for (None: a nested one)."""
         if started is None:
             return
-        self._pausing = False
+        bt = self.between
+        bt.pausing = False
         t0, ev0 = started
         if ev0 is not None:  # then the end event is recorded too (CUDA settled, a stream known)
-            self._pause_evs.append((ev0, self.clock.pause_event()))
-        self._paused_s += perf_counter() - t0
+            bt.pause_evs.append((ev0, self.clock.pause_event()))
+        bt.paused_s += perf_counter() - t0
 
     def close(self) -> None:
         """Drop an unfinished step and resolve every pending one (one wait, on the newest)."""
         if self.state:
             self._drop_step()
-        pending = self._pending
-        if pending and self.cuda and pending[-1].number > self._waited:  # lag 0 waited already
-            self._wait_for(pending[-1].number)
-        while self.ends.due or self._pending:
+        steps = self.pend.steps
+        if steps and self.cuda and steps[-1].number > self.pend.waited:  # lag 0 waited already
+            self._wait_for(steps[-1].number)
+        while self.ends.due or steps:
             if self.ends.due:
                 self._hand_window()
             else:
-                self._resolve_upto(self._pending[-1].number)
+                self._resolve_upto(steps[-1].number)
         if self.mem.reader is not None:
             with self.contain(MEMORY):
                 self.mem.reader.close()
-        if self.slow is not None:
-            with self.contain(SLOW):
-                self.slow.close()
+        self._tell("run_closed")
         self.closed = True
 
     def off(self, part: str, err: Exception) -> None:
-        """A plug-in's own failure (``part``: SLOW, MEMORY, CAPTURE, or the name of one that turns itself
-        off): one note and warning naming it, and that part off. The step it struck in is kept,
-        training goes on."""
-        if part == SLOW and self.slow is not None:
-            slow, self.slow = self.slow, None
-            with suppress(Exception):
-                slow.close()  # its gc callback
-        elif part == MEMORY:
+        """A plug-in's own failure (``part``: MEMORY, a listener's part, or the name of one that turns
+        itself off): one note and warning naming it, and that part off (a listener detached, told the
+        run closed for it). The step it struck in is kept, training goes on."""
+        if part == MEMORY:
             self.mem.off()
-        elif part == CAPTURE:
-            self.capture = None
+        elif (listener := self.listener(part)) is not None:
+            self._detach(listener)
+            with suppress(Exception):
+                listener.run_closed()  # what it holds outside the engine (a gc callback)
         msg = f"{part} stopped after a failure of steptimer's own ({type(err).__name__}: {err}); steps go on"
         self.notes.append(msg)
         log.warning("steptimer: %s", msg)
@@ -516,22 +609,17 @@ class Engine:
 
     def _drop_step(self) -> None:
         """Forget the current step; keep everything before it."""
-        free = self.clock.free
+        free, bt = self.clock.free, self.between
         free += self.clock.evs
-        free += [ev for pair in self._pause_evs for ev in pair]
-        self._pause_evs = []
+        free += [ev for pair in bt.pause_evs for ev in pair]
+        bt.pause_evs = []
         self._stack.clear()  # its events and phase records are replaced at the next step's start
-        if self.comm is not None:
-            self.comm.drop(self.number + 1)
+        self._tell("step_dropped", self.number + 1)
         self.state = OUT
-        self._gap_start = perf_counter()  # the failed step's time is not time between steps
-        self._own_gap = 0.0
-        self._paused_s = 0.0
-        if self.fetch_s == self.fetch_s:
-            self.fetch_s = 0.0
+        bt.restart(perf_counter())  # the failed step's time is not time between steps
 
     def _settle_cuda(self) -> None:
-        clock, opt = self.clock, self._cuda_opt
+        clock, opt = self.clock, self.clock.want
         if opt is not False and clock.b is None:
             ok, why = cuda_usable()
             if ok:
@@ -552,8 +640,7 @@ class Engine:
 
     def _wait_for(self, upto: int) -> None:
         """Wait for the newest pending step up to ``upto`` (and older ones on another device)."""
-        self._waited = upto
-        due = [rec for rec in self._pending if rec.number <= upto and rec.events]
+        due = self.pend.due(upto)
         for rec in due:
             if rec is due[-1] or rec.device != due[-1].device:
                 self.clock.b.wait(rec.events[rec.i_end])
@@ -561,11 +648,6 @@ class Engine:
     def _resolve(self, rec: StepRecord) -> None:
         """Turn the oldest pending step into a row of ``rows``; note a window that ends with it."""
         recs, number, clock = rec.phases, rec.number, self.clock
-        if self.capture is not None and recs is not _EMPTY:  # before its events go back to the pool
-            try:
-                self.capture.add(self, rec)
-            except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
-                self.off(CAPTURE, err)
         row = rec.lead(bool(self.cuda))
         names = None
         if recs is not _EMPTY:  # a timed step
@@ -574,42 +656,35 @@ class Engine:
         evs, held = rec.events, clock.held_end
         if evs and names is not None:
             rec.offs_ms = offs = clock.offsets_ms(evs)
-            row.append(offs[rec.i_end] - offs[rec.i_start])
+            row.append(offs[rec.i_end] - offs[0])
             row += [offs[r.i_out] - offs[r.i_in] for r in recs]
             row += [r.caught for r in recs]
             if held is not None and held[0] == number - 1 and held[1] == rec.device:
-                rec.chain_ms = idle = clock.b.elapsed_ms(held[2], evs[rec.i_start])
+                rec.chain_ms = idle = clock.b.elapsed_ms(held[2], evs[0])
                 for a, c in rec.pauses:
                     idle -= clock.b.elapsed_ms(a, c)
                 row.append(idle)
-        self._pending.popleft()  # all above only reads: an exception there (Ctrl-C) leaves it pending
+        if self._listeners:  # before its events go back to the pool
+            self._tell("step_resolved", rec, self.rows)
+        self.pend.steps.popleft()  # all above only reads: an exception there (Ctrl-C) leaves it pending
         if evs:
             clock.release(number, rec.device, evs, rec.i_end)
         for a, c in rec.pauses:
             clock.free += (a, c)
-        marks = rec.marks
-        if self.slow is not None and (marks or rec.paused_s or self.slow.spans or self.slow.fresh):
-            try:
-                marks = self.slow.resolved(rec)
-            except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
-                self.off(SLOW, err)
         if rec.memory is not None:
             self.rows.memory.append(rec.memory)
-        self._add_row(number, (names, rec.offs_ms is not None, rec.chain_ms is not None), row, marks)
+        self._add_row(number, (names, rec.offs_ms is not None, rec.chain_ms is not None), row, rec.marks)
 
     def _add_row(self, number: int, key: RowKey, row: list[float], marks: dict[str, float] | None) -> None:
         """Step ``number``'s row (of layout ``key``) and marks into ``rows``; note a window that ends with it."""
-        rows = self.rows
+        rows, ends = self.rows, self.ends
         if marks:
             rows.marks[number] = marks
         rows.add(key, row)
-        if self.comm is not None and (comm := self.comm.take(number)) is not None:
-            rows.comm.append(comm)
-        rows.warmup = number <= self.last_warmup
-        self.last_resolved = number
-        ends = self.ends
-        if number == self.last_warmup or number % ends.every == 0:
-            ends.after(number, self._t0, self.last_warmup)
+        rows.warmup = number <= ends.last_warmup
+        self.pend.last_resolved = number
+        if number == ends.last_warmup or number % ends.every == 0:
+            ends.after(number, self._t0)
 
 
 class Phase:
@@ -723,8 +798,8 @@ class Fetch:
 
     def __init__(self, engine: Engine, it: Iterator[Any] | None = None) -> None:
         self._e, self._it, self._phase = engine, it, Phase(engine, "data")
-        if engine.fetch_s != engine.fetch_s:  # the first loader: the engine counts from here
-            engine.fetch_s = 0.0
+        if engine.between.fetch_s != engine.between.fetch_s:  # the first loader: the engine counts from here
+            engine.between.fetch_s = 0.0
 
     def __iter__(self) -> Fetch:
         return self
@@ -743,8 +818,8 @@ class Fetch:
     def start(self) -> float | None:
         """A fetch begins: its start time (-1.0: a ``data`` phase was opened; None: not timed)."""
         e = self._e
-        if not e.state and not e.fetching:
-            e.fetching = True
+        if not e.state and not e.between.fetching:
+            e.between.fetching = True
             return perf_counter()
         if e.state < HOST or e._stack:  # inside a step, the data phase a fetch opened is on the stack
             return None
@@ -753,10 +828,10 @@ class Fetch:
 
     def stop(self, t0: float) -> None:
         """The fetch that :meth:`start` returned ``t0`` for ended."""
-        e = self._e
         if t0 < 0.0:
             self._phase.__exit__(*sys.exc_info())
             return
-        e.fetching = False
-        if not e._pausing:
-            e.fetch_s += perf_counter() - t0
+        bt = self._e.between
+        bt.fetching = False
+        if not bt.pausing:
+            bt.fetch_s += perf_counter() - t0

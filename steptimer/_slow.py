@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from steptimer._format import num
+from steptimer._listener import SLOW, Listener
 from steptimer._verdict import ShareClock
 
 T = TypeVar("T")
@@ -81,10 +82,12 @@ Medians = Mapping[tuple[str, str], float]  # the run's per-row medians by (clock
 Blocks = Sequence[tuple[Any, list[tuple[str, str]]]]  # a window's row blocks and their series (_window._blocks)
 
 
-class StepMarks:
+class StepMarks(Listener):
     """What may make a step slow, marked on it: Python GC pauses (``gc.callbacks``, two clock reads per
     collection), graphs torch.compile compiled, a pause right before it, the profiler; per window, the CUDA
     allocator's retries. The engine reads ``spans`` and ``dyn`` first: an unmarked step costs two reads."""
+
+    part = SLOW
 
     def __init__(self, clock: Callable[[], float], pending: Sequence[Any]) -> None:
         self._clock = clock  # the engine's host clock
@@ -104,6 +107,21 @@ class StepMarks:
             self._gc_t0 = self._clock()
         else:
             self.fresh.append((self._gc_t0, self._clock(), info.get("generation", -1)))
+
+    def run_began(self, engine: Any) -> None:
+        self.open()
+
+    def step_ended(self, number: int) -> dict[str, float] | None:
+        """The graphs compiled in the step; ``{}``: GC spans to place at its resolution."""
+        marks = self.ended() if self.dyn is not None else None
+        return {} if marks is None and (self.spans or self.fresh) else marks
+
+    def step_resolved(self, rec: Any, rows: Any) -> None:
+        if rec.marks or rec.paused_s or self.spans or self.fresh:
+            rec.marks = self.resolved(rec)
+
+    def run_closed(self) -> None:
+        self.close()
 
     def open(self) -> None:
         if self._gc not in gc.callbacks:

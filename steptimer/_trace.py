@@ -12,6 +12,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from steptimer._files import unwritten, write_json
+from steptimer._listener import CAPTURE, Listener
 from steptimer._options import check_folder
 from steptimer._reader import LogError
 from steptimer._slow import SlowestKeeper, SlowStep
@@ -52,7 +53,7 @@ def record(rec: StepRecord) -> dict[str, Any]:
         None
         if offs is None
         else {
-            "start": offs[rec.i_start] / 1e3,
+            "start": offs[0] / 1e3,
             "end": offs[rec.i_end] / 1e3,
             "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
         }
@@ -102,8 +103,10 @@ def placed(steps: list[dict[str, Any]], base: dict[int, float], shift: float | N
     return {"steps": out, "notes": notes}
 
 
-class Capture:
+class Capture(Listener):
     """The ring of recent steps and the windows kept whole; writes the trace and flight files at close."""
+
+    part = CAPTURE
 
     def __init__(self, *, ring_steps: int, trace: tuple[int, int, str] | None, flight: str | None) -> None:
         self.ring: deque[StepRecord] = deque(maxlen=ring_steps)
@@ -112,6 +115,7 @@ class Capture:
         self._trace_recs = self.keep(trace[0], trace[1]) if trace is not None else []
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
         self.run_id: str | None = None  # the run's TensorBoard files' (set by the timer), in file names
+        self._engine: Engine | None = None  # the engine it listens to, from the run's first step
         self._slowest = SlowestKeeper(MAX_TRACES)
         self.kept: dict[int, tuple[float, list[StepRecord]]] = {}  # the slowest steps': (wall ms, around it)
 
@@ -121,8 +125,15 @@ class Capture:
         self._keeps.append((first, last, recs))
         return recs
 
+    def run_began(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def step_resolved(self, rec: StepRecord, rows: Any) -> None:
+        if rec.timed:
+            self.add(self._engine, rec)  # type: ignore[arg-type]  # set: the run began
+
     def add(self, engine: Engine, rec: StepRecord) -> None:
-        """The engine's ``on_step``: each resolved step, in order, before its events go back to the pool."""
+        """Each resolved timed step, in order, before its events go back to the pool."""
         self.ring.append(rec)
         n = rec.number
         for first, last, recs in self._keeps:

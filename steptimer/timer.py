@@ -383,7 +383,7 @@ class StepTimer:
         if self._joining is not None:
             self._join()
         r, e, tl = self._ranges, self._engine, self._timeline
-        e.samples, e.tokens, e.flops = samples, tokens, flops
+        e.counts = samples, tokens, flops
         if tl is not None and tl.warm_end is None and e.number <= e.last_warmup:  # until warm-up ends
             tl.step_begins()
         return r if r is not None and e.number >= r.from_number else e  # NVTX or the profiler window

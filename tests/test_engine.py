@@ -25,6 +25,7 @@ from steptimer._engine import (
     PhaseRecord,
     StepRecord,
 )
+from steptimer._listener import Listener
 from steptimer._memory import MemoryReader
 from steptimer._slow import StepMarks
 from steptimer._trace import Capture
@@ -64,11 +65,14 @@ class Owner:
                     clock.advance_ms(ms / 2)
 
 
-class Listener:
-    """A plug-in that is given each resolved timed step (the engine's ``capture``, as ``_trace.Capture``)."""
+class Heard(Listener):
+    """A listener that hears each resolved step (as ``_trace.Capture`` does)."""
 
-    def __init__(self, add: Callable[[Engine, StepRecord], None]) -> None:
-        self.add = add
+    def __init__(self, heard: Callable[[StepRecord], None]) -> None:
+        self.heard = heard
+
+    def step_resolved(self, rec: StepRecord, rows: StepRows) -> None:
+        self.heard(rec)
 
 
 def test_each_step_waits_once_on_the_step_lag_steps_back(clock: FakeClock, gpu: FakeGPU) -> None:
@@ -198,14 +202,14 @@ def test_ctrl_c_while_an_older_step_is_resolved_keeps_the_step_that_ended(clock:
     to the listener again) at the next step's end; no step is lost."""
     seen: list[int] = []
 
-    def listener(engine: Engine, rec: StepRecord) -> None:
+    def listener(rec: StepRecord) -> None:
         seen.append(rec.number)
         if len(seen) == 1:
             signal.raise_signal(signal.SIGINT)
 
     prev = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        o = Owner(None, window_every=1000, capture=Listener(listener), late_marks=True)
+        o = Owner(None, window_every=1000, capture=Heard(listener), late_marks=True)
         o.step(clock, None)
         with pytest.raises(KeyboardInterrupt):
             o.step(clock, None)  # step 1 is resolved (and interrupted) at step 2's end
@@ -239,7 +243,7 @@ def test_nested_pauses_count_once(clock: FakeClock) -> None:
 def test_step_records_name_their_phase_entries(clock: FakeClock, gpu: FakeGPU) -> None:
     """Listeners get a ``StepRecord`` per resolved step; its phase entries read by name."""
     got: list[StepRecord] = []
-    o = Owner(gpu, capture=Listener(lambda e, rec: got.append(rec)))
+    o = Owner(gpu, capture=Heard(got.append))
     for _ in range(3):
         o.step(clock, gpu, ms=2.0)
     o.engine.close()
@@ -332,7 +336,7 @@ def test_a_fetch_inside_a_step_is_a_data_phase_inside_a_phase_or_pause_none(cloc
     started = e.begin_pause()
     next(batches)
     e.end_pause(started)
-    assert e.fetch_s == 0.0
+    assert e.between.fetch_s == 0.0
     clock.advance_ms(0.5)
     with e:
         with o.phases["forward"]:
@@ -359,7 +363,7 @@ def test_what_the_loader_raises_passes_through(clock: FakeClock) -> None:
     with pytest.raises(StopIteration) as stop:
         next(batches)
     assert stop.value.value == "epoch done"
-    assert o.engine.fetch_s == pytest.approx(4e-3)
+    assert o.engine.between.fetch_s == pytest.approx(4e-3)
     assert list(Fetch(o.engine, iter([1, 2]))) == [1, 2]
 
 
