@@ -590,3 +590,99 @@ def test_a_plugins_own_failure_is_contained(
     assert [n for n in s.notes if "injected" in n] == [note]
     assert [r.getMessage() for r in caplog.records if "injected" in r.getMessage()] == [f"steptimer: {note}"]
     assert {SLOW: e.slow, MEMORY: e.memory, CAPTURE: e.capture}[part] is None
+
+
+class Journal(Listener):
+    """A listener that writes down what it hears, in order; ``fail``: the hook that raises."""
+
+    part = "the journal"
+
+    def __init__(self, fail: str = "", marks: dict[int, dict[str, float]] | None = None) -> None:
+        self.heard: list[tuple[str, int]] = []
+        self.fail, self.marks = fail, marks or {}
+
+    def _hear(self, hook: str, number: int) -> None:
+        self.heard.append((hook, number))
+        if hook == self.fail:
+            raise RuntimeError("injected")
+
+    def run_began(self, engine: Engine) -> None:
+        self._hear("began", engine.number)
+
+    def step_ended(self, number: int) -> dict[str, float] | None:
+        self._hear("ended", number)
+        return self.marks.get(number)
+
+    def step_resolved(self, rec: StepRecord, rows: StepRows) -> None:
+        self._hear("resolved", rec.number)
+
+    def step_dropped(self, number: int) -> None:
+        self._hear("dropped", number)
+
+    def run_closed(self) -> None:
+        self._hear("closed", -1)
+
+
+def test_a_listener_hears_the_run_in_order(clock: FakeClock, gpu: FakeGPU) -> None:
+    """A run begins, each step ends, is dropped or resolved (lag 1: step N at step N + 1's end), the
+    run closes: each hook once, in that order, through ``attach`` alone."""
+    o = Owner(gpu, window_every=1000)
+    o.engine.attach(j := Journal())
+    o.step(clock, gpu)
+    with pytest.raises(ValueError, match="user"):
+        with o.engine:
+            raise ValueError("user")
+    o.step(clock, gpu)
+    o.step(clock, gpu)
+    o.engine.close()
+    assert j.heard == [
+        ("began", 0),
+        ("ended", 1),
+        ("dropped", 2),
+        ("ended", 2),
+        ("resolved", 1),
+        ("ended", 3),
+        ("resolved", 2),
+        ("resolved", 3),
+        ("closed", -1),
+    ]
+
+
+@pytest.mark.parametrize("hook", ["began", "ended", "resolved", "dropped", "closed"])
+def test_a_listeners_own_failure_detaches_it(clock: FakeClock, gpu: FakeGPU, hook: str) -> None:
+    """A listener's hook that raises: one note naming its part, the listener told the run closed for
+    it and heard no more; every step measured and kept, and the other listeners hear on."""
+    o = Owner(gpu, window_every=1000)
+    o.engine.attach(bad := Journal(fail=hook))
+    o.engine.attach(good := Journal())
+    good.part = "another journal"
+    o.step(clock, gpu)
+    with pytest.raises(ValueError):
+        with o.engine:
+            raise ValueError("user")
+    for _ in range(3):
+        o.step(clock, gpu)
+    o.engine.close()
+    assert [n for n in o.engine.notes if "injected" in n] == [
+        "the journal stopped after a failure of steptimer's own (RuntimeError: injected); steps go on"
+    ]
+    tail = bad.heard[[h for h, _ in bad.heard].index(hook) + 1 :]
+    assert tail in ([], [("closed", -1)])  # off: the close it was told of, once, then nothing
+    assert len(good.heard) == 11 and good.heard[-1] == ("closed", -1)  # began, 4 ended, 1 dropped, 4 resolved
+    assert o.engine.rows.count == 4
+    assert o.engine.listener("the journal") is None and o.engine.listener("another journal") is good
+
+
+def test_a_listeners_marks_keep_an_untimed_step_for_its_resolution(clock: FakeClock) -> None:
+    """Untimed host steps are rows at once and resolve nobody; a step the listener marks (or asks to
+    keep, ``{}``) is queued and resolved, its marks in the window's rows."""
+    o = Owner(None, sample_every=1000, window_every=1000)
+    o.engine.attach(j := Journal(marks={5: {"graphs_new": 1.0}, 7: {}}))
+    for _ in range(10):
+        o.step(clock, None)
+    others = [n for h, n in j.heard if h == "ended" and n not in (5, 7)]
+    resolved = [n for h, n in j.heard if h == "resolved"]
+    assert set(resolved) - {5, 7} <= {1}  # the first block's timed step is resolved too
+    assert {5, 7} <= set(resolved) and len(others) == 8
+    assert o.engine.rows.marks[5] == {"graphs_new": 1.0} and 7 not in o.engine.rows.marks
+    assert o.engine.rows.count == 10
