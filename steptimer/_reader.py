@@ -21,6 +21,7 @@ from steptimer._tags import (
     FLIGHT_FILE,
     HIST,
     MAIN,
+    PAD_SUFFIX,
     PHASE_DIR,
     PHASE_SUFFIX,
     WARMUP,
@@ -99,7 +100,8 @@ def _walk(logdir: str) -> dict[str, list[tuple[str, Files]]]:
     own_dirs: set[str] = set()  # the directories with event files that are not only phases'
     for root, subdirs, files in os.walk(os.path.normpath(logdir)):
         subdirs.sort()
-        events = sorted(f for f in files if _EVENT_FILE_MARK in f)
+        # A pad run holds no data: not a run of its own, nor a phase's.
+        events = sorted(f for f in files if _EVENT_FILE_MARK in f and not f.endswith(PAD_SUFFIX))
         if not all(f.endswith(PHASE_SUFFIX) for f in events):
             own_dirs.add(root)
         owner = None if root in own_dirs else _owner(root, own_dirs)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -18,9 +18,9 @@ from steptimer._goodput import Goodput
 from steptimer._histogram import LogHistogram, SeriesStats
 from steptimer._memory import MIB, MemoryStats
 from steptimer._reader import LogError, RunLog
-from steptimer._summary import NO_STATS, Summary, all_warmup_note, row_order, summarize
+from steptimer._summary import NO_STATS, Source, Summary, all_warmup_note, row_order, summarize
 from steptimer._verdict import DERIVED, PhaseSummary, Series, Verdict
-from steptimer._window import Tally
+from steptimer._window import Rates, Tally
 
 Points = dict[str, list[tuple[int, float]]]
 Hists = dict[tuple[str, str], list[tuple[int, LogHistogram]]]
@@ -62,15 +62,17 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         notes=tuple(notes),
         memory=_memory(scal),
         slowest=tuple(s for s in run.slowest if s.step > skip_steps),
-        name=run.name,
-        path=run.path,
-        windows=len(windows),
-        of_steps=bool(run.hists),
         energy=_energy(scal, n_of),
         ranks=run.ranks,
         goodput=run.goodput,
-        device=run.device,
-        cycle_window_ms=tuple(1e3 / rate[s] for s in windows if rate.get(s)),
+        source=Source(
+            run.name,
+            run.path,
+            run.device,
+            len(windows),
+            bool(run.hists),
+            tuple(1e3 / rate[s] for s in windows if rate.get(s)),
+        ),
     )
 
 
@@ -159,14 +161,11 @@ def run_json(summary: Summary) -> dict[str, Any]:
     doc = summary.to_json()
     for row, r in zip(doc["rows"], summary.rows):
         row["histograms"] = {c: {**asdict(x.hist), "counts": x.hist.counts} for c, x in r.series.items() if x.hist}
-    return {**doc, "cycle_window_ms": list(summary.cycle_window_ms)}
+    return {**doc, "cycle_window_ms": list(summary.source.cycle_window_ms)}
 
 
 # Summary fields that report --json holds as they are.
-_SAME_IN_JSON = (
-    *("steps", "timed_steps", "warmup_steps", "cuda", "steps_per_s", "samples_per_s", "tokens_per_s"),
-    *("tflops_per_s", "mfu", "share_clock", "sample_every", "cost_budget", "name", "windows", "of_steps"),
-)
+_SAME_IN_JSON = ("steps", "timed_steps", "warmup_steps", "cuda", "share_clock", "sample_every", "cost_budget")
 
 
 def summary_of_json(doc: dict[str, Any], path: str) -> Summary:
@@ -177,13 +176,15 @@ def summary_of_json(doc: dict[str, Any], path: str) -> Summary:
         return Summary(
             **{k: doc[k] for k in _SAME_IN_JSON},
             rows=tuple(_row_of_json(r) for r in doc["rows"]),
+            rates=Rates(**{f.name: doc[f.name] for f in fields(Rates)}),
             notes=tuple(doc["notes"]),
             verdict=v and Verdict(v["kind"], tuple(v["evidence"])),
             energy=e and Energy(e["joules"], e["steps"], e["seconds"]),
             goodput=g and Goodput.from_json(g),
-            path=path,
-            device=doc.get("device"),  # None: saved before the device was logged
-            cycle_window_ms=tuple(doc["cycle_window_ms"]),
+            # device None: saved before the device was logged
+            source=Source(
+                doc["name"], path, doc.get("device"), doc["windows"], doc["of_steps"], tuple(doc["cycle_window_ms"])
+            ),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise LogError(
@@ -303,9 +304,10 @@ def compare(a: Summary, b: Summary) -> list[Delta]:
             out.append(Delta(name, clock, sa.median_ms, sb.median_ms, dom))
         elif sa is not None or sb is not None:
             out.append(Delta(name, clock, sa and sa.median_ms, sb and sb.median_ms, 0.0))
-    if a.steps_per_s and b.steps_per_s:  # of the windows' cycles: a Series of window values only
-        dom = _dominance(*(Series(NO_STATS, None, s.cycle_window_ms) for s in (a, b)))
-        out.append(Delta("wall per step", "wall", 1e3 / a.steps_per_s, 1e3 / b.steps_per_s, dom, "mean"))
+    ra, rb = a.rates.steps_per_s, b.rates.steps_per_s
+    if ra and rb:  # of the windows' cycles: a Series of window values only
+        dom = _dominance(*(Series(NO_STATS, None, s.source.cycle_window_ms) for s in (a, b)))
+        out.append(Delta("wall per step", "wall", 1e3 / ra, 1e3 / rb, dom, "mean"))
     return out
 
 
@@ -369,16 +371,17 @@ def _not_comparable(a: Summary, b: Summary, deltas: list[Delta]) -> str | None:
         return "different clocks: " + "; ".join(
             f"{label} {'CUDA events' if s.cuda else 'host clock only'}" for label, s in (("A", a), ("B", b))
         )
-    if a.device and b.device and a.device != b.device:
-        return f"run A on {a.device}, run B on {b.device}"
+    da, db = a.source.device, b.source.device
+    if da and db and da != db:
+        return f"run A on {da}, run B on {db}"
     only = {run: ", ".join(d.name for d in deltas if d.only_in == run) for run in ("A", "B")}
     if any(only.values()):
         return "different phases: " + "; ".join(f"only in {run}: {names}" for run, names in only.items() if names)
     for label, s in (("A", a), ("B", b)):
         if s.timed_steps < GATE_MIN_STEPS:
             return f"too few steps: run {label} has {s.timed_steps} timed steps, the gate needs {GATE_MIN_STEPS}"
-        if (s.windows or 0) < GATE_MIN_WINDOWS:
-            return f"too few steps: run {label} has {s.windows} log windows, the gate needs {GATE_MIN_WINDOWS}"
+        if (s.source.windows or 0) < GATE_MIN_WINDOWS:
+            return f"too few steps: run {label} has {s.source.windows} log windows, the gate needs {GATE_MIN_WINDOWS}"
     return None
 
 

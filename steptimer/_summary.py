@@ -27,7 +27,7 @@ from steptimer._verdict import (
     verdict,
     waited_for,
 )
-from steptimer._window import Tally, Window
+from steptimer._window import Rates, Tally, Window
 
 
 @dataclass(frozen=True)
@@ -196,25 +196,37 @@ class RankSummary:
 
 
 @dataclass(frozen=True)
+class Source:
+    """Where a summary was read from: a live run (these defaults) or a run's logs (``steptimer report``).
+    ``name``: the run's, in the heading; ``path``: its directory (or the ``report --json`` file);
+    ``device``: the timed device's name (None: not logged); ``windows``: the log windows summarized;
+    ``of_steps``: median and p90 of steps (histograms), not of window means (scalar-only logs);
+    ``cycle_window_ms``: each window's wall time per step (``compare``'s wall per step)."""
+
+    name: str = "steptimer"
+    path: str | None = None
+    device: str | None = None
+    windows: int | None = None
+    of_steps: bool = True
+    cycle_window_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
+
+
+@dataclass(frozen=True)
 class Summary:
     """The end-of-run summary returned by :meth:`StepTimer.close`, and what ``steptimer report`` reads
     back from a run's logs. Rows: ``data`` first, phases as first seen, then ``other``, ``wait``, ``step``
     (GPU ``idle``). ``steps``: summarized (after warm-up); ``timed_steps``: with phase timings (one in
-    ``sample_every``, or as ``cost_budget`` allowed). ``mfu``: ``tflops_per_s`` over ``peak_tflops``.
-    ``name`` to ``cycle_window_ms``: from logs."""
+    ``sample_every``, or as ``cost_budget`` allowed). ``rates``: per second of the steps' wall time
+    (``rates.mfu``: ``rates.tflops_per_s`` over ``peak_tflops``)."""
 
     steps: int
     timed_steps: int
     warmup_steps: int
     cuda: bool
     rows: tuple[PhaseSummary, ...]
-    steps_per_s: float | None
-    samples_per_s: float | None
-    tokens_per_s: float | None
+    rates: Rates
     notes: tuple[str, ...] = field(default=())
     ranks: RankSummary | None = None
-    tflops_per_s: float | None = None
-    mfu: float | None = None
     peak_tflops: float | None = None
     memory: MemoryStats | None = None
     share_clock: ShareClock = "host"
@@ -224,17 +236,13 @@ class Summary:
     cost_budget: float | None = None
     energy: Energy | None = None
     goodput: Goodput | None = None  # where the run's wall time went (_goodput.py)
-    name: str = "steptimer"
-    path: str | None = None
-    device: str | None = None  # the timed device's name (None: not logged)
-    windows: int | None = None
-    of_steps: bool = True  # median and p90 of steps (histograms), not of window means
-    cycle_window_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    source: Source = field(default_factory=Source)
 
     @property
     def wall_s(self) -> float:
         """The summarized steps' wall time (data wait + step)."""
-        return self.steps / self.steps_per_s if self.steps_per_s else 0.0
+        rate = self.rates.steps_per_s
+        return self.steps / rate if rate else 0.0
 
     def __getitem__(self, name: str) -> PhaseSummary:
         for row in self.rows:
@@ -247,31 +255,9 @@ class Summary:
 
     def to_json(self) -> dict[str, Any]:
         """``report --json``: the numbers (docs/cli.md); ``data_share``/``wait_share`` on the host clock."""
-        d = {
-            k: getattr(self, k)
-            for k in (
-                "name",
-                "path",
-                "steps",
-                "timed_steps",
-                "sample_every",
-                "cost_budget",
-                "warmup_steps",
-                "windows",
-                "of_steps",
-                "cuda",
-                "share_clock",
-                "wall_s",
-                "steps_per_s",
-                "samples_per_s",
-                "tokens_per_s",
-                "tflops_per_s",
-                "mfu",
-                "notes",
-                "device",
-            )
-        }
-        d["quantiles_of"] = "steps" if self.of_steps else "window means"
+        flat = {**asdict(self.source), **asdict(self.rates), "wall_s": self.wall_s}
+        d = {k: flat[k] if k in flat else getattr(self, k) for k in _JSON_FIELDS}
+        d["quantiles_of"] = "steps" if self.source.of_steps else "window means"
         d["rows"] = [
             {
                 "name": r.name,
@@ -304,6 +290,14 @@ class Summary:
         d["energy"] = e and {**asdict(e), "joules_per_step": e.joules_per_step, "watts": e.watts}
         d["goodput"] = self.goodput and self.goodput.to_json()
         return d
+
+
+# report --json's run, flat: the summary's fields, its source's and its rates'.
+_JSON_FIELDS = (
+    *("name", "path", "steps", "timed_steps", "sample_every", "cost_budget", "warmup_steps", "windows"),
+    *("of_steps", "cuda", "share_clock", "wall_s", "steps_per_s", "samples_per_s", "tokens_per_s"),
+    *("tflops_per_s", "mfu", "notes", "device"),
+)
 
 
 def all_warmup_note(steps: int) -> str:
@@ -344,7 +338,7 @@ def summarize(
         timed_steps=t.timed_steps,
         cuda=bool(gpu) if cuda is None else cuda,
         rows=tuple(rows),
-        **vars(t.rates(peak_tflops)),
+        rates=t.rates(peak_tflops),
         peak_tflops=peak_tflops,
         share_clock=clock,
         verdict=verdict(rows, clock == "gpu", more.get("ranks")) if t.timed_steps else None,

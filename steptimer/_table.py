@@ -117,7 +117,8 @@ def trace_lines(slowest: Sequence[SlowStep]) -> list[str]:
 
 def facts(summary: Summary) -> list[str]:
     """The lines under the tables: throughput and compute, the verdict, memory's peak, the notes."""
-    rates = [(summary.steps_per_s, "steps/s"), (summary.samples_per_s, "samples/s"), (summary.tokens_per_s, "tokens/s")]
+    r = summary.rates
+    rates = [(r.steps_per_s, "steps/s"), (r.samples_per_s, "samples/s"), (r.tokens_per_s, "tokens/s")]
     parts = [", ".join(f"{num(v)} {unit}" for v, unit in rates if v is not None), compute_text(summary)]
     line = "; ".join(p for p in parts if p)
     lines = ([f"throughput: {line}"] if line else []) + energy_lines(summary)
@@ -135,10 +136,11 @@ def facts(summary: Summary) -> list[str]:
 
 def compute_text(summary: Summary) -> str:
     """``compute: 412 TFLOP/s, MFU 41.7%``, or "" without FLOPs."""
-    if summary.tflops_per_s is None:
+    r = summary.rates
+    if r.tflops_per_s is None:
         return ""
-    mfu = "" if summary.mfu is None else f", MFU {pct(summary.mfu)}"
-    return f"compute: {num(summary.tflops_per_s)} TFLOP/s{mfu}"
+    mfu = "" if r.mfu is None else f", MFU {pct(r.mfu)}"
+    return f"compute: {num(r.tflops_per_s)} TFLOP/s{mfu}"
 
 
 def energy_lines(summary: Summary, label: str = "") -> list[str]:
@@ -146,7 +148,8 @@ def energy_lines(summary: Summary, label: str = "") -> list[str]:
     e = summary.energy
     if e is None:
         return []
-    rate, counts = summary.steps_per_s, ((summary.samples_per_s, "sample"), (summary.tokens_per_s, "token"))
+    r = summary.rates
+    rate, counts = r.steps_per_s, ((r.samples_per_s, "sample"), (r.tokens_per_s, "token"))
     per = [f"{num(e.joules_per_step)} J/step"]
     per += [f"{num(e.joules_per_step * rate / count)} J/{unit}" for count, unit in counts if count and rate]
     return [f"{label}energy: {', '.join(per)}, {num(e.watts)} W (GPU)"]
@@ -159,7 +162,7 @@ def explanations(summary: Summary) -> list[str]:
     kind = summary.verdict.kind if summary.verdict is not None else ""
     key = (summary.share_clock, kind)  # the verdict's rule, said from the thresholds it tested
     said = [
-        (True, f"median and p90 are of {'steps' if summary.of_steps else 'window means'}; max is of steps"),
+        (True, f"median and p90 are of {'steps' if summary.source.of_steps else 'window means'}; max is of steps"),
         (
             summary.share_clock == "gpu",
             "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
@@ -236,7 +239,7 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     timed = "" if summary.timed_steps == summary.steps else f", {summary.timed_steps} timed{why}"
     warm = f" ({summary.warmup_steps} warm-up left out)" if summary.warmup_steps else ""
     clocks = "CUDA events + host clock" if summary.cuda else "host clock only"
-    say(console, [f"{summary.name}: {summary.steps} steps{timed}{warm}, {clocks}"])
+    say(console, [f"{summary.source.name}: {summary.steps} steps{timed}{warm}, {clocks}"])
     console.print(phase_table(summary, console.width))
     mem = memory_table(summary)
     if mem is not None:
@@ -255,7 +258,7 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
 def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any, gate: Gate | None = None) -> None:
     """``steptimer compare``: the per-row changes from run A to run B, then compute, energy, verdicts;
     with ``gate`` (``--fail-slower``), its verdict last."""
-    say(console, [f"A = {a.path}", f"B = {b.path}"])
+    say(console, [f"A = {a.source.path}", f"B = {b.source.path}"])
     heads = ("phase", "clock", "A ms", "B ms", "change\nms", "change\n%", "Cliff's\ndelta", "verdict")
     table = table_of([(h, h not in ("phase", "clock", "verdict")) for h in heads])
     for d in deltas:
@@ -273,7 +276,7 @@ def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any,
     console.print(table)
     lines = []
     for label, run in (("A", a), ("B", b)):
-        if run.tflops_per_s is not None:
+        if run.rates.tflops_per_s is not None:
             lines.append(f"{label} {compute_text(run)}")
         lines += energy_lines(run, f"{label} ")
     lines += [

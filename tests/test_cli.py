@@ -76,6 +76,7 @@ def fake_run(
         backend=gpu.backend(),
         **kw,
     )
+
     def batches():  # type: ignore[no-untyped-def]
         while True:
             clock.advance_ms(data_ms)
@@ -101,6 +102,7 @@ def test_report_numbers_are_the_logged_ones(tmp_path: Path) -> None:
     t = StepTimer(
         log_dir=str(run), cuda=False, sample_every=1, log_every_n_steps=4, warmup_steps=0, print_summary=False
     )
+
     def batches():  # type: ignore[no-untyped-def]
         while True:
             time.sleep(0.03)  # a sleeping data loader: 30 ms dominates everything else
@@ -129,8 +131,8 @@ def test_report_numbers_are_the_logged_ones(tmp_path: Path) -> None:
             assert row["host"][stat] == pytest.approx(getattr(want.host, stat), rel=1e-6), (name, stat)
         if want.share is not None:
             assert row["share"] == pytest.approx(want.share, rel=1e-6)
-    assert r["steps_per_s"] == pytest.approx(summary.steps_per_s, rel=1e-6)
-    assert r["samples_per_s"] == pytest.approx(summary.samples_per_s, rel=1e-6)
+    assert r["steps_per_s"] == pytest.approx(summary.rates.steps_per_s, rel=1e-6)
+    assert r["samples_per_s"] == pytest.approx(summary.rates.samples_per_s, rel=1e-6)
     assert r["data_share"] == pytest.approx(summary["data"].share, rel=1e-6)
     assert r["data_share"] > 0.5  # 30 ms of data per 2-6 ms step
     assert r["verdict"]["kind"] == "input-bound"
@@ -199,7 +201,12 @@ def test_logs_with_a_run_for_every_row_report_the_same(tmp_path: Path, clock: Fa
             rows[row].write(summary, w.step)
     new.close()
     assert "step" in rows and "steptimer-hist/host_ms" in [v.tag for v in _row_runs_layout(w)["forward"].value]
-    assert sorted(p.name for p in (tmp_path / "new" / "steptimer").iterdir())[:4] == ["backward", "forward", "idle", "loop"]
+    assert sorted(p.name for p in (tmp_path / "new" / "steptimer").iterdir())[:4] == [
+        "backward",
+        "forward",
+        "idle",
+        "loop",
+    ]
 
     runs = {r["name"]: r for r in report_json(tmp_path)["runs"]}
     assert set(runs) == {"new", "rows"}
@@ -543,6 +550,7 @@ def _gpu_run(log_dir: Path, kind: str) -> None:
         trace_steps=3,
         cuda=True,
     )
+
     def loader() -> Any:  # a data loader, sleeping 30 ms a batch for "input"
         for _ in range(30):
             if kind == "input":
@@ -616,17 +624,18 @@ def test_report_agrees_with_the_summary_and_leaves_out_warm_up(tmp_path: Path, c
         assert rows[name]["host"]["median_ms"] == pytest.approx(s[name].host.median_ms)
         assert rows[name]["share"] == pytest.approx(s[name].share)
     for rate in ("steps_per_s", "samples_per_s", "tflops_per_s", "mfu"):
-        assert run[rate] == pytest.approx(getattr(s, rate), rel=1e-6), rate
+        assert run[rate] == pytest.approx(getattr(s.rates, rate), rel=1e-6), rate
     text = cli("report", str(tmp_path)).stdout
     assert "(5 warm-up left out)" in text.splitlines()[0]
-    assert f"compute: {num(s.tflops_per_s)} TFLOP/s, MFU {pct(s.mfu)}" in text
+    assert f"compute: {num(s.rates.tflops_per_s)} TFLOP/s, MFU {pct(s.rates.mfu)}" in text
     # One result, one renderer: at 80 columns the report prints what the summary printed, line by line.
     printed = cli("report", str(tmp_path), columns=80).stdout.splitlines()
     assert printed[printed.index(render(s).splitlines()[1]) :] == render(s).splitlines()[1:]  # after the heading
     both = cli("compare", str(tmp_path), str(tmp_path)).stdout
-    assert both.count(f"compute: {num(s.tflops_per_s)} TFLOP/s") == 2
+    assert both.count(f"compute: {num(s.rates.tflops_per_s)} TFLOP/s") == 2
     assert json.loads(cli("compare", str(tmp_path), str(tmp_path), "--json").stdout)["compute"]["b"] == {
-        "tflops_per_s": pytest.approx(s.tflops_per_s, rel=1e-6), "mfu": pytest.approx(s.mfu, rel=1e-6)
+        "tflops_per_s": pytest.approx(s.rates.tflops_per_s, rel=1e-6),
+        "mfu": pytest.approx(s.rates.mfu, rel=1e-6),
     }
     (everything,) = report_json(tmp_path, "--include-warmup")["runs"]
     assert everything["steps"] == 42
@@ -955,7 +964,10 @@ def test_the_heading_says_how_steps_were_timed(tmp_path: Path, clock: FakeClock)
     """The summary's heading and the report's say how many steps were timed and why: one in N
     (``sample_every``), or as many as the cost budget allowed (launch-bound 1 ms steps whose timing
     costs ~30 µs)."""
-    cases = (("fixed", {"sample_every": 4}, "(1 in 4: sample_every)"), ("budget", {"cost_budget": 0.005}, "(cost budget 0.5%)"))
+    cases = (
+        ("fixed", {"sample_every": 4}, "(1 in 4: sample_every)"),
+        ("budget", {"cost_budget": 0.005}, "(cost budget 0.5%)"),
+    )
     for name, kw, why in cases:
         gpu = FakeGPU(clock, record_ms=0.01)
         t = StepTimer._make(
@@ -1061,11 +1073,11 @@ def test_fail_slower_gates_on_noise_and_threshold(
                                ("slow", {**base, "forward": 4.8}, 3)):  # fmt: skip
         host_run(tmp_path / name, clock, phases, seed=seed)
     a = str(tmp_path / "a")
-    for b, pct, rows, status in (("same", "10", (), 0), ("fast", "10", (), 0), ("slow", "10", (), 1),
-                                 ("slow", "30", (), 0), ("slow", "10", ("backward",), 0)):  # fmt: skip
+    for b, limit, rows, status in (("same", "10", (), 0), ("fast", "10", (), 0), ("slow", "10", (), 1),
+                                   ("slow", "30", (), 0), ("slow", "10", ("backward",), 0)):  # fmt: skip
         extra = ["--fail-rows", ",".join(rows)] if rows else []
-        got, out = compare_main(capsys, a, str(tmp_path / b), "--fail-slower", pct, *extra)
-        assert got == status, (b, pct, rows, out)
+        got, out = compare_main(capsys, a, str(tmp_path / b), "--fail-slower", limit, *extra)
+        assert got == status, (b, limit, rows, out)
         assert gate_line(out).startswith("FAILED: forward +19.6%: slower" if status else "pass: no row of"), out
     got, out = compare_main(capsys, a, str(tmp_path / "slow"), "--fail-slower", "10", "--json")
     gate = json.loads(out)["gate"]
@@ -1183,7 +1195,9 @@ def test_explain_says_what_data_loop_and_shares_are_and_lists_the_traces_written
     assert main(["report", "--explain", str(tmp_path)]) == main(["report", "--json", str(tmp_path)]) == 0
     explained, sep, out = capsys.readouterr().out.partition('{\n  "runs"')
     text = " ".join(explained.split())
-    assert "share host: the row's part of wall time (host clock): data + loop + phases + other + steptimer = 100%" in text
+    assert (
+        "share host: the row's part of wall time (host clock): data + loop + phases + other + steptimer = 100%" in text
+    )
     assert "data: the training loader's time between steps" in text and "loop: the rest of the host's time" in text
     (run,) = json.loads(sep + out)["runs"]
     rows = {r["name"]: r for r in run["rows"]}

@@ -15,6 +15,7 @@ import steptimer
 import steptimer._engine as engine_mod
 from steptimer import PhaseSummary, SeriesStats, StepTimer, Summary
 from steptimer._format import num, pct
+from steptimer._window import Rates
 from tests.fakes import FakeClock, FakeGPU, render
 
 
@@ -29,8 +30,7 @@ def _summary() -> Summary:
                      None if name in ("step", "idle") else 0.05, name == "clip")
         for i, name in enumerate(names)
     )  # fmt: skip
-    return Summary(100, 100, 5, True, rows, 7.5, None, 331_000.0, tflops_per_s=412.345, mfu=0.41677,
-                   peak_tflops=989.4)  # fmt: skip
+    return Summary(100, 100, 5, True, rows, Rates(7.5, None, 331_000.0, 412.345, 0.41677), peak_tflops=989.4)
 
 
 _NAMES = {"data", "forward", "attention_block", "loss", "backward", "clip", "optimizer", "zero_grad", "other",
@@ -133,7 +133,7 @@ def test_a_four_phase_run_reads_in_20_lines_of_80_columns_each_fact_true(
     own."""
     s = _four_phase_run(str(tmp_path / "run"), monkeypatch)
     printed = capsys.readouterr().out
-    assert s.verdict is not None and s.steps_per_s is not None and s.samples_per_s is not None
+    assert s.verdict is not None and s.rates.steps_per_s is not None and s.rates.samples_per_s is not None
     assert s.goodput is not None and len(s.goodput.lines()) == 1
     for name, text in (("steptimer", printed), ("run", _report(tmp_path / "run"))):
         lines = text.splitlines()
@@ -141,13 +141,23 @@ def test_a_four_phase_run_reads_in_20_lines_of_80_columns_each_fact_true(
         assert lines[0] == f"{name}: 195 steps (5 warm-up left out), host clock only"
         assert lines[1].split() == ["host", "ms"] * 3 + ["share"] and lines[2].split()[0] == "phase"
         table = [line.split() for line in lines[4 : 4 + len(s.rows)]]
-        assert [r.name for r in s.rows] == ["data", "loop", "forward", "loss", "backward", "optimizer", "other", "steptimer", "step"]
+        assert [r.name for r in s.rows] == [
+            "data",
+            "loop",
+            "forward",
+            "loss",
+            "backward",
+            "optimizer",
+            "other",
+            "steptimer",
+            "step",
+        ]
         for cells, r in zip(table, s.rows):
             share = "-" if r.share is None else pct(r.share)
             assert cells == [r.name, num(r.host.median_ms), num(r.host.p90_ms), num(r.host.max_ms), share]
         assert sum(r.share or 0.0 for r in s.rows) == pytest.approx(1.0)
         assert lines[4 + len(s.rows) :] == [
-            f"throughput: {num(s.steps_per_s)} steps/s, {num(s.samples_per_s)} samples/s",
+            f"throughput: {num(s.rates.steps_per_s)} steps/s, {num(s.rates.samples_per_s)} samples/s",
             *s.goodput.lines(),
             "verdict: compute-bound",
             *[f"  - {e}" for e in s.verdict.evidence],
@@ -158,8 +168,8 @@ def test_a_four_phase_run_reads_in_20_lines_of_80_columns_each_fact_true(
         f"the host spent {pct(data.share or 0.0)} of wall time waiting for the loader (data)",
     )
     assert data.host.median_ms == pytest.approx(0.3) and s["loop"].host.median_ms == pytest.approx(0.05)
-    assert s.steps_per_s == pytest.approx(1e3 / (0.35 + 0.41 + 0.1 + 0.6 + 0.2), rel=0.01)
-    assert s.samples_per_s == pytest.approx(32 * s.steps_per_s)
+    assert s.rates.steps_per_s == pytest.approx(1e3 / (0.35 + 0.41 + 0.1 + 0.6 + 0.2), rel=0.01)
+    assert s.rates.samples_per_s == pytest.approx(32 * s.rates.steps_per_s)
     explained = _report(tmp_path / "run", "--explain")
     assert "share host: the row's part of wall time" in explained and "host clock only: a slow host" in explained
 
