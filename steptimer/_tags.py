@@ -20,6 +20,7 @@ WARMUP = "steptimer-warmup"
 EVENT_FILE_PREFIX = "events.out.tfevents."
 PHASE_DIR = "steptimer"
 PHASE_SUFFIX = ".steptimer"
+PAD_SUFFIX = ".pad"  # an empty run that fills a block of TensorBoard's colours (_tensorboard.py): no data
 # The flight recorder's traces around the slowest steps: ``<dir>/steptimer-slow/<run id>/step-<N>.trace.json``.
 FLIGHT_DIR = "steptimer-slow"
 FLIGHT_FILE = "step-{step}.trace.json"

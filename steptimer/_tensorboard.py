@@ -31,7 +31,7 @@ from steptimer._memory import MIB
 from steptimer._records import frame
 from steptimer._slow import slow_summary
 from steptimer._summary import Summary, row_order
-from steptimer._tags import EVENT_FILE_PREFIX, MAIN, PHASE_DIR, PHASE_SUFFIX, run_tag, tag
+from steptimer._tags import EVENT_FILE_PREFIX, MAIN, PAD_SUFFIX, PHASE_DIR, PHASE_SUFFIX, run_tag, tag
 from steptimer._window import Window
 
 log = logging.getLogger("steptimer")
@@ -91,7 +91,7 @@ def window_scalars(window: Window) -> dict[str, float]:
 PALETTE = 7
 # An empty run that fills a log dir's last block of PALETTE runs; not a phase's (the suffix), so
 # ``steptimer report`` reads no row from it.
-PAD, PAD_SUFFIX = "~pad-{}", ".pad"
+PAD = "~pad-{}"
 _LATE = ("other", "steptimer", "loop", "wait", "idle")  # derived rows (and their parts) after the phases
 
 
