@@ -138,7 +138,7 @@ def main() -> int:
         span = f"{r0.step + 1}-{r1.step}"
         print(f"{span:>14} {r1.host_s - r0.host_s:6.2f} {counted:10.1f} {sampled:10.1f} {100 * diff:+6.1f}%")
     e = summary.energy
-    step_s = 1 / summary.steps_per_s if summary.steps_per_s else float("nan")
+    step_s = 1 / summary.rates.steps_per_s if summary.rates.steps_per_s else float("nan")
     power_w = sampler.joules(readings[0].host_s, readings[-1].host_s) / e.seconds
     print(f"run: {e.joules_per_step:.3f} J/step, {e.watts:.1f} W; average sampled power x wall per step = "
           f"{power_w:.1f} W x {1e3 * step_s:.3f} ms = {power_w * step_s:.3f} J "

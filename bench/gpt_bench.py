@@ -178,7 +178,10 @@ def analyze(
     # round before, or in the timer's warm-up round: 0.4-0.8 ms per run in all on the CPU test, some
     # 0.005 % of a gpt2 run on an H100.
     pairs = {
-        "wall per step (1 / steps_per_s)": (1e3 / summary.steps_per_s if summary.steps_per_s else None, clock_mean_ms),
+        "wall per step (1 / steps_per_s)": (
+            1e3 / summary.rates.steps_per_s if summary.rates.steps_per_s else None,
+            clock_mean_ms,
+        ),
         "GPU step, mean": (step.gpu.mean_ms if step.gpu else None, clock_mean_ms),
         "GPU step, median": (step.gpu.median_ms if step.gpu else None, clock_median_ms),
         "host step, mean": (step.host.mean_ms, clock_mean_ms),
@@ -202,7 +205,7 @@ def analyze(
         "mfu_bare": mfu(cfg, fmean(bare_all), peak_tflops),
         "mfu_steptimer": mfu(cfg, fmean(timed_all), peak_tflops),
         "clock": clock,
-        "tokens_per_s": {"steptimer": summary.tokens_per_s, "trainer": cfg.tokens_per_iter / fmean(timed_all)},
+        "tokens_per_s": {"steptimer": summary.rates.tokens_per_s, "trainer": cfg.tokens_per_iter / fmean(timed_all)},
         "mfu_check": mfu_check(cfg, summary, timed_all),
         "cuda": summary.cuda,
         "steps": summary.steps,
@@ -223,11 +226,11 @@ def mfu_check(cfg: GPTConfig, summary: Summary, timed_s: list[float]) -> dict[st
     peak = summary.peak_tflops
     trainer_tflops = flops_per_iter(cfg) / fmean(timed_s) / 1e12
     trainer_mfu = mfu(cfg, fmean(timed_s), peak)
-    st_mfu = summary.mfu
+    st_mfu = summary.rates.mfu
     rel = st_mfu / trainer_mfu - 1.0 if st_mfu is not None and trainer_mfu else None
     return {
         "peak_tflops": peak,
-        "tflops_per_s": {"steptimer": summary.tflops_per_s, "trainer": trainer_tflops},
+        "tflops_per_s": {"steptimer": summary.rates.tflops_per_s, "trainer": trainer_tflops},
         "mfu": {"steptimer": st_mfu, "trainer": trainer_mfu},
         "relative_difference": rel,
         "within_2pct": None if rel is None else abs(rel) <= MFU_TOLERANCE,

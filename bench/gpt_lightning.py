@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert s is not None
     lt_flops = logger.last.get("train/device/flops_per_sec")
     lt_mfu = logger.last.get("train/device/mfu")
-    rel = s.mfu / lt_mfu - 1.0 if s.mfu is not None and lt_mfu else None
+    rel = s.rates.mfu / lt_mfu - 1.0 if s.rates.mfu is not None and lt_mfu else None
     table_flops = getattr(monitor, "lightning_table_flops", None)
     res = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -210,7 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "peak_tflops": peak,
         "peak_source": peak_note,
         "lightning_table_tflops": None if table_flops is None else table_flops / 1e12,
-        "steptimer": {"steps": s.steps, "tflops_per_s": s.tflops_per_s, "mfu": s.mfu, "steps_per_s": s.steps_per_s},
+        "steptimer": {
+            "steps": s.steps,
+            "tflops_per_s": s.rates.tflops_per_s,
+            "mfu": s.rates.mfu,
+            "steps_per_s": s.rates.steps_per_s,
+        },
         "lightning": {"tflops_per_s": None if lt_flops is None else lt_flops / 1e12, "mfu": lt_mfu},
         "relative_difference": rel,
         "within_2pct": None if rel is None else abs(rel) <= MFU_TOLERANCE,

@@ -31,6 +31,7 @@ from bench.gpt import (
     train_steptimer,
 )
 from steptimer import PhaseSummary, SeriesStats, Summary
+from steptimer._window import Rates
 
 TINY = PRESETS["tiny"]
 
@@ -222,7 +223,7 @@ def test_analyze_compares_gpu_numbers_with_the_trainer_clock() -> None:
         row("idle", 0.0, 0.2, None),
     )
     summary = Summary(steps=20, timed_steps=20, warmup_steps=5, cuda=True, rows=rows,
-                      steps_per_s=10.0, samples_per_s=None, tokens_per_s=20.0)  # fmt: skip
+                      rates=Rates(10.0, None, 20.0, None, None))  # fmt: skip
     bare = [[0.099, 0.101], [0.1, 0.1]]
     timed = [[0.1, 0.102], [0.1, 0.098]]
     r = gpt_bench.analyze(TINY, summary, bare, timed, peak_tflops=None)

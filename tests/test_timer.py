@@ -873,8 +873,8 @@ def test_tflops_and_mfu_count_every_step_over_the_wall_time(clock: FakeClock, us
         assert w.mfu == pytest.approx(rate(steps[a:b]) / 0.002, rel=1e-9)
         assert w.samples_per_s == pytest.approx(2 * (b - a) / (sum(d + m for d, m, _ in steps[a:b]) / 1e3))
     assert s.steps == 16 and s.timed_steps < 16  # sampled: most steps untimed, all counted
-    assert s.tflops_per_s == pytest.approx(rate(steps[4:]), rel=1e-9)
-    assert s.mfu == pytest.approx(rate(steps[4:]) / 0.002, rel=1e-9)
+    assert s.rates.tflops_per_s == pytest.approx(rate(steps[4:]), rel=1e-9)
+    assert s.rates.mfu == pytest.approx(rate(steps[4:]) / 0.002, rel=1e-9)
     assert s.peak_tflops == 0.002 and not any("MFU" in n for n in s.notes)
 
 
@@ -891,15 +891,15 @@ def test_no_peak_gives_tflops_without_mfu_and_one_note(
             with t.step(flops=3e9):
                 clock.advance_ms(2.0)
         s = t.close()
-        assert s.tflops_per_s == pytest.approx(6 * 3e9 / 17e-3 / 1e12)  # no data wait before step 1
-        assert s.mfu is None and all(w.mfu is None for w in sink.windows)
+        assert s.rates.tflops_per_s == pytest.approx(6 * 3e9 / 17e-3 / 1e12)  # no data wait before step 1
+        assert s.rates.mfu is None and all(w.mfu is None for w in sink.windows)
         assert [n for n in s.notes if "MFU" in n] == [n for n in s.notes if "peak_tflops=" in n]
         assert len([n for n in s.notes if "no MFU" in n]) == 1
     t, _ = make(None, peak_tflops=1.0)
     with t.step():
         pass
     s = t.close()
-    assert s.tflops_per_s is None and s.mfu is None and not any("MFU" in n for n in s.notes)
+    assert s.rates.tflops_per_s is None and s.rates.mfu is None and not any("MFU" in n for n in s.notes)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "989", True])
@@ -941,8 +941,8 @@ def test_mfu_on_the_gpu_uses_the_tables_bf16_peak_for_this_device() -> None:
             a @ a
     s = t.close()
     assert s.peak_tflops == expected
-    assert s.tflops_per_s == pytest.approx(4 * 2 * 1024**3 / (s.steps / s.steps_per_s) / 1e12)
-    assert s.mfu == pytest.approx(s.tflops_per_s / expected)
+    assert s.rates.tflops_per_s == pytest.approx(4 * 2 * 1024**3 / (s.steps / s.rates.steps_per_s) / 1e12)
+    assert s.rates.mfu == pytest.approx(s.rates.tflops_per_s / expected)
     assert any(f"{expected:g} TFLOP/s" in n for n in s.notes)
 
 
@@ -1129,7 +1129,7 @@ def test_a_windows_own_work_is_steptimers_row_in_no_step_and_not_in_the_data_wai
         assert w.host["step"].max_ms == pytest.approx(2.0)
     # The wall: 40 steps of 2 ms, 39 data waits of 1 ms (none before the first) and the 3 windows
     # before steps 11, 21 and 31 (the last one's, after step 40, is in no step's)
-    assert s.steps_per_s == pytest.approx(40 / (40 * 2e-3 + 39 * 1e-3 + 3 * 5e-3))
+    assert s.rates.steps_per_s == pytest.approx(40 / (40 * 2e-3 + 39 * 1e-3 + 3 * 5e-3))
     # Each window was written right after its last step (resolved at its own end), between steps: in
     # steptimer's row of the next step (with every step timed, its share of the wall those rates divide by)
     assert "steptimer's own work" not in render(s)  # its row says it
