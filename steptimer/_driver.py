@@ -203,10 +203,33 @@ class PhaseDriver:
         if self.live and self.in_scope and not self.in_backward:
             self.forward_enter()
 
-    def model_post(self, *_: Any) -> None:
-        """Forward hook (``always_call``): the outermost return opens ``loss``, a raise ends ``forward``."""
+    def model_post(self, module: Any, args: Any, output: Any) -> None:
+        """Forward hook (``always_call``): see :meth:`forward_returned` (the step is not dropped on a
+        raise: the front door's framework says whether the step goes on)."""
         if self.live and self.in_scope and not self.in_backward and self.forward_exit():
-            self.switch(LOSS, error=sys.exc_info()[1])
+            self.forward_returned(output, drop=False)
+
+    def forward_returned(self, output: Any, *, drop: bool) -> None:
+        """The outermost model call returned ``output``: ``loss`` opens. It raised (an ``always_call``
+        hook runs in torch's ``except`` with no output): ``forward`` ends with the error, and with
+        ``drop`` the step is dropped."""
+        exc = sys.exc_info() if output is None else (None, None, None)
+        if exc[1] is None:
+            self.switch(LOSS)
+        elif drop:
+            self.drop(*exc)
+        else:
+            self.switch(LOSS, error=exc[1])
+
+    def backward_begin(self) -> None:
+        """Backward starts; model calls inside it (activation checkpointing's recompute) are backward."""
+        self.in_backward = True
+        self.switch(BACKWARD)
+
+    def backward_end(self, after: str | None) -> None:
+        """Backward returned: phase ``after`` opens (None: none)."""
+        self.in_backward = False
+        self.switch(after)
 
     def forward_enter(self) -> None:
         """A model call starts; the outermost one opens ``forward``."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from steptimer import _exit
-from steptimer._driver import BACKWARD, LOSS, OPTIMIZER, ZERO_GRAD, PhaseDriver, UserPhase
+from steptimer._driver import OPTIMIZER, ZERO_GRAD, PhaseDriver, UserPhase
 from steptimer._hooks import Discovery, Hooks, batch_counts, holds, watch_comm
 from steptimer._options import TimerKeywords, spelled_out
 from steptimer.timer import StepTimer, check_count, check_phase_name
@@ -329,11 +329,7 @@ class Instrumented:
             pause, self._eval_pause = self._eval_pause, None
             pause.__exit__(None, None, None)
         elif self._driver.in_step:
-            exc = sys.exc_info()
-            if output is None and exc[0] is not None:  # always_call: run in _call_impl's `except`
-                self._driver.drop(*exc)
-            else:
-                self._driver.switch(LOSS)
+            self._driver.forward_returned(output, drop=True)
 
     def _backward_wrapper_of(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any, **kwargs: Any) -> Any:
@@ -343,10 +339,14 @@ class Instrumented:
             d = self._driver
             if not d.in_step:  # no training forward of this model before it: not this loop's
                 return orig(*args, **kwargs)
-            d.in_backward = True
             after, self._after_backward = self._after_backward, None
-            out = d.call(BACKWARD, after, orig, args, kwargs)
-            d.in_backward = False
+            d.backward_begin()
+            try:
+                out = orig(*args, **kwargs)
+            except BaseException:
+                d.drop(*sys.exc_info())
+                raise
+            d.backward_end(after)
             # The next forward starts a micro-batch; with several optimizers (a GAN's networks see
             # the same batch in turn) only a step's first forward is counted.
             self._count_next = len(self.optimizers) == 1 and None in self._fixed.values()

@@ -428,15 +428,13 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         d = self._live()
         if d is not None:
-            d.in_backward = True
-            d.switch(BACKWARD)
+            d.backward_begin()
 
     @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         d = self._live()
         if d is not None:
-            d.in_backward = False
-            d.switch(CLIP if self._manual or self._will_step else None)
+            d.backward_end(CLIP if self._manual or self._will_step else None)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
