@@ -150,7 +150,7 @@ class EventClock:
         self.free: list[Any] = []  # the current device's pool
         self.held_end: tuple[int, int, Any] | None = None  # (number, device, end event) of the last resolved
         self.events_created = 0
-        self.evs: list[Any] = []  # the current step's events, in record order
+        self.evs: list[Any] = []  # the current step's events, in record order (the engine's ``_EMPTY`` between)
         self.last_t, self.last_i = -math.inf, -1  # the last record's host time and index in ``evs``
 
     def begin(self, t0: float) -> None:

@@ -219,7 +219,7 @@ class Engine:
         self.state, self._t0 = OUT, 0.0
         self.counts: tuple[float | None, float | None, float | None] = (None, None, None)  # samples, tokens, flops
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
-        self._recs: list[PhaseRecord] = []
+        self._recs: list[PhaseRecord] = _EMPTY  # the current timed step's phase entries
         # steptimer's own host time in the current timed step outside its top-level phases (its begin,
         # the phases' entries and exits): with ``between.own_s``, the ``steptimer`` row (_window.py).
         self._own = 0.0
@@ -300,15 +300,13 @@ class Engine:
         self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
         sp = self.sampler
         if self.number + 1 != sp.next_timed:  # outside the sample: no phase, no event, no reading
-            self._recs = self.clock.evs = _EMPTY
-            self.mem.cur = None
-            self.state = UNTIMED
+            self.state = UNTIMED  # its phases, events and reader are none already (_end_timed)
             return
         sp.cost_at_begin = sp.cost_s  # the budget's count as the step begins (_pend)
         self._recs = []
         self._own = 0.0
         if not self.cuda:
-            self.clock.evs, self.mem.cur = [], None
+            self.clock.evs = []
             self.clock.last_t = -math.inf
             self.state = HOST
             return
@@ -344,14 +342,7 @@ class Engine:
             return
         t1 = perf_counter()
         if et is not None or self._stack:  # dropped: it raised, or left a phase open (an error)
-            open_ = self._stack[-1][0] if self._stack else None
-            if et is not None and self.mem.reader is not None and self.mem.oom is None:
-                with self.contain(MEMORY):
-                    cur = self.mem.cur
-                    self._note_oom(open_, error, cur.open_peak() if cur is not None else None)
-            self._drop_step()
-            if et is None:
-                raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
+            self._end_dropped(et, error)
             return
         try:
             t_end = self._queue(t1)
@@ -362,6 +353,17 @@ class Engine:
             self._hand_window()
         if t_end:  # resolving and window work after the step's end (0.0: none, the row is in)
             self.between.own_s += perf_counter() - t_end
+
+    def _end_dropped(self, et: type[BaseException] | None, error: BaseException | None) -> None:
+        """Drop the step that raised (the error noted if it was CUDA's out of memory) or left a phase open."""
+        open_ = self._stack[-1][0] if self._stack else None
+        if et is not None and self.mem.reader is not None and self.mem.oom is None:
+            with self.contain(MEMORY):
+                cur = self.mem.cur
+                self._note_oom(open_, error, cur.open_peak() if cur is not None else None)
+        self._drop_step()
+        if et is None:
+            raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
 
     def _marks(self, number: int) -> dict[str, float] | None:
         """The listeners' marks for the step ``number`` that ends (None: none; ``{}``: keep it pending)."""
@@ -458,6 +460,7 @@ class Engine:
         # The step is the engine's from here: an exception below (Ctrl-C in a wait) keeps it.
         pend.steps.append(rec)
         self.number, self.state = number, OUT
+        self._end_timed()
         if bt.pause_evs:
             bt.pause_evs = []
         bt.paused_s = 0.0
@@ -501,6 +504,7 @@ class Engine:
         if self.state:
             self._drop_step()
             return
+        self._end_timed()
         steps = self.pend.steps
         rec = steps[-1] if steps else None
         if rec is not None and rec.number == self.number and not rec.step_s:
@@ -613,10 +617,16 @@ class Engine:
         free += self.clock.evs
         free += [ev for pair in bt.pause_evs for ev in pair]
         bt.pause_evs = []
-        self._stack.clear()  # its events and phase records are replaced at the next step's start
+        self._stack.clear()
+        self._end_timed()
         self._tell("step_dropped", self.number + 1)
         self.state = OUT
         bt.restart(perf_counter())  # the failed step's time is not time between steps
+
+    def _end_timed(self) -> None:
+        """Between steps no phase, event or reader is the current step's: an untimed step begins so."""
+        self._recs = self.clock.evs = _EMPTY
+        self.mem.cur = None
 
     def _settle_cuda(self) -> None:
         clock, opt = self.clock, self.clock.want
