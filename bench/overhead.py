@@ -5,7 +5,7 @@ Three measurements, each in one process on one GPU:
 * ``micro``: per-call host cost of the calls the engine is built from (event records with and without
   the stream, stream lookups, ``perf_counter``), of the fastest kernel launches from Python, and the
   host gap the engine sees between two back-to-back ``with timer.phase`` blocks (which the
-  ``_SHARE_GAP_S`` event-sharing threshold relies on).
+  ``SHARE_GAP_S`` event-sharing threshold relies on).
 * ``host_cost``: the host µs that timing adds per step, measured directly with the GPU work removed
   (empty phases) or tiny (one 1-element ``add_`` per phase), next to the physical floor
   ``(phases + 1) x Event.record(stream)`` measured in the same run.
@@ -680,11 +680,12 @@ def micro(reps: int = 21, n: int = 500) -> dict[str, Any]:
 def phase_gap(steps: int = 3000) -> dict[str, Any]:
     """Host gap between the end of one phase's event record and the next phase's entry check.
 
-    That gap is what ``_SHARE_GAP_S`` is compared with. Measured by wrapping the engine module's
+    That gap is what ``_clock.SHARE_GAP_S`` is compared with. Measured by wrapping the engine module's
     ``perf_counter`` with one that logs its values (adds ~0.1 µs, subtracted as the logged gap
     between two back-to-back wrapped calls) and disabling sharing so every phase records.
     Also the fraction of steps in which the unpatched engine shared events as designed.
     """
+    import steptimer._clock as clock_mod
     import steptimer._engine as engine
 
     small = torch.zeros(1, device="cuda")
@@ -722,10 +723,10 @@ def phase_gap(steps: int = 3000) -> dict[str, Any]:
         log.append(t)
         return t
 
-    saved = engine._SHARE_GAP_S, engine.perf_counter
+    saved = clock_mod.SHARE_GAP_S, engine.perf_counter
     gaps: list[float] = []
     try:
-        engine._SHARE_GAP_S = -1.0
+        clock_mod.SHARE_GAP_S = -1.0  # the event clock's: every boundary records
         engine.perf_counter = logged
         timer = StepTimer(print_summary=False, warmup_steps=0)
         for _ in range(steps):
@@ -745,7 +746,7 @@ def phase_gap(steps: int = 3000) -> dict[str, Any]:
             logged()
             base.append(log[-1] - log[-2])
     finally:
-        engine._SHARE_GAP_S, engine.perf_counter = saved
+        clock_mod.SHARE_GAP_S, engine.perf_counter = saved
     _sync()
     gaps.sort()
     b0 = median(base)
@@ -755,7 +756,7 @@ def phase_gap(steps: int = 3000) -> dict[str, Any]:
         "expected_records_per_step": len(PHASES) + 1,
         "gap_us": {"min": q(0), "p50": q(0.5), "p99": q(0.99), "p999": q(0.999), "max": q(1.0)},
         "wrapper_overhead_us": b0 * 1e6,
-        "share_threshold_us": engine._SHARE_GAP_S * 1e6,
+        "share_threshold_us": clock_mod.SHARE_GAP_S * 1e6,
     }
 
 
