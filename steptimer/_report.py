@@ -254,6 +254,10 @@ def _series(hists: Hists, scal: Points, n_of: dict[int, int], clock: str, name: 
 MIN_CHANGE = 0.05  # of A's value: run-to-run drift of an unchanged loop stays well under it
 MIN_CHANGE_MS = 0.005  # 5 µs: a CUDA event span is within 2.4-5.7 µs of CUPTI's (docs/benchmarks.md)
 MIN_DOMINANCE = 0.5  # |Cliff's delta|: B's steps above A's (or below) in 3 of 4 pairs of steps, net
+CHANGE_RULE = (  # said by compare's table and its --help
+    f"B's steps are above (or below) A's in net {MIN_DOMINANCE:.0%} of pairs of steps (Cliff's delta; of "
+    f"windows for wall per step) and the change is at least {MIN_CHANGE:.0%} and {1e3 * MIN_CHANGE_MS:g} µs"
+)
 
 
 @dataclass(frozen=True)

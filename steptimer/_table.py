@@ -18,7 +18,7 @@ from rich.text import Text
 
 from steptimer._format import count, num, pct
 from steptimer._memory import MIB
-from steptimer._report import MIN_CHANGE, MIN_CHANGE_MS, MIN_DOMINANCE, Delta, Gate
+from steptimer._report import CHANGE_RULE, Delta, Gate
 from steptimer._slow import SlowStep
 from steptimer._summary import CHRONIC_RULE, Summary
 from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, LAUNCH_RULE, RULES, STRAGGLER_RULE, is_phase
@@ -87,13 +87,18 @@ def memory_table(summary: Summary) -> Any:
     return table
 
 
+# A slow step is shown when its row grew by the median step with a measured cause, or by this many without.
+UNCAUSED_STEPS = 5
+
+
 def stood_out(summary: Summary) -> list[SlowStep]:
-    """The slowest steps whose row grew by the median step with a measured cause, or by five without."""
+    """The slowest steps whose row grew by the median step with a measured cause, or by
+    ``UNCAUSED_STEPS`` median steps without one."""
     step = summary["step"] if "step" in summary else None  # noqa: SIM401 (a Summary, not a dict)
 
     def least_ms(s: SlowStep) -> float:
         st = getattr(step, s.clock, None)
-        return (st.median_ms if st is not None and st.steps else math.inf) * (1 if s.causes else 5)
+        return (st.median_ms if st is not None and st.steps else math.inf) * (1 if s.causes else UNCAUSED_STEPS)
 
     return [s for s in summary.slowest if s.grew_ms is not None and s.grew_ms >= least_ms(s)]
 
@@ -200,7 +205,8 @@ def explanations(summary: Summary) -> list[str]:
             bool(summary.slowest),
             f"slowest steps: wall on {slow_clock}; "
             "what stood out is the row that grew most over its median, then the measured causes; shown by "
-            "default when the row grew by at least the median step with a measured cause, or five without",
+            f"default when the row grew by at least the median step with a measured cause, or {UNCAUSED_STEPS} "
+            "median steps without one",
         ),
     ]
     return [text for shown, text in said if shown]
@@ -283,9 +289,7 @@ def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any,
         "; ".join(f"verdict {label}: {run.verdict and run.verdict.kind}" for label, run in (("A", a), ("B", b))),
         "A ms, B ms: the median of steps per phase (GPU clock where both runs have it); wall per "
         "step: the mean (1 / steps per second)",
-        f"a row changed when B's steps are above (or below) A's in net {MIN_DOMINANCE:.0%} of pairs "
-        f"of steps (Cliff's delta; of windows for wall per step) and by at least "
-        f"{MIN_CHANGE:.0%} and {1e3 * MIN_CHANGE_MS:g} µs",
+        f"a row changed when {CHANGE_RULE}",
     ]
     if gate is not None:
         lines.append(gate_text(gate, deltas))

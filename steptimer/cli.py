@@ -19,7 +19,7 @@ from rich.console import Console
 from steptimer import __version__, _run
 from steptimer._options import int_at_least
 from steptimer._reader import LogError, find_runs
-from steptimer._report import analyze, compare, gate, run_json, summary_of_json
+from steptimer._report import CHANGE_RULE, analyze, compare, gate, run_json, summary_of_json
 from steptimer._summary import Summary
 from steptimer._table import print_compare, print_summary, wrapped
 from steptimer._tags import WARMUP_STEPS
@@ -122,8 +122,7 @@ def _add_compare(sub: Any) -> None:
         _cmd_compare,
         "per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
         description="Per phase, the median ms per step in RUN_A and RUN_B (GPU where both have it, "
-        "else host) and the change; 'slower' or 'faster' only when the runs' steps are apart "
-        "(Cliff's delta >= 0.5) and the change is at least 5 % and 5 µs (docs/cli.md).",
+        f"else host) and the change; 'slower' or 'faster' only when {CHANGE_RULE} (docs/cli.md).",
     )
     c.add_argument("run_a", metavar="RUN_A", help="the baseline: a run directory, or a run saved with report --json")
     c.add_argument("run_b", metavar="RUN_B", help="the run to compare with it (one run, or such a JSON file)")

@@ -1383,3 +1383,20 @@ def test_the_gpus_name_is_logged(tmp_path: Path, capsys: pytest.CaptureFixture[s
     t.close()
     assert main(["report", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"][0]["device"] == torch.cuda.get_device_name(x.device)
+
+
+def test_compare_says_its_change_rule_in_the_words_delta_applies(capsys: pytest.CaptureFixture[str]) -> None:
+    """A row changed when the runs' steps are apart (net 50 % of pairs: Cliff's delta) and the change
+    is 5 % and 5 µs at least: ``Delta`` flips at those numbers, and compare's --help says them in the
+    words of its table (``CHANGE_RULE``)."""
+    from steptimer._report import CHANGE_RULE, Delta
+    from steptimer.cli import main
+
+    assert Delta("f", "gpu", 1.0, 1.05, 0.5).changed and Delta("f", "gpu", 0.05, 0.0551, 1.0).changed
+    assert not Delta("f", "gpu", 1.0, 1.049, 0.5).changed  # 4.9 %
+    assert not Delta("f", "gpu", 1.0, 1.05, 0.49).changed  # the steps not apart
+    assert not Delta("f", "gpu", 0.05, 0.0549, 1.0).changed  # 4.9 µs
+    assert all(n in CHANGE_RULE for n in ("net 50% of pairs", "at least 5% and 5 µs"))
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    assert CHANGE_RULE in " ".join(capsys.readouterr().out.split())

@@ -203,3 +203,22 @@ def test_calls_per_step_read_as_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     cells = [line.split() for line in text.splitlines()]
     calls = {c[0]: c[1] for c in cells if c[:1] in (["forward"], ["micro"], ["clip"])}
     assert "calls" in text and calls == {"forward": "1", "micro": "3", "clip": "1.5"}, text
+
+
+def test_a_slow_step_is_shown_at_the_growth_the_explanation_states() -> None:
+    """A slow step is shown when its row grew by the median step (the GPU's here) with a measured
+    cause, or by five median steps without one: ``stood_out`` and ``--explain``'s line say the same."""
+    from steptimer._slow import SlowStep
+    from steptimer._table import explanations, stood_out
+
+    s = _summary()
+    median = s["step"].gpu.median_ms
+
+    def step(n: int, grew_ms: float, causes: tuple[str, ...] = ()) -> SlowStep:
+        return SlowStep(n, 500.0, "gpu", {}, {}, "forward", grew_ms, 10.0, causes)
+
+    slowest = (step(1, median, ("a GC pause",)), step(2, 0.99 * median, ("a GC pause",)), step(3, 5 * median))
+    shown = stood_out(dataclasses.replace(s, slowest=(*slowest, step(4, 4.99 * median))))
+    assert [x.step for x in shown] == [1, 3]
+    said = " ".join(explanations(dataclasses.replace(s, slowest=slowest)))
+    assert "grew by at least the median step with a measured cause, or 5 median steps without one" in said
