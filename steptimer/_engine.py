@@ -144,6 +144,17 @@ class Between:
         self.paused_s = 0.0
         self.pause_evs: list[tuple[Any, Any]] = []  # (start, end) events of the pauses
 
+    def gap(self, t0: float) -> tuple[float, float]:
+        """The time between steps before the step that began at ``t0``, pauses left out, and the loader's
+        part of it (NaN, NaN: the run's first step); the loader's time counts anew from here."""
+        fetch = self.fetch_s
+        if fetch == fetch:  # a loader is timed
+            self.fetch_s = 0.0
+        if self.start is None:
+            return _NAN, _NAN
+        gap = t0 - self.start - self.paused_s
+        return (gap if gap > 0.0 else 0.0), fetch
+
     def restart(self, t: float) -> None:
         """The time between steps starts again at ``t`` (after a dropped step: its time is none of it)."""
         self.start, self.own_s, self.paused_s = t, 0.0, 0.0
@@ -337,22 +348,62 @@ class Engine:
 
     def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:
         """Finish the step (drop it if it raised or a phase is open), queue it, wait once, resolve what
-        is due, then hand a window that ended to the owner. Never swallows the exception."""
+        is due, then hand a window that ended to the owner. Never swallows the exception. An untimed
+        step with nothing to wait for, mark or record is a row at once (most steps under the cost
+        budget: the cost of an untimed step is this path's), its columns as ``_window.LEAD`` has them."""
         if not self.state:
             return
         t1 = perf_counter()
         if et is not None or self._stack:  # dropped: it raised, or left a phase open (an error)
             self._end_dropped(et, error)
             return
+        t0, number, bt, pend = self._t0, self.number + 1, self.between, self.pend
         try:
-            t_end = self._queue(t1)
+            gap, fetch = bt.gap(t0)
+            marks = None
+            for listener, ended in self._enders:  # their marks; ``{}``: keep the step for its resolution
+                try:
+                    m = ended(number)
+                except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+                    self.off(listener.part, err)
+                    continue
+                if m is not None:
+                    marks = m if marks is None else {**marks, **m}
+            own_gap, bt.own_s = bt.own_s, 0.0
+            samples, tokens, flops = self.counts
+            samples = _NAN if samples is None else samples
+            tokens = _NAN if tokens is None else tokens
+            flops = _NAN if flops is None else flops
+            if (
+                self.state == UNTIMED
+                and marks is None
+                and not pend.steps
+                and not bt.pause_evs
+                and not bt.paused_s
+                and not pend.late_marks
+                and not (self.cuda and number + 1 == self.sampler.next_timed)
+            ):
+                if t1 - t0 + gap > self.sampler.slow_s:  # see _pend
+                    marks = {"untimed": 1.0}
+                row = [number, samples, tokens, 0.0, gap, 0.0 if self.cuda else _NAN, flops, fetch, own_gap, 0.0]
+                self._add_row(number, (None, False, False), row, marks)
+                self.number, self.state = number, OUT
+                bt.start = t_end = perf_counter()  # the row is in: its times are set in it
+                row[STEP_S] = t_end - t0
+                row[OWN_STEP_S] = t_end - t1
+                if not self.ends.due:
+                    return  # nothing after the step's end to count
+            else:
+                counts, pauses, device = (samples, tokens, flops), bt.pause_evs or (), self.clock.device
+                rec = StepRecord(number, t0, counts, gap, fetch, own_gap, self._recs, pauses, device, bt.paused_s)
+                rec.marks = marks or None
+                t_end = self._pend(t1, rec)
         except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
             self._recover()
             raise
         if self.ends.due:
             self._hand_window()
-        if t_end:  # resolving and window work after the step's end (0.0: none, the row is in)
-            self.between.own_s += perf_counter() - t_end
+        bt.own_s += perf_counter() - t_end  # resolving and window work after the step's end
 
     def _end_dropped(self, et: type[BaseException] | None, error: BaseException | None) -> None:
         """Drop the step that raised (the error noted if it was CUDA's out of memory) or left a phase open."""
@@ -364,64 +415,6 @@ class Engine:
         self._drop_step()
         if et is None:
             raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
-
-    def _marks(self, number: int) -> dict[str, float] | None:
-        """The listeners' marks for the step ``number`` that ends (None: none; ``{}``: keep it pending)."""
-        marks = None
-        for listener, step_ended in self._enders:
-            try:
-                m = step_ended(number)
-            except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
-                self.off(listener.part, err)
-                continue
-            if m is not None:
-                marks = m if marks is None else {**marks, **m}
-        return marks
-
-    def _queue(self, t1: float) -> float:
-        """Queue the step, wait for step N - lag's end event, resolve what is due; return the step's end
-        (host clock; 0.0: nothing after it to count). An untimed step with nothing to wait for, mark or
-        record is a row at once (most steps under the cost budget: the cost of an untimed step is this
-        path's), its leading columns as ``_window.LEAD`` lays them out."""
-        state, t0, number, bt = self.state, self._t0, self.number + 1, self.between
-        gs, fetch = bt.start, bt.fetch_s
-        if fetch == fetch:  # a loader is timed: its time before the next step counts from here
-            bt.fetch_s = 0.0
-        if gs is None:
-            gap = fetch = _NAN  # the run's first step: no time between steps before it
-        else:
-            gap = t0 - gs - bt.paused_s
-            if gap < 0.0:
-                gap = 0.0
-        marks = self._marks(number) if self._enders else None
-        own_gap, bt.own_s = bt.own_s, 0.0
-        samples, tokens, flops = self.counts
-        samples = _NAN if samples is None else samples
-        tokens = _NAN if tokens is None else tokens
-        flops = _NAN if flops is None else flops
-        if (
-            state == UNTIMED
-            and marks is None
-            and not self.pend.steps
-            and not bt.pause_evs
-            and not bt.paused_s
-            and not self.pend.late_marks
-            and not (self.cuda and number + 1 == self.sampler.next_timed)
-        ):
-            if t1 - t0 + gap > self.sampler.slow_s:  # see _pend
-                marks = {"untimed": 1.0}
-            wait = 0.0 if self.cuda else _NAN
-            row = [number, samples, tokens, 0.0, gap, wait, flops, fetch, own_gap, 0.0]
-            self._add_row(number, (None, False, False), row, marks)
-            self.number, self.state = number, OUT
-            bt.start = t_end = perf_counter()  # the row is in: its times are set in it
-            row[STEP_S] = t_end - t0
-            row[OWN_STEP_S] = t_end - t1
-            return 0.0 if not self.ends.due else t_end
-        counts, pauses, device = (samples, tokens, flops), bt.pause_evs or (), self.clock.device
-        rec = StepRecord(number, t0, counts, gap, fetch, own_gap, self._recs, pauses, device, bt.paused_s)
-        rec.marks = marks or None
-        return self._pend(t1, rec)
 
     def _end_events(self, t1: float, rec: StepRecord) -> tuple[float, bool]:
         """The step's end event, if it has events: (host time blocked in a full launch queue, and whether

@@ -113,8 +113,8 @@ class StepMarks(Listener):
 
     def step_ended(self, number: int) -> dict[str, float] | None:
         """The graphs compiled in the step; ``{}``: GC spans to place at its resolution."""
-        marks = self.ended() if self.dyn is not None else None
-        return {} if marks is None and (self.spans or self.fresh) else marks
+        marks = None if self.dyn is None else self.ended()
+        return marks if marks is not None or not (self.spans or self.fresh) else {}
 
     def step_resolved(self, rec: Any, rows: Any) -> None:
         if rec.marks or rec.paused_s or self.spans or self.fresh:
