@@ -1,10 +1,12 @@
 """The engine: steps and phases timed with CUDA events (one lagged event wait per step, never a
 device-wide synchronize) or the host clock; finished steps become rows of a window (``StepRows``).
 It knows no framework. Its parts, each one idea: the event pool and stream (``_clock.EventClock``),
-which steps are timed with the cost budget (``_sampling.Sampler``), the allocator readings
-(``_memory.MemoryPlan``), and here the window boundaries (``WindowEnds``). Once its state is whole at
-the end of ``end_step``, ``on_window(number)`` tells the owner that the rows of the window ending at
-step ``number`` are in ``rows``."""
+which steps are timed, with the cost budget (``_sampling.Sampler``), the allocator readings
+(``_memory.MemoryPlan``), and here the time between steps (``Between``), the steps pending
+resolution (``Pending``) and the window boundaries (``WindowEnds``). Plug-ins hear it through one
+listener protocol (``_listener.Listener``). Once its state is whole at the end of ``end_step``,
+``on_window(number)`` tells the owner that the rows of the window ending at step ``number`` are in
+``rows``."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 
 from steptimer._clock import SHARE_GAP_S as _SHARE_GAP_S
 from steptimer._clock import EventClock, _CudaBackend, cuda_usable, default_backend
-from steptimer._listener import CAPTURE, COMM, SLOW, Listener
+from steptimer._listener import CAPTURE, COMM, HOOKS, SLOW, Listener
 from steptimer._memory import MEMORY_AUTO, MemoryPlan, StepMemory, _MemoryBackend
 from steptimer._sampling import Sampler
 from steptimer._slow import StepMarks
@@ -235,7 +237,8 @@ class Engine:
         # the phases' entries and exits): with ``between.own_s``, the ``steptimer`` row (_window.py).
         self._own = 0.0
         self._listeners: list[Listener] = []
-        self._enders: list[tuple[Listener, Callable[[int], dict[str, float] | None]]] = []  # their step_ended
+        # Per hook, the listeners whose own it is, with it bound (tuples: one detached mid-call is safe).
+        self._hooks: dict[str, tuple[tuple[Listener, Callable[..., Any]], ...]] = dict.fromkeys(HOOKS, ())
         if slowest:
             self.attach(StepMarks(perf_counter, self.pend.steps))
         if capture is not None:
@@ -278,8 +281,9 @@ class Engine:
     def attach(self, listener: Listener) -> None:
         """Let ``listener`` hear the run's events (``_listener.Listener``), after those attached before it."""
         self._listeners.append(listener)
-        if listener.overrides("step_ended"):
-            self._enders.append((listener, listener.step_ended))
+        for hook in HOOKS:
+            if listener.overrides(hook):
+                self._hooks[hook] += ((listener, getattr(listener, hook)),)
         if self.cuda is not None and listener.overrides("run_began"):  # the run began already
             with self.contain(listener.part):
                 listener.run_began(self)
@@ -293,16 +297,15 @@ class Engine:
 
     def _detach(self, listener: Listener) -> None:
         self._listeners.remove(listener)
-        self._enders = [e for e in self._enders if e[0] is not listener]
+        self._hooks = {hook: tuple(h for h in hs if h[0] is not listener) for hook, hs in self._hooks.items()}
 
     def _tell(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on each listener that has its own, each failure contained (:meth:`off`)."""
-        for each in list(self._listeners):
-            if each.overrides(hook):
-                try:
-                    getattr(each, hook)(*args)
-                except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
-                    self.off(each.part, err)
+        for listener, call in self._hooks[hook]:
+            try:
+                call(*args)
+            except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+                self.off(listener.part, err)
 
     def begin_step(self) -> None:
         """Begin a step (``with engine:``: the engine is its own context manager, a call less)."""
@@ -361,7 +364,7 @@ class Engine:
         try:
             gap, fetch = bt.gap(t0)
             marks = None
-            for listener, ended in self._enders:  # their marks; ``{}``: keep the step for its resolution
+            for listener, ended in self._hooks["step_ended"]:  # their marks; ``{}``: keep the step for its resolution
                 try:
                     m = ended(number)
                 except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
@@ -667,7 +670,7 @@ class Engine:
                 for a, c in rec.pauses:
                     idle -= clock.b.elapsed_ms(a, c)
                 row.append(idle)
-        if self._listeners:  # before its events go back to the pool
+        if self._hooks["step_resolved"]:  # before its events go back to the pool
             self._tell("step_resolved", rec, self.rows)
         self.pend.steps.popleft()  # all above only reads: an exception there (Ctrl-C) leaves it pending
         if evs:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 # The listeners' parts, named in the note when one's own failure detaches it.
 SLOW, CAPTURE, COMM = "the slow-step marks", "the trace capture", "comm rows"
+HOOKS = ("run_began", "step_ended", "step_resolved", "step_dropped", "run_closed")
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine, StepRecord
