@@ -489,16 +489,8 @@ class CrossRank:
             phase, steps, share = grew_most(late.grew_ms), max(late.steps, 1), late.steps / self._measured
             grew_ms = late.grew_ms[phase] / max(late.grew_steps, 1) if phase else 0.0
             paced = host_paced(late.fed[phase], late.grew_steps) if phase in late.fed else None
-            last = LastRank(
-                rank,
-                share,
-                late.ahead_ms / steps,
-                phase,
-                grew_ms,
-                stood_out(late.steps, self._measured),
-                self.collective,
-                paced,
-            )
+            stood = stood_out(late.steps, self._measured)
+            last = LastRank(rank, share, late.ahead_ms / steps, phase, grew_ms, stood, self.collective, paced)
             self.summary = replace(self.summary, last=last, late=self._late_windows.summary())
         return out
 
