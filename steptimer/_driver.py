@@ -49,6 +49,7 @@ class PhaseDriver:
         self._rejoin = rejoin
         self.update = Update()  # the step's optimizer updates
         self._step: AbstractContextManager[None] | None = None
+        self._quiet = False  # the step is not timed: its phases are no-ops
         self.phase: str | None = None  # the hook phase open at the innermost user-phase level
         self._users: list[UserPhase] = []  # the user phases open, outermost first
         self.end_pending = False  # the step ended inside a user phase: it ends when that one exits
@@ -71,6 +72,9 @@ class PhaseDriver:
         self.counts = {k: v for k, v in counts.items() if v is not None}
         self._step = self.timer.step(**self.counts)
         self._step.__enter__()
+        # A step the timer does not time gives every phase its one no-op (NVTX ranges aside, which
+        # run in every step): this step's switches then skip the timer, about 40 calls a step.
+        self._quiet = self.timer.phase(FORWARD) is self.timer.phase(LOSS)
 
     def end(self) -> None:
         """End the step (with :attr:`counts`) and its open phase; inside a user phase, when it exits."""
@@ -89,6 +93,7 @@ class PhaseDriver:
 
     def _reset(self) -> AbstractContextManager[None] | None:
         step, self._step = self._step, None
+        self._quiet = False
         self.phase = None
         self._users = []
         self.end_pending = False
@@ -102,6 +107,11 @@ class PhaseDriver:
         """End the innermost hook phase (``error``: the exception that ended it); start ``name``."""
         cur = self.phase
         if cur == name:
+            return
+        if self._quiet:
+            self.phase = name
+            if name is not None:
+                self.seen.add(name)
             return
         if cur is not None:
             self.phase = None
@@ -236,7 +246,7 @@ class PhaseDriver:
         self.fwd_depth += 1
         if self.fwd_depth > 1:
             return
-        if self._rejoin and self.phase == LOSS and self.timer._rejoin(LOSS, FORWARD):
+        if self._rejoin and self.phase == LOSS and (self._quiet or self.timer._rejoin(LOSS, FORWARD)):
             self.phase = FORWARD
         else:
             self.switch(FORWARD)

@@ -1040,3 +1040,32 @@ def test_a_fetch_inside_a_fetch_counts_once(shape: str) -> None:
     top = [r.share for r in s.rows if r.name not in ("step", "idle") and r.share is not None]
     assert sum(top) == pytest.approx(1.0, abs=0.01)
 
+
+
+def test_an_untimed_steps_phase_switches_skip_the_timer() -> None:
+    """A step the timer does not time switches its hook phases without calling the timer (each call
+    would return the same no-op): the driver asks the timer twice at the step's start, no more. The
+    timed steps' phases are all there."""
+    net = nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    timed = instrument(net, opt, cuda=False, warmup_steps=0, sample_every=2, print_summary=False)
+    calls: list[str] = []
+    phase = timed.timer.phase
+
+    def counted(name: str) -> Any:
+        calls.append(name)
+        return phase(name)
+
+    timed.timer.phase = counted  # type: ignore[method-assign]
+    per_step = []
+    for _ in range(6):
+        before = len(calls)
+        F.mse_loss(net(torch.randn(8, 4)), torch.randn(8, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(len(calls) - before)
+    s = timed.close()
+    assert s.timed_steps == 3 and s["forward"].calls_per_step == 1, s
+    untimed, timed_calls = sorted(per_step)[:3], sorted(per_step)[3:]
+    assert untimed == [2, 2, 2], per_step
+    assert min(timed_calls) > 2, per_step
