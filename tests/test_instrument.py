@@ -1041,7 +1041,6 @@ def test_a_fetch_inside_a_fetch_counts_once(shape: str) -> None:
     assert sum(top) == pytest.approx(1.0, abs=0.01)
 
 
-
 def test_an_untimed_steps_phase_switches_skip_the_timer() -> None:
     """A step the timer does not time switches its hook phases without calling the timer (each call
     would return the same no-op): the driver asks the timer twice at the step's start, no more. The
