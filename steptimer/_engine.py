@@ -70,17 +70,17 @@ class StepRecord:
     gap_s: float  # host time since the previous step, pauses left out
     fetch_s: float  # the training loader's part of gap_s
     own_gap_s: float  # steptimer's own part of gap_s (resolving, window work)
-    phases: list[PhaseRecord]
-    pauses: Sequence[tuple[Any, Any]]  # (start, end) events of the pauses before it
-    device: int
-    paused_s: float
+    marks: dict[str, float] | None  # what happened in the step (_slow.py), if anything
+    phases: list[PhaseRecord] = _EMPTY  # a step outside the sample: none (see ``timed``)
+    pauses: Sequence[tuple[Any, Any]] = ()  # (start, end) events of the pauses before it
+    device: int = -1
+    paused_s: float = 0.0
     events: list[Any] = _EMPTY  # its CUDA events, set at its end: its start event first
     i_end: int = 0  # the index in events of its end event
     step_s: float = 0.0
     wait_s: float = 0.0  # the host's wait for the GPU at its end (the lagged event wait)
     own_step_s: float = 0.0  # steptimer's own host time in it outside its top-level phases
     memory: StepMemory | None = None  # the allocator's readings (memory on, timed GPU step)
-    marks: dict[str, float] | None = None  # what happened in the step (_slow.py), if anything
     offs_ms: list[float] | None = None  # resolved timed GPU step: each event's ms from the first
     chain_ms: float | None = None  # and the GPU's time from the previous step's end event
 
@@ -145,17 +145,6 @@ class Between:
         self.pausing = False
         self.paused_s = 0.0
         self.pause_evs: list[tuple[Any, Any]] = []  # (start, end) events of the pauses
-
-    def gap(self, t0: float) -> tuple[float, float]:
-        """The time between steps before the step that began at ``t0``, pauses left out, and the loader's
-        part of it (NaN, NaN: the run's first step); the loader's time counts anew from here."""
-        fetch = self.fetch_s
-        if fetch == fetch:  # a loader is timed
-            self.fetch_s = 0.0
-        if self.start is None:
-            return _NAN, _NAN
-        gap = t0 - self.start - self.paused_s
-        return (gap if gap > 0.0 else 0.0), fetch
 
     def restart(self, t: float) -> None:
         """The time between steps starts again at ``t`` (after a dropped step: its time is none of it)."""
@@ -350,10 +339,8 @@ class Engine:
         return True
 
     def end_step(self, et: type[BaseException] | None, error: BaseException | None = None, tb: Any = None) -> None:
-        """Finish the step (drop it if it raised or a phase is open), queue it, wait once, resolve what
-        is due, then hand a window that ended to the owner. Never swallows the exception. An untimed
-        step with nothing to wait for, mark or record is a row at once (most steps under the cost
-        budget: the cost of an untimed step is this path's), its columns as ``_window.LEAD`` has them."""
+        """Finish the step (or drop it: it raised, a phase is open; the exception goes on): a row at once
+        (``_window.LEAD``), most untimed steps' path, else queued, waited for and resolved (``_pend``)."""
         if not self.state:
             return
         t1 = perf_counter()
@@ -362,7 +349,13 @@ class Engine:
             return
         t0, number, bt, pend = self._t0, self.number + 1, self.between, self.pend
         try:
-            gap, fetch = bt.gap(t0)
+            gs, fetch = bt.start, bt.fetch_s
+            if fetch == fetch:  # a loader is timed: its time before the next step counts from here
+                bt.fetch_s = 0.0
+            if gs is None:
+                gap = fetch = _NAN  # the run's first step: no time between steps before it
+            else:
+                gap = max(t0 - gs - bt.paused_s, 0.0)
             marks = None
             for listener, ended in self._hooks["step_ended"]:  # their marks; ``{}``: keep the step for its resolution
                 try:
@@ -397,10 +390,7 @@ class Engine:
                 if not self.ends.due:
                     return  # nothing after the step's end to count
             else:
-                counts, pauses, device = (samples, tokens, flops), bt.pause_evs or (), self.clock.device
-                rec = StepRecord(number, t0, counts, gap, fetch, own_gap, self._recs, pauses, device, bt.paused_s)
-                rec.marks = marks or None
-                t_end = self._pend(t1, rec)
+                t_end = self._pend(t1, StepRecord(number, t0, (samples, tokens, flops), gap, fetch, own_gap, marks))
         except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
             self._recover()
             raise
@@ -449,6 +439,13 @@ class Engine:
     def _pend(self, t1: float, rec: StepRecord) -> float:
         """``_queue`` of a step that is timed, or has a step before it, a pause, a mark or an event."""
         pend, bt, state, number, sp = self.pend, self.between, self.state, rec.number, self.sampler
+        rec.phases, rec.pauses, rec.device, rec.paused_s = (
+            self._recs,
+            bt.pause_evs or (),
+            self.clock.device,
+            bt.paused_s,
+        )
+        rec.marks = rec.marks or None  # {}: a listener's, to keep the step for its resolution
         queued = bool(pend.steps)
         if state == UNTIMED:
             sp.cost_at_begin = sp.cost_s
@@ -695,12 +692,14 @@ class Engine:
 
 class Phase:
     """``with timer.phase(name):`` (one object per name, reused); it does the engine's work itself:
-    a Python call less at each entry and exit (~0.1 µs each)."""
+    a Python call less at each entry and exit (~0.1 µs each), with the engine's parts it uses bound
+    (the event clock, the sampler and the memory readings: an attribute read less each)."""
 
-    __slots__ = ("e", "name", "r")
+    __slots__ = ("e", "name", "r", "c", "sp", "m")
 
     def __init__(self, engine: Engine, name: str, ranges: Any = None) -> None:
         self.e, self.name, self.r = engine, name, ranges
+        self.c, self.sp, self.m = engine.clock, engine.sampler, engine.mem
 
     def __enter__(self) -> None:
         t0 = perf_counter()  # first: the gap since the last boundary leaves out steptimer's own work
@@ -714,11 +713,11 @@ class Phase:
         for entry in stack:
             if entry[1] == name:
                 raise RuntimeError(f"phase {name!r} is already open: a phase cannot be reopened inside itself")
-        i, t, clock = -1, t0, e.clock
+        i, t, clock = -1, t0, self.c
         if state == GPU:
             shared = t0 - clock.last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             i = clock.boundary(t0)
-            if (mem := e.mem.cur) is not None:
+            if (mem := self.m.cur) is not None:
                 try:
                     mem.enter_phase(shared)
                 except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see Engine.off
@@ -729,7 +728,7 @@ class Phase:
         if not stack:
             e._own += t0 - t
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
-        sp = e.sampler
+        sp = self.sp
         if state == GPU:
             clock.last_t = t2 = perf_counter()
             if sp.budget is not None:
@@ -757,7 +756,7 @@ class Phase:
                 f"phase {name!r} exited while {open_!r} is open: phases must nest (exit the inner phase first)"
             )
         full, _, t_in, i_in = stack.pop()
-        i_out, caught, clock = -1, 0.0, e.clock
+        i_out, caught, clock = -1, 0.0, self.c
         if gpu:
             # Has the GPU reached the phase's entry? If not, older work kept it busy the whole phase:
             # it cannot have waited for the host inside it (a query, ~0.3 µs through the shim).
@@ -771,16 +770,16 @@ class Phase:
                 if not reached:
                     e._recs[-1] = prev._replace(caught=0.0)
             i_out = clock.boundary(t1)
-            if (mem := e.mem.cur) is not None:
+            if (mem := self.m.cur) is not None:
                 try:
                     peak = mem.exit_phase(full)
-                    if failed and e.mem.oom is None:
+                    if failed and self.m.oom is None:
                         e._note_oom(full, error, peak)
                 except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see Engine.off
                     e.off(MEMORY, err)
         e._recs.append(PhaseRecord(full, t_in, t1, i_in, i_out, caught))
         top = not stack  # a top-level phase's exit is the ``steptimer`` row's, an inner one's its parent's
-        sp = e.sampler
+        sp = self.sp
         if gpu or top or sp.budget is not None:
             t2 = perf_counter()
             if gpu:
