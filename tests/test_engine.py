@@ -686,3 +686,29 @@ def test_a_listeners_marks_keep_an_untimed_step_for_its_resolution(clock: FakeCl
     assert {5, 7} <= set(resolved) and len(others) == 8
     assert o.engine.rows.marks[5] == {"graphs_new": 1.0} and 7 not in o.engine.rows.marks
     assert o.engine.rows.count == 10
+
+
+@pytest.mark.cuda
+def test_a_listener_hears_a_real_cuda_run_with_its_events_resolved() -> None:
+    """On a real GPU (the native or torch CUDA calls): each resolved timed step reaches the listener
+    before its events go back to the pool, its GPU offsets read (a GPU step of at least the kernel's
+    length), then the run closes; the pool stops growing."""
+    import torch
+
+    x = torch.randn(1024, 1024, device="cuda")
+    heard: list[StepRecord] = []
+    o = Owner(None, cuda=True, window_every=1000, capture=Heard(heard.append))
+    e = o.engine
+    for _ in range(6):
+        with e:
+            with o.phases["forward"]:
+                x = x @ x
+                x /= x.norm()
+    made = e.events_created
+    for _ in range(6):
+        with e, o.phases["forward"]:
+            x = x @ x
+    e.close()
+    assert e.cuda and [r.number for r in heard] == list(range(1, 13))
+    assert all(r.offs_ms is not None and r.offs_ms[r.i_end] > 0.0 for r in heard)
+    assert e.events_created == made and e.rows.count == 12
