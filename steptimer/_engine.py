@@ -60,7 +60,7 @@ class PhaseRecord(NamedTuple):
 
 @dataclass(slots=True, eq=False)
 class StepRecord:
-    """A finished step whose GPU events may not have completed yet (for ``on_step``); host times in
+    """A finished step whose GPU events may not have completed yet (the listeners'); host times in
     seconds, NaN where there is none (the counts not given, no time between steps before the run's
     first, no loader timed)."""
 
@@ -437,7 +437,8 @@ class Engine:
         return (blocked if blocked > 0.0 else 0.0), behind
 
     def _pend(self, t1: float, rec: StepRecord) -> float:
-        """``_queue`` of a step that is timed, or has a step before it, a pause, a mark or an event."""
+        """The end of a step that is timed, or has a step before it, a pause, a mark or an event: queued,
+        the step N - lag waited for, what is due resolved; returns the step's end (host clock)."""
         pend, bt, state, number, sp = self.pend, self.between, self.state, rec.number, self.sampler
         rec.phases, rec.pauses, rec.device, rec.paused_s = (
             self._recs,
