@@ -355,7 +355,8 @@ class Engine:
             if gs is None:
                 gap = fetch = _NAN  # the run's first step: no time between steps before it
             else:
-                gap = max(t0 - gs - bt.paused_s, 0.0)
+                gap = t0 - gs - bt.paused_s
+                gap = gap if gap > 0.0 else 0.0
             marks = None
             for listener, ended in self._hooks["step_ended"]:  # their marks; ``{}``: keep the step for its resolution
                 try:
