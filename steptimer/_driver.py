@@ -56,7 +56,7 @@ class PhaseDriver:
         self.live = True  # hook events count; False: the front door is between its batches
         self.in_scope = not scoped  # model calls are `forward` now
         self.in_backward = False  # activation checkpointing re-runs forward inside backward
-        self.seen: set[str] = set()  # the hook phases opened in this step
+        self.seen: set[str] = set()  # the hook phases opened in this step, if the timer times it
         self.counts: dict[str, float] = {}  # samples, tokens, flops: the step's, at its end
         self.fwd_depth = 0  # nested model calls (a model inside another) count once
         self.paused = 0  # inside pause(): hooks pass everything through
@@ -66,6 +66,11 @@ class PhaseDriver:
     @property
     def in_step(self) -> bool:
         return self._step is not None
+
+    @property
+    def quiet(self) -> bool:
+        """The step under way is one the timer does not time: its phase switches are not the timer's."""
+        return self._quiet
 
     def begin(self, **counts: float | None) -> None:
         """Start a step; :attr:`counts` start from ``counts`` (samples, tokens, flops; None: none)."""
@@ -110,8 +115,6 @@ class PhaseDriver:
             return
         if self._quiet:
             self.phase = name
-            if name is not None:
-                self.seen.add(name)
             return
         if cur is not None:
             self.phase = None
@@ -209,14 +212,14 @@ class PhaseDriver:
         return call
 
     def model_pre(self, *_: Any) -> None:
-        """A forward pre-hook: the outermost model call opens ``forward``."""
-        if self.live and self.in_scope and not self.in_backward:
+        """A forward pre-hook: the outermost model call opens ``forward`` (in a step the timer times)."""
+        if self.live and self.in_scope and not self.in_backward and not self._quiet:
             self.forward_enter()
 
     def model_post(self, module: Any, args: Any, output: Any) -> None:
         """Forward hook (``always_call``): see :meth:`forward_returned` (the step is not dropped on a
         raise: the front door's framework says whether the step goes on)."""
-        if self.live and self.in_scope and not self.in_backward and self.forward_exit():
+        if self.live and self.in_scope and not self.in_backward and not self._quiet and self.forward_exit():
             self.forward_returned(output, drop=False)
 
     def forward_returned(self, output: Any, *, drop: bool) -> None:

@@ -202,7 +202,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._hooks = Hooks(eager=False)
         self._hooked: list[tuple[str, Any]] = []  # (name, module) hooked for `forward`; "": the LightningModule
         self._manual = False
-        self._will_step = True  # this micro-batch ends with an optimizer step (automatic)
+        self._batch_idx = 0  # of the batch under way
         # Updates begun in this batch (on_before_optimizer_step) and done (the optimizer's step
         # post-hook): one begun and never done was skipped by the GradScaler (inf/NaN gradients).
         self._begun = self._done = 0
@@ -349,9 +349,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             d.switch(None)  # the `data` phase between micro-batches of one step
         d.live = True
         self._begun = self._done = 0
-        if not self._manual:  # Lightning's accumulation rule: does this micro-batch end with a step?
-            k, n = int(trainer.accumulate_grad_batches), trainer.num_training_batches
-            self._will_step = (batch_idx + 1) % k == 0 or (isinstance(n, int) and batch_idx + 1 >= n)
+        self._batch_idx = batch_idx
         for k, what, fn in self._counters:
             d.counts[k] += check_count(what, fn(batch) if callable(fn) else fn)
 
@@ -434,7 +432,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         d = self._live()
         if d is not None:
-            d.backward_end(CLIP if self._manual or self._will_step else None)
+            d.backward_end(CLIP if not d.quiet and (self._manual or self._will_step(trainer)) else None)
+
+    def _will_step(self, trainer: Any) -> bool:
+        """Lightning's accumulation rule: the micro-batch under way ends with an optimizer step."""
+        k, n, i = int(trainer.accumulate_grad_batches), trainer.num_training_batches, self._batch_idx
+        return (i + 1) % k == 0 or (isinstance(n, int) and i + 1 >= n)
 
     @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:

@@ -1721,3 +1721,49 @@ def test_only_boundaries_lightning_has_no_hook_for_are_wrapped(mode: str) -> Non
     assert s is not None and s.steps == 4
     assert s["data"].host.median_ms >= HIGH_MS  # every fetch sleeps: measured at the loader
     assert s["zero_grad"].calls_per_step == 1
+
+
+def test_an_untimed_step_calls_the_timer_for_no_phase() -> None:
+    """Between a batch's start and end, a step the timer does not time (sample_every=2: every other
+    one) calls the timer for no phase: the callback's and the model's hooks pass it by. The timed
+    steps' phases are all there."""
+    import pytorch_lightning as pl
+
+    per_batch: list[int] = []
+    calls: list[str] = []
+
+    class Probe(pl.Callback):  # after the StepTimerCallback: its hooks run after the callback's
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            timer = cb._driver.timer
+            phase = timer.phase
+
+            def counted(name: str) -> Any:
+                calls.append(name)
+                return phase(name)
+
+            timer.phase = counted
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.before = len(calls)
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            per_batch.append(len(calls) - self.before)
+
+    sleeper = Sleeper(regions=(None,))
+    cb = StepTimerCallback(warmup_steps=0, sample_every=2, print_summary=False)
+    tr = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=[cb, Probe()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        max_epochs=1,
+    )
+    tr.fit(make_module(pl, "auto", sleeper), loader(6))
+    s = cb.summary
+    assert s is not None and s.steps == 6 and s.timed_steps == 3, s
+    assert s["forward"].calls_per_step == 1 and s["backward"].calls_per_step == 1
+    assert sorted(per_batch)[:3] == [0, 0, 0] and min(sorted(per_batch)[3:]) > 0, per_batch
