@@ -410,17 +410,18 @@ class Engine:
         if et is None:
             raise RuntimeError(f"step ended with phase {open_!r} still open; the step was discarded")
 
-    def _end_events(self, t1: float, rec: StepRecord) -> tuple[float, bool]:
-        """The step's end event, if it has events: (host time blocked in a full launch queue, and whether
-        the GPU had not begun the step when the host ended it), for the budget."""
+    def _end_events(self, t1: float, rec: StepRecord) -> tuple[float, float]:
+        """The step's end event, if it has events: (host time blocked in a full launch queue, and the share
+        of the step's phases in which the GPU caught up with the host), for the budget."""
         state, clock, sp = self.state, self.clock, self.sampler
-        blocked, behind = 0.0, False
+        blocked, caught = 0.0, 1.0
         if state == GPU:
             shared = t1 - clock.last_t < _SHARE_GAP_S  # nothing ran since the last boundary
             rec.i_end = clock.boundary(t1)
             if sp.budget is not None:
                 blocked = perf_counter() - t1 - sp.bound_cap  # in a full launch queue: not our cost
-                behind = not clock.b.query(clock.evs[0])
+                recs = self._recs
+                caught = sum([r.caught for r in recs]) / len(recs) if recs else float(clock.b.query(clock.evs[0]))
             if self.mem.cur is not None:
                 try:
                     rec.memory = self.mem.end_step(rec.t0, shared)
@@ -435,7 +436,7 @@ class Engine:
             if sp.budget is not None:  # a GPU-bound run's full launch queue: the user's wait, not ours
                 blocked = perf_counter() - t1 - sp.bound_cap
         rec.events = clock.evs
-        return (blocked if blocked > 0.0 else 0.0), behind
+        return (blocked if blocked > 0.0 else 0.0), caught
 
     def _pend(self, t1: float, rec: StepRecord) -> float:
         """The end of a step that is timed, or has a step before it, a pause, a mark or an event: queued,
@@ -451,7 +452,7 @@ class Engine:
         queued = bool(pend.steps)
         if state == UNTIMED:
             sp.cost_at_begin = sp.cost_s
-        blocked, behind = self._end_events(t1, rec)
+        blocked, caught = self._end_events(t1, rec)
         # The step is the engine's from here: an exception below (Ctrl-C in a wait) keeps it.
         pend.steps.append(rec)
         self.number, self.state = number, OUT
@@ -474,14 +475,14 @@ class Engine:
         # blocked in a full launch queue) and, in a timed step, its begin and the phases' entries and exits
         own = t_end - t1 - rec.wait_s - blocked
         rec.own_step_s = own + self._own if state >= HOST else own
-        if behind:
-            # GPU-bound: the GPU still had the steps before this one to run while the host ran this
-            # one and the boundary before it, so steptimer's host time since the last pick cost no wall.
-            sp.cost_s = 0.0
-        elif sp.budget is not None and (state != UNTIMED or queued or rec.events):
+        if sp.budget is not None and (state != UNTIMED or queued or rec.events):
             sp.cost_s += own
             if rec.wait_s:  # the host then waited for the GPU: its own time in the step, up to that, cost no wall
                 sp.cost_s = max(sp.cost_at_begin, sp.cost_s - rec.wait_s)
+            # Where the GPU ran older work the whole phase it never waited for the host: steptimer's host
+            # time there cost no wall. The block's cost counts in the share of the timed step's phases
+            # where the GPU caught up (a random step of the block: 0 when GPU-bound, 1 when launch-bound).
+            sp.cost_s *= caught
         if number == sp.next_timed:
             sp.pick_next(number, self._t0)
         elif step_s + rec.gap_s > sp.slow_s:  # NaN (the run's first step): never

@@ -472,6 +472,27 @@ def test_the_cost_budget_times_every_step_of_a_gpu_bound_loop_that_fills_the_lau
     assert timed_numbers(o) == list(range(1, 1001))
 
 
+def test_the_cost_budget_times_every_step_of_a_gpu_bound_loop_that_syncs_after_each_step(clock: FakeClock) -> None:
+    """The GPT client's shape with ``loss.item()`` after every step: each phase launches 3 ms of GPU work
+    in 0.5 ms, then the host waits for the GPU between steps. The GPU catches up with the host only at
+    the first phase's entry; in every phase it runs older work until the host has left it, so
+    steptimer's host time (10 µs records, more than 0.2 % of the 6 ms step) costs no wall, and every
+    step is timed (on an H100 the GPT client had 13 of 25 steps timed when the budget counted it)."""
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=100, cost_budget=0.002, warmup_steps=5)
+    for _ in range(400):
+        o.step(clock, gpu, ms=1.0, gpu_ms=3.0, data_ms=0.0)
+        clock.now = max(clock.now, gpu.busy_until_ms / 1e3)  # loss.item()
+    o.engine.close()
+    assert timed_numbers(o) == list(range(1, 401))
+    gpu2 = costly(clock)
+    launch_bound = Owner(gpu2, sample_every=None, window_every=100, cost_budget=0.002, warmup_steps=5)
+    for _ in range(400):  # the same records where the GPU waits for every launch: they count in full
+        launch_bound.step(clock, gpu2, ms=1.0, gpu_ms=0.1, data_ms=0.0)
+    launch_bound.engine.close()
+    assert len(timed_numbers(launch_bound)) < 400 / 2
+
+
 def test_the_cost_budget_never_aliases_with_a_periodic_pattern(clock: FakeClock) -> None:
     """Every 10th step 50 % longer (a ``.item()`` every 10th step): the timed steps fall on every
     position in the period about equally (one at random in each block, whatever its length)."""
