@@ -87,8 +87,9 @@ class PhaseDriver:
             self.end_pending = True
             return
         self.switch(None)
-        if self._reset() is not None:  # the counts at its exit are the last step() call's
-            self.timer.step(**self.counts).__exit__(None, None, None)
+        step = self._reset()
+        if step is not None:  # its counts (which may have grown) go in by one more step() call
+            (self.timer.step(**self.counts) if self.counts else step).__exit__(None, None, None)
 
     def drop(self, et: Any, ev: Any, tb: Any) -> None:
         """The step raised: the engine forgets it and its open phases."""
