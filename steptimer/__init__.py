@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from steptimer._histogram import SeriesStats
+from steptimer._options import Options
 from steptimer._summary import Summary
 from steptimer._verdict import PhaseSummary
 
@@ -15,7 +16,16 @@ if TYPE_CHECKING:
     from steptimer._instrument import Instrumented, instrument
     from steptimer.timer import StepTimer
 
-__all__ = ["Instrumented", "PhaseSummary", "SeriesStats", "StepTimer", "Summary", "__version__", "instrument"]
+__all__ = [
+    "Instrumented",
+    "Options",
+    "PhaseSummary",
+    "SeriesStats",
+    "StepTimer",
+    "Summary",
+    "__version__",
+    "instrument",
+]
 __version__ = "0.2.0"
 
 

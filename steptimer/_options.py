@@ -149,8 +149,8 @@ class Options:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if f.metadata["check"] is not None and not f.metadata["check"][0](v := getattr(self, f.name)):
-                raise ValueError(f"{f.name} must be {f.metadata['check'][1].format(v=v)}")
+            if f.metadata["check"] is not None:
+                _check(f.name, getattr(self, f.name), f.metadata["check"])
         first = self.start_step + 1
         for name in ("trace_steps", "profile_steps"):
             v, ints = getattr(self, name), name == "trace_steps"  # trace_steps=N: N steps after warm-up
@@ -167,9 +167,21 @@ class Options:
                 )
 
     @classmethod
-    def of(cls, given: Mapping[str, Any], who: str, keywords: type | None = None) -> Options:
+    def of(
+        cls, given: Mapping[str, Any], who: str, keywords: type | None = None, options: Options | None = None
+    ) -> Options:
         """The options ``given`` to ``who`` (a front door), checked; ``keywords``: the
-        :class:`Keywords` it takes (default: all). An unknown name is a ``TypeError`` naming ``who``."""
+        :class:`Keywords` it takes (default: all). An unknown name is a ``TypeError`` naming ``who``.
+        ``options``: all of them as one object, checked when it was built (not again), instead."""
+        if options is not None:
+            if not isinstance(options, Options):
+                raise TypeError(
+                    f"{who}'s options must be a steptimer.Options (e.g. another timer's timer.options), "
+                    f"got {type(options).__name__} {options!r:.60}; or pass each option as a keyword"
+                )
+            if given:
+                raise ValueError(f"pass options or keywords, not both: {who} got options and {', '.join(given)}")
+            return options
         taken = list((keywords or Keywords).__annotations__)
         for name in given:
             if name not in taken:
@@ -255,10 +267,15 @@ def options_doc(indent: str, keywords: type = Keywords) -> str:
     return "\n".join(textwrap.fill(e, 100, initial_indent=indent, subsequent_indent=indent + "    ") for e in entries)
 
 
+def _check(name: str, value: object, check: _Check) -> None:
+    """``ValueError`` unless ``value`` keeps ``check``'s rule: "<name> must be <what>"."""
+    if not check[0](value):
+        raise ValueError(f"{name} must be {check[1].format(v=value)}")
+
+
 def check_bool(name: str, value: object) -> None:
     """An on/off option: True or False only (``enabled="false"`` would otherwise mean True)."""
-    if value is not True and value is not False:
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+    _check(name, value, _ON_OFF)
 
 
 def check_count(name: str, value: object) -> float:

@@ -111,7 +111,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         # The progress bar leaves its line open: the summary starts on a line of its own (_close).
         self._bar = not args.disable_tqdm and self._options.print_summary and self._options.enabled
         sinks = [self._log] if self._trainer is not None else []
-        timer = StepTimer(sinks=sinks, **logs, **dataclasses.asdict(self._options))
+        timer = StepTimer(sinks=sinks, **logs, options=self._options)  # checked once, in __init__
         optimizer = kw.get("optimizer")  # accelerate wraps it; the step hooks fire on the torch one
         while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
             optimizer = optimizer.optimizer

@@ -182,6 +182,8 @@ class StepTimer:
         writer: An existing ``SummaryWriter`` to write to instead (steptimer never closes it).
         sinks: More places for each window and the summary: objects with ``write_window(window)``
             and ``close(summary)`` (the Lightning and Hugging Face callbacks' loggers), on rank 0.
+        options: All the options below as one :class:`~steptimer.Options`, checked when it was
+            built (another timer's ``timer.options``, ``dataclasses.replace`` of it), instead of keywords.
         <options>
 
     Example:
@@ -202,9 +204,10 @@ class StepTimer:
         log_dir: str | os.PathLike[str] | None = None,
         writer: Any = None,
         sinks: Sequence[Sink] = (),
-        **options: Unpack[Keywords],
+        options: Options | None = None,
+        **keywords: Unpack[Keywords],
     ) -> None:
-        self.options = opts = Options.of(options, "StepTimer")
+        self.options = opts = Options.of(keywords, "StepTimer", options=options)
         if log_dir is not None and writer is not None:
             raise ValueError("pass log_dir or writer, not both")
         log_dir, writer = _checked_dir(log_dir), _checked_writer(writer)

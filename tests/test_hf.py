@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,34 @@ def test_the_options_are_keywords_with_their_defaults_and_a_misspelt_one_is_name
         TypeError, match=r"StepTimerCallback got an unexpected keyword argument 'lags'; did you mean lag=\?"
     ):
         StepTimerCallback(lags=1)  # type: ignore[call-arg]
+
+
+def test_the_options_are_checked_once_and_the_timer_gets_the_callbacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from steptimer import Options
+
+    built: list[Options] = []
+    check = Options.__post_init__
+
+    def counted(self: Options) -> None:
+        built.append(self)
+        check(self)
+
+    monkeypatch.setattr(Options, "__post_init__", counted)
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False, cuda=False, lag=1)
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        max_steps=2,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
+    monkeypatch.setattr(sys.modules[__name__], "FORWARD_SLEEP_S", 0.0)
+    transformers.Trainer(model=_Tiny(), args=targs, train_dataset=_SlowRows(8, 0.0), callbacks=[cb]).train()
+    assert cb.timed is not None and cb.summary is not None and cb.summary.steps == 2
+    assert len(built) == 1 and cb.timed.timer.options is built[0], built
+    assert built[0].lag == 1
