@@ -108,28 +108,16 @@ def colour_slots(slots: list[str | None], new: list[str], charts: dict[str, set[
     """The log dir's runs after its own (slot n is run n + 1 of the dir), ``slots`` extended by the rows
     ``new`` and by pads (None) to a whole number of blocks of :data:`PALETTE` runs, so the next log dir
     starts at the first colour again and a phase has one colour in every log dir. A row takes the first
-    free slot whose colour no row of a chart it is in (``charts``: the clocks it has) holds, never the
-    total's (the log dir's own run, colour 0); a chart of 7 rows or more repeats one (the first free)."""
+    free slot whose colour no row of a chart it is in (``charts``: the clocks it has) holds; the log
+    dir's own run is in none of the rows' charts, so its colour is free for them. A chart of more than
+    7 rows repeats one (the first free)."""
     out = dict(enumerate(slots, 1))
     for name in new:
         used = {i % PALETTE for i, n in out.items() if n is not None and charts.get(n, set()) & charts[name]}
-        end = max(out, default=0) + PALETTE + 1
-        free = [i for i in range(len(slots) + 1, end) if out.get(i) is None and i % PALETTE]
+        free = [i for i in range(len(slots) + 1, max(out, default=0) + PALETTE + 1) if out.get(i) is None]
         out[next((i for i in free if i % PALETTE not in used), free[0])] = name
     last = max(out, default=0)
     return [out.get(i) for i in range(1, last + 1 + (-(last + 1) % PALETTE))]
-
-
-def totals(window: Window) -> dict[str, float]:
-    """The log dir's own line in the share and ms charts: TensorBoard's outlier clipping takes it."""
-    out = {}
-    for clock, series in (("host", window.host), ("gpu", window.gpu)):
-        rows = [st.mean_ms for name, st in series.items() if "/" not in name and name != STEP]
-        if rows:
-            out[run_tag(MAIN, clock, "ms")] = sum(rows)
-    if window.shares:
-        out[run_tag(MAIN, window.share_clock, "pct")] = 100.0 * sum(window.shares.values())
-    return out
 
 
 def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | None, Any]:
@@ -142,7 +130,7 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
         (*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()
     ]
     values += [(None, k, v) for k, v in window.extra.items() if isinstance(v, str)]  # the run's device
-    for name, in_run, v in values + [(None, k, v) for k, v in totals(window).items()]:
+    for name, in_run, v in values:
         if window.warmup or in_run.startswith(_tags.RUN):
             hidden = (
                 TensorProto(dtype=7, string_val=[v.encode()])  # DT_STRING
