@@ -28,7 +28,6 @@ from steptimer._clock import EventClock, _CudaBackend, cuda_usable, default_back
 from steptimer._listener import CAPTURE, COMM, HOOKS, SLOW, Listener
 from steptimer._memory import MEMORY_AUTO, MemoryPlan, StepMemory, _MemoryBackend
 from steptimer._sampling import Sampler
-from steptimer._slow import StepMarks
 from steptimer._window import OWN_STEP_S, STEP_S, RowKey, StepRows
 
 __all__ = ["CAPTURE", "MEMORY", "MEMORY_AUTO", "SLOW", "Engine", "Fetch", "Phase", "PhaseRecord", "StepRecord"]
@@ -43,6 +42,7 @@ _NAN = math.nan
 # events. Ordered: ``state >= HOST`` is timed.
 OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
 _EMPTY: Any = ()  # an untimed step's phases and events (shared, immutable: see begin_step)
+_ATTACHED = "attached"  # Engine._hooks' key of every listener
 # The memory readings' own failure is contained (Engine.off), as a listener's is: named so in the note.
 MEMORY = "the memory readings"
 
@@ -176,10 +176,9 @@ class Engine:
         backend, memory_backend: the CUDA and allocator calls (tests pass fakes); None: the real ones.
         window_every: a window may end at each multiple of this (and at the last warm-up step).
         window_min_s, window_max: a multiple ends a window once it lasts this long or this many steps.
-        capture: a listener (``_trace.Capture``) attached at once.
+        listeners: attached at once, in order (``_listener.Listener``: the slow-step marks, the capture).
         late_marks: steps are marked after their end (profiler): host steps wait for the next's end.
         memory: read the allocator on one timed GPU step in this many; 0: never; ``MEMORY_AUTO``.
-        slowest: mark what may make a step slow (``_slow.StepMarks``, attached as a listener).
         sample_every: time one step in each block of this many; None: blocks sized by ``cost_budget``.
     """
 
@@ -196,10 +195,9 @@ class Engine:
         on_window: Callable[[int], None],
         window_min_s: float = 0.0,
         window_max: int = 0,
-        capture: Listener | None = None,
+        listeners: Sequence[Listener] = (),
         memory: int = 0,
         memory_backend: _MemoryBackend | None = None,
-        slowest: bool = False,
         cost_budget: float = 0.005,
         late_marks: bool = False,
     ) -> None:
@@ -225,13 +223,14 @@ class Engine:
         # steptimer's own host time in the current timed step outside its top-level phases (its begin,
         # the phases' entries and exits): with ``between.own_s``, the ``steptimer`` row (_window.py).
         self._own = 0.0
-        self._listeners: list[Listener] = []
-        # Per hook, the listeners whose own it is, with it bound (tuples: one detached mid-call is safe).
-        self._hooks: dict[str, tuple[tuple[Listener, Callable[..., Any]], ...]] = dict.fromkeys(HOOKS, ())
-        if slowest:
-            self.attach(StepMarks(perf_counter, self.pend.steps))
-        if capture is not None:
-            self.attach(capture)
+        # Per hook, the listeners whose own it is, with it bound (tuples: one detached mid-call is safe);
+        # under _ATTACHED every listener, in the order attached.
+        self._hooks: dict[str, tuple[tuple[Listener, Callable[..., Any]], ...]] = dict.fromkeys((*HOOKS, _ATTACHED), ())
+        # The listeners that asked to hear the next step's end (``hear_end``), with their ``step_ended``:
+        # an untimed step that none asked for pays one attribute read, no call.
+        self._asks: dict[Listener, Callable[[int], dict[str, float] | None]] = {}
+        for listener in listeners:
+            self.attach(listener)
 
     # What the front doors and tests read of the parts.
     sample_every = property(lambda self: self.sampler.sample_every)
@@ -269,7 +268,7 @@ class Engine:
 
     def attach(self, listener: Listener) -> None:
         """Let ``listener`` hear the run's events (``_listener.Listener``), after those attached before it."""
-        self._listeners.append(listener)
+        self._hooks[_ATTACHED] += ((listener, listener.run_closed),)
         for hook in HOOKS:
             if listener.overrides(hook):
                 self._hooks[hook] += ((listener, getattr(listener, hook)),)
@@ -277,15 +276,25 @@ class Engine:
             with self.contain(listener.part):
                 listener.run_began(self)
 
+    def hear_end(self, listener: Listener) -> None:
+        """Call ``listener.step_ended`` at the next step's end, once (a listener asks again from it to
+        hear the one after). Safe from a ``gc`` callback: one dict store."""
+        self._asks[listener] = listener.step_ended
+
+    @staticmethod
+    def now() -> float:
+        """The engine's host clock (tests patch the module's ``perf_counter``), for the listeners."""
+        return perf_counter()
+
     def listener(self, part: str) -> Any:
         """The attached listener of ``part`` (``_listener.SLOW``, ``CAPTURE``, ``COMM``), or None."""
-        for each in self._listeners:
+        for each, _ in self._hooks[_ATTACHED]:
             if each.part == part:
                 return each
         return None
 
     def _detach(self, listener: Listener) -> None:
-        self._listeners.remove(listener)
+        self._asks.pop(listener, None)
         self._hooks = {hook: tuple(h for h in hs if h[0] is not listener) for hook, hs in self._hooks.items()}
 
     def _tell(self, hook: str, *args: Any) -> None:
@@ -357,15 +366,7 @@ class Engine:
             else:
                 gap = t0 - gs - bt.paused_s
                 gap = gap if gap > 0.0 else 0.0
-            marks = None
-            for listener, ended in self._hooks["step_ended"]:  # their marks; ``{}``: keep the step for its resolution
-                try:
-                    m = ended(number)
-                except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
-                    self.off(listener.part, err)
-                    continue
-                if m is not None:
-                    marks = m if marks is None else {**marks, **m}
+            marks = self._asked(number) if self._asks else None
             own_gap, bt.own_s = bt.own_s, 0.0
             samples, tokens, flops = self.counts
             samples = _NAN if samples is None else samples
@@ -398,6 +399,20 @@ class Engine:
         if self.ends.due:
             self._hand_window()
         bt.own_s += perf_counter() - t_end  # resolving and window work after the step's end
+
+    def _asked(self, number: int) -> dict[str, float] | None:
+        """The marks of step ``number`` from the listeners that asked to hear its end; ``{}``: one keeps
+        the step for its resolution."""
+        marks, asks, self._asks = None, self._asks, {}
+        for listener, ended in asks.items():
+            try:
+                m = ended(number)
+            except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
+                self.off(listener.part, err)
+                continue
+            if m is not None:
+                marks = m if marks is None else {**marks, **m}
+        return marks
 
     def _end_dropped(self, et: type[BaseException] | None, error: BaseException | None) -> None:
         """Drop the step that raised (the error noted if it was CUDA's out of memory) or left a phase open."""

@@ -1,8 +1,8 @@
-"""The one way a plug-in hears the engine (``Engine.attach``): a run begins, a step ends, is resolved
-or dropped, the run closes. The slow-step marks (``_slow.StepMarks``), the trace capture
-(``_trace.Capture``) and the communication rows (``_comm.CommRecorder``) attach so; the engine names
-none of them. A hook's own failure is contained by the engine: one note naming ``part``, that
-listener detached, training on (``Engine.off``)."""
+"""The one way a plug-in hears the engine (``Engine.attach``): a run begins, a step ends (heard on
+request: ``Engine.hear_end``), is resolved or dropped, the run closes. The slow-step marks
+(``_slow.StepMarks``), the trace capture (``_trace.Capture``) and the communication rows
+(``_comm.CommRecorder``) attach so; the engine names none of them. A hook's own failure is
+contained by the engine: one note naming ``part``, that listener detached, training on (``Engine.off``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 # The listeners' parts, named in the note when one's own failure detaches it.
 SLOW, CAPTURE, COMM = "the slow-step marks", "the trace capture", "comm rows"
-HOOKS = ("run_began", "step_ended", "step_resolved", "step_dropped", "run_closed")
+HOOKS = ("run_began", "step_resolved", "step_dropped", "run_closed")  # step_ended: on request
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine, StepRecord
@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 
 class Listener:
-    """A plug-in's hooks, each a no-op unless overridden. The engine calls ``step_ended`` on every step,
-    so only a listener that overrides it costs the untimed step anything."""
+    """A plug-in's hooks, each a no-op unless overridden. ``step_ended`` is called only at the end of a
+    step the listener asked to hear (``Engine.hear_end``): an untimed step none asked for calls nothing."""
 
     part = "a plug-in"  # named in the note when its own failure detaches it
 
@@ -28,8 +28,8 @@ class Listener:
         of it (its event clock, its notes)."""
 
     def step_ended(self, number: int) -> dict[str, float] | None:
-        """Step ``number`` ended: marks for it, or ``{}`` to have it kept for :meth:`step_resolved`;
-        None: nothing (an untimed step then becomes a row at once)."""
+        """Step ``number``, whose end this listener asked to hear, ended: marks for it, or ``{}`` to have
+        it kept for :meth:`step_resolved`; None: nothing (an untimed step then becomes a row at once)."""
         return None
 
     def step_resolved(self, rec: StepRecord, rows: StepRows) -> None:

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field, fields, replace
+from time import perf_counter
 from typing import Any, TypeVar
 
 import numpy as np
@@ -85,13 +86,15 @@ Blocks = Sequence[tuple[Any, list[tuple[str, str]]]]  # a window's row blocks an
 class StepMarks(Listener):
     """What may make a step slow, marked on it: Python GC pauses (``gc.callbacks``, two clock reads per
     collection), graphs torch.compile compiled, a pause right before it, the profiler; per window, the CUDA
-    allocator's retries. The engine reads ``spans`` and ``dyn`` first: an unmarked step costs two reads."""
+    allocator's retries. It asks to hear a step's end (``Engine.hear_end``) only after a collection or
+    with torch.compile imported: an unmarked untimed step calls nothing of it."""
 
     part = SLOW
 
-    def __init__(self, clock: Callable[[], float], pending: Sequence[Any]) -> None:
-        self._clock = clock  # the engine's host clock
-        self._pending = pending  # the engine's ended steps not yet resolved (StepRecord), oldest first
+    def __init__(self) -> None:
+        self._clock: Callable[[], float] = perf_counter  # the engine's host clock, from run_began on
+        self._pending: Sequence[Any] = ()  # the engine's ended steps not yet resolved (StepRecord), oldest first
+        self._ask: Callable[[Listener], None] | None = None  # the engine's hear_end, from run_began on
         # GC not yet in a step. The gc callback appends only to ``fresh``, which ``resolved`` swaps for an
         # empty one before reading it: a collection can start inside any allocation, also while
         # ``resolved`` iterates, and a deque that grows under its iterator raises.
@@ -107,14 +110,21 @@ class StepMarks(Listener):
             self._gc_t0 = self._clock()
         else:
             self.fresh.append((self._gc_t0, self._clock(), info.get("generation", -1)))
+            if self._ask is not None:
+                self._ask(self)  # the step this collection is in: kept for its resolution
 
     def run_began(self, engine: Any) -> None:
+        self._clock, self._pending, self._ask = engine.now, engine.pend.steps, engine.hear_end
         self.open()
 
     def step_ended(self, number: int) -> dict[str, float] | None:
-        """The graphs compiled in the step; ``{}``: GC spans to place at its resolution."""
+        """The graphs compiled in the step; ``{}``: GC spans to place at its resolution. Asks to hear
+        the next step's end while it counts graphs or holds spans not yet placed."""
         marks = None if self.dyn is None else self.ended()
-        return marks if marks is not None or not (self.spans or self.fresh) else {}
+        keep = bool(self.spans or self.fresh)
+        if (keep or self.dyn is not None) and self._ask is not None:
+            self._ask(self)
+        return marks if marks is not None or not keep else {}
 
     def step_resolved(self, rec: Any, rows: Any) -> None:
         if rec.marks or rec.paused_s or self.spans or self.fresh:
@@ -140,6 +150,8 @@ class StepMarks(Listener):
             except Exception:  # not imported, or a torch whose counters changed shape
                 return
             self._graphs = self.dyn.get("unique_graphs", 0)
+            if self._ask is not None:  # graphs are counted at each step's end from now on
+                self._ask(self)
 
     def ended(self) -> dict[str, float] | None:
         """At a queued step's end (``dyn`` is set): its marks for the graphs compiled in it."""

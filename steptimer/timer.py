@@ -31,6 +31,7 @@ from steptimer._options import (
 )
 from steptimer._peaks import cuda_peak
 from steptimer._profile import Ranges, make_ranges
+from steptimer._slow import StepMarks
 from steptimer._summary import Summary, SummaryAccumulator, all_warmup_note
 from steptimer._table import print_summary
 from steptimer._tags import ALL_WARMUP, DEVICE, SAMPLE_EVERY
@@ -279,10 +280,9 @@ class StepTimer:
             on_window=self._on_window,
             window_min_s=MIN_WINDOW_S if lengthen else 0.0,
             window_max=window_max,
-            capture=capture,
+            listeners=[x for x in (StepMarks() if opts.slowest_steps else None, capture) if x is not None],
             memory=memory,
             memory_backend=seams.memory_backend,
-            slowest=bool(opts.slowest_steps),
             cost_budget=opts.cost_budget,
             late_marks=opts.profiled,
             cuda=opts.cuda and opts.enabled,  # disabled: no check

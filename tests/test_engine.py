@@ -209,7 +209,7 @@ def test_ctrl_c_while_an_older_step_is_resolved_keeps_the_step_that_ended(clock:
 
     prev = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        o = Owner(None, window_every=1000, capture=Heard(listener), late_marks=True)
+        o = Owner(None, window_every=1000, listeners=[Heard(listener)], late_marks=True)
         o.step(clock, None)
         with pytest.raises(KeyboardInterrupt):
             o.step(clock, None)  # step 1 is resolved (and interrupted) at step 2's end
@@ -243,7 +243,7 @@ def test_nested_pauses_count_once(clock: FakeClock) -> None:
 def test_step_records_name_their_phase_entries(clock: FakeClock, gpu: FakeGPU) -> None:
     """Listeners get a ``StepRecord`` per resolved step; its phase entries read by name."""
     got: list[StepRecord] = []
-    o = Owner(gpu, capture=Heard(got.append))
+    o = Owner(gpu, listeners=[Heard(got.append)])
     for _ in range(3):
         o.step(clock, gpu, ms=2.0)
     o.engine.close()
@@ -512,7 +512,7 @@ def test_a_slow_untimed_step_is_marked_and_the_sample_stays_unbiased(clock: Fake
     alone (none chosen for following a slow step), so a third of them are slow and loss's p90 reads
     the slow value. Timing the step after each slow one read the fast value (0.05 ms)."""
     gpu = costly(clock)
-    o = Owner(gpu, sample_every=None, window_every=100_000, cost_budget=1e-12, slowest=True)
+    o = Owner(gpu, sample_every=None, window_every=100_000, cost_budget=1e-12, listeners=[StepMarks()])
     loss = Phase(o.engine, "loss")
     for n in range(1, 18_001):
         clock.advance_ms(0.05)
@@ -628,9 +628,12 @@ class Journal(Listener):
             raise RuntimeError("injected")
 
     def run_began(self, engine: Engine) -> None:
+        self.engine = engine
+        engine.hear_end(self)  # every step's end: asked again at each
         self._hear("began", engine.number)
 
     def step_ended(self, number: int) -> dict[str, float] | None:
+        self.engine.hear_end(self)
         self._hear("ended", number)
         return self.marks.get(number)
 
@@ -718,7 +721,7 @@ def test_a_listener_hears_a_real_cuda_run_with_its_events_resolved() -> None:
 
     x = torch.randn(1024, 1024, device="cuda")
     heard: list[StepRecord] = []
-    o = Owner(None, cuda=True, window_every=1000, capture=Heard(heard.append))
+    o = Owner(None, cuda=True, window_every=1000, listeners=[Heard(heard.append)])
     e = o.engine
     for _ in range(6):
         with e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ import torch
 
 from steptimer import StepTimer
 from steptimer._format import num
-from steptimer._slow import SlowStep
+from steptimer._slow import SlowStep, StepMarks
 from tests.fakes import FakeClock, FakeGPU, ListSink, render
 
 
@@ -193,6 +194,33 @@ def test_gc_pause_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert top.marks["gc_ms"] > 5.0 and "Python GC (generation 2) paused" in (top.cause or "")
     assert t._engine.slow is not None and t._engine.slow._gc not in gc.callbacks  # removed at close
     assert "Python GC (generation 2)" in capsys.readouterr().out
+
+
+def test_the_marks_hear_only_the_end_of_a_step_with_a_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Untimed steps without a collection call nothing of the slow-step marks (a collection, or
+    torch.compile's counters, asks for a step's end); a real collection in an untimed step is heard at
+    its end (and the next, which places nothing) and marks that step."""
+    heard: list[int] = []
+    ended = StepMarks.step_ended
+    monkeypatch.setattr(StepMarks, "step_ended", lambda self, n: heard.append(n) or ended(self, n))
+    monkeypatch.delitem(sys.modules, "torch._dynamo.utils", raising=False)  # no graphs to count
+    # A budget so small that a step at random in 1,000 is timed: an untimed slow step is ranked.
+    t = StepTimer(cuda=False, print_summary=False, warmup_steps=0, cost_budget=1e-9, log_every_n_steps=100)
+    gc.disable()  # only the collection the test makes
+    try:
+        for n in range(1, 201):
+            with t.step():
+                if n == 150:
+                    keep = [[] for _ in range(100_000)]
+                    for a in keep:
+                        a.append(a)
+                    del keep, a
+                    gc.collect()
+        s = t.close()
+    finally:
+        gc.enable()
+    assert heard == [150, 151]
+    assert s.slowest[0].step == 150 and s.slowest[0].marks["gc_ms"] > 0.0
 
 
 def test_recompilation_is_named() -> None:
