@@ -4,15 +4,18 @@ real ``tensorboard`` gives steptimer's runs with three log dirs of different row
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import zipfile
 from pathlib import Path
 
+import pytest
 import tensorboard
 from tensorboard.plugins.core import core_plugin
 
 from steptimer import StepTimer
 from steptimer._tensorboard import PALETTE, colour_slots
+from steptimer.cli import main
 from tests.fakes import FakeClock, FakeGPU
 from tests.test_tensorboard import _Server, run
 
@@ -56,11 +59,12 @@ def test_colour_slots_rule() -> None:
     assert slots.index("late") == slots.index("idle") + 1
 
 
-def test_colours_on_a_real_tensorboard(tmp_path: Path, clock: FakeClock) -> None:
+def test_colours_on_a_real_tensorboard(tmp_path: Path, clock: FakeClock, capsys: pytest.CaptureFixture[str]) -> None:
     """Three log dirs: host only, with a simulated GPU (idle, wait and the parts of idle), and host
     only with a third phase, first timed after the first window (7 host rows). In TensorBoard's order
     (colour = place mod 7): a phase has one colour in every log dir; rows drawn in one chart (a clock)
-    differ, as far as 7 colours go; every log dir holds a whole number of blocks of 7 runs."""
+    differ, as far as 7 colours go; every log dir holds a whole number of blocks of 7 runs. The pads
+    fill them; ``steptimer report`` and ``compare`` show no pad."""
     logs = tmp_path / "logs"
     gpu = FakeGPU(clock)
     opts = dict(log_every_n_steps=2, warmup_steps=0, print_summary=False)
@@ -93,3 +97,12 @@ def test_colours_on_a_real_tensorboard(tmp_path: Path, clock: FakeClock) -> None
         assert set(rows[d]) == host | ({"optimizer"} if d == "c" else set())
     gpu_rows = [rows["b"][r] for r in ("forward", "backward", "other", "idle")]
     assert len(set(gpu_rows)) == len(gpu_rows), rows["b"]  # the GPU's share chart: each row its colour
+    # The pads: listed by TensorBoard, never by steptimer's reader.
+    assert [r for r in runs if "~pad-" in r] and not any("~pad-" in r for r in rows["a"])
+    assert main(["report", str(logs), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert [Path(r["path"]).name for r in json.loads(out)["runs"]] == ["a", "b", "c"] and "pad" not in out
+    assert main(["report", str(logs / "c")]) == 0 and "pad" not in capsys.readouterr().out
+    assert main(["report", str(logs / "c" / "steptimer")]) == 1  # a phase folder names its run
+    assert f"pass that folder: steptimer report {logs / 'c'}" in " ".join(capsys.readouterr().err.split())
+    assert main(["compare", str(logs / "a"), str(logs / "c")]) == 0 and "pad" not in capsys.readouterr().out
