@@ -87,7 +87,7 @@ class StepMarks(Listener):
     """What may make a step slow, marked on it: Python GC pauses (``gc.callbacks``, two clock reads per
     collection), graphs torch.compile compiled, a pause right before it, the profiler; per window, the CUDA
     allocator's retries. It asks to hear a step's end (``Engine.hear_end``) only after a collection or
-    with torch.compile imported: an unmarked untimed step calls nothing of it."""
+    a compilation: an unmarked untimed step calls nothing of it."""
 
     part = SLOW
 
@@ -102,6 +102,7 @@ class StepMarks(Listener):
         self.fresh: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)
         self.dyn: Mapping[str, int] | None = None  # dynamo's counters["stats"], once it is imported
         self._graphs = 0
+        self._each_end = False  # graphs counted at every step's end: no compile hook in this torch
         self._gc_t0 = 0.0
         self._alloc: tuple[int, int] | None = None  # the allocator's retries at the last reading, its step
 
@@ -113,16 +114,21 @@ class StepMarks(Listener):
             if self._ask is not None:
                 self._ask(self)  # the step this collection is in: kept for its resolution
 
+    def _compiled(self, *_: Any) -> None:
+        """torch.compile compiled something: its graphs are counted at the step's end."""
+        if self._ask is not None:
+            self._ask(self)
+
     def run_began(self, engine: Any) -> None:
         self._clock, self._pending, self._ask = engine.now, engine.pend.steps, engine.hear_end
         self.open()
 
     def step_ended(self, number: int) -> dict[str, float] | None:
         """The graphs compiled in the step; ``{}``: GC spans to place at its resolution. Asks to hear
-        the next step's end while it counts graphs or holds spans not yet placed."""
+        the next step's end while it holds spans not yet placed (or counts graphs at every end)."""
         marks = None if self.dyn is None else self.ended()
         keep = bool(self.spans or self.fresh)
-        if (keep or self.dyn is not None) and self._ask is not None:
+        if (keep or self._each_end) and self._ask is not None:
             self._ask(self)
         return marks if marks is not None or not keep else {}
 
@@ -141,6 +147,9 @@ class StepMarks(Listener):
     def close(self) -> None:
         with suppress(ValueError):  # not open, or someone cleared gc.callbacks
             gc.callbacks.remove(self._gc)
+        if self.dyn is not None and not self._each_end:
+            with suppress(Exception):  # torch's own list: nothing of steptimer's stays in it
+                sys.modules["torch._dynamo.callback"].callback_handler.remove_end_callback(self._compiled)
 
     def find_dynamo(self) -> None:
         """Count torch.compile's graphs once ``torch._dynamo`` is imported (its import costs seconds)."""
@@ -150,8 +159,12 @@ class StepMarks(Listener):
             except Exception:  # not imported, or a torch whose counters changed shape
                 return
             self._graphs = self.dyn.get("unique_graphs", 0)
-            if self._ask is not None:  # graphs are counted at each step's end from now on
-                self._ask(self)
+            try:  # a step's end is heard after a compilation ends (a call per compile, none per step)
+                sys.modules["torch._dynamo.callback"].callback_handler.register_end_callback(self._compiled)
+            except Exception:  # a torch without it: graphs counted at every step's end
+                self._each_end = True
+                if self._ask is not None:
+                    self._ask(self)
 
     def ended(self) -> dict[str, float] | None:
         """At a queued step's end (``dyn`` is set): its marks for the graphs compiled in it."""
