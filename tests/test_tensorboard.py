@@ -650,7 +650,8 @@ def test_the_rows_fill_their_charts_under_tensorboards_range_rule(tmp_path: Path
     (one line per run), under TensorBoard's default range rule: they hold the rows only (no 100 %
     total pressing them down), every row of a run whose largest row varies by about 10 % from window
     to window is whole, and the chart's top is near that row's highest point. A window far above the
-    row's others (3 times its ms) runs off the top of the ms chart, as in any chart. The warm-up window
+    row's others (3 times its ms), or a slower run's largest row beside a faster run, runs off the top
+    of the ms chart, as in any chart. The warm-up window
     (10 times slower) is not drawn at all, and no chart of one dot says how many steps it had; `report`
     still reads it."""
     steady = _rows_charts(tmp_path / "steady", clock, [3.0, 3.3, 2.9, 3.4, 3.1, 2.8, 3.3, 3.0])
@@ -661,6 +662,15 @@ def test_the_rows_fill_their_charts_under_tensorboards_range_rule(tmp_path: Path
     spike = _rows_charts(tmp_path / "spike", clock, [3.0, 3.1, 3.0, 2.9, 3.0, 3.1, 9.0, 3.0])
     lines = spike["steptimer/host_ms"]  # its share, 85 % against 67 %, stays inside
     assert max(_smoothed(lines["backward"])) > _top(lines), lines
+    # Two runs in view, the second's backward slower and slowing (a busy machine): its last windows
+    # run off the top of the ms chart; the shares, alike in both, stay whole.
+    slower = _rows_charts(tmp_path / "slower", clock, [4.0, 4.3, 4.6, 4.9, 5.2, 5.5, 5.8, 6.1])
+    both = {
+        c: {**{f"a/{n}": v for n, v in steady[c].items()}, **{f"b/{n}": v for n, v in slower[c].items()}}
+        for c in steady
+    }
+    assert max(_smoothed(both["steptimer/host_ms"]["b/backward"])) > _top(both["steptimer/host_ms"])
+    assert max(_smoothed(both["steptimer/host_pct"]["b/backward"])) <= _top(both["steptimer/host_pct"])
     from steptimer._reader import find_runs
     from steptimer._report import analyze
 
