@@ -790,7 +790,7 @@ def test_truncated_event_file_reads_to_its_last_whole_record(tmp_path: Path, clo
     while at < len(data):
         at += 16 + int.from_bytes(data[at : at + 8], "little")
         ends.append(at)
-    window_10 = max(i for i, end in enumerate(ends) if b"steptimer/host_ms" in data[ends[i - 1] if i else 0 : end])
+    window_10 = max(i for i, end in enumerate(ends) if b"steptimer/host/step_ms" in data[ends[i - 1] if i else 0 : end])
     (trunc / event_file.name).write_bytes(data[: ends[window_10] - 7])  # the window at step 10, cut
     (r,) = report_json(trunc)["runs"]
     assert r["steps"] == 5
