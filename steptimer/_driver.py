@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager, contextmanager
 from time import perf_counter
 from typing import Any
 
-from steptimer.timer import StepTimer
+from steptimer.timer import _NULL, StepTimer
 
 __all__ = ["BUILTIN", "PhaseDriver", "Update", "UserPhase"]
 
@@ -74,12 +74,12 @@ class PhaseDriver:
 
     def begin(self, **counts: float | None) -> None:
         """Start a step; :attr:`counts` start from ``counts`` (samples, tokens, flops; None: none)."""
-        self.counts = {k: v for k, v in counts.items() if v is not None}
+        self.counts = {k: v for k, v in counts.items() if v is not None} if counts else {}
         self._step = self.timer.step(**self.counts)
         self._step.__enter__()
-        # A step the timer does not time gives every phase its one no-op (NVTX ranges aside, which
+        # A step the timer does not time gives every phase the one no-op (NVTX ranges aside, which
         # run in every step): this step's switches then skip the timer, about 40 calls a step.
-        self._quiet = self.timer.phase(FORWARD) is self.timer.phase(LOSS)
+        self._quiet = self.timer.phase(FORWARD) is _NULL
 
     def end(self) -> None:
         """End the step (with :attr:`counts`) and its open phase; inside a user phase, when it exits."""

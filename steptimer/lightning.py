@@ -195,6 +195,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._forward_names: Sequence[str] | None = names
         self.histograms = histograms
         self._counters = _counters(batch_size_fn, tokens_fn, flops_per_batch)
+        self._count_keys = [k for k, _, _ in self._counters]  # each step's counts start from 0.0
         self.summary: Summary | None = None
         self._steps_done = 0
         self._skipped = 0
@@ -344,7 +345,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         if d is None:
             return
         if not d.in_step:
-            d.begin(**{k: 0.0 for k, _, _ in self._counters})
+            d.begin(**dict.fromkeys(self._count_keys, 0.0))
         else:
             d.switch(None)  # the `data` phase between micro-batches of one step
         d.live = True
