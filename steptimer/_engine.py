@@ -305,6 +305,11 @@ class Engine:
             except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
                 self.off(listener.part, err)
 
+    def window_closed(self, window: Any, kept: Sequence[Any]) -> None:
+        """The owner made ``window`` of the rows (``kept``: its steps among the run's slowest): the
+        listeners hear it, each failure contained."""
+        self._tell("window_closed", window, kept)
+
     def begin_step(self) -> None:
         """Begin a step (``with engine:``: the engine is its own context manager, a call less)."""
         if (self.state or self.closed or self.cuda is None) and not self._may_begin():

@@ -1,5 +1,5 @@
 """The one way a plug-in hears the engine (``Engine.attach``): a run begins, a step ends (heard on
-request: ``Engine.hear_end``), is resolved or dropped, the run closes. The slow-step marks
+request: ``Engine.hear_end``), is resolved or dropped, a window closes, the run closes. The slow-step marks
 (``_slow.StepMarks``), the trace capture (``_trace.Capture``) and the communication rows
 (``_comm.CommRecorder``) attach so; the engine names none of them. A hook's own failure is
 contained by the engine: one note naming ``part``, that listener detached, training on (``Engine.off``)."""
@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 # The listeners' parts, named in the note when one's own failure detaches it.
 SLOW, CAPTURE, COMM = "the slow-step marks", "the trace capture", "comm rows"
-HOOKS = ("run_began", "step_resolved", "step_dropped", "run_closed")  # step_ended: on request
+HOOKS = ("run_began", "step_resolved", "step_dropped", "window_closed", "run_closed")  # step_ended: on request
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from steptimer._engine import Engine, StepRecord
-    from steptimer._window import StepRows
+    from steptimer._window import StepRows, Window
 
 
 class Listener:
@@ -38,6 +40,9 @@ class Listener:
 
     def step_dropped(self, number: int) -> None:
         """The open step ``number`` was dropped: it raised, or left a phase open."""
+
+    def window_closed(self, window: Window, kept: Sequence[Any]) -> None:
+        """The owner made ``window`` of the rows; ``kept``: its steps that entered the run's slowest."""
 
     def run_closed(self) -> None:
         """The engine closed: every step resolved."""

@@ -95,6 +95,7 @@ class StepMarks(Listener):
         self._clock: Callable[[], float] = perf_counter  # the engine's host clock, from run_began on
         self._pending: Sequence[Any] = ()  # the engine's ended steps not yet resolved (StepRecord), oldest first
         self._ask: Callable[[Listener], None] | None = None  # the engine's hear_end, from run_began on
+        self._engine: Any = None  # the engine, from run_began on (its device and memory readings)
         # GC not yet in a step. The gc callback appends only to ``fresh``, which ``resolved`` swaps for an
         # empty one before reading it: a collection can start inside any allocation, also while
         # ``resolved`` iterates, and a deque that grows under its iterator raises.
@@ -121,7 +122,13 @@ class StepMarks(Listener):
 
     def run_began(self, engine: Any) -> None:
         self._clock, self._pending, self._ask = engine.now, engine.pend.steps, engine.hear_end
+        self._engine = engine
         self.open()
+
+    def window_closed(self, window: Any, kept: Any) -> None:
+        e = self._engine
+        real_cuda = e.cuda and not e.clock.custom  # a simulated GPU (tests) has no allocator to read
+        self.window(window, e.device if real_cuda else -1, e.mem.reader is not None)
 
     def step_ended(self, number: int) -> dict[str, float] | None:
         """The graphs compiled in the step; ``{}``: GC spans to place at its resolution. Asks to hear

@@ -132,6 +132,11 @@ class Capture(Listener):
         if rec.timed:
             self.add(self._engine, rec)  # type: ignore[arg-type]  # set: the run began
 
+    def window_closed(self, window: Any, kept: Any) -> None:
+        for c in kept:  # traces of the steps that entered the run's slowest
+            if c.timed:  # an untimed step has no phases to draw
+                self.want(c)
+
     def add(self, engine: Engine, rec: StepRecord) -> None:
         """Each resolved timed step, in order, before its events go back to the pool."""
         self.ring.append(rec)

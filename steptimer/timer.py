@@ -15,7 +15,7 @@ from steptimer import _exit
 from steptimer._clock import _CudaBackend, prepare_native
 from steptimer._dist import CrossRank, _initialized, energy_values
 from steptimer._energy import EnergyWindows
-from steptimer._engine import CAPTURE, MEMORY_AUTO, SLOW, UNTIMED, Engine, Fetch
+from steptimer._engine import CAPTURE, MEMORY_AUTO, UNTIMED, Engine, Fetch
 from steptimer._engine import Phase as _Phase
 from steptimer._goodput import Kind, Timeline
 from steptimer._memory import MemoryStats, _MemoryBackend, oom_note
@@ -612,15 +612,7 @@ class StepTimer:
         engine.rows = StepRows()
         if on_slow is not None:
             on_slow.window(window, engine)
-        if engine.slow is not None:
-            real_cuda = engine.cuda and not engine._custom_backend
-            with engine.contain(SLOW):  # a plug-in's own failure: a note, that part off
-                engine.slow.window(window, engine.device if real_cuda else -1, engine.memory is not None)
-            if engine.capture is not None:  # traces of the steps that entered the run's slowest
-                with engine.contain(CAPTURE):
-                    for c in kept:
-                        if c.timed:  # an untimed step has no phases to draw
-                            engine.capture.want(c)
+        engine.window_closed(window, kept)  # the slow-step marks, the capture's traces of the slowest
         return window
 
     def _all_warmup(self) -> Window:

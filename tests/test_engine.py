@@ -672,6 +672,31 @@ def test_a_listener_hears_the_run_in_order(clock: FakeClock, gpu: FakeGPU) -> No
     ]
 
 
+class Closes(Listener):
+    """A listener that writes down each window it hears closing."""
+
+    part = "the closes"
+
+    def __init__(self) -> None:
+        self.windows: list[tuple[int, int, int]] = []  # (its last step, its steps, how many kept)
+
+    def window_closed(self, window: Any, kept: Any) -> None:
+        self.windows.append((window.step, window.steps, len(kept)))
+
+
+def test_a_listener_hears_each_window_close() -> None:
+    """Each window the timer makes of the engine's rows is heard once, with its steps that entered the
+    run's slowest (all of the first window's, up to ``slowest_steps``; then only slower ones)."""
+    t = StepTimer(cuda=False, print_summary=False, warmup_steps=0, sample_every=1, log_every_n_steps=10)
+    t._engine.attach(j := Closes())
+    for _ in range(30):
+        with t.step():
+            pass
+    t.close()
+    assert [w[:2] for w in j.windows] == [(10, 10), (20, 10), (30, 10)]
+    assert j.windows[0][2] == 5  # slowest_steps' default: the first window's 5 slowest
+
+
 @pytest.mark.parametrize("hook", ["began", "ended", "resolved", "dropped", "closed"])
 def test_a_listeners_own_failure_detaches_it(clock: FakeClock, gpu: FakeGPU, hook: str) -> None:
     """A listener's hook that raises: one note naming its part, the listener told the run closed for
