@@ -217,7 +217,7 @@ class Engine:
         self.notes: list[str] = []
         self.closed = self.quiet = False  # quiet: once closed, steps and phases are no-ops
         self.state, self._t0 = OUT, 0.0
-        self.counts: tuple[float | None, float | None, float | None] = (None, None, None)  # samples, tokens, flops
+        self.counts = (_NAN, _NAN, _NAN)  # samples, tokens, flops of the current step (NaN: not given)
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[PhaseRecord] = _EMPTY  # the current timed step's phase entries
         # steptimer's own host time in the current timed step outside its top-level phases (its begin,
@@ -373,10 +373,7 @@ class Engine:
                 gap = gap if gap > 0.0 else 0.0
             marks = self._asked(number) if self._asks else None
             own_gap, bt.own_s = bt.own_s, 0.0
-            samples, tokens, flops = self.counts
-            samples = _NAN if samples is None else samples
-            tokens = _NAN if tokens is None else tokens
-            flops = _NAN if flops is None else flops
+            counts = self.counts
             if (
                 self.state == UNTIMED
                 and marks is None
@@ -388,6 +385,7 @@ class Engine:
             ):
                 if t1 - t0 + gap > self.sampler.slow_s:  # see _pend
                     marks = {"untimed": 1.0}
+                samples, tokens, flops = counts
                 row = [number, samples, tokens, 0.0, gap, 0.0 if self.cuda else _NAN, flops, fetch, own_gap, 0.0]
                 self._add_row(number, (None, False, False), row, marks)
                 self.number, self.state = number, OUT
@@ -397,7 +395,7 @@ class Engine:
                 if not self.ends.due:
                     return  # nothing after the step's end to count
             else:
-                t_end = self._pend(t1, StepRecord(number, t0, (samples, tokens, flops), gap, fetch, own_gap, marks))
+                t_end = self._pend(t1, StepRecord(number, t0, counts, gap, fetch, own_gap, marks))
         except BaseException:  # Ctrl-C in steptimer's own bookkeeping: keep the timer usable
             self._recover()
             raise

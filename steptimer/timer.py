@@ -47,6 +47,7 @@ __all__ = ["StepTimer", "check_bool", "check_count", "check_phase_name"]
 
 log = logging.getLogger("steptimer")
 _T = TypeVar("_T", bound="StepTimer")
+_NAN = math.nan
 _B = TypeVar("_B")
 # The default window lasts at least this long, in at most MAX_WINDOW_UNITS multiples of 50 steps: its
 # cost (~0.3 ms of statistics and writes) stays under 0.05 % of the run on any step length.
@@ -374,14 +375,15 @@ class StepTimer:
         """
         if not self.enabled:
             return _NULL
-        if samples is not None and not (  # an int or float >= 0 inline: a call less
+        # The engine's counts: NaN where none is given.
+        if samples is None:
+            samples = _NAN
+        elif not (  # an int or float >= 0 inline: a call less
             (samples.__class__ is int or samples.__class__ is float) and 0 <= samples < math.inf
         ):
             samples = check_count("samples", samples)
-        if tokens is not None:
-            tokens = check_count("tokens", tokens)
-        if flops is not None:
-            flops = check_count("flops", flops)
+        tokens = _NAN if tokens is None else check_count("tokens", tokens)
+        flops = _NAN if flops is None else check_count("flops", flops)
         # The engine is the step's context manager; the counts at its end are the last step() call's.
         if self._joining is not None:
             self._join()
