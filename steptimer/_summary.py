@@ -27,7 +27,7 @@ from steptimer._verdict import (
     verdict,
     waited_for,
 )
-from steptimer._window import Rates, Tally, Window
+from steptimer._window import Rates, Tally, Window, own_share
 
 
 @dataclass(frozen=True)
@@ -323,6 +323,8 @@ def summarize(
     see :func:`_launch_bound`; ``calls``: per phase (None: not known); ``more``: other fields."""
     gpu = {n: x for (c, n), x in series.items() if c == "gpu"}
     clock, share_of = shares({n: x.sum_ms for n, x in gpu.items()}, t.timed_sum_ms, t.timed_wall_ms)
+    if clock == "host" and (own := series.get(("host", "steptimer"))) is not None:
+        share_of = own_share(share_of, own.stats.mean_ms * own.stats.steps, t.wall_ms)
     names = dict.fromkeys(n for _, n in series)
     rows = []
     for name in row_order(list(dict.fromkeys([*(calls or ()), *names])), names):

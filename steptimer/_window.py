@@ -295,6 +295,20 @@ def _may_beat(p: Packed, index: dict[tuple[str, str], int], floor_ms: float) -> 
     return sum(top.get(key, 0.0) for key in keys) > floor_ms
 
 
+def own_share(share_of: dict[str, float], own_ms: float, wall_ms: float) -> dict[str, float]:
+    """Host shares with ``steptimer``'s of every step's wall (``own_ms`` of ``wall_ms``), not of the
+    timed steps' alone: under the cost budget a timed step costs steptimer most (its phases' entries
+    and exits, its resolution) and the untimed ones cost too, so a timed step's rate is not the run's
+    (tests/test_window.py). The other rows keep their proportions of the timed steps' wall, scaled
+    so that the shares still add up to 1. Every step timed: the shares as they are."""
+    timed = share_of.get("steptimer")
+    if timed is None or wall_ms <= 0.0 or timed >= 1.0:
+        return share_of
+    run = min(own_ms / wall_ms, 1.0)
+    scale = (1.0 - run) / (1.0 - timed)
+    return {n: run if n == "steptimer" else v * scale for n, v in share_of.items()}
+
+
 @dataclass(frozen=True)
 class Window(Rates):
     """What is written every ``log_every_n_steps`` steps: statistics of the window's steps and rates over
@@ -338,6 +352,8 @@ def window_of(
     stats = p.stats()
     gpu_sum = {name: p.sum_ms[k] for k, (clock, name) in enumerate(p.series) if clock == "gpu" and p.count[k]}
     share_clock, share_of = shares(gpu_sum, t.timed_sum_ms, t.timed_wall_ms)
+    if share_clock == "host" and (own := stats.get(("host", "steptimer"))) is not None:
+        share_of = own_share(share_of, own.mean_ms * own.steps, t.wall_ms)
     share_of = {n: v for n, v in share_of.items() if (share_clock, n) in stats}  # rows the window has
     return Window(
         **{**vars(r), "steps_per_s": math.nan if r.steps_per_s is None else r.steps_per_s},

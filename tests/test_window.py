@@ -204,3 +204,26 @@ def test_steptimer_row_is_taken_out_of_loop_and_other() -> None:
     assert w.host["other"].mean_ms == pytest.approx(4.0 - 3.0 - 0.2)
     sh = _host_shares(w)
     assert sh["steptimer"] == pytest.approx(0.5 / 6.0) and sum(sh.values()) == pytest.approx(1.0)
+
+
+def test_under_sampling_the_steptimer_share_is_of_every_steps_wall() -> None:
+    """One step in four timed: the timed step costs steptimer 0.4 ms of its 2 ms, each untimed one
+    0.1 ms of 1 ms. The ``steptimer`` share is the run's, 0.7 ms of 5 ms (not the timed step's 20 %),
+    the other rows keep their proportions of the timed step, and the shares add up to 1: in the
+    window and in the summary alike."""
+    from steptimer._summary import SummaryAccumulator
+
+    rows = StepRows()
+    for k in (1, 2, 3):  # untimed: step 1 ms (its end's bookkeeping 0.1 ms), no time between steps
+        rows.add((None, False, False), [k, NAN, NAN, 0.001, 0.0, NAN, NAN, NAN, 0.0, 0.0001])
+    # timed: step 1.6 ms (forward 1.0 ms, steptimer 0.4 ms, other 0.2 ms), 0.4 ms between steps
+    rows.add((("forward",), False, False), [4, NAN, NAN, 0.0016, 0.0004, NAN, NAN, NAN, 0.0, 0.0004, 0.001])
+    w = window_of(rows, 4)
+    timed = {"loop": 0.4 / 2.0, "forward": 1.0 / 2.0, "other": 0.2 / 2.0}  # of the timed step, without steptimer
+    run = 0.7 / 5.0
+    expect = {"steptimer": run, **{n: v / (1.0 - 0.2) * (1.0 - run) for n, v in timed.items()}}
+    assert w.shares == pytest.approx(expect) and sum(w.shares.values()) == pytest.approx(1.0)
+    acc = SummaryAccumulator()
+    acc.add_window(w)
+    s = acc.summary(warmup_steps=0)
+    assert {r.name: r.share for r in s.rows if r.share is not None} == pytest.approx(expect)
