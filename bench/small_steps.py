@@ -19,7 +19,8 @@ One run interleaves blocks (``round_order``: each round a different order, GC of
   on the process's CPU clock, for a shared host).
 
 Overheads are medians over rounds of same-round ratios to the bare block, with their IQR. The
-phases' medians and shares under the budget are set against the every-step timer's of the same run.
+phases' medians and shares under the budget are set against the every-step timer's of the same run,
+and the ``steptimer`` row of each round's block against the wall that block added over bare (issue 53).
 Run: ``PYTHONPATH=. python -m bench.small_steps --cpu-loop --lightning`` (``--launch-bound`` on CUDA).
 """
 
