@@ -460,12 +460,15 @@ def cpu_loop(rounds: int, steps: int, step_ms: float) -> Loop:
 # --------------------------------------------------------------------------- Lightning, CPU
 
 
-def lightning(rounds: int, steps: int, cpu_time: bool = False) -> Loop:
+def lightning(rounds: int, steps: int, cpu_time: bool = False, calls: bool = False) -> Loop:
     """A small autoencoder fitted on CPU bare, with a callback that does nothing (Lightning's own cost of
     one more callback), with ``StepTimerCallback(cost_budget=...)`` and with ``sample_every=1``.
     ``cpu_time``: steps read on the process's CPU clock (every thread's, the writers' too), which other
-    jobs on a shared host disturb far less than the wall clock."""
+    jobs on a shared host disturb far less than the wall clock. ``calls``: first, the Python calls a
+    step of bare, the no-op callback and 1 in 1000 (``sys.setprofile`` over ``steps`` steps after the
+    warm-up): a count no other job on the host moves."""
     import logging
+    import sys
     import time
     import warnings
 
@@ -507,12 +510,26 @@ def lightning(rounds: int, steps: int, cpu_time: bool = False) -> Loop:
         def on_train_batch_start(self, *a: Any) -> None:
             self.t.append(clock())
 
+    class Counted(Stamps):  # the Python calls of the steps after the warm-up
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def count(self, frame: Any, event: str, arg: Any) -> None:
+            if event == "call":
+                self.calls += 1
+
+        def on_train_batch_start(self, *a: Any) -> None:
+            super().on_train_batch_start(*a)
+            if len(self.t) in (warm, warm + steps):
+                sys.setprofile(self.count if len(self.t) == warm else None)
+
     warm = 50
     root = tempfile.mkdtemp(prefix="steptimer-small-pl-")
     sums: dict[str, list[Summary]] = {"1 in 1000": [], "budget": [], "every step": []}
 
-    def fit(variant: str) -> float:
-        stamps = Stamps()
+    def fit(variant: str, stamps: Stamps | None = None) -> float:
+        stamps = stamps or Stamps()
         cbs: list[Any] = [stamps]
         cb = None
         if variant == "no-op callback":  # Lightning's own cost of calling one more callback's hooks
@@ -537,6 +554,16 @@ def lightning(rounds: int, steps: int, cpu_time: bool = False) -> Loop:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: threads only add noise from the host's other load
     variants = ["bare", "no-op callback", "1 in 1000", "budget", "every step"]
+    if calls:
+        counts = {}
+        for v in variants[:3]:
+            fit(v, counted := Counted())
+            counts[v] = counted.calls / steps
+        added = {v: counts[v] - counts["bare"] for v in variants[1:3]}
+        rows = [[v, f"{n:.1f}", f"{added[v]:+.1f}" if v in added else "-"] for v, n in counts.items()]
+        rows = [[*r, f"{added[r[0]] / added['no-op callback']:.2f} ×" if r[0] in added else "-"] for r in rows]
+        print("\n## Lightning autoencoder (CPU): Python calls a step\n")
+        print(format_table(["fit", "calls / step", "added", "added / no-op's"], rows))
     try:
         for v in variants:
             fit(v)
@@ -578,6 +605,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lightning-rounds", type=int, default=11)
     p.add_argument("--lightning-steps", type=int, default=400)
     p.add_argument("--lightning-cpu-time", action="store_true", help="the Lightning fits on the CPU clock")
+    p.add_argument("--lightning-calls", action="store_true", help="also the Python calls a Lightning step")
     p.add_argument("--launch-bound", action="store_true", help="also a launch-bound loop (CUDA)")
     p.add_argument("--cpu-loop", action="store_true", help="also a loop of ~1 ms host steps")
     p.add_argument("--loop-rounds", type=int, default=41)
@@ -626,7 +654,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.cpu_loop:
         runs.append(lambda: cpu_loop(a.loop_rounds, a.loop_steps, a.cpu_step_ms))
     if a.lightning:
-        runs.append(lambda: lightning(a.lightning_rounds, a.lightning_steps, a.lightning_cpu_time))
+        runs.append(lambda: lightning(a.lightning_rounds, a.lightning_steps, a.lightning_cpu_time, a.lightning_calls))
     for run in runs:
         r, g, w, o = run()
         rows += r

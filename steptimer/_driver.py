@@ -49,7 +49,7 @@ class PhaseDriver:
         self._rejoin = rejoin
         self.update = Update()  # the step's optimizer updates
         self._step: AbstractContextManager[None] | None = None
-        self._quiet = False  # the step is not timed: its phases are no-ops
+        self.quiet = False  # the step under way is not timed: its phase switches are not the timer's
         self.phase: str | None = None  # the hook phase open at the innermost user-phase level
         self._users: list[UserPhase] = []  # the user phases open, outermost first
         self.end_pending = False  # the step ended inside a user phase: it ends when that one exits
@@ -67,11 +67,6 @@ class PhaseDriver:
     def in_step(self) -> bool:
         return self._step is not None
 
-    @property
-    def quiet(self) -> bool:
-        """The step under way is one the timer does not time: its phase switches are not the timer's."""
-        return self._quiet
-
     def begin(self, **counts: float | None) -> None:
         """Start a step; :attr:`counts` start from ``counts`` (samples, tokens, flops; None: none)."""
         self.counts = {k: v for k, v in counts.items() if v is not None} if counts else {}
@@ -79,7 +74,7 @@ class PhaseDriver:
         self._step.__enter__()
         # A step the timer does not time gives every phase the one no-op (NVTX ranges aside, which
         # run in every step): this step's switches then skip the timer, about 40 calls a step.
-        self._quiet = self.timer.phase(FORWARD) is _NULL
+        self.quiet = self.timer.phase(FORWARD) is _NULL
 
     def end(self) -> None:
         """End the step (with :attr:`counts`) and its open phase; inside a user phase, when it exits."""
@@ -99,7 +94,7 @@ class PhaseDriver:
 
     def _reset(self) -> AbstractContextManager[None] | None:
         step, self._step = self._step, None
-        self._quiet = False
+        self.quiet = False
         self.phase = None
         self._users = []
         self.end_pending = False
@@ -114,7 +109,7 @@ class PhaseDriver:
         cur = self.phase
         if cur == name:
             return
-        if self._quiet:
+        if self.quiet:
             self.phase = name
             return
         if cur is not None:
@@ -191,7 +186,7 @@ class PhaseDriver:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
-            if self.live and self.in_step:
+            if self.live and self._step is not None:  # in a step
                 self.switch(name)
             return out
 
@@ -214,13 +209,13 @@ class PhaseDriver:
 
     def model_pre(self, *_: Any) -> None:
         """A forward pre-hook: the outermost model call opens ``forward`` (in a step the timer times)."""
-        if self.live and self.in_scope and not self.in_backward and not self._quiet:
+        if self.live and self.in_scope and not self.in_backward and not self.quiet:
             self.forward_enter()
 
     def model_post(self, module: Any, args: Any, output: Any) -> None:
         """Forward hook (``always_call``): see :meth:`forward_returned` (the step is not dropped on a
         raise: the front door's framework says whether the step goes on)."""
-        if self.live and self.in_scope and not self.in_backward and not self._quiet and self.forward_exit():
+        if self.live and self.in_scope and not self.in_backward and not self.quiet and self.forward_exit():
             self.forward_returned(output, drop=False)
 
     def forward_returned(self, output: Any, *, drop: bool) -> None:
@@ -250,7 +245,7 @@ class PhaseDriver:
         self.fwd_depth += 1
         if self.fwd_depth > 1:
             return
-        if self._rejoin and self.phase == LOSS and (self._quiet or self.timer._rejoin(LOSS, FORWARD)):
+        if self._rejoin and self.phase == LOSS and (self.quiet or self.timer._rejoin(LOSS, FORWARD)):
             self.phase = FORWARD
         else:
             self.switch(FORWARD)
