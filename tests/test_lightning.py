@@ -195,8 +195,9 @@ def make_module(L: Any, mode: str, sleeper: Sleeper, cb: StepTimerCallback | Non
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             time.sleep(2 * SLEEP_S)
 
-        def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                        gradient_clip_algorithm: Any = None) -> None:
+        def configure_gradient_clipping(
+            self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+        ) -> None:
             self.sleeper("clip")
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -263,8 +264,15 @@ def sleepy_loader(n_batches: int, sleeper: Sleeper, batch_size: int = 4) -> Data
 def trainer(L: Any, cb: Any, *, logger: Any = False, **kw: Any) -> Any:
     kw.setdefault("max_epochs", 1)
     return L.Trainer(
-        accelerator="cpu", devices=1, callbacks=[cb], logger=logger, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, **kw,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[cb],
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        **kw,
     )
 
 
@@ -273,15 +281,21 @@ class SyncCounter:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: dict[str, int] = {}
-        for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"),
-                            (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "wait")):
+        for owner, name in (
+            (torch.cuda, "synchronize"),
+            (torch.cuda.Event, "synchronize"),
+            (torch.cuda.Stream, "synchronize"),
+            (torch.cuda.Event, "wait"),
+        ):
             key = f"{getattr(owner, '__name__', owner)}.{name}"
             monkeypatch.setattr(owner, name, self._counter(key, getattr(owner, name)))
         # The engine's waits through its native CUDA calls bypass torch: counted as Event.synchronize.
         import steptimer._engine as engine_mod
 
         native_wait = self._counter("Event.synchronize", lambda: None)
-        monkeypatch.setattr(engine_mod, "default_backend", counting_native_waits(engine_mod.default_backend, native_wait))
+        monkeypatch.setattr(
+            engine_mod, "default_backend", counting_native_waits(engine_mod.default_backend, native_wait)
+        )
 
     def _counter(self, key: str, orig: Any) -> Any:
         def count(*args: Any, **kwargs: Any) -> Any:
@@ -310,9 +324,7 @@ COMBOS = [
 
 
 @pytest.mark.parametrize(("flavour_name", "combo"), COMBOS)
-def test_sleep_matrix_counts_and_no_sync(
-    flavour_name: str, combo: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_sleep_matrix_counts_and_no_sync(flavour_name: str, combo: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each region's sleep grows its phase alone; calls per step are right; one event wait per step."""
     L = flavour(flavour_name)
     k = 2 if combo == "auto_k2" else 1
@@ -448,7 +460,9 @@ def test_csv_and_tensorboard_loggers_get_the_same_values(tmp_path: Path) -> None
     tb_values = scalars(tb.log_dir)
     assert {t for t in tb_values if t.startswith("steptimer")} == keys
     assert [s for s, _ in tb_values["steptimer/host/forward_ms"]] == [2, 4]
-    assert tb_values["steptimer/host/forward_ms"][-1][1] == pytest.approx(sent[4]["steptimer/host/forward_ms"], rel=1e-6)
+    assert tb_values["steptimer/host/forward_ms"][-1][1] == pytest.approx(
+        sent[4]["steptimer/host/forward_ms"], rel=1e-6
+    )
     runs = phase_runs(tb.log_dir)
     # step: in the logger's run; the train dataloader is timed: data, loop and the idle's parts;
     # steptimer: its own host time
@@ -685,7 +699,11 @@ def make_real(L: Any, kind: str) -> Any:
 
 
 FORWARD_CALLS = {  # `forward` spans per step: first model call to last, until another phase starts
-    "self_call": 1, "autoencoder": 1, "criterion": 1, "metric": 1, "torchmetrics": 1,
+    "self_call": 1,
+    "autoencoder": 1,
+    "criterion": 1,
+    "metric": 1,
+    "torchmetrics": 1,
     "gan": 2,  # G(z), D(fake) | zero_grad, backward, step | D(x), bce, D(fake.detach())
 }
 
@@ -810,6 +828,49 @@ def test_activation_checkpointing_recompute_is_backward(manual: bool, virtual_cl
     assert_split(cb, 1)
     assert cb.summary is not None
     assert cb.summary["backward"].host.median_ms == pytest.approx(FWD_S * 1e3, abs=SPLIT_TOL_MS)
+
+
+def test_an_untimed_step_asks_the_timer_once_and_enters_no_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step the timer does not time: the callback asks the timer once, at its start (the no-op that
+    ``phase()`` returns), and no phase is entered; the timed steps' phases are all there."""
+    import pytorch_lightning as pl
+
+    from steptimer._engine import Phase
+    from steptimer.timer import StepTimer
+
+    asked: list[int] = []
+    entered: set[int] = set()
+    phase, enter = StepTimer.phase, Phase.__enter__
+
+    def counted_phase(self: StepTimer, name: str) -> Any:
+        asked.append(self.steps + 1)
+        return phase(self, name)
+
+    def counted_enter(self: Phase) -> None:
+        entered.add(self.e.number + 1)
+        enter(self)
+
+    monkeypatch.setattr(StepTimer, "phase", counted_phase)
+    monkeypatch.setattr(Phase, "__enter__", counted_enter)
+
+    class Auto(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    cb = StepTimerCallback(print_summary=False, warmup_steps=0, sample_every=4)
+    fit_quietly(pl, cb, Auto(), 16)
+    s = cb.summary
+    assert s is not None and s.steps == 16 and s.timed_steps == 4
+    untimed = [n for n in range(1, 17) if n not in entered]
+    assert len(untimed) == 12 and all(asked.count(n) == 1 for n in untimed), (untimed, asked)
+    assert all(s[p].calls_per_step == 1 for p in ("forward", "loss", "backward", "optimizer"))
 
 
 def test_hooks_only_on_outermost_model_modules_once() -> None:
@@ -1140,7 +1201,9 @@ def test_peak_follows_the_trainers_precision(
     old = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(matmul)
     try:
-        cb = StepTimerCallback._make(warmup_steps=0, print_summary=False, flops_per_batch=1e6, backend=WallGPU().backend())
+        cb = StepTimerCallback._make(
+            warmup_steps=0, print_summary=False, flops_per_batch=1e6, backend=WallGPU().backend()
+        )
         tr = trainer(pl, cb, precision=precision, limit_val_batches=0)
         model = make_napping(pl)
         with warnings.catch_warnings():
@@ -1169,10 +1232,7 @@ def test_import_without_lightning_fails_with_the_fix() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "MNF: StepTimerCallback needs Lightning: pip install 'torch-steptimer[lightning]'"
     # And `import steptimer` alone never imports Lightning.
-    code = (
-        "import sys, steptimer\n"
-        "print(sorted(m for m in ('pytorch_lightning', 'lightning') if m in sys.modules))"
-    )
+    code = "import sys, steptimer\nprint(sorted(m for m in ('pytorch_lightning', 'lightning') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
@@ -1267,8 +1327,15 @@ def test_gpu_callback_matches_plain_loop(precision: str, monkeypatch: pytest.Mon
     cb = StepTimerCallback(warmup_steps=warmup, print_summary=False)
     window = Window()
     tr = pl.Trainer(
-        accelerator="cuda", devices=1, precision=precision, max_steps=steps, callbacks=[cb, window],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        accelerator="cuda",
+        devices=1,
+        precision=precision,
+        max_steps=steps,
+        callbacks=[cb, window],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
         profiler="simple",
     )
     # The batch is a plain int (nothing to copy to the GPU): the input lives on the module.
@@ -1322,8 +1389,12 @@ def gpu_parts(width: int) -> dict[str, torch.nn.Module]:
 
     torch.manual_seed(0)
     return {
-        "encoder": mlp(width), "decoder": mlp(width), "criterion": ProjectedMSE(width),
-        "metric": MeanAbsError(0.0), "generator": mlp(width), "discriminator": mlp(1),
+        "encoder": mlp(width),
+        "decoder": mlp(width),
+        "criterion": ProjectedMSE(width),
+        "metric": MeanAbsError(0.0),
+        "generator": mlp(width),
+        "discriminator": mlp(1),
     }
 
 
@@ -1437,8 +1508,14 @@ def test_gpu_split_without_self_call_matches_plain_loop(kind: str) -> None:
 
     cb = StepTimerCallback(warmup_steps=warmup, print_summary=False)
     tr = pl.Trainer(
-        accelerator="cuda", devices=1, max_steps=steps * (2 if kind == "gan" else 1), callbacks=[cb],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        accelerator="cuda",
+        devices=1,
+        max_steps=steps * (2 if kind == "gan" else 1),
+        callbacks=[cb],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
     )
     # The batch is a plain int (nothing to copy to the GPU): the inputs live on the module.
     module = AutoEncoder() if kind == "autoencoder" else GAN()
@@ -1586,8 +1663,7 @@ def test_out_of_memory_in_a_lightning_phase_is_noted() -> None:
     assert cb.summary is not None and cb.summary.steps == 2
     (note,) = [n for n in cb.summary.notes if "out of memory" in n]
     assert note == (
-        "CUDA out of memory in phase 'forward' of step 3: the peak allocated inside the phase before it "
-        "was 3.0 MiB"
+        "CUDA out of memory in phase 'forward' of step 3: the peak allocated inside the phase before it was 3.0 MiB"
     )
 
 
