@@ -233,15 +233,8 @@ class Engine:
             self.attach(listener)
 
     # What the front doors and tests read of the parts.
-    sample_every = property(lambda self: self.sampler.sample_every)
-    budget = property(lambda self: self.sampler.budget)
-    memory = property(lambda self: self.mem.reader)
-    oom = property(lambda self: self.mem.oom)
-    device = property(lambda self: self.clock.device)
     b = property(lambda self: self.clock.b)
     stream = property(lambda self: self.clock.stream)
-    events_created = property(lambda self: self.clock.events_created)
-    _custom_backend = property(lambda self: self.clock.custom)
     lag = property(lambda self: self.pend.lag)
     last_resolved = property(lambda self: self.pend.last_resolved)
     last_warmup = property(lambda self: self.ends.last_warmup)

@@ -128,7 +128,7 @@ class StepMarks(Listener):
     def window_closed(self, window: Any, kept: Any) -> None:
         e = self._engine
         real_cuda = e.cuda and not e.clock.custom  # a simulated GPU (tests) has no allocator to read
-        self.window(window, e.device if real_cuda else -1, e.mem.reader is not None)
+        self.window(window, e.clock.device if real_cuda else -1, e.mem.reader is not None)
 
     def step_ended(self, number: int) -> dict[str, float] | None:
         """The graphs compiled in the step; ``{}``: GC spans to place at its resolution. Asks to hear

@@ -297,7 +297,7 @@ class StepTimer:
     @property
     def sample_every(self) -> int | None:
         """One step in this many is timed; None: as many as the cost budget allows."""
-        return self._engine.sample_every
+        return self._engine.sampler.sample_every
 
     @property
     def log_every_n_steps(self) -> int:
@@ -345,7 +345,7 @@ class StepTimer:
             e.capture = None  # its files are rank 0's
         if _distributed():
             e.ends.by_number()
-            if e.sample_every is None:  # each rank's budget would time other steps: time every one
+            if e.sampler.sample_every is None:  # each rank's budget would time other steps: time every one
                 e.sampler.time_every_step()
                 self._run_tags = self._sampling_tags()
             if self.options.memory is None:
@@ -455,7 +455,7 @@ class StepTimer:
     @property
     def events_created(self) -> int:
         """CUDA events made so far (the pool's size)."""
-        return self._engine.events_created
+        return self._engine.clock.events_created
 
     def note(self, text: str) -> None:
         """Add a line to the summary's notes (once: a line already there is not repeated)."""
@@ -553,7 +553,7 @@ class StepTimer:
         window, xrank, engine, counter = self._take_window(), self._xrank, self._engine, self._seams.energy_counter
         if closing and self._warm and engine.number <= engine.last_warmup:
             window = self._all_warmup()
-        energy = engine.cuda and (counter is not None or not engine._custom_backend)
+        energy = engine.cuda and (counter is not None or not engine.clock.custom)
         run_energy = self._energy.close(engine.last_resolved, window) if closing else (None, None)
         if xrank is not None:
             try:
@@ -569,13 +569,13 @@ class StepTimer:
             return run_energy
         if self._run_tags:  # the first window: the engine's device is known now, between steps
             # A simulated GPU (tests' backend seam) names no device: no claim.
-            device = None if engine._custom_backend else _device_name(engine.device if engine.cuda else None)
+            device = None if engine.clock.custom else _device_name(engine.clock.device if engine.cuda else None)
             facts = {**self._run_tags, **({DEVICE: device} if device else {})}
             window = dataclasses.replace(window, extra={**window.extra, **facts})
             self._run_tags = {}
         self._to_sinks("write_window", window)
         if energy and not closing:
-            self._energy.mark(window, engine.device, counter)
+            self._energy.mark(window, engine.clock.device, counter)
         return run_energy
 
     def _to_sinks(self, call: str, arg: Any) -> None:
@@ -635,7 +635,7 @@ class StepTimer:
         if not self._engine.cuda:
             return None, "no MFU: no peak for host-only timing; pass peak_tflops="
         if self._peak is None:
-            self._peak = cuda_peak(self._engine.device, self._seams.peak_dtype)
+            self._peak = cuda_peak(self._engine.clock.device, self._seams.peak_dtype)
         return self._peak
 
     def _build_summary(self, traces: dict[int, str] | None, energy: Any, energy_note: str | None) -> Summary:
@@ -645,7 +645,7 @@ class StepTimer:
         if acc.steps and engine.number <= engine.last_warmup:  # _all_warmup summarized them, none left out
             notes.append(all_warmup_note(acc.steps))
             warmup = 0
-        notes += [oom_note(*engine.oom) if engine.oom is not None else None, *(xrank.notes if xrank else ())]
+        notes += [oom_note(*engine.mem.oom) if engine.mem.oom is not None else None, *(xrank.notes if xrank else ())]
         notes += [energy_note, self._energy.error]  # the counter's, and steptimer's own failure in energy
         summary = acc.summary(
             warmup_steps=warmup,
@@ -655,9 +655,9 @@ class StepTimer:
             traces=traces,
             ranks=xrank.summary if xrank is not None else None,  # the verdict reads them
         )
-        more: dict[str, Any] = {"sample_every": engine.sample_every, "cost_budget": engine.budget}
-        if engine.memory is not None:
-            m, seen = acc.memory or MemoryStats({}, {}, 0, 0), engine.memory.seen_bytes
+        more: dict[str, Any] = {"sample_every": engine.sampler.sample_every, "cost_budget": engine.sampler.budget}
+        if engine.mem.reader is not None:
+            m, seen = acc.memory or MemoryStats({}, {}, 0, 0), engine.mem.reader.seen_bytes
             more["memory"] = MemoryStats(m.peak_bytes, m.alloc_bytes, m.reserved_bytes, m.steps, seen)
         if xrank is not None and summary.slowest:  # each with its window's slowest rank
             more["slowest"] = xrank.annotate(summary.slowest)

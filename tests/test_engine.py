@@ -94,10 +94,10 @@ def test_the_event_pool_stops_growing(clock: FakeClock, gpu: FakeGPU) -> None:
     o = Owner(gpu, lag=1, window_every=1000)
     for _ in range(5):
         o.step(clock, gpu)
-    made = o.engine.events_created
+    made = o.engine.clock.events_created
     for _ in range(100):
         o.step(clock, gpu)
-    assert o.engine.events_created == made <= 3 * 2 + 1
+    assert o.engine.clock.events_created == made <= 3 * 2 + 1
 
 
 def test_one_step_state(clock: FakeClock, gpu: FakeGPU) -> None:
@@ -610,7 +610,7 @@ def test_a_plugins_own_failure_is_contained(
     note = f"{part} stopped after a failure of steptimer's own (RuntimeError: injected); steps go on"
     assert [n for n in s.notes if "injected" in n] == [note]
     assert [r.getMessage() for r in caplog.records if "injected" in r.getMessage()] == [f"steptimer: {note}"]
-    assert {SLOW: e.slow, MEMORY: e.memory, CAPTURE: e.capture}[part] is None
+    assert {SLOW: e.slow, MEMORY: e.mem.reader, CAPTURE: e.capture}[part] is None
 
 
 class Journal(Listener):
@@ -753,11 +753,11 @@ def test_a_listener_hears_a_real_cuda_run_with_its_events_resolved() -> None:
             with o.phases["forward"]:
                 x = x @ x
                 x /= x.norm()
-    made = e.events_created
+    made = e.clock.events_created
     for _ in range(6):
         with e, o.phases["forward"]:
             x = x @ x
     e.close()
     assert e.cuda and [r.number for r in heard] == list(range(1, 13))
     assert all(r.offs_ms is not None and r.offs_ms[r.i_end] > 0.0 for r in heard)
-    assert e.events_created == made and e.rows.count == 12
+    assert e.clock.events_created == made and e.rows.count == 12

@@ -1085,7 +1085,7 @@ def test_the_cost_budget_is_on_by_default_and_off_where_every_step_must_be_timed
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     base = {"cuda": False, "print_summary": False, "enabled": False}
     t = StepTimer(**base)
-    assert t.sample_every is None and t._engine.budget == COST_BUDGET
+    assert t.sample_every is None and t._engine.sampler.budget == COST_BUDGET
     assert StepTimer(**base, sample_every=1).sample_every == 1
     assert StepTimer(**base, sample_every=4, cost_budget=0.1).sample_every == 4
     for kw in ({"trace_steps": 3}, {"profile_steps": (2, 3)}, {"profile_on_slow": 1.5}):
