@@ -2,7 +2,10 @@
 request: ``Engine.hear_end``), is resolved or dropped, a window closes, the run closes. The slow-step marks
 (``_slow.StepMarks``), the trace capture (``_trace.Capture``) and the communication rows
 (``_comm.CommRecorder``) attach so; the engine names none of them. A hook's own failure is
-contained by the engine: one note naming ``part``, that listener detached, training on (``Engine.off``)."""
+contained by the engine: one note naming ``part``, that listener detached, training on (``Engine.off``).
+The memory readings (``_memory.MemoryPlan``) are no listener: they read the allocator at each phase
+boundary of a timed GPU step, where a hook call per phase would cost every timed step; ``Phase``
+binds them (``Phase.m``)."""
 
 from __future__ import annotations
 
