@@ -27,8 +27,8 @@ from steptimer._clock import SHARE_GAP_S as _SHARE_GAP_S
 from steptimer._clock import EventClock, _CudaBackend, cuda_usable, default_backend
 from steptimer._listener import CAPTURE, COMM, HOOKS, SLOW, Listener
 from steptimer._memory import MEMORY_AUTO, MemoryPlan, StepMemory, _MemoryBackend
+from steptimer._rows import OWN_STEP_S, STEP_S, RowKey, StepRows
 from steptimer._sampling import Sampler
-from steptimer._window import OWN_STEP_S, STEP_S, RowKey, StepRows
 
 __all__ = ["CAPTURE", "MEMORY", "MEMORY_AUTO", "SLOW", "Engine", "Fetch", "Phase", "PhaseRecord", "StepRecord"]
 

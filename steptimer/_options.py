@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
-from steptimer._verdict import COMM_ROWS
+from steptimer._tags import COMM_ROWS
 
 RESERVED_NAMES = frozenset({"step", "other", "wait", "idle", *COMM_ROWS})
 # Each phase name is a directory of its TensorBoard run (<log_dir>/steptimer/<outer>/<inner>), and a

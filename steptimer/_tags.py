@@ -20,6 +20,8 @@ WARMUP = "steptimer-warmup"
 EVENT_FILE_PREFIX = "events.out.tfevents."
 PHASE_DIR = "steptimer"
 PHASE_SUFFIX = ".steptimer"
+# The communication rows of a watched DDP or FSDP model (_comm.py): their names are reserved.
+COMM_ROWS = ("comm", "comm_exposed")
 PAD_SUFFIX = ".pad"  # an empty run that fills a block of TensorBoard's colours (_tensorboard.py): no data
 # The flight recorder's traces around the slowest steps: ``<dir>/steptimer-slow/<run id>/step-<N>.trace.json``.
 FLIGHT_DIR = "steptimer-slow"

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, cast
 
 from steptimer._format import num, pct
 from steptimer._histogram import LogHistogram, SeriesStats
+from steptimer._tags import COMM_ROWS
 
 if TYPE_CHECKING:
     from steptimer._summary import RankSummary
@@ -134,7 +135,6 @@ _FIX = {
     "steptimer": "time fewer steps (a smaller cost_budget, or sample_every=N) or fewer, longer phases",
 }
 # A watched model's collectives (_comm.py): inside the phases that wait for them, so no share.
-COMM_ROWS = ("comm", "comm_exposed")
 # Rows computed by steptimer, not phases of the user's: the table's first and last rows.
 DERIVED_FIRST = ("data", "loop")
 DERIVED_LAST = ("other", "wait", "steptimer", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)

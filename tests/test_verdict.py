@@ -19,7 +19,8 @@ from steptimer import StepTimer
 from steptimer._histogram import SeriesStats
 from steptimer._reader import find_runs
 from steptimer._report import MIN_CHANGE, analyze, compare
-from steptimer._verdict import BUSY_SHARE, COMM_ROWS, RULES, STALL_SHARE, PhaseSummary, verdict
+from steptimer._tags import COMM_ROWS
+from steptimer._verdict import BUSY_SHARE, RULES, STALL_SHARE, PhaseSummary, verdict
 from tests.fakes import FakeClock, FakeGPU, render
 
 # The GPT-2 step of issue 29 on an H100, per optimizer step: (host ms, GPU ms) per phase.
