@@ -3,6 +3,7 @@ arithmetic on plain numbers, and a real 2-process gloo DDP run on CPU."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -430,6 +431,15 @@ def test_fsdp2_on_two_gpus_times_the_collectives_on_the_gpus_clock(tmp_path: Pat
         assert abs(st["comm_exposed"] - cu["comm_waited_ms"]) <= max(0.15 * cu["comm_waited_ms"], 0.6), row
 
 
+def release_ddp() -> None:
+    """Free a DDP model before ``destroy_process_group()``. A DDP model freed after it holds the
+    last reference to a gloo process group, whose destructor then joins gloo's threads while holding
+    the GIL; a thread still disposing a Python comm hook's ``then`` callback waits for the GIL: a
+    PyTorch deadlock (seen here with torch's own ``allreduce_hook``, which any Python comm hook wraps).
+    Freed first, the group's last reference is the one ``destroy_process_group`` drops, without the GIL."""
+    gc.collect()
+
+
 def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -463,6 +473,8 @@ def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without
                 assert "steptimer's own failure (RuntimeError: steptimer's own failure)" in note, s.notes
             return [float(p.detach().sum()) for p in ddp.parameters()]
         finally:
+            ddp = opt = timer = None  # the DDP model goes before its process group (release_ddp)
+            release_ddp()
             dist.destroy_process_group()
 
     monkeypatch.setattr(_comm.CommRecorder, "_note", boom)
@@ -500,4 +512,6 @@ def test_a_hook_that_is_not_callable_and_a_second_watch_are_named_and_the_first_
         s = timer.close()
         assert s["comm"].host.steps == s["comm_exposed"].host.steps == 3
     finally:
+        ddp = timer = None  # the DDP model goes before its process group (release_ddp)
+        release_ddp()
         dist.destroy_process_group()
