@@ -43,13 +43,15 @@ def _run(script: str, tmp_path: Path) -> tuple[dict[str, Any], float]:
 
 
 def _near(got: float, want: float) -> None:
-    """The sleeps are in the part (2 ms: the clock reads around them), with the framework's own work
-    there (a loaded 2-core machine: up to ~7 % on 60 ms steps); a sleep in the wrong part moves 60 ms+."""
-    assert want - 0.002 <= got <= 1.1 * want + 0.002, (got, want)
+    """The sleeps are in the part (2 ms: the clock reads around them): a sleep in the wrong part leaves
+    its own part 60 ms+ short, below the lower bound. The framework's own work is there too (Hugging
+    Face's saves and evaluation loop: up to 18 % over the sleeps on a loaded 2-core machine), so the
+    upper bound, against a part counting time twice, is loose."""
+    assert want - 0.002 <= got <= 1.3 * want + 0.01, (got, want)
 
 
 def _known_parts(g: Goodput, known: dict[str, float]) -> None:
-    """Each part holds the sleeps made in it (as long as each really lasted), within 5 % or 2 ms."""
+    """Each part holds the sleeps made in it (as long as each really lasted), and not much more."""
     for part in ("warm-up", "steps", "eval", "checkpoints"):
         _near(g.parts[part], known[part])
 
