@@ -64,6 +64,10 @@ def torchrun(script: str, *args: str, timeout_s: float = 180.0) -> tuple[dict[in
     return results, out
 
 
+# The module's tests run in one pytest-xdist worker, so the scenarios' launch (``runs``, ~25 s of both
+# cores) is made once, not once per worker (a CUDA test keeps the cuda group: tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("plain_loop")
+
 # The plain loop's scenarios share one launch (torchrun and torch's import cost seconds each), one after
 # another, each with its own timer and log dir.
 SCENARIOS = {
