@@ -805,7 +805,28 @@ class Phase:
                 sp.cost_s += d if d < sp.bound_cap else sp.bound_cap
 
 
-class Fetch:
+class LoaderIter:
+    """A loader's iterator ``_it`` wrapped by steptimer, as the loop sees it: ``len()``, the length hint
+    and the iterator's own attributes (``_num_yielded``, ``state_dict``...) are the wrapped one's."""
+
+    __slots__ = ("_it",)
+
+    def __iter__(self) -> LoaderIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._it)  # type: ignore[arg-type]
+
+    def __length_hint__(self) -> int:
+        return operator.length_hint(self._it)
+
+    def __getattr__(self, name: str) -> Any:  # called only for names the wrapper lacks
+        if name == "_it":  # not set (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self._it, name)
+
+
+class Fetch(LoaderIter):
     """The loader's iterator ``it`` with each ``__next__`` timed (~0.2 µs a batch, bench/fetch.py).
 
     Between steps the time goes to the next step's ``FETCH_S``; inside a step with no phase open it
@@ -813,18 +834,12 @@ class Fetch:
     ``instrument()`` times, a loader iterating another) it is not counted again. Without ``it``, a
     front door calls :meth:`start` and :meth:`stop` itself (Lightning's profiler calls)."""
 
-    __slots__ = ("_e", "_it", "_phase")
+    __slots__ = ("_e", "_phase")
 
     def __init__(self, engine: Engine, it: Iterator[Any] | None = None) -> None:
         self._e, self._it, self._phase = engine, it, Phase(engine, "data")
         if engine.between.fetch_s != engine.between.fetch_s:  # the first loader: the engine counts from here
             engine.between.fetch_s = 0.0
-
-    def __iter__(self) -> Fetch:
-        return self
-
-    def __length_hint__(self) -> int:
-        return operator.length_hint(self._it)
 
     def __next__(self) -> Any:
         t0 = self.start()

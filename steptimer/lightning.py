@@ -19,7 +19,7 @@ from torch import nn
 from typing_extensions import override
 
 from steptimer._driver import BACKWARD, CLIP, DATA, FORWARD, OPTIMIZER, ZERO_GRAD, PhaseDriver, UserPhase
-from steptimer._engine import Fetch
+from steptimer._engine import Fetch, LoaderIter
 from steptimer._hooks import Hooks, watch_comm
 from steptimer._options import LightningKeywords, Options, _positive, spelled_out, window_steps
 from steptimer._peaks import dtype_of_precision
@@ -51,17 +51,14 @@ if TYPE_CHECKING:
 __all__ = ["StepTimerCallback"]
 
 
-class _Fetched:
+class _Fetched(LoaderIter):
     """A DataLoader's iterator whose fetches the callback's timer times while it runs (ignored before
     training starts and after it ends; between steps they are `data`, inside a phase nothing)."""
 
-    __slots__ = ("_cb", "_it")
+    __slots__ = ("_cb",)
 
     def __init__(self, cb: StepTimerCallback, it: Iterator[Any]) -> None:
         self._cb, self._it = cb, it
-
-    def __iter__(self) -> _Fetched:
-        return self
 
     def __next__(self) -> Any:
         fetch = self._cb._fetch

@@ -10,6 +10,7 @@ checked on the median over the steps, which one step stalled by a busy machine d
 from __future__ import annotations
 
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -843,6 +844,23 @@ def test_an_evaluation_begun_and_ended_from_events_is_paused_out_and_noted() -> 
     assert data.host.max_ms < 50, data  # never the 50 ms the evaluation slept
     (note,) = [n for n in s.notes if n.startswith("validation:")]
     assert note.startswith("validation: 2 run(s), ") and float(note.split(", ")[1].split(" ms")[0]) >= 50
+
+
+def test_a_timed_loaders_iterator_keeps_its_own_api() -> None:
+    """Code that reads the loader's iterator (its length, progress, a worker shutdown) works as
+    without steptimer while instrument() times its fetches."""
+    dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 4)), batch_size=4)
+    model = SleepyNet(sleep_ms=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = instrument(model, opt, **QUIET, warmup_steps=0)
+    it = iter(dl)
+    assert type(it).__name__ == "Fetch"  # timed
+    assert len(it) == 3 and operator.length_hint(it) == 3
+    next(it)
+    assert it._num_yielded == 1 and it._dataset is dl.dataset
+    it._reset(dl)  # a method of the iterator's own
+    assert it._num_yielded == 0 and sum(1 for _ in it) == 3
+    timer.close()
 
 
 def test_the_loaders_iterated_between_steps_are_data_and_put_back_at_close() -> None:

@@ -830,6 +830,28 @@ def test_activation_checkpointing_recompute_is_backward(manual: bool, virtual_cl
     assert cb.summary["backward"].host.median_ms == pytest.approx(FWD_S * 1e3, abs=SPLIT_TOL_MS)
 
 
+def test_a_timed_loaders_iterator_keeps_its_own_api() -> None:
+    """A callback that reads a DataLoader's iterator during the fit (its length, its progress) works as
+    without steptimer, which times the fetches of every DataLoader iterated in the training thread."""
+    import pytorch_lightning as pl
+
+    other = loader(3)
+    seen: list[tuple[str, int, int]] = []
+
+    class Reads(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            it = iter(other)
+            next(it)
+            seen.append((type(it).__name__, len(it), it._num_yielded))
+
+    cb = StepTimerCallback(print_summary=False, warmup_steps=0)
+    tr = trainer(pl, cb, limit_val_batches=0)
+    tr.callbacks.append(Reads())
+    tr.fit(make_module(pl, "auto", Sleeper(regions=(None,))), loader(4))
+    assert seen == [("_Fetched", 3, 1)] * 4  # timed, with the iterator's own length and count
+    assert cb.summary is not None and cb.summary.steps == 4
+
+
 def test_an_untimed_step_asks_the_timer_once_and_enters_no_phase(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step the timer does not time: the callback asks the timer once, at its start (the no-op that
     ``phase()`` returns), and no phase is entered; the timed steps' phases are all there."""
