@@ -176,16 +176,9 @@ def test_the_options_are_keywords_with_their_defaults_and_a_misspelt_one_is_name
 def test_the_options_are_checked_once_and_the_timer_gets_the_callbacks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from steptimer import Options
+    from tests.test_options import _count_checks
 
-    built: list[Options] = []
-    check = Options.__post_init__
-
-    def counted(self: Options) -> None:
-        built.append(self)
-        check(self)
-
-    monkeypatch.setattr(Options, "__post_init__", counted)
+    built = _count_checks(monkeypatch)
     cb = StepTimerCallback(warmup_steps=0, print_summary=False, cuda=False, lag=1)
     targs = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"),

@@ -262,11 +262,12 @@ def sleepy_loader(n_batches: int, sleeper: Sleeper, batch_size: int = 4) -> Data
 
 
 def trainer(L: Any, cb: Any, *, logger: Any = False, **kw: Any) -> Any:
+    """A quiet CPU Trainer with the callback ``cb`` (or a list of callbacks)."""
     kw.setdefault("max_epochs", 1)
     return L.Trainer(
         accelerator="cpu",
         devices=1,
-        callbacks=[cb],
+        callbacks=cb if isinstance(cb, list) else [cb],
         logger=logger,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -845,8 +846,7 @@ def test_a_timed_loaders_iterator_keeps_its_own_api() -> None:
             seen.append((type(it).__name__, len(it), it._num_yielded))
 
     cb = StepTimerCallback(print_summary=False, warmup_steps=0)
-    tr = trainer(pl, cb, limit_val_batches=0)
-    tr.callbacks.append(Reads())
+    tr = trainer(pl, [cb, Reads()], limit_val_batches=0)
     tr.fit(make_module(pl, "auto", Sleeper(regions=(None,))), loader(4))
     assert seen == [("_Fetched", 3, 1)] * 4  # timed, with the iterator's own length and count
     assert cb.summary is not None and cb.summary.steps == 4
@@ -1801,17 +1801,7 @@ def test_only_boundaries_lightning_has_no_hook_for_are_wrapped(mode: str) -> Non
 
     sleeper = Sleeper(in_loader=True, regions=("data",))
     cb = StepTimerCallback(warmup_steps=0, sample_every=1, print_summary=False)
-    tr = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        callbacks=[cb, Probe()],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        max_epochs=1,
-    )
+    tr = trainer(pl, [cb, Probe()], limit_val_batches=0)
     tr.fit(make_module(pl, mode, sleeper), sleepy_loader(4, sleeper))
     assert seen == [(False, mode != "auto")] * 4
     s = cb.summary
@@ -1848,17 +1838,7 @@ def test_an_untimed_step_calls_the_timer_for_no_phase() -> None:
 
     sleeper = Sleeper(regions=(None,))
     cb = StepTimerCallback(warmup_steps=0, sample_every=2, print_summary=False)
-    tr = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        callbacks=[cb, Probe()],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        max_epochs=1,
-    )
+    tr = trainer(pl, [cb, Probe()], limit_val_batches=0)
     tr.fit(make_module(pl, "auto", sleeper), loader(6))
     s = cb.summary
     assert s is not None and s.steps == 6 and s.timed_steps == 3, s
