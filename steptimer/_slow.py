@@ -94,11 +94,10 @@ class StepMarks(Listener):
     def __init__(self) -> None:
         self._clock: Callable[[], float] = perf_counter  # the engine's host clock, from run_began on
         self._pending: Sequence[Any] = ()  # the engine's ended steps not yet resolved (StepRecord), oldest first
-        self._ask: Callable[[Listener], None] | None = None  # the engine's hear_end, from run_began on
-        self._engine: Any = None  # the engine, from run_began on (its device and memory readings)
-        # GC not yet in a step. The gc callback appends only to ``fresh``, which ``resolved`` swaps for an
-        # empty one before reading it: a collection can start inside any allocation, also while
-        # ``resolved`` iterates, and a deque that grows under its iterator raises.
+        self._engine: Any = None  # from run_began on
+        # GC not yet in a step. The gc callback appends only to ``fresh``, which ``step_resolved`` swaps for
+        # an empty one before reading it: a collection can start inside any allocation, also while
+        # ``spans`` is iterated, and a deque that grows under its iterator raises.
         self.spans: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)
         self.fresh: deque[tuple[float, float, int]] = deque(maxlen=GC_SPANS)
         self.dyn: Mapping[str, int] | None = None  # dynamo's counters["stats"], once it is imported
@@ -112,53 +111,19 @@ class StepMarks(Listener):
             self._gc_t0 = self._clock()
         else:
             self.fresh.append((self._gc_t0, self._clock(), info.get("generation", -1)))
-            if self._ask is not None:
-                self._ask(self)  # the step this collection is in: kept for its resolution
+            self._engine.hear_end(self)  # the step this collection is in: kept for its resolution
 
     def _compiled(self, *_: Any) -> None:
         """torch.compile compiled something: its graphs are counted at the step's end."""
-        if self._ask is not None:
-            self._ask(self)
+        self._engine.hear_end(self)
 
     def run_began(self, engine: Any) -> None:
-        self._clock, self._pending, self._ask = engine.now, engine.pend.steps, engine.hear_end
-        self._engine = engine
-        self.open()
-
-    def window_closed(self, window: Any, kept: Any) -> None:
-        e = self._engine
-        real_cuda = e.cuda and not e.clock.custom  # a simulated GPU (tests) has no allocator to read
-        self.window(window, e.clock.device if real_cuda else -1, e.mem.reader is not None)
-
-    def step_ended(self, number: int) -> dict[str, float] | None:
-        """The graphs compiled in the step; ``{}``: GC spans to place at its resolution. Asks to hear
-        the next step's end while it holds spans not yet placed (or counts graphs at every end)."""
-        marks = None if self.dyn is None else self.ended()
-        keep = bool(self.spans or self.fresh)
-        if (keep or self._each_end) and self._ask is not None:
-            self._ask(self)
-        return marks if marks is not None or not keep else {}
-
-    def step_resolved(self, rec: Any, rows: Any) -> None:
-        if rec.marks or rec.paused_s or self.spans or self.fresh:
-            rec.marks = self.resolved(rec)
-
-    def run_closed(self) -> None:
-        self.close()
-
-    def open(self) -> None:
+        self._clock, self._pending, self._engine = engine.now, engine.pend.steps, engine
         if self._gc not in gc.callbacks:
             gc.callbacks.append(self._gc)
-        self.find_dynamo()
+        self._find_dynamo()
 
-    def close(self) -> None:
-        with suppress(ValueError):  # not open, or someone cleared gc.callbacks
-            gc.callbacks.remove(self._gc)
-        if self.dyn is not None and not self._each_end:
-            with suppress(Exception):  # torch's own list: nothing of steptimer's stays in it
-                sys.modules["torch._dynamo.callback"].callback_handler.remove_end_callback(self._compiled)
-
-    def find_dynamo(self) -> None:
+    def _find_dynamo(self) -> None:
         """Count torch.compile's graphs once ``torch._dynamo`` is imported (its import costs seconds)."""
         if self.dyn is None:
             try:
@@ -170,23 +135,26 @@ class StepMarks(Listener):
                 sys.modules["torch._dynamo.callback"].callback_handler.register_end_callback(self._compiled)
             except Exception:  # a torch without it: graphs counted at every step's end
                 self._each_end = True
-                if self._ask is not None:
-                    self._ask(self)
+                self._engine.hear_end(self)
 
-    def ended(self) -> dict[str, float] | None:
-        """At a queued step's end (``dyn`` is set): its marks for the graphs compiled in it."""
-        graphs = self.dyn.get("unique_graphs", 0)  # type: ignore[union-attr]
-        new, self._graphs = graphs - self._graphs, graphs
-        return {"graphs_new": float(new), "graphs": float(graphs)} if new > 0 else None
+    def step_ended(self, number: int) -> dict[str, float] | None:
+        """The graphs compiled in the step; ``{}``: GC spans to place at its resolution. Asks to hear
+        the next step's end while it holds spans not yet placed (or counts graphs at every end)."""
+        marks = None
+        if self.dyn is not None:
+            graphs = self.dyn.get("unique_graphs", 0)
+            new, self._graphs = graphs - self._graphs, graphs
+            if new > 0:
+                marks = {"graphs_new": float(new), "graphs": float(graphs)}
+        keep = bool(self.spans or self.fresh)
+        if keep or self._each_end:
+            self._engine.hear_end(self)
+        return marks if marks is not None or not keep else {}
 
-    def mark_current(self, number: int, key: str, value: float) -> None:
-        """Mark step ``number`` if it is the newest step ended and not yet resolved (the profiler's)."""
-        if self._pending and (rec := self._pending[-1]).number == number:
-            rec.marks = rec.marks or {}
-            rec.marks[key] = rec.marks.get(key, 0.0) + value
-
-    def resolved(self, rec: Any) -> dict[str, float] | None:
-        """A resolved ``StepRecord``'s marks: its own, GC since the previous step's end, the pause before it."""
+    def step_resolved(self, rec: Any, rows: Any) -> None:
+        """Add to the step's marks GC since the previous step's end and the pause before it."""
+        if not (rec.marks or rec.paused_s or self.spans or self.fresh):
+            return
         marks = rec.marks or {}
         gap = rec.gap_s if rec.gap_s == rec.gap_s else 0.0  # NaN: the run's first step
         t_from, t_to = rec.t0 - gap, rec.t0 + rec.step_s
@@ -207,19 +175,27 @@ class StepMarks(Listener):
             marks.update(gc_ms=gc_ms, gc_gen=float(gen))
         if rec.paused_s > 0:
             marks["pause_ms"] = rec.paused_s * 1e3
-        return marks or None
+        rec.marks = marks or None
 
-    def window(self, window: Any, device: int, memory: bool) -> None:
-        """After a window: look for torch.compile; mark its slow candidates with the allocator's retries
-        (``device`` < 0: none), read (~10 µs on an H100) with memory on, with candidates, or the first time."""
-        self.find_dynamo()
-        slow, last = window.packed.slow if window.packed is not None else [], self._alloc
-        if device < 0 or not (memory or slow or last is None):
+    def mark_current(self, number: int, key: str, value: float) -> None:
+        """Mark step ``number`` if it is the newest step ended and not yet resolved (the profiler's)."""
+        if self._pending and (rec := self._pending[-1]).number == number:
+            rec.marks = rec.marks or {}
+            rec.marks[key] = rec.marks.get(key, 0.0) + value
+
+    def window_closed(self, window: Any, kept: Any) -> None:
+        """Look for torch.compile; mark the window's slow candidates with the allocator's retries, read
+        (~10 µs on an H100) with memory on, with candidates, or the first time."""
+        self._find_dynamo()
+        e, last = self._engine, self._alloc
+        slow = window.packed.slow if window.packed is not None else []
+        # A simulated GPU (tests) has no allocator to read.
+        if not e.cuda or e.clock.custom or not (e.mem.reader is not None or slow or last is None):
             return
         import torch
 
         try:
-            retries = int(torch._C._cuda_memoryStats(device).get("num_alloc_retries", 0))
+            retries = int(torch._C._cuda_memoryStats(e.clock.device).get("num_alloc_retries", 0))
         except Exception:  # CUDA not initialized on that device, or a torch without the key
             return
         if last is not None and retries > last[0]:  # the retries since the last reading, in these steps
@@ -227,6 +203,13 @@ class StepMarks(Listener):
             for c in slow:
                 c.marks.update({k: float(v) for k, v in since.items()})
         self._alloc = (retries, window.step)
+
+    def run_closed(self) -> None:
+        with suppress(ValueError):  # not open, or someone cleared gc.callbacks
+            gc.callbacks.remove(self._gc)
+        if self.dyn is not None and not self._each_end:
+            with suppress(Exception):  # torch's own list: nothing of steptimer's stays in it
+                sys.modules["torch._dynamo.callback"].callback_handler.remove_end_callback(self._compiled)
 
 
 def row_values(
@@ -402,26 +385,25 @@ def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms:
     return out
 
 
-def text_value(tag: str, s: str, plugin: str) -> Any:
-    """A TensorBoard ``Summary.Value`` holding the string ``s`` for ``plugin`` (``text``: the Text tab)."""
+def card_proto(lines: Sequence[str], doc: Any, text_tag: str, json_tag: str, plugin: str) -> Any:
+    """A TensorBoard ``Summary`` of ``lines`` as a text card (a Markdown code block keeps the columns)
+    and ``doc`` as the JSON ``report`` reads back (:func:`parse_json`)."""
+    return _card("\n".join("    " + line for line in lines), doc, text_tag, json_tag, plugin)
+
+
+def _card(card: str, doc: Any, text_tag: str, json_tag: str, plugin: str) -> Any:
+    """A TensorBoard ``Summary``: ``card`` (Markdown) on the Text tab, ``doc`` as JSON for ``plugin``."""
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.compat.proto.tensor_pb2 import TensorProto
     from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
-    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin))
-    shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
-    t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=shape)
-    return Summary.Value(tag=tag, metadata=meta, tensor=t)
+    def value(tag: str, s: str, plugin: str) -> Any:
+        meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin))
+        shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
+        t = TensorProto(dtype=7, string_val=[s.encode()], tensor_shape=shape)
+        return Summary.Value(tag=tag, metadata=meta, tensor=t)
 
-
-def card_proto(lines: Sequence[str], doc: Any, text_tag: str, json_tag: str, plugin: str) -> Any:
-    """A TensorBoard ``Summary`` of ``lines`` as a text card (a Markdown code block keeps the columns)
-    and ``doc`` as the JSON ``report`` reads back (:func:`parse_json`)."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    card = "\n".join("    " + line for line in lines)
-    text = json.dumps(doc, allow_nan=False)
-    return Summary(value=[text_value(text_tag, card, "text"), text_value(json_tag, text, plugin)])
+    return Summary(value=[value(text_tag, card, "text"), value(json_tag, json.dumps(doc, allow_nan=False), plugin)])
 
 
 def parse_json(raw: bytes, build: Callable[[Any], T]) -> T | None:
@@ -434,19 +416,13 @@ def parse_json(raw: bytes, build: Callable[[Any], T]) -> T | None:
 
 def slow_summary(slowest: Sequence[SlowStep]) -> Any:
     """A TensorBoard ``Summary``: the text card (a Markdown row per slow step), the JSON ``report`` reads."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
     lines = ["| step | wall ms | what stood out |", "|---:|---:|---|"]
     lines += [f"| {s.step} | {num(s.wall_ms)} | {(s.cause or '-').replace('|', '/')} |" for s in slowest]
     clock = "the GPU's timeline" if slowest and slowest[0].clock == "gpu" else "host clock"
     card = "\n".join([*lines, f"\nwall time on {clock} (docs/slow-steps.md)"])
-    doc = json.dumps([s.to_json() for s in slowest], allow_nan=False)
-    return Summary(value=[text_value(SLOW_TAG, card, "text"), text_value(SLOW_JSON_TAG, doc, "steptimer-slow")])
+    return _card(card, [s.to_json() for s in slowest], SLOW_TAG, SLOW_JSON_TAG, "steptimer-slow")
 
 
 def parse_slow_json(raw: bytes) -> list[SlowStep]:
     """The steps written by :func:`slow_summary` (an empty list if unreadable)."""
-    try:
-        return [SlowStep.from_json(d) for d in json.loads(raw.decode())]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return []
+    return parse_json(raw, lambda doc: [SlowStep.from_json(d) for d in doc]) or []

@@ -562,7 +562,7 @@ def test_the_cost_budget_counts_a_host_steps_phase_entries_as_its_exits(monkeypa
 
 @pytest.mark.parametrize(
     ("part", "plugin", "method"),
-    [(SLOW, StepMarks, m) for m in ("open", "resolved", "window")]
+    [(SLOW, StepMarks, m) for m in ("run_began", "step_resolved", "window_closed")]
     + [(MEMORY, MemoryReader, m) for m in ("begin_step", "enter_phase", "exit_phase", "end_step")]
     + [(CAPTURE, Capture, m) for m in ("add", "want", "finish")],
 )
@@ -601,7 +601,7 @@ def test_a_plugins_own_failure_is_contained(
             with t.phase("forward"):
                 gpu.launch(30.0 if n == 17 else 2.0)
                 clock.advance_ms(1.0)
-        with t.pause():  # a pause before each step: its marks are read (StepMarks.resolved)
+        with t.pause():  # a pause before each step: its marks are read (StepMarks.step_resolved)
             clock.advance_ms(0.1)
     s = t.close()
     assert len(calls) == 1  # off from its first failure on
