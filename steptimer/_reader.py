@@ -7,27 +7,15 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from steptimer._dist import RANKS_JSON_TAG, parse_ranks_json
+from steptimer import _tags
+from steptimer._dist import RANKS_JSON_TAG
 from steptimer._goodput import JSON_TAG as GOODPUT_JSON_TAG
-from steptimer._goodput import Goodput, parse_goodput_json
+from steptimer._goodput import Goodput
 from steptimer._histogram import LogHistogram, grid_index
 from steptimer._records import RecordError, read_records
-from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_slow_json
+from steptimer._slow import SLOW_JSON_TAG, SlowStep, parse_json, parse_slow_json
 from steptimer._summary import RankSummary
-from steptimer._tags import (
-    DEVICE,
-    EVENT_FILE_PREFIX,
-    FLIGHT_DIR,
-    FLIGHT_FILE,
-    HIST,
-    MAIN,
-    PAD_SUFFIX,
-    PHASE_DIR,
-    PHASE_SUFFIX,
-    WARMUP,
-    join_tag,
-    parse,
-)
+from steptimer._tags import EVENT_FILE_PREFIX, PAD_SUFFIX, PHASE_DIR, PHASE_SUFFIX, join_tag, parse
 
 _EVENT_FILE_MARK = "tfevents"
 _NOT_EVENT_FILE = "{}: not a TensorBoard event file ({}); pass a run directory or its events.out.tfevents.* file"
@@ -143,34 +131,26 @@ def read_run(files: Files, path: str) -> RunLog:
     sources.sort(key=lambda s: (s[0] is not None, s[2][0].wall_time if s[0] and s[2] else 0.0))
     scalars: dict[str, list[_Written]] = {}
     hists: dict[tuple[str, str], list[_Written]] = {}
-    slow: list[_Written] = []  # the latest slowest steps, whatever their step
-    ranks: list[_Written] = []  # the latest per-rank section
-    goodput: list[_Written] = []  # the latest timeline
-    device: list[_Written] = []
+    # The texts written at close (the slowest steps, per-rank section, timeline, device): the latest.
+    texts: dict[str, list[_Written]] = {t: [] for t in (SLOW_JSON_TAG, RANKS_JSON_TAG, GOODPUT_JSON_TAG, _tags.DEVICE)}
     with_windows = set()  # the run's own files that hold steptimer values
     for phase, f, events in sources:
         for event in events:
             for value in event.summary.value if event.HasField("summary") else ():
-                if not value.tag.startswith(MAIN):
+                if not value.tag.startswith(_tags.MAIN):
                     continue
-                key = value.tag.removeprefix(WARMUP + "/")  # a warm-up value, hidden under its tag
+                key = value.tag.removeprefix(_tags.WARMUP + "/")  # a warm-up value, hidden under its tag
                 if phase is None:
                     with_windows.add(f)
                 else:
                     key = join_tag(phase, key)
                 kind, t, at = value.WhichOneof("value"), parse(key), (event.wall_time, event.step)
-                if kind == "histo" and t is not None and t.group == HIST:
+                if kind == "histo" and t is not None and t.group == _tags.HIST:
                     hists.setdefault((t.family, t.name), []).append((*at, _histogram(value.histo)))
                 elif kind == "simple_value":
                     scalars.setdefault(key, []).append((*at, value.simple_value))
-                elif kind == "tensor" and key == SLOW_JSON_TAG and value.tensor.string_val:
-                    slow.append((event.wall_time, 0, value.tensor.string_val[0]))
-                elif kind == "tensor" and key == RANKS_JSON_TAG and value.tensor.string_val:
-                    ranks.append((event.wall_time, 0, value.tensor.string_val[0]))
-                elif kind == "tensor" and key == GOODPUT_JSON_TAG and value.tensor.string_val:
-                    goodput.append((event.wall_time, 0, value.tensor.string_val[0]))
-                elif kind == "tensor" and key == DEVICE and value.tensor.string_val:
-                    device.append((event.wall_time, 0, value.tensor.string_val[0]))
+                elif kind == "tensor" and key in texts and value.tensor.string_val:
+                    texts[key].append((event.wall_time, 0, value.tensor.string_val[0]))
                 elif kind == "tensor" and (v := _tensor_scalar(value.tensor)) is not None:
                     scalars.setdefault(key, []).append((*at, v))
     if len(with_windows) > 1:
@@ -179,16 +159,17 @@ def read_run(files: Files, path: str) -> RunLog:
             "SummaryWriter, a Lightning logger or an older steptimer): read as one run, a step written "
             "twice taken from the later file; if they are separate runs, report one file alone"
         )
+    text = {k: _latest(w)[0][1] for k, w in texts.items() if w}
     return RunLog(
         path,
         path,
         {k: _latest(w) for k, w in scalars.items()},
         {k: _latest(w) for k, w in hists.items()},
         notes,
-        _with_traces(parse_slow_json(_latest(slow)[0][1]), files) if slow else [],
-        parse_ranks_json(_latest(ranks)[0][1]) if ranks else None,
-        parse_goodput_json(_latest(goodput)[0][1]) if goodput else None,
-        _latest(device)[0][1].decode(errors="replace") if device else None,
+        _with_traces(parse_slow_json(text[SLOW_JSON_TAG]), files) if SLOW_JSON_TAG in text else [],
+        parse_json(text[RANKS_JSON_TAG], RankSummary.from_json) if RANKS_JSON_TAG in text else None,
+        parse_json(text[GOODPUT_JSON_TAG], Goodput.from_json) if GOODPUT_JSON_TAG in text else None,
+        text[_tags.DEVICE].decode(errors="replace") if _tags.DEVICE in text else None,
     )
 
 
@@ -198,8 +179,8 @@ def _with_traces(slowest: list[SlowStep], files: Files) -> list[SlowStep]:
     own = next((f for phase, f in files if phase is None), None)
     if own is None:
         return slowest
-    folder = os.path.join(os.path.dirname(own), FLIGHT_DIR, os.path.basename(own).removeprefix(EVENT_FILE_PREFIX))
-    paths = {s.step: os.path.join(folder, FLIGHT_FILE.format(step=s.step)) for s in slowest}
+    folder = os.path.join(os.path.dirname(own), _tags.FLIGHT_DIR, os.path.basename(own).removeprefix(EVENT_FILE_PREFIX))
+    paths = {s.step: os.path.join(folder, _tags.FLIGHT_FILE.format(step=s.step)) for s in slowest}
     return [replace(s, trace=paths[s.step]) if os.path.isfile(paths[s.step]) else s for s in slowest]
 
 

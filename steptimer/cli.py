@@ -31,9 +31,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # its own parsing: everything after the script is the script's
         return _run.main(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare `steptimer`: the help, and a usage error's status
+        parser.print_help(sys.stderr)
+        return 2
+    commands = {"report": _cmd_report, "compare": _cmd_compare, "trace": _cmd_trace, "kernels": _cmd_kernels}
     try:
-        status = int(args.func(args))
+        status = commands[args.command](args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
         return status
     except BrokenPipeError:  # `steptimer report ... | head -1`: status 1 and no word, as rich's print does
@@ -79,48 +84,16 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"steptimer {__version__}")
-
-    p.set_defaults(func=lambda args: p.print_help(sys.stderr) or 2)  # a bare `steptimer`: help; a usage error
     sub = p.add_subparsers(dest="command", metavar="{run,report,compare,trace,kernels}")
     # `run` is parsed by _run.main, listed here for --help.
     sub.add_parser("run", help=_run.HELP, usage=_run.USAGE, add_help=False)
-    for add in (_add_report, _add_compare, _add_trace, _add_kernels):
-        add(sub)
-    return p
-
-
-def _command(sub: Any, name: str, func: Any, help: str, **kw: Any) -> argparse.ArgumentParser:
-    c: argparse.ArgumentParser = sub.add_parser(name, help=help, **kw)
-    c.set_defaults(func=func)
-    return c
-
-
-def _window_flags(c: argparse.ArgumentParser, json_help: str) -> None:
-    """The flags of the commands that summarize a run's windows: --json, --skip-steps, --include-warmup."""
-    c.add_argument("--json", action="store_true", help=f"print JSON instead of {json_help}")
-    c.add_argument(
-        "--skip-steps",
-        type=int_at_least,
-        default=0,
-        metavar="N",
-        help="leave out the windows that end at or before step N",
-    )
-    c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
-
-
-def _add_report(sub: Any) -> None:
-    r = _command(sub, "report", _cmd_report, "per-phase GPU/host times of steps, shares and a bottleneck verdict")
+    r = sub.add_parser("report", help="per-phase GPU/host times of steps, shares and a bottleneck verdict")
     r.add_argument("logdir", help="a run directory, or a tree of runs (each directory with event files)")
     r.add_argument("--explain", action="store_true", help="also say what each column, mark and row means")
     _window_flags(r, "tables")
-
-
-def _add_compare(sub: Any) -> None:
-    c = _command(
-        sub,
+    c = sub.add_parser(
         "compare",
-        _cmd_compare,
-        "per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
+        help="per-phase change from RUN_A to RUN_B: slower/faster only past run-to-run noise",
         description="Per phase, the median ms per step in RUN_A and RUN_B (GPU where both have it, "
         f"else host) and the change; 'slower' or 'faster' only when {CHANGE_RULE} (docs/cli.md).",
     )
@@ -141,27 +114,13 @@ def _add_compare(sub: Any) -> None:
         metavar="ROW,...",
         help="the rows --fail-slower checks (default: the phases, step and wall per step)",
     )
-
-
-def _add_trace(sub: Any) -> None:
-    t = _command(
-        sub,
-        "trace",
-        _cmd_trace,
-        "export a captured window of steps (StepTimer(trace_steps=...)) as Chrome/Perfetto trace JSON",
+    t = sub.add_parser(
+        "trace", help="export a captured window of steps (StepTimer(trace_steps=...)) as Chrome/Perfetto trace JSON"
     )
     t.add_argument("logdir", help="the run directory holding steptimer-trace.json (or the file itself)")
-    t.add_argument(
-        "-o", "--output", default=None, help=f"where to write the trace (default: LOGDIR/{TRACE_OUT}); '-' for stdout"
-    )
-
-
-def _add_kernels(sub: Any) -> None:
-    k = _command(
-        sub,
-        "kernels",
-        _cmd_kernels,
-        "top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)",
+    t.add_argument("-o", "--output", help=f"where to write the trace (default: LOGDIR/{TRACE_OUT}); '-' for stdout")
+    k = sub.add_parser(
+        "kernels", help="top GPU kernels per phase from the profiler trace (profile_steps=, profile_on_slow=)"
     )
     k.add_argument(
         "logdir",
@@ -176,6 +135,20 @@ def _add_kernels(sub: Any) -> None:
         help="kernels per phase (default: %(default)s)",
     )
     k.add_argument("--json", action="store_true", help="print JSON (full kernel names) instead of tables")
+    return p
+
+
+def _window_flags(c: argparse.ArgumentParser, json_help: str) -> None:
+    """The flags of the commands that summarize a run's windows: --json, --skip-steps, --include-warmup."""
+    c.add_argument("--json", action="store_true", help=f"print JSON instead of {json_help}")
+    c.add_argument(
+        "--skip-steps",
+        type=int_at_least,
+        default=0,
+        metavar="N",
+        help="leave out the windows that end at or before step N",
+    )
+    c.add_argument("--include-warmup", action="store_true", help="count the warm-up steps (left out by default)")
 
 
 def _percent(text: str) -> float:
@@ -273,8 +246,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 "gate": checked and checked.to_json(),
             }
         )
-        return status
-    print_compare(a, b, deltas, _console(), checked)
+    else:
+        print_compare(a, b, deltas, _console(), checked)
     return status
 
 
