@@ -45,9 +45,8 @@ class RankSpread:
 @dataclass(frozen=True)
 class LastRank:
     """The rank last (by 1 ms or more) to a watched model's first collective in a step (DDP's first
-    all-reduce, FSDP2's first all-gather) in ``share`` of the steps, ``ahead_ms`` after the first rank
-    on average; ``phase``: its row that grew most; ``host_paced``: on the GPU's clock, whether that phase
-    was launch-bound on it (as the verdict's rule: its GPU waited for its host's launches)."""
+    all-reduce, FSDP2's first all-gather) in ``share`` of the steps, ``ahead_ms`` after the first rank on
+    average; ``phase``: its row that grew most; ``host_paced``: on the GPU's clock, that phase launch-bound."""
 
     rank: int
     share: float
@@ -134,14 +133,13 @@ class RankSummary:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RankSummary:
         """The inverse of :meth:`to_json`; raises ``KeyError``/``TypeError`` on another document."""
-        fields = {f: d[f] for f in ("world_size", "ranks", "rounds", "reduce_ms")}
         series = {
             (x["clock"], x["name"]): RankSpread(**{k: v for k, v in x.items() if k not in ("clock", "name")})
             for x in d["series"]
         }
         energy, gpu = d.get("energy"), d.get("gpu")
         return cls(
-            **fields,
+            **{f: d[f] for f in ("world_size", "ranks", "rounds", "reduce_ms")},
             series=series,
             straggler=d["straggler"] and RankSpread(**d["straggler"]),
             last=d.get("last") and LastRank(**d["last"]),
@@ -151,7 +149,6 @@ class RankSummary:
         )
 
     def lines(self) -> list[str]:
-        """The section as text lines, for the summary table's footer."""
         mem = "; mem: each rank's peak and reserved, MiB" if any(c == "mem" for c, _ in self.series) else ""
         out = [
             f"per rank ({self.ranks} of {self.world_size} ranks; each rank's run mean, ms{mem}):",
@@ -197,18 +194,14 @@ class RankSummary:
 
 @dataclass(frozen=True)
 class Source:
-    """Where a summary was read from: a live run (these defaults) or a run's logs (``steptimer report``).
-    ``name``: the run's, in the heading; ``path``: its directory (or the ``report --json`` file);
-    ``device``: the timed device's name (None: not logged); ``windows``: the log windows summarized;
-    ``of_steps``: median and p90 of steps (histograms), not of window means (scalar-only logs);
-    ``cycle_window_ms``: each window's wall time per step (``compare``'s wall per step)."""
+    """Where a summary was read from: a live run (these defaults) or a run's logs (``steptimer report``)."""
 
-    name: str = "steptimer"
-    path: str | None = None
-    device: str | None = None
-    windows: int | None = None
-    of_steps: bool = True
-    cycle_window_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    name: str = "steptimer"  # the run's, in the heading
+    path: str | None = None  # its directory (or the ``report --json`` file)
+    device: str | None = None  # the timed device's name (None: not logged)
+    windows: int | None = None  # the log windows summarized
+    of_steps: bool = True  # median and p90 of steps (histograms), not of window means (scalar-only logs)
+    cycle_window_ms: tuple[float, ...] = field(default=(), repr=False, compare=False)  # compare's wall per step
 
 
 @dataclass(frozen=True)
@@ -319,8 +312,9 @@ def summarize(
     peak_tflops: float | None = None,
     **more: Any,
 ) -> Summary:
-    """Rows, shares, rates and verdict of the sums ``t`` and the ``series`` by (clock, row); ``caught``:
-    see :func:`_launch_bound`; ``calls``: per phase (None: not known); ``more``: other fields."""
+    """Rows, shares, rates and verdict of the sums ``t`` and the ``series`` by (clock, row); ``caught``: by
+    phase, the part of its steps in which the GPU caught up inside it; ``calls``: per phase (None: not
+    known); ``more``: other fields."""
     gpu = {n: x for (c, n), x in series.items() if c == "gpu"}
     clock, share_of = shares({n: x.sum_ms for n, x in gpu.items()}, t.timed_sum_ms, t.timed_wall_ms)
     if clock == "host" and (own := series.get(("host", "steptimer"))) is not None:
@@ -332,7 +326,12 @@ def summarize(
         st = h.stats if h is not None else NO_STATS
         ran = st.steps or (g.stats.steps if g is not None else 0)
         per_step = None if calls is None else (calls[name] / ran if name in calls and ran else 1.0)
-        launch = _launch_bound(name, h, g, caught.get(name))
+        launch = (  # the rule on the phase's median spans
+            g is not None
+            and h is not None
+            and name not in DERIVED_LAST
+            and launch_bound(g.stats.median_ms, h.stats.median_ms, caught.get(name))
+        )
         by_clock = {c: x for c, x in (("host", h), ("gpu", g)) if x is not None}
         rows.append(PhaseSummary(name, per_step, st, g and g.stats, share_of.get(name), launch, by_clock))
     return Summary(
@@ -346,13 +345,6 @@ def summarize(
         verdict=verdict(rows, clock == "gpu", more.get("ranks")) if t.timed_steps else None,
         **more,
     )
-
-
-def _launch_bound(name: str, h: Series | None, g: Series | None, caught: float | None) -> bool:
-    """The launch-bound rule (``_verdict.launch_bound``) on the phase's median spans."""
-    if g is None or h is None or name in DERIVED_LAST:
-        return False
-    return launch_bound(g.stats.median_ms, h.stats.median_ms, caught)
 
 
 def row_order(seen: list[str], present: set[str] | dict[str, object]) -> list[str]:
@@ -377,14 +369,13 @@ class SummaryAccumulator(Tally):
         super().__init__()
         self.slow = SlowestKeeper(slowest)
         self.hists: dict[str, dict[str, LogHistogram]] = {"host": {}, "gpu": {}, "caught": {}}
-        self.host, self.gpu, self.caught = self.hists.values()
         self.memory: MemoryStats | None = None
 
     def add_window(self, window: Window) -> list[Candidate]:
         """Add a window's steps (not a warm-up window's); return those that entered the run's slowest."""
-        p = window.packed
         if window.warmup:
             return []
+        p = window.packed
         kept = self.slow.add(p.slow) if p.slow else []
         if window.memory is not None:
             self.memory = window.memory if self.memory is None else self.memory.merged(window.memory)
@@ -397,7 +388,7 @@ class SummaryAccumulator(Tally):
         """The run's summary (``more``: :func:`summarize`'s), its slowest steps with ``traces``."""
         hists = ((c, n, h) for c in ("host", "gpu") for n, h in self.hists[c].items())
         series = {(c, n): Series(SeriesStats.of(h), h) for c, n, h in hists}
-        caught = {n: h.mean_ms for n, h in self.caught.items()}
+        caught = {n: h.mean_ms for n, h in self.hists["caught"].items()}
         # A slow step is read against the run's median of each row on each clock.
         medians = {key: x.stats.median_ms for key, x in series.items() if x.stats.steps}
         slowest = self.slow.slowest(medians, traces)

@@ -24,14 +24,6 @@ from steptimer._summary import CHRONIC_RULE, Summary
 from steptimer._verdict import DERIVED_FIRST, DERIVED_LAST, LAUNCH_RULE, RULES, STRAGGLER_RULE, is_phase
 
 
-def fitted(variants: Iterable[Any], width: int) -> Any:
-    """The first ``rich`` table of ``variants`` whose natural width fits ``width`` (else the last)."""
-    console = Console(width=10_000, file=io.StringIO())
-    tables = list(variants)
-    fits = (t for t in tables if Measurement.get(console, console.options, t).maximum <= width)
-    return next(fits, tables[-1])
-
-
 def table_of(columns: Sequence[tuple[str, bool]]) -> Any:
     """A borderless ``rich`` table of ``(header, right-justified)`` columns that never wrap."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
@@ -46,24 +38,23 @@ def _label(name: str) -> str:
 
 def phase_table(summary: Summary, width: int) -> Any:
     """The per-phase table fitted to ``width`` (dropping max, then p90); calls/step only if not all 1."""
-    rows = summary.rows
-    calls = any(r.calls_per_step not in (None, 1.0) for r in rows)
+    calls = any(r.calls_per_step not in (None, 1.0) for r in summary.rows)
     clocks = ("gpu", "host") if summary.cuda else ("host",)
-
-    def build(stats: tuple[str, ...]) -> Any:
+    console = Console(width=10_000, file=io.StringIO())  # measures a table's natural width
+    for stats in (("median", "p90", "max"), ("median", "p90"), ("median",)):
         cols = [("phase", False)] + [("calls\n/step", True)] * calls
         cols += [(f"{'GPU' if c == 'gpu' else 'host'} ms\n{s}", True) for c in clocks for s in stats]
         table = table_of([*cols, (f"share\n{'GPU' if summary.share_clock == 'gpu' else 'host'}", True)])
-        for r in rows:
+        for r in summary.rows:
             cells = [_label(r.name)] + ([count(r.calls_per_step) if r.calls_per_step else "-"] if calls else [])
             for c in clocks:
                 st = r.gpu if c == "gpu" else r.host
                 mark = "*" if c == "gpu" and r.launch_bound else ""
                 cells += [num(getattr(st, f"{s}_ms")) + (mark if s == "median" else "") if st else "-" for s in stats]
             table.add_row(*cells, "-" if r.share is None else pct(r.share))
-        return table
-
-    return fitted((build(s) for s in (("median", "p90", "max"), ("median", "p90"), ("median",))), width)
+        if Measurement.get(console, console.options, table).maximum <= width:
+            break
+    return table
 
 
 def _mib(b: int | None) -> str:
@@ -101,23 +92,6 @@ def stood_out(summary: Summary) -> list[SlowStep]:
         return (st.median_ms if st is not None and st.steps else math.inf) * (1 if s.causes else UNCAUSED_STEPS)
 
     return [s for s in summary.slowest if s.grew_ms is not None and s.grew_ms >= least_ms(s)]
-
-
-def slowest_table(slowest: Sequence[SlowStep], width: int) -> Any:
-    """Step, wall time and what stood out (the only column that wraps)."""
-    table = table_of([("step", True), ("wall ms", True)])
-    table.add_column("what stood out", overflow="fold", max_width=max(width - 20, 30))
-    for s in slowest:
-        table.add_row(str(s.step), num(s.wall_ms), s.cause or "-")
-    return Group(Text("slowest steps"), table)
-
-
-def trace_lines(slowest: Sequence[SlowStep]) -> list[str]:
-    """The flight recorder's traces of the slowest steps, where the run wrote one (with a log directory,
-    around its three slowest)."""
-    traces = [f"  step {s.step}: {s.trace}" for s in slowest if s.trace]
-    head = "traces around the slowest steps (the flight recorder's; open at https://ui.perfetto.dev):"
-    return [head, *traces] if traces else []
 
 
 def facts(summary: Summary) -> list[str]:
@@ -162,61 +136,48 @@ def energy_lines(summary: Summary, label: str = "") -> list[str]:
 
 def explanations(summary: Summary) -> list[str]:
     """What the columns and marks mean (``--explain``; docs/cli.md says the same)."""
-    gpu_slow = summary.slowest and summary.slowest[0].clock == "gpu"
-    slow_clock = "the GPU's timeline" if gpu_slow else "the host clock"
-    kind = summary.verdict.kind if summary.verdict is not None else ""
-    key = (summary.share_clock, kind)  # the verdict's rule, said from the thresholds it tested
-    said = [
-        (True, f"median and p90 are of {'steps' if summary.source.of_steps else 'window means'}; max is of steps"),
-        (
-            summary.share_clock == "gpu",
+    named = [r.name for r in summary.rows if r.share is not None]  # the rows with a share, as a sum
+    phases = ["phases"] if any(is_phase(n) for n in named) else []  # the user's
+    shared = " + ".join([n for n in named if n in DERIVED_FIRST] + phases + [n for n in named if n in DERIVED_LAST])
+    said = [f"median and p90 are of {'steps' if summary.source.of_steps else 'window means'}; max is of steps"]
+    if summary.share_clock == "gpu":
+        said.append(
             "share GPU: the row's part of the GPU's timeline (each step's GPU span plus the GPU's idle before "
-            f"it; the wall time in steady state): {share_sum(summary)} = 100%",
-        ),
-        (
-            summary.share_clock != "gpu",
-            f"share host: the row's part of wall time (host clock): {share_sum(summary)} = 100%",
-        ),
-        (
-            True,
-            "data: the training loader's time between steps (timer.data(loader)), plus a phase named "
-            "data; loop: the rest of the host's time between steps (.item(), logging; all of it when no "
-            "loader is timed) less pause() and steptimer's own time; other: the step less its top-level "
-            "phases and steptimer's own time; wait: steptimer's one event wait a step; steptimer: its own "
-            "host time (step ends, resolving, top-level phases' entries and exits, window statistics)",
-        ),
-        (
-            any(r.launch_bound for r in summary.rows),
-            f"* launch-bound: {LAUNCH_RULE}: the GPU waited for launches, and its number includes that idle",
-        ),
-        (not summary.cuda, "host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here"),
-        (
-            summary.memory is not None,
+            f"it; the wall time in steady state): {shared} = 100%"
+        )
+    else:
+        said.append(f"share host: the row's part of wall time (host clock): {shared} = 100%")
+    said.append(
+        "data: the training loader's time between steps (timer.data(loader)), plus a phase named "
+        "data; loop: the rest of the host's time between steps (.item(), logging; all of it when no "
+        "loader is timed) less pause() and steptimer's own time; other: the step less its top-level "
+        "phases and steptimer's own time; wait: steptimer's one event wait a step; steptimer: its own "
+        "host time (step ends, resolving, top-level phases' entries and exits, window statistics)"
+    )
+    if any(r.launch_bound for r in summary.rows):
+        said.append(f"* launch-bound: {LAUNCH_RULE}: the GPU waited for launches, and its number includes that idle")
+    if not summary.cuda:
+        said.append("host clock only: a slow host (launch-bound) and a busy GPU (GPU-bound) look alike here")
+    if summary.memory is not None:
+        said.append(
             "memory: peak = the allocator's peak allocated inside the phase (max over steps); at exit = "
             "allocated when it was left, and reserved at the step's end (last timed step); the run's "
-            "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it",
-        ),
-        (key in RULES and kind != "straggler-bound", f"{kind}: {RULES.get(key)}"),
-        (
-            summary.ranks is not None and summary.ranks.last is not None,
-            f"straggler-bound: {STRAGGLER_RULE}. {CHRONIC_RULE}",
-        ),
-        (
-            bool(summary.slowest),
-            f"slowest steps: wall on {slow_clock}; "
-            "what stood out is the row that grew most over its median, then the measured causes; shown by "
-            f"default when the row grew by at least the median step with a measured cause, or {UNCAUSED_STEPS} "
-            "median steps without one",
-        ),
-    ]
-    return [text for shown, text in said if shown]
-
-
-def share_sum(summary: Summary) -> str:
-    """The rows that have a share, as a sum: ``loop + phases + other`` (``phases``: the user's)."""
-    named = [r.name for r in summary.rows if r.share is not None]
-    phases = ["phases"] if any(is_phase(n) for n in named) else []
-    return " + ".join([n for n in named if n in DERIVED_FIRST] + phases + [n for n in named if n in DERIVED_LAST])
+            "peak allocated is what torch.cuda.max_memory_allocated() would say had steptimer not reset it"
+        )
+    kind = summary.verdict.kind if summary.verdict is not None else ""
+    rule = RULES.get((summary.share_clock, kind))  # the verdict's rule, said from the thresholds it tested
+    if rule is not None and kind != "straggler-bound":
+        said.append(f"{kind}: {rule}")
+    if summary.ranks is not None and summary.ranks.last is not None:
+        said.append(f"straggler-bound: {STRAGGLER_RULE}. {CHRONIC_RULE}")
+    if summary.slowest:
+        slow_clock = "the GPU's timeline" if summary.slowest[0].clock == "gpu" else "the host clock"
+        said.append(
+            f"slowest steps: wall on {slow_clock}; what stood out is the row that grew most over its median, "
+            "then the measured causes; shown by default when the row grew by at least the median step with a "
+            f"measured cause, or {UNCAUSED_STEPS} median steps without one"
+        )
+    return said
 
 
 def wrapped(lines: Iterable[str], width: int, indent: str = "") -> list[str]:
@@ -250,9 +211,16 @@ def print_summary(summary: Summary, console: Any = None, *, explain: bool = Fals
     mem = memory_table(summary)
     if mem is not None:
         console.print(mem)
-    if explain and summary.slowest:
-        console.print(slowest_table(summary.slowest, console.width))
-        say(console, trace_lines(summary.slowest))
+    if explain and summary.slowest:  # what stood out is the only column that wraps
+        table = table_of([("step", True), ("wall ms", True)])
+        table.add_column("what stood out", overflow="fold", max_width=max(console.width - 20, 30))
+        for s in summary.slowest:
+            table.add_row(str(s.step), num(s.wall_ms), s.cause or "-")
+        console.print(Group(Text("slowest steps"), table))
+        # The flight recorder's traces, where the run wrote one (with a log directory, around its 3 slowest).
+        traces = [f"  step {s.step}: {s.trace}" for s in summary.slowest if s.trace]
+        head = "traces around the slowest steps (the flight recorder's; open at https://ui.perfetto.dev):"
+        say(console, [head, *traces] if traces else [])
     for s in () if explain else stood_out(summary):  # its wall, the row that grew, each measured cause
         grew = f"; {s.grew_text()}" if s.grew is not None else ""
         say(console, [f"slow step {s.step}: {num(s.wall_ms)} ms{grew}", *[f"  - {c}" for c in s.causes]])
@@ -291,18 +259,14 @@ def print_compare(a: Summary, b: Summary, deltas: Sequence[Delta], console: Any,
         "step: the mean (1 / steps per second)",
         f"a row changed when {CHANGE_RULE}",
     ]
-    if gate is not None:
-        lines.append(gate_text(gate, deltas))
+    if gate is not None:  # --fail-slower's verdict: pass, the rows slower and by how much, or why not comparable
+        past = f"slower past the noise test and by more than {gate.threshold_pct:g}%"
+        frac = {d.name: d.delta_frac for d in deltas}
+        slower = ", ".join(n if (f := frac[n]) is None else f"{n} {100 * f:+.1f}%" for n in gate.slower)
+        if gate.reason:
+            lines.append(f"gate: not comparable: {gate.reason}")
+        elif not gate.slower:
+            lines.append(f"gate: pass: no row of {len(gate.rows)} checked is {past}")
+        else:
+            lines.append(f"gate: FAILED: {slower}: {past}")
     say(console, lines)
-
-
-def gate_text(gate: Gate, deltas: Sequence[Delta]) -> str:
-    """``--fail-slower``'s verdict in a line: pass, the rows slower and by how much, or why not comparable."""
-    past = f"slower past the noise test and by more than {gate.threshold_pct:g}%"
-    if gate.reason:
-        return f"gate: not comparable: {gate.reason}"
-    if not gate.slower:
-        return f"gate: pass: no row of {len(gate.rows)} checked is {past}"
-    frac = {d.name: d.delta_frac for d in deltas}
-    rows = ", ".join(n if (f := frac[n]) is None else f"{n} {100 * f:+.1f}%" for n in gate.slower)
-    return f"gate: FAILED: {rows}: {past}"
