@@ -1,8 +1,7 @@
-"""The GPU's energy from NVML's total-energy counter, read on a thread of its own: one read costs
-about 3.3 ms on an H100, so never in a step nor on the training thread. A window's end only asks for a
-reading; energy over a span of steps is the difference of two readings (docs/memory-and-mfu.md). With
-each reading, where the counter can tell (NVML's can), the GPU's state: SM clock, power and its limit,
-temperature and the clock-throttle reasons, which say why a rank's GPU ran slower (docs/distributed.md)."""
+"""The GPU's energy from NVML's total-energy counter, read on a thread of its own: one read costs about
+3.3 ms on an H100, so never in a step nor on the training thread. Energy over a span of steps is the
+difference of two readings (docs/memory-and-mfu.md); with each reading, the GPU's state (SM clock,
+power, temperature, clock-throttle reasons: why a rank's GPU ran slower, docs/distributed.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,8 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from functools import partial, reduce
+from operator import or_
 from statistics import median
 from time import perf_counter
 from typing import Any, NamedTuple
@@ -20,7 +21,6 @@ from steptimer._format import num
 from steptimer._tags import JOULES_PER_SAMPLE, JOULES_PER_STEP, JOULES_PER_TOKEN, MAIN, WATTS
 
 log = logging.getLogger("steptimer")
-
 
 # NVML's clock-throttle (clocks-event) reasons that slow a busy GPU, by bit (GPU idle, 0x1, is none).
 THROTTLE_REASONS = {
@@ -49,28 +49,16 @@ class GpuState(NamedTuple):
         return [name for bit, name in THROTTLE_REASONS.items() if self.throttle & bit]
 
 
-def mean_state(states: Sequence[GpuState]) -> GpuState | None:
-    """The states of a span as one: means, and every throttle reason seen (None: none read)."""
-    if not states:
-        return None
-    n, throttle = len(states), 0
-    for st in states:
-        throttle |= int(st.throttle)
-    clock, power, limit, temp = (sum(float(st[i]) for st in states) / n for i in range(4))
-    return GpuState(clock, power, limit, temp, throttle)
-
-
 def gpu_cause(rank: int, states: Mapping[int, GpuState]) -> str | None:
-    """What the GPU of the late ``rank`` says against the others': a lower SM clock than the ranks'
-    median (``SLOWER_CLOCK``), throttle reasons the others don't all share; None: nothing stood out."""
+    """What the late ``rank``'s GPU says against the others': an SM clock under ``SLOWER_CLOCK`` x the
+    ranks' median, throttle reasons the others don't all share; None: nothing stood out."""
     late = states.get(rank)
     if late is None or len(states) < 2:
         return None
     mid = median([st.sm_clock_mhz for st in states.values()])
     others = [st for r, st in states.items() if r != rank]
     reasons = [x for x in late.reasons() if not all(x in st.reasons() for st in others)]
-    slower = late.sm_clock_mhz < SLOWER_CLOCK * mid
-    if not slower and not reasons:
+    if late.sm_clock_mhz >= SLOWER_CLOCK * mid and not reasons:
         return None
     why = "".join(f", {x}" for x in reasons)
     return f"rank {rank}: SM clock {num(late.sm_clock_mhz)} MHz vs {num(mid)} median{why}"
@@ -100,22 +88,18 @@ class Energy:
     def watts(self) -> float:
         return self.joules / self.seconds
 
-    def per_step_scalars(self, samples_per_step: float | None, tokens_per_step: float | None) -> dict[str, float]:
-        """A window's tags: joules per step, per sample and per token where counted, and watts."""
-        out = {JOULES_PER_STEP: self.joules_per_step, WATTS: self.watts}
-        for tag, per_step in ((JOULES_PER_SAMPLE, samples_per_step), (JOULES_PER_TOKEN, tokens_per_step)):
-            if per_step:
-                out[tag] = self.joules_per_step / per_step
-        return out
-
 
 def between(first: Reading, last: Reading, states: Sequence[GpuState] = ()) -> Energy | None:
-    """The energy from ``first`` to ``last`` (``states``: the GPU's between them; else ``last``'s);
-    None when no step or no time lies between them."""
+    """The energy from ``first`` to ``last``, with ``states`` (else ``last``'s) as one: means, every
+    throttle reason seen; None when no step or no time lies between them."""
     steps, seconds = last.step - first.step, last.host_s - first.host_s
     if steps <= 0 or seconds <= 0:
         return None
-    gpu = mean_state(states) if states else last.state
+    gpu = last.state
+    if states:
+        clock, power, limit, temp = (sum(float(st[i]) for st in states) / len(states) for i in range(4))
+        throttle = reduce(or_, (int(st.throttle) for st in states))
+        gpu = GpuState(clock, power, limit, temp, throttle)
     return Energy(joules=last.joules - first.joules, steps=steps, seconds=seconds, gpu=gpu)
 
 
@@ -129,14 +113,13 @@ class NvmlCounter:
         return float(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)) / 1e3
 
     def state(self) -> GpuState:
-        """SM clock (MHz), power draw and enforced limit (W), temperature (C), clock-throttle reasons."""
         nv, h = self.nvml, self.handle
         # The newer name of the same call; drivers before 535 have only the older one.
         reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
         reasons = reasons or nv.nvmlDeviceGetCurrentClocksThrottleReasons
         return GpuState(
             float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
-            nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+            nv.nvmlDeviceGetPowerUsage(h) / 1e3,  # mW
             nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3,
             float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
             int(reasons(h)),
@@ -144,7 +127,7 @@ class NvmlCounter:
 
 
 def nvml_counter(device: int) -> tuple[Any, str | None]:
-    """A function that reads GPU ``device``'s energy counter in joules, or None and why not."""
+    """GPU ``device``'s :class:`NvmlCounter`, or None and why not."""
     try:
         import pynvml  # nvidia-ml-py
     except ImportError:
@@ -154,8 +137,7 @@ def nvml_counter(device: int) -> tuple[Any, str | None]:
 
         pynvml.nvmlInit()
         p = torch.cuda.get_device_properties(device)
-        bus = getattr(p, "pci_bus_id", None)
-        if bus is None:  # an older torch: the CUDA index, right unless CUDA_VISIBLE_DEVICES reorders
+        if getattr(p, "pci_bus_id", None) is None:  # an older torch: right unless CUDA_VISIBLE_DEVICES reorders
             handle = pynvml.nvmlDeviceGetHandleByIndex(device)
         else:
             pci = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
@@ -167,12 +149,10 @@ def nvml_counter(device: int) -> tuple[Any, str | None]:
 
 
 class EnergyMeter:
-    """Reads an energy counter on its own thread at each :meth:`mark` (``open_counter`` is called there too)."""
+    """Reads an energy counter on its own thread at each :meth:`mark`; ``open_counter`` (called there too)
+    returns the counter (a function that reads joules), or None and why not."""
 
-    def __init__(
-        self, read_joules: Any = None, *, open_counter: Callable[[], tuple[Any, str | None]] | None = None
-    ) -> None:
-        self._read = read_joules
+    def __init__(self, open_counter: Callable[[], tuple[Any, str | None]]) -> None:
         self._open = open_counter
         self._asks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self.readings: list[Reading] = []
@@ -181,22 +161,21 @@ class EnergyMeter:
         self._thread.start()
 
     def mark(self, step: int) -> None:
-        """Ask for a reading after ``step`` (returns at once: the read happens on the meter's thread)."""
+        """Ask for a reading after ``step``; returns at once."""
         self._asks.put(step)
 
     def _loop(self) -> None:
-        if self._open is not None:
-            try:
-                self._read, self.error = self._open()
-            except Exception as err:  # noqa: BLE001 - a counter that can't open is a note, never the run's
-                self.error = f"energy: not read (opening the counter failed: {type(err).__name__}: {err})"
-                return
-        if self._read is None:
+        try:
+            read, self.error = self._open()
+        except Exception as err:  # noqa: BLE001 - a counter that can't open is a note, never the run's
+            self.error = f"energy: not read (opening the counter failed: {type(err).__name__}: {err})"
             return
-        state = getattr(self._read, "state", None)  # a counter that reads the GPU's state too (NVML's)
+        if read is None:
+            return
+        state = getattr(read, "state", None)  # a counter that reads the GPU's state too (NVML's)
         while (step := self._asks.get()) is not None:
             try:
-                joules = float(self._read())
+                joules = float(read())
             except Exception as err:  # a counter that fails stops the meter, never the run
                 self.error = f"energy: reading stopped ({err})"
                 return
@@ -223,15 +202,15 @@ class EnergyWindows:
     at its own step (TensorBoard drops later points after a lower step); a later reading is left out."""
 
     _meter: Any = None
-    _per_step: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)  # samples, tokens
+    _per_step: dict[int, dict[str, float]] = field(default_factory=dict)  # samples, tokens per step, by tag
     _written: int = 1  # readings before this one are done with
     _marked: int = -1  # the step of the last reading asked for: the last window's
     error: str | None = None  # steptimer's own failure here: energy off, in the summary's notes
 
     @contextmanager
     def _contained(self) -> Iterator[None]:
-        """A failure of steptimer's own inside (a sink's ``write_energy``, the meter) turns energy off
-        with one warning and a note (:meth:`close` returns it); the steps and training go on."""
+        """steptimer's own failure inside (a sink's ``write_energy``, the meter): energy off, one warning
+        and :attr:`error`; the steps and training go on."""
         try:
             yield
         except Exception as err:  # noqa: BLE001 - a plug-in's own failure, never the run's
@@ -243,30 +222,29 @@ class EnergyWindows:
                     meter.close()
 
     def write_ready(self, sinks: Sequence[Any], ranks: tuple[int, dict[str, float]] | None = None) -> None:
-        """The energy of the last window, if its closing reading is in, to the sinks; ``ranks``: the
-        ranks' energy of the window ending at that step (``_dist.py``), written with it."""
-        if self.error is None:
-            with self._contained():
-                self._write_ready(sinks, ranks)
-
-    def _write_ready(self, sinks: Sequence[Any], ranks: tuple[int, dict[str, float]] | None) -> None:
-        readings = list(self._meter.readings) if self._meter is not None else []
-        out: dict[int, dict[str, float]] = {}
-        for k in range(self._written, len(readings)):
-            e = between(readings[k - 1], readings[k])
-            per_step = self._per_step.pop(readings[k].step, (None, None))
-            if e is not None and readings[k].step >= self._marked:
-                out[readings[k].step] = e.per_step_scalars(*per_step)
+        """The last window's energy, if its closing reading is in, to the sinks that take it; ``ranks``:
+        the ranks' energy tags of the window ending at that step (``_dist.py``), written with it."""
+        if self.error is not None:
+            return
+        with self._contained():
+            readings = list(self._meter.readings) if self._meter is not None else []
+            out: dict[int, dict[str, float]] = {}
+            for k in range(self._written, len(readings)):
+                e, step = between(readings[k - 1], readings[k]), readings[k].step
+                per_step = self._per_step.pop(step, {})
+                if e is None or step < self._marked:
+                    continue
+                out[step] = {JOULES_PER_STEP: e.joules_per_step, WATTS: e.watts}
+                out[step].update({tag: e.joules_per_step / n for tag, n in per_step.items()})
                 if e.gpu is not None:  # the GPU's state at the window's closing reading
-                    out[readings[k].step].update(zip(GPU_STATE_TAGS, map(float, e.gpu)))
-        self._written = max(self._written, len(readings))
-        if ranks is not None:
-            out.setdefault(ranks[0], {}).update(ranks[1])
-        for step, scalars in sorted(out.items()):
-            for sink in sinks:
-                write = getattr(sink, "write_energy", None)  # TensorBoard's; other sinks take windows only
-                if write is not None:
-                    write(scalars, step)
+                    out[step].update(zip(GPU_STATE_TAGS, map(float, e.gpu)))
+            self._written = max(self._written, len(readings))
+            if ranks is not None:
+                out.setdefault(ranks[0], {}).update(ranks[1])
+            for step, scalars in sorted(out.items()):
+                for sink in sinks:
+                    if hasattr(sink, "write_energy"):  # TensorBoard's; other sinks take windows only
+                        sink.write_energy(scalars, step)
 
     def at(self, step: int) -> Energy | None:
         """The energy of the window ending at ``step``, if its closing reading is in."""
@@ -280,21 +258,19 @@ class EnergyWindows:
             return
         with self._contained():
             if self._meter is None:
-                self._meter = EnergyMeter(open_counter=lambda: (counter or nvml_counter)(device))
+                self._meter = EnergyMeter(partial(counter or nvml_counter, device))
             self._count(window)
             self._meter.mark(window.step)
             self._marked = window.step
 
     def _count(self, window: Any) -> None:
-        rate = window.steps_per_s
-        self._per_step[window.step] = tuple(  # type: ignore[assignment]
-            x / rate if x and rate else None for x in (window.samples_per_s, window.tokens_per_s)
-        )
+        rate, counted = window.steps_per_s, (window.samples_per_s, window.tokens_per_s)
+        tags = (JOULES_PER_SAMPLE, JOULES_PER_TOKEN)
+        self._per_step[window.step] = {tag: x / rate for tag, x in zip(tags, counted) if x and rate}
 
     def close(self, step: int, window: Any = None) -> tuple[Energy | None, str | None]:
-        """The last reading (after ``step``, ending ``window`` if given), the meter stopped; the run's
-        energy, first reading to last (None, and why not). :meth:`write_ready` writes what is left;
-        :attr:`error` says why energy stopped, if steptimer's own failure stopped it."""
+        """The last reading (after ``step``, ending ``window`` if given), the meter stopped: the run's
+        energy, first reading to last, and the counter's note; None where :attr:`error` stopped it."""
         if self._meter is None:
             return None, None
         meter, energy = self._meter, None

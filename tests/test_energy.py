@@ -25,7 +25,7 @@ def test_the_counter_is_read_on_the_meters_thread_at_each_mark() -> None:
         threads.append(threading.get_ident())
         return float(next(joules))
 
-    meter = EnergyMeter(counter)
+    meter = EnergyMeter(lambda: (counter, None))
     for step in (10, 20, 30):
         meter.mark(step)
     readings = meter.close(35)
@@ -39,7 +39,7 @@ def test_a_failing_counter_stops_the_meter_not_the_caller() -> None:
     def counter() -> float:
         raise OSError("GPU is lost")
 
-    meter = EnergyMeter(counter)
+    meter = EnergyMeter(lambda: (counter, None))
     meter.mark(1)
     assert meter.close(2) == []
     assert meter.error == "energy: reading stopped (GPU is lost)"
@@ -62,7 +62,7 @@ def test_nvmls_state_in_units_and_the_older_throttle_call() -> None:
     assert counter() == 5000.0
     state = counter.state()
     assert state == GpuState(1410.0, 299.5, 300.0, 71.0, 0x4) and state.reasons() == ["power cap"]
-    meter = EnergyMeter(counter)
+    meter = EnergyMeter(lambda: (counter, None))
     meter.mark(1)
     assert [r.state for r in meter.close(2)] == [state, state]  # read with each reading, on its thread
 
@@ -94,7 +94,7 @@ def test_the_real_counter_moves_under_load() -> None:
         pytest.skip("needs CUDA")
     read, why = nvml_counter(torch.cuda.current_device())
     assert read is not None, why
-    meter = EnergyMeter(read)
+    meter = EnergyMeter(lambda: (read, None))
     meter.mark(0)
     x = torch.randn(4096, 4096, device="cuda")
     for _ in range(200):  # ~0.5 s of matmuls: the counter updates about every 100 ms
@@ -245,7 +245,7 @@ def test_the_gpu_state_agrees_with_nvidia_smi_in_the_same_window(tmp_path: Path)
     query = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
     smi = subprocess.Popen(["nvidia-smi", "-i", pci, f"--query-gpu={query}", "--format=csv,noheader,nounits",
                             "-lms", "100"], stdout=subprocess.PIPE, text=True)  # fmt: skip
-    meter = EnergyMeter(read)
+    meter = EnergyMeter(lambda: (read, None))
     try:
         t_end = time.perf_counter() + 2.0
         step = 0
