@@ -1,11 +1,7 @@
-"""Where a whole run's time goes (docs/goodput.md): the run's timeline, from the timer's creation
-(``steptimer run``: the process's start) to its close, cut into steps after warm-up, warm-up (and
-compilation), evaluation, checkpoint saves and ``other``, the time steptimer can't attribute.
-
-A :class:`Timeline` listens to the timer: its pauses and the front doors' evaluations are ``eval``,
-``torch.save`` and the frameworks' saves ``checkpoints``; the step regions come from the engine's
-clock at the close (the first step's start, the last warm-up step's end, the last step's end), so a
-step costs it nothing."""
+"""Where a whole run's time goes (docs/goodput.md): from the timer's creation (``steptimer run``: the
+process's start) to its close, in steps after warm-up, warm-up, evaluation, checkpoint saves and
+``other``. Spans come as they happen; the step regions come from the engine's clock at the close, so
+a step costs the :class:`Timeline` nothing."""
 
 from __future__ import annotations
 
@@ -14,17 +10,13 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from steptimer._format import num, pct
 
-__all__ = ["Goodput", "Timeline"]
-
 Kind = Literal["eval", "checkpoints"]
-EVAL: Kind = "eval"
-CHECKPOINTS: Kind = "checkpoints"
 GOODPUT = "the goodput timeline"  # its name in the note of a failure of its own
 JSON_TAG = "steptimer-goodput/json"  # the result as JSON, written at close, read by ``report``
 TEXT_TAG = "steptimer-goodput/summary"  # and as text, for TensorBoard's Text tab
@@ -73,8 +65,8 @@ class Goodput:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Goodput:
         """The inverse of :meth:`to_json`; raises ``KeyError``/``TypeError`` on another document."""
-        parts = ("wall_s", "steps_s", "warmup_s", "eval_s", "checkpoints_s", "other_s")
-        return cls(**{k: d[k] for k in parts}, before_s=d.get("before_s"))
+        parts = {f.name: d[f.name] for f in fields(cls) if f.name != "before_s"}
+        return cls(**parts, before_s=d.get("before_s"))
 
 
 def _now() -> float:
@@ -98,9 +90,8 @@ def process_start() -> float | None:
 
 
 class Timeline:
-    """The listener: spans of evaluation and checkpointing as they come, the step regions at
-    :meth:`finish`. ``engine``: the timer's (read only: ``_first_t0``, ``_gap_start``, ``number``,
-    ``last_warmup``, ``in_step``)."""
+    """Spans of evaluation and checkpointing as they come, the step regions at :meth:`finish`; reads
+    the timer's ``engine`` (``_first_t0``, ``_gap_start``, ``number``, ``last_warmup``)."""
 
     def __init__(self, engine: Any) -> None:
         self._e = engine
@@ -110,9 +101,8 @@ class Timeline:
         self.warm_end: float | None = None  # the last warm-up step's end (step() sets it)
         self._thread = threading.get_ident()  # a save on another thread overlaps training: not counted
         self._open: list[list[Any]] = []  # [kind, start of its running segment], innermost last
-        self._kinds = {EVAL: 0.0, CHECKPOINTS: 0.0}
-        self._inside = [0.0, 0.0, 0.0]  # span time before the first step, in warm-up, after warm-up
-        self._tail = (-1.0, 0.0)  # (a step's end, span time since it): the spans after the last step
+        self._kinds = {"eval": 0.0, "checkpoints": 0.0}
+        self._segments: list[tuple[float, float]] = []  # (start, end) of each span's time, in order
         self.done: Goodput | None = None
         self.failed = False  # a failure of its own turned it off (a note, no goodput; training on)
         _watch_saves(self)
@@ -146,18 +136,15 @@ class Timeline:
         if self.done is not None or self.failed or threading.get_ident() != self._thread:
             yield
             return
-        self.enter(kind)
-        try:
-            yield
-        finally:
-            self.exit()
-
-    def enter(self, kind: Kind) -> None:
         with self._contained():
             t = _now()
             if self._open:
                 self._segment(self._open[-1], t)
             self._open.append([kind, t])
+        try:
+            yield
+        finally:
+            self.exit()
 
     def exit(self) -> None:
         if not self._open:
@@ -169,17 +156,12 @@ class Timeline:
                 self._open[-1][1] = t
 
     def _segment(self, span: list[Any], t: float) -> None:
-        d = t - span[1]
-        self._kinds[span[0]] += d
-        e = self._e
-        if e._first_t0 is None and not e.in_step:
-            self._inside[0] += d
-            return
-        warm = e.number + 1 <= e.last_warmup if e.in_step else e.number < e.last_warmup
-        self._inside[1 if warm else 2] += d
-        if not warm and not e.in_step:  # between steps: after the last step, if no step follows
-            gs = e._gap_start
-            self._tail = (gs, self._tail[1] + d) if self._tail[0] == gs else (gs, d)
+        self._kinds[span[0]] += t - span[1]
+        self._segments.append((span[1], t))
+
+    def _spans_s(self, lo: float, hi: float) -> float:
+        """The spans' time between ``lo`` and ``hi``: not the steps' (or warm-up's) own."""
+        return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in self._segments)
 
     def finish(self) -> Goodput | None:
         """The parts, now (idempotent); spans left open end here. None after a failure of its own."""
@@ -195,18 +177,17 @@ class Timeline:
             self.exit()
         if self.failed:
             return None
-        e, inside = self._e, self._inside
+        e = self._e
         first, last = e._first_t0, e._gap_start
         steps = warm = 0.0
         if first is not None and last is not None:
             warm_end = self.warm_end
             if warm_end is None:  # no step after warm-up began: no warm-up (0 steps), or all warm-up
                 warm_end = first if e.number > e.last_warmup else last
-            after = self._tail[1] if self._tail[0] == last else 0.0
-            warm = warm_end - first - inside[1]
-            steps = last - warm_end - (inside[2] - after)
+            warm = warm_end - first - self._spans_s(first, warm_end)
+            steps = last - warm_end - self._spans_s(warm_end, last)
         wall = t - self.start
-        ev, ck = self._kinds[EVAL], self._kinds[CHECKPOINTS]
+        ev, ck = self._kinds["eval"], self._kinds["checkpoints"]
         return Goodput(wall, steps, warm, ev, ck, max(0.0, wall - steps - warm - ev - ck), self.before_s)
 
 
@@ -226,14 +207,10 @@ def _watch_saves(tl: Timeline) -> None:
 
     @functools.wraps(orig)
     def save(*args: Any, **kwargs: Any) -> Any:
-        spans = [t for t in _live if t._thread == threading.get_ident()]
-        for t in spans:
-            t.enter(CHECKPOINTS)
-        try:
+        with ExitStack() as spans:
+            for t in list(_live):
+                spans.enter_context(t.span("checkpoints"))
             return orig(*args, **kwargs)
-        finally:
-            for t in spans:
-                t.exit()
 
     _saved[:] = [orig, save]
     torch.save = save
@@ -249,17 +226,3 @@ def _unwatch_saves(tl: Timeline) -> None:
         if torch.save is ours:
             torch.save = orig
             _saved.clear()
-
-
-def goodput_proto(g: Goodput) -> Any:
-    """The result as a TensorBoard ``Summary``: its text, and the JSON ``report`` reads."""
-    from steptimer._slow import card_proto
-
-    return card_proto(g.lines(), g.to_json(), TEXT_TAG, JSON_TAG, "steptimer-goodput")
-
-
-def parse_goodput_json(raw: bytes) -> Goodput | None:
-    """The result written by :func:`goodput_proto` (None if unreadable)."""
-    from steptimer._slow import parse_json
-
-    return parse_json(raw, Goodput.from_json)

@@ -21,15 +21,14 @@ from tensorboard.compat.proto.summary_pb2 import Summary as SummaryProto
 from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 
-from steptimer import _tags
+from steptimer import _goodput, _tags
 from steptimer._dist import CHARTS as RANK_CHARTS
 from steptimer._dist import ranks_proto
 from steptimer._files import cause
-from steptimer._goodput import goodput_proto
 from steptimer._histogram import UPPER_MS
 from steptimer._memory import MIB
 from steptimer._records import frame
-from steptimer._slow import slow_summary
+from steptimer._slow import card_proto, slow_summary
 from steptimer._summary import Summary, row_order
 from steptimer._tags import EVENT_FILE_PREFIX, MAIN, PAD_SUFFIX, PHASE_DIR, PHASE_SUFFIX, run_tag, tag
 from steptimer._window import Window
@@ -105,12 +104,10 @@ def run_names(window: Window) -> list[str]:
 
 
 def colour_slots(slots: list[str | None], new: list[str], charts: dict[str, set[str]]) -> list[str | None]:
-    """The log dir's runs after its own (slot n is run n + 1 of the dir), ``slots`` extended by the rows
-    ``new`` and by pads (None) to a whole number of blocks of :data:`PALETTE` runs, so the next log dir
-    starts at the first colour again and a phase has one colour in every log dir. A row takes the first
-    free slot whose colour no row of a chart it is in (``charts``: the clocks it has) holds; the log
-    dir's own run is in none of the rows' charts, so its colour is free for them. A chart of more than
-    7 rows repeats one (the first free)."""
+    """The log dir's runs after its own (slot n is run n + 1), ``slots`` plus the rows ``new`` and pads
+    (None) to whole blocks of :data:`PALETTE` runs: the next log dir starts at the first colour again, so
+    a phase has one colour in every log dir. A row takes the first free slot whose colour no row of its
+    charts (``charts``: its clocks) holds; a chart of more than 7 rows repeats the first free one."""
     out = dict(enumerate(slots, 1))
     for name in new:
         used = {i % PALETTE for i, n in out.items() if n is not None and charts.get(n, set()) & charts[name]}
@@ -132,11 +129,10 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
     values += [(None, k, v) for k, v in window.extra.items() if isinstance(v, str)]  # the run's device
     for name, in_run, v in values:
         if window.warmup or in_run.startswith(_tags.RUN):
-            hidden = (
-                TensorProto(dtype=7, string_val=[v.encode()])  # DT_STRING
-                if isinstance(v, str)
-                else TensorProto(dtype=1, float_val=[v])  # DT_FLOAT
-            )
+            if isinstance(v, str):
+                hidden = TensorProto(dtype=7, string_val=[v.encode()])  # DT_STRING
+            else:
+                hidden = TensorProto(dtype=1, float_val=[v])  # DT_FLOAT
             out[name].value.add(tag=f"{_tags.WARMUP}/{in_run}", metadata=meta, tensor=hidden)
         else:
             out[name].value.add(tag=in_run, simple_value=v)
@@ -299,17 +295,18 @@ class TensorBoardSink:
                     self.writer.add_scalar(v.tag, v.simple_value, step)
 
     def close(self, summary: Summary | None = None) -> None:
-        """Write the run's slowest steps and the per-rank section (text cards and JSON) at the last
-        step; flush a user's ``writer``."""
-        if summary is not None and summary.slowest and self.failed is None:
+        """Write the run's slowest steps, per-rank section and timeline (text cards and JSON) at the
+        last step; flush a user's ``writer``."""
+        if summary is not None and self.failed is None:
             with self._guarded():
-                self._write_main(slow_summary(summary.slowest), max(s.step for s in summary.slowest))
-        if summary is not None and summary.ranks is not None and self.failed is None:
-            with self._guarded():
-                self._write_main(ranks_proto(summary.ranks), self.step)
-        if summary is not None and summary.goodput is not None and self.failed is None:
-            with self._guarded():
-                self._write_main(goodput_proto(summary.goodput), self.step)
+                if summary.slowest:
+                    self._write_main(slow_summary(summary.slowest), max(s.step for s in summary.slowest))
+                if summary.ranks is not None:
+                    self._write_main(ranks_proto(summary.ranks), self.step)
+                g = summary.goodput
+                if g is not None:
+                    card = card_proto(g.lines(), g.to_json(), _goodput.TEXT_TAG, _goodput.JSON_TAG, "steptimer-goodput")
+                    self._write_main(card, self.step)
         if self._file is None:
             with self._guarded():
                 self.writer.flush()
