@@ -5,6 +5,7 @@ A step is copied out (:func:`record`) only when a trace is made of it; no file i
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import deque
@@ -48,25 +49,19 @@ def run_files(folder: str, stem: str) -> list[str]:
 
 def record(rec: StepRecord) -> dict[str, Any]:
     """A resolved step as the trace file has it (``gpu``: seconds from its first event, placed later)."""
-    fetch, gap, offs, phases = rec.fetch_s, rec.gap_s, rec.offs_ms, rec.phases  # fetch: the loader's part of gap_s
-    gpu = (
-        None
-        if offs is None
-        else {
-            "start": offs[0] / 1e3,
-            "end": offs[rec.i_end] / 1e3,
-            "phases": [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in phases],
-        }
-    )
+    offs, gpu = rec.offs_ms, None
+    if offs is not None:
+        phases = [[p.name, offs[p.i_in] / 1e3, offs[p.i_out] / 1e3] for p in rec.phases]
+        gpu = {"start": offs[0] / 1e3, "end": offs[rec.i_end] / 1e3, "phases": phases}
     return {
         "number": rec.number,
         "t0": rec.t0,
         "step_s": rec.step_s,
-        "gap_s": None if gap != gap else gap,
-        "fetch_s": None if fetch != fetch else fetch,
+        "gap_s": None if math.isnan(rec.gap_s) else rec.gap_s,
+        "fetch_s": None if math.isnan(rec.fetch_s) else rec.fetch_s,  # the loader's part of gap_s
         "wait_s": rec.wait_s,
         "paused": bool(rec.pauses) or rec.paused_s > 0,
-        "phases": [[p.name, p.t_in, p.t_out] for p in phases],
+        "phases": [[p.name, p.t_in, p.t_out] for p in rec.phases],
         "gpu": gpu,
         "chain_ms": rec.chain_ms,
     }
@@ -110,7 +105,7 @@ class Capture(Listener):
 
     def __init__(self, *, ring_steps: int, trace: tuple[int, int, str] | None, flight: str | None) -> None:
         self.ring: deque[StepRecord] = deque(maxlen=ring_steps)
-        self._keeps: list[tuple[int, int, list[StepRecord]]] = []  # (first, last, their steps) filled by add
+        self._keeps: list[tuple[int, int, list[StepRecord]]] = []  # (first, last, their steps), filled in order
         self.trace, self.flight = trace, flight
         self._trace_recs = self.keep(trace[0], trace[1]) if trace is not None else []
         self._trace_doc: dict[str, Any] | None = None  # the window's steps, once placed
@@ -120,7 +115,7 @@ class Capture(Listener):
         self.kept: dict[int, tuple[float, list[StepRecord]]] = {}  # the slowest steps': (wall ms, around it)
 
     def keep(self, first: int, last: int) -> list[StepRecord]:
-        """A list that :meth:`add` fills with the steps ``first..last``."""
+        """A list that the steps ``first..last`` are added to as they resolve."""
         recs: list[StepRecord] = []
         self._keeps.append((first, last, recs))
         return recs
@@ -129,16 +124,8 @@ class Capture(Listener):
         self._engine = engine
 
     def step_resolved(self, rec: StepRecord, rows: Any) -> None:
-        if rec.timed:
-            self.add(self._engine, rec)  # type: ignore[arg-type]  # set: the run began
-
-    def window_closed(self, window: Any, kept: Any) -> None:
-        for c in kept:  # traces of the steps that entered the run's slowest
-            if c.timed:  # an untimed step has no phases to draw
-                self.want(c)
-
-    def add(self, engine: Engine, rec: StepRecord) -> None:
-        """Each resolved timed step, in order, before its events go back to the pool."""
+        if not rec.timed:
+            return
         self.ring.append(rec)
         n = rec.number
         for first, last, recs in self._keeps:
@@ -147,7 +134,12 @@ class Capture(Listener):
         if any(last < n for _, last, _ in self._keeps):
             self._keeps = [k for k in self._keeps if k[1] >= n]
             if self.trace is not None and self._trace_doc is None and n > self.trace[1]:
-                self._place_trace(engine)
+                self._place_trace(self._engine)  # type: ignore[arg-type]  # set: the run began
+
+    def window_closed(self, window: Any, kept: Any) -> None:
+        for c in kept:  # traces of the steps that entered the run's slowest
+            if c.timed:  # an untimed step has no phases to draw
+                self.want(c)
 
     def _place_trace(self, engine: Engine) -> dict[str, Any]:
         """The window's GPU chain on the host clock through one reference event, waited for once."""
@@ -168,7 +160,7 @@ class Capture(Listener):
 
     def _write_trace(self, engine: Engine) -> None:
         first, last, path = self.trace  # type: ignore[misc]
-        run_id, path = self.run_id, own_path(path, self.run_id)
+        path = own_path(path, self.run_id)
         doc = self._trace_doc if self._trace_doc is not None else self._place_trace(engine)
         if not doc["steps"]:
             doc["notes"].append(f"no step in {first}..{last} was completed")
@@ -176,16 +168,14 @@ class Capture(Listener):
                 f"trace_steps: the run ended at step {engine.number}, before steps {first}..{last}; no steps traced"
             )
         doc.update(
-            {
-                "format": FORMAT,
-                "version": VERSION,
-                "run_id": run_id,
-                "clock": "host perf_counter seconds; GPU times placed on it through a reference event",
-                "first": first,
-                "last": last,
-                "last_step": engine.number,
-                "cuda": bool(engine.cuda),
-            }
+            format=FORMAT,
+            version=VERSION,
+            run_id=self.run_id,
+            clock="host perf_counter seconds; GPU times placed on it through a reference event",
+            first=first,
+            last=last,
+            last_step=engine.number,
+            cuda=bool(engine.cuda),
         )
         try:
             write_json(path, doc)
@@ -246,18 +236,8 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
         return round((t - origin) * 1e6, 3)
 
     def slice_(tid: int, name: str, cat: str, a: float, z: float, **args: Any) -> None:
-        slices.append(
-            {
-                "ph": "X",
-                "pid": 1,
-                "tid": tid,
-                "name": name,
-                "cat": cat,
-                "ts": us(a),
-                "dur": round(max(z - a, 0.0) * 1e6, 3),
-                "args": args,
-            }
-        )
+        dur = round(max(z - a, 0.0) * 1e6, 3)
+        slices.append(dict(ph="X", pid=1, tid=tid, name=name, cat=cat, ts=us(a), dur=dur, args=args))
 
     clamped = 0
     for s in steps:
@@ -287,13 +267,8 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     for i, (tid, name) in enumerate([(HOST_TID, "host"), (GPU_TID, "GPU")][: 1 + has_gpu]):
         tracks += [(tid, "thread_name", {"name": name}), (tid, "thread_sort_index", {"sort_index": i})]
     events = [{"ph": "M", "name": what, "pid": 1, "tid": tid, "args": args} for tid, what, args in tracks]
-    meta = {
-        "steps": len(steps),
-        "gpu": has_gpu,
-        "clamped": clamped,
-        "notes": list(capture.get("notes", [])),
-        "run_id": capture.get("run_id"),
-    }
+    notes = list(capture.get("notes", []))
+    meta = dict(steps=len(steps), gpu=has_gpu, clamped=clamped, notes=notes, run_id=capture.get("run_id"))
     return {"traceEvents": events + slices, "displayTimeUnit": "ms", "metadata": meta}
 
 
@@ -326,8 +301,7 @@ def make_capture(
 def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str, Any, list[str]]:
     """``(file, JSON, notes)`` of ``path`` or a directory's first of ``found``; errors name ``option``."""
     others = ", ".join(os.path.basename(f) for f in found[1:])
-    more = f"{len(found) - 1} more file(s) of other runs here (pass one to read it): {others}"
-    notes = [more] if others else []
+    notes = [f"{len(found) - 1} more file(s) of other runs here (pass one to read it): {others}"] if others else []
     file = os.path.join(path, os.path.basename(found[0]) if found else name) if os.path.isdir(path) else path
     if not os.path.exists(file):
         if not os.path.exists(path):
