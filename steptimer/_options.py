@@ -1,7 +1,6 @@
-"""Options shared by every front door and the CLI. Each option is a field of :class:`Options` that
-holds its default, its help text and its check; ``StepTimer``, ``instrument()``, the Lightning and
-Hugging Face callbacks and ``steptimer run``'s flags are built from those fields, and building an
-:class:`Options` checks every value. Step counts and phase names too."""
+"""Options shared by every front door and the CLI: each is a field of :class:`Options` with its default, help
+text and check, from which every front door's keywords and ``steptimer run``'s flags are built. And the
+checks of step counts and phase names."""
 
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ MAX_PHASE_NAME_CHARS = 100
 # (docs/options.md says why this value); sample_every=1 times every step.
 COST_BUDGET = 0.002
 DEFAULT_TIMEOUT_S = 300.0  # the longest wait for the other ranks in one cross-rank round
-DEFAULT_K = 5  # the run's k slowest steps kept
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 
 
@@ -133,7 +131,7 @@ class Options:
         "never); None: as often as costs ~0.1 % of the run. It resets the peak counter",
     )
     slowest_steps: int = _option(
-        DEFAULT_K, _AT_LEAST_0, "keep the run's k slowest timed steps with what made each slow; 0: off"
+        5, _AT_LEAST_0, "keep the run's k slowest timed steps with what made each slow; 0: off"
     )
     cost_budget: float = _option(
         COST_BUDGET,
@@ -197,9 +195,8 @@ class Options:
 
 
 class Keywords(TypedDict, total=False):
-    """:class:`Options`' names and types as keywords, for type checkers and IDEs
-    (``**options: Unpack[Keywords]``); each one's default, help and check are its field there
-    (tests/test_timer.py pins the two alike)."""
+    """:class:`Options`' names and types as keywords, for type checkers and IDEs (``Unpack[Keywords]``);
+    each one's default, help and check are its field there (tests/test_timer.py pins the two alike)."""
 
     log_every_n_steps: int | None
     warmup_steps: int
@@ -222,8 +219,7 @@ class Keywords(TypedDict, total=False):
 
 
 class TimerKeywords(Keywords, total=False):
-    """A timer's keywords: its options, and where it writes (``instrument()``, the Hugging Face
-    callback)."""
+    """A timer's keywords: its options, and where it writes (``instrument()``, the Hugging Face callback)."""
 
     log_dir: str | os.PathLike[str] | None
     writer: Any
@@ -260,15 +256,13 @@ def spelled_out(func: Callable[..., Any], keywords: type) -> inspect.Signature:
     return sig.replace(parameters=params)
 
 
-def options_doc(indent: str, keywords: type = Keywords) -> str:
-    """Each option of ``keywords`` and its help, one Google-style ``Args:`` entry each."""
-    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(Options)}
-    entries = (f"{name}: {helps[name]}." for name in keywords.__annotations__ if name in helps)
+def options_doc(indent: str) -> str:
+    """Each option and its help, one Google-style ``Args:`` entry each."""
+    entries = (f"{f.name}: {f.metadata['help']}." for f in dataclasses.fields(Options))
     return "\n".join(textwrap.fill(e, 100, initial_indent=indent, subsequent_indent=indent + "    ") for e in entries)
 
 
 def _check(name: str, value: object, check: _Check) -> None:
-    """``ValueError`` unless ``value`` keeps ``check``'s rule: "<name> must be <what>"."""
     if not check[0](value):
         raise ValueError(f"{name} must be {check[1].format(v=value)}")
 

@@ -4,7 +4,6 @@ events add ``clip`` and pause evaluation out. docs/run.md#hugging-face has the p
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ from steptimer._summary import Summary
 from steptimer._tags import MAIN
 from steptimer._tensorboard import window_scalars
 from steptimer._window import Window
-from steptimer.timer import StepTimer, check_count, rank
+from steptimer.timer import StepTimer, check_count, checked_logs, rank
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -34,11 +33,11 @@ except ImportError:  # fails where first needed, with the fix
 __all__ = ["StepTimerCallback"]
 
 
-@dataclasses.dataclass
 class _TrainerLog:
     """Keeps each window's ``steptimer/...`` values for ``Trainer.log``, called between steps."""
 
-    pending: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    def __init__(self) -> None:
+        self.pending: list[dict[str, float]] = []
 
     def write_window(self, window: Window) -> None:
         if not window.warmup:  # as in TensorBoard, no chart starts with the warm-up's outlier
@@ -49,11 +48,7 @@ class _TrainerLog:
 
 
 # The Trainer's callbacks that print each log dict (the progress bar's, the printer's, a notebook's).
-_CONSOLE = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")
-
-
-def _console(callback: Any) -> bool:
-    return any(c.__name__ in _CONSOLE for c in type(callback).__mro__)
+_CONSOLE = {"ProgressCallback", "PrinterCallback", "NotebookProgressCallback"}
 
 
 class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
@@ -89,10 +84,9 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
             raise ModuleNotFoundError("StepTimerCallback needs transformers: pip install 'torch-steptimer[hf]'")
         counts = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step}
         self._counts = {k: check_count(k, v) for k, v in counts.items() if v is not None}
-        # Where the logs go (none given: beside the Trainer's, known at on_train_begin), and the rest.
+        # Where the logs go (none given: beside the Trainer's, known at on_train_begin), checked now.
         self._logs = {k: options.pop(k) for k in ("log_dir", "writer") if k in options}  # type: ignore[misc]
-        if self._logs.get("log_dir") is not None and self._logs.get("writer") is not None:
-            raise ValueError("pass log_dir or writer, not both")
+        checked_logs(self._logs.get("log_dir"), self._logs.get("writer"))
         self._options = Options.of(options, "StepTimerCallback")
         self._trainer = trainer
         self._log = _TrainerLog()
@@ -148,7 +142,7 @@ class StepTimerCallback(TrainerCallback):  # type: ignore[misc]
         # window is about 100 values, one dict line of 800-1,100 columns for each.
         handler = self._trainer.callback_handler
         every = handler.callbacks
-        handler.callbacks = [cb for cb in every if not _console(cb)]
+        handler.callbacks = [cb for cb in every if not _CONSOLE.intersection(c.__name__ for c in type(cb).__mro__)]
         try:
             while self._log.pending:
                 self._trainer.log(self._log.pending.pop(0))

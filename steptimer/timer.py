@@ -41,13 +41,11 @@ from steptimer._trace import make_capture
 from steptimer._window import StepRows, Window, window_of
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    from typing_extensions import Self, Unpack
 
 __all__ = ["StepTimer", "check_bool", "check_count", "check_phase_name"]
 
 log = logging.getLogger("steptimer")
-_T = TypeVar("_T", bound="StepTimer")
-_NAN = math.nan
 _B = TypeVar("_B")
 # The default window lasts at least this long, in at most MAX_WINDOW_UNITS multiples of 50 steps: its
 # cost (~0.3 ms of statistics and writes) stays under 0.05 % of the run on any step length.
@@ -64,9 +62,8 @@ class Sink(Protocol):
 
 
 class _Null:
-    """A no-op context manager (an untimed step's phases, a disabled timer's calls). Its methods are a
-    C function, not Python ones: ``"".format`` takes any arguments and returns ``""``, falsy, so an
-    exception goes on; called unbound (a builtin is no descriptor), a ``with`` on it runs no Python
+    """A no-op context manager (an untimed step's phases, a disabled timer's calls). ``"".format`` is a
+    builtin: it takes any arguments, returns ``""`` (falsy: an exception goes on) and runs no Python
     frame, 0.04 µs less a phase of an untimed step (bench/small_steps.py)."""
 
     __slots__ = ()
@@ -103,8 +100,6 @@ class _Seams:
 
     backend: _CudaBackend | None = None  # CUDA calls (tests: a simulated GPU)
     memory_backend: _MemoryBackend | None = None  # the allocator's statistics (tests: a fake one)
-    # The default window's steps (Lightning: the Trainer's log_every_n_steps); None: 50, lengthened
-    window_base: int | None = None
     peak_dtype: str = "bf16"  # which peak of steptimer's table MFU uses (Lightning: the precision)
     profile_dir: str | None = None  # where the profiler trace goes without log_dir (Lightning's log_dir)
     # The GPU's energy counter for a device: the counter, or None and why (None: NVML's)
@@ -116,49 +111,6 @@ def _distributed() -> bool:
     dist = _initialized()
     world = str(dist.get_world_size()) if dist is not None else os.environ.get("WORLD_SIZE", "").strip()
     return world.isdigit() and int(world) > 1  # not a number: no launcher of ours set it
-
-
-def _device_name(cuda_device: int | None) -> str | None:
-    """The timed device's name, read once a run (``compare --fail-slower`` tells devices apart):
-    CUDA device ``cuda_device``'s, else the CPU's model name from /proc/cpuinfo (a file read; not
-    ``platform.processor()``, which runs ``uname -p`` in a subprocess on Linux and macOS), else "cpu".
-    None: a CUDA device whose name can't be read."""
-    if cuda_device is not None:
-        import torch
-
-        try:
-            return torch.cuda.get_device_name(cuda_device if cuda_device >= 0 else None)
-        except Exception:  # noqa: BLE001 - no usable CUDA: no name, no claim
-            return None
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line for line in f if line.startswith("model name")), "")
-    except OSError:  # not Linux
-        model = ""
-    return model.partition(":")[2].strip() or "cpu"
-
-
-def _checked_dir(log_dir: object) -> str | None:
-    """``log_dir`` made absolute once, now: a script that changes directory (Hydra does) keeps writing
-    where the run began."""
-    path = os.fspath(log_dir) if isinstance(log_dir, (str, os.PathLike)) else None
-    if log_dir is not None and not isinstance(path, str):
-        raise TypeError(
-            f"log_dir must be a directory path (a str or pathlib.Path), got {type(log_dir).__name__} "
-            f"{log_dir!r}; pass log_dir=None to only print the summary"
-        )
-    return None if path is None else os.path.abspath(path)
-
-
-def _checked_writer(writer: Any) -> Any:
-    """``writer``, checked to be a ``SummaryWriter`` (torch's or tensorboardX's)."""
-    calls = ("get_logdir", "add_scalar", "flush")  # what the TensorBoard sink calls on it
-    if writer is not None and not all(callable(getattr(writer, m, None)) for m in calls):
-        raise TypeError(
-            f"writer must be a SummaryWriter (torch.utils.tensorboard's or tensorboardX's), got "
-            f"{type(writer).__name__} {writer!r:.60}; pass log_dir= for a directory"
-        )
-    return writer
 
 
 def _rank_known() -> bool:
@@ -174,6 +126,45 @@ def rank() -> int:
     if dist is not None:
         return int(dist.get_rank())
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+
+
+def _device_name(cuda_device: int | None) -> str | None:
+    """The timed device's name, for ``compare --fail-slower``: CUDA device ``cuda_device``'s (None: not
+    readable), else the CPU's model in /proc/cpuinfo (``platform.processor()`` would run ``uname -p`` in a
+    subprocess), else "cpu"."""
+    if cuda_device is not None:
+        import torch
+
+        try:
+            return torch.cuda.get_device_name(cuda_device if cuda_device >= 0 else None)
+        except Exception:  # noqa: BLE001 - no usable CUDA: no name, no claim
+            return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line for line in f if line.startswith("model name")), "")
+    except OSError:  # not Linux
+        model = ""
+    return model.partition(":")[2].strip() or "cpu"
+
+
+def checked_logs(log_dir: object, writer: Any) -> tuple[str | None, Any]:
+    """Where a timer writes, checked: ``log_dir`` made absolute now (a script that changes directory, as
+    Hydra does, keeps writing where the run began), or ``writer``, a ``SummaryWriter``."""
+    if log_dir is not None and writer is not None:
+        raise ValueError("pass log_dir or writer, not both")
+    path = os.fspath(log_dir) if isinstance(log_dir, (str, os.PathLike)) else None
+    if log_dir is not None and not isinstance(path, str):
+        raise TypeError(
+            f"log_dir must be a directory path (a str or pathlib.Path), got {type(log_dir).__name__} "
+            f"{log_dir!r}; pass log_dir=None to only print the summary"
+        )
+    calls = ("get_logdir", "add_scalar", "flush")  # what the TensorBoard sink calls on it
+    if writer is not None and not all(callable(getattr(writer, m, None)) for m in calls):
+        raise TypeError(
+            f"writer must be a SummaryWriter (torch.utils.tensorboard's or tensorboardX's), got "
+            f"{type(writer).__name__} {writer!r:.60}; pass log_dir= for a directory"
+        )
+    return None if path is None else os.path.abspath(path), writer
 
 
 class StepTimer:
@@ -210,9 +201,7 @@ class StepTimer:
         **keywords: Unpack[Keywords],
     ) -> None:
         self.options = opts = Options.of(keywords, "StepTimer", options=options)
-        if log_dir is not None and writer is not None:
-            raise ValueError("pass log_dir or writer, not both")
-        log_dir, writer = _checked_dir(log_dir), _checked_writer(writer)
+        log_dir, writer = checked_logs(log_dir, writer)
         self.enabled = enabled = opts.enabled
         self._peak: tuple[float | None, str | None] | None = None  # the GPU's (peak, note), looked up once
         self._rank = rank()
@@ -221,7 +210,7 @@ class StepTimer:
         self._joining = (log_dir, writer) if enabled and not _rank_known() else None
         self._summary: Summary | None = None
         self._sinks: list[Sink] = list(sinks)
-        self._timeline: Timeline | None = None  # where the run's time goes (_goodput.py), when enabled
+        self._tagged = False  # the run's tags (how steps were timed, the device) ride in the first window
         self._phases: dict[str, _Phase] = {}
         self._phase_cls: type[_Phase] = _Phase
         self._acc = SummaryAccumulator(opts.slowest_steps)
@@ -243,21 +232,26 @@ class StepTimer:
         )
         if nvtx_note is not None:
             self.note(nvtx_note)
-        if enabled:
-            self._start(log_dir, writer)
+        self._timeline: Timeline | None = None  # where the run's time goes (_goodput.py), when enabled
+        if enabled:  # the set-up that touches the machine: CUDA, files, signals, ranks
+            if opts.cuda is not False and self._seams.backend is None:
+                prepare_native()  # compile the native CUDA calls now, not in a step
+            self._write_on_rank0(log_dir, writer)
+            _exit.track(self)  # closed at exit and on SIGTERM if still open then
+            self._timeline = Timeline(self._engine)
+            if self._xrank is not None:
+                self._xrank.start_now()  # the gloo side group, while every rank is known to be here
 
     def _new_engine(self, folder: str | None) -> Engine:
-        """The engine, with the values the options leave open resolved once, here: the window's
-        length and whether it may be lengthened, which steps are timed, how often memory is read."""
-        opts, seams, distributed = self.options, self._seams, _distributed()
-        # A window may be lengthened to last MIN_WINDOW_S (StepTimer's default only, one process only).
-        lengthen = opts.log_every_n_steps is None and seams.window_base is None and not distributed
-        every = opts.log_every_n_steps or window_steps(seams.window_base or 50, opts.sample_every)
+        """The engine, with what the options leave open resolved once."""
+        opts, distributed = self.options, _distributed()
+        # The default window may be lengthened to last MIN_WINDOW_S (one process only).
+        lengthen = opts.log_every_n_steps is None and not distributed
+        every = opts.log_every_n_steps or window_steps(50, opts.sample_every)
         window_max = every * (MAX_WINDOW_UNITS if lengthen else 1)
         # Ranks must time the same steps (each rank's budget would pick others; _join for a rank learned
         # at the first step); a trace needs every step.
         every_step = distributed or opts.trace_steps is not None or opts.profiled
-        sample_every = 1 if opts.sample_every is None and every_step else opts.sample_every
         capture = make_capture(
             opts.trace_steps,
             folder=folder,
@@ -273,17 +267,17 @@ class StepTimer:
         memory = int(opts.memory) if opts.memory is not None else 10 if distributed else MEMORY_AUTO
         return Engine(
             lag=opts.lag,
-            sample_every=sample_every,
+            sample_every=1 if opts.sample_every is None and every_step else opts.sample_every,
             warmup_steps=opts.warmup_steps,
             start_step=opts.start_step,
-            backend=seams.backend,
+            backend=self._seams.backend,
             window_every=every,
             on_window=self._on_window,
             window_min_s=MIN_WINDOW_S if lengthen else 0.0,
             window_max=window_max,
             listeners=[x for x in (StepMarks() if opts.slowest_steps else None, capture) if x is not None],
             memory=memory,
-            memory_backend=seams.memory_backend,
+            memory_backend=self._seams.memory_backend,
             cost_budget=opts.cost_budget,
             late_marks=opts.profiled,
             cuda=opts.cuda and opts.enabled,  # disabled: no check
@@ -304,29 +298,9 @@ class StepTimer:
         """A window's length in steps (``log_every_n_steps``, or the default)."""
         return self._engine.ends.every
 
-    def _start(self, log_dir: str | os.PathLike[str] | None, writer: Any) -> None:
-        """An enabled timer's set-up that touches the machine: CUDA, files, signals, ranks."""
-        # How steps were timed, in the first window's tags (read back by `steptimer report`).
-        self._run_tags = self._sampling_tags()
-        if self.options.cuda is not False and self._seams.backend is None:
-            prepare_native()  # compile the native CUDA calls now, not in a step
-        if self._joining is None:
-            self._write_on_rank0(log_dir, writer)
-        elif log_dir is not None:
-            check_writable(os.fspath(log_dir))
-        _exit.track(self)  # closed at exit and on SIGTERM if still open then (_exit.py)
-        self._timeline = Timeline(self._engine)
-        if self._xrank is not None:
-            self._xrank.start_now()  # the gloo side group, while every rank is known to be here
-
-    def _sampling_tags(self) -> dict[str, float]:
-        """How steps are timed, for the first window's tags (read back by ``steptimer report``)."""
-        every = self.sample_every
-        return {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET_TAG: self.options.cost_budget}
-
     def _write_on_rank0(self, log_dir: str | None, writer: Any) -> None:
-        """Rank 0's TensorBoard sink; another rank's check that ``log_dir`` can be written."""
-        if self._rank == 0 and (log_dir is not None or writer is not None):
+        """Rank 0's TensorBoard sink, once the rank is known; elsewhere a check that ``log_dir`` can be written."""
+        if self._joining is None and self._rank == 0 and (log_dir is not None or writer is not None):
             self._sinks.insert(0, TensorBoardSink(log_dir=log_dir, writer=writer))
             if self._engine.capture is not None:  # its files carry the run id of the sink's files
                 self._engine.capture.run_id = self._sinks[0].run_id
@@ -334,11 +308,10 @@ class StepTimer:
             check_writable(log_dir)
 
     def _join(self) -> None:
-        """At the first step (or the close) of a timer built with no rank known: the rank and world as
-        they are now. Under torch.distributed with more than one rank, windows end by step number
-        alone (a rank's own clock would end them at other steps than the others', and the cross-rank
-        round would wait for ranks that never come) and memory is read on one timed step in 10, the
-        same steps on every rank; only rank 0 writes."""
+        """At the first step (or the close) of a timer built with no rank known: the rank and world now.
+        With several ranks, windows end by step number (a rank's own clock would end them at other steps
+        than the others', and the cross-rank round would wait for ranks that never come), and every rank
+        times and reads memory on the same steps."""
         (log_dir, writer), self._joining = self._joining, None  # type: ignore[misc]
         self._rank, e = rank(), self._engine
         if self._rank != 0:
@@ -347,7 +320,6 @@ class StepTimer:
             e.ends.by_number()
             if e.sampler.sample_every is None:  # each rank's budget would time other steps: time every one
                 e.sampler.time_every_step()
-                self._run_tags = self._sampling_tags()
             if self.options.memory is None:
                 e.mem.every = 10
         self._write_on_rank0(log_dir, writer)
@@ -355,7 +327,7 @@ class StepTimer:
     _seams: _Seams = _Seams()  # the real CUDA calls and allocator; see _make()
 
     @classmethod
-    def _make(cls: type[_T], **kwargs: Any) -> _T:
+    def _make(cls, **kwargs: Any) -> Self:
         """A timer with seams (``_Seams``' fields) for tests and front doors, and the options."""
         names = {f.name for f in dataclasses.fields(_Seams)}
         timer = cls.__new__(cls)
@@ -375,16 +347,10 @@ class StepTimer:
         """
         if not self.enabled:
             return _NULL
-        # The engine's counts: NaN where none is given.
-        if samples is None:
-            samples = _NAN
-        elif not (  # an int or float >= 0 inline: a call less
-            (samples.__class__ is int or samples.__class__ is float) and 0 <= samples < math.inf
-        ):
-            samples = check_count("samples", samples)
-        tokens = _NAN if tokens is None else check_count("tokens", tokens)
-        flops = _NAN if flops is None else check_count("flops", flops)
-        # The engine is the step's context manager; the counts at its end are the last step() call's.
+        # The engine is the step's context manager; its counts (NaN: none given) are the last step() call's.
+        samples = math.nan if samples is None else check_count("samples", samples)
+        tokens = math.nan if tokens is None else check_count("tokens", tokens)
+        flops = math.nan if flops is None else check_count("flops", flops)
         if self._joining is not None:
             self._join()
         r, e, tl = self._ranges, self._engine, self._timeline
@@ -463,14 +429,9 @@ class StepTimer:
             self._engine.notes.append(text)
 
     def watch_ddp(self, model: Any, *, hook: Any = None, state: Any = None) -> None:
-        """Time a DistributedDataParallel model's gradient collectives per timed step: rows ``comm``
-        and ``comm_exposed`` (the part the compute waited for at the end of backward), and each
-        rank's arrival at them (docs/distributed.md). Call it once, before the first backward.
-
-        Args:
-            model: the ``DistributedDataParallel`` model.
-            hook: your DDP comm hook, run inside steptimer's (DDP takes one); None: DDP's all-reduce.
-            state: the hook's state, as for ``register_comm_hook``.
+        """Time a DistributedDataParallel ``model``'s gradient collectives per timed step (rows ``comm``,
+        ``comm_exposed``; docs/distributed.md); call it once, before the first backward. ``hook``: your DDP
+        comm hook (``state``: its state), run inside steptimer's, as DDP takes one; None: DDP's all-reduce.
 
         Raises:
             TypeError: ``model`` is not a ``DistributedDataParallel``, or ``hook`` is not callable.
@@ -482,9 +443,8 @@ class StepTimer:
             watch(self._engine, model, hook, state)
 
     def watch_fsdp(self, model: Any) -> None:
-        """Time an FSDP2 model's collectives per timed step: rows ``comm`` (its all-gathers and
-        reduce-scatters) and ``comm_exposed`` (the compute's waits for them), and the rank the others
-        waited for (docs/distributed.md). Call it once, after ``fully_shard``.
+        """Time an FSDP2 model's collectives per timed step (rows ``comm``, ``comm_exposed``;
+        docs/distributed.md); call it once, after ``fully_shard``.
 
         Raises:
             TypeError: ``model`` holds no ``fully_shard`` module.
@@ -567,16 +527,21 @@ class StepTimer:
             self._energy.write_ready(self._sinks, xrank.energy if xrank is not None else None)
         if window is None:
             return run_energy
-        if self._run_tags:  # the first window: the engine's device is known now, between steps
-            # A simulated GPU (tests' backend seam) names no device: no claim.
-            device = None if engine.clock.custom else _device_name(engine.clock.device if engine.cuda else None)
-            facts = {**self._run_tags, **({DEVICE: device} if device else {})}
-            window = dataclasses.replace(window, extra={**window.extra, **facts})
-            self._run_tags = {}
+        if not self._tagged:  # the first window: the engine's device is known now, between steps
+            window = dataclasses.replace(window, extra={**window.extra, **self._run_tags()})
+            self._tagged = True
         self._to_sinks("write_window", window)
         if energy and not closing:
             self._energy.mark(window, engine.clock.device, counter)
         return run_energy
+
+    def _run_tags(self) -> dict[str, Any]:
+        """How steps were timed, and on which device, for ``steptimer report``."""
+        engine, every = self._engine, self._engine.sampler.sample_every
+        tags: dict[str, Any] = {SAMPLE_EVERY: float(every)} if every else {COST_BUDGET_TAG: self.options.cost_budget}
+        # A simulated GPU (tests' backend seam) names no device: no claim.
+        device = None if engine.clock.custom else _device_name(engine.clock.device if engine.cuda else None)
+        return {**tags, DEVICE: device} if device else tags
 
     def _to_sinks(self, call: str, arg: Any) -> None:
         """``sink.<call>(arg)`` on each sink; a sink that fails is dropped with one warning and a note:
