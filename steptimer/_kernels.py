@@ -66,9 +66,7 @@ def load_profile(path: str) -> dict[str, Any]:
     return {**doc, "_path": file, "_notes": notes}
 
 
-class _X(NamedTuple):
-    """A complete (``"ph": "X"``) event of the trace, read once."""
-
+class _X(NamedTuple):  # a complete (``"ph": "X"``) event of the trace, read once
     name: str
     cat: Any
     ts: float
@@ -114,25 +112,18 @@ class _Spans:
         return "data"
 
 
-def _outermost(ops: list[_X], starts: list[float]) -> list[_X]:
-    """CPU ops not nested in another op of the same thread, nor around a steptimer range (``starts``)."""
-    out: list[_X] = []
-    end: dict[Any, float] = {}
-    for x in sorted(ops, key=lambda x: (x.ts, -x.dur)):
-        i = bisect_right(starts, x.ts)
-        if x.ts >= end.get(x.thread, -1.0) and (i == len(starts) or starts[i] >= x.ts + x.dur):
-            out.append(x)
-            end[x.thread] = x.ts + x.dur
-    return out
-
-
 def _timed_items(events: list[_X], spans: _Spans, notes: list[str]) -> tuple[str, list[Any], int]:
     """``(clock, [(name, µs, host time)], unattributed)``: kernels at their launch, else outermost CPU ops."""
     gpu = [x for x in events if x.cat in GPU_CATS]
-    if not gpu:  # the report says so once, at its top (``clock`` "host")
-        cpu = ("cpu_op", "user_annotation")
-        ops = [x for x in events if x.cat in cpu and not x.name.startswith(RANGE_PREFIX)]
-        return "host", [(x.name, x.dur, x.ts) for x in _outermost(ops, spans.starts)], 0
+    if not gpu:  # CPU ops not nested in another of the same thread, nor around a steptimer range
+        ops = [x for x in events if x.cat in ("cpu_op", "user_annotation") and not x.name.startswith(RANGE_PREFIX)]
+        items, end = [], {}
+        for x in sorted(ops, key=lambda x: (x.ts, -x.dur)):
+            i = bisect_right(spans.starts, x.ts)
+            if x.ts >= end.get(x.thread, -1.0) and (i == len(spans.starts) or spans.starts[i] >= x.ts + x.dur):
+                items.append((x.name, x.dur, x.ts))
+                end[x.thread] = x.ts + x.dur
+        return "host", items, 0
     launch_ts = {x.corr: x.ts for x in events if x.cat in LAUNCH_CATS and x.corr is not None}
     items = [(x.name, x.dur, launch_ts[x.corr]) for x in gpu if x.corr in launch_ts]
     if unattributed := len(gpu) - len(items):

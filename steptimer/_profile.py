@@ -197,9 +197,6 @@ class ProfileCapture:
     def _what(self) -> str:
         return f"steps {self.first}..{self.last}" + (" (profile_on_slow)" if self.why else " (profile_steps)")
 
-    def _lead(self) -> str:  # what the notes on this window start with
-        return self.why or f"profile_steps={self.first, self.last}"
-
     def _failed(self, engine: Engine, msg: str, err: Exception) -> None:
         msg = msg.format(what=self._what(), err=f"{type(err).__name__}: {err}")
         log.warning("steptimer: %s", msg)
@@ -226,20 +223,17 @@ class ProfileCapture:
 
     def write(self, engine: Engine, run_id: str | None) -> None:
         """The trace with steptimer's times under the key ``steptimer`` (viewers ignore unknown keys)."""
+        lead = self.why or f"profile_steps={self.first, self.last}"  # what the notes on this window start with
         if self.prof is None:
-            ended = f"the run ended at step {engine.number}, before the window; no profile written"
-            engine.notes.append(f"{self._lead()}; {ended}")
+            engine.notes.append(f"{lead}; the run ended at step {engine.number}, before the window; no profile written")
             return
         self.path = own_path(self.path, run_id)
         prof, self.prof = self.prof, None
-        steps = [
-            {
-                "number": s["number"],
-                "host_ms": _by_phase_ms(s["step_s"], s["phases"]),
-                "gpu_ms": None if (g := s["gpu"]) is None else _by_phase_ms(g["end"] - g["start"], g["phases"]),
-            }
-            for s in map(record, self.recs)
-        ]
+        steps = []
+        for s in map(record, self.recs):
+            g = s["gpu"]
+            gpu_ms = None if g is None else _by_phase_ms(g["end"] - g["start"], g["phases"])
+            steps.append({"number": s["number"], "host_ms": _by_phase_ms(s["step_s"], s["phases"]), "gpu_ms": gpu_ms})
         try:
             with _outside_steps(engine):
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -265,7 +259,7 @@ class ProfileCapture:
         else:
             span = f"{steps[0]['number']}..{steps[-1]['number']}" if steps else "none"
             engine.notes.append(
-                f"{self._lead()}; steps {span} ran under torch.profiler (their times include its overhead), "
+                f"{lead}; steps {span} ran under torch.profiler (their times include its overhead), "
                 f"trace: {self.path} (steptimer kernels)"
             )
 
