@@ -16,7 +16,7 @@ from steptimer._files import unwritten, write_json
 from steptimer._listener import CAPTURE, Listener
 from steptimer._options import check_folder
 from steptimer._reader import LogError
-from steptimer._slow import SlowestKeeper, SlowStep
+from steptimer._slow import SlowestKeeper
 from steptimer._tags import FLIGHT_DIR, FLIGHT_FILE
 
 if TYPE_CHECKING:
@@ -137,9 +137,15 @@ class Capture(Listener):
                 self._place_trace(self._engine)  # type: ignore[arg-type]  # set: the run began
 
     def window_closed(self, window: Any, kept: Any) -> None:
-        for c in kept:  # traces of the steps that entered the run's slowest
-            if c.timed:  # an untimed step has no phases to draw
-                self.want(c)
+        """Keep the steps around each of ``kept`` (the ring's, then the ``AFTER`` ones) while among the
+        run's slowest; an untimed step has no phases to draw."""
+        if self.flight is None:
+            return
+        for c in kept:
+            recs = [r for r in self.ring if c.step - BEFORE <= r.number <= c.step + AFTER]
+            if c.timed and any(r.number == c.step for r in recs) and self._slowest.add([c]):
+                self._keeps.append((self.ring[-1].number + 1, c.step + AFTER, recs))
+                self.kept = {s.step: self.kept.get(s.step) or (s.wall_ms, recs) for s in self._slowest.heap}
 
     def _place_trace(self, engine: Engine) -> dict[str, Any]:
         """The window's GPU chain on the host clock through one reference event, waited for once."""
@@ -181,14 +187,6 @@ class Capture(Listener):
             write_json(path, doc)
         except OSError as err:
             engine.notes.append(unwritten("the trace capture", path, err))
-
-    def want(self, c: SlowStep) -> None:
-        """Keep the steps around ``c`` (the ring's, then the ``AFTER`` ones) while among the slowest."""
-        recs = [r for r in self.ring if c.step - BEFORE <= r.number <= c.step + AFTER]
-        if self.flight is None or not any(r.number == c.step for r in recs) or not self._slowest.add([c]):
-            return
-        self._keeps.append((self.ring[-1].number + 1, c.step + AFTER, recs))
-        self.kept = {s.step: self.kept.get(s.step) or (s.wall_ms, recs) for s in self._slowest.heap}
 
     def finish(self, engine: Engine) -> dict[int, str]:
         """At close: write the traces; the flight recorder's paths by step."""

@@ -564,7 +564,7 @@ def test_the_cost_budget_counts_a_host_steps_phase_entries_as_its_exits(monkeypa
     ("part", "plugin", "method"),
     [(SLOW, StepMarks, m) for m in ("run_began", "step_resolved", "window_closed")]
     + [(MEMORY, MemoryReader, m) for m in ("begin_step", "enter_phase", "exit_phase", "end_step")]
-    + [(CAPTURE, Capture, m) for m in ("step_resolved", "want", "finish")],
+    + [(CAPTURE, Capture, m) for m in ("step_resolved", "window_closed", "finish")],
 )
 def test_a_plugins_own_failure_is_contained(
     part: str,
