@@ -173,6 +173,16 @@ def test_the_options_are_keywords_with_their_defaults_and_a_misspelt_one_is_name
         StepTimerCallback(lags=1)  # type: ignore[call-arg]
 
 
+def test_where_it_writes_is_checked_when_the_callback_is_made(tmp_path: Path) -> None:
+    """As StepTimer checks them, before any Trainer exists: not at train begin."""
+    with pytest.raises(TypeError, match=r"log_dir must be a directory path .*got int 123"):
+        StepTimerCallback(log_dir=123)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"writer must be a SummaryWriter .*got str 'runs'"):
+        StepTimerCallback(writer="runs")
+    with pytest.raises(ValueError, match="pass log_dir or writer, not both"):
+        StepTimerCallback(log_dir=tmp_path, writer=object())
+
+
 def test_the_options_are_checked_once_and_the_timer_gets_the_callbacks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
