@@ -70,9 +70,8 @@ class Goodput:
 
 
 def _now() -> float:
-    """The engine's clock, read through its module: the spans and the engine's step regions are on
-    one clock (a test's patched clock too). Imported here, not above: ``report`` reads a
-    :class:`Goodput` without importing torch."""
+    """The engine's clock (a test's patched one too), imported here: ``report`` reads a :class:`Goodput`
+    without importing torch."""
     from steptimer import _engine
 
     return _engine.perf_counter()
@@ -101,8 +100,7 @@ class Timeline:
         self.warm_end: float | None = None  # the last warm-up step's end (step() sets it)
         self._thread = threading.get_ident()  # a save on another thread overlaps training: not counted
         self._open: list[list[Any]] = []  # [kind, start of its running segment], innermost last
-        self._kinds = {"eval": 0.0, "checkpoints": 0.0}
-        self._segments: list[tuple[float, float]] = []  # (start, end) of each span's time, in order
+        self._segments: list[tuple[Kind, float, float]] = []  # the spans' time: (kind, start, end), in order
         self.done: Goodput | None = None
         self.failed = False  # a failure of its own turned it off (a note, no goodput; training on)
         _watch_saves(self)
@@ -156,12 +154,11 @@ class Timeline:
                 self._open[-1][1] = t
 
     def _segment(self, span: list[Any], t: float) -> None:
-        self._kinds[span[0]] += t - span[1]
-        self._segments.append((span[1], t))
+        self._segments.append((span[0], span[1], t))
 
     def _spans_s(self, lo: float, hi: float) -> float:
         """The spans' time between ``lo`` and ``hi``: not the steps' (or warm-up's) own."""
-        return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in self._segments)
+        return sum(max(0.0, min(b, hi) - max(a, lo)) for _, a, b in self._segments)
 
     def finish(self) -> Goodput | None:
         """The parts, now (idempotent); spans left open end here. None after a failure of its own."""
@@ -187,7 +184,7 @@ class Timeline:
             warm = warm_end - first - self._spans_s(first, warm_end)
             steps = last - warm_end - self._spans_s(warm_end, last)
         wall = t - self.start
-        ev, ck = self._kinds["eval"], self._kinds["checkpoints"]
+        ev, ck = (sum(b - a for k, a, b in self._segments if k == kind) for kind in ("eval", "checkpoints"))
         return Goodput(wall, steps, warm, ev, ck, max(0.0, wall - steps - warm - ev - ck), self.before_s)
 
 

@@ -54,24 +54,25 @@ def find_runs(logdir: str) -> list[RunLog]:
             f"{logdir}: the event file of one phase's run; pass the run directory (the one holding "
             f"{PHASE_DIR}/) or its events.out.tfevents.* file"
         )
-    runs = []
     if os.path.isfile(logdir):
         top = os.path.normpath(top or ".")
         groups = _walk(top)[top] if _EVENT_FILE_MARK in base else []  # a renamed file: alone
         ours = next((fs for _, fs in groups if (None, os.path.join(top, base)) in fs), [])
         runs = [read_run([(None, logdir)] + [pf for pf in ours if pf[0]], logdir)]
-    for d, groups in () if runs else _walk(logdir).items():
-        name = logdir if d == os.path.normpath(logdir) else os.path.relpath(d, logdir)
-        here = [r for p, files in groups if (r := read_run(files, p)).scalars or r.hists]
-        if len(here) == 1:
-            here[0].name, here[0].path = name, d
-        for run in here if len(here) > 1 else ():
-            run.name = name if run.path == d else os.path.join(name, os.path.basename(run.path))
-            run.notes.append(
-                f"{d} holds {len(here)} runs (one per StepTimer), reported one by one; pass one's "
-                "events.out.tfevents.* file to report or compare it alone"
-            )
-        runs += here
+    else:
+        runs = []
+        for d, groups in _walk(logdir).items():
+            name = logdir if d == os.path.normpath(logdir) else os.path.relpath(d, logdir)
+            here = [r for p, files in groups if (r := read_run(files, p)).scalars or r.hists]
+            if len(here) == 1:
+                here[0].name, here[0].path = name, d
+            for run in here if len(here) > 1 else ():
+                run.name = name if run.path == d else os.path.join(name, os.path.basename(run.path))
+                run.notes.append(
+                    f"{d} holds {len(here)} runs (one per StepTimer), reported one by one; pass one's "
+                    "events.out.tfevents.* file to report or compare it alone"
+                )
+            runs += here
     runs = [run for run in runs if run.scalars or run.hists]
     if not runs:
         raise LogError(

@@ -95,8 +95,8 @@ _LATE = ("other", "steptimer", "loop", "wait", "idle")  # derived rows (and thei
 
 
 def run_names(window: Window) -> list[str]:
-    """The rows that get a run, in slot order: ``data`` and the phases first, so their colours never
-    depend on the derived rows a run has (``other``, ``steptimer``, ``loop``, ``wait``, ``idle``)."""
+    """The rows that get a run, in slot order: ``data`` and the phases before :data:`_LATE`'s rows, so
+    their colours never depend on the derived rows a run has."""
     names = dict.fromkeys([*window.host, *window.gpu])
     rows = [n for n in row_order(list(names), names) if n != STEP]
     late = {n: _LATE.index(n.partition("/")[0]) for n in rows if n.partition("/")[0] in _LATE}
@@ -181,8 +181,8 @@ def new_run_id() -> str:
 
 
 class EventFile:
-    """An event file appended in the caller's thread (a writer thread takes the GIL), opened per
-    event: after a SIGKILL every window before it is on disk."""
+    """Appended in the caller's thread (a writer thread takes the GIL), opened per event: after a
+    SIGKILL every window before it is on disk."""
 
     def __init__(self, log_dir: str, *, run_id: str | None = None, suffix: str = "") -> None:
         os.makedirs(log_dir, exist_ok=True)

@@ -73,9 +73,8 @@ STRAGGLER_RULE = (
 
 
 def launch_bound(gpu_ms: float, host_ms: float, caught: float | None) -> bool:
-    """The launch-bound rule (``LAUNCH_RULE``) for a phase's GPU and host spans (medians or sums) and
-    the share of its steps in which the GPU caught up inside it (None: not logged). A GPU that never
-    caught up had work queued all along, however close the spans."""
+    """``LAUNCH_RULE`` on a phase's GPU and host spans and the share of its steps in which the GPU caught
+    up inside it (None: not logged). A GPU that never caught up had work queued all along."""
     return gpu_ms <= LAUNCH_RATIO * host_ms and (caught is None or caught >= CAUGHT_SHARE)
 
 
@@ -134,8 +133,8 @@ _FIX = {
     "straggler": "speed up rank {}'s phase named above (per-rank section), not the collectives",
     "steptimer": "time fewer steps (a smaller cost_budget, or sample_every=N) or fewer, longer phases",
 }
-# A watched model's collectives (_comm.py): inside the phases that wait for them, so no share.
-# Rows computed by steptimer, not phases of the user's: the table's first and last rows.
+# Rows computed by steptimer, not phases of the user's: the table's first and last rows (a watched
+# model's collectives, _comm.py, are inside the phases that wait for them: no share).
 DERIVED_FIRST = ("data", "loop")
 DERIVED_LAST = ("other", "wait", "steptimer", "step", "idle", "idle/data", "idle/loop", *COMM_ROWS)
 DERIVED = frozenset(DERIVED_FIRST + DERIVED_LAST)
@@ -159,8 +158,7 @@ class Verdict:
 def shares(
     gpu_sum_ms: Mapping[str, float], timed_sum_ms: Mapping[str, float], timed_cycle_ms: float
 ) -> tuple[ShareClock, dict[str, float]]:
-    """Each top-level row's share of the GPU's timeline where the steps have GPU times, else of the
-    timed steps' wall time by the host clock."""
+    """Each top-level row's share of the GPU's timeline where the steps have GPU times, else of wall time."""
     gpu_total = gpu_sum_ms.get("step", 0.0) + gpu_sum_ms.get("idle", 0.0)
     top = {n: v for n, v in gpu_sum_ms.items() if "/" not in n and n not in ("step", "wait", *COMM_ROWS)}
     if gpu_total > 0 and top:
@@ -171,8 +169,7 @@ def shares(
 
 
 def verdict(rows: Sequence[PhaseSummary], cuda: bool, ranks: RankSummary | None = None) -> Verdict:
-    """The run's bottleneck from its rows' shares and (``ranks``) the ranks' waits for each other: the
-    first rule that holds, each fact measured."""
+    """The first rule that holds on the rows' shares and (``ranks``) the ranks' waits for each other."""
     by = {r.name: r for r in rows}
     share = {r.name: r.share or 0.0 for r in rows}
     phases = [r for r in rows if is_phase(r.name) and r.share is not None]
@@ -277,9 +274,8 @@ def _lead(whose: str, phases: Sequence[PhaseSummary], share: Mapping[str, float]
 
 
 def waited_for(ranks: RankSummary, clock: ShareClock) -> tuple[float, float] | None:
-    """``(late_ms, waited_ms)`` where the ranks' wait at the collectives was mostly for the late rank
-    (the rule the verdict and the per-rank section share): its lateness, ms a step over every step, is
-    ``LATE_SHARE`` at least of the mean ``comm_exposed`` of the rank that waited most; else None."""
+    """``(late_ms, waited_ms)`` where the wait at the collectives was mostly for the late rank (the
+    verdict's and the per-rank section's rule: ``STRAGGLER_RULE``), else None."""
     last, exposed = ranks.last, ranks.series.get((clock, "comm_exposed"))
     if last is None or not last.stood_out or exposed is None or exposed.max_ms <= 0:
         return None
@@ -288,8 +284,7 @@ def waited_for(ranks: RankSummary, clock: ShareClock) -> tuple[float, float] | N
 
 
 def _straggler(by: Rows, clock: ShareClock, ranks: RankSummary | None) -> Rule:
-    """straggler-bound where a rank waited for the collectives ``COMM_SHARE`` of the timeline (or wall
-    time) at least, and mostly for the late rank (:func:`waited_for`)."""
+    """``STRAGGLER_RULE``, on the timeline (or wall time)."""
     steps = getattr(by["step"], clock).steps if "step" in by and getattr(by["step"], clock) else 0
     total = _timeline_ms(by, clock)
     late = waited_for(ranks, clock) if ranks is not None and steps and total > 0 else None
@@ -304,7 +299,7 @@ def _straggler(by: Rows, clock: ShareClock, ranks: RankSummary | None) -> Rule:
 
 
 def _communication(by: Rows, clock: ShareClock) -> Rule:
-    """communication-bound if ``comm_exposed`` holds ``COMM_SHARE`` of the timeline (or wall time)."""
+    """``comm_exposed`` holds ``COMM_SHARE`` of the timeline (or wall time) or more."""
     total, exposed = _timeline_ms(by, clock), _sum_ms(by, "comm_exposed", clock)
     if total <= 0 or exposed < COMM_SHARE * total:
         return False, "communication-bound", ()
