@@ -33,7 +33,6 @@ THROTTLE_REASONS = {
     0x80: "power brake",
 }
 SLOWER_CLOCK = 0.97  # a late rank's SM clock under this part of the ranks' median: its GPU ran slower
-GPU_STATE_TAGS = tuple(f"{MAIN}/gpu_{x}" for x in ("sm_clock_mhz", "power_w", "power_limit_w", "temp_c", "throttle"))
 
 
 class GpuState(NamedTuple):
@@ -237,7 +236,7 @@ class EnergyWindows:
                 out[step] = {JOULES_PER_STEP: e.joules_per_step, WATTS: e.watts}
                 out[step].update({tag: e.joules_per_step / n for tag, n in per_step.items()})
                 if e.gpu is not None:  # the GPU's state at the window's closing reading
-                    out[step].update(zip(GPU_STATE_TAGS, map(float, e.gpu)))
+                    out[step].update({f"{MAIN}/gpu_{k}": float(v) for k, v in e.gpu._asdict().items()})
             self._written = max(self._written, len(readings))
             if ranks is not None:
                 out.setdefault(ranks[0], {}).update(ranks[1])
