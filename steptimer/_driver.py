@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, contextmanager
 from time import perf_counter
 from typing import Any
 
+from steptimer import _engine  # its clock, read at the hooks: the engine's, a test's fake one too
 from steptimer.timer import _NULL, StepTimer
 
 __all__ = ["BUILTIN", "PhaseDriver", "Update", "UserPhase"]
@@ -32,6 +33,10 @@ DATA, FORWARD, LOSS, ZERO_GRAD, BACKWARD, CLIP, OPTIMIZER, VAL = BUILTIN = (
 class PhaseDriver:
     """Enters and exits ``timer``'s phases as hook events come.
 
+    A front door's hook body is steptimer's time, the ``steptimer`` row's: it sets
+    ``e.own.hook_t = _engine.perf_counter()`` at its entry and calls ``e.charge()`` before it returns
+    or calls the user's code (a wrapper charges each side of the call).
+
     Args:
         rejoin: A forward that starts while the previous forward's ``loss`` is open takes that time
             back into ``forward`` (Lightning's rule); False: ``forward, loss, forward``.
@@ -46,6 +51,7 @@ class PhaseDriver:
         scoped: bool = False,
     ) -> None:
         self.timer = timer
+        self.e = timer._engine  # its clock reads at the hooks: Engine.charge
         self._rejoin = rejoin
         self.update = Update()  # the step's optimizer updates
         self._step: AbstractContextManager[None] | None = None
@@ -161,13 +167,17 @@ class PhaseDriver:
             self.drop(RuntimeError, RuntimeError("the optimizer step raised"), None)
 
     def call(self, name: str, after: str | None, orig: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """``orig(*args, **kwargs)`` as phase ``name``, then ``after``; if it raises, the step is dropped."""
+        """``orig(*args, **kwargs)`` as phase ``name``, then ``after``; if it raises, the step is dropped.
+        Inside a hook: its part before the call is charged, and its part after starts a new one."""
         self.switch(name)
+        e = self.e
+        e.charge()
         try:
             out = orig(*args, **kwargs)
         except BaseException:
             self.drop(*sys.exc_info())
             raise
+        e.own.hook_t = _engine.perf_counter()
         self.switch(after)
         return out
 
@@ -177,7 +187,10 @@ class PhaseDriver:
         def call(*args: Any, **kwargs: Any) -> Any:
             if not self.live or self.phase == name:
                 return orig(*args, **kwargs)
-            return self.call(name, None, orig, args, kwargs)
+            self.e.own.hook_t = _engine.perf_counter()
+            out = self.call(name, None, orig, args, kwargs)
+            self.e.charge()
+            return out
 
         return call
 
@@ -187,7 +200,10 @@ class PhaseDriver:
         def call(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
             if self.live and self._step is not None:  # in a step
+                e = self.e
+                e.own.hook_t = _engine.perf_counter()
                 self.switch(name)
+                e.charge()
             return out
 
         return call
@@ -209,14 +225,20 @@ class PhaseDriver:
 
     def model_pre(self, *_: Any) -> None:
         """A forward pre-hook: the outermost model call opens ``forward`` (in a step the timer times)."""
+        e = self.e
+        e.own.hook_t = _engine.perf_counter()
         if self.live and self.in_scope and not self.in_backward and not self.quiet:
             self.forward_enter()
+        e.charge()
 
     def model_post(self, module: Any, args: Any, output: Any) -> None:
         """Forward hook (``always_call``): see :meth:`forward_returned` (the step is not dropped on a
         raise: the front door's framework says whether the step goes on)."""
+        e = self.e
+        e.own.hook_t = _engine.perf_counter()
         if self.live and self.in_scope and not self.in_backward and not self.quiet and self.forward_exit():
             self.forward_returned(output, drop=False)
+        e.charge()
 
     def forward_returned(self, output: Any, *, drop: bool) -> None:
         """The outermost model call returned ``output``: ``loss`` opens. It raised (an ``always_call``

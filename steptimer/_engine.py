@@ -153,6 +153,18 @@ class Between:
             self.fetch_s = 0.0
 
 
+class Own:
+    """steptimer's own host time in the current step outside its top-level phases (``step_s``: its
+    begin, the phases' entries and exits, the front doors' hook bodies), and a front door's hook under
+    way: ``hook_t``, the perf_counter from which its time is not counted yet (0.0: none; see
+    ``Engine.charge``)."""
+
+    __slots__ = ("hook_t", "step_s")
+
+    def __init__(self) -> None:
+        self.hook_t = self.step_s = 0.0
+
+
 class Pending:
     """The steps ended and not yet resolved (their events may not have completed), oldest first."""
 
@@ -220,9 +232,8 @@ class Engine:
         self.counts = (_NAN, _NAN, _NAN)  # samples, tokens, flops of the current step (NaN: not given)
         self._stack: list[tuple[str, str, float, int]] = []  # full name, name, host in, event in
         self._recs: list[PhaseRecord] = _EMPTY  # the current timed step's phase entries
-        # steptimer's own host time in the current timed step outside its top-level phases (its begin,
-        # the phases' entries and exits): with ``between.own_s``, the ``steptimer`` row (_window.py).
-        self._own = 0.0
+        # With ``between.own_s``, the ``steptimer`` row (_window.py).
+        self.own = Own()
         # Per hook, the listeners whose own it is, with it bound (tuples: one detached mid-call is safe);
         # under _ATTACHED every listener, in the order attached.
         self._hooks: dict[str, tuple[tuple[Listener, Callable[..., Any]], ...]] = dict.fromkeys((*HOOKS, _ATTACHED), ())
@@ -308,13 +319,16 @@ class Engine:
         if (self.state or self.closed or self.cuda is None) and not self._may_begin():
             return
         self._t0 = t0 = perf_counter()  # after settling: loading the CUDA calls is not the step's time
+        own = self.own
+        if own.hook_t:  # begun in a hook: its time so far was between steps
+            self.charge(t0)
+        own.step_s = 0.0
         sp = self.sampler
         if self.number + 1 != sp.next_timed:  # outside the sample: no phase, no event, no reading
             self.state = UNTIMED  # its phases, events and reader are none already (_end_timed)
             return
         sp.cost_at_begin = sp.cost_s  # the budget's count as the step begins (_pend)
         self._recs = []
-        self._own = 0.0
         if not self.cuda:
             self.clock.evs = []
             self.clock.last_t = -math.inf
@@ -326,7 +340,9 @@ class Engine:
         except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see off()
             self.off(MEMORY, err)
         self.clock.last_t = t = perf_counter()
-        self._own = t - t0
+        own.step_s = t - t0
+        if own.hook_t:
+            own.hook_t = t
         if sp.budget is not None:
             sp.cost_s += min(t - t0, 2 * sp.bound_cap)
         self.state = GPU
@@ -354,13 +370,16 @@ class Engine:
         if et is not None or self._stack:  # dropped: it raised, or left a phase open (an error)
             self._end_dropped(et, error)
             return
-        t0, number, bt, pend = self._t0, self.number + 1, self.between, self.pend
+        t0, number, bt, pend, own = self._t0, self.number + 1, self.between, self.pend, self.own
+        if own.hook_t:  # ended in a hook: its time so far was the step's
+            self.charge(t1)
         try:
             gs, fetch = bt.start, bt.fetch_s
             if fetch == fetch:  # a loader is timed: its time before the next step counts from here
                 bt.fetch_s = 0.0
             if gs is None:
                 gap = fetch = _NAN  # the run's first step: no time between steps before it
+                bt.own_s = 0.0  # nor steptimer's
             else:
                 gap = t0 - gs - bt.paused_s
                 gap = gap if gap > 0.0 else 0.0
@@ -384,8 +403,10 @@ class Engine:
                 self.number, self.state = number, OUT
                 bt.start = t_end = perf_counter()  # the row is in: its times are set in it
                 row[STEP_S] = t_end - t0
-                row[OWN_STEP_S] = t_end - t1
+                row[OWN_STEP_S] = t_end - t1 + own.step_s
                 if not self.ends.due:
+                    if own.hook_t:
+                        own.hook_t = t_end
                     return  # nothing after the step's end to count
             else:
                 t_end = self._pend(t1, StepRecord(number, t0, counts, gap, fetch, own_gap, marks))
@@ -394,7 +415,10 @@ class Engine:
             raise
         if self.ends.due:
             self._hand_window()
-        bt.own_s += perf_counter() - t_end  # resolving and window work after the step's end
+        t = perf_counter()
+        bt.own_s += t - t_end  # resolving and window work after the step's end
+        if own.hook_t:
+            own.hook_t = t
 
     def _asked(self, number: int) -> dict[str, float] | None:
         """The marks of step ``number`` from the listeners that asked to hear its end; ``{}``: one keeps
@@ -483,9 +507,9 @@ class Engine:
         bt.start = t_end = perf_counter()
         rec.step_s = step_s = t_end - rec.t0
         # steptimer's own part of the step: its end (less the wait, a row of its own, and a record
-        # blocked in a full launch queue) and, in a timed step, its begin and the phases' entries and exits
+        # blocked in a full launch queue) and ``Own.step_s``
         own = t_end - t1 - rec.wait_s - blocked
-        rec.own_step_s = own + self._own if state >= HOST else own
+        rec.own_step_s = own + self.own.step_s
         if sp.budget is not None and (state != UNTIMED or queued or rec.events):
             sp.cost_s += own
             if rec.wait_s:  # the host then waited for the GPU: its own time in the step, up to that, cost no wall
@@ -536,6 +560,28 @@ class Engine:
     __enter__ = begin_step
     __exit__ = end_step
 
+    def charge(self, t: float | None = None) -> None:
+        """A front door's hook returns; it set ``own.hook_t`` to the engine's clock (``perf_counter``)
+        at its entry. Its time since is the ``steptimer`` row's, out of the row it fell in: between
+        steps ``loop`` (none in a pause, left out already), in a step outside phases ``other``, inside
+        them each open phase's span, which starts that much later. One call and two clock reads a
+        hook; Python's call into the hook before its first read stays out. ``t``: the engine's own
+        use, inside a hook, at a boundary: up to ``t``, the hook going on from there (so the engine's
+        own reads in a hook count once)."""
+        own = self.own
+        if not own.hook_t:
+            return
+        now = perf_counter() if t is None else t
+        d, own.hook_t = now - own.hook_t, 0.0 if t is None else now
+        if not self.state:
+            if not self.between.pausing:
+                self.between.own_s += d
+            return
+        own.step_s += d
+        stack = self._stack
+        for k, (full, name, t_in, i) in enumerate(stack):
+            stack[k] = (full, name, t_in + d, i)
+
     def rejoin_phase(self, name: str, into: str) -> bool:
         """Undo the open phase ``name``, reopen the sibling ``into`` that ended where it began; False,
         changing nothing, unless ``name`` is open with nothing ended inside it on a timed step."""
@@ -546,7 +592,9 @@ class Engine:
         if last.name != full[: len(full) - len(name)] + into:
             return False
         recs.pop()
-        stack[-1] = (last.name, into, last.t_in, last.i_in)
+        # The time from ``into``'s exit to ``name``'s start was steptimer's (a hook, or the exit and
+        # entry): ``into`` goes on as if it started that much later, so that time counts once.
+        stack[-1] = (last.name, into, last.t_in + stack[-1][2] - last.t_out, last.i_in)
         return True
 
     def _resolve_upto(self, upto: int) -> None:
@@ -564,8 +612,11 @@ class Engine:
             raise RuntimeError("pause() inside a step: use it between steps (evaluation, checkpointing)")
         if self.between.pausing or self.closed:
             return None
+        t = perf_counter()
+        if self.own.hook_t:  # begun in a hook: its time so far is the row's, the pause's none of it
+            self.charge(t)
         self.between.pausing = True
-        return perf_counter(), self.clock.pause_event() if self.cuda else None
+        return t, self.clock.pause_event() if self.cuda else None
 
     def end_pause(self, started: tuple[float, Any] | None) -> None:
         """End the pause that ``begin_pause`` returned ``started`` for (None: a nested one)."""
@@ -576,7 +627,9 @@ class Engine:
         t0, ev0 = started
         if ev0 is not None:  # then the end event is recorded too (CUDA settled, a stream known)
             bt.pause_evs.append((ev0, self.clock.pause_event()))
-        bt.paused_s += perf_counter() - t0
+        bt.paused_s += (t := perf_counter()) - t0
+        if self.own.hook_t:  # ended in a hook: its time so far was the pause's
+            self.own.hook_t = t
 
     def close(self) -> None:
         """Drop an unfinished step and resolve every pending one (one wait, on the newest)."""
@@ -628,7 +681,9 @@ class Engine:
         self._end_timed()
         self._tell("step_dropped", self.number + 1)
         self.state = OUT
-        bt.restart(perf_counter())  # the failed step's time is not time between steps
+        bt.restart(t := perf_counter())  # the failed step's time is not time between steps
+        if self.own.hook_t:
+            self.own.hook_t = t
 
     def _end_timed(self) -> None:
         """Between steps no phase, event or reader is the current step's: an untimed step begins so."""
@@ -709,11 +764,11 @@ class Phase:
     a Python call less at each entry and exit (~0.1 µs each), with the engine's parts it uses bound
     (the event clock, the sampler and the memory readings: an attribute read less each)."""
 
-    __slots__ = ("e", "name", "r", "c", "sp", "m")
+    __slots__ = ("e", "name", "r", "c", "sp", "m", "o")
 
     def __init__(self, engine: Engine, name: str, ranges: Any = None) -> None:
         self.e, self.name, self.r = engine, name, ranges
-        self.c, self.sp, self.m = engine.clock, engine.sampler, engine.mem
+        self.c, self.sp, self.m, self.o = engine.clock, engine.sampler, engine.mem, engine.own
 
     def __enter__(self) -> None:
         t0 = perf_counter()  # first: the gap since the last boundary leaves out steptimer's own work
@@ -737,10 +792,13 @@ class Phase:
                 except Exception as err:  # noqa: BLE001 - a plug-in's own failure: see Engine.off
                     e.off(MEMORY, err)
         # The host span starts after steptimer's own work (the checks, the record, the allocator reading):
-        # a top-level phase's is the ``steptimer`` row's, an inner phase's stays in its parent.
+        # a top-level phase's is the ``steptimer`` row's, an inner phase's stays in its parent. In a
+        # hook, all of the hook's time so far is the row's, out of the phases open before this one.
         t0 = perf_counter()
-        if not stack:
-            e._own += t0 - t
+        if self.o.hook_t:
+            e.charge(t0)
+        elif not stack:
+            self.o.step_s += t0 - t
         stack.append((stack[-1][0] + "/" + name if stack else name, name, t0, i))
         sp = self.sp
         if state == GPU:
@@ -769,6 +827,9 @@ class Phase:
             raise RuntimeError(
                 f"phase {name!r} exited while {open_!r} is open: phases must nest (exit the inner phase first)"
             )
+        hooked = self.o.hook_t  # in a hook: its time so far is the row's, out of the phases open
+        if hooked:
+            e.charge(t1)
         full, _, t_in, i_in = stack.pop()
         i_out, caught, clock = -1, 0.0, self.c
         if gpu:
@@ -799,8 +860,8 @@ class Phase:
             if gpu:
                 clock.last_t = t2
             d = t2 - t1
-            if top:
-                e._own += d
+            if top and not hooked:  # in a hook, the hook's charge counts it
+                self.o.step_s += d
             if sp.budget is not None:
                 sp.cost_s += d if d < sp.bound_cap else sp.bound_cap
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from steptimer import _exit
+from steptimer import _engine, _exit
 from steptimer._driver import OPTIMIZER, ZERO_GRAD, PhaseDriver, UserPhase
 from steptimer._hooks import Discovery, Hooks, batch_counts, holds, watch_comm
 from steptimer._options import TimerKeywords, spelled_out
@@ -284,28 +284,33 @@ class Instrumented:
     def _forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
         if self._ignored():
             return
-        d = self._driver
-        if d.fwd_depth:  # a model inside another (or recursion): only the outer call counts
-            d.fwd_depth += 1
-            return
-        self._driver.settle()
-        if not d.in_step:
-            if not torch.is_grad_enabled():  # evaluation between steps: neither a step nor data
-                d.fwd_depth = 1
-                self._eval_pause = self.timer.pause()
-                self._eval_pause.__enter__()
+        e = self._driver.e
+        e.own.hook_t = _engine.perf_counter()  # this body is steptimer's time (PhaseDriver)
+        try:
+            d = self._driver
+            if d.fwd_depth:  # a model inside another (or recursion): only the outer call counts
+                d.fwd_depth += 1
                 return
-            self._begin()
-        d.forward_enter()
-        if self._count_next:
-            self._count_next = False
-            for what, n in zip(_COUNTED, batch_counts(args, kwargs)):
-                if n is not None and self._fixed[what] is None:
-                    d.counts[what] = d.counts.get(what, 0) + n
-                    self._counted.add(what)
-        self._forwards += 1
-        if self._forwards == _FORWARDS_BEFORE_WARNING:
-            self._check_stepped()
+            self._driver.settle()
+            if not d.in_step:
+                if not torch.is_grad_enabled():  # evaluation between steps: neither a step nor data
+                    d.fwd_depth = 1
+                    self._eval_pause = self.timer.pause()
+                    self._eval_pause.__enter__()
+                    return
+                self._begin()
+            d.forward_enter()
+            if self._count_next:
+                self._count_next = False
+                for what, n in zip(_COUNTED, batch_counts(args, kwargs)):
+                    if n is not None and self._fixed[what] is None:
+                        d.counts[what] = d.counts.get(what, 0) + n
+                        self._counted.add(what)
+            self._forwards += 1
+            if self._forwards == _FORWARDS_BEFORE_WARNING:
+                self._check_stepped()
+        finally:
+            e.charge()
 
     def _check_stepped(self) -> None:
         """Warn (once, and note) when an optimizer passed to instrument() never stepped in its forwards."""
@@ -323,33 +328,46 @@ class Instrumented:
         self.timer.note(msg)
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
-        if self._ignored() or not self._driver.forward_exit():
+        if self._ignored():
             return
-        if self._eval_pause is not None:
-            pause, self._eval_pause = self._eval_pause, None
-            pause.__exit__(None, None, None)
-        elif self._driver.in_step:
-            self._driver.forward_returned(output, drop=True)
+        e = self._driver.e
+        e.own.hook_t = _engine.perf_counter()  # this body is steptimer's time (PhaseDriver)
+        try:
+            if not self._driver.forward_exit():
+                return
+            if self._eval_pause is not None:
+                pause, self._eval_pause = self._eval_pause, None
+                pause.__exit__(None, None, None)
+            elif self._driver.in_step:
+                self._driver.forward_returned(output, drop=True)
+        finally:
+            e.charge()
 
     def _backward_wrapper_of(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def backward(*args: Any, **kwargs: Any) -> Any:
             if self._ignored():
                 return orig(*args, **kwargs)
-            self._driver.settle()
             d = self._driver
+            e = d.e
+            e.own.hook_t = _engine.perf_counter()  # each side of the call is steptimer's time (PhaseDriver)
+            d.settle()
             if not d.in_step:  # no training forward of this model before it: not this loop's
+                e.charge()
                 return orig(*args, **kwargs)
             after, self._after_backward = self._after_backward, None
             d.backward_begin()
+            e.charge()
             try:
                 out = orig(*args, **kwargs)
             except BaseException:
                 d.drop(*sys.exc_info())
                 raise
+            e.own.hook_t = _engine.perf_counter()
             d.backward_end(after)
             # The next forward starts a micro-batch; with several optimizers (a GAN's networks see
             # the same batch in turn) only a step's first forward is counted.
             self._count_next = len(self.optimizers) == 1 and None in self._fixed.values()
+            e.charge()
             return out
 
         return backward
@@ -359,17 +377,21 @@ class Instrumented:
             if self._ignored():
                 return orig(*args, **kwargs)
             d = self._driver
+            e = d.e
+            e.own.hook_t = _engine.perf_counter()  # each side of the call is steptimer's time (PhaseDriver)
             if not d.update.deferred:  # deferred: right after the update, the last phase of this step
-                self._driver.settle()
+                d.settle()
                 if not d.in_step:
                     if self._zero_grad_last is None:
                         self._zero_grad_last = self._zero_grad_order(sys._getframe(1))
                     if self._zero_grad_last is not False:  # after the update, or not known yet
+                        e.charge()
                         with self.timer.pause():  # this one belongs to no step: not data either
                             return orig(*args, **kwargs)
                     self._begin()  # the loop body starts with zero_grad
             out = d.call(ZERO_GRAD, None, orig, args, kwargs)
             d.zeroed(zeroes)
+            e.charge()
             return out
 
         return zero_grad
@@ -377,48 +399,60 @@ class Instrumented:
     def _update_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if self._ignored():
             return None
-        d = self._driver
-        if d.update.depth:  # super().step() of a subclass: the same update
-            d.update_begin(closure=False)
-            return None
-        self._driver.settle()
-        # With a closure (LBFGS, Lightning) the forward and backward run inside the update, as their
-        # own phases, and the update starts when it returns (the step hooks fire around both).
-        given = kwargs.get("closure")
-        inner = given if given is not None else args[1] if len(args) > 1 else None
-        closure = callable(inner)  # accelerate passes step(None): no closure
-        if not d.in_step and closure:  # the update runs the whole iteration: it is the step
-            self._begin()
-        elif not d.in_step:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    "steptimer.instrument: optimizer.step() with no training forward of the instrumented "
-                    "model since the last step: not timed. If no step is ever timed, pass instrument() the "
-                    "module your loop calls.",
-                    stacklevel=3,
-                )
-            return None
-        d.update_begin(closure)
-        if not closure:
-            return None
-        returns_to_update = d.then(OPTIMIZER, inner)
-        if given is not None:
-            return args, {**kwargs, "closure": returns_to_update}
-        return (args[0], returns_to_update, *args[2:]), kwargs
+        e = self._driver.e
+        e.own.hook_t = _engine.perf_counter()  # this body is steptimer's time (PhaseDriver)
+        try:
+            d = self._driver
+            if d.update.depth:  # super().step() of a subclass: the same update
+                d.update_begin(closure=False)
+                return None
+            self._driver.settle()
+            # With a closure (LBFGS, Lightning) the forward and backward run inside the update, as their
+            # own phases, and the update starts when it returns (the step hooks fire around both).
+            given = kwargs.get("closure")
+            inner = given if given is not None else args[1] if len(args) > 1 else None
+            closure = callable(inner)  # accelerate passes step(None): no closure
+            if not d.in_step and closure:  # the update runs the whole iteration: it is the step
+                self._begin()
+            elif not d.in_step:
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        "steptimer.instrument: optimizer.step() with no training forward of the instrumented "
+                        "model since the last step: not timed. If no step is ever timed, pass instrument() the "
+                        "module your loop calls.",
+                        stacklevel=3,
+                    )
+                return None
+            d.update_begin(closure)
+            if not closure:
+                return None
+            returns_to_update = d.then(OPTIMIZER, inner)
+            if given is not None:
+                return args, {**kwargs, "closure": returns_to_update}
+            return (args[0], returns_to_update, *args[2:]), kwargs
+        finally:
+            e.charge()
 
     def _update_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        d = self._driver
-        if self._ignored() or not d.in_step or not d.update_end(id(opt)):
+        if self._ignored():
             return
-        self._idle.discard(id(opt))
-        if len(d.update.stepped) < len(self.optimizers):
-            return
-        if self._zero_grad_last is None:
-            self._step_sites = _user_sites(sys._getframe(1))
-        d.update.deferred = bool(self._zero_grad_last)
-        if not d.update.deferred:
-            d.end()
+        e = self._driver.e
+        e.own.hook_t = _engine.perf_counter()  # this body is steptimer's time (PhaseDriver)
+        try:
+            d = self._driver
+            if not d.in_step or not d.update_end(id(opt)):
+                return
+            self._idle.discard(id(opt))
+            if len(d.update.stepped) < len(self.optimizers):
+                return
+            if self._zero_grad_last is None:
+                self._step_sites = _user_sites(sys._getframe(1))
+            d.update.deferred = bool(self._zero_grad_last)
+            if not d.update.deferred:
+                d.end()
+        finally:
+            e.charge()
 
     def _zero_grad_order(self, frame: FrameType | None) -> bool | None:
         """zero_grad after the update (True) or before the forward (False), None: not known yet; read

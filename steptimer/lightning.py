@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from typing_extensions import override
 
+from steptimer import _engine  # its clock, read at the hooks: the engine's, a test's fake one too
 from steptimer._driver import BACKWARD, CLIP, DATA, FORWARD, OPTIMIZER, ZERO_GRAD, PhaseDriver, UserPhase
 from steptimer._engine import Fetch, LoaderIter
 from steptimer._hooks import Hooks, watch_comm
@@ -342,6 +343,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         d = self._driver
         if d is None:
             return
+        d.e.own.hook_t = _engine.perf_counter()  # this body is steptimer's time (PhaseDriver)
         if not d.in_step:
             d.begin(**dict.fromkeys(self._count_keys, 0.0))
         else:
@@ -351,12 +353,15 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         self._batch_idx = batch_idx
         for k, what, fn in self._counters:
             d.counts[k] += check_count(what, fn(batch) if callable(fn) else fn)
+        d.e.charge()
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         d = self._driver
         if d is None or not d.live:
             return
+        e = d.e
+        e.own.hook_t = _engine.perf_counter()
         d.close_user_phases()  # left open by a non-`with` use
         self._skipped += max(0, self._begun - self._done)
         d.live = False
@@ -364,6 +369,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
             self._end_step(d)  # ends the open phase too
         else:
             d.switch(DATA)  # accumulating: the next micro-batch's fetch is inside this step
+        e.charge()
 
     def _end_step(self, d: PhaseDriver) -> None:
         no_forward = BACKWARD in d.seen and FORWARD not in d.seen
@@ -419,19 +425,25 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         # optimizer.zero_grad() is zero_grad too (the wrapped zero_grad inside it counts once).
         d = self._driver
         if d is not None and d.live:
+            d.e.own.hook_t = _engine.perf_counter()
             d.switch(ZERO_GRAD)
+            d.e.charge()
 
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         d = self._driver
         if d is not None and d.live:
+            d.e.own.hook_t = _engine.perf_counter()
             d.backward_begin()
+            d.e.charge()
 
     @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         d = self._driver
         if d is not None and d.live:
+            d.e.own.hook_t = _engine.perf_counter()
             d.backward_end(CLIP if not d.quiet and (self._manual or self._will_step(trainer)) else None)
+            d.e.charge()
 
     def _will_step(self, trainer: Any) -> bool:
         """Lightning's accumulation rule: the micro-batch under way ends with an optimizer step."""
@@ -443,9 +455,11 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         # Manual: inside opt.step(), after Lightning's own dispatch: where `run` sees the update start.
         d = self._driver
         if d is not None and d.live:
+            d.e.own.hook_t = _engine.perf_counter()
             self._begun += 1
             if self._manual:
                 d.switch(OPTIMIZER)
+            d.e.charge()
 
     def _hook_model(self, pl_module: Any, d: PhaseDriver) -> None:
         # Each hooked call costs about 2 µs of host time: only the outermost modules, never every leaf.
@@ -472,9 +486,11 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         d = self._driver
         if d is not None and d.live:
+            d.e.own.hook_t = _engine.perf_counter()
             self._done += 1
             if not self._manual and d.phase == OPTIMIZER:
                 d.switch(None)
+            d.e.charge()
 
     def _close(self, trainer: Any, *, failed: bool) -> None:
         d = self._driver

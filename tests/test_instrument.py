@@ -1086,3 +1086,68 @@ def test_an_untimed_steps_phase_switches_skip_the_timer() -> None:
     untimed, timed_calls = sorted(per_step)[:3], sorted(per_step)[3:]
     assert untimed == [1, 1, 1], per_step
     assert min(timed_calls) > 1, per_step
+
+
+HOOK_S = 0.004  # steptimer's own hook code made slow: a nap before and after a driver call
+
+
+class SlowDriver:
+    """The phase driver's ``names`` (called from the front doors' hooks) nap HOOK_S before and after
+    their work: steptimer's own code made slow, as a slow machine or a heavy hook body would.
+    ``naps``: each nap's length, in order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> None:
+        from steptimer._driver import PhaseDriver
+
+        self.naps: list[float] = []
+        for name in names:
+            monkeypatch.setattr(PhaseDriver, name, self._slow(getattr(PhaseDriver, name)))
+
+    def _slow(self, orig: Any) -> Any:
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            self._nap()
+            out = orig(*args, **kwargs)
+            self._nap()
+            return out
+
+        return slow
+
+    def _nap(self) -> None:
+        t = time.perf_counter()
+        time.sleep(HOOK_S)
+        self.naps.append(time.perf_counter() - t)
+
+
+def assert_naps_are_steptimers(s: Summary, naps_s: float) -> None:
+    """The naps (``naps_s`` in the summarized steps) are the ``steptimer`` row's, once, and in no
+    other row: ``loop``, ``other`` and every phase read well under one nap; the shares add to 1."""
+    own = s["steptimer"].host
+    own_ms, naps_ms = own.mean_ms * own.steps, naps_s * 1e3
+    # Never less (a nap is inside the hook's clock reads); more by steptimer's own work only (a few
+    # ms a step at most on a loaded host), far less than the naps again (counted twice).
+    assert naps_ms * 0.999 <= own_ms <= naps_ms + 3.0 * s.steps, (own_ms, naps_ms, s.steps)
+    for row in s.rows:
+        if row.name not in ("steptimer", "step") and row.host.steps:
+            assert row.host.median_ms < HOOK_S * 1e3 / 2, row
+    assert sum(r.share for r in s.rows if r.share is not None) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("sample_every", [1, 3])
+def test_the_hooks_own_time_is_the_steptimer_row(sample_every: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """instrument()'s hooks made slow where a step begins (between steps, then in it), where the
+    forward returns and backward begins (phases switch) and where the step ends (at zero_grad, after
+    the update): the time is steptimer's row, not the user's `loop`, `other` or a phase; timed steps
+    and untimed ones."""
+    slow = SlowDriver(monkeypatch, ("begin", "forward_exit", "backward_begin", "end"))
+    net = nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    timer = instrument(net, opt, **QUIET, warmup_steps=0, sample_every=sample_every)
+    for _ in range(9):
+        F.mse_loss(net(torch.randn(8, 4)), torch.randn(8, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+    s = timer.close()
+    assert s.steps == 9 and s.timed_steps == 9 // sample_every
+    assert len(slow.naps) == 9 * 8
+    # The first nap is before the first step (no time between steps), the last after the last one.
+    assert_naps_are_steptimers(s, sum(slow.naps[1:-1]))
