@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 # (1.0: the GPU had reached the entry when the host left the phase); with idle, the GPU idle (ms).
 # GAP_S is the host time between the previous step and this one (pauses left out), FETCH_S the
 # training loader's part of it (NaN: no loader timed): ``data`` is the loader's, ``loop`` the rest.
-# OWN_GAP_S and OWN_STEP_S are steptimer's own host time in GAP_S (resolving, window work) and in the
-# step outside its top-level phases (its begin and end, the phases' entries and exits): the
-# ``steptimer`` row, taken out of ``loop`` and ``other``.
+# OWN_GAP_S and OWN_STEP_S are steptimer's own host time in GAP_S (resolving, window work, hooks) and
+# in the step outside its top-level phases (its begin and end, the phases' entries and exits, hooks:
+# ``Engine.charge`` takes a hook's time out of the phases open): the ``steptimer`` row, taken out of
+# ``loop`` and ``other``.
 NUMBER, SAMPLES, TOKENS, STEP_S, GAP_S, WAIT_S, FLOPS, FETCH_S, OWN_GAP_S, OWN_STEP_S = range(10)
 LEAD = 10
 
