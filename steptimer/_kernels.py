@@ -16,10 +16,9 @@ from steptimer._trace import read_json
 
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})
-# A phase is consistent when its kernels fit in its span within this tolerance: CUPTI's kernel
+# A phase is consistent when its kernels fit in its span within this part and µs per step: CUPTI's kernel
 # timestamps and CUDA events are read from the same GPU timer but rounded differently (~1 µs).
-_TOL_FRAC = 0.01
-_TOL_US_PER_STEP = 2.0
+_TOL_FRAC, _TOL_US_PER_STEP = 0.01, 2.0
 NAME_WIDTH = 43  # the kernel name column of the terminal table
 _WRAPPER_RE = re.compile(r"(?:^|::)(?:device_)?[Kk]ernel\d*<…>$")  # named by its template only
 

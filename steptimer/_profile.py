@@ -31,8 +31,7 @@ log = logging.getLogger("steptimer")
 PROFILE_FILE = "steptimer-profile.json"
 SLOW_PROFILE_PREFIX = "steptimer-profile-slow-"  # + the first profiled step + ".json"
 RANGE_PREFIX = "steptimer/"
-# Marks a step that raised (steptimer drops it), for ``steptimer kernels``; no phase name has a space.
-DROPPED_MARK = RANGE_PREFIX + "step dropped"
+DROPPED_MARK = RANGE_PREFIX + "step dropped"  # a step that raised (dropped); no phase name has a space
 
 
 def _nvtx_functions() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
@@ -276,8 +275,7 @@ def profile_files(folder: str) -> list[str]:
 PROFILE_SLOW_STEPS = 3  # steps under torch.profiler per capture
 PROFILE_SLOW_MAX = 3  # captures per run
 SLOW_RUN_STEPS = 3  # consecutive steps over the factor that make a slowdown (one outlier never does)
-# ... each at least this much over the median: µs steps often jitter 1.5 x; a capture costs 100s of ms.
-SLOW_MIN_MS = 1.0
+SLOW_MIN_MS = 1.0  # ... each this much over the median too: µs steps often jitter 1.5 x; a capture costs 100s of ms
 BASELINE_STEPS = 100  # the rolling median: over the last this many resolved steps before the window
 BASELINE_MIN_STEPS = 20  # no check until the rolling median holds this many steps (after warm-up)
 COOLDOWN_STEPS = 100  # after a capture's last step, steps that cannot start the next slowdown
