@@ -6,7 +6,6 @@ at the step's first collective (``_dist.py``). The rows lie inside other phases,
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -16,8 +15,6 @@ from typing import Any
 
 from steptimer._engine import GPU, HOST
 from steptimer._listener import COMM, Listener
-
-log = logging.getLogger("steptimer")
 
 Span = Sequence[float]  # (ready, end) on one clock
 
@@ -63,16 +60,17 @@ def comm_ms(
 
 
 class CommRecorder(Listener):
-    """The comm hook, and the timed steps' spans until the engine resolves each (:meth:`take`): with NCCL
-    and CUDA timing two CUDA events (compute stream after the launch; a side stream waiting on the
-    future, complete at launch, so nothing of the user's waits), else ``perf_counter`` at the hook and
-    in a callback chained to the future, which DDP waits for before backward ends."""
+    """The comm hook, and the timed steps' spans until the engine resolves each: with NCCL and CUDA timing
+    two CUDA events (compute stream after the launch; a side stream waiting on the future, complete at
+    launch, so nothing of the user's waits), else ``perf_counter`` at the hook and in a callback chained to
+    the future, which DDP waits for before backward ends. steptimer's own failure turns it off
+    (``Engine.off``): the collectives run as without it, the steps are kept without comm rows."""
 
     part = COMM
 
     def __init__(self, engine: Any, inner: Callable[[Any, Any], Any] | None) -> None:
         self._engine = engine
-        self._inner = inner
+        self._inner = inner  # DDP's comm hook; None: FSDP2's collectives
         # Per timed step, oldest first: (number, on the GPU, spans); a span is [ready, end, last
         # bucket, kind]: CUDA events, or host seconds (end None until it completes); kind: None, "gather"
         # (FSDP2's), "wait" (a region of the compute stream, not a collective) or the host's wait start.
@@ -86,17 +84,12 @@ class CommRecorder(Listener):
         self._region = False  # inside an FSDP2 region: a nested one is part of it
         self._final = False  # FSDP2's final backward callback is a region: it holds the reduce-scatters' tail
         self._skip = 0  # a step not measured: its collective's future was not complete at launch
-        self.off = False  # after steptimer's own failure here: the collectives run as without it
+        self.off = False  # the run closed, or steptimer's own failure here
 
-    def _fail(self, err: Exception) -> None:
-        """steptimer's own failure: comm rows off for the rest of the run, one warning and a note."""
+    def run_closed(self) -> None:
         self.off = True
         self._steps.clear()
         self._held = None
-        why = f"{type(err).__name__}: {err}"
-        msg = f"comm rows stopped at step {self._engine.number + 1}: steptimer's own failure ({why})"
-        self._engine.notes.append(msg)
-        log.warning("steptimer: %s; training goes on", msg)
 
     def hook(self, state: Any, bucket: Any) -> Any:
         """DDP's comm hook: the inner hook's collective, with the bucket's span noted on a timed step."""
@@ -106,14 +99,14 @@ class CommRecorder(Listener):
         if self.off or e.state < HOST or number == self._skip or (gpu and (e.state != GPU or not _nccl(state))):
             return self._inner(state, bucket)
         fut = self._inner(state, bucket)
-        try:  # steptimer's own failure: the collective goes on, comm rows off
+        try:
             if not gpu or fut.done():  # else waiting on it, even on a side stream, would block the host
                 return self._note(fut, t, gpu, number, bucket)
-        except Exception as err:  # noqa: BLE001
-            self._fail(err)
+        except Exception as err:  # noqa: BLE001 - steptimer's own: the collective goes on, comm rows off
+            e.off(self.part, err)
             return fut
         self._skip = number
-        self.drop(number)
+        self.step_dropped(number)
         return fut
 
     def _note(self, fut: Any, t: float, gpu: bool, number: int, bucket: Any) -> Any:
@@ -148,7 +141,8 @@ class CommRecorder(Listener):
         span = None
         with suppress(Exception):
             e = self._engine
-            if e.state >= HOST and not async_op and (not gpu or e.state == GPU):  # async: end not in order
+            # An async collective is left out: its end is not in order.
+            if not self.off and e.state >= HOST and not async_op and (not gpu or e.state == GPU):
                 if not self._steps or self._steps[-1][0] != e.number + 1:
                     self._steps.append((e.number + 1, gpu, []))
                 if gpu:
@@ -170,26 +164,30 @@ class CommRecorder(Listener):
                 self._steps[-1][2].append(span)
         return out
 
-    def fsdp_region(self, call: Callable[[], Any]) -> Any:
-        """FSDP2's ``call()`` in which the compute stream may wait for a collective, its span on the
-        compute stream noted on a timed GPU step that has collectives already."""
-        e, steps = self._engine, self._steps
-        if self._region or e.state != GPU or not steps or steps[-1][0] != e.number + 1 or not steps[-1][1]:
-            return call()
-        try:
-            a, z, n = self._event(), self._event(), len(steps[-1][2])
-            self._record(a)
-        except Exception:  # steptimer's own failure: FSDP goes on, the wait unmeasured
-            return call()
-        self._region = True
-        try:
-            out = call()
-        finally:
-            self._region = False
-        with suppress(Exception):
-            self._record(z)
-            steps[-1][2].append([a, z, False, "wait", n])  # it may wait for the n launched before it
-        return out
+    def region(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """FSDP2's ``orig``, in which the compute stream may wait for a collective: its span on the compute
+        stream noted on a timed GPU step that has collectives already."""
+
+        def region(*args: Any, **kwargs: Any) -> Any:
+            e, steps = self._engine, self._steps
+            if self._region or e.state != GPU or not steps or steps[-1][0] != e.number + 1 or not steps[-1][1]:
+                return orig(*args, **kwargs)
+            try:
+                a, z, n = self._event(), self._event(), len(steps[-1][2])
+                self._record(a)
+            except Exception:  # steptimer's own failure: FSDP goes on, the wait unmeasured
+                return orig(*args, **kwargs)
+            self._region = True
+            try:
+                out = orig(*args, **kwargs)
+            finally:
+                self._region = False
+            with suppress(Exception):
+                self._record(z)
+                steps[-1][2].append([a, z, False, "wait", n])  # it may wait for the n launched before it
+            return out
+
+        return region
 
     def _event(self) -> Any:
         import torch
@@ -211,34 +209,19 @@ class CommRecorder(Listener):
         if step[1]:
             self._free += [ev for span in step[2] for ev in span[:2] if ev is not keep]
 
-    def step_resolved(self, rec: Any, rows: Any) -> None:
-        if (comm := self.take(rec.number)) is not None:
-            rows.comm.append(comm)
-
     def step_dropped(self, number: int) -> None:
-        self.drop(number)
-
-    def drop(self, number: int) -> None:
-        """The open step ``number`` was dropped (it raised): forget its spans."""
         if self._steps and self._steps[-1][0] == number:
             self._release(self._steps.pop())
 
-    def take(self, number: int) -> tuple[int, bool, float, float, float | None] | None:
-        """``(number, on the GPU, comm ms, exposed ms, arrival ms)`` of the resolved step ``number`` if it
-        has spans, after the engine's wait for it; the arrival counts from the previous step's last
-        collective end (None: not measured). Its own failure leaves the step without comm rows."""
-        try:
-            return None if self.off else self._take(number)
-        except Exception as err:  # noqa: BLE001 - steptimer's own: the step is kept, without comm rows
-            self._fail(err)
-            return None
-
-    def _take(self, number: int) -> tuple[int, bool, float, float, float | None] | None:
-        steps = self._steps
+    def step_resolved(self, rec: Any, rows: Any) -> None:
+        """Add ``(number, on the GPU, comm ms, exposed ms, arrival ms)`` of the resolved step to ``rows`` if
+        it has spans, after the engine's wait for it; the arrival counts from the previous step's last
+        collective end (None: not measured)."""
+        steps, number = self._steps, rec.number
         while steps and steps[0][0] < number:  # resolved without a row of ours
             self._release(steps.popleft())
         if not steps or steps[0][0] != number:
-            return None
+            return
         _, gpu, every = step = steps.popleft()
         spans = [s for s in every if s[3] != "wait"]
         if gpu:
@@ -257,7 +240,7 @@ class CommRecorder(Listener):
             ]
             waits = [math.nan if s[3] == "gather" or self._final else None for s in spans]
         elif any(s[1] is None for s in spans):  # pragma: no cover - DDP waited for each future
-            return None
+            return
         else:
             ms, regions = [(s[0] * 1e3, s[1] * 1e3) for s in spans], []
             waits = [None if s[3] is None else s[3] * 1e3 for s in spans]
@@ -275,7 +258,7 @@ class CommRecorder(Listener):
             self._free.append(held[1])
         self._held = (number, end)
         self._release(step, keep=end)
-        return (number, gpu, comm, exposed, arrival)
+        rows.comm.append((number, gpu, comm, exposed, arrival))
 
 
 def _nccl(state: Any) -> bool:
@@ -366,17 +349,10 @@ def watch_fsdp(engine: Any, model: Any) -> None:
     for group in groups:
         group._all_gather_comm = _Timed(group._all_gather_comm, rec, True)
         group._reduce_scatter_comm = _Timed(group._reduce_scatter_comm, rec, False)
-        group.wait_for_unshard = _region(group.wait_for_unshard, rec)
-        group.post_backward = _region(group.post_backward, rec)
+        group.wait_for_unshard = rec.region(group.wait_for_unshard)
+        group.post_backward = rec.region(group.post_backward)
     # Queued by whichever state's pre-backward runs first; FSDP2 looks it up on the state when it queues.
     final = "_root_post_backward_final_callback"
     rec._final = all(hasattr(state, final) for state in states)
     for state in states if rec._final else ():
-        setattr(state, final, _region(getattr(state, final), rec))
-
-
-def _region(orig: Callable[..., Any], rec: CommRecorder) -> Callable[..., Any]:
-    def region(*args: Any, **kwargs: Any) -> Any:
-        return rec.fsdp_region(lambda: orig(*args, **kwargs))
-
-    return region
+        setattr(state, final, rec.region(getattr(state, final)))

@@ -285,7 +285,7 @@ def _fsdp_main(rank: int, init: str, out: str) -> None:
                 raise RuntimeError("steptimer's own failure")
 
             _comm.perf_counter = boom  # type: ignore[assignment]
-            _comm.CommRecorder._take = boom  # type: ignore[method-assign]
+            _comm.CommRecorder.step_resolved = boom  # type: ignore[method-assign]
         torch.manual_seed(0)
         net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
         for layer in net:
@@ -470,7 +470,7 @@ def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without
             assert "comm" not in s and s.steps == 4 and s["backward"].host.steps == 4
             if watch:  # one note, naming the part that stopped
                 (note,) = [n for n in s.notes if "comm rows stopped" in n]
-                assert "steptimer's own failure (RuntimeError: steptimer's own failure)" in note, s.notes
+                assert "failure of steptimer's own (RuntimeError: steptimer's own failure)" in note, s.notes
             return [float(p.detach().sum()) for p in ddp.parameters()]
         finally:
             ddp = opt = timer = None  # the DDP model goes before its process group (release_ddp)
@@ -478,7 +478,7 @@ def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without
             dist.destroy_process_group()
 
     monkeypatch.setattr(_comm.CommRecorder, "_note", boom)
-    monkeypatch.setattr(_comm.CommRecorder, "_take", boom)
+    monkeypatch.setattr(_comm.CommRecorder, "step_resolved", boom)
     assert train(True) == train(False)
 
 
