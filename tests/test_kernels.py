@@ -16,6 +16,7 @@ import torch
 from steptimer import StepTimer
 from steptimer._kernels import analyze, load_profile, short_name
 from steptimer._profile import PROFILE_FILE
+from steptimer.cli import main
 from tests.test_cli import cli
 
 
@@ -89,19 +90,29 @@ def test_a_step_that_raised_is_left_out_of_the_kernels(tmp_path: Path) -> None:
     assert any("1 step that raised" in n for n in rep.notes), rep.notes
 
 
-def test_kernels_bad_input(tmp_path: Path) -> None:
-    p = cli("kernels", str(tmp_path / "missing"), ok=False)
-    assert p.returncode == 1 and "no such file or directory" in " ".join(p.stderr.split())
-    p = cli("kernels", str(tmp_path), ok=False)
-    assert p.returncode == 1 and f"no {PROFILE_FILE} here" in " ".join(p.stderr.split())
+def test_kernels_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command's own main, in this process (the tests above run it as a command): each bad input
+    is its exit status and one error on stderr."""
+
+    def kernels(*args: str) -> tuple[int, str]:
+        try:
+            status = main(["kernels", *args])
+        except SystemExit as e:  # argparse's usage error
+            status = e.code  # type: ignore[assignment]
+        return status, " ".join(capsys.readouterr().err.split())
+
+    status, err = kernels(str(tmp_path / "missing"))
+    assert status == 1 and "no such file or directory" in err, err
+    status, err = kernels(str(tmp_path))
+    assert status == 1 and f"no {PROFILE_FILE} here" in err, err
     (tmp_path / PROFILE_FILE).write_text("{not json")
-    p = cli("kernels", str(tmp_path), ok=False)
-    assert p.returncode == 1 and "not readable JSON" in " ".join(p.stderr.split())
+    status, err = kernels(str(tmp_path))
+    assert status == 1 and "not readable JSON" in err, err
     (tmp_path / PROFILE_FILE).write_text(json.dumps({"traceEvents": []}))
-    p = cli("kernels", str(tmp_path), ok=False)
-    assert p.returncode == 1 and "no steptimer ranges" in " ".join(p.stderr.split())
-    p = cli("kernels", str(tmp_path), "--top", "0", ok=False)
-    assert p.returncode == 2 and "must be an int >= 1" in " ".join(p.stderr.split())
+    status, err = kernels(str(tmp_path))
+    assert status == 1 and "no steptimer ranges" in err, err
+    status, err = kernels(str(tmp_path), "--top", "0")
+    assert status == 2 and "must be an int >= 1" in err, err
 
 
 # A trace shaped like torch.profiler's CUDA export (kineto): steptimer's ranges and the launches on the
@@ -158,7 +169,10 @@ def test_kernels_follow_the_launch_correlation(tmp_path: Path) -> None:
     assert rep.clock == "gpu" and rep.unattributed == 1
     phases = {p.name: p for p in rep.phases}
     assert list(phases) == ["forward", "forward/attn", "backward", "other", "step"]
-    assert [(k.name, k.calls, k.total_us) for k in phases["forward"].kernels] == [(GEMM, 1, 200.0), ("triton_attn_fwd", 1, 50.0)]
+    assert [(k.name, k.calls, k.total_us) for k in phases["forward"].kernels] == [
+        (GEMM, 1, 200.0),
+        ("triton_attn_fwd", 1, 50.0),
+    ]
     assert [k.name for k in phases["forward/attn"].kernels] == ["triton_attn_fwd"]
     assert [k.name for k in phases["backward"].kernels] == ["spin_kernel(long)"]  # launched from tid 2
     assert [k.name for k in phases["other"].kernels] == ["Memcpy DtoH (Device -> Pinned)"]

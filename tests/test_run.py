@@ -8,6 +8,8 @@ time must lie in ``[sleep - 0.5 ms, sleep + 10 ms]``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 
 from steptimer._run import default_log_dir, split
+from steptimer.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "run_scripts"
@@ -40,12 +43,13 @@ def run(
 
 def report(log: Path, *, warmup: bool = True) -> dict[str, Any]:
     """The run's report; ``warmup=False``: without the warm-up steps (the first step discovery starts
-    counts no keyword batch, so rates are read without it)."""
+    counts no keyword batch, so rates are read without it). ``steptimer report``'s own main, in this
+    process: what is tested here is the run that wrote the log (tests/test_cli.py runs the command)."""
     extra = ["--include-warmup"] if warmup else []
-    out = subprocess.run([sys.executable, "-m", "steptimer", "report", "--json", *extra, str(log)],
-                         env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    (r,) = json.loads(out.stdout)["runs"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["report", "--json", *extra, str(log)]) == 0
+    (r,) = json.loads(out.getvalue())["runs"]
     return r  # type: ignore[no-any-return]
 
 
@@ -212,17 +216,28 @@ def test_the_models_are_the_outermost_modules_holding_the_optimizers_parameters(
 
 
 @pytest.mark.parametrize("how", ["exit0", "exit4", "raise"])
-def test_a_script_that_never_trains(tmp_path: Path, how: str) -> None:
+def test_a_script_that_never_trains(
+    tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     arg = {"exit0": "0", "exit4": "4", "raise": "raise"}[how]
-    proc = run(tmp_path, "never_trains.py", arg, rc={"exit0": 0, "exit4": 4, "raise": 1}[how])
-    assert "steptimer: " + str(SCRIPTS / "never_trains.py") + ": no optimizer.step() was called" in flat(proc.stderr)
+    status = {"exit0": 0, "exit4": 4, "raise": 1}[how]
+    if how == "raise":  # the entry point's own process: its status and the script's traceback
+        stderr = run(tmp_path, "never_trains.py", arg, rc=status).stderr
+    else:  # `run`'s main in this process: the script's sys.exit passes through it, as the status
+        monkeypatch.setattr(sys, "argv", list(sys.argv))  # `run` sets the script's, as python does
+        monkeypatch.setattr(sys, "path", list(sys.path))
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(["run", "--log-dir", str(tmp_path / "log"), str(SCRIPTS / "never_trains.py"), arg])
+        assert exit_.value.code == status
+        stderr = capsys.readouterr().err
+    assert "steptimer: " + str(SCRIPTS / "never_trains.py") + ": no optimizer.step() was called" in flat(stderr)
     if how == "raise":  # the script's traceback as `python never_trains.py raise` shows it
-        tb = proc.stderr[proc.stderr.index("Traceback (most recent call last):") :].splitlines()
+        tb = stderr[stderr.index("Traceback (most recent call last):") :].splitlines()
         assert tb[1:] == [
             f'  File "{SCRIPTS / "never_trains.py"}", line 13, in <module>',
             '    raise ValueError("the script\'s own error")',
             "ValueError: the script's own error",
-        ], proc.stderr
+        ], stderr
 
 
 def test_module_form_and_arguments_after_the_script_are_the_scripts(tmp_path: Path) -> None:
@@ -307,13 +322,23 @@ def test_under_torchrun_each_rank_times_and_rank_0_writes(tmp_path: Path) -> Non
     (("--sample-every", "0"), "sample_every must be an int >= 1, got 0"),
     (("--lag", "x"), "argument --lag: invalid int value: 'x'"),
 ])  # fmt: skip
-def test_a_bad_option_is_refused_before_the_script_runs(tmp_path: Path, opt: tuple[str, str], message: str) -> None:
+def test_a_bad_option_is_refused_before_the_script_runs(
+    tmp_path: Path,
+    opt: tuple[str, str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`run`'s own main, in this process (the entry point's subprocess runs in the tests above): the
+    script would leave a file had it run."""
     script = tmp_path / "hello.py"
-    script.write_text("print('RAN')\n")
-    cmd = [sys.executable, "-m", "steptimer", "run", *opt, str(script)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "RAN" not in proc.stdout
-    assert f"steptimer run: error: {message}" in flat(proc.stderr), proc.stderr
+    script.write_text(f"open({str(tmp_path / 'RAN')!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["run", *opt, str(script)])
+    assert exit_.value.code == 2 and not (tmp_path / "RAN").exists()
+    err = capsys.readouterr().err
+    assert f"steptimer run: error: {message}" in flat(err), err
     assert not (tmp_path / "runs").exists()
 
 
