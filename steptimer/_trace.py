@@ -208,9 +208,8 @@ class Capture(Listener):
                     leads.append(s["t0"] - g["start"] - d)
                     leads += [p[1] - q[1] - d for p, q in zip(s["phases"], g["phases"])]
                 doc = placed(steps, base, max(leads, default=0.0))
-                doc["notes"].insert(
-                    0, f"the flight recorder's trace around step {step}, one of the run's slowest ({wall:.3f} ms)"
-                )
+                head = f"the flight recorder's trace around step {step}, one of the run's slowest ({wall:.3f} ms)"
+                doc["notes"].insert(0, head)
                 if base:
                     doc["notes"].append(
                         "GPU track placed at the earliest time its launches allow (the recorder never waits for "
