@@ -1138,7 +1138,7 @@ def test_the_hooks_own_time_is_the_steptimer_row(sample_every: int, monkeypatch:
     forward returns and backward begins (phases switch) and where the step ends (at zero_grad, after
     the update): the time is steptimer's row, not the user's `loop`, `other` or a phase; timed steps
     and untimed ones."""
-    slow = SlowDriver(monkeypatch, ("begin", "forward_exit", "backward_begin", "end"))
+    slow = SlowDriver(monkeypatch, ("begin", "forward_exit", "forward_returned", "backward_begin", "end"))
     net = nn.Linear(4, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     timer = instrument(net, opt, **QUIET, warmup_steps=0, sample_every=sample_every)
@@ -1148,6 +1148,6 @@ def test_the_hooks_own_time_is_the_steptimer_row(sample_every: int, monkeypatch:
         opt.zero_grad()
     s = timer.close()
     assert s.steps == 9 and s.timed_steps == 9 // sample_every
-    assert len(slow.naps) == 9 * 8
+    assert len(slow.naps) == 9 * 10
     # The first nap is before the first step (no time between steps), the last after the last one.
     assert_naps_are_steptimers(s, sum(slow.naps[1:-1]))

@@ -1846,19 +1846,23 @@ def test_an_untimed_step_calls_the_timer_for_no_phase() -> None:
     assert sorted(per_batch)[:3] == [0, 0, 0] and min(sorted(per_batch)[3:]) > 0, per_batch
 
 
-@pytest.mark.parametrize("sample_every", [1, 3])
-def test_the_callbacks_own_time_is_the_steptimer_row(sample_every: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("sample_every", "calls"), [(1, "nested"), (3, "nested"), (1, "in_turn")])
+def test_the_callbacks_own_time_is_the_steptimer_row(
+    sample_every: int, calls: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The callback's hook code made slow where a step begins (between steps, then in it), where
-    backward begins (phases switch), where the step ends, and where each model call returns (the
-    inner ones inside an open `forward`): that time is the `steptimer` row, not `loop`, `other` or
-    a phase; timed steps and untimed ones."""
+    backward begins (phases switch), where the step ends, and where each model call returns: that
+    time is the `steptimer` row, not `loop`, `other` or a phase; timed steps and untimed ones.
+    ``nested``: self() calls both hooked submodules (the inner calls return inside an open
+    `forward`); ``in_turn``: training_step calls them in turn (the second call takes `forward` back
+    from `loss`, the hooks' time between them left out)."""
     import pytorch_lightning as pl
 
     from tests.test_instrument import SlowDriver, assert_naps_are_steptimers
 
-    slow = SlowDriver(monkeypatch, ("begin", "forward_exit", "backward_begin", "end"))
+    slow = SlowDriver(monkeypatch, ("begin", "forward_exit", "forward_returned", "backward_begin", "end"))
 
-    class Nested(pl.LightningModule):  # self() calls both hooked submodules: nested model calls
+    class Coder(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.encoder, self.decoder = torch.nn.Linear(4, 2), torch.nn.Linear(2, 4)
@@ -1867,16 +1871,19 @@ def test_the_callbacks_own_time_is_the_steptimer_row(sample_every: int, monkeypa
             return self.decoder(self.encoder(x))
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return self(batch[0]).pow(2).mean()
+            x = batch[0]
+            out = self(x) if calls == "nested" else self.decoder(self.encoder(x))
+            return out.pow(2).mean()
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     cb = StepTimerCallback(print_summary=False, warmup_steps=0, sample_every=sample_every)
-    fit_quietly(pl, cb, Nested(), 9)
+    fit_quietly(pl, cb, Coder(), 9)
     s = cb.summary
     assert s is not None and s.steps == 9 and s.timed_steps == 9 // sample_every
-    # begin, backward_begin, end in every step, the three model calls' forward_exit in timed ones
-    assert len(slow.naps) == 2 * (3 * 9 + 3 * s.timed_steps)
+    # begin, backward_begin, end in every step; in timed ones each hooked model call's forward_exit
+    # and each outermost call's forward_returned (one nested, two in turn)
+    assert len(slow.naps) == 2 * (3 * 9 + 4 * s.timed_steps)
     # The first nap is before the first step (no time between steps), the last after the last one.
     assert_naps_are_steptimers(s, sum(slow.naps[1:-1]))
