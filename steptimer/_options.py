@@ -97,10 +97,7 @@ class Options:
         "longest wait for the other ranks; after a timeout cross-rank stays off",
     )
     trace_steps: int | tuple[int, int] | None = _option(
-        None,
-        None,
-        "capture steps for `steptimer trace`: N after warm-up, or (first, last)",
-        (int, "N"),
+        None, None, "capture steps for `steptimer trace`: N after warm-up, or (first, last)", (int, "N")
     )
     peak_tflops: float | None = _option(
         None,
