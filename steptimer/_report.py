@@ -32,7 +32,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     # A run that ended inside its warm-up summarized its warm-up steps: so does its report.
     all_warm = run.scalars.get(_tags.ALL_WARMUP)
     include_warmup = include_warmup or bool(all_warm)
-    windows = _windows(run, skip_steps, set() if include_warmup else set(warm))
+    windows, n_of = _windows(run, skip_steps, set() if include_warmup else set(warm))
     notes = list(run.notes) + ([all_warmup_note(int(all_warm[-1][1]))] if all_warm else [])
     if not run.hists:
         notes.append(
@@ -42,7 +42,6 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     wset = set(windows)
     hists = {k: [(s, h) for s, h in pts if s in wset] for k, pts in run.hists.items()}
     scal = {k: [(s, v) for s, v in pts if s in wset] for k, pts in run.scalars.items()}
-    n_of = _steps_of(run, hists, windows, skip_steps)
     mains = [t for key in scal if (t := _tags.parse(key)) is not None and t.group == _tags.MAIN]
     seen = dict.fromkeys([*hists, *((t.family, t.name) for t in mains if t.measure == "ms")])
     series = {key: x for key in seen if (x := _series(hists, scal, n_of, *key))}
@@ -50,6 +49,8 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
     caught = {n: c for _, n in series if (c := _caught(scal, n_of, n)) is not None}
     every, budget = (run.scalars.get(t, [(0, None)])[-1][1] for t in (_tags.SAMPLE_EVERY, _tags.COST_BUDGET))
     rate = dict(scal.get(_tags.STEPS_PER_S, []))
+    cycle_ms = tuple(1e3 / rate[s] for s in windows if rate.get(s))
+    source = Source(run.name, run.path, run.device, len(windows), bool(run.hists), cycle_ms)
     return summarize(
         tally,
         series,
@@ -65,14 +66,7 @@ def analyze(run: RunLog, *, skip_steps: int = 0, include_warmup: bool = False) -
         energy=_energy(scal, n_of),
         ranks=run.ranks,
         goodput=run.goodput,
-        source=Source(
-            run.name,
-            run.path,
-            run.device,
-            len(windows),
-            bool(run.hists),
-            tuple(1e3 / rate[s] for s in windows if rate.get(s)),
-        ),
+        source=source,
     )
 
 
@@ -84,22 +78,19 @@ def _caught(scal: Points, n_of: dict[int, int], name: str) -> float | None:
     return sum(v * n_of[s] for s, v in pts) / n if n else None
 
 
-def _windows(run: RunLog, skip_steps: int, warmup: set[int]) -> list[int]:
-    """The summarized windows (their last steps): past ``skip_steps``, none of ``warmup``."""
-    windows = [s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s > skip_steps and s not in warmup]
-    if windows:
-        return windows
-    return sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in warmup})
-
-
-def _steps_of(run: RunLog, hists: Hists, windows: list[int], skip_steps: int) -> dict[int, int]:
-    """Steps per window: exact from the host step histogram, else from the step numbers."""
-    n_of: dict[int, int] = {s: h.count for s, h in hists.get(("host", "step"), [])}
-    prev = max([s for s, _ in run.scalars.get(_tags.STEPS_PER_S, []) if s <= skip_steps], default=0)
+def _windows(run: RunLog, skip_steps: int, warmup: set[int]) -> tuple[list[int], dict[int, int]]:
+    """The summarized windows (their last steps: past ``skip_steps``, none of ``warmup``) and their
+    steps: exact from the host step histogram, else from the step numbers."""
+    logged = [s for s, _ in run.scalars.get(_tags.STEPS_PER_S, [])]
+    windows = [s for s in logged if s > skip_steps and s not in warmup]
+    if not windows:  # logs without rates: the histograms' windows
+        windows = sorted({s for pts in run.hists.values() for s, _ in pts if s > skip_steps and s not in warmup})
+    n_of = {s: h.count for s, h in run.hists.get(("host", "step"), [])}
+    prev = max([s for s in logged if s <= skip_steps], default=0)
     for s in windows:
         n_of.setdefault(s, max(s - prev, 1))
         prev = s
-    return n_of
+    return windows, n_of
 
 
 def _tally(
@@ -132,9 +123,8 @@ def _timed_host(
     hists: Hists, scal: Points, windows: list[int], host: dict[str, Series], timed_frac: float, wall_ms: float
 ) -> tuple[dict[str, float], float]:
     """The host rows' sums and the wall time over the timed steps, which the live run's shares are of.
-    The phases' histograms hold their sums; ``data``, ``loop`` and ``wait`` come from each window's
-    logged shares (the window's timed wall is its phases' and other's sum over their share). Logs without
-    host shares or histograms: the rows' sums over all steps scaled to the timed fraction, an estimate."""
+    ``data``, ``loop`` and ``wait`` come from each window's logged shares (its timed wall: its phases' and
+    other's sums over their share); logs without them: sums over all steps scaled to the timed fraction."""
     timed_sum = {n: x.sum_ms for n, x in host.items() if n not in EVERY_STEP}
     every = [n for n in EVERY_STEP if n in host and n != "step"]
     share = {n: dict(scal.get(_tags.tag(_tags.MAIN, "host", n, "pct"), [])) for n in host}
@@ -262,10 +252,8 @@ CHANGE_RULE = (  # said by compare's table and its --help
 
 @dataclass(frozen=True)
 class Delta:
-    """One row of ``steptimer compare``: a phase's median of steps (``wall per step``: its mean) in
-    runs A and B, on the GPU clock where both have it (None: the row is in the other run only).
-    ``dominance``: Cliff's delta of B's steps over A's (of window values without histograms);
-    ``changed``: see the thresholds above."""
+    """One row of ``steptimer compare``: a phase's median of steps (``wall per step``: its mean) in runs
+    A and B (None: not in that run), on the GPU clock where both have it; ``dominance``: Cliff's delta."""
 
     name: str
     clock: Literal["gpu", "host", "wall"]
@@ -295,19 +283,19 @@ class Delta:
 
 
 def compare(a: Summary, b: Summary) -> list[Delta]:
-    """Per-row change from run A to run B (see :class:`Delta`), rows of one run only included, in the
-    summary's order; then the wall time per step."""
+    """Per-row change from run A to run B, rows of one run only included, in the summary's order;
+    then the wall time per step."""
     out = []
     names = dict.fromkeys(r.name for s in (a, b) for r in s.rows if r.host.steps or (r.gpu and r.gpu.steps))
     for name in row_order(list(names), names):
         rows = [s[name] for s in (a, b) if name in s]
         clock: Literal["gpu", "host"] = "gpu" if all(r.gpu is not None for r in rows) else "host"
         sa, sb = (_stats(s, name, clock) for s in (a, b))
-        if sa is not None and sb is not None:
-            dom = _dominance(a[name].series[clock], b[name].series[clock])
-            out.append(Delta(name, clock, sa.median_ms, sb.median_ms, dom))
-        elif sa is not None or sb is not None:
-            out.append(Delta(name, clock, sa and sa.median_ms, sb and sb.median_ms, 0.0))
+        if sa is None and sb is None:
+            continue
+        both = sa is not None and sb is not None
+        dom = _dominance(a[name].series[clock], b[name].series[clock]) if both else 0.0
+        out.append(Delta(name, clock, sa and sa.median_ms, sb and sb.median_ms, dom))
     ra, rb = a.rates.steps_per_s, b.rates.steps_per_s
     if ra and rb:  # of the windows' cycles: a Series of window values only
         dom = _dominance(*(Series(NO_STATS, None, s.source.cycle_window_ms) for s in (a, b)))
@@ -358,14 +346,9 @@ def gate(a: Summary, b: Summary, deltas: list[Delta], threshold_pct: float, rows
     noise allows and by more than ``threshold_pct`` %. Not comparable: different devices, different
     rows, too few steps or windows, or one run timed on a GPU and the other on the host only."""
     checked = tuple(rows) or tuple(d.name for d in deltas if d.name not in DERIVED or d.name == "step")
-    slower = tuple(d.name for d in deltas if d.name in checked and _slower(d, threshold_pct))
-    return Gate(threshold_pct, checked, slower, _not_comparable(a, b, deltas))
-
-
-def _slower(d: Delta, threshold_pct: float) -> bool:
-    """B's row is slower past the noise test and by more than ``threshold_pct`` % of A's."""
-    beyond = d.delta_frac is None or 100 * d.delta_frac > threshold_pct
-    return d.changed and d.delta_ms is not None and d.delta_ms > 0 and beyond
+    slower = [d for d in deltas if d.name in checked and d.changed and d.delta_ms is not None and d.delta_ms > 0]
+    beyond = tuple(d.name for d in slower if d.delta_frac is None or 100 * d.delta_frac > threshold_pct)
+    return Gate(threshold_pct, checked, beyond, _not_comparable(a, b, deltas))
 
 
 def _not_comparable(a: Summary, b: Summary, deltas: list[Delta]) -> str | None:

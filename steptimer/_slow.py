@@ -13,7 +13,6 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field, fields, replace
-from time import perf_counter
 from typing import Any, TypeVar
 
 import numpy as np
@@ -92,9 +91,7 @@ class StepMarks(Listener):
     part = SLOW
 
     def __init__(self) -> None:
-        self._clock: Callable[[], float] = perf_counter  # the engine's host clock, from run_began on
-        self._pending: Sequence[Any] = ()  # the engine's ended steps not yet resolved (StepRecord), oldest first
-        self._engine: Any = None  # from run_began on
+        self._engine: Any = None  # from run_began on: its host clock, its pending steps, hear_end
         # GC not yet in a step. The gc callback appends only to ``fresh``, which ``step_resolved`` swaps for
         # an empty one before reading it: a collection can start inside any allocation, also while
         # ``spans`` is iterated, and a deque that grows under its iterator raises.
@@ -108,9 +105,9 @@ class StepMarks(Listener):
 
     def _gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            self._gc_t0 = self._clock()
+            self._gc_t0 = self._engine.now()
         else:
-            self.fresh.append((self._gc_t0, self._clock(), info.get("generation", -1)))
+            self.fresh.append((self._gc_t0, self._engine.now(), info.get("generation", -1)))
             self._engine.hear_end(self)  # the step this collection is in: kept for its resolution
 
     def _compiled(self, *_: Any) -> None:
@@ -118,7 +115,7 @@ class StepMarks(Listener):
         self._engine.hear_end(self)
 
     def run_began(self, engine: Any) -> None:
-        self._clock, self._pending, self._engine = engine.now, engine.pend.steps, engine
+        self._engine = engine
         if self._gc not in gc.callbacks:
             gc.callbacks.append(self._gc)
         self._find_dynamo()
@@ -179,7 +176,8 @@ class StepMarks(Listener):
 
     def mark_current(self, number: int, key: str, value: float) -> None:
         """Mark step ``number`` if it is the newest step ended and not yet resolved (the profiler's)."""
-        if self._pending and (rec := self._pending[-1]).number == number:
+        pending = self._engine.pend.steps  # ended, not yet resolved, oldest first
+        if pending and (rec := pending[-1]).number == number:
             rec.marks = rec.marks or {}
             rec.marks[key] = rec.marks.get(key, 0.0) + value
 
@@ -215,8 +213,7 @@ class StepMarks(Listener):
 def row_values(
     blk: Any, series: list[tuple[str, str]], i: int, caught: dict[str, float] | None = None
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Row ``i`` of a block as ``(host_ms, gpu_ms)`` by row name (NaN values left out); the phases'
-    caught-up fractions into ``caught`` if given."""
+    """Row ``i`` of a block as ``(host_ms, gpu_ms)`` by row name, NaN left out; caught-up fractions into ``caught``."""
     host: dict[str, float] = {}
     gpu: dict[str, float] = {}
     for (c, name), v in zip(series, blk.derived[i].tolist()):
@@ -386,8 +383,7 @@ def _between_causes(c: Candidate, medians: Medians, grown_ms: float, notable_ms:
 
 
 def card_proto(lines: Sequence[str], doc: Any, text_tag: str, json_tag: str, plugin: str) -> Any:
-    """A TensorBoard ``Summary`` of ``lines`` as a text card (a Markdown code block keeps the columns)
-    and ``doc`` as the JSON ``report`` reads back (:func:`parse_json`)."""
+    """A TensorBoard ``Summary``: ``lines`` as a Markdown code block (it keeps the columns), ``doc`` as JSON."""
     return _card("\n".join("    " + line for line in lines), doc, text_tag, json_tag, plugin)
 
 

@@ -369,6 +369,7 @@ class SummaryAccumulator(Tally):
         super().__init__()
         self.slow = SlowestKeeper(slowest)
         self.hists: dict[str, dict[str, LogHistogram]] = {"host": {}, "gpu": {}, "caught": {}}
+        self.host, self.gpu, self.caught = self.hists.values()  # as a Window's (_dist.series_values)
         self.memory: MemoryStats | None = None
 
     def add_window(self, window: Window) -> list[Candidate]:
@@ -388,7 +389,7 @@ class SummaryAccumulator(Tally):
         """The run's summary (``more``: :func:`summarize`'s), its slowest steps with ``traces``."""
         hists = ((c, n, h) for c in ("host", "gpu") for n, h in self.hists[c].items())
         series = {(c, n): Series(SeriesStats.of(h), h) for c, n, h in hists}
-        caught = {n: h.mean_ms for n, h in self.hists["caught"].items()}
+        caught = {n: h.mean_ms for n, h in self.caught.items()}
         # A slow step is read against the run's median of each row on each clock.
         medians = {key: x.stats.median_ms for key, x in series.items() if x.stats.steps}
         slowest = self.slow.slowest(medians, traces)
