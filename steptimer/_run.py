@@ -23,22 +23,8 @@ USAGE = "steptimer run [options] script.py [args ...]\n       steptimer run [opt
 HELP = "run a training script unchanged and time each optimizer step"
 
 
-# (flag, type, metavar, help) per valued flag of run's own; the timer's options are Options' fields.
-_OWN = (
-    ("--log-dir", str, None, "TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)"),
-    ("--samples-per-step", float, "N", "samples per step (default: counted from the model's input)"),
-    ("--tokens-per-step", float, "N", "tokens per step (default: counted from a 2-D integer input)"),
-)
-
-
-def _flags() -> list[tuple[str, dataclasses.Field[Any]]]:
-    """Each option ``steptimer run`` takes (its field's ``cli``), with its flag."""
-    fields = [(f.metadata["cli"], f) for f in dataclasses.fields(Options) if f.metadata["cli"] is not None]
-    return [(cli[1] if cli[0] is False else "--" + f.name.replace("_", "-"), f) for cli, f in fields]
-
-
 def parser() -> argparse.ArgumentParser:
-    """The options; Options checks their values (in instrument()) before the script starts."""
+    """run's own options, then each of Options' fields with a flag (its ``cli``); Options checks the values."""
     p = argparse.ArgumentParser(
         prog="steptimer run",
         usage=USAGE,
@@ -46,15 +32,23 @@ def parser() -> argparse.ArgumentParser:
         "optimizer when they first step, and time data, forward, loss, backward, optimizer and zero_grad "
         "of each optimizer step. Everything after the script (or -m module) is the script's.",
     )
-    for flag, type_, metavar, help_ in _OWN:
-        p.add_argument(flag, type=type_, metavar=metavar, help=help_)
-    for flag, f in _flags():
-        kind, *cli = f.metadata["cli"]
-        if kind is False:  # a flag that turns the option off
-            p.add_argument(flag, dest=f.name, action="store_const", const=False, default=f.default, help=cli[1])
+    p.add_argument("--log-dir", help="TensorBoard log directory (default: runs/steptimer-SCRIPT-N, a new one per run)")
+    p.add_argument(
+        "--samples-per-step", type=float, metavar="N", help="samples per step (default: counted from the model's input)"
+    )
+    p.add_argument(
+        "--tokens-per-step", type=float, metavar="N", help="tokens per step (default: counted from a 2-D integer input)"
+    )
+    for f in dataclasses.fields(Options):
+        cli = f.metadata["cli"]
+        if cli is None:
+            continue
+        if cli[0] is False:  # a flag that turns the option off
+            p.add_argument(cli[1], dest=f.name, action="store_const", const=False, default=f.default, help=cli[2])
             continue
         help_ = f.metadata["help"].replace("%", "%%") + ("" if f.default is None else " (default: %(default)s)")
-        p.add_argument(flag, type=kind, default=f.default, metavar=cli[0], help=help_)
+        flag = "--" + f.name.replace("_", "-")
+        p.add_argument(flag, type=cli[0], default=f.default, metavar=cli[1], help=help_)
     p.add_argument("-m", dest="module", default=None, metavar="MODULE", help="run a module as `python -m MODULE`")
     return p
 
@@ -62,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
 def split(argv: Sequence[str]) -> tuple[list[str], str | None, bool, list[str]]:
     """(steptimer's options, the script or module, whether it is a module, the script's arguments)."""
     argv, i = list(argv), 0
-    valued = {flag for flag, *_ in _OWN} | {flag for flag, f in _flags() if f.metadata["cli"][0] is not False}
+    valued = {flag for action in parser()._actions if action.nargs != 0 for flag in action.option_strings}
     while i < len(argv) and argv[i][:1] == "-" and argv[i] not in ("-", "--") and argv[i][:2] != "-m":
         i += 2 if argv[i] in valued else 1
     opts, rest = argv[:i], argv[i:]
