@@ -224,21 +224,23 @@ class PhaseDriver:
         return call
 
     def model_pre(self, *_: Any) -> None:
-        """A forward pre-hook: the outermost model call opens ``forward`` (in a step the timer times)."""
-        e = self.e
-        e.own.hook_t = _engine.perf_counter()
+        """A forward pre-hook: the outermost model call opens ``forward`` (in a step the timer times).
+        Outside one, the checks are all of it: cheaper than the clock reads that would count them."""
         if self.live and self.in_scope and not self.in_backward and not self.quiet:
+            e = self.e
+            e.own.hook_t = _engine.perf_counter()
             self.forward_enter()
-        e.charge()
+            e.charge()
 
     def model_post(self, module: Any, args: Any, output: Any) -> None:
         """Forward hook (``always_call``): see :meth:`forward_returned` (the step is not dropped on a
-        raise: the front door's framework says whether the step goes on)."""
-        e = self.e
-        e.own.hook_t = _engine.perf_counter()
-        if self.live and self.in_scope and not self.in_backward and not self.quiet and self.forward_exit():
-            self.forward_returned(output, drop=False)
-        e.charge()
+        raise: the front door's framework says whether the step goes on); see :meth:`model_pre`."""
+        if self.live and self.in_scope and not self.in_backward and not self.quiet:
+            e = self.e
+            e.own.hook_t = _engine.perf_counter()
+            if self.forward_exit():
+                self.forward_returned(output, drop=False)
+            e.charge()
 
     def forward_returned(self, output: Any, *, drop: bool) -> None:
         """The outermost model call returned ``output``: ``loss`` opens. It raised (an ``always_call``
