@@ -276,25 +276,42 @@ def test_hugging_face_trainer_unchanged(tmp_path: Path, accum: int) -> None:
     assert abs(r["samples_per_s"] / r["steps_per_s"] - accum * 4) < 0.05 * accum * 4
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_hugging_face_callback(tmp_path: Path, accum: int) -> None:
+HF_CALLBACK_RUNS = """
+import runpy, sys
+sys.path.insert(0, {scripts!r})
+for accum in (1, 2):  # the script as `python hf_trainer.py OUT ACCUM --callback` runs it, in turn
+    sys.argv = ["hf_trainer.py", {out!r} + str(accum), str(accum), "--callback"]
+    runpy.run_path(sys.path[0] + "/hf_trainer.py", run_name="__main__")
+    print("END OF RUN", flush=True)
+"""
+
+
+def test_hugging_face_callback(tmp_path: Path) -> None:
+    """Without gradient accumulation and with 2 micro-batches a step: one process runs both (Hugging
+    Face's import is most of its time), one Trainer and callback after the other, each in its own
+    output directory."""
     pytest.importorskip("transformers")
-    env = dict(ENV)
-    cmd = [sys.executable, str(SCRIPTS / "hf_trainer.py"), str(tmp_path / "out"), str(accum), "--callback"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    child = HF_CALLBACK_RUNS.format(scripts=str(SCRIPTS), out=str(tmp_path / "out"))
+    proc = subprocess.run(
+        [sys.executable, "-c", child], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = report(tmp_path / "out" / "steptimer")  # beside the Trainer's output
-    assert r["steps"] == 12  # known from the start: every step timed
-    med = medians(r)
-    # Forward is GPT-2's own compute too, more of it on a busy host (56.7 ms read for a 40 ms sleep):
-    # each row is bounded by its sleeps plus one micro-batch of the other's, the least a boundary in
-    # the wrong place would move into it.
-    for phase, other in (("data", "forward"), ("forward", "data")):
-        ms = accum * SLEEP_MS[phase]
-        assert ms - 0.5 <= med[phase] < ms + SLEEP_MS[other], (phase, med)
-    c = calls(proc.stdout)
-    assert c["forward"] == c["backward"] == accum and c["clip"] == 1 and c["optimizer"] == 1 and c["zero_grad"] == 1
-    assert abs(r["tokens_per_s"] / r["steps_per_s"] - accum * 64) < 0.05 * accum * 64
+    printed = proc.stdout.split("END OF RUN\n")
+    assert len(printed) == 3 and printed[2] == "", proc.stdout
+    for accum, stdout in zip((1, 2), printed):
+        r = report(tmp_path / f"out{accum}" / "steptimer")  # beside the Trainer's output
+        assert r["steps"] == 12  # known from the start: every step timed
+        med = medians(r)
+        # Forward is GPT-2's own compute too, more of it on a busy host (56.7 ms read for a 40 ms sleep):
+        # each row is bounded by its sleeps plus one micro-batch of the other's, the least a boundary in
+        # the wrong place would move into it.
+        for phase, other in (("data", "forward"), ("forward", "data")):
+            ms = accum * SLEEP_MS[phase]
+            assert ms - 0.5 <= med[phase] < ms + SLEEP_MS[other], (accum, phase, med)
+        c = calls(stdout)
+        assert c["forward"] == c["backward"] == accum, (accum, c)
+        assert c["clip"] == 1 and c["optimizer"] == 1 and c["zero_grad"] == 1, (accum, c)
+        assert abs(r["tokens_per_s"] / r["steps_per_s"] - accum * 64) < 0.05 * accum * 64, (accum, r)
 
 
 def test_under_torchrun_each_rank_times_and_rank_0_writes(tmp_path: Path) -> None:
