@@ -761,3 +761,40 @@ def test_a_listener_hears_a_real_cuda_run_with_its_events_resolved() -> None:
     assert e.cuda and [r.number for r in heard] == list(range(1, 13))
     assert all(r.offs_ms is not None and r.offs_ms[r.i_end] > 0.0 for r in heard)
     assert e.clock.events_created == made and e.rows.count == 12
+
+
+@pytest.mark.parametrize("sample_every", [1, 2])
+def test_a_hooks_time_is_the_steptimer_row_once(sample_every: int, clock: FakeClock) -> None:
+    """A front door's hooks (``own.hook_t`` at entry, ``charge()`` at exit) around the engine's
+    boundaries: their time is the ``steptimer`` row, once, out of ``loop``, ``other`` and the phases
+    (a phase switched in a hook ends at its entry and starts at its exit); timed and untimed steps."""
+    o = Owner(None, window_every=1000, sample_every=sample_every)
+    e, fwd, bwd = o.engine, o.phases["forward"], o.phases["backward"]
+
+    def hook(*boundaries: Callable[[], Any]) -> None:
+        """1 ms of the hook's own code before, between and after the boundaries it crosses."""
+        e.own.hook_t = clock()
+        for b in boundaries:
+            clock.advance_ms(1.0)
+            b()
+        clock.advance_ms(1.0)
+        e.charge()
+
+    for _ in range(6):
+        hook(e.begin_step, fwd.__enter__)  # 1 ms between steps, 2 ms in the step
+        clock.advance_ms(5.0)  # the user's forward
+        hook()  # inside forward, no switch
+        clock.advance_ms(5.0)
+        hook(lambda: fwd.__exit__(None, None, None), bwd.__enter__)
+        clock.advance_ms(4.0)  # the user's backward
+        hook(lambda: bwd.__exit__(None, None, None), lambda: e.end_step(None))  # 2 ms in it, 1 after
+        clock.advance_ms(3.0)  # the user's loop
+    e.close()
+    w = window_of(e.rows, 6)
+    assert w.host["steptimer"].median_ms == pytest.approx(10.0)  # 2 between steps, 8 in the step
+    assert w.host["loop"].median_ms == pytest.approx(3.0)
+    assert w.host["step"].median_ms == pytest.approx(22.0)
+    if sample_every == 1:
+        assert w.host["forward"].median_ms == pytest.approx(10.0) and w.host["backward"].median_ms == pytest.approx(4.0)
+        assert w.host["other"].median_ms == pytest.approx(0.0)
+    assert sum(w.shares.values()) == pytest.approx(1.0)
