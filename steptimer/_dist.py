@@ -9,18 +9,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from statistics import median
 from time import perf_counter, sleep
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 from steptimer._energy import GpuState
 from steptimer._format import num
 from steptimer._memory import MIB
 from steptimer._options import DEFAULT_TIMEOUT_S
-from steptimer._slow import SlowestKeeper, SlowStep, card_proto, grew_most, is_wait_phase, parse_json
+from steptimer._slow import SlowestKeeper, SlowStep, card_proto, grew_most, is_wait_phase
 from steptimer._summary import LastRank, LateWindows, RankSpread, RankSummary, SummaryAccumulator
 from steptimer._tags import RANKS, run_tag
 from steptimer._verdict import BETWEEN, ShareClock, is_phase, launch_bound
@@ -32,10 +33,10 @@ STRAGGLER = "straggler"  # data + step - backward: under DDP the top-level backw
 ENERGY = ("joules_per_step", "watts")  # a rank's GPU energy in a round: a window's, or the run's
 STATE = GpuState._fields  # and its GPU's state, each rank's in a slot of its own
 MAX_SLOTS = 4096  # a window's last steps whose arrivals at the first collective ride in a round
-# The rank last to the collective stood out: last in this part of the steps, by LAST_MIN_MS or more.
-LAST_SHARE = 2 / 3
+LAST_SHARE = 2 / 3  # the late rank stood out: last to the collective in this part of the steps
 LAST_MIN_MS = 1.0  # a step's last rank by less than this arrived with the others (noise)
 _NEG = -math.inf  # what a rank that abstains sends: neutral in a MAX
+Values = Optional[Mapping[str, float]]  # a rank's values by series; None: it sends none
 
 RANKS_JSON_TAG = f"{RANKS}/json"  # the per-rank section as JSON, written at close, read by ``report``
 RANKS_TEXT_TAG = f"{RANKS}/summary"  # and as text, for TensorBoard's Text tab
@@ -54,11 +55,6 @@ CHARTS = {
 def ranks_proto(ranks: RankSummary) -> Any:
     """The per-rank section as a TensorBoard ``Summary``: its text, and the JSON ``report`` reads."""
     return card_proto(ranks.lines(), ranks.to_json(), RANKS_TEXT_TAG, RANKS_JSON_TAG, "steptimer-ranks")
-
-
-def parse_ranks_json(raw: bytes) -> RankSummary | None:
-    """The section written by :func:`ranks_proto` (None if unreadable)."""
-    return parse_json(raw, RankSummary.from_json)
 
 
 def straggler_ms(window_host: Mapping[str, Any], window_gpu: Mapping[str, Any], mean: Any) -> float | None:
@@ -104,7 +100,7 @@ def spreads(keys: Sequence[str], mx: Sequence[float], sm: Sequence[float], bits:
     return out
 
 
-def _vectors(values: Mapping[str, float] | None, n: int, rank: int, bits: int) -> tuple[list[float], list[float]]:
+def _vectors(values: Values, n: int, rank: int, bits: int) -> tuple[list[float], list[float]]:
     """This rank's MAX and SUM parts for ``n`` series, neutral ones when it abstains (``values`` None)."""
     if values is None:
         return [_NEG] * (4 * n), [0.0] * (n + 1)
@@ -134,26 +130,10 @@ def series_values(x: Window | SummaryAccumulator | None) -> dict[str, float] | N
 
 
 def energy_values(e: Any) -> dict[str, float] | None:
-    """An :class:`~steptimer._energy.Energy` as the round's ``ENERGY`` values and, where read, the
-    GPU's ``STATE`` (None: no reading)."""
+    """An ``_energy.Energy`` as a round's ``ENERGY`` values and, where read, its GPU's ``STATE``."""
     if e is None:
         return None
     return {"joules_per_step": e.joules_per_step, "watts": e.watts, **(e.gpu._asdict() if e.gpu else {})}
-
-
-def _state_slots(state: Sequence[float] | None, world: int, rank: int) -> list[float]:
-    """The MAX's ``len(STATE)`` slots per rank: this rank's state in its own (absent: -inf)."""
-    out = [_NEG] * (len(STATE) * world)
-    if state is not None:
-        out[len(STATE) * rank : len(STATE) * (rank + 1)] = [float(x) for x in state]
-    return out
-
-
-def _states(mx: Sequence[float], world: int) -> dict[int, GpuState]:
-    """By rank, the GPU states of the reduced slots (ranks that sent one)."""
-    k = len(STATE)
-    rows = ((r, mx[k * r : k * (r + 1)]) for r in range(world))
-    return {r: GpuState(v[0], v[1], v[2], v[3], int(v[4])) for r, v in rows if v[0] != _NEG}
 
 
 def gpu_scalars(states: Mapping[int, GpuState]) -> dict[str, float]:
@@ -163,6 +143,7 @@ def gpu_scalars(states: Mapping[int, GpuState]) -> dict[str, float]:
         return {}
     clock = sorted((st.sm_clock_mhz, r) for r, st in states.items())
     hot = max((st.temp_c, -r) for r, st in states.items())
+    power = max((st.power_w / st.power_limit_w for st in states.values() if st.power_limit_w), default=0.0)
     g = f"{RANKS}/gpu_state"
     return {
         f"{g}/sm_clock_mhz_min": clock[0][0],
@@ -171,9 +152,7 @@ def gpu_scalars(states: Mapping[int, GpuState]) -> dict[str, float]:
         f"{g}/sm_clock_mhz_max": clock[-1][0],
         f"{g}/temp_c_max": hot[0],
         f"{g}/temp_c_argmax": float(-hot[1]),
-        f"{g}/power_of_limit_max": max(
-            (st.power_w / st.power_limit_w for st in states.values() if st.power_limit_w), default=0.0
-        ),
+        f"{g}/power_of_limit_max": power,
         f"{g}/throttled_ranks": float(sum(1 for st in states.values() if st.reasons())),
     }
 
@@ -201,7 +180,7 @@ def scalars_of(spread: Mapping[str, RankSpread], reporting: int, reduce_ms: floa
 
 
 def _arrivals(arrive: Mapping[int, float], end: int, n: int, rank: int, bits: int) -> list[float]:
-    """The MAX's ``n`` slots (step ``end - j``) of arrival keys (the last rank), then minus the arrivals."""
+    """The MAX's ``n`` slots (slot j: step ``end - j``) of arrival keys (the last rank), then minus the arrivals."""
     keys, neg = [_NEG] * n, [_NEG] * n
     for step, ms in arrive.items():
         j = end - step
@@ -239,10 +218,9 @@ def _row_sums(walls: Any, wkeys: Sequence[str], steps: set[int], mine: bool, nw:
 
 
 def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> tuple[dict, dict[str, list[float]]]:
-    """Per row that can delay the arrival (between steps; top-level phases but ``backward``, which holds
-    the wait), on the arrivals' clock: the last rank's sum less the others' mean (reduced ``_row_sums``);
-    on the GPU's clock also the last rank's host, GPU and caught-up sums of each phase, which tell
-    whether its GPU waited for its host's launches there."""
+    """Per row that can delay the arrival (between steps; top-level phases but ``backward``, which holds the
+    wait), on the arrivals' clock: the last rank's sum less the others' mean (reduced ``_row_sums``); on the
+    GPU's clock also the last rank's host, GPU and caught-up sums of each phase (``host_paced``)."""
     clock: ShareClock = "gpu" if "gpu/step" in wkeys else "host"
     out, k, at = {}, len(wkeys), {key: i for i, key in enumerate(wkeys)}
     for i, key in enumerate(wkeys):
@@ -258,15 +236,13 @@ def _grew(rows: Sequence[float], wkeys: Sequence[str], reporting: int) -> tuple[
 
 
 def host_paced(fed: Sequence[float], steps: int) -> bool:
-    """A phase's host, GPU and caught-up sums over ``steps`` tell it was launch-bound (the verdict's
-    rule): the GPU waited for the host's launches, so the host set its pace."""
+    """A phase's host, GPU and caught-up sums over ``steps`` tell it was launch-bound (the verdict's rule)."""
     host, gpu, caught = fed
     return launch_bound(gpu, host, caught / steps if steps else None)
 
 
 def stood_out(last_steps: int, measured: int) -> bool:
-    """A rank stood out as the late one: last to the collective by ``LAST_MIN_MS`` or more in
-    ``LAST_SHARE`` of the ``measured`` steps at least (over the run, or in a window)."""
+    """A rank last by ``LAST_MIN_MS`` or more in ``last_steps`` of ``measured`` stood out as the late one."""
     return measured > 0 and last_steps >= LAST_SHARE * measured
 
 
@@ -277,7 +253,7 @@ class _Late:
     steps: int = 0
     ahead_ms: float = 0.0
     grew_steps: int = 0  # of ``steps``, those in windows where it was last most: its rows' growth
-    grew_ms: dict[str, float] = field(default_factory=dict)
+    grew_ms: Counter[str] = field(default_factory=Counter)
     fed: dict[str, list[float]] = field(default_factory=dict)  # its phases' host ms, GPU ms, caught-up
 
 
@@ -292,8 +268,7 @@ class _LateTally:
     in_a_row: int = 0
 
     def add(self, rank: int) -> tuple[float, float] | None:
-        """A window measured, ``rank`` late in it (-1: none); its share of the windows so far and its
-        run of them ending here, or None."""
+        """A window measured, ``rank`` late in it (-1: none): its share of the windows, its run of them."""
         self.measured += 1
         self.in_a_row = self.in_a_row + 1 if rank == self.rank and rank >= 0 else 1
         self.rank = rank
@@ -313,9 +288,7 @@ class _LateTally:
 
 @dataclass
 class _Round:
-    """What one round gave this rank; ``last``: by step, the rank last to its first collective by
-    ``LAST_MIN_MS`` or more and its ms behind the first, of the ``measured`` steps; ``top``: the
-    window's last rank (the most ms behind, summed), with its rows' growth against the others'."""
+    """What one round gave this rank (``last``, ``top``: :meth:`read_arrivals`), ``grew`` and ``fed``: ``_grew``."""
 
     all_closing: bool
     spread: dict[str, RankSpread] = field(default_factory=dict)
@@ -329,17 +302,16 @@ class _Round:
     energy: dict[str, RankSpread] = field(default_factory=dict)  # the window's (an interval)
     gpu: dict[int, GpuState] = field(default_factory=dict)  # by rank, the GPU's state: the window's or the run's
     run: dict[str, RankSpread] = field(default_factory=dict)  # the run summaries' spreads, once all close
-    run_ranks: int = 0  # the ranks that sent a run summary
     run_energy: dict[str, RankSpread] = field(default_factory=dict)  # the run's (of closing ranks)
 
     def read_arrivals(self, measured: Mapping[int, tuple[int, float]]) -> None:
-        """Of the ``measured`` steps' last ranks, those last by ``LAST_MIN_MS`` or more, and the window's
-        last rank: the most ms behind, summed (ties: the lowest rank)."""
+        """Of the ``measured`` steps' last ranks (by step: rank, ms behind the first), those last by
+        ``LAST_MIN_MS`` or more; ``top``: the window's last rank, the most ms behind, summed (ties: the lowest)."""
         self.measured = len(measured)
         self.last = {step: v for step, v in measured.items() if v[1] >= LAST_MIN_MS}
-        ahead: dict[int, float] = {}
+        ahead: Counter[int] = Counter()
         for r, ms in self.last.values():
-            ahead[r] = ahead.get(r, 0.0) + ms
+            ahead[r] += ms
         self.top = min(ahead, key=lambda r: (-ahead[r], r), default=-1)
 
 
@@ -348,17 +320,15 @@ class _Sent(NamedTuple):
     series' means, its run summary's (None: not closing), whether it closes, its energy values."""
 
     window: Window | None
-    win: Mapping[str, float] | None
+    win: Values
     wkeys: list[str]
-    summ: Mapping[str, float] | None
+    summ: Values
     skeys: list[str]
     closing: bool
-    energy: Mapping[str, float] | None
+    energy: Values
 
     @classmethod
-    def of(
-        cls, window: Window | None, summ: Mapping[str, float] | None, closing: bool, energy: Mapping[str, float] | None
-    ) -> _Sent:
+    def of(cls, window: Window | None, summ: Values, closing: bool, energy: Values) -> _Sent:
         win = series_values(window)
         sent = window if win is not None else None
         return cls(sent, win, sorted(win or ()), summ, sorted(summ or ()), closing, energy)
@@ -378,19 +348,18 @@ class _Sent(NamedTuple):
             float(w.steps) if w is not None and w.packed.arrive else _NEG,
         ]
 
-
-def _energy_vectors(
-    sent: _Sent, all_closing: bool, world: int, rank: int, bits: int
-) -> tuple[list[float], list[float]]:
-    """The energy parts of a round's MAX and SUM: the window's (of ranks in an interval) and the run's (of
-    closing ranks), 2 x 4 and 2 x 3; then in the MAX each rank's GPU state: the window's in an interval,
-    the run's once every rank closes."""
-    energy, closing = sent.energy, sent.closing
-    joules = {k: energy[k] for k in ENERGY} if energy else None
-    ew, es = _vectors(None if closing else joules, 2, rank, bits)
-    rw, rs = _vectors(joules if closing else None, 2, rank, bits)
-    state = [energy[k] for k in STATE] if energy and STATE[0] in energy and closing == all_closing else None
-    return ew + rw + _state_slots(state, world, rank), es + rs
+    def energy_vectors(self, all_closing: bool, world: int, rank: int, bits: int) -> tuple[list[float], list[float]]:
+        """The energy parts of a round's MAX and SUM: the window's (of ranks in an interval) and the run's (of
+        closing ranks), 2 x 4 and 2 x 3; then in the MAX a slot per rank for its GPU state, this rank's in its
+        own: the window's in an interval, the run's once every rank closes."""
+        energy, closing = self.energy, self.closing
+        joules = {k: energy[k] for k in ENERGY} if energy else None
+        ew, es = _vectors(None if closing else joules, 2, rank, bits)
+        rw, rs = _vectors(joules if closing else None, 2, rank, bits)
+        states = [_NEG] * (len(STATE) * world)
+        if energy and STATE[0] in energy and closing == all_closing:
+            states[len(STATE) * rank : len(STATE) * (rank + 1)] = [float(energy[k]) for k in STATE]
+        return ew + rw + states, es + rs
 
 
 def _initialized() -> Any:
@@ -457,25 +426,19 @@ class CrossRank:
         self.notes.append(msg)
         log.warning(msg)
 
-    def interval(
-        self, window: Window, keeper: SlowestKeeper | None = None, energy: Mapping[str, float] | None = None
-    ) -> Window:
-        """The round at a log interval; returns ``window`` with the cross-rank scalars attached.
-        ``keeper``: this rank's slowest steps, whose windows' slowest rank is kept for the summary;
-        ``energy``: this rank's ``ENERGY`` values of the window ending at ``last_step`` (None: not read),
-        whose spread over the ranks :attr:`energy` holds after the round."""
+    def interval(self, window: Window, keeper: SlowestKeeper | None = None, energy: Values = None) -> Window:
+        """The round at a log interval: ``window`` with the cross-rank scalars. ``keeper``: this rank's
+        slowest steps, whose last rank is kept for the summary; ``energy``: this rank's ``ENERGY`` values of
+        the window ending at ``last_step`` (None: not read), whose spread :attr:`energy` holds after."""
         res = self._round(window, None, closing=False, energy=energy) if self._start() else None
         tags = {**energy_scalars(res.energy), **gpu_scalars(res.gpu)} if res is not None and res.energy else None
         self.energy = (self.last_step, tags) if tags else None
         self.last_step = window.step
         return window if res is None else self._attach(window, res, keeper)
 
-    def close(
-        self, window: Window | None, acc: SummaryAccumulator, energy: Mapping[str, float] | None = None
-    ) -> Window | None:
-        """The closing rounds: this rank's last (partial) window and run summary (``energy``: the run's
-        ``ENERGY`` values); shadows the rounds of ranks still running (abstaining from their windows)
-        until every rank has closed."""
+    def close(self, window: Window | None, acc: SummaryAccumulator, energy: Values = None) -> Window | None:
+        """The closing rounds: this rank's last window and run summary (``energy``: the run's ``ENERGY``
+        values); then it answers the rounds of ranks still running, without a window, until every rank closes."""
         self.energy = None
         if not self._start():
             return window
@@ -500,29 +463,24 @@ class CrossRank:
         if res.measured:
             ahead = [ms for rank, ms in res.last.values() if rank == res.top]
             if ahead:  # a rank was last by LAST_MIN_MS or more in some step
-                extra.update(
-                    {
-                        f"{RANKS}/last_rank": float(res.top),
-                        f"{RANKS}/last_rank_share": len(ahead) / res.measured,
-                        f"{RANKS}/last_rank_ms": sum(ahead) / len(ahead),
-                    }
-                )
+                extra[f"{RANKS}/last_rank"] = float(res.top)
+                extra[f"{RANKS}/last_rank_share"] = len(ahead) / res.measured
+                extra[f"{RANKS}/last_rank_ms"] = sum(ahead) / len(ahead)
             if not window.warmup:  # the window's late rank: last in LAST_SHARE of its steps
                 lw = self._late_windows.add(res.top if stood_out(len(ahead), res.measured) else -1)
                 if lw is not None:
                     extra[f"{RANKS}/late_rank_windows_share"], extra[f"{RANKS}/late_rank_in_a_row"] = lw
-            self._measured += 0 if window.warmup else res.measured
-            for rank, ms in res.last.values() if not window.warmup else ():  # each step's last rank
-                late = self._late.setdefault(rank, _Late())
-                late.steps += 1
-                late.ahead_ms += ms
-            if ahead and not window.warmup:  # the rows were summed over the window's last rank's steps
-                late = self._late[res.top]
-                late.grew_steps += len(ahead)
-                for name, v in res.grew.items():
-                    late.grew_ms[name] = late.grew_ms.get(name, 0.0) + v
-                for name, sums in res.fed.items():
-                    late.fed[name] = [a + b for a, b in zip(late.fed.get(name, [0.0] * 3), sums)]
+                self._measured += res.measured
+                for rank, ms in res.last.values():  # each step's last rank
+                    late = self._late.setdefault(rank, _Late())
+                    late.steps += 1
+                    late.ahead_ms += ms
+                if ahead:  # the rows were summed over the window's last rank's steps
+                    late = self._late[res.top]
+                    late.grew_steps += len(ahead)
+                    late.grew_ms.update(res.grew)
+                    for name, sums in res.fed.items():
+                        late.fed[name] = [a + b for a, b in zip(late.fed.get(name, [0.0] * 3), sums)]
             phase = grew_most(res.grew)
             kept = {c.step for c in keeper.heap} if keeper is not None else set()
             self._said = {n: text for n, text in self._said.items() if n in kept}
@@ -562,14 +520,7 @@ class CrossRank:
             sleep(1e-4)  # releases the GIL, which the worker needs for its release
         return t.tolist()
 
-    def _round(
-        self,
-        window: Window | None,
-        summ: Mapping[str, float] | None,
-        *,
-        closing: bool,
-        energy: Mapping[str, float] | None = None,
-    ) -> _Round | None:
+    def _round(self, window: Window | None, summ: Values, *, closing: bool, energy: Values) -> _Round | None:
         """One round: the header (:meth:`_Sent.header`), then, where the ranks agree on what to send,
         :meth:`_exchange`; the run's per-rank section once every rank closes. None: a collective failed."""
         t0 = perf_counter()
@@ -589,8 +540,18 @@ class CrossRank:
         res.ms = (perf_counter() - t0) * 1e3
         self.rounds += 1
         self.reduce_s += res.ms / 1e3
-        if res.run:
-            self.summary = self._rank_summary(res)
+        if res.run:  # every rank closed: the per-rank section
+            run = dict(res.run)
+            self.summary = RankSummary(
+                world_size=self.world_size,
+                ranks=next(iter(res.run.values())).ranks,  # that sent a run summary
+                straggler=run.pop(STRAGGLER, None),
+                series={tuple(k.split("/", 1)): v for k, v in run.items()},  # type: ignore[misc]
+                energy=res.run_energy or None,
+                gpu=res.gpu or None,
+                rounds=self.rounds,
+                reduce_ms=self.reduce_s * 1e3 / self.rounds,
+            )
         return res
 
     def _exchange(self, sent: _Sent, res: _Round, h: Sequence[float], nw: int, ns: int) -> bool:
@@ -601,14 +562,16 @@ class CrossRank:
         end = int(h[8]) if n else 0  # the windows' last step: slot j is step end - j
         wmx, wsm = _vectors(sent.win if nw else None, nw, rank, bits)
         smx, ssm = _vectors(sent.summ if ns else None, ns, rank, bits)
-        emx, esm = _energy_vectors(sent, res.all_closing, world, rank, bits)
+        emx, esm = sent.energy_vectors(res.all_closing, world, rank, bits)
         # Then per slot (a step of the window), the arrival at its first collective; last, energy.
         arrive = sent.window.packed.arrive if sent.window is not None else {}
         mx = self._allreduce(wmx + smx + _arrivals(arrive, end, n, rank, bits) + emx, self._dist.ReduceOp.MAX)
         if mx is None:
             return False
-        cut = len(mx) - len(STATE) * world
-        res.gpu, mx = _states(mx[cut:], world), mx[:cut]
+        k, cut = len(STATE), len(mx) - len(STATE) * world
+        slots = ((r, mx[cut + k * r : cut + k * (r + 1)]) for r in range(world))  # by rank, its GPU state
+        res.gpu = {r: GpuState(*v[:4], int(v[4])) for r, v in slots if v[0] != _NEG}
+        mx = mx[:cut]
         res.read_arrivals(_lasts(mx[4 * (nw + ns) : -16], end, bits))
         # The window's last rank sums its rows over the steps it was last in, the others theirs, in the SUM.
         steps = {number for number, (r, _) in res.last.items() if r == res.top}
@@ -626,22 +589,7 @@ class CrossRank:
             res.grew, res.fed = _grew(sm[nw + ns + 2 : -6], sent.wkeys, res.reporting)
         if ns and sent.summ is not None:
             res.run = spreads(sent.skeys, mx[4 * nw : 4 * (nw + ns)], sm[nw + 1 : nw + ns + 2], bits)
-            res.run_ranks = int(sm[nw + 1 + ns])
         return True
-
-    def _rank_summary(self, res: _Round) -> RankSummary:
-        """The per-rank section from the run series of the round every rank closed in."""
-        run = dict(res.run)
-        return RankSummary(
-            world_size=self.world_size,
-            ranks=res.run_ranks,
-            straggler=run.pop(STRAGGLER, None),
-            series={tuple(k.split("/", 1)): v for k, v in run.items()},  # type: ignore[misc]
-            energy=res.run_energy or None,
-            gpu=res.gpu or None,
-            rounds=self.rounds,
-            reduce_ms=self.reduce_s * 1e3 / self.rounds,
-        )
 
     def _read_header(self, h: Sequence[float], closing: bool) -> tuple[bool, int, int]:
         """``(every rank is closing, series in the windows, in the run summaries)`` from the reduced header
