@@ -328,7 +328,9 @@ def test_an_empty_loop_is_steptimer_bound_not_loop_bound(tmp_path: Path) -> None
     from tests.tb import scalars
 
     t = StepTimer(log_dir=tmp_path, cuda=False, warmup_steps=0, print_summary=False)
-    for _ in range(1000):
+    # 20,000 steps (~0.1 s): the budget times a few hundred. With 1,000 it timed about 11, and on a
+    # loaded host one preemption inside a timed phase, scaled to every step, outweighed the rest.
+    for _ in range(20_000):
         with t.step():
             for name in ("a", "b", "c", "d"):
                 with t.phase(name):
