@@ -517,11 +517,17 @@ def _train(log_dir: Path, limit: str = "none", *, extra: int = 0, steps: int = 1
 
 
 def _report(path: Path) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "steptimer", "report", str(path), "--json"], capture_output=True,
-                       text=True, env=env, timeout=120)  # fmt: skip
-    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
-    (run,) = json.loads(p.stdout)["runs"]
+    """``steptimer report --json``: the command's own main, in this process (a process of its own costs
+    torch's import; tests/test_cli.py runs the command)."""
+    import contextlib
+    import io
+
+    from steptimer.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["report", str(path), "--json"]) == 0
+    (run,) = json.loads(out.getvalue())["runs"]
     return run  # type: ignore[no-any-return]
 
 
