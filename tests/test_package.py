@@ -92,14 +92,15 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_the_quick_start(tmp_path: Pat
 
     # A fresh venv gets the wheel alone; its dependencies (torch and the rest, already installed for
     # the tests) are reached through a path file instead of downloaded again (no CUDA torch fetched).
+    # This environment's pip installs into it (`pip --python`): a pip of its own would cost seconds.
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir, with_pip=False)
     py = env_dir / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
     Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
-                   capture_output=True, text=True, timeout=300)  # fmt: skip
+    pip = [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index", str(wheel)]
+    subprocess.run(pip, check=True, capture_output=True, text=True, timeout=300)
 
     where = subprocess.run([str(py), "-c", "import steptimer; print(steptimer.__file__)"], check=True,
                            capture_output=True, text=True, cwd=tmp_path).stdout  # fmt: skip
