@@ -5,11 +5,10 @@ power, temperature, clock-throttle reasons: why a rank's GPU ran slower, docs/di
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial, reduce
 from operator import or_
@@ -20,7 +19,7 @@ from typing import Any, NamedTuple
 from steptimer._format import num
 from steptimer._tags import JOULES_PER_SAMPLE, JOULES_PER_STEP, JOULES_PER_TOKEN, MAIN, WATTS
 
-log = logging.getLogger("steptimer")
+ENERGY = "energy"  # the part named in the note when steptimer's own failure turns energy off
 
 # NVML's clock-throttle (clocks-event) reasons that slow a busy GPU, by bit (GPU idle, 0x1, is none).
 THROTTLE_REASONS = {
@@ -200,30 +199,30 @@ class EnergyWindows:
     """The GPU's energy per window, known one window late: written at the next window, before its values,
     at its own step (TensorBoard drops later points after a lower step); a later reading is left out."""
 
+    _contain: Callable[[str], AbstractContextManager[None]]  # the engine's (``Engine.contain``)
     _meter: Any = None
     _per_step: dict[int, dict[str, float]] = field(default_factory=dict)  # samples, tokens per step, by tag
     _written: int = 1  # readings before this one are done with
     _marked: int = -1  # the step of the last reading asked for: the last window's
-    error: str | None = None  # steptimer's own failure here: energy off, in the summary's notes
+    failed: bool = False  # steptimer's own failure here turned energy off
 
     @contextmanager
     def _contained(self) -> Iterator[None]:
-        """steptimer's own failure inside (a sink's ``write_energy``, the meter): energy off, one warning
-        and :attr:`error`; the steps and training go on."""
-        try:
-            yield
-        except Exception as err:  # noqa: BLE001 - a plug-in's own failure, never the run's
-            self.error = f"energy stopped after a failure of steptimer's own ({type(err).__name__}: {err}); steps go on"
-            log.warning("steptimer: %s", self.error)
-            meter, self._meter = self._meter, None
-            if meter is not None:
-                with suppress(Exception):
-                    meter.close()
+        """steptimer's own failure inside (a sink's ``write_energy``, the meter): energy off, the meter
+        stopped, and the engine's one note and warning; the steps and training go on."""
+        with self._contain(ENERGY):
+            try:
+                yield
+            except Exception:
+                self.failed, meter, self._meter = True, self._meter, None
+                if meter is not None:
+                    meter.close()  # its thread ends
+                raise
 
     def write_ready(self, sinks: Sequence[Any], ranks: tuple[int, dict[str, float]] | None = None) -> None:
         """The last window's energy, if its closing reading is in, to the sinks that take it; ``ranks``:
         the ranks' energy tags of the window ending at that step (``_dist.py``), written with it."""
-        if self.error is not None:
+        if self.failed:
             return
         with self._contained():
             readings = list(self._meter.readings) if self._meter is not None else []
@@ -253,7 +252,7 @@ class EnergyWindows:
 
     def mark(self, window: Any, device: int, counter: Any = None) -> None:
         """Ask for the reading that ends ``window`` (returns at once)."""
-        if self.error is not None:
+        if self.failed:
             return
         with self._contained():
             if self._meter is None:
@@ -269,7 +268,7 @@ class EnergyWindows:
 
     def close(self, step: int, window: Any = None) -> tuple[Energy | None, str | None]:
         """The last reading (after ``step``, ending ``window`` if given), the meter stopped: the run's
-        energy, first reading to last, and the counter's note; None where :attr:`error` stopped it."""
+        energy, first reading to last, and the counter's note; None where a failure turned energy off."""
         if self._meter is None:
             return None, None
         meter, energy = self._meter, None
@@ -279,4 +278,4 @@ class EnergyWindows:
             readings = meter.close(step if step > self._marked else None)  # steps since the last window
             states = [r.state for r in readings[1:] if r.state is not None]  # each window's closing state
             energy = between(readings[0], readings[-1], states) if readings else None
-        return energy if self.error is None else None, meter.error
+        return energy, meter.error

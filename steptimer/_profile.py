@@ -25,6 +25,7 @@ from steptimer._trace import Capture, own_path, record, run_files
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine
+    from steptimer._options import Options
 
 log = logging.getLogger("steptimer")
 
@@ -357,34 +358,26 @@ class SlowProfiler:
 
 
 def make_ranges(
-    *,
-    nvtx: object,
-    profile_steps: tuple[int, int] | None,
-    folder: str | None,
-    enabled: bool,
-    rank: int,
-    set_ranged: Callable[[bool], None],
-    engine: Engine,
-    profile_on_slow: object = None,
-    recent: Capture | None = None,
+    opts: Options, folder: str | None, rank: int, set_ranged: Callable[[bool], None], engine: Engine
 ) -> tuple[Ranges | None, str | None]:
-    """What ``profile_steps`` and ``profile_on_slow`` need of the run; the ranges (None: none) and a note."""
-    if profile_on_slow is not None:
+    """What ``opts``' ``nvtx``, ``profile_steps`` and ``profile_on_slow`` need of the run: the ranges
+    (None: none) and a note."""
+    on_slow, steps, nvtx = opts.profile_on_slow, opts.profile_steps, opts.nvtx and opts.enabled
+    if on_slow is not None:
         check_folder("profile_on_slow", f"{SLOW_PROFILE_PREFIX}<step>.json", folder)
-    if profile_steps is not None:
+    if steps is not None:
         check_folder("profile_steps", PROFILE_FILE, folder)
-    ours = enabled and rank == 0
-    path = os.path.join(folder or "", PROFILE_FILE)
-    capture = ProfileCapture(*profile_steps, path) if ours and profile_steps is not None else None
-    fns = _nvtx_functions() if nvtx and enabled else None
+    ours = opts.enabled and rank == 0
+    capture = ProfileCapture(*steps, os.path.join(folder or "", PROFILE_FILE)) if ours and steps is not None else None
+    slow = float(on_slow) if ours and on_slow is not None else None
+    fns = _nvtx_functions() if nvtx else None
     note = None
-    if nvtx and enabled and fns is None:
+    if nvtx and fns is None:
         note = "nvtx=True but this torch has no NVTX (a CPU build): no NVTX ranges"
         log.info("steptimer: %s", note)
-    slow = profile_on_slow is not None and ours
-    if fns is None and capture is None and not slow:
+    if fns is None and capture is None and slow is None:
         return None, note
-    ranges = Ranges(fns, capture, set_ranged, recent, engine)
-    if slow:
-        ranges.slow = SlowProfiler(float(profile_on_slow), folder, ranges)  # type: ignore[arg-type]
+    ranges = Ranges(fns, capture, set_ranged, engine.capture, engine)  # the capture keeps a window's steps
+    if slow is not None:
+        ranges.slow = SlowProfiler(slow, folder, ranges)  # type: ignore[arg-type]  # checked: a folder
     return ranges, note

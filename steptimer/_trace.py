@@ -21,6 +21,7 @@ from steptimer._tags import FLIGHT_DIR, FLIGHT_FILE
 
 if TYPE_CHECKING:
     from steptimer._engine import Engine, StepRecord
+    from steptimer._options import Options
 
 TRACE_FILE = "steptimer-trace.json"
 FORMAT = "steptimer-trace"
@@ -269,30 +270,20 @@ def to_chrome(capture: dict[str, Any]) -> dict[str, Any]:
     return {"traceEvents": events + slices, "displayTimeUnit": "ms", "metadata": meta}
 
 
-def make_capture(
-    trace_steps: int | tuple[int, int] | None,
-    *,
-    folder: str | None,
-    start_step: int,
-    warmup_steps: int,
-    enabled: bool,
-    rank: int,
-    flight: bool,
-    window_steps: int,
-    profile: bool,
-) -> Capture | None:
-    """The capture of an enabled rank 0 when a feature needs it, else None (options checked by Options)."""
-    trace = None
-    if trace_steps is not None:
+def make_capture(opts: Options, *, folder: str | None, rank: int, window_steps: int) -> Capture | None:
+    """The capture of an enabled rank 0 when a feature of ``opts`` needs it (``trace_steps``, the flight
+    recorder of ``slowest_steps``, a profiler's window), else None; ``window_steps``: a window's most."""
+    trace, steps = None, opts.trace_steps
+    if steps is not None:
         check_folder("trace_steps", TRACE_FILE, folder)
-        if isinstance(trace_steps, int):  # the N steps after warm-up
-            trace_steps = (start_step + warmup_steps + 1, start_step + warmup_steps + trace_steps)
-        trace = (*trace_steps, os.path.join(folder, TRACE_FILE))  # type: ignore[arg-type]
-    flight_dir = os.path.join(folder, FLIGHT_DIR) if flight and folder is not None else None
-    if not enabled or rank != 0 or (trace is None and flight_dir is None and not profile):
+        after = opts.start_step + opts.warmup_steps  # trace_steps=N: the N steps after warm-up
+        first, last = steps if isinstance(steps, tuple) else (after + 1, after + steps)
+        trace = (first, last, os.path.join(folder, TRACE_FILE))  # type: ignore[arg-type]
+    flight = os.path.join(folder, FLIGHT_DIR) if opts.slowest_steps and folder is not None else None
+    if not opts.enabled or rank != 0 or (trace is None and flight is None and not opts.profiled):
         return None
-    ring = window_steps + BEFORE + AFTER + 2 if flight_dir is not None else 0
-    return Capture(ring_steps=ring, trace=trace, flight=flight_dir)
+    ring = window_steps + BEFORE + AFTER + 2 if flight is not None else 0
+    return Capture(ring_steps=ring, trace=trace, flight=flight)
 
 
 def read_json(path: str, found: list[str], name: str, option: str) -> tuple[str, Any, list[str]]:

@@ -215,21 +215,12 @@ class StepTimer:
         self._phase_cls: type[_Phase] = _Phase
         self._acc = SummaryAccumulator(opts.slowest_steps)
         self._warm: list[Window] = []  # the warm-up windows, while the run is in its warm-up
-        self._energy = EnergyWindows()
         self._xrank = CrossRank(timeout_s=opts.cross_rank_timeout_s) if opts.cross_rank and enabled else None
         folder = log_dir if log_dir is not None else writer and os.path.abspath(writer.get_logdir())
         self._engine = self._new_engine(folder)
-        self._ranges, nvtx_note = make_ranges(
-            nvtx=opts.nvtx,
-            profile_steps=opts.profile_steps,
-            profile_on_slow=opts.profile_on_slow,
-            recent=self._engine.capture,
-            folder=folder if self._seams.profile_dir is None else self._seams.profile_dir,
-            set_ranged=self._set_ranged,
-            engine=self._engine,
-            enabled=enabled,
-            rank=self._rank,
-        )
+        self._energy = EnergyWindows(self._engine.contain)  # its own failure: the engine's note, energy off
+        profile_dir = folder if self._seams.profile_dir is None else self._seams.profile_dir
+        self._ranges, nvtx_note = make_ranges(opts, profile_dir, self._rank, self._set_ranged, self._engine)
         if nvtx_note is not None:
             self.note(nvtx_note)
         self._timeline: Timeline | None = None  # where the run's time goes (_goodput.py), when enabled
@@ -252,17 +243,7 @@ class StepTimer:
         # Ranks must time the same steps (each rank's budget would pick others; _join for a rank learned
         # at the first step); a trace needs every step.
         every_step = distributed or opts.trace_steps is not None or opts.profiled
-        capture = make_capture(
-            opts.trace_steps,
-            folder=folder,
-            start_step=opts.start_step,
-            warmup_steps=opts.warmup_steps,
-            flight=opts.slowest_steps > 0,
-            window_steps=window_max,
-            profile=opts.profiled,
-            enabled=opts.enabled,
-            rank=self._rank,
-        )
+        capture = make_capture(opts, folder=folder, rank=self._rank, window_steps=window_max)
         # memory=None: time-budgeted; one timed step in 10 across ranks (every rank reads the same steps).
         memory = int(opts.memory) if opts.memory is not None else 10 if distributed else MEMORY_AUTO
         return Engine(
@@ -611,7 +592,7 @@ class StepTimer:
             notes.append(all_warmup_note(acc.steps))
             warmup = 0
         notes += [oom_note(*engine.mem.oom) if engine.mem.oom is not None else None, *(xrank.notes if xrank else ())]
-        notes += [energy_note, self._energy.error]  # the counter's, and steptimer's own failure in energy
+        notes.append(energy_note)  # the counter's (steptimer's own failure in energy is the engine's note)
         summary = acc.summary(
             warmup_steps=warmup,
             cuda=bool(engine.cuda),
