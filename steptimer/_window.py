@@ -304,7 +304,7 @@ class Window(Rates):
     packed: Packed = field(repr=False, compare=False)  # the statistics as arrays, for the summary
     warmup: bool = False
     # Per phase, the fraction of its timed steps in which the GPU reached its entry before the host
-    # left it: below 0.5 the GPU can't have waited for the host there (_summary._launch_bound).
+    # left it: below 0.5 the GPU can't have waited for the host there (_verdict.launch_bound).
     caught: Mapping[str, float] = field(default_factory=dict)
     # More scalars by tag, written as they are (cross-rank statistics: _dist.py); text: a run's fact.
     extra: Mapping[str, float | str] = field(default_factory=dict)
