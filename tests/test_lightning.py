@@ -1846,16 +1846,20 @@ def test_an_untimed_step_calls_the_timer_for_no_phase() -> None:
     assert sorted(per_batch)[:3] == [0, 0, 0] and min(sorted(per_batch)[3:]) > 0, per_batch
 
 
-@pytest.mark.parametrize(("sample_every", "calls"), [(1, "nested"), (3, "nested"), (1, "in_turn")])
+@pytest.mark.parametrize(
+    ("sample_every", "calls", "events"),
+    [(1, "nested", False), (3, "nested", False), (1, "in_turn", False), (1, "nested", True)],
+)
 def test_the_callbacks_own_time_is_the_steptimer_row(
-    sample_every: int, calls: str, monkeypatch: pytest.MonkeyPatch
+    sample_every: int, calls: str, events: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The callback's hook code made slow where a step begins (between steps, then in it), where
     backward begins (phases switch), where the step ends, and where each model call returns: that
     time is the `steptimer` row, not `loop`, `other` or a phase; timed steps and untimed ones.
     ``nested``: self() calls both hooked submodules (the inner calls return inside an open
     `forward`); ``in_turn``: training_step calls them in turn (the second call takes `forward` back
-    from `loss`, the hooks' time between them left out)."""
+    from `loss`, the hooks' time between them left out). ``events``: the engine's CUDA path (its
+    events on the wall clock, :class:`WallGPU`)."""
     import pytorch_lightning as pl
 
     from tests.test_instrument import SlowDriver, assert_naps_are_steptimers
@@ -1878,7 +1882,8 @@ def test_the_callbacks_own_time_is_the_steptimer_row(
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    cb = StepTimerCallback(print_summary=False, warmup_steps=0, sample_every=sample_every)
+    seams = {"backend": WallGPU().backend()} if events else {}
+    cb = StepTimerCallback._make(print_summary=False, warmup_steps=0, sample_every=sample_every, **seams)
     fit_quietly(pl, cb, Coder(), 9)
     s = cb.summary
     assert s is not None and s.steps == 9 and s.timed_steps == 9 // sample_every
