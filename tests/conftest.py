@@ -27,6 +27,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     cuda = torch.cuda.is_available()
     for item in items:
         if "cuda" not in item.keywords:
+            # A module-scoped fixture of the test's module (torchrun launches, spawned ranks, a
+            # build: seconds each) is set up once per worker that runs one of its tests, and again
+            # each time a worker comes back to the module: its tests share one worker, in a row.
+            defs = getattr(item, "_fixtureinfo", None)
+            module = item.nodeid.split("::")[0]
+            shared = defs is not None and any(
+                d.scope != "function" and d.baseid == module for ds in defs.name2fixturedefs.values() for d in ds
+            )
+            if shared and item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group(module))
             continue
         # GPU tests time kernels of known length: two at once on one GPU would slow each other, so
         # under pytest-xdist (`./dev test` runs with --dist loadgroup) they all share one worker.

@@ -64,10 +64,6 @@ def torchrun(script: str, *args: str, timeout_s: float = 180.0) -> tuple[dict[in
     return results, out
 
 
-# The module's tests run in one pytest-xdist worker, so the scenarios' launch (``runs``, ~25 s of both
-# cores) is made once, not once per worker (a CUDA test keeps the cuda group: tests/conftest.py).
-pytestmark = pytest.mark.xdist_group("plain_loop")
-
 # The plain loop's scenarios share one launch (torchrun and torch's import cost seconds each), one after
 # another, each with its own timer and log dir.
 SCENARIOS = {
@@ -98,7 +94,8 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[int, dict], str, Path]]:
-    """Per scenario: each rank's RESULT, the scenario's output and its log dir."""
+    """Per scenario: each rank's RESULT, the scenario's output and its log dir. Its tests share one
+    pytest-xdist worker (tests/conftest.py), so the launch (~25 s of both cores) is made once."""
     root = tmp_path_factory.mktemp("plain_loop")
     args = [a for name, extra in SCENARIOS.items() for a in ("+", "--scenario", name, "--log-dir", str(root / name),
                                                               *extra)][1:]  # fmt: skip
