@@ -27,3 +27,29 @@ def test_require_cuda_turns_skip_into_failure(pytester: pytest.Pytester, monkeyp
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     if not torch.cuda.is_available():
         assert result.ret == 0 and result.parseoutcomes() == {"skipped": 1}, result.stdout.str()
+
+
+def test_a_module_fixtures_tests_share_one_xdist_group(pytester: pytest.Pytester) -> None:
+    """Under `./dev test` (--dist loadgroup) a module-scoped fixture is set up once per worker that runs
+    one of its tests: its tests get one group; a cuda test keeps the cuda group alone."""
+    pytester.makeconftest((HERE / "conftest.py").read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    cuda: gpu\n    xdist_group: xdist\n")
+    pytester.makepyfile(
+        test_m="""
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def launch():
+            return 1
+
+        def test_a(launch): pass
+        def test_b(launch): pass
+        def test_alone(tmp_path): pass
+
+        @pytest.mark.cuda
+        def test_gpu(launch): pass
+        """
+    )
+    items, _ = pytester.inline_genitems("-p", "no:cacheprovider")
+    groups = {i.name: [m.args[0] for m in i.iter_markers("xdist_group")] for i in items}
+    assert groups == {"test_a": ["test_m.py"], "test_b": ["test_m.py"], "test_alone": [], "test_gpu": ["cuda"]}
