@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -21,20 +22,22 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 
 
-def test_demo_runs_prints_summary_and_writes_tensorboard(tmp_path: Path) -> None:
+def test_demo_runs_prints_summary_and_writes_tensorboard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo as `python examples/demo.py ARGS` runs it, in this process (the README test below runs
+    it in a process of its own, as `./dev demo`)."""
     log_dir = tmp_path / "demo"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # threads fight on 2 shared cores
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "45", "--log-dir", str(log_dir)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "steptimer: 40 steps" in out.stdout  # 45 steps, 5 of them warm-up
+    demo = str(ROOT / "examples" / "demo.py")
+    monkeypatch.setattr(sys, "argv", [demo, "--steps", "45", "--log-dir", str(log_dir)])
+    runpy.run_path(demo, run_name="__main__")
+    stdout = capsys.readouterr().out
+    assert "steptimer: 40 steps" in stdout  # 45 steps, 5 of them warm-up
     for phase in ("data", "forward", "backward", "optimizer", "other", "step"):
-        assert any(line.split()[:1] == [phase] for line in out.stdout.splitlines()), phase
+        assert any(line.split()[:1] == [phase] for line in stdout.splitlines()), phase
     # a run per row, steptimer's own among them
     assert sorted(phase_runs(log_dir)) == ["backward", "data", "forward", "loop", "optimizer", "other", "steptimer"]
-    assert f"--logdir {log_dir}" in out.stdout
+    assert f"--logdir {log_dir}" in stdout
     tags = scalars(log_dir)
     # Every 20 steps after warm-up; the warm-up window (steps 1-5) is written but not drawn.
     assert [s for s, _ in tags["steptimer/host/forward_ms"]] == [20, 40, 45]
