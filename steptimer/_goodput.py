@@ -6,6 +6,7 @@ a step costs the :class:`Timeline` nothing."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 import time
@@ -100,7 +101,9 @@ class Timeline:
         self.warm_end: float | None = None  # the last warm-up step's end (step() sets it)
         self._thread = threading.get_ident()  # a save on another thread overlaps training: not counted
         self._open: list[list[Any]] = []  # [kind, start of its running segment], innermost last
-        self._segments: list[tuple[Kind, float, float]] = []  # the spans' time: (kind, start, end), in order
+        self._kinds = {"eval": 0.0, "checkpoints": 0.0}  # each kind's span time
+        self._segments: list[tuple[float, float]] = []  # spans' (start, end) since the last step's end
+        self._summed = [0.0, 0.0]  # the span time of earlier ones in warm-up and in the steps
         self.done: Goodput | None = None
         self.failed = False  # a failure of its own turned it off (a note, no goodput; training on)
         _watch_saves(self)
@@ -154,11 +157,20 @@ class Timeline:
                 self._open[-1][1] = t
 
     def _segment(self, span: list[Any], t: float) -> None:
-        self._segments.append((span[0], span[1], t))
+        self._kinds[span[0]] += t - span[1]
+        self._segments.append((span[1], t))
+        # A span that ended before the last step's end is before the run's last: summed into warm-up and
+        # the steps now (warm-up ends after it if not yet ended), so a pause a step keeps nothing.
+        e, segs = self._e, self._segments
+        first, last = e._first_t0, e._gap_start
+        while segs and first is not None and last is not None and segs[0][1] <= last:
+            warm_end = self.warm_end if self.warm_end is not None else first if e.number > e.last_warmup else math.inf
+            self._summed[0] += _overlap(segs[0], first, warm_end)
+            self._summed[1] += _overlap(segs.pop(0), warm_end, math.inf)
 
     def _spans_s(self, lo: float, hi: float) -> float:
-        """The spans' time between ``lo`` and ``hi``: not the steps' (or warm-up's) own."""
-        return sum(max(0.0, min(b, hi) - max(a, lo)) for _, a, b in self._segments)
+        """The spans' time between ``lo`` and ``hi`` since the last step's end."""
+        return sum(_overlap(seg, lo, hi) for seg in self._segments)
 
     def finish(self) -> Goodput | None:
         """The parts, now (idempotent); spans left open end here. None after a failure of its own."""
@@ -181,11 +193,15 @@ class Timeline:
             warm_end = self.warm_end
             if warm_end is None:  # no step after warm-up began: no warm-up (0 steps), or all warm-up
                 warm_end = first if e.number > e.last_warmup else last
-            warm = warm_end - first - self._spans_s(first, warm_end)
-            steps = last - warm_end - self._spans_s(warm_end, last)
+            warm = warm_end - first - self._summed[0] - self._spans_s(first, warm_end)
+            steps = last - warm_end - self._summed[1] - self._spans_s(warm_end, last)
         wall = t - self.start
-        ev, ck = (sum(b - a for k, a, b in self._segments if k == kind) for kind in ("eval", "checkpoints"))
+        ev, ck = self._kinds["eval"], self._kinds["checkpoints"]
         return Goodput(wall, steps, warm, ev, ck, max(0.0, wall - steps - warm - ev - ck), self.before_s)
+
+
+def _overlap(span: tuple[float, float], lo: float, hi: float) -> float:
+    return max(0.0, min(span[1], hi) - max(span[0], lo))
 
 
 # torch.save is wrapped while a timeline is live, on the timelines' threads; the last to finish takes

@@ -9,14 +9,17 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from steptimer import _goodput
 from steptimer._goodput import Goodput
 from steptimer._reader import find_runs
+from tests.fakes import FakeClock
 
 REPO = Path(__file__).resolve().parent.parent
 # The warm-up steps are slow, as compiling ones are: the first steps' own costs are a few ms.
@@ -120,6 +123,55 @@ def test_torch_save_is_torch_s_again_after_close() -> None:
     assert torch.save is not orig  # b is live
     b.close()
     assert torch.save is orig
+
+
+@pytest.mark.parametrize(
+    ("warmup_steps", "want_ms"),
+    [(2, {"warm-up": 21, "steps": 44}), (0, {"warm-up": 0, "steps": 65}), (10, {"warm-up": 65, "steps": 0})],
+)
+def test_a_pause_after_each_step_is_eval_in_the_region_it_fell_in(
+    clock: FakeClock, warmup_steps: int, want_ms: dict[str, float]
+) -> None:
+    """Six 10 ms steps, each followed by a 5 ms pause and 1 ms of loop: a pause after a warm-up step is
+    out of warm-up, one after a later step out of the steps, the one after the last step in neither."""
+    from steptimer import StepTimer
+
+    t = StepTimer(cuda=False, print_summary=False, warmup_steps=warmup_steps)
+    clock.advance_ms(7)
+    for _ in range(6):
+        with t.step():
+            clock.advance_ms(10)
+        with t.pause():
+            clock.advance_ms(5)
+        clock.advance_ms(1)
+    clock.advance_ms(3)
+    g = t.close().goodput
+    assert g is not None
+    want = {**want_ms, "eval": 30, "other": 106 - 30 - want_ms["warm-up"] - want_ms["steps"]}
+    assert {k: round(v * 1e3, 6) for k, v in g.parts.items() if v} == {k: v for k, v in want.items() if v}
+
+
+def test_the_timeline_keeps_nothing_per_pause() -> None:
+    """A pause after every step of a long run (a user's logging or evaluation): the timeline's spans are
+    summed as they come, not kept each (8,000 more kept would be 64 kB at the least)."""
+    from steptimer import StepTimer
+
+    def held(steps: int) -> int:
+        t = StepTimer(cuda=False, print_summary=False, warmup_steps=2)
+        tracemalloc.start()
+        for _ in range(steps):
+            with t.step():
+                pass
+            with t.pause():
+                pass
+        snapshot = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        t.close()
+        mine = snapshot.filter_traces([tracemalloc.Filter(True, _goodput.__file__)])
+        return sum(s.size for s in mine.statistics("filename"))
+
+    held(100)  # first-use caches out of the comparison
+    assert held(10_000) <= held(2_000) + 1024
 
 
 def test_a_failure_of_the_timeline_inside_torch_save_is_a_note_and_the_save_is_made(
