@@ -164,7 +164,9 @@ class Timeline:
         e, segs = self._e, self._segments
         first, last = e._first_t0, e._gap_start
         while segs and first is not None and last is not None and segs[0][1] <= last:
-            warm_end = self.warm_end if self.warm_end is not None else first if e.number > e.last_warmup else math.inf
+            warm_end = self.warm_end
+            if warm_end is None:  # no warm-up (0 steps), or it ends after this span
+                warm_end = first if e.number > e.last_warmup else math.inf
             self._summed[0] += _overlap(segs[0], first, warm_end)
             self._summed[1] += _overlap(segs.pop(0), warm_end, math.inf)
 
