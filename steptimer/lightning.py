@@ -351,9 +351,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         d.live = True
         self._begun = self._done = 0
         self._batch_idx = batch_idx
+        d.e.charge()  # the counters are the user's code: in the step, not steptimer's time
         for k, what, fn in self._counters:
             d.counts[k] += check_count(what, fn(batch) if callable(fn) else fn)
-        d.e.charge()
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -1892,3 +1892,21 @@ def test_the_callbacks_own_time_is_the_steptimer_row(
     assert len(slow.naps) == 2 * (3 * 9 + 4 * s.timed_steps)
     # The first nap is before the first step (no time between steps), the last after the last one.
     assert_naps_are_steptimers(s, sum(slow.naps[1:-1]))
+
+
+def test_the_users_batch_size_fn_is_not_the_steptimer_row() -> None:
+    """The user's ``batch_size_fn`` runs inside ``on_train_batch_start``, after the step began: its
+    time is the user's, in ``other``, not the ``steptimer`` row (a ``.item()`` in it would wait for
+    the GPU there)."""
+    import pytorch_lightning as pl
+
+    def batch_size_fn(batch: Any) -> int:
+        time.sleep(SLEEP_S)
+        return len(batch[0])
+
+    cb = StepTimerCallback._make(print_summary=False, warmup_steps=0, batch_size_fn=batch_size_fn)
+    fit_quietly(pl, cb, make_module(pl, "auto", Sleeper(regions=(None,))), 6)
+    s = cb.summary
+    assert s is not None and s.steps == 6
+    assert s["other"].host.median_ms >= SLEEP_S * 1e3, s["other"]
+    assert s["steptimer"].host.median_ms < SLEEP_S * 1e3 / 2, s["steptimer"]
