@@ -23,6 +23,9 @@ from tests.fakes import FakeClock, FakeGPU  # noqa: E402
 REQUIRE_CUDA = os.environ.get("STEPTIMER_REQUIRE_CUDA") == "1"
 
 
+# First: pytest-xdist's worker reads the groups in its own hook of this name (into the test ids it
+# schedules by), which otherwise runs before this one and sees none.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     cuda = torch.cuda.is_available()
     for item in items:

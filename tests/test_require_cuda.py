@@ -29,9 +29,12 @@ def test_require_cuda_turns_skip_into_failure(pytester: pytest.Pytester, monkeyp
         assert result.ret == 0 and result.parseoutcomes() == {"skipped": 1}, result.stdout.str()
 
 
-def test_a_module_fixtures_tests_share_one_xdist_group(pytester: pytest.Pytester) -> None:
+def test_a_module_fixtures_tests_share_one_xdist_group(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under `./dev test` (--dist loadgroup) a module-scoped fixture is set up once per worker that runs
-    one of its tests: its tests get one group; a cuda test keeps the cuda group alone."""
+    one of its tests: its tests get one group, so two workers set it up once; a cuda test keeps the cuda
+    group alone."""
     pytester.makeconftest((HERE / "conftest.py").read_text())
     pytester.makeini("[pytest]\nmarkers =\n    cuda: gpu\n    xdist_group: xdist\n")
     pytester.makepyfile(
@@ -40,16 +43,26 @@ def test_a_module_fixtures_tests_share_one_xdist_group(pytester: pytest.Pytester
 
         @pytest.fixture(scope="module")
         def launch():
+            with open("launches.txt", "a") as f:
+                f.write("1\\n")
             return 1
 
         def test_a(launch): pass
         def test_b(launch): pass
         def test_alone(tmp_path): pass
 
+        @pytest.mark.parametrize("k", range(6))  # enough that two workers would both get some
+        def test_more(launch, k): pass
+
         @pytest.mark.cuda
         def test_gpu(launch): pass
         """
     )
     items, _ = pytester.inline_genitems("-p", "no:cacheprovider")
-    groups = {i.name: [m.args[0] for m in i.iter_markers("xdist_group")] for i in items}
+    groups = {i.name: [m.args[0] for m in i.iter_markers("xdist_group")] for i in items if "[" not in i.name}
     assert groups == {"test_a": ["test_m.py"], "test_b": ["test_m.py"], "test_alone": [], "test_gpu": ["cuda"]}
+    # Two real workers: the fixture's tests go to one of them, which sets it up once.
+    monkeypatch.setenv("PYTHONPATH", str(HERE.parent))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-k", "not gpu")
+    assert result.ret == 0, result.stdout.str()
+    assert (pytester.path / "launches.txt").read_text() == "1\n"
