@@ -26,7 +26,7 @@ __all__ = [
     "__version__",
     "instrument",
 ]
-__version__ = "0.3.0"
+__version__ = "0.3.1"
 
 
 def __getattr__(name: str) -> Any:
