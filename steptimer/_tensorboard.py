@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import Event
@@ -38,6 +39,7 @@ log = logging.getLogger("steptimer")
 STEP = "step"  # the total of the rows: never a run of its own, never drawn with its parts
 _TITLE = {"host": "Host", "gpu": "GPU"}
 _FILE_IDS = itertools.count()
+_UPPER_MS = UPPER_MS.tolist()
 
 
 # Custom Scalars charts by title, in order, each a regex over the tags as the runs hold them (a
@@ -97,10 +99,14 @@ _LATE = ("other", "steptimer", "loop", "wait", "idle")  # derived rows (and thei
 def run_names(window: Window) -> list[str]:
     """The rows that get a run, in slot order: ``data`` and the phases before :data:`_LATE`'s rows, so
     their colours never depend on the derived rows a run has."""
-    names = dict.fromkeys([*window.host, *window.gpu])
-    rows = [n for n in row_order(list(names), names) if n != STEP]
+    return list(_slot_order(tuple(dict.fromkeys([*window.host, *window.gpu]))))
+
+
+@lru_cache(maxsize=256)  # the windows of a run mostly have the same rows; bounded: names may be made up
+def _slot_order(names: tuple[str, ...]) -> tuple[str, ...]:
+    rows = [n for n in row_order(list(names), set(names)) if n != STEP]
     late = {n: _LATE.index(n.partition("/")[0]) for n in rows if n.partition("/")[0] in _LATE}
-    return [n for n in rows if n not in late] + sorted(late, key=late.__getitem__)
+    return (*[n for n in rows if n not in late], *sorted(late, key=late.__getitem__))
 
 
 def colour_slots(slots: list[str | None], new: list[str], charts: dict[str, set[str]]) -> list[str | None]:
@@ -140,8 +146,9 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
         for (clock, name), h in window.hists.items():
             hp = out[None].value.add(tag=tag(_tags.HIST, clock, name, "ms")).histo
             hp.min, hp.max, hp.num, hp.sum, hp.sum_squares = h.min_ms, h.max_ms, h.count, h.sum_ms, h.sumsq_ms
-            hp.bucket_limit.extend(UPPER_MS[list(h.counts)].tolist())
-            hp.bucket.extend(h.counts.values())
+            # Doubles from Python floats: half the time of numpy's or of ints (~10 µs a histogram).
+            hp.bucket_limit.extend(map(_UPPER_MS.__getitem__, h.counts))
+            hp.bucket.extend(map(float, h.counts.values()))
     return {k: v for k, v in out.items() if v.value}
 
 

@@ -203,6 +203,7 @@ class Packed:
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
         self.arrive: dict[int, float] = {}  # by step: its arrival at its first collective, ms (_comm.py)
+        self._hists: dict[tuple[str, str], LogHistogram] | None = None  # histograms(), once built
         same = s[1:] == s[:-1]
         if (s[1:] < s[:-1]).any() or (v[1:][same] < v[:-1][same]).any():
             order = np.lexsort((v, s))
@@ -225,14 +226,17 @@ class Packed:
         self.bounds: list[int] = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
 
     def histograms(self) -> dict[tuple[str, str], LogHistogram]:
-        """Per non-empty series (``caught`` included), its histogram."""
-        buckets, counts, b = self.run_bucket.tolist(), self.run_count.tolist(), self.bounds
-        cols = zip(self.series, self.count, self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, b, b[1:])
-        return {
-            key: LogHistogram(dict(zip(buckets[i:j], counts[i:j])), n, s, sq, lo, hi)
-            for key, n, s, sq, lo, hi, i, j in cols
-            if n
-        }
+        """Per non-empty series (``caught`` included), its histogram: built once, for the summary and
+        the sinks alike (who read it, never change it)."""
+        if self._hists is None:
+            buckets, counts, b = self.run_bucket.tolist(), self.run_count.tolist(), self.bounds
+            cols = zip(self.series, self.count, self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, b, b[1:])
+            self._hists = {
+                key: LogHistogram(dict(zip(buckets[i:j], counts[i:j])), n, s, sq, lo, hi)
+                for key, n, s, sq, lo, hi, i, j in cols
+                if n
+            }
+        return self._hists
 
     def stats(self) -> dict[tuple[str, str], SeriesStats]:
         cols = zip(self.series, self.count, self.sum_ms, self.median_ms, self.p90_ms, self.max_ms)
