@@ -77,13 +77,16 @@ class _Layout:
             for i, c in coefs.items():
                 t[i, j] += c
         clamped = [("host", "loop"), ("host", "other"), ("gpu", "other"), ("gpu", "idle")]
-        self.clamp = np.array([at[k] for k in clamped if k in at], dtype=np.int64)
+        # Each series' floor, for one np.maximum over the whole: 0 for the clamped, -inf (none) for the rest.
+        self.floor = np.full(len(cols), -np.inf)
+        self.floor[[at[k] for k in clamped if k in at]] = 0.0
         self.idle_split = (at["gpu", "idle"], at["gpu", "idle/data"], at["gpu", "idle/loop"]) if has_idle else None
         # NaN in its row makes the series NaN (not 0): wait without CUDA, loop in the run's first step
         # (no time between steps before it), data with no loader timed unless a data phase ran.
-        self.nan_if = [(at["host", "wait"], WAIT_S), (at["host", "loop"], GAP_S)]
+        nan_if = [(at["host", "wait"], WAIT_S), (at["host", "loop"], GAP_S)]
         if "data" not in uniq:
-            self.nan_if.append((at["host", "data"], FETCH_S))
+            nan_if.append((at["host", "data"], FETCH_S))
+        self.nan_cols, self.nan_srcs = (np.array(x, dtype=np.int64) for x in zip(*nan_if))
 
 
 class _Block(NamedTuple):
@@ -111,16 +114,15 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
         a = np.fromiter(chain.from_iterable(group), np.float64, len(group) * m).reshape(len(group), m)
         nan = np.isnan(a)
         d = np.where(nan, 0.0, a) @ lay.transform
-        d[:, lay.clamp] = np.maximum(d[:, lay.clamp], 0.0)
-        for col, src in lay.nan_if:
-            d[nan[:, src], col] = np.nan
+        np.maximum(d, lay.floor, out=d)
+        d[:, lay.nan_cols] = np.where(nan[:, lay.nan_srcs], np.nan, d[:, lay.nan_cols])
         if lay.idle_split is not None:
             # The loader's fetch ends the time between steps (the next step begins with its batch),
             # so of the GPU's idle right before a step, up to the fetch's time is the loader's.
             idle, of_data, of_loop = lay.idle_split
             d[:, of_data] = np.minimum(d[:, idle], a[:, FETCH_S] * 1e3)  # NaN: no loader timed
             d[:, of_loop] = d[:, idle] - d[:, of_data]
-        yield _Block(key[0], a[:, :LEAD], d, np.nan_to_num(a[:, GAP_S]) * 1e3), lay.series
+        yield _Block(key[0], a[:, :LEAD], d, np.where(nan[:, GAP_S], 0.0, a[:, GAP_S]) * 1e3), lay.series
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,12 @@ class Rates:
     tokens_per_s: float | None
     tflops_per_s: float | None
     mfu: float | None
+
+
+def _nansum(column: np.ndarray) -> float | None:
+    """``np.nansum`` (the same sum: it sums such a copy) without its wrapper's cost; None: all NaN."""
+    nan = np.isnan(column)
+    return None if nan.all() else float(np.where(nan, 0.0, column).sum())
 
 
 @dataclass
@@ -153,15 +161,15 @@ class Tally:
         """The sums of one layout's steps in a window."""
         lead, n = blk.lead, len(blk.lead)
         wall_ms = float(blk.wall_ms.sum())
-        cs = lead[:, SAMPLES], lead[:, TOKENS], lead[:, FLOPS]
-        counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in cs]
+        counts = [_nansum(lead[:, c]) for c in (SAMPLES, TOKENS, FLOPS)]
         if blk.names is None:
             return cls(n, 0, wall_ms, 0.0, {}, {}, *counts)
         calls: dict[str, int] = {}
         for name in blk.names:  # one pass (a names.count per entry is quadratic: 5,000 entries, 25M compares)
             calls[name] = calls.get(name, 0) + n
         t = cls(n, n, wall_ms, wall_ms, {}, calls, *counts)
-        for (clock, name), total in zip(series, np.nansum(blk.derived, axis=0).tolist()):
+        d = blk.derived
+        for (clock, name), total in zip(series, np.where(np.isnan(d), 0.0, d).sum(axis=0).tolist()):
             if clock == "host":
                 t.timed_sum_ms[name] = t.timed_sum_ms.get(name, 0.0) + total
         return t
