@@ -5,7 +5,6 @@ values sit in a run of their own, without its name (:func:`split_tag`, :func:`jo
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple
 
 MAIN = "steptimer"  # window means, shares, throughput, memory
@@ -76,7 +75,6 @@ def run_tag(group: str, family: str, measure: str) -> str:
     return f"{group}/{family}_{measure}"
 
 
-@lru_cache(maxsize=4096)  # every window parses the same tags; bounded: names may be made up per step
 def parse(tag_: str) -> Tag | None:
     """A row's tag in parts (``steptimer-tails/host/pool_max_max_ms``: name ``pool_max``), else None."""
     group, _, rest = tag_.partition("/")

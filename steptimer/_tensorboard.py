@@ -100,14 +100,19 @@ _LATE = ("other", "steptimer", "loop", "wait", "idle")  # derived rows (and thei
 def run_names(window: Window) -> list[str]:
     """The rows that get a run, in slot order: ``data`` and the phases before :data:`_LATE`'s rows, so
     their colours never depend on the derived rows a run has."""
-    return list(_slot_order(tuple(dict.fromkeys([*window.host, *window.gpu]))))
+    return list(_runs_of(window)[0])
+
+
+def _runs_of(window: Window) -> tuple[tuple[str, ...], dict[str, tuple[str | None, str]]]:
+    """:func:`run_names`, and a memo of ``split_tag`` over those runs, kept for the rows' next windows."""
+    return _runs(tuple(dict.fromkeys([*window.host, *window.gpu])))
 
 
 @lru_cache(maxsize=256)  # the windows of a run mostly have the same rows; bounded: names may be made up
-def _slot_order(names: tuple[str, ...]) -> tuple[str, ...]:
+def _runs(names: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, tuple[str | None, str]]]:
     rows = [n for n in row_order(list(names), set(names)) if n != STEP]
     late = {n: _LATE.index(n.partition("/")[0]) for n in rows if n.partition("/")[0] in _LATE}
-    return (*[n for n in rows if n not in late], *sorted(late, key=late.__getitem__))
+    return (*[n for n in rows if n not in late], *sorted(late, key=late.__getitem__)), {}
 
 
 def colour_slots(slots: list[str | None], new: list[str], charts: dict[str, set[str]]) -> list[str | None]:
@@ -126,13 +131,17 @@ def colour_slots(slots: list[str | None], new: list[str], charts: dict[str, set[
 
 def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | None, Any]:
     """A window as ``Summary`` protos by run (``None``: the log dir's own, with every histogram)."""
-    out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in run_names(window)}}
+    names, split = _runs_of(window)
+    out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in names}}
     # A warm-up window's values (slow first steps: every chart would start with an outlier) and the
     # run's facts (steptimer-run/...) are tensors of a plugin no dashboard draws; the reader reads them.
     meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_tags.WARMUP))
-    values: list[tuple[str | None, str, float | str]] = [
-        (*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()
-    ]
+    values: list[tuple[str | None, str, float | str]] = []
+    for key, v in window_scalars(window).items():
+        at = split.get(key)
+        if at is None:
+            at = split[key] = _tags.split_tag(key, out)
+        values.append((*at, v))
     values += [(None, k, v) for k, v in window.extra.items() if isinstance(v, str)]  # the run's device
     for name, in_run, v in values:
         if window.warmup or in_run.startswith(_tags.RUN):
