@@ -90,21 +90,17 @@ class _Layout:
 
 
 class _Block(NamedTuple):
-    """One layout's rows of a window: LEAD columns, series (ms, NaN: none in a step), data wait (ms)."""
+    """One layout's rows of a window: LEAD columns, series (ms, NaN: none in a step), and each step's
+    host wall (ms): the step and the time before it."""
 
     names: tuple[str, ...] | None
     lead: np.ndarray
     derived: np.ndarray
-    gap_ms: np.ndarray
+    wall_ms: np.ndarray
 
     @property
     def numbers(self) -> np.ndarray:
         return self.lead[:, NUMBER]
-
-    @property
-    def wall_ms(self) -> np.ndarray:
-        """Each step's host wall: the step and the time before it."""
-        return self.lead[:, STEP_S] * 1e3 + self.gap_ms
 
 
 def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
@@ -122,7 +118,8 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
             idle, of_data, of_loop = lay.idle_split
             d[:, of_data] = np.minimum(d[:, idle], a[:, FETCH_S] * 1e3)  # NaN: no loader timed
             d[:, of_loop] = d[:, idle] - d[:, of_data]
-        yield _Block(key[0], a[:, :LEAD], d, np.where(nan[:, GAP_S], 0.0, a[:, GAP_S]) * 1e3), lay.series
+        wall_ms = a[:, STEP_S] * 1e3 + np.where(nan[:, GAP_S], 0.0, a[:, GAP_S]) * 1e3
+        yield _Block(key[0], a[:, :LEAD], d, wall_ms), lay.series
 
 
 @dataclass(frozen=True)
@@ -136,10 +133,7 @@ class Rates:
     mfu: float | None
 
 
-def _nansum(column: np.ndarray) -> float | None:
-    """``np.nansum`` (the same sum: it sums such a copy) without its wrapper's cost; None: all NaN."""
-    nan = np.isnan(column)
-    return None if nan.all() else float(np.where(nan, 0.0, column).sum())
+_COUNTS = [SAMPLES, TOKENS, FLOPS]
 
 
 @dataclass
@@ -161,7 +155,11 @@ class Tally:
         """The sums of one layout's steps in a window."""
         lead, n = blk.lead, len(blk.lead)
         wall_ms = float(blk.wall_ms.sum())
-        counts = [_nansum(lead[:, c]) for c in (SAMPLES, TOKENS, FLOPS)]
+        # Each column's np.nansum (a row of its own: the same sums), without the wrapper; None: all NaN.
+        cs = lead[:, _COUNTS].T
+        nan = np.isnan(cs)
+        sums = np.where(nan, 0.0, cs).sum(axis=1).tolist()
+        counts = [None if none else total for none, total in zip(nan.all(axis=1).tolist(), sums)]
         if blk.names is None:
             return cls(n, 0, wall_ms, 0.0, {}, {}, *counts)
         calls: dict[str, int] = {}
@@ -278,10 +276,10 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
     p.tally = tally
     p.arrive = {c[0]: c[4] for c in rows.comm if c[4] is not None}
     untimed_slow = any("untimed" in m for m in rows.marks.values())  # host walls, beyond a GPU bound
-    if slowest and not rows.warmup and (untimed_slow or _may_beat(p, index, floor_ms)):
-        p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms)
     if walls and not rows.warmup:
         p.walls = StepWalls(blocks)
+    if slowest and not rows.warmup and (untimed_slow or _may_beat(p, index, floor_ms)):
+        p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, p.walls)
     return p
 
 
