@@ -162,15 +162,21 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
     return {k: v for k, v in out.items() if v.value}
 
 
+@lru_cache(maxsize=1)
+def _compiled_charts() -> dict[str, re.Pattern[str]]:
+    """:data:`CHARTS` and the rank charts, compiled once: the first window's layout matches every tag."""
+    return {title: re.compile(rx) for title, rx in {**CHARTS, **RANK_CHARTS}.items()}
+
+
 def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
     """The Custom Scalars layout: a category per group holding the :data:`CHARTS` that match a tag."""
-    charts = {**CHARTS, **RANK_CHARTS}
+    charts = _compiled_charts()
     cats: dict[str, dict[str, list[Any]]] = {}
     for key in sorted(set(run_tags)):
         group = key.partition("/")[0]
         if not group.startswith(MAIN) or group in (_tags.RUN, _tags.WARMUP):  # never charted
             continue
-        title, rx = next(((t, r) for t, r in charts.items() if re.search(r, key)), (key, f"^{re.escape(key)}$"))
+        title, rx = next(((t, c.pattern) for t, c in charts.items() if c.search(key)), (key, f"^{re.escape(key)}$"))
         cats.setdefault(group, {})[title] = ["Multiline", [rx]]
     order = {t: i for i, t in enumerate(charts)}
     return {
