@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import add
 
 import numpy as np
 
@@ -45,9 +43,8 @@ class LogHistogram:
         self.merge(LogHistogram({bucket_index(value_ms): 1}, 1, value_ms, value_ms * value_ms, value_ms, value_ms))
 
     def merge(self, other: LogHistogram) -> None:
-        # One update from C-level iterators: a window's histogram holds hundreds of buckets.
-        mine = self.counts
-        mine.update(zip(other.counts, map(add, map(mine.get, other.counts, repeat(0)), other.counts.values())))
+        for i, c in other.counts.items():
+            self.counts[i] = self.counts.get(i, 0) + c
         self.count += other.count
         self.sum_ms += other.sum_ms
         self.sumsq_ms += other.sumsq_ms

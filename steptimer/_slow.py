@@ -225,18 +225,14 @@ def row_values(
     return host, gpu
 
 
-def window_candidates(
-    blocks: Blocks, marks: dict[int, dict[str, float]], k: int, floor_ms: float, timed_walls: StepWalls | None = None
-) -> list[Candidate]:
-    """Up to k steps slower than ``floor_ms``: timed ones, and untimed ones marked slow by their host wall
-    (``timed_walls``: the timed steps' ``StepWalls``, if built already)."""
-    untimed = {n for n, m in marks.items() if "untimed" in m}
+def window_candidates(blocks: Blocks, marks: dict[int, dict[str, float]], k: int, floor_ms: float) -> list[Candidate]:
+    """Up to k steps slower than ``floor_ms``: timed ones, and untimed ones marked slow by their host wall."""
+    untimed = [n for n, m in marks.items() if "untimed" in m]
     out = []
     for timed in (True, False) if untimed else (True,):
-        walls = timed_walls if timed and timed_walls is not None else StepWalls(blocks, timed)
-        idx = np.flatnonzero(walls.wall_ms > floor_ms)
-        if not timed:
-            idx = idx[[n in untimed for n in walls.numbers[idx].tolist()]]
+        walls = StepWalls(blocks, timed)
+        over = walls.wall_ms > floor_ms
+        idx = np.flatnonzero(over if timed else over & np.isin(walls.numbers, untimed))
         for i in idx[np.argsort(-walls.wall_ms[idx], kind="stable")[:k]].tolist():
             n, (host, gpu) = int(walls.numbers[i]), walls.rows(i)
             mk = dict(marks.get(n, {}))

@@ -381,10 +381,7 @@ class SummaryAccumulator(Tally):
         if window.memory is not None:
             self.memory = window.memory if self.memory is None else self.memory.merged(window.memory)
         for (clock, name), h in p.histograms().items():
-            mine = self.hists[clock].get(name)
-            if mine is None:
-                mine = self.hists[clock][name] = LogHistogram()
-            mine.merge(h)
+            self.hists[clock].setdefault(name, LogHistogram()).merge(h)
         self.merge(p.tally)
         return kept
 

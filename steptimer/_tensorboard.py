@@ -14,7 +14,6 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from functools import lru_cache
 from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import Event
@@ -39,8 +38,6 @@ log = logging.getLogger("steptimer")
 STEP = "step"  # the total of the rows: never a run of its own, never drawn with its parts
 _TITLE = {"host": "Host", "gpu": "GPU"}
 _FILE_IDS = itertools.count()
-_UPPER_MS = UPPER_MS.tolist()
-_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0)  # as open(path, "ab")
 
 
 # Custom Scalars charts by title, in order, each a regex over the tags as the runs hold them (a
@@ -100,19 +97,10 @@ _LATE = ("other", "steptimer", "loop", "wait", "idle")  # derived rows (and thei
 def run_names(window: Window) -> list[str]:
     """The rows that get a run, in slot order: ``data`` and the phases before :data:`_LATE`'s rows, so
     their colours never depend on the derived rows a run has."""
-    return list(_runs_of(window)[0])
-
-
-def _runs_of(window: Window) -> tuple[tuple[str, ...], dict[str, tuple[str | None, str]]]:
-    """:func:`run_names`, and a memo of ``split_tag`` over those runs, kept for the rows' next windows."""
-    return _runs(tuple(dict.fromkeys([*window.host, *window.gpu])))
-
-
-@lru_cache(maxsize=256)  # the windows of a run mostly have the same rows; bounded: names may be made up
-def _runs(names: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, tuple[str | None, str]]]:
-    rows = [n for n in row_order(list(names), set(names)) if n != STEP]
+    names = dict.fromkeys([*window.host, *window.gpu])
+    rows = [n for n in row_order(list(names), names) if n != STEP]
     late = {n: _LATE.index(n.partition("/")[0]) for n in rows if n.partition("/")[0] in _LATE}
-    return (*[n for n in rows if n not in late], *sorted(late, key=late.__getitem__)), {}
+    return [n for n in rows if n not in late] + sorted(late, key=late.__getitem__)
 
 
 def colour_slots(slots: list[str | None], new: list[str], charts: dict[str, set[str]]) -> list[str | None]:
@@ -131,17 +119,13 @@ def colour_slots(slots: list[str | None], new: list[str], charts: dict[str, set[
 
 def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | None, Any]:
     """A window as ``Summary`` protos by run (``None``: the log dir's own, with every histogram)."""
-    names, split = _runs_of(window)
-    out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in names}}
+    out: dict[str | None, Any] = {None: SummaryProto(), **{n: SummaryProto() for n in run_names(window)}}
     # A warm-up window's values (slow first steps: every chart would start with an outlier) and the
     # run's facts (steptimer-run/...) are tensors of a plugin no dashboard draws; the reader reads them.
     meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=_tags.WARMUP))
-    values: list[tuple[str | None, str, float | str]] = []
-    for key, v in window_scalars(window).items():
-        at = split.get(key)
-        if at is None:
-            at = split[key] = _tags.split_tag(key, out)
-        values.append((*at, v))
+    values: list[tuple[str | None, str, float | str]] = [
+        (*_tags.split_tag(key, out), v) for key, v in window_scalars(window).items()
+    ]
     values += [(None, k, v) for k, v in window.extra.items() if isinstance(v, str)]  # the run's device
     for name, in_run, v in values:
         if window.warmup or in_run.startswith(_tags.RUN):
@@ -156,27 +140,20 @@ def window_summaries(window: Window, *, histograms: bool = True) -> dict[str | N
         for (clock, name), h in window.hists.items():
             hp = out[None].value.add(tag=tag(_tags.HIST, clock, name, "ms")).histo
             hp.min, hp.max, hp.num, hp.sum, hp.sum_squares = h.min_ms, h.max_ms, h.count, h.sum_ms, h.sumsq_ms
-            # Doubles from Python floats: half the time of numpy's or of ints (~10 µs a histogram).
-            hp.bucket_limit.extend(map(_UPPER_MS.__getitem__, h.counts))
-            hp.bucket.extend(map(float, h.counts.values()))
+            hp.bucket_limit.extend(UPPER_MS[list(h.counts)].tolist())
+            hp.bucket.extend(h.counts.values())
     return {k: v for k, v in out.items() if v.value}
-
-
-@lru_cache(maxsize=1)
-def _compiled_charts() -> dict[str, re.Pattern[str]]:
-    """:data:`CHARTS` and the rank charts, compiled once: the first window's layout matches every tag."""
-    return {title: re.compile(rx) for title, rx in {**CHARTS, **RANK_CHARTS}.items()}
 
 
 def layout(run_tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
     """The Custom Scalars layout: a category per group holding the :data:`CHARTS` that match a tag."""
-    charts = _compiled_charts()
+    charts = {**CHARTS, **RANK_CHARTS}
     cats: dict[str, dict[str, list[Any]]] = {}
     for key in sorted(set(run_tags)):
         group = key.partition("/")[0]
         if not group.startswith(MAIN) or group in (_tags.RUN, _tags.WARMUP):  # never charted
             continue
-        title, rx = next(((t, c.pattern) for t, c in charts.items() if c.search(key)), (key, f"^{re.escape(key)}$"))
+        title, rx = next(((t, r) for t, r in charts.items() if re.search(r, key)), (key, f"^{re.escape(key)}$"))
         cats.setdefault(group, {})[title] = ["Multiline", [rx]]
     order = {t: i for i, t in enumerate(charts)}
     return {
@@ -216,14 +193,8 @@ class EventFile:
         """Append one event holding the ``Summary`` proto ``summary`` (or the ``Event`` fields ``event``)."""
         # time.time(): the events' wall-clock stamp, never a duration (those come from perf_counter).
         e = Event(wall_time=time.time(), step=step, summary=summary, **event)
-        data = frame(e.SerializeToString())
-        # os-level: half the time of open(path, "ab") (~4 µs, no buffer objects), the same system calls.
-        fd = os.open(self.path, _APPEND, 0o666)
-        try:
-            while data:  # a full disk or a file-size limit writes a part, then raises
-                data = data[os.write(fd, data) :]
-        finally:
-            os.close(fd)
+        with open(self.path, "ab") as f:  # a full disk or a file-size limit writes a part, then raises
+            f.write(frame(e.SerializeToString()))
 
 
 class TensorBoardSink:

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import accumulate, chain
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -77,30 +77,31 @@ class _Layout:
             for i, c in coefs.items():
                 t[i, j] += c
         clamped = [("host", "loop"), ("host", "other"), ("gpu", "other"), ("gpu", "idle")]
-        # Each series' floor, for one np.maximum over the whole: 0 for the clamped, -inf (none) for the rest.
-        self.floor = np.full(len(cols), -np.inf)
-        self.floor[[at[k] for k in clamped if k in at]] = 0.0
+        self.clamp = np.array([at[k] for k in clamped if k in at], dtype=np.int64)
         self.idle_split = (at["gpu", "idle"], at["gpu", "idle/data"], at["gpu", "idle/loop"]) if has_idle else None
         # NaN in its row makes the series NaN (not 0): wait without CUDA, loop in the run's first step
         # (no time between steps before it), data with no loader timed unless a data phase ran.
-        nan_if = [(at["host", "wait"], WAIT_S), (at["host", "loop"], GAP_S)]
+        self.nan_if = [(at["host", "wait"], WAIT_S), (at["host", "loop"], GAP_S)]
         if "data" not in uniq:
-            nan_if.append((at["host", "data"], FETCH_S))
-        self.nan_cols, self.nan_srcs = (np.array(x, dtype=np.int64) for x in zip(*nan_if))
+            self.nan_if.append((at["host", "data"], FETCH_S))
 
 
 class _Block(NamedTuple):
-    """One layout's rows of a window: LEAD columns, series (ms, NaN: none in a step), and each step's
-    host wall (ms): the step and the time before it."""
+    """One layout's rows of a window: LEAD columns, series (ms, NaN: none in a step), data wait (ms)."""
 
     names: tuple[str, ...] | None
     lead: np.ndarray
     derived: np.ndarray
-    wall_ms: np.ndarray
+    gap_ms: np.ndarray
 
     @property
     def numbers(self) -> np.ndarray:
         return self.lead[:, NUMBER]
+
+    @property
+    def wall_ms(self) -> np.ndarray:
+        """Each step's host wall: the step and the time before it."""
+        return self.lead[:, STEP_S] * 1e3 + self.gap_ms
 
 
 def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
@@ -110,16 +111,16 @@ def _blocks(rows: StepRows) -> Iterator[tuple[_Block, list[tuple[str, str]]]]:
         a = np.fromiter(chain.from_iterable(group), np.float64, len(group) * m).reshape(len(group), m)
         nan = np.isnan(a)
         d = np.where(nan, 0.0, a) @ lay.transform
-        np.maximum(d, lay.floor, out=d)
-        d[:, lay.nan_cols] = np.where(nan[:, lay.nan_srcs], np.nan, d[:, lay.nan_cols])
+        d[:, lay.clamp] = np.maximum(d[:, lay.clamp], 0.0)
+        for col, src in lay.nan_if:
+            d[nan[:, src], col] = np.nan
         if lay.idle_split is not None:
             # The loader's fetch ends the time between steps (the next step begins with its batch),
             # so of the GPU's idle right before a step, up to the fetch's time is the loader's.
             idle, of_data, of_loop = lay.idle_split
             d[:, of_data] = np.minimum(d[:, idle], a[:, FETCH_S] * 1e3)  # NaN: no loader timed
             d[:, of_loop] = d[:, idle] - d[:, of_data]
-        wall_ms = a[:, STEP_S] * 1e3 + np.where(nan[:, GAP_S], 0.0, a[:, GAP_S]) * 1e3
-        yield _Block(key[0], a[:, :LEAD], d, wall_ms), lay.series
+        yield _Block(key[0], a[:, :LEAD], d, np.nan_to_num(a[:, GAP_S]) * 1e3), lay.series
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,6 @@ class Rates:
     tokens_per_s: float | None
     tflops_per_s: float | None
     mfu: float | None
-
-
-_COUNTS = [SAMPLES, TOKENS, FLOPS]
 
 
 @dataclass
@@ -155,19 +153,15 @@ class Tally:
         """The sums of one layout's steps in a window."""
         lead, n = blk.lead, len(blk.lead)
         wall_ms = float(blk.wall_ms.sum())
-        # Each column's np.nansum (a row of its own: the same sums), without the wrapper; None: all NaN.
-        cs = lead[:, _COUNTS].T
-        nan = np.isnan(cs)
-        sums = np.where(nan, 0.0, cs).sum(axis=1).tolist()
-        counts = [None if none else total for none, total in zip(nan.all(axis=1).tolist(), sums)]
+        cs = lead[:, SAMPLES], lead[:, TOKENS], lead[:, FLOPS]
+        counts = [None if np.isnan(c).all() else float(np.nansum(c)) for c in cs]
         if blk.names is None:
             return cls(n, 0, wall_ms, 0.0, {}, {}, *counts)
         calls: dict[str, int] = {}
         for name in blk.names:  # one pass (a names.count per entry is quadratic: 5,000 entries, 25M compares)
             calls[name] = calls.get(name, 0) + n
         t = cls(n, n, wall_ms, wall_ms, {}, calls, *counts)
-        d = blk.derived
-        for (clock, name), total in zip(series, np.where(np.isnan(d), 0.0, d).sum(axis=0).tolist()):
+        for (clock, name), total in zip(series, np.nansum(blk.derived, axis=0).tolist()):
             if clock == "host":
                 t.timed_sum_ms[name] = t.timed_sum_ms.get(name, 0.0) + total
         return t
@@ -194,56 +188,51 @@ class Tally:
         return Rates(*per_s, mfu)
 
 
-_QS = (1.0, 0.5, 0.9)  # max, median, p90 (nearest rank)
+_QS = np.array([[1.0], [0.5], [0.9]])  # max, median, p90 (nearest rank)
 
 
 class Packed:
     """A window's statistics, entry ``k`` for ``series[k]``; its histograms as runs of one bucket sorted by
     (series, bucket), ``bounds[k]:bounds[k + 1]`` series ``k``'s. One sort by (series, value) gives both."""
 
-    def __init__(self, series: list[tuple[str, str]], v: np.ndarray, s: np.ndarray, *, by_series: bool) -> None:
-        """Value ``v[i]`` (not NaN) belongs to ``series[s[i]]``; ``by_series``: each series' values
-        are one sorted run, in series order (one layout's): not sorted again."""
+    def __init__(self, series: list[tuple[str, str]], v: np.ndarray, s: np.ndarray) -> None:
+        """Value ``v[i]`` (not NaN) belongs to ``series[s[i]]``; sorted ones are not sorted again."""
         nser = len(series)
         self.series = series
         self.tally = Tally()  # the window's sums
         self.slow: list[Candidate] = []  # the window's steps slower than the run's k-th slowest so far
         self.walls: StepWalls | None = None  # its timed steps' wall times, when asked (pack_rows)
         self.arrive: dict[int, float] = {}  # by step: its arrival at its first collective, ms (_comm.py)
-        self._hists: dict[tuple[str, str], LogHistogram] | None = None  # histograms(), once built
-        if not by_series:  # sorted runs, merged (a stable sort of runs: no check first, ~30 µs)
+        same = s[1:] == s[:-1]
+        if (s[1:] < s[:-1]).any() or (v[1:][same] < v[:-1][same]).any():
             order = np.lexsort((v, s))
             v, s = v[order], s[order]
-        self.count: list[int] = np.bincount(s, minlength=nser).tolist()
+        counts = np.bincount(s, minlength=nser)
+        starts = np.cumsum(counts) - counts
+        self.count: list[int] = counts.tolist()
         self.sum_ms: list[float] = np.bincount(s, weights=v, minlength=nser).tolist()
         self.sumsq_ms: list[float] = np.bincount(s, weights=v * v, minlength=nser).tolist()
-        # The nearest ranks of each series (a few dozen: Python, not a dozen numpy calls), then its first;
-        # an empty series' are its successor's first value, or NaN (never read).
-        n, starts = len(v), list(accumulate(self.count, initial=0))
-        ranks = [min(st + math.ceil(q * max(c, 1)) - 1, n) for q in _QS for st, c in zip(starts, self.count)]
-        got = np.append(v, np.nan)[ranks + [min(st, n) for st in starts[:-1]]].tolist()
-        self.max_ms, self.median_ms, self.p90_ms, self.min_ms = (got[i * nser : (i + 1) * nser] for i in range(4))
+        ranks = np.vstack([starts + np.ceil(_QS * np.maximum(counts, 1)).astype(np.int64) - 1, starts])
+        padded = np.append(v, np.nan)
+        self.max_ms, self.median_ms, self.p90_ms, self.min_ms = padded[np.minimum(ranks, len(v))].tolist()
         b = np.floor(np.log(np.maximum(v, BASE_MS) / BASE_MS) * INV_LOG_RATIO).astype(np.int64)
         np.minimum(b, NUM_BUCKETS - 1, out=b)
         combo = s * NUM_BUCKETS + b  # sorted: values are sorted within each series
         firsts = np.flatnonzero(np.concatenate(([len(v) > 0], combo[1:] != combo[:-1])))
         run_combo = combo[firsts]
         self.run_bucket = run_combo % NUM_BUCKETS
-        self.run_count = np.diff(firsts, append=len(combo))
+        self.run_count = np.diff(np.append(firsts, len(combo)))
         self.bounds: list[int] = np.searchsorted(run_combo, np.arange(nser + 1) * NUM_BUCKETS).tolist()
 
     def histograms(self) -> dict[tuple[str, str], LogHistogram]:
-        """Per non-empty series (``caught`` included), its histogram: built once, for the summary and
-        the sinks alike (who read it, never change it)."""
-        if self._hists is None:
-            buckets, counts, b = self.run_bucket.tolist(), self.run_count.tolist(), self.bounds
-            cols = zip(self.series, self.count, self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, b, b[1:])
-            self._hists = {
-                key: LogHistogram(dict(zip(buckets[i:j], counts[i:j])), n, s, sq, lo, hi)
-                for key, n, s, sq, lo, hi, i, j in cols
-                if n
-            }
-        return self._hists
+        """Per non-empty series (``caught`` included), its histogram."""
+        buckets, counts, b = self.run_bucket.tolist(), self.run_count.tolist(), self.bounds
+        cols = zip(self.series, self.count, self.sum_ms, self.sumsq_ms, self.min_ms, self.max_ms, b, b[1:])
+        return {
+            key: LogHistogram(dict(zip(buckets[i:j], counts[i:j])), n, s, sq, lo, hi)
+            for key, n, s, sq, lo, hi, i, j in cols
+            if n
+        }
 
     def stats(self) -> dict[tuple[str, str], SeriesStats]:
         cols = zip(self.series, self.count, self.sum_ms, self.median_ms, self.p90_ms, self.max_ms)
@@ -256,10 +245,8 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
     index: dict[tuple[str, str], int] = {}
     vals, sids, tally = [np.zeros(0)], [np.zeros(0, dtype=np.int64)], Tally()
     blocks = list(_blocks(rows))
-    ids: list[int] = []  # each column's series, in order
     for blk, series in blocks:
-        ids += [index.setdefault(s, len(index)) for s in series]
-        cols = np.array(ids[len(ids) - len(series) :], dtype=np.int64)
+        cols = np.array([index.setdefault(s, len(index)) for s in series], dtype=np.int64)
         # Sorted per series (NaN last, left out below): one layout then needs no lexsort (~1 ms/1000 steps).
         vals.append(np.sort(blk.derived, axis=0).T.ravel())
         sids.append(np.repeat(cols, len(blk.derived)))
@@ -269,18 +256,17 @@ def pack_rows(rows: StepRows, slowest: int = 0, floor_ms: float = -math.inf, wal
         if pairs:
             for name, column in zip(COMM_ROWS, np.sort(np.array(pairs), axis=0).T):
                 vals.append(column)
-                ids.append(index.setdefault((clock, name), len(index)))
-                sids.append(np.full(len(pairs), ids[-1], dtype=np.int64))
+                sids.append(np.full(len(pairs), index.setdefault((clock, name), len(index)), dtype=np.int64))
     values, sid = np.concatenate(vals), np.concatenate(sids)
     keep = ~np.isnan(values)
-    p = Packed(list(index), values[keep], sid[keep], by_series=all(a < b for a, b in zip(ids, ids[1:])))
+    p = Packed(list(index), values[keep], sid[keep])
     p.tally = tally
     p.arrive = {c[0]: c[4] for c in rows.comm if c[4] is not None}
     untimed_slow = any("untimed" in m for m in rows.marks.values())  # host walls, beyond a GPU bound
+    if slowest and not rows.warmup and (untimed_slow or _may_beat(p, index, floor_ms)):
+        p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms)
     if walls and not rows.warmup:
         p.walls = StepWalls(blocks)
-    if slowest and not rows.warmup and (untimed_slow or _may_beat(p, index, floor_ms)):
-        p.slow = window_candidates(blocks, rows.marks, slowest, floor_ms, p.walls)
     return p
 
 
