@@ -38,6 +38,10 @@ log = logging.getLogger("steptimer")
 # an idle GPU completes an event within its launch latency, a few µs after the record.
 _SETTLE_S = 50e-6
 _NAN = math.nan
+# A window that may be lengthened lasts until its statistics and writes (2-3 ms a window on the
+# development host and an H100's) are at most this part of the wall: 0.1 %, with the cost budget's
+# 0.2 % and the untimed steps, steptimer's cost stays under 0.5 % of a launch-bound loop's.
+WINDOW_SHARE = 0.001
 # Engine.state: between steps, a step outside the sample, timed on the host clock, timed with CUDA
 # events. Ordered: ``state >= HOST`` is timed.
 OUT, UNTIMED, HOST, GPU = 0, 1, 2, 3
@@ -101,7 +105,8 @@ class StepRecord:
 class WindowEnds:
     """Where log windows end: at the last warm-up step, and at a multiple of ``every`` once the window
     lasts ``min_s`` seconds or ``max`` steps. ``due``: the last step of a window that ended, not yet
-    handed to ``on_window``."""
+    handed to ``on_window``. Windows that may be lengthened (``min_s`` > 0) last long enough that their
+    own work is at most ``WINDOW_SHARE`` of the wall (:meth:`worked`)."""
 
     def __init__(
         self,
@@ -113,6 +118,7 @@ class WindowEnds:
         on_window: Callable[[int], None],
     ) -> None:
         self.every, self.min_s, self.max = every, min_s, max_steps or every
+        self.base_s, self.work_s = min_s, 0.0  # min_s as given; the last window's work
         self.last_warmup = last_warmup  # the last warm-up step's number
         self.on_window = on_window
         self.due = 0
@@ -120,7 +126,15 @@ class WindowEnds:
 
     def by_number(self) -> None:
         """End windows by step number alone (ranks: a rank's own clock would end them at other steps)."""
-        self.min_s, self.max = 0.0, self.every
+        self.min_s = self.base_s = 0.0
+        self.max = self.every
+
+    def worked(self, s: float) -> None:
+        """A window's work took ``s`` seconds: the next lasts at least that over ``WINDOW_SHARE``, from
+        the less of the last two (a first window's set-up or a trace written once lengthens none)."""
+        if self.base_s:
+            self.min_s = max(self.base_s, min(s, self.work_s) / WINDOW_SHARE)
+            self.work_s = s
 
     def after(self, number: int, t0: float) -> None:
         """Step ``number`` is in the rows (``t0``: the current step's start): note a window it ends.
@@ -511,15 +525,9 @@ class Engine:
         own = t_end - t1 - rec.wait_s - blocked
         rec.own_step_s = own + self.own.step_s
         if sp.budget is not None and (state != UNTIMED or queued or rec.events):
-            sp.cost_s += own
-            if rec.wait_s:  # the host then waited for the GPU: its own time in the step, up to that, cost no wall
-                sp.cost_s = max(sp.cost_at_begin, sp.cost_s - rec.wait_s)
-            # Where the GPU ran older work the whole phase it never waited for the host: steptimer's host
-            # time there cost no wall. The block's cost counts in the share of the timed step's phases
-            # where the GPU caught up (a random step of the block: 0 when GPU-bound, 1 when launch-bound).
-            sp.cost_s *= caught
+            sp.count(own, rec.wait_s, caught, state != UNTIMED, step_s + rec.gap_s)
         if number == sp.next_timed:
-            sp.pick_next(number, self._t0)
+            sp.pick_next(number, t_end)
         elif step_s + rec.gap_s > sp.slow_s:  # NaN (the run's first step): never
             # Marked only: timing a step chosen by what came before it (the one after a slow step) would
             # bias the sample towards such steps; one at random in each block gives each the same chance.
@@ -542,7 +550,7 @@ class Engine:
             self.between.start = t_end = perf_counter()
             rec.step_s = t_end - rec.t0
         if self.number == self.sampler.next_timed:
-            self.sampler.pick_next(self.number, self._t0)
+            self.sampler.pick_next(self.number, perf_counter())
 
     def _hand_window(self) -> None:
         """Call ``on_window``: steptimer's own time, in the time before the next step (its ``steptimer``
@@ -551,11 +559,13 @@ class Engine:
         number, ends.due = ends.due, 0
         ends.last, ends.t = number, self._t0
         ev0 = self.clock.pause_event() if self.cuda else None
+        t = perf_counter()
         try:
             ends.on_window(number)
         finally:
             if ev0 is not None:
                 self.between.pause_evs.append((ev0, self.clock.pause_event()))
+            ends.worked(perf_counter() - t)
 
     __enter__ = begin_step
     __exit__ = end_step

@@ -48,10 +48,10 @@ __all__ = ["StepTimer", "check_bool", "check_count", "check_phase_name"]
 log = logging.getLogger("steptimer")
 _B = TypeVar("_B")
 _NAN, _INF = math.nan, math.inf  # module globals: one lookup a step, not two
-# The default window lasts at least this long, in at most MAX_WINDOW_UNITS multiples of 50 steps: its
-# cost (~0.3 ms of statistics and writes) stays under 0.05 % of the run on any step length.
+# The default window lasts at least this long (longer where its own work needs it to stay under
+# ``_engine.WINDOW_SHARE`` of the wall), in at most MAX_WINDOW_UNITS multiples of 50 steps.
 MIN_WINDOW_S = 1.0
-MAX_WINDOW_UNITS = 20
+MAX_WINDOW_UNITS = 100
 
 
 class Sink(Protocol):
@@ -237,7 +237,7 @@ class StepTimer:
     def _new_engine(self, folder: str | None) -> Engine:
         """The engine, with what the options leave open resolved once."""
         opts, distributed = self.options, _distributed()
-        # The default window may be lengthened to last MIN_WINDOW_S (one process only).
+        # The default window may be lengthened (one process only): MIN_WINDOW_S, WindowEnds.worked.
         lengthen = opts.log_every_n_steps is None and not distributed
         every = opts.log_every_n_steps or window_steps(50, opts.sample_every)
         window_max = every * (MAX_WINDOW_UNITS if lengthen else 1)

@@ -147,6 +147,31 @@ def test_a_short_window_goes_on_until_it_lasts_window_min_s(clock: FakeClock) ->
     assert [w[0] for w in capped.windows] == [2, 8]
 
 
+def test_a_lengthened_window_lasts_until_its_work_is_a_thousandth_of_the_wall(clock: FakeClock) -> None:
+    """3 ms of window work on 1.5 ms steps: a window that may be lengthened (window_min_s > 0) lasts
+    until its work is WINDOW_SHARE (0.1 %) of the wall, 3 s, ~2,000 steps; the first window's 40 ms
+    (set-up, imports) lengthens none. Windows by step number (window_min_s 0: ranks, or a given
+    ``log_every_n_steps``) end at every multiple whatever their work."""
+    ends: dict[float, list[int]] = {}
+    for min_s in (0.01, 0.0):
+        o = Owner(None, window_every=100, window_min_s=min_s, window_max=100_000)
+        took, work = o.on_window, [40.0]
+
+        def slow(number: int, took: Callable[[int], None] = took, work: list[float] = work) -> None:
+            clock.advance_ms(work[0])
+            work[0] = 3.0
+            took(number)
+
+        o.engine.ends.on_window = slow
+        for _ in range(7000):
+            o.step(clock, None)
+        ends[min_s] = [w[0] for w in o.windows]
+    assert ends[0.01][:2] == [100, 200]
+    gaps = [b - a for a, b in zip(ends[0.01][1:], ends[0.01][2:])]
+    assert gaps and all(2000 <= g <= 2100 for g in gaps), gaps
+    assert ends[0.0] == list(range(100, 7001, 100))
+
+
 def test_window_work_is_the_engines_own_time_not_a_steps(clock: FakeClock, gpu: FakeGPU) -> None:
     """20 ms of window work: in no step's host time, not in the time before the next step, not in its GPU
     idle (two pause events around it): the ``steptimer`` row of the step after it."""
@@ -421,6 +446,26 @@ def test_the_cost_budget_times_a_fraction_of_short_steps(clock: FakeClock) -> No
         wide.step(clock, None)
     wide.engine.close()
     assert len(timed_numbers(wide)) == 400  # a budget of 5 %: every step fits
+
+
+def test_the_cost_budget_counts_the_wall_a_timed_step_adds_beyond_its_own_clocks(clock: FakeClock) -> None:
+    """The launch-bound steps above, where each timed step also slows the user's next step by 0.2 ms
+    outside steptimer's clocks (on an H100 the launches after a timed step run slower: the wall grew
+    about twice what steptimer's clocks count). The budget counts the wall the timed step and the
+    steps that resolve it took over the block's other steps, ~240 µs: blocks of ceil(240 µs / (0.5 %
+    x 1.55 ms)) = 31, not the 6 its clocks alone would give."""
+    gpu = costly(clock)
+    o = Owner(gpu, sample_every=None, window_every=100, cost_budget=0.005)
+    start, slowed = clock.now, 0
+    for _ in range(6000):
+        before = gpu.records
+        o.step(clock, gpu, gpu_ms=0.1, data_ms=0.5 + 0.2 * slowed)
+        slowed = gpu.records > before + 1  # the phases of this step were timed: the next one is slower
+    o.engine.close()
+    timed = len(timed_numbers(o))
+    assert 6000 / 36 < timed < 6000 / 27
+    added = timed * (4 * 10e-6 + 0.2e-3)  # the records and the slowed step
+    assert added / (clock.now - start - added) < 0.006
 
 
 def test_the_cost_budget_times_every_warm_up_step_and_sizes_blocks_from_the_steps_after(clock: FakeClock) -> None:

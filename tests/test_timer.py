@@ -1040,7 +1040,7 @@ def test_trace_and_profile_files_that_cannot_be_written_never_stop_training(tmp_
 @pytest.mark.parametrize(
     ("step_ms", "windows"),
     [
-        (1.0, [50, 1050, 2050]),  # a second is 1000 steps: 20 times 50, the longest window
+        (0.1, [50, 5050]),  # a second is 10,000 steps: 100 times 50, the longest window
         (2.5, [50, 450, 850, 1250, 1650, 2050]),  # 400 steps of 2.5 ms last a second
         (30.0, [50 * k for k in range(1, 42)]),  # 50 steps last 1.5 s: every 50
     ],
@@ -1049,10 +1049,10 @@ def test_default_window_lasts_a_second_on_small_steps(
     monkeypatch: pytest.MonkeyPatch, clock: FakeClock, gpu: FakeGPU, step_ms: float, windows: list[int]
 ) -> None:
     """The default window is 50 steps, lengthened to the first multiple of 50 that lasts a second
-    (at most 1000 steps), so its cost stays under what anyone notices on small steps."""
+    (at most 5,000 steps), so its cost stays under what anyone notices on small steps."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     t, sink = make(gpu)
-    for _ in range(2100):
+    for _ in range(max(2100, windows[-1] + 50)):
         train_step(t, clock, gpu, host={"forward": step_ms}, kernels={"forward": step_ms / 2})
     t.close()
     assert [w.step for w in sink.windows][: len(windows)] == windows
@@ -1165,9 +1165,9 @@ def test_a_world_size_that_is_not_a_number_is_one_process(monkeypatch: pytest.Mo
     monkeypatch.setenv("WORLD_SIZE", "auto")
     t, sink = make(gpu)
     for _ in range(1100):
-        train_step(t, clock, gpu, host={"forward": 1.0}, kernels={"forward": 0.5})
+        train_step(t, clock, gpu, host={"forward": 2.5}, kernels={"forward": 1.25})
     t.close()
-    assert [w.step for w in sink.windows] == [50, 1050, 1100]
+    assert [w.step for w in sink.windows] == [50, 450, 850, 1100]
 
 
 # ---------------------------------------------------------------- Ctrl-C in steptimer's own work
