@@ -498,6 +498,7 @@ class Engine:
             bt.paused_s,
         )
         rec.marks = rec.marks or None  # {}: a listener's, to keep the step for its resolution
+        sp.paused_s += rec.paused_s  # not the run's wall, for the budget
         queued = bool(pend.steps)
         if state == UNTIMED:
             sp.cost_at_begin = sp.cost_s
