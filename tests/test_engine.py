@@ -468,6 +468,25 @@ def test_the_cost_budget_counts_the_wall_a_timed_step_adds_beyond_its_own_clocks
     assert added / (clock.now - start - added) < 0.006
 
 
+def test_the_cost_budget_leaves_pauses_out_of_the_wall(clock: FakeClock) -> None:
+    """The launch-bound steps above with a 0.3 s pause (an evaluation) every 100 steps: the budget
+    sizes blocks from the steps' wall alone, so it times as many steps as without the pauses (blocks
+    of 6). Counted in, each pause made the wall per step look ~25 times longer to the blocks around it."""
+    timed = []
+    for pause_ms in (0.0, 300.0):
+        gpu = costly(clock)
+        o = Owner(gpu, sample_every=None, window_every=100, cost_budget=0.005)
+        for n in range(1, 4001):
+            if n % 100 == 0:
+                started = o.engine.begin_pause()
+                clock.advance_ms(pause_ms)
+                o.engine.end_pause(started)
+            o.step(clock, gpu, gpu_ms=0.1)
+        timed.append(len(timed_numbers(o)))
+    assert 4000 / 7 < timed[0] <= 1.05 * 4000 / 6
+    assert timed[1] == pytest.approx(timed[0], rel=0.05)
+
+
 def test_the_cost_budget_times_every_warm_up_step_and_sizes_blocks_from_the_steps_after(clock: FakeClock) -> None:
     """Warm-up steps whose timing costs 20 ms (steptimer's own first calls, compilation) on 1.5 ms
     steps: every warm-up step is timed and none sizes a block, so the first steps after warm-up are
