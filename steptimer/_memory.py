@@ -107,9 +107,13 @@ class MemoryReader:
 
 
 # memory=MEMORY_AUTO reads the allocator once the time since the last read step is MEMORY_BUDGET
-# times what its readings cost (~10 µs each on an H100): at most 0.1 % of the run.
+# times what its readings cost (~10 µs each on an H100): at most 0.1 % of the run; and on at most one
+# timed step in MEMORY_MIN_STEPS: where the GPU waits for the host (a launch-bound loop) the readings
+# lengthen the GPU spans they fall in, so they stay out of most timed steps and out of the medians
+# (under the cost budget, with timed steps far apart, every one was read).
 MEMORY_AUTO = -1
 MEMORY_BUDGET = 1000.0
+MEMORY_MIN_STEPS = 10
 
 
 class MemoryPlan:
@@ -127,6 +131,7 @@ class MemoryPlan:
         self.cur: MemoryReader | None = None  # the reader on the current step, None if it is not read
         self._steps = 0  # timed GPU steps so far: the memory is read on every ``every``-th
         self._next = -math.inf  # MEMORY_AUTO: the host time after which a timed step is read
+        self._read_at = -math.inf  # MEMORY_AUTO: ``_steps`` at the last read step
         # (phase or None, step, peak bytes before it, the step was timed) of a CUDA out-of-memory error
         self.oom: tuple[str | None, int, int | None, bool] | None = None
 
@@ -140,10 +145,15 @@ class MemoryPlan:
         """A timed GPU step begins at host time ``t0``: its reader if it is read (``cur``)."""
         mem = self.reader
         if mem is not None:
-            self._steps += 1
-            if (t0 < self._next) if self.every == MEMORY_AUTO else (self._steps - 1) % self.every:
+            n = self._steps = self._steps + 1
+            if self.every == MEMORY_AUTO:
+                skip = t0 < self._next or n - self._read_at < MEMORY_MIN_STEPS
+            else:
+                skip = (n - 1) % self.every
+            if skip:
                 mem = None  # not read: the next read step's first reading takes its peak
             else:
+                self._read_at = n
                 mem.begin_step(device)
         self.cur = mem
         return mem
