@@ -104,7 +104,7 @@ class StepRecord:
 
 class WindowEnds:
     """Where log windows end: at the last warm-up step, and at a multiple of ``every`` once the window
-    lasts ``min_s`` seconds or ``max`` steps. ``due``: the last step of a window that ended, not yet
+    lasts ``min_s`` seconds (pauses left out) or ``max`` steps. ``due``: the last step of a window that ended, not yet
     handed to ``on_window``. Windows that may be lengthened (``min_s`` > 0) last long enough that their
     own work is at most ``WINDOW_SHARE`` of the wall (:meth:`worked`)."""
 
@@ -119,6 +119,7 @@ class WindowEnds:
     ) -> None:
         self.every, self.min_s, self.max = every, min_s, max_steps or every
         self.base_s, self.work_s = min_s, 0.0  # min_s as given; the last window's work
+        self.paused_s = 0.0  # the pauses in the window under way: not its length
         self.last_warmup = last_warmup  # the last warm-up step's number
         self.on_window = on_window
         self.due = 0
@@ -142,7 +143,7 @@ class WindowEnds:
         if number == self.last_warmup:
             self.due = number
         elif number % self.every == 0:
-            short = t0 - self.t < self.min_s
+            short = t0 - self.t - self.paused_s < self.min_s
             self.due = 0 if short and number - self.last < self.max else number
 
 
@@ -498,7 +499,8 @@ class Engine:
             bt.paused_s,
         )
         rec.marks = rec.marks or None  # {}: a listener's, to keep the step for its resolution
-        sp.paused_s += rec.paused_s  # not the run's wall, for the budget
+        sp.paused_s += rec.paused_s  # not the run's wall: for the budget and the window's length
+        self.ends.paused_s += rec.paused_s
         queued = bool(pend.steps)
         if state == UNTIMED:
             sp.cost_at_begin = sp.cost_s
@@ -558,7 +560,7 @@ class Engine:
         row, not ``loop``), in no data wait or GPU idle."""
         ends = self.ends
         number, ends.due = ends.due, 0
-        ends.last, ends.t = number, self._t0
+        ends.last, ends.t, ends.paused_s = number, self._t0, 0.0
         ev0 = self.clock.pause_event() if self.cuda else None
         t = perf_counter()
         try:

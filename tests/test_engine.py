@@ -172,6 +172,20 @@ def test_a_lengthened_window_lasts_until_its_work_is_a_thousandth_of_the_wall(cl
     assert ends[0.0] == list(range(100, 7001, 100))
 
 
+def test_a_lengthened_windows_length_leaves_pauses_out(clock: FakeClock) -> None:
+    """1.5 ms steps with a 1 s pause (an evaluation) every 100 steps: a window that must last 1 s
+    lasts 1 s of steps, ~700, not the 100 that one pause would fill."""
+    o = Owner(None, window_every=100, window_min_s=1.0, window_max=100_000)
+    for n in range(1, 3001):
+        if n % 100 == 50:
+            started = o.engine.begin_pause()
+            clock.advance_ms(1000.0)
+            o.engine.end_pause(started)
+        o.step(clock, None)
+    gaps = [b - a for a, b in zip([w[0] for w in o.windows][1:], [w[0] for w in o.windows][2:])]
+    assert gaps and all(g == 700 for g in gaps), gaps
+
+
 def test_window_work_is_the_engines_own_time_not_a_steps(clock: FakeClock, gpu: FakeGPU) -> None:
     """20 ms of window work: in no step's host time, not in the time before the next step, not in its GPU
     idle (two pause events around it): the ``steptimer`` row of the step after it."""

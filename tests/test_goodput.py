@@ -112,9 +112,14 @@ def test_plain_loop_pause_and_torch_save(tmp_path: Path) -> None:
     assert run.goodput == g
 
 
-def test_torch_save_is_torch_s_again_after_close() -> None:
-    from steptimer import StepTimer
+def test_torch_save_is_torch_s_again_after_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save is wrapped while a timer lives and is what it was once the last one closes (the
+    live timelines are this test's alone: another test's timer left open in the same worker kept
+    torch.save wrapped from before this one began)."""
+    from steptimer import StepTimer, _goodput
 
+    monkeypatch.setattr(_goodput, "_live", [])
+    monkeypatch.setattr(_goodput, "_saved", [])
     orig = torch.save
     a = StepTimer(cuda=False, print_summary=False)
     b = StepTimer(cuda=False, print_summary=False)
