@@ -24,7 +24,7 @@ RESERVED_NAMES = frozenset({"step", "other", "wait", "idle", *COMM_ROWS})
 # path component must stay under 255 bytes (NAME_MAX on Linux and macOS). 100 leaves room below it,
 # keeps a nested name's path far from PATH_MAX, and still fits a table row and TensorBoard's run list.
 MAX_PHASE_NAME_CHARS = 100
-# The default cost budget: steptimer's own time per timed step at most this part of the wall time
+# The default cost budget: what timing steps costs the run at most this part of its wall time
 # (docs/options.md says why this value); sample_every=1 times every step.
 COST_BUDGET = 0.002
 DEFAULT_TIMEOUT_S = 300.0  # the longest wait for the other ranks in one cross-rank round

@@ -21,7 +21,7 @@ class Sampler:
 
     Args:
         sample_every: time one step in each block of this many; None: blocks sized by ``cost_budget``.
-        cost_budget: steptimer's own host time as a fraction of the wall (``sample_every`` None).
+        cost_budget: the wall timing costs as a fraction of the run's wall (``sample_every`` None).
         start_step: the step before the first; ``last_warmup``: the last warm-up step's number.
     """
 
