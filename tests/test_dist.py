@@ -300,10 +300,14 @@ def test_energy_across_ranks(runs: dict) -> None:
     assert results[0]["watts"] == pytest.approx(100.0, rel=0.01)
     assert results[1]["watts"] == pytest.approx(200.0, rel=0.01)
     lines = results[0]["summary_lines"]
+    # The counters' readings come from a thread at times of its own: the watts within 1 % (a loaded
+    # CI host read 100.2 and 150.1).
     (row,) = [line for line in lines if "energy W" in line]
-    assert re.search(r" 100\.0 \(  0\)\s+150\.0\s+200\.0 \(  1\)$", row), row
+    m = re.search(r" ([\d.]+) \(  0\)\s+([\d.]+)\s+([\d.]+) \(  1\)$", row)
+    assert m and [float(v) for v in m.groups()] == pytest.approx([100.0, 150.0, 200.0], rel=0.01), row
     (total,) = [line for line in lines if "energy of 2 GPUs" in line]
-    assert re.search(r"energy of 2 GPUs: [\d.,]+ J/step, 300\.0 W$", total), total
+    m = re.search(r"energy of 2 GPUs: [\d.,]+ J/step, ([\d.]+) W$", total)
+    assert m and float(m.group(1)) == pytest.approx(300.0, rel=0.01), total
 
 
 @pytest.mark.parametrize("throttled", [1, -1], ids=["late-rank-throttled", "none-throttled"])
