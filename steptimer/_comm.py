@@ -7,6 +7,7 @@ at the step's first collective (``_dist.py``). The rows lie inside other phases,
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import suppress
@@ -292,14 +293,20 @@ def watch(engine: Any, model: Any, hook: Callable[[Any, Any], Any] | None = None
     # A lambda: DDP checks a hook's annotations against its own types, and this module's are strings.
     model.register_comm_hook(state, lambda st, bucket: rec.hook(st, bucket))
     engine.attach(rec)  # once DDP took the hook: a refused one leaves the engine as it was
+    _WATCHED.add(engine)
+
+
+# The engines that watched a model's collectives, their recorder since turned off (a failure of
+# steptimer's own) or not: DDP takes one comm hook per model, and the first is still registered.
+_WATCHED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _watched_once(engine: Any, call: str) -> None:
-    """One recorder per timer: a second watch would replace the first's (its rows gone) or wrap the
-    collectives twice."""
-    if engine.comm is not None:
+    """One recorder per timer: a second watch would replace the first's (its rows gone), wrap the
+    collectives twice, or meet DDP's own refusal of a second comm hook."""
+    if engine.comm is not None or engine in _WATCHED:
         raise RuntimeError(
-            f"{call}: this timer already times a model's collectives (watch_ddp or watch_fsdp was called); "
+            f"{call}: this timer already watched a model's collectives (watch_ddp or watch_fsdp was called); "
             "call it once per timer, and the first watch goes on"
         )
 
@@ -346,6 +353,7 @@ def watch_fsdp(engine: Any, model: Any) -> None:
         return
     rec = CommRecorder(engine, None)  # no DDP hook: FSDP2's collectives
     engine.attach(rec)
+    _WATCHED.add(engine)
     for group in groups:
         group._all_gather_comm = _Timed(group._all_gather_comm, rec, True)
         group._reduce_scatter_comm = _Timed(group._reduce_scatter_comm, rec, False)

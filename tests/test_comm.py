@@ -466,6 +466,9 @@ def test_a_failure_of_steptimers_own_in_the_comm_hook_leaves_training_as_without
                     ddp(x).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
+            if watch:  # a second watch of the timer whose comm rows stopped: steptimer's error, not DDP's
+                with pytest.raises(RuntimeError, match="watch_ddp: this timer already watched"):
+                    timer.watch_ddp(ddp)
             s = timer.close()
             assert "comm" not in s and s.steps == 4 and s["backward"].host.steps == 4
             if watch:  # one note, naming the part that stopped
@@ -497,10 +500,10 @@ def test_a_hook_that_is_not_callable_and_a_second_watch_are_named_and_the_first_
         with pytest.raises(TypeError, match=r"watch_ddp\(hook=\.\.\.\) must be a DDP comm hook.*got str 'fp16'"):
             timer.watch_ddp(ddp, hook="fp16")
         timer.watch_ddp(ddp)
-        with pytest.raises(RuntimeError, match="watch_ddp: this timer already times a model's collectives"):
+        with pytest.raises(RuntimeError, match="watch_ddp: this timer already watched a model's collectives"):
             timer.watch_ddp(ddp)
         sharded = fully_shard(nn.Linear(4, 4))
-        with pytest.raises(RuntimeError, match="watch_fsdp: this timer already times a model's collectives"):
+        with pytest.raises(RuntimeError, match="watch_fsdp: this timer already watched a model's collectives"):
             timer.watch_fsdp(sharded)
         state = sharded._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]  # torch 2.13, 2.11
