@@ -433,7 +433,7 @@ def test_ddp_wrapper_or_the_module_inside() -> None:
     ddp = results["ddp"]
     assert 0.0 < ddp["comm"] <= ddp["backward"] and 0.0 <= ddp["comm_exposed"] <= ddp["comm"], ddp
     assert "comm" not in results["inner"], results["inner"]
-    assert fsdp2.startswith("watch_fsdp: this timer already times"), fsdp2
+    assert fsdp2.startswith("watch_fsdp: this timer already watched"), fsdp2
     own = results["own-hook"]  # timed all the same, its collectives not: a note says why
     assert "comm" not in own and [n for n in own["notes"] if n.startswith("watch_ddp: the collectives")], own
 
