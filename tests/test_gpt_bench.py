@@ -149,6 +149,14 @@ def test_parse_args_rejects_bad_values(capsys: pytest.CaptureFixture[str]) -> No
         assert e.value.code == 2
 
 
+@pytest.fixture(autouse=True)
+def _tf32_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt_bench.main turns TF32 on for the process on CUDA, as nanoGPT does: the tests after these
+    get the flags as they were (a GPU test's fp32 matmuls ran ~7 times faster after them)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+
+
 def _run_main(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, Any]:
     out = tmp_path / "out"
     argv = ["--preset", "tiny", "--rounds", "2", "--iters", "3", "--warmup", "1", "--out", str(out)]

@@ -910,10 +910,11 @@ def test_bad_peak_tflops_is_a_value_error(bad: object) -> None:
 
 
 @pytest.mark.cuda
-def test_the_default_cost_budget_times_every_step_of_a_gpu_bound_loop() -> None:
-    """A real GPU-bound loop (each step ~20 matmuls of 2048x2048, launched in far less time than they
-    run): the host waits for the GPU in every step, steptimer's own time hides in that wait, and the
-    default budget times every step."""
+def test_the_default_cost_budget_times_every_step_of_a_gpu_bound_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real GPU-bound loop (each step ~20 matmuls of 2048x2048 in fp32, ~7 ms on an H100, launched
+    in far less time than they run): the host waits for the GPU in every step, steptimer's own time
+    hides in that wait, and the default budget times every step. TF32 off whatever a test before set."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     a = torch.randn(2048, 2048, device="cuda")
     t = StepTimer(cuda=True, warmup_steps=5, print_summary=False)
     for _ in range(60):
