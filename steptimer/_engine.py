@@ -119,7 +119,6 @@ class WindowEnds:
     ) -> None:
         self.every, self.min_s, self.max = every, min_s, max_steps or every
         self.base_s, self.work_s = min_s, 0.0  # min_s as given; the last window's work
-        self.paused_s = 0.0  # the pauses in the window under way: not its length
         self.last_warmup = last_warmup  # the last warm-up step's number
         self.on_window = on_window
         self.due = 0
@@ -138,12 +137,12 @@ class WindowEnds:
             self.work_s = s
 
     def after(self, number: int, t0: float) -> None:
-        """Step ``number`` is in the rows (``t0``: the current step's start): note a window it ends.
+        """Step ``number`` is in the rows (``t0``: the current step's start, pauses left out): note a window it ends.
         The last warm-up step ends one; a multiple does unless it is short (below min_s and max steps)."""
         if number == self.last_warmup:
             self.due = number
         elif number % self.every == 0:
-            short = t0 - self.t - self.paused_s < self.min_s
+            short = t0 - self.t < self.min_s
             self.due = 0 if short and number - self.last < self.max else number
 
 
@@ -159,6 +158,7 @@ class Between:
         self.own_s = 0.0
         self.pausing = False
         self.paused_s = 0.0
+        self.paused_total_s = 0.0  # the run's pauses: a host time less this is on the steps' own clock
         self.pause_evs: list[tuple[Any, Any]] = []  # (start, end) events of the pauses
 
     def restart(self, t: float) -> None:
@@ -499,8 +499,6 @@ class Engine:
             bt.paused_s,
         )
         rec.marks = rec.marks or None  # {}: a listener's, to keep the step for its resolution
-        sp.paused_s += rec.paused_s  # not the run's wall: for the budget and the window's length
-        self.ends.paused_s += rec.paused_s
         queued = bool(pend.steps)
         if state == UNTIMED:
             sp.cost_at_begin = sp.cost_s
@@ -530,7 +528,7 @@ class Engine:
         if sp.budget is not None and (state != UNTIMED or queued or rec.events):
             sp.count(own, rec.wait_s, caught, state != UNTIMED, step_s + rec.gap_s)
         if number == sp.next_timed:
-            sp.pick_next(number, t_end)
+            sp.pick_next(number, t_end - bt.paused_total_s)
         elif step_s + rec.gap_s > sp.slow_s:  # NaN (the run's first step): never
             # Marked only: timing a step chosen by what came before it (the one after a slow step) would
             # bias the sample towards such steps; one at random in each block gives each the same chance.
@@ -553,14 +551,14 @@ class Engine:
             self.between.start = t_end = perf_counter()
             rec.step_s = t_end - rec.t0
         if self.number == self.sampler.next_timed:
-            self.sampler.pick_next(self.number, perf_counter())
+            self.sampler.pick_next(self.number, perf_counter() - self.between.paused_total_s)
 
     def _hand_window(self) -> None:
         """Call ``on_window``: steptimer's own time, in the time before the next step (its ``steptimer``
         row, not ``loop``), in no data wait or GPU idle."""
         ends = self.ends
         number, ends.due = ends.due, 0
-        ends.last, ends.t, ends.paused_s = number, self._t0, 0.0
+        ends.last, ends.t = number, self._t0 - self.between.paused_total_s
         ev0 = self.clock.pause_event() if self.cuda else None
         t = perf_counter()
         try:
@@ -641,6 +639,7 @@ class Engine:
         if ev0 is not None:  # then the end event is recorded too (CUDA settled, a stream known)
             bt.pause_evs.append((ev0, self.clock.pause_event()))
         bt.paused_s += (t := perf_counter()) - t0
+        bt.paused_total_s += t - t0
         if self.own.hook_t:  # ended in a hook: its time so far was the pause's
             self.own.hook_t = t
 
@@ -769,7 +768,7 @@ class Engine:
         rows.warmup = number <= ends.last_warmup
         self.pend.last_resolved = number
         if number == ends.last_warmup or number % ends.every == 0:
-            ends.after(number, self._t0)
+            ends.after(number, self._t0 - self.between.paused_total_s)
 
 
 class Phase:

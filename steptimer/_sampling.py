@@ -38,7 +38,6 @@ class Sampler:
         # (the timed step, the ones that resolve it: ``count``), their count, and the timed step's
         # caught share.
         self.wall_s, self.walls, self.caught = 0.0, 0, 1.0
-        self.paused_s = 0.0  # the pauses since the last pick (evaluation, checkpoints): not the run's wall
         # The most one GPU boundary counts (2 x the least one took + 2 µs): a record that waits for a
         # full launch queue waits where the user's next launch would have waited anyway.
         self.bound_min = self.bound_cap = math.inf
@@ -71,7 +70,8 @@ class Sampler:
         self.walls += 1
 
     def pick_next(self, number: int, t: float) -> None:
-        """After the timed step ``number`` (ended at host time ``t``), pick the next one in the next block."""
+        """After the timed step ``number`` (ended at host time ``t``, pauses left out: evaluations and
+        checkpoints are not the steps' wall), pick the next one in the next block."""
         n = self.sample_every or self._budget_block(number, t)
         start = self._block_end
         self._block_end = start + n
@@ -82,7 +82,6 @@ class Sampler:
         or the wall the steps that cost it took over the block's others, if more) is ``budget`` of their wall."""
         last, t_last = self._pick_at
         spent, k, self.wall_s, self.walls = self.wall_s, self.walls, 0.0, 0
-        paused, self.paused_s = self.paused_s, 0.0
         if number <= last:  # at the start
             return 1
         cost, self.cost_s = self.cost_s, 0.0
@@ -95,7 +94,7 @@ class Sampler:
         self._pick_at = (number, t)
         if t_last != t_last:  # the first timed step: no wall per step yet
             return 1
-        n, block = number - last, t - t_last - paused
+        n, block = number - last, t - t_last
         wall = block / n
         if n > k > 0:
             # The wall those k steps took over k of the block's other steps: what timing cost, with what
