@@ -304,7 +304,7 @@ _WATCHED: weakref.WeakSet[Any] = weakref.WeakSet()
 def _watched_once(engine: Any, call: str) -> None:
     """One recorder per timer: a second watch would replace the first's (its rows gone), wrap the
     collectives twice, or meet DDP's own refusal of a second comm hook."""
-    if engine.comm is not None or engine in _WATCHED:
+    if engine in _WATCHED:
         raise RuntimeError(
             f"{call}: this timer already watched a model's collectives (watch_ddp or watch_fsdp was called); "
             "call it once per timer, and the first watch goes on"
