@@ -56,6 +56,7 @@ class PhaseDriver:
         self.update = Update()  # the step's optimizer updates
         self._step: AbstractContextManager[None] | None = None
         self.quiet = False  # the step under way is not timed: its phase switches are not the timer's
+        # (a front door's hooks between its start and end may return at once)
         self.phase: str | None = None  # the hook phase open at the innermost user-phase level
         self._users: list[UserPhase] = []  # the user phases open, outermost first
         self.end_pending = False  # the step ended inside a user phase: it ends when that one exits
@@ -185,7 +186,7 @@ class PhaseDriver:
         """``orig`` whose calls while live are phase ``name`` (a nested one counts once)."""
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            if not self.live or self.phase == name:
+            if not self.live or self.quiet or self.phase == name:
                 return orig(*args, **kwargs)
             self.e.own.hook_t = _engine.perf_counter()
             out = self.call(name, None, orig, args, kwargs)
@@ -199,7 +200,7 @@ class PhaseDriver:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
-            if self.live and self._step is not None:  # in a step
+            if self.live and self._step is not None and not self.quiet:  # in a step the timer times
                 e = self.e
                 e.own.hook_t = _engine.perf_counter()
                 self.switch(name)

@@ -424,7 +424,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
         # Automatic: right before the LightningModule's optimizer_zero_grad, whose own work before
         # optimizer.zero_grad() is zero_grad too (the wrapped zero_grad inside it counts once).
         d = self._driver
-        if d is not None and d.live:
+        if d is not None and d.live and not d.quiet:
             d.e.own.hook_t = _engine.perf_counter()
             d.switch(ZERO_GRAD)
             d.e.charge()
@@ -432,7 +432,7 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     @override
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         d = self._driver
-        if d is not None and d.live:
+        if d is not None and d.live and not d.quiet:
             d.e.own.hook_t = _engine.perf_counter()
             d.backward_begin()
             d.e.charge()
@@ -440,9 +440,9 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     @override
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         d = self._driver
-        if d is not None and d.live:
+        if d is not None and d.live and not d.quiet:
             d.e.own.hook_t = _engine.perf_counter()
-            d.backward_end(CLIP if not d.quiet and (self._manual or self._will_step(trainer)) else None)
+            d.backward_end(CLIP if self._manual or self._will_step(trainer) else None)
             d.e.charge()
 
     def _will_step(self, trainer: Any) -> bool:
@@ -454,11 +454,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         # Manual: inside opt.step(), after Lightning's own dispatch: where `run` sees the update start.
         d = self._driver
-        if d is not None and d.live:
+        if d is None or not d.live:
+            return
+        self._begun += 1
+        if self._manual and not d.quiet:
             d.e.own.hook_t = _engine.perf_counter()
-            self._begun += 1
-            if self._manual:
-                d.switch(OPTIMIZER)
+            d.switch(OPTIMIZER)
             d.e.charge()
 
     def _hook_model(self, pl_module: Any, d: PhaseDriver) -> None:
@@ -485,11 +486,12 @@ class StepTimerCallback(*_BASES):  # type: ignore[misc]
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         d = self._driver
-        if d is not None and d.live:
+        if d is None or not d.live:
+            return
+        self._done += 1
+        if not self._manual and d.phase == OPTIMIZER and not d.quiet:
             d.e.own.hook_t = _engine.perf_counter()
-            self._done += 1
-            if not self._manual and d.phase == OPTIMIZER:
-                d.switch(None)
+            d.switch(None)
             d.e.charge()
 
     def _close(self, trainer: Any, *, failed: bool) -> None:

@@ -1887,9 +1887,10 @@ def test_the_callbacks_own_time_is_the_steptimer_row(
     fit_quietly(pl, cb, Coder(), 9)
     s = cb.summary
     assert s is not None and s.steps == 9 and s.timed_steps == 9 // sample_every
-    # begin, backward_begin, end in every step; in timed ones each hooked model call's forward_exit
-    # and each outermost call's forward_returned (one nested, two in turn)
-    assert len(slow.naps) == 2 * (3 * 9 + 4 * s.timed_steps)
+    # begin and end in every step; in timed ones backward_begin, each hooked model call's
+    # forward_exit and each outermost call's forward_returned (one nested, two in turn): an untimed
+    # step's hooks in between return at once
+    assert len(slow.naps) == 2 * (2 * 9 + 5 * s.timed_steps)
     # The first nap is before the first step (no time between steps), the last after the last one.
     assert_naps_are_steptimers(s, sum(slow.naps[1:-1]))
 
