@@ -26,7 +26,7 @@ __all__ = [
     "__version__",
     "instrument",
 ]
-__version__ = "0.3.2"
+__version__ = "0.3.3"
 
 
 def __getattr__(name: str) -> Any:
