@@ -1072,7 +1072,10 @@ def test_validation_is_paused_not_data() -> None:
 # --------------------------------------------------------------------------- faults and odd cases
 
 
-def test_gradscaler_skipped_step_is_counted() -> None:
+@pytest.mark.parametrize("sample_every", [1, 1000])
+def test_gradscaler_skipped_step_is_counted(sample_every: int) -> None:
+    """Every step timed, and steps the timer does not time (1000: all five but at most one), whose
+    hooks count the updates and return."""
     import pytorch_lightning as pl
     from pytorch_lightning.plugins import MixedPrecision
 
@@ -1093,15 +1096,18 @@ def test_gradscaler_skipped_step_is_counted() -> None:
 
     updates = []
     module = InfOnce()
-    cb = StepTimerCallback(warmup_steps=0, print_summary=False)
+    cb = StepTimerCallback(warmup_steps=0, print_summary=False, sample_every=sample_every)
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
     tr = trainer(pl, cb, limit_val_batches=0, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     module.on_train_start = lambda: tr.optimizers[0].register_step_post_hook(lambda *a: updates.append(1))
     tr.fit(module, loader(5))
     assert cb.steps == 5 and len(updates) == 4
     assert cb.skipped_steps == 1
-    assert cb.summary is not None and cb.summary["optimizer"].calls_per_step == 1
-    assert any("1 optimizer step(s) skipped" in n for n in cb.summary.notes)
+    assert cb.summary is not None and any("1 optimizer step(s) skipped" in n for n in cb.summary.notes)
+    if sample_every == 1:
+        assert cb.summary.timed_steps == 5 and cb.summary["optimizer"].calls_per_step == 1
+    else:
+        assert cb.summary.timed_steps <= 1
 
 
 def test_exception_flushes_and_removes_hooks() -> None:
