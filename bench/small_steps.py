@@ -479,6 +479,7 @@ def lightning(rounds: int, steps: int, cpu_time: bool = False, calls: bool = Fal
     from torch import nn
     from torch.utils.data import DataLoader, IterableDataset
 
+    from steptimer._driver import PhaseDriver
     from steptimer._engine import LoaderIter
     from steptimer._hooks import Hooks
     from steptimer.lightning import StepTimerCallback
@@ -603,6 +604,48 @@ def lightning(rounds: int, steps: int, cpu_time: bool = False, calls: bool = Fal
         medians[variant].append(median([b - a for a, b in zip(t, t[1:])]))  # a step's fixed cost
         return (t[-1] - t[0]) / (len(t) - 1)  # mean step: windows and logger writes included
 
+    class InPlace(Stamps):  # the callbacks' entry points timed in place over the steps after the warm-up
+        ENTRIES = (
+            (pl.Callback, "on_train_batch_start"), (pl.Callback, "on_train_batch_end"),
+            (pl.Callback, "on_before_zero_grad"), (pl.Callback, "on_before_backward"),
+            (pl.Callback, "on_after_backward"), (pl.Callback, "on_before_optimizer_step"),
+            (StepTimerCallback, "_optimizer_post"), (PhaseDriver, "model_pre"), (PhaseDriver, "model_post"),
+        )  # fmt: skip
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ns: dict[str, list[int]] = {}
+
+        def on_train_batch_start(self, *a: Any) -> None:
+            super().on_train_batch_start(*a)
+            self.on = warm <= len(self.t) < warm + steps
+
+        @contextlib.contextmanager
+        def timing(self, cls: type) -> Any:  # ``cls``'s hooks and the driver's: each call between two reads
+            put = []
+            for owner, name in self.ENTRIES:
+                owner = cls if owner is pl.Callback else owner
+                if hasattr(owner, name):
+                    put.append((owner, name, owner.__dict__.get(name)))
+                    setattr(owner, name, self.wrapped(name, getattr(owner, name)))
+            try:
+                yield
+            finally:
+                for owner, name, before in put:
+                    setattr(owner, name, before) if before is not None else delattr(owner, name)
+
+        def wrapped(self, name: str, fn: Any) -> Any:
+            def call(*a: Any, **k: Any) -> Any:
+                if not self.on:
+                    return fn(*a, **k)
+                t0 = time.perf_counter_ns()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.ns.setdefault(name, []).append(time.perf_counter_ns() - t0)
+
+            return call
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: threads only add noise from the host's other load
     variants = ["bare", "no-op callback", "hooks floor", "1 in 1000", "budget", "every step"]
@@ -617,6 +660,17 @@ def lightning(rounds: int, steps: int, cpu_time: bool = False, calls: bool = Fal
         rows = [[*r, f"{added[r[0]] / added['no-op callback']:.2f} ×" if r[0] in added else "-"] for r in rows]
         print("\n## Lightning autoencoder (CPU): Python calls a step\n")
         print(format_table(["fit", "calls / step", "added", "added / no-op's"], rows))
+        us: dict[str, dict[str, float]] = {}
+        for v, cls in (("no-op callback", pl.Callback), ("1 in 1000", StepTimerCallback)):
+            with (inplace := InPlace()).timing(cls):
+                fit(v, inplace)
+            # a call's median (a window's work in one of them left out) times the calls a step
+            us[v] = {k: median(ns) * len(ns) / steps / 1e3 for k, ns in inplace.ns.items()}
+        names = sorted(us["1 in 1000"], key=lambda k: -us["1 in 1000"][k])
+        rows = [[k, *(f"{us[v][k]:.2f}" if k in us[v] else "-" for v in us)] for k in names]
+        rows.append(["all", *(f"{sum(u.values()):.2f}" for u in us.values())])
+        print("\n## The callbacks' code in place, µs a step (median call x calls; each between two clock reads)\n")
+        print(format_table(["entry point", *us], rows))
     try:
         for v in variants:
             fit(v)
