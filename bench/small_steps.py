@@ -605,12 +605,8 @@ def lightning(rounds: int, steps: int, cpu_time: bool = False, calls: bool = Fal
         return (t[-1] - t[0]) / (len(t) - 1)  # mean step: windows and logger writes included
 
     class InPlace(Stamps):  # the callbacks' entry points timed in place over the steps after the warm-up
-        ENTRIES = (
-            (pl.Callback, "on_train_batch_start"), (pl.Callback, "on_train_batch_end"),
-            (pl.Callback, "on_before_zero_grad"), (pl.Callback, "on_before_backward"),
-            (pl.Callback, "on_after_backward"), (pl.Callback, "on_before_optimizer_step"),
-            (StepTimerCallback, "_optimizer_post"), (PhaseDriver, "model_pre"), (PhaseDriver, "model_post"),
-        )  # fmt: skip
+        HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_zero_grad", "on_before_backward",
+                 "on_after_backward", "on_before_optimizer_step")  # fmt: skip
 
         def __init__(self) -> None:
             super().__init__()
@@ -621,22 +617,26 @@ def lightning(rounds: int, steps: int, cpu_time: bool = False, calls: bool = Fal
             self.on = warm <= len(self.t) < warm + steps
 
         @contextlib.contextmanager
-        def timing(self, cls: type) -> Any:  # ``cls``'s hooks and the driver's: each call between two reads
-            put = []
-            for owner, name in self.ENTRIES:
-                owner = cls if owner is pl.Callback else owner
-                if hasattr(owner, name):
-                    put.append((owner, name, owner.__dict__.get(name)))
-                    setattr(owner, name, self.wrapped(name, getattr(owner, name)))
+        def timing(self, cls: type) -> Any:
+            """``cls``'s hooks (and steptimer's optimizer and module hooks): each call between two reads."""
+            entries = [(cls, name) for name in self.HOOKS]
+            if cls is StepTimerCallback:
+                entries += [(cls, "_optimizer_post"), (PhaseDriver, "model_pre"), (PhaseDriver, "model_post")]
+            put = [(owner, name, owner.__dict__.get(name)) for owner, name in entries]
+            for owner, name, _ in put:
+                setattr(owner, name, self.wrapped(name, getattr(owner, name), owner))
             try:
                 yield
             finally:
                 for owner, name, before in put:
-                    setattr(owner, name, before) if before is not None else delattr(owner, name)
+                    if before is None:  # inherited: the base class's again
+                        delattr(owner, name)
+                    else:
+                        setattr(owner, name, before)
 
-        def wrapped(self, name: str, fn: Any) -> Any:
+        def wrapped(self, name: str, fn: Any, owner: type) -> Any:
             def call(*a: Any, **k: Any) -> Any:
-                if not self.on:
+                if not self.on or type(a[0]) is not owner:  # pl.Callback's: not this stamps' inherited hooks
                     return fn(*a, **k)
                 t0 = time.perf_counter_ns()
                 try:
